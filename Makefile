@@ -1,0 +1,49 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-slow lint proto bench clean redis-server
+
+$(BIN)/python:
+	@command -v $(PY) >/dev/null 2>&1 || { echo "need Python 3.11 ($(PY)) on PATH"; exit 1; }
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# torch is pinned by pyproject.toml; installing it first keeps pip on the local CPU wheel.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Tests need a real redis-server; install Debian's package when it is missing and we are root.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	  else echo "redis-server is missing: install it (Debian: apt-get install redis-server)"; exit 1; fi; }
+	@redis-server --version
+
+demo: $(STAMP)
+	$(BIN)/kvtier demo
+
+test: $(STAMP) redis-server
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP) redis-server
+	$(BIN)/python -m pytest -q -m slow
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+proto: $(STAMP)
+	$(BIN)/python -m proto.generate
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.all
+
+clean:
+	rm -rf $(VENV) build *.egg-info

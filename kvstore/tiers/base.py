@@ -1,0 +1,121 @@
+"""The one small interface every tier implements, and the metadata store interface.
+
+A tier is a byte-capacity store of opaque values under string keys: encoded chunks
+(see ``kvstore.codec``) and window blobs. Tiers never evict on their own; the tier
+manager picks victims through its policy and calls ``delete``. A put that does not fit
+raises ``TierFull`` so the manager can evict and retry or place the value lower.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import ClassVar
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class TierStats:
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    items: int
+    available: bool
+
+
+class Tier(abc.ABC):
+    """One medium. Accounting is exact: ``used_bytes`` is the sum of ``len(value)`` held."""
+
+    name: ClassVar[str]
+    # Only hbm and host may hold ephemeral (sliding-window) blobs; see DESIGN.md.
+    holds_window: ClassVar[bool] = False
+    # A durable tier survives a process restart (disk, object; redis with persistence).
+    durable: ClassVar[bool] = False
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+
+    @property
+    @abc.abstractmethod
+    def used_bytes(self) -> int: ...
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.capacity_bytes - self.used_bytes)
+
+    @abc.abstractmethod
+    async def put(self, key: str, value: Buffer, *, ttl_s: float | None = None) -> None:
+        """Store ``value`` whole under ``key`` (replacing any old value) or raise.
+
+        Raises ``TierFull`` when it does not fit, ``TierUnavailable`` when the medium is
+        unreachable. A reader never sees a partly written value.
+        """
+
+    @abc.abstractmethod
+    async def get(self, key: str) -> Buffer:
+        """Return the value, or raise ``ChunkNotFound`` / ``TierUnavailable``."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> int:
+        """Remove ``key``; return the bytes freed (0 when it was absent)."""
+
+    @abc.abstractmethod
+    async def contains(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def keys(self) -> AsyncIterator[str]:
+        """Every key held, in no particular order."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing
+        """Release connections and file handles."""
+
+    async def stats(self) -> TierStats:
+        return TierStats(self.name, self.capacity_bytes, self.used_bytes, await self.count(), True)
+
+    async def count(self) -> int:
+        return sum([1 async for _ in self.keys()])
+
+
+class MetaStore(abc.ABC):
+    """Small durable records (session manifests, reference counts) with atomic batches."""
+
+    @abc.abstractmethod
+    async def get(self, key: str) -> bytes | None: ...
+
+    @abc.abstractmethod
+    async def commit(self, writes: dict[str, bytes | None]) -> None:
+        """Apply every write atomically; ``None`` deletes the key."""
+
+    @abc.abstractmethod
+    async def scan(self, prefix: str) -> list[tuple[str, bytes]]:
+        """All records whose key starts with ``prefix``, sorted by key."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release handles."""
+
+
+class MemoryMetaStore(MetaStore):
+    """Non-durable metadata, for tests and for a store configured without a disk tier."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, bytes] = {}
+        self._lock = asyncio.Lock()
+
+    async def get(self, key: str) -> bytes | None:
+        return self._records.get(key)
+
+    async def commit(self, writes: dict[str, bytes | None]) -> None:
+        async with self._lock:
+            for key, value in writes.items():
+                if value is None:
+                    self._records.pop(key, None)
+                else:
+                    self._records[key] = bytes(value)
+
+    async def scan(self, prefix: str) -> list[tuple[str, bytes]]:
+        return sorted((k, v) for k, v in self._records.items() if k.startswith(prefix))
