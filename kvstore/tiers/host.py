@@ -1,0 +1,208 @@
+"""In-process memory tiers: values held as 1-D uint8 torch tensors on one device.
+
+``MemoryTier`` is the shared machinery; ``HostTier`` keeps values in host RAM (pinned
+when CUDA is present, so promotion to HBM is a DMA without a staging copy) and
+``kvstore.tiers.hbm.HBMTier`` keeps them on the serving device.
+
+Values are immutable once stored: ``get`` hands out a read-only view of the stored bytes
+(no copy) when they live in host memory, and ``put`` always copies the caller's buffer.
+TTLs are honoured lazily: an expired value is dropped when it is next looked up or when
+room is needed, and until then it is still counted, because it is still held.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+import warnings
+from collections.abc import AsyncIterator
+from typing import ClassVar
+
+import torch
+
+from kvstore.errors import ChunkNotFound, InvalidRequest, TierFull
+from kvstore.tiers.base import Buffer, Tier
+
+
+def as_byte_view(value: object) -> memoryview:
+    """A flat, byte-format view of a bytes-like value, or ``InvalidRequest``."""
+    try:
+        view = memoryview(value)  # type: ignore[arg-type]
+    except TypeError as exc:
+        raise InvalidRequest(f"value must be bytes-like, got {type(value).__name__}") from exc
+    if view.format == "B" and view.ndim == 1:
+        return view
+    if not view.c_contiguous:
+        raise InvalidRequest("value must be a C-contiguous buffer")
+    return view.cast("B")
+
+
+def check_key(key: object) -> str:
+    if not isinstance(key, str) or not key:
+        raise InvalidRequest(f"tier keys are non-empty strings, got {key!r}")
+    return key
+
+
+class MemoryTier(Tier):
+    """A dict of key -> 1-D uint8 tensor on ``device`` with exact byte accounting."""
+
+    name: ClassVar[str] = "memory"
+    holds_window: ClassVar[bool] = True
+
+    def __init__(self, capacity_bytes: int, *, device: torch.device, pin_memory: bool) -> None:
+        super().__init__(capacity_bytes)
+        self.device = device
+        self.pin_memory = pin_memory
+        self._values: dict[str, torch.Tensor] = {}  # each (nbytes,) uint8 on self.device
+        self._used = 0
+        self._expiry: dict[str, float] = {}
+        self._expiry_heap: list[tuple[float, str]] = []
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    # -- storage primitives (synchronous: each call is atomic for asyncio callers) --
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device,
+                           pin_memory=self.pin_memory)
+
+    def _copy_in(self, view: memoryview) -> torch.Tensor:
+        stored = self._allocate(len(view))
+        if len(view) == 0:
+            return stored
+        if stored.device.type == "cpu":
+            # numpy's view of the tensor accepts a buffer assignment: one memcpy, no warning
+            # about read-only sources (bytes) as torch.frombuffer would give.
+            memoryview(stored.numpy())[:] = view
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only source is fine
+                source = torch.frombuffer(view, dtype=torch.uint8)
+            stored.copy_(source)
+        return stored
+
+    def _store(self, key: str, stored: torch.Tensor, ttl_s: float | None) -> None:
+        nbytes = stored.numel()
+        old = self._values.get(key)
+        old_bytes = 0 if old is None else old.numel()
+        if self._used - old_bytes + nbytes > self.capacity_bytes:
+            self._purge_expired()
+            old = self._values.get(key)
+            old_bytes = 0 if old is None else old.numel()
+        if self._used - old_bytes + nbytes > self.capacity_bytes:
+            raise TierFull(
+                f"{self.name}: {nbytes} B does not fit ({self.free_bytes} B free of "
+                f"{self.capacity_bytes} B)"
+            )
+        self._values[key] = stored
+        self._used += nbytes - old_bytes
+        if ttl_s is None:
+            self._expiry.pop(key, None)
+        else:
+            deadline = time.monotonic() + ttl_s
+            self._expiry[key] = deadline
+            heapq.heappush(self._expiry_heap, (deadline, key))
+
+    def _lookup(self, key: str) -> torch.Tensor:
+        stored = self._values.get(key)
+        if stored is None:
+            raise ChunkNotFound(f"{self.name}: no value under {key!r}")
+        deadline = self._expiry.get(key)
+        if deadline is not None and deadline <= time.monotonic():
+            self._remove(key)
+            raise ChunkNotFound(f"{self.name}: value under {key!r} expired")
+        return stored
+
+    def _remove(self, key: str) -> int:
+        stored = self._values.pop(key, None)
+        self._expiry.pop(key, None)
+        if stored is None:
+            return 0
+        self._used -= stored.numel()
+        return stored.numel()
+
+    def _purge_expired(self) -> int:
+        now = time.monotonic()
+        freed = 0
+        while self._expiry_heap and self._expiry_heap[0][0] <= now:
+            deadline, key = heapq.heappop(self._expiry_heap)
+            if self._expiry.get(key) == deadline:  # not refreshed or removed since
+                freed += self._remove(key)
+        return freed
+
+    # -- Tier interface --
+
+    async def put(self, key: str, value: Buffer, *, ttl_s: float | None = None) -> None:
+        check_key(key)
+        if ttl_s is not None and ttl_s <= 0:
+            raise InvalidRequest(f"ttl_s must be > 0, got {ttl_s}")
+        view = as_byte_view(value)
+        self._store(key, self._copy_in(view), ttl_s)
+
+    async def put_tensor(self, key: str, tensor: torch.Tensor, *, ttl_s: float | None = None
+                         ) -> None:
+        """Store a copy of ``tensor``: (nbytes,) uint8, contiguous, on any device."""
+        check_key(key)
+        if tensor.dtype != torch.uint8 or tensor.dim() != 1:
+            raise InvalidRequest(
+                f"put_tensor takes a (nbytes,) uint8 tensor, got {tuple(tensor.shape)} "
+                f"{tensor.dtype}"
+            )
+        if ttl_s is not None and ttl_s <= 0:
+            raise InvalidRequest(f"ttl_s must be > 0, got {ttl_s}")
+        stored = self._allocate(tensor.numel())
+        stored.copy_(tensor)
+        self._store(key, stored, ttl_s)
+
+    async def get(self, key: str) -> Buffer:
+        """A read-only view of the stored bytes (a copy to host when they live on a GPU)."""
+        stored = self._lookup(key)
+        if stored.device.type != "cpu":
+            stored = stored.cpu()
+        return memoryview(stored.numpy()).toreadonly()
+
+    async def get_tensor(self, key: str) -> torch.Tensor:
+        """The stored (nbytes,) uint8 tensor itself, on ``self.device``: read it, never write it."""
+        return self._lookup(key)
+
+    async def delete(self, key: str) -> int:
+        return self._remove(key)
+
+    async def contains(self, key: str) -> bool:
+        try:
+            self._lookup(key)
+        except ChunkNotFound:
+            return False
+        return True
+
+    async def keys(self) -> AsyncIterator[str]:
+        self._purge_expired()
+        for key in list(self._values):
+            yield key
+
+    async def count(self) -> int:
+        self._purge_expired()
+        return len(self._values)
+
+    async def held_bytes(self) -> int:
+        """Bytes really held by the stored tensors (an accounting cross-check)."""
+        return sum(t.untyped_storage().nbytes() for t in self._values.values())
+
+    async def close(self) -> None:
+        self._values.clear()
+        self._expiry.clear()
+        self._expiry_heap.clear()
+        self._used = 0
+
+
+class HostTier(MemoryTier):
+    """Host RAM; pinned when CUDA is present so copies to the device can be asynchronous."""
+
+    name: ClassVar[str] = "host"
+
+    def __init__(self, capacity_bytes: int, *, pin_memory: bool | None = None) -> None:
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        super().__init__(capacity_bytes, device=torch.device("cpu"), pin_memory=pin_memory)
