@@ -148,6 +148,8 @@ def check_indexer_scores(qi, ki_packed, ki_scales, w, n_visible,
                         n_visible=n_visible)
     b, t, hi, di = qi.shape
     n = ki_packed.shape[1]
+    if hi == 0:
+        raise ValueError("qi must have at least one indexer head (B, T, Hi >= 1, Di)")
     if di % 2:
         raise ValueError(f"index dimension Di={di} must be even for int4 packing")
     require_shape("ki_packed", ki_packed, (b, n, di // 2))
