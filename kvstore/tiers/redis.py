@@ -1,0 +1,294 @@
+"""The Redis tier: one Redis key per value, single node or Redis Cluster, through redis-py's
+asyncio clients.
+
+Each value is written by a single ``SET`` (with ``PX`` for a TTL), so a reader sees the old
+value or the new one, never part of one. Keys are ``config.prefix + key``; with a cluster
+the prefix must not contain a ``{hash tag}``, or every value would land on one slot.
+
+Outages: transient connection errors are retried by redis-py's own ``Retry`` with
+exponential backoff and jitter; when that gives up, or ``op_timeout_s`` passes, the call
+raises ``TierUnavailable`` (logged once per outage) and the pool reconnects by itself on a
+later call once Redis is back.
+
+Accounting is exact for what this tier instance wrote and has not deleted: the size of
+every key it set, dropped when it deletes the key, finds it missing, or its TTL passes
+(tracked locally from the TTL it set). Limits: another writer sharing the namespace
+(another replica) is not counted, and its overwrite or delete of one of our keys is seen
+only when we next read that key; an eviction by Redis' own ``maxmemory`` policy likewise.
+``resync()`` rebuilds the accounting from the medium (every key under the prefix).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import ClassVar, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+import redis.exceptions as rexc
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+
+from kvstore.errors import ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
+from kvstore.tiers.base import Buffer, Tier, TierStats
+from kvstore.tiers.host import as_byte_view, check_key
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+# The medium is unreachable or refusing service: fall through to other tiers.
+_UNAVAILABLE_ERRORS = (
+    rexc.ConnectionError,
+    rexc.TimeoutError,
+    rexc.ClusterError,
+    rexc.ClusterDownError,
+    rexc.TryAgainError,
+    rexc.ReadOnlyError,
+    rexc.RedisClusterException,
+    TimeoutError,
+    OSError,
+)
+
+# STRLEN then DEL in one step, so delete reports the bytes the medium really freed.
+_DELETE_SCRIPT = "local n = redis.call('STRLEN', KEYS[1]) redis.call('DEL', KEYS[1]) return n"
+
+
+@dataclass(frozen=True)
+class RedisTierConfig:
+    prefix: str = "kvtier:"
+    cluster: bool | None = None  # None: chosen by the URL scheme (redis+cluster://)
+    connect_timeout_s: float = 0.5
+    socket_timeout_s: float = 2.0
+    retries: int = 2  # redis-py Retry attempts after the first failure
+    backoff_base_s: float = 0.02
+    backoff_cap_s: float = 0.25
+    op_timeout_s: float = 5.0  # hard bound on one operation, retries included
+    max_connections: int = 32
+    default_ttl_s: float | None = None
+    scan_batch: int = 1000
+
+
+REDIS_PRESETS = {
+    # Same host or rack: fail fast, the other tiers answer instead.
+    "loopback": RedisTierConfig(connect_timeout_s=0.25, socket_timeout_s=1.0, op_timeout_s=2.0),
+    "datacenter": RedisTierConfig(),
+    # A managed service across a region: slower links, more patience.
+    "remote": RedisTierConfig(connect_timeout_s=2.0, socket_timeout_s=5.0, retries=3,
+                              backoff_cap_s=1.0, op_timeout_s=15.0),
+}
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
+
+
+class RedisTier(Tier):
+    name: ClassVar[str] = "redis"
+
+    def __init__(self, url: str, capacity_bytes: int, config: RedisTierConfig | None = None
+                 ) -> None:
+        super().__init__(capacity_bytes)
+        self.config = config = config or RedisTierConfig()
+        parts = urlsplit(url)
+        self.cluster = parts.scheme in CLUSTER_SCHEMES if config.cluster is None \
+            else config.cluster
+        if parts.scheme in CLUSTER_SCHEMES:
+            url = urlunsplit(parts._replace(scheme=CLUSTER_SCHEMES[parts.scheme]))
+        elif parts.scheme not in ("redis", "rediss", "unix"):
+            raise InvalidRequest(f"not a Redis URL: {url!r}")
+        if self.cluster and "{" in config.prefix:
+            raise InvalidRequest(f"a cluster prefix must not hold a hash tag: {config.prefix!r}")
+        self.url = url
+        retry = Retry(ExponentialWithJitterBackoff(cap=config.backoff_cap_s,
+                                                   base=config.backoff_base_s),
+                      config.retries)
+        common = dict(socket_connect_timeout=config.connect_timeout_s,
+                      socket_timeout=config.socket_timeout_s, retry=retry,
+                      max_connections=config.max_connections)
+        if self.cluster:
+            self._client = RedisCluster.from_url(url, **common)
+        else:
+            self._client = aioredis.Redis.from_url(url, **common)
+        self._delete_script = self._client.register_script(_DELETE_SCRIPT)
+        self._sizes: dict[str, int] = {}
+        self._used = 0
+        self._reserved = 0  # bytes of puts in flight, so concurrent puts cannot overfill
+        self._expiry: dict[str, float] = {}
+        self._expiry_heap: list[tuple[float, str]] = []
+        self.available = True
+        self.unavailable_errors = 0
+
+    # -- accounting --
+
+    @property
+    def used_bytes(self) -> int:
+        self._purge_expired()
+        return self._used
+
+    def _account(self, key: str, nbytes: int, ttl_s: float | None, started: float) -> None:
+        self._used += nbytes - self._sizes.get(key, 0)
+        self._sizes[key] = nbytes
+        if ttl_s is None:
+            self._expiry.pop(key, None)
+        else:
+            # Redis counts the TTL from when it ran the SET, just after ``started``: the
+            # accounting may drop the key up to one round trip before Redis does.
+            deadline = started + ttl_s
+            self._expiry[key] = deadline
+            heapq.heappush(self._expiry_heap, (deadline, key))
+
+    def _forget(self, key: str) -> int:
+        self._expiry.pop(key, None)
+        nbytes = self._sizes.pop(key, 0)
+        self._used -= nbytes
+        return nbytes
+
+    def _purge_expired(self) -> None:
+        now = time.monotonic()
+        while self._expiry_heap and self._expiry_heap[0][0] <= now:
+            deadline, key = heapq.heappop(self._expiry_heap)
+            if self._expiry.get(key) == deadline:
+                self._forget(key)
+
+    # -- calls to the medium --
+
+    async def _call(self, what: str, operation: Callable[[], Awaitable[T]]) -> T:
+        try:
+            async with asyncio.timeout(self.config.op_timeout_s):
+                result = await operation()
+        except rexc.OutOfMemoryError as exc:
+            raise TierFull(f"redis refused {what}: {exc}") from exc
+        except _UNAVAILABLE_ERRORS as exc:
+            self.unavailable_errors += 1
+            if self.available:
+                log.error("redis tier unavailable (%s at %s): %r", what, self.url, exc)
+            self.available = False
+            raise TierUnavailable(f"redis {what} failed: {exc!r}") from exc
+        if not self.available:
+            log.warning("redis tier available again at %s", self.url)
+            self.available = True
+        return result
+
+    def _redis_key(self, key: str) -> str:
+        return self.config.prefix + check_key(key)
+
+    # -- Tier interface --
+
+    async def put(self, key: str, value: Buffer, *, ttl_s: float | None = None) -> None:
+        redis_key = self._redis_key(key)
+        ttl_s = self.config.default_ttl_s if ttl_s is None else ttl_s
+        if ttl_s is not None and ttl_s <= 0:
+            raise InvalidRequest(f"ttl_s must be > 0, got {ttl_s}")
+        view = as_byte_view(value)
+        nbytes = len(view)
+        growth = nbytes - self._sizes.get(key, 0)
+        if self.used_bytes + self._reserved + growth > self.capacity_bytes:
+            raise TierFull(f"redis: {nbytes} B does not fit ({self.free_bytes} B free of "
+                           f"{self.capacity_bytes} B)")
+        px = None if ttl_s is None else max(1, math.ceil(ttl_s * 1000))
+        self._reserved += nbytes
+        started = time.monotonic()
+        try:
+            await self._call("SET", lambda: self._client.set(redis_key, view, px=px))
+        finally:
+            self._reserved -= nbytes
+        self._account(key, nbytes, ttl_s, started)
+
+    async def get(self, key: str) -> Buffer:
+        redis_key = self._redis_key(key)
+        value = await self._call("GET", lambda: self._client.get(redis_key))
+        if value is None:
+            self._forget(key)  # expired, evicted by Redis, or deleted by another writer
+            raise ChunkNotFound(f"redis: no value under {key!r}")
+        if self._sizes.get(key, len(value)) != len(value):
+            self._used += len(value) - self._sizes[key]  # another writer replaced it
+            self._sizes[key] = len(value)
+        return value
+
+    async def delete(self, key: str) -> int:
+        redis_key = self._redis_key(key)
+        freed = await self._call("DEL", lambda: self._delete_script(keys=[redis_key]))
+        self._forget(key)
+        return int(freed)
+
+    async def contains(self, key: str) -> bool:
+        redis_key = self._redis_key(key)
+        present = bool(await self._call("EXISTS", lambda: self._client.exists(redis_key)))
+        if not present:
+            self._forget(key)
+        return present
+
+    async def keys(self) -> AsyncIterator[str]:
+        """Every key under the prefix, whoever wrote it."""
+        prefix_len = len(self.config.prefix)
+        pattern = _glob_escape(self.config.prefix) + "*"
+        iterator = self._client.scan_iter(match=pattern, count=self.config.scan_batch)
+        while True:
+            try:
+                redis_key = await self._call("SCAN", iterator.__anext__)
+            except StopAsyncIteration:
+                return
+            yield redis_key.decode()[prefix_len:]
+
+    async def ttl_s(self, key: str) -> float | None:
+        """Time left before ``key`` expires; None when it has no TTL."""
+        millis = await self._call("PTTL", lambda: self._client.pttl(self._redis_key(key)))
+        if millis == -2:
+            raise ChunkNotFound(f"redis: no value under {key!r}")
+        return None if millis == -1 else millis / 1000
+
+    async def resync(self) -> int:
+        """Rebuild the accounting from every key under the prefix; return ``used_bytes``."""
+        keys = [key async for key in self.keys()]
+        sizes: dict[str, int] = {}
+        ttls: dict[str, int] = {}
+        batch = self.config.scan_batch
+        for start in range(0, len(keys), batch):
+            chunk = keys[start:start + batch]
+
+            async def measure(chunk: list[str] = chunk) -> list[int]:
+                pipe = self._client.pipeline()
+                for key in chunk:
+                    pipe.strlen(self.config.prefix + key)
+                    pipe.pttl(self.config.prefix + key)
+                return await pipe.execute()
+
+            replies = await self._call("STRLEN/PTTL", measure)
+            for index, key in enumerate(chunk):
+                strlen, pttl = replies[2 * index], replies[2 * index + 1]
+                if pttl != -2:  # gone since the scan
+                    sizes[key] = strlen
+                    ttls[key] = pttl
+        now = time.monotonic()
+        self._sizes, self._used = {}, 0
+        self._expiry, self._expiry_heap = {}, []
+        for key, nbytes in sizes.items():
+            self._account(key, nbytes, None if ttls[key] < 0 else ttls[key] / 1000, now)
+        return self._used
+
+    async def count(self) -> int:
+        return sum([1 async for _ in self.keys()])
+
+    async def stats(self) -> TierStats:
+        """Counts what this tier wrote (cheap, no scan); ``available`` is the last call's."""
+        used = self.used_bytes
+        return TierStats(self.name, self.capacity_bytes, used, len(self._sizes), self.available)
+
+    async def ping(self) -> bool:
+        """True when Redis answers now; never raises."""
+        try:
+            return bool(await self._call("PING", self._client.ping))
+        except TierUnavailable:
+            return False
+
+    async def close(self) -> None:
+        await self._client.aclose()

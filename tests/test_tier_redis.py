@@ -1,0 +1,227 @@
+"""RedisTier against a real redis-server (and a real three-master cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+
+import pytest
+import redis
+
+from kvstore.errors import ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
+from kvstore.tiers.redis import RedisTier, RedisTierConfig
+
+FAST_FAIL = RedisTierConfig(connect_timeout_s=0.2, socket_timeout_s=0.5, retries=1,
+                            op_timeout_s=1.5)
+
+
+async def test_round_trip_namespaces_and_buffer_types(redis_server):
+    tier = RedisTier(redis_server, 1 << 20, RedisTierConfig(prefix="a:"))
+    other = RedisTier(redis_server, 1 << 20, RedisTierConfig(prefix="b:"))
+    try:
+        await tier.put("k1", b"bytes")
+        await tier.put("k2", bytearray(b"bytearray"))
+        await tier.put("k3", memoryview(b"xxview")[2:])
+        await other.put("k1", b"other namespace")
+        assert await tier.get("k1") == b"bytes"
+        assert await tier.get("k2") == b"bytearray"
+        assert await tier.get("k3") == b"view"
+        assert await other.get("k1") == b"other namespace"
+        assert sorted([k async for k in tier.keys()]) == ["k1", "k2", "k3"]  # noqa: SIM118
+        assert await tier.count() == 3
+        assert tier.used_bytes == 5 + 9 + 4
+        assert await tier.contains("k2") and not await tier.contains("nope")
+        with pytest.raises(ChunkNotFound):
+            await tier.get("nope")
+        with pytest.raises(InvalidRequest):
+            await tier.put("", b"x")
+    finally:
+        await tier.close()
+        await other.close()
+
+
+async def test_capacity_overwrite_and_delete(redis_server):
+    tier = RedisTier(redis_server, 1000)
+    try:
+        await tier.put("a", b"1" * 600)
+        with pytest.raises(TierFull):
+            await tier.put("b", b"2" * 401)
+        await tier.put("a", b"3" * 100)
+        await tier.put("b", b"4" * 900)
+        assert tier.used_bytes == 1000
+        assert await tier.delete("a") == 100
+        assert await tier.delete("a") == 0
+        assert tier.used_bytes == 900
+        assert await tier.get("b") == b"4" * 900
+    finally:
+        await tier.close()
+
+
+async def test_concurrent_puts_never_overfill(redis_server):
+    tier = RedisTier(redis_server, 10_000)
+    try:
+        results = await asyncio.gather(
+            *[tier.put(f"k{i}", b"x" * 1000) for i in range(25)], return_exceptions=True)
+        stored = sum(result is None for result in results)
+        assert all(r is None or isinstance(r, TierFull) for r in results)
+        assert stored == 10 and tier.used_bytes == 10_000 and await tier.count() == 10
+    finally:
+        await tier.close()
+
+
+async def test_ttl_expiry_and_accounting(redis_server):
+    tier = RedisTier(redis_server, 1 << 20)
+    try:
+        await tier.put("short", b"s" * 10, ttl_s=0.2)
+        await tier.put("long", b"l" * 10, ttl_s=60)
+        await tier.put("forever", b"f" * 10)
+        assert 0 < await tier.ttl_s("short") <= 0.2
+        assert await tier.ttl_s("forever") is None
+        assert tier.used_bytes == 30
+        await asyncio.sleep(0.3)
+        assert tier.used_bytes == 20
+        with pytest.raises(ChunkNotFound):
+            await tier.get("short")
+        await tier.put("long", b"l" * 10)  # an overwrite without a TTL clears the TTL
+        assert await tier.ttl_s("long") is None
+        with pytest.raises(InvalidRequest):
+            await tier.put("bad", b"x", ttl_s=-1)
+    finally:
+        await tier.close()
+
+
+async def test_default_ttl_from_config(redis_server):
+    tier = RedisTier(redis_server, 1 << 20, RedisTierConfig(default_ttl_s=30))
+    try:
+        await tier.put("k", b"v")
+        assert 0 < await tier.ttl_s("k") <= 30
+    finally:
+        await tier.close()
+
+
+async def test_other_writers_are_seen_on_read_and_by_resync(redis_server):
+    tier = RedisTier(redis_server, 1 << 20, RedisTierConfig(prefix="ns:"))
+    try:
+        await tier.put("mine", b"m" * 50)
+        await tier.put("gone", b"g" * 30)
+        with redis.Redis.from_url(redis_server) as client:
+            client.delete("ns:gone")
+            client.set("ns:mine", b"M" * 70)
+            client.set("ns:theirs", b"t" * 5, px=60_000)
+            client.set("elsewhere", b"not in the namespace")
+        with pytest.raises(ChunkNotFound):
+            await tier.get("gone")
+        assert tier.used_bytes == 50
+        assert await tier.get("mine") == b"M" * 70
+        assert tier.used_bytes == 70
+        fresh = RedisTier(redis_server, 1 << 20, RedisTierConfig(prefix="ns:"))
+        assert await fresh.resync() == 75 == fresh.used_bytes
+        assert 0 < await fresh.ttl_s("theirs") <= 60
+        assert await fresh.delete("theirs") == 5
+        assert fresh.used_bytes == 70
+        await fresh.close()
+    finally:
+        await tier.close()
+
+
+def test_bad_urls_and_prefixes():
+    with pytest.raises(InvalidRequest):
+        RedisTier("http://127.0.0.1:1", 10)
+    with pytest.raises(InvalidRequest):
+        RedisTier("redis+cluster://127.0.0.1:1", 10, RedisTierConfig(prefix="{tag}:"))
+
+
+async def test_outage_raises_promptly_and_recovers(redis_process, redis_server, caplog):
+    tier = RedisTier(redis_server, 1 << 20, FAST_FAIL)
+    try:
+        await tier.put("before", b"b" * 100)
+        redis_process.kill()
+        caplog.set_level(logging.WARNING, logger="kvstore.tiers.redis")
+        for operation in (lambda: tier.get("before"), lambda: tier.put("during", b"d"),
+                          lambda: tier.delete("before"), lambda: tier.contains("before")):
+            started = time.monotonic()
+            with pytest.raises(TierUnavailable):
+                await operation()
+            assert time.monotonic() - started < FAST_FAIL.op_timeout_s + 0.5
+        assert not tier.available and not await tier.ping()
+        assert (await tier.stats()).available is False
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1  # logged once per outage, not once per failed call
+        assert tier.used_bytes == 100  # a failed delete changed nothing
+
+        redis_process.restart()  # same port, no persistence: the data is gone
+        with pytest.raises(ChunkNotFound):
+            await tier.get("before")
+        assert tier.available and tier.used_bytes == 0
+        await tier.put("after", b"a" * 10)
+        assert await tier.get("after") == b"a" * 10
+        assert any("available again" in r.getMessage() for r in caplog.records)
+    finally:
+        await tier.close()
+
+
+async def test_a_hung_server_times_out_instead_of_hanging(redis_server_factory):
+    server = redis_server_factory()
+    tier = RedisTier(server.url, 1 << 20, FAST_FAIL)
+    try:
+        await tier.put("k", b"v")
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(TierUnavailable):
+                await tier.get("k")
+            assert time.monotonic() - started < FAST_FAIL.op_timeout_s + 0.5
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        assert await tier.get("k") == b"v"
+    finally:
+        await tier.close()
+
+
+async def test_persistent_server_keeps_values_across_restart(redis_server_factory):
+    server = redis_server_factory(persistent=True)
+    tier = RedisTier(server.url, 1 << 20, FAST_FAIL)
+    try:
+        await tier.put("k", b"durable" * 10)
+        server.kill()
+        server.restart()
+        assert await tier.get("k") == b"durable" * 10
+        assert tier.used_bytes == 70
+    finally:
+        await tier.close()
+
+
+async def test_cluster_spreads_keys_over_every_master(redis_cluster, redis_cluster_process):
+    tier = RedisTier(redis_cluster, 1 << 20)
+    assert tier.cluster
+    try:
+        for i in range(60):
+            await tier.put(f"chunk-{i}", bytes([i]) * 100)
+        await tier.put("short", b"s", ttl_s=0.2)
+        await tier.put("long", b"l", ttl_s=60)
+        for i in range(60):
+            assert await tier.get(f"chunk-{i}") == bytes([i]) * 100
+        per_node, owners = [], []
+        for node in redis_cluster_process.nodes:
+            with node.client() as client:
+                per_node.append(client.dbsize())
+                slot = client.cluster("keyslot", "kvtier:chunk-7")
+                owners.append(client.cluster("countkeysinslot", slot))
+        assert sum(per_node) == 62 and all(n > 0 for n in per_node)
+        assert sorted(owners) == [0, 0, 1]  # the key lives on exactly one master
+        assert await tier.count() == 62
+        assert 0 < await tier.ttl_s("long") <= 60
+        await asyncio.sleep(0.3)
+        with pytest.raises(ChunkNotFound):
+            await tier.get("short")
+        assert await tier.delete("chunk-3") == 100
+        assert not await tier.contains("chunk-3")
+        assert tier.used_bytes == 59 * 100 + 1
+        fresh = RedisTier(redis_cluster, 1 << 20)
+        assert await fresh.resync() == tier.used_bytes
+        await fresh.close()
+    finally:
+        await tier.close()
