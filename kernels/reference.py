@@ -38,7 +38,8 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     lo, hi = p & 0xF, (p >> 4) & 0xF
     # sign-extend a nibble: values 8..15 stand for -8..-1
     lo, hi = lo - ((lo & 8) << 1), hi - ((hi & 8) << 1)
-    return torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], -1).to(torch.int8)
+    pairs = torch.stack((lo, hi), dim=-1)
+    return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1]).to(torch.int8)
 
 
 # ---------------------------------------------------------------- group quantization
@@ -63,7 +64,7 @@ def _group_codes(x: torch.Tensor, group_size: int, qmax: int,
 
 def _dequant(codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     """codes (..., D) integer, scales fp16 (..., D/group_size) -> float32 (..., D)."""
-    g = codes.float().reshape(*codes.shape[:-1], -1, group_size)
+    g = codes.float().reshape(*codes.shape[:-1], codes.shape[-1] // group_size, group_size)
     return (g * scales.float().unsqueeze(-1)).reshape(codes.shape)
 
 
