@@ -1,0 +1,387 @@
+"""The object tier: an S3-compatible bucket through boto3, or a local directory.
+
+``ObjectTier("s3://bucket/prefix", cap, config)`` or ``ObjectTier("/some/dir", cap)``
+(``file:///some/dir`` works too). Every value is one object: S3 makes a PUT visible whole;
+the local store writes a temp file, fsyncs it, renames it into place and fsyncs the
+directory, so a crash leaves the old value or the new one and never a torn file.
+
+Stored names are ``key + ".bin"`` or, with ``compression_level`` set, ``key + ".zst"``
+(a zstd frame): each object says how to read it, so a tier whose compression setting
+changed still reads what it wrote before. Accounting counts stored bytes (after
+compression: what the medium holds) and is loaded from a listing of the medium on first
+use or by ``resync()``. ``ttl_s`` is accepted and not enforced here: expiring durable data
+is the compaction job's work, which knows session lifetimes. Blocking I/O runs in worker
+threads so the event loop never waits on the network or the disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import io
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, TypeVar
+from urllib.parse import quote, unquote, urlsplit
+
+import zstandard
+
+from kvstore.errors import ChunkCorrupt, ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
+from kvstore.tiers.base import Buffer, Tier
+from kvstore.tiers.host import as_byte_view, check_key
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+RAW, ZSTD = ".bin", ".zst"
+
+
+@dataclass(frozen=True)
+class ObjectTierConfig:
+    compression_level: int | None = None  # zstd level; None stores values as given
+    # S3 only:
+    endpoint_url: str | None = None
+    region_name: str | None = None
+    aws_access_key_id: str | None = None
+    aws_secret_access_key: str | None = None
+    transfer_threshold_bytes: int = 16 << 20  # at or above: boto3's multipart transfer manager
+    transfer_chunk_bytes: int = 8 << 20
+    transfer_concurrency: int = 4
+    connect_timeout_s: float = 1.0
+    read_timeout_s: float = 10.0
+    max_attempts: int = 3  # botocore's own retries ("standard" mode, with backoff)
+    max_pool_connections: int = 16
+    # Local directory only:
+    fsync: bool = True
+
+
+OBJECT_PRESETS = {
+    "local": ObjectTierConfig(),
+    "s3": ObjectTierConfig(),
+    # Object storage is the slowest tier: compressing trades CPU for bytes moved and kept.
+    "s3-compressed": ObjectTierConfig(compression_level=3),
+}
+
+
+class _Missing(Exception):
+    """The store holds no object under that name."""
+
+
+class _LocalDirStore:
+    """Objects as files under ``root/<2 hex>/``, written by temp file + fsync + rename."""
+
+    def __init__(self, root: Path, fsync: bool) -> None:
+        self.root = root
+        self.fsync = fsync
+        self.tmp = root / ".tmp"
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        for debris in self.tmp.iterdir():  # temp files of writes a crash interrupted
+            debris.unlink()
+
+    def _path(self, name: str) -> Path:
+        fanout = hashlib.blake2b(name.encode(), digest_size=1).hexdigest()
+        return self.root / fanout / quote(name, safe="")
+
+    def check_name(self, name: str) -> None:
+        if len(quote(name, safe="").encode()) > 255:
+            raise InvalidRequest(f"key too long for a file name: {name[:40]!r}...")
+
+    def _fsync_dir(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def put(self, name: str, data: Buffer) -> None:
+        final = self._path(name)
+        if not final.parent.is_dir():
+            final.parent.mkdir(exist_ok=True)
+            if self.fsync:
+                self._fsync_dir(self.root)
+        temp = self.tmp / uuid.uuid4().hex
+        try:
+            with open(temp, "wb") as file:
+                file.write(data)
+                file.flush()
+                if self.fsync:
+                    os.fsync(file.fileno())
+            os.replace(temp, final)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        if self.fsync:
+            self._fsync_dir(final.parent)
+
+    def get(self, name: str) -> bytes:
+        try:
+            with open(self._path(name), "rb") as file:
+                return file.read()
+        except FileNotFoundError as exc:
+            raise _Missing(name) from exc
+
+    def exists(self, name: str) -> bool:
+        return self._path(name).is_file()
+
+    def delete(self, name: str) -> None:
+        self._path(name).unlink(missing_ok=True)
+
+    def list(self) -> Iterator[tuple[str, int]]:
+        for directory in self.root.iterdir():
+            if directory.name == self.tmp.name or not directory.is_dir():
+                continue
+            for entry in os.scandir(directory):
+                yield unquote(entry.name), entry.stat().st_size
+
+
+class _S3Store:
+    """Objects under ``prefix`` in one bucket; plain PUT/GET for values below the
+    transfer threshold (fewer round trips), boto3's transfer manager above it."""
+
+    def __init__(self, bucket: str, prefix: str, config: ObjectTierConfig) -> None:
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        self.bucket, self.prefix = bucket, prefix
+        self.threshold = config.transfer_threshold_bytes
+        self.client = boto3.client(
+            "s3", endpoint_url=config.endpoint_url, region_name=config.region_name,
+            aws_access_key_id=config.aws_access_key_id,
+            aws_secret_access_key=config.aws_secret_access_key,
+            config=Config(connect_timeout=config.connect_timeout_s,
+                          read_timeout=config.read_timeout_s,
+                          retries={"max_attempts": config.max_attempts, "mode": "standard"},
+                          max_pool_connections=config.max_pool_connections))
+        self.transfer = TransferConfig(multipart_threshold=config.transfer_threshold_bytes,
+                                       multipart_chunksize=config.transfer_chunk_bytes,
+                                       max_concurrency=config.transfer_concurrency)
+
+    def check_name(self, name: str) -> None:
+        if len((self.prefix + name).encode()) > 1024:
+            raise InvalidRequest(f"key too long for an S3 object key: {name[:40]!r}...")
+
+    def put(self, name: str, data: Buffer) -> None:
+        if len(data) < self.threshold:
+            self.client.put_object(Bucket=self.bucket, Key=self.prefix + name, Body=bytes(data))
+        else:
+            self.client.upload_fileobj(io.BytesIO(data), self.bucket, self.prefix + name,
+                                       Config=self.transfer)
+
+    def get(self, name: str) -> bytes:
+        from botocore.exceptions import ClientError
+
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self.prefix + name)
+            if response["ContentLength"] < self.threshold:
+                return response["Body"].read()
+            response["Body"].close()  # large: fetch it in parallel ranges instead
+            sink = io.BytesIO()
+            self.client.download_fileobj(self.bucket, self.prefix + name, sink,
+                                         Config=self.transfer)
+            return sink.getvalue()
+        except ClientError as exc:
+            if _s3_code(exc) in ("NoSuchKey", "404", "NotFound"):
+                raise _Missing(name) from exc
+            raise
+
+    def exists(self, name: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self.prefix + name)
+        except ClientError as exc:
+            if _s3_code(exc) in ("NoSuchKey", "404", "NotFound"):
+                return False
+            raise
+        return True
+
+    def delete(self, name: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self.prefix + name)
+
+    def list(self) -> Iterator[tuple[str, int]]:
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix):
+            for item in page.get("Contents", []):
+                yield item["Key"][len(self.prefix):], item["Size"]
+
+
+def _s3_code(exc: Exception) -> str:
+    return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+
+
+class ObjectTier(Tier):
+    name: ClassVar[str] = "object"
+    durable: ClassVar[bool] = True
+
+    def __init__(self, url: str | os.PathLike, capacity_bytes: int,
+                 config: ObjectTierConfig | None = None) -> None:
+        super().__init__(capacity_bytes)
+        self.config = config = config or ObjectTierConfig()
+        self.url = str(url)
+        parts = urlsplit(self.url)
+        if parts.scheme == "s3":
+            if not parts.netloc:
+                raise InvalidRequest(f"no bucket in {self.url!r}")
+            prefix = parts.path.lstrip("/")
+            if prefix and not prefix.endswith("/"):
+                prefix += "/"
+            self._store: _S3Store | _LocalDirStore = _S3Store(parts.netloc, prefix, config)
+        elif parts.scheme in ("", "file"):
+            path = Path(parts.path if parts.scheme == "file" else self.url)
+            self._store = _LocalDirStore(path, config.fsync)
+        else:
+            raise InvalidRequest(f"object tier URL must be s3://bucket/prefix or a path: "
+                                 f"{self.url!r}")
+        self._suffix = RAW if config.compression_level is None else ZSTD
+        self._sizes: dict[str, int] = {}  # stored name -> stored bytes
+        self._used = 0
+        self._reserved = 0
+        self._loaded = False
+        self._load_lock = asyncio.Lock()
+        self.available = True
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    async def _io(self, what: str, function: Callable[..., T], *args: object) -> T:
+        """Run blocking store I/O in a worker thread; map medium failures to our errors."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            result = await asyncio.to_thread(function, *args)
+        except _Missing:
+            raise
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise TierFull(f"object {what}: the directory's disk is full") from exc
+            raise self._unavailable(what, exc) from exc
+        except (BotoCoreError, ClientError) as exc:
+            raise self._unavailable(what, exc) from exc
+        if not self.available:
+            log.warning("object tier available again at %s", self.url)
+            self.available = True
+        return result
+
+    def _unavailable(self, what: str, exc: Exception) -> TierUnavailable:
+        if self.available:
+            log.error("object tier unavailable (%s at %s): %r", what, self.url, exc)
+        self.available = False
+        return TierUnavailable(f"object {what} failed: {exc!r}")
+
+    async def _ensure_loaded(self) -> None:
+        if not self._loaded:
+            async with self._load_lock:
+                if not self._loaded:
+                    await self.resync()
+
+    async def resync(self) -> int:
+        """Rebuild the accounting from a listing of the medium; return ``used_bytes``."""
+        listing = await self._io("LIST", lambda: list(self._store.list()))
+        self._sizes = {name: size for name, size in listing if name.endswith((RAW, ZSTD))}
+        self._used = sum(self._sizes.values())
+        self._loaded = True
+        return self._used
+
+    def _account(self, name: str, stored: int | None) -> None:
+        self._used -= self._sizes.pop(name, 0)
+        if stored is not None:
+            self._sizes[name] = stored
+            self._used += stored
+
+    def _encode(self, view: memoryview) -> Buffer:
+        if self.config.compression_level is None:
+            return view
+        return zstandard.ZstdCompressor(level=self.config.compression_level).compress(view)
+
+    @staticmethod
+    def _decode(name: str, data: bytes) -> bytes:
+        if name.endswith(RAW):
+            return data
+        try:
+            return zstandard.ZstdDecompressor().decompress(data)
+        except zstandard.ZstdError as exc:
+            raise ChunkCorrupt(f"object {name!r} is not a valid zstd frame: {exc}") from exc
+
+    def _candidates(self, key: str) -> list[str]:
+        """Stored names to try for ``key``, likeliest first. The other encoding is tried
+        only when the listing showed it, so a miss costs one call."""
+        own, other = key + self._suffix, key + (ZSTD if self._suffix == RAW else RAW)
+        if other not in self._sizes:
+            return [own]
+        return [own, other] if own in self._sizes else [other, own]
+
+    async def put(self, key: str, value: Buffer, *, ttl_s: float | None = None) -> None:
+        check_key(key)
+        name, other = key + self._suffix, key + (ZSTD if self._suffix == RAW else RAW)
+        self._store.check_name(name)
+        view = as_byte_view(value)
+        await self._ensure_loaded()
+        stored = view if self.config.compression_level is None \
+            else await asyncio.to_thread(self._encode, view)
+        growth = len(stored) - self._sizes.get(name, 0) - self._sizes.get(other, 0)
+        if self._used + self._reserved + growth > self.capacity_bytes:
+            raise TierFull(f"object: {len(stored)} B does not fit ({self.free_bytes} B free "
+                           f"of {self.capacity_bytes} B)")
+        self._reserved += len(stored)
+        try:
+            await self._io("PUT", self._store.put, name, stored)
+        finally:
+            self._reserved -= len(stored)
+        self._account(name, len(stored))
+        if other in self._sizes:  # written before the compression setting changed
+            await self._io("DELETE", self._store.delete, other)
+            self._account(other, None)
+
+    async def get(self, key: str) -> Buffer:
+        check_key(key)
+        await self._ensure_loaded()
+        for name in self._candidates(key):
+            try:
+                data = await self._io("GET", self._store.get, name)
+            except _Missing:
+                self._account(name, None)  # removed behind our back
+                continue
+            return data if name.endswith(RAW) else await asyncio.to_thread(
+                self._decode, name, data)
+        raise ChunkNotFound(f"object: no value under {key!r}")
+
+    async def delete(self, key: str) -> int:
+        check_key(key)
+        await self._ensure_loaded()
+        freed = 0
+        for name in (key + RAW, key + ZSTD):
+            if name in self._sizes or name.endswith(self._suffix):
+                await self._io("DELETE", self._store.delete, name)
+                freed += self._sizes.get(name, 0)
+                self._account(name, None)
+        return freed
+
+    async def contains(self, key: str) -> bool:
+        check_key(key)
+        await self._ensure_loaded()
+        for name in self._candidates(key):
+            if await self._io("HEAD", self._store.exists, name):
+                return True
+            self._account(name, None)
+        return False
+
+    async def keys(self) -> AsyncIterator[str]:
+        """Every key in the medium under this tier's root or prefix, whoever wrote it."""
+        listing = await self._io("LIST", lambda: list(self._store.list()))
+        seen = set()
+        for name, _size in listing:
+            if name.endswith((RAW, ZSTD)) and name[:-4] not in seen:
+                seen.add(name[:-4])
+                yield name[:-4]
+
+    async def held_bytes(self) -> int:
+        """Bytes the medium holds under this tier's root or prefix (a listing)."""
+        listing = await self._io("LIST", lambda: list(self._store.list()))
+        return sum(size for name, size in listing if name.endswith((RAW, ZSTD)))
