@@ -1,0 +1,47 @@
+"""The backend switch: default choice, environment override, flipping, and what the Triton
+path does with CPU tensors when the interpreter is off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import backend, ops
+from kernels import reference as ref
+
+
+def test_default_follows_cuda_and_env_overrides(monkeypatch):
+    monkeypatch.delenv(backend.ENV_VAR, raising=False)
+    assert backend._default_backend() == ("triton" if torch.cuda.is_available() else "reference")
+    monkeypatch.setenv(backend.ENV_VAR, "triton")
+    assert backend._default_backend() == "triton"
+    monkeypatch.setenv(backend.ENV_VAR, "Reference")
+    assert backend._default_backend() == "reference"
+    monkeypatch.setenv(backend.ENV_VAR, "cuda")
+    with pytest.raises(ValueError, match="KVTIER_KERNELS"):
+        backend._default_backend()
+
+
+def test_use_restores_the_previous_backend_even_on_error():
+    before = backend.current()
+    with pytest.raises(RuntimeError), backend.use("triton"):
+        assert backend.current() == "triton"
+        raise RuntimeError("boom")
+    assert backend.current() == before
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        backend.set_backend("cuda")
+
+
+def test_triton_backend_falls_back_to_reference_for_cpu_tensors(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.randn(3, 32)
+    with backend.use("triton"):
+        codes, scales = ops.quantize_int8(x, 16)
+    want = ref.quantize_int8(x, 16)
+    assert torch.equal(codes, want[0]) and torch.equal(scales, want[1])
+
+
+def test_triton_wrapper_refuses_cpu_tensors_without_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="need CUDA tensors"):
+        backend.triton_module().quantize_int4(torch.randn(2, 16), 8)

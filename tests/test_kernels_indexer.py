@@ -1,0 +1,130 @@
+"""Indexer scoring over int4 keys and top-k selection: reference semantics against brute
+force, the Triton scoring kernel (interpreted on the CPU) against the reference, and the
+backend switch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import backend, ops
+from kernels import reference as ref
+from kernels.interpret import interpreter
+
+
+@pytest.fixture(scope="module")
+def tri():
+    with interpreter() as module:
+        yield module
+
+
+def _index_case(b, t, hi, di, n, group, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ki_packed, ki_scales = ref.quantize_int4(torch.randn(b, n, di, generator=g), group)
+    qi = torch.randn(b, t, hi, di, generator=g)
+    w = torch.rand(b, t, hi, generator=g)
+    n_visible = torch.randint(0, n + 1, (t,), generator=g)
+    n_visible[0] = 0
+    n_visible[-1] = n
+    return qi, ki_packed, ki_scales, w, n_visible
+
+
+INDEX_CASES = [  # (B, T, Hi, Di, N, group)
+    (2, 5, 3, 48, 13, 16),
+    (1, 1, 2, 32, 100, 8),
+    (1, 20, 1, 64, 70, 64),
+]
+
+
+@pytest.mark.parametrize("case", INDEX_CASES[:2])
+def test_scores_reference_matches_brute_force(case):
+    b, t, hi, di, n, group = case
+    qi, ki_packed, ki_scales, w, n_visible = _index_case(*case)
+    ki = ref.dequantize_int4(ki_packed, ki_scales, group)
+    scores = ref.indexer_scores(qi, ki_packed, ki_scales, w, n_visible, group)
+    assert scores.shape == (b, t, n) and scores.dtype == torch.float32
+    for bi in range(b):
+        for ti in range(t):
+            for ni in range(n):
+                if ni >= n_visible[ti]:
+                    assert scores[bi, ti, ni] == -math.inf
+                    continue
+                want = sum(w[bi, ti, h] * torch.relu(qi[bi, ti, h] @ ki[bi, ni])
+                           for h in range(hi))
+                assert torch.allclose(scores[bi, ti, ni], want, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", INDEX_CASES)
+def test_scores_triton_matches_reference(tri, case):
+    *_, group = case
+    args = _index_case(*case, seed=1)
+    want = ref.indexer_scores(*args, group)
+    got = tri.indexer_scores(*args, group)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = torch.isfinite(want)
+    assert torch.allclose(got[finite], want[finite], atol=1e-4, rtol=1e-5)
+
+
+def test_scores_reject_bad_input(tri):
+    qi, ki_packed, ki_scales, w, n_visible = _index_case(1, 2, 2, 16, 5, 8)
+    for module in (ref, tri):
+        with pytest.raises(ValueError, match="w must have shape"):
+            module.indexer_scores(qi, ki_packed, ki_scales, w[:, :, :1], n_visible, 8)
+        with pytest.raises(ValueError, match="n_visible must be torch.int64"):
+            module.indexer_scores(qi, ki_packed, ki_scales, w, n_visible.int(), 8)
+
+
+def _topk(scores, k, candidates=None):
+    rows = torch.tensor(scores, dtype=torch.float32).view(1, 1, -1)
+    cand = None if candidates is None else torch.tensor(candidates, dtype=torch.int32)
+    return ref.indexer_topk(rows, k, None if cand is None else cand.view(1, 1, -1))[0, 0]
+
+
+def test_topk_sorts_descending_and_breaks_ties_by_lower_index():
+    got = _topk([1.0, 3.0, 2.0, 3.0, 1.0, 3.0], 5)
+    assert got.tolist() == [1, 3, 5, 2, 0]
+    assert got.dtype == torch.int32
+
+
+def test_topk_pads_with_minus_one_past_the_pickable_entries():
+    inf = math.inf
+    assert _topk([-inf, 2.0, float("nan"), -inf, 1.0], 4).tolist() == [1, 4, -1, -1]
+    assert _topk([0.5, 0.25], 5).tolist() == [0, 1, -1, -1, -1]
+
+
+def test_topk_restricted_to_candidates():
+    scores = [9.0, 1.0, 5.0, 5.0, 7.0, 5.0]
+    # candidate order must not matter; ties still go to the lower entry index
+    assert _topk(scores, 3, [5, 2, -1, 3]).tolist() == [2, 3, 5]
+    assert _topk(scores, 4, [4, -1, 4, 1]).tolist() == [4, 1, -1, -1]  # repeats count once
+    assert _topk(scores, 2, [-1, -1]).tolist() == [-1, -1]
+
+
+def test_topk_matches_torch_topk_on_distinct_scores():
+    g = torch.Generator().manual_seed(2)
+    scores = torch.randn(2, 3, 50, generator=g)
+    want = torch.topk(scores, 7, dim=-1).indices.to(torch.int32)
+    assert torch.equal(ref.indexer_topk(scores, 7), want)
+
+
+def test_topk_rejects_bad_candidates():
+    with pytest.raises(ValueError, match=r"candidates must lie in \[-1, 4\]"):
+        ref.indexer_topk(torch.zeros(1, 1, 5), 2, torch.tensor([[[0, 5]]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="k must be a positive int"):
+        ref.indexer_topk(torch.zeros(1, 1, 5), 0)
+
+
+def test_ops_selection_is_identical_on_both_backends(tri):
+    qi, ki_packed, ki_scales, w, n_visible = _index_case(2, 5, 3, 48, 13, 16, seed=3)
+    candidates = torch.randint(-1, 13, (2, 5, 9), dtype=torch.int32)
+    picks = {}
+    for name in ("reference", "triton"):
+        with backend.use(name):
+            scores = ops.indexer_scores(qi, ki_packed, ki_scales, w, n_visible, 16)
+            # quantize scores coarsely so both backends see the same ties
+            scores = torch.round(scores * 8) / 8
+            picks[name] = (ops.indexer_topk(scores, 4), ops.indexer_topk(scores, 6, candidates))
+    for want, got in zip(picks["reference"], picks["triton"], strict=True):
+        assert torch.equal(want, got)
