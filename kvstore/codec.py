@@ -26,25 +26,35 @@ import torch
 import xxhash
 import zstandard
 
+from kvstore.chunk_plan import PART_CODES, PART_SCALES, chunk_plan
 from kvstore.errors import ChunkCorrupt, ChunkTruncated, LayoutMismatch, UnsupportedVersion
 from kvstore.keys import token_bytes
-from kvstore.layout import LayoutSpec, Stream
+from kvstore.layout import LayoutSpec
 
 MAGIC = b"KVTC"
 VERSION = 1
 FLAG_ZSTD = 1
 FLAG_EPHEMERAL = 2
 _KNOWN_FLAGS = FLAG_ZSTD | FLAG_EPHEMERAL
-PART_CODES, PART_SCALES = 0, 1
 
 _HEADER = struct.Struct("<4sHHQQIIQQQ")
 _SECTION = struct.Struct("<HHB3xQQQ")
+# The same record as a numpy dtype, so a table of hundreds of sections parses in one call.
+SECTION_DTYPE = np.dtype(
+    [
+        ("stream", "<u2"),
+        ("layer", "<u2"),
+        ("part", "u1"),
+        ("pad", "V3"),
+        ("offset", "<u8"),
+        ("length", "<u8"),
+        ("checksum", "<u8"),
+    ]
+)
 _CHECK = struct.Struct("<Q")
 # Bounds a corrupt header can claim, so decoding never tries to allocate absurd sizes.
 MAX_SECTIONS = 1 << 16
 MAX_PAYLOAD = 1 << 34
-
-_CODE_DTYPES = {4: torch.uint8, 8: torch.int8, 16: torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -53,16 +63,6 @@ class StreamData:
 
     codes: torch.Tensor  # (layers, entries, *codes_shape) uint8 (int4 packed) | int8 | bf16
     scales: torch.Tensor | None  # (layers, entries, scales_per_entry) float16; None for bf16
-
-
-@dataclass(frozen=True)
-class Section:
-    stream: int
-    layer: int
-    part: int
-    offset: int
-    length: int
-    checksum: int
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class ChunkHeader:
     tokens_hash: int
     stored_payload_len: int
     raw_payload_len: int
-    sections: tuple[Section, ...]
+    sections: np.ndarray  # (n,) SECTION_DTYPE, in payload order
     payload_offset: int
 
     @property
@@ -97,18 +97,6 @@ class DecodedChunk:
     streams: dict[str, StreamData]  # codes (len(layers), entries, ...) when layers were chosen
 
 
-def _streams_of(spec: LayoutSpec, ephemeral: bool) -> tuple[Stream, ...]:
-    return spec.ephemeral_streams if ephemeral else spec.persistent_streams
-
-
-def _expected_shapes(stream: Stream, num_tokens: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    entries = stream.entries_for(num_tokens)
-    return (
-        (stream.layers, entries, *stream.codes_shape),
-        (stream.layers, entries, stream.scales_per_entry),
-    )
-
-
 def tokens_hash(token_ids: Sequence[int] | np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(token_bytes(token_ids))
 
@@ -123,61 +111,55 @@ def encode_chunk(
     zstd_level: int | None = None,
 ) -> bytes:
     """Encode the persistent (or, with ``ephemeral``, the window) streams of a token range."""
-    wanted = _streams_of(spec, ephemeral)
-    names = {s.name for s in wanted}
+    num_tokens = len(token_ids)
+    plan = chunk_plan(spec, num_tokens, ephemeral)
+    names = {p.stream.name for p in plan.parts}
     if set(streams) != names:
         raise LayoutMismatch(
             f"layout {spec.name} expects streams {sorted(names)}, got {sorted(streams)}"
         )
-    num_tokens = len(token_ids)
-    table, blobs, offset = [], [], 0
-    for index, stream in enumerate(wanted):
-        data = streams[stream.name]
-        codes_shape, scales_shape = _expected_shapes(stream, num_tokens)
-        parts = [(PART_CODES, data.codes, codes_shape, _CODE_DTYPES[stream.bits])]
-        if stream.bits < 16:
-            parts.append((PART_SCALES, data.scales, scales_shape, torch.float16))
-        elif data.scales is not None:
-            raise LayoutMismatch(f"stream {stream.name} is bf16 and takes no scales")
-        for part, tensor, shape, dtype in parts:
-            if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                got = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
-                raise LayoutMismatch(
-                    f"stream {stream.name} part {part}: expected {shape} {dtype} for "
-                    f"{num_tokens} tokens, got {got}"
-                )
-            flat = (
-                tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(stream.layers, -1)
+    blobs = []
+    for p in plan.parts:
+        data = streams[p.stream.name]
+        tensor = data.codes if p.part == PART_CODES else data.scales
+        if p.stream.bits == 16 and data.scales is not None:
+            raise LayoutMismatch(f"stream {p.stream.name} is bf16 and takes no scales")
+        if tensor is None or tuple(tensor.shape) != p.shape or tensor.dtype != p.dtype:
+            got = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
+            raise LayoutMismatch(
+                f"stream {p.stream.name} part {p.part}: expected {p.shape} {p.dtype} for "
+                f"{num_tokens} tokens, got {got}"
             )
-            for layer in range(stream.layers):
-                raw = flat[layer].numpy().tobytes()
-                table.append(
-                    _SECTION.pack(
-                        index, layer, part, offset, len(raw), xxhash.xxh3_64_intdigest(raw)
-                    )
-                )
-                blobs.append(raw)
-                offset += len(raw)
+        blobs.append(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
     raw_payload = b"".join(blobs)
+    view = memoryview(raw_payload)
+    table = np.zeros(len(plan.table_head), SECTION_DTYPE)
+    table.view(np.uint64).reshape(-1, 4)[:, :3] = plan.table_head
+    table["checksum"] = [
+        xxhash.xxh3_64_intdigest(view[int(off) : int(off) + int(n)])
+        for _, off, n in plan.table_head
+    ]
     flags = FLAG_EPHEMERAL if ephemeral else 0
     payload = raw_payload
     if zstd_level is not None:
-        payload = zstandard.ZstdCompressor(level=zstd_level, write_checksum=True).compress(
-            raw_payload
-        )
+        compressor = zstandard.ZstdCompressor(level=zstd_level, write_checksum=True)
+        payload = compressor.compress(raw_payload)
         flags |= FLAG_ZSTD
-    head = _HEADER.pack(
-        MAGIC,
-        VERSION,
-        flags,
-        spec.layout_hash,
-        start_token,
-        num_tokens,
-        len(table),
-        tokens_hash(token_ids),
-        len(payload),
-        len(raw_payload),
-    ) + b"".join(table)
+    head = (
+        _HEADER.pack(
+            MAGIC,
+            VERSION,
+            flags,
+            spec.layout_hash,
+            start_token,
+            num_tokens,
+            len(table),
+            tokens_hash(token_ids),
+            len(payload),
+            len(raw_payload),
+        )
+        + table.tobytes()
+    )
     return head + _CHECK.pack(xxhash.xxh3_64_intdigest(head)) + payload
 
 
@@ -188,9 +170,8 @@ def read_header(buf: bytes | bytearray | memoryview) -> ChunkHeader:
         raise ChunkTruncated(
             f"chunk of {len(view)} bytes is shorter than its {_HEADER.size}-byte header"
         )
-    (magic, version, flags, layout_hash, start, ntok, nsec, thash, stored, raw) = (
-        _HEADER.unpack_from(view)
-    )
+    fields = _HEADER.unpack_from(view)
+    magic, version, flags, layout_hash, start, ntok, nsec, thash, stored, raw = fields
     if magic != MAGIC:
         raise ChunkCorrupt(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != VERSION:
@@ -210,37 +191,26 @@ def read_header(buf: bytes | bytearray | memoryview) -> ChunkHeader:
         raise ChunkTruncated(f"payload is {len(view) - payload_offset} bytes, header says {stored}")
     if len(view) > payload_offset + stored:
         raise ChunkCorrupt(f"{len(view) - payload_offset - stored} trailing bytes after payload")
-    sections, expected_offset = [], 0
-    for i in range(nsec):
-        s = Section(*_SECTION.unpack_from(view, _HEADER.size + i * _SECTION.size))
-        if s.offset != expected_offset or s.offset + s.length > raw:
-            raise ChunkCorrupt(
-                f"section {i} at {s.offset}+{s.length} lies outside the payload of {raw}"
-            )
-        expected_offset += s.length
-        sections.append(s)
-    if expected_offset != raw:
-        raise ChunkCorrupt(f"sections cover {expected_offset} of {raw} payload bytes")
     if not flags & FLAG_ZSTD and stored != raw:
         raise ChunkCorrupt(f"uncompressed payload stored as {stored} bytes, raw {raw}")
+    table = np.frombuffer(view, SECTION_DTYPE, count=nsec, offset=_HEADER.size)
+    covered = 0
+    for offset, length in zip(table["offset"].tolist(), table["length"].tolist(), strict=True):
+        if offset != covered:
+            raise ChunkCorrupt(f"section at {offset} leaves a gap or overlap at {covered}")
+        covered += length
+    if covered != raw:
+        raise ChunkCorrupt(f"sections cover {covered} of {raw} payload bytes")
     return ChunkHeader(
-        version,
-        flags,
-        layout_hash,
-        start,
-        ntok,
-        thash,
-        stored,
-        raw,
-        tuple(sections),
-        payload_offset,
+        version, flags, layout_hash, start, ntok, thash, stored, raw, table, payload_offset
     )
 
 
-def _raw_payload(view: memoryview, header: ChunkHeader) -> memoryview:
+def _raw_payload(view: memoryview, header: ChunkHeader) -> np.ndarray:
+    """The raw payload as a fresh, writable array: tensors decoded from it own their memory."""
     stored = view[header.payload_offset : header.encoded_len]
     if not header.compressed:
-        return stored
+        return np.array(np.frombuffer(stored, np.uint8))
     try:
         raw = zstandard.ZstdDecompressor().decompress(
             stored, max_output_size=header.raw_payload_len
@@ -251,25 +221,27 @@ def _raw_payload(view: memoryview, header: ChunkHeader) -> memoryview:
         raise ChunkCorrupt(
             f"zstd payload is {len(raw)} bytes, header says {header.raw_payload_len}"
         )
-    return memoryview(raw)
+    return np.frombuffer(bytearray(raw), np.uint8)
 
 
-def _check_section(payload: memoryview, s: Section) -> memoryview:
-    part = payload[s.offset : s.offset + s.length]
-    if xxhash.xxh3_64_intdigest(part) != s.checksum:
-        raise ChunkCorrupt(
-            f"checksum mismatch in section stream={s.stream} layer={s.layer} part={s.part}"
-        )
-    return part
+def _verify_rows(payload, sections: np.ndarray) -> None:
+    data = memoryview(payload)
+    for stream, layer, part, _, offset, length, checksum in sections.tolist():
+        if xxhash.xxh3_64_intdigest(data[offset : offset + length]) != checksum:
+            raise ChunkCorrupt(
+                f"checksum mismatch in section stream={stream} layer={layer} part={part}"
+            )
 
 
 def verify_chunk(buf: bytes | bytearray | memoryview) -> ChunkHeader:
-    """Check every byte of a chunk; return its header."""
+    """Check every byte of a chunk without copying it; return its header."""
     view = memoryview(buf).cast("B")
     header = read_header(view)
-    payload = _raw_payload(view, header)
-    for s in header.sections:
-        _check_section(payload, s)
+    if header.compressed:
+        _verify_rows(_raw_payload(view, header), header.sections)
+    else:
+        payload = np.frombuffer(view[header.payload_offset : header.encoded_len], np.uint8)
+        _verify_rows(payload, header.sections)
     return header
 
 
@@ -296,42 +268,51 @@ def decode_chunk(
         len(token_ids) != header.num_tokens or tokens_hash(token_ids) != header.tokens_hash
     ):
         raise LayoutMismatch("chunk was encoded for other token ids")
-    stream_list = _streams_of(spec, header.ephemeral)
-    expected = sum(s.layers * (1 if s.bits == 16 else 2) for s in stream_list)
-    if len(header.sections) != expected:
-        raise ChunkCorrupt(f"{len(header.sections)} sections, layout {spec.name} needs {expected}")
-    chosen = {s.name for s in stream_list} if streams is None else set(streams)
-    unknown = chosen - {s.name for s in stream_list}
-    if unknown:
+    plan = chunk_plan(spec, header.num_tokens, header.ephemeral)
+    table = header.sections
+    # The table must be exactly the one encode_chunk writes for this layout and length.
+    if len(table) != len(plan.table_head) or (
+        table.view(np.uint64).reshape(-1, 4)[:, :3].tobytes() != plan.table_head.tobytes()
+    ):
+        raise ChunkCorrupt(f"section table does not match layout {spec.name}")
+    known = {p.stream.name for p in plan.parts}
+    chosen = known if streams is None else set(streams)
+    if chosen - known:
         kind = "ephemeral" if header.ephemeral else "persistent"
-        raise LayoutMismatch(f"layout {spec.name} has no {kind} streams {sorted(unknown)}")
+        raise LayoutMismatch(f"layout {spec.name} has no {kind} streams {sorted(chosen - known)}")
     payload = _raw_payload(view, header)
-    by_key = {(s.stream, s.layer, s.part): s for s in header.sections}
-    out: dict[str, StreamData] = {}
-    for index, stream in enumerate(stream_list):
-        if stream.name not in chosen:
+    base = torch.from_numpy(payload)
+    selected = []
+    for p in plan.parts:
+        if p.stream.name not in chosen:
             continue
-        wanted_layers = range(stream.layers) if layers is None else layers
-        codes_shape, scales_shape = _expected_shapes(stream, header.num_tokens)
-        parts = {PART_CODES: (codes_shape, _CODE_DTYPES[stream.bits])}
-        if stream.bits < 16:
-            parts[PART_SCALES] = (scales_shape, torch.float16)
-        decoded = {}
-        for part, (shape, dtype) in parts.items():
-            per_layer = shape[1:]
-            nbytes = int(np.prod(per_layer)) * torch.empty((), dtype=dtype).element_size()
-            out_arr = np.empty((len(wanted_layers), nbytes), dtype=np.uint8)
-            for row, layer in enumerate(wanted_layers):
-                s = by_key.get((index, layer, part))
-                if s is None:
-                    raise LayoutMismatch(f"stream {stream.name} has no layer {layer}")
-                if s.length != nbytes:
-                    raise ChunkCorrupt(
-                        f"section of {stream.name} layer {layer} is {s.length} bytes, "
-                        f"expected {nbytes}"
-                    )
-                out_arr[row] = np.frombuffer(_check_section(payload, s), dtype=np.uint8)
-            tensor = torch.from_numpy(out_arr).view(dtype).reshape(len(wanted_layers), *per_layer)
-            decoded[part] = tensor
-        out[stream.name] = StreamData(decoded[PART_CODES], decoded.get(PART_SCALES))
-    return DecodedChunk(header, out)
+        picked = range(p.stream.layers) if layers is None else list(layers)
+        if any(not 0 <= layer < p.stream.layers for layer in picked):
+            raise LayoutMismatch(f"stream {p.stream.name} has layers 0..{p.stream.layers - 1}")
+        selected.append((p, picked))
+    rows = (
+        table
+        if streams is None and layers is None
+        else table[[p.first_section + layer for p, picked in selected for layer in picked]]
+    )
+    _verify_rows(payload, rows)
+    out: dict[str, dict[int, torch.Tensor]] = {}
+    for p, picked in selected:
+        if layers is None:
+            flat = base[p.offset : p.offset + p.layer_bytes * p.stream.layers]
+        else:
+            starts = [p.offset + layer * p.layer_bytes for layer in picked]
+            flat = torch.cat([base[s : s + p.layer_bytes] for s in starts])
+        shape = (len(picked), *p.shape[1:])
+        # An empty slice may carry a stride that view() rejects; it has no bytes to keep.
+        part = (
+            flat.view(p.dtype).reshape(shape) if flat.numel() else torch.empty(shape, dtype=p.dtype)
+        )
+        out.setdefault(p.stream.name, {})[p.part] = part
+    return DecodedChunk(
+        header,
+        {
+            name: StreamData(parts[PART_CODES], parts.get(PART_SCALES))
+            for name, parts in out.items()
+        },
+    )

@@ -1,0 +1,125 @@
+"""Chunk codec throughput next to a plain memcpy of the same bytes, measured in one run.
+
+``python -m bench.codec --json`` prints ``encode_gbps``, ``decode_gbps`` (decode includes
+checksum verification and produces fresh tensors) and ``memcpy_gbps`` (torch ``copy_`` of
+the same number of bytes between preallocated buffers) for the headline layout, plus one
+row per layout and with zstd. GB/s counts raw payload bytes (10^9 bytes per second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from kvstore.codec import StreamData, decode_chunk, encode_chunk
+from kvstore.layout import LayoutSpec, get_layout
+
+_DTYPES = {4: torch.uint8, 8: torch.int8, 16: torch.bfloat16}
+
+
+def random_chunk(spec: LayoutSpec, seed: int) -> dict[str, StreamData]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for s in spec.persistent_streams:
+        e = s.entries_for(spec.chunk_tokens)
+        if s.bits == 16:
+            out[s.name] = StreamData(
+                torch.randn(s.layers, e, *s.codes_shape, generator=g).to(torch.bfloat16), None
+            )
+            continue
+        # Gaussian values quantized to 4/8 bits look like real KV codes, unlike uniform bytes.
+        levels = 7 if s.bits == 4 else 127
+        q = torch.randn(s.layers, e, *s.entry_shape, generator=g).mul(levels / 3).round()
+        q = q.clamp(-levels - (s.bits == 4), levels).to(torch.int8)
+        if s.bits == 4:
+            q = (q[..., 0::2] & 0xF) | ((q[..., 1::2] & 0xF) << 4)
+            q = q.view(torch.uint8)
+        out[s.name] = StreamData(q, torch.rand(s.layers, e, s.scales_per_entry, generator=g).half())
+    return out
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(spec: LayoutSpec, total_mb: float, repeats: int, zstd_level: int | None) -> dict:
+    chunk_payload = int(spec.persistent_bytes_per_token * spec.chunk_tokens)
+    n = max(1, int(total_mb * 1e6 // chunk_payload))
+    tokens = np.arange(spec.chunk_tokens)
+    chunks = [random_chunk(spec, i) for i in range(min(n, 8))]
+    chunks = [chunks[i % len(chunks)] for i in range(n)]
+    encoded: list[bytes] = []
+
+    def encode_all() -> None:
+        encoded[:] = [encode_chunk(spec, 0, tokens, c, zstd_level=zstd_level) for c in chunks]
+
+    def decode_all() -> None:
+        for buf in encoded:
+            decode_chunk(buf, spec)
+
+    total = n * chunk_payload
+    src = torch.randint(0, 255, (total,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    encode_s = _best_seconds(encode_all, repeats)
+    decode_s = _best_seconds(decode_all, repeats)
+    memcpy_s = _best_seconds(lambda: dst.copy_(src), repeats)
+    return {
+        "layout": spec.name,
+        "zstd_level": zstd_level,
+        "chunks": n,
+        "chunk_payload_bytes": chunk_payload,
+        "stored_bytes": sum(len(b) for b in encoded),
+        "payload_bytes": total,
+        "encode_gbps": total / encode_s / 1e9,
+        "decode_gbps": total / decode_s / 1e9,
+        "memcpy_gbps": total / memcpy_s / 1e9,
+        "decode_vs_memcpy": memcpy_s / decode_s,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--layout", default="deepseek-v3", help="headline layout")
+    parser.add_argument("--mb", type=float, default=64.0, help="payload per measurement")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    rows = [measure(get_layout(args.layout), args.mb, args.repeats, None)]
+    for name in ("kvtier-bundled", "flash-4.1-like"):
+        rows.append(measure(get_layout(name), args.mb / 4, args.repeats, None))
+    rows.append(measure(get_layout("flash-4.1-like"), args.mb / 4, args.repeats, 3))
+    head = rows[0]
+    result = {
+        "encode_gbps": head["encode_gbps"],
+        "decode_gbps": head["decode_gbps"],
+        "memcpy_gbps": head["memcpy_gbps"],
+        "layout": head["layout"],
+        "rows": rows,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(
+            f"{'layout':<16} {'zstd':>4} {'chunk B':>9} {'encode':>8} {'decode':>8} "
+            f"{'memcpy':>8} {'dec/mem':>8} {'stored/raw':>10}"
+        )
+        for r in rows:
+            print(
+                f"{r['layout']:<16} {r['zstd_level'] or '-':>4} {r['chunk_payload_bytes']:>9} "
+                f"{r['encode_gbps']:>7.2f}G {r['decode_gbps']:>7.2f}G {r['memcpy_gbps']:>7.2f}G "
+                f"{r['decode_vs_memcpy']:>8.2f} {r['stored_bytes'] / r['payload_bytes']:>10.3f}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,65 @@
+"""Where each (stream, layer, part) of a chunk lives in its payload, for one layout and
+token count. Encoder and decoder share it, so the byte order has one source of truth,
+and it is cached because a session's chunks all have the same shape."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvstore.layout import LayoutSpec, Stream
+
+PART_CODES, PART_SCALES = 0, 1
+CODE_DTYPES = {4: torch.uint8, 8: torch.int8, 16: torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    stream: Stream
+    stream_index: int
+    part: int  # PART_CODES or PART_SCALES
+    first_section: int  # row of layer 0 in the section table
+    offset: int  # payload offset of layer 0; layers follow back to back
+    layer_bytes: int
+    shape: tuple[int, ...]  # (layers, entries, ...) of the whole part
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    parts: tuple[PartPlan, ...]
+    # (sections, 3) uint64: the table's first 24 bytes per row (ids, offset, length), as
+    # encode_chunk writes them; a decoder compares the stored table against it in one call.
+    table_head: np.ndarray
+    payload_bytes: int
+
+
+def streams_of(spec: LayoutSpec, ephemeral: bool) -> tuple[Stream, ...]:
+    return spec.ephemeral_streams if ephemeral else spec.persistent_streams
+
+
+@functools.lru_cache(maxsize=512)
+def chunk_plan(spec: LayoutSpec, num_tokens: int, ephemeral: bool) -> ChunkPlan:
+    parts, rows, offset, section = [], [], 0, 0
+    for index, stream in enumerate(streams_of(spec, ephemeral)):
+        entries = stream.entries_for(num_tokens)
+        kinds = [
+            (PART_CODES, (stream.layers, entries, *stream.codes_shape), CODE_DTYPES[stream.bits])
+        ]
+        if stream.bits < 16:
+            kinds.append(
+                (PART_SCALES, (stream.layers, entries, stream.scales_per_entry), torch.float16)
+            )
+        for part, shape, dtype in kinds:
+            layer_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+            parts.append(PartPlan(stream, index, part, section, offset, layer_bytes, shape, dtype))
+            for layer in range(stream.layers):
+                ids = index | (layer << 16) | (part << 32)  # u2 stream, u2 layer, u1 part, 3 pad
+                rows.append((ids, offset, layer_bytes))
+                offset += layer_bytes
+                section += 1
+    table_head = np.array(rows, dtype=np.uint64).reshape(-1, 3)
+    return ChunkPlan(tuple(parts), table_head, offset)

@@ -1,0 +1,357 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Ack(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ACK_UNSPECIFIED: _ClassVar[Ack]
+    ACK_MEMORY: _ClassVar[Ack]
+    ACK_DURABLE: _ClassVar[Ack]
+ACK_UNSPECIFIED: Ack
+ACK_MEMORY: Ack
+ACK_DURABLE: Ack
+
+class SessionRef(_message.Message):
+    __slots__ = ("tenant", "session_id")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    session_id: str
+    def __init__(self, tenant: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class ResumeHint(_message.Message):
+    __slots__ = ("expected_pause_s", "priority")
+    EXPECTED_PAUSE_S_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    expected_pause_s: float
+    priority: int
+    def __init__(self, expected_pause_s: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class SharedMemoryRef(_message.Message):
+    __slots__ = ("name", "offset", "length")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    length: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class Payload(_message.Message):
+    __slots__ = ("key", "data", "shm")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    data: bytes
+    shm: SharedMemoryRef
+    def __init__(self, key: _Optional[str] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
+
+class SpillHeader(_message.Message):
+    __slots__ = ("session", "layout_id", "generation", "token_ids", "chunk_keys", "ack", "hint", "ttl_s")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    HINT_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    layout_id: str
+    generation: int
+    token_ids: bytes
+    chunk_keys: _containers.RepeatedScalarFieldContainer[str]
+    ack: Ack
+    hint: ResumeHint
+    ttl_s: float
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., layout_id: _Optional[str] = ..., generation: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., chunk_keys: _Optional[_Iterable[str]] = ..., ack: _Optional[_Union[Ack, str]] = ..., hint: _Optional[_Union[ResumeHint, _Mapping]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class SpillRequest(_message.Message):
+    __slots__ = ("header", "chunk", "tail", "window")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    header: SpillHeader
+    chunk: Payload
+    tail: Payload
+    window: Payload
+    def __init__(self, header: _Optional[_Union[SpillHeader, _Mapping]] = ..., chunk: _Optional[_Union[Payload, _Mapping]] = ..., tail: _Optional[_Union[Payload, _Mapping]] = ..., window: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
+
+class SpillReply(_message.Message):
+    __slots__ = ("generation", "tier", "chunks_written", "chunks_deduped", "durable", "bytes_received", "window_kept")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_DEDUPED_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_KEPT_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    tier: str
+    chunks_written: int
+    chunks_deduped: int
+    durable: bool
+    bytes_received: int
+    window_kept: bool
+    def __init__(self, generation: _Optional[int] = ..., tier: _Optional[str] = ..., chunks_written: _Optional[int] = ..., chunks_deduped: _Optional[int] = ..., durable: _Optional[bool] = ..., bytes_received: _Optional[int] = ..., window_kept: _Optional[bool] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("session", "layer_by_layer", "want_window", "use_shared_memory")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BY_LAYER_FIELD_NUMBER: _ClassVar[int]
+    WANT_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    USE_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    layer_by_layer: bool
+    want_window: bool
+    use_shared_memory: bool
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., layer_by_layer: _Optional[bool] = ..., want_window: _Optional[bool] = ..., use_shared_memory: _Optional[bool] = ...) -> None: ...
+
+class SessionHeader(_message.Message):
+    __slots__ = ("layout_id", "generation", "num_tokens", "token_ids", "chunk_keys", "window_available", "replay_needed", "window_tier")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_NEEDED_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TIER_FIELD_NUMBER: _ClassVar[int]
+    layout_id: str
+    generation: int
+    num_tokens: int
+    token_ids: bytes
+    chunk_keys: _containers.RepeatedScalarFieldContainer[str]
+    window_available: bool
+    replay_needed: bool
+    window_tier: str
+    def __init__(self, layout_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., chunk_keys: _Optional[_Iterable[str]] = ..., window_available: _Optional[bool] = ..., replay_needed: _Optional[bool] = ..., window_tier: _Optional[str] = ...) -> None: ...
+
+class RestoredChunk(_message.Message):
+    __slots__ = ("index", "tier", "payload")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    tier: str
+    payload: Payload
+    def __init__(self, index: _Optional[int] = ..., tier: _Optional[str] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
+
+class LayerSection(_message.Message):
+    __slots__ = ("stream", "layer", "chunk_index", "codes", "scales", "codes_xxh3", "scales_xxh3")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    CODES_XXH3_FIELD_NUMBER: _ClassVar[int]
+    SCALES_XXH3_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    layer: int
+    chunk_index: int
+    codes: bytes
+    scales: bytes
+    codes_xxh3: int
+    scales_xxh3: int
+    def __init__(self, stream: _Optional[str] = ..., layer: _Optional[int] = ..., chunk_index: _Optional[int] = ..., codes: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., codes_xxh3: _Optional[int] = ..., scales_xxh3: _Optional[int] = ...) -> None: ...
+
+class ResumeSummary(_message.Message):
+    __slots__ = ("tier", "replayed", "replay_tokens", "restore_seconds", "replay_seconds")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    replayed: bool
+    replay_tokens: int
+    restore_seconds: float
+    replay_seconds: float
+    def __init__(self, tier: _Optional[str] = ..., replayed: _Optional[bool] = ..., replay_tokens: _Optional[int] = ..., restore_seconds: _Optional[float] = ..., replay_seconds: _Optional[float] = ...) -> None: ...
+
+class RestoreReply(_message.Message):
+    __slots__ = ("header", "chunk", "section", "tail", "window", "summary")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SECTION_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    header: SessionHeader
+    chunk: RestoredChunk
+    section: LayerSection
+    tail: Payload
+    window: Payload
+    summary: ResumeSummary
+    def __init__(self, header: _Optional[_Union[SessionHeader, _Mapping]] = ..., chunk: _Optional[_Union[RestoredChunk, _Mapping]] = ..., section: _Optional[_Union[LayerSection, _Mapping]] = ..., tail: _Optional[_Union[Payload, _Mapping]] = ..., window: _Optional[_Union[Payload, _Mapping]] = ..., summary: _Optional[_Union[ResumeSummary, _Mapping]] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("session", "replay_tokens", "use_shared_memory")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    USE_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    replay_tokens: int
+    use_shared_memory: bool
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., replay_tokens: _Optional[int] = ..., use_shared_memory: _Optional[bool] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("session", "timeout_s", "target_tier")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TARGET_TIER_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    timeout_s: float
+    target_tier: str
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., timeout_s: _Optional[float] = ..., target_tier: _Optional[str] = ...) -> None: ...
+
+class PrefetchReply(_message.Message):
+    __slots__ = ("tier", "complete", "seconds")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    complete: bool
+    seconds: float
+    def __init__(self, tier: _Optional[str] = ..., complete: _Optional[bool] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("session", "target_tier")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_TIER_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    target_tier: str
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., target_tier: _Optional[str] = ...) -> None: ...
+
+class EvictReply(_message.Message):
+    __slots__ = ("tier", "window_dropped")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    window_dropped: bool
+    def __init__(self, tier: _Optional[str] = ..., window_dropped: _Optional[bool] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ...) -> None: ...
+
+class DeleteReply(_message.Message):
+    __slots__ = ("chunks_released", "chunks_freed")
+    CHUNKS_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FREED_FIELD_NUMBER: _ClassVar[int]
+    chunks_released: int
+    chunks_freed: int
+    def __init__(self, chunks_released: _Optional[int] = ..., chunks_freed: _Optional[int] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session", "layout_id", "generation", "num_tokens", "chunks", "window_tier", "last_access_unix", "tiers")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TIER_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACCESS_UNIX_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    layout_id: str
+    generation: int
+    num_tokens: int
+    chunks: int
+    window_tier: str
+    last_access_unix: float
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., layout_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., window_tier: _Optional[str] = ..., last_access_unix: _Optional[float] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TierStat(_message.Message):
+    __slots__ = ("name", "capacity_bytes", "used_bytes", "items", "available", "lookups", "hits")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    items: int
+    available: bool
+    lookups: int
+    hits: int
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., items: _Optional[int] = ..., available: _Optional[bool] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ...) -> None: ...
+
+class StatRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ...) -> None: ...
+
+class StatReply(_message.Message):
+    __slots__ = ("tiers", "sessions", "writeback_queue_depth", "replays", "session")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    WRITEBACK_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    REPLAYS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStat]
+    sessions: int
+    writeback_queue_depth: int
+    replays: int
+    session: SessionInfo
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., sessions: _Optional[int] = ..., writeback_queue_depth: _Optional[int] = ..., replays: _Optional[int] = ..., session: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("tenant", "page_size", "page_token")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    page_size: int
+    page_token: str
+    def __init__(self, tenant: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListReply(_message.Message):
+    __slots__ = ("sessions", "next_page_token")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    next_page_token: str
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class ReplayRequest(_message.Message):
+    __slots__ = ("layout_id", "token_ids", "chunks", "tail", "replay_tokens", "job_id")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    layout_id: str
+    token_ids: bytes
+    chunks: _containers.RepeatedScalarFieldContainer[bytes]
+    tail: bytes
+    replay_tokens: int
+    job_id: str
+    def __init__(self, layout_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., chunks: _Optional[_Iterable[bytes]] = ..., tail: _Optional[bytes] = ..., replay_tokens: _Optional[int] = ..., job_id: _Optional[str] = ...) -> None: ...
+
+class ReplayReply(_message.Message):
+    __slots__ = ("window", "replayed_tokens", "seconds", "worker")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    window: bytes
+    replayed_tokens: int
+    seconds: float
+    worker: str
+    def __init__(self, window: _Optional[bytes] = ..., replayed_tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., worker: _Optional[str] = ...) -> None: ...
