@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import random
 import shutil
 import socket
@@ -195,6 +196,7 @@ class MotoServer:
         from moto.server import ThreadedMotoServer
 
         self._server = ThreadedMotoServer(ip_address=LOOPBACK, port=0, verbose=False)
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request
         self.endpoint_url = ""
 
     def start(self) -> None:
