@@ -1,5 +1,8 @@
-"""The ``kvtier`` command line. Each subcommand lives in its own module and is imported
-only when it runs, so ``kvtier layouts`` does not pay for torch or gRPC start-up."""
+"""The ``kvtier`` command line.
+
+Each subcommand lives in its own module (``add_arguments(parser)`` and ``run(args) -> int``)
+and is imported only when it runs, so ``kvtier layouts`` does not pay for torch or gRPC.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +10,17 @@ import argparse
 import importlib
 import sys
 
-# name -> (module with add_arguments(parser) and run(args) -> int, one-line help)
+# name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "layouts": ("services.layouts_report", "print the layout specs and their bytes per token"),
+    "serve": ("services.serve", "run the gRPC server"),
+    "replay-worker": ("replay.worker_server", "run a bounded-replay worker as a gRPC service"),
+    "stat": ("services.stat", "print the server's tier statistics and metrics"),
+    "top": ("services.top", "show hit rate per tier live in the terminal"),
+    "list": ("services.list_sessions", "list stored sessions"),
+    "generate": ("services.generate", "run the bundled model as an inference worker"),
+    "demo": ("services.demo", "run the agent-like end-to-end demo"),
+    "compact": ("services.compact", "compact a data directory offline"),
 }
 
 
@@ -18,17 +29,22 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvtier", description="Tiered KV-cache persistence with bounded-replay recovery."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (module, help_text) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=help_text)
-        command.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(command)
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # First pass picks the command; its own module then defines and parses its options.
+    chosen, rest = build_parser().parse_known_args(argv)
+    module_name, help_text = COMMANDS[chosen.command]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"kvtier {chosen.command}", description=help_text)
+    module.add_arguments(parser)
+    args = parser.parse_args(rest)
     try:
-        return importlib.import_module(args._module).run(args)
+        return module.run(args)
     except BrokenPipeError:  # output piped into `head`: not an error worth a traceback
         sys.stderr.close()
         return 0
