@@ -1,0 +1,429 @@
+"""The tier manager: the store's library API, which the gRPC service wraps thinly.
+
+    manager = await TierManager.open([HostTier(...), DiskTier(...)], meta)
+    await manager.spill(tenant, session_id, layout_id=..., generation=1, token_ids=...,
+                        chunks=[(key, encoded), ...], tail=b"", window=blob, ack="memory")
+    result = await manager.restore(tenant, session_id)
+
+Rules it keeps (placement details in ``kvstore.placement``):
+
+- Generations: a spill must present a generation strictly greater than the session's
+  stored one (any generation >= 0 for a new session), else ``StaleGeneration``. A retried
+  spill of the same generation is therefore refused too: read the manifest to check it.
+- Acks: ``"memory"`` returns once every chunk is in some tier and the manifest is
+  committed; chunks not yet on a durable tier are queued for background write-back.
+  ``"durable"`` returns once every chunk is also on a durable tier (and needs a
+  MetaStore that is itself durable, such as the disk tier's).
+- Dedupe: chunks are shared by key across every session of this manager (one namespace)
+  with reference counts (``kvstore.refcount``); a chunk nothing references is deleted
+  from every tier.
+- Window blobs only live in tiers with ``holds_window``; when one is dropped the
+  manifest's ``window_tier`` becomes None and a restore reports ``replay_needed``.
+- Locks: a readers-writer lock per session (restores share it, spills/deletes/demotes
+  are exclusive) and a lock per chunk key for moves; never a global lock across I/O.
+
+One manager owns its tiers and MetaStore; ``close`` drains write-back and closes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Literal
+
+import numpy as np
+
+from kvstore.errors import (
+    ChunkCorrupt,
+    DataLoss,
+    InvalidRequest,
+    SessionNotFound,
+    StaleGeneration,
+    TierFull,
+    TierUnavailable,
+)
+from kvstore.keys import token_bytes
+from kvstore.layout import get_layout
+from kvstore.locks import KeyedLocks, RWLocks
+from kvstore.manifest import SessionManifest, check_name
+from kvstore.placement import WINDOW_PREFIX, TierStack, is_window_key
+from kvstore.policy import EvictionPolicy, LRUPolicy, ResumeHint
+from kvstore.refcount import RefLedger
+from kvstore.restore import ReadingMixin
+from kvstore.stats import Counters, ManagerStats
+from kvstore.tiers.base import Buffer, MemoryMetaStore, MetaStore, Tier, TierStats
+from kvstore.validate import check_spill
+from kvstore.writeback import WriteBackQueue
+
+MANIFEST_PREFIX = "manifest/"
+Ack = Literal["memory", "durable"]
+log = logging.getLogger(__name__)
+
+
+def manifest_key(tenant: str, session_id: str) -> str:
+    return f"{MANIFEST_PREFIX}{tenant}/{session_id}"
+
+
+class TierManager(ReadingMixin):
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        meta: MetaStore,
+        *,
+        policy: Callable[[], EvictionPolicy] = LRUPolicy,
+        writeback_depth: int = 256,
+        writeback_workers: int = 2,
+        io_concurrency: int = 8,
+    ) -> None:
+        """Use ``await TierManager.open(...)``; ``policy`` makes one policy per tier."""
+        names = [tier.name for tier in tiers]
+        if not tiers or len(set(names)) != len(names):
+            raise InvalidRequest(f"need at least one tier, each name once; got {names}")
+        self.meta = meta
+        self.counters = Counters()
+        self._locks = KeyedLocks()
+        self._sessions = RWLocks()
+        self._ledger = RefLedger(meta)
+        self._stack = TierStack(
+            tiers, policy, self._locks, self.counters,
+            is_referenced=lambda key: self._ledger.count(key) > 0,
+            on_window_dropped=lambda key: self._spawn(self._forget_window(key)),
+        )
+        self._durable = [i for i, tier in enumerate(tiers) if tier.durable]
+        self._io = asyncio.Semaphore(io_concurrency)
+        self._tasks: set[asyncio.Task] = set()
+        self._writeback = WriteBackQueue(
+            self._write_back, depth=writeback_depth, workers=writeback_workers
+        )
+
+    @classmethod
+    async def open(cls, tiers: Sequence[Tier], meta: MetaStore, **options) -> TierManager:
+        """Start a manager: load reference counts and learn what each tier holds."""
+        manager = cls(tiers, meta, **options)
+        await manager._ledger.load()
+        await manager._stack.load()
+        return manager
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        return self._stack.tiers
+
+    async def __aenter__(self) -> TierManager:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    # -- spill --
+
+    async def spill(
+        self,
+        tenant: str,
+        session_id: str,
+        *,
+        layout_id: str,
+        generation: int,
+        token_ids: Sequence[int] | np.ndarray,
+        chunks: Sequence[tuple[str, Buffer]],
+        tail: Buffer = b"",
+        window: Buffer | None = None,
+        ack: Ack = "memory",
+        hint: ResumeHint | None = None,
+        ttl_s: float | None = None,
+    ) -> SessionManifest:
+        """Store a session (replacing its older generation) and return its manifest.
+
+        ``chunks``: (key, codec-encoded bytes) of every complete chunk, in order, keys as
+        ``kvstore.keys.chain_keys(spec.layout_id, token_ids, spec.chunk_tokens)``;
+        ``tail``: the encoded partial last chunk or b""; ``window``: the encoded window
+        blob (``ephemeral=True``) or None. Buffers must stay unchanged until this returns.
+        """
+        check_name("tenant", tenant)
+        check_name("session_id", session_id)
+        if ack not in ("memory", "durable"):
+            raise InvalidRequest(f"ack must be 'memory' or 'durable', got {ack!r}")
+        if ack == "durable" and (not self._durable or isinstance(self.meta, MemoryMetaStore)):
+            raise InvalidRequest("a durable ack needs a durable tier and a durable MetaStore")
+        if not isinstance(generation, int) or generation < 0:
+            raise InvalidRequest(f"generation must be an int >= 0, got {generation!r}")
+        spec = get_layout(layout_id)
+        tokens = np.frombuffer(token_bytes(token_ids), dtype="<u4")
+        check_spill(spec, tokens, chunks, tail, window)
+        keys = [key for key, _ in chunks]
+        async with self._sessions.write((tenant, session_id)):
+            old = await self._load(tenant, session_id)
+            if old is not None and generation <= old.generation:
+                raise StaleGeneration(
+                    f"{tenant}/{session_id}: generation {generation} is not newer than the "
+                    f"stored {old.generation}"
+                )
+            self._ledger.pin(keys)
+            window_key = None
+            try:
+                protect = frozenset(keys)
+                queued = await self._gather(
+                    self._store_chunk(key, data, hint, ack, protect) for key, data in chunks
+                )
+                window_tier = None
+                if window is not None:
+                    window_key = f"{WINDOW_PREFIX}{tenant}/{session_id}/{generation}"
+                    window_tier = await self._store_window(window_key, window, hint)
+                now = time.time()
+                manifest = SessionManifest(
+                    tenant=tenant, session_id=session_id, layout_id=spec.layout_id,
+                    generation=generation, token_ids=tokens, chunk_keys=tuple(keys),
+                    chunk_sizes=tuple(len(data) for _, data in chunks), tail=bytes(tail),
+                    window_tier=window_tier,
+                    window_key=window_key if window_tier is not None else None,
+                    created_at=old.created_at if old else now, updated_at=now,
+                    last_access=now, ttl_s=ttl_s, hint=hint,
+                )
+                freed = await self._ledger.commit(
+                    {manifest_key(tenant, session_id): manifest.encode()},
+                    acquire=keys, release=old.chunk_keys if old else (),
+                )
+            except BaseException:
+                await self._free(self._ledger.unpin(keys))
+                if window_key is not None:
+                    await self._drop_block(window_key)
+                raise
+            await self._free(freed + self._ledger.unpin(keys))
+            if old is not None and old.window_key is not None:
+                await self._drop_block(old.window_key)
+        for key in (k for k, wants_writeback in zip(keys, queued, strict=True) if wants_writeback):
+            await self._writeback.submit(key)
+        self.counters.spills += 1
+        return manifest
+
+    async def _store_chunk(self, key: str, data: Buffer, hint: ResumeHint | None, ack: Ack,
+                           protect: frozenset[str]) -> bool:
+        """Place one chunk (or find it held); True when it still needs write-back."""
+        async with self._locks.hold(key):
+            self._stack.touch(key, hint)
+            holders = self._stack.holders(key)
+            if holders:
+                self.counters.dedupe_hits += 1
+            else:
+                placed = await self._stack.place(key, data, protect=protect)
+                if placed is None:
+                    raise TierFull(f"no tier has room for chunk {key} ({len(data)} B)")
+                holders = [placed]
+            if any(self.tiers[i].durable for i in holders):
+                return False
+            if ack == "memory":
+                return bool(self._durable)
+            for j in self._durable:
+                if await self._stack.place(key, data, start=j, stop=j + 1) is not None:
+                    return False
+            raise TierFull(f"no durable tier took chunk {key} ({len(data)} B)")
+
+    async def _store_window(self, key: str, data: Buffer, hint: ResumeHint | None
+                            ) -> str | None:
+        async with self._locks.hold(key):
+            self._stack.touch(key, hint)
+            placed = await self._stack.place(key, data)
+        if placed is None:
+            self.counters.windows_dropped += 1
+            log.warning("no window tier has room for %s (%d B): replay will be needed",
+                        key, len(data))
+            return None
+        return self.tiers[placed].name
+
+    async def _write_back(self, key: str) -> None:
+        async with self._locks.hold(key):
+            if not self._ledger.count(key):
+                return  # freed, or its spill failed, since it was queued
+            if any(self.tiers[i].durable for i in self._stack.holders(key)):
+                return
+            try:
+                data, _, _ = await self._stack.read(key)
+            except DataLoss:
+                self.counters.writeback_failed += 1
+                raise
+            for j in self._durable:
+                if await self._stack.place(key, data, start=j, stop=j + 1) is not None:
+                    self.counters.writeback_done += 1
+                    return
+            self.counters.writeback_failed += 1
+            raise TierFull(f"no durable tier took chunk {key} for write-back")
+
+    # -- delete, demote --
+
+    async def delete(self, tenant: str, session_id: str) -> None:
+        """Drop a session; chunks nothing else references are deleted from every tier."""
+        async with self._sessions.write((check_name("tenant", tenant),
+                                         check_name("session_id", session_id))):
+            try:
+                manifest = await self._load_required(tenant, session_id)
+            except DataLoss:
+                log.error("deleting the corrupt manifest of %s/%s: its chunk references "
+                          "stay until the compaction job collects them", tenant, session_id)
+                await self._ledger.commit({manifest_key(tenant, session_id): None})
+                return
+            freed = await self._ledger.commit(
+                {manifest_key(tenant, session_id): None}, release=manifest.chunk_keys
+            )
+            await self._free(freed)
+            if manifest.window_key is not None:
+                await self._drop_block(manifest.window_key)
+
+    async def demote(self, tenant: str, session_id: str, tier_name: str | None = None
+                     ) -> SessionManifest:
+        """Move a session's blocks down to ``tier_name`` (default: the lowest tier).
+
+        Copies above that tier are removed, shared chunks included. A window that the
+        target tier cannot hold is dropped and the manifest says so.
+        """
+        check_name("tenant", tenant)
+        check_name("session_id", session_id)
+        try:
+            target = self._stack.index(tier_name or self.tiers[-1].name)
+        except KeyError:
+            raise InvalidRequest(f"no tier named {tier_name!r}") from None
+        async with self._sessions.write((tenant, session_id)):
+            manifest = await self._load_required(tenant, session_id)
+            blocks = list(manifest.chunk_keys)
+            window = manifest.window_key
+            if window is not None and self.tiers[target].holds_window:
+                blocks.append(window)
+            await self._gather(self._demote_block(key, target) for key in blocks)
+            if window is not None and not self.tiers[target].holds_window:
+                await self._drop_block(window)
+                self.counters.windows_dropped += 1
+                manifest = manifest.evolve(window_tier=None, window_key=None)
+                await self._ledger.commit({manifest_key(tenant, session_id): manifest.encode()})
+            elif window is not None:
+                held = self._stack.holders(window)
+                manifest = manifest.evolve(window_tier=self.tiers[held[0]].name if held else None)
+                await self._ledger.commit({manifest_key(tenant, session_id): manifest.encode()})
+            return manifest
+
+    async def _demote_block(self, key: str, target: int) -> None:
+        async with self._locks.hold(key):
+            holders = self._stack.holders(key)
+            if not any(i >= target for i in holders):
+                data, _, _ = await self._stack.read(key)
+                if await self._stack.place(key, data, start=target) is None:
+                    raise TierFull(f"no tier at or below {self.tiers[target].name} took {key}")
+            for i in (i for i in holders if i < target):
+                await self._stack.delete(i, key, evicted=True)
+
+    # -- listing, stats, lifecycle --
+
+    async def get_manifest(self, tenant: str, session_id: str) -> SessionManifest:
+        return await self._load_required(check_name("tenant", tenant),
+                                         check_name("session_id", session_id))
+
+    async def list_sessions(self, tenant: str | None = None) -> list[SessionManifest]:
+        """Manifests of every session (of one tenant), sorted by tenant and id."""
+        prefix = MANIFEST_PREFIX if tenant is None else f"{manifest_key(tenant, '')}"
+        out = []
+        for key, value in await self.meta.scan(prefix):
+            try:
+                out.append(SessionManifest.decode(value))
+            except ChunkCorrupt as exc:
+                log.error("skipping corrupt manifest %s: %s", key, exc)
+        return out
+
+    async def stat(self) -> ManagerStats:
+        tier_stats = []
+        for tier in self.tiers:
+            try:
+                tier_stats.append(await tier.stats())
+            except TierUnavailable:
+                tier_stats.append(TierStats(tier.name, tier.capacity_bytes, 0, 0, False))
+        return ManagerStats(
+            tiers=tuple(tier_stats), counters=self.counters.snapshot(),
+            writeback_depth=self._writeback.depth, writeback_capacity=self._writeback.capacity,
+            referenced_chunks=len(self._ledger.referenced()),
+        )
+
+    async def drain(self) -> None:
+        """Wait for queued write-backs and background promotions to finish."""
+        while self._tasks or self._writeback.depth:
+            await self._writeback.join()
+            if self._tasks:
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def close(self) -> None:
+        """Drain, then close every tier and the MetaStore."""
+        await self.drain()
+        await self._writeback.close()
+        for tier in self.tiers:
+            await tier.close()
+        await self.meta.close()
+
+    # -- internals --
+
+    async def _load(self, tenant: str, session_id: str) -> SessionManifest | None:
+        raw = await self.meta.get(manifest_key(tenant, session_id))
+        if raw is None:
+            return None
+        try:
+            return SessionManifest.decode(raw)
+        except ChunkCorrupt as exc:
+            raise DataLoss(f"the manifest of {tenant}/{session_id} is corrupt: {exc}") from exc
+
+    async def _load_required(self, tenant: str, session_id: str) -> SessionManifest:
+        manifest = await self._load(tenant, session_id)
+        if manifest is None:
+            raise SessionNotFound(f"no session {tenant}/{session_id}")
+        return manifest
+
+    async def _gather(self, coros) -> list:
+        async def bounded(coro: Awaitable):
+            async with self._io:
+                return await coro
+
+        tasks = [asyncio.ensure_future(bounded(c)) for c in coros]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _free(self, keys: Sequence[str]) -> None:
+        for key in dict.fromkeys(keys):
+            async with self._locks.hold(key):
+                if self._ledger.count(key):
+                    continue  # referenced again (or pinned by a spill) meanwhile
+                await self._stack.delete_everywhere(key)
+                self.counters.freed_chunks += 1
+
+    async def _drop_block(self, key: str) -> None:
+        async with self._locks.hold(key):
+            await self._stack.delete_everywhere(key)
+
+    def _spawn(self, coro: Awaitable) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed: %r", task.exception())
+
+    async def _forget_window(self, key: str) -> None:
+        """A window was evicted below the window tiers: record that replay is needed."""
+        assert is_window_key(key)
+        tenant, session_id, _ = key[len(WINDOW_PREFIX):].split("/")
+        async with self._sessions.write((tenant, session_id)):
+            manifest = await self._load(tenant, session_id)
+            if manifest is None or manifest.window_key != key or self._stack.holders(key):
+                return
+            await self._ledger.commit({manifest_key(tenant, session_id): manifest.evolve(
+                window_tier=None, window_key=None).encode()})
+
+    async def _note_access(self, tenant: str, session_id: str, generation: int) -> None:
+        async with self._sessions.write((tenant, session_id)):
+            with contextlib.suppress(DataLoss):  # a corrupt manifest is reported elsewhere
+                manifest = await self._load(tenant, session_id)
+                if manifest is not None and manifest.generation == generation:
+                    await self._ledger.commit({manifest_key(tenant, session_id): manifest.evolve(
+                        last_access=time.time()).encode()})

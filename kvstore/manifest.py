@@ -1,0 +1,162 @@
+"""Session manifests: what a spilled session is made of, serialised for the MetaStore.
+
+A manifest names the session's chunks by key (where each chunk lives is the tier
+manager's business, not the manifest's), carries the token ids (replay and re-prefill
+need them), the encoded partial tail chunk, and where the window blob is held if
+anywhere. Encoding (little-endian)::
+
+    magic "KVSM", u16 version, u32 JSON length
+    JSON      every scalar field, the chunk keys and sizes, token and tail lengths
+    tokens    token ids as uint32
+    tail      the tail chunk's bytes (codec-encoded) or nothing
+    check     xxh3-64 of everything before it
+
+A buffer that does not parse whole raises ``ChunkCorrupt``: never a half manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import xxhash
+
+from kvstore.errors import ChunkCorrupt, InvalidRequest, UnsupportedVersion
+from kvstore.keys import token_bytes
+from kvstore.policy import ResumeHint
+
+MAGIC = b"KVSM"
+VERSION = 1
+_HEAD = struct.Struct("<4sHI")
+_CHECK = struct.Struct("<Q")
+MAX_NAME_BYTES = 256
+
+
+def check_name(kind: str, value: object) -> str:
+    """Tenant and session ids become MetaStore and tier key parts: keep them plain."""
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"{kind} must be a non-empty string, got {value!r}")
+    if len(value.encode()) > MAX_NAME_BYTES:
+        raise InvalidRequest(f"{kind} is longer than {MAX_NAME_BYTES} bytes")
+    if "/" in value or any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise InvalidRequest(f"{kind} {value!r} may not contain '/' or control characters")
+    return value
+
+
+@dataclass(frozen=True)
+class SessionManifest:
+    tenant: str
+    session_id: str
+    layout_id: str
+    generation: int  # strictly increasing per session; see TierManager.spill
+    token_ids: np.ndarray  # (num_tokens,) uint32, read-only
+    chunk_keys: tuple[str, ...]  # complete chunks, in token order
+    chunk_sizes: tuple[int, ...]  # encoded bytes of each chunk
+    tail: bytes = b""  # codec-encoded partial last chunk, or empty
+    window_tier: str | None = None  # tier holding the window blob; None: replay needed
+    window_key: str | None = None
+    created_at: float = field(default_factory=time.time)  # wall clock, seconds
+    updated_at: float = field(default_factory=time.time)
+    last_access: float = field(default_factory=time.time)
+    ttl_s: float | None = None  # idle time after which the session may be collected
+    hint: ResumeHint | None = None
+
+    def __post_init__(self) -> None:
+        check_name("tenant", self.tenant)
+        check_name("session_id", self.session_id)
+        if not isinstance(self.generation, int) or self.generation < 0:
+            raise InvalidRequest(f"generation must be an int >= 0, got {self.generation!r}")
+        if len(self.chunk_keys) != len(self.chunk_sizes):
+            raise InvalidRequest("chunk_keys and chunk_sizes differ in length")
+        if self.ttl_s is not None and not self.ttl_s > 0:
+            raise InvalidRequest(f"ttl_s must be > 0, got {self.ttl_s}")
+        tokens = np.frombuffer(token_bytes(self.token_ids), dtype="<u4")  # read-only copy
+        object.__setattr__(self, "token_ids", tokens)
+        object.__setattr__(self, "chunk_keys", tuple(self.chunk_keys))
+        object.__setattr__(self, "chunk_sizes", tuple(int(s) for s in self.chunk_sizes))
+        object.__setattr__(self, "tail", bytes(self.tail))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of persistent KV the session references (shared chunks included)."""
+        return sum(self.chunk_sizes) + len(self.tail)
+
+    def expired(self, now: float | None = None) -> bool:
+        now = time.time() if now is None else now
+        return self.ttl_s is not None and now > self.last_access + self.ttl_s
+
+    def evolve(self, **changes) -> SessionManifest:
+        return replace(self, **changes)
+
+    def encode(self) -> bytes:
+        head = {
+            "tenant": self.tenant,
+            "session_id": self.session_id,
+            "layout_id": self.layout_id,
+            "generation": self.generation,
+            "chunk_keys": list(self.chunk_keys),
+            "chunk_sizes": list(self.chunk_sizes),
+            "num_tokens": self.num_tokens,
+            "tail_len": len(self.tail),
+            "window_tier": self.window_tier,
+            "window_key": self.window_key,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+            "last_access": self.last_access,
+            "ttl_s": self.ttl_s,
+            "hint": None
+            if self.hint is None
+            else [self.hint.expected_pause_s, self.hint.priority],
+        }
+        body = json.dumps(head, separators=(",", ":")).encode()
+        out = _HEAD.pack(MAGIC, VERSION, len(body)) + body + self.token_ids.tobytes() + self.tail
+        return out + _CHECK.pack(xxhash.xxh3_64_intdigest(out))
+
+    @classmethod
+    def decode(cls, buf: bytes | bytearray | memoryview) -> SessionManifest:
+        view = memoryview(buf).cast("B")
+        if len(view) < _HEAD.size + _CHECK.size:
+            raise ChunkCorrupt(f"manifest of {len(view)} bytes is too short")
+        magic, version, body_len = _HEAD.unpack_from(view)
+        if magic != MAGIC:
+            raise ChunkCorrupt(f"bad manifest magic {bytes(magic)!r}")
+        if version != VERSION:
+            raise UnsupportedVersion(f"manifest version {version}; this build reads {VERSION}")
+        (check,) = _CHECK.unpack_from(view, len(view) - _CHECK.size)
+        if xxhash.xxh3_64_intdigest(view[: len(view) - _CHECK.size]) != check:
+            raise ChunkCorrupt("manifest checksum mismatch")
+        try:
+            head = json.loads(bytes(view[_HEAD.size : _HEAD.size + body_len]))
+            tokens_at = _HEAD.size + body_len
+            tail_at = tokens_at + 4 * head["num_tokens"]
+            if tail_at + head["tail_len"] != len(view) - _CHECK.size:
+                raise ChunkCorrupt("manifest lengths do not add up")
+            hint = head["hint"]
+            return cls(
+                tenant=head["tenant"],
+                session_id=head["session_id"],
+                layout_id=head["layout_id"],
+                generation=head["generation"],
+                token_ids=np.frombuffer(view[tokens_at:tail_at], dtype="<u4"),
+                chunk_keys=tuple(head["chunk_keys"]),
+                chunk_sizes=tuple(head["chunk_sizes"]),
+                tail=bytes(view[tail_at : tail_at + head["tail_len"]]),
+                window_tier=head["window_tier"],
+                window_key=head["window_key"],
+                created_at=head["created_at"],
+                updated_at=head["updated_at"],
+                last_access=head["last_access"],
+                ttl_s=head["ttl_s"],
+                hint=None if hint is None else ResumeHint(hint[0], hint[1]),
+            )
+        except ChunkCorrupt:
+            raise
+        except (ValueError, KeyError, TypeError, InvalidRequest) as exc:
+            raise ChunkCorrupt(f"manifest does not parse: {exc}") from exc

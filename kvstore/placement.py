@@ -1,0 +1,269 @@
+"""Where blocks live: placement with eviction, demotion, fall-through reads, promotion.
+
+``TierStack`` moves opaque blocks (encoded chunks and window blobs) between an ordered
+list of tiers, highest first. It keeps one eviction policy per tier, which doubles as
+the index of what the tier holds (rebuilt from ``Tier.keys`` on open). Rules:
+
+- A block goes to the highest tier with room; making room evicts the policy's victims.
+- An evicted block moves down to the next tier that holds it already or takes it (which
+  may evict there in turn); it is simply dropped only if another copy exists elsewhere.
+  The last intact copy of a referenced chunk is never dropped: the tier counts as full.
+- Window blobs (keys under ``WINDOW_PREFIX``) only live in tiers with ``holds_window``;
+  one that would have to move lower is dropped and ``on_window_dropped`` is told.
+- A read tries the tiers believed to hold the block, highest first, then the others,
+  verifying every copy (``codec.verify_chunk``) and falling through on a corrupt copy or
+  an unavailable tier; ``promote`` then replaces bad copies and moves the block up.
+
+Every mutation of one key happens under ``KeyedLocks`` held by the caller; eviction only
+takes victims whose lock is free (``KeyedLocks.busy``), so it never waits on a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Sequence
+
+from kvstore.codec import verify_chunk
+from kvstore.errors import ChunkNotFound, CodecError, DataLoss, TierFull, TierUnavailable
+from kvstore.locks import KeyedLocks
+from kvstore.policy import EvictionPolicy, ResumeHint
+from kvstore.stats import Counters
+from kvstore.tiers.base import Buffer, Tier
+
+WINDOW_PREFIX = "win/"
+PUT_ATTEMPTS = 3  # room made by eviction can be taken by a concurrent put before ours
+log = logging.getLogger(__name__)
+
+Check = Callable[[Buffer], object]
+
+
+def is_window_key(key: str) -> bool:
+    return key.startswith(WINDOW_PREFIX)
+
+
+class _Skip:
+    """Victims to pass over: locked, protected, and already found unevictable keys."""
+
+    def __init__(self, locks: KeyedLocks, keys: set[str], protect: Collection[str]) -> None:
+        self.locks, self.keys, self.protect = locks, keys, protect
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys or key in self.protect or self.locks.busy(key)
+
+
+class TierStack:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        policy_factory: Callable[[], EvictionPolicy],
+        locks: KeyedLocks,
+        counters: Counters,
+        *,
+        is_referenced: Callable[[str], bool],
+        on_window_dropped: Callable[[str], None],
+    ) -> None:
+        self.tiers = tuple(tiers)
+        self.policies = [policy_factory() for _ in self.tiers]
+        self.locks = locks
+        self.counters = counters
+        self.is_referenced = is_referenced
+        self.on_window_dropped = on_window_dropped
+        self.hints: dict[str, ResumeHint] = {}  # carried along when a block moves
+
+    def index(self, tier_name: str) -> int:
+        for i, tier in enumerate(self.tiers):
+            if tier.name == tier_name:
+                return i
+        raise KeyError(tier_name)
+
+    def holders(self, key: str) -> list[int]:
+        """Tiers believed to hold ``key``, highest first."""
+        return [i for i, policy in enumerate(self.policies) if key in policy]
+
+    def may_hold(self, i: int, key: str) -> bool:
+        return self.tiers[i].holds_window or not is_window_key(key)
+
+    async def load(self) -> None:
+        """Learn what each tier holds now (durable tiers keep blocks across restarts)."""
+        for tier, policy in zip(self.tiers, self.policies, strict=True):
+            try:
+                async for key in tier.keys():
+                    policy.on_insert(key)
+            except TierUnavailable as exc:
+                self.counters.tier_errors[tier.name] += 1
+                log.error("tier %s unavailable while listing keys: %s", tier.name, exc)
+
+    def touch(self, key: str, hint: ResumeHint | None) -> None:
+        if hint is not None:
+            self.hints[key] = hint
+        for i in self.holders(key):
+            self.policies[i].on_access(key, hint)
+
+    # -- placement --
+
+    async def place(
+        self, key: str, data: Buffer, *, start: int = 0, stop: int | None = None,
+        protect: Collection[str] = (),
+    ) -> int | None:
+        """Put ``key`` in the highest tier of ``[start, stop)`` that holds it or takes it.
+
+        Making room never evicts a key in ``protect`` (the rest of the session being
+        placed or restored, so a session larger than a tier does not evict itself).
+        Returns that tier's index, or None when none could. The caller holds the key lock.
+        """
+        for j in range(start, len(self.tiers) if stop is None else stop):
+            if not self.may_hold(j, key):
+                continue
+            if key in self.policies[j]:
+                self.policies[j].on_access(key, self.hints.get(key))
+                return j
+            if await self._put(j, key, data, protect):
+                return j
+        return None
+
+    async def _put(self, j: int, key: str, data: Buffer, protect: Collection[str] = ()
+                   ) -> bool:
+        tier, size = self.tiers[j], len(data)
+        if size > tier.capacity_bytes:
+            return False
+        for _ in range(PUT_ATTEMPTS):
+            if not await self._make_room(j, size, protect):
+                return False
+            try:
+                await tier.put(key, data)
+            except TierFull:
+                continue
+            except TierUnavailable as exc:
+                self.counters.tier_errors[tier.name] += 1
+                log.warning("tier %s unavailable for a put, skipping it: %s", tier.name, exc)
+                return False
+            self.policies[j].on_insert(key, size, self.hints.get(key))
+            self.counters.bytes_written[tier.name] += size
+            return True
+        return False
+
+    async def _make_room(self, j: int, size: int, protect: Collection[str]) -> bool:
+        tier, policy = self.tiers[j], self.policies[j]
+        skip = _Skip(self.locks, set(), protect)
+        while tier.free_bytes < size:
+            victim = policy.victim(skip)
+            if victim is None:
+                return False
+            skip.keys.add(victim)
+            async with self.locks.hold(victim):  # immediate: victim() skipped busy keys
+                await self._evict(j, victim)
+        return True
+
+    async def _evict(self, j: int, key: str) -> bool:
+        """Move ``key`` out of tier ``j`` (down, or nowhere if a copy exists elsewhere)."""
+        tier, window = self.tiers[j], is_window_key(key)
+        if not window and not self.is_referenced(key):
+            return await self.delete(j, key, evicted=True)  # an orphan: nothing to keep
+        try:
+            data = await tier.get(key)
+        except ChunkNotFound:
+            self.policies[j].on_remove(key)
+            return True
+        except TierUnavailable:
+            self.counters.tier_errors[tier.name] += 1
+            return False
+        intact = self._intact(data)
+        target = await self.place(key, data, start=j + 1) if intact else None
+        elsewhere = any(i != j for i in self.holders(key))
+        if target is None and intact and not window and not elsewhere:
+            return False  # the last copy of a referenced chunk stays
+        if target is not None:
+            self.counters.demotions[self.tiers[target].name] += 1
+        if not await self.delete(j, key, evicted=True):
+            return False
+        if window and target is None:
+            self.counters.windows_dropped += 1
+            self.on_window_dropped(key)
+        return True
+
+    async def delete(self, j: int, key: str, *, evicted: bool = False) -> bool:
+        tier = self.tiers[j]
+        try:
+            await tier.delete(key)
+        except TierUnavailable as exc:
+            self.counters.tier_errors[tier.name] += 1
+            log.warning("tier %s unavailable for a delete of %s: %s", tier.name, key, exc)
+            return False
+        self.policies[j].on_remove(key)
+        if evicted:
+            self.counters.evictions[tier.name] += 1
+        return True
+
+    async def delete_everywhere(self, key: str) -> bool:
+        """Remove ``key`` from every tier (not only the believed holders); True if all did."""
+        done = True
+        for j in range(len(self.tiers)):
+            if self.may_hold(j, key):
+                done = await self.delete(j, key) and done
+        self.hints.pop(key, None)
+        return done
+
+    # -- reads --
+
+    @staticmethod
+    def _intact(data: Buffer) -> bool:
+        try:
+            verify_chunk(data)
+        except CodecError:
+            return False
+        return True
+
+    async def read(self, key: str, check: Check = verify_chunk) -> tuple[Buffer, int, list[int]]:
+        """(bytes, tier index, tiers found holding a bad copy) or ``DataLoss``.
+
+        ``check`` raises a ``CodecError`` for bytes that must not be used.
+        """
+        self.counters.lookups += 1
+        believed = self.holders(key)
+        others = [i for i in range(len(self.tiers)) if i not in believed and self.may_hold(i, key)]
+        bad: list[int] = []
+        problems: list[str] = []
+        for j in believed + others:
+            tier = self.tiers[j]
+            try:
+                data = await tier.get(key)
+            except ChunkNotFound:
+                if j in believed:
+                    self.policies[j].on_remove(key)
+                continue
+            except TierUnavailable as exc:
+                self.counters.fallthrough_unavailable[tier.name] += 1
+                problems.append(f"{tier.name} unavailable")
+                log.warning("tier %s unavailable reading %s, falling through: %s",
+                            tier.name, key, exc)
+                continue
+            try:
+                check(data)
+            except CodecError as exc:
+                self.counters.fallthrough_corrupt[tier.name] += 1
+                problems.append(f"{tier.name} corrupt ({exc})")
+                log.error("corrupt copy of %s in tier %s, falling through: %s",
+                          key, tier.name, exc)
+                bad.append(j)
+                continue
+            if j in believed:
+                self.policies[j].on_access(key, self.hints.get(key))
+            else:
+                self.policies[j].on_insert(key, len(data), self.hints.get(key))
+            self.counters.hits[tier.name] += 1
+            self.counters.bytes_read[tier.name] += len(data)
+            return data, j, bad
+        self.counters.misses += 1
+        found = "; ".join(problems) or "no tier holds it"
+        raise DataLoss(f"no intact copy of {key}: {found}")
+
+    async def promote(self, key: str, data: Buffer, source: int, bad: Sequence[int],
+                      protect: Collection[str] = ()) -> int | None:
+        """Replace bad copies above ``source`` and move ``key`` up. Caller holds the key lock."""
+        for j in bad:
+            if j < source:
+                await self.delete(j, key)
+        target = await self.place(key, data, start=0, stop=source, protect=protect)
+        if target is not None and target < source:
+            self.counters.promotions[self.tiers[target].name] += 1
+        return target

@@ -1,0 +1,221 @@
+"""Restores: whole, streamed chunk by chunk, or delivered layer by layer; and prefetch.
+
+    async with manager.reading(tenant, session_id) as reader:   # shares the session lock
+        reader.manifest                                          # the snapshot being read
+        async for chunk in reader.chunks():                      # in order, as they arrive
+            ...
+        window, tier = await reader.window()                     # None: replay is needed
+
+``reader.layers()`` instead yields each (stream, layer) of the whole session as soon as
+it is decoded, layer 0 of every stream first, so a worker can start on the first layer
+before the last is ready. A reader holds the session's read lock, so a concurrent spill
+of a newer generation waits: one reader never sees chunks of two generations.
+
+Each block comes from the highest tier holding an intact copy (see ``TierStack.read``);
+what was read below the top tier is promoted in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.codec import StreamData, decode_chunk
+from kvstore.errors import DataLoss, SessionNotFound
+from kvstore.layout import LayoutSpec, get_layout
+from kvstore.manifest import SessionManifest, check_name
+from kvstore.placement import is_window_key
+from kvstore.tiers.base import Buffer
+from kvstore.validate import restored_chunk_check, window_check
+
+
+@dataclass(frozen=True)
+class RestoredChunk:
+    index: int
+    key: str
+    data: Buffer  # the encoded chunk, verified
+    tier: str  # where it was read from
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    manifest: SessionManifest
+    chunks: list[Buffer]  # encoded chunks in order; the tail is manifest.tail
+    chunk_tiers: list[str]
+    window: Buffer | None
+    window_tier: str | None
+    replay_needed: bool  # the layout has window streams and no window blob came back
+
+
+@dataclass(frozen=True)
+class LayerSlice:
+    stream: str
+    layer: int  # index among the stream's owning layers
+    data: StreamData  # codes (entries, *codes_shape), scales (entries, groups) or None
+
+
+@dataclass(frozen=True)
+class PrefetchResult:
+    blocks: int  # chunks plus the window blob, if any
+    promoted: int  # moved to a higher tier by this call
+    complete: bool  # False when the timeout cut it short
+
+
+class SessionReader:
+    def __init__(self, manager, manifest: SessionManifest, spec: LayoutSpec) -> None:
+        self._manager = manager
+        self.manifest = manifest
+        self.spec = spec
+        # promotions made for this reader never evict the session's own blocks
+        self.blocks = frozenset(manifest.chunk_keys) | (
+            {manifest.window_key} if manifest.window_key else set())
+
+    async def chunks(self, lookahead: int = 8) -> AsyncIterator[RestoredChunk]:
+        """Chunks in order, fetching up to ``lookahead`` ahead; ``DataLoss`` if one is lost."""
+        keys = self.manifest.chunk_keys
+        pending: collections.deque[asyncio.Future] = collections.deque()
+        started = 0
+        try:
+            while started < len(keys) or pending:
+                while started < len(keys) and len(pending) < max(1, lookahead):
+                    pending.append(asyncio.ensure_future(self._read(started)))
+                    started += 1
+                yield await pending.popleft()
+        finally:
+            for task in pending:
+                task.cancel()
+
+    async def _read(self, index: int) -> RestoredChunk:
+        key = self.manifest.chunk_keys[index]
+        check = restored_chunk_check(self.spec, self.manifest.token_ids, index)
+        try:
+            data, tier = await self._manager._read_block(key, check, self.blocks)
+        except DataLoss as exc:
+            m = self.manifest
+            raise DataLoss(f"{m.tenant}/{m.session_id} chunk {index}: {exc}") from exc
+        return RestoredChunk(index, key, data, tier)
+
+    async def window(self) -> tuple[Buffer | None, str | None]:
+        """The window blob and the tier it came from, or (None, None): replay needed."""
+        key = self.manifest.window_key
+        if key is None:
+            return None, None
+        try:
+            return await self._manager._read_block(
+                key, window_check(self.spec, self.manifest.token_ids), self.blocks,
+                promote_now=True,
+            )
+        except DataLoss:
+            return None, None
+
+    async def layers(self, streams: Iterable[str] | None = None) -> AsyncIterator[LayerSlice]:
+        """Every chosen persistent stream of the whole session (chunks + tail), layer-major."""
+        buffers = [chunk.data async for chunk in self.chunks()]
+        if self.manifest.tail:
+            buffers.append(self.manifest.tail)
+        chosen = [s for s in self.spec.persistent_streams if streams is None or s.name in streams]
+        for layer in range(max((s.layers for s in chosen), default=0)):
+            for stream in (s for s in chosen if s.layers > layer):
+                data = await asyncio.to_thread(self._decode_layer, buffers, stream.name, layer)
+                yield LayerSlice(stream.name, layer, data)
+
+    def _decode_layer(self, buffers: list[Buffer], stream: str, layer: int) -> StreamData:
+        parts = [
+            decode_chunk(buf, self.spec, streams=[stream], layers=[layer]).streams[stream]
+            for buf in buffers
+        ]
+        # each part: codes (1, entries_i, ...) -> joined along entries, layer axis dropped
+        codes = torch.cat([p.codes for p in parts], dim=1)[0]
+        scales = None
+        if parts and parts[0].scales is not None:
+            scales = torch.cat([p.scales for p in parts], dim=1)[0]
+        return StreamData(codes, scales)
+
+
+class ReadingMixin:
+    """The read half of ``TierManager`` (kept apart to keep each module small)."""
+
+    @asynccontextmanager
+    async def reading(self, tenant: str, session_id: str) -> AsyncIterator[SessionReader]:
+        check_name("tenant", tenant)
+        check_name("session_id", session_id)
+        async with self._sessions.read((tenant, session_id)):
+            manifest = await self._load_required(tenant, session_id)
+            if manifest.expired():
+                raise SessionNotFound(f"session {tenant}/{session_id} has expired")
+            yield SessionReader(self, manifest, get_layout(manifest.layout_id))
+        self.counters.restores += 1
+        self._spawn(self._note_access(tenant, session_id, manifest.generation))
+
+    async def restore(self, tenant: str, session_id: str, *, want_window: bool = True
+                      ) -> RestoreResult:
+        """The whole session: every chunk verified, the window blob if it is still held."""
+        async with self.reading(tenant, session_id) as reader:
+            chunks = [chunk async for chunk in reader.chunks()]
+            window, window_tier = await reader.window() if want_window else (None, None)
+            manifest = reader.manifest
+            has_window_streams = bool(reader.spec.ephemeral_streams)
+        held = manifest.window_key is not None and bool(self._stack.holders(manifest.window_key))
+        available = window is not None if want_window else held
+        return RestoreResult(
+            manifest=manifest,
+            chunks=[c.data for c in chunks],
+            chunk_tiers=[c.tier for c in chunks],
+            window=window,
+            window_tier=window_tier,
+            replay_needed=has_window_streams and not available,
+        )
+
+    async def prefetch(self, tenant: str, session_id: str, timeout_s: float) -> PrefetchResult:
+        """Promote a session's blocks toward the top tier before it resumes, within
+        ``timeout_s``; what is done by then stays done."""
+        promoted = 0
+        blocks = 0
+
+        async def lift(key: str, check, protect: frozenset[str]) -> None:
+            nonlocal promoted
+            holders = self._stack.holders(key)
+            if holders and holders[0] == 0:
+                return
+            data, source, bad = await self._stack.read(key, check)
+            async with self._locks.hold(key):
+                target = await self._stack.promote(key, data, source, bad, protect)
+            promoted += target is not None and target < source
+
+        try:
+            async with asyncio.timeout(timeout_s), self.reading(tenant, session_id) as reader:
+                m = reader.manifest
+                work = [
+                    lift(key, restored_chunk_check(reader.spec, m.token_ids, i), reader.blocks)
+                    for i, key in enumerate(m.chunk_keys)
+                ]
+                if m.window_key is not None:
+                    check = window_check(reader.spec, m.token_ids)
+                    work.append(lift(m.window_key, check, reader.blocks))
+                blocks = len(work)
+                await self._gather(work)
+        except TimeoutError:
+            return PrefetchResult(blocks, promoted, complete=False)
+        return PrefetchResult(blocks, promoted, complete=True)
+
+    async def _read_block(self, key: str, check, protect: frozenset[str], *,
+                          promote_now: bool = False) -> tuple[Buffer, str]:
+        data, source, bad = await self._stack.read(key, check)
+        if source > 0 or bad:
+            promotion = self._promote(key, data, source, bad, protect)
+            if promote_now:
+                await promotion
+            else:
+                self._spawn(promotion)
+        return data, self._stack.tiers[source].name
+
+    async def _promote(self, key: str, data: Buffer, source: int, bad: list[int],
+                       protect: frozenset[str]) -> None:
+        async with self._locks.hold(key):
+            if is_window_key(key) or self._ledger.count(key):  # not freed since the read
+                await self._stack.promote(key, data, source, bad, protect)

@@ -1,0 +1,49 @@
+"""Counters of the tier manager, in the shape the service exports as Prometheus metrics.
+
+Per-tier counters are keyed by tier name; every figure only ever grows (Prometheus
+counters), except the gauges in ``ManagerStats`` (write-back depth, tier usage).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from kvstore.tiers.base import TierStats
+
+
+@dataclass
+class Counters:
+    lookups: int = 0  # chunk and window reads asked of the stack
+    misses: int = 0  # reads no tier could answer with intact bytes
+    spills: int = 0
+    restores: int = 0
+    dedupe_hits: int = 0  # spilled chunks some tier already held
+    windows_dropped: int = 0  # window blobs evicted below the window tiers
+    writeback_done: int = 0
+    writeback_failed: int = 0
+    freed_chunks: int = 0  # chunks deleted everywhere at reference count zero
+    hits: Counter[str] = field(default_factory=Counter)  # reads served, per tier
+    bytes_read: Counter[str] = field(default_factory=Counter)
+    bytes_written: Counter[str] = field(default_factory=Counter)
+    evictions: Counter[str] = field(default_factory=Counter)  # blocks a tier gave up
+    demotions: Counter[str] = field(default_factory=Counter)  # blocks written into a tier
+    promotions: Counter[str] = field(default_factory=Counter)  # ...by eviction or restore
+    fallthrough_corrupt: Counter[str] = field(default_factory=Counter)  # bad copy per tier
+    fallthrough_unavailable: Counter[str] = field(default_factory=Counter)
+    tier_errors: Counter[str] = field(default_factory=Counter)  # failed puts and deletes
+
+    def snapshot(self) -> dict:
+        return {
+            name: dict(value) if isinstance(value, Counter) else value
+            for name, value in vars(self).items()
+        }
+
+
+@dataclass(frozen=True)
+class ManagerStats:
+    tiers: tuple[TierStats, ...]  # highest first
+    counters: dict  # Counters.snapshot()
+    writeback_depth: int  # chunks queued for write-back now
+    writeback_capacity: int
+    referenced_chunks: int  # distinct chunk keys some manifest references

@@ -1,0 +1,110 @@
+"""Checks that spilled and restored bytes are what a session's manifest says they are.
+
+A spill is refused whole (nothing stored) unless every chunk decodes cleanly, belongs
+to the session's layout, covers exactly its token range, and carries the key that the
+token ids chain to: a wrong key would let dedupe hand one session another's KV. On
+restore the same facts are re-checked for every copy read, so a copy that passes its
+own checksum but belongs elsewhere still counts as corrupt and is fallen through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvstore.codec import ChunkHeader, tokens_hash, verify_chunk
+from kvstore.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
+from kvstore.keys import ROOT_PARENT, chunk_key
+from kvstore.layout import LayoutSpec
+from kvstore.tiers.base import Buffer
+
+
+def _check_range(
+    what: str, header: ChunkHeader, spec: LayoutSpec, tokens: np.ndarray, start: int, count: int
+) -> None:
+    if header.layout_hash != spec.layout_hash:
+        raise LayoutMismatch(f"{what} belongs to layout {header.layout_hash:016x}, "
+                             f"not {spec.layout_id}")
+    if header.start_token != start or header.num_tokens != count:
+        raise InvalidRequest(f"{what} covers tokens {header.start_token}+{header.num_tokens}, "
+                             f"expected {start}+{count}")
+    if header.tokens_hash != tokens_hash(tokens[start : start + count]):
+        raise LayoutMismatch(f"{what} was encoded for other token ids")
+
+
+def check_spill(
+    spec: LayoutSpec,
+    tokens: np.ndarray,
+    chunks: Sequence[tuple[str, Buffer]],
+    tail: Buffer,
+    window: Buffer | None,
+) -> None:
+    """Raise ``InvalidRequest`` / ``LayoutMismatch`` / ``CodecError`` unless it all fits.
+
+    ``tokens``: (num_tokens,) uint32. Every complete chunk of the token ids must be given;
+    the tail covers the rest (tokens of an incomplete entry may stay uncovered).
+    """
+    size = spec.chunk_tokens
+    if len(chunks) != len(tokens) // size:
+        raise InvalidRequest(f"{len(tokens)} tokens make {len(tokens) // size} chunks of "
+                             f"{size}; {len(chunks)} were given")
+    parent = ROOT_PARENT
+    for i, item in enumerate(chunks):
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise InvalidRequest(f"chunk {i} must be a (key, bytes) pair")
+        key, data = item
+        header = verify_chunk(data)
+        if header.ephemeral:
+            raise InvalidRequest(f"chunk {i} holds ephemeral (window) streams")
+        _check_range(f"chunk {i}", header, spec, tokens, i * size, size)
+        parent = chunk_key(spec.layout_id, parent, tokens[i * size : (i + 1) * size])
+        if key != parent:
+            raise InvalidRequest(f"chunk {i} has key {key!r}; its tokens under layout "
+                                 f"{spec.layout_id} chain to {parent!r}")
+    covered = len(chunks) * size
+    if len(tail):
+        header = verify_chunk(tail)
+        if header.ephemeral:
+            raise InvalidRequest("the tail holds ephemeral (window) streams")
+        if not 0 < header.num_tokens <= len(tokens) - covered:
+            raise InvalidRequest(f"the tail covers {header.num_tokens} tokens; "
+                                 f"{len(tokens) - covered} follow the last chunk")
+        _check_range("the tail", header, spec, tokens, covered, header.num_tokens)
+    if window is not None:
+        header = verify_chunk(window)
+        if not header.ephemeral:
+            raise InvalidRequest("the window blob must be encoded with ephemeral=True")
+        if header.start_token + header.num_tokens > len(tokens):
+            raise InvalidRequest("the window covers tokens beyond the session's end")
+        _check_range("the window", header, spec, tokens, header.start_token, header.num_tokens)
+
+
+def restored_chunk_check(spec: LayoutSpec, tokens: np.ndarray, index: int):
+    """A ``TierStack.read`` check: the copy must be chunk ``index`` of these tokens."""
+    start, size = index * spec.chunk_tokens, spec.chunk_tokens
+
+    def check(data: Buffer) -> None:
+        header = verify_chunk(data)
+        try:
+            if header.ephemeral:
+                raise InvalidRequest("holds ephemeral streams")
+            _check_range(f"chunk {index}", header, spec, tokens, start, size)
+        except InvalidRequest as exc:
+            raise ChunkCorrupt(f"a copy does not match the manifest: {exc}") from exc
+
+    return check
+
+
+def window_check(spec: LayoutSpec, tokens: np.ndarray):
+    def check(data: Buffer) -> None:
+        header = verify_chunk(data)
+        try:
+            if not header.ephemeral:
+                raise InvalidRequest("holds persistent streams")
+            _check_range("the window", header, spec, tokens, header.start_token,
+                         header.num_tokens)
+        except InvalidRequest as exc:
+            raise ChunkCorrupt(f"the window copy does not match the manifest: {exc}") from exc
+
+    return check

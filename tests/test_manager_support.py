@@ -1,0 +1,68 @@
+"""Shared builders for the tier manager tests: a tiny layout and real encoded sessions.
+
+Chunks are made only through ``kvstore.codec``; nothing here stores or decodes bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvstore.codec import StreamData, encode_chunk
+from kvstore.keys import chain_keys
+from kvstore.layout import LayoutSpec, Stream, register_layout
+
+TINY = register_layout(
+    LayoutSpec(
+        name="test-manager-tiny",
+        streams=(
+            Stream("lat", (32,), bits=4, group_size=32, tokens_per_entry=4, layers=2),
+            Stream("idx", (8,), bits=8, group_size=8, tokens_per_entry=4, layers=1),
+            Stream("win.k", (2, 16), bits=8, group_size=16, layers=2, persistent=False),
+        ),
+        chunk_tokens=16,
+    )
+)
+WINDOW_TOKENS = 8
+
+
+def _stream_data(stream: Stream, num_tokens: int, gen: torch.Generator) -> StreamData:
+    entries = stream.entries_for(num_tokens)
+    # codes (layers, entries, *codes_shape), scales (layers, entries, scales_per_entry)
+    shape = (stream.layers, entries, *stream.codes_shape)
+    if stream.bits == 4:
+        codes = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+    else:
+        codes = torch.randint(-128, 128, shape, dtype=torch.int8, generator=gen)
+    scales = torch.rand((stream.layers, entries, stream.scales_per_entry), generator=gen)
+    return StreamData(codes, scales.to(torch.float16))
+
+
+def encode(start: int, tokens: np.ndarray, *, ephemeral: bool = False, seed: int = 0) -> bytes:
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + start)
+    streams = TINY.ephemeral_streams if ephemeral else TINY.persistent_streams
+    data = {s.name: _stream_data(s, len(tokens), gen) for s in streams}
+    return encode_chunk(TINY, start, tokens, data, ephemeral=ephemeral)
+
+
+def make_session(tokens, *, seed: int = 0, window: bool = True) -> dict:
+    """spill() keyword arguments for a session of these token ids (chunk data by seed)."""
+    tokens = np.asarray(tokens, dtype=np.uint32)
+    size = TINY.chunk_tokens
+    keys = chain_keys(TINY.layout_id, tokens, size)
+    chunks = [
+        (key, encode(i * size, tokens[i * size : (i + 1) * size], seed=seed))
+        for i, key in enumerate(keys)
+    ]
+    covered = len(keys) * size
+    tail = encode(covered, tokens[covered:], seed=seed) if covered < len(tokens) else b""
+    blob = None
+    if window:
+        start = max(0, len(tokens) - WINDOW_TOKENS)
+        blob = encode(start, tokens[start:], ephemeral=True, seed=seed)
+    return dict(layout_id=TINY.layout_id, token_ids=tokens, chunks=chunks, tail=tail,
+                window=blob)
+
+
+def random_tokens(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, n, dtype=np.uint32)
