@@ -1,0 +1,171 @@
+"""The disk tier's segment files: record format, verification and tail scanning.
+
+A segment is an append-only file of records laid end to end (LevelDB's log idea, with
+the LMDB index in place of the memtable):
+
+    magic "KVR1" | checksum u64 | key_len u16 | flags u16 | value_len u32 | key | value
+
+All integers little-endian; the 20-byte header is followed by the utf-8 key and the
+value. ``checksum`` is xxh3_64 of everything after it (key_len .. end of value), so one
+hash over one contiguous slice verifies the lengths, the key and the value together.
+The key is stored so a record can be checked against the index entry that names it and
+so compaction can copy records without consulting anything else.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from kvstore.errors import ChunkCorrupt, ChunkTruncated, InvalidRequest
+
+MAGIC = b"KVR1"
+HEADER = struct.Struct("<4sQHHI")  # magic, checksum, key_len, flags, value_len
+HEADER_SIZE = HEADER.size
+_HASHED_FROM = 12  # the checksum covers bytes [12:] of a record
+_LENGTHS = struct.Struct("<HHI")
+# LMDB's default maximum key size; chunk keys are far shorter.
+MAX_KEY_BYTES = 511
+MAX_VALUE_BYTES = 2**32 - 1
+SEGMENT_SUFFIX = ".seg"
+
+
+def key_bytes(key: object) -> bytes:
+    """The utf-8 form of a tier key, or ``InvalidRequest`` when it cannot be one."""
+    if not isinstance(key, str) or not key:
+        raise InvalidRequest(f"tier keys are non-empty strings, got {key!r}")
+    encoded = key.encode("utf-8")
+    if len(encoded) > MAX_KEY_BYTES:
+        raise InvalidRequest(f"key is {len(encoded)} bytes; the disk tier allows "
+                             f"{MAX_KEY_BYTES}")
+    return encoded
+
+
+def value_view(value: object) -> memoryview:
+    """A flat byte view of a bytes-like value (no copy), or ``InvalidRequest``."""
+    try:
+        view = memoryview(value)  # type: ignore[arg-type]
+    except TypeError as exc:
+        raise InvalidRequest(f"value must be bytes-like, got {type(value).__name__}") from exc
+    if view.format != "B" or view.ndim != 1:
+        if not view.c_contiguous:
+            raise InvalidRequest("value must be a C-contiguous buffer")
+        view = view.cast("B")
+    if view.nbytes > MAX_VALUE_BYTES:
+        raise InvalidRequest(f"value is {view.nbytes} bytes; the disk tier allows "
+                             f"{MAX_VALUE_BYTES}")
+    return view
+
+
+def record_size(key_len: int, value_len: int) -> int:
+    return HEADER_SIZE + key_len + value_len
+
+
+def record_checksum(key: bytes, value: memoryview) -> int:
+    hasher = xxhash.xxh3_64(_LENGTHS.pack(len(key), 0, value.nbytes))
+    hasher.update(key)
+    hasher.update(value)
+    return hasher.intdigest()
+
+
+def encode_header(key: bytes, value: memoryview) -> tuple[bytes, int]:
+    """The header for a record of ``key`` and ``value`` and its checksum."""
+    checksum = record_checksum(key, value)
+    return HEADER.pack(MAGIC, checksum, len(key), 0, value.nbytes), checksum
+
+
+def check_record(record: memoryview, key: bytes, value_len: int, checksum: int,
+                 where: str) -> memoryview:
+    """The value slice of one whole record after checking it against its index entry.
+
+    Raises ``ChunkCorrupt`` on any disagreement: a record that fails here is never
+    returned, whatever part of it was damaged.
+    """
+    if record.nbytes < HEADER_SIZE:
+        raise ChunkTruncated(f"{where}: record shorter than its header")
+    magic, stored_sum, key_len, _flags, stored_len = HEADER.unpack_from(record)
+    if magic != MAGIC:
+        raise ChunkCorrupt(f"{where}: bad record magic {bytes(magic)!r}")
+    if key_len != len(key) or stored_len != value_len:
+        raise ChunkCorrupt(f"{where}: record lengths ({key_len}, {stored_len}) disagree "
+                           f"with the index ({len(key)}, {value_len})")
+    if record.nbytes != record_size(key_len, value_len):
+        raise ChunkTruncated(f"{where}: record is {record.nbytes} bytes, expected "
+                             f"{record_size(key_len, value_len)}")
+    if stored_sum != checksum:
+        raise ChunkCorrupt(f"{where}: record checksum {stored_sum:#018x} disagrees with "
+                           f"the index ({checksum:#018x})")
+    if xxhash.xxh3_64_intdigest(record[_HASHED_FROM:]) != checksum:
+        raise ChunkCorrupt(f"{where}: record bytes fail their xxh3 checksum")
+    if record[HEADER_SIZE:HEADER_SIZE + key_len] != key:
+        raise ChunkCorrupt(f"{where}: record holds a different key")
+    return record[HEADER_SIZE + key_len:]
+
+
+@dataclass(frozen=True)
+class ScannedRecord:
+    key: bytes
+    offset: int
+    value_len: int
+    checksum: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + record_size(len(self.key), self.value_len)
+
+
+def scan_records(fd: int, start: int, end: int) -> tuple[list[ScannedRecord], int]:
+    """Whole, checksum-valid records in ``[start, end)`` of an open segment.
+
+    Stops at the first record that is cut short or fails its checksum (a torn tail) and
+    returns the records before it with the offset where the valid part ends.
+    """
+    records: list[ScannedRecord] = []
+    position = start
+    while position + HEADER_SIZE <= end:
+        header = os.pread(fd, HEADER_SIZE, position)
+        magic, checksum, key_len, _flags, value_len = HEADER.unpack(header)
+        size = record_size(key_len, value_len)
+        if magic != MAGIC or position + size > end:
+            break
+        record = memoryview(os.pread(fd, size, position))
+        if record.nbytes != size or xxhash.xxh3_64_intdigest(record[_HASHED_FROM:]) != checksum:
+            break
+        key = bytes(record[HEADER_SIZE:HEADER_SIZE + key_len])
+        records.append(ScannedRecord(key, position, value_len, checksum))
+        position += size
+    return records, position
+
+
+def segment_path(directory: Path, seg_id: int) -> Path:
+    return directory / f"{seg_id:010d}{SEGMENT_SUFFIX}"
+
+
+def segment_files(directory: Path) -> Iterator[tuple[int, Path]]:
+    """(segment id, path) of every segment file in ``directory``."""
+    for path in directory.iterdir():
+        stem = path.name.removesuffix(SEGMENT_SUFFIX)
+        if path.name.endswith(SEGMENT_SUFFIX) and stem.isdigit():
+            yield int(stem), path
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make file creations and removals in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
