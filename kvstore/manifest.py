@@ -33,6 +33,11 @@ VERSION = 1
 _HEAD = struct.Struct("<4sHI")
 _CHECK = struct.Struct("<Q")
 MAX_NAME_BYTES = 256
+MANIFEST_PREFIX = "manifest/"  # MetaStore key prefix of every manifest
+
+
+def manifest_key(tenant: str, session_id: str) -> str:
+    return f"{MANIFEST_PREFIX}{tenant}/{session_id}"
 
 
 def check_name(kind: str, value: object) -> str:

@@ -6,7 +6,8 @@ import asyncio
 
 import numpy as np
 import pytest
-from test_manager_support import TINY, make_session, random_tokens
+import torch
+from test_manager_support import TINY, make_session, random_tokens, tier_keys
 
 from kvstore.codec import decode_chunk
 from kvstore.errors import (
@@ -65,7 +66,7 @@ async def test_round_trip_hbm_host_object_and_layer_by_layer(tmp_path):
                     .streams["lat"].codes[0] for _, d in args["chunks"]]
             tail = decode_chunk(args["tail"], TINY, streams=["lat"], layers=[piece.layer])
             want.append(tail.streams["lat"].codes[0])
-            assert piece.data.codes.equal(__import__("torch").cat(want))
+            assert piece.data.codes.equal(torch.cat(want))
     await manager.close()
 
 
@@ -130,10 +131,10 @@ async def test_dedupe_refcounts_shared_prefix_and_release():
     await manager.delete("tenant-a", "s")
     result = await manager.restore("tenant-b", "s")
     assert [bytes(c) for c in result.chunks] == [bytes(d) for _, d in b["chunks"]]
-    held = {key async for key in tiers[0].keys()}
+    held = await tier_keys(tiers[0])
     assert shared <= held and not ({k for k, _ in a["chunks"]} - shared) & held
     await manager.delete("tenant-b", "s")
-    assert [key async for key in tiers[0].keys()] == []
+    assert await tier_keys(tiers[0]) == set()
     assert tiers[0].used_bytes == 0 and (await manager.stat()).referenced_chunks == 0
     with pytest.raises(SessionNotFound):
         await manager.delete("tenant-b", "s")
@@ -151,7 +152,7 @@ async def test_window_dropped_below_host_reports_replay(tmp_path):
     assert result.replay_needed and result.window is None
     assert result.chunk_tiers == ["object"] * 4
     assert [bytes(c) for c in result.chunks] == [bytes(d) for _, d in args["chunks"]]
-    assert [key async for key in tiers[1].keys() if key.startswith("win/")] == []
+    assert not [key for key in await tier_keys(tiers[1]) if key.startswith("win/")]
     await manager.drain()  # restore promoted the chunks back up
     assert (await manager.restore("t", "s")).chunk_tiers == ["host"] * 4
     await manager.close()

@@ -64,5 +64,11 @@ def make_session(tokens, *, seed: int = 0, window: bool = True) -> dict:
                 window=blob)
 
 
+async def tier_keys(tier) -> set[str]:
+    """Every key the tier really holds (asked of the medium, not the manager)."""
+    listing = tier.keys()
+    return {key async for key in listing}
+
+
 def random_tokens(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 50_000, n, dtype=np.uint32)
