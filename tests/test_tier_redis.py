@@ -112,11 +112,16 @@ async def test_other_writers_are_seen_on_read_and_by_resync(redis_server):
             client.set("ns:mine", b"M" * 70)
             client.set("ns:theirs", b"t" * 5, px=60_000)
             client.set("elsewhere", b"not in the namespace")
+            client.hset("ns:hash", "field", "a hash is not a value")
         with pytest.raises(ChunkNotFound):
             await tier.get("gone")
         assert tier.used_bytes == 50
         assert await tier.get("mine") == b"M" * 70
         assert tier.used_bytes == 70
+        with pytest.raises(TierUnavailable):
+            await tier.get("hash")
+        with redis.Redis.from_url(redis_server) as client:
+            client.delete("ns:hash")
         fresh = RedisTier(redis_server, 1 << 20, RedisTierConfig(prefix="ns:"))
         assert await fresh.resync() == 75 == fresh.used_bytes
         assert 0 < await fresh.ttl_s("theirs") <= 60
@@ -158,6 +163,7 @@ async def test_outage_raises_promptly_and_recovers(redis_process, redis_server, 
         assert tier.available and tier.used_bytes == 0
         await tier.put("after", b"a" * 10)
         assert await tier.get("after") == b"a" * 10
+        assert await tier.delete("after") == 10  # the delete script is reloaded by itself
         assert any("available again" in r.getMessage() for r in caplog.records)
     finally:
         await tier.close()

@@ -65,10 +65,10 @@ class ObjectTierConfig:
 
 
 OBJECT_PRESETS = {
-    "local": ObjectTierConfig(),
-    "s3": ObjectTierConfig(),
+    "default": ObjectTierConfig(),
     # Object storage is the slowest tier: compressing trades CPU for bytes moved and kept.
-    "s3-compressed": ObjectTierConfig(compression_level=3),
+    "compressed": ObjectTierConfig(compression_level=3),
+    "network-fs": ObjectTierConfig(inline_read_bytes=0),  # never block the loop on a read
 }
 
 

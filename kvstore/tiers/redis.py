@@ -173,6 +173,8 @@ class RedisTier(Tier):
                 log.error("redis tier unavailable (%s at %s): %r", what, self.url, exc)
             self.available = False
             raise TierUnavailable(f"redis {what} failed: {exc!r}") from exc
+        except rexc.RedisError as exc:  # e.g. WRONGTYPE: foreign data under our prefix
+            raise TierUnavailable(f"redis refused {what}: {exc}") from exc
         if not self.available:
             log.warning("redis tier available again at %s", self.url)
             self.available = True
