@@ -127,7 +127,7 @@ class DiskTier(Tier):
     @property
     def used_bytes(self) -> int:
         """Sum of live value lengths: committed (any process) plus this one's pending."""
-        return self.index.totals()[0] + self.pipeline.pending_delta
+        return self.pipeline.committed_totals()[0] + self.pipeline.pending_delta
 
     @property
     def live_bytes(self) -> int:
@@ -148,7 +148,7 @@ class DiskTier(Tier):
         return sum(info.dead_bytes for info in self.index.all_segments())
 
     async def count(self) -> int:
-        return self.index.totals()[1] + self.pipeline.pending_items
+        return self.pipeline.committed_totals()[1] + self.pipeline.pending_items
 
     # Tier API
 

@@ -54,6 +54,19 @@ class CommitPipeline:
         self._lock = asyncio.Lock()
         self._unreported: Exception | None = None
         self._flush_task: asyncio.Task | None = None
+        self._applying = False
+        self._totals = (0, 0)
+
+    def committed_totals(self) -> tuple[int, int]:
+        """(used bytes, items) in the index, consistent with the ``pending_*`` figures.
+
+        While a batch's transaction runs in its thread it may already be visible in LMDB
+        while still counted as pending here, so the figures read just before it started
+        stand in until the batch is settled.
+        """
+        if not self._applying:
+            self._totals = self.index.totals()
+        return self._totals
 
     def enqueue(self, op: IndexOp, key: bytes | None = None, delta: int = 0, items: int = 0,
                 nbytes: int = 0, future: bool = False) -> QueuedOp:
@@ -112,6 +125,8 @@ class CommitPipeline:
         try:
             if segments:
                 await asyncio.to_thread(self._fsync, segments)
+            self.committed_totals()
+            self._applying = True
             await asyncio.to_thread(self.index.apply, [o.op for o in batch])
         except lmdb.MapFullError as exc:
             self._fail(batch, TierFull(f"{where}: the LMDB index is full; reopen with a "
@@ -125,6 +140,8 @@ class CommitPipeline:
                 self._settled(op)
                 if op.future is not None and not op.future.done():
                     op.future.set_result(None)
+        finally:
+            self._applying = False
 
     def _fsync(self, seg_ids: set[int]) -> None:
         # by path, not through the appender's handle, which a roll may be closing now

@@ -1,0 +1,302 @@
+"""Disk tier: the Tier contract, exact accounting, sealing, TTL, meta store, pinning and
+compaction primitives, on real segment files and a real LMDB index in tmp_path."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from kvstore.errors import Busy, ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk_index import SegState
+from kvstore.tiers.segments import HEADER_SIZE, segment_path
+
+
+def value_for(key: str, size: int) -> bytes:
+    return random.Random(key).randbytes(size)
+
+
+def check_accounting(tier: DiskTier, model: dict[str, bytes]) -> None:
+    segments = tier.segments()
+    assert tier.used_bytes == sum(len(v) for v in model.values())
+    assert sum(s.live_value_bytes for s in segments) == tier.used_bytes
+    assert sum(s.live_records for s in segments) == len(model)
+    assert sum(s.live_bytes for s in segments) == sum(
+        HEADER_SIZE + len(k.encode()) + len(v) for k, v in model.items())
+    for info in segments:
+        assert 0 <= info.live_bytes <= info.file_bytes
+        assert info.dead_bytes == info.file_bytes - info.live_bytes
+        assert segment_path(tier.segment_dir, info.seg_id).stat().st_size == info.file_bytes
+
+
+async def test_put_get_overwrite_delete(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20, segment_bytes=4096)
+    await tier.put("a", b"first")
+    assert bytes(await tier.get("a")) == b"first"
+    await tier.put("a", b"second value")
+    assert bytes(await tier.get("a")) == b"second value"
+    assert tier.used_bytes == len(b"second value")
+    assert tier.dead_bytes == HEADER_SIZE + 1 + len(b"first")
+    await tier.put("b", memoryview(bytearray(b"xyz")))
+    assert sorted([k async for k in tier.keys()]) == ["a", "b"]  # noqa: SIM118 - async iterator
+    assert await tier.count() == 2
+    assert await tier.delete("a") == len(b"second value")
+    assert await tier.delete("a") == 0
+    assert not await tier.contains("a") and await tier.contains("b")
+    with pytest.raises(ChunkNotFound):
+        await tier.get("a")
+    assert tier.used_bytes == 3
+    with pytest.raises(InvalidRequest):
+        await tier.put("", b"x")
+    with pytest.raises(InvalidRequest):
+        await tier.put("k" * 600, b"x")
+    with pytest.raises(InvalidRequest):
+        await tier.put("c", "not bytes")  # type: ignore[arg-type]
+    await tier.close()
+    with pytest.raises(TierUnavailable):
+        await tier.put("c", b"x")
+
+
+async def test_reopen_keeps_values_accounting_and_meta(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 24, segment_bytes=64 << 10)
+    model = {f"k{i}": value_for(f"k{i}", 3000 + i) for i in range(60)}
+    await asyncio.gather(*(tier.put(k, v) for k, v in model.items()))
+    await tier.delete("k3")
+    del model["k3"]
+    await tier.meta.commit({"session/1": b"manifest-1", "session/2": b"manifest-2"})
+    before = [(s.seg_id, s.state, s.file_bytes, s.live_bytes) for s in tier.segments()]
+    await tier.close()
+
+    tier = DiskTier(tmp_path, 1 << 24, segment_bytes=64 << 10)
+    assert tier.recovery.uncommitted_records == 0 and tier.recovery.torn_bytes == 0
+    assert [(s.seg_id, s.state, s.file_bytes, s.live_bytes) for s in tier.segments()] == before
+    for key, value in model.items():
+        assert bytes(await tier.get(key)) == value
+    check_accounting(tier, model)
+    assert await tier.meta.get("session/2") == b"manifest-2"
+    await tier.put("after", b"reopen appends")
+    assert bytes(await tier.get("after")) == b"reopen appends"
+    await tier.close()
+
+
+async def test_second_writer_is_refused(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20)
+    assert DiskTier.writer_is_live(tmp_path)
+    with pytest.raises(Busy, match="writer lock"):
+        DiskTier(tmp_path, 1 << 20)
+    await tier.close()
+    assert not DiskTier.writer_is_live(tmp_path)
+
+
+async def test_buffered_puts_are_visible_at_once_and_durable_after_flush(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20, durable=False, commit_interval_s=60)
+    await tier.put("k", b"buffered")
+    assert bytes(await tier.get("k")) == b"buffered"
+    assert tier.index.lookup(b"k") is None  # not yet committed
+    assert tier.used_bytes == 8 and await tier.count() == 1
+    await tier.delete("k")
+    await tier.put("k2", b"v2")
+    await tier.flush()
+    assert tier.index.lookup(b"k") is None and tier.index.lookup(b"k2") is not None
+    assert tier.index.totals() == (2, 1)
+    await tier.put("k3", b"durable", durable=True)
+    assert tier.index.lookup(b"k3") is not None
+    await tier.close()
+
+
+async def test_segments_seal_at_the_size_limit(tmp_path):
+    limit = 10_000
+    tier = DiskTier(tmp_path, 1 << 24, segment_bytes=limit)
+    for i in range(40):
+        await tier.put(f"k{i:02d}", value_for(str(i), 1500), durable=False)
+    await tier.put("huge", value_for("huge", 3 * limit))  # larger than a segment
+    segments = tier.segments()
+    sealed = [s for s in segments if s.state == SegState.SEALED]
+    active = [s for s in segments if s.state == SegState.ACTIVE]
+    assert len(active) == 1 and active[0].seg_id == max(s.seg_id for s in segments)
+    assert len(sealed) >= 6
+    for info in sealed:
+        if info.live_records > 1:
+            assert info.file_bytes <= limit
+    assert any(s.live_records == 1 and s.file_bytes > limit for s in segments)
+    assert bytes(await tier.get("huge")) == value_for("huge", 3 * limit)
+    await tier.close()
+
+
+async def test_tier_full_stores_nothing(tmp_path):
+    tier = DiskTier(tmp_path, 1000)
+    await tier.put("a", bytes(600))
+    with pytest.raises(TierFull):
+        await tier.put("b", bytes(500))
+    with pytest.raises(TierFull):
+        await tier.put_many([("c", bytes(100)), ("d", bytes(400))], meta={"m": b"1"})
+    assert not await tier.contains("b") and not await tier.contains("c")
+    assert await tier.meta.get("m") is None
+    await tier.put("a", bytes(900))  # overwriting counts the old value as freed
+    assert tier.used_bytes == 900
+    await tier.close()
+
+
+async def test_random_operations_keep_exact_accounting(tmp_path):
+    rng = random.Random(1234)
+    model: dict[str, bytes] = {}
+    tier = DiskTier(tmp_path, 1 << 26, segment_bytes=32 << 10, commit_interval_s=0.001)
+    keys = [f"key-{i}" for i in range(150)]
+    for step in range(2000):
+        key = rng.choice(keys)
+        roll = rng.random()
+        if roll < 0.55:
+            value = rng.randbytes(rng.randint(0, 2000))
+            await tier.put(key, value, durable=rng.random() < 0.1)
+            model[key] = value
+        elif roll < 0.8:
+            assert await tier.delete(key, durable=rng.random() < 0.1) == len(
+                model.pop(key, b""))
+        elif roll < 0.99:
+            if key in model:
+                assert bytes(await tier.get(key)) == model[key]
+            else:
+                assert not await tier.contains(key)
+        elif step % 3 == 0:
+            await tier.close()
+            tier = DiskTier(tmp_path, 1 << 26, segment_bytes=32 << 10)
+        else:
+            await tier.flush()
+        assert tier.used_bytes == sum(len(v) for v in model.values())
+    await tier.flush()
+    check_accounting(tier, model)
+    assert sorted([k async for k in tier.keys()]) == sorted(model)  # noqa: SIM118 - async iterator
+    await tier.close()
+    tier = DiskTier(tmp_path, 1 << 26, segment_bytes=32 << 10)
+    assert tier.recovery.dropped_entries == []
+    check_accounting(tier, model)
+    await tier.close()
+
+
+async def test_ttl_expiry_and_purge(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20)
+    await tier.put("short", b"12345", ttl_s=0.3)
+    await tier.put("long", b"678", ttl_s=3600)
+    await tier.put("forever", b"9")
+    assert await tier.contains("short")
+    await asyncio.sleep(0.35)
+    assert not await tier.contains("short")
+    with pytest.raises(ChunkNotFound, match="expired"):
+        await tier.get("short")
+    assert sorted([k async for k in tier.keys()]) == ["forever", "long"]  # noqa: SIM118 - async iterator
+    assert await tier.purge_expired() == 0  # the get already purged it
+    await tier.flush()
+    assert tier.used_bytes == 4 and await tier.count() == 2
+    with pytest.raises(InvalidRequest):
+        await tier.put("bad", b"x", ttl_s=0)
+    await tier.close()
+
+
+async def test_meta_store_commits_atomically_and_in_order(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20, durable=False, commit_interval_s=60)
+    meta = tier.meta
+    await meta.commit({"s/b": b"2", "s/a": b"1", "t/x": b"other"})
+    assert await meta.scan("s/") == [("s/a", b"1"), ("s/b", b"2")]
+    with pytest.raises(InvalidRequest):
+        await meta.commit({"s/c": b"3", "s/" + "x" * 600: b"too long key"})
+    assert await meta.get("s/c") is None  # nothing of the bad batch applied
+    await meta.commit({"s/a": None, "s/c": b"3"})
+    assert await meta.scan("s/") == [("s/b", b"2"), ("s/c", b"3")]
+
+    await tier.put("chunk-1", b"c1")  # buffered: not yet in the index
+    assert tier.index.lookup(b"chunk-1") is None
+    await tier.commit_with_meta({"manifest": b"chunk-1"})
+    assert tier.index.lookup(b"chunk-1") is not None  # committed no later than the manifest
+
+    await tier.put_many([("chunk-2", b"c2"), ("chunk-3", b"c3")],
+                        meta={"manifest": b"chunk-2,chunk-3"}, durable=True)
+    assert tier.index.lookup(b"chunk-3") is not None
+    await tier.close()
+    tier = DiskTier(tmp_path, 1 << 20)
+    assert await tier.meta.get("manifest") == b"chunk-2,chunk-3"
+    assert bytes(await tier.get("chunk-2")) == b"c2"
+    await tier.close()
+
+
+async def fill_sealed(tier: DiskTier, count: int, size: int) -> dict[str, bytes]:
+    model = {f"c{i:03d}": value_for(f"c{i}", size) for i in range(count)}
+    for key, value in model.items():
+        await tier.put(key, value, durable=False)
+    await tier.flush()
+    return model
+
+
+async def test_pinning_defers_retirement(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 24, segment_bytes=8000)
+    model = await fill_sealed(tier, 12, 3000)
+    first = tier.segments()[0]
+    assert first.state == SegState.SEALED
+    victims = [k for k, _ in tier.live_entries(first.seg_id)]
+    with pytest.raises(InvalidRequest, match="live records"):
+        await tier.retire_segment(first.seg_id)
+    active = [s for s in tier.segments() if s.state == SegState.ACTIVE][0]
+    with pytest.raises(InvalidRequest, match="ACTIVE"):
+        await tier.retire_segment(active.seg_id)
+    tier.files.pin(first.seg_id)
+    for key in victims:
+        await tier.delete(key)
+        del model[key]
+    path = segment_path(tier.segment_dir, first.seg_id)
+    assert await tier.retire_segment(first.seg_id) is False
+    assert path.exists() and tier.index.segment(first.seg_id) is None
+    tier.files.unpin(first.seg_id)
+    assert not path.exists()
+    for key, value in model.items():
+        assert bytes(await tier.get(key)) == value
+    await tier.close()
+
+
+async def test_rewrite_segments_reclaims_dead_bytes(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 24, segment_bytes=16000)
+    model = await fill_sealed(tier, 40, 2000)
+    for key in list(model)[::2]:
+        await tier.delete(key)
+        del model[key]
+    sealed = [s.seg_id for s in tier.segments() if s.state == SegState.SEALED]
+    dead_before, used_before = tier.dead_bytes, tier.used_bytes
+    live_before = sum(len(tier.live_entries(s)) for s in sealed)
+    reads = [asyncio.create_task(tier.get(k)) for k in model]  # readers in flight
+    result = await tier.rewrite_segments(sealed)
+    assert [bytes(v) for v in await asyncio.gather(*reads)] == list(model.values())
+    assert result.retired + result.deferred == sealed
+    assert result.moved == live_before > 0 and result.skipped == 0
+    assert result.reclaimed_bytes > 0 and tier.dead_bytes < dead_before
+    assert tier.used_bytes == used_before
+    assert all(not segment_path(tier.segment_dir, s).exists() for s in result.retired)
+    for key, value in model.items():
+        assert bytes(await tier.get(key)) == value
+    check_accounting(tier, model)
+    with pytest.raises(InvalidRequest, match="SEALED"):
+        await tier.rewrite_segments([sealed[0]])
+    await tier.close()
+    tier = DiskTier(tmp_path, 1 << 24, segment_bytes=16000)
+    check_accounting(tier, model)
+    await tier.close()
+
+
+async def test_switch_is_compare_and_swap_and_compactions_exclude_each_other(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 24, segment_bytes=8000)
+    await fill_sealed(tier, 10, 3000)
+    sealed = [s.seg_id for s in tier.segments() if s.state == SegState.SEALED]
+    stale = tier.index.lookup(b"c000")
+    await tier.put("c000", b"newer")  # a writer wins over a compaction's move
+    outcome = tier.index.switch([(b"c000", stale, stale._replace(offset=0))], {}, [])
+    assert (outcome.moved, outcome.skipped) == (0, 1)
+    assert bytes(await tier.get("c000")) == b"newer"
+    from kvstore.tiers.disk_lock import COMPACT_LOCK, DirLock
+
+    elsewhere = DirLock(tmp_path / COMPACT_LOCK, "the compaction lock")
+    elsewhere.acquire()  # as another process would
+    with pytest.raises(Busy, match="compaction"):
+        await tier.rewrite_segments(sealed)
+    elsewhere.release()
+    expected = sum(len(tier.live_entries(seg_id)) for seg_id in sealed)
+    assert (await tier.rewrite_segments(sealed)).moved == expected == 7
+    await tier.close()
