@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 
 from kvstore.errors import (
     ChunkCorrupt,
@@ -160,7 +160,7 @@ class TierManager(SpillMixin, ReadingMixin):
         async with self._locks.hold(key):
             holders = self._stack.holders(key)
             if not any(i >= target for i in holders):
-                data, _, _ = await self._stack.read(key)
+                data, _, _ = await self._stack.read(key, access=False)
                 if await self._stack.place(key, data, start=target) is None:
                     raise TierFull(f"no tier at or below {self.tiers[target].name} took {key}")
             for i in (i for i in holders if i < target):
@@ -228,11 +228,13 @@ class TierManager(SpillMixin, ReadingMixin):
             raise SessionNotFound(f"no session {tenant}/{session_id}")
         return manifest
 
-    async def _gather(self, coros) -> list:
-        async def bounded(coro: Awaitable):
+    async def _gather(self, coros: Iterable[Coroutine]) -> list:
+        """Run ``coros`` at most ``io_concurrency`` at a time; on failure cancel the rest."""
+        async def bounded(coro: Coroutine):
             async with self._io:
                 return await coro
 
+        coros = list(coros)
         tasks = [asyncio.ensure_future(bounded(c)) for c in coros]
         try:
             return await asyncio.gather(*tasks)
@@ -240,6 +242,8 @@ class TierManager(SpillMixin, ReadingMixin):
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for coro in coros:
+                coro.close()  # those cancelled before they started
             raise
 
     async def _free(self, keys: Sequence[str]) -> None:

@@ -213,12 +213,15 @@ class TierStack:
             return False
         return True
 
-    async def read(self, key: str, check: Check = verify_chunk) -> tuple[Buffer, int, list[int]]:
+    async def read(self, key: str, check: Check = verify_chunk, *, access: bool = True
+                   ) -> tuple[Buffer, int, list[int]]:
         """(bytes, tier index, tiers found holding a bad copy) or ``DataLoss``.
 
-        ``check`` raises a ``CodecError`` for bytes that must not be used.
+        ``check`` raises a ``CodecError`` for bytes that must not be used. ``access``:
+        a client read (counted, and recent for the policy); internal copies pass False.
         """
-        self.counters.lookups += 1
+        if access:
+            self.counters.lookups += 1
         believed = self.holders(key)
         others = [i for i in range(len(self.tiers)) if i not in believed and self.may_hold(i, key)]
         bad: list[int] = []
@@ -246,14 +249,16 @@ class TierStack:
                           key, tier.name, exc)
                 bad.append(j)
                 continue
-            if j in believed:
-                self.policies[j].on_access(key, self.hints.get(key))
-            else:
+            if j not in believed:
                 self.policies[j].on_insert(key, len(data), self.hints.get(key))
-            self.counters.hits[tier.name] += 1
-            self.counters.bytes_read[tier.name] += len(data)
+            elif access:
+                self.policies[j].on_access(key, self.hints.get(key))
+            if access:
+                self.counters.hits[tier.name] += 1
+                self.counters.bytes_read[tier.name] += len(data)
             return data, j, bad
-        self.counters.misses += 1
+        if access:
+            self.counters.misses += 1
         found = "; ".join(problems) or "no tier holds it"
         raise DataLoss(f"no intact copy of {key}: {found}")
 

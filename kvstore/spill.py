@@ -148,7 +148,7 @@ class SpillMixin:
             if any(self.tiers[i].durable for i in self._stack.holders(key)):
                 return
             try:
-                data, _, _ = await self._stack.read(key)
+                data, _, _ = await self._stack.read(key, access=False)
             except DataLoss:
                 self.counters.writeback_failed += 1
                 raise

@@ -1,0 +1,184 @@
+"""Tier manager over the durable and remote tiers: disk, Redis; failures and fall-through."""
+
+from __future__ import annotations
+
+import pytest
+from test_manager_support import make_session, random_tokens, tier_keys
+
+from kvstore.errors import DataLoss
+from kvstore.manager import TierManager
+from kvstore.policy import HintPolicy, LRUPolicy, ResumeHint
+from kvstore.tiers.base import MemoryMetaStore
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.hbm import HBMTier
+from kvstore.tiers.host import HostTier
+from kvstore.tiers.redis import REDIS_PRESETS, RedisTier
+
+MB = 1 << 20
+
+
+def chunk_bytes(args) -> list[bytes]:
+    return [bytes(d) for _, d in args["chunks"]]
+
+
+def corrupted(data) -> bytes:
+    bad = bytearray(data)
+    bad[-5] ^= 0x5A  # a payload byte: the section checksum catches it
+    return bytes(bad)
+
+
+async def test_host_disk_round_trip_and_write_back(tmp_path):
+    host, disk = HostTier(MB), DiskTier(tmp_path / "disk", 64 * MB)
+    manager = await TierManager.open([host, disk], disk.meta)
+    args = make_session(random_tokens(16 * 6 + 5, seed=1))
+    await manager.spill("t", "s", generation=1, **args)
+    await manager.drain()
+    keys = {k for k, _ in args["chunks"]}
+    assert keys <= await tier_keys(disk)  # written back
+    assert not [k for k in await tier_keys(disk) if k.startswith("win/")]
+    stats = await manager.stat()
+    assert stats.counters["writeback_done"] == 6 and stats.writeback_depth == 0
+    result = await manager.restore("t", "s")
+    assert [bytes(c) for c in result.chunks] == chunk_bytes(args)
+    assert result.chunk_tiers == ["host"] * 6 and not result.replay_needed
+    await manager.delete("t", "s")
+    assert host.used_bytes == 0 and disk.used_bytes == 0
+    await manager.close()
+
+
+async def test_durable_ack_survives_reopen(tmp_path):
+    disk = DiskTier(tmp_path / "disk", 64 * MB)
+    manager = await TierManager.open([HostTier(MB), disk], disk.meta)
+    args = make_session(random_tokens(16 * 4 + 2, seed=2))
+    await manager.spill("t", "s", generation=3, ack="durable", **args)
+    await disk.close()  # the process goes away: nothing is drained, host memory is lost
+
+    disk = DiskTier(tmp_path / "disk", 64 * MB)
+    manager = await TierManager.open([HostTier(MB), disk], disk.meta)
+    result = await manager.restore("t", "s")
+    assert result.manifest.generation == 3
+    assert [bytes(c) for c in result.chunks] == chunk_bytes(args)
+    assert result.chunk_tiers == ["disk"] * 4
+    assert result.window is None and result.replay_needed  # the window lived in host only
+    assert [m.session_id for m in await manager.list_sessions("t")] == ["s"]
+    await manager.delete("t", "s")  # reference counts came back with the MetaStore
+    assert disk.used_bytes == 0 and await tier_keys(disk) == set()
+    await manager.close()
+
+
+async def test_all_tiers_round_trip_with_redis(tmp_path, redis_server):
+    tiers = [HBMTier(3000), HostTier(6000),
+             RedisTier(redis_server, 8 * MB, REDIS_PRESETS["loopback"]),
+             DiskTier(tmp_path / "disk", 64 * MB)]
+    manager = await TierManager.open(tiers, tiers[3].meta)
+    sessions = {f"s{i}": make_session(random_tokens(16 * 8 + i, seed=10 + i)) for i in range(3)}
+    for sid, args in sessions.items():
+        await manager.spill("t", sid, generation=1, **args)
+    await manager.drain()
+    used = set()
+    for sid, args in sessions.items():
+        result = await manager.restore("t", sid)
+        assert [bytes(c) for c in result.chunks] == chunk_bytes(args)
+        used |= set(result.chunk_tiers)
+    assert "redis" in used  # pressure pushed blocks down through the tiers
+    await manager.drain()  # restores promote what they read: the last one is on top now
+    assert "hbm" in (await manager.restore("t", "s2")).chunk_tiers
+    assert (await manager.stat()).counters["demotions"].get("redis", 0) > 0
+    for sid in sessions:
+        await manager.delete("t", sid)
+    await manager.drain()
+    assert [t.used_bytes for t in tiers] == [0, 0, 0, 0]
+    await manager.close()
+
+
+async def test_redis_outage_degrades_to_other_tiers(tmp_path, redis_server, redis_process):
+    redis = RedisTier(redis_server, 8 * MB, REDIS_PRESETS["loopback"])
+    tiers = [HostTier(2000), redis, DiskTier(tmp_path / "disk", 64 * MB)]
+    manager = await TierManager.open(tiers, tiers[2].meta)
+    args = make_session(random_tokens(16 * 8, seed=20))
+    await manager.spill("t", "s", generation=1, **args)
+    await manager.drain()
+    assert await tier_keys(redis)  # some chunks were demoted into Redis
+    redis_process.kill()
+    result = await manager.restore("t", "s")
+    assert [bytes(c) for c in result.chunks] == chunk_bytes(args)
+    assert "redis" not in result.chunk_tiers
+    counters = (await manager.stat()).counters
+    assert counters["fallthrough_unavailable"]["redis"] > 0
+    # spills keep working during the outage, placed around Redis
+    other = make_session(random_tokens(16 * 6, seed=21))
+    await manager.spill("t", "other", generation=1, **other)
+    assert (await manager.stat()).counters["tier_errors"]["redis"] > 0
+    result = await manager.restore("t", "other")
+    assert [bytes(c) for c in result.chunks] == chunk_bytes(other)
+    redis_process.restart()
+    await manager.close()
+
+
+async def test_checksum_fall_through_and_promotion_rewrites(tmp_path):
+    host, disk = HostTier(MB), DiskTier(tmp_path / "disk", 64 * MB)
+    manager = await TierManager.open([host, disk], disk.meta)
+    args = make_session(random_tokens(16 * 3, seed=30))
+    await manager.spill("t", "s", generation=1, **args)
+    await manager.drain()
+    key, good = args["chunks"][1]
+    await host.put(key, corrupted(good))
+    result = await manager.restore("t", "s")
+    assert [bytes(c) for c in result.chunks] == chunk_bytes(args)
+    assert result.chunk_tiers == ["host", "disk", "host"]
+    assert (await manager.stat()).counters["fallthrough_corrupt"] == {"host": 1}
+    await manager.drain()
+    assert bytes(await host.get(key)) == bytes(good)  # the promotion rewrote it
+    assert (await manager.restore("t", "s")).chunk_tiers == ["host"] * 3
+
+    await host.put(key, corrupted(good))
+    await disk.put(key, corrupted(good))
+    with pytest.raises(DataLoss, match="chunk 1"):
+        await manager.restore("t", "s")
+    assert (await manager.stat()).counters["misses"] == 1
+    await manager.close()
+
+
+async def test_corrupt_manifest_is_data_loss_not_a_half_session():
+    meta = MemoryMetaStore()
+    manager = await TierManager.open([HostTier(MB)], meta)
+    await manager.spill("t", "s", generation=1, **make_session(random_tokens(20, seed=31)))
+    (key, raw), = await meta.scan("manifest/")
+    await meta.commit({key: raw[:-3] + bytes([raw[-3] ^ 1]) + raw[-2:]})
+    with pytest.raises(DataLoss, match="manifest"):
+        await manager.restore("t", "s")
+    await manager.close()
+
+
+async def test_prefetch_promotes_within_timeout(tmp_path):
+    tiers = [HBMTier(MB), HostTier(MB), DiskTier(tmp_path / "disk", 64 * MB)]
+    manager = await TierManager.open(tiers, tiers[2].meta)
+    args = make_session(random_tokens(16 * 5, seed=40))
+    await manager.spill("t", "s", generation=1, **args)
+    await manager.demote("t", "s", "disk")
+    cut_short = await manager.prefetch("t", "s", timeout_s=0)
+    assert not cut_short.complete and cut_short.promoted == 0
+    done = await manager.prefetch("t", "s", timeout_s=30)
+    assert done.complete and done.blocks == 5 and done.promoted == 5
+    result = await manager.restore("t", "s", want_window=False)
+    assert result.chunk_tiers == ["hbm"] * 5 and result.replay_needed
+    assert [bytes(c) for c in result.chunks] == chunk_bytes(args)
+    await manager.close()
+
+
+@pytest.mark.parametrize("policy, survivor", [(LRUPolicy, "late"), (HintPolicy, "soon")])
+async def test_hint_policy_keeps_the_session_due_back_first(tmp_path, policy, survivor):
+    host = HostTier(4200)  # room for two of these sessions, not three
+    manager = await TierManager.open([host, DiskTier(tmp_path / "disk", 64 * MB)],
+                                     MemoryMetaStore(), policy=policy)
+    hints = {"soon": ResumeHint(expected_pause_s=5), "late": ResumeHint(expected_pause_s=3600)}
+    keys = {}
+    for seed, sid in enumerate(["soon", "late", "new"]):
+        args = make_session(random_tokens(16 * 4, seed=50 + seed), window=False)
+        keys[sid] = {k for k, _ in args["chunks"]}
+        await manager.spill("t", sid, generation=1, hint=hints.get(sid), **args)
+        await manager.drain()  # write-back holds chunk locks; eviction skips locked chunks
+    held = await tier_keys(host)
+    assert keys["new"] <= held
+    assert {sid for sid in ("soon", "late") if keys[sid] <= held} == {survivor}
+    await manager.close()
