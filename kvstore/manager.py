@@ -32,16 +32,17 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from dataclasses import dataclass
 
 from kvstore.errors import (
     ChunkCorrupt,
     DataLoss,
     InvalidRequest,
     SessionNotFound,
-    TierFull,
     TierUnavailable,
 )
 from kvstore.locks import KeyedLocks, RWLocks
+from kvstore.maintenance import MaintenanceMixin
 from kvstore.manifest import MANIFEST_PREFIX, SessionManifest, check_name, manifest_key
 from kvstore.placement import WINDOW_PREFIX, TierStack, is_window_key
 from kvstore.policy import EvictionPolicy, LRUPolicy
@@ -55,21 +56,45 @@ from kvstore.writeback import WriteBackQueue
 log = logging.getLogger(__name__)
 
 
-class TierManager(SpillMixin, ReadingMixin):
+@dataclass(frozen=True)
+class ManagerConfig:
+    writeback_depth: int = 256  # chunks queued for write-back before spills wait
+    writeback_workers: int = 2
+    io_concurrency: int = 8  # chunk moves in flight per spill, restore or prefetch
+    restore_lookahead: int = 8  # chunks a streamed restore fetches ahead of the reader
+    unavailable_cooldown_s: float = 1.0  # how long a tier that failed is skipped
+
+
+MANAGER_PRESETS = {
+    "default": ManagerConfig(),
+    # One process on a small machine (the embedded `kvtier serve`): fewer tasks in flight.
+    "embedded": ManagerConfig(writeback_depth=64, writeback_workers=1, io_concurrency=4,
+                              restore_lookahead=4),
+    # Remote tiers with high latency: more in flight hides round trips.
+    "remote": ManagerConfig(writeback_depth=1024, writeback_workers=8, io_concurrency=32,
+                            restore_lookahead=32, unavailable_cooldown_s=5.0),
+}
+
+
+class TierManager(SpillMixin, ReadingMixin, MaintenanceMixin):
     def __init__(
         self,
         tiers: Sequence[Tier],
         meta: MetaStore,
         *,
         policy: Callable[[], EvictionPolicy] = LRUPolicy,
-        writeback_depth: int = 256,
-        writeback_workers: int = 2,
-        io_concurrency: int = 8,
+        config: ManagerConfig = MANAGER_PRESETS["default"],
     ) -> None:
-        """Use ``await TierManager.open(...)``; ``policy`` makes one policy per tier."""
+        """Use ``await TierManager.open(...)``.
+
+        ``tiers``: highest first, names unique; ``meta``: where manifests and reference
+        counts live (the disk tier's ``meta`` for durability); ``policy``: a factory
+        called once per tier (``LRUPolicy``, ``HintPolicy`` or any ``EvictionPolicy``).
+        """
         names = [tier.name for tier in tiers]
         if not tiers or len(set(names)) != len(names):
             raise InvalidRequest(f"need at least one tier, each name once; got {names}")
+        self.config = config
         self.meta = meta
         self.counters = Counters()
         self._locks = KeyedLocks()
@@ -79,12 +104,13 @@ class TierManager(SpillMixin, ReadingMixin):
             tiers, policy, self._locks, self.counters,
             is_referenced=lambda key: self._ledger.count(key) > 0,
             on_window_dropped=lambda key: self._spawn(self._forget_window(key)),
+            cooldown_s=config.unavailable_cooldown_s,
         )
         self._durable = [i for i, tier in enumerate(tiers) if tier.durable]
-        self._io = asyncio.Semaphore(io_concurrency)
+        self._io = asyncio.Semaphore(config.io_concurrency)
         self._tasks: set[asyncio.Task] = set()
         self._writeback = WriteBackQueue(
-            self._write_back, depth=writeback_depth, workers=writeback_workers
+            self._write_back, depth=config.writeback_depth, workers=config.writeback_workers
         )
 
     @classmethod
@@ -105,66 +131,34 @@ class TierManager(SpillMixin, ReadingMixin):
     async def __aexit__(self, *exc_info) -> None:
         await self.close()
 
-    # -- delete, demote --
+    # -- delete --
 
     async def delete(self, tenant: str, session_id: str) -> None:
         """Drop a session; chunks nothing else references are deleted from every tier."""
-        async with self._sessions.write((check_name("tenant", tenant),
-                                         check_name("session_id", session_id))):
+        check_name("tenant", tenant)
+        check_name("session_id", session_id)
+        await self._delete(tenant, session_id, lambda manifest: True)
+
+    async def _delete(self, tenant: str, session_id: str,
+                      condition: Callable[[SessionManifest], bool]) -> bool:
+        """Delete the session if ``condition(manifest)`` holds under its write lock."""
+        async with self._sessions.write((tenant, session_id)):
             try:
                 manifest = await self._load_required(tenant, session_id)
             except DataLoss:
-                log.error("deleting the corrupt manifest of %s/%s: its chunk references "
-                          "stay until the compaction job collects them", tenant, session_id)
+                log.error("deleting the corrupt manifest of %s/%s: its chunks stay referenced",
+                          tenant, session_id)
                 await self._ledger.commit({manifest_key(tenant, session_id): None})
-                return
+                return True
+            if not condition(manifest):
+                return False
             freed = await self._ledger.commit(
                 {manifest_key(tenant, session_id): None}, release=manifest.chunk_keys
             )
             await self._free(freed)
             if manifest.window_key is not None:
                 await self._drop_block(manifest.window_key)
-
-    async def demote(self, tenant: str, session_id: str, tier_name: str | None = None
-                     ) -> SessionManifest:
-        """Move a session's blocks down to ``tier_name`` (default: the lowest tier).
-
-        Copies above that tier are removed, shared chunks included. A window that the
-        target tier cannot hold is dropped and the manifest says so.
-        """
-        check_name("tenant", tenant)
-        check_name("session_id", session_id)
-        try:
-            target = self._stack.index(tier_name or self.tiers[-1].name)
-        except KeyError:
-            raise InvalidRequest(f"no tier named {tier_name!r}") from None
-        async with self._sessions.write((tenant, session_id)):
-            manifest = await self._load_required(tenant, session_id)
-            blocks = list(manifest.chunk_keys)
-            window = manifest.window_key
-            if window is not None and self.tiers[target].holds_window:
-                blocks.append(window)
-            await self._gather(self._demote_block(key, target) for key in blocks)
-            if window is not None and not self.tiers[target].holds_window:
-                await self._drop_block(window)
-                self.counters.windows_dropped += 1
-                manifest = manifest.evolve(window_tier=None, window_key=None)
-                await self._ledger.commit({manifest_key(tenant, session_id): manifest.encode()})
-            elif window is not None:
-                held = self._stack.holders(window)
-                manifest = manifest.evolve(window_tier=self.tiers[held[0]].name if held else None)
-                await self._ledger.commit({manifest_key(tenant, session_id): manifest.encode()})
-            return manifest
-
-    async def _demote_block(self, key: str, target: int) -> None:
-        async with self._locks.hold(key):
-            holders = self._stack.holders(key)
-            if not any(i >= target for i in holders):
-                data, _, _ = await self._stack.read(key, access=False)
-                if await self._stack.place(key, data, start=target) is None:
-                    raise TierFull(f"no tier at or below {self.tiers[target].name} took {key}")
-            for i in (i for i in holders if i < target):
-                await self._stack.delete(i, key, evicted=True)
+            return True
 
     # -- listing, stats, lifecycle --
 

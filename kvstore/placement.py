@@ -13,6 +13,8 @@ the index of what the tier holds (rebuilt from ``Tier.keys`` on open). Rules:
 - A read tries the tiers believed to hold the block, highest first, then the others,
   verifying every copy (``codec.verify_chunk``) and falling through on a corrupt copy or
   an unavailable tier; ``promote`` then replaces bad copies and moves the block up.
+- A tier that raised ``TierUnavailable`` is skipped for ``cooldown_s`` (a Redis outage
+  costs one timeout, not one per chunk), except as a read's last resort.
 
 Every mutation of one key happens under ``KeyedLocks`` held by the caller; eviction only
 takes victims whose lock is free (``KeyedLocks.busy``), so it never waits on a lock.
@@ -21,6 +23,7 @@ takes victims whose lock is free (``KeyedLocks.busy``), so it never waits on a l
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Collection, Sequence
 
 from kvstore.codec import verify_chunk
@@ -61,6 +64,7 @@ class TierStack:
         *,
         is_referenced: Callable[[str], bool],
         on_window_dropped: Callable[[str], None],
+        cooldown_s: float = 1.0,
     ) -> None:
         self.tiers = tuple(tiers)
         self.policies = [policy_factory() for _ in self.tiers]
@@ -69,6 +73,19 @@ class TierStack:
         self.is_referenced = is_referenced
         self.on_window_dropped = on_window_dropped
         self.hints: dict[str, ResumeHint] = {}  # carried along when a block moves
+        self.cooldown_s = cooldown_s
+        self._down_until = [0.0] * len(self.tiers)  # monotonic time an outage ends
+
+    def up(self, j: int) -> bool:
+        return time.monotonic() >= self._down_until[j]
+
+    def _mark_down(self, j: int, what: str, exc: Exception) -> None:
+        tier = self.tiers[j]
+        self.counters.tier_errors[tier.name] += 1
+        if self.up(j):
+            log.warning("tier %s unavailable (%s), skipping it for %.1f s: %s",
+                        tier.name, what, self.cooldown_s, exc)
+        self._down_until[j] = time.monotonic() + self.cooldown_s
 
     def index(self, tier_name: str) -> int:
         for i, tier in enumerate(self.tiers):
@@ -85,13 +102,12 @@ class TierStack:
 
     async def load(self) -> None:
         """Learn what each tier holds now (durable tiers keep blocks across restarts)."""
-        for tier, policy in zip(self.tiers, self.policies, strict=True):
+        for j, tier in enumerate(self.tiers):
             try:
                 async for key in tier.keys():
-                    policy.on_insert(key)
+                    self.policies[j].on_insert(key)
             except TierUnavailable as exc:
-                self.counters.tier_errors[tier.name] += 1
-                log.error("tier %s unavailable while listing keys: %s", tier.name, exc)
+                self._mark_down(j, "listing keys", exc)
 
     def touch(self, key: str, hint: ResumeHint | None) -> None:
         if hint is not None:
@@ -124,7 +140,7 @@ class TierStack:
     async def _put(self, j: int, key: str, data: Buffer, protect: Collection[str] = ()
                    ) -> bool:
         tier, size = self.tiers[j], len(data)
-        if size > tier.capacity_bytes:
+        if size > tier.capacity_bytes or not self.up(j):
             return False
         for _ in range(PUT_ATTEMPTS):
             if not await self._make_room(j, size, protect):
@@ -134,8 +150,7 @@ class TierStack:
             except TierFull:
                 continue
             except TierUnavailable as exc:
-                self.counters.tier_errors[tier.name] += 1
-                log.warning("tier %s unavailable for a put, skipping it: %s", tier.name, exc)
+                self._mark_down(j, "put", exc)
                 return False
             self.policies[j].on_insert(key, size, self.hints.get(key))
             self.counters.bytes_written[tier.name] += size
@@ -164,8 +179,8 @@ class TierStack:
         except ChunkNotFound:
             self.policies[j].on_remove(key)
             return True
-        except TierUnavailable:
-            self.counters.tier_errors[tier.name] += 1
+        except TierUnavailable as exc:
+            self._mark_down(j, "eviction read", exc)
             return False
         intact = self._intact(data)
         target = await self.place(key, data, start=j + 1) if intact else None
@@ -182,12 +197,15 @@ class TierStack:
         return True
 
     async def delete(self, j: int, key: str, *, evicted: bool = False) -> bool:
+        """False when the tier is unavailable: the block stays (believed) held there."""
         tier = self.tiers[j]
+        if not self.up(j):
+            self.counters.tier_errors[tier.name] += 1
+            return False
         try:
             await tier.delete(key)
         except TierUnavailable as exc:
-            self.counters.tier_errors[tier.name] += 1
-            log.warning("tier %s unavailable for a delete of %s: %s", tier.name, key, exc)
+            self._mark_down(j, f"delete of {key}", exc)
             return False
         self.policies[j].on_remove(key)
         if evicted:
@@ -224,9 +242,14 @@ class TierStack:
             self.counters.lookups += 1
         believed = self.holders(key)
         others = [i for i in range(len(self.tiers)) if i not in believed and self.may_hold(i, key)]
+        order = believed + others
+        down = [j for j in order if not self.up(j)]
         bad: list[int] = []
         problems: list[str] = []
-        for j in believed + others:
+        for j in down:
+            if j in believed:  # skipped, unless nothing else answers
+                self.counters.fallthrough_unavailable[self.tiers[j].name] += 1
+        for j in [j for j in order if j not in down] + down:  # tiers in an outage last
             tier = self.tiers[j]
             try:
                 data = await tier.get(key)
@@ -235,10 +258,10 @@ class TierStack:
                     self.policies[j].on_remove(key)
                 continue
             except TierUnavailable as exc:
-                self.counters.fallthrough_unavailable[tier.name] += 1
+                if j not in down:
+                    self.counters.fallthrough_unavailable[tier.name] += 1
                 problems.append(f"{tier.name} unavailable")
-                log.warning("tier %s unavailable reading %s, falling through: %s",
-                            tier.name, key, exc)
+                self._mark_down(j, f"read of {key}", exc)
                 continue
             try:
                 check(data)

@@ -75,8 +75,10 @@ class SessionReader:
         self.blocks = frozenset(manifest.chunk_keys) | (
             {manifest.window_key} if manifest.window_key else set())
 
-    async def chunks(self, lookahead: int = 8) -> AsyncIterator[RestoredChunk]:
-        """Chunks in order, fetching up to ``lookahead`` ahead; ``DataLoss`` if one is lost."""
+    async def chunks(self, lookahead: int | None = None) -> AsyncIterator[RestoredChunk]:
+        """Chunks in order, fetching up to ``lookahead`` ahead (default: the manager's
+        ``config.restore_lookahead``); ``DataLoss`` if one is lost."""
+        lookahead = lookahead or self._manager.config.restore_lookahead
         keys = self.manifest.chunk_keys
         pending: collections.deque[asyncio.Future] = collections.deque()
         started = 0

@@ -16,7 +16,7 @@ from kvstore.errors import (
     SessionNotFound,
     StaleGeneration,
 )
-from kvstore.manager import TierManager
+from kvstore.manager import MANAGER_PRESETS, TierManager
 from kvstore.tiers.base import MemoryMetaStore
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
@@ -176,7 +176,7 @@ async def test_window_evicted_by_pressure_updates_manifest(tmp_path):
 
 async def test_concurrent_spills_and_restores(tmp_path):
     tiers = [HostTier(40_000), ObjectTier(tmp_path / "obj", 64 * MB)]
-    manager = await TierManager.open(tiers, MemoryMetaStore(), io_concurrency=4)
+    manager = await TierManager.open(tiers, MemoryMetaStore(), config=MANAGER_PRESETS["embedded"])
     prefix = random_tokens(32, seed=12)
     sessions = {
         f"s{i}": make_session(np.concatenate([prefix, random_tokens(30 + i, seed=100 + i)]))
