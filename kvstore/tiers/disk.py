@@ -57,13 +57,7 @@ from kvstore.tiers.disk_meta import DiskMetaStore
 from kvstore.tiers.disk_pipeline import CommitPipeline
 from kvstore.tiers.disk_reader import SegmentFiles, SegmentGone
 from kvstore.tiers.disk_recovery import RecoveryReport, recover
-from kvstore.tiers.segments import (
-    check_record,
-    encode_header,
-    key_bytes,
-    record_size,
-    value_view,
-)
+from kvstore.tiers.segments import check_record, encode_header, key_bytes, record_size, value_view
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +125,8 @@ class DiskTier(Tier):
 
     @property
     def live_bytes(self) -> int:
+        """Same as ``used_bytes``; with ``dead_bytes`` and ``file_bytes`` for compaction.
+        Entries past their TTL count until purged (a get or ``purge_expired``)."""
         return self.used_bytes
 
     def segments(self) -> list[SegmentInfo]:
@@ -148,6 +144,7 @@ class DiskTier(Tier):
         return sum(info.dead_bytes for info in self.index.all_segments())
 
     async def count(self) -> int:
+        """Entries held, counting expired ones not yet purged (as ``used_bytes`` does)."""
         return self.pipeline.committed_totals()[1] + self.pipeline.pending_items
 
     # Tier API
@@ -159,8 +156,8 @@ class DiskTier(Tier):
         header, checksum = encode_header(kb, view)
         async with self._append_lock:
             self._check_writable()
-            old_len, present = self._projected(kb)
-            delta = view.nbytes - old_len
+            old = self._length_or_none(kb)
+            delta = view.nbytes - (old or 0)
             if self.used_bytes + delta > self.capacity_bytes:
                 raise TierFull(f"disk tier {self.path}: {view.nbytes} bytes for {key!r} do "
                                f"not fit ({self.used_bytes} of {self.capacity_bytes} used)")
@@ -168,8 +165,8 @@ class DiskTier(Tier):
                                                checksum, expires)
             if sealed is not None:
                 self.pipeline.enqueue(sealed)
-            op = self.pipeline.enqueue(PutOp(kb, entry), kb, delta, 0 if present else 1,
-                               view.nbytes, self._wants_ack(durable))
+            op = self.pipeline.enqueue(PutOp(kb, entry), kb, delta, int(old is None),
+                                       view.nbytes, self._wants_ack(durable))
         await self.pipeline.settle(op)
 
     async def put_many(self, items: Iterable[tuple[str, Buffer]], *,
@@ -356,10 +353,6 @@ class DiskTier(Tier):
     def _length_or_none(self, kb: bytes) -> int | None:
         entry = self._current(kb)
         return None if entry is None else entry.value_len
-
-    def _projected(self, kb: bytes) -> tuple[int, bool]:
-        old = self._length_or_none(kb)
-        return (0, False) if old is None else (old, True)
 
     async def _append(self, kb: bytes, parts: list[Buffer], value_len: int, checksum: int,
                       expires: int) -> tuple[IndexEntry, EndOp | None]:
