@@ -161,10 +161,12 @@ class DiskTier(Tier):
             if self.used_bytes + delta > self.capacity_bytes:
                 raise TierFull(f"disk tier {self.path}: {view.nbytes} bytes for {key!r} do "
                                f"not fit ({self.used_bytes} of {self.capacity_bytes} used)")
-            entry, sealed = await self._append(kb, [header, kb, view], view.nbytes,
-                                               checksum, expires)
-            if sealed is not None:
-                self.pipeline.enqueue(sealed)
+            try:
+                entry = await self._append(kb, [header, kb, view], view.nbytes, checksum,
+                                           expires)
+            finally:
+                for args in self._seals():  # after the puts in the sealed segment
+                    self.pipeline.enqueue(*args)
             op = self.pipeline.enqueue(PutOp(kb, entry), kb, delta, int(old is None),
                                        view.nbytes, self._wants_ack(durable))
         await self.pipeline.settle(op)
@@ -194,13 +196,12 @@ class DiskTier(Tier):
             try:
                 for (kb, view, header, checksum), (delta, count) in zip(prepared, plans,
                                                                         strict=True):
-                    entry, sealed = await self._append(kb, [header, kb, view], view.nbytes,
-                                                       checksum, expires)
-                    if sealed is not None:
-                        ready.append((sealed,))
+                    entry = await self._append(kb, [header, kb, view], view.nbytes,
+                                               checksum, expires)
+                    ready += self._seals()
                     ready.append((PutOp(kb, entry), kb, delta, count, view.nbytes))
             except BaseException:
-                for args in ready:  # segments sealed meanwhile stay sealed; no put lands
+                for args in ready + self._seals():  # seals stand; none of the puts lands
                     if isinstance(args[0], EndOp):
                         self.pipeline.enqueue(*args)
                 raise
@@ -355,7 +356,7 @@ class DiskTier(Tier):
         return None if entry is None else entry.value_len
 
     async def _append(self, kb: bytes, parts: list[Buffer], value_len: int, checksum: int,
-                      expires: int) -> tuple[IndexEntry, EndOp | None]:
+                      expires: int) -> IndexEntry:
         if self._resume is not None:
             try:
                 await self._appender.resume(*self._resume)
@@ -363,11 +364,12 @@ class DiskTier(Tier):
                 raise storage_error(exc, f"reopening segment {self._resume[0]}") from exc
             self._resume = None
         size = record_size(len(kb), value_len)
-        seg_id, offset, sealed = await self._appender.append(parts, size)
-        seal = None
-        if sealed is not None:
-            seal = EndOp(sealed, self._appender.finished.pop(sealed), True)
-        return IndexEntry(seg_id, offset, value_len, checksum, expires), seal
+        seg_id, offset = await self._appender.append(parts, size)
+        return IndexEntry(seg_id, offset, value_len, checksum, expires)
+
+    def _seals(self) -> list[tuple[EndOp]]:
+        """Queue arguments marking the segments the appender sealed as SEALED."""
+        return [(EndOp(seg_id, end, True),) for seg_id, end in self._appender.take_sealed()]
 
     async def _purge_if_expired(self, kb: bytes) -> bool:
         async with self._append_lock:

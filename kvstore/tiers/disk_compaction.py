@@ -88,7 +88,7 @@ async def rewrite_segments(tier: DiskTier, seg_ids: list[int]) -> RewriteResult:
                         except ChunkCorrupt:
                             result.corrupt_keys.append(kb.decode(errors="replace"))
                             continue
-                        new_seg, offset, _ = await appender.append([record], size)
+                        new_seg, offset = await appender.append([record], size)
                         moves.append((kb, entry, entry._replace(seg_id=new_seg,
                                                                 offset=offset)))
                 finally:

@@ -53,14 +53,11 @@ class SegmentAppender:
         self._file = await aiofiles.open(segment_path(self.directory, seg_id), "ab")
         self.seg_id, self.end = seg_id, end
 
-    async def append(self, parts: list[Buffer], size: int) -> tuple[int, int, int | None]:
-        """Write one record made of ``parts`` (``size`` bytes in all).
-
-        Returns (segment id, offset, id of the segment sealed to make room or None).
-        """
-        sealed = None
+    async def append(self, parts: list[Buffer], size: int) -> tuple[int, int]:
+        """Write one record made of ``parts`` (``size`` bytes in all); returns (segment id,
+        offset). A segment sealed to make room shows up in ``take_sealed``."""
         if self._file is None or (self.end and self.end + size > self.segment_bytes):
-            sealed = await self.roll()
+            await self.roll()
         offset = self.end
         try:
             await self._file.writelines(parts)
@@ -69,15 +66,19 @@ class SegmentAppender:
             await self._cut_back(offset)
             raise storage_error(exc, f"writing segment {self.seg_id}") from exc
         self.end = offset + size
-        return self.seg_id, offset, sealed
+        return self.seg_id, offset
 
-    async def roll(self) -> int | None:
-        """Seal the open segment (if any) and start a new one; returns the sealed id."""
-        sealed = self.seg_id
+    def take_sealed(self) -> list[tuple[int, int]]:
+        """(segment id, size) of segments sealed since the last call."""
+        sealed, self.finished = list(self.finished.items()), {}
+        return sealed
+
+    async def roll(self) -> None:
+        """Seal the open segment (if any) and start a new one."""
         if self._file is not None:
             await self.sync()
             await self._file.close()
-            self.finished[sealed] = self.end
+            self.finished[self.seg_id] = self.end
             self._file = None
         seg_id = await asyncio.to_thread(self.index.register_segment, self.state)
         path = segment_path(self.directory, seg_id)
@@ -88,7 +89,6 @@ class SegmentAppender:
             self.seg_id, self._file = None, None
             raise storage_error(exc, f"creating segment {seg_id}") from exc
         self.seg_id, self.end = seg_id, 0
-        return sealed
 
     async def sync(self) -> None:
         """fsync the open segment's bytes (the payload half of a durable write)."""
