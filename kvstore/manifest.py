@@ -132,11 +132,11 @@ class SessionManifest:
         magic, version, body_len = _HEAD.unpack_from(view)
         if magic != MAGIC:
             raise ChunkCorrupt(f"bad manifest magic {bytes(magic)!r}")
-        if version != VERSION:
-            raise UnsupportedVersion(f"manifest version {version}; this build reads {VERSION}")
         (check,) = _CHECK.unpack_from(view, len(view) - _CHECK.size)
         if xxhash.xxh3_64_intdigest(view[: len(view) - _CHECK.size]) != check:
             raise ChunkCorrupt("manifest checksum mismatch")
+        if version != VERSION:
+            raise UnsupportedVersion(f"manifest version {version}; this build reads {VERSION}")
         try:
             head = json.loads(bytes(view[_HEAD.size : _HEAD.size + body_len]))
             tokens_at = _HEAD.size + body_len

@@ -88,9 +88,10 @@ class RefLedger:
     ) -> list[str]:
         """Commit ``writes`` with +1 per key in ``acquire`` and -1 per key in ``release``.
 
-        Returns the released keys left with no reference at all (committed or pinned):
-        the caller frees them from every tier. Raises what the MetaStore raises, in which
-        case nothing of this request (or its batch) was applied.
+        Returns the keys this request's release brought to zero and that nothing holds
+        after the batch (no committed reference, no pin): the caller frees them. Raises
+        what the MetaStore raises, in which case nothing of this request (or its batch)
+        was applied.
         """
         request = _Request(writes, acquire, release)
         self._queue.append(request)
@@ -103,11 +104,12 @@ class RefLedger:
             batch, self._queue = self._queue, []
             before: dict[str, int] = {}
             writes: dict[str, bytes | None] = {}
+            zeroed: list[list[str]] = []  # per request: keys its release brought to zero
             for request in batch:
                 writes.update(request.writes)
-                for key, delta in [(k, 1) for k in request.acquire] + [
-                    (k, -1) for k in request.release
-                ]:
+                zeroed.append([])
+                deltas = [(k, 1) for k in request.acquire] + [(k, -1) for k in request.release]
+                for key, delta in deltas:
                     old = self._committed.get(key, 0)
                     before.setdefault(key, old)
                     new = old + delta
@@ -118,6 +120,8 @@ class RefLedger:
                         self._committed[key] = new
                     else:
                         self._committed.pop(key, None)
+                        if old:
+                            zeroed[-1].append(key)
             for key in before:
                 count = self._committed.get(key, 0)
                 writes[REF_PREFIX + key] = str(count).encode() if count else None
@@ -137,8 +141,6 @@ class RefLedger:
                 if not isinstance(exc, Exception):
                     raise
                 continue
-            for request in batch:
-                if not request.done.done():
-                    request.done.set_result(
-                        [k for k in dict.fromkeys(request.release) if not self.count(k)]
-                    )
+            for request, keys in zip(batch, zeroed, strict=True):
+                if not request.done.done():  # a later request of the batch may hold it again
+                    request.done.set_result([k for k in keys if not self.count(k)])
