@@ -58,13 +58,14 @@ def free_port(*, with_cluster_bus: bool = False) -> int:
 class RedisServer:
     """One real ``redis-server`` process on a loopback port, in its own directory."""
 
-    def __init__(self, workdir: Path, *, persistent: bool = False, cluster: bool = False
-                 ) -> None:
+    def __init__(self, workdir: Path, *, persistent: bool = False, cluster: bool = False,
+                 cluster_node_timeout_ms: int = 2000) -> None:
         if shutil.which("redis-server") is None:
             pytest.fail("redis-server is not on PATH (Debian: apt-get install redis-server)")
         self.workdir = workdir
         self.persistent = persistent
         self.cluster = cluster
+        self.cluster_node_timeout_ms = cluster_node_timeout_ms
         self.port = 0
         self.process: subprocess.Popen | None = None
 
@@ -104,7 +105,7 @@ class RedisServer:
             args += ["--appendonly", "no", "--save", ""]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                     "--cluster-node-timeout", "2000"]
+                     "--cluster-node-timeout", str(self.cluster_node_timeout_ms)]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
@@ -154,12 +155,15 @@ class RedisClusterProcesses:
             node.stop()
 
 
-def start_redis_cluster(workdir: Path, *, masters: int = 3) -> RedisClusterProcesses:
+def start_redis_cluster(workdir: Path, *, masters: int = 3, node_timeout_ms: int = 2000
+                        ) -> RedisClusterProcesses:
+    """``node_timeout_ms``: how long a silent master stays "possibly failing" before the
+    cluster marks it failed and (with no replica to promote) stops serving every slot."""
     nodes = []
     for index in range(masters):
         node_dir = workdir / f"node{index}"
         node_dir.mkdir()
-        node = RedisServer(node_dir, cluster=True)
+        node = RedisServer(node_dir, cluster=True, cluster_node_timeout_ms=node_timeout_ms)
         node.start()
         nodes.append(node)
     cluster = RedisClusterProcesses(nodes)
@@ -257,6 +261,23 @@ def redis_cluster_process(tmp_path_factory: pytest.TempPathFactory):
     cluster = start_redis_cluster(tmp_path_factory.mktemp("redis-cluster"), masters=3)
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster_factory(tmp_path_factory: pytest.TempPathFactory):
+    """``redis_cluster_factory(masters=3, node_timeout_ms=2000) -> RedisClusterProcesses``:
+    a private cluster (for tests that kill nodes), stopped when the test ends."""
+    started: list[RedisClusterProcesses] = []
+
+    def start(*, masters: int = 3, node_timeout_ms: int = 2000) -> RedisClusterProcesses:
+        cluster = start_redis_cluster(tmp_path_factory.mktemp("redis-cluster"),
+                                      masters=masters, node_timeout_ms=node_timeout_ms)
+        started.append(cluster)
+        return cluster
+
+    yield start
+    for cluster in started:
+        cluster.stop()
 
 
 @pytest.fixture

@@ -136,7 +136,7 @@ async def test_unreachable_endpoint_is_unavailable(s3_credentials):
         await tier.put("k", b"v")
     with pytest.raises(TierUnavailable):
         await tier.get("k")
-    assert not tier.available
+    assert not tier.health.available
 
 
 async def test_missing_bucket_is_unavailable_and_errors_are_not_misreported(
@@ -150,7 +150,7 @@ async def test_missing_bucket_is_unavailable_and_errors_are_not_misreported(
     assert await tier.resync() == 0  # recovers once the bucket exists
     with pytest.raises(ChunkNotFound):
         await tier.get("k")
-    assert tier.available
+    assert tier.health.available
 
 
 def test_bad_urls():

@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from kvstore.errors import ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
+from kvstore.tiers.host import Availability
 from kvstore.tiers.redis import RedisTier, RedisTierConfig
 
 FAST_FAIL = RedisTierConfig(connect_timeout_s=0.2, socket_timeout_s=0.5, retries=1,
@@ -151,7 +152,7 @@ async def test_outage_raises_promptly_and_recovers(redis_process, redis_server, 
             with pytest.raises(TierUnavailable):
                 await operation()
             assert time.monotonic() - started < FAST_FAIL.op_timeout_s + 0.5
-        assert not tier.available and not await tier.ping()
+        assert not tier.health.available and not await tier.ping()
         assert (await tier.stats()).available is False
         errors = [r for r in caplog.records if r.levelno == logging.ERROR]
         assert len(errors) == 1  # logged once per outage, not once per failed call
@@ -160,7 +161,7 @@ async def test_outage_raises_promptly_and_recovers(redis_process, redis_server, 
         redis_process.restart()  # same port, no persistence: the data is gone
         with pytest.raises(ChunkNotFound):
             await tier.get("before")
-        assert tier.available and tier.used_bytes == 0
+        assert tier.health.available and tier.used_bytes == 0
         await tier.put("after", b"a" * 10)
         assert await tier.get("after") == b"a" * 10
         assert await tier.delete("after") == 10  # the delete script is reloaded by itself
@@ -229,5 +230,64 @@ async def test_cluster_spreads_keys_over_every_master(redis_cluster, redis_clust
         fresh = RedisTier(redis_cluster, 1 << 20)
         assert await fresh.resync() == tier.used_bytes
         await fresh.close()
+    finally:
+        await tier.close()
+
+
+def test_availability_logs_a_flapping_medium_once_per_interval(caplog):
+    health = Availability(logging.getLogger("test.availability"), "medium", log_interval_s=60)
+    caplog.set_level(logging.WARNING, logger="test.availability")
+    for _ in range(5):
+        health.failed("GET", ConnectionError("refused"))
+        assert not health.available
+        health.succeeded()
+        assert health.available
+    assert health.failures == 5
+    levels = [record.levelno for record in caplog.records]
+    assert levels == [logging.ERROR, logging.WARNING]
+
+
+@pytest.mark.slow
+async def test_cluster_master_outage_fails_only_its_keys(redis_cluster_factory):
+    # A long node timeout keeps the cluster from declaring the master failed (which, with
+    # no replica to promote, would stop every slot) while the test runs.
+    cluster = redis_cluster_factory(node_timeout_ms=60_000)
+    tier = RedisTier(cluster.url, 1 << 20, FAST_FAIL)
+    try:
+        keys = [f"k{i}" for i in range(24)]
+        for key in keys:
+            await tier.put(key, key.encode())
+        victim = cluster.nodes[1]
+        with victim.client() as client:
+            on_victim = {key for key in keys
+                         if client.cluster("countkeysinslot",
+                                           client.cluster("keyslot", "kvtier:" + key))}
+        assert 0 < len(on_victim) < len(keys)
+        victim.kill()
+        for key in keys:
+            if key in on_victim:
+                with pytest.raises(TierUnavailable):
+                    await tier.get(key)
+            else:
+                assert await tier.get(key) == key.encode()
+        victim.restart()  # no persistence: its keys are gone, its slots come back
+        deadline = time.monotonic() + 30
+        probe = sorted(on_victim)[0]
+        while True:
+            try:
+                await tier.put(probe, probe.encode())  # served by the restarted master
+                await tier.delete(probe)
+                break
+            except TierUnavailable:
+                assert time.monotonic() < deadline, "the cluster did not recover"
+                await asyncio.sleep(0.2)
+        for key in keys:
+            if key in on_victim:
+                with pytest.raises(ChunkNotFound):
+                    await tier.get(key)
+            else:
+                assert await tier.get(key) == key.encode()
+        assert tier.used_bytes == sum(len(k) for k in keys if k not in on_victim)
+        assert tier.health.available
     finally:
         await tier.close()

@@ -33,7 +33,7 @@ import zstandard
 
 from kvstore.errors import ChunkCorrupt, ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
 from kvstore.tiers.base import Buffer, Tier
-from kvstore.tiers.host import as_byte_view, check_key
+from kvstore.tiers.host import Availability, as_byte_view, check_key
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -248,7 +248,7 @@ class ObjectTier(Tier):
         self._reserved = 0
         self._loaded = False
         self._load_lock = asyncio.Lock()
-        self.available = True
+        self.health = Availability(log, f"object tier at {self.url}")
 
     @property
     def used_bytes(self) -> int:
@@ -270,15 +270,11 @@ class ObjectTier(Tier):
             raise self._unavailable(what, exc) from exc
         except (BotoCoreError, ClientError) as exc:
             raise self._unavailable(what, exc) from exc
-        if not self.available:
-            log.warning("object tier available again at %s", self.url)
-            self.available = True
+        self.health.succeeded()
         return result
 
     def _unavailable(self, what: str, exc: Exception) -> TierUnavailable:
-        if self.available:
-            log.error("object tier unavailable (%s at %s): %r", what, self.url, exc)
-        self.available = False
+        self.health.failed(what, exc)
         return TierUnavailable(f"object {what} failed: {exc!r}")
 
     async def _ensure_loaded(self) -> None:

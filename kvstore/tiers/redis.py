@@ -7,8 +7,9 @@ the prefix must not contain a ``{hash tag}``, or every value would land on one s
 
 Outages: transient connection errors are retried by redis-py's own ``Retry`` with
 exponential backoff and jitter; when that gives up, or ``op_timeout_s`` passes, the call
-raises ``TierUnavailable`` (logged once per outage) and the pool reconnects by itself on a
-later call once Redis is back.
+raises ``TierUnavailable`` (logged, rate-limited: see ``Availability``) and the pool
+reconnects by itself on a later call once Redis is back. With a cluster, only the keys of
+a master that is down fail; the client refreshes its slot map when the node returns.
 
 Accounting is exact for what this tier instance wrote and has not deleted: the size of
 every key it set, dropped when it deletes the key, finds it missing, or its TTL passes
@@ -38,7 +39,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 
 from kvstore.errors import ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
 from kvstore.tiers.base import Buffer, Tier, TierStats
-from kvstore.tiers.host import as_byte_view, check_key
+from kvstore.tiers.host import Availability, as_byte_view, check_key
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -124,8 +125,7 @@ class RedisTier(Tier):
         self._reserved = 0  # bytes of puts in flight, so concurrent puts cannot overfill
         self._expiry: dict[str, float] = {}
         self._expiry_heap: list[tuple[float, str]] = []
-        self.available = True
-        self.unavailable_errors = 0
+        self.health = Availability(log, f"redis tier at {self.url}")
 
     # -- accounting --
 
@@ -168,16 +168,11 @@ class RedisTier(Tier):
         except rexc.OutOfMemoryError as exc:
             raise TierFull(f"redis refused {what}: {exc}") from exc
         except _UNAVAILABLE_ERRORS as exc:
-            self.unavailable_errors += 1
-            if self.available:
-                log.error("redis tier unavailable (%s at %s): %r", what, self.url, exc)
-            self.available = False
+            self.health.failed(what, exc)
             raise TierUnavailable(f"redis {what} failed: {exc!r}") from exc
         except rexc.RedisError as exc:  # e.g. WRONGTYPE: foreign data under our prefix
             raise TierUnavailable(f"redis refused {what}: {exc}") from exc
-        if not self.available:
-            log.warning("redis tier available again at %s", self.url)
-            self.available = True
+        self.health.succeeded()
         return result
 
     def _redis_key(self, key: str) -> str:
@@ -277,13 +272,11 @@ class RedisTier(Tier):
             self._account(key, nbytes, None if ttls[key] < 0 else ttls[key] / 1000, now)
         return self._used
 
-    async def count(self) -> int:
-        return sum([1 async for _ in self.keys()])
-
     async def stats(self) -> TierStats:
         """Counts what this tier wrote (cheap, no scan); ``available`` is the last call's."""
         used = self.used_bytes
-        return TierStats(self.name, self.capacity_bytes, used, len(self._sizes), self.available)
+        return TierStats(self.name, self.capacity_bytes, used, len(self._sizes),
+                         self.health.available)
 
     async def ping(self) -> bool:
         """True when Redis answers now; never raises."""
