@@ -1,0 +1,337 @@
+"""``AsyncClient`` (blocking twin: ``services.client_sync.Client``): tensors in, tensors
+out, over the kvtier gRPC service.
+
+    async with AsyncClient("127.0.0.1:50051") as kv:
+        await kv.spill("acme", "s1", "kvtier-bundled", token_ids, persistent, window=window,
+                       generation=1)
+        session = await kv.resume("acme", "s1")   # session.persistent, session.window
+
+Spill cuts the persistent streams into chunks of ``layout.chunk_tokens``, encodes them
+(``kvstore.codec``), keys them (``kvstore.keys.chain_keys``) and sends only chunks the
+server may not hold: those it acknowledged for this session before are left out, and if
+the server lost them it answers ``MissingChunks`` and the client sends everything.
+
+Calls failing with UNAVAILABLE are retried with exponential backoff and jitter (streams
+are restarted whole, so one retry mechanism covers every call); any other failure
+raises the ``kvstore.errors`` class the server raised. On the same host chunk bytes go
+through shared memory (``shared_memory=None``: whenever the target is loopback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from kvstore.codec import StreamData
+from kvstore.errors import StaleGeneration
+from kvstore.keys import chain_keys
+from kvstore.layout import LayoutSpec, get_layout
+from kvstore.policy import ResumeHint
+from kvstore.restore import LayerSlice
+from proto import kvtier_pb2 as pb
+from proto import kvtier_pb2_grpc as pb_grpc
+from services import client_codec as cc
+from services import shm
+from services.errors import MissingChunks, error_from_rpc
+
+ACKS = {"memory": pb.ACK_MEMORY, "durable": pb.ACK_DURABLE, None: pb.ACK_UNSPECIFIED}
+LOOPBACK = ("localhost", "127.", "[::1]", "unix:", "ipv4:127.", "ipv6:[::1]")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 5
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+    multiplier: float = 2.0
+
+    def delays(self) -> Iterator[float]:
+        delay = self.initial_backoff_s
+        for _ in range(self.attempts - 1):
+            yield random.uniform(0, delay)  # full jitter
+            delay = min(delay * self.multiplier, self.max_backoff_s)
+
+
+@dataclass(frozen=True)
+class SpillResult:
+    generation: int
+    tier: str
+    chunks_written: int
+    chunks_deduped: int
+    chunks_sent: int
+    durable: bool
+    bytes_received: int
+    window_kept: bool
+
+
+@dataclass
+class RestoredSession:
+    layout: LayoutSpec
+    generation: int
+    token_ids: np.ndarray  # (num_tokens,) uint32
+    chunk_keys: list[str]
+    chunks: list[bytes]  # encoded, verified by the server and again on decode
+    tail: bytes
+    persistent: dict[str, StreamData]  # (layers, entries, ...) over every token
+    window: dict[str, StreamData] | None  # (layers, W, ...) or None: not held / not asked
+    window_start: int  # first token the window covers
+    window_tier: str
+    replay_needed: bool  # no window came back and the layout has window streams
+    replayed: bool
+    replay_tokens: int
+    tier: str  # lowest tier any block came from
+    restore_seconds: float
+    replay_seconds: float
+
+
+class AsyncClient:
+    def __init__(self, target: str = "127.0.0.1:50051", *, shared_memory: bool | None = None,
+                 retry: RetryPolicy = RetryPolicy(), timeout_s: float | None = None,
+                 max_message_bytes: int = 64 << 20) -> None:
+        self.target = target
+        self.shared_memory = (shm.available() and target.startswith(LOOPBACK)
+                              if shared_memory is None else shared_memory)
+        self.retry = retry
+        self.timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(target, options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)])
+        self._stub = pb_grpc.KVTierStub(self._channel)
+        self._held: dict[tuple[str, str], set[str]] = {}  # keys the server acknowledged
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _call(self, attempt: Callable[[], Awaitable]):
+        delays = self.retry.delays()
+        while True:
+            try:
+                return await attempt()
+            except grpc.aio.AioRpcError as exc:
+                delay = next(delays, None)
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or delay is None:
+                    raise error_from_rpc(exc) from exc
+            await asyncio.sleep(delay)
+
+    # -- spill --
+
+    async def spill(self, tenant: str, session_id: str, layout: str | LayoutSpec, token_ids,
+                    persistent: cc.Streams | None = None, *, chunks: list[bytes] | None = None,
+                    tail: bytes = b"", window: cc.Streams | bytes | None = None,
+                    window_start: int | None = None, generation: int, ack: str | None = None,
+                    hint: ResumeHint | None = None, ttl_s: float = 0.0) -> SpillResult:
+        """Store a session. Give ``persistent`` streams (cut and encoded here) or already
+        encoded ``chunks`` + ``tail``; ``window``: window streams or an encoded blob."""
+        spec = layout if isinstance(layout, LayoutSpec) else get_layout(layout)
+        tokens = cc.as_tokens(token_ids)
+        if (persistent is None) == (chunks is None):
+            raise ValueError("give exactly one of persistent= and chunks=")
+        if window is not None and not isinstance(window, bytes | bytearray | memoryview):
+            window = await asyncio.to_thread(cc.encode_window, spec, tokens, window,
+                                             window_start)
+        ref = (tenant, session_id)
+        header = pb.SpillHeader(
+            session=pb.SessionRef(tenant=tenant, session_id=session_id),
+            layout_id=spec.layout_id, generation=generation, token_ids=tokens.tobytes(),
+            ack=ACKS[ack], ttl_s=ttl_s,
+            hint=None if hint is None else pb.ResumeHint(
+                expected_pause_s=hint.expected_pause_s or 0.0, priority=hint.priority))
+
+        async def encode(skip: set[str]) -> cc.EncodedSession:
+            if chunks is not None:
+                keys = chain_keys(spec.layout_id, tokens, spec.chunk_tokens)
+                return cc.EncodedSession(keys, {i: c for i, c in enumerate(chunks)
+                                                if keys[i] not in skip}, tail, None)
+            return await asyncio.to_thread(cc.encode_session, spec, tokens, persistent,
+                                           skip=skip)
+
+        held = self._held.get(ref, set())
+        encoded = await encode(held)
+        encoded.window = window
+        header.chunk_keys.extend(encoded.keys)
+        attempts = 0
+
+        async def attempt() -> pb.SpillReply:
+            nonlocal attempts
+            attempts += 1
+            return await self._spill_once(header, encoded)
+
+        try:
+            try:
+                reply = await self._call(attempt)
+            except MissingChunks:
+                encoded = await encode(set())
+                encoded.window = window
+                reply = await self._call(attempt)
+        except StaleGeneration:
+            # A retry refused as stale: the attempt whose reply was lost may have landed.
+            reply = await self._acknowledged(ref, generation, len(tokens)) if attempts > 1 \
+                else None
+            if reply is None:
+                raise
+        self._held[ref] = set(encoded.keys)
+        return SpillResult(reply.generation, reply.tier, reply.chunks_written,
+                           reply.chunks_deduped, len(encoded.chunks), reply.durable,
+                           reply.bytes_received, reply.window_kept)
+
+    async def _spill_once(self, header: pb.SpillHeader, enc: cc.EncodedSession
+                          ) -> pb.SpillReply:
+        items = [("chunk", enc.keys[i], data) for i, data in sorted(enc.chunks.items())]
+        if enc.tail:
+            items.append(("tail", "", enc.tail))
+        if enc.window is not None:
+            items.append(("window", "", enc.window))
+        writer = None
+        if self.shared_memory and items:
+            writer = shm.SegmentWriter(sum(len(d) for _, _, d in items), "kvtier-s")
+        try:
+            messages = [pb.SpillRequest(header=header)]
+            for kind, key, data in items:
+                payload = (pb.Payload(key=key, shm=writer.add(data)) if writer
+                           else pb.Payload(key=key, data=data))
+                messages.append(pb.SpillRequest(**{kind: payload}))
+            return await self._stub.Spill(iter(messages), timeout=self.timeout_s)
+        finally:
+            if writer is not None:
+                writer.close()
+                writer.unlink()
+
+    async def _acknowledged(self, ref, generation: int, num_tokens: int) -> pb.SpillReply | None:
+        """After a retried spill is refused as stale: was it our first attempt that landed?"""
+        info = (await self.stat(*ref)).session
+        if info.generation != generation or info.num_tokens != num_tokens:
+            return None
+        return pb.SpillReply(generation=generation, tier=info.tiers[0] if info.tiers else "",
+                             window_kept=bool(info.window_tier))
+
+    # -- restore, resume --
+
+    async def restore(self, tenant: str, session_id: str, *, want_window: bool = True
+                      ) -> RestoredSession:
+        request = pb.RestoreRequest(session=pb.SessionRef(tenant=tenant, session_id=session_id),
+                                    want_window=want_window,
+                                    use_shared_memory=self.shared_memory)
+        return await self._call(lambda: self._collect(self._stub.Restore(
+            request, timeout=self.timeout_s)))
+
+    async def resume(self, tenant: str, session_id: str, *, replay_tokens: int = 0
+                     ) -> RestoredSession:
+        """Restore, with the window rebuilt by bounded replay if it was dropped."""
+        request = pb.ResumeRequest(session=pb.SessionRef(tenant=tenant, session_id=session_id),
+                                   replay_tokens=replay_tokens,
+                                   use_shared_memory=self.shared_memory)
+        return await self._call(lambda: self._collect(self._stub.Resume(
+            request, timeout=self.timeout_s)))
+
+    async def _collect(self, call) -> RestoredSession:
+        header, chunks, tail, window, summary = None, [], b"", None, pb.ResumeSummary()
+        mapping = None
+        try:
+            async for reply in call:
+                kind = reply.WhichOneof("item")
+                if kind == "header":
+                    header = reply.header
+                elif kind == "summary":
+                    summary = reply.summary
+                else:
+                    payload = reply.chunk.payload if kind == "chunk" else getattr(reply, kind)
+                    if payload.WhichOneof("body") == "shm" and mapping is None:
+                        mapping = shm.Mapping(payload.shm.name)
+                        mapping.unlink()  # nothing outlives this call; our map stays valid
+                    data = (mapping.read(payload.shm.offset, payload.shm.length)
+                            if payload.WhichOneof("body") == "shm" else payload.data)
+                    if kind == "chunk":
+                        chunks.append(data)
+                    elif kind == "tail":
+                        tail = data
+                    else:
+                        window = data
+        finally:
+            if mapping is not None:
+                mapping.close()
+        return await asyncio.to_thread(self._decode, header, chunks, tail, window, summary)
+
+    @staticmethod
+    def _decode(header: pb.SessionHeader, chunks, tail, window, summary) -> RestoredSession:
+        spec = get_layout(header.layout_id)
+        tokens = cc.as_tokens(np.frombuffer(header.token_ids, dtype="<u4"))
+        streams, start = (None, 0) if window is None else cc.decode_window(spec, tokens, window)
+        return RestoredSession(
+            layout=spec, generation=header.generation, token_ids=tokens,
+            chunk_keys=list(header.chunk_keys), chunks=chunks, tail=tail,
+            persistent=cc.decode_persistent(spec, tokens, chunks, tail), window=streams,
+            window_start=start, window_tier=header.window_tier,
+            replay_needed=window is None and bool(spec.ephemeral_streams),
+            replayed=summary.replayed, replay_tokens=summary.replay_tokens, tier=summary.tier,
+            restore_seconds=summary.restore_seconds, replay_seconds=summary.replay_seconds)
+
+    async def restore_layers(self, tenant: str, session_id: str) -> AsyncIterator[LayerSlice]:
+        """Each (stream, layer) of the whole session as soon as it has arrived, layer 0 of
+        every stream first: codes (entries, *codes_shape), scales (entries, groups)."""
+        request = pb.RestoreRequest(session=pb.SessionRef(tenant=tenant, session_id=session_id),
+                                    layer_by_layer=True)
+        call = self._stub.Restore(request, timeout=self.timeout_s)
+        assembler = None
+        try:
+            async for reply in call:
+                kind = reply.WhichOneof("item")
+                if kind == "header":
+                    assembler = cc.LayerAssembler(get_layout(reply.header.layout_id))
+                elif kind == "section":
+                    done = assembler.add(reply.section)
+                    if done is not None:
+                        yield done
+            last = assembler.finish() if assembler is not None else None
+            if last is not None:
+                yield last
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from exc
+
+    # -- control --
+
+    def _ref(self, tenant: str, session_id: str) -> pb.SessionRef:
+        return pb.SessionRef(tenant=tenant, session_id=session_id)
+
+    async def prefetch(self, tenant: str, session_id: str, *, timeout_s: float = 0.0,
+                       target_tier: str = "") -> pb.PrefetchReply:
+        request = pb.PrefetchRequest(session=self._ref(tenant, session_id), timeout_s=timeout_s,
+                                     target_tier=target_tier)
+        return await self._call(lambda: self._stub.Prefetch(request, timeout=self.timeout_s))
+
+    async def evict(self, tenant: str, session_id: str, target_tier: str = ""
+                    ) -> pb.EvictReply:
+        request = pb.EvictRequest(session=self._ref(tenant, session_id), target_tier=target_tier)
+        return await self._call(lambda: self._stub.Evict(request, timeout=self.timeout_s))
+
+    async def delete(self, tenant: str, session_id: str) -> pb.DeleteReply:
+        self._held.pop((tenant, session_id), None)
+        request = pb.DeleteRequest(session=self._ref(tenant, session_id))
+        return await self._call(lambda: self._stub.Delete(request, timeout=self.timeout_s))
+
+    async def stat(self, tenant: str = "", session_id: str = "") -> pb.StatReply:
+        request = pb.StatRequest(session=self._ref(tenant, session_id)
+                                 if tenant or session_id else None)
+        return await self._call(lambda: self._stub.Stat(request, timeout=self.timeout_s))
+
+    async def list(self, tenant: str = "", *, page_size: int = 0) -> list[pb.SessionInfo]:
+        """Every session (of one tenant), following pages."""
+        out, token = [], ""
+        while True:
+            request = pb.ListRequest(tenant=tenant, page_size=page_size, page_token=token)
+            reply = await self._call(lambda r=request: self._stub.List(r, timeout=self.timeout_s))
+            out.extend(reply.sessions)
+            token = reply.next_page_token
+            if not token:
+                return out
+

@@ -1,0 +1,195 @@
+"""The client's tensor side: cut a session's streams into chunks and encode them, and
+turn restored bytes back into tensors. No gRPC here.
+
+Tensor layouts (per stream of the layout spec, see ``kvstore.chunk_plan``):
+  persistent stream: codes (layers, entries, *codes_shape), scales (layers, entries,
+      groups) float16 or None for bf16 streams, entries = stream.entries_for(num_tokens)
+  window stream: the same for the window's tokens (ephemeral streams only)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import xxhash
+
+from kvstore.codec import StreamData, decode_chunk, encode_chunk, read_header
+from kvstore.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
+from kvstore.keys import chain_keys, token_bytes
+from kvstore.layout import LayoutSpec
+from kvstore.restore import LayerSlice
+
+Streams = Mapping[str, StreamData]
+
+
+def as_tokens(token_ids) -> np.ndarray:
+    """Token ids (sequence, numpy array or 1-D tensor) as (num_tokens,) little-endian uint32."""
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.detach().cpu().numpy()
+    return np.frombuffer(token_bytes(token_ids), dtype="<u4")
+
+
+def _check_streams(spec: LayoutSpec, streams: Streams, ephemeral: bool, what: str) -> int:
+    """Entries every stream must have in common (per its m); raises on a mismatch."""
+    expected = spec.ephemeral_streams if ephemeral else spec.persistent_streams
+    names = {s.name for s in expected}
+    if set(streams) != names:
+        raise LayoutMismatch(f"{what}: layout {spec.name} expects streams {sorted(names)}, "
+                             f"got {sorted(streams)}")
+    tokens = None
+    for stream in expected:
+        data = streams[stream.name]
+        if not isinstance(data, StreamData):
+            raise InvalidRequest(f"{what}: stream {stream.name} must be a kvstore.codec."
+                                 f"StreamData, got {type(data).__name__}")
+        if data.codes.dim() < 2 or data.codes.shape[0] != stream.layers:
+            raise LayoutMismatch(f"{what}: stream {stream.name} codes must be (layers="
+                                 f"{stream.layers}, entries, ...), got {tuple(data.codes.shape)}")
+        covered = data.codes.shape[1] * stream.tokens_per_entry
+        tokens = covered if tokens is None else tokens
+        if covered != tokens:
+            raise LayoutMismatch(f"{what}: streams cover different token counts "
+                                 f"({tokens} and {covered} for {stream.name})")
+    return tokens or 0
+
+
+@dataclass
+class EncodedSession:
+    keys: list[str]  # chained keys of the complete chunks
+    chunks: dict[int, bytes]  # index -> encoded chunk, for the indices asked for
+    tail: bytes  # b"" when the tokens fill whole chunks
+    window: bytes | None
+
+
+def encode_session(
+    spec: LayoutSpec,
+    tokens: np.ndarray,
+    persistent: Streams,
+    *,
+    skip: set[str] = frozenset(),
+    zstd_level: int | None = None,
+) -> EncodedSession:
+    """Cut (layers, entries, ...) streams into chunks of ``spec.chunk_tokens`` and encode
+    them; chunks whose key is in ``skip`` (held by the server already) are not encoded."""
+    entries_needed = {s.name: s.entries_for(len(tokens)) for s in spec.persistent_streams}
+    _check_streams(spec, persistent, False, "persistent streams")
+    for name, need in entries_needed.items():
+        if persistent[name].codes.shape[1] != need:
+            raise LayoutMismatch(f"stream {name} has {persistent[name].codes.shape[1]} "
+                                 f"entries; {len(tokens)} tokens need {need}")
+    keys = chain_keys(spec.layout_id, tokens, spec.chunk_tokens)
+    size = spec.chunk_tokens
+    chunks = {}
+    for i, key in enumerate(keys):
+        if key not in skip:
+            chunks[i] = encode_chunk(spec, i * size, tokens[i * size:(i + 1) * size],
+                                     _slice(spec, persistent, i * size, (i + 1) * size),
+                                     zstd_level=zstd_level)
+    covered = len(keys) * size
+    tail = b""
+    if covered < len(tokens):
+        tail = encode_chunk(spec, covered, tokens[covered:],
+                            _slice(spec, persistent, covered, len(tokens)), zstd_level=zstd_level)
+    return EncodedSession(keys, chunks, tail, None)
+
+
+def _slice(spec: LayoutSpec, streams: Streams, start: int, stop: int) -> dict[str, StreamData]:
+    out = {}
+    for s in spec.persistent_streams:
+        data = streams[s.name]
+        a, b = start // s.tokens_per_entry, s.entries_for(stop)
+        out[s.name] = StreamData(data.codes[:, a:b],
+                                 None if data.scales is None else data.scales[:, a:b])
+    return out
+
+
+def encode_window(spec: LayoutSpec, tokens: np.ndarray, window: Streams,
+                  start: int | None) -> bytes:
+    """Encode the window streams covering ``tokens[start:start + W]`` (default: the last W)."""
+    covered = _check_streams(spec, window, True, "window streams")
+    start = len(tokens) - covered if start is None else start
+    if not 0 <= start <= len(tokens) - covered:
+        raise InvalidRequest(f"a window of {covered} tokens from {start} does not fit in "
+                             f"{len(tokens)} tokens")
+    return encode_chunk(spec, start, tokens[start:start + covered], window, ephemeral=True)
+
+
+def _cat(parts: Sequence[StreamData]) -> StreamData:
+    codes = torch.cat([p.codes for p in parts], dim=1)
+    scales = None if parts[0].scales is None else torch.cat([p.scales for p in parts], dim=1)
+    return StreamData(codes, scales)
+
+
+def decode_persistent(spec: LayoutSpec, tokens: np.ndarray, chunks: Sequence[bytes],
+                      tail: bytes) -> dict[str, StreamData]:
+    """The whole session's persistent streams, (layers, entries, ...) each, verified."""
+    size = spec.chunk_tokens
+    decoded = [decode_chunk(buf, spec, token_ids=tokens[i * size:(i + 1) * size]).streams
+               for i, buf in enumerate(chunks)]
+    if tail:
+        start = read_header(tail).start_token
+        if start != len(chunks) * size:
+            raise ChunkCorrupt(f"the tail starts at token {start}, not {len(chunks) * size}")
+        end = start + read_header(tail).num_tokens
+        decoded.append(decode_chunk(tail, spec, token_ids=tokens[start:end]).streams)
+    if not decoded:
+        return {}
+    return {s.name: _cat([d[s.name] for d in decoded]) for s in spec.persistent_streams}
+
+
+def decode_window(spec: LayoutSpec, tokens: np.ndarray, window: bytes
+                  ) -> tuple[dict[str, StreamData], int]:
+    """The window streams and the first token they cover."""
+    header = read_header(window)
+    start, count = header.start_token, header.num_tokens
+    if not header.ephemeral or start + count > len(tokens):
+        raise ChunkCorrupt("the window blob does not fit the session")
+    return decode_chunk(window, spec, token_ids=tokens[start:start + count]).streams, start
+
+
+@dataclass
+class LayerAssembler:
+    """Collects ``LayerSection`` messages and yields each (stream, layer) when complete."""
+
+    spec: LayoutSpec
+    parts: list[tuple[bytes, bytes]] = field(default_factory=list)
+    current: tuple[str, int] | None = None
+
+    def add(self, section) -> LayerSlice | None:
+        for raw, want in ((section.codes, section.codes_xxh3),
+                          (section.scales, section.scales_xxh3)):
+            if raw and xxhash.xxh3_64_intdigest(raw) != want:
+                raise ChunkCorrupt(f"section {section.stream} layer {section.layer} chunk "
+                                   f"{section.chunk_index} fails its checksum")
+        key = (section.stream, section.layer)
+        done = None
+        if self.current is not None and key != self.current:
+            done = self.finish()
+        self.current = key
+        self.parts.append((section.codes, section.scales))
+        return done
+
+    def finish(self) -> LayerSlice | None:
+        if self.current is None:
+            return None
+        name, layer = self.current
+        stream = self.spec.stream(name)
+        dtype = {4: torch.uint8, 8: torch.int8, 16: torch.bfloat16}[stream.bits]
+        codes = _tensor(b"".join(c for c, _ in self.parts), dtype, stream.codes_shape)
+        scales = None
+        if stream.bits < 16:
+            scales = _tensor(b"".join(s for _, s in self.parts), torch.float16,
+                             (stream.scales_per_entry,))
+        self.parts, self.current = [], None
+        return LayerSlice(name, layer, StreamData(codes, scales))
+
+
+def _tensor(raw: bytes, dtype: torch.dtype, entry_shape: tuple[int, ...]) -> torch.Tensor:
+    """(entries, *entry_shape) tensor owning a copy of ``raw``."""
+    if not raw:
+        return torch.empty((0, *entry_shape), dtype=dtype)
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return flat.view(dtype).reshape(-1, *entry_shape)

@@ -1,0 +1,212 @@
+"""Server configuration: one dataclass, named presets, a TOML file and ``KVTIER_*`` env vars.
+
+Precedence, lowest first: the preset (``embedded`` unless the file or ``KVTIER_PRESET``
+names another), the TOML file (top-level keys are the field names below), the
+environment (``KVTIER_`` + the field name in upper case, e.g. ``KVTIER_REDIS_URL``), and
+explicit overrides (the ``kvtier serve`` flags). Sizes accept plain byte counts or
+``"64MiB"``-style strings; lists (``replay_workers``) accept a comma-separated string.
+
+The ``embedded`` preset needs nothing installed: a data directory on local disk holding
+the disk tier and the object tier (a local directory), the host RAM tier, no Redis, and
+replay in the server's process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvstore.errors import InvalidRequest
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+ENV_PREFIX = "KVTIER_"
+DEFAULT_PORT = 50051
+DEFAULT_METRICS_PORT = 9100
+DEFAULT_REPLAY_PORT = 50052
+ACKS = ("memory", "durable")
+REPLAY_MODES = ("auto", "in-process", "remote", "off")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    listen: str = f"127.0.0.1:{DEFAULT_PORT}"  # host:port; port 0 picks a free one
+    data_dir: Path = Path("data")
+    # Tiers, highest first; a capacity of 0 (or an empty URL) leaves the tier out.
+    hbm_bytes: int = 0
+    host_bytes: int = 1 * GiB
+    redis_url: str = ""  # redis://host:port/db or redis+cluster://host:port
+    redis_bytes: int = 4 * GiB
+    redis_preset: str = "datacenter"  # kvstore.tiers.redis.REDIS_PRESETS
+    redis_prefix: str = "kvtier:"
+    disk_bytes: int = 64 * GiB  # under data_dir/disk
+    object_bytes: int = 1 * TiB  # S3 when s3_bucket is set, else data_dir/objects
+    s3_endpoint: str = ""  # empty: AWS itself
+    s3_bucket: str = ""
+    s3_prefix: str = "kvtier/"
+    s3_region: str = ""
+    object_compression_level: int = 3  # zstd on the slowest tier; -1 stores raw bytes
+    # Behaviour.
+    default_ack: str = "memory"  # what ACK_UNSPECIFIED means
+    replay: str = "auto"  # REPLAY_MODES; auto: remote when replay_workers are named
+    replay_workers: tuple[str, ...] = ()  # host:port of `kvtier replay-worker`s
+    replay_tokens: int = 128  # R when a request says 0
+    prefetch_timeout_s: float = 30.0  # when a Prefetch request says 0
+    max_message_bytes: int = 64 * MiB  # one gRPC message, either direction
+    max_spill_bytes: int = 4 * GiB  # one Spill stream, all payloads together
+    shm_lease_s: float = 120.0  # restore segments not released by then are unlinked
+    metrics_port: int = 0  # 0: no Prometheus endpoint
+    metrics_interval_s: float = 2.0  # how often tier figures are refreshed for metrics
+    grace_s: float = 10.0  # in-flight RPCs get this long at shutdown
+    writeback_workers: int = 2
+
+    def __post_init__(self) -> None:
+        if self.default_ack not in ACKS:
+            raise InvalidRequest(f"default_ack must be one of {ACKS}, got {self.default_ack!r}")
+        if self.replay not in REPLAY_MODES:
+            raise InvalidRequest(f"replay must be one of {REPLAY_MODES}, got {self.replay!r}")
+        if self.replay == "remote" and not self.replay_workers:
+            raise InvalidRequest("replay = 'remote' needs at least one replay_workers address")
+        if self.s3_bucket and "/" in self.s3_bucket:
+            raise InvalidRequest(f"s3_bucket is a bucket name, got {self.s3_bucket!r}")
+        for name in ("hbm_bytes", "host_bytes", "redis_bytes", "disk_bytes", "object_bytes"):
+            if getattr(self, name) < 0:
+                raise InvalidRequest(f"{name} must be >= 0")
+        if not self.host_bytes and not self.hbm_bytes:
+            raise InvalidRequest("one of host_bytes and hbm_bytes must be > 0: the window "
+                                 "KV lives only in memory tiers")
+        if self.replay_tokens < 1 or self.max_message_bytes < 1 * MiB:
+            raise InvalidRequest("replay_tokens must be >= 1 and max_message_bytes >= 1 MiB")
+        object.__setattr__(self, "data_dir", Path(self.data_dir))
+        object.__setattr__(self, "replay_workers", tuple(self.replay_workers))
+
+    @property
+    def replay_mode(self) -> str:
+        if self.replay == "auto":
+            return "remote" if self.replay_workers else "in-process"
+        return self.replay
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rpartition(":")[2])
+
+    @property
+    def object_url(self) -> str:
+        if self.s3_bucket:
+            return f"s3://{self.s3_bucket}/{self.s3_prefix}"
+        return str(self.data_dir / "objects")
+
+    def replace(self, **changes: Any) -> ServerConfig:
+        return dataclasses.replace(self, **changes)
+
+    def summary(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["data_dir"] = str(self.data_dir)
+        out["replay_workers"] = list(self.replay_workers)
+        return out
+
+
+PRESETS: dict[str, ServerConfig] = {
+    "embedded": ServerConfig(),
+    # What docker-compose.yml runs: every tier on, replay on a worker container.
+    "compose": ServerConfig(
+        listen=f"0.0.0.0:{DEFAULT_PORT}", data_dir=Path("/data"),
+        redis_url="redis://redis:6379/0", metrics_port=DEFAULT_METRICS_PORT,
+        replay_workers=(f"replay-worker:{DEFAULT_REPLAY_PORT}",),
+    ),
+    # Small capacities so a few test sessions reach every tier.
+    "test": ServerConfig(
+        listen="127.0.0.1:0", host_bytes=4 * MiB, disk_bytes=256 * MiB,
+        object_bytes=1 * GiB, object_compression_level=-1, metrics_interval_s=0.2,
+        grace_s=2.0,
+    ),
+}
+
+_FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+          "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}
+
+
+def parse_size(value: object) -> int:
+    """``4096``, ``"4096"``, ``"64MiB"``, ``"1.5GB"`` -> bytes."""
+    if isinstance(value, bool):
+        raise InvalidRequest(f"not a size: {value!r}")
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(str(value))
+    if not match:
+        raise InvalidRequest(f"not a size: {value!r} (use bytes or e.g. '64MiB')")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "b").lower()])
+
+
+def _coerce(name: str, value: object) -> object:
+    kind = _FIELDS[name].type
+    try:
+        if name.endswith("_bytes"):
+            return parse_size(value)
+        if kind == "int":
+            return int(value)
+        if kind == "float":
+            return float(value)
+        if kind == "Path":
+            return Path(str(value))
+        if kind.startswith("tuple"):
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return tuple(item.strip() for item in items if item.strip())
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"config {name}: cannot use {value!r}: {exc}") from exc
+    return str(value)
+
+
+def _apply(config: ServerConfig, values: Mapping[str, object], source: str) -> ServerConfig:
+    unknown = sorted(set(values) - set(_FIELDS))
+    if unknown:
+        raise InvalidRequest(f"{source}: unknown config keys {unknown}; known: {sorted(_FIELDS)}")
+    return config.replace(**{k: _coerce(k, v) for k, v in values.items()})
+
+
+def env_values(env: Mapping[str, str]) -> dict[str, str]:
+    """The ``KVTIER_<FIELD>`` variables of ``env`` as field -> raw string."""
+    return {name: env[ENV_PREFIX + name.upper()]
+            for name in _FIELDS if ENV_PREFIX + name.upper() in env}
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    *,
+    preset: str | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> ServerConfig:
+    """Build the server's config: preset < TOML file < ``KVTIER_*`` env < overrides."""
+    env = os.environ if env is None else env
+    from_file: dict[str, object] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as handle:
+                from_file = tomllib.load(handle)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise InvalidRequest(f"cannot read config file {path}: {exc}") from exc
+    name = preset or str(from_file.pop("preset", "") or env.get(ENV_PREFIX + "PRESET", "")
+                         or "embedded")
+    from_file.pop("preset", None)
+    if name not in PRESETS:
+        raise InvalidRequest(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+    config = _apply(PRESETS[name], from_file, f"config file {path}")
+    config = _apply(config, env_values(env), "environment")
+    return _apply(config, {k: v for k, v in (overrides or {}).items() if v is not None},
+                  "overrides")
+
+
+def field_names() -> list[str]:
+    return list(_FIELDS)
+
+
+__all__ = ["PRESETS", "ServerConfig", "field_names", "load_config", "parse_size"]

@@ -1,0 +1,140 @@
+"""Prometheus metrics of one server, in a registry of its own (tests run several servers).
+
+Latency histograms and the service's own counters are updated as RPCs run. The tier
+manager's figures (lookups, hits, bytes, evictions, tier usage, write-back depth) are
+exported from the latest ``ManagerStats`` snapshot, which the server refreshes every
+``metrics_interval_s`` on its event loop, so a scrape (on the HTTP server's thread)
+never touches the store.
+
+Per-tier lookups follow the cache-hierarchy convention: a read that was served by a tier
+above never reached this one, so ``lookups[tier] = lookups - sum(hits of higher tiers)``
+and ``hits / lookups`` is the tier's own hit rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvstore.stats import ManagerStats
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+def tier_lookups(stats: ManagerStats) -> dict[str, int]:
+    """Reads that reached each tier (see the module docstring)."""
+    hits = stats.counters["hits"]
+    remaining = stats.counters["lookups"]
+    out = {}
+    for tier in stats.tiers:
+        out[tier.name] = max(remaining, hits.get(tier.name, 0))
+        remaining -= hits.get(tier.name, 0)
+    return out
+
+
+class _ManagerCollector(Collector):
+    def __init__(self) -> None:
+        self.latest: ManagerStats | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.latest  # one reference read: the snapshot is immutable
+        if stats is None:
+            return
+        c = stats.counters
+        per_tier = {
+            "tier_lookups": ("Reads that reached the tier", tier_lookups(stats)),
+            "tier_hits": ("Reads the tier served with intact bytes", c["hits"]),
+            "tier_bytes_read": ("Bytes read from the tier", c["bytes_read"]),
+            "tier_bytes_written": ("Bytes written into the tier", c["bytes_written"]),
+            "evictions": ("Blocks the tier gave up to make room or on demotion",
+                          c["evictions"]),
+            "promotions": ("Blocks moved up into the tier", c["promotions"]),
+            "demotions": ("Blocks moved down into the tier", c["demotions"]),
+            "corrupt_copies": ("Corrupt copies found (and fallen through) in the tier",
+                               c["fallthrough_corrupt"]),
+        }
+        for name, (doc, values) in per_tier.items():
+            family = CounterMetricFamily(f"kvtier_{name}", doc, labels=["tier"])
+            for tier in stats.tiers:
+                family.add_metric([tier.name], values.get(tier.name, 0))
+            yield family
+        gauges = {
+            "tier_used_bytes": ("Bytes held by the tier", lambda t: t.used_bytes),
+            "tier_capacity_bytes": ("Configured capacity of the tier", lambda t: t.capacity_bytes),
+            "tier_items": ("Blocks held by the tier", lambda t: t.items),
+            "tier_available": ("1 when the tier's medium answered", lambda t: int(t.available)),
+        }
+        for name, (doc, value) in gauges.items():
+            family = GaugeMetricFamily(f"kvtier_{name}", doc, labels=["tier"])
+            for tier in stats.tiers:
+                family.add_metric([tier.name], value(tier))
+            yield family
+        totals = {
+            "lookups": ("Chunk and window reads asked of the tier stack", c["lookups"]),
+            "misses": ("Reads no tier could answer with intact bytes", c["misses"]),
+            "dedupe_hits": ("Spilled chunks a tier already held", c["dedupe_hits"]),
+            "windows_dropped": ("Window blobs dropped (replay needed)", c["windows_dropped"]),
+            "writeback_done": ("Chunks written back to a durable tier", c["writeback_done"]),
+            "writeback_failed": ("Write-backs that failed", c["writeback_failed"]),
+            "freed_chunks": ("Chunks deleted at reference count zero", c["freed_chunks"]),
+        }
+        for name, (doc, value) in totals.items():
+            yield CounterMetricFamily(f"kvtier_{name}", doc, value=value)
+        yield GaugeMetricFamily("kvtier_writeback_queue_depth",
+                                "Chunks waiting for write-back", value=stats.writeback_depth)
+        yield GaugeMetricFamily("kvtier_referenced_chunks",
+                                "Distinct chunks some session references",
+                                value=stats.referenced_chunks)
+
+
+class ServiceMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._manager = _ManagerCollector()
+        self.registry.register(self._manager)
+        r = self.registry
+        self.spill_seconds = Histogram("kvtier_spill_seconds", "Spill RPC latency",
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.restore_seconds = Histogram(
+            "kvtier_restore_seconds", "Restore and Resume: reading the session's blocks",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.replay_seconds = Histogram("kvtier_replay_seconds", "Bounded replay latency",
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.resume_seconds = Histogram(
+            "kvtier_resume_seconds", "Resume RPC: time until the session is ready to decode",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.replays = Counter("kvtier_replays", "Windows rebuilt by bounded replay",
+                               registry=r)
+        self.replayed_tokens = Counter("kvtier_replayed_tokens", "Tokens rerun by replay",
+                                       registry=r)
+        self.spill_bytes = Counter("kvtier_spill_bytes", "Payload bytes received by Spill",
+                                   ["path"], registry=r)
+        self.restore_bytes = Counter("kvtier_restore_bytes", "Payload bytes sent by restores",
+                                     ["path"], registry=r)
+        self.rpc_errors = Counter("kvtier_rpc_errors", "RPCs that ended with an error status",
+                                  ["method", "code"], registry=r)
+        self.shm_segments = Gauge("kvtier_shm_segments", "Restore shared-memory segments "
+                                  "not yet released", registry=r)
+        self._http = None
+
+    def update(self, stats: ManagerStats) -> None:
+        self._manager.latest = stats
+
+    @property
+    def latest(self) -> ManagerStats | None:
+        return self._manager.latest
+
+    def serve_http(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Start the Prometheus endpoint (``/metrics``) on a thread; return its port."""
+        server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        self._http = server
+        return server.server_port
+
+    def stop_http(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,104 @@
+"""Open the tier stack a ``ServerConfig`` describes, as one ``TierManager``.
+
+Tiers, highest first: hbm, host, redis, disk, object; a zero capacity (or no Redis URL)
+leaves one out. The disk tier's LMDB environment also holds the session manifests and
+reference counts, so a server with a disk tier keeps every acknowledged session across
+restarts; without one the metadata lives in memory and durable acks are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvstore.errors import DataLoss
+from kvstore.layout import LayoutSpec
+from kvstore.manager import TierManager
+from kvstore.tiers.base import Buffer, MemoryMetaStore, MetaStore, Tier
+from kvstore.tiers.hbm import HBMTier
+from kvstore.tiers.host import HostTier
+from kvstore.validate import restored_chunk_check
+from services.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+
+def build_tiers(config: ServerConfig, tiers: list[Tier]) -> MetaStore:
+    """Append the configured tiers to ``tiers`` (so a caller can close what was built if
+    a later one fails) and return the MetaStore."""
+    meta: MetaStore | None = None
+    if config.hbm_bytes:
+        tiers.append(HBMTier(config.hbm_bytes))
+    if config.host_bytes:
+        tiers.append(HostTier(config.host_bytes))
+    if config.redis_url:
+        from kvstore.tiers.redis import REDIS_PRESETS, RedisTier
+
+        redis_config = REDIS_PRESETS[config.redis_preset]
+        if config.redis_prefix != redis_config.prefix:
+            redis_config = dataclasses.replace(redis_config, prefix=config.redis_prefix)
+        tiers.append(RedisTier(config.redis_url, config.redis_bytes, redis_config))
+    if config.disk_bytes:
+        from kvstore.tiers.disk import DiskTier
+
+        disk = DiskTier(config.data_dir / "disk", config.disk_bytes)
+        tiers.append(disk)
+        meta = disk.meta
+    if config.object_bytes:
+        from kvstore.tiers.object import ObjectTier, ObjectTierConfig
+
+        level = config.object_compression_level
+        tiers.append(ObjectTier(config.object_url, config.object_bytes, ObjectTierConfig(
+            compression_level=None if level < 0 else level,
+            endpoint_url=config.s3_endpoint or None,
+            region_name=config.s3_region or None,
+        )))
+    return meta if meta is not None else MemoryMetaStore()
+
+
+async def open_manager(config: ServerConfig) -> TierManager:
+    """The manager over the configured tiers (closing them again if opening fails)."""
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    tiers: list[Tier] = []
+    try:
+        meta = build_tiers(config, tiers)
+        log.info("tiers: %s", ", ".join(f"{t.name} ({t.capacity_bytes} B)" for t in tiers))
+        return await TierManager.open(tiers, meta, writeback_workers=config.writeback_workers)
+    except BaseException:
+        for tier in tiers:
+            await tier.close()
+        raise
+
+
+# Where blocks are: the TierManager has no public call for these yet, so they read its
+# placement index (``TierStack``) directly, here and nowhere else in the service.
+
+
+def holder_indices(manager: TierManager, key: str) -> list[int]:
+    """Tiers believed to hold ``key``, highest first."""
+    return manager._stack.holders(key)
+
+
+def tiers_holding(manager: TierManager, keys: Sequence[str]) -> list[str]:
+    """Names of the tiers holding at least one of ``keys``, highest first."""
+    held = {i for key in keys for i in holder_indices(manager, key)}
+    return [manager.tiers[i].name for i in sorted(held)]
+
+
+def top_tier(manager: TierManager, keys: Sequence[str]) -> str:
+    """The highest tier holding any of ``keys`` ("" when none is held)."""
+    names = tiers_holding(manager, keys)
+    return names[0] if names else ""
+
+
+async def read_held_chunk(manager: TierManager, spec: LayoutSpec, tokens: np.ndarray,
+                          index: int, key: str) -> Buffer | None:
+    """An intact copy of chunk ``index`` from any tier, or None when no tier has one."""
+    try:
+        data, _, _ = await manager._stack.read(key, restored_chunk_check(spec, tokens, index))
+    except DataLoss:
+        return None
+    return data

@@ -1,0 +1,208 @@
+"""Checks on every request before it reaches the store; each failure is an
+``InvalidRequest`` (INVALID_ARGUMENT) that says what was wrong and what was expected.
+
+The store re-checks what it relies on (``kvstore.validate``); these checks exist so a bad
+request is refused early (before megabytes are streamed), with a message in the terms of
+the request (field names, message order, payload index), and so limits hold.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvstore.chunk_plan import chunk_plan
+from kvstore.codec import read_header, tokens_hash
+from kvstore.errors import CodecError, InvalidRequest
+from kvstore.keys import chain_keys
+from kvstore.layout import LayoutSpec, get_layout
+from kvstore.policy import ResumeHint
+from proto import kvtier_pb2 as pb
+
+TENANT = re.compile(r"^[a-z0-9_-]{1,64}$")
+SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+ACKS = {pb.ACK_MEMORY: "memory", pb.ACK_DURABLE: "durable"}
+CHUNK_OVERHEAD = 4096  # header, section table and zstd framing beyond the raw payload
+MAX_PAGE = 1000
+
+
+def session_ref(ref: pb.SessionRef, *, field_name: str = "session") -> tuple[str, str]:
+    if not ref.tenant and not ref.session_id:
+        raise InvalidRequest(f"{field_name} is required (tenant and session_id)")
+    if not TENANT.match(ref.tenant):
+        raise InvalidRequest(f"{field_name}.tenant {ref.tenant!r} must match {TENANT.pattern}")
+    if not SESSION_ID.match(ref.session_id):
+        raise InvalidRequest(
+            f"{field_name}.session_id {ref.session_id!r} must match {SESSION_ID.pattern}")
+    return ref.tenant, ref.session_id
+
+
+def tenant_filter(tenant: str) -> str | None:
+    if not tenant:
+        return None
+    if not TENANT.match(tenant):
+        raise InvalidRequest(f"tenant {tenant!r} must match {TENANT.pattern}")
+    return tenant
+
+
+def seconds(name: str, value: float, default: float | None) -> float | None:
+    """A non-negative finite duration; 0 means ``default``."""
+    if not math.isfinite(value) or value < 0:
+        raise InvalidRequest(f"{name} must be finite and >= 0, got {value}")
+    return value or default
+
+
+def tier_name(name: str, known: list[str], field_name: str) -> str | None:
+    if not name:
+        return None
+    if name not in known:
+        raise InvalidRequest(f"{field_name} {name!r} is not a tier of this server: {known}")
+    return name
+
+
+def token_array(raw: bytes, field_name: str = "token_ids") -> np.ndarray:
+    if len(raw) % 4:
+        raise InvalidRequest(f"{field_name} is {len(raw)} bytes: little-endian uint32 "
+                             "needs a multiple of 4")
+    return np.frombuffer(raw, dtype="<u4")
+
+
+def max_chunk_bytes(spec: LayoutSpec, tokens: int, ephemeral: bool) -> int:
+    plan = chunk_plan(spec, tokens, ephemeral)
+    return plan.payload_bytes + plan.payload_bytes // 64 + CHUNK_OVERHEAD
+
+
+@dataclass
+class SpillPlan:
+    """A validated Spill header and what the stream after it may still carry."""
+
+    tenant: str
+    session_id: str
+    spec: LayoutSpec
+    tokens: np.ndarray  # (num_tokens,) uint32
+    keys: list[str]
+    generation: int
+    ack: str
+    hint: ResumeHint | None
+    ttl_s: float | None
+    chunks: dict[int, bytes] = field(default_factory=dict)  # index -> encoded, as received
+    tail: bytes | None = None
+    window: bytes | None = None
+    bytes_received: int = 0
+
+    def __post_init__(self) -> None:
+        self._index = {key: i for i, key in enumerate(self.keys)}
+        self._chunk_limit = max_chunk_bytes(self.spec, self.spec.chunk_tokens, False)
+        remaining = len(self.tokens) - len(self.keys) * self.spec.chunk_tokens
+        self._tail_limit = max_chunk_bytes(self.spec, max(remaining, 1), False)
+        self._window_limit = max_chunk_bytes(self.spec, max(len(self.tokens), 1), True)
+
+    def add_chunk(self, key: str, data: bytes) -> None:
+        index = self._index.get(key)
+        if index is None:
+            raise InvalidRequest(f"chunk payload with key {key!r} is not in header.chunk_keys")
+        if index in self.chunks:
+            raise InvalidRequest(f"chunk {index} ({key}) was sent twice")
+        self._check_size(f"chunk {index}", data, self._chunk_limit)
+        start = index * self.spec.chunk_tokens
+        self._check_header(f"chunk {index}", data, start, self.spec.chunk_tokens, False)
+        self.chunks[index] = data
+
+    def add_tail(self, key: str, data: bytes) -> None:
+        if self.tail is not None:
+            raise InvalidRequest("the tail was sent twice")
+        if key:
+            raise InvalidRequest("the tail payload carries no key")
+        self._check_size("the tail", data, self._tail_limit)
+        covered = len(self.keys) * self.spec.chunk_tokens
+        if len(data) and covered == len(self.tokens):
+            raise InvalidRequest("a tail was sent but the tokens fill whole chunks")
+        if len(data):
+            header = self._check_header("the tail", data, covered, None, False)
+            if not 0 < header.num_tokens <= len(self.tokens) - covered:
+                raise InvalidRequest(f"the tail covers {header.num_tokens} tokens; "
+                                     f"{len(self.tokens) - covered} follow the last chunk")
+        self.tail = data
+
+    def add_window(self, key: str, data: bytes) -> None:
+        if self.window is not None:
+            raise InvalidRequest("the window was sent twice")
+        if key:
+            raise InvalidRequest("the window payload carries no key")
+        if not self.spec.ephemeral_streams:
+            raise InvalidRequest(f"layout {self.spec.name} has no window streams")
+        self._check_size("the window", data, self._window_limit)
+        self._check_header("the window", data, None, None, True)
+        self.window = data
+
+    def _check_size(self, what: str, data: bytes, limit: int) -> None:
+        if len(data) > limit:
+            raise InvalidRequest(f"{what} is {len(data)} B; layout {self.spec.name} encodes "
+                                 f"it in at most {limit} B")
+        self.bytes_received += len(data)
+
+    def _check_header(self, what: str, data: bytes, start: int | None, count: int | None,
+                      ephemeral: bool):
+        try:
+            header = read_header(data)
+        except CodecError as exc:
+            raise InvalidRequest(f"{what} is not a valid chunk: {exc}") from exc
+        if header.layout_hash != self.spec.layout_hash:
+            raise InvalidRequest(f"{what} was encoded for layout hash {header.layout_hash:016x},"
+                                 f" not {self.spec.layout_id}")
+        if header.ephemeral != ephemeral:
+            kind = "window (ephemeral)" if ephemeral else "persistent"
+            raise InvalidRequest(f"{what} must hold the {kind} streams")
+        start = header.start_token if start is None else start
+        count = header.num_tokens if count is None else count
+        if header.start_token != start or header.num_tokens != count:
+            raise InvalidRequest(f"{what} covers tokens {header.start_token}+"
+                                 f"{header.num_tokens}, expected {start}+{count}")
+        if start + count > len(self.tokens) or header.tokens_hash != tokens_hash(
+                self.tokens[start : start + count]):
+            raise InvalidRequest(f"{what} was encoded for other token ids than "
+                                 f"header.token_ids[{start}:{start + count}]")
+        return header
+
+    def finish(self) -> list[int]:
+        """Indices of named chunks the stream did not carry (the server may hold them)."""
+        return [i for i in range(len(self.keys)) if i not in self.chunks]
+
+
+def spill_header(header: pb.SpillHeader, default_ack: str, max_tokens: int) -> SpillPlan:
+    tenant, session_id = session_ref(header.session, field_name="header.session")
+    if not header.layout_id:
+        raise InvalidRequest("header.layout_id is required")
+    spec = get_layout(header.layout_id)
+    tokens = token_array(header.token_ids, "header.token_ids")
+    if len(tokens) > max_tokens:
+        raise InvalidRequest(f"{len(tokens)} tokens exceed the limit of {max_tokens}")
+    keys = list(header.chunk_keys)
+    expected = chain_keys(spec.layout_id, tokens, spec.chunk_tokens)
+    if len(keys) != len(expected):
+        raise InvalidRequest(f"{len(tokens)} tokens make {len(expected)} chunks of "
+                             f"{spec.chunk_tokens}; header.chunk_keys names {len(keys)}")
+    for i, (got, want) in enumerate(zip(keys, expected, strict=True)):
+        if got != want:
+            raise InvalidRequest(f"header.chunk_keys[{i}] is {got!r}; the token ids chain to "
+                                 f"{want!r} under {spec.layout_id} (kvstore.keys.chain_keys)")
+    if header.ack not in (pb.ACK_UNSPECIFIED, *ACKS):
+        raise InvalidRequest(f"unknown ack {header.ack}")
+    hint = None
+    if header.HasField("hint"):
+        pause = seconds("hint.expected_pause_s", header.hint.expected_pause_s, None)
+        hint = ResumeHint(pause, header.hint.priority)
+    return SpillPlan(
+        tenant=tenant, session_id=session_id, spec=spec, tokens=tokens, keys=keys,
+        generation=header.generation, ack=ACKS.get(header.ack, default_ack), hint=hint,
+        ttl_s=seconds("header.ttl_s", header.ttl_s, None),
+    )
+
+
+def page_size(value: int, default: int = 100) -> int:
+    if value > MAX_PAGE:
+        raise InvalidRequest(f"page_size {value} exceeds {MAX_PAGE}")
+    return value or default
