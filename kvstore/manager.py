@@ -39,7 +39,6 @@ from kvstore.errors import (
     DataLoss,
     InvalidRequest,
     SessionNotFound,
-    TierUnavailable,
 )
 from kvstore.locks import KeyedLocks, RWLocks
 from kvstore.maintenance import MaintenanceMixin
@@ -178,14 +177,15 @@ class TierManager(SpillMixin, ReadingMixin, MaintenanceMixin):
         return out
 
     async def stat(self) -> ManagerStats:
-        tier_stats = []
-        for tier in self.tiers:
-            try:
-                tier_stats.append(await tier.stats())
-            except TierUnavailable:
-                tier_stats.append(TierStats(tier.name, tier.capacity_bytes, 0, 0, False))
+        """Counters and per-tier gauges; no I/O (``items`` is what the manager believes
+        each tier holds), so a metrics scrape never waits on a slow or absent tier."""
+        tier_stats = tuple(
+            TierStats(tier.name, tier.capacity_bytes, tier.used_bytes,
+                      len(self._stack.policies[j]), self._stack.up(j))
+            for j, tier in enumerate(self.tiers)
+        )
         return ManagerStats(
-            tiers=tuple(tier_stats), counters=self.counters.snapshot(),
+            tiers=tier_stats, counters=self.counters.snapshot(),
             writeback_depth=self._writeback.depth, writeback_capacity=self._writeback.capacity,
             referenced_chunks=len(self._ledger.referenced()),
         )

@@ -97,6 +97,21 @@ class TierStack:
         """Tiers believed to hold ``key``, highest first."""
         return [i for i, policy in enumerate(self.policies) if key in policy]
 
+    async def confirmed_holder(self, key: str) -> list[int]:
+        """[the highest tier that really holds ``key``] or []: a belief about a tier
+        that lost data (a restarted Redis) must not make a spill skip its write."""
+        for j in self.holders(key):
+            if not self.up(j):
+                continue
+            try:
+                if await self.tiers[j].contains(key):
+                    return [j]
+            except TierUnavailable as exc:
+                self._mark_down(j, "contains", exc)
+                continue
+            self.policies[j].on_remove(key)
+        return []
+
     def may_hold(self, i: int, key: str) -> bool:
         return self.tiers[i].holds_window or not is_window_key(key)
 

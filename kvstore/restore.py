@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -32,6 +33,10 @@ from kvstore.manifest import SessionManifest, check_name
 from kvstore.placement import is_window_key
 from kvstore.tiers.base import Buffer
 from kvstore.validate import restored_chunk_check, window_check
+
+# last_access (which TTLs count from) is rewritten at most this often: a manifest commit
+# on every restore would cost a MetaStore write (an fsync on disk) per read.
+ACCESS_PERSIST_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -152,7 +157,8 @@ class ReadingMixin:
                 raise SessionNotFound(f"session {tenant}/{session_id} has expired")
             yield SessionReader(self, manifest, get_layout(manifest.layout_id))
         self.counters.restores += 1
-        self._spawn(self._note_access(tenant, session_id, manifest.generation))
+        if time.time() - manifest.last_access > ACCESS_PERSIST_S:
+            self._spawn(self._note_access(tenant, session_id, manifest.generation))
 
     async def restore(self, tenant: str, session_id: str, *, want_window: bool = True
                       ) -> RestoreResult:

@@ -112,7 +112,7 @@ class SpillMixin:
         """Place one chunk (or find it held); True when it still needs write-back."""
         async with self._locks.hold(key):
             self._stack.touch(key, hint)
-            holders = self._stack.holders(key)
+            holders = await self._stack.confirmed_holder(key)
             if holders:
                 self.counters.dedupe_hits += 1
             else:

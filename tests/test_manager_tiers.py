@@ -182,3 +182,40 @@ async def test_hint_policy_keeps_the_session_due_back_first(tmp_path, policy, su
     assert keys["new"] <= held
     assert {sid for sid in ("soon", "late") if keys[sid] <= held} == {survivor}
     await manager.close()
+
+
+async def test_redis_restart_loses_blocks_and_a_new_spill_does_not_dedupe_against_them(
+        redis_server, redis_process):
+    import numpy as np
+
+    host = HostTier(1000)  # two chunks: the rest of a session goes to Redis
+    redis = RedisTier(redis_server, 8 * MB, REDIS_PRESETS["loopback"])
+    manager = await TierManager.open([host, redis], MemoryMetaStore())
+    prefix = random_tokens(16 * 4, seed=60)
+    first = make_session(prefix, window=False)
+    await manager.spill("t", "first", generation=1, **first)
+    assert await tier_keys(redis)
+    redis_process.kill()
+    redis_process.restart()  # not persistent: everything it held is gone
+    with pytest.raises(DataLoss):
+        await manager.restore("t", "first")
+    second = make_session(np.concatenate([prefix, random_tokens(20, seed=61)]), window=False)
+    await manager.spill("t", "second", generation=1, **second)
+    result = await manager.restore("t", "second")
+    assert [bytes(c) for c in result.chunks] == chunk_bytes(second)
+    await manager.close()
+
+
+async def test_round_trip_through_redis_cluster(tmp_path, redis_cluster):
+    tiers = [HostTier(2000), RedisTier(redis_cluster, 8 * MB, REDIS_PRESETS["loopback"]),
+             DiskTier(tmp_path / "disk", 64 * MB)]
+    manager = await TierManager.open(tiers, tiers[2].meta)
+    args = make_session(random_tokens(16 * 10, seed=70))
+    await manager.spill("t", "s", generation=1, **args)
+    await manager.drain()
+    result = await manager.restore("t", "s")
+    assert [bytes(c) for c in result.chunks] == chunk_bytes(args)
+    assert "redis" in result.chunk_tiers
+    await manager.delete("t", "s")
+    assert [t.used_bytes for t in tiers] == [0, 0, 0]
+    await manager.close()
