@@ -63,7 +63,7 @@ class ServerConfig:
     metrics_port: int = 0  # 0: no Prometheus endpoint
     metrics_interval_s: float = 2.0  # how often tier figures are refreshed for metrics
     grace_s: float = 10.0  # in-flight RPCs get this long at shutdown
-    writeback_workers: int = 2
+    manager_preset: str = "embedded"  # kvstore.manager.MANAGER_PRESETS
 
     def __post_init__(self) -> None:
         if self.default_ack not in ACKS:

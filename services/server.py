@@ -33,7 +33,13 @@ from services.errors import MissingChunks, PreconditionFailed, grpc_errors
 from services.metrics import ServiceMetrics, tier_lookups
 from services.replay_hook import Rebuilder, make_rebuilder
 from services.restore_stream import RestoreStreamer, StreamOptions
-from services.store import open_manager, read_held_chunk, tiers_holding, top_tier
+from services.store import (
+    open_manager,
+    read_held_chunk,
+    restore_tier,
+    tiers_holding,
+    top_tier,
+)
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["KVTier"].full_name
@@ -165,8 +171,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         started = time.perf_counter()
         result = await self.manager.prefetch(tenant, session_id, timeout)
         manifest = await self.manager.get_manifest(tenant, session_id)
-        held = tiers_holding(self.manager, manifest.chunk_keys)
-        return pb.PrefetchReply(tier=held[-1] if held else manifest.window_tier or "",
+        return pb.PrefetchReply(tier=restore_tier(self.manager, manifest.chunk_keys)
+                                or manifest.window_tier or "",
                                 complete=result.complete,
                                 seconds=time.perf_counter() - started)
 

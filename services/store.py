@@ -16,7 +16,7 @@ import numpy as np
 
 from kvstore.errors import DataLoss
 from kvstore.layout import LayoutSpec
-from kvstore.manager import TierManager
+from kvstore.manager import MANAGER_PRESETS, TierManager
 from kvstore.tiers.base import Buffer, MemoryMetaStore, MetaStore, Tier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
@@ -66,7 +66,8 @@ async def open_manager(config: ServerConfig) -> TierManager:
     try:
         meta = build_tiers(config, tiers)
         log.info("tiers: %s", ", ".join(f"{t.name} ({t.capacity_bytes} B)" for t in tiers))
-        return await TierManager.open(tiers, meta, writeback_workers=config.writeback_workers)
+        return await TierManager.open(tiers, meta,
+                                      config=MANAGER_PRESETS[config.manager_preset])
     except BaseException:
         for tier in tiers:
             await tier.close()
@@ -98,7 +99,14 @@ async def read_held_chunk(manager: TierManager, spec: LayoutSpec, tokens: np.nda
                           index: int, key: str) -> Buffer | None:
     """An intact copy of chunk ``index`` from any tier, or None when no tier has one."""
     try:
-        data, _, _ = await manager._stack.read(key, restored_chunk_check(spec, tokens, index))
+        data, _, _ = await manager._stack.read(key, restored_chunk_check(spec, tokens, index),
+                                               access=False)
     except DataLoss:
         return None
     return data
+
+
+def restore_tier(manager: TierManager, keys: Sequence[str]) -> str:
+    """The slowest tier a restore of ``keys`` would read from now ("" when none is held)."""
+    tops = [holders[0] for holders in (holder_indices(manager, k) for k in keys) if holders]
+    return manager.tiers[max(tops)].name if tops else ""

@@ -1,0 +1,65 @@
+"""Shared helpers for the service and client tests: small sessions of a real layout and a
+real server on a loopback port (port 0) over a temporary data directory."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import torch
+
+from kvstore.chunk_plan import CODE_DTYPES
+from kvstore.codec import StreamData
+from kvstore.layout import LayoutSpec, get_layout
+from services.config import load_config
+from services.server import KVTierServer, create_server
+
+LAYOUT = get_layout("kvtier-bundled")
+
+
+def streams_for(spec: LayoutSpec, tokens: int, *, ephemeral: bool = False, seed: int = 0
+                ) -> dict[str, StreamData]:
+    """Random codes and scales: (layers, entries, *codes_shape), (layers, entries, groups)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for s in spec.ephemeral_streams if ephemeral else spec.persistent_streams:
+        shape = (s.layers, s.entries_for(tokens), *s.codes_shape)
+        dtype = CODE_DTYPES[s.bits]
+        if s.bits == 16:
+            codes = torch.randn(shape, generator=gen).to(dtype)
+        else:
+            codes = torch.randint(-128 if s.bits == 8 else 0, 128 if s.bits == 8 else 256,
+                                  shape, generator=gen, dtype=torch.int16).to(dtype)
+        scales = None
+        if s.bits < 16:
+            scales = torch.rand((s.layers, s.entries_for(tokens), s.scales_per_entry),
+                                generator=gen).to(torch.float16)
+        out[s.name] = StreamData(codes, scales)
+    return out
+
+
+def tokens_for(count: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 50_000, (count,), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_streams_equal(got: dict[str, StreamData], want: dict[str, StreamData]) -> None:
+    assert set(got) == set(want)
+    for name in want:
+        assert torch.equal(got[name].codes, want[name].codes), name
+        if want[name].scales is None:
+            assert got[name].scales is None
+        else:
+            assert torch.equal(got[name].scales, want[name].scales), name
+
+
+def config_for(tmp_path, **overrides):
+    return load_config(preset="test", env={}, overrides={"data_dir": tmp_path, **overrides})
+
+
+@contextlib.asynccontextmanager
+async def running_server(tmp_path, **overrides) -> AsyncIterator[tuple[KVTierServer, str]]:
+    server, port = await create_server(config_for(tmp_path, **overrides))
+    try:
+        yield server, f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0.5)
