@@ -64,9 +64,30 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
+# CPU tensors reach the Triton path only when asked for: with TRITON_INTERPRET=1 and
+# KVTIER_KERNELS=triton both set at start-up, or inside cpu_through_interpreter() (tests).
+# Otherwise a process that merely has the interpreter on would run every CPU op interpreted.
+_cpu_via_interpreter = os.environ.get(ENV_VAR, "").strip().lower() == "triton"
+
+
+@contextlib.contextmanager
+def cpu_through_interpreter() -> Iterator[None]:
+    """For the block, the Triton backend takes CPU tensors too (needs TRITON_INTERPRET=1)."""
+    global _cpu_via_interpreter
+    previous = _cpu_via_interpreter
+    _cpu_via_interpreter = True
+    try:
+        yield
+    finally:
+        _cpu_via_interpreter = previous
+
+
 def triton_usable(*tensors: torch.Tensor) -> bool:
-    """Whether the Triton path can run on these tensors: CUDA tensors, or the interpreter."""
-    return interpreting() or all(t.is_cuda for t in tensors)
+    """Whether the Triton path runs these tensors: CUDA ones, or CPU ones under the
+    interpreter when CPU routing is on (see cpu_through_interpreter)."""
+    if all(t.is_cuda for t in tensors):
+        return True
+    return interpreting() and _cpu_via_interpreter and not any(t.is_cuda for t in tensors)
 
 
 def triton_module() -> ModuleType:

@@ -54,7 +54,10 @@ def _group_codes(x: torch.Tensor, group_size: int, qmax: int,
     """
     groups = x.shape[-1] // group_size
     g = x.float().reshape(*x.shape[:-1], groups, group_size)
-    scales = (g.abs().amax(dim=-1) / qmax).to(torch.float16)
+    absmax = g.abs().amax(dim=-1)
+    # divide by a tensor, not a Python scalar: CUDA torch turns x / scalar into x * (1 /
+    # scalar), which can differ by an ulp from the correctly rounded division Triton does
+    scales = (absmax / torch.full_like(absmax, qmax)).to(torch.float16)
     s = scales.float().unsqueeze(-1)
     nonzero = s > 0
     codes = torch.round(g / torch.where(nonzero, s, torch.ones_like(s)))

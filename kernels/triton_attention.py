@@ -157,14 +157,17 @@ def window_attention(q, k_codes, k_scales, v_codes, v_scales, q_pos, k_pos, wind
     if out.numel() == 0 or s == 0:
         return out, lse
     rep = h // hkv
-    block_m = _tile(rep * t, 16, 64)
+    # tiles picked from ptxas spill reports of an sm_90 build (fp32 FMA dots are register
+    # hungry): a decode-sized row block streams wider key blocks, a replay-sized one narrower
+    block_m = 16 if rep * t <= 16 else 32
+    block_s = 32 if block_m == 16 else 16
     grid = (triton.cdiv(rep * t, block_m), b * hkv)
     _window_attention_kernel[grid](
         q.contiguous(), k_codes.contiguous(), k_scales.contiguous(), v_codes.contiguous(),
         v_scales.contiguous(), q_pos.contiguous(), k_pos.contiguous(), out, lse,
         h, hkv, t, s, int(window), float(sm_scale),
         REP=rep, DH=dh, DH_P2=_tile(dh, 16, 1 << 16), GS=group_size,
-        BLOCK_M=block_m, BLOCK_S=_tile(s, 16, 64))
+        BLOCK_M=block_m, BLOCK_S=block_s, num_warps=8)
     return out, lse
 
 
@@ -184,8 +187,9 @@ def sparse_compressed_attention(q, kv_packed, kv_scales, idx, group_size: int,
         return out, lse
     half = dc // 2
     half_p2 = _tile(half, 16, 1 << 16)
-    # keep the two dequantized [BLOCK_K, Dc/2] halves in registers for wide latents
-    block_k = 32 if half_p2 >= 256 else 64
+    # the two dequantized [BLOCK_K, Dc/2] halves live in registers: narrower key blocks for
+    # wider latents (from ptxas spill reports of an sm_90 build)
+    block_k = 16 if half_p2 >= 256 else 32 if half_p2 == 128 else 64
     _sparse_attention_kernel[(b * t,)](
         q.contiguous(), kv_packed.contiguous(), kv_scales.contiguous(), idx.contiguous(),
         out, lse, h, t, n, k, float(sm_scale),

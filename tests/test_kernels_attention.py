@@ -9,15 +9,17 @@ import math
 import pytest
 import torch
 
-from kernels import backend, ops
+from kernels import backend, interpret, ops
 from kernels import reference as ref
-from kernels.interpret import interpreter
+
+if not torch.cuda.is_available():
+    interpret.enable()  # before anything imports triton compiled (see kernels/interpret.py)
 
 
 @pytest.fixture(scope="module")
 def tri():
-    with interpreter() as module:
-        yield module
+    with interpret.triton_under_test() as triton_ops:
+        yield triton_ops
 
 
 def _window_case(b, h, hkv, t, s, dh, group, seed=0, dtype=torch.float32):
@@ -69,6 +71,7 @@ WINDOW_CASES = [  # (B, H, Hkv, T, S, Dh, group, window)
     (1, 3, 1, 1, 20, 48, 16, 128),
     (1, 2, 2, 7, 5, 16, 16, 3),
     (1, 6, 3, 4, 70, 40, 20, 50),
+    (1, 4, 1, 9, 23, 16, 8, 10),  # 36 stacked query rows: several row blocks
 ]
 
 
@@ -128,6 +131,7 @@ SPARSE_CASES = [  # (B, H, T, N, Dc, K, group)
     (2, 4, 5, 13, 48, 6, 16),
     (1, 3, 3, 40, 32, 70, 8),
     (1, 1, 2, 9, 24, 5, 24),
+    (1, 20, 2, 9, 32, 40, 8),  # more heads than one 16-row tile
 ]
 
 
@@ -184,7 +188,8 @@ def test_window_bad_input_is_rejected_by_both_backends(tri, call, message):
 
 
 def test_ops_dispatch_runs_triton_and_keeps_gradients_on_the_reference(tri):
-    args = _window_case(1, 2, 1, 3, 9, 16, 8, seed=3)
+    args = tuple(tri.to_device(a) for a in _window_case(1, 2, 1, 3, 9, 16, 8, seed=3))
+    assert backend.triton_usable(*args)
     with backend.use("triton"):
         out, _ = ops.window_attention(*args, 8, 8, 0.25)
         q = args[0].clone().requires_grad_(True)

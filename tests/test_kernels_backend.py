@@ -6,8 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import backend, ops
+from kernels import backend, interpret, ops
 from kernels import reference as ref
+
+if not torch.cuda.is_available():
+    interpret.enable()  # before anything imports triton compiled (see kernels/interpret.py)
 
 
 def test_default_follows_cuda_and_env_overrides(monkeypatch):
@@ -32,9 +35,15 @@ def test_use_restores_the_previous_backend_even_on_error():
         backend.set_backend("cuda")
 
 
-def test_triton_backend_falls_back_to_reference_for_cpu_tensors(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def test_cpu_tensors_take_the_reference_unless_routed_through_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     x = torch.randn(3, 32)
+    assert not backend.triton_usable(x)  # interpreter on alone does not reroute CPU ops
+    with backend.cpu_through_interpreter():
+        assert backend.triton_usable(x)
+        monkeypatch.delenv("TRITON_INTERPRET")
+        assert not backend.triton_usable(x)
+    assert not backend.triton_usable(x)
     with backend.use("triton"):
         codes, scales = ops.quantize_int8(x, 16)
     want = ref.quantize_int8(x, 16)

@@ -9,15 +9,17 @@ import math
 import pytest
 import torch
 
-from kernels import backend, ops
+from kernels import backend, interpret, ops
 from kernels import reference as ref
-from kernels.interpret import interpreter
+
+if not torch.cuda.is_available():
+    interpret.enable()  # before anything imports triton compiled (see kernels/interpret.py)
 
 
 @pytest.fixture(scope="module")
 def tri():
-    with interpreter() as module:
-        yield module
+    with interpret.triton_under_test() as triton_ops:
+        yield triton_ops
 
 
 def _index_case(b, t, hi, di, n, group, seed=0):
@@ -65,6 +67,17 @@ def test_scores_triton_matches_reference(tri, case):
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     finite = torch.isfinite(want)
     assert torch.allclose(got[finite], want[finite], atol=1e-4, rtol=1e-5)
+
+
+def test_scores_triton_causal_corner_is_minus_inf(tri):
+    # entries past every query's n_visible: whole tiles the kernel skips
+    qi, ki_packed, ki_scales, w, _ = _index_case(1, 8, 2, 32, 100, 16, seed=4)
+    n_visible = torch.arange(8) + 1
+    want = ref.indexer_scores(qi, ki_packed, ki_scales, w, n_visible, 16)
+    got = tri.indexer_scores(qi, ki_packed, ki_scales, w, n_visible, 16)
+    assert torch.isinf(got[..., 8:]).all()
+    assert torch.allclose(got[..., :8].nan_to_num(neginf=0.0), want[..., :8].nan_to_num(
+        neginf=0.0), atol=1e-4)
 
 
 def test_scores_reject_bad_input(tri):
@@ -117,8 +130,10 @@ def test_topk_rejects_bad_candidates():
 
 
 def test_ops_selection_is_identical_on_both_backends(tri):
-    qi, ki_packed, ki_scales, w, n_visible = _index_case(2, 5, 3, 48, 13, 16, seed=3)
-    candidates = torch.randint(-1, 13, (2, 5, 9), dtype=torch.int32)
+    qi, ki_packed, ki_scales, w, n_visible = (
+        tri.to_device(a) for a in _index_case(2, 5, 3, 48, 13, 16, seed=3))
+    candidates = tri.to_device(torch.randint(-1, 13, (2, 5, 9), dtype=torch.int32))
+    assert backend.triton_usable(qi, candidates)
     picks = {}
     for name in ("reference", "triton"):
         with backend.use(name):

@@ -8,14 +8,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kernels import interpret
 from kernels import reference as ref
-from kernels.interpret import interpreter
+
+if not torch.cuda.is_available():
+    interpret.enable()  # before anything imports triton compiled (see kernels/interpret.py)
 
 
 @pytest.fixture(scope="module")
 def tri():
-    with interpreter() as module:
-        yield module
+    with interpret.triton_under_test() as triton_ops:
+        yield triton_ops
 
 
 @st.composite
