@@ -1,0 +1,345 @@
+"""Block hit rates of kvtier's tier hierarchy on a request trace, per eviction policy.
+
+    python -m bench.trace --json --trace ../shared/traces/mooncake_synthetic_trace.jsonl
+
+How each figure is obtained (the JSON repeats this under "method"):
+
+- Trace: Mooncake format, one request per line (``bench.trace_reader``; a bad line is
+  rejected with its line number). Each ``hash_ids`` entry is one 512-token prefix block.
+- Block bytes: the layout spec's persistent bytes/token x 512 (``--layout``, default
+  kvtier-bundled: 63 B/token -> 32,256 B). Window bytes: the spec's ephemeral bytes/token
+  x W = 128 tokens (kvtier-bundled: 270,336 B). A layout without ephemeral streams has no
+  window blobs and never needs replay.
+- Conversations (kvtier sessions) come from the hash chain (``bench.trace_workload``):
+  a request resumes the earlier request whose complete blocks form the longest prefix of
+  its own; otherwise it starts a conversation.
+- Tiers: hbm = f x footprint, host = host_ratio x f x footprint, disk unbounded (or
+  ``--disk-fraction`` x footprint), footprint = unique blocks x block bytes, for each
+  f in ``--fractions``. Windows live only in hbm and host.
+- Replay (``bench.trace_sim``): each request reads its blocks in order (hit in the
+  highest tier holding it, promotion to hbm if lower; a block in no tier is a miss:
+  prefill if never seen, re-prefill otherwise), reads its conversation's window (missing:
+  one bounded replay of W tokens), then spills its blocks and new window with its hint;
+  write-back copies every block to disk. Placement mirrors ``kvstore.placement.TierStack``.
+  Time is a virtual clock at the trace's timestamps.
+- Policies: ``lru`` (LRUPolicy), ``hint`` (HintPolicy given the true gap to the
+  conversation's next request x lognormal noise, sigma ``--hint-sigma``: an oracle-derived
+  estimate, labelled as such), ``hint-perfect`` (sigma 0), ``hint-causal`` (HintPolicy
+  given only past gaps), ``belady`` (evict the block whose next read is farthest ahead,
+  from a next-use table of the whole trace; ``bench.trace_belady``).
+- ``--validate N`` replays the first N requests through the real ``TierStack`` with real
+  HBM, host and disk tiers and reports whether its counts equal the simulation's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from bench.trace_belady import BeladyPolicy, NextUseTable
+from bench.trace_reader import BLOCK_TOKENS, TraceRequest, read_trace
+from bench.trace_sim import CAUSES, SimTier, TierSim, replay
+from bench.trace_workload import Workload, build_workload, causal_hints, oracle_hints
+from kvstore.errors import InvalidRequest, KVTierError
+from kvstore.layout import get_layout
+from kvstore.policy import HintPolicy, LRUPolicy
+
+DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2)
+DEFAULT_POLICIES = ("lru", "hint", "hint-causal", "belady")
+POLICIES = ("lru", "hint", "hint-perfect", "hint-causal", "belady")
+WINDOW_TOKENS = 128  # W: the window kept exactly, and the bounded replay's length R
+TIER_NAMES = ("hbm", "host", "disk")
+
+
+def layout_sizes(layout: str, window_tokens: int = WINDOW_TOKENS) -> dict:
+    spec = get_layout(layout)
+    return {
+        "name": spec.name,
+        "layout_id": spec.layout_id,
+        "block_tokens": BLOCK_TOKENS,
+        "persistent_bytes_per_token": spec.persistent_bytes_per_token,
+        "block_bytes": math.ceil(spec.persistent_bytes_per_token * BLOCK_TOKENS),
+        "ephemeral_bytes_per_token": spec.ephemeral_bytes_per_token,
+        "window_tokens": window_tokens,
+        "window_bytes": math.ceil(spec.ephemeral_bytes_per_token * window_tokens),
+    }
+
+
+def make_tiers(footprint: int, fraction: float, host_ratio: float,
+               disk_fraction: float | None) -> list[SimTier]:
+    return [
+        SimTier("hbm", int(fraction * footprint), holds_window=True, durable=False),
+        SimTier("host", int(host_ratio * fraction * footprint), holds_window=True, durable=False),
+        SimTier("disk", math.inf if disk_fraction is None else int(disk_fraction * footprint),
+                holds_window=False, durable=True),
+    ]
+
+
+def simulate(workload: Workload, policy: str, tiers: Sequence[SimTier], block_bytes: int,
+             window_bytes: int, *, hint_sigma: float = 0.5, seed: int = 0) -> TierSim:
+    """Replay ``workload`` through a fresh ``TierSim`` driven by ``policy``; return it."""
+    now = [0.0]
+
+    def clock() -> float:
+        return now[0]
+
+    def set_time(t: float) -> None:
+        now[0] = t
+
+    advance = None
+    hints = [None] * len(workload.steps)
+    if policy == "lru":
+        factory = lambda: LRUPolicy(clock)  # noqa: E731
+    elif policy == "belady":
+        table = NextUseTable(workload.reads, workload.next_read, workload.first_positions())
+        factory, advance = (lambda: BeladyPolicy(table)), table.advance
+    elif policy in ("hint", "hint-perfect", "hint-causal"):
+        factory = lambda: HintPolicy(clock)  # noqa: E731
+        hints = (causal_hints(workload) if policy == "hint-causal"
+                 else oracle_hints(workload, 0.0 if policy == "hint-perfect" else hint_sigma, seed))
+    else:
+        raise InvalidRequest(f"unknown policy {policy!r}; known: {POLICIES}")
+    sim = TierSim(tiers, factory, block_bytes, window_bytes)
+    replay(workload, sim, hints, set_time, advance)
+    return sim
+
+
+def summarize(sim: TierSim, window_tokens: int) -> dict:
+    c, names = sim.counters, [t.name for t in sim.tiers]
+    reads, reuse = c.block_reads, c.block_reads - c.new_blocks
+    hits = dict(zip(names, c.block_hits, strict=True))
+    return {
+        "capacities_bytes": {t.name: None if math.isinf(t.capacity_bytes) else int(t.capacity_bytes)
+                             for t in sim.tiers},
+        "block_hit_rate": {**{n: h / reads for n, h in hits.items()},
+                           "new": c.new_blocks / reads, "reprefill": c.reprefill_blocks / reads},
+        "fast_hit_rate": (hits["hbm"] + hits["host"]) / reads,
+        "reuse_hit_rate": {n: h / reuse if reuse else 0.0 for n, h in hits.items()},
+        "reuse_fast_hit_rate": (hits["hbm"] + hits["host"]) / reuse if reuse else 0.0,
+        "block_reads": reads,
+        "block_hits": hits,
+        "new_blocks": c.new_blocks,
+        "reprefill_blocks": c.reprefill_blocks,
+        "reprefill_tokens": c.reprefill_blocks * BLOCK_TOKENS,
+        "reprefill_requests": c.reprefill_requests,
+        "resumes": c.resumes,
+        "window_hits": dict(zip(names, c.window_hits, strict=True)),
+        "replays": c.replays,
+        "replay_tokens": c.replays * window_tokens,
+        "bytes_moved": {cause: {n: b for n, b in zip(names, c.bytes_written[cause], strict=True)
+                                if b} for cause in CAUSES},
+        "evictions": dict(zip(names, c.evictions, strict=True)),
+        "windows_dropped": c.windows_dropped,
+        "chunks_dropped": c.chunks_dropped,
+    }
+
+
+_WORKLOAD: Workload | None = None  # per worker process, built once by _init_worker
+
+
+def _init_worker(path: str, limit: int | None, windows: bool) -> None:
+    global _WORKLOAD
+    _WORKLOAD = build_workload(read_trace(path, limit), windows=windows)
+
+
+def _run_point(job: dict) -> dict:
+    start = time.perf_counter()
+    tiers = make_tiers(job["footprint"], job["fraction"], job["host_ratio"], job["disk_fraction"])
+    sim = simulate(_WORKLOAD, job["policy"], tiers, job["block_bytes"], job["window_bytes"],
+                   hint_sigma=job["hint_sigma"], seed=job["seed"])
+    return {"policy": job["policy"], "capacity_fraction": job["fraction"],
+            **summarize(sim, job["window_tokens"]),
+            "sim_seconds": round(time.perf_counter() - start, 2)}
+
+
+def describe_method(sizes: dict, host_ratio: float, disk_fraction: float | None,
+                    hint_sigma: float) -> dict:
+    w = sizes["window_tokens"]
+    disk = ("unbounded" if disk_fraction is None
+            else f"{disk_fraction:g} x footprint; a chunk evicted from it is dropped")
+    return {
+        "block_bytes": f"layout {sizes['name']}: persistent {sizes['persistent_bytes_per_token']:g}"
+                       f" B/token x {BLOCK_TOKENS} tokens per trace block = "
+                       f"{sizes['block_bytes']} B",
+        "window_bytes": f"ephemeral {sizes['ephemeral_bytes_per_token']:g} B/token x W={w} "
+                        f"tokens = {sizes['window_bytes']} B per conversation, hbm/host only",
+        "conversations": "a request resumes the earlier request whose complete blocks "
+                         "(input_length // 512 of them) are the longest prefix of its own "
+                         "hash_ids (ids are prefix hashes, so matching that last complete "
+                         "block id suffices; latest request on a tie); else it starts one",
+        "capacities": f"footprint = unique blocks x block bytes; hbm = f x footprint, host = "
+                      f"{host_ratio:g} x f x footprint, disk {disk}",
+        "replay": "per request at its timestamp (virtual clock): read each block (hit in the "
+                  "highest tier holding it, then promoted to hbm), read the conversation's "
+                  "window, spill the blocks and a new window with the request's hint, write "
+                  "back blocks to disk; placement, eviction cascade, protection of the "
+                  "request's own blocks and write-back mirror kvstore.placement.TierStack "
+                  "and the manager's spill/restore",
+        "block_hit_rate": "per tier: block reads served by that tier / all block reads; new: "
+                          "first read ever (prefill of new tokens, same for every policy); "
+                          "reprefill: read before but in no tier now; reuse_hit_rate divides "
+                          "by reads that are not first reads; fast = hbm + host",
+        "bytes_moved": "bytes written into each tier, by cause: spill (new blocks and "
+                       "windows), promotion (read below hbm, copied up), demotion (evicted, "
+                       "moved down), writeback (copy to the durable tier)",
+        "replays": f"resumes whose window blob was in neither hbm nor host: each reruns "
+                   f"W={w} tokens (replay_tokens); reprefill_* count blocks missing from "
+                   f"every tier",
+        "hints": f"hint: true gap to the conversation's next request x exp({hint_sigma:g} z), "
+                 f"z ~ N(0,1) per request (an oracle-derived estimate from the trace's "
+                 f"future, standing for a framework predicting its pause); a conversation's "
+                 f"last request hints 1e9 s; hint-perfect: sigma 0; hint-causal: the "
+                 f"conversation's last gap, else the median gap so far (no future "
+                 f"knowledge); each hint is attached when its request spills",
+        "belady": "evict the block whose next read is farthest ahead (never again: first), "
+                  "from a next-use table over the whole trace's read sequence, in every "
+                  "tier; optimal for one tier of equal-size blocks, a reference (not a "
+                  "proven bound) for the hierarchy with window blobs",
+    }
+
+
+def run_trace_benchmark(
+    trace: str | Path,
+    *,
+    limit: int | None = None,
+    layout: str = "kvtier-bundled",
+    fractions: Sequence[float] = DEFAULT_FRACTIONS,
+    host_ratio: float = 4.0,
+    disk_fraction: float | None = None,
+    policies: Sequence[str] = DEFAULT_POLICIES,
+    hint_sigma: float = 0.5,
+    seed: int = 0,
+    window_tokens: int = WINDOW_TOKENS,
+    validate_requests: int = 0,
+    jobs: int = 2,
+) -> dict:
+    """Every (policy, capacity fraction) point; see the module docstring for the method.
+
+    ``result["results"]``: one dict per point with ``policy``, ``capacity_fraction``,
+    ``block_hit_rate`` (per tier, ``new``, ``reprefill``), ``fast_hit_rate``, replays,
+    bytes moved; ``bench/report.py`` plots ``fast_hit_rate`` against the fraction.
+    """
+    started = time.perf_counter()
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not fractions or any(not f > 0 for f in fractions) or host_ratio < 0:
+        raise InvalidRequest(f"bad options: policies {unknown} unknown (known {POLICIES}), "
+                          f"fractions {list(fractions)} must be > 0, host_ratio >= 0")
+    sizes = layout_sizes(layout, window_tokens)
+    windows = sizes["window_bytes"] > 0
+    requests: list[TraceRequest] = read_trace(trace, limit)
+    workload = build_workload(requests, windows=windows)
+    footprint = workload.unique_blocks * sizes["block_bytes"]
+    points = [{"policy": p, "fraction": f, "footprint": footprint, "host_ratio": host_ratio,
+               "disk_fraction": disk_fraction, "block_bytes": sizes["block_bytes"],
+               "window_bytes": sizes["window_bytes"], "hint_sigma": hint_sigma, "seed": seed,
+               "window_tokens": window_tokens}
+              for f in fractions for p in policies]
+    init = (str(trace), limit, windows)
+    if jobs > 1:
+        with ProcessPoolExecutor(min(jobs, len(points)), initializer=_init_worker,
+                                 initargs=init) as pool:
+            results = list(pool.map(_run_point, points))
+    else:
+        _init_worker(*init)
+        results = [_run_point(point) for point in points]
+    report = {
+        "benchmark": "trace",
+        "trace": {"path": str(trace), "limit": limit, "requests": len(requests),
+                  "block_reads": workload.block_reads, "unique_blocks": workload.unique_blocks,
+                  "conversations": workload.conversations, "resumes": workload.resumes,
+                  "span_s": workload.span_s},
+        "layout": sizes,
+        "footprint_bytes": footprint,
+        "tiers": {"names": list(TIER_NAMES), "host_ratio": host_ratio,
+                  "disk_fraction": disk_fraction},
+        "policies": list(policies),
+        "method": describe_method(sizes, host_ratio, disk_fraction, hint_sigma),
+        "results": results,
+    }
+    if validate_requests:
+        from bench.trace_check import check_against_stack
+
+        report["validation"] = check_against_stack(
+            requests[:validate_requests], host_ratio=host_ratio, hint_sigma=hint_sigma, seed=seed)
+    report["elapsed_s"] = round(time.perf_counter() - started, 1)
+    report["machine"] = {"cpus": os.cpu_count(), "jobs": jobs}
+    return report
+
+
+def format_table(report: dict) -> str:
+    t, lay = report["trace"], report["layout"]
+    lines = [
+        f"trace {t['path']}: {t['requests']} requests, {t['block_reads']} block reads, "
+        f"{t['unique_blocks']} unique blocks, {t['conversations']} conversations, "
+        f"{t['resumes']} resumes",
+        f"layout {lay['name']}: block {lay['block_bytes']} B, window {lay['window_bytes']} B; "
+        f"footprint {report['footprint_bytes'] / 2**20:.1f} MiB; host = "
+        f"{report['tiers']['host_ratio']:g} x hbm",
+        "",
+        f"{'hbm frac':>8} {'policy':<12} {'hbm':>6} {'host':>6} {'disk':>6} {'new':>6} "
+        f"{'re-pf':>6} {'fast':>6} {'reuse-fast':>10} {'replays':>8} {'promo MiB':>9} "
+        f"{'demo MiB':>9}",
+    ]
+    for r in report["results"]:
+        rate = r["block_hit_rate"]
+        promo = sum(r["bytes_moved"]["promotion"].values()) / 2**20
+        demo = sum(r["bytes_moved"]["demotion"].values()) / 2**20
+        lines.append(
+            f"{r['capacity_fraction']:>8g} {r['policy']:<12} {rate['hbm']:>6.3f} "
+            f"{rate['host']:>6.3f} {rate['disk']:>6.3f} {rate['new']:>6.3f} "
+            f"{rate['reprefill']:>6.3f} {r['fast_hit_rate']:>6.3f} "
+            f"{r['reuse_fast_hit_rate']:>10.3f} {r['replays']:>4}/{r['resumes']:<4}"
+            f"{promo:>9.1f} {demo:>9.1f}")
+    if "validation" in report:
+        v = report["validation"]
+        lines += ["", f"validation against the real TierStack ({v['requests']} requests): "
+                      f"{'counts agree' if v['agree'] else 'counts DIFFER: ' + str(v['diff'])}"]
+    lines += ["", "method:"] + [f"  {k}: {v}" for k, v in report["method"].items()]
+    return "\n".join(lines)
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.trace", description=__doc__.split(
+        "\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    parser.add_argument("--limit", type=int, help="use only the first N requests")
+    parser.add_argument("--layout", default="kvtier-bundled", help="layout spec for byte sizes")
+    parser.add_argument("--fractions", type=_floats, default=list(DEFAULT_FRACTIONS),
+                        help="hbm capacities as fractions of the unique block footprint")
+    parser.add_argument("--host-ratio", type=float, default=4.0, help="host capacity / hbm")
+    parser.add_argument("--disk-fraction", type=float, help="disk capacity (default unbounded)")
+    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                        help=f"comma-separated, from {','.join(POLICIES)}")
+    parser.add_argument("--hint-sigma", type=float, default=0.5, help="lognormal hint noise")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--validate", type=int, default=150, metavar="N",
+                        help="replay the first N requests through the real TierStack (0: no)")
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    try:
+        report = run_trace_benchmark(
+            args.trace, limit=args.limit, layout=args.layout, fractions=args.fractions,
+            host_ratio=args.host_ratio, disk_fraction=args.disk_fraction,
+            policies=[p for p in args.policies.split(",") if p], hint_sigma=args.hint_sigma,
+            seed=args.seed, validate_requests=args.validate, jobs=args.jobs)
+    except KVTierError as exc:
+        print(f"bench.trace: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""A byte-accurate simulation of the tier stack, replaying a ``Workload``.
+
+It mirrors ``kvstore.placement.TierStack`` and the manager's spill and restore:
+
+- A block goes to the highest tier with room; making room asks the tier's policy for
+  victims. A victim moves to the next tier down that holds it already or takes it (which
+  may evict there in turn); a window blob that no window tier takes is dropped.
+- A read is served by the highest tier holding the block, and the policy of that tier
+  sees an access; a block read below the top tier is then promoted: placed again from
+  the top (the lower copy stays, as in ``TierStack.promote``).
+- A spill touches every block of the request with the request's hint (all tiers holding
+  it), places the ones no tier holds, then writes back to the durable tier every block
+  without a durable copy (``ack="memory"``; the write-back's read is not an access).
+  The new window blob is placed; the old one is deleted.
+- Making room for a request's promotion or spill never evicts that request's own blocks
+  (the manager's ``protect``); the demotions this sets off lower down protect nothing.
+- Every chunk stays referenced (no session is deleted during a replay), so a chunk's
+  last copy is never dropped, except from a bounded bottom tier: there nothing lies
+  below, and the simulation drops it as if its session had expired (the manager would
+  refuse the spill with ``TierFull`` instead).
+
+Keys are ints: chunks >= 0, windows < 0 (see ``bench.trace_workload``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+
+from bench.trace_workload import Workload
+from kvstore.policy import EvictionPolicy, LRUPolicy, ResumeHint
+
+CAUSES = ("spill", "promotion", "demotion", "writeback")
+
+
+@dataclass(frozen=True)
+class SimTier:
+    name: str
+    capacity_bytes: float  # math.inf: unbounded
+    holds_window: bool
+    durable: bool
+
+
+@dataclass
+class SimCounters:
+    tiers: tuple[str, ...]
+    block_reads: int = 0
+    block_hits: list[int] = field(default_factory=list)  # per tier
+    new_blocks: int = 0  # never read before: prefill of new tokens, unavoidable
+    reprefill_blocks: int = 0  # read before, now in no tier: re-prefill
+    reprefill_requests: int = 0
+    resumes: int = 0  # requests continuing a conversation that has a window blob
+    window_hits: list[int] = field(default_factory=list)  # per tier
+    replays: int = 0  # resumes whose window was in no window tier
+    bytes_written: dict[str, list[int]] = field(default_factory=dict)  # cause -> per tier
+    evictions: list[int] = field(default_factory=list)
+    windows_dropped: int = 0
+    chunks_dropped: int = 0  # last copies dropped from a bounded bottom tier
+
+    def __post_init__(self) -> None:
+        n = len(self.tiers)
+        self.block_hits = [0] * n
+        self.window_hits = [0] * n
+        self.evictions = [0] * n
+        self.bytes_written = {cause: [0] * n for cause in CAUSES}
+
+
+class _Skip:
+    """Victims to pass over: the ones already tried and the protected keys."""
+
+    def __init__(self, protect: Collection[int]) -> None:
+        self.tried: set[int] = set()
+        self.protect = protect
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.tried or key in self.protect
+
+
+class TierSim:
+    def __init__(self, tiers: Sequence[SimTier], policy: Callable[[], EvictionPolicy],
+                 block_bytes: int, window_bytes: int) -> None:
+        self.tiers = tuple(tiers)
+        # An unbounded tier never asks its policy for a victim, so its order is never
+        # consulted: a plain LRU index of what it holds gives identical results, cheaper.
+        self.policies = [LRUPolicy() if math.isinf(t.capacity_bytes) else policy()
+                         for t in self.tiers]
+        self.used = [0] * len(self.tiers)
+        self.block_bytes, self.window_bytes = block_bytes, window_bytes
+        self.hints: dict[int, ResumeHint] = {}
+        self.counters = SimCounters(tuple(t.name for t in self.tiers))
+        self._durable = [i for i, t in enumerate(self.tiers) if t.durable]
+
+    def size(self, key: int) -> int:
+        return self.window_bytes if key < 0 else self.block_bytes
+
+    def holders(self, key: int) -> list[int]:
+        return [i for i, policy in enumerate(self.policies) if key in policy]
+
+    def may_hold(self, j: int, key: int) -> bool:
+        return key >= 0 or self.tiers[j].holds_window
+
+    # -- placement (TierStack.place / _put / _make_room / _evict / delete) --
+
+    def place(self, key: int, cause: str, start: int = 0, stop: int | None = None,
+              protect: Collection[int] = ()) -> int | None:
+        for j in range(start, len(self.tiers) if stop is None else stop):
+            if not self.may_hold(j, key):
+                continue
+            if key in self.policies[j]:
+                self.policies[j].on_access(key, self.hints.get(key))
+                return j
+            if self._put(j, key, cause, protect):
+                return j
+        return None
+
+    def _put(self, j: int, key: int, cause: str, protect: Collection[int]) -> bool:
+        size = self.size(key)
+        capacity = self.tiers[j].capacity_bytes
+        if size > capacity:
+            return False
+        policy = self.policies[j]
+        skip = _Skip(protect)
+        while capacity - self.used[j] < size:
+            victim = policy.victim(skip)
+            if victim is None:
+                return False
+            skip.tried.add(victim)
+            self._evict(j, victim)
+        self.used[j] += size
+        policy.on_insert(key, size, self.hints.get(key))
+        self.counters.bytes_written[cause][j] += size
+        return True
+
+    def _evict(self, j: int, key: int) -> bool:
+        target = self.place(key, "demotion", start=j + 1)
+        elsewhere = any(i != j for i in self.holders(key))
+        last_tier = j == len(self.tiers) - 1
+        if target is None and key >= 0 and not elsewhere and not last_tier:
+            return False  # the last copy of a referenced chunk stays
+        self.delete(j, key, evicted=True)
+        if target is None and key < 0:
+            self.counters.windows_dropped += 1
+        elif target is None and not elsewhere:
+            self.counters.chunks_dropped += 1
+        return True
+
+    def delete(self, j: int, key: int, evicted: bool = False) -> None:
+        if key in self.policies[j]:
+            self.used[j] -= self.size(key)
+            self.policies[j].on_remove(key)
+            if evicted:
+                self.counters.evictions[j] += 1
+
+    def delete_everywhere(self, key: int) -> None:
+        for j in range(len(self.tiers)):
+            self.delete(j, key)
+        self.hints.pop(key, None)
+
+    # -- reads (TierStack.read, then the restore's promotion) --
+
+    def read(self, key: int, protect: Collection[int]) -> int | None:
+        """The tier that served ``key`` (promoting it when below the top), or None."""
+        for j, policy in enumerate(self.policies):
+            if key in policy:
+                policy.on_access(key, self.hints.get(key))
+                if j > 0:
+                    self.place(key, "promotion", start=0, stop=j, protect=protect)
+                return j
+        return None
+
+    # -- spill (the manager's _store_chunk / _store_window / _write_back) --
+
+    def touch(self, key: int, hint: ResumeHint | None) -> list[int]:
+        if hint is not None:
+            self.hints[key] = hint
+        holders = self.holders(key)
+        for i in holders:
+            self.policies[i].on_access(key, hint)
+        return holders
+
+    def spill(self, blocks: Sequence[int], window_new: int | None, window_old: int | None,
+              hint: ResumeHint | None) -> None:
+        queued = []
+        protect = frozenset(blocks)
+        for key in blocks:
+            holders = self.touch(key, hint)
+            if not holders:
+                placed = self.place(key, "spill", protect=protect)
+                holders = [] if placed is None else [placed]
+            if self._durable and not any(self.tiers[i].durable for i in holders):
+                queued.append(key)
+        if window_new is not None:
+            self.touch(window_new, hint)
+            self.place(window_new, "spill")
+        if window_old is not None:
+            self.delete_everywhere(window_old)
+        for key in queued:
+            holders = self.holders(key)
+            if not holders or any(self.tiers[i].durable for i in holders):
+                continue
+            for j in self._durable:
+                if self.place(key, "writeback", start=j, stop=j + 1) is not None:
+                    break
+
+
+def replay(workload: Workload, sim: TierSim, hints: Sequence[ResumeHint | None],
+           set_time: Callable[[float], None], advance: Callable[[int], None] | None = None
+           ) -> SimCounters:
+    """Run every step through ``sim``; ``set_time`` moves the policies' virtual clock and
+    ``advance`` (Belady's table) is told each read position."""
+    counters = sim.counters
+    seen: set[int] = set()
+    position = 0
+    for step, hint in zip(workload.steps, hints, strict=True):
+        set_time(step.time_s)
+        reprefilled = 0
+        session = set(step.blocks)  # the request's own blocks: never its own victims
+        if step.window_prev is not None:
+            session.add(step.window_prev)
+        for key in step.blocks:
+            if advance is not None:
+                advance(position)
+            position += 1
+            counters.block_reads += 1
+            tier = sim.read(key, session)
+            if tier is not None:
+                counters.block_hits[tier] += 1
+            elif key in seen:
+                reprefilled += 1
+            else:
+                counters.new_blocks += 1
+                seen.add(key)
+        counters.reprefill_blocks += reprefilled
+        counters.reprefill_requests += reprefilled > 0
+        if step.window_prev is not None:
+            if advance is not None:
+                advance(position)
+            position += 1
+            counters.resumes += 1
+            tier = sim.read(step.window_prev, session)
+            if tier is None:
+                counters.replays += 1
+            else:
+                counters.window_hits[tier] += 1
+        sim.spill(step.blocks, step.window_new, step.window_prev, hint)
+    return counters
+

@@ -1,0 +1,150 @@
+"""Turning a request trace into the block reads and writes a tier simulation replays.
+
+Conversations are recovered from the hash chain alone. Because a block id stands for its
+whole prefix, request P's complete blocks are a prefix of request R exactly when R holds
+P's last complete block id at the same position. R *resumes* the conversation of the
+earlier request P with the longest such prefix (the latest one on a tie); otherwise R
+starts a new conversation (it may still share blocks, e.g. a system prompt, with
+others). A conversation is one kvtier session: each request spills its blocks and its
+window blob, replacing the window of the conversation's previous request.
+
+Window blobs get negative keys (request r's window is ``-(r + 1)``), chunk keys are the
+trace's block ids (>= 0), so one integer space names every block a tier can hold.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from bench.trace_reader import TraceRequest
+from kvstore.policy import ResumeHint
+
+NEVER = 1 << 62  # "no further read" in next-use tables
+# A conversation's last request in the trace: the oracle hint says it does not come back.
+FINISHED_PAUSE_S = 1e9
+
+
+@dataclass(frozen=True)
+class Step:
+    """One request, as the simulation replays it."""
+
+    time_s: float
+    blocks: tuple[int, ...]  # chunk reads, in prompt order
+    conversation: int
+    window_prev: int | None  # the conversation's window to read, then replace (None: new)
+    window_new: int | None  # this request's window key (None: the layout has no window)
+    next_gap_s: float | None  # true time to the conversation's next request (None: none)
+
+
+@dataclass(frozen=True)
+class Workload:
+    steps: list[Step]
+    reads: np.ndarray  # (n,) int64: every read (chunks, then the window) in replay order
+    next_read: np.ndarray  # (n,) int64: position of the next read of the same key, or NEVER
+    unique_blocks: int
+    block_reads: int
+    first_reads: int  # block reads of a block never read before (compulsory misses)
+    conversations: int
+    resumes: int
+    span_s: float
+
+    def first_positions(self) -> dict[int, int]:
+        """Key -> position of its first read (what a window is next used at when written)."""
+        first: dict[int, int] = {}
+        for position, key in enumerate(self.reads.tolist()):
+            first.setdefault(key, position)
+        return first
+
+
+def build_workload(requests: Sequence[TraceRequest], *, windows: bool) -> Workload:
+    """Conversations, window keys and the read sequence of a trace (see module doc)."""
+    last_full: dict[int, int] = {}  # block id -> latest request whose complete prefix ends there
+    conversation: list[int] = []
+    current_window: dict[int, int] = {}  # conversation -> key of its latest window
+    steps_raw = []
+    for r, request in enumerate(requests):
+        ids = request.hash_ids
+        parent = next((last_full[ids[k]] for k in range(len(ids) - 1, -1, -1)
+                       if ids[k] in last_full), None)
+        conv = r if parent is None else conversation[parent]
+        conversation.append(conv)
+        window_prev = current_window.get(conv) if windows else None
+        window_new = -(r + 1) if windows else None
+        if windows:
+            current_window[conv] = window_new
+        if request.full_blocks:
+            last_full[ids[request.full_blocks - 1]] = r
+        steps_raw.append((request.timestamp_ms / 1000.0, ids, conv, window_prev, window_new))
+
+    next_time: dict[int, float] = {}
+    gaps: list[float | None] = [None] * len(steps_raw)
+    for r in range(len(steps_raw) - 1, -1, -1):
+        time_s, _, conv, _, _ = steps_raw[r]
+        if conv in next_time:
+            gaps[r] = next_time[conv] - time_s
+        next_time[conv] = time_s
+    steps = [Step(t, ids, c, wp, wn, gap)
+             for (t, ids, c, wp, wn), gap in zip(steps_raw, gaps, strict=True)]
+
+    reads: list[int] = []
+    for step in steps:
+        reads.extend(step.blocks)
+        if step.window_prev is not None:
+            reads.append(step.window_prev)
+    reads_arr = np.asarray(reads, dtype=np.int64)
+    next_read = np.full(len(reads), NEVER, dtype=np.int64)
+    seen: dict[int, int] = {}
+    for position in range(len(reads) - 1, -1, -1):
+        key = reads[position]
+        next_read[position] = seen.get(key, NEVER)
+        seen[key] = position
+    unique = {b for step in steps for b in step.blocks}
+    return Workload(
+        steps=steps,
+        reads=reads_arr,
+        next_read=next_read,
+        unique_blocks=len(unique),
+        block_reads=sum(len(step.blocks) for step in steps),
+        first_reads=len(unique),
+        conversations=len(set(conversation)),
+        resumes=sum(1 for r, c in enumerate(conversation) if c != r),
+        span_s=steps[-1].time_s - steps[0].time_s if steps else 0.0,
+    )
+
+
+def oracle_hints(workload: Workload, sigma: float, seed: int) -> list[ResumeHint]:
+    """Hint of request r: the true gap to its conversation's next request x exp(sigma * z_r),
+    z_r ~ N(0, 1) drawn once per request (seeded). It reads the trace's future: it stands for
+    a framework that predicts its own pause with lognormal error. A conversation's last
+    request gets FINISHED_PAUSE_S (the framework knows the task ended)."""
+    noise = np.exp(sigma * np.random.default_rng(seed).standard_normal(len(workload.steps)))
+    return [ResumeHint(expected_pause_s=FINISHED_PAUSE_S if step.next_gap_s is None
+                       else step.next_gap_s * float(factor))
+            for step, factor in zip(workload.steps, noise, strict=True)]
+
+
+def causal_hints(workload: Workload) -> list[ResumeHint | None]:
+    """Hint of request r from the past only: the conversation's own last gap, else the
+    median gap between turns seen so far in the trace, else no hint."""
+    last_time: dict[int, float] = {}
+    last_gap: dict[int, float] = {}
+    seen_gaps: list[float] = []
+    hints: list[ResumeHint | None] = []
+    for step in workload.steps:
+        conv = step.conversation
+        if conv in last_time:
+            gap = step.time_s - last_time[conv]
+            last_gap[conv] = gap
+            seen_gaps.append(gap)
+        last_time[conv] = step.time_s
+        if conv in last_gap:
+            hints.append(ResumeHint(expected_pause_s=last_gap[conv]))
+        elif seen_gaps:
+            hints.append(ResumeHint(expected_pause_s=statistics.median(seen_gaps[-512:])))
+        else:
+            hints.append(None)
+    return hints
