@@ -34,7 +34,10 @@ def check_accounting(tier: DiskTier, model: dict[str, bytes]) -> None:
 async def test_put_get_overwrite_delete(tmp_path):
     tier = DiskTier(tmp_path, 1 << 20, segment_bytes=4096)
     await tier.put("a", b"first")
-    assert bytes(await tier.get("a")) == b"first"
+    held = await tier.get("a")
+    assert bytes(held) == b"first"
+    with pytest.raises(TypeError):
+        held[0] = 0  # values are read-only views
     await tier.put("a", b"second value")
     assert bytes(await tier.get("a")) == b"second value"
     assert tier.used_bytes == len(b"second value")

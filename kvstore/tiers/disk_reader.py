@@ -1,10 +1,13 @@
 """Reading records from segment files: cached descriptors, pins, deferred removal.
 
-Reads use ``os.preadv`` on a cached read-only descriptor, not aiofiles: a 1 MiB record
-already in the page cache is copied inline (``RWF_NOWAIT`` makes the kernel refuse
-instead of blocking when it is not), and only a read that would wait on the device goes
-to a worker thread. That keeps page-cache hits at memory speed without blocking the
-event loop on a cold read.
+Reads do not go through aiofiles. A record whose bytes are in the page cache (two
+``RWF_NOWAIT`` one-byte probes, at its first and last byte, say so without blocking) is
+returned as a zero-copy read-only view of the segment's mmap, so a get costs little
+more than its checksum; a record that would wait on the device is read with
+``os.preadv`` in a worker thread, one large read instead of page faults, and never
+blocks the event loop. The probes also prove the file still holds the whole range
+before the mapping is touched; like LMDB's own reads, a mapping is only unsafe if
+someone truncates a segment file behind the store's back at that very moment.
 
 Pins: a reader pins the segment it reads; ``retire`` removes a segment file at once when
 it is unpinned, otherwise when the last pin goes. Another process (the offline
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import mmap
 import os
 from collections import Counter, OrderedDict
 from pathlib import Path
@@ -54,7 +58,9 @@ class SegmentFiles:
         self._fds: OrderedDict[int, int] = OrderedDict()  # LRU of read descriptors
         self._pins: Counter[int] = Counter()
         self._retiring: set[int] = set()
+        self._maps: dict[int, mmap.mmap] = {}
         self._nowait = _NOWAIT
+        self._probe = bytearray(1)
 
     def pin(self, seg_id: int) -> None:
         self._pins[seg_id] += 1
@@ -84,6 +90,8 @@ class SegmentFiles:
         segment_path(self.directory, seg_id).unlink(missing_ok=True)
 
     def _close(self, seg_id: int) -> None:
+        # a mapping is dropped, never closed: views handed out keep it alive
+        self._maps.pop(seg_id, None)
         fd = self._fds.pop(seg_id, None)
         if fd is not None:
             os.close(fd)
@@ -111,27 +119,42 @@ class SegmentFiles:
         return fd
 
     async def read(self, seg_id: int, offset: int, size: int) -> memoryview:
-        """``size`` bytes at ``offset``; the caller holds a pin on ``seg_id``."""
+        """A read-only view of ``size`` bytes at ``offset``; the caller holds a pin."""
         fd = self.descriptor(seg_id)
+        view = self._mapped(seg_id, fd, offset, offset + size)
+        if view is not None:
+            return view
         # np.empty, not bytearray: zero-filling 1 MiB first costs as much as the read
         buffer = memoryview(np.empty(size, dtype=np.uint8))
-        done = 0
-        if self._nowait:
-            try:
-                done = os.preadv(fd, [buffer], offset, self._nowait)
-            except BlockingIOError:
-                done = 0
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                log.info("RWF_NOWAIT unsupported in %s; reading in threads", self.directory)
-                self._nowait = 0
-        if done < size:
-            done += await asyncio.to_thread(_pread_into, fd, buffer[done:], offset + done)
+        done = await asyncio.to_thread(_pread_into, fd, buffer, offset)
         if done < size:
             raise ChunkTruncated(f"segment {seg_id}: {size} bytes at offset {offset} "
                                  f"requested, the file ends after {done}")
-        return buffer
+        return buffer.toreadonly()
+
+    def _mapped(self, seg_id: int, fd: int, offset: int, end: int) -> memoryview | None:
+        """A zero-copy view from the segment's mapping when the range looks cached: its
+        first and last bytes are (RWF_NOWAIT probes), which also proves the file still
+        reaches ``end``. None sends the read to a worker thread instead."""
+        if not self._nowait:
+            return None
+        try:
+            if (os.preadv(fd, [self._probe], offset, self._nowait) != 1
+                    or os.preadv(fd, [self._probe], end - 1, self._nowait) != 1):
+                return None
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            log.info("RWF_NOWAIT unsupported in %s; reading in threads", self.directory)
+            self._nowait = 0
+            return None
+        mapped = self._maps.get(seg_id)
+        if mapped is None or len(mapped) < end:
+            mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)  # the whole file as it is now
+            self._maps[seg_id] = mapped
+        return memoryview(mapped)[offset:end] if len(mapped) >= end else None
 
     def close(self) -> None:
         for seg_id in list(self._fds):
