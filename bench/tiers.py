@@ -261,12 +261,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-mib", type=float, default=1.0)
     parser.add_argument("--count", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch intra-op threads for the raw copies: a 1 MiB copy gains "
+                        "little from more, and OpenMP spinning on a busy machine makes them "
+                        "erratic")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.torch_threads)
     size = int(args.size_mib * (1 << 20))
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
         rows = asyncio.run(run(size, args.count, args.repeats, Path(tmp)))
     if args.json:
-        print(json.dumps({"value_bytes": size, "tiers": rows}, indent=2))
+        print(json.dumps({"value_bytes": size, "load_average_1m": os.getloadavg()[0],
+                          "tiers": {r.pop("tier"): r for r in rows}}, indent=2))
         return 0
     print(f"{'tier':<13} {'n':>4} {'put':>8} {'raw put':>8} {'get':>8} {'raw get':>8} "
           f"{'get/raw':>8}")
