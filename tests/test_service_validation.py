@@ -1,0 +1,138 @@
+"""A bad input for every RPC: a specific status and message, nothing stored, the server
+still serving, and never a wrong tensor (a corrupt chunk on disk gives DATA_LOSS)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvstore.keys import chain_keys
+from proto import kvtier_pb2 as pb
+from proto import kvtier_pb2_grpc as pb_grpc
+from services.client_codec import as_tokens, encode_session
+from tests.service_support import LAYOUT, running_server, streams_for, tokens_for
+
+TOKENS = LAYOUT.chunk_tokens + 40
+REF = pb.SessionRef(tenant="acme", session_id="s1")
+
+
+def _session():
+    tokens = as_tokens(tokens_for(TOKENS))
+    return tokens, encode_session(LAYOUT, tokens, streams_for(LAYOUT, TOKENS))
+
+
+def _header(tokens, **changes) -> pb.SpillHeader:
+    fields = dict(session=REF, layout_id=LAYOUT.name, generation=1,
+                  token_ids=tokens.tobytes(),
+                  chunk_keys=chain_keys(LAYOUT.layout_id, tokens, LAYOUT.chunk_tokens))
+    fields.update(changes)
+    return pb.SpillHeader(**fields)
+
+
+def _messages(header, enc, chunk0=None):
+    yield pb.SpillRequest(header=header)
+    yield pb.SpillRequest(chunk=pb.Payload(key=enc.keys[0], data=chunk0 or enc.chunks[0]))
+    yield pb.SpillRequest(tail=pb.Payload(data=enc.tail))
+
+
+async def _status(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        result = call()
+        if hasattr(result, "__aiter__"):
+            async for _ in result:
+                pass
+        else:
+            await result
+    return info.value.code(), info.value.details()
+
+
+async def test_spill_refuses_bad_streams(tmp_path):
+    tokens, enc = _session()
+    flipped = bytearray(enc.chunks[0])
+    flipped[-10] ^= 0xFF
+    bad = {
+        "tenant": (_messages(_header(tokens, session=pb.SessionRef(tenant="ACME",
+                                                                     session_id="s1")), enc),
+                   "tenant"),
+        "layout": (_messages(_header(tokens, layout_id="no-such-layout"), enc),
+                   "unknown layout"),
+        "token bytes": (_messages(_header(tokens, token_ids=tokens.tobytes()[:-1]), enc),
+                        "multiple of 4"),
+        "keys": (_messages(_header(tokens, chunk_keys=["0" * 32]), enc), "chain to"),
+        "order": (iter([pb.SpillRequest(tail=pb.Payload(data=enc.tail))]), "first message"),
+        "checksum": (_messages(_header(tokens), enc, bytes(flipped)), "do not verify"),
+        "range": (iter([pb.SpillRequest(header=_header(tokens)),
+                        pb.SpillRequest(chunk=pb.Payload(key=enc.keys[0], data=enc.tail))]),
+                  "covers tokens"),
+        "twice": (iter([pb.SpillRequest(header=_header(tokens)),
+                        pb.SpillRequest(tail=pb.Payload(data=enc.tail)),
+                        pb.SpillRequest(tail=pb.Payload(data=enc.tail))]), "twice"),
+    }
+    async with running_server(tmp_path) as (_, target), \
+            grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.KVTierStub(channel)
+        for name, (messages, needle) in bad.items():
+            code, details = await _status(lambda m=messages: stub.Spill(m))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (name, details)
+            assert needle in details, (name, details)
+        # Nothing was stored by any of them; a good spill still works, an old one is stale.
+        assert not (await stub.List(pb.ListRequest())).sessions
+        await stub.Spill(_messages(_header(tokens), enc))
+        code, details = await _status(lambda: stub.Spill(_messages(_header(tokens), enc)))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "generation" in details
+
+
+async def test_every_control_rpc_refuses_bad_input(tmp_path):
+    unknown = pb.SessionRef(tenant="acme", session_id="nobody")
+    bad_id = pb.SessionRef(tenant="acme", session_id="has space")
+    async with running_server(tmp_path) as (_, target), \
+            grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.KVTierStub(channel)
+        cases = [
+            (lambda: stub.Restore(pb.RestoreRequest(session=unknown)), "NOT_FOUND"),
+            (lambda: stub.Restore(pb.RestoreRequest(session=bad_id)), "INVALID_ARGUMENT"),
+            (lambda: stub.Resume(pb.ResumeRequest(session=unknown)), "NOT_FOUND"),
+            (lambda: stub.Resume(pb.ResumeRequest()), "INVALID_ARGUMENT"),
+            (lambda: stub.Prefetch(pb.PrefetchRequest(session=REF, timeout_s=-1)),
+             "INVALID_ARGUMENT"),
+            (lambda: stub.Prefetch(pb.PrefetchRequest(session=unknown)), "NOT_FOUND"),
+            (lambda: stub.Evict(pb.EvictRequest(session=REF, target_tier="tape")),
+             "INVALID_ARGUMENT"),
+            (lambda: stub.Evict(pb.EvictRequest(session=unknown)), "NOT_FOUND"),
+            (lambda: stub.Delete(pb.DeleteRequest(session=unknown)), "NOT_FOUND"),
+            (lambda: stub.Delete(pb.DeleteRequest(session=bad_id)), "INVALID_ARGUMENT"),
+            (lambda: stub.Stat(pb.StatRequest(session=unknown)), "NOT_FOUND"),
+            (lambda: stub.List(pb.ListRequest(tenant="A/B")), "INVALID_ARGUMENT"),
+            (lambda: stub.List(pb.ListRequest(page_size=10_000)), "INVALID_ARGUMENT"),
+        ]
+        for call, want in cases:
+            code, details = await _status(call)
+            assert code.name == want, details
+        health = await stub.Stat(pb.StatRequest())
+        assert health.sessions == 0
+
+
+async def test_corrupt_chunk_on_disk_is_data_loss_not_a_tensor(tmp_path):
+    tokens, enc = _session()
+    async with running_server(tmp_path, object_bytes=0) as (server, target), \
+            grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.KVTierStub(channel)
+        await stub.Spill(_messages(_header(tokens), enc))
+        await stub.Evict(pb.EvictRequest(session=REF, target_tier="disk"))
+        await server.manager.drain()
+        hits = 0
+        for segment in (tmp_path / "disk" / "segments").iterdir():
+            raw = bytearray(segment.read_bytes())
+            at = raw.find(enc.chunks[0])
+            if at >= 0:
+                raw[at + len(enc.chunks[0]) - 5] ^= 0xFF
+                segment.write_bytes(bytes(raw))
+                hits += 1
+        assert hits == 1
+        code, details = await _status(lambda: stub.Restore(pb.RestoreRequest(session=REF)))
+        assert code == grpc.StatusCode.DATA_LOSS and "checksum" in details
+        # The server is still serving, and still refuses rather than guessing.
+        code, _ = await _status(lambda: stub.Restore(pb.RestoreRequest(session=REF,
+                                                                       layer_by_layer=True)))
+        assert code == grpc.StatusCode.DATA_LOSS
+        assert (await stub.Stat(pb.StatRequest(session=REF))).session.chunks == 1
