@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstore.errors import ChunkCorrupt, InvalidRequest
-from kvstore.tiers.disk_index import SegState
+from kvstore.tiers.disk_index import IndexEntry, SegState
 from kvstore.tiers.disk_log import SegmentAppender
 from kvstore.tiers.disk_recovery import drop_abandoned_builds
 from kvstore.tiers.segments import check_record, record_size, segment_path
@@ -50,16 +50,42 @@ class RewriteResult:
     corrupt_keys: list[str] = field(default_factory=list)
     retired: list[int] = field(default_factory=list)  # files removed
     deferred: list[int] = field(default_factory=list)  # forgotten, removed at last unpin
+    forgotten_bytes: int = 0  # file bytes of the sources the index no longer names
 
     @property
     def reclaimed_bytes(self) -> int:
-        """Segment bytes freed, counting only sources that were actually forgotten."""
-        return self._forgotten_bytes - self.written_bytes
+        return self.forgotten_bytes - self.written_bytes
 
-    _forgotten_bytes: int = 0
+
+class _Copier:
+    """Appends verified records in batches of about ``batch_bytes``: one aiofiles write
+    per batch instead of one per record keeps small records at sequential-write speed."""
+
+    def __init__(self, appender: SegmentAppender, batch_bytes: int) -> None:
+        self.appender = appender
+        self.batch_bytes = batch_bytes
+        self.batch: list[tuple[bytes, IndexEntry, memoryview]] = []
+        self.size = 0
+        self.moves: list[tuple[bytes, IndexEntry, IndexEntry]] = []
+
+    async def add(self, key: bytes, entry: IndexEntry, record: memoryview) -> None:
+        self.batch.append((key, entry, record))
+        self.size += record.nbytes
+        if self.size >= self.batch_bytes:
+            await self.write()
+
+    async def write(self) -> None:
+        if not self.batch:
+            return
+        seg_id, offset = await self.appender.append([r for _, _, r in self.batch], self.size)
+        for key, entry, record in self.batch:
+            self.moves.append((key, entry, entry._replace(seg_id=seg_id, offset=offset)))
+            offset += record.nbytes
+        self.batch, self.size = [], 0
 
 
 async def rewrite_segments(tier: DiskTier, seg_ids: list[int]) -> RewriteResult:
+    seg_ids = list(dict.fromkeys(seg_ids))
     with tier.compact_lock.holding():
         await asyncio.to_thread(drop_abandoned_builds, tier.index, tier.segment_dir)
         infos = {}
@@ -70,11 +96,11 @@ async def rewrite_segments(tier: DiskTier, seg_ids: list[int]) -> RewriteResult:
                 raise InvalidRequest(f"segment {seg_id} is {state}: only SEALED segments "
                                      "are rewritten")
             infos[seg_id] = info
-        result = RewriteResult(list(seg_ids), sum(i.file_bytes for i in infos.values()))
+        result = RewriteResult(seg_ids, sum(i.file_bytes for i in infos.values()))
         live = await asyncio.to_thread(tier.index.live_entries, set(seg_ids))
         appender = SegmentAppender(tier.index, tier.segment_dir, tier.segment_bytes,
                                    SegState.BUILDING)
-        moves = []
+        copier = _Copier(appender, max(1, min(4 << 20, tier.segment_bytes // 4)))
         try:
             for seg_id in seg_ids:
                 tier.files.pin(seg_id)
@@ -88,13 +114,12 @@ async def rewrite_segments(tier: DiskTier, seg_ids: list[int]) -> RewriteResult:
                         except ChunkCorrupt:
                             result.corrupt_keys.append(kb.decode(errors="replace"))
                             continue
-                        new_seg, offset = await appender.append([record], size)
-                        moves.append((kb, entry, entry._replace(seg_id=new_seg,
-                                                                offset=offset)))
+                        await copier.add(kb, entry, record)
+                    await copier.write()  # no batch outlives its source's pin
                 finally:
                     tier.files.unpin(seg_id)
             built = await appender.finish()
-            outcome = await asyncio.to_thread(tier.index.switch, moves, built, seg_ids)
+            outcome = await asyncio.to_thread(tier.index.switch, copier.moves, built, seg_ids)
         except BaseException:
             await appender.close()
             await asyncio.to_thread(_discard, tier, appender)
@@ -102,7 +127,7 @@ async def rewrite_segments(tier: DiskTier, seg_ids: list[int]) -> RewriteResult:
     result.new_segments = sorted(built)
     result.written_bytes = sum(built.values())
     result.moved, result.skipped = outcome.moved, outcome.skipped
-    result._forgotten_bytes = sum(infos[s].file_bytes for s in outcome.emptied)
+    result.forgotten_bytes = sum(infos[s].file_bytes for s in outcome.emptied)
     for seg_id in outcome.emptied:
         (result.retired if tier.files.retire(seg_id) else result.deferred).append(seg_id)
     return result
