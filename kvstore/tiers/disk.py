@@ -116,8 +116,6 @@ class DiskTier(Tier):
         """A MetaStore over the ``meta`` database of this tier's LMDB environment."""
         return DiskMetaStore(self)
 
-    # accounting
-
     @property
     def used_bytes(self) -> int:
         """Sum of live value lengths: committed (any process) plus this one's pending."""
@@ -225,6 +223,7 @@ class DiskTier(Tier):
     async def get(self, key: str) -> Buffer:
         """The value as a read-only view, after verifying its record checksum."""
         kb = key_bytes(key)
+        self._check_open()
         for _ in range(3):
             entry = self._current(kb)
             if entry is None:
@@ -263,6 +262,7 @@ class DiskTier(Tier):
         return old
 
     async def contains(self, key: str) -> bool:
+        self._check_open()
         entry = self._current(key_bytes(key))
         return entry is not None and not _expired(entry)
 
