@@ -45,15 +45,15 @@ LOOPBACK = ("localhost", "127.", "[::1]", "unix:", "ipv4:127.", "ipv6:[::1]")
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    attempts: int = 5
-    initial_backoff_s: float = 0.05
+    attempts: int = 6
+    initial_backoff_s: float = 0.1
     max_backoff_s: float = 2.0
     multiplier: float = 2.0
 
     def delays(self) -> Iterator[float]:
         delay = self.initial_backoff_s
         for _ in range(self.attempts - 1):
-            yield random.uniform(0, delay)  # full jitter
+            yield delay / 2 + random.uniform(0, delay / 2)  # "equal jitter"
             delay = min(delay * self.multiplier, self.max_backoff_s)
 
 
@@ -100,7 +100,10 @@ class AsyncClient:
         self.timeout_s = timeout_s
         self._channel = grpc.aio.insecure_channel(target, options=[
             ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)])
+            ("grpc.max_receive_message_length", max_message_bytes),
+            # Reconnect about as fast as calls are retried (gRPC's default waits 1 s+).
+            ("grpc.initial_reconnect_backoff_ms", int(retry.initial_backoff_s * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(retry.max_backoff_s * 1000))])
         self._stub = pb_grpc.KVTierStub(self._channel)
         self._held: dict[tuple[str, str], set[str]] = {}  # keys the server acknowledged
 
