@@ -37,6 +37,8 @@ async def test_round_trip_overwrite_delete(make_tier):
     await tier.put("a/b:c", b"3" * 100)
     assert tier.used_bytes == 300 == await tier.held_bytes()
     assert sorted([k async for k in tier.keys()]) == ["a/b:c", "x"]  # noqa: SIM118
+    stats = await tier.stats()
+    assert (stats.items, stats.used_bytes, stats.available) == (2, 300, True)
     assert await tier.contains("x") and not await tier.contains("nope")
     assert await tier.delete("x") == 200
     assert await tier.delete("x") == 0
@@ -106,6 +108,7 @@ async def test_local_writes_leave_no_temp_files_and_clear_crash_debris(tmp_path)
     assert list((root / ".tmp").iterdir()) == []
     (root / ".tmp" / "half-written").write_bytes(b"torn")  # as a crash mid-write leaves
     reopened = ObjectTier(root, 1000)
+    assert reopened.used_bytes == 10  # a local tier loads its accounting when built
     assert list((root / ".tmp").iterdir()) == []
     assert await reopened.get("k") == b"v" * 10
     assert reopened.used_bytes == 10

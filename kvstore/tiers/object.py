@@ -1,22 +1,22 @@
 """The object tier: an S3-compatible bucket through boto3, or a local directory.
 
-``ObjectTier("s3://bucket/prefix", cap, config)`` or ``ObjectTier("/some/dir", cap)``
-(``file:///some/dir`` works too). Every value is one object: S3 makes a PUT visible whole;
-the local store writes a temp file, fsyncs it, renames it into place and fsyncs the
-directory, so a crash leaves the old value or the new one and never a torn file.
+``ObjectTier("s3://bucket/prefix", cap, config)`` or ``ObjectTier("/dir" or "file:///dir",
+cap)``. One object per value: S3 shows a PUT whole; the local store writes a temp file,
+fsyncs, renames it into place and fsyncs the directory: never a torn file after a crash.
 
 Stored names are ``key + ".bin"`` or, with ``compression_level`` set, ``key + ".zst"``
 (a zstd frame): each object says how to read it, so a tier whose compression setting
 changed still reads what it wrote before. Accounting counts stored bytes (after
-compression: what the medium holds) and is loaded from a listing of the medium on first
-use or by ``resync()``. ``ttl_s`` is accepted and not enforced here: expiring durable data
-is the compaction job's work, which knows session lifetimes. Blocking I/O runs in worker
-threads so the event loop never waits on the network or the disk.
+compression: what the medium holds), loaded from a listing of the medium when the tier
+is built (local directory) or first used (S3), and again by ``resync()``. ``ttl_s`` is
+accepted and not enforced here: expiring durable data is the compaction job's work, which
+knows session lifetimes. Blocking I/O runs in worker threads, except small local reads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import io
@@ -33,7 +33,7 @@ import zstandard
 from botocore.exceptions import BotoCoreError, ClientError
 
 from kvstore.errors import ChunkCorrupt, ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
-from kvstore.tiers.base import Buffer, Tier
+from kvstore.tiers.base import Buffer, Tier, TierStats
 from kvstore.tiers.host import Availability, as_byte_view, check_key
 
 log = logging.getLogger(__name__)
@@ -50,9 +50,8 @@ class ObjectTierConfig:
     region_name: str | None = None
     aws_access_key_id: str | None = None
     aws_secret_access_key: str | None = None
-    # At or above: boto3's transfer manager (parallel parts and ranges). Against moto plain
-    # PUT/GET measured faster at 1, 8 and 32 MiB; real S3 caps one connection's rate, so
-    # parallel parts pay off for large values there.
+    # At or above: boto3's transfer manager (parallel parts). Plain PUT/GET measured faster
+    # on moto up to 32 MiB; real S3 caps a connection's rate, so parts pay off for big values.
     transfer_threshold_bytes: int = 64 << 20
     transfer_chunk_bytes: int = 8 << 20
     transfer_concurrency: int = 4
@@ -62,15 +61,14 @@ class ObjectTierConfig:
     max_pool_connections: int = 16
     # Local directory only:
     fsync: bool = True
-    # Reads of files up to this size run on the event loop: from the page cache a 1 MiB
-    # read costs less than handing it to a worker thread (bench.tiers measures both).
-    # Set 0 on slow or network file systems.
+    # Reads up to this size run on the event loop: from the page cache a 1 MiB read costs
+    # less than a hand-off to a worker thread (bench.tiers). 0 for slow or network disks.
     inline_read_bytes: int = 4 << 20
 
 
+# The slowest tier: compressing trades CPU for fewer bytes moved and kept.
 OBJECT_PRESETS = {
     "default": ObjectTierConfig(),
-    # Object storage is the slowest tier: compressing trades CPU for bytes moved and kept.
     "compressed": ObjectTierConfig(compression_level=3),
     "network-fs": ObjectTierConfig(inline_read_bytes=0),  # never block the loop on a read
 }
@@ -83,10 +81,9 @@ class _Missing(Exception):
 class _LocalDirStore:
     """Objects as files under ``root/<2 hex>/``, written by temp file + fsync + rename."""
 
-    def __init__(self, root: Path, fsync: bool) -> None:
-        self.root = root
-        self.fsync = fsync
-        self.tmp = root / ".tmp"
+    def __init__(self, root: Path, config: ObjectTierConfig) -> None:
+        self.root, self.fsync, self.tmp = root, config.fsync, root / ".tmp"
+        self.inline_read_bytes = config.inline_read_bytes
         self.tmp.mkdir(parents=True, exist_ok=True)
         for debris in self.tmp.iterdir():  # temp files of writes a crash interrupted
             debris.unlink()
@@ -146,12 +143,15 @@ class _LocalDirStore:
             if directory.name == self.tmp.name or not directory.is_dir():
                 continue
             for entry in os.scandir(directory):
-                yield unquote(entry.name), entry.stat().st_size
+                if entry.name.endswith((RAW, ZSTD)):
+                    yield unquote(entry.name), entry.stat().st_size
 
 
 class _S3Store:
     """Objects under ``prefix`` in one bucket; plain PUT/GET for values below the
     transfer threshold (fewer round trips), boto3's transfer manager above it."""
+
+    inline_read_bytes = -1  # network I/O never runs on the event loop
 
     def __init__(self, bucket: str, prefix: str, config: ObjectTierConfig) -> None:
         import boto3
@@ -194,7 +194,7 @@ class _S3Store:
                                          Config=self.transfer)
             return sink.getvalue()
         except ClientError as exc:
-            if _s3_code(exc) in ("NoSuchKey", "404", "NotFound"):
+            if _is_missing(exc):
                 raise _Missing(name) from exc
             raise
 
@@ -202,7 +202,7 @@ class _S3Store:
         try:
             self.client.head_object(Bucket=self.bucket, Key=self.prefix + name)
         except ClientError as exc:
-            if _s3_code(exc) in ("NoSuchKey", "404", "NotFound"):
+            if _is_missing(exc):
                 return False
             raise
         return True
@@ -214,11 +214,12 @@ class _S3Store:
         paginator = self.client.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix):
             for item in page.get("Contents", []):
-                yield item["Key"][len(self.prefix):], item["Size"]
+                if item["Key"].endswith((RAW, ZSTD)):
+                    yield item["Key"][len(self.prefix):], item["Size"]
 
 
-def _s3_code(exc: Exception) -> str:
-    return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+def _is_missing(exc: ClientError) -> bool:
+    return exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound")
 
 
 class ObjectTier(Tier):
@@ -240,17 +241,18 @@ class ObjectTier(Tier):
             self._store: _S3Store | _LocalDirStore = _S3Store(parts.netloc, prefix, config)
         elif parts.scheme in ("", "file"):
             path = Path(parts.path if parts.scheme == "file" else self.url)
-            self._store = _LocalDirStore(path, config.fsync)
+            self._store = _LocalDirStore(path, config)
         else:
             raise InvalidRequest(f"object tier URL must be s3://bucket/prefix or a path: "
                                  f"{self.url!r}")
         self._suffix = RAW if config.compression_level is None else ZSTD
         self._sizes: dict[str, int] = {}  # stored name -> stored bytes
-        self._used = 0
-        self._reserved = 0
+        self._used = self._reserved = 0  # _reserved: bytes of puts in flight
         self._loaded = False
         self._load_lock = asyncio.Lock()
         self.health = Availability(log, f"object tier at {self.url}")
+        if isinstance(self._store, _LocalDirStore):  # a local listing is quick: load now
+            self._load(list(self._store.list()))
 
     @property
     def used_bytes(self) -> int:
@@ -262,20 +264,16 @@ class ObjectTier(Tier):
         failures to our errors."""
         try:
             result = function(*args) if inline else await asyncio.to_thread(function, *args)
-        except _Missing:
-            raise
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise TierFull(f"object {what}: the directory's disk is full") from exc
-            raise self._unavailable(what, exc) from exc
+            self.health.failed(what, exc)
+            raise TierUnavailable(f"object {what} failed: {exc!r}") from exc
         except (BotoCoreError, ClientError) as exc:
-            raise self._unavailable(what, exc) from exc
+            self.health.failed(what, exc)
+            raise TierUnavailable(f"object {what} failed: {exc!r}") from exc
         self.health.succeeded()
         return result
-
-    def _unavailable(self, what: str, exc: Exception) -> TierUnavailable:
-        self.health.failed(what, exc)
-        return TierUnavailable(f"object {what} failed: {exc!r}")
 
     async def _ensure_loaded(self) -> None:
         if not self._loaded:
@@ -283,13 +281,24 @@ class ObjectTier(Tier):
                 if not self._loaded:
                     await self.resync()
 
+    async def _listing(self) -> list[tuple[str, int]]:
+        return await self._io("LIST", lambda: list(self._store.list()))
+
     async def resync(self) -> int:
         """Rebuild the accounting from a listing of the medium; return ``used_bytes``."""
-        listing = await self._io("LIST", lambda: list(self._store.list()))
-        self._sizes = {name: size for name, size in listing if name.endswith((RAW, ZSTD))}
+        return self._load(await self._listing())
+
+    def _load(self, listing: list[tuple[str, int]]) -> int:
+        self._sizes, self._loaded = dict(listing), True
         self._used = sum(self._sizes.values())
-        self._loaded = True
         return self._used
+
+    async def stats(self) -> TierStats:
+        """Counts from the accounting (no listing), after loading it if needed."""
+        with contextlib.suppress(TierUnavailable):
+            await self._ensure_loaded()
+        items = len({name[:-len(RAW)] for name in self._sizes})
+        return TierStats(self.name, self.capacity_bytes, self._used, items, self.health.available)
 
     def _account(self, name: str, stored: int | None) -> None:
         self._used -= self._sizes.pop(name, 0)
@@ -311,17 +320,21 @@ class ObjectTier(Tier):
         except zstandard.ZstdError as exc:
             raise ChunkCorrupt(f"object {name!r} is not a valid zstd frame: {exc}") from exc
 
+    def _names(self, key: str) -> tuple[str, str]:
+        """(the name this tier writes, the name of the other encoding)."""
+        return key + self._suffix, key + (ZSTD if self._suffix == RAW else RAW)
+
     def _candidates(self, key: str) -> list[str]:
         """Stored names to try for ``key``, likeliest first. The other encoding is tried
         only when the listing showed it, so a miss costs one call."""
-        own, other = key + self._suffix, key + (ZSTD if self._suffix == RAW else RAW)
+        own, other = self._names(key)
         if other not in self._sizes:
             return [own]
         return [own, other] if own in self._sizes else [other, own]
 
     async def put(self, key: str, value: Buffer, *, ttl_s: float | None = None) -> None:
         check_key(key)
-        name, other = key + self._suffix, key + (ZSTD if self._suffix == RAW else RAW)
+        name, other = self._names(key)
         self._store.check_name(name)
         view = as_byte_view(value)
         await self._ensure_loaded()
@@ -346,8 +359,7 @@ class ObjectTier(Tier):
         await self._ensure_loaded()
         for name in self._candidates(key):
             size = self._sizes.get(name)
-            inline = isinstance(self._store, _LocalDirStore) and size is not None \
-                and size <= self.config.inline_read_bytes
+            inline = size is not None and size <= self._store.inline_read_bytes
             try:
                 data = await self._io("GET", self._store.get, name, size, inline=inline)
             except _Missing:
@@ -379,14 +391,9 @@ class ObjectTier(Tier):
 
     async def keys(self) -> AsyncIterator[str]:
         """Every key in the medium under this tier's root or prefix, whoever wrote it."""
-        listing = await self._io("LIST", lambda: list(self._store.list()))
-        seen = set()
-        for name, _size in listing:
-            if name.endswith((RAW, ZSTD)) and name[:-4] not in seen:
-                seen.add(name[:-4])
-                yield name[:-4]
+        for key in {name[:-len(RAW)] for name, _ in await self._listing()}:
+            yield key
 
     async def held_bytes(self) -> int:
         """Bytes the medium holds under this tier's root or prefix (a listing)."""
-        listing = await self._io("LIST", lambda: list(self._store.list()))
-        return sum(size for name, size in listing if name.endswith((RAW, ZSTD)))
+        return sum(size for _, size in await self._listing())
