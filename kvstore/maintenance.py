@@ -41,20 +41,18 @@ class MaintenanceMixin:
             raise InvalidRequest(f"no tier named {tier_name!r}") from None
         async with self._sessions.write((tenant, session_id)):
             manifest = await self._load_required(tenant, session_id)
-            blocks = list(manifest.chunk_keys)
+            await self._gather(self._demote_block(key, target) for key in manifest.chunk_keys)
             window = manifest.window_key
-            if window is not None and self.tiers[target].holds_window:
-                blocks.append(window)
-            await self._gather(self._demote_block(key, target) for key in blocks)
-            if window is not None and not self.tiers[target].holds_window:
+            if window is None:
+                return manifest
+            kept = self.tiers[target].holds_window and await self._demote_window(window, target)
+            if not kept:
                 await self._drop_block(window)
                 self.counters.windows_dropped += 1
-                manifest = manifest.evolve(window_tier=None, window_key=None)
-                await self._ledger.commit({manifest_key(tenant, session_id): manifest.encode()})
-            elif window is not None:
-                held = self._stack.holders(window)
-                manifest = manifest.evolve(window_tier=self.tiers[held[0]].name if held else None)
-                await self._ledger.commit({manifest_key(tenant, session_id): manifest.encode()})
+            held = self._stack.holders(window) if kept else []
+            manifest = manifest.evolve(window_tier=self.tiers[held[0]].name if held else None,
+                                       window_key=window if held else None)
+            await self._ledger.commit({manifest_key(tenant, session_id): manifest.encode()})
             return manifest
 
     async def _demote_block(self, key: str, target: int) -> None:
@@ -66,6 +64,14 @@ class MaintenanceMixin:
                     raise TierFull(f"no tier at or below {self.tiers[target].name} took {key}")
             for i in (i for i in holders if i < target):
                 await self._stack.delete(i, key, evicted=True)
+
+    async def _demote_window(self, key: str, target: int) -> bool:
+        """Move a window blob down to ``target``; False if it is gone or finds no room."""
+        try:
+            await self._demote_block(key, target)
+        except (DataLoss, TierFull):
+            return False
+        return True
 
     async def collect_garbage(self, now: float | None = None) -> GarbageReport:
         """Delete sessions idle past their ``ttl_s``, then unreferenced blocks in every tier.

@@ -241,12 +241,14 @@ class TierManager(SpillMixin, ReadingMixin, MaintenanceMixin):
             raise
 
     async def _free(self, keys: Sequence[str]) -> None:
-        for key in dict.fromkeys(keys):
+        async def free(key: str) -> None:
             async with self._locks.hold(key):
                 if self._ledger.count(key):
-                    continue  # referenced again (or pinned by a spill) meanwhile
+                    return  # referenced again (or pinned by a spill) meanwhile
                 await self._stack.delete_everywhere(key)
                 self.counters.freed_chunks += 1
+
+        await self._gather(free(key) for key in dict.fromkeys(keys))
 
     async def _drop_block(self, key: str) -> None:
         async with self._locks.hold(key):

@@ -198,11 +198,12 @@ class TierStack:
             self._mark_down(j, "eviction read", exc)
             return False
         intact = self._intact(data)
+        held_below = [i for i in self.holders(key) if i > j]
         target = await self.place(key, data, start=j + 1) if intact else None
         elsewhere = any(i != j for i in self.holders(key))
         if target is None and intact and not window and not elsewhere:
             return False  # the last copy of a referenced chunk stays
-        if target is not None:
+        if target is not None and target not in held_below:
             self.counters.demotions[self.tiers[target].name] += 1
         if not await self.delete(j, key, evicted=True):
             return False

@@ -190,7 +190,12 @@ class ReadingMixin:
             holders = self._stack.holders(key)
             if holders and holders[0] == 0:
                 return
-            data, source, bad = await self._stack.read(key, check)
+            try:
+                data, source, bad = await self._stack.read(key, check)
+            except DataLoss:
+                if is_window_key(key):
+                    return  # evicted since the manifest was read: a restore will replay
+                raise
             async with self._locks.hold(key):
                 target = await self._stack.promote(key, data, source, bad, protect)
             promoted += target is not None and target < source
