@@ -6,6 +6,8 @@ when CUDA is present, so promotion to HBM is a DMA without a staging copy) and
 
 Values are immutable once stored: ``get`` hands out a read-only view of the stored bytes
 (no copy) when they live in host memory, and ``put`` always copies the caller's buffer.
+A view keeps its tensor alive after a delete or overwrite until the reader drops it; that
+memory is outside the accounting, which counts what the tier holds.
 TTLs are honoured lazily: an expired value is dropped when it is next looked up or when
 room is needed, and until then it is still counted, because it is still held.
 """
