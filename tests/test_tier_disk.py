@@ -303,3 +303,56 @@ async def test_switch_is_compare_and_swap_and_compactions_exclude_each_other(tmp
     expected = sum(len(tier.live_entries(seg_id)) for seg_id in sealed)
     assert (await tier.rewrite_segments(sealed)).moved == expected == 7
     await tier.close()
+
+
+async def test_concurrent_writers_and_readers_match_a_model(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 26, segment_bytes=32 << 10, commit_interval_s=0.001)
+    models: list[dict[str, bytes]] = [{} for _ in range(8)]
+
+    async def worker(n: int) -> None:
+        rng, model = random.Random(n), models[n]
+        for _ in range(150):
+            key = f"w{n}-{rng.randrange(20)}"
+            if rng.random() < 0.6:
+                model[key] = rng.randbytes(rng.randint(1, 3000))
+                await tier.put(key, model[key], durable=rng.random() < 0.2)
+            elif rng.random() < 0.5:
+                assert await tier.delete(key) == len(model.pop(key, b""))
+            elif key in model:
+                assert bytes(await tier.get(key)) == model[key]
+
+    await asyncio.gather(*(worker(n) for n in range(8)))
+    merged = {k: v for model in models for k, v in model.items()}
+    await tier.flush()
+    check_accounting(tier, merged)
+    await tier.close()
+
+
+async def test_buffered_puts_commit_in_the_background(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20, durable=False, commit_interval_s=0.01)
+    await tier.put("k", b"v")
+    for _ in range(100):
+        if tier.index.lookup(b"k") is not None:
+            break
+        await asyncio.sleep(0.01)
+    assert tier.index.lookup(b"k") is not None and not tier.pipeline.overlay
+    await tier.close()
+
+
+async def test_a_failed_commit_loses_its_batch_and_nothing_else(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 24, durable=False, commit_interval_s=60, map_size=1 << 20)
+    await tier.put("kept", b"committed", durable=True)
+    await tier.put("lost", b"buffered in the failing batch")
+    with pytest.raises(TierFull, match="LMDB"):
+        await tier.commit_with_meta({"huge": bytes(2 << 20)})  # larger than the map
+    assert not await tier.contains("lost") and await tier.meta.get("huge") is None
+    with pytest.raises(TierFull):
+        await tier.flush()  # reports the buffered write it lost, once
+    await tier.flush()
+    await tier.put("after", b"still works", durable=True)
+    assert tier.used_bytes == len(b"committed") + len(b"still works")
+    await tier.close()
+    tier = DiskTier(tmp_path, 1 << 24, map_size=1 << 20)
+    assert sorted([k async for k in tier.keys()]) == ["after", "kept"]  # noqa: SIM118
+    assert tier.used_bytes == len(b"committed") + len(b"still works")
+    await tier.close()
