@@ -1,9 +1,14 @@
 """The tier manager: the store's library API, which the gRPC service wraps thinly.
 
-    manager = await TierManager.open([HostTier(...), DiskTier(...)], meta)
+    disk = DiskTier(path, capacity)
+    manager = await TierManager.open([HostTier(capacity), disk], disk.meta)
     await manager.spill(tenant, session_id, layout_id=..., generation=1, token_ids=...,
                         chunks=[(key, encoded), ...], tail=b"", window=blob, ack="memory")
-    result = await manager.restore(tenant, session_id)
+    result = await manager.restore(tenant, session_id)      # or stream: manager.reading()
+
+Public calls: ``spill`` (kvstore.spill); ``restore``, ``reading``, ``prefetch``
+(kvstore.restore); ``demote``, ``collect_garbage`` (kvstore.maintenance); ``delete``,
+``get_manifest``, ``list_sessions``, ``stat``, ``drain``, ``close`` (here).
 
 Rules it keeps (placement details in ``kvstore.placement``):
 
@@ -43,7 +48,7 @@ from kvstore.errors import (
 from kvstore.locks import KeyedLocks, RWLocks
 from kvstore.maintenance import MaintenanceMixin
 from kvstore.manifest import MANIFEST_PREFIX, SessionManifest, check_name, manifest_key
-from kvstore.placement import WINDOW_PREFIX, TierStack, is_window_key
+from kvstore.placement import WINDOW_PREFIX, TierStack
 from kvstore.policy import EvictionPolicy, LRUPolicy
 from kvstore.refcount import RefLedger
 from kvstore.restore import ReadingMixin
@@ -167,7 +172,8 @@ class TierManager(SpillMixin, ReadingMixin, MaintenanceMixin):
 
     async def list_sessions(self, tenant: str | None = None) -> list[SessionManifest]:
         """Manifests of every session (of one tenant), sorted by tenant and id."""
-        prefix = MANIFEST_PREFIX if tenant is None else f"{manifest_key(tenant, '')}"
+        prefix = MANIFEST_PREFIX if tenant is None else manifest_key(check_name("tenant", tenant),
+                                                                     "")
         out = []
         for key, value in await self.meta.scan(prefix):
             try:
@@ -266,7 +272,6 @@ class TierManager(SpillMixin, ReadingMixin, MaintenanceMixin):
 
     async def _forget_window(self, key: str) -> None:
         """A window was evicted below the window tiers: record that replay is needed."""
-        assert is_window_key(key)
         tenant, session_id, _ = key[len(WINDOW_PREFIX):].split("/")
         async with self._sessions.write((tenant, session_id)):
             manifest = await self._load(tenant, session_id)
