@@ -166,7 +166,8 @@ def tiny_cases() -> list[Case]:
         _window_case(2, 4, 2, 5, 37, 24, 8, 16),
         _sparse_case(2, 4, 5, 13, 48, 6, 16),
         _indexer_case(2, 5, 3, 48, 13, 16),
-        _topk_case(2, 5, 13, 4, 9),
+        _topk_case(1, 2, 13, 4, 0),
+        _topk_case(1, 2, 13, 4, 9),
     ]
 
 

@@ -25,6 +25,7 @@ _TRITON_MODULES = (
     "kernels.triton_quant",
     "kernels.triton_attention",
     "kernels.triton_indexer",
+    "kernels.triton_topk",
     "kernels.triton_ops",
 )
 

@@ -186,19 +186,32 @@ def indexer_topk(scores: torch.Tensor, k: int,
         ids = torch.arange(n, device=s.device).expand(b, t, n)
         vals = s
     else:
-        # order candidates by entry index so the stable score sort breaks ties by index
-        ids = torch.where(candidates >= 0, candidates.long(), torch.full_like(
-            candidates, n, dtype=torch.long))
-        ids, _ = torch.sort(ids, dim=-1, stable=True)
-        repeated = torch.zeros_like(ids, dtype=torch.bool)
-        repeated[..., 1:] = ids[..., 1:] == ids[..., :-1]
-        valid = (ids < n) & ~repeated
+        ids = sorted_candidates(candidates, n)
         vals = torch.gather(s, -1, ids.clamp_max(n - 1)) if n else s.new_zeros(ids.shape)
-        vals = vals.masked_fill(~valid, float("-inf"))
+        vals = vals.masked_fill(ids >= n, float("-inf"))
+    return rank_by_score(vals, ids, k)
+
+
+def sorted_candidates(candidates: torch.Tensor, n: int) -> torch.Tensor:
+    """candidates (B, T, P) int32 -> (B, T, P) int64 entry ids in ascending order, with -1
+    and repeats replaced by n (no entry), so a stable score sort breaks ties by index."""
+    ids = torch.where(candidates >= 0, candidates.long(),
+                      torch.full_like(candidates, n, dtype=torch.long))
+    ids, _ = torch.sort(ids, dim=-1, stable=True)
+    repeated = torch.zeros_like(ids, dtype=torch.bool)
+    repeated[..., 1:] = ids[..., 1:] == ids[..., :-1]
+    return ids.masked_fill(repeated, n)
+
+
+def rank_by_score(vals: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """vals (B, T, P) float, ids (B, T, P) int, ascending among the pickable entries ->
+    (B, T, k) int32: the k best ids by descending value, ties to the lower id, -1 for -inf,
+    NaN and past the end."""
+    b, t, _ = vals.shape
     vals = torch.where(torch.isnan(vals), torch.full_like(vals, float("-inf")), vals)
     order = torch.sort(vals, dim=-1, descending=True, stable=True).indices[..., :k]
     top_vals = torch.gather(vals, -1, order)
-    top_ids = torch.gather(ids, -1, order)
+    top_ids = torch.gather(ids, -1, order).long()
     top_ids = torch.where(top_vals > float("-inf"), top_ids, torch.full_like(top_ids, -1))
     if top_ids.shape[-1] < k:
         pad = top_ids.new_full((b, t, k - top_ids.shape[-1]), -1)

@@ -1,9 +1,8 @@
 """Triton lightning-indexer scoring over int4 index keys.
 
-Scoring runs in Triton (int4 dequantization fused: each program unpacks one tile of index
-keys once and reuses it for every indexer head); the top-k selection runs in torch with the
-same two stable sorts as the reference (kernels.reference.indexer_topk), so the selection is
-identical on both backends, ties included.
+int4 dequantization is fused: each program unpacks one tile of index keys once and reuses it
+for every indexer head. Scoring and selection are separate kernels (selection: see
+kernels/triton_topk.py), so the model can rescore inside a candidate pool between them.
 """
 
 from __future__ import annotations
@@ -13,10 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels import checks
-from kernels.reference import indexer_topk
 from kernels.triton_quant import require_triton_device, unpack_nibbles
-
-__all__ = ["indexer_scores", "indexer_topk"]
 
 
 @triton.jit

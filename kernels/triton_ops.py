@@ -3,7 +3,7 @@
 Imported lazily by kernels.backend (see there why)."""
 
 from kernels.triton_attention import sparse_compressed_attention, window_attention
-from kernels.triton_indexer import indexer_scores, indexer_topk
+from kernels.triton_indexer import indexer_scores
 from kernels.triton_quant import (
     dequantize_int4,
     dequantize_int8,
@@ -12,6 +12,7 @@ from kernels.triton_quant import (
     quantize_int8,
     unpack_int4,
 )
+from kernels.triton_topk import indexer_topk
 
 __all__ = [
     "dequantize_int4",
