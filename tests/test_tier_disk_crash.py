@@ -136,6 +136,20 @@ async def test_stray_and_half_built_segment_files_are_removed(tmp_path):
     await tier.close()
 
 
+async def test_sweep_beside_a_live_writer_removes_only_leftovers(tmp_path):
+    tier, model = await filled(tmp_path, 30, segment_bytes=32 << 10)
+    building = tier.index.register_segment(SegState.BUILDING)
+    segment_path(tier.segment_dir, building).write_bytes(b"killed compaction")
+    stray = segment_path(tier.segment_dir, 999)
+    stray.write_bytes(b"retirement cut short")
+    assert await tier.sweep() == ([999], [building])
+    assert not stray.exists() and tier.index.segment(building) is None
+    assert all(segment_path(tier.segment_dir, s.seg_id).exists() for s in tier.segments())
+    for key, value in model.items():
+        assert bytes(await tier.get(key)) == value
+    await tier.close()
+
+
 WRITER = """
 import asyncio, random, sys
 from kvstore.tiers.disk import DiskTier

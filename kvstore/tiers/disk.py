@@ -108,10 +108,6 @@ class DiskTier(Tier):
         return DirLock(Path(path) / WRITER_LOCK, "").is_held_elsewhere()
 
     @property
-    def writer(self) -> bool:
-        return self._appender is not None
-
-    @property
     def meta(self) -> DiskMetaStore:
         """A MetaStore over the ``meta`` database of this tier's LMDB environment."""
         return DiskMetaStore(self)
@@ -331,6 +327,9 @@ class DiskTier(Tier):
 
     async def retire_segment(self, seg_id: int) -> bool:
         return await disk_compaction.retire_segment(self, seg_id)
+
+    async def sweep(self) -> tuple[list[int], list[int]]:
+        return await disk_compaction.sweep(self)
 
     # internals
 

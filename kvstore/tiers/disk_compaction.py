@@ -2,8 +2,9 @@
 
 Protocol (what keeps every step crash-safe and safe beside a live writer):
 
-1. Take ``compact.lock`` (``Busy`` if another compaction runs) and remove BUILDING
-   segments an earlier, killed compaction left behind.
+1. Take ``compact.lock`` (``Busy`` if another compaction runs) and ``sweep``: remove
+   BUILDING segments an earlier, killed compaction left behind and files whose removal
+   a crash cut short.
 2. Only SEALED segments are rewritten; the writer never touches them again.
 3. Copy each live record, verified, into new segments registered as BUILDING (named in
    the index before their files exist, named by no entry), then fsync them.
@@ -16,11 +17,11 @@ Protocol (what keeps every step crash-safe and safe beside a live writer):
    unlinked file stays readable through them) or find the file gone and look the key
    up again, which now names the copy.
 
-A crash before 4 leaves BUILDING segments (removed by the next compaction or writer
-open) and the old entries intact; a crash after 4 leaves unnamed files (removed by the
-next writer open). Records that fail their checksum are not copied: their entries keep
-naming the old segment, which therefore stays, and their keys are reported for the
-caller (the scrub) to quarantine.
+A crash before 4 leaves BUILDING segments and the old entries intact; a crash after 4
+leaves unnamed files; the next compaction's sweep or writer open removes either.
+Records that fail their checksum are not copied: their entries keep naming the old
+segment, which therefore stays, and their keys are reported for the caller (the
+scrub) to quarantine.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING
 from kvstore.errors import ChunkCorrupt, InvalidRequest
 from kvstore.tiers.disk_index import IndexEntry, SegState
 from kvstore.tiers.disk_log import SegmentAppender
-from kvstore.tiers.disk_recovery import drop_abandoned_builds
+from kvstore.tiers.disk_recovery import drop_abandoned_builds, remove_unnamed_files
 from kvstore.tiers.segments import check_record, record_size, segment_path
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ class _Copier:
 async def rewrite_segments(tier: DiskTier, seg_ids: list[int]) -> RewriteResult:
     seg_ids = list(dict.fromkeys(seg_ids))
     with tier.compact_lock.holding():
-        await asyncio.to_thread(drop_abandoned_builds, tier.index, tier.segment_dir)
+        await asyncio.to_thread(_sweep, tier)
         infos = {}
         for seg_id in seg_ids:
             info = tier.index.segment(seg_id)
@@ -131,6 +132,18 @@ async def rewrite_segments(tier: DiskTier, seg_ids: list[int]) -> RewriteResult:
     for seg_id in outcome.emptied:
         (result.retired if tier.files.retire(seg_id) else result.deferred).append(seg_id)
     return result
+
+
+async def sweep(tier: DiskTier) -> tuple[list[int], list[int]]:
+    """Remove what crashed compactions and retirements left: abandoned BUILDING segments
+    and segment files the index no longer names. Returns (unnamed, building) ids."""
+    with tier.compact_lock.holding():
+        return await asyncio.to_thread(_sweep, tier)
+
+
+def _sweep(tier: DiskTier) -> tuple[list[int], list[int]]:
+    building = drop_abandoned_builds(tier.index, tier.segment_dir)
+    return remove_unnamed_files(tier.index, tier.segment_dir), building
 
 
 def _discard(tier: DiskTier, appender: SegmentAppender) -> None:

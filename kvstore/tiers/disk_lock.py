@@ -53,6 +53,14 @@ class DirLock:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
 
+    def try_acquire(self) -> bool:
+        """Take the lock if it is free now; False when someone else holds it."""
+        try:
+            self.acquire()
+        except Busy:
+            return False
+        return True
+
     def release(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None

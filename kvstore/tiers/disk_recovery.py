@@ -52,18 +52,27 @@ def drop_abandoned_builds(index: DiskIndex, directory: Path) -> list[int]:
     return removed
 
 
+def remove_unnamed_files(index: DiskIndex, directory: Path) -> list[int]:
+    """Remove segment files the index does not name. Safe beside a live writer: the
+    directory is listed before the index is read, and a segment is named before its
+    file is created, so a file seen here and unnamed there was forgotten for good."""
+    on_disk = dict(segment_files(directory))
+    named = {info.seg_id for info in index.all_segments()}
+    removed = sorted(seg_id for seg_id in on_disk if seg_id not in named)
+    for seg_id in removed:
+        on_disk[seg_id].unlink(missing_ok=True)
+    return removed
+
+
 def recover(index: DiskIndex, directory: Path, compact_lock: DirLock) -> RecoveryReport:
     report = RecoveryReport()
-    on_disk = dict(segment_files(directory))  # listed before reading the index: see 1.
-    named = {info.seg_id: info for info in index.all_segments()}
-    for seg_id, path in on_disk.items():
-        if seg_id not in named:
-            path.unlink(missing_ok=True)
-            report.removed_unnamed.append(seg_id)
-
-    if not compact_lock.is_held_elsewhere():
-        with compact_lock.holding():
+    report.removed_unnamed = remove_unnamed_files(index, directory)
+    if compact_lock.try_acquire():
+        try:
             report.removed_building = drop_abandoned_builds(index, directory)
+        finally:
+            compact_lock.release()
+    named = {info.seg_id: info for info in index.all_segments()}
 
     active = sorted((i for i in named.values() if i.state == SegState.ACTIVE),
                     key=lambda info: info.seg_id)
