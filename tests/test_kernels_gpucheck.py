@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import reference
+from kernels import ops
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,8 +27,8 @@ def test_gpucheck_tiny_checks_every_kernel_and_exits_zero():
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report["mode"] == "interpreter" and report["ok"] is True
     checked = {row["case"].split()[0] for row in report["results"]}
-    public = {name for name, fn in vars(reference).items() if callable(fn)
-              and getattr(fn, "__module__", "") == reference.__name__ and name[0] != "_"}
+    public = {name for name, fn in vars(ops).items() if callable(fn)
+              and getattr(fn, "__module__", "") == ops.__name__ and name[0] != "_"}
     wanted = {name.replace("sparse_compressed_attention", "sparse_attention") for name in public}
     assert checked == wanted
     assert all(row["ok"] and row["max_abs_err"] < 1e-4 for row in report["results"])
