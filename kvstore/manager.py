@@ -8,7 +8,8 @@
 
 Public calls: ``spill`` (kvstore.spill); ``restore``, ``reading``, ``prefetch``
 (kvstore.restore); ``demote``, ``collect_garbage`` (kvstore.maintenance); ``delete``,
-``get_manifest``, ``list_sessions``, ``stat``, ``drain``, ``close`` (here).
+``get_manifest``, ``list_sessions``, ``where``, ``read_chunk``, ``stat``, ``drain``,
+``close`` (here).
 
 Rules it keeps (placement details in ``kvstore.placement``):
 
@@ -45,6 +46,7 @@ from kvstore.errors import (
     InvalidRequest,
     SessionNotFound,
 )
+from kvstore.layout import get_layout
 from kvstore.locks import KeyedLocks, RWLocks
 from kvstore.maintenance import MaintenanceMixin
 from kvstore.manifest import MANIFEST_PREFIX, SessionManifest, check_name, manifest_key
@@ -54,7 +56,8 @@ from kvstore.refcount import RefLedger
 from kvstore.restore import ReadingMixin
 from kvstore.spill import SpillMixin
 from kvstore.stats import Counters, ManagerStats
-from kvstore.tiers.base import MetaStore, Tier, TierStats
+from kvstore.tiers.base import Buffer, MetaStore, Tier, TierStats
+from kvstore.validate import restored_chunk_check
 from kvstore.writeback import WriteBackQueue
 
 log = logging.getLogger(__name__)
@@ -169,6 +172,22 @@ class TierManager(SpillMixin, ReadingMixin, MaintenanceMixin):
     async def get_manifest(self, tenant: str, session_id: str) -> SessionManifest:
         return await self._load_required(check_name("tenant", tenant),
                                          check_name("session_id", session_id))
+
+    def where(self, key: str) -> list[str]:
+        """Names of the tiers believed to hold block ``key``, highest first (no I/O)."""
+        return [self.tiers[i].name for i in self._stack.holders(key)]
+
+    async def read_chunk(self, manifest: SessionManifest, index: int) -> tuple[Buffer, str]:
+        """(bytes, tier) of chunk ``index`` of ``manifest`` from the highest tier with a
+        copy that verifies against the manifest, or ``DataLoss``. An internal read: not
+        counted, not promoted; hold ``reading()`` if a concurrent spill must not race it."""
+        if not 0 <= index < len(manifest.chunk_keys):
+            raise InvalidRequest(f"chunk index {index} out of range "
+                                 f"({len(manifest.chunk_keys)} chunks)")
+        check = restored_chunk_check(get_layout(manifest.layout_id), manifest.token_ids, index)
+        data, source, _ = await self._stack.read(manifest.chunk_keys[index], check,
+                                                 access=False)
+        return data, self.tiers[source].name
 
     async def list_sessions(self, tenant: str | None = None) -> list[SessionManifest]:
         """Manifests of every session (of one tenant), sorted by tenant and id."""

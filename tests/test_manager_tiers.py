@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from test_manager_support import make_session, random_tokens, tier_keys
 
-from kvstore.errors import DataLoss
+from kvstore.errors import DataLoss, InvalidRequest
 from kvstore.manager import TierManager
 from kvstore.policy import HintPolicy, LRUPolicy, ResumeHint
 from kvstore.tiers.base import MemoryMetaStore
@@ -218,4 +218,22 @@ async def test_round_trip_through_redis_cluster(tmp_path, redis_cluster):
     assert "redis" in result.chunk_tiers
     await manager.delete("t", "s")
     assert [t.used_bytes for t in tiers] == [0, 0, 0]
+    await manager.close()
+
+
+async def test_where_and_read_chunk_report_placement_without_moving_anything(tmp_path):
+    host, disk = HostTier(MB), DiskTier(tmp_path / "disk", 64 * MB)
+    manager = await TierManager.open([host, disk], disk.meta)
+    args = make_session(random_tokens(16 * 2, seed=80))
+    manifest = await manager.spill("t", "s", generation=1, **args)
+    await manager.drain()
+    key, good = args["chunks"][1]
+    assert manager.where(key) == ["host", "disk"]
+    await host.put(key, corrupted(good))
+    data, tier = await manager.read_chunk(manifest, 1)
+    assert bytes(data) == bytes(good) and tier == "disk"
+    await manager.drain()
+    assert bytes(await host.get(key)) != bytes(good)  # an internal read promotes nothing
+    with pytest.raises(InvalidRequest):
+        await manager.read_chunk(manifest, 2)
     await manager.close()
