@@ -1,0 +1,81 @@
+"""Server configuration: presets, TOML file, KVTIER_* environment, overrides, sizes, and
+the tier stack each configuration opens."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.errors import InvalidRequest
+from services.config import PRESETS, load_config, parse_size
+from services.store import open_manager
+
+
+def test_precedence_preset_file_env_overrides(tmp_path):
+    path = tmp_path / "kvtier.toml"
+    path.write_text('preset = "test"\nhost_bytes = "8MiB"\nredis_url = "redis://a:1/0"\n'
+                    'replay_workers = ["w1:50052", "w2:50052"]\n')
+    config = load_config(path, env={"KVTIER_REDIS_URL": "redis://b:2/0",
+                                    "KVTIER_HBM_BYTES": "1GiB"},
+                         overrides={"host_bytes": "2MiB", "listen": None})
+    assert config.listen == PRESETS["test"].listen  # None overrides nothing
+    assert config.host_bytes == 2 << 20 and config.hbm_bytes == 1 << 30
+    assert config.redis_url == "redis://b:2/0"
+    assert config.replay_workers == ("w1:50052", "w2:50052")
+    assert config.replay_mode == "remote"
+
+
+def test_env_lists_s3_and_defaults():
+    config = load_config(env={"KVTIER_REPLAY_WORKERS": "a:1, b:2",
+                              "KVTIER_S3_BUCKET": "kv", "KVTIER_S3_PREFIX": "p/",
+                              "KVTIER_S3_ENDPOINT": "http://127.0.0.1:9000"})
+    assert config.replay_workers == ("a:1", "b:2")
+    assert config.object_url == "s3://kv/p/"
+    embedded = load_config(env={})
+    assert embedded.replay_mode == "in-process" and not embedded.redis_url
+    assert embedded.object_url == str(embedded.data_dir / "objects")
+
+
+@pytest.mark.parametrize(("text", "value"), [(4096, 4096), ("4096", 4096), ("64MiB", 64 << 20),
+                                             ("1.5GB", 1_500_000_000), ("2 KiB", 2048)])
+def test_sizes(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("values", [
+    {"KVTIER_HOST_BYTES": "lots"}, {"KVTIER_DEFAULT_ACK": "maybe"},
+    {"KVTIER_REPLAY": "remote"}, {"KVTIER_PRESET": "nope"},
+    {"KVTIER_HOST_BYTES": "0", "KVTIER_HBM_BYTES": "0"},
+])
+def test_bad_values_are_refused(values):
+    with pytest.raises(InvalidRequest):
+        load_config(env=values)
+
+
+def test_unknown_file_keys_are_refused(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("hots_bytes = 1\n")
+    with pytest.raises(InvalidRequest, match="hots_bytes"):
+        load_config(path, env={})
+
+
+async def test_tier_stacks(tmp_path, s3_server, s3_bucket, s3_credentials, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_credentials["aws_access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_credentials["aws_secret_access_key"])
+    config = load_config(preset="test", env={"KVTIER_S3_BUCKET": s3_bucket,
+                                             "KVTIER_S3_ENDPOINT": s3_server,
+                                             "KVTIER_S3_REGION": "us-east-1"},
+                         overrides={"data_dir": tmp_path / "a"})
+    manager = await open_manager(config)
+    try:
+        assert [t.name for t in manager.tiers] == ["host", "disk", "object"]
+        assert manager.tiers[-1].url == f"s3://{s3_bucket}/kvtier/"
+    finally:
+        await manager.close()
+    memory_only = load_config(preset="test", env={},
+                              overrides={"data_dir": tmp_path / "b", "disk_bytes": 0,
+                                         "object_bytes": 0, "hbm_bytes": "1MiB"})
+    manager = await open_manager(memory_only)
+    try:
+        assert [t.name for t in manager.tiers] == ["hbm", "host"]
+    finally:
+        await manager.close()
