@@ -63,6 +63,13 @@ class KVTierServicer(pb_grpc.KVTierServicer):
 
     @grpc_errors
     async def Spill(self, request_iterator, context) -> pb.SpillReply:
+        attachments = shm.Attachments()
+        try:
+            return await self._spill(request_iterator, attachments)
+        finally:
+            attachments.close()
+
+    async def _spill(self, request_iterator, attachments: shm.Attachments) -> pb.SpillReply:
         started = time.perf_counter()
         plan = None
         async for message in request_iterator:
@@ -77,8 +84,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             if plan is None:
                 raise InvalidRequest(f"the first message must be the header, got {kind}")
             payload = getattr(message, kind)
-            data = self._payload_bytes(payload, self.config.max_spill_bytes
-                                       - plan.bytes_received)
+            data = self._payload_bytes(payload, attachments,
+                                       self.config.max_spill_bytes - plan.bytes_received)
             getattr(plan, f"add_{kind}")(payload.key, data)
         if plan is None:
             raise InvalidRequest("empty Spill stream: the header is required")
@@ -101,10 +108,11 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             durable=plan.ack == "durable", bytes_received=plan.bytes_received,
             window_kept=manifest.window_tier is not None)
 
-    def _payload_bytes(self, payload: pb.Payload, budget: int) -> bytes:
+    def _payload_bytes(self, payload: pb.Payload, attachments: shm.Attachments, budget: int
+                       ) -> bytes:
         body = payload.WhichOneof("body")
         if body == "shm":
-            data = shm.read_ref(payload.shm, budget)
+            data = attachments.read(payload.shm, budget)
             self.metrics.spill_bytes.labels("shm").inc(len(data))
         else:
             data = payload.data

@@ -6,7 +6,7 @@ it by name (``attach``: open + mmap of ``/dev/shm/<name>``, no tracker involveme
 
 - Spill: the client packs every payload into one segment (``SegmentWriter``), sends
   references, and unlinks it when the call returns, however it returns. The server
-  copies the referenced bytes out (``read_ref``) before it answers.
+  copies the referenced bytes out (``Attachments``) before it answers.
 - Restore/Resume: the server packs the session into one segment per call
   (``RestoreSegments.create``). The client maps it at the first reference and unlinks
   the name at once (its mapping stays valid), so nothing outlives the client's reads;
@@ -78,16 +78,29 @@ class Mapping:
             self._map = None
 
 
-def read_ref(ref: pb.SharedMemoryRef, max_length: int) -> bytes:
-    """Copy the referenced bytes out of a client's segment."""
-    if ref.length > max_length:
-        raise InvalidRequest(f"shared memory payload of {ref.length} B exceeds the "
-                             f"{max_length} B limit")
-    mapping = Mapping(ref.name)
-    try:
+class Attachments:
+    """The client segments one call refers to, each mapped once; ``close`` unmaps all."""
+
+    def __init__(self, max_segments: int = 16) -> None:
+        self._maps: dict[str, Mapping] = {}
+        self._max = max_segments
+
+    def read(self, ref: pb.SharedMemoryRef, max_length: int) -> bytes:
+        """Copy the referenced bytes out of the client's segment."""
+        if ref.length > max_length:
+            raise InvalidRequest(f"shared memory payload of {ref.length} B exceeds the "
+                                 f"{max_length} B limit")
+        mapping = self._maps.get(ref.name)
+        if mapping is None:
+            if len(self._maps) >= self._max:
+                raise InvalidRequest(f"one call may refer to at most {self._max} segments")
+            mapping = self._maps[ref.name] = Mapping(ref.name)
         return mapping.read(ref.offset, ref.length)
-    finally:
-        mapping.close()
+
+    def close(self) -> None:
+        for mapping in self._maps.values():
+            mapping.close()
+        self._maps.clear()
 
 
 class SegmentWriter:
