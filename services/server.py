@@ -89,7 +89,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             getattr(plan, f"add_{kind}")(payload.key, data)
         if plan is None:
             raise InvalidRequest("empty Spill stream: the header is required")
-        held_before = [bool(tiers_holding(self.manager, [k])) for k in plan.keys]
+        held_before = [bool(self.manager.where(k)) for k in plan.keys]
         chunks = await self._complete_chunks(plan)
         try:
             manifest = await self.manager.spill(
@@ -127,11 +127,14 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         some tier holds them already."""
         missing = plan.finish()
         gate = asyncio.Semaphore(8)
+        incoming = SessionManifest(
+            tenant=plan.tenant, session_id=plan.session_id, layout_id=plan.spec.layout_id,
+            generation=plan.generation, token_ids=plan.tokens, chunk_keys=tuple(plan.keys),
+            chunk_sizes=(0,) * len(plan.keys))  # the session as this spill describes it
 
         async def fetch(i: int):
             async with gate:
-                return await read_held_chunk(self.manager, plan.spec, plan.tokens, i,
-                                             plan.keys[i])
+                return await read_held_chunk(self.manager, incoming, i)
 
         found = dict(zip(missing, await asyncio.gather(*(fetch(i) for i in missing)),
                          strict=True))

@@ -12,15 +12,12 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
-import numpy as np
-
 from kvstore.errors import DataLoss
-from kvstore.layout import LayoutSpec
 from kvstore.manager import MANAGER_PRESETS, TierManager
+from kvstore.manifest import SessionManifest
 from kvstore.tiers.base import Buffer, MemoryMetaStore, MetaStore, Tier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
-from kvstore.validate import restored_chunk_check
 from services.config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -74,19 +71,10 @@ async def open_manager(config: ServerConfig) -> TierManager:
         raise
 
 
-# Where blocks are: the TierManager has no public call for these yet, so they read its
-# placement index (``TierStack``) directly, here and nowhere else in the service.
-
-
-def holder_indices(manager: TierManager, key: str) -> list[int]:
-    """Tiers believed to hold ``key``, highest first."""
-    return manager._stack.holders(key)
-
-
 def tiers_holding(manager: TierManager, keys: Sequence[str]) -> list[str]:
     """Names of the tiers holding at least one of ``keys``, highest first."""
-    held = {i for key in keys for i in holder_indices(manager, key)}
-    return [manager.tiers[i].name for i in sorted(held)]
+    held = {name for key in keys for name in manager.where(key)}
+    return [tier.name for tier in manager.tiers if tier.name in held]
 
 
 def top_tier(manager: TierManager, keys: Sequence[str]) -> str:
@@ -95,18 +83,18 @@ def top_tier(manager: TierManager, keys: Sequence[str]) -> str:
     return names[0] if names else ""
 
 
-async def read_held_chunk(manager: TierManager, spec: LayoutSpec, tokens: np.ndarray,
-                          index: int, key: str) -> Buffer | None:
+def restore_tier(manager: TierManager, keys: Sequence[str]) -> str:
+    """The slowest tier a restore of ``keys`` would read from now ("" when none is held)."""
+    order = [tier.name for tier in manager.tiers]
+    tops = [order.index(names[0]) for names in map(manager.where, keys) if names]
+    return order[max(tops)] if tops else ""
+
+
+async def read_held_chunk(manager: TierManager, manifest: SessionManifest, index: int
+                          ) -> Buffer | None:
     """An intact copy of chunk ``index`` from any tier, or None when no tier has one."""
     try:
-        data, _, _ = await manager._stack.read(key, restored_chunk_check(spec, tokens, index),
-                                               access=False)
+        data, _ = await manager.read_chunk(manifest, index)
     except DataLoss:
         return None
     return data
-
-
-def restore_tier(manager: TierManager, keys: Sequence[str]) -> str:
-    """The slowest tier a restore of ``keys`` would read from now ("" when none is held)."""
-    tops = [holders[0] for holders in (holder_indices(manager, k) for k in keys) if holders]
-    return manager.tiers[max(tops)].name if tops else ""
