@@ -1,0 +1,169 @@
+"""Training forward: whole sequences at once, in float, with straight-through fake
+quantization that rounds exactly as the stored int8/int4 caches do.
+
+It computes the same function as the quantized inference path (model/infer.py): same
+projections, same quantizers (kernels.ops), same visibility rules, same selection rules.
+The only freedom is top-k tie-breaking, which torch.topk does not pin down.
+
+Also returns the indexer's auxiliary loss: each indexer is distilled toward the dense
+attention (over every visible compressed entry) of the layers that use its selection.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from kernels import ops
+from model.net import KVTierLM
+
+
+def fake_int8(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    codes, scales = ops.quantize_int8(x.detach(), group_size)
+    return x + (ops.dequantize_int8(codes, scales, group_size) - x).detach()
+
+
+def fake_int4(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    packed, scales = ops.quantize_int4(x.detach(), group_size)
+    return x + (ops.dequantize_int4(packed, scales, group_size) - x).detach()
+
+
+def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores (B, T, N) -> bool (B, T, N): the k best finite entries per row, ties to the
+    lower index as kernels.ops.indexer_topk breaks them (ReLU scores tie at 0 often)."""
+    vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
+    vals, idx = vals[..., :k], idx[..., :k]
+    return torch.zeros_like(scores, dtype=torch.bool).scatter(-1, idx, vals > float("-inf"))
+
+
+def index_scores(qi: torch.Tensor, ki: torch.Tensor, w: torch.Tensor,
+                 visible: torch.Tensor) -> torch.Tensor:
+    """qi (B, T, Hi, Di), ki (B, N, Di), w (B, T, Hi), visible (T, N) -> (B, T, N)."""
+    dots = torch.relu(torch.einsum("bthd,bnd->bthn", qi, ki))
+    scores = torch.einsum("bthn,bth->btn", dots, w)
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+def masked_softmax(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim; rows with nothing visible become all zeros (not NaN).
+
+    A finite fill keeps the backward pass free of NaN on empty rows (exp(-inf + inf))."""
+    return torch.softmax(logits.masked_fill(~mask, -1e30), -1) * mask
+
+
+def window_mask(window: int, device: torch.device) -> torch.Tensor:
+    """(W, 2W) bool: query i of a block sees key j of [previous block, this block] iff
+    0 <= (W + i) - j < W."""
+    i = torch.arange(window, device=device).view(window, 1)
+    j = torch.arange(2 * window, device=device).view(1, 2 * window)
+    delta = window + i - j
+    return (delta >= 0) & (delta < window)
+
+
+def joint_attention(model: KVTierLM, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    clog: torch.Tensor, cmask: torch.Tensor, latent: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax per head over window keys and compressed entries.
+
+    q (B, H, T, Dh); k, v (B, Hkv, T, Dh); clog (B, H, T, N) compressed logits; cmask
+    (B, 1, T, N) bool; latent (B, N, Dc). Returns weighted outputs out_w (B, H, T, Dh) and
+    out_c (B, H, T, Dc), whose projections sum to the layer's attention output.
+    """
+    b, h, t, dh = q.shape
+    w = model.cfg.window
+    nb, n = t // w, clog.shape[-1]
+    rep = h // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    # keys for query block j: blocks j-1 and j (block -1 is zero padding, masked out)
+    pad = q.new_zeros(b, h, 1, w, dh)
+    kb, vb = k.view(b, h, nb, w, dh), v.view(b, h, nb, w, dh)
+    kk = torch.cat((torch.cat((pad, kb[:, :, :-1]), 2), kb), 3)  # (B, H, nb, 2W, Dh)
+    vv = torch.cat((torch.cat((pad, vb[:, :, :-1]), 2), vb), 3)
+    wlog = q.view(b, h, nb, w, dh) @ kk.transpose(-1, -2) * model.window_scale()
+    wmask = window_mask(w, q.device).expand(nb, w, 2 * w).clone()
+    wmask[0, :, :w] = False
+    logits = torch.cat((wlog.masked_fill(~wmask, float("-inf")),
+                        clog.view(b, h, nb, w, n).masked_fill(
+                            ~cmask.view(b, 1, nb, w, n), float("-inf"))), -1)
+    p = torch.softmax(logits, -1)  # every query sees itself, so no row is empty
+    out_w = (p[..., : 2 * w] @ vv).view(b, h, t, dh)
+    out_c = (p[..., 2 * w:].view(b, h, t, n) @ latent.unsqueeze(1))
+    return out_w, out_c
+
+
+def forward_train(model: KVTierLM, ids: torch.Tensor, sparse: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids (B, T) int64, T a multiple of the window and of m -> (logits (B, T, vocab), aux).
+
+    sparse=False attends to every visible compressed entry (warm-up while the indexers
+    learn); sparse=True attends only to each layer's top-k selection, as inference does.
+    """
+    cfg = model.cfg
+    b, t = ids.shape
+    if t % cfg.window or t % cfg.block:
+        raise ValueError(f"sequence length {t} must be a multiple of window and block")
+    m, n = cfg.block, t // cfg.block
+    pos = torch.arange(t, device=ids.device)
+    visible = torch.arange(n, device=ids.device).view(1, n) < ((pos + 1) // m).view(t, 1)
+    h = model.embed(ids)
+    groups: list[dict] = []  # one per indexer: its scores and the attention it should predict
+
+    def select(layer, x, keys, pool):
+        qi, wts = layer.indexer(x)
+        scores = index_scores(qi, keys, wts, visible)
+        groups.append({"scores": scores, "targets": []})
+        if pool is None:
+            return topk_mask(scores, cfg.topk), topk_mask(scores, cfg.pool)
+        return topk_mask(scores.masked_fill(~pool, float("-inf")), cfg.topk), pool
+
+    def dense_target(clog):
+        probs = masked_softmax(clog.detach(), visible.view(1, 1, t, n))
+        groups[-1]["targets"].append(probs.mean(1))
+
+    latent = keys = pool = sel = None
+    for layer in model.encoder:
+        x = layer.norm(h)
+        q, k, v = model.window_qkv(layer, x, pos)
+        k, v = fake_int8(k, cfg.window_group_size), fake_int8(v, cfg.window_group_size)
+        if layer.mode == "full":
+            blocks = x.reshape(b, n, m * cfg.width)
+            latent = fake_int4(layer.latent(blocks), cfg.group_size)
+            keys = fake_int4(layer.index_key(blocks), cfg.group_size)
+            sel, pool = select(layer, x, keys, None)
+        elif layer.mode == "reindex":
+            sel, _ = select(layer, x, keys, pool)
+        clog = model.compressed_q(layer, x) @ latent.unsqueeze(1).transpose(-1, -2)
+        clog = clog * model.compressed_scale()
+        dense_target(clog)
+        cmask = (sel if sparse else visible.expand(b, t, n)).unsqueeze(1)
+        out_w, out_c = joint_attention(model, q, k, v, clog, cmask, latent)
+        h = h + model.merge_out(layer, out_c, out_w)
+        h = h + layer.mlp(layer.mlp_norm(h))
+
+    dec_latent = fake_int4(
+        model.dec_latent(model.enc_norm(h).reshape(b, n, m * cfg.width)), cfg.group_size)
+    for layer in model.decoder:
+        x = layer.norm(h)
+        if layer.mode == "reindex":
+            sel, _ = select(layer, x, keys, pool)
+        clog = model.compressed_q(layer, x) @ dec_latent.unsqueeze(1).transpose(-1, -2)
+        clog = clog * model.compressed_scale()
+        dense_target(clog)
+        cmask = (sel if sparse else visible.expand(b, t, n)).unsqueeze(1)
+        out_c = masked_softmax(clog, cmask) @ dec_latent.unsqueeze(1)
+        h = h + model.merge_out(layer, out_c)
+        h = h + layer.mlp(layer.mlp_norm(h))
+    return model.logits(h), indexer_loss(groups, visible)
+
+
+def indexer_loss(groups: list[dict], visible: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of each indexer's distribution against the head- and layer-averaged
+    dense attention of the layers that use its selection (queries with entries only)."""
+    rows = visible.any(-1)  # (T,): empty rows would put NaN into the backward pass
+    vis = visible[rows]
+    total = 0.0
+    for g in groups:
+        target = torch.stack(g["targets"]).mean(0)[:, rows]  # (B, T', N)
+        logp = F.log_softmax(g["scores"][:, rows], -1).masked_fill(~vis, 0.0)
+        total = total - (target * logp).sum(-1).mean()
+    return total / max(len(groups), 1)
