@@ -5,6 +5,7 @@ another process beside a live writer. Real files, real subprocesses."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -320,10 +321,20 @@ async def test_compaction_in_another_process_beside_a_live_writer(tmp_path):
     report = json.loads(out)
     assert report["live_writer"] and report["refused"]
     assert report["retired"] == report["sealed"] and report["moved"] > 0
+    for key, value in model.items():
+        assert bytes(await tier.get(key)) == value
+    assert not open_deleted_segments()  # the writer let go of what the compactor retired
     assert json.loads(await tier.meta.get("compacted")) == report["sealed"]
     assert tier.used_bytes == used + len(b"written while compacting")
     assert sealed_dead_bytes(tier) < dead
     assert not any(segment_path(tier.segment_dir, s).exists() for s in report["sealed"])
-    for key, value in model.items():
-        assert bytes(await tier.get(key)) == value
     await tier.close()
+
+
+def open_deleted_segments() -> list[str]:
+    """Segment files this process still holds open or mapped after they were removed."""
+    held = Path("/proc/self/maps").read_text().splitlines()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            held.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return [h for h in held if ".seg" in h and "(deleted)" in h]

@@ -53,7 +53,7 @@ from kvstore.tiers.disk_index import (
 )
 from kvstore.tiers.disk_lock import COMPACT_LOCK, WRITER_LOCK, DirLock
 from kvstore.tiers.disk_log import SegmentAppender, storage_error
-from kvstore.tiers.disk_meta import DiskMetaStore
+from kvstore.tiers.disk_meta import DiskMetaStore, encode_writes
 from kvstore.tiers.disk_pipeline import CommitPipeline
 from kvstore.tiers.disk_reader import SegmentFiles, SegmentGone
 from kvstore.tiers.disk_recovery import RecoveryReport, recover
@@ -101,6 +101,7 @@ class DiskTier(Tier):
                                        commit_interval_s=commit_interval_s,
                                        max_pending_bytes=max_pending_bytes)
         self._append_lock = asyncio.Lock()
+        self._epoch = self.index.segment_epoch()
         self._closed = False
 
     @classmethod
@@ -171,7 +172,7 @@ class DiskTier(Tier):
         """Put every item and apply ``meta`` in one index transaction: all or none."""
         prepared = [(kb, view, *encode_header(kb, view))
                     for kb, view in ((key_bytes(k), value_view(v)) for k, v in items)]
-        meta_op = MetaOp(_encode_meta(meta)) if meta else None
+        meta_op = MetaOp(encode_writes(meta)) if meta else None
         expires = _expiry(ttl_s)
         async with self._append_lock:
             self._check_writable()
@@ -210,7 +211,7 @@ class DiskTier(Tier):
     async def commit_with_meta(self, writes: dict[str, bytes | None]) -> None:
         """Durably apply metadata writes, in order after every put accepted before this
         call: the same transaction as still-pending ones, or a later one."""
-        op = MetaOp(_encode_meta(writes))
+        op = MetaOp(encode_writes(writes))
         async with self._append_lock:
             self._check_open()
             queued = self.pipeline.enqueue(op, future=True)
@@ -224,9 +225,10 @@ class DiskTier(Tier):
             entry = self._current(kb)
             if entry is None:
                 raise ChunkNotFound(f"disk tier holds no {key!r}")
-            if _expired(entry):
+            if entry.expired():
                 await self._purge_if_expired(kb)
                 raise ChunkNotFound(f"disk tier: {key!r} expired")
+            self._forget_retired()
             self.files.pin(entry.seg_id)
             try:
                 return await self._read(kb, entry)
@@ -260,26 +262,26 @@ class DiskTier(Tier):
     async def contains(self, key: str) -> bool:
         self._check_open()
         entry = self._current(key_bytes(key))
-        return entry is not None and not _expired(entry)
+        return entry is not None and not entry.expired()
 
     async def keys(self) -> AsyncIterator[str]:
         overlay = dict(self.pipeline.overlay)
         start = None
         while batch := self.index.entries_after(start, 1024):
             for kb, entry in batch:
-                if kb not in overlay and not _expired(entry):
+                if kb not in overlay and not entry.expired():
                     yield kb.decode()
             start = batch[-1][0]
             await asyncio.sleep(0)
         for kb, (_, entry) in overlay.items():
-            if entry is not None and not _expired(entry):
+            if entry is not None and not entry.expired():
                 yield kb.decode()
 
     async def purge_expired(self) -> int:
         """Delete every entry past its TTL; returns how many."""
         expired, start = [], None
         while batch := self.index.entries_after(start, 4096):
-            expired += [kb for kb, entry in batch if _expired(entry)]
+            expired += [kb for kb, entry in batch if entry.expired()]
             start = batch[-1][0]
         purged = [await self._purge_if_expired(kb) for kb in expired]
         await self.flush()
@@ -343,6 +345,13 @@ class DiskTier(Tier):
             raise TierUnavailable(f"disk tier {self.path} is attached beside a live writer "
                                   "(writer=False): it does not append")
 
+    def _forget_retired(self) -> None:
+        """Close handles of segments another process retired, so their space is freed."""
+        epoch = self.index.segment_epoch()
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self.segments()
+
     def _wants_ack(self, durable: bool | None) -> bool:
         return self.durable_writes if durable is None else durable
 
@@ -373,7 +382,7 @@ class DiskTier(Tier):
     async def _purge_if_expired(self, kb: bytes) -> bool:
         async with self._append_lock:
             entry = self._current(kb)
-            if entry is None or not _expired(entry) or self._closed:
+            if entry is None or not entry.expired() or self._closed:
                 return False
             op = self.pipeline.enqueue(DeleteOp(kb), kb, -entry.value_len, -1, 0)
         await self.pipeline.settle(op)
@@ -386,11 +395,3 @@ def _expiry(ttl_s: float | None) -> int:
     if not ttl_s > 0:
         raise InvalidRequest(f"ttl_s must be > 0, got {ttl_s}")
     return int((time.time() + ttl_s) * 1000)
-
-
-def _expired(entry: IndexEntry) -> bool:
-    return entry.expires_ms != 0 and entry.expires_ms <= time.time() * 1000
-
-
-def _encode_meta(writes: dict[str, bytes | None]) -> dict[bytes, bytes | None]:
-    return {key_bytes(k): None if v is None else bytes(v) for k, v in writes.items()}

@@ -21,6 +21,7 @@ import enum
 import logging
 import os
 import struct
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ _SEGMENT = struct.Struct("<BQQQQ")
 _U64 = struct.Struct("<Q")
 _SEG_KEY = struct.Struct(">I")
 _NEXT_SEG, _USED, _ITEMS = b"next_segment", b"used_bytes", b"items"
+_EPOCH = b"segment_epoch"  # bumped whenever a segment is forgotten
 
 
 class SegState(enum.IntEnum):
@@ -54,6 +56,9 @@ class IndexEntry(NamedTuple):
 
     def pack(self) -> bytes:
         return _ENTRY.pack(*self)
+
+    def expired(self) -> bool:
+        return self.expires_ms != 0 and self.expires_ms <= time.time() * 1000
 
     @classmethod
     def unpack(cls, raw: bytes) -> IndexEntry:
@@ -165,7 +170,7 @@ class DiskIndex:
             self.segments = self.env.open_db(b"segments", txn=txn)
             self.meta = self.env.open_db(b"meta", txn=txn)
             self.state = self.env.open_db(b"state", txn=txn)
-            for name in (_NEXT_SEG, _USED, _ITEMS):
+            for name in (_NEXT_SEG, _USED, _ITEMS, _EPOCH):
                 txn.put(name, _U64.pack(0), db=self.state, overwrite=False)
 
     def close(self) -> None:
@@ -182,6 +187,15 @@ class DiskIndex:
         """(live value bytes, live items) as last committed by any process."""
         with self.env.begin(db=self.state) as txn:
             return _U64.unpack(txn.get(_USED))[0], _U64.unpack(txn.get(_ITEMS))[0]
+
+    def segment_epoch(self) -> int:
+        """Changes whenever any process forgets a segment: a cue to drop its handles."""
+        with self.env.begin(db=self.state) as txn:
+            return _U64.unpack(txn.get(_EPOCH))[0]
+
+    def _bump_epoch(self, txn: lmdb.Transaction) -> None:
+        epoch = _U64.unpack(txn.get(_EPOCH, db=self.state))[0]
+        txn.put(_EPOCH, _U64.pack(epoch + 1), db=self.state)
 
     def segment(self, seg_id: int) -> SegmentInfo | None:
         with self.env.begin(db=self.segments) as txn:
@@ -290,7 +304,8 @@ class DiskIndex:
             raw = txn.get(_SEG_KEY.pack(seg_id))
             if raw is not None and SegmentInfo.unpack(seg_id, raw).live_records:
                 return False
-            txn.delete(_SEG_KEY.pack(seg_id))
+            if txn.delete(_SEG_KEY.pack(seg_id)):
+                self._bump_epoch(txn)
             return True
 
     def switch(self, moves: list[tuple[bytes, IndexEntry, IndexEntry]],
@@ -321,6 +336,8 @@ class DiskIndex:
                     del accounts.segments[seg_id]
                     txn.delete(_SEG_KEY.pack(seg_id), db=self.segments)
                     emptied.append(seg_id)
+            if emptied:
+                self._bump_epoch(txn)
             accounts.save()
         return SwitchOutcome(moved, len(moves) - moved, emptied)
 

@@ -30,3 +30,8 @@ class DiskMetaStore(MetaStore):
     async def scan(self, prefix: str) -> list[tuple[str, bytes]]:
         return [(key.decode(), value)
                 for key, value in self._tier.index.meta_scan(prefix.encode("utf-8"))]
+
+
+def encode_writes(writes: dict[str, bytes | None]) -> dict[bytes, bytes | None]:
+    """Meta writes with validated utf-8 keys; ``None`` deletes."""
+    return {key_bytes(k): None if v is None else bytes(v) for k, v in writes.items()}
