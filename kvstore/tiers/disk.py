@@ -369,7 +369,7 @@ class DiskTier(Tier):
             try:
                 await self._appender.resume(*self._resume)
             except OSError as exc:
-                raise storage_error(exc, f"reopening segment {self._resume[0]}") from exc
+                raise storage_error(exc, f"{self.path}: segment {self._resume[0]}") from exc
             self._resume = None
         size = record_size(len(kb), value_len)
         seg_id, offset = await self._appender.append(parts, size)

@@ -28,11 +28,12 @@ from kvstore.tiers.segments import fsync_directory, segment_path
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-def storage_error(exc: OSError, what: str) -> TierFull | TierUnavailable:
-    """The tier error for an OSError met while writing: full disks are TierFull."""
-    if exc.errno in _NO_SPACE:
-        return TierFull(f"{what}: no space left ({os.strerror(exc.errno)}); nothing "
-                        f"was stored")
+def storage_error(exc: OSError | Exception, what: str) -> TierFull | TierUnavailable:
+    """The tier error for an error met while writing: a full disk is TierFull."""
+    code = getattr(exc, "errno", None)
+    if code in _NO_SPACE or "No space left" in str(exc):
+        reason = os.strerror(code) if code in _NO_SPACE else str(exc)
+        return TierFull(f"{what}: no space left ({reason}); nothing was stored")
     return TierUnavailable(f"{what}: {exc}")
 
 
@@ -47,6 +48,9 @@ class SegmentAppender:
         self.end = 0
         self._file = None
         self.finished: dict[int, int] = {}  # segment id -> final size, sealed by this one
+
+    def _error(self, exc: OSError, what: str) -> TierFull | TierUnavailable:
+        return storage_error(exc, f"disk tier {self.directory.parent}: {what}")
 
     async def resume(self, seg_id: int, end: int) -> None:
         """Continue an ACTIVE segment whose file was already cut back to ``end``."""
@@ -64,7 +68,7 @@ class SegmentAppender:
             await self._file.flush()
         except OSError as exc:
             await self._cut_back(offset)
-            raise storage_error(exc, f"writing segment {self.seg_id}") from exc
+            raise self._error(exc, f"writing segment {self.seg_id}") from exc
         self.end = offset + size
         return self.seg_id, offset
 
@@ -87,7 +91,7 @@ class SegmentAppender:
             await asyncio.to_thread(fsync_directory, self.directory)
         except OSError as exc:
             self.seg_id, self._file = None, None
-            raise storage_error(exc, f"creating segment {seg_id}") from exc
+            raise self._error(exc, f"creating segment {seg_id}") from exc
         self.seg_id, self.end = seg_id, 0
 
     async def sync(self) -> None:
@@ -96,7 +100,7 @@ class SegmentAppender:
             try:
                 await asyncio.to_thread(os.fsync, self._file.fileno())
             except OSError as exc:
-                raise storage_error(exc, f"syncing segment {self.seg_id}") from exc
+                raise self._error(exc, f"syncing segment {self.seg_id}") from exc
 
     async def cut_back(self, end: int) -> None:
         """Discard everything past ``end`` in the open segment (after a failed commit)."""

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import lmdb
 
-from kvstore.errors import TierFull, TierUnavailable
+from kvstore.errors import TierFull
 from kvstore.tiers.disk_index import DeleteOp, DiskIndex, IndexEntry, IndexOp, PutOp
 from kvstore.tiers.disk_log import storage_error
 from kvstore.tiers.segments import fsync_file, segment_path
@@ -134,7 +134,7 @@ class CommitPipeline:
         except OSError as exc:
             self._fail(batch, storage_error(exc, f"{where} commit"), exc)
         except lmdb.Error as exc:
-            self._fail(batch, TierUnavailable(f"{where} index: {exc}"), exc)
+            self._fail(batch, storage_error(exc, f"{where} index"), exc)
         else:
             for op in batch:
                 self._settled(op)
