@@ -140,6 +140,27 @@ def _tile(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(1, n))))
 
 
+def window_launch(rep: int, t: int, dh: int, group_size: int) -> dict:
+    """Constexprs and num_warps of _window_attention_kernel for REP stacked heads x T rows.
+
+    Tiles picked from ptxas spill reports of an sm_90 build (fp32 FMA dots are register
+    hungry): a decode-sized row block streams wider key blocks, a replay-sized one narrower.
+    """
+    block_m = 16 if rep * t <= 16 else 32
+    return {"REP": rep, "DH": dh, "DH_P2": _tile(dh, 16, 1 << 16), "GS": group_size,
+            "BLOCK_M": block_m, "BLOCK_S": 32 if block_m == 16 else 16, "num_warps": 8}
+
+
+def sparse_launch(h: int, dc: int, group_size: int) -> dict:
+    """Constexprs and num_warps of _sparse_attention_kernel. The two dequantized
+    [BLOCK_K, Dc/2] halves live in registers: narrower key blocks for wider latents."""
+    half_p2 = _tile(dc // 2, 16, 1 << 16)
+    return {"HALF": dc // 2, "HALF_P2": half_p2, "GS": group_size,
+            "BLOCK_H": _tile(h, 16, 1 << 16),
+            "BLOCK_K": 16 if half_p2 >= 256 else 32 if half_p2 == 128 else 64,
+            "num_warps": 8 if half_p2 >= 256 else 4}
+
+
 def window_attention(q, k_codes, k_scales, v_codes, v_scales, q_pos, k_pos, window: int,
                      group_size: int, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Sliding-window attention over 8-bit KV; see kernels.reference.window_attention.
@@ -157,17 +178,12 @@ def window_attention(q, k_codes, k_scales, v_codes, v_scales, q_pos, k_pos, wind
     if out.numel() == 0 or s == 0:
         return out, lse
     rep = h // hkv
-    # tiles picked from ptxas spill reports of an sm_90 build (fp32 FMA dots are register
-    # hungry): a decode-sized row block streams wider key blocks, a replay-sized one narrower
-    block_m = 16 if rep * t <= 16 else 32
-    block_s = 32 if block_m == 16 else 16
-    grid = (triton.cdiv(rep * t, block_m), b * hkv)
+    launch = window_launch(rep, t, dh, group_size)
+    grid = (triton.cdiv(rep * t, launch["BLOCK_M"]), b * hkv)
     _window_attention_kernel[grid](
         q.contiguous(), k_codes.contiguous(), k_scales.contiguous(), v_codes.contiguous(),
         v_scales.contiguous(), q_pos.contiguous(), k_pos.contiguous(), out, lse,
-        h, hkv, t, s, int(window), float(sm_scale),
-        REP=rep, DH=dh, DH_P2=_tile(dh, 16, 1 << 16), GS=group_size,
-        BLOCK_M=block_m, BLOCK_S=block_s, num_warps=8)
+        h, hkv, t, s, int(window), float(sm_scale), **launch)
     return out, lse
 
 
@@ -185,14 +201,7 @@ def sparse_compressed_attention(q, kv_packed, kv_scales, idx, group_size: int,
     lse = torch.full((b, h, t), float("-inf"), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or k == 0 or n == 0:
         return out, lse
-    half = dc // 2
-    half_p2 = _tile(half, 16, 1 << 16)
-    # the two dequantized [BLOCK_K, Dc/2] halves live in registers: narrower key blocks for
-    # wider latents (from ptxas spill reports of an sm_90 build)
-    block_k = 16 if half_p2 >= 256 else 32 if half_p2 == 128 else 64
     _sparse_attention_kernel[(b * t,)](
         q.contiguous(), kv_packed.contiguous(), kv_scales.contiguous(), idx.contiguous(),
-        out, lse, h, t, n, k, float(sm_scale),
-        HALF=half, HALF_P2=half_p2, GS=group_size, BLOCK_H=_tile(h, 16, 1 << 16),
-        BLOCK_K=block_k, num_warps=8 if half_p2 >= 256 else 4)
+        out, lse, h, t, n, k, float(sm_scale), **sparse_launch(h, dc, group_size))
     return out, lse

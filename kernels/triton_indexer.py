@@ -61,6 +61,14 @@ def _indexer_scores_kernel(
         tl.store(out_ptr + out_offs, tl.where(visible, acc, float("-inf")), mask=out_mask)
 
 
+def indexer_launch(di: int, group_size: int) -> dict:
+    """Constexprs of _indexer_scores_kernel: 16 x 32 tiles, as larger ones spill registers
+    in an sm_90 build (fp32 FMA dots)."""
+    half = di // 2
+    return {"HALF": half, "HALF_P2": max(16, triton.next_power_of_2(half)), "GS": group_size,
+            "BLOCK_T": 16, "BLOCK_N": 32}
+
+
 def indexer_scores(qi, ki_packed, ki_scales, w, n_visible, group_size: int) -> torch.Tensor:
     """score[b,t,n] = sum_h w[b,t,h] * relu(qi[b,t,h] . dequant(ki)[b,n]), -inf for n >=
     n_visible[t]; see kernels.reference.indexer_scores.
@@ -75,13 +83,9 @@ def indexer_scores(qi, ki_packed, ki_scales, w, n_visible, group_size: int) -> t
     out = torch.full((b, t, n), float("-inf"), dtype=torch.float32, device=qi.device)
     if out.numel() == 0:
         return out
-    half = di // 2
-    # 16 x 32 tiles: larger ones spill registers in an sm_90 build (fp32 FMA dots)
-    block_t, block_n = 16, 32
-    grid = (triton.cdiv(n, block_n), triton.cdiv(t, block_t), b)
+    launch = indexer_launch(di, group_size)
+    grid = (triton.cdiv(n, launch["BLOCK_N"]), triton.cdiv(t, launch["BLOCK_T"]), b)
     _indexer_scores_kernel[grid](
         qi.contiguous(), ki_packed.contiguous(), ki_scales.contiguous(), w.contiguous(),
-        n_visible.contiguous(), out, t, hi, n,
-        HALF=half, HALF_P2=max(16, triton.next_power_of_2(half)), GS=group_size,
-        BLOCK_T=block_t, BLOCK_N=block_n)
+        n_visible.contiguous(), out, t, hi, n, **launch)
     return out

@@ -32,6 +32,19 @@ def _rows_per_program(group_elems: int) -> int:
     return max(1, min(256, triton.next_power_of_2(max(1, _BLOCK_ELEMS // group_elems))))
 
 
+def int4_launch(group_size: int) -> dict:
+    """Constexprs of the int4 (de)quantize kernels: groups of HALF byte pairs."""
+    half = group_size // 2
+    return {"HALF": half, "HALF_P2": triton.next_power_of_2(half),
+            "BLOCK_M": _rows_per_program(group_size)}
+
+
+def int8_launch(group_size: int) -> dict:
+    """Constexprs of the int8 (de)quantize kernels."""
+    return {"GS": group_size, "GS_P2": triton.next_power_of_2(group_size),
+            "BLOCK_M": _rows_per_program(group_size)}
+
+
 @triton.jit
 def round_half_even(y):
     """torch.round semantics: y + 0.5 floored, then ties moved to the even neighbour."""
@@ -186,11 +199,9 @@ def quantize_int4(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     scales = torch.empty((*x.shape[:-1], groups), dtype=torch.float16, device=x.device)
     m = scales.numel()
     if m:
-        half = group_size // 2
-        block_m = _rows_per_program(group_size)
-        _quantize_int4_kernel[(triton.cdiv(m, block_m),)](
-            x, packed, scales, m, HALF=half, HALF_P2=triton.next_power_of_2(half),
-            BLOCK_M=block_m)
+        launch = int4_launch(group_size)
+        grid = (triton.cdiv(m, launch["BLOCK_M"]),)
+        _quantize_int4_kernel[grid](x, packed, scales, m, **launch)
     return packed, scales
 
 
@@ -203,11 +214,9 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor,
     out = torch.empty((*packed.shape[:-1], dim), dtype=torch.float32, device=packed.device)
     m = scales.numel()
     if m:
-        half = group_size // 2
-        block_m = _rows_per_program(group_size)
-        _dequantize_int4_kernel[(triton.cdiv(m, block_m),)](
-            packed, scales, out, m, HALF=half, HALF_P2=triton.next_power_of_2(half),
-            BLOCK_M=block_m)
+        launch = int4_launch(group_size)
+        grid = (triton.cdiv(m, launch["BLOCK_M"]),)
+        _dequantize_int4_kernel[grid](packed, scales, out, m, **launch)
     return out
 
 
@@ -220,10 +229,9 @@ def quantize_int8(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     scales = torch.empty((*x.shape[:-1], groups), dtype=torch.float16, device=x.device)
     m = scales.numel()
     if m:
-        block_m = _rows_per_program(group_size)
-        _quantize_int8_kernel[(triton.cdiv(m, block_m),)](
-            x, codes, scales, m, GS=group_size, GS_P2=triton.next_power_of_2(group_size),
-            BLOCK_M=block_m)
+        launch = int8_launch(group_size)
+        grid = (triton.cdiv(m, launch["BLOCK_M"]),)
+        _quantize_int8_kernel[grid](x, codes, scales, m, **launch)
     return codes, scales
 
 
@@ -236,8 +244,7 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor,
     out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
     m = scales.numel()
     if m:
-        block_m = _rows_per_program(group_size)
-        _dequantize_int8_kernel[(triton.cdiv(m, block_m),)](
-            codes, scales, out, m, GS=group_size, GS_P2=triton.next_power_of_2(group_size),
-            BLOCK_M=block_m)
+        launch = int8_launch(group_size)
+        grid = (triton.cdiv(m, launch["BLOCK_M"]),)
+        _dequantize_int8_kernel[grid](codes, scales, out, m, **launch)
     return out

@@ -72,6 +72,11 @@ def _topk_select_kernel(scores_ptr, cand_ptr, out_ptr, N, P, K,
         ties_seen += tl.sum(tie, axis=0)
 
 
+def topk_launch(p: int, has_candidates: bool) -> dict:
+    """Constexprs of _topk_select_kernel for rows of p slots."""
+    return {"HAS_CAND": has_candidates, "BLOCK": max(16, min(1024, triton.next_power_of_2(p)))}
+
+
 def indexer_topk(scores: torch.Tensor, k: int,
                  candidates: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k entry indices per query: radix select in Triton, final ordering in torch; see
@@ -94,9 +99,8 @@ def indexer_topk(scores: torch.Tensor, k: int,
     width = min(k, p)
     picked = torch.full((b, t, width), -1, dtype=torch.int32, device=scores.device)
     if rows and width:
-        block = max(16, min(1024, triton.next_power_of_2(p)))
         _topk_select_kernel[(rows,)](scores, cand, picked, n, p, width,
-                                     HAS_CAND=candidates is not None, BLOCK=block)
+                                     **topk_launch(p, candidates is not None))
     vals = torch.gather(scores, -1, picked.long().clamp_min(0))
     vals = vals.masked_fill(picked < 0, float("-inf"))
     return rank_by_score(vals, picked, k)
