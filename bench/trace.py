@@ -43,17 +43,15 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from bench.trace_belady import BeladyPolicy, NextUseTable
+from bench.trace_policies import POLICIES, setup_policy
 from bench.trace_reader import BLOCK_TOKENS, TraceRequest, read_trace
 from bench.trace_sim import CAUSES, SimTier, TierSim, replay
-from bench.trace_workload import Workload, build_workload, causal_hints, oracle_hints
+from bench.trace_workload import Workload, build_workload
 from kvstore.errors import InvalidRequest, KVTierError
 from kvstore.layout import get_layout
-from kvstore.policy import HintPolicy, LRUPolicy
 
 DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2)
 DEFAULT_POLICIES = ("lru", "hint", "hint-causal", "belady")
-POLICIES = ("lru", "hint", "hint-perfect", "hint-causal", "belady")
 WINDOW_TOKENS = 128  # W: the window kept exactly, and the bounded replay's length R
 TIER_NAMES = ("hbm", "host", "disk")
 
@@ -85,29 +83,9 @@ def make_tiers(footprint: int, fraction: float, host_ratio: float,
 def simulate(workload: Workload, policy: str, tiers: Sequence[SimTier], block_bytes: int,
              window_bytes: int, *, hint_sigma: float = 0.5, seed: int = 0) -> TierSim:
     """Replay ``workload`` through a fresh ``TierSim`` driven by ``policy``; return it."""
-    now = [0.0]
-
-    def clock() -> float:
-        return now[0]
-
-    def set_time(t: float) -> None:
-        now[0] = t
-
-    advance = None
-    hints = [None] * len(workload.steps)
-    if policy == "lru":
-        factory = lambda: LRUPolicy(clock)  # noqa: E731
-    elif policy == "belady":
-        table = NextUseTable(workload.reads, workload.next_read, workload.first_positions())
-        factory, advance = (lambda: BeladyPolicy(table)), table.advance
-    elif policy in ("hint", "hint-perfect", "hint-causal"):
-        factory = lambda: HintPolicy(clock)  # noqa: E731
-        hints = (causal_hints(workload) if policy == "hint-causal"
-                 else oracle_hints(workload, 0.0 if policy == "hint-perfect" else hint_sigma, seed))
-    else:
-        raise InvalidRequest(f"unknown policy {policy!r}; known: {POLICIES}")
-    sim = TierSim(tiers, factory, block_bytes, window_bytes)
-    replay(workload, sim, hints, set_time, advance)
+    setup = setup_policy(workload, policy, hint_sigma=hint_sigma, seed=seed)
+    sim = TierSim(tiers, setup.factory, block_bytes, window_bytes)
+    replay(workload, sim, setup.hints, setup.clock.set, setup.advance)
     return sim
 
 
@@ -267,7 +245,8 @@ def run_trace_benchmark(
         from bench.trace_check import check_against_stack
 
         report["validation"] = check_against_stack(
-            requests[:validate_requests], host_ratio=host_ratio, hint_sigma=hint_sigma, seed=seed)
+            requests[:validate_requests], policies=policies, host_ratio=host_ratio,
+            hint_sigma=hint_sigma, seed=seed)
     report["elapsed_s"] = round(time.perf_counter() - started, 1)
     report["machine"] = {"cpus": os.cpu_count(), "jobs": jobs}
     return report
@@ -299,8 +278,10 @@ def format_table(report: dict) -> str:
             f"{promo:>9.1f} {demo:>9.1f}")
     if "validation" in report:
         v = report["validation"]
-        lines += ["", f"validation against the real TierStack ({v['requests']} requests): "
-                      f"{'counts agree' if v['agree'] else 'counts DIFFER: ' + str(v['diff'])}"]
+        lines += ["", f"validation against the real TierStack, first {v['requests']} requests: "
+                      f"{'all counts agree' if v['agree'] else 'counts DIFFER'}"]
+        lines += [f"  {p['policy']} at {p['capacity_fraction']:g}: "
+                  f"{'agree' if p['agree'] else p['diff']}" for p in v["points"]]
     lines += ["", "method:"] + [f"  {k}: {v}" for k, v in report["method"].items()]
     return "\n".join(lines)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Hashable
 
 import numpy as np
 
@@ -21,22 +21,24 @@ from kvstore.policy import BlockId, EvictionPolicy, ResumeHint
 
 
 class NextUseTable:
-    def __init__(self, reads: np.ndarray, next_read: np.ndarray, first: dict[int, int]) -> None:
+    def __init__(self, reads: np.ndarray, next_read: np.ndarray, first: dict[int, int],
+                 name: Callable[[int], Hashable] | None = None) -> None:
         """``reads`` (n,) int64 keys in replay order; ``next_read`` (n,) int64 positions;
-        ``first``: key -> position of its first read (shared, never modified here)."""
+        ``first``: key -> position of its first read. ``name`` maps a trace key to the key
+        the policy is given (e.g. a tier key string); the default keeps the ints."""
         if reads.shape != next_read.shape or reads.ndim != 1:
             raise ValueError(f"reads {reads.shape} and next_read {next_read.shape} must be "
                              "equal 1-D shapes")
-        self._reads = reads.tolist()
+        self._reads = reads.tolist() if name is None else [name(k) for k in reads.tolist()]
         self._next_read = next_read.tolist()
-        self._first = first
-        self._current: dict[int, int] = {}  # keys read so far -> their next read
+        self._first = first if name is None else {name(k): p for k, p in first.items()}
+        self._current: dict[Hashable, int] = {}  # keys read so far -> their next read
 
     def advance(self, position: int) -> None:
         """The replay is at read ``position`` (each position once, in order)."""
         self._current[self._reads[position]] = self._next_read[position]
 
-    def next_use(self, key: int) -> int:
+    def next_use(self, key: Hashable) -> int:
         current = self._current.get(key)
         return self._first.get(key, NEVER) if current is None else current
 
@@ -65,28 +67,24 @@ class BeladyPolicy(EvictionPolicy):
     def on_remove(self, block: BlockId) -> None:
         self._entry.pop(block, None)
 
-    def _live(self, item: tuple[int, int, BlockId]) -> bool:
-        return self._entry.get(item[2]) == (-item[0], item[1])
-
-    def _farthest_first(self) -> Iterator[BlockId]:
-        """Live blocks, farthest next use first, walking the heap's tree lazily."""
-        heap = self._heap
-        while heap and not self._live(heap[0]):
-            heapq.heappop(heap)
-        frontier = [(heap[0], 0)] if heap else []
-        while frontier:
-            item, i = heapq.heappop(frontier)
-            if self._live(item):
-                yield item[2]
-            for child in (2 * i + 1, 2 * i + 2):
-                if child < len(heap):
-                    heapq.heappush(frontier, (heap[child], child))
-
     def victim(self, exclude: Collection[BlockId] = ()) -> BlockId | None:
-        for block in self._farthest_first():
-            if block not in exclude:
-                return block
-        return None
+        # Pop excluded entries aside (stale ones for good) and push them back: a handful of
+        # C-level heap operations, where the request being placed protects its own blocks.
+        heap, entry = self._heap, self._entry
+        aside = []
+        found = None
+        while heap:
+            neg_next, seq, block = heap[0]
+            if entry.get(block) != (-neg_next, seq):
+                heapq.heappop(heap)
+            elif block in exclude:
+                aside.append(heapq.heappop(heap))
+            else:
+                found = block
+                break
+        for item in aside:
+            heapq.heappush(heap, item)
+        return found
 
     def __contains__(self, block: BlockId) -> bool:
         return block in self._entry

@@ -89,25 +89,28 @@ class TierSim:
         self.block_bytes, self.window_bytes = block_bytes, window_bytes
         self.hints: dict[int, ResumeHint] = {}
         self.counters = SimCounters(tuple(t.name for t in self.tiers))
+        self.where: dict[int, int] = {}  # key -> bit i set when tier i holds it
         self._durable = [i for i, t in enumerate(self.tiers) if t.durable]
+        self._durable_mask = sum(1 << i for i in self._durable)
+        self._window_tiers = [t.holds_window for t in self.tiers]
+        self._last = len(self.tiers) - 1
 
     def size(self, key: int) -> int:
         return self.window_bytes if key < 0 else self.block_bytes
 
     def holders(self, key: int) -> list[int]:
-        return [i for i, policy in enumerate(self.policies) if key in policy]
-
-    def may_hold(self, j: int, key: int) -> bool:
-        return key >= 0 or self.tiers[j].holds_window
+        mask = self.where.get(key, 0)
+        return [i for i in range(len(self.tiers)) if mask >> i & 1]
 
     # -- placement (TierStack.place / _put / _make_room / _evict / delete) --
 
     def place(self, key: int, cause: str, start: int = 0, stop: int | None = None,
               protect: Collection[int] = ()) -> int | None:
+        mask = self.where.get(key, 0)
         for j in range(start, len(self.tiers) if stop is None else stop):
-            if not self.may_hold(j, key):
+            if key < 0 and not self._window_tiers[j]:
                 continue
-            if key in self.policies[j]:
+            if mask >> j & 1:
                 self.policies[j].on_access(key, self.hints.get(key))
                 return j
             if self._put(j, key, cause, protect):
@@ -115,40 +118,48 @@ class TierSim:
         return None
 
     def _put(self, j: int, key: int, cause: str, protect: Collection[int]) -> bool:
-        size = self.size(key)
+        size = self.window_bytes if key < 0 else self.block_bytes
         capacity = self.tiers[j].capacity_bytes
         if size > capacity:
             return False
         policy = self.policies[j]
-        skip = _Skip(protect)
-        while capacity - self.used[j] < size:
-            victim = policy.victim(skip)
-            if victim is None:
-                return False
-            skip.tried.add(victim)
-            self._evict(j, victim)
+        if capacity - self.used[j] < size:
+            skip = _Skip(protect)
+            while capacity - self.used[j] < size:
+                victim = policy.victim(skip)
+                if victim is None:
+                    return False
+                skip.tried.add(victim)
+                self._evict(j, victim)
         self.used[j] += size
+        self.where[key] = self.where.get(key, 0) | 1 << j
         policy.on_insert(key, size, self.hints.get(key))
         self.counters.bytes_written[cause][j] += size
         return True
 
     def _evict(self, j: int, key: int) -> bool:
         target = self.place(key, "demotion", start=j + 1)
-        elsewhere = any(i != j for i in self.holders(key))
-        last_tier = j == len(self.tiers) - 1
-        if target is None and key >= 0 and not elsewhere and not last_tier:
-            return False  # the last copy of a referenced chunk stays
+        if target is None:
+            elsewhere = self.where.get(key, 0) & ~(1 << j)
+            if key >= 0 and not elsewhere and j != self._last:
+                return False  # the last copy of a referenced chunk stays
+            if key < 0:
+                self.counters.windows_dropped += 1
+            elif not elsewhere:
+                self.counters.chunks_dropped += 1
         self.delete(j, key, evicted=True)
-        if target is None and key < 0:
-            self.counters.windows_dropped += 1
-        elif target is None and not elsewhere:
-            self.counters.chunks_dropped += 1
         return True
 
     def delete(self, j: int, key: int, evicted: bool = False) -> None:
-        if key in self.policies[j]:
+        mask = self.where.get(key, 0)
+        if mask >> j & 1:
             self.used[j] -= self.size(key)
             self.policies[j].on_remove(key)
+            mask &= ~(1 << j)
+            if mask:
+                self.where[key] = mask
+            else:
+                del self.where[key]
             if evicted:
                 self.counters.evictions[j] += 1
 
@@ -161,34 +172,37 @@ class TierSim:
 
     def read(self, key: int, protect: Collection[int]) -> int | None:
         """The tier that served ``key`` (promoting it when below the top), or None."""
-        for j, policy in enumerate(self.policies):
-            if key in policy:
-                policy.on_access(key, self.hints.get(key))
-                if j > 0:
-                    self.place(key, "promotion", start=0, stop=j, protect=protect)
-                return j
-        return None
+        mask = self.where.get(key, 0)
+        if not mask:
+            return None
+        j = (mask & -mask).bit_length() - 1  # the highest tier holding it
+        self.policies[j].on_access(key, self.hints.get(key))
+        if j > 0:
+            self.place(key, "promotion", start=0, stop=j, protect=protect)
+        return j
 
     # -- spill (the manager's _store_chunk / _store_window / _write_back) --
 
-    def touch(self, key: int, hint: ResumeHint | None) -> list[int]:
+    def touch(self, key: int, hint: ResumeHint | None) -> int:
+        """Re-hint ``key`` where it is held; returns its tier mask."""
         if hint is not None:
             self.hints[key] = hint
-        holders = self.holders(key)
-        for i in holders:
-            self.policies[i].on_access(key, hint)
-        return holders
+        mask = self.where.get(key, 0)
+        for i in range(len(self.tiers)):
+            if mask >> i & 1:
+                self.policies[i].on_access(key, hint)
+        return mask
 
     def spill(self, blocks: Sequence[int], window_new: int | None, window_old: int | None,
               hint: ResumeHint | None) -> None:
         queued = []
         protect = frozenset(blocks)
         for key in blocks:
-            holders = self.touch(key, hint)
-            if not holders:
+            mask = self.touch(key, hint)
+            if not mask:
                 placed = self.place(key, "spill", protect=protect)
-                holders = [] if placed is None else [placed]
-            if self._durable and not any(self.tiers[i].durable for i in holders):
+                mask = 0 if placed is None else 1 << placed
+            if self._durable and not mask & self._durable_mask:
                 queued.append(key)
         if window_new is not None:
             self.touch(window_new, hint)
@@ -196,8 +210,8 @@ class TierSim:
         if window_old is not None:
             self.delete_everywhere(window_old)
         for key in queued:
-            holders = self.holders(key)
-            if not holders or any(self.tiers[i].durable for i in holders):
+            mask = self.where.get(key, 0)
+            if not mask or mask & self._durable_mask:
                 continue
             for j in self._durable:
                 if self.place(key, "writeback", start=j, stop=j + 1) is not None:

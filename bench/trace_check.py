@@ -1,0 +1,233 @@
+"""Validating the simulation against the product on a trace prefix.
+
+The first N requests are replayed twice with the same policies, hints and virtual
+clock: once through ``bench.trace_sim.TierSim``, once through the real
+``kvstore.placement.TierStack`` (the tier manager's placement engine) over real tiers:
+``HBMTier`` (on the CPU device here), ``HostTier`` and a ``DiskTier`` in a temporary
+directory, holding real encoded chunks (``kvstore.codec``; every copy is verified on
+each read and demotion). The driver below makes the calls the manager makes for a
+restore (``read``, then ``promote`` protecting the session's blocks) and a spill
+(``touch``, ``place``, window replacement, write-back through ``read(access=False)``
+and ``place`` on the durable tier). Equal counts mean the simulation's figures are the
+product's on that prefix.
+
+Why not ``TierManager`` itself: its API stores and restores whole sessions. The trace
+reuses blocks across conversations (shared prompt prefixes), and the manager has no
+call that reads a block by key outside its session, so it cannot replay the trace's
+reads one for one; ``TierStack`` is the layer where those reads happen.
+
+Sizes: a small layout (below) keeps the check light; the simulation is given the very
+byte sizes of its encoded block and window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import tempfile
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from bench.trace_policies import setup_policy
+from bench.trace_reader import BLOCK_TOKENS, TraceRequest
+from bench.trace_sim import SimTier, TierSim, replay
+from bench.trace_workload import Workload, build_workload
+from kvstore.codec import StreamData, encode_chunk
+from kvstore.errors import DataLoss
+from kvstore.layout import LayoutSpec, Stream
+from kvstore.locks import KeyedLocks
+from kvstore.placement import WINDOW_PREFIX, TierStack
+from kvstore.stats import Counters
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.hbm import HBMTier
+from kvstore.tiers.host import HostTier
+
+CHECK_LAYOUT = LayoutSpec(
+    name="trace-check",
+    streams=(
+        Stream("latent", (32,), bits=4, group_size=32, tokens_per_entry=4),
+        Stream("window", (4, 32), bits=8, group_size=32, persistent=False),
+    ),
+    chunk_tokens=BLOCK_TOKENS,
+)
+WINDOW_TOKENS = 128
+UNBOUNDED_BYTES = 1 << 50
+
+
+def _encoded(ephemeral: bool) -> bytes:
+    """One encoded chunk (or window blob) of CHECK_LAYOUT with random contents."""
+    tokens = BLOCK_TOKENS if not ephemeral else WINDOW_TOKENS
+    g = torch.Generator().manual_seed(0)
+    streams = {}
+    for s in CHECK_LAYOUT.ephemeral_streams if ephemeral else CHECK_LAYOUT.persistent_streams:
+        n = s.entries_for(tokens)
+        codes = torch.randint(0, 256, (s.layers, n, *s.codes_shape), generator=g,
+                              dtype=torch.uint8)
+        if s.bits == 8:
+            codes = codes.view(torch.int8)
+        scales = torch.rand(s.layers, n, s.scales_per_entry, generator=g).half()
+        streams[s.name] = StreamData(codes, scales)  # (layers, entries, ...) per stream
+    return encode_chunk(CHECK_LAYOUT, 0, np.arange(tokens), streams, ephemeral=ephemeral)
+
+
+def _name(key: int) -> str:
+    return f"{WINDOW_PREFIX}trace/{-key}" if key < 0 else f"block/{key}"
+
+
+async def _replay_stack(workload: Workload, stack: TierStack, setup, block: bytes,
+                        window: bytes) -> dict:
+    """The manager's calls for each request, in the order ``trace_sim.replay`` makes them."""
+    locks = stack.locks
+    durable = [i for i, tier in enumerate(stack.tiers) if tier.durable]
+    n = len(stack.tiers)
+    block_hits, window_hits = [0] * n, [0] * n
+    misses = replays = 0
+    position = 0
+
+    async def read(key: str, protect: frozenset[str]) -> int | None:
+        try:
+            data, source, bad = await stack.read(key)
+        except DataLoss:
+            return None
+        if source > 0 or bad:
+            async with locks.hold(key):
+                await stack.promote(key, data, source, bad, protect)
+        return source
+
+    for step, hint in zip(workload.steps, setup.hints, strict=True):
+        setup.clock.set(step.time_s)
+        keys = [_name(b) for b in step.blocks]
+        session = set(keys)
+        if step.window_prev is not None:
+            session.add(_name(step.window_prev))
+        session = frozenset(session)
+        for key in keys:
+            if setup.advance is not None:
+                setup.advance(position)
+            position += 1
+            tier = await read(key, session)
+            if tier is None:
+                misses += 1
+            else:
+                block_hits[tier] += 1
+        if step.window_prev is not None:
+            if setup.advance is not None:
+                setup.advance(position)
+            position += 1
+            tier = await read(_name(step.window_prev), session)
+            if tier is None:
+                replays += 1
+            else:
+                window_hits[tier] += 1
+        protect = frozenset(keys)
+        queued = []
+        for key in keys:
+            async with locks.hold(key):
+                stack.touch(key, hint)
+                holders = stack.holders(key)
+                if not holders:
+                    placed = await stack.place(key, block, protect=protect)
+                    holders = [] if placed is None else [placed]
+                if not any(i in durable for i in holders):
+                    queued.append(key)
+        if step.window_new is not None:
+            new = _name(step.window_new)
+            async with locks.hold(new):
+                stack.touch(new, hint)
+                await stack.place(new, window)
+        if step.window_prev is not None:
+            old = _name(step.window_prev)
+            async with locks.hold(old):
+                await stack.delete_everywhere(old)
+        for key in queued:
+            async with locks.hold(key):
+                if any(i in durable for i in stack.holders(key)):
+                    continue
+                data, _, _ = await stack.read(key, access=False)
+                for j in durable:
+                    if await stack.place(key, data, start=j, stop=j + 1) is not None:
+                        break
+    counters: Counters = stack.counters
+    names = [t.name for t in stack.tiers]
+    return {
+        "block_hits": block_hits,
+        "misses": misses,
+        "window_hits": window_hits,
+        "replays": replays,
+        "evictions": [counters.evictions[name] for name in names],
+        "bytes_written": [counters.bytes_written[name] for name in names],
+        "windows_dropped": counters.windows_dropped,
+    }
+
+
+def _sim_counts(sim: TierSim) -> dict:
+    c = sim.counters
+    return {
+        "block_hits": c.block_hits,
+        "misses": c.new_blocks + c.reprefill_blocks,
+        "window_hits": c.window_hits,
+        "replays": c.replays,
+        "evictions": c.evictions,
+        "bytes_written": [sum(c.bytes_written[cause][j] for cause in c.bytes_written)
+                          for j in range(len(sim.tiers))],
+        "windows_dropped": c.windows_dropped,
+    }
+
+
+async def _stack_point(workload: Workload, policy: str, capacities: Sequence[int],
+                       block: bytes, window: bytes, hint_sigma: float, seed: int) -> dict:
+    setup = setup_policy(workload, policy, hint_sigma=hint_sigma, seed=seed, name=_name)
+    with tempfile.TemporaryDirectory(prefix="kvtier-trace-check-") as root:
+        tiers = [HBMTier(capacities[0], device="cpu"),
+                 HostTier(capacities[1], pin_memory=False),
+                 DiskTier(root, UNBOUNDED_BYTES, durable=False)]
+        stack = TierStack(tiers, setup.factory, KeyedLocks(), Counters(),
+                          is_referenced=lambda key: True, on_window_dropped=lambda key: None)
+        try:
+            return await _replay_stack(workload, stack, setup, block, window)
+        finally:
+            for tier in tiers:
+                await tier.close()
+
+
+def check_against_stack(requests: Sequence[TraceRequest], *, policies: Sequence[str],
+                        fractions: Sequence[float] = (0.02, 0.1), host_ratio: float = 4.0,
+                        hint_sigma: float = 0.5, seed: int = 0) -> dict:
+    """Counts of the simulation and of the real TierStack on ``requests``, per point."""
+    started = time.perf_counter()
+    block, window = _encoded(False), _encoded(True)
+    workload = build_workload(requests, windows=True)
+    footprint = workload.unique_blocks * len(block)
+    points = []
+    for fraction in fractions:
+        capacities = [int(fraction * footprint), int(host_ratio * fraction * footprint)]
+        for policy in policies:
+            sim_tiers = [SimTier("hbm", capacities[0], True, False),
+                         SimTier("host", capacities[1], True, False),
+                         SimTier("disk", math.inf, False, True)]
+            setup = setup_policy(workload, policy, hint_sigma=hint_sigma, seed=seed)
+            sim = TierSim(sim_tiers, setup.factory, len(block), len(window))
+            replay(workload, sim, setup.hints, setup.clock.set, setup.advance)
+            expected = _sim_counts(sim)
+            real = asyncio.run(_stack_point(workload, policy, capacities, block, window,
+                                            hint_sigma, seed))
+            diff = {k: {"sim": expected[k], "stack": real[k]}
+                    for k in expected if expected[k] != real[k]}
+            points.append({"policy": policy, "capacity_fraction": fraction,
+                           "agree": not diff, "diff": diff, "stack": real})
+    return {
+        "method": "the same requests, policies, hints and clock through TierSim and through "
+                  "kvstore.placement.TierStack over real HBMTier (CPU device), HostTier and "
+                  "DiskTier with encoded chunks of a small layout; compared: block and "
+                  "window hits per tier, misses, replays, evictions and bytes written per "
+                  "tier, windows dropped",
+        "requests": len(requests),
+        "block_bytes": len(block),
+        "window_bytes": len(window),
+        "points": points,
+        "agree": all(p["agree"] for p in points),
+        "seconds": round(time.perf_counter() - started, 1),
+    }

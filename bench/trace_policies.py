@@ -1,0 +1,64 @@
+"""The eviction policies a trace replay compares, each with its hints and virtual clock.
+
+Every replay (the simulation and the real ``TierStack`` check) gets the same setup for
+a policy name: a factory for one policy per tier, the hint each request spills with,
+the clock the policies read, and for Belady the cursor of its next-use table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+from bench.trace_belady import BeladyPolicy, NextUseTable
+from bench.trace_workload import Workload, causal_hints, oracle_hints
+from kvstore.errors import InvalidRequest
+from kvstore.policy import EvictionPolicy, HintPolicy, LRUPolicy, ResumeHint
+
+POLICIES = ("lru", "hint", "hint-perfect", "hint-causal", "belady")
+
+
+class VirtualClock:
+    """Seconds of trace time; the replay sets it to each request's timestamp."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def set(self, now: float) -> None:
+        self.now = now
+
+
+@dataclass(frozen=True)
+class PolicySetup:
+    factory: Callable[[], EvictionPolicy]
+    hints: list[ResumeHint | None]  # one per request, given with its spill
+    clock: VirtualClock
+    advance: Callable[[int], None] | None  # told every read position (Belady only)
+
+
+def setup_policy(workload: Workload, policy: str, *, hint_sigma: float = 0.5, seed: int = 0,
+                 name: Callable[[int], Hashable] | None = None) -> PolicySetup:
+    """``lru``: LRUPolicy. ``hint``: HintPolicy, oracle hints with lognormal noise
+    ``hint_sigma``; ``hint-perfect``: the same with no noise; ``hint-causal``: HintPolicy,
+    hints from past gaps only. ``belady``: farthest next read first (offline table; ``name``
+    maps trace keys to the keys its policies will see)."""
+    clock = VirtualClock()
+    no_hints: list[ResumeHint | None] = [None] * len(workload.steps)
+    if policy == "lru":
+        return PolicySetup(lambda: LRUPolicy(clock), no_hints, clock, None)
+    if policy == "belady":
+        table = NextUseTable(workload.reads, workload.next_read, workload.first_positions(),
+                             name)
+        return PolicySetup(lambda: BeladyPolicy(table), no_hints, clock, table.advance)
+    if policy == "hint-causal":
+        return PolicySetup(lambda: HintPolicy(clock), causal_hints(workload), clock, None)
+    if policy in ("hint", "hint-perfect"):
+        sigma = 0.0 if policy == "hint-perfect" else hint_sigma
+        if sigma < 0:
+            raise InvalidRequest(f"hint_sigma must be >= 0, got {sigma}")
+        hints: list[ResumeHint | None] = list(oracle_hints(workload, sigma, seed))
+        return PolicySetup(lambda: HintPolicy(clock), hints, clock, None)
+    raise InvalidRequest(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
