@@ -106,7 +106,8 @@ class DiskTier(Tier):
 
     @classmethod
     def writer_is_live(cls, path: str | Path) -> bool:
-        return DirLock(Path(path) / WRITER_LOCK, "").is_held_elsewhere()
+        lock = Path(path) / WRITER_LOCK
+        return lock.exists() and DirLock(lock, "").is_held_elsewhere()
 
     @property
     def meta(self) -> DiskMetaStore:
