@@ -197,3 +197,14 @@ def test_ops_dispatch_runs_triton_and_keeps_gradients_on_the_reference(tri):
         grad_out.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
     assert torch.allclose(out, grad_out.detach(), atol=2e-5)
+
+
+def test_reference_gradients_stay_finite_when_a_query_sees_nothing():
+    q = torch.randn(1, 2, 3, 16, requires_grad=True)
+    kv_packed, kv_scales = ref.quantize_int4(torch.randn(1, 5, 16), 8)
+    idx = torch.tensor([[[0, 1], [-1, -1], [2, -1]]], dtype=torch.int32)
+    out, lse = ref.sparse_compressed_attention(q, kv_packed, kv_scales, idx, 8, 0.25)
+    (out.sum() + torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).sum()).backward()
+    assert torch.isfinite(q.grad).all()
+    assert torch.equal(q.grad[:, :, 1], torch.zeros_like(q.grad[:, :, 1]))
+    assert q.grad[:, :, 0].abs().sum() > 0
