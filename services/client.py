@@ -20,6 +20,7 @@ through shared memory (``shared_memory=None``: whenever the target is loopback).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from kvstore.codec import StreamData
+from kvstore.codec import StreamData, read_header
 from kvstore.errors import StaleGeneration
 from kvstore.keys import chain_keys
 from kvstore.layout import LayoutSpec, get_layout
@@ -75,10 +76,15 @@ class RestoredSession:
     generation: int
     token_ids: np.ndarray  # (num_tokens,) uint32
     chunk_keys: list[str]
-    chunks: list[bytes]  # encoded, verified by the server and again on decode
-    tail: bytes
-    persistent: dict[str, StreamData]  # (layers, entries, ...) over every token
-    window: dict[str, StreamData] | None  # (layers, W, ...) or None: not held / not asked
+    # Encoded blocks, verified by the server and again on decode (bytes, or read-only
+    # views into the shared-memory mapping they arrived in).
+    chunks: list[bytes | memoryview]
+    tail: bytes | memoryview
+    window_blob: bytes | memoryview | None  # the window (codec chunk, ephemeral streams)
+    # Decoded (empty / None with decode=False): (layers, entries, ...) over every token,
+    # and the window's (layers, W, ...) or None when no window came back.
+    persistent: dict[str, StreamData]
+    window: dict[str, StreamData] | None
     window_start: int  # first token the window covers
     window_tier: str
     replay_needed: bool  # no window came back and the layout has window streams
@@ -106,6 +112,7 @@ class AsyncClient:
             ("grpc.max_reconnect_backoff_ms", int(retry.max_backoff_s * 1000))])
         self._stub = pb_grpc.KVTierStub(self._channel)
         self._held: dict[tuple[str, str], set[str]] = {}  # keys the server acknowledged
+        self._segments = shm.SegmentPool("kvtier-s")
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -115,6 +122,7 @@ class AsyncClient:
 
     async def close(self) -> None:
         await self._channel.close()
+        self._segments.close()
 
     async def _call(self, attempt: Callable[[], Awaitable]):
         delays = self.retry.delays()
@@ -197,7 +205,7 @@ class AsyncClient:
             items.append(("window", "", enc.window))
         writer = None
         if self.shared_memory and items:
-            writer = shm.SegmentWriter(sum(len(d) for _, _, d in items), "kvtier-s")
+            writer = self._segments.acquire(sum(len(d) for _, _, d in items))
         try:
             messages = [pb.SpillRequest(header=header)]
             for kind, key, data in items:
@@ -206,9 +214,8 @@ class AsyncClient:
                 messages.append(pb.SpillRequest(**{kind: payload}))
             return await self._stub.Spill(iter(messages), timeout=self.timeout_s)
         finally:
-            if writer is not None:
-                writer.close()
-                writer.unlink()
+            if writer is not None:  # the server copied the bytes out before it answered
+                self._segments.release(writer)
 
     async def _acknowledged(self, ref, generation: int, num_tokens: int) -> pb.SpillReply | None:
         """After a retried spill is refused as stale: was it our first attempt that landed?"""
@@ -220,24 +227,25 @@ class AsyncClient:
 
     # -- restore, resume --
 
-    async def restore(self, tenant: str, session_id: str, *, want_window: bool = True
-                      ) -> RestoredSession:
+    async def restore(self, tenant: str, session_id: str, *, want_window: bool = True,
+                      decode: bool = True) -> RestoredSession:
+        """The whole session; ``decode=False`` leaves the (verified) bytes undecoded."""
         request = pb.RestoreRequest(session=pb.SessionRef(tenant=tenant, session_id=session_id),
                                     want_window=want_window,
                                     use_shared_memory=self.shared_memory)
         return await self._call(lambda: self._collect(self._stub.Restore(
-            request, timeout=self.timeout_s)))
+            request, timeout=self.timeout_s), decode))
 
-    async def resume(self, tenant: str, session_id: str, *, replay_tokens: int = 0
-                     ) -> RestoredSession:
+    async def resume(self, tenant: str, session_id: str, *, replay_tokens: int = 0,
+                     decode: bool = True) -> RestoredSession:
         """Restore, with the window rebuilt by bounded replay if it was dropped."""
         request = pb.ResumeRequest(session=pb.SessionRef(tenant=tenant, session_id=session_id),
                                    replay_tokens=replay_tokens,
                                    use_shared_memory=self.shared_memory)
         return await self._call(lambda: self._collect(self._stub.Resume(
-            request, timeout=self.timeout_s)))
+            request, timeout=self.timeout_s), decode))
 
-    async def _collect(self, call) -> RestoredSession:
+    async def _collect(self, call, decode: bool) -> RestoredSession:
         header, chunks, tail, window, summary = None, [], b"", None, pb.ResumeSummary()
         mapping = None
         try:
@@ -252,7 +260,8 @@ class AsyncClient:
                     if payload.WhichOneof("body") == "shm" and mapping is None:
                         mapping = shm.Mapping(payload.shm.name)
                         mapping.unlink()  # nothing outlives this call; our map stays valid
-                    data = (mapping.read(payload.shm.offset, payload.shm.length)
+                    # Views into the mapping, no copy: it is unmapped with the last of them.
+                    data = (mapping.view(payload.shm.offset, payload.shm.length)
                             if payload.WhichOneof("body") == "shm" else payload.data)
                     if kind == "chunk":
                         chunks.append(data)
@@ -260,21 +269,33 @@ class AsyncClient:
                         tail = data
                     else:
                         window = data
-        finally:
+        except BaseException:
             if mapping is not None:
-                mapping.close()
-        return await asyncio.to_thread(self._decode, header, chunks, tail, window, summary)
+                chunks.clear()
+                tail = window = None
+                with contextlib.suppress(BufferError):  # a view still alive: GC unmaps
+                    mapping.close()
+            raise
+        if not decode:
+            return self._decode(header, chunks, tail, window, summary, False)
+        return await asyncio.to_thread(self._decode, header, chunks, tail, window, summary,
+                                       True)
 
     @staticmethod
-    def _decode(header: pb.SessionHeader, chunks, tail, window, summary) -> RestoredSession:
+    def _decode(header: pb.SessionHeader, chunks, tail, window, summary, decode: bool
+                ) -> RestoredSession:
         spec = get_layout(header.layout_id)
         tokens = cc.as_tokens(np.frombuffer(header.token_ids, dtype="<u4"))
-        streams, start = (None, 0) if window is None else cc.decode_window(spec, tokens, window)
+        streams, start = None, 0
+        if window is not None:
+            start = read_header(window).start_token
+            if decode:
+                streams, start = cc.decode_window(spec, tokens, window)
         return RestoredSession(
             layout=spec, generation=header.generation, token_ids=tokens,
-            chunk_keys=list(header.chunk_keys), chunks=chunks, tail=tail,
-            persistent=cc.decode_persistent(spec, tokens, chunks, tail), window=streams,
-            window_start=start, window_tier=header.window_tier,
+            chunk_keys=list(header.chunk_keys), chunks=chunks, tail=tail, window_blob=window,
+            persistent=cc.decode_persistent(spec, tokens, chunks, tail) if decode else {},
+            window=streams, window_start=start, window_tier=header.window_tier,
             replay_needed=window is None and bool(spec.ephemeral_streams),
             replayed=summary.replayed, replay_tokens=summary.replay_tokens, tier=summary.tier,
             restore_seconds=summary.restore_seconds, replay_seconds=summary.replay_seconds)

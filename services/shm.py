@@ -59,13 +59,23 @@ class Mapping:
             os.close(fd)
         self.size = size
 
-    def read(self, offset: int, length: int) -> bytes:
+    def _check(self, offset: int, length: int) -> None:
         if offset + length > self.size:
             raise InvalidRequest(f"shared memory ref {self.name}[{offset}:{offset + length}] "
                                  f"is beyond the segment's {self.size} bytes")
+
+    def read(self, offset: int, length: int) -> bytes:
+        """A copy of the bytes (the mapping may be closed afterwards)."""
+        self._check(offset, length)
+        return self._map[offset : offset + length] if length else b""
+
+    def view(self, offset: int, length: int) -> memoryview:
+        """The bytes in place, read-only: no copy. The mapping then stays until the last
+        view is gone (do not ``close`` it; garbage collection unmaps it)."""
+        self._check(offset, length)
         if not length:
-            return b""
-        return self._map[offset : offset + length]
+            return memoryview(b"")
+        return memoryview(self._map)[offset : offset + length].toreadonly()
 
     def unlink(self) -> None:
         """Remove the name (our mapping stays valid until ``close``)."""
@@ -135,6 +145,36 @@ class SegmentWriter:
             self.segment.unlink()
         except FileNotFoundError:  # the other side removed the name: balance our tracker
             resource_tracker.unregister(self.segment._name, "shared_memory")
+
+
+class SegmentPool:
+    """A client's spill segments, reused call after call (pages fault in once); one per
+    concurrent call. ``close`` unlinks them all."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._free: list[SegmentWriter] = []
+
+    def acquire(self, size: int) -> SegmentWriter:
+        for i, writer in enumerate(self._free):
+            if writer.segment.size >= size:
+                writer.used = 0
+                return self._free.pop(i)
+        return SegmentWriter(size, self.prefix)
+
+    def release(self, writer: SegmentWriter) -> None:
+        self._free.append(writer)
+        if len(self._free) > 4:  # keep the few largest
+            self._free.sort(key=lambda w: w.segment.size)
+            smallest = self._free.pop(0)
+            smallest.close()
+            smallest.unlink()
+
+    def close(self) -> None:
+        for writer in self._free:
+            writer.close()
+            writer.unlink()
+        self._free.clear()
 
 
 @dataclass
