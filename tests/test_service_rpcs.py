@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.errors import SessionNotFound
+from kvstore.errors import InvalidRequest, SessionNotFound
+from kvstore.policy import ResumeHint
 from kvtier import AsyncClient
 from services.errors import PreconditionFailed
 from tests.service_support import (
@@ -44,8 +45,11 @@ async def test_control_rpcs(tmp_path):
     window = streams_for(LAYOUT, 128, ephemeral=True)
     async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
         for i in range(3):
-            await kv.spill("acme" if i < 2 else "other", f"s{i}", LAYOUT.name, tokens,
-                           persistent, window=window, generation=1)
+            result = await kv.spill("acme" if i < 2 else "other", f"s{i}", LAYOUT.name,
+                                    tokens, persistent, window=window, generation=1,
+                                    ack="durable", hint=ResumeHint(30.0, priority=i),
+                                    ttl_s=3600)
+            assert result.durable and result.chunks_deduped == (0 if i == 0 else 2)
         assert [s.session.session_id for s in await kv.list("acme")] == ["s0", "s1"]
         assert len(await kv.list(page_size=1)) == 3
         stat = await kv.stat("acme", "s0")
@@ -79,3 +83,15 @@ async def test_resume_without_a_replay_worker_says_so(tmp_path):
                        generation=1)
         with pytest.raises(PreconditionFailed, match="replay"):
             await kv.resume("acme", "s1")
+
+
+async def test_durable_ack_needs_a_durable_tier(tmp_path):
+    tokens = tokens_for(TOKENS)
+    async with running_server(tmp_path, disk_bytes=0, object_bytes=0) as (_, target), \
+            AsyncClient(target) as kv:
+        with pytest.raises(InvalidRequest, match="durable"):
+            await kv.spill("acme", "s1", LAYOUT.name, tokens, streams_for(LAYOUT, TOKENS),
+                           generation=1, ack="durable")
+        result = await kv.spill("acme", "s1", LAYOUT.name, tokens,
+                                streams_for(LAYOUT, TOKENS), generation=1)
+        assert not result.durable and result.tier == "host"
