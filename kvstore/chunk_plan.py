@@ -42,9 +42,18 @@ def streams_of(spec: LayoutSpec, ephemeral: bool) -> tuple[Stream, ...]:
 
 
 @functools.lru_cache(maxsize=512)
-def chunk_plan(spec: LayoutSpec, num_tokens: int, ephemeral: bool) -> ChunkPlan:
+def chunk_plan(
+    spec: LayoutSpec, num_tokens: int, ephemeral: bool, names: tuple[str, ...] | None = None
+) -> ChunkPlan:
+    """``names`` picks a subset of the streams (ephemeral chunks only); None: all of them.
+
+    Stream indices in the table stay those of the full stream list, so a subset chunk
+    says which streams it carries.
+    """
     parts, rows, offset, section = [], [], 0, 0
     for index, stream in enumerate(streams_of(spec, ephemeral)):
+        if names is not None and stream.name not in names:
+            continue
         entries = stream.entries_for(num_tokens)
         kinds = [
             (PART_CODES, (stream.layers, entries, *stream.codes_shape), CODE_DTYPES[stream.bits])

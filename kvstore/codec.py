@@ -26,7 +26,7 @@ import torch
 import xxhash
 import zstandard
 
-from kvstore.chunk_plan import PART_CODES, PART_SCALES, chunk_plan
+from kvstore.chunk_plan import PART_CODES, PART_SCALES, chunk_plan, streams_of
 from kvstore.errors import ChunkCorrupt, ChunkTruncated, LayoutMismatch, UnsupportedVersion
 from kvstore.keys import token_bytes
 from kvstore.layout import LayoutSpec
@@ -112,12 +112,20 @@ def encode_chunk(
 ) -> bytes:
     """Encode the persistent (or, with ``ephemeral``, the window) streams of a token range."""
     num_tokens = len(token_ids)
-    plan = chunk_plan(spec, num_tokens, ephemeral)
-    names = {p.stream.name for p in plan.parts}
-    if set(streams) != names:
+    ordered = [st.name for st in streams_of(spec, ephemeral)]
+    # A window blob may carry only some ephemeral streams (the window K/V and, separately,
+    # the pending rows of fewer than m tokens); persistent chunks always carry all.
+    if (
+        set(streams) - set(ordered)
+        or not streams
+        or (not ephemeral and len(streams) != len(ordered))
+    ):
+        kind = "ephemeral" if ephemeral else "persistent"
         raise LayoutMismatch(
-            f"layout {spec.name} expects streams {sorted(names)}, got {sorted(streams)}"
+            f"layout {spec.name} expects {kind} streams {ordered}, got {sorted(streams)}"
         )
+    names = None if len(streams) == len(ordered) else tuple(n for n in ordered if n in streams)
+    plan = chunk_plan(spec, num_tokens, ephemeral, names)
     blobs = []
     for p in plan.parts:
         data = streams[p.stream.name]
@@ -166,6 +174,23 @@ def encode_chunk(
 def read_header(buf: bytes | bytearray | memoryview) -> ChunkHeader:
     """Parse and check the header and section table (not the payload bytes)."""
     view = memoryview(buf).cast("B")
+    header = _parse_header(view)
+    if len(view) > header.encoded_len:
+        raise ChunkCorrupt(f"{len(view) - header.encoded_len} trailing bytes after payload")
+    return header
+
+
+def split_chunks(buf: bytes | bytearray | memoryview) -> list[memoryview]:
+    """Cut a concatenation of encoded chunks (a window blob) into its chunks, unverified."""
+    view, out = memoryview(buf).cast("B"), []
+    while view:
+        end = _parse_header(view).encoded_len
+        out.append(view[:end])
+        view = view[end:]
+    return out
+
+
+def _parse_header(view: memoryview) -> ChunkHeader:
     if len(view) < _HEADER.size:
         raise ChunkTruncated(
             f"chunk of {len(view)} bytes is shorter than its {_HEADER.size}-byte header"
@@ -189,8 +214,6 @@ def read_header(buf: bytes | bytearray | memoryview) -> ChunkHeader:
         raise ChunkCorrupt(f"unknown flags {flags:#x}")
     if len(view) < payload_offset + stored:
         raise ChunkTruncated(f"payload is {len(view) - payload_offset} bytes, header says {stored}")
-    if len(view) > payload_offset + stored:
-        raise ChunkCorrupt(f"{len(view) - payload_offset - stored} trailing bytes after payload")
     if not flags & FLAG_ZSTD and stored != raw:
         raise ChunkCorrupt(f"uncompressed payload stored as {stored} bytes, raw {raw}")
     table = np.frombuffer(view, SECTION_DTYPE, count=nsec, offset=_HEADER.size)
@@ -268,8 +291,17 @@ def decode_chunk(
         len(token_ids) != header.num_tokens or tokens_hash(token_ids) != header.tokens_hash
     ):
         raise LayoutMismatch("chunk was encoded for other token ids")
-    plan = chunk_plan(spec, header.num_tokens, header.ephemeral)
     table = header.sections
+    ordered = [st.name for st in streams_of(spec, header.ephemeral)]
+    present = dict.fromkeys(table["stream"].tolist())
+    if any(i >= len(ordered) for i in present):
+        raise ChunkCorrupt(f"section names a stream layout {spec.name} does not have")
+    names = None
+    if len(present) != len(ordered):
+        if not header.ephemeral:
+            raise ChunkCorrupt(f"persistent chunk lacks streams of layout {spec.name}")
+        names = tuple(ordered[i] for i in present)
+    plan = chunk_plan(spec, header.num_tokens, header.ephemeral, names)
     # The table must be exactly the one encode_chunk writes for this layout and length.
     if len(table) != len(plan.table_head) or (
         table.view(np.uint64).reshape(-1, 4)[:, :3].tobytes() != plan.table_head.tobytes()

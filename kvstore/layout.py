@@ -33,8 +33,13 @@ class Stream:
     tokens_per_entry: int = 1  # m: tokens merged into one entry
     layers: int = 1  # layers that own a copy; layers that borrow it add nothing
     persistent: bool = True
+    # Holds only the tokens not yet merged into an entry (fewer than m): ephemeral, and
+    # not a per-token cost of the window.
+    pending: bool = False
 
     def __post_init__(self) -> None:
+        if self.pending and self.persistent:
+            raise InvalidRequest(f"stream {self.name}: a pending stream must be ephemeral")
         if self.bits not in (4, 8, 16):
             raise InvalidRequest(f"stream {self.name}: bits must be 4, 8 or 16, got {self.bits}")
         if not self.entry_shape or any(d <= 0 for d in self.entry_shape):
@@ -135,7 +140,14 @@ class LayoutSpec:
 
     @property
     def ephemeral_bytes_per_token(self) -> float:
-        return sum(s.bytes_per_token for s in self.ephemeral_streams)
+        """What each token of the sliding window costs in hbm or host RAM."""
+        return sum(s.bytes_per_token for s in self.ephemeral_streams if not s.pending)
+
+    @property
+    def pending_bytes_max(self) -> int:
+        """The most the not-yet-merged rows (fewer than m tokens) can hold."""
+        m = max((s.tokens_per_entry for s in self.persistent_streams), default=1)
+        return int(sum(s.bytes_per_token for s in self.ephemeral_streams if s.pending) * (m - 1))
 
     @property
     def bf16_baseline_bytes_per_token(self) -> float:
@@ -160,6 +172,7 @@ class LayoutSpec:
             "chunk_tokens": self.chunk_tokens,
             "persistent_bytes_per_token": self.persistent_bytes_per_token,
             "ephemeral_bytes_per_token": self.ephemeral_bytes_per_token,
+            "pending_bytes_max": self.pending_bytes_max,
             "bf16_baseline_bytes_per_token": self.bf16_baseline_bytes_per_token,
             "reduction_vs_bf16": self.bf16_baseline_bytes_per_token
             / self.persistent_bytes_per_token,

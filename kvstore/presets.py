@@ -56,21 +56,25 @@ FLASH_41_LIKE = register_layout(
 )
 
 # The bundled model (model/): width 256, 4 encoder + 4 decoder layers, encoder layers in
-# groups of two (full, reindex), window W = 128 tokens of 4 heads x 64 dims per layer.
-# model/config.py derives the same spec from the model's config; a test keeps them equal.
+# groups of two (full, reindex), window W = 128 tokens of 4 heads x 64 dims per layer,
+# m = 4, 64-dim latents, 32-dim index keys. model/config.py derives the same spec from the
+# model's config; a test keeps the two equal.
 KVTIER_BUNDLED = register_layout(
     LayoutSpec(
         name="kvtier-bundled",
         streams=(
-            Stream("enc.latent", (128,), bits=4, group_size=32, tokens_per_entry=4, layers=2),
+            Stream("enc.latent", (64,), bits=4, group_size=32, tokens_per_entry=4, layers=2),
             Stream("enc.index_keys", (32,), bits=4, group_size=32, tokens_per_entry=4, layers=2),
-            Stream("dec.latent", (128,), bits=4, group_size=32, tokens_per_entry=4, layers=1),
+            Stream("dec.latent", (64,), bits=4, group_size=32, tokens_per_entry=4, layers=1),
             Stream("enc.window.k", (4, 64), bits=8, group_size=64, layers=4, persistent=False),
             Stream("enc.window.v", (4, 64), bits=8, group_size=64, layers=4, persistent=False),
+            # rows of the block not yet merged (< m tokens), unquantized until it completes
+            Stream("enc.tail", (256,), bits=16, layers=2, persistent=False, pending=True),
+            Stream("dec.tail", (256,), bits=16, layers=1, persistent=False, pending=True),
         ),
         chunk_tokens=512,
         baseline=BaselineKV(layers=8, kv_heads=4, head_dim=64),
-        layer_modes=("full", "reindex", "full", "reindex"),
-        notes="Provisional until the model's final config lands.",
+        layer_modes=("full", "reindex", "full", "reindex", "reindex", "reuse", "reuse", "reuse"),
+        notes="bundled model: width 256, 4+4 layers, W=128, m=4",
     )
 )

@@ -127,7 +127,7 @@ def test_encode_refuses_shapes_that_do_not_match_the_spec():
     streams["lat"] = StreamData(streams["lat"].codes[:, :2], streams["lat"].scales)
     with pytest.raises(LayoutMismatch, match="lat"):
         encode_chunk(MIXED, 0, np.arange(12), streams)
-    with pytest.raises(LayoutMismatch, match="expects streams"):
+    with pytest.raises(LayoutMismatch, match="expects persistent streams"):
         encode_chunk(MIXED, 0, np.arange(12), {})
 
 
@@ -169,3 +169,38 @@ def test_fuzz_random_and_mutated_buffers_only_decode_or_raise_codec_errors():
         assert buf in good
         decoded_ok += 1
     assert decoded_ok < 3000
+
+
+def test_window_blob_carries_stream_subsets_back_to_back():
+    from kvstore.codec import split_chunks
+
+    full = make_streams(MIXED2, 9, ephemeral=True)
+    window = {"win": full["win"]}
+    pending = {"pend": make_streams(MIXED2, 3, 1, ephemeral=True)["pend"]}
+    blob = encode_chunk(MIXED2, 0, np.arange(9), window, ephemeral=True) + encode_chunk(
+        MIXED2, 9, np.arange(3), pending, ephemeral=True, zstd_level=1
+    )
+    parts = [decode_chunk(p, MIXED2) for p in split_chunks(blob)]
+    assert [list(p.streams) for p in parts] == [["win"], ["pend"]]
+    assert_same(parts[0].streams, window)
+    assert_same(parts[1].streams, pending)
+    with pytest.raises(ChunkCorrupt, match="trailing"):
+        verify_chunk(blob)
+
+
+def test_persistent_chunks_must_carry_every_stream():
+    streams = make_streams(MIXED, 12)
+    del streams["raw"]
+    with pytest.raises(LayoutMismatch):
+        encode_chunk(MIXED, 0, np.arange(12), streams)
+
+
+MIXED2 = LayoutSpec(
+    "codec-test-2",
+    (
+        Stream("lat", (8,), bits=4, group_size=8, tokens_per_entry=4),
+        Stream("win", (2, 8), bits=8, group_size=8, persistent=False),
+        Stream("pend", (6,), bits=16, persistent=False, pending=True),
+    ),
+    chunk_tokens=8,
+)
