@@ -149,3 +149,20 @@ def test_blocking_client(tmp_path):
             await asyncio.to_thread(use)
 
     asyncio.run(main())
+
+
+def test_unclaimed_restore_segments_are_reaped():
+    segments = shm.RestoreSegments(lease_s=60)
+    lease, writer = segments.create(4096)
+    writer.add(b"x" * 100)
+    segments.done_writing(lease)
+    assert writer.name in _shm_names()
+    assert segments.reap() == 0  # the client still has time to map it
+    assert segments.reap(now=float("inf")) == 1
+    assert writer.name not in _shm_names() and not len(segments)
+    claimed, writer = segments.create(4096)  # a client mapped and unlinked this one
+    mapping = shm.Mapping(writer.name)
+    mapping.unlink()
+    segments.close()  # unlinking an already unlinked name is fine
+    mapping.close()
+    assert writer.name not in _shm_names()
