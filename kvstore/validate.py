@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvstore.codec import ChunkHeader, tokens_hash, verify_chunk
+from kvstore.codec import ChunkHeader, split_chunks, tokens_hash, verify_chunk
 from kvstore.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
 from kvstore.keys import ROOT_PARENT, chunk_key
 from kvstore.layout import LayoutSpec
@@ -72,7 +72,16 @@ def check_spill(
                                  f"{len(tokens) - covered} follow the last chunk")
         _check_range("the tail", header, spec, tokens, covered, header.num_tokens)
     if window is not None:
-        header = verify_chunk(window)
+        _check_window(spec, tokens, window)
+
+
+def _check_window(spec: LayoutSpec, tokens: np.ndarray, window: Buffer) -> None:
+    """A window blob is one or more ephemeral chunks back to back (window K/V, pending rows)."""
+    parts = split_chunks(window)
+    if not parts:
+        raise InvalidRequest("the window blob is empty")
+    for part in parts:
+        header = verify_chunk(part)
         if not header.ephemeral:
             raise InvalidRequest("the window blob must be encoded with ephemeral=True")
         if header.start_token + header.num_tokens > len(tokens):
@@ -98,12 +107,8 @@ def restored_chunk_check(spec: LayoutSpec, tokens: np.ndarray, index: int):
 
 def window_check(spec: LayoutSpec, tokens: np.ndarray):
     def check(data: Buffer) -> None:
-        header = verify_chunk(data)
         try:
-            if not header.ephemeral:
-                raise InvalidRequest("holds persistent streams")
-            _check_range("the window", header, spec, tokens, header.start_token,
-                         header.num_tokens)
+            _check_window(spec, tokens, data)
         except InvalidRequest as exc:
             raise ChunkCorrupt(f"the window copy does not match the manifest: {exc}") from exc
 
