@@ -67,14 +67,15 @@ class SimCounters:
 
 
 class _Skip:
-    """Victims to pass over: the ones already tried and the protected keys."""
+    """Victims to pass over: already tried, protected, and busy keys (the manager holds
+    the lock of a key being promoted or evicted, and eviction skips locked keys)."""
 
-    def __init__(self, protect: Collection[int]) -> None:
+    def __init__(self, protect: Collection[int], busy: set[int]) -> None:
         self.tried: set[int] = set()
-        self.protect = protect
+        self.protect, self.busy = protect, busy
 
     def __contains__(self, key: object) -> bool:
-        return key in self.tried or key in self.protect
+        return key in self.tried or key in self.protect or key in self.busy
 
 
 class TierSim:
@@ -90,6 +91,7 @@ class TierSim:
         self.hints: dict[int, ResumeHint] = {}
         self.counters = SimCounters(tuple(t.name for t in self.tiers))
         self.where: dict[int, int] = {}  # key -> bit i set when tier i holds it
+        self._busy: set[int] = set()  # keys whose lock the manager would hold now
         self._durable = [i for i, t in enumerate(self.tiers) if t.durable]
         self._durable_mask = sum(1 << i for i in self._durable)
         self._window_tiers = [t.holds_window for t in self.tiers]
@@ -124,13 +126,15 @@ class TierSim:
             return False
         policy = self.policies[j]
         if capacity - self.used[j] < size:
-            skip = _Skip(protect)
+            skip = _Skip(protect, self._busy)
             while capacity - self.used[j] < size:
                 victim = policy.victim(skip)
                 if victim is None:
                     return False
                 skip.tried.add(victim)
+                self._busy.add(victim)
                 self._evict(j, victim)
+                self._busy.discard(victim)
         self.used[j] += size
         self.where[key] = self.where.get(key, 0) | 1 << j
         policy.on_insert(key, size, self.hints.get(key))
@@ -178,7 +182,9 @@ class TierSim:
         j = (mask & -mask).bit_length() - 1  # the highest tier holding it
         self.policies[j].on_access(key, self.hints.get(key))
         if j > 0:
+            self._busy.add(key)
             self.place(key, "promotion", start=0, stop=j, protect=protect)
+            self._busy.discard(key)
         return j
 
     # -- spill (the manager's _store_chunk / _store_window / _write_back) --
