@@ -89,6 +89,8 @@ async def test_second_writer_is_refused(tmp_path):
     assert DiskTier.writer_is_live(tmp_path)
     with pytest.raises(Busy, match="writer lock"):
         DiskTier(tmp_path, 1 << 20)
+    with pytest.raises(Busy, match="already open in this process"):
+        DiskTier(tmp_path, 0, writer=False)  # LMDB must not be opened twice in a process
     await tier.close()
     assert not DiskTier.writer_is_live(tmp_path)
 

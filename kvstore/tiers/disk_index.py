@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import lmdb
 
+from kvstore.errors import Busy
 from kvstore.tiers.segments import record_size
 
 log = logging.getLogger(__name__)
@@ -160,9 +161,16 @@ class SwitchOutcome:
     emptied: list[int]  # source segments no index entry names any more (now unnamed)
 
 
+_OPEN: set[str] = set()  # LMDB forbids opening one environment twice in a process
+
+
 class DiskIndex:
     def __init__(self, path: Path, *, map_size: int) -> None:
         path.mkdir(parents=True, exist_ok=True)
+        self._name = str(path.resolve())
+        if self._name in _OPEN:
+            raise Busy(f"the disk index {path} is already open in this process; share "
+                       "that DiskTier instead of opening the directory again")
         self.env = lmdb.open(str(path), map_size=map_size, max_dbs=4, subdir=True,
                              sync=True, metasync=True)
         with self.env.begin(write=True) as txn:
@@ -172,9 +180,11 @@ class DiskIndex:
             self.state = self.env.open_db(b"state", txn=txn)
             for name in (_NEXT_SEG, _USED, _ITEMS, _EPOCH):
                 txn.put(name, _U64.pack(0), db=self.state, overwrite=False)
+        _OPEN.add(self._name)
 
     def close(self) -> None:
         self.env.close()
+        _OPEN.discard(self._name)
 
     # reads: short read transactions, safe on the event loop thread
 
