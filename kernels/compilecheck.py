@@ -45,7 +45,8 @@ _WINDOW = {"q_ptr": "*fp32", "kc_ptr": "*i8", "ks_ptr": "*fp16", "vc_ptr": "*i8"
            "window": "i32", "sm_scale": "fp32"}
 _SPARSE = {"q_ptr": "*fp32", "kv_ptr": "*u8", "sc_ptr": "*fp16", "idx_ptr": "*i32",
            "out_ptr": "*fp32", "lse_ptr": "*fp32", "H": "i32", "T": "i32", "N": "i32",
-           "K": "i32", "sm_scale": "fp32"}
+           "K": "i32", "K_SPLIT": "i32", "sm_scale": "fp32",
+           **{f"{t}_s{d}": "i32" for t in ("out", "lse") for d in "btsh"}}
 _INDEXER = {"qi_ptr": "*fp32", "kp_ptr": "*u8", "ks_ptr": "*fp16", "w_ptr": "*fp32",
             "nvis_ptr": "*i64", "out_ptr": "*fp32", "T": "i32", "HI": "i32", "N": "i32"}
 

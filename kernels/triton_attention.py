@@ -83,15 +83,19 @@ def _window_attention_kernel(
 @triton.jit
 def _sparse_attention_kernel(
         q_ptr, kv_ptr, sc_ptr, idx_ptr, out_ptr, lse_ptr,
-        H, T, N, K, sm_scale,
+        H, T, N, K, K_SPLIT, sm_scale,
+        out_sb, out_st, out_ss, out_sh, lse_sb, lse_st, lse_ss, lse_sh,
         HALF: tl.constexpr, HALF_P2: tl.constexpr, GS: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     # q (B, H, T, 2*HALF) f32; kv (B, N, HALF) uint8 int4 pairs; sc (B, N, 2*HALF/GS) fp16;
-    # idx (B, T, K) i32; out (B, H, T, 2*HALF) f32; lse (B, H, T) f32.
-    # One program per (b, t): all heads share the query's selected entries. The latent is
+    # idx (B, T, K) i32; out[b, t, split, h, :] f32 and lse[b, t, split, h] f32 at the given
+    # element strides (the final (B, H, T, ...) tensors when there is one split).
+    # One program per (b, t, split): all heads share the query's selected entries; a split
+    # covers K_SPLIT of them, so a decode step (B*T small) still fills the GPU. The latent is
     # handled as its even and odd halves (the low and high nibbles of each byte), so the
     # unpacked entry is never interleaved back in registers.
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     b = pid // T
     t = pid % T
     h = tl.arange(0, BLOCK_H)
@@ -99,19 +103,20 @@ def _sparse_attention_kernel(
     j = tl.arange(0, HALF_P2)
     j_ok = j < HALF
     qmask = h_ok[:, None] & j_ok[None, :]
-    qrow = ((b * H + h) * T + t).to(tl.int64)
-    q_offs = qrow[:, None] * (2 * HALF) + 2 * j[None, :]
+    q_offs = ((b * H + h) * T + t).to(tl.int64)[:, None] * (2 * HALF) + 2 * j[None, :]
     q_even = tl.load(q_ptr + q_offs, mask=qmask, other=0.0).to(tl.float32)
     q_odd = tl.load(q_ptr + q_offs + 1, mask=qmask, other=0.0).to(tl.float32)
     groups = 2 * HALF // GS
+    k_start = split * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc_even = tl.zeros([BLOCK_H, HALF_P2], tl.float32)
     acc_odd = tl.zeros([BLOCK_H, HALF_P2], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        ids = tl.load(idx_ptr + pid.to(tl.int64) * K + kk, mask=kk < K, other=-1)
+        ids = tl.load(idx_ptr + pid.to(tl.int64) * K + kk, mask=kk < k_end, other=-1)
         used = ids >= 0
         entry = b.to(tl.int64) * N + tl.maximum(ids, 0)
         emask = used[:, None] & j_ok[None, :]
@@ -130,9 +135,13 @@ def _sparse_attention_kernel(
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
-    tl.store(out_ptr + q_offs, acc_even / l_safe[:, None], mask=qmask)
-    tl.store(out_ptr + q_offs + 1, acc_odd / l_safe[:, None], mask=qmask)
-    tl.store(lse_ptr + qrow, tl.where(seen, m_i + tl.log(l_safe), float("-inf")), mask=h_ok)
+    row = b.to(tl.int64) * out_sb + t * out_st + split * out_ss + h * out_sh
+    out_offs = row[:, None] + 2 * j[None, :]
+    tl.store(out_ptr + out_offs, acc_even / l_safe[:, None], mask=qmask)
+    tl.store(out_ptr + out_offs + 1, acc_odd / l_safe[:, None], mask=qmask)
+    lse_offs = b.to(tl.int64) * lse_sb + t * lse_st + split * lse_ss + h * lse_sh
+    tl.store(lse_ptr + lse_offs, tl.where(seen, m_i + tl.log(l_safe), float("-inf")),
+             mask=h_ok)
 
 
 def _tile(n: int, lo: int, hi: int) -> int:
@@ -159,6 +168,16 @@ def sparse_launch(h: int, dc: int, group_size: int) -> dict:
             "BLOCK_H": _tile(h, 16, 1 << 16),
             "BLOCK_K": 16 if half_p2 >= 256 else 32 if half_p2 == 128 else 64,
             "num_warps": 8 if half_p2 >= 256 else 4}
+
+
+def sparse_splits(rows: int, k: int, block_k: int, device: torch.device) -> int:
+    """How many slices of the K selected entries each query's work is cut into: enough
+    programs to cover the GPU twice over when B*T is small (decode), never a slice shorter
+    than two key blocks. The interpreter gets a nominal 4 "processors" so tests split too."""
+    processors = (torch.cuda.get_device_properties(device).multi_processor_count
+                  if device.type == "cuda" else 4)
+    most = max(1, triton.cdiv(k, 2 * block_k))
+    return max(1, min(most, triton.cdiv(2 * processors, max(1, rows))))
 
 
 def window_attention(q, k_codes, k_scales, v_codes, v_scales, q_pos, k_pos, window: int,
@@ -201,7 +220,34 @@ def sparse_compressed_attention(q, kv_packed, kv_scales, idx, group_size: int,
     lse = torch.full((b, h, t), float("-inf"), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or k == 0 or n == 0:
         return out, lse
-    _sparse_attention_kernel[(b * t,)](
+    launch = sparse_launch(h, dc, group_size)
+    splits = sparse_splits(b * t, k, launch["BLOCK_K"], q.device)
+    # a slice is a whole number of key blocks
+    k_split = triton.cdiv(triton.cdiv(k, splits), launch["BLOCK_K"]) * launch["BLOCK_K"]
+    splits = triton.cdiv(k, k_split)
+    if splits == 1:
+        part_out, part_lse = out, lse
+        out_strides = (h * t * dc, dc, 0, t * dc)  # (b, t, split, h) into (B, H, T, Dc)
+        lse_strides = (h * t, 1, 0, t)
+    else:
+        part_out = torch.empty((b, t, splits, h, dc), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((b, t, splits, h), dtype=torch.float32, device=q.device)
+        out_strides = part_out.stride()[:4]
+        lse_strides = part_lse.stride()
+    _sparse_attention_kernel[(b * t, splits)](
         q.contiguous(), kv_packed.contiguous(), kv_scales.contiguous(), idx.contiguous(),
-        out, lse, h, t, n, k, float(sm_scale), **sparse_launch(h, dc, group_size))
+        part_out, part_lse, h, t, n, k, k_split, float(sm_scale), *out_strides, *lse_strides,
+        **launch)
+    if splits > 1:
+        out, lse = _merge_splits(part_out, part_lse)
     return out, lse
+
+
+def _merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T, S, H, Dc) normalised partial outputs and (B, T, S, H) lse -> (B, H, T, Dc) and
+    (B, H, T): each slice weighted by its share of the total softmax denominator."""
+    lse = torch.logsumexp(part_lse, dim=2)  # (B, T, H); -inf where no slice saw anything
+    weights = torch.exp(part_lse - lse.unsqueeze(2)).nan_to_num(0.0)  # -inf - -inf: none
+    out = (weights.unsqueeze(-1) * part_out).sum(dim=2)
+    return out.permute(0, 2, 1, 3).contiguous(), lse.permute(0, 2, 1).contiguous()

@@ -123,7 +123,10 @@ def _sparse_case(b, h, t, n, dc, k, group, seed=0):
     q = torch.randn(b, h, t, dc, generator=g)
     kv_packed, kv_scales = ref.quantize_int4(torch.randn(b, n, dc, generator=g), group)
     idx = torch.randint(-1, n, (b, t, k), generator=g, dtype=torch.int32)
-    idx[0, 0] = -1  # a query with no entry
+    if t > 1:
+        idx[0, 0] = -1  # a query with no entry
+    else:
+        idx[0, 0, : k // 2] = -1  # the first slices of the split work see nothing
     return q, kv_packed, kv_scales, idx
 
 
@@ -132,6 +135,7 @@ SPARSE_CASES = [  # (B, H, T, N, Dc, K, group)
     (1, 3, 3, 40, 32, 70, 8),
     (1, 1, 2, 9, 24, 5, 24),
     (1, 20, 2, 9, 32, 40, 8),  # more heads than one 16-row tile
+    (1, 2, 1, 60, 16, 300, 8),  # one query, many entries: the work is split and merged
 ]
 
 
