@@ -44,6 +44,13 @@ ACKS = {"memory": pb.ACK_MEMORY, "durable": pb.ACK_DURABLE, None: pb.ACK_UNSPECI
 LOOPBACK = ("localhost", "127.", "[::1]", "unix:", "ipv4:127.", "ipv6:[::1]")
 
 
+async def _stream(messages: list) -> AsyncIterator:
+    # An async iterator: with a plain one, a server refusing an oversize message
+    # surfaces as INTERNAL instead of its RESOURCE_EXHAUSTED status.
+    for message in messages:
+        yield message
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     attempts: int = 6
@@ -212,7 +219,7 @@ class AsyncClient:
                 payload = (pb.Payload(key=key, shm=writer.add(data)) if writer
                            else pb.Payload(key=key, data=data))
                 messages.append(pb.SpillRequest(**{kind: payload}))
-            return await self._stub.Spill(iter(messages), timeout=self.timeout_s)
+            return await self._stub.Spill(_stream(messages), timeout=self.timeout_s)
         finally:
             if writer is not None:  # the server copied the bytes out before it answered
                 self._segments.release(writer)

@@ -34,7 +34,9 @@ _TO_STATUS: tuple[tuple[type[KVTierError], grpc.StatusCode], ...] = (
 _FROM_STATUS: dict[grpc.StatusCode, type[KVTierError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: kverrors.InvalidRequest,
     grpc.StatusCode.NOT_FOUND: kverrors.SessionNotFound,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: kverrors.TierFull,
+    # Our own RESOURCE_EXHAUSTED always names TierFull; without a name it is gRPC's
+    # refusal of a message over the size limit: the request was too big.
+    grpc.StatusCode.RESOURCE_EXHAUSTED: kverrors.InvalidRequest,
     grpc.StatusCode.FAILED_PRECONDITION: kverrors.StaleGeneration,
     grpc.StatusCode.DATA_LOSS: kverrors.DataLoss,
     grpc.StatusCode.UNAVAILABLE: kverrors.TierUnavailable,
