@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from kvstore.errors import ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
-from kvstore.tiers.host import Availability
+from kvstore.tiers.common import Availability
 from kvstore.tiers.redis import RedisTier, RedisTierConfig
 
 FAST_FAIL = RedisTierConfig(connect_timeout_s=0.2, socket_timeout_s=0.5, retries=1,

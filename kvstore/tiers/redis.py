@@ -39,7 +39,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 
 from kvstore.errors import ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
 from kvstore.tiers.base import Buffer, Tier, TierStats
-from kvstore.tiers.host import Availability, as_byte_view, check_key
+from kvstore.tiers.common import Availability, as_byte_view, check_key
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
