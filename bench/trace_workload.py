@@ -8,6 +8,11 @@ starts a new conversation (it may still share blocks, e.g. a system prompt, with
 others). A conversation is one kvtier session: each request spills its blocks and its
 window blob, replacing the window of the conversation's previous request.
 
+Only a request's complete blocks are chunks. Its last, partial block (input_length is
+rarely a multiple of 512) is what kvtier keeps as the session's tail inside the manifest,
+never in a tier, so it is not replayed as a block read; ``Workload.tail_blocks`` counts
+them (the next turn's block over the same tokens has a new id anyway).
+
 Window blobs get negative keys (request r's window is ``-(r + 1)``), chunk keys are the
 trace's block ids (>= 0), so one integer space names every block a tier can hold.
 """
@@ -33,7 +38,7 @@ class Step:
     """One request, as the simulation replays it."""
 
     time_s: float
-    blocks: tuple[int, ...]  # chunk reads, in prompt order
+    blocks: tuple[int, ...]  # chunk reads (the complete blocks), in prompt order
     conversation: int
     window_prev: int | None  # the conversation's window to read, then replace (None: new)
     window_new: int | None  # this request's window key (None: the layout has no window)
@@ -47,6 +52,7 @@ class Workload:
     next_read: np.ndarray  # (n,) int64: position of the next read of the same key, or NEVER
     unique_blocks: int
     block_reads: int
+    tail_blocks: int  # partial last blocks left out (kept in the manifest, not in a tier)
     first_reads: int  # block reads of a block never read before (compulsory misses)
     conversations: int
     resumes: int
@@ -78,7 +84,8 @@ def build_workload(requests: Sequence[TraceRequest], *, windows: bool) -> Worklo
             current_window[conv] = window_new
         if request.full_blocks:
             last_full[ids[request.full_blocks - 1]] = r
-        steps_raw.append((request.timestamp_ms / 1000.0, ids, conv, window_prev, window_new))
+        steps_raw.append((request.timestamp_ms / 1000.0, ids[:request.full_blocks], conv,
+                          window_prev, window_new))
 
     next_time: dict[int, float] = {}
     gaps: list[float | None] = [None] * len(steps_raw)
@@ -109,6 +116,7 @@ def build_workload(requests: Sequence[TraceRequest], *, windows: bool) -> Worklo
         next_read=next_read,
         unique_blocks=len(unique),
         block_reads=sum(len(step.blocks) for step in steps),
+        tail_blocks=sum(len(r.hash_ids) - r.full_blocks for r in requests),
         first_reads=len(unique),
         conversations=len(set(conversation)),
         resumes=sum(1 for r, c in enumerate(conversation) if c != r),
