@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 
 from kvstore.codec import StreamData, read_header
-from kvstore.errors import StaleGeneration
+from kvstore.errors import InvalidRequest, StaleGeneration
 from kvstore.keys import chain_keys
 from kvstore.layout import LayoutSpec, get_layout
 from kvstore.policy import ResumeHint
@@ -111,6 +111,7 @@ class AsyncClient:
                               if shared_memory is None else shared_memory)
         self.retry = retry
         self.timeout_s = timeout_s
+        self.max_message_bytes = max_message_bytes
         self._channel = grpc.aio.insecure_channel(target, options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -210,6 +211,12 @@ class AsyncClient:
             items.append(("tail", "", enc.tail))
         if enc.window is not None:
             items.append(("window", "", enc.window))
+        too_big = [(kind, len(d)) for kind, _, d in items
+                   if len(d) + 1024 > self.max_message_bytes]
+        if too_big and not self.shared_memory:
+            raise InvalidRequest(f"{too_big[0][0]} of {too_big[0][1]} B exceeds the "
+                                 f"{self.max_message_bytes} B message limit: use shared "
+                                 "memory or raise max_message_bytes (client and server)")
         writer = None
         if self.shared_memory and items:
             writer = self._segments.acquire(sum(len(d) for _, _, d in items))

@@ -142,13 +142,14 @@ async def test_oversize_message_is_refused_clearly(tmp_path):
     from kvstore.errors import InvalidRequest
     from kvtier import AsyncClient
 
-    spec_tokens = 40 * LAYOUT.chunk_tokens  # ~1.3 MB of chunks, one message each
-    tokens = tokens_for(spec_tokens)
+    tokens = tokens_for(LAYOUT.chunk_tokens)
+    blob = b"x" * (3 << 19)  # 1.5 MiB: over the server's 1 MiB message limit
     async with running_server(tmp_path, max_message_bytes=1 << 20) as (_, target), \
             AsyncClient(target, shared_memory=False) as kv:
-        enc = encode_session(LAYOUT, as_tokens(tokens), streams_for(LAYOUT, spec_tokens))
-        blob = b"".join(enc.chunks.values()) * 2  # one payload over the 1 MiB limit
         with pytest.raises(InvalidRequest, match="RESOURCE_EXHAUSTED"):
-            await kv.spill("acme", "s1", LAYOUT.name, tokens, chunks=[blob] * len(enc.keys),
-                           generation=1)
+            await kv.spill("acme", "s1", LAYOUT.name, tokens, chunks=[blob], generation=1)
+        async with AsyncClient(target, shared_memory=False, max_message_bytes=1 << 20) as small:
+            with pytest.raises(InvalidRequest, match="message limit"):
+                await small.spill("acme", "s1", LAYOUT.name, tokens, chunks=[blob],
+                                  generation=1)
         assert await kv.list() == []
