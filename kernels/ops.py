@@ -1,10 +1,10 @@
 """Public kernel API: each call runs the selected backend (see kernels/backend.py).
 
-The Triton path runs on CUDA tensors (or any tensors under TRITON_INTERPRET=1) and is
-inference-only; a call falls back to the PyTorch reference for CPU tensors when the
-interpreter is off, and for the attention/indexer maths when autograd needs gradients
-(the model trains through the reference). Signatures and layouts are documented on the
-references in kernels/reference.py.
+The Triton path runs on CUDA tensors and is inference-only: with the Triton backend selected,
+a call still runs the PyTorch reference for CPU tensors (unless kernels.interpret routes them
+through Triton's interpreter) and for the attention/indexer maths when autograd needs
+gradients (the model trains through the reference). Signatures and layouts are documented on
+the references in kernels/reference.py.
 """
 
 from __future__ import annotations
