@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from kvstore.codec import StreamData, read_header
+from kvstore.codec import StreamData
 from kvstore.errors import InvalidRequest, StaleGeneration
 from kvstore.keys import chain_keys
 from kvstore.layout import LayoutSpec, get_layout
@@ -148,7 +148,7 @@ class AsyncClient:
     async def spill(self, tenant: str, session_id: str, layout: str | LayoutSpec, token_ids,
                     persistent: cc.Streams | None = None, *, chunks: list[bytes] | None = None,
                     tail: bytes = b"", window: cc.Streams | bytes | None = None,
-                    window_start: int | None = None, generation: int, ack: str | None = None,
+                    generation: int, ack: str | None = None,
                     hint: ResumeHint | None = None, ttl_s: float = 0.0) -> SpillResult:
         """Store a session. Give ``persistent`` streams (cut and encoded here) or already
         encoded ``chunks`` + ``tail``; ``window``: window streams or an encoded blob."""
@@ -157,8 +157,7 @@ class AsyncClient:
         if (persistent is None) == (chunks is None):
             raise ValueError("give exactly one of persistent= and chunks=")
         if window is not None and not isinstance(window, bytes | bytearray | memoryview):
-            window = await asyncio.to_thread(cc.encode_window, spec, tokens, window,
-                                             window_start)
+            window = await asyncio.to_thread(cc.encode_window, spec, tokens, window)
         ref = (tenant, session_id)
         header = pb.SpillHeader(
             session=pb.SessionRef(tenant=tenant, session_id=session_id),
@@ -302,7 +301,7 @@ class AsyncClient:
         tokens = cc.as_tokens(np.frombuffer(header.token_ids, dtype="<u4"))
         streams, start = None, 0
         if window is not None:
-            start = read_header(window).start_token
+            start = cc.window_start(window)
             if decode:
                 streams, start = cc.decode_window(spec, tokens, window)
         return RestoredSession(

@@ -4,7 +4,8 @@ turn restored bytes back into tensors. No gRPC here.
 Tensor layouts (per stream of the layout spec, see ``kvstore.chunk_plan``):
   persistent stream: codes (layers, entries, *codes_shape), scales (layers, entries,
       groups) float16 or None for bf16 streams, entries = stream.entries_for(num_tokens)
-  window stream: the same for the window's tokens (ephemeral streams only)
+  window stream: the same for the tokens it covers (ephemeral streams only: the window
+      K/V over the last W tokens, pending rows over the last num_tokens % m)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvstore.codec import StreamData, decode_chunk, encode_chunk, read_header
+from kvstore.codec import StreamData, decode_chunk, encode_chunk, read_header, split_chunks
 from kvstore.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
 from kvstore.keys import chain_keys, token_bytes
 from kvstore.layout import LayoutSpec
@@ -106,15 +107,30 @@ def _slice(spec: LayoutSpec, streams: Streams, start: int, stop: int) -> dict[st
     return out
 
 
-def encode_window(spec: LayoutSpec, tokens: np.ndarray, window: Streams,
-                  start: int | None) -> bytes:
-    """Encode the window streams covering ``tokens[start:start + W]`` (default: the last W)."""
-    covered = _check_streams(spec, window, True, "window streams")
-    start = len(tokens) - covered if start is None else start
-    if not 0 <= start <= len(tokens) - covered:
-        raise InvalidRequest(f"a window of {covered} tokens from {start} does not fit in "
-                             f"{len(tokens)} tokens")
-    return encode_chunk(spec, start, tokens[start:start + covered], window, ephemeral=True)
+def encode_window(spec: LayoutSpec, tokens: np.ndarray, window: Streams) -> bytes:
+    """Encode ephemeral streams as the window blob: streams covering the same number of
+    tokens (the window K/V over the last W tokens; the pending rows of an unfinished
+    entry) become one ephemeral chunk each, ending at the session's last token."""
+    known = {s.name: s for s in spec.ephemeral_streams}
+    if not window or set(window) - set(known):
+        raise LayoutMismatch(f"window streams must be some of {sorted(known)}, "
+                             f"got {sorted(window)}")
+    groups: dict[int, dict[str, StreamData]] = {}
+    for name, data in window.items():
+        if not isinstance(data, StreamData) or data.codes.dim() < 2:
+            raise InvalidRequest(f"window stream {name} must be a StreamData with codes "
+                                 "(layers, entries, ...)")
+        covered = data.codes.shape[1] * known[name].tokens_per_entry
+        groups.setdefault(covered, {})[name] = data
+    parts = []
+    for covered, streams in sorted(groups.items(), reverse=True):
+        if covered > len(tokens):
+            raise InvalidRequest(f"window streams {sorted(streams)} cover {covered} tokens; "
+                                 f"the session has {len(tokens)}")
+        if covered:
+            start = len(tokens) - covered
+            parts.append(encode_chunk(spec, start, tokens[start:], streams, ephemeral=True))
+    return b"".join(parts)
 
 
 def _cat(parts: Sequence[StreamData]) -> StreamData:
@@ -140,14 +156,23 @@ def decode_persistent(spec: LayoutSpec, tokens: np.ndarray, chunks: Sequence[byt
     return {s.name: _cat([d[s.name] for d in decoded]) for s in spec.persistent_streams}
 
 
-def decode_window(spec: LayoutSpec, tokens: np.ndarray, window: bytes
+def window_start(window) -> int:
+    """First token covered by the window blob's first (window K/V) chunk."""
+    return read_header(split_chunks(window)[0]).start_token
+
+
+def decode_window(spec: LayoutSpec, tokens: np.ndarray, window
                   ) -> tuple[dict[str, StreamData], int]:
-    """The window streams and the first token they cover."""
-    header = read_header(window)
-    start, count = header.start_token, header.num_tokens
-    if not header.ephemeral or start + count > len(tokens):
-        raise ChunkCorrupt("the window blob does not fit the session")
-    return decode_chunk(window, spec, token_ids=tokens[start:start + count]).streams, start
+    """Every ephemeral stream of the window blob, and the first token of its first chunk."""
+    out: dict[str, StreamData] = {}
+    parts = split_chunks(window)
+    for part in parts:
+        header = read_header(part)
+        start, count = header.start_token, header.num_tokens
+        if not header.ephemeral or start + count > len(tokens):
+            raise ChunkCorrupt("the window blob does not fit the session")
+        out.update(decode_chunk(part, spec, token_ids=tokens[start:start + count]).streams)
+    return out, read_header(parts[0]).start_token if parts else 0
 
 
 @dataclass

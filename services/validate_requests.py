@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvstore.chunk_plan import chunk_plan
-from kvstore.codec import read_header, tokens_hash
+from kvstore.codec import read_header, split_chunks, tokens_hash
 from kvstore.errors import CodecError, InvalidRequest
 from kvstore.keys import chain_keys
 from kvstore.layout import LayoutSpec, get_layout
@@ -98,7 +98,9 @@ class SpillPlan:
         self._chunk_limit = max_chunk_bytes(self.spec, self.spec.chunk_tokens, False)
         remaining = len(self.tokens) - len(self.keys) * self.spec.chunk_tokens
         self._tail_limit = max_chunk_bytes(self.spec, max(remaining, 1), False)
-        self._window_limit = max_chunk_bytes(self.spec, max(len(self.tokens), 1), True)
+        # Window K/V plus the pending rows of an unfinished entry, each its own chunk.
+        self._window_limit = max_chunk_bytes(self.spec, max(len(self.tokens), 1), True) \
+            + CHUNK_OVERHEAD
 
     def add_chunk(self, key: str, data: bytes) -> None:
         index = self._index.get(key)
@@ -135,7 +137,14 @@ class SpillPlan:
         if not self.spec.ephemeral_streams:
             raise InvalidRequest(f"layout {self.spec.name} has no window streams")
         self._check_size("the window", data, self._window_limit)
-        self._check_header("the window", data, None, None, True)
+        try:
+            parts = split_chunks(data)
+        except CodecError as exc:
+            raise InvalidRequest(f"the window is not a valid chunk sequence: {exc}") from exc
+        if not parts:
+            raise InvalidRequest("the window payload is empty")
+        for i, part in enumerate(parts):  # window K/V, then any pending rows
+            self._check_header(f"window part {i}", part, None, None, True)
         self.window = data
 
     def _check_size(self, what: str, data: bytes, limit: int) -> None:

@@ -17,12 +17,13 @@ from services.server import KVTierServer, create_server
 LAYOUT = get_layout("kvtier-bundled")
 
 
-def streams_for(spec: LayoutSpec, tokens: int, *, ephemeral: bool = False, seed: int = 0
+def streams_for(spec: LayoutSpec, tokens: int, *, seed: int = 0, streams=None
                 ) -> dict[str, StreamData]:
-    """Random codes and scales: (layers, entries, *codes_shape), (layers, entries, groups)."""
+    """Random codes and scales: (layers, entries, *codes_shape), (layers, entries, groups)
+    for ``streams`` (default: the persistent ones) covering ``tokens`` tokens."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
-    for s in spec.ephemeral_streams if ephemeral else spec.persistent_streams:
+    for s in spec.persistent_streams if streams is None else streams:
         shape = (s.layers, s.entries_for(tokens), *s.codes_shape)
         dtype = CODE_DTYPES[s.bits]
         if s.bits == 16:
@@ -35,6 +36,19 @@ def streams_for(spec: LayoutSpec, tokens: int, *, ephemeral: bool = False, seed:
             scales = torch.rand((s.layers, s.entries_for(tokens), s.scales_per_entry),
                                 generator=gen).to(torch.float16)
         out[s.name] = StreamData(codes, scales)
+    return out
+
+
+def window_for(spec: LayoutSpec, num_tokens: int, window: int = 128, *, seed: int = 1
+               ) -> dict[str, StreamData]:
+    """Window K/V over the last ``window`` tokens and the pending rows of the unfinished
+    entry (the last ``num_tokens % m``), as the bundled model keeps them."""
+    m = max(s.tokens_per_entry for s in spec.persistent_streams)
+    out = streams_for(spec, window, seed=seed,
+                      streams=[s for s in spec.ephemeral_streams if not s.pending])
+    if num_tokens % m:
+        out |= streams_for(spec, num_tokens % m, seed=seed,
+                           streams=[s for s in spec.ephemeral_streams if s.pending])
     return out
 
 

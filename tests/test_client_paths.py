@@ -20,6 +20,7 @@ from tests.service_support import (
     running_server,
     streams_for,
     tokens_for,
+    window_for,
 )
 
 TOKENS = 2 * LAYOUT.chunk_tokens + 36
@@ -48,7 +49,7 @@ async def test_layer_by_layer_restore_matches_the_whole_session(tmp_path):
 async def test_shared_memory_gives_identical_tensors_and_leaks_nothing(tmp_path):
     tokens = tokens_for(TOKENS)
     persistent = streams_for(LAYOUT, TOKENS)
-    window = streams_for(LAYOUT, 128, ephemeral=True)
+    window = window_for(LAYOUT, TOKENS)
     before = _shm_names()
     async with running_server(tmp_path) as (server, target):
         results = {}

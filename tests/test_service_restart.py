@@ -20,6 +20,7 @@ from tests.service_support import (
     running_server,
     streams_for,
     tokens_for,
+    window_for,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +30,7 @@ TOKENS = 2 * LAYOUT.chunk_tokens + 8
 async def test_graceful_restart_keeps_memory_acked_sessions(tmp_path):
     tokens = tokens_for(TOKENS)
     persistent = streams_for(LAYOUT, TOKENS)
-    window = streams_for(LAYOUT, 128, ephemeral=True)
+    window = window_for(LAYOUT, TOKENS)
     async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
         result = await kv.spill("acme", "s1", LAYOUT.name, tokens, persistent, window=window,
                                 generation=3, ack="memory")

@@ -14,15 +14,16 @@ from tests.service_support import (
     running_server,
     streams_for,
     tokens_for,
+    window_for,
 )
 
-TOKENS = 2 * LAYOUT.chunk_tokens + 100  # two chunks and a tail
+TOKENS = 2 * LAYOUT.chunk_tokens + 102  # two chunks, a tail, 2 pending rows
 
 
 async def test_spill_restore_resume_roundtrip(tmp_path):
     tokens = tokens_for(TOKENS)
     persistent = streams_for(LAYOUT, TOKENS)
-    window = streams_for(LAYOUT, 128, ephemeral=True, seed=1)
+    window = window_for(LAYOUT, TOKENS)
     async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
         result = await kv.spill("acme", "s1", LAYOUT.name, tokens, persistent, window=window,
                                 generation=1)
@@ -42,7 +43,7 @@ async def test_spill_restore_resume_roundtrip(tmp_path):
 async def test_control_rpcs(tmp_path):
     tokens = tokens_for(TOKENS)
     persistent = streams_for(LAYOUT, TOKENS)
-    window = streams_for(LAYOUT, 128, ephemeral=True)
+    window = window_for(LAYOUT, TOKENS)
     async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
         for i in range(3):
             result = await kv.spill("acme" if i < 2 else "other", f"s{i}", LAYOUT.name,
