@@ -163,3 +163,16 @@ def test_bad_input_is_rejected_by_both_backends(tri, call, message):
     for impl in (ref, tri):
         with pytest.raises(ValueError, match=message):
             call(impl)
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 5), groups=st.integers(1, 3), half=st.integers(1, 12),
+       log_scale=st.floats(-6, 6), seed=st.integers(0, 2**16))
+def test_triton_quantize_matches_reference_on_random_shapes(tri, rows, groups, half,
+                                                            log_scale, seed):
+    group = 2 * half
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, groups * group, generator=g) * 10.0 ** log_scale
+    for quant in ("quantize_int4", "quantize_int8"):
+        want, got = getattr(ref, quant)(x, group), getattr(tri, quant)(x, group)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), quant
