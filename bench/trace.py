@@ -7,9 +7,12 @@ How each figure is obtained (the JSON repeats this under "method"):
 - Trace: Mooncake format, one request per line (``bench.trace_reader``; a bad line is
   rejected with its line number). Each ``hash_ids`` entry is one 512-token prefix block.
 - Block bytes: the layout spec's persistent bytes/token x 512 (``--layout``, default
-  kvtier-bundled: 63 B/token -> 32,256 B). Window bytes: the spec's ephemeral bytes/token
-  x W = 128 tokens (kvtier-bundled: 270,336 B). A layout without ephemeral streams has no
-  window blobs and never needs replay.
+  kvtier-bundled). Window bytes: the spec's ephemeral bytes/token x W = 128 tokens. Both
+  are computed from the spec at run time and printed under "layout". A layout without
+  ephemeral streams has no window blobs and never needs replay.
+- Blocks: a request's complete blocks (input_length // 512 of its hash_ids) are its
+  chunks; the partial last block is the session's tail, which kvtier keeps in the
+  manifest rather than in a tier, so it is left out (counted as trace.tail_blocks).
 - Conversations (kvtier sessions) come from the hash chain (``bench.trace_workload``):
   a request resumes the earlier request whose complete blocks form the longest prefix of
   its own; otherwise it starts a conversation.

@@ -1,0 +1,226 @@
+"""The trace benchmark: reader validation, conversations, the simulation's rules (a
+hand-computed LRU case), Belady's optimality, hints, and agreement with the real
+TierStack over real tiers."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+
+import pytest
+
+from bench.trace import main, make_tiers, run_trace_benchmark, simulate
+from bench.trace_check import check_against_stack
+from bench.trace_reader import read_trace
+from bench.trace_sim import SimTier
+from bench.trace_workload import build_workload
+from kvstore.errors import InvalidRequest
+from kvstore.layout import get_layout
+
+BLOCK = 512
+
+
+def write_trace(path, requests):
+    path.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    return path
+
+
+def request(t_ms, blocks, tail=True):
+    """A request whose complete blocks are ``blocks`` (plus a partial one when ``tail``)."""
+    ids = list(blocks) + ([10_000 + t_ms] if tail else [])
+    return {"timestamp": t_ms, "input_length": len(blocks) * BLOCK + (100 if tail else 0),
+            "output_length": 10, "hash_ids": ids}
+
+
+def random_trace(seed, requests=80, shared_prefixes=2, p_resume=0.6):
+    """Conversations growing by 1-4 blocks a turn, some opening with a shared prompt."""
+    rng = random.Random(seed)
+    ids = itertools.count()
+    prompts = [[next(ids) for _ in range(rng.randint(1, 3))] for _ in range(shared_prefixes)]
+    conversations, out, t = [], [], 0
+    for _ in range(requests):
+        t += rng.randint(0, 3000)
+        if conversations and rng.random() < p_resume:
+            conv = rng.choice(conversations)
+        else:
+            conv = list(rng.choice(prompts)) if prompts and rng.random() < 0.5 else []
+            conversations.append(conv)
+        conv.extend(next(ids) for _ in range(rng.randint(1, 4)))
+        out.append({"timestamp": t, "input_length": len(conv) * BLOCK + rng.randint(1, 511),
+                    "output_length": rng.randint(1, 100), "hash_ids": conv + [next(ids)]})
+    return out
+
+
+def by_point(report):
+    points = {}
+    for r in report["results"]:
+        points.setdefault(r["capacity_fraction"], {})[r["policy"]] = r
+    return points
+
+
+# -- reader --
+
+GOOD = json.dumps(request(0, [1, 2]))
+
+
+@pytest.mark.parametrize("bad, words", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ('{"timestamp": 5, "input_length": 10, "output_length": 1}', "missing field"),
+    ('{"timestamp": "5", "input_length": 10, "output_length": 1, "hash_ids": []}', "timestamp"),
+    ('{"timestamp": 5, "input_length": -1, "output_length": 1, "hash_ids": []}', "input_length"),
+    ('{"timestamp": 5, "input_length": 10, "output_length": true, "hash_ids": []}',
+     "output_length"),
+    ('{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [1, -2]}',
+     "hash_ids[1]"),
+    ('{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [3, 3]}', "twice"),
+    ('{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": 7}', "list"),
+    ('{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": []}', "earlier"),
+])
+def test_malformed_line_is_rejected_with_its_line_number(tmp_path, bad, words):
+    path = tmp_path / "t.jsonl"
+    path.write_text(f"{GOOD}\n\n{json.dumps(request(2, [1, 2, 3]))}\n{bad}\n{GOOD}\n")
+    with pytest.raises(InvalidRequest, match=r"t\.jsonl:4: ") as info:
+        read_trace(path)
+    assert words in str(info.value)
+
+
+def test_reader_skips_blank_lines_honours_limit_and_refuses_empty(tmp_path):
+    path = write_trace(tmp_path / "t.jsonl", [request(0, [1]), request(5, [1, 2])])
+    path.write_text(path.read_text() + "\n\n")
+    assert [r.hash_ids for r in read_trace(path)] == [(1, 10_000), (1, 2, 10_005)]
+    assert len(read_trace(path, limit=1)) == 1
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(InvalidRequest, match="no requests"):
+        read_trace(tmp_path / "empty.jsonl")
+    with pytest.raises(InvalidRequest, match="cannot read"):
+        read_trace(tmp_path / "missing.jsonl")
+
+
+def test_cli_reports_a_bad_trace_and_exits_2(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    path.write_text(GOOD + "\n" + GOOD.replace('"hash_ids"', '"hashes"') + "\n")
+    assert main(["--trace", str(path), "--json", "--validate", "0", "--jobs", "1"]) == 2
+    assert "t.jsonl:2: missing field(s) ['hash_ids']" in capsys.readouterr().err
+
+
+# -- conversations --
+
+def test_conversations_follow_the_hash_chain():
+    trace = [request(0, [1, 2]), request(1000, [1, 2, 3]), request(2000, [1, 9]),
+             request(2500, [1, 2, 3, 4]), request(4000, [1, 9, 8])]
+    from bench.trace_reader import parse_request
+
+    requests = [parse_request(json.dumps(r), f"line {i}") for i, r in enumerate(trace)]
+    workload = build_workload(requests, windows=True)
+    steps = workload.steps
+    assert [s.conversation for s in steps] == [0, 0, 2, 0, 2]  # [1, 9] shares only block 1
+    assert [s.window_prev for s in steps] == [None, -1, None, -2, -3]
+    assert [s.next_gap_s for s in steps] == [1.0, 1.5, 2.0, None, None]
+    assert steps[1].blocks == (1, 2, 3)  # the partial tail block is left out
+    assert (workload.resumes, workload.conversations, workload.tail_blocks) == (3, 2, 5)
+
+
+# -- the simulation's rules --
+
+def test_lru_matches_a_hand_computed_case():
+    """hbm holds two blocks, host none, disk everything; no windows.
+
+    r0 [1,2]: both new, spilled to hbm (1 older), written back to disk.
+    r1 [3]: new; its spill evicts 1 (LRU) down to disk, which holds it.   hbm {2,3}
+    r2 [1]: disk hit, promoted: evicts 2.                                  hbm {3,1}
+    r3 [2,3]: 2 from disk, promoted: evicts 1, not the older 3, which this
+              request reads too (protected); then 3 is an hbm hit.        hbm {3,2}
+    r4 [2]: hbm hit.    r5 [1]: disk hit, promoted: evicts 3.              hbm {2,1}
+    """
+    from bench.trace_reader import parse_request
+
+    trace = [[1, 2], [3], [1], [2, 3], [2], [1]]
+    requests = [parse_request(json.dumps(request(i, b)), "x") for i, b in enumerate(trace)]
+    workload = build_workload(requests, windows=False)
+    tiers = [SimTier("hbm", 2 * 100, True, False), SimTier("host", 0, True, False),
+             SimTier("disk", math.inf, False, True)]
+    c = simulate(workload, "lru", tiers, block_bytes=100, window_bytes=0).counters
+    assert c.block_hits == [2, 0, 3]
+    assert (c.new_blocks, c.reprefill_blocks, c.replays) == (3, 0, 0)
+    assert c.evictions == [4, 0, 0]
+    assert c.bytes_written["promotion"] == [300, 0, 0]
+    assert c.bytes_written["spill"] == [300, 0, 0]
+    assert c.bytes_written["writeback"] == [0, 0, 300]
+    assert c.bytes_written["demotion"] == [0, 0, 0]  # disk already held every victim
+
+
+def test_bounded_disk_drops_blocks_and_forces_reprefill(tmp_path):
+    path = write_trace(tmp_path / "t.jsonl", random_trace(3, requests=60))
+    report = run_trace_benchmark(path, fractions=(0.05,), disk_fraction=0.3,
+                                 policies=("lru",), jobs=1)
+    point = report["results"][0]
+    assert point["chunks_dropped"] > 0 and point["reprefill_blocks"] > 0
+    rate = point["block_hit_rate"]
+    assert sum(rate.values()) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_belady_hits_at_least_as_often_as_every_policy(tmp_path, seed):
+    path = write_trace(tmp_path / "t.jsonl", random_trace(seed))
+    policies = ("lru", "hint", "hint-perfect", "hint-causal", "belady")
+    fractions = (0.02, 0.05, 0.1, 0.2)
+    # one tier of equal-size blocks (no window blobs, no host): Belady's MIN is optimal
+    single = run_trace_benchmark(path, layout="deepseek-v3", fractions=fractions,
+                                 host_ratio=0.0, policies=policies, jobs=1)
+    # the full hierarchy with window blobs (several blocks each): Belady still leads in hbm
+    full = run_trace_benchmark(path, fractions=fractions, policies=policies, jobs=1)
+    for report in (single, full):
+        for fraction, point in by_point(report).items():
+            best = point["belady"]["block_hit_rate"]["hbm"]
+            for policy, result in point.items():
+                assert result["block_hit_rate"]["hbm"] <= best + 1e-12, (fraction, policy)
+
+
+def test_perfect_hints_match_belady_on_one_tier(tmp_path):
+    """Without shared prefixes every block of a conversation is next read at the
+    conversation's next request, which a perfect hint names exactly."""
+    path = write_trace(tmp_path / "t.jsonl", random_trace(1, 120, shared_prefixes=0,
+                                                          p_resume=0.8))
+    report = run_trace_benchmark(path, layout="deepseek-v3", fractions=(0.05, 0.1, 0.2),
+                                 host_ratio=0.0, policies=("lru", "hint-perfect", "belady"),
+                                 jobs=1)
+    gains = []
+    for point in by_point(report).values():
+        perfect, belady = point["hint-perfect"]["fast_hit_rate"], point["belady"]["fast_hit_rate"]
+        assert perfect == pytest.approx(belady, abs=0.01)
+        gains.append(perfect - point["lru"]["fast_hit_rate"])
+    assert max(gains) > 0.05  # and LRU is clearly short of it
+
+
+def test_simulation_agrees_with_the_real_tier_stack():
+    from bench.trace_reader import parse_request
+
+    requests = [parse_request(json.dumps(r), "x") for r in random_trace(5, requests=40)]
+    result = check_against_stack(requests, policies=("lru", "hint", "belady"),
+                                 fractions=(0.03, 0.15))
+    assert result["agree"], [p["diff"] for p in result["points"] if not p["agree"]]
+    hits = [sum(p["stack"]["block_hits"][1:]) for p in result["points"]]
+    assert max(hits) > 0  # blocks really came back from below hbm
+
+
+def test_json_output_and_tiers(tmp_path, capsys):
+    path = write_trace(tmp_path / "t.jsonl", random_trace(7, requests=30))
+    assert main(["--trace", str(path), "--json", "--fractions", "0.05,0.2", "--policies",
+                 "lru,belady", "--validate", "20", "--jobs", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["validation"]["agree"]
+    assert [(r["policy"], r["capacity_fraction"]) for r in report["results"]] == [
+        ("lru", 0.05), ("belady", 0.05), ("lru", 0.2), ("belady", 0.2)]
+    spec = get_layout("kvtier-bundled")
+    block = math.ceil(spec.persistent_bytes_per_token * 512)
+    assert report["layout"]["block_bytes"] == block
+    assert report["layout"]["window_bytes"] == math.ceil(spec.ephemeral_bytes_per_token * 128)
+    footprint = report["trace"]["unique_blocks"] * block
+    assert report["results"][0]["capacities_bytes"] == {
+        "hbm": int(0.05 * footprint), "host": int(0.2 * footprint), "disk": None}
+    assert {"block_bytes", "window_bytes", "conversations", "hints", "belady"} <= set(
+        report["method"])
+    assert make_tiers(1000, 0.1, 4.0, 0.5)[2].capacity_bytes == 500
