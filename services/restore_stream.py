@@ -17,7 +17,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvstore.codec import DecodedChunk, decode_chunk
@@ -140,20 +139,23 @@ class RestoreStreamer:
                         ) -> AsyncIterator[pb.LayerSection]:
         decoded = await asyncio.gather(
             *(asyncio.to_thread(decode_chunk, buf, spec) for buf in buffers))
+        sums = [_checksums(chunk) for chunk in decoded]
         streams = spec.persistent_streams
         for layer in range(max((s.layers for s in streams), default=0)):
             for index, stream in enumerate(streams):
                 if layer >= stream.layers:
                     continue
                 for chunk_index, chunk in enumerate(decoded):
-                    yield _section(chunk, index, stream.name, layer, chunk_index)
+                    yield _section(chunk, sums[chunk_index], index, stream.name, layer,
+                                   chunk_index)
 
 
-def _checksums(chunk: DecodedChunk, stream_index: int, layer: int) -> tuple[int, int]:
+def _checksums(chunk: DecodedChunk) -> dict[tuple[int, int, int], int]:
+    """The codec's section checksums by (stream index, layer, part)."""
     rows = chunk.header.sections
-    mine = rows[(rows["stream"] == stream_index) & (rows["layer"] == layer)]
-    by_part = dict(zip(mine["part"].tolist(), mine["checksum"].tolist(), strict=True))
-    return by_part.get(0, 0), by_part.get(1, 0)
+    keys = zip(rows["stream"].tolist(), rows["layer"].tolist(), rows["part"].tolist(),
+               strict=True)
+    return dict(zip(keys, rows["checksum"].tolist(), strict=True))
 
 
 def _bytes(tensor: torch.Tensor | None) -> bytes:
@@ -162,12 +164,12 @@ def _bytes(tensor: torch.Tensor | None) -> bytes:
     return tensor.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def _section(chunk: DecodedChunk, stream_index: int, name: str, layer: int,
+def _section(chunk: DecodedChunk, sums: dict, stream_index: int, name: str, layer: int,
              chunk_index: int) -> pb.LayerSection:
     data = chunk.streams[name]
-    codes_sum, scales_sum = _checksums(chunk, stream_index, layer)
     return pb.LayerSection(
         stream=name, layer=layer, chunk_index=chunk_index,
         codes=_bytes(data.codes[layer]),
         scales=_bytes(None if data.scales is None else data.scales[layer]),
-        codes_xxh3=np.uint64(codes_sum).item(), scales_xxh3=np.uint64(scales_sum).item())
+        codes_xxh3=sums.get((stream_index, layer, 0), 0),
+        scales_xxh3=sums.get((stream_index, layer, 1), 0))
