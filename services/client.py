@@ -169,6 +169,9 @@ class AsyncClient:
         async def encode(skip: set[str]) -> cc.EncodedSession:
             if chunks is not None:
                 keys = chain_keys(spec.layout_id, tokens, spec.chunk_tokens)
+                if len(chunks) != len(keys):
+                    raise InvalidRequest(f"{len(tokens)} tokens make {len(keys)} chunks of "
+                                         f"{spec.chunk_tokens}; {len(chunks)} were given")
                 return cc.EncodedSession(keys, {i: c for i, c in enumerate(chunks)
                                                 if keys[i] not in skip}, tail, None)
             return await asyncio.to_thread(cc.encode_session, spec, tokens, persistent,
@@ -225,10 +228,14 @@ class AsyncClient:
                 payload = (pb.Payload(key=key, shm=writer.add(data)) if writer
                            else pb.Payload(key=key, data=data))
                 messages.append(pb.SpillRequest(**{kind: payload}))
-            return await self._stub.Spill(_stream(messages), timeout=self.timeout_s)
-        finally:
-            if writer is not None:  # the server copied the bytes out before it answered
-                self._segments.release(writer)
+            reply = await self._stub.Spill(_stream(messages), timeout=self.timeout_s)
+        except BaseException:
+            if writer is not None:  # the server may still be reading it: never reuse it
+                self._segments.discard(writer)
+            raise
+        if writer is not None:  # the server copied the bytes out before it answered
+            self._segments.release(writer)
+        return reply
 
     async def _acknowledged(self, ref, generation: int, num_tokens: int) -> pb.SpillReply | None:
         """After a retried spill is refused as stale: was it our first attempt that landed?"""

@@ -166,9 +166,12 @@ class SegmentPool:
         self._free.append(writer)
         if len(self._free) > 4:  # keep the few largest
             self._free.sort(key=lambda w: w.segment.size)
-            smallest = self._free.pop(0)
-            smallest.close()
-            smallest.unlink()
+            self.discard(self._free.pop(0))
+
+    @staticmethod
+    def discard(writer: SegmentWriter) -> None:
+        writer.close()
+        writer.unlink()
 
     def close(self) -> None:
         for writer in self._free:
