@@ -1,0 +1,1 @@
+"""Server coordination for ``kvtier compact`` (``services.compact`` is the command)."""

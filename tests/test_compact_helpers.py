@@ -1,0 +1,100 @@
+"""Helpers (no tests) for the compaction tests: a data directory filled by the real
+server through the real client, snapshots of what restores return, and runs of the real
+``kvtier compact`` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvtier import AsyncClient
+from tests.service_support import LAYOUT, running_server, streams_for, tokens_for
+
+ROOT = Path(__file__).resolve().parents[1]
+CHUNK = LAYOUT.chunk_tokens
+TENANT = "acme"
+
+
+@dataclass(frozen=True)
+class Spec:
+    session_id: str
+    chunks: int
+    prefix_of: str | None = None  # shares its first two chunks with this session
+    ttl_s: float = 0.0
+
+
+# Shared prefixes (b and c share a's first two chunks), sessions to delete for dead bytes.
+SPECS = (
+    Spec("a", 4), Spec("b", 3, prefix_of="a"), Spec("c", 3, prefix_of="a"),
+    Spec("d", 4), Spec("e", 2), Spec("f", 3), Spec("g", 2, prefix_of="d"),
+)
+
+
+def tokens_of(spec: Spec, specs=SPECS) -> torch.Tensor:
+    count = spec.chunks * CHUNK + 100  # whole chunks and a tail
+    own = tokens_for(count, seed=ord(spec.session_id[0]))
+    if spec.prefix_of is None:
+        return own
+    parent = tokens_of(next(s for s in specs if s.session_id == spec.prefix_of), specs)
+    return torch.cat([parent[:2 * CHUNK], own[2 * CHUNK:]])
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    token_ids: bytes
+    chunk_keys: tuple[str, ...]
+    chunks: tuple[bytes, ...]
+    tail: bytes
+
+
+async def snapshot(kv: AsyncClient, session_id: str) -> Snapshot:
+    restored = await kv.restore(TENANT, session_id, want_window=False, decode=False)
+    return Snapshot(restored.token_ids.tobytes(), tuple(restored.chunk_keys),
+                    tuple(bytes(c) for c in restored.chunks), bytes(restored.tail))
+
+
+async def spill_all(kv: AsyncClient, specs=SPECS) -> None:
+    for i, spec in enumerate(specs):
+        tokens = tokens_of(spec, specs)
+        await kv.spill(TENANT, spec.session_id, LAYOUT.name, tokens,
+                       streams_for(LAYOUT, len(tokens), seed=i), generation=1,
+                       ack="durable", ttl_s=spec.ttl_s)
+
+
+async def fill(data_dir: Path, *, delete=("d", "f"), specs=SPECS) -> dict[str, Snapshot]:
+    """Spill ``specs`` through a real server, delete ``delete``, and return snapshots of
+    the sessions left (as restores return them)."""
+    async with running_server(data_dir) as (_, target), AsyncClient(target) as kv:
+        await spill_all(kv, specs)
+        for session_id in delete:
+            await kv.delete(TENANT, session_id)
+        return {s.session_id: await snapshot(kv, s.session_id)
+                for s in specs if s.session_id not in delete}
+
+
+async def restore_all(data_dir: Path, names) -> dict[str, Snapshot]:
+    async with running_server(data_dir) as (_, target), AsyncClient(target) as kv:
+        return {name: await snapshot(kv, name) for name in names}
+
+
+def compact_command(data_dir: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", "compact", "--data-dir", str(data_dir),
+            *args]
+
+
+def run_compact(data_dir: Path, *args: str, timeout: float = 120
+                ) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(compact_command(data_dir, *args), cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def report_of(done: subprocess.CompletedProcess) -> dict:
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
