@@ -113,8 +113,8 @@ def layout_spec(cfg: ModelConfig, name: str = "kvtier-bundled") -> LayoutSpec:
         Stream("enc.window.k", (cfg.kv_heads, cfg.head_dim), **q8),
         Stream("enc.window.v", (cfg.kv_heads, cfg.head_dim), **q8),
         # rows of the incomplete block (< m tokens), kept unquantized until it completes
-        Stream("enc.tail", (cfg.width,), bits=16, layers=full, persistent=False),
-        Stream("dec.tail", (cfg.width,), bits=16, layers=1, persistent=False),
+        Stream("enc.tail", (cfg.width,), bits=16, layers=full, persistent=False, pending=True),
+        Stream("dec.tail", (cfg.width,), bits=16, layers=1, persistent=False, pending=True),
     )
     return LayoutSpec(
         name=name,
