@@ -1,0 +1,42 @@
+"""The in-process replay backend the server builds (``services.replay_hook``):
+``ReplayService()`` serves the bundled model, loading its weights on the first rebuild so
+a server that never needs replay never pays for them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvstore.errors import InvalidRequest
+from kvstore.layout import LayoutSpec
+from model.checkpoint import BUNDLED_WEIGHTS, load
+from replay.state_codec import Buffer
+from replay.worker import DEFAULT_REPLAY_TOKENS, ReplayResult, ReplayWorker
+
+
+class ReplayService:
+    def __init__(self, weights: Path = BUNDLED_WEIGHTS, *,
+                 default_tokens: int = DEFAULT_REPLAY_TOKENS) -> None:
+        if not weights.exists():
+            raise InvalidRequest(f"no model weights at {weights}: run `python -m model.train`")
+        self.weights = weights
+        self.default_tokens = default_tokens
+        self._worker: ReplayWorker | None = None
+        self._loading = asyncio.Lock()
+
+    async def worker(self) -> ReplayWorker:
+        async with self._loading:
+            if self._worker is None:
+                model = await asyncio.to_thread(load, self.weights)
+                self._worker = ReplayWorker(model, default_tokens=self.default_tokens)
+        return self._worker
+
+    async def rebuild(self, layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer],
+                      tail: Buffer, replay_tokens: int | None = None) -> ReplayResult:
+        worker = await self.worker()
+        return await worker.rebuild(layout, token_ids, chunks, tail, replay_tokens)
+
+    async def close(self) -> None:
+        if self._worker is not None:
+            await self._worker.close()
