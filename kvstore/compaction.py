@@ -90,7 +90,7 @@ async def run_compaction(
     if after_sessions is not None:
         after_sessions()
 
-    chosen = candidates(disk, options.dead_fraction)
+    chosen = candidates(disk, options.dead_fraction, include_active=dry and mode == "offline")
     if dry:
         report.segments_rewritten = len(chosen)
         report.reclaimed_bytes = sum(info.dead_bytes for info in chosen)

@@ -34,10 +34,14 @@ class RewriteTotals:
     corrupt_keys: tuple[str, ...] = ()
 
 
-def candidates(tier: DiskTier, dead_fraction: float) -> list[SegmentInfo]:
-    """Sealed segments with dead bytes at or above ``dead_fraction`` of their size."""
+def candidates(tier: DiskTier, dead_fraction: float, *, include_active: bool = False
+               ) -> list[SegmentInfo]:
+    """Sealed segments with dead bytes at or above ``dead_fraction`` of their size
+    (``include_active``: a stopped writer's active segment too, which a real offline run
+    seals first; for a dry run's forecast)."""
+    states = (SegState.SEALED, SegState.ACTIVE) if include_active else (SegState.SEALED,)
     return [info for info in tier.segments()
-            if info.state == SegState.SEALED and info.dead_bytes > 0
+            if info.state in states and info.dead_bytes > 0
             and info.dead_fraction >= dead_fraction]
 
 

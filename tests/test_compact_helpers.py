@@ -4,6 +4,8 @@ server through the real client, snapshots of what restores return, and runs of t
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from kvstore.errors import SessionNotFound
 from kvtier import AsyncClient
 from tests.service_support import LAYOUT, running_server, streams_for, tokens_for
 
@@ -59,23 +62,35 @@ async def snapshot(kv: AsyncClient, session_id: str) -> Snapshot:
                     tuple(bytes(c) for c in restored.chunks), bytes(restored.tail))
 
 
-async def spill_all(kv: AsyncClient, specs=SPECS) -> None:
+async def spill_all(kv: AsyncClient, specs=SPECS, *, only=None, generation: int = 1) -> None:
     for i, spec in enumerate(specs):
+        if only is not None and spec.session_id not in only:
+            continue
         tokens = tokens_of(spec, specs)
         await kv.spill(TENANT, spec.session_id, LAYOUT.name, tokens,
-                       streams_for(LAYOUT, len(tokens), seed=i), generation=1,
+                       streams_for(LAYOUT, len(tokens), seed=i), generation=generation,
                        ack="durable", ttl_s=spec.ttl_s)
 
 
-async def fill(data_dir: Path, *, delete=("d", "f"), specs=SPECS) -> dict[str, Snapshot]:
+async def fill(data_dir: Path, *, delete=("d", "f"), specs=SPECS, hot=(), pause: float = 0.0
+               ) -> dict[str, Snapshot]:
     """Spill ``specs`` through a real server, delete ``delete``, and return snapshots of
-    the sessions left (as restores return them)."""
+    the sessions left (as restores return them). ``hot`` sessions are spilled again
+    (generation 2) after ``pause`` seconds, so only the others have been idle that long
+    (restores record an access at most once a minute)."""
     async with running_server(data_dir) as (_, target), AsyncClient(target) as kv:
         await spill_all(kv, specs)
         for session_id in delete:
             await kv.delete(TENANT, session_id)
-        return {s.session_id: await snapshot(kv, s.session_id)
-                for s in specs if s.session_id not in delete}
+        if hot:
+            await asyncio.sleep(pause)
+            await spill_all(kv, specs, only=hot, generation=2)
+        out = {}
+        for spec in specs:
+            if spec.session_id not in delete:
+                with contextlib.suppress(SessionNotFound):  # expired by its own TTL
+                    out[spec.session_id] = await snapshot(kv, spec.session_id)
+        return out
 
 
 async def restore_all(data_dir: Path, names) -> dict[str, Snapshot]:

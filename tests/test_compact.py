@@ -1,0 +1,214 @@
+"""``kvtier compact`` on data directories filled by the real server through the real client:
+dead space, expiry, shared prefixes, demotion, dry runs, scrub and quarantine, and the
+refusal of a second compaction. The command runs in-process (``services.cli.main``);
+restores go through a real server afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from kvstore.compaction_report import COMPACT_PRESETS, CompactOptions
+from kvstore.compaction_segments import groups
+from kvstore.errors import InvalidRequest, SessionNotFound
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk_index import SegmentInfo, SegState
+from kvstore.tiers.segments import HEADER_SIZE, segment_path
+from services import cli
+from services.compact import parse_duration
+from tests.test_compact_helpers import SPECS, TENANT, Spec, fill, restore_all
+
+WITH_TTL = (*SPECS, Spec("t", 3, prefix_of="a", ttl_s=1.0))
+
+
+def compact(data: Path, capsys, *args: str) -> tuple[int, dict | None, str]:
+    rc = cli.main(["compact", "--data-dir", str(data), *args])
+    out, err = capsys.readouterr()
+    report = json.loads(out.strip().splitlines()[-1]) if rc == 0 and "--json" in args else None
+    return rc, report, err
+
+
+def digest(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+async def read_meta(data: Path, key: str) -> bytes | None:
+    disk = DiskTier(data / "disk", 1 << 30, writer=False)
+    try:
+        return await disk.meta.get(key)
+    finally:
+        await disk.close()
+
+
+def test_end_to_end_expire_demote_reclaim(tmp_path, capsys):
+    data = tmp_path / "data"
+    snaps = asyncio.run(fill(data, specs=WITH_TTL, delete=("d", "f"), hot=("a", "b", "g"),
+                             pause=1.3))
+
+    before = digest(data)
+    rc, dry, _ = compact(data, capsys, "--dry-run", "--json", "--demote-after", "1s")
+    assert rc == 0 and digest(data) == before  # a dry run changes nothing
+    assert dry["mode"] == "dry-run" and dry["expired"] == ["acme/t"]
+    assert sorted(dry["demoted"]) == ["acme/c", "acme/e"]
+    assert dry["dead_bytes_before"] > 0 and dry["reclaimed_bytes"] > 0
+
+    rc, report, _ = compact(data, capsys, "--json", "--demote-after", "1s", "--zstd-level", "9")
+    assert rc == 0 and report["mode"] == "offline"
+    assert report["sessions_expired"] == 1 and report["expired"] == ["acme/t"]
+    assert report["chunks_collected"] == 1  # t's own chunk; its prefix is a's, and stays
+    assert report["sessions_demoted"] == 2 and sorted(report["demoted"]) == ["acme/c", "acme/e"]
+    assert report["segments_rewritten"] >= 1 and report["reclaimed_bytes"] > 0
+    assert report["dead_bytes_before"] == dry["dead_bytes_before"]
+    assert report["rewritten_bytes"] > 0
+    assert report["raw_write_gbps"] > 0 and report["rewrite_gbps"] > 0
+    assert report["corrupt_chunks"] == 0 and report["live_bytes"] > 0
+
+    # Where the demoted sessions went is recorded, and their chunks are zstd objects.
+    record = json.loads(asyncio.run(read_meta(data, "demoted/acme/e")))
+    assert record["tier"] == "object" and record["zstd_level"] == 9
+    e_only = snaps["e"].chunk_keys
+    stored = {p.name for p in (data / "objects").rglob("*.zst")}
+    assert {f"{key}.zst" for key in e_only} <= stored
+    for path in (data / "objects").rglob("*.zst"):
+        zstandard.ZstdDecompressor().decompress(path.read_bytes())
+
+    after = asyncio.run(restore_all(data, list(snaps.keys() - {"t"})))
+    assert after == {name: snap for name, snap in snaps.items() if name != "t"}
+    with pytest.raises(SessionNotFound):
+        asyncio.run(restore_all(data, ["t"]))
+
+    rc, again, _ = compact(data, capsys, "--json", "--demote-after", "1h")
+    assert rc == 0 and again["sessions_expired"] == 0 and again["sessions_demoted"] == 0
+    assert again["chunks_collected"] == 0
+
+
+def _corrupt_value_byte(data: Path, key: str) -> None:
+    async def locate():
+        disk = DiskTier(data / "disk", 1 << 30, writer=False)
+        try:
+            return disk.index.lookup(key.encode())
+        finally:
+            await disk.close()
+
+    entry = asyncio.run(locate())
+    path = segment_path(data / "disk" / "segments", entry.seg_id)
+    at = entry.offset + HEADER_SIZE + len(key) + entry.value_len // 2
+    with open(path, "r+b") as file:
+        file.seek(at)
+        byte = file.read(1)
+        file.seek(at)
+        file.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_scrub_quarantines_corrupt_chunks_and_marks_sessions(tmp_path, capsys):
+    data = tmp_path / "data"
+    snaps = asyncio.run(fill(data, delete=()))
+    shared, own = snaps["a"].chunk_keys[0], snaps["e"].chunk_keys[1]
+    for key in (shared, own):
+        _corrupt_value_byte(data, key)
+
+    rc, dry, _ = compact(data, capsys, "--dry-run", "--json")
+    assert rc == 0 and dry["corrupt_chunks"] == 2
+    assert not (data / "quarantine").exists()
+
+    rc, report, _ = compact(data, capsys, "--json")
+    assert rc == 0 and report["corrupt_chunks"] == 2
+    assert sorted(report["corrupt_keys"]) == sorted(f"disk:{k}" for k in (shared, own))
+    # The shared prefix chunk marks every session that names it.
+    assert sorted(report["marked_sessions"]) == ["acme/a", "acme/b", "acme/c", "acme/e"]
+    for key in (shared, own):
+        kept = data / "quarantine" / f"disk-{key}.bin"
+        assert kept.stat().st_size > 0
+        assert json.loads((data / "quarantine" / f"disk-{key}.json").read_text())["key"] == key
+    mark = json.loads(asyncio.run(read_meta(data, f"quarantine/{TENANT}/e")))
+    assert mark["chunks"] == [own]
+
+    rc, again, _ = compact(data, capsys, "--json")
+    assert rc == 0 and again["corrupt_chunks"] == 0
+    # Sessions that do not name a corrupt chunk still restore byte-identical.
+    assert asyncio.run(restore_all(data, ["d", "f", "g"])) == {
+        n: snaps[n] for n in ("d", "f", "g")}
+
+
+class _BlockingProgress:
+    """Signals through a pipe when the rewrite starts, then holds it there."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def step(self, name: str, total: int):
+        from kvstore.compaction_report import LogProgress
+
+        if name == "rewrite segments":
+            os.write(self.fd, b"x")
+            time.sleep(120)
+        return LogProgress().step(name, total)
+
+
+def _compaction_child(data: Path, fd: int) -> None:
+    from kvstore.compaction import run_compaction
+
+    async def main() -> None:
+        disk = DiskTier(data / "disk", 1 << 30, writer=False)
+        disk.compact_lock.acquire()
+        await run_compaction(disk, CompactOptions(), _BlockingProgress(fd), mode="offline",
+                             ops=None, quarantine_dir=data / "quarantine")
+
+    asyncio.run(main())
+
+
+def test_second_compaction_refuses_while_one_runs(tmp_path, capsys):
+    data = tmp_path / "data"
+    asyncio.run(fill(data))
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the first compaction, in another process
+        try:
+            os.close(read_fd)
+            _compaction_child(data, write_fd)
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    try:
+        assert os.read(read_fd, 1) == b"x"  # it holds compact.lock and is rewriting
+        rc, _, err = compact(data, capsys, "--json")
+        assert rc == 3
+        assert "refused" in err and "compaction lock" in err and f"pid {pid}" in err
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(read_fd)
+    rc, report, _ = compact(data, capsys, "--json")  # the lock died with its holder
+    assert rc == 0 and report["reclaimed_bytes"] > 0
+
+
+def test_bad_arguments_are_refused_clearly(tmp_path, capsys):
+    rc, _, err = compact(tmp_path / "nothing", capsys, "--json")
+    assert rc == 2 and "holds no disk tier" in err
+    data = tmp_path / "data"
+    asyncio.run(fill(data, specs=SPECS[:1], delete=()))
+    rc, _, err = compact(data, capsys, "--zstd-level", "40")
+    assert rc == 2 and "zstd_level" in err
+    with pytest.raises(SystemExit):
+        cli.main(["compact", "--data-dir", str(data), "--ttl", "soon"])
+    assert "not a duration" in capsys.readouterr().err
+
+
+def test_durations_options_and_groups():
+    assert parse_duration("90") == 90 and parse_duration("15m") == 900
+    assert parse_duration("2h") == 7200 and parse_duration("1.5d") == 129600
+    with pytest.raises(InvalidRequest):
+        CompactOptions(dead_fraction=1.5)
+    assert COMPACT_PRESETS["thorough"].dead_fraction == 0.0
+    infos = [SegmentInfo(i, SegState.SEALED, 100, live) for i, live in
+             [(3, 60), (1, 50), (2, 10), (4, 0), (5, 90)]]
+    assert groups(infos, 64) == [[1, 2], [3, 4], [5]]
