@@ -50,18 +50,21 @@ def _group_codes(x: torch.Tensor, group_size: int, qmax: int,
     """Symmetric per-group codes: (..., D) -> codes int8 (..., D), scales fp16 (..., G).
 
     The scale is rounded to fp16 before the codes are computed, so a reader that dequantizes
-    with the stored fp16 scale sees exactly the values the codes were chosen for.
+    with the stored fp16 scale sees exactly the values the codes were chosen for. A group
+    that cannot be represented (a NaN or inf in it, or absmax/qmax beyond fp16's range) gets
+    a NaN scale and zero codes: it dequantizes to NaN, poisoned rather than silently wrong.
     """
     groups = x.shape[-1] // group_size
     g = x.float().reshape(*x.shape[:-1], groups, group_size)
-    absmax = g.abs().amax(dim=-1)
+    absmax = g.abs().amax(dim=-1)  # NaN if the group holds one
     # divide by a tensor, not a Python scalar: CUDA torch turns x / scalar into x * (1 /
     # scalar), which can differ by an ulp from the correctly rounded division Triton does
     scales = (absmax / torch.full_like(absmax, qmax)).to(torch.float16)
+    scales = torch.where(scales < float("inf"), scales, torch.full_like(scales, float("nan")))
     s = scales.float().unsqueeze(-1)
-    nonzero = s > 0
-    codes = torch.round(g / torch.where(nonzero, s, torch.ones_like(s)))
-    codes = torch.where(nonzero, codes, torch.zeros_like(codes)).clamp(qmin, qmax)
+    usable = s > 0  # false for a zero group and for NaN
+    codes = torch.round(g / torch.where(usable, s, torch.ones_like(s)))
+    codes = torch.where(usable, codes, torch.zeros_like(codes)).clamp(qmin, qmax)
     return codes.to(torch.int8).reshape(x.shape), scales
 
 

@@ -55,11 +55,27 @@ def round_half_even(y):
 
 
 @triton.jit
+def _group_scale(absmax, QMAX: tl.constexpr):
+    """fp16 scale absmax/QMAX per row; NaN (absmax NaN, inf, or beyond fp16's range) marks a
+    group that cannot be represented, as in the reference."""
+    scale = tl.math.div_rn(absmax, QMAX)
+    # fp32 values from 65520 up round to inf in fp16 (round-to-nearest-even)
+    return tl.where(scale < 65520.0, scale, float("nan")).to(tl.float16)
+
+
+@triton.jit
+def _abs_nan_as_inf(x):
+    """|x| with NaN mapped to inf, so a row max sees it (tl.max may skip NaN)."""
+    return tl.where(x == x, tl.abs(x), float("inf"))
+
+
+@triton.jit
 def _codes(x, scale, QMIN: tl.constexpr, QMAX: tl.constexpr):
-    """Codes for x (fp32) against per-row fp16-rounded scales (fp32 [rows, 1])."""
-    nonzero = scale > 0.0
-    y = tl.math.div_rn(x, tl.where(nonzero, scale, 1.0))
-    y = tl.where(nonzero, round_half_even(y), 0.0)
+    """Codes for x (fp32) against per-row fp16-rounded scales (fp32 [rows, 1]); zero codes
+    where the scale is zero or NaN."""
+    usable = scale > 0.0
+    y = tl.math.div_rn(tl.where(usable, x, 0.0), tl.where(usable, scale, 1.0))
+    y = tl.where(usable, round_half_even(y), 0.0)
     return tl.minimum(tl.maximum(y, QMIN), QMAX)
 
 
@@ -73,8 +89,9 @@ def _quantize_int4_kernel(x_ptr, packed_ptr, scale_ptr, M,
     base = rows[:, None].to(tl.int64) * (2 * HALF) + 2 * cols[None, :]
     even = tl.load(x_ptr + base, mask=mask, other=0.0).to(tl.float32)
     odd = tl.load(x_ptr + base + 1, mask=mask, other=0.0).to(tl.float32)
-    absmax = tl.maximum(tl.max(tl.abs(even), axis=1), tl.max(tl.abs(odd), axis=1))
-    scale16 = tl.math.div_rn(absmax, 7.0).to(tl.float16)
+    absmax = tl.maximum(tl.max(_abs_nan_as_inf(even), axis=1),
+                        tl.max(_abs_nan_as_inf(odd), axis=1))
+    scale16 = _group_scale(absmax, 7.0)
     scale = scale16.to(tl.float32)[:, None]
     lo = _codes(even, scale, -8.0, 7.0).to(tl.int32) & 0xF
     hi = _codes(odd, scale, -8.0, 7.0).to(tl.int32) & 0xF
@@ -92,7 +109,7 @@ def _quantize_int8_kernel(x_ptr, codes_ptr, scale_ptr, M,
     mask = (rows[:, None] < M) & (cols[None, :] < GS)
     offs = rows[:, None].to(tl.int64) * GS + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    scale16 = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0).to(tl.float16)
+    scale16 = _group_scale(tl.max(_abs_nan_as_inf(x), axis=1), 127.0)
     codes = _codes(x, scale16.to(tl.float32)[:, None], -127.0, 127.0)
     tl.store(codes_ptr + offs, codes.to(tl.int8), mask=mask)
     tl.store(scale_ptr + rows, scale16, mask=rows < M)

@@ -3,6 +3,8 @@ kernels (run by Triton's CPU interpreter) bit-identical to the reference."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -175,4 +177,40 @@ def test_triton_quantize_matches_reference_on_random_shapes(tri, rows, groups, h
     x = torch.randn(rows, groups * group, generator=g) * 10.0 ** log_scale
     for quant in ("quantize_int4", "quantize_int8"):
         want, got = getattr(ref, quant)(x, group), getattr(tri, quant)(x, group)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), quant
+        assert torch.equal(got[0], want[0]) and _same_scales(got[1], want[1]), quant
+
+
+@pytest.mark.parametrize("quant,deq", [("quantize_int4", "dequantize_int4"),
+                                       ("quantize_int8", "dequantize_int8")])
+def test_unrepresentable_groups_dequantize_to_nan_on_both_backends(tri, quant, deq):
+    x = torch.randn(4, 24)
+    x[0, 3] = math.nan
+    x[1, 9] = math.inf
+    x[2, 16:] = 1e7  # absmax / qmax is past fp16's largest value
+    x[3, :8] = 0.0
+    for impl in (ref, tri):
+        codes, scales = getattr(impl, quant)(x, 8)
+        assert torch.equal(torch.isnan(scales), torch.tensor(
+            [[True, False, False], [False, True, False], [False, False, True],
+             [False, False, False]]))
+        y = getattr(impl, deq)(codes, scales, 8)
+        poisoned = torch.isnan(scales).repeat_interleave(8, dim=-1)
+        assert torch.isnan(y[poisoned]).all()
+        assert torch.isfinite(y[~poisoned]).all() and (y[3, :8] == 0).all()
+    want, got = getattr(ref, quant)(x, 8), getattr(tri, quant)(x, 8)
+    assert torch.equal(got[0], want[0]) and _same_scales(got[1], want[1])
+
+
+def _same_scales(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-equal scales, NaN (an unrepresentable group) matching NaN."""
+    return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(),
+                                                                       b.nan_to_num())
+
+
+def test_fp16_range_boundary_agrees_on_both_backends(tri):
+    # absmax / 127 = 65519 still rounds to fp16's 65504; 65520 rounds to inf: unrepresentable
+    x = torch.zeros(2, 4)
+    x[0, 0], x[1, 0] = 65519.0 * 127, 65520.0 * 127
+    for impl in (ref, tri):
+        _, scales = impl.quantize_int8(x, 4)
+        assert scales[0, 0].item() == 65504.0 and torch.isnan(scales[1, 0])
