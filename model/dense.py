@@ -91,12 +91,13 @@ def joint_attention(model: KVTierLM, q: torch.Tensor, k: torch.Tensor, v: torch.
     return out_w, out_c
 
 
-def forward_train(model: KVTierLM, ids: torch.Tensor, sparse: bool = True
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_train(model: KVTierLM, ids: torch.Tensor, sparse: bool = True,
+                  stats: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """ids (B, T) int64, T a multiple of the window and of m -> (logits (B, T, vocab), aux).
 
     sparse=False attends to every visible compressed entry (warm-up while the indexers
     learn); sparse=True attends only to each layer's top-k selection, as inference does.
+    stats, if given, receives one selection_quality() dict per indexer.
     """
     cfg = model.cfg
     b, t = ids.shape
@@ -111,10 +112,12 @@ def forward_train(model: KVTierLM, ids: torch.Tensor, sparse: bool = True
     def select(layer, x, keys, pool):
         qi, wts = layer.indexer(x)
         scores = index_scores(qi, keys, wts, visible)
-        groups.append({"scores": scores, "targets": []})
         if pool is None:
-            return topk_mask(scores, cfg.topk), topk_mask(scores, cfg.pool)
-        return topk_mask(scores.masked_fill(~pool, float("-inf")), cfg.topk), pool
+            sel, pool = topk_mask(scores, cfg.topk), topk_mask(scores, cfg.pool)
+        else:
+            sel = topk_mask(scores.masked_fill(~pool, float("-inf")), cfg.topk)
+        groups.append({"scores": scores, "targets": [], "sel": sel})
+        return sel, pool
 
     def dense_target(clog):
         probs = masked_softmax(clog.detach(), visible.view(1, 1, t, n))
@@ -153,7 +156,20 @@ def forward_train(model: KVTierLM, ids: torch.Tensor, sparse: bool = True
         out_c = masked_softmax(clog, cmask) @ dec_latent.unsqueeze(1)
         h = h + model.merge_out(layer, out_c)
         h = h + layer.mlp(layer.mlp_norm(h))
+    if stats is not None:
+        stats.extend(selection_quality(g, visible, cfg.topk) for g in groups)
     return model.logits(h), indexer_loss(groups, visible)
+
+
+@torch.no_grad()
+def selection_quality(group: dict, visible: torch.Tensor, k: int) -> dict:
+    """How much of the dense attention mass (the indexer's target) its top-k selection
+    holds, against what k random visible entries would hold, over queries seeing > k."""
+    rows = visible.sum(-1) > k
+    target = torch.stack(group["targets"]).mean(0)[:, rows]
+    captured = (target * group["sel"][:, rows]).sum(-1).mean().item()
+    random = (k / visible[rows].sum(-1).float()).mean().item()
+    return {"captured": captured, "random": random}
 
 
 def indexer_loss(groups: list[dict], visible: torch.Tensor) -> torch.Tensor:

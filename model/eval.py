@@ -23,6 +23,7 @@ from torch.nn import functional as F
 from model import checkpoint
 from model.config import layout_spec
 from model.data import HELD_OUT, corpus
+from model.dense import forward_train
 from model.infer import prefill
 from model.net import KVTierLM
 
@@ -51,6 +52,17 @@ def token_bits(model: KVTierLM, seg: bytes, context: int, chunk: int) -> torch.T
     return bits
 
 
+@torch.no_grad()
+def indexer_quality(model: KVTierLM, data: bytes, seqs: int = 4, length: int = 512) -> dict:
+    """Share of each layer group's dense compressed attention that its indexer's top-k
+    selection holds on held-out text, next to what a random top-k would hold."""
+    ids = torch.tensor([list(s) for s in segments(data, seqs, length)], dtype=torch.int64)
+    stats: list[dict] = []
+    forward_train(model, ids, sparse=True, stats=stats)
+    return {"indexer_mass_captured": [round(s["captured"], 3) for s in stats],
+            "random_topk_mass": round(stats[0]["random"], 3)}
+
+
 def evaluate(model: KVTierLM, count: int, chunk: int = 512) -> dict:
     data = corpus(held_out=True)
     segs = segments(data, count, LONG)
@@ -72,6 +84,7 @@ def evaluate(model: KVTierLM, count: int, chunk: int = 512) -> dict:
         "held_out_bytes": len(data),
         "persistent_bytes_per_token": spec.persistent_bytes_per_token,
         "bf16_baseline_bytes_per_token": spec.bf16_baseline_bytes_per_token,
+        **indexer_quality(model, data),
         "eval_wall_s": round(time.time() - start, 1),
     }
 

@@ -40,6 +40,16 @@ def test_replay_of_every_token_reproduces_the_state(tiny):
                           atol=1e-4)
 
 
+def test_replay_in_chunks_equals_replay_in_one_go(tiny):
+    st, _ = prefill(tiny, ids_of(43), logits="none")  # tail of 3 straddles chunk edges
+    whole = replay(tiny, st.without_window(), r=21)
+    pieces = replay(tiny, st.without_window(), r=21, chunk=5)
+    for name, (codes, _) in whole.ephemeral_tensors().items():
+        other = pieces.ephemeral_tensors()[name][0]
+        assert codes.shape == other.shape, name
+        assert (codes.float() - other.float()).abs().max() <= 1, name
+
+
 def test_replay_appends_no_global_entry(tiny):
     ids = ids_of(51)
     st, _ = prefill(tiny, ids, logits="none")
