@@ -25,8 +25,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvstore.errors import InvalidRequest
+from kvstore.errors import InvalidRequest, UnknownLayout
 from kvstore.layout import LayoutSpec, get_layout
+from model.config import layout_spec
 from model.infer import replay
 from model.net import KVTierLM
 from replay.state_codec import (
@@ -61,8 +62,18 @@ class ReplayWorker:
         self.rebuilds = 0
 
     def layout_for(self, layout: str | LayoutSpec) -> LayoutSpec:
-        """The registered spec (by name or id), checked to be this model's cache."""
-        spec = get_layout(layout) if isinstance(layout, str) else layout
+        """The spec (by name or id), checked to be this model's cache. A layout id not
+        registered in this process is accepted when it is the one derived from the
+        model's own config under that name (a worker knows the layout of its model)."""
+        if isinstance(layout, LayoutSpec):
+            spec = layout
+        else:
+            try:
+                spec = get_layout(layout)
+            except UnknownLayout:
+                spec = layout_spec(self.model.cfg, name=layout.partition("@")[0])
+                if spec.layout_id != layout:
+                    raise
         check_spec(self.model.cfg, spec)
         return spec
 

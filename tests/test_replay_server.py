@@ -1,0 +1,89 @@
+"""The replay worker over gRPC on loopback: ``replay.remote`` and the server's own hook
+call it, errors keep their class, a dead worker is skipped, and a kvtier server resumes a
+session whose window was dropped through it."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.errors import InvalidRequest, LayoutMismatch, TierUnavailable
+from model.infer import replay
+from replay.remote import RemoteReplay
+from replay.state_codec import as_token_array, encode_window, state_from_chunks, state_to_chunks
+from replay.worker import ReplayWorker
+from replay.worker_server import create_server
+from services.client import AsyncClient
+from services.replay_hook import RemoteRebuilder
+from tests.conftest import free_port
+from tests.replay_support import TINY_SPEC, tiny_model, tiny_session
+from tests.service_support import running_server
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+async def test_remote_backend_rebuilds_through_a_worker(model):
+    state, chunks, tail = tiny_session(model, 45)
+    worker = ReplayWorker(model, default_tokens=16)
+    server, port = await create_server("127.0.0.1:0", worker, name="w1")
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    backend = RemoteReplay([dead, f"127.0.0.1:{port}"], timeout_s=10)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            check = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="kvtier.v1.Replay"))
+            assert check.status == health_pb2.HealthCheckResponse.SERVING
+        for _ in range(2):  # whichever worker's turn it is, the live one answers
+            result = await backend.rebuild(TINY_SPEC.layout_id, state.token_ids, chunks, tail)
+            assert result.replayed_tokens == 16
+            assert result.window == encode_window(TINY_SPEC,
+                                                  replay(model, state.without_window(), 16))
+            assert backend.last_worker == "w1"
+        with pytest.raises(InvalidRequest, match="replay_tokens"):
+            await backend.rebuild(TINY_SPEC, state.token_ids, chunks, tail, 100_000)
+        with pytest.raises(LayoutMismatch):
+            await backend.rebuild("kvtier-bundled", state.token_ids, chunks, tail)
+        # the server's own remote hook speaks the same protocol
+        hook = RemoteRebuilder([f"127.0.0.1:{port}"], max_message_bytes=8 << 20)
+        rebuilt = await hook.rebuild(TINY_SPEC, as_token_array(state.token_ids), chunks,
+                                     tail, 16)
+        assert rebuilt.window == result.window and rebuilt.worker == "w1"
+        await hook.close()
+    finally:
+        await backend.close()
+        await server.stop(0)
+        await worker.close()
+    only_dead = RemoteReplay([dead], timeout_s=2)
+    with pytest.raises(TierUnavailable, match="no replay worker answered"):
+        await only_dead.rebuild(TINY_SPEC.layout_id, state.token_ids, chunks, tail)
+    await only_dead.close()
+
+
+async def test_server_resume_replays_a_dropped_window_on_the_worker(model, tmp_path):
+    state, _, _ = tiny_session(model, 45)
+    chunks, tail, window = state_to_chunks(TINY_SPEC, state)
+    worker = ReplayWorker(model)
+    replay_server, port = await create_server("127.0.0.1:0", worker)
+    try:
+        async with (running_server(tmp_path, replay_workers=f"127.0.0.1:{port}") as (_, addr),
+                    AsyncClient(addr) as kv):
+            await kv.spill("t", "s1", TINY_SPEC.layout_id, state.token_ids,
+                           chunks=[c for _, c in chunks], tail=tail, window=window,
+                           generation=1)
+            warm = await kv.resume("t", "s1", decode=False)
+            assert not warm.replayed and bytes(warm.window_blob) == window
+            assert (await kv.evict("t", "s1", "disk")).window_dropped
+            cold = await kv.resume("t", "s1", decode=False, replay_tokens=20)
+            assert cold.replayed and cold.replay_tokens == 20
+            ready = state_from_chunks(model.cfg, cold.token_ids, cold.chunks, cold.tail,
+                                      cold.window_blob, spec=TINY_SPEC)
+            expected = replay(model, state.without_window(), 20)
+            assert bytes(cold.window_blob) == encode_window(TINY_SPEC, expected)
+            assert ready.window_len == expected.window_len
+    finally:
+        await replay_server.stop(0)
+        await worker.close()
