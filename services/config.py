@@ -30,7 +30,7 @@ DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9100
 DEFAULT_REPLAY_PORT = 50052
 ACKS = ("memory", "durable")
-REPLAY_MODES = ("auto", "in-process", "remote", "off")
+REPLAY_MODES = ("auto", "in-process", "remote", "streams", "off")
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,11 @@ class ServerConfig:
     object_compression_level: int = 3  # zstd on the slowest tier; -1 stores raw bytes
     # Behaviour.
     default_ack: str = "memory"  # what ACK_UNSPECIFIED means
-    replay: str = "auto"  # REPLAY_MODES; auto: remote when replay_workers are named
+    # REPLAY_MODES; auto: remote when replay_workers are named, else streams when
+    # replay_redis_url is set, else in-process.
+    replay: str = "auto"
     replay_workers: tuple[str, ...] = ()  # host:port of `kvtier replay-worker`s
+    replay_redis_url: str = ""  # Redis Streams job queue (default for streams: redis_url)
     replay_tokens: int = 128  # R when a request says 0
     prefetch_timeout_s: float = 30.0  # when a Prefetch request says 0
     max_message_bytes: int = 64 * MiB  # one gRPC message, either direction
@@ -72,6 +75,8 @@ class ServerConfig:
             raise InvalidRequest(f"replay must be one of {REPLAY_MODES}, got {self.replay!r}")
         if self.replay == "remote" and not self.replay_workers:
             raise InvalidRequest("replay = 'remote' needs at least one replay_workers address")
+        if self.replay == "streams" and not (self.replay_redis_url or self.redis_url):
+            raise InvalidRequest("replay = 'streams' needs replay_redis_url or redis_url")
         if self.s3_bucket and "/" in self.s3_bucket:
             raise InvalidRequest(f"s3_bucket is a bucket name, got {self.s3_bucket!r}")
         for name in ("hbm_bytes", "host_bytes", "redis_bytes", "disk_bytes", "object_bytes"):
@@ -88,7 +93,9 @@ class ServerConfig:
     @property
     def replay_mode(self) -> str:
         if self.replay == "auto":
-            return "remote" if self.replay_workers else "in-process"
+            if self.replay_workers:
+                return "remote"
+            return "streams" if self.replay_redis_url else "in-process"
         return self.replay
 
     @property

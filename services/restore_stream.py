@@ -27,7 +27,7 @@ from kvstore.tiers.base import Buffer
 from proto import kvtier_pb2 as pb
 from services.errors import PreconditionFailed
 from services.metrics import ServiceMetrics
-from services.replay_hook import Rebuilder
+from services.replay_hook import ReplayBackend
 from services.shm import RestoreSegments, SegmentWriter
 
 MESSAGE_MARGIN = 4096  # room for the fields around one payload in a reply
@@ -44,12 +44,13 @@ class StreamOptions:
 
 class RestoreStreamer:
     def __init__(self, manager: TierManager, metrics: ServiceMetrics,
-                 segments: RestoreSegments | None, rebuilder: Callable[[], Rebuilder | None],
+                 segments: RestoreSegments | None,
+                 replay: Callable[[], tuple[ReplayBackend | None, str]],
                  max_message_bytes: int) -> None:
         self.manager = manager
         self.metrics = metrics
         self.segments = segments
-        self.rebuilder = rebuilder
+        self.replay = replay
         self.max_payload = max_message_bytes - MESSAGE_MARGIN
 
     async def stream(self, tenant: str, session_id: str, opts: StreamOptions
@@ -65,10 +66,10 @@ class RestoreStreamer:
                 held = window is not None or (m.window_tier is not None and not opts.want_window
                                               and not opts.resume)
                 replay = has_window and not held
-                if replay and opts.resume and self.rebuilder() is None:
-                    raise PreconditionFailed(
-                        f"{tenant}/{session_id} needs its window rebuilt and this server has "
-                        "no replay worker configured (replay = 'off' or replay/ missing)")
+                backend, why_none = self.replay()
+                if replay and opts.resume and backend is None:
+                    raise PreconditionFailed(f"{tenant}/{session_id} needs its window rebuilt "
+                                             f"by replay, and {why_none}")
                 if opts.use_shared_memory and self.segments is not None:
                     size = sum(m.chunk_sizes) + len(m.tail) + (len(window) if window else 0)
                     if size:
@@ -105,8 +106,7 @@ class RestoreStreamer:
                 tiers.add(window_tier)
             summary = pb.ResumeSummary(tier=self._lowest(tiers), restore_seconds=restore_s)
             if opts.resume and replay:
-                rebuilt = await self.rebuilder().rebuild(spec, tokens, chunks, tail,
-                                                         opts.replay_tokens)
+                rebuilt = await backend.rebuild(spec, tokens, chunks, tail, opts.replay_tokens)
                 self.metrics.replays.inc()
                 self.metrics.replayed_tokens.inc(rebuilt.replayed_tokens)
                 self.metrics.replay_seconds.observe(rebuilt.seconds)

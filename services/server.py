@@ -31,7 +31,7 @@ from services import validate_requests as check
 from services.config import ServerConfig, load_config
 from services.errors import MissingChunks, PreconditionFailed, grpc_errors
 from services.metrics import ServiceMetrics, tier_lookups
-from services.replay_hook import Rebuilder, make_rebuilder
+from services.replay_hook import ReplayBackend, make_replay_backend
 from services.restore_stream import RestoreStreamer, StreamOptions
 from services.store import (
     open_manager,
@@ -49,13 +49,14 @@ PAYLOADS = ("chunk", "tail", "window")
 
 class KVTierServicer(pb_grpc.KVTierServicer):
     def __init__(self, manager: TierManager, config: ServerConfig, metrics: ServiceMetrics,
-                 rebuilder: Rebuilder | None) -> None:
+                 replay: tuple[ReplayBackend | None, str]) -> None:
         self.manager = manager
         self.config = config
         self.metrics = metrics
-        self.rebuilder = rebuilder
+        self.replay, self.why_no_replay = replay
         self.segments = shm.RestoreSegments(config.shm_lease_s) if shm.available() else None
-        self.streamer = RestoreStreamer(manager, metrics, self.segments, lambda: self.rebuilder,
+        self.streamer = RestoreStreamer(manager, metrics, self.segments,
+                                        lambda: (self.replay, self.why_no_replay),
                                         config.max_message_bytes)
         self.replays = 0
 
@@ -301,8 +302,8 @@ class KVTierServer:
             try:
                 await self.manager.close()
             finally:
-                if self.servicer.rebuilder is not None:
-                    await self.servicer.rebuilder.close()
+                if self.servicer.replay is not None:
+                    await self.servicer.replay.close()
                 if self.servicer.segments is not None:
                     self.servicer.segments.close()
                 self.metrics.stop_http()
@@ -319,11 +320,11 @@ async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServe
     config = (load_config(overrides={"listen": config_or_addr})
               if isinstance(config_or_addr, str) else config_or_addr)
     manager = await open_manager(config)
-    rebuilder = None
+    replay = None, ""
     try:
-        rebuilder = make_rebuilder(config)
+        replay = make_replay_backend(config)
         metrics = ServiceMetrics()
-        servicer = KVTierServicer(manager, config, metrics, rebuilder)
+        servicer = KVTierServicer(manager, config, metrics, replay)
         grpc_server = grpc.aio.server(options=_options(config))
         pb_grpc.add_KVTierServicer_to_server(servicer, grpc_server)
         health_servicer = health.aio.HealthServicer()
@@ -336,8 +337,8 @@ async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServe
             raise InvalidRequest(f"cannot listen on {config.listen}")
         await grpc_server.start()
     except BaseException:
-        if rebuilder is not None:
-            await rebuilder.close()
+        if replay[0] is not None:
+            await replay[0].close()
         await manager.close()
         raise
     for name in ("", SERVICE):
