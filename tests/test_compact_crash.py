@@ -1,0 +1,159 @@
+"""Crash safety of ``kvtier compact``: SIGKILLed at random moments, a rerun completes, every
+session that was live before restores byte-identical, and nothing referenced is ever
+removed (checked after every kill, before the rerun).
+
+Each round copies a pristine data directory (filled by the real server: shared prefixes,
+deleted sessions for dead bytes, an expiring session, idle sessions to demote), forks
+the real command (``services.cli.main``) and kills it after a random delay drawn over
+the length of a whole run, once or twice, then reruns it to completion. Forking keeps
+the interpreter's imports, so a kill lands in the job's work, not in its start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvstore.codec import verify_chunk
+from kvstore.compaction_sessions import load_manifests
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.object import ObjectTier
+from services import cli
+from tests.test_compact_helpers import SPECS, Snapshot, Spec, fill, restore_all
+
+CRASH_SPECS = (*SPECS, Spec("t", 3, prefix_of="a", ttl_s=1.0))
+HOT = ("a", "b", "g")  # spilled again after a pause: the others are idle and get demoted
+LOG_LINES = 11  # a run logs the sealed segment and each of five steps' start and end
+
+
+class Pristine:
+    def __init__(self, root: Path) -> None:
+        self.data = root / "pristine"
+        self.snaps = asyncio.run(fill(self.data, specs=CRASH_SPECS, delete=("d", "f"),
+                                      hot=HOT, pause=1.3))
+        self.filled_at = time.time()
+
+    def argv(self, work: Path) -> list[str]:
+        # Sessions idle longer than the hot ones have been are demoted; hot ones stay.
+        demote_after = time.time() - self.filled_at + 0.65
+        return ["compact", "--data-dir", str(work), "--json",
+                "--demote-after", f"{demote_after:.3f}s"]
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Pristine:
+    return Pristine(tmp_path_factory.mktemp("compact-crash"))
+
+
+def fork_compact(argv: list[str], log_fd: int | None = None) -> int:
+    """Run the command in a forked child, its log lines (one per step start and end)
+    written to ``log_fd``."""
+    pid = os.fork()
+    if pid == 0:
+        code = 99
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 1)
+            os.dup2(null if log_fd is None else log_fd, 2)
+            # pytest's capture stands in for sys.stderr and the root logger: use fd 2
+            sys.stderr = os.fdopen(2, "w", buffering=1)
+            logging.root.handlers.clear()
+            code = cli.main(argv)
+        finally:
+            os._exit(code)
+    return pid
+
+
+def kill_after(pid: int, log_fd: int, lines: int, delay: float) -> None:
+    """SIGKILL the child ``delay`` seconds after its ``lines``-th log line (or its end)."""
+    seen = 0
+    while seen < lines:
+        chunk = os.read(log_fd, 65536)
+        if not chunk:
+            break
+        seen += chunk.count(b"\n")
+    time.sleep(delay)
+    os.kill(pid, signal.SIGKILL)
+
+
+def exit_code(pid: int) -> int | None:
+    """The child's exit status, or None when a signal ended it."""
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else None
+
+
+async def check_store(data: Path, snaps: dict[str, Snapshot]) -> None:
+    """Every live session's manifest is intact and each chunk it names has an intact,
+    identical copy in the disk or the object tier."""
+    disk = DiskTier(data / "disk", 1 << 30, writer=False)
+    objects = ObjectTier(data / "objects", 1 << 40)
+    try:
+        manifests = {m.session_id: m for m in await load_manifests(disk.meta)}
+        for name, snap in snaps.items():
+            manifest = manifests[name]
+            assert manifest.token_ids.tobytes() == snap.token_ids
+            assert manifest.chunk_keys == snap.chunk_keys and manifest.tail == snap.tail
+            for key, want in zip(manifest.chunk_keys, snap.chunks, strict=True):
+                tier = disk if await disk.contains(key) else objects
+                got = bytes(await tier.get(key))
+                verify_chunk(got)
+                assert got == want, f"{name}: chunk {key} differs in {tier.name}"
+    finally:
+        await disk.close()
+
+
+def killed_run(argv: list[str], rng: random.Random) -> tuple[int, float] | None:
+    """One run killed at a random point: after a random number of its log lines (0 to
+    all of them) plus a random delay. (lines, delay) if the kill landed, None if the
+    run had finished first."""
+    read_fd, write_fd = os.pipe()
+    try:
+        pid = fork_compact(argv, write_fd)
+        os.close(write_fd)
+        point = rng.randint(0, LOG_LINES), rng.uniform(0.0, 0.03)
+        kill_after(pid, read_fd, *point)
+        return point if exit_code(pid) is None else None
+    finally:
+        os.close(read_fd)
+
+
+def crash_rounds(pristine: Pristine, root: Path, kills_wanted: int, seed: int
+                 ) -> list[tuple[int, float]]:
+    rng = random.Random(seed)
+    kills: list[tuple[int, float]] = []
+    work = root / "work"
+    rounds = 0
+    while len(kills) < kills_wanted:
+        rounds += 1
+        assert rounds <= 3 * kills_wanted, "the job keeps finishing before the kill"
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(pristine.data, work)
+        for _ in range(rng.choice((1, 1, 2))):  # sometimes the rerun is killed too
+            point = killed_run(pristine.argv(work), rng)
+            if point is not None:
+                kills.append(point)
+            asyncio.run(check_store(work, pristine.snaps))
+        assert exit_code(fork_compact(pristine.argv(work))) == 0, "the rerun did not complete"
+        asyncio.run(check_store(work, pristine.snaps))
+    # Finally, through the real server: byte-identical restores of every live session.
+    assert asyncio.run(restore_all(work, list(pristine.snaps))) == pristine.snaps
+    return kills
+
+
+def test_a_few_kills_then_a_rerun(pristine, tmp_path):
+    kills = crash_rounds(pristine, tmp_path, kills_wanted=3, seed=1)
+    assert len(kills) >= 3
+
+
+def test_twenty_kills_at_random_moments(pristine, tmp_path):
+    kills = crash_rounds(pristine, tmp_path, kills_wanted=20, seed=2)
+    assert len(kills) >= 20 and len({lines for lines, _ in kills}) >= 6  # spread over steps
