@@ -59,6 +59,7 @@ class ServerConfig:
     replay_workers: tuple[str, ...] = ()  # host:port of `kvtier replay-worker`s
     replay_redis_url: str = ""  # Redis Streams job queue (default for streams: redis_url)
     replay_tokens: int = 128  # R when a request says 0
+    replay_weights: str = ""  # in-process replay: model weights (default: the bundled ones)
     prefetch_timeout_s: float = 30.0  # when a Prefetch request says 0
     max_message_bytes: int = 64 * MiB  # one gRPC message, either direction
     max_spill_bytes: int = 4 * GiB  # one Spill stream, all payloads together

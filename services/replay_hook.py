@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
 from kvstore.errors import KVTierError
@@ -51,7 +52,8 @@ def make_replay_backend(config: ServerConfig) -> tuple[ReplayBackend | None, str
             return StreamReplay(config.replay_redis_url or config.redis_url), ""
         from replay import ReplayService
 
-        return ReplayService(default_tokens=config.replay_tokens), ""
+        weights = {"weights": Path(config.replay_weights)} if config.replay_weights else {}
+        return ReplayService(default_tokens=config.replay_tokens, **weights), ""
     except (ImportError, KVTierError) as exc:
         log.warning("no %s replay backend: %s", mode, exc)
         return None, f"the {mode} replay backend is unavailable: {exc}"

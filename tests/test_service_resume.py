@@ -1,0 +1,73 @@
+"""Resume over a real server with in-process bounded replay through the bundled model's
+architecture (random weights saved to a tmp file): a held window comes back as spilled;
+a dropped one (evicted, or lost in a restart) is rebuilt, exactly when every token is
+replayed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore.layout import get_layout
+from kvtier import AsyncClient
+from model.checkpoint import load, save
+from model.config import BUNDLED
+from model.infer import prefill
+from model.net import KVTierLM
+from replay.state_codec import state_to_chunks
+from services.client_codec import decode_window
+from tests.service_support import running_server
+
+SPEC = get_layout("kvtier-bundled")
+TOKENS = 150  # more than R = 128, and 150 % 4 = 2 pending rows
+
+
+@pytest.fixture(scope="module")
+def model_and_state(tmp_path_factory):
+    torch.manual_seed(0)
+    model = KVTierLM(BUNDLED).eval()
+    weights = tmp_path_factory.mktemp("weights") / "model.safetensors"
+    save(model, weights)
+    ids = torch.randint(0, BUNDLED.vocab, (TOKENS,), generator=torch.Generator().manual_seed(1))
+    # The server's model is the saved one (fp16 weights): prefill with exactly that.
+    state, _ = prefill(load(weights), ids, logits="none")
+    return weights, ids, state_to_chunks(SPEC, state)
+
+
+def _assert_same_window(got: bytes, want: bytes, tokens) -> None:
+    mine, start = decode_window(SPEC, tokens, got)
+    theirs, want_start = decode_window(SPEC, tokens, want)
+    assert start == want_start and set(mine) == set(theirs)
+    for name, data in theirs.items():
+        assert torch.equal(mine[name].codes, data.codes), name
+        if data.scales is not None:
+            assert torch.equal(mine[name].scales, data.scales), name
+
+
+async def test_resume_replays_a_dropped_window_even_across_a_restart(tmp_path,
+                                                                     model_and_state):
+    weights, ids, (chunks, tail, window) = model_and_state
+    options = {"replay_weights": str(weights), "replay": "in-process"}
+    async with running_server(tmp_path, **options) as (_, target), AsyncClient(target) as kv:
+        await kv.spill("acme", "s1", SPEC, ids, chunks=[c for _, c in chunks], tail=tail,
+                       window=window, generation=1)
+        held = await kv.resume("acme", "s1")
+        assert not held.replayed and bytes(held.window_blob) == window
+
+        await kv.evict("acme", "s1", "disk")  # the window cannot live on disk: dropped
+        rebuilt = await kv.resume("acme", "s1", replay_tokens=TOKENS)
+        assert rebuilt.replayed and rebuilt.replay_tokens == TOKENS
+        _assert_same_window(rebuilt.window_blob, window, rebuilt.token_ids)
+        assert rebuilt.window is not None and not rebuilt.replay_needed
+        assert (await kv.stat()).replays == 1
+
+    # A restart loses the host tier, so the window; the chunks came back from disk.
+    async with running_server(tmp_path, **options) as (server, target), \
+            AsyncClient(target) as kv:
+        bounded = await kv.resume("acme", "s1")  # default R = 128 of 150 tokens
+        assert bounded.replayed and bounded.replay_tokens == 128
+        window_streams, start = decode_window(SPEC, bounded.token_ids, bounded.window_blob)
+        assert start == TOKENS - BUNDLED.window
+        assert window_streams["enc.window.k"].codes.shape[1] == BUNDLED.window
+        assert server.metrics.registry.get_sample_value("kvtier_replays_total") == 1
+        assert server.metrics.registry.get_sample_value("kvtier_replay_seconds_count") == 1
