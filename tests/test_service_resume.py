@@ -5,6 +5,8 @@ replayed."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -14,7 +16,10 @@ from model.checkpoint import load, save
 from model.config import BUNDLED
 from model.infer import prefill
 from model.net import KVTierLM
+from replay import ReplayWorker
 from replay.state_codec import state_to_chunks
+from replay.streams import StreamConsumer
+from replay.worker_server import create_server as create_worker_server
 from services.client_codec import decode_window
 from tests.service_support import running_server
 
@@ -71,3 +76,30 @@ async def test_resume_replays_a_dropped_window_even_across_a_restart(tmp_path,
         assert window_streams["enc.window.k"].codes.shape[1] == BUNDLED.window
         assert server.metrics.registry.get_sample_value("kvtier_replays_total") == 1
         assert server.metrics.registry.get_sample_value("kvtier_replay_seconds_count") == 1
+
+
+async def test_resume_through_remote_workers_and_redis_streams(tmp_path, model_and_state,
+                                                               redis_server):
+    weights, ids, (chunks, tail, window) = model_and_state
+    worker = ReplayWorker(load(weights))
+    worker_server, worker_port = await create_worker_server("127.0.0.1:0", worker)
+    consumer = StreamConsumer(redis_server, worker, consumer="w1", block_ms=200)
+    await consumer.ensure_group()
+    consuming = asyncio.create_task(consumer.run())
+    try:
+        for mode, options in (("remote", {"replay_workers": f"127.0.0.1:{worker_port}"}),
+                              ("streams", {"replay_redis_url": redis_server})):
+            async with running_server(tmp_path / mode, replay=mode, **options) as (_, target), \
+                    AsyncClient(target) as kv:
+                await kv.spill("acme", "s1", SPEC, ids, chunks=[c for _, c in chunks],
+                               tail=tail, generation=1)  # no window: replay needed
+                resumed = await kv.resume("acme", "s1", replay_tokens=TOKENS)
+                assert resumed.replayed, mode
+                _assert_same_window(resumed.window_blob, window, resumed.token_ids)
+        assert consumer.done == 1
+    finally:
+        consuming.cancel()
+        await asyncio.gather(consuming, return_exceptions=True)
+        await consumer.close()
+        await worker_server.stop(0.5)
+        await worker.close()
