@@ -48,7 +48,7 @@ from pathlib import Path
 
 from bench.trace_policies import POLICIES, setup_policy
 from bench.trace_reader import BLOCK_TOKENS, TraceRequest, read_trace
-from bench.trace_sim import CAUSES, SimTier, TierSim, replay
+from bench.trace_sim import CAUSES, SimCounters, SimTier, TierSim, replay
 from bench.trace_workload import Workload, build_workload
 from kvstore.errors import InvalidRequest, KVTierError
 from kvstore.layout import get_layout
@@ -104,6 +104,7 @@ def summarize(sim: TierSim, window_tokens: int) -> dict:
         "fast_hit_rate": (hits["hbm"] + hits["host"]) / reads,
         "reuse_hit_rate": {n: h / reuse if reuse else 0.0 for n, h in hits.items()},
         "reuse_fast_hit_rate": (hits["hbm"] + hits["host"]) / reuse if reuse else 0.0,
+        "reuse_by_kind": _reuse_by_kind(c, names, reuse),
         "block_reads": reads,
         "block_hits": hits,
         "new_blocks": c.new_blocks,
@@ -119,6 +120,20 @@ def summarize(sim: TierSim, window_tokens: int) -> dict:
         "evictions": dict(zip(names, c.evictions, strict=True)),
         "windows_dropped": c.windows_dropped,
         "chunks_dropped": c.chunks_dropped,
+    }
+
+
+def _reuse_by_kind(c: SimCounters, names: list[str], reuse: int) -> dict:
+    """Fast (hbm + host) hit rate of re-reads within a conversation and across them."""
+    fast = [i for i, name in enumerate(names) if name in ("hbm", "host")]
+    shared_fast = sum(c.shared_hits[i] for i in fast)
+    own_fast = sum(c.block_hits[i] for i in fast) - shared_fast
+    own_reads = reuse - c.shared_reads
+    return {
+        "same_conversation": {"reads": own_reads,
+                              "fast_hit_rate": own_fast / own_reads if own_reads else 0.0},
+        "other_conversation": {"reads": c.shared_reads, "fast_hit_rate":
+                               shared_fast / c.shared_reads if c.shared_reads else 0.0},
     }
 
 
@@ -174,6 +189,9 @@ def describe_method(sizes: dict, host_ratio: float, disk_fraction: float | None,
                   "back blocks to disk; placement, eviction cascade, protection of the "
                   "request's own blocks and write-back mirror kvstore.placement.TierStack "
                   "and the manager's spill/restore",
+        "reuse_by_kind": "re-reads of a block last read by the same conversation (its own "
+                         "history) or by another one (a shared prefix, deduplicated), each "
+                         "with its fast (hbm + host) hit rate",
         "block_hit_rate": "per tier: block reads served by that tier / all block reads; new: "
                           "first read ever (prefill of new tokens, same for every policy); "
                           "reprefill: read before but in no tier now; reuse_hit_rate divides "
@@ -280,10 +298,13 @@ def format_table(report: dict) -> str:
         f"layout {lay['name']}: block {lay['block_bytes']} B, window {lay['window_bytes']} B; "
         f"footprint {report['footprint_bytes'] / 2**20:.1f} MiB; host = "
         f"{report['tiers']['host_ratio']:g} x hbm",
+        "hit rates are fractions of block reads; fast = hbm + host; reuse-fast, own (same "
+        "conversation) and shared (another's blocks) leave out first reads; replays: "
+        "resumes without a window in hbm/host",
         "",
         f"{'hbm frac':>8} {'policy':<12} {'hbm':>6} {'host':>6} {'disk':>6} {'new':>6} "
-        f"{'re-pf':>6} {'fast':>6} {'reuse-fast':>10} {'replays':>8} {'promo MiB':>9} "
-        f"{'demo MiB':>9}",
+        f"{'re-pf':>6} {'fast':>6} {'reuse-fast':>10} {'own':>6} {'shared':>6} {'replays':>9} "
+        f"{'promo MiB':>9} {'demo MiB':>9}",
     ]
     for r in report["results"]:
         rate = r["block_hit_rate"]
@@ -293,8 +314,10 @@ def format_table(report: dict) -> str:
             f"{r['capacity_fraction']:>8g} {r['policy']:<12} {rate['hbm']:>6.3f} "
             f"{rate['host']:>6.3f} {rate['disk']:>6.3f} {rate['new']:>6.3f} "
             f"{rate['reprefill']:>6.3f} {r['fast_hit_rate']:>6.3f} "
-            f"{r['reuse_fast_hit_rate']:>10.3f} {r['replays']:>4}/{r['resumes']:<4}"
-            f"{promo:>9.1f} {demo:>9.1f}")
+            f"{r['reuse_fast_hit_rate']:>10.3f} "
+            f"{r['reuse_by_kind']['same_conversation']['fast_hit_rate']:>6.3f} "
+            f"{r['reuse_by_kind']['other_conversation']['fast_hit_rate']:>6.3f} "
+            f"{r['replays']:>4}/{r['resumes']:<4} {promo:>9.1f} {demo:>9.1f}")
     if "validation" in report:
         v = report["validation"]
         lines += ["", f"validation against the real TierStack, first {v['requests']} requests: "

@@ -47,6 +47,8 @@ class SimCounters:
     tiers: tuple[str, ...]
     block_reads: int = 0
     block_hits: list[int] = field(default_factory=list)  # per tier
+    shared_reads: int = 0  # reads of a block last read by another conversation
+    shared_hits: list[int] = field(default_factory=list)  # per tier, of those reads
     new_blocks: int = 0  # never read before: prefill of new tokens, unavoidable
     reprefill_blocks: int = 0  # read before, now in no tier: re-prefill
     reprefill_requests: int = 0
@@ -61,6 +63,7 @@ class SimCounters:
     def __post_init__(self) -> None:
         n = len(self.tiers)
         self.block_hits = [0] * n
+        self.shared_hits = [0] * n
         self.window_hits = [0] * n
         self.evictions = [0] * n
         self.bytes_written = {cause: [0] * n for cause in CAUSES}
@@ -244,6 +247,10 @@ def replay(workload: Workload, sim: TierSim, hints: Sequence[ResumeHint | None],
             position += 1
             counters.block_reads += 1
             tier = sim.read(key, session)
+            if key in step.shared:
+                counters.shared_reads += 1
+                if tier is not None:
+                    counters.shared_hits[tier] += 1
             if tier is not None:
                 counters.block_hits[tier] += 1
             elif key in seen:

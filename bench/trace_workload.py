@@ -43,6 +43,7 @@ class Step:
     window_prev: int | None  # the conversation's window to read, then replace (None: new)
     window_new: int | None  # this request's window key (None: the layout has no window)
     next_gap_s: float | None  # true time to the conversation's next request (None: none)
+    shared: frozenset[int]  # blocks last read by another conversation (cross-session reuse)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ def build_workload(requests: Sequence[TraceRequest], *, windows: bool) -> Worklo
     last_full: dict[int, int] = {}  # block id -> latest request whose complete prefix ends there
     conversation: list[int] = []
     current_window: dict[int, int] = {}  # conversation -> key of its latest window
+    reader: dict[int, int] = {}  # block -> conversation that read it last
     steps_raw = []
     for r, request in enumerate(requests):
         ids = request.hash_ids
@@ -84,18 +86,21 @@ def build_workload(requests: Sequence[TraceRequest], *, windows: bool) -> Worklo
             current_window[conv] = window_new
         if request.full_blocks:
             last_full[ids[request.full_blocks - 1]] = r
-        steps_raw.append((request.timestamp_ms / 1000.0, ids[:request.full_blocks], conv,
-                          window_prev, window_new))
+        blocks = ids[:request.full_blocks]
+        shared = frozenset(b for b in blocks if reader.get(b, conv) != conv)
+        reader.update((b, conv) for b in blocks)
+        steps_raw.append((request.timestamp_ms / 1000.0, blocks, conv, window_prev, window_new,
+                          shared))
 
     next_time: dict[int, float] = {}
     gaps: list[float | None] = [None] * len(steps_raw)
     for r in range(len(steps_raw) - 1, -1, -1):
-        time_s, _, conv, _, _ = steps_raw[r]
+        time_s, conv = steps_raw[r][0], steps_raw[r][2]
         if conv in next_time:
             gaps[r] = next_time[conv] - time_s
         next_time[conv] = time_s
-    steps = [Step(t, ids, c, wp, wn, gap)
-             for (t, ids, c, wp, wn), gap in zip(steps_raw, gaps, strict=True)]
+    steps = [Step(t, ids, c, wp, wn, gap, shared)
+             for (t, ids, c, wp, wn, shared), gap in zip(steps_raw, gaps, strict=True)]
 
     reads: list[int] = []
     for step in steps:

@@ -119,6 +119,8 @@ def test_conversations_follow_the_hash_chain():
     assert [s.conversation for s in steps] == [0, 0, 2, 0, 2]  # [1, 9] shares only block 1
     assert [s.window_prev for s in steps] == [None, -1, None, -2, -3]
     assert [s.next_gap_s for s in steps] == [1.0, 1.5, 2.0, None, None]
+    # block 1 alternates between the two conversations: each re-read is a shared one
+    assert [set(s.shared) for s in steps] == [set(), set(), {1}, {1}, {1}]
     assert steps[1].blocks == (1, 2, 3)  # the partial tail block is left out
     assert (workload.resumes, workload.conversations, workload.tail_blocks) == (3, 2, 5)
 
@@ -223,4 +225,8 @@ def test_json_output_and_tiers(tmp_path, capsys):
         "hbm": int(0.05 * footprint), "host": int(0.2 * footprint), "disk": None}
     assert {"block_bytes", "window_bytes", "conversations", "hints", "belady"} <= set(
         report["method"])
+    for r in report["results"]:
+        kinds = r["reuse_by_kind"]
+        assert (kinds["same_conversation"]["reads"] + kinds["other_conversation"]["reads"]
+                == r["block_reads"] - r["new_blocks"])
     assert make_tiers(1000, 0.1, 4.0, 0.5)[2].capacity_bytes == 500
