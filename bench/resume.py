@@ -1,0 +1,318 @@
+"""Time to a session ready to decode, per resume path, against re-prefilling it; one run.
+
+``python -m bench.resume --contexts 4096,16384,65536 --json``
+
+For each context length n the bundled model (``model/weights``; random init, labelled
+so, when the weights are missing) prefills n bytes of held-out text (``model.data``
+held-out packages): that state is the never-evicted session, and its logits for byte
+n + 1 are the reference every path is checked against. The paths, each timed from "the
+session is somewhere" to "a ``KVState`` that ``decode_step`` accepts" (best of
+``--repeats``, except prefill, timed once after a warm-up):
+
+- ``prefill``: full re-prefill of the n tokens from an empty state (what a cache miss
+  costs); it defines the reference, so it is not checked against it.
+- ``host``: ``TierManager.restore`` from the host tier, window kept, no replay, decoded
+  with ``replay.state_codec.state_from_chunks``.
+- ``disk``: the session demoted to the disk tier (window dropped), restored, its window
+  rebuilt by the real ``replay.worker.ReplayWorker`` with R = ``--replay-tokens``
+  (which decodes the chunks, replays and encodes the window, as the server's Resume
+  does), then decoded as the client does.
+- ``object``: the same from the object tier (a local directory, zstd level 3 as the
+  embedded server configures it).
+- ``naive``: ``torch.save`` of the plain cache of the same model (every layer's bf16 K
+  and V, ``spec.baseline``: the bf16 baseline of ``kvtier layouts``), then
+  ``torch.load`` back. Its tensors have the baseline's shapes and random values (the
+  time depends only on the bytes); this model cannot decode from such a cache, so the
+  path is not checked.
+
+The product path driven is the library one the gRPC server wraps: a ``TierManager``
+over real host, disk and object tiers in a temp dir (spilled with a durable ack), and
+the real replay worker; no gRPC hop. Before every timed read the page cache of the
+files read is dropped (``posix_fadvise(DONTNEED)`` on this run's own files), so disk,
+object and naive read from the medium, not from RAM.
+
+Checked: after each resume the model decodes byte n + 1 from the ready state; the path
+is ``verified`` when the next-token argmax equals the never-evicted session's and their
+KL divergence is at most ``--kl-tol`` nats (a fast wrong path cannot pass). ``stored_bytes``
+is what the tier read from holds for the session (its chunks, plus the window on host)
+plus the manifest (token ids, tail chunk, keys); ``speedup_vs_prefill`` = prefill
+seconds / path seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from kvstore.layout import LayoutSpec
+from kvstore.manager import TierManager
+from kvstore.manifest import manifest_key
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.host import HostTier
+from kvstore.tiers.object import ObjectTier, ObjectTierConfig
+from model import checkpoint
+from model.config import BUNDLED, layout_spec
+from model.data import corpus
+from model.infer import decode_step, prefill
+from model.net import KVTierLM
+from model.state import KVState
+from replay.state_codec import state_from_chunks, state_to_chunks
+from replay.worker import ReplayWorker
+
+PATHS = ("prefill", "host", "disk", "object", "naive")
+TENANT = "bench"
+GiB = 1 << 30
+
+
+def load_model(weights: Path = checkpoint.BUNDLED_WEIGHTS) -> tuple[KVTierLM, dict]:
+    """The model at ``weights``, or the bundled config with seeded random weights when the
+    file is missing; the dict says which (with the file's sha256)."""
+    if weights.exists():
+        digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:16]
+        return checkpoint.load(weights), {"weights": str(weights), "trained": True,
+                                          "sha256_16": digest}
+    torch.manual_seed(0)
+    return KVTierLM(BUNDLED).eval(), {"weights": None, "trained": False,
+                                      "note": f"{weights} missing: random init (seed 0)"}
+
+
+_HELD_OUT: list[bytes] = []
+
+
+def held_out_ids(length: int, offset: float = 0.0) -> torch.Tensor:
+    """(length,) int64: held-out bytes starting at fraction ``offset`` of the corpus."""
+    if not _HELD_OUT:
+        _HELD_OUT.append(corpus(held_out=True))
+    data = _HELD_OUT[0]
+    if length > len(data):
+        raise ValueError(f"held-out text has {len(data)} bytes, {length} were asked for")
+    start = int((len(data) - length) * offset)
+    return torch.tensor(list(data[start:start + length]), dtype=torch.int64)
+
+
+def fork(state: KVState) -> KVState:
+    """An independent copy for decoding: inference reassigns every tensor field rather
+    than writing into it, so a shallow copy keeps ``state`` as it was."""
+    return replace(state)
+
+
+def compare_logits(ref: torch.Tensor, got: torch.Tensor) -> dict:
+    """ref, got (..., vocab) float logits: mean KL(ref || got) in nats, top-1 agreement,
+    max |logit difference|."""
+    logp_ref, logp_got = F.log_softmax(ref.double(), -1), F.log_softmax(got.double(), -1)
+    kl = (logp_ref.exp() * (logp_ref - logp_got)).sum(-1)
+    return {"kl_nats": float(kl.mean()),
+            "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).double().mean()),
+            "max_abs_logit_diff": float((ref - got).abs().max())}
+
+
+def drop_page_cache(root: Path) -> None:
+    """Evict this run's files under ``root`` from the page cache (clean pages only), so
+    the next read comes from the medium."""
+    for path in [root] if root.is_file() else root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+async def open_store(root: Path, capacity: int = 8 * GiB) -> TierManager:
+    """A manager over host, disk and object (local directory, zstd 3) tiers under root."""
+    disk = DiskTier(root / "disk", capacity)
+    objects = ObjectTier(root / "objects", capacity, ObjectTierConfig(compression_level=3))
+    return await TierManager.open([HostTier(capacity), disk, objects], disk.meta)
+
+
+async def spill_state(manager: TierManager, spec: LayoutSpec, session: str, state: KVState,
+                      generation: int = 1) -> None:
+    """Spill a state with a durable ack (chunks on host and disk, window on host)."""
+    chunks, tail, window = state_to_chunks(spec, state)
+    await manager.spill(TENANT, session, layout_id=spec.layout_id, generation=generation,
+                        token_ids=state.token_ids.numpy(), chunks=chunks, tail=tail,
+                        window=window, ack="durable")
+
+
+async def ready_state(manager: TierManager, worker: ReplayWorker, spec: LayoutSpec,
+                      session: str, replay_tokens: int) -> tuple[KVState, dict]:
+    """Restore a session and make it decodable (replaying when its window is gone).
+    Returns the state and {restore_s, replay_s, decode_s, tier, replayed}."""
+    t0 = time.perf_counter()
+    res = await manager.restore(TENANT, session)
+    t1 = time.perf_counter()
+    ids, tail, window = res.manifest.token_ids, res.manifest.tail, res.window
+    if res.replay_needed:
+        window = (await worker.rebuild(spec, ids, res.chunks, tail, replay_tokens)).window
+    t2 = time.perf_counter()
+    state = state_from_chunks(worker.model.cfg, ids, res.chunks, tail, window, spec=spec)
+    t3 = time.perf_counter()
+    tiers = sorted(set(res.chunk_tiers) | ({res.window_tier} if res.window_tier else set()))
+    return state, {"restore_s": t1 - t0, "replay_s": t2 - t1, "decode_s": t3 - t2,
+                   "tiers_read": tiers, "replayed": res.replay_needed}
+
+
+def naive_cache(spec: LayoutSpec, n: int) -> dict[str, list[torch.Tensor]]:
+    """The plain cache of the same model: per layer K and V, each (n, heads, head_dim) bf16."""
+    base = spec.baseline
+    shape = (n, base.kv_heads, base.head_dim)
+    return {kind: [torch.empty(shape, dtype=torch.bfloat16).normal_()
+                   for _ in range(base.layers)] for kind in ("k", "v")}
+
+
+def naive_save(cache: dict, path: Path) -> float:
+    started = time.perf_counter()
+    with open(path, "wb") as file:
+        torch.save(cache, file)
+        file.flush()
+        os.fsync(file.fileno())
+    return time.perf_counter() - started
+
+
+async def _tier_path(manager, worker, spec, session, tier, replay_tokens, repeats, root,
+                     next_token, ref, kl_tol) -> dict:
+    best: dict | None = None
+    for _ in range(repeats):
+        if tier != "host":
+            await manager.drain()  # promotions of the previous read land before moving it
+            await manager.demote(TENANT, session, tier)
+        await manager.drain()
+        drop_page_cache(root)
+        started = time.perf_counter()
+        state, parts = await ready_state(manager, worker, spec, session, replay_tokens)
+        seconds = time.perf_counter() - started
+        if parts["tiers_read"] != [tier]:
+            raise RuntimeError(f"{tier} path read from {parts['tiers_read']}")
+        if best is None or seconds < best["seconds"]:
+            best = {"seconds": seconds, **parts, "state": state}
+    check = compare_logits(ref, decode_step(worker.model, best.pop("state"), next_token))
+    held = next(t for t in manager.tiers if t.name == tier).used_bytes
+    manifest = await manager.meta.get(manifest_key(TENANT, session))
+    return {**best, "check": check, "verified": _ok(check, kl_tol),
+            "stored_bytes": held + len(manifest)}
+
+
+def _ok(check: dict, kl_tol: float) -> bool:
+    return check["top1_agreement"] == 1.0 and check["kl_nats"] <= kl_tol
+
+
+async def measure_context(model: KVTierLM, worker: ReplayWorker, n: int, root: Path, *,
+                          repeats: int, replay_tokens: int, kl_tol: float) -> dict:
+    spec = layout_spec(model.cfg)
+    ids = held_out_ids(n + 1, offset=0.5)
+    started = time.perf_counter()
+    state, _ = prefill(model, ids[:n], logits="none")
+    prefill_s = time.perf_counter() - started
+    ref = decode_step(model, fork(state), int(ids[n]))
+    paths: dict[str, dict] = {"prefill": {"seconds": prefill_s, "stored_bytes": 0,
+                                          "verified": None}}
+    root.mkdir(parents=True)
+    manager = await open_store(root)
+    try:
+        started = time.perf_counter()
+        await spill_state(manager, spec, "s", state)
+        spill_s = time.perf_counter() - started
+        for tier in ("host", "disk", "object"):
+            paths[tier] = await _tier_path(manager, worker, spec, "s", tier, replay_tokens,
+                                           repeats, root, int(ids[n]), ref, kl_tol)
+        paths["host"]["spill_s"] = spill_s
+    finally:
+        await manager.close()
+    cache, path = naive_cache(spec, n), root / "naive.pt"
+    save_s, best = naive_save(cache, path), float("inf")
+    del cache
+    for _ in range(repeats):
+        drop_page_cache(path)
+        started = time.perf_counter()
+        loaded = torch.load(path, map_location="cpu")
+        best = min(best, time.perf_counter() - started)
+        del loaded
+    paths["naive"] = {"seconds": best, "stored_bytes": path.stat().st_size, "spill_s": save_s,
+                      "verified": None}
+    path.unlink()
+    for row in paths.values():
+        row["speedup_vs_prefill"] = prefill_s / row["seconds"]
+        row["stored_bytes_per_token"] = row["stored_bytes"] / n
+    return {"context": n, "paths": paths}
+
+
+async def run(contexts: list[int], *, repeats: int = 3, replay_tokens: int = 128,
+              kl_tol: float = 1e-2, weights: Path = checkpoint.BUNDLED_WEIGHTS) -> dict:
+    model, model_info = load_model(weights)
+    spec = layout_spec(model.cfg)
+    prefill(model, held_out_ids(512), logits="none")  # warm-up: first-call costs
+    worker = ReplayWorker(model, default_tokens=replay_tokens)
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvtier-resume-") as tmp:
+            for n in contexts:
+                rows.append(await measure_context(model, worker, n, Path(tmp) / f"n{n}",
+                                                  repeats=repeats, replay_tokens=replay_tokens,
+                                                  kl_tol=kl_tol))
+    finally:
+        await worker.close()
+    return {"benchmark": "resume", "model": model_info, "layout": spec.layout_id,
+            "replay_tokens": replay_tokens, "repeats": repeats, "kl_tol": kl_tol,
+            "torch_threads": torch.get_num_threads(), "driven": "kvstore.TierManager "
+            "(library API the gRPC server wraps) + replay.worker.ReplayWorker, in process",
+            "load_average_1m": os.getloadavg()[0], "contexts": rows,
+            "goal": goal(rows)}
+
+
+def goal(rows: list[dict]) -> dict:
+    """Disk resume >= 20x faster than re-prefill at 16k, and the gap widening with n."""
+    speedups = [(r["context"], r["paths"]["disk"]["speedup_vs_prefill"]) for r in rows]
+    at_16k = next((s for n, s in speedups if n == 16384), None)
+    widening = all(b > a for (_, a), (_, b) in zip(speedups, speedups[1:], strict=False))
+    return {"disk_speedup_at_16384": at_16k,
+            "met_20x_at_16384": None if at_16k is None else at_16k >= 20,
+            "widening_with_context": widening if len(speedups) > 1 else None,
+            "all_verified": all(p["verified"] is not False for r in rows
+                                for p in r["paths"].values())}
+
+
+def format_table(result: dict) -> str:
+    lines = [f"model: {result['model']}", f"{'context':>8} {'path':<8} {'seconds':>9} "
+             f"{'speedup':>9} {'B/token':>9} {'verified':>9} {'KL nats':>9}"]
+    for row in result["contexts"]:
+        for name in PATHS:
+            p = row["paths"][name]
+            kl = p.get("check", {}).get("kl_nats")
+            lines.append(f"{row['context']:>8} {name:<8} {p['seconds']:>9.4f} "
+                         f"{p['speedup_vs_prefill']:>8.1f}x {p['stored_bytes_per_token']:>9.1f} "
+                         f"{str(p['verified']):>9} {'' if kl is None else f'{kl:.2e}':>9}")
+    lines.append(f"goal: {result['goal']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="4096,16384,65536")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--replay-tokens", type=int, default=128)
+    parser.add_argument("--kl-tol", type=float, default=1e-2,
+                        help="largest next-token KL (nats) a resumed state may show")
+    parser.add_argument("--weights", type=Path, default=checkpoint.BUNDLED_WEIGHTS)
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    contexts = [int(x) for x in args.contexts.split(",") if x]
+    result = asyncio.run(run(contexts, repeats=args.repeats, replay_tokens=args.replay_tokens,
+                             kl_tol=args.kl_tol, weights=args.weights))
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
