@@ -84,7 +84,8 @@ def error_from_rpc(exc: grpc.RpcError) -> KVTierError:
     return error_for(exc.code(), exc.details() or "", trailing.get(ERROR_KEY))
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+async def _abort(servicer, method: str, context: grpc.aio.ServicerContext,
+                 exc: BaseException) -> None:
     if isinstance(exc, KVTierError):
         code, name = status_for(exc), type(exc).__name__
         if code == grpc.StatusCode.INTERNAL:
@@ -92,12 +93,16 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     else:
         log.error("unexpected error in an RPC", exc_info=exc)
         code, name = grpc.StatusCode.INTERNAL, type(exc).__name__
+    record = getattr(servicer, "record_error", None)
+    if record is not None:
+        record(method, code)
     context.set_trailing_metadata(((ERROR_KEY, name),))
     await context.abort(code, str(exc) or name)
 
 
 def grpc_errors(method):
-    """Wrap a servicer method (coroutine or async generator): errors become statuses."""
+    """Wrap a servicer method (coroutine or async generator): errors become statuses,
+    reported to the servicer's ``record_error(method, code)`` when it has one."""
     if inspect.isasyncgenfunction(method):
 
         @functools.wraps(method)
@@ -108,7 +113,7 @@ def grpc_errors(method):
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:  # a status for every failure, never a crashed stream
-                await _abort(context, exc)
+                await _abort(self, method.__name__, context, exc)
 
         return stream
 
@@ -119,6 +124,6 @@ def grpc_errors(method):
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # a status for every failure, never a crashed server
-            await _abort(context, exc)
+            await _abort(self, method.__name__, context, exc)
 
     return unary

@@ -44,7 +44,6 @@ from services.store import (
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["KVTier"].full_name
 MAX_TOKENS = 1 << 26
-PAYLOADS = ("chunk", "tail", "window")
 
 
 class KVTierServicer(pb_grpc.KVTierServicer):
@@ -59,6 +58,9 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                                         lambda: (self.replay, self.why_no_replay),
                                         config.max_message_bytes)
         self.replays = 0
+
+    def record_error(self, method: str, code: grpc.StatusCode) -> None:
+        self.metrics.rpc_errors.labels(method, code.name).inc()
 
     # -- Spill --
 

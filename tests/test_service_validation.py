@@ -85,7 +85,7 @@ async def test_spill_refuses_bad_streams(tmp_path):
 async def test_every_control_rpc_refuses_bad_input(tmp_path):
     unknown = pb.SessionRef(tenant="acme", session_id="nobody")
     bad_id = pb.SessionRef(tenant="acme", session_id="has space")
-    async with running_server(tmp_path) as (_, target), \
+    async with running_server(tmp_path) as (server, target), \
             grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.KVTierStub(channel)
         cases = [
@@ -108,6 +108,10 @@ async def test_every_control_rpc_refuses_bad_input(tmp_path):
         for call, want in cases:
             code, details = await _status(call)
             assert code.name == want, details
+        errors = server.metrics.registry.get_sample_value
+        assert errors("kvtier_rpc_errors_total", {"method": "Delete", "code": "NOT_FOUND"}) == 1
+        assert errors("kvtier_rpc_errors_total", {"method": "List",
+                                                  "code": "INVALID_ARGUMENT"}) == 2
         health = await stub.Stat(pb.StatRequest())
         assert health.sessions == 0
 
