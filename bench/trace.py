@@ -206,8 +206,9 @@ def describe_method(sizes: dict, host_ratio: float, disk_fraction: float | None,
                  f"z ~ N(0,1) per request (an oracle-derived estimate from the trace's "
                  f"future, standing for a framework predicting its pause); a conversation's "
                  f"last request hints 1e9 s; hint-perfect: sigma 0; hint-causal: the "
-                 f"conversation's last gap, else the median gap so far (no future "
-                 f"knowledge); each hint is attached when its request spills",
+                 f"conversation's last gap, else the median of the last 512 gaps between "
+                 f"turns seen so far (no future knowledge); each hint is attached when its "
+                 f"request spills",
         "belady": "evict the block whose next read is farthest ahead (never again: first), "
                   "from a next-use table over the whole trace's read sequence, in every "
                   "tier; optimal for one tier of equal-size blocks, a reference (not a "
@@ -238,9 +239,13 @@ def run_trace_benchmark(
     """
     started = time.perf_counter()
     unknown = [p for p in policies if p not in POLICIES]
-    if unknown or not fractions or any(not f > 0 for f in fractions) or host_ratio < 0:
-        raise InvalidRequest(f"bad options: policies {unknown} unknown (known {POLICIES}), "
-                          f"fractions {list(fractions)} must be > 0, host_ratio >= 0")
+    if unknown or not policies:
+        raise InvalidRequest(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    if not fractions or any(not f > 0 for f in fractions):
+        raise InvalidRequest(f"capacity fractions must be > 0, got {list(fractions)}")
+    if host_ratio < 0 or (disk_fraction is not None and not disk_fraction > 0) or jobs < 1:
+        raise InvalidRequest(f"need host_ratio >= 0 (got {host_ratio}), disk_fraction > 0 "
+                             f"or None (got {disk_fraction}), jobs >= 1 (got {jobs})")
     sizes = layout_sizes(layout, window_tokens)
     windows = sizes["window_bytes"] > 0
     requests: list[TraceRequest] = read_trace(trace, limit)

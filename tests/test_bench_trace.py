@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import random
+import re
 
 import pytest
 
@@ -230,3 +231,15 @@ def test_json_output_and_tiers(tmp_path, capsys):
         assert (kinds["same_conversation"]["reads"] + kinds["other_conversation"]["reads"]
                 == r["block_reads"] - r["new_blocks"])
     assert make_tiers(1000, 0.1, 4.0, 0.5)[2].capacity_bytes == 500
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"policies": ("lru", "fifo")}, "unknown policies ['fifo']"),
+    ({"fractions": (0.1, 0.0)}, "fractions must be > 0"),
+    ({"disk_fraction": 0.0}, "disk_fraction > 0"),
+    ({"layout": "no-such-layout"}, "unknown layout"),
+])
+def test_bad_options_are_refused(tmp_path, options, words):
+    path = write_trace(tmp_path / "t.jsonl", random_trace(0, requests=5))
+    with pytest.raises(InvalidRequest, match=re.escape(words)):  # UnknownLayout is one too
+        run_trace_benchmark(path, jobs=1, **options)
