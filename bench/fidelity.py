@@ -1,0 +1,193 @@
+"""How close a resumed session's predictions stay to the never-evicted session's, per
+replay length R; measured on held-out text in one run.
+
+``python -m bench.fidelity --json [--contexts 1024,4096,16384 --segments 4]``
+
+For each context length C and each of ``--segments`` stretches of held-out text (the
+held-out stdlib packages of ``model.data``, at evenly spaced offsets), the bundled model
+prefills C bytes: the never-evicted session. Its state is encoded as the store keeps it
+(``replay.state_codec.state_to_chunks``) and resumed as:
+
+- ``exact``: the window kept exactly (decoded from the host tier's bytes, no replay);
+- ``R=0``: the window dropped and not rebuilt (an empty window; the compressed global
+  KV alone carries the past);
+- ``R=32``, ``R=128``, ``R=256``: the window rebuilt by the real replay worker
+  (``replay.worker.ReplayWorker``) rerunning the last R tokens against the stored
+  global KV.
+
+Then each, and the never-evicted session, reads the next ``--follow`` (256) held-out
+bytes teacher-forced (``model.infer.prefill`` with all logits). Over those positions,
+pooled over segments: ``kl_nats`` = mean KL(never-evicted || resumed) of the next-byte
+distributions, ``top1_agreement`` = share of positions whose argmax agree,
+``bits_per_byte`` of the actual next bytes for the resumed session next to
+``ref_bits_per_byte`` of the never-evicted one, ``bpb_rel_diff`` = their relative
+difference, and ``kl_by_quarter`` (the mean KL over each quarter of the positions, to
+show where after the resume the error sits). Goal at R = 128: top-1 agreement >= 0.99
+and bits/byte within 1% of the never-evicted session, for every context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from bench.resume import compare_logits, fork, held_out_ids, load_model
+from model import checkpoint
+from model.config import layout_spec
+from model.infer import prefill
+from model.net import KVTierLM
+from model.state import KVState
+from replay.state_codec import state_from_chunks, state_to_chunks
+from replay.worker import ReplayWorker
+
+REPLAYS = (0, 32, 128, 256)
+GOAL_R, GOAL_TOP1, GOAL_BPB = 128, 0.99, 0.01
+
+
+def without_replay(state: KVState) -> KVState:
+    """R = 0: a window-less state given an empty window (needs n % m == 0: no tail)."""
+    if state.n_tokens % state.cfg.block:
+        raise ValueError(f"R=0 needs a context that is a multiple of m={state.cfg.block}")
+    empty = KVState.empty(state.cfg, state.token_ids.device)
+    return KVState(state.cfg, state.token_ids, state.enc_latent, state.enc_index_keys,
+                   state.dec_latent, empty.window_k, empty.window_v, empty.enc_tail,
+                   empty.dec_tail)
+
+
+async def resumed_states(worker: ReplayWorker, state: KVState, replays: tuple[int, ...]
+                         ) -> dict[str, KVState]:
+    """Every resume variant of ``state``, each built from the bytes the store keeps."""
+    cfg = worker.model.cfg
+    spec = layout_spec(cfg)
+    chunks, tail, window = state_to_chunks(spec, state)
+    data = [c for _, c in chunks]
+    ids = state.token_ids
+    out = {"exact": state_from_chunks(cfg, ids, data, tail, window, spec=spec)}
+    for r in replays:
+        if r == 0:
+            out["R=0"] = without_replay(state_from_chunks(cfg, ids, data, tail, None, spec=spec))
+            continue
+        rebuilt = (await worker.rebuild(spec, ids, data, tail, r)).window
+        out[f"R={r}"] = state_from_chunks(cfg, ids, data, tail, rebuilt, spec=spec)
+    return out
+
+
+def bits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-position bits of the actual next bytes: logits (T, vocab), targets (T,)."""
+    return F.cross_entropy(logits.double(), targets, reduction="none") / math.log(2)
+
+
+def kl_per_position(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    lr, lg = F.log_softmax(ref.double(), -1), F.log_softmax(got.double(), -1)
+    return (lr.exp() * (lr - lg)).sum(-1)
+
+
+async def segment_logits(model: KVTierLM, worker: ReplayWorker, ids: torch.Tensor, context: int,
+                         replays: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """Logits (follow, vocab) over ids[context:-1] for the reference and every variant."""
+    state, _ = prefill(model, ids[:context], logits="none")
+    follow = ids[context:-1]
+    out = {"ref": prefill(model, follow, fork(state), logits="all")[1]}
+    for name, resumed in (await resumed_states(worker, state, replays)).items():
+        out[name] = prefill(model, follow, resumed, logits="all")[1]
+    return out
+
+
+def summarize(ref: torch.Tensor, got: torch.Tensor, targets: torch.Tensor) -> dict:
+    """Pooled figures of one variant; ref, got (positions, vocab); targets (positions,)."""
+    kl = kl_per_position(ref, got)
+    b_ref, b_got = bits(ref, targets).mean().item(), bits(got, targets).mean().item()
+    return {"kl_nats": kl.mean().item(),
+            "top1_agreement": compare_logits(ref, got)["top1_agreement"],
+            "bits_per_byte": b_got, "ref_bits_per_byte": b_ref,
+            "bpb_rel_diff": (b_got - b_ref) / b_ref,
+            "kl_by_quarter": [q.mean().item() for q in kl.chunk(4)]}
+
+
+async def run(contexts: list[int], *, segments: int = 4, follow: int = 256,
+              replays: tuple[int, ...] = REPLAYS,
+              weights: Path = checkpoint.BUNDLED_WEIGHTS) -> dict:
+    model, model_info = load_model(weights)
+    worker = ReplayWorker(model)
+    started = time.perf_counter()
+    rows = []
+    try:
+        for context in contexts:
+            per_variant: dict[str, list[torch.Tensor]] = {}
+            targets = []
+            for s in range(segments):
+                offset = (s + 0.5) / segments
+                ids = held_out_ids(context + follow + 1, offset)
+                for name, logits in (await segment_logits(model, worker, ids, context,
+                                                          replays)).items():
+                    per_variant.setdefault(name, []).append(logits)
+                # the logits at ids[context + i] predict ids[context + i + 1]
+                targets.append(ids[context + 1:])
+            ref, tgt = torch.cat(per_variant.pop("ref")), torch.cat(targets)
+            variants = {name: summarize(ref, torch.cat(parts), tgt)
+                        for name, parts in per_variant.items()}
+            rows.append({"context": context, "positions": int(tgt.numel()),
+                         "variants": variants})
+    finally:
+        await worker.close()
+    return {"benchmark": "fidelity", "model": model_info, "follow_tokens": follow,
+            "segments": segments, "replays": list(replays),
+            "window": model.cfg.window, "torch_threads": torch.get_num_threads(),
+            "load_average_1m": os.getloadavg()[0],
+            "elapsed_s": round(time.perf_counter() - started, 1),
+            "contexts": rows, "goal": goal(rows)}
+
+
+def goal(rows: list[dict]) -> dict:
+    """At R = 128, for every context: top-1 >= 0.99 and |bits/byte change| <= 1%."""
+    key = f"R={GOAL_R}"
+    per = {r["context"]: r["variants"][key] for r in rows if key in r["variants"]}
+    met = {c: v["top1_agreement"] >= GOAL_TOP1 and abs(v["bpb_rel_diff"]) <= GOAL_BPB
+           for c, v in per.items()}
+    return {"replay_tokens": GOAL_R, "top1_at_least": GOAL_TOP1, "bpb_within": GOAL_BPB,
+            "met_per_context": met, "met": bool(met) and all(met.values())}
+
+
+def format_table(result: dict) -> str:
+    lines = [f"model: {result['model']}",
+             f"{'context':>8} {'variant':<8} {'KL nats':>10} {'top-1':>7} {'bpb':>7} "
+             f"{'ref bpb':>8} {'bpb diff':>9}"]
+    for row in result["contexts"]:
+        for name, v in row["variants"].items():
+            lines.append(f"{row['context']:>8} {name:<8} {v['kl_nats']:>10.2e} "
+                         f"{v['top1_agreement']:>7.4f} {v['bits_per_byte']:>7.4f} "
+                         f"{v['ref_bits_per_byte']:>8.4f} {v['bpb_rel_diff']:>+9.2%}")
+    lines.append(f"goal: {result['goal']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="1024,4096,16384")
+    parser.add_argument("--segments", type=int, default=4,
+                        help="held-out stretches per context (pooled)")
+    parser.add_argument("--follow", type=int, default=256, help="positions scored after resume")
+    parser.add_argument("--replays", default=",".join(map(str, REPLAYS)))
+    parser.add_argument("--weights", type=Path, default=checkpoint.BUNDLED_WEIGHTS)
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    result = asyncio.run(run([int(x) for x in args.contexts.split(",") if x],
+                             segments=args.segments, follow=args.follow,
+                             replays=tuple(int(x) for x in args.replays.split(",") if x),
+                             weights=args.weights))
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
