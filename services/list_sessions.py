@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier import Client
+    from services.client_sync import Client
 
     try:
         with Client(args.target, timeout_s=30) as kv:

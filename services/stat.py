@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier import Client
+    from services.client_sync import Client
 
     tenant, _, session_id = (args.session or "").partition("/")
     try:

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier import Client
+    from services.client_sync import Client
 
     previous: dict[str, tuple[int, int]] = {}
     redraw = sys.stdout.isatty()
