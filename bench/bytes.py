@@ -1,0 +1,137 @@
+"""Bytes per token the disk tier really holds for spilled sessions, against the layout
+spec's figure (``kvtier layouts``) and the plain bf16 cache of the same model.
+
+``python -m bench.bytes --json [--sessions 1000,3000,8192]``
+
+Real sessions: the bundled model prefills held-out text (``model.data``) of each length
+(lengths that are not multiples of the 512-token chunk leave a partial tail, as real
+sessions do). Each is spilled through a ``TierManager`` over real host, disk and object
+tiers in a temp dir (durable ack, window included), then demoted to the disk tier, as a
+paused session ends up. Then, over all sessions together, per token:
+
+- ``spec``: persistent bytes/token computed from the layout spec (what ``kvtier
+  layouts`` prints); ``bf16_baseline``: the spec's plain cache (every layer's bf16 K and V);
+- ``encoded_chunks``: the codec's bytes for the full chunks (headers and checksums
+  included) over the tokens they cover;
+- ``disk_segments``: the disk tier's segment files on the file system (record headers,
+  keys, padding, all of it: ``st_size``) over every token;
+- ``manifests``: the session manifests the disk tier's LMDB keeps (token ids at 4 B/token,
+  the encoded tail chunk, the chunk keys);
+- ``disk_total``: segments + manifests over every token, the headline figure;
+- ``lmdb_allocated``: the index environment's allocated file blocks (page-granular,
+  shared by every session, so it is reported beside the headline, not in it);
+- ``object_zstd``: the object tier's stored bytes after the sessions are demoted there
+  (zstd level 3), plus the manifests, for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.resume import TENANT, held_out_ids, load_model, open_store, spill_state
+from kvstore.manifest import manifest_key
+from model import checkpoint
+from model.config import layout_spec
+from model.infer import prefill
+
+
+def allocated(root: Path) -> tuple[int, int]:
+    """(apparent bytes, allocated bytes) of the files under ``root``."""
+    files = [p for p in root.rglob("*") if p.is_file()]
+    return (sum(p.stat().st_size for p in files),
+            sum(p.stat().st_blocks * 512 for p in files))
+
+
+async def measure(lengths: list[int], root: Path, weights: Path) -> dict:
+    model, model_info = load_model(weights)
+    spec = layout_spec(model.cfg)
+    manager = await open_store(root)
+    chunk_bytes = full_tokens = 0
+    try:
+        for i, n in enumerate(lengths):
+            state, _ = prefill(model, held_out_ids(n, offset=i / max(len(lengths), 1)),
+                               logits="none")
+            await spill_state(manager, spec, f"s{i}", state)
+            await manager.demote(TENANT, f"s{i}", "disk")
+        await manager.drain()
+        disk, objects = manager.tiers[1], manager.tiers[2]
+        manifests = 0
+        for i in range(len(lengths)):
+            manifest = await manager.get_manifest(TENANT, f"s{i}")
+            if manifest.window_key is not None or set(manager.where(manifest.chunk_keys[0])) \
+                    != {"disk"}:
+                raise RuntimeError(f"session s{i} is not on the disk tier alone")
+            manifests += len(await manager.meta.get(manifest_key(TENANT, f"s{i}")))
+            chunk_bytes += sum(manifest.chunk_sizes)
+            full_tokens += len(manifest.chunk_keys) * spec.chunk_tokens
+        segments_apparent, segments_allocated = allocated(disk.segment_dir)
+        index_apparent, index_allocated = allocated(disk.path / "index")
+        live = disk.used_bytes
+        for i in range(len(lengths)):
+            await manager.demote(TENANT, f"s{i}", "object")
+        await manager.drain()
+        object_bytes = objects.used_bytes
+    finally:
+        await manager.close()
+    tokens = sum(lengths)
+    per_token = {
+        "spec": spec.persistent_bytes_per_token,
+        "bf16_baseline": spec.bf16_baseline_bytes_per_token,
+        "encoded_chunks": chunk_bytes / full_tokens if full_tokens else None,
+        "disk_live_values": live / tokens,
+        "disk_segments": segments_apparent / tokens,
+        "manifests": manifests / tokens,
+        "disk_total": (segments_apparent + manifests) / tokens,
+        "lmdb_allocated": index_allocated / tokens,
+        "object_zstd": (object_bytes + manifests) / tokens,
+    }
+    return {
+        "benchmark": "bytes", "model": model_info, "layout": spec.layout_id,
+        "sessions": lengths, "tokens": tokens, "chunk_tokens": spec.chunk_tokens,
+        "bytes": {"encoded_chunks": chunk_bytes, "disk_live_values": live,
+                  "segment_files": segments_apparent,
+                  "segment_files_allocated": segments_allocated,
+                  "manifests": manifests, "lmdb_apparent": index_apparent,
+                  "lmdb_allocated": index_allocated, "object_stored": object_bytes},
+        "bytes_per_token": per_token,
+        "disk_vs_spec": per_token["disk_total"] / per_token["spec"],
+        "bf16_vs_disk": per_token["bf16_baseline"] / per_token["disk_total"],
+        "load_average_1m": os.getloadavg()[0],
+    }
+
+
+def format_table(result: dict) -> str:
+    lines = [f"model: {result['model']}",
+             f"{len(result['sessions'])} sessions, {result['tokens']} tokens: bytes per token"]
+    lines += [f"  {name:<18} {'-' if v is None else f'{v:10.2f}'}"
+              for name, v in result["bytes_per_token"].items()]
+    lines.append(f"disk total / spec = {result['disk_vs_spec']:.3f}; "
+                 f"bf16 baseline / disk total = {result['bf16_vs_disk']:.1f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", default="1000,3000,8192",
+                        help="comma-separated session lengths (tokens)")
+    parser.add_argument("--weights", type=Path, default=checkpoint.BUNDLED_WEIGHTS)
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    lengths = [int(x) for x in args.sessions.split(",") if x]
+    with tempfile.TemporaryDirectory(prefix="kvtier-bytes-") as tmp:
+        result = asyncio.run(measure(lengths, Path(tmp), args.weights))
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
