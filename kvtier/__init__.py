@@ -5,8 +5,9 @@ StreamData`` for the tensor layout of a stream.
 """
 
 from kvstore.codec import StreamData
-from services.client import AsyncClient, RestoredSession, RetryPolicy, SpillResult
+from services.client import AsyncClient
 from services.client_sync import Client
+from services.client_types import RestoredSession, RetryPolicy, SpillResult
 
 __all__ = ["AsyncClient", "Client", "RestoredSession", "RetryPolicy", "SpillResult",
            "StreamData"]

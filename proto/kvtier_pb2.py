@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/kvtier.proto\x12\tkvtier.v1\"0\n\nSessionRef\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"8\n\nResumeHint\x12\x18\n\x10\x65xpected_pause_s\x18\x01 \x01(\x01\x12\x10\n\x08priority\x18\x02 \x01(\x05\"?\n\x0fSharedMemoryRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"Y\n\x07Payload\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12)\n\x03shm\x18\x03 \x01(\x0b\x32\x1a.kvtier.v1.SharedMemoryRefH\x00\x42\x06\n\x04\x62ody\"\xd4\x01\n\x0bSpillHeader\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.SessionRef\x12\x11\n\tlayout_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x01(\x0c\x12\x12\n\nchunk_keys\x18\x05 \x03(\t\x12\x1b\n\x03\x61\x63k\x18\x06 \x01(\x0e\x32\x0e.kvtier.v1.Ack\x12#\n\x04hint\x18\x07 \x01(\x0b\x32\x15.kvtier.v1.ResumeHint\x12\r\n\x05ttl_s\x18\x08 \x01(\x01\"\xaf\x01\n\x0cSpillRequest\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.kvtier.v1.SpillHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.kvtier.v1.PayloadH\x00\x12\"\n\x04tail\x18\x03 \x01(\x0b\x32\x12.kvtier.v1.PayloadH\x00\x12$\n\x06window\x18\x04 \x01(\x0b\x32\x12.kvtier.v1.PayloadH\x00\x42\x06\n\x04item\"\x9c\x01\n\nSpillReply\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x16\n\x0e\x63hunks_written\x18\x03 \x01(\r\x12\x16\n\x0e\x63hunks_deduped\x18\x04 \x01(\r\x12\x0f\n\x07\x64urable\x18\x05 \x01(\x08\x12\x16\n\x0e\x62ytes_received\x18\x06 \x01(\x04\x12\x13\n\x0bwindow_kept\x18\x07 \x01(\x08\"\x80\x01\n\x0eRestoreRequest\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.SessionRef\x12\x16\n\x0elayer_by_layer\x18\x02 \x01(\x08\x12\x13\n\x0bwant_window\x18\x03 \x01(\x08\x12\x19\n\x11use_shared_memory\x18\x04 \x01(\x08\"\xb7\x01\n\rSessionHeader\x12\x11\n\tlayout_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nnum_tokens\x18\x03 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x01(\x0c\x12\x12\n\nchunk_keys\x18\x05 \x03(\t\x12\x18\n\x10window_available\x18\x06 \x01(\x08\x12\x15\n\rreplay_needed\x18\x07 \x01(\x08\x12\x13\n\x0bwindow_tier\x18\x08 \x01(\t\"Q\n\rRestoredChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12#\n\x07payload\x18\x03 \x01(\x0b\x32\x12.kvtier.v1.Payload\"\x8a\x01\n\x0cLayerSection\x12\x0e\n\x06stream\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\r\x12\r\n\x05\x63odes\x18\x04 \x01(\x0c\x12\x0e\n\x06scales\x18\x05 \x01(\x0c\x12\x12\n\ncodes_xxh3\x18\x06 \x01(\x06\x12\x13\n\x0bscales_xxh3\x18\x07 \x01(\x06\"w\n\rResumeSummary\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x10\n\x08replayed\x18\x02 \x01(\x08\x12\x15\n\rreplay_tokens\x18\x03 \x01(\r\x12\x17\n\x0frestore_seconds\x18\x04 \x01(\x01\x12\x16\n\x0ereplay_seconds\x18\x05 \x01(\x01\"\x90\x02\n\x0cRestoreReply\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.kvtier.v1.SessionHeaderH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.kvtier.v1.RestoredChunkH\x00\x12*\n\x07section\x18\x03 \x01(\x0b\x32\x17.kvtier.v1.LayerSectionH\x00\x12\"\n\x04tail\x18\x04 \x01(\x0b\x32\x12.kvtier.v1.PayloadH\x00\x12$\n\x06window\x18\x05 \x01(\x0b\x32\x12.kvtier.v1.PayloadH\x00\x12+\n\x07summary\x18\x06 \x01(\x0b\x32\x18.kvtier.v1.ResumeSummaryH\x00\x42\x06\n\x04item\"i\n\rResumeRequest\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.SessionRef\x12\x15\n\rreplay_tokens\x18\x02 \x01(\r\x12\x19\n\x11use_shared_memory\x18\x03 \x01(\x08\"a\n\x0fPrefetchRequest\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.SessionRef\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12\x13\n\x0btarget_tier\x18\x03 \x01(\t\"@\n\rPrefetchReply\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x10\n\x08\x63omplete\x18\x02 \x01(\x08\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"K\n\x0c\x45victRequest\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.SessionRef\x12\x13\n\x0btarget_tier\x18\x02 \x01(\t\"2\n\nEvictReply\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x16\n\x0ewindow_dropped\x18\x02 \x01(\x08\"7\n\rDeleteRequest\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.SessionRef\"<\n\x0b\x44\x65leteReply\x12\x17\n\x0f\x63hunks_released\x18\x01 \x01(\r\x12\x14\n\x0c\x63hunks_freed\x18\x02 \x01(\r\"\xbe\x01\n\x0bSessionInfo\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.SessionRef\x12\x11\n\tlayout_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x05 \x01(\r\x12\x13\n\x0bwindow_tier\x18\x06 \x01(\t\x12\x18\n\x10last_access_unix\x18\x07 \x01(\x01\x12\r\n\x05tiers\x18\x08 \x03(\t\"\x85\x01\n\x08TierStat\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\r\n\x05items\x18\x04 \x01(\x04\x12\x11\n\tavailable\x18\x05 \x01(\x08\x12\x0f\n\x07lookups\x18\x06 \x01(\x04\x12\x0c\n\x04hits\x18\x07 \x01(\x04\"5\n\x0bStatRequest\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.SessionRef\"\x9a\x01\n\tStatReply\x12\"\n\x05tiers\x18\x01 \x03(\x0b\x32\x13.kvtier.v1.TierStat\x12\x10\n\x08sessions\x18\x02 \x01(\x04\x12\x1d\n\x15writeback_queue_depth\x18\x03 \x01(\x04\x12\x0f\n\x07replays\x18\x04 \x01(\x04\x12\'\n\x07session\x18\x05 \x01(\x0b\x32\x16.kvtier.v1.SessionInfo\"D\n\x0bListRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"N\n\tListReply\x12(\n\x08sessions\x18\x01 \x03(\x0b\x32\x16.kvtier.v1.SessionInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"z\n\rReplayRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63hunks\x18\x03 \x03(\x0c\x12\x0c\n\x04tail\x18\x04 \x01(\x0c\x12\x15\n\rreplay_tokens\x18\x05 \x01(\r\x12\x0e\n\x06job_id\x18\x06 \x01(\t\"W\n\x0bReplayReply\x12\x0e\n\x06window\x18\x01 \x01(\x0c\x12\x17\n\x0freplayed_tokens\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0e\n\x06worker\x18\x04 \x01(\t*;\n\x03\x41\x63k\x12\x13\n\x0f\x41\x43K_UNSPECIFIED\x10\x00\x12\x0e\n\nACK_MEMORY\x10\x01\x12\x0f\n\x0b\x41\x43K_DURABLE\x10\x02\x32\xe6\x03\n\x06KVTier\x12\x39\n\x05Spill\x12\x17.kvtier.v1.SpillRequest\x1a\x15.kvtier.v1.SpillReply(\x01\x12?\n\x07Restore\x12\x19.kvtier.v1.RestoreRequest\x1a\x17.kvtier.v1.RestoreReply0\x01\x12=\n\x06Resume\x12\x18.kvtier.v1.ResumeRequest\x1a\x17.kvtier.v1.RestoreReply0\x01\x12@\n\x08Prefetch\x12\x1a.kvtier.v1.PrefetchRequest\x1a\x18.kvtier.v1.PrefetchReply\x12\x37\n\x05\x45vict\x12\x17.kvtier.v1.EvictRequest\x1a\x15.kvtier.v1.EvictReply\x12:\n\x06\x44\x65lete\x12\x18.kvtier.v1.DeleteRequest\x1a\x16.kvtier.v1.DeleteReply\x12\x34\n\x04Stat\x12\x16.kvtier.v1.StatRequest\x1a\x14.kvtier.v1.StatReply\x12\x34\n\x04List\x12\x16.kvtier.v1.ListRequest\x1a\x14.kvtier.v1.ListReply2E\n\x06Replay\x12;\n\x07Rebuild\x12\x18.kvtier.v1.ReplayRequest\x1a\x16.kvtier.v1.ReplayReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/kvtier.proto\x12\tkvtier.v1\"0\n\nSessionRef\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"8\n\nResumeHint\x12\x18\n\x10\x65xpected_pause_s\x18\x01 \x01(\x01\x12\x10\n\x08priority\x18\x02 \x01(\x05\"?\n\x0fSharedMemoryRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"Y\n\x07Payload\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12)\n\x03shm\x18\x03 \x01(\x0b\x32\x1a.kvtier.v1.SharedMemoryRefH\x00\x42\x06\n\x04\x62ody\"\xd4\x01\n\x0bSpillHeader\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.SessionRef\x12\x11\n\tlayout_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x01(\x0c\x12\x12\n\nchunk_keys\x18\x05 \x03(\t\x12\x1b\n\x03\x61\x63k\x18\x06 \x01(\x0e\x32\x0e.kvtier.v1.Ack\x12#\n\x04hint\x18\x07 \x01(\x0b\x32\x15.kvtier.v1.ResumeHint\x12\r\n\x05ttl_s\x18\x08 \x01(\x01\"\xaf\x01\n\x0cSpillRequest\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.kvtier.v1.SpillHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.kvtier.v1.PayloadH\x00\x12\"\n\x04tail\x18\x03 \x01(\x0b\x32\x12.kvtier.v1.PayloadH\x00\x12$\n\x06window\x18\x04 \x01(\x0b\x32\x12.kvtier.v1.PayloadH\x00\x42\x06\n\x04item\"\x9c\x01\n\nSpillReply\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x16\n\x0e\x63hunks_written\x18\x03 \x01(\r\x12\x16\n\x0e\x63hunks_deduped\x18\x04 \x01(\r\x12\x0f\n\x07\x64urable\x18\x05 \x01(\x08\x12\x16\n\x0e\x62ytes_received\x18\x06 \x01(\x04\x12\x13\n\x0bwindow_kept\x18\x07 \x01(\x08\"\xb2\x01\n\x0eRestoreRequest\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.SessionRef\x12\x16\n\x0elayer_by_layer\x18\x02 \x01(\x08\x12\x13\n\x0bwant_window\x18\x03 \x01(\x08\x12\x19\n\x11use_shared_memory\x18\x04 \x01(\x08\x12\x30\n\x0creply_buffer\x18\x05 \x01(\x0b\x32\x1a.kvtier.v1.SharedMemoryRef\"\xb7\x01\n\rSessionHeader\x12\x11\n\tlayout_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nnum_tokens\x18\x03 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x01(\x0c\x12\x12\n\nchunk_keys\x18\x05 \x03(\t\x12\x18\n\x10window_available\x18\x06 \x01(\x08\x12\x15\n\rreplay_needed\x18\x07 \x01(\x08\x12\x13\n\x0bwindow_tier\x18\x08 \x01(\t\"Q\n\rRestoredChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12#\n\x07payload\x18\x03 \x01(\x0b\x32\x12.kvtier.v1.Payload\"\x8a\x01\n\x0cLayerSection\x12\x0e\n\x06stream\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\r\x12\r\n\x05\x63odes\x18\x04 \x01(\x0c\x12\x0e\n\x06scales\x18\x05 \x01(\x0c\x12\x12\n\ncodes_xxh3\x18\x06 \x01(\x06\x12\x13\n\x0bscales_xxh3\x18\x07 \x01(\x06\"w\n\rResumeSummary\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x10\n\x08replayed\x18\x02 \x01(\x08\x12\x15\n\rreplay_tokens\x18\x03 \x01(\r\x12\x17\n\x0frestore_seconds\x18\x04 \x01(\x01\x12\x16\n\x0ereplay_seconds\x18\x05 \x01(\x01\"\x90\x02\n\x0cRestoreReply\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.kvtier.v1.SessionHeaderH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.kvtier.v1.RestoredChunkH\x00\x12*\n\x07section\x18\x03 \x01(\x0b\x32\x17.kvtier.v1.LayerSectionH\x00\x12\"\n\x04tail\x18\x04 \x01(\x0b\x32\x12.kvtier.v1.PayloadH\x00\x12$\n\x06window\x18\x05 \x01(\x0b\x32\x12.kvtier.v1.PayloadH\x00\x12+\n\x07summary\x18\x06 \x01(\x0b\x32\x18.kvtier.v1.ResumeSummaryH\x00\x42\x06\n\x04item\"\x9b\x01\n\rResumeRequest\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.SessionRef\x12\x15\n\rreplay_tokens\x18\x02 \x01(\r\x12\x19\n\x11use_shared_memory\x18\x03 \x01(\x08\x12\x30\n\x0creply_buffer\x18\x04 \x01(\x0b\x32\x1a.kvtier.v1.SharedMemoryRef\"a\n\x0fPrefetchRequest\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.SessionRef\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12\x13\n\x0btarget_tier\x18\x03 \x01(\t\"@\n\rPrefetchReply\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x10\n\x08\x63omplete\x18\x02 \x01(\x08\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"K\n\x0c\x45victRequest\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.SessionRef\x12\x13\n\x0btarget_tier\x18\x02 \x01(\t\"2\n\nEvictReply\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x16\n\x0ewindow_dropped\x18\x02 \x01(\x08\"7\n\rDeleteRequest\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.SessionRef\"<\n\x0b\x44\x65leteReply\x12\x17\n\x0f\x63hunks_released\x18\x01 \x01(\r\x12\x14\n\x0c\x63hunks_freed\x18\x02 \x01(\r\"\xbe\x01\n\x0bSessionInfo\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.SessionRef\x12\x11\n\tlayout_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x05 \x01(\r\x12\x13\n\x0bwindow_tier\x18\x06 \x01(\t\x12\x18\n\x10last_access_unix\x18\x07 \x01(\x01\x12\r\n\x05tiers\x18\x08 \x03(\t\"\x85\x01\n\x08TierStat\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\r\n\x05items\x18\x04 \x01(\x04\x12\x11\n\tavailable\x18\x05 \x01(\x08\x12\x0f\n\x07lookups\x18\x06 \x01(\x04\x12\x0c\n\x04hits\x18\x07 \x01(\x04\"5\n\x0bStatRequest\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.SessionRef\"\x9a\x01\n\tStatReply\x12\"\n\x05tiers\x18\x01 \x03(\x0b\x32\x13.kvtier.v1.TierStat\x12\x10\n\x08sessions\x18\x02 \x01(\x04\x12\x1d\n\x15writeback_queue_depth\x18\x03 \x01(\x04\x12\x0f\n\x07replays\x18\x04 \x01(\x04\x12\'\n\x07session\x18\x05 \x01(\x0b\x32\x16.kvtier.v1.SessionInfo\"D\n\x0bListRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"N\n\tListReply\x12(\n\x08sessions\x18\x01 \x03(\x0b\x32\x16.kvtier.v1.SessionInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"z\n\rReplayRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63hunks\x18\x03 \x03(\x0c\x12\x0c\n\x04tail\x18\x04 \x01(\x0c\x12\x15\n\rreplay_tokens\x18\x05 \x01(\r\x12\x0e\n\x06job_id\x18\x06 \x01(\t\"W\n\x0bReplayReply\x12\x0e\n\x06window\x18\x01 \x01(\x0c\x12\x17\n\x0freplayed_tokens\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0e\n\x06worker\x18\x04 \x01(\t*;\n\x03\x41\x63k\x12\x13\n\x0f\x41\x43K_UNSPECIFIED\x10\x00\x12\x0e\n\nACK_MEMORY\x10\x01\x12\x0f\n\x0b\x41\x43K_DURABLE\x10\x02\x32\xe6\x03\n\x06KVTier\x12\x39\n\x05Spill\x12\x17.kvtier.v1.SpillRequest\x1a\x15.kvtier.v1.SpillReply(\x01\x12?\n\x07Restore\x12\x19.kvtier.v1.RestoreRequest\x1a\x17.kvtier.v1.RestoreReply0\x01\x12=\n\x06Resume\x12\x18.kvtier.v1.ResumeRequest\x1a\x17.kvtier.v1.RestoreReply0\x01\x12@\n\x08Prefetch\x12\x1a.kvtier.v1.PrefetchRequest\x1a\x18.kvtier.v1.PrefetchReply\x12\x37\n\x05\x45vict\x12\x17.kvtier.v1.EvictRequest\x1a\x15.kvtier.v1.EvictReply\x12:\n\x06\x44\x65lete\x12\x18.kvtier.v1.DeleteRequest\x1a\x16.kvtier.v1.DeleteReply\x12\x34\n\x04Stat\x12\x16.kvtier.v1.StatRequest\x1a\x14.kvtier.v1.StatReply\x12\x34\n\x04List\x12\x16.kvtier.v1.ListRequest\x1a\x14.kvtier.v1.ListReply2E\n\x06Replay\x12;\n\x07Rebuild\x12\x18.kvtier.v1.ReplayRequest\x1a\x16.kvtier.v1.ReplayReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.kvtier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ACK']._serialized_start=3210
-  _globals['_ACK']._serialized_end=3269
+  _globals['_ACK']._serialized_start=3311
+  _globals['_ACK']._serialized_end=3370
   _globals['_SESSIONREF']._serialized_start=33
   _globals['_SESSIONREF']._serialized_end=81
   _globals['_RESUMEHINT']._serialized_start=83
@@ -48,49 +48,49 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPILLREPLY']._serialized_start=691
   _globals['_SPILLREPLY']._serialized_end=847
   _globals['_RESTOREREQUEST']._serialized_start=850
-  _globals['_RESTOREREQUEST']._serialized_end=978
-  _globals['_SESSIONHEADER']._serialized_start=981
-  _globals['_SESSIONHEADER']._serialized_end=1164
-  _globals['_RESTOREDCHUNK']._serialized_start=1166
-  _globals['_RESTOREDCHUNK']._serialized_end=1247
-  _globals['_LAYERSECTION']._serialized_start=1250
-  _globals['_LAYERSECTION']._serialized_end=1388
-  _globals['_RESUMESUMMARY']._serialized_start=1390
-  _globals['_RESUMESUMMARY']._serialized_end=1509
-  _globals['_RESTOREREPLY']._serialized_start=1512
-  _globals['_RESTOREREPLY']._serialized_end=1784
-  _globals['_RESUMEREQUEST']._serialized_start=1786
-  _globals['_RESUMEREQUEST']._serialized_end=1891
-  _globals['_PREFETCHREQUEST']._serialized_start=1893
-  _globals['_PREFETCHREQUEST']._serialized_end=1990
-  _globals['_PREFETCHREPLY']._serialized_start=1992
-  _globals['_PREFETCHREPLY']._serialized_end=2056
-  _globals['_EVICTREQUEST']._serialized_start=2058
-  _globals['_EVICTREQUEST']._serialized_end=2133
-  _globals['_EVICTREPLY']._serialized_start=2135
-  _globals['_EVICTREPLY']._serialized_end=2185
-  _globals['_DELETEREQUEST']._serialized_start=2187
-  _globals['_DELETEREQUEST']._serialized_end=2242
-  _globals['_DELETEREPLY']._serialized_start=2244
-  _globals['_DELETEREPLY']._serialized_end=2304
-  _globals['_SESSIONINFO']._serialized_start=2307
-  _globals['_SESSIONINFO']._serialized_end=2497
-  _globals['_TIERSTAT']._serialized_start=2500
-  _globals['_TIERSTAT']._serialized_end=2633
-  _globals['_STATREQUEST']._serialized_start=2635
-  _globals['_STATREQUEST']._serialized_end=2688
-  _globals['_STATREPLY']._serialized_start=2691
-  _globals['_STATREPLY']._serialized_end=2845
-  _globals['_LISTREQUEST']._serialized_start=2847
-  _globals['_LISTREQUEST']._serialized_end=2915
-  _globals['_LISTREPLY']._serialized_start=2917
-  _globals['_LISTREPLY']._serialized_end=2995
-  _globals['_REPLAYREQUEST']._serialized_start=2997
-  _globals['_REPLAYREQUEST']._serialized_end=3119
-  _globals['_REPLAYREPLY']._serialized_start=3121
-  _globals['_REPLAYREPLY']._serialized_end=3208
-  _globals['_KVTIER']._serialized_start=3272
-  _globals['_KVTIER']._serialized_end=3758
-  _globals['_REPLAY']._serialized_start=3760
-  _globals['_REPLAY']._serialized_end=3829
+  _globals['_RESTOREREQUEST']._serialized_end=1028
+  _globals['_SESSIONHEADER']._serialized_start=1031
+  _globals['_SESSIONHEADER']._serialized_end=1214
+  _globals['_RESTOREDCHUNK']._serialized_start=1216
+  _globals['_RESTOREDCHUNK']._serialized_end=1297
+  _globals['_LAYERSECTION']._serialized_start=1300
+  _globals['_LAYERSECTION']._serialized_end=1438
+  _globals['_RESUMESUMMARY']._serialized_start=1440
+  _globals['_RESUMESUMMARY']._serialized_end=1559
+  _globals['_RESTOREREPLY']._serialized_start=1562
+  _globals['_RESTOREREPLY']._serialized_end=1834
+  _globals['_RESUMEREQUEST']._serialized_start=1837
+  _globals['_RESUMEREQUEST']._serialized_end=1992
+  _globals['_PREFETCHREQUEST']._serialized_start=1994
+  _globals['_PREFETCHREQUEST']._serialized_end=2091
+  _globals['_PREFETCHREPLY']._serialized_start=2093
+  _globals['_PREFETCHREPLY']._serialized_end=2157
+  _globals['_EVICTREQUEST']._serialized_start=2159
+  _globals['_EVICTREQUEST']._serialized_end=2234
+  _globals['_EVICTREPLY']._serialized_start=2236
+  _globals['_EVICTREPLY']._serialized_end=2286
+  _globals['_DELETEREQUEST']._serialized_start=2288
+  _globals['_DELETEREQUEST']._serialized_end=2343
+  _globals['_DELETEREPLY']._serialized_start=2345
+  _globals['_DELETEREPLY']._serialized_end=2405
+  _globals['_SESSIONINFO']._serialized_start=2408
+  _globals['_SESSIONINFO']._serialized_end=2598
+  _globals['_TIERSTAT']._serialized_start=2601
+  _globals['_TIERSTAT']._serialized_end=2734
+  _globals['_STATREQUEST']._serialized_start=2736
+  _globals['_STATREQUEST']._serialized_end=2789
+  _globals['_STATREPLY']._serialized_start=2792
+  _globals['_STATREPLY']._serialized_end=2946
+  _globals['_LISTREQUEST']._serialized_start=2948
+  _globals['_LISTREQUEST']._serialized_end=3016
+  _globals['_LISTREPLY']._serialized_start=3018
+  _globals['_LISTREPLY']._serialized_end=3096
+  _globals['_REPLAYREQUEST']._serialized_start=3098
+  _globals['_REPLAYREQUEST']._serialized_end=3220
+  _globals['_REPLAYREPLY']._serialized_start=3222
+  _globals['_REPLAYREPLY']._serialized_end=3309
+  _globals['_KVTIER']._serialized_start=3373
+  _globals['_KVTIER']._serialized_end=3859
+  _globals['_REPLAY']._serialized_start=3861
+  _globals['_REPLAY']._serialized_end=3930
 # @@protoc_insertion_point(module_scope)

@@ -103,16 +103,18 @@ class SpillReply(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., tier: _Optional[str] = ..., chunks_written: _Optional[int] = ..., chunks_deduped: _Optional[int] = ..., durable: _Optional[bool] = ..., bytes_received: _Optional[int] = ..., window_kept: _Optional[bool] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("session", "layer_by_layer", "want_window", "use_shared_memory")
+    __slots__ = ("session", "layer_by_layer", "want_window", "use_shared_memory", "reply_buffer")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     LAYER_BY_LAYER_FIELD_NUMBER: _ClassVar[int]
     WANT_WINDOW_FIELD_NUMBER: _ClassVar[int]
     USE_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    REPLY_BUFFER_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     layer_by_layer: bool
     want_window: bool
     use_shared_memory: bool
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., layer_by_layer: _Optional[bool] = ..., want_window: _Optional[bool] = ..., use_shared_memory: _Optional[bool] = ...) -> None: ...
+    reply_buffer: SharedMemoryRef
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., layer_by_layer: _Optional[bool] = ..., want_window: _Optional[bool] = ..., use_shared_memory: _Optional[bool] = ..., reply_buffer: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
 
 class SessionHeader(_message.Message):
     __slots__ = ("layout_id", "generation", "num_tokens", "token_ids", "chunk_keys", "window_available", "replay_needed", "window_tier")
@@ -193,14 +195,16 @@ class RestoreReply(_message.Message):
     def __init__(self, header: _Optional[_Union[SessionHeader, _Mapping]] = ..., chunk: _Optional[_Union[RestoredChunk, _Mapping]] = ..., section: _Optional[_Union[LayerSection, _Mapping]] = ..., tail: _Optional[_Union[Payload, _Mapping]] = ..., window: _Optional[_Union[Payload, _Mapping]] = ..., summary: _Optional[_Union[ResumeSummary, _Mapping]] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
-    __slots__ = ("session", "replay_tokens", "use_shared_memory")
+    __slots__ = ("session", "replay_tokens", "use_shared_memory", "reply_buffer")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     REPLAY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     USE_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    REPLY_BUFFER_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     replay_tokens: int
     use_shared_memory: bool
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., replay_tokens: _Optional[int] = ..., use_shared_memory: _Optional[bool] = ...) -> None: ...
+    reply_buffer: SharedMemoryRef
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., replay_tokens: _Optional[int] = ..., use_shared_memory: _Optional[bool] = ..., reply_buffer: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("session", "timeout_s", "target_tier")

@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import numpy as np
 
-from kvstore.codec import StreamData
 from kvstore.errors import InvalidRequest, StaleGeneration
 from kvstore.keys import chain_keys
 from kvstore.layout import LayoutSpec, get_layout
@@ -38,9 +35,11 @@ from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services import client_codec as cc
 from services import shm
+from services.client_types import RestoredSession, RetryPolicy, SpillResult
 from services.errors import MissingChunks, error_from_rpc
 
 ACKS = {"memory": pb.ACK_MEMORY, "durable": pb.ACK_DURABLE, None: pb.ACK_UNSPECIFIED}
+MAX_REPLY_BUFFER = 1 << 30  # larger restores use a segment of the server's per call
 LOOPBACK = ("localhost", "127.", "[::1]", "unix:", "ipv4:127.", "ipv6:[::1]")
 
 
@@ -49,57 +48,6 @@ async def _stream(messages: list) -> AsyncIterator:
     # surfaces as INTERNAL instead of its RESOURCE_EXHAUSTED status.
     for message in messages:
         yield message
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    attempts: int = 6
-    initial_backoff_s: float = 0.1
-    max_backoff_s: float = 2.0
-    multiplier: float = 2.0
-
-    def delays(self) -> Iterator[float]:
-        delay = self.initial_backoff_s
-        for _ in range(self.attempts - 1):
-            yield delay / 2 + random.uniform(0, delay / 2)  # "equal jitter"
-            delay = min(delay * self.multiplier, self.max_backoff_s)
-
-
-@dataclass(frozen=True)
-class SpillResult:
-    generation: int
-    tier: str
-    chunks_written: int
-    chunks_deduped: int
-    chunks_sent: int
-    durable: bool
-    bytes_received: int
-    window_kept: bool
-
-
-@dataclass
-class RestoredSession:
-    layout: LayoutSpec
-    generation: int
-    token_ids: np.ndarray  # (num_tokens,) uint32
-    chunk_keys: list[str]
-    # Encoded blocks, verified by the server and again on decode (bytes, or read-only
-    # views into the shared-memory mapping they arrived in).
-    chunks: list[bytes | memoryview]
-    tail: bytes | memoryview
-    window_blob: bytes | memoryview | None  # the window (codec chunk, ephemeral streams)
-    # Decoded (empty / None with decode=False): (layers, entries, ...) over every token,
-    # and the window's (layers, W, ...) or None when no window came back.
-    persistent: dict[str, StreamData]
-    window: dict[str, StreamData] | None
-    window_start: int  # first token the window covers
-    window_tier: str
-    replay_needed: bool  # no window came back and the layout has window streams
-    replayed: bool
-    replay_tokens: int
-    tier: str  # lowest tier any block came from
-    restore_seconds: float
-    replay_seconds: float
 
 
 class AsyncClient:
@@ -121,6 +69,8 @@ class AsyncClient:
         self._stub = pb_grpc.KVTierStub(self._channel)
         self._held: dict[tuple[str, str], set[str]] = {}  # keys the server acknowledged
         self._segments = shm.SegmentPool("kvtier-s")
+        self._replies = shm.SegmentPool("kvtier-c")
+        self._reply_bytes = 0  # the largest restore so far: the size of buffers we lend
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -131,6 +81,7 @@ class AsyncClient:
     async def close(self) -> None:
         await self._channel.close()
         self._segments.close()
+        self._replies.close()
 
     async def _call(self, attempt: Callable[[], Awaitable]):
         delays = self.retry.delays()
@@ -253,8 +204,7 @@ class AsyncClient:
         request = pb.RestoreRequest(session=pb.SessionRef(tenant=tenant, session_id=session_id),
                                     want_window=want_window,
                                     use_shared_memory=self.shared_memory)
-        return await self._call(lambda: self._collect(self._stub.Restore(
-            request, timeout=self.timeout_s), decode))
+        return await self._call(lambda: self._receive(self._stub.Restore, request, decode))
 
     async def resume(self, tenant: str, session_id: str, *, replay_tokens: int = 0,
                      decode: bool = True) -> RestoredSession:
@@ -262,12 +212,31 @@ class AsyncClient:
         request = pb.ResumeRequest(session=pb.SessionRef(tenant=tenant, session_id=session_id),
                                    replay_tokens=replay_tokens,
                                    use_shared_memory=self.shared_memory)
-        return await self._call(lambda: self._collect(self._stub.Resume(
-            request, timeout=self.timeout_s), decode))
+        return await self._call(lambda: self._receive(self._stub.Resume, request, decode))
 
-    async def _collect(self, call, decode: bool) -> RestoredSession:
+    async def _receive(self, method, request, decode: bool) -> RestoredSession:
+        """One call; on the shared-memory path it lends a reused segment of ours, sized by
+        the largest restore so far, for the server to write into."""
+        lent = None
+        if self.shared_memory and self._reply_bytes:
+            lent = self._replies.acquire(self._reply_bytes)
+            request.reply_buffer.CopyFrom(pb.SharedMemoryRef(
+                name=lent.name, offset=0, length=lent.segment.size))
+        try:
+            result = await self._collect(method(request, timeout=self.timeout_s), decode, lent)
+        except BaseException:
+            if lent is not None:  # the server may still be writing into it: never reuse it
+                self._replies.discard(lent)
+            raise
+        if lent is not None:
+            self._replies.release(lent)
+        return result
+
+    async def _collect(self, call, decode: bool, lent: shm.SegmentWriter | None
+                       ) -> RestoredSession:
         header, chunks, tail, window, summary = None, [], b"", None, pb.ResumeSummary()
         mapping = None
+        received = 0
         try:
             async for reply in call:
                 kind = reply.WhichOneof("item")
@@ -277,12 +246,19 @@ class AsyncClient:
                     summary = reply.summary
                 else:
                     payload = reply.chunk.payload if kind == "chunk" else getattr(reply, kind)
-                    if payload.WhichOneof("body") == "shm" and mapping is None:
-                        mapping = shm.Mapping(payload.shm.name)
-                        mapping.unlink()  # nothing outlives this call; our map stays valid
-                    # Views into the mapping, no copy: it is unmapped with the last of them.
-                    data = (mapping.view(payload.shm.offset, payload.shm.length)
-                            if payload.WhichOneof("body") == "shm" else payload.data)
+                    ref = payload.shm
+                    if payload.WhichOneof("body") != "shm":
+                        data = payload.data
+                    elif lent is not None and ref.name == lent.name:
+                        # our reused buffer: copy out before it serves the next call
+                        data = bytes(lent.segment.buf[ref.offset:ref.offset + ref.length])
+                    else:
+                        if mapping is None:
+                            mapping = shm.Mapping(ref.name)
+                            mapping.unlink()  # nothing outlives this call; the map stays
+                        # Views into the mapping, no copy: unmapped with the last of them.
+                        data = mapping.view(ref.offset, ref.length)
+                    received += len(data)
                     if kind == "chunk":
                         chunks.append(data)
                     elif kind == "tail":
@@ -296,6 +272,8 @@ class AsyncClient:
                 with contextlib.suppress(BufferError):  # a view still alive: GC unmaps
                     mapping.close()
             raise
+        if self.shared_memory:
+            self._reply_bytes = min(max(self._reply_bytes, received), MAX_REPLY_BUFFER)
         if not decode:
             return self._decode(header, chunks, tail, window, summary, False)
         return await asyncio.to_thread(self._decode, header, chunks, tail, window, summary,

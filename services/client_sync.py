@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 from kvstore.restore import LayerSlice
 from proto import kvtier_pb2 as pb
-from services.client import AsyncClient, RestoredSession, SpillResult
+from services.client import AsyncClient
+from services.client_types import RestoredSession, SpillResult
 
 
 class Client:

@@ -28,7 +28,7 @@ from proto import kvtier_pb2 as pb
 from services.errors import PreconditionFailed
 from services.metrics import ServiceMetrics
 from services.replay_hook import ReplayBackend
-from services.shm import RestoreSegments, SegmentWriter
+from services.shm import BufferWriter, RestoreSegments, SegmentWriter
 
 MESSAGE_MARGIN = 4096  # room for the fields around one payload in a reply
 
@@ -38,6 +38,7 @@ class StreamOptions:
     layer_by_layer: bool = False
     want_window: bool = False
     use_shared_memory: bool = False
+    reply_buffer: pb.SharedMemoryRef | None = None  # the client's own segment, if lent
     resume: bool = False  # rebuild a dropped window by bounded replay
     replay_tokens: int = 128
 
@@ -70,9 +71,12 @@ class RestoreStreamer:
                 if replay and opts.resume and backend is None:
                     raise PreconditionFailed(f"{tenant}/{session_id} needs its window rebuilt "
                                              f"by replay, and {why_none}")
-                if opts.use_shared_memory and self.segments is not None:
-                    size = sum(m.chunk_sizes) + len(m.tail) + (len(window) if window else 0)
-                    if size:
+                size = sum(m.chunk_sizes) + len(m.tail) + (len(window) if window else 0)
+                if opts.use_shared_memory and size:
+                    lent = opts.reply_buffer
+                    if lent is not None and lent.name and size <= lent.length:
+                        writer = BufferWriter(lent)
+                    elif self.segments is not None:
                         lease, writer = self.segments.create(size)
                         self.metrics.shm_segments.set(len(self.segments))
                 yield pb.RestoreReply(header=pb.SessionHeader(
@@ -120,8 +124,11 @@ class RestoreStreamer:
         finally:
             if lease is not None:
                 self.segments.done_writing(lease)
+            elif writer is not None:
+                writer.close()
 
-    def _payload(self, key: str, data: Buffer, writer: SegmentWriter | None) -> pb.Payload:
+    def _payload(self, key: str, data: Buffer, writer: SegmentWriter | BufferWriter | None
+                 ) -> pb.Payload:
         if writer is not None and writer.fits(len(data)):
             self.metrics.restore_bytes.labels("shm").inc(len(data))
             return pb.Payload(key=key, shm=writer.add(data))

@@ -156,7 +156,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         tenant, session_id = check.session_ref(request.session)
         opts = StreamOptions(layer_by_layer=request.layer_by_layer,
                              want_window=request.want_window,
-                             use_shared_memory=request.use_shared_memory)
+                             use_shared_memory=request.use_shared_memory,
+                             reply_buffer=_lent(request))
         async for reply in self.streamer.stream(tenant, session_id, opts):
             yield reply
 
@@ -164,7 +165,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     async def Resume(self, request: pb.ResumeRequest, context):
         tenant, session_id = check.session_ref(request.session)
         opts = StreamOptions(want_window=True, use_shared_memory=request.use_shared_memory,
-                             resume=True,
+                             reply_buffer=_lent(request), resume=True,
                              replay_tokens=request.replay_tokens or self.config.replay_tokens)
         async for reply in self.streamer.stream(tenant, session_id, opts):
             if reply.HasField("summary") and reply.summary.replayed:
@@ -248,6 +249,10 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             layout_id=m.layout_id, generation=m.generation, num_tokens=m.num_tokens,
             chunks=len(m.chunk_keys), window_tier=m.window_tier or "",
             last_access_unix=m.last_access, tiers=tiers_holding(self.manager, m.chunk_keys))
+
+
+def _lent(request) -> pb.SharedMemoryRef | None:
+    return request.reply_buffer if request.HasField("reply_buffer") else None
 
 
 class KVTierServer:

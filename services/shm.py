@@ -7,11 +7,13 @@ it by name (``attach``: open + mmap of ``/dev/shm/<name>``, no tracker involveme
 - Spill: the client packs every payload into one segment (``SegmentWriter``), sends
   references, and unlinks it when the call returns, however it returns. The server
   copies the referenced bytes out (``Attachments``) before it answers.
-- Restore/Resume: the server packs the session into one segment per call
-  (``RestoreSegments.create``). The client maps it at the first reference and unlinks
-  the name at once (its mapping stays valid), so nothing outlives the client's reads;
-  a segment the client never claimed is unlinked by the server when its lease ends
-  (``RestoreSegments.reap``) or at shutdown (``close``).
+- Restore/Resume: when the client lends a segment of its own (``reply_buffer``, reused
+  call after call so its pages are warm) and the session fits, the server writes into
+  it (``BufferWriter``). Otherwise the server packs the session into one segment per
+  call (``RestoreSegments.create``); the client maps it at the first reference and
+  unlinks the name at once (its mapping stays valid), so nothing outlives the client's
+  reads; a segment the client never claimed is unlinked by the server when its lease
+  ends (``RestoreSegments.reap``) or at shutdown (``close``).
 
 Linux only (``available()``): elsewhere clients send bytes inline.
 """
@@ -34,6 +36,7 @@ from proto import kvtier_pb2 as pb
 
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def available() -> bool:
@@ -54,7 +57,8 @@ class Mapping:
                                  "and server must share a host (and /dev/shm)") from None
         try:
             size = os.fstat(fd).st_size
-            self._map = mmap.mmap(fd, size) if size else None
+            # Populated up front: one call maps every page instead of a fault per page.
+            self._map = mmap.mmap(fd, size, flags=_MAP_FLAGS) if size else None
         finally:
             os.close(fd)
         self.size = size
@@ -86,6 +90,28 @@ class Mapping:
         if self._map is not None:
             self._map.close()
             self._map = None
+
+
+class BufferWriter:
+    """Writes payloads into a segment the client lent for one call (``reply_buffer``)."""
+
+    def __init__(self, ref: pb.SharedMemoryRef) -> None:
+        self.mapping = Mapping(ref.name)
+        self.capacity = min(self.mapping.size, ref.length)
+        self.used = 0
+
+    def fits(self, nbytes: int) -> bool:
+        return self.used + nbytes <= self.capacity
+
+    def add(self, data) -> pb.SharedMemoryRef:
+        view = memoryview(data).cast("B")
+        start = self.used
+        self.mapping._map[start : start + len(view)] = view
+        self.used += len(view)
+        return pb.SharedMemoryRef(name=self.mapping.name, offset=start, length=len(view))
+
+    def close(self) -> None:
+        self.mapping.close()
 
 
 class Attachments:

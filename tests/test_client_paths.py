@@ -59,6 +59,11 @@ async def test_shared_memory_gives_identical_tensors_and_leaks_nothing(tmp_path)
                 await kv.spill("acme", session, LAYOUT.name, tokens, persistent,
                                window=window, generation=1)
                 results[use_shm] = await kv.restore("acme", session)
+                if use_shm:  # the second time into a buffer the client lends and reuses
+                    results["lent"] = await kv.restore("acme", session)
+                    lent = await kv.resume("acme", session)
+                    assert_streams_equal(lent.persistent, persistent)
+                    assert len(server.servicer.segments) == 1  # only the first call's
         samples = server.metrics.registry.get_sample_value
         assert samples("kvtier_spill_bytes_total", {"path": "shm"}) > 0
         assert samples("kvtier_restore_bytes_total", {"path": "shm"}) > 0

@@ -1,0 +1,63 @@
+"""What the client returns, and how it retries: plain dataclasses, no gRPC."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.codec import StreamData
+from kvstore.layout import LayoutSpec
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 6
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 2.0
+    multiplier: float = 2.0
+
+    def delays(self) -> Iterator[float]:
+        delay = self.initial_backoff_s
+        for _ in range(self.attempts - 1):
+            yield delay / 2 + random.uniform(0, delay / 2)  # "equal jitter"
+            delay = min(delay * self.multiplier, self.max_backoff_s)
+
+
+@dataclass(frozen=True)
+class SpillResult:
+    generation: int
+    tier: str
+    chunks_written: int
+    chunks_deduped: int
+    chunks_sent: int
+    durable: bool
+    bytes_received: int
+    window_kept: bool
+
+
+@dataclass
+class RestoredSession:
+    layout: LayoutSpec
+    generation: int
+    token_ids: np.ndarray  # (num_tokens,) uint32
+    chunk_keys: list[str]
+    # Encoded blocks, verified by the server and again on decode (bytes, or read-only
+    # views into the shared-memory mapping they arrived in).
+    chunks: list[bytes | memoryview]
+    tail: bytes | memoryview
+    window_blob: bytes | memoryview | None  # the window (codec chunk, ephemeral streams)
+    # Decoded (empty / None with decode=False): (layers, entries, ...) over every token,
+    # and the window's (layers, W, ...) or None when no window came back.
+    persistent: dict[str, StreamData]
+    window: dict[str, StreamData] | None
+    window_start: int  # first token the window covers
+    window_tier: str
+    replay_needed: bool  # no window came back and the layout has window streams
+    replayed: bool
+    replay_tokens: int
+    tier: str  # lowest tier any block came from
+    restore_seconds: float
+    replay_seconds: float
