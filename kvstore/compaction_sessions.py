@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvstore.compaction_report import CompactionReport, CompactOptions, Progress, demoted_key
-from kvstore.errors import ChunkCorrupt, SessionNotFound
+from kvstore.errors import ChunkCorrupt, DataLoss, SessionNotFound, TierFull, TierUnavailable
 from kvstore.manager import TierManager
 from kvstore.manifest import MANIFEST_PREFIX, SessionManifest, manifest_key
 from kvstore.refcount import REF_PREFIX
@@ -148,6 +148,9 @@ async def apply_sessions(plan: SessionPlan, ops: SessionOps, meta: MetaStore,
                                                             manifest.session_id)
             except SessionNotFound:
                 continue
+            except (TierFull, TierUnavailable, DataLoss) as exc:
+                _failed(report, f"expiry of {name}", exc)
+                continue
             report.sessions_expired += 1
             report.expired.append(name)
     finally:
@@ -168,6 +171,9 @@ async def apply_sessions(plan: SessionPlan, ops: SessionOps, meta: MetaStore,
                 await ops.demote(manifest.tenant, manifest.session_id)
             except SessionNotFound:
                 continue
+            except (TierFull, TierUnavailable, DataLoss) as exc:
+                _failed(report, f"demotion of {manifest.tenant}/{manifest.session_id}", exc)
+                continue
             await meta.commit({demoted_key(manifest.tenant, manifest.session_id): json.dumps({
                 "tier": OBJECT_TIER, "generation": manifest.generation,
                 "zstd_level": ops.zstd_level, "by": ops.description, "at": time.time(),
@@ -176,3 +182,9 @@ async def apply_sessions(plan: SessionPlan, ops: SessionOps, meta: MetaStore,
             report.demoted.append(f"{manifest.tenant}/{manifest.session_id}")
     finally:
         step.close()
+
+
+def _failed(report: CompactionReport, what: str, exc: Exception) -> None:
+    """One session's change failed (a full or unreachable tier): report it, go on."""
+    log.error("%s failed: %s", what, exc)
+    report.skipped.append(f"{what} failed: {type(exc).__name__}: {exc}")

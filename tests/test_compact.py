@@ -212,3 +212,17 @@ def test_durations_options_and_groups():
     infos = [SegmentInfo(i, SegState.SEALED, 100, live) for i, live in
              [(3, 60), (1, 50), (2, 10), (4, 0), (5, 90)]]
     assert groups(infos, 64) == [[1, 2], [3, 4], [5]]
+
+
+def test_a_full_object_tier_fails_demotions_without_losing_sessions(tmp_path, capsys):
+    data = tmp_path / "data"
+    snaps = asyncio.run(fill(data, specs=SPECS[:2], delete=()))
+    config = tmp_path / "kvtier.toml"
+    config.write_text('object_bytes = "1KiB"\n')  # no chunk fits
+    rc, report, _ = compact(data, capsys, "--json", "--config", str(config),
+                            "--demote-after", "0s")
+    assert rc == 0 and report["sessions_demoted"] == 0
+    assert sorted(why.split(" failed")[0] for why in report["skipped"]) == [
+        "demotion of acme/a", "demotion of acme/b"]
+    assert all("TierFull" in why for why in report["skipped"])
+    assert asyncio.run(restore_all(data, snaps)) == snaps

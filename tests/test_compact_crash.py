@@ -33,6 +33,10 @@ from tests.test_compact_helpers import SPECS, Snapshot, Spec, fill, restore_all
 CRASH_SPECS = (*SPECS, Spec("t", 3, prefix_of="a", ttl_s=1.0))
 HOT = ("a", "b", "g")  # spilled again after a pause: the others are idle and get demoted
 LOG_LINES = 11  # a run logs the sealed segment and each of five steps' start and end
+REWRITE_LINE = 10  # "rewrite segments: N to do": the rewrite runs for ~10 ms after it
+# Kill points: after any line, and more often just into the rewrite (before its switch,
+# during it, or before the old files are removed).
+POINTS = [*range(LOG_LINES + 1), *[REWRITE_LINE] * 4]
 
 
 class Pristine:
@@ -113,13 +117,14 @@ async def check_store(data: Path, snaps: dict[str, Snapshot]) -> None:
 
 def killed_run(argv: list[str], rng: random.Random) -> tuple[int, float] | None:
     """One run killed at a random point: after a random number of its log lines (0 to
-    all of them) plus a random delay. (lines, delay) if the kill landed, None if the
+    all of them, ``POINTS``) plus a random delay. (lines, delay) if the kill landed, None if the
     run had finished first."""
     read_fd, write_fd = os.pipe()
     try:
         pid = fork_compact(argv, write_fd)
         os.close(write_fd)
-        point = rng.randint(0, LOG_LINES), rng.uniform(0.0, 0.03)
+        lines = rng.choice(POINTS)
+        point = lines, rng.uniform(0.0, 0.015 if lines == REWRITE_LINE else 0.03)
         kill_after(pid, read_fd, *point)
         return point if exit_code(pid) is None else None
     finally:
