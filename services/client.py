@@ -36,7 +36,7 @@ from proto import kvtier_pb2_grpc as pb_grpc
 from services import client_codec as cc
 from services import shm
 from services.client_types import RestoredSession, RetryPolicy, SpillResult
-from services.errors import MissingChunks, error_from_rpc
+from services.errors import MissingChunks, SharedMemoryUnavailable, error_from_rpc
 
 ACKS = {"memory": pb.ACK_MEMORY, "durable": pb.ACK_DURABLE, None: pb.ACK_UNSPECIFIED}
 MAX_REPLY_BUFFER = 1 << 30  # larger restores use a segment of the server's per call
@@ -88,10 +88,19 @@ class AsyncClient:
         while True:
             try:
                 return await attempt()
+            except SharedMemoryUnavailable:
+                if not self.shared_memory:
+                    raise
+                self.shared_memory = False  # not the same host after all: bytes inline
+                continue
             except grpc.aio.AioRpcError as exc:
                 delay = next(delays, None)
+                error = error_from_rpc(exc)
+                if isinstance(error, SharedMemoryUnavailable) and self.shared_memory:
+                    self.shared_memory = False
+                    continue
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or delay is None:
-                    raise error_from_rpc(exc) from exc
+                    raise error from exc
             await asyncio.sleep(delay)
 
     # -- spill --
@@ -217,6 +226,8 @@ class AsyncClient:
     async def _receive(self, method, request, decode: bool) -> RestoredSession:
         """One call; on the shared-memory path it lends a reused segment of ours, sized by
         the largest restore so far, for the server to write into."""
+        request.use_shared_memory = self.shared_memory  # may have fallen back since
+        request.ClearField("reply_buffer")
         lent = None
         if self.shared_memory and self._reply_bytes:
             lent = self._replies.acquire(self._reply_bytes)

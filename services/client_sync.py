@@ -29,6 +29,11 @@ class Client:
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    @property
+    def shared_memory(self) -> bool:
+        """Whether chunk bytes go through shared memory (False after a fallback)."""
+        return self._async.shared_memory
+
     def __enter__(self) -> Client:
         return self
 

@@ -53,13 +53,19 @@ class MissingChunks(PreconditionFailed):
     """A spill left out chunks the server does not hold: send them and spill again."""
 
 
+class SharedMemoryUnavailable(kverrors.InvalidRequest):
+    """A shared-memory segment named in a call cannot be mapped here: the two sides do
+    not share a host (or /dev/shm). Clients fall back to sending bytes inline."""
+
+
 class ServerError(KVTierError):
     """The server failed in a way no specific error describes (INTERNAL, UNKNOWN...)."""
 
 
 _BY_NAME: dict[str, type[KVTierError]] = {
     cls.__name__: cls
-    for cls in (*vars(kverrors).values(), PreconditionFailed, MissingChunks, ServerError)
+    for cls in (*vars(kverrors).values(), PreconditionFailed, MissingChunks,
+                SharedMemoryUnavailable, ServerError)
     if isinstance(cls, type) and issubclass(cls, KVTierError)
 }
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from kvstore.errors import InvalidRequest
 from proto import kvtier_pb2 as pb
+from services.errors import SharedMemoryUnavailable
 
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
@@ -53,8 +54,9 @@ class Mapping:
         try:
             fd = os.open(SHM_DIR / name, os.O_RDWR)
         except FileNotFoundError:
-            raise InvalidRequest(f"shared memory segment {name!r} does not exist: client "
-                                 "and server must share a host (and /dev/shm)") from None
+            raise SharedMemoryUnavailable(
+                f"shared memory segment {name!r} does not exist here: client and server "
+                "must share a host (and /dev/shm)") from None
         try:
             size = os.fstat(fd).st_size
             # Populated up front: one call maps every page instead of a fault per page.

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from kvstore.codec import StreamData
@@ -24,6 +28,7 @@ from tests.service_support import (
 )
 
 TOKENS = 2 * LAYOUT.chunk_tokens + 36
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _shm_names() -> set[str]:
@@ -172,3 +177,39 @@ def test_unclaimed_restore_segments_are_reaped():
     segments.close()  # unlinking an already unlinked name is fine
     mapping.close()
     assert writer.name not in _shm_names()
+
+
+def _private_shm_server(data_dir) -> tuple[subprocess.Popen, str]:
+    """``kvtier serve`` in its own mount namespace with a private /dev/shm: on one host,
+    yet unable to see the client's segments, as if it ran on another machine."""
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    if probe.returncode:
+        pytest.skip("needs unshare -m (root or user namespaces)")
+    serve = f"{sys.executable} -m services.cli serve --preset test --data-dir {data_dir}"
+    script = f"mount -t tmpfs tmpfs /dev/shm && exec {serve} --log-level WARNING"
+    process = subprocess.Popen(["unshare", "-m", "sh", "-c", script], cwd=ROOT,
+                               stdout=subprocess.PIPE, text=True)
+    line = process.stdout.readline()
+    if not line.startswith("kvtier serving on "):
+        process.kill()
+        raise AssertionError(f"server did not start: {line!r}")
+    return process, line.split()[-1]
+
+
+@pytest.mark.slow  # a server process importing torch: ~10 s on the dev machine
+def test_shared_memory_falls_back_to_inline_bytes_when_dev_shm_differs(tmp_path):
+    tokens = tokens_for(TOKENS)
+    persistent = streams_for(LAYOUT, TOKENS)
+    process, target = _private_shm_server(tmp_path)
+    try:
+        with Client(target) as kv:  # loopback: it tries shared memory first
+            assert kv.shared_memory
+            kv.spill("acme", "s1", LAYOUT.name, tokens, persistent, generation=1)
+            assert not kv.shared_memory  # the server could not map the segment
+            assert_streams_equal(kv.restore("acme", "s1").persistent, persistent)
+        with Client(target) as kv:  # a restore first: the server's segment is not ours
+            assert_streams_equal(kv.restore("acme", "s1").persistent, persistent)
+            assert not kv.shared_memory
+    finally:
+        process.terminate()
+        assert process.wait(timeout=30) == 0
