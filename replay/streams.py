@@ -120,6 +120,7 @@ class StreamConsumer:
         self.max_deliveries = max_deliveries
         self.reply_ttl_s = reply_ttl_s
         self.done = 0
+        self._stopping = asyncio.Event()
 
     async def ensure_group(self) -> None:
         try:
@@ -131,15 +132,20 @@ class StreamConsumer:
                 raise
 
     async def run(self) -> None:
-        """Serve until cancelled; a Redis outage is waited out, not fatal."""
-        while True:
+        """Serve until ``stop()``; a Redis outage is waited out, not fatal. (Stop, don't
+        cancel: a redis-py command cancelled mid-read can leave the task hanging.)"""
+        while not self._stopping.is_set():
             try:
                 await self.ensure_group()
-                while True:
+                while not self._stopping.is_set():
                     await self.step()
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 log.warning("replay job stream unreachable (%s); retrying in 1s", exc)
                 await asyncio.sleep(1.0)
+
+    def stop(self) -> None:
+        """Finish the job in hand (and the current ``block_ms`` wait), then leave run()."""
+        self._stopping.set()
 
     async def step(self) -> int:
         """Handle the next job (an abandoned one first); returns how many were handled."""

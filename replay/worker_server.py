@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace, worker: ReplayWorker) -> None:
     server, port = await create_server(args.listen, worker)
-    consumer_task = None
+    consumer_task = stop_consumer = None
     if args.redis_url:
         from replay.streams import StreamConsumer, StreamNames
 
@@ -142,6 +142,7 @@ async def _serve(args: argparse.Namespace, worker: ReplayWorker) -> None:
                                   consumer=args.consumer or f"{socket.gethostname()}:"
                                   f"{os.getpid()}", claim_idle_ms=args.claim_idle_ms)
         consumer_task = asyncio.create_task(consumer.run())
+        stop_consumer = consumer.stop
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -153,7 +154,7 @@ async def _serve(args: argparse.Namespace, worker: ReplayWorker) -> None:
         await stop.wait()
     finally:
         if consumer_task is not None:
-            consumer_task.cancel()
-            await asyncio.gather(consumer_task, return_exceptions=True)
+            stop_consumer()
+            await consumer_task
         await server.stop(5)
         await worker.close()

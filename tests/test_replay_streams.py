@@ -1,0 +1,137 @@
+"""Replay jobs through Redis Streams (real redis-server): a job goes to one worker of the
+group and its reply comes back; a bad job is answered with its error; a job taken by a
+worker process that is then killed is retried by another worker after the idle timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from kvstore.errors import InvalidRequest, TierUnavailable
+from model.checkpoint import save
+from model.infer import replay
+from replay.state_codec import encode_window
+from replay.streams import StreamConsumer, StreamNames, StreamReplay
+from replay.worker import ReplayWorker
+from tests.replay_support import TINY_SPEC, tiny_model, tiny_session
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@contextlib.asynccontextmanager
+async def consuming(url: str, worker: ReplayWorker, name: str, names: StreamNames, **kw):
+    consumer = StreamConsumer(url, worker, consumer=name, names=names, block_ms=200, **kw)
+    await consumer.ensure_group()
+    task = asyncio.create_task(consumer.run())
+    try:
+        yield consumer
+    finally:
+        consumer.stop()
+        await task
+        await consumer.close()
+
+
+async def test_jobs_are_served_by_the_group_and_answered(model, redis_server):
+    state, chunks, tail = tiny_session(model, 45)
+    names = StreamNames(stream="t:jobs", group="t-group", reply_prefix="t:reply:")
+    worker = ReplayWorker(model, default_tokens=12)
+    backend = StreamReplay(redis_server, names=names, timeout_s=10)
+    try:
+        async with consuming(redis_server, worker, "a", names) as a, \
+                consuming(redis_server, worker, "b", names) as b:
+            results = await asyncio.gather(*(
+                backend.rebuild(TINY_SPEC.layout_id, state.token_ids, chunks, tail)
+                for _ in range(4)))
+            want = encode_window(TINY_SPEC, replay(model, state.without_window(), 12))
+            assert all(r.window == want and r.replayed_tokens == 12 for r in results)
+            assert await answered(a, b) == 4  # each job answered once
+            with pytest.raises(InvalidRequest, match="replay_tokens"):
+                await backend.rebuild(TINY_SPEC.layout_id, state.token_ids, chunks, tail,
+                                      100_000)
+        inspect = redis.Redis.from_url(redis_server)
+        assert inspect.xlen("t:jobs") == 0  # acknowledged jobs are deleted
+        assert inspect.xpending("t:jobs", "t-group")["pending"] == 0
+        assert not inspect.keys("t:reply:*")  # replies were taken
+    finally:
+        await backend.close()
+        await worker.close()
+    # no worker at all: the caller gets a clear error after its timeout
+    lonely = StreamReplay(redis_server, names=StreamNames(stream="t:none"), timeout_s=1)
+    with pytest.raises(TierUnavailable, match="no replay worker answered"):
+        await lonely.rebuild(TINY_SPEC.layout_id, state.token_ids, chunks, tail)
+    await lonely.close()
+
+
+async def answered(*consumers: StreamConsumer, wait_s: float = 5.0) -> int:
+    """Jobs the consumers answered (each counts a job just after pushing its reply)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not sum(c.done for c in consumers):
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    return sum(c.done for c in consumers)
+
+
+def start_worker_process(weights: Path, url: str, names: StreamNames) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "replay-worker", "--listen", "127.0.0.1:0",
+         "--weights", str(weights), "--redis-url", url, "--stream", names.stream,
+         "--group", names.group, "--consumer", "doomed", "--log-level", "WARNING"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+async def test_a_killed_workers_job_is_retried_by_another(model, redis_server, tmp_path):
+    state, chunks, tail = tiny_session(model, 45)
+    names = StreamNames(stream="k:jobs", group="k-group", reply_prefix="k:reply:")
+    weights = tmp_path / "tiny.safetensors"
+    save(model, weights)
+    inspect = redis.Redis.from_url(redis_server)
+    doomed = start_worker_process(weights, redis_server, names)
+    try:
+        line = await asyncio.to_thread(doomed.stdout.readline)
+        assert "serving" in line, line
+        # wait until it blocks in XREADGROUP, then freeze it: the job is delivered to it
+        deadline = time.monotonic() + 30
+        while not any(c.get("cmd") == "xreadgroup" for c in inspect.client_list()):
+            assert time.monotonic() < deadline, "the worker process never waited for jobs"
+            await asyncio.sleep(0.05)
+        doomed.send_signal(signal.SIGSTOP)
+        backend = StreamReplay(redis_server, names=names, timeout_s=30)
+        job = asyncio.create_task(backend.rebuild(TINY_SPEC.layout_id, state.token_ids,
+                                                  chunks, tail, 12))
+        deadline = time.monotonic() + 10
+        while inspect.xpending(names.stream, names.group)["pending"] == 0:
+            assert time.monotonic() < deadline, "the job was never delivered"
+            await asyncio.sleep(0.02)
+        owner = inspect.xpending_range(names.stream, names.group, "-", "+", 1)[0]
+        assert owner["consumer"] == b"doomed"
+        doomed.kill()  # SIGKILL: the job stays pending, never acknowledged
+        doomed.wait(timeout=10)
+        worker = ReplayWorker(model)
+        async with consuming(redis_server, worker, "rescuer", names, claim_idle_ms=300) as r:
+            result = await asyncio.wait_for(job, 20)
+            assert await answered(r) == 1
+        assert result.window == encode_window(TINY_SPEC,
+                                              replay(model, state.without_window(), 12))
+        assert inspect.xpending(names.stream, names.group)["pending"] == 0
+        await backend.close()
+        await worker.close()
+    finally:
+        if doomed.poll() is None:
+            doomed.kill()
+            doomed.wait(timeout=10)
+
