@@ -17,7 +17,9 @@ import torch
 
 from kvstore.errors import SessionNotFound
 from kvtier import AsyncClient
-from tests.service_support import LAYOUT, running_server, streams_for, tokens_for
+from services.config import load_config
+from services.server import create_server
+from tests.service_support import LAYOUT, streams_for, tokens_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = LAYOUT.chunk_tokens
@@ -46,6 +48,19 @@ def tokens_of(spec: Spec, specs=SPECS) -> torch.Tensor:
         return own
     parent = tokens_of(next(s for s in specs if s.session_id == spec.prefix_of), specs)
     return torch.cat([parent[:2 * CHUNK], own[2 * CHUNK:]])
+
+
+@contextlib.asynccontextmanager
+async def embedded_server(data_dir: Path):
+    """The real server with the embedded config (what ``kvtier serve`` runs by default)
+    over ``data_dir``, on a free loopback port; yields its address."""
+    config = load_config(preset="embedded", env={},
+                         overrides={"data_dir": data_dir, "listen": "127.0.0.1:0"})
+    server, port = await create_server(config)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0.5)
 
 
 @dataclass(frozen=True)
@@ -78,7 +93,7 @@ async def fill(data_dir: Path, *, delete=("d", "f"), specs=SPECS, hot=(), pause:
     the sessions left (as restores return them). ``hot`` sessions are spilled again
     (generation 2) after ``pause`` seconds, so only the others have been idle that long
     (restores record an access at most once a minute)."""
-    async with running_server(data_dir) as (_, target), AsyncClient(target) as kv:
+    async with embedded_server(data_dir) as target, AsyncClient(target) as kv:
         await spill_all(kv, specs)
         for session_id in delete:
             await kv.delete(TENANT, session_id)
@@ -94,7 +109,7 @@ async def fill(data_dir: Path, *, delete=("d", "f"), specs=SPECS, hot=(), pause:
 
 
 async def restore_all(data_dir: Path, names) -> dict[str, Snapshot]:
-    async with running_server(data_dir) as (_, target), AsyncClient(target) as kv:
+    async with embedded_server(data_dir) as target, AsyncClient(target) as kv:
         return {name: await snapshot(kv, name) for name in names}
 
 

@@ -40,7 +40,7 @@ from tests.test_compact_helpers import (
 @contextlib.contextmanager
 def serving(data: Path, log: Path) -> Iterator[str]:
     """``kvtier serve`` on ``data`` in its own process; yields its address."""
-    command = [sys.executable, "-m", "services.cli", "serve", "--preset", "test",
+    command = [sys.executable, "-m", "services.cli", "serve", "--preset", "embedded",
                "--data-dir", str(data), "--listen", "127.0.0.1:0", "--host-bytes", "1KiB"]
     with open(log, "w") as err:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=err,
