@@ -12,7 +12,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
-from kvstore.errors import DataLoss
+from kvstore.errors import DataLoss, InvalidRequest
 from kvstore.manager import MANAGER_PRESETS, TierManager
 from kvstore.manifest import SessionManifest
 from kvstore.tiers.base import Buffer, MemoryMetaStore, MetaStore, Tier
@@ -21,6 +21,12 @@ from kvstore.tiers.host import HostTier
 from services.config import ServerConfig
 
 log = logging.getLogger(__name__)
+
+
+def _preset(presets: dict, name: str, key: str):
+    if name not in presets:
+        raise InvalidRequest(f"{key} {name!r} is not one of {sorted(presets)}")
+    return presets[name]
 
 
 def build_tiers(config: ServerConfig, tiers: list[Tier]) -> MetaStore:
@@ -34,7 +40,7 @@ def build_tiers(config: ServerConfig, tiers: list[Tier]) -> MetaStore:
     if config.redis_url:
         from kvstore.tiers.redis import REDIS_PRESETS, RedisTier
 
-        redis_config = REDIS_PRESETS[config.redis_preset]
+        redis_config = _preset(REDIS_PRESETS, config.redis_preset, "redis_preset")
         if config.redis_prefix != redis_config.prefix:
             redis_config = dataclasses.replace(redis_config, prefix=config.redis_prefix)
         tiers.append(RedisTier(config.redis_url, config.redis_bytes, redis_config))
@@ -63,8 +69,8 @@ async def open_manager(config: ServerConfig) -> TierManager:
     try:
         meta = build_tiers(config, tiers)
         log.info("tiers: %s", ", ".join(f"{t.name} ({t.capacity_bytes} B)" for t in tiers))
-        return await TierManager.open(tiers, meta,
-                                      config=MANAGER_PRESETS[config.manager_preset])
+        return await TierManager.open(tiers, meta, config=_preset(
+            MANAGER_PRESETS, config.manager_preset, "manager_preset"))
     except BaseException:
         for tier in tiers:
             await tier.close()
