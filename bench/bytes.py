@@ -65,8 +65,8 @@ async def measure(lengths: list[int], root: Path, weights: Path) -> dict:
         manifests = 0
         for i in range(len(lengths)):
             manifest = await manager.get_manifest(TENANT, f"s{i}")
-            if manifest.window_key is not None or set(manager.where(manifest.chunk_keys[0])) \
-                    != {"disk"}:
+            if manifest.window_key is not None or any(
+                    manager.where(key) != ["disk"] for key in manifest.chunk_keys):
                 raise RuntimeError(f"session s{i} is not on the disk tier alone")
             manifests += len(await manager.meta.get(manifest_key(TENANT, f"s{i}")))
             chunk_bytes += sum(manifest.chunk_sizes)
@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", default="1000,3000,8192",
                         help="comma-separated session lengths (tokens)")
     parser.add_argument("--weights", type=Path, default=checkpoint.BUNDLED_WEIGHTS)
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (1: OpenMP threads spinning on a busy "
+                        "machine made prefill several times slower; every path gets the same)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -177,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--follow", type=int, default=256, help="positions scored after resume")
     parser.add_argument("--replays", default=",".join(map(str, REPLAYS)))
     parser.add_argument("--weights", type=Path, default=checkpoint.BUNDLED_WEIGHTS)
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (1: OpenMP threads spinning on a busy "
+                        "machine made prefill several times slower; every path gets the same)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -1,0 +1,176 @@
+"""Every benchmark at sizes that finish in about 15 minutes on 2 cores, collected into
+bench/results.json, then bench/REPORT.md and its plots (``bench.report``).
+
+``python -m bench.all`` (``make bench``) [--only resume,fidelity] [--sizes full]
+
+Stages, in order: codec and tiers (run as ``python -m bench.<name> --json`` child
+processes, their printed JSON collected), resume, fidelity, trace (its result function
+``bench.trace.run_trace_benchmark``) and bytes (called in this process). ``--sizes
+quick`` is the default budget; ``--sizes tiny`` a smoke run of every stage; ``--sizes
+full`` the sizes the issue names (resume at 4096, 16384 and 65536 tokens: re-prefilling
+65k tokens alone takes minutes on 2 cores).
+A stage that fails is recorded with its error and the others still run; the exit status
+is 1 if any failed. The machine the figures came from (CPU model, cores, memory, torch
+and triton versions, date, load) is recorded beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench import bytes as bytes_bench
+from bench import fidelity, resume
+from model import checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results.json"
+DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+
+SIZES = {
+    # A smoke run of every stage in a minute or two (tests, development); not for figures.
+    "tiny": {
+        "codec": ["--mb", "1", "--repeats", "1"],
+        "tiers": ["--size-mib", "0.25", "--count", "4", "--repeats", "1"],
+        "resume": {"contexts": [600, 1100], "repeats": 1},
+        "fidelity": {"contexts": [600], "segments": 1, "follow": 32},
+        "trace": {"limit": 200, "fractions": [0.05, 0.2], "validate_requests": 0},
+        "bytes": {"lengths": [300, 1100]},
+    },
+    "quick": {
+        "codec": ["--mb", "16", "--repeats", "3"],
+        "tiers": ["--size-mib", "1", "--count", "16", "--repeats", "3"],
+        "resume": {"contexts": [1024, 4096, 16384], "repeats": 3},
+        "fidelity": {"contexts": [1024, 4096], "segments": 2},
+        "trace": {"validate_requests": 100},
+        "bytes": {"lengths": [1000, 3000, 8192]},
+    },
+    "full": {
+        "codec": [],
+        "tiers": [],
+        "resume": {"contexts": [4096, 16384, 65536], "repeats": 3},
+        "fidelity": {"contexts": [1024, 4096, 16384], "segments": 4},
+        "trace": {"validate_requests": 100},
+        "bytes": {"lengths": [1000, 3000, 8192, 20000]},
+    },
+}
+STAGES = ("codec", "tiers", "resume", "fidelity", "trace", "bytes")
+
+
+def machine() -> dict:
+    """Where the figures come from."""
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next((line.split(":", 1)[1].strip() for line in info
+                        if line.startswith("model name")), cpu)
+        with open("/proc/meminfo") as info:
+            mem_kib = int(next(line.split()[1] for line in info if line.startswith("MemTotal")))
+    except OSError:
+        mem_kib = 0
+    import triton
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    return {
+        "cpu_model": cpu, "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_gib": round(mem_kib / 2**20, 1), "python": platform.python_version(),
+        "torch": torch.__version__, "triton": triton.__version__,
+        "cuda": torch.cuda.is_available(), "platform": platform.platform(),
+        "git_commit": commit,
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "load_average_at_start": os.getloadavg(),
+    }
+
+
+def child_json(name: str, args: list[str]) -> dict:
+    """``python -m bench.<name> --json *args`` in a child process; its printed JSON."""
+    proc = subprocess.run([sys.executable, "-m", f"bench.{name}", "--json", *args], cwd=ROOT,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"bench.{name} exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout)
+
+
+def stage_runners(sizes: dict, trace: Path, weights: Path) -> dict[str, Callable[[], dict]]:
+    def trace_stage() -> dict:
+        if not trace.exists():
+            return {"skipped": f"no trace at {trace} (pass --trace)"}
+        from bench.trace import run_trace_benchmark
+
+        return run_trace_benchmark(trace, jobs=2, **sizes["trace"])
+
+    return {
+        "codec": lambda: child_json("codec", sizes["codec"]),
+        "tiers": lambda: child_json("tiers", sizes["tiers"]),
+        "resume": lambda: asyncio.run(resume.run(weights=weights, **sizes["resume"])),
+        "fidelity": lambda: asyncio.run(fidelity.run(weights=weights, **sizes["fidelity"])),
+        "trace": trace_stage,
+        "bytes": lambda: _bytes_stage(sizes["bytes"]["lengths"], weights),
+    }
+
+
+def _bytes_stage(lengths: list[int], weights: Path) -> dict:
+    with tempfile.TemporaryDirectory(prefix="kvtier-bytes-") as tmp:
+        return asyncio.run(bytes_bench.measure(lengths, Path(tmp), weights))
+
+
+def run_all(stages: list[str], sizes_name: str, trace: Path, weights: Path) -> dict:
+    runners = stage_runners(SIZES[sizes_name], trace, weights)
+    results: dict = {"machine": machine(), "sizes": sizes_name,
+                     "torch_threads": torch.get_num_threads(), "stages": {}}
+    for name in stages:
+        started = time.perf_counter()
+        print(f"bench.all: {name} ...", file=sys.stderr, flush=True)
+        try:
+            out = runners[name]()
+        except Exception as exc:  # one failed stage must not lose the others' figures
+            out = {"error": f"{type(exc).__name__}: {exc}"}
+        out["wall_s"] = round(time.perf_counter() - started, 1)
+        results["stages"][name] = out
+        print(f"bench.all: {name} done in {out['wall_s']} s"
+              + (f" ERROR {out['error']}" if "error" in out else ""), file=sys.stderr, flush=True)
+    results["load_average_at_end"] = os.getloadavg()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(STAGES), help="comma-separated stages")
+    parser.add_argument("--sizes", choices=sorted(SIZES), default="quick")
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    parser.add_argument("--weights", type=Path, default=checkpoint.BUNDLED_WEIGHTS)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results JSON")
+    parser.add_argument("--no-report", action="store_true", help="skip bench/REPORT.md")
+    args = parser.parse_args(argv)
+    stages = [s for s in args.only.split(",") if s]
+    unknown = set(stages) - set(STAGES)
+    if unknown:
+        parser.error(f"unknown stages {sorted(unknown)}; known: {', '.join(STAGES)}")
+    torch.set_num_threads(args.threads)
+    results = run_all(stages, args.sizes, args.trace, args.weights)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"bench.all: results in {args.out}", file=sys.stderr)
+    if not args.no_report:
+        from bench.report import write_report
+
+        print(f"bench.all: report in {write_report(results, args.out.parent)}", file=sys.stderr)
+    return 1 if any("error" in s for s in results["stages"].values()) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
