@@ -149,7 +149,7 @@ async def run(contexts: list[int], *, segments: int = 4, follow: int = 256,
 def goal(rows: list[dict]) -> dict:
     """At R = 128, for every context: top-1 >= 0.99 and |bits/byte change| <= 1%."""
     key = f"R={GOAL_R}"
-    per = {r["context"]: r["variants"][key] for r in rows if key in r["variants"]}
+    per = {str(r["context"]): r["variants"][key] for r in rows if key in r["variants"]}
     met = {c: v["top1_agreement"] >= GOAL_TOP1 and abs(v["bpb_rel_diff"]) <= GOAL_BPB
            for c, v in per.items()}
     return {"replay_tokens": GOAL_R, "top1_at_least": GOAL_TOP1, "bpb_within": GOAL_BPB,

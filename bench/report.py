@@ -1,0 +1,351 @@
+"""Write bench/REPORT.md and its PNG plots from the JSON ``bench.all`` collected.
+
+``python -m bench.report [--results bench/results.json] [--out-dir bench]``
+
+Plots (matplotlib, Agg backend): ``resume_time.png`` (time to a decodable session against
+context, per path, log-log), ``fidelity.png`` (KL, top-1 agreement and bits/byte change
+against the replay length R, per context), ``trace_hit_rate.png`` (block hit rate in the
+fast tiers against hbm capacity, per policy). Every figure in the report is read from the
+results file; nothing here measures anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+RESUME_PATHS = ("prefill", "host", "disk", "object", "naive")
+PATH_LABELS = {"prefill": "full re-prefill", "host": "host tier (window kept)",
+               "disk": "disk tier + replay R=128", "object": "object tier (zstd) + replay",
+               "naive": "naive torch.save/load of bf16 K/V"}
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1000:.1f} ms"
+
+
+def _ok(stage: dict | None) -> bool:
+    return bool(stage) and "error" not in stage and "skipped" not in stage
+
+
+def _problem(name: str, stage: dict | None) -> list[str]:
+    if stage is None:
+        return [f"_{name}: not run._", ""]
+    return [f"_{name}: {stage.get('error') or stage.get('skipped')}_", ""]
+
+
+# -- plots --
+
+def plot_resume(stage: dict, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    contexts = [row["context"] for row in stage["contexts"]]
+    for name in RESUME_PATHS:
+        ax.plot(contexts, [row["paths"][name]["seconds"] for row in stage["contexts"]],
+                marker="o", label=PATH_LABELS[name])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(contexts, [str(c) for c in contexts])
+    ax.minorticks_off()
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("time to a decodable session (s)")
+    ax.set_title("Resume vs re-prefill, bundled model, CPU")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_fidelity(stage: dict, path: Path) -> None:
+    names = ["R=0", "R=32", "R=128", "R=256", "exact"]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 4))
+    panels = (("kl_nats", "mean KL vs never-evicted (nats)"),
+              ("top1_agreement", "top-1 agreement"),
+              ("bpb_rel_diff", "bits/byte change (%)"))
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for row in stage["contexts"]:
+            present = [n for n in names if n in row["variants"]]
+            values = [row["variants"][n][key] * (100 if key == "bpb_rel_diff" else 1)
+                      for n in present]
+            ax.plot([names.index(n) for n in present], values, marker="o",
+                    label=f"context {row['context']}")
+        ax.set_xticks(range(len(names)), names)
+        ax.set_xlabel("replay length (exact = window kept)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, alpha=0.3)
+    axes[1].axhline(0.99, color="red", linestyle="--", linewidth=1, label="goal at R=128")
+    for sign in (1, -1):
+        axes[2].axhline(sign * 1.0, color="red", linestyle="--", linewidth=1)
+    axes[0].set_yscale("symlog", linthresh=1e-4)
+    axes[0].set_ylim(bottom=0)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"Fidelity after resume over the next {stage['follow_tokens']} held-out bytes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_trace(stage: dict, path: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    panels = (("fast_hit_rate", "hbm + host hits / all block reads"),
+              ("reuse_fast_hit_rate", "hbm + host hits / re-reads (first reads excluded)"))
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for policy in stage["policies"]:
+            points = sorted((r["capacity_fraction"], r[key]) for r in stage["results"]
+                            if r["policy"] == policy)
+            ax.plot(*zip(*points, strict=True), marker="o", label=policy)
+        ax.set_xscale("log")
+        fractions = sorted({r["capacity_fraction"] for r in stage["results"]})
+        ax.set_xticks(fractions, [f"{f:g}" for f in fractions])
+        ax.minorticks_off()
+        ax.set_xlabel("hbm capacity / unique-block footprint (host = "
+                      f"{stage['tiers']['host_ratio']:g} x hbm)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("block hit rate")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"Trace {Path(stage['trace']['path']).name}: "
+                 f"{stage['trace']['requests']} requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- sections --
+
+def machine_section(results: dict) -> list[str]:
+    m = results["machine"]
+    rows = [["CPU", f"{m['cpu_model']} ({m['cpus']} cores, {m['cpus_usable']} usable)"],
+            ["memory", f"{m['memory_gib']} GiB"], ["CUDA", m["cuda"]],
+            ["python / torch / triton", f"{m['python']} / {m['torch']} / {m['triton']}"],
+            ["platform", m["platform"]], ["git commit", m["git_commit"]],
+            ["date", m["date_utc"]],
+            ["load average (1, 5, 15 min) at start / end",
+             f"{_load(m['load_average_at_start'])} / {_load(results['load_average_at_end'])}"],
+            ["torch threads", results["torch_threads"]], ["sizes", results["sizes"]]]
+    return ["## Machine", ""] + _table(["", ""], rows) + [""]
+
+
+def _load(values) -> str:
+    return ", ".join(f"{v:.1f}" for v in values)
+
+
+def resume_section(stage: dict) -> list[str]:
+    out = ["## Resume against re-prefill (`python -m bench.resume`)", "",
+           f"Driven: {stage['driven']}. Model: `{_model(stage['model'])}`. Replay R = "
+           f"{stage['replay_tokens']}; best of {stage['repeats']} (prefill once); page cache "
+           "dropped for the files read before each timed read. `verified`: decoding the next "
+           f"byte from the resumed state gives the never-evicted session's argmax and a KL of "
+           f"at most {stage['kl_tol']} nats (n/a: prefill is the reference; the naive cache is "
+           "not this model's format).", "", "![time to ready](resume_time.png)", ""]
+    rows = []
+    for row in stage["contexts"]:
+        for name in RESUME_PATHS:
+            p = row["paths"][name]
+            kl = p.get("check", {}).get("kl_nats")
+            rows.append([row["context"], PATH_LABELS[name], _ms(p["seconds"]),
+                         f"{p['speedup_vs_prefill']:.1f}x", f"{p['stored_bytes_per_token']:.1f}",
+                         "n/a" if p["verified"] is None else p["verified"],
+                         "" if kl is None else f"{kl:.1e}"])
+    out += _table(["context", "path", "time to ready", "speedup vs prefill",
+                   "stored B/token", "verified", "next-token KL"], rows) + [""]
+    rows = [[row["context"], name, _ms(p["restore_s"]), _ms(p["replay_s"]), _ms(p["decode_s"])]
+            for row in stage["contexts"] for name, p in row["paths"].items()
+            if "restore_s" in p]
+    out += ["Where the tier paths spend their time:", ""]
+    out += _table(["context", "path", "restore (read + verify)", "replay",
+                   "decode to KVState"], rows) + [""]
+    g = stage["goal"]
+    out += [f"Goal (disk >= 20x faster than re-prefill at 16k, widening with context): "
+            f"disk speedup at 16384 = {_num(g['disk_speedup_at_16384'])}x, met: "
+            f"{g['met_20x_at_16384']}; widening: {g['widening_with_context']}; every checked "
+            f"path verified: {g['all_verified']}.", ""]
+    return out
+
+
+def _num(value) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
+def _model(info: dict) -> str:
+    return f"{info['weights']} (sha256 {info['sha256_16']}...)" if info["trained"] else \
+        f"RANDOM INIT, not the trained weights: {info['note']}"
+
+
+def fidelity_section(stage: dict) -> list[str]:
+    out = ["## Replay fidelity (`python -m bench.fidelity`)", "",
+           f"Model: `{_model(stage['model'])}`. Held-out text, {stage['segments']} stretches "
+           f"per context, the next {stage['follow_tokens']} bytes teacher-forced after the "
+           "resume; KL(never-evicted || resumed) and top-1 agreement of the next-byte "
+           "distributions, bits/byte on the actual bytes. W = "
+           f"{stage['window']}.", "", "![fidelity](fidelity.png)", ""]
+    rows = [[row["context"], name, f"{v['kl_nats']:.2e}", f"{v['top1_agreement']:.4f}",
+             f"{v['bits_per_byte']:.4f}", f"{v['ref_bits_per_byte']:.4f}",
+             f"{v['bpb_rel_diff']:+.2%}", " / ".join(f"{q:.1e}" for q in v["kl_by_quarter"])]
+            for row in stage["contexts"] for name, v in row["variants"].items()]
+    out += _table(["context", "resume", "KL (nats)", "top-1", "bits/byte",
+                   "never-evicted bits/byte", "bits/byte change", "KL by quarter"], rows)
+    g = stage["goal"]
+    out += ["", f"Goal at R = {g['replay_tokens']} (top-1 >= {g['top1_at_least']}, bits/byte "
+            f"within {g['bpb_within']:.0%}): per context {g['met_per_context']}; "
+            f"**{'met' if g['met'] else 'NOT met'}**.", ""]
+    return out
+
+
+def trace_section(stage: dict) -> list[str]:
+    t = stage["trace"]
+    out = ["## Hit rate on a request trace (`python -m bench.trace`)", "",
+           f"Trace `{t['path']}`: {t['requests']} requests, {t['block_reads']} block reads, "
+           f"{t['unique_blocks']} unique blocks, {t['conversations']} conversations, "
+           f"{t['resumes']} resumes. Layout {stage['layout']['name']}: block "
+           f"{stage['layout']['block_bytes']} B, window {stage['layout']['window_bytes']} B. "
+           "Method: see `bench/trace.py` (repeated under `method` in results.json).", "",
+           "![hit rate](trace_hit_rate.png)", ""]
+    rows = []
+    for r in stage["results"]:
+        rate = r["block_hit_rate"]
+        rows.append([r["capacity_fraction"], r["policy"], f"{rate['hbm']:.3f}",
+                     f"{rate['host']:.3f}", f"{rate['disk']:.3f}", f"{rate['new']:.3f}",
+                     f"{rate['reprefill']:.3f}", f"{r['fast_hit_rate']:.3f}",
+                     f"{r['reuse_fast_hit_rate']:.3f}", f"{r['replays']}/{r['resumes']}"])
+    out += _table(["hbm fraction", "policy", "hbm", "host", "disk", "new", "re-prefill",
+                   "fast (hbm+host)", "fast among re-reads", "replays/resumes"], rows)
+    if "validation" in stage:
+        v = stage["validation"]
+        out += ["", f"Simulation checked against the real TierStack on the first "
+                f"{v['requests']} requests: {'all counts agree' if v['agree'] else 'DIFFER'}."]
+    return out + [""]
+
+
+def bytes_section(stage: dict) -> list[str]:
+    per = stage["bytes_per_token"]
+    out = ["## Bytes per token on disk (`python -m bench.bytes`)", "",
+           f"{len(stage['sessions'])} real sessions ({', '.join(map(str, stage['sessions']))} "
+           f"tokens of held-out text, {stage['tokens']} in all) spilled through the "
+           "TierManager and demoted to the disk tier.", ""]
+    out += _table(["what", "bytes/token"], [[k, "-" if v is None else f"{v:.2f}"]
+                                             for k, v in per.items()])
+    out += ["", f"Disk total / spec = {stage['disk_vs_spec']:.3f}; bf16 baseline / disk total = "
+            f"{stage['bf16_vs_disk']:.1f}x. `manifests` carries the token ids (4 B/token) and "
+            "the partial last chunk of each session.", ""]
+    return out
+
+
+def codec_tiers_section(codec: dict | None, tiers: dict | None) -> list[str]:
+    out = ["## Codec and tiers (`python -m bench.codec`, `python -m bench.tiers`)", ""]
+    if _ok(codec):
+        out += _table(["layout", "zstd", "encode GB/s", "decode GB/s", "memcpy GB/s",
+                       "decode / memcpy", "stored / raw"],
+                      [[r["layout"], r["zstd_level"] or "-", f"{r['encode_gbps']:.2f}",
+                        f"{r['decode_gbps']:.2f}", f"{r['memcpy_gbps']:.2f}",
+                        f"{r['decode_vs_memcpy']:.2f}",
+                        f"{r['stored_bytes'] / r['payload_bytes']:.3f}"] for r in codec["rows"]])
+        out.append("")
+    else:
+        out += _problem("codec", codec)
+    if _ok(tiers):
+        rows = [[name, r.get("count", ""), f"{r['put_gbps']:.2f}", f"{r['raw_put_gbps']:.2f}",
+                 f"{r['get_gbps']:.2f}", f"{r['raw_get_gbps']:.2f}", f"{r['get_vs_raw']:.2f}"]
+                if "skipped" not in r else [name, r["skipped"], "", "", "", "", ""]
+                for name, r in tiers["tiers"].items()]
+        out += [f"Values of {tiers['value_bytes']} B, one call in flight, each tier next to "
+                "its bare medium in the same run (GB/s):", ""]
+        out += _table(["tier", "values", "put", "raw put", "get", "raw get", "get / raw"],
+                      rows) + [""]
+    else:
+        out += _problem("tiers", tiers)
+    return out
+
+
+def headlines(stages: dict) -> list[str]:
+    out = ["## Headlines", ""]
+    res = stages.get("resume")
+    if _ok(res):
+        for row in res["contexts"]:
+            p = row["paths"]
+            out.append(f"- {row['context']} tokens: disk resume {_ms(p['disk']['seconds'])} vs "
+                       f"re-prefill {_ms(p['prefill']['seconds'])} "
+                       f"(**{p['disk']['speedup_vs_prefill']:.0f}x**); host "
+                       f"{p['host']['speedup_vs_prefill']:.0f}x, object "
+                       f"{p['object']['speedup_vs_prefill']:.0f}x, naive torch.load "
+                       f"{p['naive']['speedup_vs_prefill']:.0f}x at "
+                       f"{p['naive']['stored_bytes_per_token']:.0f} B/token.")
+    fid = stages.get("fidelity")
+    if _ok(fid):
+        for row in fid["contexts"]:
+            v = row["variants"].get("R=128")
+            if v:
+                met = fid["goal"]["met_per_context"].get(str(row["context"]))
+                out.append(f"- Fidelity at R=128, context {row['context']}: top-1 "
+                           f"{v['top1_agreement']:.4f}, bits/byte {v['bpb_rel_diff']:+.2%}, "
+                           f"KL {v['kl_nats']:.1e} nats (goal {'met' if met else 'NOT met'}).")
+    byt = stages.get("bytes")
+    if _ok(byt):
+        per = byt["bytes_per_token"]
+        out.append(f"- Disk holds {per['disk_total']:.1f} B/token (spec {per['spec']:.0f}, "
+                   f"bf16 baseline {per['bf16_baseline']:.0f}: "
+                   f"{byt['bf16_vs_disk']:.0f}x smaller).")
+    tr = stages.get("trace")
+    if _ok(tr):
+        fractions = sorted({r["capacity_fraction"] for r in tr["results"]})
+        mid = fractions[len(fractions) // 2]
+        rates = ", ".join(f"{r['policy']} {r['reuse_fast_hit_rate']:.3f}" for r in tr["results"]
+                          if r["capacity_fraction"] == mid)
+        out.append(f"- Trace, hbm at {mid:g} of the footprint: fast-tier hit rate among "
+                   f"re-reads: {rates}.")
+    return out + [""]
+
+
+def write_report(results: dict, out_dir: Path) -> Path:
+    """Write REPORT.md and the PNGs into ``out_dir``; returns the report's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stages = results["stages"]
+    lines = ["# kvtier benchmark report", "",
+             "Produced by `make bench` (`python -m bench.all`); raw figures in "
+             "[results.json](results.json). Each benchmark's module docstring says how each "
+             "figure is obtained. Ratios are measured side by side in one run; absolute "
+             "times are this machine's, which was shared with other work (see load average).",
+             ""]
+    lines += headlines(stages) + machine_section(results)
+    sections = (("resume", resume_section, plot_resume, "resume_time.png"),
+                ("fidelity", fidelity_section, plot_fidelity, "fidelity.png"),
+                ("trace", trace_section, plot_trace, "trace_hit_rate.png"),
+                ("bytes", bytes_section, None, None))
+    for name, section, plot, png in sections:
+        stage = stages.get(name)
+        if not _ok(stage):
+            lines += [f"## {name}", ""] + _problem(name, stage)
+            continue
+        if plot is not None:
+            plot(stage, out_dir / png)
+        lines += section(stage)
+    lines += codec_tiers_section(stages.get("codec"), stages.get("tiers"))
+    walls = ", ".join(f"{n} {s['wall_s']} s" for n, s in stages.items())
+    lines += [f"Wall time per stage: {walls}.", ""]
+    report = out_dir / "REPORT.md"
+    report.write_text("\n".join(lines))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=Path(__file__).parent / "results.json")
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent)
+    args = parser.parse_args(argv)
+    print(write_report(json.loads(args.results.read_text()), args.out_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
