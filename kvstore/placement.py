@@ -11,8 +11,10 @@ the index of what the tier holds (rebuilt from ``Tier.keys`` on open). Rules:
 - Window blobs (keys under ``WINDOW_PREFIX``) only live in tiers with ``holds_window``;
   one that would have to move lower is dropped and ``on_window_dropped`` is told.
 - A read tries the tiers believed to hold the block, highest first, then the others,
-  verifying every copy (``codec.verify_chunk``) and falling through on a corrupt copy or
-  an unavailable tier; ``promote`` then replaces bad copies and moves the block up.
+  verifying every copy (``codec.verify_chunk``) and falling through on a corrupt copy
+  (one that fails the check, or that the tier itself refuses with a ``CodecError``, as
+  the disk tier does for a record failing its checksum) or an unavailable tier;
+  ``promote`` then replaces bad copies and moves the block up.
 - A tier that raised ``TierUnavailable`` is skipped for ``cooldown_s`` (a Redis outage
   costs one timeout, not one per chunk), except as a read's last resort.
 
@@ -197,7 +199,9 @@ class TierStack:
         except TierUnavailable as exc:
             self._mark_down(j, "eviction read", exc)
             return False
-        intact = self._intact(data)
+        except CodecError:  # the tier's own record check failed: nothing worth keeping
+            data = None
+        intact = data is not None and self._intact(data)
         held_below = [i for i in self.holders(key) if i > j]
         target = await self.place(key, data, start=j + 1) if intact else None
         elsewhere = any(i != j for i in self.holders(key))
@@ -269,6 +273,7 @@ class TierStack:
             tier = self.tiers[j]
             try:
                 data = await tier.get(key)
+                check(data)
             except ChunkNotFound:
                 if j in believed:
                     self.policies[j].on_remove(key)
@@ -279,9 +284,7 @@ class TierStack:
                 problems.append(f"{tier.name} unavailable")
                 self._mark_down(j, f"read of {key}", exc)
                 continue
-            try:
-                check(data)
-            except CodecError as exc:
+            except CodecError as exc:  # from check, or from a tier verifying its own record
                 self.counters.fallthrough_corrupt[tier.name] += 1
                 problems.append(f"{tier.name} corrupt ({exc})")
                 log.error("corrupt copy of %s in tier %s, falling through: %s",

@@ -12,6 +12,7 @@ from kvstore.tiers.base import MemoryMetaStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
+from kvstore.tiers.object import ObjectTier
 from kvstore.tiers.redis import REDIS_PRESETS, RedisTier
 
 MB = 1 << 20
@@ -136,6 +137,48 @@ async def test_checksum_fall_through_and_promotion_rewrites(tmp_path):
     with pytest.raises(DataLoss, match="chunk 1"):
         await manager.restore("t", "s")
     assert (await manager.stat()).counters["misses"] == 1
+    await manager.close()
+
+
+def flip_in_segments(disk_dir, data) -> int:
+    """Flip one payload byte of every record holding ``data`` (dead ones too); how many."""
+    hits = 0
+    for segment in (disk_dir / "segments").iterdir():
+        raw = bytearray(segment.read_bytes())
+        at = raw.find(bytes(data))
+        while at >= 0:
+            raw[at + len(data) - 5] ^= 0xFF
+            hits += 1
+            at = raw.find(bytes(data), at + 1)
+        segment.write_bytes(bytes(raw))
+    return hits
+
+
+async def test_corrupt_disk_record_falls_through_to_the_object_copy(tmp_path):
+    async def open_manager():
+        disk = DiskTier(tmp_path / "disk", 64 * MB)
+        return disk, await TierManager.open([disk, ObjectTier(tmp_path / "obj", 64 * MB)],
+                                            disk.meta)
+
+    disk, manager = await open_manager()
+    args = make_session(random_tokens(16 * 3, seed=32))
+    await manager.spill("t", "s", generation=1, **args)
+    await manager.demote("t", "s", "object")
+    assert (await manager.restore("t", "s")).chunk_tiers == ["object"] * 3
+    await manager.drain()  # promoted: disk and object both hold every chunk now
+    key, good = args["chunks"][1]
+    assert manager.where(key) == ["disk", "object"]
+    await manager.close()
+    assert flip_in_segments(tmp_path / "disk", good)  # the disk tier's record check fails
+
+    disk, manager = await open_manager()
+    result = await manager.restore("t", "s")
+    assert [bytes(c) for c in result.chunks] == chunk_bytes(args)
+    assert result.chunk_tiers == ["disk", "object", "disk"]
+    assert (await manager.stat()).counters["fallthrough_corrupt"] == {"disk": 1}
+    await manager.drain()
+    assert bytes(await disk.get(key)) == bytes(good)  # the promotion rewrote the disk copy
+    assert (await manager.restore("t", "s")).chunk_tiers == ["disk"] * 3
     await manager.close()
 
 
