@@ -77,9 +77,10 @@ def _name(key: int) -> str:
     return f"{WINDOW_PREFIX}trace/{-key}" if key < 0 else f"block/{key}"
 
 
-async def _replay_stack(workload: Workload, stack: TierStack, setup, block: bytes,
-                        window: bytes) -> dict:
-    """The manager's calls for each request, in the order ``trace_sim.replay`` makes them."""
+async def _replay_stack(workload: Workload, stack: TierStack, refs: dict[str, int], setup,
+                        block: bytes, window: bytes) -> dict:
+    """The manager's calls for each request, in the order ``trace_sim.replay`` makes them;
+    ``refs``: chunk -> conversations storing it (the manager's reference counts)."""
     locks = stack.locks
     durable = [i for i, tier in enumerate(stack.tiers) if tier.durable]
     n = len(stack.tiers)
@@ -100,11 +101,11 @@ async def _replay_stack(workload: Workload, stack: TierStack, setup, block: byte
     for step, hint in zip(workload.steps, setup.hints, strict=True):
         setup.clock.set(step.time_s)
         keys = [_name(b) for b in step.blocks]
-        session = set(keys)
+        session = {_name(b) for b in step.reads}
         if step.window_prev is not None:
             session.add(_name(step.window_prev))
         session = frozenset(session)
-        for key in keys:
+        for key in (_name(b) for b in step.reads):
             if setup.advance is not None:
                 setup.advance(position)
             position += 1
@@ -123,6 +124,8 @@ async def _replay_stack(workload: Workload, stack: TierStack, setup, block: byte
             else:
                 window_hits[tier] += 1
         protect = frozenset(keys)
+        for key in keys:  # the manager pins a spill's chunks before storing them
+            refs[key] = refs.get(key, 0) + 1
         queued = []
         for key in keys:
             async with locks.hold(key):
@@ -138,13 +141,20 @@ async def _replay_stack(workload: Workload, stack: TierStack, setup, block: byte
             async with locks.hold(new):
                 stack.touch(new, hint)
                 await stack.place(new, window)
+        for key in (_name(b) for b in step.prev_blocks):
+            refs[key] -= 1
+            if not refs[key]:
+                del refs[key]
+                async with locks.hold(key):
+                    await stack.delete_everywhere(key)
         if step.window_prev is not None:
             old = _name(step.window_prev)
             async with locks.hold(old):
                 await stack.delete_everywhere(old)
         for key in queued:
             async with locks.hold(key):
-                if any(i in durable for i in stack.holders(key)):
+                holders = stack.holders(key)
+                if not holders or any(i in durable for i in holders):
                     continue
                 data, _, _ = await stack.read(key, access=False)
                 for j in durable:
@@ -184,10 +194,12 @@ async def _stack_point(workload: Workload, policy: str, capacities: Sequence[int
         tiers = [HBMTier(capacities[0], device="cpu"),
                  HostTier(capacities[1], pin_memory=False),
                  DiskTier(root, UNBOUNDED_BYTES, durable=False)]
+        refs: dict[str, int] = {}
         stack = TierStack(tiers, setup.factory, KeyedLocks(), Counters(),
-                          is_referenced=lambda key: True, on_window_dropped=lambda key: None)
+                          is_referenced=lambda key: refs.get(key, 0) > 0,
+                          on_window_dropped=lambda key: None)
         try:
-            return await _replay_stack(workload, stack, setup, block, window)
+            return await _replay_stack(workload, stack, refs, setup, block, window)
         finally:
             for tier in tiers:
                 await tier.close()

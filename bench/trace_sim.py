@@ -9,12 +9,14 @@ It mirrors ``kvstore.placement.TierStack`` and the manager's spill and restore:
   sees an access; a block read below the top tier is then promoted: placed again from
   the top (the lower copy stays, as in ``TierStack.promote``).
 - A spill touches every block of the request with the request's hint (all tiers holding
-  it), places the ones no tier holds, then writes back to the durable tier every block
-  without a durable copy (``ack="memory"``; the write-back's read is not an access).
-  The new window blob is placed; the old one is deleted.
+  it), places the ones no tier holds, places the new window blob, frees the blocks of the
+  conversation's previous generation that no conversation references any more (deleted
+  from every tier, as the manager's reference counts do), deletes the old window, then
+  writes back to the durable tier every block without a durable copy (``ack="memory"``;
+  the write-back's read is not an access).
 - Making room for a request's promotion or spill never evicts that request's own blocks
   (the manager's ``protect``); the demotions this sets off lower down protect nothing.
-- Every chunk stays referenced (no session is deleted during a replay), so a chunk's
+- No session is deleted during a replay, so a stored chunk stays referenced and its
   last copy is never dropped, except from a bounded bottom tier: there nothing lies
   below, and the simulation drops it as if its session had expired (the manager would
   refuse the spill with ``TierFull`` instead).
@@ -59,6 +61,7 @@ class SimCounters:
     evictions: list[int] = field(default_factory=list)
     windows_dropped: int = 0
     chunks_dropped: int = 0  # last copies dropped from a bounded bottom tier
+    freed_chunks: int = 0  # no conversation's stored blocks hold them any more
 
     def __post_init__(self) -> None:
         n = len(self.tiers)
@@ -95,6 +98,7 @@ class TierSim:
         self.counters = SimCounters(tuple(t.name for t in self.tiers))
         self.where: dict[int, int] = {}  # key -> bit i set when tier i holds it
         self._busy: set[int] = set()  # keys whose lock the manager would hold now
+        self.refs: dict[int, int] = {}  # chunk -> conversations whose stored blocks hold it
         self._durable = [i for i, t in enumerate(self.tiers) if t.durable]
         self._durable_mask = sum(1 << i for i in self._durable)
         self._window_tiers = [t.holds_window for t in self.tiers]
@@ -202,8 +206,9 @@ class TierSim:
                 self.policies[i].on_access(key, hint)
         return mask
 
-    def spill(self, blocks: Sequence[int], window_new: int | None, window_old: int | None,
-              hint: ResumeHint | None) -> None:
+    def spill(self, blocks: Sequence[int], prev_blocks: Sequence[int], window_new: int | None,
+              window_old: int | None, hint: ResumeHint | None) -> None:
+        """One conversation's new generation ``blocks`` replacing ``prev_blocks``."""
         queued = []
         protect = frozenset(blocks)
         for key in blocks:
@@ -216,6 +221,15 @@ class TierSim:
         if window_new is not None:
             self.touch(window_new, hint)
             self.place(window_new, "spill")
+        refs = self.refs
+        for key in blocks:
+            refs[key] = refs.get(key, 0) + 1
+        for key in prev_blocks:
+            refs[key] -= 1
+            if not refs[key]:
+                del refs[key]
+                self.delete_everywhere(key)
+                self.counters.freed_chunks += 1
         if window_old is not None:
             self.delete_everywhere(window_old)
         for key in queued:
@@ -233,15 +247,15 @@ def replay(workload: Workload, sim: TierSim, hints: Sequence[ResumeHint | None],
     """Run every step through ``sim``; ``set_time`` moves the policies' virtual clock and
     ``advance`` (Belady's table) is told each read position."""
     counters = sim.counters
-    seen: set[int] = set()
+    seen: set[int] = set()  # blocks read or spilled before
     position = 0
     for step, hint in zip(workload.steps, hints, strict=True):
         set_time(step.time_s)
         reprefilled = 0
-        session = set(step.blocks)  # the request's own blocks: never its own victims
+        session = set(step.reads)  # the blocks being read: never their own victims
         if step.window_prev is not None:
             session.add(step.window_prev)
-        for key in step.blocks:
+        for key in step.reads:
             if advance is not None:
                 advance(position)
             position += 1
@@ -270,6 +284,7 @@ def replay(workload: Workload, sim: TierSim, hints: Sequence[ResumeHint | None],
                 counters.replays += 1
             else:
                 counters.window_hits[tier] += 1
-        sim.spill(step.blocks, step.window_new, step.window_prev, hint)
+        sim.spill(step.blocks, step.prev_blocks, step.window_new, step.window_prev, hint)
+        seen.update(step.blocks)
     return counters
 

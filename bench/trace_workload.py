@@ -38,12 +38,14 @@ class Step:
     """One request, as the simulation replays it."""
 
     time_s: float
-    blocks: tuple[int, ...]  # chunk reads (the complete blocks), in prompt order
+    blocks: tuple[int, ...]  # its complete blocks, in prompt order: what it spills
+    reads: tuple[int, ...]  # the blocks it reads (see ``build_workload``), in order
+    prev_blocks: tuple[int, ...]  # its conversation's stored blocks before it (or ())
     conversation: int
     window_prev: int | None  # the conversation's window to read, then replace (None: new)
-    window_new: int | None  # this request's window key (None: the layout has no window)
+    window_new: int | None  # this request's window key (None: no window layout or no block)
     next_gap_s: float | None  # true time to the conversation's next request (None: none)
-    shared: frozenset[int]  # blocks last read by another conversation (cross-session reuse)
+    shared: frozenset[int]  # reads of blocks last used by another conversation
 
 
 @dataclass(frozen=True)
@@ -51,10 +53,9 @@ class Workload:
     steps: list[Step]
     reads: np.ndarray  # (n,) int64: every read (chunks, then the window) in replay order
     next_read: np.ndarray  # (n,) int64: position of the next read of the same key, or NEVER
-    unique_blocks: int
+    unique_blocks: int  # distinct blocks spilled: the footprint
     block_reads: int
     tail_blocks: int  # partial last blocks left out (kept in the manifest, not in a tier)
-    first_reads: int  # block reads of a block never read before (compulsory misses)
     conversations: int
     resumes: int
     span_s: float
@@ -67,12 +68,19 @@ class Workload:
         return first
 
 
-def build_workload(requests: Sequence[TraceRequest], *, windows: bool) -> Workload:
-    """Conversations, window keys and the read sequence of a trace (see module doc)."""
+def build_workload(requests: Sequence[TraceRequest], *, windows: bool,
+                   session_reads: bool = False) -> Workload:
+    """Conversations, window keys and the read sequence of a trace (see module doc).
+
+    A request reads all its complete blocks (a serving engine looking its prompt up by
+    chunk key), or with ``session_reads`` only its conversation's stored blocks (what
+    ``TierManager.restore`` of the session reads; other blocks are deduplicated on spill).
+    """
     last_full: dict[int, int] = {}  # block id -> latest request whose complete prefix ends there
     conversation: list[int] = []
+    stored: dict[int, tuple[int, ...]] = {}  # conversation -> blocks of its latest request
     current_window: dict[int, int] = {}  # conversation -> key of its latest window
-    reader: dict[int, int] = {}  # block -> conversation that read it last
+    user: dict[int, int] = {}  # block -> conversation that used it last
     steps_raw = []
     for r, request in enumerate(requests):
         ids = request.hash_ids
@@ -80,49 +88,47 @@ def build_workload(requests: Sequence[TraceRequest], *, windows: bool) -> Worklo
                        if ids[k] in last_full), None)
         conv = r if parent is None else conversation[parent]
         conversation.append(conv)
-        window_prev = current_window.get(conv) if windows else None
-        window_new = -(r + 1) if windows else None
-        if windows:
-            current_window[conv] = window_new
-        if request.full_blocks:
-            last_full[ids[request.full_blocks - 1]] = r
         blocks = ids[:request.full_blocks]
-        shared = frozenset(b for b in blocks if reader.get(b, conv) != conv)
-        reader.update((b, conv) for b in blocks)
-        steps_raw.append((request.timestamp_ms / 1000.0, blocks, conv, window_prev, window_new,
-                          shared))
+        prev = stored.get(conv, ())
+        stored[conv] = blocks
+        reads = prev if session_reads else blocks
+        window_prev = current_window.pop(conv, None)
+        window_new = -(r + 1) if windows and blocks else None
+        if window_new is not None:
+            current_window[conv] = window_new
+        if blocks:
+            last_full[blocks[-1]] = r
+        shared = frozenset(b for b in reads if user.get(b, conv) != conv)
+        user.update((b, conv) for b in blocks)
+        steps_raw.append([request.timestamp_ms / 1000.0, blocks, reads, prev, conv, window_prev,
+                          window_new, None, shared])
 
     next_time: dict[int, float] = {}
-    gaps: list[float | None] = [None] * len(steps_raw)
-    for r in range(len(steps_raw) - 1, -1, -1):
-        time_s, conv = steps_raw[r][0], steps_raw[r][2]
+    for raw in reversed(steps_raw):
+        time_s, conv = raw[0], raw[4]
         if conv in next_time:
-            gaps[r] = next_time[conv] - time_s
+            raw[7] = next_time[conv] - time_s
         next_time[conv] = time_s
-    steps = [Step(t, ids, c, wp, wn, gap, shared)
-             for (t, ids, c, wp, wn, shared), gap in zip(steps_raw, gaps, strict=True)]
+    steps = [Step(*raw) for raw in steps_raw]
 
     reads: list[int] = []
     for step in steps:
-        reads.extend(step.blocks)
+        reads.extend(step.reads)
         if step.window_prev is not None:
             reads.append(step.window_prev)
-    reads_arr = np.asarray(reads, dtype=np.int64)
     next_read = np.full(len(reads), NEVER, dtype=np.int64)
     seen: dict[int, int] = {}
     for position in range(len(reads) - 1, -1, -1):
         key = reads[position]
         next_read[position] = seen.get(key, NEVER)
         seen[key] = position
-    unique = {b for step in steps for b in step.blocks}
     return Workload(
         steps=steps,
-        reads=reads_arr,
+        reads=np.asarray(reads, dtype=np.int64),
         next_read=next_read,
-        unique_blocks=len(unique),
-        block_reads=sum(len(step.blocks) for step in steps),
+        unique_blocks=len({b for step in steps for b in step.blocks}),
+        block_reads=sum(len(step.reads) for step in steps),
         tail_blocks=sum(len(r.hash_ids) - r.full_blocks for r in requests),
-        first_reads=len(unique),
         conversations=len(set(conversation)),
         resumes=sum(1 for r, c in enumerate(conversation) if c != r),
         span_s=steps[-1].time_s - steps[0].time_s if steps else 0.0,

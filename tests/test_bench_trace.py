@@ -122,6 +122,10 @@ def test_conversations_follow_the_hash_chain():
     assert [s.next_gap_s for s in steps] == [1.0, 1.5, 2.0, None, None]
     # block 1 alternates between the two conversations: each re-read is a shared one
     assert [set(s.shared) for s in steps] == [set(), set(), {1}, {1}, {1}]
+    assert [s.prev_blocks for s in steps] == [(), (1, 2), (), (1, 2, 3), (1, 9)]
+    restores = build_workload(requests, windows=True, session_reads=True)
+    assert [s.reads for s in restores.steps] == [s.prev_blocks for s in steps]
+    assert restores.block_reads == 2 + 3 + 2
     assert steps[1].blocks == (1, 2, 3)  # the partial tail block is left out
     assert (workload.resumes, workload.conversations, workload.tail_blocks) == (3, 2, 5)
 
@@ -153,6 +157,22 @@ def test_lru_matches_a_hand_computed_case():
     assert c.bytes_written["spill"] == [300, 0, 0]
     assert c.bytes_written["writeback"] == [0, 0, 300]
     assert c.bytes_written["demotion"] == [0, 0, 0]  # disk already held every victim
+
+
+def test_blocks_no_conversation_stores_are_freed():
+    """r2 branches from r0 (it does not hold r1's block 3): the conversation's stored
+    blocks become r2's, 3 is referenced by nothing and deleted everywhere, so r3, which
+    continues r1, must re-prefill it."""
+    from bench.trace_reader import parse_request
+
+    trace = [[1, 2], [1, 2, 3], [1, 2, 4], [1, 2, 3, 5]]
+    requests = [parse_request(json.dumps(request(i, b)), "x") for i, b in enumerate(trace)]
+    workload = build_workload(requests, windows=False)
+    assert {s.conversation for s in workload.steps} == {0}
+    tiers = make_tiers(1000, 1.0, 4.0, None)
+    c = simulate(workload, "lru", tiers, block_bytes=100, window_bytes=0).counters
+    assert (c.freed_chunks, c.reprefill_blocks, c.reprefill_requests) == (2, 1, 1)
+    assert c.block_hits == [6, 0, 0] and c.new_blocks == 5
 
 
 def test_bounded_disk_drops_blocks_and_forces_reprefill(tmp_path):
