@@ -50,7 +50,9 @@ def main() -> None:
     parser.add_argument("--replay-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = KVTierLM(BUNDLED).eval()
     r = args.replay_tokens

@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if min(args.sessions, args.context_tokens, args.next_tokens, args.rounds) < 1:
         print("kvtier demo: counts must be >= 1", file=sys.stderr)
         return 2
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
         model = load_model(args.weights)
@@ -110,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError, KVTierError) as exc:
         print(f"kvtier demo: {exc}", file=sys.stderr)
         return 1
+    finally:
+        torch.set_num_threads(threads)
     report = summary(rows)
     if args.json:
         print(json.dumps(report, indent=1))
