@@ -57,9 +57,9 @@ WINDOW_TOKENS = 128
 UNBOUNDED_BYTES = 1 << 50
 
 
-def _encoded(ephemeral: bool) -> bytes:
-    """One encoded chunk (or window blob) of CHECK_LAYOUT with random contents."""
-    tokens = BLOCK_TOKENS if not ephemeral else WINDOW_TOKENS
+def encoded_streams(tokens: int, ephemeral: bool) -> dict[str, StreamData]:
+    """Random contents for ``tokens`` tokens of CHECK_LAYOUT's persistent (or window) streams:
+    codes (layers, entries, *codes_shape), scales (layers, entries, groups) per stream."""
     g = torch.Generator().manual_seed(0)
     streams = {}
     for s in CHECK_LAYOUT.ephemeral_streams if ephemeral else CHECK_LAYOUT.persistent_streams:
@@ -69,8 +69,15 @@ def _encoded(ephemeral: bool) -> bytes:
         if s.bits == 8:
             codes = codes.view(torch.int8)
         scales = torch.rand(s.layers, n, s.scales_per_entry, generator=g).half()
-        streams[s.name] = StreamData(codes, scales)  # (layers, entries, ...) per stream
-    return encode_chunk(CHECK_LAYOUT, 0, np.arange(tokens), streams, ephemeral=ephemeral)
+        streams[s.name] = StreamData(codes, scales)
+    return streams
+
+
+def _encoded(ephemeral: bool) -> bytes:
+    """One encoded chunk (or window blob) of CHECK_LAYOUT."""
+    tokens = WINDOW_TOKENS if ephemeral else BLOCK_TOKENS
+    return encode_chunk(CHECK_LAYOUT, 0, np.arange(tokens), encoded_streams(tokens, ephemeral),
+                        ephemeral=ephemeral)
 
 
 def _name(key: int) -> str:
