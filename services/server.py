@@ -7,7 +7,8 @@
 Every request is validated (``services.validate_requests``) before the store sees it,
 and store errors become gRPC statuses here and nowhere else (``services.errors``). The
 server also registers gRPC health checking (``kvtier.v1.KVTier`` and "" are SERVING
-while it runs) and reflection.
+while it runs) and reflection, and records its connectable address in
+``{data_dir}/server.addr`` while it serves (``services.address_file``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,7 +28,7 @@ from kvstore.manager import TierManager
 from kvstore.manifest import SessionManifest
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
-from services import shm
+from services import address_file, shm
 from services import validate_requests as check
 from services.config import ServerConfig, load_config
 from services.errors import MissingChunks, PreconditionFailed, grpc_errors
@@ -264,6 +266,8 @@ class KVTierServer:
         self.servicer = servicer
         self.health = health_servicer
         self.port = port
+        self.address = address_file.connectable(servicer.config.listen, port)
+        self.address_path: Path | None = None  # {data_dir}/server.addr once recorded
         self.metrics_port: int | None = None
         self._refresher: asyncio.Task | None = None
         self._stopped = False
@@ -303,6 +307,8 @@ class KVTierServer:
             await self.health.enter_graceful_shutdown()
             await self.grpc_server.stop(config.grace_s if grace_s is None else grace_s)
         finally:
+            if self.address_path is not None:
+                address_file.forget(self.address_path, self.address)
             if self._refresher is not None:
                 self._refresher.cancel()
                 await asyncio.gather(self._refresher, return_exceptions=True)
@@ -353,6 +359,10 @@ async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServe
     server = KVTierServer(grpc_server, servicer, health_servicer, port)
     metrics.update(await manager.stat())
     server._refresher = asyncio.create_task(server._refresh(config.metrics_interval_s))
+    try:
+        server.address_path = address_file.record(config.data_dir, server.address)
+    except OSError as exc:  # tools then need the address passed explicitly
+        log.warning("cannot record the server address in %s: %s", config.data_dir, exc)
     if config.metrics_port:
         server.start_metrics(config.metrics_port, config.listen.rpartition(":")[0] or "0.0.0.0")
     log.info("kvtier serving on port %d", port)

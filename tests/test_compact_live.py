@@ -111,15 +111,19 @@ def test_rewrite_and_expiry_beside_a_live_server(tmp_path, capsys):
 def test_demotion_beside_a_live_server_through_its_recorded_address(tmp_path, capsys):
     data = tmp_path / "data"
     snaps = asyncio.run(fill(data, delete=()))
+    recorded = data / SERVER_ADDRESS_FILE
     with serving(data, tmp_path / "serve.log") as address:
-        # The address is unknown: session steps are skipped and the report says why.
+        assert recorded.read_text() == address + "\n"  # the server records where it listens
+        # With the record gone the address is unknown: session steps are skipped and the
+        # report says why.
+        recorded.rename(tmp_path / "aside")
         assert cli.main(["compact", "--data-dir", str(data), "--json",
                          "--demote-after", "0s"]) == 0
         skipped = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert skipped["mode"] == "live" and skipped["sessions_demoted"] == 0
         assert any("--server" in why for why in skipped["skipped"])
 
-        (data / SERVER_ADDRESS_FILE).write_text(address + "\n")
+        (tmp_path / "aside").rename(recorded)
         # Restored (so promoted again) meanwhile; d and g share chunks with no other session.
         busy = {n: snaps[n] for n in ("d", "g")}
         report, during = asyncio.run(compact_while_restoring(data, address, busy,
@@ -148,3 +152,4 @@ def test_demotion_beside_a_live_server_through_its_recorded_address(tmp_path, ca
                 await disk.close()
 
         assert asyncio.run(record())["by"] == f"the server at {address}"
+    assert not recorded.exists()  # removed when the server stopped

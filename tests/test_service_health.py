@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvtier import AsyncClient
 from services import cli
+from services.compaction.remote import recorded_address
 from tests.service_support import LAYOUT, running_server, streams_for, tokens_for
 
 TOKENS = LAYOUT.chunk_tokens + 20
@@ -29,6 +30,21 @@ async def test_health_and_reflection(tmp_path):
             iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         names = {s.name async for r in stream for s in r.list_services_response.service}
         assert {"kvtier.v1.KVTier", "grpc.health.v1.Health"} <= names
+
+
+async def test_server_records_a_connectable_address_while_serving(tmp_path):
+    async with running_server(tmp_path, listen="0.0.0.0:0") as (server, _):
+        address = recorded_address(tmp_path)
+        assert address == f"127.0.0.1:{server.port}"  # a wildcard is not dialable
+        assert [p.name for p in tmp_path.iterdir() if "server.addr" in p.name] == [
+            "server.addr"]  # no temporary file left behind
+        async with grpc.aio.insecure_channel(address) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="kvtier.v1.KVTier"))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    assert recorded_address(tmp_path) is None  # removed on stop
+    async with running_server(tmp_path) as (server, target):
+        assert recorded_address(tmp_path) == target
 
 
 async def test_metrics_endpoint_counts_lookups_and_hits_per_tier(tmp_path):
