@@ -106,6 +106,14 @@ def child_json(name: str, args: list[str]) -> dict:
 
 
 def stage_runners(sizes: dict, trace: Path, weights: Path) -> dict[str, Callable[[], dict]]:
+    loaded: list = []
+
+    def model() -> tuple:
+        """The model, loaded once for the stages that need it."""
+        if not loaded:
+            loaded.extend(resume.load_model(weights))
+        return tuple(loaded)
+
     def trace_stage() -> dict:
         if not trace.exists():
             return {"skipped": f"no trace at {trace} (pass --trace)"}
@@ -116,16 +124,16 @@ def stage_runners(sizes: dict, trace: Path, weights: Path) -> dict[str, Callable
     return {
         "codec": lambda: child_json("codec", sizes["codec"]),
         "tiers": lambda: child_json("tiers", sizes["tiers"]),
-        "resume": lambda: asyncio.run(resume.run(weights=weights, **sizes["resume"])),
-        "fidelity": lambda: asyncio.run(fidelity.run(weights=weights, **sizes["fidelity"])),
+        "resume": lambda: asyncio.run(resume.run(*model(), **sizes["resume"])),
+        "fidelity": lambda: asyncio.run(fidelity.run(*model(), **sizes["fidelity"])),
         "trace": trace_stage,
-        "bytes": lambda: _bytes_stage(sizes["bytes"]["lengths"], weights),
+        "bytes": lambda: _bytes_stage(model(), sizes["bytes"]["lengths"]),
     }
 
 
-def _bytes_stage(lengths: list[int], weights: Path) -> dict:
+def _bytes_stage(model: tuple, lengths: list[int]) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvtier-bytes-") as tmp:
-        return asyncio.run(bytes_bench.measure(lengths, Path(tmp), weights))
+        return asyncio.run(bytes_bench.measure(*model, lengths, Path(tmp)))
 
 
 def run_all(stages: list[str], sizes_name: str, trace: Path, weights: Path) -> dict:

@@ -35,11 +35,11 @@ from pathlib import Path
 
 import torch
 
-from bench.resume import TENANT, held_out_ids, load_model, open_store, spill_state
+from bench.resume import TENANT, held_out_ids, load_model, open_store, spec_for, spill_state
 from kvstore.manifest import manifest_key
 from model import checkpoint
-from model.config import layout_spec
 from model.infer import prefill
+from model.net import KVTierLM
 
 
 def allocated(root: Path) -> tuple[int, int]:
@@ -49,9 +49,10 @@ def allocated(root: Path) -> tuple[int, int]:
             sum(p.stat().st_blocks * 512 for p in files))
 
 
-async def measure(lengths: list[int], root: Path, weights: Path) -> dict:
-    model, model_info = load_model(weights)
-    spec = layout_spec(model.cfg)
+async def measure(model: KVTierLM, model_info: dict, lengths: list[int], root: Path) -> dict:
+    """Spill sessions of ``lengths`` tokens under ``root`` and count the bytes (see the
+    module docstring); ``model_info`` says which weights ``model`` has."""
+    spec = spec_for(model.cfg)
     manager = await open_store(root)
     chunk_bytes = full_tokens = 0
     try:
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.sessions.split(",") if x]
     with tempfile.TemporaryDirectory(prefix="kvtier-bytes-") as tmp:
-        result = asyncio.run(measure(lengths, Path(tmp), args.weights))
+        result = asyncio.run(measure(*load_model(args.weights), lengths, Path(tmp)))
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
 

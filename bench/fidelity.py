@@ -39,9 +39,8 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from bench.resume import compare_logits, fork, held_out_ids, load_model
+from bench.resume import compare_logits, fork, held_out_ids, load_model, spec_for
 from model import checkpoint
-from model.config import layout_spec
 from model.infer import prefill
 from model.net import KVTierLM
 from model.state import KVState
@@ -66,7 +65,7 @@ async def resumed_states(worker: ReplayWorker, state: KVState, replays: tuple[in
                          ) -> dict[str, KVState]:
     """Every resume variant of ``state``, each built from the bytes the store keeps."""
     cfg = worker.model.cfg
-    spec = layout_spec(cfg)
+    spec = spec_for(cfg)
     chunks, tail, window = state_to_chunks(spec, state)
     data = [c for _, c in chunks]
     ids = state.token_ids
@@ -112,10 +111,10 @@ def summarize(ref: torch.Tensor, got: torch.Tensor, targets: torch.Tensor) -> di
             "kl_by_quarter": [q.mean().item() for q in kl.chunk(4)]}
 
 
-async def run(contexts: list[int], *, segments: int = 4, follow: int = 256,
-              replays: tuple[int, ...] = REPLAYS,
-              weights: Path = checkpoint.BUNDLED_WEIGHTS) -> dict:
-    model, model_info = load_model(weights)
+async def run(model: KVTierLM, model_info: dict, contexts: list[int], *, segments: int = 4,
+              follow: int = 256, replays: tuple[int, ...] = REPLAYS) -> dict:
+    """Every context and variant (see the module docstring); ``model_info`` says which
+    weights ``model`` has (``bench.resume.load_model``)."""
     worker = ReplayWorker(model)
     started = time.perf_counter()
     rows = []
@@ -183,10 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    result = asyncio.run(run([int(x) for x in args.contexts.split(",") if x],
+    result = asyncio.run(run(*load_model(args.weights),
+                             [int(x) for x in args.contexts.split(",") if x],
                              segments=args.segments, follow=args.follow,
-                             replays=tuple(int(x) for x in args.replays.split(",") if x),
-                             weights=args.weights))
+                             replays=tuple(int(x) for x in args.replays.split(",") if x)))
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
 

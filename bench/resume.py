@@ -54,7 +54,8 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from kvstore.layout import LayoutSpec
+from kvstore.errors import UnknownLayout
+from kvstore.layout import LayoutSpec, get_layout, register_layout
 from kvstore.manager import TierManager
 from kvstore.manifest import manifest_key
 from kvstore.tiers.disk import DiskTier
@@ -84,6 +85,16 @@ def load_model(weights: Path = checkpoint.BUNDLED_WEIGHTS) -> tuple[KVTierLM, di
     torch.manual_seed(0)
     return KVTierLM(BUNDLED).eval(), {"weights": None, "trained": False,
                                       "note": f"{weights} missing: random init (seed 0)"}
+
+
+def spec_for(cfg) -> LayoutSpec:
+    """The registered layout of this model's cache: the shipped preset for the bundled
+    config, else the config's own layout, registered under a name derived from it."""
+    derived = layout_spec(cfg)
+    try:
+        return get_layout(derived.layout_id)
+    except UnknownLayout:
+        return register_layout(layout_spec(cfg, name=f"bench-{derived.layout_id[-16:]}"))
 
 
 _HELD_OUT: list[bytes] = []
@@ -209,7 +220,7 @@ def _ok(check: dict, kl_tol: float) -> bool:
 
 async def measure_context(model: KVTierLM, worker: ReplayWorker, n: int, root: Path, *,
                           repeats: int, replay_tokens: int, kl_tol: float) -> dict:
-    spec = layout_spec(model.cfg)
+    spec = spec_for(model.cfg)
     ids = held_out_ids(n + 1, offset=0.5)
     started = time.perf_counter()
     state, _ = prefill(model, ids[:n], logits="none")
@@ -247,11 +258,12 @@ async def measure_context(model: KVTierLM, worker: ReplayWorker, n: int, root: P
     return {"context": n, "paths": paths}
 
 
-async def run(contexts: list[int], *, repeats: int = 3, replay_tokens: int = 128,
-              kl_tol: float = 1e-2, weights: Path = checkpoint.BUNDLED_WEIGHTS) -> dict:
-    model, model_info = load_model(weights)
-    spec = layout_spec(model.cfg)
-    prefill(model, held_out_ids(512), logits="none")  # warm-up: first-call costs
+async def run(model: KVTierLM, model_info: dict, contexts: list[int], *, repeats: int = 3,
+              replay_tokens: int = 128, kl_tol: float = 1e-2) -> dict:
+    """Every path at every context (see the module docstring); ``model_info`` says which
+    weights ``model`` has (``load_model``)."""
+    spec = spec_for(model.cfg)
+    prefill(model, held_out_ids(min(512, *contexts)), logits="none")  # first-call costs
     worker = ReplayWorker(model, default_tokens=replay_tokens)
     rows = []
     try:
@@ -311,8 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     contexts = [int(x) for x in args.contexts.split(",") if x]
-    result = asyncio.run(run(contexts, repeats=args.repeats, replay_tokens=args.replay_tokens,
-                             kl_tol=args.kl_tol, weights=args.weights))
+    result = asyncio.run(run(*load_model(args.weights), contexts, repeats=args.repeats,
+                             replay_tokens=args.replay_tokens, kl_tol=args.kl_tol))
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
 

@@ -1,0 +1,84 @@
+"""Smoke tests of bench.fidelity on the tiny model (W 8, m 4): the variants are built
+from the stored bytes, the exact ones match the never-evicted session, and the figures
+and goal are computed as stated; no timing is asserted."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from bench.fidelity import goal, resumed_states, run, segment_logits, summarize, without_replay
+from bench.resume import held_out_ids
+from model.infer import prefill
+from replay.worker import ReplayWorker
+from tests.replay_support import tiny_model
+
+
+async def test_exact_and_full_replay_match_the_never_evicted_session():
+    model = tiny_model()
+    worker = ReplayWorker(model)
+    ids = held_out_ids(40 + 12 + 1, offset=0.2)
+    try:
+        logits = await segment_logits(model, worker, ids, 40, (0, 4, 40))
+    finally:
+        await worker.close()
+    assert set(logits) == {"ref", "exact", "R=0", "R=4", "R=40"}
+    assert all(v.shape == (12, 256) for v in logits.values())
+    assert torch.equal(logits["exact"], logits["ref"])  # window kept: decoded bytes
+    # replaying every token rebuilds the never-evicted state bit for bit
+    assert torch.equal(logits["R=40"], logits["ref"])
+    assert not torch.equal(logits["R=0"], logits["ref"])  # no window: an approximation
+
+
+async def test_without_replay_has_an_empty_window_and_needs_whole_blocks():
+    model = tiny_model()
+    worker = ReplayWorker(model)
+    try:
+        state = prefill(model, held_out_ids(16), logits="none")[0]
+        variants = await resumed_states(worker, state, (0, 8))
+        odd = prefill(model, held_out_ids(18), logits="none")[0]
+        with pytest.raises(ValueError, match="multiple of m"):
+            without_replay(odd)
+    finally:
+        await worker.close()
+    assert variants["R=0"].window_len == 0 and variants["R=8"].window_len == 8
+    assert variants["exact"].window_len == state.window_len
+
+
+def test_summarize_figures():
+    ref = torch.tensor([[2.0, 0.0, 0.0], [0.0, 3.0, 0.0]])
+    got = torch.tensor([[2.0, 0.0, 0.0], [3.0, 0.0, 0.0]])
+    targets = torch.tensor([0, 1])
+    out = summarize(ref, got, targets)
+    assert out["top1_agreement"] == 0.5
+    assert out["kl_by_quarter"][0] == 0.0 and out["kl_nats"] > 0
+    bits_ref = -torch.log_softmax(ref.double(), -1)[[0, 1], [0, 1]] / math.log(2)
+    assert out["ref_bits_per_byte"] == pytest.approx(bits_ref.mean().item())
+    assert out["bpb_rel_diff"] == pytest.approx(
+        (out["bits_per_byte"] - out["ref_bits_per_byte"]) / out["ref_bits_per_byte"])
+    same = summarize(ref, ref, targets)
+    assert same["kl_nats"] == 0 and same["top1_agreement"] == 1 and same["bpb_rel_diff"] == 0
+
+
+def test_goal_needs_every_context():
+    def row(context, top1, rel):
+        return {"context": context,
+                "variants": {"R=128": {"top1_agreement": top1, "bpb_rel_diff": rel}}}
+
+    assert goal([row(1024, 0.995, 0.004), row(4096, 1.0, -0.009)])["met"] is True
+    missed = goal([row(1024, 0.995, 0.004), row(4096, 0.98, 0.0)])
+    assert missed["met"] is False and missed["met_per_context"] == {"1024": True, "4096": False}
+    assert goal([row(1024, 1.0, 0.02)])["met"] is False
+    assert goal([])["met"] is False
+
+
+async def test_run_pools_segments():
+    info = {"weights": None, "trained": False, "note": "tiny test model"}
+    result = await run(tiny_model(), info, [24], segments=2, follow=8, replays=(0, 8))
+    (row,) = result["contexts"]
+    assert row["positions"] == 16
+    assert set(row["variants"]) == {"exact", "R=0", "R=8"}
+    assert row["variants"]["exact"]["kl_nats"] == 0
+    assert result["goal"]["met"] is False  # R=128 was not measured: the goal is not claimed

@@ -1,0 +1,116 @@
+"""Smoke tests of bench.resume and bench.bytes on the tiny model (W 8, m 4, 16-token
+chunks): every path runs through real tiers in a temp dir and is checked by decoding;
+no timing is asserted."""
+
+from __future__ import annotations
+
+import torch
+
+from bench import bytes as bytes_bench
+from bench.resume import (
+    PATHS,
+    compare_logits,
+    drop_page_cache,
+    goal,
+    held_out_ids,
+    measure_context,
+    run,
+    spec_for,
+)
+from kvstore.layout import get_layout
+from model.config import BUNDLED, TINY, layout_spec
+from replay.worker import ReplayWorker
+from tests.replay_support import tiny_model
+
+INFO = {"weights": None, "trained": False, "note": "tiny test model"}
+
+
+def test_spec_for_uses_the_preset_or_registers_the_config():
+    assert spec_for(BUNDLED).layout_id == get_layout("kvtier-bundled").layout_id
+    tiny = spec_for(TINY)
+    assert get_layout(tiny.layout_id) is tiny
+    assert tiny.streams == layout_spec(TINY).streams
+
+
+def test_compare_logits():
+    ref = torch.randn(5, 256)
+    same = compare_logits(ref, ref.clone())
+    assert same["kl_nats"] == 0 and same["top1_agreement"] == 1 and same["max_abs_logit_diff"] == 0
+    flipped = compare_logits(ref, -ref)
+    assert flipped["kl_nats"] > 1 and flipped["top1_agreement"] < 1
+
+
+def test_held_out_ids_are_bytes_of_the_requested_length():
+    ids = held_out_ids(100, offset=0.3)
+    assert ids.shape == (100,) and ids.dtype == torch.int64 and int(ids.min()) >= 0
+    assert int(ids.max()) < 256
+    assert torch.equal(ids, held_out_ids(100, offset=0.3))
+
+
+async def test_every_path_resumes_and_is_checked(tmp_path):
+    model = tiny_model()
+    worker = ReplayWorker(model, default_tokens=8)
+    try:
+        row = await measure_context(model, worker, 42, tmp_path / "n42", repeats=2,
+                                    replay_tokens=8, kl_tol=1.0)
+    finally:
+        await worker.close()
+    paths = row["paths"]
+    assert list(paths) == list(PATHS)
+    assert paths["host"]["check"]["kl_nats"] == 0  # window kept: bit-exact
+    assert paths["host"]["verified"] and paths["host"]["replayed"] is False
+    for tier in ("disk", "object"):
+        assert paths[tier]["replayed"] and paths[tier]["tiers_read"] == [tier]
+        assert paths[tier]["replay_s"] > 0
+    # the window lives only on host; the plain bf16 cache is the spec's baseline
+    assert paths["host"]["stored_bytes"] > paths["disk"]["stored_bytes"]
+    baseline = spec_for(TINY).bf16_baseline_bytes_per_token
+    assert paths["naive"]["stored_bytes_per_token"] >= baseline
+    for p in paths.values():
+        assert p["speedup_vs_prefill"] == paths["prefill"]["seconds"] / p["seconds"]
+
+
+async def test_run_reports_contexts_and_goal():
+    result = await run(tiny_model(), INFO, [24, 40], repeats=1, replay_tokens=40, kl_tol=1e-9)
+    assert [r["context"] for r in result["contexts"]] == [24, 40]
+    # replaying every token rebuilds the never-evicted state: all paths verify tightly
+    assert result["goal"]["all_verified"] is True
+    assert result["model"] == INFO
+
+
+def test_goal_flags():
+    def rows(speedups):
+        return [{"context": n, "paths": {"disk": {"speedup_vs_prefill": s, "verified": True}}}
+                for n, s in speedups]
+
+    assert goal(rows([(4096, 10), (16384, 25), (65536, 90)])) == {
+        "disk_speedup_at_16384": 25, "met_20x_at_16384": True, "widening_with_context": True,
+        "all_verified": True}
+    bad = goal(rows([(4096, 30), (16384, 12)]))
+    assert bad["met_20x_at_16384"] is False and bad["widening_with_context"] is False
+    assert goal(rows([(1024, 5)]))["met_20x_at_16384"] is None
+
+
+def test_drop_page_cache_accepts_files_and_directories(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "f").write_bytes(b"x" * 10)
+    drop_page_cache(tmp_path)
+    drop_page_cache(tmp_path / "a" / "f")
+    assert (tmp_path / "a" / "f").read_bytes() == b"x" * 10
+
+
+async def test_bytes_counts_what_the_disk_tier_holds(tmp_path):
+    lengths = [40, 23]  # 2 + 1 full chunks of 16 tokens, partial tails of 8 and 7
+    result = await bytes_bench.measure(tiny_model(), INFO, lengths, tmp_path)
+    spec = spec_for(TINY)
+    per, raw = result["bytes_per_token"], result["bytes"]
+    assert result["tokens"] == 63
+    assert per["spec"] == spec.persistent_bytes_per_token
+    assert per["bf16_baseline"] == spec.bf16_baseline_bytes_per_token
+    # 3 full chunks: the codec adds headers and checksums to the spec's payload
+    assert raw["encoded_chunks"] > 3 * 16 * spec.persistent_bytes_per_token
+    assert raw["disk_live_values"] == raw["encoded_chunks"]
+    assert raw["segment_files"] >= raw["disk_live_values"]
+    assert raw["manifests"] > 4 * 63  # token ids at 4 B/token, plus the tails
+    assert per["disk_total"] == (raw["segment_files"] + raw["manifests"]) / 63
+    assert result["bf16_vs_disk"] == per["bf16_baseline"] / per["disk_total"]
