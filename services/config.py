@@ -45,6 +45,7 @@ class ServerConfig:
     redis_preset: str = "datacenter"  # kvstore.tiers.redis.REDIS_PRESETS
     redis_prefix: str = "kvtier:"
     disk_bytes: int = 64 * GiB  # under data_dir/disk
+    disk_segment_bytes: int = 64 * MiB  # a disk segment file is sealed at this size
     object_bytes: int = 1 * TiB  # S3 when s3_bucket is set, else data_dir/objects
     s3_endpoint: str = ""  # empty: AWS itself
     s3_bucket: str = ""
@@ -86,6 +87,8 @@ class ServerConfig:
         if not self.host_bytes and not self.hbm_bytes:
             raise InvalidRequest("one of host_bytes and hbm_bytes must be > 0: the window "
                                  "KV lives only in memory tiers")
+        if self.disk_segment_bytes < 1:
+            raise InvalidRequest(f"disk_segment_bytes must be > 0, got {self.disk_segment_bytes}")
         if self.replay_tokens < 1 or self.max_message_bytes < 1 * MiB:
             raise InvalidRequest("replay_tokens must be >= 1 and max_message_bytes >= 1 MiB")
         object.__setattr__(self, "data_dir", Path(self.data_dir))

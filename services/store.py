@@ -47,7 +47,8 @@ def build_tiers(config: ServerConfig, tiers: list[Tier]) -> MetaStore:
     if config.disk_bytes:
         from kvstore.tiers.disk import DiskTier
 
-        disk = DiskTier(config.data_dir / "disk", config.disk_bytes)
+        disk = DiskTier(config.data_dir / "disk", config.disk_bytes,
+                        segment_bytes=config.disk_segment_bytes)
         tiers.append(disk)
         meta = disk.meta
     if config.object_bytes:

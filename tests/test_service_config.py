@@ -44,7 +44,7 @@ def test_sizes(text, value):
 @pytest.mark.parametrize("values", [
     {"KVTIER_HOST_BYTES": "lots"}, {"KVTIER_DEFAULT_ACK": "maybe"},
     {"KVTIER_REPLAY": "remote"}, {"KVTIER_PRESET": "nope"},
-    {"KVTIER_HOST_BYTES": "0", "KVTIER_HBM_BYTES": "0"},
+    {"KVTIER_HOST_BYTES": "0", "KVTIER_HBM_BYTES": "0"}, {"KVTIER_DISK_SEGMENT_BYTES": "0"},
 ])
 def test_bad_values_are_refused(values):
     with pytest.raises(InvalidRequest):
@@ -88,3 +88,18 @@ def test_the_example_config_file_loads():
     config = load_config(path, env={})
     assert config.replay_mode == "remote" and config.object_url == "s3://kvtier-cold/kvtier/"
     assert config.host_bytes == 8 << 30 and config.metrics_port == 9100
+
+
+async def test_disk_segment_bytes_reaches_the_disk_tier(tmp_path):
+    config = load_config(preset="test", env={"KVTIER_DISK_SEGMENT_BYTES": "64KiB"},
+                         overrides={"data_dir": tmp_path})
+    assert config.disk_segment_bytes == 64 << 10
+    manager = await open_manager(config)
+    try:
+        disk = next(t for t in manager.tiers if t.name == "disk")
+        assert disk.segment_bytes == 64 << 10
+        for i in range(3):
+            await disk.put(f"k{i}", bytes([i]) * (40 << 10))
+        assert len(disk.segments()) >= 2  # sealed at 64 KiB, not the 64 MiB default
+    finally:
+        await manager.close()
