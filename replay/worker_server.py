@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace, worker: ReplayWorker) -> None:
     server, port = await create_server(args.listen, worker)
-    consumer_task = stop_consumer = None
+    consumer = consumer_task = None
     if args.redis_url:
         from replay.streams import StreamConsumer, StreamNames
 
@@ -142,7 +142,6 @@ async def _serve(args: argparse.Namespace, worker: ReplayWorker) -> None:
                                   consumer=args.consumer or f"{socket.gethostname()}:"
                                   f"{os.getpid()}", claim_idle_ms=args.claim_idle_ms)
         consumer_task = asyncio.create_task(consumer.run())
-        stop_consumer = consumer.stop
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -153,8 +152,9 @@ async def _serve(args: argparse.Namespace, worker: ReplayWorker) -> None:
     try:
         await stop.wait()
     finally:
-        if consumer_task is not None:
-            stop_consumer()
+        if consumer is not None:
+            consumer.stop()
             await consumer_task
+            await consumer.close()
         await server.stop(5)
         await worker.close()

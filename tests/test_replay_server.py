@@ -1,5 +1,5 @@
-"""The replay worker over gRPC on loopback: ``replay.remote`` and the server's own hook
-call it, errors keep their class, a dead worker is skipped, and a kvtier server resumes a
+"""The replay worker over gRPC on loopback: ``replay.remote`` calls it, errors keep their
+class, a dead worker is skipped, and a kvtier server configured with the worker resumes a
 session whose window was dropped through it."""
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore.errors import InvalidRequest, LayoutMismatch, TierUnavailable
 from model.infer import replay
 from replay.remote import RemoteReplay
-from replay.state_codec import as_token_array, encode_window, state_from_chunks, state_to_chunks
+from replay.state_codec import encode_window, state_from_chunks, state_to_chunks
 from replay.worker import ReplayWorker
 from replay.worker_server import create_server
 from services.client import AsyncClient
-from services.replay_hook import RemoteRebuilder
 from tests.conftest import free_port
 from tests.replay_support import TINY_SPEC, tiny_model, tiny_session
 from tests.service_support import running_server
@@ -47,12 +46,6 @@ async def test_remote_backend_rebuilds_through_a_worker(model):
             await backend.rebuild(TINY_SPEC, state.token_ids, chunks, tail, 100_000)
         with pytest.raises(LayoutMismatch):
             await backend.rebuild("kvtier-bundled", state.token_ids, chunks, tail)
-        # the server's own remote hook speaks the same protocol
-        hook = RemoteRebuilder([f"127.0.0.1:{port}"], max_message_bytes=8 << 20)
-        rebuilt = await hook.rebuild(TINY_SPEC, as_token_array(state.token_ids), chunks,
-                                     tail, 16)
-        assert rebuilt.window == result.window and rebuilt.worker == "w1"
-        await hook.close()
     finally:
         await backend.close()
         await server.stop(0)
