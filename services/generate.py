@@ -165,8 +165,9 @@ async def _turn(args: argparse.Namespace, model: KVTierLM, kv: AsyncClient) -> N
     else:
         how = (f"window rebuilt by replaying {resumed.replay_tokens} tokens"
                if resumed.replayed else "window held")
-        say(f"resumed {args.tenant}/{args.session}: {resumed.state.n_tokens} tokens from "
-            f"{resumed.tier or 'the top tier'}, {how}, ready in {resumed.seconds:.3f}s")
+        source = f" from {resumed.tier}" if resumed.tier else ""  # "": no full chunk yet
+        say(f"resumed {args.tenant}/{args.session}: {resumed.state.n_tokens} tokens{source}, "
+            f"{how}, ready in {resumed.seconds:.3f}s")
     started = time.perf_counter()
     state, generated = await asyncio.to_thread(continue_greedy, model, resumed.state,
                                                args.prompt.encode(), args.max_new_tokens)
