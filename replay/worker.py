@@ -20,6 +20,7 @@ another on CPU (``python -m replay.bench``).
 from __future__ import annotations
 
 import asyncio
+import operator
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -79,8 +80,11 @@ class ReplayWorker:
 
     def replay_tokens(self, requested: int | None, num_tokens: int) -> int:
         """R for a request: None or 0 -> the default; capped at the session's length."""
-        r = requested or self.default_tokens
-        if not isinstance(r, int) or not 1 <= r <= self.max_tokens:
+        try:
+            r = operator.index(requested or self.default_tokens)  # numpy ints too, not 2.5
+        except TypeError:
+            r = -1
+        if not 1 <= r <= self.max_tokens:
             raise InvalidRequest(f"replay_tokens must be an integer in [1, {self.max_tokens}], "
                                  f"got {requested!r}")
         pending = num_tokens % self.model.cfg.block
