@@ -30,8 +30,12 @@ How each figure is obtained (the JSON repeats this under "method"):
   estimate, labelled as such), ``hint-perfect`` (sigma 0), ``hint-causal`` (HintPolicy
   given only past gaps), ``belady`` (evict the block whose next read is farthest ahead,
   from a next-use table of the whole trace; ``bench.trace_belady``).
-- ``--validate N`` replays the first N requests through the real ``TierStack`` with real
-  HBM, host and disk tiers and reports whether its counts equal the simulation's.
+- ``--reads session`` reads only a conversation's stored blocks, as
+  ``TierManager.restore`` does (blocks shared with other sessions are deduplicated on
+  spill, never read); the default ``prefix`` reads every complete block of the prompt.
+- ``--validate N`` replays the first N requests through the real ``TierStack``
+  (``bench.trace_check``) and the real ``TierManager`` (``bench.trace_manager``) over
+  real HBM, host and disk tiers and reports whether their counts equal the simulation's.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from bench.trace_method import describe_method
 from bench.trace_policies import POLICIES, setup_policy
 from bench.trace_reader import BLOCK_TOKENS, TraceRequest, read_trace
 from bench.trace_sim import CAUSES, SimCounters, SimTier, TierSim, replay
@@ -140,9 +145,10 @@ def _reuse_by_kind(c: SimCounters, names: list[str], reuse: int) -> dict:
 _WORKLOAD: Workload | None = None  # per worker process, built once by _init_worker
 
 
-def _init_worker(path: str, limit: int | None, windows: bool) -> None:
+def _init_worker(path: str, limit: int | None, windows: bool, session_reads: bool) -> None:
     global _WORKLOAD
-    _WORKLOAD = build_workload(read_trace(path, limit), windows=windows)
+    _WORKLOAD = build_workload(read_trace(path, limit), windows=windows,
+                               session_reads=session_reads)
 
 
 def _run_point(job: dict) -> dict:
@@ -158,62 +164,14 @@ def _run_point(job: dict) -> dict:
 def _validate(requests: Sequence[TraceRequest], policies: Sequence[str], host_ratio: float,
               hint_sigma: float, seed: int) -> dict:
     from bench.trace_check import check_against_stack  # imports torch and the tiers
+    from bench.trace_manager import check_against_manager
 
-    return check_against_stack(requests, policies=policies, fractions=(0.05,),
-                               host_ratio=host_ratio, hint_sigma=hint_sigma, seed=seed)
-
-
-def describe_method(sizes: dict, host_ratio: float, disk_fraction: float | None,
-                    hint_sigma: float) -> dict:
-    w = sizes["window_tokens"]
-    disk = ("unbounded" if disk_fraction is None
-            else f"{disk_fraction:g} x footprint; a chunk evicted from it is dropped")
-    return {
-        "block_bytes": f"layout {sizes['name']}: persistent {sizes['persistent_bytes_per_token']:g}"
-                       f" B/token x {BLOCK_TOKENS} tokens per trace block = "
-                       f"{sizes['block_bytes']} B",
-        "window_bytes": f"ephemeral {sizes['ephemeral_bytes_per_token']:g} B/token x W={w} "
-                        f"tokens = {sizes['window_bytes']} B per conversation, hbm/host only",
-        "blocks": "a request's complete blocks (the first input_length // 512 hash_ids) are "
-                  "its chunks; its partial last block is the session's tail, which kvtier "
-                  "keeps in the manifest, not in a tier: left out (trace.tail_blocks)",
-        "conversations": "a request resumes the earlier request whose complete blocks "
-                         "(input_length // 512 of them) are the longest prefix of its own "
-                         "hash_ids (ids are prefix hashes, so matching that last complete "
-                         "block id suffices; latest request on a tie); else it starts one",
-        "capacities": f"footprint = unique blocks x block bytes; hbm = f x footprint, host = "
-                      f"{host_ratio:g} x f x footprint, disk {disk}",
-        "replay": "per request at its timestamp (virtual clock): read each block (hit in the "
-                  "highest tier holding it, then promoted to hbm), read the conversation's "
-                  "window, spill the blocks and a new window with the request's hint, write "
-                  "back blocks to disk; placement, eviction cascade, protection of the "
-                  "request's own blocks and write-back mirror kvstore.placement.TierStack "
-                  "and the manager's spill/restore",
-        "reuse_by_kind": "re-reads of a block last read by the same conversation (its own "
-                         "history) or by another one (a shared prefix, deduplicated), each "
-                         "with its fast (hbm + host) hit rate",
-        "block_hit_rate": "per tier: block reads served by that tier / all block reads; new: "
-                          "first read ever (prefill of new tokens, same for every policy); "
-                          "reprefill: read before but in no tier now; reuse_hit_rate divides "
-                          "by reads that are not first reads; fast = hbm + host",
-        "bytes_moved": "bytes written into each tier, by cause: spill (new blocks and "
-                       "windows), promotion (read below hbm, copied up), demotion (evicted, "
-                       "moved down), writeback (copy to the durable tier)",
-        "replays": f"resumes whose window blob was in neither hbm nor host: each reruns "
-                   f"W={w} tokens (replay_tokens); reprefill_* count blocks missing from "
-                   f"every tier",
-        "hints": f"hint: true gap to the conversation's next request x exp({hint_sigma:g} z), "
-                 f"z ~ N(0,1) per request (an oracle-derived estimate from the trace's "
-                 f"future, standing for a framework predicting its pause); a conversation's "
-                 f"last request hints 1e9 s; hint-perfect: sigma 0; hint-causal: the "
-                 f"conversation's last gap, else the median of the last 512 gaps between "
-                 f"turns seen so far (no future knowledge); each hint is attached when its "
-                 f"request spills",
-        "belady": "evict the block whose next read is farthest ahead (never again: first), "
-                  "from a next-use table over the whole trace's read sequence, in every "
-                  "tier; optimal for one tier of equal-size blocks, a reference (not a "
-                  "proven bound) for the hierarchy with window blobs",
-    }
+    options = {"policies": policies, "host_ratio": host_ratio, "hint_sigma": hint_sigma,
+               "seed": seed}
+    stack = check_against_stack(requests, fractions=(0.05,), **options)
+    manager = check_against_manager(requests, fraction=0.05, **options)
+    return {"agree": stack["agree"] and manager["agree"], "requests": len(requests),
+            "tier_stack": stack, "manager": manager}
 
 
 def run_trace_benchmark(
@@ -230,6 +188,7 @@ def run_trace_benchmark(
     window_tokens: int = WINDOW_TOKENS,
     validate_requests: int = 0,
     jobs: int = 2,
+    reads: str = "prefix",
 ) -> dict:
     """Every (policy, capacity fraction) point; see the module docstring for the method.
 
@@ -248,15 +207,17 @@ def run_trace_benchmark(
                              f"or None (got {disk_fraction}), jobs >= 1 (got {jobs})")
     sizes = layout_sizes(layout, window_tokens)
     windows = sizes["window_bytes"] > 0
+    if reads not in ("prefix", "session"):
+        raise InvalidRequest(f"reads must be 'prefix' or 'session', got {reads!r}")
     requests: list[TraceRequest] = read_trace(trace, limit)
-    workload = build_workload(requests, windows=windows)
+    workload = build_workload(requests, windows=windows, session_reads=reads == "session")
     footprint = workload.unique_blocks * sizes["block_bytes"]
     points = [{"policy": p, "fraction": f, "footprint": footprint, "host_ratio": host_ratio,
                "disk_fraction": disk_fraction, "block_bytes": sizes["block_bytes"],
                "window_bytes": sizes["window_bytes"], "hint_sigma": hint_sigma, "seed": seed,
                "window_tokens": window_tokens}
               for f in fractions for p in policies]
-    init = (str(trace), limit, windows)
+    init = (str(trace), limit, windows, reads == "session")
     validation = None
     if jobs > 1:
         with ProcessPoolExecutor(min(jobs, len(points)), initializer=_init_worker,
@@ -281,6 +242,7 @@ def run_trace_benchmark(
                   "span_s": workload.span_s},
         "layout": sizes,
         "footprint_bytes": footprint,
+        "reads": reads,
         "tiers": {"names": list(TIER_NAMES), "host_ratio": host_ratio,
                   "disk_fraction": disk_fraction},
         "policies": list(policies),
@@ -325,10 +287,11 @@ def format_table(report: dict) -> str:
             f"{r['replays']:>4}/{r['resumes']:<4} {promo:>9.1f} {demo:>9.1f}")
     if "validation" in report:
         v = report["validation"]
-        lines += ["", f"validation against the real TierStack, first {v['requests']} requests: "
+        lines += ["", f"validation, first {v['requests']} requests at hbm 0.05: "
                       f"{'all counts agree' if v['agree'] else 'counts DIFFER'}"]
-        lines += [f"  {p['policy']} at {p['capacity_fraction']:g}: "
-                  f"{'agree' if p['agree'] else p['diff']}" for p in v["points"]]
+        for part, label in (("tier_stack", "TierStack"), ("manager", "TierManager")):
+            lines += [f"  {label} {p['policy']}: {'agree' if p['agree'] else 'DIFFER'}"
+                      for p in v[part]["points"]]
     lines += ["", "method:"] + [f"  {k}: {v}" for k, v in report["method"].items()]
     return "\n".join(lines)
 
@@ -354,6 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--validate", type=int, default=100, metavar="N",
                         help="replay the first N requests through the real TierStack (0: no)")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes")
+    parser.add_argument("--reads", choices=("prefix", "session"), default="prefix",
+                        help="prefix: a request reads all its complete blocks; session: "
+                             "only its conversation's stored blocks (TierManager.restore)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
     try:
@@ -361,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.trace, limit=args.limit, layout=args.layout, fractions=args.fractions,
             host_ratio=args.host_ratio, disk_fraction=args.disk_fraction,
             policies=[p for p in args.policies.split(",") if p], hint_sigma=args.hint_sigma,
-            seed=args.seed, validate_requests=args.validate, jobs=args.jobs)
+            seed=args.seed, validate_requests=args.validate, jobs=args.jobs, reads=args.reads)
     except KVTierError as exc:
         print(f"bench.trace: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ import pytest
 
 from bench.trace import main, make_tiers, run_trace_benchmark, simulate
 from bench.trace_check import check_against_stack
+from bench.trace_manager import check_against_manager
 from bench.trace_reader import read_trace
 from bench.trace_sim import SimTier
 from bench.trace_workload import build_workload
@@ -227,6 +228,30 @@ def test_simulation_agrees_with_the_real_tier_stack():
     assert result["agree"], [p["diff"] for p in result["points"] if not p["agree"]]
     hits = [sum(p["stack"]["block_hits"][1:]) for p in result["points"]]
     assert max(hits) > 0  # blocks really came back from below hbm
+
+
+def test_simulation_agrees_with_the_real_tier_manager():
+    """Session by session: restore, spill of the next generation, drain."""
+    from bench.trace_reader import parse_request
+
+    requests = [parse_request(json.dumps(r), "x")
+                for r in random_trace(6, requests=40, p_resume=0.7)]
+    result = check_against_manager(requests, policies=("lru", "hint", "belady"),
+                                   fraction=0.04)
+    assert [p["policy"] for p in result["points"]] == ["lru", "hint"]
+    assert result["agree"], [(p["sim"], p["manager"]) for p in result["points"]]
+    for point in result["points"]:
+        assert sum(point["manager"]["block_hits"]) > 0  # sessions were really restored
+        assert point["manager"]["evictions"][0] > 0  # and hbm had to make room
+
+
+def test_session_reads_read_only_stored_blocks(tmp_path):
+    path = write_trace(tmp_path / "t.jsonl", random_trace(2, requests=50))
+    prefix, session = (run_trace_benchmark(path, fractions=(0.1,), policies=("lru",), jobs=1,
+                                           reads=reads)["results"][0]
+                       for reads in ("prefix", "session"))
+    assert session["new_blocks"] == 0  # a session only restores what it stored
+    assert session["block_reads"] < prefix["block_reads"] - prefix["new_blocks"]
 
 
 def test_json_output_and_tiers(tmp_path, capsys):
