@@ -11,10 +11,10 @@ restore (``read``, then ``promote`` protecting the session's blocks) and a spill
 and ``place`` on the durable tier). Equal counts mean the simulation's figures are the
 product's on that prefix.
 
-Why not ``TierManager`` itself: its API stores and restores whole sessions. The trace
-reuses blocks across conversations (shared prompt prefixes), and the manager has no
-call that reads a block by key outside its session, so it cannot replay the trace's
-reads one for one; ``TierStack`` is the layer where those reads happen.
+Why ``TierStack`` and not only ``TierManager``: the manager's API stores and restores
+whole sessions, with no call that reads a block by key outside its session, so it cannot
+replay the default prefix reads (a prompt's blocks shared with other conversations);
+``bench.trace_manager`` checks the manager itself on session reads.
 
 Sizes: a small layout (below) keeps the check light; the simulation is given the very
 byte sizes of its encoded block and window.
