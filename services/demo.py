@@ -10,6 +10,7 @@ is spilled again; then a second round. One row per resume:
   tier       lowest tier the session's blocks came from
   replayed   whether its window was rebuilt by replay (else it was still held in RAM)
   ready      Resume call until a model state ready to decode (restore + replay + decode)
+  replay     the part of it spent rebuilding the window
   prefill    a full re-prefill of the same context, the alternative to kvtier, timed now
   top1       next-token agreement with a run that was never evicted: argmax on each of
              the next N tokens of text (both runs read the same text)
@@ -59,6 +60,7 @@ class Row:
     replayed: bool
     replay_tokens: int
     ready_s: float
+    replay_s: float  # the window's rebuild, part of ready_s
     prefill_s: float
     top1: float
     greedy: float
@@ -174,7 +176,8 @@ async def resume_turn(args: argparse.Namespace, model: KVTierLM, kv: AsyncClient
     s.generation += 1
     await spill(kv, spec, s.name, state, s.generation, args.pause_s)
     return Row(s.name, round_, len(context), resumed.tier, resumed.replayed,
-               resumed.replay_tokens, resumed.seconds, prefill_s, top1, greedy)
+               resumed.replay_tokens, resumed.seconds, resumed.replay_seconds, prefill_s,
+               top1, greedy)
 
 
 async def spill(kv: AsyncClient, spec: LayoutSpec, name: str, state: KVState,
@@ -240,13 +243,15 @@ def summary(rows: list[Row]) -> dict:
 
 def print_table(rows: list[Row], report: dict) -> None:
     head = (f"{'session':<9} {'round':>5} {'tokens':>6} {'tier':<6} {'replayed':<8} "
-            f"{'ready':>9} {'prefill':>9} {'speedup':>8} {'top1':>6} {'greedy':>6}")
+            f"{'ready':>9} {'replay':>9} {'prefill':>9} {'speedup':>8} {'top1':>6} "
+            f"{'greedy':>6}")
     print(head)
     print("-" * len(head))
     for r in rows:
         print(f"{r.session:<9} {r.round:>5} {r.tokens:>6} {r.tier:<6} "
               f"{'R=' + str(r.replay_tokens) if r.replayed else 'no':<8} "
-              f"{r.ready_s * 1000:>7.1f}ms {r.prefill_s * 1000:>7.0f}ms {r.speedup:>7.1f}x "
+              f"{r.ready_s * 1000:>7.1f}ms {r.replay_s * 1000:>7.1f}ms "
+              f"{r.prefill_s * 1000:>7.0f}ms {r.speedup:>7.1f}x "
               f"{r.top1:>6.3f} {r.greedy:>6.3f}")
     print(f"\n{report['resumes']} resumes, {report['replayed']} replayed; median speedup vs "
           f"full re-prefill {report['median_speedup_vs_prefill']:.1f}x; top-1 agreement "

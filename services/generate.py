@@ -80,6 +80,7 @@ class Resumed:
     replayed: bool = False
     replay_tokens: int = 0
     seconds: float = 0.0  # call to ready-to-decode state, decoding included
+    replay_seconds: float = 0.0  # the server's rebuild of the window, part of seconds
 
 
 async def resume_state(kv: AsyncClient, tenant: str, session_id: str, model: KVTierLM,
@@ -96,7 +97,7 @@ async def resume_state(kv: AsyncClient, tenant: str, session_id: str, model: KVT
     state = await asyncio.to_thread(state_from_chunks, model.cfg, got.token_ids, got.chunks,
                                     got.tail, got.window_blob, spec=spec)
     return Resumed(state, got.generation, got.tier, got.replayed, got.replay_tokens,
-                   time.perf_counter() - started)
+                   time.perf_counter() - started, got.replay_seconds)
 
 
 async def spill_state(kv: AsyncClient, tenant: str, session_id: str, spec: LayoutSpec,
