@@ -1,6 +1,7 @@
 """Replay jobs through Redis Streams (real redis-server): a job goes to one worker of the
 group and its reply comes back; a bad job is answered with its error; a job taken by a
-worker process that is then killed is retried by another worker after the idle timeout."""
+worker process that is then killed is retried by another worker after the idle timeout;
+a job delivered too many times is answered with an error instead of tried again."""
 
 from __future__ import annotations
 
@@ -135,3 +136,29 @@ async def test_a_killed_workers_job_is_retried_by_another(model, redis_server, t
             doomed.kill()
             doomed.wait(timeout=10)
 
+
+
+async def test_a_job_that_keeps_killing_workers_is_answered_with_an_error(model, redis_server):
+    state, chunks, tail = tiny_session(model, 45)
+    names = StreamNames(stream="p:jobs", group="p-group", reply_prefix="p:reply:")
+    inspect = redis.Redis.from_url(redis_server)
+    inspect.xgroup_create(names.stream, names.group, id="0", mkstream=True)
+    backend = StreamReplay(redis_server, names=names, timeout_s=20)
+    job = asyncio.create_task(backend.rebuild(TINY_SPEC.layout_id, state.token_ids, chunks,
+                                              tail))
+    deadline = time.monotonic() + 10
+    while not inspect.xlen(names.stream):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    # three workers took it and died: delivered three times, never acknowledged
+    taken = inspect.xreadgroup(names.group, "ghost", {names.stream: ">"}, count=1)
+    entry_id = taken[0][1][0][0]
+    inspect.xclaim(names.stream, names.group, "ghost", 0, [entry_id], retrycount=3)
+    worker = ReplayWorker(model)
+    async with consuming(redis_server, worker, "survivor", names, claim_idle_ms=0,
+                         max_deliveries=3):
+        with pytest.raises(TierUnavailable, match="giving up"):
+            await asyncio.wait_for(job, 15)
+    assert inspect.xpending(names.stream, names.group)["pending"] == 0
+    await backend.close()
+    await worker.close()
