@@ -6,9 +6,10 @@ bench/results.json, then bench/REPORT.md and its plots (``bench.report``).
 Stages, in order: codec and tiers (run as ``python -m bench.<name> --json`` child
 processes, their printed JSON collected), resume, fidelity, trace (its result function
 ``bench.trace.run_trace_benchmark``) and bytes (called in this process). ``--sizes
-quick`` is the default budget; ``--sizes tiny`` a smoke run of every stage; ``--sizes
-full`` the sizes the issue names (resume at 4096, 16384 and 65536 tokens: re-prefilling
-65k tokens alone takes minutes on 2 cores).
+quick`` is the default budget (resume at the issue's 4096, 16384 and 65536 tokens,
+fidelity at 1k and 4k on 2 stretches each); ``--sizes tiny`` a smoke run of every stage;
+``--sizes full`` adds fidelity at 16k on 4 stretches and the codec and tiers benchmarks'
+own default sizes (about twice as long).
 A stage that fails is recorded with its error and the others still run; the exit status
 is 1 if any failed. The machine the figures came from (CPU model, cores, memory, torch
 and triton versions, date, load) is recorded beside them.
@@ -52,7 +53,8 @@ SIZES = {
     "quick": {
         "codec": ["--mb", "16", "--repeats", "3"],
         "tiers": ["--size-mib", "1", "--count", "16", "--repeats", "3"],
-        "resume": {"contexts": [1024, 4096, 16384], "repeats": 3},
+        # the issue's contexts; re-prefilling 65k tokens alone takes minutes on one core
+        "resume": {"contexts": [4096, 16384, 65536], "repeats": 2},
         "fidelity": {"contexts": [1024, 4096], "segments": 2},
         "trace": {"validate_requests": 100},
         "bytes": {"lengths": [1000, 3000, 8192]},
@@ -61,7 +63,7 @@ SIZES = {
         "codec": [],
         "tiers": [],
         "resume": {"contexts": [4096, 16384, 65536], "repeats": 3},
-        "fidelity": {"contexts": [1024, 4096, 16384], "segments": 4},
+        "fidelity": {"contexts": [1024, 4096, 16384], "segments": 4},  # ~25 s a 16k prefill
         "trace": {"validate_requests": 100},
         "bytes": {"lengths": [1000, 3000, 8192, 20000]},
     },
