@@ -166,6 +166,11 @@ def resume_section(stage: dict) -> list[str]:
     out += ["Where the tier paths spend their time:", ""]
     out += _table(["context", "path", "restore (read + verify)", "replay",
                    "decode to KVState"], rows) + [""]
+    rows = [[row["context"], _ms(row["paths"]["host"]["spill_s"]),
+             _ms(row["paths"]["naive"]["spill_s"])] for row in stage["contexts"]]
+    out += ["Writing the session (not part of time to ready):", ""]
+    out += _table(["context", "kvtier spill, durable ack (host + disk)",
+                   "naive torch.save + fsync"], rows) + [""]
     g = stage["goal"]
     out += [f"Goal (disk >= 20x faster than re-prefill at 16k, widening with context): "
             f"disk speedup at 16384 = {_num(g['disk_speedup_at_16384'])}x, met: "
