@@ -80,3 +80,11 @@ async def test_server_resume_replays_a_dropped_window_on_the_worker(model, tmp_p
     finally:
         await replay_server.stop(0)
         await worker.close()
+
+
+def test_worker_without_weights_exits_with_a_clear_message(tmp_path, capsys):
+    from services import cli
+
+    assert cli.main(["replay-worker", "--weights", str(tmp_path / "none.safetensors"),
+                     "--listen", "127.0.0.1:0"]) == 2
+    assert "no weights at" in capsys.readouterr().err
