@@ -6,10 +6,10 @@
                         chunks=[(key, encoded), ...], tail=b"", window=blob, ack="memory")
     result = await manager.restore(tenant, session_id)      # or stream: manager.reading()
 
-Public calls: ``spill`` (kvstore.spill); ``restore``, ``reading``, ``prefetch``
-(kvstore.restore); ``demote``, ``collect_garbage`` (kvstore.maintenance); ``delete``,
-``get_manifest``, ``list_sessions``, ``where``, ``read_chunk``, ``stat``, ``drain``,
-``close`` (here).
+Public calls: ``spill``, ``store_window`` (kvstore.spill); ``restore``, ``reading``,
+``prefetch`` (kvstore.restore); ``demote``, ``collect_garbage`` (kvstore.maintenance);
+``delete``, ``get_manifest``, ``list_sessions``, ``session_count``, ``where``,
+``read_chunk``, ``stat``, ``drain``, ``close`` (here).
 
 Rules it keeps (placement details in ``kvstore.placement``):
 
@@ -64,6 +64,12 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class DeleteResult:
+    chunks_released: int  # chunk references the session's manifest held
+    chunks_freed: int  # chunks this delete removed from every tier (nothing else held them)
+
+
+@dataclass(frozen=True)
 class ManagerConfig:
     writeback_depth: int = 256  # chunks queued for write-back before spills wait
     writeback_workers: int = 2
@@ -107,6 +113,7 @@ class TierManager(SpillMixin, ReadingMixin, MaintenanceMixin):
         self._locks = KeyedLocks()
         self._sessions = RWLocks()
         self._ledger = RefLedger(meta)
+        self._sessions_held = 0  # manifests in the MetaStore; see session_count
         self._stack = TierStack(
             tiers, policy, self._locks, self.counters,
             is_referenced=lambda key: self._ledger.count(key) > 0,
@@ -125,6 +132,7 @@ class TierManager(SpillMixin, ReadingMixin, MaintenanceMixin):
         """Start a manager: load reference counts and learn what each tier holds."""
         manager = cls(tiers, meta, **options)
         await manager._ledger.load()
+        manager._sessions_held = len(await meta.scan(MANIFEST_PREFIX))  # not decoded
         await manager._stack.load()
         return manager
 
@@ -140,14 +148,15 @@ class TierManager(SpillMixin, ReadingMixin, MaintenanceMixin):
 
     # -- delete --
 
-    async def delete(self, tenant: str, session_id: str) -> None:
-        """Drop a session; chunks nothing else references are deleted from every tier."""
+    async def delete(self, tenant: str, session_id: str) -> DeleteResult:
+        """Drop a session; chunks nothing else references are deleted from every tier.
+        The counts are this call's own, whatever runs concurrently."""
         check_name("tenant", tenant)
         check_name("session_id", session_id)
-        await self._delete(tenant, session_id, lambda manifest: True)
+        return await self._delete(tenant, session_id, lambda manifest: True)
 
     async def _delete(self, tenant: str, session_id: str,
-                      condition: Callable[[SessionManifest], bool]) -> bool:
+                      condition: Callable[[SessionManifest], bool]) -> DeleteResult | None:
         """Delete the session if ``condition(manifest)`` holds under its write lock."""
         async with self._sessions.write((tenant, session_id)):
             try:
@@ -156,16 +165,18 @@ class TierManager(SpillMixin, ReadingMixin, MaintenanceMixin):
                 log.error("deleting the corrupt manifest of %s/%s: its chunks stay referenced",
                           tenant, session_id)
                 await self._ledger.commit({manifest_key(tenant, session_id): None})
-                return True
+                self._sessions_held -= 1
+                return DeleteResult(0, 0)
             if not condition(manifest):
-                return False
+                return None
             freed = await self._ledger.commit(
                 {manifest_key(tenant, session_id): None}, release=manifest.chunk_keys
             )
-            await self._free(freed)
+            self._sessions_held -= 1
+            freed_here = await self._free(freed)
             if manifest.window_key is not None:
                 await self._drop_block(manifest.window_key)
-            return True
+            return DeleteResult(len(manifest.chunk_keys), freed_here)
 
     # -- listing, stats, lifecycle --
 
@@ -201,6 +212,10 @@ class TierManager(SpillMixin, ReadingMixin, MaintenanceMixin):
                 log.error("skipping corrupt manifest %s: %s", key, exc)
         return out
 
+    def session_count(self) -> int:
+        """Sessions stored (expired ones not yet collected included); no I/O."""
+        return self._sessions_held
+
     async def stat(self) -> ManagerStats:
         """Counters and per-tier gauges; no I/O (``items`` is what the manager believes
         each tier holds), so a metrics scrape never waits on a slow or absent tier."""
@@ -212,7 +227,7 @@ class TierManager(SpillMixin, ReadingMixin, MaintenanceMixin):
         return ManagerStats(
             tiers=tier_stats, counters=self.counters.snapshot(),
             writeback_depth=self._writeback.depth, writeback_capacity=self._writeback.capacity,
-            referenced_chunks=len(self._ledger.referenced()),
+            referenced_chunks=len(self._ledger.referenced()), sessions=self._sessions_held,
         )
 
     async def drain(self) -> None:
@@ -265,15 +280,18 @@ class TierManager(SpillMixin, ReadingMixin, MaintenanceMixin):
                 coro.close()  # those cancelled before they started
             raise
 
-    async def _free(self, keys: Sequence[str]) -> None:
-        async def free(key: str) -> None:
+    async def _free(self, keys: Sequence[str]) -> int:
+        """Delete unreferenced ``keys`` from every tier; how many this call freed."""
+        async def free(key: str) -> bool:
             async with self._locks.hold(key):
                 if self._ledger.count(key):
-                    return  # referenced again (or pinned by a spill) meanwhile
+                    return False  # referenced again (or pinned by a spill) meanwhile
+                held = bool(self._stack.holders(key))  # False: another call freed it first
                 await self._stack.delete_everywhere(key)
-                self.counters.freed_chunks += 1
+                self.counters.freed_chunks += held
+                return held
 
-        await self._gather(free(key) for key in dict.fromkeys(keys))
+        return sum(await self._gather(free(key) for key in dict.fromkeys(keys)))
 
     async def _drop_block(self, key: str) -> None:
         async with self._locks.hold(key):

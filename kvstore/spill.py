@@ -14,17 +14,36 @@ from typing import Literal
 
 import numpy as np
 
-from kvstore.errors import DataLoss, InvalidRequest, StaleGeneration, TierFull
+from kvstore.errors import (
+    ChunkNotFound,
+    DataLoss,
+    InvalidRequest,
+    StaleGeneration,
+    TierFull,
+)
 from kvstore.keys import token_bytes
-from kvstore.layout import get_layout
+from kvstore.layout import LayoutSpec, get_layout
 from kvstore.manifest import SessionManifest, check_name, manifest_key
-from kvstore.placement import WINDOW_PREFIX
+from kvstore.placement import WINDOW_PREFIX, Check
 from kvstore.policy import ResumeHint
+from kvstore.spill_check import as_request_error, check_keyed_spill
 from kvstore.tiers.base import Buffer, MemoryMetaStore
-from kvstore.validate import check_spill
+from kvstore.validate import check_spill, restored_chunk_check, window_check
 
 Ack = Literal["memory", "durable"]
 log = logging.getLogger(__name__)
+
+
+class ChunksNotHeld(ChunkNotFound):
+    """A spill named chunks by key only (no bytes) that no tier holds intact: nothing was
+    stored; spill again with their bytes."""
+
+    def __init__(self, indices: Sequence[int]) -> None:
+        self.indices = tuple(indices)
+        shown = ", ".join(map(str, self.indices[:10])) + (" ..." if len(self.indices) > 10
+                                                           else "")
+        super().__init__(f"{len(self.indices)} chunks were named without bytes and no tier "
+                         f"holds them (indices {shown}): send them")
 
 
 class SpillMixin:
@@ -36,7 +55,7 @@ class SpillMixin:
         layout_id: str,
         generation: int,
         token_ids: Sequence[int] | np.ndarray,
-        chunks: Sequence[tuple[str, Buffer]],
+        chunks: Sequence[tuple[str, Buffer | None]],
         tail: Buffer = b"",
         window: Buffer | None = None,
         ack: Ack = "memory",
@@ -49,6 +68,11 @@ class SpillMixin:
         ``kvstore.keys.chain_keys(spec.layout_id, token_ids, spec.chunk_tokens)``;
         ``tail``: the encoded partial last chunk or b""; ``window``: the encoded window
         blob (``ephemeral=True``) or None. Buffers must stay unchanged until this returns.
+
+        A chunk given as ``(key, None)`` is one the store already holds (typically the
+        previous generation's prefix): it is referenced without its bytes being sent or
+        read back. If no tier holds one intact, ``ChunksNotHeld`` names them and nothing
+        is stored.
         """
         check_name("tenant", tenant)
         check_name("session_id", session_id)
@@ -60,7 +84,11 @@ class SpillMixin:
             raise InvalidRequest(f"generation must be an int >= 0, got {generation!r}")
         spec = get_layout(layout_id)
         tokens = np.frombuffer(token_bytes(token_ids), dtype="<u4")
-        check_spill(spec, tokens, chunks, tail, window)
+        if any(isinstance(item, tuple) and len(item) == 2 and item[1] is None
+               for item in chunks):
+            check_keyed_spill(spec, tokens, chunks, tail, window)
+        else:
+            check_spill(spec, tokens, chunks, tail, window)
         keys = [key for key, _ in chunks]
         async with self._sessions.write((tenant, session_id)):
             old = await self._load(tenant, session_id)
@@ -72,10 +100,7 @@ class SpillMixin:
             self._ledger.pin(keys)
             window_key = None
             try:
-                protect = frozenset(keys)
-                queued = await self._gather(
-                    self._store_chunk(key, data, hint, ack, protect) for key, data in chunks
-                )
+                queued, sizes = await self._place_chunks(spec, tokens, chunks, old, hint, ack)
                 window_tier = None
                 if window is not None:
                     window_key = f"{WINDOW_PREFIX}{tenant}/{session_id}/{generation}"
@@ -84,7 +109,7 @@ class SpillMixin:
                 manifest = SessionManifest(
                     tenant=tenant, session_id=session_id, layout_id=spec.layout_id,
                     generation=generation, token_ids=tokens, chunk_keys=tuple(keys),
-                    chunk_sizes=tuple(len(data) for _, data in chunks), tail=bytes(tail),
+                    chunk_sizes=tuple(sizes), tail=bytes(tail),
                     window_tier=window_tier,
                     window_key=window_key if window_tier is not None else None,
                     created_at=old.created_at if old else now, updated_at=now,
@@ -99,6 +124,7 @@ class SpillMixin:
                 if window_key is not None:
                     await self._drop_block(window_key)
                 raise
+            self._sessions_held += old is None  # counted once its manifest is committed
             await self._free(freed + self._ledger.unpin(keys))
             if old is not None and old.window_key is not None:
                 await self._drop_block(old.window_key)
@@ -106,6 +132,97 @@ class SpillMixin:
             await self._writeback.submit(key)
         self.counters.spills += 1
         return manifest
+
+    async def _place_chunks(self, spec: LayoutSpec, tokens: np.ndarray,
+                            chunks: Sequence[tuple[str, Buffer | None]],
+                            old: SessionManifest | None, hint: ResumeHint | None, ack: Ack
+                            ) -> tuple[list[bool], list[int]]:
+        """Place the sent chunks and confirm the ones named by key only (those first, so a
+        refused spill wrote nothing). Returns, per chunk, whether it needs write-back and
+        its encoded size."""
+        known = dict(zip(old.chunk_keys, old.chunk_sizes, strict=True)) if old else {}
+        by_key = [i for i, (_, data) in enumerate(chunks) if data is None]
+        found = await self._gather(
+            self._reference_chunk(chunks[i][0], known.get(chunks[i][0]),
+                                  restored_chunk_check(spec, tokens, i), hint, ack)
+            for i in by_key)
+        missing = [i for i, result in zip(by_key, found, strict=True) if result is None]
+        if missing:
+            raise ChunksNotHeld(missing)
+        protect = frozenset(key for key, _ in chunks)
+        sent = [i for i, (_, data) in enumerate(chunks) if data is not None]
+        stored = await self._gather(
+            self._store_chunk(chunks[i][0], chunks[i][1], hint, ack, protect) for i in sent)
+        results = dict(zip(by_key, found, strict=True))
+        results.update((i, (wants, len(chunks[i][1])))
+                       for i, wants in zip(sent, stored, strict=True))
+        return ([results[i][0] for i in range(len(chunks))],
+                [results[i][1] for i in range(len(chunks))])
+
+    async def _reference_chunk(self, key: str, size: int | None, check: Check,
+                               hint: ResumeHint | None, ack: Ack) -> tuple[bool, int] | None:
+        """A chunk named by key only: None when no tier holds it intact, else (whether it
+        still needs write-back, its size). Its bytes are read only when its size is
+        unknown (not in the session's last manifest) or a durable ack must copy it."""
+        async with self._locks.hold(key):
+            self._stack.touch(key, hint)
+            if not await self._stack.confirmed_holder(key):
+                return None
+            durable = any(self.tiers[i].durable for i in self._stack.holders(key))
+            data = None
+            if size is None or (ack == "durable" and not durable):
+                try:
+                    data, _, _ = await self._stack.read(key, check, access=False)
+                except DataLoss:
+                    return None
+                size = len(data)
+            self.counters.dedupe_hits += 1
+            if durable:
+                return False, size
+            if ack == "memory":
+                return bool(self._durable), size
+            for j in self._durable:
+                if await self._stack.place(key, data, start=j, stop=j + 1) is not None:
+                    return False, size
+            raise TierFull(f"no durable tier took chunk {key} ({size} B)")
+
+    async def store_window(self, tenant: str, session_id: str, generation: int,
+                           window: Buffer) -> str | None:
+        """Keep a window rebuilt for the session as stored (by bounded replay), so the next
+        resume need not replay again.
+
+        Only the window changes: generation, token ids and chunks stay as they are. The
+        blob lives in a window tier (hbm, host) or nowhere: returns that tier's name, or
+        None when none has room. ``StaleGeneration`` if the session was spilled again
+        (or deleted and re-created) since ``generation``.
+        """
+        check_name("tenant", tenant)
+        check_name("session_id", session_id)
+        async with self._sessions.write((tenant, session_id)):
+            manifest = await self._load_required(tenant, session_id)
+            if manifest.generation != generation:
+                raise StaleGeneration(f"{tenant}/{session_id} is at generation "
+                                      f"{manifest.generation}, not {generation}: the "
+                                      "rebuilt window belongs to an older state")
+            spec = get_layout(manifest.layout_id)
+            if not spec.ephemeral_streams:
+                raise InvalidRequest(f"layout {spec.layout_id} has no window streams")
+            as_request_error(window_check(spec, manifest.token_ids), window)
+            held = manifest.window_key is not None and self._stack.holders(manifest.window_key)
+            if held:
+                return manifest.window_tier  # already held (another resume stored one)
+            key = f"{WINDOW_PREFIX}{tenant}/{session_id}/{generation}"
+            await self._drop_block(key)  # a leftover copy must not stand in for this one
+            tier = await self._store_window(key, window, manifest.hint)
+            if tier is None:
+                return None
+            try:
+                await self._ledger.commit({manifest_key(tenant, session_id): manifest.evolve(
+                    window_tier=tier, window_key=key).encode()})
+            except BaseException:
+                await self._drop_block(key)
+                raise
+            return tier
 
     async def _store_chunk(self, key: str, data: Buffer, hint: ResumeHint | None, ack: Ack,
                            protect: frozenset[str]) -> bool:

@@ -47,3 +47,4 @@ class ManagerStats:
     writeback_depth: int  # chunks queued for write-back now
     writeback_capacity: int
     referenced_chunks: int  # distinct chunk keys some manifest references
+    sessions: int = 0  # manifests stored (TierManager.session_count)

@@ -23,9 +23,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvstore.errors import CodecError, InvalidRequest
+from kvstore.errors import CodecError, InvalidRequest, KVTierError
 from kvstore.manager import TierManager
 from kvstore.manifest import SessionManifest
+from kvstore.spill import ChunksNotHeld
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services import address_file, shm
@@ -35,13 +36,7 @@ from services.errors import MissingChunks, PreconditionFailed, grpc_errors
 from services.metrics import ServiceMetrics, tier_lookups
 from services.replay_hook import ReplayBackend, make_replay_backend
 from services.restore_stream import RestoreStreamer, StreamOptions
-from services.store import (
-    open_manager,
-    read_held_chunk,
-    restore_tier,
-    tiers_holding,
-    top_tier,
-)
+from services.store import open_manager, restore_tier, tiers_holding, top_tier
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["KVTier"].full_name
@@ -95,13 +90,17 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         if plan is None:
             raise InvalidRequest("empty Spill stream: the header is required")
         held_before = [bool(self.manager.where(k)) for k in plan.keys]
-        chunks = await self._complete_chunks(plan)
+        plan.finish()
+        # Chunks left out go by key only: the store confirms it holds them, unread.
+        chunks = [(key, plan.chunks.get(i)) for i, key in enumerate(plan.keys)]
         try:
             manifest = await self.manager.spill(
                 plan.tenant, plan.session_id, layout_id=plan.spec.layout_id,
                 generation=plan.generation, token_ids=plan.tokens, chunks=chunks,
                 tail=plan.tail or b"", window=plan.window, ack=plan.ack, hint=plan.hint,
                 ttl_s=plan.ttl_s)
+        except ChunksNotHeld as exc:
+            raise MissingChunks(str(exc)) from exc
         except CodecError as exc:
             raise InvalidRequest(f"spilled bytes do not verify: {exc}") from exc
         self.metrics.spill_seconds.observe(time.perf_counter() - started)
@@ -127,30 +126,6 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                                  f"({self.config.max_spill_bytes} B)")
         return data
 
-    async def _complete_chunks(self, plan: check.SpillPlan) -> list[tuple[str, bytes]]:
-        """Every chunk in order: the ones sent, and the ones the client left out because
-        some tier holds them already."""
-        missing = plan.finish()
-        gate = asyncio.Semaphore(8)
-        incoming = SessionManifest(
-            tenant=plan.tenant, session_id=plan.session_id, layout_id=plan.spec.layout_id,
-            generation=plan.generation, token_ids=plan.tokens, chunk_keys=tuple(plan.keys),
-            chunk_sizes=(0,) * len(plan.keys))  # the session as this spill describes it
-
-        async def fetch(i: int):
-            async with gate:
-                return await read_held_chunk(self.manager, incoming, i)
-
-        found = dict(zip(missing, await asyncio.gather(*(fetch(i) for i in missing)),
-                         strict=True))
-        lost = [i for i, data in found.items() if data is None]
-        if lost:
-            shown = ", ".join(map(str, lost[:10])) + (" ..." if len(lost) > 10 else "")
-            raise MissingChunks(f"{len(lost)} chunks were not sent and no tier holds them "
-                                f"(indices {shown}): send them")
-        return [(key, plan.chunks[i] if i in plan.chunks else found[i])
-                for i, key in enumerate(plan.keys)]
-
     # -- Restore, Resume --
 
     @grpc_errors
@@ -169,10 +144,30 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         opts = StreamOptions(want_window=True, use_shared_memory=request.use_shared_memory,
                              reply_buffer=_lent(request), resume=True,
                              replay_tokens=request.replay_tokens or self.config.replay_tokens)
+        generation, window = 0, b""
         async for reply in self.streamer.stream(tenant, session_id, opts):
-            if reply.HasField("summary") and reply.summary.replayed:
+            kind = reply.WhichOneof("item")
+            if kind == "header":
+                generation = reply.header.generation
+            elif kind == "window":
+                window = reply.window.data  # the rebuilt one (last) is always inline
+            elif kind == "summary" and reply.summary.replayed:
                 self.replays += 1
+                await self._keep_window(tenant, session_id, generation, window)
             yield reply
+
+    async def _keep_window(self, tenant: str, session_id: str, generation: int,
+                           window: bytes) -> None:
+        """Store a window rebuilt by replay, so the next Resume of this generation finds
+        it held. The resume itself succeeded whatever happens here."""
+        try:
+            tier = await self.manager.store_window(tenant, session_id, generation, window)
+        except KVTierError as exc:  # spilled again or deleted meanwhile: nothing to keep
+            log.info("rebuilt window of %s/%s not kept: %s", tenant, session_id, exc)
+            return
+        if tier is None:
+            log.info("rebuilt window of %s/%s not kept: no window tier has room",
+                     tenant, session_id)
 
     # -- control --
 
@@ -207,11 +202,9 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     @grpc_errors
     async def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteReply:
         tenant, session_id = check.session_ref(request.session)
-        manifest = await self.manager.get_manifest(tenant, session_id)
-        freed_before = self.manager.counters.freed_chunks
-        await self.manager.delete(tenant, session_id)
-        return pb.DeleteReply(chunks_released=len(set(manifest.chunk_keys)),
-                              chunks_freed=self.manager.counters.freed_chunks - freed_before)
+        result = await self.manager.delete(tenant, session_id)
+        return pb.DeleteReply(chunks_released=result.chunks_released,
+                              chunks_freed=result.chunks_freed)
 
     @grpc_errors
     async def Stat(self, request: pb.StatRequest, context) -> pb.StatReply:
@@ -228,7 +221,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                                used_bytes=t.used_bytes, items=t.items, available=t.available,
                                lookups=lookups[t.name], hits=hits.get(t.name, 0))
                    for t in stats.tiers],
-            sessions=len(await self.manager.list_sessions()),
+            sessions=stats.sessions,
             writeback_queue_depth=stats.writeback_depth, replays=self.replays,
             session=session)
 

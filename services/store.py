@@ -12,10 +12,9 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
-from kvstore.errors import DataLoss, InvalidRequest
+from kvstore.errors import InvalidRequest
 from kvstore.manager import MANAGER_PRESETS, TierManager
-from kvstore.manifest import SessionManifest
-from kvstore.tiers.base import Buffer, MemoryMetaStore, MetaStore, Tier
+from kvstore.tiers.base import MemoryMetaStore, MetaStore, Tier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
 from services.config import ServerConfig
@@ -95,13 +94,3 @@ def restore_tier(manager: TierManager, keys: Sequence[str]) -> str:
     order = [tier.name for tier in manager.tiers]
     tops = [order.index(names[0]) for names in map(manager.where, keys) if names]
     return order[max(tops)] if tops else ""
-
-
-async def read_held_chunk(manager: TierManager, manifest: SessionManifest, index: int
-                          ) -> Buffer | None:
-    """An intact copy of chunk ``index`` from any tier, or None when no tier has one."""
-    try:
-        data, _ = await manager.read_chunk(manifest, index)
-    except DataLoss:
-        return None
-    return data

@@ -65,6 +65,10 @@ async def test_resume_replays_a_dropped_window_even_across_a_restart(tmp_path,
         _assert_same_window(rebuilt.window_blob, window, rebuilt.token_ids)
         assert rebuilt.window is not None and not rebuilt.replay_needed
         assert (await kv.stat()).replays == 1
+        # The rebuilt window was kept in the session: a second resume does not replay.
+        again = await kv.resume("acme", "s1")
+        assert not again.replayed and bytes(again.window_blob) == bytes(rebuilt.window_blob)
+        assert again.generation == 1 and (await kv.stat()).replays == 1
 
     # A restart loses the host tier, so the window; the chunks came back from disk.
     async with running_server(tmp_path, **options) as (server, target), \

@@ -72,6 +72,7 @@ async def test_control_rpcs(tmp_path):
 
         deleted = await kv.delete("acme", "s1")
         assert deleted.chunks_released == 2 and deleted.chunks_freed == 0  # s0, s2 share
+        assert (await kv.stat()).sessions == 2
         with pytest.raises(SessionNotFound):
             await kv.restore("acme", "s1")
 
