@@ -32,8 +32,11 @@ files read is dropped (``posix_fadvise(DONTNEED)`` on this run's own files), so 
 object and naive read from the medium, not from RAM.
 
 Checked: after each resume the model decodes byte n + 1 from the ready state; the path
-is ``verified`` when the next-token argmax equals the never-evicted session's and their
-KL divergence is at most ``--kl-tol`` nats (a fast wrong path cannot pass). ``stored_bytes``
+is ``verified`` when the KL divergence of its next-byte distribution from the
+never-evicted session's is at most ``--kl-tol`` nats (a fast wrong path cannot pass; a
+state from another session or with a garbled window measures far above it). Whether the
+argmax agrees is reported beside it, not required: replay is an approximation, and on a
+near tie of the two likeliest bytes a KL of 1e-4 can still flip it. ``stored_bytes``
 is what the tier read from holds for the session (its chunks, plus the window on host)
 plus the manifest (token ids, tail chunk, keys); ``speedup_vs_prefill`` = prefill
 seconds / path seconds.
@@ -215,7 +218,7 @@ async def _tier_path(manager, worker, spec, session, tier, replay_tokens, repeat
 
 
 def _ok(check: dict, kl_tol: float) -> bool:
-    return check["top1_agreement"] == 1.0 and check["kl_nats"] <= kl_tol
+    return check["kl_nats"] <= kl_tol
 
 
 async def measure_context(model: KVTierLM, worker: ReplayWorker, n: int, root: Path, *,
