@@ -27,9 +27,9 @@ redis-server:
 	  else echo "redis-server is missing: install it (Debian: apt-get install redis-server)"; exit 1; fi; }
 	@redis-server --version
 
-# Grows into the end-to-end demo once the service lands; until then the layout report.
+# The agent-like end-to-end demo on embedded defaults: no Redis, no GPU, ./data.
 demo: $(STAMP)
-	$(BIN)/kvtier layouts
+	$(BIN)/kvtier demo
 
 test: $(STAMP) redis-server
 	$(BIN)/python -m pytest -q
