@@ -61,9 +61,7 @@ class ManagerOps:
         self.zstd_level = zstd_level
 
     async def delete(self, tenant: str, session_id: str) -> int:
-        before = self.manager.counters.freed_chunks
-        await self.manager.delete(tenant, session_id)
-        return self.manager.counters.freed_chunks - before
+        return (await self.manager.delete(tenant, session_id)).chunks_freed
 
     async def demote(self, tenant: str, session_id: str) -> None:
         await self.manager.demote(tenant, session_id, OBJECT_TIER)

@@ -4,6 +4,8 @@ Library code raises these; only the gRPC servicer boundary maps them to status c
 (see ``services/errors.py``), so the store stays usable without gRPC.
 """
 
+from collections.abc import Sequence
+
 
 class KVTierError(Exception):
     """Root of every error kvtier raises on purpose."""
@@ -47,6 +49,18 @@ class SessionNotFound(NotFound):
 
 class ChunkNotFound(NotFound):
     """This tier (or every tier) holds no copy of the chunk."""
+
+
+class ChunksNotHeld(ChunkNotFound):
+    """A spill named chunks by key only (no bytes) that no tier holds intact: nothing was
+    stored; spill again with their bytes."""
+
+    def __init__(self, indices: Sequence[int]) -> None:
+        self.indices = tuple(indices)
+        shown = ", ".join(map(str, self.indices[:10])) + (" ..." if len(self.indices) > 10
+                                                           else "")
+        super().__init__(f"{len(self.indices)} chunks were named without bytes and no tier "
+                         f"holds them (indices {shown}): send them")
 
 
 class DataLoss(KVTierError):

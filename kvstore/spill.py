@@ -14,36 +14,17 @@ from typing import Literal
 
 import numpy as np
 
-from kvstore.errors import (
-    ChunkNotFound,
-    DataLoss,
-    InvalidRequest,
-    StaleGeneration,
-    TierFull,
-)
+from kvstore.errors import ChunksNotHeld, DataLoss, InvalidRequest, StaleGeneration, TierFull
 from kvstore.keys import token_bytes
 from kvstore.layout import LayoutSpec, get_layout
 from kvstore.manifest import SessionManifest, check_name, manifest_key
 from kvstore.placement import WINDOW_PREFIX, Check
 from kvstore.policy import ResumeHint
-from kvstore.spill_check import as_request_error, check_keyed_spill
 from kvstore.tiers.base import Buffer, MemoryMetaStore
-from kvstore.validate import check_spill, restored_chunk_check, window_check
+from kvstore.validate import check_spill, check_window, restored_chunk_check
 
 Ack = Literal["memory", "durable"]
 log = logging.getLogger(__name__)
-
-
-class ChunksNotHeld(ChunkNotFound):
-    """A spill named chunks by key only (no bytes) that no tier holds intact: nothing was
-    stored; spill again with their bytes."""
-
-    def __init__(self, indices: Sequence[int]) -> None:
-        self.indices = tuple(indices)
-        shown = ", ".join(map(str, self.indices[:10])) + (" ..." if len(self.indices) > 10
-                                                           else "")
-        super().__init__(f"{len(self.indices)} chunks were named without bytes and no tier "
-                         f"holds them (indices {shown}): send them")
 
 
 class SpillMixin:
@@ -84,11 +65,7 @@ class SpillMixin:
             raise InvalidRequest(f"generation must be an int >= 0, got {generation!r}")
         spec = get_layout(layout_id)
         tokens = np.frombuffer(token_bytes(token_ids), dtype="<u4")
-        if any(isinstance(item, tuple) and len(item) == 2 and item[1] is None
-               for item in chunks):
-            check_keyed_spill(spec, tokens, chunks, tail, window)
-        else:
-            check_spill(spec, tokens, chunks, tail, window)
+        check_spill(spec, tokens, chunks, tail, window)
         keys = [key for key, _ in chunks]
         async with self._sessions.write((tenant, session_id)):
             old = await self._load(tenant, session_id)
@@ -207,7 +184,7 @@ class SpillMixin:
             spec = get_layout(manifest.layout_id)
             if not spec.ephemeral_streams:
                 raise InvalidRequest(f"layout {spec.layout_id} has no window streams")
-            as_request_error(window_check(spec, manifest.token_ids), window)
+            check_window(spec, manifest.token_ids, window)
             held = manifest.window_key is not None and self._stack.holders(manifest.window_key)
             if held:
                 return manifest.window_tier  # already held (another resume stored one)

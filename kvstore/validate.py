@@ -36,14 +36,18 @@ def _check_range(
 def check_spill(
     spec: LayoutSpec,
     tokens: np.ndarray,
-    chunks: Sequence[tuple[str, Buffer]],
+    chunks: Sequence[tuple[str, Buffer | None]],
     tail: Buffer,
     window: Buffer | None,
 ) -> None:
     """Raise ``InvalidRequest`` / ``LayoutMismatch`` / ``CodecError`` unless it all fits.
 
-    ``tokens``: (num_tokens,) uint32. Every complete chunk of the token ids must be given;
-    the tail covers the rest (tokens of an incomplete entry may stay uncovered).
+    ``tokens``: (num_tokens,) uint32. Every complete chunk of the token ids must be given,
+    as (key, bytes), or as (key, None) for a chunk the store already holds: that one is
+    checked by its key alone, which must be the one its tokens chain to, so a spill can
+    only name the chunk holding exactly its own tokens (its bytes were checked when first
+    spilled and are checked again on every restore). The tail covers the rest (tokens of
+    an incomplete entry may stay uncovered).
     """
     size = spec.chunk_tokens
     if len(chunks) != len(tokens) // size:
@@ -52,16 +56,18 @@ def check_spill(
     parent = ROOT_PARENT
     for i, item in enumerate(chunks):
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-            raise InvalidRequest(f"chunk {i} must be a (key, bytes) pair")
+            raise InvalidRequest(f"chunk {i} must be a (key, bytes or None) pair")
         key, data = item
-        header = verify_chunk(data)
-        if header.ephemeral:
-            raise InvalidRequest(f"chunk {i} holds ephemeral (window) streams")
-        _check_range(f"chunk {i}", header, spec, tokens, i * size, size)
         parent = chunk_key(spec.layout_id, parent, tokens[i * size : (i + 1) * size])
         if key != parent:
             raise InvalidRequest(f"chunk {i} has key {key!r}; its tokens under layout "
                                  f"{spec.layout_id} chain to {parent!r}")
+        if data is None:
+            continue
+        header = verify_chunk(data)
+        if header.ephemeral:
+            raise InvalidRequest(f"chunk {i} holds ephemeral (window) streams")
+        _check_range(f"chunk {i}", header, spec, tokens, i * size, size)
     covered = len(chunks) * size
     if len(tail):
         header = verify_chunk(tail)
@@ -72,10 +78,10 @@ def check_spill(
                                  f"{len(tokens) - covered} follow the last chunk")
         _check_range("the tail", header, spec, tokens, covered, header.num_tokens)
     if window is not None:
-        _check_window(spec, tokens, window)
+        check_window(spec, tokens, window)
 
 
-def _check_window(spec: LayoutSpec, tokens: np.ndarray, window: Buffer) -> None:
+def check_window(spec: LayoutSpec, tokens: np.ndarray, window: Buffer) -> None:
     """A window blob is one or more ephemeral chunks back to back (window K/V, pending rows)."""
     parts = split_chunks(window)
     if not parts:
@@ -108,7 +114,7 @@ def restored_chunk_check(spec: LayoutSpec, tokens: np.ndarray, index: int):
 def window_check(spec: LayoutSpec, tokens: np.ndarray):
     def check(data: Buffer) -> None:
         try:
-            _check_window(spec, tokens, data)
+            check_window(spec, tokens, data)
         except InvalidRequest as exc:
             raise ChunkCorrupt(f"the window copy does not match the manifest: {exc}") from exc
 

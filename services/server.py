@@ -23,10 +23,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvstore.errors import CodecError, InvalidRequest, KVTierError
+from kvstore.errors import ChunksNotHeld, CodecError, InvalidRequest, KVTierError
 from kvstore.manager import TierManager
 from kvstore.manifest import SessionManifest
-from kvstore.spill import ChunksNotHeld
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services import address_file, shm
