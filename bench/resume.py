@@ -25,9 +25,16 @@ session is somewhere" to "a ``KVState`` that ``decode_step`` accepts" (best of
   time depends only on the bytes); this model cannot decode from such a cache, so the
   path is not checked.
 
-The product path driven is the library one the gRPC server wraps: a ``TierManager``
-over real host, disk and object tiers in a temp dir (spilled with a durable ack), and
-the real replay worker; no gRPC hop. Before every timed read the page cache of the
+- ``disk-grpc``: the disk path end to end through the service: a real ``kvtier`` gRPC
+  server on loopback (``services.server.create_server``, host and disk tiers, in-process
+  replay loading the same weights file) and ``services.client.AsyncClient``: spill,
+  ``evict`` to disk, ``resume`` (the server restores, replays and streams the session,
+  over shared memory on loopback), decoded into a ``KVState``. Skipped with random init
+  (no weights file); the first resume (loading the server's model) is not timed.
+
+The other tier paths drive the library the gRPC server wraps: a ``TierManager`` over
+real host, disk and object tiers in a temp dir (spilled with a durable ack) and the real
+replay worker, in this process. Before every timed read the page cache of the
 files read is dropped (``posix_fadvise(DONTNEED)`` on this run's own files), so disk,
 object and naive read from the medium, not from RAM.
 
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hashlib
 import json
 import os
@@ -73,7 +81,7 @@ from model.state import KVState
 from replay.state_codec import state_from_chunks, state_to_chunks
 from replay.worker import ReplayWorker
 
-PATHS = ("prefill", "host", "disk", "object", "naive")
+PATHS = ("prefill", "host", "disk", "disk-grpc", "object", "naive")
 TENANT = "bench"
 GiB = 1 << 30
 
@@ -100,18 +108,18 @@ def spec_for(cfg) -> LayoutSpec:
         return register_layout(layout_spec(cfg, name=f"bench-{derived.layout_id[-16:]}"))
 
 
-_HELD_OUT: list[bytes] = []
-
-
 def held_out_ids(length: int, offset: float = 0.0) -> torch.Tensor:
     """(length,) int64: held-out bytes starting at fraction ``offset`` of the corpus."""
-    if not _HELD_OUT:
-        _HELD_OUT.append(corpus(held_out=True))
-    data = _HELD_OUT[0]
+    data = _held_out()
     if length > len(data):
         raise ValueError(f"held-out text has {len(data)} bytes, {length} were asked for")
     start = int((len(data) - length) * offset)
     return torch.tensor(list(data[start:start + length]), dtype=torch.int64)
+
+
+@functools.cache
+def _held_out() -> bytes:
+    return corpus(held_out=True)
 
 
 def fork(state: KVState) -> KVState:
@@ -135,11 +143,8 @@ def drop_page_cache(root: Path) -> None:
     the next read comes from the medium."""
     for path in [root] if root.is_file() else root.rglob("*"):
         if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            with open(path, "rb") as file:
+                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 async def open_store(root: Path, capacity: int = 8 * GiB) -> TierManager:
@@ -198,10 +203,9 @@ async def _tier_path(manager, worker, spec, session, tier, replay_tokens, repeat
     best: dict | None = None
     n_chunks = len((await manager.get_manifest(TENANT, session)).chunk_keys)
     for _ in range(repeats):
+        await manager.drain()  # promotions of the previous read land before moving it
         if tier != "host":
-            await manager.drain()  # promotions of the previous read land before moving it
             await manager.demote(TENANT, session, tier)
-        await manager.drain()
         drop_page_cache(root)
         started = time.perf_counter()
         state, parts = await ready_state(manager, worker, spec, session, replay_tokens)
@@ -217,12 +221,55 @@ async def _tier_path(manager, worker, spec, session, tier, replay_tokens, repeat
             "stored_bytes": held + len(manifest)}
 
 
+async def _grpc_path(model: KVTierLM, weights: Path, spec: LayoutSpec, state: KVState,
+                     root: Path, replay_tokens: int, repeats: int, next_token: int,
+                     ref: torch.Tensor, kl_tol: float) -> dict:
+    from services.client import AsyncClient
+    from services.config import load_config
+    from services.server import create_server
+
+    config = load_config(preset="embedded", env={}, overrides={
+        "listen": "127.0.0.1:0", "data_dir": root / "service", "host_bytes": GiB,
+        "disk_bytes": 8 * GiB, "object_bytes": 0, "replay_tokens": replay_tokens,
+        "replay_weights": str(weights), "max_message_bytes": 256 << 20})
+    chunks, tail, window = state_to_chunks(spec, state)
+    server, port = await create_server(config)
+    best: dict | None = None
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}", max_message_bytes=256 << 20) as kv:
+            await kv.spill(TENANT, "g", spec, state.token_ids, chunks=[c for _, c in chunks],
+                           tail=tail, window=window, generation=1, ack="durable")
+            for attempt in range(repeats + 1):  # attempt 0 loads the server's model
+                await kv.evict(TENANT, "g", "disk")
+                drop_page_cache(root / "service")
+                started = time.perf_counter()
+                got = await kv.resume(TENANT, "g", replay_tokens=replay_tokens, decode=False)
+                ready = state_from_chunks(model.cfg, got.token_ids, got.chunks, got.tail,
+                                          got.window_blob, spec=spec)
+                seconds = time.perf_counter() - started
+                if not got.replayed or got.tier != "disk":
+                    raise RuntimeError(f"resume came from {got.tier}, replayed {got.replayed}")
+                if attempt and (best is None or seconds < best["seconds"]):
+                    best = {"seconds": seconds, "replay_s": got.replay_seconds,
+                            "server_restore_s": got.restore_seconds, "state": ready}
+        store = server.servicer.manager  # what the server's disk tier holds, as for "disk"
+        stored = (next(t for t in store.tiers if t.name == "disk").used_bytes
+                  + len(await store.meta.get(manifest_key(TENANT, "g"))))
+    finally:
+        await server.stop(1)
+    check = compare_logits(ref, decode_step(model, best.pop("state"), next_token))
+    return {**best, "check": check, "verified": _ok(check, kl_tol), "stored_bytes": stored}
+
+
 def _ok(check: dict, kl_tol: float) -> bool:
     return check["kl_nats"] <= kl_tol
 
 
 async def measure_context(model: KVTierLM, worker: ReplayWorker, n: int, root: Path, *,
-                          repeats: int, replay_tokens: int, kl_tol: float) -> dict:
+                          repeats: int, replay_tokens: int, kl_tol: float,
+                          weights: Path | None = None) -> dict:
+    """Every path at context n; ``weights``: the file ``model`` was loaded from (None:
+    random init, and the gRPC path, whose server loads weights from a file, is skipped)."""
     spec = spec_for(model.cfg)
     ids = held_out_ids(n + 1, offset=0.5)
     started = time.perf_counter()
@@ -243,6 +290,14 @@ async def measure_context(model: KVTierLM, worker: ReplayWorker, n: int, root: P
         paths["host"]["spill_s"] = spill_s
     finally:
         await manager.close()
+    paths["disk-grpc"] = {"skipped": "random init: the server loads weights from a file"}
+    if weights is not None:
+        try:
+            paths["disk-grpc"] = await _grpc_path(model, weights, spec, state, root,
+                                                  replay_tokens, repeats, int(ids[n]), ref,
+                                                  kl_tol)
+        except Exception as exc:  # the library paths' figures stand without it
+            paths["disk-grpc"] = {"error": f"{type(exc).__name__}: {exc}"}
     cache, path = naive_cache(spec, n), root / "naive.pt"
     save_s, best = naive_save(cache, path), float("inf")
     del cache
@@ -256,8 +311,9 @@ async def measure_context(model: KVTierLM, worker: ReplayWorker, n: int, root: P
                       "verified": None}
     path.unlink()
     for row in paths.values():
-        row["speedup_vs_prefill"] = prefill_s / row["seconds"]
-        row["stored_bytes_per_token"] = row["stored_bytes"] / n
+        if "seconds" in row:
+            row["speedup_vs_prefill"] = prefill_s / row["seconds"]
+            row["stored_bytes_per_token"] = row["stored_bytes"] / n
     return {"context": n, "paths": paths}
 
 
@@ -266,6 +322,7 @@ async def run(model: KVTierLM, model_info: dict, contexts: list[int], *, repeats
     """Every path at every context (see the module docstring); ``model_info`` says which
     weights ``model`` has (``load_model``)."""
     spec = spec_for(model.cfg)
+    weights = Path(model_info["weights"]) if model_info.get("weights") else None
     prefill(model, held_out_ids(min(512, *contexts)), logits="none")  # first-call costs
     worker = ReplayWorker(model, default_tokens=replay_tokens)
     rows = []
@@ -274,13 +331,13 @@ async def run(model: KVTierLM, model_info: dict, contexts: list[int], *, repeats
             for n in contexts:
                 rows.append(await measure_context(model, worker, n, Path(tmp) / f"n{n}",
                                                   repeats=repeats, replay_tokens=replay_tokens,
-                                                  kl_tol=kl_tol))
+                                                  kl_tol=kl_tol, weights=weights))
     finally:
         await worker.close()
     return {"benchmark": "resume", "model": model_info, "layout": spec.layout_id,
             "replay_tokens": replay_tokens, "repeats": repeats, "kl_tol": kl_tol,
             "torch_threads": torch.get_num_threads(), "driven": "kvstore.TierManager "
-            "(library API the gRPC server wraps) + replay.worker.ReplayWorker, in process",
+            "+ replay.worker.ReplayWorker in process; disk-grpc: kvtier server + AsyncClient",
             "load_average_1m": os.getloadavg()[0], "contexts": rows,
             "goal": goal(rows)}
 
@@ -293,18 +350,24 @@ def goal(rows: list[dict]) -> dict:
     return {"disk_speedup_at_16384": at_16k,
             "met_20x_at_16384": None if at_16k is None else at_16k >= 20,
             "widening_with_context": widening if len(speedups) > 1 else None,
-            "all_verified": all(p["verified"] is not False for r in rows
-                                for p in r["paths"].values())}
+            "all_verified": all(p.get("verified") is not False for r in rows
+                                for p in r["paths"].values()),
+            "paths_not_measured": sorted({f"{name}: {p.get('error') or p['skipped']}"
+                                          for r in rows for name, p in r["paths"].items()
+                                          if "seconds" not in p})}
 
 
 def format_table(result: dict) -> str:
-    lines = [f"model: {result['model']}", f"{'context':>8} {'path':<8} {'seconds':>9} "
+    lines = [f"model: {result['model']}", f"{'context':>8} {'path':<9} {'seconds':>9} "
              f"{'speedup':>9} {'B/token':>9} {'verified':>9} {'KL nats':>9}"]
     for row in result["contexts"]:
         for name in PATHS:
             p = row["paths"][name]
+            if "seconds" not in p:
+                lines.append(f"{row['context']:>8} {name:<9} {p.get('error') or p['skipped']}")
+                continue
             kl = p.get("check", {}).get("kl_nats")
-            lines.append(f"{row['context']:>8} {name:<8} {p['seconds']:>9.4f} "
+            lines.append(f"{row['context']:>8} {name:<9} {p['seconds']:>9.4f} "
                          f"{p['speedup_vs_prefill']:>8.1f}x {p['stored_bytes_per_token']:>9.1f} "
                          f"{str(p['verified']):>9} {'' if kl is None else f'{kl:.2e}':>9}")
     lines.append(f"goal: {result['goal']}")
