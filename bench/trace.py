@@ -211,6 +211,12 @@ def run_trace_benchmark(
         raise InvalidRequest(f"reads must be 'prefix' or 'session', got {reads!r}")
     requests: list[TraceRequest] = read_trace(trace, limit)
     workload = build_workload(requests, windows=windows, session_reads=reads == "session")
+    if not workload.unique_blocks:
+        raise InvalidRequest(f"trace {trace} holds no complete {BLOCK_TOKENS}-token block: "
+                             "nothing to cache")
+    if validate_requests and not any(r.full_blocks for r in requests[:validate_requests]):
+        raise InvalidRequest(f"the first {validate_requests} requests hold no complete block "
+                             "to validate with; ask for more")
     footprint = workload.unique_blocks * sizes["block_bytes"]
     points = [{"policy": p, "fraction": f, "footprint": footprint, "host_ratio": host_ratio,
                "disk_fraction": disk_fraction, "block_bytes": sizes["block_bytes"],

@@ -278,6 +278,15 @@ def test_json_output_and_tiers(tmp_path, capsys):
     assert make_tiers(1000, 0.1, 4.0, 0.5)[2].capacity_bytes == 500
 
 
+def test_a_trace_without_complete_blocks_is_refused(tmp_path):
+    path = write_trace(tmp_path / "t.jsonl", [request(0, []), request(9, [])])
+    with pytest.raises(InvalidRequest, match="no complete 512-token block"):
+        run_trace_benchmark(path, jobs=1)
+    path = write_trace(tmp_path / "u.jsonl", [request(0, []), request(9, [4])])
+    with pytest.raises(InvalidRequest, match="first 1 requests hold no complete block"):
+        run_trace_benchmark(path, jobs=1, validate_requests=1)
+
+
 @pytest.mark.parametrize("options, words", [
     ({"policies": ("lru", "fifo")}, "unknown policies ['fifo']"),
     ({"fractions": (0.1, 0.0)}, "fractions must be > 0"),
