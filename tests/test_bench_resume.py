@@ -120,9 +120,9 @@ async def test_bytes_counts_what_the_disk_tier_holds(tmp_path):
 
 
 async def test_the_grpc_path_resumes_through_a_real_server(tmp_path):
-    model = tiny_model()
     weights = tmp_path / "tiny.safetensors"
-    checkpoint.save(model, weights)  # the server's in-process replay loads this file
+    checkpoint.save(tiny_model(), weights)  # the server's in-process replay loads this file
+    model = checkpoint.load(weights)  # the same (fp16-stored) weights on both sides
     worker = ReplayWorker(model, default_tokens=8)
     try:
         row = await measure_context(model, worker, 42, tmp_path / "n42", repeats=1,
