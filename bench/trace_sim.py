@@ -49,7 +49,7 @@ class SimCounters:
     tiers: tuple[str, ...]
     block_reads: int = 0
     block_hits: list[int] = field(default_factory=list)  # per tier
-    shared_reads: int = 0  # reads of a block last read by another conversation
+    shared_reads: int = 0  # reads of a block last used by another conversation
     shared_hits: list[int] = field(default_factory=list)  # per tier, of those reads
     new_blocks: int = 0  # never read before: prefill of new tokens, unavoidable
     reprefill_blocks: int = 0  # read before, now in no tier: re-prefill
@@ -70,6 +70,20 @@ class SimCounters:
         self.window_hits = [0] * n
         self.evictions = [0] * n
         self.bytes_written = {cause: [0] * n for cause in CAUSES}
+
+    def comparable(self) -> dict:
+        """The counts a real tier stack or manager also keeps, for the validation checks."""
+        return {
+            "block_hits": self.block_hits,
+            "misses": self.new_blocks + self.reprefill_blocks,
+            "window_hits": self.window_hits,
+            "replays": self.replays,
+            "evictions": self.evictions,
+            "bytes_written": [sum(per_tier[j] for per_tier in self.bytes_written.values())
+                              for j in range(len(self.tiers))],
+            "windows_dropped": self.windows_dropped,
+            "freed_chunks": self.freed_chunks,
+        }
 
 
 class _Skip:
