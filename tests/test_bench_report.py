@@ -64,7 +64,9 @@ async def test_report_has_tables_plots_machine_and_problems(tmp_path):
     machine = results["machine"]
     assert machine["torch"] in text and machine["cpu_model"] in text
     resume_rows = [line for line in text.splitlines() if line.startswith("| 40 | ")]
-    assert len(resume_rows) == 5 + 3  # every path, then the time split of the tier paths
+    # every path, the time split of the three library tier paths, the spill times
+    assert len(resume_rows) == len(resume.PATHS) + 3 + 1
+    assert any("not measured: random init" in line for line in resume_rows)  # disk-grpc
     # R=128 is past the 24-token context: a full replay, so the goal is met exactly
     assert "**met**" in text
 
