@@ -84,15 +84,19 @@ def machine() -> dict:
         mem_kib = 0
     import triton
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip()
+
     return {
         "cpu_model": cpu, "cpus": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "memory_gib": round(mem_kib / 2**20, 1), "python": platform.python_version(),
         "torch": torch.__version__, "triton": triton.__version__,
         "cuda": torch.cuda.is_available(), "platform": platform.platform(),
-        "git_commit": commit,
+        "git_commit": git("rev-parse", "--short", "HEAD"),
+        "weights_commit": git("log", "-1", "--format=%h %ad", "--date=iso",
+                              "--", "model/weights/bundled.safetensors"),
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "load_average_at_start": os.getloadavg(),
     }
@@ -173,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown stages {sorted(unknown)}; known: {', '.join(STAGES)}")
     torch.set_num_threads(args.threads)
     results = run_all(stages, args.sizes, args.trace, args.weights)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"bench.all: results in {args.out}", file=sys.stderr)
     if not args.no_report:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import matplotlib
@@ -20,6 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
+ROOT = Path(__file__).resolve().parent.parent
 RESUME_PATHS = ("prefill", "host", "disk", "disk-grpc", "object", "naive")
 PATH_LABELS = {"prefill": "full re-prefill", "host": "host tier (window kept)",
                "disk": "disk tier + replay", "disk-grpc": "disk + replay via gRPC server",
@@ -134,6 +136,7 @@ def machine_section(results: dict) -> list[str]:
             ["memory", f"{m['memory_gib']} GiB"], ["CUDA", m["cuda"]],
             ["python / torch / triton", f"{m['python']} / {m['torch']} / {m['triton']}"],
             ["platform", m["platform"]], ["git commit", m["git_commit"]],
+            ["model weights", f"commit {m.get('weights_commit') or 'none (not committed)'}"],
             ["date", m["date_utc"]],
             ["load average (1, 5, 15 min) at start / end",
              f"{_load(m['load_average_at_start'])} / {_load(results['load_average_at_end'])}"],
@@ -187,18 +190,23 @@ def resume_section(stage: dict) -> list[str]:
             "dropped (a virtual disk; its reads may be served by the host's cache).", ""]
     g = stage["goal"]
     out += [f"Goal (disk >= 20x faster than re-prefill at 16k, widening with context): "
-            f"disk speedup at 16384 = {_num(g['disk_speedup_at_16384'])}x, met: "
+            f"disk speedup at 16384 = {_num(g['disk_speedup_at_16384'])}, met: "
             f"{g['met_20x_at_16384']}; widening: {g['widening_with_context']}; every checked "
             f"path verified: {g['all_verified']}.", ""]
     return out
 
 
 def _num(value) -> str:
-    return "n/a" if value is None else f"{value:.1f}"
+    return "n/a" if value is None else f"{value:.1f}x"
+
+
+def _rel(path: str) -> str:
+    """A path as seen from the repository root (where `make bench` runs)."""
+    return os.path.relpath(path, ROOT)
 
 
 def _model(info: dict) -> str:
-    return f"{info['weights']} (sha256 {info['sha256_16']}...)" if info["trained"] else \
+    return f"{_rel(info['weights'])} (sha256 {info['sha256_16']}...)" if info["trained"] else \
         f"RANDOM INIT, not the trained weights: {info['note']}"
 
 
@@ -225,7 +233,7 @@ def fidelity_section(stage: dict) -> list[str]:
 def trace_section(stage: dict) -> list[str]:
     t = stage["trace"]
     out = ["## Hit rate on a request trace (`python -m bench.trace`)", "",
-           f"Trace `{t['path']}`: {t['requests']} requests, {t['block_reads']} block reads, "
+           f"Trace `{_rel(t['path'])}`: {t['requests']} requests, {t['block_reads']} block reads, "
            f"{t['unique_blocks']} unique blocks, {t['conversations']} conversations, "
            f"{t['resumes']} resumes. Layout {stage['layout']['name']}: block "
            f"{stage['layout']['block_bytes']} B, window {stage['layout']['window_bytes']} B. "
@@ -295,7 +303,9 @@ def headlines(stages: dict) -> list[str]:
             p = row["paths"]
             out.append(f"- {row['context']} tokens: disk resume {_ms(p['disk']['seconds'])} vs "
                        f"re-prefill {_ms(p['prefill']['seconds'])} "
-                       f"(**{p['disk']['speedup_vs_prefill']:.0f}x**); host "
+                       f"(**{p['disk']['speedup_vs_prefill']:.0f}x**"
+                       + (f", via the gRPC server {p['disk-grpc']['speedup_vs_prefill']:.0f}x"
+                          if "seconds" in p.get("disk-grpc", {}) else "") + "); host "
                        f"{p['host']['speedup_vs_prefill']:.0f}x, object "
                        f"{p['object']['speedup_vs_prefill']:.0f}x, naive torch.load "
                        f"{p['naive']['speedup_vs_prefill']:.0f}x at "
@@ -318,11 +328,12 @@ def headlines(stages: dict) -> list[str]:
     tr = stages.get("trace")
     if _ok(tr):
         fractions = sorted({r["capacity_fraction"] for r in tr["results"]})
-        mid = fractions[len(fractions) // 2]
-        rates = ", ".join(f"{r['policy']} {r['reuse_fast_hit_rate']:.3f}" for r in tr["results"]
-                          if r["capacity_fraction"] == mid)
-        out.append(f"- Trace, hbm at {mid:g} of the footprint: fast-tier hit rate among "
-                   f"re-reads: {rates}.")
+        for fraction in dict.fromkeys((fractions[0], fractions[len(fractions) // 2])):
+            rates = ", ".join(f"{r['policy']} {r['reuse_fast_hit_rate']:.3f}"
+                              for r in tr["results"] if r["capacity_fraction"] == fraction)
+            out.append(f"- Trace, hbm at {fraction:g} of the footprint (host "
+                       f"{tr['tiers']['host_ratio']:g}x that): hbm + host hit rate among "
+                       f"re-reads: {rates}.")
     return out + [""]
 
 
