@@ -22,14 +22,16 @@ How each figure is obtained (the JSON repeats this under "method"):
 - Replay (``bench.trace_sim``): each request reads its blocks in order (hit in the
   highest tier holding it, promotion to hbm if lower; a block in no tier is a miss:
   prefill if never seen, re-prefill otherwise), reads its conversation's window (missing:
-  one bounded replay of W tokens), then spills its blocks and new window with its hint;
-  write-back copies every block to disk. Placement mirrors ``kvstore.placement.TierStack``.
-  Time is a virtual clock at the trace's timestamps.
+  one bounded replay of W tokens), then spills its blocks and new window with its hint
+  as its conversation's next generation (blocks no conversation stores any more are
+  freed); write-back copies every block to disk. Placement mirrors
+  ``kvstore.placement.TierStack``. Time is a virtual clock at the trace's timestamps.
 - Policies: ``lru`` (LRUPolicy), ``hint`` (HintPolicy given the true gap to the
   conversation's next request x lognormal noise, sigma ``--hint-sigma``: an oracle-derived
   estimate, labelled as such), ``hint-perfect`` (sigma 0), ``hint-causal`` (HintPolicy
-  given only past gaps), ``belady`` (evict the block whose next read is farthest ahead,
-  from a next-use table of the whole trace; ``bench.trace_belady``).
+  given only past gaps: the conversation's last one, else the recent median), ``belady``
+  (evict the block whose next read is farthest ahead, from a next-use table of the whole
+  trace; ``bench.trace_belady``).
 - ``--reads session`` reads only a conversation's stored blocks, as
   ``TierManager.restore`` does (blocks shared with other sessions are deduplicated on
   spill, never read); the default ``prefix`` reads every complete block of the prompt.
