@@ -18,7 +18,7 @@ import itertools
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Hashable, Iterator
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass
 
 from kvstore.errors import InvalidRequest
@@ -121,23 +121,28 @@ class _Level:
     def __len__(self) -> int:
         return len(self.unhinted) + len(self.hinted)
 
-    def hinted_by_latest_return(self) -> Iterator[tuple[float, BlockId]]:
-        """Live hinted blocks, latest predicted return first, visiting only what is asked.
+    def latest_return(self, exclude: Collection[BlockId]) -> tuple[float, BlockId] | None:
+        """The live hinted block not in ``exclude`` with the latest predicted return.
 
-        Stale heap entries (re-hinted or removed blocks) are dropped from the head; deeper
-        ones are skipped by walking the heap's tree in order with a small frontier heap.
+        Stale entries (re-hinted or removed blocks) on the way are dropped for good;
+        excluded ones are popped aside and pushed back: a few C-level heap operations,
+        where the request being placed protects its own (recently hinted) blocks.
         """
-        heap = self.heap
-        while heap and self.hinted.get(heap[0][2]) != (-heap[0][0], heap[0][1]):
-            heapq.heappop(heap)
-        frontier = [(heap[0], 0)] if heap else []
-        while frontier:
-            (neg_next, seq, block), i = heapq.heappop(frontier)
-            if self.hinted.get(block) == (-neg_next, seq):
-                yield -neg_next, block
-            for child in (2 * i + 1, 2 * i + 2):
-                if child < len(heap):
-                    heapq.heappush(frontier, (heap[child], child))
+        heap, hinted = self.heap, self.hinted
+        aside = []
+        found = None
+        while heap:
+            neg_next, seq, block = heap[0]
+            if hinted.get(block) != (-neg_next, seq):
+                heapq.heappop(heap)
+            elif block in exclude:
+                aside.append(heapq.heappop(heap))
+            else:
+                found = (-neg_next, block)
+                break
+        for item in aside:
+            heapq.heappush(heap, item)
+        return found
 
 
 class HintPolicy(EvictionPolicy):
@@ -202,11 +207,9 @@ class HintPolicy(EvictionPolicy):
                 if block not in exclude:  # oldest first: the first one is the best unhinted
                     best, best_next = block, 2 * now - last
                     break
-            for predicted, block in level.hinted_by_latest_return():
-                if block not in exclude:
-                    if max(predicted, now) > best_next:
-                        best = block
-                    break
+            latest = level.latest_return(exclude)
+            if latest is not None and max(latest[0], now) > best_next:
+                best = latest[1]
             if best is not None:
                 return best
         return None

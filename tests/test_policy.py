@@ -90,6 +90,24 @@ def test_hint_policy_keeps_pause_estimate_across_accesses_and_rehints():
     assert policy.victim() == "y"
 
 
+def test_hint_policy_victim_skips_protected_blocks_without_losing_them():
+    """A request protects its own blocks (the latest hinted ones): victim passes over them
+    and over stale entries of re-hinted blocks, and keeps every one for later calls."""
+    clock = VirtualClock()
+    policy = HintPolicy(clock)
+    for block in range(10):
+        policy.on_insert(block, hint=ResumeHint(expected_pause_s=100 + block))
+    for block in range(0, 10, 2):  # stale heap entries, later returns than before
+        policy.on_access(block, hint=ResumeHint(expected_pause_s=200 + block))
+    protected = {8, 6, 4}
+    assert policy.victim(protected) == 2
+    assert policy.victim(protected | {2, 0}) == 9
+    ranked: list[int] = []
+    while (block := policy.victim(set(ranked))) is not None:
+        ranked.append(block)
+    assert ranked == [8, 6, 4, 2, 0, 9, 7, 5, 3, 1]  # each still ranked by its latest hint
+
+
 def test_hint_policy_matches_reference_on_random_operations():
     """Against a brute-force statement of the rule, over many inserts, hints and removals."""
     rng = random.Random(7)
