@@ -111,34 +111,48 @@ class LRUPolicy(EvictionPolicy):
 
 
 class _Level:
-    """Blocks of one priority: hinted ones by predicted return, unhinted ones by recency."""
+    """The blocks of one priority, each keyed by a reference time ``r`` (see HintPolicy).
+
+    Two lazy heaps over the same entries: the stalest block (smallest ``r``) and the one
+    due latest (largest ``r``); one of the two is the level's victim.
+    """
 
     def __init__(self) -> None:
-        self.unhinted: OrderedDict[BlockId, float] = OrderedDict()  # block -> last access
-        self.hinted: dict[BlockId, tuple[float, int]] = {}  # block -> (predicted next use, seq)
-        self.heap: list[tuple[float, int, BlockId]] = []  # (-predicted next use, seq, block)
+        self.entries: dict[BlockId, tuple[float, int]] = {}  # block -> (r, seq)
+        self.stalest: list[tuple[float, int, BlockId]] = []  # (r, seq, block)
+        self.latest: list[tuple[float, int, BlockId]] = []  # (-r, seq, block)
 
-    def __len__(self) -> int:
-        return len(self.unhinted) + len(self.hinted)
+    def add(self, block: BlockId, r: float, seq: int) -> None:
+        self.entries[block] = (r, seq)
+        heapq.heappush(self.stalest, (r, seq, block))
+        heapq.heappush(self.latest, (-r, seq, block))
+        if len(self.stalest) > 2 * len(self.entries) + 64:  # bound the stale entries
+            self.stalest = [(r, q, b) for b, (r, q) in self.entries.items()]
+            self.latest = [(-r, q, b) for b, (r, q) in self.entries.items()]
+            heapq.heapify(self.stalest)
+            heapq.heapify(self.latest)
 
-    def latest_return(self, exclude: Collection[BlockId]) -> tuple[float, BlockId] | None:
-        """The live hinted block not in ``exclude`` with the latest predicted return.
+    def first(self, heap: list[tuple[float, int, BlockId]], sign: int,
+              exclude: Collection[BlockId], stop: float = math.inf
+              ) -> tuple[float, BlockId] | None:
+        """(r, block) of the first live block of ``heap`` not in ``exclude`` whose heap key
+        (``sign * r``) is below ``stop``, or None.
 
-        Stale entries (re-hinted or removed blocks) on the way are dropped for good;
+        Stale entries (re-keyed or removed blocks) on the way are dropped for good;
         excluded ones are popped aside and pushed back: a few C-level heap operations,
-        where the request being placed protects its own (recently hinted) blocks.
+        where the request being placed protects its own blocks.
         """
-        heap, hinted = self.heap, self.hinted
+        entries = self.entries
         aside = []
         found = None
-        while heap:
-            neg_next, seq, block = heap[0]
-            if hinted.get(block) != (-neg_next, seq):
+        while heap and heap[0][0] < stop:
+            key, seq, block = heap[0]
+            if entries.get(block) != (sign * key, seq):
                 heapq.heappop(heap)
             elif block in exclude:
                 aside.append(heapq.heappop(heap))
             else:
-                found = (-neg_next, block)
+                found = (sign * key, block)
                 break
         for item in aside:
             heapq.heappush(heap, item)
@@ -148,10 +162,13 @@ class _Level:
 class HintPolicy(EvictionPolicy):
     """Evict the block predicted to be needed latest; lowest priority first.
 
-    A hinted block is predicted back at ``last_access + expected_pause_s`` (an overdue
-    one: now). An unhinted block is predicted back after as long again as it has been
-    idle, ``now + (now - last_access)``, which orders unhinted blocks exactly as LRU does,
-    so a policy that never receives a hint behaves as ``LRUPolicy``.
+    Each block has a reference time ``r``: a hinted block's predicted return,
+    ``last_access + expected_pause_s``; an unhinted block's last access. Its predicted
+    next use is ``now + |now - r|``: the predicted return while that is ahead; once ``r``
+    has passed, as long again as the block has been idle (since its last access, or
+    since the return it missed), so a block whose session never comes back grows stale
+    like an unused one instead of pinning the tier. Unhinted blocks are thus ordered
+    exactly as LRU orders them: a policy that never receives a hint is ``LRUPolicy``.
     """
 
     def __init__(self, clock: Clock = time.monotonic) -> None:
@@ -170,20 +187,12 @@ class HintPolicy(EvictionPolicy):
             hint = self._hints.get(block)
         self.on_remove(block)
         priority = 0 if hint is None else hint.priority
-        level = self._levels.setdefault(priority, _Level())
         self._priority[block] = priority
         if hint is not None:
             self._hints[block] = hint
-        if hint is None or hint.expected_pause_s is None:
-            level.unhinted[block] = now
-            return
-        predicted = now + hint.expected_pause_s
-        seq = next(self._seq)
-        level.hinted[block] = (predicted, seq)
-        heapq.heappush(level.heap, (-predicted, seq, block))
-        if len(level.heap) > 2 * len(level.hinted) + 64:  # bound the stale entries
-            level.heap = [(-p, q, b) for b, (p, q) in level.hinted.items()]
-            heapq.heapify(level.heap)
+        pause = None if hint is None else hint.expected_pause_s
+        r = now if pause is None else now + pause
+        self._levels.setdefault(priority, _Level()).add(block, r, next(self._seq))
 
     def on_remove(self, block: BlockId) -> None:
         priority = self._priority.pop(block, None)
@@ -191,35 +200,30 @@ class HintPolicy(EvictionPolicy):
             return
         self._hints.pop(block, None)
         level = self._levels[priority]
-        level.unhinted.pop(block, None)
-        if level.hinted.pop(block, None) is not None and not level.hinted:
-            level.heap.clear()
-        if not level:
+        del level.entries[block]
+        if not level.entries:
             del self._levels[priority]
 
     def victim(self, exclude: Collection[BlockId] = ()) -> BlockId | None:
         now = self.clock()
         for priority in sorted(self._levels):
             level = self._levels[priority]
-            best: BlockId | None = None
-            best_next = -math.inf
-            for block, last in level.unhinted.items():
-                if block not in exclude:  # oldest first: the first one is the best unhinted
-                    best, best_next = block, 2 * now - last
-                    break
-            latest = level.latest_return(exclude)
-            if latest is not None and max(latest[0], now) > best_next:
-                best = latest[1]
-            if best is not None:
-                return best
+            stalest = level.first(level.stalest, 1, exclude)
+            if stalest is None:
+                continue  # all of this level excluded
+            # the block due latest wins only if it is due further ahead than the stalest
+            # one has been idle: stop the search at r <= now + |now - r_stalest|
+            bound = now + abs(now - stalest[0])
+            latest = level.first(level.latest, -1, exclude, stop=-bound)
+            return stalest[1] if latest is None else latest[1]
         return None
 
     def predicted_return(self, block: BlockId) -> float | None:
         """When ``block`` is expected back (clock units), or None if it has no pause hint."""
-        priority = self._priority.get(block)
-        if priority is None or block not in self._levels[priority].hinted:
+        hint = self._hints.get(block)
+        if hint is None or hint.expected_pause_s is None:
             return None
-        return self._levels[priority].hinted[block][0]
+        return self._levels[self._priority[block]].entries[block][0]
 
     def __contains__(self, block: BlockId) -> bool:
         return block in self._priority

@@ -56,18 +56,24 @@ def test_hint_policy_evicts_latest_return_where_lru_evicts_oldest():
     assert hint.victim(exclude={"c"}) == "a"
 
 
-def test_hint_policy_prefers_unhinted_over_overdue_and_respects_priority():
+def test_overdue_blocks_grow_stale_like_unused_ones_and_priority_still_rules():
+    """A session that never came back must not pin the tier: once its predicted return
+    has passed, its blocks age like unhinted blocks idle since that moment."""
     clock = VirtualClock()
     policy = HintPolicy(clock)
-    policy.on_insert("overdue", hint=ResumeHint(expected_pause_s=1))
-    policy.on_insert("plain")
-    clock.now = 100  # the hinted session is overdue: expected any moment
-    assert policy.victim() == "plain"
+    policy.on_insert("overdue", hint=ResumeHint(expected_pause_s=10))  # due at 10, missed
+    clock.now = 50
+    policy.on_insert("plain")  # last used at 50
+    policy.on_insert("soon", hint=ResumeHint(expected_pause_s=20))  # due at 70
+    clock.now = 60
+    assert policy.victim() == "overdue"  # stale since 10, where plain is idle since 50
     policy.on_insert("vip", hint=ResumeHint(expected_pause_s=10_000, priority=5))
-    policy.on_remove("plain")
-    # Lower priority goes first even though vip is predicted back much later.
-    assert policy.victim() == "overdue"
     policy.on_remove("overdue")
+    clock.now = 62
+    assert policy.victim() == "plain"  # idle 12 s: predicted back at 74, soon at 70
+    policy.on_remove("plain")
+    assert policy.victim() == "soon"  # lower priority goes first though vip is due later
+    policy.on_remove("soon")
     assert policy.victim() == "vip"
     policy.on_remove("vip")
     assert policy.victim() is None and len(policy) == 0
@@ -143,11 +149,8 @@ def test_hint_policy_matches_reference_on_random_operations():
 def _score(entry, now):
     last, hint = entry
     priority = 0 if hint is None else hint.priority
-    if hint is None or hint.expected_pause_s is None:
-        predicted = 2 * now - last
-    else:
-        predicted = max(last + hint.expected_pause_s, now)
-    return (-priority, predicted)
+    r = last if hint is None or hint.expected_pause_s is None else last + hint.expected_pause_s
+    return (-priority, now + abs(now - r))  # ahead: r; passed: as long again as stale
 
 
 def _reference_victim(model, now, exclude):
