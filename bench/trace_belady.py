@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Hashable
 import numpy as np
 
 from bench.trace_workload import NEVER
-from kvstore.policy import BlockId, EvictionPolicy, ResumeHint
+from kvstore.policy import BlockId, EvictionPolicy, NextUse
 
 
 class NextUseTable:
@@ -53,10 +53,10 @@ class BeladyPolicy(EvictionPolicy):
         self._heap: list[tuple[int, int, BlockId]] = []  # (-next use, seq, block)
         self._seq = itertools.count()
 
-    def on_insert(self, block: BlockId, size: int = 0, hint: ResumeHint | None = None) -> None:
+    def on_insert(self, block: BlockId, size: int = 0, hint: NextUse | None = None) -> None:
         self.on_access(block, hint)
 
-    def on_access(self, block: BlockId, hint: ResumeHint | None = None) -> None:
+    def on_access(self, block: BlockId, hint: NextUse | None = None) -> None:
         entry = (self.table.next_use(block), next(self._seq))
         self._entry[block] = entry
         heapq.heappush(self._heap, (-entry[0], entry[1], block))

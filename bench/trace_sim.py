@@ -31,7 +31,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from bench.trace_workload import Workload
-from kvstore.policy import EvictionPolicy, LRUPolicy, ResumeHint
+from kvstore.policy import EvictionPolicy, HintBook, LRUPolicy, ResumeHint
 
 CAUSES = ("spill", "promotion", "demotion", "writeback")
 
@@ -108,7 +108,9 @@ class TierSim:
                          for t in self.tiers]
         self.used = [0] * len(self.tiers)
         self.block_bytes, self.window_bytes = block_bytes, window_bytes
-        self.hints: dict[int, ResumeHint] = {}
+        bounded = [p for p, t in zip(self.policies, self.tiers, strict=True)
+                   if not math.isinf(t.capacity_bytes)]
+        self.hints = HintBook((bounded or self.policies)[0].clock)  # as TierStack.hints
         self.counters = SimCounters(tuple(t.name for t in self.tiers))
         self.where: dict[int, int] = {}  # key -> bit i set when tier i holds it
         self._busy: set[int] = set()  # keys whose lock the manager would hold now
@@ -191,7 +193,7 @@ class TierSim:
     def delete_everywhere(self, key: int) -> None:
         for j in range(len(self.tiers)):
             self.delete(j, key)
-        self.hints.pop(key, None)
+        self.hints.forget(key)
 
     # -- reads (TierStack.read, then the restore's promotion) --
 
@@ -201,6 +203,7 @@ class TierSim:
         if not mask:
             return None
         j = (mask & -mask).bit_length() - 1  # the highest tier holding it
+        self.hints.used(key)
         self.policies[j].on_access(key, self.hints.get(key))
         if j > 0:
             self._busy.add(key)
@@ -212,12 +215,14 @@ class TierSim:
 
     def touch(self, key: int, hint: ResumeHint | None) -> int:
         """Re-hint ``key`` where it is held; returns its tier mask."""
+        self.hints.used(key)
         if hint is not None:
-            self.hints[key] = hint
+            self.hints.hint(key, hint)
+        expected = self.hints.get(key)
         mask = self.where.get(key, 0)
         for i in range(len(self.tiers)):
             if mask >> i & 1:
-                self.policies[i].on_access(key, hint)
+                self.policies[i].on_access(key, expected)
         return mask
 
     def spill(self, blocks: Sequence[int], prev_blocks: Sequence[int], window_new: int | None,

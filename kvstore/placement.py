@@ -31,7 +31,7 @@ from collections.abc import Callable, Collection, Sequence
 from kvstore.codec import verify_chunk
 from kvstore.errors import ChunkNotFound, CodecError, DataLoss, TierFull, TierUnavailable
 from kvstore.locks import KeyedLocks
-from kvstore.policy import EvictionPolicy, ResumeHint
+from kvstore.policy import EvictionPolicy, HintBook, ResumeHint
 from kvstore.stats import Counters
 from kvstore.tiers.base import Buffer, Tier
 
@@ -74,7 +74,9 @@ class TierStack:
         self.counters = counters
         self.is_referenced = is_referenced
         self.on_window_dropped = on_window_dropped
-        self.hints: dict[str, ResumeHint] = {}  # carried along when a block moves
+        # predicted next uses on the policies' clock (one factory, one clock), carried
+        # along when a block moves: moving is not an access by the session
+        self.hints = HintBook(self.policies[0].clock)
         self.cooldown_s = cooldown_s
         self._down_until = [0.0] * len(self.tiers)  # monotonic time an outage ends
 
@@ -127,10 +129,13 @@ class TierStack:
                 self._mark_down(j, "listing keys", exc)
 
     def touch(self, key: str, hint: ResumeHint | None) -> None:
+        """A session stores ``key`` now, with its resume hint (None: none given)."""
+        self.hints.used(key)
         if hint is not None:
-            self.hints[key] = hint
+            self.hints.hint(key, hint)
+        expected = self.hints.get(key)
         for i in self.holders(key):
-            self.policies[i].on_access(key, hint)
+            self.policies[i].on_access(key, expected)
 
     # -- placement --
 
@@ -238,7 +243,7 @@ class TierStack:
         for j in range(len(self.tiers)):
             if self.may_hold(j, key):
                 done = await self.delete(j, key) and done
-        self.hints.pop(key, None)
+        self.hints.forget(key)
         return done
 
     # -- reads --
@@ -291,6 +296,8 @@ class TierStack:
                           key, tier.name, exc)
                 bad.append(j)
                 continue
+            if access:
+                self.hints.used(key)
             if j not in believed:
                 self.policies[j].on_insert(key, len(data), self.hints.get(key))
             elif access:

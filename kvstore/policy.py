@@ -8,6 +8,11 @@ per tier; ``bench/trace.py`` can drive one directly with a virtual clock.
 ``LRUPolicy`` is the baseline. ``HintPolicy`` uses the resume hints an agent framework
 can send (expected pause length, priority) to evict first the block that will be needed
 latest, an online approximation of Belady's optimum; without hints it is exactly LRU.
+
+Policies never see a ``ResumeHint`` itself: a ``HintBook``, one per tier stack, turns the
+hints of the sessions storing a block into the block's ``NextUse`` (a time on the
+policies' clock), and every call about the block passes that on. A block moving between
+tiers therefore keeps its predicted return: a move is not an access by its session.
 """
 
 from __future__ import annotations
@@ -47,6 +52,50 @@ class ResumeHint:
             raise InvalidRequest(f"priority must be an int, got {self.priority!r}")
 
 
+@dataclass(frozen=True)
+class NextUse:
+    """When a block is predicted to be needed next, from resume hints (see ``HintBook``).
+
+    ``at``: a time on the policies' clock (None: unknown); ``priority``: the hint's.
+    """
+
+    at: float | None = None
+    priority: int = 0
+
+
+class HintBook:
+    """The predicted next use of every hinted block of one tier stack.
+
+    ``hint``: a session stored the block with a resume hint, now. ``used``: the block was
+    read or stored now, which fulfils a predicted return that has come. ``forget``: the
+    block left every tier. The book reads the same clock as the stack's policies.
+    """
+
+    def __init__(self, clock: Clock = time.monotonic) -> None:
+        self.clock = clock
+        self._next: dict[BlockId, NextUse] = {}
+
+    def hint(self, block: BlockId, hint: ResumeHint) -> None:
+        now = self.clock()
+        pause = hint.expected_pause_s
+        self._next[block] = NextUse(None if pause is None else now + pause, hint.priority)
+
+    def used(self, block: BlockId) -> None:
+        entry = self._next.get(block)
+        now = self.clock()
+        if entry is not None and entry.at is not None and entry.at < now:
+            self._next[block] = NextUse(now, entry.priority)  # idle from now, not from then
+
+    def get(self, block: BlockId) -> NextUse | None:
+        return self._next.get(block)
+
+    def forget(self, block: BlockId) -> None:
+        self._next.pop(block, None)
+
+    def __len__(self) -> int:
+        return len(self._next)
+
+
 class EvictionPolicy(abc.ABC):
     """Tracks the blocks of one tier and names the next victim.
 
@@ -58,12 +107,13 @@ class EvictionPolicy(abc.ABC):
         self.clock = clock
 
     @abc.abstractmethod
-    def on_insert(self, block: BlockId, size: int = 0, hint: ResumeHint | None = None) -> None:
+    def on_insert(self, block: BlockId, size: int = 0, hint: NextUse | None = None) -> None:
         """``block`` now lives in the tier (re-inserting counts as an access)."""
 
     @abc.abstractmethod
-    def on_access(self, block: BlockId, hint: ResumeHint | None = None) -> None:
-        """``block`` was read or rewritten; a given hint replaces the block's old one."""
+    def on_access(self, block: BlockId, hint: NextUse | None = None) -> None:
+        """``block`` was read, rewritten or re-hinted; ``hint``: its predicted next use
+        (None: nothing known, the block was just used)."""
 
     @abc.abstractmethod
     def on_remove(self, block: BlockId) -> None:
@@ -87,10 +137,10 @@ class LRUPolicy(EvictionPolicy):
         super().__init__(clock)
         self._order: OrderedDict[BlockId, None] = OrderedDict()  # oldest first
 
-    def on_insert(self, block: BlockId, size: int = 0, hint: ResumeHint | None = None) -> None:
+    def on_insert(self, block: BlockId, size: int = 0, hint: NextUse | None = None) -> None:
         self.on_access(block, hint)
 
-    def on_access(self, block: BlockId, hint: ResumeHint | None = None) -> None:
+    def on_access(self, block: BlockId, hint: NextUse | None = None) -> None:
         self._order[block] = None
         self._order.move_to_end(block)
 
@@ -162,43 +212,35 @@ class _Level:
 class HintPolicy(EvictionPolicy):
     """Evict the block predicted to be needed latest; lowest priority first.
 
-    Each block has a reference time ``r``: a hinted block's predicted return,
-    ``last_access + expected_pause_s``; an unhinted block's last access. Its predicted
-    next use is ``now + |now - r|``: the predicted return while that is ahead; once ``r``
-    has passed, as long again as the block has been idle (since its last access, or
-    since the return it missed), so a block whose session never comes back grows stale
-    like an unused one instead of pinning the tier. Unhinted blocks are thus ordered
-    exactly as LRU orders them: a policy that never receives a hint is ``LRUPolicy``.
+    Each block has a reference time ``r``: a hinted block's predicted return
+    (``NextUse.at``); an unhinted block's last access. Its predicted next use is
+    ``now + |now - r|``: the predicted return while that is ahead; once ``r`` has
+    passed, as long again as the block has been idle (since its last access, or since
+    the return it missed), so a block whose session never comes back grows stale like
+    an unused one instead of pinning the tier. Unhinted blocks are thus ordered exactly
+    as LRU orders them: a policy that never receives a hint is ``LRUPolicy``.
     """
 
     def __init__(self, clock: Clock = time.monotonic) -> None:
         super().__init__(clock)
         self._levels: dict[int, _Level] = {}
         self._priority: dict[BlockId, int] = {}
-        self._hints: dict[BlockId, ResumeHint] = {}  # the latest hint of each hinted block
         self._seq = itertools.count()
 
-    def on_insert(self, block: BlockId, size: int = 0, hint: ResumeHint | None = None) -> None:
+    def on_insert(self, block: BlockId, size: int = 0, hint: NextUse | None = None) -> None:
         self.on_access(block, hint)
 
-    def on_access(self, block: BlockId, hint: ResumeHint | None = None) -> None:
-        now = self.clock()
-        if hint is None:  # a hinted block keeps its hint; its pause is measured from now
-            hint = self._hints.get(block)
+    def on_access(self, block: BlockId, hint: NextUse | None = None) -> None:
         self.on_remove(block)
         priority = 0 if hint is None else hint.priority
         self._priority[block] = priority
-        if hint is not None:
-            self._hints[block] = hint
-        pause = None if hint is None else hint.expected_pause_s
-        r = now if pause is None else now + pause
+        r = self.clock() if hint is None or hint.at is None else hint.at
         self._levels.setdefault(priority, _Level()).add(block, r, next(self._seq))
 
     def on_remove(self, block: BlockId) -> None:
         priority = self._priority.pop(block, None)
         if priority is None:
             return
-        self._hints.pop(block, None)
         level = self._levels[priority]
         del level.entries[block]
         if not level.entries:
@@ -218,12 +260,10 @@ class HintPolicy(EvictionPolicy):
             return stalest[1] if latest is None else latest[1]
         return None
 
-    def predicted_return(self, block: BlockId) -> float | None:
-        """When ``block`` is expected back (clock units), or None if it has no pause hint."""
-        hint = self._hints.get(block)
-        if hint is None or hint.expected_pause_s is None:
-            return None
-        return self._levels[self._priority[block]].entries[block][0]
+    def reference_time(self, block: BlockId) -> float | None:
+        """``block``'s ``r`` (predicted return or last access), None if not held."""
+        priority = self._priority.get(block)
+        return None if priority is None else self._levels[priority].entries[block][0]
 
     def __contains__(self, block: BlockId) -> bool:
         return block in self._priority

@@ -1,13 +1,21 @@
-"""Eviction policies driven with block ids and a virtual clock, as a trace simulator would."""
+"""Eviction policies driven with block ids and a virtual clock, as a trace simulator would;
+the hint book that turns resume hints into predicted next uses, and how the tier stack
+carries those along when blocks move."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+from test_manager_support import encode, random_tokens
 
 from kvstore.errors import InvalidRequest
-from kvstore.policy import HintPolicy, LRUPolicy, ResumeHint
+from kvstore.locks import KeyedLocks
+from kvstore.placement import TierStack
+from kvstore.policy import HintBook, HintPolicy, LRUPolicy, NextUse, ResumeHint
+from kvstore.stats import Counters
+from kvstore.tiers.hbm import HBMTier
+from kvstore.tiers.host import HostTier
 
 
 class VirtualClock:
@@ -16,6 +24,13 @@ class VirtualClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def hinted(book: HintBook, block, pause: float | None, priority: int = 0) -> NextUse:
+    """A session stores ``block`` now with this hint: what its tiers' policies are told."""
+    book.used(block)
+    book.hint(block, ResumeHint(expected_pause_s=pause, priority=priority))
+    return book.get(block)
 
 
 @pytest.mark.parametrize("cls", [LRUPolicy, HintPolicy])
@@ -37,22 +52,22 @@ def test_unhinted_policies_evict_least_recently_used(cls):
 
 def test_hint_policy_evicts_latest_return_where_lru_evicts_oldest():
     clock = VirtualClock()
-    lru, hint = LRUPolicy(clock), HintPolicy(clock)
+    book, lru, hint = HintBook(clock), LRUPolicy(clock), HintPolicy(clock)
     # Session a pauses first but for an hour; b pauses later for ten seconds.
     for policy in (lru, hint):
-        policy.on_insert("a", hint=ResumeHint(expected_pause_s=3600))
+        policy.on_insert("a", hint=hinted(book, "a", 3600))
     clock.now = 5
     for policy in (lru, hint):
-        policy.on_insert("b", hint=ResumeHint(expected_pause_s=10))
+        policy.on_insert("b", hint=hinted(book, "b", 10))
     clock.now = 6
     assert lru.victim() == "a"
     assert hint.victim() == "a"  # a is back at 3600, b at 15
     clock.now = 7
     for policy in (lru, hint):
-        policy.on_insert("c", hint=ResumeHint(expected_pause_s=7200))
+        policy.on_insert("c", hint=hinted(book, "c", 7200))
     assert lru.victim() == "a"
     assert hint.victim() == "c"  # needed latest, although most recent
-    assert hint.predicted_return("c") == 7207
+    assert hint.reference_time("c") == 7207
     assert hint.victim(exclude={"c"}) == "a"
 
 
@@ -60,14 +75,14 @@ def test_overdue_blocks_grow_stale_like_unused_ones_and_priority_still_rules():
     """A session that never came back must not pin the tier: once its predicted return
     has passed, its blocks age like unhinted blocks idle since that moment."""
     clock = VirtualClock()
-    policy = HintPolicy(clock)
-    policy.on_insert("overdue", hint=ResumeHint(expected_pause_s=10))  # due at 10, missed
+    book, policy = HintBook(clock), HintPolicy(clock)
+    policy.on_insert("overdue", hint=hinted(book, "overdue", 10))  # due at 10, missed
     clock.now = 50
     policy.on_insert("plain")  # last used at 50
-    policy.on_insert("soon", hint=ResumeHint(expected_pause_s=20))  # due at 70
+    policy.on_insert("soon", hint=hinted(book, "soon", 20))  # due at 70
     clock.now = 60
     assert policy.victim() == "overdue"  # stale since 10, where plain is idle since 50
-    policy.on_insert("vip", hint=ResumeHint(expected_pause_s=10_000, priority=5))
+    policy.on_insert("vip", hint=hinted(book, "vip", 10_000, priority=5))
     policy.on_remove("overdue")
     clock.now = 62
     assert policy.victim() == "plain"  # idle 12 s: predicted back at 74, soon at 70
@@ -79,21 +94,22 @@ def test_overdue_blocks_grow_stale_like_unused_ones_and_priority_still_rules():
     assert policy.victim() is None and len(policy) == 0
 
 
-def test_hint_policy_keeps_pause_estimate_across_accesses_and_rehints():
+def test_hint_book_times_and_fulfilled_returns():
     clock = VirtualClock()
-    policy = HintPolicy(clock)
-    policy.on_insert("x", hint=ResumeHint(expected_pause_s=50))
+    book = HintBook(clock)
+    assert hinted(book, "x", 50) == NextUse(50, 0)
     clock.now = 10
-    policy.on_access("x")
-    assert policy.predicted_return("x") == 60
-    policy.on_access("x", hint=ResumeHint(expected_pause_s=5))
-    assert policy.predicted_return("x") == 15
-    policy.on_access("x", hint=ResumeHint(priority=1))
-    assert policy.predicted_return("x") is None
-    policy.on_insert("y")
-    clock.now = 20
-    policy.on_access("x")  # keeps priority 1: y (priority 0) still goes first
-    assert policy.victim() == "y"
+    book.used("x")  # read early: the predicted return still stands
+    assert book.get("x") == NextUse(50, 0)
+    clock.now = 80
+    book.used("x")  # read after it: fulfilled, idle from now on
+    assert book.get("x") == NextUse(80, 0)
+    assert hinted(book, "x", 5) == NextUse(85, 0)
+    assert hinted(book, "x", None, priority=2) == NextUse(None, 2)  # priority only
+    book.used("never-hinted")
+    assert book.get("never-hinted") is None and len(book) == 1
+    book.forget("x")
+    assert book.get("x") is None and len(book) == 0
 
 
 def test_hint_policy_victim_skips_protected_blocks_without_losing_them():
@@ -102,9 +118,9 @@ def test_hint_policy_victim_skips_protected_blocks_without_losing_them():
     clock = VirtualClock()
     policy = HintPolicy(clock)
     for block in range(10):
-        policy.on_insert(block, hint=ResumeHint(expected_pause_s=100 + block))
+        policy.on_insert(block, hint=NextUse(100 + block))
     for block in range(0, 10, 2):  # stale heap entries, later returns than before
-        policy.on_access(block, hint=ResumeHint(expected_pause_s=200 + block))
+        policy.on_access(block, hint=NextUse(200 + block))
     protected = {8, 6, 4}
     assert policy.victim(protected) == 2
     assert policy.victim(protected | {2, 0}) == 9
@@ -119,7 +135,7 @@ def test_hint_policy_matches_reference_on_random_operations():
     rng = random.Random(7)
     clock = VirtualClock()
     policy = HintPolicy(clock)
-    model: dict[int, tuple[float, ResumeHint | None]] = {}  # block -> (last access, hint)
+    model: dict[int, tuple[int, float]] = {}  # block -> (priority, r)
     for _ in range(3000):
         clock.now += rng.random()
         op = rng.random()
@@ -127,11 +143,11 @@ def test_hint_policy_matches_reference_on_random_operations():
         if op < 0.55:
             hint = None
             if rng.random() < 0.6:
-                pause = rng.choice([None, rng.uniform(0, 50)])
-                hint = ResumeHint(expected_pause_s=pause, priority=rng.randrange(3))
-            keep = model[block][1] if block in model and hint is None else hint
+                at = rng.choice([None, clock.now + rng.uniform(-30, 50)])
+                hint = NextUse(at, priority=rng.randrange(3))
             policy.on_access(block, hint)
-            model[block] = (clock.now, keep)
+            model[block] = (0 if hint is None else hint.priority,
+                            clock.now if hint is None or hint.at is None else hint.at)
         elif op < 0.8:
             policy.on_remove(block)
             model.pop(block, None)
@@ -147,9 +163,7 @@ def test_hint_policy_matches_reference_on_random_operations():
 
 
 def _score(entry, now):
-    last, hint = entry
-    priority = 0 if hint is None else hint.priority
-    r = last if hint is None or hint.expected_pause_s is None else last + hint.expected_pause_s
+    priority, r = entry
     return (-priority, now + abs(now - r))  # ahead: r; passed: as long again as stale
 
 
@@ -158,6 +172,32 @@ def _reference_victim(model, now, exclude):
     if not candidates:
         return None
     return max(candidates, key=lambda b: _score(model[b], now))
+
+
+async def test_tier_stack_moves_keep_the_predicted_return():
+    """Demotion and promotion are not accesses by the session: a block keeps the return
+    its hint predicted, in whichever tier it lands."""
+    clock = VirtualClock()
+    tokens = random_tokens(16, seed=1)
+    data = {key: encode(0, tokens, seed=i) for i, key in enumerate("abc")}
+    size = len(data["a"])
+    tiers = [HBMTier(2 * size, device="cpu"), HostTier(8 * size, pin_memory=False)]
+    stack = TierStack(tiers, lambda: HintPolicy(clock), KeyedLocks(), Counters(),
+                      is_referenced=lambda key: True, on_window_dropped=lambda key: None)
+    for key, pause in (("a", 100), ("b", 1000), ("c", 10)):
+        stack.touch(key, ResumeHint(expected_pause_s=pause))
+        assert await stack.place(key, data[key]) == 0
+        clock.now += 20  # a due at 100, b at 1020, c at 50
+    assert stack.holders("b") == [1]  # c's spill demoted the one due latest
+    assert stack.policies[1].reference_time("b") == 1020
+    clock.now = 200  # b is read back from host (a restore) and promoted
+    found, source, bad = await stack.read("b")
+    assert source == 1 and await stack.promote("b", found, source, bad) == 0
+    assert stack.policies[0].reference_time("b") == 1020
+    # promoting b demoted c: overdue since 50, staler than a (since 100)
+    assert stack.holders("c") == [1] and stack.policies[1].reference_time("c") == 50
+    for tier in tiers:
+        await tier.close()
 
 
 def test_resume_hint_validates():
