@@ -223,13 +223,15 @@ class DiskTier(Tier):
         kb = key_bytes(key)
         self._check_open()
         for _ in range(3):
+            # Epoch before lookup: an index switch committed between the two would
+            # otherwise leave the old segment open, with no later epoch change to close it.
+            self._forget_retired()
             entry = self._current(kb)
             if entry is None:
                 raise ChunkNotFound(f"disk tier holds no {key!r}")
             if entry.expired():
                 await self._purge_if_expired(kb)
                 raise ChunkNotFound(f"disk tier: {key!r} expired")
-            self._forget_retired()
             self.files.pin(entry.seg_id)
             try:
                 return await self._read(kb, entry)
