@@ -203,7 +203,7 @@ class TierSim:
         if not mask:
             return None
         j = (mask & -mask).bit_length() - 1  # the highest tier holding it
-        self.hints.used(key)
+        self.hints.read(key)
         self.policies[j].on_access(key, self.hints.get(key))
         if j > 0:
             self._busy.add(key)
@@ -215,9 +215,7 @@ class TierSim:
 
     def touch(self, key: int, hint: ResumeHint | None) -> int:
         """Re-hint ``key`` where it is held; returns its tier mask."""
-        self.hints.used(key)
-        if hint is not None:
-            self.hints.hint(key, hint)
+        self.hints.stored(key, hint)
         expected = self.hints.get(key)
         mask = self.where.get(key, 0)
         for i in range(len(self.tiers)):

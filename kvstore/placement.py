@@ -130,9 +130,7 @@ class TierStack:
 
     def touch(self, key: str, hint: ResumeHint | None) -> None:
         """A session stores ``key`` now, with its resume hint (None: none given)."""
-        self.hints.used(key)
-        if hint is not None:
-            self.hints.hint(key, hint)
+        self.hints.stored(key, hint)
         expected = self.hints.get(key)
         for i in self.holders(key):
             self.policies[i].on_access(key, expected)
@@ -297,7 +295,7 @@ class TierStack:
                 bad.append(j)
                 continue
             if access:
-                self.hints.used(key)
+                self.hints.read(key)
             if j not in believed:
                 self.policies[j].on_insert(key, len(data), self.hints.get(key))
             elif access:

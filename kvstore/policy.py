@@ -18,6 +18,7 @@ tiers therefore keeps its predicted return: a move is not an access by its sessi
 from __future__ import annotations
 
 import abc
+import bisect
 import heapq
 import itertools
 import math
@@ -63,37 +64,91 @@ class NextUse:
     priority: int = 0
 
 
+class _Returns:
+    """The predicted returns of one block, one per hint of a session storing it."""
+
+    __slots__ = ("at", "last_used", "priority")
+
+    def __init__(self) -> None:
+        self.at: list[float] = []  # sorted
+        self.last_used: float | None = None
+        self.priority = 0
+
+
 class HintBook:
     """The predicted next use of every hinted block of one tier stack.
 
-    ``hint``: a session stored the block with a resume hint, now. ``used``: the block was
-    read or stored now, which fulfils a predicted return that has come. ``forget``: the
-    block left every tier. The book reads the same clock as the stack's policies.
+    ``stored``: a session stored the block now, with its resume hint: one predicted
+    return more. ``read``: the block was read now: the predicted return nearest to now
+    is the reader's own, fulfilled (early or late), and leaves. ``get``: the block's
+    ``NextUse``: the earliest return still ahead, so a block shared by several sessions
+    (a common prompt) stays as long as any of them is expected, and one session's "not
+    coming back" does not make it a first victim; but a return missed long enough ago
+    (the latest one that passed) predicts sooner, and then the block ages from it.
+    ``forget``: the block left every tier.
+
+    Sessions are not told apart (the stack sees chunk keys, not who stores them), so
+    which return a read fulfils is a guess; at most ``MAX_RETURNS`` are kept per block.
+    The book reads the same clock as the stack's policies.
     """
+
+    MAX_RETURNS = 8
 
     def __init__(self, clock: Clock = time.monotonic) -> None:
         self.clock = clock
-        self._next: dict[BlockId, NextUse] = {}
+        self._blocks: dict[BlockId, _Returns] = {}
 
-    def hint(self, block: BlockId, hint: ResumeHint) -> None:
+    def stored(self, block: BlockId, hint: ResumeHint | None) -> None:
+        entry = self._blocks.get(block)
+        if hint is None and entry is None:
+            return  # never hinted: the policies see it as used now
         now = self.clock()
-        pause = hint.expected_pause_s
-        self._next[block] = NextUse(None if pause is None else now + pause, hint.priority)
+        if entry is None:
+            entry = self._blocks[block] = _Returns()
+        entry.last_used = now
+        if hint is None:
+            return
+        ahead = bool(entry.at) and entry.at[-1] > now
+        entry.priority = max(entry.priority, hint.priority) if ahead else hint.priority
+        if hint.expected_pause_s is not None:
+            bisect.insort(entry.at, now + hint.expected_pause_s)
+            if len(entry.at) > self.MAX_RETURNS:  # the oldest missed return, else the latest
+                entry.at.pop(0 if entry.at[0] <= now else -1)
 
-    def used(self, block: BlockId) -> None:
-        entry = self._next.get(block)
+    def read(self, block: BlockId) -> None:
+        entry = self._blocks.get(block)
+        if entry is None:
+            return
         now = self.clock()
-        if entry is not None and entry.at is not None and entry.at < now:
-            self._next[block] = NextUse(now, entry.priority)  # idle from now, not from then
+        entry.last_used = now
+        at = entry.at
+        if at:
+            i = bisect.bisect_left(at, now)
+            if i == len(at) or (i > 0 and now - at[i - 1] <= at[i] - now):
+                i -= 1
+            del at[i]
 
     def get(self, block: BlockId) -> NextUse | None:
-        return self._next.get(block)
+        entry = self._blocks.get(block)
+        if entry is None:
+            return None
+        now, at = self.clock(), entry.at
+        i = bisect.bisect_right(at, now)
+        ahead = at[i] if i < len(at) else None
+        missed = at[i - 1] if i else None
+        # a missed return predicts the block back after as long again as it is overdue
+        # (see HintPolicy): the sooner of that and the next return ahead wins
+        if ahead is not None and (missed is None or ahead - now <= now - missed):
+            return NextUse(ahead, entry.priority)
+        if missed is not None:
+            return NextUse(max(missed, entry.last_used or missed), entry.priority)
+        return NextUse(entry.last_used, entry.priority)
 
     def forget(self, block: BlockId) -> None:
-        self._next.pop(block, None)
+        self._blocks.pop(block, None)
 
     def __len__(self) -> int:
-        return len(self._next)
+        return len(self._blocks)
 
 
 class EvictionPolicy(abc.ABC):

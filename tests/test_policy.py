@@ -28,8 +28,7 @@ class VirtualClock:
 
 def hinted(book: HintBook, block, pause: float | None, priority: int = 0) -> NextUse:
     """A session stores ``block`` now with this hint: what its tiers' policies are told."""
-    book.used(block)
-    book.hint(block, ResumeHint(expected_pause_s=pause, priority=priority))
+    book.stored(block, ResumeHint(expected_pause_s=pause, priority=priority))
     return book.get(block)
 
 
@@ -99,17 +98,39 @@ def test_hint_book_times_and_fulfilled_returns():
     book = HintBook(clock)
     assert hinted(book, "x", 50) == NextUse(50, 0)
     clock.now = 10
-    book.used("x")  # read early: the predicted return still stands
-    assert book.get("x") == NextUse(50, 0)
+    book.read("x")  # back early: its return is fulfilled, it is idle from now on
+    assert book.get("x") == NextUse(10, 0)
+    assert hinted(book, "x", 5) == NextUse(15, 0)
     clock.now = 80
-    book.used("x")  # read after it: fulfilled, idle from now on
+    assert book.get("x") == NextUse(15, 0)  # missed at 15: ages from then
+    book.read("x")
     assert book.get("x") == NextUse(80, 0)
-    assert hinted(book, "x", 5) == NextUse(85, 0)
-    assert hinted(book, "x", None, priority=2) == NextUse(None, 2)  # priority only
-    book.used("never-hinted")
+    assert hinted(book, "x", None, priority=2) == NextUse(80, 2)  # priority only
+    book.stored("never-hinted", None)
+    book.read("never-hinted")
     assert book.get("never-hinted") is None and len(book) == 1
     book.forget("x")
     assert book.get("x") is None and len(book) == 0
+
+
+def test_shared_block_keeps_the_earliest_return_ahead():
+    """A prompt block shared by two sessions: the one finishing (never back) must not
+    make it a first victim while the other still expects it."""
+    clock = VirtualClock()
+    book, policy = HintBook(clock), HintPolicy(clock)
+    policy.on_insert("shared", hint=hinted(book, "shared", 100, priority=1))  # a: at 100
+    policy.on_insert("own", hint=hinted(book, "own", 500))
+    clock.now = 2
+    policy.on_access("shared", hint=hinted(book, "shared", 10))  # b: at 12
+    clock.now = 12
+    book.read("shared")  # b is back (its return, the nearest, is fulfilled) and finishes
+    policy.on_access("shared", hint=hinted(book, "shared", 1e9))
+    assert book.get("shared") == NextUse(100, 1)  # a's return and priority hold it
+    assert policy.victim() == "own"
+    clock.now = 120  # a is 20 s late: back by 140 as the estimate goes, not at 1e9
+    assert book.get("shared") == NextUse(100, 1)
+    clock.now = 6e8  # so late it is not expected any more: b's far return is sooner
+    assert book.get("shared") == NextUse(12 + 1e9, 1)
 
 
 def test_hint_policy_victim_skips_protected_blocks_without_losing_them():
@@ -190,10 +211,11 @@ async def test_tier_stack_moves_keep_the_predicted_return():
         clock.now += 20  # a due at 100, b at 1020, c at 50
     assert stack.holders("b") == [1]  # c's spill demoted the one due latest
     assert stack.policies[1].reference_time("b") == 1020
-    clock.now = 200  # b is read back from host (a restore) and promoted
+    clock.now = 200  # b is restored early (its return fulfilled: idle from 200), promoted
     found, source, bad = await stack.read("b")
-    assert source == 1 and await stack.promote("b", found, source, bad) == 0
-    assert stack.policies[0].reference_time("b") == 1020
+    assert source == 1 and stack.policies[1].reference_time("b") == 200
+    assert await stack.promote("b", found, source, bad) == 0
+    assert stack.policies[0].reference_time("b") == 200
     # promoting b demoted c: overdue since 50, staler than a (since 100)
     assert stack.holders("c") == [1] and stack.policies[1].reference_time("c") == 50
     for tier in tiers:
