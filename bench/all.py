@@ -4,8 +4,8 @@ bench/results.json, then bench/REPORT.md and its plots (``bench.report``).
 ``python -m bench.all`` (``make bench``) [--only resume,fidelity] [--sizes full]
 
 Stages, in order: codec and tiers (run as ``python -m bench.<name> --json`` child
-processes, their printed JSON collected), resume, fidelity, trace (its result function
-``bench.trace.run_trace_benchmark``) and bytes (called in this process). ``--sizes
+processes, their printed JSON collected), trace (its result function
+``bench.trace.run_trace_benchmark``), resume, fidelity and bytes (called in this process). ``--sizes
 quick`` is the default budget (resume at the issue's 4096, 16384 and 65536 tokens,
 fidelity at 1k and 4k on 2 stretches each); ``--sizes tiny`` a smoke run of every stage;
 ``--sizes full`` adds fidelity at 16k on 4 stretches and the codec and tiers benchmarks'
@@ -68,7 +68,8 @@ SIZES = {
         "bytes": {"lengths": [1000, 3000, 8192, 20000]},
     },
 }
-STAGES = ("codec", "tiers", "resume", "fidelity", "trace", "bytes")
+# trace forks worker processes: it runs before resume starts gRPC threads in this process
+STAGES = ("codec", "tiers", "trace", "resume", "fidelity", "bytes")
 
 
 def machine() -> dict:
