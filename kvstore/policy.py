@@ -31,6 +31,7 @@ from kvstore.errors import InvalidRequest
 
 BlockId = Hashable
 Clock = Callable[[], float]
+SLACK_S = 1.0  # a predicted pause this close to the real one counts as right
 
 
 @dataclass(frozen=True)
@@ -67,12 +68,13 @@ class NextUse:
 class _Returns:
     """The predicted returns of one block, one per hint of a session storing it."""
 
-    __slots__ = ("at", "last_used", "priority")
+    __slots__ = ("at", "last_used", "priority", "right", "wrong")
 
     def __init__(self) -> None:
         self.at: list[float] = []  # sorted
         self.last_used: float | None = None
         self.priority = 0
+        self.right = self.wrong = 0  # fulfilled returns within a factor of 2, or not
 
 
 class HintBook:
@@ -86,6 +88,11 @@ class HintBook:
     coming back" does not make it a first victim; but a return missed long enough ago
     (the latest one that passed) predicts sooner, and then the block ages from it.
     ``forget``: the block left every tier.
+
+    Hints can be wrong (a framework guessing its pause from past ones): a read also
+    checks the fulfilled return against the pause predicted at the block's last store,
+    and a block whose returns were more often wrong (off by more than a factor of 2)
+    than right is given in LRU order, its hints ignored, until they prove right again.
 
     Sessions are not told apart (the stack sees chunk keys, not who stores them), so
     which return a read fulfils is a guess; at most ``MAX_RETURNS`` are kept per block.
@@ -120,12 +127,18 @@ class HintBook:
         if entry is None:
             return
         now = self.clock()
+        at, since = entry.at, entry.last_used
         entry.last_used = now
-        at = entry.at
         if at:
             i = bisect.bisect_left(at, now)
             if i == len(at) or (i > 0 and now - at[i - 1] <= at[i] - now):
                 i -= 1
+            if since is not None:  # the pause predicted at the last store vs the real one
+                predicted, real = at[i] - since, now - since
+                if max(predicted, real) > 2 * min(predicted, real) + SLACK_S:
+                    entry.wrong += 1
+                else:
+                    entry.right += 1
             del at[i]
 
     def get(self, block: BlockId) -> NextUse | None:
@@ -133,6 +146,8 @@ class HintBook:
         if entry is None:
             return None
         now, at = self.clock(), entry.at
+        if entry.wrong > entry.right:  # its sessions' hints proved wrong: LRU order
+            return NextUse(entry.last_used, entry.priority)
         i = bisect.bisect_right(at, now)
         ahead = at[i] if i < len(at) else None
         missed = at[i - 1] if i else None

@@ -97,12 +97,12 @@ def test_hint_book_times_and_fulfilled_returns():
     clock = VirtualClock()
     book = HintBook(clock)
     assert hinted(book, "x", 50) == NextUse(50, 0)
-    clock.now = 10
+    clock.now = 30
     book.read("x")  # back early: its return is fulfilled, it is idle from now on
-    assert book.get("x") == NextUse(10, 0)
-    assert hinted(book, "x", 5) == NextUse(15, 0)
+    assert book.get("x") == NextUse(30, 0)
+    assert hinted(book, "x", 5) == NextUse(35, 0)
     clock.now = 80
-    assert book.get("x") == NextUse(15, 0)  # missed at 15: ages from then
+    assert book.get("x") == NextUse(35, 0)  # missed at 35: ages from then
     book.read("x")
     assert book.get("x") == NextUse(80, 0)
     assert hinted(book, "x", None, priority=2) == NextUse(80, 2)  # priority only
@@ -131,6 +131,26 @@ def test_shared_block_keeps_the_earliest_return_ahead():
     assert book.get("shared") == NextUse(100, 1)
     clock.now = 6e8  # so late it is not expected any more: b's far return is sooner
     assert book.get("shared") == NextUse(12 + 1e9, 1)
+
+
+def test_blocks_whose_hints_proved_wrong_fall_back_to_lru_order():
+    clock = VirtualClock()
+    book = HintBook(clock)
+    hinted(book, "liar", 10)
+    hinted(book, "honest", 100)
+    clock.now = 100
+    book.read("liar")  # predicted back after 10 s, came after 100: wrong
+    book.read("honest")  # right
+    assert hinted(book, "honest", 50) == NextUse(150, 0)
+    assert hinted(book, "liar", 5000) == NextUse(100, 0)  # ordered by its last use
+    clock.now = 200
+    book.read("liar")  # the 5000 s pause was wrong again; ignored, it is idle from 200
+    assert book.get("liar") == NextUse(200, 0)
+    hinted(book, "liar", 30)
+    for now in (230, 260):  # right twice: its hints count again
+        clock.now = now
+        book.read("liar")
+        assert hinted(book, "liar", 30) == NextUse(now if now == 230 else now + 30, 0)
 
 
 def test_hint_policy_victim_skips_protected_blocks_without_losing_them():
