@@ -3,9 +3,10 @@ bench/results.json, then bench/REPORT.md and its plots (``bench.report``).
 
 ``python -m bench.all`` (``make bench``) [--only resume,fidelity] [--sizes full]
 
-Stages, in order: codec and tiers (run as ``python -m bench.<name> --json`` child
-processes, their printed JSON collected), trace (its result function
-``bench.trace.run_trace_benchmark``), resume, fidelity and bytes (called in this process). ``--sizes
+Stages, in order: codec, tiers and trace (run as ``python -m bench.<name> --json`` child
+processes, their printed JSON collected: for trace, the result of
+``bench.trace.run_trace_benchmark``), then resume, fidelity and bytes (called in this
+process, sharing one loaded model). ``--sizes
 quick`` is the default budget (resume at the issue's 4096, 16384 and 65536 tokens,
 fidelity at 1k and 4k on 2 stretches each); ``--sizes tiny`` a smoke run of every stage;
 ``--sizes full`` adds fidelity at 16k on 4 stretches and the codec and tiers benchmarks'
@@ -47,7 +48,7 @@ SIZES = {
         "tiers": ["--size-mib", "0.25", "--count", "4", "--repeats", "1"],
         "resume": {"contexts": [600, 1100], "repeats": 1},
         "fidelity": {"contexts": [600], "segments": 1, "follow": 32},
-        "trace": {"limit": 200, "fractions": [0.05, 0.2], "validate_requests": 0},
+        "trace": ["--limit", "200", "--fractions", "0.05,0.2", "--validate", "0"],
         "bytes": {"lengths": [300, 1100]},
     },
     "quick": {
@@ -56,7 +57,7 @@ SIZES = {
         # the issue's contexts; re-prefilling 65k tokens alone takes minutes on one core
         "resume": {"contexts": [4096, 16384, 65536], "repeats": 2},
         "fidelity": {"contexts": [1024, 4096], "segments": 2},
-        "trace": {"validate_requests": 100},
+        "trace": ["--validate", "100"],
         "bytes": {"lengths": [1000, 3000, 8192]},
     },
     "full": {
@@ -64,11 +65,10 @@ SIZES = {
         "tiers": [],
         "resume": {"contexts": [4096, 16384, 65536], "repeats": 3},
         "fidelity": {"contexts": [1024, 4096, 16384], "segments": 4},  # ~25 s a 16k prefill
-        "trace": {"validate_requests": 100},
+        "trace": ["--validate", "100"],
         "bytes": {"lengths": [1000, 3000, 8192, 20000]},
     },
 }
-# trace forks worker processes: it runs before resume starts gRPC threads in this process
 STAGES = ("codec", "tiers", "trace", "resume", "fidelity", "bytes")
 
 
@@ -124,9 +124,9 @@ def stage_runners(sizes: dict, trace: Path, weights: Path) -> dict[str, Callable
     def trace_stage() -> dict:
         if not trace.exists():
             return {"skipped": f"no trace at {trace} (pass --trace)"}
-        from bench.trace import run_trace_benchmark
-
-        return run_trace_benchmark(trace, jobs=2, **sizes["trace"])
+        # A child process: run_trace_benchmark forks a worker pool, and a fork of a
+        # process with gRPC or OpenMP threads running can deadlock (seen here).
+        return child_json("trace", ["--trace", str(trace), "--jobs", "2", *sizes["trace"]])
 
     return {
         "codec": lambda: child_json("codec", sizes["codec"]),
@@ -143,7 +143,9 @@ def _bytes_stage(model: tuple, lengths: list[int]) -> dict:
         return asyncio.run(bytes_bench.measure(*model, lengths, Path(tmp)))
 
 
-def run_all(stages: list[str], sizes_name: str, trace: Path, weights: Path) -> dict:
+def run_all(stages: list[str], sizes_name: str, trace: Path, weights: Path,
+            out: Path | None = None) -> dict:
+    """Run the stages in order; after each, the results so far are written to ``out``."""
     runners = stage_runners(SIZES[sizes_name], trace, weights)
     results: dict = {"machine": machine(), "sizes": sizes_name,
                      "torch_threads": torch.get_num_threads(), "stages": {}}
@@ -151,14 +153,18 @@ def run_all(stages: list[str], sizes_name: str, trace: Path, weights: Path) -> d
         started = time.perf_counter()
         print(f"bench.all: {name} ...", file=sys.stderr, flush=True)
         try:
-            out = runners[name]()
+            stage = runners[name]()
         except Exception as exc:  # one failed stage must not lose the others' figures
-            out = {"error": f"{type(exc).__name__}: {exc}"}
-        out["wall_s"] = round(time.perf_counter() - started, 1)
-        results["stages"][name] = out
-        print(f"bench.all: {name} done in {out['wall_s']} s"
-              + (f" ERROR {out['error']}" if "error" in out else ""), file=sys.stderr, flush=True)
-    results["load_average_at_end"] = os.getloadavg()
+            stage = {"error": f"{type(exc).__name__}: {exc}"}
+        stage["wall_s"] = round(time.perf_counter() - started, 1)
+        results["stages"][name] = stage
+        print(f"bench.all: {name} done in {stage['wall_s']} s"
+              + (f" ERROR {stage['error']}" if "error" in stage else ""), file=sys.stderr,
+              flush=True)
+        results["load_average_at_end"] = os.getloadavg()
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(results, indent=1) + "\n")
     return results
 
 
@@ -177,9 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown stages {sorted(unknown)}; known: {', '.join(STAGES)}")
     torch.set_num_threads(args.threads)
-    results = run_all(stages, args.sizes, args.trace, args.weights)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    results = run_all(stages, args.sizes, args.trace, args.weights, args.out)
     print(f"bench.all: results in {args.out}", file=sys.stderr)
     if not args.no_report:
         from bench.report import write_report
