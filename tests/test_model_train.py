@@ -80,3 +80,23 @@ def test_shipped_weights_fit_the_budget_and_predict_python():
     _, logits = prefill(model, ids, logits="all")
     bits = F.cross_entropy(logits[:-1], ids[1:]) / torch.log(torch.tensor(2.0))
     assert bits.item() < 4.0  # uniform guessing is 8 bits/byte
+
+
+@pytest.mark.slow
+def test_training_script_is_deterministic_and_writes_its_outputs(tmp_path):
+    from model.train import TrainConfig, train
+
+    tc = TrainConfig(preset="tiny", steps=2, batch=2, long_steps=1, long_batch=1,
+                     long_seq_len=1024)
+    weights = [tmp_path / run / "bundled.safetensors" for run in ("a", "b")]
+    threads = torch.get_num_threads()
+    try:
+        logs = [train(tc, path) for path in weights]
+    finally:  # train() sets process-wide torch flags
+        torch.use_deterministic_algorithms(False)
+        torch.set_num_threads(threads)
+    assert logs[0]["bits_per_byte"] == logs[1]["bits_per_byte"]
+    assert len(logs[0]["bits_per_byte"]) == 3 and logs[0]["stage_starts"] == [0, 2]
+    assert weights[0].read_bytes() == weights[1].read_bytes()
+    for name in ("bundled.json", "loss_curve.png", "train_log.json"):
+        assert (weights[0].parent / name).stat().st_size > 0
