@@ -57,7 +57,10 @@ def describe_method(sizes: dict, host_ratio: float, disk_fraction: float | None,
                  f"last request hints 1e9 s; hint-perfect: sigma 0; hint-causal: the "
                  f"conversation's last gap, else the median of the last 512 gaps between "
                  f"turns seen so far (no future knowledge); each hint is attached when its "
-                 f"request spills",
+                 f"request spills; HintPolicy sees them through kvstore.policy.HintBook "
+                 f"(predicted returns in trace time: the earliest ahead among the sessions "
+                 f"storing a block, kept when the block moves; a missed return ages the "
+                 f"block; a block whose hints proved wrong is kept in LRU order)",
         "belady": "evict the block whose next read is farthest ahead (never again: first), "
                   "from a next-use table over the whole trace's read sequence, in every "
                   "tier; optimal for one tier of equal-size blocks, a reference (not a "
