@@ -187,6 +187,7 @@ class TierSim:
                 self.where[key] = mask
             else:
                 del self.where[key]
+                self.hints.forget(key)  # as TierStack.delete
             if evicted:
                 self.counters.evictions[j] += 1
 

@@ -231,6 +231,8 @@ class TierStack:
             self._mark_down(j, f"delete of {key}", exc)
             return False
         self.policies[j].on_remove(key)
+        if not self.holders(key):  # its last copy: nothing left to predict (windows are
+            self.hints.forget(key)  # dropped this way, and their keys never come back)
         if evicted:
             self.counters.evictions[tier.name] += 1
         return True

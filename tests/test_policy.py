@@ -238,6 +238,7 @@ async def test_tier_stack_moves_keep_the_predicted_return():
     assert stack.policies[0].reference_time("b") == 200
     # promoting b demoted c: overdue since 50, staler than a (since 100)
     assert stack.holders("c") == [1] and stack.policies[1].reference_time("c") == 50
+    assert await stack.delete(1, "c") and stack.hints.get("c") is None  # its last copy
     for tier in tiers:
         await tier.close()
 
