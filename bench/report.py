@@ -93,7 +93,7 @@ def plot_fidelity(stage: dict, path: Path) -> None:
     axes[1].axhline(0.99, color="red", linestyle="--", linewidth=1, label="goal at R=128")
     for sign in (1, -1):
         axes[2].axhline(sign * 1.0, color="red", linestyle="--", linewidth=1)
-    axes[0].set_yscale("symlog", linthresh=1e-4)
+    axes[0].set_yscale("symlog", linthresh=1e-9)
     axes[0].set_ylim(bottom=0)
     axes[1].legend(fontsize=8)
     fig.suptitle(f"Fidelity after resume over the next {stage['follow_tokens']} held-out bytes")
@@ -334,6 +334,9 @@ def headlines(stages: dict) -> list[str]:
             out.append(f"- Trace, hbm at {fraction:g} of the footprint (host "
                        f"{tr['tiers']['host_ratio']:g}x that): hbm + host hit rate among "
                        f"re-reads: {rates}.")
+        out.append("  (`hint` is given each conversation's true next gap with noise, an "
+                   "oracle-derived estimate; `hint-causal` only past gaps; `belady` is the "
+                   "offline optimum. See the method notes in `bench/trace.py`.)")
     return out + [""]
 
 
