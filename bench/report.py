@@ -290,6 +290,10 @@ def codec_tiers_section(codec: dict | None, tiers: dict | None) -> list[str]:
                 "its bare medium in the same run (GB/s):", ""]
         out += _table(["tier", "values", "put", "raw put", "get", "raw get", "get / raw"],
                       rows) + [""]
+        zero_copy = [n for n, r in tiers["tiers"].items() if r.get("get_zero_copy")]
+        if zero_copy:
+            out += [f"{', '.join(zero_copy)}: `get` hands out a read-only view of the stored "
+                    "bytes (no copy) on the CPU, so it can exceed memcpy.", ""]
     else:
         out += _problem("tiers", tiers)
     return out
