@@ -8,9 +8,9 @@ processes, their printed JSON collected: for trace, the result of
 ``bench.trace.run_trace_benchmark``), then resume, fidelity and bytes (called in this
 process, sharing one loaded model). ``--sizes
 quick`` is the default budget (resume at the issue's 4096, 16384 and 65536 tokens,
-fidelity at 1k and 4k on 2 stretches each); ``--sizes tiny`` a smoke run of every stage;
-``--sizes full`` adds fidelity at 16k on 4 stretches and the codec and tiers benchmarks'
-own default sizes (about twice as long).
+fidelity at 1k, 4k and 16k on 2 stretches each); ``--sizes tiny`` a smoke run of every
+stage; ``--sizes full`` 4 stretches per fidelity context and the codec and tiers
+benchmarks' own default sizes.
 A stage that fails is recorded with its error and the others still run; the exit status
 is 1 if any failed. The machine the figures came from (CPU model, cores, memory, torch
 and triton versions, date, load) is recorded beside them.
@@ -56,7 +56,7 @@ SIZES = {
         "tiers": ["--size-mib", "1", "--count", "16", "--repeats", "3"],
         # the issue's contexts; re-prefilling 65k tokens alone takes minutes on one core
         "resume": {"contexts": [4096, 16384, 65536], "repeats": 2},
-        "fidelity": {"contexts": [1024, 4096], "segments": 2},
+        "fidelity": {"contexts": [1024, 4096, 16384], "segments": 2},
         "trace": ["--validate", "100"],
         "bytes": {"lengths": [1000, 3000, 8192]},
     },
