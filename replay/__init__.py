@@ -1,9 +1,10 @@
 """Bounded replay: rebuild a session's sliding-window KV from its stored global KV.
 
 ``ReplayWorker`` (replay.worker) does the work; ``ReplayService`` (replay.service) is the
-in-process backend of the server; ``kvtier replay-worker`` (replay.worker_server) serves
-it over gRPC, and replay.remote / replay.streams are the client-side backends that call
-such workers directly or through Redis Streams.
+in-process backend of the server; ``kvtier replay-worker`` (services.replay_worker) serves
+it over gRPC, and services.replay_remote / services.replay_streams are the client-side
+backends that call such workers directly or through Redis Streams (they live in services/
+because they speak the gRPC contract; replay/ itself needs only the model and the store).
 """
 
 from replay.service import ReplayService

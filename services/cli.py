@@ -14,7 +14,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "layouts": ("services.layouts_report", "print the layout specs and their bytes per token"),
     "serve": ("services.serve", "run the gRPC server"),
-    "replay-worker": ("replay.worker_server", "run a bounded-replay worker as a gRPC service"),
+    "replay-worker": ("services.replay_worker", "run a bounded-replay worker as a gRPC service"),
     "stat": ("services.stat", "print the server's tier statistics and metrics"),
     "top": ("services.top", "show hit rate per tier live in the terminal"),
     "list": ("services.list_sessions", "list stored sessions"),

@@ -2,9 +2,9 @@
 
 - ``in-process``: ``replay.ReplayService``, the bundled model in the server's process
   (weights loaded on the first rebuild);
-- ``remote``: ``replay.remote.RemoteReplay`` over the ``replay_workers`` addresses
+- ``remote``: ``services.replay_remote.RemoteReplay`` over the ``replay_workers`` addresses
   (``kvtier replay-worker`` processes), taken in turn, a worker that is down skipped;
-- ``streams``: ``replay.streams.StreamReplay``, jobs through a Redis Streams consumer
+- ``streams``: ``services.replay_streams.StreamReplay``, jobs through a Redis Streams consumer
   group that any number of workers serve (``replay_redis_url``, default ``redis_url``);
 - ``off``: none.
 
@@ -42,12 +42,12 @@ def make_replay_backend(config: ServerConfig) -> tuple[ReplayBackend | None, str
         return None, "replay is off in this server's config"
     try:
         if mode == "remote":
-            from replay.remote import RemoteReplay
+            from services.replay_remote import RemoteReplay
 
             return RemoteReplay(config.replay_workers,
                                 max_message_bytes=config.max_message_bytes), ""
         if mode == "streams":
-            from replay.streams import StreamReplay
+            from services.replay_streams import StreamReplay
 
             return StreamReplay(config.replay_redis_url or config.redis_url), ""
         from replay import ReplayService

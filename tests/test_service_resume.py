@@ -18,9 +18,9 @@ from model.infer import prefill
 from model.net import KVTierLM
 from replay import ReplayWorker
 from replay.state_codec import state_to_chunks
-from replay.streams import StreamConsumer
-from replay.worker_server import create_server as create_worker_server
 from services.client_codec import decode_window
+from services.replay_streams import StreamConsumer
+from services.replay_worker import create_server as create_worker_server
 from tests.service_support import running_server
 
 SPEC = get_layout("kvtier-bundled")

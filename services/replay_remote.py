@@ -26,7 +26,7 @@ from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from replay.state_codec import Buffer, as_token_array
 from replay.worker import ReplayResult
-from replay.worker_server import ERROR_KEY, MAX_MESSAGE_BYTES
+from services.replay_worker import ERROR_KEY, MAX_MESSAGE_BYTES
 
 RETRY_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _ERRORS = {name: cls for name, cls in vars(kverrors).items()

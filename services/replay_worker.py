@@ -5,7 +5,7 @@
     await server.stop(grace)
 
 With ``--redis-url`` the same process also takes jobs from a Redis Streams consumer
-group (``replay.streams``), so several workers share the resumes of several servers.
+group (``services.replay_streams``), so several workers share the resumes of several servers.
 Errors travel as gRPC statuses with the ``kvtier-error`` trailing metadata naming the
 ``kvstore.errors`` class, the convention the kvtier server and clients read.
 """
@@ -135,7 +135,7 @@ async def _serve(args: argparse.Namespace, worker: ReplayWorker) -> None:
     server, port = await create_server(args.listen, worker)
     consumer = consumer_task = None
     if args.redis_url:
-        from replay.streams import StreamConsumer, StreamNames
+        from services.replay_streams import StreamConsumer, StreamNames
 
         names = StreamNames.with_overrides(stream=args.stream, group=args.group)
         consumer = StreamConsumer(args.redis_url, worker, names=names,

@@ -37,10 +37,10 @@ from redis.retry import Retry
 from kvstore.errors import InvalidRequest, KVTierError, TierUnavailable
 from kvstore.layout import LayoutSpec
 from proto import kvtier_pb2 as pb
-from replay.remote import error_from_status, replay_request
 from replay.state_codec import Buffer
 from replay.worker import ReplayResult, ReplayWorker
-from replay.worker_server import decode_request, status_for
+from services.replay_remote import error_from_status, replay_request
+from services.replay_worker import decode_request, status_for
 
 log = logging.getLogger(__name__)
 REPLY_OK, REPLY_ERROR = b"\x00", b"\x01"  # first byte of a reply list item
