@@ -1,4 +1,4 @@
-"""Train the bundled model: `python -m model.train` (deterministic, CPU, ~20 min on 2 cores).
+"""Train the bundled model: `python -m model.train` (deterministic, CPU, one thread).
 
 Writes model/weights/bundled.safetensors (+ bundled.json), loss_curve.png and
 train_log.json. Same interpreter, same torch, same flags -> the same weights: fixed seeds,
