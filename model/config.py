@@ -65,11 +65,6 @@ class ModelConfig:
         """Encoder layer numbers that own compressed KV and index keys."""
         return tuple(i for i, mode in enumerate(self.enc_modes) if mode == "full")
 
-    def owner_of(self, enc_layer: int) -> int:
-        """Slot (index into full_layers) of the full layer whose KV an encoder layer reads."""
-        owner = max(i for i in self.full_layers if i <= enc_layer)
-        return self.full_layers.index(owner)
-
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
 
