@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import sys
 import time
@@ -228,8 +229,11 @@ def run_trace_benchmark(
     init = (str(trace), limit, windows, reads == "session")
     validation = None
     if jobs > 1:
+        # spawn, not fork: a caller with gRPC threads running (bench.all) deadlocks a
+        # forked worker on a lock a thread held at the fork
         with ProcessPoolExecutor(min(jobs, len(points)), initializer=_init_worker,
-                                 initargs=init) as pool:
+                                 initargs=init,
+                                 mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = [pool.submit(_run_point, point) for point in points]
             if validate_requests:  # meanwhile, in this otherwise idle process
                 validation = _validate(requests[:validate_requests], policies, host_ratio,
