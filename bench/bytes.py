@@ -33,11 +33,16 @@ import os
 import tempfile
 from pathlib import Path
 
-import torch
-
-from bench.resume import TENANT, held_out_ids, load_model, open_store, spec_for, spill_state
+from bench.resume import (
+    TENANT,
+    add_model_arguments,
+    held_out_ids,
+    model_from_args,
+    open_store,
+    spec_for,
+    spill_state,
+)
 from kvstore.manifest import manifest_key
-from model import checkpoint
 from model.infer import prefill
 from model.net import KVTierLM
 
@@ -122,16 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", default="1000,3000,8192",
                         help="comma-separated session lengths (tokens)")
-    parser.add_argument("--weights", type=Path, default=checkpoint.BUNDLED_WEIGHTS)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (1: OpenMP threads spinning on a busy "
-                        "machine made prefill several times slower; every path gets the same)")
+    add_model_arguments(parser)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.sessions.split(",") if x]
     with tempfile.TemporaryDirectory(prefix="kvtier-bytes-") as tmp:
-        result = asyncio.run(measure(*load_model(args.weights), lengths, Path(tmp)))
+        result = asyncio.run(measure(*model_from_args(args), lengths, Path(tmp)))
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
 

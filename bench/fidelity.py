@@ -34,13 +34,18 @@ import json
 import math
 import os
 import time
-from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
-from bench.resume import compare_logits, fork, held_out_ids, load_model, spec_for
-from model import checkpoint
+from bench.resume import (
+    add_model_arguments,
+    compare_logits,
+    fork,
+    held_out_ids,
+    model_from_args,
+    spec_for,
+)
 from model.infer import prefill
 from model.net import KVTierLM
 from model.state import KVState
@@ -175,14 +180,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="held-out stretches per context (pooled)")
     parser.add_argument("--follow", type=int, default=256, help="positions scored after resume")
     parser.add_argument("--replays", default=",".join(map(str, REPLAYS)))
-    parser.add_argument("--weights", type=Path, default=checkpoint.BUNDLED_WEIGHTS)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (1: OpenMP threads spinning on a busy "
-                        "machine made prefill several times slower; every path gets the same)")
+    add_model_arguments(parser)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    result = asyncio.run(run(*load_model(args.weights),
+    result = asyncio.run(run(*model_from_args(args),
                              [int(x) for x in args.contexts.split(",") if x],
                              segments=args.segments, follow=args.follow,
                              replays=tuple(int(x) for x in args.replays.split(",") if x)))

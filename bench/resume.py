@@ -86,6 +86,19 @@ TENANT = "bench"
 GiB = 1 << 30
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every model-driven benchmark shares (see ``model_from_args``)."""
+    parser.add_argument("--weights", type=Path, default=checkpoint.BUNDLED_WEIGHTS)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (1: OpenMP threads spinning on a busy "
+                        "machine made prefill several times slower; every path gets the same)")
+
+
+def model_from_args(args: argparse.Namespace) -> tuple[KVTierLM, dict]:
+    torch.set_num_threads(args.threads)
+    return load_model(args.weights)
+
+
 def load_model(weights: Path = checkpoint.BUNDLED_WEIGHTS) -> tuple[KVTierLM, dict]:
     """The model at ``weights``, or the bundled config with seeded random weights when the
     file is missing; the dict says which (with the file's sha256)."""
@@ -381,15 +394,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replay-tokens", type=int, default=128)
     parser.add_argument("--kl-tol", type=float, default=1e-2,
                         help="largest next-token KL (nats) a resumed state may show")
-    parser.add_argument("--weights", type=Path, default=checkpoint.BUNDLED_WEIGHTS)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (1: OpenMP threads spinning on a busy "
-                        "machine made prefill several times slower; every path gets the same)")
+    add_model_arguments(parser)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
     contexts = [int(x) for x in args.contexts.split(",") if x]
-    result = asyncio.run(run(*load_model(args.weights), contexts, repeats=args.repeats,
+    result = asyncio.run(run(*model_from_args(args), contexts, repeats=args.repeats,
                              replay_tokens=args.replay_tokens, kl_tol=args.kl_tol))
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
