@@ -207,6 +207,12 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return q
 
 
+def _launch_per_groups(kernel, launch: dict, groups: int, *tensors: torch.Tensor) -> None:
+    """One program per BLOCK_M quantization groups; an empty tensor launches nothing."""
+    if groups:
+        kernel[(triton.cdiv(groups, launch["BLOCK_M"]),)](*tensors, groups, **launch)
+
+
 def quantize_int4(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x float (..., D) -> (packed uint8 (..., D/2), scales fp16 (..., D/group_size))."""
     groups = checks.check_quantize(x, group_size, int4=True)
@@ -214,11 +220,8 @@ def quantize_int4(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     x = x.contiguous()
     packed = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8, device=x.device)
     scales = torch.empty((*x.shape[:-1], groups), dtype=torch.float16, device=x.device)
-    m = scales.numel()
-    if m:
-        launch = int4_launch(group_size)
-        grid = (triton.cdiv(m, launch["BLOCK_M"]),)
-        _quantize_int4_kernel[grid](x, packed, scales, m, **launch)
+    _launch_per_groups(_quantize_int4_kernel, int4_launch(group_size), scales.numel(),
+                       x, packed, scales)
     return packed, scales
 
 
@@ -229,11 +232,8 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor,
     require_triton_device(packed=packed, scales=scales)
     packed, scales = packed.contiguous(), scales.contiguous()
     out = torch.empty((*packed.shape[:-1], dim), dtype=torch.float32, device=packed.device)
-    m = scales.numel()
-    if m:
-        launch = int4_launch(group_size)
-        grid = (triton.cdiv(m, launch["BLOCK_M"]),)
-        _dequantize_int4_kernel[grid](packed, scales, out, m, **launch)
+    _launch_per_groups(_dequantize_int4_kernel, int4_launch(group_size), scales.numel(),
+                       packed, scales, out)
     return out
 
 
@@ -244,11 +244,8 @@ def quantize_int8(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     x = x.contiguous()
     codes = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     scales = torch.empty((*x.shape[:-1], groups), dtype=torch.float16, device=x.device)
-    m = scales.numel()
-    if m:
-        launch = int8_launch(group_size)
-        grid = (triton.cdiv(m, launch["BLOCK_M"]),)
-        _quantize_int8_kernel[grid](x, codes, scales, m, **launch)
+    _launch_per_groups(_quantize_int8_kernel, int8_launch(group_size), scales.numel(),
+                       x, codes, scales)
     return codes, scales
 
 
@@ -259,9 +256,6 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor,
     require_triton_device(codes=codes, scales=scales)
     codes, scales = codes.contiguous(), scales.contiguous()
     out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
-    m = scales.numel()
-    if m:
-        launch = int8_launch(group_size)
-        grid = (triton.cdiv(m, launch["BLOCK_M"]),)
-        _dequantize_int8_kernel[grid](codes, scales, out, m, **launch)
+    _launch_per_groups(_dequantize_int8_kernel, int8_launch(group_size), scales.numel(),
+                       codes, scales, out)
     return out
