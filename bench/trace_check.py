@@ -180,13 +180,17 @@ async def _replay_stack(workload: Workload, stack: TierStack, refs: dict[str, in
     }
 
 
+def real_hierarchy(capacities: Sequence[int], root: str) -> list:
+    """The real tiers the simulator mirrors: hbm and host of the given sizes, a disk below."""
+    return [HBMTier(capacities[0], device="cpu"), HostTier(capacities[1], pin_memory=False),
+            DiskTier(root, UNBOUNDED_BYTES, durable=False)]
+
+
 async def _stack_point(workload: Workload, policy: str, capacities: Sequence[int],
                        block: bytes, window: bytes, hint_sigma: float, seed: int) -> dict:
     setup = setup_policy(workload, policy, hint_sigma=hint_sigma, seed=seed, name=_name)
     with tempfile.TemporaryDirectory(prefix="kvtier-trace-check-") as root:
-        tiers = [HBMTier(capacities[0], device="cpu"),
-                 HostTier(capacities[1], pin_memory=False),
-                 DiskTier(root, UNBOUNDED_BYTES, durable=False)]
+        tiers = real_hierarchy(capacities, root)
         refs: dict[str, int] = {}
         stack = TierStack(tiers, setup.factory, KeyedLocks(), Counters(),
                           is_referenced=lambda key: refs.get(key, 0) > 0,

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bench.trace_check import CHECK_LAYOUT, UNBOUNDED_BYTES, WINDOW_TOKENS, encoded_streams
+from bench.trace_check import CHECK_LAYOUT, WINDOW_TOKENS, encoded_streams, real_hierarchy
 from bench.trace_policies import setup_policy
 from bench.trace_reader import BLOCK_TOKENS, TraceRequest
 from bench.trace_sim import SimTier, TierSim, replay
@@ -36,9 +36,6 @@ from kvstore.keys import ROOT_PARENT, chunk_key
 from kvstore.layout import register_layout
 from kvstore.manager import ManagerConfig, TierManager
 from kvstore.tiers.base import MemoryMetaStore
-from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.hbm import HBMTier
-from kvstore.tiers.host import HostTier
 
 SEQUENTIAL = ManagerConfig(writeback_workers=1, io_concurrency=1, restore_lookahead=1)
 TENANT = "trace"
@@ -118,9 +115,7 @@ async def _manager_point(workload: Workload, policy: str, capacities: Sequence[i
                          chunks: _Chunks, hint_sigma: float, seed: int) -> dict:
     setup = setup_policy(workload, policy, hint_sigma=hint_sigma, seed=seed)
     with tempfile.TemporaryDirectory(prefix="kvtier-trace-manager-") as root:
-        tiers = [HBMTier(capacities[0], device="cpu"),
-                 HostTier(capacities[1], pin_memory=False),
-                 DiskTier(root, UNBOUNDED_BYTES, durable=False)]
+        tiers = real_hierarchy(capacities, root)
         manager = await TierManager.open(tiers, MemoryMetaStore(), policy=setup.factory,
                                          config=SEQUENTIAL)
         async with manager:

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import socket
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ from kvstore.errors import CodecError, InvalidRequest, KVTierError
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from replay.worker import DEFAULT_REPLAY_TOKENS, ReplayWorker
+from services.lifecycle import stop_on_signals
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["Replay"].full_name
@@ -142,10 +142,7 @@ async def _serve(args: argparse.Namespace, worker: ReplayWorker) -> None:
                                   consumer=args.consumer or f"{socket.gethostname()}:"
                                   f"{os.getpid()}", claim_idle_ms=args.claim_idle_ms)
         consumer_task = asyncio.create_task(consumer.run())
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+    stop = stop_on_signals()
     host = args.listen.rpartition(":")[0]
     via = f", jobs from {args.redis_url}" if args.redis_url else ""
     print(f"kvtier replay-worker serving on {host}:{port}{via}", flush=True)

@@ -13,11 +13,11 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import sys
 
 from kvstore.errors import KVTierError
 from services.config import PRESETS, load_config
+from services.lifecycle import stop_on_signals
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,10 +59,7 @@ async def _serve(config) -> None:
     from services.server import create_server
 
     server, port = await create_server(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+    stop = stop_on_signals()
     host = config.listen.rpartition(":")[0]
     extra = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
     print(f"kvtier serving on {host}:{port}{extra}", flush=True)
