@@ -8,15 +8,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
-import signal
+import multiprocessing
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
 import zstandard
 
-from kvstore.compaction_report import COMPACT_PRESETS, CompactOptions
+from kvstore.compaction import run_compaction
+from kvstore.compaction_report import COMPACT_PRESETS, CompactOptions, LogProgress
 from kvstore.compaction_segments import groups
 from kvstore.errors import InvalidRequest, SessionNotFound
 from kvstore.tiers.disk import DiskTier
@@ -142,26 +143,22 @@ def test_scrub_quarantines_corrupt_chunks_and_marks_sessions(tmp_path, capsys):
 class _BlockingProgress:
     """Signals through a pipe when the rewrite starts, then holds it there."""
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
+    def __init__(self, signal_to: Connection) -> None:
+        self.signal_to = signal_to
 
     def step(self, name: str, total: int):
-        from kvstore.compaction_report import LogProgress
-
         if name == "rewrite segments":
-            os.write(self.fd, b"x")
+            self.signal_to.send_bytes(b"x")
             time.sleep(120)
         return LogProgress().step(name, total)
 
 
-def _compaction_child(data: Path, fd: int) -> None:
-    from kvstore.compaction import run_compaction
-
+def _compaction_child(data: Path, signal_to: Connection) -> None:
     async def main() -> None:
         disk = DiskTier(data / "disk", 1 << 30, writer=False)
         disk.compact_lock.acquire()
-        await run_compaction(disk, CompactOptions(), _BlockingProgress(fd), mode="offline",
-                             ops=None, quarantine_dir=data / "quarantine")
+        await run_compaction(disk, CompactOptions(), _BlockingProgress(signal_to),
+                             mode="offline", ops=None, quarantine_dir=data / "quarantine")
 
     asyncio.run(main())
 
@@ -169,24 +166,22 @@ def _compaction_child(data: Path, fd: int) -> None:
 def test_second_compaction_refuses_while_one_runs(tmp_path, capsys):
     data = tmp_path / "data"
     asyncio.run(fill(data))
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the first compaction, in another process
-        try:
-            os.close(read_fd)
-            _compaction_child(data, write_fd)
-        finally:
-            os._exit(0)
-    os.close(write_fd)
+    # The first compaction runs in a spawned process: forking this one, which has run gRPC
+    # servers, can crash the child.
+    spawn = multiprocessing.get_context("spawn")
+    reader, writer = spawn.Pipe(duplex=False)
+    first = spawn.Process(target=_compaction_child, args=(data, writer))
+    first.start()
+    writer.close()
     try:
-        assert os.read(read_fd, 1) == b"x"  # it holds compact.lock and is rewriting
+        assert reader.poll(120) and reader.recv_bytes() == b"x"  # it holds the lock, rewriting
         rc, _, err = compact(data, capsys, "--json")
         assert rc == 3
-        assert "refused" in err and "compaction lock" in err and f"pid {pid}" in err
+        assert "refused" in err and "compaction lock" in err and f"pid {first.pid}" in err
     finally:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        os.close(read_fd)
+        first.kill()
+        first.join()
+        reader.close()
     rc, report, _ = compact(data, capsys, "--json")  # the lock died with its holder
     assert rc == 0 and report["reclaimed_bytes"] > 0
 

@@ -3,22 +3,27 @@ session that was live before restores byte-identical, and nothing referenced is 
 removed (checked after every kill, before the rerun).
 
 Each round copies a pristine data directory (filled by the real server: shared prefixes,
-deleted sessions for dead bytes, an expiring session, idle sessions to demote), forks
-the real command (``services.cli.main``) and kills it after a random delay drawn over
-the length of a whole run, once or twice, then reruns it to completion. Forking keeps
-the interpreter's imports, so a kill lands in the job's work, not in its start-up.
+deleted sessions for dead bytes, an expiring session, idle sessions to demote), runs
+the real command (``services.cli.main``) in a child process and kills it a random delay
+after a random one of its log lines, once or twice, then reruns it to completion.
+
+The children come from a fork server that has imported the command once, so a kill
+lands in the job's work, not in its start-up. They are not forked from this process: it
+has run gRPC servers, and a fork of a process with gRPC threads can crash in the child.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import multiprocessing
 import os
 import random
 import shutil
 import signal
 import sys
 import time
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import pytest
@@ -58,41 +63,43 @@ def pristine(tmp_path_factory) -> Pristine:
     return Pristine(tmp_path_factory.mktemp("compact-crash"))
 
 
-def fork_compact(argv: list[str], log_fd: int | None = None) -> int:
-    """Run the command in a forked child, its log lines (one per step start and end)
-    written to ``log_fd``."""
-    pid = os.fork()
-    if pid == 0:
-        code = 99
-        try:
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, 1)
-            os.dup2(null if log_fd is None else log_fd, 2)
-            # pytest's capture stands in for sys.stderr and the root logger: use fd 2
-            sys.stderr = os.fdopen(2, "w", buffering=1)
-            logging.root.handlers.clear()
-            code = cli.main(argv)
-        finally:
-            os._exit(code)
-    return pid
+# A fresh interpreter that preloads the command and forks a child per run.
+FORK_SERVER = multiprocessing.get_context("forkserver")
+FORK_SERVER.set_forkserver_preload(["services.cli", "services.compact", "kvstore.compaction",
+                                    "tests.test_compact_crash"])
 
 
-def kill_after(pid: int, log_fd: int, lines: int, delay: float) -> None:
+def run_cli(argv: list[str], log: Connection | None) -> None:
+    """The child: the command, its log lines (one per step start and end) to ``log``."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null if log is None else log.fileno(), 2)
+    sys.exit(cli.main(argv))
+
+
+def start_compact(argv: list[str], log: Connection | None = None) -> BaseProcess:
+    child = FORK_SERVER.Process(target=run_cli, args=(argv, log))
+    child.start()
+    return child
+
+
+def kill_after(child: BaseProcess, log: Connection, lines: int, delay: float) -> None:
     """SIGKILL the child ``delay`` seconds after its ``lines``-th log line (or its end)."""
     seen = 0
     while seen < lines:
-        chunk = os.read(log_fd, 65536)
+        chunk = os.read(log.fileno(), 65536)
         if not chunk:
             break
         seen += chunk.count(b"\n")
     time.sleep(delay)
-    os.kill(pid, signal.SIGKILL)
+    child.kill()
 
 
-def exit_code(pid: int) -> int | None:
-    """The child's exit status, or None when a signal ended it."""
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else None
+def exit_code(child: BaseProcess) -> int:
+    """The child's exit status; minus the signal's number when a signal ended it."""
+    child.join(timeout=120)
+    assert child.exitcode is not None, "the compaction hangs"
+    return child.exitcode
 
 
 async def check_store(data: Path, snaps: dict[str, Snapshot]) -> None:
@@ -119,16 +126,16 @@ def killed_run(argv: list[str], rng: random.Random) -> tuple[int, float] | None:
     """One run killed at a random point: after a random number of its log lines (0 to
     all of them, ``POINTS``) plus a random delay. (lines, delay) if the kill landed, None if the
     run had finished first."""
-    read_fd, write_fd = os.pipe()
+    reader, writer = FORK_SERVER.Pipe(duplex=False)
     try:
-        pid = fork_compact(argv, write_fd)
-        os.close(write_fd)
+        child = start_compact(argv, writer)
+        writer.close()  # the child holds its copy: the reader sees EOF when it ends
         lines = rng.choice(POINTS)
         point = lines, rng.uniform(0.0, 0.015 if lines == REWRITE_LINE else 0.03)
-        kill_after(pid, read_fd, *point)
-        return point if exit_code(pid) is None else None
+        kill_after(child, reader, *point)
+        return point if exit_code(child) == -signal.SIGKILL else None
     finally:
-        os.close(read_fd)
+        reader.close()
 
 
 def crash_rounds(pristine: Pristine, root: Path, kills_wanted: int, seed: int
@@ -147,7 +154,7 @@ def crash_rounds(pristine: Pristine, root: Path, kills_wanted: int, seed: int
             if point is not None:
                 kills.append(point)
             asyncio.run(check_store(work, pristine.snaps))
-        assert exit_code(fork_compact(pristine.argv(work))) == 0, "the rerun did not complete"
+        assert exit_code(start_compact(pristine.argv(work))) == 0, "the rerun did not complete"
         asyncio.run(check_store(work, pristine.snaps))
     # Finally, through the real server: byte-identical restores of every live session.
     assert asyncio.run(restore_all(work, list(pristine.snaps))) == pristine.snaps

@@ -189,8 +189,11 @@ async def kill_writer_after(path: Path, round_name: str, acks: int) -> tuple[lis
     acked: dict[str, list[str]] = {"key": [], "manifest": [], "open": []}
     try:
         for line in child.stdout:  # after the kill: what was printed before it, then EOF
-            kind, name, *_ = line.split()
-            acked[kind].append(name)
+            kind, _, rest = line.partition(" ")
+            # Only a whole line is an acknowledgement: the kill may cut the last one short.
+            if not line.endswith("\n") or kind not in acked or not rest.strip():
+                continue
+            acked[kind].append(rest.split()[0])
             if len(acked["key"]) + len(acked["manifest"]) == acks:
                 child.send_signal(signal.SIGKILL)
     finally:
