@@ -156,7 +156,8 @@ def check_indexer_scores(qi, ki_packed, ki_scales, w, n_visible,
     groups = require_groups(di, group_size, "index key", even=True)
     require_shape("ki_scales", ki_scales, (b, n, groups))
     require_shape("w", w, (b, t, hi))
-    require_shape("n_visible", n_visible, (t,))
+    if tuple(n_visible.shape) != (b, t):
+        require_shape("n_visible", n_visible, (t,))  # one vector shared by the batch
     return b, t, hi, di, n
 
 

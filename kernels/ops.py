@@ -81,7 +81,8 @@ def sparse_compressed_attention(q: torch.Tensor, kv_packed: torch.Tensor,
 def indexer_scores(qi: torch.Tensor, ki_packed: torch.Tensor, ki_scales: torch.Tensor,
                    w: torch.Tensor, n_visible: torch.Tensor, group_size: int) -> torch.Tensor:
     """qi (B, T, Hi, Di) float; ki_packed (B, N, Di/2) uint8; ki_scales (B, N, Di/group_size)
-    fp16; w (B, T, Hi) float; n_visible (T,) int64. Returns scores (B, T, N) float32."""
+    fp16; w (B, T, Hi) float; n_visible (T,) or (B, T) int64 (entries visible per query, one
+    vector for the batch or one per batch row). Returns scores (B, T, N) float32."""
     fn = _impl("indexer_scores", (qi, ki_packed, ki_scales, w, n_visible), differentiable=True)
     return fn(qi, ki_packed, ki_scales, w, n_visible, group_size)
 

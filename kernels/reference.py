@@ -159,17 +159,17 @@ def sparse_compressed_attention(q, kv_packed, kv_scales, idx, group_size: int,
 
 def indexer_scores(qi, ki_packed, ki_scales, w, n_visible, group_size: int) -> torch.Tensor:
     """score[b,t,n] = sum_h w[b,t,h] * relu(qi[b,t,h] . dequant(ki)[b,n]); -inf for n >=
-    n_visible[t].
+    n_visible[b,t] (n_visible[t] when it is one vector for the whole batch).
 
     qi (B, T, Hi, Di) float; ki_packed (B, N, Di/2) uint8; ki_scales (B, N, Di/group_size)
-    fp16; w (B, T, Hi) float; n_visible (T,) int64. Returns (B, T, N) float32.
+    fp16; w (B, T, Hi) float; n_visible (T,) or (B, T) int64. Returns (B, T, N) float32.
     """
     b, t, hi, di, n = checks.check_indexer_scores(qi, ki_packed, ki_scales, w, n_visible,
                                                   group_size)
     ki = _dequant(unpack_int4(ki_packed), ki_scales, group_size)  # (B, N, Di)
     dots = torch.relu(torch.einsum("bthd,bnd->bthn", qi.float(), ki))
     scores = torch.einsum("bthn,bth->btn", dots, w.float())
-    visible = torch.arange(n, device=qi.device).view(1, n) < n_visible.view(t, 1)
+    visible = torch.arange(n, device=qi.device).view(1, 1, n) < n_visible.view(-1, t, 1)
     return scores.masked_fill(~visible, float("-inf"))
 
 

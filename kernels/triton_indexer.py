@@ -21,15 +21,15 @@ def _indexer_scores_kernel(
         HALF: tl.constexpr, HALF_P2: tl.constexpr, GS: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
     # qi (B, T, HI, 2*HALF) f32; kp (B, N, HALF) uint8; ks (B, N, 2*HALF/GS) fp16;
-    # w (B, T, HI) f32; nvis (T,) i64; out (B, T, N) f32.
+    # w (B, T, HI) f32; nvis (B, T) i64; out (B, T, N) f32.
     pid_n = tl.program_id(0)
     b = tl.program_id(2)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    nvis = tl.load(nvis_ptr + t, mask=t_ok, other=0)
     bt = (b * T + t).to(tl.int64)
+    nvis = tl.load(nvis_ptr + bt, mask=t_ok, other=0)
     out_offs = bt[:, None] * N + n[None, :]
     out_mask = t_ok[:, None] & n_ok[None, :]
     if pid_n * BLOCK_N >= tl.max(nvis, axis=0):
@@ -71,10 +71,10 @@ def indexer_launch(di: int, group_size: int) -> dict:
 
 def indexer_scores(qi, ki_packed, ki_scales, w, n_visible, group_size: int) -> torch.Tensor:
     """score[b,t,n] = sum_h w[b,t,h] * relu(qi[b,t,h] . dequant(ki)[b,n]), -inf for n >=
-    n_visible[t]; see kernels.reference.indexer_scores.
+    n_visible[b,t]; see kernels.reference.indexer_scores.
 
     qi (B, T, Hi, Di) float; ki_packed (B, N, Di/2) uint8; ki_scales (B, N, Di/group_size)
-    fp16; w (B, T, Hi) float; n_visible (T,) int64. Returns (B, T, N) float32.
+    fp16; w (B, T, Hi) float; n_visible (T,) or (B, T) int64. Returns (B, T, N) float32.
     """
     b, t, hi, di, n = checks.check_indexer_scores(qi, ki_packed, ki_scales, w, n_visible,
                                                   group_size)
@@ -87,5 +87,5 @@ def indexer_scores(qi, ki_packed, ki_scales, w, n_visible, group_size: int) -> t
     grid = (triton.cdiv(n, launch["BLOCK_N"]), triton.cdiv(t, launch["BLOCK_T"]), b)
     _indexer_scores_kernel[grid](
         qi.contiguous(), ki_packed.contiguous(), ki_scales.contiguous(), w.contiguous(),
-        n_visible.contiguous(), out, t, hi, n, **launch)
+        n_visible.expand(b, t).contiguous(), out, t, hi, n, **launch)
     return out

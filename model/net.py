@@ -31,10 +31,13 @@ class RMSNorm(nn.Module):
 
 
 def rotary(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
-    """x (..., T, D) with pos (T,) int64 -> x rotated by position (half-split pairs)."""
+    """x (..., T, D) with pos (T,) int64 -> x rotated by position (half-split pairs).
+    x (B, H, T, D) may take pos (B, T): one position vector per batch row."""
     half = x.shape[-1] // 2
     freq = base ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
-    angle = pos.to(torch.float32).unsqueeze(-1) * freq  # (T, half)
+    angle = pos.to(torch.float32).unsqueeze(-1) * freq  # (T, half) or (B, T, half)
+    if pos.dim() == 2:
+        angle = angle.unsqueeze(1)  # (B, 1, T, half): shared by the heads
     cos, sin = angle.cos(), angle.sin()
     a, b = x[..., :half], x[..., half:]
     return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
@@ -146,7 +149,8 @@ class KVTierLM(nn.Module):
 
     def window_qkv(self, layer: EncoderLayer, x: torch.Tensor, pos: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (B, T, width) normed -> q (B, H, T, Dh), k and v (B, Hkv, T, Dh), rotary applied."""
+        """x (B, T, width) normed, pos (T,) or (B, T) -> q (B, H, T, Dh), k and v (B, Hkv, T,
+        Dh), rotary applied."""
         cfg = self.cfg
         q = layer.wq(x).unflatten(-1, (cfg.heads, cfg.head_dim)).transpose(1, 2)
         kv = layer.wkv(x).unflatten(-1, (2, cfg.kv_heads, cfg.head_dim))

@@ -22,14 +22,16 @@ def tri():
         yield triton_ops
 
 
-def _index_case(b, t, hi, di, n, group, seed=0):
+def _index_case(b, t, hi, di, n, group, seed=0, per_row=False):
+    """per_row: n_visible (B, T), one vector per batch row (sessions of different
+    lengths in one call); otherwise (T,) shared by the batch."""
     g = torch.Generator().manual_seed(seed)
     ki_packed, ki_scales = ref.quantize_int4(torch.randn(b, n, di, generator=g), group)
     qi = torch.randn(b, t, hi, di, generator=g)
     w = torch.rand(b, t, hi, generator=g)
-    n_visible = torch.randint(0, n + 1, (t,), generator=g)
-    n_visible[0] = 0
-    n_visible[-1] = n
+    n_visible = torch.randint(0, n + 1, (b, t) if per_row else (t,), generator=g)
+    n_visible[..., 0] = 0
+    n_visible[..., -1] = n
     return qi, ki_packed, ki_scales, w, n_visible
 
 
@@ -40,17 +42,19 @@ INDEX_CASES = [  # (B, T, Hi, Di, N, group)
 ]
 
 
+@pytest.mark.parametrize("per_row", [False, True])
 @pytest.mark.parametrize("case", INDEX_CASES[:2])
-def test_scores_reference_matches_brute_force(case):
+def test_scores_reference_matches_brute_force(case, per_row):
     b, t, hi, di, n, group = case
-    qi, ki_packed, ki_scales, w, n_visible = _index_case(*case)
+    qi, ki_packed, ki_scales, w, n_visible = _index_case(*case, per_row=per_row)
     ki = ref.dequantize_int4(ki_packed, ki_scales, group)
     scores = ref.indexer_scores(qi, ki_packed, ki_scales, w, n_visible, group)
     assert scores.shape == (b, t, n) and scores.dtype == torch.float32
+    visible = n_visible.expand(b, t)
     for bi in range(b):
         for ti in range(t):
             for ni in range(n):
-                if ni >= n_visible[ti]:
+                if ni >= visible[bi, ti]:
                     assert scores[bi, ti, ni] == -math.inf
                     continue
                 want = sum(w[bi, ti, h] * torch.relu(qi[bi, ti, h] @ ki[bi, ni])
@@ -58,10 +62,11 @@ def test_scores_reference_matches_brute_force(case):
                 assert torch.allclose(scores[bi, ti, ni], want, atol=1e-5)
 
 
+@pytest.mark.parametrize("per_row", [False, True])
 @pytest.mark.parametrize("case", INDEX_CASES)
-def test_scores_triton_matches_reference(tri, case):
+def test_scores_triton_matches_reference(tri, case, per_row):
     *_, group = case
-    args = _index_case(*case, seed=1)
+    args = _index_case(*case, seed=1, per_row=per_row)
     want = ref.indexer_scores(*args, group)
     got = tri.indexer_scores(*args, group)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
@@ -87,6 +92,8 @@ def test_scores_reject_bad_input(tri):
             module.indexer_scores(qi, ki_packed, ki_scales, w[:, :, :1], n_visible, 8)
         with pytest.raises(ValueError, match="n_visible must be torch.int64"):
             module.indexer_scores(qi, ki_packed, ki_scales, w, n_visible.int(), 8)
+        with pytest.raises(ValueError, match="n_visible must have shape"):
+            module.indexer_scores(qi, ki_packed, ki_scales, w, n_visible.expand(2, 2), 8)
 
 
 def _topk(scores, k, candidates=None):

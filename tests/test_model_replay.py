@@ -8,7 +8,7 @@ import torch
 
 from model.checkpoint import BUNDLED_WEIGHTS, load_bundled
 from model.config import TINY
-from model.infer import decode_step, prefill, replay
+from model.infer import decode_step, prefill, replay, replay_batch
 from model.net import KVTierLM
 from model.state import KVState
 
@@ -48,6 +48,38 @@ def test_replay_in_chunks_equals_replay_in_one_go(tiny):
         other = pieces.ephemeral_tensors()[name][0]
         assert codes.shape == other.shape, name
         assert (codes.float() - other.float()).abs().max() <= 1, name
+
+
+def test_batched_replay_equals_one_session_at_a_time(tiny):
+    # Different lengths (so different entry counts, padded in the batch), tails of 0-3,
+    # one session shorter than R (its own group), a replay longer than the chunk.
+    lengths, r = (61, 130, 45, 7, 98), 40
+    states = [prefill(tiny, ids_of(n, seed=n), logits="none")[0].without_window()
+              for n in lengths]
+    for chunk in (512, 16):
+        batched = replay_batch(tiny, states, r=r, chunk=chunk)
+        for state, got in zip(states, batched, strict=True):
+            want = replay(tiny, state, r=r, chunk=chunk)
+            assert got.n_tokens == state.n_tokens
+            for name, (codes, scales) in want.ephemeral_tensors().items():
+                other_codes, other_scales = got.ephemeral_tensors()[name]
+                assert codes.shape == other_codes.shape, name
+                # the same maths in a larger matmul: equal up to a rounding flip of a code
+                assert (codes.float() - other_codes.float()).abs().max() <= 1, name
+                assert scales is None or torch.allclose(scales.float(), other_scales.float(),
+                                                        rtol=1e-2), name
+            more = ids_of(5, seed=state.n_tokens + 1)
+            assert torch.allclose(continue_with(tiny, want, more),
+                                  continue_with(tiny, got, more), atol=1e-3)
+
+
+def test_batched_replay_checks_every_session(tiny):
+    short_r = prefill(tiny, ids_of(43), logits="none")[0].without_window()  # tail of 3
+    fine = prefill(tiny, ids_of(40), logits="none")[0].without_window()
+    with pytest.raises(ValueError, match="unmerged tail"):
+        replay_batch(tiny, [fine, short_r], r=2)
+    with pytest.raises(ValueError, match="at least one state"):
+        replay_batch(tiny, [], r=8)
 
 
 def test_replay_appends_no_global_entry(tiny):
