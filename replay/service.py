@@ -12,16 +12,18 @@ from kvstore.errors import InvalidRequest
 from kvstore.layout import LayoutSpec
 from model.checkpoint import BUNDLED_WEIGHTS, load
 from replay.state_codec import Buffer
-from replay.worker import DEFAULT_REPLAY_TOKENS, ReplayResult, ReplayWorker
+from replay.worker import DEFAULT_MAX_BATCH, DEFAULT_REPLAY_TOKENS, ReplayResult, ReplayWorker
 
 
 class ReplayService:
     def __init__(self, weights: Path = BUNDLED_WEIGHTS, *,
-                 default_tokens: int = DEFAULT_REPLAY_TOKENS) -> None:
+                 default_tokens: int = DEFAULT_REPLAY_TOKENS,
+                 max_batch: int = DEFAULT_MAX_BATCH) -> None:
         if not weights.exists():
             raise InvalidRequest(f"no model weights at {weights}: run `python -m model.train`")
         self.weights = weights
         self.default_tokens = default_tokens
+        self.max_batch = max_batch
         self._worker: ReplayWorker | None = None
         self._loading = asyncio.Lock()
 
@@ -29,7 +31,8 @@ class ReplayService:
         async with self._loading:
             if self._worker is None:
                 model = await asyncio.to_thread(load, self.weights)
-                self._worker = ReplayWorker(model, default_tokens=self.default_tokens)
+                self._worker = ReplayWorker(model, default_tokens=self.default_tokens,
+                                            max_batch=self.max_batch)
         return self._worker
 
     async def rebuild(self, layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer],

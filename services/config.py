@@ -60,6 +60,7 @@ class ServerConfig:
     replay_workers: tuple[str, ...] = ()  # host:port of `kvtier replay-worker`s
     replay_redis_url: str = ""  # Redis Streams job queue (default for streams: redis_url)
     replay_tokens: int = 128  # R when a request says 0
+    replay_max_batch: int = 8  # in-process replay: concurrent resumes per model call
     replay_weights: str = ""  # in-process replay: model weights (default: the bundled ones)
     prefetch_timeout_s: float = 30.0  # when a Prefetch request says 0
     max_message_bytes: int = 64 * MiB  # one gRPC message, either direction
@@ -91,6 +92,8 @@ class ServerConfig:
             raise InvalidRequest(f"disk_segment_bytes must be > 0, got {self.disk_segment_bytes}")
         if self.replay_tokens < 1 or self.max_message_bytes < 1 * MiB:
             raise InvalidRequest("replay_tokens must be >= 1 and max_message_bytes >= 1 MiB")
+        if self.replay_max_batch < 1:
+            raise InvalidRequest(f"replay_max_batch must be >= 1, got {self.replay_max_batch}")
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         object.__setattr__(self, "replay_workers", tuple(self.replay_workers))
 

@@ -53,7 +53,8 @@ def make_replay_backend(config: ServerConfig) -> tuple[ReplayBackend | None, str
         from replay import ReplayService
 
         weights = {"weights": Path(config.replay_weights)} if config.replay_weights else {}
-        return ReplayService(default_tokens=config.replay_tokens, **weights), ""
+        return ReplayService(default_tokens=config.replay_tokens,
+                             max_batch=config.replay_max_batch, **weights), ""
     except (ImportError, KVTierError) as exc:
         log.warning("no %s replay backend: %s", mode, exc)
         return None, f"the {mode} replay backend is unavailable: {exc}"

@@ -148,7 +148,8 @@ class StreamConsumer:
         self._stopping.set()
 
     async def step(self) -> int:
-        """Handle the next job (an abandoned one first); returns how many were handled."""
+        """Handle the next jobs (an abandoned one first, else up to a batch of new ones);
+        returns how many were handled."""
         names = self.names
         _, claimed, _ = await self.redis.xautoclaim(
             names.stream, names.group, self.consumer, self.claim_idle_ms, "0-0", count=1)
@@ -162,12 +163,12 @@ class StreamConsumer:
                      entry_id)
             await self._handle(entry_id, fields)
             return 1
+        # Up to a batch of jobs at once: handled together, they share model calls.
         read = await self.redis.xreadgroup(names.group, self.consumer, {names.stream: ">"},
-                                           count=1, block=self.block_ms)
-        for _, entries in read or ():
-            for entry_id, fields in entries:
-                await self._handle(entry_id, fields)
-        return sum(len(entries) for _, entries in read or ())
+                                           count=self.worker.max_batch, block=self.block_ms)
+        entries = [entry for _, batch in read or () for entry in batch]
+        await asyncio.gather(*(self._handle(entry_id, fields) for entry_id, fields in entries))
+        return len(entries)
 
     async def _deliveries(self, entry_id) -> int:
         pending = await self.redis.xpending_range(self.names.stream, self.names.group,

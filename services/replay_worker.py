@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvstore.errors import CodecError, InvalidRequest, KVTierError
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
-from replay.worker import DEFAULT_REPLAY_TOKENS, ReplayWorker
+from replay.worker import DEFAULT_MAX_BATCH, DEFAULT_REPLAY_TOKENS, ReplayWorker
 from services.lifecycle import stop_on_signals
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model weights (default: the bundled model)")
     parser.add_argument("--replay-tokens", type=int, default=DEFAULT_REPLAY_TOKENS,
                         help="R when a request names none")
+    parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                        help="concurrent replays per model call")
     parser.add_argument("--redis-url", default=os.environ.get("KVTIER_REPLAY_REDIS_URL", ""),
                         help="also take jobs from this Redis (Streams consumer group)")
     parser.add_argument("--stream", default=None, help="job stream key (Redis mode)")
@@ -123,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
     weights = args.weights or BUNDLED_WEIGHTS
     try:
         model = load(weights)
-        worker = ReplayWorker(model, default_tokens=args.replay_tokens)
+        worker = ReplayWorker(model, default_tokens=args.replay_tokens,
+                              max_batch=args.max_batch)
     except (FileNotFoundError, ValueError, KVTierError) as exc:
         print(f"kvtier replay-worker: {exc}", file=sys.stderr)
         return 2

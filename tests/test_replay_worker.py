@@ -97,3 +97,58 @@ async def test_event_loop_runs_while_the_model_computes(model):
         assert ticks >= 6 * 3
     finally:
         await worker.close()
+
+
+async def test_concurrent_rebuilds_share_model_calls(model):
+    sessions = [tiny_session(model, n, seed=n) for n in (45, 61, 52, 70, 48)]
+    far = tiny_session(model, 300, seed=9)  # over 2x longer: not padded into their batch
+    worker = ReplayWorker(model, default_tokens=16, max_batch=4)
+    try:
+        broken = bytearray(sessions[2][1][0])
+        broken[-1] ^= 1
+        requests = [(s.token_ids, chunks, tail) for s, chunks, tail in sessions]
+        requests[2] = (requests[2][0], [bytes(broken), *sessions[2][1][1:]], requests[2][2])
+        requests.append((far[0].token_ids, far[1], far[2]))
+        results = await asyncio.gather(
+            *(worker.rebuild(TINY_SPEC.layout_id, *request) for request in requests),
+            return_exceptions=True)
+        # All six queue before the compute thread starts: the first four share a call
+        # (max_batch), the fifth goes alone after them, and so does the long one.
+        assert worker.model_calls == 3 and worker.rebuilds == 5
+        assert isinstance(results[2], ChunkCorrupt)  # a bad job fails alone
+        assert [r.batch_size for i, r in enumerate(results) if i != 2] == [3, 3, 3, 1, 1]
+        for i, (state, _, _) in enumerate([*sessions, far]):
+            if i != 2:
+                want = encode_window(TINY_SPEC, replay(model, state.without_window(), 16))
+                assert results[i].window == want and results[i].replayed_tokens == 16
+    finally:
+        await worker.close()
+
+
+async def test_a_cancelled_caller_leaves_the_others_their_results(model):
+    sessions = [tiny_session(model, n, seed=n) for n in (40, 44, 48)]
+    worker = ReplayWorker(model, default_tokens=16)
+    try:
+        tasks = [asyncio.create_task(worker.rebuild(TINY_SPEC.layout_id, s.token_ids, c, t))
+                 for s, c, t in sessions]
+        await asyncio.sleep(0)  # all three queued; the compute thread has not taken them
+        tasks[1].cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert isinstance(results[1], asyncio.CancelledError)
+        assert results[0].batch_size == 2 and results[2].batch_size == 2
+        assert worker.model_calls == 1 and worker.rebuilds == 2
+    finally:
+        await worker.close()
+
+
+async def test_a_batch_holds_at_most_batch_tokens_of_context(model, monkeypatch):
+    monkeypatch.setattr("replay.worker.BATCH_TOKENS", 100)
+    sessions = [tiny_session(model, n, seed=n) for n in (45, 48, 50)]
+    worker = ReplayWorker(model, default_tokens=16)
+    try:
+        results = await asyncio.gather(*(worker.rebuild(TINY_SPEC.layout_id, s.token_ids,
+                                                        c, t) for s, c, t in sessions))
+        assert [r.batch_size for r in results] == [2, 2, 1]  # 2 x 48 fits, 3 x 50 does not
+        assert worker.model_calls == 2
+    finally:
+        await worker.close()
