@@ -179,20 +179,44 @@ def indexer_topk(scores: torch.Tensor, k: int,
 
     scores (B, T, N) float; candidates (B, T, P) int32 or None (-1 = no candidate; repeated
     candidates count once). Entries scoring -inf or NaN are never picked; slots beyond the
-    number of pickable entries hold -1. Returns (B, T, k) int32. Deterministic: two stable
-    sorts, first by entry index, then by descending score.
+    number of pickable entries hold -1. Returns (B, T, k) int32. Deterministic: entries in
+    ascending index order, then a stable sort by descending score.
     """
     checks.check_topk(scores, k, candidates)
-    b, t, n = scores.shape
+    n = scores.shape[-1]
     s = scores.float()
     if candidates is None:
-        ids = torch.arange(n, device=s.device).expand(b, t, n)
-        vals = s
-    else:
-        ids = sorted_candidates(candidates, n)
-        vals = torch.gather(s, -1, ids.clamp_max(n - 1)) if n else s.new_zeros(ids.shape)
-        vals = vals.masked_fill(ids >= n, float("-inf"))
+        return top_by_threshold(s, k)
+    ids = sorted_candidates(candidates, n)
+    vals = torch.gather(s, -1, ids.clamp_max(n - 1)) if n else s.new_zeros(ids.shape)
+    vals = vals.masked_fill(ids >= n, float("-inf"))
     return rank_by_score(vals, ids, k)
+
+
+def top_by_threshold(vals: torch.Tensor, k: int) -> torch.Tensor:
+    """indexer_topk over every entry: vals (B, T, N) float -> (B, T, k) int32.
+
+    A full sort of N entries per query dominated replay on CPU. Instead torch.topk finds
+    the k-th best value (well defined whatever its tie-breaking), entries above it are in,
+    entries equal to it fill the remaining places lowest index first, and only the k
+    winners are sorted."""
+    b, t, n = vals.shape
+    vals = torch.where(torch.isnan(vals), torch.full_like(vals, float("-inf")), vals)
+    kk = min(k, n)
+    if kk == 0:
+        return torch.full((b, t, k), -1, dtype=torch.int32, device=vals.device)
+    kth = torch.topk(vals, kk, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    above = vals > kth
+    tied = (vals == kth) & (kth > float("-inf"))
+    room = kk - above.sum(dim=-1, keepdim=True)
+    keep = above | (tied & (tied.cumsum(dim=-1) <= room))
+    # the winners' ids in ascending order go to slots 0.., every loser to slot kk
+    slot = torch.where(keep, keep.cumsum(dim=-1) - 1, kk)
+    ids = torch.full((b, t, kk + 1), -1, dtype=torch.long, device=vals.device)
+    ids.scatter_(-1, slot, torch.arange(n, device=vals.device).expand(b, t, n))
+    ids = ids[..., :kk]
+    picked = torch.gather(vals, -1, ids.clamp_min(0)).masked_fill(ids < 0, float("-inf"))
+    return rank_by_score(picked, ids, k)
 
 
 def sorted_candidates(candidates: torch.Tensor, n: int) -> torch.Tensor:

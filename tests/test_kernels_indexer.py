@@ -129,6 +129,20 @@ def test_topk_matches_torch_topk_on_distinct_scores():
     assert torch.equal(ref.indexer_topk(scores, 7), want)
 
 
+@pytest.mark.parametrize("n,k", [(1, 1), (7, 3), (40, 40), (33, 64), (257, 5)])
+def test_topk_matches_brute_force_ranking_with_ties(n, k):
+    # few distinct values, -inf and NaN: ties at the k-th place are the hard case
+    g = torch.Generator().manual_seed(n * 100 + k)
+    values = torch.tensor([-math.inf, math.nan, 0.0, 0.5, 1.0, 2.0])
+    scores = values[torch.randint(0, len(values), (2, 3, n), generator=g)]
+    got = ref.indexer_topk(scores, k)
+    for row, picked in zip(scores.view(-1, n).tolist(), got.view(-1, k).tolist(),
+                           strict=True):
+        pickable = [i for i, v in enumerate(row) if v > -math.inf]  # NaN compares false
+        ranked = sorted(pickable, key=lambda i: (-row[i], i))[:k]
+        assert picked == ranked + [-1] * (k - len(ranked))
+
+
 def test_topk_rejects_bad_candidates():
     with pytest.raises(ValueError, match=r"candidates must lie in \[-1, 4\]"):
         ref.indexer_topk(torch.zeros(1, 1, 5), 2, torch.tensor([[[0, 5]]], dtype=torch.int32))
