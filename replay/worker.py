@@ -17,9 +17,11 @@ one's global KV, and no more than ``BATCH_TOKENS`` tokens of context in all. A l
 rebuild never waits for company.
 
 Batching pays where fixed per-call costs dominate, i.e. short contexts; the indexer's
-per-session work over the global KV grows with context and does not batch. On 1 CPU
-thread (``python -m replay.bench``): 8 sessions of 512 tokens 1.42x faster in one call
-than one after another, of 2,048 tokens 1.25x; 2 of 8,192 1.19x, but 8 of 8,192 0.83x.
+per-session work over the global KV grows with context and does not batch, and past
+about 16k tokens of context in one call it measured slower. On 1 CPU thread
+(``python -m replay.bench``, one call against one after another): 8 sessions of 512
+tokens 1.40x, 8 of 2,048 1.38x, 2 of 8,192 1.09x; but 4 of 8,192 0.80x and 2 of
+16,384 0.91x.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from replay.state_codec import (
 DEFAULT_REPLAY_TOKENS = 128
 MAX_REPLAY_TOKENS = 8192  # far past any useful R: a bound on what one request may cost
 DEFAULT_MAX_BATCH = 8  # replay.bench: batching gains flatten out past a few sessions on CPU
-BATCH_TOKENS = 1 << 15  # context per batched call; past it batching measured slower
+BATCH_TOKENS = 1 << 14  # context per batched call; past it batching measured slower
 
 
 @dataclass(frozen=True)
