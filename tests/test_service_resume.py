@@ -14,10 +14,10 @@ from kvstore.layout import get_layout
 from kvtier import AsyncClient
 from model.checkpoint import load, save
 from model.config import BUNDLED
-from model.infer import prefill
+from model.infer import prefill, replay
 from model.net import KVTierLM
 from replay import ReplayWorker
-from replay.state_codec import state_to_chunks
+from replay.state_codec import encode_window, state_to_chunks
 from services.client_codec import decode_window
 from services.replay_streams import StreamConsumer
 from services.replay_worker import create_server as create_worker_server
@@ -80,6 +80,39 @@ async def test_resume_replays_a_dropped_window_even_across_a_restart(tmp_path,
         assert window_streams["enc.window.k"].codes.shape[1] == BUNDLED.window
         assert server.metrics.registry.get_sample_value("kvtier_replays_total") == 1
         assert server.metrics.registry.get_sample_value("kvtier_replay_seconds_count") == 1
+
+
+async def test_concurrent_resumes_share_replay_model_calls(tmp_path, model_and_state):
+    weights, _, _ = model_and_state
+    model = load(weights)
+    sessions = {}
+    for i, n in enumerate((140, 150, 170, 190)):
+        ids = torch.randint(0, BUNDLED.vocab, (n,), generator=torch.Generator().manual_seed(i))
+        state = prefill(model, ids, logits="none")[0]
+        sessions[f"s{i}"] = ids, state_to_chunks(SPEC, state), replay(model, state, 128)
+    options = {"replay_weights": str(weights), "replay": "in-process"}
+    async with running_server(tmp_path, **options) as (server, target), \
+            AsyncClient(target) as kv:
+        for name, (ids, (chunks, tail, _), _) in sessions.items():
+            await kv.spill("acme", name, SPEC, ids, chunks=[c for _, c in chunks], tail=tail,
+                           generation=1)  # no window: every resume replays
+        # They arrive while the first loads the weights: they queue and share calls.
+        resumed = await asyncio.gather(*(kv.resume("acme", name) for name in sessions))
+        worker = await server.servicer.replay.worker()
+        assert worker.rebuilds == 4 and worker.model_calls < 4
+        for (_, _, want), got in zip(sessions.values(), resumed, strict=True):
+            assert got.replayed and got.replay_tokens == 128
+            mine, _ = decode_window(SPEC, got.token_ids, got.window_blob)
+            for name, data in encode_streams(want).items():
+                # one batched call against one session's: equal up to a rounding flip
+                assert (mine[name].codes.float() - data.float()).abs().max() <= 1, name
+
+
+def encode_streams(state) -> dict[str, torch.Tensor]:
+    """The window codes of a state, in decode_window's stream layout."""
+    blob = encode_window(SPEC, state)
+    return {name: data.codes for name, data in decode_window(
+        SPEC, state.token_ids.numpy(), blob)[0].items()}
 
 
 async def test_resume_through_remote_workers_and_redis_streams(tmp_path, model_and_state,
