@@ -5,6 +5,7 @@ keeps running while the model computes."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -74,27 +75,24 @@ async def test_bad_requests_are_refused(model):
 async def test_event_loop_runs_while_the_model_computes(model):
     state, chunks, tail = tiny_session(model, 200, seed=3)
     worker = ReplayWorker(model)
-    ticks = 0
-    done = asyncio.Event()
+    computing, loop_ran = threading.Event(), threading.Event()
+    rebuild_batch = worker._rebuild_batch
 
-    async def ticker():
-        nonlocal ticks
-        while not done.is_set():
-            ticks += 1
-            await asyncio.sleep(0.001)
+    def gated(batch):  # holds the model call until the event loop has run meanwhile
+        computing.set()
+        if not loop_ran.wait(10):
+            raise AssertionError("the event loop did not run while the model computed")
+        return rebuild_batch(batch)
 
+    worker._rebuild_batch = gated
     try:
-        task = asyncio.create_task(ticker())
-        await asyncio.sleep(0)
-        ticks = 0
-        results = await asyncio.gather(*(
-            worker.rebuild(TINY_SPEC.layout_id, state.token_ids, chunks, tail, 200)
-            for _ in range(6)))
-        done.set()
-        await task
+        rebuilds = [asyncio.create_task(worker.rebuild(TINY_SPEC.layout_id, state.token_ids,
+                                                       chunks, tail, 200)) for _ in range(6)]
+        while not computing.is_set():
+            await asyncio.sleep(0.001)  # the loop turns while the compute thread waits
+        loop_ran.set()
+        results = await asyncio.gather(*rebuilds)
         assert len({r.window for r in results}) == 1  # concurrent rebuilds agree
-        # six replays of 200 tokens: a blocked loop would tick once or twice in between
-        assert ticks >= 6 * 3
     finally:
         await worker.close()
 

@@ -151,7 +151,7 @@ async def test_outage_raises_promptly_and_recovers(redis_process, redis_server, 
             started = time.monotonic()
             with pytest.raises(TierUnavailable):
                 await operation()
-            assert time.monotonic() - started < FAST_FAIL.op_timeout_s + 0.5
+            assert time.monotonic() - started < 3 * FAST_FAIL.op_timeout_s  # bounded, not hung
         assert not tier.health.available and not await tier.ping()
         assert (await tier.stats()).available is False
         errors = [r for r in caplog.records if r.levelno == logging.ERROR]
@@ -180,7 +180,7 @@ async def test_a_hung_server_times_out_instead_of_hanging(redis_server_factory):
             started = time.monotonic()
             with pytest.raises(TierUnavailable):
                 await tier.get("k")
-            assert time.monotonic() - started < FAST_FAIL.op_timeout_s + 0.5
+            assert time.monotonic() - started < 3 * FAST_FAIL.op_timeout_s  # bounded, not hung
         finally:
             os.kill(server.process.pid, signal.SIGCONT)
         assert await tier.get("k") == b"v"
