@@ -119,7 +119,9 @@ def _indexer_case(b, t, hi, di, n, group) -> Case:
         kp, ks = reference.quantize_int4(_randn(g, b, n, di, device=dev), group)
         qi = _randn(g, b, t, hi, di, device=dev)
         w = torch.rand(b, t, hi, generator=g, device=dev)
-        n_visible = torch.arange(t, device=dev) + (n - t + 1)
+        # one row per batch row, as batched replay passes sessions of different lengths
+        shorter = torch.arange(b, device=dev).view(b, 1) * (n // (2 * b))
+        n_visible = (torch.arange(t, device=dev) + (n - t + 1) - shorter).clamp_min(0)
         return qi, kp, ks, w, n_visible, group
 
     moved = b * n * (di // 2 + 2 * di // group) + 4 * b * t * hi * (di + 1) + 4 * b * t * n
