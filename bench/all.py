@@ -6,7 +6,7 @@ bench/results.json, then bench/REPORT.md and its plots (``bench.report``).
 Stages, in order: codec, tiers and trace (run as ``python -m bench.<name> --json`` child
 processes, their printed JSON collected: for trace, the result of
 ``bench.trace.run_trace_benchmark``), then resume, fidelity and bytes (called in this
-process, sharing one loaded model). ``--sizes
+process, sharing one loaded model), then replay_batch (a child process again). ``--sizes
 quick`` is the default budget (resume at the issue's 4096, 16384 and 65536 tokens,
 fidelity at 1k, 4k and 16k on 2 stretches each); ``--sizes tiny`` a smoke run of every
 stage; ``--sizes full`` 4 stretches per fidelity context and the codec and tiers
@@ -50,6 +50,7 @@ SIZES = {
         "fidelity": {"contexts": [600], "segments": 1, "follow": 32},
         "trace": ["--limit", "200", "--fractions", "0.05,0.2", "--validate", "0"],
         "bytes": {"lengths": [300, 1100]},
+        "replay_batch": ["--contexts", "512", "--batches", "2", "--repeat", "1"],
     },
     "quick": {
         "codec": ["--mb", "16", "--repeats", "3"],
@@ -59,6 +60,7 @@ SIZES = {
         "fidelity": {"contexts": [1024, 4096, 16384], "segments": 2},
         "trace": ["--validate", "100"],
         "bytes": {"lengths": [1000, 3000, 8192]},
+        "replay_batch": ["--contexts", "512,2048,8192,32768", "--batches", "2,4,8"],
     },
     "full": {
         "codec": [],
@@ -67,9 +69,11 @@ SIZES = {
         "fidelity": {"contexts": [1024, 4096, 16384], "segments": 4},  # ~25 s a 16k prefill
         "trace": ["--validate", "100"],
         "bytes": {"lengths": [1000, 3000, 8192, 20000]},
+        "replay_batch": ["--contexts", "512,2048,8192,32768", "--batches", "2,4,8",
+                         "--repeat", "5"],
     },
 }
-STAGES = ("codec", "tiers", "trace", "resume", "fidelity", "bytes")
+STAGES = ("codec", "tiers", "trace", "resume", "fidelity", "bytes", "replay_batch")
 
 
 def machine() -> dict:
@@ -135,6 +139,7 @@ def stage_runners(sizes: dict, trace: Path, weights: Path) -> dict[str, Callable
         "fidelity": lambda: asyncio.run(fidelity.run(*model(), **sizes["fidelity"])),
         "trace": trace_stage,
         "bytes": lambda: _bytes_stage(model(), sizes["bytes"]["lengths"]),
+        "replay_batch": lambda: child_json("replay_batch", sizes["replay_batch"]),
     }
 
 

@@ -299,6 +299,21 @@ def codec_tiers_section(codec: dict | None, tiers: dict | None) -> list[str]:
     return out
 
 
+def replay_batch_section(stage: dict) -> list[str]:
+    out = ["## Batched replay (`python -m bench.replay_batch`)", "",
+           f"R = {stage['replay_tokens']}, {stage['threads']} torch thread(s), random weights "
+           "and synthetic global KV of each context's shape. \"n in one call\": n replays one "
+           "after another over one `replay_batch` call of the same n sessions (above 1: "
+           "batching is faster). The worker batches at most 8,192 tokens of context per "
+           "call.", ""]
+    keys = [k for k in stage["rows"][0] if k.startswith("batched_speedup_")]
+    out += _table(["context", "one replay", *[f"{k.rsplit('_', 1)[1]} in one call"
+                                             for k in keys]],
+                  [[row["context"], _ms(row["replay_ms"] / 1000),
+                    *[f"{row[k]:.2f}x" for k in keys]] for row in stage["rows"]])
+    return out + [""]
+
+
 def headlines(stages: dict) -> list[str]:
     out = ["## Headlines", ""]
     res = stages.get("resume")
@@ -358,7 +373,8 @@ def write_report(results: dict, out_dir: Path) -> Path:
     sections = (("resume", resume_section, plot_resume, "resume_time.png"),
                 ("fidelity", fidelity_section, plot_fidelity, "fidelity.png"),
                 ("trace", trace_section, plot_trace, "trace_hit_rate.png"),
-                ("bytes", bytes_section, None, None))
+                ("bytes", bytes_section, None, None),
+                ("replay_batch", replay_batch_section, None, None))
     for name, section, plot, png in sections:
         stage = stages.get(name)
         if not _ok(stage):

@@ -19,7 +19,7 @@ rebuild never waits for company.
 Batching pays where fixed per-call costs dominate, i.e. short contexts; the indexer's
 per-session work over the global KV grows with context and does not batch, and past
 8k-16k tokens of context in one call it measured slower. On 1 CPU thread
-(``python -m replay.bench``, one call against one after another): 8 sessions of 512
+(``python -m bench.replay_batch``, one call against one after another): 8 sessions of 512
 tokens 1.49x, 4 of 2,048 1.44x; but 2 of 8,192 0.85-1.19x (noisy), 2 of 32,768 0.53x.
 """
 
@@ -49,7 +49,7 @@ from replay.state_codec import (
 
 DEFAULT_REPLAY_TOKENS = 128
 MAX_REPLAY_TOKENS = 8192  # far past any useful R: a bound on what one request may cost
-DEFAULT_MAX_BATCH = 8  # replay.bench: batching gains flatten out past a few sessions on CPU
+DEFAULT_MAX_BATCH = 8  # bench.replay_batch: batching gains flatten out past a few sessions on CPU
 BATCH_TOKENS = 1 << 13  # context per batched call; past it batching can be slower
 
 

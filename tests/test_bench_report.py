@@ -40,6 +40,8 @@ async def tiny_results(tmp_path) -> dict:
         "trace": run_trace_benchmark(small_trace(tmp_path / "t.jsonl"), fractions=[0.2, 0.5],
                                      policies=("lru", "belady"), jobs=1),
         "bytes": await bytes_bench.measure(model, INFO, [40, 23], tmp_path / "bytes"),
+        "replay_batch": bench_all.child_json("replay_batch", bench_all.SIZES["tiny"][
+            "replay_batch"]),
     }
     for stage in stages.values():
         stage.setdefault("wall_s", 0.1)
@@ -57,7 +59,7 @@ async def test_report_has_tables_plots_machine_and_problems(tmp_path):
         assert f"]({png})" in text
     for heading in ("## Headlines", "## Machine", "## Resume against re-prefill",
                     "## Replay fidelity", "## Hit rate on a request trace",
-                    "## Bytes per token on disk"):
+                    "## Bytes per token on disk", "## Batched replay"):
         assert heading in text
     assert "RANDOM INIT" in text  # untrained weights are never passed off as the model
     assert "codec did not run here" in text and "_tiers: not run._" in text

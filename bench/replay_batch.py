@@ -2,7 +2,7 @@
 whether replaying concurrent resumes in one batched model call (``replay_batch``, what the
 worker does with a queue) beats replaying them one after another.
 
-    .venv/bin/python -m replay.bench [--contexts 512,2048,8192] [--batches 2,4,8] [--json]
+    .venv/bin/python -m bench.replay_batch [--contexts 512,2048,8192] [--batches 2,4,8] [--json]
 
 States are synthetic (random global KV of the right shapes): replay's cost depends on the
 shapes, not on the values, and this skips a prefill of every context.
