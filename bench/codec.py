@@ -1,7 +1,9 @@
 """Chunk codec throughput next to a plain memcpy of the same bytes, measured in one run.
 
 ``python -m bench.codec --json`` prints ``encode_gbps``, ``decode_gbps`` (decode includes
-checksum verification and produces fresh tensors) and ``memcpy_gbps`` (``np.copyto``, a plain
+checksum verification and produces fresh tensors, one ``decode_chunk`` call per chunk),
+``decode_run_gbps`` (the same chunks as one session's run: ``decode_chunks``, what a
+restore of a whole session does, one tensor per stream) and ``memcpy_gbps`` (``np.copyto``, a plain
 memcpy, of the same number of bytes between preallocated buffers) for the headline layout, plus one
 row per layout and with zstd. GB/s counts raw payload bytes (10^9 bytes per second).
 """
@@ -16,6 +18,7 @@ import numpy as np
 import torch
 
 from kvstore.codec import StreamData, decode_chunk, encode_chunk
+from kvstore.codec_run import decode_chunks
 from kvstore.layout import LayoutSpec, get_layout
 
 _DTYPES = {4: torch.uint8, 8: torch.int8, 16: torch.bfloat16}
@@ -55,22 +58,28 @@ def measure(spec: LayoutSpec, total_mb: float, repeats: int, zstd_level: int | N
     chunk_payload = int(spec.persistent_bytes_per_token * spec.chunk_tokens)
     n = max(1, int(total_mb * 1e6 // chunk_payload))
     tokens = np.arange(spec.chunk_tokens)
+    run_tokens = np.tile(tokens, n)  # the chunks as one session, each starting where it is
     chunks = [random_chunk(spec, i) for i in range(min(n, 8))]
     chunks = [chunks[i % len(chunks)] for i in range(n)]
     encoded: list[bytes] = []
 
     def encode_all() -> None:
-        encoded[:] = [encode_chunk(spec, 0, tokens, c, zstd_level=zstd_level) for c in chunks]
+        encoded[:] = [encode_chunk(spec, i * spec.chunk_tokens, tokens, c, zstd_level=zstd_level)
+                      for i, c in enumerate(chunks)]
 
     def decode_all() -> None:
         for buf in encoded:
             decode_chunk(buf, spec)
+
+    def decode_run() -> None:
+        decode_chunks(encoded, spec, run_tokens, [spec.chunk_tokens] * n)
 
     total = n * chunk_payload
     src = np.random.default_rng(0).integers(0, 255, total, dtype=np.uint8)
     dst = np.empty_like(src)
     encode_s = _best_seconds(encode_all, repeats)
     decode_s = _best_seconds(decode_all, repeats)
+    decode_run_s = _best_seconds(decode_run, repeats)
     # np.copyto is libc memcpy, whatever torch's intra-op thread count is set to.
     memcpy_s = _best_seconds(lambda: np.copyto(dst, src), repeats)
     return {
@@ -84,6 +93,8 @@ def measure(spec: LayoutSpec, total_mb: float, repeats: int, zstd_level: int | N
         "decode_gbps": total / decode_s / 1e9,
         "memcpy_gbps": total / memcpy_s / 1e9,
         "decode_vs_memcpy": memcpy_s / decode_s,
+        "decode_run_gbps": total / decode_run_s / 1e9,
+        "decode_run_vs_memcpy": memcpy_s / decode_run_s,
     }
 
 
@@ -102,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "encode_gbps": head["encode_gbps"],
         "decode_gbps": head["decode_gbps"],
+        "decode_run_gbps": head["decode_run_gbps"],
         "memcpy_gbps": head["memcpy_gbps"],
         "layout": head["layout"],
         "rows": rows,
@@ -111,13 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(
             f"{'layout':<16} {'zstd':>4} {'chunk B':>9} {'encode':>8} {'decode':>8} "
-            f"{'memcpy':>8} {'dec/mem':>8} {'stored/raw':>10}"
+            f"{'run dec':>8} {'memcpy':>8} {'dec/mem':>8} {'run/mem':>8} {'stored/raw':>10}"
         )
         for r in rows:
             print(
                 f"{r['layout']:<16} {r['zstd_level'] or '-':>4} {r['chunk_payload_bytes']:>9} "
-                f"{r['encode_gbps']:>7.2f}G {r['decode_gbps']:>7.2f}G {r['memcpy_gbps']:>7.2f}G "
-                f"{r['decode_vs_memcpy']:>8.2f} {r['stored_bytes'] / r['payload_bytes']:>10.3f}"
+                f"{r['encode_gbps']:>7.2f}G {r['decode_gbps']:>7.2f}G "
+                f"{r['decode_run_gbps']:>7.2f}G {r['memcpy_gbps']:>7.2f}G "
+                f"{r['decode_vs_memcpy']:>8.2f} {r['decode_run_vs_memcpy']:>8.2f} "
+                f"{r['stored_bytes'] / r['payload_bytes']:>10.3f}"
             )
     return 0
 

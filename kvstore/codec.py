@@ -26,7 +26,7 @@ import torch
 import xxhash
 import zstandard
 
-from kvstore.chunk_plan import PART_CODES, PART_SCALES, chunk_plan, streams_of
+from kvstore.chunk_plan import PART_CODES, PART_SCALES, ChunkPlan, chunk_plan, streams_of
 from kvstore.errors import ChunkCorrupt, ChunkTruncated, LayoutMismatch, UnsupportedVersion
 from kvstore.keys import token_bytes
 from kvstore.layout import LayoutSpec
@@ -229,7 +229,7 @@ def _parse_header(view: memoryview) -> ChunkHeader:
     )
 
 
-def _raw_payload(view: memoryview, header: ChunkHeader) -> np.ndarray:
+def decoded_payload(view: memoryview, header: ChunkHeader) -> np.ndarray:
     """The raw payload as a fresh, writable array: tensors decoded from it own their memory."""
     stored = view[header.payload_offset : header.encoded_len]
     if not header.compressed:
@@ -247,7 +247,7 @@ def _raw_payload(view: memoryview, header: ChunkHeader) -> np.ndarray:
     return np.frombuffer(bytearray(raw), np.uint8)
 
 
-def _verify_rows(payload, sections: np.ndarray) -> None:
+def verify_sections(payload, sections: np.ndarray) -> None:
     data = memoryview(payload)
     for stream, layer, part, _, offset, length, checksum in sections.tolist():
         if xxhash.xxh3_64_intdigest(data[offset : offset + length]) != checksum:
@@ -261,27 +261,17 @@ def verify_chunk(buf: bytes | bytearray | memoryview) -> ChunkHeader:
     view = memoryview(buf).cast("B")
     header = read_header(view)
     if header.compressed:
-        _verify_rows(_raw_payload(view, header), header.sections)
+        verify_sections(decoded_payload(view, header), header.sections)
     else:
         payload = np.frombuffer(view[header.payload_offset : header.encoded_len], np.uint8)
-        _verify_rows(payload, header.sections)
+        verify_sections(payload, header.sections)
     return header
 
 
-def decode_chunk(
-    buf: bytes | bytearray | memoryview,
-    spec: LayoutSpec,
-    *,
-    streams: Iterable[str] | None = None,
-    layers: Sequence[int] | None = None,
-    token_ids: Sequence[int] | np.ndarray | None = None,
-) -> DecodedChunk:
-    """Decode (a subset of) a chunk into fresh tensors, verifying what it reads.
-
-    ``layers`` selects layer indices of every chosen stream (layer-by-layer restore);
-    ``token_ids``, when given, must be the ids the chunk was encoded with.
-    """
-    view = memoryview(buf).cast("B")
+def checked_plan(view: memoryview, spec: LayoutSpec,
+                  token_ids: Sequence[int] | np.ndarray | None) -> tuple[ChunkHeader, ChunkPlan]:
+    """The chunk's header and the plan its payload follows, once the header, the layout,
+    the token ids (when given) and the section table have been checked."""
     header = read_header(view)
     if header.layout_hash != spec.layout_hash:
         raise LayoutMismatch(
@@ -307,12 +297,31 @@ def decode_chunk(
         table.view(np.uint64).reshape(-1, 4)[:, :3].tobytes() != plan.table_head.tobytes()
     ):
         raise ChunkCorrupt(f"section table does not match layout {spec.name}")
+    return header, plan
+
+
+def decode_chunk(
+    buf: bytes | bytearray | memoryview,
+    spec: LayoutSpec,
+    *,
+    streams: Iterable[str] | None = None,
+    layers: Sequence[int] | None = None,
+    token_ids: Sequence[int] | np.ndarray | None = None,
+) -> DecodedChunk:
+    """Decode (a subset of) a chunk into fresh tensors, verifying what it reads.
+
+    ``layers`` selects layer indices of every chosen stream (layer-by-layer restore);
+    ``token_ids``, when given, must be the ids the chunk was encoded with.
+    """
+    view = memoryview(buf).cast("B")
+    header, plan = checked_plan(view, spec, token_ids)
+    table = header.sections
     known = {p.stream.name for p in plan.parts}
     chosen = known if streams is None else set(streams)
     if chosen - known:
         kind = "ephemeral" if header.ephemeral else "persistent"
         raise LayoutMismatch(f"layout {spec.name} has no {kind} streams {sorted(chosen - known)}")
-    payload = _raw_payload(view, header)
+    payload = decoded_payload(view, header)
     base = torch.from_numpy(payload)
     selected = []
     for p in plan.parts:
@@ -327,7 +336,7 @@ def decode_chunk(
         if streams is None and layers is None
         else table[[p.first_section + layer for p, picked in selected for layer in picked]]
     )
-    _verify_rows(payload, rows)
+    verify_sections(payload, rows)
     out: dict[str, dict[int, torch.Tensor]] = {}
     for p, picked in selected:
         if layers is None:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from kvstore.codec import StreamData, decode_chunk, encode_chunk, read_header, split_chunks
+from kvstore.codec_run import decode_chunks
 from kvstore.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
 from kvstore.keys import chain_keys, token_bytes
 from kvstore.layout import LayoutSpec
@@ -125,7 +126,7 @@ def decode_persistent(spec: LayoutSpec, ids: np.ndarray, chunks: Sequence[Buffer
     n, size = len(ids), spec.chunk_tokens
     if len(chunks) != n // size:
         raise InvalidRequest(f"{n} tokens need {n // size} full chunks, got {len(chunks)}")
-    parts = [_decode_range(spec, buf, ids, i * size, size) for i, buf in enumerate(chunks)]
+    bufs, counts = list(chunks), [size] * len(chunks)
     covered = len(chunks) * size
     # The tail must hold every complete entry after the chunks; the rows of an unfinished
     # block may or may not be counted in it (they carry no entry).
@@ -136,17 +137,11 @@ def decode_persistent(spec: LayoutSpec, ids: np.ndarray, chunks: Sequence[Buffer
             raise InvalidRequest(f"the tail covers {count} tokens; the {n - covered} tokens "
                                  f"after the full chunks need {n // m * m - covered} to "
                                  f"{n - covered}")
-        parts.append(_decode_range(spec, tail, ids, covered, count))
+        bufs.append(tail)
+        counts.append(count)
     elif n // m * m > covered:
         raise InvalidRequest(f"tokens {covered}..{n - 1} need a tail chunk; none given")
-    out = {}
-    for stream in spec.persistent_streams:
-        pieces = [p[stream.name] for p in parts]
-        if not pieces:  # no token at all: empty tensors of the right shape
-            pieces = [_decode_empty(spec, stream.name)]
-        out[stream.name] = StreamData(torch.cat([p.codes for p in pieces], 1),
-                                      torch.cat([p.scales for p in pieces], 1))
-    return out
+    return decode_chunks(bufs, spec, ids, counts)
 
 
 def decode_window(spec: LayoutSpec, ids: np.ndarray, window: Buffer, block: int
@@ -182,23 +177,6 @@ def decode_window(spec: LayoutSpec, ids: np.ndarray, window: Buffer, block: int
             streams[name] = StreamData(
                 torch.zeros(stream.layers, 0, *stream.entry_shape, dtype=torch.bfloat16), None)
     return streams
-
-
-def _decode_range(spec: LayoutSpec, buf: Buffer, ids: np.ndarray, start: int, count: int
-                  ) -> dict[str, StreamData]:
-    header = read_header(buf)
-    if header.ephemeral or header.start_token != start or header.num_tokens != count:
-        raise InvalidRequest(f"expected the persistent chunk of tokens {start}.."
-                             f"{start + count - 1}, got one of {header.num_tokens} tokens "
-                             f"from {header.start_token}")
-    return decode_chunk(buf, spec, token_ids=ids[start:start + count]).streams
-
-
-def _decode_empty(spec: LayoutSpec, name: str) -> StreamData:
-    stream = spec.stream(name)
-    codes = torch.zeros(stream.layers, 0, *stream.codes_shape, dtype=torch.uint8)
-    return StreamData(codes, torch.zeros(stream.layers, 0, stream.scales_per_entry,
-                                         dtype=torch.float16))
 
 
 def _token_slice(spec: LayoutSpec, streams: dict[str, StreamData], start: int, stop: int

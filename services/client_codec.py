@@ -18,6 +18,7 @@ import torch
 import xxhash
 
 from kvstore.codec import StreamData, decode_chunk, encode_chunk, read_header, split_chunks
+from kvstore.codec_run import decode_chunks
 from kvstore.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
 from kvstore.keys import chain_keys, token_bytes
 from kvstore.layout import LayoutSpec
@@ -133,27 +134,19 @@ def encode_window(spec: LayoutSpec, tokens: np.ndarray, window: Streams) -> byte
     return b"".join(parts)
 
 
-def _cat(parts: Sequence[StreamData]) -> StreamData:
-    codes = torch.cat([p.codes for p in parts], dim=1)
-    scales = None if parts[0].scales is None else torch.cat([p.scales for p in parts], dim=1)
-    return StreamData(codes, scales)
-
-
 def decode_persistent(spec: LayoutSpec, tokens: np.ndarray, chunks: Sequence[bytes],
                       tail: bytes) -> dict[str, StreamData]:
     """The whole session's persistent streams, (layers, entries, ...) each, verified."""
-    size = spec.chunk_tokens
-    decoded = [decode_chunk(buf, spec, token_ids=tokens[i * size:(i + 1) * size]).streams
-               for i, buf in enumerate(chunks)]
-    if tail:
-        start = read_header(tail).start_token
-        if start != len(chunks) * size:
-            raise ChunkCorrupt(f"the tail starts at token {start}, not {len(chunks) * size}")
-        end = start + read_header(tail).num_tokens
-        decoded.append(decode_chunk(tail, spec, token_ids=tokens[start:end]).streams)
-    if not decoded:
+    if not chunks and not tail:
         return {}
-    return {s.name: _cat([d[s.name] for d in decoded]) for s in spec.persistent_streams}
+    bufs, counts = list(chunks), [spec.chunk_tokens] * len(chunks)
+    if tail:
+        bufs.append(tail)
+        counts.append(read_header(tail).num_tokens)
+    try:
+        return decode_chunks(bufs, spec, tokens, counts)
+    except InvalidRequest as exc:  # the server sent chunks that do not fit the session
+        raise ChunkCorrupt(str(exc)) from exc
 
 
 def window_start(window) -> int:

@@ -1,0 +1,80 @@
+"""decode_chunks: a run of a session's chunks decoded into one tensor per stream equals
+decode_chunk of each chunk concatenated; bad runs raise the specific error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.codec import StreamData, decode_chunk, encode_chunk
+from kvstore.codec_run import decode_chunks
+from kvstore.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
+from tests.test_codec import BUNDLED, MIXED, assert_same, make_streams
+
+
+def session(spec, counts, zstd=None, seed=0):
+    """(chunk bytes, token ids, the streams each chunk was encoded from)."""
+    ids = np.random.default_rng(seed).integers(0, 256, sum(counts))
+    bufs, streams, start = [], [], 0
+    for i, count in enumerate(counts):
+        data = make_streams(spec, count, seed=seed + i)
+        bufs.append(encode_chunk(spec, start, ids[start:start + count], data,
+                                 zstd_level=zstd))
+        streams.append(data)
+        start += count
+    return bufs, ids, streams
+
+
+def concatenated(spec, streams):
+    out = {}
+    for s in spec.persistent_streams:
+        codes = torch.cat([d[s.name].codes for d in streams], 1)
+        scales = None if s.bits == 16 else torch.cat([d[s.name].scales for d in streams], 1)
+        out[s.name] = StreamData(codes, scales)
+    return out
+
+
+@pytest.mark.parametrize("spec,counts,zstd", [
+    (MIXED, [12, 12, 12, 7], None),  # entries of m = 4 and 2; a tail of 7 tokens
+    (MIXED, [12, 5], 3),
+    (MIXED, [3], None),
+    (BUNDLED, [512, 512, 100], None),
+])
+def test_a_run_equals_each_chunk_decoded_and_concatenated(spec, counts, zstd):
+    bufs, ids, streams = session(spec, counts, zstd)
+    got = decode_chunks(bufs, spec, ids, counts)
+    assert_same(got, concatenated(spec, streams))
+    one_by_one = [decode_chunk(buf, spec).streams for buf in bufs]
+    assert_same(got, concatenated(spec, one_by_one))
+    # the tensors own their memory: writing to them leaves the chunk bytes alone
+    before = bytes(bufs[0])
+    for data in got.values():
+        data.codes.view(torch.uint8).fill_(0)
+    assert bytes(bufs[0]) == before
+
+
+def test_an_empty_run_gives_empty_tensors_of_each_stream():
+    got = decode_chunks([], MIXED, np.array([], dtype=np.int64), [])
+    for s in MIXED.persistent_streams:
+        assert got[s.name].codes.shape == (s.layers, 0, *s.codes_shape)
+
+
+def test_bad_runs_raise_their_specific_error():
+    bufs, ids, _ = session(MIXED, [12, 12, 5])
+    with pytest.raises(InvalidRequest, match="chunk of tokens 0..11, got one of 12 tokens "
+                                             "from 12"):
+        decode_chunks([bufs[1], bufs[0], bufs[2]], MIXED, ids, [12, 12, 5])
+    with pytest.raises(InvalidRequest, match="tokens 24..29, got one of 5"):
+        decode_chunks(bufs, MIXED, ids, [12, 12, 6])
+    with pytest.raises(InvalidRequest, match="3 chunks but 2 token counts"):
+        decode_chunks(bufs, MIXED, ids, [12, 12])
+    with pytest.raises(LayoutMismatch, match="other token ids"):
+        decode_chunks(bufs, MIXED, ids[::-1], [12, 12, 5])
+    with pytest.raises(LayoutMismatch):
+        decode_chunks(bufs, BUNDLED, ids, [12, 12, 5])
+    for position in (40, len(bufs[1]) // 2, len(bufs[1]) - 1):  # header, payload, last byte
+        broken = bytearray(bufs[1])
+        broken[position] ^= 0x10
+        with pytest.raises(ChunkCorrupt):
+            decode_chunks([bufs[0], bytes(broken), bufs[2]], MIXED, ids, [12, 12, 5])
