@@ -77,6 +77,31 @@ async def test_jobs_are_served_by_the_group_and_answered(model, redis_server):
     await lonely.close()
 
 
+async def test_queued_jobs_are_taken_as_a_batch(model, redis_server):
+    sessions = [tiny_session(model, n, seed=n) for n in (40, 44, 48, 52)]
+    names = StreamNames(stream="q:jobs", group="q-group", reply_prefix="q:reply:")
+    worker = ReplayWorker(model, default_tokens=12)
+    backend = StreamReplay(redis_server, names=names, timeout_s=10)
+    try:
+        jobs = [asyncio.create_task(backend.rebuild(TINY_SPEC.layout_id, s.token_ids, c, t))
+                for s, c, t in sessions]
+        inspect = redis.Redis.from_url(redis_server)
+        deadline = time.monotonic() + 10
+        while inspect.xlen("q:jobs") < len(jobs):  # all queued before any worker reads
+            assert time.monotonic() < deadline, "the jobs were never queued"
+            await asyncio.sleep(0.01)
+        async with consuming(redis_server, worker, "solo", names) as consumer:
+            results = await asyncio.gather(*jobs)
+            assert await answered(consumer) == len(jobs)
+        assert worker.model_calls == 1  # one read of the stream, one model call
+        for (state, _, _), result in zip(sessions, results, strict=True):
+            assert result.window == encode_window(
+                TINY_SPEC, replay(model, state.without_window(), 12))
+    finally:
+        await backend.close()
+        await worker.close()
+
+
 async def answered(*consumers: StreamConsumer, wait_s: float = 5.0) -> int:
     """Jobs the consumers answered (each counts a job just after pushing its reply)."""
     deadline = time.monotonic() + wait_s
