@@ -311,25 +311,43 @@ class AsyncClient:
 
     async def restore_layers(self, tenant: str, session_id: str) -> AsyncIterator[LayerSlice]:
         """Each (stream, layer) of the whole session as soon as it has arrived, layer 0 of
-        every stream first: codes (entries, *codes_shape), scales (entries, groups)."""
+        every stream first: codes (entries, *codes_shape), scales (entries, groups).
+
+        UNAVAILABLE restarts the stream with backoff, like every call; layers already
+        yielded are not yielded again, and a session that changed generation meanwhile
+        raises StaleGeneration rather than mixing two versions."""
         request = pb.RestoreRequest(session=pb.SessionRef(tenant=tenant, session_id=session_id),
                                     layer_by_layer=True)
-        call = self._stub.Restore(request, timeout=self.timeout_s)
-        assembler = None
-        try:
-            async for reply in call:
-                kind = reply.WhichOneof("item")
-                if kind == "header":
-                    assembler = cc.LayerAssembler(get_layout(reply.header.layout_id))
-                elif kind == "section":
-                    done = assembler.add(reply.section)
-                    if done is not None:
-                        yield done
-            last = assembler.finish() if assembler is not None else None
-            if last is not None:
-                yield last
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from exc
+        delays = self.retry.delays()
+        delivered: set[tuple[str, int]] = set()
+        generation = None
+        while True:
+            assembler = None
+            try:
+                async for reply in self._stub.Restore(request, timeout=self.timeout_s):
+                    kind = reply.WhichOneof("item")
+                    if kind == "header":
+                        if generation not in (None, reply.header.generation):
+                            raise StaleGeneration(
+                                f"session {tenant}/{session_id} changed from generation "
+                                f"{generation} to {reply.header.generation} while its layers "
+                                "were being restored")
+                        generation = reply.header.generation
+                        assembler = cc.LayerAssembler(get_layout(reply.header.layout_id))
+                    elif kind == "section":
+                        done = assembler.add(reply.section)
+                        if done is not None and (done.stream, done.layer) not in delivered:
+                            delivered.add((done.stream, done.layer))
+                            yield done
+                last = assembler.finish() if assembler is not None else None
+                if last is not None and (last.stream, last.layer) not in delivered:
+                    yield last
+                return
+            except grpc.aio.AioRpcError as exc:
+                delay = next(delays, None)
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or delay is None:
+                    raise error_from_rpc(exc) from exc
+            await asyncio.sleep(delay)
 
     # -- control --
 

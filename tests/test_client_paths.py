@@ -126,6 +126,37 @@ async def test_calls_are_retried_until_the_server_is_up(tmp_path):
     assert result.generation == 1
 
 
+async def test_a_layer_stream_is_retried_until_the_server_is_up(tmp_path):
+    port = free_port()
+    tokens = tokens_for(TOKENS)
+    persistent = streams_for(LAYOUT, TOKENS)
+    from services.server import create_server
+
+    config = config_for(tmp_path, listen=f"127.0.0.1:{port}")
+    server, _ = await create_server(config)
+    async with AsyncClient(f"127.0.0.1:{port}") as kv:
+        await kv.spill("acme", "s1", LAYOUT.name, tokens, persistent, generation=1,
+                       ack="durable")
+    await server.stop(0.5)
+
+    async def start_late():
+        await asyncio.sleep(0.3)
+        return await create_server(config)
+
+    starting = asyncio.create_task(start_late())
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}") as kv:
+            layers = [piece async for piece in kv.restore_layers("acme", "s1")]
+    finally:
+        server, _ = await starting
+        await server.stop(0.5)
+    got = {(p.stream, p.layer) for p in layers}
+    assert len(got) == len(layers)  # each layer once
+    assert got == {(s.name, i) for s in LAYOUT.persistent_streams for i in range(s.layers)}
+    for piece in layers:
+        assert torch.equal(piece.data.codes, persistent[piece.stream].codes[piece.layer])
+
+
 async def test_concurrent_clients(tmp_path):
     async with running_server(tmp_path) as (_, target):
         async def worker(i: int) -> None:
