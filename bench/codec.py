@@ -45,7 +45,8 @@ def random_chunk(spec: LayoutSpec, seed: int) -> dict[str, StreamData]:
     return out
 
 
-def _best_seconds(fn, repeats: int) -> float:
+def best_seconds(fn, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn``."""
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -77,11 +78,11 @@ def measure(spec: LayoutSpec, total_mb: float, repeats: int, zstd_level: int | N
     total = n * chunk_payload
     src = np.random.default_rng(0).integers(0, 255, total, dtype=np.uint8)
     dst = np.empty_like(src)
-    encode_s = _best_seconds(encode_all, repeats)
-    decode_s = _best_seconds(decode_all, repeats)
-    decode_run_s = _best_seconds(decode_run, repeats)
+    encode_s = best_seconds(encode_all, repeats)
+    decode_s = best_seconds(decode_all, repeats)
+    decode_run_s = best_seconds(decode_run, repeats)
     # np.copyto is libc memcpy, whatever torch's intra-op thread count is set to.
-    memcpy_s = _best_seconds(lambda: np.copyto(dst, src), repeats)
+    memcpy_s = best_seconds(lambda: np.copyto(dst, src), repeats)
     return {
         "layout": spec.name,
         "zstd_level": zstd_level,

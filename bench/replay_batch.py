@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
+from bench.codec import best_seconds
 from model.config import BUNDLED, ModelConfig
 from model.infer import replay, replay_batch
 from model.net import KVTierLM
@@ -37,12 +37,7 @@ def synthetic_state(cfg: ModelConfig, n: int, seed: int) -> KVState:
 
 def timed(fn, repeat: int) -> float:
     fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeat):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
+    return best_seconds(fn, repeat)
 
 
 def main() -> None:
