@@ -349,13 +349,15 @@ class ReplayRequest(_message.Message):
     def __init__(self, layout_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., chunks: _Optional[_Iterable[bytes]] = ..., tail: _Optional[bytes] = ..., replay_tokens: _Optional[int] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class ReplayReply(_message.Message):
-    __slots__ = ("window", "replayed_tokens", "seconds", "worker")
+    __slots__ = ("window", "replayed_tokens", "seconds", "worker", "batch_size")
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     window: bytes
     replayed_tokens: int
     seconds: float
     worker: str
-    def __init__(self, window: _Optional[bytes] = ..., replayed_tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., worker: _Optional[str] = ...) -> None: ...
+    batch_size: int
+    def __init__(self, window: _Optional[bytes] = ..., replayed_tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., worker: _Optional[str] = ..., batch_size: _Optional[int] = ...) -> None: ...

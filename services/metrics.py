@@ -110,6 +110,9 @@ class ServiceMetrics:
                                registry=r)
         self.replayed_tokens = Counter("kvtier_replayed_tokens", "Tokens rerun by replay",
                                        registry=r)
+        self.replay_batch_size = Histogram(
+            "kvtier_replay_batch_size", "Sessions rebuilt by the model call that rebuilt this "
+            "one", buckets=(1, 2, 4, 8, 16, 32), registry=r)
         self.spill_bytes = Counter("kvtier_spill_bytes", "Payload bytes received by Spill",
                                    ["path"], registry=r)
         self.restore_bytes = Counter("kvtier_restore_bytes", "Payload bytes sent by restores",

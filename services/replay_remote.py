@@ -74,8 +74,10 @@ class RemoteReplay:
     async def send(self, request: pb.ReplayRequest) -> ReplayResult:
         started = time.perf_counter()
         failures = []
-        for _ in self.addresses:
-            i = next(self._turn)
+        # Workers in turn across calls; within a call, each worker once from its turn on
+        # (a shared cursor would let concurrent calls try one dead worker twice).
+        first = next(self._turn)
+        for i in ((first + k) % len(self.addresses) for k in range(len(self.addresses))):
             try:
                 reply = await self._stubs[i].Rebuild(request, timeout=self.timeout_s)
             except grpc.aio.AioRpcError as exc:
@@ -88,7 +90,7 @@ class RemoteReplay:
             self.last_worker = reply.worker or self.addresses[i]
             # the caller waited for the network and the queue too: report that time
             return ReplayResult(reply.window, reply.replayed_tokens,
-                                time.perf_counter() - started)
+                                time.perf_counter() - started, reply.batch_size or 1)
         raise TierUnavailable(f"no replay worker answered: {'; '.join(failures)}")
 
     async def close(self) -> None:

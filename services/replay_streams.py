@@ -86,7 +86,8 @@ class StreamReplay:
             raise TierUnavailable(f"no replay worker answered job {request.job_id} within "
                                   f"{self.timeout_s:.0f}s")
         reply = parse_reply(answer[1])
-        return ReplayResult(reply.window, reply.replayed_tokens, time.perf_counter() - started)
+        return ReplayResult(reply.window, reply.replayed_tokens, time.perf_counter() - started,
+                            reply.batch_size or 1)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -183,7 +184,8 @@ class StreamConsumer:
                                                request.tail, request.replay_tokens or None)
             reply = REPLY_OK + pb.ReplayReply(
                 window=result.window, replayed_tokens=result.replayed_tokens,
-                seconds=result.seconds, worker=self.consumer).SerializeToString()
+                seconds=result.seconds, worker=self.consumer,
+                batch_size=result.batch_size).SerializeToString()
         except KVTierError as exc:  # the job's fault: answered, not retried
             reply = self._error(exc)
         except Exception as exc:  # a job always gets an answer and the loop goes on

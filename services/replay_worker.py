@@ -72,7 +72,8 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         log.debug("job %s: %d tokens replayed in %.3fs", request.job_id,
                   result.replayed_tokens, result.seconds)
         return pb.ReplayReply(window=result.window, replayed_tokens=result.replayed_tokens,
-                              seconds=result.seconds, worker=self.name)
+                              seconds=result.seconds, worker=self.name,
+                              batch_size=result.batch_size)
 
 
 async def create_server(addr: str, worker: ReplayWorker, *, name: str | None = None,

@@ -114,6 +114,7 @@ class RestoreStreamer:
                 self.metrics.replays.inc()
                 self.metrics.replayed_tokens.inc(rebuilt.replayed_tokens)
                 self.metrics.replay_seconds.observe(rebuilt.seconds)
+                self.metrics.replay_batch_size.observe(rebuilt.batch_size)
                 yield pb.RestoreReply(window=self._payload("", rebuilt.window, None))
                 summary.replayed = True
                 summary.replay_tokens = rebuilt.replayed_tokens

@@ -4,6 +4,8 @@ session whose window was dropped through it."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -42,6 +44,11 @@ async def test_remote_backend_rebuilds_through_a_worker(model):
             assert result.window == encode_window(TINY_SPEC,
                                                   replay(model, state.without_window(), 16))
             assert backend.last_worker == "w1"
+        # Concurrent calls each reach the live worker despite the dead one, and the batch
+        # sizes of the calls queued behind one another come back over gRPC.
+        together = await asyncio.gather(*(backend.rebuild(TINY_SPEC.layout_id, state.token_ids,
+                                                          chunks, tail) for _ in range(6)))
+        assert max(r.batch_size for r in together) > 1
         with pytest.raises(InvalidRequest, match="replay_tokens"):
             await backend.rebuild(TINY_SPEC, state.token_ids, chunks, tail, 100_000)
         with pytest.raises(LayoutMismatch):

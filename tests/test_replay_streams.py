@@ -94,6 +94,7 @@ async def test_queued_jobs_are_taken_as_a_batch(model, redis_server):
             results = await asyncio.gather(*jobs)
             assert await answered(consumer) == len(jobs)
         assert worker.model_calls == 1  # one read of the stream, one model call
+        assert all(r.batch_size == len(jobs) for r in results)  # told through the reply
         for (state, _, _), result in zip(sessions, results, strict=True):
             assert result.window == encode_window(
                 TINY_SPEC, replay(model, state.without_window(), 12))

@@ -100,6 +100,8 @@ async def test_concurrent_resumes_share_replay_model_calls(tmp_path, model_and_s
         resumed = await asyncio.gather(*(kv.resume("acme", name) for name in sessions))
         worker = await server.servicer.replay.worker()
         assert worker.rebuilds == 4 and worker.model_calls < 4
+        batch_sizes = server.metrics.registry.get_sample_value("kvtier_replay_batch_size_sum")
+        assert batch_sizes > 4  # each resume observes the size of the call that served it
         for (_, _, want), got in zip(sessions.values(), resumed, strict=True):
             assert got.replayed and got.replay_tokens == 128
             mine, _ = decode_window(SPEC, got.token_ids, got.window_blob)
