@@ -358,8 +358,9 @@ def headlines(stages: dict) -> list[str]:
                        f"{tr['tiers']['host_ratio']:g}x that): hbm + host hit rate among "
                        f"re-reads: {rates}.")
         out.append("  (`hint` is given each conversation's true next gap with noise, an "
-                   "oracle-derived estimate; `hint-causal` only past gaps; `belady` is the "
-                   "offline optimum. See the method notes in `bench/trace.py`.)")
+                   "oracle-derived estimate; `hint-causal` the hints kvtier infers from past "
+                   "requests alone; `belady` is the offline optimum. See the method notes "
+                   "in `bench/trace.py`.)")
     return out + [""]
 
 

@@ -29,7 +29,8 @@ How each figure is obtained (the JSON repeats this under "method"):
 - Policies: ``lru`` (LRUPolicy), ``hint`` (HintPolicy given the true gap to the
   conversation's next request x lognormal noise, sigma ``--hint-sigma``: an oracle-derived
   estimate, labelled as such), ``hint-perfect`` (sigma 0), ``hint-causal`` (HintPolicy
-  given only past gaps: the conversation's last one, else the recent median), ``belady``
+  given the hints kvtier infers itself from the past only, ``kvstore.pause_estimate``: a
+  conversation's first request a long pause, a later one none), ``belady``
   (evict the block whose next read is farthest ahead, from a next-use table of the whole
   trace; ``bench.trace_belady``).
 - ``--reads session`` reads only a conversation's stored blocks, as

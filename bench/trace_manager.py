@@ -37,7 +37,9 @@ from kvstore.layout import register_layout
 from kvstore.manager import ManagerConfig, TierManager
 from kvstore.tiers.base import MemoryMetaStore
 
-SEQUENTIAL = ManagerConfig(writeback_workers=1, io_concurrency=1, restore_lookahead=1)
+# The bench gives every spill its hint itself (on the trace's clock): no inferred ones.
+SEQUENTIAL = ManagerConfig(writeback_workers=1, io_concurrency=1, restore_lookahead=1,
+                           infer_hints=False)
 TENANT = "trace"
 
 

@@ -19,13 +19,13 @@ trace's block ids (>= 0), so one integer space names every block a tier can hold
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from bench.trace_reader import TraceRequest
+from kvstore.pause_estimate import PauseEstimator
 from kvstore.policy import ResumeHint
 
 NEVER = 1 << 62  # "no further read" in next-use tables
@@ -147,23 +147,15 @@ def oracle_hints(workload: Workload, sigma: float, seed: int) -> list[ResumeHint
 
 
 def causal_hints(workload: Workload) -> list[ResumeHint | None]:
-    """Hint of request r from the past only: the conversation's own last gap, else the
-    median gap between turns seen so far in the trace, else no hint."""
-    last_time: dict[int, float] = {}
-    last_gap: dict[int, float] = {}
-    seen_gaps: list[float] = []
+    """The hints kvtier infers itself when a framework sends none (``PauseEstimator``, as
+    the TierManager runs it on every spill without a hint): from the past only."""
+    estimator = PauseEstimator()
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
     hints: list[ResumeHint | None] = []
     for step in workload.steps:
         conv = step.conversation
-        if conv in last_time:
-            gap = step.time_s - last_time[conv]
-            last_gap[conv] = gap
-            seen_gaps.append(gap)
-        last_time[conv] = step.time_s
-        if conv in last_gap:
-            hints.append(ResumeHint(expected_pause_s=last_gap[conv]))
-        elif seen_gaps:
-            hints.append(ResumeHint(expected_pause_s=statistics.median(seen_gaps[-512:])))
-        else:
-            hints.append(None)
+        first.setdefault(conv, step.time_s)
+        hints.append(estimator.on_spill(last.get(conv), first[conv], step.time_s))
+        last[conv] = step.time_s
     return hints

@@ -50,6 +50,7 @@ from kvstore.layout import get_layout
 from kvstore.locks import KeyedLocks, RWLocks
 from kvstore.maintenance import MaintenanceMixin
 from kvstore.manifest import MANIFEST_PREFIX, SessionManifest, check_name, manifest_key
+from kvstore.pause_estimate import PauseEstimator
 from kvstore.placement import WINDOW_PREFIX, TierStack
 from kvstore.policy import EvictionPolicy, LRUPolicy
 from kvstore.refcount import RefLedger
@@ -76,6 +77,9 @@ class ManagerConfig:
     io_concurrency: int = 8  # chunk moves in flight per spill, restore or prefetch
     restore_lookahead: int = 8  # chunks a streamed restore fetches ahead of the reader
     unavailable_cooldown_s: float = 1.0  # how long a tier that failed is skipped
+    # Spills without a hint get one inferred from past sessions (kvstore.pause_estimate);
+    # only a hint-aware policy (HintPolicy) acts on it.
+    infer_hints: bool = True
 
 
 MANAGER_PRESETS = {
@@ -110,6 +114,7 @@ class TierManager(SpillMixin, ReadingMixin, MaintenanceMixin):
         self.config = config
         self.meta = meta
         self.counters = Counters()
+        self._pauses = PauseEstimator() if config.infer_hints else None
         self._locks = KeyedLocks()
         self._sessions = RWLocks()
         self._ledger = RefLedger(meta)

@@ -50,6 +50,9 @@ class SpillMixin:
         ``tail``: the encoded partial last chunk or b""; ``window``: the encoded window
         blob (``ephemeral=True``) or None. Buffers must stay unchanged until this returns.
 
+        ``hint``: the framework's resume hint; None lets the manager infer one
+        (``ManagerConfig.infer_hints``), which the manifest then records.
+
         A chunk given as ``(key, None)`` is one the store already holds (typically the
         previous generation's prefix): it is referenced without its bytes being sent or
         read back. If no tier holds one intact, ``ChunksNotHeld`` names them and nothing
@@ -74,6 +77,10 @@ class SpillMixin:
                     f"{tenant}/{session_id}: generation {generation} is not newer than the "
                     f"stored {old.generation}"
                 )
+            if self._pauses is not None:  # learns from every spill, hinted or not
+                inferred = self._pauses.on_spill(old.updated_at if old else None,
+                                                 old.created_at if old else None, time.time())
+                hint = hint if hint is not None else inferred
             self._ledger.pin(keys)
             window_key = None
             try:

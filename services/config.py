@@ -31,6 +31,7 @@ DEFAULT_METRICS_PORT = 9100
 DEFAULT_REPLAY_PORT = 50052
 ACKS = ("memory", "durable")
 REPLAY_MODES = ("auto", "in-process", "remote", "streams", "off")
+EVICTION_POLICIES = ("hint", "lru")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class ServerConfig:
     object_compression_level: int = 3  # zstd on the slowest tier; -1 stores raw bytes
     # Behaviour.
     default_ack: str = "memory"  # what ACK_UNSPECIFIED means
+    # hint: kvstore.policy.HintPolicy (resume hints, sent or inferred; LRU order without
+    # any); lru: LRUPolicy, hints ignored.
+    eviction: str = "hint"
     # REPLAY_MODES; auto: remote when replay_workers are named, else streams when
     # replay_redis_url is set, else in-process.
     replay: str = "auto"
@@ -74,6 +78,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.default_ack not in ACKS:
             raise InvalidRequest(f"default_ack must be one of {ACKS}, got {self.default_ack!r}")
+        if self.eviction not in EVICTION_POLICIES:
+            raise InvalidRequest(f"eviction must be one of {EVICTION_POLICIES}, "
+                                 f"got {self.eviction!r}")
         if self.replay not in REPLAY_MODES:
             raise InvalidRequest(f"replay must be one of {REPLAY_MODES}, got {self.replay!r}")
         if self.replay == "remote" and not self.replay_workers:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from kvstore.errors import InvalidRequest
 from kvstore.manager import MANAGER_PRESETS, TierManager
+from kvstore.policy import HintPolicy, LRUPolicy
 from kvstore.tiers.base import MemoryMetaStore, MetaStore, Tier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
@@ -69,7 +70,8 @@ async def open_manager(config: ServerConfig) -> TierManager:
     try:
         meta = build_tiers(config, tiers)
         log.info("tiers: %s", ", ".join(f"{t.name} ({t.capacity_bytes} B)" for t in tiers))
-        return await TierManager.open(tiers, meta, config=_preset(
+        policy = HintPolicy if config.eviction == "hint" else LRUPolicy
+        return await TierManager.open(tiers, meta, policy=policy, config=_preset(
             MANAGER_PRESETS, config.manager_preset, "manager_preset"))
     except BaseException:
         for tier in tiers:

@@ -45,6 +45,7 @@ def test_sizes(text, value):
     {"KVTIER_HOST_BYTES": "lots"}, {"KVTIER_DEFAULT_ACK": "maybe"},
     {"KVTIER_REPLAY": "remote"}, {"KVTIER_PRESET": "nope"},
     {"KVTIER_HOST_BYTES": "0", "KVTIER_HBM_BYTES": "0"}, {"KVTIER_DISK_SEGMENT_BYTES": "0"},
+    {"KVTIER_EVICTION": "fifo"},
 ])
 def test_bad_values_are_refused(values):
     with pytest.raises(InvalidRequest):
@@ -101,5 +102,16 @@ async def test_disk_segment_bytes_reaches_the_disk_tier(tmp_path):
         for i in range(3):
             await disk.put(f"k{i}", bytes([i]) * (40 << 10))
         assert len(disk.segments()) >= 2  # sealed at 64 KiB, not the 64 MiB default
+    finally:
+        await manager.close()
+
+
+@pytest.mark.parametrize("eviction, policy", [("hint", "HintPolicy"), ("lru", "LRUPolicy")])
+async def test_the_eviction_policy_reaches_every_tier(tmp_path, eviction, policy):
+    config = load_config(preset="test", env={"KVTIER_EVICTION": eviction},
+                         overrides={"data_dir": tmp_path})
+    manager = await open_manager(config)
+    try:
+        assert {type(p).__name__ for p in manager._stack.policies} == {policy}
     finally:
         await manager.close()
