@@ -30,7 +30,7 @@ How each figure is obtained (the JSON repeats this under "method"):
   conversation's next request x lognormal noise, sigma ``--hint-sigma``: an oracle-derived
   estimate, labelled as such), ``hint-perfect`` (sigma 0), ``hint-causal`` (HintPolicy
   given the hints kvtier infers itself from the past only, ``kvstore.pause_estimate``: a
-  conversation's first request a long pause, a later one none), ``belady``
+  conversation's first request a long pause, a later one a pause of 0: recency), ``belady``
   (evict the block whose next read is farthest ahead, from a next-use table of the whole
   trace; ``bench.trace_belady``).
 - ``--reads session`` reads only a conversation's stored blocks, as

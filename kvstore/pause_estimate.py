@@ -5,9 +5,11 @@ trace (``bench/trace.py``), 12% of conversations come back after their first tur
 80% after any later one: a session that has never resumed is mostly one that never will.
 So a session's first spill is hinted as a long pause, the 90th percentile of the pauses
 seen so far divided by the share of first spills that came back (a rare return, expected
-late), and a session that has resumed gets no hint: recency (LRU order) ranks it, which
-measured better than predicting its next pause from its last one (pauses of one session
-correlate only weakly).
+late), and a session that has resumed is hinted as due now: from there recency (LRU
+order) ranks it, which measured better than predicting its next pause from its last one
+(pauses of one session correlate only weakly), and the long pause predicted at its first
+spill no longer marks its blocks as not needed soon, even when it spills again without
+having been restored from kvtier (a framework that kept the session in its own memory).
 
 The estimator only learns from what already happened; it is fed one call per spill::
 
@@ -25,6 +27,9 @@ from kvstore.policy import ResumeHint
 
 MIN_PAUSES = 10  # below this many observed pauses, no estimate
 MIN_RETURN_RATE = 0.02  # bounds the hinted pause when almost nothing came back yet
+# A session that came back: due now, so recency ranks it from here, and the long pause
+# predicted at its first spill stops pinning its blocks as "not needed soon".
+RETURNED = ResumeHint(expected_pause_s=0.0)
 
 
 class PauseEstimator:
@@ -43,7 +48,7 @@ class PauseEstimator:
         self.pauses.append(max(0.0, now - previous_at))
         if first_at is not None and previous_at <= first_at:  # its first return
             self.first_returns += 1
-        return None
+        return RETURNED
 
     def first_spill_hint(self) -> ResumeHint | None:
         """A long expected pause for a session that has not resumed yet (None until

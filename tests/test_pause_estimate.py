@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from kvstore.manager import ManagerConfig, TierManager
-from kvstore.pause_estimate import MIN_PAUSES, PauseEstimator
+from kvstore.pause_estimate import MIN_PAUSES, RETURNED, PauseEstimator
 from kvstore.policy import HintPolicy, LRUPolicy, ResumeHint
 from kvstore.tiers.base import MemoryMetaStore
 from kvstore.tiers.disk import DiskTier
@@ -24,7 +24,7 @@ def test_first_spills_get_a_long_pause_and_returning_sessions_none():
     pauses = [float(p) for p in range(1, MIN_PAUSES + 1)]
     for i, pause in enumerate(pauses):  # sessions s0.. spill, then come back once
         assert est.on_spill(None, None, 100.0 * i) is None or i >= MIN_PAUSES
-        assert est.on_spill(100.0 * i, 100.0 * i, 100.0 * i + pause) is None
+        assert est.on_spill(100.0 * i, 100.0 * i, 100.0 * i + pause) == RETURNED
     for _ in range(30):  # sessions that spill once and are never seen again
         est.on_spill(None, None, 5000.0)
     hint = est.on_spill(None, None, 6000.0)
@@ -43,8 +43,9 @@ def test_a_return_rate_of_zero_still_gives_a_finite_hint():
     assert hint is not None and hint.expected_pause_s == pytest.approx(3.0 / 0.02)
 
 
+@pytest.mark.parametrize("restored", [True, False])  # False: the framework kept it itself
 @pytest.mark.parametrize("policy, survivor", [(LRUPolicy, "once"), (HintPolicy, "back")])
-async def test_the_manager_hints_first_spills_itself(tmp_path, policy, survivor):
+async def test_the_manager_hints_first_spills_itself(tmp_path, policy, survivor, restored):
     host = HostTier(4200)  # room for two of these sessions, not three
     manager = await TierManager.open([host, DiskTier(tmp_path / "disk", 64 * MB)],
                                      MemoryMetaStore(), policy=policy)
@@ -57,9 +58,10 @@ async def test_the_manager_hints_first_spills_itself(tmp_path, policy, survivor)
     first = await manager.spill("t", "back", generation=1, **sessions["back"])
     # p90 of 60 s over the share of first spills that came back: 10 of 11 (this one too)
     assert first.hint.expected_pause_s == pytest.approx(60.0 * 11 / 10)
-    await manager.restore("t", "back", want_window=False)  # it resumes, then spills again
+    if restored:  # it resumes through kvtier, then spills again
+        await manager.restore("t", "back", want_window=False)
     again = await manager.spill("t", "back", generation=2, **sessions["back"])
-    assert again.hint is None  # it came back: recency ranks it
+    assert again.hint == RETURNED  # it came back: due now, then ranked by recency
     await manager.drain()
     once = await manager.spill("t", "once", generation=1, **sessions["once"])
     assert once.hint.expected_pause_s == pytest.approx(60.0 * 12 / 11)  # 11 of 12 back
