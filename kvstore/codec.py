@@ -229,11 +229,14 @@ def _parse_header(view: memoryview) -> ChunkHeader:
     )
 
 
-def decoded_payload(view: memoryview, header: ChunkHeader) -> np.ndarray:
-    """The raw payload as a fresh, writable array: tensors decoded from it own their memory."""
+def decoded_payload(view: memoryview, header: ChunkHeader, *, copy: bool = True) -> np.ndarray:
+    """The raw payload as a fresh, writable array, so tensors decoded from it own their
+    memory; ``copy=False``: an uncompressed payload as a view of ``view`` (for a caller
+    that copies it anyway)."""
     stored = view[header.payload_offset : header.encoded_len]
     if not header.compressed:
-        return np.array(np.frombuffer(stored, np.uint8))
+        payload = np.frombuffer(stored, np.uint8)
+        return np.array(payload) if copy else payload
     try:
         raw = zstandard.ZstdDecompressor().decompress(
             stored, max_output_size=header.raw_payload_len

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvstore.chunk_plan import CODE_DTYPES, PART_CODES, PART_SCALES, streams_of
+from kvstore.chunk_plan import PART_CODES, PART_SCALES, chunk_plan
 from kvstore.codec import (
     StreamData,
     checked_plan,
@@ -25,7 +25,7 @@ from kvstore.codec import (
     verify_sections,
 )
 from kvstore.errors import InvalidRequest, LayoutMismatch
-from kvstore.layout import LayoutSpec, Stream
+from kvstore.layout import LayoutSpec
 
 Buffer = bytes | bytearray | memoryview
 
@@ -56,35 +56,23 @@ def decode_chunks(bufs: Sequence[Buffer], spec: LayoutSpec,
         if len(mine) != count or tokens_hash(mine) != header.tokens_hash:
             raise LayoutMismatch(f"chunk of tokens {start}..{start + count - 1} was encoded "
                                  "for other token ids")
-        # a view when uncompressed: the concatenation below makes the only copy
-        payload = (decoded_payload(view, header) if header.compressed else
-                   np.frombuffer(view[header.payload_offset:header.encoded_len], np.uint8))
+        payload = decoded_payload(view, header, copy=False)  # concatenated below: one copy
         verify_sections(payload, header.sections)
         for p in plan.parts:
             size = p.layer_bytes * p.stream.layers
             rows = payload[p.offset:p.offset + size].reshape(p.stream.layers, p.layer_bytes)
             pieces.setdefault((p.stream_index, p.part), []).append(rows)
         start += count
-    out: dict[str, StreamData] = {}
-    for index, stream in enumerate(streams_of(spec, ephemeral=False)):
-        parts = {}
-        for part, dtype, shape in _parts_of(stream):
-            rows = pieces.get((index, part), [])
-            joined = np.concatenate(rows, axis=1) if rows else np.empty((stream.layers, 0),
-                                                                        np.uint8)
-            entries = joined.shape[1] // (int(np.prod(shape)) * dtype.itemsize)
-            if not joined.size:  # no entry (a view of nothing has no usable stride)
-                parts[part] = torch.empty((stream.layers, 0, *shape), dtype=dtype)
-                continue
-            parts[part] = torch.from_numpy(joined).view(dtype).reshape(
-                stream.layers, entries, *shape)
-        out[stream.name] = StreamData(parts[PART_CODES], parts.get(PART_SCALES))
-    return out
-
-
-def _parts_of(stream: Stream) -> list[tuple[int, torch.dtype, tuple[int, ...]]]:
-    """(part, dtype, per-entry shape) of a persistent stream, as the chunk plan lays them."""
-    parts = [(PART_CODES, CODE_DTYPES[stream.bits], tuple(stream.codes_shape))]
-    if stream.bits < 16:
-        parts.append((PART_SCALES, torch.float16, (stream.scales_per_entry,)))
-    return parts
+    # every part's dtype and per-entry shape, as the chunk plan lays them out
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for p in chunk_plan(spec, 0, False).parts:
+        layers, shape = p.stream.layers, p.shape[2:]
+        rows = pieces.get((p.stream_index, p.part), [])
+        joined = np.concatenate(rows, axis=1) if rows else np.empty((layers, 0), np.uint8)
+        if joined.size:
+            tensor = torch.from_numpy(joined).view(p.dtype).reshape(layers, -1, *shape)
+        else:  # no entry (a view of nothing has no usable stride)
+            tensor = torch.empty((layers, 0, *shape), dtype=p.dtype)
+        parts.setdefault(p.stream.name, {})[p.part] = tensor
+    return {name: StreamData(got[PART_CODES], got.get(PART_SCALES))
+            for name, got in parts.items()}

@@ -192,7 +192,7 @@ class ReplayWorker:
             except Exception as exc:  # handed to that job's caller
                 outcomes[i] = exc
         if cold:
-            r = batch[cold[0][0]].r
+            r = batch[0].r  # one R per batch (_take_batch)
             try:
                 warm = replay_batch(self.model, [state for _, state in cold], r)
                 windows = [encode_window(batch[i].spec, state)
