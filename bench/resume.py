@@ -26,8 +26,8 @@ session is somewhere" to "a ``KVState`` that ``decode_step`` accepts" (best of
   path is not checked.
 
 - ``disk-grpc``: the disk path end to end through the service: a real ``kvtier`` gRPC
-  server on loopback (``services.server.create_server``, host and disk tiers, in-process
-  replay loading the same weights file) and ``services.client.AsyncClient``: spill,
+  server on loopback (``services.server.servicer.create_server``, host and disk tiers, in-process
+  replay loading the same weights file) and ``kvtier.client.AsyncClient``: spill,
   ``evict`` to disk, ``resume`` (the server restores, replays and streams the session,
   over shared memory on loopback), decoded into a ``KVState``. Skipped with random init
   (no weights file); the first resume (loading the server's model) is not timed.
@@ -237,9 +237,9 @@ async def _tier_path(manager, worker, spec, session, tier, replay_tokens, repeat
 async def _grpc_path(model: KVTierLM, weights: Path, spec: LayoutSpec, state: KVState,
                      root: Path, replay_tokens: int, repeats: int, next_token: int,
                      ref: torch.Tensor, kl_tol: float) -> dict:
-    from services.client import AsyncClient
-    from services.config import load_config
-    from services.server import create_server
+    from kvtier.client import AsyncClient
+    from services.server.config import load_config
+    from services.server.servicer import create_server
 
     config = load_config(preset="embedded", env={}, overrides={
         "listen": "127.0.0.1:0", "data_dir": root / "service", "host_bytes": GiB,

@@ -21,10 +21,10 @@ import torch
 from bench.codec import random_chunk
 from kvstore.codec import StreamData
 from kvstore.layout import get_layout
-from services.client import AsyncClient
-from services.client_codec import as_tokens, encode_session
-from services.config import load_config
-from services.server import create_server
+from kvtier.client import AsyncClient
+from kvtier.codec import as_tokens, encode_session
+from services.server.config import load_config
+from services.server.servicer import create_server
 
 
 def session_streams(spec, chunks: int) -> dict[str, StreamData]:

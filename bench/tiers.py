@@ -227,7 +227,7 @@ async def run(size: int, count: int, repeats: int, workdir: Path) -> list[dict]:
     try:
         from kvstore.tiers.disk import DiskTier
     except ImportError as exc:  # written by another helper; may lag behind this bench
-        rows.append({"tier": "disk", "skipped": f"kvstore.tiers.disk: {exc}"})
+        rows.append({"tier": "disk", "skipped": f"kvstore.tiers.disk.tier: {exc}"})
     else:
         # Durable puts (fsync before the ack) against a plain append + fsync per value.
         await measure("disk", DiskTier(workdir / "disk", capacity),

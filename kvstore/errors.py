@@ -1,7 +1,7 @@
 """The one exception hierarchy of kvtier.
 
 Library code raises these; only the gRPC servicer boundary maps them to status codes
-(see ``services/errors.py``), so the store stays usable without gRPC.
+(see ``kvtier/errors.py``), so the store stays usable without gRPC.
 """
 
 from collections.abc import Sequence

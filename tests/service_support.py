@@ -11,8 +11,8 @@ import torch
 from kvstore.chunk_plan import CODE_DTYPES
 from kvstore.codec import StreamData
 from kvstore.layout import LayoutSpec, get_layout
-from services.config import load_config
-from services.server import KVTierServer, create_server
+from services.server.config import load_config
+from services.server.servicer import KVTierServer, create_server
 
 LAYOUT = get_layout("kvtier-bundled")
 

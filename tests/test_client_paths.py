@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from kvstore.codec import StreamData
-from kvtier import AsyncClient, Client
-from services import shm
+from kvtier import AsyncClient, Client, shm
 from tests.conftest import free_port
 from tests.service_support import (
     LAYOUT,
@@ -109,7 +108,7 @@ async def test_calls_are_retried_until_the_server_is_up(tmp_path):
     port = free_port()
     tokens = tokens_for(TOKENS)
     persistent = streams_for(LAYOUT, TOKENS)
-    from services.server import create_server
+    from services.server.servicer import create_server
 
     async def start_late():
         await asyncio.sleep(0.3)
@@ -130,7 +129,7 @@ async def test_a_layer_stream_is_retried_until_the_server_is_up(tmp_path):
     port = free_port()
     tokens = tokens_for(TOKENS)
     persistent = streams_for(LAYOUT, TOKENS)
-    from services.server import create_server
+    from services.server.servicer import create_server
 
     config = config_for(tmp_path, listen=f"127.0.0.1:{port}")
     server, _ = await create_server(config)

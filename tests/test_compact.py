@@ -1,6 +1,6 @@
 """``kvtier compact`` on data directories filled by the real server through the real client:
 dead space, expiry, shared prefixes, demotion, dry runs, scrub and quarantine, and the
-refusal of a second compaction. The command runs in-process (``services.cli.main``);
+refusal of a second compaction. The command runs in-process (``services.cli.main.main``);
 restores go through a real server afterwards."""
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from kvstore.compaction import run_compaction
-from kvstore.compaction_report import COMPACT_PRESETS, CompactOptions, LogProgress
-from kvstore.compaction_segments import groups
+from kvstore.compaction.job import run_compaction
+from kvstore.compaction.report import COMPACT_PRESETS, CompactOptions, LogProgress
+from kvstore.compaction.segments import groups
 from kvstore.errors import InvalidRequest, SessionNotFound
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.disk_index import SegmentInfo, SegState
-from kvstore.tiers.segments import HEADER_SIZE, segment_path
+from kvstore.tiers.disk.index import SegmentInfo, SegState
+from kvstore.tiers.disk.segments import HEADER_SIZE, segment_path
 from services import cli
-from services.compact import parse_duration
+from services.cli.compact import parse_duration
 from tests.test_compact_helpers import SPECS, TENANT, Spec, fill, restore_all
 
 WITH_TTL = (*SPECS, Spec("t", 3, prefix_of="a", ttl_s=1.0))

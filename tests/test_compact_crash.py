@@ -4,7 +4,7 @@ removed (checked after every kill, before the rerun).
 
 Each round copies a pristine data directory (filled by the real server: shared prefixes,
 deleted sessions for dead bytes, an expiring session, idle sessions to demote), runs
-the real command (``services.cli.main``) in a child process and kills it a random delay
+the real command (``services.cli.main.main``) in a child process and kills it a random delay
 after a random one of its log lines, once or twice, then reruns it to completion.
 
 The children come from a fork server that has imported the command once, so a kill
@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.codec import verify_chunk
-from kvstore.compaction_sessions import load_manifests
+from kvstore.compaction.sessions import load_manifests
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.object import ObjectTier
 from services import cli
@@ -65,8 +65,8 @@ def pristine(tmp_path_factory) -> Pristine:
 
 # A fresh interpreter that preloads the command and forks a child per run.
 FORK_SERVER = multiprocessing.get_context("forkserver")
-FORK_SERVER.set_forkserver_preload(["services.cli", "services.compact", "kvstore.compaction",
-                                    "tests.test_compact_crash"])
+FORK_SERVER.set_forkserver_preload(["services.cli.main", "services.cli.compact",
+                                    "kvstore.compaction.job", "tests.test_compact_crash"])
 
 
 def run_cli(argv: list[str], log: Connection | None) -> None:

@@ -24,7 +24,7 @@ from kvstore.errors import SessionNotFound
 from kvstore.tiers.disk import DiskTier
 from kvtier import AsyncClient
 from services import cli
-from services.compaction.remote import SERVER_ADDRESS_FILE
+from services.server.address_file import SERVER_ADDRESS_FILE
 from tests.test_compact_helpers import (
     ROOT,
     SPECS,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from services.config import DEFAULT_REPLAY_PORT, PRESETS, load_config
+from services.server.config import DEFAULT_REPLAY_PORT, PRESETS, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

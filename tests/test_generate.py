@@ -8,7 +8,7 @@ import pytest
 
 from model.checkpoint import save
 from services import cli
-from services.generate import continue_greedy
+from services.cli.generate import continue_greedy
 from tests.replay_support import tiny_model
 
 

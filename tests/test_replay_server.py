@@ -1,4 +1,4 @@
-"""The replay worker over gRPC on loopback: ``services.replay_remote`` calls it, errors keep their
+"""The replay worker over gRPC on loopback: ``services.replay.remote`` calls it, errors keep their
 class, a dead worker is skipped, and a kvtier server configured with the worker resumes a
 session whose window was dropped through it."""
 
@@ -11,12 +11,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.errors import InvalidRequest, LayoutMismatch, TierUnavailable
+from kvtier.client import AsyncClient
 from model.infer import replay
 from replay.state_codec import encode_window, state_from_chunks, state_to_chunks
 from replay.worker import ReplayWorker
-from services.client import AsyncClient
-from services.replay_remote import RemoteReplay
-from services.replay_worker import create_server
+from services.replay.remote import RemoteReplay
+from services.replay.server import create_server
 from tests.conftest import free_port
 from tests.replay_support import TINY_SPEC, tiny_model, tiny_session
 from tests.service_support import running_server

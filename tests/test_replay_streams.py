@@ -22,7 +22,7 @@ from model.checkpoint import save
 from model.infer import replay
 from replay.state_codec import encode_window
 from replay.worker import ReplayWorker
-from services.replay_streams import StreamConsumer, StreamNames, StreamReplay
+from services.replay.streams import StreamConsumer, StreamNames, StreamReplay
 from tests.replay_support import TINY_SPEC, tiny_model, tiny_session
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvstore.errors import InvalidRequest
-from services.config import PRESETS, load_config, parse_size
-from services.store import open_manager
+from services.server.config import PRESETS, load_config, parse_size
+from services.server.store import open_manager
 
 
 def test_precedence_preset_file_env_overrides(tmp_path):

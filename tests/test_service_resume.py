@@ -12,15 +12,15 @@ import torch
 
 from kvstore.layout import get_layout
 from kvtier import AsyncClient
+from kvtier.codec import decode_window
 from model.checkpoint import load, save
 from model.config import BUNDLED
 from model.infer import prefill, replay
 from model.net import KVTierLM
 from replay import ReplayWorker
 from replay.state_codec import encode_window, state_to_chunks
-from services.client_codec import decode_window
-from services.replay_streams import StreamConsumer
-from services.replay_worker import create_server as create_worker_server
+from services.replay.server import create_server as create_worker_server
+from services.replay.streams import StreamConsumer
 from tests.service_support import running_server
 
 SPEC = get_layout("kvtier-bundled")

@@ -7,7 +7,7 @@ import pytest
 from kvstore.errors import InvalidRequest, SessionNotFound
 from kvstore.policy import ResumeHint
 from kvtier import AsyncClient
-from services.errors import PreconditionFailed
+from kvtier.errors import PreconditionFailed
 from tests.service_support import (
     LAYOUT,
     assert_streams_equal,

@@ -7,9 +7,9 @@ import grpc
 import pytest
 
 from kvstore.keys import chain_keys
+from kvtier.codec import as_tokens, encode_session
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
-from services.client_codec import as_tokens, encode_session
 from tests.service_support import LAYOUT, running_server, streams_for, tokens_for
 
 TOKENS = LAYOUT.chunk_tokens + 40

@@ -70,8 +70,8 @@ def tier_under_test(request, tmp_path):
         tier = ObjectTier(f"s3://{bucket}/", CAPACITY,
                           ObjectTierConfig(endpoint_url=endpoint, **credentials))
         return tier, _s3_medium(endpoint, bucket, credentials), 200
-    if importlib.util.find_spec("kvstore.tiers.disk") is None:
-        pytest.skip("kvstore.tiers.disk is not written yet")
+    if importlib.util.find_spec("kvstore.tiers.disk.tier") is None:
+        pytest.skip("kvstore.tiers.disk.tier is not written yet")
     from kvstore.tiers.disk import DiskTier
 
     tier = DiskTier(tmp_path / "disk", CAPACITY)

@@ -10,8 +10,8 @@ import pytest
 
 from kvstore.errors import Busy, ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.disk_index import SegState
-from kvstore.tiers.segments import HEADER_SIZE, segment_path
+from kvstore.tiers.disk.index import SegState
+from kvstore.tiers.disk.segments import HEADER_SIZE, segment_path
 
 
 def value_for(key: str, size: int) -> bytes:
@@ -295,7 +295,7 @@ async def test_switch_is_compare_and_swap_and_compactions_exclude_each_other(tmp
     outcome = tier.index.switch([(b"c000", stale, stale._replace(offset=0))], {}, [])
     assert (outcome.moved, outcome.skipped) == (0, 1)
     assert bytes(await tier.get("c000")) == b"newer"
-    from kvstore.tiers.disk_lock import COMPACT_LOCK, DirLock
+    from kvstore.tiers.disk.lock import COMPACT_LOCK, DirLock
 
     elsewhere = DirLock(tmp_path / COMPACT_LOCK, "the compaction lock")
     elsewhere.acquire()  # as another process would

@@ -18,8 +18,8 @@ import pytest
 
 from kvstore.errors import ChunkCorrupt, ChunkNotFound, ChunkTruncated
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.disk_index import SegState
-from kvstore.tiers.segments import HEADER_SIZE, encode_header, segment_path, value_view
+from kvstore.tiers.disk.index import SegState
+from kvstore.tiers.disk.segments import HEADER_SIZE, encode_header, segment_path, value_view
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -278,7 +278,7 @@ COMPACTOR = """
 import asyncio, json, sys
 from kvstore.errors import TierUnavailable
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.disk_index import SegState
+from kvstore.tiers.disk.index import SegState
 
 async def main():
     tier = DiskTier(sys.argv[1], 0, writer=False, segment_bytes=16 << 10)

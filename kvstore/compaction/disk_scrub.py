@@ -1,0 +1,77 @@
+"""Scrub and seal primitives of the disk tier, for the offline compaction job.
+
+- ``drop_if_unchanged``: remove an index entry only if it still equals the one a
+  scrub read (compare and delete, one LMDB transaction with the accounting), so a
+  writer that put the key again meanwhile keeps its new, intact copy.
+- ``raw_record``: the bytes a record occupies, read straight from its segment file
+  (best effort, for a quarantine copy of a record that fails its checks).
+- ``seal_dead_writer``: when no writer is live, run the writer's recovery and seal the
+  segment it would resume, so a compaction can rewrite the last segment too. The next
+  writer then starts a new segment. The caller must hold the writer lock.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from kvstore.tiers.disk.index import IndexEntry, SegState, _Accounts
+from kvstore.tiers.disk.lock import COMPACT_LOCK, DirLock
+from kvstore.tiers.disk.recovery import recover
+from kvstore.tiers.disk.segments import record_size, segment_path
+
+if TYPE_CHECKING:
+    from kvstore.tiers.disk.tier import DiskTier
+
+
+def drop_if_unchanged(tier: DiskTier, key: str, entry: IndexEntry) -> bool:
+    """Delete ``key``'s index entry if it is still ``entry``; True when it was deleted."""
+    index = tier.index
+    kb = key.encode()
+    with index.env.begin(write=True) as txn:
+        if txn.get(kb, db=index.chunks) != entry.pack():
+            return False
+        accounts = _Accounts(txn, index)
+        txn.delete(kb, db=index.chunks)
+        accounts.count(kb, entry, -1)
+        accounts.save()
+    return True
+
+
+def raw_record(tier: DiskTier, key: str, entry: IndexEntry) -> bytes:
+    """Whatever the segment file holds where ``entry``'s record should be."""
+    size = record_size(len(key.encode()), entry.value_len)
+    try:
+        fd = os.open(segment_path(tier.segment_dir, entry.seg_id), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return b""
+    try:
+        return os.pread(fd, size, entry.offset)
+    finally:
+        os.close(fd)
+
+
+def seal_dead_writer(tier: DiskTier) -> int | None:
+    """Recover like a writer open, then seal the segment appends would resume in.
+
+    Call only while holding ``writer.lock`` (no writer is live) and ``compact.lock``
+    (through ``tier.compact_lock``). Returns the sealed segment id, or None.
+    """
+    # A second lock object on compact.lock: recover() takes it only when it is free, and
+    # it is not (this compaction holds it), so recover() leaves BUILDING segments to us.
+    report = recover(tier.index, tier.segment_dir,
+                     DirLock(tier.path / COMPACT_LOCK, "the compaction lock"))
+    if report.active is None:
+        return None
+    seg_id, end = report.active
+    info = tier.index.segment(seg_id)
+    if info is None or info.state != SegState.ACTIVE:
+        return None
+    if end == 0:  # an empty segment: forget it rather than keep an empty sealed one
+        if tier.index.drop_segment(seg_id):
+            segment_path(tier.segment_dir, seg_id).unlink(missing_ok=True)
+        return None
+    info.state = SegState.SEALED
+    tier.index.set_segments([info])
+    return seg_id
+

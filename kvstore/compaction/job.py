@@ -1,0 +1,113 @@
+"""The offline compaction job over one data directory (``kvtier compact`` runs it).
+
+Steps, in order (each crash-safe on its own, so a killed run is simply run again):
+
+1. sessions (``kvstore.compaction.sessions``): expire sessions past their own TTL or
+   idle past ``ttl_s``, collect chunks no session references (shared prefix chunks
+   stay while any manifest names them: only a zero reference count frees a chunk),
+   demote sessions idle past ``demote_after_s`` to the object tier and record where
+   they went. A crash between a manifest commit and the chunk removals it implies
+   leaves unreferenced chunks, which the next run collects; a crash inside a demotion
+   leaves a chunk in both tiers, and the next run finishes the move.
+2. scrub (``kvstore.compaction.scrub``): verify every chunk, copy corrupt ones into
+   ``quarantine/`` before removing them, mark the sessions that name them.
+3. rewrite (``kvstore.compaction.segments``): sealed segments whose dead fraction is
+   at or above ``dead_fraction`` are rewritten by the disk tier's protocol: live
+   records copied into BUILDING segments and fsynced, index entries switched by
+   compare-and-swap in one LMDB transaction, old files removed only after it commits.
+
+Coordination with a server on the same directory (see ``services.cli.compact``):
+
+- ``compact.lock`` (flock) is held for the whole run: a second compaction gets ``Busy``.
+- When no server is live the job holds ``writer.lock`` through steps 1-2 (a server
+  starting then is refused with ``Busy`` until they end), seals the dead writer's last
+  segment so it can be rewritten too, and changes sessions through its own TierManager.
+- When a server is live the job never appends and never touches its reference counts:
+  session changes go through the server (``SessionOps`` over gRPC), the scrub removes a
+  corrupt disk entry only by compare and delete, and rewrites rely on the disk tier's
+  cross-process protocol (the server re-looks-up a key whose segment file vanished;
+  a descriptor it already has keeps an unlinked file readable).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kvstore.compaction.report import CompactionReport, CompactOptions, Progress
+from kvstore.compaction.scrub import CorruptChunk, Quarantine, mark_sessions, scrub_disk, scrub_tier
+from kvstore.compaction.segments import candidates, groups, rewrite, write_rates
+from kvstore.compaction.sessions import SessionOps, apply_sessions, load_manifests, plan_sessions
+from kvstore.tiers.base import Tier
+from kvstore.tiers.disk.tier import DiskTier
+
+
+async def run_compaction(
+    disk: DiskTier,
+    options: CompactOptions,
+    progress: Progress,
+    *,
+    mode: str,
+    ops: SessionOps | None,
+    why_no_ops: str = "",
+    object_tier: Tier | None = None,
+    quarantine_dir: Path,
+    after_sessions: Callable[[], None] | None = None,
+) -> CompactionReport:
+    """Run every step over ``disk`` (opened attached, ``compact.lock`` held by the caller
+    unless ``options.dry_run``). ``ops``: how sessions are changed, None to skip that
+    (``why_no_ops`` goes into the report); ``object_tier``: scrubbed too when given;
+    ``after_sessions``: called once the session steps are done (to drop the writer lock).
+    """
+    started = time.perf_counter()
+    dry = options.dry_run
+    report = CompactionReport(mode="dry-run" if dry else mode)
+    report.dead_bytes_before = sum(info.dead_bytes for info in disk.segments())
+
+    plan = await plan_sessions(disk, await load_manifests(disk.meta), options, time.time())
+    if dry:
+        report.sessions_expired = len(plan.expired)
+        report.expired = [f"{m.tenant}/{m.session_id}" for m in plan.expired]
+        report.chunks_collected = plan.freed_chunks + plan.orphans
+        report.sessions_demoted = len(plan.demote)
+        report.demoted = [f"{m.tenant}/{m.session_id}" for m in plan.demote]
+    elif ops is None:
+        report.skipped.append(f"expiry, unreferenced-chunk collection and demotion: "
+                              f"{why_no_ops}")
+    else:
+        await apply_sessions(plan, ops, disk.meta, report, progress)
+
+    corrupt: list[CorruptChunk] = []
+    if options.scrub:
+        quarantine = None if dry else Quarantine(quarantine_dir)
+        corrupt += await scrub_disk(disk, quarantine, progress)
+        if object_tier is not None:
+            corrupt += await scrub_tier(object_tier, quarantine, progress)
+        elif mode == "live" or dry:
+            report.skipped.append("object tier scrub: only offline runs scrub it (the server "
+                                  "owns its object tier's accounting)")
+    if after_sessions is not None:
+        after_sessions()
+
+    chosen = candidates(disk, options.dead_fraction, include_active=dry and mode == "offline")
+    if dry:
+        report.segments_rewritten = len(chosen)
+        report.reclaimed_bytes = sum(info.dead_bytes for info in chosen)
+    else:
+        totals = await rewrite(disk, groups(chosen, options.group_bytes), progress)
+        report.segments_rewritten = totals.segments
+        report.rewritten_bytes = totals.written_bytes
+        report.reclaimed_bytes = totals.reclaimed_bytes
+        seen = {chunk.key for chunk in corrupt}
+        corrupt += [CorruptChunk(key, disk.name, "failed its checksum during the rewrite")
+                    for key in totals.corrupt_keys if key not in seen]
+        report.raw_write_gbps, report.rewrite_gbps = await write_rates(disk, totals)
+
+    report.corrupt_chunks = len(corrupt)
+    report.corrupt_keys = [f"{chunk.tier}:{chunk.key}" for chunk in corrupt]
+    report.marked_sessions = await mark_sessions(disk.meta, await load_manifests(disk.meta),
+                                                 corrupt, dry_run=dry)
+    report.live_bytes = sum(info.live_bytes for info in disk.segments())
+    report.seconds = time.perf_counter() - started
+    return report

@@ -1,0 +1,143 @@
+"""The scrub step of compaction: verify every stored chunk, quarantine the corrupt ones.
+
+A disk-tier chunk is checked twice: its segment record (xxh3 over lengths, key and
+value, against the index entry) and its codec encoding (``codec.verify_chunk``: header,
+section table and every section checksum). An object-tier chunk gets the codec check
+(and its zstd frame's own check when compressed). A corrupt chunk's bytes are copied
+into the quarantine directory (written, fsynced, renamed) before its entry or object
+is removed, so nothing is lost that an operator might still want to look at, and a
+crash between the two leaves both (the next scrub finds it again). The disk entry is
+removed by compare and delete: a writer that stored the chunk again meanwhile wins.
+Sessions whose manifests name a quarantined chunk are marked in the MetaStore under
+``quarantine/{tenant}/{session}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+from kvstore.codec import verify_chunk
+from kvstore.compaction.disk_scrub import drop_if_unchanged, raw_record
+from kvstore.compaction.report import Progress, quarantine_key
+from kvstore.errors import ChunkNotFound, CodecError
+from kvstore.manifest import SessionManifest
+from kvstore.tiers.base import MetaStore, Tier
+from kvstore.tiers.disk.reader import SegmentGone
+from kvstore.tiers.disk.segments import fsync_directory
+from kvstore.tiers.disk.tier import DiskTier
+
+
+@dataclass(frozen=True)
+class CorruptChunk:
+    key: str
+    tier: str
+    reason: str
+
+
+class Quarantine:
+    """Corrupt chunks kept as ``{tier}-{key}.bin`` with a ``.json`` note beside each."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def keep(self, chunk: CorruptChunk, data: bytes) -> Path:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        stem = f"{chunk.tier}-{quote(chunk.key, safe='')}"
+        note = json.dumps({"key": chunk.key, "tier": chunk.tier, "reason": chunk.reason,
+                           "bytes": len(data), "at": time.time()}).encode()
+        for name, body in ((stem + ".bin", data), (stem + ".json", note)):
+            temp = self.directory / f".{uuid.uuid4().hex}.tmp"
+            with open(temp, "wb") as file:
+                file.write(body)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temp, self.directory / name)
+        fsync_directory(self.directory)
+        return self.directory / (stem + ".bin")
+
+
+async def scrub_disk(tier: DiskTier, quarantine: Quarantine | None, progress: Progress
+                     ) -> list[CorruptChunk]:
+    """Verify every live disk entry; quarantine (unless ``quarantine`` is None) the bad."""
+    entries, start = [], None
+    while batch := tier.index.entries_after(start, 4096):
+        entries += batch
+        start = batch[-1][0]
+    corrupt: list[CorruptChunk] = []
+    step = progress.step("scrub disk", len(entries))
+    try:
+        for kb, entry in entries:
+            step.advance()
+            if entry.expired():
+                continue
+            key = kb.decode()
+            try:
+                verify_chunk(await tier.read_entry(key, entry))
+                continue
+            except SegmentGone:
+                continue  # its segment was retired: the entry moved since the listing
+            except CodecError as exc:
+                chunk = CorruptChunk(key, tier.name, str(exc))
+            if quarantine is not None:
+                quarantine.keep(chunk, raw_record(tier, key, entry))
+                if not drop_if_unchanged(tier, key, entry):
+                    continue  # rewritten meanwhile: the new copy is another scrub's business
+            corrupt.append(chunk)
+    finally:
+        step.close()
+    return corrupt
+
+
+async def scrub_tier(tier: Tier, quarantine: Quarantine | None, progress: Progress
+                     ) -> list[CorruptChunk]:
+    """Verify every value of a tier through its own API (the object tier)."""
+    keys = [key async for key in tier.keys()]
+    corrupt: list[CorruptChunk] = []
+    step = progress.step(f"scrub {tier.name}", len(keys))
+    try:
+        for key in keys:
+            step.advance()
+            data = b""
+            try:
+                data = await tier.get(key)
+                verify_chunk(data)
+                continue
+            except ChunkNotFound:
+                continue
+            except CodecError as exc:
+                chunk = CorruptChunk(key, tier.name, str(exc))
+            if quarantine is not None:
+                quarantine.keep(chunk, bytes(data))  # empty when it did not even decode
+                await tier.delete(key)
+            corrupt.append(chunk)
+    finally:
+        step.close()
+    return corrupt
+
+
+async def mark_sessions(meta: MetaStore, manifests: list[SessionManifest],
+                        corrupt: list[CorruptChunk], *, dry_run: bool) -> list[str]:
+    """Mark (unless ``dry_run``) every session naming a corrupt chunk; their names."""
+    bad = {chunk.key for chunk in corrupt}
+    writes: dict[str, bytes | None] = {}
+    names = []
+    for manifest in manifests:
+        hit = sorted(bad.intersection(manifest.chunk_keys))
+        if not hit:
+            continue
+        names.append(f"{manifest.tenant}/{manifest.session_id}")
+        key = quarantine_key(manifest.tenant, manifest.session_id)
+        old = await meta.get(key)
+        known = json.loads(old)["chunks"] if old else []
+        writes[key] = json.dumps({"chunks": sorted(set(known) | set(hit)),
+                                  "generation": manifest.generation,
+                                  "at": time.time()}).encode()
+    if writes and not dry_run:
+        await meta.commit(writes)
+    return names

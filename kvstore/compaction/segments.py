@@ -1,0 +1,104 @@
+"""Reclaiming dead space in disk-tier segments, and the raw write rate it is judged by.
+
+The rewrite itself is the disk tier's (``DiskTier.rewrite_segments``: copy live records
+into new segments, switch their index entries in one LMDB transaction, remove the old
+files after the commit). This module picks the segments, groups them so each switch
+covers about ``group_bytes`` of live data, times the copies, and measures a plain
+sequential write + fsync of the same volume on the same file system for comparison.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvstore.compaction.report import Progress
+from kvstore.tiers.disk.index import SegmentInfo, SegState
+from kvstore.tiers.disk.tier import DiskTier
+
+_BLOCK = 4 << 20  # the rewrite's own write batch size, so both figures use one pattern
+
+
+@dataclass
+class RewriteTotals:
+    segments: int = 0
+    written_bytes: int = 0
+    reclaimed_bytes: int = 0
+    seconds: float = 0.0
+    corrupt_keys: tuple[str, ...] = ()
+
+
+def candidates(tier: DiskTier, dead_fraction: float, *, include_active: bool = False
+               ) -> list[SegmentInfo]:
+    """Sealed segments with dead bytes at or above ``dead_fraction`` of their size
+    (``include_active``: a stopped writer's active segment too, which a real offline run
+    seals first; for a dry run's forecast)."""
+    states = (SegState.SEALED, SegState.ACTIVE) if include_active else (SegState.SEALED,)
+    return [info for info in tier.segments()
+            if info.state in states and info.dead_bytes > 0
+            and info.dead_fraction >= dead_fraction]
+
+
+def groups(infos: list[SegmentInfo], group_bytes: int) -> list[list[int]]:
+    """Segment ids in runs of about ``group_bytes`` live bytes (each run: one switch)."""
+    out: list[list[int]] = []
+    size = 0
+    for info in sorted(infos, key=lambda i: i.seg_id):
+        if not out or size + info.live_bytes > group_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(info.seg_id)
+        size += info.live_bytes
+    return out
+
+
+async def rewrite(tier: DiskTier, runs: list[list[int]], progress: Progress) -> RewriteTotals:
+    totals = RewriteTotals()
+    corrupt: list[str] = []
+    step = progress.step("rewrite segments", len(runs))
+    try:
+        for run in runs:
+            started = time.perf_counter()
+            result = await tier.rewrite_segments(run)
+            totals.seconds += time.perf_counter() - started
+            totals.segments += len(result.sources)
+            totals.written_bytes += result.written_bytes
+            totals.reclaimed_bytes += result.reclaimed_bytes
+            corrupt += result.corrupt_keys
+            step.advance()
+    finally:
+        step.close()
+    totals.corrupt_keys = tuple(corrupt)
+    return totals
+
+
+def raw_write_seconds(directory: Path, volume: int) -> float:
+    """Seconds to write ``volume`` bytes sequentially in 4 MiB writes, then fsync, into a
+    temporary file in ``directory`` (removed afterwards)."""
+    block = np.random.default_rng(0).integers(0, 256, min(volume, _BLOCK), np.uint8).tobytes()
+    path = directory / f".compact-bench-{uuid.uuid4().hex}.tmp"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        started = time.perf_counter()
+        left = volume
+        while left > 0:
+            left -= os.write(fd, block[:left])
+        os.fsync(fd)
+        return time.perf_counter() - started
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+
+
+async def write_rates(tier: DiskTier, totals: RewriteTotals) -> tuple[float | None, float | None]:
+    """(raw sequential write GB/s, rewrite GB/s) for the bytes this run rewrote."""
+    if not totals.written_bytes or not totals.seconds:
+        return None, None
+    raw = await asyncio.to_thread(raw_write_seconds, tier.segment_dir, totals.written_bytes)
+    return totals.written_bytes / raw / 1e9, totals.written_bytes / totals.seconds / 1e9

@@ -1,0 +1,399 @@
+"""The disk tier's LMDB index: the only record of which bytes of which segment are live.
+
+One LMDB environment, four named databases:
+
+- ``chunks``: key (utf-8) -> IndexEntry (segment id, offset, value length, checksum,
+  expiry). An entry is written only after its record's bytes were fsynced.
+- ``segments``: segment id (u32 big-endian, so keys sort by id) -> SegmentInfo (state,
+  committed end, live record bytes, live value bytes, live record count).
+- ``meta``: the MetaStore records (session manifests, reference counts).
+- ``state``: counters: next segment id, total live value bytes, total live items.
+
+Every change to ``chunks`` updates the accounting in ``segments`` and ``state`` inside
+the same write transaction, so the figures are exact and visible to every process that
+opens the directory (the server and an offline compactor). Methods here are
+synchronous; the tier runs write transactions in a worker thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import struct
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import lmdb
+
+from kvstore.errors import Busy
+from kvstore.tiers.disk.segments import record_size
+
+log = logging.getLogger(__name__)
+
+_ENTRY = struct.Struct("<IQIQQ")
+_SEGMENT = struct.Struct("<BQQQQ")
+_U64 = struct.Struct("<Q")
+_SEG_KEY = struct.Struct(">I")
+_NEXT_SEG, _USED, _ITEMS = b"next_segment", b"used_bytes", b"items"
+_EPOCH = b"segment_epoch"  # bumped whenever a segment is forgotten
+
+
+class SegState(enum.IntEnum):
+    ACTIVE = 1  # the writer appends to it; bytes past the committed end are uncommitted
+    SEALED = 2  # immutable; a compaction candidate
+    BUILDING = 3  # being filled by a compaction; no index entry names it yet
+
+
+class IndexEntry(NamedTuple):
+    seg_id: int
+    offset: int
+    value_len: int
+    checksum: int
+    expires_ms: int  # unix milliseconds; 0 = never
+
+    def pack(self) -> bytes:
+        return _ENTRY.pack(*self)
+
+    def expired(self) -> bool:
+        return self.expires_ms != 0 and self.expires_ms <= time.time() * 1000
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> IndexEntry:
+        return cls(*_ENTRY.unpack(raw))
+
+
+@dataclass
+class SegmentInfo:
+    """Accounting of one segment; ``live_bytes`` counts whole records (header + key +
+    value) so ``dead_bytes`` is exactly what a rewrite of the segment would reclaim."""
+
+    seg_id: int
+    state: SegState
+    file_bytes: int  # committed end: bytes at or past it are not part of the segment
+    live_bytes: int = 0
+    live_value_bytes: int = 0
+    live_records: int = 0
+
+    @property
+    def dead_bytes(self) -> int:
+        return self.file_bytes - self.live_bytes
+
+    @property
+    def dead_fraction(self) -> float:
+        return self.dead_bytes / self.file_bytes if self.file_bytes else 0.0
+
+    def pack(self) -> bytes:
+        return _SEGMENT.pack(self.state, self.file_bytes, self.live_bytes,
+                             self.live_value_bytes, self.live_records)
+
+    @classmethod
+    def unpack(cls, seg_id: int, raw: bytes) -> SegmentInfo:
+        state, end, live, live_values, records = _SEGMENT.unpack(raw)
+        return cls(seg_id, SegState(state), end, live, live_values, records)
+
+
+class PutOp(NamedTuple):
+    key: bytes
+    entry: IndexEntry
+
+
+class DeleteOp(NamedTuple):
+    key: bytes
+
+
+class MetaOp(NamedTuple):
+    writes: dict[bytes, bytes | None]
+
+
+class EndOp(NamedTuple):
+    """The committed end of a segment moves to ``end``; ``seal`` marks it immutable."""
+
+    seg_id: int
+    end: int
+    seal: bool
+
+
+IndexOp = PutOp | DeleteOp | MetaOp | EndOp
+
+
+class _Accounts:
+    """Segment records and totals loaded lazily inside one write transaction."""
+
+    def __init__(self, txn: lmdb.Transaction, index: DiskIndex) -> None:
+        self.txn, self.index = txn, index
+        self.segments: dict[int, SegmentInfo | None] = {}
+        self.used = _U64.unpack(txn.get(_USED, db=index.state))[0]
+        self.items = _U64.unpack(txn.get(_ITEMS, db=index.state))[0]
+
+    def segment(self, seg_id: int) -> SegmentInfo | None:
+        if seg_id not in self.segments:
+            raw = self.txn.get(_SEG_KEY.pack(seg_id), db=self.index.segments)
+            self.segments[seg_id] = None if raw is None else SegmentInfo.unpack(seg_id, raw)
+        return self.segments[seg_id]
+
+    def count(self, key: bytes, entry: IndexEntry, sign: int) -> None:
+        info = self.segment(entry.seg_id)
+        if info is None:
+            log.error("index entry %r names unknown segment %d", key, entry.seg_id)
+        else:
+            info.live_bytes += sign * record_size(len(key), entry.value_len)
+            info.live_value_bytes += sign * entry.value_len
+            info.live_records += sign
+        self.used += sign * entry.value_len
+        self.items += sign
+
+    def save(self) -> None:
+        for seg_id, info in self.segments.items():
+            if info is not None:
+                self.txn.put(_SEG_KEY.pack(seg_id), info.pack(), db=self.index.segments)
+        self.txn.put(_USED, _U64.pack(self.used), db=self.index.state)
+        self.txn.put(_ITEMS, _U64.pack(self.items), db=self.index.state)
+
+
+@dataclass(frozen=True)
+class SwitchOutcome:
+    moved: int
+    skipped: int  # entries changed by a writer meanwhile: their copies are dead bytes
+    emptied: list[int]  # source segments no index entry names any more (now unnamed)
+
+
+_OPEN: set[str] = set()  # LMDB forbids opening one environment twice in a process
+
+
+class DiskIndex:
+    def __init__(self, path: Path, *, map_size: int) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        self._name = str(path.resolve())
+        if self._name in _OPEN:
+            raise Busy(f"the disk index {path} is already open in this process; share "
+                       "that DiskTier instead of opening the directory again")
+        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=4, subdir=True,
+                             sync=True, metasync=True)
+        with self.env.begin(write=True) as txn:
+            self.chunks = self.env.open_db(b"chunks", txn=txn)
+            self.segments = self.env.open_db(b"segments", txn=txn)
+            self.meta = self.env.open_db(b"meta", txn=txn)
+            self.state = self.env.open_db(b"state", txn=txn)
+            for name in (_NEXT_SEG, _USED, _ITEMS, _EPOCH):
+                txn.put(name, _U64.pack(0), db=self.state, overwrite=False)
+        _OPEN.add(self._name)
+
+    def close(self) -> None:
+        self.env.close()
+        _OPEN.discard(self._name)
+
+    # reads: short read transactions, safe on the event loop thread
+
+    def lookup(self, key: bytes) -> IndexEntry | None:
+        with self.env.begin(db=self.chunks, buffers=True) as txn:
+            raw = txn.get(key)
+            return None if raw is None else IndexEntry.unpack(raw)
+
+    def totals(self) -> tuple[int, int]:
+        """(live value bytes, live items) as last committed by any process."""
+        with self.env.begin(db=self.state) as txn:
+            return _U64.unpack(txn.get(_USED))[0], _U64.unpack(txn.get(_ITEMS))[0]
+
+    def segment_epoch(self) -> int:
+        """Changes whenever any process forgets a segment: a cue to drop its handles."""
+        with self.env.begin(db=self.state) as txn:
+            return _U64.unpack(txn.get(_EPOCH))[0]
+
+    def _bump_epoch(self, txn: lmdb.Transaction) -> None:
+        epoch = _U64.unpack(txn.get(_EPOCH, db=self.state))[0]
+        txn.put(_EPOCH, _U64.pack(epoch + 1), db=self.state)
+
+    def segment(self, seg_id: int) -> SegmentInfo | None:
+        with self.env.begin(db=self.segments) as txn:
+            raw = txn.get(_SEG_KEY.pack(seg_id))
+            return None if raw is None else SegmentInfo.unpack(seg_id, raw)
+
+    def all_segments(self) -> list[SegmentInfo]:
+        with self.env.begin(db=self.segments) as txn:
+            return [SegmentInfo.unpack(_SEG_KEY.unpack(k)[0], v) for k, v in txn.cursor()]
+
+    def entries_after(self, start: bytes | None, limit: int) -> list[tuple[bytes, IndexEntry]]:
+        """Up to ``limit`` entries with keys strictly after ``start``, in key order."""
+        out: list[tuple[bytes, IndexEntry]] = []
+        with self.env.begin(db=self.chunks) as txn:
+            cursor = txn.cursor()
+            found = cursor.set_range(start) if start is not None else cursor.first()
+            while found and len(out) < limit:
+                key = cursor.key()
+                if key != start:
+                    out.append((key, IndexEntry.unpack(cursor.value())))
+                found = cursor.next()
+        return out
+
+    def live_entries(self, seg_ids: set[int]) -> dict[int, list[tuple[bytes, IndexEntry]]]:
+        """Entries naming each of ``seg_ids``, in offset order (one pass over the index)."""
+        out: dict[int, list[tuple[bytes, IndexEntry]]] = {seg_id: [] for seg_id in seg_ids}
+        with self.env.begin(db=self.chunks) as txn:
+            for key, raw in txn.cursor():
+                entry = IndexEntry.unpack(raw)
+                if entry.seg_id in out:
+                    out[entry.seg_id].append((key, entry))
+        for entries in out.values():
+            entries.sort(key=lambda item: item[1].offset)
+        return out
+
+    def meta_get(self, key: bytes) -> bytes | None:
+        with self.env.begin(db=self.meta) as txn:
+            return txn.get(key)
+
+    def meta_scan(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
+        out: list[tuple[bytes, bytes]] = []
+        with self.env.begin(db=self.meta) as txn:
+            cursor = txn.cursor()
+            found = cursor.set_range(prefix)
+            while found and cursor.key().startswith(prefix):
+                out.append((cursor.key(), cursor.value()))
+                found = cursor.next()
+        return out
+
+    # writes: each one LMDB write transaction
+
+    def register_segment(self, state: SegState) -> int:
+        """Allocate the next segment id and name it in the index, before its file exists,
+        so a segment file on disk is always either named or safe to remove."""
+        with self.env.begin(write=True) as txn:
+            seg_id = _U64.unpack(txn.get(_NEXT_SEG, db=self.state))[0] + 1
+            txn.put(_NEXT_SEG, _U64.pack(seg_id), db=self.state)
+            txn.put(_SEG_KEY.pack(seg_id), SegmentInfo(seg_id, state, 0).pack(),
+                    db=self.segments)
+        return seg_id
+
+    def apply(self, ops: Iterable[IndexOp]) -> None:
+        """Apply a batch of writer operations, in order, in one transaction."""
+        with self.env.begin(write=True) as txn:
+            accounts = _Accounts(txn, self)
+            for op in ops:
+                if isinstance(op, PutOp):
+                    old = txn.get(op.key, db=self.chunks)
+                    if old is not None:
+                        accounts.count(op.key, IndexEntry.unpack(old), -1)
+                    txn.put(op.key, op.entry.pack(), db=self.chunks)
+                    accounts.count(op.key, op.entry, +1)
+                    self._extend(accounts, op.entry.seg_id,
+                                 op.entry.offset + record_size(len(op.key), op.entry.value_len))
+                elif isinstance(op, DeleteOp):
+                    old = txn.pop(op.key, db=self.chunks)
+                    if old is not None:
+                        accounts.count(op.key, IndexEntry.unpack(old), -1)
+                elif isinstance(op, EndOp):
+                    info = self._extend(accounts, op.seg_id, op.end)
+                    if op.seal and info is not None:
+                        info.state = SegState.SEALED
+                else:
+                    for key, value in op.writes.items():
+                        if value is None:
+                            txn.delete(key, db=self.meta)
+                        else:
+                            txn.put(key, value, db=self.meta)
+            accounts.save()
+
+    @staticmethod
+    def _extend(accounts: _Accounts, seg_id: int, end: int) -> SegmentInfo | None:
+        info = accounts.segment(seg_id)
+        if info is not None:
+            info.file_bytes = max(info.file_bytes, end)
+        return info
+
+    def set_segments(self, infos: Iterable[SegmentInfo]) -> None:
+        with self.env.begin(write=True, db=self.segments) as txn:
+            for info in infos:
+                txn.put(_SEG_KEY.pack(info.seg_id), info.pack())
+
+    def drop_segment(self, seg_id: int) -> bool:
+        """Forget a segment no entry names; False (and no change) while one still does."""
+        with self.env.begin(write=True, db=self.segments) as txn:
+            raw = txn.get(_SEG_KEY.pack(seg_id))
+            if raw is not None and SegmentInfo.unpack(seg_id, raw).live_records:
+                return False
+            if txn.delete(_SEG_KEY.pack(seg_id)):
+                self._bump_epoch(txn)
+            return True
+
+    def switch(self, moves: list[tuple[bytes, IndexEntry, IndexEntry]],
+               built: dict[int, int], sources: Iterable[int]) -> SwitchOutcome:
+        """Point moved entries at their copies, seal the ``built`` segments (id -> end),
+        and forget each source segment no entry names any more: one transaction.
+
+        A move applies only if the entry still equals the old one (compare and swap),
+        so a writer's newer put or delete of the key always wins.
+        """
+        moved = 0
+        with self.env.begin(write=True) as txn:
+            accounts = _Accounts(txn, self)
+            for seg_id, end in built.items():
+                info = accounts.segment(seg_id)
+                if info is not None:
+                    info.state, info.file_bytes = SegState.SEALED, end
+            for key, old, new in moves:
+                if txn.get(key, db=self.chunks) == old.pack():
+                    accounts.count(key, old, -1)
+                    txn.put(key, new.pack(), db=self.chunks)
+                    accounts.count(key, new, +1)
+                    moved += 1
+            emptied = []
+            for seg_id in sources:
+                info = accounts.segment(seg_id)
+                if info is not None and info.live_records == 0:
+                    del accounts.segments[seg_id]
+                    txn.delete(_SEG_KEY.pack(seg_id), db=self.segments)
+                    emptied.append(seg_id)
+            if emptied:
+                self._bump_epoch(txn)
+            accounts.save()
+        return SwitchOutcome(moved, len(moves) - moved, emptied)
+
+    def rebuild_accounting(self, file_size: Callable[[int], int | None]) -> list[bytes]:
+        """Recompute every segment's figures and the totals from the entries themselves,
+        dropping entries whose bytes are gone (segment file missing or too short).
+
+        ``file_size(seg_id)`` gives a segment file's size or None when it is missing; it
+        is called inside the write transaction, so no other process can commit meanwhile.
+        Returns the keys of dropped entries.
+        """
+        dropped: list[bytes] = []
+        sizes: dict[int, int | None] = {}
+        with self.env.begin(write=True) as txn:
+            infos = {_SEG_KEY.unpack(k)[0]: SegmentInfo.unpack(_SEG_KEY.unpack(k)[0], v)
+                     for k, v in txn.cursor(db=self.segments)}
+            for info in infos.values():
+                info.live_bytes = info.live_value_bytes = info.live_records = 0
+            used = items = 0
+            for key, raw in txn.cursor(db=self.chunks):
+                entry = IndexEntry.unpack(raw)
+                info = infos.get(entry.seg_id)
+                if entry.seg_id not in sizes:
+                    sizes[entry.seg_id] = file_size(entry.seg_id)
+                size = record_size(len(key), entry.value_len)
+                limit = sizes[entry.seg_id]
+                if info is None or limit is None or entry.offset + size > min(
+                        limit, info.file_bytes):
+                    dropped.append(key)
+                    continue
+                info.live_bytes += size
+                info.live_value_bytes += entry.value_len
+                info.live_records += 1
+                used += entry.value_len
+                items += 1
+            for key in dropped:
+                txn.delete(key, db=self.chunks)
+            for seg_id, info in infos.items():
+                txn.put(_SEG_KEY.pack(seg_id), info.pack(), db=self.segments)
+            txn.put(_USED, _U64.pack(used), db=self.state)
+            txn.put(_ITEMS, _U64.pack(items), db=self.state)
+        return dropped
+
+
+def file_size_or_none(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return None

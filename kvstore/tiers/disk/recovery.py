@@ -1,0 +1,132 @@
+"""Bringing a disk-tier directory back to a consistent state when the writer opens it.
+
+The index is the truth; segment files are reconciled with it:
+
+1. A segment file the index does not name is removed: segments are named before their
+   file is created, so an unnamed file is one whose removal was interrupted after the
+   index forgot it (a retirement or an aborted compaction).
+2. Half-built compaction segments (BUILDING) are removed when no compaction holds the
+   compaction lock; no entry names them before the compaction's switch commits.
+3. Each ACTIVE segment is scanned from its committed end to the end of its file. What
+   lies there was never committed: whole records of puts that were not acknowledged
+   durably (the index commit comes after the fsync) and possibly a torn record. It is
+   cut off. Those records are not re-indexed: deletes live only in the index, so
+   replaying an uncommitted put could resurrect a key deleted after it. Every ACTIVE
+   segment but the newest is then sealed; the newest is where appends resume.
+4. The accounting is rebuilt from the entries, and entries whose bytes are missing (a
+   file lost or shortened behind our back) are dropped and logged, so the tier reports
+   exactly what it can serve.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstore.tiers.disk.index import DiskIndex, SegState, file_size_or_none
+from kvstore.tiers.disk.lock import DirLock
+from kvstore.tiers.disk.segments import fsync_directory, scan_records, segment_files, segment_path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RecoveryReport:
+    removed_unnamed: list[int] = field(default_factory=list)
+    removed_building: list[int] = field(default_factory=list)
+    uncommitted_records: int = 0  # whole records past a committed end, discarded
+    torn_bytes: int = 0  # bytes of a cut-short or damaged record past them
+    dropped_entries: list[str] = field(default_factory=list)
+    active: tuple[int, int] | None = None  # (segment id, end) where appends resume
+
+
+def drop_abandoned_builds(index: DiskIndex, directory: Path) -> list[int]:
+    """Remove BUILDING segments; call only while holding the compaction lock."""
+    removed = []
+    for info in index.all_segments():
+        if info.state == SegState.BUILDING and index.drop_segment(info.seg_id):
+            segment_path(directory, info.seg_id).unlink(missing_ok=True)
+            removed.append(info.seg_id)
+    return removed
+
+
+def remove_unnamed_files(index: DiskIndex, directory: Path) -> list[int]:
+    """Remove segment files the index does not name. Safe beside a live writer: the
+    directory is listed before the index is read, and a segment is named before its
+    file is created, so a file seen here and unnamed there was forgotten for good."""
+    on_disk = dict(segment_files(directory))
+    named = {info.seg_id for info in index.all_segments()}
+    removed = sorted(seg_id for seg_id in on_disk if seg_id not in named)
+    for seg_id in removed:
+        on_disk[seg_id].unlink(missing_ok=True)
+    return removed
+
+
+def recover(index: DiskIndex, directory: Path, compact_lock: DirLock) -> RecoveryReport:
+    report = RecoveryReport()
+    report.removed_unnamed = remove_unnamed_files(index, directory)
+    if compact_lock.try_acquire():
+        try:
+            report.removed_building = drop_abandoned_builds(index, directory)
+        finally:
+            compact_lock.release()
+    named = {info.seg_id: info for info in index.all_segments()}
+
+    active = sorted((i for i in named.values() if i.state == SegState.ACTIVE),
+                    key=lambda info: info.seg_id)
+    for info in active:
+        path = segment_path(directory, info.seg_id)
+        size = file_size_or_none(path)
+        if size is None:
+            continue  # named before its file was made; step 4 drops anything it claims
+        if size > info.file_bytes:
+            _cut_tail(path, info.file_bytes, size, report)
+    if active:
+        newest = active[-1]
+        for info in active[:-1]:
+            info.state = SegState.SEALED
+        if file_size_or_none(segment_path(directory, newest.seg_id)) is None:
+            newest.state = SegState.SEALED
+        else:
+            report.active = (newest.seg_id, newest.file_bytes)
+        index.set_segments(active)
+
+    dropped = index.rebuild_accounting(
+        lambda seg_id: file_size_or_none(segment_path(directory, seg_id)))
+    report.dropped_entries = [key.decode(errors="replace") for key in dropped]
+    for info in index.all_segments():  # named, but the file never was or is gone
+        if info.state != SegState.BUILDING and file_size_or_none(
+                segment_path(directory, info.seg_id)) is None:
+            index.drop_segment(info.seg_id)
+    if report.removed_unnamed or report.removed_building:
+        fsync_directory(directory)
+    _log(report, directory)
+    return report
+
+
+def _cut_tail(path: Path, end: int, size: int, report: RecoveryReport) -> None:
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        records, valid_end = scan_records(fd, end, size)
+        report.uncommitted_records += len(records)
+        report.torn_bytes += size - valid_end
+        os.ftruncate(fd, end)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _log(report: RecoveryReport, directory: Path) -> None:
+    if report.uncommitted_records or report.torn_bytes:
+        log.warning("disk tier %s: discarded %d uncommitted record(s) and %d torn byte(s) "
+                    "past the committed end of the active segment", directory,
+                    report.uncommitted_records, report.torn_bytes)
+    if report.removed_unnamed or report.removed_building:
+        log.info("disk tier %s: removed unnamed segment files %s and abandoned compaction "
+                 "segments %s", directory, report.removed_unnamed, report.removed_building)
+    if report.dropped_entries:
+        log.error("disk tier %s: %d index entries named bytes that are gone (segment file "
+                  "missing or short); dropped: %s", directory, len(report.dropped_entries),
+                  report.dropped_entries[:10])

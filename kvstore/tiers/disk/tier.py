@@ -1,0 +1,406 @@
+"""The disk tier: append-only segment files (aiofiles) indexed in LMDB.
+
+Write path (one append lock, then group commit):
+  put -> append the record to the active segment (flushed to the OS) -> queue its index
+  entry -> [commit] fsync every segment the batch wrote -> one LMDB write transaction
+  applying the batch in append order. The index never names bytes that were not fsynced.
+  Until its commit a put is visible to this process through an in-memory overlay.
+
+Acknowledgement modes:
+  - ``durable=True`` (``put(..., durable=True)`` or the tier default): ``put`` returns
+    after its batch committed. Concurrent durable puts share one fsync and one
+    transaction (group commit).
+  - buffered (``durable=False``): ``put`` returns after the append; a background task
+    commits within ``commit_interval_s``. ``await flush()`` is the durability barrier.
+  For the manager's "durable ack" of a session: ``put_many(chunks, meta={manifest})``
+  (chunks and manifest in one transaction), or buffered puts followed by
+  ``commit_with_meta({manifest})``, which commits in order after them.
+
+Cross-process protocol (server and offline compactor on one directory):
+  - the writer (``writer=True``, the server) holds ``writer.lock`` (flock) for its life;
+    only it appends and runs recovery; a second writer gets ``Busy``.
+  - the compactor opens with ``writer=False`` (attached), whether or not a server runs,
+    so it never keeps a server from starting; ``DiskTier.writer_is_live(path)`` says
+    whether one does. An attached tier reads, deletes, commits meta and compacts; LMDB
+    serialises write transactions across processes and every accounting figure lives in
+    the index, so both processes see the same numbers.
+  - compaction holds ``compact.lock``; it rewrites only SEALED segments into new
+    segments, switches entries by compare-and-swap in one transaction, and removes an
+    old file only after that commit (see ``disk_compaction``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
+from typing import ClassVar
+
+from kvstore.compaction import disk_rewrite
+from kvstore.errors import ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
+from kvstore.tiers.base import Buffer, Tier
+from kvstore.tiers.disk.index import (
+    DeleteOp,
+    DiskIndex,
+    EndOp,
+    IndexEntry,
+    MetaOp,
+    PutOp,
+    SegmentInfo,
+    SegState,
+)
+from kvstore.tiers.disk.lock import COMPACT_LOCK, WRITER_LOCK, DirLock
+from kvstore.tiers.disk.log import SegmentAppender, storage_error
+from kvstore.tiers.disk.meta import DiskMetaStore, encode_writes
+from kvstore.tiers.disk.pipeline import CommitPipeline
+from kvstore.tiers.disk.reader import SegmentFiles, SegmentGone
+from kvstore.tiers.disk.recovery import RecoveryReport, recover
+from kvstore.tiers.disk.segments import (
+    check_record,
+    encode_header,
+    key_bytes,
+    record_size,
+    value_view,
+)
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+
+class DiskTier(Tier):
+    name: ClassVar[str] = "disk"
+    durable: ClassVar[bool] = True
+
+    def __init__(self, path: str | Path, capacity_bytes: int, *, segment_bytes: int = 64 * MiB,
+                 durable: bool = True, writer: bool = True, map_size: int = 64 << 30,
+                 commit_interval_s: float = 0.002, max_pending_bytes: int = 256 * MiB) -> None:
+        super().__init__(capacity_bytes)
+        if segment_bytes <= 0:
+            raise ValueError(f"segment_bytes must be > 0, got {segment_bytes}")
+        self.path = Path(path)
+        self.segment_dir = self.path / "segments"
+        self.segment_dir.mkdir(parents=True, exist_ok=True)
+        self.segment_bytes = segment_bytes
+        self.durable_writes = durable  # default acknowledgement mode of put and delete
+        self.writer_lock = DirLock(self.path / WRITER_LOCK, "the disk tier's writer lock")
+        self.compact_lock = DirLock(self.path / COMPACT_LOCK, "the compaction lock")
+        self.recovery: RecoveryReport | None = None
+        if writer:
+            self.writer_lock.acquire()
+        try:
+            self.index = DiskIndex(self.path / "index", map_size=map_size)
+            if writer:
+                self.recovery = recover(self.index, self.segment_dir, self.compact_lock)
+        except BaseException:
+            if hasattr(self, "index"):
+                self.index.close()
+            self.writer_lock.release()
+            raise
+        self.files = SegmentFiles(self.segment_dir)
+        self._appender = (SegmentAppender(self.index, self.segment_dir, segment_bytes,
+                                          SegState.ACTIVE) if writer else None)
+        self._resume = self.recovery.active if self.recovery else None
+        self.pipeline = CommitPipeline(self.index, self.segment_dir,
+                                       commit_interval_s=commit_interval_s,
+                                       max_pending_bytes=max_pending_bytes)
+        self._append_lock = asyncio.Lock()
+        self._epoch = self.index.segment_epoch()
+        self._closed = False
+
+    @classmethod
+    def writer_is_live(cls, path: str | Path) -> bool:
+        lock = Path(path) / WRITER_LOCK
+        return lock.exists() and DirLock(lock, "").is_held_elsewhere()
+
+    @property
+    def meta(self) -> DiskMetaStore:
+        """A MetaStore over the ``meta`` database of this tier's LMDB environment."""
+        return DiskMetaStore(self)
+
+    @property
+    def used_bytes(self) -> int:
+        """Sum of live value lengths: committed (any process) plus this one's pending."""
+        return self.pipeline.committed_totals()[0] + self.pipeline.pending_delta
+
+    @property
+    def live_bytes(self) -> int:
+        """Same as ``used_bytes``; with ``dead_bytes`` and ``file_bytes`` for compaction.
+        Entries past their TTL count until purged (a get or ``purge_expired``)."""
+        return self.used_bytes
+
+    def segments(self) -> list[SegmentInfo]:
+        """Every segment with its exact live, dead and file bytes (committed state)."""
+        infos = self.index.all_segments()
+        self.files.forget_except({info.seg_id for info in infos})
+        return infos
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(info.file_bytes for info in self.index.all_segments())
+
+    @property
+    def dead_bytes(self) -> int:
+        return sum(info.dead_bytes for info in self.index.all_segments())
+
+    async def count(self) -> int:
+        """Entries held, counting expired ones not yet purged (as ``used_bytes`` does)."""
+        return self.pipeline.committed_totals()[1] + self.pipeline.pending_items
+
+    # Tier API
+
+    async def put(self, key: str, value: Buffer, *, ttl_s: float | None = None,
+                  durable: bool | None = None) -> None:
+        kb, view = key_bytes(key), value_view(value)
+        expires = _expiry(ttl_s)
+        header, checksum = encode_header(kb, view)
+        async with self._append_lock:
+            self._check_writable()
+            old = self._length_or_none(kb)
+            delta = view.nbytes - (old or 0)
+            if self.used_bytes + delta > self.capacity_bytes:
+                raise TierFull(f"disk tier {self.path}: {view.nbytes} bytes for {key!r} do "
+                               f"not fit ({self.used_bytes} of {self.capacity_bytes} used)")
+            try:
+                entry = await self._append(kb, [header, kb, view], view.nbytes, checksum,
+                                           expires)
+            finally:
+                for args in self._seals():  # after the puts in the sealed segment
+                    self.pipeline.enqueue(*args)
+            op = self.pipeline.enqueue(PutOp(kb, entry), kb, delta, int(old is None),
+                                       view.nbytes, self._wants_ack(durable))
+        await self.pipeline.settle(op)
+
+    async def put_many(self, items: Iterable[tuple[str, Buffer]], *,
+                       meta: dict[str, bytes | None] | None = None,
+                       ttl_s: float | None = None, durable: bool | None = None) -> None:
+        """Put every item and apply ``meta`` in one index transaction: all or none."""
+        prepared = [(kb, view, *encode_header(kb, view))
+                    for kb, view in ((key_bytes(k), value_view(v)) for k, v in items)]
+        meta_op = MetaOp(encode_writes(meta)) if meta else None
+        expires = _expiry(ttl_s)
+        async with self._append_lock:
+            self._check_writable()
+            lengths: dict[bytes, int | None] = {}
+            plans = []  # (delta, items) of each put against the state before it
+            for kb, view, _, _ in prepared:
+                old = lengths[kb] if kb in lengths else self._length_or_none(kb)
+                plans.append((view.nbytes - (old or 0), 0 if old is not None else 1))
+                lengths[kb] = view.nbytes
+            growth = sum(delta for delta, _ in plans)
+            if self.used_bytes + growth > self.capacity_bytes:
+                raise TierFull(f"disk tier {self.path}: a batch of {len(prepared)} values "
+                               f"needs {growth} more bytes ({self.used_bytes} of "
+                               f"{self.capacity_bytes} used)")
+            ready: list[tuple] = []  # enqueue arguments, queued once all are appended
+            try:
+                for (kb, view, header, checksum), (delta, count) in zip(prepared, plans,
+                                                                        strict=True):
+                    entry = await self._append(kb, [header, kb, view], view.nbytes,
+                                               checksum, expires)
+                    ready += self._seals()
+                    ready.append((PutOp(kb, entry), kb, delta, count, view.nbytes))
+            except BaseException:
+                for args in ready + self._seals():  # seals stand; none of the puts lands
+                    if isinstance(args[0], EndOp):
+                        self.pipeline.enqueue(*args)
+                raise
+            if meta_op is not None:
+                ready.append((meta_op,))
+            if not ready:
+                return
+            ops = [self.pipeline.enqueue(*args) for args in ready[:-1]]
+            ops.append(self.pipeline.enqueue(*ready[-1], future=self._wants_ack(durable)))
+        await self.pipeline.settle(ops[-1])
+
+    async def commit_with_meta(self, writes: dict[str, bytes | None]) -> None:
+        """Durably apply metadata writes, in order after every put accepted before this
+        call: the same transaction as still-pending ones, or a later one."""
+        op = MetaOp(encode_writes(writes))
+        async with self._append_lock:
+            self._check_open()
+            queued = self.pipeline.enqueue(op, future=True)
+        await self.pipeline.settle(queued)
+
+    async def get(self, key: str) -> Buffer:
+        """The value as a read-only view, after verifying its record checksum."""
+        kb = key_bytes(key)
+        self._check_open()
+        for _ in range(3):
+            # Epoch before lookup: an index switch committed between the two would
+            # otherwise leave the old segment open, with no later epoch change to close it.
+            self._forget_retired()
+            entry = self._current(kb)
+            if entry is None:
+                raise ChunkNotFound(f"disk tier holds no {key!r}")
+            if entry.expired():
+                await self._purge_if_expired(kb)
+                raise ChunkNotFound(f"disk tier: {key!r} expired")
+            self.files.pin(entry.seg_id)
+            try:
+                return await self._read(kb, entry)
+            except SegmentGone:
+                continue  # retired by a compaction after the lookup: look it up again
+            finally:
+                self.files.unpin(entry.seg_id)
+        raise TierUnavailable(f"disk tier {self.path}: segments of {key!r} keep vanishing")
+
+    async def _read(self, kb: bytes, entry: IndexEntry) -> memoryview:
+        size = record_size(len(kb), entry.value_len)
+        try:
+            record = await self.files.read(entry.seg_id, entry.offset, size)
+        except OSError as exc:
+            raise TierUnavailable(f"disk tier {self.path}: reading segment "
+                                  f"{entry.seg_id}: {exc}") from exc
+        where = f"disk tier {self.path}, segment {entry.seg_id} @ {entry.offset}, key {kb!r}"
+        return check_record(record, kb, entry.value_len, entry.checksum, where).toreadonly()
+
+    async def delete(self, key: str, *, durable: bool | None = None) -> int:
+        kb = key_bytes(key)
+        async with self._append_lock:
+            self._check_open()
+            old = self._length_or_none(kb)
+            if old is None:
+                return 0
+            op = self.pipeline.enqueue(DeleteOp(kb), kb, -old, -1, 0, self._wants_ack(durable))
+        await self.pipeline.settle(op)
+        return old
+
+    async def contains(self, key: str) -> bool:
+        self._check_open()
+        entry = self._current(key_bytes(key))
+        return entry is not None and not entry.expired()
+
+    async def keys(self) -> AsyncIterator[str]:
+        overlay = dict(self.pipeline.overlay)
+        start = None
+        while batch := self.index.entries_after(start, 1024):
+            for kb, entry in batch:
+                if kb not in overlay and not entry.expired():
+                    yield kb.decode()
+            start = batch[-1][0]
+            await asyncio.sleep(0)
+        for kb, (_, entry) in overlay.items():
+            if entry is not None and not entry.expired():
+                yield kb.decode()
+
+    async def purge_expired(self) -> int:
+        """Delete every entry past its TTL; returns how many."""
+        expired, start = [], None
+        while batch := self.index.entries_after(start, 4096):
+            expired += [kb for kb, entry in batch if entry.expired()]
+            start = batch[-1][0]
+        purged = [await self._purge_if_expired(kb) for kb in expired]
+        await self.flush()
+        return sum(purged)
+
+    async def flush(self) -> None:
+        """Commit everything accepted so far. Raises the error that lost any buffered
+        write since the previous flush (those writes are not stored)."""
+        await self.pipeline.flush()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            await self.flush()
+        except (TierFull, TierUnavailable) as exc:
+            log.error("disk tier %s: closing with lost buffered writes: %s", self.path, exc)
+        finally:
+            self._closed = True
+            self.pipeline.cancel()
+            if self._appender is not None:
+                await self._appender.close()
+            self.files.close()
+            self.index.close()
+            self.writer_lock.release()
+            self.compact_lock.release()
+
+    # compaction primitives (see disk_compaction for the protocol)
+
+    def live_entries(self, seg_id: int) -> list[tuple[str, IndexEntry]]:
+        """The entries naming ``seg_id``, in offset order."""
+        return [(kb.decode(), e) for kb, e in self.index.live_entries({seg_id})[seg_id]]
+
+    async def read_entry(self, key: str, entry: IndexEntry) -> memoryview:
+        """The verified value an entry names (``ChunkCorrupt`` when it fails)."""
+        kb = key_bytes(key)
+        self.files.pin(entry.seg_id)
+        try:
+            return await self._read(kb, entry)
+        finally:
+            self.files.unpin(entry.seg_id)
+
+    async def rewrite_segments(self, seg_ids: Iterable[int]) -> disk_rewrite.RewriteResult:
+        return await disk_rewrite.rewrite_segments(self, list(seg_ids))
+
+    async def retire_segment(self, seg_id: int) -> bool:
+        return await disk_rewrite.retire_segment(self, seg_id)
+
+    async def sweep(self) -> tuple[list[int], list[int]]:
+        return await disk_rewrite.sweep(self)
+
+    # internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierUnavailable(f"disk tier {self.path} is closed")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self._appender is None:
+            raise TierUnavailable(f"disk tier {self.path} is attached beside a live writer "
+                                  "(writer=False): it does not append")
+
+    def _forget_retired(self) -> None:
+        """Close handles of segments another process retired, so their space is freed."""
+        epoch = self.index.segment_epoch()
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self.segments()
+
+    def _wants_ack(self, durable: bool | None) -> bool:
+        return self.durable_writes if durable is None else durable
+
+    def _current(self, kb: bytes) -> IndexEntry | None:
+        pending = self.pipeline.overlay.get(kb)
+        return pending[1] if pending is not None else self.index.lookup(kb)
+
+    def _length_or_none(self, kb: bytes) -> int | None:
+        entry = self._current(kb)
+        return None if entry is None else entry.value_len
+
+    async def _append(self, kb: bytes, parts: list[Buffer], value_len: int, checksum: int,
+                      expires: int) -> IndexEntry:
+        if self._resume is not None:
+            try:
+                await self._appender.resume(*self._resume)
+            except OSError as exc:
+                raise storage_error(exc, f"{self.path}: segment {self._resume[0]}") from exc
+            self._resume = None
+        size = record_size(len(kb), value_len)
+        seg_id, offset = await self._appender.append(parts, size)
+        return IndexEntry(seg_id, offset, value_len, checksum, expires)
+
+    def _seals(self) -> list[tuple[EndOp]]:
+        """Queue arguments marking the segments the appender sealed as SEALED."""
+        return [(EndOp(seg_id, end, True),) for seg_id, end in self._appender.take_sealed()]
+
+    async def _purge_if_expired(self, kb: bytes) -> bool:
+        async with self._append_lock:
+            entry = self._current(kb)
+            if entry is None or not entry.expired() or self._closed:
+                return False
+            op = self.pipeline.enqueue(DeleteOp(kb), kb, -entry.value_len, -1, 0)
+        await self.pipeline.settle(op)
+        return True
+
+
+def _expiry(ttl_s: float | None) -> int:
+    if ttl_s is None:
+        return 0
+    if not ttl_s > 0:
+        raise InvalidRequest(f"ttl_s must be > 0, got {ttl_s}")
+    return int((time.time() + ttl_s) * 1000)

@@ -1,0 +1,388 @@
+"""``AsyncClient`` (blocking twin: ``kvtier.sync.Client``): tensors in, tensors
+out, over the kvtier gRPC service.
+
+    async with AsyncClient("127.0.0.1:50051") as kv:
+        await kv.spill("acme", "s1", "kvtier-bundled", token_ids, persistent, window=window,
+                       generation=1)
+        session = await kv.resume("acme", "s1")   # session.persistent, session.window
+
+Spill cuts the persistent streams into chunks of ``layout.chunk_tokens``, encodes them
+(``kvstore.codec``), keys them (``kvstore.keys.chain_keys``) and sends only chunks the
+server may not hold: those it acknowledged for this session before are left out, and if
+the server lost them it answers ``MissingChunks`` and the client sends everything.
+
+Calls failing with UNAVAILABLE are retried with exponential backoff and jitter (streams
+are restarted whole, so one retry mechanism covers every call); any other failure
+raises the ``kvstore.errors`` class the server raised. On the same host chunk bytes go
+through shared memory (``shared_memory=None``: whenever the target is loopback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+import numpy as np
+
+from kvstore.errors import InvalidRequest, StaleGeneration
+from kvstore.keys import chain_keys
+from kvstore.layout import LayoutSpec, get_layout
+from kvstore.policy import ResumeHint
+from kvstore.restore import LayerSlice
+from kvtier import codec as cc
+from kvtier import shm
+from kvtier.errors import MissingChunks, SharedMemoryUnavailable, error_from_rpc
+from kvtier.types import RestoredSession, RetryPolicy, SpillResult
+from proto import kvtier_pb2 as pb
+from proto import kvtier_pb2_grpc as pb_grpc
+
+ACKS = {"memory": pb.ACK_MEMORY, "durable": pb.ACK_DURABLE, None: pb.ACK_UNSPECIFIED}
+MAX_REPLY_BUFFER = 1 << 30  # larger restores use a segment of the server's per call
+LOOPBACK = ("localhost", "127.", "[::1]", "unix:", "ipv4:127.", "ipv6:[::1]")
+
+
+async def _stream(messages: list) -> AsyncIterator:
+    # An async iterator: with a plain one, a server refusing an oversize message
+    # surfaces as INTERNAL instead of its RESOURCE_EXHAUSTED status.
+    for message in messages:
+        yield message
+
+
+class AsyncClient:
+    def __init__(self, target: str = "127.0.0.1:50051", *, shared_memory: bool | None = None,
+                 retry: RetryPolicy = RetryPolicy(), timeout_s: float | None = None,
+                 max_message_bytes: int = 64 << 20) -> None:
+        self.target = target
+        self.shared_memory = (shm.available() and target.startswith(LOOPBACK)
+                              if shared_memory is None else shared_memory)
+        self.retry = retry
+        self.timeout_s = timeout_s
+        self.max_message_bytes = max_message_bytes
+        self._channel = grpc.aio.insecure_channel(target, options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            # Reconnect about as fast as calls are retried (gRPC's default waits 1 s+).
+            ("grpc.initial_reconnect_backoff_ms", int(retry.initial_backoff_s * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(retry.max_backoff_s * 1000))])
+        self._stub = pb_grpc.KVTierStub(self._channel)
+        self._held: dict[tuple[str, str], set[str]] = {}  # keys the server acknowledged
+        self._segments = shm.SegmentPool("kvtier-s")
+        self._replies = shm.SegmentPool("kvtier-c")
+        self._reply_bytes = 0  # the largest restore so far: the size of buffers we lend
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+        self._segments.close()
+        self._replies.close()
+
+    async def _call(self, attempt: Callable[[], Awaitable]):
+        delays = self.retry.delays()
+        while True:
+            try:
+                return await attempt()
+            except SharedMemoryUnavailable:
+                if not self.shared_memory:
+                    raise
+                self.shared_memory = False  # not the same host after all: bytes inline
+                continue
+            except grpc.aio.AioRpcError as exc:
+                delay = next(delays, None)
+                error = error_from_rpc(exc)
+                if isinstance(error, SharedMemoryUnavailable) and self.shared_memory:
+                    self.shared_memory = False
+                    continue
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or delay is None:
+                    raise error from exc
+            await asyncio.sleep(delay)
+
+    # -- spill --
+
+    async def spill(self, tenant: str, session_id: str, layout: str | LayoutSpec, token_ids,
+                    persistent: cc.Streams | None = None, *, chunks: list[bytes] | None = None,
+                    tail: bytes = b"", window: cc.Streams | bytes | None = None,
+                    generation: int, ack: str | None = None,
+                    hint: ResumeHint | None = None, ttl_s: float = 0.0) -> SpillResult:
+        """Store a session. Give ``persistent`` streams (cut and encoded here) or already
+        encoded ``chunks`` + ``tail``; ``window``: window streams or an encoded blob."""
+        spec = layout if isinstance(layout, LayoutSpec) else get_layout(layout)
+        tokens = cc.as_tokens(token_ids)
+        if (persistent is None) == (chunks is None):
+            raise ValueError("give exactly one of persistent= and chunks=")
+        if window is not None and not isinstance(window, bytes | bytearray | memoryview):
+            window = await asyncio.to_thread(cc.encode_window, spec, tokens, window)
+        ref = (tenant, session_id)
+        header = pb.SpillHeader(
+            session=pb.SessionRef(tenant=tenant, session_id=session_id),
+            layout_id=spec.layout_id, generation=generation, token_ids=tokens.tobytes(),
+            ack=ACKS[ack], ttl_s=ttl_s,
+            hint=None if hint is None else pb.ResumeHint(
+                expected_pause_s=hint.expected_pause_s or 0.0, priority=hint.priority))
+
+        async def encode(skip: set[str]) -> cc.EncodedSession:
+            if chunks is not None:
+                keys = chain_keys(spec.layout_id, tokens, spec.chunk_tokens)
+                if len(chunks) != len(keys):
+                    raise InvalidRequest(f"{len(tokens)} tokens make {len(keys)} chunks of "
+                                         f"{spec.chunk_tokens}; {len(chunks)} were given")
+                return cc.EncodedSession(keys, {i: c for i, c in enumerate(chunks)
+                                                if keys[i] not in skip}, tail, None)
+            return await asyncio.to_thread(cc.encode_session, spec, tokens, persistent,
+                                           skip=skip)
+
+        held = self._held.get(ref, set())
+        encoded = await encode(held)
+        encoded.window = window
+        header.chunk_keys.extend(encoded.keys)
+        attempts = 0
+
+        async def attempt() -> pb.SpillReply:
+            nonlocal attempts
+            attempts += 1
+            return await self._spill_once(header, encoded)
+
+        try:
+            try:
+                reply = await self._call(attempt)
+            except MissingChunks:
+                encoded = await encode(set())
+                encoded.window = window
+                reply = await self._call(attempt)
+        except StaleGeneration:
+            # A retry refused as stale: the attempt whose reply was lost may have landed.
+            reply = await self._acknowledged(ref, generation, len(tokens)) if attempts > 1 \
+                else None
+            if reply is None:
+                raise
+        self._held[ref] = set(encoded.keys)
+        return SpillResult(reply.generation, reply.tier, reply.chunks_written,
+                           reply.chunks_deduped, len(encoded.chunks), reply.durable,
+                           reply.bytes_received, reply.window_kept)
+
+    async def _spill_once(self, header: pb.SpillHeader, enc: cc.EncodedSession
+                          ) -> pb.SpillReply:
+        items = [("chunk", enc.keys[i], data) for i, data in sorted(enc.chunks.items())]
+        if enc.tail:
+            items.append(("tail", "", enc.tail))
+        if enc.window is not None:
+            items.append(("window", "", enc.window))
+        too_big = [(kind, len(d)) for kind, _, d in items
+                   if len(d) + 1024 > self.max_message_bytes]
+        if too_big and not self.shared_memory:
+            raise InvalidRequest(f"{too_big[0][0]} of {too_big[0][1]} B exceeds the "
+                                 f"{self.max_message_bytes} B message limit: use shared "
+                                 "memory or raise max_message_bytes (client and server)")
+        writer = None
+        if self.shared_memory and items:
+            writer = self._segments.acquire(sum(len(d) for _, _, d in items))
+        try:
+            messages = [pb.SpillRequest(header=header)]
+            for kind, key, data in items:
+                payload = (pb.Payload(key=key, shm=writer.add(data)) if writer
+                           else pb.Payload(key=key, data=data))
+                messages.append(pb.SpillRequest(**{kind: payload}))
+            reply = await self._stub.Spill(_stream(messages), timeout=self.timeout_s)
+        except BaseException:
+            if writer is not None:  # the server may still be reading it: never reuse it
+                self._segments.discard(writer)
+            raise
+        if writer is not None:  # the server copied the bytes out before it answered
+            self._segments.release(writer)
+        return reply
+
+    async def _acknowledged(self, ref, generation: int, num_tokens: int) -> pb.SpillReply | None:
+        """After a retried spill is refused as stale: was it our first attempt that landed?"""
+        info = (await self.stat(*ref)).session
+        if info.generation != generation or info.num_tokens != num_tokens:
+            return None
+        return pb.SpillReply(generation=generation, tier=info.tiers[0] if info.tiers else "",
+                             window_kept=bool(info.window_tier))
+
+    # -- restore, resume --
+
+    async def restore(self, tenant: str, session_id: str, *, want_window: bool = True,
+                      decode: bool = True) -> RestoredSession:
+        """The whole session; ``decode=False`` leaves the (verified) bytes undecoded."""
+        request = pb.RestoreRequest(session=pb.SessionRef(tenant=tenant, session_id=session_id),
+                                    want_window=want_window,
+                                    use_shared_memory=self.shared_memory)
+        return await self._call(lambda: self._receive(self._stub.Restore, request, decode))
+
+    async def resume(self, tenant: str, session_id: str, *, replay_tokens: int = 0,
+                     decode: bool = True) -> RestoredSession:
+        """Restore, with the window rebuilt by bounded replay if it was dropped."""
+        request = pb.ResumeRequest(session=pb.SessionRef(tenant=tenant, session_id=session_id),
+                                   replay_tokens=replay_tokens,
+                                   use_shared_memory=self.shared_memory)
+        return await self._call(lambda: self._receive(self._stub.Resume, request, decode))
+
+    async def _receive(self, method, request, decode: bool) -> RestoredSession:
+        """One call; on the shared-memory path it lends a reused segment of ours, sized by
+        the largest restore so far, for the server to write into."""
+        request.use_shared_memory = self.shared_memory  # may have fallen back since
+        request.ClearField("reply_buffer")
+        lent = None
+        if self.shared_memory and self._reply_bytes:
+            lent = self._replies.acquire(self._reply_bytes)
+            request.reply_buffer.CopyFrom(pb.SharedMemoryRef(
+                name=lent.name, offset=0, length=lent.segment.size))
+        try:
+            result = await self._collect(method(request, timeout=self.timeout_s), decode, lent)
+        except BaseException:
+            if lent is not None:  # the server may still be writing into it: never reuse it
+                self._replies.discard(lent)
+            raise
+        if lent is not None:
+            self._replies.release(lent)
+        return result
+
+    async def _collect(self, call, decode: bool, lent: shm.SegmentWriter | None
+                       ) -> RestoredSession:
+        header, chunks, tail, window, summary = None, [], b"", None, pb.ResumeSummary()
+        mapping = None
+        received = 0
+        try:
+            async for reply in call:
+                kind = reply.WhichOneof("item")
+                if kind == "header":
+                    header = reply.header
+                elif kind == "summary":
+                    summary = reply.summary
+                else:
+                    payload = reply.chunk.payload if kind == "chunk" else getattr(reply, kind)
+                    ref = payload.shm
+                    if payload.WhichOneof("body") != "shm":
+                        data = payload.data
+                    elif lent is not None and ref.name == lent.name:
+                        # our reused buffer: copy out before it serves the next call
+                        data = bytes(lent.segment.buf[ref.offset:ref.offset + ref.length])
+                    else:
+                        if mapping is None:
+                            mapping = shm.Mapping(ref.name)
+                            mapping.unlink()  # nothing outlives this call; the map stays
+                        # Views into the mapping, no copy: unmapped with the last of them.
+                        data = mapping.view(ref.offset, ref.length)
+                    received += len(data)
+                    if kind == "chunk":
+                        chunks.append(data)
+                    elif kind == "tail":
+                        tail = data
+                    else:
+                        window = data
+        except BaseException:
+            if mapping is not None:
+                chunks.clear()
+                tail = window = None
+                with contextlib.suppress(BufferError):  # a view still alive: GC unmaps
+                    mapping.close()
+            raise
+        if self.shared_memory:
+            self._reply_bytes = min(max(self._reply_bytes, received), MAX_REPLY_BUFFER)
+        if not decode:
+            return self._decode(header, chunks, tail, window, summary, False)
+        return await asyncio.to_thread(self._decode, header, chunks, tail, window, summary,
+                                       True)
+
+    @staticmethod
+    def _decode(header: pb.SessionHeader, chunks, tail, window, summary, decode: bool
+                ) -> RestoredSession:
+        spec = get_layout(header.layout_id)
+        tokens = cc.as_tokens(np.frombuffer(header.token_ids, dtype="<u4"))
+        streams, start = None, 0
+        if window is not None:
+            start = cc.window_start(window)
+            if decode:
+                streams, start = cc.decode_window(spec, tokens, window)
+        return RestoredSession(
+            layout=spec, generation=header.generation, token_ids=tokens,
+            chunk_keys=list(header.chunk_keys), chunks=chunks, tail=tail, window_blob=window,
+            persistent=cc.decode_persistent(spec, tokens, chunks, tail) if decode else {},
+            window=streams, window_start=start, window_tier=header.window_tier,
+            replay_needed=window is None and bool(spec.ephemeral_streams),
+            replayed=summary.replayed, replay_tokens=summary.replay_tokens, tier=summary.tier,
+            restore_seconds=summary.restore_seconds, replay_seconds=summary.replay_seconds)
+
+    async def restore_layers(self, tenant: str, session_id: str) -> AsyncIterator[LayerSlice]:
+        """Each (stream, layer) of the whole session as soon as it has arrived, layer 0 of
+        every stream first: codes (entries, *codes_shape), scales (entries, groups).
+
+        UNAVAILABLE restarts the stream with backoff, like every call; layers already
+        yielded are not yielded again, and a session that changed generation meanwhile
+        raises StaleGeneration rather than mixing two versions."""
+        request = pb.RestoreRequest(session=pb.SessionRef(tenant=tenant, session_id=session_id),
+                                    layer_by_layer=True)
+        delays = self.retry.delays()
+        delivered: set[tuple[str, int]] = set()
+        generation = None
+        while True:
+            assembler = None
+            try:
+                async for reply in self._stub.Restore(request, timeout=self.timeout_s):
+                    kind = reply.WhichOneof("item")
+                    if kind == "header":
+                        if generation not in (None, reply.header.generation):
+                            raise StaleGeneration(
+                                f"session {tenant}/{session_id} changed from generation "
+                                f"{generation} to {reply.header.generation} while its layers "
+                                "were being restored")
+                        generation = reply.header.generation
+                        assembler = cc.LayerAssembler(get_layout(reply.header.layout_id))
+                    elif kind == "section":
+                        done = assembler.add(reply.section)
+                        if done is not None and (done.stream, done.layer) not in delivered:
+                            delivered.add((done.stream, done.layer))
+                            yield done
+                last = assembler.finish() if assembler is not None else None
+                if last is not None and (last.stream, last.layer) not in delivered:
+                    yield last
+                return
+            except grpc.aio.AioRpcError as exc:
+                delay = next(delays, None)
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or delay is None:
+                    raise error_from_rpc(exc) from exc
+            await asyncio.sleep(delay)
+
+    # -- control --
+
+    def _ref(self, tenant: str, session_id: str) -> pb.SessionRef:
+        return pb.SessionRef(tenant=tenant, session_id=session_id)
+
+    async def prefetch(self, tenant: str, session_id: str, *, timeout_s: float = 0.0,
+                       target_tier: str = "") -> pb.PrefetchReply:
+        request = pb.PrefetchRequest(session=self._ref(tenant, session_id), timeout_s=timeout_s,
+                                     target_tier=target_tier)
+        return await self._call(lambda: self._stub.Prefetch(request, timeout=self.timeout_s))
+
+    async def evict(self, tenant: str, session_id: str, target_tier: str = ""
+                    ) -> pb.EvictReply:
+        request = pb.EvictRequest(session=self._ref(tenant, session_id), target_tier=target_tier)
+        return await self._call(lambda: self._stub.Evict(request, timeout=self.timeout_s))
+
+    async def delete(self, tenant: str, session_id: str) -> pb.DeleteReply:
+        self._held.pop((tenant, session_id), None)
+        request = pb.DeleteRequest(session=self._ref(tenant, session_id))
+        return await self._call(lambda: self._stub.Delete(request, timeout=self.timeout_s))
+
+    async def stat(self, tenant: str = "", session_id: str = "") -> pb.StatReply:
+        request = pb.StatRequest(session=self._ref(tenant, session_id)
+                                 if tenant or session_id else None)
+        return await self._call(lambda: self._stub.Stat(request, timeout=self.timeout_s))
+
+    async def list(self, tenant: str = "", *, page_size: int = 0) -> list[pb.SessionInfo]:
+        """Every session (of one tenant), following pages."""
+        out, token = [], ""
+        while True:
+            request = pb.ListRequest(tenant=tenant, page_size=page_size, page_token=token)
+            reply = await self._call(lambda r=request: self._stub.List(r, timeout=self.timeout_s))
+            out.extend(reply.sessions)
+            token = reply.next_page_token
+            if not token:
+                return out
+

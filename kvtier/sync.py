@@ -1,0 +1,80 @@
+"""``Client``: the blocking twin of ``kvtier.client.AsyncClient``, same calls, same
+results, run on a private event loop in a daemon thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+from kvstore.restore import LayerSlice
+from kvtier.client import AsyncClient
+from kvtier.types import RestoredSession, SpillResult
+from proto import kvtier_pb2 as pb
+
+
+class Client:
+    """The blocking twin of ``AsyncClient`` (its own event loop on a daemon thread)."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", **options) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="kvtier-client")
+        self._thread.start()
+        self._async = self._run(self._make(target, options))
+
+    async def _make(self, target: str, options: dict) -> AsyncClient:
+        return AsyncClient(target, **options)
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether chunk bytes go through shared memory (False after a fallback)."""
+        return self._async.shared_memory
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._run(self._async.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+    def spill(self, *args, **kwargs) -> SpillResult:
+        return self._run(self._async.spill(*args, **kwargs))
+
+    def restore(self, *args, **kwargs) -> RestoredSession:
+        return self._run(self._async.restore(*args, **kwargs))
+
+    def resume(self, *args, **kwargs) -> RestoredSession:
+        return self._run(self._async.resume(*args, **kwargs))
+
+    def restore_layers(self, tenant: str, session_id: str) -> Iterator[LayerSlice]:
+        stream = self._async.restore_layers(tenant, session_id)
+        while True:
+            try:
+                yield self._run(stream.__anext__())
+            except StopAsyncIteration:
+                return
+
+    def prefetch(self, *args, **kwargs) -> pb.PrefetchReply:
+        return self._run(self._async.prefetch(*args, **kwargs))
+
+    def evict(self, *args, **kwargs) -> pb.EvictReply:
+        return self._run(self._async.evict(*args, **kwargs))
+
+    def delete(self, *args, **kwargs) -> pb.DeleteReply:
+        return self._run(self._async.delete(*args, **kwargs))
+
+    def stat(self, *args, **kwargs) -> pb.StatReply:
+        return self._run(self._async.stat(*args, **kwargs))
+
+    def list(self, *args, **kwargs) -> list[pb.SessionInfo]:
+        return self._run(self._async.list(*args, **kwargs))

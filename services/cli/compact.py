@@ -1,0 +1,191 @@
+"""``kvtier compact``: the offline compaction job over a data directory.
+
+    kvtier compact --data-dir D [--dry-run] [--json] [--ttl 7d] [--demote-after 2h]
+                   [--zstd-level 9] [--dead-fraction 0.25] [--server HOST:PORT]
+
+Reclaims dead segment space, expires sessions, collects unreferenced chunks, demotes
+idle sessions to the object tier (zstd at ``--zstd-level``), and scrubs checksums
+(``kvstore.compaction.job`` describes the steps). The data directory is laid out as the
+server lays it out (``services.server.store``): ``D/disk`` (segments, LMDB index, manifests,
+reference counts), ``D/objects`` (the local object tier, unless ``--config`` names S3),
+and ``D/quarantine`` for corrupt chunks this job removed.
+
+Protocol beside a server (``kvstore.compaction.job`` has the details):
+  - ``D/disk/compact.lock`` is held for the whole run; a second compaction exits with
+    status 3 and says who holds it.
+  - no server live: this job takes ``D/disk/writer.lock`` for the session and scrub
+    steps (a server started meanwhile is refused with Busy until then), opens its own
+    TierManager over the disk and object tiers, and seals the last segment so it can be
+    rewritten too. Segment rewriting runs after the writer lock is dropped.
+  - a server live: expiry and demotion go through its Delete and Evict RPCs, at
+    ``--server`` or the address it recorded in ``D/server.addr``; with neither, those
+    steps are skipped and the report says so. Unreferenced-chunk collection is skipped
+    (the server frees what its deletes release). Rewrites and the scrub are safe beside
+    it (see ``kvstore.compaction.disk_rewrite`` and ``kvstore.compaction.scrub``).
+
+Progress: a tqdm bar per step on a terminal, log lines otherwise. ``--json`` prints the
+report as one JSON object. Exit status: 0 done, 2 bad arguments, 3 another compaction
+runs, 1 any other store error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+
+from kvstore.errors import Busy, InvalidRequest, KVTierError
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
+_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> float:
+    """``"90"``, ``"90s"``, ``"15m"``, ``"2h"``, ``"7d"``, ``"1w"`` -> seconds."""
+    match = _DURATION.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 90s, 15m, 2h, 7d)")
+    number, unit = match.groups()
+    return float(number) * _SECONDS[unit or "s"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-dir", required=True, type=Path,
+                        help="the server's data directory (holds disk/ and objects/)")
+    parser.add_argument("--config", help="the server's TOML config (S3 object tier, sizes)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="change nothing; report what would be done")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--ttl", type=parse_duration,
+                        help="expire sessions idle longer than this (besides their own TTL)")
+    parser.add_argument("--demote-after", type=parse_duration,
+                        help="demote sessions idle longer than this to the object tier")
+    parser.add_argument("--zstd-level", type=int, default=3,
+                        help="zstd level for demoted chunks (offline runs; default 3)")
+    parser.add_argument("--dead-fraction", type=float, default=0.25,
+                        help="rewrite sealed segments at least this dead (default 0.25)")
+    parser.add_argument("--no-scrub", action="store_true", help="skip checksum verification")
+    parser.add_argument("--server", help="address of the live server on this directory "
+                                         "(default: the one it recorded in DATA_DIR)")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvstore.compaction.report import CompactOptions
+    from services.server.config import load_config
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        options = CompactOptions(dry_run=args.dry_run, ttl_s=args.ttl,
+                                 demote_after_s=args.demote_after, zstd_level=args.zstd_level,
+                                 dead_fraction=args.dead_fraction, scrub=not args.no_scrub)
+        config = load_config(args.config, overrides={"data_dir": args.data_dir})
+        report = asyncio.run(_compact(config, options, args.server))
+    except Busy as exc:
+        print(f"kvtier compact: refused: {exc}", file=sys.stderr)
+        return 3
+    except InvalidRequest as exc:
+        print(f"kvtier compact: {exc}", file=sys.stderr)
+        return 2
+    except KVTierError as exc:
+        print(f"kvtier compact: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report.as_dict()))
+    else:
+        print("\n".join(report.lines()))
+    return 0
+
+
+def _progress():
+    from kvstore.compaction.report import LogProgress
+
+    if sys.stderr.isatty():
+        from services.cli.compact_progress import BarProgress
+
+        return BarProgress()
+    return LogProgress()
+
+
+async def _compact(config, options, server: str | None):
+    from kvstore.tiers.disk import DiskTier
+    from kvstore.tiers.disk.lock import WRITER_LOCK, DirLock
+
+    disk_dir = config.data_dir / "disk"
+    if not (disk_dir / "index").is_dir():
+        raise InvalidRequest(f"{config.data_dir} holds no disk tier ({disk_dir}/index is "
+                             "missing): nothing to compact")
+    if options.demote_after_s is not None and not config.object_bytes:
+        raise InvalidRequest("--demote-after needs an object tier; the config has "
+                             "object_bytes = 0")
+    disk = DiskTier(disk_dir, config.disk_bytes, writer=False)
+    writer = DirLock(disk_dir / WRITER_LOCK, "the disk tier's writer lock")
+    try:
+        if options.dry_run:
+            mode = "live" if DiskTier.writer_is_live(disk_dir) else "offline"
+            return await _run(disk, options, mode, config, None, "")
+        disk.compact_lock.acquire()
+        if writer.try_acquire():
+            return await _offline(disk, options, config, writer)
+        return await _live(disk, options, config, server)
+    finally:
+        writer.release()
+        await disk.close()
+
+
+async def _run(disk, options, mode, config, ops, why, **extra):
+    from kvstore.compaction.job import run_compaction
+
+    return await run_compaction(disk, options, _progress(), mode=mode, ops=ops,
+                                why_no_ops=why, quarantine_dir=config.data_dir / "quarantine",
+                                **extra)
+
+
+async def _offline(disk, options, config, writer):
+    from kvstore.compaction.disk_scrub import seal_dead_writer
+    from kvstore.compaction.sessions import ManagerOps
+    from kvstore.manager import MANAGER_PRESETS, TierManager
+
+    sealed = seal_dead_writer(disk)
+    if sealed is not None:
+        logging.getLogger(__name__).info("sealed segment %d of the stopped server", sealed)
+    tiers = [disk]
+    if config.object_bytes:
+        tiers.append(_object_tier(config, options.zstd_level))
+    manager = await TierManager.open(tiers, disk.meta, config=MANAGER_PRESETS["embedded"])
+    try:
+        return await _run(disk, options, "offline", config,
+                          ManagerOps(manager, options.zstd_level), "",
+                          object_tier=tiers[1] if len(tiers) > 1 else None,
+                          after_sessions=writer.release)
+    finally:
+        await manager.close()
+
+
+async def _live(disk, options, config, server):
+    from services.cli.compact_remote import ServerOps
+    from services.server.address_file import SERVER_ADDRESS_FILE, recorded_address
+
+    address = server or recorded_address(config.data_dir)
+    if address is None:
+        why = (f"a server is live on {config.data_dir} and its address is unknown (pass "
+               f"--server HOST:PORT; it is not recorded in {SERVER_ADDRESS_FILE})")
+        return await _run(disk, options, "live", config, None, why)
+    ops = ServerOps(address)
+    try:
+        return await _run(disk, options, "live", config, ops, "")
+    finally:
+        await ops.close()
+
+
+def _object_tier(config, zstd_level: int):
+    from kvstore.tiers.object import ObjectTier, ObjectTierConfig
+
+    return ObjectTier(config.object_url, config.object_bytes, ObjectTierConfig(
+        compression_level=zstd_level, endpoint_url=config.s3_endpoint or None,
+        region_name=config.s3_region or None))

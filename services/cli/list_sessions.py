@@ -1,0 +1,43 @@
+"""``kvtier list``: stored sessions (of one tenant), one line each, or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from google.protobuf.json_format import MessageToDict
+
+from kvstore.errors import KVTierError
+from services.cli.stat import add_target
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_target(parser)
+    parser.add_argument("--tenant", default="", help="only this tenant's sessions")
+    parser.add_argument("--json", action="store_true", help="print JSON lines")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.sync import Client
+
+    try:
+        with Client(args.target, timeout_s=30) as kv:
+            sessions = kv.list(args.tenant)
+    except KVTierError as exc:
+        print(f"kvtier list: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        for s in sessions:
+            print(json.dumps(MessageToDict(s, always_print_fields_with_no_presence=True)))
+        return 0
+    print(f"{'tenant/session':<40} {'gen':>5} {'tokens':>9} {'chunks':>6} {'window':>7} "
+          f"{'tiers':<18} last access")
+    for s in sessions:
+        name = f"{s.session.tenant}/{s.session.session_id}"
+        seen = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s.last_access_unix))
+        print(f"{name:<40} {s.generation:>5} {s.num_tokens:>9} {s.chunks:>6} "
+              f"{s.window_tier or '-':>7} {','.join(s.tiers) or '-':<18} {seen}")
+    print(f"{len(sessions)} sessions")
+    return 0

@@ -1,0 +1,69 @@
+"""``kvtier serve``: run the gRPC server until SIGTERM or SIGINT, then stop gracefully
+(in-flight calls finish, the write-back queue drains, tiers close).
+
+Configuration: ``--config FILE`` (TOML) and ``KVTIER_*`` environment variables over the
+preset (``embedded`` by default); the flags below override both. Prints one line,
+``kvtier serving on HOST:PORT``, once it accepts calls (``--listen 127.0.0.1:0`` picks a
+free port; scripts read it from that line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+
+from kvstore.errors import KVTierError
+from services.cli.lifecycle import stop_on_signals
+from services.server.config import PRESETS, load_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML config file (keys: services.server.config fields)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="base preset")
+    parser.add_argument("--listen", help="host:port to serve on (default 127.0.0.1:50051)")
+    parser.add_argument("--data-dir", help="directory of the disk and object tiers")
+    parser.add_argument("--metrics-port", type=int,
+                        help="serve Prometheus metrics on this port (0: off)")
+    parser.add_argument("--redis-url", help="turn the Redis tier on (redis://host:port/db)")
+    parser.add_argument("--host-bytes", help="host RAM tier capacity, e.g. 1GiB")
+    parser.add_argument("--disk-bytes", help="disk tier capacity, e.g. 64GiB (0: no disk)")
+    parser.add_argument("--replay-workers", help="comma-separated replay worker addresses")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved configuration as JSON and exit")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {"listen": args.listen, "data_dir": args.data_dir,
+                 "metrics_port": args.metrics_port, "redis_url": args.redis_url,
+                 "host_bytes": args.host_bytes, "disk_bytes": args.disk_bytes,
+                 "replay_workers": args.replay_workers}
+    try:
+        config = load_config(args.config, preset=args.preset, overrides=overrides)
+    except KVTierError as exc:
+        print(f"kvtier serve: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(json.dumps(config.summary(), indent=2))
+        return 0
+    asyncio.run(_serve(config))
+    return 0
+
+
+async def _serve(config) -> None:
+    from services.server.servicer import create_server
+
+    server, port = await create_server(config)
+    stop = stop_on_signals()
+    host = config.listen.rpartition(":")[0]
+    extra = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
+    print(f"kvtier serving on {host}:{port}{extra}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()

@@ -1,0 +1,90 @@
+"""``kvtier stat``: the server's tiers (usage, lookups, hits, hit rate), sessions,
+write-back queue depth and replays, from the Stat RPC; ``--metrics-url`` also prints the
+Prometheus endpoint's ``kvtier_*`` samples."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.request
+
+from google.protobuf.json_format import MessageToDict
+
+from kvstore.errors import KVTierError
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def add_target(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=os.environ.get("KVTIER_TARGET", DEFAULT_TARGET),
+                        help="server address (default: $KVTIER_TARGET or %(default)s)")
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def hit_rate(hits: int, lookups: int) -> str:
+    return f"{100 * hits / lookups:5.1f}%" if lookups else "    -"
+
+
+def tier_table(tiers, deltas: dict[str, tuple[int, int]] | None = None) -> list[str]:
+    """One line per tier; ``deltas``: (lookups, hits) since the previous sample."""
+    head = f"{'tier':<8} {'used':>11} {'capacity':>11} {'items':>8} {'lookups':>9} " \
+           f"{'hits':>9} {'hit rate':>8}"
+    if deltas is not None:
+        head += f" {'recent':>8}"
+    lines = [head]
+    for t in tiers:
+        line = (f"{t.name:<8} {human_bytes(t.used_bytes):>11} {human_bytes(t.capacity_bytes):>11}"
+                f" {t.items:>8} {t.lookups:>9} {t.hits:>9} {hit_rate(t.hits, t.lookups):>8}")
+        if deltas is not None:
+            lookups, hits = deltas.get(t.name, (0, 0))
+            line += f" {hit_rate(hits, lookups):>8}"
+        if not t.available:
+            line += "  UNAVAILABLE"
+        lines.append(line)
+    return lines
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_target(parser)
+    parser.add_argument("--session", metavar="TENANT/ID", help="also describe this session")
+    parser.add_argument("--json", action="store_true", help="print the reply as JSON")
+    parser.add_argument("--metrics-url", help="also print kvtier_* samples from this URL "
+                        "(e.g. http://127.0.0.1:9100/metrics)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.sync import Client
+
+    tenant, _, session_id = (args.session or "").partition("/")
+    try:
+        with Client(args.target, timeout_s=10) as kv:
+            reply = kv.stat(tenant, session_id)
+    except KVTierError as exc:
+        print(f"kvtier stat: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True),
+                         indent=2))
+    else:
+        print("\n".join(tier_table(reply.tiers)))
+        print(f"sessions {reply.sessions}   write-back queue {reply.writeback_queue_depth}"
+              f"   replays {reply.replays}")
+        if reply.HasField("session"):
+            s = reply.session
+            print(f"session {s.session.tenant}/{s.session.session_id}: {s.num_tokens} tokens,"
+                  f" {s.chunks} chunks, generation {s.generation}, layout {s.layout_id}, "
+                  f"tiers {','.join(s.tiers) or '-'}, window {s.window_tier or 'dropped'}")
+    if args.metrics_url:
+        with urllib.request.urlopen(args.metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        print("\n".join(line for line in text.splitlines() if line.startswith("kvtier_")))
+    return 0

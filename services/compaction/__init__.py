@@ -1,1 +1,0 @@
-"""Server coordination for ``kvtier compact`` (``services.compact`` is the command)."""

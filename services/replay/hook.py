@@ -1,0 +1,60 @@
+"""The server's bounded-replay backend, chosen by the config (``ServerConfig.replay_mode``):
+
+- ``in-process``: ``replay.ReplayService``, the bundled model in the server's process
+  (weights loaded on the first rebuild);
+- ``remote``: ``services.replay.remote.RemoteReplay`` over the ``replay_workers`` addresses
+  (``kvtier replay-worker`` processes), taken in turn, a worker that is down skipped;
+- ``streams``: ``services.replay.streams.StreamReplay``, jobs through a Redis Streams consumer
+  group that any number of workers serve (``replay_redis_url``, default ``redis_url``);
+- ``off``: none.
+
+Every backend has the same call, ``await backend.rebuild(spec, token_ids, chunks, tail,
+replay_tokens) -> replay.ReplayResult`` (the encoded window, tokens replayed, seconds),
+and ``await backend.close()``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from kvstore.errors import KVTierError
+from kvstore.layout import LayoutSpec
+from kvstore.tiers.base import Buffer
+from services.server.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+
+class ReplayBackend(Protocol):
+    async def rebuild(self, layout: LayoutSpec, token_ids, chunks: Sequence[Buffer],
+                      tail: Buffer, replay_tokens: int | None = None): ...
+
+    async def close(self) -> None: ...
+
+
+def make_replay_backend(config: ServerConfig) -> tuple[ReplayBackend | None, str]:
+    """(backend, "") or (None, why there is none) for the configured replay mode."""
+    mode = config.replay_mode
+    if mode == "off":
+        return None, "replay is off in this server's config"
+    try:
+        if mode == "remote":
+            from services.replay.remote import RemoteReplay
+
+            return RemoteReplay(config.replay_workers,
+                                max_message_bytes=config.max_message_bytes), ""
+        if mode == "streams":
+            from services.replay.streams import StreamReplay
+
+            return StreamReplay(config.replay_redis_url or config.redis_url), ""
+        from replay import ReplayService
+
+        weights = {"weights": Path(config.replay_weights)} if config.replay_weights else {}
+        return ReplayService(default_tokens=config.replay_tokens,
+                             max_batch=config.replay_max_batch, **weights), ""
+    except (ImportError, KVTierError) as exc:
+        log.warning("no %s replay backend: %s", mode, exc)
+        return None, f"the {mode} replay backend is unavailable: {exc}"

@@ -1,0 +1,98 @@
+"""A replay backend that calls ``kvtier replay-worker`` processes over gRPC.
+
+    backend = RemoteReplay(["10.0.0.7:50052", "10.0.0.8:50052"])
+    result = await backend.rebuild(layout_id, token_ids, chunks, tail, replay_tokens)
+    await backend.close()
+
+Same call and result as ``ReplayWorker.rebuild``. Workers are taken in turn; one that is
+down or too slow (UNAVAILABLE, DEADLINE_EXCEEDED) hands the job to the next, and only when
+every worker failed does the call raise ``TierUnavailable``. Any other failure is the
+worker's verdict on the request and is raised as the ``kvstore.errors`` class it named.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Sequence
+
+import grpc
+
+from kvstore import errors as kverrors
+from kvstore.errors import InvalidRequest, KVTierError, TierUnavailable
+from kvstore.layout import LayoutSpec
+from proto import kvtier_pb2 as pb
+from proto import kvtier_pb2_grpc as pb_grpc
+from replay.state_codec import Buffer, as_token_array
+from replay.worker import ReplayResult
+from services.replay.server import ERROR_KEY, MAX_MESSAGE_BYTES
+
+RETRY_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_ERRORS = {name: cls for name, cls in vars(kverrors).items()
+           if isinstance(cls, type) and issubclass(cls, KVTierError)}
+
+
+def replay_request(layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer],
+                   tail: Buffer, replay_tokens: int | None) -> pb.ReplayRequest:
+    layout_id = layout.layout_id if isinstance(layout, LayoutSpec) else layout
+    if replay_tokens is not None and not 0 <= replay_tokens < 1 << 32:
+        raise InvalidRequest(f"replay_tokens must be a non-negative integer, got {replay_tokens}")
+    return pb.ReplayRequest(layout_id=layout_id, token_ids=as_token_array(token_ids).tobytes(),
+                            chunks=[bytes(c) for c in chunks], tail=bytes(tail),
+                            replay_tokens=replay_tokens or 0, job_id=uuid.uuid4().hex)
+
+
+def error_from_status(code_name: str, details: str, error_name: str | None) -> KVTierError:
+    """The exception a worker's failure stands for (its class when the worker named one)."""
+    cls = _ERRORS.get(error_name or "")
+    if cls is None:
+        cls = {"INVALID_ARGUMENT": InvalidRequest, "DATA_LOSS": kverrors.DataLoss,
+               "UNAVAILABLE": TierUnavailable}.get(code_name, KVTierError)
+    return cls(f"replay worker: {code_name}: {details}")
+
+
+class RemoteReplay:
+    def __init__(self, addresses: Sequence[str], *, timeout_s: float = 120.0,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        if not addresses:
+            raise InvalidRequest("RemoteReplay needs at least one worker address")
+        options = [("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.max_receive_message_length", max_message_bytes)]
+        self.addresses = list(addresses)
+        self._channels = [grpc.aio.insecure_channel(a, options=options) for a in addresses]
+        self._stubs = [pb_grpc.ReplayStub(c) for c in self._channels]
+        self._turn = itertools.cycle(range(len(addresses)))
+        self.timeout_s = timeout_s
+        self.last_worker = ""
+
+    async def rebuild(self, layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer],
+                      tail: Buffer, replay_tokens: int | None = None) -> ReplayResult:
+        request = replay_request(layout, token_ids, chunks, tail, replay_tokens)
+        return await self.send(request)
+
+    async def send(self, request: pb.ReplayRequest) -> ReplayResult:
+        started = time.perf_counter()
+        failures = []
+        # Workers in turn across calls; within a call, each worker once from its turn on
+        # (a shared cursor would let concurrent calls try one dead worker twice).
+        first = next(self._turn)
+        for i in ((first + k) % len(self.addresses) for k in range(len(self.addresses))):
+            try:
+                reply = await self._stubs[i].Rebuild(request, timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in RETRY_ON:
+                    failures.append(f"{self.addresses[i]}: {exc.code().name}")
+                    continue
+                trailing = dict(exc.trailing_metadata() or ())
+                raise error_from_status(exc.code().name, exc.details() or "",
+                                        trailing.get(ERROR_KEY)) from exc
+            self.last_worker = reply.worker or self.addresses[i]
+            # the caller waited for the network and the queue too: report that time
+            return ReplayResult(reply.window, reply.replayed_tokens,
+                                time.perf_counter() - started, reply.batch_size or 1)
+        raise TierUnavailable(f"no replay worker answered: {'; '.join(failures)}")
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()

@@ -1,0 +1,161 @@
+"""``kvtier replay-worker``: the bounded-replay worker as a gRPC ``Replay`` service.
+
+    server, port = await create_server("127.0.0.1:0", worker)   # grpc.aio, started
+    ...
+    await server.stop(grace)
+
+With ``--redis-url`` the same process also takes jobs from a Redis Streams consumer
+group (``services.replay.streams``), so several workers share the resumes of several servers.
+Errors travel as gRPC statuses with the ``kvtier-error`` trailing metadata naming the
+``kvstore.errors`` class, the convention the kvtier server and clients read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvstore.errors import CodecError, InvalidRequest, KVTierError
+from proto import kvtier_pb2 as pb
+from proto import kvtier_pb2_grpc as pb_grpc
+from replay.worker import DEFAULT_MAX_BATCH, DEFAULT_REPLAY_TOKENS, ReplayWorker
+from services.cli.lifecycle import stop_on_signals
+
+log = logging.getLogger(__name__)
+SERVICE = pb.DESCRIPTOR.services_by_name["Replay"].full_name
+DEFAULT_LISTEN = "0.0.0.0:50052"
+ERROR_KEY = "kvtier-error"  # trailing metadata: the class name of the error raised
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, CodecError):
+        return grpc.StatusCode.DATA_LOSS  # the chunks handed over do not verify
+    return grpc.StatusCode.INTERNAL
+
+
+def decode_request(request: pb.ReplayRequest) -> tuple[np.ndarray, list[bytes]]:
+    """The request's token ids ((n,) uint32) and chunks, checked for shape only."""
+    if len(request.token_ids) % 4:
+        raise InvalidRequest(f"token_ids must be little-endian uint32 values; got "
+                             f"{len(request.token_ids)} bytes")
+    return np.frombuffer(request.token_ids, dtype="<u4"), list(request.chunks)
+
+
+class ReplayServicer(pb_grpc.ReplayServicer):
+    def __init__(self, worker: ReplayWorker, name: str) -> None:
+        self.worker = worker
+        self.name = name
+
+    async def Rebuild(self, request: pb.ReplayRequest, context) -> pb.ReplayReply:
+        try:
+            tokens, chunks = decode_request(request)
+            result = await self.worker.rebuild(request.layout_id, tokens, chunks,
+                                               request.tail, request.replay_tokens or None)
+        except Exception as exc:  # every failure becomes a status; the worker stays up
+            code = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("replay job %s failed", request.job_id or "?")
+            context.set_trailing_metadata(((ERROR_KEY, type(exc).__name__),))
+            await context.abort(code, str(exc) or type(exc).__name__)
+        log.debug("job %s: %d tokens replayed in %.3fs", request.job_id,
+                  result.replayed_tokens, result.seconds)
+        return pb.ReplayReply(window=result.window, replayed_tokens=result.replayed_tokens,
+                              seconds=result.seconds, worker=self.name,
+                              batch_size=result.batch_size)
+
+
+async def create_server(addr: str, worker: ReplayWorker, *, name: str | None = None,
+                        max_message_bytes: int = MAX_MESSAGE_BYTES
+                        ) -> tuple[grpc.aio.Server, int]:
+    """Bind ``addr`` (port 0: a free one), start, and report SERVING; ``(server, port)``."""
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", max_message_bytes),
+                                      ("grpc.max_receive_message_length", max_message_bytes),
+                                      ("grpc.so_reuseport", 0)])
+    port = server.add_insecure_port(addr)
+    if not port:
+        raise InvalidRequest(f"cannot listen on {addr}")
+    host = addr.rpartition(":")[0]
+    name = name or f"{socket.gethostname() if host in ('0.0.0.0', '[::]') else host}:{port}"
+    pb_grpc.add_ReplayServicer_to_server(ReplayServicer(worker, name), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    await server.start()
+    for service in ("", SERVICE):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return server, port
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen", default=DEFAULT_LISTEN,
+                        help=f"host:port of the gRPC service (default {DEFAULT_LISTEN}; "
+                        "port 0 picks a free one)")
+    parser.add_argument("--weights", type=Path, default=None,
+                        help="model weights (default: the bundled model)")
+    parser.add_argument("--replay-tokens", type=int, default=DEFAULT_REPLAY_TOKENS,
+                        help="R when a request names none")
+    parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                        help="concurrent replays per model call")
+    parser.add_argument("--redis-url", default=os.environ.get("KVTIER_REPLAY_REDIS_URL", ""),
+                        help="also take jobs from this Redis (Streams consumer group)")
+    parser.add_argument("--stream", default=None, help="job stream key (Redis mode)")
+    parser.add_argument("--group", default=None, help="consumer group (Redis mode)")
+    parser.add_argument("--consumer", default=None,
+                        help="consumer name, unique per worker (default host:pid)")
+    parser.add_argument("--claim-idle-ms", type=int, default=None,
+                        help="retry jobs a consumer has held this long without acking")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from model.checkpoint import BUNDLED_WEIGHTS, load
+
+    weights = args.weights or BUNDLED_WEIGHTS
+    try:
+        model = load(weights)
+        worker = ReplayWorker(model, default_tokens=args.replay_tokens,
+                              max_batch=args.max_batch)
+    except (FileNotFoundError, ValueError, KVTierError) as exc:
+        print(f"kvtier replay-worker: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(_serve(args, worker))
+    return 0
+
+
+async def _serve(args: argparse.Namespace, worker: ReplayWorker) -> None:
+    server, port = await create_server(args.listen, worker)
+    consumer = consumer_task = None
+    if args.redis_url:
+        from services.replay.streams import StreamConsumer, StreamNames
+
+        names = StreamNames.with_overrides(stream=args.stream, group=args.group)
+        consumer = StreamConsumer(args.redis_url, worker, names=names,
+                                  consumer=args.consumer or f"{socket.gethostname()}:"
+                                  f"{os.getpid()}", claim_idle_ms=args.claim_idle_ms)
+        consumer_task = asyncio.create_task(consumer.run())
+    stop = stop_on_signals()
+    host = args.listen.rpartition(":")[0]
+    via = f", jobs from {args.redis_url}" if args.redis_url else ""
+    print(f"kvtier replay-worker serving on {host}:{port}{via}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        if consumer is not None:
+            consumer.stop()
+            await consumer_task
+            await consumer.close()
+        await server.stop(5)
+        await worker.close()

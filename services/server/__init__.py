@@ -1,0 +1,1 @@
+"""The gRPC server: servicer, restore stream, request validation, metrics, store wiring, config."""

@@ -1,0 +1,183 @@
+"""The Restore and Resume reply streams.
+
+Order: one ``SessionHeader``; then either every chunk in order (``RestoredChunk``) and
+the tail, or, layer by layer, every (stream, layer) of every chunk and the tail as
+``LayerSection``s with layer 0 of every stream first, so a worker can start before the
+last layer arrives (the tail's sections carry ``chunk_index == len(chunk_keys)``); then
+the window, if asked for and held (or rebuilt by Resume); then a ``ResumeSummary``.
+
+Each block comes from the highest tier holding an intact copy (verified by the manager);
+no tier with an intact copy raises ``DataLoss`` before any byte of that block is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.codec import DecodedChunk, decode_chunk
+from kvstore.errors import TierFull
+from kvstore.layout import LayoutSpec
+from kvstore.manager import TierManager
+from kvstore.tiers.base import Buffer
+from kvtier.errors import PreconditionFailed
+from kvtier.shm import BufferWriter, RestoreSegments, SegmentWriter
+from proto import kvtier_pb2 as pb
+from services.replay.hook import ReplayBackend
+from services.server.metrics import ServiceMetrics
+
+MESSAGE_MARGIN = 4096  # room for the fields around one payload in a reply
+
+
+@dataclass
+class StreamOptions:
+    layer_by_layer: bool = False
+    want_window: bool = False
+    use_shared_memory: bool = False
+    reply_buffer: pb.SharedMemoryRef | None = None  # the client's own segment, if lent
+    resume: bool = False  # rebuild a dropped window by bounded replay
+    replay_tokens: int = 128
+
+
+class RestoreStreamer:
+    def __init__(self, manager: TierManager, metrics: ServiceMetrics,
+                 segments: RestoreSegments | None,
+                 replay: Callable[[], tuple[ReplayBackend | None, str]],
+                 max_message_bytes: int) -> None:
+        self.manager = manager
+        self.metrics = metrics
+        self.segments = segments
+        self.replay = replay
+        self.max_payload = max_message_bytes - MESSAGE_MARGIN
+
+    async def stream(self, tenant: str, session_id: str, opts: StreamOptions
+                     ) -> AsyncIterator[pb.RestoreReply]:
+        started = time.perf_counter()
+        lease, writer = None, None
+        try:
+            async with self.manager.reading(tenant, session_id) as reader:
+                m, spec = reader.manifest, reader.spec
+                has_window = bool(spec.ephemeral_streams)
+                window, window_tier = (await reader.window()
+                                       if opts.want_window or opts.resume else (None, None))
+                held = window is not None or (m.window_tier is not None and not opts.want_window
+                                              and not opts.resume)
+                replay = has_window and not held
+                backend, why_none = self.replay()
+                if replay and opts.resume and backend is None:
+                    raise PreconditionFailed(f"{tenant}/{session_id} needs its window rebuilt "
+                                             f"by replay, and {why_none}")
+                size = sum(m.chunk_sizes) + len(m.tail) + (len(window) if window else 0)
+                if opts.use_shared_memory and size:
+                    lent = opts.reply_buffer
+                    if lent is not None and lent.name and size <= lent.length:
+                        writer = BufferWriter(lent)
+                    elif self.segments is not None:
+                        lease, writer = self.segments.create(size)
+                        self.metrics.shm_segments.set(len(self.segments))
+                yield pb.RestoreReply(header=pb.SessionHeader(
+                    layout_id=m.layout_id, generation=m.generation, num_tokens=m.num_tokens,
+                    token_ids=m.token_ids.tobytes(), chunk_keys=m.chunk_keys,
+                    window_available=held, replay_needed=replay,
+                    window_tier=window_tier or (m.window_tier or "") if held else ""))
+                chunks: list[Buffer] = []
+                tiers: set[str] = set()
+                keep = opts.layer_by_layer or (opts.resume and replay)
+                async for chunk in reader.chunks():
+                    tiers.add(chunk.tier)
+                    if keep:
+                        chunks.append(chunk.data)
+                    if not opts.layer_by_layer:
+                        yield pb.RestoreReply(chunk=pb.RestoredChunk(
+                            index=chunk.index, tier=chunk.tier,
+                            payload=self._payload(chunk.key, chunk.data, writer)))
+                if opts.layer_by_layer:
+                    buffers = chunks + ([m.tail] if m.tail else [])
+                    async for section in self._sections(spec, buffers):
+                        yield pb.RestoreReply(section=section)
+                elif m.tail:
+                    yield pb.RestoreReply(tail=self._payload("", m.tail, writer))
+                if window is not None:
+                    yield pb.RestoreReply(window=self._payload("", window, writer))
+                tokens, tail = m.token_ids, m.tail
+            restore_s = time.perf_counter() - started
+            self.metrics.restore_seconds.observe(restore_s)
+            if window_tier:
+                tiers.add(window_tier)
+            summary = pb.ResumeSummary(tier=self._lowest(tiers), restore_seconds=restore_s)
+            if opts.resume and replay:
+                rebuilt = await backend.rebuild(spec, tokens, chunks, tail, opts.replay_tokens)
+                self.metrics.replays.inc()
+                self.metrics.replayed_tokens.inc(rebuilt.replayed_tokens)
+                self.metrics.replay_seconds.observe(rebuilt.seconds)
+                self.metrics.replay_batch_size.observe(rebuilt.batch_size)
+                yield pb.RestoreReply(window=self._payload("", rebuilt.window, None))
+                summary.replayed = True
+                summary.replay_tokens = rebuilt.replayed_tokens
+                summary.replay_seconds = rebuilt.seconds
+            if opts.resume:
+                self.metrics.resume_seconds.observe(time.perf_counter() - started)
+            yield pb.RestoreReply(summary=summary)
+        finally:
+            if lease is not None:
+                self.segments.done_writing(lease)
+            elif writer is not None:
+                writer.close()
+
+    def _payload(self, key: str, data: Buffer, writer: SegmentWriter | BufferWriter | None
+                 ) -> pb.Payload:
+        if writer is not None and writer.fits(len(data)):
+            self.metrics.restore_bytes.labels("shm").inc(len(data))
+            return pb.Payload(key=key, shm=writer.add(data))
+        if len(data) > self.max_payload:
+            raise TierFull(f"a {len(data)} B block exceeds the {self.max_payload} B message "
+                           "limit: raise max_message_bytes or use shared memory")
+        self.metrics.restore_bytes.labels("grpc").inc(len(data))
+        return pb.Payload(key=key, data=bytes(data))
+
+    def _lowest(self, tiers: set[str]) -> str:
+        order = [t.name for t in self.manager.tiers]
+        return max(tiers, key=order.index) if tiers else ""
+
+    async def _sections(self, spec: LayoutSpec, buffers: list[Buffer]
+                        ) -> AsyncIterator[pb.LayerSection]:
+        decoded = await asyncio.gather(
+            *(asyncio.to_thread(decode_chunk, buf, spec) for buf in buffers))
+        sums = [_checksums(chunk) for chunk in decoded]
+        streams = spec.persistent_streams
+        for layer in range(max((s.layers for s in streams), default=0)):
+            for index, stream in enumerate(streams):
+                if layer >= stream.layers:
+                    continue
+                for chunk_index, chunk in enumerate(decoded):
+                    yield _section(chunk, sums[chunk_index], index, stream.name, layer,
+                                   chunk_index)
+
+
+def _checksums(chunk: DecodedChunk) -> dict[tuple[int, int, int], int]:
+    """The codec's section checksums by (stream index, layer, part)."""
+    rows = chunk.header.sections
+    keys = zip(rows["stream"].tolist(), rows["layer"].tolist(), rows["part"].tolist(),
+               strict=True)
+    return dict(zip(keys, rows["checksum"].tolist(), strict=True))
+
+
+def _bytes(tensor: torch.Tensor | None) -> bytes:
+    if tensor is None:
+        return b""
+    return tensor.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _section(chunk: DecodedChunk, sums: dict, stream_index: int, name: str, layer: int,
+             chunk_index: int) -> pb.LayerSection:
+    data = chunk.streams[name]
+    return pb.LayerSection(
+        stream=name, layer=layer, chunk_index=chunk_index,
+        codes=_bytes(data.codes[layer]),
+        scales=_bytes(None if data.scales is None else data.scales[layer]),
+        codes_xxh3=sums.get((stream_index, layer, 0), 0),
+        scales_xxh3=sums.get((stream_index, layer, 1), 0))

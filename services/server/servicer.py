@@ -1,0 +1,362 @@
+"""The kvtier gRPC server (grpc.aio): a thin servicer over ``kvstore.TierManager``.
+
+    server, port = await create_server(load_config(preset="test", overrides={...}))
+    ...
+    await server.stop()          # drains in-flight RPCs, then the write-back queue
+
+Every request is validated (``services.server.validate``) before the store sees it,
+and store errors become gRPC statuses here and nowhere else (``kvtier.errors``). The
+server also registers gRPC health checking (``kvtier.v1.KVTier`` and "" are SERVING
+while it runs) and reflection, and records its connectable address in
+``{data_dir}/server.addr`` while it serves (``services.server.address_file``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore.errors import ChunksNotHeld, CodecError, InvalidRequest, KVTierError
+from kvstore.manager import TierManager
+from kvstore.manifest import SessionManifest
+from kvtier import shm
+from kvtier.errors import MissingChunks, PreconditionFailed, grpc_errors
+from proto import kvtier_pb2 as pb
+from proto import kvtier_pb2_grpc as pb_grpc
+from services.replay.hook import ReplayBackend, make_replay_backend
+from services.server import address_file
+from services.server import validate as check
+from services.server.config import ServerConfig, load_config
+from services.server.metrics import ServiceMetrics, tier_lookups
+from services.server.restore_stream import RestoreStreamer, StreamOptions
+from services.server.store import open_manager, restore_tier, tiers_holding, top_tier
+
+log = logging.getLogger(__name__)
+SERVICE = pb.DESCRIPTOR.services_by_name["KVTier"].full_name
+MAX_TOKENS = 1 << 26
+
+
+class KVTierServicer(pb_grpc.KVTierServicer):
+    def __init__(self, manager: TierManager, config: ServerConfig, metrics: ServiceMetrics,
+                 replay: tuple[ReplayBackend | None, str]) -> None:
+        self.manager = manager
+        self.config = config
+        self.metrics = metrics
+        self.replay, self.why_no_replay = replay
+        self.segments = shm.RestoreSegments(config.shm_lease_s) if shm.available() else None
+        self.streamer = RestoreStreamer(manager, metrics, self.segments,
+                                        lambda: (self.replay, self.why_no_replay),
+                                        config.max_message_bytes)
+        self.replays = 0
+
+    def record_error(self, method: str, code: grpc.StatusCode) -> None:
+        self.metrics.rpc_errors.labels(method, code.name).inc()
+
+    # -- Spill --
+
+    @grpc_errors
+    async def Spill(self, request_iterator, context) -> pb.SpillReply:
+        attachments = shm.Attachments()
+        try:
+            return await self._spill(request_iterator, attachments)
+        finally:
+            attachments.close()
+
+    async def _spill(self, request_iterator, attachments: shm.Attachments) -> pb.SpillReply:
+        started = time.perf_counter()
+        plan = None
+        async for message in request_iterator:
+            kind = message.WhichOneof("item")
+            if kind is None:
+                raise InvalidRequest("a SpillRequest must carry header, chunk, tail or window")
+            if kind == "header":
+                if plan is not None:
+                    raise InvalidRequest("the header was sent twice")
+                plan = check.spill_header(message.header, self.config.default_ack, MAX_TOKENS)
+                continue
+            if plan is None:
+                raise InvalidRequest(f"the first message must be the header, got {kind}")
+            payload = getattr(message, kind)
+            data = self._payload_bytes(payload, attachments,
+                                       self.config.max_spill_bytes - plan.bytes_received)
+            getattr(plan, f"add_{kind}")(payload.key, data)
+        if plan is None:
+            raise InvalidRequest("empty Spill stream: the header is required")
+        held_before = [bool(self.manager.where(k)) for k in plan.keys]
+        plan.finish()
+        # Chunks left out go by key only: the store confirms it holds them, unread.
+        chunks = [(key, plan.chunks.get(i)) for i, key in enumerate(plan.keys)]
+        try:
+            manifest = await self.manager.spill(
+                plan.tenant, plan.session_id, layout_id=plan.spec.layout_id,
+                generation=plan.generation, token_ids=plan.tokens, chunks=chunks,
+                tail=plan.tail or b"", window=plan.window, ack=plan.ack, hint=plan.hint,
+                ttl_s=plan.ttl_s)
+        except ChunksNotHeld as exc:
+            raise MissingChunks(str(exc)) from exc
+        except CodecError as exc:
+            raise InvalidRequest(f"spilled bytes do not verify: {exc}") from exc
+        self.metrics.spill_seconds.observe(time.perf_counter() - started)
+        deduped = sum(held_before)
+        return pb.SpillReply(
+            generation=manifest.generation,
+            tier=top_tier(self.manager, plan.keys) or manifest.window_tier or "",
+            chunks_written=len(plan.keys) - deduped, chunks_deduped=deduped,
+            durable=plan.ack == "durable", bytes_received=plan.bytes_received,
+            window_kept=manifest.window_tier is not None)
+
+    def _payload_bytes(self, payload: pb.Payload, attachments: shm.Attachments, budget: int
+                       ) -> bytes:
+        body = payload.WhichOneof("body")
+        if body == "shm":
+            data = attachments.read(payload.shm, budget)
+            self.metrics.spill_bytes.labels("shm").inc(len(data))
+        else:
+            data = payload.data
+            self.metrics.spill_bytes.labels("grpc").inc(len(data))
+        if len(data) > budget:
+            raise InvalidRequest(f"the Spill stream exceeds max_spill_bytes "
+                                 f"({self.config.max_spill_bytes} B)")
+        return data
+
+    # -- Restore, Resume --
+
+    @grpc_errors
+    async def Restore(self, request: pb.RestoreRequest, context):
+        tenant, session_id = check.session_ref(request.session)
+        opts = StreamOptions(layer_by_layer=request.layer_by_layer,
+                             want_window=request.want_window,
+                             use_shared_memory=request.use_shared_memory,
+                             reply_buffer=_lent(request))
+        async for reply in self.streamer.stream(tenant, session_id, opts):
+            yield reply
+
+    @grpc_errors
+    async def Resume(self, request: pb.ResumeRequest, context):
+        tenant, session_id = check.session_ref(request.session)
+        opts = StreamOptions(want_window=True, use_shared_memory=request.use_shared_memory,
+                             reply_buffer=_lent(request), resume=True,
+                             replay_tokens=request.replay_tokens or self.config.replay_tokens)
+        generation, window = 0, b""
+        async for reply in self.streamer.stream(tenant, session_id, opts):
+            kind = reply.WhichOneof("item")
+            if kind == "header":
+                generation = reply.header.generation
+            elif kind == "window":
+                window = reply.window.data  # the rebuilt one (last) is always inline
+            elif kind == "summary" and reply.summary.replayed:
+                self.replays += 1
+                await self._keep_window(tenant, session_id, generation, window)
+            yield reply
+
+    async def _keep_window(self, tenant: str, session_id: str, generation: int,
+                           window: bytes) -> None:
+        """Store a window rebuilt by replay, so the next Resume of this generation finds
+        it held. The resume itself succeeded whatever happens here."""
+        try:
+            tier = await self.manager.store_window(tenant, session_id, generation, window)
+        except KVTierError as exc:  # spilled again or deleted meanwhile: nothing to keep
+            log.info("rebuilt window of %s/%s not kept: %s", tenant, session_id, exc)
+            return
+        if tier is None:
+            log.info("rebuilt window of %s/%s not kept: no window tier has room",
+                     tenant, session_id)
+
+    # -- control --
+
+    @grpc_errors
+    async def Prefetch(self, request: pb.PrefetchRequest, context) -> pb.PrefetchReply:
+        tenant, session_id = check.session_ref(request.session)
+        names = [t.name for t in self.manager.tiers]
+        target = check.tier_name(request.target_tier, names, "target_tier")
+        if target not in (None, names[0]):
+            raise PreconditionFailed(f"prefetch moves blocks to the top tier ({names[0]}) "
+                                     f"only, not to {target!r}")
+        timeout = check.seconds("timeout_s", request.timeout_s, self.config.prefetch_timeout_s)
+        started = time.perf_counter()
+        result = await self.manager.prefetch(tenant, session_id, timeout)
+        manifest = await self.manager.get_manifest(tenant, session_id)
+        return pb.PrefetchReply(tier=restore_tier(self.manager, manifest.chunk_keys)
+                                or manifest.window_tier or "",
+                                complete=result.complete,
+                                seconds=time.perf_counter() - started)
+
+    @grpc_errors
+    async def Evict(self, request: pb.EvictRequest, context) -> pb.EvictReply:
+        tenant, session_id = check.session_ref(request.session)
+        names = [t.name for t in self.manager.tiers]
+        target = check.tier_name(request.target_tier, names, "target_tier")
+        before = await self.manager.get_manifest(tenant, session_id)
+        after = await self.manager.demote(tenant, session_id, target)
+        return pb.EvictReply(tier=target or names[-1],
+                             window_dropped=before.window_key is not None
+                             and after.window_key is None)
+
+    @grpc_errors
+    async def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteReply:
+        tenant, session_id = check.session_ref(request.session)
+        result = await self.manager.delete(tenant, session_id)
+        return pb.DeleteReply(chunks_released=result.chunks_released,
+                              chunks_freed=result.chunks_freed)
+
+    @grpc_errors
+    async def Stat(self, request: pb.StatRequest, context) -> pb.StatReply:
+        session = None
+        if request.session.tenant or request.session.session_id:
+            tenant, session_id = check.session_ref(request.session)
+            session = self._info(await self.manager.get_manifest(tenant, session_id))
+        stats = await self.manager.stat()
+        self.metrics.update(stats)
+        lookups = tier_lookups(stats)
+        hits = stats.counters["hits"]
+        return pb.StatReply(
+            tiers=[pb.TierStat(name=t.name, capacity_bytes=t.capacity_bytes,
+                               used_bytes=t.used_bytes, items=t.items, available=t.available,
+                               lookups=lookups[t.name], hits=hits.get(t.name, 0))
+                   for t in stats.tiers],
+            sessions=stats.sessions,
+            writeback_queue_depth=stats.writeback_depth, replays=self.replays,
+            session=session)
+
+    @grpc_errors
+    async def List(self, request: pb.ListRequest, context) -> pb.ListReply:
+        tenant = check.tenant_filter(request.tenant)
+        size = check.page_size(request.page_size)
+        after = request.page_token
+        manifests = [m for m in await self.manager.list_sessions(tenant)
+                     if f"{m.tenant}/{m.session_id}" > after]
+        page = manifests[:size]
+        more = len(manifests) > size
+        return pb.ListReply(
+            sessions=[self._info(m) for m in page],
+            next_page_token=f"{page[-1].tenant}/{page[-1].session_id}" if more else "")
+
+    def _info(self, m: SessionManifest) -> pb.SessionInfo:
+        return pb.SessionInfo(
+            session=pb.SessionRef(tenant=m.tenant, session_id=m.session_id),
+            layout_id=m.layout_id, generation=m.generation, num_tokens=m.num_tokens,
+            chunks=len(m.chunk_keys), window_tier=m.window_tier or "",
+            last_access_unix=m.last_access, tiers=tiers_holding(self.manager, m.chunk_keys))
+
+
+def _lent(request) -> pb.SharedMemoryRef | None:
+    return request.reply_buffer if request.HasField("reply_buffer") else None
+
+
+class KVTierServer:
+    """A running server: the grpc.aio server, the store under it, and its metrics."""
+
+    def __init__(self, grpc_server: grpc.aio.Server, servicer: KVTierServicer,
+                 health_servicer: health.aio.HealthServicer, port: int) -> None:
+        self.grpc_server = grpc_server
+        self.servicer = servicer
+        self.health = health_servicer
+        self.port = port
+        self.address = address_file.connectable(servicer.config.listen, port)
+        self.address_path: Path | None = None  # {data_dir}/server.addr once recorded
+        self.metrics_port: int | None = None
+        self._refresher: asyncio.Task | None = None
+        self._stopped = False
+
+    @property
+    def manager(self) -> TierManager:
+        return self.servicer.manager
+
+    @property
+    def metrics(self) -> ServiceMetrics:
+        return self.servicer.metrics
+
+    def start_metrics(self, port: int, addr: str = "0.0.0.0") -> int:
+        self.metrics_port = self.metrics.serve_http(port, addr)
+        return self.metrics_port
+
+    async def _refresh(self, interval_s: float) -> None:
+        while True:
+            with contextlib.suppress(Exception):  # a failed refresh keeps the last figures
+                self.metrics.update(await self.manager.stat())
+            if self.servicer.segments is not None:
+                self.servicer.segments.reap()
+                self.metrics.shm_segments.set(len(self.servicer.segments))
+            await asyncio.sleep(interval_s)
+
+    async def wait_for_termination(self) -> None:
+        await self.grpc_server.wait_for_termination()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Refuse new calls, let running ones finish (``grace_s``), then drain the
+        write-back queue and close every tier."""
+        if self._stopped:
+            return
+        self._stopped = True
+        config = self.servicer.config
+        try:
+            await self.health.enter_graceful_shutdown()
+            await self.grpc_server.stop(config.grace_s if grace_s is None else grace_s)
+        finally:
+            if self.address_path is not None:
+                address_file.forget(self.address_path, self.address)
+            if self._refresher is not None:
+                self._refresher.cancel()
+                await asyncio.gather(self._refresher, return_exceptions=True)
+            try:
+                await self.manager.close()
+            finally:
+                if self.servicer.replay is not None:
+                    await self.servicer.replay.close()
+                if self.servicer.segments is not None:
+                    self.servicer.segments.close()
+                self.metrics.stop_http()
+
+
+def _options(config: ServerConfig) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0)]
+
+
+async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServer, int]:
+    """Open the store, bind, start; ``(server, port)`` (port 0 in the address: a free one)."""
+    config = (load_config(overrides={"listen": config_or_addr})
+              if isinstance(config_or_addr, str) else config_or_addr)
+    manager = await open_manager(config)
+    replay = None, ""
+    try:
+        replay = make_replay_backend(config)
+        metrics = ServiceMetrics()
+        servicer = KVTierServicer(manager, config, metrics, replay)
+        grpc_server = grpc.aio.server(options=_options(config))
+        pb_grpc.add_KVTierServicer_to_server(servicer, grpc_server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
+        reflection.enable_server_reflection(
+            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), grpc_server)
+        port = grpc_server.add_insecure_port(config.listen)
+        if not port:
+            raise InvalidRequest(f"cannot listen on {config.listen}")
+        await grpc_server.start()
+    except BaseException:
+        if replay[0] is not None:
+            await replay[0].close()
+        await manager.close()
+        raise
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    server = KVTierServer(grpc_server, servicer, health_servicer, port)
+    metrics.update(await manager.stat())
+    server._refresher = asyncio.create_task(server._refresh(config.metrics_interval_s))
+    try:
+        server.address_path = address_file.record(config.data_dir, server.address)
+    except OSError as exc:  # tools then need the address passed explicitly
+        log.warning("cannot record the server address in %s: %s", config.data_dir, exc)
+    if config.metrics_port:
+        server.start_metrics(config.metrics_port, config.listen.rpartition(":")[0] or "0.0.0.0")
+    log.info("kvtier serving on port %d", port)
+    return server, port
