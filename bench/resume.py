@@ -151,13 +151,17 @@ def compare_logits(ref: torch.Tensor, got: torch.Tensor) -> dict:
             "max_abs_logit_diff": float((ref - got).abs().max())}
 
 
-def drop_page_cache(root: Path) -> None:
+def drop_page_cache(root: Path) -> list[Path]:
     """Evict this run's files under ``root`` from the page cache (clean pages only), so
-    the next read comes from the medium."""
-    for path in [root] if root.is_file() else root.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as file:
-                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    the next read comes from the medium; returns the files advised. A missing ``root``
+    raises rather than silently timing a warm read."""
+    if not root.exists():
+        raise FileNotFoundError(root)
+    dropped = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    for path in dropped:
+        with open(path, "rb") as file:
+            os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return dropped
 
 
 async def open_store(root: Path, capacity: int = 8 * GiB) -> TierManager:

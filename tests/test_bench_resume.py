@@ -4,6 +4,7 @@ no timing is asserted."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bench import bytes as bytes_bench
@@ -95,11 +96,21 @@ def test_goal_flags():
 
 
 def test_drop_page_cache_accepts_files_and_directories(tmp_path):
-    (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "f").write_bytes(b"x" * 10)
-    drop_page_cache(tmp_path)
-    drop_page_cache(tmp_path / "a" / "f")
-    assert (tmp_path / "a" / "f").read_bytes() == b"x" * 10
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    files = [tmp_path / "a" / "f", tmp_path / "a" / "b" / "g", tmp_path / "top"]
+    for i, f in enumerate(files):
+        f.write_bytes(bytes([i]) * 10)
+    # every file under a directory, at any depth, and no directory itself
+    assert drop_page_cache(tmp_path) == sorted(files)
+    assert drop_page_cache(tmp_path / "a" / "f") == [tmp_path / "a" / "f"]
+    assert drop_page_cache(tmp_path / "a" / "b") == [tmp_path / "a" / "b" / "g"]
+    for i, f in enumerate(files):  # advice only: the contents are untouched
+        assert f.read_bytes() == bytes([i]) * 10
+
+
+def test_drop_page_cache_refuses_a_missing_path(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        drop_page_cache(tmp_path / "absent")
 
 
 async def test_bytes_counts_what_the_disk_tier_holds(tmp_path):
