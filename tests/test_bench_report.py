@@ -90,6 +90,8 @@ def test_a_missing_trace_is_recorded_and_the_run_goes_on(tmp_path):
     assert "wall_s" in results["stages"]["trace"]
 
 
-def test_unknown_stage_is_refused():
-    with pytest.raises(SystemExit):
+def test_unknown_stage_is_refused(capsys):
+    with pytest.raises(SystemExit) as refused:
         bench_all.main(["--only", "resume,nonsense"])
+    assert refused.value.code == 2  # argparse's usage error, before any stage runs
+    assert "unknown stages ['nonsense']; known: " in capsys.readouterr().err
