@@ -26,10 +26,27 @@ def test_quantized_stream_counts_scales_and_merging():
 
 def test_window_streams_are_not_persistent_bytes():
     spec = get_layout("kvtier-bundled")
-    assert spec.ephemeral_bytes_per_token > 0
-    assert spec.persistent_bytes_per_token == sum(
-        s.bytes_per_token for s in spec.streams if s.persistent
-    )
+    # Persisted, per token (int4 codes + one fp16 scale per 32 values, m = 4):
+    #   enc.latent      (32 + 2*2) B x 2 layers / 4 = 18
+    #   enc.index_keys  (16 + 1*2) B x 2 layers / 4 =  9
+    #   dec.latent      (32 + 2*2) B x 1 layer  / 4 =  9
+    assert spec.persistent_bytes_per_token == 36
+    # Window, per token (int8 codes + one fp16 scale per 64 values), k and v:
+    #   2 x (4*64 + 4*2) B x 4 layers = 2,112
+    assert spec.ephemeral_bytes_per_token == 2_112
+    # Pending rows: bf16 256 values x (2 + 1) layers = 1,536 B, at most m - 1 = 3 of them.
+    assert spec.pending_bytes_max == 4_608
+    # Plain cache: K and V, 8 layers x 4 heads x 64 dims x 2 B.
+    assert spec.bf16_baseline_bytes_per_token == 8_192
+
+
+def test_flash_like_layout_computes_432():
+    spec = get_layout("flash-4.1-like")
+    # (256 + 16*2) B x 4 / 4 + (64 + 4*2) B x 4 / 4 + (256 + 16*2) B x 1 / 4 = 288 + 72 + 72
+    assert spec.persistent_bytes_per_token == 432
+    # Window: (512 + 8*2) B x 20 encoder layers.
+    assert spec.ephemeral_bytes_per_token == 10_560
+    assert spec.bf16_baseline_bytes_per_token == 2 * 40 * 8 * 128 * 2
 
 
 def test_bundled_layout_is_at_most_a_hundredth_of_bf16():
