@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import matplotlib
@@ -21,7 +20,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
-ROOT = Path(__file__).resolve().parent.parent
 RESUME_PATHS = ("prefill", "host", "disk", "disk-grpc", "object", "naive")
 PATH_LABELS = {"prefill": "full re-prefill", "host": "host tier (window kept)",
                "disk": "disk tier + replay", "disk-grpc": "disk + replay via gRPC server",
@@ -200,13 +198,9 @@ def _num(value) -> str:
     return "n/a" if value is None else f"{value:.1f}x"
 
 
-def _rel(path: str) -> str:
-    """A path as seen from the repository root (where `make bench` runs)."""
-    return os.path.relpath(path, ROOT)
-
 
 def _model(info: dict) -> str:
-    return f"{_rel(info['weights'])} (sha256 {info['sha256_16']}...)" if info["trained"] else \
+    return f"{info['weights']} (sha256 {info['sha256_16']}...)" if info["trained"] else \
         f"RANDOM INIT, not the trained weights: {info['note']}"
 
 
@@ -233,7 +227,7 @@ def fidelity_section(stage: dict) -> list[str]:
 def trace_section(stage: dict) -> list[str]:
     t = stage["trace"]
     out = ["## Hit rate on a request trace (`python -m bench.trace`)", "",
-           f"Trace `{_rel(t['path'])}`: {t['requests']} requests, {t['block_reads']} block reads, "
+           f"Trace `{t['path']}`: {t['requests']} requests, {t['block_reads']} block reads, "
            f"{t['unique_blocks']} unique blocks, {t['conversations']} conversations, "
            f"{t['resumes']} resumes. Layout {stage['layout']['name']}: block "
            f"{stage['layout']['block_bytes']} B, window {stage['layout']['window_bytes']} B. "

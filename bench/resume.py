@@ -65,6 +65,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from bench.paths import recorded, resolved
 from kvstore.errors import UnknownLayout
 from kvstore.layout import LayoutSpec, get_layout, register_layout
 from kvstore.manager import TierManager
@@ -104,11 +105,11 @@ def load_model(weights: Path = checkpoint.BUNDLED_WEIGHTS) -> tuple[KVTierLM, di
     file is missing; the dict says which (with the file's sha256)."""
     if weights.exists():
         digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:16]
-        return checkpoint.load(weights), {"weights": str(weights), "trained": True,
+        return checkpoint.load(weights), {"weights": recorded(weights), "trained": True,
                                           "sha256_16": digest}
     torch.manual_seed(0)
     return KVTierLM(BUNDLED).eval(), {"weights": None, "trained": False,
-                                      "note": f"{weights} missing: random init (seed 0)"}
+                                      "note": f"{recorded(weights)} missing: random init (seed 0)"}
 
 
 def spec_for(cfg) -> LayoutSpec:
@@ -339,7 +340,7 @@ async def run(model: KVTierLM, model_info: dict, contexts: list[int], *, repeats
     """Every path at every context (see the module docstring); ``model_info`` says which
     weights ``model`` has (``load_model``)."""
     spec = spec_for(model.cfg)
-    weights = Path(model_info["weights"]) if model_info.get("weights") else None
+    weights = resolved(model_info["weights"]) if model_info.get("weights") else None
     prefill(model, held_out_ids(min(512, *contexts)), logits="none")  # first-call costs
     worker = ReplayWorker(model, default_tokens=replay_tokens)
     rows = []

@@ -54,6 +54,7 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from bench.paths import recorded
 from bench.trace_method import describe_method
 from bench.trace_policies import POLICIES, setup_policy
 from bench.trace_reader import BLOCK_TOKENS, TraceRequest, read_trace
@@ -248,7 +249,7 @@ def run_trace_benchmark(
                                    hint_sigma, seed)
     report = {
         "benchmark": "trace",
-        "trace": {"path": str(trace), "limit": limit, "requests": len(requests),
+        "trace": {"path": recorded(trace), "limit": limit, "requests": len(requests),
                   "block_reads": workload.block_reads, "unique_blocks": workload.unique_blocks,
                   "tail_blocks": workload.tail_blocks,
                   "conversations": workload.conversations, "resumes": workload.resumes,
