@@ -5,7 +5,6 @@ holds, measured independently of the tier (tensor storage, STRLEN, file sizes, S
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 
@@ -14,6 +13,7 @@ import pytest
 import redis
 
 from kvstore.errors import TierFull
+from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.object import ObjectTier, ObjectTierConfig
@@ -70,10 +70,6 @@ def tier_under_test(request, tmp_path):
         tier = ObjectTier(f"s3://{bucket}/", CAPACITY,
                           ObjectTierConfig(endpoint_url=endpoint, **credentials))
         return tier, _s3_medium(endpoint, bucket, credentials), 200
-    if importlib.util.find_spec("kvstore.tiers.disk.tier") is None:
-        pytest.skip("kvstore.tiers.disk.tier is not written yet")
-    from kvstore.tiers.disk import DiskTier
-
     tier = DiskTier(tmp_path / "disk", CAPACITY)
     # An append-only log holds dead records until compaction: its medium check is that
     # every live value reads back, done below for every tier.
