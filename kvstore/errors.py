@@ -1,14 +1,28 @@
-"""The one exception hierarchy of kvtier.
+"""The one exception hierarchy of kvtier, and the one table from its classes to gRPC
+status codes and back.
 
-Library code raises these; only the gRPC servicer boundary maps them to status codes
-(see ``kvtier/errors.py``), so the store stays usable without gRPC.
+Library code raises these. The table names status codes by their ``grpc.StatusCode``
+names, so the store stays usable without gRPC: ``kvtier.errors`` turns the names into
+codes for the servers and clients, and Redis Streams replay carries the names as they are.
+A failed call carries the exception's class name in the ``ERROR_KEY`` trailer, so the peer
+raises the very class that was raised (``StaleGeneration``, not just
+"FAILED_PRECONDITION"); the status code alone decides when that name is absent.
 """
 
+from __future__ import annotations
+
 from collections.abc import Sequence
+
+ERROR_KEY = "kvtier-error"  # trailing metadata: the class name of the error raised
 
 
 class KVTierError(Exception):
     """Root of every error kvtier raises on purpose."""
+
+    @classmethod
+    def from_message(cls, message: str) -> KVTierError:
+        """The error as a peer raises it, knowing only its class and message."""
+        return cls(message)
 
 
 class InvalidRequest(KVTierError):
@@ -21,6 +35,11 @@ class LayoutMismatch(InvalidRequest):
 
 class UnknownLayout(InvalidRequest):
     """No layout spec is registered under this name or id."""
+
+
+class SharedMemoryUnavailable(InvalidRequest):
+    """A shared-memory segment named in a call cannot be mapped here: the two sides do
+    not share a host (or /dev/shm). Clients fall back to sending bytes inline."""
 
 
 class CodecError(KVTierError):
@@ -62,6 +81,12 @@ class ChunksNotHeld(ChunkNotFound):
         super().__init__(f"{len(self.indices)} chunks were named without bytes and no tier "
                          f"holds them (indices {shown}): send them")
 
+    @classmethod
+    def from_message(cls, message: str) -> ChunksNotHeld:
+        error = cls(())  # a peer learns the message, not the indices
+        error.args = (message,)
+        return error
+
 
 class DataLoss(KVTierError):
     """No tier holds an intact copy of something the session needs."""
@@ -81,3 +106,70 @@ class StaleGeneration(KVTierError):
 
 class Busy(KVTierError):
     """An exclusive operation (such as compaction) already holds the resource."""
+
+
+class PreconditionFailed(KVTierError):
+    """The session's state (or the server's set-up) forbids the operation as asked."""
+
+
+class MissingChunks(PreconditionFailed):
+    """A spill left out chunks the server does not hold: send them and spill again."""
+
+
+class ServerError(KVTierError):
+    """The server failed in a way no specific error describes (INTERNAL, UNKNOWN...)."""
+
+
+# Class -> status code name; most specific first: the first isinstance match decides.
+STATUS_NAMES: tuple[tuple[type[KVTierError], str], ...] = (
+    (InvalidRequest, "INVALID_ARGUMENT"),
+    (NotFound, "NOT_FOUND"),
+    (TierFull, "RESOURCE_EXHAUSTED"),
+    (StaleGeneration, "FAILED_PRECONDITION"),
+    (PreconditionFailed, "FAILED_PRECONDITION"),
+    (DataLoss, "DATA_LOSS"),
+    (CodecError, "DATA_LOSS"),
+    (TierUnavailable, "UNAVAILABLE"),
+    (Busy, "ABORTED"),
+)
+UNEXPECTED = "INTERNAL"  # ServerError, a bare KVTierError, and anything not ours
+
+# Status code name -> the class raised when the peer named none (or one unknown here).
+CLASS_FOR_STATUS: dict[str, type[KVTierError]] = {
+    "INVALID_ARGUMENT": InvalidRequest,
+    "NOT_FOUND": SessionNotFound,
+    # Our own RESOURCE_EXHAUSTED always names TierFull; without a name it is gRPC's
+    # refusal of a message over the size limit: the request was too big.
+    "RESOURCE_EXHAUSTED": InvalidRequest,
+    "FAILED_PRECONDITION": StaleGeneration,
+    "DATA_LOSS": DataLoss,
+    "UNAVAILABLE": TierUnavailable,
+    "DEADLINE_EXCEEDED": TierUnavailable,
+    "ABORTED": Busy,
+}
+
+# Every class above by name, as the ERROR_KEY trailer names it.
+ERROR_CLASSES: dict[str, type[KVTierError]] = {
+    name: cls for name, cls in list(globals().items())
+    if isinstance(cls, type) and issubclass(cls, KVTierError)
+}
+
+
+def status_name(exc: BaseException) -> str:
+    """The status code name a failed call reports for ``exc``."""
+    for cls, name in STATUS_NAMES:
+        if isinstance(exc, cls):
+            return name
+    return UNEXPECTED
+
+
+def error_name(exc: BaseException) -> str:
+    """What the ERROR_KEY trailer names: the class, or ServerError when it is not ours."""
+    return type(exc).__name__ if isinstance(exc, KVTierError) else ServerError.__name__
+
+
+def error_for(status: str, details: str, name: str | None = None) -> KVTierError:
+    """The exception a peer raises for a failed call: the class ``name`` names, else the
+    one ``status`` (a status code name) stands for."""
+    cls = ERROR_CLASSES.get(name or "") or CLASS_FOR_STATUS.get(status, ServerError)
+    return cls.from_message(f"{status}: {details}")

@@ -1,13 +1,60 @@
 """kvtier's client API: ``Client`` (blocking) and ``AsyncClient`` (asyncio).
 
 Tensors in, tensors out; see ``kvtier.client`` for the calls and ``kvstore.codec.
-StreamData`` for the tensor layout of a stream.
+StreamData`` for the tensor layout of a stream. The error classes (``kvtier.SessionNotFound``
+...) are those of ``kvstore.errors``, imported from there so naming them imports no gRPC.
 """
 
 from kvstore.codec import StreamData
+from kvstore.errors import (
+    Busy,
+    ChunkCorrupt,
+    ChunkNotFound,
+    ChunksNotHeld,
+    ChunkTruncated,
+    CodecError,
+    DataLoss,
+    InvalidRequest,
+    KVTierError,
+    LayoutMismatch,
+    MissingChunks,
+    NotFound,
+    PreconditionFailed,
+    ServerError,
+    SessionNotFound,
+    SharedMemoryUnavailable,
+    StaleGeneration,
+    TierFull,
+    TierUnavailable,
+    UnknownLayout,
+    UnsupportedVersion,
+)
 from kvtier.client import AsyncClient
 from kvtier.sync import Client
 from kvtier.types import RestoredSession, RetryPolicy, SpillResult
 
 __all__ = ["AsyncClient", "Client", "RestoredSession", "RetryPolicy", "SpillResult",
            "StreamData"]
+__all__ += [
+    "Busy",
+    "ChunkCorrupt",
+    "ChunkNotFound",
+    "ChunkTruncated",
+    "ChunksNotHeld",
+    "CodecError",
+    "DataLoss",
+    "InvalidRequest",
+    "KVTierError",
+    "LayoutMismatch",
+    "MissingChunks",
+    "NotFound",
+    "PreconditionFailed",
+    "ServerError",
+    "SessionNotFound",
+    "SharedMemoryUnavailable",
+    "StaleGeneration",
+    "TierFull",
+    "TierUnavailable",
+    "UnknownLayout",
+    "UnsupportedVersion",
+]

@@ -7,7 +7,8 @@
 Same call and result as ``ReplayWorker.rebuild``. Workers are taken in turn; one that is
 down or too slow (UNAVAILABLE, DEADLINE_EXCEEDED) hands the job to the next, and only when
 every worker failed does the call raise ``TierUnavailable``. Any other failure is the
-worker's verdict on the request and is raised as the ``kvstore.errors`` class it named.
+worker's verdict on the request and is raised as the ``kvstore.errors`` class it named
+(``kvtier.errors.error_from_rpc``).
 """
 
 from __future__ import annotations
@@ -19,18 +20,16 @@ from collections.abc import Sequence
 
 import grpc
 
-from kvstore import errors as kverrors
-from kvstore.errors import InvalidRequest, KVTierError, TierUnavailable
+from kvstore.errors import InvalidRequest, TierUnavailable
 from kvstore.layout import LayoutSpec
+from kvtier.errors import error_from_rpc
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from replay.state_codec import Buffer, as_token_array
 from replay.worker import ReplayResult
-from services.replay.server import ERROR_KEY, MAX_MESSAGE_BYTES
+from services.replay.server import MAX_MESSAGE_BYTES
 
 RETRY_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-_ERRORS = {name: cls for name, cls in vars(kverrors).items()
-           if isinstance(cls, type) and issubclass(cls, KVTierError)}
 
 
 def replay_request(layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer],
@@ -41,15 +40,6 @@ def replay_request(layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer]
     return pb.ReplayRequest(layout_id=layout_id, token_ids=as_token_array(token_ids).tobytes(),
                             chunks=[bytes(c) for c in chunks], tail=bytes(tail),
                             replay_tokens=replay_tokens or 0, job_id=uuid.uuid4().hex)
-
-
-def error_from_status(code_name: str, details: str, error_name: str | None) -> KVTierError:
-    """The exception a worker's failure stands for (its class when the worker named one)."""
-    cls = _ERRORS.get(error_name or "")
-    if cls is None:
-        cls = {"INVALID_ARGUMENT": InvalidRequest, "DATA_LOSS": kverrors.DataLoss,
-               "UNAVAILABLE": TierUnavailable}.get(code_name, KVTierError)
-    return cls(f"replay worker: {code_name}: {details}")
 
 
 class RemoteReplay:
@@ -84,9 +74,7 @@ class RemoteReplay:
                 if exc.code() in RETRY_ON:
                     failures.append(f"{self.addresses[i]}: {exc.code().name}")
                     continue
-                trailing = dict(exc.trailing_metadata() or ())
-                raise error_from_status(exc.code().name, exc.details() or "",
-                                        trailing.get(ERROR_KEY)) from exc
+                raise error_from_rpc(exc, "replay worker: ") from exc
             self.last_worker = reply.worker or self.addresses[i]
             # the caller waited for the network and the queue too: report that time
             return ReplayResult(reply.window, reply.replayed_tokens,

@@ -7,7 +7,7 @@
 With ``--redis-url`` the same process also takes jobs from a Redis Streams consumer
 group (``services.replay.streams``), so several workers share the resumes of several servers.
 Errors travel as gRPC statuses with the ``kvtier-error`` trailing metadata naming the
-``kvstore.errors`` class, the convention the kvtier server and clients read.
+``kvstore.errors`` class (``kvtier.errors.grpc_errors``, as in the kvtier server).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore.errors import CodecError, InvalidRequest, KVTierError
+from kvstore.errors import InvalidRequest, KVTierError
+from kvtier.errors import grpc_errors
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from replay.worker import DEFAULT_MAX_BATCH, DEFAULT_REPLAY_TOKENS, ReplayWorker
@@ -33,16 +34,7 @@ from services.cli.lifecycle import stop_on_signals
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["Replay"].full_name
 DEFAULT_LISTEN = "0.0.0.0:50052"
-ERROR_KEY = "kvtier-error"  # trailing metadata: the class name of the error raised
 MAX_MESSAGE_BYTES = 64 << 20
-
-
-def status_for(exc: BaseException) -> grpc.StatusCode:
-    if isinstance(exc, InvalidRequest):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, CodecError):
-        return grpc.StatusCode.DATA_LOSS  # the chunks handed over do not verify
-    return grpc.StatusCode.INTERNAL
 
 
 def decode_request(request: pb.ReplayRequest) -> tuple[np.ndarray, list[bytes]]:
@@ -58,17 +50,12 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         self.worker = worker
         self.name = name
 
-    async def Rebuild(self, request: pb.ReplayRequest, context) -> pb.ReplayReply:
-        try:
-            tokens, chunks = decode_request(request)
-            result = await self.worker.rebuild(request.layout_id, tokens, chunks,
-                                               request.tail, request.replay_tokens or None)
-        except Exception as exc:  # every failure becomes a status; the worker stays up
-            code = status_for(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("replay job %s failed", request.job_id or "?")
-            context.set_trailing_metadata(((ERROR_KEY, type(exc).__name__),))
-            await context.abort(code, str(exc) or type(exc).__name__)
+    @grpc_errors  # every failure becomes a status; the worker stays up
+    async def Rebuild(self, request: pb.ReplayRequest, context: grpc.aio.ServicerContext
+                      ) -> pb.ReplayReply:
+        tokens, chunks = decode_request(request)
+        result = await self.worker.rebuild(request.layout_id, tokens, chunks,
+                                           request.tail, request.replay_tokens or None)
         log.debug("job %s: %d tokens replayed in %.3fs", request.job_id,
                   result.replayed_tokens, result.seconds)
         return pb.ReplayReply(window=result.window, replayed_tokens=result.replayed_tokens,

@@ -34,13 +34,21 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from kvstore.errors import InvalidRequest, KVTierError, TierUnavailable
+from kvstore.errors import (
+    InvalidRequest,
+    KVTierError,
+    ServerError,
+    TierUnavailable,
+    error_for,
+    error_name,
+    status_name,
+)
 from kvstore.layout import LayoutSpec
 from proto import kvtier_pb2 as pb
 from replay.state_codec import Buffer
 from replay.worker import ReplayResult, ReplayWorker
-from services.replay.remote import error_from_status, replay_request
-from services.replay.server import decode_request, status_for
+from services.replay.remote import replay_request
+from services.replay.server import decode_request
 
 log = logging.getLogger(__name__)
 REPLY_OK, REPLY_ERROR = b"\x00", b"\x01"  # first byte of a reply list item
@@ -99,7 +107,7 @@ def parse_reply(item: bytes) -> pb.ReplayReply:
         return pb.ReplayReply.FromString(body)
     if kind == REPLY_ERROR:
         error = json.loads(body)
-        raise error_from_status(error["code"], error["message"], error["error"])
+        raise error_for(error["code"], "replay worker: " + error["message"], error["error"])
     raise TierUnavailable(f"unreadable replay reply (first byte {kind!r})")
 
 
@@ -190,12 +198,13 @@ class StreamConsumer:
             reply = self._error(exc)
         except Exception as exc:  # a job always gets an answer and the loop goes on
             log.exception("replay job %s failed", entry_id)
-            reply = self._error(KVTierError(f"replay job failed: {exc!r}"))
+            reply = self._error(ServerError(f"replay job failed: {exc!r}"))
         await self._answer(entry_id, fields, reply)
 
     def _error(self, exc: KVTierError) -> bytes:
-        return REPLY_ERROR + json.dumps({"code": status_for(exc).name,
-                                         "error": type(exc).__name__,
+        """The error as gRPC would carry it: the status code name and the class name of
+        the one table (``kvstore.errors``), and the message."""
+        return REPLY_ERROR + json.dumps({"code": status_name(exc), "error": error_name(exc),
                                          "message": str(exc)}).encode()
 
     async def _answer(self, entry_id, fields: dict, reply: bytes) -> None:

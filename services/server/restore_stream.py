@@ -20,11 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.codec import DecodedChunk, decode_chunk
-from kvstore.errors import TierFull
+from kvstore.errors import PreconditionFailed, TierFull
 from kvstore.layout import LayoutSpec
 from kvstore.manager import TierManager
 from kvstore.tiers.base import Buffer
-from kvtier.errors import PreconditionFailed
 from kvtier.shm import BufferWriter, RestoreSegments, SegmentWriter
 from proto import kvtier_pb2 as pb
 from services.replay.hook import ReplayBackend

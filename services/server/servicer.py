@@ -5,7 +5,8 @@
     await server.stop()          # drains in-flight RPCs, then the write-back queue
 
 Every request is validated (``services.server.validate``) before the store sees it,
-and store errors become gRPC statuses here and nowhere else (``kvtier.errors``). The
+and every failure becomes a gRPC status by ``grpc_errors``, with its code from the one
+table in ``kvstore.errors`` (``STATUS_NAMES``). The
 server also registers gRPC health checking (``kvtier.v1.KVTier`` and "" are SERVING
 while it runs) and reflection, and records its connectable address in
 ``{data_dir}/server.addr`` while it serves (``services.server.address_file``).
@@ -17,17 +18,25 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvstore.errors import ChunksNotHeld, CodecError, InvalidRequest, KVTierError
+from kvstore.errors import (
+    ChunksNotHeld,
+    CodecError,
+    InvalidRequest,
+    KVTierError,
+    MissingChunks,
+    PreconditionFailed,
+)
 from kvstore.manager import TierManager
 from kvstore.manifest import SessionManifest
 from kvtier import shm
-from kvtier.errors import MissingChunks, PreconditionFailed, grpc_errors
+from kvtier.errors import grpc_errors
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.replay.hook import ReplayBackend, make_replay_backend
@@ -62,33 +71,34 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     # -- Spill --
 
     @grpc_errors
-    async def Spill(self, request_iterator, context) -> pb.SpillReply:
+    async def Spill(self, request_iterator: AsyncIterator[pb.SpillRequest],
+                    context: grpc.aio.ServicerContext) -> pb.SpillReply:
         attachments = shm.Attachments()
         try:
             return await self._spill(request_iterator, attachments)
         finally:
             attachments.close()
 
-    async def _spill(self, request_iterator, attachments: shm.Attachments) -> pb.SpillReply:
+    async def _spill(self, request_iterator: AsyncIterator[pb.SpillRequest],
+                     attachments: shm.Attachments) -> pb.SpillReply:
         started = time.perf_counter()
         plan = None
-        async for message in request_iterator:
-            kind = message.WhichOneof("item")
-            if kind is None:
-                raise InvalidRequest("a SpillRequest must carry header, chunk, tail or window")
-            if kind == "header":
-                if plan is not None:
-                    raise InvalidRequest("the header was sent twice")
-                plan = check.spill_header(message.header, self.config.default_ack, MAX_TOKENS)
-                continue
-            if plan is None:
-                raise InvalidRequest(f"the first message must be the header, got {kind}")
-            payload = getattr(message, kind)
-            data = self._payload_bytes(payload, attachments,
+
+        def read(payload: pb.Payload) -> bytes:
+            return self._payload_bytes(payload, attachments,
                                        self.config.max_spill_bytes - plan.bytes_received)
-            getattr(plan, f"add_{kind}")(payload.key, data)
-        if plan is None:
-            raise InvalidRequest("empty Spill stream: the header is required")
+
+        async for message in request_iterator:
+            kind = check.spill_item(message, plan)
+            if kind == "header":
+                plan = check.spill_header(message.header, self.config.default_ack, MAX_TOKENS)
+            elif kind == "chunk":
+                plan.add_chunk(message.chunk.key, read(message.chunk))
+            elif kind == "tail":
+                plan.add_tail(message.tail.key, read(message.tail))
+            else:
+                plan.add_window(message.window.key, read(message.window))
+        plan = check.spill_ended(plan)
         held_before = [bool(self.manager.where(k)) for k in plan.keys]
         plan.finish()
         # Chunks left out go by key only: the store confirms it holds them, unread.
@@ -129,7 +139,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     # -- Restore, Resume --
 
     @grpc_errors
-    async def Restore(self, request: pb.RestoreRequest, context):
+    async def Restore(self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[pb.RestoreReply]:
         tenant, session_id = check.session_ref(request.session)
         opts = StreamOptions(layer_by_layer=request.layer_by_layer,
                              want_window=request.want_window,
@@ -139,7 +150,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             yield reply
 
     @grpc_errors
-    async def Resume(self, request: pb.ResumeRequest, context):
+    async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[pb.RestoreReply]:
         tenant, session_id = check.session_ref(request.session)
         opts = StreamOptions(want_window=True, use_shared_memory=request.use_shared_memory,
                              reply_buffer=_lent(request), resume=True,
@@ -172,7 +184,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     # -- control --
 
     @grpc_errors
-    async def Prefetch(self, request: pb.PrefetchRequest, context) -> pb.PrefetchReply:
+    async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext
+                       ) -> pb.PrefetchReply:
         tenant, session_id = check.session_ref(request.session)
         names = [t.name for t in self.manager.tiers]
         target = check.tier_name(request.target_tier, names, "target_tier")
@@ -189,7 +202,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                                 seconds=time.perf_counter() - started)
 
     @grpc_errors
-    async def Evict(self, request: pb.EvictRequest, context) -> pb.EvictReply:
+    async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext
+                    ) -> pb.EvictReply:
         tenant, session_id = check.session_ref(request.session)
         names = [t.name for t in self.manager.tiers]
         target = check.tier_name(request.target_tier, names, "target_tier")
@@ -200,14 +214,16 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                              and after.window_key is None)
 
     @grpc_errors
-    async def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteReply:
+    async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext
+                     ) -> pb.DeleteReply:
         tenant, session_id = check.session_ref(request.session)
         result = await self.manager.delete(tenant, session_id)
         return pb.DeleteReply(chunks_released=result.chunks_released,
                               chunks_freed=result.chunks_freed)
 
     @grpc_errors
-    async def Stat(self, request: pb.StatRequest, context) -> pb.StatReply:
+    async def Stat(self, request: pb.StatRequest, context: grpc.aio.ServicerContext
+                   ) -> pb.StatReply:
         session = None
         if request.session.tenant or request.session.session_id:
             tenant, session_id = check.session_ref(request.session)
@@ -226,7 +242,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             session=session)
 
     @grpc_errors
-    async def List(self, request: pb.ListRequest, context) -> pb.ListReply:
+    async def List(self, request: pb.ListRequest, context: grpc.aio.ServicerContext
+                   ) -> pb.ListReply:
         tenant = check.tenant_filter(request.tenant)
         size = check.page_size(request.page_size)
         after = request.page_token
@@ -246,7 +263,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             last_access_unix=m.last_access, tiers=tiers_holding(self.manager, m.chunk_keys))
 
 
-def _lent(request) -> pb.SharedMemoryRef | None:
+def _lent(request: pb.RestoreRequest | pb.ResumeRequest) -> pb.SharedMemoryRef | None:
     return request.reply_buffer if request.HasField("reply_buffer") else None
 
 

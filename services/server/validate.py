@@ -181,6 +181,26 @@ class SpillPlan:
         return [i for i in range(len(self.keys)) if i not in self.chunks]
 
 
+def spill_item(message: pb.SpillRequest, plan: SpillPlan | None) -> str:
+    """Which item a Spill message carries ("header", "chunk", "tail" or "window"), checked
+    to come in order: the header once and first, then the payloads."""
+    kind = message.WhichOneof("item")
+    if kind is None:
+        raise InvalidRequest("a SpillRequest must carry header, chunk, tail or window")
+    if kind == "header" and plan is not None:
+        raise InvalidRequest("the header was sent twice")
+    if kind != "header" and plan is None:
+        raise InvalidRequest(f"the first message must be the header, got {kind}")
+    return kind
+
+
+def spill_ended(plan: SpillPlan | None) -> SpillPlan:
+    """The plan of a Spill stream that has ended: it must have had a header."""
+    if plan is None:
+        raise InvalidRequest("empty Spill stream: the header is required")
+    return plan
+
+
 def spill_header(header: pb.SpillHeader, default_ack: str, max_tokens: int) -> SpillPlan:
     tenant, session_id = session_ref(header.session, field_name="header.session")
     if not header.layout_id:
