@@ -65,7 +65,8 @@ async def run_compaction(
     report = CompactionReport(mode="dry-run" if dry else mode)
     report.dead_bytes_before = sum(info.dead_bytes for info in disk.segments())
 
-    plan = await plan_sessions(disk, await load_manifests(disk.meta), options, time.time())
+    now = time.time() if options.as_of is None else options.as_of
+    plan = await plan_sessions(disk, await load_manifests(disk.meta), options, now)
     if dry:
         report.sessions_expired = len(plan.expired)
         report.expired = [f"{m.tenant}/{m.session_id}" for m in plan.expired]

@@ -33,6 +33,9 @@ class CompactOptions:
     dead_fraction: float = 0.25  # a sealed segment at or above this is rewritten
     group_bytes: int = 64 * MiB  # live bytes rewritten per switch transaction
     scrub: bool = True
+    # Wall-clock time idleness and TTLs are judged at (None: when the run starts); a later
+    # one previews, with dry_run, what a run then would expire and demote.
+    as_of: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("ttl_s", "demote_after_s"):

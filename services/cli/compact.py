@@ -2,6 +2,7 @@
 
     kvtier compact --data-dir D [--dry-run] [--json] [--ttl 7d] [--demote-after 2h]
                    [--zstd-level 9] [--dead-fraction 0.25] [--server HOST:PORT]
+                   [--as-of UNIX_SECONDS]
 
 Reclaims dead segment space, expires sessions, collects unreferenced chunks, demotes
 idle sessions to the object tier (zstd at ``--zstd-level``), and scrubs checksums
@@ -69,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dead-fraction", type=float, default=0.25,
                         help="rewrite sealed segments at least this dead (default 0.25)")
     parser.add_argument("--no-scrub", action="store_true", help="skip checksum verification")
+    parser.add_argument("--as-of", type=float, metavar="UNIX_SECONDS",
+                        help="judge idleness and TTLs as of this time (default: now); with "
+                             "--dry-run, previews what a later run would expire and demote")
     parser.add_argument("--server", help="address of the live server on this directory "
                                          "(default: the one it recorded in DATA_DIR)")
     parser.add_argument("--log-level", default="INFO")
@@ -83,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         options = CompactOptions(dry_run=args.dry_run, ttl_s=args.ttl,
                                  demote_after_s=args.demote_after, zstd_level=args.zstd_level,
-                                 dead_fraction=args.dead_fraction, scrub=not args.no_scrub)
+                                 dead_fraction=args.dead_fraction, scrub=not args.no_scrub,
+                                 as_of=args.as_of)
         config = load_config(args.config, overrides={"data_dir": args.data_dir})
         report = asyncio.run(_compact(config, options, args.server))
     except Busy as exc:
