@@ -25,9 +25,18 @@ from kvstore.tiers.disk.index import SegmentInfo, SegState
 from kvstore.tiers.disk.segments import HEADER_SIZE, segment_path
 from services import cli
 from services.cli.compact import parse_duration
-from tests.test_compact_helpers import SPECS, TENANT, Spec, fill, restore_all
+from tests.test_compact_helpers import (
+    HOUR,
+    SPECS,
+    TENANT,
+    Spec,
+    fill,
+    fill_idle_and_hot,
+    restore_all,
+)
 
-WITH_TTL = (*SPECS, Spec("t", 3, prefix_of="a", ttl_s=1.0))
+# t's own TTL (an hour) cannot run out during the test; compactions judge it as of later.
+WITH_TTL = (*SPECS, Spec("t", 3, prefix_of="a", ttl_s=HOUR))
 
 
 def compact(data: Path, capsys, *args: str) -> tuple[int, dict | None, str]:
@@ -52,17 +61,22 @@ async def read_meta(data: Path, key: str) -> bytes | None:
 
 def test_end_to_end_expire_demote_reclaim(tmp_path, capsys):
     data = tmp_path / "data"
-    snaps = asyncio.run(fill(data, specs=WITH_TTL, delete=("d", "f"), hot=("a", "b", "g"),
-                             pause=1.3))
+    snaps, hot_since = asyncio.run(fill_idle_and_hot(data, specs=WITH_TTL, delete=("d", "f"),
+                                                     hot=("a", "b", "g")))
+    assert "t" in snaps  # live until a compaction judges it an hour on
+    # An hour after the hot sessions' last spill: the others (and t's TTL) are past an hour.
+    later = ("--demote-after", "1h", "--as-of", repr(hot_since + HOUR))
 
+    rc, now, _ = compact(data, capsys, "--dry-run", "--json", "--demote-after", "1h")
+    assert rc == 0 and now["expired"] == [] and now["demoted"] == []  # nothing is idle yet
     before = digest(data)
-    rc, dry, _ = compact(data, capsys, "--dry-run", "--json", "--demote-after", "1s")
+    rc, dry, _ = compact(data, capsys, "--dry-run", "--json", *later)
     assert rc == 0 and digest(data) == before  # a dry run changes nothing
     assert dry["mode"] == "dry-run" and dry["expired"] == ["acme/t"]
     assert sorted(dry["demoted"]) == ["acme/c", "acme/e"]
     assert dry["dead_bytes_before"] > 0 and dry["reclaimed_bytes"] > 0
 
-    rc, report, _ = compact(data, capsys, "--json", "--demote-after", "1s", "--zstd-level", "9")
+    rc, report, _ = compact(data, capsys, "--json", *later, "--zstd-level", "9")
     assert rc == 0 and report["mode"] == "offline"
     assert report["sessions_expired"] == 1 and report["expired"] == ["acme/t"]
     assert report["chunks_collected"] == 1  # t's own chunk; its prefix is a's, and stays

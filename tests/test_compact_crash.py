@@ -33,9 +33,9 @@ from kvstore.compaction.sessions import load_manifests
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.object import ObjectTier
 from services import cli
-from tests.test_compact_helpers import SPECS, Snapshot, Spec, fill, restore_all
+from tests.test_compact_helpers import HOUR, SPECS, Snapshot, Spec, fill_idle_and_hot, restore_all
 
-CRASH_SPECS = (*SPECS, Spec("t", 3, prefix_of="a", ttl_s=1.0))
+CRASH_SPECS = (*SPECS, Spec("t", 3, prefix_of="a", ttl_s=HOUR))
 HOT = ("a", "b", "g")  # spilled again after a pause: the others are idle and get demoted
 LOG_LINES = 11  # a run logs the sealed segment and each of five steps' start and end
 REWRITE_LINE = 10  # "rewrite segments: N to do": the rewrite runs for ~10 ms after it
@@ -47,15 +47,15 @@ POINTS = [*range(LOG_LINES + 1), *[REWRITE_LINE] * 4]
 class Pristine:
     def __init__(self, root: Path) -> None:
         self.data = root / "pristine"
-        self.snaps = asyncio.run(fill(self.data, specs=CRASH_SPECS, delete=("d", "f"),
-                                      hot=HOT, pause=1.3))
-        self.filled_at = time.time()
+        self.snaps, hot_since = asyncio.run(fill_idle_and_hot(
+            self.data, specs=CRASH_SPECS, delete=("d", "f"), hot=HOT))
+        del self.snaps["t"]  # every run expires it by its TTL
+        # An hour after the hot sessions' last spill: the others are demoted, hot ones stay.
+        self.as_of = hot_since + HOUR
 
     def argv(self, work: Path) -> list[str]:
-        # Sessions idle longer than the hot ones have been are demoted; hot ones stay.
-        demote_after = time.time() - self.filled_at + 0.65
         return ["compact", "--data-dir", str(work), "--json",
-                "--demote-after", f"{demote_after:.3f}s"]
+                "--demote-after", "1h", "--as-of", repr(self.as_of)]
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,12 @@ server through the real client, snapshots of what restores return, and runs of t
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,25 +87,43 @@ async def spill_all(kv: AsyncClient, specs=SPECS, *, only=None, generation: int 
                        ack="durable", ttl_s=spec.ttl_s)
 
 
-async def fill(data_dir: Path, *, delete=("d", "f"), specs=SPECS, hot=(), pause: float = 0.0
-               ) -> dict[str, Snapshot]:
+HOUR = 3600.0
+
+
+async def fill(data_dir: Path, *, delete=("d", "f"), specs=SPECS) -> dict[str, Snapshot]:
     """Spill ``specs`` through a real server, delete ``delete``, and return snapshots of
-    the sessions left (as restores return them). ``hot`` sessions are spilled again
-    (generation 2) after ``pause`` seconds, so only the others have been idle that long
-    (restores record an access at most once a minute)."""
+    the sessions left (as restores return them)."""
+    snaps, _ = await fill_idle_and_hot(data_dir, delete=delete, specs=specs)
+    return snaps
+
+
+async def fill_idle_and_hot(data_dir: Path, *, delete=("d", "f"), specs=SPECS, hot=()
+                            ) -> tuple[dict[str, Snapshot], float]:
+    """``fill``, with the ``hot`` sessions spilled again (generation 2) once the others
+    are done. Returns the snapshots and ``hot_since``, the wall-clock time between: every
+    other session was last accessed before it, the hot ones after (restores record an
+    access at most once a minute), so a compaction ``--as-of hot_since + D`` with
+    ``--demote-after D`` demotes exactly the others, with no sleep."""
     async with embedded_server(data_dir) as target, AsyncClient(target) as kv:
+        spilled = time.monotonic()
         await spill_all(kv, specs)
         for session_id in delete:
             await kv.delete(TENANT, session_id)
+        hot_since = time.time()
         if hot:
-            await asyncio.sleep(pause)
             await spill_all(kv, specs, only=hot, generation=2)
         out = {}
         for spec in specs:
-            if spec.session_id not in delete:
-                with contextlib.suppress(SessionNotFound):  # expired by its own TTL
-                    out[spec.session_id] = await snapshot(kv, spec.session_id)
-        return out
+            if spec.session_id in delete:
+                continue
+            try:
+                out[spec.session_id] = await snapshot(kv, spec.session_id)
+            except SessionNotFound:
+                # Only a session whose own TTL can have run out since its spill may be
+                # gone; any other is lost, and the snapshots must not hide that.
+                if not (spec.ttl_s and time.monotonic() - spilled >= spec.ttl_s):
+                    raise
+        return out, hot_since
 
 
 async def restore_all(data_dir: Path, names) -> dict[str, Snapshot]:

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from kvtier import AsyncClient
 from services import cli
 from services.server.address_file import SERVER_ADDRESS_FILE
 from tests.test_compact_helpers import (
+    HOUR,
     ROOT,
     SPECS,
     TENANT,
@@ -81,11 +83,13 @@ async def restores(address: str, names) -> dict[str, Snapshot]:
 
 def test_rewrite_and_expiry_beside_a_live_server(tmp_path, capsys):
     data = tmp_path / "data"
-    specs = (*SPECS, Spec("t", 3, prefix_of="a", ttl_s=1.0))
+    specs = (*SPECS, Spec("t", 3, prefix_of="a", ttl_s=HOUR))
     snaps = asyncio.run(fill(data, specs=specs, delete=()))
-    del snaps["t"]  # expires by its own TTL; the compaction deletes it through the server
+    # t's TTL runs out only as the live compaction below judges it (an hour on); that one
+    # deletes it through the server.
+    del snaps["t"]
     assert cli.main(["compact", "--data-dir", str(data), "--json"]) == 0  # seals segment 1
-    capsys.readouterr()
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["expired"] == []
     with serving(data, tmp_path / "serve.log") as address:
         async def delete_some():
             async with AsyncClient(address) as kv:
@@ -94,8 +98,10 @@ def test_rewrite_and_expiry_beside_a_live_server(tmp_path, capsys):
 
         asyncio.run(delete_some())
         live = {n: s for n, s in snaps.items() if n not in ("d", "f")}
+        an_hour_on = repr(time.time() + HOUR)
         report, during = asyncio.run(compact_while_restoring(data, address, live,
-                                                             "--server", address))
+                                                             "--server", address,
+                                                             "--as-of", an_hour_on))
         assert report["mode"] == "live" and during > 0
         assert report["segments_rewritten"] >= 1 and report["reclaimed_bytes"] > 0
         assert report["rewritten_bytes"] > 0 and report["corrupt_chunks"] == 0
