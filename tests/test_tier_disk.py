@@ -12,6 +12,7 @@ from kvstore.errors import Busy, ChunkNotFound, InvalidRequest, TierFull, TierUn
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk.index import SegState
 from kvstore.tiers.disk.segments import HEADER_SIZE, segment_path
+from tests.clock_support import ManualClock
 
 
 def value_for(key: str, size: int) -> bytes:
@@ -181,12 +182,15 @@ async def test_random_operations_keep_exact_accounting(tmp_path):
 
 
 async def test_ttl_expiry_and_purge(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 20)
+    clock = ManualClock()
+    tier = DiskTier(tmp_path, 1 << 20, clock=clock)
     await tier.put("short", b"12345", ttl_s=0.3)
     await tier.put("long", b"678", ttl_s=3600)
     await tier.put("forever", b"9")
+    clock.advance(0.29)
     assert await tier.contains("short")
-    await asyncio.sleep(0.35)
+    assert sorted([k async for k in tier.keys()]) == ["forever", "long", "short"]  # noqa: SIM118 - async iterator
+    clock.advance(0.02)  # just past its TTL: gone
     assert not await tier.contains("short")
     with pytest.raises(ChunkNotFound, match="expired"):
         await tier.get("short")
@@ -194,6 +198,11 @@ async def test_ttl_expiry_and_purge(tmp_path):
     assert await tier.purge_expired() == 0  # the get already purged it
     await tier.flush()
     assert tier.used_bytes == 4 and await tier.count() == 2
+    clock.advance(3600)  # long runs out; expired entries count until purged
+    assert sorted([k async for k in tier.keys()]) == ["forever"]  # noqa: SIM118 - async iterator
+    assert await tier.count() == 2
+    assert await tier.purge_expired() == 1
+    assert tier.used_bytes == 1 and await tier.count() == 1
     with pytest.raises(InvalidRequest):
         await tier.put("bad", b"x", ttl_s=0)
     await tier.close()

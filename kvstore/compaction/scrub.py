@@ -74,7 +74,7 @@ async def scrub_disk(tier: DiskTier, quarantine: Quarantine | None, progress: Pr
     try:
         for kb, entry in entries:
             step.advance()
-            if entry.expired():
+            if entry.expired(tier.clock()):
                 continue
             key = kb.decode()
             try:

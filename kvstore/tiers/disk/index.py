@@ -21,7 +21,6 @@ import enum
 import logging
 import os
 import struct
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,8 +57,9 @@ class IndexEntry(NamedTuple):
     def pack(self) -> bytes:
         return _ENTRY.pack(*self)
 
-    def expired(self) -> bool:
-        return self.expires_ms != 0 and self.expires_ms <= time.time() * 1000
+    def expired(self, now: float) -> bool:
+        """Past its TTL at ``now`` (wall-clock seconds)."""
+        return self.expires_ms != 0 and self.expires_ms <= now * 1000
 
     @classmethod
     def unpack(cls, raw: bytes) -> IndexEntry:

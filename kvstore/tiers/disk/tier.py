@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import ClassVar
 
@@ -76,8 +76,10 @@ class DiskTier(Tier):
 
     def __init__(self, path: str | Path, capacity_bytes: int, *, segment_bytes: int = 64 * MiB,
                  durable: bool = True, writer: bool = True, map_size: int = 64 << 30,
-                 commit_interval_s: float = 0.002, max_pending_bytes: int = 256 * MiB) -> None:
+                 commit_interval_s: float = 0.002, max_pending_bytes: int = 256 * MiB,
+                 clock: Callable[[], float] = time.time) -> None:
         super().__init__(capacity_bytes)
+        self.clock = clock  # wall-clock seconds that TTLs are set and judged by
         if segment_bytes <= 0:
             raise ValueError(f"segment_bytes must be > 0, got {segment_bytes}")
         self.path = Path(path)
@@ -154,7 +156,7 @@ class DiskTier(Tier):
     async def put(self, key: str, value: Buffer, *, ttl_s: float | None = None,
                   durable: bool | None = None) -> None:
         kb, view = key_bytes(key), value_view(value)
-        expires = _expiry(ttl_s)
+        expires = _expiry(ttl_s, self.clock())
         header, checksum = encode_header(kb, view)
         async with self._append_lock:
             self._check_writable()
@@ -180,7 +182,7 @@ class DiskTier(Tier):
         prepared = [(kb, view, *encode_header(kb, view))
                     for kb, view in ((key_bytes(k), value_view(v)) for k, v in items)]
         meta_op = MetaOp(encode_writes(meta)) if meta else None
-        expires = _expiry(ttl_s)
+        expires = _expiry(ttl_s, self.clock())
         async with self._append_lock:
             self._check_writable()
             lengths: dict[bytes, int | None] = {}
@@ -235,7 +237,7 @@ class DiskTier(Tier):
             entry = self._current(kb)
             if entry is None:
                 raise ChunkNotFound(f"disk tier holds no {key!r}")
-            if entry.expired():
+            if entry.expired(self.clock()):
                 await self._purge_if_expired(kb)
                 raise ChunkNotFound(f"disk tier: {key!r} expired")
             self.files.pin(entry.seg_id)
@@ -271,26 +273,28 @@ class DiskTier(Tier):
     async def contains(self, key: str) -> bool:
         self._check_open()
         entry = self._current(key_bytes(key))
-        return entry is not None and not entry.expired()
+        return entry is not None and not entry.expired(self.clock())
 
     async def keys(self) -> AsyncIterator[str]:
         overlay = dict(self.pipeline.overlay)
         start = None
         while batch := self.index.entries_after(start, 1024):
+            now = self.clock()
             for kb, entry in batch:
-                if kb not in overlay and not entry.expired():
+                if kb not in overlay and not entry.expired(now):
                     yield kb.decode()
             start = batch[-1][0]
             await asyncio.sleep(0)
+        now = self.clock()
         for kb, (_, entry) in overlay.items():
-            if entry is not None and not entry.expired():
+            if entry is not None and not entry.expired(now):
                 yield kb.decode()
 
     async def purge_expired(self) -> int:
         """Delete every entry past its TTL; returns how many."""
-        expired, start = [], None
+        expired, start, now = [], None, self.clock()
         while batch := self.index.entries_after(start, 4096):
-            expired += [kb for kb, entry in batch if entry.expired()]
+            expired += [kb for kb, entry in batch if entry.expired(now)]
             start = batch[-1][0]
         purged = [await self._purge_if_expired(kb) for kb in expired]
         await self.flush()
@@ -391,16 +395,16 @@ class DiskTier(Tier):
     async def _purge_if_expired(self, kb: bytes) -> bool:
         async with self._append_lock:
             entry = self._current(kb)
-            if entry is None or not entry.expired() or self._closed:
+            if entry is None or not entry.expired(self.clock()) or self._closed:
                 return False
             op = self.pipeline.enqueue(DeleteOp(kb), kb, -entry.value_len, -1, 0)
         await self.pipeline.settle(op)
         return True
 
 
-def _expiry(ttl_s: float | None) -> int:
+def _expiry(ttl_s: float | None, now: float) -> int:
     if ttl_s is None:
         return 0
     if not ttl_s > 0:
         raise InvalidRequest(f"ttl_s must be > 0, got {ttl_s}")
-    return int((time.time() + ttl_s) * 1000)
+    return int((now + ttl_s) * 1000)
