@@ -14,6 +14,7 @@ import redis
 from kvstore.errors import ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
 from kvstore.tiers.common import Availability
 from kvstore.tiers.redis import RedisTier, RedisTierConfig
+from tests.clock_support import ManualClock
 
 FAST_FAIL = RedisTierConfig(connect_timeout_s=0.2, socket_timeout_s=0.5, retries=1,
                             op_timeout_s=1.5)
@@ -74,18 +75,28 @@ async def test_concurrent_puts_never_overfill(redis_server):
 
 
 async def test_ttl_expiry_and_accounting(redis_server):
-    tier = RedisTier(redis_server, 1 << 20)
+    clock = ManualClock()
+    tier = RedisTier(redis_server, 1 << 20, clock=clock)
     try:
-        await tier.put("short", b"s" * 10, ttl_s=0.2)
-        await tier.put("long", b"l" * 10, ttl_s=60)
+        await tier.put("short", b"s" * 10, ttl_s=30)
+        await tier.put("long", b"l" * 10, ttl_s=3600)
         await tier.put("forever", b"f" * 10)
-        assert 0 < await tier.ttl_s("short") <= 0.2
+        # Redis holds the TTLs the tier set (less the moments since the SETs).
+        assert 29 < await tier.ttl_s("short") <= 30
+        assert 3599 < await tier.ttl_s("long") <= 3600
         assert await tier.ttl_s("forever") is None
         assert tier.used_bytes == 30
-        await asyncio.sleep(0.3)
+        clock.advance(29.5)
+        assert tier.used_bytes == 30
+        clock.advance(1)  # past short's deadline: the accounting drops it
         assert tier.used_bytes == 20
+        # Redis expires it by its own clock: an expiry time already past does so now.
+        with redis.Redis.from_url(redis_server) as client:
+            assert client.pexpireat("kvtier:short", 1)
+        assert not await tier.contains("short")
         with pytest.raises(ChunkNotFound):
             await tier.get("short")
+        assert await tier.contains("long") and tier.used_bytes == 20
         await tier.put("long", b"l" * 10)  # an overwrite without a TTL clears the TTL
         assert await tier.ttl_s("long") is None
         with pytest.raises(InvalidRequest):
@@ -202,12 +213,13 @@ async def test_persistent_server_keeps_values_across_restart(redis_server_factor
 
 
 async def test_cluster_spreads_keys_over_every_master(redis_cluster, redis_cluster_process):
-    tier = RedisTier(redis_cluster, 1 << 20)
+    clock = ManualClock()
+    tier = RedisTier(redis_cluster, 1 << 20, clock=clock)
     assert tier.cluster
     try:
         for i in range(60):
             await tier.put(f"chunk-{i}", bytes([i]) * 100)
-        await tier.put("short", b"s", ttl_s=0.2)
+        await tier.put("short", b"s", ttl_s=30)
         await tier.put("long", b"l", ttl_s=60)
         for i in range(60):
             assert await tier.get(f"chunk-{i}") == bytes([i]) * 100
@@ -220,8 +232,14 @@ async def test_cluster_spreads_keys_over_every_master(redis_cluster, redis_clust
         assert sum(per_node) == 62 and all(n > 0 for n in per_node)
         assert sorted(owners) == [0, 0, 1]  # the key lives on exactly one master
         assert await tier.count() == 62
-        assert 0 < await tier.ttl_s("long") <= 60
-        await asyncio.sleep(0.3)
+        assert 59 < await tier.ttl_s("long") <= 60
+        clock.advance(31)  # past short's deadline, and Redis expires it on its master now
+        expired_on = []
+        for node in redis_cluster_process.nodes:
+            with node.client() as client:
+                if client.cluster("countkeysinslot", client.cluster("keyslot", "kvtier:short")):
+                    expired_on.append(client.pexpireat("kvtier:short", 1))
+        assert expired_on == [True]
         with pytest.raises(ChunkNotFound):
             await tier.get("short")
         assert await tier.delete("chunk-3") == 100

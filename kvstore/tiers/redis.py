@@ -95,9 +95,11 @@ def _glob_escape(text: str) -> str:
 class RedisTier(Tier):
     name: ClassVar[str] = "redis"
 
-    def __init__(self, url: str, capacity_bytes: int, config: RedisTierConfig | None = None
-                 ) -> None:
+    def __init__(self, url: str, capacity_bytes: int, config: RedisTierConfig | None = None,
+                 *, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(capacity_bytes)
+        # The accounting's clock for TTL deadlines; Redis expires keys by its own.
+        self.clock = clock
         self.config = config = config or RedisTierConfig()
         parts = urlsplit(url)
         self.cluster = parts.scheme in CLUSTER_SCHEMES if config.cluster is None \
@@ -153,7 +155,7 @@ class RedisTier(Tier):
         return nbytes
 
     def _purge_expired(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         while self._expiry_heap and self._expiry_heap[0][0] <= now:
             deadline, key = heapq.heappop(self._expiry_heap)
             if self._expiry.get(key) == deadline:
@@ -193,7 +195,7 @@ class RedisTier(Tier):
                            f"{self.capacity_bytes} B)")
         px = None if ttl_s is None else max(1, math.ceil(ttl_s * 1000))
         self._reserved += nbytes
-        started = time.monotonic()
+        started = self.clock()
         try:
             await self._call("SET", lambda: self._client.set(redis_key, view, px=px))
         finally:
@@ -265,7 +267,7 @@ class RedisTier(Tier):
                 if pttl != -2:  # gone since the scan
                     sizes[key] = strlen
                     ttls[key] = pttl
-        now = time.monotonic()
+        now = self.clock()
         self._sizes, self._used = {}, 0
         self._expiry, self._expiry_heap = {}, []
         for key, nbytes in sizes.items():
