@@ -1,22 +1,36 @@
-"""Maintenance half of ``TierManager``: explicit demotion and garbage collection.
+"""Maintenance: deletes, explicit demotion, garbage collection, dropped windows.
 
+``Maintenance.delete`` drops a session and frees the chunks nothing else references;
 ``demote`` moves a session down on purpose (an operator, or the compaction job cooling a
 session); ``collect_garbage`` deletes expired sessions and blocks that nothing
 references, which a crash between a block write and its manifest commit, or a tier that
-was down during a delete, can leave behind.
+was down during a delete, can leave behind; ``forget_window`` records in the manifest
+that eviction dropped a session's window blob (a restore then reports replay needed).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvstore.blocks import Blocks
+from kvstore.catalog import Catalog
 from kvstore.errors import DataLoss, InvalidRequest, TierFull, TierUnavailable
-from kvstore.manifest import SessionManifest, check_name, manifest_key
-from kvstore.placement import WINDOW_PREFIX, is_window_key
+from kvstore.locks import KeyedLocks
+from kvstore.manifest import SessionManifest, check_name
+from kvstore.placement import WINDOW_PREFIX, TierStack, is_window_key
+from kvstore.refcount import RefLedger
+from kvstore.stats import Counters
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeleteResult:
+    chunks_released: int  # chunk references the session's manifest held
+    chunks_freed: int  # chunks this delete removed from every tier (nothing else held them)
 
 
 @dataclass(frozen=True)
@@ -25,7 +39,41 @@ class GarbageReport:
     orphan_blocks: int  # copies deleted from some tier (one block may count per tier)
 
 
-class MaintenanceMixin:
+class Maintenance:
+    def __init__(self, catalog: Catalog, blocks: Blocks, stack: TierStack, locks: KeyedLocks,
+                 ledger: RefLedger, counters: Counters) -> None:
+        self._catalog = catalog
+        self._blocks = blocks
+        self._stack = stack
+        self._locks = locks
+        self._ledger = ledger
+        self._counters = counters
+
+    async def delete(self, tenant: str, session_id: str) -> DeleteResult:
+        """See ``TierManager.delete``."""
+        check_name("tenant", tenant)
+        check_name("session_id", session_id)
+        return await self._delete_if(tenant, session_id, lambda manifest: True)
+
+    async def _delete_if(self, tenant: str, session_id: str,
+                         condition: Callable[[SessionManifest], bool]) -> DeleteResult | None:
+        """Delete the session if ``condition(manifest)`` holds under its write lock."""
+        async with self._catalog.write(tenant, session_id):
+            try:
+                manifest = await self._catalog.load_required(tenant, session_id)
+            except DataLoss:
+                log.error("deleting the corrupt manifest of %s/%s: its chunks stay referenced",
+                          tenant, session_id)
+                await self._catalog.remove(tenant, session_id)
+                return DeleteResult(0, 0)
+            if not condition(manifest):
+                return None
+            freed = await self._catalog.remove(tenant, session_id, release=manifest.chunk_keys)
+            freed_here = await self._blocks.free(freed)
+            if manifest.window_key is not None:
+                await self._blocks.drop(manifest.window_key)
+            return DeleteResult(len(manifest.chunk_keys), freed_here)
+
     async def demote(self, tenant: str, session_id: str, tier_name: str | None = None
                      ) -> SessionManifest:
         """Move a session's blocks down to ``tier_name`` (default: the lowest tier).
@@ -36,23 +84,25 @@ class MaintenanceMixin:
         check_name("tenant", tenant)
         check_name("session_id", session_id)
         try:
-            target = self._stack.index(tier_name or self.tiers[-1].name)
+            target = self._stack.index(tier_name or self._stack.tiers[-1].name)
         except KeyError:
             raise InvalidRequest(f"no tier named {tier_name!r}") from None
-        async with self._sessions.write((tenant, session_id)):
-            manifest = await self._load_required(tenant, session_id)
-            await self._gather(self._demote_block(key, target) for key in manifest.chunk_keys)
+        async with self._catalog.write(tenant, session_id):
+            manifest = await self._catalog.load_required(tenant, session_id)
+            await self._blocks.gather(self._demote_block(key, target)
+                                      for key in manifest.chunk_keys)
             window = manifest.window_key
             if window is None:
                 return manifest
-            kept = self.tiers[target].holds_window and await self._demote_window(window, target)
+            tiers = self._stack.tiers
+            kept = tiers[target].holds_window and await self._demote_window(window, target)
             if not kept:
-                await self._drop_block(window)
-                self.counters.windows_dropped += 1
+                await self._blocks.drop(window)
+                self._counters.windows_dropped += 1
             held = self._stack.holders(window) if kept else []
-            manifest = manifest.evolve(window_tier=self.tiers[held[0]].name if held else None,
+            manifest = manifest.evolve(window_tier=tiers[held[0]].name if held else None,
                                        window_key=window if held else None)
-            await self._ledger.commit({manifest_key(tenant, session_id): manifest.encode()})
+            await self._catalog.put(manifest)
             return manifest
 
     async def _demote_block(self, key: str, target: int) -> None:
@@ -61,7 +111,8 @@ class MaintenanceMixin:
             if not any(i >= target for i in holders):
                 data, _, _ = await self._stack.read(key, access=False)
                 if await self._stack.place(key, data, start=target) is None:
-                    raise TierFull(f"no tier at or below {self.tiers[target].name} took {key}")
+                    raise TierFull(f"no tier at or below {self._stack.tiers[target].name} "
+                                   f"took {key}")
             for i in (i for i in holders if i < target):
                 await self._stack.delete(i, key, evicted=True)
 
@@ -80,13 +131,13 @@ class MaintenanceMixin:
         """
         now = time.time() if now is None else now
         expired = 0
-        for manifest in await self.list_sessions():
-            if manifest.expired(now) and await self._delete(
+        for manifest in await self._catalog.manifests():
+            if manifest.expired(now) and await self._delete_if(
                 manifest.tenant, manifest.session_id, lambda m: m.expired(now)
             ):
                 expired += 1
         orphans = 0
-        for j, tier in enumerate(self.tiers):
+        for j, tier in enumerate(self._stack.tiers):
             if not self._stack.up(j):
                 continue
             listing = tier.keys()
@@ -112,12 +163,21 @@ class MaintenanceMixin:
                 return not self._ledger.count(key) and await self._stack.delete(j, key)
         tenant, session_id, _ = key[len(WINDOW_PREFIX):].split("/")
         # under the read lock: a spill places its window before the manifest naming it
-        async with self._sessions.read((tenant, session_id)):
+        async with self._catalog.read(tenant, session_id):
             try:
-                manifest = await self._load(tenant, session_id)
+                manifest = await self._catalog.load(tenant, session_id)
             except DataLoss:
                 return False
             if manifest is not None and manifest.window_key == key:
                 return False
             async with self._locks.hold(key):
                 return await self._stack.delete(j, key)
+
+    async def forget_window(self, key: str) -> None:
+        """A window was evicted below the window tiers: record that replay is needed."""
+        tenant, session_id, _ = key[len(WINDOW_PREFIX):].split("/")
+        async with self._catalog.write(tenant, session_id):
+            manifest = await self._catalog.load(tenant, session_id)
+            if manifest is None or manifest.window_key != key or self._stack.holders(key):
+                return
+            await self._catalog.put(manifest.evolve(window_tier=None, window_key=None))

@@ -6,10 +6,17 @@
                         chunks=[(key, encoded), ...], tail=b"", window=blob, ack="memory")
     result = await manager.restore(tenant, session_id)      # or stream: manager.reading()
 
-Public calls: ``spill``, ``store_window`` (kvstore.spill); ``restore``, ``reading``,
-``prefetch`` (kvstore.restore); ``demote``, ``collect_garbage`` (kvstore.maintenance);
-``delete``, ``get_manifest``, ``list_sessions``, ``session_count``, ``where``,
-``read_chunk``, ``stat``, ``drain``, ``close`` (here).
+``TierManager`` builds its parts and delegates each public call to one of them:
+
+- ``spill``, ``store_window``: ``Spiller`` (kvstore.spill);
+- ``restore``, ``reading``, ``prefetch``, ``read_chunk``: ``Restorer`` (kvstore.restore);
+- ``delete``, ``demote``, ``collect_garbage``: ``Maintenance`` (kvstore.maintenance);
+- ``get_manifest``, ``list_sessions``, ``session_count``: ``Catalog`` (kvstore.catalog);
+- ``where``, ``stat``, ``drain``, ``close``, ``open``, ``tiers``: here.
+
+The parts share a ``TierStack`` (kvstore.placement: where blocks live), a ``RefLedger``
+(kvstore.refcount), the ``Catalog`` of manifests and per-session locks, and ``Blocks``
+(kvstore.blocks: key-locked frees, drops and durable copies, under one I/O bound).
 
 Rules it keeps (placement details in ``kvstore.placement``):
 
@@ -34,40 +41,30 @@ One manager owns its tiers and MetaStore; ``close`` drains write-back and closes
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
-from kvstore.errors import (
-    ChunkCorrupt,
-    DataLoss,
-    InvalidRequest,
-    SessionNotFound,
-)
-from kvstore.layout import get_layout
-from kvstore.locks import KeyedLocks, RWLocks
-from kvstore.maintenance import MaintenanceMixin
-from kvstore.manifest import MANIFEST_PREFIX, SessionManifest, check_name, manifest_key
+import numpy as np
+
+from kvstore.blocks import Blocks
+from kvstore.catalog import Catalog
+from kvstore.errors import InvalidRequest
+from kvstore.locks import KeyedLocks
+from kvstore.maintenance import DeleteResult, GarbageReport, Maintenance
+from kvstore.manifest import SessionManifest, check_name
 from kvstore.pause_estimate import PauseEstimator
-from kvstore.placement import WINDOW_PREFIX, TierStack
-from kvstore.policy import EvictionPolicy, LRUPolicy
+from kvstore.placement import TierStack
+from kvstore.policy import EvictionPolicy, LRUPolicy, ResumeHint
 from kvstore.refcount import RefLedger
-from kvstore.restore import ReadingMixin
-from kvstore.spill import SpillMixin
+from kvstore.restore import PrefetchResult, Restorer, RestoreResult, SessionReader
+from kvstore.spill import Ack, Spiller
 from kvstore.stats import Counters, ManagerStats
-from kvstore.tiers.base import Buffer, MetaStore, Tier, TierStats
-from kvstore.validate import restored_chunk_check
+from kvstore.tiers.base import Buffer, MemoryMetaStore, MetaStore, Tier, TierStats
 from kvstore.writeback import WriteBackQueue
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DeleteResult:
-    chunks_released: int  # chunk references the session's manifest held
-    chunks_freed: int  # chunks this delete removed from every tier (nothing else held them)
 
 
 @dataclass(frozen=True)
@@ -93,7 +90,7 @@ MANAGER_PRESETS = {
 }
 
 
-class TierManager(SpillMixin, ReadingMixin, MaintenanceMixin):
+class TierManager:
     def __init__(
         self,
         tiers: Sequence[Tier],
@@ -115,29 +112,33 @@ class TierManager(SpillMixin, ReadingMixin, MaintenanceMixin):
         self.meta = meta
         self.counters = Counters()
         self._pauses = PauseEstimator() if config.infer_hints else None
-        self._locks = KeyedLocks()
-        self._sessions = RWLocks()
+        self._tasks: set[asyncio.Task] = set()  # background work that drain waits for
+        locks = KeyedLocks()
         self._ledger = RefLedger(meta)
-        self._sessions_held = 0  # manifests in the MetaStore; see session_count
+        self._catalog = Catalog(meta, self._ledger)
         self._stack = TierStack(
-            tiers, policy, self._locks, self.counters,
+            tiers, policy, locks, self.counters,
             is_referenced=lambda key: self._ledger.count(key) > 0,
-            on_window_dropped=lambda key: self._spawn(self._forget_window(key)),
+            on_window_dropped=lambda key: self._spawn(self._maintenance.forget_window(key)),
             cooldown_s=config.unavailable_cooldown_s,
         )
-        self._durable = [i for i, tier in enumerate(tiers) if tier.durable]
-        self._io = asyncio.Semaphore(config.io_concurrency)
-        self._tasks: set[asyncio.Task] = set()
+        blocks = Blocks(self._stack, self._ledger, locks, self.counters,
+                        io_concurrency=config.io_concurrency)
         self._writeback = WriteBackQueue(
-            self._write_back, depth=config.writeback_depth, workers=config.writeback_workers
+            blocks.write_back, depth=config.writeback_depth, workers=config.writeback_workers
         )
+        parts = (self._catalog, blocks, self._stack, locks, self._ledger, self.counters)
+        self._spiller = Spiller(*parts, self._writeback, pauses=self._pauses,
+                                durable_meta=not isinstance(meta, MemoryMetaStore))
+        self._restorer = Restorer(*parts, spawn=self._spawn, lookahead=config.restore_lookahead)
+        self._maintenance = Maintenance(*parts)
 
     @classmethod
     async def open(cls, tiers: Sequence[Tier], meta: MetaStore, **options) -> TierManager:
         """Start a manager: load reference counts and learn what each tier holds."""
         manager = cls(tiers, meta, **options)
         await manager._ledger.load()
-        manager._sessions_held = len(await meta.scan(MANIFEST_PREFIX))  # not decoded
+        await manager._catalog.load_count()
         await manager._stack.load()
         return manager
 
@@ -151,75 +152,93 @@ class TierManager(SpillMixin, ReadingMixin, MaintenanceMixin):
     async def __aexit__(self, *exc_info) -> None:
         await self.close()
 
-    # -- delete --
+    # -- writes: kvstore.spill --
 
-    async def delete(self, tenant: str, session_id: str) -> DeleteResult:
-        """Drop a session; chunks nothing else references are deleted from every tier.
-        The counts are this call's own, whatever runs concurrently."""
-        check_name("tenant", tenant)
-        check_name("session_id", session_id)
-        return await self._delete(tenant, session_id, lambda manifest: True)
+    async def spill(
+        self,
+        tenant: str,
+        session_id: str,
+        *,
+        layout_id: str,
+        generation: int,
+        token_ids: Sequence[int] | np.ndarray,
+        chunks: Sequence[tuple[str, Buffer | None]],
+        tail: Buffer = b"",
+        window: Buffer | None = None,
+        ack: Ack = "memory",
+        hint: ResumeHint | None = None,
+        ttl_s: float | None = None,
+    ) -> SessionManifest:
+        """Store a session (replacing its older generation); see ``Spiller.spill``."""
+        return await self._spiller.spill(
+            tenant, session_id, layout_id=layout_id, generation=generation,
+            token_ids=token_ids, chunks=chunks, tail=tail, window=window, ack=ack,
+            hint=hint, ttl_s=ttl_s,
+        )
 
-    async def _delete(self, tenant: str, session_id: str,
-                      condition: Callable[[SessionManifest], bool]) -> DeleteResult | None:
-        """Delete the session if ``condition(manifest)`` holds under its write lock."""
-        async with self._sessions.write((tenant, session_id)):
-            try:
-                manifest = await self._load_required(tenant, session_id)
-            except DataLoss:
-                log.error("deleting the corrupt manifest of %s/%s: its chunks stay referenced",
-                          tenant, session_id)
-                await self._ledger.commit({manifest_key(tenant, session_id): None})
-                self._sessions_held -= 1
-                return DeleteResult(0, 0)
-            if not condition(manifest):
-                return None
-            freed = await self._ledger.commit(
-                {manifest_key(tenant, session_id): None}, release=manifest.chunk_keys
-            )
-            self._sessions_held -= 1
-            freed_here = await self._free(freed)
-            if manifest.window_key is not None:
-                await self._drop_block(manifest.window_key)
-            return DeleteResult(len(manifest.chunk_keys), freed_here)
+    async def store_window(self, tenant: str, session_id: str, generation: int,
+                           window: Buffer) -> str | None:
+        """Keep a window rebuilt by replay; see ``Spiller.store_window``."""
+        return await self._spiller.store_window(tenant, session_id, generation, window)
 
-    # -- listing, stats, lifecycle --
+    # -- reads: kvstore.restore --
 
-    async def get_manifest(self, tenant: str, session_id: str) -> SessionManifest:
-        return await self._load_required(check_name("tenant", tenant),
-                                         check_name("session_id", session_id))
+    def reading(self, tenant: str, session_id: str
+                ) -> AbstractAsyncContextManager[SessionReader]:
+        """Stream a session under its read lock; see ``kvstore.restore``."""
+        return self._restorer.reading(tenant, session_id)
 
-    def where(self, key: str) -> list[str]:
-        """Names of the tiers believed to hold block ``key``, highest first (no I/O)."""
-        return [self.tiers[i].name for i in self._stack.holders(key)]
+    async def restore(self, tenant: str, session_id: str, *, want_window: bool = True
+                      ) -> RestoreResult:
+        """The whole session: every chunk verified, the window blob if it is still held."""
+        return await self._restorer.restore(tenant, session_id, want_window=want_window)
+
+    async def prefetch(self, tenant: str, session_id: str, timeout_s: float) -> PrefetchResult:
+        """Promote a session's blocks toward the top tier within ``timeout_s``."""
+        return await self._restorer.prefetch(tenant, session_id, timeout_s)
 
     async def read_chunk(self, manifest: SessionManifest, index: int) -> tuple[Buffer, str]:
         """(bytes, tier) of chunk ``index`` of ``manifest`` from the highest tier with a
         copy that verifies against the manifest, or ``DataLoss``. An internal read: not
         counted, not promoted; hold ``reading()`` if a concurrent spill must not race it."""
-        if not 0 <= index < len(manifest.chunk_keys):
-            raise InvalidRequest(f"chunk index {index} out of range "
-                                 f"({len(manifest.chunk_keys)} chunks)")
-        check = restored_chunk_check(get_layout(manifest.layout_id), manifest.token_ids, index)
-        data, source, _ = await self._stack.read(manifest.chunk_keys[index], check,
-                                                 access=False)
-        return data, self.tiers[source].name
+        return await self._restorer.read_chunk(manifest, index)
+
+    # -- maintenance: kvstore.maintenance --
+
+    async def delete(self, tenant: str, session_id: str) -> DeleteResult:
+        """Drop a session; chunks nothing else references are deleted from every tier.
+        The counts are this call's own, whatever runs concurrently."""
+        return await self._maintenance.delete(tenant, session_id)
+
+    async def demote(self, tenant: str, session_id: str, tier_name: str | None = None
+                     ) -> SessionManifest:
+        """Move a session's blocks down to ``tier_name`` (default: the lowest tier)."""
+        return await self._maintenance.demote(tenant, session_id, tier_name)
+
+    async def collect_garbage(self, now: float | None = None) -> GarbageReport:
+        """Delete expired sessions, then unreferenced blocks in every tier."""
+        return await self._maintenance.collect_garbage(now)
+
+    # -- listing: kvstore.catalog --
+
+    async def get_manifest(self, tenant: str, session_id: str) -> SessionManifest:
+        return await self._catalog.load_required(check_name("tenant", tenant),
+                                                 check_name("session_id", session_id))
 
     async def list_sessions(self, tenant: str | None = None) -> list[SessionManifest]:
         """Manifests of every session (of one tenant), sorted by tenant and id."""
-        prefix = MANIFEST_PREFIX if tenant is None else manifest_key(check_name("tenant", tenant),
-                                                                     "")
-        out = []
-        for key, value in await self.meta.scan(prefix):
-            try:
-                out.append(SessionManifest.decode(value))
-            except ChunkCorrupt as exc:
-                log.error("skipping corrupt manifest %s: %s", key, exc)
-        return out
+        return await self._catalog.manifests(None if tenant is None
+                                             else check_name("tenant", tenant))
 
     def session_count(self) -> int:
         """Sessions stored (expired ones not yet collected included); no I/O."""
-        return self._sessions_held
+        return self._catalog.held
+
+    # -- placement, stats, lifecycle: here --
+
+    def where(self, key: str) -> list[str]:
+        """Names of the tiers believed to hold block ``key``, highest first (no I/O)."""
+        return [self.tiers[i].name for i in self._stack.holders(key)]
 
     async def stat(self) -> ManagerStats:
         """Counters and per-tier gauges; no I/O (``items`` is what the manager believes
@@ -232,7 +251,7 @@ class TierManager(SpillMixin, ReadingMixin, MaintenanceMixin):
         return ManagerStats(
             tiers=tier_stats, counters=self.counters.snapshot(),
             writeback_depth=self._writeback.depth, writeback_capacity=self._writeback.capacity,
-            referenced_chunks=len(self._ledger.referenced()), sessions=self._sessions_held,
+            referenced_chunks=len(self._ledger.referenced()), sessions=self._catalog.held,
         )
 
     async def drain(self) -> None:
@@ -250,59 +269,8 @@ class TierManager(SpillMixin, ReadingMixin, MaintenanceMixin):
             await tier.close()
         await self.meta.close()
 
-    # -- internals --
-
-    async def _load(self, tenant: str, session_id: str) -> SessionManifest | None:
-        raw = await self.meta.get(manifest_key(tenant, session_id))
-        if raw is None:
-            return None
-        try:
-            return SessionManifest.decode(raw)
-        except ChunkCorrupt as exc:
-            raise DataLoss(f"the manifest of {tenant}/{session_id} is corrupt: {exc}") from exc
-
-    async def _load_required(self, tenant: str, session_id: str) -> SessionManifest:
-        manifest = await self._load(tenant, session_id)
-        if manifest is None:
-            raise SessionNotFound(f"no session {tenant}/{session_id}")
-        return manifest
-
-    async def _gather(self, coros: Iterable[Coroutine]) -> list:
-        """Run ``coros`` at most ``io_concurrency`` at a time; on failure cancel the rest."""
-        async def bounded(coro: Coroutine):
-            async with self._io:
-                return await coro
-
-        coros = list(coros)
-        tasks = [asyncio.ensure_future(bounded(c)) for c in coros]
-        try:
-            return await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for coro in coros:
-                coro.close()  # those cancelled before they started
-            raise
-
-    async def _free(self, keys: Sequence[str]) -> int:
-        """Delete unreferenced ``keys`` from every tier; how many this call freed."""
-        async def free(key: str) -> bool:
-            async with self._locks.hold(key):
-                if self._ledger.count(key):
-                    return False  # referenced again (or pinned by a spill) meanwhile
-                held = bool(self._stack.holders(key))  # False: another call freed it first
-                await self._stack.delete_everywhere(key)
-                self.counters.freed_chunks += held
-                return held
-
-        return sum(await self._gather(free(key) for key in dict.fromkeys(keys)))
-
-    async def _drop_block(self, key: str) -> None:
-        async with self._locks.hold(key):
-            await self._stack.delete_everywhere(key)
-
     def _spawn(self, coro: Awaitable) -> None:
+        """Run ``coro`` in the background; ``drain`` waits for it, failures are logged."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
@@ -311,21 +279,3 @@ class TierManager(SpillMixin, ReadingMixin, MaintenanceMixin):
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("background task failed: %r", task.exception())
-
-    async def _forget_window(self, key: str) -> None:
-        """A window was evicted below the window tiers: record that replay is needed."""
-        tenant, session_id, _ = key[len(WINDOW_PREFIX):].split("/")
-        async with self._sessions.write((tenant, session_id)):
-            manifest = await self._load(tenant, session_id)
-            if manifest is None or manifest.window_key != key or self._stack.holders(key):
-                return
-            await self._ledger.commit({manifest_key(tenant, session_id): manifest.evolve(
-                window_tier=None, window_key=None).encode()})
-
-    async def _note_access(self, tenant: str, session_id: str, generation: int) -> None:
-        async with self._sessions.write((tenant, session_id)):
-            with contextlib.suppress(DataLoss):  # a corrupt manifest is reported elsewhere
-                manifest = await self._load(tenant, session_id)
-                if manifest is not None and manifest.generation == generation:
-                    await self._ledger.commit({manifest_key(tenant, session_id): manifest.evolve(
-                        last_access=time.time()).encode()})

@@ -11,26 +11,33 @@ it is decoded, layer 0 of every stream first, so a worker can start on the first
 before the last is ready. A reader holds the session's read lock, so a concurrent spill
 of a newer generation waits: one reader never sees chunks of two generations.
 
-Each block comes from the highest tier holding an intact copy (see ``TierStack.read``);
-what was read below the top tier is promoted in the background.
+``Restorer`` serves ``reading``, ``restore``, ``prefetch`` and ``read_chunk`` for the
+manager. Each block comes from the highest tier holding an intact copy (see
+``TierStack.read``); what was read below the top tier is promoted in the background.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import torch
 
+from kvstore.blocks import Blocks
+from kvstore.catalog import Catalog
 from kvstore.codec import StreamData, decode_chunk
-from kvstore.errors import DataLoss, SessionNotFound
+from kvstore.errors import DataLoss, InvalidRequest, SessionNotFound
 from kvstore.layout import LayoutSpec, get_layout
+from kvstore.locks import KeyedLocks
 from kvstore.manifest import SessionManifest, check_name
-from kvstore.placement import is_window_key
+from kvstore.placement import Check, TierStack, is_window_key
+from kvstore.refcount import RefLedger
+from kvstore.stats import Counters
 from kvstore.tiers.base import Buffer
 from kvstore.validate import restored_chunk_check, window_check
 
@@ -72,8 +79,8 @@ class PrefetchResult:
 
 
 class SessionReader:
-    def __init__(self, manager, manifest: SessionManifest, spec: LayoutSpec) -> None:
-        self._manager = manager
+    def __init__(self, restorer: Restorer, manifest: SessionManifest, spec: LayoutSpec) -> None:
+        self._restorer = restorer
         self.manifest = manifest
         self.spec = spec
         # promotions made for this reader never evict the session's own blocks
@@ -83,7 +90,7 @@ class SessionReader:
     async def chunks(self, lookahead: int | None = None) -> AsyncIterator[RestoredChunk]:
         """Chunks in order, fetching up to ``lookahead`` ahead (default: the manager's
         ``config.restore_lookahead``); ``DataLoss`` if one is lost."""
-        lookahead = lookahead or self._manager.config.restore_lookahead
+        lookahead = lookahead or self._restorer.lookahead
         keys = self.manifest.chunk_keys
         pending: collections.deque[asyncio.Future] = collections.deque()
         started = 0
@@ -101,7 +108,7 @@ class SessionReader:
         key = self.manifest.chunk_keys[index]
         check = restored_chunk_check(self.spec, self.manifest.token_ids, index)
         try:
-            data, tier = await self._manager._read_block(key, check, self.blocks)
+            data, tier = await self._restorer.read_block(key, check, self.blocks)
         except DataLoss as exc:
             m = self.manifest
             raise DataLoss(f"{m.tenant}/{m.session_id} chunk {index}: {exc}") from exc
@@ -113,7 +120,7 @@ class SessionReader:
         if key is None:
             return None, None
         try:
-            return await self._manager._read_block(
+            return await self._restorer.read_block(
                 key, window_check(self.spec, self.manifest.token_ids), self.blocks,
                 promote_now=True,
             )
@@ -144,19 +151,31 @@ class SessionReader:
         return StreamData(codes, scales)
 
 
-class ReadingMixin:
-    """The read half of ``TierManager`` (kept apart to keep each module small)."""
+class Restorer:
+    def __init__(self, catalog: Catalog, blocks: Blocks, stack: TierStack, locks: KeyedLocks,
+                 ledger: RefLedger, counters: Counters, *,
+                 spawn: Callable[[Awaitable], None], lookahead: int) -> None:
+        """``spawn`` runs background work (promotions, access times) that ``drain``
+        waits for; ``lookahead``: chunks a streamed restore fetches ahead by default."""
+        self._catalog = catalog
+        self._blocks = blocks
+        self._stack = stack
+        self._locks = locks
+        self._ledger = ledger
+        self._counters = counters
+        self._spawn = spawn
+        self.lookahead = lookahead
 
     @asynccontextmanager
     async def reading(self, tenant: str, session_id: str) -> AsyncIterator[SessionReader]:
         check_name("tenant", tenant)
         check_name("session_id", session_id)
-        async with self._sessions.read((tenant, session_id)):
-            manifest = await self._load_required(tenant, session_id)
+        async with self._catalog.read(tenant, session_id):
+            manifest = await self._catalog.load_required(tenant, session_id)
             if manifest.expired():
                 raise SessionNotFound(f"session {tenant}/{session_id} has expired")
             yield SessionReader(self, manifest, get_layout(manifest.layout_id))
-        self.counters.restores += 1
+        self._counters.restores += 1
         if time.time() - manifest.last_access > ACCESS_PERSIST_S:
             self._spawn(self._note_access(tenant, session_id, manifest.generation))
 
@@ -211,12 +230,22 @@ class ReadingMixin:
                     check = window_check(reader.spec, m.token_ids)
                     work.append(lift(m.window_key, check, reader.blocks))
                 blocks = len(work)
-                await self._gather(work)
+                await self._blocks.gather(work)
         except TimeoutError:
             return PrefetchResult(blocks, promoted, complete=False)
         return PrefetchResult(blocks, promoted, complete=True)
 
-    async def _read_block(self, key: str, check, protect: frozenset[str], *,
+    async def read_chunk(self, manifest: SessionManifest, index: int) -> tuple[Buffer, str]:
+        """See ``TierManager.read_chunk``: an internal read, not counted, not promoted."""
+        if not 0 <= index < len(manifest.chunk_keys):
+            raise InvalidRequest(f"chunk index {index} out of range "
+                                 f"({len(manifest.chunk_keys)} chunks)")
+        check = restored_chunk_check(get_layout(manifest.layout_id), manifest.token_ids, index)
+        data, source, _ = await self._stack.read(manifest.chunk_keys[index], check,
+                                                 access=False)
+        return data, self._stack.tiers[source].name
+
+    async def read_block(self, key: str, check: Check, protect: frozenset[str], *,
                           promote_now: bool = False) -> tuple[Buffer, str]:
         data, source, bad = await self._stack.read(key, check)
         if source > 0 or bad:
@@ -232,3 +261,10 @@ class ReadingMixin:
         async with self._locks.hold(key):
             if is_window_key(key) or self._ledger.count(key):  # not freed since the read
                 await self._stack.promote(key, data, source, bad, protect)
+
+    async def _note_access(self, tenant: str, session_id: str, generation: int) -> None:
+        async with self._catalog.write(tenant, session_id):
+            with contextlib.suppress(DataLoss):  # a corrupt manifest is reported elsewhere
+                manifest = await self._catalog.load(tenant, session_id)
+                if manifest is not None and manifest.generation == generation:
+                    await self._catalog.put(manifest.evolve(last_access=time.time()))

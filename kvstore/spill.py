@@ -1,8 +1,10 @@
-"""The write half of ``TierManager``: spills, chunk and window placement, write-back.
+"""Spills: a session's chunks, tail and window stored as a new generation; store_window.
 
-Kept apart from ``kvstore.manager`` (lifecycle, deletes, demotion, listing) and
-``kvstore.restore`` (reads) only to keep each module small; the rules are documented on
-``TierManager`` and in ``kvstore.placement``.
+``Spiller`` places sent chunks (or confirms the ones named by key only), places the
+window blob, commits the manifest with its reference changes through the ``Catalog``,
+frees what the older generation alone held, and queues chunks not yet on a durable tier
+for write-back (an "in memory" ack). The rules are documented on ``TierManager`` and in
+``kvstore.placement``.
 """
 
 from __future__ import annotations
@@ -14,20 +16,42 @@ from typing import Literal
 
 import numpy as np
 
+from kvstore.blocks import Blocks
+from kvstore.catalog import Catalog
 from kvstore.errors import ChunksNotHeld, DataLoss, InvalidRequest, StaleGeneration, TierFull
 from kvstore.keys import token_bytes
 from kvstore.layout import LayoutSpec, get_layout
-from kvstore.manifest import SessionManifest, check_name, manifest_key
-from kvstore.placement import WINDOW_PREFIX, Check
+from kvstore.locks import KeyedLocks
+from kvstore.manifest import SessionManifest, check_name
+from kvstore.pause_estimate import PauseEstimator
+from kvstore.placement import WINDOW_PREFIX, Check, TierStack
 from kvstore.policy import ResumeHint
-from kvstore.tiers.base import Buffer, MemoryMetaStore
+from kvstore.refcount import RefLedger
+from kvstore.stats import Counters
+from kvstore.tiers.base import Buffer
 from kvstore.validate import check_spill, check_window, restored_chunk_check
+from kvstore.writeback import WriteBackQueue
 
 Ack = Literal["memory", "durable"]
 log = logging.getLogger(__name__)
 
 
-class SpillMixin:
+class Spiller:
+    def __init__(self, catalog: Catalog, blocks: Blocks, stack: TierStack, locks: KeyedLocks,
+                 ledger: RefLedger, counters: Counters, writeback: WriteBackQueue, *,
+                 pauses: PauseEstimator | None, durable_meta: bool) -> None:
+        """``pauses``: infers hints for spills without one (None: no inference);
+        ``durable_meta``: whether manifests survive a restart (a durable ack needs it)."""
+        self._catalog = catalog
+        self._blocks = blocks
+        self._stack = stack
+        self._locks = locks
+        self._ledger = ledger
+        self._counters = counters
+        self._writeback = writeback
+        self._pauses = pauses
+        self._can_ack_durable = durable_meta and bool(blocks.durable)
+
     async def spill(
         self,
         tenant: str,
@@ -62,7 +86,7 @@ class SpillMixin:
         check_name("session_id", session_id)
         if ack not in ("memory", "durable"):
             raise InvalidRequest(f"ack must be 'memory' or 'durable', got {ack!r}")
-        if ack == "durable" and (not self._durable or isinstance(self.meta, MemoryMetaStore)):
+        if ack == "durable" and not self._can_ack_durable:
             raise InvalidRequest("a durable ack needs a durable tier and a durable MetaStore")
         if not isinstance(generation, int) or generation < 0:
             raise InvalidRequest(f"generation must be an int >= 0, got {generation!r}")
@@ -70,8 +94,8 @@ class SpillMixin:
         tokens = np.frombuffer(token_bytes(token_ids), dtype="<u4")
         check_spill(spec, tokens, chunks, tail, window)
         keys = [key for key, _ in chunks]
-        async with self._sessions.write((tenant, session_id)):
-            old = await self._load(tenant, session_id)
+        async with self._catalog.write(tenant, session_id):
+            old = await self._catalog.load(tenant, session_id)
             if old is not None and generation <= old.generation:
                 raise StaleGeneration(
                     f"{tenant}/{session_id}: generation {generation} is not newer than the "
@@ -99,22 +123,21 @@ class SpillMixin:
                     created_at=old.created_at if old else now, updated_at=now,
                     last_access=now, ttl_s=ttl_s, hint=hint,
                 )
-                freed = await self._ledger.commit(
-                    {manifest_key(tenant, session_id): manifest.encode()},
-                    acquire=keys, release=old.chunk_keys if old else (),
+                freed = await self._catalog.put(
+                    manifest, acquire=keys, release=old.chunk_keys if old else (),
+                    new=old is None,
                 )
             except BaseException:
-                await self._free(self._ledger.unpin(keys))
+                await self._blocks.free(self._ledger.unpin(keys))
                 if window_key is not None:
-                    await self._drop_block(window_key)
+                    await self._blocks.drop(window_key)
                 raise
-            self._sessions_held += old is None  # counted once its manifest is committed
-            await self._free(freed + self._ledger.unpin(keys))
+            await self._blocks.free(freed + self._ledger.unpin(keys))
             if old is not None and old.window_key is not None:
-                await self._drop_block(old.window_key)
+                await self._blocks.drop(old.window_key)
         for key in (k for k, wants_writeback in zip(keys, queued, strict=True) if wants_writeback):
             await self._writeback.submit(key)
-        self.counters.spills += 1
+        self._counters.spills += 1
         return manifest
 
     async def _place_chunks(self, spec: LayoutSpec, tokens: np.ndarray,
@@ -126,7 +149,7 @@ class SpillMixin:
         its encoded size."""
         known = dict(zip(old.chunk_keys, old.chunk_sizes, strict=True)) if old else {}
         by_key = [i for i, (_, data) in enumerate(chunks) if data is None]
-        found = await self._gather(
+        found = await self._blocks.gather(
             self._reference_chunk(chunks[i][0], known.get(chunks[i][0]),
                                   restored_chunk_check(spec, tokens, i), hint, ack)
             for i in by_key)
@@ -135,7 +158,7 @@ class SpillMixin:
             raise ChunksNotHeld(missing)
         protect = frozenset(key for key, _ in chunks)
         sent = [i for i, (_, data) in enumerate(chunks) if data is not None]
-        stored = await self._gather(
+        stored = await self._blocks.gather(
             self._store_chunk(chunks[i][0], chunks[i][1], hint, ack, protect) for i in sent)
         results = dict(zip(by_key, found, strict=True))
         results.update((i, (wants, len(chunks[i][1])))
@@ -152,7 +175,7 @@ class SpillMixin:
             self._stack.touch(key, hint)
             if not await self._stack.confirmed_holder(key):
                 return None
-            durable = any(self.tiers[i].durable for i in self._stack.holders(key))
+            durable = self._blocks.any_durable(self._stack.holders(key))
             data = None
             if size is None or (ack == "durable" and not durable):
                 try:
@@ -160,15 +183,47 @@ class SpillMixin:
                 except DataLoss:
                     return None
                 size = len(data)
-            self.counters.dedupe_hits += 1
+            self._counters.dedupe_hits += 1
             if durable:
                 return False, size
             if ack == "memory":
-                return bool(self._durable), size
-            for j in self._durable:
-                if await self._stack.place(key, data, start=j, stop=j + 1) is not None:
-                    return False, size
+                return bool(self._blocks.durable), size
+            if await self._blocks.copy_to_durable(key, data):
+                return False, size
             raise TierFull(f"no durable tier took chunk {key} ({size} B)")
+
+    async def _store_chunk(self, key: str, data: Buffer, hint: ResumeHint | None, ack: Ack,
+                           protect: frozenset[str]) -> bool:
+        """Place one chunk (or find it held); True when it still needs write-back."""
+        async with self._locks.hold(key):
+            self._stack.touch(key, hint)
+            holders = await self._stack.confirmed_holder(key)
+            if holders:
+                self._counters.dedupe_hits += 1
+            else:
+                placed = await self._stack.place(key, data, protect=protect)
+                if placed is None:
+                    raise TierFull(f"no tier has room for chunk {key} ({len(data)} B)")
+                holders = [placed]
+            if self._blocks.any_durable(holders):
+                return False
+            if ack == "memory":
+                return bool(self._blocks.durable)
+            if await self._blocks.copy_to_durable(key, data):
+                return False
+            raise TierFull(f"no durable tier took chunk {key} ({len(data)} B)")
+
+    async def _store_window(self, key: str, data: Buffer, hint: ResumeHint | None
+                            ) -> str | None:
+        async with self._locks.hold(key):
+            self._stack.touch(key, hint)
+            placed = await self._stack.place(key, data)
+        if placed is None:
+            self._counters.windows_dropped += 1
+            log.warning("no window tier has room for %s (%d B): replay will be needed",
+                        key, len(data))
+            return None
+        return self._stack.tiers[placed].name
 
     async def store_window(self, tenant: str, session_id: str, generation: int,
                            window: Buffer) -> str | None:
@@ -182,8 +237,8 @@ class SpillMixin:
         """
         check_name("tenant", tenant)
         check_name("session_id", session_id)
-        async with self._sessions.write((tenant, session_id)):
-            manifest = await self._load_required(tenant, session_id)
+        async with self._catalog.write(tenant, session_id):
+            manifest = await self._catalog.load_required(tenant, session_id)
             if manifest.generation != generation:
                 raise StaleGeneration(f"{tenant}/{session_id} is at generation "
                                       f"{manifest.generation}, not {generation}: the "
@@ -196,66 +251,13 @@ class SpillMixin:
             if held:
                 return manifest.window_tier  # already held (another resume stored one)
             key = f"{WINDOW_PREFIX}{tenant}/{session_id}/{generation}"
-            await self._drop_block(key)  # a leftover copy must not stand in for this one
+            await self._blocks.drop(key)  # a leftover copy must not stand in for this one
             tier = await self._store_window(key, window, manifest.hint)
             if tier is None:
                 return None
             try:
-                await self._ledger.commit({manifest_key(tenant, session_id): manifest.evolve(
-                    window_tier=tier, window_key=key).encode()})
+                await self._catalog.put(manifest.evolve(window_tier=tier, window_key=key))
             except BaseException:
-                await self._drop_block(key)
+                await self._blocks.drop(key)
                 raise
             return tier
-
-    async def _store_chunk(self, key: str, data: Buffer, hint: ResumeHint | None, ack: Ack,
-                           protect: frozenset[str]) -> bool:
-        """Place one chunk (or find it held); True when it still needs write-back."""
-        async with self._locks.hold(key):
-            self._stack.touch(key, hint)
-            holders = await self._stack.confirmed_holder(key)
-            if holders:
-                self.counters.dedupe_hits += 1
-            else:
-                placed = await self._stack.place(key, data, protect=protect)
-                if placed is None:
-                    raise TierFull(f"no tier has room for chunk {key} ({len(data)} B)")
-                holders = [placed]
-            if any(self.tiers[i].durable for i in holders):
-                return False
-            if ack == "memory":
-                return bool(self._durable)
-            for j in self._durable:
-                if await self._stack.place(key, data, start=j, stop=j + 1) is not None:
-                    return False
-            raise TierFull(f"no durable tier took chunk {key} ({len(data)} B)")
-
-    async def _store_window(self, key: str, data: Buffer, hint: ResumeHint | None
-                            ) -> str | None:
-        async with self._locks.hold(key):
-            self._stack.touch(key, hint)
-            placed = await self._stack.place(key, data)
-        if placed is None:
-            self.counters.windows_dropped += 1
-            log.warning("no window tier has room for %s (%d B): replay will be needed",
-                        key, len(data))
-            return None
-        return self.tiers[placed].name
-
-    async def _write_back(self, key: str) -> None:
-        async with self._locks.hold(key):
-            if not self._ledger.count(key):
-                return  # freed, or its spill failed, since it was queued
-            if any(self.tiers[i].durable for i in self._stack.holders(key)):
-                return
-            try:
-                data, _, _ = await self._stack.read(key, access=False)
-            except DataLoss:
-                self.counters.writeback_failed += 1
-                raise
-            for j in self._durable:
-                if await self._stack.place(key, data, start=j, stop=j + 1) is not None:
-                    self.counters.writeback_done += 1
-                    return
-            self.counters.writeback_failed += 1
-            raise TierFull(f"no durable tier took chunk {key} for write-back")

@@ -1,0 +1,85 @@
+"""The session catalog: manifests in the MetaStore, the per-session locks, their count.
+
+Every manifest write goes through the ``RefLedger``, so it commits in one batch with the
+reference changes it implies (``kvstore.refcount``). Callers hold the session's lock
+(``read`` to look, ``write`` to change) from a ``load`` to the ``put`` that depends on it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+
+from kvstore.errors import ChunkCorrupt, DataLoss, SessionNotFound
+from kvstore.locks import RWLocks
+from kvstore.manifest import MANIFEST_PREFIX, SessionManifest, manifest_key
+from kvstore.refcount import RefLedger
+from kvstore.tiers.base import MetaStore
+
+log = logging.getLogger(__name__)
+
+
+class Catalog:
+    def __init__(self, meta: MetaStore, ledger: RefLedger) -> None:
+        self.meta = meta
+        self._ledger = ledger
+        self._locks = RWLocks()
+        self.held = 0  # manifests in the MetaStore (expired ones not yet collected included)
+
+    async def load_count(self) -> None:
+        self.held = len(await self.meta.scan(MANIFEST_PREFIX))  # counted, not decoded
+
+    def read(self, tenant: str, session_id: str) -> AbstractAsyncContextManager[None]:
+        """The session's shared lock: restores."""
+        return self._locks.read((tenant, session_id))
+
+    def write(self, tenant: str, session_id: str) -> AbstractAsyncContextManager[None]:
+        """The session's exclusive lock: spills, deletes, demotes, manifest rewrites."""
+        return self._locks.write((tenant, session_id))
+
+    async def load(self, tenant: str, session_id: str) -> SessionManifest | None:
+        """The stored manifest, None if there is none, ``DataLoss`` if it is corrupt."""
+        raw = await self.meta.get(manifest_key(tenant, session_id))
+        if raw is None:
+            return None
+        try:
+            return SessionManifest.decode(raw)
+        except ChunkCorrupt as exc:
+            raise DataLoss(f"the manifest of {tenant}/{session_id} is corrupt: {exc}") from exc
+
+    async def load_required(self, tenant: str, session_id: str) -> SessionManifest:
+        manifest = await self.load(tenant, session_id)
+        if manifest is None:
+            raise SessionNotFound(f"no session {tenant}/{session_id}")
+        return manifest
+
+    async def manifests(self, tenant: str | None = None) -> list[SessionManifest]:
+        """Every decodable manifest (of one tenant), sorted by tenant and id."""
+        prefix = MANIFEST_PREFIX if tenant is None else manifest_key(tenant, "")
+        out = []
+        for key, value in await self.meta.scan(prefix):
+            try:
+                out.append(SessionManifest.decode(value))
+            except ChunkCorrupt as exc:
+                log.error("skipping corrupt manifest %s: %s", key, exc)
+        return out
+
+    async def put(self, manifest: SessionManifest, *, acquire: Sequence[str] = (),
+                  release: Sequence[str] = (), new: bool = False) -> list[str]:
+        """Commit ``manifest`` with its reference changes (``new``: the session had no
+        manifest). Returns the chunks left unreferenced: the caller frees them."""
+        freed = await self._ledger.commit(
+            {manifest_key(manifest.tenant, manifest.session_id): manifest.encode()},
+            acquire=acquire, release=release,
+        )
+        self.held += new  # counted once its manifest is committed
+        return freed
+
+    async def remove(self, tenant: str, session_id: str, *,
+                     release: Sequence[str] = ()) -> list[str]:
+        """Delete the session's manifest; returns the chunks left unreferenced."""
+        freed = await self._ledger.commit({manifest_key(tenant, session_id): None},
+                                          release=release)
+        self.held -= 1
+        return freed
