@@ -1,9 +1,10 @@
-"""Training forward: whole sequences at once, in float, with straight-through fake
+"""Training attention: whole sequences at once, in float, with straight-through fake
 quantization that rounds exactly as the stored int8/int4 caches do.
 
-It computes the same function as the quantized inference path (model/infer.py): same
-projections, same quantizers (kernels.ops), same visibility rules, same selection rules.
-The only freedom is top-k tie-breaking, which torch.topk does not pin down.
+`TrainingAttention` is the backend KVTierLM.forward runs with in training (and in
+model.eval's indexer figures); model/cache.py's `CachedAttention` is the inference one.
+Both compute the same function: same layers, same quantizers (kernels.ops), same
+visibility rules, same selection rules, top-k ties to the lower entry id in both.
 
 Also returns the indexer's auxiliary loss: each indexer is distilled toward the dense
 attention (over every visible compressed entry) of the layers that use its selection.
@@ -15,7 +16,8 @@ import torch
 from torch.nn import functional as F
 
 from kernels import ops
-from model.net import KVTierLM
+from model.config import ModelConfig
+from model.net import Compressor, DecoderLayer, EncoderLayer, KVTierLM
 
 
 def fake_int8(x: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -60,17 +62,16 @@ def window_mask(window: int, device: torch.device) -> torch.Tensor:
     return (delta >= 0) & (delta < window)
 
 
-def joint_attention(model: KVTierLM, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    clog: torch.Tensor, cmask: torch.Tensor, latent: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One softmax per head over window keys and compressed entries.
+def joint_attention(w: int, sm_scale: float, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, clog: torch.Tensor, cmask: torch.Tensor,
+                    latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax per head over window keys (the last w) and compressed entries.
 
     q (B, H, T, Dh); k, v (B, Hkv, T, Dh); clog (B, H, T, N) compressed logits; cmask
     (B, 1, T, N) bool; latent (B, N, Dc). Returns weighted outputs out_w (B, H, T, Dh) and
     out_c (B, H, T, Dc), whose projections sum to the layer's attention output.
     """
     b, h, t, dh = q.shape
-    w = model.cfg.window
     nb, n = t // w, clog.shape[-1]
     rep = h // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -79,7 +80,7 @@ def joint_attention(model: KVTierLM, q: torch.Tensor, k: torch.Tensor, v: torch.
     kb, vb = k.view(b, h, nb, w, dh), v.view(b, h, nb, w, dh)
     kk = torch.cat((torch.cat((pad, kb[:, :, :-1]), 2), kb), 3)  # (B, H, nb, 2W, Dh)
     vv = torch.cat((torch.cat((pad, vb[:, :, :-1]), 2), vb), 3)
-    wlog = q.view(b, h, nb, w, dh) @ kk.transpose(-1, -2) * model.window_scale()
+    wlog = q.view(b, h, nb, w, dh) @ kk.transpose(-1, -2) * sm_scale
     wmask = window_mask(w, q.device).expand(nb, w, 2 * w).clone()
     wmask[0, :, :w] = False
     logits = torch.cat((wlog.masked_fill(~wmask, float("-inf")),
@@ -89,6 +90,72 @@ def joint_attention(model: KVTierLM, q: torch.Tensor, k: torch.Tensor, v: torch.
     out_w = (p[..., : 2 * w] @ vv).view(b, h, t, dh)
     out_c = (p[..., 2 * w:].view(b, h, t, n) @ latent.unsqueeze(1))
     return out_w, out_c
+
+
+class TrainingAttention:
+    """The backend for whole sequences ids (B, T): every key of the sequence is at hand, in
+    float, rounded by the cache's quantizers. N = T // m entries; visible (T, N) says
+    which entries each query may see (its block complete)."""
+
+    def __init__(self, cfg: ModelConfig, b: int, t: int, device: torch.device, sparse: bool):
+        self.cfg, self.b, self.t, self.sparse = cfg, b, t, sparse
+        self.n = t // cfg.block
+        self.pos = torch.arange(t, device=device)  # (T,)
+        self.visible = (torch.arange(self.n, device=device).view(1, self.n)
+                        < ((self.pos + 1) // cfg.block).view(t, 1))  # (T, N)
+        self.groups: list[dict] = []  # per indexer: its scores, the attention it should predict
+        self.k = self.v = None  # (B, Hkv, T, Dh) fake-int8, of the layer being run
+        self.latent = self.keys = None  # (B, N, Dc), (B, N, Di) fake-int4, of the last full layer
+        self.pool = self.sel = None  # (B, T, N) bool
+        self.dec_latent = None  # (B, N, Dc) fake-int4
+
+    def store_window(self, layer: EncoderLayer, k: torch.Tensor, v: torch.Tensor) -> None:
+        g = self.cfg.window_group_size
+        self.k, self.v = fake_int8(k, g), fake_int8(v, g)
+
+    def add_entries(self, layer: EncoderLayer, x: torch.Tensor) -> None:
+        blocks = x.reshape(self.b, self.n, self.cfg.block * self.cfg.width)
+        self.latent = fake_int4(layer.latent(blocks), self.cfg.group_size)
+        self.keys = fake_int4(layer.index_key(blocks), self.cfg.group_size)
+
+    def select(self, layer: EncoderLayer | DecoderLayer, x: torch.Tensor) -> None:
+        cfg = self.cfg
+        qi, wts = layer.indexer(x)
+        scores = index_scores(qi, self.keys, wts, self.visible)
+        if layer.mode == "full":
+            self.sel, self.pool = topk_mask(scores, cfg.topk), topk_mask(scores, cfg.pool)
+        else:
+            self.sel = topk_mask(scores.masked_fill(~self.pool, float("-inf")), cfg.topk)
+        self.groups.append({"scores": scores, "targets": [], "sel": self.sel})
+
+    def _compressed_logits(self, layer, qc: torch.Tensor, latent: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """qc (B, H, T, Dc), latent (B, N, Dc) -> logits (B, H, T, N) and the mask (B, 1, T,
+        N) of the entries attended; records the dense attention the indexer should predict."""
+        t, n = self.t, self.n
+        clog = qc @ latent.unsqueeze(1).transpose(-1, -2)
+        clog = clog * layer.compressed_scale
+        probs = masked_softmax(clog.detach(), self.visible.view(1, 1, t, n))
+        self.groups[-1]["targets"].append(probs.mean(1))
+        cmask = (self.sel if self.sparse else self.visible.expand(self.b, t, n)).unsqueeze(1)
+        return clog, cmask
+
+    def encoder_attention(self, layer: EncoderLayer, q: torch.Tensor, qc: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        clog, cmask = self._compressed_logits(layer, qc, self.latent)
+        return joint_attention(self.cfg.window, layer.window_scale, q, self.k, self.v, clog,
+                               cmask, self.latent)
+
+    def global_kv(self, compressor: Compressor, normed: torch.Tensor) -> None:
+        blocks = normed.reshape(self.b, self.n, self.cfg.block * self.cfg.width)
+        self.dec_latent = fake_int4(compressor(blocks), self.cfg.group_size)
+
+    def decoder_rows(self, h: torch.Tensor) -> torch.Tensor:
+        return h  # training predicts every position
+
+    def decoder_attention(self, layer: DecoderLayer, qc: torch.Tensor) -> torch.Tensor:
+        clog, cmask = self._compressed_logits(layer, qc, self.dec_latent)
+        return masked_softmax(clog, cmask) @ self.dec_latent.unsqueeze(1)
 
 
 def forward_train(model: KVTierLM, ids: torch.Tensor, sparse: bool = True,
@@ -103,62 +170,11 @@ def forward_train(model: KVTierLM, ids: torch.Tensor, sparse: bool = True,
     b, t = ids.shape
     if t % cfg.window or t % cfg.block:
         raise ValueError(f"sequence length {t} must be a multiple of window and block")
-    m, n = cfg.block, t // cfg.block
-    pos = torch.arange(t, device=ids.device)
-    visible = torch.arange(n, device=ids.device).view(1, n) < ((pos + 1) // m).view(t, 1)
-    h = model.embed(ids)
-    groups: list[dict] = []  # one per indexer: its scores and the attention it should predict
-
-    def select(layer, x, keys, pool):
-        qi, wts = layer.indexer(x)
-        scores = index_scores(qi, keys, wts, visible)
-        if pool is None:
-            sel, pool = topk_mask(scores, cfg.topk), topk_mask(scores, cfg.pool)
-        else:
-            sel = topk_mask(scores.masked_fill(~pool, float("-inf")), cfg.topk)
-        groups.append({"scores": scores, "targets": [], "sel": sel})
-        return sel, pool
-
-    def dense_target(clog):
-        probs = masked_softmax(clog.detach(), visible.view(1, 1, t, n))
-        groups[-1]["targets"].append(probs.mean(1))
-
-    latent = keys = pool = sel = None
-    for layer in model.encoder:
-        x = layer.norm(h)
-        q, k, v = model.window_qkv(layer, x, pos)
-        k, v = fake_int8(k, cfg.window_group_size), fake_int8(v, cfg.window_group_size)
-        if layer.mode == "full":
-            blocks = x.reshape(b, n, m * cfg.width)
-            latent = fake_int4(layer.latent(blocks), cfg.group_size)
-            keys = fake_int4(layer.index_key(blocks), cfg.group_size)
-            sel, pool = select(layer, x, keys, None)
-        elif layer.mode == "reindex":
-            sel, _ = select(layer, x, keys, pool)
-        clog = model.compressed_q(layer, x) @ latent.unsqueeze(1).transpose(-1, -2)
-        clog = clog * model.compressed_scale()
-        dense_target(clog)
-        cmask = (sel if sparse else visible.expand(b, t, n)).unsqueeze(1)
-        out_w, out_c = joint_attention(model, q, k, v, clog, cmask, latent)
-        h = h + model.merge_out(layer, out_c, out_w)
-        h = h + layer.mlp(layer.mlp_norm(h))
-
-    dec_latent = fake_int4(
-        model.dec_latent(model.enc_norm(h).reshape(b, n, m * cfg.width)), cfg.group_size)
-    for layer in model.decoder:
-        x = layer.norm(h)
-        if layer.mode == "reindex":
-            sel, _ = select(layer, x, keys, pool)
-        clog = model.compressed_q(layer, x) @ dec_latent.unsqueeze(1).transpose(-1, -2)
-        clog = clog * model.compressed_scale()
-        dense_target(clog)
-        cmask = (sel if sparse else visible.expand(b, t, n)).unsqueeze(1)
-        out_c = masked_softmax(clog, cmask) @ dec_latent.unsqueeze(1)
-        h = h + model.merge_out(layer, out_c)
-        h = h + layer.mlp(layer.mlp_norm(h))
+    attn = TrainingAttention(cfg, b, t, ids.device, sparse)
+    logits = model(ids, attn)
     if stats is not None:
-        stats.extend(selection_quality(g, visible, cfg.topk) for g in groups)
-    return model.logits(h), indexer_loss(groups, visible)
+        stats.extend(selection_quality(g, attn.visible, cfg.topk) for g in attn.groups)
+    return logits, indexer_loss(attn.groups, attn.visible)
 
 
 @torch.no_grad()

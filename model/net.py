@@ -1,17 +1,28 @@
-"""Parameters of the bundled model and the per-token maths shared by training and inference.
+"""The bundled model, read top to bottom: its layers and the one forward pass that training,
+prefill, decode and replay all run.
+
+    KVTierLM.forward: embed -> encoder layers -> global KV (dec.latent) -> decoder layers
+                      -> logits
 
 Encoder layer: pre-norm; one softmax per head over two key sets — the exact window keys
 (rotary, int8) and the selected compressed entries (position-free, int4) — then an MLP.
 Decoder layer: pre-norm; the same softmax over the decoder's shared compressed entries
 only (its local context arrives through the encoder's residual stream), then an MLP.
 
-The training forward (model/dense.py) and the quantized inference path (model/infer.py)
-both call the projections defined here, so they compute the same function.
+Where keys live and how attention reads them is the one thing training and inference do
+differently, so the forward takes it as an `Attention` backend: model/dense.py's
+`TrainingAttention` (whole sequences, float, straight-through fake quantization) or
+model/cache.py's `CachedAttention` (int8/int4 caches in KVState, chunks at any position,
+a batch of sessions for replay). The layer maths here is shared by both.
+
+Shapes: B batch rows, T tokens in the rows being run, H query heads, Hkv window K/V heads,
+Dh window head dim, Dc compressed latent dim, width the residual stream.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -84,11 +95,45 @@ class Compressor(nn.Module):
         return self.proj(blocks.detach() if self.detach else blocks)
 
 
+class Attention(Protocol):
+    """What a forward pass asks of its backend, in the order it asks (see KVTierLM.forward)."""
+
+    pos: torch.Tensor  # (T,) or (B, T) int64: positions of the rows being run
+
+    def store_window(self, layer: EncoderLayer, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This layer's window keys and values (B, Hkv, T, Dh), rotary applied."""
+
+    def add_entries(self, layer: EncoderLayer, x: torch.Tensor) -> None:
+        """A full layer's normed rows x (B, T, width): compressed entries and index keys of
+        the blocks they complete."""
+
+    def select(self, layer: EncoderLayer | DecoderLayer, x: torch.Tensor) -> None:
+        """The entries this layer's queries attend to: a full layer scores every visible
+        entry (pool and top-k), a reindex layer rescores the pool; reuse layers skip it."""
+
+    def encoder_attention(self, layer: EncoderLayer, q: torch.Tensor, qc: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (B, H, T, Dh), qc (B, H, T, Dc) -> out_w (B, H, T, Dh), out_c (B, H, T, Dc):
+        the two key sets' outputs, each weighted by its share of the one softmax."""
+
+    def global_kv(self, compressor: Compressor, normed: torch.Tensor) -> None:
+        """The normed encoder output (B, T, width): dec.latent entries of completed blocks."""
+
+    def decoder_rows(self, h: torch.Tensor) -> torch.Tensor | None:
+        """h (B, T, width) -> the rows (B, T', width) whose logits are wanted; None: none."""
+
+    def decoder_attention(self, layer: DecoderLayer, qc: torch.Tensor) -> torch.Tensor:
+        """qc (B, H, T', Dc) -> out_c (B, H, T', Dc) over the selected dec.latent entries."""
+
+
 class EncoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, mode: str):
+    def __init__(self, cfg: ModelConfig, mode: str, index: int):
         super().__init__()
-        self.mode = mode
+        self.mode, self.index = mode, index
         h, hkv, dh, dc = cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.latent_dim
+        self.heads, self.kv_heads, self.head_dim, self.latent_dim = h, hkv, dh, dc
+        self.rope_base = cfg.rope_base
+        self.window_scale, self.compressed_scale = dh ** -0.5, dc ** -0.5
         self.norm = RMSNorm(cfg.width)
         self.wq = nn.Linear(cfg.width, h * dh, bias=False)
         self.wkv = nn.Linear(cfg.width, 2 * hkv * dh, bias=False)
@@ -103,11 +148,37 @@ class EncoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.width)
         self.mlp = MLP(cfg.width, cfg.mlp_hidden)
 
+    def forward(self, h: torch.Tensor, attn: Attention) -> torch.Tensor:
+        """h (B, T, width) float residual stream -> the same, this layer added."""
+        # The call order below is also the order training builds its autograd graph in,
+        # which fixes how gradients sum up: reordering it can change the trained weights.
+        x = self.norm(h)  # (B, T, width)
+        q, k, v = self.window_qkv(x, attn.pos)  # (B, H, T, Dh), (B, Hkv, T, Dh) x 2
+        attn.store_window(self, k, v)
+        if self.mode == "full":
+            attn.add_entries(self, x)
+        if self.mode != "reuse":
+            attn.select(self, x)
+        out_w, out_c = attn.encoder_attention(self, q, compressed_q(self, x))
+        h = h + merge_out(self, out_c, out_w)
+        return h + self.mlp(self.mlp_norm(h))
+
+    def window_qkv(self, x: torch.Tensor, pos: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, width) normed, pos (T,) or (B, T) -> q (B, H, T, Dh), k and v (B, Hkv, T,
+        Dh), rotary applied."""
+        q = self.wq(x).unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
+        kv = self.wkv(x).unflatten(-1, (2, self.kv_heads, self.head_dim))
+        k, v = kv[..., 0, :, :].transpose(1, 2), kv[..., 1, :, :].transpose(1, 2)
+        return rotary(q, pos, self.rope_base), rotary(k, pos, self.rope_base), v
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, mode: str):
         super().__init__()
         self.mode = mode
+        self.heads, self.latent_dim = cfg.heads, cfg.latent_dim
+        self.compressed_scale = cfg.latent_dim ** -0.5
         self.norm = RMSNorm(cfg.width)
         self.wqc = nn.Linear(cfg.width, cfg.heads * cfg.latent_dim, bias=False)
         self.woc = nn.Linear(cfg.heads * cfg.latent_dim, cfg.width, bias=False)
@@ -115,6 +186,28 @@ class DecoderLayer(nn.Module):
             self.indexer = Indexer(cfg)
         self.mlp_norm = RMSNorm(cfg.width)
         self.mlp = MLP(cfg.width, cfg.mlp_hidden)
+
+    def forward(self, h: torch.Tensor, attn: Attention) -> torch.Tensor:
+        """h (B, T', width) float, the rows whose logits are wanted -> the same, updated."""
+        x = self.norm(h)  # (B, T', width)
+        if self.mode == "reindex":
+            attn.select(self, x)
+        h = h + merge_out(self, attn.decoder_attention(self, compressed_q(self, x)))
+        return h + self.mlp(self.mlp_norm(h))
+
+
+def compressed_q(layer: EncoderLayer | DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+    """x (B, T, width) -> q (B, H, T, Dc) against the compressed entries."""
+    return layer.wqc(x).unflatten(-1, (layer.heads, layer.latent_dim)).transpose(1, 2)
+
+
+def merge_out(layer: EncoderLayer | DecoderLayer, out_c: torch.Tensor,
+              out_w: torch.Tensor | None = None) -> torch.Tensor:
+    """Already-weighted path outputs (B, H, T, D*) -> residual update (B, T, width)."""
+    y = layer.woc(out_c.transpose(1, 2).flatten(2))
+    if out_w is not None:
+        y = y + layer.wo(out_w.transpose(1, 2).flatten(2))
+    return y
 
 
 class KVTierLM(nn.Module):
@@ -124,7 +217,7 @@ class KVTierLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab, cfg.width)
-        self.encoder = nn.ModuleList(EncoderLayer(cfg, m) for m in cfg.enc_modes)
+        self.encoder = nn.ModuleList(EncoderLayer(cfg, m, i) for i, m in enumerate(cfg.enc_modes))
         self.enc_norm = RMSNorm(cfg.width)
         self.dec_latent = Compressor(cfg, cfg.latent_dim)
         self.decoder = nn.ModuleList(DecoderLayer(cfg, m) for m in cfg.dec_modes)
@@ -138,39 +231,23 @@ class KVTierLM(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=1.0)
 
+    def forward(self, ids: torch.Tensor, attn: Attention) -> torch.Tensor | None:
+        """ids (B, T) int64 at positions attn.pos -> logits (B, T', vocab) of the rows
+        attn.decoder_rows keeps (every row in training), or None when it keeps none."""
+        h = self.embed(ids)  # (B, T, width): the residual stream
+        for layer in self.encoder:
+            h = layer(h, attn)
+        attn.global_kv(self.dec_latent, self.enc_norm(h))
+        h = attn.decoder_rows(h)  # (B, T', width): the decoder runs only where logits are wanted
+        if h is None:
+            return None
+        for layer in self.decoder:
+            h = layer(h, attn)
+        return self.logits(h)  # (B, T', vocab)
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden (..., width) -> logits (..., vocab); the head is tied to the embedding."""
         return self.out_norm(h) @ self.embed.weight.t() / math.sqrt(self.cfg.width)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-    # ----------------------------------------------------------- shared per-token maths
-
-    def window_qkv(self, layer: EncoderLayer, x: torch.Tensor, pos: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (B, T, width) normed, pos (T,) or (B, T) -> q (B, H, T, Dh), k and v (B, Hkv, T,
-        Dh), rotary applied."""
-        cfg = self.cfg
-        q = layer.wq(x).unflatten(-1, (cfg.heads, cfg.head_dim)).transpose(1, 2)
-        kv = layer.wkv(x).unflatten(-1, (2, cfg.kv_heads, cfg.head_dim))
-        k, v = kv[..., 0, :, :].transpose(1, 2), kv[..., 1, :, :].transpose(1, 2)
-        return rotary(q, pos, cfg.rope_base), rotary(k, pos, cfg.rope_base), v
-
-    def compressed_q(self, layer: EncoderLayer | DecoderLayer, x: torch.Tensor) -> torch.Tensor:
-        """x (B, T, width) -> q (B, H, T, Dc)."""
-        return layer.wqc(x).unflatten(-1, (self.cfg.heads, self.cfg.latent_dim)).transpose(1, 2)
-
-    def merge_out(self, layer: EncoderLayer | DecoderLayer, out_c: torch.Tensor,
-                  out_w: torch.Tensor | None = None) -> torch.Tensor:
-        """Already-weighted path outputs (B, H, T, D*) -> residual update (B, T, width)."""
-        y = layer.woc(out_c.transpose(1, 2).flatten(2))
-        if out_w is not None:
-            y = y + layer.wo(out_w.transpose(1, 2).flatten(2))
-        return y
-
-    def window_scale(self) -> float:
-        return self.cfg.head_dim ** -0.5
-
-    def compressed_scale(self) -> float:
-        return self.cfg.latent_dim ** -0.5
