@@ -174,6 +174,28 @@ async def test_window_evicted_by_pressure_updates_manifest(tmp_path):
     await manager.close()
 
 
+async def test_eviction_demotes_chunks_to_a_lower_tier_that_did_not_hold_them():
+    """hbm over host, neither durable (no write-back copy below): making room in hbm moves
+    the older session's chunks down into host, each counted as a demotion there."""
+    older = make_session(random_tokens(16 * 3, seed=12), window=False)
+    newer = make_session(random_tokens(16 * 3, seed=13), window=False)
+    hbm_bytes = sum(len(data) for _, data in older["chunks"])
+    assert hbm_bytes == sum(len(data) for _, data in newer["chunks"])
+    tiers = [HBMTier(hbm_bytes, device="cpu"), HostTier(MB)]
+    manager = await TierManager.open(tiers, MemoryMetaStore())
+    await manager.spill("t", "older", generation=1, **older)
+    assert all(manager.where(key) == ["hbm"] for key, _ in older["chunks"])
+    await manager.spill("t", "newer", generation=1, **newer)  # fills hbm: older moves down
+    assert all(manager.where(key) == ["host"] for key, _ in older["chunks"])
+    assert all(manager.where(key) == ["hbm"] for key, _ in newer["chunks"])
+    counters = (await manager.stat()).counters
+    assert counters["demotions"] == {"host": 3} and counters["evictions"] == {"hbm": 3}
+    result = await manager.restore("t", "older", want_window=False)
+    assert result.chunk_tiers == ["host"] * 3
+    assert [bytes(c) for c in result.chunks] == [bytes(d) for _, d in older["chunks"]]
+    await manager.close()
+
+
 async def test_concurrent_spills_and_restores(tmp_path):
     tiers = [HostTier(40_000), ObjectTier(tmp_path / "obj", 64 * MB)]
     manager = await TierManager.open(tiers, MemoryMetaStore(), config=MANAGER_PRESETS["embedded"])
