@@ -111,6 +111,13 @@ def parse_reply(item: bytes) -> pb.ReplayReply:
     raise TierUnavailable(f"unreadable replay reply (first byte {kind!r})")
 
 
+def error_reply(exc: KVTierError) -> bytes:
+    """A job's failure as gRPC would carry it: the status code name and the class name
+    from the one table (``kvstore.errors``), and the message."""
+    return REPLY_ERROR + json.dumps({"code": status_name(exc), "error": error_name(exc),
+                                     "message": str(exc)}).encode()
+
+
 class StreamConsumer:
     """One worker's share of the job stream: claim abandoned jobs, else read new ones."""
 
@@ -165,7 +172,7 @@ class StreamConsumer:
         if claimed:
             entry_id, fields = claimed[0]
             if await self._deliveries(entry_id) > self.max_deliveries:
-                await self._answer(entry_id, fields, self._error(TierUnavailable(
+                await self._answer(entry_id, fields, error_reply(TierUnavailable(
                     f"replay job failed on {self.max_deliveries} workers; giving up")))
                 return 1
             log.info("taking over replay job %s from a worker that did not finish it",
@@ -195,17 +202,11 @@ class StreamConsumer:
                 seconds=result.seconds, worker=self.consumer,
                 batch_size=result.batch_size).SerializeToString()
         except KVTierError as exc:  # the job's fault: answered, not retried
-            reply = self._error(exc)
+            reply = error_reply(exc)
         except Exception as exc:  # a job always gets an answer and the loop goes on
             log.exception("replay job %s failed", entry_id)
-            reply = self._error(ServerError(f"replay job failed: {exc!r}"))
+            reply = error_reply(ServerError(f"replay job failed: {exc!r}"))
         await self._answer(entry_id, fields, reply)
-
-    def _error(self, exc: KVTierError) -> bytes:
-        """The error as gRPC would carry it: the status code name and the class name of
-        the one table (``kvstore.errors``), and the message."""
-        return REPLY_ERROR + json.dumps({"code": status_name(exc), "error": error_name(exc),
-                                         "message": str(exc)}).encode()
 
     async def _answer(self, entry_id, fields: dict, reply: bytes) -> None:
         names = self.names

@@ -1,0 +1,150 @@
+"""The one error table over real gRPC on loopback: every ``KVTierError`` class comes back
+to the kvtier client (and to the replay clients) as the very class the server raised, with
+the status code the table gives it; an error that is not ours becomes INTERNAL and the
+server goes on serving."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+import kvtier
+from kvstore import errors
+from kvstore.errors import ERROR_CLASSES, ERROR_KEY, KVTierError, ServerError, SessionNotFound
+from kvtier import AsyncClient, RetryPolicy
+from kvtier import errors as kvtier_errors
+from kvtier.errors import grpc_errors, status_for
+from proto import kvtier_pb2 as pb
+from proto import kvtier_pb2_grpc as pb_grpc
+from services.replay.remote import RemoteReplay
+from services.replay.streams import error_reply, parse_reply
+from tests.service_support import LAYOUT, running_server, streams_for, tokens_for
+
+NO_RETRY = RetryPolicy(attempts=1)
+
+
+def _all_subclasses(cls: type) -> set[type]:
+    found = set()
+    for sub in cls.__subclasses__():
+        found |= {sub, *_all_subclasses(sub)}
+    return found
+
+
+# Every class of the hierarchy, the root included (a bare KVTierError can be raised too).
+CLASSES = sorted({KVTierError, *_all_subclasses(KVTierError)}, key=lambda c: c.__name__)
+
+
+class RaisingKVTier(pb_grpc.KVTierServicer):
+    """List raises the error class its tenant names: one table entry per call."""
+
+    @grpc_errors
+    async def List(self, request: pb.ListRequest, context: grpc.aio.ServicerContext
+                   ) -> pb.ListReply:
+        raise ERROR_CLASSES[request.tenant].from_message(f"raised {request.tenant}")
+
+
+class RaisingReplay(pb_grpc.ReplayServicer):
+    @grpc_errors
+    async def Rebuild(self, request: pb.ReplayRequest, context: grpc.aio.ServicerContext
+                      ) -> pb.ReplayReply:
+        raise ERROR_CLASSES[request.layout_id].from_message(f"raised {request.layout_id}")
+
+
+async def _serve(add, servicer) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    add(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def test_the_table_covers_every_class_and_kvtier_exports_it():
+    assert {cls.__name__ for cls in CLASSES} == set(ERROR_CLASSES)
+    for cls in CLASSES:
+        assert getattr(kvtier, cls.__name__) is cls
+        assert getattr(kvtier_errors, cls.__name__) is cls
+    assert kvtier_errors.ERROR_KEY == ERROR_KEY == "kvtier-error"
+    # A few entries spelled out, so the table is checked and not only consistent.
+    expected = {"InvalidRequest": "INVALID_ARGUMENT", "SharedMemoryUnavailable":
+                "INVALID_ARGUMENT", "SessionNotFound": "NOT_FOUND",
+                "ChunksNotHeld": "NOT_FOUND", "TierFull": "RESOURCE_EXHAUSTED",
+                "StaleGeneration": "FAILED_PRECONDITION", "MissingChunks":
+                "FAILED_PRECONDITION", "ChunkTruncated": "DATA_LOSS", "DataLoss": "DATA_LOSS",
+                "TierUnavailable": "UNAVAILABLE", "Busy": "ABORTED",
+                "ServerError": "INTERNAL", "KVTierError": "INTERNAL"}
+    for name, code in expected.items():
+        assert errors.status_name(ERROR_CLASSES[name].from_message("x")) == code, name
+    assert errors.status_name(RuntimeError("not ours")) == "INTERNAL"
+    # Without a class name the code alone decides.
+    assert type(errors.error_for("NOT_FOUND", "gone")) is SessionNotFound
+    assert type(errors.error_for("UNIMPLEMENTED", "no such rpc")) is ServerError
+
+
+async def test_every_error_class_round_trips_to_the_client():
+    server, addr = await _serve(pb_grpc.add_KVTierServicer_to_server, RaisingKVTier())
+    try:
+        async with grpc.aio.insecure_channel(addr) as channel, \
+                AsyncClient(addr, retry=NO_RETRY) as kv:
+            stub = pb_grpc.KVTierStub(channel)
+            for cls in CLASSES:
+                with pytest.raises(grpc.aio.AioRpcError) as raw:
+                    await stub.List(pb.ListRequest(tenant=cls.__name__))
+                assert raw.value.code() == status_for(cls.from_message("x")), cls
+                assert dict(raw.value.trailing_metadata())[ERROR_KEY] == cls.__name__
+                with pytest.raises(KVTierError, match=f"raised {cls.__name__}") as info:
+                    await kv.list(cls.__name__)
+                assert type(info.value) is cls
+    finally:
+        await server.stop(0)
+
+
+async def test_replay_clients_raise_the_workers_class():
+    server, addr = await _serve(pb_grpc.add_ReplayServicer_to_server, RaisingReplay())
+    backend = RemoteReplay([addr], timeout_s=10)
+    try:
+        for cls in CLASSES:
+            if cls is errors.TierUnavailable:  # UNAVAILABLE: the next worker is tried
+                continue
+            with pytest.raises(KVTierError, match=f"replay worker: raised {cls.__name__}"
+                               ) as info:
+                await backend.rebuild(cls.__name__, [1, 2, 3], [], b"")
+            assert type(info.value) is cls
+            # Redis Streams replay carries the same names through a reply list.
+            with pytest.raises(KVTierError) as info:
+                parse_reply(error_reply(cls.from_message("x")))
+            assert type(info.value) is cls
+    finally:
+        await backend.close()
+        await server.stop(0)
+    with pytest.raises(errors.TierUnavailable, match="no replay worker answered"):
+        parse_reply(error_reply(errors.TierUnavailable("no replay worker answered")))
+
+
+async def test_an_unexpected_error_is_internal_and_the_server_keeps_serving(tmp_path):
+    # Weights that are not a checkpoint: the in-process replay backend fails with the
+    # loader's own exception (not a KVTierError) when a Resume first needs it.
+    weights = tmp_path / "broken.safetensors"
+    weights.write_bytes(b"not a safetensors file")
+    tokens = tokens_for(LAYOUT.chunk_tokens + 40)
+    async with running_server(tmp_path, replay="in-process", replay_weights=str(weights)
+                              ) as (server, addr), \
+            AsyncClient(addr, retry=NO_RETRY) as kv, \
+            grpc.aio.insecure_channel(addr) as channel:
+        await kv.spill("acme", "s1", LAYOUT.name, tokens, streams_for(LAYOUT, len(tokens)),
+                       generation=1)
+        stub = pb_grpc.KVTierStub(channel)
+        request = pb.ResumeRequest(session=pb.SessionRef(tenant="acme", session_id="s1"))
+        with pytest.raises(grpc.aio.AioRpcError) as raw:
+            async for _ in stub.Resume(request):
+                pass
+        assert raw.value.code() == grpc.StatusCode.INTERNAL
+        assert dict(raw.value.trailing_metadata())[ERROR_KEY] == "ServerError"
+        # The next calls are served: the same failure again, and the others as before.
+        with pytest.raises(ServerError):
+            await kv.resume("acme", "s1")
+        assert (await kv.stat("acme", "s1")).session.num_tokens == len(tokens)
+        restored = await kv.restore("acme", "s1")
+        assert restored.token_ids.tolist() == tokens.tolist() and restored.replay_needed
+        errors_total = server.metrics.registry.get_sample_value
+        assert errors_total("kvtier_rpc_errors_total",
+                            {"method": "Resume", "code": "INTERNAL"}) == 2
