@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import array
-import asyncio
 
 import pytest
 import torch
 
 from kvstore.errors import ChunkNotFound, InvalidRequest, TierFull
 from kvstore.tiers.host import HostTier
+from tests.clock_support import ManualClock
 
 
 async def test_round_trip_and_copy_semantics():
@@ -80,10 +80,15 @@ async def test_empty_and_non_byte_format_buffers():
 
 
 async def test_ttl_expiry_frees_accounting():
-    tier = HostTier(100)
-    await tier.put("short", b"s" * 40, ttl_s=0.05)
+    clock = ManualClock()
+    tier = HostTier(100, clock=clock)
+    await tier.put("short", b"s" * 40, ttl_s=30)
     await tier.put("long", b"l" * 40)
-    await asyncio.sleep(0.1)
+    clock.advance(29)
+    with pytest.raises(TierFull):  # short still counts, and is not yet expired
+        await tier.put("new", b"n" * 60)
+    assert await tier.contains("short")
+    clock.advance(2)
     assert tier.used_bytes == 80  # still held until looked up or room is needed
     await tier.put("new", b"n" * 60)  # needs the expired value's room
     assert tier.used_bytes == 100
@@ -93,10 +98,11 @@ async def test_ttl_expiry_frees_accounting():
 
 
 async def test_put_without_ttl_clears_an_old_ttl():
-    tier = HostTier(100)
-    await tier.put("k", b"1", ttl_s=0.05)
+    clock = ManualClock()
+    tier = HostTier(100, clock=clock)
+    await tier.put("k", b"1", ttl_s=30)
     await tier.put("k", b"2")
-    await asyncio.sleep(0.1)
+    clock.advance(3600)
     assert bytes(await tier.get("k")) == b"2"
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import time
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import ClassVar
 
 import torch
@@ -33,8 +33,10 @@ class MemoryTier(Tier):
     name: ClassVar[str] = "memory"
     holds_window: ClassVar[bool] = True
 
-    def __init__(self, capacity_bytes: int, *, device: torch.device, pin_memory: bool) -> None:
+    def __init__(self, capacity_bytes: int, *, device: torch.device, pin_memory: bool,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(capacity_bytes)
+        self.clock = clock  # seconds that TTL deadlines are set and judged by
         self.device = device
         self.pin_memory = pin_memory
         self._values: dict[str, torch.Tensor] = {}  # each (nbytes,) uint8 on self.device
@@ -85,7 +87,7 @@ class MemoryTier(Tier):
         if ttl_s is None:
             self._expiry.pop(key, None)
         else:
-            deadline = time.monotonic() + ttl_s
+            deadline = self.clock() + ttl_s
             self._expiry[key] = deadline
             heapq.heappush(self._expiry_heap, (deadline, key))
 
@@ -94,7 +96,7 @@ class MemoryTier(Tier):
         if stored is None:
             raise ChunkNotFound(f"{self.name}: no value under {key!r}")
         deadline = self._expiry.get(key)
-        if deadline is not None and deadline <= time.monotonic():
+        if deadline is not None and deadline <= self.clock():
             self._remove(key)
             raise ChunkNotFound(f"{self.name}: value under {key!r} expired")
         return stored
@@ -108,7 +110,7 @@ class MemoryTier(Tier):
         return stored.numel()
 
     def _purge_expired(self) -> int:
-        now = time.monotonic()
+        now = self.clock()
         freed = 0
         while self._expiry_heap and self._expiry_heap[0][0] <= now:
             deadline, key = heapq.heappop(self._expiry_heap)
@@ -186,7 +188,9 @@ class HostTier(MemoryTier):
 
     name: ClassVar[str] = "host"
 
-    def __init__(self, capacity_bytes: int, *, pin_memory: bool | None = None) -> None:
+    def __init__(self, capacity_bytes: int, *, pin_memory: bool | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
-        super().__init__(capacity_bytes, device=torch.device("cpu"), pin_memory=pin_memory)
+        super().__init__(capacity_bytes, device=torch.device("cpu"), pin_memory=pin_memory,
+                         clock=clock)
