@@ -148,3 +148,16 @@ async def test_an_unexpected_error_is_internal_and_the_server_keeps_serving(tmp_
         errors_total = server.metrics.registry.get_sample_value
         assert errors_total("kvtier_rpc_errors_total",
                             {"method": "Resume", "code": "INTERNAL"}) == 2
+
+
+async def test_resume_refuses_an_oversize_replay_before_reading_the_session(tmp_path):
+    # The session does not exist: INVALID_ARGUMENT, not NOT_FOUND, shows the check came
+    # first (services.server.validate), before the store was asked.
+    request = pb.ResumeRequest(session=pb.SessionRef(tenant="acme", session_id="nobody"),
+                               replay_tokens=1 << 20)
+    async with running_server(tmp_path) as (_, addr), grpc.aio.insecure_channel(addr) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as raw:
+            async for _ in pb_grpc.KVTierStub(ch).Resume(request):
+                pass
+        assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "replay_tokens" in raw.value.details()

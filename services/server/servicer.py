@@ -155,7 +155,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         tenant, session_id = check.session_ref(request.session)
         opts = StreamOptions(want_window=True, use_shared_memory=request.use_shared_memory,
                              reply_buffer=_lent(request), resume=True,
-                             replay_tokens=request.replay_tokens or self.config.replay_tokens)
+                             replay_tokens=check.replay_tokens(request.replay_tokens,
+                                                               self.config.replay_tokens))
         generation, window = 0, b""
         async for reply in self.streamer.stream(tenant, session_id, opts):
             kind = reply.WhichOneof("item")

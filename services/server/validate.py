@@ -21,6 +21,7 @@ from kvstore.keys import chain_keys
 from kvstore.layout import LayoutSpec, get_layout
 from kvstore.policy import ResumeHint
 from proto import kvtier_pb2 as pb
+from replay.worker import MAX_REPLAY_TOKENS
 
 TENANT = re.compile(r"^[a-z0-9_-]{1,64}$")
 SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -229,6 +230,14 @@ def spill_header(header: pb.SpillHeader, default_ack: str, max_tokens: int) -> S
         generation=header.generation, ack=ACKS.get(header.ack, default_ack), hint=hint,
         ttl_s=seconds("header.ttl_s", header.ttl_s, None),
     )
+
+
+def replay_tokens(value: int, default: int) -> int:
+    """R for a Resume (0: the server's default), refused before the session is read when
+    no replay worker would take it (a worker also checks it against the session)."""
+    if value > MAX_REPLAY_TOKENS:
+        raise InvalidRequest(f"replay_tokens {value} exceeds {MAX_REPLAY_TOKENS}")
+    return value or default
 
 
 def page_size(value: int, default: int = 100) -> int:
