@@ -1,0 +1,64 @@
+"""Session manifests (kvstore.manifest): any manifest round-trips through its encoding
+exactly, and any changed byte of an encoding is refused as corrupt."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.errors import ChunkCorrupt
+from kvstore.manifest import SessionManifest
+from kvstore.policy import ResumeHint
+
+# Tenant and session ids are plain: no '/', no control characters, at most 256 bytes.
+names = st.text(st.characters(blacklist_categories=("Cs", "Cc"), blacklist_characters="/"),
+                min_size=1, max_size=40)
+texts = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
+times = st.floats(0, 4e9, allow_nan=False)
+hints = st.none() | st.builds(ResumeHint, st.none() | st.floats(0, 1e7),
+                              st.integers(-2**31, 2**31))
+
+
+@st.composite
+def manifests(draw) -> SessionManifest:
+    chunks = draw(st.integers(0, 5))
+    return SessionManifest(
+        tenant=draw(names), session_id=draw(names), layout_id=draw(texts),
+        generation=draw(st.integers(0, 2**53)),
+        token_ids=draw(st.lists(st.integers(0, 2**32 - 1), max_size=64)),
+        chunk_keys=tuple(draw(st.lists(texts, min_size=chunks, max_size=chunks))),
+        chunk_sizes=tuple(draw(st.lists(st.integers(0, 2**40), min_size=chunks,
+                                        max_size=chunks))),
+        tail=draw(st.binary(max_size=64)),
+        window_tier=draw(st.none() | texts), window_key=draw(st.none() | texts),
+        created_at=draw(times), updated_at=draw(times), last_access=draw(times),
+        ttl_s=draw(st.none() | st.floats(1e-3, 1e9)), hint=draw(hints))
+
+
+FIELDS = [f.name for f in dataclasses.fields(SessionManifest) if f.name != "token_ids"]
+
+
+@settings(max_examples=80, deadline=None)
+@given(manifests())
+def test_a_manifest_round_trips_exactly(manifest):
+    encoded = manifest.encode()
+    back = SessionManifest.decode(encoded)
+    for name in FIELDS:
+        assert getattr(back, name) == getattr(manifest, name), name
+    assert back.token_ids.tobytes() == manifest.token_ids.tobytes()
+    assert back.encode() == encoded
+
+
+@settings(max_examples=80, deadline=None)
+@given(manifests(), st.data())
+def test_any_changed_byte_is_refused(manifest, data):
+    encoded = bytearray(manifest.encode())
+    at = data.draw(st.integers(0, len(encoded) - 1))
+    encoded[at] ^= data.draw(st.integers(1, 255))
+    with pytest.raises(ChunkCorrupt):
+        SessionManifest.decode(bytes(encoded))
+    with pytest.raises(ChunkCorrupt):
+        SessionManifest.decode(bytes(encoded[:at]))
