@@ -1,8 +1,13 @@
+import dataclasses
 import json
+import math
 import subprocess
 import sys
+from fractions import Fraction
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from kvstore.errors import InvalidRequest, UnknownLayout
 from kvstore.layout import BaselineKV, LayoutSpec, Stream, get_layout
@@ -110,3 +115,75 @@ def test_cli_json_reproduces_reference_figures():
     for row in rows.values():
         for key in ("ephemeral_bytes_per_token", "bf16_baseline_bytes_per_token"):
             assert key in row
+
+
+# Random layouts for property tests: persistent streams only (no window), chunk_tokens a
+# multiple of 12 so every m in 1..4 divides it.
+@st.composite
+def streams(draw, name: str | None = None) -> Stream:
+    bits = draw(st.sampled_from([4, 8, 16]))
+    last = 2 * draw(st.integers(1, 24))
+    group = 0 if bits == 16 else draw(st.sampled_from(
+        [g for g in range(1, last + 1) if last % g == 0]))
+    shape = (*draw(st.lists(st.integers(1, 4), max_size=1)), last)
+    return Stream(name or draw(st.sampled_from("abcdef")), shape, bits=bits, group_size=group,
+                  tokens_per_entry=draw(st.integers(1, 4)), layers=draw(st.integers(1, 6)))
+
+
+@st.composite
+def layouts(draw) -> LayoutSpec:
+    names = draw(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=3, unique=True))
+    baseline = draw(st.none() | st.builds(BaselineKV, st.integers(1, 8), st.integers(1, 8),
+                                          st.integers(1, 128)))
+    return LayoutSpec(draw(st.sampled_from(["p", "q"])),
+                      tuple(draw(streams(n)) for n in names),
+                      chunk_tokens=12 * draw(st.integers(1, 4)), baseline=baseline,
+                      layer_modes=tuple(draw(st.lists(st.sampled_from(["full", "reuse"]),
+                                                      max_size=3))))
+
+
+def by_hand_bytes_per_token(s: Stream) -> Fraction:
+    values = 1
+    for d in s.entry_shape:
+        values *= d
+    codes = Fraction(values * s.bits, 8)  # int4 packs two values per byte
+    scales = 0 if s.bits == 16 else 2 * values // s.group_size  # one fp16 per group
+    return (codes + scales) * s.layers / s.tokens_per_entry
+
+
+@settings(max_examples=80, deadline=None)
+@given(layouts())
+def test_bytes_per_token_match_an_independent_count(spec):
+    want = sum(by_hand_bytes_per_token(s) for s in spec.streams)
+    assert spec.persistent_bytes_per_token == pytest.approx(float(want), rel=1e-12)
+    assert spec.ephemeral_bytes_per_token == 0
+    plain = spec.baseline.bytes_per_token if spec.baseline else sum(
+        2 * s.layers * math.prod(s.entry_shape) for s in spec.streams)
+    assert spec.bf16_baseline_bytes_per_token == plain
+
+
+@settings(max_examples=80, deadline=None)
+@given(layouts(), st.data())
+def test_layout_hash_is_stable_for_equal_specs_and_changes_with_any_field(spec, data):
+    # An equal spec built from fresh parts (other notes) has the same hash and id.
+    fresh = LayoutSpec(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
+                          if f.name not in ("streams", "notes")},
+                       streams=tuple(Stream(**dataclasses.asdict(s)) for s in spec.streams),
+                       notes="other notes")
+    assert fresh.layout_hash == spec.layout_hash and fresh.layout_id == spec.layout_id
+    # Changing any one field changes the hash.
+    i = data.draw(st.integers(0, len(spec.streams) - 1))
+    others = {s.name for j, s in enumerate(spec.streams) if j != i}
+    changes = {
+        "name": lambda: {"name": spec.name + "x"},
+        "chunk_tokens": lambda: {"chunk_tokens": spec.chunk_tokens + 12},
+        "layer_modes": lambda: {"layer_modes": (*spec.layer_modes, "reindex")},
+        "baseline": lambda: {"baseline": None if spec.baseline else BaselineKV(1, 1, 1)},
+        "stream": lambda: {"streams": tuple(
+            data.draw(streams(data.draw(st.sampled_from(sorted(set("abcdefg") - others)))))
+            if j == i else s for j, s in enumerate(spec.streams))},
+        "stream order": lambda: {"streams": spec.streams[::-1]},
+    }
+    changed = dataclasses.replace(spec, **changes[data.draw(st.sampled_from(sorted(changes)))]())
+    assume(changed != spec)
+    assert changed.layout_hash != spec.layout_hash
