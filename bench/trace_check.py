@@ -52,8 +52,9 @@ CHECK_LAYOUT = LayoutSpec(
         Stream("window", (4, 32), bits=8, group_size=32, persistent=False),
     ),
     chunk_tokens=BLOCK_TOKENS,
+    window_tokens=128,
 )
-WINDOW_TOKENS = 128
+WINDOW_TOKENS = CHECK_LAYOUT.window_tokens
 UNBOUNDED_BYTES = 1 << 50
 
 

@@ -41,6 +41,19 @@ def streams_of(spec: LayoutSpec, ephemeral: bool) -> tuple[Stream, ...]:
     return spec.ephemeral_streams if ephemeral else spec.persistent_streams
 
 
+def max_chunk_tokens(spec: LayoutSpec, ephemeral: bool, names: tuple[str, ...] | None = None
+                     ) -> int:
+    """The most tokens one chunk of these streams may cover: a persistent chunk its
+    chunk_tokens; an ephemeral one the window W for window streams and m - 1 for the
+    pending rows (every stream it carries must fit). With the section table checked
+    against the plan, this bounds every decoded size by the layout alone."""
+    if not ephemeral:
+        return spec.chunk_tokens
+    bounds = [spec.pending_tokens_max if s.pending else spec.window_tokens
+              for s in spec.ephemeral_streams if names is None or s.name in names]
+    return min(bounds, default=0)
+
+
 @functools.lru_cache(maxsize=512)
 def chunk_plan(
     spec: LayoutSpec, num_tokens: int, ephemeral: bool, names: tuple[str, ...] | None = None

@@ -10,6 +10,9 @@ Layout of a chunk (little-endian)::
     payload   the sections back to back, zstd-compressed as a whole when flagged
 
 Codes are int4 packed two per byte (uint8), int8, or bf16; scales are fp16, one per group.
+A compressed payload is one zstd frame that declares its content size: the size is checked
+against the header (and, through the section table, the layout) before anything is
+decompressed, so a small chunk can never expand into a large allocation.
 The header checksum covers the section table, and the table holds each section's checksum,
 so every byte is covered while a reader of one layer verifies only what it reads.
 Anything that does not check out raises a ``CodecError`` subclass: never a wrong tensor.
@@ -26,10 +29,23 @@ import torch
 import xxhash
 import zstandard
 
-from kvstore.chunk_plan import PART_CODES, PART_SCALES, ChunkPlan, chunk_plan, streams_of
-from kvstore.errors import ChunkCorrupt, ChunkTruncated, LayoutMismatch, UnsupportedVersion
+from kvstore.chunk_plan import (
+    PART_CODES,
+    PART_SCALES,
+    ChunkPlan,
+    chunk_plan,
+    max_chunk_tokens,
+    streams_of,
+)
+from kvstore.errors import (
+    ChunkCorrupt,
+    ChunkTruncated,
+    LayoutMismatch,
+    UnknownLayout,
+    UnsupportedVersion,
+)
 from kvstore.keys import token_bytes
-from kvstore.layout import LayoutSpec
+from kvstore.layout import LayoutSpec, layout_by_hash
 
 MAGIC = b"KVTC"
 VERSION = 1
@@ -55,6 +71,8 @@ _CHECK = struct.Struct("<Q")
 # Bounds a corrupt header can claim, so decoding never tries to allocate absurd sizes.
 MAX_SECTIONS = 1 << 16
 MAX_PAYLOAD = 1 << 34
+# What zstd may add to an incompressible payload, beyond ZSTD_compressBound's n / 256.
+ZSTD_SLACK = 1024
 
 
 @dataclass(frozen=True)
@@ -171,6 +189,16 @@ def encode_chunk(
     return head + _CHECK.pack(xxhash.xxh3_64_intdigest(head)) + payload
 
 
+def max_encoded_bytes(spec: LayoutSpec, num_tokens: int, ephemeral: bool,
+                      names: tuple[str, ...] | None = None) -> int:
+    """The most bytes an encoding of these streams over ``num_tokens`` tokens can take:
+    header, section table and payload, with room for zstd's expansion of incompressible
+    data."""
+    plan = chunk_plan(spec, num_tokens, ephemeral, names)
+    table = _HEADER.size + len(plan.table_head) * _SECTION.size + _CHECK.size
+    return table + plan.payload_bytes + plan.payload_bytes // 256 + ZSTD_SLACK
+
+
 def read_header(buf: bytes | bytearray | memoryview) -> ChunkHeader:
     """Parse and check the header and section table (not the payload bytes)."""
     view = memoryview(buf).cast("B")
@@ -237,6 +265,7 @@ def decoded_payload(view: memoryview, header: ChunkHeader, *, copy: bool = True)
     if not header.compressed:
         payload = np.frombuffer(stored, np.uint8)
         return np.array(payload) if copy else payload
+    check_frame(stored, header.raw_payload_len)
     try:
         raw = zstandard.ZstdDecompressor().decompress(
             stored, max_output_size=header.raw_payload_len
@@ -250,6 +279,20 @@ def decoded_payload(view: memoryview, header: ChunkHeader, *, copy: bool = True)
     return np.frombuffer(bytearray(raw), np.uint8)
 
 
+def check_frame(stored, raw_len: int) -> None:
+    """A zstd payload must declare exactly the raw length its header says; checked before
+    decompressing (a frame that declares a size is decompressed into a buffer of that
+    size, whatever ``max_output_size`` says), so nothing larger is ever allocated."""
+    try:
+        declared = zstandard.frame_content_size(stored)
+    except zstandard.ZstdError as exc:
+        raise ChunkCorrupt(f"zstd payload has no valid frame header: {exc}") from exc
+    if declared < 0:
+        raise ChunkCorrupt("zstd payload does not declare its content size")
+    if declared != raw_len:
+        raise ChunkCorrupt(f"zstd payload declares {declared} bytes, header says {raw_len}")
+
+
 def verify_sections(payload, sections: np.ndarray) -> None:
     data = memoryview(payload)
     for stream, layer, part, _, offset, length, checksum in sections.tolist():
@@ -259,10 +302,18 @@ def verify_sections(payload, sections: np.ndarray) -> None:
             )
 
 
-def verify_chunk(buf: bytes | bytearray | memoryview) -> ChunkHeader:
-    """Check every byte of a chunk without copying it; return its header."""
+def verify_chunk(buf: bytes | bytearray | memoryview, spec: LayoutSpec | None = None
+                 ) -> ChunkHeader:
+    """Check every byte of a chunk without copying it; return its header. Its section
+    table (hence every size) is checked against ``spec``, or without one against the
+    registered layout it names; a chunk of an unregistered layout only against itself."""
     view = memoryview(buf).cast("B")
-    header = read_header(view)
+    if spec is None:
+        try:
+            spec = layout_by_hash(read_header(view).layout_hash)
+        except UnknownLayout:
+            spec = None
+    header = read_header(view) if spec is None else checked_plan(view, spec, None)[0]
     if header.compressed:
         verify_sections(decoded_payload(view, header), header.sections)
     else:
@@ -294,6 +345,11 @@ def checked_plan(view: memoryview, spec: LayoutSpec,
         if not header.ephemeral:
             raise ChunkCorrupt(f"persistent chunk lacks streams of layout {spec.name}")
         names = tuple(ordered[i] for i in present)
+    most = max_chunk_tokens(spec, header.ephemeral, names)
+    if header.num_tokens > most:
+        kind = "ephemeral" if header.ephemeral else "persistent"
+        raise ChunkCorrupt(f"{kind} chunk covers {header.num_tokens} tokens; layout "
+                           f"{spec.name} holds at most {most} in one")
     plan = chunk_plan(spec, header.num_tokens, header.ephemeral, names)
     # The table must be exactly the one encode_chunk writes for this layout and length.
     if len(table) != len(plan.table_head) or (
@@ -301,6 +357,17 @@ def checked_plan(view: memoryview, spec: LayoutSpec,
     ):
         raise ChunkCorrupt(f"section table does not match layout {spec.name}")
     return header, plan
+
+
+def checked_header(buf: bytes | bytearray | memoryview, spec: LayoutSpec) -> ChunkHeader:
+    """The header of a chunk whose every size is the layout's, read without decompressing
+    or hashing the payload: the section table is the layout's for its token count (which
+    is within the layout's bound), and a zstd payload declares exactly that raw size."""
+    view = memoryview(buf).cast("B")
+    header, _ = checked_plan(view, spec, None)
+    if header.compressed:
+        check_frame(view[header.payload_offset : header.encoded_len], header.raw_payload_len)
+    return header
 
 
 def decode_chunk(

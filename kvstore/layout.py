@@ -5,6 +5,11 @@ group size, how many tokens merge into one entry (m), how many layers own a copy
 whether it is persistent (global KV, stored on every tier) or ephemeral (sliding-window
 KV, kept only in hbm and host). Every byte figure is computed from these fields.
 
+A spec also states the model's vocabulary (token ids must lie below it) and its window W
+(the most tokens the ephemeral window streams hold), so every size a request can carry is
+bounded by the layout before anything is decoded (``chunk_plan.max_chunk_tokens``,
+``codec.max_encoded_bytes``, ``validate.window_bytes_max``).
+
 The store needs nothing else from a model: any cache that can be described this way can
 be spilled and restored.
 """
@@ -22,6 +27,8 @@ from kvstore.errors import InvalidRequest, UnknownLayout
 
 SCALE_BYTES = 2  # one fp16 scale per quantization group
 BF16_BYTES = 2
+# Token ids travel as little-endian uint32: a layout that names no vocabulary takes any.
+ANY_TOKEN_ID = 1 << 32
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,8 @@ class LayoutSpec:
     chunk_tokens: int  # tokens per chunk; a multiple of every persistent stream's m
     baseline: BaselineKV | None = None  # None: the streams already are the plain cache
     layer_modes: tuple[str, ...] = ()  # e.g. ("full", "reuse", ...): who owns, who borrows
+    vocab_size: int = ANY_TOKEN_ID  # token ids lie in [0, vocab_size)
+    window_tokens: int = 0  # W: tokens the window streams hold at most; 0 without them
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -119,6 +128,13 @@ class LayoutSpec:
                     f"layout {self.name}: chunk_tokens {self.chunk_tokens} is not a multiple "
                     f"of m={s.tokens_per_entry} of stream {s.name}"
                 )
+        if not 1 <= self.vocab_size <= ANY_TOKEN_ID:
+            raise InvalidRequest(f"layout {self.name}: vocab_size must be in 1..2^32, "
+                                 f"got {self.vocab_size}")
+        has_window = any(not s.pending for s in self.ephemeral_streams)
+        if has_window != (self.window_tokens > 0) or self.window_tokens < 0:
+            raise InvalidRequest(f"layout {self.name}: window_tokens (W) must be > 0 exactly "
+                                 f"when it has window streams, got {self.window_tokens}")
 
     @property
     def persistent_streams(self) -> tuple[Stream, ...]:
@@ -144,10 +160,15 @@ class LayoutSpec:
         return sum(s.bytes_per_token for s in self.ephemeral_streams if not s.pending)
 
     @property
+    def pending_tokens_max(self) -> int:
+        """The most tokens not yet merged into an entry: m - 1."""
+        return max((s.tokens_per_entry for s in self.persistent_streams), default=1) - 1
+
+    @property
     def pending_bytes_max(self) -> int:
         """The most the not-yet-merged rows (fewer than m tokens) can hold."""
-        m = max((s.tokens_per_entry for s in self.persistent_streams), default=1)
-        return int(sum(s.bytes_per_token for s in self.ephemeral_streams if s.pending) * (m - 1))
+        pending = sum(s.bytes_per_token for s in self.ephemeral_streams if s.pending)
+        return int(pending * self.pending_tokens_max)
 
     @property
     def bf16_baseline_bytes_per_token(self) -> float:
@@ -170,6 +191,8 @@ class LayoutSpec:
             "name": self.name,
             "layout_id": self.layout_id,
             "chunk_tokens": self.chunk_tokens,
+            "vocab_size": self.vocab_size,
+            "window_tokens": self.window_tokens,
             "persistent_bytes_per_token": self.persistent_bytes_per_token,
             "ephemeral_bytes_per_token": self.ephemeral_bytes_per_token,
             "pending_bytes_max": self.pending_bytes_max,

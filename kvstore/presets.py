@@ -1,4 +1,8 @@
-"""The layout specs kvtier ships. Byte figures are computed by ``LayoutSpec``, never typed."""
+"""The layout specs kvtier ships. Byte figures are computed by ``LayoutSpec``, never typed.
+
+Vocabularies are the models' own: ``vocab_size`` in the released config.json of
+deepseek-ai/deepseek-llm-67b-base (102,400) and deepseek-ai/DeepSeek-V3 (129,280).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ DEEPSEEK_LLM_67B = register_layout(
             Stream("v", (8, 128), bits=16, layers=95),
         ),
         chunk_tokens=16,
+        vocab_size=102_400,
         notes="GQA, 95 layers, 8 KV heads x 128 dims, bf16.",
     )
 )
@@ -25,6 +30,7 @@ DEEPSEEK_V3 = register_layout(
         name="deepseek-v3",
         streams=(Stream("latent", (512 + 64,), bits=16, layers=61),),
         chunk_tokens=16,
+        vocab_size=129_280,
         notes="MLA, 61 layers, 512-dim latent + 64-dim rope key, bf16.",
     )
 )
@@ -36,7 +42,9 @@ DEEPSEEK_V3 = register_layout(
 # ASSUMED (not stated in the seeds): m = 4 tokens per compressed entry; a 512-dim latent
 # per entry; 128-dim index keys; fp16 scales per 32 values (int4) and 64 values (int8);
 # the decoder's global KV merged with the same m; a 512-dim latent window per encoder
-# layer; and, for the plain baseline, GQA with 8 KV heads x 128 dims on all 40 layers.
+# layer; and, for the plain baseline, GQA with 8 KV heads x 128 dims on all 40 layers;
+# the window W = 128 tokens (the replay length, which rebuilds exactly the window); and
+# DeepSeek-V3's 129,280-token vocabulary.
 # With these the persisted part computes below the report's 890 B/token: the report
 # keeps more per token than the seeds let us pin down.
 FLASH_41_LIKE = register_layout(
@@ -51,14 +59,17 @@ FLASH_41_LIKE = register_layout(
         chunk_tokens=256,
         baseline=BaselineKV(layers=40, kv_heads=8, head_dim=128),
         layer_modes=(("full",) + ("reuse",) * 5) * 3 + ("full", "reuse"),
-        notes="Built from the seeds; m, dims, group sizes and the baseline are assumptions.",
+        vocab_size=129_280,
+        window_tokens=128,
+        notes="Built from the seeds; m, dims, group sizes, W, the vocabulary and the baseline "
+        "are assumptions.",
     )
 )
 
 # The bundled model (model/): width 256, 4 encoder + 4 decoder layers, encoder layers in
-# groups of two (full, reindex), window W = 128 tokens of 4 heads x 64 dims per layer,
-# m = 4, 64-dim latents, 32-dim index keys. model/config.py derives the same spec from the
-# model's config; a test keeps the two equal.
+# groups of two (full, reindex), byte vocabulary (256), window W = 128 tokens of 4 heads x
+# 64 dims per layer, m = 4, 64-dim latents, 32-dim index keys. model/config.py derives the
+# same spec from the model's config; a test keeps the two equal.
 KVTIER_BUNDLED = register_layout(
     LayoutSpec(
         name="kvtier-bundled",
@@ -75,6 +86,8 @@ KVTIER_BUNDLED = register_layout(
         chunk_tokens=512,
         baseline=BaselineKV(layers=8, kv_heads=4, head_dim=64),
         layer_modes=("full", "reindex", "full", "reindex", "reindex", "reuse", "reuse", "reuse"),
+        vocab_size=256,
+        window_tokens=128,
         notes="bundled model: width 256, 4+4 layers, W=128, m=4",
     )
 )

@@ -1,8 +1,11 @@
 """Checks that spilled and restored bytes are what a session's manifest says they are.
 
-A spill is refused whole (nothing stored) unless every chunk decodes cleanly, belongs
-to the session's layout, covers exactly its token range, and carries the key that the
-token ids chain to: a wrong key would let dedupe hand one session another's KV. On
+A spill is refused whole (nothing stored) unless its token ids lie in the layout's
+vocabulary and every chunk decodes cleanly, has exactly the section table the layout
+gives its token count (so every size is known from the layout before anything is
+decompressed), belongs to the session's layout, covers exactly its token range, and
+carries the key that the token ids chain to: a wrong key would let dedupe hand one
+session another's KV. On
 restore the same facts are re-checked for every copy read, so a copy that passes its
 own checksum but belongs elsewhere still counts as corrupt and is fallen through.
 """
@@ -13,11 +16,37 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvstore.codec import ChunkHeader, split_chunks, tokens_hash, verify_chunk
+from kvstore.codec import ChunkHeader, max_encoded_bytes, split_chunks, tokens_hash, verify_chunk
 from kvstore.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
 from kvstore.keys import ROOT_PARENT, chunk_key
 from kvstore.layout import LayoutSpec
 from kvstore.tiers.base import Buffer
+
+
+def check_token_ids(spec: LayoutSpec, tokens: np.ndarray) -> None:
+    """Every id must lie in the layout's vocabulary: a model fed one outside it fails
+    (an embedding lookup out of range) long after the spill was acknowledged."""
+    if len(tokens) and int(tokens.max()) >= spec.vocab_size:
+        at = int(np.argmax(tokens >= spec.vocab_size))
+        raise InvalidRequest(f"token id {int(tokens[at])} at position {at} is outside the "
+                             f"vocabulary of layout {spec.name}: ids must be < "
+                             f"vocab_size {spec.vocab_size}")
+
+
+def chunk_bytes_max(spec: LayoutSpec, num_tokens: int) -> int:
+    """The most bytes a persistent chunk of ``num_tokens`` tokens can be encoded in."""
+    return max_encoded_bytes(spec, num_tokens, False)
+
+
+def window_bytes_max(spec: LayoutSpec) -> int:
+    """The most bytes a window blob can take, whatever the session's length: the window
+    K/V over at most W tokens, and the pending rows of at most m - 1 tokens."""
+    window = tuple(s.name for s in spec.ephemeral_streams if not s.pending)
+    pending = tuple(s.name for s in spec.ephemeral_streams if s.pending)
+    total = max_encoded_bytes(spec, spec.window_tokens, True, window) if window else 0
+    if pending:
+        total += max_encoded_bytes(spec, spec.pending_tokens_max, True, pending)
+    return total
 
 
 def _check_range(
@@ -49,6 +78,7 @@ def check_spill(
     spilled and are checked again on every restore). The tail covers the rest (tokens of
     an incomplete entry may stay uncovered).
     """
+    check_token_ids(spec, tokens)
     size = spec.chunk_tokens
     if len(chunks) != len(tokens) // size:
         raise InvalidRequest(f"{len(tokens)} tokens make {len(tokens) // size} chunks of "
@@ -64,13 +94,13 @@ def check_spill(
                                  f"{spec.layout_id} chain to {parent!r}")
         if data is None:
             continue
-        header = verify_chunk(data)
+        header = verify_chunk(data, spec)
         if header.ephemeral:
             raise InvalidRequest(f"chunk {i} holds ephemeral (window) streams")
         _check_range(f"chunk {i}", header, spec, tokens, i * size, size)
     covered = len(chunks) * size
     if len(tail):
-        header = verify_chunk(tail)
+        header = verify_chunk(tail, spec)
         if header.ephemeral:
             raise InvalidRequest("the tail holds ephemeral (window) streams")
         if not 0 < header.num_tokens <= len(tokens) - covered:
@@ -82,12 +112,17 @@ def check_spill(
 
 
 def check_window(spec: LayoutSpec, tokens: np.ndarray, window: Buffer) -> None:
-    """A window blob is one or more ephemeral chunks back to back (window K/V, pending rows)."""
+    """A window blob is one or more ephemeral chunks back to back (window K/V, pending rows),
+    together no larger than the layout's window allows."""
+    if len(window) > window_bytes_max(spec):
+        raise InvalidRequest(f"the window blob is {len(window)} B; layout {spec.name} "
+                             f"(W = {spec.window_tokens}) encodes one in at most "
+                             f"{window_bytes_max(spec)} B")
     parts = split_chunks(window)
     if not parts:
         raise InvalidRequest("the window blob is empty")
     for part in parts:
-        header = verify_chunk(part)
+        header = verify_chunk(part, spec)
         if not header.ephemeral:
             raise InvalidRequest("the window blob must be encoded with ephemeral=True")
         if header.start_token + header.num_tokens > len(tokens):
@@ -100,8 +135,8 @@ def restored_chunk_check(spec: LayoutSpec, tokens: np.ndarray, index: int):
     start, size = index * spec.chunk_tokens, spec.chunk_tokens
 
     def check(data: Buffer) -> None:
-        header = verify_chunk(data)
         try:
+            header = verify_chunk(data, spec)
             if header.ephemeral:
                 raise InvalidRequest("holds ephemeral streams")
             _check_range(f"chunk {index}", header, spec, tokens, start, size)

@@ -119,6 +119,8 @@ def layout_spec(cfg: ModelConfig, name: str = "kvtier-bundled") -> LayoutSpec:
         # bf16 K and V of `width` values each
         baseline=BaselineKV(layers=cfg.layers, kv_heads=cfg.heads, head_dim=cfg.width // cfg.heads),
         layer_modes=cfg.enc_modes + cfg.dec_modes,
+        vocab_size=cfg.vocab,
+        window_tokens=cfg.window,
         notes=f"bundled model: width {cfg.width}, {enc}+{len(cfg.dec_modes)} layers, "
         f"W={cfg.window}, m={cfg.block}",
     )

@@ -53,7 +53,9 @@ def window_for(spec: LayoutSpec, num_tokens: int, window: int = 128, *, seed: in
 
 
 def tokens_for(count: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, 50_000, (count,), generator=torch.Generator().manual_seed(seed))
+    """Random ids within LAYOUT's vocabulary (a spill refuses any outside it)."""
+    return torch.randint(0, LAYOUT.vocab_size, (count,),
+                         generator=torch.Generator().manual_seed(seed))
 
 
 def assert_streams_equal(got: dict[str, StreamData], want: dict[str, StreamData]) -> None:

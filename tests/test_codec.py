@@ -26,6 +26,7 @@ MIXED = LayoutSpec(
         Stream("win", (3, 8), bits=8, group_size=8, layers=2, persistent=False),
     ),
     chunk_tokens=12,
+    window_tokens=30,
 )
 _DTYPES = {4: torch.uint8, 8: torch.int8, 16: torch.bfloat16}
 
@@ -71,6 +72,10 @@ def test_round_trip_is_exact(num_tokens, start, seed, zstd, ephemeral):
     tokens = np.random.default_rng(seed).integers(0, 256, num_tokens)
     streams = make_streams(MIXED, num_tokens, seed, ephemeral)
     buf = encode_chunk(MIXED, start, tokens, streams, ephemeral=ephemeral, zstd_level=zstd)
+    if not ephemeral and num_tokens > MIXED.chunk_tokens:  # more than one chunk's worth
+        with pytest.raises(ChunkCorrupt, match="at most 12"):
+            decode_chunk(buf, MIXED, token_ids=tokens)
+        return
     chunk = decode_chunk(buf, MIXED, token_ids=tokens)
     assert chunk.header.start_token == start and chunk.header.num_tokens == num_tokens
     assert chunk.header.ephemeral == ephemeral
@@ -143,7 +148,7 @@ def test_fuzz_random_and_mutated_buffers_only_decode_or_raise_codec_errors():
     rng = random.Random(1234)
     good = [
         encode_chunk(MIXED, 0, np.arange(n), make_streams(MIXED, n, n), zstd_level=z)
-        for n, z in ((12, None), (24, 3), (5, None))
+        for n, z in ((12, None), (11, 3), (5, None))
     ]
     decoded_ok = unchanged = 0
     for i in range(3000):
@@ -207,4 +212,5 @@ MIXED2 = LayoutSpec(
         Stream("pend", (6,), bits=16, persistent=False, pending=True),
     ),
     chunk_tokens=8,
+    window_tokens=9,
 )

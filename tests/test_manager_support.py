@@ -21,9 +21,10 @@ TINY = register_layout(
             Stream("win.k", (2, 16), bits=8, group_size=16, layers=2, persistent=False),
         ),
         chunk_tokens=16,
+        window_tokens=8,
     )
 )
-WINDOW_TOKENS = 8
+WINDOW_TOKENS = TINY.window_tokens
 
 
 def _stream_data(stream: Stream, num_tokens: int, gen: torch.Generator) -> StreamData:
