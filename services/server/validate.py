@@ -14,19 +14,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstore.chunk_plan import chunk_plan
-from kvstore.codec import read_header, split_chunks, tokens_hash
+from kvstore.codec import checked_header, split_chunks, tokens_hash
 from kvstore.errors import CodecError, InvalidRequest
 from kvstore.keys import chain_keys
 from kvstore.layout import LayoutSpec, get_layout
 from kvstore.policy import ResumeHint
+from kvstore.validate import check_token_ids, chunk_bytes_max, window_bytes_max
 from proto import kvtier_pb2 as pb
 from replay.worker import MAX_REPLAY_TOKENS
 
 TENANT = re.compile(r"^[a-z0-9_-]{1,64}$")
 SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 ACKS = {pb.ACK_MEMORY: "memory", pb.ACK_DURABLE: "durable"}
-CHUNK_OVERHEAD = 4096  # header, section table and zstd framing beyond the raw payload
 MAX_PAGE = 1000
 
 
@@ -71,11 +70,6 @@ def token_array(raw: bytes, field_name: str = "token_ids") -> np.ndarray:
     return np.frombuffer(raw, dtype="<u4")
 
 
-def max_chunk_bytes(spec: LayoutSpec, tokens: int, ephemeral: bool) -> int:
-    plan = chunk_plan(spec, tokens, ephemeral)
-    return plan.payload_bytes + plan.payload_bytes // 64 + CHUNK_OVERHEAD
-
-
 @dataclass
 class SpillPlan:
     """A validated Spill header and what the stream after it may still carry."""
@@ -96,12 +90,12 @@ class SpillPlan:
 
     def __post_init__(self) -> None:
         self._index = {key: i for i, key in enumerate(self.keys)}
-        self._chunk_limit = max_chunk_bytes(self.spec, self.spec.chunk_tokens, False)
+        # Every limit comes from the layout, never from what a payload's header claims.
+        self._chunk_limit = chunk_bytes_max(self.spec, self.spec.chunk_tokens)
         remaining = len(self.tokens) - len(self.keys) * self.spec.chunk_tokens
-        self._tail_limit = max_chunk_bytes(self.spec, max(remaining, 1), False)
-        # Window K/V plus the pending rows of an unfinished entry, each its own chunk.
-        self._window_limit = max_chunk_bytes(self.spec, max(len(self.tokens), 1), True) \
-            + CHUNK_OVERHEAD
+        self._tail_limit = chunk_bytes_max(self.spec, max(remaining, 1))
+        # Window K/V over at most W tokens plus the pending rows of an unfinished entry.
+        self._window_limit = window_bytes_max(self.spec)
 
     def add_chunk(self, key: str, data: bytes) -> None:
         index = self._index.get(key)
@@ -157,12 +151,11 @@ class SpillPlan:
     def _check_header(self, what: str, data: bytes, start: int | None, count: int | None,
                       ephemeral: bool):
         try:
-            header = read_header(data)
-        except CodecError as exc:
-            raise InvalidRequest(f"{what} is not a valid chunk: {exc}") from exc
-        if header.layout_hash != self.spec.layout_hash:
-            raise InvalidRequest(f"{what} was encoded for layout hash {header.layout_hash:016x},"
-                                 f" not {self.spec.layout_id}")
+            # the layout's section table for its token count, nothing decompressed yet
+            header = checked_header(data, self.spec)
+        except (CodecError, InvalidRequest) as exc:  # corrupt, or another layout's
+            raise InvalidRequest(f"{what} is not a valid chunk of layout {self.spec.name}: "
+                                 f"{exc}") from exc
         if header.ephemeral != ephemeral:
             kind = "window (ephemeral)" if ephemeral else "persistent"
             raise InvalidRequest(f"{what} must hold the {kind} streams")
@@ -210,6 +203,7 @@ def spill_header(header: pb.SpillHeader, default_ack: str, max_tokens: int) -> S
     tokens = token_array(header.token_ids, "header.token_ids")
     if len(tokens) > max_tokens:
         raise InvalidRequest(f"{len(tokens)} tokens exceed the limit of {max_tokens}")
+    check_token_ids(spec, tokens)
     keys = list(header.chunk_keys)
     expected = chain_keys(spec.layout_id, tokens, spec.chunk_tokens)
     if len(keys) != len(expected):
