@@ -20,7 +20,7 @@ through shared memory (``shared_memory=None``: whenever the target is loopback).
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -39,7 +39,6 @@ from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 
 ACKS = {"memory": pb.ACK_MEMORY, "durable": pb.ACK_DURABLE, None: pb.ACK_UNSPECIFIED}
-MAX_REPLY_BUFFER = 1 << 30  # larger restores use a segment of the server's per call
 LOOPBACK = ("localhost", "127.", "[::1]", "unix:", "ipv4:127.", "ipv6:[::1]")
 
 
@@ -68,9 +67,7 @@ class AsyncClient:
             ("grpc.max_reconnect_backoff_ms", int(retry.max_backoff_s * 1000))])
         self._stub = pb_grpc.KVTierStub(self._channel)
         self._held: dict[tuple[str, str], set[str]] = {}  # keys the server acknowledged
-        self._segments = shm.SegmentPool("kvtier-s")
-        self._replies = shm.SegmentPool("kvtier-c")
-        self._reply_bytes = 0  # the largest restore so far: the size of buffers we lend
+        self._segments = shm.ClientSegments(self._stub)  # leased from the server
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -79,12 +76,12 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
+        await self._segments.close()
         await self._channel.close()
-        self._segments.close()
-        self._replies.close()
 
     async def _call(self, attempt: Callable[[], Awaitable]):
         delays = self.retry.delays()
+        leases_lost = False
         while True:
             try:
                 return await attempt()
@@ -97,7 +94,11 @@ class AsyncClient:
                 delay = next(delays, None)
                 error = error_from_rpc(exc)
                 if isinstance(error, SharedMemoryUnavailable) and self.shared_memory:
-                    self.shared_memory = False
+                    # The server does not hold our lease (restarted, or it ran out): lease
+                    # afresh once; refused again, the bytes go inline.
+                    self._segments.forget()
+                    self.shared_memory = not leases_lost
+                    leases_lost = True
                     continue
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or delay is None:
                     raise error from exc
@@ -173,15 +174,19 @@ class AsyncClient:
             items.append(("tail", "", enc.tail))
         if enc.window is not None:
             items.append(("window", "", enc.window))
-        too_big = [(kind, len(d)) for kind, _, d in items
-                   if len(d) + 1024 > self.max_message_bytes]
-        if too_big and not self.shared_memory:
-            raise InvalidRequest(f"{too_big[0][0]} of {too_big[0][1]} B exceeds the "
-                                 f"{self.max_message_bytes} B message limit: use shared "
-                                 "memory or raise max_message_bytes (client and server)")
+        started = time.monotonic()
         writer = None
         if self.shared_memory and items:
-            writer = self._segments.acquire(sum(len(d) for _, _, d in items))
+            segment = await self._segments.for_spill(sum(len(d) for _, _, d in items),
+                                                     self.timeout_s)
+            writer = shm.SegmentWriter(segment) if segment is not None else None
+        too_big = [(kind, len(d)) for kind, _, d in items
+                   if len(d) + 1024 > self.max_message_bytes]
+        if too_big and writer is None:
+            raise InvalidRequest(f"{too_big[0][0]} of {too_big[0][1]} B exceeds the "
+                                 f"{self.max_message_bytes} B message limit and shared memory "
+                                 "is off or refused: raise max_message_bytes (client and "
+                                 "server)")
         try:
             messages = [pb.SpillRequest(header=header)]
             for kind, key, data in items:
@@ -189,12 +194,16 @@ class AsyncClient:
                            else pb.Payload(key=key, data=data))
                 messages.append(pb.SpillRequest(**{kind: payload}))
             reply = await self._stub.Spill(_stream(messages), timeout=self.timeout_s)
-        except BaseException:
+        except Exception:
             if writer is not None:  # the server may still be reading it: never reuse it
-                self._segments.discard(writer)
+                await self._segments.release([writer.segment])
+            raise
+        except BaseException:
+            if writer is not None:  # cancelled: no call to release it, the server reaps it
+                writer.segment.close()
             raise
         if writer is not None:  # the server copied the bytes out before it answered
-            self._segments.release(writer)
+            await self._segments.keep(writer.segment, started)
         return reply
 
     async def _acknowledged(self, ref, generation: int, num_tokens: int) -> pb.SpillReply | None:
@@ -224,52 +233,56 @@ class AsyncClient:
         return await self._call(lambda: self._receive(self._stub.Resume, request, decode))
 
     async def _receive(self, method, request, decode: bool) -> RestoredSession:
-        """One call; on the shared-memory path it lends a reused segment of ours, sized by
-        the largest restore so far, for the server to write into."""
+        """One call; on the shared-memory path it offers a segment it holds (warm pages)
+        as ``reply_lease``; the server writes into it, or into a new one it leases us."""
         request.use_shared_memory = self.shared_memory  # may have fallen back since
-        request.ClearField("reply_buffer")
-        lent = None
-        if self.shared_memory and self._reply_bytes:
-            lent = self._replies.acquire(self._reply_bytes)
-            request.reply_buffer.CopyFrom(pb.SharedMemoryRef(
-                name=lent.name, offset=0, length=lent.segment.size))
+        offered = self._segments.for_reply() if self.shared_memory else None
+        request.reply_lease = offered.lease_id if offered is not None else ""
+        used = [offered] if offered is not None else []  # every segment this call touched
+        started = time.monotonic()
         try:
-            result = await self._collect(method(request, timeout=self.timeout_s), decode, lent)
-        except BaseException:
-            if lent is not None:  # the server may still be writing into it: never reuse it
-                self._replies.discard(lent)
+            header, chunks, tail, window, summary, segment = await self._collect(
+                method(request, timeout=self.timeout_s), used)
+        except Exception:  # the server may still be writing into them: never reuse them
+            await self._segments.release(used)
             raise
-        if lent is not None:
-            self._replies.release(lent)
-        return result
+        except BaseException:  # cancelled: no call to release them, the server reaps them
+            for held in used:
+                held.close()
+            raise
+        for held in used:
+            if held is not segment:  # replaced: the server released it
+                held.close()
+        if segment is not None:  # copied out: it may serve the next call
+            await self._segments.keep(segment, started)
+        if not decode:
+            return self._decode(header, chunks, tail, window, summary, False)
+        return await asyncio.to_thread(self._decode, header, chunks, tail, window, summary,
+                                       True)
 
-    async def _collect(self, call, decode: bool, lent: shm.SegmentWriter | None
-                       ) -> RestoredSession:
+    async def _collect(self, call, used: list[shm.Segment]) -> tuple:
+        """The reply stream's parts, payloads copied out of shared memory; the segment the
+        header named (mapped, and added to ``used``, unless it is the offered one)."""
         header, chunks, tail, window, summary = None, [], b"", None, pb.ResumeSummary()
-        mapping = None
-        received = 0
+        segment = None
         try:
             async for reply in call:
                 kind = reply.WhichOneof("item")
                 if kind == "header":
                     header = reply.header
+                    if header.HasField("reply_segment"):
+                        segment = await self._reply_segment(header.reply_segment, used)
                 elif kind == "summary":
                     summary = reply.summary
                 else:
                     payload = reply.chunk.payload if kind == "chunk" else getattr(reply, kind)
-                    ref = payload.shm
                     if payload.WhichOneof("body") != "shm":
                         data = payload.data
-                    elif lent is not None and ref.name == lent.name:
-                        # our reused buffer: copy out before it serves the next call
-                        data = bytes(lent.segment.buf[ref.offset:ref.offset + ref.length])
+                    elif segment is None:
+                        raise InvalidRequest("a reply refers to shared memory the header "
+                                             "did not name")
                     else:
-                        if mapping is None:
-                            mapping = shm.Mapping(ref.name)
-                            mapping.unlink()  # nothing outlives this call; the map stays
-                        # Views into the mapping, no copy: unmapped with the last of them.
-                        data = mapping.view(ref.offset, ref.length)
-                    received += len(data)
+                        data = segment.read(payload.shm)
                     if kind == "chunk":
                         chunks.append(data)
                     elif kind == "tail":
@@ -277,18 +290,17 @@ class AsyncClient:
                     else:
                         window = data
         except BaseException:
-            if mapping is not None:
-                chunks.clear()
-                tail = window = None
-                with contextlib.suppress(BufferError):  # a view still alive: GC unmaps
-                    mapping.close()
+            call.cancel()
             raise
-        if self.shared_memory:
-            self._reply_bytes = min(max(self._reply_bytes, received), MAX_REPLY_BUFFER)
-        if not decode:
-            return self._decode(header, chunks, tail, window, summary, False)
-        return await asyncio.to_thread(self._decode, header, chunks, tail, window, summary,
-                                       True)
+        return header, chunks, tail, window, summary, segment
+
+    async def _reply_segment(self, lease: pb.SharedMemoryLease, used: list[shm.Segment]
+                             ) -> shm.Segment:
+        if used and used[0].lease_id == lease.lease_id:
+            return used[0]  # the offered one, written into
+        segment = await self._segments.mapped(lease)
+        used.append(segment)
+        return segment
 
     @staticmethod
     def _decode(header: pb.SessionHeader, chunks, tail, window, summary, decode: bool

@@ -1,19 +1,19 @@
-"""Same-host fast path: chunk bytes through POSIX shared memory, control over gRPC.
+"""Same-host fast path, client side: chunk bytes through POSIX shared memory, control over
+gRPC. The server side (creating, leasing, reaping, bounding) is
+``services.server.shm``; the rules are in ``proto/kvtier.proto``.
 
-Who creates a segment owns it and registers it with ``multiprocessing``'s resource
-tracker, so a crashed creator's segments are still removed. The other side only maps
-it by name (``attach``: open + mmap of ``/dev/shm/<name>``, no tracker involvement):
+Only the server creates segments; it hands out a ``SharedMemoryLease`` (lease id, name,
+size) and the client maps ``/dev/shm/<name>`` (``Segment``), never creating, naming or
+unlinking one. Payloads refer to ``(lease_id, offset, length)``:
 
-- Spill: the client packs every payload into one segment (``SegmentWriter``), sends
-  references, and unlinks it when the call returns, however it returns. The server
-  copies the referenced bytes out (``Attachments``) before it answers.
-- Restore/Resume: when the client lends a segment of its own (``reply_buffer``, reused
-  call after call so its pages are warm) and the session fits, the server writes into
-  it (``BufferWriter``). Otherwise the server packs the session into one segment per
-  call (``RestoreSegments.create``); the client maps it at the first reference and
-  unlinks the name at once (its mapping stays valid), so nothing outlives the client's
-  reads; a segment the client never claimed is unlinked by the server when its lease
-  ends (``RestoreSegments.reap``) or at shutdown (``close``).
+- Spill: the client asks ``LeaseSegment`` for a segment, writes its payloads into it and
+  sends references; the server copies them out before it answers.
+- Restore/Resume: the server writes the session into a segment it names in the header
+  (``reply_segment``); the client copies the payloads out.
+
+Either way the client keeps the segment (``ClientSegments``) and offers it again, to spill
+into or as ``reply_lease``, so its pages stay warm; each use renews the lease. Leases it
+stops using it releases (``ReleaseSegments``) or lets the server reap.
 
 Linux only (``available()``): elsewhere clients send bytes inline.
 """
@@ -21,22 +21,24 @@ Linux only (``available()``): elsewhere clients send bytes inline.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import mmap
 import os
 import re
-import secrets
 import time
-from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
-from kvstore.errors import InvalidRequest
-from kvtier.errors import SharedMemoryUnavailable
+import grpc
+
+from kvstore.errors import InvalidRequest, SharedMemoryUnavailable, TierFull
+from kvtier.errors import error_from_rpc
 from proto import kvtier_pb2 as pb
 
 SHM_DIR = Path("/dev/shm")
-_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+PREFIX = "kvtier-"  # every segment the server creates; its random part follows
+NAME = re.compile(r"^kvtier-[A-Za-z0-9_-]{1,120}$")  # no path, no dot: a plain name only
+RENEW_MARGIN = 0.8  # offer a lease again only within this share of its lease time
+POOL_SIZE = 4  # segments a client keeps between calls
+RELEASE_TIMEOUT_S = 2.0
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
@@ -44,213 +46,155 @@ def available() -> bool:
     return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
 
 
-class Mapping:
-    """A read-write mapping of an existing segment, closed explicitly."""
+class Segment:
+    """A server-created segment mapped read-write by the client holding its lease."""
 
-    def __init__(self, name: str) -> None:
-        if not _NAME.match(name):
-            raise InvalidRequest(f"bad shared memory segment name {name!r}")
-        self.name = name
-        try:
-            fd = os.open(SHM_DIR / name, os.O_RDWR)
-        except FileNotFoundError:
+    def __init__(self, lease: pb.SharedMemoryLease, clock=time.monotonic) -> None:
+        if not NAME.match(lease.name):
+            raise InvalidRequest(f"the server leased a segment named {lease.name!r}, "
+                                 "which is not a kvtier segment name")
+        self.lease_id = lease.lease_id
+        self.lease_s = lease.lease_s
+        self._clock = clock
+        self.fresh_until = clock() + lease.lease_s * RENEW_MARGIN
+        try:  # O_NOFOLLOW: a link planted under the name is not followed
+            fd = os.open(SHM_DIR / lease.name, os.O_RDWR | os.O_NOFOLLOW)
+        except (FileNotFoundError, PermissionError) as exc:
             raise SharedMemoryUnavailable(
-                f"shared memory segment {name!r} does not exist here: client and server "
-                "must share a host (and /dev/shm)") from None
+                f"shared memory segment {lease.name!r} cannot be opened here ({exc.strerror}):"
+                " client and server must share a host, /dev/shm and user") from None
         try:
-            size = os.fstat(fd).st_size
+            self.size = os.fstat(fd).st_size
+            if self.size < lease.size or not self.size:
+                raise SharedMemoryUnavailable(f"shared memory segment {lease.name!r} holds "
+                                              f"{self.size} B, not the {lease.size} B leased")
             # Populated up front: one call maps every page instead of a fault per page.
-            self._map = mmap.mmap(fd, size, flags=_MAP_FLAGS) if size else None
+            self._map = mmap.mmap(fd, self.size, flags=_MAP_FLAGS)
         finally:
             os.close(fd)
-        self.size = size
 
-    def _check(self, offset: int, length: int) -> None:
-        if offset + length > self.size:
-            raise InvalidRequest(f"shared memory ref {self.name}[{offset}:{offset + length}] "
-                                 f"is beyond the segment's {self.size} bytes")
+    def used(self, started: float) -> None:
+        """A call that began at ``started`` (this clock) used it: the server renewed it."""
+        self.fresh_until = started + self.lease_s * RENEW_MARGIN
 
-    def read(self, offset: int, length: int) -> bytes:
-        """A copy of the bytes (the mapping may be closed afterwards)."""
-        self._check(offset, length)
-        return self._map[offset : offset + length] if length else b""
+    def fresh(self) -> bool:
+        return self._clock() < self.fresh_until
 
-    def view(self, offset: int, length: int) -> memoryview:
-        """The bytes in place, read-only: no copy. The mapping then stays until the last
-        view is gone (do not ``close`` it; garbage collection unmaps it)."""
-        self._check(offset, length)
-        if not length:
-            return memoryview(b"")
-        return memoryview(self._map)[offset : offset + length].toreadonly()
+    def _check(self, ref: pb.SharedMemoryRef) -> None:
+        if ref.lease_id != self.lease_id or ref.offset + ref.length > self.size:
+            raise InvalidRequest(f"a reply refers to {ref.lease_id!r}[{ref.offset}:"
+                                 f"{ref.offset + ref.length}], not to the {self.size} B of "
+                                 f"lease {self.lease_id!r} the header named")
 
-    def unlink(self) -> None:
-        """Remove the name (our mapping stays valid until ``close``)."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(SHM_DIR / self.name)
+    def read(self, ref: pb.SharedMemoryRef) -> bytes:
+        """A copy: the segment serves the next call."""
+        self._check(ref)
+        return self._map[ref.offset : ref.offset + ref.length]
 
     def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-
-
-class BufferWriter:
-    """Writes payloads into a segment the client lent for one call (``reply_buffer``)."""
-
-    def __init__(self, ref: pb.SharedMemoryRef) -> None:
-        self.mapping = Mapping(ref.name)
-        self.capacity = min(self.mapping.size, ref.length)
-        self.used = 0
-
-    def fits(self, nbytes: int) -> bool:
-        return self.used + nbytes <= self.capacity
-
-    def add(self, data) -> pb.SharedMemoryRef:
-        view = memoryview(data).cast("B")
-        start = self.used
-        self.mapping._map[start : start + len(view)] = view
-        self.used += len(view)
-        return pb.SharedMemoryRef(name=self.mapping.name, offset=start, length=len(view))
-
-    def close(self) -> None:
-        self.mapping.close()
-
-
-class Attachments:
-    """The client segments one call refers to, each mapped once; ``close`` unmaps all."""
-
-    def __init__(self, max_segments: int = 16) -> None:
-        self._maps: dict[str, Mapping] = {}
-        self._max = max_segments
-
-    def read(self, ref: pb.SharedMemoryRef, max_length: int) -> bytes:
-        """Copy the referenced bytes out of the client's segment."""
-        if ref.length > max_length:
-            raise InvalidRequest(f"shared memory payload of {ref.length} B exceeds the "
-                                 f"{max_length} B limit")
-        mapping = self._maps.get(ref.name)
-        if mapping is None:
-            if len(self._maps) >= self._max:
-                raise InvalidRequest(f"one call may refer to at most {self._max} segments")
-            mapping = self._maps[ref.name] = Mapping(ref.name)
-        return mapping.read(ref.offset, ref.length)
-
-    def close(self) -> None:
-        for mapping in self._maps.values():
-            mapping.close()
-        self._maps.clear()
+        """Unmap (the name is the server's to unlink)."""
+        self._map.close()
 
 
 class SegmentWriter:
-    """One created segment filled front to back; ``add`` returns the reference to send."""
+    """Payloads packed front to back into one leased segment; ``add`` gives the ref."""
 
-    def __init__(self, size: int, prefix: str) -> None:
-        self.segment = shared_memory.SharedMemory(
-            name=f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}", create=True,
-            size=max(1, size))
+    def __init__(self, segment: Segment) -> None:
+        self.segment = segment
         self.used = 0
-
-    @property
-    def name(self) -> str:
-        return self.segment.name
-
-    def fits(self, nbytes: int) -> bool:
-        return self.used + nbytes <= self.segment.size
 
     def add(self, data) -> pb.SharedMemoryRef:
         view = memoryview(data).cast("B")
         start = self.used
-        self.segment.buf[start : start + len(view)] = view
+        self.segment._map[start : start + len(view)] = view
         self.used += len(view)
-        return pb.SharedMemoryRef(name=self.name, offset=start, length=len(view))
+        return pb.SharedMemoryRef(lease_id=self.segment.lease_id, offset=start,
+                                  length=len(view))
 
-    def close(self) -> None:
-        """Unmap; the name stays until ``unlink``."""
-        self.segment.close()
 
-    def unlink(self) -> None:
+class ClientSegments:
+    """The segments one client holds between calls (one per concurrent call, at most
+    ``POOL_SIZE`` kept), leased from its server through ``stub``."""
+
+    def __init__(self, stub, clock=time.monotonic) -> None:
+        self._stub = stub
+        self._clock = clock
+        self._free: list[Segment] = []
+
+    def _take(self, fits) -> Segment | None:
+        # Past its margin the server may reap it any moment: forget it, it will.
+        for segment in [s for s in self._free if not s.fresh()]:
+            self._free.remove(segment)
+            segment.close()
+        candidates = [s for s in self._free if fits(s)]
+        if not candidates:
+            return None
+        segment = min(candidates, key=lambda s: s.size)
+        self._free.remove(segment)
+        return segment
+
+    async def for_spill(self, size: int, timeout_s: float | None) -> Segment | None:
+        """A segment of at least ``size`` bytes, kept or newly leased; None when the
+        server refuses the lease (a bound reached): the bytes then go inline."""
+        segment = self._take(lambda s: s.size >= size)
+        if segment is not None:
+            return segment
         try:
-            self.segment.unlink()
-        except FileNotFoundError:  # the other side removed the name: balance our tracker
-            resource_tracker.unregister(self.segment._name, "shared_memory")
+            lease = await self._stub.LeaseSegment(pb.LeaseRequest(size=round_up(size)),
+                                                  timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if isinstance(error_from_rpc(exc), TierFull):
+                return None
+            raise
+        return await self.mapped(lease)
 
+    def for_reply(self) -> Segment | None:
+        """The largest kept segment, to offer as a restore's ``reply_lease``."""
+        largest = max((s.size for s in self._free if s.fresh()), default=0)
+        return self._take(lambda s: s.size == largest) if largest else None
 
-class SegmentPool:
-    """A client's spill segments, reused call after call (pages fault in once); one per
-    concurrent call. ``close`` unlinks them all."""
+    async def mapped(self, lease: pb.SharedMemoryLease) -> Segment:
+        """Map a segment the server just leased us; one we cannot map we give back."""
+        try:
+            return Segment(lease, self._clock)
+        except SharedMemoryUnavailable:
+            await self._end([lease.lease_id])
+            raise
 
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self._free: list[SegmentWriter] = []
+    async def keep(self, segment: Segment, started: float) -> None:
+        """A call that began at ``started`` used it (the server renewed the lease): keep
+        it for the next call, releasing the smallest beyond ``POOL_SIZE``."""
+        segment.used(started)
+        self._free.append(segment)
+        self._free.sort(key=lambda s: s.size, reverse=True)
+        extra, self._free = self._free[POOL_SIZE:], self._free[:POOL_SIZE]
+        await self.release(extra)
 
-    def acquire(self, size: int) -> SegmentWriter:
-        for i, writer in enumerate(self._free):
-            if writer.segment.size >= size:
-                writer.used = 0
-                return self._free.pop(i)
-        return SegmentWriter(size, self.prefix)
+    async def release(self, segments) -> None:
+        """Unmap segments we stop using and end their leases (best effort: the server
+        reaps them at their lease end anyway)."""
+        for segment in segments:
+            segment.close()
+        await self._end([s.lease_id for s in segments])
 
-    def release(self, writer: SegmentWriter) -> None:
-        self._free.append(writer)
-        if len(self._free) > 4:  # keep the few largest
-            self._free.sort(key=lambda w: w.segment.size)
-            self.discard(self._free.pop(0))
+    async def _end(self, lease_ids: list[str]) -> None:
+        if lease_ids:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self._stub.ReleaseSegments(pb.ReleaseRequest(lease_ids=lease_ids),
+                                                 timeout=RELEASE_TIMEOUT_S)
 
-    @staticmethod
-    def discard(writer: SegmentWriter) -> None:
-        writer.close()
-        writer.unlink()
-
-    def close(self) -> None:
-        for writer in self._free:
-            writer.close()
-            writer.unlink()
+    def forget(self) -> None:
+        """The server no longer holds our leases (it restarted): drop them unreleased."""
+        for segment in self._free:
+            segment.close()
         self._free.clear()
 
-
-@dataclass
-class _Lease:
-    writer: SegmentWriter
-    deadline: float
+    async def close(self) -> None:
+        segments, self._free = self._free, []
+        await self.release(segments)
 
 
-class RestoreSegments:
-    """The server's restore segments, each unlinked when its lease ends at the latest."""
-
-    def __init__(self, lease_s: float, prefix: str = "kvtier-r") -> None:
-        self.lease_s = lease_s
-        self.prefix = prefix
-        self._leases: dict[int, _Lease] = {}
-        self._ids = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._leases)
-
-    def create(self, size: int) -> tuple[int, SegmentWriter]:
-        self.reap()
-        writer = SegmentWriter(size, self.prefix)
-        lease_id = next(self._ids)
-        self._leases[lease_id] = _Lease(writer, time.monotonic() + self.lease_s)
-        return lease_id, writer
-
-    def done_writing(self, lease_id: int) -> None:
-        """The call ended: unmap now, keep the name for the client until the lease ends."""
-        lease = self._leases.get(lease_id)
-        if lease is not None:
-            lease.writer.close()
-
-    def reap(self, now: float | None = None) -> int:
-        now = time.monotonic() if now is None else now
-        expired = [i for i, lease in self._leases.items() if lease.deadline <= now]
-        for lease_id in expired:
-            self._release(lease_id)
-        return len(expired)
-
-    def close(self) -> None:
-        for lease_id in list(self._leases):
-            self._release(lease_id)
-
-    def _release(self, lease_id: int) -> None:
-        lease = self._leases.pop(lease_id)
-        lease.writer.close()
-        lease.writer.unlink()
+def round_up(size: int) -> int:
+    """Lease sizes in whole MiB, so a session that grows a little still fits."""
+    mib = 1 << 20
+    return max(mib, -(-size // mib) * mib)

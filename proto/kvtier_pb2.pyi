@@ -32,15 +32,45 @@ class ResumeHint(_message.Message):
     priority: int
     def __init__(self, expected_pause_s: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
 
-class SharedMemoryRef(_message.Message):
-    __slots__ = ("name", "offset", "length")
+class SharedMemoryLease(_message.Message):
+    __slots__ = ("lease_id", "name", "size", "lease_s")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    name: str
+    size: int
+    lease_s: float
+    def __init__(self, lease_id: _Optional[str] = ..., name: _Optional[str] = ..., size: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class SharedMemoryRef(_message.Message):
+    __slots__ = ("offset", "length", "lease_id")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
-    name: str
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     offset: int
     length: int
-    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    lease_id: str
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("size",)
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    def __init__(self, size: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_ids",)
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class Payload(_message.Message):
     __slots__ = ("key", "data", "shm")
@@ -103,21 +133,21 @@ class SpillReply(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., tier: _Optional[str] = ..., chunks_written: _Optional[int] = ..., chunks_deduped: _Optional[int] = ..., durable: _Optional[bool] = ..., bytes_received: _Optional[int] = ..., window_kept: _Optional[bool] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("session", "layer_by_layer", "want_window", "use_shared_memory", "reply_buffer")
+    __slots__ = ("session", "layer_by_layer", "want_window", "use_shared_memory", "reply_lease")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     LAYER_BY_LAYER_FIELD_NUMBER: _ClassVar[int]
     WANT_WINDOW_FIELD_NUMBER: _ClassVar[int]
     USE_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
-    REPLY_BUFFER_FIELD_NUMBER: _ClassVar[int]
+    REPLY_LEASE_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     layer_by_layer: bool
     want_window: bool
     use_shared_memory: bool
-    reply_buffer: SharedMemoryRef
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., layer_by_layer: _Optional[bool] = ..., want_window: _Optional[bool] = ..., use_shared_memory: _Optional[bool] = ..., reply_buffer: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
+    reply_lease: str
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., layer_by_layer: _Optional[bool] = ..., want_window: _Optional[bool] = ..., use_shared_memory: _Optional[bool] = ..., reply_lease: _Optional[str] = ...) -> None: ...
 
 class SessionHeader(_message.Message):
-    __slots__ = ("layout_id", "generation", "num_tokens", "token_ids", "chunk_keys", "window_available", "replay_needed", "window_tier")
+    __slots__ = ("layout_id", "generation", "num_tokens", "token_ids", "chunk_keys", "window_available", "replay_needed", "window_tier", "reply_segment")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +156,7 @@ class SessionHeader(_message.Message):
     WINDOW_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     REPLAY_NEEDED_FIELD_NUMBER: _ClassVar[int]
     WINDOW_TIER_FIELD_NUMBER: _ClassVar[int]
+    REPLY_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     layout_id: str
     generation: int
     num_tokens: int
@@ -134,7 +165,8 @@ class SessionHeader(_message.Message):
     window_available: bool
     replay_needed: bool
     window_tier: str
-    def __init__(self, layout_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., chunk_keys: _Optional[_Iterable[str]] = ..., window_available: _Optional[bool] = ..., replay_needed: _Optional[bool] = ..., window_tier: _Optional[str] = ...) -> None: ...
+    reply_segment: SharedMemoryLease
+    def __init__(self, layout_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., chunk_keys: _Optional[_Iterable[str]] = ..., window_available: _Optional[bool] = ..., replay_needed: _Optional[bool] = ..., window_tier: _Optional[str] = ..., reply_segment: _Optional[_Union[SharedMemoryLease, _Mapping]] = ...) -> None: ...
 
 class RestoredChunk(_message.Message):
     __slots__ = ("index", "tier", "payload")
@@ -195,16 +227,16 @@ class RestoreReply(_message.Message):
     def __init__(self, header: _Optional[_Union[SessionHeader, _Mapping]] = ..., chunk: _Optional[_Union[RestoredChunk, _Mapping]] = ..., section: _Optional[_Union[LayerSection, _Mapping]] = ..., tail: _Optional[_Union[Payload, _Mapping]] = ..., window: _Optional[_Union[Payload, _Mapping]] = ..., summary: _Optional[_Union[ResumeSummary, _Mapping]] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
-    __slots__ = ("session", "replay_tokens", "use_shared_memory", "reply_buffer")
+    __slots__ = ("session", "replay_tokens", "use_shared_memory", "reply_lease")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     REPLAY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     USE_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
-    REPLY_BUFFER_FIELD_NUMBER: _ClassVar[int]
+    REPLY_LEASE_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     replay_tokens: int
     use_shared_memory: bool
-    reply_buffer: SharedMemoryRef
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., replay_tokens: _Optional[int] = ..., use_shared_memory: _Optional[bool] = ..., reply_buffer: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
+    reply_lease: str
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., replay_tokens: _Optional[int] = ..., use_shared_memory: _Optional[bool] = ..., reply_lease: _Optional[str] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("session", "timeout_s", "target_tier")

@@ -74,6 +74,16 @@ class KVTierStub:
                 request_serializer=proto_dot_kvtier__pb2.ListRequest.SerializeToString,
                 response_deserializer=proto_dot_kvtier__pb2.ListReply.FromString,
                 _registered_method=True)
+        self.LeaseSegment = channel.unary_unary(
+                '/kvtier.v1.KVTier/LeaseSegment',
+                request_serializer=proto_dot_kvtier__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=proto_dot_kvtier__pb2.SharedMemoryLease.FromString,
+                _registered_method=True)
+        self.ReleaseSegments = channel.unary_unary(
+                '/kvtier.v1.KVTier/ReleaseSegments',
+                request_serializer=proto_dot_kvtier__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=proto_dot_kvtier__pb2.ReleaseReply.FromString,
+                _registered_method=True)
 
 
 class KVTierServicer:
@@ -128,6 +138,19 @@ class KVTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LeaseSegment(self, request, context):
+        """Same-host fast path: a segment for the caller to write Spill payloads into.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseSegments(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -170,6 +193,16 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.List,
                     request_deserializer=proto_dot_kvtier__pb2.ListRequest.FromString,
                     response_serializer=proto_dot_kvtier__pb2.ListReply.SerializeToString,
+            ),
+            'LeaseSegment': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaseSegment,
+                    request_deserializer=proto_dot_kvtier__pb2.LeaseRequest.FromString,
+                    response_serializer=proto_dot_kvtier__pb2.SharedMemoryLease.SerializeToString,
+            ),
+            'ReleaseSegments': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseSegments,
+                    request_deserializer=proto_dot_kvtier__pb2.ReleaseRequest.FromString,
+                    response_serializer=proto_dot_kvtier__pb2.ReleaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -388,6 +421,60 @@ class KVTier:
             '/kvtier.v1.KVTier/List',
             proto_dot_kvtier__pb2.ListRequest.SerializeToString,
             proto_dot_kvtier__pb2.ListReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaseSegment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/LeaseSegment',
+            proto_dot_kvtier__pb2.LeaseRequest.SerializeToString,
+            proto_dot_kvtier__pb2.SharedMemoryLease.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseSegments(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/ReleaseSegments',
+            proto_dot_kvtier__pb2.ReleaseRequest.SerializeToString,
+            proto_dot_kvtier__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -63,20 +63,44 @@ async def test_shared_memory_gives_identical_tensors_and_leaks_nothing(tmp_path)
                 await kv.spill("acme", session, LAYOUT.name, tokens, persistent,
                                window=window, generation=1)
                 results[use_shm] = await kv.restore("acme", session)
-                if use_shm:  # the second time into a buffer the client lends and reuses
-                    results["lent"] = await kv.restore("acme", session)
-                    lent = await kv.resume("acme", session)
-                    assert_streams_equal(lent.persistent, persistent)
-                    assert len(server.servicer.segments) == 1  # only the first call's
+                if use_shm:  # again: the client offers back the segment it keeps
+                    results["again"] = await kv.restore("acme", session)
+                    resumed = await kv.resume("acme", session)
+                    assert_streams_equal(resumed.persistent, persistent)
+                    # One warm segment, leased for the spill, served every restore too.
+                    assert len(server.servicer.leases) == 1
+                    assert len(_shm_names() - before) == 1
+            assert not len(server.servicer.leases)  # released when the client closed
+            assert _shm_names() == before
         samples = server.metrics.registry.get_sample_value
         assert samples("kvtier_spill_bytes_total", {"path": "shm"}) > 0
         assert samples("kvtier_restore_bytes_total", {"path": "shm"}) > 0
         assert samples("kvtier_restore_bytes_total", {"path": "grpc"}) > 0
-        assert _shm_names() == before  # the client unlinked the restore segment at once
     for restored in results.values():
         assert_streams_equal(restored.persistent, persistent)
         assert_streams_equal(restored.window, window)
     assert _shm_names() == before
+
+
+async def test_a_restarted_server_leases_afresh_without_falling_back(tmp_path):
+    tokens = tokens_for(TOKENS)
+    persistent = streams_for(LAYOUT, TOKENS)
+    config = config_for(tmp_path, listen=f"127.0.0.1:{free_port()}")
+    from services.server.servicer import create_server
+
+    server, port = await create_server(config)
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}") as kv:
+            await kv.spill("acme", "s1", LAYOUT.name, tokens, persistent, generation=1,
+                           ack="durable")
+            await server.stop(0.5)  # our lease ends with it
+            server, _ = await create_server(config)
+            restored = await kv.restore("acme", "s1")  # offers the lost lease: refused
+            assert kv.shared_memory
+            assert len(server.servicer.leases) == 1  # a fresh one served the restore
+    finally:
+        await server.stop(0.5)
+    assert_streams_equal(restored.persistent, persistent)
 
 
 async def test_spill_sends_only_new_chunks_and_recovers_when_they_are_gone(tmp_path):
@@ -192,23 +216,6 @@ def test_blocking_client(tmp_path):
     asyncio.run(main())
 
 
-def test_unclaimed_restore_segments_are_reaped():
-    segments = shm.RestoreSegments(lease_s=60)
-    lease, writer = segments.create(4096)
-    writer.add(b"x" * 100)
-    segments.done_writing(lease)
-    assert writer.name in _shm_names()
-    assert segments.reap() == 0  # the client still has time to map it
-    assert segments.reap(now=float("inf")) == 1
-    assert writer.name not in _shm_names() and not len(segments)
-    claimed, writer = segments.create(4096)  # a client mapped and unlinked this one
-    mapping = shm.Mapping(writer.name)
-    mapping.unlink()
-    segments.close()  # unlinking an already unlinked name is fine
-    mapping.close()
-    assert writer.name not in _shm_names()
-
-
 def _private_shm_server(data_dir) -> tuple[subprocess.Popen, str]:
     """``kvtier serve`` in its own mount namespace with a private /dev/shm: on one host,
     yet unable to see the client's segments, as if it ran on another machine."""
@@ -235,9 +242,9 @@ def test_shared_memory_falls_back_to_inline_bytes_when_dev_shm_differs(tmp_path)
         with Client(target) as kv:  # loopback: it tries shared memory first
             assert kv.shared_memory
             kv.spill("acme", "s1", LAYOUT.name, tokens, persistent, generation=1)
-            assert not kv.shared_memory  # the server could not map the segment
+            assert not kv.shared_memory  # the server's segment is not mapped here
             assert_streams_equal(kv.restore("acme", "s1").persistent, persistent)
-        with Client(target) as kv:  # a restore first: the server's segment is not ours
+        with Client(target) as kv:  # a restore first: its reply segment is not here either
             assert_streams_equal(kv.restore("acme", "s1").persistent, persistent)
             assert not kv.shared_memory
     finally:

@@ -26,5 +26,7 @@ def test_every_rpc_is_in_the_service():
         "Delete",
         "Stat",
         "List",
+        "LeaseSegment",
+        "ReleaseSegments",
     }
     assert "Replay" in kvtier_pb2.DESCRIPTOR.services_by_name

@@ -64,11 +64,11 @@ async def test_spill_refuses_bad_streams(tmp_path):
         "range": (iter([pb.SpillRequest(header=_header(tokens)),
                         pb.SpillRequest(chunk=pb.Payload(key=enc.keys[0], data=enc.tail))]),
                   "covers tokens"),
-        "no such segment": (iter([pb.SpillRequest(header=_header(tokens)),
-                                  pb.SpillRequest(chunk=pb.Payload(
-                                      key=enc.keys[0], shm=pb.SharedMemoryRef(
-                                          name="kvtier-nowhere", offset=0, length=10)))]),
-                            "must share a host"),
+        "no such lease": (iter([pb.SpillRequest(header=_header(tokens)),
+                                pb.SpillRequest(chunk=pb.Payload(
+                                    key=enc.keys[0], shm=pb.SharedMemoryRef(
+                                        lease_id="no-such-lease", offset=0, length=10)))]),
+                          "not held by this client"),
         "twice": (iter([pb.SpillRequest(header=_header(tokens)),
                         pb.SpillRequest(tail=pb.Payload(data=enc.tail)),
                         pb.SpillRequest(tail=pb.Payload(data=enc.tail))]), "twice"),

@@ -69,7 +69,10 @@ class ServerConfig:
     prefetch_timeout_s: float = 30.0  # when a Prefetch request says 0
     max_message_bytes: int = 64 * MiB  # one gRPC message, either direction
     max_spill_bytes: int = 4 * GiB  # one Spill stream, all payloads together
-    shm_lease_s: float = 120.0  # restore segments not released by then are unlinked
+    # Shared memory (same-host fast path): segments the server leases to clients.
+    shm_lease_s: float = 120.0  # a lease unused this long is unlinked
+    shm_lease_bytes_per_client: int = 2 * GiB  # leased to one connection at once
+    shm_lease_bytes_total: int = 8 * GiB  # leased to all clients at once
     metrics_port: int = 0  # 0: no Prometheus endpoint
     metrics_interval_s: float = 2.0  # how often tier figures are refreshed for metrics
     grace_s: float = 10.0  # in-flight RPCs get this long at shutdown
@@ -99,6 +102,11 @@ class ServerConfig:
             raise InvalidRequest(f"disk_segment_bytes must be > 0, got {self.disk_segment_bytes}")
         if self.replay_tokens < 1 or self.max_message_bytes < 1 * MiB:
             raise InvalidRequest("replay_tokens must be >= 1 and max_message_bytes >= 1 MiB")
+        if self.shm_lease_s <= 0:
+            raise InvalidRequest(f"shm_lease_s must be > 0, got {self.shm_lease_s}")
+        for name in ("shm_lease_bytes_per_client", "shm_lease_bytes_total"):
+            if getattr(self, name) < 0:
+                raise InvalidRequest(f"{name} must be >= 0 (0: no shared memory)")
         if self.replay_max_batch < 1:
             raise InvalidRequest(f"replay_max_batch must be >= 1, got {self.replay_max_batch}")
         object.__setattr__(self, "data_dir", Path(self.data_dir))

@@ -119,8 +119,8 @@ class ServiceMetrics:
                                      ["path"], registry=r)
         self.rpc_errors = Counter("kvtier_rpc_errors", "RPCs that ended with an error status",
                                   ["method", "code"], registry=r)
-        self.shm_segments = Gauge("kvtier_shm_segments", "Restore shared-memory segments "
-                                  "not yet released", registry=r)
+        self.shm_segments = Gauge("kvtier_shm_segments", "Shared-memory segments leased "
+                                  "to clients", registry=r)
         self._http = None
 
     def update(self, stats: ManagerStats) -> None:

@@ -24,10 +24,10 @@ from kvstore.errors import PreconditionFailed, TierFull
 from kvstore.layout import LayoutSpec
 from kvstore.manager import TierManager
 from kvstore.tiers.base import Buffer
-from kvtier.shm import BufferWriter, RestoreSegments, SegmentWriter
 from proto import kvtier_pb2 as pb
 from services.replay.hook import ReplayBackend
 from services.server.metrics import ServiceMetrics
+from services.server.shm import LeaseTable, ReplyWriter
 
 MESSAGE_MARGIN = 4096  # room for the fields around one payload in a reply
 
@@ -37,26 +37,27 @@ class StreamOptions:
     layer_by_layer: bool = False
     want_window: bool = False
     use_shared_memory: bool = False
-    reply_buffer: pb.SharedMemoryRef | None = None  # the client's own segment, if lent
+    reply_lease: str = ""  # a shared memory lease of the caller's, offered to write into
+    peer: str = ""  # the caller's connection: whose leases these are
     resume: bool = False  # rebuild a dropped window by bounded replay
     replay_tokens: int = 128
 
 
 class RestoreStreamer:
     def __init__(self, manager: TierManager, metrics: ServiceMetrics,
-                 segments: RestoreSegments | None,
+                 leases: LeaseTable | None,
                  replay: Callable[[], tuple[ReplayBackend | None, str]],
                  max_message_bytes: int) -> None:
         self.manager = manager
         self.metrics = metrics
-        self.segments = segments
+        self.leases = leases
         self.replay = replay
         self.max_payload = max_message_bytes - MESSAGE_MARGIN
 
     async def stream(self, tenant: str, session_id: str, opts: StreamOptions
                      ) -> AsyncIterator[pb.RestoreReply]:
         started = time.perf_counter()
-        lease, writer = None, None
+        lease, writer, refused = None, None, ""
         try:
             async with self.manager.reading(tenant, session_id) as reader:
                 m, spec = reader.manifest, reader.spec
@@ -71,18 +72,19 @@ class RestoreStreamer:
                     raise PreconditionFailed(f"{tenant}/{session_id} needs its window rebuilt "
                                              f"by replay, and {why_none}")
                 size = sum(m.chunk_sizes) + len(m.tail) + (len(window) if window else 0)
-                if opts.use_shared_memory and size:
-                    lent = opts.reply_buffer
-                    if lent is not None and lent.name and size <= lent.length:
-                        writer = BufferWriter(lent)
-                    elif self.segments is not None:
-                        lease, writer = self.segments.create(size)
-                        self.metrics.shm_segments.set(len(self.segments))
+                if opts.use_shared_memory and self.leases is not None:
+                    try:
+                        lease = self.leases.reply_segment(opts.peer, opts.reply_lease, size)
+                    except TierFull as exc:  # a bound reached: the bytes go inline
+                        refused = str(exc)
+                    self.metrics.shm_segments.set(len(self.leases))
+                    writer = ReplyWriter(lease) if lease is not None else None
                 yield pb.RestoreReply(header=pb.SessionHeader(
                     layout_id=m.layout_id, generation=m.generation, num_tokens=m.num_tokens,
                     token_ids=m.token_ids.tobytes(), chunk_keys=m.chunk_keys,
                     window_available=held, replay_needed=replay,
-                    window_tier=window_tier or (m.window_tier or "") if held else ""))
+                    window_tier=window_tier or (m.window_tier or "") if held else "",
+                    reply_segment=self.leases.describe(lease) if lease is not None else None))
                 chunks: list[Buffer] = []
                 tiers: set[str] = set()
                 keep = opts.layer_by_layer or (opts.resume and replay)
@@ -93,15 +95,15 @@ class RestoreStreamer:
                     if not opts.layer_by_layer:
                         yield pb.RestoreReply(chunk=pb.RestoredChunk(
                             index=chunk.index, tier=chunk.tier,
-                            payload=self._payload(chunk.key, chunk.data, writer)))
+                            payload=self._payload(chunk.key, chunk.data, writer, refused)))
                 if opts.layer_by_layer:
                     buffers = chunks + ([m.tail] if m.tail else [])
                     async for section in self._sections(spec, buffers):
                         yield pb.RestoreReply(section=section)
                 elif m.tail:
-                    yield pb.RestoreReply(tail=self._payload("", m.tail, writer))
+                    yield pb.RestoreReply(tail=self._payload("", m.tail, writer, refused))
                 if window is not None:
-                    yield pb.RestoreReply(window=self._payload("", window, writer))
+                    yield pb.RestoreReply(window=self._payload("", window, writer, refused))
                 tokens, tail = m.token_ids, m.tail
             restore_s = time.perf_counter() - started
             self.metrics.restore_seconds.observe(restore_s)
@@ -122,19 +124,18 @@ class RestoreStreamer:
                 self.metrics.resume_seconds.observe(time.perf_counter() - started)
             yield pb.RestoreReply(summary=summary)
         finally:
-            if lease is not None:
-                self.segments.done_writing(lease)
-            elif writer is not None:
-                writer.close()
+            if lease is not None:  # renewed: the client copies out, then may offer it again
+                self.leases.done(lease)
 
-    def _payload(self, key: str, data: Buffer, writer: SegmentWriter | BufferWriter | None
+    def _payload(self, key: str, data: Buffer, writer: ReplyWriter | None, refused: str = ""
                  ) -> pb.Payload:
         if writer is not None and writer.fits(len(data)):
             self.metrics.restore_bytes.labels("shm").inc(len(data))
             return pb.Payload(key=key, shm=writer.add(data))
         if len(data) > self.max_payload:
             raise TierFull(f"a {len(data)} B block exceeds the {self.max_payload} B message "
-                           "limit: raise max_message_bytes or use shared memory")
+                           "limit: raise max_message_bytes or use shared memory"
+                           + (f" (refused: {refused})" if refused else ""))
         self.metrics.restore_bytes.labels("grpc").inc(len(data))
         return pb.Payload(key=key, data=bytes(data))
 

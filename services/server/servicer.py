@@ -32,6 +32,7 @@ from kvstore.errors import (
     KVTierError,
     MissingChunks,
     PreconditionFailed,
+    SharedMemoryUnavailable,
 )
 from kvstore.manager import TierManager
 from kvstore.manifest import SessionManifest
@@ -45,6 +46,7 @@ from services.server import validate as check
 from services.server.config import ServerConfig, load_config
 from services.server.metrics import ServiceMetrics, tier_lookups
 from services.server.restore_stream import RestoreStreamer, StreamOptions
+from services.server.shm import LeaseTable
 from services.server.store import open_manager, restore_tier, tiers_holding, top_tier
 
 log = logging.getLogger(__name__)
@@ -59,8 +61,10 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         self.config = config
         self.metrics = metrics
         self.replay, self.why_no_replay = replay
-        self.segments = shm.RestoreSegments(config.shm_lease_s) if shm.available() else None
-        self.streamer = RestoreStreamer(manager, metrics, self.segments,
+        # Shared memory the server created and leased to clients (None: no /dev/shm).
+        self.leases = LeaseTable(config.shm_lease_s, config.shm_lease_bytes_per_client,
+                                 config.shm_lease_bytes_total) if shm.available() else None
+        self.streamer = RestoreStreamer(manager, metrics, self.leases,
                                         lambda: (self.replay, self.why_no_replay),
                                         config.max_message_bytes)
         self.replays = 0
@@ -73,19 +77,15 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     @grpc_errors
     async def Spill(self, request_iterator: AsyncIterator[pb.SpillRequest],
                     context: grpc.aio.ServicerContext) -> pb.SpillReply:
-        attachments = shm.Attachments()
-        try:
-            return await self._spill(request_iterator, attachments)
-        finally:
-            attachments.close()
+        return await self._spill(request_iterator, context.peer())
 
     async def _spill(self, request_iterator: AsyncIterator[pb.SpillRequest],
-                     attachments: shm.Attachments) -> pb.SpillReply:
+                     peer: str) -> pb.SpillReply:
         started = time.perf_counter()
         plan = None
 
         def read(payload: pb.Payload) -> bytes:
-            return self._payload_bytes(payload, attachments,
+            return self._payload_bytes(payload, peer,
                                        self.config.max_spill_bytes - plan.bytes_received)
 
         async for message in request_iterator:
@@ -122,11 +122,10 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             durable=plan.ack == "durable", bytes_received=plan.bytes_received,
             window_kept=manifest.window_tier is not None)
 
-    def _payload_bytes(self, payload: pb.Payload, attachments: shm.Attachments, budget: int
-                       ) -> bytes:
+    def _payload_bytes(self, payload: pb.Payload, peer: str, budget: int) -> bytes:
         body = payload.WhichOneof("body")
         if body == "shm":
-            data = attachments.read(payload.shm, budget)
+            data = self._leases().read(peer, payload.shm, budget)
             self.metrics.spill_bytes.labels("shm").inc(len(data))
         else:
             data = payload.data
@@ -145,7 +144,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         opts = StreamOptions(layer_by_layer=request.layer_by_layer,
                              want_window=request.want_window,
                              use_shared_memory=request.use_shared_memory,
-                             reply_buffer=_lent(request))
+                             reply_lease=request.reply_lease, peer=context.peer())
         async for reply in self.streamer.stream(tenant, session_id, opts):
             yield reply
 
@@ -154,7 +153,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                      ) -> AsyncIterator[pb.RestoreReply]:
         tenant, session_id = check.session_ref(request.session)
         opts = StreamOptions(want_window=True, use_shared_memory=request.use_shared_memory,
-                             reply_buffer=_lent(request), resume=True,
+                             reply_lease=request.reply_lease, peer=context.peer(), resume=True,
                              replay_tokens=check.replay_tokens(request.replay_tokens,
                                                                self.config.replay_tokens))
         generation, window = 0, b""
@@ -181,6 +180,31 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         if tier is None:
             log.info("rebuilt window of %s/%s not kept: no window tier has room",
                      tenant, session_id)
+
+    # -- shared memory (same-host fast path; rules in proto/kvtier.proto) --
+
+    def _leases(self) -> LeaseTable:
+        if self.leases is None:
+            raise SharedMemoryUnavailable("this server has no shared memory (/dev/shm): "
+                                          "send bytes inline")
+        return self.leases
+
+    @grpc_errors
+    async def LeaseSegment(self, request: pb.LeaseRequest, context: grpc.aio.ServicerContext
+                           ) -> pb.SharedMemoryLease:
+        leases = self._leases()
+        lease = leases.create(context.peer(), request.size)
+        self.metrics.shm_segments.set(len(leases))
+        return leases.describe(lease)
+
+    @grpc_errors
+    async def ReleaseSegments(self, request: pb.ReleaseRequest,
+                              context: grpc.aio.ServicerContext) -> pb.ReleaseReply:
+        if self.leases is None:  # nothing was ever leased
+            return pb.ReleaseReply()
+        released = self.leases.release(context.peer(), request.lease_ids)
+        self.metrics.shm_segments.set(len(self.leases))
+        return pb.ReleaseReply(released=released)
 
     # -- control --
 
@@ -264,10 +288,6 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             last_access_unix=m.last_access, tiers=tiers_holding(self.manager, m.chunk_keys))
 
 
-def _lent(request: pb.RestoreRequest | pb.ResumeRequest) -> pb.SharedMemoryRef | None:
-    return request.reply_buffer if request.HasField("reply_buffer") else None
-
-
 class KVTierServer:
     """A running server: the grpc.aio server, the store under it, and its metrics."""
 
@@ -299,9 +319,9 @@ class KVTierServer:
         while True:
             with contextlib.suppress(Exception):  # a failed refresh keeps the last figures
                 self.metrics.update(await self.manager.stat())
-            if self.servicer.segments is not None:
-                self.servicer.segments.reap()
-                self.metrics.shm_segments.set(len(self.servicer.segments))
+            if self.servicer.leases is not None:
+                self.servicer.leases.reap()
+                self.metrics.shm_segments.set(len(self.servicer.leases))
             await asyncio.sleep(interval_s)
 
     async def wait_for_termination(self) -> None:
@@ -328,8 +348,8 @@ class KVTierServer:
             finally:
                 if self.servicer.replay is not None:
                     await self.servicer.replay.close()
-                if self.servicer.segments is not None:
-                    self.servicer.segments.close()
+                if self.servicer.leases is not None:
+                    self.servicer.leases.close()
                 self.metrics.stop_http()
 
 
