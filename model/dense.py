@@ -128,8 +128,8 @@ class TrainingAttention:
             self.sel = topk_mask(scores.masked_fill(~self.pool, float("-inf")), cfg.topk)
         self.groups.append({"scores": scores, "targets": [], "sel": self.sel})
 
-    def _compressed_logits(self, layer, qc: torch.Tensor, latent: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _compressed_logits(self, layer: EncoderLayer | DecoderLayer, qc: torch.Tensor,
+                           latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """qc (B, H, T, Dc), latent (B, N, Dc) -> logits (B, H, T, N) and the mask (B, 1, T,
         N) of the entries attended; records the dense attention the indexer should predict."""
         t, n = self.t, self.n
