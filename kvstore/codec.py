@@ -339,11 +339,14 @@ def checked_plan(view: memoryview, spec: LayoutSpec,
     ordered = [st.name for st in streams_of(spec, header.ephemeral)]
     present = dict.fromkeys(table["stream"].tolist())
     if any(i >= len(ordered) for i in present):
-        raise ChunkCorrupt(f"section names a stream layout {spec.name} does not have")
+        raise ChunkCorrupt(f"section table does not match layout {spec.name}: it names "
+                           f"streams {sorted(present)}, the layout has {len(ordered)}")
     names = None
     if len(present) != len(ordered):
         if not header.ephemeral:
-            raise ChunkCorrupt(f"persistent chunk lacks streams of layout {spec.name}")
+            raise ChunkCorrupt(f"section table does not match layout {spec.name}: a "
+                               f"persistent chunk holds all of {ordered}, this one names "
+                               f"only {[ordered[i] for i in present]}")
         names = tuple(ordered[i] for i in present)
     most = max_chunk_tokens(spec, header.ephemeral, names)
     if header.num_tokens > most:
@@ -355,7 +358,10 @@ def checked_plan(view: memoryview, spec: LayoutSpec,
     if len(table) != len(plan.table_head) or (
         table.view(np.uint64).reshape(-1, 4)[:, :3].tobytes() != plan.table_head.tobytes()
     ):
-        raise ChunkCorrupt(f"section table does not match layout {spec.name}")
+        raise ChunkCorrupt(f"section table does not match layout {spec.name}: expected "
+                           f"{len(plan.table_head)} sections ({plan.payload_bytes} B) for "
+                           f"{header.num_tokens} tokens, got {len(table)} "
+                           f"({header.raw_payload_len} B)")
     return header, plan
 
 

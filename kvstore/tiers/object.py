@@ -45,6 +45,10 @@ RAW, ZSTD = ".bin", ".zst"
 @dataclass(frozen=True)
 class ObjectTierConfig:
     compression_level: int | None = None  # zstd level; None stores values as given
+    # The most a compressed object may expand to: a frame declaring more (or no size) is
+    # refused before anything is allocated. Values are chunks (one gRPC message, 64 MiB
+    # by default) and manifests (4 B per token id).
+    max_value_bytes: int = 1 << 30
     # S3 only:
     endpoint_url: str | None = None
     region_name: str | None = None
@@ -311,12 +315,17 @@ class ObjectTier(Tier):
             return view
         return zstandard.ZstdCompressor(level=self.config.compression_level).compress(view)
 
-    @staticmethod
-    def _decode(name: str, data: bytes) -> bytes:
+    def _decode(self, name: str, data: bytes) -> bytes:
         if name.endswith(RAW):
             return data
         try:
-            return zstandard.ZstdDecompressor().decompress(data)
+            # A frame declaring its size is decompressed into a buffer of that size
+            # whatever max_output_size says: bound the declared size first.
+            declared = zstandard.frame_content_size(data)
+            if not 0 <= declared <= self.config.max_value_bytes:
+                raise ChunkCorrupt(f"object {name!r} declares {declared} B (-1: no size); "
+                                   f"at most {self.config.max_value_bytes} B are read")
+            return zstandard.ZstdDecompressor().decompress(data, max_output_size=declared)
         except zstandard.ZstdError as exc:
             raise ChunkCorrupt(f"object {name!r} is not a valid zstd frame: {exc}") from exc
 
@@ -337,6 +346,9 @@ class ObjectTier(Tier):
         name, other = self._names(key)
         self._store.check_name(name)
         view = as_byte_view(value)
+        if self.config.compression_level is not None and len(view) > self.config.max_value_bytes:
+            raise InvalidRequest(f"object: a {len(view)} B value exceeds max_value_bytes "
+                                 f"{self.config.max_value_bytes}: it could not be read back")
         await self._ensure_loaded()
         stored = view if self.config.compression_level is None \
             else await asyncio.to_thread(self._encode, view)
