@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from kvstore.keys import chain_keys
-from kvtier.codec import as_tokens, encode_session
+from kvtier.codec import as_tokens, encode_session, encode_window
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from tests.service_support import LAYOUT, running_server, streams_for, tokens_for
@@ -50,6 +50,11 @@ async def test_spill_refuses_bad_streams(tmp_path):
     tokens, enc = _session()
     flipped = bytearray(enc.chunks[0])
     flipped[-10] ^= 0xFF
+    out_of_vocab = tokens.copy()
+    out_of_vocab[3] = LAYOUT.vocab_size
+    # Window K/V over every token, not the last W = 128: bounded by W, not by the session.
+    too_wide = encode_window(LAYOUT, tokens, streams_for(
+        LAYOUT, TOKENS, streams=[s for s in LAYOUT.ephemeral_streams if not s.pending]))
     bad = {
         "tenant": (_messages(_header(tokens, session=pb.SessionRef(tenant="ACME",
                                                                      session_id="s1")), enc),
@@ -69,6 +74,10 @@ async def test_spill_refuses_bad_streams(tmp_path):
                                     key=enc.keys[0], shm=pb.SharedMemoryRef(
                                         lease_id="no-such-lease", offset=0, length=10)))]),
                           "not held by this client"),
+        "vocabulary": (_messages(_header(out_of_vocab), enc), "vocab_size 256"),
+        "window wider than W": (iter([pb.SpillRequest(header=_header(tokens)),
+                                      pb.SpillRequest(window=pb.Payload(data=too_wide))]),
+                                "encodes it in at most"),
         "twice": (iter([pb.SpillRequest(header=_header(tokens)),
                         pb.SpillRequest(tail=pb.Payload(data=enc.tail)),
                         pb.SpillRequest(tail=pb.Payload(data=enc.tail))]), "twice"),
