@@ -97,6 +97,9 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
+    def __iter__(self):
+        return iter(list(self._leases.values()))
+
     @property
     def held_bytes(self) -> int:
         return sum(lease.size for lease in self._leases.values())
