@@ -421,6 +421,8 @@ def decode_chunk(
             starts = [p.offset + layer * p.layer_bytes for layer in picked]
             flat = torch.cat([base[s : s + p.layer_bytes] for s in starts])
         shape = (len(picked), *p.shape[1:])
+        if flat.storage_offset() % p.dtype.itemsize:
+            flat = flat.clone()  # a part after odd-sized int4 codes: view() needs alignment
         # An empty slice may carry a stride that view() rejects; it has no bytes to keep.
         part = (
             flat.view(p.dtype).reshape(shape) if flat.numel() else torch.empty(shape, dtype=p.dtype)
