@@ -5,7 +5,6 @@ StreamData`` for the tensor layout of a stream. The error classes (``kvtier.Sess
 ...) are those of ``kvstore.errors``, imported from there so naming them imports no gRPC.
 """
 
-from kvstore.codec import StreamData
 from kvstore.errors import (
     Busy,
     ChunkCorrupt,
@@ -58,3 +57,13 @@ __all__ += [
     "UnknownLayout",
     "UnsupportedVersion",
 ]
+
+
+def __getattr__(name: str):
+    # StreamData holds tensors: importing it imports torch, so only when it is asked for
+    # (``kvtier stat`` and ``kvtier list`` import the client and no tensors).
+    if name == "StreamData":
+        from kvstore.codec import StreamData
+
+        return StreamData
+    raise AttributeError(f"module 'kvtier' has no attribute {name!r}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -30,13 +31,15 @@ from kvstore.errors import InvalidRequest, StaleGeneration
 from kvstore.keys import chain_keys
 from kvstore.layout import LayoutSpec, get_layout
 from kvstore.policy import ResumeHint
-from kvstore.restore import LayerSlice
 from kvtier import codec as cc
 from kvtier import shm
 from kvtier.errors import MissingChunks, SharedMemoryUnavailable, error_from_rpc
 from kvtier.types import RestoredSession, RetryPolicy, SpillResult
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # a hint only: kvstore.restore imports torch
+    from kvstore.restore import LayerSlice
 
 ACKS = {"memory": pb.ACK_MEMORY, "durable": pb.ACK_DURABLE, None: pb.ACK_UNSPECIFIED}
 LOOPBACK = ("localhost", "127.", "[::1]", "unix:", "ipv4:127.", "ipv6:[::1]")

@@ -10,32 +10,40 @@ Tensor layouts (per stream of the layout spec, see ``kvstore.chunk_plan``):
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 import xxhash
 
-from kvstore.codec import StreamData, decode_chunk, encode_chunk, read_header, split_chunks
-from kvstore.codec_run import decode_chunks
 from kvstore.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
 from kvstore.keys import chain_keys, token_bytes
 from kvstore.layout import LayoutSpec
-from kvstore.restore import LayerSlice
 
-Streams = Mapping[str, StreamData]
+# torch (through kvstore.codec) is imported by the calls that handle tensors, not here:
+# importing the client (``kvtier stat``, ``kvtier list``) must not pay seconds for it.
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore.codec import StreamData
+    from kvstore.restore import LayerSlice
+
+Streams = Mapping[str, "StreamData"]
 
 
 def as_tokens(token_ids) -> np.ndarray:
     """Token ids (sequence, numpy array or 1-D tensor) as (num_tokens,) little-endian uint32."""
-    if isinstance(token_ids, torch.Tensor):
+    torch_module = sys.modules.get("torch")  # not imported: token_ids cannot be a tensor
+    if torch_module is not None and isinstance(token_ids, torch_module.Tensor):
         token_ids = token_ids.detach().cpu().numpy()
     return np.frombuffer(token_bytes(token_ids), dtype="<u4")
 
 
 def _check_streams(spec: LayoutSpec, streams: Streams, ephemeral: bool, what: str) -> int:
     """Entries every stream must have in common (per its m); raises on a mismatch."""
+    from kvstore.codec import StreamData
     expected = spec.ephemeral_streams if ephemeral else spec.persistent_streams
     names = {s.name for s in expected}
     if set(streams) != names:
@@ -76,6 +84,7 @@ def encode_session(
 ) -> EncodedSession:
     """Cut (layers, entries, ...) streams into chunks of ``spec.chunk_tokens`` and encode
     them; chunks whose key is in ``skip`` (held by the server already) are not encoded."""
+    from kvstore.codec import encode_chunk
     entries_needed = {s.name: s.entries_for(len(tokens)) for s in spec.persistent_streams}
     _check_streams(spec, persistent, False, "persistent streams")
     for name, need in entries_needed.items():
@@ -99,6 +108,7 @@ def encode_session(
 
 
 def _slice(spec: LayoutSpec, streams: Streams, start: int, stop: int) -> dict[str, StreamData]:
+    from kvstore.codec import StreamData
     out = {}
     for s in spec.persistent_streams:
         data = streams[s.name]
@@ -112,6 +122,7 @@ def encode_window(spec: LayoutSpec, tokens: np.ndarray, window: Streams) -> byte
     """Encode ephemeral streams as the window blob: streams covering the same number of
     tokens (the window K/V over the last W tokens; the pending rows of an unfinished
     entry) become one ephemeral chunk each, ending at the session's last token."""
+    from kvstore.codec import StreamData, encode_chunk
     known = {s.name: s for s in spec.ephemeral_streams}
     if not window or set(window) - set(known):
         raise LayoutMismatch(f"window streams must be some of {sorted(known)}, "
@@ -137,6 +148,8 @@ def encode_window(spec: LayoutSpec, tokens: np.ndarray, window: Streams) -> byte
 def decode_persistent(spec: LayoutSpec, tokens: np.ndarray, chunks: Sequence[bytes],
                       tail: bytes) -> dict[str, StreamData]:
     """The whole session's persistent streams, (layers, entries, ...) each, verified."""
+    from kvstore.codec import read_header
+    from kvstore.codec_run import decode_chunks
     if not chunks and not tail:
         return {}
     bufs, counts = list(chunks), [spec.chunk_tokens] * len(chunks)
@@ -151,12 +164,14 @@ def decode_persistent(spec: LayoutSpec, tokens: np.ndarray, chunks: Sequence[byt
 
 def window_start(window) -> int:
     """First token covered by the window blob's first (window K/V) chunk."""
+    from kvstore.codec import read_header, split_chunks
     return read_header(split_chunks(window)[0]).start_token
 
 
 def decode_window(spec: LayoutSpec, tokens: np.ndarray, window
                   ) -> tuple[dict[str, StreamData], int]:
     """Every ephemeral stream of the window blob, and the first token of its first chunk."""
+    from kvstore.codec import decode_chunk, read_header, split_chunks
     out: dict[str, StreamData] = {}
     parts = split_chunks(window)
     for part in parts:
@@ -191,6 +206,11 @@ class LayerAssembler:
         return done
 
     def finish(self) -> LayerSlice | None:
+        import torch
+
+        from kvstore.codec import StreamData
+        from kvstore.restore import LayerSlice
+
         if self.current is None:
             return None
         name, layer = self.current
@@ -207,6 +227,8 @@ class LayerAssembler:
 
 def _tensor(raw: bytes, dtype: torch.dtype, entry_shape: tuple[int, ...]) -> torch.Tensor:
     """(entries, *entry_shape) tensor owning a copy of ``raw``."""
+    import torch
+
     if not raw:
         return torch.empty((0, *entry_shape), dtype=dtype)
     flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)

@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from kvstore.restore import LayerSlice
 from kvtier.client import AsyncClient
 from kvtier.types import RestoredSession, SpillResult
 from proto import kvtier_pb2 as pb
+
+if TYPE_CHECKING:  # a hint only: kvstore.restore imports torch
+    from kvstore.restore import LayerSlice
 
 
 class Client:

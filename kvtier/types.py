@@ -5,11 +5,13 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # hints only: importing these types must not import torch or numpy
+    import numpy as np
 
-from kvstore.codec import StreamData
-from kvstore.layout import LayoutSpec
+    from kvstore.codec import StreamData
+    from kvstore.layout import LayoutSpec
 
 
 @dataclass(frozen=True)
