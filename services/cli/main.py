@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from services.cli.version import VersionAction
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "layouts": ("services.cli.layouts", "print the layout specs and their bytes per token"),
@@ -28,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvtier", description="Tiered KV-cache persistence with bounded-replay recovery."
     )
+    parser.add_argument("--version", action=VersionAction, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -48,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head`: not an error worth a traceback
         sys.stderr.close()
         return 0
+    except KeyboardInterrupt:  # Ctrl-C before a command installed its own handling
+        return 130
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ Configuration: ``--config FILE`` (TOML) and ``KVTIER_*`` environment variables o
 preset (``embedded`` by default); the flags below override both. Prints one line,
 ``kvtier serving on HOST:PORT``, once it accepts calls (``--listen 127.0.0.1:0`` picks a
 free port; scripts read it from that line).
+
+A server that cannot start (a bad config, its data directory in use or not a directory,
+its port taken) prints one line naming the cause on stderr and exits with status 2.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import logging
 import sys
 
 from kvstore.errors import KVTierError
-from services.cli.lifecycle import stop_on_signals
+from services.cli.lifecycle import refuse_if_taken, stop_on_signals
 from services.server.config import PRESETS, load_config
 
 
@@ -39,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # boto3 says at INFO where it found credentials: noise unless one asks for DEBUG.
+    if logging.root.level > logging.DEBUG:
+        logging.getLogger("botocore").setLevel(logging.WARNING)
     overrides = {"listen": args.listen, "data_dir": args.data_dir,
                  "metrics_port": args.metrics_port, "redis_url": args.redis_url,
                  "host_bytes": args.host_bytes, "disk_bytes": args.disk_bytes,
@@ -51,14 +57,30 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(config.summary(), indent=2))
         return 0
-    asyncio.run(_serve(config))
-    return 0
+    host = config.listen.rpartition(":")[0]
+    try:
+        # Ports first: before the store is opened (and torch imported), and without the
+        # line gRPC itself logs when it cannot bind.
+        refuse_if_taken(config.listen)
+        if config.metrics_port:
+            refuse_if_taken(f"{host}:{config.metrics_port}", "--metrics-port (0: none)")
+    except KVTierError as exc:
+        print(f"kvtier serve: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(config))
 
 
-async def _serve(config) -> None:
+async def _serve(config) -> int:
     from services.server.servicer import create_server
 
-    server, port = await create_server(config)
+    try:
+        server, port = await create_server(config)
+    except KVTierError as exc:
+        print(f"kvtier serve: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"kvtier serve: cannot start: {exc}", file=sys.stderr)
+        return 2
     stop = stop_on_signals()
     host = config.listen.rpartition(":")[0]
     extra = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
@@ -67,3 +89,4 @@ async def _serve(config) -> None:
         await stop.wait()
     finally:
         await server.stop()
+    return 0

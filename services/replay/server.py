@@ -29,7 +29,7 @@ from kvtier.errors import grpc_errors
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from replay.worker import DEFAULT_MAX_BATCH, DEFAULT_REPLAY_TOKENS, ReplayWorker
-from services.cli.lifecycle import stop_on_signals
+from services.cli.lifecycle import refuse_if_taken, stop_on_signals
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["Replay"].full_name
@@ -70,7 +70,10 @@ async def create_server(addr: str, worker: ReplayWorker, *, name: str | None = N
     server = grpc.aio.server(options=[("grpc.max_send_message_length", max_message_bytes),
                                       ("grpc.max_receive_message_length", max_message_bytes),
                                       ("grpc.so_reuseport", 0)])
-    port = server.add_insecure_port(addr)
+    try:
+        port = server.add_insecure_port(addr)
+    except RuntimeError:  # grpcio raises where older releases returned 0
+        port = 0
     if not port:
         raise InvalidRequest(f"cannot listen on {addr}")
     host = addr.rpartition(":")[0]
@@ -112,13 +115,18 @@ def run(args: argparse.Namespace) -> int:
 
     weights = args.weights or BUNDLED_WEIGHTS
     try:
+        refuse_if_taken(args.listen)  # before the model loads, and without gRPC's log line
         model = load(weights)
         worker = ReplayWorker(model, default_tokens=args.replay_tokens,
                               max_batch=args.max_batch)
     except (FileNotFoundError, ValueError, KVTierError) as exc:
         print(f"kvtier replay-worker: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(_serve(args, worker))
+    try:
+        asyncio.run(_serve(args, worker))
+    except KVTierError as exc:  # start-up: the port was taken meanwhile
+        print(f"kvtier replay-worker: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

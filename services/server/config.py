@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvstore.errors import InvalidRequest
 
@@ -32,6 +33,9 @@ DEFAULT_REPLAY_PORT = 50052
 ACKS = ("memory", "durable")
 REPLAY_MODES = ("auto", "in-process", "remote", "streams", "off")
 EVICTION_POLICIES = ("hint", "lru")
+# What kvstore.tiers.redis.RedisTier connects to, and what boto3 takes as an endpoint.
+REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix")
+S3_ENDPOINT_SCHEMES = ("http", "https")
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,15 @@ class ServerConfig:
     manager_preset: str = "embedded"  # kvstore.manager.MANAGER_PRESETS
 
     def __post_init__(self) -> None:
+        _check_listen("listen", self.listen)
+        for name in ("redis_url", "replay_redis_url"):
+            _check_url(name, getattr(self, name), REDIS_SCHEMES)
+        _check_url("s3_endpoint", self.s3_endpoint, S3_ENDPOINT_SCHEMES)
+        if (self.s3_endpoint or self.s3_region) and not self.s3_bucket:
+            # Without a bucket the object tier is a local directory: the endpoint would
+            # be ignored without a word.
+            raise InvalidRequest("s3_endpoint or s3_region is set but s3_bucket is empty: "
+                                 "name the bucket, or unset both for a local object tier")
         if self.default_ack not in ACKS:
             raise InvalidRequest(f"default_ack must be one of {ACKS}, got {self.default_ack!r}")
         if self.eviction not in EVICTION_POLICIES:
@@ -138,6 +151,26 @@ class ServerConfig:
         out["data_dir"] = str(self.data_dir)
         out["replay_workers"] = list(self.replay_workers)
         return out
+
+
+def _check_listen(name: str, address: str) -> None:
+    if address.startswith("unix:"):
+        return
+    _, colon, port = address.rpartition(":")
+    if not colon or not port.isdigit() or int(port) > 65535:
+        raise InvalidRequest(f"{name} must be HOST:PORT (port 0: a free one), got {address!r}")
+
+
+def _check_url(name: str, url: str, schemes: tuple[str, ...]) -> None:
+    """An empty URL leaves its tier out; any other must be of one of ``schemes``."""
+    if not url:
+        return
+    parts = urlsplit(url)
+    needs_host = parts.scheme != "unix"
+    if parts.scheme not in schemes or (needs_host and not parts.netloc) \
+            or (not needs_host and not parts.path):
+        wanted = ", ".join(f"{scheme}://" for scheme in schemes)
+        raise InvalidRequest(f"{name} must be a URL starting with one of {wanted}; got {url!r}")
 
 
 PRESETS: dict[str, ServerConfig] = {

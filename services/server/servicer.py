@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore.errors import (
+    Busy,
     ChunksNotHeld,
     CodecError,
     InvalidRequest,
@@ -364,7 +365,7 @@ async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServe
     config = (load_config(overrides={"listen": config_or_addr})
               if isinstance(config_or_addr, str) else config_or_addr)
     manager = await open_manager(config)
-    replay = None, ""
+    replay, servicer = (None, ""), None
     try:
         replay = make_replay_backend(config)
         metrics = ServiceMetrics()
@@ -376,25 +377,49 @@ async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServe
         reflection.enable_server_reflection(
             (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), grpc_server)
-        port = grpc_server.add_insecure_port(config.listen)
-        if not port:
-            raise InvalidRequest(f"cannot listen on {config.listen}")
+        port = _bind(grpc_server, config.listen)
         await grpc_server.start()
     except BaseException:
         if replay[0] is not None:
             await replay[0].close()
-        await manager.close()
+        if servicer is not None and servicer.leases is not None:
+            servicer.leases.close()
+        await manager.close()  # releases the disk tier's writer lock for the next try
         raise
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     server = KVTierServer(grpc_server, servicer, health_servicer, port)
-    metrics.update(await manager.stat())
-    server._refresher = asyncio.create_task(server._refresh(config.metrics_interval_s))
     try:
-        server.address_path = address_file.record(config.data_dir, server.address)
-    except OSError as exc:  # tools then need the address passed explicitly
-        log.warning("cannot record the server address in %s: %s", config.data_dir, exc)
-    if config.metrics_port:
-        server.start_metrics(config.metrics_port, config.listen.rpartition(":")[0] or "0.0.0.0")
+        for name in ("", SERVICE):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        metrics.update(await manager.stat())
+        server._refresher = asyncio.create_task(server._refresh(config.metrics_interval_s))
+        try:
+            server.address_path = address_file.record(config.data_dir, server.address)
+        except OSError as exc:  # tools then need the address passed explicitly
+            log.warning("cannot record the server address in %s: %s", config.data_dir, exc)
+        if config.metrics_port:
+            _start_metrics(server, config)
+    except BaseException:
+        await server.stop(0)  # a half-started server closes like a running one
+        raise
     log.info("kvtier serving on port %d", port)
     return server, port
+
+
+def _bind(grpc_server: grpc.aio.Server, listen: str) -> int:
+    """Add the insecure port; Busy (naming what to do) when it cannot be had."""
+    try:
+        port = grpc_server.add_insecure_port(listen)
+    except RuntimeError:  # grpcio raises where older releases returned 0
+        port = 0
+    if not port:
+        raise Busy(f"cannot listen on {listen}: the port is in use or the host is not one of "
+                   "this machine's; stop what holds it or choose another listen address")
+    return port
+
+
+def _start_metrics(server: KVTierServer, config: ServerConfig) -> None:
+    try:
+        server.start_metrics(config.metrics_port, config.listen.rpartition(":")[0] or "0.0.0.0")
+    except OSError as exc:
+        raise Busy(f"cannot serve metrics on port {config.metrics_port} ({exc.strerror}): "
+                   "choose another metrics_port, or 0 for none") from exc

@@ -8,11 +8,14 @@ restarts; without one the metadata lives in memory and durable acks are refused.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
-from kvstore.errors import InvalidRequest
+from kvstore.errors import Busy, InvalidRequest
 from kvstore.manager import MANAGER_PRESETS, TierManager
 from kvstore.policy import HintPolicy, LRUPolicy
 from kvstore.tiers.base import MemoryMetaStore, MetaStore, Tier
@@ -63,9 +66,49 @@ def build_tiers(config: ServerConfig, tiers: list[Tier]) -> MetaStore:
     return meta if meta is not None else MemoryMetaStore()
 
 
+def prepare_data_dir(path: Path) -> None:
+    """Create the data directory and check that files can be made in it, so a wrong one
+    is refused by name at start-up rather than by whichever tier touches it first."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except (FileExistsError, NotADirectoryError) as exc:
+        raise InvalidRequest(f"data_dir {path} is not a directory (it or a parent is a "
+                             "file): choose a directory for data_dir") from exc
+    except OSError as exc:
+        raise InvalidRequest(f"data_dir {path} cannot be written ({exc.strerror}): fix its "
+                             "permissions or choose another data_dir") from exc
+
+
+def check_bucket(config: ServerConfig) -> None:
+    """Refuse an ``s3_bucket`` that S3 says does not exist (a typo would otherwise run as
+    an object tier that never works). S3 unreachable, or no credentials: the object tier
+    starts unavailable and serves once S3 answers, as it does after a later outage."""
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    client = boto3.client("s3", endpoint_url=config.s3_endpoint or None,
+                          region_name=config.s3_region or None,
+                          config=Config(connect_timeout=2, read_timeout=5,
+                                        retries={"max_attempts": 1}))
+    try:
+        client.head_bucket(Bucket=config.s3_bucket)
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchBucket"):
+            where = config.s3_endpoint or "AWS"
+            raise InvalidRequest(f"s3_bucket {config.s3_bucket!r} does not exist at {where}: "
+                                 "create it or name another s3_bucket") from exc
+    except BotoCoreError:
+        pass
+
+
 async def open_manager(config: ServerConfig) -> TierManager:
     """The manager over the configured tiers (closing them again if opening fails)."""
-    config.data_dir.mkdir(parents=True, exist_ok=True)
+    prepare_data_dir(config.data_dir)
+    if config.s3_bucket and config.object_bytes:
+        await asyncio.to_thread(check_bucket, config)
     tiers: list[Tier] = []
     try:
         meta = build_tiers(config, tiers)
@@ -73,9 +116,12 @@ async def open_manager(config: ServerConfig) -> TierManager:
         policy = HintPolicy if config.eviction == "hint" else LRUPolicy
         return await TierManager.open(tiers, meta, policy=policy, config=_preset(
             MANAGER_PRESETS, config.manager_preset, "manager_preset"))
-    except BaseException:
+    except BaseException as exc:
         for tier in tiers:
             await tier.close()
+        if isinstance(exc, Busy):  # the disk tier's writer lock
+            raise Busy(f"{exc}: another kvtier server or compaction is using data_dir "
+                       f"{config.data_dir}; stop it or choose another data_dir") from exc
         raise
 
 
