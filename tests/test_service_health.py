@@ -79,7 +79,7 @@ async def test_stat_top_and_list_tools(tmp_path, capsys):
         await kv.spill("acme", "s1", LAYOUT.name, tokens, streams_for(LAYOUT, TOKENS),
                        generation=7)
         await kv.restore("acme", "s1")
-        run = lambda *argv: asyncio.to_thread(cli.main, [*argv, "--target", target])  # noqa: E731
+        run = lambda *argv: asyncio.to_thread(cli.main, [*argv, "--server", target])  # noqa: E731
         assert await run("stat", "--session", "acme/s1") == 0
         out = capsys.readouterr().out
         assert "host" in out and "100.0%" in out and "generation 7" in out
@@ -91,4 +91,4 @@ async def test_stat_top_and_list_tools(tmp_path, capsys):
         assert "acme/s1" in capsys.readouterr().out
         assert await run("list", "--json") == 0
         assert json.loads(capsys.readouterr().out)["generation"] == "7"
-        assert await asyncio.to_thread(cli.main, ["stat", "--target", "127.0.0.1:1"]) == 1
+        assert await asyncio.to_thread(cli.main, ["stat", "--server", "127.0.0.1:1"]) == 1

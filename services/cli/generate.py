@@ -35,6 +35,7 @@ from model.net import KVTierLM
 from model.state import KVState
 from replay.state_codec import state_from_chunks, state_to_chunks
 from replay.worker import ReplayWorker
+from services.cli.address import server_from_env
 from services.server.config import load_config
 
 
@@ -126,7 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--session", required=True, help="session id")
     parser.add_argument("--prompt", required=True, help="text to append to the session")
     parser.add_argument("--tenant", default="default")
-    parser.add_argument("--server", help="kvtier server HOST:PORT (default: embedded)")
+    parser.add_argument("--server", metavar="HOST:PORT", default=server_from_env(),
+                        help="kvtier server address (default: $KVTIER_SERVER, else an "
+                             "embedded server on --data-dir)")
     parser.add_argument("--data-dir", type=Path, default=Path("data"),
                         help="data directory of the embedded server (default ./data)")
     parser.add_argument("--max-new-tokens", type=int, default=64)

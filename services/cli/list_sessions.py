@@ -10,23 +10,24 @@ import time
 from google.protobuf.json_format import MessageToDict
 
 from kvstore.errors import KVTierError
-from services.cli.stat import add_target
+from services.cli.address import add_server_argument, failure
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_target(parser)
+    add_server_argument(parser)
     parser.add_argument("--tenant", default="", help="only this tenant's sessions")
     parser.add_argument("--json", action="store_true", help="print JSON lines")
 
 
 def run(args: argparse.Namespace) -> int:
     from kvtier.sync import Client
+    from kvtier.types import RetryPolicy
 
     try:
-        with Client(args.target, timeout_s=30) as kv:
+        with Client(args.server, timeout_s=30, retry=RetryPolicy(attempts=2)) as kv:
             sessions = kv.list(args.tenant)
     except KVTierError as exc:
-        print(f"kvtier list: {exc}", file=sys.stderr)
+        print(failure("list", args.server, exc), file=sys.stderr)
         return 1
     if args.json:
         for s in sessions:

@@ -6,20 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import urllib.request
 
 from google.protobuf.json_format import MessageToDict
 
 from kvstore.errors import KVTierError
-
-DEFAULT_TARGET = "127.0.0.1:50051"
-
-
-def add_target(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=os.environ.get("KVTIER_TARGET", DEFAULT_TARGET),
-                        help="server address (default: $KVTIER_TARGET or %(default)s)")
+from services.cli.address import add_server_argument, failure
 
 
 def human_bytes(n: int) -> str:
@@ -54,7 +47,7 @@ def tier_table(tiers, deltas: dict[str, tuple[int, int]] | None = None) -> list[
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_target(parser)
+    add_server_argument(parser)
     parser.add_argument("--session", metavar="TENANT/ID", help="also describe this session")
     parser.add_argument("--json", action="store_true", help="print the reply as JSON")
     parser.add_argument("--metrics-url", help="also print kvtier_* samples from this URL "
@@ -63,13 +56,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvtier.sync import Client
+    from kvtier.types import RetryPolicy
 
     tenant, _, session_id = (args.session or "").partition("/")
     try:
-        with Client(args.target, timeout_s=10) as kv:
+        # One retry: a server restarting right now answers; none there fails in a second.
+        with Client(args.server, timeout_s=10, retry=RetryPolicy(attempts=2)) as kv:
             reply = kv.stat(tenant, session_id)
     except KVTierError as exc:
-        print(f"kvtier stat: {exc}", file=sys.stderr)
+        print(failure("stat", args.server, exc), file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True),

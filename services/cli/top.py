@@ -8,13 +8,14 @@ import sys
 import time
 
 from kvstore.errors import KVTierError
-from services.cli.stat import add_target, human_bytes, tier_table
+from services.cli.address import add_server_argument, failure
+from services.cli.stat import human_bytes, tier_table
 
 CLEAR = "\x1b[H\x1b[2J"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_target(parser)
+    add_server_argument(parser)
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
     parser.add_argument("--iterations", type=int, default=0, help="stop after N (0: never)")
 
@@ -26,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     redraw = sys.stdout.isatty()
     count = 0
     try:
-        with Client(args.target, timeout_s=10) as kv:
+        with Client(args.server, timeout_s=10) as kv:
             while True:
                 reply = kv.stat()
                 deltas = {t.name: (t.lookups - previous.get(t.name, (0, 0))[0],
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
                           for t in reply.tiers}
                 previous = {t.name: (t.lookups, t.hits) for t in reply.tiers}
                 used = sum(t.used_bytes for t in reply.tiers)
-                lines = [f"kvtier top  {args.target}  {time.strftime('%H:%M:%S')}  "
+                lines = [f"kvtier top  {args.server}  {time.strftime('%H:%M:%S')}  "
                          f"sessions {reply.sessions}  stored {human_bytes(used)}  "
                          f"write-back {reply.writeback_queue_depth}  replays {reply.replays}",
                          "", *tier_table(reply.tiers, deltas)]
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
                     return 0
                 time.sleep(args.interval)
     except KVTierError as exc:
-        print(f"kvtier top: {exc}", file=sys.stderr)
+        print(failure("top", args.server, exc), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0
