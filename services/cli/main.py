@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("services.cli.generate", "run the bundled model as an inference worker"),
     "demo": ("services.cli.demo", "run the agent-like end-to-end demo"),
     "compact": ("services.cli.compact", "compact a data directory offline"),
+    "repair": ("services.cli.repair", "rebuild a data directory's disk index from its segments"),
 }
 
 

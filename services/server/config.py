@@ -51,6 +51,10 @@ class ServerConfig:
     redis_prefix: str = "kvtier:"
     disk_bytes: int = 64 * GiB  # under data_dir/disk
     disk_segment_bytes: int = 64 * MiB  # a disk segment file is sealed at this size
+    # The server rewrites a sealed disk segment itself once this fraction of it is dead
+    # (deleted or overwritten records), at most once per interval; 1 or more: never.
+    disk_reclaim_dead_fraction: float = 0.5
+    disk_reclaim_interval_s: float = 5.0
     object_bytes: int = 1 * TiB  # S3 when s3_bucket is set, else data_dir/objects
     s3_endpoint: str = ""  # empty: AWS itself
     s3_bucket: str = ""
@@ -119,6 +123,9 @@ class ServerConfig:
             raise InvalidRequest(f"shm_lease_s must be > 0, got {self.shm_lease_s}")
         for name in ("shm_lease_bytes_per_client", "shm_lease_bytes_total"):
             if getattr(self, name) < 0:
+        if not self.disk_reclaim_dead_fraction > 0 or self.disk_reclaim_interval_s < 0:
+            raise InvalidRequest("disk_reclaim_dead_fraction must be > 0 and "
+                                 "disk_reclaim_interval_s >= 0")
                 raise InvalidRequest(f"{name} must be >= 0 (0: no shared memory)")
         if self.replay_max_batch < 1:
             raise InvalidRequest(f"replay_max_batch must be >= 1, got {self.replay_max_batch}")

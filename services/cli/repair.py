@@ -1,0 +1,68 @@
+"""``kvtier repair``: rebuild a data directory's disk index from its segment files.
+
+    kvtier repair --data-dir D [--json]
+
+``D`` is the server's data directory (the disk tier in ``D/disk``) or the disk tier's
+own directory. Run it when ``kvtier serve`` says the disk index is corrupt, or when the
+LMDB environment (``index/``) is lost: the old environment is moved aside, never
+deleted, and a new one is built from the segments (``kvstore.tiers.disk.repair``).
+Reports the sessions recovered, those with chunks not on disk, and the chunks no
+session names (orphans: kept; ``kvtier compact`` collects them).
+
+Exit status: 0 repaired, 2 no disk tier there or a server (or compaction) holds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvstore.errors import Busy
+
+_SHOWN = 10  # names listed per line in the text report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-dir", required=True, type=Path,
+                        help="the server's data directory (holds disk/), or the disk tier's")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def disk_directory(data_dir: Path) -> Path | None:
+    for candidate in (data_dir / "disk", data_dir):
+        if (candidate / "segments").is_dir():
+            return candidate
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvstore.tiers.disk.repair import repair
+
+    disk = disk_directory(args.data_dir)
+    if disk is None:
+        print(f"kvtier repair: no disk tier in {args.data_dir} (no segments/ there or in "
+              "disk/)", file=sys.stderr)
+        return 2
+    try:
+        report = repair(disk)
+    except Busy as exc:
+        print(f"kvtier repair: {exc}: stop the server (or wait for the compaction) first",
+              file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report.to_dict()))
+        return 0
+    print(f"repaired {report.path} in {report.seconds:.2f} s: {report.segments} segments, "
+          f"{report.records} records ({report.damaged_bytes} damaged bytes skipped)")
+    if report.moved_aside:
+        print(f"  old index moved to {report.moved_aside}")
+    for label, names in (("sessions recovered", report.sessions),
+                         ("sessions with chunks not on disk", report.incomplete),
+                         ("corrupt manifests", report.corrupt_manifests),
+                         ("orphan chunks (kvtier compact collects them)", report.orphans)):
+        more = f", ... {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+        print(f"  {label}: {len(names)}" + (f" ({', '.join(names[:_SHOWN])}{more})"
+                                           if names else ""))
+    return 0

@@ -1,0 +1,175 @@
+"""``kvtier repair``: the disk index rebuilt from the segments, and a corrupt index refused.
+
+Sessions are spilled durably, some deleted, the LMDB environment is damaged (seeded
+random byte flips in data.mdb, or data.mdb removed), then: opening the tier as a
+writer either works or raises IndexCorrupt naming the repair (in a child process per
+trial, so an abort in mdb.c would show as a signal, not kill pytest), and after
+``kvtier repair`` every session restores bit-exact, deleted ones stay deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_manager_support import make_session, random_tokens
+
+from kvstore.manager import TierManager
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk.index import IndexCorrupt
+from kvstore.tiers.disk.lock import WRITER_LOCK, DirLock
+from kvstore.tiers.host import HostTier
+
+MB = 1 << 20
+ROOT = Path(__file__).resolve().parents[1]
+KEPT = [f"s{i}" for i in range(5)]
+DELETED = ["gone0", "gone1"]
+
+_OPEN_CHILD = """
+import sys
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk.index import IndexCorrupt
+try:
+    DiskTier(sys.argv[1], 1 << 26)
+except IndexCorrupt as exc:
+    print("corrupt", exc)
+else:
+    print("opened")
+"""
+
+
+def chunk_bytes(args: dict) -> list[bytes]:
+    return [bytes(c) for _, c in args["chunks"]]
+
+
+async def build(disk_dir: Path) -> dict[str, dict]:
+    sessions = {name: make_session(random_tokens(16 * 5 + i, seed=40 + i), window=False)
+                for i, name in enumerate(KEPT + DELETED)}
+    disk = DiskTier(disk_dir, 64 * MB, segment_bytes=16 << 10)
+    manager = await TierManager.open([HostTier(MB), disk], disk.meta)
+    for name, args in sessions.items():
+        await manager.spill("t", name, generation=1, ack="durable", **args)
+    for name in DELETED:
+        await manager.delete("t", name)
+    await manager.close()
+    return {name: sessions[name] for name in KEPT}
+
+
+def run_repair(disk_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", "repair", "--data-dir",
+                           str(disk_dir), "--json"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+async def check_restores(disk_dir: Path, sessions: dict[str, dict]) -> None:
+    disk = DiskTier(disk_dir, 64 * MB, segment_bytes=16 << 10)
+    manager = await TierManager.open([HostTier(MB), disk], disk.meta)
+    try:
+        for name, args in sessions.items():
+            result = await manager.restore("t", name)
+            assert [bytes(c) for c in result.chunks] == chunk_bytes(args)
+            assert result.chunk_tiers == ["disk"] * len(args["chunks"])
+            assert bytes(result.manifest.tail) == bytes(args["tail"])
+        listed = sorted(m.session_id for m in await manager.list_sessions("t"))
+        assert listed == sorted(sessions)  # the deleted ones stay deleted
+        await manager.delete("t", KEPT[0])  # reference counts were recounted
+        assert await manager.restore("t", KEPT[1])
+    finally:
+        await manager.close()
+
+
+async def test_repair_after_data_mdb_is_deleted(tmp_path):
+    disk_dir = tmp_path / "disk"
+    sessions = await build(disk_dir)
+    (disk_dir / "index" / "data.mdb").unlink()
+    segments = sorted(p.name for p in (disk_dir / "segments").iterdir())
+    with pytest.raises(IndexCorrupt, match="kvtier repair"):
+        DiskTier(disk_dir, 64 * MB)  # not an empty index that would remove every segment
+    assert sorted(p.name for p in (disk_dir / "segments").iterdir()) == segments
+
+    done = run_repair(disk_dir)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert sorted(report["sessions"]) == [f"t/{name}" for name in KEPT]
+    assert report["incomplete"] == [] and report["corrupt_manifests"] == []
+    assert Path(report["moved_aside"]).is_dir()  # kept, never deleted
+    await check_restores(disk_dir, sessions)
+
+
+async def test_repair_reports_orphans_and_keeps_them(tmp_path):
+    disk_dir = tmp_path / "disk"
+    disk = DiskTier(disk_dir, 64 * MB)
+    await disk.put("lonely-chunk", b"nobody names me")
+    await disk.close()
+    shutil.rmtree(disk_dir / "index")
+    done = run_repair(disk_dir)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["orphans"] == ["lonely-chunk"]
+    disk = DiskTier(disk_dir, 64 * MB)
+    assert bytes(await disk.get("lonely-chunk")) == b"nobody names me"
+    await disk.close()
+
+
+def test_repair_refuses_beside_a_live_writer(tmp_path):
+    disk_dir = tmp_path / "disk"
+    (disk_dir / "segments").mkdir(parents=True)
+    lock = DirLock(disk_dir / WRITER_LOCK, "the disk tier's writer lock")
+    lock.acquire()
+    try:
+        done = run_repair(disk_dir)
+    finally:
+        lock.release()
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1 and "writer lock" in done.stderr
+
+
+async def flip_campaign(tmp_path: Path, trials: int, flips: int) -> None:
+    pristine = tmp_path / "pristine"
+    sessions = await build(pristine)
+    outcomes = []
+    for trial in range(trials):
+        disk_dir = tmp_path / f"trial{trial}"
+        shutil.copytree(pristine, disk_dir)
+        data = disk_dir / "index" / "data.mdb"
+        raw = bytearray(data.read_bytes())
+        rng = random.Random(trial)
+        for _ in range(flips):
+            raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+        data.write_bytes(bytes(raw))
+        opened = subprocess.run([sys.executable, "-c", _OPEN_CHILD, str(disk_dir)], cwd=ROOT,
+                                capture_output=True, text=True, timeout=120)
+        assert opened.returncode == 0, (trial, opened.returncode, opened.stderr[-2000:])
+        assert opened.stdout.startswith(("opened", "corrupt")), opened.stdout
+        outcomes.append(opened.stdout.split()[0])
+        done = run_repair(disk_dir)
+        assert done.returncode == 0, (trial, done.stderr)
+        await check_restores(disk_dir, sessions)
+        shutil.rmtree(disk_dir)
+    assert len(outcomes) == trials
+
+
+async def test_byte_flips_in_the_index_are_refused_then_repaired(tmp_path):
+    await flip_campaign(tmp_path, trials=4, flips=8)
+
+
+@pytest.mark.slow
+async def test_byte_flip_campaign(tmp_path):
+    await flip_campaign(tmp_path, trials=35, flips=16)
+
+
+def test_serve_on_a_corrupt_index_says_one_line(tmp_path):
+    disk_dir = tmp_path / "data" / "disk"
+    (disk_dir / "index").mkdir(parents=True)
+    (disk_dir / "index" / "data.mdb").write_bytes(b"\xff" * 16384)
+    done = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--data-dir",
+                           str(tmp_path / "data"), "--listen", "127.0.0.1:0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "kvtier repair --data-dir" in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
