@@ -14,6 +14,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 ERROR_KEY = "kvtier-error"  # trailing metadata: the class name of the error raised
+SHOWN_CHARS = 128  # the most of any client-supplied value an error message echoes
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)`` for an error message, clipped to ``limit`` characters of the value:
+    a client's 20 kB session id must not come back 20 kB long (nor overflow the status
+    details gRPC carries in metadata)."""
+    if isinstance(value, str | bytes | bytearray) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} long)"
+    text = repr(value)
+    return text if len(text) <= limit + 2 else f"{text[:limit]}... ({len(text)} long)"
 
 
 class KVTierError(Exception):

@@ -23,7 +23,7 @@ from functools import cached_property
 
 import xxhash
 
-from kvstore.errors import InvalidRequest, UnknownLayout
+from kvstore.errors import InvalidRequest, UnknownLayout, shown
 
 SCALE_BYTES = 2  # one fp16 scale per quantization group
 BF16_BYTES = 2
@@ -229,10 +229,11 @@ def get_layout(name_or_id: str) -> LayoutSpec:
     registry = _registry()
     spec = registry.get(name)
     if spec is None:
-        raise UnknownLayout(f"unknown layout {name_or_id!r}; known: {sorted(registry)}")
+        raise UnknownLayout(f"unknown layout {shown(name_or_id)}; known: {sorted(registry)}")
     if wanted_hash and wanted_hash != f"{spec.layout_hash:016x}":
         raise UnknownLayout(
-            f"layout {name!r} is known as {spec.layout_id}, not {name_or_id!r} (spec changed?)"
+            f"layout {name!r} is known as {spec.layout_id}, not {shown(name_or_id)} "
+            "(spec changed?)"
         )
     return spec
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import xxhash
 
-from kvstore.errors import ChunkCorrupt, InvalidRequest, UnsupportedVersion
+from kvstore.errors import ChunkCorrupt, InvalidRequest, UnsupportedVersion, shown
 from kvstore.keys import token_bytes
 from kvstore.policy import ResumeHint
 
@@ -43,11 +43,11 @@ def manifest_key(tenant: str, session_id: str) -> str:
 def check_name(kind: str, value: object) -> str:
     """Tenant and session ids become MetaStore and tier key parts: keep them plain."""
     if not isinstance(value, str) or not value:
-        raise InvalidRequest(f"{kind} must be a non-empty string, got {value!r}")
+        raise InvalidRequest(f"{kind} must be a non-empty string, got {shown(value)}")
     if len(value.encode()) > MAX_NAME_BYTES:
         raise InvalidRequest(f"{kind} is longer than {MAX_NAME_BYTES} bytes")
     if "/" in value or any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
-        raise InvalidRequest(f"{kind} {value!r} may not contain '/' or control characters")
+        raise InvalidRequest(f"{kind} {shown(value)} may not contain '/' or control characters")
     return value
 
 

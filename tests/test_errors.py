@@ -161,3 +161,50 @@ async def test_resume_refuses_an_oversize_replay_before_reading_the_session(tmp_
                 pass
         assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "replay_tokens" in raw.value.details()
+
+
+async def test_a_long_client_value_comes_back_short_and_invalid_argument(tmp_path):
+    # 20 kB echoed whole overflowed gRPC's metadata limit: RESOURCE_EXHAUSTED, not ours.
+    long_id, long_layout = "x" * 20_000, "y" * 20_000
+    ref = pb.SessionRef(tenant="acme", session_id=long_id)
+    async with running_server(tmp_path) as (_, addr), grpc.aio.insecure_channel(addr) as ch:
+        stub = pb_grpc.KVTierStub(ch)
+
+        def spill(header: pb.SpillHeader):
+            return stub.Spill(iter([pb.SpillRequest(header=header)]))
+
+        calls = [
+            lambda: stub.Stat(pb.StatRequest(session=ref)),
+            lambda: stub.Delete(pb.DeleteRequest(session=ref)),
+            lambda: stub.List(pb.ListRequest(tenant=long_id)),
+            lambda: stub.Evict(pb.EvictRequest(session=pb.SessionRef(
+                tenant="acme", session_id="s1"), target_tier=long_id)),
+            lambda: stub.Restore(pb.RestoreRequest(session=ref)),
+            lambda: spill(pb.SpillHeader(session=ref, layout_id=LAYOUT.name)),
+            lambda: spill(pb.SpillHeader(session=pb.SessionRef(tenant="acme", session_id="s1"),
+                                         layout_id=long_layout)),
+        ]
+        for call in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as raw:
+                result = call()
+                if hasattr(result, "__aiter__"):
+                    async for _ in result:
+                        pass
+                else:
+                    await result
+            assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raw.value.details()
+            assert len(raw.value.details()) < 600, raw.value.details()
+            assert "(20000 long)" in raw.value.details()
+
+
+def test_client_messages_hold_no_server_paths_and_fit_the_metadata_limit():
+    shown = kvtier_errors.client_message
+    message = ("disk tier /var/lib/kvtier/disk: reading failed: [Errno 5] I/O error: "
+               "'/var/lib/kvtier/disk/segments/000007.seg' (acme/s1, s3://bucket/a/b, ../x)")
+    assert shown(message) == ("disk tier <path>: reading failed: [Errno 5] I/O error: "
+                              "'<path>' (acme/s1, s3://bucket/a/b, ../x)")
+    assert shown("a / b and 1/2") == "a / b and 1/2"
+    long = shown("é" * 50_000)
+    assert len(long.encode()) <= kvtier_errors.MAX_DETAILS_BYTES and long.endswith("B)")
+    assert errors.shown("z" * 1000) == repr("z" * 128) + "... (1000 long)"
+    assert errors.shown("short") == "'short'"

@@ -3,6 +3,8 @@ still serving, and never a wrong tensor (a corrupt chunk on disk gives DATA_LOSS
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import pytest
 
@@ -130,7 +132,8 @@ async def test_every_control_rpc_refuses_bad_input(tmp_path):
         assert health.sessions == 0
 
 
-async def test_corrupt_chunk_on_disk_is_data_loss_not_a_tensor(tmp_path):
+async def test_corrupt_chunk_on_disk_is_data_loss_not_a_tensor(tmp_path, caplog):
+    caplog.set_level(logging.WARNING)
     tokens, enc = _session()
     async with running_server(tmp_path, object_bytes=0) as (server, target), \
             grpc.aio.insecure_channel(target) as channel:
@@ -149,6 +152,11 @@ async def test_corrupt_chunk_on_disk_is_data_loss_not_a_tensor(tmp_path):
         assert hits == 1
         code, details = await _status(lambda: stub.Restore(pb.RestoreRequest(session=REF)))
         assert code == grpc.StatusCode.DATA_LOSS and "checksum" in details
+        # The client learns no server path nor offset; the server's log has both.
+        assert str(tmp_path) not in details and "/disk" not in details, details
+        assert "segment" not in details and "@" not in details, details
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        assert f"disk tier {tmp_path / 'disk'}, segment " in logged and " @ " in logged
         # The server is still serving, and still refuses rather than guessing.
         code, _ = await _status(lambda: stub.Restore(pb.RestoreRequest(session=REF,
                                                                        layer_by_layer=True)))

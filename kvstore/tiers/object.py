@@ -272,7 +272,10 @@ class ObjectTier(Tier):
             if exc.errno == errno.ENOSPC:
                 raise TierFull(f"object {what}: the directory's disk is full") from exc
             self.health.failed(what, exc)
-            raise TierUnavailable(f"object {what} failed: {exc!r}") from exc
+            # The file name (a server path) goes to the log; the message may reach a client.
+            log.warning("object %s failed: %r", what, exc)
+            raise TierUnavailable(f"object {what} failed: "
+                                  f"{exc.strerror or type(exc).__name__}") from exc
         except (BotoCoreError, ClientError) as exc:
             self.health.failed(what, exc)
             raise TierUnavailable(f"object {what} failed: {exc!r}") from exc

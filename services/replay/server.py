@@ -7,7 +7,8 @@
 With ``--redis-url`` the same process also takes jobs from a Redis Streams consumer
 group (``services.replay.streams``), so several workers share the resumes of several servers.
 Errors travel as gRPC statuses with the ``kvtier-error`` trailing metadata naming the
-``kvstore.errors`` class (``kvtier.errors.grpc_errors``, as in the kvtier server).
+``kvstore.errors`` class (``kvtier.errors.grpc_errors``, as in the kvtier server), and
+bytes that are not a ``ReplayRequest`` are INVALID_ARGUMENT (``kvtier.errors.add_servicer``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.errors import InvalidRequest, KVTierError
-from kvtier.errors import grpc_errors
+from kvtier.errors import add_servicer, grpc_errors
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from replay.worker import DEFAULT_MAX_BATCH, DEFAULT_REPLAY_TOKENS, ReplayWorker
@@ -78,7 +79,7 @@ async def create_server(addr: str, worker: ReplayWorker, *, name: str | None = N
         raise InvalidRequest(f"cannot listen on {addr}")
     host = addr.rpartition(":")[0]
     name = name or f"{socket.gethostname() if host in ('0.0.0.0', '[::]') else host}:{port}"
-    pb_grpc.add_ReplayServicer_to_server(ReplayServicer(worker, name), server)
+    add_servicer(pb_grpc.add_ReplayServicer_to_server, ReplayServicer(worker, name), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await server.start()

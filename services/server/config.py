@@ -77,6 +77,12 @@ class ServerConfig:
     prefetch_timeout_s: float = 30.0  # when a Prefetch request says 0
     max_message_bytes: int = 64 * MiB  # one gRPC message, either direction
     max_spill_bytes: int = 4 * GiB  # one Spill stream, all payloads together
+    # What clients may hold open (services.server.limits); past a bound RESOURCE_EXHAUSTED.
+    max_streams: int = 512  # Spill, Restore and Resume streams open at once, all clients
+    max_peer_streams: int = 64  # the same, one client connection
+    stream_idle_s: float = 60.0  # a Spill stream that sends nothing this long is cancelled
+    max_inflight_bytes: int = 8 * GiB  # bytes of not yet committed spills, all tenants
+    max_tenant_inflight_bytes: int = 4 * GiB  # the same, one tenant
     # Shared memory (same-host fast path): segments the server leases to clients.
     shm_lease_s: float = 120.0  # a lease unused this long is unlinked
     shm_lease_bytes_per_client: int = 2 * GiB  # leased to one connection at once
@@ -119,14 +125,18 @@ class ServerConfig:
             raise InvalidRequest(f"disk_segment_bytes must be > 0, got {self.disk_segment_bytes}")
         if self.replay_tokens < 1 or self.max_message_bytes < 1 * MiB:
             raise InvalidRequest("replay_tokens must be >= 1 and max_message_bytes >= 1 MiB")
+        for name in ("max_streams", "max_peer_streams", "stream_idle_s",
+                     "max_inflight_bytes", "max_tenant_inflight_bytes"):
+            if getattr(self, name) <= 0:
+                raise InvalidRequest(f"{name} must be > 0, got {getattr(self, name)}")
         if self.shm_lease_s <= 0:
             raise InvalidRequest(f"shm_lease_s must be > 0, got {self.shm_lease_s}")
         for name in ("shm_lease_bytes_per_client", "shm_lease_bytes_total"):
             if getattr(self, name) < 0:
+                raise InvalidRequest(f"{name} must be >= 0 (0: no shared memory)")
         if not self.disk_reclaim_dead_fraction > 0 or self.disk_reclaim_interval_s < 0:
             raise InvalidRequest("disk_reclaim_dead_fraction must be > 0 and "
                                  "disk_reclaim_interval_s >= 0")
-                raise InvalidRequest(f"{name} must be >= 0 (0: no shared memory)")
         if self.replay_max_batch < 1:
             raise InvalidRequest(f"replay_max_batch must be >= 1, got {self.replay_max_batch}")
         object.__setattr__(self, "data_dir", Path(self.data_dir))

@@ -6,7 +6,9 @@
 
 Every request is validated (``services.server.validate``) before the store sees it,
 and every failure becomes a gRPC status by ``grpc_errors``, with its code from the one
-table in ``kvstore.errors`` (``STATUS_NAMES``). The
+table in ``kvstore.errors`` (``STATUS_NAMES``); bytes that are not a request are
+INVALID_ARGUMENT (``kvtier.errors.add_servicer``). Streams and the bytes of spills in
+flight are bounded (``services.server.limits``). The
 server also registers gRPC health checking (``kvtier.v1.KVTier`` and "" are SERVING
 while it runs) and reflection, and records its connectable address in
 ``{data_dir}/server.addr`` while it serves (``services.server.address_file``).
@@ -38,13 +40,14 @@ from kvstore.errors import (
 from kvstore.manager import TierManager
 from kvstore.manifest import SessionManifest
 from kvtier import shm
-from kvtier.errors import grpc_errors
+from kvtier.errors import add_servicer, grpc_errors
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.replay.hook import ReplayBackend, make_replay_backend
 from services.server import address_file
 from services.server import validate as check
 from services.server.config import ServerConfig, load_config
+from services.server.limits import Bounds, InFlight, Limits, idle_bounded
 from services.server.metrics import ServiceMetrics, tier_lookups
 from services.server.restore_stream import RestoreStreamer, StreamOptions
 from services.server.shm import LeaseTable
@@ -69,6 +72,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                                         lambda: (self.replay, self.why_no_replay),
                                         config.max_message_bytes)
         self.replays = 0
+        self.limits = Limits(Bounds.from_config(config))
 
     def record_error(self, method: str, code: grpc.StatusCode) -> None:
         self.metrics.rpc_errors.labels(method, code.name).inc()
@@ -78,20 +82,29 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     @grpc_errors
     async def Spill(self, request_iterator: AsyncIterator[pb.SpillRequest],
                     context: grpc.aio.ServicerContext) -> pb.SpillReply:
-        return await self._spill(request_iterator, context.peer())
+        peer = context.peer()
+        with self.limits.stream(peer, "Spill"), self.limits.in_flight() as flight:
+            messages = idle_bounded(request_iterator, self.limits.idle_s, "Spill")
+            return await self._spill(messages, peer, flight)
 
     async def _spill(self, request_iterator: AsyncIterator[pb.SpillRequest],
-                     peer: str) -> pb.SpillReply:
+                     peer: str, flight: InFlight) -> pb.SpillReply:
         started = time.perf_counter()
         plan = None
 
         def read(payload: pb.Payload) -> bytes:
-            return self._payload_bytes(payload, peer,
+            data = self._payload_bytes(payload, peer,
                                        self.config.max_spill_bytes - plan.bytes_received)
+            flight.reserve(plan.tenant, len(data))
+            return data
 
         async for message in request_iterator:
             kind = check.spill_item(message, plan)
             if kind == "header":
+                # Held until the call ends (its token ids): counted before it is checked.
+                tenant, _ = check.session_ref(message.header.session,
+                                              field_name="header.session")
+                flight.reserve(tenant, message.ByteSize())
                 plan = check.spill_header(message.header, self.config.default_ack, MAX_TOKENS)
             elif kind == "chunk":
                 plan.add_chunk(message.chunk.key, read(message.chunk))
@@ -146,8 +159,9 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                              want_window=request.want_window,
                              use_shared_memory=request.use_shared_memory,
                              reply_lease=request.reply_lease, peer=context.peer())
-        async for reply in self.streamer.stream(tenant, session_id, opts):
-            yield reply
+        with self.limits.stream(opts.peer, "Restore"):
+            async for reply in self.streamer.stream(tenant, session_id, opts):
+                yield reply
 
     @grpc_errors
     async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext
@@ -157,6 +171,12 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                              reply_lease=request.reply_lease, peer=context.peer(), resume=True,
                              replay_tokens=check.replay_tokens(request.replay_tokens,
                                                                self.config.replay_tokens))
+        with self.limits.stream(opts.peer, "Resume"):
+            async for reply in self._resume(tenant, session_id, opts):
+                yield reply
+
+    async def _resume(self, tenant: str, session_id: str, opts: StreamOptions
+                      ) -> AsyncIterator[pb.RestoreReply]:
         generation, window = 0, b""
         async for reply in self.streamer.stream(tenant, session_id, opts):
             kind = reply.WhichOneof("item")
@@ -371,7 +391,7 @@ async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServe
         metrics = ServiceMetrics()
         servicer = KVTierServicer(manager, config, metrics, replay)
         grpc_server = grpc.aio.server(options=_options(config))
-        pb_grpc.add_KVTierServicer_to_server(servicer, grpc_server)
+        add_servicer(pb_grpc.add_KVTierServicer_to_server, servicer, grpc_server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         reflection.enable_server_reflection(

@@ -3,7 +3,8 @@
 
 The store re-checks what it relies on (``kvstore.validate``); these checks exist so a bad
 request is refused early (before megabytes are streamed), with a message in the terms of
-the request (field names, message order, payload index), and so limits hold.
+the request (field names, message order, payload index), and so limits hold. A value
+the client sent is echoed through ``shown`` (at most 128 characters of it).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvstore.codec import checked_header, split_chunks, tokens_hash
-from kvstore.errors import CodecError, InvalidRequest
+from kvstore.errors import CodecError, InvalidRequest, shown
 from kvstore.keys import chain_keys
 from kvstore.layout import LayoutSpec, get_layout
 from kvstore.policy import ResumeHint
@@ -33,10 +34,11 @@ def session_ref(ref: pb.SessionRef, *, field_name: str = "session") -> tuple[str
     if not ref.tenant and not ref.session_id:
         raise InvalidRequest(f"{field_name} is required (tenant and session_id)")
     if not TENANT.match(ref.tenant):
-        raise InvalidRequest(f"{field_name}.tenant {ref.tenant!r} must match {TENANT.pattern}")
+        raise InvalidRequest(f"{field_name}.tenant {shown(ref.tenant)} must match "
+                             f"{TENANT.pattern}")
     if not SESSION_ID.match(ref.session_id):
         raise InvalidRequest(
-            f"{field_name}.session_id {ref.session_id!r} must match {SESSION_ID.pattern}")
+            f"{field_name}.session_id {shown(ref.session_id)} must match {SESSION_ID.pattern}")
     return ref.tenant, ref.session_id
 
 
@@ -44,7 +46,7 @@ def tenant_filter(tenant: str) -> str | None:
     if not tenant:
         return None
     if not TENANT.match(tenant):
-        raise InvalidRequest(f"tenant {tenant!r} must match {TENANT.pattern}")
+        raise InvalidRequest(f"tenant {shown(tenant)} must match {TENANT.pattern}")
     return tenant
 
 
@@ -59,7 +61,8 @@ def tier_name(name: str, known: list[str], field_name: str) -> str | None:
     if not name:
         return None
     if name not in known:
-        raise InvalidRequest(f"{field_name} {name!r} is not a tier of this server: {known}")
+        raise InvalidRequest(f"{field_name} {shown(name)} is not a tier of this server: "
+                             f"{known}")
     return name
 
 
@@ -100,7 +103,8 @@ class SpillPlan:
     def add_chunk(self, key: str, data: bytes) -> None:
         index = self._index.get(key)
         if index is None:
-            raise InvalidRequest(f"chunk payload with key {key!r} is not in header.chunk_keys")
+            raise InvalidRequest(f"chunk payload with key {shown(key)} is not in "
+                                 "header.chunk_keys")
         if index in self.chunks:
             raise InvalidRequest(f"chunk {index} ({key}) was sent twice")
         self._check_size(f"chunk {index}", data, self._chunk_limit)
@@ -211,7 +215,7 @@ def spill_header(header: pb.SpillHeader, default_ack: str, max_tokens: int) -> S
                              f"{spec.chunk_tokens}; header.chunk_keys names {len(keys)}")
     for i, (got, want) in enumerate(zip(keys, expected, strict=True)):
         if got != want:
-            raise InvalidRequest(f"header.chunk_keys[{i}] is {got!r}; the token ids chain to "
+            raise InvalidRequest(f"header.chunk_keys[{i}] is {shown(got)}; the token ids chain to "
                                  f"{want!r} under {spec.layout_id} (kvstore.keys.chain_keys)")
     if header.ack not in (pb.ACK_UNSPECIFIED, *ACKS):
         raise InvalidRequest(f"unknown ack {header.ack}")

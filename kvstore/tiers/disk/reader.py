@@ -128,8 +128,9 @@ class SegmentFiles:
         buffer = memoryview(np.empty(size, dtype=np.uint8))
         done = await asyncio.to_thread(_pread_into, fd, buffer, offset)
         if done < size:
-            raise ChunkTruncated(f"segment {seg_id}: {size} bytes at offset {offset} "
-                                 f"requested, the file ends after {done}")
+            log.warning("segment %d: %d bytes at offset %d requested, the file ends after %d",
+                        seg_id, size, offset, done)
+            raise ChunkTruncated("disk tier: a record runs past the end of its segment")
         return buffer.toreadonly()
 
     def _mapped(self, seg_id: int, fd: int, offset: int, end: int) -> memoryview | None:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from kvstore.compaction import disk_rewrite
-from kvstore.errors import ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
+from kvstore.errors import ChunkCorrupt, ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
 from kvstore.tiers.base import Buffer, Tier
 from kvstore.tiers.disk.index import (
     DeleteOp,
@@ -163,7 +163,7 @@ class DiskTier(Tier):
             old = self._length_or_none(kb)
             delta = view.nbytes - (old or 0)
             if self.used_bytes + delta > self.capacity_bytes:
-                raise TierFull(f"disk tier {self.path}: {view.nbytes} bytes for {key!r} do "
+                raise TierFull(f"disk tier: {view.nbytes} bytes for {key!r} do "
                                f"not fit ({self.used_bytes} of {self.capacity_bytes} used)")
             try:
                 entry = await self._append(kb, [header, kb, view], view.nbytes, checksum,
@@ -193,7 +193,7 @@ class DiskTier(Tier):
                 lengths[kb] = view.nbytes
             growth = sum(delta for delta, _ in plans)
             if self.used_bytes + growth > self.capacity_bytes:
-                raise TierFull(f"disk tier {self.path}: a batch of {len(prepared)} values "
+                raise TierFull(f"disk tier: a batch of {len(prepared)} values "
                                f"needs {growth} more bytes ({self.used_bytes} of "
                                f"{self.capacity_bytes} used)")
             ready: list[tuple] = []  # enqueue arguments, queued once all are appended
@@ -247,17 +247,23 @@ class DiskTier(Tier):
                 continue  # retired by a compaction after the lookup: look it up again
             finally:
                 self.files.unpin(entry.seg_id)
-        raise TierUnavailable(f"disk tier {self.path}: segments of {key!r} keep vanishing")
+        raise TierUnavailable(f"disk tier: segments of {key!r} keep vanishing")
 
     async def _read(self, kb: bytes, entry: IndexEntry) -> memoryview:
         size = record_size(len(kb), entry.value_len)
+        # Messages may reach a client: the segment's path and offset go to the log only.
+        location = f"disk tier {self.path}, segment {entry.seg_id} @ {entry.offset}"
         try:
             record = await self.files.read(entry.seg_id, entry.offset, size)
+            return check_record(record, kb, entry.value_len, entry.checksum,
+                                f"disk tier, key {kb!r}").toreadonly()
         except OSError as exc:
-            raise TierUnavailable(f"disk tier {self.path}: reading segment "
-                                  f"{entry.seg_id}: {exc}") from exc
-        where = f"disk tier {self.path}, segment {entry.seg_id} @ {entry.offset}, key {kb!r}"
-        return check_record(record, kb, entry.value_len, entry.checksum, where).toreadonly()
+            log.warning("%s: read failed: %s", location, exc)
+            raise TierUnavailable(f"disk tier: reading a segment failed: "
+                                  f"{exc.strerror or type(exc).__name__}") from exc
+        except ChunkCorrupt as exc:
+            log.warning("%s: %s", location, exc)
+            raise
 
     async def delete(self, key: str, *, durable: bool | None = None) -> int:
         kb = key_bytes(key)
@@ -350,7 +356,7 @@ class DiskTier(Tier):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise TierUnavailable(f"disk tier {self.path} is closed")
+            raise TierUnavailable("disk tier is closed")
 
     def _check_writable(self) -> None:
         self._check_open()
