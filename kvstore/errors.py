@@ -104,7 +104,15 @@ class DataLoss(KVTierError):
 
 
 class TierUnavailable(KVTierError):
-    """The tier's medium cannot be reached (Redis down, bucket unreachable, disk gone)."""
+    """The tier's medium cannot be reached (Redis down, bucket unreachable, disk gone).
+
+    ``whole_tier=False``: only the part of the medium that holds this key is out (the
+    Redis Cluster master owning its slot), so the call failed for this key alone and the
+    tier keeps serving the others."""
+
+    def __init__(self, message: str = "", *, whole_tier: bool = True) -> None:
+        super().__init__(message)
+        self.whole_tier = whole_tier
 
 
 class TierFull(KVTierError):
