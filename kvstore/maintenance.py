@@ -110,9 +110,15 @@ class Maintenance:
             holders = self._stack.holders(key)
             if not any(i >= target for i in holders):
                 data, _, _ = await self._stack.read(key, access=False)
-                if await self._stack.place(key, data, start=target) is None:
-                    raise TierFull(f"no tier at or below {self._stack.tiers[target].name} "
-                                   f"took {key}")
+                unavailable: list[TierUnavailable] = []
+                placed = await self._stack.place(key, data, start=target,
+                                                 unavailable=unavailable)
+                if placed is None:
+                    below = f"no tier at or below {self._stack.tiers[target].name} took {key}"
+                    if unavailable:  # a tier that was out, not one that was full
+                        raise TierUnavailable(f"{below}: {unavailable[0]}")
+                    raise TierFull(below)
+                self._counters.demotions[self._stack.tiers[placed].name] += 1
             for i in (i for i in holders if i < target):
                 await self._stack.delete(i, key, evicted=True)
 

@@ -16,7 +16,9 @@ the index of what the tier holds (rebuilt from ``Tier.keys`` on open). Rules:
   the disk tier does for a record failing its checksum) or an unavailable tier;
   ``promote`` then replaces bad copies and moves the block up.
 - A tier that raised ``TierUnavailable`` is skipped for ``cooldown_s`` (a Redis outage
-  costs one timeout, not one per chunk), except as a read's last resort.
+  costs one timeout, not one per chunk), except as a read's last resort. One that says
+  ``whole_tier=False`` (a Redis Cluster master down) failed for that key alone: a miss
+  or a failed write of the key, and the tier keeps serving every other key.
 
 Every mutation of one key happens under ``KeyedLocks`` held by the caller; eviction only
 takes victims whose lock is free (``KeyedLocks.busy``), so it never waits on a lock.
@@ -79,14 +81,21 @@ class TierStack:
         self.hints = HintBook(self.policies[0].clock)
         self.cooldown_s = cooldown_s
         self._down_until = [0.0] * len(self.tiers)  # monotonic time an outage ends
+        self._down_reason = [""] * len(self.tiers)  # what the outage's first failure said
 
     def up(self, j: int) -> bool:
         return time.monotonic() >= self._down_until[j]
 
-    def _mark_down(self, j: int, what: str, exc: Exception) -> None:
+    def _mark_down(self, j: int, what: str, exc: TierUnavailable) -> None:
+        """A call to tier ``j`` failed: skip the tier for ``cooldown_s``, unless only the
+        key's part of the medium is out."""
         tier = self.tiers[j]
         self.counters.tier_errors[tier.name] += 1
+        if not exc.whole_tier:
+            log.debug("tier %s failed %s, for that key only: %s", tier.name, what, exc)
+            return
         if self.up(j):
+            self._down_reason[j] = str(exc)
             log.warning("tier %s unavailable (%s), skipping it for %.1f s: %s",
                         tier.name, what, self.cooldown_s, exc)
         self._down_until[j] = time.monotonic() + self.cooldown_s
@@ -139,13 +148,15 @@ class TierStack:
 
     async def place(
         self, key: str, data: Buffer, *, start: int = 0, stop: int | None = None,
-        protect: Collection[str] = (),
+        protect: Collection[str] = (), unavailable: list[TierUnavailable] | None = None,
     ) -> int | None:
         """Put ``key`` in the highest tier of ``[start, stop)`` that holds it or takes it.
 
         Making room never evicts a key in ``protect`` (the rest of the session being
         placed or restored, so a session larger than a tier does not evict itself).
-        Returns that tier's index, or None when none could. The caller holds the key lock.
+        Returns that tier's index, or None when none could. ``unavailable`` collects why
+        tiers that were down (or failed the put) did not take it: a caller that must
+        place the key tells "unavailable" from "full". The caller holds the key lock.
         """
         for j in range(start, len(self.tiers) if stop is None else stop):
             if not self.may_hold(j, key):
@@ -153,14 +164,19 @@ class TierStack:
             if key in self.policies[j]:
                 self.policies[j].on_access(key, self.hints.get(key))
                 return j
-            if await self._put(j, key, data, protect):
+            if await self._put(j, key, data, protect, unavailable):
                 return j
         return None
 
-    async def _put(self, j: int, key: str, data: Buffer, protect: Collection[str] = ()
-                   ) -> bool:
+    async def _put(self, j: int, key: str, data: Buffer, protect: Collection[str] = (),
+                   unavailable: list[TierUnavailable] | None = None) -> bool:
         tier, size = self.tiers[j], len(data)
-        if size > tier.capacity_bytes or not self.up(j):
+        if size > tier.capacity_bytes:
+            return False
+        if not self.up(j):
+            if unavailable is not None:
+                unavailable.append(TierUnavailable(
+                    f"tier {tier.name} is unavailable: {self._down_reason[j]}"))
             return False
         for _ in range(PUT_ATTEMPTS):
             if not await self._make_room(j, size, protect):
@@ -171,6 +187,8 @@ class TierStack:
                 continue
             except TierUnavailable as exc:
                 self._mark_down(j, "put", exc)
+                if unavailable is not None:
+                    unavailable.append(exc)
                 return False
             self.policies[j].on_insert(key, size, self.hints.get(key))
             self.counters.bytes_written[tier.name] += size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import uuid
 
 import boto3
 import pytest
@@ -161,3 +162,42 @@ def test_bad_urls():
         ObjectTier("http://example/x", 10)
     with pytest.raises(InvalidRequest):
         ObjectTier("s3:///prefix", 10)
+
+
+async def test_a_missing_bucket_fails_every_call_by_name_until_it_exists(
+        s3_server, s3_credentials):
+    bucket = f"kvtier-missing-{uuid.uuid4().hex[:12]}"
+    tier = ObjectTier(f"s3://{bucket}/chunks", 1000,
+                      ObjectTierConfig(endpoint_url=s3_server, max_attempts=1, **s3_credentials))
+    calls = {"put": lambda: tier.put("k", b"v"), "get": lambda: tier.get("k"),
+             "delete": lambda: tier.delete("k"), "contains": lambda: tier.contains("k"),
+             "resync": tier.resync, "held_bytes": tier.held_bytes}
+    for _ in range(2):  # nothing is cached: every call asks S3 again
+        for name, call in calls.items():
+            with pytest.raises(TierUnavailable) as raised:
+                await call()
+            message = str(raised.value)
+            assert repr(bucket) in message and "does not exist" in message, name
+            assert s3_credentials["aws_secret_access_key"] not in message, name
+    assert not tier.health.available
+    boto3.client("s3", endpoint_url=s3_server, **s3_credentials).create_bucket(Bucket=bucket)
+    await tier.put("k", b"v")  # no restart, no resync: the next call finds the bucket
+    assert await tier.get("k") == b"v"
+    assert tier.health.available and tier.used_bytes == 1
+
+
+async def test_a_bucket_deleted_under_a_loaded_tier_is_unavailable_by_name(
+        s3_server, s3_credentials, s3_bucket):
+    client = boto3.client("s3", endpoint_url=s3_server, **s3_credentials)
+    tier = ObjectTier(f"s3://{s3_bucket}/chunks", 1000,
+                      ObjectTierConfig(endpoint_url=s3_server, max_attempts=1, **s3_credentials))
+    await tier.put("k", b"v")
+    client.delete_object(Bucket=s3_bucket, Key="chunks/k.bin")
+    client.delete_bucket(Bucket=s3_bucket)
+    for call in (lambda: tier.put("k2", b"v2"), lambda: tier.get("k"),
+                 lambda: tier.delete("k")):
+        with pytest.raises(TierUnavailable, match=f"{s3_bucket!r} does not exist"):
+            await call()
+    client.create_bucket(Bucket=s3_bucket)
+    await tier.put("k2", b"v2")
+    assert await tier.get("k2") == b"v2"

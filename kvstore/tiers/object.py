@@ -222,8 +222,12 @@ class _S3Store:
                     yield item["Key"][len(self.prefix):], item["Size"]
 
 
+def _error_code(exc: ClientError) -> str | None:
+    return exc.response.get("Error", {}).get("Code")
+
+
 def _is_missing(exc: ClientError) -> bool:
-    return exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound")
+    return _error_code(exc) in ("NoSuchKey", "404", "NotFound")
 
 
 class ObjectTier(Tier):
@@ -278,6 +282,10 @@ class ObjectTier(Tier):
                                   f"{exc.strerror or type(exc).__name__}") from exc
         except (BotoCoreError, ClientError) as exc:
             self.health.failed(what, exc)
+            if isinstance(exc, ClientError) and _error_code(exc) == "NoSuchBucket":
+                # Every call says so (none is cached), so creating the bucket is enough.
+                raise TierUnavailable(f"object {what} failed: bucket "
+                                      f"{self._store.bucket!r} does not exist") from exc
             raise TierUnavailable(f"object {what} failed: {exc!r}") from exc
         self.health.succeeded()
         return result

@@ -9,7 +9,12 @@ Outages: transient connection errors are retried by redis-py's own ``Retry`` wit
 exponential backoff and jitter; when that gives up, or ``op_timeout_s`` passes, the call
 raises ``TierUnavailable`` (logged, rate-limited: see ``Availability``) and the pool
 reconnects by itself on a later call once Redis is back. With a cluster, only the keys of
-a master that is down fail; the client refreshes its slot map when the node returns.
+a master that is down fail: when a call on one key fails and another master still reports
+``cluster_state:ok``, the ``TierUnavailable`` says ``whole_tier=False`` and the tier stack
+keeps using Redis for every other key. (A cluster that requires full slot coverage, the
+Redis default, stops serving every slot once it marks a master failed: run clusters
+without replicas with ``cluster-require-full-coverage no``.) The client refreshes its
+slot map when the node returns.
 
 Accounting is exact for what this tier instance wrote and has not deleted: the size of
 every key it set, dropped when it deletes the key, finds it missing, or its TTL passes
@@ -33,7 +38,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
@@ -163,7 +168,9 @@ class RedisTier(Tier):
 
     # -- calls to the medium --
 
-    async def _call(self, what: str, operation: Callable[[], Awaitable[T]]) -> T:
+    async def _call(self, what: str, operation: Callable[[], Awaitable[T]],
+                    redis_key: str | None = None) -> T:
+        """Run one call; ``redis_key``: the one key it touches, if it touches one."""
         try:
             async with asyncio.timeout(self.config.op_timeout_s):
                 result = await operation()
@@ -171,11 +178,35 @@ class RedisTier(Tier):
             raise TierFull(f"redis refused {what}: {exc}") from exc
         except _UNAVAILABLE_ERRORS as exc:
             self.health.failed(what, exc)
+            if redis_key is not None and await self._others_serve(redis_key):
+                raise TierUnavailable(f"redis {what} failed for this key (the cluster serves "
+                                      f"others): {exc!r}", whole_tier=False) from exc
             raise TierUnavailable(f"redis {what} failed: {exc!r}") from exc
         except rexc.RedisError as exc:  # e.g. WRONGTYPE: foreign data under our prefix
             raise TierUnavailable(f"redis refused {what}: {exc}") from exc
         self.health.succeeded()
         return result
+
+    async def _others_serve(self, redis_key: str) -> bool:
+        """With a cluster: whether a master other than the one owning ``redis_key``'s slot
+        answers and reports ``cluster_state:ok`` (asked of all at once, so a whole cluster
+        out costs one socket timeout more, once per cooldown of the tier stack)."""
+        if not self.cluster:
+            return False
+        try:
+            owner = self._client.get_node_from_key(redis_key).name
+        except (rexc.RedisError, IndexError, KeyError):  # its slot has no known master
+            owner = None
+        others = [node for node in self._client.get_primaries() if node.name != owner]
+        return any(await asyncio.gather(*map(self._serving, others)))
+
+    async def _serving(self, node: ClusterNode) -> bool:
+        try:
+            async with asyncio.timeout(self.config.socket_timeout_s):
+                info = await node.execute_command("CLUSTER INFO")
+        except (*_UNAVAILABLE_ERRORS, rexc.RedisError):
+            return False
+        return isinstance(info, dict) and info.get("cluster_state") == "ok"  # parsed reply
 
     def _redis_key(self, key: str) -> str:
         return self.config.prefix + check_key(key)
@@ -197,14 +228,15 @@ class RedisTier(Tier):
         self._reserved += nbytes
         started = self.clock()
         try:
-            await self._call("SET", lambda: self._client.set(redis_key, view, px=px))
+            await self._call("SET", lambda: self._client.set(redis_key, view, px=px),
+                             redis_key)
         finally:
             self._reserved -= nbytes
         self._account(key, nbytes, ttl_s, started)
 
     async def get(self, key: str) -> Buffer:
         redis_key = self._redis_key(key)
-        value = await self._call("GET", lambda: self._client.get(redis_key))
+        value = await self._call("GET", lambda: self._client.get(redis_key), redis_key)
         if value is None:
             self._forget(key)  # expired, evicted by Redis, or deleted by another writer
             raise ChunkNotFound(f"redis: no value under {key!r}")
@@ -215,13 +247,15 @@ class RedisTier(Tier):
 
     async def delete(self, key: str) -> int:
         redis_key = self._redis_key(key)
-        freed = await self._call("DEL", lambda: self._delete_script(keys=[redis_key]))
+        freed = await self._call("DEL", lambda: self._delete_script(keys=[redis_key]),
+                                 redis_key)
         self._forget(key)
         return int(freed)
 
     async def contains(self, key: str) -> bool:
         redis_key = self._redis_key(key)
-        present = bool(await self._call("EXISTS", lambda: self._client.exists(redis_key)))
+        present = bool(await self._call("EXISTS", lambda: self._client.exists(redis_key),
+                                        redis_key))
         if not present:
             self._forget(key)
         return present
@@ -240,7 +274,8 @@ class RedisTier(Tier):
 
     async def ttl_s(self, key: str) -> float | None:
         """Time left before ``key`` expires; None when it has no TTL."""
-        millis = await self._call("PTTL", lambda: self._client.pttl(self._redis_key(key)))
+        redis_key = self._redis_key(key)
+        millis = await self._call("PTTL", lambda: self._client.pttl(redis_key), redis_key)
         if millis == -2:
             raise ChunkNotFound(f"redis: no value under {key!r}")
         return None if millis == -1 else millis / 1000
