@@ -27,8 +27,9 @@ class Counters:
     bytes_read: Counter[str] = field(default_factory=Counter)
     bytes_written: Counter[str] = field(default_factory=Counter)
     evictions: Counter[str] = field(default_factory=Counter)  # blocks a tier gave up
-    demotions: Counter[str] = field(default_factory=Counter)  # blocks written into a tier
-    promotions: Counter[str] = field(default_factory=Counter)  # ...by eviction or restore
+    # blocks written into a tier by eviction or demote (Evict), and by restore
+    demotions: Counter[str] = field(default_factory=Counter)
+    promotions: Counter[str] = field(default_factory=Counter)
     fallthrough_corrupt: Counter[str] = field(default_factory=Counter)  # bad copy per tier
     fallthrough_unavailable: Counter[str] = field(default_factory=Counter)
     tier_errors: Counter[str] = field(default_factory=Counter)  # failed puts and deletes
