@@ -59,7 +59,7 @@ class RewriteResult:
 
 
 class _Copier:
-    """Appends verified records in batches of about ``batch_bytes``: one aiofiles write
+    """Appends verified records in batches of about ``batch_bytes``: one positional write
     per batch instead of one per record keeps small records at sequential-write speed."""
 
     def __init__(self, appender: SegmentAppender, batch_bytes: int) -> None:
@@ -153,7 +153,7 @@ def _discard(tier: DiskTier, appender: SegmentAppender) -> None:
         seg_ids.add(appender.seg_id)
     for seg_id in seg_ids:
         if tier.index.drop_segment(seg_id):
-            segment_path(tier.segment_dir, seg_id).unlink(missing_ok=True)
+            tier.fs.unlink(segment_path(tier.segment_dir, seg_id))
 
 
 async def retire_segment(tier: DiskTier, seg_id: int) -> bool:

@@ -28,7 +28,7 @@ def drop_if_unchanged(tier: DiskTier, key: str, entry: IndexEntry) -> bool:
     """Delete ``key``'s index entry if it is still ``entry``; True when it was deleted."""
     index = tier.index
     kb = key.encode()
-    with index.env.begin(write=True) as txn:
+    with index.write() as txn:
         if txn.get(kb, db=index.chunks) != entry.pack():
             return False
         accounts = _Accounts(txn, index)
@@ -42,13 +42,14 @@ def raw_record(tier: DiskTier, key: str, entry: IndexEntry) -> bytes:
     """Whatever the segment file holds where ``entry``'s record should be."""
     size = record_size(len(key.encode()), entry.value_len)
     try:
-        fd = os.open(segment_path(tier.segment_dir, entry.seg_id), os.O_RDONLY | os.O_CLOEXEC)
+        fd = tier.fs.open(segment_path(tier.segment_dir, entry.seg_id), os.O_RDONLY)
     except FileNotFoundError:
         return b""
     try:
-        return os.pread(fd, size, entry.offset)
+        buffer = bytearray(size)
+        return bytes(buffer[:tier.fs.read(fd, memoryview(buffer), entry.offset)])
     finally:
-        os.close(fd)
+        tier.fs.close(fd)
 
 
 def seal_dead_writer(tier: DiskTier) -> int | None:
@@ -69,7 +70,7 @@ def seal_dead_writer(tier: DiskTier) -> int | None:
         return None
     if end == 0:  # an empty segment: forget it rather than keep an empty sealed one
         if tier.index.drop_segment(seg_id):
-            segment_path(tier.segment_dir, seg_id).unlink(missing_ok=True)
+            tier.fs.unlink(segment_path(tier.segment_dir, seg_id))
         return None
     info.state = SegState.SEALED
     tier.index.set_segments([info])

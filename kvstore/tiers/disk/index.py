@@ -17,11 +17,11 @@ synchronous; the tier runs write transactions in a worker thread.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
-import os
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -29,6 +29,7 @@ from typing import NamedTuple
 import lmdb
 
 from kvstore.errors import Busy
+from kvstore.tiers.disk.fs import OS, FileSystem
 from kvstore.tiers.disk.segments import record_size
 
 log = logging.getLogger(__name__)
@@ -165,15 +166,22 @@ _OPEN: set[str] = set()  # LMDB forbids opening one environment twice in a proce
 
 
 class DiskIndex:
-    def __init__(self, path: Path, *, map_size: int) -> None:
+    def __init__(self, path: Path, *, map_size: int, fs: FileSystem = OS) -> None:
         path.mkdir(parents=True, exist_ok=True)
+        self.fs = fs  # hears of every commit (``write``)
         self._name = str(path.resolve())
         if self._name in _OPEN:
             raise Busy(f"the disk index {path} is already open in this process; share "
                        "that DiskTier instead of opening the directory again")
+        # LMDB's safe mode, on which the tier's durability rests: sync=True (a commit
+        # fsyncs the data pages before it returns), metasync=True (and the meta page
+        # after them), writemap=False (pages reach the file by pwrite, never through a
+        # writable map a stray store could dirty) and map_async=False. A crash at any
+        # point then leaves exactly the last committed transaction, which is what "the
+        # index never names bytes that were not fsynced" rests on.
         self.env = lmdb.open(str(path), map_size=map_size, max_dbs=4, subdir=True,
-                             sync=True, metasync=True)
-        with self.env.begin(write=True) as txn:
+                             sync=True, metasync=True, writemap=False, map_async=False)
+        with self.write() as txn:
             self.chunks = self.env.open_db(b"chunks", txn=txn)
             self.segments = self.env.open_db(b"segments", txn=txn)
             self.meta = self.env.open_db(b"meta", txn=txn)
@@ -185,6 +193,13 @@ class DiskIndex:
     def close(self) -> None:
         self.env.close()
         _OPEN.discard(self._name)
+
+    @contextlib.contextmanager
+    def write(self, db: object = None) -> Iterator[lmdb.Transaction]:
+        """One write transaction; the seam hears of it once it committed."""
+        with self.env.begin(write=True, db=db) as txn:
+            yield txn
+        self.fs.commit_index(self.env)
 
     # reads: short read transactions, safe on the event loop thread
 
@@ -260,7 +275,7 @@ class DiskIndex:
     def register_segment(self, state: SegState) -> int:
         """Allocate the next segment id and name it in the index, before its file exists,
         so a segment file on disk is always either named or safe to remove."""
-        with self.env.begin(write=True) as txn:
+        with self.write() as txn:
             seg_id = _U64.unpack(txn.get(_NEXT_SEG, db=self.state))[0] + 1
             txn.put(_NEXT_SEG, _U64.pack(seg_id), db=self.state)
             txn.put(_SEG_KEY.pack(seg_id), SegmentInfo(seg_id, state, 0).pack(),
@@ -269,7 +284,7 @@ class DiskIndex:
 
     def apply(self, ops: Iterable[IndexOp]) -> None:
         """Apply a batch of writer operations, in order, in one transaction."""
-        with self.env.begin(write=True) as txn:
+        with self.write() as txn:
             accounts = _Accounts(txn, self)
             for op in ops:
                 if isinstance(op, PutOp):
@@ -304,13 +319,13 @@ class DiskIndex:
         return info
 
     def set_segments(self, infos: Iterable[SegmentInfo]) -> None:
-        with self.env.begin(write=True, db=self.segments) as txn:
+        with self.write(self.segments) as txn:
             for info in infos:
                 txn.put(_SEG_KEY.pack(info.seg_id), info.pack())
 
     def drop_segment(self, seg_id: int) -> bool:
         """Forget a segment no entry names; False (and no change) while one still does."""
-        with self.env.begin(write=True, db=self.segments) as txn:
+        with self.write(self.segments) as txn:
             raw = txn.get(_SEG_KEY.pack(seg_id))
             if raw is not None and SegmentInfo.unpack(seg_id, raw).live_records:
                 return False
@@ -327,7 +342,7 @@ class DiskIndex:
         so a writer's newer put or delete of the key always wins.
         """
         moved = 0
-        with self.env.begin(write=True) as txn:
+        with self.write() as txn:
             accounts = _Accounts(txn, self)
             for seg_id, end in built.items():
                 info = accounts.segment(seg_id)
@@ -361,7 +376,7 @@ class DiskIndex:
         """
         dropped: list[bytes] = []
         sizes: dict[int, int | None] = {}
-        with self.env.begin(write=True) as txn:
+        with self.write() as txn:
             infos = {_SEG_KEY.unpack(k)[0]: SegmentInfo.unpack(_SEG_KEY.unpack(k)[0], v)
                      for k, v in txn.cursor(db=self.segments)}
             for info in infos.values():
@@ -390,10 +405,3 @@ class DiskIndex:
             txn.put(_USED, _U64.pack(used), db=self.state)
             txn.put(_ITEMS, _U64.pack(items), db=self.state)
         return dropped
-
-
-def file_size_or_none(path: Path) -> int | None:
-    try:
-        return os.stat(path).st_size
-    except FileNotFoundError:
-        return None

@@ -15,6 +15,7 @@ error, and buffered writes raise it from the next ``flush``.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 from pathlib import Path
 from typing import NamedTuple
@@ -22,9 +23,10 @@ from typing import NamedTuple
 import lmdb
 
 from kvstore.errors import TierFull
+from kvstore.tiers.disk.fs import fsync_path
 from kvstore.tiers.disk.index import DeleteOp, DiskIndex, IndexEntry, IndexOp, PutOp
 from kvstore.tiers.disk.log import storage_error
-from kvstore.tiers.disk.segments import fsync_file, segment_path
+from kvstore.tiers.disk.segments import segment_path
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,10 @@ class CommitPipeline:
         self.overlay: dict[bytes, tuple[int, IndexEntry | None]] = {}  # key -> (seq, entry)
         self.pending_delta = self.pending_items = self.pending_bytes = 0
         self.failed_writes = 0  # buffered writes lost to a failed commit
+        # Segments an fsync failed on. Linux may drop the dirty pages of a failed fsync
+        # and report success on the next, so no later batch naming one may commit; the
+        # appender shares the set and stops writing to them.
+        self.failed_syncs: set[int] = set()
         self._queue: list[QueuedOp] = []
         self._seq = 0
         self._lock = asyncio.Lock()
@@ -121,7 +127,7 @@ class CommitPipeline:
         if not batch:
             return
         segments = {o.op.entry.seg_id for o in batch if isinstance(o.op, PutOp)}
-        where = f"disk tier {self.segment_dir.parent}"
+        where = "disk tier"
         try:
             if segments:
                 await asyncio.to_thread(self._fsync, segments)
@@ -145,8 +151,14 @@ class CommitPipeline:
 
     def _fsync(self, seg_ids: set[int]) -> None:
         # by path, not through the appender's handle, which a roll may be closing now
-        for seg_id in seg_ids:
-            fsync_file(segment_path(self.segment_dir, seg_id))
+        for seg_id in sorted(seg_ids):
+            if seg_id in self.failed_syncs:
+                raise OSError(errno.EIO, f"an earlier fsync of segment {seg_id} failed")
+            try:
+                fsync_path(self.index.fs, segment_path(self.segment_dir, seg_id))
+            except OSError:
+                self.failed_syncs.add(seg_id)
+                raise
 
     def _settled(self, op: QueuedOp) -> None:
         self.pending_delta -= op.delta

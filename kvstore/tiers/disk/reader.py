@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import mmap
 import os
 from collections import Counter, OrderedDict
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.errors import ChunkTruncated
+from kvstore.tiers.disk.fs import OS, FileSystem
 from kvstore.tiers.disk.segments import segment_path
 
 log = logging.getLogger(__name__)
@@ -41,10 +41,10 @@ class SegmentGone(Exception):
     """The segment file was removed (retired) before this process opened it."""
 
 
-def _pread_into(fd: int, buffer: memoryview, offset: int) -> int:
+def _pread_into(fs: FileSystem, fd: int, buffer: memoryview, offset: int) -> int:
     done = 0
     while done < buffer.nbytes:
-        count = os.preadv(fd, [buffer[done:]], offset + done)
+        count = fs.read(fd, buffer[done:], offset + done)
         if count == 0:
             break
         done += count
@@ -52,13 +52,14 @@ def _pread_into(fd: int, buffer: memoryview, offset: int) -> int:
 
 
 class SegmentFiles:
-    def __init__(self, directory: Path, *, max_open: int = 256) -> None:
+    def __init__(self, directory: Path, *, max_open: int = 256, fs: FileSystem = OS) -> None:
         self.directory = directory
+        self.fs = fs
         self.max_open = max_open
         self._fds: OrderedDict[int, int] = OrderedDict()  # LRU of read descriptors
         self._pins: Counter[int] = Counter()
         self._retiring: set[int] = set()
-        self._maps: dict[int, mmap.mmap] = {}
+        self._maps: dict[int, object] = {}  # seg id -> mmap.mmap
         self._nowait = _NOWAIT
         self._probe = bytearray(1)
 
@@ -87,14 +88,14 @@ class SegmentFiles:
         self._retiring.discard(seg_id)
         self._close(seg_id)
         # another process (or a recovery) may have removed it first
-        segment_path(self.directory, seg_id).unlink(missing_ok=True)
+        self.fs.unlink(segment_path(self.directory, seg_id))
 
     def _close(self, seg_id: int) -> None:
         # a mapping is dropped, never closed: views handed out keep it alive
         self._maps.pop(seg_id, None)
         fd = self._fds.pop(seg_id, None)
         if fd is not None:
-            os.close(fd)
+            self.fs.close(fd)
 
     def forget_except(self, named: set[int]) -> None:
         """Close descriptors of unpinned segments the index no longer names."""
@@ -107,7 +108,7 @@ class SegmentFiles:
             self._fds.move_to_end(seg_id)
             return fd
         try:
-            fd = os.open(segment_path(self.directory, seg_id), os.O_RDONLY | os.O_CLOEXEC)
+            fd = self.fs.open(segment_path(self.directory, seg_id), os.O_RDONLY)
         except FileNotFoundError:
             raise SegmentGone(seg_id) from None
         self._fds[seg_id] = fd
@@ -126,7 +127,7 @@ class SegmentFiles:
             return view
         # np.empty, not bytearray: zero-filling 1 MiB first costs as much as the read
         buffer = memoryview(np.empty(size, dtype=np.uint8))
-        done = await asyncio.to_thread(_pread_into, fd, buffer, offset)
+        done = await asyncio.to_thread(_pread_into, self.fs, fd, buffer, offset)
         if done < size:
             log.warning("segment %d: %d bytes at offset %d requested, the file ends after %d",
                         seg_id, size, offset, done)
@@ -140,8 +141,9 @@ class SegmentFiles:
         if not self._nowait:
             return None
         try:
-            if (os.preadv(fd, [self._probe], offset, self._nowait) != 1
-                    or os.preadv(fd, [self._probe], end - 1, self._nowait) != 1):
+            probe = memoryview(self._probe)
+            if (self.fs.read(fd, probe, offset, self._nowait) != 1
+                    or self.fs.read(fd, probe, end - 1, self._nowait) != 1):
                 return None
         except BlockingIOError:
             return None
@@ -153,7 +155,7 @@ class SegmentFiles:
             return None
         mapped = self._maps.get(seg_id)
         if mapped is None or len(mapped) < end:
-            mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)  # the whole file as it is now
+            mapped = self.fs.mmap(fd)  # the whole file as it is now
             self._maps[seg_id] = mapped
         return memoryview(mapped)[offset:end] if len(mapped) >= end else None
 

@@ -11,8 +11,10 @@ The index is the truth; segment files are reconciled with it:
    lies there was never committed: whole records of puts that were not acknowledged
    durably (the index commit comes after the fsync) and possibly a torn record. It is
    cut off. Those records are not re-indexed: deletes live only in the index, so
-   replaying an uncommitted put could resurrect a key deleted after it. Every ACTIVE
-   segment but the newest is then sealed; the newest is where appends resume.
+   replaying an uncommitted put could resurrect a key deleted after it. A SEALED
+   segment's tail past its committed end (a write the appender abandoned) is cut too.
+   Every ACTIVE segment but the newest is then sealed; the newest is where appends
+   resume.
 4. The accounting is rebuilt from the entries, and entries whose bytes are missing (a
    file lost or shortened behind our back) are dropped and logged, so the tier reports
    exactly what it can serve.
@@ -25,9 +27,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore.tiers.disk.index import DiskIndex, SegState, file_size_or_none
+from kvstore.tiers.disk.fs import FileSystem
+from kvstore.tiers.disk.index import DiskIndex, SegState
 from kvstore.tiers.disk.lock import DirLock
-from kvstore.tiers.disk.segments import fsync_directory, scan_records, segment_files, segment_path
+from kvstore.tiers.disk.segments import scan_records, segment_files, segment_path
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ def drop_abandoned_builds(index: DiskIndex, directory: Path) -> list[int]:
     removed = []
     for info in index.all_segments():
         if info.state == SegState.BUILDING and index.drop_segment(info.seg_id):
-            segment_path(directory, info.seg_id).unlink(missing_ok=True)
+            index.fs.unlink(segment_path(directory, info.seg_id))
             removed.append(info.seg_id)
     return removed
 
@@ -56,11 +59,11 @@ def remove_unnamed_files(index: DiskIndex, directory: Path) -> list[int]:
     """Remove segment files the index does not name. Safe beside a live writer: the
     directory is listed before the index is read, and a segment is named before its
     file is created, so a file seen here and unnamed there was forgotten for good."""
-    on_disk = dict(segment_files(directory))
+    on_disk = dict(segment_files(index.fs, directory))
     named = {info.seg_id for info in index.all_segments()}
     removed = sorted(seg_id for seg_id in on_disk if seg_id not in named)
     for seg_id in removed:
-        on_disk[seg_id].unlink(missing_ok=True)
+        index.fs.unlink(on_disk[seg_id])
     return removed
 
 
@@ -72,50 +75,51 @@ def recover(index: DiskIndex, directory: Path, compact_lock: DirLock) -> Recover
             report.removed_building = drop_abandoned_builds(index, directory)
         finally:
             compact_lock.release()
+    fs = index.fs
     named = {info.seg_id: info for info in index.all_segments()}
 
+    def size_of(seg_id: int) -> int | None:
+        return fs.size(segment_path(directory, seg_id))
+
+    for info in named.values():  # a SEALED one too: the writer abandoned a failed write
+        size = size_of(info.seg_id)
+        if info.state != SegState.BUILDING and size is not None and size > info.file_bytes:
+            _cut_tail(fs, segment_path(directory, info.seg_id), info.file_bytes, size,
+                      report)
     active = sorted((i for i in named.values() if i.state == SegState.ACTIVE),
                     key=lambda info: info.seg_id)
-    for info in active:
-        path = segment_path(directory, info.seg_id)
-        size = file_size_or_none(path)
-        if size is None:
-            continue  # named before its file was made; step 4 drops anything it claims
-        if size > info.file_bytes:
-            _cut_tail(path, info.file_bytes, size, report)
     if active:
         newest = active[-1]
         for info in active[:-1]:
             info.state = SegState.SEALED
-        if file_size_or_none(segment_path(directory, newest.seg_id)) is None:
+        if size_of(newest.seg_id) is None:
             newest.state = SegState.SEALED
         else:
             report.active = (newest.seg_id, newest.file_bytes)
         index.set_segments(active)
 
-    dropped = index.rebuild_accounting(
-        lambda seg_id: file_size_or_none(segment_path(directory, seg_id)))
+    dropped = index.rebuild_accounting(size_of)
     report.dropped_entries = [key.decode(errors="replace") for key in dropped]
     for info in index.all_segments():  # named, but the file never was or is gone
-        if info.state != SegState.BUILDING and file_size_or_none(
-                segment_path(directory, info.seg_id)) is None:
+        if info.state != SegState.BUILDING and size_of(info.seg_id) is None:
             index.drop_segment(info.seg_id)
     if report.removed_unnamed or report.removed_building:
-        fsync_directory(directory)
+        fs.fsync_dir(directory)
     _log(report, directory)
     return report
 
 
-def _cut_tail(path: Path, end: int, size: int, report: RecoveryReport) -> None:
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+def _cut_tail(fs: FileSystem, path: Path, end: int, size: int,
+              report: RecoveryReport) -> None:
+    fd = fs.open(path, os.O_RDWR)
     try:
-        records, valid_end = scan_records(fd, end, size)
+        records, valid_end = scan_records(fs, fd, end, size)
         report.uncommitted_records += len(records)
         report.torn_bytes += size - valid_end
-        os.ftruncate(fd, end)
-        os.fsync(fd)
+        fs.truncate(fd, end)
+        fs.fsync(fd)
     finally:
-        os.close(fd)
+        fs.close(fd)
 
 
 def _log(report: RecoveryReport, directory: Path) -> None:

@@ -14,7 +14,6 @@ so compaction can copy records without consulting anything else.
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from pathlib import Path
 import xxhash
 
 from kvstore.errors import ChunkCorrupt, ChunkTruncated, InvalidRequest
+from kvstore.tiers.disk.fs import OS, FileSystem
 
 MAGIC = b"KVR1"
 HEADER = struct.Struct("<4sQHHI")  # magic, checksum, key_len, flags, value_len
@@ -119,7 +119,8 @@ class ScannedRecord:
         return self.offset + record_size(len(self.key), self.value_len)
 
 
-def scan_records(fd: int, start: int, end: int) -> tuple[list[ScannedRecord], int]:
+def scan_records(fs: FileSystem, fd: int, start: int, end: int
+                 ) -> tuple[list[ScannedRecord], int]:
     """Whole, checksum-valid records in ``[start, end)`` of an open segment.
 
     Stops at the first record that is cut short or fails its checksum (a torn tail) and
@@ -128,13 +129,16 @@ def scan_records(fd: int, start: int, end: int) -> tuple[list[ScannedRecord], in
     records: list[ScannedRecord] = []
     position = start
     while position + HEADER_SIZE <= end:
-        header = os.pread(fd, HEADER_SIZE, position)
+        header = memoryview(bytearray(HEADER_SIZE))
+        if fs.read(fd, header, position) != HEADER_SIZE:
+            break
         magic, checksum, key_len, _flags, value_len = HEADER.unpack(header)
         size = record_size(key_len, value_len)
         if magic != MAGIC or position + size > end:
             break
-        record = memoryview(os.pread(fd, size, position))
-        if record.nbytes != size or xxhash.xxh3_64_intdigest(record[_HASHED_FROM:]) != checksum:
+        record = memoryview(bytearray(size))
+        if (fs.read(fd, record, position) != size
+                or xxhash.xxh3_64_intdigest(record[_HASHED_FROM:]) != checksum):
             break
         key = bytes(record[HEADER_SIZE:HEADER_SIZE + key_len])
         records.append(ScannedRecord(key, position, value_len, checksum))
@@ -146,26 +150,15 @@ def segment_path(directory: Path, seg_id: int) -> Path:
     return directory / f"{seg_id:010d}{SEGMENT_SUFFIX}"
 
 
-def segment_files(directory: Path) -> Iterator[tuple[int, Path]]:
+def segment_files(fs: FileSystem, directory: Path) -> Iterator[tuple[int, Path]]:
     """(segment id, path) of every segment file in ``directory``."""
-    for path in directory.iterdir():
-        stem = path.name.removesuffix(SEGMENT_SUFFIX)
-        if path.name.endswith(SEGMENT_SUFFIX) and stem.isdigit():
-            yield int(stem), path
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    for name in fs.listdir(directory):
+        stem = name.removesuffix(SEGMENT_SUFFIX)
+        if name.endswith(SEGMENT_SUFFIX) and stem.isdigit():
+            yield int(stem), directory / name
 
 
 def fsync_directory(directory: Path) -> None:
-    """Make file creations and removals in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Make file creations and removals in ``directory`` durable (outside the tier's
+    seam: the scrub's quarantine directory)."""
+    OS.fsync_dir(directory)

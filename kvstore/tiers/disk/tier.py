@@ -1,4 +1,4 @@
-"""The disk tier: append-only segment files (aiofiles) indexed in LMDB.
+"""The disk tier: append-only segment files indexed in LMDB, all file I/O through ``fs``.
 
 Write path (one append lock, then group commit):
   put -> append the record to the active segment (flushed to the OS) -> queue its index
@@ -41,6 +41,7 @@ from typing import ClassVar
 from kvstore.compaction import disk_rewrite
 from kvstore.errors import ChunkCorrupt, ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
 from kvstore.tiers.base import Buffer, Tier
+from kvstore.tiers.disk.fs import OS, FileSystem
 from kvstore.tiers.disk.index import (
     DeleteOp,
     DiskIndex,
@@ -77,14 +78,16 @@ class DiskTier(Tier):
     def __init__(self, path: str | Path, capacity_bytes: int, *, segment_bytes: int = 64 * MiB,
                  durable: bool = True, writer: bool = True, map_size: int = 64 << 30,
                  commit_interval_s: float = 0.002, max_pending_bytes: int = 256 * MiB,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, fs: FileSystem = OS) -> None:
+        """``fs``: the seam every segment-file call goes through (``fs.py``)."""
         super().__init__(capacity_bytes)
         self.clock = clock  # wall-clock seconds that TTLs are set and judged by
         if segment_bytes <= 0:
             raise ValueError(f"segment_bytes must be > 0, got {segment_bytes}")
         self.path = Path(path)
         self.segment_dir = self.path / "segments"
-        self.segment_dir.mkdir(parents=True, exist_ok=True)
+        self.fs = fs
+        fs.mkdir(self.segment_dir)
         self.segment_bytes = segment_bytes
         self.durable_writes = durable  # default acknowledgement mode of put and delete
         self.writer_lock = DirLock(self.path / WRITER_LOCK, "the disk tier's writer lock")
@@ -93,7 +96,7 @@ class DiskTier(Tier):
         if writer:
             self.writer_lock.acquire()
         try:
-            self.index = DiskIndex(self.path / "index", map_size=map_size)
+            self.index = DiskIndex(self.path / "index", map_size=map_size, fs=fs)
             if writer:
                 self.recovery = recover(self.index, self.segment_dir, self.compact_lock)
         except BaseException:
@@ -101,13 +104,14 @@ class DiskTier(Tier):
                 self.index.close()
             self.writer_lock.release()
             raise
-        self.files = SegmentFiles(self.segment_dir)
-        self._appender = (SegmentAppender(self.index, self.segment_dir, segment_bytes,
-                                          SegState.ACTIVE) if writer else None)
-        self._resume = self.recovery.active if self.recovery else None
+        self.files = SegmentFiles(self.segment_dir, fs=fs)
         self.pipeline = CommitPipeline(self.index, self.segment_dir,
                                        commit_interval_s=commit_interval_s,
                                        max_pending_bytes=max_pending_bytes)
+        self._appender = (SegmentAppender(self.index, self.segment_dir, segment_bytes,
+                                          SegState.ACTIVE, self.pipeline.failed_syncs)
+                          if writer else None)
+        self._resume = self.recovery.active if self.recovery else None
         self._append_lock = asyncio.Lock()
         self._epoch = self.index.segment_epoch()
         self._closed = False
@@ -388,7 +392,7 @@ class DiskTier(Tier):
             try:
                 await self._appender.resume(*self._resume)
             except OSError as exc:
-                raise storage_error(exc, f"{self.path}: segment {self._resume[0]}") from exc
+                raise storage_error(exc, f"disk tier: segment {self._resume[0]}") from exc
             self._resume = None
         size = record_size(len(kb), value_len)
         seg_id, offset = await self._appender.append(parts, size)
