@@ -67,6 +67,7 @@ from torch.nn import functional as F
 
 from bench.paths import recorded, resolved
 from kvstore.errors import UnknownLayout
+from kvstore.keys import dedupe_scope
 from kvstore.layout import LayoutSpec, get_layout, register_layout
 from kvstore.manager import TierManager
 from kvstore.manifest import manifest_key
@@ -175,7 +176,7 @@ async def open_store(root: Path, capacity: int = 8 * GiB) -> TierManager:
 async def spill_state(manager: TierManager, spec: LayoutSpec, session: str, state: KVState,
                       generation: int = 1) -> None:
     """Spill a state with a durable ack (chunks on host and disk, window on host)."""
-    chunks, tail, window = state_to_chunks(spec, state)
+    chunks, tail, window = state_to_chunks(spec, state, scope=dedupe_scope(TENANT))
     await manager.spill(TENANT, session, layout_id=spec.layout_id, generation=generation,
                         token_ids=state.token_ids.numpy(), chunks=chunks, tail=tail,
                         window=window, ack="durable")

@@ -41,7 +41,8 @@ async def measure(layout: str, total_mb: float, repeats: int) -> dict:
     chunk_bytes = spec.persistent_bytes_per_token * spec.chunk_tokens
     chunks = max(1, int(total_mb * 1e6 // chunk_bytes))
     tokens = torch.arange(chunks * spec.chunk_tokens)
-    enc = encode_session(spec, as_tokens(tokens), session_streams(spec, chunks))
+    # Only the bytes are used (the client keys them for its tenant when it spills).
+    enc = encode_session(spec, as_tokens(tokens), session_streams(spec, chunks), scope="")
     encoded = [enc.chunks[i] for i in range(chunks)]
     with tempfile.TemporaryDirectory() as data_dir:
         config = load_config(preset="test", env={}, overrides={

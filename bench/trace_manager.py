@@ -32,7 +32,7 @@ from bench.trace_reader import BLOCK_TOKENS, TraceRequest
 from bench.trace_sim import SimTier, TierSim, replay
 from bench.trace_workload import Workload, build_workload
 from kvstore.codec import encode_chunk
-from kvstore.keys import ROOT_PARENT, chunk_key
+from kvstore.keys import ROOT_PARENT, block_key, chunk_digest, chunk_key, dedupe_scope
 from kvstore.layout import register_layout
 from kvstore.manager import ManagerConfig, TierManager
 from kvstore.tiers.base import MemoryMetaStore
@@ -50,7 +50,7 @@ class _Chunks:
         self.spec = register_layout(CHECK_LAYOUT)  # spills look layouts up by id
         self.persistent = encoded_streams(BLOCK_TOKENS, ephemeral=False)
         self.ephemeral = encoded_streams(WINDOW_TOKENS, ephemeral=True)
-        self._done: dict[int, tuple[str, bytes]] = {}
+        self._done: dict[int, tuple[str, str, bytes]] = {}  # block -> chain, block key, bytes
 
     def tokens(self, blocks: Sequence[int]) -> np.ndarray:
         # (len(blocks) * 512,) uint32: block b's tokens are all b
@@ -62,11 +62,12 @@ class _Chunks:
         for index, block in enumerate(blocks):
             if block not in self._done:
                 tokens = self.tokens([block])
-                key = chunk_key(self.spec.layout_id, parent, tokens)
+                chain = chunk_key(dedupe_scope(TENANT), self.spec.layout_id, "", parent, tokens)
                 data = encode_chunk(self.spec, index * BLOCK_TOKENS, tokens, self.persistent)
-                self._done[block] = (key, data)
-            out.append(self._done[block])
-            parent = self._done[block][0]
+                self._done[block] = (chain, block_key(chain, chunk_digest(data)), data)
+            chain, key, data = self._done[block]
+            out.append((key, data))
+            parent = chain
         return out
 
     def window(self, blocks: Sequence[int]) -> bytes:

@@ -123,6 +123,15 @@ class StaleGeneration(KVTierError):
     """A writer presented a generation older than the session's current one."""
 
 
+class GenerationConflict(StaleGeneration):
+    """A spill presented the session's current generation with other content than the
+    spill stored under it (the same content is an idempotent retry, answered as before)."""
+
+
+class PermissionDenied(KVTierError):
+    """The caller may not use what it named (a dedupe domain not configured for it)."""
+
+
 class Busy(KVTierError):
     """An exclusive operation (such as compaction) already holds the resource."""
 
@@ -145,6 +154,7 @@ STATUS_NAMES: tuple[tuple[type[KVTierError], str], ...] = (
     (NotFound, "NOT_FOUND"),
     (TierFull, "RESOURCE_EXHAUSTED"),
     (StaleGeneration, "FAILED_PRECONDITION"),
+    (PermissionDenied, "PERMISSION_DENIED"),
     (PreconditionFailed, "FAILED_PRECONDITION"),
     (DataLoss, "DATA_LOSS"),
     (CodecError, "DATA_LOSS"),
@@ -165,6 +175,7 @@ CLASS_FOR_STATUS: dict[str, type[KVTierError]] = {
     "UNAVAILABLE": TierUnavailable,
     "DEADLINE_EXCEEDED": TierUnavailable,
     "ABORTED": Busy,
+    "PERMISSION_DENIED": PermissionDenied,
 }
 
 # Every class above by name, as the ERROR_KEY trailer names it.

@@ -116,6 +116,9 @@ class LayoutSpec:
     layer_modes: tuple[str, ...] = ()  # e.g. ("full", "reuse", ...): who owns, who borrows
     vocab_size: int = ANY_TOKEN_ID  # token ids lie in [0, vocab_size)
     window_tokens: int = 0  # W: tokens the window streams hold at most; 0 without them
+    # Spills must state a model fingerprint (weights/version id): chunk keys bind it, so
+    # two models sharing this layout (a base model and its fine-tune) never share chunks.
+    requires_model_fingerprint: bool = False
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -178,8 +181,11 @@ class LayoutSpec:
 
     @cached_property
     def layout_hash(self) -> int:
-        """64-bit hash of everything that shapes the bytes on media (not the notes)."""
+        """64-bit hash of everything that shapes the bytes on media (not the notes), and
+        of ``requires_model_fingerprint`` when set (layouts without it keep their ids)."""
         shape = {k: v for k, v in asdict(self).items() if k != "notes"}
+        if not self.requires_model_fingerprint:
+            del shape["requires_model_fingerprint"]
         return xxhash.xxh3_64_intdigest(json.dumps(shape, sort_keys=True).encode())
 
     @property

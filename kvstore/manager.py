@@ -21,13 +21,15 @@ The parts share a ``TierStack`` (kvstore.placement: where blocks live), a ``RefL
 Rules it keeps (placement details in ``kvstore.placement``):
 
 - Generations: a spill must present a generation strictly greater than the session's
-  stored one (any generation >= 0 for a new session), else ``StaleGeneration``. A retried
-  spill of the same generation is therefore refused too: read the manifest to check it.
+  stored one (any generation >= 0 for a new session), else ``StaleGeneration``; the
+  stored generation again with identical content is an idempotent retry (the stored
+  manifest comes back), with other content ``GenerationConflict``.
 - Acks: ``"memory"`` returns once every chunk is in some tier and the manifest is
   committed; chunks not yet on a durable tier are queued for background write-back.
   ``"durable"`` returns once every chunk is also on a durable tier (and needs a
   MetaStore that is itself durable, such as the disk tier's).
-- Dedupe: chunks are shared by key across every session of this manager (one namespace)
+- Dedupe: chunks are shared by block key (``kvstore.keys``: dedupe domain, layout, model
+  fingerprint, tokens, and the digest of the bytes) across the sessions of this manager,
   with reference counts (``kvstore.refcount``); a chunk nothing references is deleted
   from every tier.
 - Window blobs only live in tiers with ``holds_window``; when one is dropped the
@@ -168,12 +170,15 @@ class TierManager:
         ack: Ack = "memory",
         hint: ResumeHint | None = None,
         ttl_s: float | None = None,
+        model_fingerprint: str = "",
+        dedupe_domain: str | None = None,
     ) -> SessionManifest:
         """Store a session (replacing its older generation); see ``Spiller.spill``."""
         return await self._spiller.spill(
             tenant, session_id, layout_id=layout_id, generation=generation,
             token_ids=token_ids, chunks=chunks, tail=tail, window=window, ack=ack,
-            hint=hint, ttl_s=ttl_s,
+            hint=hint, ttl_s=ttl_s, model_fingerprint=model_fingerprint,
+            dedupe_domain=dedupe_domain,
         )
 
     async def store_window(self, tenant: str, session_id: str, generation: int,

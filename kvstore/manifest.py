@@ -1,9 +1,12 @@
 """Session manifests: what a spilled session is made of, serialised for the MetaStore.
 
-A manifest names the session's chunks by key (where each chunk lives is the tier
-manager's business, not the manifest's), carries the token ids (replay and re-prefill
-need them), the encoded partial tail chunk, and where the window blob is held if
-anywhere. Encoding (little-endian)::
+A manifest names the session's chunks by block key (chain key and digest of the bytes,
+``kvstore.keys``; where each chunk lives is the tier manager's business, not the
+manifest's), carries the token ids (replay and re-prefill need them), the encoded
+partial tail chunk, and where the window blob is held if anywhere. It also records what
+the chunk keys were bound to (model fingerprint, dedupe scope) and, so a retried spill
+is answered as the first one was, a digest of the spill's content and its receipt.
+Encoding (little-endian)::
 
     magic "KVSM", u16 version, u32 JSON length
     JSON      every scalar field, the chunk keys and sizes, token and tail lengths
@@ -19,7 +22,7 @@ from __future__ import annotations
 import json
 import struct
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import xxhash
@@ -29,7 +32,7 @@ from kvstore.keys import token_bytes
 from kvstore.policy import ResumeHint
 
 MAGIC = b"KVSM"
-VERSION = 1
+VERSION = 2  # 2: block keys, model fingerprint, dedupe scope, spill receipt
 _HEAD = struct.Struct("<4sHI")
 _CHECK = struct.Struct("<Q")
 MAX_NAME_BYTES = 256
@@ -52,6 +55,18 @@ def check_name(kind: str, value: object) -> str:
 
 
 @dataclass(frozen=True)
+class SpillReceipt:
+    """What the spill that wrote a generation answered; a retry of it gets the same."""
+
+    chunks_written: int
+    chunks_deduped: int  # chunks already held, byte for byte, in the session's domain
+    tier: str  # the highest tier the chunks (else the window) landed in
+    bytes_received: int  # chunk, tail and window bytes sent
+    window_kept: bool
+    durable: bool
+
+
+@dataclass(frozen=True)
 class SessionManifest:
     tenant: str
     session_id: str
@@ -68,6 +83,10 @@ class SessionManifest:
     last_access: float = field(default_factory=time.time)
     ttl_s: float | None = None  # idle time after which the session may be collected
     hint: ResumeHint | None = None
+    model_fingerprint: str = ""  # the weights/version id the chunk keys bind
+    dedupe_scope: str = ""  # the dedupe domain they bind (kvstore.keys.dedupe_scope)
+    spill_digest: str = ""  # content digest of the spill that wrote this generation
+    receipt: SpillReceipt | None = None  # what that spill answered
 
     def __post_init__(self) -> None:
         check_name("tenant", self.tenant)
@@ -119,6 +138,10 @@ class SessionManifest:
             "hint": None
             if self.hint is None
             else [self.hint.expected_pause_s, self.hint.priority],
+            "model_fingerprint": self.model_fingerprint,
+            "dedupe_scope": self.dedupe_scope,
+            "spill_digest": self.spill_digest,
+            "receipt": None if self.receipt is None else asdict(self.receipt),
         }
         body = json.dumps(head, separators=(",", ":")).encode()
         out = _HEAD.pack(MAGIC, VERSION, len(body)) + body + self.token_ids.tobytes() + self.tail
@@ -160,6 +183,10 @@ class SessionManifest:
                 last_access=head["last_access"],
                 ttl_s=head["ttl_s"],
                 hint=None if hint is None else ResumeHint(hint[0], hint[1]),
+                model_fingerprint=head["model_fingerprint"],
+                dedupe_scope=head["dedupe_scope"],
+                spill_digest=head["spill_digest"],
+                receipt=None if head["receipt"] is None else SpillReceipt(**head["receipt"]),
             )
         except ChunkCorrupt:
             raise

@@ -106,7 +106,7 @@ class SessionReader:
 
     async def _read(self, index: int) -> RestoredChunk:
         key = self.manifest.chunk_keys[index]
-        check = restored_chunk_check(self.spec, self.manifest.token_ids, index)
+        check = restored_chunk_check(self.spec, self.manifest.token_ids, index, key)
         try:
             data, tier = await self._restorer.read_block(key, check, self.blocks)
         except DataLoss as exc:
@@ -223,7 +223,8 @@ class Restorer:
             async with asyncio.timeout(timeout_s), self.reading(tenant, session_id) as reader:
                 m = reader.manifest
                 work = [
-                    lift(key, restored_chunk_check(reader.spec, m.token_ids, i), reader.blocks)
+                    lift(key, restored_chunk_check(reader.spec, m.token_ids, i, key),
+                         reader.blocks)
                     for i, key in enumerate(m.chunk_keys)
                 ]
                 if m.window_key is not None:
@@ -240,9 +241,10 @@ class Restorer:
         if not 0 <= index < len(manifest.chunk_keys):
             raise InvalidRequest(f"chunk index {index} out of range "
                                  f"({len(manifest.chunk_keys)} chunks)")
-        check = restored_chunk_check(get_layout(manifest.layout_id), manifest.token_ids, index)
-        data, source, _ = await self._stack.read(manifest.chunk_keys[index], check,
-                                                 access=False)
+        key = manifest.chunk_keys[index]
+        check = restored_chunk_check(get_layout(manifest.layout_id), manifest.token_ids, index,
+                                     key)
+        data, source, _ = await self._stack.read(key, check, access=False)
         return data, self._stack.tiers[source].name
 
     async def read_block(self, key: str, check: Check, protect: frozenset[str], *,

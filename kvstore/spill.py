@@ -5,10 +5,17 @@ window blob, commits the manifest with its reference changes through the ``Catal
 frees what the older generation alone held, and queues chunks not yet on a durable tier
 for write-back (an "in memory" ack). The rules are documented on ``TierManager`` and in
 ``kvstore.placement``.
+
+Chunks are named by block key (chain key + digest of the bytes, ``kvstore.keys``), so a
+dedupe is a byte-for-byte match within the spill's dedupe domain, and different bytes
+for one chain key are stored as their own version. A spill repeated at the stored
+generation with identical content (a client's retry after a lost reply) is answered
+with the first one's receipt; other content at that generation is ``GenerationConflict``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -18,11 +25,18 @@ import numpy as np
 
 from kvstore.blocks import Blocks
 from kvstore.catalog import Catalog
-from kvstore.errors import ChunksNotHeld, DataLoss, InvalidRequest, StaleGeneration, TierFull
-from kvstore.keys import token_bytes
+from kvstore.errors import (
+    ChunksNotHeld,
+    DataLoss,
+    GenerationConflict,
+    InvalidRequest,
+    StaleGeneration,
+    TierFull,
+)
+from kvstore.keys import check_fingerprint, chunk_digest, dedupe_scope, token_bytes
 from kvstore.layout import LayoutSpec, get_layout
 from kvstore.locks import KeyedLocks
-from kvstore.manifest import SessionManifest, check_name
+from kvstore.manifest import SessionManifest, SpillReceipt, check_name
 from kvstore.pause_estimate import PauseEstimator
 from kvstore.placement import WINDOW_PREFIX, Check, TierStack
 from kvstore.policy import ResumeHint
@@ -66,16 +80,28 @@ class Spiller:
         ack: Ack = "memory",
         hint: ResumeHint | None = None,
         ttl_s: float | None = None,
+        model_fingerprint: str = "",
+        dedupe_domain: str | None = None,
     ) -> SessionManifest:
         """Store a session (replacing its older generation) and return its manifest.
 
-        ``chunks``: (key, codec-encoded bytes) of every complete chunk, in order, keys as
-        ``kvstore.keys.chain_keys(spec.layout_id, token_ids, spec.chunk_tokens)``;
+        ``chunks``: (block key, codec-encoded bytes) of every complete chunk, in order,
+        keys as ``kvstore.keys.block_keys(spec.layout_id, token_ids, spec.chunk_tokens,
+        datas, scope=dedupe_scope(tenant, dedupe_domain), model_fingerprint=...)``;
         ``tail``: the encoded partial last chunk or b""; ``window``: the encoded window
         blob (``ephemeral=True``) or None. Buffers must stay unchanged until this returns.
 
         ``hint``: the framework's resume hint; None lets the manager infer one
         (``ManagerConfig.infer_hints``), which the manifest then records.
+
+        ``model_fingerprint``: the weights/version id of the model (required by layouts
+        with ``requires_model_fingerprint``); ``dedupe_domain``: a shared domain's name,
+        None for the tenant's own. The caller decides who may use a shared domain.
+
+        At the stored generation, the same content (token ids, block keys, tail, window,
+        layout, fingerprint, domain, ack) returns the stored manifest unchanged (its
+        ``receipt`` is what the first spill answered); other content raises
+        ``GenerationConflict``, an older generation ``StaleGeneration``.
 
         A chunk given as ``(key, None)`` is one the store already holds (typically the
         previous generation's prefix): it is referenced without its bytes being sent or
@@ -92,11 +118,23 @@ class Spiller:
             raise InvalidRequest(f"generation must be an int >= 0, got {generation!r}")
         spec = get_layout(layout_id)
         tokens = np.frombuffer(token_bytes(token_ids), dtype="<u4")
-        check_spill(spec, tokens, chunks, tail, window)
+        check_fingerprint(model_fingerprint)
+        scope = dedupe_scope(tenant, dedupe_domain)
+        check_spill(spec, tokens, chunks, tail, window, scope=scope,
+                    model_fingerprint=model_fingerprint)
         keys = [key for key, _ in chunks]
+        digest = _content_digest(spec.layout_id, model_fingerprint, scope, ack, tokens, keys,
+                                 tail, window)
         async with self._catalog.write(tenant, session_id):
             old = await self._catalog.load(tenant, session_id)
-            if old is not None and generation <= old.generation:
+            if old is not None and generation == old.generation:
+                if old.spill_digest == digest and old.receipt is not None:
+                    return old  # a retry of the spill that stored it: answered as before
+                raise GenerationConflict(
+                    f"{tenant}/{session_id}: generation {generation} is already stored with "
+                    "other content (token ids, chunk or tail digests, window, model "
+                    "fingerprint, domain or ack); spill a newer generation")
+            if old is not None and generation < old.generation:
                 raise StaleGeneration(
                     f"{tenant}/{session_id}: generation {generation} is not newer than the "
                     f"stored {old.generation}"
@@ -108,11 +146,18 @@ class Spiller:
             self._ledger.pin(keys)
             window_key = None
             try:
-                queued, sizes = await self._place_chunks(spec, tokens, chunks, old, hint, ack)
+                queued, sizes, deduped = await self._place_chunks(spec, tokens, chunks, old,
+                                                                  hint, ack)
                 window_tier = None
                 if window is not None:
                     window_key = f"{WINDOW_PREFIX}{tenant}/{session_id}/{generation}"
                     window_tier = await self._store_window(window_key, window, hint)
+                receipt = SpillReceipt(
+                    chunks_written=len(keys) - deduped, chunks_deduped=deduped,
+                    tier=self._top_tier(keys) or window_tier or "",
+                    bytes_received=sum(len(d) for _, d in chunks if d is not None)
+                    + len(tail) + (len(window) if window is not None else 0),
+                    window_kept=window_tier is not None, durable=ack == "durable")
                 now = time.time()
                 manifest = SessionManifest(
                     tenant=tenant, session_id=session_id, layout_id=spec.layout_id,
@@ -122,6 +167,8 @@ class Spiller:
                     window_key=window_key if window_tier is not None else None,
                     created_at=old.created_at if old else now, updated_at=now,
                     last_access=now, ttl_s=ttl_s, hint=hint,
+                    model_fingerprint=model_fingerprint, dedupe_scope=scope,
+                    spill_digest=digest, receipt=receipt,
                 )
                 freed = await self._catalog.put(
                     manifest, acquire=keys, release=old.chunk_keys if old else (),
@@ -143,15 +190,15 @@ class Spiller:
     async def _place_chunks(self, spec: LayoutSpec, tokens: np.ndarray,
                             chunks: Sequence[tuple[str, Buffer | None]],
                             old: SessionManifest | None, hint: ResumeHint | None, ack: Ack
-                            ) -> tuple[list[bool], list[int]]:
+                            ) -> tuple[list[bool], list[int], int]:
         """Place the sent chunks and confirm the ones named by key only (those first, so a
         refused spill wrote nothing). Returns, per chunk, whether it needs write-back and
-        its encoded size."""
+        its encoded size; and how many chunks were already held (deduped)."""
         known = dict(zip(old.chunk_keys, old.chunk_sizes, strict=True)) if old else {}
         by_key = [i for i, (_, data) in enumerate(chunks) if data is None]
         found = await self._blocks.gather(
             self._reference_chunk(chunks[i][0], known.get(chunks[i][0]),
-                                  restored_chunk_check(spec, tokens, i), hint, ack)
+                                  restored_chunk_check(spec, tokens, i, chunks[i][0]), hint, ack)
             for i in by_key)
         missing = [i for i, result in zip(by_key, found, strict=True) if result is None]
         if missing:
@@ -162,9 +209,15 @@ class Spiller:
             self._store_chunk(chunks[i][0], chunks[i][1], hint, ack, protect) for i in sent)
         results = dict(zip(by_key, found, strict=True))
         results.update((i, (wants, len(chunks[i][1])))
-                       for i, wants in zip(sent, stored, strict=True))
+                       for i, (wants, _) in zip(sent, stored, strict=True))
+        deduped = len(by_key) + sum(held for _, held in stored)
         return ([results[i][0] for i in range(len(chunks))],
-                [results[i][1] for i in range(len(chunks))])
+                [results[i][1] for i in range(len(chunks))], deduped)
+
+    def _top_tier(self, keys: Sequence[str]) -> str:
+        """The highest tier holding any of ``keys`` ("" when none is)."""
+        tops = [holders[0] for holders in map(self._stack.holders, keys) if holders]
+        return self._stack.tiers[min(tops)].name if tops else ""
 
     async def _reference_chunk(self, key: str, size: int | None, check: Check,
                                hint: ResumeHint | None, ack: Ack) -> tuple[bool, int] | None:
@@ -193,12 +246,14 @@ class Spiller:
             raise TierFull(f"no durable tier took chunk {key} ({size} B)")
 
     async def _store_chunk(self, key: str, data: Buffer, hint: ResumeHint | None, ack: Ack,
-                           protect: frozenset[str]) -> bool:
-        """Place one chunk (or find it held); True when it still needs write-back."""
+                           protect: frozenset[str]) -> tuple[bool, bool]:
+        """Place one chunk (or find it held, the very bytes: the key binds their digest);
+        (whether it still needs write-back, whether it was held)."""
         async with self._locks.hold(key):
             self._stack.touch(key, hint)
             holders = await self._stack.confirmed_holder(key)
-            if holders:
+            held = bool(holders)
+            if held:
                 self._counters.dedupe_hits += 1
             else:
                 placed = await self._stack.place(key, data, protect=protect)
@@ -206,11 +261,11 @@ class Spiller:
                     raise TierFull(f"no tier has room for chunk {key} ({len(data)} B)")
                 holders = [placed]
             if self._blocks.any_durable(holders):
-                return False
+                return False, held
             if ack == "memory":
-                return bool(self._blocks.durable)
+                return bool(self._blocks.durable), held
             if await self._blocks.copy_to_durable(key, data):
-                return False
+                return False, held
             raise TierFull(f"no durable tier took chunk {key} ({len(data)} B)")
 
     async def _store_window(self, key: str, data: Buffer, hint: ResumeHint | None
@@ -261,3 +316,18 @@ class Spiller:
                 await self._blocks.drop(key)
                 raise
             return tier
+
+
+def _content_digest(layout_id: str, model_fingerprint: str, scope: str, ack: str,
+                    tokens: np.ndarray, keys: Sequence[str], tail: Buffer,
+                    window: Buffer | None) -> str:
+    """BLAKE2b-256 over everything a spill stores (block keys bind each chunk's bytes);
+    length-prefixed fields, so no two different spills encode alike."""
+    h = hashlib.blake2b(digest_size=32, person=b"kvtier-spill-v1")
+    parts = [layout_id.encode(), model_fingerprint.encode(), scope.encode(), ack.encode(),
+             tokens.tobytes(), *(key.encode() for key in keys), chunk_digest(tail),
+             b"" if window is None else chunk_digest(window)]
+    for part in parts:
+        h.update(len(part).to_bytes(4, "little"))
+        h.update(part)
+    return h.hexdigest()

@@ -4,8 +4,8 @@ A spill is refused whole (nothing stored) unless its token ids lie in the layout
 vocabulary and every chunk decodes cleanly, has exactly the section table the layout
 gives its token count (so every size is known from the layout before anything is
 decompressed), belongs to the session's layout, covers exactly its token range, and
-carries the key that the token ids chain to: a wrong key would let dedupe hand one
-session another's KV. On
+carries the key that the token ids chain to, with the digest of its bytes: a wrong key
+would let dedupe hand one session another's KV. On
 restore the same facts are re-checked for every copy read, so a copy that passes its
 own checksum but belongs elsewhere still counts as corrupt and is fallen through.
 """
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvstore.codec import ChunkHeader, max_encoded_bytes, split_chunks, tokens_hash, verify_chunk
-from kvstore.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
-from kvstore.keys import ROOT_PARENT, chunk_key
+from kvstore.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch, shown
+from kvstore.keys import ROOT_PARENT, chunk_digest, chunk_key, split_block_key
 from kvstore.layout import LayoutSpec
 from kvstore.tiers.base import Buffer
 
@@ -68,17 +68,25 @@ def check_spill(
     chunks: Sequence[tuple[str, Buffer | None]],
     tail: Buffer,
     window: Buffer | None,
+    *,
+    scope: str,
+    model_fingerprint: str = "",
 ) -> None:
     """Raise ``InvalidRequest`` / ``LayoutMismatch`` / ``CodecError`` unless it all fits.
 
     ``tokens``: (num_tokens,) uint32. Every complete chunk of the token ids must be given,
-    as (key, bytes), or as (key, None) for a chunk the store already holds: that one is
-    checked by its key alone, which must be the one its tokens chain to, so a spill can
-    only name the chunk holding exactly its own tokens (its bytes were checked when first
-    spilled and are checked again on every restore). The tail covers the rest (tokens of
-    an incomplete entry may stay uncovered).
+    as (block key, bytes), or as (block key, None) for a chunk the store already holds.
+    A block key is the chain key of the chunk's tokens (under ``scope``, the layout and
+    ``model_fingerprint``) and the digest of its bytes (``kvstore.keys``): the chain part
+    must be the one the tokens chain to, so a spill can only name chunks of its own
+    tokens, model and domain; sent bytes must have the digest the key states, so a named
+    chunk is the very bytes its spiller sent. The tail covers the rest (tokens of an
+    incomplete entry may stay uncovered).
     """
     check_token_ids(spec, tokens)
+    if spec.requires_model_fingerprint and not model_fingerprint:
+        raise InvalidRequest(f"layout {spec.layout_id} requires a model fingerprint "
+                             "(the weights/version id of the model whose KV this is)")
     size = spec.chunk_tokens
     if len(chunks) != len(tokens) // size:
         raise InvalidRequest(f"{len(tokens)} tokens make {len(tokens) // size} chunks of "
@@ -86,18 +94,24 @@ def check_spill(
     parent = ROOT_PARENT
     for i, item in enumerate(chunks):
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-            raise InvalidRequest(f"chunk {i} must be a (key, bytes or None) pair")
+            raise InvalidRequest(f"chunk {i} must be a (block key, bytes or None) pair")
         key, data = item
-        parent = chunk_key(spec.layout_id, parent, tokens[i * size : (i + 1) * size])
-        if key != parent:
-            raise InvalidRequest(f"chunk {i} has key {key!r}; its tokens under layout "
-                                 f"{spec.layout_id} chain to {parent!r}")
+        chain, digest = split_block_key(key)
+        parent = chunk_key(scope, spec.layout_id, model_fingerprint, parent,
+                           tokens[i * size : (i + 1) * size])
+        if chain != parent:
+            raise InvalidRequest(f"chunk {i} has key {shown(key)}; its tokens under layout "
+                                 f"{spec.layout_id}, this model fingerprint and dedupe "
+                                 f"domain chain to {parent!r}")
         if data is None:
             continue
         header = verify_chunk(data, spec)
         if header.ephemeral:
             raise InvalidRequest(f"chunk {i} holds ephemeral (window) streams")
         _check_range(f"chunk {i}", header, spec, tokens, i * size, size)
+        if chunk_digest(data) != digest:
+            raise InvalidRequest(f"chunk {i}'s bytes do not have the digest its key states "
+                                 "(BLAKE2b-256 of the encoded chunk)")
     covered = len(chunks) * size
     if len(tail):
         header = verify_chunk(tail, spec)
@@ -130,11 +144,18 @@ def check_window(spec: LayoutSpec, tokens: np.ndarray, window: Buffer) -> None:
         _check_range("the window", header, spec, tokens, header.start_token, header.num_tokens)
 
 
-def restored_chunk_check(spec: LayoutSpec, tokens: np.ndarray, index: int):
-    """A ``TierStack.read`` check: the copy must be chunk ``index`` of these tokens."""
+def restored_chunk_check(spec: LayoutSpec, tokens: np.ndarray, index: int,
+                         key: str | None = None):
+    """A ``TierStack.read`` check: the copy must be chunk ``index`` of these tokens and,
+    given its block ``key``, have the digest the key states (a valid chunk of the same
+    tokens with other bytes passes every codec checksum)."""
     start, size = index * spec.chunk_tokens, spec.chunk_tokens
+    digest = None if key is None else split_block_key(key)[1]
 
     def check(data: Buffer) -> None:
+        if digest is not None and chunk_digest(data) != digest:
+            raise ChunkCorrupt(f"a copy of chunk {index} does not have the digest its key "
+                               "states")
         try:
             header = verify_chunk(data, spec)
             if header.ephemeral:

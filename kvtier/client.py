@@ -7,12 +7,17 @@ out, over the kvtier gRPC service.
         session = await kv.resume("acme", "s1")   # session.persistent, session.window
 
 Spill cuts the persistent streams into chunks of ``layout.chunk_tokens``, encodes them
-(``kvstore.codec``), keys them (``kvstore.keys.chain_keys``) and sends only chunks the
-server may not hold: those it acknowledged for this session before are left out, and if
-the server lost them it answers ``MissingChunks`` and the client sends everything.
+(``kvstore.codec``), keys them (``kvstore.keys.chain_keys``: the tenant's or a shared
+dedupe domain, the layout, the model fingerprint), states the BLAKE2b-256 digest of every
+chunk, the tail and the window, and sends only chunks the server may not hold: those it
+acknowledged for this session before go by key and digest, and if the server lost them
+it answers ``MissingChunks`` and the client sends everything. A restore checks every
+chunk and the tail against the digests the server returns (``DataLoss`` if one differs).
 
 Calls failing with UNAVAILABLE are retried with exponential backoff and jitter (streams
-are restarted whole, so one retry mechanism covers every call); any other failure
+are restarted whole, so one retry mechanism covers every call; a retried Spill whose
+first attempt landed gets that attempt's reply, the server's spills being idempotent
+per generation and content); any other failure
 raises the ``kvstore.errors`` class the server raised. On the same host chunk bytes go
 through shared memory (``shared_memory=None``: whenever the target is loopback).
 """
@@ -28,7 +33,7 @@ import grpc
 import numpy as np
 
 from kvstore.errors import InvalidRequest, StaleGeneration
-from kvstore.keys import chain_keys
+from kvstore.keys import block_key, chunk_digest, dedupe_scope
 from kvstore.layout import LayoutSpec, get_layout
 from kvstore.policy import ResumeHint
 from kvtier import codec as cc
@@ -69,7 +74,8 @@ class AsyncClient:
             ("grpc.initial_reconnect_backoff_ms", int(retry.initial_backoff_s * 1000)),
             ("grpc.max_reconnect_backoff_ms", int(retry.max_backoff_s * 1000))])
         self._stub = pb_grpc.KVTierStub(self._channel)
-        self._held: dict[tuple[str, str], set[str]] = {}  # keys the server acknowledged
+        # Per session: chain key -> digest of the chunks the server acknowledged.
+        self._held: dict[tuple[str, str], dict[str, bytes]] = {}
         self._segments = shm.ClientSegments(self._stub)  # leased from the server
 
     async def __aenter__(self) -> AsyncClient:
@@ -113,9 +119,15 @@ class AsyncClient:
                     persistent: cc.Streams | None = None, *, chunks: list[bytes] | None = None,
                     tail: bytes = b"", window: cc.Streams | bytes | None = None,
                     generation: int, ack: str | None = None,
-                    hint: ResumeHint | None = None, ttl_s: float = 0.0) -> SpillResult:
+                    hint: ResumeHint | None = None, ttl_s: float = 0.0,
+                    model_fingerprint: str = "", dedupe_domain: str = "") -> SpillResult:
         """Store a session. Give ``persistent`` streams (cut and encoded here) or already
-        encoded ``chunks`` + ``tail``; ``window``: window streams or an encoded blob."""
+        encoded ``chunks`` + ``tail``; ``window``: window streams or an encoded blob.
+
+        ``model_fingerprint``: the weights/version id of the model whose KV this is
+        (chunks of two fingerprints never dedupe; some layouts require one);
+        ``dedupe_domain``: a shared domain the server lets this tenant use, "" for the
+        tenant's own."""
         spec = layout if isinstance(layout, LayoutSpec) else get_layout(layout)
         tokens = cc.as_tokens(token_ids)
         if (persistent is None) == (chunks is None):
@@ -126,46 +138,36 @@ class AsyncClient:
         header = pb.SpillHeader(
             session=pb.SessionRef(tenant=tenant, session_id=session_id),
             layout_id=spec.layout_id, generation=generation, token_ids=tokens.tobytes(),
-            ack=ACKS[ack], ttl_s=ttl_s,
+            ack=ACKS[ack], ttl_s=ttl_s, model_fingerprint=model_fingerprint,
+            dedupe_domain=dedupe_domain,
+            tail_digest=chunk_digest(tail) if chunks is not None and tail else b"",
+            window_digest=chunk_digest(window) if window is not None else b"",
             hint=None if hint is None else pb.ResumeHint(
                 expected_pause_s=hint.expected_pause_s or 0.0, priority=hint.priority))
+        scope = dedupe_scope(tenant, dedupe_domain or None)
 
-        async def encode(skip: set[str]) -> cc.EncodedSession:
+        async def encode(held: dict[str, bytes]) -> cc.EncodedSession:
             if chunks is not None:
-                keys = chain_keys(spec.layout_id, tokens, spec.chunk_tokens)
-                if len(chunks) != len(keys):
-                    raise InvalidRequest(f"{len(tokens)} tokens make {len(keys)} chunks of "
-                                         f"{spec.chunk_tokens}; {len(chunks)} were given")
-                return cc.EncodedSession(keys, {i: c for i, c in enumerate(chunks)
-                                                if keys[i] not in skip}, tail, None)
-            return await asyncio.to_thread(cc.encode_session, spec, tokens, persistent,
-                                           skip=skip)
+                encoded = cc.encoded_chunks(spec, tokens, chunks, tail, scope=scope,
+                                            model_fingerprint=model_fingerprint, held=held)
+            else:
+                encoded = await asyncio.to_thread(
+                    cc.encode_session, spec, tokens, persistent, scope=scope,
+                    model_fingerprint=model_fingerprint, held=held)
+                header.tail_digest = chunk_digest(encoded.tail) if encoded.tail else b""
+            encoded.window = window
+            del header.chunk_keys[:], header.chunk_digests[:]
+            header.chunk_keys.extend(encoded.keys)
+            header.chunk_digests.extend(encoded.digests)
+            return encoded
 
-        held = self._held.get(ref, set())
-        encoded = await encode(held)
-        encoded.window = window
-        header.chunk_keys.extend(encoded.keys)
-        attempts = 0
-
-        async def attempt() -> pb.SpillReply:
-            nonlocal attempts
-            attempts += 1
-            return await self._spill_once(header, encoded)
-
+        encoded = await encode(self._held.get(ref, {}))
         try:
-            try:
-                reply = await self._call(attempt)
-            except MissingChunks:
-                encoded = await encode(set())
-                encoded.window = window
-                reply = await self._call(attempt)
-        except StaleGeneration:
-            # A retry refused as stale: the attempt whose reply was lost may have landed.
-            reply = await self._acknowledged(ref, generation, len(tokens)) if attempts > 1 \
-                else None
-            if reply is None:
-                raise
-        self._held[ref] = set(encoded.keys)
+            reply = await self._call(lambda: self._spill_once(header, encoded))
+        except MissingChunks:
+            encoded = await encode({})
+            reply = await self._call(lambda: self._spill_once(header, encoded))
+        self._held[ref] = dict(zip(encoded.keys, encoded.digests, strict=True))
         return SpillResult(reply.generation, reply.tier, reply.chunks_written,
                            reply.chunks_deduped, len(encoded.chunks), reply.durable,
                            reply.bytes_received, reply.window_kept)
@@ -209,14 +211,6 @@ class AsyncClient:
             await self._segments.keep(writer.segment, started)
         return reply
 
-    async def _acknowledged(self, ref, generation: int, num_tokens: int) -> pb.SpillReply | None:
-        """After a retried spill is refused as stale: was it our first attempt that landed?"""
-        info = (await self.stat(*ref)).session
-        if info.generation != generation or info.num_tokens != num_tokens:
-            return None
-        return pb.SpillReply(generation=generation, tier=info.tiers[0] if info.tiers else "",
-                             window_kept=bool(info.window_tier))
-
     # -- restore, resume --
 
     async def restore(self, tenant: str, session_id: str, *, want_window: bool = True,
@@ -258,6 +252,9 @@ class AsyncClient:
                 held.close()
         if segment is not None:  # copied out: it may serve the next call
             await self._segments.keep(segment, started)
+        # Every byte checked against what its spiller stated, whatever tier it came from.
+        if header is not None:
+            cc.check_digests(chunks, header.chunk_digests, tail, header.tail_digest)
         if not decode:
             return self._decode(header, chunks, tail, window, summary, False)
         return await asyncio.to_thread(self._decode, header, chunks, tail, window, summary,
@@ -317,7 +314,10 @@ class AsyncClient:
                 streams, start = cc.decode_window(spec, tokens, window)
         return RestoredSession(
             layout=spec, generation=header.generation, token_ids=tokens,
-            chunk_keys=list(header.chunk_keys), chunks=chunks, tail=tail, window_blob=window,
+            # block keys (chain key + digest), as the server stores the chunks
+            chunk_keys=[block_key(k, d) for k, d in zip(header.chunk_keys, header.chunk_digests,
+                                                         strict=True)],
+            chunks=chunks, tail=tail, window_blob=window,
             persistent=cc.decode_persistent(spec, tokens, chunks, tail) if decode else {},
             window=streams, window_start=start, window_tier=header.window_tier,
             replay_needed=window is None and bool(spec.ephemeral_streams),

@@ -19,7 +19,7 @@ import numpy as np
 import xxhash
 
 from kvstore.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
-from kvstore.keys import chain_keys, token_bytes
+from kvstore.keys import chain_keys, chunk_digest, token_bytes
 from kvstore.layout import LayoutSpec
 
 # torch (through kvstore.codec) is imported by the calls that handle tensors, not here:
@@ -69,9 +69,26 @@ def _check_streams(spec: LayoutSpec, streams: Streams, ephemeral: bool, what: st
 @dataclass
 class EncodedSession:
     keys: list[str]  # chained keys of the complete chunks
+    digests: list[bytes]  # BLAKE2b-256 of each complete chunk's bytes (kvstore.keys)
     chunks: dict[int, bytes]  # index -> encoded chunk, for the indices asked for
     tail: bytes  # b"" when the tokens fill whole chunks
     window: bytes | None
+
+
+def encoded_chunks(spec: LayoutSpec, tokens: np.ndarray, chunks: Sequence[bytes], tail: bytes,
+                   *, scope: str, model_fingerprint: str = "",
+                   held: Mapping[str, bytes] | None = None) -> EncodedSession:
+    """Already encoded chunks, keyed and digested; those ``held`` names with the same
+    digest (chain key -> digest the server holds) are left out of ``chunks``."""
+    keys = chain_keys(spec.layout_id, tokens, spec.chunk_tokens, scope=scope,
+                      model_fingerprint=model_fingerprint)
+    if len(chunks) != len(keys):
+        raise InvalidRequest(f"{len(tokens)} tokens make {len(keys)} chunks of "
+                             f"{spec.chunk_tokens}; {len(chunks)} were given")
+    digests = [chunk_digest(c) for c in chunks]
+    held = held or {}
+    return EncodedSession(keys, digests, {i: c for i, c in enumerate(chunks)
+                                          if held.get(keys[i]) != digests[i]}, tail, None)
 
 
 def encode_session(
@@ -79,11 +96,14 @@ def encode_session(
     tokens: np.ndarray,
     persistent: Streams,
     *,
-    skip: set[str] = frozenset(),
+    scope: str,
+    model_fingerprint: str = "",
+    held: Mapping[str, bytes] | None = None,
     zstd_level: int | None = None,
 ) -> EncodedSession:
     """Cut (layers, entries, ...) streams into chunks of ``spec.chunk_tokens`` and encode
-    them; chunks whose key is in ``skip`` (held by the server already) are not encoded."""
+    them; chunks ``held`` names (chain key -> digest of the bytes the server holds from
+    this session's last spill) are not encoded again, and go by key and that digest."""
     from kvstore.codec import encode_chunk
     entries_needed = {s.name: s.entries_for(len(tokens)) for s in spec.persistent_streams}
     _check_streams(spec, persistent, False, "persistent streams")
@@ -91,20 +111,25 @@ def encode_session(
         if persistent[name].codes.shape[1] != need:
             raise LayoutMismatch(f"stream {name} has {persistent[name].codes.shape[1]} "
                                  f"entries; {len(tokens)} tokens need {need}")
-    keys = chain_keys(spec.layout_id, tokens, spec.chunk_tokens)
+    keys = chain_keys(spec.layout_id, tokens, spec.chunk_tokens, scope=scope,
+                      model_fingerprint=model_fingerprint)
     size = spec.chunk_tokens
-    chunks = {}
+    held = held or {}
+    chunks, digests = {}, []
     for i, key in enumerate(keys):
-        if key not in skip:
-            chunks[i] = encode_chunk(spec, i * size, tokens[i * size:(i + 1) * size],
-                                     _slice(spec, persistent, i * size, (i + 1) * size),
-                                     zstd_level=zstd_level)
+        if key in held:
+            digests.append(held[key])
+            continue
+        chunks[i] = encode_chunk(spec, i * size, tokens[i * size:(i + 1) * size],
+                                 _slice(spec, persistent, i * size, (i + 1) * size),
+                                 zstd_level=zstd_level)
+        digests.append(chunk_digest(chunks[i]))
     covered = len(keys) * size
     tail = b""
     if covered < len(tokens):
         tail = encode_chunk(spec, covered, tokens[covered:],
                             _slice(spec, persistent, covered, len(tokens)), zstd_level=zstd_level)
-    return EncodedSession(keys, chunks, tail, None)
+    return EncodedSession(keys, digests, chunks, tail, None)
 
 
 def _slice(spec: LayoutSpec, streams: Streams, start: int, stop: int) -> dict[str, StreamData]:
@@ -143,6 +168,20 @@ def encode_window(spec: LayoutSpec, tokens: np.ndarray, window: Streams) -> byte
             start = len(tokens) - covered
             parts.append(encode_chunk(spec, start, tokens[start:], streams, ephemeral=True))
     return b"".join(parts)
+
+
+def check_digests(chunks: Sequence[bytes | memoryview], digests: Sequence[bytes],
+                  tail: bytes | memoryview, tail_digest: bytes) -> None:
+    """Every restored chunk and the tail must have the digest its spiller stated (the
+    server sends them in the header): ``DataLoss`` names the first that does not."""
+    from kvstore.errors import DataLoss
+    if len(chunks) != len(digests):
+        raise DataLoss(f"the restore sent {len(chunks)} chunks for {len(digests)} digests")
+    for i, (data, want) in enumerate(zip(chunks, digests, strict=True)):
+        if chunk_digest(data) != want:
+            raise DataLoss(f"restored chunk {i} does not have the digest it was spilled with")
+    if (chunk_digest(tail) if len(tail) else b"") != tail_digest:
+        raise DataLoss("the restored tail does not have the digest it was spilled with")
 
 
 def decode_persistent(spec: LayoutSpec, tokens: np.ndarray, chunks: Sequence[bytes],

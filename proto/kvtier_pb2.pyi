@@ -83,7 +83,7 @@ class Payload(_message.Message):
     def __init__(self, key: _Optional[str] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
 
 class SpillHeader(_message.Message):
-    __slots__ = ("session", "layout_id", "generation", "token_ids", "chunk_keys", "ack", "hint", "ttl_s")
+    __slots__ = ("session", "layout_id", "generation", "token_ids", "chunk_keys", "ack", "hint", "ttl_s", "chunk_digests", "tail_digest", "window_digest", "model_fingerprint", "dedupe_domain")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,11 @@ class SpillHeader(_message.Message):
     ACK_FIELD_NUMBER: _ClassVar[int]
     HINT_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DEDUPE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     layout_id: str
     generation: int
@@ -100,7 +105,12 @@ class SpillHeader(_message.Message):
     ack: Ack
     hint: ResumeHint
     ttl_s: float
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., layout_id: _Optional[str] = ..., generation: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., chunk_keys: _Optional[_Iterable[str]] = ..., ack: _Optional[_Union[Ack, str]] = ..., hint: _Optional[_Union[ResumeHint, _Mapping]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    chunk_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    tail_digest: bytes
+    window_digest: bytes
+    model_fingerprint: str
+    dedupe_domain: str
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., layout_id: _Optional[str] = ..., generation: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., chunk_keys: _Optional[_Iterable[str]] = ..., ack: _Optional[_Union[Ack, str]] = ..., hint: _Optional[_Union[ResumeHint, _Mapping]] = ..., ttl_s: _Optional[float] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., tail_digest: _Optional[bytes] = ..., window_digest: _Optional[bytes] = ..., model_fingerprint: _Optional[str] = ..., dedupe_domain: _Optional[str] = ...) -> None: ...
 
 class SpillRequest(_message.Message):
     __slots__ = ("header", "chunk", "tail", "window")
@@ -147,7 +157,7 @@ class RestoreRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., layer_by_layer: _Optional[bool] = ..., want_window: _Optional[bool] = ..., use_shared_memory: _Optional[bool] = ..., reply_lease: _Optional[str] = ...) -> None: ...
 
 class SessionHeader(_message.Message):
-    __slots__ = ("layout_id", "generation", "num_tokens", "token_ids", "chunk_keys", "window_available", "replay_needed", "window_tier", "reply_segment")
+    __slots__ = ("layout_id", "generation", "num_tokens", "token_ids", "chunk_keys", "window_available", "replay_needed", "window_tier", "reply_segment", "chunk_digests", "tail_digest", "model_fingerprint", "dedupe_domain")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +167,10 @@ class SessionHeader(_message.Message):
     REPLAY_NEEDED_FIELD_NUMBER: _ClassVar[int]
     WINDOW_TIER_FIELD_NUMBER: _ClassVar[int]
     REPLY_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DEDUPE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     layout_id: str
     generation: int
     num_tokens: int
@@ -166,7 +180,11 @@ class SessionHeader(_message.Message):
     replay_needed: bool
     window_tier: str
     reply_segment: SharedMemoryLease
-    def __init__(self, layout_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., chunk_keys: _Optional[_Iterable[str]] = ..., window_available: _Optional[bool] = ..., replay_needed: _Optional[bool] = ..., window_tier: _Optional[str] = ..., reply_segment: _Optional[_Union[SharedMemoryLease, _Mapping]] = ...) -> None: ...
+    chunk_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    tail_digest: bytes
+    model_fingerprint: str
+    dedupe_domain: str
+    def __init__(self, layout_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., chunk_keys: _Optional[_Iterable[str]] = ..., window_available: _Optional[bool] = ..., replay_needed: _Optional[bool] = ..., window_tier: _Optional[str] = ..., reply_segment: _Optional[_Union[SharedMemoryLease, _Mapping]] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., tail_digest: _Optional[bytes] = ..., model_fingerprint: _Optional[str] = ..., dedupe_domain: _Optional[str] = ...) -> None: ...
 
 class RestoredChunk(_message.Message):
     __slots__ = ("index", "tier", "payload")

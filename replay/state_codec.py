@@ -10,7 +10,8 @@ The only reshaping is the window scales: (L, S, Hkv, Dh/gw) <-> (L, S, Hkv * Dh/
 
 Bytes:
   chunks  one encoded persistent chunk per full ``spec.chunk_tokens`` tokens, keyed by
-          ``kvstore.keys.chain_keys``
+          ``kvstore.keys.block_keys`` (chain key and digest) under the scope and model
+          fingerprint given (for ``TierManager.spill``: ``dedupe_scope(tenant)``)
   tail    the persistent streams of the partial last chunk (b"" when chunks cover all)
   window  one or more ephemeral chunks back to back: the window K/V (S tokens) and, when
           n % m > 0, the pending rows of the unfinished block (n % m tokens); None when the
@@ -29,7 +30,7 @@ import torch
 from kvstore.codec import StreamData, decode_chunk, encode_chunk, read_header, split_chunks
 from kvstore.codec_run import decode_chunks
 from kvstore.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
-from kvstore.keys import chain_keys, token_bytes
+from kvstore.keys import block_keys, token_bytes
 from kvstore.layout import LayoutSpec
 from model.config import ModelConfig, layout_spec
 from model.state import PERSISTENT, KVState
@@ -60,18 +61,21 @@ def as_token_array(token_ids) -> np.ndarray:
     return np.frombuffer(token_bytes(np.asarray(token_ids)), dtype="<u4")
 
 
-def state_to_chunks(spec: LayoutSpec, state: KVState
+def state_to_chunks(spec: LayoutSpec, state: KVState, *, scope: str = "",
+                    model_fingerprint: str = ""
                     ) -> tuple[list[tuple[str, bytes]], bytes, bytes | None]:
-    """Encode a state: (chunks [(key, bytes)], tail bytes, window bytes or None)."""
+    """Encode a state: (chunks [(block key, bytes)], tail bytes, window bytes or None)."""
     check_spec(state.cfg, spec)
     state.validate()
     ids = as_token_array(state.token_ids)
     n, size = len(ids), spec.chunk_tokens
     persistent = {name: _store_q(q) for name, q in state.persistent_tensors().items()}
-    keys = chain_keys(spec.layout_id, ids, size)
-    chunks = [(key, encode_chunk(spec, i * size, ids[i * size:(i + 1) * size],
-                                 _token_slice(spec, persistent, i * size, (i + 1) * size)))
-              for i, key in enumerate(keys)]
+    datas = [encode_chunk(spec, i * size, ids[i * size:(i + 1) * size],
+                          _token_slice(spec, persistent, i * size, (i + 1) * size))
+             for i in range(n // size)]
+    keys = block_keys(spec.layout_id, ids, size, datas, scope=scope,
+                      model_fingerprint=model_fingerprint)
+    chunks = list(zip(keys, datas, strict=True))
     covered = len(keys) * size
     tail = b""
     if covered < n:

@@ -5,6 +5,8 @@ names another), the TOML file (top-level keys are the field names below), the
 environment (``KVTIER_`` + the field name in upper case, e.g. ``KVTIER_REDIS_URL``), and
 explicit overrides (the ``kvtier serve`` flags). Sizes accept plain byte counts or
 ``"64MiB"``-style strings; lists (``replay_workers``) accept a comma-separated string.
+``dedupe_domains`` is a TOML table (``[dedupe_domains]`` then ``public = ["acme", "beta"]``)
+or, in the environment, ``public=acme,beta;other=gamma``.
 
 The ``embedded`` preset needs nothing installed: a data directory on local disk holding
 the disk tier and the object tier (a local directory), the host RAM tier, no Redis, and
@@ -18,7 +20,7 @@ import os
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -91,6 +93,9 @@ class ServerConfig:
     metrics_interval_s: float = 2.0  # how often tier figures are refreshed for metrics
     grace_s: float = 10.0  # in-flight RPCs get this long at shutdown
     manager_preset: str = "embedded"  # kvstore.manager.MANAGER_PRESETS
+    # Shared dedupe domains: name -> the tenants that may spill into it (e.g. for a public
+    # system prompt). Every other chunk dedupes only within its own tenant.
+    dedupe_domains: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_listen("listen", self.listen)
@@ -123,6 +128,9 @@ class ServerConfig:
                                  "KV lives only in memory tiers")
         if self.disk_segment_bytes < 1:
             raise InvalidRequest(f"disk_segment_bytes must be > 0, got {self.disk_segment_bytes}")
+        if not self.disk_reclaim_dead_fraction > 0 or self.disk_reclaim_interval_s < 0:
+            raise InvalidRequest("disk_reclaim_dead_fraction must be > 0 and "
+                                 "disk_reclaim_interval_s >= 0")
         if self.replay_tokens < 1 or self.max_message_bytes < 1 * MiB:
             raise InvalidRequest("replay_tokens must be >= 1 and max_message_bytes >= 1 MiB")
         for name in ("max_streams", "max_peer_streams", "stream_idle_s",
@@ -134,9 +142,9 @@ class ServerConfig:
         for name in ("shm_lease_bytes_per_client", "shm_lease_bytes_total"):
             if getattr(self, name) < 0:
                 raise InvalidRequest(f"{name} must be >= 0 (0: no shared memory)")
-        if not self.disk_reclaim_dead_fraction > 0 or self.disk_reclaim_interval_s < 0:
-            raise InvalidRequest("disk_reclaim_dead_fraction must be > 0 and "
-                                 "disk_reclaim_interval_s >= 0")
+        _check_domains(self.dedupe_domains)
+        object.__setattr__(self, "dedupe_domains", {
+            name: tuple(tenants) for name, tenants in self.dedupe_domains.items()})
         if self.replay_max_batch < 1:
             raise InvalidRequest(f"replay_max_batch must be >= 1, got {self.replay_max_batch}")
         object.__setattr__(self, "data_dir", Path(self.data_dir))
@@ -166,6 +174,7 @@ class ServerConfig:
     def summary(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["data_dir"] = str(self.data_dir)
+        out["dedupe_domains"] = {k: list(v) for k, v in self.dedupe_domains.items()}
         out["replay_workers"] = list(self.replay_workers)
         return out
 
@@ -176,6 +185,35 @@ def _check_listen(name: str, address: str) -> None:
     _, colon, port = address.rpartition(":")
     if not colon or not port.isdigit() or int(port) > 65535:
         raise InvalidRequest(f"{name} must be HOST:PORT (port 0: a free one), got {address!r}")
+
+
+_DOMAIN = re.compile(r"^[a-z0-9_-]{1,64}$")  # as tenant ids
+
+
+def _check_domains(domains: object) -> None:
+    if not isinstance(domains, Mapping):
+        raise InvalidRequest("dedupe_domains must be a table of domain = [tenants]")
+    for name, tenants in domains.items():
+        if not isinstance(name, str) or not _DOMAIN.match(name):
+            raise InvalidRequest(f"dedupe_domains: domain name {name!r} must match "
+                                 f"{_DOMAIN.pattern}")
+        if isinstance(tenants, str) or not all(
+                isinstance(t, str) and _DOMAIN.match(t) for t in tenants):
+            raise InvalidRequest(f"dedupe_domains.{name} must list tenant ids "
+                                 f"({_DOMAIN.pattern}), got {tenants!r}")
+
+
+def _domains(value: object) -> object:
+    """``name=t1,t2;name2=t3`` (the environment's form) or a TOML table as it is."""
+    if not isinstance(value, str):
+        return value
+    out: dict[str, tuple[str, ...]] = {}
+    for entry in filter(None, (part.strip() for part in value.split(";"))):
+        name, eq, tenants = entry.partition("=")
+        if not eq:
+            raise ValueError(f"{entry!r} is not name=tenant,tenant")
+        out[name.strip()] = tuple(t.strip() for t in tenants.split(",") if t.strip())
+    return out
 
 
 def _check_url(name: str, url: str, schemes: tuple[str, ...]) -> None:
@@ -236,6 +274,8 @@ def _coerce(name: str, value: object) -> object:
             return float(value)
         if kind == "Path":
             return Path(str(value))
+        if kind.startswith("Mapping"):
+            return _domains(value)
         if kind.startswith("tuple"):
             items = value.split(",") if isinstance(value, str) else list(value)
             return tuple(item.strip() for item in items if item.strip())

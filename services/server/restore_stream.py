@@ -21,6 +21,7 @@ import torch
 
 from kvstore.codec import DecodedChunk, decode_chunk
 from kvstore.errors import PreconditionFailed, TierFull
+from kvstore.keys import chunk_digest, shared_domain, split_block_key
 from kvstore.layout import LayoutSpec
 from kvstore.manager import TierManager
 from kvstore.tiers.base import Buffer
@@ -79,9 +80,15 @@ class RestoreStreamer:
                         refused = str(exc)
                     self.metrics.shm_segments.set(len(self.leases))
                     writer = ReplyWriter(lease) if lease is not None else None
+                split = [split_block_key(key) for key in m.chunk_keys]
+                chains = [chain for chain, _ in split]
                 yield pb.RestoreReply(header=pb.SessionHeader(
                     layout_id=m.layout_id, generation=m.generation, num_tokens=m.num_tokens,
-                    token_ids=m.token_ids.tobytes(), chunk_keys=m.chunk_keys,
+                    token_ids=m.token_ids.tobytes(), chunk_keys=chains,
+                    chunk_digests=[digest for _, digest in split],
+                    tail_digest=chunk_digest(m.tail) if m.tail else b"",
+                    model_fingerprint=m.model_fingerprint,
+                    dedupe_domain=shared_domain(m.dedupe_scope),
                     window_available=held, replay_needed=replay,
                     window_tier=window_tier or (m.window_tier or "") if held else "",
                     reply_segment=self.leases.describe(lease) if lease is not None else None))
@@ -95,7 +102,8 @@ class RestoreStreamer:
                     if not opts.layer_by_layer:
                         yield pb.RestoreReply(chunk=pb.RestoredChunk(
                             index=chunk.index, tier=chunk.tier,
-                            payload=self._payload(chunk.key, chunk.data, writer, refused)))
+                            payload=self._payload(chains[chunk.index], chunk.data, writer,
+                                                  refused)))
                 if opts.layer_by_layer:
                     buffers = chunks + ([m.tail] if m.tail else [])
                     async for section in self._sections(spec, buffers):

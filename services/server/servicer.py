@@ -51,7 +51,7 @@ from services.server.limits import Bounds, InFlight, Limits, idle_bounded
 from services.server.metrics import ServiceMetrics, tier_lookups
 from services.server.restore_stream import RestoreStreamer, StreamOptions
 from services.server.shm import LeaseTable
-from services.server.store import open_manager, restore_tier, tiers_holding, top_tier
+from services.server.store import open_manager, restore_tier, tiers_holding
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["KVTier"].full_name
@@ -105,7 +105,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                 tenant, _ = check.session_ref(message.header.session,
                                               field_name="header.session")
                 flight.reserve(tenant, message.ByteSize())
-                plan = check.spill_header(message.header, self.config.default_ack, MAX_TOKENS)
+                plan = check.spill_header(message.header, self.config.default_ack, MAX_TOKENS,
+                                          self.config.dedupe_domains)
             elif kind == "chunk":
                 plan.add_chunk(message.chunk.key, read(message.chunk))
             elif kind == "tail":
@@ -113,28 +114,30 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             else:
                 plan.add_window(message.window.key, read(message.window))
         plan = check.spill_ended(plan)
-        held_before = [bool(self.manager.where(k)) for k in plan.keys]
         plan.finish()
-        # Chunks left out go by key only: the store confirms it holds them, unread.
-        chunks = [(key, plan.chunks.get(i)) for i, key in enumerate(plan.keys)]
+        # Chunks left out go by key only: the store confirms it holds that key with that
+        # digest, unread.
+        chunks = [(key, plan.chunks.get(i)) for i, key in enumerate(plan.block_keys)]
         try:
             manifest = await self.manager.spill(
                 plan.tenant, plan.session_id, layout_id=plan.spec.layout_id,
                 generation=plan.generation, token_ids=plan.tokens, chunks=chunks,
                 tail=plan.tail or b"", window=plan.window, ack=plan.ack, hint=plan.hint,
-                ttl_s=plan.ttl_s)
+                ttl_s=plan.ttl_s, model_fingerprint=plan.model_fingerprint,
+                dedupe_domain=plan.dedupe_domain)
         except ChunksNotHeld as exc:
             raise MissingChunks(str(exc)) from exc
         except CodecError as exc:
             raise InvalidRequest(f"spilled bytes do not verify: {exc}") from exc
         self.metrics.spill_seconds.observe(time.perf_counter() - started)
-        deduped = sum(held_before)
+        # What the spill that stored this generation answered (this one, or the first
+        # attempt of a retry whose reply was lost).
+        receipt = manifest.receipt
         return pb.SpillReply(
-            generation=manifest.generation,
-            tier=top_tier(self.manager, plan.keys) or manifest.window_tier or "",
-            chunks_written=len(plan.keys) - deduped, chunks_deduped=deduped,
-            durable=plan.ack == "durable", bytes_received=plan.bytes_received,
-            window_kept=manifest.window_tier is not None)
+            generation=manifest.generation, tier=receipt.tier,
+            chunks_written=receipt.chunks_written, chunks_deduped=receipt.chunks_deduped,
+            durable=receipt.durable, bytes_received=receipt.bytes_received,
+            window_kept=receipt.window_kept)
 
     def _payload_bytes(self, payload: pb.Payload, peer: str, budget: int) -> bytes:
         body = payload.WhichOneof("body")

@@ -51,7 +51,9 @@ def build_tiers(config: ServerConfig, tiers: list[Tier]) -> MetaStore:
         from kvstore.tiers.disk import DiskTier
 
         disk = DiskTier(config.data_dir / "disk", config.disk_bytes,
-                        segment_bytes=config.disk_segment_bytes)
+                        segment_bytes=config.disk_segment_bytes,
+                        reclaim_dead_fraction=config.disk_reclaim_dead_fraction,
+                        reclaim_interval_s=config.disk_reclaim_interval_s)
         tiers.append(disk)
         meta = disk.meta
     if config.object_bytes:
@@ -129,12 +131,6 @@ def tiers_holding(manager: TierManager, keys: Sequence[str]) -> list[str]:
     """Names of the tiers holding at least one of ``keys``, highest first."""
     held = {name for key in keys for name in manager.where(key)}
     return [tier.name for tier in manager.tiers if tier.name in held]
-
-
-def top_tier(manager: TierManager, keys: Sequence[str]) -> str:
-    """The highest tier holding any of ``keys`` ("" when none is held)."""
-    names = tiers_holding(manager, keys)
-    return names[0] if names else ""
 
 
 def restore_tier(manager: TierManager, keys: Sequence[str]) -> str:

@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvstore.codec import checked_header, split_chunks, tokens_hash
-from kvstore.errors import CodecError, InvalidRequest, shown
-from kvstore.keys import chain_keys
+from kvstore.errors import CodecError, InvalidRequest, PermissionDenied, shown
+from kvstore.keys import (
+    DIGEST_BYTES,
+    block_key,
+    chain_keys,
+    check_fingerprint,
+    chunk_digest,
+    dedupe_scope,
+)
 from kvstore.layout import LayoutSpec, get_layout
 from kvstore.policy import ResumeHint
 from kvstore.validate import check_token_ids, chunk_bytes_max, window_bytes_max
@@ -86,6 +94,11 @@ class SpillPlan:
     ack: str
     hint: ResumeHint | None
     ttl_s: float | None
+    digests: list[bytes] = field(default_factory=list)  # per chunk key, as stated
+    tail_digest: bytes = b""
+    window_digest: bytes = b""
+    model_fingerprint: str = ""
+    dedupe_domain: str | None = None  # a shared domain the tenant may use; None: its own
     chunks: dict[int, bytes] = field(default_factory=dict)  # index -> encoded, as received
     tail: bytes | None = None
     window: bytes | None = None
@@ -99,6 +112,12 @@ class SpillPlan:
         self._tail_limit = chunk_bytes_max(self.spec, max(remaining, 1))
         # Window K/V over at most W tokens plus the pending rows of an unfinished entry.
         self._window_limit = window_bytes_max(self.spec)
+
+    @property
+    def block_keys(self) -> list[str]:
+        """What the store names the chunks by: chain key and stated digest (its bytes are
+        checked against the digest by the store, ``kvstore.validate.check_spill``)."""
+        return [block_key(k, d) for k, d in zip(self.keys, self.digests, strict=True)]
 
     def add_chunk(self, key: str, data: bytes) -> None:
         index = self._index.get(key)
@@ -122,6 +141,7 @@ class SpillPlan:
         if len(data) and covered == len(self.tokens):
             raise InvalidRequest("a tail was sent but the tokens fill whole chunks")
         if len(data):
+            _check_digest("the tail", data, self.tail_digest, "header.tail_digest")
             header = self._check_header("the tail", data, covered, None, False)
             if not 0 < header.num_tokens <= len(self.tokens) - covered:
                 raise InvalidRequest(f"the tail covers {header.num_tokens} tokens; "
@@ -136,6 +156,7 @@ class SpillPlan:
         if not self.spec.ephemeral_streams:
             raise InvalidRequest(f"layout {self.spec.name} has no window streams")
         self._check_size("the window", data, self._window_limit)
+        _check_digest("the window", data, self.window_digest, "header.window_digest")
         try:
             parts = split_chunks(data)
         except CodecError as exc:
@@ -176,7 +197,31 @@ class SpillPlan:
 
     def finish(self) -> list[int]:
         """Indices of named chunks the stream did not carry (the server may hold them)."""
+        if self.tail_digest and not self.tail:
+            raise InvalidRequest("header.tail_digest is set but no tail was sent")
+        if self.window_digest and self.window is None:
+            raise InvalidRequest("header.window_digest is set but no window was sent")
         return [i for i in range(len(self.keys)) if i not in self.chunks]
+
+
+def _check_digest(what: str, data: bytes, stated: bytes, field_name: str) -> None:
+    if not stated:
+        raise InvalidRequest(f"{what} was sent without {field_name} (BLAKE2b-256 of its "
+                             "bytes, kvstore.keys.chunk_digest)")
+    if chunk_digest(data) != stated:
+        raise InvalidRequest(f"{what}'s bytes do not have the digest {field_name} states")
+
+
+def dedupe_domain(tenant: str, name: str, domains: Mapping[str, tuple[str, ...]]
+                  ) -> str | None:
+    """The shared dedupe domain a spill names, if the server lets this tenant use it
+    (``ServerConfig.dedupe_domains``); "" is the tenant's own (None)."""
+    if not name:
+        return None
+    if tenant not in domains.get(name, ()):  # unknown and forbidden read alike
+        raise PermissionDenied(f"tenant {tenant!r} may not use dedupe domain {shown(name)}: "
+                               "the server's dedupe_domains does not list it for the tenant")
+    return name
 
 
 def spill_item(message: pb.SpillRequest, plan: SpillPlan | None) -> str:
@@ -199,8 +244,12 @@ def spill_ended(plan: SpillPlan | None) -> SpillPlan:
     return plan
 
 
-def spill_header(header: pb.SpillHeader, default_ack: str, max_tokens: int) -> SpillPlan:
+def spill_header(header: pb.SpillHeader, default_ack: str, max_tokens: int,
+                 domains: Mapping[str, tuple[str, ...]] | None = None) -> SpillPlan:
+    """``domains``: the shared dedupe domains and the tenants that may use each."""
     tenant, session_id = session_ref(header.session, field_name="header.session")
+    domain = dedupe_domain(tenant, header.dedupe_domain, domains or {})
+    fingerprint = check_fingerprint(header.model_fingerprint)
     if not header.layout_id:
         raise InvalidRequest("header.layout_id is required")
     spec = get_layout(header.layout_id)
@@ -208,15 +257,30 @@ def spill_header(header: pb.SpillHeader, default_ack: str, max_tokens: int) -> S
     if len(tokens) > max_tokens:
         raise InvalidRequest(f"{len(tokens)} tokens exceed the limit of {max_tokens}")
     check_token_ids(spec, tokens)
+    if spec.requires_model_fingerprint and not fingerprint:
+        raise InvalidRequest(f"layout {spec.layout_id} requires header.model_fingerprint "
+                             "(the weights/version id of the model whose KV this is)")
     keys = list(header.chunk_keys)
-    expected = chain_keys(spec.layout_id, tokens, spec.chunk_tokens)
+    expected = chain_keys(spec.layout_id, tokens, spec.chunk_tokens,
+                          scope=dedupe_scope(tenant, domain), model_fingerprint=fingerprint)
     if len(keys) != len(expected):
         raise InvalidRequest(f"{len(tokens)} tokens make {len(expected)} chunks of "
                              f"{spec.chunk_tokens}; header.chunk_keys names {len(keys)}")
     for i, (got, want) in enumerate(zip(keys, expected, strict=True)):
         if got != want:
-            raise InvalidRequest(f"header.chunk_keys[{i}] is {shown(got)}; the token ids chain to "
-                                 f"{want!r} under {spec.layout_id} (kvstore.keys.chain_keys)")
+            raise InvalidRequest(f"header.chunk_keys[{i}] is {shown(got)}; the token ids chain "
+                                 f"to {want!r} under {spec.layout_id}, this model fingerprint "
+                                 "and dedupe domain (kvstore.keys.chain_keys)")
+    digests = list(header.chunk_digests)
+    if len(digests) != len(keys):
+        raise InvalidRequest(f"header.chunk_digests has {len(digests)} entries; one per "
+                             f"chunk key ({len(keys)}) is required")
+    for name, values in (("chunk_digests", digests), ("tail_digest", [header.tail_digest]),
+                         ("window_digest", [header.window_digest])):
+        if any(v and len(v) != DIGEST_BYTES or (not v and name == "chunk_digests")
+               for v in values):
+            raise InvalidRequest(f"header.{name}: a digest is {DIGEST_BYTES} bytes "
+                                 "(BLAKE2b-256)")
     if header.ack not in (pb.ACK_UNSPECIFIED, *ACKS):
         raise InvalidRequest(f"unknown ack {header.ack}")
     hint = None
@@ -226,7 +290,9 @@ def spill_header(header: pb.SpillHeader, default_ack: str, max_tokens: int) -> S
     return SpillPlan(
         tenant=tenant, session_id=session_id, spec=spec, tokens=tokens, keys=keys,
         generation=header.generation, ack=ACKS.get(header.ack, default_ack), hint=hint,
-        ttl_s=seconds("header.ttl_s", header.ttl_s, None),
+        ttl_s=seconds("header.ttl_s", header.ttl_s, None), digests=digests,
+        tail_digest=header.tail_digest, window_digest=header.window_digest,
+        model_fingerprint=fingerprint, dedupe_domain=domain,
     )
 
 
