@@ -10,7 +10,9 @@ import torch
 
 from kvstore.chunk_plan import CODE_DTYPES
 from kvstore.codec import StreamData
+from kvstore.keys import chunk_digest
 from kvstore.layout import LayoutSpec, get_layout
+from proto import kvtier_pb2 as pb
 from services.server.config import load_config
 from services.server.servicer import KVTierServer, create_server
 
@@ -66,6 +68,16 @@ def assert_streams_equal(got: dict[str, StreamData], want: dict[str, StreamData]
             assert got[name].scales is None
         else:
             assert torch.equal(got[name].scales, want[name].scales), name
+
+
+def raw_spill_header(ref: pb.SessionRef, tokens, enc, **changes) -> pb.SpillHeader:
+    """A Spill header as a client states it for ``enc`` (a ``kvtier.codec.EncodedSession``
+    keyed for ``ref``'s tenant): chain keys, chunk and tail digests; ``changes`` override."""
+    fields = dict(session=ref, layout_id=LAYOUT.name, generation=1, token_ids=tokens.tobytes(),
+                  chunk_keys=enc.keys, chunk_digests=enc.digests,
+                  tail_digest=chunk_digest(enc.tail) if enc.tail else b"")
+    fields.update(changes)
+    return pb.SpillHeader(**fields)
 
 
 def config_for(tmp_path, **overrides):

@@ -34,7 +34,7 @@ from kvstore.codec import (
     tokens_hash,
 )
 from kvstore.errors import ChunkCorrupt, InvalidRequest
-from kvstore.keys import chain_keys
+from kvstore.keys import chain_keys, chunk_digest, dedupe_scope
 from kvstore.layout import LayoutSpec, Stream
 from kvstore.tiers.object import ObjectTier, ObjectTierConfig
 from kvstore.validate import check_spill, check_token_ids, window_bytes_max
@@ -56,6 +56,7 @@ BOMB = 512 << 20  # what a bomb expands to: far above any peak the refusal may a
 RSS_SLACK = 100 << 20  # the most a refused request may raise the server's peak RSS
 WINDOW_KV = ("enc.window.k", "enc.window.v")
 REF = pb.SessionRef(tenant="acme", session_id="bomb")
+SCOPE = dedupe_scope(REF.tenant)
 
 
 # ---- forging chunks byte by byte ---------------------------------------------------------
@@ -145,12 +146,15 @@ def test_peak_rss_growth_sees_an_allocation_the_size_of_a_bomb():
 
 def _spill_messages(tokens: np.ndarray, chunk0: bytes | None = None, tail: bytes = b"",
                     window: bytes | None = None):
+    keys = chain_keys(LAYOUT.layout_id, tokens, LAYOUT.chunk_tokens, scope=SCOPE)
+    # The digests of what is sent: the bounds, not the digests, must refuse these.
     yield pb.SpillRequest(header=pb.SpillHeader(
         session=REF, layout_id=LAYOUT.name, generation=1, token_ids=tokens.tobytes(),
-        chunk_keys=chain_keys(LAYOUT.layout_id, tokens, LAYOUT.chunk_tokens)))
+        chunk_keys=keys, chunk_digests=[chunk_digest(chunk0 or b"")] * len(keys),
+        tail_digest=chunk_digest(tail) if tail else b"",
+        window_digest=chunk_digest(window) if window is not None else b""))
     if chunk0 is not None:
-        key = chain_keys(LAYOUT.layout_id, tokens, LAYOUT.chunk_tokens)[0]
-        yield pb.SpillRequest(chunk=pb.Payload(key=key, data=chunk0))
+        yield pb.SpillRequest(chunk=pb.Payload(key=keys[0], data=chunk0))
     if tail:
         yield pb.SpillRequest(tail=pb.Payload(data=tail))
     if window is not None:
@@ -172,7 +176,7 @@ async def _refused(tmp_path, messages) -> tuple[grpc.StatusCode, str, int]:
 
 def _one_chunk_session():
     tokens = as_tokens(tokens_for(LAYOUT.chunk_tokens))
-    enc = encode_session(LAYOUT, tokens, streams_for(LAYOUT, LAYOUT.chunk_tokens))
+    enc = encode_session(LAYOUT, tokens, streams_for(LAYOUT, LAYOUT.chunk_tokens), scope=SCOPE)
     return tokens, enc.chunks[0]
 
 
@@ -242,7 +246,7 @@ async def test_token_ids_outside_the_vocabulary_are_refused_at_spill(tmp_path):
     tokens, _ = _one_chunk_session()
     tokens = tokens.copy()
     tokens[7] = LAYOUT.vocab_size  # 256: one past the bundled model's byte vocabulary
-    enc = encode_session(LAYOUT, tokens, streams_for(LAYOUT, LAYOUT.chunk_tokens))
+    enc = encode_session(LAYOUT, tokens, streams_for(LAYOUT, LAYOUT.chunk_tokens), scope=SCOPE)
     code, details, _ = await _refused(tmp_path, _spill_messages(tokens, enc.chunks[0]))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert "token id 256 at position 7" in details and "vocab_size 256" in details
@@ -255,7 +259,7 @@ async def test_valid_sessions_still_round_trip_bit_exact(tmp_path):
     persistent, window = streams_for(LAYOUT, n), window_for(LAYOUT, n)
     async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
         for zstd, session in ((None, "plain"), (3, "zstd")):
-            enc = encode_session(LAYOUT, tokens, persistent, zstd_level=zstd)
+            enc = encode_session(LAYOUT, tokens, persistent, zstd_level=zstd, scope=SCOPE)
             blob = encode_window(LAYOUT, tokens, window)
             await kv.spill("acme", session, LAYOUT.name, tokens, chunks=list(enc.chunks.values()),
                            tail=enc.tail, window=blob, generation=1)
@@ -271,7 +275,7 @@ def test_the_store_refuses_out_of_vocabulary_ids_itself():
     tokens = np.array([0, 255, 256], dtype="<u4")
     check_token_ids(LAYOUT, tokens[:2])
     with pytest.raises(InvalidRequest, match="token id 256 at position 2.*vocab_size 256"):
-        check_spill(LAYOUT, tokens, [], b"", None)
+        check_spill(LAYOUT, tokens, [], b"", None, scope=SCOPE)
 
 
 def test_decoders_refuse_a_window_bomb_without_allocating():

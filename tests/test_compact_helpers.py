@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from kvstore.codec import StreamData
 from kvstore.errors import SessionNotFound
 from kvtier import AsyncClient
 from services.server.config import load_config
@@ -50,6 +51,24 @@ def tokens_of(spec: Spec, specs=SPECS) -> torch.Tensor:
     return torch.cat([parent[:2 * CHUNK], own[2 * CHUNK:]])
 
 
+def streams_of(spec: Spec, specs=SPECS) -> dict[str, StreamData]:
+    """The session's persistent streams; a shared prefix has its parent's KV (as a model
+    gives it), so its chunks are the parent's bytes and dedupe."""
+    tokens = tokens_of(spec, specs)
+    own = streams_for(LAYOUT, len(tokens), seed=specs.index(spec))
+    if spec.prefix_of is None:
+        return own
+    parent = streams_of(next(s for s in specs if s.session_id == spec.prefix_of), specs)
+    out = {}
+    for stream in LAYOUT.persistent_streams:
+        cut, mine, theirs = stream.entries_for(2 * CHUNK), own[stream.name], parent[stream.name]
+        out[stream.name] = StreamData(
+            torch.cat([theirs.codes[:, :cut], mine.codes[:, cut:]], dim=1),
+            None if mine.scales is None
+            else torch.cat([theirs.scales[:, :cut], mine.scales[:, cut:]], dim=1))
+    return out
+
+
 @contextlib.asynccontextmanager
 async def embedded_server(data_dir: Path):
     """The real server with the embedded config (what ``kvtier serve`` runs by default)
@@ -78,12 +97,11 @@ async def snapshot(kv: AsyncClient, session_id: str) -> Snapshot:
 
 
 async def spill_all(kv: AsyncClient, specs=SPECS, *, only=None, generation: int = 1) -> None:
-    for i, spec in enumerate(specs):
+    for spec in specs:
         if only is not None and spec.session_id not in only:
             continue
-        tokens = tokens_of(spec, specs)
-        await kv.spill(TENANT, spec.session_id, LAYOUT.name, tokens,
-                       streams_for(LAYOUT, len(tokens), seed=i), generation=generation,
+        await kv.spill(TENANT, spec.session_id, LAYOUT.name, tokens_of(spec, specs),
+                       streams_of(spec, specs), generation=generation,
                        ack="durable", ttl_s=spec.ttl_s)
 
 

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvstore.keys import chain_keys
+from kvstore.keys import chain_keys, chunk_digest, dedupe_scope
 from kvtier.codec import as_tokens, encode_session
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
@@ -28,11 +28,13 @@ HEADER_TOKENS = 65_536  # 256 KiB of token ids per header: 300 unbounded take ~2
 WAIT_S = 60  # a generous bound on waiting for the server, never asserted
 
 
-def _header(tenant: str, session_id: str, tokens: np.ndarray, keys: list[str]
-            ) -> pb.SpillRequest:
+def _header(tenant: str, session_id: str, tokens: np.ndarray, digests: list[bytes],
+            tail: bytes = b"") -> pb.SpillRequest:
+    keys = chain_keys(LAYOUT.layout_id, tokens, LAYOUT.chunk_tokens, scope=dedupe_scope(tenant))
     return pb.SpillRequest(header=pb.SpillHeader(
         session=pb.SessionRef(tenant=tenant, session_id=session_id), layout_id=LAYOUT.name,
-        generation=1, token_ids=tokens.tobytes(), chunk_keys=keys))
+        generation=1, token_ids=tokens.tobytes(), chunk_keys=keys, chunk_digests=digests,
+        tail_digest=chunk_digest(tail) if tail else b""))
 
 
 async def _header_then_silence(message: pb.SpillRequest):
@@ -67,12 +69,14 @@ async def _refusal(call) -> str:
 
 def _session(seed: int = 0):
     tokens = as_tokens(tokens_for(LAYOUT.chunk_tokens + 40, seed))
-    return tokens, encode_session(LAYOUT, tokens, streams_for(LAYOUT, len(tokens)))
+    return tokens, encode_session(LAYOUT, tokens, streams_for(LAYOUT, len(tokens)),
+                                  scope=dedupe_scope("acme"))
 
 
 def _full_spill(tenant: str, session_id: str, tokens, enc):
-    yield _header(tenant, session_id, tokens, enc.keys)
-    yield pb.SpillRequest(chunk=pb.Payload(key=enc.keys[0], data=enc.chunks[0]))
+    header = _header(tenant, session_id, tokens, enc.digests, enc.tail)
+    yield header
+    yield pb.SpillRequest(chunk=pb.Payload(key=header.header.chunk_keys[0], data=enc.chunks[0]))
     yield pb.SpillRequest(tail=pb.Payload(data=enc.tail))
 
 
@@ -115,12 +119,12 @@ async def test_300_idle_spill_streams_stay_within_the_bounds_and_the_budget(tmp_
         before = _rss(server.pid)
         tokens = np.random.default_rng(0).integers(0, LAYOUT.vocab_size, HEADER_TOKENS,
                                                    dtype="<u4")
-        keys = chain_keys(LAYOUT.layout_id, tokens, LAYOUT.chunk_tokens)
+        digests = [bytes(32)] * (len(tokens) // LAYOUT.chunk_tokens)  # never sent: idle
         calls, refusals = [], []
         # 100 streams a connection, one connection after another: 20 of the first two
         # stay open (max_peer_streams), 10 of the third (max_streams = 50 in all).
         for index, (stub, held) in enumerate(zip(stubs, (20, 20, 10), strict=True)):
-            opened = _open_idle(stub, [_header("acme", f"s{index}-{i}", tokens, keys)
+            opened = _open_idle(stub, [_header("acme", f"s{index}-{i}", tokens, digests)
                                        for i in range(100)])
             calls += opened
             refusals += [await _refusal(call) for call in await _until_ended(opened,
@@ -153,7 +157,7 @@ async def test_a_silent_spill_stream_is_cancelled_naming_the_timeout(tmp_path):
             grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.KVTierStub(channel)
         header_only = stub.Spill(_header_then_silence(_header("acme", "s1", tokens,
-                                                              enc.keys)))
+                                                              enc.digests)))
         nothing = stub.Spill(_silence())
         for call in (header_only, nothing):
             details = await _refusal(call)
@@ -170,7 +174,7 @@ async def test_restore_and_resume_streams_count_against_the_connection(tmp_path)
             grpc.aio.insecure_channel(target) as channel, \
             grpc.aio.insecure_channel(target, options=[("kvtier.test.connection", 1)]) as other:
         stub, other_stub = pb_grpc.KVTierStub(channel), pb_grpc.KVTierStub(other)
-        idle = _open_idle(stub, [_header("acme", "s1", tokens, enc.keys)])[0]
+        idle = _open_idle(stub, [_header("acme", "s1", tokens, enc.digests)])[0]
         ref = pb.SessionRef(tenant="acme", session_id="nobody")
         await asyncio.sleep(0.1)  # the idle stream has its slot
         for call in (stub.Restore(pb.RestoreRequest(session=ref)),
@@ -190,7 +194,7 @@ async def test_restore_and_resume_streams_count_against_the_connection(tmp_path)
 
 async def test_uncommitted_spill_bytes_are_bounded_per_tenant_and_in_all(tmp_path):
     tokens, enc = _session()
-    header = _header("acme", "idle", tokens, enc.keys)
+    header = _header("acme", "idle", tokens, enc.digests, enc.tail)
     spill_bytes = header.ByteSize() + len(enc.chunks[0]) + len(enc.tail)
     # A tenant has room for one whole spill and half a header: not for a spill beside an
     # idle header; the server for a spill beside one idle header, not beside two.
@@ -209,7 +213,7 @@ async def test_uncommitted_spill_bytes_are_bounded_per_tenant_and_in_all(tmp_pat
         # Another tenant has its own allowance, until the total is reached.
         reply = await stub.Spill(_full_spill("other", "s1", tokens, enc))
         assert reply.generation == 1
-        other_idle = _open_idle(stub, [_header("other", "idle", tokens, enc.keys)])[0]
+        other_idle = _open_idle(stub, [_header("other", "idle", tokens, enc.digests, enc.tail)])[0]
         async with asyncio.timeout(WAIT_S):
             while limits.inflight_bytes < 2 * header.ByteSize():
                 await asyncio.sleep(0.01)

@@ -31,7 +31,7 @@ def same_bytes(got, want) -> bool:
 
 async def test_round_trip_host_only_is_byte_identical():
     manager = await TierManager.open([HostTier(MB)], MemoryMetaStore())
-    args = make_session(random_tokens(16 * 5 + 9, seed=1))
+    args = make_session(random_tokens(16 * 5 + 9, seed=1), tenant="t1")
     manifest = await manager.spill("t1", "s1", generation=1, **args)
     assert manifest.num_tokens == 89 and len(manifest.chunk_keys) == 5
     result = await manager.restore("t1", "s1")
@@ -119,8 +119,11 @@ async def test_dedupe_refcounts_shared_prefix_and_release():
     tiers = [HostTier(6000)]
     manager = await TierManager.open(tiers, MemoryMetaStore())
     prefix = random_tokens(16 * 3, seed=7)
-    a = make_session(np.concatenate([prefix, random_tokens(20, seed=8)]))
-    b = make_session(np.concatenate([prefix, random_tokens(37, seed=9)]))
+    # Two tenants dedupe only in a shared domain (their own domains never share chunks).
+    a = make_session(np.concatenate([prefix, random_tokens(20, seed=8)]),
+                     dedupe_domain="prefix")
+    b = make_session(np.concatenate([prefix, random_tokens(37, seed=9)]),
+                     dedupe_domain="prefix")
     await manager.spill("tenant-a", "s", generation=1, **a)
     await manager.spill("tenant-b", "s", generation=1, **b)
     shared = {k for k, _ in a["chunks"]} & {k for k, _ in b["chunks"]}

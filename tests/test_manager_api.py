@@ -131,15 +131,16 @@ async def test_session_count_follows_spills_and_deletes_and_reopens():
     for sid, args in sessions.items():
         await manager.spill("t", sid, generation=1, **args)
     await manager.spill("t", "s0", generation=2, **sessions["s0"])  # a new generation
-    with pytest.raises(StaleGeneration):
-        await manager.spill("t", "s1", generation=1, **sessions["s1"])
+    with pytest.raises(StaleGeneration):  # (generation 1 again, same content: a retry)
+        await manager.spill("t", "s1", generation=0, **sessions["s1"])
     with pytest.raises(ChunksNotHeld):
         stranger = make_session(random_tokens(16 * 2, seed=70))
         await manager.spill("t", "s9", generation=1, **keys_only(stranger, 1))
     assert manager.session_count() == 3 == (await manager.stat()).sessions
     await manager.delete("t", "s1")
     assert manager.session_count() == 2
-    await manager.spill("u", "s1", generation=1, ttl_s=1.0, **sessions["s1"])
+    await manager.spill("u", "s1", generation=1, ttl_s=1.0,
+                        **make_session(random_tokens(16 * 2 + 1, seed=61), tenant="u"))
     report = await manager.collect_garbage(now=1e12)
     assert report.expired_sessions == 1 and manager.session_count() == 2
     await manager.close()

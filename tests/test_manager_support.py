@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from kvstore.codec import StreamData, encode_chunk
-from kvstore.keys import chain_keys
+from kvstore.keys import block_keys, dedupe_scope
 from kvstore.layout import LayoutSpec, Stream, register_layout
 
 TINY = register_layout(
@@ -46,15 +46,17 @@ def encode(start: int, tokens: np.ndarray, *, ephemeral: bool = False, seed: int
     return encode_chunk(TINY, start, tokens, data, ephemeral=ephemeral)
 
 
-def make_session(tokens, *, seed: int = 0, window: bool = True) -> dict:
-    """spill() keyword arguments for a session of these token ids (chunk data by seed)."""
+def make_session(tokens, *, seed: int = 0, window: bool = True, tenant: str = "t",
+                 dedupe_domain: str | None = None) -> dict:
+    """spill() keyword arguments for a session of these token ids (chunk data by seed),
+    keyed for ``tenant``'s own dedupe domain or the shared ``dedupe_domain``."""
     tokens = np.asarray(tokens, dtype=np.uint32)
     size = TINY.chunk_tokens
-    keys = chain_keys(TINY.layout_id, tokens, size)
-    chunks = [
-        (key, encode(i * size, tokens[i * size : (i + 1) * size], seed=seed))
-        for i, key in enumerate(keys)
-    ]
+    datas = [encode(i * size, tokens[i * size : (i + 1) * size], seed=seed)
+             for i in range(len(tokens) // size)]
+    keys = block_keys(TINY.layout_id, tokens, size, datas,
+                      scope=dedupe_scope(tenant, dedupe_domain))
+    chunks = list(zip(keys, datas, strict=True))
     covered = len(keys) * size
     tail = encode(covered, tokens[covered:], seed=seed) if covered < len(tokens) else b""
     blob = None
@@ -62,7 +64,7 @@ def make_session(tokens, *, seed: int = 0, window: bool = True) -> dict:
         start = max(0, len(tokens) - WINDOW_TOKENS)
         blob = encode(start, tokens[start:], ephemeral=True, seed=seed)
     return dict(layout_id=TINY.layout_id, token_ids=tokens, chunks=chunks, tail=tail,
-                window=blob)
+                window=blob, **({"dedupe_domain": dedupe_domain} if dedupe_domain else {}))
 
 
 async def tier_keys(tier) -> set[str]:

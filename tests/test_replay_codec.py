@@ -10,7 +10,7 @@ import torch
 
 from kvstore.codec import split_chunks
 from kvstore.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
-from kvstore.keys import chain_keys
+from kvstore.keys import block_keys, dedupe_scope
 from kvstore.validate import check_spill
 from model.config import TINY, layout_spec
 from model.infer import prefill, replay
@@ -53,7 +53,8 @@ def test_round_trip_is_exact(model, n):
     chunks, tail, window = state_to_chunks(SPEC, state)
     assert len(chunks) == n // 16
     assert bool(tail) == (n % 16 > 0)
-    check_spill(SPEC, as_token_array(state.token_ids), chunks, tail, window)  # the store agrees
+    check_spill(SPEC, as_token_array(state.token_ids), chunks, tail, window,
+                scope="")  # the store agrees
     back = state_from_chunks(TINY, state.token_ids, [c for _, c in chunks], tail, window,
                              spec=SPEC)
     assert back.window_len == state.window_len
@@ -64,12 +65,18 @@ def test_keys_chain_like_the_store_and_dedupe_shared_prefixes(model):
     a, b = make_state(model, 40, seed=2), make_state(model, 40, seed=2)
     b_ids = torch.cat((a.token_ids[:32], torch.tensor([7, 7, 7, 7])))
     b = prefill(model, b_ids, logits="none")[0]
-    keys_a = [k for k, _ in state_to_chunks(SPEC, a)[0]]
-    keys_b = [k for k, _ in state_to_chunks(SPEC, b)[0]]
-    assert keys_a == chain_keys(SPEC.layout_id, as_token_array(a.token_ids), 16)
-    assert keys_a == keys_b  # 32 shared tokens: both full chunks are the same
+    scope = dedupe_scope("acme")
+    chunks_a = state_to_chunks(SPEC, a, scope=scope)[0]
+    keys_a = [k for k, _ in chunks_a]
+    keys_b = [k for k, _ in state_to_chunks(SPEC, b, scope=scope)[0]]
+    assert keys_a == block_keys(SPEC.layout_id, as_token_array(a.token_ids), 16,
+                                [c for _, c in chunks_a], scope=scope)
+    assert keys_a == keys_b  # 32 shared tokens: both full chunks are the same, byte for byte
     c = make_state(model, 40, seed=3)
-    assert [k for k, _ in state_to_chunks(SPEC, c)[0]][0] != keys_a[0]
+    assert [k for k, _ in state_to_chunks(SPEC, c, scope=scope)[0]][0] != keys_a[0]
+    # another domain or model fingerprint: other keys for the same chunks
+    assert state_to_chunks(SPEC, a, scope=dedupe_scope("beta"))[0][0][0] != keys_a[0]
+    assert state_to_chunks(SPEC, a, scope=scope, model_fingerprint="ft")[0][0][0] != keys_a[0]
 
 
 def test_without_window_decodes_to_a_state_replay_can_rebuild(model):

@@ -8,11 +8,17 @@ import logging
 import grpc
 import pytest
 
-from kvstore.keys import chain_keys
+from kvstore.keys import dedupe_scope
 from kvtier.codec import as_tokens, encode_session, encode_window
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
-from tests.service_support import LAYOUT, running_server, streams_for, tokens_for
+from tests.service_support import (
+    LAYOUT,
+    raw_spill_header,
+    running_server,
+    streams_for,
+    tokens_for,
+)
 
 TOKENS = LAYOUT.chunk_tokens + 40
 REF = pb.SessionRef(tenant="acme", session_id="s1")
@@ -20,15 +26,12 @@ REF = pb.SessionRef(tenant="acme", session_id="s1")
 
 def _session():
     tokens = as_tokens(tokens_for(TOKENS))
-    return tokens, encode_session(LAYOUT, tokens, streams_for(LAYOUT, TOKENS))
+    return tokens, encode_session(LAYOUT, tokens, streams_for(LAYOUT, TOKENS),
+                                  scope=dedupe_scope(REF.tenant))
 
 
 def _header(tokens, **changes) -> pb.SpillHeader:
-    fields = dict(session=REF, layout_id=LAYOUT.name, generation=1,
-                  token_ids=tokens.tobytes(),
-                  chunk_keys=chain_keys(LAYOUT.layout_id, tokens, LAYOUT.chunk_tokens))
-    fields.update(changes)
-    return pb.SpillHeader(**fields)
+    return raw_spill_header(REF, tokens, _session()[1], **changes)
 
 
 def _messages(header, enc, chunk0=None):
@@ -91,10 +94,13 @@ async def test_spill_refuses_bad_streams(tmp_path):
             code, details = await _status(lambda m=messages: stub.Spill(m))
             assert code == grpc.StatusCode.INVALID_ARGUMENT, (name, details)
             assert needle in details, (name, details)
-        # Nothing was stored by any of them; a good spill still works, an old one is stale.
+        # Nothing was stored by any of them; a good spill still works (again: a retry gets
+        # the same reply), an older one is stale.
         assert not (await stub.List(pb.ListRequest())).sessions
-        await stub.Spill(_messages(_header(tokens), enc))
-        code, details = await _status(lambda: stub.Spill(_messages(_header(tokens), enc)))
+        first = await stub.Spill(_messages(_header(tokens), enc))
+        assert await stub.Spill(_messages(_header(tokens), enc)) == first
+        code, details = await _status(
+            lambda: stub.Spill(_messages(_header(tokens, generation=0), enc)))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "generation" in details
 
 

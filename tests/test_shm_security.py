@@ -12,7 +12,7 @@ import stat
 import grpc
 import pytest
 
-from kvstore.keys import chain_keys
+from kvstore.keys import dedupe_scope
 from kvtier import AsyncClient, shm
 from kvtier.codec import as_tokens, encode_session
 from proto import kvtier_pb2 as pb
@@ -21,6 +21,7 @@ from services.server.shm import LeaseTable
 from tests.service_support import (
     LAYOUT,
     assert_streams_equal,
+    raw_spill_header,
     running_server,
     streams_for,
     tokens_for,
@@ -115,10 +116,9 @@ async def test_a_restore_cannot_write_into_a_file_a_client_names(tmp_path):
 
 async def test_a_spill_cannot_read_a_planted_file(tmp_path):
     tokens = as_tokens(tokens_for(TOKENS))
-    enc = encode_session(LAYOUT, tokens, streams_for(LAYOUT, TOKENS))
-    header = pb.SpillHeader(session=REF, layout_id=LAYOUT.name, generation=1,
-                            token_ids=tokens.tobytes(),
-                            chunk_keys=chain_keys(LAYOUT.layout_id, tokens, LAYOUT.chunk_tokens))
+    enc = encode_session(LAYOUT, tokens, streams_for(LAYOUT, TOKENS),
+                         scope=dedupe_scope(REF.tenant))
+    header = raw_spill_header(REF, tokens, enc)
 
     def spill(ref: pb.SharedMemoryRef):
         async def messages():
