@@ -115,6 +115,11 @@ class TierUnavailable(KVTierError):
         self.whole_tier = whole_tier
 
 
+class IndexCorrupt(TierUnavailable):
+    """The disk tier's LMDB index cannot be trusted; ``kvtier repair`` rebuilds it from the
+    segments."""
+
+
 class TierFull(KVTierError):
     """The tier has no room for the value, even after eviction."""
 

@@ -36,6 +36,7 @@ from kvstore.errors import (
     CodecError,
     DataLoss,
     GenerationConflict,
+    IndexCorrupt,
     InvalidRequest,
     KVTierError,
     LayoutMismatch,
@@ -58,7 +59,7 @@ from kvstore.errors import (
 
 __all__ = [
     "ERROR_KEY", "Busy", "ChunkCorrupt", "ChunkNotFound", "ChunkTruncated", "ChunksNotHeld",
-    "CodecError", "DataLoss", "GenerationConflict", "InvalidRequest", "KVTierError",
+    "CodecError", "DataLoss", "GenerationConflict", "IndexCorrupt", "InvalidRequest", "KVTierError",
     "LayoutMismatch", "MissingChunks", "NotFound", "PermissionDenied", "PreconditionFailed",
     "ServerError", "SessionNotFound",
     "SharedMemoryUnavailable", "StaleGeneration", "TierFull", "TierUnavailable",

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from test_manager_support import make_session, random_tokens
 
+from kvstore.errors import IndexCorrupt
 from kvstore.manager import TierManager
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.disk.index import IndexCorrupt
 from kvstore.tiers.disk.lock import WRITER_LOCK, DirLock
 from kvstore.tiers.host import HostTier
 
@@ -33,7 +33,7 @@ DELETED = ["gone0", "gone1"]
 _OPEN_CHILD = """
 import sys
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.disk.index import IndexCorrupt
+from kvstore.errors import IndexCorrupt
 try:
     DiskTier(sys.argv[1], 1 << 26)
 except IndexCorrupt as exc:

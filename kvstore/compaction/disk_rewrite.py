@@ -68,9 +68,14 @@ class _Copier:
         self.batch: list[tuple[bytes, IndexEntry, memoryview]] = []
         self.size = 0
         self.moves: list[tuple[bytes, IndexEntry, IndexEntry]] = []
+        self.meta_moves: list[tuple[bytes, IndexEntry, IndexEntry]] = []
+        self._meta: set[tuple[bytes, IndexEntry]] = set()  # batched records that are meta
 
-    async def add(self, key: bytes, entry: IndexEntry, record: memoryview) -> None:
+    async def add(self, key: bytes, entry: IndexEntry, record: memoryview,
+                  meta: bool = False) -> None:
         self.batch.append((key, entry, record))
+        if meta:
+            self._meta.add((key, entry))
         self.size += record.nbytes
         if self.size >= self.batch_bytes:
             await self.write()
@@ -80,9 +85,10 @@ class _Copier:
             return
         seg_id, offset = await self.appender.append([r for _, _, r in self.batch], self.size)
         for key, entry, record in self.batch:
-            self.moves.append((key, entry, entry._replace(seg_id=seg_id, offset=offset)))
+            moves = self.meta_moves if (key, entry) in self._meta else self.moves
+            moves.append((key, entry, entry._replace(seg_id=seg_id, offset=offset)))
             offset += record.nbytes
-        self.batch, self.size = [], 0
+        self.batch, self.size, self._meta = [], 0, set()
 
 
 async def rewrite_segments(tier: DiskTier, seg_ids: list[int]) -> RewriteResult:
@@ -98,7 +104,7 @@ async def rewrite_segments(tier: DiskTier, seg_ids: list[int]) -> RewriteResult:
                                      "are rewritten")
             infos[seg_id] = info
         result = RewriteResult(seg_ids, sum(i.file_bytes for i in infos.values()))
-        live = await asyncio.to_thread(tier.index.live_entries, set(seg_ids))
+        live = await asyncio.to_thread(_live, tier, set(seg_ids))
         appender = SegmentAppender(tier.index, tier.segment_dir, tier.segment_bytes,
                                    SegState.BUILDING)
         copier = _Copier(appender, max(1, min(4 << 20, tier.segment_bytes // 4)))
@@ -106,24 +112,26 @@ async def rewrite_segments(tier: DiskTier, seg_ids: list[int]) -> RewriteResult:
             for seg_id in seg_ids:
                 tier.files.pin(seg_id)
                 try:
-                    for kb, entry in live[seg_id]:
+                    for kb, entry, meta in live[seg_id]:
                         size = record_size(len(kb), entry.value_len)
                         record = await tier.files.read(seg_id, entry.offset, size)
                         try:
                             check_record(record, kb, entry.value_len, entry.checksum,
                                          f"segment {seg_id} @ {entry.offset}")
                         except ChunkCorrupt:
-                            result.corrupt_keys.append(kb.decode(errors="replace"))
+                            if not meta:  # a bad meta record keeps its segment alive
+                                result.corrupt_keys.append(kb.decode(errors="replace"))
                             continue
-                        await copier.add(kb, entry, record)
+                        await copier.add(kb, entry, record, meta)
                     await copier.write()  # no batch outlives its source's pin
                 finally:
                     tier.files.unpin(seg_id)
             built = await appender.finish()
-            outcome = await asyncio.to_thread(tier.index.switch, copier.moves, built, seg_ids)
+            outcome = await asyncio.to_thread(tier.index.switch, copier.moves, built, seg_ids,
+                                              copier.meta_moves)
         except BaseException:
             await appender.close()
-            await asyncio.to_thread(_discard, tier, appender)
+            await asyncio.to_thread(discard, tier, appender)
             raise
     result.new_segments = sorted(built)
     result.written_bytes = sum(built.values())
@@ -146,8 +154,18 @@ def _sweep(tier: DiskTier) -> tuple[list[int], list[int]]:
     return remove_unnamed_files(tier.index, tier.segment_dir), building
 
 
-def _discard(tier: DiskTier, appender: SegmentAppender) -> None:
-    """Remove the BUILDING segments of an aborted rewrite (no entry names them)."""
+def _live(tier: DiskTier, seg_ids: set[int]) -> dict[int, list[tuple[bytes, IndexEntry, bool]]]:
+    """Per segment its live chunk records and metadata records (True), in offset order."""
+    chunks = tier.index.live_entries(seg_ids)
+    metas = tier.index.live_meta_records(seg_ids)
+    return {seg_id: sorted([(k, e, False) for k, e in chunks[seg_id]]
+                           + [(k, e, True) for k, e in metas[seg_id]],
+                           key=lambda item: item[1].offset)
+            for seg_id in seg_ids}
+
+
+def discard(tier: DiskTier, appender: SegmentAppender) -> None:
+    """Remove the BUILDING segments of an aborted write (no entry names them)."""
     seg_ids = set(appender.finished)
     if appender.seg_id is not None:
         seg_ids.add(appender.seg_id)

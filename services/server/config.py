@@ -128,6 +128,9 @@ class ServerConfig:
                                  "KV lives only in memory tiers")
         if self.disk_segment_bytes < 1:
             raise InvalidRequest(f"disk_segment_bytes must be > 0, got {self.disk_segment_bytes}")
+        if not self.disk_reclaim_dead_fraction > 0 or self.disk_reclaim_interval_s < 0:
+            raise InvalidRequest("disk_reclaim_dead_fraction must be > 0 and "
+                                 "disk_reclaim_interval_s >= 0")
         if self.replay_tokens < 1 or self.max_message_bytes < 1 * MiB:
             raise InvalidRequest("replay_tokens must be >= 1 and max_message_bytes >= 1 MiB")
         for name in ("max_streams", "max_peer_streams", "stream_idle_s",
@@ -139,9 +142,6 @@ class ServerConfig:
         for name in ("shm_lease_bytes_per_client", "shm_lease_bytes_total"):
             if getattr(self, name) < 0:
                 raise InvalidRequest(f"{name} must be >= 0 (0: no shared memory)")
-        if not self.disk_reclaim_dead_fraction > 0 or self.disk_reclaim_interval_s < 0:
-            raise InvalidRequest("disk_reclaim_dead_fraction must be > 0 and "
-                                 "disk_reclaim_interval_s >= 0")
         _check_domains(self.dedupe_domains)
         object.__setattr__(self, "dedupe_domains", {
             name: tuple(tenants) for name, tenants in self.dedupe_domains.items()})

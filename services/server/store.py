@@ -51,7 +51,9 @@ def build_tiers(config: ServerConfig, tiers: list[Tier]) -> MetaStore:
         from kvstore.tiers.disk import DiskTier
 
         disk = DiskTier(config.data_dir / "disk", config.disk_bytes,
-                        segment_bytes=config.disk_segment_bytes)
+                        segment_bytes=config.disk_segment_bytes,
+                        reclaim_dead_fraction=config.disk_reclaim_dead_fraction,
+                        reclaim_interval_s=config.disk_reclaim_interval_s)
         tiers.append(disk)
         meta = disk.meta
     if config.object_bytes:

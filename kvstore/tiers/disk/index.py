@@ -1,13 +1,20 @@
 """The disk tier's LMDB index: the only record of which bytes of which segment are live.
 
-One LMDB environment, four named databases:
+One LMDB environment, five named databases:
 
 - ``chunks``: key (utf-8) -> IndexEntry (segment id, offset, value length, checksum,
   expiry). An entry is written only after its record's bytes were fsynced.
 - ``segments``: segment id (u32 big-endian, so keys sort by id) -> SegmentInfo (state,
   committed end, live record bytes, live value bytes, live record count).
 - ``meta``: the MetaStore records (session manifests, reference counts).
-- ``state``: counters: next segment id, total live value bytes, total live items.
+- ``metarec``: meta key -> IndexEntry of the segment record that logs its latest write
+  (or deletion); these records count as live bytes of their segment, so compaction
+  copies them, but not in the tier's used bytes or items.
+- ``state``: counters: next segment id, total live value bytes, total live items, the
+  highest metadata log sequence number.
+
+The environment is a cache of the segments: ``repair`` rebuilds it from them. Opening
+it checks it first (``index_check``); damage raises ``IndexCorrupt`` naming the repair.
 
 Every change to ``chunks`` updates the accounting in ``segments`` and ``state`` inside
 the same write transaction, so the figures are exact and visible to every process that
@@ -29,7 +36,9 @@ from typing import NamedTuple
 import lmdb
 
 from kvstore.errors import Busy
+from kvstore.tiers.disk import index_check
 from kvstore.tiers.disk.fs import OS, FileSystem
+from kvstore.tiers.disk.index_check import index_corrupt
 from kvstore.tiers.disk.segments import record_size
 
 log = logging.getLogger(__name__)
@@ -40,6 +49,7 @@ _U64 = struct.Struct("<Q")
 _SEG_KEY = struct.Struct(">I")
 _NEXT_SEG, _USED, _ITEMS = b"next_segment", b"used_bytes", b"items"
 _EPOCH = b"segment_epoch"  # bumped whenever a segment is forgotten
+_LSN = b"meta_lsn"  # highest log sequence number of a metadata record committed
 
 
 class SegState(enum.IntEnum):
@@ -108,6 +118,8 @@ class DeleteOp(NamedTuple):
 
 class MetaOp(NamedTuple):
     writes: dict[bytes, bytes | None]
+    records: dict[bytes, IndexEntry] | None = None  # the segment records logging them
+    lsn: int = 0  # their highest log sequence number
 
 
 class EndOp(NamedTuple):
@@ -136,16 +148,20 @@ class _Accounts:
             self.segments[seg_id] = None if raw is None else SegmentInfo.unpack(seg_id, raw)
         return self.segments[seg_id]
 
-    def count(self, key: bytes, entry: IndexEntry, sign: int) -> None:
+    def count(self, key: bytes, entry: IndexEntry, sign: int, totals: bool = True) -> None:
+        """``totals`` False: a metadata record, live bytes of its segment but no part of
+        the tier's value bytes or items."""
         info = self.segment(entry.seg_id)
         if info is None:
             log.error("index entry %r names unknown segment %d", key, entry.seg_id)
         else:
             info.live_bytes += sign * record_size(len(key), entry.value_len)
-            info.live_value_bytes += sign * entry.value_len
             info.live_records += sign
-        self.used += sign * entry.value_len
-        self.items += sign
+        if totals:
+            if info is not None:
+                info.live_value_bytes += sign * entry.value_len
+            self.used += sign * entry.value_len
+            self.items += sign
 
     def save(self) -> None:
         for seg_id, info in self.segments.items():
@@ -166,29 +182,43 @@ _OPEN: set[str] = set()  # LMDB forbids opening one environment twice in a proce
 
 
 class DiskIndex:
-    def __init__(self, path: Path, *, map_size: int, fs: FileSystem = OS) -> None:
+    def __init__(self, path: Path, *, map_size: int, check: bool = False,
+                 report_as: Path | None = None, fs: FileSystem = OS) -> None:
+        """``check``: walk the environment in a child process first (an mdb.c assertion
+        aborts the process that meets it); any damage found raises ``IndexCorrupt``
+        naming ``report_as`` (default ``path``)."""
         path.mkdir(parents=True, exist_ok=True)
         self.fs = fs  # hears of every commit (``write``)
         self._name = str(path.resolve())
         if self._name in _OPEN:
             raise Busy(f"the disk index {path} is already open in this process; share "
                        "that DiskTier instead of opening the directory again")
-        # LMDB's safe mode, on which the tier's durability rests: sync=True (a commit
-        # fsyncs the data pages before it returns), metasync=True (and the meta page
-        # after them), writemap=False (pages reach the file by pwrite, never through a
-        # writable map a stray store could dirty) and map_async=False. A crash at any
-        # point then leaves exactly the last committed transaction, which is what "the
-        # index never names bytes that were not fsynced" rests on.
-        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=4, subdir=True,
+        if check and (reason := index_check.problem(path)):
+            raise index_corrupt(report_as or path, reason)
+        try:
+            self._open(path, map_size)
+        except (lmdb.Error, struct.error, ValueError) as exc:
+            if hasattr(self, "env"):
+                self.env.close()
+            raise index_corrupt(report_as or path, f"{type(exc).__name__}: {exc}") from exc
+        _OPEN.add(self._name)
+
+    def _open(self, path: Path, map_size: int) -> None:
+        # LMDB's safe mode, on which durability rests: sync=True (a commit fsyncs the data
+        # pages), metasync=True (then the meta page), writemap=False (pages reach the file
+        # by pwrite, never through a writable map) and map_async=False. A crash then leaves
+        # exactly the last committed transaction, which names only fsynced bytes.
+        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=5, subdir=True,
                              sync=True, metasync=True, writemap=False, map_async=False)
         with self.write() as txn:
             self.chunks = self.env.open_db(b"chunks", txn=txn)
             self.segments = self.env.open_db(b"segments", txn=txn)
             self.meta = self.env.open_db(b"meta", txn=txn)
+            self.metarec = self.env.open_db(b"metarec", txn=txn)
             self.state = self.env.open_db(b"state", txn=txn)
-            for name in (_NEXT_SEG, _USED, _ITEMS, _EPOCH):
+            for name in (_NEXT_SEG, _USED, _ITEMS, _EPOCH, _LSN):
                 txn.put(name, _U64.pack(0), db=self.state, overwrite=False)
-        _OPEN.add(self._name)
+                _U64.unpack(txn.get(name, db=self.state))  # struct.error when damaged
 
     def close(self) -> None:
         self.env.close()
@@ -212,6 +242,21 @@ class DiskIndex:
         """(live value bytes, live items) as last committed by any process."""
         with self.env.begin(db=self.state) as txn:
             return _U64.unpack(txn.get(_USED))[0], _U64.unpack(txn.get(_ITEMS))[0]
+
+    def next_segment(self) -> int:
+        """The id the next registered segment gets, less one: no segment file may be
+        named above it."""
+        with self.env.begin(db=self.state) as txn:
+            return _U64.unpack(txn.get(_NEXT_SEG))[0]
+
+    def meta_lsn(self) -> int:
+        with self.env.begin(db=self.state) as txn:
+            return _U64.unpack(txn.get(_LSN))[0]
+
+    def meta_records(self) -> list[tuple[bytes, IndexEntry]]:
+        """Every meta key with the entry of its logging record (or tombstone)."""
+        with self.env.begin(db=self.metarec) as txn:
+            return [(bytes(k), IndexEntry.unpack(v)) for k, v in txn.cursor()]
 
     def segment_epoch(self) -> int:
         """Changes whenever any process forgets a segment: a cue to drop its handles."""
@@ -254,6 +299,14 @@ class DiskIndex:
                     out[entry.seg_id].append((key, entry))
         for entries in out.values():
             entries.sort(key=lambda item: item[1].offset)
+        return out
+
+    def live_meta_records(self, seg_ids: set[int]) -> dict[int, list[tuple[bytes, IndexEntry]]]:
+        """``live_entries`` for the metadata records (``metarec``)."""
+        out: dict[int, list[tuple[bytes, IndexEntry]]] = {seg_id: [] for seg_id in seg_ids}
+        for key, entry in self.meta_records():
+            if entry.seg_id in out:
+                out[entry.seg_id].append((key, entry))
         return out
 
     def meta_get(self, key: bytes) -> bytes | None:
@@ -309,7 +362,26 @@ class DiskIndex:
                             txn.delete(key, db=self.meta)
                         else:
                             txn.put(key, value, db=self.meta)
+                    self._log_meta(txn, accounts, op)
             accounts.save()
+
+    def _log_meta(self, txn: lmdb.Transaction, accounts: _Accounts, op: MetaOp) -> None:
+        for key, entry in (op.records or {}).items():
+            old = txn.get(key, db=self.metarec)
+            if old is not None:
+                accounts.count(key, IndexEntry.unpack(old), -1, totals=False)
+            txn.put(key, entry.pack(), db=self.metarec)
+            accounts.count(key, entry, +1, totals=False)
+            self._extend(accounts, entry.seg_id,
+                         entry.offset + record_size(len(key), entry.value_len))
+        if op.lsn > _U64.unpack(txn.get(_LSN, db=self.state))[0]:
+            txn.put(_LSN, _U64.pack(op.lsn), db=self.state)
+
+    def install(self, next_segment: int, lsn: int) -> None:
+        """Set the counters a repair derived from the segments it found."""
+        with self.write(self.state) as txn:
+            txn.put(_NEXT_SEG, _U64.pack(next_segment))
+            txn.put(_LSN, _U64.pack(lsn))
 
     @staticmethod
     def _extend(accounts: _Accounts, seg_id: int, end: int) -> SegmentInfo | None:
@@ -334,9 +406,12 @@ class DiskIndex:
             return True
 
     def switch(self, moves: list[tuple[bytes, IndexEntry, IndexEntry]],
-               built: dict[int, int], sources: Iterable[int]) -> SwitchOutcome:
-        """Point moved entries at their copies, seal the ``built`` segments (id -> end),
-        and forget each source segment no entry names any more: one transaction.
+               built: dict[int, int], sources: Iterable[int],
+               meta_moves: Iterable[tuple[bytes, IndexEntry, IndexEntry]] = ()
+               ) -> SwitchOutcome:
+        """Point moved entries (chunks, and ``meta_moves`` of ``metarec``) at their
+        copies, seal the ``built`` segments (id -> end), and forget each source segment
+        no entry names any more: one transaction.
 
         A move applies only if the entry still equals the old one (compare and swap),
         so a writer's newer put or delete of the key always wins.
@@ -354,6 +429,11 @@ class DiskIndex:
                     txn.put(key, new.pack(), db=self.chunks)
                     accounts.count(key, new, +1)
                     moved += 1
+            for key, old, new in meta_moves:
+                if txn.get(key, db=self.metarec) == old.pack():
+                    accounts.count(key, old, -1, totals=False)
+                    txn.put(key, new.pack(), db=self.metarec)
+                    accounts.count(key, new, +1, totals=False)
             emptied = []
             for seg_id in sources:
                 info = accounts.segment(seg_id)
@@ -400,6 +480,19 @@ class DiskIndex:
                 items += 1
             for key in dropped:
                 txn.delete(key, db=self.chunks)
+            for key, raw in list(txn.cursor(db=self.metarec)):
+                entry = IndexEntry.unpack(raw)
+                if entry.seg_id not in sizes:
+                    sizes[entry.seg_id] = file_size(entry.seg_id)
+                info, size = infos.get(entry.seg_id), sizes[entry.seg_id]
+                end = entry.offset + record_size(len(key), entry.value_len)
+                if info is None or size is None or end > min(size, info.file_bytes):
+                    log.error("the record logging meta key %r is gone; repair could not "
+                              "rebuild it", key)
+                    txn.delete(key, db=self.metarec)
+                    continue
+                info.live_bytes += record_size(len(key), entry.value_len)
+                info.live_records += 1
             for seg_id, info in infos.items():
                 txn.put(_SEG_KEY.pack(seg_id), info.pack(), db=self.segments)
             txn.put(_USED, _U64.pack(used), db=self.state)

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvstore.errors import IndexCorrupt
+
 _CHILD = r"""
 import struct, sys
 import lmdb
@@ -75,3 +77,9 @@ def problem(path: Path, *, timeout_s: float = 600.0) -> str | None:
         return f"reading it aborted with signal {-done.returncode}" + (
             f": {detail}" if detail else "")
     return detail or f"its check exited {done.returncode}"
+
+
+def index_corrupt(path: Path, reason: str) -> IndexCorrupt:
+    """The error naming the repair (start-up prints it to the operator, who needs the path)."""
+    return IndexCorrupt(f"the disk index in {path} is corrupt ({reason}): run "
+                        f"`kvtier repair --data-dir {path}`")

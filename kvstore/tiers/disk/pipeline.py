@@ -24,7 +24,7 @@ import lmdb
 
 from kvstore.errors import TierFull
 from kvstore.tiers.disk.fs import fsync_path
-from kvstore.tiers.disk.index import DeleteOp, DiskIndex, IndexEntry, IndexOp, PutOp
+from kvstore.tiers.disk.index import DeleteOp, DiskIndex, IndexEntry, IndexOp, MetaOp, PutOp
 from kvstore.tiers.disk.log import storage_error
 from kvstore.tiers.disk.segments import segment_path
 
@@ -127,6 +127,8 @@ class CommitPipeline:
         if not batch:
             return
         segments = {o.op.entry.seg_id for o in batch if isinstance(o.op, PutOp)}
+        segments.update(entry.seg_id for o in batch if isinstance(o.op, MetaOp)
+                        for entry in (o.op.records or {}).values())
         where = "disk tier"
         try:
             if segments:

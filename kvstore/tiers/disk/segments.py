@@ -10,10 +10,17 @@ value. ``checksum`` is xxh3_64 of everything after it (key_len .. end of value),
 hash over one contiguous slice verifies the lengths, the key and the value together.
 The key is stored so a record can be checked against the index entry that names it and
 so compaction can copy records without consulting anything else.
+
+``flags`` tells chunk records (0) from metadata records (``META``): every committed
+MetaStore write but the reference counts (derived from the manifests) is also logged as
+a record, its value a u64 log sequence number then the value bytes, a deletion as a
+``META | TOMBSTONE`` record with no value bytes. The segments are thus the log of record
+and the LMDB index a cache of them, which ``repair`` rebuilds from them.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +40,8 @@ _LENGTHS = struct.Struct("<HHI")
 MAX_KEY_BYTES = 511
 MAX_VALUE_BYTES = 2**32 - 1
 SEGMENT_SUFFIX = ".seg"
+META = 1  # record flag: a MetaStore write (see the module docstring)
+TOMBSTONE = 2  # with META: the key was deleted
 
 
 def key_bytes(key: object) -> bytes:
@@ -66,17 +75,17 @@ def record_size(key_len: int, value_len: int) -> int:
     return HEADER_SIZE + key_len + value_len
 
 
-def record_checksum(key: bytes, value: memoryview) -> int:
-    hasher = xxhash.xxh3_64(_LENGTHS.pack(len(key), 0, value.nbytes))
+def record_checksum(key: bytes, value: memoryview, flags: int = 0) -> int:
+    hasher = xxhash.xxh3_64(_LENGTHS.pack(len(key), flags, value.nbytes))
     hasher.update(key)
     hasher.update(value)
     return hasher.intdigest()
 
 
-def encode_header(key: bytes, value: memoryview) -> tuple[bytes, int]:
+def encode_header(key: bytes, value: memoryview, flags: int = 0) -> tuple[bytes, int]:
     """The header for a record of ``key`` and ``value`` and its checksum."""
-    checksum = record_checksum(key, value)
-    return HEADER.pack(MAGIC, checksum, len(key), 0, value.nbytes), checksum
+    checksum = record_checksum(key, value, flags)
+    return HEADER.pack(MAGIC, checksum, len(key), flags, value.nbytes), checksum
 
 
 def check_record(record: memoryview, key: bytes, value_len: int, checksum: int,
@@ -113,6 +122,7 @@ class ScannedRecord:
     offset: int
     value_len: int
     checksum: int
+    flags: int = 0
 
     @property
     def end(self) -> int:
@@ -132,7 +142,7 @@ def scan_records(fs: FileSystem, fd: int, start: int, end: int
         header = memoryview(bytearray(HEADER_SIZE))
         if fs.read(fd, header, position) != HEADER_SIZE:
             break
-        magic, checksum, key_len, _flags, value_len = HEADER.unpack(header)
+        magic, checksum, key_len, flags, value_len = HEADER.unpack(header)
         size = record_size(key_len, value_len)
         if magic != MAGIC or position + size > end:
             break
@@ -141,9 +151,21 @@ def scan_records(fs: FileSystem, fd: int, start: int, end: int
                 or xxhash.xxh3_64_intdigest(record[_HASHED_FROM:]) != checksum):
             break
         key = bytes(record[HEADER_SIZE:HEADER_SIZE + key_len])
-        records.append(ScannedRecord(key, position, value_len, checksum))
+        records.append(ScannedRecord(key, position, value_len, checksum, flags))
         position += size
     return records, position
+
+
+def starts_with_record(fs: FileSystem, path: Path) -> bool:
+    """Whether the file begins with a whole, checksum-valid record."""
+    try:
+        fd = fs.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        return bool(scan_records(fs, fd, 0, fs.size(path) or 0)[0])
+    finally:
+        fs.close(fd)
 
 
 def segment_path(directory: Path, seg_id: int) -> Path:

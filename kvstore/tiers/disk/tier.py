@@ -41,6 +41,7 @@ from typing import ClassVar
 from kvstore.compaction import disk_rewrite
 from kvstore.errors import ChunkCorrupt, ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
 from kvstore.tiers.base import Buffer, Tier
+from kvstore.tiers.disk import metalog
 from kvstore.tiers.disk.fs import OS, FileSystem
 from kvstore.tiers.disk.index import (
     DeleteOp,
@@ -52,17 +53,22 @@ from kvstore.tiers.disk.index import (
     SegmentInfo,
     SegState,
 )
+from kvstore.tiers.disk.index_check import index_corrupt
 from kvstore.tiers.disk.lock import COMPACT_LOCK, WRITER_LOCK, DirLock
 from kvstore.tiers.disk.log import SegmentAppender, storage_error
 from kvstore.tiers.disk.meta import DiskMetaStore, encode_writes
+from kvstore.tiers.disk.metalog import SequenceClock
 from kvstore.tiers.disk.pipeline import CommitPipeline
 from kvstore.tiers.disk.reader import SegmentFiles, SegmentGone
+from kvstore.tiers.disk.reclaim import Reclaimer
 from kvstore.tiers.disk.recovery import RecoveryReport, recover
 from kvstore.tiers.disk.segments import (
     check_record,
     encode_header,
     key_bytes,
     record_size,
+    segment_files,
+    starts_with_record,
     value_view,
 )
 
@@ -78,8 +84,11 @@ class DiskTier(Tier):
     def __init__(self, path: str | Path, capacity_bytes: int, *, segment_bytes: int = 64 * MiB,
                  durable: bool = True, writer: bool = True, map_size: int = 64 << 30,
                  commit_interval_s: float = 0.002, max_pending_bytes: int = 256 * MiB,
-                 clock: Callable[[], float] = time.time, fs: FileSystem = OS) -> None:
-        """``fs``: the seam every segment-file call goes through (``fs.py``)."""
+                 clock: Callable[[], float] = time.time, fs: FileSystem = OS,
+                 reclaim_dead_fraction: float = 1.0, reclaim_interval_s: float = 5.0) -> None:
+        """``fs``: the seam every segment-file call goes through (``fs.py``);
+        ``reclaim_dead_fraction`` (below 1: on): the writer rewrites sealed segments at
+        least that dead itself, at most once per ``reclaim_interval_s`` (``reclaim.py``)."""
         super().__init__(capacity_bytes)
         self.clock = clock  # wall-clock seconds that TTLs are set and judged by
         if segment_bytes <= 0:
@@ -96,8 +105,10 @@ class DiskTier(Tier):
         if writer:
             self.writer_lock.acquire()
         try:
-            self.index = DiskIndex(self.path / "index", map_size=map_size, fs=fs)
+            self.index = DiskIndex(self.path / "index", map_size=map_size, fs=fs,
+                                   check=writer, report_as=self.path)
             if writer:
+                self._check_names_segments()
                 self.recovery = recover(self.index, self.segment_dir, self.compact_lock)
         except BaseException:
             if hasattr(self, "index"):
@@ -114,7 +125,20 @@ class DiskTier(Tier):
         self._resume = self.recovery.active if self.recovery else None
         self._append_lock = asyncio.Lock()
         self._epoch = self.index.segment_epoch()
+        self._lsn = SequenceClock(self.index.meta_lsn())
+        self.reclaimer = Reclaimer(self, reclaim_dead_fraction if writer else 1.0,
+                                   reclaim_interval_s)
         self._closed = False
+
+    def _check_names_segments(self) -> None:
+        """A segment file holding records under an id the index never gave out means
+        the index is not this directory's (lost, replaced, rolled back): recovery would
+        remove every segment it does not name, so refuse and name the repair instead."""
+        issued = self.index.next_segment()
+        for seg_id, path in segment_files(self.fs, self.segment_dir):
+            if seg_id > issued and starts_with_record(self.fs, path):
+                raise index_corrupt(self.path, f"segment {seg_id} holds records but the "
+                                   f"index has given out segment ids up to {issued} only")
 
     @classmethod
     def writer_is_live(cls, path: str | Path) -> bool:
@@ -178,6 +202,8 @@ class DiskTier(Tier):
             op = self.pipeline.enqueue(PutOp(kb, entry), kb, delta, int(old is None),
                                        view.nbytes, self._wants_ack(durable))
         await self.pipeline.settle(op)
+        if old is not None:
+            self.reclaimer.poke()
 
     async def put_many(self, items: Iterable[tuple[str, Buffer]], *,
                        meta: dict[str, bytes | None] | None = None,
@@ -185,7 +211,6 @@ class DiskTier(Tier):
         """Put every item and apply ``meta`` in one index transaction: all or none."""
         prepared = [(kb, view, *encode_header(kb, view))
                     for kb, view in ((key_bytes(k), value_view(v)) for k, v in items)]
-        meta_op = MetaOp(encode_writes(meta)) if meta else None
         expires = _expiry(ttl_s, self.clock())
         async with self._append_lock:
             self._check_writable()
@@ -213,8 +238,8 @@ class DiskTier(Tier):
                     if isinstance(args[0], EndOp):
                         self.pipeline.enqueue(*args)
                 raise
-            if meta_op is not None:
-                ready.append((meta_op,))
+            if meta:
+                ready += await self._logged_meta(meta)
             if not ready:
                 return
             ops = [self.pipeline.enqueue(*args) for args in ready[:-1]]
@@ -224,11 +249,54 @@ class DiskTier(Tier):
     async def commit_with_meta(self, writes: dict[str, bytes | None]) -> None:
         """Durably apply metadata writes, in order after every put accepted before this
         call: the same transaction as still-pending ones, or a later one."""
-        op = MetaOp(encode_writes(writes))
         async with self._append_lock:
             self._check_open()
-            queued = self.pipeline.enqueue(op, future=True)
+            ready = await self._logged_meta(writes)
+            for args in ready[:-1]:
+                self.pipeline.enqueue(*args)
+            queued = self.pipeline.enqueue(*ready[-1], future=True)
         await self.pipeline.settle(queued)
+        if any(value is None for value in writes.values()):
+            self.reclaimer.poke()
+
+    async def _logged_meta(self, writes: dict[str, bytes | None]) -> list[tuple]:
+        """Enqueue arguments applying ``writes`` with the segment records that log them
+        (``metalog.py``), the MetaOp last. The writer appends them to its active
+        segment; an attached tier (no appender) to a segment of its own, sealed by the
+        same commit. Call holding the append lock."""
+        encoded = encode_writes(writes)
+        lsn = self._lsn.next()
+        logged = list(metalog.records(encoded, lsn))
+        if self._appender is None and logged:
+            return await self._logged_aside(encoded, logged, lsn)
+        entries: dict[bytes, IndexEntry] = {}
+        ready: list[tuple] = []
+        try:
+            for key, parts, value_len, checksum in logged:
+                entries[key] = await self._append(key, parts, value_len, checksum, 0)
+                ready += self._seals()
+        except BaseException:
+            for args in ready + self._seals():
+                self.pipeline.enqueue(*args)
+            raise
+        return [*ready, (MetaOp(encoded, entries, lsn),)]
+
+    async def _logged_aside(self, encoded: dict[bytes, bytes | None], logged: list,
+                            lsn: int) -> list[tuple]:
+        appender = SegmentAppender(self.index, self.segment_dir, self.segment_bytes,
+                                   SegState.BUILDING)
+        entries: dict[bytes, IndexEntry] = {}
+        try:
+            for key, parts, value_len, checksum in logged:
+                seg_id, offset = await appender.append(parts, record_size(len(key), value_len))
+                entries[key] = IndexEntry(seg_id, offset, value_len, checksum, 0)
+            built = await appender.finish()
+        except BaseException:
+            await appender.close()
+            await asyncio.to_thread(disk_rewrite.discard, self, appender)
+            raise
+        seals = [(EndOp(seg_id, end, True),) for seg_id, end in built.items()]
+        return [*seals, (MetaOp(encoded, entries, lsn),)]
 
     async def get(self, key: str) -> Buffer:
         """The value as a read-only view, after verifying its record checksum."""
@@ -278,6 +346,7 @@ class DiskTier(Tier):
                 return 0
             op = self.pipeline.enqueue(DeleteOp(kb), kb, -old, -1, 0, self._wants_ack(durable))
         await self.pipeline.settle(op)
+        self.reclaimer.poke()
         return old
 
     async def contains(self, key: str) -> bool:
@@ -324,6 +393,7 @@ class DiskTier(Tier):
             log.error("disk tier %s: closing with lost buffered writes: %s", self.path, exc)
         finally:
             self._closed = True
+            self.reclaimer.cancel()
             self.pipeline.cancel()
             if self._appender is not None:
                 await self._appender.close()
