@@ -137,6 +137,10 @@ class PermissionDenied(KVTierError):
     """The caller may not use what it named (a dedupe domain not configured for it)."""
 
 
+class Unauthenticated(KVTierError):
+    """The call carried no credential the server accepts (missing, unknown or expired)."""
+
+
 class Busy(KVTierError):
     """An exclusive operation (such as compaction) already holds the resource."""
 
@@ -160,6 +164,7 @@ STATUS_NAMES: tuple[tuple[type[KVTierError], str], ...] = (
     (TierFull, "RESOURCE_EXHAUSTED"),
     (StaleGeneration, "FAILED_PRECONDITION"),
     (PermissionDenied, "PERMISSION_DENIED"),
+    (Unauthenticated, "UNAUTHENTICATED"),
     (PreconditionFailed, "FAILED_PRECONDITION"),
     (DataLoss, "DATA_LOSS"),
     (CodecError, "DATA_LOSS"),
@@ -181,6 +186,7 @@ CLASS_FOR_STATUS: dict[str, type[KVTierError]] = {
     "DEADLINE_EXCEEDED": TierUnavailable,
     "ABORTED": Busy,
     "PERMISSION_DENIED": PermissionDenied,
+    "UNAUTHENTICATED": Unauthenticated,
 }
 
 # Every class above by name, as the ERROR_KEY trailer names it.

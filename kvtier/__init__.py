@@ -28,6 +28,7 @@ from kvstore.errors import (
     StaleGeneration,
     TierFull,
     TierUnavailable,
+    Unauthenticated,
     UnknownLayout,
     UnsupportedVersion,
 )
@@ -60,6 +61,7 @@ __all__ += [
     "StaleGeneration",
     "TierFull",
     "TierUnavailable",
+    "Unauthenticated",
     "UnknownLayout",
     "UnsupportedVersion",
 ]

@@ -50,6 +50,7 @@ from kvstore.errors import (
     StaleGeneration,
     TierFull,
     TierUnavailable,
+    Unauthenticated,
     UnknownLayout,
     UnsupportedVersion,
     error_for,
@@ -63,7 +64,7 @@ __all__ = [
     "LayoutMismatch", "MissingChunks", "NotFound", "PermissionDenied", "PreconditionFailed",
     "ServerError", "SessionNotFound",
     "SharedMemoryUnavailable", "StaleGeneration", "TierFull", "TierUnavailable",
-    "UnknownLayout", "UnsupportedVersion", "add_servicer", "client_message",
+    "Unauthenticated", "UnknownLayout", "UnsupportedVersion", "add_servicer", "client_message",
     "error_from_rpc", "grpc_errors", "status_for",
 ]
 
