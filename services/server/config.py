@@ -96,6 +96,11 @@ class ServerConfig:
     # Shared dedupe domains: name -> the tenants that may spill into it (e.g. for a public
     # system prompt). Every other chunk dedupes only within its own tenant.
     dedupe_domains: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # Encryption at rest (kvstore.encryption) of the redis, disk and object tiers and the
+    # manifests: a TOML file of [[key]] id, material (base64 of 32 bytes), current; or
+    # one base64 key in KVTIER_ENCRYPTION_KEY. Never shown (summary, repr, logs).
+    encryption_key_file: str = ""
+    encryption_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         _check_listen("listen", self.listen)
@@ -159,6 +164,11 @@ class ServerConfig:
         return self.replay
 
     @property
+    def encrypts(self) -> bool:
+        """Whether values leaving the process are sealed (``kvstore.encryption``)."""
+        return bool(self.encryption_key_file or self.encryption_key)
+
+    @property
     def port(self) -> int:
         return int(self.listen.rpartition(":")[2])
 
@@ -176,6 +186,8 @@ class ServerConfig:
         out["data_dir"] = str(self.data_dir)
         out["dedupe_domains"] = {k: list(v) for k, v in self.dedupe_domains.items()}
         out["replay_workers"] = list(self.replay_workers)
+        if self.encryption_key:
+            out["encryption_key"] = "<secret>"
         return out
 
 

@@ -4,6 +4,10 @@ Tiers, highest first: hbm, host, redis, disk, object; a zero capacity (or no Red
 leaves one out. The disk tier's LMDB environment also holds the session manifests and
 reference counts, so a server with a disk tier keeps every acknowledged session across
 restarts; without one the metadata lives in memory and durable acks are refused.
+
+With an encryption key configured (``encryption_key_file`` or ``KVTIER_ENCRYPTION_KEY``)
+the redis, disk and object tiers and the disk MetaStore's manifests are sealed
+(``kvstore.tiers.sealed``); hbm and host never leave the process and stay in clear.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import logging
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvstore.errors import Busy, InvalidRequest
 from kvstore.manager import MANAGER_PRESETS, TierManager
@@ -22,6 +27,10 @@ from kvstore.tiers.base import MemoryMetaStore, MetaStore, Tier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
 from services.server.config import ServerConfig
+
+if TYPE_CHECKING:  # cryptography is imported only by a server that encrypts
+    from kvstore.encryption import Keyring
+    from kvstore.tiers.sealed import BlockDomains
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +41,21 @@ def _preset(presets: dict, name: str, key: str):
     return presets[name]
 
 
-def build_tiers(config: ServerConfig, tiers: list[Tier]) -> MetaStore:
+def build_tiers(config: ServerConfig, tiers: list[Tier],
+                keyring: Keyring | None = None, domains: BlockDomains | None = None
+                ) -> MetaStore:
     """Append the configured tiers to ``tiers`` (so a caller can close what was built if
-    a later one fails) and return the MetaStore."""
+    a later one fails) and return the MetaStore; with ``keyring``, the tiers that leave
+    the process and the MetaStore seal what they store (``domains``: the blocks' domains)."""
     meta: MetaStore | None = None
+
+    def outside(tier: Tier) -> Tier:
+        if keyring is None:
+            return tier
+        from kvstore.tiers.sealed import EncryptedTier
+
+        return EncryptedTier(tier, keyring, domains)
+
     if config.hbm_bytes:
         tiers.append(HBMTier(config.hbm_bytes))
     if config.host_bytes:
@@ -46,7 +66,7 @@ def build_tiers(config: ServerConfig, tiers: list[Tier]) -> MetaStore:
         redis_config = _preset(REDIS_PRESETS, config.redis_preset, "redis_preset")
         if config.redis_prefix != redis_config.prefix:
             redis_config = dataclasses.replace(redis_config, prefix=config.redis_prefix)
-        tiers.append(RedisTier(config.redis_url, config.redis_bytes, redis_config))
+        tiers.append(outside(RedisTier(config.redis_url, config.redis_bytes, redis_config)))
     if config.disk_bytes:
         from kvstore.tiers.disk import DiskTier
 
@@ -54,17 +74,22 @@ def build_tiers(config: ServerConfig, tiers: list[Tier]) -> MetaStore:
                         segment_bytes=config.disk_segment_bytes,
                         reclaim_dead_fraction=config.disk_reclaim_dead_fraction,
                         reclaim_interval_s=config.disk_reclaim_interval_s)
-        tiers.append(disk)
+        tiers.append(outside(disk))
         meta = disk.meta
+        if keyring is not None:
+            from kvstore.tiers.sealed import SealedMetaStore
+
+            meta = SealedMetaStore(disk.meta, keyring)
     if config.object_bytes:
         from kvstore.tiers.object import ObjectTier, ObjectTierConfig
 
-        level = config.object_compression_level
-        tiers.append(ObjectTier(config.object_url, config.object_bytes, ObjectTierConfig(
+        # sealed values are random bytes: zstd would only cost time
+        level = config.object_compression_level if keyring is None else -1
+        tiers.append(outside(ObjectTier(config.object_url, config.object_bytes, ObjectTierConfig(
             compression_level=None if level < 0 else level,
             endpoint_url=config.s3_endpoint or None,
             region_name=config.s3_region or None,
-        )))
+        ))))
     return meta if meta is not None else MemoryMetaStore()
 
 
@@ -111,13 +136,28 @@ async def open_manager(config: ServerConfig) -> TierManager:
     prepare_data_dir(config.data_dir)
     if config.s3_bucket and config.object_bytes:
         await asyncio.to_thread(check_bucket, config)
+    keyring = domains = None
+    if config.encrypts:
+        from kvstore.encryption import load_keyring
+        from kvstore.tiers.sealed import BlockDomains
+
+        keyring = load_keyring(config.encryption_key_file, config.encryption_key)
+        domains = BlockDomains()
     tiers: list[Tier] = []
     try:
-        meta = build_tiers(config, tiers)
+        meta = build_tiers(config, tiers, keyring, domains)
         log.info("tiers: %s", ", ".join(f"{t.name} ({t.capacity_bytes} B)" for t in tiers))
+        if keyring is not None:
+            log.info("encryption at rest: on (key ids %s, current %s)", keyring.key_ids,
+                     keyring.current)
         policy = HintPolicy if config.eviction == "hint" else LRUPolicy
-        return await TierManager.open(tiers, meta, policy=policy, config=_preset(
-            MANAGER_PRESETS, config.manager_preset, "manager_preset"))
+        options = {"policy": policy, "config": _preset(
+            MANAGER_PRESETS, config.manager_preset, "manager_preset")}
+        if keyring is None:
+            return await TierManager.open(tiers, meta, **options)
+        from kvstore.sealed_manager import SealingTierManager
+
+        return await SealingTierManager.open(tiers, meta, domains=domains, **options)
     except BaseException as exc:
         for tier in tiers:
             await tier.close()
