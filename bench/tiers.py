@@ -10,6 +10,11 @@ size, next to ``raw_put_gbps`` / ``raw_get_gbps`` of the bare medium in the same
 - object-local: plain file write + fsync per value into its own file, and plain reads;
 - object-s3: plain ``put_object`` / ``get_object`` with boto3 against the same server.
 
+For redis and disk it also reports the tier sealed (``kvstore.tiers.sealed``, AES-256-GCM
+encryption at rest) against the same tier in clear, interleaved in the same run:
+``sealed_put_gbps`` / ``sealed_get_gbps`` and the ratios ``sealed_put_vs_clear`` /
+``sealed_get_vs_clear`` (1.0: encryption costs nothing).
+
 Calls are sequential (one in flight), as the raw figures are. It starts its own
 redis-server and an in-process moto S3 server on loopback ports. The memory tiers'
 ``get`` hands out a read-only view of the stored bytes (no copy) on the CPU, so their
@@ -37,7 +42,7 @@ from kvstore.tiers.base import Tier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.object import ObjectTier, ObjectTierConfig
-from kvstore.tiers.redis import RedisTier
+from kvstore.tiers.redis import RedisTier, RedisTierConfig
 
 S3_CREDENTIALS = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench",
                   "region_name": "us-east-1"}
@@ -183,6 +188,17 @@ def _start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("redis-server did not start")
 
 
+def _sealed(inner: Tier, count: int) -> Tier:
+    """``inner`` sealed with a throwaway key, the bench keys claimed for one tenant."""
+    from kvstore.encryption import Keyring, MasterKey
+    from kvstore.tiers.sealed import BlockDomain, BlockDomains, EncryptedTier
+
+    domains = BlockDomains()
+    for i in range(count):
+        domains.claim(f"bench-{i}", BlockDomain("tenant:bench", 0))
+    return EncryptedTier(inner, Keyring([MasterKey("bench", os.urandom(32))]), domains)
+
+
 def _row(name: str, count: int, size: int, tier_s: tuple[float, float],
          raw_s: tuple[float, float], **extra: object) -> dict:
     total = count * size
@@ -201,8 +217,16 @@ async def run(size: int, count: int, repeats: int, workdir: Path) -> list[dict]:
     rows = []
 
     async def measure(name: str, tier: Tier, raw: tuple[Op, Op], some: list[bytes],
-                      **extra: object) -> None:
+                      sealed: Tier | None = None, **extra: object) -> None:
         tier_s, raw_s = await _compare(_tier_ops(tier, some), raw, repeats)
+        if sealed is not None:  # a ratio from the same run: the two interleaved
+            (put_s, get_s), (clear_put_s, clear_get_s) = await _compare(
+                _tier_ops(sealed, some), _tier_ops(tier, some), repeats)
+            total = len(some) * size
+            extra.update(sealed_put_gbps=total / put_s / 1e9, sealed_get_gbps=total / get_s / 1e9,
+                         sealed_put_vs_clear=clear_put_s / put_s,
+                         sealed_get_vs_clear=clear_get_s / get_s)
+            await sealed.close()
         rows.append(_row(name, len(some), size, tier_s, raw_s, **extra))
         await tier.close()
 
@@ -216,7 +240,9 @@ async def run(size: int, count: int, repeats: int, workdir: Path) -> list[dict]:
         process, url = _start_redis(workdir)
         client = aioredis.Redis.from_url(url)
         try:
-            await measure("redis", RedisTier(url, capacity), _raw_redis(client, values), values)
+            sealed = _sealed(RedisTier(url, capacity, RedisTierConfig(prefix="sealed:")), count)
+            await measure("redis", RedisTier(url, capacity), _raw_redis(client, values), values,
+                          sealed)
         finally:
             await client.aclose()
             process.kill()
@@ -231,7 +257,8 @@ async def run(size: int, count: int, repeats: int, workdir: Path) -> list[dict]:
     else:
         # Durable puts (fsync before the ack) against a plain append + fsync per value.
         await measure("disk", DiskTier(workdir / "disk", capacity),
-                      _raw_files(workdir / "raw-disk", slow, one_file=True), slow)
+                      _raw_files(workdir / "raw-disk", slow, one_file=True), slow,
+                      _sealed(DiskTier(workdir / "sealed-disk", capacity), count))
 
     await measure("object-local", ObjectTier(workdir / "objects", capacity),
                   _raw_files(workdir / "raw-objects", slow, one_file=False), slow)
@@ -275,13 +302,15 @@ def main(argv: list[str] | None = None) -> int:
                           "tiers": {r.pop("tier"): r for r in rows}}, indent=2))
         return 0
     print(f"{'tier':<13} {'n':>4} {'put':>8} {'raw put':>8} {'get':>8} {'raw get':>8} "
-          f"{'get/raw':>8}")
+          f"{'get/raw':>8} {'sealed put/clear':>17} {'get/clear':>9}")
     for r in rows:
         if "skipped" in r:
             print(f"{r['tier']:<13} skipped: {r['skipped']}")
             continue
         print(f"{r['tier']:<13} {r['count']:>4} {r['put_gbps']:>7.2f}G {r['raw_put_gbps']:>7.2f}G "
-              f"{r['get_gbps']:>7.2f}G {r['raw_get_gbps']:>7.2f}G {r['get_vs_raw']:>8.2f}")
+              f"{r['get_gbps']:>7.2f}G {r['raw_get_gbps']:>7.2f}G {r['get_vs_raw']:>8.2f}"
+              + (f" {r['sealed_put_vs_clear']:>17.2f} {r['sealed_get_vs_clear']:>9.2f}"
+                 if "sealed_put_vs_clear" in r else ""))
     return 0
 
 
