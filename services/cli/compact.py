@@ -122,6 +122,10 @@ async def _compact(config, options, server: str | None):
     from kvstore.tiers.disk.lock import WRITER_LOCK, DirLock
 
     disk_dir = config.data_dir / "disk"
+    if config.encrypts:  # its scrub would take every sealed chunk for a corrupt one
+        raise InvalidRequest("kvtier compact does not read encrypted data directories yet "
+                             "(encryption_key_file / KVTIER_ENCRYPTION_KEY is set); the "
+                             "server's own segment reclamation still runs")
     if not (disk_dir / "index").is_dir():
         raise InvalidRequest(f"{config.data_dir} holds no disk tier ({disk_dir}/index is "
                              "missing): nothing to compact")
