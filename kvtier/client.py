@@ -38,6 +38,7 @@ from kvstore.layout import LayoutSpec, get_layout
 from kvstore.policy import ResumeHint
 from kvtier import codec as cc
 from kvtier import shm
+from kvtier.channel import LOOPBACK, Credentials, open_channel
 from kvtier.errors import MissingChunks, SharedMemoryUnavailable, error_from_rpc
 from kvtier.types import RestoredSession, RetryPolicy, SpillResult
 from proto import kvtier_pb2 as pb
@@ -47,7 +48,6 @@ if TYPE_CHECKING:  # a hint only: kvstore.restore imports torch
     from kvstore.restore import LayerSlice
 
 ACKS = {"memory": pb.ACK_MEMORY, "durable": pb.ACK_DURABLE, None: pb.ACK_UNSPECIFIED}
-LOOPBACK = ("localhost", "127.", "[::1]", "unix:", "ipv4:127.", "ipv6:[::1]")
 
 
 async def _stream(messages: list) -> AsyncIterator:
@@ -60,14 +60,18 @@ async def _stream(messages: list) -> AsyncIterator:
 class AsyncClient:
     def __init__(self, target: str = "127.0.0.1:50051", *, shared_memory: bool | None = None,
                  retry: RetryPolicy = RetryPolicy(), timeout_s: float | None = None,
-                 max_message_bytes: int = 64 << 20) -> None:
+                 max_message_bytes: int = 64 << 20, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None,
+                 token: str | None = None) -> None:
+        """``tls_ca``, ``tls_cert`` + ``tls_key``, ``token``: see ``kvtier.channel``."""
         self.target = target
         self.shared_memory = (shm.available() and target.startswith(LOOPBACK)
                               if shared_memory is None else shared_memory)
         self.retry = retry
         self.timeout_s = timeout_s
         self.max_message_bytes = max_message_bytes
-        self._channel = grpc.aio.insecure_channel(target, options=[
+        credentials = Credentials(tls_ca, tls_cert, tls_key, token)
+        self._channel = open_channel(target, credentials, options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
             # Reconnect about as fast as calls are retried (gRPC's default waits 1 s+).

@@ -20,7 +20,7 @@ TOKENS = LAYOUT.chunk_tokens + 20
 
 
 async def test_health_and_reflection(tmp_path):
-    async with running_server(tmp_path) as (_, target), \
+    async with running_server(tmp_path, reflection=True) as (_, target), \
             grpc.aio.insecure_channel(target) as channel:
         check = health_pb2_grpc.HealthStub(channel).Check
         for service in ("", "kvtier.v1.KVTier"):

@@ -7,7 +7,9 @@ preset (``embedded`` by default); the flags below override both. Prints one line
 free port; scripts read it from that line).
 
 A server that cannot start (a bad config, its data directory in use or not a directory,
-its port taken) prints one line naming the cause on stderr and exits with status 2.
+its port taken) prints one line naming the cause on stderr and exits with status 2; so
+does one asked to listen off loopback without TLS and authentication, unless
+``--insecure`` is given (``services.server.tls.exposure_problem``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 from kvstore.errors import KVTierError
 from services.cli.lifecycle import refuse_if_taken, stop_on_signals
 from services.server.config import PRESETS, load_config
+from services.server.tls import INSECURE_FLAG, exposure_problem
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-bytes", help="host RAM tier capacity, e.g. 1GiB")
     parser.add_argument("--disk-bytes", help="disk tier capacity, e.g. 64GiB (0: no disk)")
     parser.add_argument("--replay-workers", help="comma-separated replay worker addresses")
+    parser.add_argument(INSECURE_FLAG, action="store_true",
+                        help="serve a non-loopback address without TLS and authentication "
+                        "(anyone reaching the port may read and delete every session)")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved configuration as JSON and exit")
     parser.add_argument("--log-level", default="INFO")
@@ -57,13 +63,17 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(config.summary(), indent=2))
         return 0
-    host = config.listen.rpartition(":")[0]
+    problem = exposure_problem(config.listen, config.tls, config.authenticates)
+    if problem and not args.insecure:
+        print(f"kvtier serve: {problem}", file=sys.stderr)
+        return 2
     try:
         # Ports first: before the store is opened (and torch imported), and without the
         # line gRPC itself logs when it cannot bind.
         refuse_if_taken(config.listen)
         if config.metrics_port:
-            refuse_if_taken(f"{host}:{config.metrics_port}", "--metrics-port (0: none)")
+            refuse_if_taken(f"{config.metrics_host}:{config.metrics_port}",
+                            "--metrics-port (0: none)")
     except KVTierError as exc:
         print(f"kvtier serve: {exc}", file=sys.stderr)
         return 2

@@ -42,10 +42,10 @@ def make_replay_backend(config: ServerConfig) -> tuple[ReplayBackend | None, str
         return None, "replay is off in this server's config"
     try:
         if mode == "remote":
-            from services.replay.remote import RemoteReplay
+            from services.replay.remote import RemoteReplay, credentials_from
 
-            return RemoteReplay(config.replay_workers,
-                                max_message_bytes=config.max_message_bytes), ""
+            return RemoteReplay(config.replay_workers, max_message_bytes=config.max_message_bytes,
+                                credentials=credentials_from(config)), ""
         if mode == "streams":
             from services.replay.streams import StreamReplay
 

@@ -8,7 +8,9 @@ Same call and result as ``ReplayWorker.rebuild``. Workers are taken in turn; one
 down or too slow (UNAVAILABLE, DEADLINE_EXCEEDED) hands the job to the next, and only when
 every worker failed does the call raise ``TierUnavailable``. Any other failure is the
 worker's verdict on the request and is raised as the ``kvstore.errors`` class it named
-(``kvtier.errors.error_from_rpc``).
+(``kvtier.errors.error_from_rpc``). ``credentials`` (``kvtier.channel``): TLS towards the
+workers and the bearer token of role ``replay`` they check, from the server's
+``replay_tls_*`` and ``replay_token_file`` settings (``credentials_from``).
 """
 
 from __future__ import annotations
@@ -17,17 +19,20 @@ import itertools
 import time
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 
 from kvstore.errors import InvalidRequest, TierUnavailable
 from kvstore.layout import LayoutSpec
+from kvtier.channel import Credentials, open_channel
 from kvtier.errors import error_from_rpc
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from replay.state_codec import Buffer, as_token_array
 from replay.worker import ReplayResult
 from services.replay.server import MAX_MESSAGE_BYTES
+from services.server.config import ServerConfig
 
 RETRY_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -42,15 +47,30 @@ def replay_request(layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer]
                             replay_tokens=replay_tokens or 0, job_id=uuid.uuid4().hex)
 
 
+def credentials_from(config: ServerConfig) -> Credentials:
+    """How this server reaches its replay workers, from its ``replay_tls_*`` settings
+    and the token in ``replay_token_file``."""
+    token = None
+    if config.replay_token_file:
+        try:
+            token = Path(config.replay_token_file).read_text().strip()
+        except OSError as exc:
+            raise InvalidRequest(f"replay_token_file: cannot read {config.replay_token_file}: "
+                                 f"{exc.strerror}") from exc
+    return Credentials(config.replay_tls_ca or None, config.replay_tls_cert or None,
+                       config.replay_tls_key or None, token)
+
+
 class RemoteReplay:
     def __init__(self, addresses: Sequence[str], *, timeout_s: float = 120.0,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 credentials: Credentials = Credentials()) -> None:
         if not addresses:
             raise InvalidRequest("RemoteReplay needs at least one worker address")
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)]
         self.addresses = list(addresses)
-        self._channels = [grpc.aio.insecure_channel(a, options=options) for a in addresses]
+        self._channels = [open_channel(a, credentials, options) for a in addresses]
         self._stubs = [pb_grpc.ReplayStub(c) for c in self._channels]
         self._turn = itertools.cycle(range(len(addresses)))
         self.timeout_s = timeout_s

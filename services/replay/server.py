@@ -9,6 +9,11 @@ group (``services.replay.streams``), so several workers share the resumes of sev
 Errors travel as gRPC statuses with the ``kvtier-error`` trailing metadata naming the
 ``kvstore.errors`` class (``kvtier.errors.grpc_errors``, as in the kvtier server), and
 bytes that are not a ``ReplayRequest`` are INVALID_ARGUMENT (``kvtier.errors.add_servicer``).
+
+Security takes the kvtier server's options as flags: ``--tls-cert``/``--tls-key`` (TLS),
+``--tls-client-ca`` (mTLS), ``--auth-tokens-file``/``--auth-jwt-key`` (then only role
+``replay`` may call Rebuild; ``services.server.auth``), ``--audit-log``. Off loopback the
+worker refuses to start without TLS and authentication unless ``--insecure`` is given.
 """
 
 from __future__ import annotations
@@ -31,10 +36,13 @@ from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from replay.worker import DEFAULT_MAX_BATCH, DEFAULT_REPLAY_TOKENS, ReplayWorker
 from services.cli.lifecycle import refuse_if_taken, stop_on_signals
+from services.server.audit import AuditLog
+from services.server.auth import Authenticator, AuthInterceptor
+from services.server.tls import INSECURE_FLAG, exposure_problem, server_credentials
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["Replay"].full_name
-DEFAULT_LISTEN = "0.0.0.0:50052"
+DEFAULT_LISTEN = "127.0.0.1:50052"
 MAX_MESSAGE_BYTES = 64 << 20
 
 
@@ -65,14 +73,18 @@ class ReplayServicer(pb_grpc.ReplayServicer):
 
 
 async def create_server(addr: str, worker: ReplayWorker, *, name: str | None = None,
-                        max_message_bytes: int = MAX_MESSAGE_BYTES
+                        max_message_bytes: int = MAX_MESSAGE_BYTES,
+                        credentials: grpc.ServerCredentials | None = None,
+                        interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
                         ) -> tuple[grpc.aio.Server, int]:
-    """Bind ``addr`` (port 0: a free one), start, and report SERVING; ``(server, port)``."""
+    """Bind ``addr`` (port 0: a free one; TLS with ``credentials``), start, and report
+    SERVING; ``(server, port)``."""
     server = grpc.aio.server(options=[("grpc.max_send_message_length", max_message_bytes),
                                       ("grpc.max_receive_message_length", max_message_bytes),
-                                      ("grpc.so_reuseport", 0)])
+                                      ("grpc.so_reuseport", 0)], interceptors=interceptors)
     try:
-        port = server.add_insecure_port(addr)
+        port = (server.add_secure_port(addr, credentials) if credentials is not None
+                else server.add_insecure_port(addr))
     except RuntimeError:  # grpcio raises where older releases returned 0
         port = 0
     if not port:
@@ -106,7 +118,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="consumer name, unique per worker (default host:pid)")
     parser.add_argument("--claim-idle-ms", type=int, default=None,
                         help="retry jobs a consumer has held this long without acking")
+    parser.add_argument("--tls-cert", default="", help="serve TLS with this certificate (PEM)")
+    parser.add_argument("--tls-key", default="", help="... and this private key (PEM)")
+    parser.add_argument("--tls-client-ca", default="",
+                        help="require client certificates signed by this CA (mTLS)")
+    parser.add_argument("--auth-tokens-file", default="",
+                        help="TOML tokens file (services.server.auth); only role replay may call")
+    parser.add_argument("--auth-jwt-key", default="",
+                        help="check JWTs with this key (a PEM public key or secret file)")
+    parser.add_argument("--auth-jwt-audience", default="", help="the JWTs' audience")
+    parser.add_argument("--audit-log", default="", help="append audit events (JSON lines) here")
+    parser.add_argument(INSECURE_FLAG, action="store_true",
+                        help="listen off loopback without TLS and authentication")
     parser.add_argument("--log-level", default="INFO")
+
+
+def security(args: argparse.Namespace) -> tuple[grpc.ServerCredentials | None,
+                                                tuple[grpc.aio.ServerInterceptor, ...]]:
+    """The TLS credentials and interceptors the flags ask for (InvalidRequest if they
+    cannot be used)."""
+    if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
+        raise InvalidRequest("--tls-cert and --tls-key go together, and --tls-client-ca "
+                             "needs both")
+    credentials = (server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+                   if args.tls_cert else None)
+    authenticator = Authenticator.from_settings(args.auth_tokens_file, args.auth_jwt_key,
+                                                args.auth_jwt_audience)
+    if authenticator is None and not args.audit_log:
+        return credentials, ()
+    return credentials, (AuthInterceptor(authenticator, AuditLog(args.audit_log)),)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,7 +155,13 @@ def run(args: argparse.Namespace) -> int:
     from model.checkpoint import BUNDLED_WEIGHTS, load
 
     weights = args.weights or BUNDLED_WEIGHTS
+    problem = exposure_problem(args.listen, bool(args.tls_cert),
+                               bool(args.auth_tokens_file or args.auth_jwt_key))
+    if problem and not args.insecure:
+        print(f"kvtier replay-worker: {problem}", file=sys.stderr)
+        return 2
     try:
+        guards = security(args)
         refuse_if_taken(args.listen)  # before the model loads, and without gRPC's log line
         model = load(weights)
         worker = ReplayWorker(model, default_tokens=args.replay_tokens,
@@ -124,15 +170,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvtier replay-worker: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_serve(args, worker))
+        asyncio.run(_serve(args, worker, guards))
     except KVTierError as exc:  # start-up: the port was taken meanwhile
         print(f"kvtier replay-worker: {exc}", file=sys.stderr)
         return 2
     return 0
 
 
-async def _serve(args: argparse.Namespace, worker: ReplayWorker) -> None:
-    server, port = await create_server(args.listen, worker)
+async def _serve(args: argparse.Namespace, worker: ReplayWorker,
+                 guards: tuple[grpc.ServerCredentials | None,
+                               tuple[grpc.aio.ServerInterceptor, ...]]) -> None:
+    credentials, interceptors = guards
+    server, port = await create_server(args.listen, worker, credentials=credentials,
+                                       interceptors=interceptors)
     consumer = consumer_task = None
     if args.redis_url:
         from services.replay.streams import StreamConsumer, StreamNames

@@ -101,6 +101,26 @@ class ServerConfig:
     # one base64 key in KVTIER_ENCRYPTION_KEY. Never shown (summary, repr, logs).
     encryption_key_file: str = ""
     encryption_key: str = field(default="", repr=False)
+    # Security (README "Security"). TLS from PEM files; mTLS when tls_client_ca is set.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""  # client certificates must chain to this CA
+    # Authentication (services.server.auth): a TOML file of [[token]] (sha256, tenant,
+    # role) and [[client_cert]] (cn, tenant, role), reloaded when it changes; and/or JWTs
+    # checked with auth_jwt_key (a PEM public key file, a file holding a shared secret,
+    # or the secret itself) for auth_jwt_audience.
+    auth_tokens_file: str = ""
+    auth_jwt_key: str = ""
+    auth_jwt_audience: str = ""
+    audit_log: str = ""  # JSON lines: auth failures, denials, admin actions, deletes
+    reflection: bool = False  # gRPC server reflection (it lists the services to anyone)
+    metrics_host: str = "127.0.0.1"  # the Prometheus endpoint's address (TLS like gRPC)
+    # How this server reaches replay_workers: their CA, a client certificate for mTLS,
+    # a file holding a bearer token of role "replay".
+    replay_tls_ca: str = ""
+    replay_tls_cert: str = ""
+    replay_tls_key: str = ""
+    replay_token_file: str = ""
 
     def __post_init__(self) -> None:
         _check_listen("listen", self.listen)
@@ -152,6 +172,7 @@ class ServerConfig:
             name: tuple(tenants) for name, tenants in self.dedupe_domains.items()})
         if self.replay_max_batch < 1:
             raise InvalidRequest(f"replay_max_batch must be >= 1, got {self.replay_max_batch}")
+        _check_pairs(self)
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         object.__setattr__(self, "replay_workers", tuple(self.replay_workers))
 
@@ -162,6 +183,15 @@ class ServerConfig:
                 return "remote"
             return "streams" if self.replay_redis_url else "in-process"
         return self.replay
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
+
+    @property
+    def authenticates(self) -> bool:
+        """Whether the tenant of a request comes from its credential."""
+        return bool(self.auth_tokens_file or self.auth_jwt_key)
 
     @property
     def encrypts(self) -> bool:
@@ -188,6 +218,8 @@ class ServerConfig:
         out["replay_workers"] = list(self.replay_workers)
         if self.encryption_key:
             out["encryption_key"] = "<secret>"
+        if self.auth_jwt_key and not Path(self.auth_jwt_key).is_file():
+            out["auth_jwt_key"] = "<secret>"  # a shared secret given inline
         return out
 
 
@@ -197,6 +229,18 @@ def _check_listen(name: str, address: str) -> None:
     _, colon, port = address.rpartition(":")
     if not colon or not port.isdigit() or int(port) > 65535:
         raise InvalidRequest(f"{name} must be HOST:PORT (port 0: a free one), got {address!r}")
+
+
+def _check_pairs(config: ServerConfig) -> None:
+    for cert, key in (("tls_cert", "tls_key"), ("replay_tls_cert", "replay_tls_key")):
+        if bool(getattr(config, cert)) != bool(getattr(config, key)):
+            raise InvalidRequest(f"{cert} and {key} go together: set both or neither")
+    if config.tls_client_ca and not config.tls_cert:
+        raise InvalidRequest("tls_client_ca (mTLS) needs tls_cert and tls_key")
+    if config.auth_jwt_audience and not config.auth_jwt_key:
+        raise InvalidRequest("auth_jwt_audience needs auth_jwt_key")
+    if not config.metrics_host:
+        raise InvalidRequest("metrics_host must name an address, e.g. 127.0.0.1")
 
 
 _DOMAIN = re.compile(r"^[a-z0-9_-]{1,64}$")  # as tenant ids
@@ -246,6 +290,7 @@ PRESETS: dict[str, ServerConfig] = {
     "compose": ServerConfig(
         listen=f"0.0.0.0:{DEFAULT_PORT}", data_dir=Path("/data"),
         redis_url="redis://redis:6379/0", metrics_port=DEFAULT_METRICS_PORT,
+        metrics_host="0.0.0.0",  # scraped from the prometheus container
         replay_workers=(f"replay-worker:{DEFAULT_REPLAY_PORT}",),
     ),
     # Small capacities so a few test sessions reach every tier.
@@ -275,11 +320,23 @@ def parse_size(value: object) -> int:
     return int(float(number) * _UNITS[(unit or "b").lower()])
 
 
+def _flag(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if str(value).strip().lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("not a boolean (true or false)")
+
+
 def _coerce(name: str, value: object) -> object:
     kind = _FIELDS[name].type
     try:
         if name.endswith("_bytes"):
             return parse_size(value)
+        if kind == "bool":
+            return _flag(value)
         if kind == "int":
             return int(value)
         if kind == "float":

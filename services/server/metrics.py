@@ -130,9 +130,12 @@ class ServiceMetrics:
     def latest(self) -> ManagerStats | None:
         return self._manager.latest
 
-    def serve_http(self, port: int, addr: str = "0.0.0.0") -> int:
-        """Start the Prometheus endpoint (``/metrics``) on a thread; return its port."""
-        server, _ = start_http_server(port, addr=addr, registry=self.registry)
+    def serve_http(self, port: int, addr: str = "127.0.0.1", *, certfile: str | None = None,
+                   keyfile: str | None = None) -> int:
+        """Start the Prometheus endpoint (``/metrics``) on a thread, over HTTPS with
+        ``certfile`` and ``keyfile``; return its port."""
+        server, _ = start_http_server(port, addr=addr, registry=self.registry,
+                                      certfile=certfile, keyfile=keyfile)
         self._http = server
         return server.server_port
 

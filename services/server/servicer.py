@@ -10,8 +10,11 @@ table in ``kvstore.errors`` (``STATUS_NAMES``); bytes that are not a request are
 INVALID_ARGUMENT (``kvtier.errors.add_servicer``). Streams and the bytes of spills in
 flight are bounded (``services.server.limits``). The
 server also registers gRPC health checking (``kvtier.v1.KVTier`` and "" are SERVING
-while it runs) and reflection, and records its connectable address in
-``{data_dir}/server.addr`` while it serves (``services.server.address_file``).
+while it runs) and, when ``reflection`` is set, reflection, and records its connectable
+address in ``{data_dir}/server.addr`` while it serves (``services.server.address_file``).
+With TLS configured it listens over TLS (``services.server.tls``); with authentication
+or an audit log configured every call passes ``services.server.auth`` first, and the
+handlers check the tenant a request names against the caller's (``_own_session``).
 """
 
 from __future__ import annotations
@@ -44,14 +47,16 @@ from kvtier.errors import add_servicer, grpc_errors
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.replay.hook import ReplayBackend, make_replay_backend
-from services.server import address_file
+from services.server import address_file, auth
 from services.server import validate as check
+from services.server.audit import AuditLog
 from services.server.config import ServerConfig, load_config
 from services.server.limits import Bounds, InFlight, Limits, idle_bounded
 from services.server.metrics import ServiceMetrics, tier_lookups
 from services.server.restore_stream import RestoreStreamer, StreamOptions
 from services.server.shm import LeaseTable
 from services.server.store import open_manager, restore_tier, tiers_holding
+from services.server.tls import server_credentials
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["KVTier"].full_name
@@ -72,6 +77,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                                         lambda: (self.replay, self.why_no_replay),
                                         config.max_message_bytes)
         self.replays = 0
+        self.audit: AuditLog | None = None  # set when auth or an audit log is configured
         self.limits = Limits(Bounds.from_config(config))
 
     def record_error(self, method: str, code: grpc.StatusCode) -> None:
@@ -102,8 +108,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             kind = check.spill_item(message, plan)
             if kind == "header":
                 # Held until the call ends (its token ids): counted before it is checked.
-                tenant, _ = check.session_ref(message.header.session,
-                                              field_name="header.session")
+                tenant, _ = _own_session(message.header.session, "header.session")
                 flight.reserve(tenant, message.ByteSize())
                 plan = check.spill_header(message.header, self.config.default_ack, MAX_TOKENS,
                                           self.config.dedupe_domains)
@@ -157,7 +162,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     @grpc_errors
     async def Restore(self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[pb.RestoreReply]:
-        tenant, session_id = check.session_ref(request.session)
+        tenant, session_id = _own_session(request.session)
         opts = StreamOptions(layer_by_layer=request.layer_by_layer,
                              want_window=request.want_window,
                              use_shared_memory=request.use_shared_memory,
@@ -169,7 +174,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     @grpc_errors
     async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[pb.RestoreReply]:
-        tenant, session_id = check.session_ref(request.session)
+        tenant, session_id = _own_session(request.session)
         opts = StreamOptions(want_window=True, use_shared_memory=request.use_shared_memory,
                              reply_lease=request.reply_lease, peer=context.peer(), resume=True,
                              replay_tokens=check.replay_tokens(request.replay_tokens,
@@ -235,7 +240,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     @grpc_errors
     async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext
                        ) -> pb.PrefetchReply:
-        tenant, session_id = check.session_ref(request.session)
+        tenant, session_id = _own_session(request.session)
         names = [t.name for t in self.manager.tiers]
         target = check.tier_name(request.target_tier, names, "target_tier")
         if target not in (None, names[0]):
@@ -253,7 +258,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     @grpc_errors
     async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext
                     ) -> pb.EvictReply:
-        tenant, session_id = check.session_ref(request.session)
+        tenant, session_id = _own_session(request.session)
         names = [t.name for t in self.manager.tiers]
         target = check.tier_name(request.target_tier, names, "target_tier")
         before = await self.manager.get_manifest(tenant, session_id)
@@ -265,7 +270,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     @grpc_errors
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext
                      ) -> pb.DeleteReply:
-        tenant, session_id = check.session_ref(request.session)
+        tenant, session_id = _own_session(request.session)
         result = await self.manager.delete(tenant, session_id)
         return pb.DeleteReply(chunks_released=result.chunks_released,
                               chunks_freed=result.chunks_freed)
@@ -275,7 +280,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                    ) -> pb.StatReply:
         session = None
         if request.session.tenant or request.session.session_id:
-            tenant, session_id = check.session_ref(request.session)
+            tenant, session_id = _own_session(request.session)
             session = self._info(await self.manager.get_manifest(tenant, session_id))
         stats = await self.manager.stat()
         self.metrics.update(stats)
@@ -293,7 +298,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     @grpc_errors
     async def List(self, request: pb.ListRequest, context: grpc.aio.ServicerContext
                    ) -> pb.ListReply:
-        tenant = check.tenant_filter(request.tenant)
+        tenant = auth.list_scope(check.tenant_filter(request.tenant))
         size = check.page_size(request.page_size)
         after = request.page_token
         manifests = [m for m in await self.manager.list_sessions(tenant)
@@ -310,6 +315,14 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             layout_id=m.layout_id, generation=m.generation, num_tokens=m.num_tokens,
             chunks=len(m.chunk_keys), window_tier=m.window_tier or "",
             last_access_unix=m.last_access, tiers=tiers_holding(self.manager, m.chunk_keys))
+
+
+def _own_session(ref: pb.SessionRef, field_name: str = "session") -> tuple[str, str]:
+    """The (tenant, session_id) a request names, if the caller may use that tenant's
+    sessions (PermissionDenied otherwise: nothing of it is read)."""
+    tenant, session_id = check.session_ref(ref, field_name=field_name)
+    auth.check_tenant(tenant)
+    return tenant, session_id
 
 
 class KVTierServer:
@@ -335,8 +348,10 @@ class KVTierServer:
     def metrics(self) -> ServiceMetrics:
         return self.servicer.metrics
 
-    def start_metrics(self, port: int, addr: str = "0.0.0.0") -> int:
-        self.metrics_port = self.metrics.serve_http(port, addr)
+    def start_metrics(self, port: int, addr: str = "127.0.0.1", *, certfile: str | None = None,
+                      keyfile: str | None = None) -> int:
+        self.metrics_port = self.metrics.serve_http(port, addr, certfile=certfile,
+                                                    keyfile=keyfile)
         return self.metrics_port
 
     async def _refresh(self, interval_s: float) -> None:
@@ -374,6 +389,8 @@ class KVTierServer:
                     await self.servicer.replay.close()
                 if self.servicer.leases is not None:
                     self.servicer.leases.close()
+                if self.servicer.audit is not None:
+                    self.servicer.audit.close()
                 self.metrics.stop_http()
 
 
@@ -393,14 +410,16 @@ async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServe
         replay = make_replay_backend(config)
         metrics = ServiceMetrics()
         servicer = KVTierServicer(manager, config, metrics, replay)
-        grpc_server = grpc.aio.server(options=_options(config))
+        grpc_server = grpc.aio.server(options=_options(config),
+                                      interceptors=_interceptors(config, servicer))
         add_servicer(pb_grpc.add_KVTierServicer_to_server, servicer, grpc_server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
-        reflection.enable_server_reflection(
-            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), grpc_server)
-        port = _bind(grpc_server, config.listen)
+        if config.reflection:  # it lists the services to anyone who asks: only on request
+            reflection.enable_server_reflection(
+                (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                 reflection.SERVICE_NAME), grpc_server)
+        port = _bind(grpc_server, config)
         await grpc_server.start()
     except BaseException:
         if replay[0] is not None:
@@ -428,10 +447,27 @@ async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServe
     return server, port
 
 
-def _bind(grpc_server: grpc.aio.Server, listen: str) -> int:
-    """Add the insecure port; Busy (naming what to do) when it cannot be had."""
+def _interceptors(config: ServerConfig, servicer: KVTierServicer
+                  ) -> list[grpc.aio.ServerInterceptor]:
+    """Authentication, authorization and audit (``services.server.auth``), when any of
+    them is configured; else none (tenants are what requests name)."""
+    authenticator = auth.Authenticator.from_settings(
+        config.auth_tokens_file, config.auth_jwt_key, config.auth_jwt_audience)
+    if authenticator is None and not config.audit_log:
+        return []
+    servicer.audit = AuditLog(config.audit_log, servicer.metrics.registry)
+    return [auth.AuthInterceptor(authenticator, servicer.audit)]
+
+
+def _bind(grpc_server: grpc.aio.Server, config: ServerConfig) -> int:
+    """Add the port (TLS when configured); Busy (naming what to do) when it cannot be had."""
+    listen = config.listen
     try:
-        port = grpc_server.add_insecure_port(listen)
+        if config.tls:
+            port = grpc_server.add_secure_port(listen, server_credentials(
+                config.tls_cert, config.tls_key, config.tls_client_ca))
+        else:
+            port = grpc_server.add_insecure_port(listen)
     except RuntimeError:  # grpcio raises where older releases returned 0
         port = 0
     if not port:
@@ -442,7 +478,10 @@ def _bind(grpc_server: grpc.aio.Server, listen: str) -> int:
 
 def _start_metrics(server: KVTierServer, config: ServerConfig) -> None:
     try:
-        server.start_metrics(config.metrics_port, config.listen.rpartition(":")[0] or "0.0.0.0")
+        # HTTPS with the gRPC port's certificate when that is TLS (Prometheus then needs
+        # the CA: deploy/prometheus.yml).
+        server.start_metrics(config.metrics_port, config.metrics_host,
+                             certfile=config.tls_cert or None, keyfile=config.tls_key or None)
     except OSError as exc:
         raise Busy(f"cannot serve metrics on port {config.metrics_port} ({exc.strerror}): "
                    "choose another metrics_port, or 0 for none") from exc

@@ -1,0 +1,98 @@
+"""The one way kvtier's clients open a gRPC channel: plaintext or TLS, with or without a
+bearer token.
+
+    channel = open_channel("kv.example:50051", Credentials(tls_ca="ca.pem", token=token))
+
+``tls_ca``: the CA that signed the server's certificate (TLS is on when it or a client
+certificate is given); ``tls_cert`` + ``tls_key``: this client's certificate (mTLS);
+``token``: sent as ``authorization: Bearer <token>`` on every call. A token never goes
+in clear to another machine: without TLS it is refused unless the target is loopback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from kvstore.errors import InvalidRequest
+
+LOOPBACK = ("localhost", "127.", "[::1]", "unix:", "ipv4:127.", "ipv6:[::1]")
+
+
+@dataclass(frozen=True)
+class Credentials:
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    token: str | None = None
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise InvalidRequest("tls_cert and tls_key go together: give both or neither")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_ca or self.tls_cert)
+
+
+def _read(name: str, path: str | None) -> bytes | None:
+    if not path:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidRequest(f"{name}: cannot read {path}: {exc.strerror}") from exc
+
+
+class _Bearer:
+    """Adds the ``authorization`` metadata to every call of its kind (grpc.aio files an
+    interceptor under the first kind it is, so there is one class per kind)."""
+
+    def __init__(self, token: str) -> None:
+        self._entry = ("authorization", f"Bearer {token}")
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._entry)
+        return details._replace(metadata=metadata)
+
+
+class _UnaryUnary(_Bearer, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+
+class _UnaryStream(_Bearer, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+
+class _StreamUnary(_Bearer, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation, details, request_iterator):
+        return await continuation(self._details(details), request_iterator)
+
+
+class _StreamStream(_Bearer, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        return await continuation(self._details(details), request_iterator)
+
+
+def open_channel(target: str, credentials: Credentials = Credentials(),
+                 options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+    interceptors = None
+    if credentials.token:
+        interceptors = [kind(credentials.token.strip())
+                        for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+    if credentials.tls:
+        ssl = grpc.ssl_channel_credentials(
+            root_certificates=_read("tls_ca", credentials.tls_ca),
+            private_key=_read("tls_key", credentials.tls_key),
+            certificate_chain=_read("tls_cert", credentials.tls_cert))
+        return grpc.aio.secure_channel(target, ssl, options=list(options),
+                                       interceptors=interceptors)
+    if credentials.token and not target.startswith(LOOPBACK):
+        raise InvalidRequest(f"a token would travel in clear to {target}: give tls_ca "
+                             "(the CA of the server's certificate) to use TLS")
+    return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)

@@ -1,0 +1,61 @@
+"""The audit trail: one JSON line per event in ``audit_log`` (when set), and a Prometheus
+counter per kind (``kvtier_audit_events_total{kind=...}``).
+
+Kinds: ``auth_failure`` (a missing, unknown or expired credential), ``permission_denied``
+(a role or tenant the credential does not cover), ``delete`` (every Delete, whoever asked)
+and ``admin`` (every other call of an admin). A line holds the time (UTC, ISO 8601), the
+kind, the identity (tenant and role, or role "anonymous"), the method, the peer, the
+result (a status code name) and, for failures, the reason; never a token (a credential
+is named by a prefix of its SHA-256 at most).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter
+
+if TYPE_CHECKING:
+    from services.server.auth import Identity
+
+log = logging.getLogger(__name__)
+KINDS = ("auth_failure", "permission_denied", "delete", "admin")
+
+
+class AuditLog:
+    def __init__(self, path: str = "", registry: CollectorRegistry | None = None) -> None:
+        # Held open for the server's life; line-buffered: each event is one write, in order.
+        self._file = (open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+                      if path else None)
+        self._lock = threading.Lock()
+        self.events = Counter("kvtier_audit_events_total", "Audit events by kind", ["kind"],
+                              registry=registry or CollectorRegistry())
+        for kind in KINDS:
+            self.events.labels(kind)  # every kind exported from the start, at 0
+
+    def record(self, kind: str, identity: Identity | None, method: str, peer: str,
+               result: str, reason: str = "") -> None:
+        self.events.labels(kind).inc()
+        if self._file is None:
+            return
+        line = {"time": datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
+                "kind": kind,
+                "tenant": identity.tenant if identity is not None else "",
+                "role": identity.role if identity is not None else "anonymous",
+                "method": method, "peer": peer, "result": result}
+        if reason:
+            line["reason"] = reason
+        try:
+            with self._lock:
+                self._file.write(json.dumps(line) + "\n")
+        except OSError as exc:  # a full disk must not fail the call it records
+            log.error("cannot write the audit log: %s (%s)", exc, line)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
