@@ -10,6 +10,12 @@ process through ``overlay`` and counted in the ``pending_*`` projections.
 A failed commit loses its whole batch and nothing else: none of it reached the index,
 its bytes stay in the segment as dead bytes no entry names, durable waiters get the
 error, and buffered writes raise it from the next ``flush``.
+
+A commit runs in a task of its own holding the pipeline's lock (``_run_commit``): a
+caller cancelled meanwhile (the background flush, at close) cannot stop the thread the
+commit's fsync or LMDB transaction runs in, and its batch must still be settled, so the
+commit goes on without it. ``close`` waits for every commit in flight, so LMDB never
+closes under one, and refuses later commits (their batches fail as the tier is closed).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import NamedTuple
 
 import lmdb
 
-from kvstore.errors import TierFull
+from kvstore.errors import TierFull, TierUnavailable
 from kvstore.tiers.disk.fs import fsync_path
 from kvstore.tiers.disk.index import DeleteOp, DiskIndex, IndexEntry, IndexOp, MetaOp, PutOp
 from kvstore.tiers.disk.log import storage_error
@@ -60,6 +66,8 @@ class CommitPipeline:
         self._lock = asyncio.Lock()
         self._unreported: Exception | None = None
         self._flush_task: asyncio.Task | None = None
+        self._commits: set[asyncio.Task] = set()  # commits started and not finished
+        self._closing = False
         self._applying = False
         self._totals = (0, 0)
 
@@ -92,25 +100,28 @@ class CommitPipeline:
         if op.future is None:
             self._schedule()
             if self.pending_bytes > self.max_pending_bytes:
-                async with self._lock:
-                    await self._commit()
+                await self._run_commit()
             return
         while not op.future.done():
-            async with self._lock:
-                if not op.future.done():
-                    await self._commit()
+            await self._run_commit(unless=op.future)
         op.future.result()
 
     async def flush(self) -> None:
-        async with self._lock:
-            await self._commit()
+        await self._run_commit()
         error, self._unreported = self._unreported, None
         if error is not None:
             raise error
 
-    def cancel(self) -> None:
+    async def close(self) -> None:
+        """Commit what is queued, wait for every commit in flight, refuse any later one."""
         if self._flush_task is not None:
-            self._flush_task.cancel()
+            self._flush_task.cancel()  # sleeping, or waiting for a commit that goes on
+        try:
+            await self._run_commit()
+        finally:
+            self._closing = True
+            while self._commits:  # started before closing: let their threads finish
+                await asyncio.gather(*self._commits, return_exceptions=True)
 
     def _schedule(self) -> None:
         if self._flush_task is None or self._flush_task.done():
@@ -119,12 +130,27 @@ class CommitPipeline:
     async def _flush_soon(self) -> None:
         while self._queue:
             await asyncio.sleep(self.commit_interval_s)
-            async with self._lock:
+            await self._run_commit()
+
+    async def _run_commit(self, unless: asyncio.Future | None = None) -> None:
+        """Commit the queue (unless ``unless`` is done by the time the lock is ours) in a
+        task that a cancelled caller leaves running (see the module docstring)."""
+        task = asyncio.ensure_future(self._locked_commit(unless))
+        self._commits.add(task)
+        task.add_done_callback(self._commits.discard)
+        await asyncio.shield(task)
+
+    async def _locked_commit(self, unless: asyncio.Future | None) -> None:
+        async with self._lock:
+            if unless is None or not unless.done():
                 await self._commit()
 
     async def _commit(self) -> None:
         batch, self._queue = self._queue, []
         if not batch:
+            return
+        if self._closing:
+            self._fail(batch, TierUnavailable("disk tier is closed"), None)
             return
         segments = {o.op.entry.seg_id for o in batch if isinstance(o.op, PutOp)}
         segments.update(entry.seg_id for o in batch if isinstance(o.op, MetaOp)
@@ -169,7 +195,8 @@ class CommitPipeline:
         if op.key is not None and self.overlay.get(op.key, (None,))[0] == op.seq:
             del self.overlay[op.key]
 
-    def _fail(self, batch: list[QueuedOp], error: Exception, cause: BaseException) -> None:
+    def _fail(self, batch: list[QueuedOp], error: Exception, cause: BaseException | None
+              ) -> None:
         error.__cause__ = cause
         log.error("%s (%d queued operations lost)", error, len(batch))
         for op in batch:

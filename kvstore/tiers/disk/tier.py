@@ -392,15 +392,21 @@ class DiskTier(Tier):
         except (TierFull, TierUnavailable) as exc:
             log.error("disk tier %s: closing with lost buffered writes: %s", self.path, exc)
         finally:
-            self._closed = True
+            async with self._append_lock:  # an append in flight queues its entry first
+                self._closed = True
             self.reclaimer.cancel()
-            self.pipeline.cancel()
-            if self._appender is not None:
-                await self._appender.close()
-            self.files.close()
-            self.index.close()
-            self.writer_lock.release()
-            self.compact_lock.release()
+            try:
+                await self.pipeline.close()  # LMDB must not close under a commit's thread
+            finally:
+                await self._release()
+
+    async def _release(self) -> None:
+        if self._appender is not None:
+            await self._appender.close()
+        self.files.close()
+        self.index.close()
+        self.writer_lock.release()
+        self.compact_lock.release()
 
     # compaction primitives (see disk_compaction for the protocol)
 
