@@ -22,6 +22,7 @@ from test_manager_support import make_session, random_tokens
 from kvstore.errors import IndexCorrupt
 from kvstore.manager import TierManager
 from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk.index import DiskIndex, SegState
 from kvstore.tiers.disk.lock import WRITER_LOCK, DirLock
 from kvstore.tiers.host import HostTier
 
@@ -173,3 +174,21 @@ def test_serve_on_a_corrupt_index_says_one_line(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "kvtier repair --data-dir" in lines[0], done.stderr
     assert "Traceback" not in done.stderr
+
+
+async def test_a_segment_size_below_its_entries_is_refused_not_cut(tmp_path):
+    """A flipped bit that lowers a segment's committed end in the index once made the
+    writer's open cut committed records off the segment file, beyond any repair."""
+    disk_dir = tmp_path / "disk"
+    sessions = await build(disk_dir)
+    index = DiskIndex(disk_dir / "index", map_size=1 << 30)
+    info = next(i for i in index.all_segments() if i.state == SegState.SEALED)
+    info.file_bytes -= 16
+    index.set_segments([info])
+    index.close()
+    files = {p.name: p.read_bytes() for p in (disk_dir / "segments").iterdir()}
+    with pytest.raises(IndexCorrupt, match="kvtier repair"):
+        DiskTier(disk_dir, 64 * MB)
+    assert {p.name: p.read_bytes() for p in (disk_dir / "segments").iterdir()} == files
+    assert run_repair(disk_dir).returncode == 0
+    await check_restores(disk_dir, sessions)

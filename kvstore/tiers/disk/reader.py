@@ -88,7 +88,11 @@ class SegmentFiles:
         self._retiring.discard(seg_id)
         self._close(seg_id)
         # another process (or a recovery) may have removed it first
-        self.fs.unlink(segment_path(self.directory, seg_id))
+        try:
+            self.fs.unlink(segment_path(self.directory, seg_id))
+        except OSError as exc:  # unnamed now: the next sweep or writer open removes it
+            log.warning("segment %d: removing its file failed, left for the next sweep: %s",
+                        seg_id, exc)
 
     def _close(self, seg_id: int) -> None:
         # a mapping is dropped, never closed: views handed out keep it alive

@@ -29,8 +29,9 @@ from pathlib import Path
 
 from kvstore.tiers.disk.fs import FileSystem
 from kvstore.tiers.disk.index import DiskIndex, SegState
+from kvstore.tiers.disk.index_check import index_corrupt
 from kvstore.tiers.disk.lock import DirLock
-from kvstore.tiers.disk.segments import scan_records, segment_files, segment_path
+from kvstore.tiers.disk.segments import record_size, scan_records, segment_files, segment_path
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +82,12 @@ def recover(index: DiskIndex, directory: Path, compact_lock: DirLock) -> Recover
     def size_of(seg_id: int) -> int | None:
         return fs.size(segment_path(directory, seg_id))
 
-    for info in named.values():  # a SEALED one too: the writer abandoned a failed write
-        size = size_of(info.seg_id)
-        if info.state != SegState.BUILDING and size is not None and size > info.file_bytes:
-            _cut_tail(fs, segment_path(directory, info.seg_id), info.file_bytes, size,
-                      report)
+    # a SEALED one too: the writer abandoned a failed write
+    cuts = [(info, size) for info in named.values() if info.state != SegState.BUILDING
+            and (size := size_of(info.seg_id)) is not None and size > info.file_bytes]
+    _check_ends(index, directory, [info for info, _ in cuts])
+    for info, size in cuts:
+        _cut_tail(fs, segment_path(directory, info.seg_id), info.file_bytes, size, report)
     active = sorted((i for i in named.values() if i.state == SegState.ACTIVE),
                     key=lambda info: info.seg_id)
     if active:
@@ -107,6 +109,22 @@ def recover(index: DiskIndex, directory: Path, compact_lock: DirLock) -> Recover
         fs.fsync_dir(directory)
     _log(report, directory)
     return report
+
+
+def _check_ends(index: DiskIndex, directory: Path, infos: list) -> None:
+    """Cutting a tail destroys what lies there: refuse when an entry names bytes past
+    its segment's committed end, which only a damaged index does (a flipped bit in the
+    segment's size); ``kvtier repair`` then rebuilds it from the intact segments."""
+    if not infos:
+        return
+    ends = {info.seg_id: info.file_bytes for info in infos}
+    for named in (index.live_entries(set(ends)), index.live_meta_records(set(ends))):
+        for seg_id, entries in named.items():
+            end = max((e.offset + record_size(len(k), e.value_len) for k, e in entries),
+                      default=0)
+            if end > ends[seg_id]:
+                raise index_corrupt(directory.parent, f"segment {seg_id} has entries up to "
+                                    f"byte {end} past its committed end {ends[seg_id]}")
 
 
 def _cut_tail(fs: FileSystem, path: Path, end: int, size: int,

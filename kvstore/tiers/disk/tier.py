@@ -424,7 +424,10 @@ class DiskTier(Tier):
             self.files.unpin(entry.seg_id)
 
     async def rewrite_segments(self, seg_ids: Iterable[int]) -> disk_rewrite.RewriteResult:
-        return await disk_rewrite.rewrite_segments(self, list(seg_ids))
+        try:
+            return await disk_rewrite.rewrite_segments(self, list(seg_ids))
+        except OSError as exc:  # a read, open or unlink of the compaction's own
+            raise storage_error(exc, "disk tier compaction") from exc
 
     async def retire_segment(self, seg_id: int) -> bool:
         return await disk_rewrite.retire_segment(self, seg_id)
