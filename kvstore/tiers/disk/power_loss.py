@@ -134,6 +134,12 @@ def session_args(spec, step: Spill) -> dict:
     return dict(layout_id=spec.layout_id, token_ids=tokens, chunks=chunks, tail=tail)
 
 
+def restores_exactly(result, args: dict) -> bool:
+    """Whether a ``RestoreResult`` holds exactly the chunks and tail of ``args``."""
+    return ([bytes(c) for c in result.chunks] == [bytes(c) for _, c in args["chunks"]]
+            and bytes(result.manifest.tail) == bytes(args["tail"]))
+
+
 async def _open(path: Path, fs=None):
     from kvstore.manager import TierManager
 
@@ -217,16 +223,14 @@ async def _check(image: Path, timeline, written, point: int, report: CampaignRep
                 continue
             generation = got.manifest.generation
             expected = written.get((session, generation))
-            exact = expected is not None and [bytes(c) for c in got.chunks] == [
-                bytes(c) for _, c in expected["chunks"]] and got.manifest.tail == expected["tail"]
+            exact = expected is not None and restores_exactly(got, expected)
             if not exact or generation not in allowed:
                 report.wrong += 1
                 report.failures.append(f"{where}: {session} restored generation "
                                        f"{generation} (allowed {allowed}, exact={exact})")
         probe = session_args(spec, Spill("after-crash", 1, 20))
         await manager.spill(TENANT, "after-crash", generation=1, ack="durable", **probe)
-        back = await manager.restore(TENANT, "after-crash")
-        if [bytes(c) for c in back.chunks] != [bytes(c) for _, c in probe["chunks"]]:
+        if not restores_exactly(await manager.restore(TENANT, "after-crash"), probe):
             raise AssertionError("a spill after recovery did not read back")
     except Exception as exc:  # noqa: BLE001
         report.recovery_failures += 1
