@@ -1,15 +1,19 @@
-"""The one flag naming the server a command talks to: ``--server HOST:PORT``, by default
-``$KVTIER_SERVER`` (``$KVTIER_TARGET``, its old name, still read) or the local default."""
+"""The flags naming the server a command talks to and how: ``--server HOST:PORT``, by
+default ``$KVTIER_SERVER`` (``$KVTIER_TARGET``, its old name, still read) or the local
+default; ``--tls-ca`` (TLS), ``--tls-cert`` with ``--tls-key`` (mTLS), ``--token-file``
+(else ``$KVTIER_TOKEN``) for a server that authenticates (README "Security")."""
 
 from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
-from kvstore.errors import KVTierError, TierUnavailable
+from kvstore.errors import InvalidRequest, KVTierError, TierUnavailable
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 ENV_VARS = ("KVTIER_SERVER", "KVTIER_TARGET")
+TOKEN_ENV = "KVTIER_TOKEN"
 
 
 def server_from_env() -> str | None:
@@ -20,6 +24,29 @@ def add_server_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", metavar="HOST:PORT",
                         default=server_from_env() or DEFAULT_SERVER,
                         help="kvtier server address (default: $KVTIER_SERVER or %(default)s)")
+    add_credential_arguments(parser)
+
+
+def add_credential_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-ca", metavar="PEM", help="use TLS; the CA of the server's "
+                        "certificate")
+    parser.add_argument("--tls-cert", metavar="PEM", help="client certificate (mTLS)")
+    parser.add_argument("--tls-key", metavar="PEM", help="its private key")
+    parser.add_argument("--token-file", metavar="FILE",
+                        help=f"bearer token to send (default: ${TOKEN_ENV})")
+
+
+def client_options(args: argparse.Namespace) -> dict[str, str | None]:
+    """The ``kvtier.Client`` keyword arguments the credential flags ask for."""
+    token = os.environ.get(TOKEN_ENV) or None
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            raise InvalidRequest(f"--token-file: cannot read {args.token_file}: "
+                                 f"{exc.strerror}") from exc
+    return {"tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key,
+            "token": token}
 
 
 def failure(command: str, server: str, exc: KVTierError) -> str:

@@ -40,6 +40,7 @@ import sys
 from pathlib import Path
 
 from kvstore.errors import Busy, InvalidRequest, KVTierError
+from services.cli.address import add_credential_arguments, client_options
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
 _SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -75,6 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--dry-run, previews what a later run would expire and demote")
     parser.add_argument("--server", help="address of the live server on this directory "
                                          "(default: the one it recorded in DATA_DIR)")
+    add_credential_arguments(parser)  # a server that authenticates: an admin token
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -90,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
                                  dead_fraction=args.dead_fraction, scrub=not args.no_scrub,
                                  as_of=args.as_of)
         config = load_config(args.config, overrides={"data_dir": args.data_dir})
-        report = asyncio.run(_compact(config, options, args.server))
+        report = asyncio.run(_compact(config, options, args.server, client_options(args)))
     except Busy as exc:
         print(f"kvtier compact: refused: {exc}", file=sys.stderr)
         return 3
@@ -117,7 +119,7 @@ def _progress():
     return LogProgress()
 
 
-async def _compact(config, options, server: str | None):
+async def _compact(config, options, server: str | None, connection: dict):
     from kvstore.tiers.disk import DiskTier
     from kvstore.tiers.disk.lock import WRITER_LOCK, DirLock
 
@@ -141,7 +143,7 @@ async def _compact(config, options, server: str | None):
         disk.compact_lock.acquire()
         if writer.try_acquire():
             return await _offline(disk, options, config, writer)
-        return await _live(disk, options, config, server)
+        return await _live(disk, options, config, server, connection)
     finally:
         writer.release()
         await disk.close()
@@ -176,7 +178,7 @@ async def _offline(disk, options, config, writer):
         await manager.close()
 
 
-async def _live(disk, options, config, server):
+async def _live(disk, options, config, server, connection: dict):
     from services.cli.compact_remote import ServerOps
     from services.server.address_file import SERVER_ADDRESS_FILE, recorded_address
 
@@ -185,7 +187,7 @@ async def _live(disk, options, config, server):
         why = (f"a server is live on {config.data_dir} and its address is unknown (pass "
                f"--server HOST:PORT; it is not recorded in {SERVER_ADDRESS_FILE})")
         return await _run(disk, options, "live", config, None, why)
-    ops = ServerOps(address)
+    ops = ServerOps(address, connection)
     try:
         return await _run(disk, options, "live", config, ops, "")
     finally:

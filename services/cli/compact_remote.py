@@ -18,9 +18,10 @@ class ServerOps:
 
     zstd_level = None  # the server compresses with its own object_compression_level
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, connection: dict | None = None) -> None:
         self.description = f"the server at {address}"
-        self.client = AsyncClient(address, shared_memory=False)
+        # ``connection``: TLS and an admin token when the server authenticates.
+        self.client = AsyncClient(address, shared_memory=False, **(connection or {}))
 
     async def delete(self, tenant: str, session_id: str) -> int:
         return (await self.client.delete(tenant, session_id)).chunks_freed

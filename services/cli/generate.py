@@ -35,7 +35,7 @@ from model.net import KVTierLM
 from model.state import KVState
 from replay.state_codec import state_from_chunks, state_to_chunks
 from replay.worker import ReplayWorker
-from services.cli.address import server_from_env
+from services.cli.address import add_credential_arguments, client_options, server_from_env
 from services.server.config import load_config
 
 
@@ -136,6 +136,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replay-tokens", type=int, default=0,
                         help="R for a window rebuild (0: the server's default)")
     parser.add_argument("--weights", type=Path, help="model weights (default: bundled)")
+    add_credential_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,7 +156,8 @@ async def _generate(args: argparse.Namespace, model: KVTierLM) -> int:
     async with contextlib.AsyncExitStack() as stack:
         address = args.server or await stack.enter_async_context(
             embedded_server(args.data_dir, model))
-        kv = await stack.enter_async_context(AsyncClient(address))
+        options = client_options(args) if args.server else {}
+        kv = await stack.enter_async_context(AsyncClient(address, **options))
         await _turn(args, model, kv)
     return 0
 

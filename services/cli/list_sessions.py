@@ -10,7 +10,7 @@ import time
 from google.protobuf.json_format import MessageToDict
 
 from kvstore.errors import KVTierError
-from services.cli.address import add_server_argument, failure
+from services.cli.address import add_server_argument, client_options, failure
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +24,8 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.types import RetryPolicy
 
     try:
-        with Client(args.server, timeout_s=30, retry=RetryPolicy(attempts=2)) as kv:
+        with Client(args.server, timeout_s=30, retry=RetryPolicy(attempts=2),
+                    **client_options(args)) as kv:
             sessions = kv.list(args.tenant)
     except KVTierError as exc:
         print(failure("list", args.server, exc), file=sys.stderr)

@@ -8,7 +8,7 @@ import sys
 import time
 
 from kvstore.errors import KVTierError
-from services.cli.address import add_server_argument, failure
+from services.cli.address import add_server_argument, client_options, failure
 from services.cli.stat import human_bytes, tier_table
 
 CLEAR = "\x1b[H\x1b[2J"
@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     redraw = sys.stdout.isatty()
     count = 0
     try:
-        with Client(args.server, timeout_s=10) as kv:
+        with Client(args.server, timeout_s=10, **client_options(args)) as kv:
             while True:
                 reply = kv.stat()
                 deltas = {t.name: (t.lookups - previous.get(t.name, (0, 0))[0],
