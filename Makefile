@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-slow lint proto bench clean redis-server
+.PHONY: install demo test test-slow lint proto bench certs clean redis-server
 
 $(BIN)/python:
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need Python 3.11 ($(PY)) on PATH"; exit 1; }
@@ -39,6 +39,10 @@ test-slow: $(STAMP) redis-server
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# Development CA, certificates and tokens for docker-compose.yml (README "Security").
+certs: $(STAMP)
+	$(BIN)/python -m services.server.devcerts deploy/dev-certs kvtier replay-worker
 
 proto: $(STAMP)
 	$(BIN)/python -m proto.generate
