@@ -1,8 +1,10 @@
 """The session catalog: manifests in the MetaStore, the per-session locks, their count.
 
 Every manifest write goes through the ``RefLedger``, so it commits in one batch with the
-reference changes it implies (``kvstore.refcount``). Callers hold the session's lock
-(``read`` to look, ``write`` to change) from a ``load`` to the ``put`` that depends on it.
+reference changes it implies (``kvstore.refcount``), and is told to the tenants'
+``UsageLedger`` (``kvstore.quota``) once committed, which ``load_count`` fills from every
+manifest at open. Callers hold the session's lock (``read`` to look, ``write`` to change)
+from a ``load`` to the ``put`` that depends on it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from contextlib import AbstractAsyncContextManager
 from kvstore.errors import ChunkCorrupt, DataLoss, SessionNotFound
 from kvstore.locks import RWLocks
 from kvstore.manifest import MANIFEST_PREFIX, SessionManifest, manifest_key
+from kvstore.quota import UsageLedger
 from kvstore.refcount import RefLedger
 from kvstore.tiers.base import MetaStore
 
@@ -21,14 +24,23 @@ log = logging.getLogger(__name__)
 
 
 class Catalog:
-    def __init__(self, meta: MetaStore, ledger: RefLedger) -> None:
+    def __init__(self, meta: MetaStore, ledger: RefLedger, usage: UsageLedger) -> None:
         self.meta = meta
         self._ledger = ledger
+        self._usage = usage
         self._locks = RWLocks()
         self.held = 0  # manifests in the MetaStore (expired ones not yet collected included)
 
     async def load_count(self) -> None:
-        self.held = len(await self.meta.scan(MANIFEST_PREFIX))  # counted, not decoded
+        """Count the manifests and record each in the usage ledger (a corrupt one is
+        counted as held but uses nothing until it is deleted or replaced)."""
+        found = await self.meta.scan(MANIFEST_PREFIX)
+        self.held = len(found)
+        for key, value in found:
+            try:
+                self._usage.record(SessionManifest.decode(value))
+            except ChunkCorrupt as exc:
+                log.error("corrupt manifest %s uses no quota: %s", key, exc)
 
     def read(self, tenant: str, session_id: str) -> AbstractAsyncContextManager[None]:
         """The session's shared lock: restores."""
@@ -74,6 +86,7 @@ class Catalog:
             acquire=acquire, release=release,
         )
         self.held += new  # counted once its manifest is committed
+        self._usage.record(manifest)
         return freed
 
     async def remove(self, tenant: str, session_id: str, *,
@@ -82,4 +95,5 @@ class Catalog:
         freed = await self._ledger.commit({manifest_key(tenant, session_id): None},
                                           release=release)
         self.held -= 1
+        self._usage.forget(tenant, session_id)
         return freed

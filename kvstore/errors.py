@@ -124,6 +124,11 @@ class TierFull(KVTierError):
     """The tier has no room for the value, even after eviction."""
 
 
+class QuotaExceeded(TierFull):
+    """A spill would take its tenant over a configured quota (``kvstore.quota``); the
+    message names the quota, its limit and the tenant's use."""
+
+
 class StaleGeneration(KVTierError):
     """A writer presented a generation older than the session's current one."""
 

@@ -34,6 +34,10 @@ Rules it keeps (placement details in ``kvstore.placement``):
   from every tier.
 - Window blobs only live in tiers with ``holds_window``; when one is dropped the
   manifest's ``window_tier`` becomes None and a restore reports ``replay_needed``.
+- Quotas (``quotas=``, ``kvstore.quota``): each tenant's sessions, durable bytes and
+  memory bytes are counted exactly (rebuilt from manifests at open) and a spill that
+  would pass a limit is refused before anything is stored (``QuotaExceeded``), or, for
+  memory, placed lower (``Spiller.spill``).
 - Locks: a readers-writer lock per session (restores share it, spills/deletes/demotes
   are exclusive) and a lock per chunk key for moves; never a global lock across I/O.
 
@@ -59,6 +63,7 @@ from kvstore.manifest import SessionManifest, check_name
 from kvstore.pause_estimate import PauseEstimator
 from kvstore.placement import TierStack
 from kvstore.policy import EvictionPolicy, LRUPolicy, ResumeHint
+from kvstore.quota import MemoryWatch, QuotaGate, Quotas, TenantReport, UsageLedger
 from kvstore.refcount import RefLedger
 from kvstore.restore import PrefetchResult, Restorer, RestoreResult, SessionReader
 from kvstore.spill import Ack, Spiller
@@ -100,12 +105,14 @@ class TierManager:
         *,
         policy: Callable[[], EvictionPolicy] = LRUPolicy,
         config: ManagerConfig = MANAGER_PRESETS["default"],
+        quotas: Quotas = Quotas(),
     ) -> None:
         """Use ``await TierManager.open(...)``.
 
         ``tiers``: highest first, names unique; ``meta``: where manifests and reference
         counts live (the disk tier's ``meta`` for durability); ``policy``: a factory
-        called once per tier (``LRUPolicy``, ``HintPolicy`` or any ``EvictionPolicy``).
+        called once per tier (``LRUPolicy``, ``HintPolicy`` or any ``EvictionPolicy``);
+        ``quotas``: per-tenant limits (default: none; usage is counted all the same).
         """
         names = [tier.name for tier in tiers]
         if not tiers or len(set(names)) != len(names):
@@ -117,12 +124,16 @@ class TierManager:
         self._tasks: set[asyncio.Task] = set()  # background work that drain waits for
         locks = KeyedLocks()
         self._ledger = RefLedger(meta)
-        self._catalog = Catalog(meta, self._ledger)
+        usage = UsageLedger()
+        self._quotas = QuotaGate(quotas, usage)
+        self._catalog = Catalog(meta, self._ledger, usage)
         self._stack = TierStack(
             tiers, policy, locks, self.counters,
             is_referenced=lambda key: self._ledger.count(key) > 0,
             on_window_dropped=lambda key: self._spawn(self._maintenance.forget_window(key)),
             cooldown_s=config.unavailable_cooldown_s,
+            # memory tiers are the window tiers (hbm, host)
+            residency=MemoryWatch(usage, [j for j, t in enumerate(tiers) if t.holds_window]),
         )
         blocks = Blocks(self._stack, self._ledger, locks, self.counters,
                         io_concurrency=config.io_concurrency)
@@ -131,7 +142,8 @@ class TierManager:
         )
         parts = (self._catalog, blocks, self._stack, locks, self._ledger, self.counters)
         self._spiller = Spiller(*parts, self._writeback, pauses=self._pauses,
-                                durable_meta=not isinstance(meta, MemoryMetaStore))
+                                durable_meta=not isinstance(meta, MemoryMetaStore),
+                                quotas=self._quotas)
         self._restorer = Restorer(*parts, spawn=self._spawn, lookahead=config.restore_lookahead)
         self._maintenance = Maintenance(*parts)
 
@@ -235,6 +247,10 @@ class TierManager:
         return await self._catalog.manifests(None if tenant is None
                                              else check_name("tenant", tenant))
 
+    def tenant_usage(self, tenant: str) -> TenantReport:
+        """The tenant's use against its quota limits (no I/O)."""
+        return self._quotas.report(check_name("tenant", tenant))
+
     def session_count(self) -> int:
         """Sessions stored (expired ones not yet collected included); no I/O."""
         return self._catalog.held
@@ -257,6 +273,7 @@ class TierManager:
             tiers=tier_stats, counters=self.counters.snapshot(),
             writeback_depth=self._writeback.depth, writeback_capacity=self._writeback.capacity,
             referenced_chunks=len(self._ledger.referenced()), sessions=self._catalog.held,
+            tenants=self._quotas.reports(),
         )
 
     async def drain(self) -> None:

@@ -20,6 +20,8 @@ the index of what the tier holds (rebuilt from ``Tier.keys`` on open). Rules:
   ``whole_tier=False`` (a Redis Cluster master down) failed for that key alone: a miss
   or a failed write of the key, and the tier keeps serving every other key.
 
+Every change of what a tier is believed to hold goes through ``_learn`` and ``_forget``,
+which tell the ``Residency`` watcher, if any (``kvstore.quota`` counts memory use so).
 Every mutation of one key happens under ``KeyedLocks`` held by the caller; eviction only
 takes victims whose lock is free (``KeyedLocks.busy``), so it never waits on a lock.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
+from typing import Protocol
 
 from kvstore.codec import verify_chunk
 from kvstore.errors import ChunkNotFound, CodecError, DataLoss, TierFull, TierUnavailable
@@ -46,6 +49,14 @@ Check = Callable[[Buffer], object]
 
 def is_window_key(key: str) -> bool:
     return key.startswith(WINDOW_PREFIX)
+
+
+class Residency(Protocol):
+    """Told when a tier starts or stops being believed to hold a block."""
+
+    def held(self, j: int, key: str, size: int) -> None: ...
+
+    def dropped(self, j: int, key: str) -> None: ...
 
 
 class _Skip:
@@ -69,8 +80,10 @@ class TierStack:
         is_referenced: Callable[[str], bool],
         on_window_dropped: Callable[[str], None],
         cooldown_s: float = 1.0,
+        residency: Residency | None = None,
     ) -> None:
         self.tiers = tuple(tiers)
+        self.residency = residency
         self.policies = [policy_factory() for _ in self.tiers]
         self.locks = locks
         self.counters = counters
@@ -82,6 +95,19 @@ class TierStack:
         self.cooldown_s = cooldown_s
         self._down_until = [0.0] * len(self.tiers)  # monotonic time an outage ends
         self._down_reason = [""] * len(self.tiers)  # what the outage's first failure said
+
+    def _learn(self, j: int, key: str, size: int = 0) -> None:
+        """Tier ``j`` now holds ``key`` (``size`` bytes; 0 when listed at open)."""
+        new = key not in self.policies[j]
+        self.policies[j].on_insert(key, size, self.hints.get(key))
+        if new and self.residency is not None:
+            self.residency.held(j, key, size)
+
+    def _forget(self, j: int, key: str) -> None:
+        held = key in self.policies[j]
+        self.policies[j].on_remove(key)
+        if held and self.residency is not None:
+            self.residency.dropped(j, key)
 
     def up(self, j: int) -> bool:
         return time.monotonic() >= self._down_until[j]
@@ -122,7 +148,7 @@ class TierStack:
             except TierUnavailable as exc:
                 self._mark_down(j, "contains", exc)
                 continue
-            self.policies[j].on_remove(key)
+            self._forget(j, key)
         return []
 
     def may_hold(self, i: int, key: str) -> bool:
@@ -133,7 +159,7 @@ class TierStack:
         for j, tier in enumerate(self.tiers):
             try:
                 async for key in tier.keys():
-                    self.policies[j].on_insert(key)
+                    self._learn(j, key)
             except TierUnavailable as exc:
                 self._mark_down(j, "listing keys", exc)
 
@@ -190,7 +216,7 @@ class TierStack:
                 if unavailable is not None:
                     unavailable.append(exc)
                 return False
-            self.policies[j].on_insert(key, size, self.hints.get(key))
+            self._learn(j, key, size)
             self.counters.bytes_written[tier.name] += size
             return True
         return False
@@ -215,7 +241,7 @@ class TierStack:
         try:
             data = await tier.get(key)
         except ChunkNotFound:
-            self.policies[j].on_remove(key)
+            self._forget(j, key)
             return True
         except TierUnavailable as exc:
             self._mark_down(j, "eviction read", exc)
@@ -248,7 +274,7 @@ class TierStack:
         except TierUnavailable as exc:
             self._mark_down(j, f"delete of {key}", exc)
             return False
-        self.policies[j].on_remove(key)
+        self._forget(j, key)
         if not self.holders(key):  # its last copy: nothing left to predict (windows are
             self.hints.forget(key)  # dropped this way, and their keys never come back)
         if evicted:
@@ -299,7 +325,7 @@ class TierStack:
                 check(data)
             except ChunkNotFound:
                 if j in believed:
-                    self.policies[j].on_remove(key)
+                    self._forget(j, key)
                 continue
             except TierUnavailable as exc:
                 if j not in down:
@@ -317,7 +343,7 @@ class TierStack:
             if access:
                 self.hints.read(key)
             if j not in believed:
-                self.policies[j].on_insert(key, len(data), self.hints.get(key))
+                self._learn(j, key, len(data))
             elif access:
                 self.policies[j].on_access(key, self.hints.get(key))
             if access:

@@ -11,14 +11,18 @@ dedupe is a byte-for-byte match within the spill's dedupe domain, and different 
 for one chain key are stored as their own version. A spill repeated at the stored
 generation with identical content (a client's retry after a lost reply) is answered
 with the first one's receipt; other content at that generation is ``GenerationConflict``.
+
+Every spill is admitted against its tenant's quotas (``kvstore.quota``) before anything
+is stored; ``Spiller._admit`` says how one that would pass ``memory_bytes`` is placed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal
 
 import numpy as np
@@ -40,10 +44,11 @@ from kvstore.manifest import SessionManifest, SpillReceipt, check_name
 from kvstore.pause_estimate import PauseEstimator
 from kvstore.placement import WINDOW_PREFIX, Check, TierStack
 from kvstore.policy import ResumeHint
+from kvstore.quota import QuotaGate, Reservation, TenantUsage, demote_out_of_memory
 from kvstore.refcount import RefLedger
 from kvstore.stats import Counters
 from kvstore.tiers.base import Buffer
-from kvstore.validate import check_spill, check_window, restored_chunk_check
+from kvstore.validate import check_spill, check_window, chunk_bytes_max, restored_chunk_check
 from kvstore.writeback import WriteBackQueue
 
 Ack = Literal["memory", "durable"]
@@ -53,9 +58,10 @@ log = logging.getLogger(__name__)
 class Spiller:
     def __init__(self, catalog: Catalog, blocks: Blocks, stack: TierStack, locks: KeyedLocks,
                  ledger: RefLedger, counters: Counters, writeback: WriteBackQueue, *,
-                 pauses: PauseEstimator | None, durable_meta: bool) -> None:
+                 pauses: PauseEstimator | None, durable_meta: bool, quotas: QuotaGate) -> None:
         """``pauses``: infers hints for spills without one (None: no inference);
-        ``durable_meta``: whether manifests survive a restart (a durable ack needs it)."""
+        ``durable_meta``: whether manifests survive a restart (a durable ack needs it);
+        ``quotas``: admits each spill against its tenant's limits."""
         self._catalog = catalog
         self._blocks = blocks
         self._stack = stack
@@ -65,6 +71,11 @@ class Spiller:
         self._writeback = writeback
         self._pauses = pauses
         self._can_ack_durable = durable_meta and bool(blocks.durable)
+        self._quotas = quotas
+        memory = [j for j, tier in enumerate(stack.tiers) if tier.holds_window]
+        # the first tier below the memory (window) tiers, if there is one
+        self._below = memory[-1] + 1 if memory and memory[-1] + 1 < len(stack.tiers) else None
+        self._placed_in_memory = bool(memory) and memory[0] == 0  # placement starts at tier 0
 
     async def spill(
         self,
@@ -143,13 +154,19 @@ class Spiller:
                 inferred = self._pauses.on_spill(old.updated_at if old else None,
                                                  old.created_at if old else None, time.time())
                 hint = hint if hint is not None else inferred
+            reservation, start, keep_window = await self._admit(tenant, spec, old, chunks,
+                                                                tail, window)
             self._ledger.pin(keys)
             window_key = None
             try:
                 queued, sizes, deduped = await self._place_chunks(spec, tokens, chunks, old,
-                                                                  hint, ack)
+                                                                  hint, ack, start)
                 window_tier = None
-                if window is not None:
+                if window is not None and not keep_window:
+                    self._counters.windows_dropped += 1
+                    log.info("%s/%s: window not kept, over the tenant's memory_bytes quota "
+                             "(a resume replays it)", tenant, session_id)
+                if window is not None and keep_window:
                     window_key = f"{WINDOW_PREFIX}{tenant}/{session_id}/{generation}"
                     window_tier = await self._store_window(window_key, window, hint)
                 receipt = SpillReceipt(
@@ -174,7 +191,9 @@ class Spiller:
                     manifest, acquire=keys, release=old.chunk_keys if old else (),
                     new=old is None,
                 )
+                reservation.release()  # the committed manifest now counts in its stead
             except BaseException:
+                reservation.release()
                 await self._blocks.free(self._ledger.unpin(keys))
                 if window_key is not None:
                     await self._blocks.drop(window_key)
@@ -189,11 +208,12 @@ class Spiller:
 
     async def _place_chunks(self, spec: LayoutSpec, tokens: np.ndarray,
                             chunks: Sequence[tuple[str, Buffer | None]],
-                            old: SessionManifest | None, hint: ResumeHint | None, ack: Ack
-                            ) -> tuple[list[bool], list[int], int]:
-        """Place the sent chunks and confirm the ones named by key only (those first, so a
-        refused spill wrote nothing). Returns, per chunk, whether it needs write-back and
-        its encoded size; and how many chunks were already held (deduped)."""
+                            old: SessionManifest | None, hint: ResumeHint | None, ack: Ack,
+                            start: int) -> tuple[list[bool], list[int], int]:
+        """Place the sent chunks (in tier ``start`` or lower) and confirm the ones named by
+        key only (those first, so a refused spill wrote nothing). Returns, per chunk,
+        whether it needs write-back and its encoded size; and how many chunks were
+        already held (deduped)."""
         known = dict(zip(old.chunk_keys, old.chunk_sizes, strict=True)) if old else {}
         by_key = [i for i, (_, data) in enumerate(chunks) if data is None]
         found = await self._blocks.gather(
@@ -206,13 +226,73 @@ class Spiller:
         protect = frozenset(key for key, _ in chunks)
         sent = [i for i, (_, data) in enumerate(chunks) if data is not None]
         stored = await self._blocks.gather(
-            self._store_chunk(chunks[i][0], chunks[i][1], hint, ack, protect) for i in sent)
+            self._store_chunk(chunks[i][0], chunks[i][1], hint, ack, protect, start)
+            for i in sent)
         results = dict(zip(by_key, found, strict=True))
         results.update((i, (wants, len(chunks[i][1])))
                        for i, (wants, _) in zip(sent, stored, strict=True))
         deduped = len(by_key) + sum(held for _, held in stored)
         return ([results[i][0] for i in range(len(chunks))],
                 [results[i][1] for i in range(len(chunks))], deduped)
+
+    async def _admit(self, tenant: str, spec: LayoutSpec, old: SessionManifest | None,
+                     chunks: Sequence[tuple[str, Buffer | None]], tail: Buffer,
+                     window: Buffer | None) -> tuple[Reservation, int, bool]:
+        """Admit the spill against the tenant's quotas before anything is stored: (what it
+        reserved, the first tier its sent chunks may take, whether its window may be kept).
+
+        ``sessions`` and ``durable_bytes`` are refused (``QuotaExceeded``) when the spill
+        would pass them; a chunk named by key whose size is unknown here counts as the
+        largest chunk the layout allows. ``memory_bytes``: the spill's chunks in memory
+        (sent ones land there first) plus its window, less what the older generation
+        holds there. When that would pass the limit and a tier lies below the memory
+        tiers, the tenant's own memory-resident data is moved down first (chunks as
+        eviction moves them, windows dropped: their resumes replay); if that is not
+        enough, the sent chunks go straight below the memory tiers and the window is not
+        kept. Refused only when what must stay in memory (chunks named by key that no
+        lower tier took) still does not fit, or when no tier lies below.
+        """
+        usage = self._quotas.ledger
+        known = dict(zip(old.chunk_keys, old.chunk_sizes, strict=True)) if old else {}
+        largest = chunk_bytes_max(spec, spec.chunk_tokens)
+        stored = len(tail) + sum(len(data) if data is not None else
+                                 known.get(key) or usage.memory_bytes(key) or largest
+                                 for key, data in chunks)
+        need = TenantUsage(sessions=int(old is None),
+                           durable_bytes=stored - (old.stored_bytes if old else 0))
+        self._quotas.check(tenant, need)  # before moving anything for memory
+        sent = sum(len(data) for _, data in chunks if data is not None)
+        sent = sent if self._placed_in_memory else 0
+        extra = len(window) if window is not None else 0
+
+        def held() -> int:  # memory the spill's chunks named by key add, net of the old's
+            by_key = sum(usage.memory_bytes(key) for key, data in chunks if data is None)
+            if old is None:
+                return by_key
+            return by_key - sum(map(usage.memory_bytes, (*old.chunk_keys, old.window_key)))
+
+        room = self._quotas.room(tenant, "memory_bytes")
+        memory, start, keep_window = held() + sent + extra, 0, True
+        if room is not None and memory > room and self._below is not None:
+            await self._demote_own(tenant, memory - room,
+                                   {key for key, data in chunks if data is not None})
+            room = self._quotas.room(tenant, "memory_bytes")
+            memory = held() + sent + extra
+            if room is not None and memory > room:
+                memory, start, keep_window = held(), self._below, False
+        return (self._quotas.reserve(tenant, dataclasses.replace(need, memory_bytes=memory)),
+                start, keep_window)
+
+    async def _demote_own(self, tenant: str, amount: int, protect: Collection[str]) -> None:
+        """Move the tenant's memory-resident blocks below the memory tiers until its
+        memory use fell by ``amount`` (or none is left to move)."""
+        usage = self._quotas.ledger
+        before = usage.usage(tenant).memory_bytes
+        for key in usage.in_memory(tenant):
+            if before - usage.usage(tenant).memory_bytes >= amount:
+                return
+            if key not in protect:
+                await demote_out_of_memory(self._stack, self._locks, key, self._below)
 
     def _top_tier(self, keys: Sequence[str]) -> str:
         """The highest tier holding any of ``keys`` ("" when none is)."""
@@ -246,7 +326,7 @@ class Spiller:
             raise TierFull(f"no durable tier took chunk {key} ({size} B)")
 
     async def _store_chunk(self, key: str, data: Buffer, hint: ResumeHint | None, ack: Ack,
-                           protect: frozenset[str]) -> tuple[bool, bool]:
+                           protect: frozenset[str], start: int) -> tuple[bool, bool]:
         """Place one chunk (or find it held, the very bytes: the key binds their digest);
         (whether it still needs write-back, whether it was held)."""
         async with self._locks.hold(key):
@@ -256,7 +336,7 @@ class Spiller:
             if held:
                 self._counters.dedupe_hits += 1
             else:
-                placed = await self._stack.place(key, data, protect=protect)
+                placed = await self._stack.place(key, data, protect=protect, start=start)
                 if placed is None:
                     raise TierFull(f"no tier has room for chunk {key} ({len(data)} B)")
                 holders = [placed]

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstore.tiers.base import TierStats
+
+if TYPE_CHECKING:
+    from kvstore.quota import TenantReport
 
 
 @dataclass
@@ -49,3 +53,5 @@ class ManagerStats:
     writeback_capacity: int
     referenced_chunks: int  # distinct chunk keys some manifest references
     sessions: int = 0  # manifests stored (TierManager.session_count)
+    # Tenants with a quota table of their own, then "other" (kvstore.quota.QuotaGate.reports)
+    tenants: tuple[TenantReport, ...] = ()

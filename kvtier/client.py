@@ -389,9 +389,12 @@ class AsyncClient:
         request = pb.DeleteRequest(session=self._ref(tenant, session_id))
         return await self._call(lambda: self._stub.Delete(request, timeout=self.timeout_s))
 
-    async def stat(self, tenant: str = "", session_id: str = "") -> pb.StatReply:
+    async def stat(self, tenant: str = "", session_id: str = "", *,
+                   usage_of: str = "") -> pb.StatReply:
+        """Tiers and counters; with ``tenant``/``session_id`` also that session, with
+        ``usage_of`` also that tenant's use against its quotas (``reply.tenant_usage``)."""
         request = pb.StatRequest(session=self._ref(tenant, session_id)
-                                 if tenant or session_id else None)
+                                 if tenant or session_id else None, tenant=usage_of)
         return await self._call(lambda: self._stub.Stat(request, timeout=self.timeout_s))
 
     async def list(self, tenant: str = "", *, page_size: int = 0) -> list[pb.SessionInfo]:

@@ -345,24 +345,55 @@ class TierStat(_message.Message):
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., items: _Optional[int] = ..., available: _Optional[bool] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ...) -> None: ...
 
 class StatRequest(_message.Message):
-    __slots__ = ("session",)
+    __slots__ = ("session", "tenant")
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class TenantUsage(_message.Message):
+    __slots__ = ("tenant", "sessions", "durable_bytes", "memory_bytes", "sessions_limit", "durable_bytes_limit", "memory_bytes_limit", "rejections")
+    class RejectionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_BYTES_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    REJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    sessions: int
+    durable_bytes: int
+    memory_bytes: int
+    sessions_limit: int
+    durable_bytes_limit: int
+    memory_bytes_limit: int
+    rejections: _containers.ScalarMap[str, int]
+    def __init__(self, tenant: _Optional[str] = ..., sessions: _Optional[int] = ..., durable_bytes: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., sessions_limit: _Optional[int] = ..., durable_bytes_limit: _Optional[int] = ..., memory_bytes_limit: _Optional[int] = ..., rejections: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class StatReply(_message.Message):
-    __slots__ = ("tiers", "sessions", "writeback_queue_depth", "replays", "session")
+    __slots__ = ("tiers", "sessions", "writeback_queue_depth", "replays", "session", "tenant_usage")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     WRITEBACK_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     REPLAYS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    TENANT_USAGE_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStat]
     sessions: int
     writeback_queue_depth: int
     replays: int
     session: SessionInfo
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., sessions: _Optional[int] = ..., writeback_queue_depth: _Optional[int] = ..., replays: _Optional[int] = ..., session: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
+    tenant_usage: TenantUsage
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., sessions: _Optional[int] = ..., writeback_queue_depth: _Optional[int] = ..., replays: _Optional[int] = ..., session: _Optional[_Union[SessionInfo, _Mapping]] = ..., tenant_usage: _Optional[_Union[TenantUsage, _Mapping]] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("tenant", "page_size", "page_token")

@@ -1,6 +1,6 @@
 """``kvtier stat``: the server's tiers (usage, lookups, hits, hit rate), sessions,
-write-back queue depth and replays, from the Stat RPC; ``--metrics-url`` also prints the
-Prometheus endpoint's ``kvtier_*`` samples."""
+write-back queue depth and replays, from the Stat RPC; ``--tenant`` also prints a tenant's
+use against its quotas, ``--metrics-url`` the Prometheus endpoint's ``kvtier_*`` samples."""
 
 from __future__ import annotations
 
@@ -46,9 +46,25 @@ def tier_table(tiers, deltas: dict[str, tuple[int, int]] | None = None) -> list[
     return lines
 
 
+def usage_table(usage) -> list[str]:
+    """A tenant's use against each quota (``pb.TenantUsage``)."""
+    lines = [f"tenant {usage.tenant}", f"{'quota':<14} {'in use':>12} {'limit':>12}"]
+    for quota, human in (("sessions", str), ("durable_bytes", human_bytes),
+                         ("memory_bytes", human_bytes)):
+        limit = (human(getattr(usage, f"{quota}_limit"))
+                 if usage.HasField(f"{quota}_limit") else "unlimited")
+        line = f"{quota:<14} {human(getattr(usage, quota)):>12} {limit:>12}"
+        if usage.rejections.get(quota):
+            line += f"  {usage.rejections[quota]} refused"
+        lines.append(line)
+    return lines
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_argument(parser)
     parser.add_argument("--session", metavar="TENANT/ID", help="also describe this session")
+    parser.add_argument("--tenant", default="", help="also show this tenant's use against "
+                        "its quotas")
     parser.add_argument("--json", action="store_true", help="print the reply as JSON")
     parser.add_argument("--metrics-url", help="also print kvtier_* samples from this URL "
                         "(e.g. http://127.0.0.1:9100/metrics)")
@@ -63,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         # One retry: a server restarting right now answers; none there fails in a second.
         with Client(args.server, timeout_s=10, retry=RetryPolicy(attempts=2),
                     **client_options(args)) as kv:
-            reply = kv.stat(tenant, session_id)
+            reply = kv.stat(tenant, session_id, usage_of=args.tenant)
     except KVTierError as exc:
         print(failure("stat", args.server, exc), file=sys.stderr)
         return 1
@@ -79,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"session {s.session.tenant}/{s.session.session_id}: {s.num_tokens} tokens,"
                   f" {s.chunks} chunks, generation {s.generation}, layout {s.layout_id}, "
                   f"tiers {','.join(s.tiers) or '-'}, window {s.window_tier or 'dropped'}")
+        if reply.HasField("tenant_usage"):
+            print("\n".join(usage_table(reply.tenant_usage)))
     if args.metrics_url:
         with urllib.request.urlopen(args.metrics_url, timeout=10) as response:
             text = response.read().decode()

@@ -6,7 +6,9 @@ environment (``KVTIER_`` + the field name in upper case, e.g. ``KVTIER_REDIS_URL
 explicit overrides (the ``kvtier serve`` flags). Sizes accept plain byte counts or
 ``"64MiB"``-style strings; lists (``replay_workers``) accept a comma-separated string.
 ``dedupe_domains`` is a TOML table (``[dedupe_domains]`` then ``public = ["acme", "beta"]``)
-or, in the environment, ``public=acme,beta;other=gamma``.
+or, in the environment, ``public=acme,beta;other=gamma``. Quotas (``kvstore.quota``) are
+``[quota.default]`` and ``[quota.<tenant>]`` tables of ``memory_bytes``, ``durable_bytes``
+and ``sessions`` or, in the environment, ``default.sessions=200;acme.memory_bytes=1GiB``.
 
 The ``embedded`` preset needs nothing installed: a data directory on local disk holding
 the disk tier and the object tier (a local directory), the host RAM tier, no Redis, and
@@ -22,6 +24,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -96,6 +99,9 @@ class ServerConfig:
     # Shared dedupe domains: name -> the tenants that may spill into it (e.g. for a public
     # system prompt). Every other chunk dedupes only within its own tenant.
     dedupe_domains: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # Per-tenant quotas: "default" and tenant -> {memory_bytes, durable_bytes, sessions};
+    # a tenant's table overrides the default's key by key, an absent key is unlimited.
+    quota: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     # Encryption at rest (kvstore.encryption) of the redis, disk and object tiers and the
     # manifests: a TOML file of [[key]] id, material (base64 of 32 bytes), current; or
     # one base64 key in KVTIER_ENCRYPTION_KEY. Never shown (summary, repr, logs).
@@ -168,6 +174,12 @@ class ServerConfig:
             if getattr(self, name) < 0:
                 raise InvalidRequest(f"{name} must be >= 0 (0: no shared memory)")
         _check_domains(self.dedupe_domains)
+        if self.quota:
+            from kvstore.quota import Quotas  # loads the store's modules: only when used
+
+            Quotas.from_tables(self.quota)  # refuses unknown keys, bad values, bad tenants
+        object.__setattr__(self, "quota", MappingProxyType({
+            name: MappingProxyType(dict(table)) for name, table in self.quota.items()}))
         object.__setattr__(self, "dedupe_domains", {
             name: tuple(tenants) for name, tenants in self.dedupe_domains.items()})
         if self.replay_max_batch < 1:
@@ -212,7 +224,8 @@ class ServerConfig:
         return dataclasses.replace(self, **changes)
 
     def summary(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        out = {name: getattr(self, name) for name in _FIELDS}  # shallow: quota is read-only
+        out["quota"] = {name: dict(table) for name, table in self.quota.items()}
         out["data_dir"] = str(self.data_dir)
         out["dedupe_domains"] = {k: list(v) for k, v in self.dedupe_domains.items()}
         out["replay_workers"] = list(self.replay_workers)
@@ -270,6 +283,25 @@ def _domains(value: object) -> object:
             raise ValueError(f"{entry!r} is not name=tenant,tenant")
         out[name.strip()] = tuple(t.strip() for t in tenants.split(",") if t.strip())
     return out
+
+
+def _quota_tables(value: object) -> dict[str, dict[str, object]]:
+    """``[quota.*]`` TOML tables or the environment's ``tenant.key=value;...``, with sizes
+    (``memory_bytes``, ``durable_bytes``) and string counts turned into ints."""
+    if isinstance(value, str):
+        tables: dict[str, dict[str, object]] = {}
+        for entry in filter(None, (part.strip() for part in value.split(";"))):
+            where, eq, raw = entry.partition("=")
+            name, dot, key = where.strip().partition(".")
+            if not eq or not dot:
+                raise ValueError(f"{entry!r} is not tenant.key=value")
+            tables.setdefault(name, {})[key] = raw.strip()
+        value = tables
+    if not isinstance(value, Mapping) or not all(isinstance(t, Mapping) for t in value.values()):
+        raise ValueError("quotas are [quota.default] and [quota.<tenant>] tables")
+    return {name: {key: parse_size(v) if key.endswith("_bytes")
+                   else int(v) if isinstance(v, str) else v for key, v in table.items()}
+            for name, table in value.items()}
 
 
 def _check_url(name: str, url: str, schemes: tuple[str, ...]) -> None:
@@ -343,6 +375,8 @@ def _coerce(name: str, value: object) -> object:
             return float(value)
         if kind == "Path":
             return Path(str(value))
+        if name == "quota":
+            return _quota_tables(value)
         if kind.startswith("Mapping"):
             return _domains(value)
         if kind.startswith("tuple"):

@@ -9,6 +9,10 @@ never touches the store.
 Per-tier lookups follow the cache-hierarchy convention: a read that was served by a tier
 above never reached this one, so ``lookups[tier] = lookups - sum(hits of higher tiers)``
 and ``hits / lookups`` is the tier's own hit rate.
+
+Per-tenant figures (``kvtier_tenant_*``, ``kvtier_quota_*``) carry a ``tenant`` label only
+for tenants named in a ``[quota.<tenant>]`` table; every other tenant is summed under
+``tenant="other"``, so their number of series is bounded by the config, not by clients.
 """
 
 from __future__ import annotations
@@ -83,11 +87,32 @@ class _ManagerCollector(Collector):
         }
         for name, (doc, value) in totals.items():
             yield CounterMetricFamily(f"kvtier_{name}", doc, value=value)
+        yield from _tenant_metrics(stats)
         yield GaugeMetricFamily("kvtier_writeback_queue_depth",
                                 "Chunks waiting for write-back", value=stats.writeback_depth)
         yield GaugeMetricFamily("kvtier_referenced_chunks",
                                 "Distinct chunks some session references",
                                 value=stats.referenced_chunks)
+
+
+def _tenant_metrics(stats: ManagerStats) -> Iterator[Metric]:
+    sessions = GaugeMetricFamily("kvtier_tenant_sessions", "Sessions the tenant stores",
+                                 labels=["tenant"])
+    stored = GaugeMetricFamily("kvtier_tenant_bytes", "The tenant's bytes as its quotas "
+                               "count them (kind: memory, durable)", labels=["tenant", "kind"])
+    limits = GaugeMetricFamily("kvtier_quota_limit", "The tenant's quota limit (absent: "
+                               "unlimited)", labels=["tenant", "quota"])
+    rejected = CounterMetricFamily("kvtier_quota_rejections", "Spills refused by a quota",
+                                   labels=["tenant", "quota"])
+    for report in stats.tenants:
+        sessions.add_metric([report.tenant], report.usage.sessions)
+        stored.add_metric([report.tenant, "memory"], report.usage.memory_bytes)
+        stored.add_metric([report.tenant, "durable"], report.usage.durable_bytes)
+        for quota, limit in report.limits.table().items():
+            limits.add_metric([report.tenant, quota], limit)
+        for quota, count in report.rejections.items():
+            rejected.add_metric([report.tenant, quota], count)
+    yield from (sessions, stored, limits, rejected)
 
 
 class ServiceMetrics:

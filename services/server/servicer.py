@@ -42,6 +42,7 @@ from kvstore.errors import (
 )
 from kvstore.manager import TierManager
 from kvstore.manifest import SessionManifest
+from kvstore.quota import TenantReport
 from kvtier import shm
 from kvtier.errors import add_servicer, grpc_errors
 from proto import kvtier_pb2 as pb
@@ -282,6 +283,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         if request.session.tenant or request.session.session_id:
             tenant, session_id = _own_session(request.session)
             session = self._info(await self.manager.get_manifest(tenant, session_id))
+        usage = _tenant_usage(self.manager.tenant_usage(request.tenant)) \
+            if request.tenant else None
         stats = await self.manager.stat()
         self.metrics.update(stats)
         lookups = tier_lookups(stats)
@@ -293,7 +296,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                    for t in stats.tiers],
             sessions=stats.sessions,
             writeback_queue_depth=stats.writeback_depth, replays=self.replays,
-            session=session)
+            session=session, tenant_usage=usage)
 
     @grpc_errors
     async def List(self, request: pb.ListRequest, context: grpc.aio.ServicerContext
@@ -323,6 +326,15 @@ def _own_session(ref: pb.SessionRef, field_name: str = "session") -> tuple[str, 
     tenant, session_id = check.session_ref(ref, field_name=field_name)
     auth.check_tenant(tenant)
     return tenant, session_id
+
+
+def _tenant_usage(report: TenantReport) -> pb.TenantUsage:
+    use, limits = report.usage, report.limits
+    return pb.TenantUsage(
+        tenant=report.tenant, sessions=use.sessions, durable_bytes=use.durable_bytes,
+        memory_bytes=use.memory_bytes, sessions_limit=limits.sessions,
+        durable_bytes_limit=limits.durable_bytes, memory_bytes_limit=limits.memory_bytes,
+        rejections=report.rejections)
 
 
 class KVTierServer:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from kvstore.errors import Busy, InvalidRequest
 from kvstore.manager import MANAGER_PRESETS, TierManager
 from kvstore.policy import HintPolicy, LRUPolicy
+from kvstore.quota import Quotas
 from kvstore.tiers.base import MemoryMetaStore, MetaStore, Tier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
@@ -152,7 +153,8 @@ async def open_manager(config: ServerConfig) -> TierManager:
                      keyring.current)
         policy = HintPolicy if config.eviction == "hint" else LRUPolicy
         options = {"policy": policy, "config": _preset(
-            MANAGER_PRESETS, config.manager_preset, "manager_preset")}
+            MANAGER_PRESETS, config.manager_preset, "manager_preset"),
+            "quotas": Quotas.from_tables(config.quota)}
         if keyring is None:
             return await TierManager.open(tiers, meta, **options)
         from kvstore.sealed_manager import SealingTierManager
