@@ -11,6 +11,9 @@ quick`` is the default budget (resume at the issue's 4096, 16384 and 65536 token
 fidelity at 1k, 4k and 16k on 2 stretches each); ``--sizes tiny`` a smoke run of every
 stage; ``--sizes full`` 4 stretches per fidelity context and the codec and tiers
 benchmarks' own default sizes.
+fuzz and adversarial (child processes) follow replay_batch: ``bench.fuzz`` sends hostile
+requests to every RPC of a live server and replay worker, ``bench.adversarial`` replays
+the attacks of issue #11 (each must hold).
 A stage that fails is recorded with its error and the others still run; the exit status
 is 1 if any failed. The machine the figures came from (CPU model, cores, memory, torch
 and triton versions, date, load) is recorded beside them.
@@ -51,6 +54,8 @@ SIZES = {
         "trace": ["--limit", "200", "--fractions", "0.05,0.2", "--validate", "0"],
         "bytes": {"lengths": [300, 1100]},
         "replay_batch": ["--contexts", "512", "--batches", "2", "--repeat", "1"],
+        "fuzz": ["--requests", "300"],
+        "adversarial": ["--sizes", "tiny"],
     },
     "quick": {
         "codec": ["--mb", "16", "--repeats", "3"],
@@ -61,6 +66,8 @@ SIZES = {
         "trace": ["--validate", "100"],
         "bytes": {"lengths": [1000, 3000, 8192]},
         "replay_batch": ["--contexts", "512,2048,8192,32768", "--batches", "2,4,8"],
+        "fuzz": ["--requests", "10000"],
+        "adversarial": [],
     },
     "full": {
         "codec": [],
@@ -71,9 +78,12 @@ SIZES = {
         "bytes": {"lengths": [1000, 3000, 8192, 20000]},
         "replay_batch": ["--contexts", "512,2048,8192,32768", "--batches", "2,4,8",
                          "--repeat", "5"],
+        "fuzz": ["--requests", "10000"],
+        "adversarial": [],
     },
 }
-STAGES = ("codec", "tiers", "trace", "resume", "fidelity", "bytes", "replay_batch")
+STAGES = ("codec", "tiers", "trace", "resume", "fidelity", "bytes", "replay_batch",
+          "fuzz", "adversarial")
 
 
 def machine() -> dict:
@@ -140,6 +150,8 @@ def stage_runners(sizes: dict, trace: Path, weights: Path) -> dict[str, Callable
         "trace": trace_stage,
         "bytes": lambda: _bytes_stage(model(), sizes["bytes"]["lengths"]),
         "replay_batch": lambda: child_json("replay_batch", sizes["replay_batch"]),
+        "fuzz": lambda: child_json("fuzz", sizes["fuzz"]),
+        "adversarial": lambda: child_json("adversarial", sizes["adversarial"]),
     }
 
 

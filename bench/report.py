@@ -312,6 +312,45 @@ def replay_batch_section(stage: dict) -> list[str]:
     return out + [""]
 
 
+def fuzz_section(stage: dict) -> list[str]:
+    out = ["## Fuzz (`python -m bench.fuzz`)", "",
+           f"{stage['requests']} requests (seed {stage['seed']}) to every KVTier and Replay "
+           "method of a live server and replay worker over raw stubs: random bytes, truncated "
+           "and random messages, bombs, wrong section tables, huge ids and token counts, bad "
+           "digests, foreign and path-like lease ids, out-of-vocabulary ids, stale and "
+           "duplicate generations, Spill messages out of order, streams abandoned or left "
+           f"silent; {stage['probes']} probes spilled and restored through the client "
+           f"between them. {stage['seconds']} s.", ""]
+    out += _table(["crashes", "hangs", "INTERNAL/UNKNOWN (client / server count)",
+                   "wrong tensors", "pre-existing sessions intact", "server peak RSS"],
+                  [[stage["crashes"], stage["hangs"],
+                    f"{stage['internal_or_unknown']} / {stage['server_internal_or_unknown']}",
+                    stage["wrong_tensors"], stage["preexisting_sessions_intact"],
+                    f"{stage['server_peak_rss_mib']:.0f} MiB"]])
+    out += ["", "Status codes: " + ", ".join(f"{code} {count}" for code, count
+                                               in stage["by_code"].items())
+            + " (CANCELLED: streams the fuzzer abandoned; CLIENT_WRITE_RACE: the server ended "
+            "a client stream while the fuzzer was still writing, which grpc's aio client "
+            "reports as its own INTERNAL, grpc/grpc#36066: the server's own count is the "
+            "second INTERNAL figure).", ""]
+    return out
+
+
+def adversarial_section(stage: dict) -> list[str]:
+    def measured(case: dict) -> str:
+        shown = {k: v for k, v in case.items()
+                 if k not in ("held", "seconds", "server_alive", "details", "spill_details")}
+        return json.dumps(shown, separators=(", ", ": "))[1:-1].replace("|", "/")
+
+    out = ["## Adversarial (`python -m bench.adversarial`)", "",
+           "The attacks of issue #11, each against a live server and replay worker; "
+           f"all held: **{'yes' if stage['all_held'] else 'no'}**.", ""]
+    out += _table(["case", "held", "measured"],
+                  [[name, "yes" if case["held"] else "**no**", measured(case)]
+                   for name, case in stage["cases"].items()])
+    return out + [""]
+
+
 def headlines(stages: dict) -> list[str]:
     out = ["## Headlines", ""]
     res = stages.get("resume")
@@ -373,7 +412,9 @@ def write_report(results: dict, out_dir: Path) -> Path:
                 ("fidelity", fidelity_section, plot_fidelity, "fidelity.png"),
                 ("trace", trace_section, plot_trace, "trace_hit_rate.png"),
                 ("bytes", bytes_section, None, None),
-                ("replay_batch", replay_batch_section, None, None))
+                ("replay_batch", replay_batch_section, None, None),
+                ("fuzz", fuzz_section, None, None),
+                ("adversarial", adversarial_section, None, None))
     for name, section, plot, png in sections:
         stage = stages.get(name)
         if not _ok(stage):

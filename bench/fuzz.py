@@ -1,0 +1,320 @@
+"""Fuzz every RPC of a real kvtier server and replay worker (issue #11).
+
+``python -m bench.fuzz [--requests 10000] [--seed 0] [--json]``
+
+Starts ``kvtier serve --preset test`` and ``kvtier replay-worker`` as child processes
+(``bench.live_server``), spills a few sessions through the real client (``kvtier``) and
+records their restored bytes, then sends ``--requests`` requests from
+``bench.fuzz_cases`` over raw stubs (bytes in, bytes out; several connections, several
+calls in flight), each bounded by ``--deadline-s``. Between them, probes spill and
+restore sessions through the client under the tenants the fuzzer attacks.
+
+Counted: ``crashes`` (a child process died: it is restarted and the run goes on),
+``hangs`` (a request ran past its deadline), ``by_code`` (status code name -> count;
+CANCELLED is the fuzzer abandoning a stream), ``internal_or_unknown``, ``wrong_tensors``
+(a restore, by a probe or of a pre-existing session, whose bytes differ from what was
+acknowledged for that session) and ``preexisting_sessions_intact`` (every pre-existing
+session restores bit-exact after the fuzz). Every non-zero figure but by_code is a bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+
+from bench.fuzz_cases import CONNECTIONS, METHODS, CaseGenerator, Spilled, State
+from bench.fuzz_pool import LAYOUT, build_pool
+from bench.live_server import LiveServer, channel, client
+from proto import kvtier_pb2 as pb
+
+PROTECTED = (("acme", (0, "b")), ("victim", (1, "b")), ("acme", (3, "b")), ("victim", (2, "b")))
+PROTECTED_GENERATION = 5
+IDLE_S = 2.0  # the server's stream_idle_s: silent streams are cut well within a deadline
+EXAMPLES = 20  # kept per bad outcome, for the report
+
+
+def snapshot(got) -> tuple:
+    """What a restore must give back bit-exact: token ids, chunks, tail."""
+    return (bytes(got.token_ids.tobytes()), tuple(bytes(c) for c in got.chunks),
+            bytes(got.tail))
+
+
+def acknowledged(enc) -> tuple:
+    return (enc.tokens.tobytes(), tuple(enc.chunks), enc.tail)
+
+
+class Messages:
+    """A client stream's messages, then (``hold``) neither more nor an end. An iterator,
+    not an async generator: gRPC cancelling the call cannot aclose() it mid-wait."""
+
+    def __init__(self, messages: list[bytes], hold: bool) -> None:
+        self.messages, self.hold, self.at = messages, hold, 0
+        self.sent = asyncio.Event()
+
+    def __aiter__(self) -> Messages:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self.at < len(self.messages):
+            self.at += 1
+            return self.messages[self.at - 1]
+        self.sent.set()
+        if self.hold:
+            await asyncio.Event().wait()  # cancelled with the call
+        raise StopAsyncIteration
+
+
+class Campaign:
+    def __init__(self, live: LiveServer, seed: int, deadline_s: float, concurrency: int,
+                 rng: random.Random | None = None) -> None:
+        self.live = live
+        self.deadline_s = deadline_s
+        self.concurrency = concurrency
+        self.pool = build_pool(seed)
+        self.state = State()
+        self.cases = CaseGenerator(rng or random.Random(seed), self.pool, self.state)
+        self.by_code: Counter[str] = Counter()
+        self.counts = Counter(crashes=0, hangs=0, wrong_tensors=0, probes=0, probe_errors=0)
+        self.examples: dict[str, list] = {}
+        self.acked: dict[tuple[str, str], tuple] = {}  # session -> bytes it must restore
+        self.channels: list[grpc.aio.Channel] = []
+        self.replay_channel: grpc.aio.Channel | None = None
+        self._reviving = asyncio.Lock()
+        self.probe_rng = random.Random(seed + 1)
+
+    # -- connections --
+
+    def connect(self) -> None:
+        self.channels = [channel(self.live.target, i) for i in range(CONNECTIONS)]
+        self.replay_channel = channel(self.live.replay_target, CONNECTIONS)
+
+    async def disconnect(self) -> None:
+        for ch in [*self.channels, self.replay_channel]:
+            if ch is not None:
+                await ch.close()
+
+    async def check_alive(self) -> None:
+        """Count and restart a child that died (once, however many calls noticed)."""
+        async with self._reviving:
+            if self.live.server.alive() and (self.live.worker is None
+                                             or self.live.worker.alive()):
+                return
+            died = await asyncio.to_thread(self.live.revive)
+            self.counts["crashes"] += died
+            await self.disconnect()
+            self.connect()
+
+    def note(self, outcome: str, case, details: str) -> None:
+        self.examples.setdefault(outcome, [])
+        if len(self.examples[outcome]) < EXAMPLES:
+            self.examples[outcome].append({"method": case.method, "family": case.family,
+                                           "details": details[:300]})
+
+    # -- one request --
+
+    async def send(self, case) -> None:
+        method = METHODS[case.method]
+        ch = self.replay_channel if method.containing_service.name == "Replay" \
+            else self.channels[case.connection]
+        path = f"/{method.containing_service.full_name}/{method.name}"
+        code, details, reply = "OK", "", None
+        try:
+            reply = await self._call(ch, path, method, case)
+            if reply is None:
+                code = "CANCELLED"
+        except grpc.aio.AioRpcError as exc:
+            code, details = exc.code().name, exc.details() or ""
+            if code == "INTERNAL" and method.client_streaming and \
+                    "SendMessageOperation" in (exc.debug_error_string() or ""):
+                # grpc/grpc#36066: the server ended the call while this client was still
+                # writing; the aio client reports its failed write, not the server's
+                # status. What the server answered is in its own metrics (below).
+                code = "CLIENT_WRITE_RACE"
+        self.by_code[code] += 1
+        if code == "DEADLINE_EXCEEDED":
+            self.counts["hangs"] += 1
+            self.note("hang", case, details)
+        elif code in ("INTERNAL", "UNKNOWN", "DATA_LOSS"):
+            self.note(code, case, details)
+        elif code == "UNAVAILABLE":
+            self.note(code, case, details)
+            await self.check_alive()
+        if case.method == "LeaseSegment" and reply:
+            lease = pb.SharedMemoryLease.FromString(reply)
+            self.state.seen_leases.setdefault(case.connection, []).append(lease.lease_id)
+
+    async def _call(self, ch, path: str, method, case) -> bytes | None:
+        timeout = self.deadline_s
+        if method.client_streaming:
+            messages = Messages(case.messages, hold=case.abandon or case.silent)
+            sent = messages.sent
+            call = ch.stream_unary(path)(messages, timeout=timeout)
+            if not case.abandon:
+                return await call
+            waiter, reply = asyncio.ensure_future(sent.wait()), asyncio.ensure_future(call)
+            await asyncio.wait([waiter, reply], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if reply.done():
+                return reply.result()
+            call.cancel()
+            await asyncio.gather(reply, return_exceptions=True)
+            return None
+        if method.server_streaming:
+            call = ch.unary_stream(path)(case.messages[0], timeout=timeout)
+            async for _ in call:
+                if case.abandon:
+                    call.cancel()
+                    return None
+            return b"streamed"
+        return await ch.unary_unary(path)(case.messages[0], timeout=timeout)
+
+    # -- sessions through the real client --
+
+    async def spill_protected(self) -> None:
+        async with client(self.live.target) as kv:
+            for i, (tenant, key) in enumerate(PROTECTED):
+                enc = self.pool[key]
+                sid = f"keep-{i}"
+                await kv.spill(tenant, sid, LAYOUT.name, enc.tokens, chunks=list(enc.chunks),
+                               tail=enc.tail, window=enc.window,
+                               generation=PROTECTED_GENERATION, ack="durable")
+                self.state.protected[tenant, sid] = Spilled(tenant, sid, PROTECTED_GENERATION,
+                                                            enc, True)
+                self.acked[tenant, sid] = acknowledged(enc)
+                await self.check_restore(kv, tenant, sid)
+
+    async def check_restore(self, kv, tenant: str, sid: str) -> bool:
+        """Restore (or resume) through the client; a restore giving other bytes than
+        were acknowledged is a wrong tensor. True if it gave the acknowledged bytes."""
+        use_resume = self.probe_rng.random() < 0.3
+        try:
+            got = await (kv.resume if use_resume else kv.restore)(tenant, sid, decode=False)
+        except Exception as exc:  # noqa: BLE001 - recorded: a probe must not fail
+            self.counts["probe_errors"] += 1
+            self.examples.setdefault("probe_error", []).append(
+                f"{tenant}/{sid}: {type(exc).__name__}: {str(exc)[:200]}")
+            return False
+        if snapshot(got) != self.acked[tenant, sid]:
+            self.counts["wrong_tensors"] += 1
+            self.examples.setdefault("wrong_tensor", []).append(f"{tenant}/{sid}")
+            return False
+        return True
+
+    async def probe(self, index: int, rng: random.Random) -> None:
+        """A legit spill and restore under an attacked tenant, with tokens the fuzzer
+        spills too; then every protected session and the last probes again."""
+        self.counts["probes"] += 1
+        tenant = rng.choice(("acme", "victim", "evil", "beta"))
+        enc = self.pool[rng.randrange(4), rng.choice("ab")]
+        sid = f"probe-{index}"
+        try:
+            async with client(self.live.target, timeout_s=self.deadline_s) as kv:
+                await kv.spill(tenant, sid, LAYOUT.name, enc.tokens, chunks=list(enc.chunks),
+                               tail=enc.tail, window=enc.window, generation=1)
+                self.acked[tenant, sid] = acknowledged(enc)
+                for ref in [*self.state.protected, *list(self.acked)[-5:]]:
+                    await self.check_restore(kv, *ref)
+        except Exception as exc:  # noqa: BLE001 - recorded: a probe must not fail
+            self.counts["probe_errors"] += 1
+            self.examples.setdefault("probe_error", []).append(
+                f"spill {tenant}/{sid}: {type(exc).__name__}: {str(exc)[:200]}")
+            await self.check_alive()
+
+    # -- the campaign --
+
+    async def run(self, requests: int, probe_every: int = 250) -> dict:
+        self.connect()
+        started = time.perf_counter()
+        try:
+            await self.spill_protected()
+            queue: asyncio.Queue = asyncio.Queue(maxsize=self.concurrency * 2)
+
+            async def worker() -> None:
+                while (case := await queue.get()) is not None:
+                    await self.send(case)
+
+            workers = [asyncio.create_task(worker()) for _ in range(self.concurrency)]
+            probes, probe_rng = [], random.Random(1)
+            for i in range(requests):
+                await queue.put(self.cases.next())
+                if i % probe_every == probe_every - 1:
+                    probes.append(asyncio.create_task(self.probe(i, probe_rng)))
+            for _ in workers:
+                await queue.put(None)
+            await asyncio.gather(*workers, *probes)
+            await self.check_alive()
+            intact = True
+            async with client(self.live.target) as kv:
+                for tenant, sid in self.state.protected:
+                    intact &= await self.check_restore(kv, tenant, sid)
+        finally:
+            await self.disconnect()
+        server_errors = self.live.rpc_errors()
+        by_code = dict(sorted(self.by_code.items()))
+        return {"requests": sum(by_code.values()), "crashes": self.counts["crashes"],
+                "hangs": self.counts["hangs"], "by_code": by_code,
+                "internal_or_unknown": by_code.get("INTERNAL", 0) + by_code.get("UNKNOWN", 0),
+                # the server's own count (since its last start): no client-side artifact
+                "server_internal_or_unknown": server_errors["INTERNAL"]
+                + server_errors["UNKNOWN"],
+                "wrong_tensors": self.counts["wrong_tensors"],
+                "preexisting_sessions_intact": intact, "probes": self.counts["probes"],
+                "probe_errors": self.counts["probe_errors"],
+                "seconds": round(time.perf_counter() - started, 1),
+                "server_peak_rss_mib": round(self.live.rss().get("peak", 0) / 2**20, 1),
+                "examples": self.examples}
+
+
+def run_fuzz(requests: int, seed: int = 0, *, deadline_s: float = 20.0, concurrency: int = 8,
+             rng: random.Random | None = None) -> dict:
+    with tempfile.TemporaryDirectory(prefix="kvtier-fuzz-") as tmp:
+        tmp = Path(tmp)
+        with LiveServer(tmp / "data", tmp, env={"KVTIER_STREAM_IDLE_S": str(IDLE_S)}) as live:
+            campaign = Campaign(live, seed, deadline_s, concurrency, rng)
+            result = asyncio.run(campaign.run(requests))
+        result["server_log_errors"] = _log_errors(tmp / "server.log")
+        result["seed"] = seed
+        return result
+
+
+def _log_errors(log: Path) -> int:
+    """Lines the server logged at ERROR (or tracebacks): each is worth reading."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return sum(" ERROR " in line or line.startswith("Traceback") for line in text.splitlines())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deadline-s", type=float, default=20.0,
+                        help="a request running longer counts as a hang")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = parser.parse_args(argv)
+    result = run_fuzz(args.requests, args.seed, deadline_s=args.deadline_s,
+                      concurrency=args.concurrency)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        for key in ("requests", "crashes", "hangs", "internal_or_unknown", "wrong_tensors",
+                    "preexisting_sessions_intact", "seconds"):
+            print(f"{key}: {result[key]}")
+        print(f"by_code: {result['by_code']}")
+    bad = (result["crashes"] or result["hangs"] or result["internal_or_unknown"]
+           or result["server_internal_or_unknown"] or result["wrong_tensors"]
+           or not result["preexisting_sessions_intact"])
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
