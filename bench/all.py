@@ -13,7 +13,9 @@ stage; ``--sizes full`` 4 stretches per fidelity context and the codec and tiers
 benchmarks' own default sizes.
 fuzz and adversarial (child processes) follow replay_batch: ``bench.fuzz`` sends hostile
 requests to every RPC of a live server and replay worker, ``bench.adversarial`` replays
-the attacks of issue #11 (each must hold).
+the attacks of issue #11 (each must hold). faults (a child process) comes last:
+``bench.faults``, power loss at every point, ENOSPC and EIO at every call site, index
+repair.
 A stage that fails is recorded with its error and the others still run; the exit status
 is 1 if any failed. The machine the figures came from (CPU model, cores, memory, torch
 and triton versions, date, load) is recorded beside them.
@@ -56,6 +58,7 @@ SIZES = {
         "replay_batch": ["--contexts", "512", "--batches", "2", "--repeat", "1"],
         "fuzz": ["--requests", "300"],
         "adversarial": ["--sizes", "tiny"],
+        "faults": ["--workload", "small", "--per-kind", "1"],
     },
     "quick": {
         "codec": ["--mb", "16", "--repeats", "3"],
@@ -68,6 +71,7 @@ SIZES = {
         "replay_batch": ["--contexts", "512,2048,8192,32768", "--batches", "2,4,8"],
         "fuzz": ["--requests", "10000"],
         "adversarial": [],
+        "faults": ["--workload", "large"],
     },
     "full": {
         "codec": [],
@@ -80,10 +84,11 @@ SIZES = {
                          "--repeat", "5"],
         "fuzz": ["--requests", "10000"],
         "adversarial": [],
+        "faults": ["--workload", "large"],
     },
 }
 STAGES = ("codec", "tiers", "trace", "resume", "fidelity", "bytes", "replay_batch",
-          "fuzz", "adversarial")
+          "fuzz", "adversarial", "faults")
 
 
 def machine() -> dict:
@@ -152,6 +157,7 @@ def stage_runners(sizes: dict, trace: Path, weights: Path) -> dict[str, Callable
         "replay_batch": lambda: child_json("replay_batch", sizes["replay_batch"]),
         "fuzz": lambda: child_json("fuzz", sizes["fuzz"]),
         "adversarial": lambda: child_json("adversarial", sizes["adversarial"]),
+        "faults": lambda: child_json("faults", sizes["faults"]),
     }
 
 

@@ -11,7 +11,7 @@ SEALED segments rewritten (a compaction: reads, writes, fsyncs, unlinks) and one
 spill. ENOSPC stays until healed (a full disk); EIO fails one call. A truncation only
 follows a failed write, so a ``truncate`` case fails the ``nth`` write as well.
 The ``nth`` values are spread over the calls of that kind a healthy phase makes
-(counted in a dry run), so each case fires.
+(counted in a dry run; ``fired`` says whether the fault was hit).
 
 A case has ``recovered: true`` when every error the phase met was TierFull,
 TierUnavailable or DataLoss (``clear``; anything else, a ValueError or a bare OSError,
@@ -242,7 +242,10 @@ async def count_calls(path: Path) -> Counter[str]:
 
 
 def spread(calls: int, count: int) -> list[int]:
-    """Up to ``count`` call numbers in 1..calls, evenly spaced, first and last included."""
+    """Up to ``count`` call numbers evenly spaced from 1 to nine tenths of ``calls``: how
+    many fsyncs and opens a phase makes varies a little with group-commit timing, so a
+    case at the very last call might never fire."""
+    calls = max(1, calls * 9 // 10) if calls > 0 else 0
     if calls <= 0:
         return []
     if count >= calls:

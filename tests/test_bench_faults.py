@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from bench import faults
+from bench.report import faults_section
 
 
 def test_the_fault_benchmark_finds_nothing_wrong(capsys):
@@ -32,3 +33,5 @@ def test_the_fault_benchmark_finds_nothing_wrong(capsys):
     assert results["repair"]["deleted_index"]["open_before_repair"] == "corrupt"
     assert results["repair"]["flipped_bytes"]["crashed"] == 0
     assert results["summary"]["clean"]
+    text = "\n".join(faults_section(results))  # the REPORT.md section renders it
+    assert "**0 lost**" in text and "| EIO | unlink |" in text and "| deleted index |" in text
