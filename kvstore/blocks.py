@@ -10,7 +10,7 @@ by every call of one manager).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 
 from kvstore.errors import DataLoss, TierFull
 from kvstore.locks import KeyedLocks
@@ -29,6 +29,7 @@ class Blocks:
         self._counters = counters
         self._io = asyncio.Semaphore(io_concurrency)
         self.durable = [i for i, tier in enumerate(stack.tiers) if tier.durable]
+        self.on_freed: Callable[[], None] | None = None  # told when a free made room
 
     async def gather(self, coros: Iterable[Coroutine]) -> list:
         """Run ``coros`` at most ``io_concurrency`` at a time; on failure cancel the rest."""
@@ -59,7 +60,10 @@ class Blocks:
                 self._counters.freed_chunks += held
                 return held
 
-        return sum(await self.gather(free(key) for key in dict.fromkeys(keys)))
+        freed = sum(await self.gather(free(key) for key in dict.fromkeys(keys)))
+        if freed and self.on_freed is not None:
+            self.on_freed()
+        return freed
 
     async def drop(self, key: str) -> None:
         """Delete ``key`` from every tier whatever references it (window blobs)."""

@@ -30,6 +30,9 @@ class Catalog:
         self._usage = usage
         self._locks = RWLocks()
         self.held = 0  # manifests in the MetaStore (expired ones not yet collected included)
+        # Sessions (and generation) marked writeback_failed whose mark may not have been
+        # persisted (a full medium can refuse the manifest write too): loads report them.
+        self._failed: dict[tuple[str, str], int] = {}
 
     async def load_count(self) -> None:
         """Count the manifests and record each in the usage ledger (a corrupt one is
@@ -56,9 +59,37 @@ class Catalog:
         if raw is None:
             return None
         try:
-            return SessionManifest.decode(raw)
+            manifest = SessionManifest.decode(raw)
         except ChunkCorrupt as exc:
             raise DataLoss(f"the manifest of {tenant}/{session_id} is corrupt: {exc}") from exc
+        return self._with_mark(manifest)
+
+    def _with_mark(self, manifest: SessionManifest) -> SessionManifest:
+        marked = self._failed.get((manifest.tenant, manifest.session_id))
+        if marked == manifest.generation and not manifest.writeback_failed:
+            return manifest.evolve(writeback_failed=True)
+        return manifest
+
+    async def mark_writeback_failed(self, tenant: str, session_id: str, generation: int,
+                                    failed: bool) -> None:
+        """Set (or clear) ``writeback_failed`` on the session while it is at ``generation``.
+        Loads report a mark at once, even one whose persisting failed (a full medium can
+        refuse the manifest write too; the error propagates)."""
+        ref = (tenant, session_id)
+        async with self.write(tenant, session_id):
+            if not failed and self._failed.get(ref) == generation:
+                del self._failed[ref]
+            raw = await self.meta.get(manifest_key(tenant, session_id))
+            try:
+                manifest = None if raw is None else SessionManifest.decode(raw)
+            except ChunkCorrupt:
+                return  # its loads report the corruption
+            if manifest is None or manifest.generation != generation:
+                return  # deleted or spilled again since
+            if failed:
+                self._failed[ref] = generation
+            if manifest.writeback_failed != failed:
+                await self.put(manifest.evolve(writeback_failed=failed))
 
     async def load_required(self, tenant: str, session_id: str) -> SessionManifest:
         manifest = await self.load(tenant, session_id)
@@ -72,7 +103,7 @@ class Catalog:
         out = []
         for key, value in await self.meta.scan(prefix):
             try:
-                out.append(SessionManifest.decode(value))
+                out.append(self._with_mark(SessionManifest.decode(value)))
             except ChunkCorrupt as exc:
                 log.error("skipping corrupt manifest %s: %s", key, exc)
         return out
@@ -85,6 +116,9 @@ class Catalog:
             {manifest_key(manifest.tenant, manifest.session_id): manifest.encode()},
             acquire=acquire, release=release,
         )
+        ref = (manifest.tenant, manifest.session_id)
+        if self._failed.get(ref, manifest.generation) != manifest.generation:
+            del self._failed[ref]  # an older generation's mark
         self.held += new  # counted once its manifest is committed
         self._usage.record(manifest)
         return freed
@@ -94,6 +128,7 @@ class Catalog:
         """Delete the session's manifest; returns the chunks left unreferenced."""
         freed = await self._ledger.commit({manifest_key(tenant, session_id): None},
                                           release=release)
+        self._failed.pop((tenant, session_id), None)
         self.held -= 1
         self._usage.forget(tenant, session_id)
         return freed

@@ -27,7 +27,9 @@ Rules it keeps (placement details in ``kvstore.placement``):
 - Acks: ``"memory"`` returns once every chunk is in some tier and the manifest is
   committed; chunks not yet on a durable tier are queued for background write-back.
   ``"durable"`` returns once every chunk is also on a durable tier (and needs a
-  MetaStore that is itself durable, such as the disk tier's).
+  MetaStore that is itself durable, such as the disk tier's). A memory-acked session
+  whose write-back failed is marked ``writeback_failed`` until a retry makes it
+  durable (``kvstore.durability``).
 - Dedupe: chunks are shared by block key (``kvstore.keys``: dedupe domain, layout, model
   fingerprint, tokens, and the digest of the bytes) across the sessions of this manager,
   with reference counts (``kvstore.refcount``); a chunk nothing references is deleted
@@ -56,6 +58,7 @@ import numpy as np
 
 from kvstore.blocks import Blocks
 from kvstore.catalog import Catalog
+from kvstore.durability import WriteBackFailures
 from kvstore.errors import InvalidRequest
 from kvstore.locks import KeyedLocks
 from kvstore.maintenance import DeleteResult, GarbageReport, Maintenance
@@ -81,6 +84,9 @@ class ManagerConfig:
     io_concurrency: int = 8  # chunk moves in flight per spill, restore or prefetch
     restore_lookahead: int = 8  # chunks a streamed restore fetches ahead of the reader
     unavailable_cooldown_s: float = 1.0  # how long a tier that failed is skipped
+    # A failed write-back is retried after this, doubling up to the max (kvstore.durability)
+    writeback_retry_s: float = 0.5
+    writeback_retry_max_s: float = 30.0
     # Spills without a hint get one inferred from past sessions (kvstore.pause_estimate);
     # only a hint-aware policy (HintPolicy) acts on it.
     infer_hints: bool = True
@@ -137,9 +143,16 @@ class TierManager:
         )
         blocks = Blocks(self._stack, self._ledger, locks, self.counters,
                         io_concurrency=config.io_concurrency)
+        self._failures = WriteBackFailures(self._catalog, blocks, self.counters,
+                                           spawn=self._spawn,
+                                           retry_s=config.writeback_retry_s,
+                                           retry_max_s=config.writeback_retry_max_s)
+        blocks.on_freed = self._failures.poke
         self._writeback = WriteBackQueue(
-            blocks.write_back, depth=config.writeback_depth, workers=config.writeback_workers
+            self._failures.write_back, depth=config.writeback_depth,
+            workers=config.writeback_workers,
         )
+        self._failures.attach(self._writeback)
         parts = (self._catalog, blocks, self._stack, locks, self._ledger, self.counters)
         self._spiller = Spiller(*parts, self._writeback, pauses=self._pauses,
                                 durable_meta=not isinstance(meta, MemoryMetaStore),
@@ -286,6 +299,7 @@ class TierManager:
     async def close(self) -> None:
         """Drain, then close every tier and the MetaStore."""
         await self.drain()
+        await self._failures.close()  # chunks still failing stay marked
         await self._writeback.close()
         for tier in self.tiers:
             await tier.close()

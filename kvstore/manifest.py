@@ -87,6 +87,9 @@ class SessionManifest:
     dedupe_scope: str = ""  # the dedupe domain they bind (kvstore.keys.dedupe_scope)
     spill_digest: str = ""  # content digest of the spill that wrote this generation
     receipt: SpillReceipt | None = None  # what that spill answered
+    # A write-back of a memory-acked chunk failed: the session may not survive a restart
+    # (kvstore.durability). Absent from older manifests: False.
+    writeback_failed: bool = False
 
     def __post_init__(self) -> None:
         check_name("tenant", self.tenant)
@@ -142,6 +145,7 @@ class SessionManifest:
             "dedupe_scope": self.dedupe_scope,
             "spill_digest": self.spill_digest,
             "receipt": None if self.receipt is None else asdict(self.receipt),
+            "writeback_failed": self.writeback_failed,
         }
         body = json.dumps(head, separators=(",", ":")).encode()
         out = _HEAD.pack(MAGIC, VERSION, len(body)) + body + self.token_ids.tobytes() + self.tail
@@ -187,6 +191,7 @@ class SessionManifest:
                 dedupe_scope=head["dedupe_scope"],
                 spill_digest=head["spill_digest"],
                 receipt=None if head["receipt"] is None else SpillReceipt(**head["receipt"]),
+                writeback_failed=bool(head.get("writeback_failed", False)),
             )
         except ChunkCorrupt:
             raise

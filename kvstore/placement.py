@@ -7,7 +7,8 @@ the index of what the tier holds (rebuilt from ``Tier.keys`` on open). Rules:
 - A block goes to the highest tier with room; making room evicts the policy's victims.
 - An evicted block moves down to the next tier that holds it already or takes it (which
   may evict there in turn); it is simply dropped only if another copy exists elsewhere.
-  The last intact copy of a referenced chunk is never dropped: the tier counts as full.
+  The last intact copy of a referenced chunk is never dropped, nor its last durable copy
+  for a volatile one: the tier counts as full.
 - Window blobs (keys under ``WINDOW_PREFIX``) only live in tiers with ``holds_window``;
   one that would have to move lower is dropped and ``on_window_dropped`` is told.
 - A read tries the tiers believed to hold the block, highest first, then the others,
@@ -251,9 +252,12 @@ class TierStack:
         intact = data is not None and self._intact(data)
         held_below = [i for i in self.holders(key) if i > j]
         target = await self.place(key, data, start=j + 1) if intact else None
-        elsewhere = any(i != j for i in self.holders(key))
-        if target is None and intact and not window and not elsewhere:
-            return False  # the last copy of a referenced chunk stays
+        # Another copy that keeps what this one gives: a durable tier's copy is only
+        # replaced by another durable one (a durable ack must survive the eviction).
+        elsewhere = any(i != j and (self.tiers[i].durable or not tier.durable)
+                        for i in self.holders(key))
+        if intact and not window and not elsewhere:
+            return False  # the last (durable) copy of a referenced chunk stays
         if target is not None and target not in held_below:
             self.counters.demotions[self.tiers[target].name] += 1
         if not await self.delete(j, key, evicted=True):

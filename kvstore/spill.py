@@ -49,7 +49,7 @@ from kvstore.refcount import RefLedger
 from kvstore.stats import Counters
 from kvstore.tiers.base import Buffer
 from kvstore.validate import check_spill, check_window, chunk_bytes_max, restored_chunk_check
-from kvstore.writeback import WriteBackQueue
+from kvstore.writeback import WriteBack, WriteBackQueue
 
 Ack = Literal["memory", "durable"]
 log = logging.getLogger(__name__)
@@ -202,7 +202,7 @@ class Spiller:
             if old is not None and old.window_key is not None:
                 await self._blocks.drop(old.window_key)
         for key in (k for k, wants_writeback in zip(keys, queued, strict=True) if wants_writeback):
-            await self._writeback.submit(key)
+            await self._writeback.submit(WriteBack(key, tenant, session_id, generation))
         self._counters.spills += 1
         return manifest
 

@@ -25,7 +25,8 @@ class Counters:
     dedupe_hits: int = 0  # spilled chunks some tier already held
     windows_dropped: int = 0  # window blobs evicted below the window tiers
     writeback_done: int = 0
-    writeback_failed: int = 0
+    writeback_failed: int = 0  # chunk write-back attempts that failed
+    writeback_failed_sessions: int = 0  # session generations marked writeback_failed
     freed_chunks: int = 0  # chunks deleted everywhere at reference count zero
     hits: Counter[str] = field(default_factory=Counter)  # reads served, per tier
     bytes_read: Counter[str] = field(default_factory=Counter)

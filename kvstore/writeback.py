@@ -4,7 +4,8 @@ A spill acknowledged "in memory" enqueues the keys of its new chunks here and re
 few worker tasks drain the queue, reading each chunk from whichever tier holds it by
 then. The queue is bounded, so spills wait (back-pressure) rather than pile up unbounded
 bytes in volatile tiers when the durable tier is slower than they are; its depth is
-exported as a gauge.
+exported as a gauge. Each job names the session whose spill queued it, so a failure can
+be reported on that session (``kvstore.durability``).
 """
 
 from __future__ import annotations
@@ -12,10 +13,21 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[str], Awaitable[None]]
+
+class WriteBack(NamedTuple):
+    """One chunk to copy to a durable tier, for the spill of ``generation`` that acked it."""
+
+    key: str
+    tenant: str
+    session_id: str
+    generation: int
+
+
+Handler = Callable[[WriteBack], Awaitable[None]]
 
 
 class WriteBackQueue:
@@ -23,7 +35,7 @@ class WriteBackQueue:
         if depth < 1 or workers < 1:
             raise ValueError(f"depth and workers must be >= 1, got {depth}, {workers}")
         self._handler = handler
-        self._queue: asyncio.Queue[str] = asyncio.Queue(maxsize=depth)
+        self._queue: asyncio.Queue[WriteBack] = asyncio.Queue(maxsize=depth)
         self._workers = [asyncio.create_task(self._work()) for _ in range(workers)]
         self.failures = 0
         self._pending = 0  # submitted and not yet written (queued, waiting or in a worker)
@@ -37,13 +49,13 @@ class WriteBackQueue:
     def capacity(self) -> int:
         return self._queue.maxsize
 
-    async def submit(self, key: str) -> None:
-        """Queue ``key`` for write-back; waits while the queue is full."""
+    async def submit(self, job: WriteBack) -> None:
+        """Queue ``job`` for write-back; waits while the queue is full."""
         if not self._workers:
             raise RuntimeError("write-back queue is closed")
         self._pending += 1
         try:
-            await self._queue.put(key)
+            await self._queue.put(job)
         except BaseException:
             self._pending -= 1
             raise
@@ -62,12 +74,13 @@ class WriteBackQueue:
 
     async def _work(self) -> None:
         while True:
-            key = await self._queue.get()
+            job = await self._queue.get()
             try:
-                await self._handler(key)
-            except Exception:  # one bad write must not stop the worker; the handler logs
+                await self._handler(job)
+            except Exception as exc:  # one bad write must not stop the worker
                 self.failures += 1
-                log.exception("write-back of %s failed", key)
+                log.warning("write-back of %s (%s/%s) failed: %s", job.key, job.tenant,
+                            job.session_id, exc)
             finally:
                 self._pending -= 1
                 self._queue.task_done()

@@ -326,7 +326,8 @@ class AsyncClient:
             window=streams, window_start=start, window_tier=header.window_tier,
             replay_needed=window is None and bool(spec.ephemeral_streams),
             replayed=summary.replayed, replay_tokens=summary.replay_tokens, tier=summary.tier,
-            restore_seconds=summary.restore_seconds, replay_seconds=summary.replay_seconds)
+            restore_seconds=summary.restore_seconds, replay_seconds=summary.replay_seconds,
+            writeback_failed=header.writeback_failed)
 
     async def restore_layers(self, tenant: str, session_id: str) -> AsyncIterator[LayerSlice]:
         """Each (stream, layer) of the whole session as soon as it has arrived, layer 0 of

@@ -63,3 +63,6 @@ class RestoredSession:
     tier: str  # lowest tier any block came from
     restore_seconds: float
     replay_seconds: float
+    # The server's write-back of this memory-acked generation failed: until it succeeds
+    # (the server retries), the session does not survive a server restart.
+    writeback_failed: bool = False

@@ -157,7 +157,7 @@ class RestoreRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., layer_by_layer: _Optional[bool] = ..., want_window: _Optional[bool] = ..., use_shared_memory: _Optional[bool] = ..., reply_lease: _Optional[str] = ...) -> None: ...
 
 class SessionHeader(_message.Message):
-    __slots__ = ("layout_id", "generation", "num_tokens", "token_ids", "chunk_keys", "window_available", "replay_needed", "window_tier", "reply_segment", "chunk_digests", "tail_digest", "model_fingerprint", "dedupe_domain")
+    __slots__ = ("layout_id", "generation", "num_tokens", "token_ids", "chunk_keys", "window_available", "replay_needed", "window_tier", "reply_segment", "chunk_digests", "tail_digest", "model_fingerprint", "dedupe_domain", "writeback_failed")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class SessionHeader(_message.Message):
     TAIL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DEDUPE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    WRITEBACK_FAILED_FIELD_NUMBER: _ClassVar[int]
     layout_id: str
     generation: int
     num_tokens: int
@@ -184,7 +185,8 @@ class SessionHeader(_message.Message):
     tail_digest: bytes
     model_fingerprint: str
     dedupe_domain: str
-    def __init__(self, layout_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., chunk_keys: _Optional[_Iterable[str]] = ..., window_available: _Optional[bool] = ..., replay_needed: _Optional[bool] = ..., window_tier: _Optional[str] = ..., reply_segment: _Optional[_Union[SharedMemoryLease, _Mapping]] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., tail_digest: _Optional[bytes] = ..., model_fingerprint: _Optional[str] = ..., dedupe_domain: _Optional[str] = ...) -> None: ...
+    writeback_failed: bool
+    def __init__(self, layout_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., chunk_keys: _Optional[_Iterable[str]] = ..., window_available: _Optional[bool] = ..., replay_needed: _Optional[bool] = ..., window_tier: _Optional[str] = ..., reply_segment: _Optional[_Union[SharedMemoryLease, _Mapping]] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., tail_digest: _Optional[bytes] = ..., model_fingerprint: _Optional[str] = ..., dedupe_domain: _Optional[str] = ..., writeback_failed: _Optional[bool] = ...) -> None: ...
 
 class RestoredChunk(_message.Message):
     __slots__ = ("index", "tier", "payload")
@@ -307,7 +309,7 @@ class DeleteReply(_message.Message):
     def __init__(self, chunks_released: _Optional[int] = ..., chunks_freed: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session", "layout_id", "generation", "num_tokens", "chunks", "window_tier", "last_access_unix", "tiers")
+    __slots__ = ("session", "layout_id", "generation", "num_tokens", "chunks", "window_tier", "last_access_unix", "tiers", "writeback_failed")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +318,7 @@ class SessionInfo(_message.Message):
     WINDOW_TIER_FIELD_NUMBER: _ClassVar[int]
     LAST_ACCESS_UNIX_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    WRITEBACK_FAILED_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     layout_id: str
     generation: int
@@ -324,7 +327,8 @@ class SessionInfo(_message.Message):
     window_tier: str
     last_access_unix: float
     tiers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., layout_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., window_tier: _Optional[str] = ..., last_access_unix: _Optional[float] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
+    writeback_failed: bool
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., layout_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., window_tier: _Optional[str] = ..., last_access_unix: _Optional[float] = ..., tiers: _Optional[_Iterable[str]] = ..., writeback_failed: _Optional[bool] = ...) -> None: ...
 
 class TierStat(_message.Message):
     __slots__ = ("name", "capacity_bytes", "used_bytes", "items", "available", "lookups", "hits")

@@ -82,7 +82,10 @@ class _ManagerCollector(Collector):
             "dedupe_hits": ("Spilled chunks a tier already held", c["dedupe_hits"]),
             "windows_dropped": ("Window blobs dropped (replay needed)", c["windows_dropped"]),
             "writeback_done": ("Chunks written back to a durable tier", c["writeback_done"]),
-            "writeback_failed": ("Write-backs that failed", c["writeback_failed"]),
+            "writeback_failed": ("Chunk write-back attempts that failed", c["writeback_failed"]),
+            "writeback_failures": ("Memory-acked session generations whose write-back "
+                                   "failed (marked writeback_failed until durable)",
+                                   c["writeback_failed_sessions"]),
             "freed_chunks": ("Chunks deleted at reference count zero", c["freed_chunks"]),
         }
         for name, (doc, value) in totals.items():

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.codec import DecodedChunk, decode_chunk
-from kvstore.errors import PreconditionFailed, TierFull
+from kvstore.errors import DataLoss, PreconditionFailed, TierFull
 from kvstore.keys import chunk_digest, shared_domain, split_block_key
 from kvstore.layout import LayoutSpec
 from kvstore.manager import TierManager
+from kvstore.restore import RestoredChunk
 from kvstore.tiers.base import Buffer
 from proto import kvtier_pb2 as pb
 from services.replay.hook import ReplayBackend
@@ -91,11 +92,12 @@ class RestoreStreamer:
                     dedupe_domain=shared_domain(m.dedupe_scope),
                     window_available=held, replay_needed=replay,
                     window_tier=window_tier or (m.window_tier or "") if held else "",
+                    writeback_failed=m.writeback_failed,
                     reply_segment=self.leases.describe(lease) if lease is not None else None))
                 chunks: list[Buffer] = []
                 tiers: set[str] = set()
                 keep = opts.layer_by_layer or (opts.resume and replay)
-                async for chunk in reader.chunks():
+                async for chunk in _explained(reader.chunks(), m.writeback_failed):
                     tiers.add(chunk.tier)
                     if keep:
                         chunks.append(chunk.data)
@@ -164,6 +166,20 @@ class RestoreStreamer:
                 for chunk_index, chunk in enumerate(decoded):
                     yield _section(chunk, sums[chunk_index], index, stream.name, layer,
                                    chunk_index)
+
+
+async def _explained(chunks: AsyncIterator[RestoredChunk], writeback_failed: bool
+                     ) -> AsyncIterator[RestoredChunk]:
+    """``chunks``, with a lost chunk of a session whose write-back failed said to be that:
+    a memory ack that did not survive, which Stat reported."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except DataLoss as exc:
+        if not writeback_failed:
+            raise
+        raise DataLoss(f"{exc} (this generation was acked in memory and its write-back to "
+                       "a durable tier failed)") from exc
 
 
 def _checksums(chunk: DecodedChunk) -> dict[tuple[int, int, int], int]:

@@ -317,7 +317,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             session=pb.SessionRef(tenant=m.tenant, session_id=m.session_id),
             layout_id=m.layout_id, generation=m.generation, num_tokens=m.num_tokens,
             chunks=len(m.chunk_keys), window_tier=m.window_tier or "",
-            last_access_unix=m.last_access, tiers=tiers_holding(self.manager, m.chunk_keys))
+            last_access_unix=m.last_access, tiers=tiers_holding(self.manager, m.chunk_keys),
+            writeback_failed=m.writeback_failed)
 
 
 def _own_session(ref: pb.SessionRef, field_name: str = "session") -> tuple[str, str]:
