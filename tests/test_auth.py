@@ -59,11 +59,13 @@ async def test_cross_tenant_calls_are_denied_and_answer_nothing(tmp_path):
             "spill": spill_one(beta, "acme", "probe"),
             # A session that does not exist is denied alike: no existence oracle.
             "stat missing": beta.stat("acme", "nothing-here"),
+            "quota usage": beta.stat(usage_of="acme"),
         }
         for name, call in denied.items():
             with pytest.raises(PermissionDenied, match="tenant 'beta'"):
                 await call
                 pytest.fail(f"{name} was answered")
+        assert (await beta.stat(usage_of="beta")).HasField("tenant_usage")
         # An empty filter lists the caller's own sessions only.
         assert [s.session.tenant for s in await beta.list()] == ["beta"]
         # Same bytes spilled by beta into its own domain: no dedupe against acme's.

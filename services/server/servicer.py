@@ -283,8 +283,10 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         if request.session.tenant or request.session.session_id:
             tenant, session_id = _own_session(request.session)
             session = self._info(await self.manager.get_manifest(tenant, session_id))
-        usage = _tenant_usage(self.manager.tenant_usage(request.tenant)) \
-            if request.tenant else None
+        usage = None
+        if request.tenant:
+            auth.check_tenant(request.tenant)  # another tenant's use is its own business
+            usage = _tenant_usage(self.manager.tenant_usage(request.tenant))
         stats = await self.manager.stat()
         self.metrics.update(stats)
         lookups = tier_lookups(stats)
