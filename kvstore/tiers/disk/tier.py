@@ -43,6 +43,7 @@ from kvstore.errors import ChunkCorrupt, ChunkNotFound, InvalidRequest, TierFull
 from kvstore.tiers.base import Buffer, Tier
 from kvstore.tiers.disk import metalog
 from kvstore.tiers.disk.fs import OS, FileSystem
+from kvstore.tiers.disk.headroom import DEFAULT_RESERVE_BYTES, check_room
 from kvstore.tiers.disk.index import (
     DeleteOp,
     DiskIndex,
@@ -85,15 +86,18 @@ class DiskTier(Tier):
                  durable: bool = True, writer: bool = True, map_size: int = 64 << 30,
                  commit_interval_s: float = 0.002, max_pending_bytes: int = 256 * MiB,
                  clock: Callable[[], float] = time.time, fs: FileSystem = OS,
-                 reclaim_dead_fraction: float = 1.0, reclaim_interval_s: float = 5.0) -> None:
+                 reclaim_dead_fraction: float = 1.0, reclaim_interval_s: float = 5.0,
+                 reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> None:
         """``fs``: the seam every segment-file call goes through (``fs.py``);
         ``reclaim_dead_fraction`` (below 1: on): the writer rewrites sealed segments at
-        least that dead itself, at most once per ``reclaim_interval_s`` (``reclaim.py``)."""
+        least that dead itself, at most once per ``reclaim_interval_s`` (``reclaim.py``);
+        ``reserve_bytes``: free space on the medium that puts leave (``headroom.py``)."""
         super().__init__(capacity_bytes)
         self.clock = clock  # wall-clock seconds that TTLs are set and judged by
         if segment_bytes <= 0:
             raise ValueError(f"segment_bytes must be > 0, got {segment_bytes}")
         self.path = Path(path)
+        self.reserve_bytes = reserve_bytes
         self.segment_dir = self.path / "segments"
         self.fs = fs
         fs.mkdir(self.segment_dir)
@@ -193,6 +197,7 @@ class DiskTier(Tier):
             if self.used_bytes + delta > self.capacity_bytes:
                 raise TierFull(f"disk tier: {view.nbytes} bytes for {key!r} do "
                                f"not fit ({self.used_bytes} of {self.capacity_bytes} used)")
+            check_room(self.path, view.nbytes, self.reserve_bytes)
             try:
                 entry = await self._append(kb, [header, kb, view], view.nbytes, checksum,
                                            expires)
@@ -225,6 +230,7 @@ class DiskTier(Tier):
                 raise TierFull(f"disk tier: a batch of {len(prepared)} values "
                                f"needs {growth} more bytes ({self.used_bytes} of "
                                f"{self.capacity_bytes} used)")
+            check_room(self.path, growth, self.reserve_bytes)
             ready: list[tuple] = []  # enqueue arguments, queued once all are appended
             try:
                 for (kb, view, header, checksum), (delta, count) in zip(prepared, plans,
@@ -395,18 +401,13 @@ class DiskTier(Tier):
             async with self._append_lock:  # an append in flight queues its entry first
                 self._closed = True
             self.reclaimer.cancel()
-            try:
-                await self.pipeline.close()  # LMDB must not close under a commit's thread
-            finally:
-                await self._release()
-
-    async def _release(self) -> None:
-        if self._appender is not None:
-            await self._appender.close()
-        self.files.close()
-        self.index.close()
-        self.writer_lock.release()
-        self.compact_lock.release()
+            await self.pipeline.close()  # LMDB must not close under a commit's thread
+            if self._appender is not None:
+                await self._appender.close()
+            self.files.close()
+            self.index.close()
+            self.writer_lock.release()
+            self.compact_lock.release()
 
     # compaction primitives (see disk_compaction for the protocol)
 
