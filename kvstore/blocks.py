@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 
-from kvstore.errors import DataLoss, TierFull
+from kvstore.errors import DataLoss, TierUnavailable
 from kvstore.locks import KeyedLocks
-from kvstore.placement import TierStack
+from kvstore.placement import TierStack, not_placed
 from kvstore.refcount import RefLedger
 from kvstore.stats import Counters
 from kvstore.tiers.base import Buffer
@@ -73,11 +73,14 @@ class Blocks:
     def any_durable(self, tiers: Iterable[int]) -> bool:
         return any(self._stack.tiers[i].durable for i in tiers)
 
-    async def copy_to_durable(self, key: str, data: Buffer) -> bool:
+    async def copy_to_durable(self, key: str, data: Buffer,
+                              unavailable: list[TierUnavailable] | None = None) -> bool:
         """Put ``key`` in the first durable tier that holds or takes it; False if none
-        did. The caller holds the key's lock."""
+        did (``unavailable`` collects the outages among them, as ``TierStack.place``).
+        The caller holds the key's lock."""
         for j in self.durable:
-            if await self._stack.place(key, data, start=j, stop=j + 1) is not None:
+            if await self._stack.place(key, data, start=j, stop=j + 1,
+                                       unavailable=unavailable) is not None:
                 return True
         return False
 
@@ -94,8 +97,9 @@ class Blocks:
             except DataLoss:
                 self._counters.writeback_failed += 1
                 raise
-            if await self.copy_to_durable(key, data):
+            unavailable: list[TierUnavailable] = []
+            if await self.copy_to_durable(key, data, unavailable):
                 self._counters.writeback_done += 1
                 return
             self._counters.writeback_failed += 1
-            raise TierFull(f"no durable tier took chunk {key} for write-back")
+            raise not_placed(f"no durable tier took chunk {key} for write-back", unavailable)

@@ -52,6 +52,15 @@ def is_window_key(key: str) -> bool:
     return key.startswith(WINDOW_PREFIX)
 
 
+def not_placed(what: str, unavailable: Sequence[TierUnavailable]) -> TierFull | TierUnavailable:
+    """The error for a block no tier took (``what`` says which): ``TierUnavailable`` when
+    a tier that could have taken it was out (``place``'s ``unavailable``), so an outage
+    does not read as a full medium; ``TierFull`` when the tiers were truly full."""
+    if unavailable:
+        return TierUnavailable(f"{what}: {unavailable[0]}")
+    return TierFull(what)
+
+
 class Residency(Protocol):
     """Told when a tier starts or stops being believed to hold a block."""
 

@@ -35,14 +35,14 @@ from kvstore.errors import (
     GenerationConflict,
     InvalidRequest,
     StaleGeneration,
-    TierFull,
+    TierUnavailable,
 )
 from kvstore.keys import check_fingerprint, chunk_digest, dedupe_scope, token_bytes
 from kvstore.layout import LayoutSpec, get_layout
 from kvstore.locks import KeyedLocks
 from kvstore.manifest import SessionManifest, SpillReceipt, check_name
 from kvstore.pause_estimate import PauseEstimator
-from kvstore.placement import WINDOW_PREFIX, Check, TierStack
+from kvstore.placement import WINDOW_PREFIX, Check, TierStack, not_placed
 from kvstore.policy import ResumeHint
 from kvstore.quota import QuotaGate, Reservation, TenantUsage, demote_out_of_memory
 from kvstore.refcount import RefLedger
@@ -321,9 +321,10 @@ class Spiller:
                 return False, size
             if ack == "memory":
                 return bool(self._blocks.durable), size
-            if await self._blocks.copy_to_durable(key, data):
+            unavailable: list[TierUnavailable] = []
+            if await self._blocks.copy_to_durable(key, data, unavailable):
                 return False, size
-            raise TierFull(f"no durable tier took chunk {key} ({size} B)")
+            raise not_placed(f"no durable tier took chunk {key} ({size} B)", unavailable)
 
     async def _store_chunk(self, key: str, data: Buffer, hint: ResumeHint | None, ack: Ack,
                            protect: frozenset[str], start: int) -> tuple[bool, bool]:
@@ -333,20 +334,23 @@ class Spiller:
             self._stack.touch(key, hint)
             holders = await self._stack.confirmed_holder(key)
             held = bool(holders)
+            unavailable: list[TierUnavailable] = []  # outages, told apart from full tiers
             if held:
                 self._counters.dedupe_hits += 1
             else:
-                placed = await self._stack.place(key, data, protect=protect, start=start)
+                placed = await self._stack.place(key, data, protect=protect, start=start,
+                                                 unavailable=unavailable)
                 if placed is None:
-                    raise TierFull(f"no tier has room for chunk {key} ({len(data)} B)")
+                    raise not_placed(f"no tier has room for chunk {key} ({len(data)} B)",
+                                     unavailable)
                 holders = [placed]
             if self._blocks.any_durable(holders):
                 return False, held
             if ack == "memory":
                 return bool(self._blocks.durable), held
-            if await self._blocks.copy_to_durable(key, data):
+            if await self._blocks.copy_to_durable(key, data, unavailable):
                 return False, held
-            raise TierFull(f"no durable tier took chunk {key} ({len(data)} B)")
+            raise not_placed(f"no durable tier took chunk {key} ({len(data)} B)", unavailable)
 
     async def _store_window(self, key: str, data: Buffer, hint: ResumeHint | None
                             ) -> str | None:

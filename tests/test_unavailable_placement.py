@@ -1,0 +1,74 @@
+"""A disk outage must not look like a full disk (issue #13): after one EIO the tier stack
+skips the disk tier for its cooldown, and a durable spill in that window is
+TierUnavailable (UNAVAILABLE: retry later), not TierFull (RESOURCE_EXHAUSTED: free
+space); once the cooldown ends the healed disk takes spills again."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import errno
+
+import pytest
+
+from kvstore.errors import TierFull, TierUnavailable
+from kvstore.manager import MANAGER_PRESETS, TierManager
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk.faultfs import FaultyFileSystem
+from kvstore.tiers.disk.power_loss import TENANT, Spill, crash_layout, session_args
+from kvstore.tiers.host import HostTier
+
+COOLDOWN_S = 1.0
+
+
+async def open_manager(tmp_path, fs: FaultyFileSystem, with_memory: bool
+                       ) -> tuple[TierManager, DiskTier]:
+    disk = DiskTier(tmp_path, 1 << 26, segment_bytes=1 << 16, fs=fs)
+    tiers = [HostTier(1 << 24, pin_memory=False), disk] if with_memory else [disk]
+    config = dataclasses.replace(MANAGER_PRESETS["default"],
+                                 unavailable_cooldown_s=COOLDOWN_S)
+    return await TierManager.open(tiers, disk.meta, config=config), disk
+
+
+async def spill(manager: TierManager, session: str, generation: int) -> dict:
+    args = session_args(crash_layout(), Spill(session, generation, 40))
+    await manager.spill(TENANT, session, generation=generation, ack="durable", **args)
+    return args
+
+
+@pytest.mark.parametrize("with_memory", [False, True], ids=["disk-only", "host-over-disk"])
+async def test_spill_in_an_outage_cooldown_is_unavailable_not_full(tmp_path, with_memory):
+    fs = FaultyFileSystem()
+    manager, disk = await open_manager(tmp_path, fs, with_memory)
+    stack = manager._stack
+    j = stack.index(disk.name)
+    kept = await spill(manager, "before", 1)
+    fs.fail("write", errno.EIO)  # one failed write: the disk is healthy again after it
+    with pytest.raises(TierUnavailable):
+        await spill(manager, "hit", 1)
+    assert fs.injected == {"write": 1} and not stack.up(j)
+    writes = fs.calls["write"]
+    with pytest.raises(TierUnavailable) as raised:  # the old main raised TierFull here
+        await spill(manager, "in-cooldown", 1)
+    assert not isinstance(raised.value, TierFull)
+    assert fs.calls["write"] == writes, "the disk was skipped, not asked"
+    assert not stack.up(j), "the spill ran within the cooldown"
+    while not stack.up(j):  # the cooldown ends; nothing else changed
+        await asyncio.sleep(COOLDOWN_S / 20)
+    after = await spill(manager, "after", 1)
+    for session, args in (("before", kept), ("after", after)):
+        got = await manager.restore(TENANT, session)
+        assert [bytes(c) for c in got.chunks] == [bytes(c) for _, c in args["chunks"]]
+    await manager.close()
+
+
+async def test_a_truly_full_durable_tier_is_still_full(tmp_path):
+    fs = FaultyFileSystem()
+    manager, disk = await open_manager(tmp_path, fs, with_memory=True)
+    fs.fail("write", errno.ENOSPC, times=None)  # the medium is full, not out
+    with pytest.raises(TierFull):
+        await spill(manager, "full", 1)
+    assert manager._stack.up(manager._stack.index(disk.name))
+    fs.heal()
+    await spill(manager, "room-again", 1)
+    await manager.close()
