@@ -62,7 +62,13 @@ class Catalog:
             manifest = SessionManifest.decode(raw)
         except ChunkCorrupt as exc:
             raise DataLoss(f"the manifest of {tenant}/{session_id} is corrupt: {exc}") from exc
-        return self._with_mark(manifest)
+        return self._with_mark(self._localized(manifest))
+
+    def _localized(self, manifest: SessionManifest) -> SessionManifest:
+        """Another node's window is in that node's memory: here it is absent (replay)."""
+        if manifest.node_id == self.meta.node_id or manifest.window_key is None:
+            return manifest
+        return manifest.evolve(window_tier=None, window_key=None)
 
     def _with_mark(self, manifest: SessionManifest) -> SessionManifest:
         marked = self._failed.get((manifest.tenant, manifest.session_id))
@@ -103,7 +109,7 @@ class Catalog:
         out = []
         for key, value in await self.meta.scan(prefix):
             try:
-                out.append(self._with_mark(SessionManifest.decode(value)))
+                out.append(self._with_mark(self._localized(SessionManifest.decode(value))))
             except ChunkCorrupt as exc:
                 log.error("skipping corrupt manifest %s: %s", key, exc)
         return out
@@ -112,6 +118,8 @@ class Catalog:
                   release: Sequence[str] = (), new: bool = False) -> list[str]:
         """Commit ``manifest`` with its reference changes (``new``: the session had no
         manifest). Returns the chunks left unreferenced: the caller frees them."""
+        if manifest.node_id != self.meta.node_id:
+            manifest = manifest.evolve(node_id=self.meta.node_id)
         freed = await self._ledger.commit(
             {manifest_key(manifest.tenant, manifest.session_id): manifest.encode()},
             acquire=acquire, release=release,

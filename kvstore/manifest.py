@@ -90,6 +90,9 @@ class SessionManifest:
     # A write-back of a memory-acked chunk failed: the session may not survive a restart
     # (kvstore.durability). Absent from older manifests: False.
     writeback_failed: bool = False
+    # The node that wrote this generation, where metadata is shared by a fleet
+    # (docs/fleet.md): its window lives in that node's memory only. "" on a single node.
+    node_id: str = ""
 
     def __post_init__(self) -> None:
         check_name("tenant", self.tenant)
@@ -146,6 +149,7 @@ class SessionManifest:
             "spill_digest": self.spill_digest,
             "receipt": None if self.receipt is None else asdict(self.receipt),
             "writeback_failed": self.writeback_failed,
+            "node_id": self.node_id,
         }
         body = json.dumps(head, separators=(",", ":")).encode()
         out = _HEAD.pack(MAGIC, VERSION, len(body)) + body + self.token_ids.tobytes() + self.tail
@@ -192,6 +196,7 @@ class SessionManifest:
                 spill_digest=head["spill_digest"],
                 receipt=None if head["receipt"] is None else SpillReceipt(**head["receipt"]),
                 writeback_failed=bool(head.get("writeback_failed", False)),
+                node_id=str(head.get("node_id", "")),
             )
         except ChunkCorrupt:
             raise

@@ -84,6 +84,10 @@ class Tier(abc.ABC):
 class MetaStore(abc.ABC):
     """Small durable records (session manifests, reference counts) with atomic batches."""
 
+    # The node whose manifests this store writes, where several nodes share the
+    # manifests (kvstore.tiers.shared_meta); "" where one node owns them.
+    node_id: str = ""
+
     @abc.abstractmethod
     async def get(self, key: str) -> bytes | None: ...
 

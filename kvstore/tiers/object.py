@@ -63,6 +63,10 @@ class ObjectTierConfig:
     read_timeout_s: float = 10.0
     max_attempts: int = 3  # botocore's own retries ("standard" mode, with backoff)
     max_pool_connections: int = 16
+    # Shared by a fleet (docs/fleet.md): other nodes' manifests may name any chunk, so
+    # ``delete`` (a node's reference count reaching zero) keeps the object; only the
+    # fleet's mark and sweep (kvstore.fleet.collect) removes chunks, through ``purge``.
+    shared: bool = False
     # Local directory only:
     fsync: bool = True
     # Reads up to this size run on the event loop: from the page cache a 1 MiB read costs
@@ -142,6 +146,23 @@ class _LocalDirStore:
         # which the listing counts and compaction collects.
         self._path(name).unlink(missing_ok=True)
 
+    def touch(self, name: str) -> None:
+        try:
+            os.utime(self._path(name))
+        except FileNotFoundError as exc:
+            raise _Missing(name) from exc
+
+    def modified(self, name: str) -> float:
+        try:
+            return self._path(name).stat().st_mtime
+        except FileNotFoundError as exc:
+            raise _Missing(name) from exc
+
+    def dated(self) -> Iterator[tuple[str, float]]:
+        for name, _ in self.list():
+            with contextlib.suppress(FileNotFoundError):
+                yield name, self._path(name).stat().st_mtime
+
     def list(self) -> Iterator[tuple[str, int]]:
         for directory in self.root.iterdir():
             if directory.name == self.tmp.name or not directory.is_dir():
@@ -214,6 +235,33 @@ class _S3Store:
     def delete(self, name: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self.prefix + name)
 
+    def touch(self, name: str) -> None:
+        """Refresh the object's LastModified (a copy onto itself, no bytes moved here)."""
+        key = self.prefix + name
+        try:
+            self.client.copy_object(Bucket=self.bucket, Key=key, MetadataDirective="REPLACE",
+                                    CopySource={"Bucket": self.bucket, "Key": key})
+        except ClientError as exc:
+            if _is_missing(exc):
+                raise _Missing(name) from exc
+            raise
+
+    def modified(self, name: str) -> float:
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=self.prefix + name)
+        except ClientError as exc:
+            if _is_missing(exc):
+                raise _Missing(name) from exc
+            raise
+        return head["LastModified"].timestamp()
+
+    def dated(self) -> Iterator[tuple[str, float]]:
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix):
+            for item in page.get("Contents", []):
+                if item["Key"].endswith((RAW, ZSTD)):
+                    yield item["Key"][len(self.prefix):], item["LastModified"].timestamp()
+
     def list(self) -> Iterator[tuple[str, int]]:
         paginator = self.client.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix):
@@ -265,6 +313,14 @@ class ObjectTier(Tier):
     @property
     def used_bytes(self) -> int:
         return self._used
+
+    def s3_location(self) -> tuple[object, str, str]:
+        """(boto3 client, bucket, prefix) of an S3 tier, for records kept beside its
+        chunks (kvstore.tiers.shared_meta); ``InvalidRequest`` for a local directory."""
+        if not isinstance(self._store, _S3Store):
+            raise InvalidRequest(f"object tier at {self.url} is not S3: shared metadata "
+                                 "needs s3_bucket")
+        return self._store.client, self._store.bucket, self._store.prefix
 
     async def _io(self, what: str, function: Callable[..., T], *args: object,
                   inline: bool = False) -> T:
@@ -393,6 +449,12 @@ class ObjectTier(Tier):
         raise ChunkNotFound(f"object: no value under {key!r}")
 
     async def delete(self, key: str) -> int:
+        if self.config.shared:
+            return 0  # another node's manifest may name it: the fleet's sweep decides
+        return await self.purge(key)
+
+    async def purge(self, key: str) -> int:
+        """Remove ``key`` whatever ``shared`` says; the bytes freed."""
         check_key(key)
         await self._ensure_loaded()
         freed = 0
@@ -402,6 +464,36 @@ class ObjectTier(Tier):
                 freed += self._sizes.get(name, 0)
                 self._account(name, None)
         return freed
+
+    async def touch(self, key: str) -> None:
+        """Mark ``key`` as just used (its modification time), or ``ChunkNotFound``."""
+        check_key(key)
+        await self._ensure_loaded()
+        for name in self._candidates(key):
+            try:
+                return await self._io("TOUCH", self._store.touch, name)
+            except _Missing:
+                self._account(name, None)
+        raise ChunkNotFound(f"object: no value under {key!r}")
+
+    async def modified(self, key: str) -> float | None:
+        """When ``key`` was last written or touched (epoch seconds); None when absent."""
+        check_key(key)
+        for name in (key + RAW, key + ZSTD):
+            try:
+                return await self._io("HEAD", self._store.modified, name)
+            except _Missing:
+                continue
+        return None
+
+    async def dated_keys(self) -> list[tuple[str, float]]:
+        """(key, modification time as epoch seconds) of every value held."""
+        listing = await self._io("LIST", lambda: list(self._store.dated()))
+        newest: dict[str, float] = {}
+        for name, when in listing:
+            key = name[:-len(RAW)]
+            newest[key] = max(when, newest.get(key, when))
+        return list(newest.items())
 
     async def contains(self, key: str) -> bool:
         check_key(key)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -66,6 +67,10 @@ class ServerConfig:
     s3_prefix: str = "kvtier/"
     s3_region: str = ""
     object_compression_level: int = 3  # zstd on the slowest tier; -1 stores raw bytes
+    # Fleet (docs/fleet.md): "shared" keeps the manifests in the S3 bucket (compare and
+    # swap), so any server sharing it resumes any session; "local": in data_dir.
+    metadata: str = "local"
+    node_id: str = ""  # this server in the fleet; empty: hostname:port
     # Behaviour.
     default_ack: str = "memory"  # what ACK_UNSPECIFIED means
     # hint: kvstore.policy.HintPolicy (resume hints, sent or inferred; LRU order without
@@ -138,6 +143,8 @@ class ServerConfig:
             # be ignored without a word.
             raise InvalidRequest("s3_endpoint or s3_region is set but s3_bucket is empty: "
                                  "name the bucket, or unset both for a local object tier")
+        if self.metadata not in ("local", "shared"):
+            raise InvalidRequest(f"metadata must be 'local' or 'shared', got {self.metadata!r}")
         if self.default_ack not in ACKS:
             raise InvalidRequest(f"default_ack must be one of {ACKS}, got {self.default_ack!r}")
         if self.eviction not in EVICTION_POLICIES:
@@ -213,6 +220,11 @@ class ServerConfig:
     @property
     def port(self) -> int:
         return int(self.listen.rpartition(":")[2])
+
+    @property
+    def node_name(self) -> str:
+        """``node_id``, or this host's name and the listen port."""
+        return self.node_id or f"{socket.gethostname()}:{self.port}"
 
     @property
     def object_url(self) -> str:

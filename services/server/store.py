@@ -81,16 +81,32 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
             from kvstore.tiers.sealed import SealedMetaStore
 
             meta = SealedMetaStore(disk.meta, keyring)
+    shared = config.metadata == "shared"
+    if shared and not (config.s3_bucket and config.object_bytes):
+        raise InvalidRequest("metadata = 'shared' needs an S3 object tier: set s3_bucket "
+                             "(and object_bytes > 0), or metadata = 'local'")
+    if shared and keyring is not None:
+        raise InvalidRequest("metadata = 'shared' with encryption at rest is not supported "
+                             "yet (docs/fleet.md): unset one of them")
     if config.object_bytes:
         from kvstore.tiers.object import ObjectTier, ObjectTierConfig
 
         # sealed values are random bytes: zstd would only cost time
         level = config.object_compression_level if keyring is None else -1
-        tiers.append(outside(ObjectTier(config.object_url, config.object_bytes, ObjectTierConfig(
+        objects = ObjectTier(config.object_url, config.object_bytes, ObjectTierConfig(
             compression_level=None if level < 0 else level,
             endpoint_url=config.s3_endpoint or None,
             region_name=config.s3_region or None,
-        ))))
+            shared=shared,
+        ))
+        tiers.append(outside(objects))
+        if shared:  # the manifests live beside the chunks; reference counts stay here
+            from kvstore.tiers.shared_meta import SharedMetaStore
+
+            for tier in tiers[:-1]:  # node-local tiers are caches: a durable ack (and a
+                tier.durable = False  # write-back) means the shared store (docs/fleet.md)
+
+            return SharedMetaStore(objects, meta or MemoryMetaStore(), config.node_name)
     return meta if meta is not None else MemoryMetaStore()
 
 
@@ -152,8 +168,10 @@ async def open_manager(config: ServerConfig) -> TierManager:
             log.info("encryption at rest: on (key ids %s, current %s)", keyring.key_ids,
                      keyring.current)
         policy = HintPolicy if config.eviction == "hint" else LRUPolicy
-        options = {"policy": policy, "config": _preset(
-            MANAGER_PRESETS, config.manager_preset, "manager_preset"),
+        manager_config = dataclasses.replace(
+            _preset(MANAGER_PRESETS, config.manager_preset, "manager_preset"),
+            retain_unreferenced=config.retain_unreferenced)
+        options = {"policy": policy, "config": manager_config,
             "quotas": Quotas.from_tables(config.quota)}
         if keyring is None:
             return await TierManager.open(tiers, meta, **options)
