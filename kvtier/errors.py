@@ -16,10 +16,12 @@ that looks like an absolute path becomes ``<path>``; the full message is logged 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol, TypeVar, runtime_checkable
 
@@ -77,10 +79,14 @@ _PATH = re.compile(r"(?<![\w.:/~-])/[^\s'\",:;()<>\[\]{}]+")
 
 
 @runtime_checkable
-class RecordsErrors(Protocol):
-    """A servicer that counts its failed calls (the kvtier server's metrics)."""
+class RecordsCalls(Protocol):
+    """A servicer that counts its calls by final status and times them (the kvtier
+    server's metrics): errors where the call is aborted (``abort``, also for calls that
+    never reached the handler), successes and latency where the handler ends."""
 
     def record_error(self, method: str, code: grpc.StatusCode) -> None: ...
+
+    def record_done(self, method: str, seconds: float, ok: bool) -> None: ...
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
@@ -114,37 +120,70 @@ async def abort(context: grpc.aio.ServicerContext, exc: BaseException,
         log.error("unexpected error in %s", method or "an RPC", exc_info=exc)
     elif shown != message:  # the operator sees what the client does not
         log.warning("%s in %s: %s", code.name, method or "an RPC", message)
-    if isinstance(servicer, RecordsErrors):
+    if isinstance(servicer, RecordsCalls):
         servicer.record_error(method, code)
     context.set_trailing_metadata(((ERROR_KEY, error_name(exc)),))
     await context.abort(code, shown)
 
 
+class _Timed:
+    """One call's record: its latency and, when no error was recorded, its OK."""
+
+    def __init__(self, servicer: object, method: str) -> None:
+        self.servicer, self.method = servicer, method
+        self.started = time.perf_counter()
+        self.ok = False
+
+    def cancelled(self) -> None:  # the client went away: no abort, so count it here
+        if isinstance(self.servicer, RecordsCalls):
+            self.servicer.record_error(self.method, grpc.StatusCode.CANCELLED)
+
+    def done(self) -> None:
+        if isinstance(self.servicer, RecordsCalls):
+            self.servicer.record_done(self.method, time.perf_counter() - self.started,
+                                      self.ok)
+
+
 def grpc_errors(method: Handler) -> Handler:
     """Wrap a servicer method (coroutine or async generator): every failure becomes a
-    status (never a crashed stream or server)."""
+    status (never a crashed stream or server); every call is counted and timed."""
     if inspect.isasyncgenfunction(method):
 
         @functools.wraps(method)
         async def stream(self, request, context):
+            call = _Timed(self, method.__name__)
             try:
                 async for reply in method(self, request, context):
                     yield reply
+                call.ok = True
             except grpc.aio.AbortError:
+                raise
+            except (asyncio.CancelledError, GeneratorExit):
+                call.cancelled()
                 raise
             except Exception as exc:
                 await abort(context, exc, self, method.__name__)
+            finally:
+                call.done()
 
         return stream
 
     @functools.wraps(method)
     async def unary(self, request, context):
+        call = _Timed(self, method.__name__)
         try:
-            return await method(self, request, context)
+            reply = await method(self, request, context)
+            call.ok = True
+            return reply
         except grpc.aio.AbortError:
+            raise
+        except asyncio.CancelledError:
+            call.cancelled()
             raise
         except Exception as exc:
             await abort(context, exc, self, method.__name__)
+        finally:
+            call.done()
 
     return unary
 

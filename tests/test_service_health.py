@@ -67,8 +67,14 @@ async def test_metrics_endpoint_counts_lookups_and_hits_per_tier(tmp_path):
     assert samples['kvtier_tier_lookups_total{tier="host"}'] == 2
     assert samples['kvtier_tier_lookups_total{tier="disk"}'] == 1
     assert samples['kvtier_evictions_total{tier="host"}'] >= 1
-    assert samples["kvtier_restore_seconds_count"] == 2
+    # The first restore read host, the second (after the evict) disk.
+    assert samples['kvtier_restore_seconds_count{tier="host"}'] == 1
+    assert samples['kvtier_restore_seconds_count{tier="disk"}'] == 1
     assert samples["kvtier_spill_seconds_count"] == 1
+    assert samples['kvtier_requests_total{code="OK",method="Restore"}'] == 2
+    assert samples['kvtier_request_seconds_count{method="Spill"}'] == 1
+    assert samples['kvtier_tier_up{tier="disk"}'] == 1
+    assert samples['kvtier_tier_read_bytes_total{tier="disk"}'] > 0
     assert "kvtier_writeback_queue_depth" in samples
     assert samples['kvtier_tier_used_bytes{tier="disk"}'] > 0
 

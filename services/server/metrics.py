@@ -10,6 +10,13 @@ Per-tier lookups follow the cache-hierarchy convention: a read that was served b
 above never reached this one, so ``lookups[tier] = lookups - sum(hits of higher tiers)``
 and ``hits / lookups`` is the tier's own hit rate.
 
+Names follow the Prometheus conventions: units in the name (``_seconds``, ``_bytes``),
+counters end in ``_total``. Every RPC is counted by method and final status code in
+``kvtier_requests_total`` (the error ratio is its non-OK share) and timed by method in
+``kvtier_request_seconds``; restore and resume latency carry the slowest ``tier`` that
+served the session. The registry also holds the process and platform collectors and
+``kvtier_build_info``, as the default registry would.
+
 Per-tenant figures (``kvtier_tenant_*``, ``kvtier_quota_*``) carry a ``tenant`` label only
 for tenants named in a ``[quota.<tenant>]`` table; every other tenant is summed under
 ``tenant="other"``, so their number of series is bounded by the config, not by clients.
@@ -17,9 +24,19 @@ for tenants named in a ``[quota.<tenant>]`` table; every other tenant is summed 
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Iterator
+from importlib import metadata
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -51,8 +68,8 @@ class _ManagerCollector(Collector):
         per_tier = {
             "tier_lookups": ("Reads that reached the tier", tier_lookups(stats)),
             "tier_hits": ("Reads the tier served with intact bytes", c["hits"]),
-            "tier_bytes_read": ("Bytes read from the tier", c["bytes_read"]),
-            "tier_bytes_written": ("Bytes written into the tier", c["bytes_written"]),
+            "tier_read_bytes": ("Bytes read from the tier", c["bytes_read"]),
+            "tier_written_bytes": ("Bytes written into the tier", c["bytes_written"]),
             "evictions": ("Blocks the tier gave up to make room or on demotion",
                           c["evictions"]),
             "promotions": ("Blocks moved up into the tier", c["promotions"]),
@@ -69,7 +86,8 @@ class _ManagerCollector(Collector):
             "tier_used_bytes": ("Bytes held by the tier", lambda t: t.used_bytes),
             "tier_capacity_bytes": ("Configured capacity of the tier", lambda t: t.capacity_bytes),
             "tier_items": ("Blocks held by the tier", lambda t: t.items),
-            "tier_available": ("1 when the tier's medium answered", lambda t: int(t.available)),
+            "tier_up": ("1 when the tier's medium answered, 0 while it is down",
+                        lambda t: int(t.available)),
         }
         for name, (doc, value) in gauges.items():
             family = GaugeMetricFamily(f"kvtier_{name}", doc, labels=["tier"])
@@ -118,22 +136,42 @@ def _tenant_metrics(stats: ManagerStats) -> Iterator[Metric]:
     yield from (sessions, stored, limits, rejected)
 
 
+def _build_info(registry: CollectorRegistry) -> None:
+    from services.cli.version import package_version
+
+    info = Gauge("kvtier_build_info", "Always 1; the labels name what runs",
+                 ["version", "python", "torch"], registry=registry)
+    try:  # from the installed metadata: importing torch here would cost seconds
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "none"
+    info.labels(package_version(), platform.python_version(), torch_version).set(1)
+
+
 class ServiceMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self._manager = _ManagerCollector()
         self.registry.register(self._manager)
+        # Our own registry (tests run several servers) misses the default one's collectors.
+        self.registry.register(PROCESS_COLLECTOR)
+        self.registry.register(PLATFORM_COLLECTOR)
         r = self.registry
+        _build_info(r)
+        self.requests = Counter("kvtier_requests", "RPCs by method and final status code",
+                                ["method", "code"], registry=r)
+        self.request_seconds = Histogram("kvtier_request_seconds", "RPC latency by method",
+                                         ["method"], buckets=LATENCY_BUCKETS, registry=r)
         self.spill_seconds = Histogram("kvtier_spill_seconds", "Spill RPC latency",
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.restore_seconds = Histogram(
-            "kvtier_restore_seconds", "Restore and Resume: reading the session's blocks",
-            buckets=LATENCY_BUCKETS, registry=r)
+            "kvtier_restore_seconds", "Restore and Resume: reading the session's blocks, by "
+            "the slowest tier that served them", ["tier"], buckets=LATENCY_BUCKETS, registry=r)
         self.replay_seconds = Histogram("kvtier_replay_seconds", "Bounded replay latency",
                                         buckets=LATENCY_BUCKETS, registry=r)
         self.resume_seconds = Histogram(
-            "kvtier_resume_seconds", "Resume RPC: time until the session is ready to decode",
-            buckets=LATENCY_BUCKETS, registry=r)
+            "kvtier_resume_seconds", "Resume RPC: time until the session is ready to decode, "
+            "by the slowest tier that served it", ["tier"], buckets=LATENCY_BUCKETS, registry=r)
         self.replays = Counter("kvtier_replays", "Windows rebuilt by bounded replay",
                                registry=r)
         self.replayed_tokens = Counter("kvtier_replayed_tokens", "Tokens rerun by replay",
@@ -150,6 +188,18 @@ class ServiceMetrics:
         self.shm_segments = Gauge("kvtier_shm_segments", "Shared-memory segments leased "
                                   "to clients", registry=r)
         self._http = None
+
+    def record_error(self, method: str, code: str) -> None:
+        """A call that ended with the error status ``code`` (a StatusCode name)."""
+        self.rpc_errors.labels(method, code).inc()
+        self.requests.labels(method, code).inc()
+
+    def record_done(self, method: str, seconds: float, ok: bool) -> None:
+        """A call's handler finished after ``seconds``; ``ok``: without an error (errors
+        are counted where the call is aborted, by ``record_error``)."""
+        if ok:
+            self.requests.labels(method, "OK").inc()
+        self.request_seconds.labels(method).observe(seconds)
 
     def update(self, stats: ManagerStats) -> None:
         self._manager.latest = stats

@@ -116,10 +116,11 @@ class RestoreStreamer:
                     yield pb.RestoreReply(window=self._payload("", window, writer, refused))
                 tokens, tail = m.token_ids, m.tail
             restore_s = time.perf_counter() - started
-            self.metrics.restore_seconds.observe(restore_s)
             if window_tier:
                 tiers.add(window_tier)
-            summary = pb.ResumeSummary(tier=self._lowest(tiers), restore_seconds=restore_s)
+            lowest = self._lowest(tiers)
+            self.metrics.restore_seconds.labels(lowest or "none").observe(restore_s)
+            summary = pb.ResumeSummary(tier=lowest, restore_seconds=restore_s)
             if opts.resume and replay:
                 rebuilt = await backend.rebuild(spec, tokens, chunks, tail, opts.replay_tokens)
                 self.metrics.replays.inc()
@@ -131,7 +132,8 @@ class RestoreStreamer:
                 summary.replay_tokens = rebuilt.replayed_tokens
                 summary.replay_seconds = rebuilt.seconds
             if opts.resume:
-                self.metrics.resume_seconds.observe(time.perf_counter() - started)
+                self.metrics.resume_seconds.labels(lowest or "none").observe(
+                    time.perf_counter() - started)
             yield pb.RestoreReply(summary=summary)
         finally:
             if lease is not None:  # renewed: the client copies out, then may offer it again

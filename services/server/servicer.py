@@ -82,7 +82,10 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         self.limits = Limits(Bounds.from_config(config))
 
     def record_error(self, method: str, code: grpc.StatusCode) -> None:
-        self.metrics.rpc_errors.labels(method, code.name).inc()
+        self.metrics.record_error(method, code.name)
+
+    def record_done(self, method: str, seconds: float, ok: bool) -> None:
+        self.metrics.record_done(method, seconds, ok)
 
     # -- Spill --
 
