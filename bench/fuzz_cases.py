@@ -50,7 +50,7 @@ STRINGS = ("", "acme", "victim", "evil", "f1", "s1", ".", "..", "/", "../../etc/
            "a" * 65, "x" * 20_000, "\u00e9t\u00e9", "nul\x00byte", "acme/f1", "UPPER")
 METHOD_WEIGHTS = {"Spill": 30, "Restore": 12, "Resume": 8, "Prefetch": 5, "Evict": 5,
                   "Delete": 5, "Stat": 5, "List": 5, "LeaseSegment": 6,
-                  "ReleaseSegments": 4, "Rebuild": 8}
+                  "ReleaseSegments": 4, "Rebuild": 8, "Lookup": 4, "Fork": 4}
 
 
 @dataclass
@@ -452,6 +452,23 @@ class CaseGenerator:
     def adv_LeaseSegment(self) -> Case:
         size = self.rng.choice((0, 1, 4096, 1 << 20, 3 << 20, 1 << 31, 1 << 40, U64))
         return Case("LeaseSegment", "lease", _ser([pb.LeaseRequest(size=size)]))
+
+    def adv_Lookup(self) -> Case:
+        rng = self.rng
+        tokens = np.arange(rng.choice((0, 1, LAYOUT.chunk_tokens, 3 * LAYOUT.chunk_tokens)),
+                           dtype="<u4").tobytes() + b"\x01" * rng.choice((0, 0, 3))
+        request = pb.LookupRequest(tenant=self._tenant(), layout_id=rng.choice(STRINGS),
+                                   model_fingerprint=rng.choice(STRINGS),
+                                   dedupe_domain=rng.choice(("", "", "public", "x" * 300)),
+                                   token_ids=tokens)
+        return Case("Lookup", "lookup", _ser([request]))
+
+    def adv_Fork(self) -> Case:
+        rng = self.rng
+        request = pb.ForkRequest(source=self._ref(readonly=True),
+                                 new_session_id=rng.choice(("fork1", "fork2", *STRINGS)),
+                                 upto_tokens=rng.choice(INTS[F.TYPE_UINT64]))
+        return Case("Fork", "fork", _ser([request]))
 
     def adv_ReleaseSegments(self) -> Case:
         rng = self.rng

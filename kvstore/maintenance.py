@@ -21,6 +21,7 @@ from kvstore.errors import DataLoss, InvalidRequest, TierFull, TierUnavailable
 from kvstore.locks import KeyedLocks
 from kvstore.manifest import SessionManifest, check_name
 from kvstore.placement import WINDOW_PREFIX, TierStack, is_window_key
+from kvstore.prefix import Retention
 from kvstore.refcount import RefLedger
 from kvstore.stats import Counters
 
@@ -41,13 +42,14 @@ class GarbageReport:
 
 class Maintenance:
     def __init__(self, catalog: Catalog, blocks: Blocks, stack: TierStack, locks: KeyedLocks,
-                 ledger: RefLedger, counters: Counters) -> None:
+                 ledger: RefLedger, counters: Counters, *, retention: Retention) -> None:
         self._catalog = catalog
         self._blocks = blocks
         self._stack = stack
         self._locks = locks
         self._ledger = ledger
         self._counters = counters
+        self._retention = retention  # chunks left unreferenced: kept as cache, or freed
 
     async def delete(self, tenant: str, session_id: str) -> DeleteResult:
         """See ``TierManager.delete``."""
@@ -69,7 +71,8 @@ class Maintenance:
             if not condition(manifest):
                 return None
             freed = await self._catalog.remove(tenant, session_id, release=manifest.chunk_keys)
-            freed_here = await self._blocks.free(freed)
+            freed_here = await self._blocks.free(self._retention.keep(freed,
+                                                                      manifest.dedupe_scope))
             if manifest.window_key is not None:
                 await self._blocks.drop(manifest.window_key)
             return DeleteResult(len(manifest.chunk_keys), freed_here)
@@ -131,7 +134,8 @@ class Maintenance:
         return True
 
     async def collect_garbage(self, now: float | None = None) -> GarbageReport:
-        """Delete sessions idle past their ``ttl_s``, then unreferenced blocks in every tier.
+        """Delete sessions idle past their ``ttl_s``, then unreferenced blocks in every tier
+        (retained ones only once idle past ``retain_ttl_s``).
 
         ``now``: wall-clock seconds (default: the current time).
         """
@@ -142,7 +146,7 @@ class Maintenance:
                 manifest.tenant, manifest.session_id, lambda m: m.expired(now)
             ):
                 expired += 1
-        orphans = 0
+        orphans = await self._blocks.free(self._retention.expired())
         for j, tier in enumerate(self._stack.tiers):
             if not self._stack.up(j):
                 continue
@@ -163,8 +167,8 @@ class Maintenance:
         """Delete ``key`` from tier ``j`` if nothing references it. Locks are taken in the
         manager's one order, session before key, as a spill takes them."""
         if not is_window_key(key):
-            if self._ledger.count(key):
-                return False
+            if self._ledger.count(key) or self._retention.retained(key):
+                return False  # referenced, or kept as cache (until pressure or its TTL)
             async with self._locks.hold(key):
                 return not self._ledger.count(key) and await self._stack.delete(j, key)
         tenant, session_id, _ = key[len(WINDOW_PREFIX):].split("/")

@@ -12,6 +12,7 @@
 - ``restore``, ``reading``, ``prefetch``, ``read_chunk``: ``Restorer`` (kvstore.restore);
 - ``delete``, ``demote``, ``collect_garbage``: ``Maintenance`` (kvstore.maintenance);
 - ``get_manifest``, ``list_sessions``, ``session_count``: ``Catalog`` (kvstore.catalog);
+- ``lookup``: ``ChainIndex`` (kvstore.prefix); ``fork``: ``Forker`` (kvstore.fork);
 - ``where``, ``stat``, ``drain``, ``close``, ``open``, ``tiers``: here.
 
 The parts share a ``TierStack`` (kvstore.placement: where blocks live), a ``RefLedger``
@@ -33,7 +34,8 @@ Rules it keeps (placement details in ``kvstore.placement``):
 - Dedupe: chunks are shared by block key (``kvstore.keys``: dedupe domain, layout, model
   fingerprint, tokens, and the digest of the bytes) across the sessions of this manager,
   with reference counts (``kvstore.refcount``); a chunk nothing references is deleted
-  from every tier.
+  from every tier, or, with ``retain_unreferenced``, kept as a cache entry that eviction
+  takes first and ``lookup`` finds (``kvstore.prefix.Retention``).
 - Window blobs only live in tiers with ``holds_window``; when one is dropped the
   manifest's ``window_tier`` becomes None and a restore reports ``replay_needed``.
 - Quotas (``quotas=``, ``kvstore.quota``): each tenant's sessions, durable bytes and
@@ -60,12 +62,16 @@ from kvstore.blocks import Blocks
 from kvstore.catalog import Catalog
 from kvstore.durability import WriteBackFailures
 from kvstore.errors import InvalidRequest
+from kvstore.fork import Forker
+from kvstore.keys import chain_keys, check_fingerprint, dedupe_scope
+from kvstore.layout import get_layout
 from kvstore.locks import KeyedLocks
 from kvstore.maintenance import DeleteResult, GarbageReport, Maintenance
 from kvstore.manifest import SessionManifest, check_name
 from kvstore.pause_estimate import PauseEstimator
 from kvstore.placement import TierStack
 from kvstore.policy import EvictionPolicy, LRUPolicy, ResumeHint
+from kvstore.prefix import ChainIndex, LookupResult, Retention, longest_prefix
 from kvstore.quota import MemoryWatch, QuotaGate, Quotas, TenantReport, UsageLedger
 from kvstore.refcount import RefLedger
 from kvstore.restore import PrefetchResult, Restorer, RestoreResult, SessionReader
@@ -90,6 +96,11 @@ class ManagerConfig:
     # Spills without a hint get one inferred from past sessions (kvstore.pause_estimate);
     # only a hint-aware policy (HintPolicy) acts on it.
     infer_hints: bool = True
+    # Chunks whose last reference goes away stay as evictable cache (a later session
+    # with the same prefix finds them by ``lookup``), freed under pressure or once idle
+    # for retain_ttl_s (None: only under pressure); False frees them at once.
+    retain_unreferenced: bool = False
+    retain_ttl_s: float | None = None
 
 
 MANAGER_PRESETS = {
@@ -133,14 +144,23 @@ class TierManager:
         usage = UsageLedger()
         self._quotas = QuotaGate(quotas, usage)
         self._catalog = Catalog(meta, self._ledger, usage)
+        # memory tiers are the window tiers (hbm, host)
+        self._index = ChainIndex(MemoryWatch(usage, [j for j, t in enumerate(tiers)
+                                                     if t.holds_window]))
         self._stack = TierStack(
             tiers, policy, locks, self.counters,
             is_referenced=lambda key: self._ledger.count(key) > 0,
             on_window_dropped=lambda key: self._spawn(self._maintenance.forget_window(key)),
-            cooldown_s=config.unavailable_cooldown_s,
-            # memory tiers are the window tiers (hbm, host)
-            residency=MemoryWatch(usage, [j for j, t in enumerate(tiers) if t.holds_window]),
+            cooldown_s=config.unavailable_cooldown_s, residency=self._index,
         )
+        self._retention = Retention(
+            enabled=config.retain_unreferenced, ttl_s=config.retain_ttl_s,
+            is_held=lambda key: bool(self._stack.holders(key)),
+            is_referenced=lambda key: self._ledger.count(key) > 0)
+        self._index.on_gone = self._retention.forget
+        if config.retain_unreferenced:
+            self._stack.evict_first = lambda j, skip: self._retention.victim(
+                self._stack.policies[j], skip)
         blocks = Blocks(self._stack, self._ledger, locks, self.counters,
                         io_concurrency=config.io_concurrency)
         self._failures = WriteBackFailures(self._catalog, blocks, self.counters,
@@ -156,9 +176,10 @@ class TierManager:
         parts = (self._catalog, blocks, self._stack, locks, self._ledger, self.counters)
         self._spiller = Spiller(*parts, self._writeback, pauses=self._pauses,
                                 durable_meta=not isinstance(meta, MemoryMetaStore),
-                                quotas=self._quotas)
+                                quotas=self._quotas, retention=self._retention)
         self._restorer = Restorer(*parts, spawn=self._spawn, lookahead=config.restore_lookahead)
-        self._maintenance = Maintenance(*parts)
+        self._maintenance = Maintenance(*parts, retention=self._retention)
+        self._forker = Forker(self._catalog, blocks, self._stack, locks, self._quotas)
 
     @classmethod
     async def open(cls, tiers: Sequence[Tier], meta: MetaStore, **options) -> TierManager:
@@ -167,6 +188,7 @@ class TierManager:
         await manager._ledger.load()
         await manager._catalog.load_count()
         await manager._stack.load()
+        manager._retention.adopt(manager._index.keys())
         return manager
 
     @property
@@ -248,6 +270,38 @@ class TierManager:
     async def collect_garbage(self, now: float | None = None) -> GarbageReport:
         """Delete expired sessions, then unreferenced blocks in every tier."""
         return await self._maintenance.collect_garbage(now)
+
+    # -- prefix reuse: kvstore.prefix, kvstore.fork --
+
+    def lookup(self, tenant: str, layout_id: str, token_ids: Sequence[int] | np.ndarray, *,
+               model_fingerprint: str = "", dedupe_domain: str | None = None
+               ) -> LookupResult:
+        """The longest prefix of ``token_ids`` (whole chunks) whose chunks some tier holds
+        in the caller's dedupe domain, each chunk's block key and tiers (no I/O). The keys
+        bind the domain, so another domain's blocks are never found. A spill may then name
+        those chunks by block key without their bytes (``ChunksNotHeld`` if one went
+        meanwhile); retained ones found count as used now."""
+        check_name("tenant", tenant)
+        spec = get_layout(layout_id)
+        chains = chain_keys(spec.layout_id, token_ids, spec.chunk_tokens,
+                            scope=dedupe_scope(tenant, dedupe_domain),
+                            model_fingerprint=check_fingerprint(model_fingerprint))
+        found = longest_prefix(self._index, chains, [t.name for t in self.tiers],
+                               spec.chunk_tokens, lambda key: self._ledger.count(key) > 0)
+        self._retention.touch(chunk.block_key for chunk in found.chunks)
+        return found
+
+    async def fork(self, tenant: str, source_session: str, new_session: str, *,
+                   upto_tokens: int) -> SessionManifest:
+        """Create ``new_session`` (generation 1) sharing ``source_session``'s chunks up to
+        ``upto_tokens`` rounded down to a chunk boundary; at exactly the source's length
+        the tail and a held window are carried too. ``PreconditionFailed`` if the new
+        session exists or ``upto_tokens`` passes the source's length."""
+        return await self._forker.fork(tenant, source_session, new_session, upto_tokens)
+
+    def retained_chunks(self) -> dict[str, int]:
+        """Retained (unreferenced, kept) chunks per dedupe domain ("" when unknown)."""
+        return self._retention.by_domain()
 
     # -- listing: kvstore.catalog --
 

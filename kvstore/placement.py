@@ -99,6 +99,9 @@ class TierStack:
         self.counters = counters
         self.is_referenced = is_referenced
         self.on_window_dropped = on_window_dropped
+        # (tier, keys to skip) -> a victim to take before the tier's policy is asked:
+        # retained, unreferenced chunks (kvstore.prefix.Retention)
+        self.evict_first: Callable[[int, Collection[str]], str | None] | None = None
         # predicted next uses on the policies' clock (one factory, one clock), carried
         # along when a block moves: moving is not an access by the session
         self.hints = HintBook(self.policies[0].clock)
@@ -235,7 +238,7 @@ class TierStack:
         tier, policy = self.tiers[j], self.policies[j]
         skip = _Skip(self.locks, set(), protect)
         while tier.free_bytes < size:
-            victim = policy.victim(skip)
+            victim = (self.evict_first and self.evict_first(j, skip)) or policy.victim(skip)
             if victim is None:
                 return False
             skip.keys.add(victim)

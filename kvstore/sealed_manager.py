@@ -41,7 +41,9 @@ class SealingTierManager(TierManager):
                                        model_fingerprint=model_fingerprint,
                                        dedupe_domain=dedupe_domain, **options)
         finally:
-            self.domains.sweep(lambda key: self._ledger.count(key) > 0)
+            # retained chunks stay readable: a later lookup's spill may name them
+            self.domains.sweep(lambda key: self._ledger.count(key) > 0
+                               or self._retention.retained(key))
 
     def _claim(self, tenant: str, layout_id: str, token_ids: Sequence[int] | np.ndarray,
                chunks: Sequence[tuple[str, Buffer | None]], model_fingerprint: str,

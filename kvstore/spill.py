@@ -44,6 +44,7 @@ from kvstore.manifest import SessionManifest, SpillReceipt, check_name
 from kvstore.pause_estimate import PauseEstimator
 from kvstore.placement import WINDOW_PREFIX, Check, TierStack, not_placed
 from kvstore.policy import ResumeHint
+from kvstore.prefix import Retention
 from kvstore.quota import QuotaGate, Reservation, TenantUsage, demote_out_of_memory
 from kvstore.refcount import RefLedger
 from kvstore.stats import Counters
@@ -58,10 +59,12 @@ log = logging.getLogger(__name__)
 class Spiller:
     def __init__(self, catalog: Catalog, blocks: Blocks, stack: TierStack, locks: KeyedLocks,
                  ledger: RefLedger, counters: Counters, writeback: WriteBackQueue, *,
-                 pauses: PauseEstimator | None, durable_meta: bool, quotas: QuotaGate) -> None:
+                 pauses: PauseEstimator | None, durable_meta: bool, quotas: QuotaGate,
+                 retention: Retention) -> None:
         """``pauses``: infers hints for spills without one (None: no inference);
         ``durable_meta``: whether manifests survive a restart (a durable ack needs it);
-        ``quotas``: admits each spill against its tenant's limits."""
+        ``quotas``: admits each spill against its tenant's limits; ``retention``: keeps
+        chunks left unreferenced as cache (or says to free them)."""
         self._catalog = catalog
         self._blocks = blocks
         self._stack = stack
@@ -72,6 +75,7 @@ class Spiller:
         self._pauses = pauses
         self._can_ack_durable = durable_meta and bool(blocks.durable)
         self._quotas = quotas
+        self._retention = retention
         memory = [j for j, tier in enumerate(stack.tiers) if tier.holds_window]
         # the first tier below the memory (window) tiers, if there is one
         self._below = memory[-1] + 1 if memory and memory[-1] + 1 < len(stack.tiers) else None
@@ -194,11 +198,13 @@ class Spiller:
                 reservation.release()  # the committed manifest now counts in its stead
             except BaseException:
                 reservation.release()
-                await self._blocks.free(self._ledger.unpin(keys))
+                await self._blocks.free(self._retention.keep(self._ledger.unpin(keys), scope))
                 if window_key is not None:
                     await self._blocks.drop(window_key)
                 raise
-            await self._blocks.free(freed + self._ledger.unpin(keys))
+            if freed:  # the older generation's alone
+                freed = self._retention.keep(freed, old.dedupe_scope)
+            await self._blocks.free(freed + self._retention.keep(self._ledger.unpin(keys), scope))
             if old is not None and old.window_key is not None:
                 await self._blocks.drop(old.window_key)
         for key in (k for k, wants_writeback in zip(keys, queued, strict=True) if wants_writeback):

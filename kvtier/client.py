@@ -80,6 +80,8 @@ class AsyncClient:
         self._stub = pb_grpc.KVTierStub(self._channel)
         # Per session: chain key -> digest of the chunks the server acknowledged.
         self._held: dict[tuple[str, str], dict[str, bytes]] = {}
+        # (tenant, scope, layout, model) -> chain key -> digest, from the latest lookup
+        self._looked_up: dict[tuple[str, str, str, str], dict[str, bytes]] = {}
         self._segments = shm.ClientSegments(self._stub)  # leased from the server
 
     async def __aenter__(self) -> AsyncClient:
@@ -165,7 +167,9 @@ class AsyncClient:
             header.chunk_digests.extend(encoded.digests)
             return encoded
 
-        encoded = await encode(self._held.get(ref, {}))
+        # chunks this session stored before, or that a lookup found held in its domain
+        looked_up = self._looked_up.get((tenant, scope, spec.layout_id, model_fingerprint), {})
+        encoded = await encode({**looked_up, **self._held.get(ref, {})})
         try:
             reply = await self._call(lambda: self._spill_once(header, encoded))
         except MissingChunks:
@@ -389,6 +393,30 @@ class AsyncClient:
         self._held.pop((tenant, session_id), None)
         request = pb.DeleteRequest(session=self._ref(tenant, session_id))
         return await self._call(lambda: self._stub.Delete(request, timeout=self.timeout_s))
+
+    async def lookup(self, tenant: str, layout: str | LayoutSpec, token_ids, *,
+                     model: str | None = None, dedupe_domain: str = "") -> int:
+        """Tokens of ``token_ids`` (whole chunks from the first) whose chunks the server
+        holds in the tenant's (or the shared) dedupe domain. A later ``spill`` with the
+        same layout, model and domain then sends only the chunks past that prefix."""
+        spec = layout if isinstance(layout, LayoutSpec) else get_layout(layout)
+        request = pb.LookupRequest(tenant=tenant, layout_id=spec.layout_id,
+                                   model_fingerprint=model or "", dedupe_domain=dedupe_domain,
+                                   token_ids=cc.as_tokens(token_ids).tobytes())
+        reply = await self._call(lambda: self._stub.Lookup(request, timeout=self.timeout_s))
+        scope = dedupe_scope(tenant, dedupe_domain or None)
+        # the latest lookup per domain, layout and model: what a spill may name by key
+        self._looked_up[(tenant, scope, spec.layout_id, model or "")] = {
+            chunk.chunk_key: chunk.digest for chunk in reply.chunks}
+        return reply.tokens_held
+
+    async def fork(self, tenant: str, source_session: str, new_session: str, *,
+                   upto_tokens: int) -> pb.ForkReply:
+        """A new session (generation 1) sharing ``source_session``'s chunks up to
+        ``upto_tokens`` rounded down to a chunk boundary (copy on write)."""
+        request = pb.ForkRequest(source=self._ref(tenant, source_session),
+                                 new_session_id=new_session, upto_tokens=upto_tokens)
+        return await self._call(lambda: self._stub.Fork(request, timeout=self.timeout_s))
 
     async def stat(self, tenant: str = "", session_id: str = "", *,
                    usage_of: str = "") -> pb.StatReply:

@@ -76,6 +76,12 @@ class Client:
     def delete(self, *args, **kwargs) -> pb.DeleteReply:
         return self._run(self._async.delete(*args, **kwargs))
 
+    def lookup(self, *args, **kwargs) -> int:
+        return self._run(self._async.lookup(*args, **kwargs))
+
+    def fork(self, *args, **kwargs) -> pb.ForkReply:
+        return self._run(self._async.fork(*args, **kwargs))
+
     def stat(self, *args, **kwargs) -> pb.StatReply:
         return self._run(self._async.stat(*args, **kwargs))
 

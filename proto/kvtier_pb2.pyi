@@ -417,6 +417,62 @@ class ListReply(_message.Message):
     next_page_token: str
     def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
+class LookupRequest(_message.Message):
+    __slots__ = ("tenant", "layout_id", "model_fingerprint", "dedupe_domain", "token_ids")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DEDUPE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    layout_id: str
+    model_fingerprint: str
+    dedupe_domain: str
+    token_ids: bytes
+    def __init__(self, tenant: _Optional[str] = ..., layout_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dedupe_domain: _Optional[str] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
+
+class HeldChunk(_message.Message):
+    __slots__ = ("chunk_key", "digest", "tiers")
+    CHUNK_KEY_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    chunk_key: str
+    digest: bytes
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, chunk_key: _Optional[str] = ..., digest: _Optional[bytes] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LookupReply(_message.Message):
+    __slots__ = ("tokens_held", "chunks_held", "chunks")
+    TOKENS_HELD_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_HELD_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    tokens_held: int
+    chunks_held: int
+    chunks: _containers.RepeatedCompositeFieldContainer[HeldChunk]
+    def __init__(self, tokens_held: _Optional[int] = ..., chunks_held: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[HeldChunk, _Mapping]]] = ...) -> None: ...
+
+class ForkRequest(_message.Message):
+    __slots__ = ("source", "new_session_id", "upto_tokens")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    NEW_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    UPTO_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    source: SessionRef
+    new_session_id: str
+    upto_tokens: int
+    def __init__(self, source: _Optional[_Union[SessionRef, _Mapping]] = ..., new_session_id: _Optional[str] = ..., upto_tokens: _Optional[int] = ...) -> None: ...
+
+class ForkReply(_message.Message):
+    __slots__ = ("generation", "num_tokens", "chunks", "window_kept")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_KEPT_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    num_tokens: int
+    chunks: int
+    window_kept: bool
+    def __init__(self, generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., window_kept: _Optional[bool] = ...) -> None: ...
+
 class ReplayRequest(_message.Message):
     __slots__ = ("layout_id", "token_ids", "chunks", "tail", "replay_tokens", "job_id")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]

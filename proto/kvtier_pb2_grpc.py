@@ -84,6 +84,16 @@ class KVTierStub:
                 request_serializer=proto_dot_kvtier__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=proto_dot_kvtier__pb2.ReleaseReply.FromString,
                 _registered_method=True)
+        self.Lookup = channel.unary_unary(
+                '/kvtier.v1.KVTier/Lookup',
+                request_serializer=proto_dot_kvtier__pb2.LookupRequest.SerializeToString,
+                response_deserializer=proto_dot_kvtier__pb2.LookupReply.FromString,
+                _registered_method=True)
+        self.Fork = channel.unary_unary(
+                '/kvtier.v1.KVTier/Fork',
+                request_serializer=proto_dot_kvtier__pb2.ForkRequest.SerializeToString,
+                response_deserializer=proto_dot_kvtier__pb2.ForkReply.FromString,
+                _registered_method=True)
 
 
 class KVTierServicer:
@@ -151,6 +161,18 @@ class KVTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lookup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Fork(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +225,16 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.ReleaseSegments,
                     request_deserializer=proto_dot_kvtier__pb2.ReleaseRequest.FromString,
                     response_serializer=proto_dot_kvtier__pb2.ReleaseReply.SerializeToString,
+            ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=proto_dot_kvtier__pb2.LookupRequest.FromString,
+                    response_serializer=proto_dot_kvtier__pb2.LookupReply.SerializeToString,
+            ),
+            'Fork': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fork,
+                    request_deserializer=proto_dot_kvtier__pb2.ForkRequest.FromString,
+                    response_serializer=proto_dot_kvtier__pb2.ForkReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -475,6 +507,60 @@ class KVTier:
             '/kvtier.v1.KVTier/ReleaseSegments',
             proto_dot_kvtier__pb2.ReleaseRequest.SerializeToString,
             proto_dot_kvtier__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/Lookup',
+            proto_dot_kvtier__pb2.LookupRequest.SerializeToString,
+            proto_dot_kvtier__pb2.LookupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/Fork',
+            proto_dot_kvtier__pb2.ForkRequest.SerializeToString,
+            proto_dot_kvtier__pb2.ForkReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -115,7 +115,9 @@ async def test_spill_sends_only_new_chunks_and_recovers_when_they_are_gone(tmp_p
         return out
 
     first = LAYOUT.chunk_tokens + 10
-    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv, \
+    # retention off: the delete below must free the chunks, not keep them as cache
+    async with running_server(tmp_path, retain_unreferenced=False) as (_, target), \
+            AsyncClient(target) as kv, \
             AsyncClient(target) as other:
         r1 = await kv.spill("acme", "s1", LAYOUT.name, tokens[:first], prefix(first),
                             generation=1)

@@ -28,5 +28,7 @@ def test_every_rpc_is_in_the_service():
         "List",
         "LeaseSegment",
         "ReleaseSegments",
+        "Lookup",
+        "Fork",
     }
     assert "Replay" in kvtier_pb2.DESCRIPTOR.services_by_name

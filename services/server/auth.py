@@ -58,7 +58,7 @@ _DATA = frozenset({TENANT})  # the KV bytes themselves: the tenant's own only
 _CONTROL = frozenset({TENANT, ADMIN})  # admin: every tenant (listing, stats, compaction)
 METHOD_ROLES: dict[str, frozenset[str]] = {
     **{_KVTIER + m: _DATA for m in ("Spill", "Restore", "Resume", "LeaseSegment",
-                                    "ReleaseSegments")},
+                                    "ReleaseSegments", "Lookup", "Fork")},
     **{_KVTIER + m: _CONTROL for m in ("Prefetch", "Evict", "Delete", "Stat", "List")},
     "/kvtier.v1.Replay/Rebuild": frozenset({REPLAY}),
 }

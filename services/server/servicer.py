@@ -54,6 +54,7 @@ from services.server.audit import AuditLog
 from services.server.config import ServerConfig, load_config
 from services.server.limits import Bounds, InFlight, Limits, idle_bounded
 from services.server.metrics import ServiceMetrics, tier_lookups
+from services.server.prefix_rpcs import PrefixRPCs
 from services.server.restore_stream import RestoreStreamer, StreamOptions
 from services.server.shm import LeaseTable
 from services.server.store import open_manager, restore_tier, tiers_holding
@@ -64,7 +65,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["KVTier"].full_name
 MAX_TOKENS = 1 << 26
 
 
-class KVTierServicer(pb_grpc.KVTierServicer):
+class KVTierServicer(PrefixRPCs, pb_grpc.KVTierServicer):
     def __init__(self, manager: TierManager, config: ServerConfig, metrics: ServiceMetrics,
                  replay: tuple[ReplayBackend | None, str]) -> None:
         self.manager = manager

@@ -308,3 +308,29 @@ def page_size(value: int, default: int = 100) -> int:
     if value > MAX_PAGE:
         raise InvalidRequest(f"page_size {value} exceeds {MAX_PAGE}")
     return value or default
+
+
+def lookup_request(request: pb.LookupRequest, max_tokens: int,
+                   domains: Mapping[str, tuple[str, ...]]
+                   ) -> tuple[str, str, np.ndarray, str, str | None]:
+    """(tenant, layout id, token ids, model fingerprint, shared domain or None)."""
+    tenant = tenant_filter(request.tenant)
+    if tenant is None:
+        raise InvalidRequest("tenant is required")
+    domain = dedupe_domain(tenant, request.dedupe_domain, domains)
+    if not request.layout_id:
+        raise InvalidRequest("layout_id is required")
+    spec = get_layout(request.layout_id)
+    tokens = token_array(request.token_ids)
+    if len(tokens) > max_tokens:
+        raise InvalidRequest(f"{len(tokens)} tokens exceed the limit of {max_tokens}")
+    return (tenant, spec.layout_id, tokens, check_fingerprint(request.model_fingerprint),
+            domain)
+
+
+def fork_request(request: pb.ForkRequest) -> tuple[str, str, str, int]:
+    """(tenant, source session id, new session id, upto_tokens)."""
+    tenant, source = session_ref(request.source, field_name="source")
+    _, new = session_ref(pb.SessionRef(tenant=tenant, session_id=request.new_session_id),
+                         field_name="new_session_id")
+    return tenant, source, new, request.upto_tokens

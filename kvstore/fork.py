@@ -1,0 +1,100 @@
+"""Fork: a new session sharing another session's chunks up to a chunk boundary.
+
+Copy on write through dedupe: the new manifest names the source's very blocks and takes
+a reference on each, so either session may later spill past the fork point (its new
+chunks are its own) without touching the other. Only a fork at the source's whole
+length carries the tail, and the window when the source's covers that point; any other
+fork has no window, so its Resume rebuilds one at the fork point by bounded replay.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AsyncExitStack
+
+from kvstore.blocks import Blocks
+from kvstore.catalog import Catalog
+from kvstore.errors import DataLoss, InvalidRequest, PreconditionFailed
+from kvstore.layout import get_layout
+from kvstore.locks import KeyedLocks
+from kvstore.manifest import SessionManifest, check_name
+from kvstore.placement import WINDOW_PREFIX, TierStack
+from kvstore.quota import QuotaGate, TenantUsage
+
+FORK_GENERATION = 1
+
+
+class Forker:
+    def __init__(self, catalog: Catalog, blocks: Blocks, stack: TierStack, locks: KeyedLocks,
+                 quotas: QuotaGate) -> None:
+        self._catalog = catalog
+        self._blocks = blocks
+        self._stack = stack
+        self._locks = locks
+        self._quotas = quotas
+
+    async def fork(self, tenant: str, source_id: str, new_id: str, upto_tokens: int
+                   ) -> SessionManifest:
+        """See ``TierManager.fork``."""
+        check_name("tenant", tenant)
+        check_name("session_id", source_id)
+        check_name("session_id", new_id)
+        if source_id == new_id:
+            raise InvalidRequest(f"a fork needs a new session id, not the source's {source_id!r}")
+        if not isinstance(upto_tokens, int) or isinstance(upto_tokens, bool) or upto_tokens < 0:
+            raise InvalidRequest(f"upto_tokens must be an int >= 0, got {upto_tokens!r}")
+        async with AsyncExitStack() as held:
+            # the two session locks in one order (by id), so crossing forks never deadlock
+            for session_id in sorted((source_id, new_id)):
+                lock = (self._catalog.read if session_id == source_id else self._catalog.write)
+                await held.enter_async_context(lock(tenant, session_id))
+            source = await self._catalog.load_required(tenant, source_id)
+            if upto_tokens > source.num_tokens:
+                raise PreconditionFailed(f"{tenant}/{source_id} holds {source.num_tokens} "
+                                         f"tokens; cannot fork at {upto_tokens}")
+            if await self._catalog.load(tenant, new_id) is not None:
+                raise PreconditionFailed(f"{tenant}/{new_id} already exists: a fork creates "
+                                         "a new session")
+            return await self._fork(source, new_id, upto_tokens)
+
+    async def _fork(self, source: SessionManifest, new_id: str, upto: int) -> SessionManifest:
+        spec = get_layout(source.layout_id)
+        whole = upto == source.num_tokens
+        count = len(source.chunk_keys) if whole else upto // spec.chunk_tokens
+        keys, sizes = source.chunk_keys[:count], source.chunk_sizes[:count]
+        tail = source.tail if whole else b""
+        tokens = source.token_ids[: upto if whole else count * spec.chunk_tokens]
+        self._quotas.check(source.tenant, TenantUsage(
+            sessions=1, durable_bytes=sum(sizes) + len(tail)))
+        window_key = window_tier = None
+        if whole and source.window_key is not None:
+            window_key = f"{WINDOW_PREFIX}{source.tenant}/{new_id}/{FORK_GENERATION}"
+            window_tier = await self._copy_window(source.window_key, window_key)
+            window_key = window_key if window_tier is not None else None
+        now = time.time()
+        manifest = SessionManifest(
+            tenant=source.tenant, session_id=new_id, layout_id=source.layout_id,
+            generation=FORK_GENERATION, token_ids=tokens, chunk_keys=keys, chunk_sizes=sizes,
+            tail=tail, window_tier=window_tier, window_key=window_key, created_at=now,
+            updated_at=now, last_access=now, ttl_s=source.ttl_s, hint=source.hint,
+            model_fingerprint=source.model_fingerprint, dedupe_scope=source.dedupe_scope)
+        try:
+            await self._catalog.put(manifest, acquire=keys, new=True)
+        except BaseException:
+            if window_key is not None:
+                await self._blocks.drop(window_key)
+            raise
+        return manifest
+
+    async def _copy_window(self, source_key: str, key: str) -> str | None:
+        """Copy a window blob to the fork's own key; the tier it landed in, or None when
+        it is gone or no window tier has room (the fork's Resume then replays)."""
+        async with self._locks.hold(source_key):
+            try:
+                data, _, _ = await self._stack.read(source_key, access=False)
+            except DataLoss:
+                return None
+        async with self._locks.hold(key):
+            await self._stack.delete_everywhere(key)  # a leftover must not stand in for it
+            placed = await self._stack.place(key, data)
+        return None if placed is None else self._stack.tiers[placed].name

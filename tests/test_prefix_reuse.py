@@ -1,0 +1,100 @@
+"""Prefix reuse over a real server: Lookup, Fork, and chunks retained after their last
+session is gone (issue #15)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.codec import StreamData
+from kvstore.errors import PreconditionFailed
+from kvstore.keys import dedupe_scope
+from kvtier import AsyncClient
+from kvtier import codec as cc
+from tests.service_support import (
+    LAYOUT,
+    assert_streams_equal,
+    running_server,
+    streams_for,
+    tokens_for,
+)
+
+C = LAYOUT.chunk_tokens
+
+
+def prefix(full: dict[str, StreamData], n: int) -> dict[str, StreamData]:
+    out = {}
+    for s in LAYOUT.persistent_streams:
+        e = s.entries_for(n)
+        out[s.name] = StreamData(full[s.name].codes[:, :e], full[s.name].scales[:, :e])
+    return out
+
+
+async def test_fork_then_diverge_both_branches_restore_bit_exact(tmp_path):
+    tokens = tokens_for(3 * C + 10)
+    full = streams_for(LAYOUT, len(tokens))
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
+        await kv.spill("acme", "src", LAYOUT.name, tokens, full, generation=1)
+        forked = await kv.fork("acme", "src", "branch", upto_tokens=2 * C + 7)
+        assert (forked.generation, forked.num_tokens, forked.chunks) == (1, 2 * C, 2)
+        with pytest.raises(PreconditionFailed):
+            await kv.fork("acme", "src", "branch", upto_tokens=C)
+        with pytest.raises(PreconditionFailed):
+            await kv.fork("acme", "src", "other", upto_tokens=len(tokens) + 1)
+        got = await kv.restore("acme", "branch")
+        assert len(got.token_ids) == 2 * C and got.window is None
+        assert_streams_equal(got.persistent, prefix(full, 2 * C))
+        # diverge: the branch goes on with other tokens and other KV past the fork
+        theirs = tokens_for(3 * C + 3, seed=5)
+        theirs[: 2 * C] = tokens[: 2 * C]
+        other = streams_for(LAYOUT, len(theirs), seed=9)
+        await kv.spill("acme", "branch", LAYOUT.name, theirs, other, generation=2)
+        assert_streams_equal((await kv.restore("acme", "src")).persistent, full)
+        assert_streams_equal((await kv.restore("acme", "branch")).persistent, other)
+        whole = await kv.fork("acme", "src", "copy", upto_tokens=len(tokens))
+        assert whole.num_tokens == len(tokens)
+        assert_streams_equal((await kv.restore("acme", "copy")).persistent, full)
+
+
+async def test_lookup_and_start_from_a_retained_prefix_after_the_source_is_deleted(tmp_path):
+    tokens = tokens_for(3 * C + 10)
+    full = streams_for(LAYOUT, len(tokens))
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
+        await kv.spill("acme", "a", LAYOUT.name, tokens, full, generation=1)
+        assert (await kv.delete("acme", "a")).chunks_freed == 0  # retained, not freed
+        async with AsyncClient(target) as fresh:  # knows nothing of "a"
+            assert await fresh.lookup("acme", LAYOUT.name, tokens) == 3 * C
+            assert await fresh.lookup("acme", LAYOUT.name, tokens[: 2 * C + 1]) == 2 * C
+            assert await fresh.lookup("acme", LAYOUT.name, tokens) == 3 * C
+            result = await fresh.spill("acme", "b", LAYOUT.name, tokens, full, generation=1)
+            assert (result.chunks_sent, result.chunks_deduped) == (0, 3)
+            assert_streams_equal((await fresh.restore("acme", "b")).persistent, full)
+
+
+async def test_lookup_never_answers_across_tenants(tmp_path):
+    tokens = tokens_for(2 * C)
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
+        await kv.spill("acme", "a", LAYOUT.name, tokens, streams_for(LAYOUT, len(tokens)),
+                       generation=1)
+        assert await kv.lookup("acme", LAYOUT.name, tokens) == 2 * C
+        assert await kv.lookup("evil", LAYOUT.name, tokens) == 0
+        assert await kv.lookup("acme", LAYOUT.name, tokens, model="other-weights") == 0
+
+
+async def test_retained_chunks_give_way_to_new_spills_under_pressure(tmp_path):
+    tokens = tokens_for(3 * C)
+    full = streams_for(LAYOUT, len(tokens))
+    encoded = cc.encode_session(LAYOUT, tokens, full, scope=dedupe_scope("acme"))
+    size = max(len(c) for c in encoded.chunks.values())
+    # room for five chunks in memory, no tier below: a second session needs the room
+    # the first one's retained chunks take
+    async with running_server(tmp_path, host_bytes=5 * size + size // 2, disk_bytes=0,
+                              object_bytes=0) as (_, target), AsyncClient(target) as kv:
+        await kv.spill("acme", "a", LAYOUT.name, tokens, full, generation=1)
+        await kv.delete("acme", "a")
+        assert await kv.lookup("acme", LAYOUT.name, tokens) == 3 * C
+        theirs = tokens_for(3 * C, seed=3)
+        other = streams_for(LAYOUT, len(theirs), seed=4)
+        await kv.spill("acme", "b", LAYOUT.name, theirs, other, generation=1)
+        assert await kv.lookup("acme", LAYOUT.name, tokens) < 3 * C
+        assert await kv.lookup("acme", LAYOUT.name, theirs) == 3 * C
+        assert_streams_equal((await kv.restore("acme", "b")).persistent, other)
