@@ -1,6 +1,6 @@
 """``kvtier repair``: rebuild a data directory's disk index from its segment files.
 
-    kvtier repair --data-dir D [--json]
+    kvtier repair --data-dir D [--config C] [--json]
 
 ``D`` is the server's data directory (the disk tier in ``D/disk``) or the disk tier's
 own directory. Run it when ``kvtier serve`` says the disk index is corrupt, or when the
@@ -9,7 +9,13 @@ deleted, and a new one is built from the segments (``kvstore.tiers.disk.repair``
 Reports the sessions recovered, those with chunks not on disk, and the chunks no
 session names (orphans: kept; ``kvtier compact`` collects them).
 
-Exit status: 0 repaired, 2 no disk tier there or a server (or compaction) holds it.
+An encrypted data directory needs the server's key, from ``--config`` (its
+``encryption_key_file``) or the environment (``KVTIER_ENCRYPTION_KEY``, as the server
+reads it): the manifests are sealed, and the references are recounted from them.
+Without it repair refuses and changes nothing.
+
+Exit status: 0 repaired, 2 no disk tier there, a server (or compaction) holds it, or
+the key of sealed manifests is missing.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvstore.errors import Busy
+from kvstore.errors import Busy, InvalidRequest
 
 _SHOWN = 10  # names listed per line in the text report
 
@@ -27,6 +33,8 @@ _SHOWN = 10  # names listed per line in the text report
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", required=True, type=Path,
                         help="the server's data directory (holds disk/), or the disk tier's")
+    parser.add_argument("--config", help="the server's TOML config (its encryption_key_file "
+                                         "opens an encrypted directory's manifests)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -38,7 +46,9 @@ def disk_directory(data_dir: Path) -> Path | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvstore.encryption import load_keyring
     from kvstore.tiers.disk.repair import repair
+    from services.server.config import load_config
 
     disk = disk_directory(args.data_dir)
     if disk is None:
@@ -46,10 +56,15 @@ def run(args: argparse.Namespace) -> int:
               "disk/)", file=sys.stderr)
         return 2
     try:
-        report = repair(disk)
+        config = load_config(args.config)  # the key as the server reads it (file or env)
+        report = repair(disk, keyring=load_keyring(config.encryption_key_file,
+                                                   config.encryption_key))
     except Busy as exc:
         print(f"kvtier repair: {exc}: stop the server (or wait for the compaction) first",
               file=sys.stderr)
+        return 2
+    except InvalidRequest as exc:  # a missing key, or a config that does not load
+        print(f"kvtier repair: refused: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(report.to_dict()))

@@ -14,6 +14,11 @@ A repair, run with no writer on the directory:
    the chunk entries (without TTLs: those lived only in the index), the metadata and
    its log entries, and reference counts recounted from the manifests.
 
+On an encrypted data directory the manifests are sealed (``kvstore.tiers.sealed``):
+the references are recounted from them opened with the server's keyring. Without the
+keys they name, repair refuses before changing anything (every chunk would look
+unreferenced, and compaction would collect them).
+
 Chunks no manifest names are kept and reported as orphans: compaction collects them.
 A session whose chunks are not all on disk is reported as incomplete (they may live
 in another tier).
@@ -28,7 +33,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvstore.errors import ChunkCorrupt, UnsupportedVersion
+from kvstore.encryption import MAGIC as SEALED_MAGIC
+from kvstore.encryption import Keyring, read_header
+from kvstore.errors import ChunkCorrupt, InvalidRequest, UnsupportedVersion
+from kvstore.keys import dedupe_scope
 from kvstore.manifest import MANIFEST_PREFIX, SessionManifest
 from kvstore.refcount import REF_PREFIX
 from kvstore.tiers.disk.fs import OS, FileSystem
@@ -75,9 +83,12 @@ class _Found:
     sizes: dict[int, int] = field(default_factory=dict)  # segment id -> file bytes
 
 
-def repair(path: str | Path, *, map_size: int = 64 << 30, fs: FileSystem = OS) -> RepairReport:
+def repair(path: str | Path, *, keyring: Keyring | None = None, map_size: int = 64 << 30,
+           fs: FileSystem = OS) -> RepairReport:
     """Rebuild the index of the disk tier in ``path`` (the directory holding
-    ``segments/`` and ``index/``). Raises ``Busy`` while a writer or compaction holds it."""
+    ``segments/`` and ``index/``). Raises ``Busy`` while a writer or compaction holds it,
+    ``InvalidRequest`` (changing nothing) when manifests are sealed under keys
+    ``keyring`` (the server's, for an encrypted directory) does not hold."""
     started = time.perf_counter()
     path = Path(path)
     report = RepairReport(str(path))
@@ -88,8 +99,9 @@ def repair(path: str | Path, *, map_size: int = 64 << 30, fs: FileSystem = OS) -
         compact.acquire()
         try:
             found = _scan(fs, path / "segments", report)
+            _check_keys(found, keyring)
             report.moved_aside = _move_aside(fs, path)
-            _build(path / "index", map_size, found, report)
+            _build(path / "index", map_size, found, report, keyring)
         finally:
             compact.release()
     finally:
@@ -178,11 +190,50 @@ def _note_meta(fs: FileSystem, fd: int, seg_id: int, record: ScannedRecord,
         found.meta[record.key] = (lsn, seg_id, record, payload)
 
 
+def _is_manifest(key: bytes) -> bool:
+    return key.decode(errors="replace").startswith(MANIFEST_PREFIX)
+
+
+def _check_keys(found: _Found, keyring: Keyring | None) -> None:
+    """Refuse a repair whose manifests are sealed under keys it was not given."""
+    key_ids = {_sealed_key_id(payload) for key, (_, _, _, payload) in found.meta.items()
+               if payload is not None and _is_manifest(key)} - {None}
+    missing = sorted(key_ids - set(keyring.key_ids if keyring is not None else ()))
+    if missing:
+        held = f" (the keyring given holds {keyring.key_ids})" if keyring is not None else ""
+        raise InvalidRequest(
+            f"the manifests are sealed (encryption at rest) under encryption key id(s) "
+            f"{missing}{held}: give repair the server's key (--config with "
+            "encryption_key_file, or KVTIER_ENCRYPTION_KEY); nothing was changed")
+
+
+def _sealed_key_id(payload: bytes) -> str | None:
+    """The key id a sealed record names; None for one in clear (or too damaged to say:
+    it is reported as a corrupt manifest)."""
+    if not payload.startswith(SEALED_MAGIC):
+        return None
+    try:
+        return read_header(payload).key_id
+    except ChunkCorrupt:
+        return None
+
+
+def _open_manifest(name: str, raw: bytes, keyring: Keyring | None) -> SessionManifest:
+    """A manifest record as stored, opened first when sealed (as ``SealedMetaStore``)."""
+    if keyring is not None and raw.startswith(SEALED_MAGIC):
+        header, raw = keyring.open(name, raw)
+        tenant = name[len(MANIFEST_PREFIX):].partition("/")[0]
+        if header.domain != dedupe_scope(tenant):
+            raise ChunkCorrupt(f"record {name!r} is sealed for another tenant")
+    return SessionManifest.decode(raw)
+
+
 def _entry(seg_id: int, record: ScannedRecord) -> IndexEntry:
     return IndexEntry(seg_id, record.offset, record.value_len, record.checksum, 0)
 
 
-def _build(index_dir: Path, map_size: int, found: _Found, report: RepairReport) -> None:
+def _build(index_dir: Path, map_size: int, found: _Found, report: RepairReport,
+           keyring: Keyring | None) -> None:
     index = DiskIndex(index_dir, map_size=map_size)
     try:
         index.set_segments(SegmentInfo(seg_id, SegState.SEALED, size)
@@ -198,7 +249,7 @@ def _build(index_dir: Path, map_size: int, found: _Found, report: RepairReport) 
                   if payload is not None}
         records = {key: _entry(seg_id, record)
                    for key, (_, seg_id, record, _) in found.meta.items()}
-        refs = _sessions(writes, {key.decode() for key in found.chunks}, report)
+        refs = _sessions(writes, {key.decode() for key in found.chunks}, report, keyring)
         writes.update({f"{REF_PREFIX}{key}".encode(): str(count).encode()
                        for key, count in refs.items()})
         index.apply([MetaOp(writes, records)])
@@ -207,8 +258,8 @@ def _build(index_dir: Path, map_size: int, found: _Found, report: RepairReport) 
         index.close()
 
 
-def _sessions(writes: dict[bytes, bytes], on_disk: set[str], report: RepairReport
-              ) -> Counter[str]:
+def _sessions(writes: dict[bytes, bytes], on_disk: set[str], report: RepairReport,
+              keyring: Keyring | None) -> Counter[str]:
     """Reference counts recounted from the manifests, and the report's session lists."""
     refs: Counter[str] = Counter()
     for key, raw in sorted(writes.items()):
@@ -216,7 +267,7 @@ def _sessions(writes: dict[bytes, bytes], on_disk: set[str], report: RepairRepor
         if not name.startswith(MANIFEST_PREFIX):
             continue
         try:
-            manifest = SessionManifest.decode(raw)
+            manifest = _open_manifest(name, raw, keyring)
         except (ChunkCorrupt, UnsupportedVersion):
             report.corrupt_manifests.append(name[len(MANIFEST_PREFIX):])
             continue
