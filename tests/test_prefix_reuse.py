@@ -98,3 +98,22 @@ async def test_retained_chunks_give_way_to_new_spills_under_pressure(tmp_path):
         assert await kv.lookup("acme", LAYOUT.name, tokens) < 3 * C
         assert await kv.lookup("acme", LAYOUT.name, theirs) == 3 * C
         assert_streams_equal((await kv.restore("acme", "b")).persistent, other)
+
+
+async def test_the_cli_looks_up_and_forks(tmp_path, capsys):
+    import asyncio
+
+    from services.cli.main import main
+
+    tokens = tokens_for(2 * C + 1)
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
+        await kv.spill("acme", "a", LAYOUT.name, tokens, streams_for(LAYOUT, len(tokens)),
+                       generation=1)
+        ids = ",".join(str(int(t)) for t in tokens)
+        assert await asyncio.to_thread(main, ["lookup", "--server", target, "--tenant",
+                                              "acme", ids]) == 0
+        assert f"{2 * C} of {len(tokens)} tokens held" in capsys.readouterr().out
+        assert await asyncio.to_thread(main, ["fork", "--server", target, "--tenant", "acme",
+                                              "--upto-tokens", str(C), "a", "b"]) == 0
+        assert "generation 1" in capsys.readouterr().out
+        assert (await kv.stat("acme", "b")).session.num_tokens == C
