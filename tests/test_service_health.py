@@ -17,6 +17,7 @@ from services.server.address_file import recorded_address
 from tests.service_support import LAYOUT, running_server, streams_for, tokens_for
 
 TOKENS = LAYOUT.chunk_tokens + 20
+V1_REFLECTION = "grpc.reflection.v1.ServerReflection"
 
 
 async def test_health_and_reflection(tmp_path):
@@ -29,7 +30,34 @@ async def test_health_and_reflection(tmp_path):
         stream = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
             iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         names = {s.name async for r in stream for s in r.list_services_response.service}
-        assert {"kvtier.v1.KVTier", "grpc.health.v1.Health"} <= names
+        assert {"kvtier.v1.KVTier", "grpc.health.v1.Health", V1_REFLECTION} <= names
+        # grpc.reflection.v1 (what current grpcurl asks first): the same messages on the
+        # wire under another service name; it can describe the KVTier service.
+        v1 = channel.stream_stream(
+            f"/{V1_REFLECTION}/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        replies = [r async for r in v1(iter([
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvtier.v1.KVTier"),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol=V1_REFLECTION)]))]
+        assert V1_REFLECTION in {s.name for s in replies[0].list_services_response.service}
+        for reply in replies[1:]:
+            assert reply.WhichOneof("message_response") == "file_descriptor_response"
+            assert reply.file_descriptor_response.file_descriptor_proto
+
+
+async def test_health_command_exits_by_the_serving_status(tmp_path, capsys):
+    async with running_server(tmp_path) as (_, target):
+        health = lambda *argv: asyncio.to_thread(  # noqa: E731
+            cli.main, ["health", "--server", target, *argv])
+        assert await health() == 0
+        assert await health("--service", "kvtier.v1.KVTier") == 0
+        assert "SERVING" in capsys.readouterr().out
+        assert await health("--service", "no.such.Service") == 1
+        assert "NOT_FOUND" in capsys.readouterr().out
+    assert await asyncio.to_thread(
+        cli.main, ["health", "--server", target, "--timeout", "1"]) == 1  # stopped
 
 
 async def test_server_records_a_connectable_address_while_serving(tmp_path):

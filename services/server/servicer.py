@@ -28,7 +28,6 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from kvstore.errors import (
     Busy,
@@ -48,7 +47,7 @@ from kvtier.errors import add_servicer, grpc_errors
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.replay.hook import ReplayBackend, make_replay_backend
-from services.server import address_file, auth
+from services.server import address_file, auth, reflection
 from services.server import validate as check
 from services.server.audit import AuditLog
 from services.server.config import ServerConfig, load_config
@@ -435,9 +434,9 @@ async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServe
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         if config.reflection:  # it lists the services to anyone who asks: only on request
-            reflection.enable_server_reflection(
-                (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                 reflection.SERVICE_NAME), grpc_server)
+            reflection.enable(
+                (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
+                grpc_server)
         port = _bind(grpc_server, config)
         await grpc_server.start()
     except BaseException:
