@@ -155,7 +155,9 @@ def stage_runners(sizes: dict, trace: Path, weights: Path) -> dict[str, Callable
         "trace": trace_stage,
         "bytes": lambda: _bytes_stage(model(), sizes["bytes"]["lengths"]),
         "replay_batch": lambda: child_json("replay_batch", sizes["replay_batch"]),
-        "fuzz": lambda: child_json("fuzz", sizes["fuzz"]),
+        # the same campaign, then against TLS and tokens with credential attacks
+        "fuzz": lambda: {**child_json("fuzz", sizes["fuzz"]),
+                         "authenticated": child_json("fuzz", [*sizes["fuzz"], "--auth"])},
         "adversarial": lambda: child_json("adversarial", sizes["adversarial"]),
         "faults": lambda: child_json("faults", sizes["faults"]),
     }

@@ -1,6 +1,6 @@
 """Fuzz every RPC of a real kvtier server and replay worker (issue #11).
 
-``python -m bench.fuzz [--requests 10000] [--seed 0] [--json]``
+``python -m bench.fuzz [--requests 10000] [--seed 0] [--json] [--auth]``
 
 Starts ``kvtier serve --preset test`` and ``kvtier replay-worker`` as child processes
 (``bench.live_server``), spills a few sessions through the real client (``kvtier``) and
@@ -15,12 +15,20 @@ CANCELLED is the fuzzer abandoning a stream), ``internal_or_unknown``, ``wrong_t
 (a restore, by a probe or of a pre-existing session, whose bytes differ from what was
 acknowledged for that session) and ``preexisting_sessions_intact`` (every pre-existing
 session restores bit-exact after the fuzz). Every non-zero figure but by_code is a bug.
+
+``--auth`` (or ``--secure``): the server serves TLS and checks tokens (a development
+set of ``services.server.devcerts`` in a temporary directory); every KVTier request
+carries acme's token, except the credential attacks, one in ``ATTACK_EVERY``: no token
+or a wrong one (must be UNAUTHENTICATED), a valid token naming another tenant's
+session (must be PERMISSION_DENIED, with no data). ``credential_breaches`` counts those
+answered otherwise. The protected sessions and probes use the tenants acme and beta.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import sys
@@ -31,15 +39,18 @@ from pathlib import Path
 
 import grpc
 
-from bench.fuzz_cases import CONNECTIONS, METHODS, CaseGenerator, Spilled, State
+from bench.fuzz_cases import CONNECTIONS, METHODS, Case, CaseGenerator, Spilled, State
 from bench.fuzz_pool import LAYOUT, build_pool
-from bench.live_server import LiveServer, channel, client
+from bench.live_server import Credentials, LiveServer, channel, client
 from proto import kvtier_pb2 as pb
 
 PROTECTED = (("acme", (0, "b")), ("victim", (1, "b")), ("acme", (3, "b")), ("victim", (2, "b")))
 PROTECTED_GENERATION = 5
 IDLE_S = 2.0  # the server's stream_idle_s: silent streams are cut well within a deadline
 EXAMPLES = 20  # kept per bad outcome, for the report
+ATTACK_EVERY = 5  # with --auth: one KVTier request in this many is a credential attack
+CALLER = "acme"  # with --auth: whose token the fuzzed requests carry
+AUTH_TENANTS = {"victim": "beta"}  # with --auth, tenants need a token: victim is beta
 
 
 def snapshot(got) -> tuple:
@@ -77,24 +88,34 @@ class Campaign:
     def __init__(self, live: LiveServer, seed: int, deadline_s: float, concurrency: int,
                  rng: random.Random | None = None) -> None:
         self.live = live
+        self.creds = live.creds
         self.deadline_s = deadline_s
         self.concurrency = concurrency
         self.pool = build_pool(seed)
         self.state = State()
         self.cases = CaseGenerator(rng or random.Random(seed), self.pool, self.state)
         self.by_code: Counter[str] = Counter()
-        self.counts = Counter(crashes=0, hangs=0, wrong_tensors=0, probes=0, probe_errors=0)
+        self.counts = Counter(crashes=0, hangs=0, wrong_tensors=0, probes=0, probe_errors=0,
+                              credential_attacks=0, credential_breaches=0)
         self.examples: dict[str, list] = {}
         self.acked: dict[tuple[str, str], tuple] = {}  # session -> bytes it must restore
         self.channels: list[grpc.aio.Channel] = []
         self.replay_channel: grpc.aio.Channel | None = None
         self._reviving = asyncio.Lock()
         self.probe_rng = random.Random(seed + 1)
+        self.attack_rng = random.Random(seed + 2)
+
+    def tenant(self, name: str) -> str:
+        """The tenant a protected session or probe uses (one with a token, with --auth)."""
+        return AUTH_TENANTS.get(name, name) if self.creds else name
+
+    def client(self, tenant: str, **options):
+        return client(self.live.target, self.creds, tenant, **options)
 
     # -- connections --
 
     def connect(self) -> None:
-        self.channels = [channel(self.live.target, i) for i in range(CONNECTIONS)]
+        self.channels = [channel(self.live.target, i, self.creds) for i in range(CONNECTIONS)]
         self.replay_channel = channel(self.live.replay_target, CONNECTIONS)
 
     async def disconnect(self) -> None:
@@ -121,14 +142,39 @@ class Campaign:
 
     # -- one request --
 
+    def credentials(self, case) -> tuple[object, tuple, str | None]:
+        """(the case to send, its call metadata, the code a credential attack must get:
+        None for an ordinary request)."""
+        if self.creds is None or METHODS[case.method].containing_service.name == "Replay":
+            return case, (), None  # the replay worker is not the authenticated server
+        token = Credentials.bearer(self.creds.tokens[CALLER])
+        if self.attack_rng.randrange(ATTACK_EVERY):
+            return case, token, None
+        self.counts["credential_attacks"] += 1
+        whole = dataclasses.replace(case, abandon=False, silent=False)  # ends with a status
+        attack = self.attack_rng.randrange(3)
+        if attack == 0:
+            return whole, (), "UNAUTHENTICATED"
+        if attack == 1:
+            forged = self.attack_rng.choice([self.creds.tokens[CALLER][::-1], "x" * 43,
+                                             self.creds.tokens[CALLER] + "A"])
+            return whole, Credentials.bearer(forged), "UNAUTHENTICATED"
+        # another tenant's session, named with a valid token of this one
+        tenant, sid = self.attack_rng.choice(
+            [ref for ref in self.state.protected if ref[0] != CALLER])
+        request = pb.RestoreRequest(session=pb.SessionRef(tenant=tenant, session_id=sid))
+        return (Case("Restore", "cross-tenant", [request.SerializeToString()],
+                     case.connection), token, "PERMISSION_DENIED")
+
     async def send(self, case) -> None:
+        case, metadata, expected = self.credentials(case)
         method = METHODS[case.method]
         ch = self.replay_channel if method.containing_service.name == "Replay" \
             else self.channels[case.connection]
         path = f"/{method.containing_service.full_name}/{method.name}"
         code, details, reply = "OK", "", None
         try:
-            reply = await self._call(ch, path, method, case)
+            reply = await self._call(ch, path, method, case, metadata)
             if reply is None:
                 code = "CANCELLED"
         except grpc.aio.AioRpcError as exc:
@@ -140,6 +186,9 @@ class Campaign:
                 # status. What the server answered is in its own metrics (below).
                 code = "CLIENT_WRITE_RACE"
         self.by_code[code] += 1
+        if expected is not None and code != expected:  # "OK" would have given data
+            self.counts["credential_breaches"] += 1
+            self.note("credential_breach", case, f"expected {expected}, got {code}: {details}")
         if code == "DEADLINE_EXCEEDED":
             self.counts["hangs"] += 1
             self.note("hang", case, details)
@@ -152,12 +201,12 @@ class Campaign:
             lease = pb.SharedMemoryLease.FromString(reply)
             self.state.seen_leases.setdefault(case.connection, []).append(lease.lease_id)
 
-    async def _call(self, ch, path: str, method, case) -> bytes | None:
-        timeout = self.deadline_s
+    async def _call(self, ch, path: str, method, case, metadata: tuple) -> bytes | None:
+        timeout, metadata = self.deadline_s, metadata or None
         if method.client_streaming:
             messages = Messages(case.messages, hold=case.abandon or case.silent)
             sent = messages.sent
-            call = ch.stream_unary(path)(messages, timeout=timeout)
+            call = ch.stream_unary(path)(messages, timeout=timeout, metadata=metadata)
             if not case.abandon:
                 return await call
             waiter, reply = asyncio.ensure_future(sent.wait()), asyncio.ensure_future(call)
@@ -169,19 +218,21 @@ class Campaign:
             await asyncio.gather(reply, return_exceptions=True)
             return None
         if method.server_streaming:
-            call = ch.unary_stream(path)(case.messages[0], timeout=timeout)
+            call = ch.unary_stream(path)(case.messages[0], timeout=timeout, metadata=metadata)
             async for _ in call:
                 if case.abandon:
                     call.cancel()
                     return None
             return b"streamed"
-        return await ch.unary_unary(path)(case.messages[0], timeout=timeout)
+        return await ch.unary_unary(path)(case.messages[0], timeout=timeout,
+                                          metadata=metadata)
 
     # -- sessions through the real client --
 
     async def spill_protected(self) -> None:
-        async with client(self.live.target) as kv:
-            for i, (tenant, key) in enumerate(PROTECTED):
+        for i, (name, key) in enumerate(PROTECTED):
+            tenant = self.tenant(name)
+            async with self.client(tenant) as kv:
                 enc = self.pool[key]
                 sid = f"keep-{i}"
                 await kv.spill(tenant, sid, LAYOUT.name, enc.tokens, chunks=list(enc.chunks),
@@ -190,14 +241,17 @@ class Campaign:
                 self.state.protected[tenant, sid] = Spilled(tenant, sid, PROTECTED_GENERATION,
                                                             enc, True)
                 self.acked[tenant, sid] = acknowledged(enc)
-                await self.check_restore(kv, tenant, sid)
+            await self.check_restore(tenant, sid)
 
-    async def check_restore(self, kv, tenant: str, sid: str) -> bool:
-        """Restore (or resume) through the client; a restore giving other bytes than
-        were acknowledged is a wrong tensor. True if it gave the acknowledged bytes."""
+    async def check_restore(self, tenant: str, sid: str) -> bool:
+        """Restore (or resume) through the client, as ``tenant``; a restore giving other
+        bytes than were acknowledged is a wrong tensor. True if it gave the acknowledged
+        bytes."""
         use_resume = self.probe_rng.random() < 0.3
         try:
-            got = await (kv.resume if use_resume else kv.restore)(tenant, sid, decode=False)
+            async with self.client(tenant, timeout_s=self.deadline_s) as kv:
+                got = await (kv.resume if use_resume else kv.restore)(tenant, sid,
+                                                                      decode=False)
         except Exception as exc:  # noqa: BLE001 - recorded: a probe must not fail
             self.counts["probe_errors"] += 1
             self.examples.setdefault("probe_error", []).append(
@@ -213,16 +267,17 @@ class Campaign:
         """A legit spill and restore under an attacked tenant, with tokens the fuzzer
         spills too; then every protected session and the last probes again."""
         self.counts["probes"] += 1
-        tenant = rng.choice(("acme", "victim", "evil", "beta"))
+        tenant = self.tenant(rng.choice(("acme", "victim", "beta") if self.creds
+                                        else ("acme", "victim", "evil", "beta")))
         enc = self.pool[rng.randrange(4), rng.choice("ab")]
         sid = f"probe-{index}"
         try:
-            async with client(self.live.target, timeout_s=self.deadline_s) as kv:
+            async with self.client(tenant, timeout_s=self.deadline_s) as kv:
                 await kv.spill(tenant, sid, LAYOUT.name, enc.tokens, chunks=list(enc.chunks),
                                tail=enc.tail, window=enc.window, generation=1)
-                self.acked[tenant, sid] = acknowledged(enc)
-                for ref in [*self.state.protected, *list(self.acked)[-5:]]:
-                    await self.check_restore(kv, *ref)
+            self.acked[tenant, sid] = acknowledged(enc)
+            for ref in [*self.state.protected, *list(self.acked)[-5:]]:
+                await self.check_restore(*ref)
         except Exception as exc:  # noqa: BLE001 - recorded: a probe must not fail
             self.counts["probe_errors"] += 1
             self.examples.setdefault("probe_error", []).append(
@@ -253,9 +308,8 @@ class Campaign:
             await asyncio.gather(*workers, *probes)
             await self.check_alive()
             intact = True
-            async with client(self.live.target) as kv:
-                for tenant, sid in self.state.protected:
-                    intact &= await self.check_restore(kv, tenant, sid)
+            for tenant, sid in self.state.protected:
+                intact &= await self.check_restore(tenant, sid)
         finally:
             await self.disconnect()
         server_errors = self.live.rpc_errors()
@@ -268,6 +322,9 @@ class Campaign:
                 + server_errors["UNKNOWN"],
                 "wrong_tensors": self.counts["wrong_tensors"],
                 "preexisting_sessions_intact": intact, "probes": self.counts["probes"],
+                "auth": self.creds is not None,
+                "credential_attacks": self.counts["credential_attacks"],
+                "credential_breaches": self.counts["credential_breaches"],
                 "probe_errors": self.counts["probe_errors"],
                 "seconds": round(time.perf_counter() - started, 1),
                 "server_peak_rss_mib": round(self.live.rss().get("peak", 0) / 2**20, 1),
@@ -275,10 +332,12 @@ class Campaign:
 
 
 def run_fuzz(requests: int, seed: int = 0, *, deadline_s: float = 20.0, concurrency: int = 8,
-             rng: random.Random | None = None) -> dict:
+             rng: random.Random | None = None, auth: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvtier-fuzz-") as tmp:
         tmp = Path(tmp)
-        with LiveServer(tmp / "data", tmp, env={"KVTIER_STREAM_IDLE_S": str(IDLE_S)}) as live:
+        creds = Credentials.write(tmp / "certs") if auth else None
+        with LiveServer(tmp / "data", tmp, env={"KVTIER_STREAM_IDLE_S": str(IDLE_S)},
+                        creds=creds) as live:
             campaign = Campaign(live, seed, deadline_s, concurrency, rng)
             result = asyncio.run(campaign.run(requests))
         result["server_log_errors"] = _log_errors(tmp / "server.log")
@@ -300,9 +359,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="a request running longer counts as a hang")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--auth", "--secure", action="store_true",
+                        help="against a server with TLS and tokens, with credential attacks")
     args = parser.parse_args(argv)
     result = run_fuzz(args.requests, args.seed, deadline_s=args.deadline_s,
-                      concurrency=args.concurrency)
+                      concurrency=args.concurrency, auth=args.auth)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -312,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"by_code: {result['by_code']}")
     bad = (result["crashes"] or result["hangs"] or result["internal_or_unknown"]
            or result["server_internal_or_unknown"] or result["wrong_tensors"]
-           or not result["preexisting_sessions_intact"])
+           or result["credential_breaches"] or not result["preexisting_sessions_intact"])
     return 1 if bad else 0
 
 

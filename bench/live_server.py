@@ -8,7 +8,9 @@ for death, restarted, and measured from /proc (RSS and its peak).
         live.rss()                           # {"rss": bytes, "peak": bytes}
 
 ``channel()`` and ``client()`` are the one place a caller's connection is made, so
-credentials (a token, a CA) are added there once.
+credentials are added there once: with ``Credentials`` (a development set of
+``services.server.devcerts``: TLS certificates and a tokens file), the server serves
+TLS and checks tokens, and callers connect through its CA with a tenant's token.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import re
 import selectors
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
 import urllib.request
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -32,19 +36,56 @@ START_S = 120.0  # a bound on waiting for a child to serve (the worker loads a m
 MESSAGE_BYTES = 128 << 20  # above the server's own limit, so the server is what refuses
 
 
-def channel(target: str, connection: int = 0) -> grpc.aio.Channel:
+@dataclass(frozen=True)
+class Credentials:
+    """A development set written to ``root``: the server's certificate and tokens file,
+    the CA a caller trusts, and the tokens by name (admin, acme, beta, replay)."""
+
+    root: Path
+    tokens: dict[str, str]
+
+    @classmethod
+    def write(cls, root: Path) -> Credentials:
+        from services.server.devcerts import write_dev_set
+
+        return cls(root, write_dev_set(root))
+
+    @property
+    def ca(self) -> str:
+        return str(self.root / "ca.pem")
+
+    def server_env(self) -> dict[str, str]:
+        return {"KVTIER_TLS_CERT": str(self.root / "server.pem"),
+                "KVTIER_TLS_KEY": str(self.root / "server-key.pem"),
+                "KVTIER_AUTH_TOKENS_FILE": str(self.root / "tokens.toml")}
+
+    @staticmethod
+    def bearer(token: str) -> tuple[tuple[str, str], ...]:
+        """Call metadata presenting ``token`` (any string: attacks present wrong ones)."""
+        return (("authorization", f"Bearer {token}"),)
+
+
+def channel(target: str, connection: int = 0, creds: Credentials | None = None
+            ) -> grpc.aio.Channel:
     """A connection of its own to ``target`` (channels of one process otherwise share
-    one; a connection's peer address is what the server calls a client)."""
-    return grpc.aio.insecure_channel(target, options=[
-        ("grpc.use_local_subchannel_pool", 1), ("kvtier.bench.connection", connection),
-        ("grpc.max_send_message_length", MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", MESSAGE_BYTES)])
+    one; a connection's peer address is what the server calls a client); over TLS with
+    ``creds`` (the token goes in each call's metadata: ``Credentials.bearer``)."""
+    options = [("grpc.use_local_subchannel_pool", 1), ("kvtier.bench.connection", connection),
+               ("grpc.max_send_message_length", MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", MESSAGE_BYTES)]
+    if creds is None:
+        return grpc.aio.insecure_channel(target, options=options)
+    ca = Path(creds.ca).read_bytes()
+    return grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(ca), options=options)
 
 
-def client(target: str, **options):
-    """The real Python client (``kvtier.AsyncClient``) to ``target``."""
+def client(target: str, creds: Credentials | None = None, tenant: str = "", **options):
+    """The real Python client (``kvtier.AsyncClient``) to ``target``; with ``creds``,
+    over TLS with ``tenant``'s token."""
     from kvtier import AsyncClient
 
+    if creds is not None:
+        options.update(tls_ca=creds.ca, token=creds.tokens[tenant])
     return AsyncClient(target, **options)
 
 
@@ -118,12 +159,14 @@ class LiveServer:
     (``replay=True``) that the server sends resumes to."""
 
     def __init__(self, data_dir: Path, log_dir: Path, *, replay: bool = True,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, creds: Credentials | None = None
+                 ) -> None:
         py = [sys.executable, "-m", "services.cli"]
         self.worker = Child([*py, "replay-worker", "--listen", "127.0.0.1:0",
                              "--log-level", "WARNING"], "kvtier replay-worker serving on ",
                             log_dir / "replay-worker.log", {}) if replay else None
-        self.server_env = dict(env or {})
+        self.server_env = {**(env or {}), **(creds.server_env() if creds else {})}
+        self.creds = creds
         self.metrics_port = free_port()
         self.server = Child([*py, "serve", "--preset", "test", "--data-dir", str(data_dir),
                              "--listen", "127.0.0.1:0", "--log-level", "WARNING",
@@ -173,8 +216,11 @@ class LiveServer:
 
     def rpc_errors(self) -> Counter[str]:
         """Status code name -> RPCs the server itself ended with it (its metrics)."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
-                                    timeout=10) as reply:
+        scheme, context = "http", None
+        if self.creds is not None:  # HTTPS with the gRPC port's certificate
+            scheme, context = "https", ssl.create_default_context(cafile=self.creds.ca)
+        with urllib.request.urlopen(f"{scheme}://127.0.0.1:{self.metrics_port}/metrics",
+                                    timeout=10, context=context) as reply:
             text = reply.read().decode()
         out: Counter[str] = Counter()
         for line in text.splitlines():

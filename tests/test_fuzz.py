@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from bench.fuzz import IDLE_S, Campaign
 from bench.fuzz_cases import METHODS, SERVICES, CaseGenerator
 from bench.fuzz_pool import build_pool
-from bench.live_server import LiveServer
+from bench.live_server import Credentials, LiveServer
 
 DEADLINE_S = 20.0  # a request still running after this is a hang
 
@@ -24,6 +24,14 @@ DEADLINE_S = 20.0  # a request still running after this is a hang
 def live(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fuzz")
     with LiveServer(tmp / "data", tmp, env={"KVTIER_STREAM_IDLE_S": str(IDLE_S)}) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fuzz-auth")
+    with LiveServer(tmp / "data", tmp, env={"KVTIER_STREAM_IDLE_S": str(IDLE_S)},
+                    creds=Credentials.write(tmp / "certs")) as server:
         yield server
 
 
@@ -58,3 +66,20 @@ def test_fuzzed_requests_leave_the_server_standing_and_sessions_exact(live, rng)
     assert result["probe_errors"] == 0, result["examples"].get("probe_error")
     assert result["preexisting_sessions_intact"]
     assert result["probes"] == 2
+
+
+def test_fuzz_of_an_authenticated_server_with_credential_attacks(secured):
+    """TLS and tokens: no token or a wrong one is UNAUTHENTICATED, another tenant's
+    session named with a valid token is PERMISSION_DENIED with no data, every time."""
+    campaign = Campaign(secured, 0, DEADLINE_S, concurrency=8, rng=random.Random(5))
+    result = asyncio.run(campaign.run(150, probe_every=50))
+    assert result["auth"] and result["requests"] == 150
+    assert result["credential_attacks"] > 10
+    assert result["credential_breaches"] == 0, result["examples"].get("credential_breach")
+    assert result["by_code"].get("UNAUTHENTICATED", 0) > 0
+    assert result["by_code"].get("PERMISSION_DENIED", 0) > 0
+    assert result["crashes"] == result["hangs"] == 0, result["examples"]
+    assert result["internal_or_unknown"] == result["server_internal_or_unknown"] == 0
+    assert result["wrong_tensors"] == 0, result["examples"].get("wrong_tensor")
+    assert result["probe_errors"] == 0, result["examples"].get("probe_error")
+    assert result["preexisting_sessions_intact"] and result["probes"] == 3
