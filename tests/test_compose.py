@@ -3,6 +3,8 @@ names, ports, the data volume, and the addresses the ``compose`` preset dials.""
 
 from __future__ import annotations
 
+import json
+import tomllib
 from pathlib import Path
 
 import yaml
@@ -27,7 +29,7 @@ def _config():
 
 
 def test_every_part_is_there():
-    assert {"redis", "kvtier", "replay-worker", "prometheus"} <= set(SERVICES)
+    assert {"redis", "kvtier", "replay-worker", "prometheus", "grafana"} <= set(SERVICES)
     assert SERVICES["kvtier"]["command"][:2] == ["kvtier", "serve"]
     assert SERVICES["replay-worker"]["command"][:2] == ["kvtier", "replay-worker"]
     assert (ROOT / SERVICES["kvtier"]["build"]["dockerfile"]).is_file()
@@ -66,3 +68,65 @@ def test_prometheus_scrapes_the_server_metrics_port():
     targets = [t for job in scrape["scrape_configs"] for c in job["static_configs"]
                for t in c["targets"]]
     assert targets == [f"kvtier:{_config().metrics_port}"]
+
+
+def _mounted(service: dict, target: str) -> Path:
+    """The repository path ``service`` mounts at ``target``."""
+    source = next(v.split(":")[0] for v in service["volumes"] if v.split(":")[1] == target)
+    return ROOT / source
+
+
+def test_prometheus_loads_the_alert_rules_it_is_given():
+    prometheus = SERVICES["prometheus"]
+    scrape = yaml.safe_load(_mounted(prometheus, "/etc/prometheus/prometheus.yml").read_text())
+    for rule_file in scrape["rule_files"]:
+        rules = yaml.safe_load(_mounted(prometheus, rule_file).read_text())
+        alerts = {r["alert"] for g in rules["groups"] for r in g["rules"]}
+        assert {"KVTierErrorRatioHigh", "KVTierDataLoss", "KVTierWritebackBacklog",
+                "KVTierTierDown", "KVTierWritebackFailures"} <= alerts
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_dashboard():
+    grafana = SERVICES["grafana"]
+    provisioning = _mounted(grafana, "/etc/grafana/provisioning")
+    sources = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())
+    source = sources["datasources"][0]
+    host, port = source["url"].split("//")[1].split(":")
+    assert host in SERVICES and int(port) in _container_ports(SERVICES[host])
+    provider = yaml.safe_load((provisioning / "dashboards" / "kvtier.yml").read_text())
+    path = provider["providers"][0]["options"]["path"]
+    dashboard = json.loads((_mounted(grafana, path) / "kvtier.json").read_text())
+    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p["targets"]}
+    assert uids == {source["uid"]}
+    assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"].startswith(path)
+
+
+def test_every_kvtier_service_builds_its_image_and_checks_its_health():
+    images = set()
+    for name in ("kvtier", "replay-worker"):
+        service = SERVICES[name]
+        assert (ROOT / service["build"]["dockerfile"]).is_file()  # its own build
+        images.add(service["image"])
+        test = service["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "kvtier", "health"]
+        port = int(test[test.index("--server") + 1].split(":")[1])
+        assert port in _container_ports(service)
+        if "--tls-ca" in test:  # TLS on: the CA it names is a mounted file
+            ca = test[test.index("--tls-ca") + 1]
+            mounts = {v.split(":")[1]: v.split(":")[0] for v in service["volumes"]}
+            assert any(ca.startswith(target + "/") for target in mounts)
+    assert len(images) == 2  # no service runs an image another one builds
+    assert SERVICES["kvtier"]["depends_on"]["replay-worker"]["condition"] == "service_healthy"
+    assert {"healthcheck"} <= set(SERVICES["prometheus"]) and "healthcheck" in SERVICES["grafana"]
+
+
+def test_the_image_runs_unprivileged_with_a_healthcheck_and_without_triton():
+    dockerfile = (ROOT / SERVICES["kvtier"]["build"]["dockerfile"]).read_text()
+    users = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0")
+    assert "HEALTHCHECK" in dockerfile and "kvtier\", \"health" in dockerfile
+    assert "triton" not in dockerfile.split("HEALTHCHECK")[0].split("pip install", 1)[1]
+    assert "[gpu]" not in dockerfile  # `pip install .` takes the hard dependencies only
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("triton")]
+    assert any(d.startswith("triton") for d in project["optional-dependencies"]["gpu"])

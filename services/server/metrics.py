@@ -111,6 +111,9 @@ class _ManagerCollector(Collector):
         yield from _tenant_metrics(stats)
         yield GaugeMetricFamily("kvtier_writeback_queue_depth",
                                 "Chunks waiting for write-back", value=stats.writeback_depth)
+        yield GaugeMetricFamily("kvtier_writeback_queue_capacity",
+                                "Chunks the write-back queue holds before spills wait",
+                                value=stats.writeback_capacity)
         yield GaugeMetricFamily("kvtier_referenced_chunks",
                                 "Distinct chunks some session references",
                                 value=stats.referenced_chunks)

@@ -1,0 +1,123 @@
+"""Every metric the Grafana dashboard and the Prometheus alert rules name exists on a live
+server's /metrics, under Prometheus conventions: the names are read from the PromQL of
+deploy/grafana/dashboards/*.json and deploy/alerts.yml, the server is a real one on
+loopback after a few RPCs (an error among them)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvtier import AsyncClient, SessionNotFound
+from tests.service_support import LAYOUT, running_server, streams_for, tokens_for
+
+ROOT = Path(__file__).resolve().parent.parent
+NAME = re.compile(r"\bkvtier_[a-z_]+")
+SUFFIXES = ("_bucket", "_sum", "_count")  # a histogram's series, named by its base
+
+
+def _expressions() -> dict[str, str]:
+    """Where each PromQL expression comes from -> the expression."""
+    out = {}
+    for path in sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json")):
+        for panel in json.loads(path.read_text())["panels"]:
+            for target in panel["targets"]:
+                out[f"{path.name}: {panel['title']} {target['refId']}"] = target["expr"]
+    rules = yaml.safe_load((ROOT / "deploy" / "alerts.yml").read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            out[f"alerts.yml: {rule['alert']}"] = rule["expr"]
+    return out
+
+
+def _families(text: str) -> dict[str, str]:
+    """Metric family -> its type, from the exposition's TYPE lines."""
+    return {parts[2]: parts[3] for parts in
+            (line.split() for line in text.splitlines() if line.startswith("# TYPE "))}
+
+
+def _samples(text: str) -> dict[str, list[str]]:
+    """Sample name -> its series' label sets, as written."""
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series = line.rsplit(" ", 1)[0]
+            name, _, labels = series.partition("{")
+            out.setdefault(name, []).append(labels.rstrip("}"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def exposition(tmp_path_factory) -> str:
+    tokens = TOKENS = LAYOUT.chunk_tokens + 20
+
+    async def scrape() -> str:
+        async with running_server(tmp_path_factory.mktemp("m"), metrics_port=0) as (
+                server, target), AsyncClient(target) as kv:
+            port = server.start_metrics(0, "127.0.0.1")
+            await kv.spill("acme", "s1", LAYOUT.name, tokens_for(tokens),
+                           streams_for(LAYOUT, TOKENS), generation=1)
+            await kv.restore("acme", "s1")
+            await kv.resume("acme", "s1")
+            with pytest.raises(SessionNotFound):
+                await kv.restore("acme", "no-such-session")
+            await kv.stat()  # refreshes the tier manager's snapshot
+            return await asyncio.to_thread(lambda: urllib.request.urlopen(
+                f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
+
+    return asyncio.run(scrape())
+
+
+def test_the_dashboard_and_alerts_name_only_metrics_the_server_exports(exposition):
+    families, samples = _families(exposition), _samples(exposition)
+    expressions = _expressions()
+    assert len(expressions) >= 20  # the files were read
+    missing = {}
+    for where, expr in expressions.items():
+        for name in NAME.findall(expr):
+            base = next((name.removesuffix(s) for s in SUFFIXES if name.endswith(s)), name)
+            known = name in samples or (base != name and families.get(base) == "histogram")
+            if not known:
+                missing.setdefault(name, []).append(where)
+    assert not missing, f"named but not exported: {missing}"
+
+
+def test_names_follow_prometheus_conventions(exposition):
+    families, samples = _families(exposition), _samples(exposition)
+    kvtier = {name: kind for name, kind in families.items() if name.startswith("kvtier_")}
+    assert kvtier
+    for name, kind in kvtier.items():
+        if kind == "counter":  # its samples end in _total (the TYPE line may say either)
+            assert f"{name.removesuffix('_total')}_total" in samples, name
+        if kind == "histogram" and name != "kvtier_replay_batch_size":  # a count, no unit
+            assert name.endswith("_seconds"), name
+    assert "kvtier_tier_read_bytes_total" in samples
+    assert "kvtier_tier_written_bytes_total" in samples
+    assert not [s for s in samples if "bytes_read" in s or "bytes_written" in s]
+    assert samples["kvtier_build_info"] and all(
+        'version="' in labels and 'python="' in labels and 'torch="' in labels
+        for labels in samples["kvtier_build_info"])
+    assert "process_cpu_seconds_total" in samples
+    assert "process_resident_memory_bytes" in samples
+
+
+def test_requests_total_counts_every_rpc_by_method_and_code(exposition):
+    requests = _samples(exposition)["kvtier_requests_total"]
+    assert all('method="' in labels and 'code="' in labels for labels in requests)
+    assert 'code="OK",method="Spill"' in requests
+    assert 'code="OK",method="Resume"' in requests
+    assert 'code="NOT_FOUND",method="Restore"' in requests
+    restores = [line for line in exposition.splitlines()
+                if line.startswith("kvtier_requests_total{") and 'method="Restore"' in line]
+    assert {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+            for line in restores} == {'code="NOT_FOUND",method="Restore"': 1.0,
+                                      'code="OK",method="Restore"': 1.0}
+    tiers = _samples(exposition)["kvtier_resume_seconds_count"]
+    assert tiers == ['tier="host"']  # resume latency by the slowest tier that served it
+    assert 'tier="host"' in _samples(exposition)["kvtier_tier_up"]
