@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import datetime
 import json
 import os
@@ -32,6 +33,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -123,12 +125,22 @@ def machine() -> dict:
 
 
 def child_json(name: str, args: list[str]) -> dict:
-    """``python -m bench.<name> --json *args`` in a child process; its printed JSON."""
-    proc = subprocess.run([sys.executable, "-m", f"bench.{name}", "--json", *args], cwd=ROOT,
-                          capture_output=True, text=True)
+    """``python -m bench.<name> --json *args`` in a child process; its printed JSON. Its
+    progress lines (stderr) pass through as they come, indented under the stage's line."""
+    with subprocess.Popen([sys.executable, "-m", f"bench.{name}", "--json", *args], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        stdout = [""]
+        reader = threading.Thread(target=lambda: stdout.__setitem__(0, proc.stdout.read()))
+        reader.start()  # a full stdout pipe must not stall the child while we read stderr
+        tail: collections.deque[str] = collections.deque(maxlen=40)
+        for line in proc.stderr:
+            tail.append(line)
+            print(f"    {name}: {line.rstrip()}", file=sys.stderr, flush=True)
+        reader.join()
     if proc.returncode:
-        raise RuntimeError(f"bench.{name} exited {proc.returncode}: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout)
+        raise RuntimeError(f"bench.{name} exited {proc.returncode}: "
+                           f"{''.join(tail)[-2000:]}")
+    return json.loads(stdout[0])
 
 
 def stage_runners(sizes: dict, trace: Path, weights: Path) -> dict[str, Callable[[], dict]]:
@@ -174,16 +186,18 @@ def run_all(stages: list[str], sizes_name: str, trace: Path, weights: Path,
     runners = stage_runners(SIZES[sizes_name], trace, weights)
     results: dict = {"machine": machine(), "sizes": sizes_name,
                      "torch_threads": torch.get_num_threads(), "stages": {}}
-    for name in stages:
+    first = time.perf_counter()
+    for index, name in enumerate(stages, 1):
         started = time.perf_counter()
-        print(f"bench.all: {name} ...", file=sys.stderr, flush=True)
+        print(f"bench.all: [{index}/{len(stages)}] {name} ... ({started - first:.0f} s "
+              "elapsed)", file=sys.stderr, flush=True)
         try:
             stage = runners[name]()
         except Exception as exc:  # one failed stage must not lose the others' figures
             stage = {"error": f"{type(exc).__name__}: {exc}"}
         stage["wall_s"] = round(time.perf_counter() - started, 1)
         results["stages"][name] = stage
-        print(f"bench.all: {name} done in {stage['wall_s']} s"
+        print(f"bench.all: [{index}/{len(stages)}] {name} done in {stage['wall_s']} s"
               + (f" ERROR {stage['error']}" if "error" in stage else ""), file=sys.stderr,
               flush=True)
         results["load_average_at_end"] = os.getloadavg()
