@@ -168,8 +168,10 @@ async def open_manager(config: ServerConfig) -> TierManager:
             log.info("encryption at rest: on (key ids %s, current %s)", keyring.key_ids,
                      keyring.current)
         policy = HintPolicy if config.eviction == "hint" else LRUPolicy
-        options = {"policy": policy, "config": _preset(
-            MANAGER_PRESETS, config.manager_preset, "manager_preset"),
+        manager_config = dataclasses.replace(
+            _preset(MANAGER_PRESETS, config.manager_preset, "manager_preset"),
+            retain_unreferenced=config.retain_unreferenced)
+        options = {"policy": policy, "config": manager_config,
             "quotas": Quotas.from_tables(config.quota)}
         if keyring is None:
             return await TierManager.open(tiers, meta, **options)
