@@ -5,7 +5,8 @@ checksum verification and produces fresh tensors, one ``decode_chunk`` call per 
 ``decode_run_gbps`` (the same chunks as one session's run: ``decode_chunks``, what a
 restore of a whole session does, one tensor per stream) and ``memcpy_gbps`` (``np.copyto``, a plain
 memcpy, of the same number of bytes between preallocated buffers) for the headline layout, plus one
-row per layout and with zstd. GB/s counts raw payload bytes (10^9 bytes per second).
+row per shipped layout (each with its ``decode_run_vs_memcpy`` and ``decode_vs_memcpy``) and
+flash-4.1-like with zstd. GB/s counts raw payload bytes (10^9 bytes per second).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from kvstore.codec import StreamData, decode_chunk, encode_chunk
 from kvstore.codec_run import decode_chunks
-from kvstore.layout import LayoutSpec, get_layout
+from kvstore.layout import LayoutSpec, all_layouts, get_layout
 
 _DTYPES = {4: torch.uint8, 8: torch.int8, 16: torch.bfloat16}
 
@@ -107,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     rows = [measure(get_layout(args.layout), args.mb, args.repeats, None)]
-    for name in ("kvtier-bundled", "flash-4.1-like"):
-        rows.append(measure(get_layout(name), args.mb / 4, args.repeats, None))
+    for spec in sorted(all_layouts(), key=lambda s: s.name):
+        if spec.name != args.layout:
+            rows.append(measure(spec, args.mb / 4, args.repeats, None))
     rows.append(measure(get_layout("flash-4.1-like"), args.mb / 4, args.repeats, 3))
     head = rows[0]
     result = {

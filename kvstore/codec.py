@@ -3,7 +3,8 @@
 Layout of a chunk (little-endian)::
 
     header    magic "KVTC", version, flags, layout hash, start token, token count,
-              section count, xxh3 of the token ids, stored and raw payload lengths
+              section count, xxh3 of the token ids, stored and raw payload lengths,
+              (version 2) xxh3-64 of the raw payload
     sections  one entry per (stream, layer, part): stream index, layer, part (codes or
               scales), offset and length in the raw payload, xxh3-64 of the section bytes
     check     xxh3-64 of header + section table
@@ -14,7 +15,9 @@ A compressed payload is one zstd frame that declares its content size: the size 
 against the header (and, through the section table, the layout) before anything is
 decompressed, so a small chunk can never expand into a large allocation.
 The header checksum covers the section table, and the table holds each section's checksum,
-so every byte is covered while a reader of one layer verifies only what it reads.
+so every byte is covered while a reader of one layer verifies only what it reads; a
+reader of the whole payload checks it with one hash (version 2), not one per section.
+Version 1 chunks (no payload checksum) are still read, their sections checked one by one.
 Anything that does not check out raises a ``CodecError`` subclass: never a wrong tensor.
 """
 
@@ -48,12 +51,13 @@ from kvstore.keys import token_bytes
 from kvstore.layout import LayoutSpec, layout_by_hash
 
 MAGIC = b"KVTC"
-VERSION = 1
+VERSION = 2  # 2: the header holds the raw payload's xxh3-64
 FLAG_ZSTD = 1
 FLAG_EPHEMERAL = 2
 _KNOWN_FLAGS = FLAG_ZSTD | FLAG_EPHEMERAL
 
-_HEADER = struct.Struct("<4sHHQQIIQQQ")
+_HEADER_V1 = struct.Struct("<4sHHQQIIQQQ")
+_HEADER = struct.Struct(_HEADER_V1.format + "Q")
 _SECTION = struct.Struct("<HHB3xQQQ")
 # The same record as a numpy dtype, so a table of hundreds of sections parses in one call.
 SECTION_DTYPE = np.dtype(
@@ -68,6 +72,23 @@ SECTION_DTYPE = np.dtype(
     ]
 )
 _CHECK = struct.Struct("<Q")
+# The version 2 header as a numpy dtype, so a run's headers are checked in a few calls.
+HEADER_DTYPE = np.dtype(
+    [
+        ("magic", "S4"),
+        ("version", "<u2"),
+        ("flags", "<u2"),
+        ("layout_hash", "<u8"),
+        ("start_token", "<u8"),
+        ("num_tokens", "<u4"),
+        ("sections", "<u4"),
+        ("tokens_hash", "<u8"),
+        ("stored_len", "<u8"),
+        ("raw_len", "<u8"),
+        ("payload_checksum", "<u8"),
+    ]
+)
+assert HEADER_DTYPE.itemsize == _HEADER.size
 # Bounds a corrupt header can claim, so decoding never tries to allocate absurd sizes.
 MAX_SECTIONS = 1 << 16
 MAX_PAYLOAD = 1 << 34
@@ -93,6 +114,7 @@ class ChunkHeader:
     tokens_hash: int
     stored_payload_len: int
     raw_payload_len: int
+    payload_checksum: int | None  # xxh3-64 of the raw payload; None in version 1
     sections: np.ndarray  # (n,) SECTION_DTYPE, in payload order
     payload_offset: int
 
@@ -183,6 +205,7 @@ def encode_chunk(
             tokens_hash(token_ids),
             len(payload),
             len(raw_payload),
+            xxhash.xxh3_64_intdigest(raw_payload),
         )
         + table.tobytes()
     )
@@ -219,19 +242,25 @@ def split_chunks(buf: bytes | bytearray | memoryview) -> list[memoryview]:
 
 
 def _parse_header(view: memoryview) -> ChunkHeader:
-    if len(view) < _HEADER.size:
+    if len(view) < _HEADER_V1.size:
         raise ChunkTruncated(
-            f"chunk of {len(view)} bytes is shorter than its {_HEADER.size}-byte header"
+            f"chunk of {len(view)} bytes is shorter than its {_HEADER_V1.size}-byte header"
         )
-    fields = _HEADER.unpack_from(view)
+    fields = _HEADER_V1.unpack_from(view)
     magic, version, flags, layout_hash, start, ntok, nsec, thash, stored, raw = fields
     if magic != MAGIC:
         raise ChunkCorrupt(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
-    if version != VERSION:
-        raise UnsupportedVersion(f"chunk format version {version}; this build reads {VERSION}")
+    if version not in (1, VERSION):
+        raise UnsupportedVersion(f"chunk format version {version}; this build reads 1 and "
+                                 f"{VERSION}")
+    head = _HEADER_V1 if version == 1 else _HEADER
+    if len(view) < head.size:
+        raise ChunkTruncated(f"chunk of {len(view)} bytes is shorter than its {head.size}-byte "
+                             "header")
+    payload_checksum = None if version == 1 else head.unpack_from(view)[-1]
     if nsec > MAX_SECTIONS or raw > MAX_PAYLOAD or stored > MAX_PAYLOAD:
         raise ChunkCorrupt(f"implausible header: {nsec} sections, payload {stored}/{raw} bytes")
-    table_end = _HEADER.size + nsec * _SECTION.size
+    table_end = head.size + nsec * _SECTION.size
     payload_offset = table_end + _CHECK.size
     if len(view) < payload_offset:
         raise ChunkTruncated(f"chunk of {len(view)} bytes ends inside its section table")
@@ -244,7 +273,7 @@ def _parse_header(view: memoryview) -> ChunkHeader:
         raise ChunkTruncated(f"payload is {len(view) - payload_offset} bytes, header says {stored}")
     if not flags & FLAG_ZSTD and stored != raw:
         raise ChunkCorrupt(f"uncompressed payload stored as {stored} bytes, raw {raw}")
-    table = np.frombuffer(view, SECTION_DTYPE, count=nsec, offset=_HEADER.size)
+    table = np.frombuffer(view, SECTION_DTYPE, count=nsec, offset=head.size)
     covered = 0
     for offset, length in zip(table["offset"].tolist(), table["length"].tolist(), strict=True):
         if offset != covered:
@@ -252,9 +281,8 @@ def _parse_header(view: memoryview) -> ChunkHeader:
         covered += length
     if covered != raw:
         raise ChunkCorrupt(f"sections cover {covered} of {raw} payload bytes")
-    return ChunkHeader(
-        version, flags, layout_hash, start, ntok, thash, stored, raw, table, payload_offset
-    )
+    return ChunkHeader(version, flags, layout_hash, start, ntok, thash, stored, raw,
+                       payload_checksum, table, payload_offset)
 
 
 def decoded_payload(view: memoryview, header: ChunkHeader, *, copy: bool = True) -> np.ndarray:
@@ -265,17 +293,19 @@ def decoded_payload(view: memoryview, header: ChunkHeader, *, copy: bool = True)
     if not header.compressed:
         payload = np.frombuffer(stored, np.uint8)
         return np.array(payload) if copy else payload
-    check_frame(stored, header.raw_payload_len)
+    return decompressed(stored, header.raw_payload_len)
+
+
+def decompressed(stored, raw_len: int) -> np.ndarray:
+    """A zstd payload's ``raw_len`` bytes as a fresh, writable array, its declared size
+    checked before anything is allocated."""
+    check_frame(stored, raw_len)
     try:
-        raw = zstandard.ZstdDecompressor().decompress(
-            stored, max_output_size=header.raw_payload_len
-        )
+        raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw_len)
     except zstandard.ZstdError as exc:
         raise ChunkCorrupt(f"zstd payload does not decompress: {exc}") from exc
-    if len(raw) != header.raw_payload_len:
-        raise ChunkCorrupt(
-            f"zstd payload is {len(raw)} bytes, header says {header.raw_payload_len}"
-        )
+    if len(raw) != raw_len:
+        raise ChunkCorrupt(f"zstd payload is {len(raw)} bytes, header says {raw_len}")
     return np.frombuffer(bytearray(raw), np.uint8)
 
 
@@ -302,6 +332,14 @@ def verify_sections(payload, sections: np.ndarray) -> None:
             )
 
 
+def verify_payload(payload, header: ChunkHeader) -> None:
+    """Every byte of a chunk's raw payload: one hash in version 2, else each section's."""
+    if header.payload_checksum is None:
+        verify_sections(payload, header.sections)
+    elif xxhash.xxh3_64_intdigest(payload) != header.payload_checksum:
+        raise ChunkCorrupt("payload checksum mismatch")
+
+
 def verify_chunk(buf: bytes | bytearray | memoryview, spec: LayoutSpec | None = None
                  ) -> ChunkHeader:
     """Check every byte of a chunk without copying it; return its header. Its section
@@ -315,10 +353,12 @@ def verify_chunk(buf: bytes | bytearray | memoryview, spec: LayoutSpec | None = 
             spec = None
     header = read_header(view) if spec is None else checked_plan(view, spec, None)[0]
     if header.compressed:
-        verify_sections(decoded_payload(view, header), header.sections)
+        payload = decoded_payload(view, header)
     else:
         payload = np.frombuffer(view[header.payload_offset : header.encoded_len], np.uint8)
-        verify_sections(payload, header.sections)
+    # both checksums: a chunk whose section and payload checksums disagree is corrupt
+    verify_sections(payload, header.sections)
+    verify_payload(payload, header)
     return header
 
 
@@ -407,12 +447,11 @@ def decode_chunk(
         if any(not 0 <= layer < p.stream.layers for layer in picked):
             raise LayoutMismatch(f"stream {p.stream.name} has layers 0..{p.stream.layers - 1}")
         selected.append((p, picked))
-    rows = (
-        table
-        if streams is None and layers is None
-        else table[[p.first_section + layer for p, picked in selected for layer in picked]]
-    )
-    verify_sections(payload, rows)
+    if streams is None and layers is None:
+        verify_payload(payload, header)
+    else:
+        verify_sections(payload, table[[p.first_section + layer for p, picked in selected
+                                        for layer in picked]])
     out: dict[str, dict[int, torch.Tensor]] = {}
     for p, picked in selected:
         if layers is None:

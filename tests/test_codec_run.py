@@ -3,15 +3,19 @@ decode_chunk of each chunk concatenated; bad runs raise the specific error."""
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 import torch
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvstore import codec
 from kvstore.codec import StreamData, decode_chunk, encode_chunk
 from kvstore.codec_run import decode_chunks
-from kvstore.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
+from kvstore.errors import ChunkCorrupt, CodecError, InvalidRequest, LayoutMismatch
 from kvstore.layout import LayoutSpec, Stream
 from tests.test_codec import BUNDLED, MIXED, assert_same, make_streams
 from tests.test_layout import layouts
@@ -101,3 +105,44 @@ def test_decode_chunk_reads_a_part_at_an_odd_offset():
     bufs, ids, streams = session(spec, [1])
     assert_same(decode_chunks(bufs, spec, ids, [1]), concatenated(spec, streams))
     assert_same(decode_chunk(bufs[0], spec).streams, streams[0])
+
+
+@pytest.mark.parametrize("zstd", [None, 1])
+def test_a_flipped_byte_anywhere_in_any_chunk_of_a_run_is_detected(zstd):
+    counts = [12, 12, 12, 7]
+    bufs, ids, _ = session(MIXED, counts, zstd)
+    rng = np.random.default_rng(1)
+    for which in range(len(bufs)):
+        # every byte of a small chunk would take long; header bytes, then a sample
+        positions = list(range(80)) + rng.integers(0, len(bufs[which]), 60).tolist()
+        for position in positions:
+            broken = list(bufs)
+            flipped = bytearray(bufs[which])
+            flipped[position] ^= 1 << int(rng.integers(8))
+            broken[which] = bytes(flipped)
+            with pytest.raises(CodecError):
+                decode_chunks(broken, MIXED, ids, counts)
+
+
+def as_version_1(buf: bytes) -> bytes:
+    """The chunk as version 1 wrote it: no payload checksum in the header."""
+    head = codec._HEADER.unpack_from(buf)
+    v1 = codec._HEADER_V1.pack(head[0], 1, *head[2:-1])
+    table_end = codec._HEADER.size + head[6] * codec._SECTION.size
+    body = v1 + buf[codec._HEADER.size:table_end]
+    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body)) + buf[table_end + 8:]
+
+
+@pytest.mark.parametrize("zstd", [None, 3])
+def test_version_1_chunks_are_still_read_and_checked_per_section(zstd):
+    counts = [12, 12, 5]
+    bufs, ids, streams = session(MIXED, counts, zstd)
+    old = [as_version_1(b) for b in bufs]
+    assert decode_chunk(old[0], MIXED).header.version == 1
+    assert_same(decode_chunks(old, MIXED, ids, counts), concatenated(MIXED, streams))
+    mixed = [old[0], bufs[1], old[2]]
+    assert_same(decode_chunks(mixed, MIXED, ids, counts), concatenated(MIXED, streams))
+    broken = bytearray(old[1])
+    broken[-1] ^= 1
+    with pytest.raises(ChunkCorrupt):
+        decode_chunks([old[0], bytes(broken), old[2]], MIXED, ids, counts)
