@@ -72,9 +72,11 @@ def streams_of(spec: Spec, specs=SPECS) -> dict[str, StreamData]:
 @contextlib.asynccontextmanager
 async def embedded_server(data_dir: Path):
     """The real server with the embedded config (what ``kvtier serve`` runs by default)
-    over ``data_dir``, on a free loopback port; yields its address."""
+    over ``data_dir``, on a free loopback port; yields its address. Retention is off:
+    the compaction tests measure the dead records a delete leaves on disk."""
     config = load_config(preset="embedded", env={},
-                         overrides={"data_dir": data_dir, "listen": "127.0.0.1:0"})
+                         overrides={"data_dir": data_dir, "listen": "127.0.0.1:0",
+                                    "retain_unreferenced": False})
     server, port = await create_server(config)
     try:
         yield f"127.0.0.1:{port}"

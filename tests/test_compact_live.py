@@ -45,8 +45,10 @@ def serving(data: Path, log: Path) -> Iterator[str]:
     command = [sys.executable, "-m", "services.cli", "serve", "--preset", "embedded",
                "--data-dir", str(data), "--listen", "127.0.0.1:0", "--host-bytes", "1KiB"]
     with open(log, "w") as err:
+        # retention off: the tests measure the dead records deletes leave on disk
         proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=err,
-                                text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                text=True, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                                "KVTIER_RETAIN_UNREFERENCED": "false"})
     try:
         line = proc.stdout.readline()
         assert line.startswith("kvtier serving on "), log.read_text()[-3000:]
