@@ -199,6 +199,8 @@ ERROR_CLASSES: dict[str, type[KVTierError]] = {
     name: cls for name, cls in list(globals().items())
     if isinstance(cls, type) and issubclass(cls, KVTierError)
 }
+# What ``from kvstore.errors import *`` re-exports (kvtier does): every class, one list.
+__all__ = [*ERROR_CLASSES, "ERROR_KEY"]
 
 
 def status_name(exc: BaseException) -> str:

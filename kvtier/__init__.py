@@ -2,71 +2,17 @@
 
 Tensors in, tensors out; see ``kvtier.client`` for the calls and ``kvstore.codec.
 StreamData`` for the tensor layout of a stream. The error classes (``kvtier.SessionNotFound``
-...) are those of ``kvstore.errors``, imported from there so naming them imports no gRPC.
+...) are those of ``kvstore.errors``, the one hierarchy, re-exported as it lists them.
 """
 
-from kvstore.errors import (
-    Busy,
-    ChunkCorrupt,
-    ChunkNotFound,
-    ChunksNotHeld,
-    ChunkTruncated,
-    CodecError,
-    DataLoss,
-    GenerationConflict,
-    IndexCorrupt,
-    InvalidRequest,
-    KVTierError,
-    LayoutMismatch,
-    MissingChunks,
-    NotFound,
-    PermissionDenied,
-    PreconditionFailed,
-    QuotaExceeded,
-    ServerError,
-    SessionNotFound,
-    SharedMemoryUnavailable,
-    StaleGeneration,
-    TierFull,
-    TierUnavailable,
-    Unauthenticated,
-    UnknownLayout,
-    UnsupportedVersion,
-)
+from kvstore import errors as _errors
+from kvstore.errors import *  # noqa: F403  (every class of the one hierarchy)
 from kvtier.client import AsyncClient
 from kvtier.sync import Client
 from kvtier.types import RestoredSession, RetryPolicy, SpillResult
 
 __all__ = ["AsyncClient", "Client", "RestoredSession", "RetryPolicy", "SpillResult",
-           "StreamData"]
-__all__ += [
-    "Busy",
-    "ChunkCorrupt",
-    "ChunkNotFound",
-    "ChunkTruncated",
-    "ChunksNotHeld",
-    "CodecError",
-    "DataLoss",
-    "GenerationConflict",
-    "IndexCorrupt",
-    "InvalidRequest",
-    "KVTierError",
-    "LayoutMismatch",
-    "MissingChunks",
-    "NotFound",
-    "PermissionDenied",
-    "PreconditionFailed",
-    "QuotaExceeded",
-    "ServerError",
-    "SessionNotFound",
-    "SharedMemoryUnavailable",
-    "StaleGeneration",
-    "TierFull",
-    "TierUnavailable",
-    "Unauthenticated",
-    "UnknownLayout",
-    "UnsupportedVersion",
-]
+           "StreamData", *_errors.__all__]  # noqa: F405  (StreamData: see __getattr__)
 
 
 def __getattr__(name: str):

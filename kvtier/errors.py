@@ -28,48 +28,19 @@ from typing import Protocol, TypeVar, runtime_checkable
 import grpc
 from google.protobuf.message import DecodeError
 
+from kvstore import errors as store_errors
+from kvstore.errors import *  # noqa: F403  (every class of the one hierarchy)
 from kvstore.errors import (
     ERROR_KEY,
-    Busy,
-    ChunkCorrupt,
-    ChunkNotFound,
-    ChunksNotHeld,
-    ChunkTruncated,
-    CodecError,
-    DataLoss,
-    GenerationConflict,
-    IndexCorrupt,
     InvalidRequest,
     KVTierError,
-    LayoutMismatch,
-    MissingChunks,
-    NotFound,
-    PermissionDenied,
-    PreconditionFailed,
-    QuotaExceeded,
-    ServerError,
-    SessionNotFound,
-    SharedMemoryUnavailable,
-    StaleGeneration,
-    TierFull,
-    TierUnavailable,
-    Unauthenticated,
-    UnknownLayout,
-    UnsupportedVersion,
     error_for,
     error_name,
     status_name,
 )
 
-__all__ = [
-    "ERROR_KEY", "Busy", "ChunkCorrupt", "ChunkNotFound", "ChunkTruncated", "ChunksNotHeld",
-    "CodecError", "DataLoss", "GenerationConflict", "IndexCorrupt", "InvalidRequest", "KVTierError",
-    "LayoutMismatch", "MissingChunks", "NotFound", "PermissionDenied", "PreconditionFailed",
-    "QuotaExceeded", "ServerError", "SessionNotFound",
-    "SharedMemoryUnavailable", "StaleGeneration", "TierFull", "TierUnavailable",
-    "Unauthenticated", "UnknownLayout", "UnsupportedVersion", "add_servicer", "client_message",
-    "error_from_rpc", "grpc_errors", "status_for",
-]
+__all__ = [*store_errors.__all__, "add_servicer", "client_message", "error_from_rpc",
+           "grpc_errors", "status_for"]
 
 log = logging.getLogger(__name__)
 Handler = TypeVar("Handler", bound=Callable[..., Awaitable | AsyncIterator])
