@@ -36,6 +36,7 @@ import numpy as np
 
 from kvstore.errors import InvalidRequest, UnknownLayout
 from kvstore.layout import LayoutSpec, get_layout
+from kvstore.validate import check_token_ids
 from model.config import layout_spec
 from model.infer import replay_batch
 from model.net import KVTierLM
@@ -130,6 +131,7 @@ class ReplayWorker:
         ids = as_token_array(token_ids)
         if not len(ids):
             raise InvalidRequest("a session without tokens has no window to rebuild")
+        check_token_ids(spec, ids)  # an id past the embedding fails deep in the model
         r = self.replay_tokens(replay_tokens, len(ids))
         job = _Job(spec, ids, list(chunks), tail, r, asyncio.get_running_loop().create_future())
         self._queue.append(job)

@@ -65,6 +65,10 @@ async def test_bad_requests_are_refused(model):
             await worker.rebuild(TINY_SPEC.layout_id, ids, [bytes(broken), chunks[1]], tail)
         with pytest.raises(LayoutMismatch, match="other token ids"):
             await worker.rebuild(TINY_SPEC.layout_id, ids.flip(0), chunks, tail)
+        outside = ids.clone()
+        outside[-1] = TINY_SPEC.vocab_size  # past the embedding: refused, not an IndexError
+        with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+            await worker.rebuild(TINY_SPEC.layout_id, outside, chunks, tail)
         # the worker is still fine after all that
         assert (await worker.rebuild(TINY_SPEC.layout_id, ids, chunks, tail, 8)
                 ).replayed_tokens == 8
