@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import math
 import random
-import string
 from dataclasses import dataclass, field
 
 import numpy as np
-from google.protobuf import message_factory
 from google.protobuf.descriptor import FieldDescriptor as F
 
 from bench import forge
+from bench.fuzz_messages import DOUBLES, INTS, STRINGS, U32, U64, random_message
 from bench.fuzz_pool import LAYOUT, Encoded, token_ids
 from kvstore.keys import chunk_digest
 from proto import kvtier_pb2 as pb
@@ -38,16 +37,6 @@ TENANTS = ("acme", "victim", "evil", "beta")
 SESSIONS = tuple(f"f{i}" for i in range(12))
 CONNECTIONS = 3
 BOMB = 512 << 20
-U64, U32 = (1 << 64) - 1, (1 << 32) - 1
-INTS = {F.TYPE_UINT64: (0, 1, 2, 127, 128, U32, 1 << 32, 1 << 63, U64),
-        F.TYPE_UINT32: (0, 1, 2, 127, 128, 129, 1 << 16, 1 << 31, U32),
-        F.TYPE_INT32: (0, 1, -1, 1 << 30, -(1 << 31), (1 << 31) - 1),
-        F.TYPE_FIXED64: (0, 1, U64), F.TYPE_ENUM: (0, 1, 2, 3, 99, -1)}
-DOUBLES = (0.0, -0.0, 1e-300, 0.001, 1.0, -1.0, 1e9, 1e300, math.inf, -math.inf, math.nan)
-STRINGS = ("", "acme", "victim", "evil", "f1", "s1", ".", "..", "/", "../../etc/passwd",
-           "/dev/shm", "kvtier-x/../..", "kvtier-bundled", LAYOUT.layout_id,
-           "kvtier-bundled@0000", "deepseek-v3", "host", "disk", "object", "hbm", "A" * 129,
-           "a" * 65, "x" * 20_000, "\u00e9t\u00e9", "nul\x00byte", "acme/f1", "UPPER")
 METHOD_WEIGHTS = {"Spill": 30, "Restore": 12, "Resume": 8, "Prefetch": 5, "Evict": 5,
                   "Delete": 5, "Stat": 5, "List": 5, "LeaseSegment": 6,
                   "ReleaseSegments": 4, "Rebuild": 8, "Lookup": 4, "Fork": 4}
@@ -80,10 +69,6 @@ class State:
     protected: dict[tuple[str, str], Spilled] = field(default_factory=dict)
     seen_leases: dict[int, list[str]] = field(default_factory=dict)
     spilled: list[Spilled] = field(default_factory=list)
-
-
-def _cls(descriptor):
-    return message_factory.GetMessageClass(descriptor)
 
 
 def _ser(messages) -> list[bytes]:
@@ -178,48 +163,8 @@ class CaseGenerator:
     def random_case(self, method: str) -> Case:
         descriptor = METHODS[method].input_type
         count = self.rng.randint(1, 4) if METHODS[method].client_streaming else 1
-        return Case(method, "random", _ser(self.random_message(descriptor)
+        return Case(method, "random", _ser(random_message(self.rng, descriptor)
                                            for _ in range(count)))
-
-    def random_message(self, descriptor, depth: int = 0):
-        rng = self.rng
-        message = _cls(descriptor)()
-        chosen = {o.name: rng.choice(o.fields) for o in descriptor.oneofs}
-        for f in descriptor.fields:
-            oneof = f.containing_oneof
-            if (oneof is not None and chosen[oneof.name] is not f) or \
-                    (oneof is None and rng.random() < 0.4):
-                continue
-            if f.type == F.TYPE_MESSAGE:
-                if depth > 3:
-                    continue
-                if f.is_repeated:
-                    for _ in range(rng.randint(0, 2)):
-                        getattr(message, f.name).add().CopyFrom(
-                            self.random_message(f.message_type, depth + 1))
-                else:
-                    getattr(message, f.name).CopyFrom(self.random_message(f.message_type,
-                                                                          depth + 1))
-            elif f.is_repeated:
-                getattr(message, f.name).extend(self._scalar(f)
-                                                for _ in range(rng.choice((0, 1, 2, 3, 50))))
-            else:
-                setattr(message, f.name, self._scalar(f))
-        return message
-
-    def _scalar(self, f):
-        rng = self.rng
-        if f.type == F.TYPE_STRING:
-            if rng.random() < 0.2:
-                return "".join(rng.choices(string.printable, k=rng.randint(1, 40)))
-            return rng.choice(STRINGS)
-        if f.type == F.TYPE_BYTES:
-            return rng.randbytes(rng.choice((0, 1, 3, 4, 32, 33, 400, 4096)))
-        if f.type == F.TYPE_BOOL:
-            return rng.random() < 0.5
-        if f.type == F.TYPE_DOUBLE:
-            return rng.choice(DOUBLES)
-        return rng.choice(INTS[f.type])
 
     def _valid(self, method: str) -> list[bytes]:
         """A well-formed request (the start of the adversarial family's honest cases)."""

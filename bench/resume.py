@@ -26,7 +26,7 @@ session is somewhere" to "a ``KVState`` that ``decode_step`` accepts" (best of
   path is not checked.
 
 - ``disk-grpc``: the disk path end to end through the service: a real ``kvtier`` gRPC
-  server on loopback (``services.server.servicer.create_server``, host and disk tiers, in-process
+  server on loopback (``services.server.server.create_server``, host and disk tiers, in-process
   replay loading the same weights file) and ``kvtier.client.AsyncClient``: spill,
   ``evict`` to disk, ``resume`` (the server restores, replays and streams the session,
   over shared memory on loopback), decoded into a ``KVState``. Skipped with random init
@@ -245,7 +245,7 @@ async def _grpc_path(model: KVTierLM, weights: Path, spec: LayoutSpec, state: KV
                      ref: torch.Tensor, kl_tol: float) -> dict:
     from kvtier.client import AsyncClient
     from services.server.config import load_config
-    from services.server.servicer import create_server
+    from services.server.server import create_server
 
     config = load_config(preset="embedded", env={}, overrides={
         "listen": "127.0.0.1:0", "data_dir": root / "service", "host_bytes": GiB,

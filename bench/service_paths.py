@@ -24,7 +24,7 @@ from kvstore.layout import get_layout
 from kvtier.client import AsyncClient
 from kvtier.codec import as_tokens, encode_session
 from services.server.config import load_config
-from services.server.servicer import create_server
+from services.server.server import create_server
 
 
 def session_streams(spec, chunks: int) -> dict[str, StreamData]:

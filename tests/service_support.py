@@ -14,7 +14,7 @@ from kvstore.keys import chunk_digest
 from kvstore.layout import LayoutSpec, get_layout
 from proto import kvtier_pb2 as pb
 from services.server.config import load_config
-from services.server.servicer import KVTierServer, create_server
+from services.server.server import KVTierServer, create_server
 
 LAYOUT = get_layout("kvtier-bundled")
 

@@ -86,7 +86,7 @@ async def test_a_restarted_server_leases_afresh_without_falling_back(tmp_path):
     tokens = tokens_for(TOKENS)
     persistent = streams_for(LAYOUT, TOKENS)
     config = config_for(tmp_path, listen=f"127.0.0.1:{free_port()}")
-    from services.server.servicer import create_server
+    from services.server.server import create_server
 
     server, port = await create_server(config)
     try:
@@ -134,7 +134,7 @@ async def test_calls_are_retried_until_the_server_is_up(tmp_path):
     port = free_port()
     tokens = tokens_for(TOKENS)
     persistent = streams_for(LAYOUT, TOKENS)
-    from services.server.servicer import create_server
+    from services.server.server import create_server
 
     async def start_late():
         await asyncio.sleep(0.3)
@@ -155,7 +155,7 @@ async def test_a_layer_stream_is_retried_until_the_server_is_up(tmp_path):
     port = free_port()
     tokens = tokens_for(TOKENS)
     persistent = streams_for(LAYOUT, TOKENS)
-    from services.server.servicer import create_server
+    from services.server.server import create_server
 
     config = config_for(tmp_path, listen=f"127.0.0.1:{port}")
     server, _ = await create_server(config)

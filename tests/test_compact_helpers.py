@@ -19,7 +19,7 @@ from kvstore.codec import StreamData
 from kvstore.errors import SessionNotFound
 from kvtier import AsyncClient
 from services.server.config import load_config
-from services.server.servicer import create_server
+from services.server.server import create_server
 from tests.service_support import LAYOUT, streams_for, tokens_for
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -83,7 +83,7 @@ def _full_spill(tenant: str, session_id: str, tokens, enc):
 SERVER = """
 import asyncio, json, sys
 from services.server.config import load_config
-from services.server.servicer import create_server
+from services.server.server import create_server
 
 async def main():
     config = load_config(preset="test", env={}, overrides=json.loads(sys.argv[1]))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.errors import Busy, InvalidRequest
-from services.server.servicer import create_server
+from services.server.server import create_server
 from tests.service_support import config_for, running_server
 
 ROOT = Path(__file__).resolve().parent.parent

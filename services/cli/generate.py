@@ -59,7 +59,7 @@ async def embedded_server(data_dir: Path, model: KVTierLM, **overrides
                           ) -> AsyncIterator[str]:
     """A kvtier server on a free loopback port over ``data_dir``, replaying windows with
     ``model`` in this process (no second copy of the weights); yields its address."""
-    from services.server.servicer import create_server
+    from services.server.server import create_server
 
     config = load_config(preset="embedded", overrides={
         "listen": "127.0.0.1:0", "data_dir": data_dir, "metrics_port": 0, "replay": "off",

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(config) -> int:
-    from services.server.servicer import create_server
+    from services.server.server import create_server
 
     try:
         server, port = await create_server(config)

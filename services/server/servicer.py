@@ -1,36 +1,23 @@
-"""The kvtier gRPC server (grpc.aio): a thin servicer over ``kvstore.TierManager``.
-
-    server, port = await create_server(load_config(preset="test", overrides={...}))
-    ...
-    await server.stop()          # drains in-flight RPCs, then the write-back queue
+"""The kvtier gRPC service (grpc.aio): a typed servicer, each RPC a thin call into
+``kvstore.TierManager`` (``services.server.server.create_server`` runs it).
 
 Every request is validated (``services.server.validate``) before the store sees it,
 and every failure becomes a gRPC status by ``grpc_errors``, with its code from the one
 table in ``kvstore.errors`` (``STATUS_NAMES``); bytes that are not a request are
 INVALID_ARGUMENT (``kvtier.errors.add_servicer``). Streams and the bytes of spills in
-flight are bounded (``services.server.limits``). The
-server also registers gRPC health checking (``kvtier.v1.KVTier`` and "" are SERVING
-while it runs) and, when ``reflection`` is set, reflection, and records its connectable
-address in ``{data_dir}/server.addr`` while it serves (``services.server.address_file``).
-With TLS configured it listens over TLS (``services.server.tls``); with authentication
-or an audit log configured every call passes ``services.server.auth`` first, and the
-handlers check the tenant a request names against the caller's (``_own_session``).
+flight are bounded (``services.server.limits``). With authentication or an audit log
+configured every call passes ``services.server.auth`` first, and the handlers check the
+tenant a request names against the caller's (``_own_session``, ``auth.check_tenant``).
 """
-
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.errors import (
-    Busy,
     ChunksNotHeld,
     CodecError,
     InvalidRequest,
@@ -39,32 +26,31 @@ from kvstore.errors import (
     PreconditionFailed,
     SharedMemoryUnavailable,
 )
+from kvstore.keys import split_block_key
 from kvstore.manager import TierManager
 from kvstore.manifest import SessionManifest
 from kvstore.quota import TenantReport
 from kvtier import shm
-from kvtier.errors import add_servicer, grpc_errors
+from kvtier.errors import grpc_errors
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
-from services.replay.hook import ReplayBackend, make_replay_backend
-from services.server import address_file, auth, reflection
+from services.replay.hook import ReplayBackend
+from services.server import auth
 from services.server import validate as check
 from services.server.audit import AuditLog
-from services.server.config import ServerConfig, load_config
+from services.server.config import ServerConfig
 from services.server.limits import Bounds, InFlight, Limits, idle_bounded
 from services.server.metrics import ServiceMetrics, tier_lookups
-from services.server.prefix_rpcs import PrefixRPCs
 from services.server.restore_stream import RestoreStreamer, StreamOptions
 from services.server.shm import LeaseTable
-from services.server.store import open_manager, restore_tier, tiers_holding
-from services.server.tls import server_credentials
+from services.server.store import restore_tier, tiers_holding
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["KVTier"].full_name
 MAX_TOKENS = 1 << 26
 
 
-class KVTierServicer(PrefixRPCs, pb_grpc.KVTierServicer):
+class KVTierServicer(pb_grpc.KVTierServicer):
     def __init__(self, manager: TierManager, config: ServerConfig, metrics: ServiceMetrics,
                  replay: tuple[ReplayBackend | None, str]) -> None:
         self.manager = manager
@@ -317,6 +303,31 @@ class KVTierServicer(PrefixRPCs, pb_grpc.KVTierServicer):
             sessions=[self._info(m) for m in page],
             next_page_token=f"{page[-1].tenant}/{page[-1].session_id}" if more else "")
 
+    @grpc_errors
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
+                     ) -> pb.LookupReply:
+        tenant, layout_id, tokens, fingerprint, domain = check.lookup_request(
+            request, MAX_TOKENS, self.config.dedupe_domains)
+        auth.check_tenant(tenant)
+        found = self.manager.lookup(tenant, layout_id, tokens, model_fingerprint=fingerprint,
+                                    dedupe_domain=domain)
+        chunks = []
+        for chunk in found.chunks:
+            chain, digest = split_block_key(chunk.block_key)
+            chunks.append(pb.HeldChunk(chunk_key=chain, digest=digest, tiers=chunk.tiers))
+        return pb.LookupReply(tokens_held=found.tokens_held, chunks_held=len(chunks),
+                              chunks=chunks)
+
+    @grpc_errors
+    async def Fork(self, request: pb.ForkRequest, context: grpc.aio.ServicerContext
+                   ) -> pb.ForkReply:
+        tenant, source, new, upto = check.fork_request(request)
+        auth.check_tenant(tenant)
+        manifest = await self.manager.fork(tenant, source, new, upto_tokens=upto)
+        return pb.ForkReply(generation=manifest.generation, num_tokens=manifest.num_tokens,
+                            chunks=len(manifest.chunk_keys),
+                            window_kept=manifest.window_key is not None)
+
     def _info(self, m: SessionManifest) -> pb.SessionInfo:
         return pb.SessionInfo(
             session=pb.SessionRef(tenant=m.tenant, session_id=m.session_id),
@@ -341,165 +352,3 @@ def _tenant_usage(report: TenantReport) -> pb.TenantUsage:
         memory_bytes=use.memory_bytes, sessions_limit=limits.sessions,
         durable_bytes_limit=limits.durable_bytes, memory_bytes_limit=limits.memory_bytes,
         rejections=report.rejections)
-
-
-class KVTierServer:
-    """A running server: the grpc.aio server, the store under it, and its metrics."""
-
-    def __init__(self, grpc_server: grpc.aio.Server, servicer: KVTierServicer,
-                 health_servicer: health.aio.HealthServicer, port: int) -> None:
-        self.grpc_server = grpc_server
-        self.servicer = servicer
-        self.health = health_servicer
-        self.port = port
-        self.address = address_file.connectable(servicer.config.listen, port)
-        self.address_path: Path | None = None  # {data_dir}/server.addr once recorded
-        self.metrics_port: int | None = None
-        self._refresher: asyncio.Task | None = None
-        self._stopped = False
-
-    @property
-    def manager(self) -> TierManager:
-        return self.servicer.manager
-
-    @property
-    def metrics(self) -> ServiceMetrics:
-        return self.servicer.metrics
-
-    def start_metrics(self, port: int, addr: str = "127.0.0.1", *, certfile: str | None = None,
-                      keyfile: str | None = None) -> int:
-        self.metrics_port = self.metrics.serve_http(port, addr, certfile=certfile,
-                                                    keyfile=keyfile)
-        return self.metrics_port
-
-    async def _refresh(self, interval_s: float) -> None:
-        while True:
-            with contextlib.suppress(Exception):  # a failed refresh keeps the last figures
-                self.metrics.update(await self.manager.stat())
-            if self.servicer.leases is not None:
-                self.servicer.leases.reap()
-                self.metrics.shm_segments.set(len(self.servicer.leases))
-            await asyncio.sleep(interval_s)
-
-    async def wait_for_termination(self) -> None:
-        await self.grpc_server.wait_for_termination()
-
-    async def stop(self, grace_s: float | None = None) -> None:
-        """Refuse new calls, let running ones finish (``grace_s``), then drain the
-        write-back queue and close every tier."""
-        if self._stopped:
-            return
-        self._stopped = True
-        config = self.servicer.config
-        try:
-            await self.health.enter_graceful_shutdown()
-            await self.grpc_server.stop(config.grace_s if grace_s is None else grace_s)
-        finally:
-            if self.address_path is not None:
-                address_file.forget(self.address_path, self.address)
-            if self._refresher is not None:
-                self._refresher.cancel()
-                await asyncio.gather(self._refresher, return_exceptions=True)
-            try:
-                await self.manager.close()
-            finally:
-                if self.servicer.replay is not None:
-                    await self.servicer.replay.close()
-                if self.servicer.leases is not None:
-                    self.servicer.leases.close()
-                if self.servicer.audit is not None:
-                    self.servicer.audit.close()
-                self.metrics.stop_http()
-
-
-def _options(config: ServerConfig) -> list[tuple[str, int]]:
-    return [("grpc.max_send_message_length", config.max_message_bytes),
-            ("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.so_reuseport", 0)]
-
-
-async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServer, int]:
-    """Open the store, bind, start; ``(server, port)`` (port 0 in the address: a free one)."""
-    config = (load_config(overrides={"listen": config_or_addr})
-              if isinstance(config_or_addr, str) else config_or_addr)
-    manager = await open_manager(config)
-    replay, servicer = (None, ""), None
-    try:
-        replay = make_replay_backend(config)
-        metrics = ServiceMetrics()
-        servicer = KVTierServicer(manager, config, metrics, replay)
-        grpc_server = grpc.aio.server(options=_options(config),
-                                      interceptors=_interceptors(config, servicer))
-        add_servicer(pb_grpc.add_KVTierServicer_to_server, servicer, grpc_server)
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
-        if config.reflection:  # it lists the services to anyone who asks: only on request
-            reflection.enable(
-                (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
-                grpc_server)
-        port = _bind(grpc_server, config)
-        await grpc_server.start()
-    except BaseException:
-        if replay[0] is not None:
-            await replay[0].close()
-        if servicer is not None and servicer.leases is not None:
-            servicer.leases.close()
-        await manager.close()  # releases the disk tier's writer lock for the next try
-        raise
-    server = KVTierServer(grpc_server, servicer, health_servicer, port)
-    try:
-        for name in ("", SERVICE):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        metrics.update(await manager.stat())
-        server._refresher = asyncio.create_task(server._refresh(config.metrics_interval_s))
-        try:
-            server.address_path = address_file.record(config.data_dir, server.address)
-        except OSError as exc:  # tools then need the address passed explicitly
-            log.warning("cannot record the server address in %s: %s", config.data_dir, exc)
-        if config.metrics_port:
-            _start_metrics(server, config)
-    except BaseException:
-        await server.stop(0)  # a half-started server closes like a running one
-        raise
-    log.info("kvtier serving on port %d", port)
-    return server, port
-
-
-def _interceptors(config: ServerConfig, servicer: KVTierServicer
-                  ) -> list[grpc.aio.ServerInterceptor]:
-    """Authentication, authorization and audit (``services.server.auth``), when any of
-    them is configured; else none (tenants are what requests name)."""
-    authenticator = auth.Authenticator.from_settings(
-        config.auth_tokens_file, config.auth_jwt_key, config.auth_jwt_audience)
-    if authenticator is None and not config.audit_log:
-        return []
-    servicer.audit = AuditLog(config.audit_log, servicer.metrics.registry)
-    return [auth.AuthInterceptor(authenticator, servicer.audit)]
-
-
-def _bind(grpc_server: grpc.aio.Server, config: ServerConfig) -> int:
-    """Add the port (TLS when configured); Busy (naming what to do) when it cannot be had."""
-    listen = config.listen
-    try:
-        if config.tls:
-            port = grpc_server.add_secure_port(listen, server_credentials(
-                config.tls_cert, config.tls_key, config.tls_client_ca))
-        else:
-            port = grpc_server.add_insecure_port(listen)
-    except RuntimeError:  # grpcio raises where older releases returned 0
-        port = 0
-    if not port:
-        raise Busy(f"cannot listen on {listen}: the port is in use or the host is not one of "
-                   "this machine's; stop what holds it or choose another listen address")
-    return port
-
-
-def _start_metrics(server: KVTierServer, config: ServerConfig) -> None:
-    try:
-        # HTTPS with the gRPC port's certificate when that is TLS (Prometheus then needs
-        # the CA: deploy/prometheus.yml).
-        server.start_metrics(config.metrics_port, config.metrics_host,
-                             certfile=config.tls_cert or None, keyfile=config.tls_key or None)
-    except OSError as exc:
-        raise Busy(f"cannot serve metrics on port {config.metrics_port} ({exc.strerror}): "
-                   "choose another metrics_port, or 0 for none") from exc

@@ -1,0 +1,263 @@
+"""The two media behind the object tier (``kvstore.tiers.object``): a local directory
+(temp file, fsync, rename, directory fsync: never a torn file after a crash) and an
+S3-compatible bucket through boto3, with the tier's settings (``ObjectTierConfig``).
+Both are synchronous; the tier runs them in worker threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import logging
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote, unquote
+
+from botocore.exceptions import ClientError
+
+from kvstore.errors import InvalidRequest
+from kvstore.tiers.base import Buffer
+
+log = logging.getLogger(__name__)
+
+RAW, ZSTD = ".bin", ".zst"
+
+
+@dataclass(frozen=True)
+class ObjectTierConfig:
+    compression_level: int | None = None  # zstd level; None stores values as given
+    # The most a compressed object may expand to: a frame declaring more (or no size) is
+    # refused before anything is allocated. Values are chunks (one gRPC message, 64 MiB
+    # by default) and manifests (4 B per token id).
+    max_value_bytes: int = 1 << 30
+    # S3 only:
+    endpoint_url: str | None = None
+    region_name: str | None = None
+    aws_access_key_id: str | None = None
+    aws_secret_access_key: str | None = None
+    # At or above: boto3's transfer manager (parallel parts). Plain PUT/GET measured faster
+    # on moto up to 32 MiB; real S3 caps a connection's rate, so parts pay off for big values.
+    transfer_threshold_bytes: int = 64 << 20
+    transfer_chunk_bytes: int = 8 << 20
+    transfer_concurrency: int = 4
+    connect_timeout_s: float = 1.0
+    read_timeout_s: float = 10.0
+    max_attempts: int = 3  # botocore's own retries ("standard" mode, with backoff)
+    max_pool_connections: int = 16
+    # Shared by a fleet (docs/fleet.md): other nodes' manifests may name any chunk, so
+    # ``delete`` (a node's reference count reaching zero) keeps the object; only the
+    # fleet's mark and sweep (kvstore.fleet.collect) removes chunks, through ``purge``.
+    shared: bool = False
+    # Local directory only:
+    fsync: bool = True
+    # Reads up to this size run on the event loop: from the page cache a 1 MiB read costs
+    # less than a hand-off to a worker thread (bench.tiers). 0 for slow or network disks.
+    inline_read_bytes: int = 4 << 20
+
+
+# The slowest tier: compressing trades CPU for fewer bytes moved and kept.
+OBJECT_PRESETS = {
+    "default": ObjectTierConfig(),
+    "compressed": ObjectTierConfig(compression_level=3),
+    "network-fs": ObjectTierConfig(inline_read_bytes=0),  # never block the loop on a read
+}
+
+
+class Missing(Exception):
+    """The store holds no object under that name."""
+
+
+class LocalDirStore:
+    """Objects as files under ``root/<2 hex>/``, written by temp file + fsync + rename."""
+
+    def __init__(self, root: Path, config: ObjectTierConfig) -> None:
+        self.root, self.fsync, self.tmp = root, config.fsync, root / ".tmp"
+        self.inline_read_bytes = config.inline_read_bytes
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        for debris in self.tmp.iterdir():  # temp files of writes a crash interrupted
+            debris.unlink()
+
+    def _path(self, name: str) -> Path:
+        fanout = hashlib.blake2b(name.encode(), digest_size=1).hexdigest()
+        return self.root / fanout / quote(name, safe="")
+
+    def check_name(self, name: str) -> None:
+        if len(quote(name, safe="").encode()) > 255:
+            raise InvalidRequest(f"key too long for a file name: {name[:40]!r}...")
+
+    def _fsync_dir(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def put(self, name: str, data: Buffer) -> None:
+        final = self._path(name)
+        if not final.parent.is_dir():
+            final.parent.mkdir(exist_ok=True)
+            if self.fsync:
+                self._fsync_dir(self.root)
+        temp = self.tmp / uuid.uuid4().hex
+        try:
+            with open(temp, "wb") as file:
+                file.write(data)
+                file.flush()
+                if self.fsync:
+                    os.fsync(file.fileno())
+            os.replace(temp, final)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        if self.fsync:
+            self._fsync_dir(final.parent)
+
+    def get(self, name: str, size_hint: int | None = None) -> bytes:
+        try:
+            with open(self._path(name), "rb") as file:
+                return file.read()
+        except FileNotFoundError as exc:
+            raise Missing(name) from exc
+
+    def exists(self, name: str) -> bool:
+        return self._path(name).is_file()
+
+    def delete(self, name: str) -> None:
+        # No directory fsync: a delete that a crash undoes leaves an unreferenced object,
+        # which the listing counts and compaction collects.
+        self._path(name).unlink(missing_ok=True)
+
+    def touch(self, name: str) -> None:
+        try:
+            os.utime(self._path(name))
+        except FileNotFoundError as exc:
+            raise Missing(name) from exc
+
+    def modified(self, name: str) -> float:
+        try:
+            return self._path(name).stat().st_mtime
+        except FileNotFoundError as exc:
+            raise Missing(name) from exc
+
+    def dated(self) -> Iterator[tuple[str, float]]:
+        for name, _ in self.list():
+            with contextlib.suppress(FileNotFoundError):
+                yield name, self._path(name).stat().st_mtime
+
+    def list(self) -> Iterator[tuple[str, int]]:
+        for directory in self.root.iterdir():
+            if directory.name == self.tmp.name or not directory.is_dir():
+                continue
+            for entry in os.scandir(directory):
+                if entry.name.endswith((RAW, ZSTD)):
+                    yield unquote(entry.name), entry.stat().st_size
+
+
+class S3Store:
+    """Objects under ``prefix`` in one bucket; plain PUT/GET for values below the
+    transfer threshold (fewer round trips), boto3's transfer manager above it."""
+
+    inline_read_bytes = -1  # network I/O never runs on the event loop
+
+    def __init__(self, bucket: str, prefix: str, config: ObjectTierConfig) -> None:
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        self.bucket, self.prefix = bucket, prefix
+        self.threshold = config.transfer_threshold_bytes
+        self.client = boto3.client(
+            "s3", endpoint_url=config.endpoint_url, region_name=config.region_name,
+            aws_access_key_id=config.aws_access_key_id,
+            aws_secret_access_key=config.aws_secret_access_key,
+            config=Config(connect_timeout=config.connect_timeout_s,
+                          read_timeout=config.read_timeout_s,
+                          retries={"max_attempts": config.max_attempts, "mode": "standard"},
+                          max_pool_connections=config.max_pool_connections))
+        self.transfer = TransferConfig(multipart_threshold=config.transfer_threshold_bytes,
+                                       multipart_chunksize=config.transfer_chunk_bytes,
+                                       max_concurrency=config.transfer_concurrency)
+
+    def check_name(self, name: str) -> None:
+        if len((self.prefix + name).encode()) > 1024:
+            raise InvalidRequest(f"key too long for an S3 object key: {name[:40]!r}...")
+
+    def put(self, name: str, data: Buffer) -> None:
+        if len(data) < self.threshold:
+            self.client.put_object(Bucket=self.bucket, Key=self.prefix + name, Body=bytes(data))
+        else:
+            self.client.upload_fileobj(io.BytesIO(data), self.bucket, self.prefix + name,
+                                       Config=self.transfer)
+
+    def get(self, name: str, size_hint: int | None = None) -> bytes:
+        """``size_hint``: the size the listing or our own put saw, to pick the method."""
+        try:
+            if size_hint is None or size_hint < self.threshold:
+                response = self.client.get_object(Bucket=self.bucket, Key=self.prefix + name)
+                return response["Body"].read()
+            sink = io.BytesIO()
+            self.client.download_fileobj(self.bucket, self.prefix + name, sink,
+                                         Config=self.transfer)
+            return sink.getvalue()
+        except ClientError as exc:
+            if is_missing(exc):
+                raise Missing(name) from exc
+            raise
+
+    def exists(self, name: str) -> bool:
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self.prefix + name)
+        except ClientError as exc:
+            if is_missing(exc):
+                return False
+            raise
+        return True
+
+    def delete(self, name: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self.prefix + name)
+
+    def touch(self, name: str) -> None:
+        """Refresh the object's LastModified (a copy onto itself, no bytes moved here)."""
+        key = self.prefix + name
+        try:
+            self.client.copy_object(Bucket=self.bucket, Key=key, MetadataDirective="REPLACE",
+                                    CopySource={"Bucket": self.bucket, "Key": key})
+        except ClientError as exc:
+            if is_missing(exc):
+                raise Missing(name) from exc
+            raise
+
+    def modified(self, name: str) -> float:
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=self.prefix + name)
+        except ClientError as exc:
+            if is_missing(exc):
+                raise Missing(name) from exc
+            raise
+        return head["LastModified"].timestamp()
+
+    def dated(self) -> Iterator[tuple[str, float]]:
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix):
+            for item in page.get("Contents", []):
+                if item["Key"].endswith((RAW, ZSTD)):
+                    yield item["Key"][len(self.prefix):], item["LastModified"].timestamp()
+
+    def list(self) -> Iterator[tuple[str, int]]:
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix):
+            for item in page.get("Contents", []):
+                if item["Key"].endswith((RAW, ZSTD)):
+                    yield item["Key"][len(self.prefix):], item["Size"]
+
+
+def error_code(exc: ClientError) -> str | None:
+    return exc.response.get("Error", {}).get("Code")
+
+
+def is_missing(exc: ClientError) -> bool:
+    return error_code(exc) in ("NoSuchKey", "404", "NotFound")
