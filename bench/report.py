@@ -372,6 +372,14 @@ def fuzz_section(stage: dict) -> list[str]:
             "a client stream while the fuzzer was still writing, which grpc's aio client "
             "reports as its own INTERNAL, grpc/grpc#36066: the server's own count is the "
             "second INTERNAL figure).", ""]
+    if auth := stage.get("authenticated"):
+        out += [f"Against a server with TLS and bearer tokens (`--auth`): {auth['requests']} "
+                f"requests, {auth['credential_attacks']} of them credential attacks (no token, "
+                "a forged token, another tenant's session named with a valid one): "
+                f"{auth['credential_breaches']} breaches, {auth['crashes']} crashes, "
+                f"{auth['hangs']} hangs, {auth['internal_or_unknown']} INTERNAL/UNKNOWN, "
+                f"{auth['wrong_tensors']} wrong tensors, pre-existing sessions intact: "
+                f"{auth['preexisting_sessions_intact']}.", ""]
     return out
 
 
