@@ -4,7 +4,8 @@ Layout of a chunk (little-endian)::
 
     header    magic "KVTC", version, flags, layout hash, start token, token count,
               section count, xxh3 of the token ids, stored and raw payload lengths,
-              (version 2) xxh3-64 of the raw payload
+              (version 2) xxh3-64 of the payload as stored (the zstd frame when
+              compressed, so every stored byte is covered)
     sections  one entry per (stream, layer, part): stream index, layer, part (codes or
               scales), offset and length in the raw payload, xxh3-64 of the section bytes
     check     xxh3-64 of header + section table
@@ -51,7 +52,7 @@ from kvstore.keys import token_bytes
 from kvstore.layout import LayoutSpec, layout_by_hash
 
 MAGIC = b"KVTC"
-VERSION = 2  # 2: the header holds the raw payload's xxh3-64
+VERSION = 2  # 2: the header holds the stored payload's xxh3-64
 FLAG_ZSTD = 1
 FLAG_EPHEMERAL = 2
 _KNOWN_FLAGS = FLAG_ZSTD | FLAG_EPHEMERAL
@@ -114,7 +115,7 @@ class ChunkHeader:
     tokens_hash: int
     stored_payload_len: int
     raw_payload_len: int
-    payload_checksum: int | None  # xxh3-64 of the raw payload; None in version 1
+    payload_checksum: int | None  # xxh3-64 of the stored payload; None in version 1
     sections: np.ndarray  # (n,) SECTION_DTYPE, in payload order
     payload_offset: int
 
@@ -205,7 +206,7 @@ def encode_chunk(
             tokens_hash(token_ids),
             len(payload),
             len(raw_payload),
-            xxhash.xxh3_64_intdigest(raw_payload),
+            xxhash.xxh3_64_intdigest(payload),
         )
         + table.tobytes()
     )
@@ -332,12 +333,20 @@ def verify_sections(payload, sections: np.ndarray) -> None:
             )
 
 
-def verify_payload(payload, header: ChunkHeader) -> None:
-    """Every byte of a chunk's raw payload: one hash in version 2, else each section's."""
+def verify_payload(view: memoryview, header: ChunkHeader, payload) -> None:
+    """Every byte of a chunk's payload: in version 2 one hash of the payload as stored in
+    ``view`` (a flipped bit of a zstd frame that decompresses the same is refused too),
+    in version 1 each section of the raw ``payload``."""
     if header.payload_checksum is None:
         verify_sections(payload, header.sections)
-    elif xxhash.xxh3_64_intdigest(payload) != header.payload_checksum:
+    elif not stored_intact(view, header):
         raise ChunkCorrupt("payload checksum mismatch")
+
+
+def stored_intact(view: memoryview, header: ChunkHeader) -> bool:
+    """Version 2: the stored payload hashes to the header's checksum."""
+    stored = view[header.payload_offset : header.encoded_len]
+    return xxhash.xxh3_64_intdigest(stored) == header.payload_checksum
 
 
 def verify_chunk(buf: bytes | bytearray | memoryview, spec: LayoutSpec | None = None
@@ -358,7 +367,7 @@ def verify_chunk(buf: bytes | bytearray | memoryview, spec: LayoutSpec | None = 
         payload = np.frombuffer(view[header.payload_offset : header.encoded_len], np.uint8)
     # both checksums: a chunk whose section and payload checksums disagree is corrupt
     verify_sections(payload, header.sections)
-    verify_payload(payload, header)
+    verify_payload(view, header, payload)
     return header
 
 
@@ -448,8 +457,11 @@ def decode_chunk(
             raise LayoutMismatch(f"stream {p.stream.name} has layers 0..{p.stream.layers - 1}")
         selected.append((p, picked))
     if streams is None and layers is None:
-        verify_payload(payload, header)
+        verify_payload(view, header, payload)
     else:
+        if header.compressed and header.payload_checksum is not None and \
+                not stored_intact(view, header):
+            raise ChunkCorrupt("payload checksum mismatch")
         verify_sections(payload, table[[p.first_section + layer for p, picked in selected
                                         for layer in picked]])
     out: dict[str, dict[int, torch.Tensor]] = {}

@@ -62,7 +62,7 @@ SCOPE = dedupe_scope(REF.tenant)
 # ---- forging chunks byte by byte ---------------------------------------------------------
 
 def forge(spec: LayoutSpec, start: int, ids: np.ndarray, rows: list[tuple], raw_len: int,
-          stored: bytes, *, flags: int = 0, raw_checksum: int | None = None) -> bytes:
+          stored: bytes, *, flags: int = 0) -> bytes:
     """A chunk with the given section table (stream, layer, part, offset, length, xxh3)
     and stored payload; its header and table checksums are right, so only the layout
     can tell it is wrong."""
@@ -71,9 +71,7 @@ def forge(spec: LayoutSpec, start: int, ids: np.ndarray, rows: list[tuple], raw_
         table[i] = (stream, layer, part, b"\0" * 3, offset, length, checksum)
     head = HEADER.pack(MAGIC, VERSION, flags, spec.layout_hash, start, len(ids), len(rows),
                        tokens_hash(ids), len(stored), raw_len,
-                       raw_checksum if raw_checksum is not None  # else a zstd payload is zeros
-                       else zeros_xxh3(raw_len) if flags & FLAG_ZSTD
-                       else xxhash.xxh3_64_intdigest(stored)) + table.tobytes()
+                       xxhash.xxh3_64_intdigest(stored)) + table.tobytes()
     return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + stored
 
 
@@ -189,8 +187,7 @@ async def test_a_chunk_with_one_zstd_section_is_refused_and_nothing_stored(tmp_p
     # The measured case: the whole payload as one zstd-compressed section. Its header and
     # checksums are right; only the layout says a bundled chunk has 10 sections.
     one = forge(LAYOUT, 0, tokens, [(0, 0, 0, 0, len(raw), xxhash.xxh3_64_intdigest(raw))],
-                len(raw), zstandard.ZstdCompressor().compress(raw), flags=FLAG_ZSTD,
-                raw_checksum=xxhash.xxh3_64_intdigest(raw))
+                len(raw), zstandard.ZstdCompressor().compress(raw), flags=FLAG_ZSTD)
     code, details, _ = await _refused(tmp_path, _spill_messages(tokens, one))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert "chunk 0" in details and "section table does not match layout" in details

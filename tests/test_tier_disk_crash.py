@@ -326,7 +326,8 @@ async def test_compaction_in_another_process_beside_a_live_writer(tmp_path):
     assert report["retired"] == report["sealed"] and report["moved"] > 0
     for key, value in model.items():
         assert bytes(await tier.get(key)) == value
-    assert not open_deleted_segments()  # the writer let go of what the compactor retired
+    # the writer let go of what the compactor retired (other tests' files are not its own)
+    assert not open_deleted_segments(tier.segment_dir)
     assert json.loads(await tier.meta.get("compacted")) == report["sealed"]
     assert tier.used_bytes == used + len(b"written while compacting")
     assert sealed_dead_bytes(tier) < dead
@@ -334,10 +335,11 @@ async def test_compaction_in_another_process_beside_a_live_writer(tmp_path):
     await tier.close()
 
 
-def open_deleted_segments() -> list[str]:
-    """Segment files this process still holds open or mapped after they were removed."""
+def open_deleted_segments(segment_dir: Path) -> list[str]:
+    """Segment files of ``segment_dir`` this process still holds open or mapped after they
+    were removed."""
     held = Path("/proc/self/maps").read_text().splitlines()
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
             held.append(os.readlink(f"/proc/self/fd/{fd}"))
-    return [h for h in held if ".seg" in h and "(deleted)" in h]
+    return [h for h in held if str(segment_dir) in h and ".seg" in h and "(deleted)" in h]
