@@ -63,6 +63,15 @@ def remove_unnamed_files(index: DiskIndex, directory: Path) -> list[int]:
     on_disk = dict(segment_files(index.fs, directory))
     named = {info.seg_id for info in index.all_segments()}
     removed = sorted(seg_id for seg_id in on_disk if seg_id not in named)
+    # A forgotten segment has no entries; one that entries still name lost its own record
+    # to damage, and removing it would destroy what a repair can still bring back.
+    named_by_entries = removed and {
+        seg_id for group in (index.live_entries(set(removed)),
+                             index.live_meta_records(set(removed)))
+        for seg_id, entries in group.items() if entries}
+    if named_by_entries:
+        raise index_corrupt(directory.parent, f"segments {sorted(named_by_entries)} hold "
+                            "indexed records but have no segment record")
     for seg_id in removed:
         index.fs.unlink(on_disk[seg_id])
     return removed
