@@ -101,9 +101,11 @@ class ServerConfig:
     metrics_interval_s: float = 2.0  # how often tier figures are refreshed for metrics
     grace_s: float = 10.0  # in-flight RPCs get this long at shutdown
     manager_preset: str = "embedded"  # kvstore.manager.MANAGER_PRESETS
-    # Chunks no session names any more stay as evictable cache for prefix reuse (Lookup)
-    # until pressure needs their room (kvstore.prefix.Retention); false frees them at once.
-    retain_unreferenced: bool = True
+    # true: chunks no session names any more stay as evictable cache for prefix reuse
+    # (Lookup) until the tier's capacity needs their room (kvstore.prefix.Retention). Off by
+    # default: a medium that fills before the tier's capacity (a disk shared with other
+    # files) does not yet make them give way, so a delete would free no space there.
+    retain_unreferenced: bool = False
     # Shared dedupe domains: name -> the tenants that may spill into it (e.g. for a public
     # system prompt). Every other chunk dedupes only within its own tenant.
     dedupe_domains: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
