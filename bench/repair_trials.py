@@ -109,7 +109,9 @@ def _opens_in_process(path: Path) -> str:
     return "opened"
 
 
-def _opens_in_child(path: Path) -> str:
+def opens_in_child(path: Path) -> str:
+    """Open the tier as a writer in a child: "opened", "corrupt" (IndexCorrupt), or
+    "crashed (exit N)" when the child died (an mdb.c abort)."""
     child = subprocess.run([sys.executable, "-c", _OPEN_CHILD, str(path)], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
     if child.returncode:
@@ -151,7 +153,7 @@ def flipped_bytes(sessions: int = 12, trials: int = 4, flips: int = 16, seed: in
             for _ in range(flips):
                 raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
             data.write_bytes(bytes(raw))
-            runs.append(_repaired(path, kept, _opens_in_child(path)))
+            runs.append(_repaired(path, kept, opens_in_child(path)))
             shutil.rmtree(path)
     opened = [r["open_before_repair"] for r in runs]
     return {"trials": trials, "flips": flips, "seed": seed, "sessions_before": len(kept),
