@@ -188,6 +188,7 @@ async def window_bomb(ctx: Context) -> dict:
 
 @contextlib.contextmanager
 def planted(content: bytes, mode: int):
+    """A file of the caller's own in /dev/shm, named like a kvtier segment."""
     path = shm.SHM_DIR / f"kvtier-planted-{secrets.token_hex(6)}"
     path.write_bytes(content)
     path.chmod(mode)

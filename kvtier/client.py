@@ -188,11 +188,11 @@ class AsyncClient:
         if enc.window is not None:
             items.append(("window", "", enc.window))
         started = time.monotonic()
-        writer = None
+        segment = None
         if self.shared_memory and items:
             segment = await self._segments.for_spill(sum(len(d) for _, _, d in items),
                                                      self.timeout_s)
-            writer = shm.SegmentWriter(segment) if segment is not None else None
+        writer = segment.writer() if segment is not None else None
         too_big = [(kind, len(d)) for kind, _, d in items
                    if len(d) + 1024 > self.max_message_bytes]
         if too_big and writer is None:
@@ -208,15 +208,15 @@ class AsyncClient:
                 messages.append(pb.SpillRequest(**{kind: payload}))
             reply = await self._stub.Spill(_stream(messages), timeout=self.timeout_s)
         except Exception:
-            if writer is not None:  # the server may still be reading it: never reuse it
-                await self._segments.release([writer.segment])
+            if segment is not None:  # the server may still be reading it: never reuse it
+                await self._segments.release([segment])
             raise
         except BaseException:
-            if writer is not None:  # cancelled: no call to release it, the server reaps it
-                writer.segment.close()
+            if segment is not None:  # cancelled: no call to release it, the server reaps it
+                segment.close()
             raise
-        if writer is not None:  # the server copied the bytes out before it answered
-            await self._segments.keep(writer.segment, started)
+        if segment is not None:  # the server copied the bytes out before it answered
+            await self._segments.keep(segment, started)
         return reply
 
     # -- restore, resume --

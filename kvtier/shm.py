@@ -91,25 +91,33 @@ class Segment:
         self._check(ref)
         return self._map[ref.offset : ref.offset + ref.length]
 
+    def writer(self) -> PackedWriter:
+        """Pack a Spill's payloads into this segment from its start."""
+        return PackedWriter(self._map, self.lease_id)
+
     def close(self) -> None:
         """Unmap (the name is the server's to unlink)."""
         self._map.close()
 
 
-class SegmentWriter:
-    """Payloads packed front to back into one leased segment; ``add`` gives the ref."""
+class PackedWriter:
+    """Payloads packed front to back into one leased segment's mapping; ``add`` gives the
+    ref. The client packs a Spill's payloads this way, the server a Restore's."""
 
-    def __init__(self, segment: Segment) -> None:
-        self.segment = segment
+    def __init__(self, mapping: mmap.mmap, lease_id: str) -> None:
+        self.mapping = mapping
+        self.lease_id = lease_id
         self.used = 0
+
+    def fits(self, nbytes: int) -> bool:
+        return self.used + nbytes <= len(self.mapping)
 
     def add(self, data) -> pb.SharedMemoryRef:
         view = memoryview(data).cast("B")
         start = self.used
-        self.segment._map[start : start + len(view)] = view
+        self.mapping[start : start + len(view)] = view
         self.used += len(view)
-        return pb.SharedMemoryRef(lease_id=self.segment.lease_id, offset=start,
-                                  length=len(view))
+        return pb.SharedMemoryRef(lease_id=self.lease_id, offset=start, length=len(view))
 
 
 class ClientSegments:

@@ -4,7 +4,6 @@ shutdown. Every attack here ran against the client-named design (issue #11)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import stat
@@ -12,6 +11,7 @@ import stat
 import grpc
 import pytest
 
+from bench.adversarial_cases import planted
 from kvstore.keys import dedupe_scope
 from kvtier import AsyncClient, shm
 from kvtier.codec import as_tokens, encode_session
@@ -50,18 +50,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@contextlib.contextmanager
-def planted(content: bytes, mode: int):
-    """A file of this test's own in /dev/shm, named like a kvtier segment."""
-    path = shm.SHM_DIR / f"kvtier-planted-{secrets.token_hex(6)}"
-    path.write_bytes(content)
-    path.chmod(mode)
-    try:
-        yield path
-    finally:
-        path.unlink(missing_ok=True)
 
 
 def _old_reply_buffer(name: str) -> bytes:

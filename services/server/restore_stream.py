@@ -26,10 +26,11 @@ from kvstore.layout import LayoutSpec
 from kvstore.manager import TierManager
 from kvstore.restore import RestoredChunk
 from kvstore.tiers.base import Buffer
+from kvtier.shm import PackedWriter
 from proto import kvtier_pb2 as pb
 from services.replay.hook import ReplayBackend
 from services.server.metrics import ServiceMetrics
-from services.server.shm import LeaseTable, ReplyWriter
+from services.server.shm import LeaseTable
 
 MESSAGE_MARGIN = 4096  # room for the fields around one payload in a reply
 
@@ -80,7 +81,8 @@ class RestoreStreamer:
                     except TierFull as exc:  # a bound reached: the bytes go inline
                         refused = str(exc)
                     self.metrics.shm_segments.set(len(self.leases))
-                    writer = ReplyWriter(lease) if lease is not None else None
+                    writer = (PackedWriter(lease.map, lease.lease_id) if lease is not None
+                              else None)
                 split = [split_block_key(key) for key in m.chunk_keys]
                 chains = [chain for chain, _ in split]
                 yield pb.RestoreReply(header=pb.SessionHeader(
@@ -139,7 +141,7 @@ class RestoreStreamer:
             if lease is not None:  # renewed: the client copies out, then may offer it again
                 self.leases.done(lease)
 
-    def _payload(self, key: str, data: Buffer, writer: ReplyWriter | None, refused: str = ""
+    def _payload(self, key: str, data: Buffer, writer: PackedWriter | None, refused: str = ""
                  ) -> pb.Payload:
         if writer is not None and writer.fits(len(data)):
             self.metrics.restore_bytes.labels("shm").inc(len(data))

@@ -50,25 +50,6 @@ class Lease:
     doomed: bool = False  # released while busy: unlinked once the write ends
 
 
-class ReplyWriter:
-    """Packs one restore's payloads front to back into its leased segment."""
-
-    def __init__(self, lease: Lease) -> None:
-        self.lease = lease
-        self.used = 0
-
-    def fits(self, nbytes: int) -> bool:
-        return self.used + nbytes <= self.lease.size
-
-    def add(self, data) -> pb.SharedMemoryRef:
-        view = memoryview(data).cast("B")
-        start = self.used
-        self.lease.map[start : start + len(view)] = view
-        self.used += len(view)
-        return pb.SharedMemoryRef(lease_id=self.lease.lease_id, offset=start,
-                                  length=len(view))
-
-
 def _create_segment(size: int) -> tuple[str, mmap.mmap]:
     name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(12)}"
     fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
