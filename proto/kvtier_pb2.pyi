@@ -309,7 +309,7 @@ class DeleteReply(_message.Message):
     def __init__(self, chunks_released: _Optional[int] = ..., chunks_freed: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session", "layout_id", "generation", "num_tokens", "chunks", "window_tier", "last_access_unix", "tiers", "writeback_failed")
+    __slots__ = ("session", "layout_id", "generation", "num_tokens", "chunks", "window_tier", "last_access_unix", "tiers", "writeback_failed", "window_node_id", "window_node_address")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +319,8 @@ class SessionInfo(_message.Message):
     LAST_ACCESS_UNIX_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     WRITEBACK_FAILED_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_NODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     layout_id: str
     generation: int
@@ -328,7 +330,9 @@ class SessionInfo(_message.Message):
     last_access_unix: float
     tiers: _containers.RepeatedScalarFieldContainer[str]
     writeback_failed: bool
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., layout_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., window_tier: _Optional[str] = ..., last_access_unix: _Optional[float] = ..., tiers: _Optional[_Iterable[str]] = ..., writeback_failed: _Optional[bool] = ...) -> None: ...
+    window_node_id: str
+    window_node_address: str
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., layout_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., window_tier: _Optional[str] = ..., last_access_unix: _Optional[float] = ..., tiers: _Optional[_Iterable[str]] = ..., writeback_failed: _Optional[bool] = ..., window_node_id: _Optional[str] = ..., window_node_address: _Optional[str] = ...) -> None: ...
 
 class TierStat(_message.Message):
     __slots__ = ("name", "capacity_bytes", "used_bytes", "items", "available", "lookups", "hits")
@@ -357,7 +361,7 @@ class StatRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class TenantUsage(_message.Message):
-    __slots__ = ("tenant", "sessions", "durable_bytes", "memory_bytes", "sessions_limit", "durable_bytes_limit", "memory_bytes_limit", "rejections")
+    __slots__ = ("tenant", "sessions", "durable_bytes", "memory_bytes", "sessions_limit", "durable_bytes_limit", "memory_bytes_limit", "rejections", "retained_bytes")
     class RejectionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +377,7 @@ class TenantUsage(_message.Message):
     DURABLE_BYTES_LIMIT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_LIMIT_FIELD_NUMBER: _ClassVar[int]
     REJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_BYTES_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     sessions: int
     durable_bytes: int
@@ -381,23 +386,30 @@ class TenantUsage(_message.Message):
     durable_bytes_limit: int
     memory_bytes_limit: int
     rejections: _containers.ScalarMap[str, int]
-    def __init__(self, tenant: _Optional[str] = ..., sessions: _Optional[int] = ..., durable_bytes: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., sessions_limit: _Optional[int] = ..., durable_bytes_limit: _Optional[int] = ..., memory_bytes_limit: _Optional[int] = ..., rejections: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    retained_bytes: int
+    def __init__(self, tenant: _Optional[str] = ..., sessions: _Optional[int] = ..., durable_bytes: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., sessions_limit: _Optional[int] = ..., durable_bytes_limit: _Optional[int] = ..., memory_bytes_limit: _Optional[int] = ..., rejections: _Optional[_Mapping[str, int]] = ..., retained_bytes: _Optional[int] = ...) -> None: ...
 
 class StatReply(_message.Message):
-    __slots__ = ("tiers", "sessions", "writeback_queue_depth", "replays", "session", "tenant_usage")
+    __slots__ = ("tiers", "sessions", "writeback_queue_depth", "replays", "session", "tenant_usage", "node_id", "retained_bytes", "retained_chunks")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     WRITEBACK_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     REPLAYS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     TENANT_USAGE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStat]
     sessions: int
     writeback_queue_depth: int
     replays: int
     session: SessionInfo
     tenant_usage: TenantUsage
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., sessions: _Optional[int] = ..., writeback_queue_depth: _Optional[int] = ..., replays: _Optional[int] = ..., session: _Optional[_Union[SessionInfo, _Mapping]] = ..., tenant_usage: _Optional[_Union[TenantUsage, _Mapping]] = ...) -> None: ...
+    node_id: str
+    retained_bytes: int
+    retained_chunks: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., sessions: _Optional[int] = ..., writeback_queue_depth: _Optional[int] = ..., replays: _Optional[int] = ..., session: _Optional[_Union[SessionInfo, _Mapping]] = ..., tenant_usage: _Optional[_Union[TenantUsage, _Mapping]] = ..., node_id: _Optional[str] = ..., retained_bytes: _Optional[int] = ..., retained_chunks: _Optional[int] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("tenant", "page_size", "page_token")
@@ -472,6 +484,42 @@ class ForkReply(_message.Message):
     chunks: int
     window_kept: bool
     def __init__(self, generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., window_kept: _Optional[bool] = ...) -> None: ...
+
+class LayoutInfo(_message.Message):
+    __slots__ = ("layout_id", "layout_json", "replayer", "builtin")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    REPLAYER_FIELD_NUMBER: _ClassVar[int]
+    BUILTIN_FIELD_NUMBER: _ClassVar[int]
+    layout_id: str
+    layout_json: str
+    replayer: str
+    builtin: bool
+    def __init__(self, layout_id: _Optional[str] = ..., layout_json: _Optional[str] = ..., replayer: _Optional[str] = ..., builtin: _Optional[bool] = ...) -> None: ...
+
+class RegisterLayoutRequest(_message.Message):
+    __slots__ = ("layout_json",)
+    LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    layout_json: str
+    def __init__(self, layout_json: _Optional[str] = ...) -> None: ...
+
+class RegisterLayoutReply(_message.Message):
+    __slots__ = ("layout", "created")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    layout: LayoutInfo
+    created: bool
+    def __init__(self, layout: _Optional[_Union[LayoutInfo, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class ListLayoutsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLayoutsReply(_message.Message):
+    __slots__ = ("layouts",)
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    layouts: _containers.RepeatedCompositeFieldContainer[LayoutInfo]
+    def __init__(self, layouts: _Optional[_Iterable[_Union[LayoutInfo, _Mapping]]] = ...) -> None: ...
 
 class ReplayRequest(_message.Message):
     __slots__ = ("layout_id", "token_ids", "chunks", "tail", "replay_tokens", "job_id")

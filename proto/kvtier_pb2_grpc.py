@@ -94,6 +94,16 @@ class KVTierStub:
                 request_serializer=proto_dot_kvtier__pb2.ForkRequest.SerializeToString,
                 response_deserializer=proto_dot_kvtier__pb2.ForkReply.FromString,
                 _registered_method=True)
+        self.RegisterLayout = channel.unary_unary(
+                '/kvtier.v1.KVTier/RegisterLayout',
+                request_serializer=proto_dot_kvtier__pb2.RegisterLayoutRequest.SerializeToString,
+                response_deserializer=proto_dot_kvtier__pb2.RegisterLayoutReply.FromString,
+                _registered_method=True)
+        self.ListLayouts = channel.unary_unary(
+                '/kvtier.v1.KVTier/ListLayouts',
+                request_serializer=proto_dot_kvtier__pb2.ListLayoutsRequest.SerializeToString,
+                response_deserializer=proto_dot_kvtier__pb2.ListLayoutsReply.FromString,
+                _registered_method=True)
 
 
 class KVTierServicer:
@@ -173,6 +183,19 @@ class KVTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterLayout(self, request, context):
+        """Admin (when identity is on, by the server's register_layouts policy).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLayouts(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -235,6 +258,16 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.Fork,
                     request_deserializer=proto_dot_kvtier__pb2.ForkRequest.FromString,
                     response_serializer=proto_dot_kvtier__pb2.ForkReply.SerializeToString,
+            ),
+            'RegisterLayout': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterLayout,
+                    request_deserializer=proto_dot_kvtier__pb2.RegisterLayoutRequest.FromString,
+                    response_serializer=proto_dot_kvtier__pb2.RegisterLayoutReply.SerializeToString,
+            ),
+            'ListLayouts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLayouts,
+                    request_deserializer=proto_dot_kvtier__pb2.ListLayoutsRequest.FromString,
+                    response_serializer=proto_dot_kvtier__pb2.ListLayoutsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -561,6 +594,60 @@ class KVTier:
             '/kvtier.v1.KVTier/Fork',
             proto_dot_kvtier__pb2.ForkRequest.SerializeToString,
             proto_dot_kvtier__pb2.ForkReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterLayout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/RegisterLayout',
+            proto_dot_kvtier__pb2.RegisterLayoutRequest.SerializeToString,
+            proto_dot_kvtier__pb2.RegisterLayoutReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLayouts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/ListLayouts',
+            proto_dot_kvtier__pb2.ListLayoutsRequest.SerializeToString,
+            proto_dot_kvtier__pb2.ListLayoutsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -30,5 +30,7 @@ def test_every_rpc_is_in_the_service():
         "ReleaseSegments",
         "Lookup",
         "Fork",
+        "RegisterLayout",
+        "ListLayouts",
     }
     assert "Replay" in kvtier_pb2.DESCRIPTOR.services_by_name
