@@ -1,0 +1,232 @@
+"""Write the golden vectors of docs/wire-format.md: ``python -m tests.vectors.generate``.
+
+The vectors are inputs and the exact bytes and keys kvtier produces for them, for a
+small layout with one stream of each kind (int4, int8, bf16; a window stream and a
+pending stream). ``tests/test_vectors.py`` compares the codec against the committed
+files, and the Node client (clients/node) against the same files, so a change to the
+codec that alters a byte fails both: regenerate only for a deliberate format change.
+
+Inputs are small integers and floats that fp16 / bf16 hold exactly, written out in full,
+so another implementation can rebuild every tensor from the JSON alone.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+import zstandard
+
+from kernels.reference import pack_int4
+from kvstore.chunk_plan import CODE_DTYPES
+from kvstore.codec import StreamData, encode_chunk, read_header
+from kvstore.errors import CLASS_FOR_STATUS, ERROR_CLASSES, ERROR_KEY, status_name
+from kvstore.keys import chain_keys, chunk_digest, chunk_key, dedupe_scope, token_bytes
+from kvstore.layout import LayoutSpec, Stream
+
+HERE = Path(__file__).resolve().parent
+TENANT = "acme"
+SHARED_DOMAIN = "public-prompts"
+MODEL_FINGERPRINT = "wire-test-model@1"
+# Seven tokens: one full chunk of four, a tail of three whose last token is pending (m = 2).
+TOKENS = [1, 2, 3, 258, 65536, 999, 7]
+ZSTD_LEVEL = 3
+
+
+def wire_layout() -> LayoutSpec:
+    """The vectors' layout: every kind of stream, a chunk of 4 tokens, W = 4."""
+    return LayoutSpec(
+        name="wire-test",
+        streams=(
+            Stream("a.int4", (2, 8), bits=4, group_size=8, tokens_per_entry=2, layers=2),
+            Stream("b.int8", (8,), bits=8, group_size=4, layers=1),
+            Stream("c.bf16", (4,), bits=16, layers=1),
+            Stream("w.window", (4,), bits=8, group_size=4, layers=1, persistent=False),
+            Stream("p.pending", (4,), bits=16, layers=1, persistent=False, pending=True),
+        ),
+        chunk_tokens=4,
+        vocab_size=1000,
+        window_tokens=4,
+        notes="golden vectors of docs/wire-format.md",
+    )
+
+
+def stream_values(stream: Stream, entries: int, seed: int) -> dict:
+    """Readable inputs for one stream over ``entries`` entries: integer codes in the
+    stream's range (unpacked, one per value) and fp16 scales; bf16 values for 16 bits."""
+    shape = [stream.layers, entries, *stream.entry_shape]
+    n = int(np.prod(shape))
+    rng = np.random.default_rng(seed)
+    if stream.bits == 16:
+        # multiples of 1/8 in [-4, 4): exact in bf16
+        return {"shape": shape, "values": (rng.integers(-32, 32, n) / 8).tolist()}
+    low, high = (-8, 8) if stream.bits == 4 else (-127, 128)  # int8 codes keep off -128
+    codes = rng.integers(low, high, n)
+    groups = n // stream.group_size
+    scales = (rng.integers(1, 64, groups) / 64).tolist()  # exact in fp16
+    return {"shape": shape, "values": codes.tolist(),
+            "scales_shape": [stream.layers, entries, stream.scales_per_entry],
+            "scales": scales}
+
+
+def stream_data(stream: Stream, inputs: dict) -> StreamData:
+    """The codec's tensors for one stream's inputs (see ``stream_values``)."""
+    shape = inputs["shape"]
+    if stream.bits == 16:
+        codes = torch.tensor(inputs["values"], dtype=torch.float32).to(torch.bfloat16)
+        return StreamData(codes.reshape(shape), None)
+    values = torch.tensor(inputs["values"], dtype=torch.int8).reshape(shape)
+    codes = pack_int4(values) if stream.bits == 4 else values
+    assert codes.dtype == CODE_DTYPES[stream.bits]
+    scales = torch.tensor(inputs["scales"], dtype=torch.float16).reshape(inputs["scales_shape"])
+    return StreamData(codes, scales)
+
+
+def sliced(stream: Stream, inputs: dict, start: int, stop: int) -> dict:
+    """The inputs of entries [start, stop) of a stream."""
+    shape = inputs["shape"]
+    values = np.array(inputs["values"]).reshape(shape)[:, start:stop]
+    out = {"shape": list(values.shape), "values": values.reshape(-1).tolist()}
+    if "scales" in inputs:
+        scales = np.array(inputs["scales"]).reshape(inputs["scales_shape"])[:, start:stop]
+        out |= {"scales_shape": list(scales.shape), "scales": scales.reshape(-1).tolist()}
+    return out
+
+
+def dequantized(stream: Stream, inputs: dict) -> list[float]:
+    """value = code * scale of its group (float32), as a reader reconstructs it."""
+    values = np.array(inputs["values"], np.float32).reshape(-1, stream.group_size)
+    scales = np.array(inputs["scales"], np.float16).astype(np.float32).reshape(-1, 1)
+    return (values * scales).reshape(-1).tolist()
+
+
+def header_fields(buf: bytes) -> dict:
+    h = read_header(buf)
+    table_end = h.payload_offset - 8
+    return {
+        "version": h.version, "flags": h.flags, "layout_hash": f"{h.layout_hash:016x}",
+        "start_token": h.start_token, "num_tokens": h.num_tokens,
+        "section_count": len(h.sections), "tokens_hash": f"{h.tokens_hash:016x}",
+        "stored_payload_len": h.stored_payload_len, "raw_payload_len": h.raw_payload_len,
+        "payload_checksum": f"{h.payload_checksum:016x}",
+        "header_check": f"{xxhash.xxh3_64_intdigest(buf[:table_end]):016x}",
+        "payload_offset": h.payload_offset,
+        "sections": [
+            {"stream": s, "layer": layer, "part": p, "offset": o, "length": n,
+             "checksum": f"{c:016x}"}
+            for s, layer, p, _, o, n, c in h.sections.tolist()
+        ],
+    }
+
+
+def chunk_vector(spec: LayoutSpec, name: str, start: int, tokens: list[int],
+                 inputs: dict[str, dict], *, ephemeral: bool = False,
+                 zstd_level: int | None = None) -> dict:
+    streams = {n: stream_data(spec.stream(n), v) for n, v in inputs.items()}
+    buf = encode_chunk(spec, start, tokens, streams, ephemeral=ephemeral, zstd_level=zstd_level)
+    out = {"name": name, "start_token": start, "token_ids": tokens, "ephemeral": ephemeral,
+           "zstd": zstd_level is not None, "inputs": inputs, "header": header_fields(buf),
+           "digest": chunk_digest(buf).hex(), "bytes": buf.hex()}
+    if zstd_level is not None:
+        raw = zstandard.ZstdDecompressor().decompress(buf[out["header"]["payload_offset"]:])
+        out["zstd_level"] = zstd_level
+        out["raw_payload"] = raw.hex()
+    return out
+
+
+def build() -> dict[str, dict]:
+    spec = wire_layout()
+    n = len(TOKENS)
+    full = {s.name: stream_values(s, s.entries_for(n), seed)
+            for seed, s in enumerate(spec.persistent_streams)}
+    size = spec.chunk_tokens
+
+    def part(lo: int, hi: int) -> dict[str, dict]:
+        return {s.name: sliced(s, full[s.name], lo // s.tokens_per_entry, s.entries_for(hi))
+                for s in spec.persistent_streams}
+
+    window_stream, pending_stream = spec.ephemeral_streams
+    pending = n % spec.stream("a.int4").tokens_per_entry
+    window_inputs = {window_stream.name: stream_values(window_stream, spec.window_tokens, 5)}
+    pending_inputs = {pending_stream.name: stream_values(pending_stream, pending, 6)}
+    w_start = n - spec.window_tokens
+    window_parts = [
+        chunk_vector(spec, "window K/V", w_start, TOKENS[w_start:], window_inputs,
+                     ephemeral=True),
+        chunk_vector(spec, "pending rows", n - pending, TOKENS[n - pending:], pending_inputs,
+                     ephemeral=True),
+    ]
+    chunks = {
+        "layout_id": spec.layout_id,
+        "token_ids": TOKENS,
+        "token_bytes": token_bytes(TOKENS).hex(),
+        "session_inputs": full,
+        "dequantized": {s.name: dequantized(s, full[s.name]) for s in spec.persistent_streams
+                        if s.bits < 16},
+        "chunks": [chunk_vector(spec, "chunk 0", 0, TOKENS[:size], part(0, size))],
+        "chunks_zstd": [chunk_vector(spec, "chunk 0 (zstd)", 0, TOKENS[:size], part(0, size),
+                                     zstd_level=ZSTD_LEVEL)],
+        "tail": chunk_vector(spec, "tail", size, TOKENS[size:], part(size, n)),
+        "window": {"parts": window_parts,
+                   "bytes": "".join(p["bytes"] for p in window_parts),
+                   "digest": chunk_digest(bytes.fromhex(
+                       "".join(p["bytes"] for p in window_parts))).hex()},
+    }
+    keys = {
+        "layout_id": spec.layout_id,
+        "cases": [
+            {"scope": dedupe_scope(TENANT), "tenant": TENANT, "dedupe_domain": "",
+             "model_fingerprint": "", "chunk_tokens": size, "token_ids": TOKENS},
+            {"scope": dedupe_scope(TENANT), "tenant": TENANT, "dedupe_domain": "",
+             "model_fingerprint": MODEL_FINGERPRINT, "chunk_tokens": size,
+             "token_ids": TOKENS + [4, 5, 6, 8, 9]},
+            {"scope": dedupe_scope(TENANT, SHARED_DOMAIN), "tenant": TENANT,
+             "dedupe_domain": SHARED_DOMAIN, "model_fingerprint": MODEL_FINGERPRINT,
+             "chunk_tokens": size, "token_ids": TOKENS + [4, 5, 6, 8, 9]},
+        ],
+    }
+    for case in keys["cases"]:
+        case["chain_keys"] = chain_keys(spec.layout_id, case["token_ids"], size,
+                                        scope=case["scope"],
+                                        model_fingerprint=case["model_fingerprint"])
+    first = keys["cases"][1]
+    person = b"kvtier-chunk-v2"
+    keys["first_key_input"] = (  # the bytes hashed for the first key of case 1
+        b"".join(len(p.encode()).to_bytes(4, "little") + p.encode()
+                 for p in (first["scope"], spec.layout_id, first["model_fingerprint"], ""))
+        + token_bytes(first["token_ids"][:size])).hex()
+    keys["personalization"] = {"chunk_key": person.ljust(16, b"\0").hex(),
+                               "digest": b"kvtier-bytes-v1".ljust(16, b"\0").hex()}
+    assert first["chain_keys"][0] == chunk_key(first["scope"], spec.layout_id,
+                                               first["model_fingerprint"], "",
+                                               first["token_ids"][:size])
+    errors = {
+        "trailer_key": ERROR_KEY,
+        "classes": {name: status_name(cls("")) if name != "ChunksNotHeld" else
+                    status_name(cls(())) for name, cls in ERROR_CLASSES.items()},
+        "class_without_trailer": {status: cls.__name__ for status, cls in
+                                  CLASS_FOR_STATUS.items()},
+    }
+    return {"chunks.json": chunks, "keys.json": keys, "errors.json": errors}
+
+
+def compact(text: str) -> str:
+    """Lists of numbers on one line each, so a vector file reads as a table."""
+    return re.sub(r"\[([-0-9.e,\s]+)\]",
+                  lambda m: "[" + ", ".join(m.group(1).split()).replace(",,", ",") + "]", text)
+
+
+def main() -> None:
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else HERE
+    for name, data in build().items():
+        (out / name).write_text(compact(json.dumps(data, indent=1)) + "\n")
+        print(f"wrote {out / name}")
+
+
+if __name__ == "__main__":
+    main()
