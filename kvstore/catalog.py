@@ -68,7 +68,8 @@ class Catalog:
         """Another node's window is in that node's memory: here it is absent (replay)."""
         if manifest.node_id == self.meta.node_id or manifest.window_key is None:
             return manifest
-        return manifest.evolve(window_tier=None, window_key=None)
+        return manifest.evolve(window_tier=None, window_key=None,
+                               remote_window=(manifest.window_tier, manifest.window_key))
 
     def _with_mark(self, manifest: SessionManifest) -> SessionManifest:
         marked = self._failed.get((manifest.tenant, manifest.session_id))
@@ -118,8 +119,15 @@ class Catalog:
                   release: Sequence[str] = (), new: bool = False) -> list[str]:
         """Commit ``manifest`` with its reference changes (``new``: the session had no
         manifest). Returns the chunks left unreferenced: the caller frees them."""
-        if manifest.node_id != self.meta.node_id:
-            manifest = manifest.evolve(node_id=self.meta.node_id)
+        if manifest.remote_window is not None and manifest.window_key is None:
+            # A change here (an access time, a mark) leaves the window where it is: the
+            # manifest keeps naming it and its node, so a router still sends it home.
+            tier, key = manifest.remote_window
+            manifest = manifest.evolve(window_tier=tier, window_key=key, remote_window=None)
+        elif (manifest.node_id, manifest.node_address) != (self.meta.node_id,
+                                                           self.meta.node_address):
+            manifest = manifest.evolve(node_id=self.meta.node_id,
+                                       node_address=self.meta.node_address)
         freed = await self._ledger.commit(
             {manifest_key(manifest.tenant, manifest.session_id): manifest.encode()},
             acquire=acquire, release=release,

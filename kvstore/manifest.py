@@ -93,6 +93,13 @@ class SessionManifest:
     # The node that wrote this generation, where metadata is shared by a fleet
     # (docs/fleet.md): its window lives in that node's memory only. "" on a single node.
     node_id: str = ""
+    # Where routers reach node_id (its advertise_address when it wrote this generation:
+    # the process whose memory holds the window). Absent from older manifests: "".
+    node_address: str = ""
+    # Set on load, never stored: (window_tier, window_key) as node_id stored them, where
+    # node_id is another node; kvstore.catalog clears both fields here (a resume here
+    # replays) and puts them back on a write that does not replace the window.
+    remote_window: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         check_name("tenant", self.tenant)
@@ -150,6 +157,7 @@ class SessionManifest:
             "receipt": None if self.receipt is None else asdict(self.receipt),
             "writeback_failed": self.writeback_failed,
             "node_id": self.node_id,
+            "node_address": self.node_address,
         }
         body = json.dumps(head, separators=(",", ":")).encode()
         out = _HEAD.pack(MAGIC, VERSION, len(body)) + body + self.token_ids.tobytes() + self.tail
@@ -197,6 +205,7 @@ class SessionManifest:
                 receipt=None if head["receipt"] is None else SpillReceipt(**head["receipt"]),
                 writeback_failed=bool(head.get("writeback_failed", False)),
                 node_id=str(head.get("node_id", "")),
+                node_address=str(head.get("node_address", "")),
             )
         except ChunkCorrupt:
             raise

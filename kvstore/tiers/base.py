@@ -85,8 +85,10 @@ class MetaStore(abc.ABC):
     """Small durable records (session manifests, reference counts) with atomic batches."""
 
     # The node whose manifests this store writes, where several nodes share the
-    # manifests (kvstore.tiers.shared_meta); "" where one node owns them.
+    # manifests (kvstore.tiers.shared_meta); "" where one node owns them. node_address:
+    # where other nodes and routers reach it (recorded in its manifests beside node_id).
     node_id: str = ""
+    node_address: str = ""
 
     @abc.abstractmethod
     async def get(self, key: str) -> bytes | None: ...

@@ -1,6 +1,8 @@
 """``kvtier stat``: the server's tiers (usage, lookups, hits, hit rate), sessions,
-write-back queue depth and replays, from the Stat RPC; ``--tenant`` also prints a tenant's
-use against its quotas, ``--metrics-url`` the Prometheus endpoint's ``kvtier_*`` samples."""
+write-back queue depth, replays and node id, from the Stat RPC; ``--session`` also
+describes a session, with the node holding its window and that node's address (where a
+fleet's router sends it); ``--tenant`` also prints a tenant's use against its quotas,
+``--metrics-url`` the Prometheus endpoint's ``kvtier_*`` samples."""
 
 from __future__ import annotations
 
@@ -88,13 +90,16 @@ def run(args: argparse.Namespace) -> int:
                          indent=2))
     else:
         print("\n".join(tier_table(reply.tiers)))
-        print(f"sessions {reply.sessions}   write-back queue {reply.writeback_queue_depth}"
-              f"   replays {reply.replays}")
+        print(f"node {reply.node_id}   sessions {reply.sessions}   write-back queue "
+              f"{reply.writeback_queue_depth}   replays {reply.replays}")
         if reply.HasField("session"):
             s = reply.session
             print(f"session {s.session.tenant}/{s.session.session_id}: {s.num_tokens} tokens,"
                   f" {s.chunks} chunks, generation {s.generation}, layout {s.layout_id}, "
                   f"tiers {','.join(s.tiers) or '-'}, window {s.window_tier or 'dropped'}")
+            # The node whose memory holds the window: a router sends the session there.
+            print(f"window node {s.window_node_id} at {s.window_node_address or '-'}"
+                  if s.window_node_id else "window node - (a resume anywhere replays)")
         if reply.HasField("tenant_usage"):
             print("\n".join(usage_table(reply.tenant_usage)))
     if args.metrics_url:

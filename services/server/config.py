@@ -30,6 +30,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvstore.errors import InvalidRequest
+from services.server.address_file import WILDCARD_HOSTS
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 ENV_PREFIX = "KVTIER_"
@@ -71,6 +72,10 @@ class ServerConfig:
     # swap), so any server sharing it resumes any session; "local": in data_dir.
     metadata: str = "local"
     node_id: str = ""  # this server in the fleet; empty: hostname:port
+    # host:port other nodes and routers reach this server at, recorded in its manifests
+    # beside node_id (Stat's window_node_address); empty: the bound listen address, a
+    # wildcard host (0.0.0.0) replaced by this host's name.
+    advertise_address: str = ""
     # Behaviour.
     default_ack: str = "memory"  # what ACK_UNSPECIFIED means
     # hint: kvstore.policy.HintPolicy (resume hints, sent or inferred; LRU order without
@@ -140,6 +145,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _check_listen("listen", self.listen)
+        if self.advertise_address:
+            _check_listen("advertise_address", self.advertise_address)
         for name in ("redis_url", "replay_redis_url"):
             _check_url(name, getattr(self, name), REDIS_SCHEMES)
         _check_url("s3_endpoint", self.s3_endpoint, S3_ENDPOINT_SCHEMES)
@@ -230,6 +237,15 @@ class ServerConfig:
     def node_name(self) -> str:
         """``node_id``, or this host's name and the listen port."""
         return self.node_id or f"{socket.gethostname()}:{self.port}"
+
+    def advertised(self, port: int) -> str:
+        """``advertise_address``, or the listen address with the port bound (``port``)."""
+        if self.advertise_address or self.listen.startswith("unix:"):
+            return self.advertise_address or self.listen
+        host = self.listen.rpartition(":")[0]
+        if host in WILDCARD_HOSTS:
+            host = socket.gethostname()
+        return f"{host}:{port}"
 
     @property
     def object_url(self) -> str:

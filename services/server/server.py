@@ -130,6 +130,9 @@ async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServe
                 (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
                 grpc_server)
         port = _bind(grpc_server, config)
+        servicer.address = config.advertised(port)  # known once bound (port 0 picks one)
+        if config.metadata == "shared":  # recorded in this node's manifests
+            manager.meta.node_address = servicer.address
         await grpc_server.start()
     except BaseException:
         if replay[0] is not None:

@@ -64,6 +64,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                                         lambda: (self.replay, self.why_no_replay),
                                         config.max_message_bytes)
         self.replays = 0
+        self.address = ""  # where other nodes and routers reach this server (once bound)
         self.audit: AuditLog | None = None  # set when auth or an audit log is configured
         self.limits = Limits(Bounds.from_config(config))
 
@@ -287,7 +288,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                    for t in stats.tiers],
             sessions=stats.sessions,
             writeback_queue_depth=stats.writeback_depth, replays=self.replays,
-            session=session, tenant_usage=usage)
+            session=session, tenant_usage=usage, node_id=self.config.node_name)
 
     @grpc_errors
     async def List(self, request: pb.ListRequest, context: grpc.aio.ServicerContext
@@ -329,12 +330,19 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                             window_kept=manifest.window_key is not None)
 
     def _info(self, m: SessionManifest) -> pb.SessionInfo:
+        node = address = ""
+        if m.window_key is not None:  # held here (node_id is "" on a single node)
+            node = m.node_id or self.config.node_name
+            address = m.node_address or self.address
+        elif m.remote_window is not None:  # in node_id's memory: a router sends the session there
+            node, address = m.node_id, m.node_address
         return pb.SessionInfo(
             session=pb.SessionRef(tenant=m.tenant, session_id=m.session_id),
             layout_id=m.layout_id, generation=m.generation, num_tokens=m.num_tokens,
             chunks=len(m.chunk_keys), window_tier=m.window_tier or "",
             last_access_unix=m.last_access, tiers=tiers_holding(self.manager, m.chunk_keys),
-            writeback_failed=m.writeback_failed)
+            writeback_failed=m.writeback_failed, window_node_id=node,
+            window_node_address=address)
 
 
 def _own_session(ref: pb.SessionRef, field_name: str = "session") -> tuple[str, str]:
