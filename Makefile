@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-slow lint proto bench certs clean redis-server
+.PHONY: install demo test test-slow lint proto bench certs clean redis-server node-client
 
 $(BIN)/python:
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need Python 3.11 ($(PY)) on PATH"; exit 1; }
@@ -27,14 +27,29 @@ redis-server:
 	  else echo "redis-server is missing: install it (Debian: apt-get install redis-server)"; exit 1; fi; }
 	@redis-server --version
 
+# The Node client's test (tests/test_node_client.py) needs node and clients/node's locked
+# packages: Debian's nodejs and npm when missing and we are root; without node it skips.
+NODE_MODULES := clients/node/node_modules/.package-lock.json
+
+node-client:
+	@{ command -v node && command -v npm; } >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null; \
+	  else echo "node or npm is missing: the Node client test skips (Debian: apt-get install nodejs npm)"; fi; }
+	@if command -v npm >/dev/null 2>&1; then $(MAKE) -s --no-print-directory $(NODE_MODULES); fi
+
+$(NODE_MODULES): clients/node/package.json clients/node/package-lock.json
+	cd clients/node && npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
 # The agent-like end-to-end demo on embedded defaults: no Redis, no GPU, ./data.
 demo: $(STAMP)
 	$(BIN)/kvtier demo
 
-test: $(STAMP) redis-server
+test: $(STAMP) redis-server node-client
 	$(BIN)/python -m pytest -q
 
-test-slow: $(STAMP) redis-server
+test-slow: $(STAMP) redis-server node-client
 	$(BIN)/python -m pytest -q -m slow
 
 lint: $(STAMP)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +51,7 @@ def wire_layout() -> LayoutSpec:
             Stream("p.pending", (4,), bits=16, layers=1, persistent=False, pending=True),
         ),
         chunk_tokens=4,
-        vocab_size=1000,
+        vocab_size=1 << 17,
         window_tokens=4,
         notes="golden vectors of docs/wire-format.md",
     )
@@ -162,6 +163,7 @@ def build() -> dict[str, dict]:
                      ephemeral=True),
     ]
     chunks = {
+        "layout": {k: v for k, v in asdict(spec).items() if k != "notes"},
         "layout_id": spec.layout_id,
         "token_ids": TOKENS,
         "token_bytes": token_bytes(TOKENS).hex(),

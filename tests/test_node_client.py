@@ -1,0 +1,68 @@
+"""The Node client (clients/node, written from docs/wire-format.md and the proto alone)
+against the golden vectors and a real kvtier server: it encodes the vectors' session,
+spills it, restores it whole and layer by layer, verifies every byte, checksum and digest,
+decodes the values, and reads error classes from the kvtier-error trailer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvstore import layout as layouts
+from tests.service_support import running_server
+from tests.vectors.generate import wire_layout
+
+NODE_DIR = Path(__file__).resolve().parents[1] / "clients" / "node"
+NODE = shutil.which("node")
+pytestmark = pytest.mark.skipif(NODE is None, reason="node is not installed (make test "
+                                "installs Debian's nodejs when run as root)")
+
+
+@pytest.fixture(scope="module")
+def node_modules() -> Path:
+    """clients/node's locked dependencies (``make test`` installs them; else npm ci here)."""
+    modules = NODE_DIR / "node_modules"
+    if not modules.is_dir():
+        npm = shutil.which("npm")
+        if npm is None:
+            pytest.skip("clients/node/node_modules is missing and npm is not installed")
+        subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"],
+                       cwd=NODE_DIR, check=True, timeout=300)
+    return modules
+
+
+@contextlib.contextmanager
+def wire_test_layout():
+    """The vectors' layout, known to the in-process server for the test's duration."""
+    spec = layouts.register_layout(wire_layout())
+    try:
+        yield spec
+    finally:  # other tests enumerate the registry (bench.codec reports every layout)
+        layouts._REGISTRY.pop(spec.name, None)
+
+
+async def run_node(*args: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        NODE, "test.js", *args, cwd=NODE_DIR, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), 120)
+    except TimeoutError:
+        proc.kill()
+        raise
+    return proc.returncode, out.decode()
+
+
+async def test_node_client_round_trips_through_a_real_server(tmp_path, node_modules):
+    with wire_test_layout():
+        async with running_server(tmp_path) as (_, address):
+            code, out = await run_node(address)
+    assert code == 0, out
+    # every check ran: none failed, none skipped (a skipped suite is marked "# SKIP")
+    assert "# fail 0" in out and "# SKIP" not in out, out
+    assert "ok 2 - against a live server" in out, out
