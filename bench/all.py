@@ -15,7 +15,8 @@ fuzz and adversarial (child processes) follow replay_batch: ``bench.fuzz`` sends
 requests to every RPC of a live server and replay worker, ``bench.adversarial`` replays
 the attacks of issue #11 (each must hold). faults (a child process) comes last:
 ``bench.faults``, power loss at every point, ENOSPC and EIO at every call site, index
-repair.
+repair. fleet (a child process) after it: ``bench.fleet``, resume paths across replicas
+sharing one Redis and one S3 bucket, manifest CAS latency, resumes per second.
 A stage that fails is recorded with its error and the others still run; the exit status
 is 1 if any failed. The machine the figures came from (CPU model, cores, memory, torch
 and triton versions, date, load) is recorded beside them.
@@ -61,6 +62,8 @@ SIZES = {
         "fuzz": ["--requests", "300"],
         "adversarial": ["--sizes", "tiny"],
         "faults": ["--workload", "small", "--per-kind", "1"],
+        "fleet": ["--tokens", "1100", "--sessions", "3", "--resumes", "12", "--clients", "2",
+                  "--manifests", "5"],
     },
     "quick": {
         "codec": ["--mb", "16", "--repeats", "3"],
@@ -74,6 +77,7 @@ SIZES = {
         "fuzz": ["--requests", "10000"],
         "adversarial": [],
         "faults": ["--workload", "large"],
+        "fleet": [],
     },
     "full": {
         "codec": [],
@@ -87,10 +91,11 @@ SIZES = {
         "fuzz": ["--requests", "10000"],
         "adversarial": [],
         "faults": ["--workload", "large"],
+        "fleet": ["--tokens", "16384", "--resumes", "300"],
     },
 }
 STAGES = ("codec", "tiers", "trace", "resume", "fidelity", "bytes", "replay_batch",
-          "fuzz", "adversarial", "faults")
+          "fuzz", "adversarial", "faults", "fleet")
 
 
 def machine() -> dict:
@@ -172,6 +177,7 @@ def stage_runners(sizes: dict, trace: Path, weights: Path) -> dict[str, Callable
                          "authenticated": child_json("fuzz", [*sizes["fuzz"], "--auth"])},
         "adversarial": lambda: child_json("adversarial", sizes["adversarial"]),
         "faults": lambda: child_json("faults", sizes["faults"]),
+        "fleet": lambda: child_json("fleet", sizes["fleet"]),
     }
 
 

@@ -351,6 +351,32 @@ def faults_section(stage: dict) -> list[str]:
     return out + [""]
 
 
+def fleet_section(stage: dict) -> list[str]:
+    paths = stage["time_to_ready"]
+    out = ["## Fleet (`python -m bench.fleet`)", "",
+           f"Real `kvtier serve` replicas (metadata = \"shared\") on one redis-server and one "
+           f"moto S3 server, all on this machine's {stage['cpus']} cores; sessions of "
+           f"{stage['tokens']} tokens ({stage['chunks']} chunks) of the bundled model, spilled "
+           f"durable on a; median of {stage['sessions']} resumes each (decoded, over gRPC), "
+           f"replay R = {stage['replay_tokens']}.", ""]
+    out += _table(["path", "time to ready", "vs re-prefill", "replayed", "chunks from"],
+                  [[name.replace("_", " "), _ms(p["median_ms"] / 1000),
+                    f"{p['speedup_vs_prefill']:.2f}x", p.get("replayed", "-"),
+                    ", ".join(p.get("tiers", [])) or "-"] for name, p in paths.items()])
+    m = stage["manifest_round_trip"]
+    out += ["", f"Manifest compare-and-swap ({m['bytes']} B, {m['count']} generations): PUT "
+            f"If-Match p50 {m['put_p50_ms']} ms (p95 {m['put_p95_ms']}), GET p50 "
+            f"{m['get_p50_ms']} ms, both p50 {m['round_trip_p50_ms']} ms "
+            f"(p95 {m['round_trip_p95_ms']}).", ""]
+    out += _table(["replicas", "resumes", "clients", "resumes/s", "replayed"],
+                  [[r["replicas"], r["resumes"], r["clients"], r["resumes_per_s"],
+                    r["replayed"]] for r in stage["aggregate"]])
+    out += ["", f"3 replicas / 1: {stage['scaling_3_vs_1']}x (each resume routed to the node "
+            "Stat names as holding its window; the replicas share this machine's cores, so "
+            "this is not a fleet's scaling across machines).", ""]
+    return out
+
+
 def fuzz_section(stage: dict) -> list[str]:
     out = ["## Fuzz (`python -m bench.fuzz`)", "",
            f"{stage['requests']} requests (seed {stage['seed']}) to every KVTier and Replay "
@@ -469,7 +495,8 @@ def write_report(results: dict, out_dir: Path) -> Path:
                 ("replay_batch", replay_batch_section, None, None),
                 ("fuzz", fuzz_section, None, None),
                 ("adversarial", adversarial_section, None, None),
-                ("faults", faults_section, None, None))
+                ("faults", faults_section, None, None),
+                ("fleet", fleet_section, None, None))
     for name, section, plot, png in sections:
         stage = stages.get(name)
         if not _ok(stage):

@@ -130,3 +130,79 @@ def test_the_image_runs_unprivileged_with_a_healthcheck_and_without_triton():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert not [d for d in project["dependencies"] if d.startswith("triton")]
     assert any(d.startswith("triton") for d in project["optional-dependencies"]["gpu"])
+
+
+# -- docker-compose.fleet.yml: two replicas sharing one Redis and one S3 endpoint --
+
+FLEET = yaml.safe_load((ROOT / "docker-compose.fleet.yml").read_text())
+FLEET_SERVICES = FLEET["services"]
+REPLICAS = [name for name, s in FLEET_SERVICES.items()
+            if s.get("command", [])[:2] == ["kvtier", "serve"]]
+
+
+def _replica_config(name: str):
+    """A replica's config as compose starts it: its preset, then its own environment."""
+    service = FLEET_SERVICES[name]
+    command = service["command"]
+    return load_config(preset=command[command.index("--preset") + 1],
+                       env={k: str(v) for k, v in service["environment"].items()})
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, port = address.split("//")[-1].split("/")[0].rsplit(":", 1)
+    return host, int(port)
+
+
+def test_the_fleet_runs_two_replicas_of_one_image_with_their_own_node_ids():
+    assert len(REPLICAS) == 2
+    configs = [_replica_config(name) for name in REPLICAS]
+    assert {c.metadata for c in configs} == {"shared"}
+    assert len({c.node_name for c in configs}) == 2
+    assert len({FLEET_SERVICES[n]["image"] for n in REPLICAS}) == 1
+    assert (ROOT / FLEET_SERVICES[REPLICAS[0]]["build"]["dockerfile"]).is_file()
+    for name, config in zip(REPLICAS, configs, strict=True):
+        # what Stat reports as a window's node address: this service, on its gRPC port
+        host, port = _host_port(config.advertise_address)
+        assert host == name and port == config.port and config.listen.startswith("0.0.0.0:")
+        assert config.replay_mode == "in-process"  # no worker service in this file
+
+
+def test_the_replicas_share_one_redis_and_one_bucket_that_exist_before_they_start():
+    configs = [_replica_config(name) for name in REPLICAS]
+    assert len({(c.redis_url, c.s3_endpoint, c.s3_bucket, c.s3_region) for c in configs}) == 1
+    config = configs[0]
+    redis_host, _ = _host_port(config.redis_url)
+    s3_host, s3_port = _host_port(config.s3_endpoint)
+    assert redis_host in FLEET_SERVICES and s3_host in FLEET_SERVICES
+    assert s3_port in _container_ports(FLEET_SERVICES[s3_host])
+    bucket_job = next(s for s in FLEET_SERVICES.values()
+                      if "create-bucket" in s.get("command", []))
+    command = bucket_job["command"]
+    assert command[command.index("--bucket") + 1] == config.s3_bucket
+    assert _host_port(command[command.index("--endpoint-url") + 1]) == (s3_host, s3_port)
+    job_name = next(n for n, s in FLEET_SERVICES.items() if s is bucket_job)
+    for name in REPLICAS:
+        needs = FLEET_SERVICES[name]["depends_on"]
+        assert needs[redis_host]["condition"] == "service_healthy"
+        assert needs[job_name]["condition"] == "service_completed_successfully"
+        env = FLEET_SERVICES[name]["environment"]
+        assert env["AWS_ACCESS_KEY_ID"] and env["AWS_SECRET_ACCESS_KEY"]  # boto3 reads these
+
+
+def test_each_replica_has_its_own_ports_and_volume_and_a_grpc_healthcheck():
+    host_ports, volumes = set(), set()
+    for name in REPLICAS:
+        service, config = FLEET_SERVICES[name], _replica_config(name)
+        assert _container_ports(service) == {config.port, config.metrics_port}
+        host_ports |= {int(str(p).split(":")[0]) for p in service["ports"]}
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in service["volumes"]}
+        assert mounts[str(config.data_dir)] in FLEET["volumes"]
+        volumes.add(mounts[str(config.data_dir)])
+        test = service["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "kvtier", "health"]
+        assert int(test[test.index("--server") + 1].split(":")[1]) == config.port
+        ca = test[test.index("--tls-ca") + 1]
+        assert any(ca.startswith(target + "/") for target in mounts)
+        config_file = service["command"][service["command"].index("--config") + 1]
+        assert (ROOT / mounts[config_file]).is_file()
+    assert len(host_ports) == 4 and len(volumes) == 2  # nothing shared but redis and S3

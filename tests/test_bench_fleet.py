@@ -1,0 +1,25 @@
+"""bench.fleet at its tiny size: real replicas, the resume paths it claims to time (the
+window kept on the same replica, replay elsewhere, a cold node reading the bucket only),
+router-sent resumes that never replay, and its REPORT.md section."""
+
+from __future__ import annotations
+
+from bench import all as bench_all
+from bench.report import fleet_section
+
+
+def test_the_fleet_benchmark_times_the_paths_it_names_and_renders():
+    result = bench_all.child_json("fleet", bench_all.SIZES["tiny"]["fleet"])
+    paths = result["time_to_ready"]
+    kept, other, cold = (paths[name] for name in (
+        "same_replica_window_kept", "other_replica_replay", "cold_node_s3_only"))
+    assert kept["replayed"] == 0 and kept["tiers"] == ["host"]
+    assert other["replayed"] == other["resumes"] > 0
+    assert cold["replayed"] == cold["resumes"] and cold["tiers"] == ["object"]
+    assert paths["re_prefill"]["median_ms"] > 0
+    assert [r["replicas"] for r in result["aggregate"]] == [1, 3]
+    assert all(r["replayed"] == 0 for r in result["aggregate"])  # routed to the window's node
+    manifest = result["manifest_round_trip"]
+    assert manifest["round_trip_p50_ms"] >= manifest["put_p50_ms"] > 0
+    text = "\n".join(fleet_section(result))
+    assert "## Fleet" in text and "| cold node s3 only |" in text and "3 replicas / 1" in text
