@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from bench.live_server import Child
-from kvstore.errors import GenerationConflict, SessionNotFound, StaleGeneration
+from kvstore.errors import GenerationConflict, InvalidRequest, SessionNotFound, StaleGeneration
 from kvstore.layout import get_layout
 from kvtier import AsyncClient
 from kvtier.codec import decode_window
@@ -31,7 +31,7 @@ from model.infer import prefill
 from model.net import KVTierLM
 from replay.state_codec import state_to_chunks
 from services import cli
-from services.server.config import load_config
+from services.server.config import ServerConfig, load_config
 from services.server.server import KVTierServer, create_server
 
 SPEC = get_layout("kvtier-bundled")
@@ -245,3 +245,34 @@ async def test_with_a_cluster_master_down_sessions_resume_from_s3(
                 assert_persistent(got, chunks, tail)
                 tiers.add(got.tier)
             assert "object" in tiers, tiers  # served from the bucket
+
+
+def test_the_advertised_address_is_the_configured_one_or_the_bound_listen_address():
+    import socket
+
+    assert ServerConfig(listen="10.0.0.5:0").advertised(4242) == "10.0.0.5:4242"
+    assert ServerConfig(listen="0.0.0.0:50051").advertised(50051) == \
+        f"{socket.gethostname()}:50051"  # nothing connects to a wildcard
+    assert ServerConfig(listen="0.0.0.0:0", advertise_address="kv-1:50051").advertised(7) \
+        == "kv-1:50051"
+    with pytest.raises(InvalidRequest, match="advertise_address must be HOST:PORT"):
+        ServerConfig(advertise_address="kv-1")
+
+
+async def test_a_single_node_names_itself_as_the_window_node(tmp_path, model_state):
+    _, ids, chunks, tail, window = model_state
+    config = load_config(preset="test", env={}, overrides={
+        "data_dir": tmp_path, "node_id": "solo", "replay": "off"})
+    server, port = await create_server(config)
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}") as kv:
+            await kv.spill("acme", "s1", SPEC, ids, chunks=chunks, tail=tail, window=window,
+                           generation=1)
+            reply = await kv.stat("acme", "s1")
+            assert reply.node_id == "solo"
+            assert (reply.session.window_node_id, reply.session.window_node_address) == \
+                ("solo", f"127.0.0.1:{port}")
+            await kv.evict("acme", "s1", "disk")  # the window is dropped: nobody holds it
+            assert (await kv.stat("acme", "s1")).session.window_node_id == ""
+    finally:
+        await server.stop(0.5)
