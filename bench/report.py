@@ -228,8 +228,9 @@ def trace_section(stage: dict) -> list[str]:
     t = stage["trace"]
     out = ["## Hit rate on a request trace (`python -m bench.trace`)", "",
            f"Trace `{t['path']}`: {t['requests']} requests, {t['block_reads']} block reads, "
-           f"{t['unique_blocks']} unique blocks, {t['conversations']} conversations, "
-           f"{t['resumes']} resumes. Layout {stage['layout']['name']}: block "
+           f"{t['unique_blocks']} unique blocks, {t['sessions']} sessions, "
+           f"{t['continuations']} continuations, {t['lookup_starts']} new sessions started "
+           f"from a looked-up prefix. Layout {stage['layout']['name']}: block "
            f"{stage['layout']['block_bytes']} B, window {stage['layout']['window_bytes']} B. "
            "Method: see `bench/trace.py` (repeated under `method` in results.json).", "",
            "![hit rate](trace_hit_rate.png)", ""]
@@ -241,12 +242,29 @@ def trace_section(stage: dict) -> list[str]:
                      f"{rate['reprefill']:.3f}", f"{r['fast_hit_rate']:.3f}",
                      f"{r['reuse_fast_hit_rate']:.3f}", f"{r['replays']}/{r['resumes']}"])
     out += _table(["hbm fraction", "policy", "hbm", "host", "disk", "new", "re-prefill",
-                   "fast (hbm+host)", "fast among re-reads", "replays/resumes"], rows)
+                   "fast (hbm+host)", "fast among re-reads", "replays/continuations"], rows)
+    out += ["", *trace_retention_lines(stage)]
     if "validation" in stage:
         v = stage["validation"]
         out += ["", f"Simulation checked against the real TierStack on the first "
                 f"{v['requests']} requests: {'all counts agree' if v['agree'] else 'DIFFER'}."]
     return out + [""]
+
+
+def _disk(fraction: float | None) -> str:
+    return "unbounded" if fraction is None else f"{fraction:g} x footprint"
+
+
+def trace_retention_lines(stage: dict) -> list[str]:
+    ret = stage["retention"]
+    rates = {k: ret[k]["reprefill_blocks"] / ret[k]["block_reads"] for k in ("with", "without")}
+    ttl = stage["trace"]["session_ttl_s"]
+    return [f"Re-prefilled blocks / block reads ({ret['policy']}, hbm "
+            f"{ret['capacity_fraction']:g}, disk {_disk(stage['tiers']['disk_fraction'])}, "
+            f"sessions deleted {f'{ttl:g} s' if ttl else 'never'} after their last request): "
+            f"with retention **{rates['with']:.4f}** ({ret['with']['retained_hits']} "
+            f"looked-up reads of retained chunks), without **{rates['without']:.4f}** "
+            f"({ret['without']['freed_chunks']} chunks freed)."]
 
 
 def bytes_section(stage: dict) -> list[str]:
@@ -463,7 +481,7 @@ def headlines(stages: dict) -> list[str]:
             out.append(f"- Trace, hbm at {fraction:g} of the footprint (host "
                        f"{tr['tiers']['host_ratio']:g}x that): hbm + host hit rate among "
                        f"re-reads: {rates}.")
-        out.append("  (`hint` is given each conversation's true next gap with noise, an "
+        out.append("  (`hint` is given each session's true next gap with noise, an "
                    "oracle-derived estimate; `hint-causal` the hints kvtier infers from past "
                    "requests alone; `belady` is the offline optimum. See the method notes "
                    "in `bench/trace.py`.)")

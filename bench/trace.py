@@ -13,29 +13,30 @@ How each figure is obtained (the JSON repeats this under "method"):
 - Blocks: a request's complete blocks (input_length // 512 of its hash_ids) are its
   chunks; the partial last block is the session's tail, which kvtier keeps in the
   manifest rather than in a tier, so it is left out (counted as trace.tail_blocks).
-- Conversations (kvtier sessions) come from the hash chain (``bench.trace_workload``):
-  a request resumes the earlier request whose complete blocks form the longest prefix of
-  its own; otherwise it starts a conversation.
+- Sessions (``bench.trace_workload``): a request continues an earlier request's session
+  only when that request's complete blocks are a prefix of its own and it is still its
+  session's latest (the session's head; restore, then spill the next generation); any
+  other request starts a new session from what ``Lookup`` finds held (the chunks named by
+  key, then read), exactly as the product serves it. A session is deleted
+  ``--session-ttl`` seconds after its last request; its chunks are then retained as
+  evictable cache (``retain_unreferenced``, the default here) or freed
+  (``--no-retain``); the ``retention`` section compares both.
 - Tiers: hbm = f x footprint, host = host_ratio x f x footprint, disk unbounded (or
   ``--disk-fraction`` x footprint), footprint = unique blocks x block bytes, for each
   f in ``--fractions``. Windows live only in hbm and host.
-- Replay (``bench.trace_sim``): each request reads its blocks in order (hit in the
-  highest tier holding it, promotion to hbm if lower; a block in no tier is a miss:
-  prefill if never seen, re-prefill otherwise), reads its conversation's window (missing:
-  one bounded replay of W tokens), then spills its blocks and new window with its hint
-  as its conversation's next generation (blocks no conversation stores any more are
-  freed); write-back copies every block to disk. Placement mirrors
+- Replay (``bench.trace_sim``): each request reads its blocks (its session's stored
+  chunks, or the looked-up prefix; a hit in the highest tier holding it, promotion to hbm
+  if lower), prefills the rest (new if never stored, re-prefill otherwise), reads its
+  session's window (missing: one bounded replay of W tokens), then spills its blocks and
+  new window with its hint; write-back copies every block to disk. Placement mirrors
   ``kvstore.placement.TierStack``. Time is a virtual clock at the trace's timestamps.
 - Policies: ``lru`` (LRUPolicy), ``hint`` (HintPolicy given the true gap to the
-  conversation's next request x lognormal noise, sigma ``--hint-sigma``: an oracle-derived
+  session's next request x lognormal noise, sigma ``--hint-sigma``: an oracle-derived
   estimate, labelled as such), ``hint-perfect`` (sigma 0), ``hint-causal`` (HintPolicy
   given the hints kvtier infers itself from the past only, ``kvstore.pause_estimate``: a
-  conversation's first request a long pause, a later one a pause of 0: recency), ``belady``
+  session's first request a long pause, a later one a pause of 0: recency), ``belady``
   (evict the block whose next read is farthest ahead, from a next-use table of the whole
   trace; ``bench.trace_belady``).
-- ``--reads session`` reads only a conversation's stored blocks, as
-  ``TierManager.restore`` does (blocks shared with other sessions are deduplicated on
-  spill, never read); the default ``prefix`` reads every complete block of the prompt.
 - ``--validate N`` replays the first N requests through the real ``TierStack``
   (``bench.trace_check``) and the real ``TierManager`` (``bench.trace_manager``) over
   real HBM, host and disk tiers and reports whether their counts equal the simulation's.
@@ -59,7 +60,7 @@ from bench.trace_method import describe_method
 from bench.trace_policies import POLICIES, setup_policy
 from bench.trace_reader import BLOCK_TOKENS, TraceRequest, read_trace
 from bench.trace_sim import CAUSES, SimCounters, SimTier, TierSim, replay
-from bench.trace_workload import Workload, build_workload
+from bench.trace_workload import DEFAULT_SESSION_TTL_S, Workload, build_workload
 from kvstore.errors import InvalidRequest, KVTierError
 from kvstore.layout import get_layout
 
@@ -97,7 +98,7 @@ def simulate(workload: Workload, policy: str, tiers: Sequence[SimTier], block_by
              window_bytes: int, *, hint_sigma: float = 0.5, seed: int = 0) -> TierSim:
     """Replay ``workload`` through a fresh ``TierSim`` driven by ``policy``; return it."""
     setup = setup_policy(workload, policy, hint_sigma=hint_sigma, seed=seed)
-    sim = TierSim(tiers, setup.factory, block_bytes, window_bytes)
+    sim = TierSim(tiers, setup.factory, block_bytes, window_bytes, retain=workload.retain)
     replay(workload, sim, setup.hints, setup.clock.set, setup.advance)
     return sim
 
@@ -124,6 +125,12 @@ def summarize(sim: TierSim, window_tokens: int) -> dict:
         "resumes": c.resumes,
         "window_hits": dict(zip(names, c.window_hits, strict=True)),
         "replays": c.replays,
+        "lookup_starts": c.lookup_starts,
+        "lookup_blocks": c.lookup_blocks,
+        "retained_hits": c.retained_hits,
+        "retained_chunks": c.retained_chunks,
+        "freed_chunks": c.freed_chunks,
+        "sessions_ended": c.sessions_ended,
         "replay_tokens": c.replays * window_tokens,
         "bytes_moved": {cause: {n: b for n, b in zip(names, c.bytes_written[cause], strict=True)
                                 if b} for cause in CAUSES},
@@ -134,45 +141,48 @@ def summarize(sim: TierSim, window_tokens: int) -> dict:
 
 
 def _reuse_by_kind(c: SimCounters, names: list[str], reuse: int) -> dict:
-    """Fast (hbm + host) hit rate of re-reads within a conversation and across them."""
+    """Fast (hbm + host) hit rate of re-reads within a session and across sessions."""
     fast = [i for i, name in enumerate(names) if name in ("hbm", "host")]
     shared_fast = sum(c.shared_hits[i] for i in fast)
     own_fast = sum(c.block_hits[i] for i in fast) - shared_fast
     own_reads = reuse - c.shared_reads
     return {
-        "same_conversation": {"reads": own_reads,
+        "same_session": {"reads": own_reads,
                               "fast_hit_rate": own_fast / own_reads if own_reads else 0.0},
-        "other_conversation": {"reads": c.shared_reads, "fast_hit_rate":
+        "other_session": {"reads": c.shared_reads, "fast_hit_rate":
                                shared_fast / c.shared_reads if c.shared_reads else 0.0},
     }
 
 
-_WORKLOAD: Workload | None = None  # per worker process, built once by _init_worker
+# per worker process, built once by _init_worker: retain -> workload
+_WORKLOADS: dict[bool, Workload] = {}
 
 
-def _init_worker(path: str, limit: int | None, windows: bool, session_reads: bool) -> None:
-    global _WORKLOAD
-    _WORKLOAD = build_workload(read_trace(path, limit), windows=windows,
-                               session_reads=session_reads)
+def _init_worker(path: str, limit: int | None, windows: bool, ttl_s: float | None) -> None:
+    requests = read_trace(path, limit)
+    for retain in (True, False):
+        _WORKLOADS[retain] = build_workload(requests, windows=windows, retain=retain,
+                                            session_ttl_s=ttl_s)
 
 
 def _run_point(job: dict) -> dict:
     start = time.perf_counter()
     tiers = make_tiers(job["footprint"], job["fraction"], job["host_ratio"], job["disk_fraction"])
-    sim = simulate(_WORKLOAD, job["policy"], tiers, job["block_bytes"], job["window_bytes"],
-                   hint_sigma=job["hint_sigma"], seed=job["seed"])
+    sim = simulate(_WORKLOADS[job["retain"]], job["policy"], tiers, job["block_bytes"],
+                   job["window_bytes"], hint_sigma=job["hint_sigma"], seed=job["seed"])
     return {"policy": job["policy"], "capacity_fraction": job["fraction"],
+            "retain": job["retain"],
             **summarize(sim, job["window_tokens"]),
             "sim_seconds": round(time.perf_counter() - start, 2)}
 
 
 def _validate(requests: Sequence[TraceRequest], policies: Sequence[str], host_ratio: float,
-              hint_sigma: float, seed: int) -> dict:
+              hint_sigma: float, seed: int, session_ttl_s: float | None) -> dict:
     from bench.trace_check import check_against_stack  # imports torch and the tiers
     from bench.trace_manager import check_against_manager
 
     options = {"policies": policies, "host_ratio": host_ratio, "hint_sigma": hint_sigma,
-               "seed": seed}
+               "seed": seed, "session_ttl_s": session_ttl_s}
     stack = check_against_stack(requests, fractions=(0.05,), **options)
     manager = check_against_manager(requests, fraction=0.05, **options)
     return {"agree": stack["agree"] and manager["agree"], "requests": len(requests),
@@ -193,13 +203,15 @@ def run_trace_benchmark(
     window_tokens: int = WINDOW_TOKENS,
     validate_requests: int = 0,
     jobs: int = 2,
-    reads: str = "prefix",
+    session_ttl_s: float | None = DEFAULT_SESSION_TTL_S,
 ) -> dict:
     """Every (policy, capacity fraction) point; see the module docstring for the method.
 
-    ``result["results"]``: one dict per point with ``policy``, ``capacity_fraction``,
-    ``block_hit_rate`` (per tier, ``new``, ``reprefill``), ``fast_hit_rate``, replays,
-    bytes moved; ``bench/report.py`` plots ``fast_hit_rate`` against the fraction.
+    ``result["results"]``: one dict per point (with retention) with ``policy``,
+    ``capacity_fraction``, ``block_hit_rate`` (per tier, ``new``, ``reprefill``),
+    ``fast_hit_rate``, replays, bytes moved; ``bench/report.py`` plots ``fast_hit_rate``
+    against the fraction. ``result["retention"]``: the first policy's re-prefills at
+    the middle fraction with and without retention.
     """
     started = time.perf_counter()
     unknown = [p for p in policies if p not in POLICIES]
@@ -210,12 +222,12 @@ def run_trace_benchmark(
     if host_ratio < 0 or (disk_fraction is not None and not disk_fraction > 0) or jobs < 1:
         raise InvalidRequest(f"need host_ratio >= 0 (got {host_ratio}), disk_fraction > 0 "
                              f"or None (got {disk_fraction}), jobs >= 1 (got {jobs})")
+    if session_ttl_s is not None and not session_ttl_s > 0:
+        raise InvalidRequest(f"session_ttl_s must be > 0 or None, got {session_ttl_s}")
     sizes = layout_sizes(layout, window_tokens)
     windows = sizes["window_bytes"] > 0
-    if reads not in ("prefix", "session"):
-        raise InvalidRequest(f"reads must be 'prefix' or 'session', got {reads!r}")
     requests: list[TraceRequest] = read_trace(trace, limit)
-    workload = build_workload(requests, windows=windows, session_reads=reads == "session")
+    workload = build_workload(requests, windows=windows, session_ttl_s=session_ttl_s)
     if not workload.unique_blocks:
         raise InvalidRequest(f"trace {trace} holds no complete {BLOCK_TOKENS}-token block: "
                              "nothing to cache")
@@ -223,12 +235,14 @@ def run_trace_benchmark(
         raise InvalidRequest(f"the first {validate_requests} requests hold no complete block "
                              "to validate with; ask for more")
     footprint = workload.unique_blocks * sizes["block_bytes"]
-    points = [{"policy": p, "fraction": f, "footprint": footprint, "host_ratio": host_ratio,
-               "disk_fraction": disk_fraction, "block_bytes": sizes["block_bytes"],
-               "window_bytes": sizes["window_bytes"], "hint_sigma": hint_sigma, "seed": seed,
-               "window_tokens": window_tokens}
+    common = {"footprint": footprint, "host_ratio": host_ratio, "disk_fraction": disk_fraction,
+              "block_bytes": sizes["block_bytes"], "window_bytes": sizes["window_bytes"],
+              "hint_sigma": hint_sigma, "seed": seed, "window_tokens": window_tokens}
+    middle = sorted(fractions)[len(fractions) // 2]
+    points = [{"policy": p, "fraction": f, "retain": True, **common}
               for f in fractions for p in policies]
-    init = (str(trace), limit, windows, reads == "session")
+    points.append({"policy": policies[0], "fraction": middle, "retain": False, **common})
+    init = (str(trace), limit, windows, session_ttl_s)
     validation = None
     if jobs > 1:
         # spawn, not fork: a caller with gRPC threads running (bench.all) deadlocks a
@@ -239,29 +253,35 @@ def run_trace_benchmark(
             futures = [pool.submit(_run_point, point) for point in points]
             if validate_requests:  # meanwhile, in this otherwise idle process
                 validation = _validate(requests[:validate_requests], policies, host_ratio,
-                                       hint_sigma, seed)
+                                       hint_sigma, seed, session_ttl_s)
             results = [future.result() for future in futures]
     else:
         _init_worker(*init)
         results = [_run_point(point) for point in points]
         if validate_requests:
             validation = _validate(requests[:validate_requests], policies, host_ratio,
-                                   hint_sigma, seed)
+                                   hint_sigma, seed, session_ttl_s)
+    without = results.pop()
+    with_ = next(r for r in results if r["policy"] == policies[0]
+                 and r["capacity_fraction"] == middle)
     report = {
         "benchmark": "trace",
         "trace": {"path": recorded(trace), "limit": limit, "requests": len(requests),
                   "block_reads": workload.block_reads, "unique_blocks": workload.unique_blocks,
-                  "tail_blocks": workload.tail_blocks,
-                  "conversations": workload.conversations, "resumes": workload.resumes,
-                  "span_s": workload.span_s},
+                  "tail_blocks": workload.tail_blocks, "sessions": workload.sessions,
+                  "continuations": workload.continuations,
+                  "lookup_starts": workload.lookup_starts, "span_s": workload.span_s,
+                  "session_ttl_s": session_ttl_s},
         "layout": sizes,
         "footprint_bytes": footprint,
-        "reads": reads,
         "tiers": {"names": list(TIER_NAMES), "host_ratio": host_ratio,
                   "disk_fraction": disk_fraction},
         "policies": list(policies),
-        "method": describe_method(sizes, host_ratio, disk_fraction, hint_sigma),
+        "method": describe_method(sizes, host_ratio, disk_fraction, hint_sigma, session_ttl_s),
         "results": results,
+        "retention": {"policy": policies[0], "capacity_fraction": middle,
+                      **{label: {k: r[k] for k in _RETENTION_KEYS}
+                         for label, r in (("with", with_), ("without", without))}},
     }
     if validation is not None:
         report["validation"] = validation
@@ -270,18 +290,23 @@ def run_trace_benchmark(
     return report
 
 
+_RETENTION_KEYS = ("block_reads", "reprefill_blocks", "reprefill_requests", "new_blocks",
+                   "lookup_starts", "lookup_blocks", "retained_hits", "retained_chunks",
+                   "freed_chunks", "sessions_ended", "reuse_fast_hit_rate")
+
+
 def format_table(report: dict) -> str:
     t, lay = report["trace"], report["layout"]
     lines = [
         f"trace {t['path']}: {t['requests']} requests, {t['block_reads']} block reads, "
-        f"{t['unique_blocks']} unique blocks, {t['conversations']} conversations, "
-        f"{t['resumes']} resumes",
+        f"{t['unique_blocks']} unique blocks, {t['sessions']} sessions, "
+        f"{t['continuations']} continuations, {t['lookup_starts']} lookup starts",
         f"layout {lay['name']}: block {lay['block_bytes']} B, window {lay['window_bytes']} B; "
         f"footprint {report['footprint_bytes'] / 2**20:.1f} MiB; host = "
         f"{report['tiers']['host_ratio']:g} x hbm",
         "hit rates are fractions of block reads; fast = hbm + host; reuse-fast, own (same "
-        "conversation) and shared (another's blocks) leave out first reads; replays: "
-        "resumes without a window in hbm/host",
+        "session) and shared (another's blocks) leave out first reads; replays: "
+        "continuations without a window in hbm/host",
         "",
         f"{'hbm frac':>8} {'policy':<12} {'hbm':>6} {'host':>6} {'disk':>6} {'new':>6} "
         f"{'re-pf':>6} {'fast':>6} {'reuse-fast':>10} {'own':>6} {'shared':>6} {'replays':>9} "
@@ -296,9 +321,14 @@ def format_table(report: dict) -> str:
             f"{rate['host']:>6.3f} {rate['disk']:>6.3f} {rate['new']:>6.3f} "
             f"{rate['reprefill']:>6.3f} {r['fast_hit_rate']:>6.3f} "
             f"{r['reuse_fast_hit_rate']:>10.3f} "
-            f"{r['reuse_by_kind']['same_conversation']['fast_hit_rate']:>6.3f} "
-            f"{r['reuse_by_kind']['other_conversation']['fast_hit_rate']:>6.3f} "
+            f"{r['reuse_by_kind']['same_session']['fast_hit_rate']:>6.3f} "
+            f"{r['reuse_by_kind']['other_session']['fast_hit_rate']:>6.3f} "
             f"{r['replays']:>4}/{r['resumes']:<4} {promo:>9.1f} {demo:>9.1f}")
+    ret = report["retention"]
+    lines += ["", f"re-prefilled blocks / block reads, {ret['policy']} at hbm "
+                  f"{ret['capacity_fraction']:g}: with retention "
+                  f"{ret['with']['reprefill_blocks'] / ret['with']['block_reads']:.4f}, without "
+                  f"{ret['without']['reprefill_blocks'] / ret['without']['block_reads']:.4f}"]
     if "validation" in report:
         v = report["validation"]
         lines += ["", f"validation, first {v['requests']} requests at hbm 0.05: "
@@ -331,9 +361,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--validate", type=int, default=100, metavar="N",
                         help="replay the first N requests through the real TierStack (0: no)")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes")
-    parser.add_argument("--reads", choices=("prefix", "session"), default="prefix",
-                        help="prefix: a request reads all its complete blocks; session: "
-                             "only its conversation's stored blocks (TierManager.restore)")
+    parser.add_argument("--session-ttl", type=float, default=DEFAULT_SESSION_TTL_S,
+                        help="seconds after its last request a session is deleted "
+                             "(0: never)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
     try:
@@ -341,7 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.trace, limit=args.limit, layout=args.layout, fractions=args.fractions,
             host_ratio=args.host_ratio, disk_fraction=args.disk_fraction,
             policies=[p for p in args.policies.split(",") if p], hint_sigma=args.hint_sigma,
-            seed=args.seed, validate_requests=args.validate, jobs=args.jobs, reads=args.reads)
+            seed=args.seed, validate_requests=args.validate, jobs=args.jobs,
+            session_ttl_s=args.session_ttl or None)
     except KVTierError as exc:
         print(f"bench.trace: {exc}", file=sys.stderr)
         return 2

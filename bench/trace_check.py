@@ -8,13 +8,12 @@ directory, holding real encoded chunks (``kvstore.codec``; every copy is verifie
 each read and demotion). The driver below makes the calls the manager makes for a
 restore (``read``, then ``promote`` protecting the session's blocks) and a spill
 (``touch``, ``place``, window replacement, write-back through ``read(access=False)``
-and ``place`` on the durable tier). Equal counts mean the simulation's figures are the
-product's on that prefix.
+and ``place`` on the durable tier), a lookup's naming of held chunks, and session ends,
+with the manager's ``kvstore.prefix.Retention`` deciding what an unreferenced chunk
+becomes. Equal counts mean the simulation's figures are the product's on that prefix.
 
-Why ``TierStack`` and not only ``TierManager``: the manager's API stores and restores
-whole sessions, with no call that reads a block by key outside its session, so it cannot
-replay the default prefix reads (a prompt's blocks shared with other conversations);
-``bench.trace_manager`` checks the manager itself on session reads.
+``bench.trace_manager`` checks the ``TierManager`` itself, through its public calls
+(lookup, spill by key, restore, delete), on the same workload.
 
 Sizes: a small layout (below) keeps the check light; the simulation is given the very
 byte sizes of its encoded block and window.
@@ -34,12 +33,13 @@ import torch
 from bench.trace_policies import setup_policy
 from bench.trace_reader import BLOCK_TOKENS, TraceRequest
 from bench.trace_sim import SimTier, TierSim, replay
-from bench.trace_workload import Workload, build_workload
+from bench.trace_workload import DEFAULT_SESSION_TTL_S, Workload, build_workload
 from kvstore.codec import StreamData, encode_chunk
 from kvstore.errors import DataLoss
 from kvstore.layout import LayoutSpec, Stream
 from kvstore.locks import KeyedLocks
 from kvstore.placement import WINDOW_PREFIX, TierStack
+from kvstore.prefix import Retention
 from kvstore.stats import Counters
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.hbm import HBMTier
@@ -85,10 +85,10 @@ def _name(key: int) -> str:
     return f"{WINDOW_PREFIX}trace/{-key}" if key < 0 else f"block/{key}"
 
 
-async def _replay_stack(workload: Workload, stack: TierStack, refs: dict[str, int], setup,
-                        block: bytes, window: bytes) -> dict:
+async def _replay_stack(workload: Workload, stack: TierStack, refs: dict[str, int],
+                        retention: Retention, setup, block: bytes, window: bytes) -> dict:
     """The manager's calls for each request, in the order ``trace_sim.replay`` makes them;
-    ``refs``: chunk -> conversations storing it (the manager's reference counts)."""
+    ``refs``: chunk -> sessions naming it (the manager's reference counts)."""
     locks = stack.locks
     durable = [i for i, tier in enumerate(stack.tiers) if tier.durable]
     n = len(stack.tiers)
@@ -106,18 +106,44 @@ async def _replay_stack(workload: Workload, stack: TierStack, refs: dict[str, in
                 await stack.promote(key, data, source, bad, protect)
         return source
 
+    async def release(keys) -> None:
+        gone = []
+        for key in keys:
+            refs[key] -= 1
+            if not refs[key]:
+                del refs[key]
+                gone.append(key)
+        for key in retention.keep(gone):  # retained ones stay; with retention off, all go
+            async with locks.hold(key):
+                await stack.delete_everywhere(key)
+
     for step, hint in zip(workload.steps, setup.hints, strict=True):
         setup.clock.set(step.time_s)
+        for ended in step.ended:
+            await release(_name(b) for b in ended.blocks)
+            if ended.window is not None:
+                async with locks.hold(_name(ended.window)):
+                    await stack.delete_everywhere(_name(ended.window))
         keys = [_name(b) for b in step.blocks]
         session = {_name(b) for b in step.reads}
         if step.window_prev is not None:
             session.add(_name(step.window_prev))
         session = frozenset(session)
-        for key in (_name(b) for b in step.reads):
+        named: list[str] = []
+        if not step.continues:  # the lookup's held run, named by key (no hint), then read
+            for key in (_name(b) for b in step.reads):
+                if not stack.holders(key):
+                    break
+                async with locks.hold(key):
+                    stack.touch(key, None)
+                named.append(key)
+            for key in named:
+                refs[key] = refs.get(key, 0) + 1
+        for i, key in enumerate(_name(b) for b in step.reads):
             if setup.advance is not None:
                 setup.advance(position)
             position += 1
-            tier = await read(key, session)
+            tier = await read(key, session) if step.continues or i < len(named) else None
             if tier is None:
                 misses += 1
             else:
@@ -131,6 +157,8 @@ async def _replay_stack(workload: Workload, stack: TierStack, refs: dict[str, in
                 replays += 1
             else:
                 window_hits[tier] += 1
+        if not step.blocks:
+            continue
         protect = frozenset(keys)
         for key in keys:  # the manager pins a spill's chunks before storing them
             refs[key] = refs.get(key, 0) + 1
@@ -149,12 +177,7 @@ async def _replay_stack(workload: Workload, stack: TierStack, refs: dict[str, in
             async with locks.hold(new):
                 stack.touch(new, hint)
                 await stack.place(new, window)
-        for key in (_name(b) for b in step.prev_blocks):
-            refs[key] -= 1
-            if not refs[key]:
-                del refs[key]
-                async with locks.hold(key):
-                    await stack.delete_everywhere(key)
+        await release([_name(b) for b in step.prev_blocks] or named)
         if step.window_prev is not None:
             old = _name(step.window_prev)
             async with locks.hold(old):
@@ -196,8 +219,14 @@ async def _stack_point(workload: Workload, policy: str, capacities: Sequence[int
         stack = TierStack(tiers, setup.factory, KeyedLocks(), Counters(),
                           is_referenced=lambda key: refs.get(key, 0) > 0,
                           on_window_dropped=lambda key: None)
+        # the manager's retention (kvstore.prefix), wired as TierManager wires it
+        retention = Retention(enabled=workload.retain, ttl_s=None,
+                              is_held=lambda key: bool(stack.holders(key)),
+                              is_referenced=lambda key: refs.get(key, 0) > 0)
+        if workload.retain:
+            stack.evict_first = lambda j, skip: retention.victim(stack.policies[j], skip)
         try:
-            return await _replay_stack(workload, stack, refs, setup, block, window)
+            return await _replay_stack(workload, stack, refs, retention, setup, block, window)
         finally:
             for tier in tiers:
                 await tier.close()
@@ -205,11 +234,13 @@ async def _stack_point(workload: Workload, policy: str, capacities: Sequence[int
 
 def check_against_stack(requests: Sequence[TraceRequest], *, policies: Sequence[str],
                         fractions: Sequence[float] = (0.02, 0.1), host_ratio: float = 4.0,
-                        hint_sigma: float = 0.5, seed: int = 0) -> dict:
+                        hint_sigma: float = 0.5, seed: int = 0, retain: bool = True,
+                        session_ttl_s: float | None = DEFAULT_SESSION_TTL_S) -> dict:
     """Counts of the simulation and of the real TierStack on ``requests``, per point."""
     started = time.perf_counter()
     block, window = _encoded(False), _encoded(True)
-    workload = build_workload(requests, windows=True)
+    workload = build_workload(requests, windows=True, retain=retain,
+                              session_ttl_s=session_ttl_s)
     footprint = workload.unique_blocks * len(block)
     points = []
     for fraction in fractions:
@@ -219,7 +250,7 @@ def check_against_stack(requests: Sequence[TraceRequest], *, policies: Sequence[
                          SimTier("host", capacities[1], True, False),
                          SimTier("disk", math.inf, False, True)]
             setup = setup_policy(workload, policy, hint_sigma=hint_sigma, seed=seed)
-            sim = TierSim(sim_tiers, setup.factory, len(block), len(window))
+            sim = TierSim(sim_tiers, setup.factory, len(block), len(window), retain=retain)
             replay(workload, sim, setup.hints, setup.clock.set, setup.advance)
             real = asyncio.run(_stack_point(workload, policy, capacities, block, window,
                                             hint_sigma, seed))

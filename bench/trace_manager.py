@@ -1,10 +1,11 @@
 """The real ``TierManager`` on a trace prefix, session by session, against the simulation.
 
-The manager stores and restores whole sessions, so this check replays the trace the way
-kvtier serves it: each conversation is a session; a request that resumes one first
-``restore``s it (reading the chunks and window its previous request stored: the
-simulation's ``session_reads`` workload), then ``spill``s its own complete blocks (those
-some session already holds are deduplicated, not read) as the next generation, with its
+It replays the trace the way an engine drives kvtier (``bench.trace_workload``):
+sessions past their TTL are ``delete``d; a request continuing its session first
+``restore``s it (the chunks and window its previous request stored); a new session asks
+``lookup`` for its held prefix and, when there is one, ``spill``s it naming those chunks
+by key (no bytes) and ``restore``s it; then each request ``spill``s its own complete
+blocks (those already held are deduplicated, not written) as the next generation, with its
 resume hint, ``ack="memory"``; ``drain`` then finishes write-back and background
 promotions before the next request. Tiers: ``HBMTier`` (CPU device here), ``HostTier``,
 ``DiskTier`` in a temporary directory; chunks are real encoded chunks of a small layout
@@ -19,6 +20,7 @@ each read as it happens, inside the manager.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import tempfile
 import time
@@ -30,7 +32,7 @@ from bench.trace_check import CHECK_LAYOUT, WINDOW_TOKENS, encoded_streams, real
 from bench.trace_policies import setup_policy
 from bench.trace_reader import BLOCK_TOKENS, TraceRequest
 from bench.trace_sim import SimTier, TierSim, replay
-from bench.trace_workload import Workload, build_workload
+from bench.trace_workload import DEFAULT_SESSION_TTL_S, Workload, build_workload
 from kvstore.codec import encode_chunk
 from kvstore.keys import ROOT_PARENT, block_key, chunk_digest, chunk_key, dedupe_scope
 from kvstore.layout import register_layout
@@ -82,25 +84,41 @@ async def _replay_manager(workload: Workload, manager: TierManager, chunks: _Chu
     block_hits, window_hits = [0] * len(names), [0] * len(names)
     replays = 0
     generation: dict[int, int] = {}
+    layout = chunks.spec.layout_id
+
+    async def restore(session: str, window_expected: bool) -> None:
+        nonlocal replays
+        result = await manager.restore(TENANT, session)
+        for tier in result.chunk_tiers:
+            block_hits[names.index(tier)] += 1
+        if result.window_tier is not None:
+            window_hits[names.index(result.window_tier)] += 1
+        elif window_expected:
+            replays += 1
+        await manager.drain()
+
     for step, hint in zip(workload.steps, setup.hints, strict=True):
         setup.clock.set(step.time_s)
-        session = f"c{step.conversation}"
-        if step.prev_blocks:
-            result = await manager.restore(TENANT, session)
-            for tier in result.chunk_tiers:
-                block_hits[names.index(tier)] += 1
-            if result.window_tier is not None:
-                window_hits[names.index(result.window_tier)] += 1
-            elif step.window_prev is not None:
-                replays += 1
-            await manager.drain()
+        for ended in step.ended:  # past its TTL: the framework deletes it
+            await manager.delete(TENANT, f"s{ended.session}")
+        session = f"s{step.session}"
         if not step.blocks:
             continue
-        generation[step.conversation] = generation.get(step.conversation, -1) + 1
+        if step.continues:
+            await restore(session, window_expected=step.window_prev is not None)
+        elif step.reads:  # a new session from what Lookup finds: named by key, restored
+            found = manager.lookup(TENANT, layout, chunks.tokens(step.reads))
+            if found.chunks:
+                generation[step.session] = 0
+                await manager.spill(TENANT, session, layout_id=layout, generation=0,
+                                    token_ids=chunks.tokens(step.reads[:len(found.chunks)]),
+                                    chunks=[(c.block_key, None) for c in found.chunks])
+                await manager.drain()
+                await restore(session, window_expected=False)
+        generation[step.session] = generation.get(step.session, -1) + 1
         await manager.spill(
-            TENANT, session, layout_id=chunks.spec.layout_id,
-            generation=generation[step.conversation], token_ids=chunks.tokens(step.blocks),
-            chunks=chunks.chunks(step.blocks),
+            TENANT, session, layout_id=layout, generation=generation[step.session],
+            token_ids=chunks.tokens(step.blocks), chunks=chunks.chunks(step.blocks),
             window=chunks.window(step.blocks) if windows else None, hint=hint)
         await manager.drain()
     counters = manager.counters
@@ -117,21 +135,24 @@ async def _replay_manager(workload: Workload, manager: TierManager, chunks: _Chu
 async def _manager_point(workload: Workload, policy: str, capacities: Sequence[int],
                          chunks: _Chunks, hint_sigma: float, seed: int) -> dict:
     setup = setup_policy(workload, policy, hint_sigma=hint_sigma, seed=seed)
+    config = dataclasses.replace(SEQUENTIAL, retain_unreferenced=workload.retain)
     with tempfile.TemporaryDirectory(prefix="kvtier-trace-manager-") as root:
         tiers = real_hierarchy(capacities, root)
         manager = await TierManager.open(tiers, MemoryMetaStore(), policy=setup.factory,
-                                         config=SEQUENTIAL)
+                                         config=config)
         async with manager:
             return await _replay_manager(workload, manager, chunks, setup, windows=True)
 
 
 def check_against_manager(requests: Sequence[TraceRequest], *, policies: Sequence[str],
                           fraction: float = 0.05, host_ratio: float = 4.0,
-                          hint_sigma: float = 0.5, seed: int = 0) -> dict:
+                          hint_sigma: float = 0.5, seed: int = 0, retain: bool = True,
+                          session_ttl_s: float | None = DEFAULT_SESSION_TTL_S) -> dict:
     """Per policy (Belady excepted): the simulation's and the manager's counts."""
     started = time.perf_counter()
     chunks = _Chunks()
-    workload = build_workload(requests, windows=True, session_reads=True)
+    workload = build_workload(requests, windows=True, retain=retain,
+                              session_ttl_s=session_ttl_s)
     some = next(step.blocks for step in workload.steps if step.blocks)
     block_bytes, window_bytes = len(chunks.chunks(some)[0][1]), len(chunks.window(some))
     footprint = workload.unique_blocks * block_bytes
@@ -142,7 +163,7 @@ def check_against_manager(requests: Sequence[TraceRequest], *, policies: Sequenc
         sim = TierSim([SimTier("hbm", capacities[0], True, False),
                        SimTier("host", capacities[1], True, False),
                        SimTier("disk", math.inf, False, True)],
-                      setup.factory, block_bytes, window_bytes)
+                      setup.factory, block_bytes, window_bytes, retain=retain)
         replay(workload, sim, setup.hints, setup.clock.set, setup.advance)
         real = asyncio.run(_manager_point(workload, policy, capacities, chunks, hint_sigma,
                                           seed))
@@ -158,11 +179,12 @@ def check_against_manager(requests: Sequence[TraceRequest], *, policies: Sequenc
                               for who, c in (("sim", expected), ("manager", real))},
         })
     return {
-        "method": "each conversation a session: restore (when resuming), spill of the "
-                  "request's complete blocks as the next generation with its hint, drain; "
-                  "the simulation replays the same with session_reads; compared: chunk and "
-                  "window hits per tier, replays, evictions and bytes written per tier, "
-                  "chunks freed",
+        "method": "per request: delete the sessions past their TTL; restore its session "
+                  "(a continuation), or lookup its blocks and, when some are held, spill a "
+                  "new session naming them by key and restore it; spill the request's "
+                  "complete blocks as the session's next generation with its hint; drain "
+                  "after each call; compared: chunk and window hits per tier, replays, "
+                  "evictions and bytes written per tier, chunks freed",
         "requests": len(requests),
         "block_bytes": block_bytes,
         "window_bytes": window_bytes,

@@ -9,17 +9,23 @@ It mirrors ``kvstore.placement.TierStack`` and the manager's spill and restore:
   sees an access; a block read below the top tier is then promoted: placed again from
   the top (the lower copy stays, as in ``TierStack.promote``).
 - A spill touches every block of the request with the request's hint (all tiers holding
-  it), places the ones no tier holds, places the new window blob, frees the blocks of the
-  conversation's previous generation that no conversation references any more (deleted
-  from every tier, as the manager's reference counts do), deletes the old window, then
-  writes back to the durable tier every block without a durable copy (``ack="memory"``;
-  the write-back's read is not an access).
+  it), places the ones no tier holds, places the new window blob, drops the session's
+  previous generation (chunks no session names any more are freed from every tier, as
+  the manager's reference counts do, or with ``retain`` kept as cache), deletes the old
+  window, then writes back to the durable tier every block without a durable copy
+  (``ack="memory"``; the write-back's read is not an access).
+- A session whose TTL passed is deleted the same way (``end``).
+- Retained chunks (``retain``: unreferenced, kept) are what eviction takes first, oldest
+  first, before the tier's policy is asked; an evicted one is deleted from that tier,
+  not moved down (``kvstore.prefix.Retention`` and ``TierStack.evict_first``). A spill
+  naming one revives it.
+- A new session from a lookup first names the held prefix by key (a spill of those
+  chunks, no hint, which revives retained ones), then reads them as its restore does.
 - Making room for a request's promotion or spill never evicts that request's own blocks
   (the manager's ``protect``); the demotions this sets off lower down protect nothing.
-- No session is deleted during a replay, so a stored chunk stays referenced and its
-  last copy is never dropped, except from a bounded bottom tier: there nothing lies
-  below, and the simulation drops it as if its session had expired (the manager would
-  refuse the spill with ``TierFull`` instead).
+- The last copy of a referenced chunk is never dropped, except from a bounded bottom
+  tier: there nothing lies below, and the simulation drops it as if its session had
+  expired (the manager would refuse the spill with ``TierFull`` instead).
 
 Keys are ints: chunks >= 0, windows < 0 (see ``bench.trace_workload``).
 """
@@ -27,10 +33,11 @@ Keys are ints: chunks >= 0, windows < 0 (see ``bench.trace_workload``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from bench.trace_workload import Workload
+from bench.trace_workload import Ended, Workload
 from kvstore.policy import EvictionPolicy, HintBook, LRUPolicy, ResumeHint
 
 CAUSES = ("spill", "promotion", "demotion", "writeback")
@@ -54,6 +61,7 @@ class SimCounters:
     new_blocks: int = 0  # never read before: prefill of new tokens, unavoidable
     reprefill_blocks: int = 0  # read before, now in no tier: re-prefill
     reprefill_requests: int = 0
+    read_misses: int = 0  # reads (restore or lookup) no tier served
     resumes: int = 0  # requests continuing a conversation that has a window blob
     window_hits: list[int] = field(default_factory=list)  # per tier
     replays: int = 0  # resumes whose window was in no window tier
@@ -61,7 +69,12 @@ class SimCounters:
     evictions: list[int] = field(default_factory=list)
     windows_dropped: int = 0
     chunks_dropped: int = 0  # last copies dropped from a bounded bottom tier
-    freed_chunks: int = 0  # no conversation's stored blocks hold them any more
+    freed_chunks: int = 0  # no session names them any more (and not retained)
+    retained_chunks: int = 0  # kept past their last reference
+    retained_hits: int = 0  # reads of a chunk that was retained when looked up
+    lookup_starts: int = 0  # new sessions that read a looked-up prefix
+    lookup_blocks: int = 0  # blocks those read
+    sessions_ended: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.tiers)
@@ -75,7 +88,7 @@ class SimCounters:
         """The counts a real tier stack or manager also keeps, for the validation checks."""
         return {
             "block_hits": self.block_hits,
-            "misses": self.new_blocks + self.reprefill_blocks,
+            "misses": self.read_misses,
             "window_hits": self.window_hits,
             "replays": self.replays,
             "evictions": self.evictions,
@@ -83,6 +96,7 @@ class SimCounters:
                               for j in range(len(self.tiers))],
             "windows_dropped": self.windows_dropped,
             "freed_chunks": self.freed_chunks,
+            "retained_chunks": self.retained_chunks,
         }
 
 
@@ -100,7 +114,7 @@ class _Skip:
 
 class TierSim:
     def __init__(self, tiers: Sequence[SimTier], policy: Callable[[], EvictionPolicy],
-                 block_bytes: int, window_bytes: int) -> None:
+                 block_bytes: int, window_bytes: int, *, retain: bool = True) -> None:
         self.tiers = tuple(tiers)
         # An unbounded tier never asks its policy for a victim, so its order is never
         # consulted: a plain LRU index of what it holds gives identical results, cheaper.
@@ -114,7 +128,10 @@ class TierSim:
         self.counters = SimCounters(tuple(t.name for t in self.tiers))
         self.where: dict[int, int] = {}  # key -> bit i set when tier i holds it
         self._busy: set[int] = set()  # keys whose lock the manager would hold now
-        self.refs: dict[int, int] = {}  # chunk -> conversations whose stored blocks hold it
+        self.refs: dict[int, int] = {}  # chunk -> sessions whose stored blocks name it
+        self.retain = retain
+        # per tier, the retained chunks it holds, oldest kept first
+        self.retained: list[OrderedDict[int, None]] = [OrderedDict() for _ in self.tiers]
         self._durable = [i for i, t in enumerate(self.tiers) if t.durable]
         self._durable_mask = sum(1 << i for i in self._durable)
         self._window_tiers = [t.holds_window for t in self.tiers]
@@ -151,7 +168,9 @@ class TierSim:
         if capacity - self.used[j] < size:
             skip = _Skip(protect, self._busy)
             while capacity - self.used[j] < size:
-                victim = policy.victim(skip)
+                victim = next((k for k in self.retained[j] if k not in skip), None)
+                if victim is None:
+                    victim = policy.victim(skip)
                 if victim is None:
                     return False
                 skip.tried.add(victim)
@@ -165,6 +184,9 @@ class TierSim:
         return True
 
     def _evict(self, j: int, key: int) -> bool:
+        if key >= 0 and key not in self.refs:  # retained: deleted here, not moved down
+            self.delete(j, key, evicted=True)
+            return True
         target = self.place(key, "demotion", start=j + 1)
         if target is None:
             elsewhere = self.where.get(key, 0) & ~(1 << j)
@@ -182,6 +204,7 @@ class TierSim:
         if mask >> j & 1:
             self.used[j] -= self.size(key)
             self.policies[j].on_remove(key)
+            self.retained[j].pop(key, None)
             mask &= ~(1 << j)
             if mask:
                 self.where[key] = mask
@@ -224,9 +247,44 @@ class TierSim:
                 self.policies[i].on_access(key, expected)
         return mask
 
+    def reference(self, keys: Iterable[int]) -> None:
+        """Sessions name ``keys`` (once each); a retained one is revived."""
+        for key in keys:
+            count = self.refs.get(key, 0)
+            self.refs[key] = count + 1
+            if not count:
+                for held in self.retained:
+                    held.pop(key, None)
+
+    def release(self, keys: Iterable[int]) -> None:
+        """A reference each to ``keys`` went away: the unreferenced are kept or freed."""
+        refs = self.refs
+        for key in keys:
+            refs[key] -= 1
+            if refs[key]:
+                continue
+            del refs[key]
+            mask = self.where.get(key, 0)
+            if self.retain and mask:
+                self.counters.retained_chunks += 1
+                for j in range(len(self.tiers)):
+                    if mask >> j & 1:
+                        self.retained[j][key] = None
+            else:
+                self.delete_everywhere(key)
+                self.counters.freed_chunks += 1
+
+    def end(self, ended: Ended) -> None:
+        """A session deleted: its chunks lose a reference, its window goes."""
+        self.counters.sessions_ended += 1
+        self.release(ended.blocks)
+        if ended.window is not None:
+            self.delete_everywhere(ended.window)
+
     def spill(self, blocks: Sequence[int], prev_blocks: Sequence[int], window_new: int | None,
               window_old: int | None, hint: ResumeHint | None) -> None:
-        """One conversation's new generation ``blocks`` replacing ``prev_blocks``."""
+        """One session's new generation ``blocks`` replacing ``prev_blocks``."""
+        self.reference(blocks)  # pinned first, as the manager does: placing never frees them
         queued = []
         protect = frozenset(blocks)
         for key in blocks:
@@ -239,15 +297,7 @@ class TierSim:
         if window_new is not None:
             self.touch(window_new, hint)
             self.place(window_new, "spill")
-        refs = self.refs
-        for key in blocks:
-            refs[key] = refs.get(key, 0) + 1
-        for key in prev_blocks:
-            refs[key] -= 1
-            if not refs[key]:
-                del refs[key]
-                self.delete_everywhere(key)
-                self.counters.freed_chunks += 1
+        self.release(prev_blocks)
         if window_old is not None:
             self.delete_everywhere(window_old)
         for key in queued:
@@ -258,6 +308,18 @@ class TierSim:
                 if self.place(key, "writeback", start=j, stop=j + 1) is not None:
                     break
 
+    def name_held(self, keys: Sequence[int]) -> list[int]:
+        """A new session's first spill naming looked-up chunks by key, no hint (no
+        bytes): the run of ``keys`` some tier still holds, now referenced."""
+        held = []
+        for key in keys:
+            if not self.where.get(key, 0):
+                break
+            self.touch(key, None)
+            held.append(key)
+        self.reference(held)
+        return held
+
 
 def replay(workload: Workload, sim: TierSim, hints: Sequence[ResumeHint | None],
            set_time: Callable[[float], None], advance: Callable[[int], None] | None = None
@@ -265,31 +327,44 @@ def replay(workload: Workload, sim: TierSim, hints: Sequence[ResumeHint | None],
     """Run every step through ``sim``; ``set_time`` moves the policies' virtual clock and
     ``advance`` (Belady's table) is told each read position."""
     counters = sim.counters
-    seen: set[int] = set()  # blocks read or spilled before
+    seen: set[int] = set()  # blocks spilled before
     position = 0
     for step, hint in zip(workload.steps, hints, strict=True):
         set_time(step.time_s)
-        reprefilled = 0
+        for ended in step.ended:
+            sim.end(ended)
         session = set(step.reads)  # the blocks being read: never their own victims
         if step.window_prev is not None:
             session.add(step.window_prev)
-        for key in step.reads:
+        named: list[int] = []
+        retained: set[int] = set()
+        if not step.continues and step.reads:
+            retained = {k for k in step.reads if k in sim.where and k not in sim.refs}
+            named = sim.name_held(step.reads)  # the lookup's run that is still held
+            counters.lookup_starts += 1
+        served: set[int] = set()
+        for i, key in enumerate(step.reads):
             if advance is not None:
                 advance(position)
             position += 1
-            counters.block_reads += 1
-            tier = sim.read(key, session)
-            if key in step.shared:
-                counters.shared_reads += 1
-                if tier is not None:
-                    counters.shared_hits[tier] += 1
-            if tier is not None:
-                counters.block_hits[tier] += 1
-            elif key in seen:
-                reprefilled += 1
-            else:
-                counters.new_blocks += 1
-                seen.add(key)
+            # a restore reads each chunk; a lookup's reads stop at its first lost chunk
+            tier = sim.read(key, session) if step.continues or i < len(named) else None
+            shared = key in step.shared
+            counters.shared_reads += shared
+            if tier is None:
+                counters.read_misses += 1
+                continue
+            served.add(key)
+            counters.block_hits[tier] += 1
+            if shared:
+                counters.shared_hits[tier] += 1
+            if not step.continues:
+                counters.lookup_blocks += 1
+                counters.retained_hits += key in retained
+        counters.block_reads += len(step.blocks)
+        missed = [key for key in step.blocks if key not in served]
+        reprefilled = sum(1 for key in missed if key in seen)
+        counters.new_blocks += len(missed) - reprefilled
         counters.reprefill_blocks += reprefilled
         counters.reprefill_requests += reprefilled > 0
         if step.window_prev is not None:
@@ -302,7 +377,8 @@ def replay(workload: Workload, sim: TierSim, hints: Sequence[ResumeHint | None],
                 counters.replays += 1
             else:
                 counters.window_hits[tier] += 1
-        sim.spill(step.blocks, step.prev_blocks, step.window_new, step.window_prev, hint)
+        if step.blocks:
+            sim.spill(step.blocks, step.prev_blocks or named, step.window_new,
+                      step.window_prev, hint)
         seen.update(step.blocks)
     return counters
-

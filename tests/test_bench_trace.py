@@ -1,6 +1,6 @@
-"""The trace benchmark: reader validation, conversations, the simulation's rules (a
-hand-computed LRU case), Belady's optimality, hints, and agreement with the real
-TierStack over real tiers."""
+"""The trace benchmark: reader validation, sessions (continuations, lookups, TTL ends,
+retention), the simulation's rules (a hand-computed LRU case), Belady's optimality,
+hints, and agreement with the real TierStack and TierManager over real tiers."""
 
 from __future__ import annotations
 
@@ -108,27 +108,54 @@ def test_cli_reports_a_bad_trace_and_exits_2(tmp_path, capsys):
     assert "t.jsonl:2: missing field(s) ['hash_ids']" in capsys.readouterr().err
 
 
-# -- conversations --
+# -- sessions --
 
-def test_conversations_follow_the_hash_chain():
-    trace = [request(0, [1, 2]), request(1000, [1, 2, 3]), request(2000, [1, 9]),
-             request(2500, [1, 2, 3, 4]), request(4000, [1, 9, 8])]
+def parsed(trace):
     from bench.trace_reader import parse_request
 
-    requests = [parse_request(json.dumps(r), f"line {i}") for i, r in enumerate(trace)]
+    return [parse_request(json.dumps(r), f"line {i}") for i, r in enumerate(trace)]
+
+
+def test_sessions_follow_the_hash_chain_and_branches_start_from_a_lookup():
+    requests = parsed([request(0, [1, 2]), request(1000, [1, 2, 3]), request(2000, [1, 9]),
+                       request(2500, [1, 2, 3, 4]), request(4000, [1, 9, 8]),
+                       request(5000, [1, 2, 5])])
     workload = build_workload(requests, windows=True)
     steps = workload.steps
-    assert [s.conversation for s in steps] == [0, 0, 2, 0, 2]  # [1, 9] shares only block 1
-    assert [s.window_prev for s in steps] == [None, -1, None, -2, -3]
-    assert [s.next_gap_s for s in steps] == [1.0, 1.5, 2.0, None, None]
-    # block 1 alternates between the two conversations: each re-read is a shared one
-    assert [set(s.shared) for s in steps] == [set(), set(), {1}, {1}, {1}]
-    assert [s.prev_blocks for s in steps] == [(), (1, 2), (), (1, 2, 3), (1, 9)]
-    restores = build_workload(requests, windows=True, session_reads=True)
-    assert [s.reads for s in restores.steps] == [s.prev_blocks for s in steps]
-    assert restores.block_reads == 2 + 3 + 2
+    # [1, 9] shares only block 1; [1, 2, 5] branches from r0, whose session moved on
+    assert [s.session for s in steps] == [0, 0, 2, 0, 2, 5]
+    assert [s.continues for s in steps] == [False, True, False, True, True, False]
+    assert [s.window_prev for s in steps] == [None, -1, None, -2, -3, None]
+    assert [s.next_gap_s for s in steps] == [1.0, 1.5, 2.0, None, None, None]
+    # a continuation reads its session's stored blocks; a new session its looked-up prefix
+    assert [s.reads for s in steps] == [(), (1, 2), (1,), (1, 2, 3), (1, 9), (1, 2)]
+    assert [s.prev_blocks for s in steps] == [(), (1, 2), (), (1, 2, 3), (1, 9), ()]
+    assert [set(s.shared) for s in steps] == [set(), set(), {1}, {1}, {1}, {1, 2}]
     assert steps[1].blocks == (1, 2, 3)  # the partial tail block is left out
-    assert (workload.resumes, workload.conversations, workload.tail_blocks) == (3, 2, 5)
+    assert (workload.continuations, workload.sessions, workload.lookup_starts,
+            workload.tail_blocks) == (3, 3, 2, 6)
+
+
+def test_sessions_end_after_their_ttl_and_lookups_find_what_retention_kept():
+    """r1 continues r0; r2 comes 1.5 s after r1 with a TTL of 1.2 s: session 0 is gone, so
+    r2 starts a new session from a lookup. With retention every stored block is still
+    held; without it only block 1, which r3's live session still names."""
+    trace = [request(0, [1, 2]), request(1000, [1, 2, 3]), request(1900, [1, 7]),
+             request(2500, [1, 2, 3, 4])]
+    kept = build_workload(parsed(trace), windows=True, session_ttl_s=1.2)
+    freed = build_workload(parsed(trace), windows=True, session_ttl_s=1.2, retain=False)
+    for workload in (kept, freed):
+        assert [s.continues for s in workload.steps] == [False, True, False, False]
+        assert [[e.session for e in s.ended] for s in workload.steps] == [[], [], [], [0]]
+        assert workload.steps[3].ended[0].blocks == (1, 2, 3)
+        assert workload.steps[3].ended[0].window == -2
+    assert kept.steps[3].reads == (1, 2, 3)
+    assert freed.steps[3].reads == (1,)
+    tiers = make_tiers(1000, 1.0, 4.0, None)
+    c = simulate(kept, "lru", tiers, block_bytes=100, window_bytes=0).counters
+    assert (c.reprefill_blocks, c.freed_chunks, c.retained_hits) == (0, 0, 2)
+    c = simulate(freed, "lru", tiers, block_bytes=100, window_bytes=0).counters
+    assert (c.reprefill_blocks, c.freed_chunks, c.retained_hits) == (2, 2, 0)
 
 
 # -- the simulation's rules --
@@ -143,11 +170,9 @@ def test_lru_matches_a_hand_computed_case():
               request reads too (protected); then 3 is an hbm hit.        hbm {3,2}
     r4 [2]: hbm hit.    r5 [1]: disk hit, promoted: evicts 3.              hbm {2,1}
     """
-    from bench.trace_reader import parse_request
-
     trace = [[1, 2], [3], [1], [2, 3], [2], [1]]
-    requests = [parse_request(json.dumps(request(i, b)), "x") for i, b in enumerate(trace)]
-    workload = build_workload(requests, windows=False)
+    workload = build_workload(parsed([request(i, b) for i, b in enumerate(trace)]),
+                              windows=False)
     tiers = [SimTier("hbm", 2 * 100, True, False), SimTier("host", 0, True, False),
              SimTier("disk", math.inf, False, True)]
     c = simulate(workload, "lru", tiers, block_bytes=100, window_bytes=0).counters
@@ -160,20 +185,17 @@ def test_lru_matches_a_hand_computed_case():
     assert c.bytes_written["demotion"] == [0, 0, 0]  # disk already held every victim
 
 
-def test_blocks_no_conversation_stores_are_freed():
-    """r2 branches from r0 (it does not hold r1's block 3): the conversation's stored
-    blocks become r2's, 3 is referenced by nothing and deleted everywhere, so r3, which
-    continues r1, must re-prefill it."""
-    from bench.trace_reader import parse_request
-
-    trace = [[1, 2], [1, 2, 3], [1, 2, 4], [1, 2, 3, 5]]
-    requests = [parse_request(json.dumps(request(i, b)), "x") for i, b in enumerate(trace)]
-    workload = build_workload(requests, windows=False)
-    assert {s.conversation for s in workload.steps} == {0}
+def test_a_branch_never_replaces_its_source_session():
+    """r2 branches from r0 after r1 continued it: r2 starts its own session from a lookup
+    of [1, 2], so r3, which continues r1, finds block 3 still stored."""
+    workload = build_workload(parsed([request(0, [1, 2]), request(1, [1, 2, 3]),
+                                      request(2, [1, 2, 4]), request(3, [1, 2, 3, 5])]),
+                              windows=False)
+    assert [s.session for s in workload.steps] == [0, 0, 2, 0]
     tiers = make_tiers(1000, 1.0, 4.0, None)
     c = simulate(workload, "lru", tiers, block_bytes=100, window_bytes=0).counters
-    assert (c.freed_chunks, c.reprefill_blocks, c.reprefill_requests) == (2, 1, 1)
-    assert c.block_hits == [6, 0, 0] and c.new_blocks == 5
+    assert (c.freed_chunks, c.reprefill_blocks, c.lookup_starts) == (0, 0, 1)
+    assert c.block_hits == [7, 0, 0] and c.new_blocks == 5
 
 
 def test_bounded_disk_drops_blocks_and_forces_reprefill(tmp_path):
@@ -219,39 +241,29 @@ def test_perfect_hints_match_belady_on_one_tier(tmp_path):
     assert max(gains) > 0.05  # and LRU is clearly short of it
 
 
-def test_simulation_agrees_with_the_real_tier_stack():
-    from bench.trace_reader import parse_request
-
-    requests = [parse_request(json.dumps(r), "x") for r in random_trace(5, requests=40)]
+@pytest.mark.parametrize("retain", [True, False])
+def test_simulation_agrees_with_the_real_tier_stack(retain):
+    requests = parsed(random_trace(5, requests=40))
+    # a TTL short enough that sessions end, so retention (or freeing) is exercised
     result = check_against_stack(requests, policies=("lru", "hint", "belady"),
-                                 fractions=(0.03, 0.15))
+                                 fractions=(0.03, 0.15), retain=retain, session_ttl_s=20)
     assert result["agree"], [p["diff"] for p in result["points"] if not p["agree"]]
     hits = [sum(p["stack"]["block_hits"][1:]) for p in result["points"]]
     assert max(hits) > 0  # blocks really came back from below hbm
 
 
-def test_simulation_agrees_with_the_real_tier_manager():
-    """Session by session: restore, spill of the next generation, drain."""
-    from bench.trace_reader import parse_request
-
-    requests = [parse_request(json.dumps(r), "x")
-                for r in random_trace(6, requests=40, p_resume=0.7)]
+@pytest.mark.parametrize("retain", [True, False])
+def test_simulation_agrees_with_the_real_tier_manager(retain):
+    """Request by request: deletes past the TTL, restore or lookup + spill by key +
+    restore, spill of the next generation, drain."""
+    requests = parsed(random_trace(6, requests=40, p_resume=0.7))
     result = check_against_manager(requests, policies=("lru", "hint", "belady"),
-                                   fraction=0.04)
+                                   fraction=0.04, retain=retain, session_ttl_s=20)
     assert [p["policy"] for p in result["points"]] == ["lru", "hint"]
     assert result["agree"], [(p["sim"], p["manager"]) for p in result["points"]]
     for point in result["points"]:
         assert sum(point["manager"]["block_hits"]) > 0  # sessions were really restored
         assert point["manager"]["evictions"][0] > 0  # and hbm had to make room
-
-
-def test_session_reads_read_only_stored_blocks(tmp_path):
-    path = write_trace(tmp_path / "t.jsonl", random_trace(2, requests=50))
-    prefix, session = (run_trace_benchmark(path, fractions=(0.1,), policies=("lru",), jobs=1,
-                                           reads=reads)["results"][0]
-                       for reads in ("prefix", "session"))
-    assert session["new_blocks"] == 0  # a session only restores what it stored
-    assert session["block_reads"] < prefix["block_reads"] - prefix["new_blocks"]
 
 
 def test_json_output_and_tiers(tmp_path, capsys):
@@ -269,11 +281,14 @@ def test_json_output_and_tiers(tmp_path, capsys):
     footprint = report["trace"]["unique_blocks"] * block
     assert report["results"][0]["capacities_bytes"] == {
         "hbm": int(0.05 * footprint), "host": int(0.2 * footprint), "disk": None}
-    assert {"block_bytes", "window_bytes", "conversations", "hints", "belady"} <= set(
+    assert {"block_bytes", "window_bytes", "sessions", "retention", "hints", "belady"} <= set(
         report["method"])
+    retention = report["retention"]
+    assert (retention["policy"], retention["capacity_fraction"]) == ("lru", 0.2)
+    assert retention["with"]["block_reads"] == retention["without"]["block_reads"]
     for r in report["results"]:
         kinds = r["reuse_by_kind"]
-        assert (kinds["same_conversation"]["reads"] + kinds["other_conversation"]["reads"]
+        assert (kinds["same_session"]["reads"] + kinds["other_session"]["reads"]
                 == r["block_reads"] - r["new_blocks"])
     assert make_tiers(1000, 0.1, 4.0, 0.5)[2].capacity_bytes == 500
 
