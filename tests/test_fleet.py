@@ -1,6 +1,6 @@
-"""A fleet sharing one bucket (docs/fleet.md): any node resumes any session, generations
-are compare-and-swap across nodes, and the fleet's mark and sweep never deletes a chunk
-a manifest names. Real servers' stores (``open_manager``) over moto's S3 server."""
+"""A fleet sharing one bucket (docs/fleet.md): any node resumes any session, and
+generations are compare-and-swap across nodes (the fleet's sweep: test_fleet_gc.py).
+Real servers' stores (``open_manager``) over moto's S3 server."""
 
 from __future__ import annotations
 
@@ -12,21 +12,15 @@ from conftest import MotoServer
 from test_manager_support import make_session, random_tokens
 
 from kvstore.errors import (
-    DataLoss,
     GenerationConflict,
     InvalidRequest,
     StaleGeneration,
     TierUnavailable,
 )
-from kvstore.fleet import collect
-from kvstore.manifest import MANIFEST_PREFIX, SessionManifest
+from kvstore.manifest import SessionManifest
 from kvstore.tiers.object import ObjectTier
 from services.server.config import ServerConfig
 from services.server.store import open_manager
-
-# The tests' grace period (chunks are aged past it by waiting): above S3's one-second
-# resolution of LastModified, which would otherwise make a fresh touch look old.
-GRACE_S = 2.5
 
 
 @pytest.fixture
@@ -93,40 +87,6 @@ async def test_two_nodes_race_each_generation_and_exactly_one_wins(node_config):
     finally:
         for manager in (a, b, reader):
             await manager.close()
-
-
-async def test_sweep_racing_spills_that_dedupe_old_chunks_deletes_no_live_chunk(node_config):
-    rounds = 6
-    b = await open_manager(node_config("b"))
-    sessions = [make_session(random_tokens(64, i), seed=i, window=False, tenant="acme")
-                for i in range(rounds)]
-    for i, session in enumerate(sessions):
-        await b.spill("acme", f"old{i}", generation=1, ack="durable", **session)
-        await b.delete("acme", f"old{i}")  # its chunks stay in the bucket, unnamed
-    await b.close()
-    await asyncio.sleep(2 * GRACE_S)  # every one of them is now past the grace period
-    a = await open_manager(node_config("a"))  # learns the bucket's chunks at open
-    objects = objects_of(a)
-    try:
-        for i, session in enumerate(sessions):
-            spilled, report = await asyncio.gather(
-                a.spill("acme", f"new{i}", generation=1, ack="durable", **session),
-                collect(a.meta, objects, grace_s=GRACE_S), return_exceptions=True)
-            assert not isinstance(report, BaseException), report
-            if isinstance(spilled, BaseException):  # the sweep won: the spill saw it go
-                assert isinstance(spilled, DataLoss), spilled
-                continue
-            for key, value in await a.meta.scan(MANIFEST_PREFIX):
-                for chunk in SessionManifest.decode(value).chunk_keys:
-                    assert await objects.contains(chunk), (key, chunk)
-            got = await a.restore("acme", f"new{i}")
-            assert [bytes(x) for x in got.chunks] == [bytes(d) for _, d in session["chunks"]]
-        await a.delete("acme", "new0")
-        await asyncio.sleep(2 * GRACE_S)
-        report = await collect(a.meta, objects, grace_s=GRACE_S)
-        assert report.deleted >= 1 and report.corrupt_manifests == 0
-    finally:
-        await a.close()
 
 
 async def test_an_unreachable_store_refuses_durable_spills_and_hot_sessions_resume(

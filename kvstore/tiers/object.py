@@ -233,35 +233,9 @@ class ObjectTier(Tier):
                 self._account(name, None)
         return freed
 
-    async def touch(self, key: str) -> None:
-        """Mark ``key`` as just used (its modification time), or ``ChunkNotFound``."""
-        check_key(key)
-        await self._ensure_loaded()
-        for name in self._candidates(key):
-            try:
-                return await self._io("TOUCH", self._store.touch, name)
-            except Missing:
-                self._account(name, None)
-        raise ChunkNotFound(f"object: no value under {key!r}")
-
-    async def modified(self, key: str) -> float | None:
-        """When ``key`` was last written or touched (epoch seconds); None when absent."""
-        check_key(key)
-        for name in (key + RAW, key + ZSTD):
-            try:
-                return await self._io("HEAD", self._store.modified, name)
-            except Missing:
-                continue
-        return None
-
-    async def dated_keys(self) -> list[tuple[str, float]]:
-        """(key, modification time as epoch seconds) of every value held."""
-        listing = await self._io("LIST", lambda: list(self._store.dated()))
-        newest: dict[str, float] = {}
-        for name, when in listing:
-            key = name[:-len(RAW)]
-            newest[key] = max(when, newest.get(key, when))
-        return list(newest.items())
+    def held_keys(self) -> set[str]:
+        """Keys the accounting counts as held (the last listing and this tier's writes)."""
+        return {name[:-len(RAW)] for name in self._sizes}
 
     async def contains(self, key: str) -> bool:
         check_key(key)

@@ -6,7 +6,6 @@ Both are synchronous; the tier runs them in worker threads.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import logging
@@ -50,7 +49,7 @@ class ObjectTierConfig:
     max_pool_connections: int = 16
     # Shared by a fleet (docs/fleet.md): other nodes' manifests may name any chunk, so
     # ``delete`` (a node's reference count reaching zero) keeps the object; only the
-    # fleet's mark and sweep (kvstore.fleet.collect) removes chunks, through ``purge``.
+    # fleet's sweep (kvstore.fleet.collect) removes chunks.
     shared: bool = False
     # Local directory only:
     fsync: bool = True
@@ -131,23 +130,6 @@ class LocalDirStore:
         # which the listing counts and compaction collects.
         self._path(name).unlink(missing_ok=True)
 
-    def touch(self, name: str) -> None:
-        try:
-            os.utime(self._path(name))
-        except FileNotFoundError as exc:
-            raise Missing(name) from exc
-
-    def modified(self, name: str) -> float:
-        try:
-            return self._path(name).stat().st_mtime
-        except FileNotFoundError as exc:
-            raise Missing(name) from exc
-
-    def dated(self) -> Iterator[tuple[str, float]]:
-        for name, _ in self.list():
-            with contextlib.suppress(FileNotFoundError):
-                yield name, self._path(name).stat().st_mtime
-
     def list(self) -> Iterator[tuple[str, int]]:
         for directory in self.root.iterdir():
             if directory.name == self.tmp.name or not directory.is_dir():
@@ -219,33 +201,6 @@ class S3Store:
 
     def delete(self, name: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self.prefix + name)
-
-    def touch(self, name: str) -> None:
-        """Refresh the object's LastModified (a copy onto itself, no bytes moved here)."""
-        key = self.prefix + name
-        try:
-            self.client.copy_object(Bucket=self.bucket, Key=key, MetadataDirective="REPLACE",
-                                    CopySource={"Bucket": self.bucket, "Key": key})
-        except ClientError as exc:
-            if is_missing(exc):
-                raise Missing(name) from exc
-            raise
-
-    def modified(self, name: str) -> float:
-        try:
-            head = self.client.head_object(Bucket=self.bucket, Key=self.prefix + name)
-        except ClientError as exc:
-            if is_missing(exc):
-                raise Missing(name) from exc
-            raise
-        return head["LastModified"].timestamp()
-
-    def dated(self) -> Iterator[tuple[str, float]]:
-        paginator = self.client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix):
-            for item in page.get("Contents", []):
-                if item["Key"].endswith((RAW, ZSTD)):
-                    yield item["Key"][len(self.prefix):], item["LastModified"].timestamp()
 
     def list(self) -> Iterator[tuple[str, int]]:
         paginator = self.client.get_paginator("list_objects_v2")

@@ -6,11 +6,10 @@ own listing skips) and every other record (reference counts: node-local, an
 optimisation nobody else trusts) in ``local``. A manifest write is a conditional PUT:
 ``If-None-Match: *`` when this node saw no manifest, ``If-Match`` on the ETag it read
 otherwise, so of two nodes writing one session from the same generation exactly one
-wins and the other gets ``StaleGeneration``. Before that PUT every chunk the manifest
-names is touched in the object store (its LastModified refreshed), which is what keeps
-the fleet's mark and sweep (``kvstore.fleet.collect``) off a chunk that a spill dedupes
-while the sweep runs; a chunk already gone fails the write (``ChunksNotHeld``-like
-``DataLoss``) rather than commit a manifest naming nothing. docs/fleet.md has the protocol.
+wins and the other gets ``StaleGeneration``. Before that PUT the chunks the manifest
+names anew pass the garbage-collection epoch's gate (``kvstore.fleet_epoch``), which is
+what keeps the fleet's sweep (``kvstore.fleet.collect``) off a chunk that a spill
+dedupes while the sweep runs. docs/fleet.md has the protocol.
 
 The ETags (and bytes) last read are cached per key: the CAS compares against what the
 caller's ``get`` under the session lock saw. When the store cannot be reached a cached
@@ -22,14 +21,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from botocore.exceptions import BotoCoreError, ClientError
-
-from kvstore.errors import ChunkNotFound, DataLoss, StaleGeneration, TierUnavailable
+from kvstore.errors import (
+    ChunkCorrupt,
+    ChunkNotFound,
+    DataLoss,
+    InvalidRequest,
+    StaleGeneration,
+    TierUnavailable,
+)
+from kvstore.fleet_epoch import GcPaths, SpillGate
+from kvstore.keys import chunk_digest, split_block_key
 from kvstore.manifest import MANIFEST_PREFIX, SessionManifest
-from kvstore.tiers.base import MetaStore
+from kvstore.tiers.base import MetaStore, Tier
+from kvstore.tiers.bucket import BucketIO
 from kvstore.tiers.object import ObjectTier
 
 log = logging.getLogger(__name__)
@@ -39,13 +46,25 @@ _ABSENT = None  # cached ETag of a key seen absent
 
 
 class SharedMetaStore(MetaStore):
-    def __init__(self, tier: ObjectTier, local: MetaStore, node_id: str) -> None:
+    def __init__(self, tier: ObjectTier, local: MetaStore, node_id: str,
+                 caches: Sequence[Tier] = ()) -> None:
+        """``caches``: this node's other tiers, from which a chunk a sweep collected
+        while a spill named it is put back (``kvstore.fleet_epoch``)."""
         self._tier = tier
         self._client, self._bucket, prefix = tier.s3_location()
+        self.io = BucketIO(self._client, self._bucket)
         self._root = prefix + "fleet/"
+        self.paths = GcPaths(self._root)
         self._local = local
+        self._caches = tuple(caches)
         self.node_id = node_id
         self._seen: dict[str, tuple[str | None, bytes | None]] = {}  # key -> (ETag, bytes)
+        self.gate = SpillGate(self.io, self.paths, node_id, exists=tier.contains,
+                              reupload=self._reupload, gone_since_listing=self._gone_since)
+
+    @property
+    def tier(self) -> ObjectTier:
+        return self._tier
 
     @staticmethod
     def _shared(key: str) -> bool:
@@ -55,18 +74,7 @@ class SharedMetaStore(MetaStore):
         return self._root + key + SUFFIX
 
     async def _call(self, what: str, function: Callable[..., T], **kwargs: object) -> T:
-        try:
-            return await asyncio.to_thread(function, **kwargs)
-        except ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code")
-            if code in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
-                raise StaleGeneration(f"another node wrote {kwargs.get('Key')} since this "
-                                      "node read it: load the session again") from exc
-            if code in ("NoSuchKey", "404", "NotFound"):
-                raise ChunkNotFound(str(kwargs.get("Key"))) from exc
-            raise TierUnavailable(f"shared metadata {what} failed: {code}") from exc
-        except BotoCoreError as exc:
-            raise TierUnavailable(f"shared metadata {what} failed: {exc!r}") from exc
+        return await self.io.call(what, function, **kwargs)
 
     async def _fetch(self, key: str) -> tuple[str | None, bytes | None]:
         try:
@@ -92,6 +100,7 @@ class SharedMetaStore(MetaStore):
     async def scan(self, prefix: str) -> list[tuple[str, bytes]]:
         if not self._shared(prefix):
             return await self._local.scan(prefix)
+        await self.gate.baseline()  # the manager's open scans before listing its tiers
         names: list[str] = []
         paginator = self._client.get_paginator("list_objects_v2")
 
@@ -134,7 +143,7 @@ class SharedMetaStore(MetaStore):
                     await self._call("DELETE", self._client.delete_object, Bucket=self._bucket,
                                      Key=self._object(key), IfMatch=expected)
                 return _ABSENT
-            await self._touch_chunks(value)
+            await self._admit(key, value)
             response = await self._call("PUT", self._client.put_object, Bucket=self._bucket,
                                         Key=self._object(key), Body=bytes(value), **condition)
         except (StaleGeneration, ChunkNotFound):
@@ -143,21 +152,41 @@ class SharedMetaStore(MetaStore):
                                   "node read it: load the session again") from None
         return response["ETag"]
 
-    async def _touch_chunks(self, value: bytes) -> None:
-        """Refresh every chunk the manifest names, so a sweep running now keeps them. A
-        memory-acked generation's chunks may not be written back yet (the write-back's
-        PUT dates them then): only a durable one must find them all."""
+    async def _admit(self, key: str, value: bytes) -> None:
+        """Pass the chunks the manifest names and the one it replaces did not (those
+        stay named throughout) through the collection epoch's gate."""
         manifest = SessionManifest.decode(value)
-        durable = manifest.receipt is not None and manifest.receipt.durable
-        found = await asyncio.gather(*(self._tier.touch(key) for key in manifest.chunk_keys),
-                                     return_exceptions=True)
-        for outcome in found:
-            if isinstance(outcome, ChunkNotFound) and durable:
-                raise DataLoss(f"{manifest.tenant}/{manifest.session_id}: a chunk it names "
-                               f"is gone from the object store ({outcome}): spill it again "
-                               "with its bytes") from outcome
-            if isinstance(outcome, BaseException) and not isinstance(outcome, ChunkNotFound):
-                raise outcome
+        before = self._seen.get(key, (_ABSENT, None))[1]
+        try:
+            kept = set(SessionManifest.decode(before).chunk_keys) if before else set()
+        except ChunkCorrupt:
+            kept = set()
+        new = set(manifest.chunk_keys) - kept
+        if new:
+            await self.gate.admit(new, f"{manifest.tenant}/{manifest.session_id}")
+
+    async def _reupload(self, key: str) -> bool:
+        """Put ``key`` back in the bucket from a cache tier holding its very bytes."""
+        try:
+            digest = split_block_key(key)[1]
+        except InvalidRequest:
+            return False
+        for cache in self._caches:
+            try:
+                data = await cache.get(key)
+            except (ChunkNotFound, DataLoss, TierUnavailable, ChunkCorrupt):
+                continue
+            if chunk_digest(data) == digest:
+                await self._tier.put(key, data)
+                log.info("chunk %s was collected while a spill named it: put back", key)
+                return True
+        return False
+
+    async def _gone_since(self) -> set[str]:
+        """Chunks the object tier counted as held that a fresh listing lacks."""
+        before = self._tier.held_keys()
+        await self._tier.resync()
+        return before - self._tier.held_keys()
 
     async def _undo(self, key: str, before: tuple[str | None, bytes | None],
                     etag: str | None) -> None:

@@ -72,6 +72,11 @@ class ServerConfig:
     # swap), so any server sharing it resumes any session; "local": in data_dir.
     metadata: str = "local"
     node_id: str = ""  # this server in the fleet; empty: hostname:port
+    # The fleet's sweep (kvtier fleet-gc, docs/fleet.md) deletes a chunk no manifest names
+    # once it was written over fleet_gc_grace_s ago (spills write chunks before their
+    # manifest) and a sweep first saw it unnamed over fleet_retain_s ago (prefix cache).
+    fleet_gc_grace_s: float = 3600.0
+    fleet_retain_s: float = 86400.0
     # host:port other nodes and routers reach this server at, recorded in its manifests
     # beside node_id (Stat's window_node_address); empty: the bound listen address, a
     # wildcard host (0.0.0.0) replaced by this host's name.
@@ -157,6 +162,8 @@ class ServerConfig:
                                  "name the bucket, or unset both for a local object tier")
         if self.metadata not in ("local", "shared"):
             raise InvalidRequest(f"metadata must be 'local' or 'shared', got {self.metadata!r}")
+        if self.fleet_gc_grace_s < 0 or self.fleet_retain_s < 0:
+            raise InvalidRequest("fleet_gc_grace_s and fleet_retain_s must be >= 0")
         if self.default_ack not in ACKS:
             raise InvalidRequest(f"default_ack must be one of {ACKS}, got {self.default_ack!r}")
         if self.eviction not in EVICTION_POLICIES:

@@ -106,7 +106,8 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
             for tier in tiers[:-1]:  # node-local tiers are caches: a durable ack (and a
                 tier.durable = False  # write-back) means the shared store (docs/fleet.md)
 
-            return SharedMetaStore(objects, meta or MemoryMetaStore(), config.node_name)
+            return SharedMetaStore(objects, meta or MemoryMetaStore(), config.node_name,
+                                   caches=tiers[:-1])
     return meta if meta is not None else MemoryMetaStore()
 
 
