@@ -231,12 +231,17 @@ async def test_with_a_cluster_master_down_sessions_resume_from_s3(
         tmp_path, fleet_env, redis_cluster_factory, model_state):
     _, ids, chunks, tail, window = model_state
     cluster = redis_cluster_factory(masters=3, node_timeout_ms=1000)
-    async with fleet(tmp_path, fleet_env, cluster.url, names="ab") as nodes:
+    # A host tier of two sessions: the others' chunks are demoted into the shared Redis.
+    small = {**fleet_env, "host_bytes": "700KiB"}
+    async with fleet(tmp_path, small, cluster.url, names="ab") as nodes:
         async with AsyncClient(nodes["a"][1]) as on_a:
             for i in range(6):  # one tenant each: no two share a chunk (dedupe)
                 await on_a.spill(f"t{i}", "s1", SPEC, ids, chunks=chunks, tail=tail,
                                  window=window, generation=1, ack="durable")
-        cluster.nodes[1].kill()
+        held = [node.client().dbsize() for node in cluster.nodes]
+        victim = cluster.nodes[held.index(max(held))]
+        assert max(held) > 0, held  # the master going down holds some of the chunks
+        victim.kill()
         async with AsyncClient(nodes["b"][1]) as on_b:
             tiers = set()
             for i in range(6):
