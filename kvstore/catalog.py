@@ -88,7 +88,8 @@ class Catalog:
                 del self._failed[ref]
             raw = await self.meta.get(manifest_key(tenant, session_id))
             try:
-                manifest = None if raw is None else SessionManifest.decode(raw)
+                # localized: a window another node holds stays named as its (see put)
+                manifest = None if raw is None else self._localized(SessionManifest.decode(raw))
             except ChunkCorrupt:
                 return  # its loads report the corruption
             if manifest is None or manifest.generation != generation:
