@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("services.cli.demo", "run the agent-like end-to-end demo"),
     "compact": ("services.cli.compact", "compact a data directory offline"),
     "repair": ("services.cli.repair", "rebuild a data directory's disk index from its segments"),
+    "fleet-gc": ("services.cli.fleet_gc", "sweep a fleet's bucket of chunks no manifest names"),
+    "migrate": ("services.cli.migrate", "copy a single-node data directory to a fleet's bucket"),
 }
 
 

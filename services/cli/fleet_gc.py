@@ -1,0 +1,101 @@
+"""``kvtier fleet-gc``: one sweep of a fleet's bucket (``kvstore.fleet.collect``).
+
+    kvtier fleet-gc --config C [--dry-run] [--json] [--grace-s S] [--retain-s S]
+                    [--spill-bound-s S] [--margin-s S]
+
+``C`` is a fleet node's config (``metadata = "shared"``, ``s3_bucket``...; ``KVTIER_*``
+variables apply as for ``kvtier serve``). Safe beside serving nodes: chunks no manifest
+names are deleted once past ``fleet_gc_grace_s`` and ``fleet_retain_s`` (docs/fleet.md
+"Garbage collection"); ``--dry-run`` counts them and writes nothing. The sweep waits
+``spill bound + margin`` between marking and deleting, so it takes that long at least.
+
+Exit status: 0 swept, 2 the config is refused (not shared, no bucket), 3 another sweep
+is running, 4 the bucket cannot be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+
+from kvstore.errors import Busy, InvalidRequest, TierUnavailable
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="a fleet node's TOML config (as kvtier serve --config)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="count what would be collected; write and delete nothing")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--grace-s", type=float, help="override fleet_gc_grace_s")
+    parser.add_argument("--retain-s", type=float, help="override fleet_retain_s")
+    parser.add_argument("--spill-bound-s", type=float,
+                        help="the spill bound this sweep publishes (default 20)")
+    parser.add_argument("--margin-s", type=float,
+                        help="a manifest PUT's time in flight, added to the mark wait (45)")
+
+
+def open_bucket(config):
+    """The fleet's ``SharedMetaStore`` over ``config``'s bucket, without a node's tiers
+    (``InvalidRequest`` unless the config describes a shared fleet)."""
+    from kvstore.tiers.base import MemoryMetaStore
+    from kvstore.tiers.object import ObjectTier, ObjectTierConfig
+    from kvstore.tiers.shared_meta import SharedMetaStore
+    from services.server.store import check_bucket
+
+    if config.metadata != "shared" or not config.s3_bucket:
+        raise InvalidRequest("the config is not a fleet's: set metadata = 'shared' and "
+                             "s3_bucket (a local store's chunks are its own)")
+    check_bucket(config)
+    level = config.object_compression_level
+    objects = ObjectTier(config.object_url, config.object_bytes, ObjectTierConfig(
+        compression_level=None if level < 0 else level, endpoint_url=config.s3_endpoint or None,
+        region_name=config.s3_region or None, shared=True))
+    return SharedMetaStore(objects, MemoryMetaStore(), config.node_name)
+
+
+def timing_of(config, args: argparse.Namespace):
+    from kvstore.fleet import GC_PRESETS
+
+    changes = {"grace_s": config.fleet_gc_grace_s, "retain_s": config.fleet_retain_s}
+    for flag, name in (("grace_s", "grace_s"), ("retain_s", "retain_s"),
+                       ("spill_bound_s", "spill_bound_s"), ("margin_s", "request_margin_s")):
+        if getattr(args, flag) is not None:
+            changes[name] = getattr(args, flag)
+    return dataclasses.replace(GC_PRESETS["default"], **changes)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvstore.fleet import collect
+    from services.server.config import load_config
+
+    try:
+        config = load_config(args.config)
+        timing = timing_of(config, args)
+        meta = open_bucket(config)
+    except InvalidRequest as exc:
+        print(f"kvtier fleet-gc: refused: {exc}", file=sys.stderr)
+        return 2
+    try:
+        report = asyncio.run(collect(meta, timing, dry_run=args.dry_run))
+    except Busy as exc:
+        print(f"kvtier fleet-gc: {exc}", file=sys.stderr)
+        return 3
+    except TierUnavailable as exc:
+        print(f"kvtier fleet-gc: the bucket cannot be reached: {exc}", file=sys.stderr)
+        return 4
+    if args.json:
+        print(json.dumps(report.to_dict()))
+        return 0
+    verb = "would mark" if report.dry_run else "deleted"
+    count = report.candidates if report.dry_run else report.deleted
+    print(f"fleet gc{' (dry run)' if report.dry_run else ''}: {report.listed} chunks, "
+          f"{report.live} named by {report.manifests} manifests; {verb} {count} "
+          f"({report.bytes_freed} B freed) in {report.seconds:.1f} s")
+    print(f"  kept: {report.kept_young} younger than grace, {report.kept_retained} retained, "
+          f"{report.claimed} claimed by spills, {report.named_again} named again")
+    if report.corrupt_manifests:
+        print(f"  {report.corrupt_manifests} corrupt manifests: nothing deleted")
+    return 0
