@@ -11,13 +11,33 @@ bounded by the layout before anything is decoded (``chunk_plan.max_chunk_tokens`
 ``codec.max_encoded_bytes``, ``validate.window_bytes_max``).
 
 The store needs nothing else from a model: any cache that can be described this way can
-be spilled and restored.
+be spilled and restored. A spec also names its ``replayer``: what can rebuild its window
+streams by bounded replay (``REPLAYERS``); it does not shape any byte.
+
+Canonical encoding (docs/wire-format.md "Layouts"): ``layout_to_json`` writes one JSON
+object, and ``layout_id`` is ``name@<16 hex digits>`` of the xxh3-64 (seed 0) of the same
+object without ``replayer``. The object, its keys sorted by code point at every level, no
+whitespace (separators "," and ":"), ASCII only, UTF-8 bytes, integers, strings, booleans
+arrays and objects only (no floats, no null)::
+
+    {"baseline":{"head_dim":..,"kv_heads":..,"layers":..},   only when the spec has one
+     "chunk_tokens":..,
+     "layer_modes":["full",..],                               only when not empty
+     "name":"..","replayer":"..","requires_model_fingerprint":false,
+     "streams":[{"bits":..,"entry_shape":[..],"group_size":..,"layers":..,"name":"..",
+                 "pending":false,"persistent":true,"tokens_per_entry":..},..],
+     "vocab_size":..,"window_tokens":..}
+
+Hashed: every key above but ``replayer`` (``notes`` is never encoded). Names (the
+layout's, its streams', its layer modes) are restricted to ``NAME`` (ASCII letters,
+digits, ``.``, ``_``, ``-``), so no string in the encoding ever needs an escape.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
@@ -29,6 +49,17 @@ SCALE_BYTES = 2  # one fp16 scale per quantization group
 BF16_BYTES = 2
 # Token ids travel as little-endian uint32: a layout that names no vocabulary takes any.
 ANY_TOKEN_ID = 1 << 32
+# What can rebuild a layout's window streams by bounded replay: the bundled model
+# (model/), the transformers DeepSeek-V4 replayer, or nothing (Resume then answers
+# ReplayUnavailable when the window is gone; Restore still works).
+REPLAYERS = ("bundled", "transformers-deepseek-v4", "none")
+# Layout, stream and layer-mode names: no "@" (the id's separator), nothing to escape.
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def _check_name(what: str, name: object) -> None:
+    if not isinstance(name, str) or not NAME.match(name):
+        raise InvalidRequest(f"{what} {shown(name)} must match {NAME.pattern}")
 
 
 @dataclass(frozen=True)
@@ -45,6 +76,7 @@ class Stream:
     pending: bool = False
 
     def __post_init__(self) -> None:
+        _check_name("stream name", self.name)
         if self.pending and self.persistent:
             raise InvalidRequest(f"stream {self.name}: a pending stream must be ephemeral")
         if self.bits not in (4, 8, 16):
@@ -102,6 +134,11 @@ class BaselineKV:
     kv_heads: int
     head_dim: int
 
+    def __post_init__(self) -> None:
+        if min(self.layers, self.kv_heads, self.head_dim) < 1:
+            raise InvalidRequest(f"baseline layers, kv_heads and head_dim must be >= 1, got "
+                                 f"{self.layers}, {self.kv_heads}, {self.head_dim}")
+
     @property
     def bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * BF16_BYTES
@@ -119,9 +156,13 @@ class LayoutSpec:
     # Spills must state a model fingerprint (weights/version id): chunk keys bind it, so
     # two models sharing this layout (a base model and its fine-tune) never share chunks.
     requires_model_fingerprint: bool = False
+    replayer: str = "none"  # REPLAYERS: what rebuilds the window streams; not hashed
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
+        _check_name("layout name", self.name)
+        for mode in self.layer_modes:
+            _check_name(f"layout {self.name}: layer mode", mode)
         names = [s.name for s in self.streams]
         if len(set(names)) != len(names):
             raise InvalidRequest(f"layout {self.name}: duplicate stream names {names}")
@@ -138,6 +179,12 @@ class LayoutSpec:
         if has_window != (self.window_tokens > 0) or self.window_tokens < 0:
             raise InvalidRequest(f"layout {self.name}: window_tokens (W) must be > 0 exactly "
                                  f"when it has window streams, got {self.window_tokens}")
+        if self.replayer not in REPLAYERS:
+            raise InvalidRequest(f"layout {self.name}: replayer must be one of {REPLAYERS}, "
+                                 f"got {shown(self.replayer)}")
+        if self.replayer != "none" and not has_window:
+            raise InvalidRequest(f"layout {self.name} has no window streams: nothing to "
+                                 f"replay, its replayer must be 'none'")
 
     @property
     def persistent_streams(self) -> tuple[Stream, ...]:
@@ -181,12 +228,11 @@ class LayoutSpec:
 
     @cached_property
     def layout_hash(self) -> int:
-        """64-bit hash of everything that shapes the bytes on media (not the notes), and
-        of ``requires_model_fingerprint`` when set (layouts without it keep their ids)."""
-        shape = {k: v for k, v in asdict(self).items() if k != "notes"}
-        if not self.requires_model_fingerprint:
-            del shape["requires_model_fingerprint"]
-        return xxhash.xxh3_64_intdigest(json.dumps(shape, sort_keys=True).encode())
+        """xxh3-64 (seed 0) of the canonical encoding without ``replayer``: everything
+        that shapes the bytes on media (module docstring)."""
+        shape = _canonical_object(self)
+        del shape["replayer"]
+        return xxhash.xxh3_64_intdigest(_canonical_bytes(shape))
 
     @property
     def layout_id(self) -> str:
@@ -199,6 +245,7 @@ class LayoutSpec:
             "chunk_tokens": self.chunk_tokens,
             "vocab_size": self.vocab_size,
             "window_tokens": self.window_tokens,
+            "replayer": self.replayer,
             "persistent_bytes_per_token": self.persistent_bytes_per_token,
             "ephemeral_bytes_per_token": self.ephemeral_bytes_per_token,
             "pending_bytes_max": self.pending_bytes_max,
@@ -208,6 +255,107 @@ class LayoutSpec:
             "streams": [{**asdict(s), "bytes_per_token": s.bytes_per_token} for s in self.streams],
             "notes": self.notes,
         }
+
+
+def _canonical_object(spec: LayoutSpec) -> dict:
+    out = {
+        "name": spec.name,
+        "chunk_tokens": spec.chunk_tokens,
+        "vocab_size": spec.vocab_size,
+        "window_tokens": spec.window_tokens,
+        "requires_model_fingerprint": spec.requires_model_fingerprint,
+        "replayer": spec.replayer,
+        "streams": [{**asdict(s), "entry_shape": list(s.entry_shape)} for s in spec.streams],
+    }
+    if spec.baseline is not None:
+        out["baseline"] = asdict(spec.baseline)
+    if spec.layer_modes:
+        out["layer_modes"] = list(spec.layer_modes)
+    return out
+
+
+def _canonical_bytes(obj: dict) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode()
+
+
+def layout_to_json(spec: LayoutSpec) -> str:
+    """The canonical encoding of ``spec`` (module docstring); notes are not encoded."""
+    return _canonical_bytes(_canonical_object(spec)).decode()
+
+
+_STREAM_KEYS = {"name": str, "entry_shape": list, "bits": int, "group_size": int,
+                "tokens_per_entry": int, "layers": int, "persistent": bool, "pending": bool}
+_LAYOUT_KEYS = {"name": str, "streams": list, "chunk_tokens": int, "baseline": dict,
+                "layer_modes": list, "vocab_size": int, "window_tokens": int,
+                "requires_model_fingerprint": bool, "replayer": str, "notes": str}
+_REQUIRED_STREAM = {"name", "entry_shape", "bits"}
+_REQUIRED_LAYOUT = {"name", "streams", "chunk_tokens"}
+_BASELINE_KEYS = ("layers", "kv_heads", "head_dim")
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise InvalidRequest("layout JSON repeats a key in one object")
+    return out
+
+
+def _not_allowed(text: str):
+    raise InvalidRequest(f"layout JSON holds {shown(text)}: only integers are allowed")
+
+
+def _fields(what: str, obj: object, kinds: dict[str, type], required: set[str]) -> dict:
+    if not isinstance(obj, dict):
+        raise InvalidRequest(f"{what} must be a JSON object")
+    unknown = sorted(set(obj) - set(kinds))
+    if unknown:
+        raise InvalidRequest(f"{what}: unknown keys {shown(unknown)}; known: {sorted(kinds)}")
+    missing = sorted(required - set(obj))
+    if missing:
+        raise InvalidRequest(f"{what}: missing keys {missing}")
+    for key, value in obj.items():
+        kind = kinds[key]
+        # JSON true is not an integer here, nor an integer a boolean
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise InvalidRequest(f"{what}: {key} must be a JSON {kind.__name__}, "
+                                 f"got {shown(value)}")
+    return obj
+
+
+def _ints(what: str, values: list) -> tuple[int, ...]:
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise InvalidRequest(f"{what} must list integers, got {shown(values)}")
+    return tuple(values)
+
+
+def layout_from_json(text: str | bytes) -> LayoutSpec:
+    """A spec from any JSON encoding of the canonical object (keys in any order, spaces,
+    optional keys left out, ``notes`` allowed); InvalidRequest naming what is wrong.
+    Left out: group_size 0, tokens_per_entry 1, layers 1, persistent true, pending false;
+    vocab_size 2^32, window_tokens 0, requires_model_fingerprint false, replayer "none",
+    no baseline, no layer modes."""
+    try:
+        obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_float=_not_allowed,
+                         parse_constant=_not_allowed)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise InvalidRequest(f"layout JSON does not parse: {shown(str(exc))}") from exc
+    fields = dict(_fields("layout", obj, _LAYOUT_KEYS, _REQUIRED_LAYOUT))
+    streams = []
+    for i, raw in enumerate(fields.pop("streams")):
+        stream = dict(_fields(f"layout stream #{i}", raw, _STREAM_KEYS, _REQUIRED_STREAM))
+        stream["entry_shape"] = _ints(f"stream #{i} entry_shape", stream["entry_shape"])
+        streams.append(Stream(**stream))
+    if "baseline" in fields:
+        base = _fields("layout baseline", fields["baseline"], dict.fromkeys(_BASELINE_KEYS, int),
+                       set(_BASELINE_KEYS))
+        fields["baseline"] = BaselineKV(**base)
+    if "layer_modes" in fields:
+        modes = fields["layer_modes"]
+        if not all(isinstance(m, str) for m in modes):
+            raise InvalidRequest(f"layer_modes must list strings, got {shown(modes)}")
+        fields["layer_modes"] = tuple(modes)
+    return LayoutSpec(streams=tuple(streams), **fields)
 
 
 _REGISTRY: dict[str, LayoutSpec] = {}
@@ -222,9 +370,17 @@ def _registry() -> dict[str, LayoutSpec]:
 
 
 def register_layout(spec: LayoutSpec) -> LayoutSpec:
+    """Add ``spec`` to this process's layouts; the one already registered when it is the
+    same layout (idempotent), InvalidRequest when its name is taken by another."""
     known = _REGISTRY.get(spec.name)
-    if known is not None and known.layout_hash != spec.layout_hash:
-        raise InvalidRequest(f"layout name {spec.name!r} is already registered with other streams")
+    if known is not None:
+        if known.layout_hash != spec.layout_hash:
+            raise InvalidRequest(f"layout name {spec.name!r} is already registered as "
+                                 f"{known.layout_id}, with another shape")
+        if known.replayer != spec.replayer:
+            raise InvalidRequest(f"layout {known.layout_id} is already registered with "
+                                 f"replayer {known.replayer!r}, not {spec.replayer!r}")
+        return known
     _REGISTRY[spec.name] = spec
     return spec
 

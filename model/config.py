@@ -121,6 +121,7 @@ def layout_spec(cfg: ModelConfig, name: str = "kvtier-bundled") -> LayoutSpec:
         layer_modes=cfg.enc_modes + cfg.dec_modes,
         vocab_size=cfg.vocab,
         window_tokens=cfg.window,
+        replayer="bundled",  # model/ rebuilds the window (replay.ReplayService)
         notes=f"bundled model: width {cfg.width}, {enc}+{len(cfg.dec_modes)} layers, "
         f"W={cfg.window}, m={cfg.block}",
     )
