@@ -19,8 +19,9 @@ from kernels.reference import dequantize_int4, dequantize_int8
 from kvstore.codec import decode_chunk, encode_chunk, read_header, split_chunks, verify_chunk
 from kvstore.errors import CLASS_FOR_STATUS, ERROR_CLASSES, ERROR_KEY, ChunkCorrupt, status_name
 from kvstore.keys import chain_keys, chunk_digest, token_bytes
+from kvstore.layout import layout_from_json, layout_to_json
 from kvtier.codec import decode_persistent, decode_window
-from tests.vectors.generate import header_fields, stream_data, wire_layout
+from tests.vectors.generate import header_fields, other_layout, stream_data, wire_layout
 
 VECTORS = Path(__file__).resolve().parent / "vectors"
 SPEC = wire_layout()
@@ -51,8 +52,23 @@ def assert_inputs(decoded: dict, inputs: dict) -> None:
             assert torch.equal(decoded[name].scales, data.scales), name
 
 
+@pytest.mark.parametrize("spec", [SPEC, other_layout()], ids=lambda s: s.name)
+def test_layout_canonical_json_and_id(spec):
+    vector = next(v for v in load("layouts.json")["layouts"]
+                  if v["layout_id"].startswith(spec.name + "@"))
+    assert layout_to_json(spec) == vector["layout_json"]
+    assert spec.layout_id == vector["layout_id"]
+    assert f"{spec.layout_hash:016x}" == vector["layout_hash"]
+    # the id is the hash of the canonical JSON without replayer, not of anything Python
+    assert xxhash.xxh3_64_intdigest(vector["hashed_json"].encode()) == spec.layout_hash
+    assert layout_from_json(vector["layout_json"]) == spec
+    spaced = json.dumps(json.loads(vector["layout_json"]), indent=2)  # any JSON encoding
+    assert layout_to_json(layout_from_json(spaced)) == vector["layout_json"]
+
+
 def test_layout_id_and_token_bytes():
     assert SPEC.layout_id == CHUNKS["layout_id"]
+    assert layout_from_json(json.dumps(CHUNKS["layout"])) == SPEC
     assert token_bytes(CHUNKS["token_ids"]).hex() == CHUNKS["token_bytes"]
     assert np.frombuffer(bytes.fromhex(CHUNKS["token_bytes"]), "<u4").tolist() == \
         CHUNKS["token_ids"]

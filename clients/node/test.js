@@ -16,22 +16,41 @@ const load = (name) => JSON.parse(fs.readFileSync(path.join(HERE, '../../tests/v
 const CHUNKS = load('chunks.json');
 const KEYS = load('keys.json');
 const ERRORS = load('errors.json');
+const LAYOUTS = load('layouts.json').layouts;
 const LAYOUT = CHUNKS.layout;
-const LAYOUT_ID = CHUNKS.layout_id;
-const LAYOUT_HASH = wire.layoutHashOf(LAYOUT_ID);
+let LAYOUT_ID; // computed from the layout (before), checked against the vectors
+let LAYOUT_HASH;
 const TOKENS = CHUNKS.token_ids;
 const PLAIN = [...CHUNKS.chunks, CHUNKS.tail, ...CHUNKS.window.parts];
 const ADDRESS = process.argv[2];
 const unhex = (s) => new Uint8Array(Buffer.from(s, 'hex'));
 const hex = (b) => Buffer.from(b).toString('hex');
 
-before(wire.ready);
+before(async () => {
+  await wire.ready();
+  LAYOUT_ID = wire.layoutId(LAYOUT);
+  LAYOUT_HASH = wire.layoutHashOf(LAYOUT_ID);
+});
 
 function encodeVector(v) {
   return wire.encodeChunk(LAYOUT, LAYOUT_HASH, v.start_token, v.token_ids, v.inputs, { ephemeral: v.ephemeral });
 }
 
 describe('wire format against tests/vectors', () => {
+  it('computes layout ids from the canonical JSON', () => {
+    assert.equal(LAYOUT_ID, CHUNKS.layout_id);
+    for (const v of LAYOUTS) {
+      const layout = JSON.parse(v.layout_json);
+      assert.equal(wire.layoutToJson(layout), v.layout_json);
+      assert.equal(wire.layoutId(layout), v.layout_id);
+      const hashed = { ...layout };
+      delete hashed.replayer;
+      assert.equal(wire.canonicalJson(hashed), v.hashed_json);
+    }
+    assert.equal(wire.layoutToJson({ ...JSON.parse(LAYOUTS[0].layout_json), notes: 'x', layer_modes: [] }),
+      LAYOUTS[0].layout_json);
+  });
+
   it('token ids are uint32le', () => {
     assert.equal(hex(wire.tokenBytes(TOKENS)), CHUNKS.token_bytes);
     assert.deepEqual(wire.tokenIds(unhex(CHUNKS.token_bytes)), TOKENS);

@@ -39,6 +39,47 @@ export function xxh3_64(bytes) {
 
 // ---- layouts -------------------------------------------------------------------------
 
+// A JSON string with every character past ASCII escaped as \uXXXX (lowercase hex).
+function asciiString(s) {
+  return JSON.stringify(s).replace(/[\u0080-\uffff]/g, (c) => `\\u${c.charCodeAt(0).toString(16).padStart(4, '0')}`);
+}
+
+// Canonical JSON: keys sorted by code point at every level, no whitespace, ASCII only,
+// integers only (docs/wire-format.md 1).
+export function canonicalJson(value) {
+  if (Array.isArray(value)) return `[${value.map(canonicalJson).join(',')}]`;
+  if (value === null || value === undefined) throw new WireError('a layout holds no null');
+  if (typeof value === 'object') {
+    const keys = Object.keys(value).sort((a, b) => (a < b ? -1 : a > b ? 1 : 0));
+    return `{${keys.map((k) => `${asciiString(k)}:${canonicalJson(value[k])}`).join(',')}}`;
+  }
+  if (typeof value === 'string') return asciiString(value);
+  if (typeof value === 'number' && !Number.isSafeInteger(value)) throw new WireError('a layout holds integers only');
+  return JSON.stringify(value);
+}
+
+// The canonical object of a layout: no notes; baseline only when it has one, layer_modes
+// only when not empty.
+export function canonicalLayout(layout) {
+  const out = { ...layout };
+  delete out.notes;
+  if (out.baseline === null || out.baseline === undefined) delete out.baseline;
+  if (!out.layer_modes || out.layer_modes.length === 0) delete out.layer_modes;
+  return out;
+}
+
+export function layoutToJson(layout) {
+  return canonicalJson(canonicalLayout(layout));
+}
+
+// "<name>@<16 hex>": xxh3_64 of the canonical JSON without replayer.
+export function layoutId(layout) {
+  const hashed = canonicalLayout(layout);
+  delete hashed.replayer;
+  const hash = xxh3_64(new TextEncoder().encode(canonicalJson(hashed)));
+  return `${layout.name}@${hash.toString(16).padStart(16, '0')}`;
+}
+
 export function persistentStreams(layout) {
   return layout.streams.filter((s) => s.persistent);
 }

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,7 @@ from kvstore.chunk_plan import CODE_DTYPES
 from kvstore.codec import StreamData, encode_chunk, read_header
 from kvstore.errors import CLASS_FOR_STATUS, ERROR_CLASSES, ERROR_KEY, status_name
 from kvstore.keys import chain_keys, chunk_digest, chunk_key, dedupe_scope, token_bytes
-from kvstore.layout import LayoutSpec, Stream
+from kvstore.layout import BaselineKV, LayoutSpec, Stream, layout_to_json
 
 HERE = Path(__file__).resolve().parent
 TENANT = "acme"
@@ -55,6 +54,37 @@ def wire_layout() -> LayoutSpec:
         window_tokens=4,
         notes="golden vectors of docs/wire-format.md",
     )
+
+
+def other_layout() -> LayoutSpec:
+    """A second layout for the id vectors: the optional keys set (baseline, layer modes,
+    a replayer, a required model fingerprint)."""
+    return LayoutSpec(
+        name="wire-test-full",
+        streams=(
+            Stream("latent", (64,), bits=4, group_size=32, tokens_per_entry=4, layers=2),
+            Stream("window", (2, 16), bits=8, group_size=16, layers=3, persistent=False),
+        ),
+        chunk_tokens=64,
+        baseline=BaselineKV(layers=3, kv_heads=2, head_dim=16),
+        layer_modes=("full", "reuse", "full"),
+        vocab_size=256,
+        window_tokens=32,
+        requires_model_fingerprint=True,
+        replayer="bundled",
+        notes="not encoded",
+    )
+
+
+def layout_vector(spec: LayoutSpec) -> dict:
+    """The canonical JSON, the object hashed (the same without replayer) and the id."""
+    canonical = layout_to_json(spec)
+    hashed = json.loads(canonical)
+    del hashed["replayer"]
+    hashed_json = json.dumps(hashed, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    assert xxhash.xxh3_64_intdigest(hashed_json.encode()) == spec.layout_hash
+    return {"layout_json": canonical, "hashed_json": hashed_json,
+            "layout_hash": f"{spec.layout_hash:016x}", "layout_id": spec.layout_id}
 
 
 def stream_values(stream: Stream, entries: int, seed: int) -> dict:
@@ -163,7 +193,7 @@ def build() -> dict[str, dict]:
                      ephemeral=True),
     ]
     chunks = {
-        "layout": {k: v for k, v in asdict(spec).items() if k != "notes"},
+        "layout": json.loads(layout_to_json(spec)),
         "layout_id": spec.layout_id,
         "token_ids": TOKENS,
         "token_bytes": token_bytes(TOKENS).hex(),
@@ -214,7 +244,9 @@ def build() -> dict[str, dict]:
         "class_without_trailer": {status: cls.__name__ for status, cls in
                                   CLASS_FOR_STATUS.items()},
     }
-    return {"chunks.json": chunks, "keys.json": keys, "errors.json": errors}
+    layouts = {"layouts": [layout_vector(spec), layout_vector(other_layout())]}
+    return {"layouts.json": layouts, "chunks.json": chunks, "keys.json": keys,
+            "errors.json": errors}
 
 
 def compact(text: str) -> str:
