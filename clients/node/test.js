@@ -106,6 +106,13 @@ describe('wire format against tests/vectors', () => {
     }
   });
 
+  it('refuses a chunk over more tokens than the layout allows', () => {
+    const v = CHUNKS.window.parts[1]; // pending rows: at most m - 1 = 1 token
+    const more = { ...v.inputs['p.pending'], shape: [1, 2, 4], values: [...v.inputs['p.pending'].values, 0, 0, 0, 0] };
+    const buf = wire.encodeChunk(LAYOUT, LAYOUT_HASH, 5, TOKENS.slice(5), { 'p.pending': more }, { ephemeral: true });
+    assert.throws(() => wire.decodeChunk(buf, LAYOUT, LAYOUT_HASH, TOKENS.slice(5)), /more than layout/);
+  });
+
   it('cuts the window blob into its chunks', () => {
     const parts = wire.splitChunks(unhex(CHUNKS.window.bytes));
     assert.deepEqual(parts.map(hex), CHUNKS.window.parts.map((p) => p.bytes));

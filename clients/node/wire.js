@@ -344,7 +344,23 @@ export function readHeader(buf) {
       checksum: view.getBigUint64(at + 24, true),
     });
   }
+  let covered = 0;
+  for (const s of h.sections) {
+    if (s.offset !== covered) throw new WireError('sections leave a gap or overlap');
+    covered += s.length;
+  }
+  if (covered !== h.rawLen) throw new WireError('sections do not cover the raw payload');
   return h;
+}
+
+// The most tokens one chunk may cover: chunk_tokens (persistent); W for window streams
+// and m - 1 for pending rows (ephemeral), whichever the chunk's streams allow.
+export function maxChunkTokens(layout, ephemeral, names = null) {
+  if (!ephemeral) return layout.chunk_tokens;
+  const m = Math.max(1, ...persistentStreams(layout).map((s) => s.tokens_per_entry));
+  const bounds = ephemeralStreams(layout).filter((s) => names === null || names.includes(s.name))
+    .map((s) => (s.pending ? m - 1 : layout.window_tokens));
+  return Math.min(...bounds);
 }
 
 // A window blob's chunks, cut by their headers.
@@ -393,6 +409,9 @@ export function decodeChunk(buf, layout, layoutHash, tokens) {
     throw new WireError('section table names other streams');
   }
   const names = present.length === list.length ? null : present.map((i) => list[i].name);
+  if (h.numTokens > maxChunkTokens(layout, ephemeral, names)) {
+    throw new WireError(`chunk covers ${h.numTokens} tokens, more than layout ${layout.name} holds in one`);
+  }
   const plan = sectionPlan(layout, h.numTokens, ephemeral, names);
   const same = plan.rows.length === h.sections.length && plan.rows.every((r, i) => {
     const s = h.sections[i];
