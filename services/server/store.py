@@ -85,6 +85,10 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
     if shared and not (config.s3_bucket and config.object_bytes):
         raise InvalidRequest("metadata = 'shared' needs an S3 object tier: set s3_bucket "
                              "(and object_bytes > 0), or metadata = 'local'")
+    if shared and not config.node_id and config.port == 0:
+        # the default node name is host:port, the same for every server picking a port
+        raise InvalidRequest("metadata = 'shared' with listen port 0 needs node_id: "
+                             "nodes of a fleet must have distinct names")
     if shared and keyring is not None:
         raise InvalidRequest("metadata = 'shared' with encryption at rest is not supported "
                              "yet (docs/fleet.md): unset one of them")
