@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -172,3 +173,11 @@ def test_error_table():
         assert status_name(cls(()) if name == "ChunksNotHeld" else cls("")) == status
     assert {s: c.__name__ for s, c in CLASS_FOR_STATUS.items()} == \
         errors["class_without_trailer"]
+    # the spec's table names every class a trailer can carry, with its status
+    spec = (VECTORS.parents[1] / "docs" / "wire-format.md").read_text()
+    table = spec[spec.index("| `kvtier-error` | status |"):spec.index("Without a trailer:")]
+    rows = {}
+    for line in [row for row in table.splitlines() if row.startswith("|")][2:]:
+        names, status = line.strip("| ").rsplit("|", 1)
+        rows.update(dict.fromkeys(re.findall(r"`(\w+)`", names), status.strip()))
+    assert {n: s for n, s in rows.items() if n in ERROR_CLASSES} == errors["classes"]
