@@ -133,9 +133,10 @@ describe('wire format against tests/vectors', () => {
 });
 
 // The session of the vectors, encoded by this client: chunk 0, the tail, the window.
-function session(tenant, sessionId, generation) {
+// With `zstd`, chunk 0 is the vectors' zstd chunk (this client writes uncompressed ones).
+function session(tenant, sessionId, generation, { zstd = false } = {}) {
   const size = LAYOUT.chunk_tokens;
-  const chunks = CHUNKS.chunks.map(encodeVector);
+  const chunks = zstd ? CHUNKS.chunks_zstd.map((v) => unhex(v.bytes)) : CHUNKS.chunks.map(encodeVector);
   const tail = encodeVector(CHUNKS.tail);
   const window = Buffer.concat(CHUNKS.window.parts.map(encodeVector));
   const keys = wire.chainKeys(LAYOUT_ID, TOKENS, size, { scope: wire.dedupeScope(tenant) });
@@ -240,6 +241,17 @@ describe('against a live server', { skip: ADDRESS ? false : 'no server address g
     }
   });
 
+  it('restores a zstd chunk and decodes it', async () => {
+    const zstd = session(tenant, `${sessionId}-z`, 1, { zstd: true });
+    await client.spill(zstd.header, zstd.items);
+    const got = await client.restore({ session: { tenant, session_id: `${sessionId}-z` } });
+    assert.equal(hex(got.chunks[0].data), CHUNKS.chunks_zstd[0].bytes);
+    assert.equal(hex(wire.digest(got.chunks[0].data)), hex(got.header.chunk_digests[0]));
+    const decoded = wire.decodeChunk(got.chunks[0].data, LAYOUT, LAYOUT_HASH, TOKENS.slice(0, LAYOUT.chunk_tokens));
+    assert.equal(decoded.header.flags & wire.FLAG_ZSTD, wire.FLAG_ZSTD);
+    assert.deepEqual(decoded.streams, CHUNKS.chunks_zstd[0].inputs);
+  });
+
   it('dedupes a second session sent by key and digest alone', async () => {
     const other = session(tenant, `${sessionId}-b`, 1);
     const items = other.items.filter((i) => i.kind !== 'chunk');
@@ -267,7 +279,7 @@ describe('against a live server', { skip: ADDRESS ? false : 'no server address g
   });
 
   it('deletes the sessions', async () => {
-    for (const id of [sessionId, `${sessionId}-b`]) {
+    for (const id of [sessionId, `${sessionId}-b`, `${sessionId}-z`]) {
       await client.unary('Delete', { session: { tenant, session_id: id } });
     }
     client.close();
