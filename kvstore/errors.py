@@ -158,6 +158,12 @@ class MissingChunks(PreconditionFailed):
     """A spill left out chunks the server does not hold: send them and spill again."""
 
 
+class ReplayUnavailable(PreconditionFailed):
+    """Resume needs the session's window rebuilt by bounded replay, and nothing this
+    server runs can replay its layout (the layout's replayer is not configured here, or
+    replay is off). Restore still returns the persistent part."""
+
+
 class ServerError(KVTierError):
     """The server failed in a way no specific error describes (INTERNAL, UNKNOWN...)."""
 
@@ -170,6 +176,7 @@ STATUS_NAMES: tuple[tuple[type[KVTierError], str], ...] = (
     (StaleGeneration, "FAILED_PRECONDITION"),
     (PermissionDenied, "PERMISSION_DENIED"),
     (Unauthenticated, "UNAUTHENTICATED"),
+    (ReplayUnavailable, "FAILED_PRECONDITION"),
     (PreconditionFailed, "FAILED_PRECONDITION"),
     (DataLoss, "DATA_LOSS"),
     (CodecError, "DATA_LOSS"),

@@ -163,6 +163,9 @@ class LayoutSpec:
         _check_name("layout name", self.name)
         for mode in self.layer_modes:
             _check_name(f"layout {self.name}: layer mode", mode)
+        if self.chunk_tokens < 1:
+            raise InvalidRequest(f"layout {self.name}: chunk_tokens must be >= 1, "
+                                 f"got {self.chunk_tokens}")
         names = [s.name for s in self.streams]
         if len(set(names)) != len(names):
             raise InvalidRequest(f"layout {self.name}: duplicate stream names {names}")

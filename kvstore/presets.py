@@ -164,3 +164,6 @@ def deepseek_v41_layout(config, name: str = "deepseek-v4.1-flash", *,
 
 
 DEEPSEEK_V41_FLASH = register_layout(deepseek_v41_layout(V41_FLASH_CONFIG))
+
+# The layouts kvtier ships (ListLayouts marks them builtin).
+SHIPPED = (DEEPSEEK_LLM_67B, DEEPSEEK_V3, FLASH_41_LIKE, KVTIER_BUNDLED, DEEPSEEK_V41_FLASH)

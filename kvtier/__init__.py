@@ -9,9 +9,10 @@ from kvstore import errors as _errors
 from kvstore.errors import *  # noqa: F403  (every class of the one hierarchy)
 from kvtier.client import AsyncClient
 from kvtier.sync import Client
-from kvtier.types import RestoredSession, RetryPolicy, SpillResult
+from kvtier.types import LayoutInfo, RestoredSession, RetryPolicy, SpillResult
 
-__all__ = ["AsyncClient", "Client", "RestoredSession", "RetryPolicy", "SpillResult",
+__all__ = ["AsyncClient", "Client", "LayoutInfo", "RestoredSession", "RetryPolicy",
+           "SpillResult",
            "StreamData", *_errors.__all__]  # noqa: F405  (StreamData: see __getattr__)
 
 

@@ -32,15 +32,16 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
-from kvstore.errors import InvalidRequest, StaleGeneration
+from kvstore.errors import InvalidRequest, StaleGeneration, UnknownLayout, shown
 from kvstore.keys import block_key, chunk_digest, dedupe_scope
-from kvstore.layout import LayoutSpec, get_layout
+from kvstore.layout import LayoutSpec, layout_to_json
 from kvstore.policy import ResumeHint
 from kvtier import codec as cc
 from kvtier import shm
 from kvtier.channel import LOOPBACK, Credentials, open_channel
 from kvtier.errors import MissingChunks, SharedMemoryUnavailable, error_from_rpc
-from kvtier.types import RestoredSession, RetryPolicy, SpillResult
+from kvtier.layouts import KnownLayouts, info_from
+from kvtier.types import LayoutInfo, RestoredSession, RetryPolicy, SpillResult
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 
@@ -83,6 +84,7 @@ class AsyncClient:
         # (tenant, scope, layout, model) -> chain key -> digest, from the latest lookup
         self._looked_up: dict[tuple[str, str, str, str], dict[str, bytes]] = {}
         self._segments = shm.ClientSegments(self._stub)  # leased from the server
+        self._layouts = KnownLayouts()  # this process's and those the server listed
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -134,7 +136,7 @@ class AsyncClient:
         (chunks of two fingerprints never dedupe; some layouts require one);
         ``dedupe_domain``: a shared domain the server lets this tenant use, "" for the
         tenant's own."""
-        spec = layout if isinstance(layout, LayoutSpec) else get_layout(layout)
+        spec = layout if isinstance(layout, LayoutSpec) else await self.layout(layout)
         tokens = cc.as_tokens(token_ids)
         if (persistent is None) == (chunks is None):
             raise ValueError("give exactly one of persistent= and chunks=")
@@ -263,10 +265,11 @@ class AsyncClient:
         # Every byte checked against what its spiller stated, whatever tier it came from.
         if header is not None:
             cc.check_digests(chunks, header.chunk_digests, tail, header.tail_digest)
+        spec = await self.layout(header.layout_id)
         if not decode:
-            return self._decode(header, chunks, tail, window, summary, False)
-        return await asyncio.to_thread(self._decode, header, chunks, tail, window, summary,
-                                       True)
+            return self._decode(spec, header, chunks, tail, window, summary, False)
+        return await asyncio.to_thread(self._decode, spec, header, chunks, tail, window,
+                                       summary, True)
 
     async def _collect(self, call, used: list[shm.Segment]) -> tuple:
         """The reply stream's parts, payloads copied out of shared memory; the segment the
@@ -311,9 +314,8 @@ class AsyncClient:
         return segment
 
     @staticmethod
-    def _decode(header: pb.SessionHeader, chunks, tail, window, summary, decode: bool
-                ) -> RestoredSession:
-        spec = get_layout(header.layout_id)
+    def _decode(spec: LayoutSpec, header: pb.SessionHeader, chunks, tail, window, summary,
+                decode: bool) -> RestoredSession:
         tokens = cc.as_tokens(np.frombuffer(header.token_ids, dtype="<u4"))
         streams, start = None, 0
         if window is not None:
@@ -357,7 +359,8 @@ class AsyncClient:
                                 f"{generation} to {reply.header.generation} while its layers "
                                 "were being restored")
                         generation = reply.header.generation
-                        assembler = cc.LayerAssembler(get_layout(reply.header.layout_id))
+                        assembler = cc.LayerAssembler(
+                            await self.layout(reply.header.layout_id))
                     elif kind == "section":
                         done = assembler.add(reply.section)
                         if done is not None and (done.stream, done.layer) not in delivered:
@@ -372,6 +375,41 @@ class AsyncClient:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or delay is None:
                     raise error_from_rpc(exc) from exc
             await asyncio.sleep(delay)
+
+    # -- layouts (kvtier.layouts) --
+
+    async def layouts(self) -> list[LayoutInfo]:
+        """Every layout the server serves (ListLayouts); each becomes known to this client."""
+        reply = await self._call(lambda: self._stub.ListLayouts(pb.ListLayoutsRequest(),
+                                                                timeout=self.timeout_s))
+        infos = [info_from(message) for message in reply.layouts]
+        for info in infos:
+            self._layouts.add(info)
+        return infos
+
+    async def register_layout(self, layout: LayoutSpec | str) -> str:
+        """Have the server serve ``layout`` (a spec or any JSON encoding of one); its id.
+        The same layout again is no error; a name the server knows with another shape is
+        InvalidRequest, and the server's register_layouts may refuse the caller."""
+        text = layout_to_json(layout) if isinstance(layout, LayoutSpec) else layout
+        request = pb.RegisterLayoutRequest(layout_json=text)
+        reply = await self._call(lambda: self._stub.RegisterLayout(request,
+                                                                   timeout=self.timeout_s))
+        info = info_from(reply.layout)
+        self._layouts.add(info)
+        return info.layout_id
+
+    async def layout(self, name_or_id: str) -> LayoutSpec:
+        """The spec of a layout name or id: this process's, else the server's (listed
+        once more when not yet known); UnknownLayout when neither has it."""
+        spec = self._layouts.find(name_or_id)
+        if spec is None:
+            await self.layouts()
+            spec = self._layouts.find(name_or_id)
+        if spec is None:
+            raise UnknownLayout(f"neither this process nor the server {self.target} knows "
+                                f"layout {shown(name_or_id)}")
+        return spec
 
     # -- control --
 
@@ -399,7 +437,7 @@ class AsyncClient:
         """Tokens of ``token_ids`` (whole chunks from the first) whose chunks the server
         holds in the tenant's (or the shared) dedupe domain. A later ``spill`` with the
         same layout, model and domain then sends only the chunks past that prefix."""
-        spec = layout if isinstance(layout, LayoutSpec) else get_layout(layout)
+        spec = layout if isinstance(layout, LayoutSpec) else await self.layout(layout)
         request = pb.LookupRequest(tenant=tenant, layout_id=spec.layout_id,
                                    model_fingerprint=model or "", dedupe_domain=dedupe_domain,
                                    token_ids=cc.as_tokens(token_ids).tobytes())

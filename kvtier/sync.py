@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from kvtier.client import AsyncClient
-from kvtier.types import RestoredSession, SpillResult
+from kvtier.types import LayoutInfo, RestoredSession, SpillResult
 from proto import kvtier_pb2 as pb
 
 if TYPE_CHECKING:  # a hint only: kvstore.restore imports torch
@@ -66,6 +66,15 @@ class Client:
                 yield self._run(stream.__anext__())
             except StopAsyncIteration:
                 return
+
+    def layouts(self) -> list[LayoutInfo]:
+        return self._run(self._async.layouts())
+
+    def register_layout(self, layout) -> str:
+        return self._run(self._async.register_layout(layout))
+
+    def layout(self, name_or_id: str):
+        return self._run(self._async.layout(name_or_id))
 
     def prefetch(self, *args, **kwargs) -> pb.PrefetchReply:
         return self._run(self._async.prefetch(*args, **kwargs))

@@ -29,6 +29,17 @@ class RetryPolicy:
 
 
 @dataclass(frozen=True)
+class LayoutInfo:
+    """A layout the server serves (ListLayouts, RegisterLayout)."""
+
+    layout_id: str  # name@<16 hex digits>
+    layout_json: str  # the canonical encoding (kvstore.layout.layout_to_json)
+    replayer: str  # kvstore.layout.REPLAYERS: what can rebuild its window
+    builtin: bool  # a shipped preset, not registered at run time
+    spec: LayoutSpec  # layout_json parsed
+
+
+@dataclass(frozen=True)
 class SpillResult:
     generation: int
     tier: str

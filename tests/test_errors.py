@@ -69,7 +69,8 @@ def test_the_table_covers_every_class_and_kvtier_exports_it():
                 "INVALID_ARGUMENT", "SessionNotFound": "NOT_FOUND",
                 "ChunksNotHeld": "NOT_FOUND", "TierFull": "RESOURCE_EXHAUSTED",
                 "StaleGeneration": "FAILED_PRECONDITION", "MissingChunks":
-                "FAILED_PRECONDITION", "ChunkTruncated": "DATA_LOSS", "DataLoss": "DATA_LOSS",
+                "FAILED_PRECONDITION", "ReplayUnavailable": "FAILED_PRECONDITION",
+                "ChunkTruncated": "DATA_LOSS", "DataLoss": "DATA_LOSS",
                 "TierUnavailable": "UNAVAILABLE", "Busy": "ABORTED",
                 "ServerError": "INTERNAL", "KVTierError": "INTERNAL"}
     for name, code in expected.items():

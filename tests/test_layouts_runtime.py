@@ -117,3 +117,217 @@ def test_v41_flash_preset_reaches_890_bytes_per_token_with_one_byte_scales():
     assert spec.window_tokens == 128 and spec.vocab_size == 129_280
     assert spec.layer_modes.count("full") == 4 and spec.layer_modes.count("reindex") == 4
     assert spec.replayer == "none"
+
+
+# -- over real servers --
+
+GQA = LayoutSpec(  # plain GQA at bf16: 32 layers x 8 KV heads x 128 dims, K and V
+    name="gqa-32x8x128-bf16",
+    streams=(Stream("k", (8, 128), bits=16, layers=32),
+             Stream("v", (8, 128), bits=16, layers=32)),
+    chunk_tokens=16, vocab_size=32_000)
+
+
+def _stream_data(spec: LayoutSpec, tokens: int):
+    from tests.service_support import streams_for
+
+    return streams_for(spec, tokens, seed=7)
+
+
+async def test_a_registered_gqa_layout_spills_and_restores_bit_exact(tmp_path):
+    from kvtier import AsyncClient
+    from tests.service_support import assert_streams_equal, running_server, tokens_for
+
+    tokens = tokens_for(2 * GQA.chunk_tokens + 5)
+    data = _stream_data(GQA, len(tokens))
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
+        layout_id = await kv.register_layout(GQA)
+        assert layout_id == GQA.layout_id
+        assert await kv.register_layout(layout_to_json(GQA)) == layout_id  # idempotent
+        listed = {info.layout_id: info for info in await kv.layouts()}
+        assert not listed[layout_id].builtin and listed[layout_id].replayer == "none"
+        assert listed["deepseek-v3@b623b41edf7f24f0"].builtin
+        await kv.spill("acme", "gqa", GQA.name, tokens, data, generation=1)
+        restored = await kv.restore("acme", "gqa")
+        assert restored.layout.layout_id == layout_id and not restored.replay_needed
+        assert_streams_equal(restored.persistent, data)
+
+
+def _huge(**changes) -> str:
+    obj = json.loads(layout_to_json(GQA))
+    obj.update(changes)
+    return json.dumps(obj)
+
+
+@pytest.mark.parametrize("text, error, why", [
+    (_huge(name="deepseek-v3"), "InvalidRequest", "another shape"),
+    (_huge(streams=[{"name": "k", "entry_shape": [1 << 20], "bits": 16, "layers": 64}]),
+     "InvalidRequest", "a message can carry"),
+    (_huge(streams=[{"name": f"s{i}", "entry_shape": [2], "bits": 16} for i in range(65)]),
+     "InvalidRequest", "1 to 64 streams"),
+    (_huge(streams=[{"name": "k", "entry_shape": [1, 1, 1, 1, 2], "bits": 16}]),
+     "InvalidRequest", "at most 4 dimensions"),
+    (_huge(chunk_tokens=1 << 17), "InvalidRequest", "at most 65536"),
+    (_huge(notes="x" * (64 << 10)), "InvalidRequest", "over 65536 bytes"),
+    (_huge(chunk_tokens=16.0), "InvalidRequest", "only integers"),
+])
+async def test_register_layout_refuses_what_could_grow_without_bound(tmp_path, text, error, why):
+    import grpc
+
+    from kvstore.errors import ERROR_CLASSES
+    from kvtier import AsyncClient, RetryPolicy
+    from tests.service_support import running_server
+
+    async with running_server(tmp_path) as (server, target), \
+            AsyncClient(target, retry=RetryPolicy(attempts=1)) as kv:
+        with pytest.raises(ERROR_CLASSES[error], match=why) as caught:
+            await kv.register_layout(text)
+        assert isinstance(caught.value.__cause__, grpc.aio.AioRpcError)
+        assert caught.value.__cause__.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert not (server.servicer.config.data_dir / "layouts.json").exists()
+
+
+@pytest.mark.parametrize("policy", ["none", "admin"])
+async def test_register_layouts_policy_refuses_callers(tmp_path, policy):
+    from kvstore.errors import PermissionDenied
+    from kvtier import AsyncClient
+    from tests.service_support import running_server
+
+    async with running_server(tmp_path, register_layouts=policy) as (_, target), \
+            AsyncClient(target) as kv:
+        with pytest.raises(PermissionDenied, match=policy):
+            await kv.register_layout(GQA)
+        assert any(info.layout_id == "deepseek-v3@b623b41edf7f24f0"
+                   for info in await kv.layouts())  # listing stays open
+
+
+async def test_with_identities_only_admins_register_and_every_registration_is_audited(
+        tmp_path):
+    from kvstore.errors import PermissionDenied
+    from tests.security_support import dev_set, secured_server
+
+    certs = dev_set(tmp_path)
+    spec = LayoutSpec("gqa-audited", GQA.streams, chunk_tokens=16)
+    async with secured_server(tmp_path, certs) as (_, target):
+        async with certs.client(target, "acme") as tenant:
+            assert any(info.builtin for info in await tenant.layouts())
+            with pytest.raises(PermissionDenied, match="admin credentials only"):
+                await tenant.register_layout(spec)
+        async with certs.client(target, "admin") as admin:
+            assert await admin.register_layout(spec) == spec.layout_id
+    lines = [json.loads(line) for line in certs.audit_lines()]
+    layout = [line for line in lines if line["kind"] == "layout"]
+    assert len(layout) == 1 and layout[0]["role"] == "admin"
+    assert layout[0]["reason"] == f"{spec.layout_id} registered"
+    assert any(line["kind"] == "permission_denied" and line["method"] == "RegisterLayout"
+               for line in lines)
+
+
+async def test_resume_of_a_layout_nothing_here_replays_is_failed_precondition(tmp_path):
+    import grpc
+
+    from kvstore.errors import ReplayUnavailable
+    from kvtier import AsyncClient, RetryPolicy
+    from tests.service_support import LAYOUT, assert_streams_equal, running_server, tokens_for
+
+    flash = get_layout("deepseek-v4.1-flash")
+    tokens = tokens_for(flash.chunk_tokens + 6)
+    data = _stream_data(flash, len(tokens))
+    bundled = _stream_data(LAYOUT, len(tokens))
+    # The in-process backend replays the bundled model only; say this server's replayers
+    # are transformers' to see a bundled session refused too.
+    async with running_server(tmp_path, replayers=("transformers-deepseek-v4",)) as (
+            _, target), AsyncClient(target, retry=RetryPolicy(attempts=1)) as kv:
+        await kv.spill("acme", "flash", flash.name, tokens, data, generation=1)
+        await kv.spill("acme", "bundled", LAYOUT.name, tokens, bundled, generation=1)
+        for session, replayer in (("flash", "none"), ("bundled", "bundled")):
+            with pytest.raises(ReplayUnavailable, match=f"its replayer: {replayer}") as caught:
+                await kv.resume("acme", session)
+            assert caught.value.__cause__.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "transformers-deepseek-v4" in str(caught.value)
+        restored = await kv.restore("acme", "flash")  # Restore still works
+        assert restored.replay_needed and not restored.replayed
+        assert_streams_equal(restored.persistent, data)
+
+
+async def test_resume_on_flash_like_with_the_default_replay_says_nothing_replays_it(tmp_path):
+    from kvstore.errors import ReplayUnavailable
+    from kvtier import AsyncClient, RetryPolicy
+    from tests.service_support import running_server, tokens_for
+
+    flash = get_layout("flash-4.1-like")  # was INVALID_ARGUMENT LayoutMismatch
+    tokens = tokens_for(flash.chunk_tokens)
+    async with running_server(tmp_path) as (_, target), \
+            AsyncClient(target, retry=RetryPolicy(attempts=1)) as kv:
+        await kv.spill("acme", "f", flash.name, tokens, _stream_data(flash, len(tokens)),
+                       generation=1)
+        with pytest.raises(ReplayUnavailable, match="this server's replayers: bundled"):
+            await kv.resume("acme", "f")
+
+
+CONFIGURED = LayoutSpec(  # listed in the server's config file, unknown to this process
+    name="gqa-int8-configured",
+    streams=(Stream("k", (8, 128), bits=8, group_size=128, layers=32),
+             Stream("v", (8, 128), bits=8, group_size=128, layers=32)),
+    chunk_tokens=16, vocab_size=32_000)
+REGISTERED = LayoutSpec("gqa-registered", GQA.streams, chunk_tokens=32, vocab_size=32_000)
+
+
+def _serve(data_dir, config):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve", "--preset", "test", "--config",
+         str(config), "--data-dir", str(data_dir), "--log-level", "WARNING"],
+        cwd=Path(__file__).resolve().parent.parent, env=env, stdout=subprocess.PIPE,
+        text=True)
+    line = process.stdout.readline()
+    if not line.startswith("kvtier serving on "):
+        process.kill()
+        raise AssertionError(f"server did not start: {line!r}")
+    return process, line.split()[-1]
+
+
+def test_a_client_with_no_layouts_of_its_own_lists_spills_and_restores_and_they_persist(
+        tmp_path):
+    from kvstore.errors import UnknownLayout
+    from kvtier import Client
+    from tests.service_support import assert_streams_equal, tokens_for
+
+    for spec in (CONFIGURED, REGISTERED):
+        with pytest.raises(UnknownLayout):
+            get_layout(spec.name)  # this process never registers them
+    (tmp_path / "gqa.json").write_text(layout_to_json(CONFIGURED))
+    config = tmp_path / "server.toml"
+    config.write_text(f'layouts = ["{tmp_path / "gqa.json"}"]\n')
+    tokens = tokens_for(40)
+    data = _stream_data(CONFIGURED, len(tokens))
+    process, target = _serve(tmp_path / "data", config)
+    try:
+        with Client(target) as kv:
+            listed = {info.layout_id: info for info in kv.layouts()}
+            assert CONFIGURED.layout_id in listed and not listed[CONFIGURED.layout_id].builtin
+            assert listed[CONFIGURED.layout_id].spec == CONFIGURED
+            kv.spill("acme", "s", CONFIGURED.name, tokens, data, generation=1)
+            assert kv.register_layout(REGISTERED) == REGISTERED.layout_id
+    finally:
+        process.terminate()
+        process.wait(30)
+    stored = json.loads((tmp_path / "data" / "layouts.json").read_text())
+    assert [layout_from_json(json.dumps(obj)) for obj in stored] == [REGISTERED]
+    process, target = _serve(tmp_path / "data", config)
+    try:
+        with Client(target) as kv:  # a new client: knows the layouts only from the server
+            restored = kv.restore("acme", "s")
+            assert restored.layout == CONFIGURED
+            assert_streams_equal(restored.persistent, data)
+            assert REGISTERED.layout_id in {info.layout_id for info in kv.layouts()}
+            with pytest.raises(InvalidRequest, match="another shape"):
+                kv.register_layout(LayoutSpec(REGISTERED.name, GQA.streams, chunk_tokens=16))
+    finally:
+        process.terminate()
+        process.wait(30)

@@ -2,8 +2,9 @@
 counter per kind (``kvtier_audit_events_total{kind=...}``).
 
 Kinds: ``auth_failure`` (a missing, unknown or expired credential), ``permission_denied``
-(a role or tenant the credential does not cover), ``delete`` (every Delete, whoever asked)
-and ``admin`` (every other call of an admin). A line holds the time (UTC, ISO 8601), the
+(a role or tenant the credential does not cover), ``delete`` (every Delete, whoever asked),
+``layout`` (every RegisterLayout, whoever asked; the reason names the layout) and
+``admin`` (every other call of an admin). A line holds the time (UTC, ISO 8601), the
 kind, the identity (tenant and role, or role "anonymous"), the method, the peer, the
 result (a status code name) and, for failures, the reason; never a token (a credential
 is named by a prefix of its SHA-256 at most).
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from services.server.auth import Identity
 
 log = logging.getLogger(__name__)
-KINDS = ("auth_failure", "permission_denied", "delete", "admin")
+KINDS = ("auth_failure", "permission_denied", "delete", "layout", "admin")
 
 
 class AuditLog:

@@ -59,7 +59,10 @@ _CONTROL = frozenset({TENANT, ADMIN})  # admin: every tenant (listing, stats, co
 METHOD_ROLES: dict[str, frozenset[str]] = {
     **{_KVTIER + m: _DATA for m in ("Spill", "Restore", "Resume", "LeaseSegment",
                                     "ReleaseSegments", "Lookup", "Fork")},
-    **{_KVTIER + m: _CONTROL for m in ("Prefetch", "Evict", "Delete", "Stat", "List")},
+    **{_KVTIER + m: _CONTROL for m in ("Prefetch", "Evict", "Delete", "Stat", "List",
+                                       "ListLayouts")},
+    # who of these may register: the server's register_layouts (services.server.layouts)
+    _KVTIER + "RegisterLayout": _CONTROL,
     "/kvtier.v1.Replay/Rebuild": frozenset({REPLAY}),
 }
 
@@ -310,6 +313,8 @@ class _Guard:
         result = code.name if code is not None else ("OK" if error is None else "CANCELLED")
         if result == "PERMISSION_DENIED":
             kind = "permission_denied"
+        elif self.name == "RegisterLayout":
+            return  # the servicer audits it, naming the layout (kind "layout")
         elif self.name == "Delete":
             kind = "delete"
         elif identity is not None and identity.role == ADMIN:

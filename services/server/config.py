@@ -18,6 +18,7 @@ replay in the server's process.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import socket
@@ -30,6 +31,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvstore.errors import InvalidRequest
+from kvstore.layout import REPLAYERS
 from services.server.address_file import WILDCARD_HOSTS
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
@@ -39,6 +41,7 @@ DEFAULT_METRICS_PORT = 9100
 DEFAULT_REPLAY_PORT = 50052
 ACKS = ("memory", "durable")
 REPLAY_MODES = ("auto", "in-process", "remote", "streams", "off")
+LAYOUT_POLICIES = ("auto", "admin", "any", "none")  # register_layouts
 EVICTION_POLICIES = ("hint", "lru")
 # What kvstore.tiers.redis.RedisTier connects to, and what boto3 takes as an endpoint.
 REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix")
@@ -147,6 +150,17 @@ class ServerConfig:
     replay_tls_cert: str = ""
     replay_tls_key: str = ""
     replay_token_file: str = ""
+    # The layouts' replayers (kvstore.layout.REPLAYERS) the replay backend runs: a Resume
+    # that needs a replay of a layout whose replayer is not here answers
+    # ReplayUnavailable. Empty: "bundled" (the in-process model, and what the bundled
+    # `kvtier replay-worker` runs); with replay off, none.
+    replayers: tuple[str, ...] = ()
+    # Layouts at run time (services.server.layouts): who may call RegisterLayout (admin,
+    # any, none; auto: admin when the server authenticates, else any), and layouts served
+    # besides the presets: canonical layout JSON inline, or paths of JSON files holding
+    # one layout or a list of them (in the environment: paths, comma-separated).
+    register_layouts: str = "auto"
+    layouts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_listen("listen", self.listen)
@@ -211,8 +225,11 @@ class ServerConfig:
         if self.replay_max_batch < 1:
             raise InvalidRequest(f"replay_max_batch must be >= 1, got {self.replay_max_batch}")
         _check_pairs(self)
+        _check_layout_settings(self)
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         object.__setattr__(self, "replay_workers", tuple(self.replay_workers))
+        object.__setattr__(self, "replayers", tuple(self.replayers))
+        object.__setattr__(self, "layouts", tuple(self.layouts))
 
     @property
     def replay_mode(self) -> str:
@@ -221,6 +238,20 @@ class ServerConfig:
                 return "remote"
             return "streams" if self.replay_redis_url else "in-process"
         return self.replay
+
+    @property
+    def replay_layouts(self) -> frozenset[str]:
+        """The replayers whose layouts this server's Resume can rebuild a window for."""
+        if self.replay_mode == "off":
+            return frozenset()
+        return frozenset(self.replayers or ("bundled",))
+
+    @property
+    def layout_policy(self) -> str:
+        """Who may register layouts: ``register_layouts`` with auto resolved."""
+        if self.register_layouts == "auto":
+            return "admin" if self.authenticates else "any"
+        return self.register_layouts
 
     @property
     def tls(self) -> bool:
@@ -294,6 +325,15 @@ def _check_pairs(config: ServerConfig) -> None:
         raise InvalidRequest("auth_jwt_audience needs auth_jwt_key")
     if not config.metrics_host:
         raise InvalidRequest("metrics_host must name an address, e.g. 127.0.0.1")
+
+
+def _check_layout_settings(config: ServerConfig) -> None:
+    if config.register_layouts not in LAYOUT_POLICIES:
+        raise InvalidRequest(f"register_layouts must be one of {LAYOUT_POLICIES}, "
+                             f"got {config.register_layouts!r}")
+    unknown = set(config.replayers) - set(REPLAYERS[:-1])
+    if unknown:
+        raise InvalidRequest(f"replayers must be some of {REPLAYERS[:-1]}, got {sorted(unknown)}")
 
 
 _DOMAIN = re.compile(r"^[a-z0-9_-]{1,64}$")  # as tenant ids
@@ -419,6 +459,10 @@ def _coerce(name: str, value: object) -> object:
             return _quota_tables(value)
         if kind.startswith("Mapping"):
             return _domains(value)
+        if name == "layouts" and not isinstance(value, str):
+            # TOML inline tables are layouts too: kept as the JSON they spell
+            return tuple(json.dumps(item) if isinstance(item, Mapping) else str(item)
+                         for item in value)
         if kind.startswith("tuple"):
             items = value.split(",") if isinstance(value, str) else list(value)
             return tuple(item.strip() for item in items if item.strip())

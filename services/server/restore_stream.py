@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.codec import DecodedChunk, decode_chunk
-from kvstore.errors import DataLoss, PreconditionFailed, TierFull
+from kvstore.errors import DataLoss, ReplayUnavailable, TierFull
 from kvstore.keys import chunk_digest, shared_domain, split_block_key
 from kvstore.layout import LayoutSpec
 from kvstore.manager import TierManager
@@ -50,8 +50,9 @@ class RestoreStreamer:
     def __init__(self, manager: TierManager, metrics: ServiceMetrics,
                  leases: LeaseTable | None,
                  replay: Callable[[], tuple[ReplayBackend | None, str]],
-                 max_message_bytes: int) -> None:
+                 max_message_bytes: int, replayers: frozenset[str] = frozenset()) -> None:
         self.manager = manager
+        self.replayers = replayers  # the layouts' replayers the backend runs
         self.metrics = metrics
         self.leases = leases
         self.replay = replay
@@ -71,9 +72,8 @@ class RestoreStreamer:
                                               and not opts.resume)
                 replay = has_window and not held
                 backend, why_none = self.replay()
-                if replay and opts.resume and backend is None:
-                    raise PreconditionFailed(f"{tenant}/{session_id} needs its window rebuilt "
-                                             f"by replay, and {why_none}")
+                if replay and opts.resume:
+                    self._check_replayable(f"{tenant}/{session_id}", spec, backend, why_none)
                 size = sum(m.chunk_sizes) + len(m.tail) + (len(window) if window else 0)
                 if opts.use_shared_memory and self.leases is not None:
                     try:
@@ -140,6 +140,19 @@ class RestoreStreamer:
         finally:
             if lease is not None:  # renewed: the client copies out, then may offer it again
                 self.leases.done(lease)
+
+    def _check_replayable(self, session: str, spec: LayoutSpec,
+                          backend: ReplayBackend | None, why_none: str) -> None:
+        """ReplayUnavailable unless this server can rebuild ``spec``'s window."""
+        if backend is None:
+            raise ReplayUnavailable(f"{session} needs its window rebuilt by replay, and "
+                                    f"{why_none}; Restore returns its persistent part")
+        if spec.replayer not in self.replayers:
+            runs = ", ".join(sorted(self.replayers)) or "none"
+            raise ReplayUnavailable(
+                f"{session} needs its window rebuilt by replay, and nothing on this server "
+                f"replays layout {spec.layout_id} (its replayer: {spec.replayer}; this "
+                f"server's replayers: {runs}); Restore returns its persistent part")
 
     def _payload(self, key: str, data: Buffer, writer: PackedWriter | None, refused: str = ""
                  ) -> pb.Payload:

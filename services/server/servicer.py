@@ -25,8 +25,10 @@ from kvstore.errors import (
     MissingChunks,
     PreconditionFailed,
     SharedMemoryUnavailable,
+    status_name,
 )
 from kvstore.keys import split_block_key
+from kvstore.layout import LayoutSpec, all_layouts, layout_to_json
 from kvstore.manager import TierManager
 from kvstore.manifest import SessionManifest
 from kvstore.quota import TenantReport
@@ -39,6 +41,7 @@ from services.server import auth
 from services.server import validate as check
 from services.server.audit import AuditLog
 from services.server.config import ServerConfig
+from services.server.layouts import ServerLayouts, is_builtin
 from services.server.limits import Bounds, InFlight, Limits, idle_bounded
 from services.server.metrics import ServiceMetrics, tier_lookups
 from services.server.restore_stream import RestoreStreamer, StreamOptions
@@ -62,7 +65,9 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                                  config.shm_lease_bytes_total) if shm.available() else None
         self.streamer = RestoreStreamer(manager, metrics, self.leases,
                                         lambda: (self.replay, self.why_no_replay),
-                                        config.max_message_bytes)
+                                        config.max_message_bytes, config.replay_layouts)
+        self.layouts = ServerLayouts(config.layouts, config.data_dir, config.layout_policy,
+                                     config.max_message_bytes)
         self.replays = 0
         self.address = ""  # where other nodes and routers reach this server (once bound)
         self.audit: AuditLog | None = None  # set when auth or an audit log is configured
@@ -329,6 +334,33 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                             chunks=len(manifest.chunk_keys),
                             window_kept=manifest.window_key is not None)
 
+    # -- layouts at run time (services.server.layouts) --
+
+    @grpc_errors
+    async def RegisterLayout(self, request: pb.RegisterLayoutRequest,
+                             context: grpc.aio.ServicerContext) -> pb.RegisterLayoutReply:
+        identity = auth.caller()
+        self.layouts.check_caller(identity.role if identity is not None else None)
+        try:
+            spec, created = await self.layouts.register(request.layout_json)
+        except KVTierError as exc:
+            self._audit_layout(context, status_name(exc), str(exc))
+            raise
+        self._audit_layout(context, "OK", f"{spec.layout_id} "
+                           f"{'registered' if created else 'already known'}")
+        return pb.RegisterLayoutReply(layout=_layout_info(spec), created=created)
+
+    def _audit_layout(self, context: grpc.aio.ServicerContext, result: str, what: str) -> None:
+        if self.audit is not None:
+            self.audit.record("layout", auth.caller(), "RegisterLayout", context.peer(), result,
+                              what)
+
+    @grpc_errors
+    async def ListLayouts(self, request: pb.ListLayoutsRequest,
+                          context: grpc.aio.ServicerContext) -> pb.ListLayoutsReply:
+        specs = sorted(all_layouts(), key=lambda spec: spec.name)
+        return pb.ListLayoutsReply(layouts=[_layout_info(spec) for spec in specs])
+
     def _info(self, m: SessionManifest) -> pb.SessionInfo:
         node = address = ""
         if m.window_key is not None:  # held here (node_id is "" on a single node)
@@ -351,6 +383,11 @@ def _own_session(ref: pb.SessionRef, field_name: str = "session") -> tuple[str, 
     tenant, session_id = check.session_ref(ref, field_name=field_name)
     auth.check_tenant(tenant)
     return tenant, session_id
+
+
+def _layout_info(spec: LayoutSpec) -> pb.LayoutInfo:
+    return pb.LayoutInfo(layout_id=spec.layout_id, layout_json=layout_to_json(spec),
+                         replayer=spec.replayer, builtin=is_builtin(spec))
 
 
 def _tenant_usage(report: TenantReport) -> pb.TenantUsage:

@@ -1,0 +1,202 @@
+"""Layouts at run time: what a server serves besides the shipped presets.
+
+- ``layouts`` in the config: canonical layout JSON inline, or paths of files holding one
+  layout object or a JSON list of them, loaded at start (a bad one stops the start);
+- ``RegisterLayout``: a layout a client sends, checked hard (``check_bounds``: nothing in
+  it may make the server allocate without bound), idempotent for the same layout (same
+  id and replayer), refused for a known name of another shape; kept in
+  ``{data_dir}/layouts.json`` (written atomically), so it is served again after a
+  restart. Who may register is ``register_layouts``: ``admin`` (admin credentials only),
+  ``any`` (any caller the server lets in), ``none``; ``auto`` (the default) is ``admin``
+  when the server authenticates and ``any`` when it does not (a server without
+  identities has no admins). Every registration is logged and, with an audit log,
+  audited (kind ``layout``).
+
+Layouts live in the process's registry (``kvstore.layout.register_layout``), which the
+store resolves session layouts from. A fleet's nodes each need the layout: register it
+on each (or list it in the shared config).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+
+from kvstore.errors import (
+    InvalidRequest,
+    PermissionDenied,
+    TierFull,
+    TierUnavailable,
+)
+from kvstore.layout import (
+    LayoutSpec,
+    all_layouts,
+    layout_from_json,
+    layout_to_json,
+    register_layout,
+)
+from kvstore.presets import SHIPPED
+from kvstore.validate import chunk_bytes_max, window_bytes_max
+
+log = logging.getLogger(__name__)
+FILE_NAME = "layouts.json"
+MESSAGE_MARGIN = 4096  # as services.server.restore_stream: the fields around a payload
+# Bounds on one layout: every size it implies is bounded by the layout, so bounding the
+# layout bounds what a session of it can make the server hold.
+MAX_JSON_BYTES = 64 << 10
+MAX_STREAMS = 64
+MAX_DIMS = 4
+MAX_ENTRY_VALUES = 1 << 20
+MAX_LAYER_SECTIONS = 1 << 14  # layers of all streams together (each a codec section)
+MAX_TOKENS_PER_ENTRY = 1024
+MAX_CHUNK_TOKENS = 1 << 16
+MAX_WINDOW_TOKENS = 1 << 16
+MAX_LAYER_MODES = 4096
+MAX_REGISTERED = 256  # layouts registered at run time, all callers together
+
+
+def check_bounds(spec: LayoutSpec, max_message_bytes: int) -> None:
+    """InvalidRequest unless ``spec`` stays inside the bounds above, and one chunk and
+    one window blob of it fit in a message."""
+    what = f"layout {spec.name}"
+    if not 1 <= len(spec.streams) <= MAX_STREAMS or not spec.persistent_streams:
+        raise InvalidRequest(f"{what}: needs 1 to {MAX_STREAMS} streams, one persistent at "
+                             f"least; has {len(spec.streams)}")
+    for s in spec.streams:
+        if len(s.entry_shape) > MAX_DIMS or s.values_per_entry > MAX_ENTRY_VALUES:
+            raise InvalidRequest(f"{what}: stream {s.name}'s entry must have at most "
+                                 f"{MAX_DIMS} dimensions and {MAX_ENTRY_VALUES} values")
+        if s.tokens_per_entry > MAX_TOKENS_PER_ENTRY:
+            raise InvalidRequest(f"{what}: stream {s.name}: tokens_per_entry at most "
+                                 f"{MAX_TOKENS_PER_ENTRY}")
+    if sum(s.layers for s in spec.streams) > MAX_LAYER_SECTIONS:
+        raise InvalidRequest(f"{what}: its streams' layers add up to more than "
+                             f"{MAX_LAYER_SECTIONS}")
+    if spec.chunk_tokens > MAX_CHUNK_TOKENS or spec.window_tokens > MAX_WINDOW_TOKENS:
+        raise InvalidRequest(f"{what}: chunk_tokens and window_tokens must be at most "
+                             f"{MAX_CHUNK_TOKENS} and {MAX_WINDOW_TOKENS}")
+    if len(spec.layer_modes) > MAX_LAYER_MODES:
+        raise InvalidRequest(f"{what}: at most {MAX_LAYER_MODES} layer modes")
+    room = max_message_bytes - MESSAGE_MARGIN
+    # Plain arithmetic first, so the codec's plans are only made for bounded layouts.
+    rough = (spec.chunk_tokens * spec.persistent_bytes_per_token
+             + spec.window_tokens * spec.ephemeral_bytes_per_token)
+    if rough > room or chunk_bytes_max(spec, spec.chunk_tokens) > room \
+            or window_bytes_max(spec) > room:
+        raise InvalidRequest(f"{what}: a chunk or a window of it would exceed the {room} B "
+                             "a message can carry: fewer chunk_tokens, or smaller entries")
+
+
+def _specs_in(text: str, where: str) -> list[LayoutSpec]:
+    """One layout object or a JSON list of them."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequest(f"{where}: not JSON: {exc}") from exc
+    items = value if isinstance(value, list) else [value]
+    try:
+        return [layout_from_json(json.dumps(item)) for item in items]
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"{where}: {exc}") from exc
+
+
+def _configured(entry: str) -> list[LayoutSpec]:
+    entry = entry.strip()
+    if entry.startswith(("{", "[")):
+        return _specs_in(entry, "config layouts (inline)")
+    try:
+        text = Path(entry).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InvalidRequest(f"config layouts: cannot read {entry}: {exc.strerror}") from exc
+    return _specs_in(text, f"config layouts ({entry})")
+
+
+class ServerLayouts:
+    """The configured and registered layouts of one server, put in the process's registry."""
+
+    def __init__(self, entries: tuple[str, ...], data_dir: Path, policy: str,
+                 max_message_bytes: int) -> None:
+        self.policy = policy
+        self.max_message_bytes = max_message_bytes
+        self.path = Path(data_dir) / FILE_NAME
+        self.registered: dict[str, LayoutSpec] = {}  # name -> spec, as stored in the file
+        self._lock = asyncio.Lock()
+        for entry in entries:
+            for spec in _configured(entry):
+                self._add(spec, "config layouts")
+        for spec in self._stored():
+            self.registered[spec.name] = self._add(spec, str(self.path))
+
+    def _add(self, spec: LayoutSpec, where: str) -> LayoutSpec:
+        try:
+            check_bounds(spec, self.max_message_bytes)
+            return register_layout(spec)
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"{where}: {exc}") from exc
+
+    def _stored(self) -> list[LayoutSpec]:
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise InvalidRequest(f"cannot read {self.path}: {exc.strerror}") from exc
+        return _specs_in(text, str(self.path))
+
+    def check_caller(self, role: str | None) -> None:
+        """PermissionDenied unless a caller of ``role`` (None: not authenticated) may
+        register layouts here."""
+        if self.policy == "none":
+            raise PermissionDenied("this server does not register layouts "
+                                   "(register_layouts = 'none'): list them in its config")
+        if self.policy == "admin" and role != "admin":
+            raise PermissionDenied("this server registers layouts for admin credentials "
+                                   "only (register_layouts = 'admin')")
+
+    async def register(self, text: str) -> tuple[LayoutSpec, bool]:
+        """(the layout, whether it was new) for a RegisterLayout's JSON."""
+        if len(text.encode()) > MAX_JSON_BYTES:
+            raise InvalidRequest(f"layout_json is over {MAX_JSON_BYTES} bytes")
+        spec = layout_from_json(text)
+        check_bounds(spec, self.max_message_bytes)
+        async with self._lock:
+            known = {s.name: s for s in all_layouts()}.get(spec.name)
+            if known is not None:
+                return register_layout(spec), False  # the same one, or InvalidRequest
+            if len(self.registered) >= MAX_REGISTERED:
+                raise TierFull(f"this server holds {MAX_REGISTERED} registered layouts, "
+                               "the most it keeps")
+            stored = [*self.registered.values(), spec]
+            try:
+                await asyncio.to_thread(_write_atomically, self.path, stored)
+            except OSError as exc:  # no server path in what the client sees
+                log.error("cannot store layout %s in %s: %s", spec.layout_id, self.path, exc)
+                raise TierUnavailable(f"cannot store layout {spec.layout_id} on this "
+                                      f"server's disk: {exc.strerror}") from exc
+            self.registered[spec.name] = register_layout(spec)
+        log.info("layout %s registered (replayer %s)", spec.layout_id, spec.replayer)
+        return spec, True
+
+
+def _write_atomically(path: Path, specs: list[LayoutSpec]) -> None:
+    """The file is either the old list or the new one, whatever happens meanwhile."""
+    body = "[\n" + ",\n".join(layout_to_json(s) for s in specs) + "\n]\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(body)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def is_builtin(spec: LayoutSpec) -> bool:
+    return any(spec.name == shipped.name for shipped in SHIPPED)
