@@ -3,12 +3,14 @@ one tensor per stream and part.
 
 ``decode_chunk`` builds a dict of tensors per chunk, which costs about 100 µs of Python
 and torch calls whatever the chunk's size; a 64k-token session of the bundled layout has
-128 chunks of 18 KB. Here the run is checked as a whole: the chunks are joined into one
-buffer, every header and section table is parsed as one numpy structured array and
-compared with the layout's table once per token count, each chunk costs three hashes
-(header, token ids, payload: version 2 checksums the payload as one piece), and each
-part of the result is one strided copy per group of equal chunks. Anything the run check
-does not accept (a version 1 chunk, any fault) is decoded chunk by chunk, which verifies
+128 chunks of 18 KB. Here the run is checked as a whole, with no Python step per chunk:
+consecutive chunks of one size are one (chunks, bytes) array (a view of the buffer they
+lie in back to back, a ``PackedRun`` as a restore reply delivers them, else of one join
+of them), every header and section table is read from it as one numpy structured array
+and compared with the layout's table once per token count, each chunk's header, token
+ids and payload are hashed row by row (version 2 checksums the payload as one piece),
+and each part of the result is one strided copy per group. Anything the run check does
+not accept (a version 1 chunk, any fault) is decoded chunk by chunk, which verifies
 every section and raises the first bad chunk's specific error.
 
     streams = decode_chunks(bufs, spec, token_ids, counts)  # {name: StreamData (layers, E, ...)}
@@ -17,9 +19,7 @@ every section and raises the first bad chunk's specific error.
 from __future__ import annotations
 
 import functools
-import itertools
-from collections.abc import Sequence
-from operator import attrgetter, getitem
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -40,16 +40,43 @@ from kvstore.codec import (
     verify_payload,
 )
 from kvstore.errors import InvalidRequest, LayoutMismatch
-from kvstore.keys import token_bytes
 from kvstore.layout import LayoutSpec
 
 Buffer = bytes | bytearray | memoryview
 # Chunks laid out alike, back to back: (k, bytes per chunk) uint8, payload offset in a
 # row, tokens per chunk.
 Group = tuple[np.ndarray, int, int]
-# Chunks at least this large are copied from where they lie, one group each; smaller ones
-# are joined first, so a group of them is copied with one strided call per part.
+# Chunks at least this large are read from where they lie, one group each; smaller ones
+# are joined first (unless packed), so a group of them is one array.
 JOIN_BELOW = 1 << 18
+
+
+class PackedRun(Sequence[memoryview]):
+    """Chunks back to back in one buffer: chunk i is ``buffer[offsets[i]:offsets[i] +
+    lengths[i]]``. A sequence of those views to every other reader; ``decode_chunks``
+    reads the run from the buffer without joining it first."""
+
+    def __init__(self, buffer: Buffer, lengths: Sequence[int]) -> None:
+        self.buffer = np.frombuffer(buffer, np.uint8)  # (bytes,) uint8
+        self.lengths = np.asarray(lengths, np.int64).reshape(-1)
+        self.offsets = np.zeros(len(self.lengths), np.int64)
+        np.cumsum(self.lengths[:-1], out=self.offsets[1:])
+        if len(self.lengths) and (self.lengths.min() < 0
+                                  or self.offsets[-1] + self.lengths[-1] > len(self.buffer)):
+            raise InvalidRequest(f"{self.lengths.sum()} B of chunks do not fit a "
+                                 f"{len(self.buffer)} B buffer")
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        at = int(self.offsets[index])
+        return memoryview(self.buffer[at:at + int(self.lengths[index])])
+
+    def __iter__(self) -> Iterator[memoryview]:
+        return map(self.__getitem__, range(len(self)))
 
 
 def decode_chunks(bufs: Sequence[Buffer], spec: LayoutSpec,
@@ -77,10 +104,28 @@ def _run_header_dtype(sections: int) -> np.dtype:
                      ("check", "<u8")])
 
 
-def _hashes(views: Sequence[memoryview], starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """xxh3-64 of each ``views[i][starts[i]:ends[i]]``, with no Python loop."""
-    pieces = map(getitem, views, map(slice, starts.tolist(), ends.tolist()))
-    return np.fromiter(map(xxhash.xxh3_64_intdigest, pieces), np.uint64, len(starts))
+def _row_hashes(rows: np.ndarray) -> np.ndarray:
+    """(k, bytes) uint8 -> (k,) uint64: xxh3-64 of each row, with no Python loop."""
+    return np.fromiter(map(xxhash.xxh3_64_intdigest, rows), np.uint64, len(rows))
+
+
+def _blocks(bufs: Sequence[Buffer], lens: np.ndarray, want: np.ndarray) -> list[np.ndarray]:
+    """The run as (k, bytes) uint8 arrays of consecutive chunks of one size and token
+    count: views of a ``PackedRun``'s buffer, or of one join of small chunks; large
+    chunks one array each, where they lie."""
+    n = len(lens)
+    if isinstance(bufs, PackedRun):
+        whole, offsets = bufs.buffer, bufs.offsets
+    elif lens.max() < JOIN_BELOW:
+        whole = np.frombuffer(b"".join(bufs), np.uint8)
+        offsets = np.zeros(n, np.int64)
+        np.cumsum(lens[:-1], out=offsets[1:])
+    else:
+        return [np.frombuffer(buf, np.uint8).reshape(1, -1) for buf in bufs]
+    cuts = np.flatnonzero((lens[1:] != lens[:-1]) | (want[1:] != want[:-1])) + 1
+    bounds = [0, *cuts.tolist(), n]
+    return [whole[offsets[a]:offsets[a] + (b - a) * lens[a]].reshape(b - a, lens[a])
+            for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def _checked_run(bufs: Sequence[Buffer], spec: LayoutSpec, ids: np.ndarray,
@@ -91,28 +136,33 @@ def _checked_run(bufs: Sequence[Buffer], spec: LayoutSpec, ids: np.ndarray,
     nsec = len(chunk_plan(spec, spec.chunk_tokens, False).table_head)  # any count's
     dtype = _run_header_dtype(nsec)
     size = dtype.itemsize
-    views = list(map(memoryview, bufs))
-    lens = np.fromiter(map(attrgetter("nbytes"), views), np.int64, n)
+    lens = (bufs.lengths if isinstance(bufs, PackedRun)
+            else np.fromiter(map(len, map(memoryview, bufs)), np.int64, n))
     want = np.asarray(counts, np.int64).reshape(n)
     if n == 0 or lens.min() < size or want.min() < 0 or want.max() > spec.chunk_tokens:
         return None
-    heads = np.frombuffer(b"".join(map(getitem, views, itertools.repeat(slice(0, size), n))),
-                          dtype)
-    head = heads["head"]
-    first = np.zeros(n, np.int64)
-    np.cumsum(want[:-1], out=first[1:])
     total = int(want.sum())
+    if ids.ndim != 1 or len(ids) < total:
+        return None
+    ids = ids[:total]
+    if total and (ids.min() < 0 or ids.max() > 0xFFFFFFFF):
+        return None  # token_bytes refuses them: the chunk-by-chunk path says where
+    tokens = np.ascontiguousarray(ids, "<u4").view(np.uint8)  # (4 * total,) uint8
+    blocks = _blocks(bufs, lens, want)
+    firsts = np.zeros(n, np.int64)
+    np.cumsum(want[:-1], out=firsts[1:])
+    raw = np.concatenate([block[:, :size] for block in blocks])  # (n, size) uint8
+    heads = raw.view(dtype).reshape(n)
+    head = heads["head"]
     zstd = (head["flags"] & FLAG_ZSTD) != 0
     ok = ((head["magic"] == MAGIC) & (head["version"] == VERSION)
           & ((head["flags"] & ~np.uint16(FLAG_ZSTD)) == 0)  # persistent, no unknown flag
-          & (head["layout_hash"] == spec.layout_hash) & (head["start_token"] == first)
+          & (head["layout_hash"] == spec.layout_hash) & (head["start_token"] == firsts)
           & (head["num_tokens"] == want) & (head["sections"] == nsec)
           & (lens == size + head["stored_len"].astype(np.int64))
           & (zstd | (head["stored_len"] == head["raw_len"])))
-    if not ok.all() or ids.ndim != 1 or len(ids) < total:
+    if not ok.all():
         return None
-    if total and (ids[:total].min() < 0 or ids[:total].max() > 0xFFFFFFFF):
-        return None  # token_bytes refuses them: the chunk-by-chunk path says where
     # the table is exactly the layout's for each chunk's token count
     rows = heads["table"].view(np.uint64).reshape(n, nsec, 4)[:, :, :3]
     for count in np.unique(want).tolist():
@@ -120,32 +170,27 @@ def _checked_run(bufs: Sequence[Buffer], spec: LayoutSpec, ids: np.ndarray,
         if not ((rows[mine] == plan.table_head).all()
                 and (head["raw_len"][mine] == plan.payload_bytes).all()):
             return None
-    zero = np.zeros(n, np.int64)
-    if not (_hashes(views, zero, zero + size - 8) == heads["check"]).all():
+    if not (_row_hashes(raw[:, :size - 8]) == heads["check"]).all():
         return None
-    tokens = memoryview(token_bytes(ids[:total]))
-    if not (_hashes(itertools.repeat(tokens, n), first * 4, (first + want) * 4)
-            == head["tokens_hash"]).all():
-        return None
-    # the payload as stored, compressed or not (version 2's payload checksum)
-    if not (_hashes(views, zero + size, lens) == head["payload_checksum"]).all():
-        return None
-    raws: dict[int, np.ndarray] = {}
-    for i in np.flatnonzero(zstd).tolist():
-        raws[i] = decompressed(views[i][size:], int(head["raw_len"][i]))
+    # token ids, and the payload as stored, compressed or not (version 2's checksum)
+    at = 0
+    for block in blocks:
+        k, first, count = len(block), int(firsts[at]), int(want[at])
+        mine = tokens[4 * first:4 * (first + k * count)].reshape(k, 4 * count)
+        if not ((_row_hashes(mine) == head["tokens_hash"][at:at + k]).all()
+                and (_row_hashes(block[:, size:]) == head["payload_checksum"][at:at + k]
+                     ).all()):
+            return None
+        at += k
     groups: list[Group] = []
     at = 0
-    for (count, packed), same in itertools.groupby(zip(want.tolist(), zstd.tolist(),
-                                                       strict=True)):
-        k, span = len(list(same)), int(lens[at])
-        if packed:
-            groups += [(raws[i].reshape(1, -1), 0, count) for i in range(at, at + k)]
-        elif span >= JOIN_BELOW:
-            groups += [(np.frombuffer(views[i], np.uint8).reshape(1, -1), size, count)
-                       for i in range(at, at + k)]
-        else:
-            block = np.frombuffer(b"".join(views[at:at + k]), np.uint8).reshape(k, span)
+    for block in blocks:
+        k, count = len(block), int(want[at])
+        if not zstd[at:at + k].any():
             groups.append((block, size, count))
+        else:
+            groups += [(decompressed(row[size:], int(head["raw_len"][at + i])).reshape(1, -1),
+                        0, count) for i, row in enumerate(block)]
         at += k
     return groups
 
@@ -172,8 +217,6 @@ def _checked_each(bufs: Sequence[Buffer], spec: LayoutSpec, ids: np.ndarray,
         groups.append((payload.reshape(1, -1), 0, count))
         start += count
     return groups
-
-
 def _assemble(spec: LayoutSpec, groups: list[Group]) -> dict[str, StreamData]:
     """Each part of the run as one tensor: per group of chunks, one strided copy of the
     part's (chunk, layer, bytes) into (layer, chunk, bytes) of the result."""

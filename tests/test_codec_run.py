@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvstore import codec
 from kvstore.codec import StreamData, decode_chunk, encode_chunk
-from kvstore.codec_run import decode_chunks
+from kvstore.codec_run import PackedRun, decode_chunks
 from kvstore.errors import ChunkCorrupt, CodecError, InvalidRequest, LayoutMismatch
 from kvstore.layout import LayoutSpec, Stream
 from tests.test_codec import BUNDLED, MIXED, assert_same, make_streams
@@ -146,3 +146,19 @@ def test_version_1_chunks_are_still_read_and_checked_per_section(zstd):
     broken[-1] ^= 1
     with pytest.raises(ChunkCorrupt):
         decode_chunks([old[0], bytes(broken), old[2]], MIXED, ids, counts)
+
+
+@pytest.mark.parametrize("spec,counts", [(MIXED, [12, 12, 12, 7]), (BUNDLED, [512, 512, 100])])
+def test_a_packed_run_decodes_as_its_chunks_do_and_is_verified(spec, counts):
+    bufs, ids, streams = session(spec, counts)
+    packed = b"".join(bufs)
+    run = PackedRun(packed, [len(b) for b in bufs])
+    assert [bytes(c) for c in run] == bufs and bytes(run[-1]) == bufs[-1]
+    assert_same(decode_chunks(run, spec, ids, counts), concatenated(spec, streams))
+    for position in (40, len(bufs[0]) + len(bufs[1]) // 2, len(packed) - 1):
+        broken = bytearray(packed)
+        broken[position] ^= 0x04
+        with pytest.raises(CodecError):
+            decode_chunks(PackedRun(bytes(broken), run.lengths), spec, ids, counts)
+    with pytest.raises(InvalidRequest, match="do not fit"):
+        PackedRun(packed[:-1], run.lengths)
