@@ -331,3 +331,84 @@ def test_a_client_with_no_layouts_of_its_own_lists_spills_and_restores_and_they_
     finally:
         process.terminate()
         process.wait(30)
+
+
+async def test_kvtier_layouts_lists_a_servers_layouts(tmp_path):
+    import asyncio
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvtier import AsyncClient
+    from tests.service_support import running_server
+
+    spec = LayoutSpec("gqa-cli", GQA.streams, chunk_tokens=8)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+
+    def kvtier(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "services.cli", "layouts", *argv],
+                              cwd=Path(__file__).resolve().parent.parent, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
+        await kv.register_layout(spec)
+        listed = await asyncio.to_thread(kvtier, "--server", target, "--json")
+        table = await asyncio.to_thread(kvtier, "--server", target)
+    assert listed.returncode == 0, listed.stderr
+    rows = {row["name"]: row for row in json.loads(listed.stdout)}
+    assert rows["gqa-cli"]["layout_id"] == spec.layout_id and not rows["gqa-cli"]["builtin"]
+    assert rows["gqa-cli"]["layout_json"] == layout_to_json(spec)
+    assert rows["gqa-cli"]["persistent_bytes_per_token"] == 131_072
+    assert rows["kvtier-bundled"]["builtin"] and rows["kvtier-bundled"]["replayer"] == "bundled"
+    assert "gqa-cli" in table.stdout
+    down = kvtier("--server", "127.0.0.1:9")
+    assert down.returncode == 1 and "kvtier layouts:" in down.stderr
+
+
+def test_config_lists_layouts_inline_as_json_or_toml_tables(tmp_path):
+    from services.server.config import load_config
+    from services.server.layouts import ServerLayouts
+
+    table = LayoutSpec("gqa-toml", GQA.streams, chunk_tokens=8)
+    inline = LayoutSpec("gqa-inline", GQA.streams, chunk_tokens=4)
+    path = tmp_path / "server.toml"
+    path.write_text(
+        f"layouts = ['{layout_to_json(inline)}', "
+        '{ name = "gqa-toml", chunk_tokens = 8, streams = ['
+        '{ name = "k", entry_shape = [8, 128], bits = 16, layers = 32 }, '
+        '{ name = "v", entry_shape = [8, 128], bits = 16, layers = 32 }] }]\n'
+        'register_layouts = "none"\n')
+    config = load_config(path, env={})
+    assert config.layout_policy == "none"
+    ServerLayouts(config.layouts, tmp_path, config.layout_policy, config.max_message_bytes)
+    assert get_layout(table.layout_id) == table and get_layout(inline.layout_id) == inline
+    with pytest.raises(InvalidRequest, match="register_layouts must be one of"):
+        load_config(env={}, overrides={"register_layouts": "everyone"})
+    with pytest.raises(InvalidRequest, match="replayers must be some of"):
+        load_config(env={}, overrides={"replayers": "none"})
+    # A configured layout that does not hold stops the start, saying which entry.
+    with pytest.raises(InvalidRequest, match="config layouts.*another shape"):
+        ServerLayouts((_huge(name="deepseek-v3"),), tmp_path, "any", 64 << 20)
+    with pytest.raises(InvalidRequest, match="cannot read"):
+        ServerLayouts((str(tmp_path / "missing.json"),), tmp_path, "any", 64 << 20)
+
+
+async def test_a_layout_claiming_a_replayer_that_cannot_rebuild_it_is_failed_precondition(
+        tmp_path):
+    from kvstore.errors import ReplayUnavailable
+    from kvtier import AsyncClient, RetryPolicy
+    from tests.service_support import running_server, tokens_for
+
+    flash = get_layout("flash-4.1-like")
+    claimed = LayoutSpec("flash-claims-bundled", flash.streams, chunk_tokens=256,
+                         window_tokens=128, vocab_size=256, replayer="bundled")
+    tokens = tokens_for(claimed.chunk_tokens)
+    async with running_server(tmp_path) as (_, target), \
+            AsyncClient(target, retry=RetryPolicy(attempts=1)) as kv:
+        await kv.register_layout(claimed)
+        await kv.spill("acme", "c", claimed.name, tokens, _stream_data(claimed, len(tokens)),
+                       generation=1)
+        with pytest.raises(ReplayUnavailable, match="bundled replayer here cannot rebuild"):
+            await kv.resume("acme", "c")
+        assert not (await kv.restore("acme", "c")).replayed

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.codec import DecodedChunk, decode_chunk
-from kvstore.errors import DataLoss, ReplayUnavailable, TierFull
+from kvstore.codec import DecodedChunk, decode_chunk, max_encoded_bytes
+from kvstore.errors import DataLoss, LayoutMismatch, ReplayUnavailable, TierFull
 from kvstore.keys import chunk_digest, shared_domain, split_block_key
 from kvstore.layout import LayoutSpec
 from kvstore.manager import TierManager
@@ -61,7 +61,7 @@ class RestoreStreamer:
     async def stream(self, tenant: str, session_id: str, opts: StreamOptions
                      ) -> AsyncIterator[pb.RestoreReply]:
         started = time.perf_counter()
-        lease, writer, refused = None, None, ""
+        lease, writer, refused, rebuilding = None, None, "", None
         try:
             async with self.manager.reading(tenant, session_id) as reader:
                 m, spec = reader.manifest, reader.spec
@@ -75,6 +75,8 @@ class RestoreStreamer:
                 if replay and opts.resume:
                     self._check_replayable(f"{tenant}/{session_id}", spec, backend, why_none)
                 size = sum(m.chunk_sizes) + len(m.tail) + (len(window) if window else 0)
+                if replay and opts.resume:  # the rebuilt window goes in the segment too
+                    size += _window_bound(spec)
                 if opts.use_shared_memory and self.leases is not None:
                     try:
                         lease = self.leases.reply_segment(opts.peer, opts.reply_lease, size)
@@ -99,7 +101,15 @@ class RestoreStreamer:
                 chunks: list[Buffer] = []
                 tiers: set[str] = set()
                 keep = opts.layer_by_layer or (opts.resume and replay)
-                async for chunk in _explained(reader.chunks(), m.writeback_failed):
+                restored = _explained(reader.chunks(), m.writeback_failed)
+                if opts.resume and replay and not opts.layer_by_layer:
+                    # Every chunk read first, so the replay (in its worker thread) runs
+                    # while they are sent: the client receives during the replay.
+                    got = [chunk async for chunk in restored]
+                    rebuilding = asyncio.ensure_future(backend.rebuild(
+                        spec, m.token_ids, [c.data for c in got], m.tail, opts.replay_tokens))
+                    restored = _listed(got)
+                async for chunk in restored:
                     tiers.add(chunk.tier)
                     if keep:
                         chunks.append(chunk.data)
@@ -124,12 +134,20 @@ class RestoreStreamer:
             self.metrics.restore_seconds.labels(lowest or "none").observe(restore_s)
             summary = pb.ResumeSummary(tier=lowest, restore_seconds=restore_s)
             if opts.resume and replay:
-                rebuilt = await backend.rebuild(spec, tokens, chunks, tail, opts.replay_tokens)
+                try:
+                    rebuilt = await (rebuilding if rebuilding is not None else
+                                     backend.rebuild(spec, tokens, chunks, tail,
+                                                     opts.replay_tokens))
+                except LayoutMismatch as exc:  # the store's verified bytes: the model differs
+                    raise ReplayUnavailable(
+                        f"{tenant}/{session_id} needs its window rebuilt by replay, and the "
+                        f"{spec.replayer} replayer here cannot rebuild layout "
+                        f"{spec.layout_id}: {exc}") from exc
                 self.metrics.replays.inc()
                 self.metrics.replayed_tokens.inc(rebuilt.replayed_tokens)
                 self.metrics.replay_seconds.observe(rebuilt.seconds)
                 self.metrics.replay_batch_size.observe(rebuilt.batch_size)
-                yield pb.RestoreReply(window=self._payload("", rebuilt.window, None))
+                yield pb.RestoreReply(window=self._payload("", rebuilt.window, writer))
                 summary.replayed = True
                 summary.replay_tokens = rebuilt.replayed_tokens
                 summary.replay_seconds = rebuilt.seconds
@@ -138,6 +156,8 @@ class RestoreStreamer:
                     time.perf_counter() - started)
             yield pb.RestoreReply(summary=summary)
         finally:
+            if rebuilding is not None and not rebuilding.done():  # the call ended early
+                rebuilding.cancel()
             if lease is not None:  # renewed: the client copies out, then may offer it again
                 self.leases.done(lease)
 
@@ -183,6 +203,18 @@ class RestoreStreamer:
                 for chunk_index, chunk in enumerate(decoded):
                     yield _section(chunk, sums[chunk_index], index, stream.name, layer,
                                    chunk_index)
+
+
+async def _listed(chunks: list[RestoredChunk]) -> AsyncIterator[RestoredChunk]:
+    for chunk in chunks:
+        yield chunk
+
+
+def _window_bound(spec: LayoutSpec) -> int:
+    """The most bytes a rebuilt window blob of ``spec`` can take (each ephemeral stream
+    alone as a chunk over the whole window bounds any grouping of them)."""
+    return sum(max_encoded_bytes(spec, spec.window_tokens, True, (s.name,))
+               for s in spec.ephemeral_streams)
 
 
 async def _explained(chunks: AsyncIterator[RestoredChunk], writeback_failed: bool
