@@ -1,6 +1,7 @@
 """The Node client (clients/node, written from docs/wire-format.md and the proto alone)
-against the golden vectors and a real kvtier server: it encodes the vectors' session,
-spills it, restores it whole and layer by layer, verifies every byte, checksum and digest,
+against the golden vectors and a real kvtier server: it registers the vectors' layout
+(RegisterLayout) and checks every listed layout's id (ListLayouts), encodes the vectors'
+session, spills it, restores it whole and layer by layer, verifies every byte, checksum and digest,
 decodes the values, and reads error classes from the kvtier-error trailer."""
 
 from __future__ import annotations
@@ -37,13 +38,16 @@ def node_modules() -> Path:
 
 
 @contextlib.contextmanager
-def wire_test_layout():
-    """The vectors' layout, known to the in-process server for the test's duration."""
-    spec = layouts.register_layout(wire_layout())
+def forgets_wire_test_layout():
+    """The Node client registers the vectors' layout with RegisterLayout, into this
+    process's registry (the server runs in it): forget it afterwards, since other tests
+    enumerate the registry (bench.codec reports every layout)."""
+    name = wire_layout().name
+    assert name not in {spec.name for spec in layouts.all_layouts()}
     try:
-        yield spec
-    finally:  # other tests enumerate the registry (bench.codec reports every layout)
-        layouts._REGISTRY.pop(spec.name, None)
+        yield
+    finally:
+        layouts._REGISTRY.pop(name, None)
 
 
 async def run_node(*args: str) -> tuple[int, str]:
@@ -59,7 +63,7 @@ async def run_node(*args: str) -> tuple[int, str]:
 
 
 async def test_node_client_round_trips_through_a_real_server(tmp_path, node_modules):
-    with wire_test_layout():
+    with forgets_wire_test_layout():
         async with running_server(tmp_path) as (_, address):
             code, out = await run_node(address)
     assert code == 0, out

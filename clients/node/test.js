@@ -1,6 +1,7 @@
 // The Node client's checks: `node test.js` checks the codec, keys and digests against
-// tests/vectors/; `node test.js <host:port>` also spills a session to that kvtier server
-// (which must know the vectors' layout, `wire-test`), restores it and verifies every byte.
+// tests/vectors/; `node test.js <host:port>` also registers the vectors' layout
+// (`wire-test`) on that kvtier server, spills a session, restores it and verifies every
+// byte.
 
 import assert from 'node:assert/strict';
 import fs from 'node:fs';
@@ -169,6 +170,28 @@ describe('against a live server', { skip: ADDRESS ? false : 'no server address g
   let sent;
 
   before(() => { client = new Client(ADDRESS); });
+
+  it('registers its layout and lists every layout with the id of its canonical JSON', async () => {
+    // any JSON encoding: the server canonicalises it
+    const reply = await client.unary('RegisterLayout', { layout_json: JSON.stringify(LAYOUT, null, 2) });
+    assert.equal(reply.layout.layout_id, LAYOUT_ID);
+    assert.equal(reply.layout.layout_json, wire.layoutToJson(LAYOUT));
+    assert.equal(reply.layout.replayer, 'none');
+    assert.equal(reply.layout.builtin, false);
+    const again = await client.unary('RegisterLayout', { layout_json: wire.layoutToJson(LAYOUT) });
+    assert.equal(again.created, false);
+    const { layouts } = await client.unary('ListLayouts', {});
+    assert.ok(layouts.some((l) => l.layout_id === LAYOUT_ID));
+    assert.ok(layouts.some((l) => l.builtin));
+    for (const l of layouts) {
+      const layout = JSON.parse(l.layout_json);
+      assert.equal(wire.layoutToJson(layout), l.layout_json, l.layout_id);
+      assert.equal(wire.layoutId(layout), l.layout_id);
+    }
+    const taken = { ...LAYOUT, chunk_tokens: 8 }; // another shape under a taken name
+    await rejects(client.unary('RegisterLayout', { layout_json: JSON.stringify(taken) }),
+      'INVALID_ARGUMENT', 'InvalidRequest');
+  });
 
   it('spills a session', async () => {
     sent = session(tenant, sessionId, 1);
