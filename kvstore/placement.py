@@ -9,6 +9,10 @@ the index of what the tier holds (rebuilt from ``Tier.keys`` on open). Rules:
   may evict there in turn); it is simply dropped only if another copy exists elsewhere.
   The last intact copy of a referenced chunk is never dropped, nor its last durable copy
   for a volatile one: the tier counts as full.
+- Shared tiers (``Tier.shared``: Redis and the bucket of a fleet) may hold keys other
+  nodes wrote: ``find_shared`` asks them about a key this node never saw. ``share``
+  copies a block into the shared caches (Redis: shared, not durable) a spill wrote or a
+  read passed; eviction finds it held there and moves nothing.
 - Window blobs (keys under ``WINDOW_PREFIX``) only live in tiers with ``holds_window``;
   one that would have to move lower is dropped and ``on_window_dropped`` is told.
 - A read tries the tiers believed to hold the block, highest first, then the others,
@@ -164,6 +168,27 @@ class TierStack:
             self._forget(j, key)
         return []
 
+    async def find_shared(self, key: str) -> list[int]:
+        """The shared tiers that hold ``key`` though this node did not believe so (another
+        node of the fleet wrote it), asked in order (Redis's EXISTS, then the bucket's
+        HEAD) until a durable one does, and learnt: a chunk named by key alone. Only
+        the tiers' word: a read still verifies the bytes. Caller holds the key lock."""
+        found = []
+        for j, tier in enumerate(self.tiers):
+            if not tier.shared or key in self.policies[j] or not self.up(j):
+                continue
+            try:
+                if not await tier.contains(key):
+                    continue
+            except TierUnavailable as exc:
+                self._mark_down(j, "contains", exc)
+                continue
+            self._learn(j, key)
+            found.append(j)
+            if tier.durable:
+                break
+        return found
+
     def may_hold(self, i: int, key: str) -> bool:
         return self.tiers[i].holds_window or not is_window_key(key)
 
@@ -206,6 +231,18 @@ class TierStack:
             if await self._put(j, key, data, protect, unavailable):
                 return j
         return None
+
+    async def share(self, key: str, data: Buffer, *, stop: int | None = None,
+                    protect: Collection[str] = ()) -> None:
+        """Put ``key`` in each shared tier that is a cache (Redis in a fleet: shared, not
+        durable) above ``stop`` and not believed to hold it, so other nodes read it
+        there. Best effort: a full or unavailable cache fails nothing (a tier in an
+        outage is skipped at once). The caller holds the key lock."""
+        for j in range(len(self.tiers) if stop is None else stop):
+            tier = self.tiers[j]
+            if tier.shared and not tier.durable and self.may_hold(j, key) \
+                    and key not in self.policies[j]:
+                await self._put(j, key, data, protect)
 
     async def _put(self, j: int, key: str, data: Buffer, protect: Collection[str] = (),
                    unavailable: list[TierUnavailable] | None = None) -> bool:
@@ -380,4 +417,5 @@ class TierStack:
         target = await self.place(key, data, start=0, stop=source, protect=protect)
         if target is not None and target < source:
             self.counters.promotions[self.tiers[target].name] += 1
+        await self.share(key, data, stop=source, protect=protect)  # the next node's hit
         return target

@@ -263,6 +263,8 @@ class Restorer:
         async with self._locks.hold(key):
             if is_window_key(key) or self._ledger.count(key):  # not freed since the read
                 await self._stack.promote(key, data, source, bad, protect)
+            else:  # another node's session (counts are per node): Redis keeps it for all
+                await self._stack.share(key, data, stop=source, protect=protect)
 
     async def _note_access(self, tenant: str, session_id: str, generation: int) -> None:
         async with self._catalog.write(tenant, session_id):

@@ -18,6 +18,7 @@ is stored; ``Spiller._admit`` says how one that would pass ``memory_bytes`` is p
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import logging
@@ -312,7 +313,9 @@ class Spiller:
         unknown (not in the session's last manifest) or a durable ack must copy it."""
         async with self._locks.hold(key):
             self._stack.touch(key, hint)
-            if not await self._stack.confirmed_holder(key):
+            # one another node of the fleet wrote: Redis or the bucket knows it
+            if not (await self._stack.confirmed_holder(key)
+                    or await self._stack.find_shared(key)):
                 return None
             durable = self._blocks.any_durable(self._stack.holders(key))
             data = None
@@ -350,13 +353,26 @@ class Spiller:
                     raise not_placed(f"no tier has room for chunk {key} ({len(data)} B)",
                                      unavailable)
                 holders = [placed]
-            if self._blocks.any_durable(holders):
-                return False, held
-            if ack == "memory":
-                return bool(self._blocks.durable), held
-            if await self._blocks.copy_to_durable(key, data, unavailable):
+            durable = self._blocks.any_durable(holders)
+            if durable or ack == "memory":
+                await self._share(key, data, protect)
+                return not durable and bool(self._blocks.durable), held
+            copied, _ = await asyncio.gather(  # the bucket and Redis at once; both end here
+                self._blocks.copy_to_durable(key, data, unavailable),
+                self._share(key, data, protect), return_exceptions=True)
+            if isinstance(copied, BaseException):
+                raise copied
+            if copied:
                 return False, held
             raise not_placed(f"no durable tier took chunk {key} ({len(data)} B)", unavailable)
+
+    async def _share(self, key: str, data: Buffer, protect: frozenset[str]) -> None:
+        """Write the chunk through to the fleet's shared cache (Redis; nothing on a single
+        node), so other nodes read it there: it is a cache, its failure fails nothing."""
+        try:
+            await self._stack.share(key, data, protect=protect)
+        except Exception as exc:  # noqa: BLE001 - TierStack.share handles the tiers' own
+            log.warning("write-through of chunk %s to the shared cache failed: %r", key, exc)
 
     async def _store_window(self, key: str, data: Buffer, hint: ResumeHint | None
                             ) -> str | None:

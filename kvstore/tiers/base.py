@@ -34,6 +34,9 @@ class Tier(abc.ABC):
     holds_window: ClassVar[bool] = False
     # A durable tier survives a process restart (disk, object; redis with persistence).
     durable: ClassVar[bool] = False
+    # A shared tier is one medium for a whole fleet (metadata = "shared": redis, object):
+    # it may hold keys other nodes wrote, which this node learns by asking it.
+    shared: ClassVar[bool] = False
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:

@@ -109,6 +109,8 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
 
             for tier in tiers[:-1]:  # node-local tiers are caches: a durable ack (and a
                 tier.durable = False  # write-back) means the shared store (docs/fleet.md)
+            for tier in tiers:  # Redis, the fleet's hot tier, and the bucket: every node's
+                tier.shared = tier.name in ("redis", "object")  # (kvstore.placement)
 
             return SharedMetaStore(objects, meta or MemoryMetaStore(), config.node_name,
                                    caches=tiers[:-1])
