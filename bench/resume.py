@@ -32,6 +32,11 @@ session is somewhere" to "a ``KVState`` that ``decode_step`` accepts" (best of
   over shared memory on loopback), decoded into a ``KVState``. Skipped with random init
   (no weights file); the first resume (loading the server's model) is not timed.
 
+Each context also reports ``grpc_vs_inprocess`` (disk-grpc seconds / disk seconds: what
+the service adds to the same resume), and the disk path its ``medium_read_s``: a cold
+read of its ``stored_bytes`` from one plain file on the same medium, fsynced, best of
+``--repeats`` (``goal.disk_restore_decode_vs_medium`` = (restore_s + decode_s) / that).
+
 The other tier paths drive the library the gRPC server wraps: a ``TierManager`` over
 real host, disk and object tiers in a temp dir (spilled with a durable ack) and the real
 replay worker, in this process. Before every timed read the page cache of the
@@ -329,11 +334,34 @@ async def measure_context(model: KVTierLM, worker: ReplayWorker, n: int, root: P
     paths["naive"] = {"seconds": best, "stored_bytes": path.stat().st_size, "spill_s": save_s,
                       "verified": None}
     path.unlink()
+    raw = root / "raw.bin"  # the disk path's bytes as one plain file: the medium's own time
+    paths["disk"].update(medium_read(raw, paths["disk"]["stored_bytes"], repeats))
     for row in paths.values():
         if "seconds" in row:
             row["speedup_vs_prefill"] = prefill_s / row["seconds"]
             row["stored_bytes_per_token"] = row["stored_bytes"] / n
-    return {"context": n, "paths": paths}
+    grpc, disk = paths["disk-grpc"].get("seconds"), paths["disk"]["seconds"]
+    return {"context": n, "paths": paths,
+            # the same disk resume through the service over its in-process library path
+            "grpc_vs_inprocess": None if grpc is None else grpc / disk}
+
+
+def medium_read(path: Path, nbytes: int, repeats: int) -> dict:
+    """Cold reads of ``nbytes`` written to one file, fsynced (best of ``repeats``), against
+    the disk path's restore plus decode: how close the tier comes to its medium."""
+    with open(path, "wb") as file:
+        file.write(os.urandom(nbytes))
+        file.flush()
+        os.fsync(file.fileno())
+    best = float("inf")
+    for _ in range(repeats):
+        drop_page_cache(path)
+        started = time.perf_counter()
+        with open(path, "rb", buffering=0) as file:
+            file.readall()
+        best = min(best, time.perf_counter() - started)
+    path.unlink()
+    return {"medium_read_s": best}
 
 
 async def run(model: KVTierLM, model_info: dict, contexts: list[int], *, repeats: int = 3,
@@ -366,7 +394,16 @@ def goal(rows: list[dict]) -> dict:
     speedups = [(r["context"], r["paths"]["disk"]["speedup_vs_prefill"]) for r in rows]
     at_16k = next((s for n, s in speedups if n == 16384), None)
     widening = all(b > a for (_, a), (_, b) in zip(speedups, speedups[1:], strict=False))
+    ratios = {r["context"]: r.get("grpc_vs_inprocess") for r in rows}
+    medium = {r["context"]: (r["paths"]["disk"]["restore_s"] + r["paths"]["disk"]["decode_s"])
+              / r["paths"]["disk"]["medium_read_s"] for r in rows}
     return {"disk_speedup_at_16384": at_16k,
+            "grpc_vs_inprocess": ratios,
+            "grpc_within_1_15x": (all(v <= 1.15 for v in ratios.values())
+                                  if None not in ratios.values() else None),
+            # restore + decode from the disk tier over a plain cold read of the same bytes
+            "disk_restore_decode_vs_medium": medium,
+            "disk_within_2x_of_medium": all(v <= 2 for v in medium.values()),
             "met_20x_at_16384": None if at_16k is None else at_16k >= 20,
             "widening_with_context": widening if len(speedups) > 1 else None,
             "all_verified": all(p.get("verified") is not False for r in rows
@@ -389,6 +426,8 @@ def format_table(result: dict) -> str:
             lines.append(f"{row['context']:>8} {name:<9} {p['seconds']:>9.4f} "
                          f"{p['speedup_vs_prefill']:>8.1f}x {p['stored_bytes_per_token']:>9.1f} "
                          f"{str(p['verified']):>9} {'' if kl is None else f'{kl:.2e}':>9}")
+        if row.get("grpc_vs_inprocess") is not None:
+            lines.append(f"{row['context']:>8} disk-grpc / disk = {row['grpc_vs_inprocess']:.2f}")
     lines.append(f"goal: {result['goal']}")
     return "\n".join(lines)
 

@@ -83,13 +83,16 @@ async def test_run_reports_contexts_and_goal():
 
 def test_goal_flags():
     def rows(speedups):
-        return [{"context": n, "paths": {"disk": {"seconds": 1.0, "speedup_vs_prefill": s,
-                                                  "verified": True}}}
+        return [{"context": n, "grpc_vs_inprocess": 1.1,
+                 "paths": {"disk": {"seconds": 1.0, "speedup_vs_prefill": s, "verified": True,
+                                    "restore_s": 0.3, "decode_s": 0.1, "medium_read_s": 0.25}}}
                 for n, s in speedups]
 
     assert goal(rows([(4096, 10), (16384, 25), (65536, 90)])) == {
         "disk_speedup_at_16384": 25, "met_20x_at_16384": True, "widening_with_context": True,
-        "all_verified": True, "paths_not_measured": []}
+        "grpc_vs_inprocess": {4096: 1.1, 16384: 1.1, 65536: 1.1}, "grpc_within_1_15x": True,
+        "disk_restore_decode_vs_medium": {4096: 1.6, 16384: 1.6, 65536: 1.6},
+        "disk_within_2x_of_medium": True, "all_verified": True, "paths_not_measured": []}
     bad = goal(rows([(4096, 30), (16384, 12)]))
     assert bad["met_20x_at_16384"] is False and bad["widening_with_context"] is False
     assert goal(rows([(1024, 5)]))["met_20x_at_16384"] is None
@@ -143,6 +146,8 @@ async def test_the_grpc_path_resumes_through_a_real_server(tmp_path):
     grpc, disk = row["paths"]["disk-grpc"], row["paths"]["disk"]
     assert "error" not in grpc and grpc["verified"]
     assert grpc["replay_s"] > 0
+    assert row["grpc_vs_inprocess"] == grpc["seconds"] / disk["seconds"]
+    assert disk["medium_read_s"] > 0
     # the same chunks; the manifests differ only in a few fields' encoding
     assert abs(grpc["stored_bytes"] - disk["stored_bytes"]) < 64
     # the same replay over the same bytes: the same next-byte distribution
