@@ -12,8 +12,9 @@ streams and window), median over ``--sessions`` sessions, each path's first resu
 node (its model load) untimed:
 
 - ``same_replica_window_kept``: resume on a, whose host tier holds chunks and window;
-- ``other_replica_replay``: resume on b (chunks from the shared Redis, the window
-  rebuilt by the server's in-process replay of R = 128 tokens);
+- ``other_replica_replay``: resume on b (chunks from the shared Redis, which a's spills
+  wrote them through to; the window rebuilt by the server's in-process replay of R = 128
+  tokens);
 - ``cold_node_s3_only``: a node started after the spills with no Redis and empty caches:
   every chunk from the bucket, then replay;
 - ``re_prefill``: the bundled model prefilling the token ids (what a miss costs).

@@ -1,6 +1,7 @@
 """bench.fleet at its tiny size: real replicas, the resume paths it claims to time (the
-window kept on the same replica, replay elsewhere, a cold node reading the bucket only),
-router-sent resumes that never replay, and its REPORT.md section."""
+window kept on the same replica, replay elsewhere with the chunks from the shared Redis,
+a cold node reading the bucket only), router-sent resumes that never replay, and its
+REPORT.md section."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ def test_the_fleet_benchmark_times_the_paths_it_names_and_renders():
         "same_replica_window_kept", "other_replica_replay", "cold_node_s3_only"))
     assert kept["replayed"] == 0 and kept["tiers"] == ["host"]
     assert other["replayed"] == other["resumes"] > 0
+    assert other["tiers"] == ["redis"]  # a's spills wrote the chunks through to Redis
     assert cold["replayed"] == cold["resumes"] and cold["tiers"] == ["object"]
     assert paths["re_prefill"]["median_ms"] > 0
     assert [r["replicas"] for r in result["aggregate"]] == [1, 3]
