@@ -392,6 +392,12 @@ def fleet_section(stage: dict) -> list[str]:
     out += ["", f"3 replicas / 1: {stage['scaling_3_vs_1']}x (each resume routed to the node "
             "Stat names as holding its window; the replicas share this machine's cores, so "
             "this is not a fleet's scaling across machines).", ""]
+    run = stage.get("run")  # the stage's own run, merged beside the others' figures
+    if run:
+        out += [f"This stage's run: commit {run['git_commit']}, {run['date_utc']}, load "
+                f"average {run['load_average_at_start'][0]} at its start and "
+                f"{run['load_average_at_end'][0]} at its end on {stage['cpus']} cores (other "
+                "work shared the machine: compare the paths within the run).", ""]
     return out
 
 
