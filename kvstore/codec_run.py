@@ -19,7 +19,7 @@ every section and raises the first bad chunk's specific error.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -41,6 +41,7 @@ from kvstore.codec import (
 )
 from kvstore.errors import InvalidRequest, LayoutMismatch
 from kvstore.layout import LayoutSpec
+from kvstore.packed_run import PackedRun
 
 Buffer = bytes | bytearray | memoryview
 # Chunks laid out alike, back to back: (k, bytes per chunk) uint8, payload offset in a
@@ -49,34 +50,6 @@ Group = tuple[np.ndarray, int, int]
 # Chunks at least this large are read from where they lie, one group each; smaller ones
 # are joined first (unless packed), so a group of them is one array.
 JOIN_BELOW = 1 << 18
-
-
-class PackedRun(Sequence[memoryview]):
-    """Chunks back to back in one buffer: chunk i is ``buffer[offsets[i]:offsets[i] +
-    lengths[i]]``. A sequence of those views to every other reader; ``decode_chunks``
-    reads the run from the buffer without joining it first."""
-
-    def __init__(self, buffer: Buffer, lengths: Sequence[int]) -> None:
-        self.buffer = np.frombuffer(buffer, np.uint8)  # (bytes,) uint8
-        self.lengths = np.asarray(lengths, np.int64).reshape(-1)
-        self.offsets = np.zeros(len(self.lengths), np.int64)
-        np.cumsum(self.lengths[:-1], out=self.offsets[1:])
-        if len(self.lengths) and (self.lengths.min() < 0
-                                  or self.offsets[-1] + self.lengths[-1] > len(self.buffer)):
-            raise InvalidRequest(f"{self.lengths.sum()} B of chunks do not fit a "
-                                 f"{len(self.buffer)} B buffer")
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        at = int(self.offsets[index])
-        return memoryview(self.buffer[at:at + int(self.lengths[index])])
-
-    def __iter__(self) -> Iterator[memoryview]:
-        return map(self.__getitem__, range(len(self)))
 
 
 def decode_chunks(bufs: Sequence[Buffer], spec: LayoutSpec,

@@ -35,6 +35,7 @@ import numpy as np
 from kvstore.errors import InvalidRequest, StaleGeneration, UnknownLayout, shown
 from kvstore.keys import block_key, chunk_digest, dedupe_scope
 from kvstore.layout import LayoutSpec, layout_to_json
+from kvstore.packed_run import PackedRun
 from kvstore.policy import ResumeHint
 from kvtier import codec as cc
 from kvtier import shm
@@ -56,6 +57,25 @@ async def _stream(messages: list) -> AsyncIterator:
     # surfaces as INTERNAL instead of its RESOURCE_EXHAUSTED status.
     for message in messages:
         yield message
+
+
+def _copied_out(segment: shm.Segment | None, chunks: list, tail) -> tuple:
+    """Chunks and tail that came as shared memory refs, copied out of ``segment``: chunks
+    lying back to back (with the tail after them) as one ``PackedRun``, in one copy,
+    which the decode reads without joining them; else each on its own."""
+    refs = [c for c in chunks if isinstance(c, pb.SharedMemoryRef)]
+    tail_ref = tail if isinstance(tail, pb.SharedMemoryRef) else None
+    if segment is None or (not refs and tail_ref is None):
+        return chunks, tail
+    if refs and len(refs) == len(chunks):
+        run = segment.read_run([*refs, tail_ref]) if tail_ref is not None else None
+        if run is not None:
+            return PackedRun(run.buffer, run.lengths[:-1]), run[-1]
+        run = segment.read_run(refs)
+        if run is not None:
+            return run, segment.read(tail_ref) if tail_ref is not None else tail
+    return ([segment.read(c) if isinstance(c, pb.SharedMemoryRef) else c for c in chunks],
+            segment.read(tail_ref) if tail_ref is not None else tail)
 
 
 class AsyncClient:
@@ -292,6 +312,8 @@ class AsyncClient:
                     elif segment is None:
                         raise InvalidRequest("a reply refers to shared memory the header "
                                              "did not name")
+                    elif kind in ("chunk", "tail"):
+                        data = payload.shm  # copied out below, all in one copy
                     else:
                         data = segment.read(payload.shm)
                     if kind == "chunk":
@@ -303,6 +325,7 @@ class AsyncClient:
         except BaseException:
             call.cancel()
             raise
+        chunks, tail = _copied_out(segment, chunks, tail)
         return header, chunks, tail, window, summary, segment
 
     async def _reply_segment(self, lease: pb.SharedMemoryLease, used: list[shm.Segment]

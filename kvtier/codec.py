@@ -189,11 +189,14 @@ def decode_persistent(spec: LayoutSpec, tokens: np.ndarray, chunks: Sequence[byt
     """The whole session's persistent streams, (layers, entries, ...) each, verified."""
     from kvstore.codec import read_header
     from kvstore.codec_run import decode_chunks
-    if not chunks and not tail:
+    from kvstore.packed_run import PackedRun
+    if not len(chunks) and not len(tail):
         return {}
-    bufs, counts = list(chunks), [spec.chunk_tokens] * len(chunks)
-    if tail:
-        bufs.append(tail)
+    bufs, counts = chunks, [spec.chunk_tokens] * len(chunks)
+    if len(tail):
+        # chunks packed in one buffer with the tail after them are decoded without a join
+        packed = chunks.followed_by(tail) if isinstance(chunks, PackedRun) else None
+        bufs = packed if packed is not None else [*chunks, tail]
         counts.append(read_header(tail).num_tokens)
     try:
         return decode_chunks(bufs, spec, tokens, counts)

@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 
 from kvstore.errors import InvalidRequest, SharedMemoryUnavailable, TierFull
+from kvstore.packed_run import PackedRun
 from kvtier.errors import error_from_rpc
 from proto import kvtier_pb2 as pb
 
@@ -90,6 +91,17 @@ class Segment:
         """A copy: the segment serves the next call."""
         self._check(ref)
         return self._map[ref.offset : ref.offset + ref.length]
+
+    def read_run(self, refs: list[pb.SharedMemoryRef]) -> PackedRun | None:
+        """Payloads that lie back to back, copied out with one copy as a ``PackedRun``
+        (decoded without joining them); None when they do not."""
+        for ref in refs:
+            self._check(ref)
+        pairs = zip(refs, refs[1:], strict=False)
+        if not refs or any(b.offset != a.offset + a.length for a, b in pairs):
+            return None
+        start, end = refs[0].offset, refs[-1].offset + refs[-1].length
+        return PackedRun(self._map[start:end], [ref.length for ref in refs])
 
     def writer(self) -> PackedWriter:
         """Pack a Spill's payloads into this segment from its start."""

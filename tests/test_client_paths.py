@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvstore.codec import StreamData
+from kvstore.packed_run import PackedRun
 from kvtier import AsyncClient, Client, shm
 from tests.conftest import free_port
 from tests.service_support import (
@@ -63,6 +64,8 @@ async def test_shared_memory_gives_identical_tensors_and_leaks_nothing(tmp_path)
                 await kv.spill("acme", session, LAYOUT.name, tokens, persistent,
                                window=window, generation=1)
                 results[use_shm] = await kv.restore("acme", session)
+                # over shared memory the chunks come out in one copy, packed as they lay
+                assert isinstance(results[use_shm].chunks, PackedRun) == use_shm
                 if use_shm:  # again: the client offers back the segment it keeps
                     results["again"] = await kv.restore("acme", session)
                     resumed = await kv.resume("acme", session)
