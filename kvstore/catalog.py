@@ -10,7 +10,7 @@ from a ``load`` to the ``put`` that depends on it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 
 from kvstore.errors import ChunkCorrupt, DataLoss, SessionNotFound
@@ -117,9 +117,11 @@ class Catalog:
         return out
 
     async def put(self, manifest: SessionManifest, *, acquire: Sequence[str] = (),
-                  release: Sequence[str] = (), new: bool = False) -> list[str]:
+                  release: Sequence[str] = (), new: bool = False,
+                  marks: Mapping[str, bytes] | None = None) -> list[str]:
         """Commit ``manifest`` with its reference changes (``new``: the session had no
-        manifest). Returns the chunks left unreferenced: the caller frees them."""
+        manifest; ``marks``: retention marks of released chunks, ``RefLedger.commit``).
+        Returns the chunks left unreferenced: the caller frees or retains them."""
         if manifest.remote_window is not None and manifest.window_key is None:
             # A change here (an access time, a mark) leaves the window where it is: the
             # manifest keeps naming it and its node, so a router still sends it home.
@@ -131,7 +133,7 @@ class Catalog:
                                        node_address=self.meta.node_address)
         freed = await self._ledger.commit(
             {manifest_key(manifest.tenant, manifest.session_id): manifest.encode()},
-            acquire=acquire, release=release,
+            acquire=acquire, release=release, marks=marks,
         )
         ref = (manifest.tenant, manifest.session_id)
         if self._failed.get(ref, manifest.generation) != manifest.generation:
@@ -140,11 +142,11 @@ class Catalog:
         self._usage.record(manifest)
         return freed
 
-    async def remove(self, tenant: str, session_id: str, *,
-                     release: Sequence[str] = ()) -> list[str]:
+    async def remove(self, tenant: str, session_id: str, *, release: Sequence[str] = (),
+                     marks: Mapping[str, bytes] | None = None) -> list[str]:
         """Delete the session's manifest; returns the chunks left unreferenced."""
         freed = await self._ledger.commit({manifest_key(tenant, session_id): None},
-                                          release=release)
+                                          release=release, marks=marks)
         self._failed.pop((tenant, session_id), None)
         self.held -= 1
         self._usage.forget(tenant, session_id)

@@ -70,9 +70,12 @@ class Maintenance:
                 return DeleteResult(0, 0)
             if not condition(manifest):
                 return None
-            freed = await self._catalog.remove(tenant, session_id, release=manifest.chunk_keys)
-            freed_here = await self._blocks.free(self._retention.keep(freed,
-                                                                      manifest.dedupe_scope))
+            scope, sizes = manifest.dedupe_scope, manifest.chunk_sizes
+            freed = await self._catalog.remove(
+                tenant, session_id, release=manifest.chunk_keys,
+                marks=self._retention.marks(manifest.chunk_keys, sizes, scope))
+            freed_here = await self._blocks.free(self._retention.keep(
+                freed, scope, dict(zip(manifest.chunk_keys, sizes, strict=True))))
             if manifest.window_key is not None:
                 await self._blocks.drop(manifest.window_key)
             return DeleteResult(len(manifest.chunk_keys), freed_here)

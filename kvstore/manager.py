@@ -61,7 +61,7 @@ import numpy as np
 from kvstore.blocks import Blocks
 from kvstore.catalog import Catalog
 from kvstore.durability import WriteBackFailures
-from kvstore.errors import InvalidRequest
+from kvstore.errors import InvalidRequest, KVTierError
 from kvstore.fork import Forker
 from kvstore.keys import chain_keys, check_fingerprint, dedupe_scope
 from kvstore.layout import get_layout
@@ -97,8 +97,10 @@ class ManagerConfig:
     # only a hint-aware policy (HintPolicy) acts on it.
     infer_hints: bool = True
     # Chunks whose last reference goes away stay as evictable cache (a later session
-    # with the same prefix finds them by ``lookup``), freed under pressure or once idle
-    # for retain_ttl_s (None: only under pressure); False frees them at once.
+    # with the same prefix finds them by ``lookup``), freed under pressure (tier
+    # capacity, a full medium, the tenant's durable_bytes quota) or once idle for
+    # retain_ttl_s (None: only under pressure); False frees them at once. Off here (the
+    # library), on in the server's config.
     retain_unreferenced: bool = False
     retain_ttl_s: float | None = None
 
@@ -156,13 +158,19 @@ class TierManager:
         self._retention = Retention(
             enabled=config.retain_unreferenced, ttl_s=config.retain_ttl_s,
             is_held=lambda key: bool(self._stack.holders(key)),
-            is_referenced=lambda key: self._ledger.count(key) > 0)
+            is_referenced=lambda key: self._ledger.count(key) > 0, size_of=self._index.size)
         self._index.on_gone = self._retention.forget
+        self._retention.on_forget = lambda key: self._ledger.unmark([key])
+        self._ledger.on_referenced = self._retention.revive
+        self._quotas.retained = lambda: {scope: size for scope, (_, size)
+                                         in self._retention.by_domain().items()}
         if config.retain_unreferenced:
             self._stack.evict_first = lambda j, skip: self._retention.victim(
                 self._stack.policies[j], skip)
-        blocks = Blocks(self._stack, self._ledger, locks, self.counters,
-                        io_concurrency=config.io_concurrency)
+            self._stack.first_size = self._retention.size
+        self._expiry: asyncio.Task | None = None  # frees retained chunks past their TTL
+        blocks = self._blocks = Blocks(self._stack, self._ledger, locks, self.counters,
+                                       io_concurrency=config.io_concurrency)
         self._failures = WriteBackFailures(self._catalog, blocks, self.counters,
                                            spawn=self._spawn,
                                            retry_s=config.writeback_retry_s,
@@ -188,8 +196,33 @@ class TierManager:
         await manager._ledger.load()
         await manager._catalog.load_count()
         await manager._stack.load()
-        manager._retention.adopt(manager._index.keys())
+        await manager._adopt_retained()
+        if manager._retention.enabled and manager._retention.ttl_s is not None:
+            manager._expiry = asyncio.create_task(manager._expire_retained())
         return manager
+
+    async def _adopt_retained(self) -> None:
+        """Rebuild the retained set from what the tiers hold that nothing references
+        (``kvstore.prefix``), and delete the marks that no longer describe one, unless
+        a tier could not be listed (it may still hold their chunks)."""
+        stale = self._retention.adopt(self._index.keys(), self._ledger.marks)
+        if not stale or not all(self._stack.up(j) for j in range(len(self.tiers))):
+            return
+        self._ledger.unmark(stale)
+        try:
+            await self._ledger.flush_marks()
+        except KVTierError as exc:  # they stay pending for the next commit
+            log.warning("stale retention marks not deleted at open: %s", exc)
+
+    async def _expire_retained(self) -> None:
+        """Free retained chunks idle past ``retain_ttl_s``, checking a few times a TTL."""
+        ttl = self._retention.ttl_s
+        while True:
+            await asyncio.sleep(min(max(ttl / 4, 0.05), 60.0))
+            try:
+                await self._blocks.free(self._retention.expired())
+            except KVTierError as exc:
+                log.warning("freeing expired retained chunks failed: %s", exc)
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
@@ -299,8 +332,9 @@ class TierManager:
         session exists or ``upto_tokens`` passes the source's length."""
         return await self._forker.fork(tenant, source_session, new_session, upto_tokens)
 
-    def retained_chunks(self) -> dict[str, int]:
-        """Retained (unreferenced, kept) chunks per dedupe domain ("" when unknown)."""
+    def retained_chunks(self) -> dict[str, tuple[int, int]]:
+        """(chunks, bytes) retained (unreferenced, kept as cache) per dedupe domain (""
+        when unknown: blocks found unreferenced at open without a mark)."""
         return self._retention.by_domain()
 
     # -- listing: kvstore.catalog --
@@ -340,7 +374,8 @@ class TierManager:
             tiers=tier_stats, counters=self.counters.snapshot(),
             writeback_depth=self._writeback.depth, writeback_capacity=self._writeback.capacity,
             referenced_chunks=len(self._ledger.referenced()), sessions=self._catalog.held,
-            tenants=self._quotas.reports(),
+            tenants=self._quotas.reports(), retained_chunks=len(self._retention),
+            retained_bytes=sum(size for _, size in self._retention.by_domain().values()),
         )
 
     async def drain(self) -> None:
@@ -353,6 +388,9 @@ class TierManager:
     async def close(self) -> None:
         """Drain, then close every tier and the MetaStore."""
         await self.drain()
+        if self._expiry is not None:
+            self._expiry.cancel()
+            await asyncio.gather(self._expiry, return_exceptions=True)
         await self._failures.close()  # chunks still failing stay marked
         await self._writeback.close()
         for tier in self.tiers:

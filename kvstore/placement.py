@@ -4,7 +4,11 @@
 list of tiers, highest first. It keeps one eviction policy per tier, which doubles as
 the index of what the tier holds (rebuilt from ``Tier.keys`` on open). Rules:
 
-- A block goes to the highest tier with room; making room evicts the policy's victims.
+- A block goes to the highest tier with room; making room evicts the policy's victims,
+  retained chunks first (``evict_first``). A tier whose put is refused ``TierFull``
+  although its capacity has room (its medium filled first: a disk shared with other
+  files) sheds retained chunks of that tier as large as the block and retries, before
+  the block goes lower or is refused.
 - An evicted block moves down to the next tier that holds it already or takes it (which
   may evict there in turn); it is simply dropped only if another copy exists elsewhere.
   The last intact copy of a referenced chunk is never dropped, nor its last durable copy
@@ -106,6 +110,7 @@ class TierStack:
         # (tier, keys to skip) -> a victim to take before the tier's policy is asked:
         # retained, unreferenced chunks (kvstore.prefix.Retention)
         self.evict_first: Callable[[int, Collection[str]], str | None] | None = None
+        self.first_size: Callable[[str], int] = lambda key: 0  # an evict_first's bytes
         # predicted next uses on the policies' clock (one factory, one clock), carried
         # along when a block moves: moving is not an access by the session
         self.hints = HintBook(self.policies[0].clock)
@@ -259,7 +264,8 @@ class TierStack:
                 return False
             try:
                 await tier.put(key, data)
-            except TierFull:
+            except TierFull:  # the room was taken meanwhile, or the medium is full
+                await self._shed(j, size, protect)
                 continue
             except TierUnavailable as exc:
                 self._mark_down(j, "put", exc)
@@ -282,6 +288,22 @@ class TierStack:
             async with self.locks.hold(victim):  # immediate: victim() skipped busy keys
                 await self._evict(j, victim)
         return True
+
+    async def _shed(self, j: int, size: int, protect: Collection[str]) -> None:
+        """Evict retained chunks of tier ``j`` until ``size`` bytes of them went (one of
+        unknown size counts as ``size``): the room a full medium gives back (at once, or
+        once the tier reclaims it, as the disk tier does)."""
+        skip = _Skip(self.locks, set(), protect)
+        shed = 0
+        while shed < size and self.evict_first is not None:
+            victim = self.evict_first(j, skip)
+            if victim is None:
+                return
+            skip.keys.add(victim)
+            amount = self.first_size(victim) or size
+            async with self.locks.hold(victim):
+                if await self._evict(j, victim):
+                    shed += amount
 
     async def _evict(self, j: int, key: str) -> bool:
         """Move ``key`` out of tier ``j`` (down, or nowhere if a copy exists elsewhere)."""

@@ -21,6 +21,15 @@ default key by key; an absent key is unlimited. What each quota counts (``Tenant
   (the tier stack's ``Residency`` watcher) sees each memory tier learn or forget a
   block, so every placement, eviction, demotion, promotion, delete and expiry counts.
 
+- ``retained_bytes`` (reported, not a quota of its own): chunks of the tenant's own
+  dedupe domain that no manifest names any more, kept as cache (``kvstore.prefix``).
+  They are not part of ``durable_bytes`` (a delete still frees exactly the session's
+  bytes there) and never make a spill refused: they live in the room the tenant's
+  ``durable_bytes`` limit leaves, and a spill that needs that room frees the least
+  recently used of them first (``Spiller._shed_retained``), before its admission is
+  judged. A shared domain's retained chunks count against no tenant's quota; tier
+  capacity and ``retain_ttl_s`` evict them.
+
 The usage is exact across restarts: the ``Catalog`` feeds every manifest to the
 ``UsageLedger`` at open, and every commit and removal after; memory tiers start empty.
 
@@ -37,11 +46,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from kvstore.errors import DataLoss, InvalidRequest, QuotaExceeded
+from kvstore.keys import dedupe_scope
 from kvstore.locks import KeyedLocks
 from kvstore.manifest import SessionManifest, check_name
 from kvstore.placement import WINDOW_PREFIX, TierStack, is_window_key
@@ -117,13 +127,14 @@ class TenantUsage:
     sessions: int = 0
     durable_bytes: int = 0
     memory_bytes: int = 0
+    retained_bytes: int = 0  # its own domain's retained chunks (reported, see above)
 
     def add(self, other: TenantUsage, sign: int = 1) -> None:
-        for key in QUOTA_KEYS:
+        for key in (*QUOTA_KEYS, "retained_bytes"):
             setattr(self, key, getattr(self, key) + sign * getattr(other, key))
 
     def empty(self) -> bool:
-        return not any(getattr(self, key) for key in QUOTA_KEYS)
+        return not any(getattr(self, key) for key in (*QUOTA_KEYS, "retained_bytes"))
 
 
 @dataclass(frozen=True)
@@ -284,6 +295,8 @@ class QuotaGate:
         self.ledger = ledger
         self._reserved: dict[str, TenantUsage] = {}  # admitted, not yet committed
         self._rejections: Counter[tuple[str, str]] = Counter()  # (label, quota)
+        # dedupe domain -> its retained bytes (kvstore.prefix.Retention.by_domain)
+        self.retained: Callable[[], Mapping[str, int]] = dict
 
     def in_use(self, tenant: str) -> TenantUsage:
         """Committed use plus what spills in flight were admitted for."""
@@ -317,9 +330,15 @@ class QuotaGate:
             self._reserved.setdefault(tenant, TenantUsage()).add(grows)
         return Reservation(self._reserved, tenant, grows)
 
+    def usage(self, tenant: str) -> TenantUsage:
+        """Committed use, with the retained bytes of the tenant's own domain."""
+        use = self.ledger.usage(tenant)
+        use.retained_bytes = self.retained().get(dedupe_scope(tenant), 0)
+        return use
+
     def report(self, tenant: str) -> TenantReport:
         label = self.quotas.label(tenant)
-        return TenantReport(tenant, self.ledger.usage(tenant), self.quotas.limits(tenant),
+        return TenantReport(tenant, self.usage(tenant), self.quotas.limits(tenant),
                             {q: self._rejections[label, q] for q in QUOTA_KEYS
                              if label == tenant})
 
@@ -331,6 +350,9 @@ class QuotaGate:
         for tenant in self.ledger.tenants():
             if tenant not in self.quotas.tenants:
                 other.add(self.ledger.usage(tenant))
+        own = {dedupe_scope(tenant) for tenant in self.quotas.tenants}
+        other.retained_bytes = sum(size for scope, size in self.retained().items()
+                                   if scope.startswith(dedupe_scope("")) and scope not in own)
         rejected = {q: self._rejections[OTHER, q] for q in QUOTA_KEYS}
         return (*named, TenantReport(OTHER, other, self.quotas.default, rejected))
 

@@ -10,6 +10,12 @@ Besides committed counts the ledger keeps in-memory pins: a spill pins the chunk
 writing before any manifest references them, so a concurrent delete that drops the
 last committed reference does not free a chunk that is about to be referenced again.
 A chunk may be removed from the tiers only when ``count`` (committed + pins) is zero.
+
+Retention marks (``kvstore.prefix``: a chunk kept as cache after its last reference)
+follow the same discipline: a commit that releases chunks may carry their marks, and
+the batch writes ``ret/<key>`` for each one it leaves unreferenced; a batch that
+references a marked chunk again deletes its mark, and so does the next batch after
+``unmark`` (the chunk left every tier), so no mark costs a commit of its own.
 """
 
 from __future__ import annotations
@@ -17,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.errors import ChunkCorrupt
 from kvstore.tiers.base import MetaStore
 
 REF_PREFIX = "ref/"
+RETAIN_PREFIX = "ret/"  # retention marks (kvstore.prefix.mark)
 log = logging.getLogger(__name__)
 
 
@@ -32,6 +39,7 @@ class _Request:
     writes: Mapping[str, bytes | None]
     acquire: Sequence[str]
     release: Sequence[str]
+    marks: Mapping[str, bytes]  # released key -> its mark, if the batch frees it
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -44,9 +52,15 @@ class RefLedger:
         self._pins: Counter[str] = Counter()
         self._queue: list[_Request] = []
         self._writer: asyncio.Task | None = None
+        self.marks: dict[str, bytes] = {}  # chunk key -> its persisted retention mark
+        self._unmarks: set[str] = set()  # marks the next batch deletes
+        # told, after their commit, the keys a batch referenced that had no reference
+        self.on_referenced: Callable[[list[str]], None] | None = None
 
     async def load(self) -> None:
         self._committed.clear()
+        self.marks = {key[len(RETAIN_PREFIX):]: value
+                      for key, value in await self._meta.scan(RETAIN_PREFIX)}
         for key, value in await self._meta.scan(REF_PREFIX):
             try:
                 count = int(value)
@@ -63,6 +77,15 @@ class RefLedger:
     def referenced(self) -> list[str]:
         """Every key with a committed reference."""
         return list(self._committed)
+
+    def unmark(self, keys: Iterable[str]) -> None:
+        """Delete the marks of ``keys`` (gone from every tier) with the next batch."""
+        self._unmarks.update(key for key in keys if key in self.marks)
+
+    async def flush_marks(self) -> None:
+        """Commit the pending mark deletions now (at open, for the stale ones)."""
+        if self._unmarks:
+            await self.commit({})
 
     def pin(self, keys: Iterable[str]) -> None:
         for key in keys:
@@ -85,15 +108,18 @@ class RefLedger:
         *,
         acquire: Sequence[str] = (),
         release: Sequence[str] = (),
+        marks: Mapping[str, bytes] | None = None,
     ) -> list[str]:
-        """Commit ``writes`` with +1 per key in ``acquire`` and -1 per key in ``release``.
+        """Commit ``writes`` with +1 per key in ``acquire`` and -1 per key in ``release``;
+        ``marks``: the retention marks of released keys, written for those the batch
+        leaves without a committed reference.
 
         Returns the keys this request's release brought to zero and that nothing holds
         after the batch (no committed reference, no pin): the caller frees them. Raises
         what the MetaStore raises, in which case nothing of this request (or its batch)
         was applied.
         """
-        request = _Request(writes, acquire, release)
+        request = _Request(writes, acquire, release, marks or {})
         self._queue.append(request)
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write_batches())
@@ -125,6 +151,9 @@ class RefLedger:
             for key in before:
                 count = self._committed.get(key, 0)
                 writes[REF_PREFIX + key] = str(count).encode() if count else None
+            marks_before = dict(self.marks)
+            unmarks, self._unmarks = self._unmarks, set()
+            referenced = self._mark_writes(batch, before, unmarks, writes)
             try:
                 await self._meta.commit(writes)
             except BaseException as exc:
@@ -133,6 +162,8 @@ class RefLedger:
                         self._committed[key] = old
                     else:
                         self._committed.pop(key, None)
+                self.marks = marks_before
+                self._unmarks |= unmarks
                 if not isinstance(exc, Exception):  # cancelled: fail what is still queued too
                     batch, self._queue = batch + self._queue, []
                 for request in batch:
@@ -141,6 +172,28 @@ class RefLedger:
                 if not isinstance(exc, Exception):
                     raise
                 continue
+            if referenced and self.on_referenced is not None:
+                self.on_referenced(referenced)
             for request, keys in zip(batch, zeroed, strict=True):
                 if not request.done.done():  # a later request of the batch may hold it again
                     request.done.set_result([k for k in keys if not self.count(k)])
+
+    def _mark_writes(self, batch: Sequence[_Request], before: Mapping[str, int],
+                     unmarks: set[str], writes: dict[str, bytes | None]) -> list[str]:
+        """Add the batch's mark writes to ``writes`` (and ``self.marks``); returns the
+        keys it references that had no committed reference before."""
+        for key in unmarks:
+            if key in self.marks and not self._committed.get(key):
+                del self.marks[key]
+                writes[RETAIN_PREFIX + key] = None
+        for request in batch:
+            for key, value in request.marks.items():
+                if key in before and not self._committed.get(key):
+                    self.marks[key] = value
+                    writes[RETAIN_PREFIX + key] = value
+        referenced = [key for key, old in before.items()
+                      if not old and self._committed.get(key)]
+        for key in referenced:
+            if self.marks.pop(key, None) is not None:
+                writes[RETAIN_PREFIX + key] = None
+        return referenced

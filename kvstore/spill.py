@@ -194,17 +194,21 @@ class Spiller:
                 )
                 freed = await self._catalog.put(
                     manifest, acquire=keys, release=old.chunk_keys if old else (),
-                    new=old is None,
+                    new=old is None, marks=self._retention.marks(
+                        old.chunk_keys, old.chunk_sizes, old.dedupe_scope) if old else None,
                 )
                 reservation.release()  # the committed manifest now counts in its stead
             except BaseException:
                 reservation.release()
-                await self._blocks.free(self._retention.keep(self._ledger.unpin(keys), scope))
+                sent = {key: len(data) for key, data in chunks if data is not None}
+                await self._blocks.free(self._retention.keep(self._ledger.unpin(keys), scope,
+                                                             sent))
                 if window_key is not None:
                     await self._blocks.drop(window_key)
                 raise
             if freed:  # the older generation's alone
-                freed = self._retention.keep(freed, old.dedupe_scope)
+                freed = self._retention.keep(freed, old.dedupe_scope, dict(
+                    zip(old.chunk_keys, old.chunk_sizes, strict=True)))
             await self._blocks.free(freed + self._retention.keep(self._ledger.unpin(keys), scope))
             if old is not None and old.window_key is not None:
                 await self._blocks.drop(old.window_key)
@@ -267,6 +271,7 @@ class Spiller:
                                  for key, data in chunks)
         need = TenantUsage(sessions=int(old is None),
                            durable_bytes=stored - (old.stored_bytes if old else 0))
+        await self._shed_retained(tenant, need.durable_bytes, [key for key, _ in chunks])
         self._quotas.check(tenant, need)  # before moving anything for memory
         sent = sum(len(data) for _, data in chunks if data is not None)
         sent = sent if self._placed_in_memory else 0
@@ -289,6 +294,21 @@ class Spiller:
                 memory, start, keep_window = held(), self._below, False
         return (self._quotas.reserve(tenant, dataclasses.replace(need, memory_bytes=memory)),
                 start, keep_window)
+
+    async def _shed_retained(self, tenant: str, grows: int, keys: Sequence[str]) -> None:
+        """The retained chunks of the tenant's own domain live in the room its
+        ``durable_bytes`` quota leaves: free the least recently used ones that a spill
+        growing the use by ``grows`` needs the room of (none of ``keys``, the spill's
+        own, which it references again). Nothing is freed for a spill refused anyway."""
+        room = self._quotas.room(tenant, "durable_bytes")
+        if room is None or grows > room:
+            return
+        scope = dedupe_scope(tenant)
+        own = set(keys)
+        excess = (self._retention.bytes_of(scope) - sum(map(self._retention.size, own))
+                  + max(0, grows) - room)
+        if excess > 0:
+            await self._blocks.free(self._retention.over_quota(scope, excess, own))
 
     async def _demote_own(self, tenant: str, amount: int, protect: Collection[str]) -> None:
         """Move the tenant's memory-resident blocks below the memory tiers until its

@@ -56,3 +56,5 @@ class ManagerStats:
     sessions: int = 0  # manifests stored (TierManager.session_count)
     # Tenants with a quota table of their own, then "other" (kvstore.quota.QuotaGate.reports)
     tenants: tuple[TenantReport, ...] = ()
+    retained_chunks: int = 0  # unreferenced chunks kept as cache (kvstore.prefix)
+    retained_bytes: int = 0

@@ -315,3 +315,29 @@ def s3_bucket(s3_server: str) -> str:
     client = boto3.client("s3", endpoint_url=s3_server, **MotoServer.CREDENTIALS)
     client.create_bucket(Bucket=name)
     return name
+
+
+# -- a real small medium --
+
+
+@pytest.fixture
+def tmpfs_factory(tmp_path):
+    """``mount(size_mib) -> Path``: a fresh tmpfs of that size under ``tmp_path`` (a medium
+    that fills before a tier's own capacity); unmounted after the test. Skips where
+    mounting is not allowed (root and CAP_SYS_ADMIN needed)."""
+    mounts: list[Path] = []
+
+    def mount(size_mib: int) -> Path:
+        path = tmp_path / f"tmpfs{len(mounts)}"
+        path.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs",
+                               str(path)], capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here (root and CAP_SYS_ADMIN needed): "
+                        f"{done.stderr.strip() or done.returncode}")
+        mounts.append(path)
+        return path
+
+    yield mount
+    for path in mounts:
+        subprocess.run(["umount", "-l", str(path)], check=False)

@@ -19,7 +19,6 @@ from tests.service_support import (
 )
 
 C = LAYOUT.chunk_tokens
-RETAIN = {"retain_unreferenced": True}  # off by default in the server config
 
 
 def prefix(full: dict[str, StreamData], n: int) -> dict[str, StreamData]:
@@ -33,7 +32,7 @@ def prefix(full: dict[str, StreamData], n: int) -> dict[str, StreamData]:
 async def test_fork_then_diverge_both_branches_restore_bit_exact(tmp_path):
     tokens = tokens_for(3 * C + 10)
     full = streams_for(LAYOUT, len(tokens))
-    async with running_server(tmp_path, **RETAIN) as (_, target), AsyncClient(target) as kv:
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
         await kv.spill("acme", "src", LAYOUT.name, tokens, full, generation=1)
         forked = await kv.fork("acme", "src", "branch", upto_tokens=2 * C + 7)
         assert (forked.generation, forked.num_tokens, forked.chunks) == (1, 2 * C, 2)
@@ -59,7 +58,7 @@ async def test_fork_then_diverge_both_branches_restore_bit_exact(tmp_path):
 async def test_lookup_and_start_from_a_retained_prefix_after_the_source_is_deleted(tmp_path):
     tokens = tokens_for(3 * C + 10)
     full = streams_for(LAYOUT, len(tokens))
-    async with running_server(tmp_path, **RETAIN) as (_, target), AsyncClient(target) as kv:
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
         await kv.spill("acme", "a", LAYOUT.name, tokens, full, generation=1)
         assert (await kv.delete("acme", "a")).chunks_freed == 0  # retained, not freed
         async with AsyncClient(target) as fresh:  # knows nothing of "a"
@@ -71,9 +70,20 @@ async def test_lookup_and_start_from_a_retained_prefix_after_the_source_is_delet
             assert_streams_equal((await fresh.restore("acme", "b")).persistent, full)
 
 
+async def test_without_retention_a_delete_frees_what_only_it_named(tmp_path):
+    tokens = tokens_for(3 * C + 10)
+    async with running_server(tmp_path, retain_unreferenced=False) as (_, target), \
+            AsyncClient(target) as kv:
+        await kv.spill("acme", "a", LAYOUT.name, tokens, streams_for(LAYOUT, len(tokens)),
+                       generation=1)
+        assert (await kv.delete("acme", "a")).chunks_freed == 3
+        assert await kv.lookup("acme", LAYOUT.name, tokens) == 0
+        assert (await kv.stat()).retained_chunks == 0
+
+
 async def test_lookup_never_answers_across_tenants(tmp_path):
     tokens = tokens_for(2 * C)
-    async with running_server(tmp_path, **RETAIN) as (_, target), AsyncClient(target) as kv:
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
         await kv.spill("acme", "a", LAYOUT.name, tokens, streams_for(LAYOUT, len(tokens)),
                        generation=1)
         assert await kv.lookup("acme", LAYOUT.name, tokens) == 2 * C
@@ -88,7 +98,7 @@ async def test_retained_chunks_give_way_to_new_spills_under_pressure(tmp_path):
     size = max(len(c) for c in encoded.chunks.values())
     # room for five chunks in memory, no tier below: a second session needs the room
     # the first one's retained chunks take
-    async with running_server(tmp_path, **RETAIN, host_bytes=5 * size + size // 2, disk_bytes=0,
+    async with running_server(tmp_path, host_bytes=5 * size + size // 2, disk_bytes=0,
                               object_bytes=0) as (_, target), AsyncClient(target) as kv:
         await kv.spill("acme", "a", LAYOUT.name, tokens, full, generation=1)
         await kv.delete("acme", "a")
@@ -107,7 +117,7 @@ async def test_the_cli_looks_up_and_forks(tmp_path, capsys):
     from services.cli.main import main
 
     tokens = tokens_for(2 * C + 1)
-    async with running_server(tmp_path, **RETAIN) as (_, target), AsyncClient(target) as kv:
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
         await kv.spill("acme", "a", LAYOUT.name, tokens, streams_for(LAYOUT, len(tokens)),
                        generation=1)
         ids = ",".join(str(int(t)) for t in tokens)

@@ -36,18 +36,8 @@ pytestmark = pytest.mark.slow  # a server process importing torch, ~100 spills
 
 
 @pytest.fixture
-def tmpfs(tmp_path):
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here (root and CAP_SYS_ADMIN needed): "
-                    f"{done.stderr.strip() or done.returncode}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+def tmpfs(tmpfs_factory):
+    return tmpfs_factory(20)
 
 
 def _serve(data_dir: Path, config: Path) -> tuple[subprocess.Popen, str]:

@@ -59,6 +59,9 @@ def usage_table(usage) -> list[str]:
         if usage.rejections.get(quota):
             line += f"  {usage.rejections[quota]} refused"
         lines.append(line)
+    # not a quota: retained chunks fill the room durable_bytes leaves, and give way first
+    lines.append(f"{'retained_bytes':<14} {human_bytes(usage.retained_bytes):>12} "
+                 f"{'(cache)':>12}")
     return lines
 
 
@@ -92,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(tier_table(reply.tiers)))
         print(f"node {reply.node_id}   sessions {reply.sessions}   write-back queue "
               f"{reply.writeback_queue_depth}   replays {reply.replays}")
+        print(f"retained {reply.retained_chunks} chunks, {human_bytes(reply.retained_bytes)}"
+              " (unreferenced, kept as cache for prefix reuse)")
         if reply.HasField("session"):
             s = reply.session
             print(f"session {s.session.tenant}/{s.session.session_id}: {s.num_tokens} tokens,"

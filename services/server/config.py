@@ -115,10 +115,12 @@ class ServerConfig:
     grace_s: float = 10.0  # in-flight RPCs get this long at shutdown
     manager_preset: str = "embedded"  # kvstore.manager.MANAGER_PRESETS
     # true: chunks no session names any more stay as evictable cache for prefix reuse
-    # (Lookup) until the tier's capacity needs their room (kvstore.prefix.Retention). Off by
-    # default: a medium that fills before the tier's capacity (a disk shared with other
-    # files) does not yet make them give way, so a delete would free no space there.
-    retain_unreferenced: bool = False
+    # (Lookup, kvstore.prefix.Retention), accounted to their dedupe domain, until a tier's
+    # capacity, a full medium or the tenant's durable_bytes quota needs their room, or
+    # they sit unused for retain_ttl_s (0: no TTL); false frees them with their last
+    # reference.
+    retain_unreferenced: bool = True
+    retain_ttl_s: float = 0.0
     # Shared dedupe domains: name -> the tenants that may spill into it (e.g. for a public
     # system prompt). Every other chunk dedupes only within its own tenant.
     dedupe_domains: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -222,6 +224,8 @@ class ServerConfig:
             name: MappingProxyType(dict(table)) for name, table in self.quota.items()}))
         object.__setattr__(self, "dedupe_domains", {
             name: tuple(tenants) for name, tenants in self.dedupe_domains.items()})
+        if self.retain_ttl_s < 0:
+            raise InvalidRequest(f"retain_ttl_s must be >= 0 (0: no TTL), got {self.retain_ttl_s}")
         if self.replay_max_batch < 1:
             raise InvalidRequest(f"replay_max_batch must be >= 1, got {self.replay_max_batch}")
         _check_pairs(self)

@@ -117,13 +117,19 @@ class _ManagerCollector(Collector):
         yield GaugeMetricFamily("kvtier_referenced_chunks",
                                 "Distinct chunks some session references",
                                 value=stats.referenced_chunks)
+        yield GaugeMetricFamily("kvtier_retained_chunks", "Chunks no session references, "
+                                "kept as evictable cache (prefix reuse)",
+                                value=stats.retained_chunks)
+        yield GaugeMetricFamily("kvtier_retained_bytes", "Bytes of the retained chunks",
+                                value=stats.retained_bytes)
 
 
 def _tenant_metrics(stats: ManagerStats) -> Iterator[Metric]:
     sessions = GaugeMetricFamily("kvtier_tenant_sessions", "Sessions the tenant stores",
                                  labels=["tenant"])
     stored = GaugeMetricFamily("kvtier_tenant_bytes", "The tenant's bytes as its quotas "
-                               "count them (kind: memory, durable)", labels=["tenant", "kind"])
+                               "count them (kind: memory, durable; retained: its own domain's "
+                               "retained chunks)", labels=["tenant", "kind"])
     limits = GaugeMetricFamily("kvtier_quota_limit", "The tenant's quota limit (absent: "
                                "unlimited)", labels=["tenant", "quota"])
     rejected = CounterMetricFamily("kvtier_quota_rejections", "Spills refused by a quota",
@@ -132,6 +138,7 @@ def _tenant_metrics(stats: ManagerStats) -> Iterator[Metric]:
         sessions.add_metric([report.tenant], report.usage.sessions)
         stored.add_metric([report.tenant, "memory"], report.usage.memory_bytes)
         stored.add_metric([report.tenant, "durable"], report.usage.durable_bytes)
+        stored.add_metric([report.tenant, "retained"], report.usage.retained_bytes)
         for quota, limit in report.limits.table().items():
             limits.add_metric([report.tenant, quota], limit)
         for quota, count in report.rejections.items():

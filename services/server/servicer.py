@@ -27,7 +27,7 @@ from kvstore.errors import (
     SharedMemoryUnavailable,
     status_name,
 )
-from kvstore.keys import split_block_key
+from kvstore.keys import dedupe_scope, split_block_key
 from kvstore.layout import LayoutSpec, all_layouts, layout_to_json
 from kvstore.manager import TierManager
 from kvstore.manifest import SessionManifest
@@ -286,6 +286,10 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         self.metrics.update(stats)
         lookups = tier_lookups(stats)
         hits = stats.counters["hits"]
+        retained = (stats.retained_chunks, stats.retained_bytes)
+        own = auth.list_scope(None)  # a tenant's credential: its own domain's figures only
+        if own is not None:
+            retained = self.manager.retained_chunks().get(dedupe_scope(own), (0, 0))
         return pb.StatReply(
             tiers=[pb.TierStat(name=t.name, capacity_bytes=t.capacity_bytes,
                                used_bytes=t.used_bytes, items=t.items, available=t.available,
@@ -293,7 +297,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                    for t in stats.tiers],
             sessions=stats.sessions,
             writeback_queue_depth=stats.writeback_depth, replays=self.replays,
-            session=session, tenant_usage=usage, node_id=self.config.node_name)
+            session=session, tenant_usage=usage, node_id=self.config.node_name,
+            retained_chunks=retained[0], retained_bytes=retained[1])
 
     @grpc_errors
     async def List(self, request: pb.ListRequest, context: grpc.aio.ServicerContext
@@ -394,6 +399,7 @@ def _tenant_usage(report: TenantReport) -> pb.TenantUsage:
     use, limits = report.usage, report.limits
     return pb.TenantUsage(
         tenant=report.tenant, sessions=use.sessions, durable_bytes=use.durable_bytes,
-        memory_bytes=use.memory_bytes, sessions_limit=limits.sessions,
+        memory_bytes=use.memory_bytes, retained_bytes=use.retained_bytes,
+        sessions_limit=limits.sessions,
         durable_bytes_limit=limits.durable_bytes, memory_bytes_limit=limits.memory_bytes,
         rejections=report.rejections)

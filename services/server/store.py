@@ -177,7 +177,8 @@ async def open_manager(config: ServerConfig) -> TierManager:
         policy = HintPolicy if config.eviction == "hint" else LRUPolicy
         manager_config = dataclasses.replace(
             _preset(MANAGER_PRESETS, config.manager_preset, "manager_preset"),
-            retain_unreferenced=config.retain_unreferenced)
+            retain_unreferenced=config.retain_unreferenced,
+            retain_ttl_s=config.retain_ttl_s or None)
         options = {"policy": policy, "config": manager_config,
             "quotas": Quotas.from_tables(config.quota)}
         if keyring is None:

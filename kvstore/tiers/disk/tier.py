@@ -351,8 +351,10 @@ class DiskTier(Tier):
             if old is None:
                 return 0
             op = self.pipeline.enqueue(DeleteOp(kb), kb, -old, -1, 0, self._wants_ack(durable))
-        await self.pipeline.settle(op)
-        self.reclaimer.poke()
+        try:
+            await self.pipeline.settle(op)
+        finally:  # a caller cancelled while it waits still had its delete queued
+            self.reclaimer.poke()
         return old
 
     async def contains(self, key: str) -> bool:
