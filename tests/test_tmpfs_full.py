@@ -2,8 +2,9 @@
 
 Durable spills fill the medium (the disk tier's own capacity is larger) until the server
 answers RESOURCE_EXHAUSTED; deleting sessions then makes room again without a restart
-(online reclamation frees the dead segments), and every durable-acked session not
-deleted still restores bit-exact, before and after a restart.
+(their chunks stay retained as cache until the full medium makes them give way; online
+reclamation then frees the dead segments), and every durable-acked session not deleted
+still restores bit-exact, before and after a restart.
 """
 
 from __future__ import annotations
