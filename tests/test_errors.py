@@ -147,7 +147,7 @@ async def test_an_unexpected_error_is_internal_and_the_server_keeps_serving(tmp_
         restored = await kv.restore("acme", "s1")
         assert restored.token_ids.tolist() == tokens.tolist() and restored.replay_needed
         errors_total = server.metrics.registry.get_sample_value
-        assert errors_total("kvtier_rpc_errors_total",
+        assert errors_total("kvtier_requests_total",
                             {"method": "Resume", "code": "INTERNAL"}) == 2
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvtier import AsyncClient, SessionNotFound
+from kvtier import AsyncClient, PermissionDenied, SessionNotFound, Unauthenticated
+from tests.security_support import dev_set, secured_server
 from tests.service_support import LAYOUT, running_server, streams_for, tokens_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,3 +122,37 @@ def test_requests_total_counts_every_rpc_by_method_and_code(exposition):
     tiers = _samples(exposition)["kvtier_resume_seconds_count"]
     assert tiers == ['tier="host"']  # resume latency by the slowest tier that served it
     assert 'tier="host"' in _samples(exposition)["kvtier_tier_up"]
+
+
+def test_one_counter_of_calls_by_code_and_no_duplicate_error_counter(exposition):
+    # kvtier_rpc_errors_total counted every non-OK call requests_total counts: gone.
+    assert not [name for name in _families(exposition) if "rpc_errors" in name]
+
+
+async def test_calls_the_auth_interceptor_refuses_are_counted_by_method_and_code(tmp_path):
+    """UNAUTHENTICATED and a role's PERMISSION_DENIED end the call before the servicer:
+    they are counted in kvtier_requests_total all the same, beside the servicer's own."""
+    certs = dev_set(tmp_path)
+    async with secured_server(tmp_path, certs) as (server, target):
+        async with certs.client(target) as anonymous:
+            with pytest.raises(Unauthenticated):
+                await anonymous.list()
+        async with certs.client(target, token="not-a-token") as forged:
+            for _ in range(2):
+                with pytest.raises(Unauthenticated):
+                    await forged.stat()
+        async with certs.client(target, "replay") as replay:  # a role KVTier refuses
+            with pytest.raises(PermissionDenied):
+                await replay.restore("acme", "s1")
+        async with certs.client(target, "beta") as beta:  # refused by the servicer
+            with pytest.raises(PermissionDenied):
+                await beta.restore("acme", "s1")
+            await beta.list()
+        count = server.metrics.registry.get_sample_value
+        assert count("kvtier_requests_total", {"method": "List",
+                                               "code": "UNAUTHENTICATED"}) == 1
+        assert count("kvtier_requests_total", {"method": "Stat",
+                                               "code": "UNAUTHENTICATED"}) == 2
+        assert count("kvtier_requests_total", {"method": "Restore",
+                                               "code": "PERMISSION_DENIED"}) == 2
+        assert count("kvtier_requests_total", {"method": "List", "code": "OK"}) == 1

@@ -62,9 +62,9 @@ async def test_every_kvtier_method_refuses_undecodable_bytes(tmp_path, caplog):
         reply = await channel.unary_unary("/kvtier.v1.KVTier/Stat")(b"")
         assert pb.StatReply.FromString(reply).sessions == 0
         count = server.metrics.registry.get_sample_value
-        assert count("kvtier_rpc_errors_total",
+        assert count("kvtier_requests_total",
                      {"method": "Stat", "code": "INVALID_ARGUMENT"}) == len(GARBAGE)
-        assert count("kvtier_rpc_errors_total",
+        assert count("kvtier_requests_total",
                      {"method": spill.name, "code": "INVALID_ARGUMENT"}) == len(GARBAGE) + 1
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 

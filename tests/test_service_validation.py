@@ -131,9 +131,9 @@ async def test_every_control_rpc_refuses_bad_input(tmp_path):
             code, details = await _status(call)
             assert code.name == want, details
         errors = server.metrics.registry.get_sample_value
-        assert errors("kvtier_rpc_errors_total", {"method": "Delete", "code": "NOT_FOUND"}) == 1
-        assert errors("kvtier_rpc_errors_total", {"method": "List",
-                                                  "code": "INVALID_ARGUMENT"}) == 2
+        assert errors("kvtier_requests_total", {"method": "Delete", "code": "NOT_FOUND"}) == 1
+        assert errors("kvtier_requests_total", {"method": "List",
+                                                "code": "INVALID_ARGUMENT"}) == 2
         health = await stub.Stat(pb.StatRequest())
         assert health.sessions == 0
 

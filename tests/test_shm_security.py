@@ -149,7 +149,7 @@ async def test_path_like_lease_ids_are_invalid_argument_not_internal(tmp_path):
                 code, details = await _status(_drain(call))
                 assert code == grpc.StatusCode.INVALID_ARGUMENT, (lease_id, details)
         errors = server.metrics.registry.get_sample_value
-        assert not errors("kvtier_rpc_errors_total", {"method": "Restore", "code": "INTERNAL"})
+        assert not errors("kvtier_requests_total", {"method": "Restore", "code": "INTERNAL"})
 
 
 async def test_a_lease_is_its_clients_alone(tmp_path):

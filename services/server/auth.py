@@ -42,7 +42,7 @@ from pathlib import Path
 import grpc
 
 from kvstore.errors import InvalidRequest, PermissionDenied, Unauthenticated
-from kvtier.errors import abort
+from kvtier.errors import RecordsCalls, abort
 from services.server.audit import AuditLog
 
 log = logging.getLogger(__name__)
@@ -265,11 +265,15 @@ class Authenticator:
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Authenticates, authorizes by role and audits every call of the ``METHOD_ROLES``
-    methods; ``authenticator`` None: every caller is anonymous (audit only)."""
+    methods; ``authenticator`` None: every caller is anonymous (audit only). A call it
+    refuses never reaches the servicer: ``recorder`` (the kvtier servicer) counts it by
+    method and code, as the servicer counts its own."""
 
-    def __init__(self, authenticator: Authenticator | None, audit: AuditLog) -> None:
+    def __init__(self, authenticator: Authenticator | None, audit: AuditLog,
+                 recorder: RecordsCalls | None = None) -> None:
         self.authenticator = authenticator
         self.audit = audit
+        self.recorder = recorder
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
@@ -285,6 +289,7 @@ class _Guard:
     def __init__(self, interceptor: AuthInterceptor, method: str, roles: frozenset[str]):
         self.authenticator = interceptor.authenticator
         self.audit = interceptor.audit
+        self.recorder = interceptor.recorder
         self.method = method
         self.name = method.rpartition("/")[2]
         self.roles = roles
@@ -303,7 +308,7 @@ class _Guard:
             self.audit.record(kind, who, self.name, context.peer(),
                               "UNAUTHENTICATED" if who is None else "PERMISSION_DENIED",
                               str(exc))
-            await abort(context, exc, None, self.name)
+            await abort(context, exc, self.recorder, self.name)
         _CALLER.set(identity)
         return identity
 

@@ -193,15 +193,13 @@ class ServiceMetrics:
                                    ["path"], registry=r)
         self.restore_bytes = Counter("kvtier_restore_bytes", "Payload bytes sent by restores",
                                      ["path"], registry=r)
-        self.rpc_errors = Counter("kvtier_rpc_errors", "RPCs that ended with an error status",
-                                  ["method", "code"], registry=r)
         self.shm_segments = Gauge("kvtier_shm_segments", "Shared-memory segments leased "
                                   "to clients", registry=r)
         self._http = None
 
     def record_error(self, method: str, code: str) -> None:
-        """A call that ended with the error status ``code`` (a StatusCode name)."""
-        self.rpc_errors.labels(method, code).inc()
+        """A call that ended with the error status ``code`` (a StatusCode name): refused by
+        the auth interceptor before the servicer, or aborted by the servicer."""
         self.requests.labels(method, code).inc()
 
     def record_done(self, method: str, seconds: float, ok: bool) -> None:

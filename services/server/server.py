@@ -169,7 +169,7 @@ def _interceptors(config: ServerConfig, servicer: KVTierServicer
     if authenticator is None and not config.audit_log:
         return []
     servicer.audit = AuditLog(config.audit_log, servicer.metrics.registry)
-    return [auth.AuthInterceptor(authenticator, servicer.audit)]
+    return [auth.AuthInterceptor(authenticator, servicer.audit, servicer)]
 
 
 def _bind(grpc_server: grpc.aio.Server, config: ServerConfig) -> int:
