@@ -3,7 +3,8 @@
 beside the bucket (moto's S3 server), so another node resumes from Redis, not S3; a
 read that had to go to the bucket leaves a copy in Redis for the next node; a spill may
 name by key alone chunks another node wrote; Redis down costs nothing durable (a master
-down: test_fleet_servers.py). Real servers' stores (``open_manager``), as test_fleet.py."""
+down: test_fleet_servers.py). Real servers' stores (``open_manager``), as test_fleet.py,
+and real servers over gRPC for what Stat reports."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from collections.abc import AsyncIterator
 import pytest
 from fleet_support import shared_config
 from redis.cluster import RedisCluster
-from test_manager_support import make_session, random_tokens
+from test_manager_support import TINY, make_session, random_tokens
 
 from kvstore.errors import ChunksNotHeld
 from kvstore.manager import TierManager
+from kvtier import AsyncClient
 from services.server.config import ServerConfig
+from services.server.server import create_server
 from services.server.store import open_manager
 
 PREFIX = "kvtier:"  # ServerConfig.redis_prefix
@@ -74,6 +77,11 @@ async def test_a_durable_spill_writes_through_to_redis_and_another_node_resumes_
         assert_same(got, session)
         assert got.chunk_tiers == ["redis"] * len(keys)
         assert b.counters.hits["redis"] == len(keys) and not b.counters.hits["object"]
+
+        # a memory ack too (its write-back goes to the bucket only)
+        memory = make_session(random_tokens(70, 9), seed=9, tenant="acme")
+        await a.spill("acme", "s2", generation=1, ack="memory", **memory)
+        assert all(in_redis(redis_cluster, [key for key, _ in memory["chunks"]]))
 
 
 async def test_host_eviction_does_not_demote_into_redis_what_it_holds(
@@ -165,3 +173,27 @@ async def test_with_redis_down_spills_are_durable_and_resumes_come_from_the_buck
         got = await b.restore("acme", "s1")
         assert_same(got, session)
         assert set(got.chunk_tiers) == {"object"}
+
+
+async def test_stat_on_the_other_node_counts_its_resume_as_redis_hits(
+        node_config, redis_cluster):
+    servers = {}
+    try:
+        for name in "ab":
+            config = dataclasses.replace(node_config(name, redis_cluster),
+                                         listen="127.0.0.1:0", replay="off")
+            server, port = await create_server(config)
+            servers[name] = (server, f"127.0.0.1:{port}")
+        session = make_session(random_tokens(70, 8), seed=8, tenant="acme", window=False)
+        chunks = [data for _, data in session["chunks"]]
+        async with AsyncClient(servers["a"][1]) as on_a, \
+                AsyncClient(servers["b"][1]) as on_b:
+            await on_a.spill("acme", "s1", TINY, session["token_ids"], chunks=chunks,
+                             tail=session["tail"], generation=1, ack="durable")
+            got = await on_b.restore("acme", "s1", want_window=False)
+            assert [bytes(c) for c in got.chunks] == chunks
+            tiers = {t.name: t for t in (await on_b.stat()).tiers}
+            assert tiers["redis"].hits == len(chunks) and tiers["object"].hits == 0
+    finally:
+        for server, _ in servers.values():
+            await server.stop(0.5)
