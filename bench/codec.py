@@ -3,10 +3,15 @@
 ``python -m bench.codec --json`` prints ``encode_gbps``, ``decode_gbps`` (decode includes
 checksum verification and produces fresh tensors, one ``decode_chunk`` call per chunk),
 ``decode_run_gbps`` (the same chunks as one session's run: ``decode_chunks``, what a
-restore of a whole session does, one tensor per stream) and ``memcpy_gbps`` (``np.copyto``, a plain
+restore of a whole session does, one tensor per stream, from the chunks back to back in one
+buffer, a ``PackedRun``, as a restore over shared memory hands them to the decode),
+``decode_run_joined_gbps`` (the same from one separate buffer per chunk, which the decode
+joins first, as a restore of inline bytes does) and ``memcpy_gbps`` (``np.copyto``, a plain
 memcpy, of the same number of bytes between preallocated buffers) for the headline layout, plus one
-row per shipped layout (each with its ``decode_run_vs_memcpy`` and ``decode_vs_memcpy``) and
-flash-4.1-like with zstd. GB/s counts raw payload bytes (10^9 bytes per second).
+row per shipped layout (each with its ``decode_run_vs_memcpy``, ``decode_run_joined_vs_memcpy``
+and ``decode_vs_memcpy``) and flash-4.1-like with zstd. GB/s counts raw payload bytes (10^9
+bytes per second). ``goal``: every shipped layout's uncompressed ``decode_run_vs_memcpy`` at
+least 0.3 (zstd decompression is not a memcpy's match, and is not held to it).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 from kvstore.codec import StreamData, decode_chunk, encode_chunk
 from kvstore.codec_run import decode_chunks
 from kvstore.layout import LayoutSpec, all_layouts, get_layout
+from kvstore.packed_run import PackedRun
 
 _DTYPES = {4: torch.uint8, 8: torch.int8, 16: torch.bfloat16}
 
@@ -60,7 +66,8 @@ def measure(spec: LayoutSpec, total_mb: float, repeats: int, zstd_level: int | N
     chunk_payload = int(spec.persistent_bytes_per_token * spec.chunk_tokens)
     n = max(1, int(total_mb * 1e6 // chunk_payload))
     tokens = np.arange(spec.chunk_tokens)
-    run_tokens = np.tile(tokens, n)  # the chunks as one session, each starting where it is
+    # the chunks as one session, each starting where it is; uint32, as a client holds them
+    run_tokens = np.tile(tokens, n).astype(np.uint32)
     chunks = [random_chunk(spec, i) for i in range(min(n, 8))]
     chunks = [chunks[i % len(chunks)] for i in range(n)]
     encoded: list[bytes] = []
@@ -74,6 +81,9 @@ def measure(spec: LayoutSpec, total_mb: float, repeats: int, zstd_level: int | N
             decode_chunk(buf, spec)
 
     def decode_run() -> None:
+        decode_chunks(packed, spec, run_tokens, [spec.chunk_tokens] * n)
+
+    def decode_run_joined() -> None:
         decode_chunks(encoded, spec, run_tokens, [spec.chunk_tokens] * n)
 
     total = n * chunk_payload
@@ -81,7 +91,9 @@ def measure(spec: LayoutSpec, total_mb: float, repeats: int, zstd_level: int | N
     dst = np.empty_like(src)
     encode_s = best_seconds(encode_all, repeats)
     decode_s = best_seconds(decode_all, repeats)
+    packed = PackedRun(b"".join(encoded), [len(b) for b in encoded])
     decode_run_s = best_seconds(decode_run, repeats)
+    joined_s = best_seconds(decode_run_joined, repeats)
     # np.copyto is libc memcpy, whatever torch's intra-op thread count is set to.
     memcpy_s = best_seconds(lambda: np.copyto(dst, src), repeats)
     return {
@@ -97,6 +109,8 @@ def measure(spec: LayoutSpec, total_mb: float, repeats: int, zstd_level: int | N
         "decode_vs_memcpy": memcpy_s / decode_s,
         "decode_run_gbps": total / decode_run_s / 1e9,
         "decode_run_vs_memcpy": memcpy_s / decode_run_s,
+        "decode_run_joined_gbps": total / joined_s / 1e9,
+        "decode_run_joined_vs_memcpy": memcpy_s / joined_s,
     }
 
 
@@ -113,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(measure(spec, args.mb / 4, args.repeats, None))
     rows.append(measure(get_layout("flash-4.1-like"), args.mb / 4, args.repeats, 3))
     head = rows[0]
+    plain = [r for r in rows if r["zstd_level"] is None]
     result = {
         "encode_gbps": head["encode_gbps"],
         "decode_gbps": head["decode_gbps"],
@@ -120,13 +135,16 @@ def main(argv: list[str] | None = None) -> int:
         "memcpy_gbps": head["memcpy_gbps"],
         "layout": head["layout"],
         "rows": rows,
+        "goal": {"decode_run_vs_memcpy_min": min(r["decode_run_vs_memcpy"] for r in plain),
+                 "met_0_3x_every_layout": all(r["decode_run_vs_memcpy"] >= 0.3 for r in plain)},
     }
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         print(
             f"{'layout':<16} {'zstd':>4} {'chunk B':>9} {'encode':>8} {'decode':>8} "
-            f"{'run dec':>8} {'memcpy':>8} {'dec/mem':>8} {'run/mem':>8} {'stored/raw':>10}"
+            f"{'run dec':>8} {'memcpy':>8} {'dec/mem':>8} {'run/mem':>8} {'joined':>8} "
+            f"{'stored/raw':>10}"
         )
         for r in rows:
             print(
@@ -134,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['encode_gbps']:>7.2f}G {r['decode_gbps']:>7.2f}G "
                 f"{r['decode_run_gbps']:>7.2f}G {r['memcpy_gbps']:>7.2f}G "
                 f"{r['decode_vs_memcpy']:>8.2f} {r['decode_run_vs_memcpy']:>8.2f} "
+                f"{r['decode_run_joined_vs_memcpy']:>8.2f} "
                 f"{r['stored_bytes'] / r['payload_bytes']:>10.3f}"
             )
     return 0

@@ -118,7 +118,7 @@ def _checked_run(bufs: Sequence[Buffer], spec: LayoutSpec, ids: np.ndarray,
     if ids.ndim != 1 or len(ids) < total:
         return None
     ids = ids[:total]
-    if total and (ids.min() < 0 or ids.max() > 0xFFFFFFFF):
+    if total and ids.dtype != np.uint32 and (ids.min() < 0 or ids.max() > 0xFFFFFFFF):
         return None  # token_bytes refuses them: the chunk-by-chunk path says where
     tokens = np.ascontiguousarray(ids, "<u4").view(np.uint8)  # (4 * total,) uint8
     blocks = _blocks(bufs, lens, want)
@@ -134,23 +134,19 @@ def _checked_run(bufs: Sequence[Buffer], spec: LayoutSpec, ids: np.ndarray,
           & (head["num_tokens"] == want) & (head["sections"] == nsec)
           & (lens == size + head["stored_len"].astype(np.int64))
           & (zstd | (head["stored_len"] == head["raw_len"])))
-    if not ok.all():
+    if not ok.all() or not (_row_hashes(raw[:, :size - 8]) == heads["check"]).all():
         return None
-    # the table is exactly the layout's for each chunk's token count
     rows = heads["table"].view(np.uint64).reshape(n, nsec, 4)[:, :, :3]
-    for count in np.unique(want).tolist():
-        plan, mine = chunk_plan(spec, count, False), want == count
-        if not ((rows[mine] == plan.table_head).all()
-                and (head["raw_len"][mine] == plan.payload_bytes).all()):
-            return None
-    if not (_row_hashes(raw[:, :size - 8]) == heads["check"]).all():
-        return None
-    # token ids, and the payload as stored, compressed or not (version 2's checksum)
     at = 0
-    for block in blocks:
+    for block in blocks:  # each of one token count
         k, first, count = len(block), int(firsts[at]), int(want[at])
+        plan = chunk_plan(spec, count, False)
+        # the table is exactly the layout's for the token count; then the token ids, and
+        # the payload as stored, compressed or not (version 2's checksum)
         mine = tokens[4 * first:4 * (first + k * count)].reshape(k, 4 * count)
-        if not ((_row_hashes(mine) == head["tokens_hash"][at:at + k]).all()
+        if not ((rows[at:at + k] == plan.table_head).all()
+                and (head["raw_len"][at:at + k] == plan.payload_bytes).all()
+                and (_row_hashes(mine) == head["tokens_hash"][at:at + k]).all()
                 and (_row_hashes(block[:, size:]) == head["payload_checksum"][at:at + k]
                      ).all()):
             return None
