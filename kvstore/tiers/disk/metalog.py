@@ -3,7 +3,10 @@
 Each committed MetaStore write (a session manifest, a demotion or quarantine note) is
 appended as a ``META`` record, a deletion as a ``META | TOMBSTONE`` record; the index
 names the latest one per key (``metarec``) so it stays live through compactions.
-Reference counts are not logged: a repair recounts them from the manifests. A record's
+Reference counts are not logged: a repair recounts them from the manifests. Nor are
+retention marks (``kvstore.prefix``): each one's deletion would leave a tombstone for
+good, and without them the next open still retains every unreferenced chunk, its domain
+unknown. A record's
 value starts with a log sequence number that orders the writes of a key across
 segments (a compaction's copy may sit in a newer segment than a later write).
 Tombstones stay live for good (a few dozen bytes each): an older put of their key may
@@ -16,12 +19,12 @@ import struct
 import time
 from collections.abc import Iterator
 
-from kvstore.refcount import REF_PREFIX
+from kvstore.refcount import REF_PREFIX, RETAIN_PREFIX
 from kvstore.tiers.base import Buffer
 from kvstore.tiers.disk.segments import META, TOMBSTONE, encode_header
 
 _LSN = struct.Struct("<Q")
-_DERIVED = REF_PREFIX.encode()
+_DERIVED = (REF_PREFIX.encode(), RETAIN_PREFIX.encode())  # not logged
 
 
 class SequenceClock:
