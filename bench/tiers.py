@@ -13,7 +13,9 @@ size, next to ``raw_put_gbps`` / ``raw_get_gbps`` of the bare medium in the same
 For redis and disk it also reports the tier sealed (``kvstore.tiers.sealed``, AES-256-GCM
 encryption at rest) against the same tier in clear, interleaved in the same run:
 ``sealed_put_gbps`` / ``sealed_get_gbps`` and the ratios ``sealed_put_vs_clear`` /
-``sealed_get_vs_clear`` (1.0: encryption costs nothing).
+``sealed_get_vs_clear`` (1.0: encryption costs nothing). Beside each best-of ratio,
+``put_vs_raw_median`` / ``get_vs_raw_median``: the median of the per-repeat ratios (the
+tier and the raw medium alternate which goes first), steadier on a busy machine.
 
 Calls are sequential (one in flight), as the raw figures are. It starts its own
 redis-server and an in-process moto S3 server on loopback ports. The memory tiers'
@@ -30,6 +32,7 @@ import logging
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import tempfile
 import time
@@ -52,16 +55,23 @@ Op = Callable[[], Awaitable[None]]
 
 
 async def _compare(tier_ops: tuple[Op, Op], raw_ops: tuple[Op, Op], repeats: int
-                   ) -> tuple[tuple[float, float], tuple[float, float]]:
-    """Best seconds of (put, get) for the tier and the raw medium. The four are run in
-    turn within each repeat so that load from other processes hits them alike."""
-    best = [float("inf")] * 4
-    for _ in range(repeats):
-        for index, operation in enumerate((*raw_ops, *tier_ops)):
+                   ) -> tuple[tuple[float, float], tuple[float, float], dict]:
+    """Best seconds of (put, get) for the tier and the raw medium, and the median over
+    repeats of each repeat's raw / tier ratio (``put_vs_raw_median``, ``get_vs_raw_median``).
+    The four are run in turn within each repeat, raw first in even repeats and the tier
+    first in odd ones, so that load from other processes and the order hit them alike."""
+    times: list[list[float]] = [[], [], [], []]
+    for repeat in range(repeats):
+        order = [0, 1, 2, 3] if repeat % 2 == 0 else [2, 3, 0, 1]
+        for index in order:
             started = time.perf_counter()
-            await operation()
-            best[index] = min(best[index], time.perf_counter() - started)
-    return (best[2], best[3]), (best[0], best[1])
+            await (*raw_ops, *tier_ops)[index]()
+            times[index].append(time.perf_counter() - started)
+    best = [min(t) for t in times]
+    medians = {f"{op}_vs_raw_median": statistics.median(
+        raw / tier for raw, tier in zip(times[i], times[i + 2], strict=True))
+        for i, op in enumerate(("put", "get"))}
+    return (best[2], best[3]), (best[0], best[1]), medians
 
 
 def _tier_ops(tier: Tier, values: list[bytes]) -> tuple[Op, Op]:
@@ -218,9 +228,10 @@ async def run(size: int, count: int, repeats: int, workdir: Path) -> list[dict]:
 
     async def measure(name: str, tier: Tier, raw: tuple[Op, Op], some: list[bytes],
                       sealed: Tier | None = None, **extra: object) -> None:
-        tier_s, raw_s = await _compare(_tier_ops(tier, some), raw, repeats)
+        tier_s, raw_s, medians = await _compare(_tier_ops(tier, some), raw, repeats)
+        extra.update(medians)
         if sealed is not None:  # a ratio from the same run: the two interleaved
-            (put_s, get_s), (clear_put_s, clear_get_s) = await _compare(
+            (put_s, get_s), (clear_put_s, clear_get_s), _ = await _compare(
                 _tier_ops(sealed, some), _tier_ops(tier, some), repeats)
             total = len(some) * size
             extra.update(sealed_put_gbps=total / put_s / 1e9, sealed_get_gbps=total / get_s / 1e9,
