@@ -14,7 +14,7 @@ $(BIN)/python:
 # torch is pinned by pyproject.toml; installing it first keeps pip on the local CPU wheel.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,gpu]'  # gpu: triton, for its interpreter tests
+	$(BIN)/pip install --quiet -e '.[test,gpu,transformers]'  # gpu: triton, for its interpreter tests
 	touch $(STAMP)
 
 install: $(STAMP)

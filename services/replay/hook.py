@@ -8,6 +8,10 @@
   group that any number of workers serve (``replay_redis_url``, default ``redis_url``);
 - ``off``: none.
 
+With ``replay_hf_model`` set, layouts whose replayer is ``transformers-deepseek-v4`` go to
+``replay.transformers_worker.TransformersReplayService`` (that model in the server's
+process) instead, through a ``ReplayRouter``; the others to the backend above.
+
 Every backend has the same call, ``await backend.rebuild(spec, token_ids, chunks, tail,
 replay_tokens) -> replay.ReplayResult`` (the encoded window, tokens replayed, seconds),
 and ``await backend.close()``.
@@ -20,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from kvstore.errors import KVTierError
+from kvstore.errors import KVTierError, ReplayUnavailable
 from kvstore.layout import LayoutSpec
 from kvstore.tiers.base import Buffer
 from services.server.config import ServerConfig
@@ -35,8 +39,45 @@ class ReplayBackend(Protocol):
     async def close(self) -> None: ...
 
 
+class ReplayRouter:
+    """Sends each rebuild to the backend of its layout's replayer."""
+
+    def __init__(self, backends: dict[str, ReplayBackend]) -> None:
+        self.backends = backends
+
+    async def rebuild(self, layout: LayoutSpec, token_ids, chunks: Sequence[Buffer],
+                      tail: Buffer, replay_tokens: int | None = None):
+        backend = self.backends.get(layout.replayer)
+        if backend is None:
+            raise ReplayUnavailable(f"layout {layout.layout_id} names replayer "
+                                    f"{layout.replayer!r}, which this server does not run")
+        return await backend.rebuild(layout, token_ids, chunks, tail, replay_tokens)
+
+    async def close(self) -> None:
+        for backend in self.backends.values():
+            await backend.close()
+
+
 def make_replay_backend(config: ServerConfig) -> tuple[ReplayBackend | None, str]:
     """(backend, "") or (None, why there is none) for the configured replay mode."""
+    backend, why = _bundled_backend(config)
+    if not config.replay_hf_model or config.replay_mode == "off":
+        return backend, why
+    try:
+        from replay.transformers_worker import TransformersReplayService
+
+        hf = TransformersReplayService(config.replay_hf_model, seed=config.replay_hf_seed,
+                                       default_tokens=config.replay_tokens)
+    except (ImportError, KVTierError) as exc:
+        log.warning("no transformers replay backend: %s", exc)
+        return backend, why
+    routes = {"transformers-deepseek-v4": hf}
+    if backend is not None:
+        routes["bundled"] = backend
+    return ReplayRouter(routes), ""
+
+
+def _bundled_backend(config: ServerConfig) -> tuple[ReplayBackend | None, str]:
     mode = config.replay_mode
     if mode == "off":
         return None, "replay is off in this server's config"

@@ -97,6 +97,11 @@ class ServerConfig:
     replay_tokens: int = 128  # R when a request says 0
     replay_max_batch: int = 8  # in-process replay: concurrent resumes per model call
     replay_weights: str = ""  # in-process replay: model weights (default: the bundled ones)
+    # In-process replay of transformers DeepseekV4 layouts (replayer
+    # "transformers-deepseek-v4"): a save_pretrained directory, or a config JSON whose
+    # weights are drawn at random from replay_hf_seed (replay.transformers_worker).
+    replay_hf_model: str = ""
+    replay_hf_seed: int = 0
     prefetch_timeout_s: float = 30.0  # when a Prefetch request says 0
     max_message_bytes: int = 64 * MiB  # one gRPC message, either direction
     max_spill_bytes: int = 4 * GiB  # one Spill stream, all payloads together
@@ -248,7 +253,8 @@ class ServerConfig:
         """The replayers whose layouts this server's Resume can rebuild a window for."""
         if self.replay_mode == "off":
             return frozenset()
-        return frozenset(self.replayers or ("bundled",))
+        default = ("bundled",) + (("transformers-deepseek-v4",) if self.replay_hf_model else ())
+        return frozenset(self.replayers or default)
 
     @property
     def layout_policy(self) -> str:

@@ -1,0 +1,126 @@
+"""The kvtier layout of a transformers model's cache, derived from ``model.config``.
+
+- Standard models (a ``DynamicCache`` of full-attention layers, e.g. Llama): streams
+  ``k`` and ``v`` of (kv_heads, head_dim) per token on every layer, persistent, at bf16
+  or int8; no window, nothing to replay.
+- DeepseekV4 (``model_type == "deepseek_v4"``): the compressor entries of the CSA layers
+  (``csa.kv``, m = 4), their Lightning Indexer entries (``csa.index``, m = 4) and the HCA
+  layers' entries (``hca.kv``, m = 128), persistent at 4 or 8 bits. Ephemeral, rebuilt by
+  the ``transformers-deepseek-v4`` replayer: the window K=V of every layer (``window``,
+  at most sliding_window - 1 rows), and the compressors' partial-block state: the
+  projected (kv, gate) rows of the unfinished block (``csa.buffer``, ``csa.index_buffer``,
+  ``hca.buffer``; pending, fewer than m rows) and the Ca half of the last complete CSA
+  window (``csa.overlap``, ``csa.index_overlap``; m rows).
+
+A layout's name says the family and precision and ends in a digest of its shape, so two
+configs never claim one name with different streams.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from kvstore.errors import InvalidRequest
+from kvstore.layout import LayoutSpec, Stream
+
+CSA, HCA, SLIDING = ("compressed_sparse_attention", "heavily_compressed_attention",
+                     "sliding_attention")
+GROUP = {4: 32, 8: 64}  # values per fp16 scale, as the shipped presets use
+STANDARD_BITS = (16, 8)
+DEEPSEEK_V4_BITS = (4, 8)
+
+
+def is_deepseek_v4(config) -> bool:
+    return getattr(config, "model_type", "") == "deepseek_v4"
+
+
+def layout_for(config, bits: int | None = None) -> LayoutSpec:
+    """The layout of this config's cache at ``bits`` (default: 16 for standard models, 4
+    for DeepseekV4)."""
+    if is_deepseek_v4(config):
+        return deepseek_v4_layout(config, 4 if bits is None else bits)
+    return standard_layout(config, 16 if bits is None else bits)
+
+
+def candidate_layouts(config) -> list[LayoutSpec]:
+    """Every layout a session of this config may have been spilled with."""
+    bits = DEEPSEEK_V4_BITS if is_deepseek_v4(config) else STANDARD_BITS
+    return [layout_for(config, b) for b in bits]
+
+
+def _group(bits: int, dim: int) -> int:
+    return 0 if bits == 16 else math.gcd(GROUP[bits], dim)
+
+
+def _named(spec: LayoutSpec, family: str, bits: int) -> LayoutSpec:
+    tag = "bf16" if bits == 16 else f"int{bits}"
+    return replace(spec, name=f"hf-{family}-{tag}-{replace(spec, name='x').layout_hash:016x}"[:64])
+
+
+def standard_layout(config, bits: int = 16) -> LayoutSpec:
+    if bits not in STANDARD_BITS:
+        raise InvalidRequest(f"a standard model's cache is stored at bf16 (16) or int8 (8), "
+                             f"not {bits} bits")
+    layer_types = getattr(config, "layer_types", None) or ()  # absent on Llama
+    if any(t != "full_attention" for t in layer_types):
+        raise InvalidRequest(f"{config.model_type}: only full-attention layers are supported "
+                             f"for a standard cache, got layer types {sorted(set(layer_types))}")
+    heads = config.num_key_value_heads or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layers = config.num_hidden_layers
+    streams = tuple(Stream(name, (heads, head_dim), bits=bits, group_size=_group(bits, head_dim),
+                           layers=layers) for name in ("k", "v"))
+    spec = LayoutSpec(name="x", streams=streams, chunk_tokens=64, vocab_size=config.vocab_size,
+                      notes=f"transformers {config.model_type}: {layers} layers, {heads} KV "
+                      f"heads x {head_dim}, every layer persistent")
+    return _named(spec, config.model_type.replace("_", "-"), bits)
+
+
+def deepseek_v4_layout(config, bits: int = 4) -> LayoutSpec:
+    if bits not in DEEPSEEK_V4_BITS:
+        raise InvalidRequest(f"DeepseekV4's compressed entries are stored at 4 or 8 bits, "
+                             f"not {bits}")
+    types = list(config.layer_types)
+    csa, hca = types.count(CSA), types.count(HCA)
+    m_csa = config.compress_rates[CSA]
+    m_hca = config.compress_rates[HCA]
+    d, di = config.head_dim, config.index_head_dim
+
+    def entries(name, dim, m, layers):
+        return Stream(name, (dim,), bits=bits, group_size=_group(bits, dim), tokens_per_entry=m,
+                      layers=layers)
+
+    def state(name, shape, layers, pending=True):
+        return Stream(name, shape, bits=16, layers=layers, persistent=False, pending=pending)
+
+    streams = []
+    if csa:
+        streams += [entries("csa.kv", d, m_csa, csa), entries("csa.index", di, m_csa, csa)]
+    if hca:
+        streams.append(entries("hca.kv", d, m_hca, hca))
+    streams.append(Stream("window", (d,), bits=16, layers=len(types), persistent=False))
+    if csa:
+        # (kv, gate) rows: CSA projects 2 x head_dim per token (the Ca and Cb series)
+        streams += [state("csa.buffer", (2, 2 * d), csa),
+                    state("csa.index_buffer", (2, 2 * di), csa),
+                    state("csa.overlap", (2, d), csa, pending=False),
+                    state("csa.index_overlap", (2, di), csa, pending=False)]
+    if hca:
+        streams.append(state("hca.buffer", (2, d), hca))
+    lcm = math.lcm(*(s.tokens_per_entry for s in streams if s.persistent)) if csa or hca else 1
+    spec = LayoutSpec(
+        name="x", streams=tuple(streams), chunk_tokens=lcm * max(1, 256 // lcm),
+        layer_modes=tuple({CSA: "csa", HCA: "hca", SLIDING: "sliding"}[t] for t in types),
+        vocab_size=config.vocab_size, window_tokens=config.sliding_window,
+        replayer="transformers-deepseek-v4",
+        notes=f"transformers DeepseekV4: {csa} CSA (m={m_csa}), {hca} HCA (m={m_hca}), "
+        f"{len(types) - csa - hca} sliding layers, window {config.sliding_window}")
+    return _named(spec, "deepseek-v4", bits)
+
+
+def persistent_bf16_bytes_per_token(spec: LayoutSpec) -> float:
+    """What the persistent streams would take per token unquantized (bf16): the cache
+    the model itself keeps per token."""
+    return sum(s.layers * s.values_per_entry * 2 / s.tokens_per_entry
+               for s in spec.persistent_streams)

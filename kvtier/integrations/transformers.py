@@ -1,0 +1,173 @@
+"""Spill and resume a Hugging Face transformers cache through kvtier.
+
+    from kvtier.integrations.transformers import spill_cache, resume_cache
+    out = model.generate(ids, max_new_tokens=32, return_dict_in_generate=True)
+    tokens = out.sequences[0, :-1]            # what the cache covers (the last token is not in it)
+    spill_cache(client, "acme", "s1", model, out.past_key_values, tokens, generation=1)
+    cache, tokens = resume_cache(client, "acme", "s1", model)
+    model.generate(torch.cat([tokens, last])[None], past_key_values=cache, ...)
+
+The layout comes from ``model.config`` (``kvtier.integrations.hf_layouts``): spill_cache
+registers it with the server when the server does not know it (``UnknownLayout``) and
+retries once. Standard models (a ``DynamicCache`` of full-attention layers) keep every
+layer persistent, at bf16 (``bits=16``, lossless for a bf16 model) or int8; nothing to
+replay. DeepseekV4 keeps its compressor and indexer entries at 4 or 8 bits and drops the
+window and the partial-block state; resume_cache has them rebuilt by bounded replay
+(``kvtier.integrations.deepseek_v4``): by the server's replay worker (``replay="server"``),
+by this process's model (``"local"``), or the server's when it has one (``"auto"``).
+
+``async_spill_cache`` / ``async_resume_cache`` take a ``kvtier.AsyncClient``; the model's
+tensor work runs in a thread. Batch size 1 only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import torch
+from transformers.cache_utils import DynamicCache
+
+from kvstore.codec import StreamData
+from kvstore.errors import InvalidRequest, LayoutMismatch, PreconditionFailed, UnknownLayout
+from kvstore.layout import LayoutSpec
+from kvtier.integrations import deepseek_v4
+from kvtier.integrations.hf_layouts import candidate_layouts, is_deepseek_v4, layout_for
+from kvtier.integrations.quant import decode_values, encode_values
+from kvtier.sync import Client
+from kvtier.types import RestoredSession, SpillResult
+
+REPLAY_MODES = ("auto", "server", "local")
+
+
+def model_layout(model, bits: int | None = None) -> LayoutSpec:
+    """The layout of ``model``'s cache at ``bits`` (``hf_layouts.layout_for``). It is not
+    registered in this process: a spill names the spec itself, and a restore resolves the
+    session's layout id from the server's list (``AsyncClient.layout``)."""
+    return layout_for(model.config, bits)
+
+
+def _token_array(token_ids) -> np.ndarray:
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.detach().cpu().reshape(-1).numpy()
+    return np.asarray(token_ids, dtype=np.int64).reshape(-1)
+
+
+def cache_streams(spec: LayoutSpec, model, cache: DynamicCache, num_tokens: int
+                  ) -> dict[str, StreamData]:
+    """The persistent streams of ``cache`` (which must cover ``num_tokens`` tokens)."""
+    if not isinstance(cache, DynamicCache):
+        raise InvalidRequest(f"expected a transformers DynamicCache, got {type(cache).__name__}")
+    held = cache.get_seq_length()
+    if held != num_tokens:
+        raise InvalidRequest(f"the cache covers {held} tokens and {num_tokens} token ids were "
+                             "given (after generate, the last token is not in the cache)")
+    if is_deepseek_v4(model.config):
+        return deepseek_v4.persistent_streams(spec, model.config, cache)
+    out = {}
+    for name in ("k", "v"):
+        tensors = [layer.keys if name == "k" else layer.values for layer in cache.layers]
+        if any(t is None or t.shape[0] != 1 for t in tensors):
+            raise InvalidRequest("only batch-1 caches with every layer filled can be spilled")
+        # (1, heads, tokens, head_dim) per layer -> (layers, tokens, heads, head_dim)
+        values = torch.stack([t[0].transpose(0, 1) for t in tensors])
+        out[name] = encode_values(spec.stream(name), values)
+    return out
+
+
+def standard_cache(spec: LayoutSpec, model, persistent: dict[str, StreamData]) -> DynamicCache:
+    """A ``DynamicCache`` of the model's layers from the k/v streams."""
+    dtype = model.get_input_embeddings().weight.dtype
+    k, v = (decode_values(spec.stream(name), persistent[name]).to(dtype) for name in ("k", "v"))
+    cache = DynamicCache(config=model.config)
+    for layer, keys, values in zip(cache.layers, k, v, strict=True):
+        # (tokens, heads, head_dim) -> (1, heads, tokens, head_dim)
+        keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys.contiguous(), values.contiguous()
+    return cache
+
+
+async def async_spill_cache(client, tenant: str, session_id: str, model, cache: DynamicCache,
+                            token_ids, *, generation: int, ack: str | None = None,
+                            bits: int | None = None, **spill_options) -> SpillResult:
+    """Spill ``cache`` (covering ``token_ids``) as generation ``generation`` through a
+    ``kvtier.AsyncClient``; ``bits`` picks the layout's precision (``hf_layouts``);
+    other keywords go to ``AsyncClient.spill`` (ttl_s, hint, model_fingerprint, ...)."""
+    spec = model_layout(model, bits)
+    tokens = _token_array(token_ids)
+    persistent = await asyncio.to_thread(cache_streams, spec, model, cache, len(tokens))
+
+    async def spill() -> SpillResult:
+        return await client.spill(tenant, session_id, spec, tokens, persistent,
+                                  generation=generation, ack=ack, **spill_options)
+
+    try:
+        return await spill()
+    except UnknownLayout:  # this server has not seen the model's layout yet
+        await client.register_layout(spec)
+        return await spill()
+
+
+async def async_resume_cache(client, tenant: str, session_id: str, model, *,
+                             replay_tokens: int = 0, replay: str = "auto"
+                             ) -> tuple[DynamicCache, torch.Tensor]:
+    """(cache, token_ids (n,) int64) of a spilled session, as the model's own cache
+    classes; DeepseekV4's window rebuilt by replaying at least ``replay_tokens`` (0: the
+    server's default R; 128 locally) tokens as ``replay`` says (module docstring)."""
+    if replay not in REPLAY_MODES:
+        raise InvalidRequest(f"replay must be one of {REPLAY_MODES}, got {replay!r}")
+    if not is_deepseek_v4(model.config):
+        session = await client.restore(tenant, session_id, want_window=False)
+        spec = _model_spec(model, session)
+        return standard_cache(spec, model, session.persistent), _ids(session)
+    session = None
+    if replay != "local":
+        try:
+            session = await client.resume(tenant, session_id, replay_tokens=replay_tokens)
+        except PreconditionFailed:  # the server cannot replay this layout
+            if replay == "server":
+                raise
+    if session is None:
+        session = await client.restore(tenant, session_id, want_window=False)
+    spec = _model_spec(model, session)
+    ids = _ids(session)
+    return await asyncio.to_thread(_deepseek_cache, spec, model, session, ids,
+                                   replay_tokens or 128), ids
+
+
+def _model_spec(model, session: RestoredSession) -> LayoutSpec:
+    layouts = {spec.layout_id for spec in candidate_layouts(model.config)}
+    if session.layout.layout_id not in layouts:
+        raise LayoutMismatch(f"the session was spilled with layout {session.layout.layout_id}, "
+                             f"which is not this model's cache (its layouts: {sorted(layouts)})")
+    return session.layout
+
+
+def _ids(session: RestoredSession) -> torch.Tensor:
+    return torch.from_numpy(session.token_ids.astype(np.int64))
+
+
+def _deepseek_cache(spec: LayoutSpec, model, session: RestoredSession, ids: torch.Tensor,
+                    r: int) -> DynamicCache:
+    window = session.window
+    if window is None:  # rebuilt here, by the model itself
+        window, _ = deepseek_v4.replay_window(spec, model, ids, session.persistent, r)
+    return deepseek_v4.build_cache(spec, model, len(ids), session.persistent, window)
+
+
+def spill_cache(client: Client, tenant: str, session_id: str, model, cache: DynamicCache,
+                token_ids, *, generation: int, ack: str | None = None, bits: int | None = None,
+                **spill_options) -> SpillResult:
+    """The blocking twin of ``async_spill_cache`` (a ``kvtier.Client``)."""
+    return client._run(async_spill_cache(client._async, tenant, session_id, model, cache,
+                                         token_ids, generation=generation, ack=ack, bits=bits,
+                                         **spill_options))
+
+
+def resume_cache(client: Client, tenant: str, session_id: str, model, *,
+                 replay_tokens: int = 0, replay: str = "auto"
+                 ) -> tuple[DynamicCache, torch.Tensor]:
+    """The blocking twin of ``async_resume_cache`` (a ``kvtier.Client``)."""
+    return client._run(async_resume_cache(client._async, tenant, session_id, model,
+                                          replay_tokens=replay_tokens, replay=replay))

@@ -1,0 +1,151 @@
+"""The bounded-replay worker for transformers DeepseekV4 (layouts whose replayer is
+``transformers-deepseek-v4``), on the same call as ``replay.worker.ReplayWorker``:
+
+    worker = TransformersReplayWorker(load_model("path/to/save_pretrained-dir"))
+    result = await worker.rebuild(layout_id, token_ids, chunks, tail, replay_tokens)
+    result.window     # window blob: window K=V + compressor partial-block state
+
+It decodes the session's persisted compressor and indexer entries, reruns the last R
+tokens (aligned, ``kvtier.integrations.deepseek_v4.replay_start``) through the model with
+its compressors frozen, and encodes what that rebuilt as ephemeral chunks. ``load_model``
+takes a ``save_pretrained`` directory, or a config JSON whose weights are drawn at random
+from ``seed`` (for tests and benchmarks: no download ever happens). Model compute runs on
+one dedicated thread, one rebuild at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import operator
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvstore.errors import InvalidRequest, LayoutMismatch, UnknownLayout
+from kvstore.layout import LayoutSpec, get_layout
+from kvstore.validate import check_token_ids
+from kvtier import codec as cc
+from kvtier.integrations import deepseek_v4
+from kvtier.integrations.hf_layouts import DEEPSEEK_V4_BITS, deepseek_v4_layout, is_deepseek_v4
+from replay.state_codec import Buffer, decode_persistent
+from replay.worker import DEFAULT_REPLAY_TOKENS, MAX_REPLAY_TOKENS, ReplayResult
+
+
+def load_model(path: str | Path, seed: int = 0):
+    """A DeepseekV4ForCausalLM in eval mode from a save_pretrained directory, or from a
+    config JSON with weights seeded at random."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    if path.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(path)
+    elif path.is_file():
+        config = AutoConfig.from_pretrained(path)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    else:
+        raise InvalidRequest(f"no transformers model at {path} (a save_pretrained directory "
+                             "or a config JSON)")
+    if not is_deepseek_v4(model.config):
+        raise InvalidRequest(f"{path}: model type {model.config.model_type!r}; the "
+                             "transformers replayer serves deepseek_v4")
+    return model.eval()
+
+
+class TransformersReplayWorker:
+    def __init__(self, model, *, default_tokens: int = DEFAULT_REPLAY_TOKENS,
+                 max_tokens: int = MAX_REPLAY_TOKENS) -> None:
+        if not is_deepseek_v4(model.config):
+            raise InvalidRequest("the transformers replayer serves deepseek_v4 models")
+        self.model = model
+        self.default_tokens = default_tokens
+        self.max_tokens = max_tokens
+        self.layouts = {spec.layout_id: spec for spec in
+                        (deepseek_v4_layout(model.config, bits) for bits in DEEPSEEK_V4_BITS)}
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="kvtier-hf-replay")
+        self.rebuilds = 0
+
+    def layout_for(self, layout: str | LayoutSpec) -> LayoutSpec:
+        """The spec, checked to be one of this model's layouts (a layout id need not be
+        registered in this process: the worker knows its model's)."""
+        layout_id = layout.layout_id if isinstance(layout, LayoutSpec) else layout
+        spec = self.layouts.get(layout_id)
+        if spec is None:
+            try:
+                get_layout(layout_id)
+            except UnknownLayout:
+                raise UnknownLayout(f"layout {layout_id} is not this replay worker's model "
+                                    f"(it serves {sorted(self.layouts)})") from None
+            raise LayoutMismatch(f"layout {layout_id} does not describe this worker's "
+                                 f"model (it serves {sorted(self.layouts)})")
+        return spec
+
+    def replay_tokens(self, requested: int | None) -> int:
+        try:
+            r = operator.index(requested or self.default_tokens)
+        except TypeError:
+            r = -1
+        if not 1 <= r <= self.max_tokens:
+            raise InvalidRequest(f"replay_tokens must be an integer in [1, {self.max_tokens}], "
+                                 f"got {requested!r}")
+        return r
+
+    async def rebuild(self, layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer],
+                      tail: Buffer, replay_tokens: int | None = None) -> ReplayResult:
+        """Same call as ``ReplayWorker.rebuild``."""
+        spec = self.layout_for(layout)
+        ids = cc.as_tokens(token_ids)
+        if not len(ids):
+            raise InvalidRequest("a session without tokens has no window to rebuild")
+        check_token_ids(spec, ids)
+        r = self.replay_tokens(replay_tokens)
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self._compute, self._rebuild, spec, ids,
+                                            list(chunks), tail, r)
+        self.rebuilds += 1
+        return result
+
+    def _rebuild(self, spec: LayoutSpec, ids: np.ndarray, chunks: list[Buffer], tail: Buffer,
+                 r: int) -> ReplayResult:
+        started = time.perf_counter()
+        persistent = decode_persistent(spec, ids, chunks, tail)
+        tokens = torch.from_numpy(ids.astype(np.int64))
+        window, replayed = deepseek_v4.replay_window(spec, self.model, tokens, persistent, r)
+        blob = cc.encode_window(spec, ids, window)
+        return ReplayResult(blob, replayed, time.perf_counter() - started)
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._compute.shutdown, True)
+
+
+class TransformersReplayService:
+    """The in-process backend the server builds for ``replay_hf_model``: the model is
+    loaded on the first rebuild, so a server that never replays one never pays for it."""
+
+    def __init__(self, path: str | Path, *, seed: int = 0,
+                 default_tokens: int = DEFAULT_REPLAY_TOKENS) -> None:
+        self.path, self.seed, self.default_tokens = Path(path), seed, default_tokens
+        if not self.path.exists():
+            raise InvalidRequest(f"no transformers model at {self.path}")
+        self._worker: TransformersReplayWorker | None = None
+        self._loading = asyncio.Lock()
+
+    async def worker(self) -> TransformersReplayWorker:
+        async with self._loading:
+            if self._worker is None:
+                model = await asyncio.to_thread(load_model, self.path, self.seed)
+                self._worker = TransformersReplayWorker(model, default_tokens=self.default_tokens)
+        return self._worker
+
+    async def rebuild(self, layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer],
+                      tail: Buffer, replay_tokens: int | None = None) -> ReplayResult:
+        worker = await self.worker()
+        return await worker.rebuild(layout, token_ids, chunks, tail, replay_tokens)
+
+    async def close(self) -> None:
+        if self._worker is not None:
+            await self._worker.close()
