@@ -52,18 +52,25 @@ def plot_resume(stage: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     contexts = [row["context"] for row in stage["contexts"]]
     for name in RESUME_PATHS:
-        points = [(row["context"], row["paths"][name]["seconds"]) for row in stage["contexts"]
-                  if "seconds" in row["paths"].get(name, {})]
-        if points:
-            ax.plot(*zip(*points, strict=True), marker="o", linestyle="--" if name ==
-                    "disk-grpc" else "-", label=PATH_LABELS[name])
+        rows = [(row["context"], row["paths"][name]) for row in stage["contexts"]
+                if "seconds" in row["paths"].get(name, {})]
+        if rows:
+            # the best repeat, with a bar from the fastest to the slowest repeat
+            spread = [p.get("repeat_seconds") or [p["seconds"]] for _, p in rows]
+            best = [p["seconds"] for _, p in rows]
+            ax.errorbar([n for n, _ in rows], best, capsize=3, marker="o",
+                        yerr=[[b - min(t) for b, t in zip(best, spread, strict=True)],
+                              [max(t) - b for b, t in zip(best, spread, strict=True)]],
+                        linestyle="--" if name == "disk-grpc" else "-",
+                        label=PATH_LABELS[name])
     ax.set_xscale("log", base=2)
     ax.set_xticks(contexts, [str(c) for c in contexts])
     ax.minorticks_off()
     ax.set_yscale("log")
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("time to a decodable session (s)")
-    ax.set_title("Resume vs re-prefill, bundled model, CPU")
+    ax.set_title("Resume vs re-prefill, bundled model, CPU (bars: min..max of repeats)",
+                 fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
