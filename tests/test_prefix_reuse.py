@@ -3,6 +3,8 @@ session is gone (issue #15)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from kvstore.codec import StreamData
@@ -128,3 +130,23 @@ async def test_the_cli_looks_up_and_forks(tmp_path, capsys):
                                               "--upto-tokens", str(C), "a", "b"]) == 0
         assert "generation 1" in capsys.readouterr().out
         assert (await kv.stat("acme", "b")).session.num_tokens == C
+
+
+async def test_an_offline_compaction_keeps_the_chunks_the_server_retains(tmp_path):
+    from services import cli
+
+    tokens = tokens_for(3 * C + 10)
+    full = streams_for(LAYOUT, len(tokens))
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
+        await kv.spill("acme", "a", LAYOUT.name, tokens, full, generation=1, ack="durable")
+        await kv.delete("acme", "a")  # its chunks stay, retained
+    compact = ["compact", "--data-dir", str(tmp_path)]
+    assert await asyncio.to_thread(cli.main, compact) == 0
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
+        assert await kv.lookup("acme", LAYOUT.name, tokens) == 3 * C
+    # a server configured without retention has them collected
+    config = tmp_path / "no-retention.toml"
+    config.write_text("retain_unreferenced = false\n")
+    assert await asyncio.to_thread(cli.main, [*compact, "--config", str(config)]) == 0
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
+        assert await kv.lookup("acme", LAYOUT.name, tokens) == 0

@@ -160,7 +160,8 @@ async def _run(disk, options, mode, config, ops, why, **extra):
 async def _offline(disk, options, config, writer):
     from kvstore.compaction.disk_scrub import seal_dead_writer
     from kvstore.compaction.sessions import ManagerOps
-    from kvstore.manager import MANAGER_PRESETS, TierManager
+    from kvstore.manager import TierManager
+    from services.server.store import manager_config
 
     sealed = seal_dead_writer(disk)
     if sealed is not None:
@@ -168,7 +169,8 @@ async def _offline(disk, options, config, writer):
     tiers = [disk]
     if config.object_bytes:
         tiers.append(_object_tier(config, options.zstd_level))
-    manager = await TierManager.open(tiers, disk.meta, config=MANAGER_PRESETS["embedded"])
+    # the server's retention: chunks it keeps as cache are not garbage to collect here
+    manager = await TierManager.open(tiers, disk.meta, config=manager_config(config))
     try:
         return await _run(disk, options, "offline", config,
                           ManagerOps(manager, options.zstd_level), "",

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvstore.errors import Busy, InvalidRequest
-from kvstore.manager import MANAGER_PRESETS, TierManager
+from kvstore.manager import MANAGER_PRESETS, ManagerConfig, TierManager
 from kvstore.policy import HintPolicy, LRUPolicy
 from kvstore.quota import Quotas
 from kvstore.tiers.base import MemoryMetaStore, MetaStore, Tier
@@ -155,6 +155,14 @@ def check_bucket(config: ServerConfig) -> None:
         pass
 
 
+def manager_config(config: ServerConfig) -> ManagerConfig:
+    """The manager settings of ``config`` (its preset, and its retention of chunks)."""
+    return dataclasses.replace(
+        _preset(MANAGER_PRESETS, config.manager_preset, "manager_preset"),
+        retain_unreferenced=config.retain_unreferenced,
+        retain_ttl_s=config.retain_ttl_s or None)
+
+
 async def open_manager(config: ServerConfig) -> TierManager:
     """The manager over the configured tiers (closing them again if opening fails)."""
     prepare_data_dir(config.data_dir)
@@ -175,11 +183,7 @@ async def open_manager(config: ServerConfig) -> TierManager:
             log.info("encryption at rest: on (key ids %s, current %s)", keyring.key_ids,
                      keyring.current)
         policy = HintPolicy if config.eviction == "hint" else LRUPolicy
-        manager_config = dataclasses.replace(
-            _preset(MANAGER_PRESETS, config.manager_preset, "manager_preset"),
-            retain_unreferenced=config.retain_unreferenced,
-            retain_ttl_s=config.retain_ttl_s or None)
-        options = {"policy": policy, "config": manager_config,
+        options = {"policy": policy, "config": manager_config(config),
             "quotas": Quotas.from_tables(config.quota)}
         if keyring is None:
             return await TierManager.open(tiers, meta, **options)
