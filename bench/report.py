@@ -20,6 +20,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
+from bench import peers  # noqa: E402
+
 RESUME_PATHS = ("prefill", "host", "disk", "disk-grpc", "object", "naive")
 PATH_LABELS = {"prefill": "full re-prefill", "host": "host tier (window kept)",
                "disk": "disk tier + replay", "disk-grpc": "disk + replay via gRPC server",
@@ -293,15 +295,21 @@ def codec_tiers_section(codec: dict | None, tiers: dict | None) -> list[str]:
     if _ok(codec):
         out += _table(["layout", "chunk B", "zstd", "encode GB/s", "decode GB/s",
                        "run decode GB/s", "memcpy GB/s", "decode / memcpy",
-                       "run decode / memcpy", "stored / raw"],
+                       "run decode / memcpy", "joined run / memcpy", "stored / raw"],
                       [[r["layout"], r["chunk_payload_bytes"], r["zstd_level"] or "-",
                         f"{r['encode_gbps']:.2f}", f"{r['decode_gbps']:.2f}",
                         f"{r['decode_run_gbps']:.2f}", f"{r['memcpy_gbps']:.2f}",
                         f"{r['decode_vs_memcpy']:.2f}", f"{r['decode_run_vs_memcpy']:.2f}",
+                        f"{r.get('decode_run_joined_vs_memcpy', float('nan')):.2f}",
                         f"{r['stored_bytes'] / r['payload_bytes']:.3f}"] for r in codec["rows"]])
         out += ["", "decode: one `decode_chunk` per chunk; run decode: the chunks as one "
                 "session through `decode_chunks` (one tensor per stream), as a restore of a "
-                "whole session does.", ""]
+                "whole session does, from one buffer as a shared-memory restore hands them "
+                "over; joined run: from a buffer per chunk (inline bytes), joined first.", ""]
+        if "goal" in codec:
+            out += [f"Slowest uncompressed run decode: "
+                    f"{codec['goal']['decode_run_vs_memcpy_min']:.2f}x memcpy (goal 0.3x: "
+                    f"{'met' if codec['goal']['met_0_3x_every_layout'] else 'NOT met'}).", ""]
     else:
         out += _problem("codec", codec)
     if _ok(tiers):
@@ -537,6 +545,7 @@ def write_report(results: dict, out_dir: Path) -> Path:
             plot(stage, out_dir / png)
         lines += section(stage)
     lines += codec_tiers_section(stages.get("codec"), stages.get("tiers"))
+    lines += peers.section()
     walls = ", ".join(f"{n} {s['wall_s']} s" for n, s in stages.items())
     lines += [f"Wall time per stage: {walls}.", ""]
     report = out_dir / "REPORT.md"
