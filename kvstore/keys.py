@@ -25,7 +25,7 @@ the digest the spiller stated.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -86,16 +86,22 @@ def chunk_key(scope: str, layout_id: str, model_fingerprint: str, parent_key: st
 def chain_keys(layout_id: str, token_ids: Sequence[int] | np.ndarray, chunk_tokens: int, *,
                scope: str, model_fingerprint: str = "") -> list[str]:
     """Keys of the complete chunks of a token sequence, in order (a partial tail has none)."""
+    return list(iter_chain_keys(layout_id, token_ids, chunk_tokens, scope=scope,
+                                model_fingerprint=model_fingerprint))
+
+
+def iter_chain_keys(layout_id: str, token_ids: Sequence[int] | np.ndarray, chunk_tokens: int,
+                    *, scope: str, model_fingerprint: str = "") -> Iterator[str]:
+    """``chain_keys`` one at a time: a caller that stops early (a lookup at its first
+    miss) hashes no further, whatever the length of the sequence it was sent."""
     if chunk_tokens <= 0:
         raise InvalidRequest(f"chunk_tokens must be positive, got {chunk_tokens}")
     ids = np.asarray(token_ids)
-    keys: list[str] = []
     parent = ROOT_PARENT
     for start in range(0, len(ids) - chunk_tokens + 1, chunk_tokens):
         parent = chunk_key(scope, layout_id, model_fingerprint, parent,
                            ids[start : start + chunk_tokens])
-        keys.append(parent)
-    return keys
+        yield parent
 
 
 def chunk_digest(data: bytes | bytearray | memoryview) -> bytes:

@@ -53,8 +53,9 @@ ANY_TOKEN_ID = 1 << 32
 # (model/), the transformers DeepSeek-V4 replayer, or nothing (Resume then answers
 # ReplayUnavailable when the window is gone; Restore still works).
 REPLAYERS = ("bundled", "transformers-deepseek-v4", "none")
-# Layout, stream and layer-mode names: no "@" (the id's separator), nothing to escape.
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# Layout, stream and layer-mode names: no "@" (the id's separator), nothing to escape
+# (\Z, not $: "$" would let a trailing newline through).
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 
 
 def _check_name(what: str, name: object) -> None:

@@ -63,7 +63,7 @@ from kvstore.catalog import Catalog
 from kvstore.durability import WriteBackFailures
 from kvstore.errors import InvalidRequest, KVTierError
 from kvstore.fork import Forker
-from kvstore.keys import chain_keys, check_fingerprint, dedupe_scope
+from kvstore.keys import check_fingerprint, dedupe_scope, iter_chain_keys
 from kvstore.layout import get_layout
 from kvstore.locks import KeyedLocks
 from kvstore.maintenance import DeleteResult, GarbageReport, Maintenance
@@ -316,9 +316,10 @@ class TierManager:
         meanwhile); retained ones found count as used now."""
         check_name("tenant", tenant)
         spec = get_layout(layout_id)
-        chains = chain_keys(spec.layout_id, token_ids, spec.chunk_tokens,
-                            scope=dedupe_scope(tenant, dedupe_domain),
-                            model_fingerprint=check_fingerprint(model_fingerprint))
+        # Hashed as the walk goes: a miss ends it, so no token past the held prefix costs.
+        chains = iter_chain_keys(spec.layout_id, token_ids, spec.chunk_tokens,
+                                 scope=dedupe_scope(tenant, dedupe_domain),
+                                 model_fingerprint=check_fingerprint(model_fingerprint))
         found = longest_prefix(self._index, chains, [t.name for t in self.tiers],
                                spec.chunk_tokens, lambda key: self._ledger.count(key) > 0)
         self._retention.touch(chunk.block_key for chunk in found.chunks)

@@ -109,9 +109,10 @@ class LookupResult:
     chunks: tuple[HeldChunk, ...]  # one per held chunk of the prefix, in order
 
 
-def longest_prefix(index: ChainIndex, chains: Sequence[str], tier_names: Sequence[str],
+def longest_prefix(index: ChainIndex, chains: Iterable[str], tier_names: Sequence[str],
                    chunk_tokens: int, is_referenced: Callable[[str], bool]) -> LookupResult:
-    """The longest run of ``chains`` from the first whose blocks some tier holds. Of two
+    """The longest run of ``chains`` from the first whose blocks some tier holds (read no
+    further than the first not held: ``chains`` may be computed as it is read). Of two
     versions of one chunk the referenced one is named (a live session vouches for it),
     then the one held highest."""
     held: list[HeldChunk] = []

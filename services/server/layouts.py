@@ -56,6 +56,10 @@ MAX_CHUNK_TOKENS = 1 << 16
 MAX_WINDOW_TOKENS = 1 << 16
 MAX_LAYER_MODES = 4096
 MAX_REGISTERED = 256  # layouts registered at run time, all callers together
+# Their canonical JSON together: what the registry, layouts.json (rewritten whole on each
+# registration) and a ListLayouts reply (encoded on the event loop) hold, 256 layouts of
+# 64 KiB each would be 16 MiB (and 140 MiB of Python objects).
+MAX_REGISTERED_BYTES = 4 << 20
 
 
 def check_bounds(spec: LayoutSpec, max_message_bytes: int) -> None:
@@ -123,12 +127,14 @@ class ServerLayouts:
         self.max_message_bytes = max_message_bytes
         self.path = Path(data_dir) / FILE_NAME
         self.registered: dict[str, LayoutSpec] = {}  # name -> spec, as stored in the file
+        self.registered_bytes = 0  # their canonical JSON, all together
         self._lock = asyncio.Lock()
         for entry in entries:
             for spec in _configured(entry):
                 self._add(spec, "config layouts")
         for spec in self._stored():
             self.registered[spec.name] = self._add(spec, str(self.path))
+            self.registered_bytes += len(layout_to_json(spec))
 
     def _add(self, spec: LayoutSpec, where: str) -> LayoutSpec:
         try:
@@ -169,6 +175,10 @@ class ServerLayouts:
             if len(self.registered) >= MAX_REGISTERED:
                 raise TierFull(f"this server holds {MAX_REGISTERED} registered layouts, "
                                "the most it keeps")
+            size = len(layout_to_json(spec))
+            if self.registered_bytes + size > MAX_REGISTERED_BYTES:
+                raise TierFull(f"the registered layouts' JSON would pass "
+                               f"{MAX_REGISTERED_BYTES} bytes, the most this server keeps")
             stored = [*self.registered.values(), spec]
             try:
                 await asyncio.to_thread(_write_atomically, self.path, stored)
@@ -177,6 +187,7 @@ class ServerLayouts:
                 raise TierUnavailable(f"cannot store layout {spec.layout_id} on this "
                                       f"server's disk: {exc.strerror}") from exc
             self.registered[spec.name] = register_layout(spec)
+            self.registered_bytes += size
         log.info("layout %s registered (replayer %s)", spec.layout_id, spec.replayer)
         return spec, True
 

@@ -21,10 +21,10 @@ from kvstore.errors import CodecError, InvalidRequest, PermissionDenied, shown
 from kvstore.keys import (
     DIGEST_BYTES,
     block_key,
-    chain_keys,
     check_fingerprint,
     chunk_digest,
     dedupe_scope,
+    iter_chain_keys,
 )
 from kvstore.layout import LayoutSpec, get_layout
 from kvstore.policy import ResumeHint
@@ -261,11 +261,14 @@ def spill_header(header: pb.SpillHeader, default_ack: str, max_tokens: int,
         raise InvalidRequest(f"layout {spec.layout_id} requires header.model_fingerprint "
                              "(the weights/version id of the model whose KV this is)")
     keys = list(header.chunk_keys)
-    expected = chain_keys(spec.layout_id, tokens, spec.chunk_tokens,
-                          scope=dedupe_scope(tenant, domain), model_fingerprint=fingerprint)
-    if len(keys) != len(expected):
-        raise InvalidRequest(f"{len(tokens)} tokens make {len(expected)} chunks of "
-                             f"{spec.chunk_tokens}; header.chunk_keys names {len(keys)}")
+    # Counted before anything is hashed, and hashed only while the keys agree: the work
+    # is bounded by the keys the client sent, not by its token count.
+    if len(keys) != len(tokens) // spec.chunk_tokens:
+        raise InvalidRequest(f"{len(tokens)} tokens make {len(tokens) // spec.chunk_tokens} "
+                             f"chunks of {spec.chunk_tokens}; header.chunk_keys names "
+                             f"{len(keys)}")
+    expected = iter_chain_keys(spec.layout_id, tokens, spec.chunk_tokens,
+                               scope=dedupe_scope(tenant, domain), model_fingerprint=fingerprint)
     for i, (got, want) in enumerate(zip(keys, expected, strict=True)):
         if got != want:
             raise InvalidRequest(f"header.chunk_keys[{i}] is {shown(got)}; the token ids chain "
