@@ -17,6 +17,8 @@ the attacks of issue #11 (each must hold). faults (a child process) comes last:
 ``bench.faults``, power loss at every point, ENOSPC and EIO at every call site, index
 repair. fleet (a child process) after it: ``bench.fleet``, resume paths across replicas
 sharing one Redis and one S3 bucket, manifest CAS latency, resumes per second.
+hf (a child process) last: ``bench.hf``, the transformers integration on a tiny
+DeepseekV4 with seeded random weights (bytes, time to ready, replay fidelity).
 A stage that fails is recorded with its error and the others still run; the exit status
 is 1 if any failed. The machine the figures came from (CPU model, cores, memory, torch
 and triton versions, date, load) is recorded beside them.
@@ -64,6 +66,7 @@ SIZES = {
         "faults": ["--workload", "small", "--per-kind", "1"],
         "fleet": ["--tokens", "1100", "--sessions", "3", "--resumes", "12", "--clients", "2",
                   "--manifests", "5"],
+        "hf": ["--contexts", "300", "--follow", "16"],
     },
     "quick": {
         "codec": ["--mb", "16", "--repeats", "3"],
@@ -78,6 +81,7 @@ SIZES = {
         "adversarial": [],
         "faults": ["--workload", "large"],
         "fleet": [],
+        "hf": [],
     },
     "full": {
         "codec": [],
@@ -92,10 +96,11 @@ SIZES = {
         "adversarial": [],
         "faults": ["--workload", "large"],
         "fleet": ["--tokens", "16384", "--resumes", "300"],
+        "hf": [],
     },
 }
 STAGES = ("codec", "tiers", "trace", "resume", "fidelity", "bytes", "replay_batch",
-          "fuzz", "adversarial", "faults", "fleet")
+          "fuzz", "adversarial", "faults", "fleet", "hf")
 
 
 def machine() -> dict:
@@ -178,6 +183,7 @@ def stage_runners(sizes: dict, trace: Path, weights: Path) -> dict[str, Callable
         "adversarial": lambda: child_json("adversarial", sizes["adversarial"]),
         "faults": lambda: child_json("faults", sizes["faults"]),
         "fleet": lambda: child_json("fleet", sizes["fleet"]),
+        "hf": lambda: child_json("hf", sizes["hf"]),
     }
 
 

@@ -13,8 +13,9 @@ and resumes it:
 - ``persisted_bytes_per_token``: bytes the spill sent (chunks + tail, the window dropped)
   per token; ``bf16_bytes_per_token``: the model's own cache at bf16 (compressed entries
   per token, plus the window and partial-block state spread over C);
-- ``ready_seconds``: ``async_resume_cache`` (restore + the server's replay + building the
-  cache) against ``prefill_seconds`` (re-prefilling C tokens), ``speedup_vs_prefill``;
+- ``ready_seconds``: ``async_resume_cache`` (restore + the server's replay, checked by its
+  replay count, + building the cache; the server loads its model on the first one)
+  against ``prefill_seconds`` (re-prefilling C tokens), ``speedup_vs_prefill``;
 - per R in 0, 128, 256: ``kl_nats`` (mean KL(never-evicted || resumed)) and
   ``top1_agreement`` over the next ``--follow`` tokens (the never-evicted model's greedy
   continuation, teacher-forced), and ``greedy_match_tokens`` (leading tokens of a greedy
@@ -29,6 +30,7 @@ import argparse
 import asyncio
 import copy
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -163,17 +165,20 @@ async def _context(kv, model, spec, n, follow, seed, spill, resume, bf16_entries
             persistent = persistent_streams(spec, model.config, cache)
             resumed, ready_s = zero_window_cache(spec, model, n, persistent), None
         else:
+            replays = (await kv.stat()).replays
             started = time.perf_counter()
             resumed, _ = await resume(kv, "bench", session, model, replay_tokens=r,
                                       replay="server")
             ready_s = time.perf_counter() - started
+            if (await kv.stat()).replays != replays + 1:
+                raise RuntimeError(f"the server did not replay session {session}")
         figures = compare(ref, follow_logits(model, copy.deepcopy(resumed), forced))
         figures["greedy_match_tokens"] = leading_matches(
             greedy(model, ids, resumed, follow), continuation)
         if ready_s is not None:
             figures |= {"ready_seconds": ready_s, "speedup_vs_prefill": prefill_s / ready_s}
         row["replays"][str(r)] = figures
-        print(f"bench.hf: {n} tokens R={r}: {figures}", flush=True)
+        print(f"bench.hf: {n} tokens R={r}: {figures}", file=sys.stderr, flush=True)
     row["persisted_vs_bf16"] = row["bf16_bytes_per_token"] / row["persisted_bytes_per_token"]
     return row
 

@@ -516,6 +516,32 @@ def headlines(stages: dict) -> list[str]:
     return out + [""]
 
 
+def hf_section(stage: dict) -> list[str]:
+    out = ["## transformers DeepseekV4 (`python -m bench.hf`)", "",
+           f"{stage['model']}: {stage['parameters']:,} parameters, layout {stage['layout']} "
+           f"(entries at {stage['bits']} bits), spilled and resumed through a real server "
+           f"with `kvtier.integrations.transformers`, the server's replay running the same "
+           f"model. Fidelity over the next {stage['follow_tokens']} tokens (the never-evicted "
+           "model's greedy continuation, teacher-forced) against the never-evicted cache; "
+           "R = 0: no replay, zero window. Random weights give flat next-token distributions, "
+           "so top-1 agreement flips on tiny logit changes: read KL first. The run's first resume "
+           "(the first context, R = 128) includes the server loading its model.", ""]
+    rows = []
+    for n, row in stage["contexts"].items():
+        for r, f in row["replays"].items():
+            ready = (f"{_ms(f['ready_seconds'])} ({f['speedup_vs_prefill']:.1f}x)"
+                     if "ready_seconds" in f else "-")
+            rows.append([n, r, f"{f['kl_nats']:.4f}", f"{f['top1_agreement']:.2f}",
+                         f["greedy_match_tokens"], ready])
+    out += _table(["tokens", "R", "KL (nats)", "top-1", "greedy match", "ready (vs prefill)"],
+                  rows)
+    out += [""] + [f"{n} tokens: persisted {row['persisted_bytes_per_token']:.1f} B/token, "
+                   f"the model's own cache at bf16 {row['bf16_bytes_per_token']:.1f} B/token "
+                   f"({row['persisted_vs_bf16']:.1f}x); re-prefill "
+                   f"{_ms(row['prefill_seconds'])}." for n, row in stage["contexts"].items()]
+    return out + [""]
+
+
 def write_report(results: dict, out_dir: Path) -> Path:
     """Write REPORT.md and the PNGs into ``out_dir``; returns the report's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -535,7 +561,8 @@ def write_report(results: dict, out_dir: Path) -> Path:
                 ("fuzz", fuzz_section, None, None),
                 ("adversarial", adversarial_section, None, None),
                 ("faults", faults_section, None, None),
-                ("fleet", fleet_section, None, None))
+                ("fleet", fleet_section, None, None),
+                ("hf", hf_section, None, None))
     for name, section, plot, png in sections:
         stage = stages.get(name)
         if not _ok(stage):
