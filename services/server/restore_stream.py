@@ -13,6 +13,7 @@ no tier with an intact copy raises ``DataLoss`` before any byte of that block is
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -20,7 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.codec import DecodedChunk, decode_chunk, max_encoded_bytes
-from kvstore.errors import DataLoss, LayoutMismatch, ReplayUnavailable, TierFull
+from kvstore.errors import (
+    DataLoss,
+    KVTierError,
+    LayoutMismatch,
+    ReplayUnavailable,
+    TierFull,
+)
 from kvstore.keys import chunk_digest, shared_domain, split_block_key
 from kvstore.layout import LayoutSpec
 from kvstore.manager import TierManager
@@ -34,6 +41,8 @@ from services.server.shm import LeaseTable
 
 MESSAGE_MARGIN = 4096  # room for the fields around one payload in a reply
 
+
+log = logging.getLogger(__name__)
 
 @dataclass
 class StreamOptions:
@@ -148,6 +157,7 @@ class RestoreStreamer:
                 self.metrics.replay_seconds.observe(rebuilt.seconds)
                 self.metrics.replay_batch_size.observe(rebuilt.batch_size)
                 yield pb.RestoreReply(window=self._payload("", rebuilt.window, writer))
+                await self._keep_window(tenant, session_id, m.generation, rebuilt.window)
                 summary.replayed = True
                 summary.replay_tokens = rebuilt.replayed_tokens
                 summary.replay_seconds = rebuilt.seconds
@@ -173,6 +183,20 @@ class RestoreStreamer:
                 f"{session} needs its window rebuilt by replay, and nothing on this server "
                 f"replays layout {spec.layout_id} (its replayer: {spec.replayer}; this "
                 f"server's replayers: {runs}); Restore returns its persistent part")
+
+    async def _keep_window(self, tenant: str, session_id: str, generation: int,
+                           window: Buffer) -> None:
+        """Store a window rebuilt by replay, so the next Resume of this generation finds
+        it held (kept here, where its bytes are, whichever way the reply carried them).
+        The resume itself succeeded whatever happens here."""
+        try:
+            tier = await self.manager.store_window(tenant, session_id, generation, window)
+        except KVTierError as exc:  # spilled again or deleted meanwhile: nothing to keep
+            log.info("rebuilt window of %s/%s not kept: %s", tenant, session_id, exc)
+            return
+        if tier is None:
+            log.info("rebuilt window of %s/%s not kept: no window tier has room",
+                     tenant, session_id)
 
     def _payload(self, key: str, data: Buffer, writer: PackedWriter | None, refused: str = ""
                  ) -> pb.Payload:

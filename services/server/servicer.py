@@ -181,30 +181,10 @@ class KVTierServicer(pb_grpc.KVTierServicer):
 
     async def _resume(self, tenant: str, session_id: str, opts: StreamOptions
                       ) -> AsyncIterator[pb.RestoreReply]:
-        generation, window = 0, b""
         async for reply in self.streamer.stream(tenant, session_id, opts):
-            kind = reply.WhichOneof("item")
-            if kind == "header":
-                generation = reply.header.generation
-            elif kind == "window":
-                window = reply.window.data  # the rebuilt one (last) is always inline
-            elif kind == "summary" and reply.summary.replayed:
+            if reply.WhichOneof("item") == "summary" and reply.summary.replayed:
                 self.replays += 1
-                await self._keep_window(tenant, session_id, generation, window)
             yield reply
-
-    async def _keep_window(self, tenant: str, session_id: str, generation: int,
-                           window: bytes) -> None:
-        """Store a window rebuilt by replay, so the next Resume of this generation finds
-        it held. The resume itself succeeded whatever happens here."""
-        try:
-            tier = await self.manager.store_window(tenant, session_id, generation, window)
-        except KVTierError as exc:  # spilled again or deleted meanwhile: nothing to keep
-            log.info("rebuilt window of %s/%s not kept: %s", tenant, session_id, exc)
-            return
-        if tier is None:
-            log.info("rebuilt window of %s/%s not kept: no window tier has room",
-                     tenant, session_id)
 
     # -- shared memory (same-host fast path; rules in proto/kvtier.proto) --
 
