@@ -7,6 +7,7 @@ of top-level packages is held out for evaluation; test suites are left out of bo
 
 from __future__ import annotations
 
+import functools
 import sysconfig
 from pathlib import Path
 
@@ -37,6 +38,7 @@ def source_files(held_out: bool) -> list[Path]:
     return files
 
 
+@functools.cache  # 11 MB read from a few thousand files; each stage and test asks again
 def corpus(held_out: bool) -> bytes:
     return SEPARATOR.join(path.read_bytes() for path in source_files(held_out))
 
@@ -50,6 +52,13 @@ class BatchSampler:
             raise ValueError(f"corpus of {self.data.numel()} bytes is shorter than {seq_len}")
         self.seq_len, self.batch = seq_len, batch
         self.gen = torch.Generator().manual_seed(seed)
+
+    def state(self) -> torch.Tensor:
+        """The generator's state: restore() continues the same sequence of batches."""
+        return self.gen.get_state()
+
+    def restore(self, state: torch.Tensor) -> None:
+        self.gen.set_state(state)
 
     def next(self) -> torch.Tensor:
         """(batch, seq_len + 1) int64: inputs are [:, :-1], targets [:, 1:]."""

@@ -3,6 +3,8 @@ file format, and the shipped weights themselves."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -82,21 +84,99 @@ def test_shipped_weights_fit_the_budget_and_predict_python():
     assert bits.item() < 4.0  # uniform guessing is 8 bits/byte
 
 
+def tiny_plan(**changes):
+    from model.train import Stage, TrainConfig
+
+    stages = (Stage(3, 2, 64, 1e-3, 1, dense_steps=1), Stage(2, 1, 128, 5e-4, 1))
+    return TrainConfig(preset="tiny", stages=stages, checkpoint_every=2, index_leak=0.1,
+                       linear_dtype="bfloat16", **changes)
+
+
+def restore_torch_flags(threads):
+    torch.use_deterministic_algorithms(False)  # train() sets process-wide torch flags
+    torch.set_num_threads(threads)
+
+
+def test_a_resumed_run_ends_with_the_same_bytes_as_a_straight_one(tmp_path, monkeypatch):
+    from model import train as train_mod
+
+    monkeypatch.setattr(train_mod, "plot", lambda *a: None)  # matplotlib: seconds, not needed
+    tc, threads = tiny_plan(), torch.get_num_threads()
+    straight, pieces = tmp_path / "a" / "w.safetensors", tmp_path / "b" / "w.safetensors"
+    try:
+        log = train_mod.train(tc, straight, tmp_path / "a" / "ckpt")
+        # stop inside stage 1 (past a checkpoint), then at the stage boundary, then finish
+        assert train_mod.train(tc, pieces, tmp_path / "b" / "ckpt", until=3) is None
+        assert not pieces.exists()
+        assert train_mod.train(tc, pieces, tmp_path / "b" / "ckpt", resume=True,
+                               until=4) is None
+        resumed = train_mod.train(tc, pieces, tmp_path / "b" / "ckpt", resume=True)
+        with pytest.raises(ValueError, match="another TrainConfig"):
+            train_mod.train(replace(tc, seed=1), pieces, tmp_path / "b" / "ckpt", resume=True)
+    finally:
+        restore_torch_flags(threads)
+    assert straight.read_bytes() == pieces.read_bytes()
+    assert resumed["bits_per_byte"] == log["bits_per_byte"] and len(log["step"]) == 5
+    assert log["stage_starts"] == [0, 3] and log["sparse"] == [False, True, True, True, True]
+    assert (tmp_path / "a" / "ckpt" / "stage1.safetensors").exists()
+
+
+def test_plans_scale_in_proportion():
+    from model.train import PLANS, scaled
+
+    plan = PLANS["curriculum"]
+    small = scaled(plan, plan.total_steps // 10)
+    assert [s.seq_len for s in small.stages] == [s.seq_len for s in plan.stages]
+    assert [s.steps for s in small.stages] == [round(s.steps / 10) for s in plan.stages]
+    seq = [s.seq_len for s in plan.stages]
+    assert seq == sorted(seq) and seq[-1] > seq[0]  # a curriculum: longer sequences later
+
+
+def test_leaky_gradient_changes_no_forward_value_and_revives_a_dead_indexer():
+    from model.dense import index_scores, leaky_relu_grad
+
+    x = torch.tensor([-2.0, -0.5, 0.0, 0.5, 3.0], requires_grad=True)
+    y = leaky_relu_grad(x, 0.1)
+    assert torch.equal(y, torch.relu(x))
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.tensor([0.1, 0.1, 0.0, 1.0, 1.0]))
+    # every q.k negative: plain ReLU scores are all 0 and give the query no gradient
+    qi = (-torch.ones(1, 4, 2, 3)).requires_grad_()
+    ki = torch.ones(1, 2, 3)
+    visible = torch.ones(4, 2, dtype=torch.bool)
+    w = torch.ones(1, 4, 2)
+    for leak, moves in ((0.0, False), (0.2, True)):
+        scores = index_scores(qi, ki, w, visible, leak)
+        assert torch.equal(scores, torch.zeros(1, 4, 2))
+        grad, = torch.autograd.grad(scores[..., 0].sum(), qi)
+        assert bool(grad.abs().sum() > 0) == moves
+
+
+def test_bf16_linear_layers_keep_the_training_forward_close_and_its_maths_float32():
+    torch.manual_seed(0)
+    model = KVTierLM(TINY)
+    ids = torch.randint(0, 256, (2, 32))
+    ref, aux_ref = forward_train(model, ids)
+    got, aux = forward_train(model, ids, linear_dtype=torch.bfloat16)
+    assert got.dtype == torch.float32 and aux.dtype == torch.float32
+    assert not torch.equal(got, ref)  # the linear layers really ran in bf16
+    assert (got - ref).abs().max() < 0.1 * ref.abs().max()
+    assert abs(aux.item() - aux_ref.item()) < 0.05 * aux_ref.item()
+
+
 @pytest.mark.slow
 def test_training_script_is_deterministic_and_writes_its_outputs(tmp_path):
-    from model.train import TrainConfig, train
+    from model.train import train
 
-    tc = TrainConfig(preset="tiny", steps=2, batch=2, long_steps=1, long_batch=1,
-                     long_seq_len=1024)
+    tc = tiny_plan()
     weights = [tmp_path / run / "bundled.safetensors" for run in ("a", "b")]
     threads = torch.get_num_threads()
     try:
         logs = [train(tc, path) for path in weights]
-    finally:  # train() sets process-wide torch flags
-        torch.use_deterministic_algorithms(False)
-        torch.set_num_threads(threads)
+    finally:
+        restore_torch_flags(threads)
     assert logs[0]["bits_per_byte"] == logs[1]["bits_per_byte"]
-    assert len(logs[0]["bits_per_byte"]) == 3 and logs[0]["stage_starts"] == [0, 2]
+    assert len(logs[0]["bits_per_byte"]) == 5 and logs[0]["stage_starts"] == [0, 3]
     assert weights[0].read_bytes() == weights[1].read_bytes()
     for name in ("bundled.json", "loss_curve.png", "train_log.json"):
         assert (weights[0].parent / name).stat().st_size > 0
