@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,9 +57,10 @@ class RestoredSession:
     generation: int
     token_ids: np.ndarray  # (num_tokens,) uint32
     chunk_keys: list[str]
-    # Encoded blocks, verified by the server and again on decode (bytes, or read-only
-    # views into the shared-memory mapping they arrived in).
-    chunks: list[bytes | memoryview]
+    # Encoded blocks, verified by the server and again on decode: bytes when they came
+    # inline; over shared memory a kvstore.packed_run.PackedRun (views of one copy of
+    # them, back to back, which the decode reads without joining).
+    chunks: Sequence[bytes | memoryview]
     tail: bytes | memoryview
     window_blob: bytes | memoryview | None  # the window (codec chunk, ephemeral streams)
     # Decoded (empty / None with decode=False): (layers, entries, ...) over every token,
