@@ -522,20 +522,22 @@ class ListLayoutsReply(_message.Message):
     def __init__(self, layouts: _Optional[_Iterable[_Union[LayoutInfo, _Mapping]]] = ...) -> None: ...
 
 class ReplayRequest(_message.Message):
-    __slots__ = ("layout_id", "token_ids", "chunks", "tail", "replay_tokens", "job_id")
+    __slots__ = ("layout_id", "token_ids", "chunks", "tail", "replay_tokens", "job_id", "layout_json")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
     REPLAY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
     layout_id: str
     token_ids: bytes
     chunks: _containers.RepeatedScalarFieldContainer[bytes]
     tail: bytes
     replay_tokens: int
     job_id: str
-    def __init__(self, layout_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., chunks: _Optional[_Iterable[bytes]] = ..., tail: _Optional[bytes] = ..., replay_tokens: _Optional[int] = ..., job_id: _Optional[str] = ...) -> None: ...
+    layout_json: str
+    def __init__(self, layout_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., chunks: _Optional[_Iterable[bytes]] = ..., tail: _Optional[bytes] = ..., replay_tokens: _Optional[int] = ..., job_id: _Optional[str] = ..., layout_json: _Optional[str] = ...) -> None: ...
 
 class ReplayReply(_message.Message):
     __slots__ = ("window", "replayed_tokens", "seconds", "worker", "batch_size")
