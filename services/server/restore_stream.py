@@ -166,8 +166,11 @@ class RestoreStreamer:
                     time.perf_counter() - started)
             yield pb.RestoreReply(summary=summary)
         finally:
-            if rebuilding is not None and not rebuilding.done():  # the call ended early
-                rebuilding.cancel()
+            if rebuilding is not None:  # the call may have ended before the replay did
+                if not rebuilding.done():
+                    rebuilding.cancel()
+                elif not rebuilding.cancelled():
+                    rebuilding.exception()  # a failure seen: the call has failed already
             if lease is not None:  # renewed: the client copies out, then may offer it again
                 self.leases.done(lease)
 
