@@ -11,23 +11,32 @@ restore sessions through the client under the tenants the fuzzer attacks.
 
 Counted: ``crashes`` (a child process died: it is restarted and the run goes on),
 ``hangs`` (a request ran past its deadline), ``by_code`` (status code name -> count;
-CANCELLED is the fuzzer abandoning a stream), ``internal_or_unknown``, ``wrong_tensors``
-(a restore, by a probe or of a pre-existing session, whose bytes differ from what was
-acknowledged for that session) and ``preexisting_sessions_intact`` (every pre-existing
-session restores bit-exact after the fuzz). Every non-zero figure but by_code is a bug.
+CANCELLED is the fuzzer abandoning a stream; ``by_method`` the same per method),
+``internal_or_unknown``, ``wrong_tensors`` (a restore, by a probe or of a pre-existing
+session, whose bytes differ from what was acknowledged for that session),
+``preexisting_sessions_intact`` (every pre-existing session restores bit-exact after the
+fuzz), ``prefix_leaks`` (a Lookup by another tenant found some of a session's tokens
+that only its tenant spilled), ``path_leaks`` (an answer's details named the server's
+data directory or code), ``stalls`` (a Stat sent every 50 ms on a connection of its
+own took over ``STALL_S``: the event loop was blocked; ``stat_max_s`` the slowest).
+Every non-zero figure but by_code, by_method, stat_max_s and layouts_registered (new
+layouts the server took) is a bug.
 
 ``--auth`` (or ``--secure``): the server serves TLS and checks tokens (a development
 set of ``services.server.devcerts`` in a temporary directory); every KVTier request
 carries acme's token, except the credential attacks, one in ``ATTACK_EVERY``: no token
 or a wrong one (must be UNAUTHENTICATED), a valid token naming another tenant's
-session (must be PERMISSION_DENIED, with no data). ``credential_breaches`` counts those
-answered otherwise. The protected sessions and probes use the tenants acme and beta.
+session in a Restore, Fork or Lookup (must be PERMISSION_DENIED, with no data); a
+RegisterLayout carries the admin's token or, half the time, acme's (a tenant's: must be
+PERMISSION_DENIED under the default register_layouts). ``credential_breaches`` counts
+those answered otherwise. The protected sessions and probes use the tenants acme and beta.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import random
@@ -40,8 +49,8 @@ from pathlib import Path
 import grpc
 
 from bench.fuzz_cases import CONNECTIONS, METHODS, Case, CaseGenerator, Spilled, State
-from bench.fuzz_pool import LAYOUT, build_pool
-from bench.live_server import Credentials, LiveServer, channel, client
+from bench.fuzz_pool import LAYOUT, build_pool, encode, token_ids
+from bench.live_server import ROOT, Credentials, LiveServer, channel, client
 from proto import kvtier_pb2 as pb
 
 PROTECTED = (("acme", (0, "b")), ("victim", (1, "b")), ("acme", (3, "b")), ("victim", (2, "b")))
@@ -51,6 +60,8 @@ EXAMPLES = 20  # kept per bad outcome, for the report
 ATTACK_EVERY = 5  # with --auth: one KVTier request in this many is a credential attack
 CALLER = "acme"  # with --auth: whose token the fuzzed requests carry
 AUTH_TENANTS = {"victim": "beta"}  # with --auth, tenants need a token: victim is beta
+STALL_S = 5.0  # a Stat slower than this: the server's event loop was blocked
+SECRET_TOKENS = 3 * LAYOUT.chunk_tokens  # the secret session's (tokens no case spills)
 
 
 def snapshot(got) -> tuple:
@@ -96,7 +107,13 @@ class Campaign:
         self.cases = CaseGenerator(rng or random.Random(seed), self.pool, self.state)
         self.by_code: Counter[str] = Counter()
         self.counts = Counter(crashes=0, hangs=0, wrong_tensors=0, probes=0, probe_errors=0,
-                              credential_attacks=0, credential_breaches=0)
+                              credential_attacks=0, credential_breaches=0, prefix_leaks=0,
+                              path_leaks=0, stalls=0, layouts_registered=0)
+        self.by_method: dict[str, Counter[str]] = {}
+        self.stat_max_s = 0.0
+        # what no answer may name: the server's data directory and code
+        data_dir = live.server.argv[live.server.argv.index("--data-dir") + 1]
+        self.server_paths = (data_dir, str(ROOT))
         self.examples: dict[str, list] = {}
         self.acked: dict[tuple[str, str], tuple] = {}  # session -> bytes it must restore
         self.channels: list[grpc.aio.Channel] = []
@@ -148,6 +165,10 @@ class Campaign:
         if self.creds is None or METHODS[case.method].containing_service.name == "Replay":
             return case, (), None  # the replay worker is not the authenticated server
         token = Credentials.bearer(self.creds.tokens[CALLER])
+        if case.method == "RegisterLayout":  # an admin's call; a tenant's is refused
+            if self.attack_rng.random() < 0.5:
+                return case, Credentials.bearer(self.creds.tokens["admin"]), None
+            return case, token, "PERMISSION_DENIED"
         if self.attack_rng.randrange(ATTACK_EVERY):
             return case, token, None
         self.counts["credential_attacks"] += 1
@@ -162,8 +183,13 @@ class Campaign:
         # another tenant's session, named with a valid token of this one
         tenant, sid = self.attack_rng.choice(
             [ref for ref in self.state.protected if ref[0] != CALLER])
-        request = pb.RestoreRequest(session=pb.SessionRef(tenant=tenant, session_id=sid))
-        return (Case("Restore", "cross-tenant", [request.SerializeToString()],
+        ref = pb.SessionRef(tenant=tenant, session_id=sid)
+        method, request = self.attack_rng.choice((
+            ("Restore", pb.RestoreRequest(session=ref)),
+            ("Fork", pb.ForkRequest(source=ref, new_session_id="stolen", upto_tokens=0)),
+            ("Lookup", pb.LookupRequest(tenant=tenant, layout_id=LAYOUT.name,
+                                        token_ids=self.pool[1, "b"].tokens.tobytes()))))
+        return (Case(method, "cross-tenant", [request.SerializeToString()],
                      case.connection), token, "PERMISSION_DENIED")
 
     async def send(self, case) -> None:
@@ -186,9 +212,18 @@ class Campaign:
                 # status. What the server answered is in its own metrics (below).
                 code = "CLIENT_WRITE_RACE"
         self.by_code[code] += 1
+        self.by_method.setdefault(case.method, Counter())[code] += 1
+        if any(path in details for path in self.server_paths):
+            self.counts["path_leaks"] += 1
+            self.note("path_leak", case, details)
+        if code == "OK":
+            self.check_reply(case, reply)
         # A write race is a refusal too: the server ended the stream before reading all of
         # it, which it does only to refuse (an accepted Spill is answered after its end).
-        if expected is not None and code not in (expected, "CLIENT_WRITE_RACE"):
+        # Bytes that are no request are refused before anyone's rights matter.
+        undecodable = code == "INVALID_ARGUMENT" and details.startswith("the request is not")
+        if expected is not None and code not in (expected, "CLIENT_WRITE_RACE") and not (
+                expected == "PERMISSION_DENIED" and undecodable):
             self.counts["credential_breaches"] += 1
             self.note("credential_breach", case, f"expected {expected}, got {code}: {details}")
         if code == "DEADLINE_EXCEEDED":
@@ -202,6 +237,15 @@ class Campaign:
         if case.method == "LeaseSegment" and reply:
             lease = pb.SharedMemoryLease.FromString(reply)
             self.state.seen_leases.setdefault(case.connection, []).append(lease.lease_id)
+
+    def check_reply(self, case, reply: bytes | None) -> None:
+        if case.check == "no_prefix":
+            found = pb.LookupReply.FromString(reply)
+            if found.tokens_held or found.chunks:
+                self.counts["prefix_leaks"] += 1
+                self.note("prefix_leak", case, f"{found.tokens_held} tokens held")
+        elif case.method == "RegisterLayout":
+            self.counts["layouts_registered"] += pb.RegisterLayoutReply.FromString(reply).created
 
     async def _call(self, ch, path: str, method, case, metadata: tuple) -> bytes | None:
         timeout, metadata = self.deadline_s, metadata or None
@@ -244,6 +288,28 @@ class Campaign:
                                                             enc, True)
                 self.acked[tenant, sid] = acknowledged(enc)
             await self.check_restore(tenant, sid)
+        # tokens no case spills: another tenant's Lookup of them must find nothing
+        tenant, enc = self.tenant("victim"), encode(token_ids(SECRET_TOKENS, 99), 99)
+        async with self.client(tenant) as kv:
+            await kv.spill(tenant, "secret", LAYOUT.name, enc.tokens, chunks=list(enc.chunks),
+                           tail=enc.tail, generation=1, ack="durable")
+        self.state.secret = (tenant, enc.tokens.tobytes())
+
+    async def watch_stat(self, done: asyncio.Event) -> None:
+        """Stat every 50 ms on a connection of its own: how long the event loop kept it."""
+        metadata = Credentials.bearer(self.creds.tokens[CALLER]) if self.creds else None
+        async with channel(self.live.target, CONNECTIONS + 1, self.creds) as ch:
+            stat = ch.unary_unary("/kvtier.v1.KVTier/Stat")
+            while not done.is_set():
+                started = time.perf_counter()
+                # a restart is counted as a crash, a deadline is the slowest below
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await stat(pb.StatRequest().SerializeToString(), timeout=self.deadline_s,
+                               metadata=metadata)
+                took = time.perf_counter() - started
+                self.stat_max_s = max(self.stat_max_s, took)
+                self.counts["stalls"] += took > STALL_S
+                await asyncio.sleep(0.05)
 
     async def check_restore(self, tenant: str, sid: str) -> bool:
         """Restore (or resume) through the client, as ``tenant``; a restore giving other
@@ -300,6 +366,8 @@ class Campaign:
                     await self.send(case)
 
             workers = [asyncio.create_task(worker()) for _ in range(self.concurrency)]
+            watched = asyncio.Event()
+            watcher = asyncio.create_task(self.watch_stat(watched))
             probes, probe_rng = [], random.Random(1)
             for i in range(requests):
                 await queue.put(self.cases.next())
@@ -308,6 +376,8 @@ class Campaign:
             for _ in workers:
                 await queue.put(None)
             await asyncio.gather(*workers, *probes)
+            watched.set()
+            await watcher
             await self.check_alive()
             intact = True
             for tenant, sid in self.state.protected:
@@ -328,6 +398,11 @@ class Campaign:
                 "credential_attacks": self.counts["credential_attacks"],
                 "credential_breaches": self.counts["credential_breaches"],
                 "probe_errors": self.counts["probe_errors"],
+                **{key: self.counts[key] for key in ("prefix_leaks", "path_leaks", "stalls",
+                                                     "layouts_registered")},
+                "stat_max_s": round(self.stat_max_s, 3),
+                "by_method": {m: dict(sorted(codes.items()))
+                              for m, codes in sorted(self.by_method.items())},
                 "seconds": round(time.perf_counter() - started, 1),
                 "server_peak_rss_mib": round(self.live.rss().get("peak", 0) / 2**20, 1),
                 "examples": self.examples}
@@ -370,12 +445,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=1))
     else:
         for key in ("requests", "crashes", "hangs", "internal_or_unknown", "wrong_tensors",
-                    "preexisting_sessions_intact", "seconds"):
+                    "preexisting_sessions_intact", "prefix_leaks", "path_leaks", "stalls",
+                    "stat_max_s", "layouts_registered", "seconds"):
             print(f"{key}: {result[key]}")
         print(f"by_code: {result['by_code']}")
     bad = (result["crashes"] or result["hangs"] or result["internal_or_unknown"]
            or result["server_internal_or_unknown"] or result["wrong_tensors"]
-           or result["credential_breaches"] or not result["preexisting_sessions_intact"])
+           or result["credential_breaches"] or not result["preexisting_sessions_intact"]
+           or result["prefix_leaks"] or result["path_leaks"] or result["stalls"])
     return 1 if bad else 0
 
 

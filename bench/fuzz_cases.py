@@ -7,75 +7,45 @@ Families: ``garbage`` (random bytes, or a valid message with bytes flipped), ``t
 descriptors, so every method and field is covered) and named adversarial cases (bombs,
 wrong section tables, huge ids and token counts, bad digests, foreign and path-like
 lease ids, out-of-vocabulary ids, stale and duplicate generations, Spill messages out of
-order, streams abandoned or left silent).
+order, streams abandoned or left silent; and, in ``bench.fuzz_layouts``, hostile and
+flooding RegisterLayout bodies, Lookups of huge or unaligned token arrays, under
+registered one-token-chunk layouts, in other tenants' domains and of another tenant's
+prompt, Forks past the source, onto itself, onto protected sessions and across tenants).
 
 Sessions named in ``protected`` are never spilled over or deleted (the campaign checks
-them bit-exact afterwards); they are read, prefetched, evicted, and spilled at stale or
-equal generations, which must leave them as they were. Lease ids come from what the
-runner saw (``seen_leases``), so which ids a case names depends on the run; the
-sequence of cases does not.
+them bit-exact afterwards); they are read, prefetched, evicted, forked from and onto,
+and spilled at stale or equal generations, which must leave them as they were. Lease
+ids come from what the runner saw (``seen_leases``), so which ids a case names depends
+on the run; the sequence of cases does not.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
 
 import numpy as np
 from google.protobuf.descriptor import FieldDescriptor as F
 
 from bench import forge
+from bench.fuzz_layouts import HUGE_TOKENS, LayoutCases
 from bench.fuzz_messages import DOUBLES, INTS, STRINGS, U32, U64, random_message
 from bench.fuzz_pool import LAYOUT, Encoded, token_ids
+from bench.fuzz_state import SESSIONS, TENANTS, Case, Spilled, State, ser
 from kvstore.keys import chunk_digest
 from proto import kvtier_pb2 as pb
 
 SERVICES = [pb.DESCRIPTOR.services_by_name[name] for name in ("KVTier", "Replay")]
 METHODS = {m.name: m for s in SERVICES for m in s.methods}
-TENANTS = ("acme", "victim", "evil", "beta")
-SESSIONS = tuple(f"f{i}" for i in range(12))
 CONNECTIONS = 3
 BOMB = 512 << 20
 METHOD_WEIGHTS = {"Spill": 30, "Restore": 12, "Resume": 8, "Prefetch": 5, "Evict": 5,
                   "Delete": 5, "Stat": 5, "List": 5, "LeaseSegment": 6,
-                  "ReleaseSegments": 4, "Rebuild": 8, "Lookup": 4, "Fork": 4}
+                  "ReleaseSegments": 4, "Rebuild": 8, "Lookup": 7, "Fork": 7,
+                  "RegisterLayout": 7, "ListLayouts": 2}
 
 
-@dataclass
-class Case:
-    method: str
-    family: str
-    messages: list[bytes]
-    connection: int = 0
-    abandon: bool = False  # stream: cancelled after what it sends (or the first reply)
-    silent: bool = False  # client stream: sends, then neither sends nor closes
-
-
-@dataclass
-class Spilled:
-    tenant: str
-    session_id: str
-    generation: int
-    enc: Encoded
-    window: bool
-
-
-@dataclass
-class State:
-    """What cases refer to: protected sessions, leases the runner saw per connection,
-    and the honest spills sent so far (their later restores and retries)."""
-
-    protected: dict[tuple[str, str], Spilled] = field(default_factory=dict)
-    seen_leases: dict[int, list[str]] = field(default_factory=dict)
-    spilled: list[Spilled] = field(default_factory=list)
-
-
-def _ser(messages) -> list[bytes]:
-    return [m.SerializeToString() for m in messages]
-
-
-class CaseGenerator:
+class CaseGenerator(LayoutCases):
     def __init__(self, rng: random.Random, pool: dict[tuple[int, str], Encoded],
                  state: State | None = None) -> None:
         self.rng = rng
@@ -163,15 +133,15 @@ class CaseGenerator:
     def random_case(self, method: str) -> Case:
         descriptor = METHODS[method].input_type
         count = self.rng.randint(1, 4) if METHODS[method].client_streaming else 1
-        return Case(method, "random", _ser(random_message(self.rng, descriptor)
+        return Case(method, "random", ser(random_message(self.rng, descriptor)
                                            for _ in range(count)))
 
     def _valid(self, method: str) -> list[bytes]:
         """A well-formed request (the start of the adversarial family's honest cases)."""
         if method == "Spill":
-            return _ser(self._enc().spill(self._tenant(), self._sid(), 1))
+            return ser(self._enc().spill(self._tenant(), self._sid(), 1))
         if method == "Rebuild":
-            return _ser([self._rebuild_request(self._enc())])
+            return ser([self._rebuild_request(self._enc())])
         return getattr(self, f"adv_{method}")().messages
 
     # -- adversarial: Spill --
@@ -181,7 +151,8 @@ class CaseGenerator:
         name = rng.choice(("honest", "honest", "honest", "retry", "stale_protected",
                            "victim_prefix", "section_table", "bomb", "window_bomb",
                            "huge_ids", "huge_tokens", "odd_tokens", "out_of_vocab",
-                           "bad_digest", "order", "abandon", "silent", "shm", "fields"))
+                           "bad_digest", "order", "abandon", "silent", "shm", "fields",
+                           "registered_layout"))
         return Case("Spill", f"spill:{name}", *getattr(self, f"_spill_{name}")())
 
     def _spill_honest(self):
@@ -191,7 +162,7 @@ class CaseGenerator:
         generation = (previous[-1].generation if previous else 0) + rng.randint(1, 3)
         window = rng.random() < 0.3
         self.state.spilled.append(Spilled(tenant, sid, generation, enc, window))
-        return (_ser(enc.spill(tenant, sid, generation, window=window)),)
+        return (ser(enc.spill(tenant, sid, generation, window=window)),)
 
     def _spill_retry(self):
         """Stale, equal (identical: a retry; or other content) generations of a spill."""
@@ -200,7 +171,7 @@ class CaseGenerator:
         got = self.rng.choice(self.state.spilled[-30:])
         generation = got.generation - self.rng.randint(0, 1)
         enc = got.enc if self.rng.random() < 0.5 else self._enc()
-        return (_ser(enc.spill(got.tenant, got.session_id, generation, window=got.window)),)
+        return (ser(enc.spill(got.tenant, got.session_id, generation, window=got.window)),)
 
     def _spill_stale_protected(self):
         if not self.state.protected:
@@ -209,7 +180,7 @@ class CaseGenerator:
         generation = self.rng.randint(0, kept.generation)  # never past the stored one
         enc = kept.enc if generation == kept.generation and self.rng.random() < 0.5 \
             else self._enc()
-        return (_ser(enc.spill(tenant, sid, generation, window=kept.window)),)
+        return (ser(enc.spill(tenant, sid, generation, window=kept.window)),)
 
     def _spill_victim_prefix(self):
         """A protected session's tokens with other KV under another tenant or session;
@@ -222,9 +193,9 @@ class CaseGenerator:
         attacker = self.rng.choice(("evil", tenant))
         sid = self._sid()
         if self.rng.random() < 0.5:
-            return (_ser(other.spill(attacker, sid, 1)),)
+            return (ser(other.spill(attacker, sid, 1)),)
         header = kept.enc.header(attacker, sid, 1, chunk_keys=kept.enc.keys(tenant))
-        return (_ser([pb.SpillRequest(header=header)]),)
+        return (ser([pb.SpillRequest(header=header)]),)
 
     def _one_chunk(self) -> Encoded:
         return self.pool[2, self.rng.choice("ab")]
@@ -232,7 +203,7 @@ class CaseGenerator:
     def _forged_spill(self, chunk: bytes) -> list[bytes]:
         enc = self._one_chunk()
         header = enc.header(self._tenant(), self._sid(), 1, chunk_digests=[chunk_digest(chunk)])
-        return _ser([pb.SpillRequest(header=header),
+        return ser([pb.SpillRequest(header=header),
                      pb.SpillRequest(chunk=pb.Payload(key=header.chunk_keys[0], data=chunk))])
 
     def _spill_section_table(self):
@@ -259,14 +230,14 @@ class CaseGenerator:
         enc = Encoded(tokens, (), b"", bomb)
         header = enc.header(self._tenant(), self._sid(), 1,
                             chunk_digests=[bytes(32)] * (len(tokens) // 512))
-        return (_ser([pb.SpillRequest(header=header),
+        return (ser([pb.SpillRequest(header=header),
                       pb.SpillRequest(window=pb.Payload(data=bomb))]),)
 
     def _spill_huge_ids(self):
         rng, enc = self.rng, self._enc()
         tenant = rng.choice(("a" * 100_000, "acme", "x" * 65))
         sid = rng.choice(("s" * 20_000, "f1", "s" * 129))
-        return (_ser(enc.spill(tenant, sid, 1)),)
+        return (ser(enc.spill(tenant, sid, 1)),)
 
     def _spill_huge_tokens(self):
         count = self.rng.choice((1 << 20, 1 << 22, (70 << 20) // 4))
@@ -274,20 +245,31 @@ class CaseGenerator:
         header = pb.SpillHeader(session=pb.SessionRef(tenant=self._tenant(),
                                                       session_id=self._sid()),
                                 layout_id=LAYOUT.name, generation=1, token_ids=tokens)
-        return (_ser([pb.SpillRequest(header=header)]),)
+        return (ser([pb.SpillRequest(header=header)]),)
+
+    def _spill_registered_layout(self):
+        """A header of many tokens under a layout the fuzzer registered (one-token chunks,
+        some of them), naming few or no chunk keys: refused before the keys are hashed."""
+        rng = self.rng
+        tokens = np.zeros(rng.choice(HUGE_TOKENS[:2]), "<u4").tobytes()
+        header = pb.SpillHeader(session=pb.SessionRef(tenant=self._tenant(),
+                                                      session_id=self._sid()),
+                                layout_id=self._layout_name(), generation=1, token_ids=tokens,
+                                chunk_keys=["0" * 32] * rng.choice((0, 1, 1000)))
+        return (ser([pb.SpillRequest(header=header)]),)
 
     def _spill_odd_tokens(self):
         enc = self._enc()
         header = enc.header(self._tenant(), self._sid(), 1,
                             token_ids=enc.tokens.tobytes()[:-self.rng.randint(1, 3)])
-        return (_ser([pb.SpillRequest(header=header)] + enc.spill("acme", "x", 1)[1:]),)
+        return (ser([pb.SpillRequest(header=header)] + enc.spill("acme", "x", 1)[1:]),)
 
     def _spill_out_of_vocab(self):
         enc = self._enc()
         tokens = enc.tokens.copy()
         tokens[self.rng.randrange(len(tokens))] = self.rng.choice((LAYOUT.vocab_size, U32))
         bad = Encoded(tokens, enc.chunks, enc.tail, enc.window)
-        return (_ser(bad.spill(self._tenant(), self._sid(), 1)),)
+        return (ser(bad.spill(self._tenant(), self._sid(), 1)),)
 
     def _spill_bad_digest(self):
         rng = self.rng
@@ -298,7 +280,7 @@ class CaseGenerator:
         changes = {"chunk_digests": digests}
         if rng.random() < 0.3:
             changes = {"tail_digest": rng.choice((b"", bytes(32), b"\x01" * 64))}
-        return (_ser(enc.spill(self._tenant(), self._sid(), 1, **changes)),)
+        return (ser(enc.spill(self._tenant(), self._sid(), 1, **changes)),)
 
     def _spill_order(self):
         rng, honest = self.rng, self._enc().spill(self._tenant(), self._sid(), 1)
@@ -309,15 +291,15 @@ class CaseGenerator:
                   [header, pb.SpillRequest(chunk=pb.Payload(key="0" * 32, data=b"x")), *rest],
                   [header, *rest, pb.SpillRequest(window=pb.Payload(data=b"")),
                    pb.SpillRequest(window=pb.Payload(data=b""))], [])
-        return (_ser(rng.choice(orders)),)
+        return (ser(rng.choice(orders)),)
 
     def _spill_abandon(self):
         honest = self._enc().spill(self._tenant(), self._sid(), 1)
-        return _ser(honest[:self.rng.randint(1, len(honest))]), 0, True
+        return ser(honest[:self.rng.randint(1, len(honest))]), 0, True
 
     def _spill_silent(self):
         honest = self._enc().spill(self._tenant(), self._sid(), 1)
-        return _ser(honest[:self.rng.randint(0, len(honest))]), 0, False, True
+        return ser(honest[:self.rng.randint(0, len(honest))]), 0, False, True
 
     def _spill_shm(self):
         rng = self.rng
@@ -326,7 +308,7 @@ class CaseGenerator:
         length = rng.choice((len(enc.chunks[0]), 0, 1, U64, 1 << 32))
         ref = pb.SharedMemoryRef(lease_id=self._lease_id(), offset=offset, length=length)
         header = enc.header(self._tenant(), self._sid(), 1)
-        return (_ser([pb.SpillRequest(header=header),
+        return (ser([pb.SpillRequest(header=header),
                       pb.SpillRequest(chunk=pb.Payload(key=header.chunk_keys[0], shm=ref))]),)
 
     def _spill_fields(self):
@@ -341,7 +323,7 @@ class CaseGenerator:
             {"generation": rng.choice((0, U64, 1 << 63))},
             {"chunk_keys": enc.keys(self._tenant())[:-1] + ["../../x"]}))
         generation = changes.pop("generation", 1)
-        return (_ser(enc.spill(self._tenant(), self._sid(), generation, **changes)),)
+        return (ser(enc.spill(self._tenant(), self._sid(), generation, **changes)),)
 
     # -- adversarial: the other methods --
 
@@ -357,14 +339,14 @@ class CaseGenerator:
         request = pb.RestoreRequest(session=self._ref(readonly=True),
                                     layer_by_layer=rng.random() < 0.3,
                                     want_window=rng.random() < 0.7, **self._shm_request_fields())
-        return Case("Restore", "restore", _ser([request]), abandon=rng.random() < 0.1)
+        return Case("Restore", "restore", ser([request]), abandon=rng.random() < 0.1)
 
     def adv_Resume(self) -> Case:
         rng = self.rng
         request = pb.ResumeRequest(session=self._ref(readonly=True),
                                    replay_tokens=rng.choice((0, 0, 1, 16, 128, 129, 4096, U32)),
                                    **self._shm_request_fields())
-        return Case("Resume", "resume", _ser([request]), abandon=rng.random() < 0.1)
+        return Case("Resume", "resume", ser([request]), abandon=rng.random() < 0.1)
 
     def adv_Prefetch(self) -> Case:
         rng = self.rng
@@ -372,55 +354,38 @@ class CaseGenerator:
                                      timeout_s=rng.choice((0.0, 0.001, 1.0, -1.0, math.nan,
                                                            math.inf, 1e300)),
                                      target_tier=rng.choice(("", "host", "disk", "nope")))
-        return Case("Prefetch", "prefetch", _ser([request]))
+        return Case("Prefetch", "prefetch", ser([request]))
 
     def adv_Evict(self) -> Case:
         request = pb.EvictRequest(session=self._ref(readonly=True), target_tier=self.rng.choice(
             ("", "host", "disk", "object", "hbm", "redis", "..", "nope")))
-        return Case("Evict", "evict", _ser([request]))
+        return Case("Evict", "evict", ser([request]))
 
     def adv_Delete(self) -> Case:
-        return Case("Delete", "delete", _ser([pb.DeleteRequest(
+        return Case("Delete", "delete", ser([pb.DeleteRequest(
             session=self._ref(readonly=False))]))
 
     def adv_Stat(self) -> Case:
         session = self._ref(readonly=True) if self.rng.random() < 0.7 else None
-        return Case("Stat", "stat", _ser([pb.StatRequest(session=session)]))
+        return Case("Stat", "stat", ser([pb.StatRequest(session=session)]))
 
     def adv_List(self) -> Case:
         rng = self.rng
         request = pb.ListRequest(tenant=rng.choice(("", *TENANTS, "UPPER", "x" * 1000)),
                                  page_size=rng.choice((0, 1, 2, 1000, U32)),
                                  page_token=rng.choice(("", "acme/f1", "\U0010ffff", "z" * 500)))
-        return Case("List", "list", _ser([request]))
+        return Case("List", "list", ser([request]))
 
     def adv_LeaseSegment(self) -> Case:
         size = self.rng.choice((0, 1, 4096, 1 << 20, 3 << 20, 1 << 31, 1 << 40, U64))
-        return Case("LeaseSegment", "lease", _ser([pb.LeaseRequest(size=size)]))
-
-    def adv_Lookup(self) -> Case:
-        rng = self.rng
-        tokens = np.arange(rng.choice((0, 1, LAYOUT.chunk_tokens, 3 * LAYOUT.chunk_tokens)),
-                           dtype="<u4").tobytes() + b"\x01" * rng.choice((0, 0, 3))
-        request = pb.LookupRequest(tenant=self._tenant(), layout_id=rng.choice(STRINGS),
-                                   model_fingerprint=rng.choice(STRINGS),
-                                   dedupe_domain=rng.choice(("", "", "public", "x" * 300)),
-                                   token_ids=tokens)
-        return Case("Lookup", "lookup", _ser([request]))
-
-    def adv_Fork(self) -> Case:
-        rng = self.rng
-        request = pb.ForkRequest(source=self._ref(readonly=True),
-                                 new_session_id=rng.choice(("fork1", "fork2", *STRINGS)),
-                                 upto_tokens=rng.choice(INTS[F.TYPE_UINT64]))
-        return Case("Fork", "fork", _ser([request]))
+        return Case("LeaseSegment", "lease", ser([pb.LeaseRequest(size=size)]))
 
     def adv_ReleaseSegments(self) -> Case:
         rng = self.rng
         ids = [self._lease_id() for _ in range(rng.choice((0, 1, 3)))]
         if rng.random() < 0.1:
             ids += [f"id{i}" for i in range(10_000)]
-        return Case("ReleaseSegments", "release", _ser([pb.ReleaseRequest(lease_ids=ids)]))
+        return Case("ReleaseSegments", "release", ser([pb.ReleaseRequest(lease_ids=ids)]))
 
     def _rebuild_request(self, enc: Encoded, **changes) -> pb.ReplayRequest:
         fields = dict(layout_id=LAYOUT.name, token_ids=enc.tokens.tobytes(),
@@ -444,4 +409,4 @@ class CaseGenerator:
              "chunks": [forge.one_section_chunk(LAYOUT, one.tokens, one.chunks[0])]},
             {"token_ids": one.tokens.tobytes(), "tail": b"",
              "chunks": [self._bomb(rng.choice(("table-declared", "frame-undeclared")))]}))
-        return Case("Rebuild", "rebuild", _ser([self._rebuild_request(enc, **changes)]))
+        return Case("Rebuild", "rebuild", ser([self._rebuild_request(enc, **changes)]))

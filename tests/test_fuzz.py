@@ -14,8 +14,12 @@ from hypothesis import strategies as st
 
 from bench.fuzz import IDLE_S, Campaign
 from bench.fuzz_cases import METHODS, SERVICES, CaseGenerator
+from bench.fuzz_layouts import layout_body
 from bench.fuzz_pool import build_pool
 from bench.live_server import Credentials, LiveServer
+from kvstore.errors import InvalidRequest
+from kvstore.layout import layout_from_json
+from services.server.layouts import MAX_JSON_BYTES, check_bounds
 
 DEADLINE_S = 20.0  # a request still running after this is a hang
 
@@ -39,7 +43,29 @@ def test_the_generators_cover_every_method_of_both_services():
     generator = CaseGenerator(random.Random(0), build_pool())
     drawn = {generator.next().method for _ in range(2000)}
     assert drawn == {m.name for s in SERVICES for m in s.methods} == set(METHODS)
-    assert {"LeaseSegment", "ReleaseSegments", "Rebuild"} <= drawn
+    assert {"LeaseSegment", "ReleaseSegments", "Rebuild", "RegisterLayout", "ListLayouts",
+            "Lookup", "Fork"} <= drawn
+
+
+def test_layout_bodies_are_what_their_family_says():
+    """Honest and flood layouts pass the server's checks, every hostile one fails them;
+    every hostile kind is drawn."""
+    rng, kinds = random.Random(0), set()
+    for serial in range(1500):
+        family, text, name = layout_body(rng, serial)
+        try:
+            if len(text.encode()) > MAX_JSON_BYTES:
+                raise InvalidRequest("over 64 KiB")
+            spec = layout_from_json(text)
+            check_bounds(spec, 64 << 20)
+            valid = True
+        except InvalidRequest:
+            valid = False
+        assert valid == (not family.startswith("hostile")), (family, text[:200])
+        assert name is None or spec.name == name
+        kinds.add(family)
+    assert len([k for k in kinds if k.startswith("hostile:")]) == 29
+    assert {"honest", "builtin", "flood"} <= kinds
 
 
 def test_a_seed_gives_the_same_cases():
@@ -66,11 +92,14 @@ def test_fuzzed_requests_leave_the_server_standing_and_sessions_exact(live, rng)
     assert result["probe_errors"] == 0, result["examples"].get("probe_error")
     assert result["preexisting_sessions_intact"]
     assert result["probes"] == 2
+    assert result["prefix_leaks"] == result["path_leaks"] == result["stalls"] == 0, \
+        result["examples"]
 
 
 def test_fuzz_of_an_authenticated_server_with_credential_attacks(secured):
     """TLS and tokens: no token or a wrong one is UNAUTHENTICATED, another tenant's
-    session named with a valid token is PERMISSION_DENIED with no data, every time."""
+    session named with a valid token (Restore, Fork, Lookup) is PERMISSION_DENIED with no
+    data, a tenant's RegisterLayout is PERMISSION_DENIED, every time."""
     campaign = Campaign(secured, 0, DEADLINE_S, concurrency=8, rng=random.Random(5))
     result = asyncio.run(campaign.run(150, probe_every=50))
     assert result["auth"] and result["requests"] == 150
@@ -83,3 +112,7 @@ def test_fuzz_of_an_authenticated_server_with_credential_attacks(secured):
     assert result["wrong_tensors"] == 0, result["examples"].get("wrong_tensor")
     assert result["probe_errors"] == 0, result["examples"].get("probe_error")
     assert result["preexisting_sessions_intact"] and result["probes"] == 3
+    assert result["prefix_leaks"] == result["path_leaks"] == result["stalls"] == 0, \
+        result["examples"]
+    # a tenant's RegisterLayout is refused where only admins register (the default)
+    assert result["by_method"]["RegisterLayout"].get("PERMISSION_DENIED", 0) > 0
