@@ -14,7 +14,10 @@ into a 0400 /dev/shm file (by lease id and by the old reply_buffer field), 3b a 
 told to read a planted /dev/shm file, 3c lease ids "." and "..", 3d restores whose
 segments are never mapped; 4 token ids outside the vocabulary; 5a a 20 kB session id,
 5b DATA_LOSS details; 6 undecodable bytes to every method; 7 300 idle Spill streams;
-8 a repeated Spill. ``all_held`` is true when every case held.
+8 a repeated Spill; and (``bench.adversarial_layouts``) 9a a layout registered under
+another tenant's layout name or a preset's, 9b a tenant registering where only admins
+may, 9c a Lookup of another tenant's prompt, 9d a Fork of another tenant's session.
+``all_held`` is true when every case held.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.adversarial_cases import CASES, Context
+from bench import adversarial_cases, adversarial_layouts
+from bench.adversarial_cases import Context
 from bench.live_server import LiveServer
 
 SIZES = {
@@ -37,6 +41,7 @@ SIZES = {
     "tiny": {"bomb_mib": 256, "window_bomb_mib": 256, "idle_streams": 60,
              "unmapped_restores": 8, "idle_settle_s": 1.0},
 }
+CASES = {**adversarial_cases.CASES, **adversarial_layouts.CASES}
 SHM_PER_CLIENT_MIB, SHM_TOTAL_MIB = 4, 6  # segments are 1 MiB at least: counts bound them
 IDLE_S = 4.0  # the server's stream_idle_s: idle streams are cut after this
 
@@ -70,7 +75,11 @@ def run_adversarial(sizes_name: str = "quick", only: list[str] | None = None) ->
     with tempfile.TemporaryDirectory(prefix="kvtier-adversarial-") as tmp:
         tmp = Path(tmp)
         with LiveServer(tmp / "data", tmp, env=server_env()) as live:
-            cases = asyncio.run(run_cases(Context(live, tmp / "data", sizes), names))
+            ctx = Context(live, tmp / "data", sizes)
+            try:
+                cases = asyncio.run(run_cases(ctx, names))
+            finally:
+                ctx.close()
     return {"all_held": all(c["held"] for c in cases.values()), "sizes": sizes_name,
             "cases": cases}
 

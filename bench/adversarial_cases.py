@@ -15,7 +15,7 @@ import numpy as np
 
 from bench import forge
 from bench.fuzz_pool import LAYOUT, Encoded, encode, token_ids
-from bench.live_server import LiveServer, channel, client
+from bench.live_server import Credentials, LiveServer, channel, client
 from kvstore.chunk_plan import chunk_plan
 from kvstore.keys import chunk_digest
 from kvtier import shm
@@ -33,10 +33,25 @@ class Context:
     def __init__(self, live: LiveServer, data_dir: Path, sizes: dict) -> None:
         self.live, self.data_dir, self.sizes = live, data_dir, sizes
         self.n = 0
+        self._secured: LiveServer | None = None
 
     def sid(self, name: str) -> str:
         self.n += 1
         return f"{name}-{self.n}"
+
+    def secured(self) -> LiveServer:
+        """A second server, started on first use: TLS, the development tokens and
+        register_layouts = "admin" (no replay worker)."""
+        if self._secured is None:
+            root = self.data_dir.parent / "secured"
+            creds = Credentials.write(root / "certs")
+            self._secured = LiveServer(root / "data", root, replay=False, creds=creds,
+                                       env={"KVTIER_REGISTER_LAYOUTS": "admin"}).__enter__()
+        return self._secured
+
+    def close(self) -> None:
+        if self._secured is not None:
+            self._secured.close()
 
 
 async def status(awaitable) -> tuple[str, str]:

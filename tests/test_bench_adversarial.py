@@ -1,10 +1,10 @@
-"""``bench.adversarial`` at tiny sizes: every attack of issue #11 runs against a real
-server in a child process and holds, and the report renders its table."""
+"""``bench.adversarial`` at tiny sizes: every attack (issue #11's, and those on layouts
+at run time and prefix reuse) runs against a real server in a child process and holds,
+and the report renders its table."""
 
 from __future__ import annotations
 
-from bench.adversarial import run_adversarial
-from bench.adversarial_cases import CASES
+from bench.adversarial import CASES, run_adversarial
 from bench.report import adversarial_section
 
 
@@ -17,5 +17,9 @@ def test_every_attack_runs_and_holds():
     bomb = result["cases"]["2b_zstd_bomb"]
     assert bomb["table"]["code"] == bomb["frame"]["code"] == "INVALID_ARGUMENT"
     assert result["cases"]["1a_victim_prefix"]["victim_chunks_deduped"] == 0
+    assert result["cases"]["9c_lookup_foreign_prefix"]["evil_held"] == 0
+    assert result["cases"]["9d_fork_foreign_session"]["codes"] == {
+        "held": "PERMISSION_DENIED", "missing": "PERMISSION_DENIED"}
+    assert result["cases"]["9b_register_admin_only"]["codes"]["tenant"] == "PERMISSION_DENIED"
     lines = "\n".join(adversarial_section(result))
     assert "1a_victim_prefix" in lines and "all held: **yes**" in lines
