@@ -30,7 +30,11 @@ How each figure is obtained (the JSON repeats this under "method"):
   session's window (missing: one bounded replay of W tokens), then spills its blocks and
   new window with its hint; write-back copies every block to disk. Placement mirrors
   ``kvstore.placement.TierStack``. Time is a virtual clock at the trace's timestamps.
-- Policies: ``lru`` (LRUPolicy), ``hint`` (HintPolicy given the true gap to the
+- Policies: ``kvtier`` (the project's own: ``kvstore.policy_reuse.ReusePolicy``, one
+  model per tier stack, hit density per reuse class learned online from reads, resume
+  hints inferred from the past only, as the TierManager infers them: no future
+  knowledge), ``kvtier-hint`` (the same given the oracle-derived hints of ``hint``),
+  ``lru`` (LRUPolicy), ``hint`` (HintPolicy given the true gap to the
   session's next request x lognormal noise, sigma ``--hint-sigma``: an oracle-derived
   estimate, labelled as such), ``hint-perfect`` (sigma 0), ``hint-causal`` (HintPolicy
   given the hints kvtier infers itself from the past only, ``kvstore.pause_estimate``: a
@@ -65,7 +69,7 @@ from kvstore.errors import InvalidRequest, KVTierError
 from kvstore.layout import get_layout
 
 DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2)
-DEFAULT_POLICIES = ("lru", "hint", "hint-causal", "belady")
+DEFAULT_POLICIES = ("kvtier", "lru", "hint", "hint-causal", "kvtier-hint", "belady")
 WINDOW_TOKENS = 128  # W: the window kept exactly, and the bounded replay's length R
 TIER_NAMES = ("hbm", "host", "disk")
 

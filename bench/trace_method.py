@@ -73,6 +73,14 @@ def describe_method(sizes: dict, host_ratio: float, disk_fraction: float | None,
                  f"(predicted returns in trace time: the earliest ahead among the sessions "
                  f"storing a block, kept when the block moves; a missed return ages the "
                  f"block; a block whose hints proved wrong is kept in LRU order)",
+        "kvtier": "the project's policy (kvstore.policy_reuse.ReusePolicy via "
+                  "reuse_policies: one model shared by a stack's tiers), no future "
+                  "knowledge: evicts the block of lowest learned hit density per byte "
+                  "(reads expected after its age over the time it is expected to stay, "
+                  "per reuse class: reads so far x the pause its last hint predicted) "
+                  "among 64 drawn at random (seeded), a copy a higher tier also holds "
+                  "first; hints inferred as hint-causal's; kvtier-hint: the same policy "
+                  "given hint's oracle-derived hints",
         "belady": "evict the block whose next read is farthest ahead (never again: first), "
                   "from a next-use table over the whole trace's read sequence, in every "
                   "tier; optimal for one tier of equal-size blocks, a reference (not a "

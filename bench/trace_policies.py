@@ -14,8 +14,9 @@ from bench.trace_belady import BeladyPolicy, NextUseTable
 from bench.trace_workload import Workload, causal_hints, oracle_hints
 from kvstore.errors import InvalidRequest
 from kvstore.policy import EvictionPolicy, HintPolicy, LRUPolicy, ResumeHint
+from kvstore.policy_reuse import reuse_policies
 
-POLICIES = ("lru", "hint", "hint-perfect", "hint-causal", "belady")
+POLICIES = ("kvtier", "kvtier-hint", "lru", "hint", "hint-perfect", "hint-causal", "belady")
 
 
 class VirtualClock:
@@ -41,7 +42,9 @@ class PolicySetup:
 
 def setup_policy(workload: Workload, policy: str, *, hint_sigma: float = 0.5, seed: int = 0,
                  name: Callable[[int], Hashable] | None = None) -> PolicySetup:
-    """``lru``: LRUPolicy. ``hint``: HintPolicy, oracle hints with lognormal noise
+    """``kvtier``: ReusePolicy (the project's own), hints inferred from the past only, as
+    the TierManager infers them; ``kvtier-hint``: the same with ``hint``'s hints.
+    ``lru``: LRUPolicy. ``hint``: HintPolicy, oracle hints with lognormal noise
     ``hint_sigma``; ``hint-perfect``: the same with no noise; ``hint-causal``: HintPolicy,
     hints from past gaps only. ``belady``: farthest next read first (offline table; ``name``
     maps trace keys to the keys its policies will see)."""
@@ -53,12 +56,15 @@ def setup_policy(workload: Workload, policy: str, *, hint_sigma: float = 0.5, se
         table = NextUseTable(workload.reads, workload.next_read, workload.first_positions(),
                              name)
         return PolicySetup(lambda: BeladyPolicy(table), no_hints, clock, table.advance)
+    if policy == "kvtier":
+        return PolicySetup(reuse_policies(clock), causal_hints(workload), clock, None)
     if policy == "hint-causal":
         return PolicySetup(lambda: HintPolicy(clock), causal_hints(workload), clock, None)
-    if policy in ("hint", "hint-perfect"):
+    if policy in ("hint", "hint-perfect", "kvtier-hint"):
         sigma = 0.0 if policy == "hint-perfect" else hint_sigma
         if sigma < 0:
             raise InvalidRequest(f"hint_sigma must be >= 0, got {sigma}")
         hints: list[ResumeHint | None] = list(oracle_hints(workload, sigma, seed))
-        return PolicySetup(lambda: HintPolicy(clock), hints, clock, None)
+        factory = reuse_policies(clock) if policy == "kvtier-hint" else lambda: HintPolicy(clock)
+        return PolicySetup(factory, hints, clock, None)
     raise InvalidRequest(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")

@@ -38,7 +38,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from bench.trace_workload import Ended, Workload
-from kvstore.policy import EvictionPolicy, HintBook, LRUPolicy, ResumeHint
+from kvstore.policy import EvictionPolicy, HintBook, ResumeHint
 
 CAUSES = ("spill", "promotion", "demotion", "writeback")
 
@@ -116,10 +116,9 @@ class TierSim:
     def __init__(self, tiers: Sequence[SimTier], policy: Callable[[], EvictionPolicy],
                  block_bytes: int, window_bytes: int, *, retain: bool = True) -> None:
         self.tiers = tuple(tiers)
-        # An unbounded tier never asks its policy for a victim, so its order is never
-        # consulted: a plain LRU index of what it holds gives identical results, cheaper.
-        self.policies = [LRUPolicy() if math.isinf(t.capacity_bytes) else policy()
-                         for t in self.tiers]
+        # every tier gets the factory's policy, as in TierStack: an unbounded tier never
+        # asks its own for a victim, but a policy may learn from what reaches it
+        self.policies = [policy() for _ in self.tiers]
         self.used = [0] * len(self.tiers)
         self.block_bytes, self.window_bytes = block_bytes, window_bytes
         bounded = [p for p, t in zip(self.policies, self.tiers, strict=True)

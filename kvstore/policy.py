@@ -58,23 +58,39 @@ class ResumeHint:
 class NextUse:
     """When a block is predicted to be needed next, from resume hints (see ``HintBook``).
 
-    ``at``: a time on the policies' clock (None: unknown); ``priority``: the hint's.
+    ``at``: a time on the policies' clock (None: unknown); ``priority``: the hint's;
+    ``reads``: client reads of the block since it was first hinted (a policy that sees
+    the count grow knows an access was a read, not a spill's touch); ``since``: its last
+    read, or its first store if never read (None: unknown), so its age survives moves
+    between tiers and counts from its last use by a reader, not by a spill; ``pause``:
+    the expected pause of the last hint stored with it (None: none said).
     """
 
     at: float | None = None
     priority: int = 0
+    reads: int = 0
+    since: float | None = None
+    pause: float | None = None  # the pause predicted by the block's last hinted store
 
 
 class _Returns:
     """The predicted returns of one block, one per hint of a session storing it."""
 
-    __slots__ = ("at", "last_used", "priority", "right", "wrong")
+    __slots__ = ("at", "hinted", "last_used", "pause", "priority", "reads", "right", "since",
+                 "wrong")
 
-    def __init__(self) -> None:
+    def __init__(self, now: float) -> None:
         self.at: list[float] = []  # sorted
-        self.last_used: float | None = None
+        self.last_used: float | None = None  # last store or read
+        self.since = now  # last read, else first store
         self.priority = 0
+        self.reads = 0
+        self.pause: float | None = None
+        self.hinted = False
         self.right = self.wrong = 0  # fulfilled returns within a factor of 2, or not
+
+    def next_use(self, at: float | None) -> NextUse:
+        return NextUse(at, self.priority, self.reads, self.since, self.pause)
 
 
 class HintBook:
@@ -107,17 +123,17 @@ class HintBook:
 
     def stored(self, block: BlockId, hint: ResumeHint | None) -> None:
         entry = self._blocks.get(block)
-        if hint is None and entry is None:
-            return  # never hinted: the policies see it as used now
         now = self.clock()
-        if entry is None:
-            entry = self._blocks[block] = _Returns()
+        if entry is None:  # kept even unhinted: its reads and age still tell something
+            entry = self._blocks[block] = _Returns(now)
         entry.last_used = now
         if hint is None:
             return
+        entry.hinted = True
         ahead = bool(entry.at) and entry.at[-1] > now
         entry.priority = max(entry.priority, hint.priority) if ahead else hint.priority
         if hint.expected_pause_s is not None:
+            entry.pause = hint.expected_pause_s
             bisect.insort(entry.at, now + hint.expected_pause_s)
             if len(entry.at) > self.MAX_RETURNS:  # the oldest missed return, else the latest
                 entry.at.pop(0 if entry.at[0] <= now else -1)
@@ -128,7 +144,8 @@ class HintBook:
             return
         now = self.clock()
         at, since = entry.at, entry.last_used
-        entry.last_used = now
+        entry.last_used = entry.since = now
+        entry.reads += 1
         if at:
             i = bisect.bisect_left(at, now)
             if i == len(at) or (i > 0 and now - at[i - 1] <= at[i] - now):
@@ -145,19 +162,21 @@ class HintBook:
         entry = self._blocks.get(block)
         if entry is None:
             return None
+        if not entry.hinted:  # no predicted time: policies see it as used now (LRU)
+            return entry.next_use(None)
         now, at = self.clock(), entry.at
         if entry.wrong > entry.right:  # its sessions' hints proved wrong: LRU order
-            return NextUse(entry.last_used, entry.priority)
+            return entry.next_use(entry.last_used)
         i = bisect.bisect_right(at, now)
         ahead = at[i] if i < len(at) else None
         missed = at[i - 1] if i else None
         # a missed return predicts the block back after as long again as it is overdue
         # (see HintPolicy): the sooner of that and the next return ahead wins
         if ahead is not None and (missed is None or ahead - now <= now - missed):
-            return NextUse(ahead, entry.priority)
+            return entry.next_use(ahead)
         if missed is not None:
-            return NextUse(max(missed, entry.last_used or missed), entry.priority)
-        return NextUse(entry.last_used, entry.priority)
+            return entry.next_use(max(missed, entry.last_used or missed))
+        return entry.next_use(entry.last_used)
 
     def forget(self, block: BlockId) -> None:
         self._blocks.pop(block, None)

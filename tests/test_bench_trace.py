@@ -211,7 +211,7 @@ def test_bounded_disk_drops_blocks_and_forces_reprefill(tmp_path):
 @pytest.mark.parametrize("seed", range(4))
 def test_belady_hits_at_least_as_often_as_every_policy(tmp_path, seed):
     path = write_trace(tmp_path / "t.jsonl", random_trace(seed))
-    policies = ("lru", "hint", "hint-perfect", "hint-causal", "belady")
+    policies = ("kvtier", "lru", "hint", "hint-perfect", "hint-causal", "belady")
     fractions = (0.02, 0.05, 0.1, 0.2)
     # one tier of equal-size blocks (no window blobs, no host): Belady's MIN is optimal
     single = run_trace_benchmark(path, layout="deepseek-v3", fractions=fractions,
@@ -245,7 +245,7 @@ def test_perfect_hints_match_belady_on_one_tier(tmp_path):
 def test_simulation_agrees_with_the_real_tier_stack(retain):
     requests = parsed(random_trace(5, requests=40))
     # a TTL short enough that sessions end, so retention (or freeing) is exercised
-    result = check_against_stack(requests, policies=("lru", "hint", "belady"),
+    result = check_against_stack(requests, policies=("kvtier", "lru", "hint", "belady"),
                                  fractions=(0.03, 0.15), retain=retain, session_ttl_s=20)
     assert result["agree"], [p["diff"] for p in result["points"] if not p["agree"]]
     hits = [sum(p["stack"]["block_hits"][1:]) for p in result["points"]]
@@ -257,9 +257,9 @@ def test_simulation_agrees_with_the_real_tier_manager(retain):
     """Request by request: deletes past the TTL, restore or lookup + spill by key +
     restore, spill of the next generation, drain."""
     requests = parsed(random_trace(6, requests=40, p_resume=0.7))
-    result = check_against_manager(requests, policies=("lru", "hint", "belady"),
+    result = check_against_manager(requests, policies=("kvtier", "lru", "hint", "belady"),
                                    fraction=0.04, retain=retain, session_ttl_s=20)
-    assert [p["policy"] for p in result["points"]] == ["lru", "hint"]
+    assert [p["policy"] for p in result["points"]] == ["kvtier", "lru", "hint"]
     assert result["agree"], [(p["sim"], p["manager"]) for p in result["points"]]
     for point in result["points"]:
         assert sum(point["manager"]["block_hits"]) > 0  # sessions were really restored

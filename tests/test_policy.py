@@ -13,6 +13,7 @@ from kvstore.errors import InvalidRequest
 from kvstore.locks import KeyedLocks
 from kvstore.placement import TierStack
 from kvstore.policy import HintBook, HintPolicy, LRUPolicy, NextUse, ResumeHint
+from kvstore.policy_reuse import REFRESH, ReusePolicy, reuse_policies
 from kvstore.stats import Counters
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
@@ -24,6 +25,11 @@ class VirtualClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def when(next_use: NextUse | None) -> tuple | None:
+    """(at, priority) of a predicted next use: what these tests pin down."""
+    return None if next_use is None else (next_use.at, next_use.priority)
 
 
 def hinted(book: HintBook, block, pause: float | None, priority: int = 0) -> NextUse:
@@ -96,21 +102,25 @@ def test_overdue_blocks_grow_stale_like_unused_ones_and_priority_still_rules():
 def test_hint_book_times_and_fulfilled_returns():
     clock = VirtualClock()
     book = HintBook(clock)
-    assert hinted(book, "x", 50) == NextUse(50, 0)
+    assert when(hinted(book, "x", 50)) == (50, 0)
     clock.now = 30
     book.read("x")  # back early: its return is fulfilled, it is idle from now on
-    assert book.get("x") == NextUse(30, 0)
-    assert hinted(book, "x", 5) == NextUse(35, 0)
+    assert when(book.get("x")) == (30, 0)
+    assert when(hinted(book, "x", 5)) == (35, 0)
     clock.now = 80
-    assert book.get("x") == NextUse(35, 0)  # missed at 35: ages from then
+    assert when(book.get("x")) == (35, 0)  # missed at 35: ages from then
     book.read("x")
-    assert book.get("x") == NextUse(80, 0)
-    assert hinted(book, "x", None, priority=2) == NextUse(80, 2)  # priority only
+    assert when(book.get("x")) == (80, 0)
+    assert when(hinted(book, "x", None, priority=2)) == (80, 2)  # priority only
+    assert (book.get("x").reads, book.get("x").since, book.get("x").pause) == (2, 80, 5)
     book.stored("never-hinted", None)
-    book.read("never-hinted")
-    assert book.get("never-hinted") is None and len(book) == 1
+    clock.now = 90
+    book.read("never-hinted")  # no predicted time (policies see it as used now), but its
+    unhinted = book.get("never-hinted")  # reads and age are followed all the same
+    assert (unhinted.at, unhinted.reads, unhinted.since, unhinted.pause) == (None, 1, 90, None)
+    assert len(book) == 2
     book.forget("x")
-    assert book.get("x") is None and len(book) == 0
+    assert book.get("x") is None and len(book) == 1
 
 
 def test_shared_block_keeps_the_earliest_return_ahead():
@@ -125,12 +135,12 @@ def test_shared_block_keeps_the_earliest_return_ahead():
     clock.now = 12
     book.read("shared")  # b is back (its return, the nearest, is fulfilled) and finishes
     policy.on_access("shared", hint=hinted(book, "shared", 1e9))
-    assert book.get("shared") == NextUse(100, 1)  # a's return and priority hold it
+    assert when(book.get("shared")) == (100, 1)  # a's return and priority hold it
     assert policy.victim() == "own"
     clock.now = 120  # a is 20 s late: back by 140 as the estimate goes, not at 1e9
-    assert book.get("shared") == NextUse(100, 1)
+    assert when(book.get("shared")) == (100, 1)
     clock.now = 6e8  # so late it is not expected any more: b's far return is sooner
-    assert book.get("shared") == NextUse(12 + 1e9, 1)
+    assert when(book.get("shared")) == (12 + 1e9, 1)
 
 
 def test_blocks_whose_hints_proved_wrong_fall_back_to_lru_order():
@@ -141,16 +151,16 @@ def test_blocks_whose_hints_proved_wrong_fall_back_to_lru_order():
     clock.now = 100
     book.read("liar")  # predicted back after 10 s, came after 100: wrong
     book.read("honest")  # right
-    assert hinted(book, "honest", 50) == NextUse(150, 0)
-    assert hinted(book, "liar", 5000) == NextUse(100, 0)  # ordered by its last use
+    assert when(hinted(book, "honest", 50)) == (150, 0)
+    assert when(hinted(book, "liar", 5000)) == (100, 0)  # ordered by its last use
     clock.now = 200
     book.read("liar")  # the 5000 s pause was wrong again; ignored, it is idle from 200
-    assert book.get("liar") == NextUse(200, 0)
+    assert when(book.get("liar")) == (200, 0)
     hinted(book, "liar", 30)
     for now in (230, 260):  # right twice: its hints count again
         clock.now = now
         book.read("liar")
-        assert hinted(book, "liar", 30) == NextUse(now if now == 230 else now + 30, 0)
+        assert when(hinted(book, "liar", 30)) == (now if now == 230 else now + 30, 0)
 
 
 def test_hint_policy_victim_skips_protected_blocks_without_losing_them():
@@ -250,3 +260,93 @@ def test_resume_hint_validates():
         ResumeHint(expected_pause_s=float("nan"))
     with pytest.raises(InvalidRequest):
         ResumeHint(priority=1.5)
+
+
+# -- ReusePolicy: hit density per reuse class, learned from the stack's reads --
+
+@pytest.mark.parametrize("read_pause", [0.5, 1e4])
+def test_reuse_policy_learns_which_hints_come_true(read_pause):
+    """Blocks stored with one predicted pause are read 3 s later, those with the other
+    never. Whichever it is, the policy learns it: it then evicts a fresh block of the
+    never-read kind before an older one of the read kind, where LRU takes the older."""
+    other_pause = 1e4 if read_pause == 0.5 else 0.5
+    clock = VirtualClock()
+    book = HintBook(clock)
+    policy = reuse_policies(clock)()
+
+    def store(block, pause):
+        book.stored(block, ResumeHint(expected_pause_s=pause))
+        policy.on_insert(block, 100, book.get(block))
+
+    for i in range(2 * REFRESH):  # the model folds its counts in every REFRESH reads
+        clock.now += 1
+        store(f"read{i}", read_pause)
+        store(f"unread{i}", other_pause)
+        if i >= 3:
+            book.read(f"read{i - 3}")
+            policy.on_access(f"read{i - 3}", book.get(f"read{i - 3}"))
+        if i >= 30:  # what eviction would have taken anyway
+            for block in (f"read{i - 30}", f"unread{i - 30}"):
+                policy.on_remove(block)
+                book.forget(block)
+    store("older", read_pause)
+    clock.now += 2
+    store("fresh", other_pause)
+    exclude = {b for b in policy._entries if b not in ("older", "fresh")}
+    assert policy.victim(exclude) == "fresh"
+    lru = LRUPolicy(clock)
+    lru.on_insert("older")
+    lru.on_insert("fresh")
+    assert lru.victim() == "older"
+
+
+def test_reuse_policy_ranks_per_byte_by_priority_and_skips_excluded():
+    clock = VirtualClock()
+    policy = ReusePolicy(clock)
+    policy.on_insert("small", 10)
+    policy.on_insert("large", 1000)  # as dense as "small" (no data yet), 100x the bytes
+    assert policy.victim() == "large"
+    policy.on_insert("vip", 5000, NextUse(priority=3))
+    assert policy.victim() == "large"  # the higher priority stays, whatever its size
+    assert policy.victim({"large", "small"}) == "vip"
+    assert policy.victim({"large", "small", "vip"}) is None
+    policy.on_remove("large")
+    assert policy.victim() == "small" and len(policy) == 2 and "large" not in policy
+
+
+def test_reuse_policy_gives_up_a_copy_a_higher_tier_holds_first():
+    """Shared by one stack's policies: the host's copy of a block hbm also holds serves
+    no read, so the host evicts it before a block only it holds, even a staler one."""
+    clock = VirtualClock()
+    book = HintBook(clock)
+    make = reuse_policies(clock)
+    hbm, host = make(), make()
+    book.stored("only-in-host", None)
+    host.on_insert("only-in-host", 100, book.get("only-in-host"))
+    clock.now = 10
+    book.stored("in-both", None)
+    host.on_insert("in-both", 100, book.get("in-both"))
+    hbm.on_insert("in-both", 100, book.get("in-both"))
+    assert host.victim() == "in-both"
+    hbm.on_remove("in-both")
+    assert host.victim() == "only-in-host"  # now the older one, as LRU
+
+
+async def test_tier_stack_runs_the_reuse_policies():
+    clock = VirtualClock()
+    tokens = random_tokens(16, seed=1)
+    data = {key: encode(0, tokens, seed=i) for i, key in enumerate("abcd")}
+    size = len(data["a"])
+    tiers = [HBMTier(2 * size, device="cpu"), HostTier(8 * size, pin_memory=False)]
+    stack = TierStack(tiers, reuse_policies(clock), KeyedLocks(), Counters(),
+                      is_referenced=lambda key: True, on_window_dropped=lambda key: None)
+    for key in "abcd":
+        clock.now += 1
+        stack.touch(key, ResumeHint(expected_pause_s=5))
+        assert await stack.place(key, data[key]) is not None
+    assert sorted(stack.policies[0]._entries) == ["c", "d"]  # a, b moved down, kept
+    assert stack.holders("a") == [1] and stack.holders("b") == [1]
+    found, source, bad = await stack.read("a")
+    assert source == 1 and bytes(found) == bytes(data["a"])
+    for tier in tiers:
+        await tier.close()
