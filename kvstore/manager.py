@@ -12,7 +12,8 @@
 - ``restore``, ``reading``, ``prefetch``, ``read_chunk``: ``Restorer`` (kvstore.restore);
 - ``delete``, ``demote``, ``collect_garbage``: ``Maintenance`` (kvstore.maintenance);
 - ``get_manifest``, ``list_sessions``, ``session_count``: ``Catalog`` (kvstore.catalog);
-- ``lookup``: ``ChainIndex`` (kvstore.prefix); ``fork``: ``Forker`` (kvstore.fork);
+- ``lookup``: ``ChainIndex`` (kvstore.prefix), in a fleet ``lookup_fleet`` asks the
+  shared tiers too (kvstore.fleet_prefix); ``fork``: ``Forker`` (kvstore.fork);
 - ``where``, ``stat``, ``drain``, ``close``, ``open``, ``tiers``: here.
 
 The parts share a ``TierStack`` (kvstore.placement: where blocks live), a ``RefLedger``
@@ -52,7 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
@@ -62,6 +63,7 @@ from kvstore.blocks import Blocks
 from kvstore.catalog import Catalog
 from kvstore.durability import WriteBackFailures
 from kvstore.errors import InvalidRequest, KVTierError
+from kvstore.fleet_prefix import held_chains
 from kvstore.fork import Forker
 from kvstore.keys import check_fingerprint, dedupe_scope, iter_chain_keys
 from kvstore.layout import get_layout
@@ -314,14 +316,37 @@ class TierManager:
         bind the domain, so another domain's blocks are never found. A spill may then name
         those chunks by block key without their bytes (``ChunksNotHeld`` if one went
         meanwhile); retained ones found count as used now."""
+        chunk_tokens, chains = self._chains(tenant, layout_id, token_ids, model_fingerprint,
+                                            dedupe_domain)
+        return self._held_prefix(chains, chunk_tokens)
+
+    async def lookup_fleet(self, tenant: str, layout_id: str,
+                           token_ids: Sequence[int] | np.ndarray, *, model_fingerprint: str = "",
+                           dedupe_domain: str | None = None) -> LookupResult:
+        """``lookup`` in a fleet (metadata = "shared"): chain keys past what this node
+        knows are asked of the shared tiers, Redis then the bucket, within bounds
+        (``kvstore.fleet_prefix``), and what they hold is learnt. Without shared tiers
+        exactly ``lookup`` (no I/O)."""
+        chunk_tokens, chains = self._chains(tenant, layout_id, token_ids, model_fingerprint,
+                                            dedupe_domain)
+        if self._stack.shared_tiers():
+            chains = iter(await held_chains(self._stack, self._index, chains))
+        return self._held_prefix(chains, chunk_tokens)
+
+    def _chains(self, tenant: str, layout_id: str, token_ids: Sequence[int] | np.ndarray,
+                model_fingerprint: str, dedupe_domain: str | None
+                ) -> tuple[int, Iterator[str]]:
         check_name("tenant", tenant)
         spec = get_layout(layout_id)
         # Hashed as the walk goes: a miss ends it, so no token past the held prefix costs.
-        chains = iter_chain_keys(spec.layout_id, token_ids, spec.chunk_tokens,
-                                 scope=dedupe_scope(tenant, dedupe_domain),
-                                 model_fingerprint=check_fingerprint(model_fingerprint))
+        return spec.chunk_tokens, iter_chain_keys(
+            spec.layout_id, token_ids, spec.chunk_tokens,
+            scope=dedupe_scope(tenant, dedupe_domain),
+            model_fingerprint=check_fingerprint(model_fingerprint))
+
+    def _held_prefix(self, chains: Iterator[str], chunk_tokens: int) -> LookupResult:
         found = longest_prefix(self._index, chains, [t.name for t in self.tiers],
-                               spec.chunk_tokens, lambda key: self._ledger.count(key) > 0)
+                               chunk_tokens, lambda key: self._ledger.count(key) > 0)
         self._retention.touch(chunk.block_key for chunk in found.chunks)
         return found
 

@@ -14,9 +14,10 @@ the index of what the tier holds (rebuilt from ``Tier.keys`` on open). Rules:
   The last intact copy of a referenced chunk is never dropped, nor its last durable copy
   for a volatile one: the tier counts as full.
 - Shared tiers (``Tier.shared``: Redis and the bucket of a fleet) may hold keys other
-  nodes wrote: ``find_shared`` asks them about a key this node never saw. ``share``
-  copies a block into the shared caches (Redis: shared, not durable) a spill wrote or a
-  read passed; eviction finds it held there and moves nothing.
+  nodes wrote: ``find_shared`` asks them about a key this node never saw, and
+  ``find_chains`` about chain keys (a fleet's prefix lookup, ``kvstore.fleet_prefix``).
+  ``share`` copies a block into the shared caches (Redis: shared, not durable) a spill
+  wrote or a read passed; eviction finds it held there and moves nothing.
 - Window blobs (keys under ``WINDOW_PREFIX``) only live in tiers with ``holds_window``;
   one that would have to move lower is dropped and ``on_window_dropped`` is told.
 - A read tries the tiers believed to hold the block, highest first, then the others,
@@ -193,6 +194,29 @@ class TierStack:
             if tier.durable:
                 break
         return found
+
+    def shared_tiers(self) -> list[int]:
+        """The shared tiers that can be asked by chain key (Redis, then the bucket)."""
+        return [j for j, tier in enumerate(self.tiers) if tier.shared]
+
+    async def find_chains(self, j: int, chains: Sequence[str]) -> dict[str, str]:
+        """Ask shared tier ``j`` which chunk it holds for each of ``chains`` (chain keys
+        this node does not know) and learn each one found: chain key -> block key. A
+        tier that is down, fails, or cannot be asked so answers nothing. No key lock: a
+        belief like a listing's (a read still verifies the bytes)."""
+        if not chains or not self.up(j):
+            return {}
+        try:
+            found = await self.tiers[j].find_chains(chains)
+        except TierUnavailable as exc:
+            self._mark_down(j, "find_chains", exc)
+            return {}
+        held = {}
+        for chain, key in zip(chains, found or (), strict=False):
+            if key is not None:
+                self._learn(j, key)
+                held[chain] = key
+        return held
 
     def may_hold(self, i: int, key: str) -> bool:
         return self.tiers[i].holds_window or not is_window_key(key)

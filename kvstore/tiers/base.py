@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -42,6 +43,10 @@ class Tier(abc.ABC):
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
+        # Requests asking a remote medium whether it holds keys, by operation (EXISTS,
+        # HEAD, LIST, GET of a chain pointer; "round trip" per Redis pipeline): what a
+        # fleet's prefix lookups cost (kvstore.fleet_prefix), counted, not timed.
+        self.probes: Counter[str] = Counter()
 
     @property
     @abc.abstractmethod
@@ -73,6 +78,12 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def keys(self) -> AsyncIterator[str]:
         """Every key held, in no particular order."""
+
+    async def find_chains(self, chains: Sequence[str]) -> list[str | None] | None:
+        """The block key (``kvstore.keys``) this medium holds for each chain key, None
+        where it holds none; None for a tier that cannot be asked by chain key (only a
+        fleet's shared tiers can: ``kvstore.fleet_prefix``)."""
+        return None
 
     async def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing
         """Release connections and file handles."""

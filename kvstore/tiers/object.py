@@ -20,7 +20,7 @@ import contextlib
 import errno
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import ClassVar, TypeVar
 from urllib.parse import urlsplit
@@ -29,6 +29,7 @@ import zstandard
 from botocore.exceptions import BotoCoreError, ClientError
 
 from kvstore.errors import ChunkCorrupt, ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
+from kvstore.keys import split_block_key
 from kvstore.tiers.base import Buffer, Tier, TierStats
 from kvstore.tiers.common import Availability, as_byte_view, check_key
 from kvstore.tiers.object_media import (
@@ -241,10 +242,35 @@ class ObjectTier(Tier):
         check_key(key)
         await self._ensure_loaded()
         for name in self._candidates(key):
+            self.probes["HEAD"] += 1
             if await self._io("HEAD", self._store.exists, name):
                 return True
             self._account(name, None)
         return False
+
+    async def find_chains(self, chains: Sequence[str]) -> list[str | None] | None:
+        """The chunk stored under each chain key: one LIST of the names that begin with
+        it (a HEAD would need the digest, which is what is asked), all at once. None for
+        a local directory (its names are spread by hash: no listing by prefix)."""
+        if not isinstance(self._store, S3Store):
+            return None
+        await self._ensure_loaded()
+        self.probes["LIST"] += len(chains)
+        listings = await asyncio.gather(*(self._io("LIST", self._store.named, chain + ".", 4)
+                                          for chain in chains))
+        found: list[str | None] = []
+        for listing in listings:
+            key = None
+            for name, size in listing:
+                try:
+                    split_block_key(name[:-len(RAW)])
+                except InvalidRequest:  # not a chunk of ours
+                    continue
+                self._account(name, size)  # as a listing at open would have counted it
+                key = name[:-len(RAW)]
+                break
+            found.append(key)
+        return found
 
     async def keys(self) -> AsyncIterator[str]:
         """Every key in the medium under this tier's root or prefix, whoever wrote it."""

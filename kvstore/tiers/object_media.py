@@ -202,6 +202,14 @@ class S3Store:
     def delete(self, name: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self.prefix + name)
 
+    def named(self, start: str, limit: int) -> list[tuple[str, int]]:
+        """Up to ``limit`` (name, size) of values whose names begin with ``start``: one
+        LIST request."""
+        response = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix + start,
+                                               MaxKeys=limit)
+        return [(item["Key"][len(self.prefix):], item["Size"])
+                for item in response.get("Contents", []) if item["Key"].endswith((RAW, ZSTD))]
+
     def list(self) -> Iterator[tuple[str, int]]:
         paginator = self.client.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix):

@@ -22,6 +22,13 @@ every key it set, dropped when it deletes the key, finds it missing, or its TTL 
 (another replica) is not counted, and its overwrite or delete of one of our keys is seen
 only when we next read that key; an eviction by Redis' own ``maxmemory`` policy likewise.
 ``resync()`` rebuilds the accounting from the medium (every key under the prefix).
+
+With ``chain_index`` (a fleet's shared hot tier) every chunk put also sets a pointer,
+``config.prefix + "chain/" + <chain key>``, to the digest of the bytes under it (the
+last writer's version), with the same TTL, and a delete removes the pointer if it still
+names that digest. ``find_chains`` reads them, so a node can find chunks another node
+wrote knowing only their chain keys (``kvstore.fleet_prefix``). Pointers (about 100 B
+each) are not counted in ``used_bytes`` nor listed by ``keys``.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import heapq
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -43,6 +50,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
 from kvstore.errors import ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
+from kvstore.keys import split_block_key
 from kvstore.tiers.base import Buffer, Tier, TierStats
 from kvstore.tiers.common import Availability, as_byte_view, check_key
 
@@ -66,6 +74,10 @@ _UNAVAILABLE_ERRORS = (
 
 # STRLEN then DEL in one step, so delete reports the bytes the medium really freed.
 _DELETE_SCRIPT = "local n = redis.call('STRLEN', KEYS[1]) redis.call('DEL', KEYS[1]) return n"
+# A chain pointer goes only if it still names the deleted chunk's digest (not a newer one).
+_UNPOINT_SCRIPT = ("if redis.call('GET', KEYS[1]) == ARGV[1] then "
+                   "return redis.call('DEL', KEYS[1]) end return 0")
+CHAIN_PREFIX = "chain/"  # under config.prefix: chain key -> digest hex of a chunk held
 
 
 @dataclass(frozen=True)
@@ -81,6 +93,7 @@ class RedisTierConfig:
     max_connections: int = 32
     default_ttl_s: float | None = None
     scan_batch: int = 1000
+    chain_index: bool = False  # keep chain pointers (a fleet's shared hot tier; above)
 
 
 REDIS_PRESETS = {
@@ -127,6 +140,7 @@ class RedisTier(Tier):
         else:
             self._client = aioredis.Redis.from_url(url, **common)
         self._delete_script = self._client.register_script(_DELETE_SCRIPT)
+        self._unpoint_script = self._client.register_script(_UNPOINT_SCRIPT)
         self._sizes: dict[str, int] = {}
         self._used = 0
         self._reserved = 0  # bytes of puts in flight, so concurrent puts cannot overfill
@@ -211,6 +225,29 @@ class RedisTier(Tier):
     def _redis_key(self, key: str) -> str:
         return self.config.prefix + check_key(key)
 
+    def _pointer(self, key: str) -> tuple[str, str] | None:
+        """(the chain pointer's Redis key, digest hex) for a chunk's block key with
+        ``chain_index``; None otherwise (a window blob, no index)."""
+        if not self.config.chain_index:
+            return None
+        try:
+            chain, digest = split_block_key(key)
+        except InvalidRequest:
+            return None
+        return self.config.prefix + CHAIN_PREFIX + chain, digest.hex()
+
+    async def _both(self, first: Awaitable[T], pointer: Awaitable[object] | None) -> T:
+        """``first`` with a pointer update beside it in flight (one round trip for both);
+        a pointer that fails is dropped: lookups then find the chunk in the bucket."""
+        if pointer is None:
+            return await first
+        result, moved = await asyncio.gather(first, pointer, return_exceptions=True)
+        if isinstance(moved, Exception):
+            log.debug("redis chain pointer update failed: %r", moved)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
     # -- Tier interface --
 
     async def put(self, key: str, value: Buffer, *, ttl_s: float | None = None) -> None:
@@ -227,9 +264,11 @@ class RedisTier(Tier):
         px = None if ttl_s is None else max(1, math.ceil(ttl_s * 1000))
         self._reserved += nbytes
         started = self.clock()
+        pointer = self._pointer(key)
         try:
-            await self._call("SET", lambda: self._client.set(redis_key, view, px=px),
-                             redis_key)
+            await self._call("SET", lambda: self._both(
+                self._client.set(redis_key, view, px=px),
+                pointer and self._client.set(pointer[0], pointer[1], px=px)), redis_key)
         finally:
             self._reserved -= nbytes
         self._account(key, nbytes, ttl_s, started)
@@ -247,13 +286,17 @@ class RedisTier(Tier):
 
     async def delete(self, key: str) -> int:
         redis_key = self._redis_key(key)
-        freed = await self._call("DEL", lambda: self._delete_script(keys=[redis_key]),
-                                 redis_key)
+        pointer = self._pointer(key)
+        freed = await self._call("DEL", lambda: self._both(
+            self._delete_script(keys=[redis_key]),
+            pointer and self._unpoint_script(keys=[pointer[0]], args=[pointer[1]])),
+            redis_key)
         self._forget(key)
         return int(freed)
 
     async def contains(self, key: str) -> bool:
         redis_key = self._redis_key(key)
+        self.probes["EXISTS"] += 1
         present = bool(await self._call("EXISTS", lambda: self._client.exists(redis_key),
                                         redis_key))
         if not present:
@@ -270,7 +313,47 @@ class RedisTier(Tier):
                 redis_key = await self._call("SCAN", iterator.__anext__)
             except StopAsyncIteration:
                 return
-            yield redis_key.decode()[prefix_len:]
+            key = redis_key.decode()[prefix_len:]
+            if not key.startswith(CHAIN_PREFIX):
+                yield key
+
+    async def _pipelined(self, command: str, redis_keys: list[str]) -> list[object]:
+        """``command`` on each key in one pipeline: one round trip (with a cluster, one
+        per master, all at once)."""
+        async def run() -> list[object]:
+            pipe = self._client.pipeline(transaction=False)
+            for redis_key in redis_keys:
+                pipe.execute_command(command, redis_key)
+            return await pipe.execute()
+
+        self.probes[command] += len(redis_keys)
+        self.probes["round trip"] += 1
+        return await self._call(command, run, redis_keys[0])
+
+    async def find_chains(self, chains: Sequence[str]) -> list[str | None]:
+        """The chunk held under each chain key: its pointer's digest (one pipeline of
+        GETs), confirmed by EXISTS of the chunk itself (a second pipeline), so an
+        evicted or expired chunk whose pointer outlived it is not reported."""
+        if not chains:
+            return []
+        digests = await self._pipelined("GET", [self.config.prefix + CHAIN_PREFIX + chain
+                                                for chain in chains])
+        found: list[str | None] = []
+        for chain, digest in zip(chains, digests, strict=True):
+            key = None
+            if isinstance(digest, bytes):
+                try:
+                    key = chain + "." + bytes.fromhex(digest.decode()).hex()
+                    split_block_key(key)
+                except (ValueError, InvalidRequest):  # not a pointer of ours
+                    key = None
+            found.append(key)
+        asked = [key for key in found if key is not None]
+        if not asked:
+            return found
+        present = iter(await self._pipelined("EXISTS", [self.config.prefix + key
+                                                        for key in asked]))
+        return [key if key is not None and next(present) else None for key in found]
 
     async def ttl_s(self, key: str) -> float | None:
         """Time left before ``key`` expires; None when it has no TTL."""

@@ -300,8 +300,9 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         tenant, layout_id, tokens, fingerprint, domain = check.lookup_request(
             request, MAX_TOKENS, self.config.dedupe_domains)
         auth.check_tenant(tenant)
-        found = self.manager.lookup(tenant, layout_id, tokens, model_fingerprint=fingerprint,
-                                    dedupe_domain=domain)
+        found = await self.manager.lookup_fleet(tenant, layout_id, tokens,
+                                                model_fingerprint=fingerprint,
+                                                dedupe_domain=domain)
         chunks = []
         for chunk in found.chunks:
             chain, digest = split_block_key(chunk.block_key)

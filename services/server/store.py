@@ -67,6 +67,9 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
         redis_config = _preset(REDIS_PRESETS, config.redis_preset, "redis_preset")
         if config.redis_prefix != redis_config.prefix:
             redis_config = dataclasses.replace(redis_config, prefix=config.redis_prefix)
+        # a fleet's nodes find each other's chunks by chain key (kvstore.fleet_prefix)
+        redis_config = dataclasses.replace(redis_config,
+                                           chain_index=config.metadata == "shared")
         tiers.append(outside(RedisTier(config.redis_url, config.redis_bytes, redis_config)))
     if config.disk_bytes:
         from kvstore.tiers.disk import DiskTier
