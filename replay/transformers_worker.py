@@ -57,6 +57,9 @@ def load_model(path: str | Path, seed: int = 0):
 
 
 class TransformersReplayWorker:
+    replayer = "transformers-deepseek-v4"
+    max_batch = 1  # one rebuild at a time: a Streams consumer takes one job at once
+
     def __init__(self, model, *, default_tokens: int = DEFAULT_REPLAY_TOKENS,
                  max_tokens: int = MAX_REPLAY_TOKENS) -> None:
         if not is_deepseek_v4(model.config):
@@ -70,17 +73,24 @@ class TransformersReplayWorker:
         self.rebuilds = 0
 
     def layout_for(self, layout: str | LayoutSpec) -> LayoutSpec:
-        """The spec, checked to be one of this model's layouts (a layout id need not be
-        registered in this process: the worker knows its model's)."""
-        layout_id = layout.layout_id if isinstance(layout, LayoutSpec) else layout
-        spec = self.layouts.get(layout_id)
+        """The spec, checked to be one of this model's layouts: one derived from its
+        config, or a spec (a request's layout JSON) of the same streams, chunk size,
+        window and vocabulary under another name. A layout id need not be registered in
+        this process: the worker knows its model's."""
+        if isinstance(layout, LayoutSpec):
+            if layout.layout_id in self.layouts or any(
+                    _same_cache(layout, own) for own in self.layouts.values()):
+                return layout
+            raise LayoutMismatch(f"layout {layout.layout_id} does not describe this worker's "
+                                 f"model (it serves {sorted(self.layouts)})")
+        spec = self.layouts.get(layout)
         if spec is None:
             try:
-                get_layout(layout_id)
+                get_layout(layout)
             except UnknownLayout:
-                raise UnknownLayout(f"layout {layout_id} is not this replay worker's model "
+                raise UnknownLayout(f"layout {layout} is not this replay worker's model "
                                     f"(it serves {sorted(self.layouts)})") from None
-            raise LayoutMismatch(f"layout {layout_id} does not describe this worker's "
+            raise LayoutMismatch(f"layout {layout} does not describe this worker's "
                                  f"model (it serves {sorted(self.layouts)})")
         return spec
 
@@ -120,6 +130,16 @@ class TransformersReplayWorker:
 
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self._compute.shutdown, True)
+
+
+def _same_cache(a: LayoutSpec, b: LayoutSpec) -> bool:
+    """Whether ``a`` lays out the cache ``b`` describes: the replay decodes, rebuilds and
+    encodes by these fields alone (the names, baseline and notes shape none of it)."""
+    def cache(spec: LayoutSpec) -> tuple:
+        return (spec.streams, spec.chunk_tokens, spec.window_tokens, spec.vocab_size,
+                spec.layer_modes)
+
+    return cache(a) == cache(b)
 
 
 class TransformersReplayService:

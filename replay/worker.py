@@ -73,6 +73,8 @@ class _Job:
 
 
 class ReplayWorker:
+    replayer = "bundled"  # kvstore.layout.REPLAYERS: the layouts it rebuilds
+
     def __init__(self, model: KVTierLM, *, default_tokens: int = DEFAULT_REPLAY_TOKENS,
                  max_tokens: int = MAX_REPLAY_TOKENS,
                  max_batch: int = DEFAULT_MAX_BATCH) -> None:

@@ -1,21 +1,24 @@
 """The replay worker over gRPC on loopback: ``services.replay.remote`` calls it, errors keep their
-class, a dead worker is skipped, and a kvtier server configured with the worker resumes a
+class, a dead worker is skipped, a layout the worker never registered replays from the
+JSON the request carries, and a kvtier server configured with the worker resumes a
 session whose window was dropped through it."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.errors import InvalidRequest, LayoutMismatch, TierUnavailable
+from kvstore.errors import InvalidRequest, LayoutMismatch, TierUnavailable, UnknownLayout
+from kvstore.layout import BaselineKV, get_layout, layout_to_json
 from kvtier.client import AsyncClient
 from model.infer import replay
 from replay.state_codec import encode_window, state_from_chunks, state_to_chunks
 from replay.worker import ReplayWorker
-from services.replay.remote import RemoteReplay
+from services.replay.remote import RemoteReplay, replay_request
 from services.replay.server import create_server
 from tests.conftest import free_port
 from tests.replay_support import TINY_SPEC, tiny_model, tiny_session
@@ -86,6 +89,42 @@ async def test_server_resume_replays_a_dropped_window_on_the_worker(model, tmp_p
             assert ready.window_len == expected.window_len
     finally:
         await replay_server.stop(0)
+        await worker.close()
+
+
+async def test_a_layout_only_the_server_registered_replays_from_its_json(model):
+    # An engine's own name and baseline for the tiny model's cache: a new id, the same
+    # bytes. This process never registers it, as a worker elsewhere would not have.
+    spec = replace(TINY_SPEC, name="engine-tiny", baseline=BaselineKV(2, 2, 16))
+    with pytest.raises(UnknownLayout):
+        get_layout(spec.layout_id)
+    state, _, _ = tiny_session(model, 45)
+    encoded, tail, _ = state_to_chunks(spec, state)
+    chunks = [c for _, c in encoded]
+    worker = ReplayWorker(model, default_tokens=16)
+    server, port = await create_server("127.0.0.1:0", worker)
+    backend = RemoteReplay([f"127.0.0.1:{port}"], timeout_s=10)
+    try:
+        result = await backend.rebuild(spec, state.token_ids, chunks, tail)  # JSON sent
+        assert result.window == encode_window(spec, replay(model, state.without_window(), 16))
+        with pytest.raises(UnknownLayout):  # by id alone the worker cannot know it
+            await backend.rebuild(spec.layout_id, state.token_ids, chunks, tail)
+        forged = replay_request(spec, state.token_ids, chunks, tail, None)
+        forged.layout_id = TINY_SPEC.layout_id
+        with pytest.raises(InvalidRequest, match="layout_json is layout engine-tiny@"):
+            await backend.send(forged)
+        huge = replay_request(spec, state.token_ids, chunks, tail, None)
+        huge.layout_json = layout_to_json(replace(spec, chunk_tokens=1 << 20))
+        huge.layout_id = ""
+        with pytest.raises(InvalidRequest, match="chunk_tokens"):  # RegisterLayout's bounds
+            await backend.send(huge)
+        # a layout this model cannot rebuild: LayoutMismatch, which a kvtier server
+        # answers as ReplayUnavailable (FAILED_PRECONDITION)
+        with pytest.raises(LayoutMismatch):
+            await backend.rebuild(replace(spec, chunk_tokens=32), state.token_ids, chunks, tail)
+    finally:
+        await backend.close()
+        await server.stop(0)
         await worker.close()
 
 

@@ -1,7 +1,8 @@
 """Replay jobs through Redis Streams (real redis-server): a job goes to one worker of the
-group and its reply comes back; a bad job is answered with its error; a job taken by a
-worker process that is then killed is retried by another worker after the idle timeout;
-a job delivered too many times is answered with an error instead of tried again."""
+group and its reply comes back; a job carries its layout's JSON, on the stream of its
+layout's replayer; a bad job is answered with its error; a job taken by a worker process
+that is then killed is retried by another worker after the idle timeout; a job delivered
+too many times is answered with an error instead of tried again."""
 
 from __future__ import annotations
 
@@ -12,15 +13,17 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import redis
 
 from kvstore.errors import InvalidRequest, TierUnavailable
+from kvstore.layout import BaselineKV
 from model.checkpoint import save
 from model.infer import replay
-from replay.state_codec import encode_window
+from replay.state_codec import encode_window, state_to_chunks
 from replay.worker import ReplayWorker
 from services.replay.streams import StreamConsumer, StreamNames, StreamReplay
 from tests.replay_support import TINY_SPEC, tiny_model, tiny_session
@@ -75,6 +78,39 @@ async def test_jobs_are_served_by_the_group_and_answered(model, redis_server):
     with pytest.raises(TierUnavailable, match="no replay worker answered"):
         await lonely.rebuild(TINY_SPEC.layout_id, state.token_ids, chunks, tail)
     await lonely.close()
+
+
+async def test_a_job_carries_its_layout_to_the_stream_of_its_replayer(model, redis_server):
+    # a layout this process never registered (as a worker elsewhere would not have)
+    spec = replace(TINY_SPEC, name="engine-tiny-s", baseline=BaselineKV(2, 2, 16))
+    state, _, _ = tiny_session(model, 45)
+    encoded, tail, _ = state_to_chunks(spec, state)
+    chunks = [c for _, c in encoded]
+    names = StreamNames(stream="l:jobs", group="l-group", reply_prefix="l:reply:")
+    worker = ReplayWorker(model, default_tokens=12)
+    backend = StreamReplay(redis_server, names=names, timeout_s=10)
+    impatient = StreamReplay(redis_server, names=names, timeout_s=1)
+    inspect = redis.Redis.from_url(redis_server)
+    try:
+        async with consuming(redis_server, worker, "a", names) as a:
+            result = await backend.rebuild(spec, state.token_ids, chunks, tail)
+            assert result.window == encode_window(spec, replay(model, state.without_window(),
+                                                               12))
+            # a transformers layout's job waits on that replayer's own stream, which a
+            # bundled worker never reads
+            with pytest.raises(TierUnavailable, match="no replay worker answered"):
+                await impatient.rebuild(replace(spec, replayer="transformers-deepseek-v4"),
+                                        state.token_ids, chunks, tail)
+            assert await answered(a) == 1
+        assert inspect.xlen("l:jobs:transformers-deepseek-v4") == 1
+        assert inspect.xlen("l:jobs") == 0
+        # what `kvtier replay-worker --hf-model --redis-url ...` reads by default
+        assert StreamNames.with_overrides(replayer="transformers-deepseek-v4").stream == \
+            "kvtier:replay:jobs:transformers-deepseek-v4"
+    finally:
+        await backend.close()
+        await impatient.close()
+        await worker.close()
 
 
 async def test_queued_jobs_are_taken_as_a_batch(model, redis_server):

@@ -8,9 +8,12 @@
   group that any number of workers serve (``replay_redis_url``, default ``redis_url``);
 - ``off``: none.
 
-With ``replay_hf_model`` set, layouts whose replayer is ``transformers-deepseek-v4`` go to
+Layouts whose replayer is ``transformers-deepseek-v4`` go, through a ``ReplayRouter``, to
 ``replay.transformers_worker.TransformersReplayService`` (that model in the server's
-process) instead, through a ``ReplayRouter``; the others to the backend above.
+process) with ``replay_hf_model`` set, or to the ``kvtier replay-worker --hf-model``
+processes of ``replay_hf_workers`` (a ``RemoteReplay`` of their own); the others to the
+backend above. With ``streams`` and neither, ``StreamReplay`` sends each job to the stream
+of its layout's replayer, which only workers of that model read.
 
 Every backend has the same call, ``await backend.rebuild(spec, token_ids, chunks, tail,
 replay_tokens) -> replay.ReplayResult`` (the encoded window, tokens replayed, seconds),
@@ -61,15 +64,10 @@ class ReplayRouter:
 def make_replay_backend(config: ServerConfig) -> tuple[ReplayBackend | None, str]:
     """(backend, "") or (None, why there is none) for the configured replay mode."""
     backend, why = _bundled_backend(config)
-    if not config.replay_hf_model or config.replay_mode == "off":
+    if config.replay_mode == "off":
         return backend, why
-    try:
-        from replay.transformers_worker import TransformersReplayService
-
-        hf = TransformersReplayService(config.replay_hf_model, seed=config.replay_hf_seed,
-                                       default_tokens=config.replay_tokens)
-    except (ImportError, KVTierError) as exc:
-        log.warning("no transformers replay backend: %s", exc)
+    hf = _transformers_backend(config)
+    if hf is None:
         return backend, why
     routes = {"transformers-deepseek-v4": hf}
     if backend is not None:
@@ -77,16 +75,37 @@ def make_replay_backend(config: ServerConfig) -> tuple[ReplayBackend | None, str
     return ReplayRouter(routes), ""
 
 
+def _transformers_backend(config: ServerConfig) -> ReplayBackend | None:
+    try:
+        if config.replay_hf_workers:
+            return _remote(config, config.replay_hf_workers)
+        if not config.replay_hf_model:
+            return None
+        from replay.transformers_worker import TransformersReplayService
+
+        return TransformersReplayService(config.replay_hf_model, seed=config.replay_hf_seed,
+                                         default_tokens=config.replay_tokens)
+    except (ImportError, KVTierError) as exc:
+        log.warning("no transformers replay backend: %s", exc)
+        return None
+
+
+def _remote(config: ServerConfig, addresses: Sequence[str]) -> ReplayBackend:
+    from services.replay.remote import RemoteReplay, credentials_from
+
+    return RemoteReplay(addresses, max_message_bytes=config.max_message_bytes,
+                        credentials=credentials_from(config))
+
+
 def _bundled_backend(config: ServerConfig) -> tuple[ReplayBackend | None, str]:
     mode = config.replay_mode
     if mode == "off":
         return None, "replay is off in this server's config"
+    if mode == "remote" and not config.replay_workers:
+        return None, "no replay_workers run the bundled model"
     try:
         if mode == "remote":
-            from services.replay.remote import RemoteReplay, credentials_from
-
-            return RemoteReplay(config.replay_workers, max_message_bytes=config.max_message_bytes,
-                                credentials=credentials_from(config)), ""
+            return _remote(config, config.replay_workers), ""
         if mode == "streams":
             from services.replay.streams import StreamReplay
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 
 from kvstore.errors import InvalidRequest, TierUnavailable
-from kvstore.layout import LayoutSpec
+from kvstore.layout import LayoutSpec, layout_to_json
 from kvtier.channel import Credentials, open_channel
 from kvtier.errors import error_from_rpc
 from proto import kvtier_pb2 as pb
@@ -39,12 +39,16 @@ RETRY_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 def replay_request(layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer],
                    tail: Buffer, replay_tokens: int | None) -> pb.ReplayRequest:
+    """The request for ``layout`` (an id, or a spec: then its canonical JSON travels with
+    it, so a worker needs no registry of its own)."""
     layout_id = layout.layout_id if isinstance(layout, LayoutSpec) else layout
+    layout_json = layout_to_json(layout) if isinstance(layout, LayoutSpec) else ""
     if replay_tokens is not None and not 0 <= replay_tokens < 1 << 32:
         raise InvalidRequest(f"replay_tokens must be a non-negative integer, got {replay_tokens}")
     return pb.ReplayRequest(layout_id=layout_id, token_ids=as_token_array(token_ids).tobytes(),
                             chunks=[bytes(c) for c in chunks], tail=bytes(tail),
-                            replay_tokens=replay_tokens or 0, job_id=uuid.uuid4().hex)
+                            replay_tokens=replay_tokens or 0, job_id=uuid.uuid4().hex,
+                            layout_json=layout_json)
 
 
 def credentials_from(config: ServerConfig) -> Credentials:

@@ -6,6 +6,11 @@
 
 With ``--redis-url`` the same process also takes jobs from a Redis Streams consumer
 group (``services.replay.streams``), so several workers share the resumes of several servers.
+It serves the bundled model (``--weights``), or with ``--hf-model`` the transformers
+DeepseekV4 replayer (layouts whose replayer is ``transformers-deepseek-v4``), on the same
+protocol; a request's ``layout_json`` gives the layout, so one registered only on the
+kvtier server replays here too (the model still refuses a layout it cannot rebuild:
+``LayoutMismatch``, which the server answers as ``ReplayUnavailable``).
 Errors travel as gRPC statuses with the ``kvtier-error`` trailing metadata naming the
 ``kvstore.errors`` class (``kvtier.errors.grpc_errors``, as in the kvtier server), and
 bytes that are not a ``ReplayRequest`` are INVALID_ARGUMENT (``kvtier.errors.add_servicer``).
@@ -25,19 +30,22 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore.errors import InvalidRequest, KVTierError
+from kvstore.errors import InvalidRequest, KVTierError, shown
+from kvstore.layout import LayoutSpec
 from kvtier.errors import add_servicer, grpc_errors
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
-from replay.worker import DEFAULT_MAX_BATCH, DEFAULT_REPLAY_TOKENS, ReplayWorker
+from replay.worker import DEFAULT_MAX_BATCH, DEFAULT_REPLAY_TOKENS, ReplayResult, ReplayWorker
 from services.cli.lifecycle import refuse_if_taken, stop_on_signals
 from services.server.audit import AuditLog
 from services.server.auth import Authenticator, AuthInterceptor
+from services.server.layouts import parse_layout
 from services.server.tls import INSECURE_FLAG, exposure_problem, server_credentials
 
 log = logging.getLogger(__name__)
@@ -46,24 +54,49 @@ DEFAULT_LISTEN = "127.0.0.1:50052"
 MAX_MESSAGE_BYTES = 64 << 20
 
 
-def decode_request(request: pb.ReplayRequest) -> tuple[np.ndarray, list[bytes]]:
-    """The request's token ids ((n,) uint32) and chunks, checked for shape only."""
+class Worker(Protocol):
+    """What this server serves: ``replay.worker.ReplayWorker`` (the bundled model) or
+    ``replay.transformers_worker.TransformersReplayWorker`` (``--hf-model``)."""
+
+    max_batch: int  # jobs a Streams consumer takes at once
+    replayer: str  # kvstore.layout.REPLAYERS: the layouts it rebuilds
+
+    async def rebuild(self, layout: str | LayoutSpec, token_ids, chunks, tail,
+                      replay_tokens: int | None = None) -> ReplayResult: ...
+
+    async def close(self) -> None: ...
+
+
+def decode_request(request: pb.ReplayRequest, max_message_bytes: int = MAX_MESSAGE_BYTES
+                   ) -> tuple[str | LayoutSpec, np.ndarray, list[bytes]]:
+    """The request's layout, token ids ((n,) uint32) and chunks, checked for shape only.
+    The layout is the spec its ``layout_json`` spells (bounded as RegisterLayout bounds
+    it, and it must be ``layout_id``'s), so a layout registered only on the server
+    replays here; without one, the id for the worker to resolve."""
     if len(request.token_ids) % 4:
         raise InvalidRequest(f"token_ids must be little-endian uint32 values; got "
                              f"{len(request.token_ids)} bytes")
-    return np.frombuffer(request.token_ids, dtype="<u4"), list(request.chunks)
+    layout: str | LayoutSpec = request.layout_id
+    if request.layout_json:
+        layout = parse_layout(request.layout_json, max_message_bytes)
+        if request.layout_id and layout.layout_id != request.layout_id:
+            raise InvalidRequest(f"layout_json is layout {layout.layout_id}, not "
+                                 f"{shown(request.layout_id)}")
+    return layout, np.frombuffer(request.token_ids, dtype="<u4"), list(request.chunks)
 
 
 class ReplayServicer(pb_grpc.ReplayServicer):
-    def __init__(self, worker: ReplayWorker, name: str) -> None:
+    def __init__(self, worker: Worker, name: str,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.worker = worker
         self.name = name
+        self.max_message_bytes = max_message_bytes
 
     @grpc_errors  # every failure becomes a status; the worker stays up
     async def Rebuild(self, request: pb.ReplayRequest, context: grpc.aio.ServicerContext
                       ) -> pb.ReplayReply:
-        tokens, chunks = decode_request(request)
-        result = await self.worker.rebuild(request.layout_id, tokens, chunks,
+        layout, tokens, chunks = decode_request(request, self.max_message_bytes)
+        result = await self.worker.rebuild(layout, tokens, chunks,
                                            request.tail, request.replay_tokens or None)
         log.debug("job %s: %d tokens replayed in %.3fs", request.job_id,
                   result.replayed_tokens, result.seconds)
@@ -72,7 +105,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
                               batch_size=result.batch_size)
 
 
-async def create_server(addr: str, worker: ReplayWorker, *, name: str | None = None,
+async def create_server(addr: str, worker: Worker, *, name: str | None = None,
                         max_message_bytes: int = MAX_MESSAGE_BYTES,
                         credentials: grpc.ServerCredentials | None = None,
                         interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
@@ -91,7 +124,8 @@ async def create_server(addr: str, worker: ReplayWorker, *, name: str | None = N
         raise InvalidRequest(f"cannot listen on {addr}")
     host = addr.rpartition(":")[0]
     name = name or f"{socket.gethostname() if host in ('0.0.0.0', '[::]') else host}:{port}"
-    add_servicer(pb_grpc.add_ReplayServicer_to_server, ReplayServicer(worker, name), server)
+    add_servicer(pb_grpc.add_ReplayServicer_to_server,
+                 ReplayServicer(worker, name, max_message_bytes), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await server.start()
@@ -106,13 +140,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "port 0 picks a free one)")
     parser.add_argument("--weights", type=Path, default=None,
                         help="model weights (default: the bundled model)")
+    parser.add_argument("--hf-model", default="",
+                        help="serve the transformers DeepseekV4 replayer instead of the "
+                        "bundled model: a save_pretrained directory, or a config JSON "
+                        "whose weights are drawn at random from --hf-seed")
+    parser.add_argument("--hf-seed", type=int, default=0,
+                        help="seed of --hf-model's random weights (a config JSON)")
     parser.add_argument("--replay-tokens", type=int, default=DEFAULT_REPLAY_TOKENS,
                         help="R when a request names none")
     parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                         help="concurrent replays per model call")
     parser.add_argument("--redis-url", default=os.environ.get("KVTIER_REPLAY_REDIS_URL", ""),
                         help="also take jobs from this Redis (Streams consumer group)")
-    parser.add_argument("--stream", default=None, help="job stream key (Redis mode)")
+    parser.add_argument("--stream", default=None,
+                        help="job stream key (Redis mode; default kvtier:replay:jobs, with "
+                        "--hf-model kvtier:replay:jobs:transformers-deepseek-v4)")
     parser.add_argument("--group", default=None, help="consumer group (Redis mode)")
     parser.add_argument("--consumer", default=None,
                         help="consumer name, unique per worker (default host:pid)")
@@ -152,9 +194,6 @@ def security(args: argparse.Namespace) -> tuple[grpc.ServerCredentials | None,
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from model.checkpoint import BUNDLED_WEIGHTS, load
-
-    weights = args.weights or BUNDLED_WEIGHTS
     problem = exposure_problem(args.listen, bool(args.tls_cert),
                                bool(args.auth_tokens_file or args.auth_jwt_key))
     if problem and not args.insecure:
@@ -163,9 +202,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         guards = security(args)
         refuse_if_taken(args.listen)  # before the model loads, and without gRPC's log line
-        model = load(weights)
-        worker = ReplayWorker(model, default_tokens=args.replay_tokens,
-                              max_batch=args.max_batch)
+        worker = load_worker(args)
     except (FileNotFoundError, ValueError, KVTierError) as exc:
         print(f"kvtier replay-worker: {exc}", file=sys.stderr)
         return 2
@@ -177,7 +214,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(args: argparse.Namespace, worker: ReplayWorker,
+def load_worker(args: argparse.Namespace) -> Worker:
+    """The bundled model's worker, or with ``--hf-model`` the transformers one."""
+    if not args.hf_model:
+        from model.checkpoint import BUNDLED_WEIGHTS, load
+
+        return ReplayWorker(load(args.weights or BUNDLED_WEIGHTS),
+                            default_tokens=args.replay_tokens, max_batch=args.max_batch)
+    if args.weights:
+        raise InvalidRequest("--weights are the bundled model's; --hf-model serves a "
+                             "transformers model instead: give one of them")
+    try:
+        from replay.transformers_worker import TransformersReplayWorker, load_model
+    except ImportError as exc:
+        raise InvalidRequest(f"--hf-model needs transformers (pip install "
+                             f"'kvtier[transformers]'): {exc}") from exc
+    return TransformersReplayWorker(load_model(args.hf_model, args.hf_seed),
+                                    default_tokens=args.replay_tokens)
+
+
+async def _serve(args: argparse.Namespace, worker: Worker,
                  guards: tuple[grpc.ServerCredentials | None,
                                tuple[grpc.aio.ServerInterceptor, ...]]) -> None:
     credentials, interceptors = guards
@@ -187,7 +243,8 @@ async def _serve(args: argparse.Namespace, worker: ReplayWorker,
     if args.redis_url:
         from services.replay.streams import StreamConsumer, StreamNames
 
-        names = StreamNames.with_overrides(stream=args.stream, group=args.group)
+        names = StreamNames.with_overrides(stream=args.stream, group=args.group,
+                                           replayer=worker.replayer)
         consumer = StreamConsumer(args.redis_url, worker, names=names,
                                   consumer=args.consumer or f"{socket.gethostname()}:"
                                   f"{os.getpid()}", claim_idle_ms=args.claim_idle_ms)

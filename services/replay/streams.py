@@ -9,13 +9,14 @@ Worker side (``kvtier replay-worker --redis-url ...`` runs one)::
 
     await StreamConsumer(url, worker, consumer="gpu-3").run()
 
-A job is one stream entry (XADD): the ``ReplayRequest`` protobuf and the key of its reply
-list. Workers of one group take entries with XREADGROUP, so each job goes to one worker;
-the worker pushes the reply (LPUSH, with a TTL), then XACKs and deletes the entry. A job
-its worker never acknowledged (the worker died) is taken over by another worker with
-XAUTOCLAIM once it has been idle ``claim_idle_ms``; after ``max_deliveries`` the job is
-answered with an error instead of being tried again. The client waits on its reply list
-with BLPOP.
+A job is one stream entry (XADD): the ``ReplayRequest`` protobuf (with the layout's JSON)
+and the key of its reply list, on the stream of its layout's replayer
+(``StreamNames.for_replayer``). Workers of one group take entries with XREADGROUP, so
+each job goes to one worker; the worker pushes the reply (LPUSH, with a TTL), then XACKs
+and deletes the entry. A job its worker never acknowledged (the worker died) is taken over
+by another worker with XAUTOCLAIM once it has been idle ``claim_idle_ms``; after
+``max_deliveries`` the job is answered with an error instead of being tried again. The
+client waits on its reply list with BLPOP.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ from kvstore.errors import (
 from kvstore.layout import LayoutSpec
 from proto import kvtier_pb2 as pb
 from replay.state_codec import Buffer
-from replay.worker import ReplayResult, ReplayWorker
+from replay.worker import ReplayResult
 from services.replay.remote import replay_request
-from services.replay.server import decode_request
+from services.replay.server import Worker, decode_request
 
 log = logging.getLogger(__name__)
 REPLY_OK, REPLY_ERROR = b"\x00", b"\x01"  # first byte of a reply list item
@@ -61,8 +62,15 @@ class StreamNames:
     reply_prefix: str = "kvtier:replay:reply:"
 
     @classmethod
-    def with_overrides(cls, **names: str | None) -> StreamNames:
-        return replace(cls(), **{k: v for k, v in names.items() if v})
+    def with_overrides(cls, *, replayer: str = "bundled", **names: str | None) -> StreamNames:
+        return replace(cls().for_replayer(replayer), **{k: v for k, v in names.items() if v})
+
+    def for_replayer(self, replayer: str) -> StreamNames:
+        """Where jobs of layouts of ``replayer`` go: the bundled model's on ``stream``,
+        any other replayer's on ``stream:<replayer>``, so each job reaches a worker that
+        runs its model (``kvtier replay-worker --hf-model`` reads
+        ``kvtier:replay:jobs:transformers-deepseek-v4``)."""
+        return self if replayer == "bundled" else replace(self, stream=f"{self.stream}:{replayer}")
 
 
 def connect(url: str) -> aioredis.Redis:
@@ -82,9 +90,11 @@ class StreamReplay:
                       tail: Buffer, replay_tokens: int | None = None) -> ReplayResult:
         request = replay_request(layout, token_ids, chunks, tail, replay_tokens)
         reply_key = self.names.reply_prefix + request.job_id
+        stream = (self.names.for_replayer(layout.replayer).stream
+                  if isinstance(layout, LayoutSpec) else self.names.stream)
         started = time.perf_counter()
         try:
-            await self.redis.xadd(self.names.stream, {
+            await self.redis.xadd(stream, {
                 "request": request.SerializeToString(), "reply_to": reply_key})
             # BLPOP takes whole seconds; the server side timeout is the socket's
             answer = await self.redis.blpop([reply_key], timeout=max(1, round(self.timeout_s)))
@@ -121,7 +131,7 @@ def error_reply(exc: KVTierError) -> bytes:
 class StreamConsumer:
     """One worker's share of the job stream: claim abandoned jobs, else read new ones."""
 
-    def __init__(self, redis_url: str, worker: ReplayWorker, *, consumer: str,
+    def __init__(self, redis_url: str, worker: Worker, *, consumer: str,
                  names: StreamNames = StreamNames(), claim_idle_ms: int | None = None,
                  block_ms: int = 5000, max_deliveries: int = 3,
                  reply_ttl_s: int = 300) -> None:
@@ -194,8 +204,8 @@ class StreamConsumer:
     async def _handle(self, entry_id, fields: dict) -> None:
         try:
             request = pb.ReplayRequest.FromString(fields[b"request"])
-            tokens, chunks = decode_request(request)
-            result = await self.worker.rebuild(request.layout_id, tokens, chunks,
+            layout, tokens, chunks = decode_request(request)
+            result = await self.worker.rebuild(layout, tokens, chunks,
                                                request.tail, request.replay_tokens or None)
             reply = REPLY_OK + pb.ReplayReply(
                 window=result.window, replayed_tokens=result.replayed_tokens,

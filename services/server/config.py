@@ -102,6 +102,9 @@ class ServerConfig:
     # weights are drawn at random from replay_hf_seed (replay.transformers_worker).
     replay_hf_model: str = ""
     replay_hf_seed: int = 0
+    # ... or on `kvtier replay-worker --hf-model` processes instead (host:port, taken in
+    # turn as replay_workers are, reached with the replay_tls_* settings).
+    replay_hf_workers: tuple[str, ...] = ()
     prefetch_timeout_s: float = 30.0  # when a Prefetch request says 0
     max_message_bytes: int = 64 * MiB  # one gRPC message, either direction
     max_spill_bytes: int = 4 * GiB  # one Spill stream, all payloads together
@@ -160,7 +163,9 @@ class ServerConfig:
     # The layouts' replayers (kvstore.layout.REPLAYERS) the replay backend runs: a Resume
     # that needs a replay of a layout whose replayer is not here answers
     # ReplayUnavailable. Empty: "bundled" (the in-process model, and what the bundled
-    # `kvtier replay-worker` runs); with replay off, none.
+    # `kvtier replay-worker` runs), and "transformers-deepseek-v4" with replay_hf_model or
+    # replay_hf_workers; with replay off, none. With replay = "streams", list
+    # "transformers-deepseek-v4" here when `--hf-model` workers read its stream.
     replayers: tuple[str, ...] = ()
     # Layouts at run time (services.server.layouts): who may call RegisterLayout (admin,
     # any, none; auto: admin when the server authenticates, else any), and layouts served
@@ -192,8 +197,12 @@ class ServerConfig:
                                  f"got {self.eviction!r}")
         if self.replay not in REPLAY_MODES:
             raise InvalidRequest(f"replay must be one of {REPLAY_MODES}, got {self.replay!r}")
-        if self.replay == "remote" and not self.replay_workers:
-            raise InvalidRequest("replay = 'remote' needs at least one replay_workers address")
+        if self.replay == "remote" and not (self.replay_workers or self.replay_hf_workers):
+            raise InvalidRequest("replay = 'remote' needs at least one replay_workers (or "
+                                 "replay_hf_workers) address")
+        if self.replay_hf_model and self.replay_hf_workers:
+            raise InvalidRequest("replay_hf_model (in this process) and replay_hf_workers "
+                                 "(remote workers) both replay transformers layouts: set one")
         if self.replay == "streams" and not (self.replay_redis_url or self.redis_url):
             raise InvalidRequest("replay = 'streams' needs replay_redis_url or redis_url")
         if self.s3_bucket and "/" in self.s3_bucket:
@@ -237,6 +246,7 @@ class ServerConfig:
         _check_layout_settings(self)
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         object.__setattr__(self, "replay_workers", tuple(self.replay_workers))
+        object.__setattr__(self, "replay_hf_workers", tuple(self.replay_hf_workers))
         object.__setattr__(self, "replayers", tuple(self.replayers))
         object.__setattr__(self, "layouts", tuple(self.layouts))
 
@@ -253,7 +263,8 @@ class ServerConfig:
         """The replayers whose layouts this server's Resume can rebuild a window for."""
         if self.replay_mode == "off":
             return frozenset()
-        default = ("bundled",) + (("transformers-deepseek-v4",) if self.replay_hf_model else ())
+        hf = self.replay_hf_model or self.replay_hf_workers
+        default = ("bundled",) + (("transformers-deepseek-v4",) if hf else ())
         return frozenset(self.replayers or default)
 
     @property
@@ -310,6 +321,7 @@ class ServerConfig:
         out["data_dir"] = str(self.data_dir)
         out["dedupe_domains"] = {k: list(v) for k, v in self.dedupe_domains.items()}
         out["replay_workers"] = list(self.replay_workers)
+        out["replay_hf_workers"] = list(self.replay_hf_workers)
         if self.encryption_key:
             out["encryption_key"] = "<secret>"
         if self.auth_jwt_key and not Path(self.auth_jwt_key).is_file():

@@ -94,6 +94,16 @@ def check_bounds(spec: LayoutSpec, max_message_bytes: int) -> None:
                              "a message can carry: fewer chunk_tokens, or smaller entries")
 
 
+def parse_layout(text: str, max_message_bytes: int) -> LayoutSpec:
+    """A layout sent by a client or a peer (RegisterLayout, a replay request, the fleet's
+    bucket): at most MAX_JSON_BYTES of JSON, inside ``check_bounds``."""
+    if len(text.encode()) > MAX_JSON_BYTES:
+        raise InvalidRequest(f"layout_json is over {MAX_JSON_BYTES} bytes")
+    spec = layout_from_json(text)
+    check_bounds(spec, max_message_bytes)
+    return spec
+
+
 def _specs_in(text: str, where: str) -> list[LayoutSpec]:
     """One layout object or a JSON list of them."""
     try:
@@ -164,10 +174,7 @@ class ServerLayouts:
 
     async def register(self, text: str) -> tuple[LayoutSpec, bool]:
         """(the layout, whether it was new) for a RegisterLayout's JSON."""
-        if len(text.encode()) > MAX_JSON_BYTES:
-            raise InvalidRequest(f"layout_json is over {MAX_JSON_BYTES} bytes")
-        spec = layout_from_json(text)
-        check_bounds(spec, self.max_message_bytes)
+        spec = parse_layout(text, self.max_message_bytes)
         async with self._lock:
             known = {s.name: s for s in all_layouts()}.get(spec.name)
             if known is not None:
