@@ -267,35 +267,49 @@ class AsyncClient:
         request.reply_lease = offered.lease_id if offered is not None else ""
         used = [offered] if offered is not None else []  # every segment this call touched
         started = time.monotonic()
+        decoding: list[asyncio.Future] = []
+
+        async def persistent(header: pb.SessionHeader, chunks, tail) -> None:
+            # Every byte checked against what its spiller stated, whatever tier it came
+            # from; then decoded while the rest (a replayed window) is still to come.
+            cc.check_digests(chunks, header.chunk_digests, tail, header.tail_digest)
+            if decode:
+                spec = await self.layout(header.layout_id)
+                tokens = cc.as_tokens(np.frombuffer(header.token_ids, dtype="<u4"))
+                decoding.append(asyncio.ensure_future(asyncio.to_thread(
+                    cc.decode_persistent, spec, tokens, chunks, tail)))
+
         try:
             header, chunks, tail, window, summary, segment = await self._collect(
-                method(request, timeout=self.timeout_s), used)
+                method(request, timeout=self.timeout_s), used, persistent)
         except Exception:  # the server may still be writing into them: never reuse them
             await self._segments.release(used)
+            await asyncio.gather(*decoding, return_exceptions=True)
             raise
         except BaseException:  # cancelled: no call to release them, the server reaps them
             for held in used:
                 held.close()
+            for future in decoding:
+                future.cancel()
             raise
         for held in used:
             if held is not segment:  # replaced: the server released it
                 held.close()
         if segment is not None:  # copied out: it may serve the next call
             await self._segments.keep(segment, started)
-        # Every byte checked against what its spiller stated, whatever tier it came from.
-        if header is not None:
-            cc.check_digests(chunks, header.chunk_digests, tail, header.tail_digest)
         spec = await self.layout(header.layout_id)
         if not decode:
-            return self._decode(spec, header, chunks, tail, window, summary, False)
+            return self._decode(spec, header, chunks, tail, window, summary, None)
         return await asyncio.to_thread(self._decode, spec, header, chunks, tail, window,
-                                       summary, True)
+                                       summary, await decoding[0])
 
-    async def _collect(self, call, used: list[shm.Segment]) -> tuple:
+    async def _collect(self, call, used: list[shm.Segment], persistent) -> tuple:
         """The reply stream's parts, payloads copied out of shared memory; the segment the
-        header named (mapped, and added to ``used``, unless it is the offered one)."""
+        header named (mapped, and added to ``used``, unless it is the offered one).
+        ``persistent(header, chunks, tail)`` is awaited once, as soon as every chunk and
+        the tail have come (before the window, which a Resume may still be replaying)."""
         header, chunks, tail, window, summary = None, [], b"", None, pb.ResumeSummary()
-        segment = None
+        segment, done = None, False
         try:
             async for reply in call:
                 kind = reply.WhichOneof("item")
@@ -322,10 +336,18 @@ class AsyncClient:
                         tail = data
                     else:
                         window = data
+                    if (not done and header is not None and kind != "window"
+                            and len(chunks) == len(header.chunk_keys)
+                            and (kind == "tail" or not header.tail_digest)):
+                        chunks, tail = _copied_out(segment, chunks, tail)
+                        await persistent(header, chunks, tail)
+                        done = True
+            if not done and header is not None:  # none came, or not all
+                chunks, tail = _copied_out(segment, chunks, tail)
+                await persistent(header, chunks, tail)
         except BaseException:
             call.cancel()
             raise
-        chunks, tail = _copied_out(segment, chunks, tail)
         return header, chunks, tail, window, summary, segment
 
     async def _reply_segment(self, lease: pb.SharedMemoryLease, used: list[shm.Segment]
@@ -338,12 +360,13 @@ class AsyncClient:
 
     @staticmethod
     def _decode(spec: LayoutSpec, header: pb.SessionHeader, chunks, tail, window, summary,
-                decode: bool) -> RestoredSession:
+                persistent: dict | None) -> RestoredSession:
+        """The session; ``persistent``: its decoded persistent streams, None (no decode)."""
         tokens = cc.as_tokens(np.frombuffer(header.token_ids, dtype="<u4"))
         streams, start = None, 0
         if window is not None:
             start = cc.window_start(window)
-            if decode:
+            if persistent is not None:
                 streams, start = cc.decode_window(spec, tokens, window)
         return RestoredSession(
             layout=spec, generation=header.generation, token_ids=tokens,
@@ -351,7 +374,7 @@ class AsyncClient:
             chunk_keys=[block_key(k, d) for k, d in zip(header.chunk_keys, header.chunk_digests,
                                                          strict=True)],
             chunks=chunks, tail=tail, window_blob=window,
-            persistent=cc.decode_persistent(spec, tokens, chunks, tail) if decode else {},
+            persistent={} if persistent is None else persistent,
             window=streams, window_start=start, window_tier=header.window_tier,
             replay_needed=window is None and bool(spec.ephemeral_streams),
             replayed=summary.replayed, replay_tokens=summary.replay_tokens, tier=summary.tier,

@@ -157,11 +157,12 @@ async def test_a_tenant_not_in_a_shared_domain_cannot_use_it(tmp_path):
         assert not await kv.list("gamma")
 
 
-async def test_a_stored_chunk_rewritten_with_another_valid_chunk_is_data_loss(tmp_path):
+@pytest.mark.parametrize("shm", [False, True])  # inline bytes, and one copy out of a segment
+async def test_a_stored_chunk_rewritten_with_another_valid_chunk_is_data_loss(tmp_path, shm):
     tokens, mine = _session(seed=10)
     _, theirs = _session(seed=11)
     async with running_server(tmp_path) as (server, target), \
-            AsyncClient(target, shared_memory=False) as kv:
+            AsyncClient(target, shared_memory=shm) as kv:
         await kv.spill("acme", "mine", LAYOUT.name, tokens, mine, generation=1)
         await kv.spill("acme", "theirs", LAYOUT.name, tokens, theirs, generation=1)
         manager = server.manager
