@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import random
 import shutil
 import socket
@@ -20,6 +21,13 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
+
+# Without a GPU triton runs only interpreted. The kernel tests switch the process to the
+# interpreter at collection, which fails once anything (transformers, when a test module
+# imports it) has imported triton compiled: so the mode is set before any test module.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 LOOPBACK = "127.0.0.1"
 
