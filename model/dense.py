@@ -195,7 +195,8 @@ class TrainingAttention:
 
 def forward_train(model: KVTierLM, ids: torch.Tensor, sparse: bool = True,
                   stats: list | None = None, linear_dtype: torch.dtype = torch.float32,
-                  index_leak: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                  index_leak: float = 0.0, target_power: float = 1.0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """ids (B, T) int64, T a multiple of the window and of m -> (logits (B, T, vocab)
     float32, aux).
 
@@ -205,7 +206,7 @@ def forward_train(model: KVTierLM, ids: torch.Tensor, sparse: bool = True,
     bfloat16 runs the model's linear layers under autocast (float32 master weights; the
     backend's maths stays float32): on an avx512_bf16 CPU their matmuls ran 4.8x faster.
     index_leak: the indexers' ReLU gradient below zero (leaky_relu_grad); the forward
-    values, selections included, do not depend on it.
+    values, selections included, do not depend on it. target_power: see indexer_loss.
     """
     cfg = model.cfg
     b, t = ids.shape
@@ -218,7 +219,7 @@ def forward_train(model: KVTierLM, ids: torch.Tensor, sparse: bool = True,
         logits = model(ids, attn).float()
     if stats is not None:
         stats.extend(selection_quality(g, attn.visible, cfg.topk) for g in attn.groups)
-    return logits, indexer_loss(attn.groups, attn.visible)
+    return logits, indexer_loss(attn.groups, attn.visible, target_power)
 
 
 @torch.no_grad()
@@ -232,14 +233,20 @@ def selection_quality(group: dict, visible: torch.Tensor, k: int) -> dict:
     return {"captured": captured, "random": random}
 
 
-def indexer_loss(groups: list[dict], visible: torch.Tensor) -> torch.Tensor:
+def indexer_loss(groups: list[dict], visible: torch.Tensor, power: float = 1.0) -> torch.Tensor:
     """Mean cross-entropy of each indexer's distribution against the head- and layer-averaged
-    dense attention of the layers that use its selection (queries with entries only)."""
+    dense attention of the layers that use its selection (queries with entries only),
+    raised to `power` and renormalized. Early in training that attention is close to
+    uniform, and all-zero scores (a dead ReLU) fit a near-uniform target almost as well
+    as any; power > 1 sharpens it toward the entries a top-k should hold."""
     rows = visible.any(-1)  # (T,): empty rows would put NaN into the backward pass
     vis = visible[rows]
     total = 0.0
     for g in groups:
         target = torch.stack(g["targets"]).mean(0)[:, rows]  # (B, T', N)
+        if power != 1.0:
+            target = target.pow(power)
+            target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
         logp = F.log_softmax(g["scores"][:, rows], -1).masked_fill(~vis, 0.0)
         total = total - (target * logp).sum(-1).mean()
     return total / max(len(groups), 1)

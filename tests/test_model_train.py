@@ -180,3 +180,18 @@ def test_training_script_is_deterministic_and_writes_its_outputs(tmp_path):
     assert weights[0].read_bytes() == weights[1].read_bytes()
     for name in ("bundled.json", "loss_curve.png", "train_log.json"):
         assert (weights[0].parent / name).stat().st_size > 0
+
+
+def test_indexer_target_power_sharpens_the_distillation_target():
+    from model.dense import indexer_loss
+
+    visible = torch.ones(2, 3, dtype=torch.bool)
+    scores = torch.tensor([[[1.0, 0.0, -1.0], [0.0, 2.0, 0.0]]])
+    target = torch.tensor([[[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]]])
+    groups = [{"scores": scores, "targets": [target]}]
+    logp = torch.log_softmax(scores, -1)
+    sharp = target ** 3 / (target ** 3).sum(-1, keepdim=True)
+    for power, expect in ((1.0, target), (3.0, sharp)):
+        want = -(expect * logp).sum(-1).mean()
+        assert torch.allclose(indexer_loss(groups, visible, power), want)
+    assert not torch.allclose(indexer_loss(groups, visible, 3.0), indexer_loss(groups, visible))
