@@ -13,8 +13,11 @@
   audited (kind ``layout``).
 
 Layouts live in the process's registry (``kvstore.layout.register_layout``), which the
-store resolves session layouts from. A fleet's nodes each need the layout: register it
-on each (or list it in the shared config).
+store resolves session layouts from. With shared metadata a registration also goes to
+the fleet's bucket (``kvstore.tiers.shared_layouts``; a name registered there by another
+node as another layout is refused), and a node that meets a layout id it does not know
+(Spill, Lookup, Restore, Resume, Fork: ``resolve``) or lists layouts (``sync``) loads it
+from there, checked as RegisterLayout checks one and kept like one.
 """
 
 from __future__ import annotations
@@ -30,15 +33,20 @@ from kvstore.errors import (
     PermissionDenied,
     TierFull,
     TierUnavailable,
+    UnknownLayout,
 )
 from kvstore.layout import (
+    NAME,
     LayoutSpec,
     all_layouts,
+    get_layout,
     layout_from_json,
     layout_to_json,
     register_layout,
 )
 from kvstore.presets import SHIPPED
+from kvstore.tiers.base import MetaStore
+from kvstore.tiers.shared_layouts import BucketLayouts
 from kvstore.validate import chunk_bytes_max, window_bytes_max
 
 log = logging.getLogger(__name__)
@@ -132,9 +140,11 @@ class ServerLayouts:
     """The configured and registered layouts of one server, put in the process's registry."""
 
     def __init__(self, entries: tuple[str, ...], data_dir: Path, policy: str,
-                 max_message_bytes: int) -> None:
+                 max_message_bytes: int, shared: BucketLayouts | None = None) -> None:
+        """``shared``: the fleet's layouts (metadata = "shared", ``fleet_layouts``)."""
         self.policy = policy
         self.max_message_bytes = max_message_bytes
+        self.shared = shared
         self.path = Path(data_dir) / FILE_NAME
         self.registered: dict[str, LayoutSpec] = {}  # name -> spec, as stored in the file
         self.registered_bytes = 0  # their canonical JSON, all together
@@ -173,30 +183,135 @@ class ServerLayouts:
                                    "only (register_layouts = 'admin')")
 
     async def register(self, text: str) -> tuple[LayoutSpec, bool]:
-        """(the layout, whether it was new) for a RegisterLayout's JSON."""
+        """(the layout, whether it was new: to the fleet, with shared metadata) for a
+        RegisterLayout's JSON."""
         spec = parse_layout(text, self.max_message_bytes)
         async with self._lock:
             known = {s.name: s for s in all_layouts()}.get(spec.name)
             if known is not None:
-                return register_layout(spec), False  # the same one, or InvalidRequest
-            if len(self.registered) >= MAX_REGISTERED:
-                raise TierFull(f"this server holds {MAX_REGISTERED} registered layouts, "
-                               "the most it keeps")
-            size = len(layout_to_json(spec))
-            if self.registered_bytes + size > MAX_REGISTERED_BYTES:
-                raise TierFull(f"the registered layouts' JSON would pass "
-                               f"{MAX_REGISTERED_BYTES} bytes, the most this server keeps")
-            stored = [*self.registered.values(), spec]
-            try:
-                await asyncio.to_thread(_write_atomically, self.path, stored)
-            except OSError as exc:  # no server path in what the client sees
-                log.error("cannot store layout %s in %s: %s", spec.layout_id, self.path, exc)
-                raise TierUnavailable(f"cannot store layout {spec.layout_id} on this "
-                                      f"server's disk: {exc.strerror}") from exc
-            self.registered[spec.name] = register_layout(spec)
-            self.registered_bytes += size
+                same = register_layout(spec)  # the same one, or InvalidRequest
+                if self.shared is not None and spec.name in self.registered:
+                    await self._share(spec)  # one this node holds from before the bucket
+                return same, False
+            self._check_room(spec)
+            created = await self._share(spec) if self.shared is not None else True
+            await self._store(spec)
         log.info("layout %s registered (replayer %s)", spec.layout_id, spec.replayer)
-        return spec, True
+        return spec, created
+
+    def _check_room(self, spec: LayoutSpec) -> None:
+        if len(self.registered) >= MAX_REGISTERED:
+            raise TierFull(f"this server holds {MAX_REGISTERED} registered layouts, "
+                           "the most it keeps")
+        if self.registered_bytes + len(layout_to_json(spec)) > MAX_REGISTERED_BYTES:
+            raise TierFull(f"the registered layouts' JSON would pass "
+                           f"{MAX_REGISTERED_BYTES} bytes, the most this server keeps")
+
+    async def _store(self, spec: LayoutSpec) -> None:
+        """Into layouts.json, then the registry (under the lock, room checked)."""
+        try:
+            await asyncio.to_thread(_write_atomically, self.path,
+                                    [*self.registered.values(), spec])
+        except OSError as exc:  # no server path in what the client sees
+            log.error("cannot store layout %s in %s: %s", spec.layout_id, self.path, exc)
+            raise TierUnavailable(f"cannot store layout {spec.layout_id} on this "
+                                  f"server's disk: {exc.strerror}") from exc
+        self.registered[spec.name] = register_layout(spec)
+        self.registered_bytes += len(layout_to_json(spec))
+
+    # -- the fleet's layouts in the bucket (kvstore.tiers.shared_layouts) --
+
+    async def _share(self, spec: LayoutSpec) -> bool:
+        """Put ``spec`` in the fleet's bucket; whether it was new there. InvalidRequest
+        when another node registered another layout under its name, as a local
+        registration refuses it."""
+        body = layout_to_json(spec).encode()
+        theirs = await self.shared.put_new(spec.name, body)
+        if theirs is None or theirs == body:
+            return theirs is None
+        other = self._parse_shared(spec.name, theirs)
+        if other is None:
+            raise InvalidRequest(f"layout name {spec.name!r} is taken in this fleet's bucket "
+                                 "by an object that is not a layout")
+        if other.layout_hash != spec.layout_hash:
+            raise InvalidRequest(f"layout name {spec.name!r} is already registered in this "
+                                 f"fleet as {other.layout_id}, with another shape")
+        raise InvalidRequest(f"layout {other.layout_id} is already registered in this fleet "
+                             f"with replayer {other.replayer!r}, not {spec.replayer!r}")
+
+    def _parse_shared(self, name: str, body: bytes) -> LayoutSpec | None:
+        """The layout a bucket object holds, checked as RegisterLayout checks one (None,
+        logged, when it is not one, or not the one its name says)."""
+        try:
+            spec = parse_layout(body.decode("utf-8"), self.max_message_bytes)
+        except (InvalidRequest, UnicodeDecodeError) as exc:
+            log.error("fleet layout object %s is not a layout: %s", name, exc)
+            return None
+        if spec.name != name:
+            log.error("fleet layout object %s holds layout %s", name, spec.layout_id)
+            return None
+        return spec
+
+    async def resolve(self, layout_id: str) -> bool:
+        """Load ``layout_id`` from the fleet's bucket when this node has not met it (another
+        node registered it); whether it did. Nothing to do for a known layout or with
+        local metadata: the caller's lookup answers UnknownLayout for one nobody has."""
+        name = layout_id.partition("@")[0]
+        if self.shared is None or _known(layout_id) or not NAME.match(name):
+            return False
+        async with self._lock:
+            if _known(layout_id):  # loaded meanwhile
+                return False
+            spec = await self._fetch(name)
+            if spec is None or spec.layout_id != layout_id:
+                return False
+            await self._admit(spec)
+        return True
+
+    async def sync(self) -> None:
+        """Load every layout of the fleet's bucket this node has not met (ListLayouts).
+        An unreachable bucket leaves the node's own list."""
+        if self.shared is None:
+            return
+        try:
+            names = await self.shared.names()
+            async with self._lock:
+                known = {spec.name for spec in all_layouts()}
+                for name in names:
+                    if name not in known and NAME.match(name):
+                        spec = await self._fetch(name)
+                        if spec is not None:
+                            await self._admit(spec)
+        except (TierUnavailable, TierFull) as exc:
+            log.warning("fleet layouts not listed: %s", exc)
+
+    async def _fetch(self, name: str) -> LayoutSpec | None:
+        body = await self.shared.get(name)
+        return None if body is None else self._parse_shared(name, body)
+
+    async def _admit(self, spec: LayoutSpec) -> None:
+        """A layout from the bucket, kept as a registered one (layouts.json too)."""
+        self._check_room(spec)
+        await self._store(spec)
+        log.info("layout %s loaded from the fleet's bucket", spec.layout_id)
+
+
+def fleet_layouts(meta: MetaStore) -> BucketLayouts | None:
+    """The fleet's layouts in the bucket, when ``meta`` is shared metadata."""
+    from kvstore.tiers.shared_meta import SharedMetaStore
+
+    if not isinstance(meta, SharedMetaStore):
+        return None
+    return BucketLayouts(meta.io, meta.paths.root, max_bytes=MAX_JSON_BYTES,
+                         max_names=MAX_REGISTERED)
+
+
+def _known(layout_id: str) -> bool:
+    try:
+        get_layout(layout_id)
+    except UnknownLayout:
+        return False
+    return True
 
 
 def _write_atomically(path: Path, specs: list[LayoutSpec]) -> None:

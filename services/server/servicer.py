@@ -25,6 +25,7 @@ from kvstore.errors import (
     MissingChunks,
     PreconditionFailed,
     SharedMemoryUnavailable,
+    UnknownLayout,
     status_name,
 )
 from kvstore.keys import dedupe_scope, split_block_key
@@ -41,7 +42,7 @@ from services.server import auth
 from services.server import validate as check
 from services.server.audit import AuditLog
 from services.server.config import ServerConfig
-from services.server.layouts import ServerLayouts, is_builtin
+from services.server.layouts import ServerLayouts, fleet_layouts, is_builtin
 from services.server.limits import Bounds, InFlight, Limits, idle_bounded
 from services.server.metrics import ServiceMetrics, tier_lookups
 from services.server.restore_stream import RestoreStreamer, StreamOptions
@@ -67,7 +68,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                                         lambda: (self.replay, self.why_no_replay),
                                         config.max_message_bytes, config.replay_layouts)
         self.layouts = ServerLayouts(config.layouts, config.data_dir, config.layout_policy,
-                                     config.max_message_bytes)
+                                     config.max_message_bytes, fleet_layouts(manager.meta))
         self.replays = 0
         self.address = ""  # where other nodes and routers reach this server (once bound)
         self.audit: AuditLog | None = None  # set when auth or an audit log is configured
@@ -106,6 +107,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                 # Held until the call ends (its token ids): counted before it is checked.
                 tenant, _ = _own_session(message.header.session, "header.session")
                 flight.reserve(tenant, message.ByteSize())
+                await self.layouts.resolve(message.header.layout_id)  # another node's
                 plan = check.spill_header(message.header, self.config.default_ack, MAX_TOKENS,
                                           self.config.dedupe_domains)
             elif kind == "chunk":
@@ -164,7 +166,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                              use_shared_memory=request.use_shared_memory,
                              reply_lease=request.reply_lease, peer=context.peer())
         with self.limits.stream(opts.peer, "Restore"):
-            async for reply in self.streamer.stream(tenant, session_id, opts):
+            async for reply in self._stream(tenant, session_id, opts):
                 yield reply
 
     @grpc_errors
@@ -179,9 +181,33 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             async for reply in self._resume(tenant, session_id, opts):
                 yield reply
 
+    async def _stream(self, tenant: str, session_id: str, opts: StreamOptions
+                      ) -> AsyncIterator[pb.RestoreReply]:
+        """The restore stream; a session whose layout this node has not met (another node
+        of the fleet registered it) has it loaded from the bucket, then starts again.
+        UnknownLayout comes before the first reply: the layout is looked up first."""
+        replies = self.streamer.stream(tenant, session_id, opts)
+        try:
+            first = await anext(replies)
+        except UnknownLayout:
+            if not await self._met_layout(tenant, session_id):
+                raise
+            replies = self.streamer.stream(tenant, session_id, opts)
+            first = await anext(replies)
+        yield first
+        async for reply in replies:
+            yield reply
+
+    async def _met_layout(self, tenant: str, session_id: str) -> bool:
+        """Whether the session's layout was just loaded from the fleet's bucket."""
+        if self.layouts.shared is None:
+            return False
+        manifest = await self.manager.get_manifest(tenant, session_id)
+        return await self.layouts.resolve(manifest.layout_id)
+
     async def _resume(self, tenant: str, session_id: str, opts: StreamOptions
                       ) -> AsyncIterator[pb.RestoreReply]:
-        async for reply in self.streamer.stream(tenant, session_id, opts):
+        async for reply in self._stream(tenant, session_id, opts):
             if reply.WhichOneof("item") == "summary" and reply.summary.replayed:
                 self.replays += 1
             yield reply
@@ -297,8 +323,14 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     @grpc_errors
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
                      ) -> pb.LookupReply:
-        tenant, layout_id, tokens, fingerprint, domain = check.lookup_request(
-            request, MAX_TOKENS, self.config.dedupe_domains)
+        try:
+            tenant, layout_id, tokens, fingerprint, domain = check.lookup_request(
+                request, MAX_TOKENS, self.config.dedupe_domains)
+        except UnknownLayout:
+            if not await self.layouts.resolve(request.layout_id):  # another node's?
+                raise
+            tenant, layout_id, tokens, fingerprint, domain = check.lookup_request(
+                request, MAX_TOKENS, self.config.dedupe_domains)
         auth.check_tenant(tenant)
         found = await self.manager.lookup_fleet(tenant, layout_id, tokens,
                                                 model_fingerprint=fingerprint,
@@ -315,7 +347,12 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                    ) -> pb.ForkReply:
         tenant, source, new, upto = check.fork_request(request)
         auth.check_tenant(tenant)
-        manifest = await self.manager.fork(tenant, source, new, upto_tokens=upto)
+        try:
+            manifest = await self.manager.fork(tenant, source, new, upto_tokens=upto)
+        except UnknownLayout:
+            if not await self._met_layout(tenant, source):
+                raise
+            manifest = await self.manager.fork(tenant, source, new, upto_tokens=upto)
         return pb.ForkReply(generation=manifest.generation, num_tokens=manifest.num_tokens,
                             chunks=len(manifest.chunk_keys),
                             window_kept=manifest.window_key is not None)
@@ -344,6 +381,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     @grpc_errors
     async def ListLayouts(self, request: pb.ListLayoutsRequest,
                           context: grpc.aio.ServicerContext) -> pb.ListLayoutsReply:
+        await self.layouts.sync()  # the fleet's, with shared metadata
         specs = sorted(all_layouts(), key=lambda spec: spec.name)
         return pb.ListLayoutsReply(layouts=[_layout_info(spec) for spec in specs])
 
