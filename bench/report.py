@@ -295,17 +295,21 @@ def codec_tiers_section(codec: dict | None, tiers: dict | None) -> list[str]:
     if _ok(codec):
         out += _table(["layout", "chunk B", "zstd", "encode GB/s", "decode GB/s",
                        "run decode GB/s", "memcpy GB/s", "decode / memcpy",
-                       "run decode / memcpy", "joined run / memcpy", "stored / raw"],
+                       "run decode / memcpy", "joined run / memcpy", "run / hot memcpy",
+                       "stored / raw"],
                       [[r["layout"], r["chunk_payload_bytes"], r["zstd_level"] or "-",
                         f"{r['encode_gbps']:.2f}", f"{r['decode_gbps']:.2f}",
                         f"{r['decode_run_gbps']:.2f}", f"{r['memcpy_gbps']:.2f}",
                         f"{r['decode_vs_memcpy']:.2f}", f"{r['decode_run_vs_memcpy']:.2f}",
                         f"{r.get('decode_run_joined_vs_memcpy', float('nan')):.2f}",
+                        f"{r.get('decode_run_vs_memcpy_hot', float('nan')):.2f}",
                         f"{r['stored_bytes'] / r['payload_bytes']:.3f}"] for r in codec["rows"]])
         out += ["", "decode: one `decode_chunk` per chunk; run decode: the chunks as one "
                 "session through `decode_chunks` (one tensor per stream), as a restore of a "
                 "whole session does, from one buffer as a shared-memory restore hands them "
-                "over; joined run: from a buffer per chunk (inline bytes), joined first.", ""]
+                "over; joined run: from a buffer per chunk (inline bytes), joined first. "
+                "The decodes and the memcpy take turns; hot memcpy: repeated back to back, "
+                "its buffers warm in cache.", ""]
         if "goal" in codec:
             out += [f"Slowest uncompressed run decode: "
                     f"{codec['goal']['decode_run_vs_memcpy_min']:.2f}x memcpy (goal 0.3x: "
