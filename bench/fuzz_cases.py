@@ -42,7 +42,7 @@ BOMB = 512 << 20
 METHOD_WEIGHTS = {"Spill": 30, "Restore": 12, "Resume": 8, "Prefetch": 5, "Evict": 5,
                   "Delete": 5, "Stat": 5, "List": 5, "LeaseSegment": 6,
                   "ReleaseSegments": 4, "Rebuild": 8, "Lookup": 7, "Fork": 7,
-                  "RegisterLayout": 7, "ListLayouts": 2}
+                  "RegisterLayout": 14, "ListLayouts": 2}
 
 
 class CaseGenerator(LayoutCases):

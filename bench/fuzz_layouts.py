@@ -5,8 +5,9 @@ seeded ``random.Random``, by family.
   the same shape (OK, created false) and with another (INVALID_ARGUMENT);
 - ``builtin``: a shipped preset's canonical JSON (OK, created false), or its name with
   another shape (INVALID_ARGUMENT);
-- ``flood``: valid wide layouts (thousands of layer modes, near 64 KiB), each under a new
-  name, until the server's bounds on registered layouts answer RESOURCE_EXHAUSTED;
+- ``flood``: valid layouts, each under a new name, small ones and wide ones (thousands
+  of layer modes, near 64 KiB), until the server's bounds on registered layouts (their
+  count, their JSON in all) answer RESOURCE_EXHAUSTED;
 - ``hostile``: JSON that must be INVALID_ARGUMENT: nesting past the recursion limit, over
   64 KiB, floats, NaN, non-ASCII, NUL and newline names, integers of thousands of
   digits, huge and many dimensions, duplicate and too many streams, repeated keys,
@@ -72,9 +73,11 @@ def builtin(rng: random.Random) -> str:
 
 
 def flood(rng: random.Random, serial: int) -> str:
-    modes = [f"m{serial:04d}{i:09d}" for i in range(MODES)]
+    """One in three wide (for the bound on their JSON), the others small (for the count)."""
+    wide = rng.random() < 1 / 3
+    modes = {"layer_modes": [f"m{serial:04d}{i:09d}" for i in range(MODES)]} if wide else {}
     return _dumps({"name": f"flood-{serial}", "chunk_tokens": rng.choice((1, 16)),
-                   "streams": [_stream(rng)], "layer_modes": modes})
+                   "streams": [_stream(rng)], **modes})
 
 
 def hostile(rng: random.Random) -> tuple[str, str]:
@@ -128,13 +131,13 @@ def hostile(rng: random.Random) -> tuple[str, str]:
 
 def layout_body(rng: random.Random, serial: int) -> tuple[str, str, str | None]:
     """(family, layout_json, the name a valid one registers under, else None)."""
-    roll = rng.random()
-    if roll < 0.25:
+    roll = rng.random()  # floods often enough that a 10,000-request run meets both bounds
+    if roll < 0.2:
         layout = honest(rng)
         return "honest", _dumps(layout), layout["name"]
-    if roll < 0.35:
+    if roll < 0.3:
         return "builtin", builtin(rng), None
-    if roll < 0.55:
+    if roll < 0.8:
         return "flood", flood(rng, serial), f"flood-{serial}"
     what, text = hostile(rng)
     return f"hostile:{what}", text, None

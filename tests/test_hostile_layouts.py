@@ -122,6 +122,23 @@ def test_registrations_stop_at_the_bound_on_their_json_with_memory_bounded(live)
     assert grown < 100 * MiB  # 256 of them grew it by 138 MiB
 
 
+async def test_the_257th_registration_is_refused_and_the_256_survive_a_restart(tmp_path):
+    async with running_server(tmp_path) as (server, target), channel(target) as ch:
+        stub = pb_grpc.KVTierStub(ch)
+        for i in range(MAX_REGISTERED):
+            await stub.RegisterLayout(pb.RegisterLayoutRequest(
+                layout_json=layout_json(f"count{i}")))
+        over = await status(stub.RegisterLayout(pb.RegisterLayoutRequest(
+            layout_json=layout_json("count-over"))))
+        again = await stub.RegisterLayout(pb.RegisterLayoutRequest(
+            layout_json=layout_json("count7")))  # a known one is still answered
+    assert over[0] == "RESOURCE_EXHAUSTED" and f"{MAX_REGISTERED} registered" in over[1]
+    assert not again.created
+    async with running_server(tmp_path) as (restarted, _):
+        kept = restarted.servicer.layouts.registered
+    assert len(kept) == MAX_REGISTERED and "count-over" not in kept
+
+
 def test_a_layout_name_with_a_trailing_newline_is_refused():
     with pytest.raises(InvalidRequest, match="layout name"):
         layout_from_json(layout_json("nl\n"))
