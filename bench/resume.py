@@ -33,7 +33,8 @@ session is somewhere" to "a ``KVState`` that ``decode_step`` accepts" (best of
   (no weights file); the first resume (loading the server's model) is not timed.
 
 Each context also reports ``grpc_vs_inprocess`` (disk-grpc seconds / disk seconds: what
-the service adds to the same resume), and the disk path its ``medium_read_s``: a cold
+the service adds to the same resume; ``grpc_vs_inprocess_median`` the same of their
+repeats' medians), and the disk path its ``medium_read_s``: a cold
 read of its ``stored_bytes`` from one plain file on the same medium, fsynced, best of
 ``--repeats`` (``goal.disk_restore_decode_vs_medium`` = (restore_s + decode_s) / that).
 
@@ -63,6 +64,7 @@ import functools
 import hashlib
 import json
 import os
+import statistics
 import tempfile
 import time
 from dataclasses import replace
@@ -348,9 +350,13 @@ async def measure_context(model: KVTierLM, worker: ReplayWorker, n: int, root: P
             row["speedup_vs_prefill"] = prefill_s / row["seconds"]
             row["stored_bytes_per_token"] = row["stored_bytes"] / n
     grpc, disk = paths["disk-grpc"].get("seconds"), paths["disk"]["seconds"]
+    medians = [statistics.median(paths[p]["repeat_seconds"]) if "repeat_seconds" in paths[p]
+               else None for p in ("disk-grpc", "disk")]
     return {"context": n, "paths": paths,
             # the same disk resume through the service over its in-process library path
-            "grpc_vs_inprocess": None if grpc is None else grpc / disk}
+            # (best repeats; and their medians, steadier on a busy machine)
+            "grpc_vs_inprocess": None if grpc is None else grpc / disk,
+            "grpc_vs_inprocess_median": None if None in medians else medians[0] / medians[1]}
 
 
 def medium_read(path: Path, nbytes: int, repeats: int) -> dict:

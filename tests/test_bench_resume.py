@@ -147,6 +147,7 @@ async def test_the_grpc_path_resumes_through_a_real_server(tmp_path):
     assert "error" not in grpc and grpc["verified"]
     assert grpc["replay_s"] > 0
     assert row["grpc_vs_inprocess"] == grpc["seconds"] / disk["seconds"]
+    assert row["grpc_vs_inprocess_median"] == grpc["repeat_seconds"][0] / disk["repeat_seconds"][0]
     assert disk["medium_read_s"] > 0
     # the same chunks; the manifests differ only in a few fields' encoding
     assert abs(grpc["stored_bytes"] - disk["stored_bytes"]) < 64
