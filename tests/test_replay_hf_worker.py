@@ -2,12 +2,14 @@
 --hf-model``): a real ``TransformersReplayWorker`` behind a real gRPC worker server, and
 a kvtier server with ``replay_hf_workers`` resuming a DeepseekV4 session through it; a
 worker of another model refuses the layout, which the server answers as
-ReplayUnavailable; the command's flags and the server's config keys. Fidelity figures
-belong to bench.hf; the bounds here are loose."""
+ReplayUnavailable; the same worker on its replayer's Redis Streams job stream; the
+command's flags and the server's config keys. Fidelity figures belong to bench.hf; the
+bounds here are loose."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
 
 import pytest
@@ -18,12 +20,16 @@ pytest.importorskip("transformers")
 from bench.hf import compare, follow_logits, tiny_model  # noqa: E402
 from kvstore.errors import InvalidRequest, ReplayUnavailable  # noqa: E402
 from kvtier import AsyncClient  # noqa: E402
+from kvtier.codec import as_tokens, encode_session  # noqa: E402
 from kvtier.integrations.transformers import (  # noqa: E402
     async_resume_cache,
     async_spill_cache,
+    cache_streams,
+    model_layout,
 )
 from replay.transformers_worker import TransformersReplayWorker  # noqa: E402
 from services.replay.server import add_arguments, create_server, load_worker  # noqa: E402
+from services.replay.streams import StreamConsumer, StreamNames, StreamReplay  # noqa: E402
 from tests.service_support import config_for, running_server  # noqa: E402
 
 
@@ -96,3 +102,35 @@ def test_the_server_config_routes_transformers_layouts_to_hf_workers(tmp_path):
     with pytest.raises(InvalidRequest, match="set one"):
         config_for(tmp_path, replay_hf_model=str(tmp_path / "config.json"),
                    replay_hf_workers="10.0.0.9:50052")
+
+
+async def test_a_transformers_worker_serves_its_replayers_job_stream(redis_server):
+    model = tiny_model(seed=3)
+    n = 300
+    ids = torch.randint(0, model.config.vocab_size, (n,),
+                        generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        cache = model(ids[None], use_cache=True).past_key_values
+    spec = model_layout(model)
+    tokens = as_tokens(ids)
+    enc = encode_session(spec, tokens, cache_streams(spec, model, cache, n), scope="t")
+    chunks = [enc.chunks[i] for i in range(len(enc.keys))]
+    worker = TransformersReplayWorker(model)
+    names = StreamNames(stream="h:jobs", group="h-group", reply_prefix="h:reply:")
+    consumer = StreamConsumer(redis_server, worker, consumer="hf", block_ms=200,
+                              names=names.for_replayer(worker.replayer))
+    await consumer.ensure_group()
+    serving = asyncio.create_task(consumer.run())
+    backend = StreamReplay(redis_server, names=names, timeout_s=60)
+    try:
+        result = await backend.rebuild(spec, tokens, chunks, enc.tail)
+        assert worker.rebuilds == 1  # counted before its reply is pushed
+        direct = await worker.rebuild(spec, tokens, chunks, enc.tail)
+        assert result.window == direct.window
+        assert result.replayed_tokens == direct.replayed_tokens
+    finally:
+        consumer.stop()
+        await serving
+        await consumer.close()
+        await backend.close()
+        await worker.close()
