@@ -3,7 +3,7 @@ registered on one node is known to every node. Node a is a server in this proces
 b a `kvtier serve` child (its own layout registry, as a real second node has) over the
 same moto S3 bucket: b resumes, forks and spills sessions of layouts only a registered,
 lists them, and refuses a name a registered as another layout; bucket objects that are
-not layouts are never loaded."""
+not layouts (or not their name's) are never loaded."""
 
 from __future__ import annotations
 
@@ -85,12 +85,24 @@ async def two_nodes(tmp_path: Path, shared: dict):
         await server.stop(0.5)
 
 
-async def test_a_layout_registered_on_one_node_is_known_to_every_node(tmp_path, shared,
-                                                                      session):
+def plant_objects_that_are_not_layouts(shared: dict, s3_credentials: dict, tmp_path) -> None:
+    s3 = boto3.client("s3", endpoint_url=shared["s3_endpoint"], **s3_credentials)
+    config = load_config(preset="test", env={}, overrides={**shared, "data_dir": tmp_path})
+    root = f"{config.s3_prefix}fleet/layouts/"
+    for name, body in (("engine-huge", b" " * (65 << 10)),  # more than a layout may be
+                       ("engine-junk", b"{nope"),
+                       # a layout, but not the one its name says
+                       ("engine-named", layout_to_json(engine_layout("engine-lying")).encode())):
+        s3.put_object(Bucket=shared["s3_bucket"], Key=f"{root}{name}.json", Body=body)
+
+
+async def test_a_layout_registered_on_one_node_is_known_to_every_node(
+        tmp_path, shared, session, s3_credentials):
     engine, forked, third, listed_only = (engine_layout(n) for n in (
         "engine-a", "engine-fork", "engine-third", "engine-listed"))
     clash = engine_layout("engine-clash")
     ids, chunks, tail, window = session(engine)
+    plant_objects_that_are_not_layouts(shared, s3_credentials, tmp_path)
     async with two_nodes(tmp_path, shared) as (on_a, on_b):
         for spec in (engine, forked, third, listed_only, clash):
             assert await on_a.register_layout(spec) == spec.layout_id
@@ -127,23 +139,9 @@ async def test_a_layout_registered_on_one_node_is_known_to_every_node(tmp_path, 
         assert listed[listed_only.layout_id].layout_json == layout_to_json(listed_only)
         assert listed[clash.layout_id].replayer == "bundled"
 
-
-async def test_objects_in_the_bucket_that_are_not_layouts_are_never_loaded(
-        tmp_path, shared, s3_credentials):
-    s3 = boto3.client("s3", endpoint_url=shared["s3_endpoint"], **s3_credentials)
-    config = load_config(preset="test", env={}, overrides={**shared, "data_dir": tmp_path})
-    root = f"{config.s3_prefix}fleet/layouts/"
-    lying = engine_layout("engine-lying")
-    s3.put_object(Bucket=shared["s3_bucket"], Key=root + "engine-huge.json",
-                  Body=b" " * (65 << 10))  # more than a layout may be
-    s3.put_object(Bucket=shared["s3_bucket"], Key=root + "engine-junk.json", Body=b"{nope")
-    # an object whose name is not its layout's
-    s3.put_object(Bucket=shared["s3_bucket"], Key=root + "engine-named.json",
-                  Body=layout_to_json(lying).encode())
-    async with two_nodes(tmp_path, shared) as (_, on_b):
-        names = {info.layout_id.partition("@")[0] for info in await on_b.layouts()}
+        # what is in the bucket but not a layout (or not its name's) is never loaded
+        names = {layout_id.partition("@")[0] for layout_id in listed}
         assert not names & {"engine-huge", "engine-junk", "engine-named", "engine-lying"}
-        ids = torch.arange(TOKENS)
         for name in ("engine-named", "engine-huge", "engine-junk"):
             with pytest.raises(UnknownLayout):
-                await on_b.lookup("acme", engine_layout(name), ids)
+                await on_b.lookup("acme", engine_layout(name), torch.arange(TOKENS))
