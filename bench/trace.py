@@ -60,6 +60,13 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from bench.paths import recorded
+from bench.trace_compare import (
+    GOAL_FRACTIONS,
+    ONE_TIER_POLICIES,
+    goals,
+    libcachesim_results,
+    one_tier_summary,
+)
 from bench.trace_method import describe_method
 from bench.trace_policies import POLICIES, setup_policy
 from bench.trace_reader import BLOCK_TOKENS, TraceRequest, read_trace
@@ -158,24 +165,31 @@ def _reuse_by_kind(c: SimCounters, names: list[str], reuse: int) -> dict:
     }
 
 
-# per worker process, built once by _init_worker: retain -> workload
-_WORKLOADS: dict[bool, Workload] = {}
+# per worker process, built once by _init_worker: (retain, windows) -> workload
+_WORKLOADS: dict[tuple[bool, bool], Workload] = {}
 
 
 def _init_worker(path: str, limit: int | None, windows: bool, ttl_s: float | None) -> None:
     requests = read_trace(path, limit)
-    for retain in (True, False):
-        _WORKLOADS[retain] = build_workload(requests, windows=windows, retain=retain,
-                                            session_ttl_s=ttl_s)
+    for retain, with_windows in ((True, windows), (False, windows), (True, False)):
+        _WORKLOADS[retain, with_windows] = build_workload(
+            requests, windows=with_windows, retain=retain, session_ttl_s=ttl_s)
 
 
 def _run_point(job: dict) -> dict:
     start = time.perf_counter()
-    tiers = make_tiers(job["footprint"], job["fraction"], job["host_ratio"], job["disk_fraction"])
-    sim = simulate(_WORKLOADS[job["retain"]], job["policy"], tiers, job["block_bytes"],
-                   job["window_bytes"], hint_sigma=job["hint_sigma"], seed=job["seed"])
+    if job["one_tier"]:  # as libCacheSim's cache: equal-size blocks in one tier over disk
+        tiers = make_tiers(job["footprint"], job["fraction"], 0.0, None)
+        workload = _WORKLOADS[True, False]
+    else:
+        tiers = make_tiers(job["footprint"], job["fraction"], job["host_ratio"],
+                           job["disk_fraction"])
+        workload = _WORKLOADS[job["retain"], job["window_bytes"] > 0]
+    sim = simulate(workload, job["policy"], tiers, job["block_bytes"],
+                   0 if job["one_tier"] else job["window_bytes"],
+                   hint_sigma=job["hint_sigma"], seed=job["seed"])
     return {"policy": job["policy"], "capacity_fraction": job["fraction"],
-            "retain": job["retain"],
+            "retain": job["retain"], "one_tier": job["one_tier"],
             **summarize(sim, job["window_tokens"]),
             "sim_seconds": round(time.perf_counter() - start, 2)}
 
@@ -208,6 +222,7 @@ def run_trace_benchmark(
     validate_requests: int = 0,
     jobs: int = 2,
     session_ttl_s: float | None = DEFAULT_SESSION_TTL_S,
+    one_tier_comparison: bool = True,
 ) -> dict:
     """Every (policy, capacity fraction) point; see the module docstring for the method.
 
@@ -243,9 +258,14 @@ def run_trace_benchmark(
               "block_bytes": sizes["block_bytes"], "window_bytes": sizes["window_bytes"],
               "hint_sigma": hint_sigma, "seed": seed, "window_tokens": window_tokens}
     middle = sorted(fractions)[len(fractions) // 2]
-    points = [{"policy": p, "fraction": f, "retain": True, **common}
+    points = [{"policy": p, "fraction": f, "retain": True, "one_tier": False, **common}
               for f in fractions for p in policies]
-    points.append({"policy": policies[0], "fraction": middle, "retain": False, **common})
+    one_tier = [{"policy": p, "fraction": f, "retain": True, "one_tier": True, **common}
+                for f in fractions if f in GOAL_FRACTIONS for p in ONE_TIER_POLICIES
+                if p in policies] if one_tier_comparison else []
+    points += one_tier
+    points.append({"policy": policies[0], "fraction": middle, "retain": False,
+                   "one_tier": False, **common})
     init = (str(trace), limit, windows, session_ttl_s)
     validation = None
     if jobs > 1:
@@ -266,6 +286,8 @@ def run_trace_benchmark(
             validation = _validate(requests[:validate_requests], policies, host_ratio,
                                    hint_sigma, seed, session_ttl_s)
     without = results.pop()
+    one_tier_points = results[len(results) - len(one_tier):]
+    results = results[:len(results) - len(one_tier)]
     with_ = next(r for r in results if r["policy"] == policies[0]
                  and r["capacity_fraction"] == middle)
     report = {
@@ -287,6 +309,14 @@ def run_trace_benchmark(
                       **{label: {k: r[k] for k in _RETENTION_KEYS}
                          for label, r in (("with", with_), ("without", without))}},
     }
+    report["goals"] = goals(results, report["retention"], disk_fraction)
+    if one_tier_comparison:
+        report["one_tier"] = {
+            "method": "kvtier's simulation as one tier of equal-size blocks (no window "
+                      "blobs, no host tier; the unbounded disk below is the backing store): "
+                      "hbm hit rate among re-reads, on the same re-reads as libCacheSim's",
+            "hit_rate_among_rereads": one_tier_summary(one_tier_points),
+            "libcachesim": libcachesim_results(recorded(trace), limit)}
     if validation is not None:
         report["validation"] = validation
     report["elapsed_s"] = round(time.perf_counter() - started, 1)
@@ -333,6 +363,24 @@ def format_table(report: dict) -> str:
                   f"{ret['capacity_fraction']:g}: with retention "
                   f"{ret['with']['reprefill_blocks'] / ret['with']['block_reads']:.4f}, without "
                   f"{ret['without']['reprefill_blocks'] / ret['without']['block_reads']:.4f}"]
+    g = report["goals"]
+    below = g["never_below_lru"]["below_at"]
+    lines += ["goals: kvtier / belady (fast among re-reads), target >= "
+              f"{g['belady_share']['target']:g}: " + ", ".join(
+                  f"hbm {f}: {v['share']:.3f}" for f, v in g["belady_share"]["points"].items())
+              + f" ({_met(g['belady_share'])}); never below lru: {_met(g['never_below_lru'])}"
+              + (f" (below at hbm {', '.join(below)})" if below else "")
+              + f"; re-prefill with retention {g['reprefill_with_retention']['rate']:.4f} "
+              f"({_met(g['reprefill_with_retention'])})"]
+    if "one_tier" in report:
+        one, lcs = report["one_tier"], report["one_tier"]["libcachesim"]
+        lines += ["", "one tier of equal-size blocks, hit rate among re-reads:"]
+        for fraction, rates in one["hit_rate_among_rereads"].items():
+            theirs = lcs.get("hit_rate_among_rereads", {}).get(fraction, {})
+            lines.append(f"  {fraction:>5}: " + " ".join(f"{p} {v:.3f}" for p, v in rates.items())
+                         + " | libCacheSim: " + (" ".join(f"{p} {v:.3f}"
+                                                          for p, v in theirs.items())
+                                                 or lcs.get("missing", "-")))
     if "validation" in report:
         v = report["validation"]
         lines += ["", f"validation, first {v['requests']} requests at hbm 0.05: "
@@ -342,6 +390,10 @@ def format_table(report: dict) -> str:
                       for p in v[part]["points"]]
     lines += ["", "method:"] + [f"  {k}: {v}" for k, v in report["method"].items()]
     return "\n".join(lines)
+
+
+def _met(goal: dict) -> str:
+    return "met" if goal["met"] else "NOT met"
 
 
 def _floats(text: str) -> list[float]:

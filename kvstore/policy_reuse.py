@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import random
 import time
 from collections.abc import Callable, Collection
 
@@ -63,6 +62,13 @@ def age_bin(age_s: float) -> int:
     if age_s < 1.0:
         return 0
     return min(AGE_BINS - 1, int(math.log2(age_s)) + 1)
+
+
+def age_bins(ages: np.ndarray) -> np.ndarray:
+    """``age_bin`` of each of ``ages``."""
+    safe = np.maximum(ages, 1.0)
+    return np.where(ages < 1.0, 0, np.minimum(np.floor(np.log2(safe)).astype(np.int64) + 1,
+                                               AGE_BINS - 1))
 
 
 def reuse_class(hint: NextUse | None) -> int:
@@ -105,9 +111,8 @@ class ReuseModel:
         self._holders[slot] = 0
         return slot
 
-    def seen(self, block: BlockId, hint: NextUse | None, level: int | None) -> None:
-        """A tier's policy was told of ``block`` (``level``: that tier's, when it now
-        holds the block too)."""
+    def seen(self, block: BlockId, hint: NextUse | None, level: int) -> None:
+        """The policy of the tier at ``level``, which holds ``block``, was told of it."""
         if hint is None:
             return
         slot = self._slot.get(block)
@@ -120,8 +125,7 @@ class ReuseModel:
             self._start(slot, hint)
         else:  # stored again or moved: the episode goes on, in what it is known as now
             self._cls[slot] = reuse_class(hint)
-        if level is not None:
-            self._holders[slot] |= 1 << level
+        self._holders[slot] |= 1 << level
 
     def left(self, block: BlockId, level: int) -> None:
         """The tier of ``level`` no longer holds ``block``. At its last the episode is dropped, not
@@ -139,10 +143,13 @@ class ReuseModel:
             del self._slot[block]
             self._free.append(slot)
 
-    def covered(self, block: BlockId, level: int) -> bool:
-        """Whether a tier above ``level`` holds ``block`` too (this copy serves no read)."""
-        slot = self._slot.get(block)
-        return slot is not None and bool(self._holders[slot] & ((1 << level) - 1))
+    def slot(self, block: BlockId) -> int:
+        """The row the model keeps ``block`` in (-1: not followed, never hinted)."""
+        return self._slot.get(block, -1)
+
+    def holders(self, slots: np.ndarray) -> np.ndarray:
+        """Per slot, the bit mask of tier levels holding its block (0 for -1)."""
+        return np.where(slots >= 0, self._holders[np.maximum(slots, 0)], 0)
 
     def _start(self, slot: int, hint: NextUse) -> None:
         self._cls[slot] = reuse_class(hint)
@@ -161,9 +168,7 @@ class ReuseModel:
         """Fold reads, ends and the open episodes' ages into the density table."""
         self._events = 0
         live = self._open
-        ages = np.maximum(self.clock() - self._since[live], 0.0)
-        bins = np.minimum(np.where(ages < 1.0, 0, np.floor(np.log2(np.maximum(ages, 1.0))) + 1),
-                          AGE_BINS - 1).astype(np.int64)
+        bins = age_bins(self.clock() - self._since[live])
         open_now = np.zeros((CLASSES, AGE_BINS))
         np.add.at(open_now, (self._cls[live], bins), 1)
         reached = self._hits + open_now  # episodes by the age they got to
@@ -184,15 +189,6 @@ class ReuseModel:
         self._hits *= DECAY
 
 
-class _Entry:
-    __slots__ = ("cls", "index", "priority", "since", "size")
-
-    def __init__(self, index: int, size: int) -> None:
-        self.index, self.size = index, size
-        self.cls = self.priority = 0
-        self.since = 0.0
-
-
 class ReusePolicy(EvictionPolicy):
     """Lowest priority first, then lowest learned reuse density per byte (module doc)."""
 
@@ -202,15 +198,20 @@ class ReusePolicy(EvictionPolicy):
         super().__init__(clock)
         self.model = ReuseModel(clock) if model is None else model
         self.level = level
-        self._entries: dict[BlockId, _Entry] = {}
-        self._order: list[BlockId] = []  # the same blocks, for O(1) random draws
-        self._random = random.Random(seed)
+        self._index: dict[BlockId, int] = {}  # block -> its row in the arrays below
+        self._order: list[BlockId] = []  # row -> block (rows stay dense: O(1) draws)
+        n = 256
+        self._cls = np.zeros(n, dtype=np.int64)
+        self._since = np.zeros(n)
+        self._size = np.ones(n)
+        self._priority = np.zeros(n, dtype=np.int64)
+        self._slot = np.full(n, -1, dtype=np.int64)  # the block's ReuseModel slot
+        self._random = np.random.default_rng(seed)
         self._sizes = 0  # sum of known sizes, for blocks listed without one
         self._sized = 0
 
     def on_insert(self, block: BlockId, size: int = 0, hint: NextUse | None = None) -> None:
-        entry = self._entries.get(block)
-        if entry is not None:
+        if block in self._index:
             self.on_access(block, hint)
             return
         if size <= 0:  # listed at open: the mean size known so far
@@ -218,77 +219,77 @@ class ReusePolicy(EvictionPolicy):
         else:
             self._sizes += size
             self._sized += 1
-        entry = self._entries[block] = _Entry(len(self._order), size)
+        row = len(self._order)
+        if row == len(self._cls):  # grow the rows by doubling
+            for name, fill in (("_cls", 0), ("_since", 0), ("_size", 1), ("_priority", 0),
+                               ("_slot", -1)):
+                old = getattr(self, name)
+                setattr(self, name, np.concatenate([old, np.full_like(old, fill)]))
+        self._index[block] = row
         self._order.append(block)
-        self.model.seen(block, hint, self.level)
-        self._classify(entry, hint)
+        self._size[row] = size
+        self._classify(block, row, hint)
 
     def on_access(self, block: BlockId, hint: NextUse | None = None) -> None:
-        entry = self._entries.get(block)
-        if entry is None:
+        row = self._index.get(block)
+        if row is None:
             self.on_insert(block, 0, hint)
             return
-        self.model.seen(block, hint, None)
-        self._classify(entry, hint)
+        self._classify(block, row, hint)
 
     def on_remove(self, block: BlockId) -> None:
-        entry = self._entries.pop(block, None)
-        if entry is None:
+        row = self._index.pop(block, None)
+        if row is None:
             return
         self.model.left(block, self.level)
         last = self._order.pop()
-        if last != block:  # move the last block into the freed slot
-            self._order[entry.index] = last
-            self._entries[last].index = entry.index
+        if last != block:  # move the last row into the freed one
+            end = len(self._order)
+            self._order[row] = last
+            self._index[last] = row
+            for array in (self._cls, self._since, self._size, self._priority, self._slot):
+                array[row] = array[end]
 
-    def _classify(self, entry: _Entry, hint: NextUse | None) -> None:
-        entry.cls = reuse_class(hint)
-        entry.priority = 0 if hint is None else hint.priority
+    def _classify(self, block: BlockId, row: int, hint: NextUse | None) -> None:
+        self.model.seen(block, hint, self.level)
+        self._cls[row] = reuse_class(hint)
+        self._priority[row] = 0 if hint is None else hint.priority
         since = None if hint is None else hint.since
-        entry.since = self.clock() if since is None else since
+        self._since[row] = self.clock() if since is None else since
+        self._slot[row] = self.model.slot(block)
 
     # -- choosing --
 
-    def _score(self, block: BlockId, entry: _Entry, now: float
-               ) -> tuple[int, bool, float, float]:
-        # a copy a higher tier also holds serves no read from here: it goes first; equal
-        # densities (ages past any read seen, all 0) go oldest first, as LRU
-        return (entry.priority, not self.model.covered(block, self.level),
-                self.model.density[entry.cls, age_bin(now - entry.since)] / entry.size,
-                entry.since)
-
     def victim(self, exclude: Collection[BlockId] = ()) -> BlockId | None:
-        now, order, entries = self.clock(), self._order, self._entries
-        if len(order) <= SAMPLE:
-            candidates = order
-        else:
-            draw = self._random.randrange
-            candidates = [order[draw(len(order))] for _ in range(SAMPLE)]
-        best, best_score = None, None
-        for block in candidates:
-            if block in exclude:
-                continue
-            score = self._score(block, entries[block], now)
-            if best_score is None or score < best_score:
-                best, best_score = block, score
-        if best is None and candidates is not order:  # every draw excluded: look at all
-            return self._scan(exclude, now)
-        return best
+        n = len(self._order)
+        if n <= SAMPLE:
+            return self._best(np.arange(n), exclude)
+        found = self._best(self._random.integers(0, n, SAMPLE), exclude)
+        return found if found is not None else self._best(np.arange(n), exclude)
 
-    def _scan(self, exclude: Collection[BlockId], now: float) -> BlockId | None:
-        best, best_score = None, None
-        for block, entry in self._entries.items():
+    def _best(self, rows: np.ndarray, exclude: Collection[BlockId]) -> BlockId | None:
+        """The block of ``rows`` to evict first, skipping ``exclude``: lowest priority;
+        then a copy a higher tier also holds (it serves no read from here); then lowest
+        density per byte; equal densities (ages past any read seen) oldest first."""
+        if not len(rows):
+            return None
+        model, since = self.model, self._since[rows]
+        density = model.density[self._cls[rows], age_bins(self.clock() - since)]
+        slots = self._slot[rows]
+        above = model.holders(slots) & ((1 << self.level) - 1)
+        ranked = np.lexsort((since, density / self._size[rows], above == 0,
+                             self._priority[rows]))
+        for k in ranked:
+            block = self._order[rows[k]]
             if block not in exclude:
-                score = self._score(block, entry, now)
-                if best_score is None or score < best_score:
-                    best, best_score = block, score
-        return best
+                return block
+        return None
 
     def __contains__(self, block: BlockId) -> bool:
-        return block in self._entries
+        return block in self._index
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._index)
 
 
 def reuse_policies(clock: Clock = time.monotonic) -> Callable[[], ReusePolicy]:
