@@ -223,6 +223,7 @@ def run_trace_benchmark(
     jobs: int = 2,
     session_ttl_s: float | None = DEFAULT_SESSION_TTL_S,
     one_tier_comparison: bool = True,
+    lookup_tokens: int = 0,
 ) -> dict:
     """Every (policy, capacity fraction) point; see the module docstring for the method.
 
@@ -241,6 +242,8 @@ def run_trace_benchmark(
     if host_ratio < 0 or (disk_fraction is not None and not disk_fraction > 0) or jobs < 1:
         raise InvalidRequest(f"need host_ratio >= 0 (got {host_ratio}), disk_fraction > 0 "
                              f"or None (got {disk_fraction}), jobs >= 1 (got {jobs})")
+    if lookup_tokens < 0:
+        raise InvalidRequest(f"lookup_tokens must be >= 0, got {lookup_tokens}")
     if session_ttl_s is not None and not session_ttl_s > 0:
         raise InvalidRequest(f"session_ttl_s must be > 0 or None, got {session_ttl_s}")
     sizes = layout_sizes(layout, window_tokens)
@@ -310,6 +313,10 @@ def run_trace_benchmark(
                          for label, r in (("with", with_), ("without", without))}},
     }
     report["goals"] = goals(results, report["retention"], disk_fraction)
+    if lookup_tokens:  # after the simulations, so its timing has the cores to itself
+        from bench.trace_lookup import measure  # imports torch and the model
+
+        report["lookup"] = measure(lookup_tokens)
     if one_tier_comparison:
         report["one_tier"] = {
             "method": "kvtier's simulation as one tier of equal-size blocks (no window "
@@ -372,6 +379,11 @@ def format_table(report: dict) -> str:
               + (f" (below at hbm {', '.join(below)})" if below else "")
               + f"; re-prefill with retention {g['reprefill_with_retention']['rate']:.4f} "
               f"({_met(g['reprefill_with_retention'])})"]
+    if "lookup" in report:
+        lk = report["lookup"]
+        lines += [f"lookup of a {lk['tokens']}-token prefix: {lk['lookup_s'] * 1000:.2f} ms, "
+                  f"prefill {lk['prefill_s']:.2f} s: {lk['lookup_vs_prefill']:.2e} of it "
+                  f"(goal < {lk['goal_ratio']:g}: {_met(lk)})"]
     if "one_tier" in report:
         one, lcs = report["one_tier"], report["one_tier"]["libcachesim"]
         lines += ["", "one tier of equal-size blocks, hit rate among re-reads:"]
@@ -420,6 +432,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--session-ttl", type=float, default=DEFAULT_SESSION_TTL_S,
                         help="seconds after its last request a session is deleted "
                              "(0: never)")
+    parser.add_argument("--lookup-tokens", type=int, default=65536,
+                        help="time Lookup of a prefix this long against its prefill with "
+                             "the bundled model (bench.trace_lookup; 0: skip)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
     try:
@@ -428,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             host_ratio=args.host_ratio, disk_fraction=args.disk_fraction,
             policies=[p for p in args.policies.split(",") if p], hint_sigma=args.hint_sigma,
             seed=args.seed, validate_requests=args.validate, jobs=args.jobs,
-            session_ttl_s=args.session_ttl or None)
+            session_ttl_s=args.session_ttl or None, lookup_tokens=args.lookup_tokens)
     except KVTierError as exc:
         print(f"bench.trace: {exc}", file=sys.stderr)
         return 2

@@ -104,7 +104,8 @@ def test_reader_skips_blank_lines_honours_limit_and_refuses_empty(tmp_path):
 def test_cli_reports_a_bad_trace_and_exits_2(tmp_path, capsys):
     path = tmp_path / "t.jsonl"
     path.write_text(GOOD + "\n" + GOOD.replace('"hash_ids"', '"hashes"') + "\n")
-    assert main(["--trace", str(path), "--json", "--validate", "0", "--jobs", "1"]) == 2
+    assert main(["--trace", str(path), "--json", "--validate", "0", "--jobs", "1",
+                 "--lookup-tokens", "0"]) == 2
     assert "t.jsonl:2: missing field(s) ['hash_ids']" in capsys.readouterr().err
 
 
@@ -269,8 +270,12 @@ def test_simulation_agrees_with_the_real_tier_manager(retain):
 def test_json_output_and_tiers(tmp_path, capsys):
     path = write_trace(tmp_path / "t.jsonl", random_trace(7, requests=30))
     assert main(["--trace", str(path), "--json", "--fractions", "0.05,0.2", "--policies",
-                 "lru,belady", "--validate", "20", "--jobs", "1"]) == 0
+                 "lru,belady", "--validate", "20", "--jobs", "1", "--lookup-tokens", "1024"]
+                ) == 0
     report = json.loads(capsys.readouterr().out)
+    lookup = report["lookup"]  # the bundled model prefilled 1024 tokens; lookup found them
+    assert lookup["tokens_held"] == 1024 and lookup["met"]
+    assert 0 < lookup["lookup_s"] < lookup["prefill_s"]
     assert report["validation"]["agree"]
     assert [(r["policy"], r["capacity_fraction"]) for r in report["results"]] == [
         ("lru", 0.05), ("belady", 0.05), ("lru", 0.2), ("belady", 0.2)]
