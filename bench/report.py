@@ -252,12 +252,57 @@ def trace_section(stage: dict) -> list[str]:
                      f"{r['reuse_fast_hit_rate']:.3f}", f"{r['replays']}/{r['resumes']}"])
     out += _table(["hbm fraction", "policy", "hbm", "host", "disk", "new", "re-prefill",
                    "fast (hbm+host)", "fast among re-reads", "replays/continuations"], rows)
-    out += ["", *trace_retention_lines(stage)]
+    out += ["", *trace_retention_lines(stage), *trace_goal_lines(stage)]
     if "validation" in stage:
         v = stage["validation"]
         out += ["", f"Simulation checked against the real TierStack on the first "
                 f"{v['requests']} requests: {'all counts agree' if v['agree'] else 'DIFFER'}."]
     return out + [""]
+
+
+def trace_goal_lines(stage: dict) -> list[str]:
+    """The issue's goals, kvtier next to libCacheSim on one tier, and Lookup's cost."""
+    out: list[str] = []
+    g = stage.get("goals")
+    if g:
+        share, lru = g["belady_share"], g["never_below_lru"]
+        out += ["", "Goals (`kvtier` is the project's policy, `kvstore.policy_reuse."
+                "ReusePolicy`, with hints inferred from the past only):", ""]
+        out += _table(["goal", "measured", "met"], [
+            *[[f"kvtier >= {share['target']:g} x Belady, fast among re-reads, hbm {f}",
+               f"{v['kvtier']:.3f} / {v['belady']:.3f} = **{v['share']:.3f}**",
+               "yes" if v["share"] >= share["target"] else "**no**"]
+              for f, v in share["points"].items()],
+            ["kvtier never below LRU", ", ".join(
+                f"{f}: {v['kvtier']:.3f} vs {v['lru']:.3f}" for f, v in lru["points"].items()
+                if None not in v.values()), "yes" if lru["met"] else
+                f"**no** (at hbm {', '.join(lru['below_at'])})"],
+            ["re-prefill with retention, unbounded disk < 1% of reads",
+             f"{g['reprefill_with_retention']['rate']:.4f}",
+             "yes" if g["reprefill_with_retention"]["met"] else "**no**"]])
+    one = stage.get("one_tier")
+    if one:
+        lcs = one["libcachesim"].get("hit_rate_among_rereads", {})
+        ours = one["hit_rate_among_rereads"]
+        theirs = one["libcachesim"].get("policies", [])
+        mine = list(next(iter(ours.values()), {}))
+        out += ["", "One tier of equal-size blocks, prefix reads, hit rate among re-reads: "
+                "kvtier's simulation (no window blobs, no host tier) next to libCacheSim "
+                f"{one['libcachesim'].get('libcachesim', '')} on the same trace "
+                "(`bench/trace_libcachesim.py`, committed `bench/trace_libcachesim.json`"
+                f"{'' if lcs else ': ' + one['libcachesim'].get('missing', '')}).", ""]
+        out += _table(["cache size", *[f"sim {p}" for p in mine], *theirs],
+                      [[f"{float(f):.0%}", *[f"{ours[f][p]:.3f}" for p in mine],
+                        *[f"{lcs.get(f, {}).get(p, float('nan')):.3f}" for p in theirs]]
+                       for f in ours])
+    lk = stage.get("lookup")
+    if lk:
+        out += ["", f"Lookup of a {lk['tokens']}-token prefix (bundled model, same run, "
+                f"`bench.trace_lookup`): {lk['lookup_s'] * 1000:.2f} ms against "
+                f"{lk['prefill_s']:.1f} s to prefill it: **{lk['lookup_vs_prefill']:.1e}** of "
+                f"the prefill (goal < {lk['goal_ratio']:g}: "
+                f"{'met' if lk['met'] else 'NOT met'})."]
+    return out
 
 
 def _disk(fraction: float | None) -> str:
@@ -506,10 +551,11 @@ def headlines(stages: dict) -> list[str]:
             out.append(f"- Trace, hbm at {fraction:g} of the footprint (host "
                        f"{tr['tiers']['host_ratio']:g}x that): hbm + host hit rate among "
                        f"re-reads: {rates}.")
-        out.append("  (`hint` is given each session's true next gap with noise, an "
-                   "oracle-derived estimate; `hint-causal` the hints kvtier infers from past "
-                   "requests alone; `belady` is the offline optimum. See the method notes "
-                   "in `bench/trace.py`.)")
+        out.append("  (`kvtier` is the project's policy with the hints kvtier infers from "
+                   "past requests alone; `hint` is given each session's true next gap with "
+                   "noise, an oracle-derived estimate, and `kvtier-hint` is kvtier's policy "
+                   "given those; `hint-causal` HintPolicy with inferred hints; `belady` is "
+                   "the offline optimum. See the method notes in `bench/trace.py`.)")
     fa = stages.get("faults")
     if _ok(fa):
         cases = fa["enospc"] + fa["eio"]
