@@ -66,7 +66,7 @@ async def embedded_server(data_dir: Path, model: KVTierLM, **overrides
         **overrides})
     server, port = await create_server(config)
     # the config's in-process backend would load the weights a second time
-    server.servicer.replay = ReplayWorker(model)
+    server.servicer.use_replay(ReplayWorker(model), frozenset({model_layout(model.cfg).replayer}))
     try:
         yield f"127.0.0.1:{port}"
     finally:

@@ -74,6 +74,12 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         self.audit: AuditLog | None = None  # set when auth or an audit log is configured
         self.limits = Limits(Bounds.from_config(config))
 
+    def use_replay(self, backend: ReplayBackend, replayers: frozenset[str]) -> None:
+        """Rebuild windows with ``backend`` (e.g. a model this process holds already) for
+        the layouts whose replayer is one of ``replayers``."""
+        self.replay, self.why_no_replay = backend, ""
+        self.streamer.replayers = replayers
+
     def record_error(self, method: str, code: grpc.StatusCode) -> None:
         self.metrics.record_error(method, code.name)
 
