@@ -357,6 +357,7 @@ class Campaign:
     async def run(self, requests: int, probe_every: int = 250) -> dict:
         self.connect()
         started = time.perf_counter()
+        tasks: list[asyncio.Task] = []
         try:
             await self.spill_protected()
             queue: asyncio.Queue = asyncio.Queue(maxsize=self.concurrency * 2)
@@ -369,10 +370,12 @@ class Campaign:
             watched = asyncio.Event()
             watcher = asyncio.create_task(self.watch_stat(watched))
             probes, probe_rng = [], random.Random(1)
+            tasks += [*workers, watcher]
             for i in range(requests):
                 await queue.put(self.cases.next())
                 if i % probe_every == probe_every - 1:
                     probes.append(asyncio.create_task(self.probe(i, probe_rng)))
+                    tasks.append(probes[-1])
             for _ in workers:
                 await queue.put(None)
             await asyncio.gather(*workers, *probes)
@@ -383,6 +386,11 @@ class Campaign:
             for tenant, sid in self.state.protected:
                 intact &= await self.check_restore(tenant, sid)
         finally:
+            # A run cut short (Hypothesis abandons an example by raising from its random
+            # source) leaves requests in flight: ended before their channels close.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self.disconnect()
         server_errors = self.live.rpc_errors()
         by_code = dict(sorted(self.by_code.items()))

@@ -81,52 +81,62 @@ def flood(rng: random.Random, serial: int) -> str:
 
 
 def hostile(rng: random.Random) -> tuple[str, str]:
-    """(what it is, the JSON)."""
+    """(what it is, the JSON); only the one drawn is built (each draw costs Hypothesis's
+    random source bytes: tests/test_fuzz.py hands it in)."""
     base = honest(rng)
     s = base["streams"][0]
-    plain = {k: v for k, v in base.items() if k not in ("window_tokens", "replayer")}
-    depth = rng.choice((1000, 30_000))
+    one = rng.choice
+    chunk = f'"chunk_tokens":{base["chunk_tokens"]}'
+
+    def with_(**fields) -> str:
+        return _dumps({**base, **fields})
+
+    def stream_with(**fields) -> str:
+        return with_(streams=[{**s, **fields}])
+
+    def deep(depth: int) -> str:  # 20,000: past the parser's recursion limit, in 64 KiB
+        half = depth // 2
+        return one(("[" * depth + "]" * depth, '{"a":' * half + "1" + "}" * half))
+
     cases = {
-        "deep_list": "[" * depth + "]" * depth,
-        "deep_object": '{"a":' * (depth // 3) + "1" + "}" * (depth // 3),
-        "over_64k": _dumps({**base, "notes": "x" * MAX_JSON_BYTES}),
-        "float": _dumps(base).replace(f'"chunk_tokens":{base["chunk_tokens"]}',
-                                      f'"chunk_tokens":{base["chunk_tokens"]}.0'),
-        "nan": _dumps(base).replace(f'"chunk_tokens":{base["chunk_tokens"]}',
-                                    f'"chunk_tokens":{rng.choice(("NaN", "Infinity", "1e3"))}'),
-        "non_ascii": _dumps({**base, "name": rng.choice(("l\u00e9", "\u5c42", "a\U0001f600"))}),
-        "control_name": _dumps({**base, "name": rng.choice(("nl\n", "a\x00", "tab\t", "x\r"))}),
-        "path_name": _dumps({**base, "name": rng.choice(("../x", "/etc/passwd", "a@b", ""))}),
-        "long_name": _dumps({**base, "name": "n" * rng.choice((65, 5000))}),
-        "digits": _dumps(base).replace(f'"chunk_tokens":{base["chunk_tokens"]}',
-                                       '"chunk_tokens":' + "9" * rng.choice((30, 5000))),
-        "huge_dim": _dumps({**base, "streams": [{**s, "entry_shape": [10 ** 30, 2]}]}),
-        "many_dims": _dumps({**base, "streams": [{**s, "entry_shape": [2] * 5000}]}),
-        "zero_dim": _dumps({**base, "streams": [{**s, "entry_shape":
-                                                  rng.choice(([0], [], [-2]))}]}),
-        "huge_layers": _dumps({**base, "streams": [{**s, "layers": 1 << 40}]}),
-        "dup_streams": _dumps({**base, "streams": [s, s]}),
-        "many_streams": _dumps({**base, "streams": [{**s, "name": f"s{i}"} for i in range(65)]}),
-        "no_streams": _dumps({**base, "streams": []}),
-        "pending_persistent": _dumps({**base, "streams": [{**s, "pending": True}]}),
-        "repeated_key": _dumps(base)[:-1] + f',"name":"{base["name"]}x"}}',
-        "wrong_types": _dumps({**base, rng.choice(("streams", "chunk_tokens", "vocab_size",
-                                                   "layer_modes", "baseline")): "abc"}),
-        "bool_int": _dumps({**base, "streams": [{**s, "bits": True}]}),
-        "unknown_key": _dumps({**base, "color": "red"}),
-        "not_an_object": rng.choice(("null", '"x"', "[]", "1", "", "\ufffd", _dumps([base]))),
-        "window_without_w": _dumps({**plain, "streams": [s, {**s, "name": "w",
-                                                             "persistent": False}]}),
-        "bad_replayer": _dumps({**base, "replayer": rng.choice(("evil", "../bundled", ""))}),
-        "vocab": _dumps({**base, "vocab_size": rng.choice((0, -1, (1 << 32) + 1))}),
-        "chunk_tokens": _dumps({**base, "chunk_tokens": rng.choice((0, -16, 1 << 17))}),
-        "over_a_message": _dumps({**base, "chunk_tokens": 1 << 16, "streams": [
-            {**s, "entry_shape": [1 << 20], "bits": 16, "group_size": 0}]}),
-        "layer_modes": _dumps({**base, "layer_modes": rng.choice(([1, 2], ["a@b"],
-                                                                  ["m"] * 4097))}),
+        "deep": lambda: deep(one((1000, 20_000))),
+        "over_64k": lambda: with_(notes="x" * MAX_JSON_BYTES),
+        "float": lambda: _dumps(base).replace(chunk, chunk + ".0"),
+        "nan": lambda: _dumps(base).replace(
+            chunk, '"chunk_tokens":' + one(("NaN", "Infinity", "1e3", "-0.0"))),
+        "non_ascii": lambda: with_(name=one(("l\u00e9", "\u5c42", "a\U0001f600"))),
+        "control_name": lambda: with_(name=one(("nl\n", "a\x00", "tab\t", "x\r"))),
+        "path_name": lambda: with_(name=one(("../x", "/etc/passwd", "a@b", ""))),
+        "long_name": lambda: with_(name="n" * one((65, 5000))),
+        "digits": lambda: _dumps(base).replace(
+            chunk, '"chunk_tokens":' + "9" * one((30, 5000))),
+        "huge_dim": lambda: stream_with(entry_shape=[10 ** 30, 2]),
+        "many_dims": lambda: stream_with(entry_shape=[2] * 5000),
+        "zero_dim": lambda: stream_with(entry_shape=one(([0], [], [-2]))),
+        "huge_layers": lambda: stream_with(layers=1 << 40),
+        "dup_streams": lambda: with_(streams=[s, s]),
+        "many_streams": lambda: with_(streams=[{**s, "name": f"s{i}"} for i in range(65)]),
+        "no_streams": lambda: with_(streams=[]),
+        "pending_persistent": lambda: stream_with(pending=True),
+        "repeated_key": lambda: _dumps(base)[:-1] + f',"name":"{base["name"]}x"}}',
+        "wrong_types": lambda: with_(**{one(("streams", "chunk_tokens", "vocab_size",
+                                             "layer_modes", "baseline")): "abc"}),
+        "bool_int": lambda: stream_with(bits=True),
+        "unknown_key": lambda: with_(color="red"),
+        "not_an_object": lambda: one(("null", '"x"', "[]", "1", "", "\ufffd",
+                                      _dumps([base]))),
+        "window_without_w": lambda: _dumps({
+            **{k: v for k, v in base.items() if k not in ("window_tokens", "replayer")},
+            "streams": [s, {**s, "name": "w", "persistent": False}]}),
+        "bad_replayer": lambda: with_(replayer=one(("evil", "../bundled", ""))),
+        "vocab": lambda: with_(vocab_size=one((0, -1, (1 << 32) + 1))),
+        "chunk_tokens": lambda: with_(chunk_tokens=one((0, -16, 1 << 17))),
+        "over_a_message": lambda: with_(chunk_tokens=1 << 16, streams=[
+            {**s, "entry_shape": [1 << 20], "bits": 16, "group_size": 0}]),
+        "layer_modes": lambda: with_(layer_modes=one(([1, 2], ["a@b"], ["m"] * 4097))),
     }
-    name = rng.choice(sorted(cases))
-    return name, cases[name]
+    name = one(sorted(cases))
+    return name, cases[name]()
 
 
 def layout_body(rng: random.Random, serial: int) -> tuple[str, str, str | None]:
