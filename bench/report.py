@@ -241,7 +241,9 @@ def trace_section(stage: dict) -> list[str]:
            f"{t['continuations']} continuations, {t['lookup_starts']} new sessions started "
            f"from a looked-up prefix. Layout {stage['layout']['name']}: block "
            f"{stage['layout']['block_bytes']} B, window {stage['layout']['window_bytes']} B. "
-           "Method: see `bench/trace.py` (repeated under `method` in results.json).", "",
+           "Method: see `bench/trace.py` (repeated under `method` in results.json)."
+           + (f" This stage was recorded on its own: {stage['recorded_separately']}."
+              if stage.get("recorded_separately") else ""), "",
            "![hit rate](trace_hit_rate.png)", ""]
     rows = []
     for r in stage["results"]:
