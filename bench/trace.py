@@ -34,6 +34,8 @@ How each figure is obtained (the JSON repeats this under "method"):
   model per tier stack, hit density per reuse class learned online from reads, resume
   hints inferred from the past only, as the TierManager infers them: no future
   knowledge), ``kvtier-hint`` (the same given the oracle-derived hints of ``hint``),
+  ``kvtier-returns`` (a probe, not run by default: the same told only whether each
+  session comes back, not when),
   ``lru`` (LRUPolicy), ``hint`` (HintPolicy given the true gap to the
   session's next request x lognormal noise, sigma ``--hint-sigma``: an oracle-derived
   estimate, labelled as such), ``hint-perfect`` (sigma 0), ``hint-causal`` (HintPolicy

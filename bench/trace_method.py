@@ -80,7 +80,9 @@ def describe_method(sizes: dict, host_ratio: float, disk_fraction: float | None,
                   "per reuse class: reads so far x the pause its last hint predicted) "
                   "among 64 drawn at random (seeded), a copy a higher tier also holds "
                   "first; hints inferred as hint-causal's; kvtier-hint: the same policy "
-                  "given hint's oracle-derived hints",
+                  "given hint's oracle-derived hints; kvtier-returns (a probe, not run by "
+                  "default): the same told only whether each session comes back (a 60 s "
+                  "pause if it does, 1e9 s if not)",
         "belady": "evict the block whose next read is farthest ahead (never again: first), "
                   "from a next-use table over the whole trace's read sequence, in every "
                   "tier; optimal for one tier of equal-size blocks, a reference (not a "

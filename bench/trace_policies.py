@@ -11,12 +11,14 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from bench.trace_belady import BeladyPolicy, NextUseTable
-from bench.trace_workload import Workload, causal_hints, oracle_hints
+from bench.trace_workload import FINISHED_PAUSE_S, Workload, causal_hints, oracle_hints
 from kvstore.errors import InvalidRequest
 from kvstore.policy import EvictionPolicy, HintPolicy, LRUPolicy, ResumeHint
 from kvstore.policy_reuse import reuse_policies
 
-POLICIES = ("kvtier", "kvtier-hint", "lru", "hint", "hint-perfect", "hint-causal", "belady")
+POLICIES = ("kvtier", "kvtier-hint", "kvtier-returns", "lru", "hint", "hint-perfect",
+            "hint-causal", "belady")
+RETURNS_PAUSE_S = 60.0  # kvtier-returns: "back soon", the same for every returning session
 
 
 class VirtualClock:
@@ -43,7 +45,9 @@ class PolicySetup:
 def setup_policy(workload: Workload, policy: str, *, hint_sigma: float = 0.5, seed: int = 0,
                  name: Callable[[int], Hashable] | None = None) -> PolicySetup:
     """``kvtier``: ReusePolicy (the project's own), hints inferred from the past only, as
-    the TierManager infers them; ``kvtier-hint``: the same with ``hint``'s hints.
+    the TierManager infers them; ``kvtier-hint``: the same with ``hint``'s hints;
+    ``kvtier-returns``: the same told only whether each session comes back (an oracle
+    bit, no timing: what knowing the future's "who" alone is worth).
     ``lru``: LRUPolicy. ``hint``: HintPolicy, oracle hints with lognormal noise
     ``hint_sigma``; ``hint-perfect``: the same with no noise; ``hint-causal``: HintPolicy,
     hints from past gaps only. ``belady``: farthest next read first (offline table; ``name``
@@ -58,6 +62,10 @@ def setup_policy(workload: Workload, policy: str, *, hint_sigma: float = 0.5, se
         return PolicySetup(lambda: BeladyPolicy(table), no_hints, clock, table.advance)
     if policy == "kvtier":
         return PolicySetup(reuse_policies(clock), causal_hints(workload), clock, None)
+    if policy == "kvtier-returns":  # a probe of what limits kvtier: told only who returns
+        hints = [ResumeHint(expected_pause_s=FINISHED_PAUSE_S if step.next_gap_s is None
+                            else RETURNS_PAUSE_S) for step in workload.steps]
+        return PolicySetup(reuse_policies(clock), hints, clock, None)
     if policy == "hint-causal":
         return PolicySetup(lambda: HintPolicy(clock), causal_hints(workload), clock, None)
     if policy in ("hint", "hint-perfect", "kvtier-hint"):

@@ -212,7 +212,8 @@ def test_bounded_disk_drops_blocks_and_forces_reprefill(tmp_path):
 @pytest.mark.parametrize("seed", range(4))
 def test_belady_hits_at_least_as_often_as_every_policy(tmp_path, seed):
     path = write_trace(tmp_path / "t.jsonl", random_trace(seed))
-    policies = ("kvtier", "lru", "hint", "hint-perfect", "hint-causal", "belady")
+    policies = ("kvtier", "kvtier-returns", "lru", "hint", "hint-perfect", "hint-causal",
+                "belady")
     fractions = (0.02, 0.05, 0.1, 0.2)
     # one tier of equal-size blocks (no window blobs, no host): Belady's MIN is optimal
     single = run_trace_benchmark(path, layout="deepseek-v3", fractions=fractions,
