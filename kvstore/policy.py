@@ -8,6 +8,8 @@ per tier; ``bench/trace.py`` can drive one directly with a virtual clock.
 ``LRUPolicy`` is the baseline. ``HintPolicy`` uses the resume hints an agent framework
 can send (expected pause length, priority) to evict first the block that will be needed
 latest, an online approximation of Belady's optimum; without hints it is exactly LRU.
+``kvstore.policy_reuse.ReusePolicy`` (the project's own, made by ``reuse_policies()``)
+learns from the stack's reads which blocks come back, per reuse frequency, hint and size.
 
 Policies never see a ``ResumeHint`` itself: a ``HintBook``, one per tier stack, turns the
 hints of the sessions storing a block into the block's ``NextUse`` (a time on the
