@@ -474,14 +474,22 @@ def fuzz_section(stage: dict) -> list[str]:
            "and random messages, bombs, wrong section tables, huge ids and token counts, bad "
            "digests, foreign and path-like lease ids, out-of-vocabulary ids, stale and "
            "duplicate generations, Spill messages out of order, streams abandoned or left "
-           f"silent; {stage['probes']} probes spilled and restored through the client "
+           "silent; hostile layouts for RegisterLayout (nesting, floats, huge dims, floods "
+           "up to the bounds), ListLayouts, Lookups of up to 15M tokens and of other "
+           "tenants' prompts, Forks past the source, onto itself and across tenants; "
+           f"{stage['probes']} probes spilled and restored through the client "
            f"between them. {stage['seconds']} s.", ""]
-    out += _table(["crashes", "hangs", "INTERNAL/UNKNOWN (client / server count)",
-                   "wrong tensors", "pre-existing sessions intact", "server peak RSS"],
-                  [[stage["crashes"], stage["hangs"],
-                    f"{stage['internal_or_unknown']} / {stage['server_internal_or_unknown']}",
-                    stage["wrong_tensors"], stage["preexisting_sessions_intact"],
-                    f"{stage['server_peak_rss_mib']:.0f} MiB"]])
+    columns = ["crashes", "hangs", "INTERNAL/UNKNOWN (client / server count)",
+               "wrong tensors", "pre-existing sessions intact", "server peak RSS"]
+    row = [stage["crashes"], stage["hangs"],
+           f"{stage['internal_or_unknown']} / {stage['server_internal_or_unknown']}",
+           stage["wrong_tensors"], stage["preexisting_sessions_intact"],
+           f"{stage['server_peak_rss_mib']:.0f} MiB"]
+    if "prefix_leaks" in stage:  # a prefix found by another tenant; a path in an answer
+        columns += ["prefix leaks", "path leaks", "loop stalls (slowest Stat)"]
+        row += [stage["prefix_leaks"], stage["path_leaks"],
+                f"{stage['stalls']} ({stage['stat_max_s']:.2f} s)"]
+    out += _table(columns, [row])
     out += ["", "Status codes: " + ", ".join(f"{code} {count}" for code, count
                                                in stage["by_code"].items())
             + " (CANCELLED: streams the fuzzer abandoned; CLIENT_WRITE_RACE: the server ended "
@@ -506,7 +514,8 @@ def adversarial_section(stage: dict) -> list[str]:
         return json.dumps(shown, separators=(", ", ": "))[1:-1].replace("|", "/")
 
     out = ["## Adversarial (`python -m bench.adversarial`)", "",
-           "The attacks of issue #11, each against a live server and replay worker; "
+           "The attacks of issue #11, and on layouts at run time and prefix reuse (9a-9d), "
+           "each against a live server and replay worker; "
            f"all held: **{'yes' if stage['all_held'] else 'no'}**.", ""]
     out += _table(["case", "held", "measured"],
                   [[name, "yes" if case["held"] else "**no**", measured(case)]
