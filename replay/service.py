@@ -5,8 +5,9 @@ a server that never needs replay never pays for them."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvstore.errors import InvalidRequest
 from kvstore.layout import LayoutSpec
@@ -15,24 +16,19 @@ from replay.state_codec import Buffer
 from replay.worker import DEFAULT_MAX_BATCH, DEFAULT_REPLAY_TOKENS, ReplayResult, ReplayWorker
 
 
-class ReplayService:
-    def __init__(self, weights: Path = BUNDLED_WEIGHTS, *,
-                 default_tokens: int = DEFAULT_REPLAY_TOKENS,
-                 max_batch: int = DEFAULT_MAX_BATCH) -> None:
-        if not weights.exists():
-            raise InvalidRequest(f"no model weights at {weights}: run `python -m model.train`")
-        self.weights = weights
-        self.default_tokens = default_tokens
-        self.max_batch = max_batch
-        self._worker: ReplayWorker | None = None
+class LazyReplay:
+    """A replay backend whose model is loaded (in a thread) on the first rebuild, so a
+    server that never replays never pays for the weights."""
+
+    def __init__(self, load: Callable[[], Any], make_worker: Callable[[Any], Any]) -> None:
+        self._load, self._make_worker = load, make_worker
+        self._worker = None
         self._loading = asyncio.Lock()
 
-    async def worker(self) -> ReplayWorker:
+    async def worker(self):
         async with self._loading:
             if self._worker is None:
-                model = await asyncio.to_thread(load, self.weights)
-                self._worker = ReplayWorker(model, default_tokens=self.default_tokens,
-                                            max_batch=self.max_batch)
+                self._worker = self._make_worker(await asyncio.to_thread(self._load))
         return self._worker
 
     async def rebuild(self, layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer],
@@ -43,3 +39,13 @@ class ReplayService:
     async def close(self) -> None:
         if self._worker is not None:
             await self._worker.close()
+
+
+class ReplayService(LazyReplay):
+    def __init__(self, weights: Path = BUNDLED_WEIGHTS, *,
+                 default_tokens: int = DEFAULT_REPLAY_TOKENS,
+                 max_batch: int = DEFAULT_MAX_BATCH) -> None:
+        if not weights.exists():
+            raise InvalidRequest(f"no model weights at {weights}: run `python -m model.train`")
+        super().__init__(lambda: load(weights), lambda model: ReplayWorker(
+            model, default_tokens=default_tokens, max_batch=max_batch))

@@ -31,6 +31,7 @@ from kvstore.validate import check_token_ids
 from kvtier import codec as cc
 from kvtier.integrations import deepseek_v4
 from kvtier.integrations.hf_layouts import DEEPSEEK_V4_BITS, deepseek_v4_layout, is_deepseek_v4
+from replay.service import LazyReplay
 from replay.state_codec import Buffer, decode_persistent
 from replay.worker import DEFAULT_REPLAY_TOKENS, MAX_REPLAY_TOKENS, ReplayResult
 
@@ -142,30 +143,14 @@ def _same_cache(a: LayoutSpec, b: LayoutSpec) -> bool:
     return cache(a) == cache(b)
 
 
-class TransformersReplayService:
+class TransformersReplayService(LazyReplay):
     """The in-process backend the server builds for ``replay_hf_model``: the model is
     loaded on the first rebuild, so a server that never replays one never pays for it."""
 
     def __init__(self, path: str | Path, *, seed: int = 0,
                  default_tokens: int = DEFAULT_REPLAY_TOKENS) -> None:
-        self.path, self.seed, self.default_tokens = Path(path), seed, default_tokens
-        if not self.path.exists():
-            raise InvalidRequest(f"no transformers model at {self.path}")
-        self._worker: TransformersReplayWorker | None = None
-        self._loading = asyncio.Lock()
-
-    async def worker(self) -> TransformersReplayWorker:
-        async with self._loading:
-            if self._worker is None:
-                model = await asyncio.to_thread(load_model, self.path, self.seed)
-                self._worker = TransformersReplayWorker(model, default_tokens=self.default_tokens)
-        return self._worker
-
-    async def rebuild(self, layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer],
-                      tail: Buffer, replay_tokens: int | None = None) -> ReplayResult:
-        worker = await self.worker()
-        return await worker.rebuild(layout, token_ids, chunks, tail, replay_tokens)
-
-    async def close(self) -> None:
-        if self._worker is not None:
-            await self._worker.close()
+        path = Path(path)
+        if not path.exists():
+            raise InvalidRequest(f"no transformers model at {path}")
+        super().__init__(lambda: load_model(path, seed), lambda model: TransformersReplayWorker(
+            model, default_tokens=default_tokens))
