@@ -41,6 +41,7 @@ from kvstore.stats import Counters
 from kvstore.tiers.base import Buffer
 from kvstore.validate import restored_chunk_check, window_check
 
+READ_BATCH = 32  # chunks a restore asks the tiers for at once
 # last_access (which TTLs count from) is rewritten at most this often: a manifest commit
 # on every restore would cost a MetaStore write (an fsync on disk) per read.
 ACCESS_PERSIST_S = 60.0
@@ -86,33 +87,47 @@ class SessionReader:
         # promotions made for this reader never evict the session's own blocks
         self.blocks = frozenset(manifest.chunk_keys) | (
             {manifest.window_key} if manifest.window_key else set())
+        # (key, bytes, source tier, bad copies) of chunks read below the top tier, or
+        # beside a bad copy: promoted once the reader is done, off the restore's path
+        self.promotions: list[tuple[str, Buffer, int, list[int]]] = []
 
     async def chunks(self, lookahead: int | None = None) -> AsyncIterator[RestoredChunk]:
-        """Chunks in order, fetching up to ``lookahead`` ahead (default: the manager's
-        ``config.restore_lookahead``); ``DataLoss`` if one is lost."""
+        """Chunks in order, ``DataLoss`` if one is lost. They are read in batches of
+        ``READ_BATCH`` (one ``TierStack.read_many`` each: the disk tier reads a batch in
+        one go), with as many batches as ``lookahead`` chunks (default: the manager's
+        ``config.restore_lookahead``) in flight beyond the one being yielded."""
         lookahead = lookahead or self._restorer.lookahead
         keys = self.manifest.chunk_keys
+        starts = range(0, len(keys), READ_BATCH)
+        ahead = 1 + -(-max(1, lookahead) // READ_BATCH)
         pending: collections.deque[asyncio.Future] = collections.deque()
-        started = 0
         try:
-            while started < len(keys) or pending:
-                while started < len(keys) and len(pending) < max(1, lookahead):
-                    pending.append(asyncio.ensure_future(self._read(started)))
-                    started += 1
-                yield await pending.popleft()
+            for at in starts:
+                pending.append(asyncio.ensure_future(self._read(at, len(keys))))
+                if len(pending) < ahead and at + READ_BATCH < len(keys):
+                    continue
+                for chunk in await pending.popleft():
+                    yield chunk
+            while pending:
+                for chunk in await pending.popleft():
+                    yield chunk
         finally:
             for task in pending:
                 task.cancel()
 
-    async def _read(self, index: int) -> RestoredChunk:
-        key = self.manifest.chunk_keys[index]
-        check = restored_chunk_check(self.spec, self.manifest.token_ids, index, key)
-        try:
-            data, tier = await self._restorer.read_block(key, check, self.blocks)
-        except DataLoss as exc:
-            m = self.manifest
-            raise DataLoss(f"{m.tenant}/{m.session_id} chunk {index}: {exc}") from exc
-        return RestoredChunk(index, key, data, tier)
+    async def _read(self, at: int, end: int) -> list[RestoredChunk]:
+        indices = range(at, min(at + READ_BATCH, end))
+        keys = [self.manifest.chunk_keys[i] for i in indices]
+        checks = [restored_chunk_check(self.spec, self.manifest.token_ids, i, key)
+                  for i, key in zip(indices, keys, strict=True)]
+        got = await self._restorer.read_blocks(keys, checks, self.blocks, self.promotions)
+        out = []
+        for i, key, value in zip(indices, keys, got, strict=True):
+            if isinstance(value, DataLoss):
+                m = self.manifest
+                raise DataLoss(f"{m.tenant}/{m.session_id} chunk {i}: {value}") from value
+            out.append(RestoredChunk(i, key, *value))
+        return out
 
     async def window(self) -> tuple[Buffer | None, str | None]:
         """The window blob and the tier it came from, or (None, None): replay needed."""
@@ -174,7 +189,12 @@ class Restorer:
             manifest = await self._catalog.load_required(tenant, session_id)
             if manifest.expired():
                 raise SessionNotFound(f"session {tenant}/{session_id} has expired")
-            yield SessionReader(self, manifest, get_layout(manifest.layout_id))
+            reader = SessionReader(self, manifest, get_layout(manifest.layout_id))
+            try:
+                yield reader
+            finally:
+                if reader.promotions:
+                    self._spawn(self._promote_all(reader.promotions, reader.blocks))
         self._counters.restores += 1
         if time.time() - manifest.last_access > ACCESS_PERSIST_S:
             self._spawn(self._note_access(tenant, session_id, manifest.generation))
@@ -257,6 +277,25 @@ class Restorer:
             else:
                 self._spawn(promotion)
         return data, self._stack.tiers[source].name
+
+    async def read_blocks(self, keys: list[str], checks: list[Check], protect: frozenset[str],
+                          promotions: list) -> list[tuple[Buffer, str] | DataLoss]:
+        """``read_block`` of each key (its DataLoss in its place), the promotions left
+        in ``promotions`` for the caller to make."""
+        out: list[tuple[Buffer, str] | DataLoss] = []
+        for key, got in zip(keys, await self._stack.read_many(keys, checks), strict=True):
+            if isinstance(got, DataLoss):
+                out.append(got)
+                continue
+            data, source, bad = got
+            if source > 0 or bad:
+                promotions.append((key, data, source, bad))
+            out.append((data, self._stack.tiers[source].name))
+        return out
+
+    async def _promote_all(self, promotions: list, protect: frozenset[str]) -> None:
+        for key, data, source, bad in promotions:
+            await self._promote(key, data, source, bad, protect)
 
     async def _promote(self, key: str, data: Buffer, source: int, bad: list[int],
                        protect: frozenset[str]) -> None:

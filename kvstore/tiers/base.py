@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kvstore.errors import KVTierError
+
 Buffer = bytes | bytearray | memoryview
 
 
@@ -67,6 +69,18 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     async def get(self, key: str) -> Buffer:
         """Return the value, or raise ``ChunkNotFound`` / ``TierUnavailable``."""
+
+    async def get_many(self, keys: Sequence[str]) -> list[Buffer | KVTierError]:
+        """Each key's value, or the error its ``get`` raised (``ChunkNotFound``,
+        ``TierUnavailable``, a ``CodecError``), in order; concurrent gets here, one
+        batched read where a medium does better (the disk tier)."""
+        async def one(key: str) -> Buffer | KVTierError:
+            try:
+                return await self.get(key)
+            except KVTierError as exc:
+                return exc
+
+        return list(await asyncio.gather(*map(one, keys)))
 
     @abc.abstractmethod
     async def delete(self, key: str) -> int:

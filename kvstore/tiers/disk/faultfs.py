@@ -103,8 +103,5 @@ class FaultyFileSystem:
     def mkdir(self, directory: Path) -> None:
         self.inner.mkdir(directory)
 
-    def mmap(self, fd: int):
-        return self.inner.mmap(fd)
-
     def commit_index(self, env: object) -> None:
         self.inner.commit_index(env)

@@ -18,7 +18,6 @@ does not survive a crash, and their content is only a pid for error messages.
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,8 +47,6 @@ class FileSystem(Protocol):
         """Make creations, renames and removals in ``directory`` durable."""
     def listdir(self, directory: Path) -> list[str]: ...
     def mkdir(self, directory: Path) -> None: ...
-    def mmap(self, fd: int) -> mmap.mmap:
-        """A read-only mapping of the whole file as it is now."""
     def commit_index(self, env: object) -> None:
         """Called after each LMDB write transaction of the tier's index committed."""
 
@@ -116,9 +113,6 @@ class OsFileSystem:
 
     def mkdir(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-
-    def mmap(self, fd: int) -> mmap.mmap:
-        return mmap.mmap(fd, 0, prot=mmap.PROT_READ)
 
     def commit_index(self, env: object) -> None:
         return None

@@ -1,13 +1,13 @@
 """Reading records from segment files: cached descriptors, pins, deferred removal.
 
-Reads do not go through aiofiles. A record whose bytes are in the page cache (two
-``RWF_NOWAIT`` one-byte probes, at its first and last byte, say so without blocking) is
-returned as a zero-copy read-only view of the segment's mmap, so a get costs little
-more than its checksum; a record that would wait on the device is read with
-``os.preadv`` in a worker thread, one large read instead of page faults, and never
-blocks the event loop. The probes also prove the file still holds the whole range
-before the mapping is touched; like LMDB's own reads, a mapping is only unsafe if
-someone truncates a segment file behind the store's back at that very moment.
+Reads do not go through aiofiles, nor through a mapping. A record is read with
+``os.preadv`` into a fresh buffer: first with ``RWF_NOWAIT`` on the event loop, which
+copies what the page cache holds of it and never waits on the device, then the rest (a
+cold record, or the part of it readahead has not brought in yet) in a worker thread,
+one large read. A mapping would serve a cached record without the copy, but a record
+that only looks cached (its first and last pages are; readahead filled them) faults its
+other pages in from the device on the event loop while its checksum is computed.
+``read_many`` reads several records of one segment into one buffer in one thread call.
 
 Pins: a reader pins the segment it reads; ``retire`` removes a segment file at once when
 it is unpinned, otherwise when the last pin goes. Another process (the offline
@@ -59,9 +59,7 @@ class SegmentFiles:
         self._fds: OrderedDict[int, int] = OrderedDict()  # LRU of read descriptors
         self._pins: Counter[int] = Counter()
         self._retiring: set[int] = set()
-        self._maps: dict[int, object] = {}  # seg id -> mmap.mmap
         self._nowait = _NOWAIT
-        self._probe = bytearray(1)
 
     def pin(self, seg_id: int) -> None:
         self._pins[seg_id] += 1
@@ -95,8 +93,6 @@ class SegmentFiles:
                         seg_id, exc)
 
     def _close(self, seg_id: int) -> None:
-        # a mapping is dropped, never closed: views handed out keep it alive
-        self._maps.pop(seg_id, None)
         fd = self._fds.pop(seg_id, None)
         if fd is not None:
             self.fs.close(fd)
@@ -124,44 +120,45 @@ class SegmentFiles:
         return fd
 
     async def read(self, seg_id: int, offset: int, size: int) -> memoryview:
-        """A read-only view of ``size`` bytes at ``offset``; the caller holds a pin."""
+        """A read-only copy of ``size`` bytes at ``offset``; the caller holds a pin."""
         fd = self.descriptor(seg_id)
-        view = self._mapped(seg_id, fd, offset, offset + size)
-        if view is not None:
-            return view
         # np.empty, not bytearray: zero-filling 1 MiB first costs as much as the read
         buffer = memoryview(np.empty(size, dtype=np.uint8))
-        done = await asyncio.to_thread(_pread_into, self.fs, fd, buffer, offset)
+        done = self._cached_part(fd, buffer, offset)
+        if done < size:
+            done += await asyncio.to_thread(_pread_into, self.fs, fd, buffer[done:],
+                                            offset + done)
         if done < size:
             log.warning("segment %d: %d bytes at offset %d requested, the file ends after %d",
                         seg_id, size, offset, done)
             raise ChunkTruncated("disk tier: a record runs past the end of its segment")
         return buffer.toreadonly()
 
-    def _mapped(self, seg_id: int, fd: int, offset: int, end: int) -> memoryview | None:
-        """A zero-copy view from the segment's mapping when the range looks cached: its
-        first and last bytes are (RWF_NOWAIT probes), which also proves the file still
-        reaches ``end``. None sends the read to a worker thread instead."""
+    def read_runs(self, runs: list[tuple[int, int, int]], buffer: memoryview) -> None:
+        """Blocking (run it in a worker thread): read each (descriptor, offset, size) run
+        into ``buffer``, back to back; ``ChunkTruncated`` if a file ends inside one."""
+        at = 0
+        for fd, offset, size in runs:
+            if _pread_into(self.fs, fd, buffer[at:at + size], offset) < size:
+                raise ChunkTruncated("disk tier: a record runs past the end of its segment")
+            at += size
+
+    def _cached_part(self, fd: int, buffer: memoryview, offset: int) -> int:
+        """The bytes of the range the page cache holds from its start, copied without
+        waiting on the device (``RWF_NOWAIT``): all of it for a hot record, 0 for a
+        cold one."""
         if not self._nowait:
-            return None
+            return 0
         try:
-            probe = memoryview(self._probe)
-            if (self.fs.read(fd, probe, offset, self._nowait) != 1
-                    or self.fs.read(fd, probe, end - 1, self._nowait) != 1):
-                return None
+            return self.fs.read(fd, buffer, offset, self._nowait)
         except BlockingIOError:
-            return None
+            return 0
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
             log.info("RWF_NOWAIT unsupported in %s; reading in threads", self.directory)
             self._nowait = 0
-            return None
-        mapped = self._maps.get(seg_id)
-        if mapped is None or len(mapped) < end:
-            mapped = self.fs.mmap(fd)  # the whole file as it is now
-            self._maps[seg_id] = mapped
-        return memoryview(mapped)[offset:end] if len(mapped) >= end else None
+            return 0
 
     def close(self) -> None:
         for seg_id in list(self._fds):

@@ -34,14 +34,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import ClassVar
 
 from kvstore.compaction import disk_rewrite
 from kvstore.errors import ChunkCorrupt, ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
 from kvstore.tiers.base import Buffer, Tier
-from kvstore.tiers.disk import metalog
+from kvstore.tiers.disk import batch, metalog
 from kvstore.tiers.disk.fs import OS, FileSystem
 from kvstore.tiers.disk.headroom import DEFAULT_RESERVE_BYTES, check_room
 from kvstore.tiers.disk.index import (
@@ -326,6 +326,10 @@ class DiskTier(Tier):
             finally:
                 self.files.unpin(entry.seg_id)
         raise TierUnavailable(f"disk tier: segments of {key!r} keep vanishing")
+
+    async def get_many(self, keys: Sequence[str]) -> list[Buffer | Exception]:
+        """``get`` of each key, read in file order in one batch (``batch.py``)."""
+        return await batch.get_many(self, keys)
 
     async def _read(self, kb: bytes, entry: IndexEntry) -> memoryview:
         size = record_size(len(kb), entry.value_len)

@@ -1,0 +1,107 @@
+"""Batched reads of the disk tier: many records in file order, one buffer, one thread call.
+
+A session's chunks are appended together, so they mostly lie back to back in one segment.
+``get_many`` looks every key up, orders the records by (segment, offset), merges adjacent
+ones into runs, and in one worker thread reads the runs into one preallocated buffer and
+checks every record (``check_record``), so neither the reads nor the checksums wait on the
+event loop. Per key it answers the value (a read-only view of that buffer) or the error a
+``get`` of it raises; a key it cannot serve so (missing or expired, a segment retired under
+it, a read that failed or came up short) is answered by ``get`` itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvstore.errors import ChunkCorrupt, KVTierError
+from kvstore.tiers.base import Buffer
+from kvstore.tiers.disk.reader import SegmentGone
+from kvstore.tiers.disk.segments import check_record, key_bytes, record_size
+
+if TYPE_CHECKING:
+    from kvstore.tiers.disk.tier import DiskTier
+
+log = logging.getLogger(__name__)
+
+
+async def get_many(tier: DiskTier, keys: Sequence[str]) -> list[Buffer | KVTierError]:
+    tier._check_open()
+    tier._forget_retired()
+    now = tier.clock()
+    out: list[Buffer | KVTierError | None] = [None] * len(keys)
+    wanted = []  # (seg_id, offset, index, key bytes, entry)
+    for i, key in enumerate(keys):
+        kb = key_bytes(key)
+        entry = tier._current(kb)
+        if entry is not None and not entry.expired(now):
+            wanted.append((entry.seg_id, entry.offset, i, kb, entry))
+    wanted.sort(key=lambda w: (w[0], w[1]))
+    segs = {w[0] for w in wanted}
+    for seg_id in segs:
+        tier.files.pin(seg_id)
+    try:
+        await _read_batch(tier, wanted, out)
+    finally:
+        for seg_id in segs:
+            tier.files.unpin(seg_id)
+    for i, got in enumerate(out):
+        if got is None:
+            out[i] = await _get(tier, keys[i])
+    return out  # type: ignore[return-value]
+
+
+async def _read_batch(tier: DiskTier, wanted: list, out: list) -> None:
+    fds, runs, records = {}, [], []  # runs: (fd, offset, size); records: (index, kb, entry)
+    for seg_id, offset, i, kb, entry in wanted:
+        if seg_id not in fds:
+            try:
+                fds[seg_id] = tier.files.descriptor(seg_id)
+            except (SegmentGone, OSError):  # get looks it up again or reports the failure
+                fds[seg_id] = None
+        fd, size = fds[seg_id], record_size(len(kb), entry.value_len)
+        if fd is None:
+            continue
+        if runs and runs[-1][0] == fd and runs[-1][1] + runs[-1][2] == offset:
+            runs[-1] = (fd, runs[-1][1], runs[-1][2] + size)
+        else:
+            runs.append((fd, offset, size))
+        records.append((i, kb, entry, size))
+    if not records:
+        return
+    # np.empty, not bytearray: zero-filling first costs as much as the read
+    buffer = memoryview(np.empty(sum(size for *_, size in records), dtype=np.uint8))
+
+    def read_and_check() -> list[Buffer | KVTierError]:
+        tier.files.read_runs(runs, buffer)
+        values, at = [], 0
+        for _, kb, entry, size in records:
+            try:
+                values.append(check_record(buffer[at:at + size], kb, entry.value_len,
+                                           entry.checksum, f"disk tier, key {kb!r}"
+                                           ).toreadonly())
+            except ChunkCorrupt as exc:
+                log.warning("disk tier %s, segment %d @ %d: %s", tier.path, entry.seg_id,
+                            entry.offset, exc)
+                values.append(exc)
+            at += size
+        return values
+
+    try:
+        values = await asyncio.to_thread(read_and_check)
+    except (OSError, ChunkCorrupt) as exc:  # a failed or short read: each key's get says
+        log.info("disk tier %s: batched read failed, reading one by one: %s", tier.path, exc)
+        return
+    for (i, *_), value in zip(records, values, strict=True):
+        out[i] = value
+
+
+async def _get(tier: DiskTier, key: str) -> Buffer | KVTierError:
+    try:
+        return await tier.get(key)
+    except KVTierError as exc:
+        return exc
