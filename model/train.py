@@ -78,7 +78,8 @@ class TrainConfig:
 # "v1" is what produced the first shipped weights (2 stages, float32, plain ReLU).
 # "curriculum" is the retrain plan of issue 18: 512 -> 2,048 -> 8,192-byte sequences
 # (11.3 M bytes, about one pass over the training split), bf16 linear layers, leaky
-# indexer gradients, a longer dense warm-up. Measured CPU s/step (one thread, bf16):
+# indexer gradients and a sharpened target (no dead indexers in a 120-step check, see
+# model/README.md), a longer dense warm-up. Measured CPU s/step (one thread, bf16):
 # 1.22 at 8 x 512, 6.36 at 4 x 2,048, 27.9 at 1 x 8,192 (attention over T x T/m
 # entries grows with T), so about 36 + 48 + 14 = 98 minutes on a free core.
 PLANS = {
@@ -86,7 +87,7 @@ PLANS = {
     "curriculum": TrainConfig(
         stages=(Stage(1800, 8, 512, 2e-3, 100, 300), Stage(450, 4, 2048, 1e-3, 30, 50),
                 Stage(30, 1, 8192, 3e-4, 5)),
-        index_leak=0.1, linear_dtype="bfloat16"),
+        index_leak=0.1, index_target_power=4.0, linear_dtype="bfloat16"),
 }
 
 
