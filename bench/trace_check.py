@@ -34,12 +34,13 @@ from bench.trace_policies import setup_policy
 from bench.trace_reader import BLOCK_TOKENS, TraceRequest
 from bench.trace_sim import SimTier, TierSim, replay
 from bench.trace_workload import DEFAULT_SESSION_TTL_S, Workload, build_workload
-from kvstore.codec import StreamData, encode_chunk
+from kvstore.codec import StreamData, encode_chunk, verify_chunk
 from kvstore.errors import DataLoss
 from kvstore.layout import LayoutSpec, Stream
 from kvstore.locks import KeyedLocks
 from kvstore.placement import WINDOW_PREFIX, TierStack
 from kvstore.prefix import Retention
+from kvstore.restore import READ_BATCH
 from kvstore.stats import Counters
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.hbm import HBMTier
@@ -139,15 +140,24 @@ async def _replay_stack(workload: Workload, stack: TierStack, refs: dict[str, in
                 named.append(key)
             for key in named:
                 refs[key] = refs.get(key, 0) + 1
-        for i, key in enumerate(_name(b) for b in step.reads):
+        for _ in step.reads:
             if setup.advance is not None:
                 setup.advance(position)
             position += 1
-            tier = await read(key, session) if step.continues or i < len(named) else None
-            if tier is None:
-                misses += 1
-            else:
-                block_hits[tier] += 1
+        # the restore's reader: each batch's chunks from the highest tier holding them,
+        # tier by tier (TierStack.read_many), promotions once it is done
+        readable = list(step.reads if step.continues else step.reads[:len(named)])
+        promotions = []
+        hits_before = sum(block_hits)
+        for at in range(0, len(readable), READ_BATCH):
+            batch = [_name(b) for b in readable[at:at + READ_BATCH]]
+            got = await stack.read_many(batch, [verify_chunk] * len(batch))
+            for key, value in zip(batch, got, strict=True):
+                if not isinstance(value, DataLoss):
+                    block_hits[value[1]] += 1
+                    if value[1] > 0 or value[2]:
+                        promotions.append((key, *value))
+        misses += len(step.reads) - (sum(block_hits) - hits_before)
         if step.window_prev is not None:
             if setup.advance is not None:
                 setup.advance(position)
@@ -157,6 +167,9 @@ async def _replay_stack(workload: Workload, stack: TierStack, refs: dict[str, in
                 replays += 1
             else:
                 window_hits[tier] += 1
+        for key, data, source, bad in promotions:
+            async with locks.hold(key):
+                await stack.promote(key, data, source, bad, session)
         if not step.blocks:
             continue
         protect = frozenset(keys)

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from bench.trace_workload import Ended, Workload
 from kvstore.policy import EvictionPolicy, HintBook, ResumeHint
+from kvstore.restore import READ_BATCH
 
 CAUSES = ("spill", "promotion", "demotion", "writeback")
 
@@ -220,19 +221,27 @@ class TierSim:
 
     # -- reads (TierStack.read, then the restore's promotion) --
 
-    def read(self, key: int, protect: Collection[int]) -> int | None:
-        """The tier that served ``key`` (promoting it when below the top), or None."""
+    def top(self, key: int) -> int | None:
+        """The highest tier holding ``key`` (None: none)."""
         mask = self.where.get(key, 0)
-        if not mask:
+        return (mask & -mask).bit_length() - 1 if mask else None
+
+    def read(self, key: int, protect: Collection[int], promote: bool = True) -> int | None:
+        """The tier that served ``key`` (promoting it when below the top, unless
+        ``promote`` is False: the caller calls ``promote`` later), or None."""
+        j = self.top(key)
+        if j is None:
             return None
-        j = (mask & -mask).bit_length() - 1  # the highest tier holding it
         self.hints.read(key)
         self.policies[j].on_access(key, self.hints.get(key))
-        if j > 0:
-            self._busy.add(key)
-            self.place(key, "promotion", start=0, stop=j, protect=protect)
-            self._busy.discard(key)
+        if j > 0 and promote:
+            self.promote(key, j, protect)
         return j
+
+    def promote(self, key: int, source: int, protect: Collection[int]) -> None:
+        self._busy.add(key)
+        self.place(key, "promotion", start=0, stop=source, protect=protect)
+        self._busy.discard(key)
 
     # -- spill (the manager's _store_chunk / _store_window / _write_back) --
 
@@ -342,24 +351,27 @@ def replay(workload: Workload, sim: TierSim, hints: Sequence[ResumeHint | None],
             named = sim.name_held(step.reads)  # the lookup's run that is still held
             counters.lookup_starts += 1
         served: set[int] = set()
-        for i, key in enumerate(step.reads):
+        # a restore reads each chunk; a lookup's reads stop at its first lost chunk
+        readable = step.reads if step.continues else step.reads[:len(named)]
+        for _ in step.reads:  # Belady's cursor: past every chunk this restore reads
             if advance is not None:
                 advance(position)
             position += 1
-            # a restore reads each chunk; a lookup's reads stop at its first lost chunk
-            tier = sim.read(key, session) if step.continues or i < len(named) else None
-            shared = key in step.shared
-            counters.shared_reads += shared
-            if tier is None:
-                counters.read_misses += 1
-                continue
+        sources: dict[int, int] = {}
+        for key, tier in restore_order(sim, readable):
+            sim.read(key, session, promote=False)
+            sources[key] = tier
             served.add(key)
             counters.block_hits[tier] += 1
-            if shared:
+            if key in step.shared:
                 counters.shared_hits[tier] += 1
             if not step.continues:
                 counters.lookup_blocks += 1
                 counters.retained_hits += key in retained
+        # promotions go in the session's chunk order, as the reader listed them
+        promotions = [(key, sources[key]) for key in readable if sources.get(key, 0) > 0]
+        counters.shared_reads += sum(1 for key in step.reads if key in step.shared)
+        counters.read_misses += len(step.reads) - len(served)
         counters.block_reads += len(step.blocks)
         missed = [key for key in step.blocks if key not in served]
         reprefilled = sum(1 for key in missed if key in seen)
@@ -371,13 +383,26 @@ def replay(workload: Workload, sim: TierSim, hints: Sequence[ResumeHint | None],
                 advance(position)
             position += 1
             counters.resumes += 1
-            tier = sim.read(step.window_prev, session)
+            tier = sim.read(step.window_prev, session)  # promoted at once, as the reader does
             if tier is None:
                 counters.replays += 1
             else:
                 counters.window_hits[tier] += 1
+        for key, source in promotions:
+            sim.promote(key, source, session)
         if step.blocks:
             sim.spill(step.blocks, step.prev_blocks or named, step.window_new,
                       step.window_prev, hint)
         seen.update(step.blocks)
     return counters
+
+
+def restore_order(sim: TierSim, keys: Sequence[int]) -> list[tuple[int, int]]:
+    """(key, tier) of each held key of a restore, in the order the manager's reader asks
+    the tiers for them: batches of ``READ_BATCH`` chunks, each tier's part of a batch in
+    one call, highest tier first (``TierStack.read_many``); keys no tier holds left out."""
+    out = []
+    for at in range(0, len(keys), READ_BATCH):
+        held = [(key, sim.top(key)) for key in keys[at:at + READ_BATCH]]
+        out += sorted(((k, j) for k, j in held if j is not None), key=lambda kj: kj[1])
+    return out
