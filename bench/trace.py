@@ -108,10 +108,12 @@ def make_tiers(footprint: int, fraction: float, host_ratio: float,
 
 
 def simulate(workload: Workload, policy: str, tiers: Sequence[SimTier], block_bytes: int,
-             window_bytes: int, *, hint_sigma: float = 0.5, seed: int = 0) -> TierSim:
+             window_bytes: int, *, hint_sigma: float = 0.5, seed: int = 0,
+             retained_first: bool = True) -> TierSim:
     """Replay ``workload`` through a fresh ``TierSim`` driven by ``policy``; return it."""
     setup = setup_policy(workload, policy, hint_sigma=hint_sigma, seed=seed)
-    sim = TierSim(tiers, setup.factory, block_bytes, window_bytes, retain=workload.retain)
+    sim = TierSim(tiers, setup.factory, block_bytes, window_bytes, retain=workload.retain,
+                  retained_first=retained_first)
     replay(workload, sim, setup.hints, setup.clock.set, setup.advance)
     return sim
 
@@ -189,7 +191,8 @@ def _run_point(job: dict) -> dict:
         workload = _WORKLOADS[job["retain"], job["window_bytes"] > 0]
     sim = simulate(workload, job["policy"], tiers, job["block_bytes"],
                    0 if job["one_tier"] else job["window_bytes"],
-                   hint_sigma=job["hint_sigma"], seed=job["seed"])
+                   hint_sigma=job["hint_sigma"], seed=job["seed"],
+                   retained_first=job["retained_first"])
     return {"policy": job["policy"], "capacity_fraction": job["fraction"],
             "retain": job["retain"], "one_tier": job["one_tier"],
             **summarize(sim, job["window_tokens"]),
@@ -226,6 +229,7 @@ def run_trace_benchmark(
     session_ttl_s: float | None = DEFAULT_SESSION_TTL_S,
     one_tier_comparison: bool = True,
     lookup_tokens: int = 0,
+    retained_first: bool = True,
 ) -> dict:
     """Every (policy, capacity fraction) point; see the module docstring for the method.
 
@@ -244,6 +248,9 @@ def run_trace_benchmark(
     if host_ratio < 0 or (disk_fraction is not None and not disk_fraction > 0) or jobs < 1:
         raise InvalidRequest(f"need host_ratio >= 0 (got {host_ratio}), disk_fraction > 0 "
                              f"or None (got {disk_fraction}), jobs >= 1 (got {jobs})")
+    if validate_requests and not retained_first:
+        raise InvalidRequest("the validation replays the product, which evicts retained chunks "
+                             "first; the what-if of a policy ranking them needs validate 0")
     if lookup_tokens < 0:
         raise InvalidRequest(f"lookup_tokens must be >= 0, got {lookup_tokens}")
     if session_ttl_s is not None and not session_ttl_s > 0:
@@ -261,7 +268,8 @@ def run_trace_benchmark(
     footprint = workload.unique_blocks * sizes["block_bytes"]
     common = {"footprint": footprint, "host_ratio": host_ratio, "disk_fraction": disk_fraction,
               "block_bytes": sizes["block_bytes"], "window_bytes": sizes["window_bytes"],
-              "hint_sigma": hint_sigma, "seed": seed, "window_tokens": window_tokens}
+              "hint_sigma": hint_sigma, "seed": seed, "window_tokens": window_tokens,
+              "retained_first": retained_first}
     middle = sorted(fractions)[len(fractions) // 2]
     points = [{"policy": p, "fraction": f, "retain": True, "one_tier": False, **common}
               for f in fractions for p in policies]
@@ -307,6 +315,7 @@ def run_trace_benchmark(
         "footprint_bytes": footprint,
         "tiers": {"names": list(TIER_NAMES), "host_ratio": host_ratio,
                   "disk_fraction": disk_fraction},
+        "retained_first": retained_first,
         "policies": list(policies),
         "method": describe_method(sizes, host_ratio, disk_fraction, hint_sigma, session_ttl_s),
         "results": results,
@@ -437,6 +446,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lookup-tokens", type=int, default=65536,
                         help="time Lookup of a prefix this long against its prefill with "
                              "the bundled model (bench.trace_lookup; 0: skip)")
+    parser.add_argument("--policy-ranks-retained", action="store_true",
+                        help="what-if: retained chunks are ranked by the tier's policy "
+                             "instead of going first (the manager's evict_first)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
     try:
@@ -445,7 +457,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             host_ratio=args.host_ratio, disk_fraction=args.disk_fraction,
             policies=[p for p in args.policies.split(",") if p], hint_sigma=args.hint_sigma,
             seed=args.seed, validate_requests=args.validate, jobs=args.jobs,
-            session_ttl_s=args.session_ttl or None, lookup_tokens=args.lookup_tokens)
+            session_ttl_s=args.session_ttl or None, lookup_tokens=args.lookup_tokens,
+            retained_first=not args.policy_ranks_retained)
     except KVTierError as exc:
         print(f"bench.trace: {exc}", file=sys.stderr)
         return 2

@@ -115,7 +115,8 @@ class _Skip:
 
 class TierSim:
     def __init__(self, tiers: Sequence[SimTier], policy: Callable[[], EvictionPolicy],
-                 block_bytes: int, window_bytes: int, *, retain: bool = True) -> None:
+                 block_bytes: int, window_bytes: int, *, retain: bool = True,
+                 retained_first: bool = True) -> None:
         self.tiers = tuple(tiers)
         # every tier gets the factory's policy, as in TierStack: an unbounded tier never
         # asks its own for a victim, but a policy may learn from what reaches it
@@ -130,6 +131,9 @@ class TierSim:
         self._busy: set[int] = set()  # keys whose lock the manager would hold now
         self.refs: dict[int, int] = {}  # chunk -> sessions whose stored blocks name it
         self.retain = retain
+        # as the manager: retained chunks go before the policy is asked (False: a what-if
+        # where the tier's policy ranks them with the rest)
+        self.retained_first = retained_first
         # per tier, the retained chunks it holds, oldest kept first
         self.retained: list[OrderedDict[int, None]] = [OrderedDict() for _ in self.tiers]
         self._durable = [i for i, t in enumerate(self.tiers) if t.durable]
@@ -168,7 +172,8 @@ class TierSim:
         if capacity - self.used[j] < size:
             skip = _Skip(protect, self._busy)
             while capacity - self.used[j] < size:
-                victim = next((k for k in self.retained[j] if k not in skip), None)
+                victim = next((k for k in self.retained[j] if k not in skip), None
+                              ) if self.retained_first else None
                 if victim is None:
                     victim = policy.victim(skip)
                 if victim is None:

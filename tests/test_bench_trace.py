@@ -308,6 +308,20 @@ def test_a_trace_without_complete_blocks_is_refused(tmp_path):
         run_trace_benchmark(path, jobs=1, validate_requests=1)
 
 
+def test_the_what_if_of_a_policy_ranking_retained_chunks(tmp_path):
+    """Retained chunks go first in the product; the what-if lets the policy rank them. A
+    short TTL ends sessions, so there are retained chunks to rank."""
+    path = write_trace(tmp_path / "t.jsonl", random_trace(4, requests=80))
+    runs = [run_trace_benchmark(path, fractions=(0.05,), policies=("kvtier",), jobs=1,
+                                session_ttl_s=5, retained_first=first, one_tier_comparison=False)
+            for first in (True, False)]
+    assert [r["retained_first"] for r in runs] == [True, False]
+    assert runs[0]["retention"]["with"]["retained_chunks"] > 0
+    assert all(r["results"][0]["reprefill_blocks"] == 0 for r in runs)  # disk keeps them
+    with pytest.raises(InvalidRequest, match="validate 0"):
+        run_trace_benchmark(path, jobs=1, validate_requests=10, retained_first=False)
+
+
 @pytest.mark.parametrize("options, words", [
     ({"policies": ("lru", "fifo")}, "unknown policies ['fifo']"),
     ({"fractions": (0.1, 0.0)}, "fractions must be > 0"),
