@@ -280,3 +280,34 @@ async def test_where_and_read_chunk_report_placement_without_moving_anything(tmp
     with pytest.raises(InvalidRequest):
         await manager.read_chunk(manifest, 2)
     await manager.close()
+
+
+async def test_a_restore_of_many_batches_reads_in_order_and_promotes_after(tmp_path):
+    """More chunks than one read batch: restore() and a streamed read give every chunk in
+    order, bit-exact, from the disk tier; the promotions to host come once the reader is
+    done, and a chunk missing from every tier is DataLoss naming its index."""
+    from kvstore.restore import READ_BATCH
+
+    host, disk = HostTier(64 * MB), DiskTier(tmp_path / "disk", 64 * MB)
+    manager = await TierManager.open([host, disk], disk.meta)
+    n = 2 * READ_BATCH + 5
+    args = make_session(random_tokens(16 * n, seed=33))
+    await manager.spill("t", "s", generation=1, ack="durable", **args)
+    await manager.drain()
+    await manager.demote("t", "s", "disk")
+    result = await manager.restore("t", "s")
+    assert [bytes(c) for c in result.chunks] == chunk_bytes(args)
+    assert result.chunk_tiers == ["disk"] * n
+    await manager.drain()
+    assert all(manager.where(key)[0] == "host" for key, _ in args["chunks"])
+    await manager.demote("t", "s", "disk")
+    async with manager.reading("t", "s") as reader:
+        got = [(c.index, bytes(c.data)) async for c in reader.chunks(lookahead=1)]
+    assert got == list(enumerate(chunk_bytes(args)))
+    await manager.drain()
+    lost = args["chunks"][READ_BATCH + 1][0]
+    for tier in (host, disk):  # behind the manager's back: it still believes them
+        await tier.delete(lost)
+    with pytest.raises(DataLoss, match=f"chunk {READ_BATCH + 1}:"):
+        await manager.restore("t", "s")
+    await manager.close()
