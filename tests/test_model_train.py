@@ -195,3 +195,25 @@ def test_indexer_target_power_sharpens_the_distillation_target():
         want = -(expect * logp).sum(-1).mean()
         assert torch.allclose(indexer_loss(groups, visible, power), want)
     assert not torch.allclose(indexer_loss(groups, visible, 3.0), indexer_loss(groups, visible))
+
+
+def test_clipping_indexers_apart_leaves_the_lm_gradients_alone():
+    from model.train import clip_groups
+
+    model = KVTierLM(TINY)
+    for name, p in model.named_parameters():  # indexers' norm far above the clip, LM's below
+        big = ".indexer." in name or ".index_key." in name
+        p.grad = torch.full_like(p, 10.0 if big else 1e-4)
+    lm = model.embed.weight
+    before = lm.grad.clone()
+    mine, rest = clip_groups(model, apart=True)
+    assert len(mine) + len(rest) == len(list(model.parameters()))
+    assert {id(p) for p in mine} == {id(p) for n, p in model.named_parameters()
+                                     if "indexer" in n or "index_key" in n}
+    for params in (mine, rest):
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+    assert torch.equal(lm.grad, before)
+    assert torch.cat([p.grad.flatten() for p in mine]).norm() <= 1.0 + 1e-5
+    together, = clip_groups(model, apart=False)
+    torch.nn.utils.clip_grad_norm_(together, 1.0 / 4)
+    assert lm.grad.abs().max() < before.abs().max()
