@@ -447,8 +447,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="time Lookup of a prefix this long against its prefill with "
                              "the bundled model (bench.trace_lookup; 0: skip)")
     parser.add_argument("--policy-ranks-retained", action="store_true",
-                        help="what-if: retained chunks are ranked by the tier's policy "
-                             "instead of going first (the manager's evict_first)")
+                        help="what-if: every policy ranks retained chunks itself (the "
+                             "reuse policy always does; the others evict them first)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
     try:

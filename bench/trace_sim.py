@@ -172,8 +172,10 @@ class TierSim:
         if capacity - self.used[j] < size:
             skip = _Skip(protect, self._busy)
             while capacity - self.used[j] < size:
+                # as TierStack: retained first, unless the policy ranks them itself
+                first = self.retained_first and not policy.ranks_retained
                 victim = next((k for k in self.retained[j] if k not in skip), None
-                              ) if self.retained_first else None
+                              ) if first else None
                 if victim is None:
                     victim = policy.victim(skip)
                 if victim is None:

@@ -306,7 +306,8 @@ class TierStack:
         tier, policy = self.tiers[j], self.policies[j]
         skip = _Skip(self.locks, set(), protect)
         while tier.free_bytes < size:
-            victim = (self.evict_first and self.evict_first(j, skip)) or policy.victim(skip)
+            first = self.evict_first if not policy.ranks_retained else None
+            victim = (first and first(j, skip)) or policy.victim(skip)
             if victim is None:
                 return False
             skip.keys.add(victim)

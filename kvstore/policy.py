@@ -194,6 +194,10 @@ class EvictionPolicy(abc.ABC):
     proposes; nothing leaves the policy until the caller reports ``on_remove``.
     """
 
+    # Whether the policy ranks unreferenced (retained) blocks among the rest itself; when
+    # not, a tier stack evicts retained chunks before asking it (kvstore.prefix).
+    ranks_retained = False
+
     def __init__(self, clock: Clock = time.monotonic) -> None:
         self.clock = clock
 

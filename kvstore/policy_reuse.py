@@ -192,6 +192,8 @@ class ReuseModel:
 class ReusePolicy(EvictionPolicy):
     """Lowest priority first, then lowest learned reuse density per byte (module doc)."""
 
+    ranks_retained = True  # a retained chunk's learned density says what it is worth
+
     def __init__(self, clock: Clock = time.monotonic, *, model: ReuseModel | None = None,
                  level: int = 0, seed: int = 0) -> None:
         """``level``: the tier's place in its stack, highest 0 (``reuse_policies``)."""

@@ -42,7 +42,7 @@ DEFAULT_REPLAY_PORT = 50052
 ACKS = ("memory", "durable")
 REPLAY_MODES = ("auto", "in-process", "remote", "streams", "off")
 LAYOUT_POLICIES = ("auto", "admin", "any", "none")  # register_layouts
-EVICTION_POLICIES = ("hint", "lru")
+EVICTION_POLICIES = ("reuse", "hint", "lru")
 # What kvstore.tiers.redis.RedisTier connects to, and what boto3 takes as an endpoint.
 REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix")
 S3_ENDPOINT_SCHEMES = ("http", "https")
@@ -86,9 +86,11 @@ class ServerConfig:
     advertise_address: str = ""
     # Behaviour.
     default_ack: str = "memory"  # what ACK_UNSPECIFIED means
-    # hint: kvstore.policy.HintPolicy (resume hints, sent or inferred; LRU order without
-    # any); lru: LRUPolicy, hints ignored.
-    eviction: str = "hint"
+    # reuse: kvstore.policy_reuse.ReusePolicy (reuse learned from every tier's reads, per
+    # read count and resume hint, per byte; retained chunks ranked with the rest); hint:
+    # kvstore.policy.HintPolicy (resume hints, sent or inferred; LRU order without any;
+    # retained chunks first); lru: LRUPolicy, hints ignored.
+    eviction: str = "reuse"
     # REPLAY_MODES; auto: remote when replay_workers are named, else streams when
     # replay_redis_url is set, else in-process.
     replay: str = "auto"

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from kvstore.errors import Busy, InvalidRequest
 from kvstore.manager import MANAGER_PRESETS, ManagerConfig, TierManager
 from kvstore.policy import HintPolicy, LRUPolicy
+from kvstore.policy_reuse import reuse_policies
 from kvstore.quota import Quotas
 from kvstore.tiers.base import MemoryMetaStore, MetaStore, Tier
 from kvstore.tiers.hbm import HBMTier
@@ -185,7 +186,8 @@ async def open_manager(config: ServerConfig) -> TierManager:
         if keyring is not None:
             log.info("encryption at rest: on (key ids %s, current %s)", keyring.key_ids,
                      keyring.current)
-        policy = HintPolicy if config.eviction == "hint" else LRUPolicy
+        # reuse_policies() is one factory per stack: its tiers' policies share one model
+        policy = {"reuse": reuse_policies(), "hint": HintPolicy, "lru": LRUPolicy}[config.eviction]
         options = {"policy": policy, "config": manager_config(config),
             "quotas": Quotas.from_tables(config.quota)}
         if keyring is None:
