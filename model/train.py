@@ -68,6 +68,7 @@ class TrainConfig:
     # distillation gradients (norm ~10 against the LM's ~0.4, measured) otherwise set the
     # one global clip factor for the LM too.
     clip_indexers_apart: bool = False
+    index_lr_scale: float = 1.0  # the indexers' and index keys' learning rate, x the stage's
     seed: int = 1234
     # One thread: on shared cores two OpenMP threads spin-wait on each other and ran 3x
     # slower than one (measured); the result also depends on it, so it is fixed here.
@@ -82,8 +83,9 @@ class TrainConfig:
 # "v1" is what produced the first shipped weights (2 stages, float32, plain ReLU).
 # "curriculum" is the retrain plan of issue 18: 512 -> 2,048 -> 8,192-byte sequences
 # (11.3 M bytes, about one pass over the training split), bf16 linear layers, leaky
-# indexer gradients, a sharpened target and their own clip (they keep the indexers
-# alive; see model/README.md for what they do not yet achieve), a longer dense warm-up.
+# indexer gradients, a sharpened target, their own clip and a tenth of the learning
+# rate (model/README.md: four of five indexers at 1.5x chance or more after 240 steps),
+# a longer dense warm-up.
 # Measured CPU s/step (one thread, bf16):
 # 1.22 at 8 x 512, 6.36 at 4 x 2,048, 27.9 at 1 x 8,192 (attention over T x T/m
 # entries grows with T), so about 36 + 48 + 14 = 98 minutes on a free core.
@@ -93,7 +95,7 @@ PLANS = {
         stages=(Stage(1800, 8, 512, 2e-3, 100, 300), Stage(450, 4, 2048, 1e-3, 30, 50),
                 Stage(30, 1, 8192, 3e-4, 5)),
         index_leak=0.1, index_target_power=4.0, clip_indexers_apart=True,
-        linear_dtype="bfloat16"),
+        index_lr_scale=0.1, linear_dtype="bfloat16"),
 }
 
 
@@ -111,12 +113,21 @@ def new_log() -> dict:
             "dense_steps": [], "stage_wall_s": []}
 
 
+def is_indexer(name: str) -> bool:
+    """Parameters only the indexer loss trains: indexers and index keys."""
+    return ".indexer." in name or ".index_key." in name
+
+
 def optimizer(model: KVTierLM, tc: TrainConfig, peak: float) -> torch.optim.AdamW:
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=peak, betas=(0.9, 0.95))
+    named = list(model.named_parameters())
+    apart = tc.index_lr_scale != 1.0
+    groups = [{"params": [p for n, p in named if p.dim() >= 2 and not (apart and is_indexer(n))],
+               "weight_decay": tc.weight_decay},
+              {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
+    if apart:
+        groups.append({"params": [p for n, p in named if is_indexer(n)],
+                       "weight_decay": tc.weight_decay, "lr_scale": tc.index_lr_scale})
+    return torch.optim.AdamW(groups, lr=peak, betas=(0.9, 0.95))
 
 
 class Run:
@@ -190,7 +201,8 @@ def train_steps(run: Run, until: int | None, directory: Path | None) -> None:
                     run.save(directory)
                 return
             for group in run.opt.param_groups:
-                group["lr"] = lr_at(st.lr, st.warmup, st.steps, tc.min_lr_frac, step)
+                group["lr"] = (lr_at(st.lr, st.warmup, st.steps, tc.min_lr_frac, step)
+                               * group.get("lr_scale", 1.0))
             ids = run.sampler.next()
             sparse = step >= st.dense_steps
             logits, aux = forward_train(run.model, ids[:, :-1], sparse=sparse,
@@ -228,8 +240,7 @@ def clip_groups(model: KVTierLM, apart: bool) -> list[list[torch.nn.Parameter]]:
     if not apart:
         return [list(model.parameters())]
     named = list(model.named_parameters())
-    mine = [p for n, p in named if ".indexer." in n or ".index_key." in n]
-    return [mine, [p for n, p in named if not (".indexer." in n or ".index_key." in n)]]
+    return [[p for n, p in named if is_indexer(n)], [p for n, p in named if not is_indexer(n)]]
 
 
 def round_to_fp16(model: KVTierLM) -> None:

@@ -217,3 +217,19 @@ def test_clipping_indexers_apart_leaves_the_lm_gradients_alone():
     together, = clip_groups(model, apart=False)
     torch.nn.utils.clip_grad_norm_(together, 1.0 / 4)
     assert lm.grad.abs().max() < before.abs().max()
+
+
+def test_index_lr_scale_zero_freezes_only_the_indexers(tmp_path, monkeypatch):
+    from model import train as train_mod
+
+    monkeypatch.setattr(train_mod, "plot", lambda *a: None)
+    tc, threads = tiny_plan(index_lr_scale=0.0), torch.get_num_threads()
+    try:
+        train_mod.train(tc, tmp_path / "w.safetensors")
+    finally:
+        restore_torch_flags(threads)
+    torch.manual_seed(tc.seed)
+    start = {n: p.half().float() for n, p in KVTierLM(TINY).named_parameters()}  # the init
+    trained = dict(checkpoint.load(tmp_path / "w.safetensors").named_parameters())
+    for name, p in trained.items():
+        assert torch.equal(p, start[name]) == train_mod.is_indexer(name), name
