@@ -63,7 +63,8 @@ def libcachesim_results(trace_path: str, limit: int | None) -> dict:
         return {"missing": f"{LIBCACHESIM_JSON.name} not found; run bench/trace_libcachesim.py"}
     recorded = json.loads(LIBCACHESIM_JSON.read_text())
     trace = recorded.get("trace", {})
-    if trace.get("path") != trace_path or trace.get("limit") != limit:
+    # the same trace file, wherever it was read from (relative or absolute paths)
+    if Path(trace.get("path", "")).name != Path(trace_path).name or trace.get("limit") != limit:
         return {"missing": f"{LIBCACHESIM_JSON.name} was made on {trace.get('path')} "
                            f"(limit {trace.get('limit')}), not this trace"}
     return {k: recorded[k] for k in ("libcachesim", "trace", "method", "policies",
