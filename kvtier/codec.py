@@ -139,30 +139,9 @@ def _slice(spec: LayoutSpec, streams: Streams, start: int, stop: int) -> dict[st
 
 
 def encode_window(spec: LayoutSpec, tokens: np.ndarray, window: Streams) -> bytes:
-    """Encode ephemeral streams as the window blob: streams covering the same number of
-    tokens (the window K/V over the last W tokens; the pending rows of an unfinished
-    entry) become one ephemeral chunk each, ending at the session's last token."""
-    from kvstore.codec import StreamData, encode_chunk
-    known = {s.name: s for s in spec.ephemeral_streams}
-    if not window or set(window) - set(known):
-        raise LayoutMismatch(f"window streams must be some of {sorted(known)}, "
-                             f"got {sorted(window)}")
-    groups: dict[int, dict[str, StreamData]] = {}
-    for name, data in window.items():
-        if not isinstance(data, StreamData) or data.codes.dim() < 2:
-            raise InvalidRequest(f"window stream {name} must be a StreamData with codes "
-                                 "(layers, entries, ...)")
-        covered = data.codes.shape[1] * known[name].tokens_per_entry
-        groups.setdefault(covered, {})[name] = data
-    parts = []
-    for covered, streams in sorted(groups.items(), reverse=True):
-        if covered > len(tokens):
-            raise InvalidRequest(f"window streams {sorted(streams)} cover {covered} tokens; "
-                                 f"the session has {len(tokens)}")
-        if covered:
-            start = len(tokens) - covered
-            parts.append(encode_chunk(spec, start, tokens[start:], streams, ephemeral=True))
-    return b"".join(parts)
+    """The window blob of ``window``'s ephemeral streams (``kvstore.window_blob``)."""
+    from kvstore.window_blob import encode_window as encode  # torch: loaded only when used
+    return encode(spec, tokens, window)
 
 
 def check_digests(chunks: Sequence[bytes | memoryview], digests: Sequence[bytes],

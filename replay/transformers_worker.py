@@ -6,7 +6,7 @@
     result.window     # window blob: window K=V + compressor partial-block state
 
 It decodes the session's persisted compressor and indexer entries, reruns the last R
-tokens (aligned, ``kvtier.integrations.deepseek_v4.replay_start``) through the model with
+tokens (aligned, ``kvstore.hf.deepseek_v4.replay_start``) through the model with
 its compressors frozen, and encodes what that rebuilt as ephemeral chunks. ``load_model``
 takes a ``save_pretrained`` directory, or a config JSON whose weights are drawn at random
 from ``seed`` (for tests and benchmarks: no download ever happens). Model compute runs on
@@ -26,13 +26,13 @@ import numpy as np
 import torch
 
 from kvstore.errors import InvalidRequest, LayoutMismatch, UnknownLayout
+from kvstore.hf import deepseek_v4
+from kvstore.hf.layouts import DEEPSEEK_V4_BITS, deepseek_v4_layout, is_deepseek_v4
 from kvstore.layout import LayoutSpec, get_layout
 from kvstore.validate import check_token_ids
-from kvtier import codec as cc
-from kvtier.integrations import deepseek_v4
-from kvtier.integrations.hf_layouts import DEEPSEEK_V4_BITS, deepseek_v4_layout, is_deepseek_v4
+from kvstore.window_blob import encode_window
 from replay.service import LazyReplay
-from replay.state_codec import Buffer, decode_persistent
+from replay.state_codec import Buffer, as_token_array, decode_persistent
 from replay.worker import DEFAULT_REPLAY_TOKENS, MAX_REPLAY_TOKENS, ReplayResult
 
 
@@ -109,7 +109,7 @@ class TransformersReplayWorker:
                       tail: Buffer, replay_tokens: int | None = None) -> ReplayResult:
         """Same call as ``ReplayWorker.rebuild``."""
         spec = self.layout_for(layout)
-        ids = cc.as_tokens(token_ids)
+        ids = as_token_array(token_ids)
         if not len(ids):
             raise InvalidRequest("a session without tokens has no window to rebuild")
         check_token_ids(spec, ids)
@@ -126,7 +126,7 @@ class TransformersReplayWorker:
         persistent = decode_persistent(spec, ids, chunks, tail)
         tokens = torch.from_numpy(ids.astype(np.int64))
         window, replayed = deepseek_v4.replay_window(spec, self.model, tokens, persistent, r)
-        blob = cc.encode_window(spec, ids, window)
+        blob = encode_window(spec, ids, window)
         return ReplayResult(blob, replayed, time.perf_counter() - started)
 
     async def close(self) -> None:

@@ -16,8 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from bench.hf import compare, follow_logits, tiny_model  # noqa: E402
 from kvstore.errors import LayoutMismatch  # noqa: E402
+from kvstore.hf import deepseek_v4  # noqa: E402
 from kvtier import AsyncClient  # noqa: E402
-from kvtier.integrations import deepseek_v4  # noqa: E402
 from kvtier.integrations.transformers import (  # noqa: E402
     async_resume_cache,
     async_spill_cache,

@@ -7,13 +7,13 @@
     cache, tokens = resume_cache(client, "acme", "s1", model)
     model.generate(torch.cat([tokens, last])[None], past_key_values=cache, ...)
 
-The layout comes from ``model.config`` (``kvtier.integrations.hf_layouts``): spill_cache
+The layout comes from ``model.config`` (``kvstore.hf.layouts``): spill_cache
 registers it with the server when the server does not know it (``UnknownLayout``) and
 retries once. Standard models (a ``DynamicCache`` of full-attention layers) keep every
 layer persistent, at bf16 (``bits=16``, lossless for a bf16 model) or int8; nothing to
 replay. DeepseekV4 keeps its compressor and indexer entries at 4 or 8 bits and drops the
 window and the partial-block state; resume_cache has them rebuilt by bounded replay
-(``kvtier.integrations.deepseek_v4``): by the server's replay worker (``replay="server"``),
+(``kvstore.hf.deepseek_v4``): by the server's replay worker (``replay="server"``),
 by this process's model (``"local"``), or the server's when it has one (``"auto"``).
 
 ``async_spill_cache`` / ``async_resume_cache`` take a ``kvtier.AsyncClient``; the model's
@@ -30,10 +30,10 @@ from transformers.cache_utils import DynamicCache
 
 from kvstore.codec import StreamData
 from kvstore.errors import InvalidRequest, LayoutMismatch, PreconditionFailed, UnknownLayout
+from kvstore.hf import deepseek_v4
+from kvstore.hf.layouts import candidate_layouts, is_deepseek_v4, layout_for
+from kvstore.hf.quant import decode_values, encode_values
 from kvstore.layout import LayoutSpec
-from kvtier.integrations import deepseek_v4
-from kvtier.integrations.hf_layouts import candidate_layouts, is_deepseek_v4, layout_for
-from kvtier.integrations.quant import decode_values, encode_values
 from kvtier.sync import Client
 from kvtier.types import RestoredSession, SpillResult
 

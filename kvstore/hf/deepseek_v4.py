@@ -39,9 +39,9 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 
 from kvstore.codec import StreamData
 from kvstore.errors import InvalidRequest, LayoutMismatch
+from kvstore.hf.layouts import CSA, HCA
+from kvstore.hf.quant import decode_values, encode_values
 from kvstore.layout import LayoutSpec
-from kvtier.integrations.hf_layouts import CSA, HCA
-from kvtier.integrations.quant import decode_values, encode_values
 
 NAMES = {"compressor": ("csa.kv", "csa.buffer", "csa.overlap"),
          "indexer": ("csa.index", "csa.index_buffer", "csa.index_overlap")}

@@ -1,0 +1,8 @@
+"""transformers model families in kvtier's terms: the layout of a model's cache
+(``layouts``), its values in a layout's streams (``quant``), and DeepseekV4's cache
+classes to and from streams with bounded replay (``deepseek_v4``).
+
+Shared by the client integration (``kvtier.integrations.transformers``) and the replay
+worker (``replay.transformers_worker``), which may not import each other; ``deepseek_v4``
+imports transformers, the rest do not.
+"""
