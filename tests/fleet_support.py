@@ -10,6 +10,7 @@ from pathlib import Path
 from kvstore.fleet import GcTiming, prepare_bucket
 from kvstore.manifest import MANIFEST_PREFIX, SessionManifest
 from services.server.config import ServerConfig
+from services.server.server import create_server
 from services.server.store import open_manager
 
 # Sweeps for tests: every unnamed chunk is collectable at once (no grace, no retention),
@@ -59,3 +60,21 @@ async def fleet_nodes(make_config: Callable[..., ServerConfig]) -> AsyncIterator
     finally:
         for manager in managers:
             await manager.close()
+
+
+@contextlib.asynccontextmanager
+async def fleet_servers(make_config: Callable[[str], ServerConfig], names: str
+                        ) -> AsyncIterator[dict[str, str]]:
+    """A real server per name on a free loopback port (``make_config(name)``, listening
+    on port 0); yields name -> address, every server stopped at the end."""
+    servers = []
+    addresses: dict[str, str] = {}
+    try:
+        for name in names:
+            server, port = await create_server(make_config(name))
+            servers.append(server)
+            addresses[name] = f"127.0.0.1:{port}"
+        yield addresses
+    finally:
+        for server in servers:
+            await server.stop(0.5)

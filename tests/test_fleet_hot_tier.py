@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 import pytest
-from fleet_support import shared_config
+from fleet_support import fleet_servers, shared_config
 from redis.cluster import RedisCluster
 from test_manager_support import TINY, make_session, random_tokens
 
@@ -21,7 +21,6 @@ from kvstore.errors import ChunksNotHeld
 from kvstore.manager import TierManager
 from kvtier import AsyncClient
 from services.server.config import ServerConfig
-from services.server.server import create_server
 from services.server.store import open_manager
 
 PREFIX = "kvtier:"  # ServerConfig.redis_prefix
@@ -177,23 +176,18 @@ async def test_with_redis_down_spills_are_durable_and_resumes_come_from_the_buck
 
 async def test_stat_on_the_other_node_counts_its_resume_as_redis_hits(
         node_config, redis_cluster):
-    servers = {}
-    try:
-        for name in "ab":
-            config = dataclasses.replace(node_config(name, redis_cluster),
-                                         listen="127.0.0.1:0", replay="off")
-            server, port = await create_server(config)
-            servers[name] = (server, f"127.0.0.1:{port}")
+    def config(name: str) -> ServerConfig:
+        return dataclasses.replace(node_config(name, redis_cluster), listen="127.0.0.1:0",
+                                   replay="off")
+
+    async with fleet_servers(config, "ab") as servers:
         session = make_session(random_tokens(70, 8), seed=8, tenant="acme", window=False)
         chunks = [data for _, data in session["chunks"]]
-        async with AsyncClient(servers["a"][1]) as on_a, \
-                AsyncClient(servers["b"][1]) as on_b:
+        async with AsyncClient(servers["a"]) as on_a, \
+                AsyncClient(servers["b"]) as on_b:
             await on_a.spill("acme", "s1", TINY, session["token_ids"], chunks=chunks,
                              tail=session["tail"], generation=1, ack="durable")
             got = await on_b.restore("acme", "s1", want_window=False)
             assert [bytes(c) for c in got.chunks] == chunks
             tiers = {t.name: t for t in (await on_b.stat()).tiers}
             assert tiers["redis"].hits == len(chunks) and tiers["object"].hits == 0
-    finally:
-        for server, _ in servers.values():
-            await server.stop(0.5)

@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 import test_fleet_hot_tier
+from fleet_support import fleet_servers
 from redis.cluster import RedisCluster
 from test_fleet_hot_tier import PREFIX, assert_same, nodes
 from test_manager_support import TINY, make_session, random_tokens
@@ -20,7 +21,7 @@ from kvstore.errors import PreconditionFailed
 from kvstore.keys import block_key, split_block_key
 from kvstore.tiers.redis import RedisTier, RedisTierConfig
 from kvtier import AsyncClient
-from services.server.server import create_server
+from services.server.config import ServerConfig
 from tests.service_support import LAYOUT, assert_streams_equal, streams_for, tokens_for
 
 C = TINY.chunk_tokens
@@ -174,18 +175,16 @@ async def test_without_shared_metadata_a_lookup_asks_no_tier(node_config, redis_
 
 async def test_lookup_over_grpc_on_b_then_a_spill_sends_only_the_chunks_past_it(
         node_config, redis_cluster):
-    servers = {}
-    try:
-        for name in "abc":
-            config = dataclasses.replace(node_config(name, redis_cluster),
-                                         listen="127.0.0.1:0", replay="off")
-            server, port = await create_server(config)
-            servers[name] = (server, f"127.0.0.1:{port}")
+    def config(name: str) -> ServerConfig:
+        return dataclasses.replace(node_config(name, redis_cluster), listen="127.0.0.1:0",
+                                   replay="off")
+
+    async with fleet_servers(config, "abc") as servers:
         chunk = LAYOUT.chunk_tokens
         system = tokens_for(3 * chunk, seed=11)
         full = streams_for(LAYOUT, len(system), seed=11)
-        async with AsyncClient(servers["a"][1]) as on_a, \
-                AsyncClient(servers["b"][1]) as on_b, AsyncClient(servers["c"][1]) as on_c:
+        async with AsyncClient(servers["a"]) as on_a, \
+                AsyncClient(servers["b"]) as on_b, AsyncClient(servers["c"]) as on_c:
             await on_a.spill("acme", "s1", LAYOUT.name, system, full, generation=1,
                              ack="durable")
             assert await on_b.lookup("evil", LAYOUT.name, system) == 0
@@ -194,9 +193,6 @@ async def test_lookup_over_grpc_on_b_then_a_spill_sends_only_the_chunks_past_it(
                                     ack="durable")
             assert (sent.chunks_sent, sent.chunks_deduped) == (0, 3)
             assert_streams_equal((await on_c.restore("acme", "s2")).persistent, full)
-    finally:
-        for server, _ in servers.values():
-            await server.stop(0.5)
 
 
 async def test_redis_chain_pointers_follow_their_chunks(redis_cluster):

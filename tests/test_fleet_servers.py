@@ -14,11 +14,11 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import torch
+from fleet_support import fleet_servers
 
 from bench.live_server import Child
 from kvstore.errors import GenerationConflict, InvalidRequest, SessionNotFound, StaleGeneration
@@ -32,7 +32,7 @@ from model.net import KVTierLM
 from replay.state_codec import state_to_chunks
 from services import cli
 from services.server.config import ServerConfig, load_config
-from services.server.server import KVTierServer, create_server
+from services.server.server import create_server
 
 SPEC = get_layout("kvtier-bundled")
 TOKENS = 1100  # two whole chunks (512 tokens each) and a tail; the window is 128
@@ -63,22 +63,12 @@ def fleet_env(s3_server, s3_bucket, s3_credentials, monkeypatch, model_state):
             "replay_weights": str(model_state[0]), "host_bytes": "16MiB"}
 
 
-@contextlib.asynccontextmanager
-async def fleet(tmp_path: Path, shared: dict, redis_url: str, names: str = "abc"
-                ) -> AsyncIterator[dict[str, tuple[KVTierServer, str]]]:
-    """One real server per name (its node_id), each over its own data directory."""
-    nodes: dict[str, tuple[KVTierServer, str]] = {}
-    try:
-        for name in names:
-            config = load_config(preset="test", env={}, overrides={
-                **shared, "redis_url": redis_url, "node_id": name,
-                "data_dir": tmp_path / name, "listen": "127.0.0.1:0"})
-            server, port = await create_server(config)
-            nodes[name] = (server, f"127.0.0.1:{port}")
-        yield nodes
-    finally:
-        for server, _ in nodes.values():
-            await server.stop(0.5)
+def fleet(tmp_path: Path, shared: dict, redis_url: str, names: str = "abc"):
+    """One real server per name (its node_id), each over its own data directory; yields
+    name -> address."""
+    return fleet_servers(lambda name: load_config(preset="test", env={}, overrides={
+        **shared, "redis_url": redis_url, "node_id": name, "data_dir": tmp_path / name,
+        "listen": "127.0.0.1:0"}), names)
 
 
 def assert_same_window(got: bytes, want: bytes, tokens) -> None:
@@ -100,7 +90,7 @@ async def test_spill_on_a_resumes_on_b_and_c_and_stat_names_the_window_node(
         tmp_path, fleet_env, redis_cluster, model_state, capsys):
     _, ids, chunks, tail, window = model_state
     async with fleet(tmp_path, fleet_env, redis_cluster) as nodes:
-        (_, a), (_, b), (_, c) = nodes["a"], nodes["b"], nodes["c"]
+        a, b, c = nodes["a"], nodes["b"], nodes["c"]
         async with AsyncClient(a) as on_a, AsyncClient(b) as on_b, AsyncClient(c) as on_c:
             spilled = await on_a.spill("acme", "s1", SPEC, ids, chunks=chunks, tail=tail,
                                        window=window, generation=1, ack="durable")
@@ -149,7 +139,7 @@ async def test_two_replicas_race_each_generation_over_grpc_and_exactly_one_wins(
     _, ids, chunks, _, _ = model_state
     rounds = 8
     async with fleet(tmp_path, fleet_env, redis_cluster) as nodes:
-        targets = [nodes[name][1] for name in "abc"]
+        targets = [nodes[name] for name in "abc"]
         async with AsyncClient(targets[0]) as on_a, AsyncClient(targets[1]) as on_b, \
                 AsyncClient(targets[2]) as reader:
             await on_a.spill("acme", "s1", SPEC, ids[:512], chunks=chunks[:1], tail=b"",
@@ -211,7 +201,7 @@ async def test_a_node_killed_mid_spill_loses_no_durable_session(
         finally:
             a.stop()
         assert a.proc.returncode == -signal.SIGKILL
-        async with AsyncClient(nodes["b"][1]) as on_b:
+        async with AsyncClient(nodes["b"]) as on_b:
             for name, count in sorted(acked.items()):
                 got = await on_b.restore("acme", name, want_window=False)
                 assert got.token_ids.tolist() == ids[:count].tolist(), name
@@ -234,7 +224,7 @@ async def test_with_a_cluster_master_down_sessions_resume_from_s3(
     # A host tier of two sessions: the others' chunks are demoted into the shared Redis.
     small = {**fleet_env, "host_bytes": "700KiB"}
     async with fleet(tmp_path, small, cluster.url, names="ab") as nodes:
-        async with AsyncClient(nodes["a"][1]) as on_a:
+        async with AsyncClient(nodes["a"]) as on_a:
             for i in range(6):  # one tenant each: no two share a chunk (dedupe)
                 await on_a.spill(f"t{i}", "s1", SPEC, ids, chunks=chunks, tail=tail,
                                  window=window, generation=1, ack="durable")
@@ -242,7 +232,7 @@ async def test_with_a_cluster_master_down_sessions_resume_from_s3(
         victim = cluster.nodes[held.index(max(held))]
         assert max(held) > 0, held  # the master going down holds some of the chunks
         victim.kill()
-        async with AsyncClient(nodes["b"][1]) as on_b:
+        async with AsyncClient(nodes["b"]) as on_b:
             tiers = set()
             for i in range(6):
                 got = await on_b.resume(f"t{i}", "s1", replay_tokens=16)
