@@ -40,6 +40,32 @@ def _wait(probe, what: str, proc: subprocess.Popen) -> None:
     raise RuntimeError(f"{what} did not answer within {START_S:.0f} s")
 
 
+def start_redis(workdir: Path, port: int) -> subprocess.Popen:
+    """A redis-server without persistence on ``LOOPBACK:port``, once it answers PING."""
+    import redis
+
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", LOOPBACK, "--dir", str(workdir),
+         "--save", "", "--appendonly", "no", "--protected-mode", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(host=LOOPBACK, port=port, socket_timeout=2)
+
+    def answers() -> bool:
+        try:
+            return bool(client.ping())
+        except redis.ConnectionError:
+            return False
+
+    try:
+        _wait(answers, "redis-server", proc)
+    except BaseException:
+        proc.kill()
+        raise
+    finally:
+        client.close()
+    return proc
+
+
 class Backing:
     def __init__(self, workdir: Path) -> None:
         if shutil.which("redis-server") is None:
@@ -71,16 +97,7 @@ class Backing:
         self.close()
 
     def _start_redis(self) -> None:
-        import redis
-
-        proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.redis_port), "--bind", LOOPBACK,
-             "--dir", str(self.workdir), "--save", "", "--appendonly", "no",
-             "--protected-mode", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self._procs.append(proc)
-        client = redis.Redis(host=LOOPBACK, port=self.redis_port, socket_timeout=2)
-        _wait(lambda: client.ping(), "redis-server", proc)
-        client.close()
+        self._procs.append(start_redis(self.workdir, self.redis_port))
 
     def _start_s3(self) -> None:
         import boto3

@@ -31,9 +31,7 @@ import json
 import logging
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -41,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from bench.backing import start_redis
+from bench.live_server import free_port
 from kvstore.tiers.base import Tier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
@@ -172,32 +172,6 @@ def _raw_s3(client, bucket: str, values: list[bytes]) -> tuple[Op, Op]:
     return put_all, get_all
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
-    import redis
-
-    port = _free_port()
-    process = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
-         "--save", "", "--appendonly", "no", "--logfile", "redis.log"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with redis.Redis(port=port) as client:
-                client.ping()
-            return process, f"redis://127.0.0.1:{port}/0"
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    process.kill()
-    raise RuntimeError("redis-server did not start")
-
-
 def _sealed(inner: Tier, count: int) -> Tier:
     """``inner`` sealed with a throwaway key, the bench keys claimed for one tenant."""
     from kvstore.encryption import Keyring, MasterKey
@@ -248,7 +222,8 @@ async def run(size: int, count: int, repeats: int, workdir: Path) -> list[dict]:
     if shutil.which("redis-server"):
         import redis.asyncio as aioredis
 
-        process, url = _start_redis(workdir)
+        port = free_port()
+        process, url = start_redis(workdir, port), f"redis://127.0.0.1:{port}/0"
         client = aioredis.Redis.from_url(url)
         try:
             sealed = _sealed(RedisTier(url, capacity, RedisTierConfig(prefix="sealed:")), count)
