@@ -127,9 +127,22 @@ def fidelity_section(stage: dict) -> list[str]:
     out += _table(["context", "resume", "KL (nats)", "top-1", "bits/byte",
                    "never-evicted bits/byte", "bits/byte change", "KL by quarter"], rows)
     g = stage["goal"]
-    out += ["", f"Goal at R = {g['replay_tokens']} (top-1 >= {g['top1_at_least']}, bits/byte "
-            f"within {g['bpb_within']:.0%}): per context {g['met_per_context']}; "
-            f"**{'met' if g['met'] else 'NOT met'}**.", ""]
+    out += ["", f"Goal at R = {g['replay_tokens']} (top-1 >= {g['top1_at_least']}, KL <= "
+            f"{g['kl_at_most']:g} nats, bits/byte within {g['bpb_within']:.1%}): per context "
+            f"{g['met_per_context']}; **{'met' if g['met'] else 'NOT met'}**.", ""]
+    pv = stage.get("parts")
+    if pv and pv["per_context"]:
+        out += ["What each part is worth (bits/byte lost, as a share of the never-evicted "
+                "session's): the window (R = 0 against R = 128) and the global KV "
+                f"(window-only against R = 0); goal: each at least {pv['clearly_worse_by']:.0%}.",
+                ""]
+        out += _table(["context", "window dropped (R=0 vs R=128)",
+                       "global KV dropped too (window-only vs R=0)", "window-only vs R=128",
+                       "clearly ordered"],
+                      [[c, f"{p['r0_vs_r128']:+.2%}", f"{p['window_only_vs_r0']:+.2%}",
+                        f"{p['window_only_vs_r128']:+.2%}", "yes" if p["ordered"] else "**no**"]
+                       for c, p in pv["per_context"].items()])
+        out += ["", f"**{'met' if pv['met'] else 'NOT met'}**.", ""]
     return out
 
 
@@ -423,6 +436,14 @@ def adversarial_section(stage: dict) -> list[str]:
     return out + [""]
 
 
+def _parts_clause(fid: dict, context: int) -> str:
+    p = fid.get("parts", {}).get("per_context", {}).get(str(context))
+    if not p:
+        return ""
+    return (f"; R=0 {p['r0_vs_r128']:+.1%} of the bits/byte beside it, window-only "
+            f"{p['window_only_vs_r128']:+.1%}")
+
+
 def headlines(stages: dict) -> list[str]:
     out = ["## Headlines", ""]
     res = stages.get("resume")
@@ -445,8 +466,9 @@ def headlines(stages: dict) -> list[str]:
             if v:
                 met = fid["goal"]["met_per_context"].get(str(row["context"]))
                 out.append(f"- Fidelity at R=128, context {row['context']}: top-1 "
-                           f"{v['top1_agreement']:.4f}, bits/byte {v['bpb_rel_diff']:+.2%}, "
-                           f"KL {v['kl_nats']:.1e} nats (goal {'met' if met else 'NOT met'}).")
+                           f"{v['top1_agreement']:.4f}, bits/byte {v['bpb_rel_diff']:+.3%}, "
+                           f"KL {v['kl_nats']:.1e} nats (goal {'met' if met else 'NOT met'})"
+                           + _parts_clause(fid, row["context"]) + ".")
     byt = stages.get("bytes")
     if _ok(byt):
         per = byt["bytes_per_token"]
