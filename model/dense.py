@@ -158,7 +158,9 @@ class TrainingAttention:
             self.sel, self.pool = topk_mask(scores, cfg.topk), topk_mask(scores, cfg.pool)
         else:
             self.sel = topk_mask(scores.masked_fill(~self.pool, float("-inf")), cfg.topk)
-        self.groups.append({"scores": scores, "targets": [], "sel": self.sel})
+        # the candidates its top-k chooses among: every visible entry, or (reindex) the pool
+        self.groups.append({"scores": scores, "targets": [], "sel": self.sel,
+                            "candidates": None if layer.mode == "full" else self.pool})
 
     def _compressed_logits(self, layer: EncoderLayer | DecoderLayer, qc: torch.Tensor,
                            latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,12 +227,16 @@ def forward_train(model: KVTierLM, ids: torch.Tensor, sparse: bool = True,
 @torch.no_grad()
 def selection_quality(group: dict, visible: torch.Tensor, k: int) -> dict:
     """How much of the dense attention mass (the indexer's target) its top-k selection
-    holds, against what k random visible entries would hold, over queries seeing > k."""
+    holds, against what k random visible entries would hold, over queries seeing > k;
+    and the most any top-k of its candidates could hold (`best`: a reindexing layer
+    chooses inside the pool only, so its ceiling can sit below its target's own top-k)."""
     rows = visible.sum(-1) > k
     target = torch.stack(group["targets"]).mean(0)[:, rows]
     captured = (target * group["sel"][:, rows]).sum(-1).mean().item()
     random = (k / visible[rows].sum(-1).float()).mean().item()
-    return {"captured": captured, "random": random}
+    candidates = visible[rows] if group["candidates"] is None else group["candidates"][:, rows]
+    best = (target * topk_mask(target.masked_fill(~candidates, float("-inf")), k))
+    return {"captured": captured, "random": random, "best": best.sum(-1).mean().item()}
 
 
 def indexer_loss(groups: list[dict], visible: torch.Tensor, power: float = 1.0) -> torch.Tensor:

@@ -67,14 +67,17 @@ def token_bits(model: KVTierLM, seg: bytes, context: int, chunk: int) -> torch.T
 
 
 @torch.no_grad()
-def indexer_quality(model: KVTierLM, data: bytes, seqs: int, length: int) -> tuple[list, float]:
+def indexer_quality(model: KVTierLM, data: bytes, seqs: int, length: int
+                    ) -> tuple[list, float, list]:
     """Per indexer (in layer order), the share of its layers' dense compressed attention
-    that its top-k selection holds on held-out text; and what a random top-k would hold
-    (k / visible entries, averaged over the queries that see more than k)."""
+    that its top-k selection holds on held-out text; what a random top-k would hold
+    (k / visible entries, averaged over the queries that see more than k); and per
+    indexer the most a top-k of its candidates could hold (model.dense.selection_quality)."""
     ids = torch.tensor([list(s) for s in segments(data, seqs, length)], dtype=torch.int64)
     stats: list[dict] = []
     forward_train(model, ids, sparse=True, stats=stats)
-    return [round(s["captured"], 4) for s in stats], round(stats[0]["random"], 4)
+    return ([round(s["captured"], 4) for s in stats], round(stats[0]["random"], 4),
+            [round(s["best"], 4) for s in stats])
 
 
 def evaluate(model: KVTierLM, count: int, contexts: tuple[int, ...] = CONTEXTS,
@@ -87,8 +90,8 @@ def evaluate(model: KVTierLM, count: int, contexts: tuple[int, ...] = CONTEXTS,
     scored = ~torch.stack([b.isnan() for b in bits.values()]).any(0)
     sample = b"".join(segs)
     spec = layout_spec(model.cfg)
-    mass, random = indexer_quality(model, data, index_seqs, index_len)
-    legacy_mass, legacy_random = indexer_quality(model, data, index_seqs, LEGACY_INDEX_LEN)
+    mass, random, best = indexer_quality(model, data, index_seqs, index_len)
+    legacy_mass, legacy_random, _ = indexer_quality(model, data, index_seqs, LEGACY_INDEX_LEN)
     return {
         "params": model.num_params(),
         **{context_key(c): round(b[scored].mean().item(), 4) for c, b in bits.items()},
@@ -105,6 +108,8 @@ def evaluate(model: KVTierLM, count: int, contexts: tuple[int, ...] = CONTEXTS,
         "indexer_mass": mass,
         "random_mass": random,
         "indexer_mass_ratio": [round(m / random, 3) for m in mass],
+        # the ceiling: the most a top-k of each indexer's candidates could hold
+        "indexer_best_mass": best,
         "indexer_seq_len": index_len,
         "indexer_seqs": index_seqs,
         # the same figures on 512-byte sequences, as reported before

@@ -55,6 +55,10 @@ def test_json_reports_every_figure(tmp_path, capsys):
     assert 0 < out["random_mass"] < 1
     assert out["indexer_mass_ratio"] == [round(m / out["random_mass"], 3)
                                          for m in out["indexer_mass"]]
+    # a selection is a top-k of its candidates: it holds at most the best one does
+    assert len(out["indexer_best_mass"]) == indexers
+    assert all(m <= b + 1e-4 <= 1 + 1e-4
+               for m, b in zip(out["indexer_mass"], out["indexer_best_mass"], strict=True))
 
 
 def test_under_uniform_attention_any_top_k_holds_the_random_share():
@@ -64,8 +68,9 @@ def test_under_uniform_attention_any_top_k_holds_the_random_share():
         for layer in (*model.encoder, *model.decoder):
             layer.wqc.weight.zero_()
     data = corpus(held_out=True)
-    mass, random = indexer_quality(model, data, seqs=2, length=256)
+    mass, random, best = indexer_quality(model, data, seqs=2, length=256)
     k, seen = TINY.topk, (torch.arange(256) + 1) // TINY.block  # entries visible per query
     seen = seen[seen > k].float()
     assert math.isclose(random, (k / seen).mean().item(), abs_tol=1e-4)
     assert all(math.isclose(m, random, abs_tol=1e-4) for m in mass)
+    assert all(math.isclose(b, random, abs_tol=1e-4) for b in best)  # no top-k does better
