@@ -20,7 +20,10 @@ sharing one Redis and one S3 bucket, manifest CAS latency, resumes per second.
 hf (a child process) last: ``bench.hf``, the transformers integration on a tiny
 DeepseekV4 with seeded random weights (bytes, time to ready, replay fidelity).
 A stage that fails is recorded with its error and the others still run; the exit status
-is 1 if any failed. The machine the figures came from (CPU model, cores, memory, torch
+is 1 if any failed. ``--merge`` reruns only the ``--only`` stages into the existing results
+(new weights, say, rerun resume and fidelity): the other stages keep their figures, and
+each rerun stage records the machine, commit and date it ran at under
+``recorded_separately``. The machine the figures came from (CPU model, cores, memory, torch
 and triton versions, date, load) is recorded beside them.
 """
 
@@ -194,11 +197,16 @@ def _bytes_stage(model: tuple, lengths: list[int]) -> dict:
 
 
 def run_all(stages: list[str], sizes_name: str, trace: Path, weights: Path,
-            out: Path | None = None) -> dict:
-    """Run the stages in order; after each, the results so far are written to ``out``."""
+            out: Path | None = None, merge_into: dict | None = None) -> dict:
+    """Run the stages in order; after each, the results so far are written to ``out``.
+    With ``merge_into`` (earlier results), only these stages are replaced in it."""
     runners = stage_runners(SIZES[sizes_name], trace, weights)
-    results: dict = {"machine": machine(), "sizes": sizes_name,
-                     "torch_threads": torch.get_num_threads(), "stages": {}}
+    here = machine()
+    if merge_into is None:
+        results: dict = {"machine": here, "sizes": sizes_name,
+                         "torch_threads": torch.get_num_threads(), "stages": {}}
+    else:
+        results = merge_into
     first = time.perf_counter()
     for index, name in enumerate(stages, 1):
         started = time.perf_counter()
@@ -209,11 +217,18 @@ def run_all(stages: list[str], sizes_name: str, trace: Path, weights: Path,
         except Exception as exc:  # one failed stage must not lose the others' figures
             stage = {"error": f"{type(exc).__name__}: {exc}"}
         stage["wall_s"] = round(time.perf_counter() - started, 1)
+        if merge_into is not None:
+            stage["recorded_separately"] = {
+                **{k: here[k] for k in ("git_commit", "weights_commit", "date_utc")},
+                "sizes": sizes_name, "torch_threads": torch.get_num_threads(),
+                "load_average_at_start": here["load_average_at_start"],
+                "load_average_at_end": os.getloadavg()}
         results["stages"][name] = stage
         print(f"bench.all: [{index}/{len(stages)}] {name} done in {stage['wall_s']} s"
               + (f" ERROR {stage['error']}" if "error" in stage else ""), file=sys.stderr,
               flush=True)
-        results["load_average_at_end"] = os.getloadavg()
+        if merge_into is None:
+            results["load_average_at_end"] = os.getloadavg()
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(results, indent=1) + "\n")
@@ -229,13 +244,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results JSON")
     parser.add_argument("--no-report", action="store_true", help="skip bench/REPORT.md")
+    parser.add_argument("--merge", action="store_true",
+                        help="replace only the --only stages in the existing --out results")
     args = parser.parse_args(argv)
     stages = [s for s in args.only.split(",") if s]
     unknown = set(stages) - set(STAGES)
     if unknown:
         parser.error(f"unknown stages {sorted(unknown)}; known: {', '.join(STAGES)}")
     torch.set_num_threads(args.threads)
-    results = run_all(stages, args.sizes, args.trace, args.weights, args.out)
+    if args.merge and not args.out.exists():
+        parser.error(f"--merge needs earlier results in {args.out}")
+    previous = json.loads(args.out.read_text()) if args.merge else None
+    results = run_all(stages, args.sizes, args.trace, args.weights, args.out, previous)
     print(f"bench.all: results in {args.out}", file=sys.stderr)
     if not args.no_report:
         from bench.report import write_report

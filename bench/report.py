@@ -154,9 +154,7 @@ def trace_section(stage: dict) -> list[str]:
            f"{t['continuations']} continuations, {t['lookup_starts']} new sessions started "
            f"from a looked-up prefix. Layout {stage['layout']['name']}: block "
            f"{stage['layout']['block_bytes']} B, window {stage['layout']['window_bytes']} B. "
-           "Method: see `bench/trace.py` (repeated under `method` in results.json)."
-           + (f" This stage was recorded on its own: {stage['recorded_separately']}."
-              if stage.get("recorded_separately") else ""), "",
+           "Method: see `bench/trace.py` (repeated under `method` in results.json).", "",
            "![hit rate](trace_hit_rate.png)", ""]
     rows = []
     for r in stage["results"]:
@@ -525,6 +523,18 @@ def hf_section(stage: dict) -> list[str]:
     return out + [""]
 
 
+def separately(stage: dict) -> list[str]:
+    """The note under a stage rerun on its own (``bench.all --merge``)."""
+    r = stage.get("recorded_separately")
+    if not r:
+        return []
+    return [f"This section was rerun on its own (`bench.all --merge`): commit {r['git_commit']}, "
+            f"model weights {r['weights_commit'] or 'not committed'}, {r['date_utc']}, sizes "
+            f"{r['sizes']}, {r['torch_threads']} torch thread(s), load average "
+            f"{_load(r['load_average_at_start'])} at start / {_load(r['load_average_at_end'])} "
+            "at end; the machine table above is the full run's.", ""]
+
+
 def write_report(results: dict, out_dir: Path) -> Path:
     """Write REPORT.md and the PNGs into ``out_dir``; returns the report's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -553,7 +563,7 @@ def write_report(results: dict, out_dir: Path) -> Path:
             continue
         if plot is not None:
             plot(stage, out_dir / png)
-        lines += section(stage)
+        lines += section(stage) + separately(stage)
     lines += codec_tiers_section(stages.get("codec"), stages.get("tiers"))
     lines += peers.section()
     walls = ", ".join(f"{n} {s['wall_s']} s" for n, s in stages.items())

@@ -95,3 +95,33 @@ def test_unknown_stage_is_refused(capsys):
         bench_all.main(["--only", "resume,nonsense"])
     assert refused.value.code == 2  # argparse's usage error, before any stage runs
     assert "unknown stages ['nonsense']; known: " in capsys.readouterr().err
+
+
+def test_merge_reruns_only_the_named_stages(tmp_path, monkeypatch):
+    from bench.report import separately
+
+    monkeypatch.setattr(bench_all, "stage_runners",
+                        lambda sizes, trace, weights: {"fidelity": lambda: {"rerun": True}})
+    earlier = {"machine": {"git_commit": "old"}, "sizes": "quick", "torch_threads": 1,
+               "load_average_at_end": [1.0, 1.0, 1.0],
+               "stages": {"fidelity": {"rerun": False, "wall_s": 1.0},
+                          "trace": {"kept": True, "wall_s": 2.0}}}
+    out = tmp_path / "results.json"
+    out.write_text(json.dumps(earlier))
+    assert bench_all.main(["--only", "fidelity", "--merge", "--out", str(out),
+                           "--no-report"]) == 0
+    merged = json.loads(out.read_text())
+    assert merged["machine"] == {"git_commit": "old"}  # the full run's record stays
+    assert merged["load_average_at_end"] == [1.0, 1.0, 1.0]
+    assert merged["stages"]["trace"] == {"kept": True, "wall_s": 2.0}
+    fid = merged["stages"]["fidelity"]
+    assert fid["rerun"] is True
+    again = fid["recorded_separately"]
+    assert again["git_commit"] == bench_all.machine()["git_commit"] and again["sizes"] == "quick"
+    assert "rerun on its own" in "\n".join(separately(fid))
+    assert separately(merged["stages"]["trace"]) == []
+
+
+def test_merge_needs_earlier_results(tmp_path):
+    with pytest.raises(SystemExit):
+        bench_all.main(["--only", "fidelity", "--merge", "--out", str(tmp_path / "none.json")])
