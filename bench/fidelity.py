@@ -187,8 +187,7 @@ def part_values(rows: list[dict]) -> dict:
         global_kv = (v[WINDOW_ONLY]["bits_per_byte"] - v["R=0"]["bits_per_byte"]) / ref
         per[str(r["context"])] = {
             "r0_vs_r128": window, "window_only_vs_r0": global_kv,
-            "window_only_vs_r128": (v[WINDOW_ONLY]["bits_per_byte"]
-                                    - v[key]["bits_per_byte"]) / ref,
+            "window_only_vs_r128": window + global_kv,
             "ordered": window >= CLEARLY_WORSE and global_kv >= CLEARLY_WORSE}
     return {"clearly_worse_by": CLEARLY_WORSE, "per_context": per,
             "met": bool(per) and all(p["ordered"] for p in per.values())}
