@@ -30,6 +30,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 LOOPBACK = "127.0.0.1"
+# the fleet tests' fixtures: a model's saved weights and the config every node shares
+pytest_plugins = ["fleet_support"]
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -17,73 +17,16 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from fleet_support import fleet_servers
+from fleet_support import SPEC, TOKENS, assert_persistent, assert_same_window, fleet
 
 from bench.live_server import Child
 from kvstore.errors import GenerationConflict, InvalidRequest, SessionNotFound, StaleGeneration
-from kvstore.layout import get_layout
 from kvtier import AsyncClient
-from kvtier.codec import decode_window
-from model.checkpoint import load, save
-from model.config import BUNDLED
-from model.infer import prefill
-from model.net import KVTierLM
-from replay.state_codec import state_to_chunks
 from services import cli
 from services.server.config import ServerConfig, load_config
 from services.server.server import create_server
 
-SPEC = get_layout("kvtier-bundled")
-TOKENS = 1100  # two whole chunks (512 tokens each) and a tail; the window is 128
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def model_state(tmp_path_factory):
-    """Saved random weights, token ids and the prefilled state as (chunks, tail, window)
-    of SPEC, from exactly the weights the servers load (fp16), so a replay is exact."""
-    torch.manual_seed(0)
-    weights = tmp_path_factory.mktemp("weights") / "model.safetensors"
-    save(KVTierLM(BUNDLED).eval(), weights)
-    ids = torch.randint(0, BUNDLED.vocab, (TOKENS,), generator=torch.Generator().manual_seed(1))
-    state, _ = prefill(load(weights), ids, logits="none")
-    chunks, tail, window = state_to_chunks(SPEC, state)
-    return weights, ids, [c for _, c in chunks], tail, window
-
-
-@pytest.fixture
-def fleet_env(s3_server, s3_bucket, s3_credentials, monkeypatch, model_state):
-    """The config every node shares, as ``KVTIER_*`` values (also what a child server
-    reads), with the S3 credentials in this process's environment."""
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_credentials["aws_access_key_id"])
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_credentials["aws_secret_access_key"])
-    return {"s3_endpoint": s3_server, "s3_bucket": s3_bucket, "metadata": "shared",
-            "s3_region": s3_credentials["region_name"], "replay": "in-process",
-            "replay_weights": str(model_state[0]), "host_bytes": "16MiB"}
-
-
-def fleet(tmp_path: Path, shared: dict, redis_url: str, names: str = "abc"):
-    """One real server per name (its node_id), each over its own data directory; yields
-    name -> address."""
-    return fleet_servers(lambda name: load_config(preset="test", env={}, overrides={
-        **shared, "redis_url": redis_url, "node_id": name, "data_dir": tmp_path / name,
-        "listen": "127.0.0.1:0"}), names)
-
-
-def assert_same_window(got: bytes, want: bytes, tokens) -> None:
-    mine, start = decode_window(SPEC, tokens, got)
-    theirs, want_start = decode_window(SPEC, tokens, want)
-    assert start == want_start and set(mine) == set(theirs)
-    for name, data in theirs.items():
-        assert torch.equal(mine[name].codes, data.codes), name
-        if data.scales is not None:
-            assert torch.equal(mine[name].scales, data.scales), name
-
-
-def assert_persistent(got, chunks: list[bytes], tail: bytes) -> None:
-    assert [bytes(c) for c in got.chunks] == [bytes(c) for c in chunks]
-    assert bytes(got.tail) == bytes(tail)
 
 
 async def test_spill_on_a_resumes_on_b_and_c_and_stat_names_the_window_node(

@@ -9,7 +9,8 @@ copy read back. A block whose domain is unknown is never written in clear: the p
 fails for that key alone, as a medium refusing it would.
 
 ``SealedMetaStore`` seals session manifests (token ids and the tail are user data)
-under their tenant's key, bound to the record key. Reference counts, demotion and
+under their tenant's key, bound to the record key (``RecordSealer``, which a fleet's
+``SharedMetaStore`` applies to the manifests it keeps in the bucket). Reference counts, demotion and
 quarantine notes hold no user data and stay in clear (a repair recounts references
 without any key).
 """
@@ -133,25 +134,28 @@ class EncryptedTier(Tier):
         await self.inner.close()
 
 
-class SealedMetaStore(MetaStore):
-    """``inner`` with manifests sealed under their tenant's key, bound to their record key."""
+class RecordSealer:
+    """Manifest records sealed under their tenant's key, bound to their record key; every
+    other record (reference counts, notes, layouts) passes in clear."""
 
-    def __init__(self, inner: MetaStore, keyring: Keyring) -> None:
-        self.inner = inner
+    def __init__(self, keyring: Keyring) -> None:
         self.keyring = keyring
 
-    def __getattr__(self, attr: str):
-        return getattr(self.inner, attr)
-
     @staticmethod
-    def _domain(key: str) -> str | None:
+    def domain(key: str) -> str | None:
         """The tenant domain a record is sealed for; None for records left in clear."""
         if not key.startswith(MANIFEST_PREFIX):
             return None
         return dedupe_scope(key[len(MANIFEST_PREFIX):].partition("/")[0])
 
-    def _open(self, key: str, value: bytes) -> bytes:
-        domain = self._domain(key)
+    def seal(self, key: str, value: bytes) -> bytes:
+        domain = self.domain(key)
+        return value if domain is None else self.keyring.seal(key, domain, value)
+
+    def open(self, key: str, value: bytes) -> bytes:
+        """The plaintext of ``value``; ``ChunkCorrupt`` for a record sealed for another
+        tenant, under a key not held, altered, or never sealed."""
+        domain = self.domain(key)
         if domain is None:
             return value
         header, plaintext = self.keyring.open(key, value)
@@ -159,23 +163,30 @@ class SealedMetaStore(MetaStore):
             raise ChunkCorrupt(f"record {key!r} is sealed for another tenant")
         return plaintext
 
+
+class SealedMetaStore(MetaStore):
+    """``inner`` with manifests sealed (``RecordSealer``)."""
+
+    def __init__(self, inner: MetaStore, keyring: Keyring) -> None:
+        self.inner = inner
+        self.sealer = RecordSealer(keyring)
+
+    def __getattr__(self, attr: str):
+        return getattr(self.inner, attr)
+
     async def get(self, key: str) -> bytes | None:
         value = await self.inner.get(key)
-        return None if value is None else self._open(key, value)
+        return None if value is None else self.sealer.open(key, value)
 
     async def commit(self, writes: dict[str, bytes | None]) -> None:
-        sealed = {}
-        for key, value in writes.items():
-            domain = self._domain(key)
-            sealed[key] = value if value is None or domain is None \
-                else self.keyring.seal(key, domain, value)
-        await self.inner.commit(sealed)
+        await self.inner.commit({key: value if value is None else self.sealer.seal(key, value)
+                                 for key, value in writes.items()})
 
     async def scan(self, prefix: str) -> list[tuple[str, bytes]]:
         out = []
         for key, value in await self.inner.scan(prefix):
             try:
-                out.append((key, self._open(key, value)))
+                out.append((key, self.sealer.open(key, value)))
             except ChunkCorrupt as exc:
                 # kept as stored: a reader decoding it finds it corrupt and says which
                 log.error("meta record %s cannot be opened: %s", key, exc)

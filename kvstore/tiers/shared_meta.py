@@ -15,6 +15,9 @@ The ETags (and bytes) last read are cached per key: the CAS compares against wha
 caller's ``get`` under the session lock saw. When the store cannot be reached a cached
 manifest is served (a node's hot sessions still resume), never trusted over the store
 once it answers; writes then fail ``TierUnavailable``.
+
+Under encryption at rest the manifests are sealed in the bucket as on a node's disk
+(``kvstore.tiers.sealed.RecordSealer``); the chunks are sealed by the object tier itself.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from kvstore.errors import (
     ChunkCorrupt,
@@ -39,6 +42,9 @@ from kvstore.tiers.base import MetaStore, Tier
 from kvstore.tiers.bucket import BucketIO
 from kvstore.tiers.object import ObjectTier
 
+if TYPE_CHECKING:  # cryptography is imported only by a server that encrypts
+    from kvstore.tiers.sealed import RecordSealer
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 SUFFIX = ".kvsm"
@@ -47,10 +53,16 @@ _ABSENT = None  # cached ETag of a key seen absent
 
 class SharedMetaStore(MetaStore):
     def __init__(self, tier: ObjectTier, local: MetaStore, node_id: str,
-                 caches: Sequence[Tier] = ()) -> None:
+                 caches: Sequence[Tier] = (), *, sealer: RecordSealer | None = None,
+                 chunks: Tier | None = None) -> None:
         """``caches``: this node's other tiers, from which a chunk a sweep collected
-        while a spill named it is put back (``kvstore.fleet_epoch``)."""
+        while a spill named it is put back (``kvstore.fleet_epoch``) through ``chunks``
+        (the object tier as the node's stack has it: sealed under encryption at rest;
+        default ``tier``). ``sealer``: manifests are sealed in the bucket (every node of
+        the fleet then needs the keyring)."""
         self._tier = tier
+        self._chunks = chunks if chunks is not None else tier
+        self._sealer = sealer
         self._client, self._bucket, prefix = tier.s3_location()
         self.io = BucketIO(self._client, self._bucket)
         self._root = prefix + "fleet/"
@@ -76,13 +88,23 @@ class SharedMetaStore(MetaStore):
     async def _call(self, what: str, function: Callable[..., T], **kwargs: object) -> T:
         return await self.io.call(what, function, **kwargs)
 
-    async def _fetch(self, key: str) -> tuple[str | None, bytes | None]:
+    async def _fetch(self, key: str, *, keep_sealed: bool = False
+                     ) -> tuple[str | None, bytes | None]:
+        """(ETag, plaintext) of ``key``; ``keep_sealed``: a record that cannot be opened
+        is returned as stored (its reader then finds it corrupt and says which)."""
         try:
             response = await self._call("GET", self._client.get_object,
                                         Bucket=self._bucket, Key=self._object(key))
         except ChunkNotFound:
             return _ABSENT, None
         body = await asyncio.to_thread(response["Body"].read)
+        if self._sealer is not None:
+            try:
+                body = self._sealer.open(key, body)
+            except ChunkCorrupt as exc:
+                if not keep_sealed:
+                    raise
+                log.error("manifest %s cannot be opened: %s", key, exc)
         return response["ETag"], body
 
     async def get(self, key: str) -> bytes | None:
@@ -111,7 +133,7 @@ class SharedMetaStore(MetaStore):
 
         await self._call("LIST", listing)
         keys = [name[len(self._root):-len(SUFFIX)] for name in names]
-        found = await asyncio.gather(*(self._fetch(key) for key in keys))
+        found = await asyncio.gather(*(self._fetch(key, keep_sealed=True) for key in keys))
         return sorted((key, body) for key, (_, body) in zip(keys, found, strict=True)
                       if body is not None)
 
@@ -144,8 +166,9 @@ class SharedMetaStore(MetaStore):
                                      Key=self._object(key), IfMatch=expected)
                 return _ABSENT
             await self._admit(key, value)
+            body = bytes(value) if self._sealer is None else self._sealer.seal(key, bytes(value))
             response = await self._call("PUT", self._client.put_object, Bucket=self._bucket,
-                                        Key=self._object(key), Body=bytes(value), **condition)
+                                        Key=self._object(key), Body=body, **condition)
         except (StaleGeneration, ChunkNotFound):
             self._seen.pop(key, None)  # the next get reads the store again
             raise StaleGeneration(f"{key}: another node committed a generation since this "
@@ -177,7 +200,7 @@ class SharedMetaStore(MetaStore):
             except (ChunkNotFound, DataLoss, TierUnavailable, ChunkCorrupt):
                 continue
             if chunk_digest(data) == digest:
-                await self._tier.put(key, data)
+                await self._chunks.put(key, data)
                 log.info("chunk %s was collected while a spill named it: put back", key)
                 return True
         return False

@@ -93,9 +93,6 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
         # the default node name is host:port, the same for every server picking a port
         raise InvalidRequest("metadata = 'shared' with listen port 0 needs node_id: "
                              "nodes of a fleet must have distinct names")
-    if shared and keyring is not None:
-        raise InvalidRequest("metadata = 'shared' with encryption at rest is not supported "
-                             "yet (docs/fleet.md): unset one of them")
     if config.object_bytes:
         from kvstore.tiers.object import ObjectTier, ObjectTierConfig
 
@@ -116,8 +113,13 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
             for tier in tiers:  # Redis, the fleet's hot tier, and the bucket: every node's
                 tier.shared = tier.name in ("redis", "object")  # (kvstore.placement)
 
+            sealer = None
+            if keyring is not None:
+                from kvstore.tiers.sealed import RecordSealer
+
+                sealer = RecordSealer(keyring)
             return SharedMetaStore(objects, meta or MemoryMetaStore(), config.node_name,
-                                   caches=tiers[:-1])
+                                   caches=tiers[:-1], sealer=sealer, chunks=tiers[-1])
     return meta if meta is not None else MemoryMetaStore()
 
 
