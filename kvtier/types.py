@@ -78,8 +78,9 @@ class RestoredSession:
     # The server's write-back of this memory-acked generation failed: until it succeeds
     # (the server retries), the session does not survive a server restart.
     writeback_failed: bool = False
-    # How window_blob was made: 0, the engine's own as spilled; else the tokens of the
-    # replay that built it (this call's, or an earlier one's the server stored).
+    # How the session's window (window_blob, or the held one a Restore without
+    # want_window leaves out) was made: 0, the engine's own as spilled; else the tokens
+    # of the replay that built it (this call's, or an earlier one's the server stored).
     window_replayed_tokens: int = 0
 
     @property

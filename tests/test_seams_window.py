@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import struct
 
 import pytest
+import xxhash
 from test_manager_support import make_session, random_tokens, tier_keys
 
 from kvstore.errors import InvalidRequest
 from kvstore.manager import TierManager
+from kvstore.manifest import SessionManifest
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
@@ -167,6 +171,22 @@ async def test_concurrent_short_and_long_resumes_leave_the_long_window(tmp_path,
         assert not kept.replayed and bytes(kept.window_blob) == bytes(fresh.window_blob)
 
 
+async def test_replay_tokens_is_bounded_with_clear_errors(tmp_path, model):
+    pending = tiny_session(model, N + 2, seed=3)  # 2 pending rows: a replay needs R >= 2
+    async with serving(tmp_path, model) as kv:
+        await spill(kv, "s1", (*pending, None))
+        with pytest.raises(InvalidRequest, match="exceeds 8192"):
+            await kv.resume("t", "s1", decode=False, replay_tokens=8193)
+        with pytest.raises(InvalidRequest, match="shorter than the 2 tokens of the unfinished"):
+            await kv.resume("t", "s1", decode=False, replay_tokens=1)
+        assert (await kv.restore("t", "s1", decode=False)).replay_needed  # nothing stored
+        default = await kv.resume("t", "s1", decode=False)  # 0: the server's R = 128
+        assert default.replayed and default.replay_tokens == 128
+        every = await kv.resume("t", "s1", decode=False, replay_tokens=8192)  # capped at n
+        assert every.replayed and every.replay_tokens == N + 2
+        assert every.window_replayed_tokens == N + 2 and not every.window_partial
+
+
 async def test_the_store_keeps_the_window_of_largest_coverage_across_tiers(tmp_path):
     disk = DiskTier(tmp_path / "disk", 64 * MB)
     manager = await TierManager.open([HBMTier(MB, device="cpu"), HostTier(MB), disk],
@@ -202,6 +222,36 @@ async def test_the_store_keeps_the_window_of_largest_coverage_across_tiers(tmp_p
                 await manager.store_window("t", "s", 1, blob, replayed_tokens=bad)
     finally:
         await manager.close()
+
+
+def test_a_manifest_states_how_its_window_was_made():
+    made = SessionManifest(tenant="t", session_id="s", layout_id=TINY_SPEC.layout_id,
+                           generation=1, token_ids=list(range(40)), chunk_keys=(),
+                           chunk_sizes=(), window_tier="host", window_key="win/t/s/1r5",
+                           window_replayed=5)
+    assert SessionManifest.decode(made.encode()).window_replayed == 5
+    assert made.window_coverage == 5
+    assert made.evolve(window_replayed=0).window_coverage == 40  # the engine's own
+    assert made.evolve(window_replayed=400).window_coverage == 40  # every token
+    gone = made.evolve(window_tier=None, window_key=None)
+    assert gone.window_replayed == 0  # describes no window
+    remote = made.evolve(window_tier=None, window_key=None, remote_window=("host", "k"))
+    assert remote.window_replayed == 5  # another node's window, as that node made it
+    # A manifest written before the field existed names the engine's own window.
+    old = SessionManifest.decode(without_field(made.encode(), "window_replayed"))
+    assert old.window_replayed == 0 and old.window_key == "win/t/s/1r5"
+    with pytest.raises(InvalidRequest, match="window_replayed"):
+        made.evolve(window_replayed=-1)
+
+
+def without_field(encoded: bytes, name: str) -> bytes:
+    """A manifest encoding (docs in kvstore.manifest) with ``name`` left out of its JSON."""
+    magic, version, size = struct.unpack_from("<4sHI", encoded)
+    head = json.loads(encoded[10:10 + size])
+    del head[name]
+    body = json.dumps(head, separators=(",", ":")).encode()
+    out = struct.pack("<4sHI", magic, version, len(body)) + body + encoded[10 + size:-8]
+    return out + struct.pack("<Q", xxhash.xxh3_64_intdigest(out))
 
 
 @pytest.fixture
