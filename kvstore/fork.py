@@ -3,7 +3,8 @@
 Copy on write through dedupe: the new manifest names the source's very blocks and takes
 a reference on each, so either session may later spill past the fork point (its new
 chunks are its own) without touching the other. Only a fork at the source's whole
-length carries the tail, and the window when the source's covers that point; any other
+length carries the tail, and the window when the source's covers that point (with how it
+was made: a partial one stays partial, so the fork's Resume may rebuild it); any other
 fork has no window, so its Resume rebuilds one at the fork point by bounded replay.
 """
 
@@ -75,7 +76,8 @@ class Forker:
         manifest = SessionManifest(
             tenant=source.tenant, session_id=new_id, layout_id=source.layout_id,
             generation=FORK_GENERATION, token_ids=tokens, chunk_keys=keys, chunk_sizes=sizes,
-            tail=tail, window_tier=window_tier, window_key=window_key, created_at=now,
+            tail=tail, window_tier=window_tier, window_key=window_key,
+            window_replayed=source.window_replayed, created_at=now,
             updated_at=now, last_access=now, ttl_s=source.ttl_s, hint=source.hint,
             model_fingerprint=source.model_fingerprint, dedupe_scope=source.dedupe_scope)
         try:

@@ -264,9 +264,11 @@ class TierManager:
         )
 
     async def store_window(self, tenant: str, session_id: str, generation: int,
-                           window: Buffer) -> str | None:
-        """Keep a window rebuilt by replay; see ``Spiller.store_window``."""
-        return await self._spiller.store_window(tenant, session_id, generation, window)
+                           window: Buffer, *, replayed_tokens: int) -> str | None:
+        """Keep a window rebuilt by a replay of ``replayed_tokens`` tokens unless one at
+        least as good is stored; see ``Spiller.store_window``."""
+        return await self._spiller.store_window(tenant, session_id, generation, window,
+                                                replayed_tokens=replayed_tokens)
 
     # -- reads: kvstore.restore --
 

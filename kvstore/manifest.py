@@ -3,7 +3,8 @@
 A manifest names the session's chunks by block key (chain key and digest of the bytes,
 ``kvstore.keys``; where each chunk lives is the tier manager's business, not the
 manifest's), carries the token ids (replay and re-prefill need them), the encoded
-partial tail chunk, and where the window blob is held if anywhere. It also records what
+partial tail chunk, where the window blob is held if anywhere and how it was made (the
+engine's own, or a replay of how many tokens: ``window_coverage``). It also records what
 the chunk keys were bound to (model fingerprint, dedupe scope) and, so a retried spill
 is answered as the first one was, a digest of the spill's content and its receipt.
 Encoding (little-endian)::
@@ -54,6 +55,15 @@ def check_name(kind: str, value: object) -> str:
     return value
 
 
+def window_coverage(replayed: int, num_tokens: int) -> int:
+    """The measure by which windows of one session state compare, a larger one never
+    replaced by a smaller: ``num_tokens`` for the engine's own window (``replayed`` 0) or
+    a replay of every token (exact), else the tokens replayed. A longer replay is the
+    closer one (its first tokens' truncated window lies further back); one shorter than
+    the layout's window W also leaves the window short of its W tokens (partial)."""
+    return num_tokens if replayed == 0 else min(replayed, num_tokens)
+
+
 @dataclass(frozen=True)
 class SpillReceipt:
     """What the spill that wrote a generation answered; a retry of it gets the same."""
@@ -78,6 +88,10 @@ class SessionManifest:
     tail: bytes = b""  # codec-encoded partial last chunk, or empty
     window_tier: str | None = None  # tier holding the window blob; None: replay needed
     window_key: str | None = None
+    # Tokens the replay that built the named window ran through the model (R, at most
+    # num_tokens); 0: the engine's own window, as spilled. Kept while the window is in
+    # another node's memory (remote_window); 0 when no window is named.
+    window_replayed: int = 0
     created_at: float = field(default_factory=time.time)  # wall clock, seconds
     updated_at: float = field(default_factory=time.time)
     last_access: float = field(default_factory=time.time)
@@ -108,6 +122,11 @@ class SessionManifest:
             raise InvalidRequest(f"generation must be an int >= 0, got {self.generation!r}")
         if len(self.chunk_keys) != len(self.chunk_sizes):
             raise InvalidRequest("chunk_keys and chunk_sizes differ in length")
+        if not isinstance(self.window_replayed, int) or self.window_replayed < 0:
+            raise InvalidRequest(f"window_replayed must be an int >= 0, got "
+                                 f"{self.window_replayed!r}")
+        if self.window_key is None and self.remote_window is None:
+            object.__setattr__(self, "window_replayed", 0)  # describes no window
         if self.ttl_s is not None and not self.ttl_s > 0:
             raise InvalidRequest(f"ttl_s must be > 0, got {self.ttl_s}")
         tokens = np.frombuffer(token_bytes(self.token_ids), dtype="<u4")  # read-only copy
@@ -124,6 +143,11 @@ class SessionManifest:
     def stored_bytes(self) -> int:
         """Bytes of persistent KV the session references (shared chunks included)."""
         return sum(self.chunk_sizes) + len(self.tail)
+
+    @property
+    def window_coverage(self) -> int:
+        """How much of the session the named window's making saw (``window_coverage``)."""
+        return window_coverage(self.window_replayed, self.num_tokens)
 
     def expired(self, now: float | None = None) -> bool:
         now = time.time() if now is None else now
@@ -144,6 +168,7 @@ class SessionManifest:
             "tail_len": len(self.tail),
             "window_tier": self.window_tier,
             "window_key": self.window_key,
+            "window_replayed": self.window_replayed,
             "created_at": self.created_at,
             "updated_at": self.updated_at,
             "last_access": self.last_access,
@@ -194,6 +219,7 @@ class SessionManifest:
                 tail=bytes(view[tail_at : tail_at + head["tail_len"]]),
                 window_tier=head["window_tier"],
                 window_key=head["window_key"],
+                window_replayed=head.get("window_replayed", 0),
                 created_at=head["created_at"],
                 updated_at=head["updated_at"],
                 last_access=head["last_access"],

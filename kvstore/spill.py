@@ -41,7 +41,7 @@ from kvstore.errors import (
 from kvstore.keys import check_fingerprint, chunk_digest, dedupe_scope, token_bytes
 from kvstore.layout import LayoutSpec, get_layout
 from kvstore.locks import KeyedLocks
-from kvstore.manifest import SessionManifest, SpillReceipt, check_name
+from kvstore.manifest import SessionManifest, SpillReceipt, check_name, window_coverage
 from kvstore.pause_estimate import PauseEstimator
 from kvstore.placement import WINDOW_PREFIX, Check, TierStack, not_placed
 from kvstore.policy import ResumeHint
@@ -407,14 +407,19 @@ class Spiller:
         return self._stack.tiers[placed].name
 
     async def store_window(self, tenant: str, session_id: str, generation: int,
-                           window: Buffer) -> str | None:
-        """Keep a window rebuilt for the session as stored (by bounded replay), so the next
-        resume need not replay again.
+                           window: Buffer, *, replayed_tokens: int) -> str | None:
+        """Keep a window rebuilt for the session as stored by a replay of
+        ``replayed_tokens`` tokens, so the next resume need not replay again.
 
-        Only the window changes: generation, token ids and chunks stay as they are. The
-        blob lives in a window tier (hbm, host) or nowhere: returns that tier's name, or
-        None when none has room. ``StaleGeneration`` if the session was spilled again
-        (or deleted and re-created) since ``generation``.
+        Only the window changes: generation, token ids and chunks stay as they are. It
+        replaces only a window of smaller ``window_coverage`` (a short replay never
+        stands in for a longer one or the engine's own): one held here that covers as
+        much stays, and its tier is returned; one in another node's memory (a fleet)
+        stays named unless this one covers as much (then the session's window moves
+        here). The blob lives in a window tier (hbm, host) or nowhere: returns the tier
+        holding the session's window here, or None when none was kept here.
+        ``StaleGeneration`` if the session was spilled again (or deleted and re-created)
+        since ``generation``.
         """
         check_name("tenant", tenant)
         check_name("session_id", session_id)
@@ -427,20 +432,37 @@ class Spiller:
             spec = get_layout(manifest.layout_id)
             if not spec.ephemeral_streams:
                 raise InvalidRequest(f"layout {spec.layout_id} has no window streams")
+            n = manifest.num_tokens
+            if not isinstance(replayed_tokens, int) or not 1 <= replayed_tokens <= n:
+                raise InvalidRequest(f"replayed_tokens must lie in [1, {n}] (the session's "
+                                     f"tokens), got {replayed_tokens!r}")
             check_window(spec, manifest.token_ids, window)
-            held = manifest.window_key is not None and self._stack.holders(manifest.window_key)
-            if held:
-                return manifest.window_tier  # already held (another resume stored one)
-            key = f"{WINDOW_PREFIX}{tenant}/{session_id}/{generation}"
+            coverage = window_coverage(replayed_tokens, n)
+            old = manifest.window_key
+            held = old is not None and self._stack.holders(old)
+            if held and manifest.window_coverage >= coverage:
+                return manifest.window_tier  # as good or better already (another resume's)
+            if manifest.remote_window is not None and manifest.window_coverage > coverage:
+                log.info("rebuilt window of %s/%s not kept: node %s holds one of coverage "
+                         "%d > %d", tenant, session_id, manifest.node_id,
+                         manifest.window_coverage, coverage)
+                return None
+            # its own key per replay length: the window it replaces stays readable until
+            # the manifest names this one
+            key = f"{WINDOW_PREFIX}{tenant}/{session_id}/{generation}r{replayed_tokens}"
             await self._blocks.drop(key)  # a leftover copy must not stand in for this one
             tier = await self._store_window(key, window, manifest.hint)
             if tier is None:
                 return None
             try:
-                await self._catalog.put(manifest.evolve(window_tier=tier, window_key=key))
+                await self._catalog.put(manifest.evolve(
+                    window_tier=tier, window_key=key, window_replayed=replayed_tokens,
+                    remote_window=None))
             except BaseException:
                 await self._blocks.drop(key)
                 raise
+            if old is not None and old != key:
+                await self._blocks.drop(old)
             return tier
 
 

@@ -379,7 +379,8 @@ class AsyncClient:
             replay_needed=window is None and bool(spec.ephemeral_streams),
             replayed=summary.replayed, replay_tokens=summary.replay_tokens, tier=summary.tier,
             restore_seconds=summary.restore_seconds, replay_seconds=summary.replay_seconds,
-            writeback_failed=header.writeback_failed)
+            writeback_failed=header.writeback_failed, window_replayed_tokens=(
+                summary.replay_tokens if summary.replayed else header.window_replayed_tokens))
 
     async def restore_layers(self, tenant: str, session_id: str) -> AsyncIterator[LayerSlice]:
         """Each (stream, layer) of the whole session as soon as it has arrived, layer 0 of

@@ -78,3 +78,15 @@ class RestoredSession:
     # The server's write-back of this memory-acked generation failed: until it succeeds
     # (the server retries), the session does not survive a server restart.
     writeback_failed: bool = False
+    # How the session's window (window_blob, or the held one a Restore without
+    # want_window leaves out) was made: 0, the engine's own as spilled; else the tokens
+    # of the replay that built it (this call's, or an earlier one's the server stored).
+    window_replayed_tokens: int = 0
+
+    @property
+    def window_partial(self) -> bool:
+        """The window came from a replay shorter than the layout's window W: it holds
+        only ``window_replayed_tokens`` of the ``min(W, num_tokens)`` tokens a full one
+        does (a Resume with a larger ``replay_tokens`` rebuilds it)."""
+        full = min(self.layout.window_tokens, len(self.token_ids))
+        return self.window_blob is not None and 0 < self.window_replayed_tokens < full

@@ -157,7 +157,7 @@ class RestoreRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., layer_by_layer: _Optional[bool] = ..., want_window: _Optional[bool] = ..., use_shared_memory: _Optional[bool] = ..., reply_lease: _Optional[str] = ...) -> None: ...
 
 class SessionHeader(_message.Message):
-    __slots__ = ("layout_id", "generation", "num_tokens", "token_ids", "chunk_keys", "window_available", "replay_needed", "window_tier", "reply_segment", "chunk_digests", "tail_digest", "model_fingerprint", "dedupe_domain", "writeback_failed")
+    __slots__ = ("layout_id", "generation", "num_tokens", "token_ids", "chunk_keys", "window_available", "replay_needed", "window_tier", "reply_segment", "chunk_digests", "tail_digest", "model_fingerprint", "dedupe_domain", "writeback_failed", "window_replayed_tokens")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class SessionHeader(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DEDUPE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     WRITEBACK_FAILED_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_REPLAYED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     layout_id: str
     generation: int
     num_tokens: int
@@ -186,7 +187,8 @@ class SessionHeader(_message.Message):
     model_fingerprint: str
     dedupe_domain: str
     writeback_failed: bool
-    def __init__(self, layout_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., chunk_keys: _Optional[_Iterable[str]] = ..., window_available: _Optional[bool] = ..., replay_needed: _Optional[bool] = ..., window_tier: _Optional[str] = ..., reply_segment: _Optional[_Union[SharedMemoryLease, _Mapping]] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., tail_digest: _Optional[bytes] = ..., model_fingerprint: _Optional[str] = ..., dedupe_domain: _Optional[str] = ..., writeback_failed: _Optional[bool] = ...) -> None: ...
+    window_replayed_tokens: int
+    def __init__(self, layout_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., chunk_keys: _Optional[_Iterable[str]] = ..., window_available: _Optional[bool] = ..., replay_needed: _Optional[bool] = ..., window_tier: _Optional[str] = ..., reply_segment: _Optional[_Union[SharedMemoryLease, _Mapping]] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., tail_digest: _Optional[bytes] = ..., model_fingerprint: _Optional[str] = ..., dedupe_domain: _Optional[str] = ..., writeback_failed: _Optional[bool] = ..., window_replayed_tokens: _Optional[int] = ...) -> None: ...
 
 class RestoredChunk(_message.Message):
     __slots__ = ("index", "tier", "payload")

@@ -106,8 +106,8 @@ async def test_store_window_keeps_a_rebuilt_window_for_its_generation(tmp_path):
 
     with pytest.raises(LayoutMismatch):  # a window of other tokens
         other = make_session(random_tokens(16 * 3 + 6, seed=57))
-        await manager.store_window("t", "s", 1, other["window"])
-    assert await manager.store_window("t", "s", 1, args["window"]) == "host"
+        await manager.store_window("t", "s", 1, other["window"], replayed_tokens=8)
+    assert await manager.store_window("t", "s", 1, args["window"], replayed_tokens=8) == "host"
     kept = await manager.restore("t", "s")
     assert not kept.replay_needed and kept.window_tier == "host"
     assert bytes(kept.window) == bytes(args["window"])
@@ -117,7 +117,7 @@ async def test_store_window_keeps_a_rebuilt_window_for_its_generation(tmp_path):
 
     await manager.spill("t", "s", generation=2, **{**args, "window": None})
     with pytest.raises(StaleGeneration, match="generation 2, not 1"):
-        await manager.store_window("t", "s", 1, args["window"])
+        await manager.store_window("t", "s", 1, args["window"], replayed_tokens=8)
     after = await manager.get_manifest("t", "s")
     assert after.generation == 2 and after.window_key is None
     assert not [k for k in await tier_keys(manager.tiers[0]) if k.startswith("win/")]

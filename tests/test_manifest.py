@@ -34,6 +34,7 @@ def manifests(draw) -> SessionManifest:
                                         max_size=chunks))),
         tail=draw(st.binary(max_size=64)),
         window_tier=draw(st.none() | texts), window_key=draw(st.none() | texts),
+        window_replayed=draw(st.integers(0, 2**32)),
         created_at=draw(times), updated_at=draw(times), last_access=draw(times),
         ttl_s=draw(st.none() | st.floats(1e-3, 1e9)), hint=draw(hints))
 

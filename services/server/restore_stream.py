@@ -6,6 +6,12 @@ the tail, or, layer by layer, every (stream, layer) of every chunk and the tail 
 last layer arrives (the tail's sections carry ``chunk_index == len(chunk_keys)``); then
 the window, if asked for and held (or rebuilt by Resume); then a ``ResumeSummary``.
 
+The header states how a held window was made (``window_replayed_tokens``: 0 for the
+engine's own, else the tokens of the replay that built it, partial when fewer than W);
+a Restore returns the stored window as it is. A Resume whose R (at most the session's
+length) exceeds that replay rebuilds the window with its R, where this server replays,
+and the store keeps whichever of the two covers more (``TierManager.store_window``).
+
 Each block comes from the highest tier holding an intact copy (verified by the manager);
 no tier with an intact copy raises ``DataLoss`` before any byte of that block is sent.
 """
@@ -75,12 +81,18 @@ class RestoreStreamer:
             async with self.manager.reading(tenant, session_id) as reader:
                 m, spec = reader.manifest, reader.spec
                 has_window = bool(spec.ephemeral_streams)
+                backend, why_none = self.replay()
+                # A stored window made by a shorter replay than this Resume asks for is
+                # rebuilt with the larger R where this server can replay.
+                rebuild = (opts.resume and m.window_key is not None
+                           and m.window_coverage < min(opts.replay_tokens, m.num_tokens)
+                           and self._replayable(spec, backend))
                 window, window_tier = (await reader.window()
-                                       if opts.want_window or opts.resume else (None, None))
+                                       if (opts.want_window or opts.resume) and not rebuild
+                                       else (None, None))
                 held = window is not None or (m.window_tier is not None and not opts.want_window
                                               and not opts.resume)
                 replay = has_window and not held
-                backend, why_none = self.replay()
                 if replay and opts.resume:
                     self._check_replayable(f"{tenant}/{session_id}", spec, backend, why_none)
                 size = sum(m.chunk_sizes) + len(m.tail) + (len(window) if window else 0)
@@ -104,6 +116,7 @@ class RestoreStreamer:
                     model_fingerprint=m.model_fingerprint,
                     dedupe_domain=shared_domain(m.dedupe_scope),
                     window_available=held, replay_needed=replay,
+                    window_replayed_tokens=m.window_replayed if held else 0,
                     window_tier=window_tier or (m.window_tier or "") if held else "",
                     writeback_failed=m.writeback_failed,
                     reply_segment=self.leases.describe(lease) if lease is not None else None))
@@ -157,7 +170,8 @@ class RestoreStreamer:
                 self.metrics.replay_seconds.observe(rebuilt.seconds)
                 self.metrics.replay_batch_size.observe(rebuilt.batch_size)
                 yield pb.RestoreReply(window=self._payload("", rebuilt.window, writer))
-                await self._keep_window(tenant, session_id, m.generation, rebuilt.window)
+                await self._keep_window(tenant, session_id, m.generation, rebuilt.window,
+                                        rebuilt.replayed_tokens)
                 summary.replayed = True
                 summary.replay_tokens = rebuilt.replayed_tokens
                 summary.replay_seconds = rebuilt.seconds
@@ -174,6 +188,9 @@ class RestoreStreamer:
             if lease is not None:  # renewed: the client copies out, then may offer it again
                 self.leases.done(lease)
 
+    def _replayable(self, spec: LayoutSpec, backend: ReplayBackend | None) -> bool:
+        return backend is not None and spec.replayer in self.replayers
+
     def _check_replayable(self, session: str, spec: LayoutSpec,
                           backend: ReplayBackend | None, why_none: str) -> None:
         """ReplayUnavailable unless this server can rebuild ``spec``'s window."""
@@ -188,18 +205,20 @@ class RestoreStreamer:
                 f"server's replayers: {runs}); Restore returns its persistent part")
 
     async def _keep_window(self, tenant: str, session_id: str, generation: int,
-                           window: Buffer) -> None:
-        """Store a window rebuilt by replay, so the next Resume of this generation finds
-        it held (kept here, where its bytes are, whichever way the reply carried them).
-        The resume itself succeeded whatever happens here."""
+                           window: Buffer, replayed_tokens: int) -> None:
+        """Store a window rebuilt by a replay of ``replayed_tokens`` tokens, so the next
+        Resume of this generation that asks for no more finds it held (kept here, where
+        its bytes are, whichever way the reply carried them), unless a window at least as
+        good is stored. The resume itself succeeded whatever happens here."""
         try:
-            tier = await self.manager.store_window(tenant, session_id, generation, window)
+            tier = await self.manager.store_window(tenant, session_id, generation, window,
+                                                   replayed_tokens=replayed_tokens)
         except KVTierError as exc:  # spilled again or deleted meanwhile: nothing to keep
             log.info("rebuilt window of %s/%s not kept: %s", tenant, session_id, exc)
             return
         if tier is None:
-            log.info("rebuilt window of %s/%s not kept: no window tier has room",
-                     tenant, session_id)
+            log.info("rebuilt window of %s/%s not kept here (no window tier has room, or "
+                     "another node holds a better one)", tenant, session_id)
 
     def _payload(self, key: str, data: Buffer, writer: PackedWriter | None, refused: str = ""
                  ) -> pb.Payload:

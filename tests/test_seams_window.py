@@ -1,0 +1,301 @@
+"""Resume's replay_tokens against the stored window: a window rebuilt by a short replay
+never stands in for a longer one or for the engine's own, a Resume that asks for more
+rebuilds it, and every reply says how the window it returns was made.
+
+Over a real server with in-process replay through the tiny model (W = 8, m = 4;
+tests.replay_support), sessions spilled without a window so that a Resume replays; the
+store's own rules (which window is kept, across hbm and host, in a fleet of two nodes
+over moto's S3 server) through real tier managers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import struct
+
+import pytest
+import xxhash
+from test_manager_support import make_session, random_tokens, tier_keys
+
+from kvstore.errors import InvalidRequest
+from kvstore.manager import TierManager
+from kvstore.manifest import SessionManifest
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.hbm import HBMTier
+from kvstore.tiers.host import HostTier
+from kvtier import AsyncClient
+from model.config import TINY
+from model.infer import replay
+from replay.state_codec import encode_window, state_from_chunks, state_to_chunks
+from replay.worker import ReplayWorker
+from services.server.config import ServerConfig
+from services.server.store import open_manager
+from tests.replay_support import TINY_SPEC, tiny_model, tiny_session
+from tests.service_support import running_server
+
+N = 148  # more than R = 128, a multiple of m (no pending rows: R = 1 may replay)
+MB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def session(model):
+    """(state, chunks, tail, the engine's own window blob) of a prefilled session."""
+    state, chunks, tail = tiny_session(model, N)
+    return state, chunks, tail, state_to_chunks(TINY_SPEC, state)[2]
+
+
+@contextlib.asynccontextmanager
+async def serving(tmp_path, model):
+    """A real server replaying through ``model``, and a client of it."""
+    worker = ReplayWorker(model)
+    try:
+        async with running_server(tmp_path) as (server, target), AsyncClient(target) as kv:
+            server.servicer.use_replay(worker, frozenset({TINY_SPEC.replayer}))
+            yield kv
+    finally:
+        await worker.close()
+
+
+async def spill(kv, name: str, session, *, window: bool = False) -> None:
+    state, chunks, tail, blob = session
+    await kv.spill("t", name, TINY_SPEC.layout_id, state.token_ids, chunks=chunks, tail=tail,
+                   window=blob if window else None, generation=1)
+
+
+def window_len(got) -> int:
+    """Tokens the returned window holds, decoded as a replay worker would."""
+    ready = state_from_chunks(TINY, got.token_ids, got.chunks, got.tail, got.window_blob,
+                              spec=TINY_SPEC)
+    return ready.window_len
+
+
+async def test_a_longer_resume_rebuilds_the_window_a_short_one_left(tmp_path, model, session):
+    async with serving(tmp_path, model) as kv:
+        await spill(kv, "s1", session)
+        await spill(kv, "fresh", session)
+        short = await kv.resume("t", "s1", decode=False, replay_tokens=1)
+        assert short.replayed and short.replay_tokens == 1
+        assert window_len(short) == 1
+
+        longer = await kv.resume("t", "s1", decode=False, replay_tokens=128)
+        assert longer.replayed and longer.replay_tokens == 128
+        fresh = await kv.resume("t", "fresh", decode=False, replay_tokens=128)
+        assert fresh.replayed
+        assert bytes(longer.window_blob) == bytes(fresh.window_blob)
+        want = encode_window(TINY_SPEC, replay(model, session[0].without_window(), 128))
+        assert bytes(longer.window_blob) == want
+        assert window_len(longer) == TINY_SPEC.window_tokens
+
+        # The longer window replaced the short one: it is what comes back now.
+        again = await kv.resume("t", "s1", decode=False, replay_tokens=128)
+        assert not again.replayed and bytes(again.window_blob) == want
+        assert (await kv.stat()).replays == 3
+        assert short.window_replayed_tokens == 1 and short.window_partial
+        assert longer.window_replayed_tokens == 128 and not longer.window_partial
+        assert again.window_replayed_tokens == 128 and not again.window_partial
+
+
+async def test_a_shorter_resume_keeps_the_longer_window(tmp_path, model, session):
+    async with serving(tmp_path, model) as kv:
+        await spill(kv, "s1", session)
+        full = await kv.resume("t", "s1", decode=False, replay_tokens=128)
+        assert full.replayed and full.replay_tokens == 128
+        short = await kv.resume("t", "s1", decode=False, replay_tokens=1)
+        assert not short.replayed and bytes(short.window_blob) == bytes(full.window_blob)
+        assert short.window_replayed_tokens == 128 and not short.window_partial
+        restored = await kv.restore("t", "s1", decode=False)
+        assert bytes(restored.window_blob) == bytes(full.window_blob)
+        assert restored.window_replayed_tokens == 128
+
+        # The engine's own window outranks every replay, even one of every token.
+        _, _, _, blob = session
+        await spill(kv, "own", session, window=True)
+        for r in (1, 128, N, 8192):
+            got = await kv.resume("t", "own", decode=False, replay_tokens=r)
+            assert not got.replayed and bytes(got.window_blob) == blob
+            assert got.window_replayed_tokens == 0 and not got.window_partial
+        assert (await kv.stat()).replays == 1
+
+
+async def test_restore_says_the_window_it_returns_is_partial(tmp_path, model, session):
+    async with serving(tmp_path, model) as kv:
+        await spill(kv, "s1", session)
+        short = await kv.resume("t", "s1", decode=False, replay_tokens=1)
+        restored = await kv.restore("t", "s1", decode=False)
+        assert not restored.replayed and not restored.replay_needed
+        assert bytes(restored.window_blob) == bytes(short.window_blob)
+        assert restored.window_replayed_tokens == 1 and restored.window_partial
+        assert window_len(restored) == 1
+        plain = await kv.restore("t", "s1", want_window=False, decode=False)
+        assert plain.window_blob is None and plain.window_replayed_tokens == 1
+
+        await spill(kv, "own", session, window=True)
+        own = await kv.restore("t", "own", decode=False)
+        assert own.window_replayed_tokens == 0 and not own.window_partial
+
+
+async def test_a_fork_carries_how_its_window_was_made(tmp_path, model, session):
+    async with serving(tmp_path, model) as kv:
+        await spill(kv, "s1", session)
+        await spill(kv, "fresh", session)
+        await kv.resume("t", "s1", decode=False, replay_tokens=1)
+        forked = await kv.fork("t", "s1", "f1", upto_tokens=N)
+        assert forked.window_kept
+        restored = await kv.restore("t", "f1", decode=False)
+
+        rebuilt = await kv.resume("t", "f1", decode=False, replay_tokens=128)
+        assert rebuilt.replayed and rebuilt.replay_tokens == 128
+        fresh = await kv.resume("t", "fresh", decode=False, replay_tokens=128)
+        assert bytes(rebuilt.window_blob) == bytes(fresh.window_blob)
+        # the source keeps its own short window until it is asked for more
+        source = await kv.restore("t", "s1", decode=False)
+        assert restored.window_replayed_tokens == 1 and restored.window_partial
+        assert source.window_replayed_tokens == 1 and window_len(source) == 1
+
+
+async def test_concurrent_short_and_long_resumes_leave_the_long_window(tmp_path, model,
+                                                                        session):
+    async with serving(tmp_path, model) as kv:
+        await spill(kv, "s1", session)
+        await spill(kv, "fresh", session)
+        await asyncio.gather(*(kv.resume("t", "s1", decode=False, replay_tokens=r)
+                               for r in (1, 128, 1, 1)))
+        fresh = await kv.resume("t", "fresh", decode=False, replay_tokens=128)
+        kept = await kv.resume("t", "s1", decode=False, replay_tokens=128)
+        assert not kept.replayed and bytes(kept.window_blob) == bytes(fresh.window_blob)
+
+
+async def test_replay_tokens_is_bounded_with_clear_errors(tmp_path, model):
+    pending = tiny_session(model, N + 2, seed=3)  # 2 pending rows: a replay needs R >= 2
+    async with serving(tmp_path, model) as kv:
+        await spill(kv, "s1", (*pending, None))
+        with pytest.raises(InvalidRequest, match="exceeds 8192"):
+            await kv.resume("t", "s1", decode=False, replay_tokens=8193)
+        with pytest.raises(InvalidRequest, match="shorter than the 2 tokens of the unfinished"):
+            await kv.resume("t", "s1", decode=False, replay_tokens=1)
+        assert (await kv.restore("t", "s1", decode=False)).replay_needed  # nothing stored
+        default = await kv.resume("t", "s1", decode=False)  # 0: the server's R = 128
+        assert default.replayed and default.replay_tokens == 128
+        every = await kv.resume("t", "s1", decode=False, replay_tokens=8192)  # capped at n
+        assert every.replayed and every.replay_tokens == N + 2
+        assert every.window_replayed_tokens == N + 2 and not every.window_partial
+
+
+async def test_the_store_keeps_the_window_of_largest_coverage_across_tiers(tmp_path):
+    disk = DiskTier(tmp_path / "disk", 64 * MB)
+    manager = await TierManager.open([HBMTier(MB, device="cpu"), HostTier(MB), disk],
+                                     disk.meta)
+    try:
+        args = make_session(random_tokens(16 * 3 + 6, seed=5))
+        n = len(args["token_ids"])
+        await manager.spill("t", "s", generation=1, **{**args, "window": None})
+        blob = args["window"]
+
+        assert await manager.store_window("t", "s", 1, blob, replayed_tokens=1) == "hbm"
+        first = await manager.get_manifest("t", "s")
+        assert first.window_replayed == 1 and first.window_coverage == 1
+        assert await manager.store_window("t", "s", 1, blob, replayed_tokens=20) == "hbm"
+        longer = await manager.get_manifest("t", "s")
+        assert longer.window_replayed == 20 and longer.window_key != first.window_key
+        assert first.window_key not in await tier_keys(manager.tiers[0])  # replaced
+        for shorter in (1, 4, 20):  # nothing shorter, nor as long, replaces it
+            assert await manager.store_window("t", "s", 1, blob, replayed_tokens=shorter)
+            kept = await manager.get_manifest("t", "s")
+            assert (kept.window_key, kept.window_replayed) == (longer.window_key, 20)
+
+        demoted = await manager.demote("t", "s", "host")  # hbm -> host: still that window
+        assert demoted.window_tier == "host" and demoted.window_replayed == 20
+        assert bytes((await manager.restore("t", "s")).window) == bytes(blob)
+        every = await manager.store_window("t", "s", 1, blob, replayed_tokens=n)
+        assert every is not None and (await manager.get_manifest("t", "s")).window_coverage == n
+
+        dropped = await manager.demote("t", "s", "disk")  # no window below the memory
+        assert dropped.window_key is None and dropped.window_replayed == 0
+        for bad in (0, n + 1):
+            with pytest.raises(InvalidRequest, match="replayed_tokens must lie in"):
+                await manager.store_window("t", "s", 1, blob, replayed_tokens=bad)
+    finally:
+        await manager.close()
+
+
+def test_a_manifest_states_how_its_window_was_made():
+    made = SessionManifest(tenant="t", session_id="s", layout_id=TINY_SPEC.layout_id,
+                           generation=1, token_ids=list(range(40)), chunk_keys=(),
+                           chunk_sizes=(), window_tier="host", window_key="win/t/s/1r5",
+                           window_replayed=5)
+    assert SessionManifest.decode(made.encode()).window_replayed == 5
+    assert made.window_coverage == 5
+    assert made.evolve(window_replayed=0).window_coverage == 40  # the engine's own
+    assert made.evolve(window_replayed=400).window_coverage == 40  # every token
+    gone = made.evolve(window_tier=None, window_key=None)
+    assert gone.window_replayed == 0  # describes no window
+    remote = made.evolve(window_tier=None, window_key=None, remote_window=("host", "k"))
+    assert remote.window_replayed == 5  # another node's window, as that node made it
+    # A manifest written before the field existed names the engine's own window.
+    old = SessionManifest.decode(without_field(made.encode(), "window_replayed"))
+    assert old.window_replayed == 0 and old.window_key == "win/t/s/1r5"
+    with pytest.raises(InvalidRequest, match="window_replayed"):
+        made.evolve(window_replayed=-1)
+
+
+def without_field(encoded: bytes, name: str) -> bytes:
+    """A manifest encoding (docs in kvstore.manifest) with ``name`` left out of its JSON."""
+    magic, version, size = struct.unpack_from("<4sHI", encoded)
+    head = json.loads(encoded[10:10 + size])
+    del head[name]
+    body = json.dumps(head, separators=(",", ":")).encode()
+    out = struct.pack("<4sHI", magic, version, len(body)) + body + encoded[10 + size:-8]
+    return out + struct.pack("<Q", xxhash.xxh3_64_intdigest(out))
+
+
+@pytest.fixture
+def node_config(tmp_path, s3_server, s3_bucket, s3_credentials, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_credentials["aws_access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_credentials["aws_secret_access_key"])
+
+    def make(node: str) -> ServerConfig:
+        return ServerConfig(data_dir=tmp_path / node, host_bytes=8 * MB, disk_bytes=64 * MB,
+                            object_bytes=1 << 30, s3_endpoint=s3_server, s3_bucket=s3_bucket,
+                            s3_region=s3_credentials["region_name"],
+                            object_compression_level=-1, metadata="shared", node_id=node)
+    return make
+
+
+async def test_a_short_replay_on_another_node_leaves_a_longer_window_named(node_config):
+    a, b = [await open_manager(node_config(name)) for name in "ab"]
+    try:
+        args = make_session(random_tokens(16 * 3 + 6, seed=7), tenant="acme")
+        n = len(args["token_ids"])
+        await a.spill("acme", "s1", generation=1, ack="durable", **args)
+        on_a = await a.get_manifest("acme", "s1")
+        # b sees no window of its own (a's is in a's memory) and replays; a short
+        # window of b's does not take the session from a's own.
+        assert await b.store_window("acme", "s1", 1, args["window"], replayed_tokens=1) is None
+        still = await a.get_manifest("acme", "s1")
+        assert (still.node_id, still.window_key, still.window_replayed) == \
+            ("a", on_a.window_key, 0)
+        assert (await b.get_manifest("acme", "s1")).remote_window is not None
+        # A replay of every token is as good, and here: the session's window moves to b.
+        assert await b.store_window("acme", "s1", 1, args["window"],
+                                    replayed_tokens=n) == "host"
+        moved = await a.get_manifest("acme", "s1")
+        assert moved.node_id == "b" and moved.window_key is None
+        assert moved.remote_window is not None and moved.window_replayed == n
+
+        # b's replay of 20 tokens outranks a's of 4; a's of 30 takes the window to a.
+        await a.spill("acme", "s2", generation=1, ack="durable", **{**args, "window": None})
+        assert await b.store_window("acme", "s2", 1, args["window"], replayed_tokens=20)
+        assert await a.store_window("acme", "s2", 1, args["window"], replayed_tokens=4) is None
+        assert (await b.get_manifest("acme", "s2")).window_replayed == 20
+        assert await a.store_window("acme", "s2", 1, args["window"],
+                                    replayed_tokens=30) == "host"
+        assert (await b.get_manifest("acme", "s2")).node_id == "a"
+    finally:
+        for manager in (a, b):
+            await manager.close()
