@@ -28,6 +28,8 @@ from transformers import (  # noqa: E402
     Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     MistralConfig,
     MistralForCausalLM,
     MixtralConfig,
@@ -81,6 +83,10 @@ WORKING = {
     "gemma3-pattern": (lambda: _model(Gemma3ForCausalLM, Gemma3TextConfig(
         **SMALL, head_dim=16, sliding_window=16, layer_types=[
             "sliding_attention", "sliding_attention", "full_attention"])), 60),
+    "llama4-chunked-16": (lambda: _model(Llama4ForCausalLM, Llama4TextConfig(
+        **SMALL, head_dim=16, intermediate_size_mlp=128, num_local_experts=2,
+        num_experts_per_tok=1, attention_chunk_size=16, no_rope_layers=[1, 1, 0],
+        layer_types=["chunked_attention", "chunked_attention", "full_attention"])), 60),
     "gpt2": (lambda: _model(GPT2LMHeadModel, GPT2Config(
         vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512)), 60),
 }
@@ -130,6 +136,25 @@ async def test_a_windowed_cache_resumes_bit_exact(tmp_path, case):
     assert torch.equal(_continued(model, sequence, restored, 24), want)
 
 
+async def test_a_windowed_cache_at_int8_keeps_its_window_and_close_logits(tmp_path):
+    model = WORKING["gemma2-alternating"][0]()
+    prompt = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(3))
+    sequence, cache = _generated(model, prompt, 10)
+    follow = torch.randint(0, VOCAB, (8,), generator=torch.Generator().manual_seed(4))
+    want = _follow_logits(model, copy.deepcopy(cache), follow).float()
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
+        await async_spill_cache(kv, "acme", "g8", model, cache, sequence[:-1], generation=1,
+                                bits=8)
+        restored, _ = await async_resume_cache(kv, "acme", "g8", model)
+    assert restored.get_seq_length() == len(sequence) - 1
+    for got, kept in zip(restored.layers, cache.layers, strict=True):
+        assert type(got) is type(kept) and got.keys.shape == kept.keys.shape
+    got = _follow_logits(model, restored, follow).float()
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1),
+                                    log_target=True, reduction="batchmean")
+    assert kl.item() < 1e-3
+
+
 def test_the_tiny_windows_really_run_past_the_window():
     # the cases above cover a cache that dropped rows, not only one inside its window
     model = WORKING["mistral-window-16"][0]()
@@ -160,22 +185,24 @@ def _t5():
         vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4))
 
 
-REFUSED = {"gemma3n": (_gemma3n, "gemma3n_text"), "qwen3_next": (_qwen3_next, "qwen3_next"),
-           "t5": (_t5, "t5")}
+# name -> (model factory, what the refusal must say: the model type, and the window)
+REFUSED = {"gemma3n": (_gemma3n, r"gemma3n_text: .*dummy.*sliding windows \[16\]"),
+           "qwen3_next": (_qwen3_next, "qwen3_next: .*linear_attention"),
+           "t5": (_t5, "t5: encoder-decoder")}
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
 async def test_an_unsupported_model_is_refused_before_anything_is_sent(tmp_path, case):
-    factory, model_type = REFUSED[case]
+    factory, says = REFUSED[case]
     model = factory()
-    with pytest.raises(UnsupportedModel, match=model_type):
+    with pytest.raises(UnsupportedModel, match=says):
         model_layout(model)
     async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
         before = {info.layout_id for info in await kv.layouts()}
-        with pytest.raises(UnsupportedModel, match=model_type):
+        with pytest.raises(UnsupportedModel, match=says):
             await async_spill_cache(kv, "acme", case, model, DynamicCache(), [1, 2, 3],
                                     generation=1)
-        with pytest.raises(UnsupportedModel, match=model_type):
+        with pytest.raises(UnsupportedModel, match=says):
             await async_resume_cache(kv, "acme", case, model)
         assert {info.layout_id for info in await kv.layouts()} == before
         with pytest.raises(SessionNotFound):
