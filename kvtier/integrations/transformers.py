@@ -76,7 +76,7 @@ def cache_streams(spec: LayoutSpec, model, cache: DynamicCache, num_tokens: int
     if is_deepseek_v4(model.config):
         return deepseek_v4.persistent_streams(spec, model.config, cache)
     windows = layer_windows(model.config)
-    _check_layers(model.config, cache, windows, num_tokens)
+    _check_layers(cache, windows, num_tokens)
     heads, head_dim = spec.stream("k").entry_shape
     out = {}
     for name in ("k", "v"):
@@ -103,8 +103,8 @@ def _rows_kept(window: int, num_tokens: int) -> int:
     return num_tokens if window == 0 else min(num_tokens, window - 1)
 
 
-def _check_layers(config, cache: DynamicCache, windows: tuple[int, ...], n: int) -> None:
-    """``cache`` is what transformers builds for ``config`` (``layer_windows``), batch 1,
+def _check_layers(cache: DynamicCache, windows: tuple[int, ...], n: int) -> None:
+    """``cache`` has the layers transformers builds for the model (``windows``), batch 1,
     every layer holding what its kind keeps after ``n`` tokens."""
     if len(cache.layers) != len(windows):
         raise LayoutMismatch(f"the cache has {len(cache.layers)} layers, the model "
