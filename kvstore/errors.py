@@ -44,6 +44,12 @@ class LayoutMismatch(InvalidRequest):
     """Data described by one layout was presented under another."""
 
 
+class UnsupportedModel(InvalidRequest):
+    """A model whose cache kvtier cannot store exactly (its type, window or layer kinds,
+    an encoder-decoder cache...): refused before anything is sent, whatever the server's
+    state, so INVALID_ARGUMENT."""
+
+
 class UnknownLayout(InvalidRequest):
     """No layout spec is registered under this name or id."""
 
@@ -170,6 +176,7 @@ class ServerError(KVTierError):
 
 # Class -> status code name; most specific first: the first isinstance match decides.
 STATUS_NAMES: tuple[tuple[type[KVTierError], str], ...] = (
+    (UnsupportedModel, "INVALID_ARGUMENT"),
     (InvalidRequest, "INVALID_ARGUMENT"),
     (NotFound, "NOT_FOUND"),
     (TierFull, "RESOURCE_EXHAUSTED"),

@@ -1,8 +1,13 @@
 """The kvtier layout of a transformers model's cache, derived from ``model.config``.
 
-- Standard models (a ``DynamicCache`` of full-attention layers, e.g. Llama): streams
-  ``k`` and ``v`` of (kv_heads, head_dim) per token on every layer, persistent, at bf16
-  or int8; no window, nothing to replay.
+- Standard models (a ``DynamicCache`` of full-attention and sliding-window layers, as
+  transformers builds it for the config, ``attention.layer_windows``: Llama, Mistral,
+  Gemma2...): streams ``k`` and ``v`` of (kv_heads, head_dim) per token on every layer,
+  persistent, at bf16 or int8; nothing to replay. A sliding layer of window W holds only
+  the last W - 1 tokens: its rows before them are stored as zeros, never read back (a
+  resume installs the last min(n, W - 1) rows), and the layout's layer modes
+  (``full`` / ``sliding-W``) bind the windows into its id. Every other kind of layer is
+  ``UnsupportedModel``.
 - DeepseekV4 (``model_type == "deepseek_v4"``): the compressor entries of the CSA layers
   (``csa.kv``, m = 4), their Lightning Indexer entries (``csa.index``, m = 4) and the HCA
   layers' entries (``hca.kv``, m = 128), persistent at 4 or 8 bits. Ephemeral, rebuilt by
@@ -21,7 +26,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from kvstore.errors import InvalidRequest
+from kvstore.errors import InvalidRequest, UnsupportedModel
+from kvstore.hf.attention import layer_windows, text_config
 from kvstore.layout import LayoutSpec, Stream
 
 CSA, HCA, SLIDING = ("compressed_sparse_attention", "heavily_compressed_attention",
@@ -58,23 +64,52 @@ def _named(spec: LayoutSpec, family: str, bits: int) -> LayoutSpec:
     return replace(spec, name=f"hf-{family}-{tag}-{replace(spec, name='x').layout_hash:016x}"[:64])
 
 
+def _kv_shape(text) -> tuple[int, int]:
+    """(kv_heads, head_dim) of every layer of a decoder config; ``UnsupportedModel`` when
+    the layers differ or the config does not say."""
+    shapes = set()
+    try:
+        for layer in text.per_layer_config:  # each layer's own view, heterogeneous or not
+            attention_heads = layer.num_attention_heads
+            # configs without the field (GPT-2...) have one KV head per attention head
+            heads = getattr(layer, "num_key_value_heads", None) or attention_heads
+            shapes.add((heads, getattr(layer, "head_dim", None)
+                        or layer.hidden_size // attention_heads))
+    except (AttributeError, RuntimeError, TypeError, ValueError) as exc:
+        raise UnsupportedModel(f"{text.model_type}: its config does not state the cache's "
+                               f"shape ({exc})") from None
+    if len(shapes) != 1:
+        raise UnsupportedModel(f"{text.model_type}: per-layer KV shapes {sorted(shapes)} are "
+                               "not supported (one (kv_heads, head_dim) for every layer)")
+    return shapes.pop()
+
+
 def standard_layout(config, bits: int = 16) -> LayoutSpec:
     if bits not in STANDARD_BITS:
         raise InvalidRequest(f"a standard model's cache is stored at bf16 (16) or int8 (8), "
                              f"not {bits} bits")
-    layer_types = getattr(config, "layer_types", None) or ()  # absent on Llama
-    if any(t != "full_attention" for t in layer_types):
-        raise InvalidRequest(f"{config.model_type}: only full-attention layers are supported "
-                             f"for a standard cache, got layer types {sorted(set(layer_types))}")
-    heads = config.num_key_value_heads or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    layers = config.num_hidden_layers
+    windows = layer_windows(config)
+    text = text_config(config)
+    kind = text.model_type
+    heads, head_dim = _kv_shape(text)
+    try:
+        vocab_size = text.vocab_size
+    except AttributeError:
+        raise UnsupportedModel(f"{kind}: its config states no vocab_size") from None
+    layers = len(windows)
     streams = tuple(Stream(name, (heads, head_dim), bits=bits, group_size=_group(bits, head_dim),
                            layers=layers) for name in ("k", "v"))
-    spec = LayoutSpec(name="x", streams=streams, chunk_tokens=64, vocab_size=config.vocab_size,
-                      notes=f"transformers {config.model_type}: {layers} layers, {heads} KV "
-                      f"heads x {head_dim}, every layer persistent")
-    return _named(spec, config.model_type.replace("_", "-"), bits)
+    sliding = sorted({w for w in windows if w})
+    # modes only when some layer slides, so full-attention layouts keep their ids
+    modes = tuple(f"sliding-{w}" if w else "full" for w in windows) if sliding else ()
+    spec = LayoutSpec(name="x", streams=streams, chunk_tokens=64, vocab_size=vocab_size,
+                      layer_modes=modes,
+                      notes=f"transformers {kind}: {layers} layers, {heads} KV heads x "
+                      f"{head_dim}, every layer persistent" + (
+                          f"; {sum(map(bool, windows))} sliding (W = "
+                          f"{', '.join(map(str, sliding))}) keep their last W - 1 tokens, "
+                          "earlier rows stored as zeros" if sliding else ""))
+    return _named(spec, kind.replace("_", "-"), bits)
 
 
 def deepseek_v4_layout(config, bits: int = 4) -> LayoutSpec:

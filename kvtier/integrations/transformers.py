@@ -9,12 +9,16 @@
 
 The layout comes from ``model.config`` (``kvstore.hf.layouts``): spill_cache
 registers it with the server when the server does not know it (``UnknownLayout``) and
-retries once. Standard models (a ``DynamicCache`` of full-attention layers) keep every
-layer persistent, at bf16 (``bits=16``, lossless for a bf16 model) or int8; nothing to
-replay. DeepseekV4 keeps its compressor and indexer entries at 4 or 8 bits and drops the
-window and the partial-block state; resume_cache has them rebuilt by bounded replay
-(``kvstore.hf.deepseek_v4``): by the server's replay worker (``replay="server"``),
-by this process's model (``"local"``), or the server's when it has one (``"auto"``).
+retries once. Standard models (a ``DynamicCache`` of full-attention and sliding-window
+layers, the classes transformers builds for the config) keep every layer persistent, at
+bf16 (``bits=16``, lossless for a bf16 model) or int8; nothing to replay: a sliding layer
+comes back with its last W - 1 rows and its count of every token seen. Any other model
+(other layer kinds, encoder-decoder, per-layer head shapes) is ``UnsupportedModel``,
+raised before anything is sent. DeepseekV4 keeps its compressor and indexer entries at 4
+or 8 bits and drops the window and the partial-block state; resume_cache has them
+rebuilt by bounded replay (``kvstore.hf.deepseek_v4``): by the server's replay worker
+(``replay="server"``), by this process's model (``"local"``), or the server's when it has
+one (``"auto"``).
 
 ``async_spill_cache`` / ``async_resume_cache`` take a ``kvtier.AsyncClient``; the model's
 tensor work runs in a thread. Batch size 1 only.
@@ -26,11 +30,18 @@ import asyncio
 
 import numpy as np
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from kvstore.codec import StreamData
-from kvstore.errors import InvalidRequest, LayoutMismatch, PreconditionFailed, UnknownLayout
+from kvstore.errors import (
+    InvalidRequest,
+    LayoutMismatch,
+    PreconditionFailed,
+    UnknownLayout,
+    UnsupportedModel,
+)
 from kvstore.hf import deepseek_v4
+from kvstore.hf.attention import layer_windows, text_config
 from kvstore.hf.layouts import candidate_layouts, is_deepseek_v4, layout_for
 from kvstore.hf.quant import decode_values, encode_values
 from kvstore.layout import LayoutSpec
@@ -64,27 +75,75 @@ def cache_streams(spec: LayoutSpec, model, cache: DynamicCache, num_tokens: int
                              "given (after generate, the last token is not in the cache)")
     if is_deepseek_v4(model.config):
         return deepseek_v4.persistent_streams(spec, model.config, cache)
+    windows = layer_windows(model.config)
+    _check_layers(cache, windows, num_tokens)
+    heads, head_dim = spec.stream("k").entry_shape
     out = {}
     for name in ("k", "v"):
         tensors = [layer.keys if name == "k" else layer.values for layer in cache.layers]
-        if any(t is None or t.shape[0] != 1 for t in tensors):
-            raise InvalidRequest("only batch-1 caches with every layer filled can be spilled")
-        # (1, heads, tokens, head_dim) per layer -> (layers, tokens, heads, head_dim)
-        values = torch.stack([t[0].transpose(0, 1) for t in tensors])
+        for i, t in enumerate(tensors):
+            if (t.shape[1], t.shape[3]) != (heads, head_dim):
+                raise UnsupportedModel(
+                    f"{text_config(model.config).model_type}: layer {i} holds {name} of shape "
+                    f"{tuple(t.shape)}, the config gives (1, {heads}, tokens, {head_dim}) "
+                    "(per-layer head shapes are not supported)")
+        # (1, heads, rows, head_dim) per layer -> (layers, tokens, heads, head_dim); a
+        # sliding layer's rows are its last ones, the tokens before them zeros
+        values = tensors[0].new_zeros(len(tensors), num_tokens, heads, head_dim)
+        for i, (t, window) in enumerate(zip(tensors, windows, strict=True)):
+            rows = _rows_kept(window, num_tokens)
+            if rows:
+                values[i, num_tokens - rows:] = t[0, :, t.shape[2] - rows:].transpose(0, 1)
         out[name] = encode_values(spec.stream(name), values)
     return out
 
 
+def _rows_kept(window: int, num_tokens: int) -> int:
+    """Rows a layer of ``window`` (0: full attention) holds after ``num_tokens`` tokens."""
+    return num_tokens if window == 0 else min(num_tokens, window - 1)
+
+
+def _check_layers(cache: DynamicCache, windows: tuple[int, ...], n: int) -> None:
+    """``cache`` has the layers transformers builds for the model (``windows``), batch 1,
+    every layer holding what its kind keeps after ``n`` tokens."""
+    if len(cache.layers) != len(windows):
+        raise LayoutMismatch(f"the cache has {len(cache.layers)} layers, the model "
+                             f"{len(windows)}")
+    for i, (layer, window) in enumerate(zip(cache.layers, windows, strict=True)):
+        want = DynamicSlidingWindowLayer if window else DynamicLayer
+        if type(layer) is not want or getattr(layer, "sliding_window", 0) != window:
+            raise InvalidRequest(
+                f"layer {i} is a {type(layer).__name__}; transformers builds a {want.__name__}"
+                + (f" (sliding window {window})" if window else "") + " for this model: spill "
+                "the cache the model made (DynamicCache(config=model.config), as generate does)")
+        if layer.keys is None or layer.values is None or layer.keys.dim() != 4:
+            raise InvalidRequest(f"layer {i} holds no keys: only caches with every layer "
+                                 "filled can be spilled")
+        if layer.keys.shape[0] != 1 or layer.values.shape[0] != 1:
+            raise InvalidRequest("only batch-1 caches can be spilled, got batch "
+                                 f"{layer.keys.shape[0]}")
+        rows = layer.keys.shape[2]
+        if layer.get_seq_length() != n or rows < _rows_kept(window, n) or rows > n \
+                or layer.values.shape[2] != rows:
+            raise InvalidRequest(f"layer {i} holds {rows} rows of {layer.get_seq_length()} "
+                                 f"tokens; {n} tokens were given")
+
+
 def standard_cache(spec: LayoutSpec, model, persistent: dict[str, StreamData]) -> DynamicCache:
-    """A ``DynamicCache`` of the model's layers from the k/v streams."""
+    """A ``DynamicCache`` of the model's layers (its own classes) from the k/v streams."""
     dtype = model.get_input_embeddings().weight.dtype
     k, v = (decode_values(spec.stream(name), persistent[name]).to(dtype) for name in ("k", "v"))
+    windows = layer_windows(model.config)
     cache = DynamicCache(config=model.config)
-    for layer, keys, values in zip(cache.layers, k, v, strict=True):
-        # (tokens, heads, head_dim) -> (1, heads, tokens, head_dim)
-        keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+    n = k.shape[1]
+    for layer, window, keys, values in zip(cache.layers, windows, k, v, strict=True):
+        rows = _rows_kept(window, n)
+        # (tokens, heads, head_dim) -> (1, heads, rows, head_dim): the rows the layer keeps
+        keys, values = (x[n - rows:].transpose(0, 1)[None].contiguous() for x in (keys, values))
         layer.lazy_initialization(keys, values)
-        layer.keys, layer.values = keys.contiguous(), values.contiguous()
+        layer.keys, layer.values = keys, values
+        if window:
+            layer.cumulative_length = n  # every token seen, the last W - 1 kept
     return cache
 
 
@@ -117,9 +176,10 @@ async def async_resume_cache(client, tenant: str, session_id: str, model, *,
     server's default R; 128 locally) tokens as ``replay`` says (module docstring)."""
     if replay not in REPLAY_MODES:
         raise InvalidRequest(f"replay must be one of {REPLAY_MODES}, got {replay!r}")
+    layouts = {spec.layout_id for spec in candidate_layouts(model.config)}  # refuses first
     if not is_deepseek_v4(model.config):
         session = await client.restore(tenant, session_id, want_window=False)
-        spec = _model_spec(model, session)
+        spec = _model_spec(layouts, session)
         return standard_cache(spec, model, session.persistent), _ids(session)
     session = None
     if replay != "local":
@@ -130,14 +190,13 @@ async def async_resume_cache(client, tenant: str, session_id: str, model, *,
                 raise
     if session is None:
         session = await client.restore(tenant, session_id, want_window=False)
-    spec = _model_spec(model, session)
+    spec = _model_spec(layouts, session)
     ids = _ids(session)
     return await asyncio.to_thread(_deepseek_cache, spec, model, session, ids,
                                    replay_tokens or 128), ids
 
 
-def _model_spec(model, session: RestoredSession) -> LayoutSpec:
-    layouts = {spec.layout_id for spec in candidate_layouts(model.config)}
+def _model_spec(layouts: set[str], session: RestoredSession) -> LayoutSpec:
     if session.layout.layout_id not in layouts:
         raise LayoutMismatch(f"the session was spilled with layout {session.layout.layout_id}, "
                              f"which is not this model's cache (its layouts: {sorted(layouts)})")
