@@ -9,10 +9,12 @@ out, over the kvtier gRPC service.
 Spill cuts the persistent streams into chunks of ``layout.chunk_tokens``, encodes them
 (``kvstore.codec``), keys them (``kvstore.keys.chain_keys``: the tenant's or a shared
 dedupe domain, the layout, the model fingerprint), states the BLAKE2b-256 digest of every
-chunk, the tail and the window, and sends only chunks the server may not hold: those it
-acknowledged for this session before go by key and digest, and if the server lost them
-it answers ``MissingChunks`` and the client sends everything. A restore checks every
-chunk and the tail against the digests the server returns (``DataLoss`` if one differs).
+chunk, the tail and the window (every digest of the bytes of this spill), and sends only
+chunks the server may not hold: a chunk whose fresh digest is the one the server
+acknowledged for this session before, or a lookup found held, goes by key and digest,
+and if the server lost it it answers ``MissingChunks`` and the client sends everything.
+A restore checks every chunk and the tail against the digests the server returns
+(``DataLoss`` if one differs).
 
 Calls failing with UNAVAILABLE are retried with exponential backoff and jitter (streams
 are restarted whole, so one retry mechanism covers every call; a retried Spill whose
@@ -189,7 +191,8 @@ class AsyncClient:
             header.chunk_digests.extend(encoded.digests)
             return encoded
 
-        # chunks this session stored before, or that a lookup found held in its domain
+        # what the server holds (this session's last spill, a lookup): only a chunk whose
+        # freshly computed digest is the held one goes without its bytes
         looked_up = self._looked_up.get((tenant, scope, spec.layout_id, model_fingerprint), {})
         encoded = await encode({**looked_up, **self._held.get(ref, {})})
         try:
