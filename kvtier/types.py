@@ -78,3 +78,5 @@ class RestoredSession:
     # The server's write-back of this memory-acked generation failed: until it succeeds
     # (the server retries), the session does not survive a server restart.
     writeback_failed: bool = False
+    # The session's model fingerprint as its spill stated it ("": none stated).
+    model_fingerprint: str = ""

@@ -6,6 +6,10 @@ the tail, or, layer by layer, every (stream, layer) of every chunk and the tail 
 last layer arrives (the tail's sections carry ``chunk_index == len(chunk_keys)``); then
 the window, if asked for and held (or rebuilt by Resume); then a ``ResumeSummary``.
 
+The header carries the session's model fingerprint; a caller that stated another one
+gets ``ModelMismatch`` before any byte, and a replay runs only on weights of the
+session's fingerprint (the replay worker checks it against its own: ``ModelMismatch``).
+
 Each block comes from the highest tier holding an intact copy (verified by the manager);
 no tier with an intact copy raises ``DataLoss`` before any byte of that block is sent.
 """
@@ -31,6 +35,7 @@ from kvstore.errors import (
 from kvstore.keys import chunk_digest, shared_domain, split_block_key
 from kvstore.layout import LayoutSpec
 from kvstore.manager import TierManager
+from kvstore.model_identity import check_model
 from kvstore.restore import RestoredChunk
 from kvstore.tiers.base import Buffer
 from kvtier.shm import PackedWriter
@@ -53,6 +58,7 @@ class StreamOptions:
     peer: str = ""  # the caller's connection: whose leases these are
     resume: bool = False  # rebuild a dropped window by bounded replay
     replay_tokens: int = 128
+    model_fingerprint: str = ""  # the caller's model; "": not checked
 
 
 class RestoreStreamer:
@@ -74,6 +80,8 @@ class RestoreStreamer:
         try:
             async with self.manager.reading(tenant, session_id) as reader:
                 m, spec = reader.manifest, reader.spec
+                check_model(opts.model_fingerprint, m.model_fingerprint,
+                            f"{tenant}/{session_id}")
                 has_window = bool(spec.ephemeral_streams)
                 window, window_tier = (await reader.window()
                                        if opts.want_window or opts.resume else (None, None))
@@ -116,7 +124,8 @@ class RestoreStreamer:
                     # while they are sent: the client receives during the replay.
                     got = [chunk async for chunk in restored]
                     rebuilding = asyncio.ensure_future(backend.rebuild(
-                        spec, m.token_ids, [c.data for c in got], m.tail, opts.replay_tokens))
+                        spec, m.token_ids, [c.data for c in got], m.tail, opts.replay_tokens,
+                        model_fingerprint=m.model_fingerprint))
                     restored = _listed(got)
                 async for chunk in restored:
                     tiers.add(chunk.tier)
@@ -135,7 +144,7 @@ class RestoreStreamer:
                     yield pb.RestoreReply(tail=self._payload("", m.tail, writer, refused))
                 if window is not None:
                     yield pb.RestoreReply(window=self._payload("", window, writer, refused))
-                tokens, tail = m.token_ids, m.tail
+                tokens, tail, fingerprint = m.token_ids, m.tail, m.model_fingerprint
             restore_s = time.perf_counter() - started
             if window_tier:
                 tiers.add(window_tier)
@@ -146,7 +155,8 @@ class RestoreStreamer:
                 try:
                     rebuilt = await (rebuilding if rebuilding is not None else
                                      backend.rebuild(spec, tokens, chunks, tail,
-                                                     opts.replay_tokens))
+                                                     opts.replay_tokens,
+                                                     model_fingerprint=fingerprint))
                 except LayoutMismatch as exc:  # the store's verified bytes: the model differs
                     raise ReplayUnavailable(
                         f"{tenant}/{session_id} needs its window rebuilt by replay, and the "
