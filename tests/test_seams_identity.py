@@ -10,9 +10,9 @@ import grpc
 import pytest
 import torch
 
-from kvstore.errors import MissingChunks, ModelMismatch, PreconditionFailed
+from kvstore.errors import MissingChunks, PreconditionFailed
 from kvstore.keys import dedupe_scope
-from kvtier import AsyncClient, Client
+from kvtier import AsyncClient, Client, ModelMismatch  # exported for clients to catch
 from kvtier.codec import as_tokens, encode_session
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
@@ -177,6 +177,27 @@ async def test_a_stated_fingerprint_other_than_the_sessions_is_model_mismatch(tm
         replies = [reply async for reply in stub.Restore(pb.RestoreRequest(
             session=ref, model_fingerprint="base-v1"))]
         assert replies[0].header.model_fingerprint == "base-v1"
+
+
+def test_a_manifest_written_without_a_fingerprint_reads_as_none_stated():
+    import json
+    import struct
+
+    import xxhash
+
+    from kvstore.manifest import SessionManifest
+
+    raw = SessionManifest(tenant="acme", session_id="s", layout_id=LAYOUT.layout_id,
+                          generation=1, token_ids=[1, 2, 3], chunk_keys=(), chunk_sizes=(),
+                          model_fingerprint="base-v1").encode()
+    head = struct.Struct("<4sHI")
+    magic, version, size = head.unpack_from(raw)
+    body = json.loads(raw[head.size:head.size + size])
+    assert body.pop("model_fingerprint") == "base-v1"
+    text = json.dumps(body).encode()
+    old = head.pack(magic, version, len(text)) + text + raw[head.size + size:-8]
+    old += struct.pack("<Q", xxhash.xxh3_64_intdigest(old))
+    assert SessionManifest.decode(old).model_fingerprint == ""
 
 
 async def _layers(stream) -> list:
