@@ -31,13 +31,23 @@ A = streams_for(LAYOUT, N, seed=21)
 B = streams_for(LAYOUT, N, seed=22)  # other tensors under the same tokens
 
 
+def _sealed(tmp_path, sealed: bool) -> dict:
+    """Server options: encryption at rest on (a keyring file made here) or off."""
+    if not sealed:
+        return {}
+    key_file = tmp_path / "keys.toml"
+    key_file.write_text(f'[[key]]\nid = "k1"\nmaterial = "{"A" * 43}="\n')
+    return {"encryption_key_file": str(key_file)}
+
+
 def _encoded(streams) -> list[bytes]:
     enc = encode_session(LAYOUT, TOKENS, streams, scope=dedupe_scope("acme"))
     return [enc.chunks[i] for i in range(len(enc.keys))], enc.tail
 
 
+@pytest.mark.parametrize("sealed", [False, True], ids=["clear", "sealed"])
 @pytest.mark.parametrize("given", ["streams", "chunks"])
-async def test_a_lookup_never_names_other_bytes_for_a_later_spill(tmp_path, given):
+async def test_a_lookup_never_names_other_bytes_for_a_later_spill(tmp_path, given, sealed):
     async def spill(kv, session, streams):
         if given == "streams":
             return await kv.spill("acme", session, LAYOUT.name, TOKENS, streams, generation=1)
@@ -45,7 +55,7 @@ async def test_a_lookup_never_names_other_bytes_for_a_later_spill(tmp_path, give
         return await kv.spill("acme", session, LAYOUT.name, TOKENS, chunks=chunks, tail=tail,
                               generation=1)
 
-    async with running_server(tmp_path) as (_, target), \
+    async with running_server(tmp_path, **_sealed(tmp_path, sealed)) as (_, target), \
             AsyncClient(target, shared_memory=False) as kv:
         await spill(kv, "a", A)
         assert await kv.lookup("acme", LAYOUT.name, TOKENS) == 2 * LAYOUT.chunk_tokens
@@ -88,7 +98,9 @@ def test_the_blocking_client_after_a_lookup_spills_its_own_bytes(tmp_path):
     asyncio.run(main())
 
 
-async def test_the_server_honours_a_chunk_named_by_key_only_with_the_held_digest(tmp_path):
+@pytest.mark.parametrize("sealed", [False, True], ids=["clear", "sealed"])
+async def test_the_server_honours_a_chunk_named_by_key_only_with_the_held_digest(tmp_path,
+                                                                                sealed):
     """A raw client naming the chunks another session holds, under the digest of its own
     other bytes, without sending them: MissingChunks, and nothing of it stored."""
     ref = pb.SessionRef(tenant="acme", session_id="b")
@@ -103,8 +115,9 @@ async def test_the_server_honours_a_chunk_named_by_key_only_with_the_held_digest
         if tail:
             yield pb.SpillRequest(tail=pb.Payload(data=tail))
 
-    async with running_server(tmp_path) as (server, target), \
+    async with running_server(tmp_path, **_sealed(tmp_path, sealed)) as (server, target), \
             grpc.aio.insecure_channel(target) as channel:
+        assert (type(server.manager).__name__ == "SealingTierManager") == sealed
         stub = pb_grpc.KVTierStub(channel)
         await stub.Spill(messages(raw_spill_header(pb.SessionRef(tenant="acme", session_id="a"),
                                                    TOKENS, a),
