@@ -144,7 +144,7 @@ class RestoreStreamer:
                     yield pb.RestoreReply(tail=self._payload("", m.tail, writer, refused))
                 if window is not None:
                     yield pb.RestoreReply(window=self._payload("", window, writer, refused))
-                tokens, tail, fingerprint = m.token_ids, m.tail, m.model_fingerprint
+                tokens, tail = m.token_ids, m.tail
             restore_s = time.perf_counter() - started
             if window_tier:
                 tiers.add(window_tier)
@@ -156,7 +156,7 @@ class RestoreStreamer:
                     rebuilt = await (rebuilding if rebuilding is not None else
                                      backend.rebuild(spec, tokens, chunks, tail,
                                                      opts.replay_tokens,
-                                                     model_fingerprint=fingerprint))
+                                                     model_fingerprint=m.model_fingerprint))
                 except LayoutMismatch as exc:  # the store's verified bytes: the model differs
                     raise ReplayUnavailable(
                         f"{tenant}/{session_id} needs its window rebuilt by replay, and the "
