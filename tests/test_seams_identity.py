@@ -190,6 +190,10 @@ async def test_a_stated_fingerprint_other_than_the_sessions_is_model_mismatch(tm
         replies = [reply async for reply in stub.Restore(pb.RestoreRequest(
             session=ref, model_fingerprint="base-v1"))]
         assert replies[0].header.model_fingerprint == "base-v1"
+        with pytest.raises(grpc.aio.AioRpcError) as info:  # bounded like a spill's
+            [reply async for reply in stub.Resume(pb.ResumeRequest(
+                session=ref, model_fingerprint="x" * 257))]
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_a_manifest_written_without_a_fingerprint_reads_as_none_stated():
