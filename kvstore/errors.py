@@ -170,6 +170,12 @@ class ReplayUnavailable(PreconditionFailed):
     replay is off). Restore still returns the persistent part."""
 
 
+class ModelMismatch(PreconditionFailed):
+    """The model a caller or a replayer states is not the one the session was spilled
+    with (``model_fingerprint``): its KV would be read, or its window rebuilt, by other
+    weights. Nothing of the session is returned or changed."""
+
+
 class ServerError(KVTierError):
     """The server failed in a way no specific error describes (INTERNAL, UNKNOWN...)."""
 

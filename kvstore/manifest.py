@@ -225,7 +225,7 @@ class SessionManifest:
                 last_access=head["last_access"],
                 ttl_s=head["ttl_s"],
                 hint=None if hint is None else ResumeHint(hint[0], hint[1]),
-                model_fingerprint=head["model_fingerprint"],
+                model_fingerprint=str(head.get("model_fingerprint", "")),  # "": none stated
                 dedupe_scope=head["dedupe_scope"],
                 spill_digest=head["spill_digest"],
                 receipt=None if head["receipt"] is None else SpillReceipt(**head["receipt"]),

@@ -9,10 +9,12 @@ out, over the kvtier gRPC service.
 Spill cuts the persistent streams into chunks of ``layout.chunk_tokens``, encodes them
 (``kvstore.codec``), keys them (``kvstore.keys.chain_keys``: the tenant's or a shared
 dedupe domain, the layout, the model fingerprint), states the BLAKE2b-256 digest of every
-chunk, the tail and the window, and sends only chunks the server may not hold: those it
-acknowledged for this session before go by key and digest, and if the server lost them
-it answers ``MissingChunks`` and the client sends everything. A restore checks every
-chunk and the tail against the digests the server returns (``DataLoss`` if one differs).
+chunk, the tail and the window (every digest of the bytes of this spill), and sends only
+chunks the server may not hold: a chunk whose fresh digest is the one the server
+acknowledged for this session before, or a lookup found held, goes by key and digest,
+and if the server lost it it answers ``MissingChunks`` and the client sends everything.
+A restore checks every chunk and the tail against the digests the server returns
+(``DataLoss`` if one differs).
 
 Calls failing with UNAVAILABLE are retried with exponential backoff and jitter (streams
 are restarted whole, so one retry mechanism covers every call; a retried Spill whose
@@ -33,12 +35,12 @@ import grpc
 import numpy as np
 
 from kvstore.errors import InvalidRequest, StaleGeneration, UnknownLayout, shown
-from kvstore.keys import block_key, chunk_digest, dedupe_scope
+from kvstore.keys import chunk_digest, dedupe_scope
 from kvstore.layout import LayoutSpec, layout_to_json
-from kvstore.packed_run import PackedRun
+from kvstore.model_identity import check_model
 from kvstore.policy import ResumeHint
 from kvtier import codec as cc
-from kvtier import shm
+from kvtier import replies, shm
 from kvtier.channel import LOOPBACK, Credentials, open_channel
 from kvtier.errors import MissingChunks, SharedMemoryUnavailable, error_from_rpc
 from kvtier.layouts import KnownLayouts, info_from
@@ -57,25 +59,6 @@ async def _stream(messages: list) -> AsyncIterator:
     # surfaces as INTERNAL instead of its RESOURCE_EXHAUSTED status.
     for message in messages:
         yield message
-
-
-def _copied_out(segment: shm.Segment | None, chunks: list, tail) -> tuple:
-    """Chunks and tail that came as shared memory refs, copied out of ``segment``: chunks
-    lying back to back (with the tail after them) as one ``PackedRun``, in one copy,
-    which the decode reads without joining them; else each on its own."""
-    refs = [c for c in chunks if isinstance(c, pb.SharedMemoryRef)]
-    tail_ref = tail if isinstance(tail, pb.SharedMemoryRef) else None
-    if segment is None or (not refs and tail_ref is None):
-        return chunks, tail
-    if refs and len(refs) == len(chunks):
-        run = segment.read_run([*refs, tail_ref]) if tail_ref is not None else None
-        if run is not None:
-            return PackedRun(run.buffer, run.lengths[:-1]), run[-1]
-        run = segment.read_run(refs)
-        if run is not None:
-            return run, segment.read(tail_ref) if tail_ref is not None else tail
-    return ([segment.read(c) if isinstance(c, pb.SharedMemoryRef) else c for c in chunks],
-            segment.read(tail_ref) if tail_ref is not None else tail)
 
 
 class AsyncClient:
@@ -189,7 +172,8 @@ class AsyncClient:
             header.chunk_digests.extend(encoded.digests)
             return encoded
 
-        # chunks this session stored before, or that a lookup found held in its domain
+        # what the server holds (this session's last spill, a lookup): only a chunk whose
+        # freshly computed digest is the held one goes without its bytes
         looked_up = self._looked_up.get((tenant, scope, spec.layout_id, model_fingerprint), {})
         encoded = await encode({**looked_up, **self._held.get(ref, {})})
         try:
@@ -244,19 +228,25 @@ class AsyncClient:
     # -- restore, resume --
 
     async def restore(self, tenant: str, session_id: str, *, want_window: bool = True,
-                      decode: bool = True) -> RestoredSession:
-        """The whole session; ``decode=False`` leaves the (verified) bytes undecoded."""
+                      decode: bool = True, model_fingerprint: str = "") -> RestoredSession:
+        """The whole session; ``decode=False`` leaves the (verified) bytes undecoded.
+        ``model_fingerprint``: the caller's model; a session spilled with another (or
+        none) raises ``ModelMismatch``; "" takes it unchecked (``.model_fingerprint``
+        says the session's)."""
         request = pb.RestoreRequest(session=pb.SessionRef(tenant=tenant, session_id=session_id),
                                     want_window=want_window,
-                                    use_shared_memory=self.shared_memory)
+                                    use_shared_memory=self.shared_memory,
+                                    model_fingerprint=model_fingerprint)
         return await self._call(lambda: self._receive(self._stub.Restore, request, decode))
 
     async def resume(self, tenant: str, session_id: str, *, replay_tokens: int = 0,
-                     decode: bool = True) -> RestoredSession:
-        """Restore, with the window rebuilt by bounded replay if it was dropped."""
+                     decode: bool = True, model_fingerprint: str = "") -> RestoredSession:
+        """Restore, with the window rebuilt by bounded replay if it was dropped (only by
+        weights of the session's fingerprint); ``model_fingerprint`` as in ``restore``."""
         request = pb.ResumeRequest(session=pb.SessionRef(tenant=tenant, session_id=session_id),
                                    replay_tokens=replay_tokens,
-                                   use_shared_memory=self.shared_memory)
+                                   use_shared_memory=self.shared_memory,
+                                   model_fingerprint=model_fingerprint)
         return await self._call(lambda: self._receive(self._stub.Resume, request, decode))
 
     async def _receive(self, method, request, decode: bool) -> RestoredSession:
@@ -280,8 +270,9 @@ class AsyncClient:
                     cc.decode_persistent, spec, tokens, chunks, tail)))
 
         try:
-            header, chunks, tail, window, summary, segment = await self._collect(
-                method(request, timeout=self.timeout_s), used, persistent)
+            header, chunks, tail, window, summary, segment = await replies.collect(
+                method(request, timeout=self.timeout_s), self._segments, used, persistent,
+                request.model_fingerprint)
         except Exception:  # the server may still be writing into them: never reuse them
             await self._segments.release(used)
             await asyncio.gather(*decoding, return_exceptions=True)
@@ -299,98 +290,21 @@ class AsyncClient:
             await self._segments.keep(segment, started)
         spec = await self.layout(header.layout_id)
         if not decode:
-            return self._decode(spec, header, chunks, tail, window, summary, None)
-        return await asyncio.to_thread(self._decode, spec, header, chunks, tail, window,
-                                       summary, await decoding[0])
+            return replies.restored_session(spec, header, chunks, tail, window, summary, None)
+        return await asyncio.to_thread(replies.restored_session, spec, header, chunks, tail,
+                                       window, summary, await decoding[0])
 
-    async def _collect(self, call, used: list[shm.Segment], persistent) -> tuple:
-        """The reply stream's parts, payloads copied out of shared memory; the segment the
-        header named (mapped, and added to ``used``, unless it is the offered one).
-        ``persistent(header, chunks, tail)`` is awaited once, as soon as every chunk and
-        the tail have come (before the window, which a Resume may still be replaying)."""
-        header, chunks, tail, window, summary = None, [], b"", None, pb.ResumeSummary()
-        segment, done = None, False
-        try:
-            async for reply in call:
-                kind = reply.WhichOneof("item")
-                if kind == "header":
-                    header = reply.header
-                    if header.HasField("reply_segment"):
-                        segment = await self._reply_segment(header.reply_segment, used)
-                elif kind == "summary":
-                    summary = reply.summary
-                else:
-                    payload = reply.chunk.payload if kind == "chunk" else getattr(reply, kind)
-                    if payload.WhichOneof("body") != "shm":
-                        data = payload.data
-                    elif segment is None:
-                        raise InvalidRequest("a reply refers to shared memory the header "
-                                             "did not name")
-                    elif kind in ("chunk", "tail"):
-                        data = payload.shm  # copied out below, all in one copy
-                    else:
-                        data = segment.read(payload.shm)
-                    if kind == "chunk":
-                        chunks.append(data)
-                    elif kind == "tail":
-                        tail = data
-                    else:
-                        window = data
-                    if (not done and header is not None and kind != "window"
-                            and len(chunks) == len(header.chunk_keys)
-                            and (kind == "tail" or not header.tail_digest)):
-                        chunks, tail = _copied_out(segment, chunks, tail)
-                        await persistent(header, chunks, tail)
-                        done = True
-            if not done and header is not None:  # none came, or not all
-                chunks, tail = _copied_out(segment, chunks, tail)
-                await persistent(header, chunks, tail)
-        except BaseException:
-            call.cancel()
-            raise
-        return header, chunks, tail, window, summary, segment
-
-    async def _reply_segment(self, lease: pb.SharedMemoryLease, used: list[shm.Segment]
-                             ) -> shm.Segment:
-        if used and used[0].lease_id == lease.lease_id:
-            return used[0]  # the offered one, written into
-        segment = await self._segments.mapped(lease)
-        used.append(segment)
-        return segment
-
-    @staticmethod
-    def _decode(spec: LayoutSpec, header: pb.SessionHeader, chunks, tail, window, summary,
-                persistent: dict | None) -> RestoredSession:
-        """The session; ``persistent``: its decoded persistent streams, None (no decode)."""
-        tokens = cc.as_tokens(np.frombuffer(header.token_ids, dtype="<u4"))
-        streams, start = None, 0
-        if window is not None:
-            start = cc.window_start(window)
-            if persistent is not None:
-                streams, start = cc.decode_window(spec, tokens, window)
-        return RestoredSession(
-            layout=spec, generation=header.generation, token_ids=tokens,
-            # block keys (chain key + digest), as the server stores the chunks
-            chunk_keys=[block_key(k, d) for k, d in zip(header.chunk_keys, header.chunk_digests,
-                                                         strict=True)],
-            chunks=chunks, tail=tail, window_blob=window,
-            persistent={} if persistent is None else persistent,
-            window=streams, window_start=start, window_tier=header.window_tier,
-            replay_needed=window is None and bool(spec.ephemeral_streams),
-            replayed=summary.replayed, replay_tokens=summary.replay_tokens, tier=summary.tier,
-            restore_seconds=summary.restore_seconds, replay_seconds=summary.replay_seconds,
-            writeback_failed=header.writeback_failed, window_replayed_tokens=(
-                summary.replay_tokens if summary.replayed else header.window_replayed_tokens))
-
-    async def restore_layers(self, tenant: str, session_id: str) -> AsyncIterator[LayerSlice]:
+    async def restore_layers(self, tenant: str, session_id: str, *,
+                             model_fingerprint: str = "") -> AsyncIterator[LayerSlice]:
         """Each (stream, layer) of the whole session as soon as it has arrived, layer 0 of
-        every stream first: codes (entries, *codes_shape), scales (entries, groups).
+        every stream first: codes (entries, *codes_shape), scales (entries, groups);
+        ``model_fingerprint`` as in ``restore``.
 
         UNAVAILABLE restarts the stream with backoff, like every call; layers already
         yielded are not yielded again, and a session that changed generation meanwhile
         raises StaleGeneration rather than mixing two versions."""
         request = pb.RestoreRequest(session=pb.SessionRef(tenant=tenant, session_id=session_id),
-                                    layer_by_layer=True)
+                                    layer_by_layer=True, model_fingerprint=model_fingerprint)
         delays = self.retry.delays()
         delivered: set[tuple[str, int]] = set()
         generation = None
@@ -400,6 +314,8 @@ class AsyncClient:
                 async for reply in self._stub.Restore(request, timeout=self.timeout_s):
                     kind = reply.WhichOneof("item")
                     if kind == "header":
+                        check_model(model_fingerprint, reply.header.model_fingerprint,
+                                    f"{tenant}/{session_id}")
                         if generation not in (None, reply.header.generation):
                             raise StaleGeneration(
                                 f"session {tenant}/{session_id} changed from generation "

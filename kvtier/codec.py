@@ -73,17 +73,25 @@ class EncodedSession:
 def encoded_chunks(spec: LayoutSpec, tokens: np.ndarray, chunks: Sequence[bytes], tail: bytes,
                    *, scope: str, model_fingerprint: str = "",
                    held: Mapping[str, bytes] | None = None) -> EncodedSession:
-    """Already encoded chunks, keyed and digested; those ``held`` names with the same
-    digest (chain key -> digest the server holds) are left out of ``chunks``."""
+    """Already encoded chunks, keyed and digested from their bytes; those ``held`` names
+    with the same digest (chain key -> digest the server holds) are left out of
+    ``chunks``."""
     keys = chain_keys(spec.layout_id, tokens, spec.chunk_tokens, scope=scope,
                       model_fingerprint=model_fingerprint)
     if len(chunks) != len(keys):
         raise InvalidRequest(f"{len(tokens)} tokens make {len(keys)} chunks of "
                              f"{spec.chunk_tokens}; {len(chunks)} were given")
+    digests, unheld = _unheld(keys, chunks, held)
+    return EncodedSession(keys, digests, unheld, tail, None)
+
+
+def _unheld(keys: Sequence[str], chunks: Sequence[bytes], held: Mapping[str, bytes] | None
+            ) -> tuple[list[bytes], dict[int, bytes]]:
+    """The digest of every chunk's bytes, and the chunks to send: all but those ``held``
+    names under the same key with that same digest."""
     digests = [chunk_digest(c) for c in chunks]
     held = held or {}
-    return EncodedSession(keys, digests, {i: c for i, c in enumerate(chunks)
-                                          if held.get(keys[i]) != digests[i]}, tail, None)
+    return digests, {i: c for i, c in enumerate(chunks) if held.get(keys[i]) != digests[i]}
 
 
 def encode_session(
@@ -97,8 +105,9 @@ def encode_session(
     zstd_level: int | None = None,
 ) -> EncodedSession:
     """Cut (layers, entries, ...) streams into chunks of ``spec.chunk_tokens`` and encode
-    them; chunks ``held`` names (chain key -> digest of the bytes the server holds from
-    this session's last spill) are not encoded again, and go by key and that digest."""
+    every one of them: each digest is of the bytes encoded now. A chunk ``held`` names
+    (chain key -> digest of the bytes the server holds) with that very digest is left
+    out of ``chunks`` and goes by key and digest; any other is sent."""
     from kvstore.codec import encode_chunk
     entries_needed = {s.name: s.entries_for(len(tokens)) for s in spec.persistent_streams}
     _check_streams(spec, persistent, False, "persistent streams")
@@ -109,16 +118,10 @@ def encode_session(
     keys = chain_keys(spec.layout_id, tokens, spec.chunk_tokens, scope=scope,
                       model_fingerprint=model_fingerprint)
     size = spec.chunk_tokens
-    held = held or {}
-    chunks, digests = {}, []
-    for i, key in enumerate(keys):
-        if key in held:
-            digests.append(held[key])
-            continue
-        chunks[i] = encode_chunk(spec, i * size, tokens[i * size:(i + 1) * size],
-                                 _slice(spec, persistent, i * size, (i + 1) * size),
-                                 zstd_level=zstd_level)
-        digests.append(chunk_digest(chunks[i]))
+    encoded = [encode_chunk(spec, i * size, tokens[i * size:(i + 1) * size],
+                            _slice(spec, persistent, i * size, (i + 1) * size),
+                            zstd_level=zstd_level) for i in range(len(keys))]
+    digests, chunks = _unheld(keys, encoded, held)
     covered = len(keys) * size
     tail = b""
     if covered < len(tokens):

@@ -59,8 +59,8 @@ class Client:
     def resume(self, *args, **kwargs) -> RestoredSession:
         return self._run(self._async.resume(*args, **kwargs))
 
-    def restore_layers(self, tenant: str, session_id: str) -> Iterator[LayerSlice]:
-        stream = self._async.restore_layers(tenant, session_id)
+    def restore_layers(self, tenant: str, session_id: str, **kwargs) -> Iterator[LayerSlice]:
+        stream = self._async.restore_layers(tenant, session_id, **kwargs)
         while True:
             try:
                 yield self._run(stream.__anext__())

@@ -78,6 +78,8 @@ class RestoredSession:
     # The server's write-back of this memory-acked generation failed: until it succeeds
     # (the server retries), the session does not survive a server restart.
     writeback_failed: bool = False
+    # The session's model fingerprint as its spill stated it ("": none stated).
+    model_fingerprint: str = ""
     # How the session's window (window_blob, or the held one a Restore without
     # want_window leaves out) was made: 0, the engine's own as spilled; else the tokens
     # of the replay that built it (this call's, or an earlier one's the server stored).

@@ -143,18 +143,20 @@ class SpillReply(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., tier: _Optional[str] = ..., chunks_written: _Optional[int] = ..., chunks_deduped: _Optional[int] = ..., durable: _Optional[bool] = ..., bytes_received: _Optional[int] = ..., window_kept: _Optional[bool] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("session", "layer_by_layer", "want_window", "use_shared_memory", "reply_lease")
+    __slots__ = ("session", "layer_by_layer", "want_window", "use_shared_memory", "reply_lease", "model_fingerprint")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     LAYER_BY_LAYER_FIELD_NUMBER: _ClassVar[int]
     WANT_WINDOW_FIELD_NUMBER: _ClassVar[int]
     USE_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     REPLY_LEASE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     layer_by_layer: bool
     want_window: bool
     use_shared_memory: bool
     reply_lease: str
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., layer_by_layer: _Optional[bool] = ..., want_window: _Optional[bool] = ..., use_shared_memory: _Optional[bool] = ..., reply_lease: _Optional[str] = ...) -> None: ...
+    model_fingerprint: str
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., layer_by_layer: _Optional[bool] = ..., want_window: _Optional[bool] = ..., use_shared_memory: _Optional[bool] = ..., reply_lease: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class SessionHeader(_message.Message):
     __slots__ = ("layout_id", "generation", "num_tokens", "token_ids", "chunk_keys", "window_available", "replay_needed", "window_tier", "reply_segment", "chunk_digests", "tail_digest", "model_fingerprint", "dedupe_domain", "writeback_failed", "window_replayed_tokens")
@@ -249,16 +251,18 @@ class RestoreReply(_message.Message):
     def __init__(self, header: _Optional[_Union[SessionHeader, _Mapping]] = ..., chunk: _Optional[_Union[RestoredChunk, _Mapping]] = ..., section: _Optional[_Union[LayerSection, _Mapping]] = ..., tail: _Optional[_Union[Payload, _Mapping]] = ..., window: _Optional[_Union[Payload, _Mapping]] = ..., summary: _Optional[_Union[ResumeSummary, _Mapping]] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
-    __slots__ = ("session", "replay_tokens", "use_shared_memory", "reply_lease")
+    __slots__ = ("session", "replay_tokens", "use_shared_memory", "reply_lease", "model_fingerprint")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     REPLAY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     USE_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     REPLY_LEASE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     replay_tokens: int
     use_shared_memory: bool
     reply_lease: str
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., replay_tokens: _Optional[int] = ..., use_shared_memory: _Optional[bool] = ..., reply_lease: _Optional[str] = ...) -> None: ...
+    model_fingerprint: str
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., replay_tokens: _Optional[int] = ..., use_shared_memory: _Optional[bool] = ..., reply_lease: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("session", "timeout_s", "target_tier")
@@ -311,7 +315,7 @@ class DeleteReply(_message.Message):
     def __init__(self, chunks_released: _Optional[int] = ..., chunks_freed: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session", "layout_id", "generation", "num_tokens", "chunks", "window_tier", "last_access_unix", "tiers", "writeback_failed", "window_node_id", "window_node_address")
+    __slots__ = ("session", "layout_id", "generation", "num_tokens", "chunks", "window_tier", "last_access_unix", "tiers", "writeback_failed", "window_node_id", "window_node_address", "model_fingerprint")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -323,6 +327,7 @@ class SessionInfo(_message.Message):
     WRITEBACK_FAILED_FIELD_NUMBER: _ClassVar[int]
     WINDOW_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     WINDOW_NODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     layout_id: str
     generation: int
@@ -334,7 +339,8 @@ class SessionInfo(_message.Message):
     writeback_failed: bool
     window_node_id: str
     window_node_address: str
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., layout_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., window_tier: _Optional[str] = ..., last_access_unix: _Optional[float] = ..., tiers: _Optional[_Iterable[str]] = ..., writeback_failed: _Optional[bool] = ..., window_node_id: _Optional[str] = ..., window_node_address: _Optional[str] = ...) -> None: ...
+    model_fingerprint: str
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., layout_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., window_tier: _Optional[str] = ..., last_access_unix: _Optional[float] = ..., tiers: _Optional[_Iterable[str]] = ..., writeback_failed: _Optional[bool] = ..., window_node_id: _Optional[str] = ..., window_node_address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class TierStat(_message.Message):
     __slots__ = ("name", "capacity_bytes", "used_bytes", "items", "available", "lookups", "hits")
@@ -524,7 +530,7 @@ class ListLayoutsReply(_message.Message):
     def __init__(self, layouts: _Optional[_Iterable[_Union[LayoutInfo, _Mapping]]] = ...) -> None: ...
 
 class ReplayRequest(_message.Message):
-    __slots__ = ("layout_id", "token_ids", "chunks", "tail", "replay_tokens", "job_id", "layout_json")
+    __slots__ = ("layout_id", "token_ids", "chunks", "tail", "replay_tokens", "job_id", "layout_json", "model_fingerprint")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
@@ -532,6 +538,7 @@ class ReplayRequest(_message.Message):
     REPLAY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     layout_id: str
     token_ids: bytes
     chunks: _containers.RepeatedScalarFieldContainer[bytes]
@@ -539,7 +546,8 @@ class ReplayRequest(_message.Message):
     replay_tokens: int
     job_id: str
     layout_json: str
-    def __init__(self, layout_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., chunks: _Optional[_Iterable[bytes]] = ..., tail: _Optional[bytes] = ..., replay_tokens: _Optional[int] = ..., job_id: _Optional[str] = ..., layout_json: _Optional[str] = ...) -> None: ...
+    model_fingerprint: str
+    def __init__(self, layout_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., chunks: _Optional[_Iterable[bytes]] = ..., tail: _Optional[bytes] = ..., replay_tokens: _Optional[int] = ..., job_id: _Optional[str] = ..., layout_json: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class ReplayReply(_message.Message):
     __slots__ = ("window", "replayed_tokens", "seconds", "worker", "batch_size")

@@ -32,9 +32,11 @@ class LazyReplay:
         return self._worker
 
     async def rebuild(self, layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer],
-                      tail: Buffer, replay_tokens: int | None = None) -> ReplayResult:
+                      tail: Buffer, replay_tokens: int | None = None, *,
+                      model_fingerprint: str = "") -> ReplayResult:
         worker = await self.worker()
-        return await worker.rebuild(layout, token_ids, chunks, tail, replay_tokens)
+        return await worker.rebuild(layout, token_ids, chunks, tail, replay_tokens,
+                                    model_fingerprint=model_fingerprint)
 
     async def close(self) -> None:
         if self._worker is not None:

@@ -29,6 +29,7 @@ from kvstore.errors import InvalidRequest, LayoutMismatch, UnknownLayout
 from kvstore.hf import deepseek_v4
 from kvstore.hf.layouts import DEEPSEEK_V4_BITS, deepseek_v4_layout, is_deepseek_v4
 from kvstore.layout import LayoutSpec, get_layout
+from kvstore.model_identity import check_replayer, module_fingerprint
 from kvstore.validate import check_token_ids
 from kvstore.window_blob import encode_window
 from replay.service import LazyReplay
@@ -66,6 +67,8 @@ class TransformersReplayWorker:
         if not is_deepseek_v4(model.config):
             raise InvalidRequest("the transformers replayer serves deepseek_v4 models")
         self.model = model
+        # of the weights it loaded: a session spilled by other weights is refused
+        self.model_fingerprint = module_fingerprint(model)
         self.default_tokens = default_tokens
         self.max_tokens = max_tokens
         self.layouts = {spec.layout_id: spec for spec in
@@ -106,8 +109,10 @@ class TransformersReplayWorker:
         return r
 
     async def rebuild(self, layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer],
-                      tail: Buffer, replay_tokens: int | None = None) -> ReplayResult:
+                      tail: Buffer, replay_tokens: int | None = None, *,
+                      model_fingerprint: str = "") -> ReplayResult:
         """Same call as ``ReplayWorker.rebuild``."""
+        check_replayer(model_fingerprint, self.model_fingerprint, "the session")
         spec = self.layout_for(layout)
         ids = as_token_array(token_ids)
         if not len(ids):

@@ -36,6 +36,7 @@ import numpy as np
 
 from kvstore.errors import InvalidRequest, UnknownLayout
 from kvstore.layout import LayoutSpec, get_layout
+from kvstore.model_identity import check_replayer, module_fingerprint
 from kvstore.validate import check_token_ids
 from model.config import layout_spec
 from model.infer import replay_batch
@@ -84,6 +85,8 @@ class ReplayWorker:
         if max_batch < 1:
             raise InvalidRequest(f"max_batch must be at least 1, got {max_batch}")
         self.model = model
+        # of the weights it loaded: a session spilled by other weights is refused
+        self.model_fingerprint = module_fingerprint(model)
         self.default_tokens = default_tokens
         self.max_tokens = max_tokens
         self.max_batch = max_batch
@@ -125,10 +128,14 @@ class ReplayWorker:
         return min(r, num_tokens)
 
     async def rebuild(self, layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer],
-                      tail: Buffer, replay_tokens: int | None = None) -> ReplayResult:
+                      tail: Buffer, replay_tokens: int | None = None, *,
+                      model_fingerprint: str = "") -> ReplayResult:
         """``layout``: layout id or name (or the spec); ``token_ids``: every token of the
         session; ``chunks``: its full persistent chunks in order; ``tail``: the partial
-        last chunk (b"" if none). Raises InvalidRequest / CodecError on bad input."""
+        last chunk (b"" if none); ``model_fingerprint``: the session's (ModelMismatch
+        unless "" or this worker's ``model_fingerprint``). Raises InvalidRequest /
+        CodecError on bad input."""
+        check_replayer(model_fingerprint, self.model_fingerprint, "the session")
         spec = self.layout_for(layout)
         ids = as_token_array(token_ids)
         if not len(ids):

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from bench.hf import compare, follow_logits, tiny_model  # noqa: E402
-from kvstore.errors import LayoutMismatch  # noqa: E402
+from kvstore.errors import LayoutMismatch, ModelMismatch  # noqa: E402
 from kvstore.hf import deepseek_v4  # noqa: E402
 from kvtier import AsyncClient  # noqa: E402
 from kvtier.integrations.transformers import (  # noqa: E402
@@ -79,8 +79,11 @@ async def test_a_llama_cache_round_trips_with_a_bit_exact_greedy_continuation(tm
         other = LlamaForCausalLM(LlamaConfig(
             vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2)).eval()
-        with pytest.raises(LayoutMismatch):
+        # (its weights are not the session's; unchecked, its layout is not either)
+        with pytest.raises(ModelMismatch):
             await async_resume_cache(kv, "acme", "llama", other)
+        with pytest.raises(LayoutMismatch):
+            await async_resume_cache(kv, "acme", "llama", other, model_fingerprint="")
 
 
 async def test_a_deepseek_v4_cache_resumes_through_the_servers_replay(tmp_path):

@@ -20,6 +20,13 @@ rebuilt by bounded replay (``kvstore.hf.deepseek_v4``): by the server's replay w
 (``replay="server"``), by this process's model (``"local"``), or the server's when it has
 one (``"auto"``).
 
+Model identity: both state the model's fingerprint computed from its weights
+(``model_fingerprint(model)``, ``kvstore.model_identity``) unless given one
+(``model_fingerprint=``; "" states none), so a session resumes only into the weights
+that spilled it (``ModelMismatch`` otherwise) and the server's replayer rebuilds its
+window only with those weights. Hashing reads every weight once per call: a caller that
+spills often can compute it once and pass it.
+
 ``async_spill_cache`` / ``async_resume_cache`` take a ``kvtier.AsyncClient``; the model's
 tensor work runs in a thread. Batch size 1 only.
 """
@@ -45,6 +52,7 @@ from kvstore.hf.attention import layer_windows, text_config
 from kvstore.hf.layouts import candidate_layouts, is_deepseek_v4, layout_for
 from kvstore.hf.quant import decode_values, encode_values
 from kvstore.layout import LayoutSpec
+from kvstore.model_identity import module_fingerprint
 from kvtier.sync import Client
 from kvtier.types import RestoredSession, SpillResult
 
@@ -56,6 +64,15 @@ def model_layout(model, bits: int | None = None) -> LayoutSpec:
     registered in this process: a spill names the spec itself, and a restore resolves the
     session's layout id from the server's list (``AsyncClient.layout``)."""
     return layout_for(model.config, bits)
+
+
+def model_fingerprint(model) -> str:
+    """The fingerprint of ``model``'s weights (its state dict, in its dtype)."""
+    return module_fingerprint(model)
+
+
+async def _fingerprint(model, given: str | None) -> str:
+    return await asyncio.to_thread(model_fingerprint, model) if given is None else given
 
 
 def _token_array(token_ids) -> np.ndarray:
@@ -152,10 +169,13 @@ async def async_spill_cache(client, tenant: str, session_id: str, model, cache: 
                             bits: int | None = None, **spill_options) -> SpillResult:
     """Spill ``cache`` (covering ``token_ids``) as generation ``generation`` through a
     ``kvtier.AsyncClient``; ``bits`` picks the layout's precision (``hf_layouts``);
-    other keywords go to ``AsyncClient.spill`` (ttl_s, hint, model_fingerprint, ...)."""
+    other keywords go to ``AsyncClient.spill`` (ttl_s, hint, model_fingerprint, ...);
+    ``model_fingerprint`` defaults to the model's own (``model_fingerprint(model)``)."""
     spec = model_layout(model, bits)
     tokens = _token_array(token_ids)
     persistent = await asyncio.to_thread(cache_streams, spec, model, cache, len(tokens))
+    spill_options["model_fingerprint"] = await _fingerprint(
+        model, spill_options.get("model_fingerprint"))
 
     async def spill() -> SpillResult:
         return await client.spill(tenant, session_id, spec, tokens, persistent,
@@ -169,27 +189,34 @@ async def async_spill_cache(client, tenant: str, session_id: str, model, cache: 
 
 
 async def async_resume_cache(client, tenant: str, session_id: str, model, *,
-                             replay_tokens: int = 0, replay: str = "auto"
+                             replay_tokens: int = 0, replay: str = "auto",
+                             model_fingerprint: str | None = None
                              ) -> tuple[DynamicCache, torch.Tensor]:
     """(cache, token_ids (n,) int64) of a spilled session, as the model's own cache
     classes; DeepseekV4's window rebuilt by replaying at least ``replay_tokens`` (0: the
-    server's default R; 128 locally) tokens as ``replay`` says (module docstring)."""
+    server's default R; 128 locally) tokens as ``replay`` says (module docstring).
+    ``model_fingerprint``: stated for the check (None: the model's own; "": unchecked);
+    a session of other weights raises ``ModelMismatch``."""
     if replay not in REPLAY_MODES:
         raise InvalidRequest(f"replay must be one of {REPLAY_MODES}, got {replay!r}")
     layouts = {spec.layout_id for spec in candidate_layouts(model.config)}  # refuses first
+    stated = await _fingerprint(model, model_fingerprint)
     if not is_deepseek_v4(model.config):
-        session = await client.restore(tenant, session_id, want_window=False)
+        session = await client.restore(tenant, session_id, want_window=False,
+                                       model_fingerprint=stated)
         spec = _model_spec(layouts, session)
         return standard_cache(spec, model, session.persistent), _ids(session)
     session = None
     if replay != "local":
         try:
-            session = await client.resume(tenant, session_id, replay_tokens=replay_tokens)
-        except PreconditionFailed:  # the server cannot replay this layout
-            if replay == "server":
+            session = await client.resume(tenant, session_id, replay_tokens=replay_tokens,
+                                          model_fingerprint=stated)
+        except PreconditionFailed:  # the server cannot replay this layout (or not with
+            if replay == "server":  # these weights: the restore below says if it is ours)
                 raise
     if session is None:
-        session = await client.restore(tenant, session_id, want_window=False)
+        session = await client.restore(tenant, session_id, want_window=False,
+                                       model_fingerprint=stated)
     spec = _model_spec(layouts, session)
     ids = _ids(session)
     return await asyncio.to_thread(_deepseek_cache, spec, model, session, ids,
@@ -225,8 +252,9 @@ def spill_cache(client: Client, tenant: str, session_id: str, model, cache: Dyna
 
 
 def resume_cache(client: Client, tenant: str, session_id: str, model, *,
-                 replay_tokens: int = 0, replay: str = "auto"
-                 ) -> tuple[DynamicCache, torch.Tensor]:
+                 replay_tokens: int = 0, replay: str = "auto",
+                 model_fingerprint: str | None = None) -> tuple[DynamicCache, torch.Tensor]:
     """The blocking twin of ``async_resume_cache`` (a ``kvtier.Client``)."""
     return client._run(async_resume_cache(client._async, tenant, session_id, model,
-                                          replay_tokens=replay_tokens, replay=replay))
+                                          replay_tokens=replay_tokens, replay=replay,
+                                          model_fingerprint=model_fingerprint))

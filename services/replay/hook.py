@@ -16,8 +16,10 @@ backend above. With ``streams`` and neither, ``StreamReplay`` sends each job to 
 of its layout's replayer, which only workers of that model read.
 
 Every backend has the same call, ``await backend.rebuild(spec, token_ids, chunks, tail,
-replay_tokens) -> replay.ReplayResult`` (the encoded window, tokens replayed, seconds),
-and ``await backend.close()``.
+replay_tokens, model_fingerprint=...) -> replay.ReplayResult`` (the encoded window,
+tokens replayed, seconds), and ``await backend.close()``. ``model_fingerprint`` is the
+session's: the worker that runs the model refuses it with ``ModelMismatch`` unless it is
+"" or the fingerprint computed from that worker's weights (``kvstore.model_identity``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ log = logging.getLogger(__name__)
 
 class ReplayBackend(Protocol):
     async def rebuild(self, layout: LayoutSpec, token_ids, chunks: Sequence[Buffer],
-                      tail: Buffer, replay_tokens: int | None = None): ...
+                      tail: Buffer, replay_tokens: int | None = None, *,
+                      model_fingerprint: str = ""): ...
 
     async def close(self) -> None: ...
 
@@ -49,12 +52,14 @@ class ReplayRouter:
         self.backends = backends
 
     async def rebuild(self, layout: LayoutSpec, token_ids, chunks: Sequence[Buffer],
-                      tail: Buffer, replay_tokens: int | None = None):
+                      tail: Buffer, replay_tokens: int | None = None, *,
+                      model_fingerprint: str = ""):
         backend = self.backends.get(layout.replayer)
         if backend is None:
             raise ReplayUnavailable(f"layout {layout.layout_id} names replayer "
                                     f"{layout.replayer!r}, which this server does not run")
-        return await backend.rebuild(layout, token_ids, chunks, tail, replay_tokens)
+        return await backend.rebuild(layout, token_ids, chunks, tail, replay_tokens,
+                                     model_fingerprint=model_fingerprint)
 
     async def close(self) -> None:
         for backend in self.backends.values():

@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 
 from kvstore.errors import InvalidRequest, TierUnavailable
+from kvstore.keys import check_fingerprint
 from kvstore.layout import LayoutSpec, layout_to_json
 from kvtier.channel import Credentials, open_channel
 from kvtier.errors import error_from_rpc
@@ -38,9 +39,11 @@ RETRY_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def replay_request(layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer],
-                   tail: Buffer, replay_tokens: int | None) -> pb.ReplayRequest:
+                   tail: Buffer, replay_tokens: int | None, model_fingerprint: str = ""
+                   ) -> pb.ReplayRequest:
     """The request for ``layout`` (an id, or a spec: then its canonical JSON travels with
-    it, so a worker needs no registry of its own)."""
+    it, so a worker needs no registry of its own), of a session spilled by
+    ``model_fingerprint`` (the worker refuses other weights')."""
     layout_id = layout.layout_id if isinstance(layout, LayoutSpec) else layout
     layout_json = layout_to_json(layout) if isinstance(layout, LayoutSpec) else ""
     if replay_tokens is not None and not 0 <= replay_tokens < 1 << 32:
@@ -48,7 +51,8 @@ def replay_request(layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer]
     return pb.ReplayRequest(layout_id=layout_id, token_ids=as_token_array(token_ids).tobytes(),
                             chunks=[bytes(c) for c in chunks], tail=bytes(tail),
                             replay_tokens=replay_tokens or 0, job_id=uuid.uuid4().hex,
-                            layout_json=layout_json)
+                            layout_json=layout_json,
+                            model_fingerprint=check_fingerprint(model_fingerprint))
 
 
 def credentials_from(config: ServerConfig) -> Credentials:
@@ -81,8 +85,10 @@ class RemoteReplay:
         self.last_worker = ""
 
     async def rebuild(self, layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer],
-                      tail: Buffer, replay_tokens: int | None = None) -> ReplayResult:
-        request = replay_request(layout, token_ids, chunks, tail, replay_tokens)
+                      tail: Buffer, replay_tokens: int | None = None, *,
+                      model_fingerprint: str = "") -> ReplayResult:
+        request = replay_request(layout, token_ids, chunks, tail, replay_tokens,
+                                 model_fingerprint)
         return await self.send(request)
 
     async def send(self, request: pb.ReplayRequest) -> ReplayResult:

@@ -10,7 +10,9 @@ It serves the bundled model (``--weights``), or with ``--hf-model`` the transfor
 DeepseekV4 replayer (layouts whose replayer is ``transformers-deepseek-v4``), on the same
 protocol; a request's ``layout_json`` gives the layout, so one registered only on the
 kvtier server replays here too (the model still refuses a layout it cannot rebuild:
-``LayoutMismatch``, which the server answers as ``ReplayUnavailable``).
+``LayoutMismatch``, which the server answers as ``ReplayUnavailable``), and a session
+spilled by other weights than those it loaded (the request's ``model_fingerprint``
+against the one computed from its weights: ``ModelMismatch``).
 Errors travel as gRPC statuses with the ``kvtier-error`` trailing metadata naming the
 ``kvstore.errors`` class (``kvtier.errors.grpc_errors``, as in the kvtier server), and
 bytes that are not a ``ReplayRequest`` are INVALID_ARGUMENT (``kvtier.errors.add_servicer``).
@@ -37,6 +39,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.errors import InvalidRequest, KVTierError, shown
+from kvstore.keys import check_fingerprint
 from kvstore.layout import LayoutSpec
 from kvtier.errors import add_servicer, grpc_errors
 from proto import kvtier_pb2 as pb
@@ -60,19 +63,23 @@ class Worker(Protocol):
 
     max_batch: int  # jobs a Streams consumer takes at once
     replayer: str  # kvstore.layout.REPLAYERS: the layouts it rebuilds
+    model_fingerprint: str  # computed from the weights it loaded (kvstore.model_identity)
 
     async def rebuild(self, layout: str | LayoutSpec, token_ids, chunks, tail,
-                      replay_tokens: int | None = None) -> ReplayResult: ...
+                      replay_tokens: int | None = None, *,
+                      model_fingerprint: str = "") -> ReplayResult: ...
 
     async def close(self) -> None: ...
 
 
 def decode_request(request: pb.ReplayRequest, max_message_bytes: int = MAX_MESSAGE_BYTES
                    ) -> tuple[str | LayoutSpec, np.ndarray, list[bytes]]:
-    """The request's layout, token ids ((n,) uint32) and chunks, checked for shape only.
+    """The request's layout, token ids ((n,) uint32) and chunks, checked for shape only
+    (and its model fingerprint for length: the worker compares it with its own).
     The layout is the spec its ``layout_json`` spells (bounded as RegisterLayout bounds
     it, and it must be ``layout_id``'s), so a layout registered only on the server
     replays here; without one, the id for the worker to resolve."""
+    check_fingerprint(request.model_fingerprint)
     if len(request.token_ids) % 4:
         raise InvalidRequest(f"token_ids must be little-endian uint32 values; got "
                              f"{len(request.token_ids)} bytes")
@@ -97,7 +104,8 @@ class ReplayServicer(pb_grpc.ReplayServicer):
                       ) -> pb.ReplayReply:
         layout, tokens, chunks = decode_request(request, self.max_message_bytes)
         result = await self.worker.rebuild(layout, tokens, chunks,
-                                           request.tail, request.replay_tokens or None)
+                                           request.tail, request.replay_tokens or None,
+                                           model_fingerprint=request.model_fingerprint)
         log.debug("job %s: %d tokens replayed in %.3fs", request.job_id,
                   result.replayed_tokens, result.seconds)
         return pb.ReplayReply(window=result.window, replayed_tokens=result.replayed_tokens,

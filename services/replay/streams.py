@@ -87,8 +87,10 @@ class StreamReplay:
         self.timeout_s = timeout_s
 
     async def rebuild(self, layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer],
-                      tail: Buffer, replay_tokens: int | None = None) -> ReplayResult:
-        request = replay_request(layout, token_ids, chunks, tail, replay_tokens)
+                      tail: Buffer, replay_tokens: int | None = None, *,
+                      model_fingerprint: str = "") -> ReplayResult:
+        request = replay_request(layout, token_ids, chunks, tail, replay_tokens,
+                                 model_fingerprint)
         reply_key = self.names.reply_prefix + request.job_id
         stream = (self.names.for_replayer(layout.replayer).stream
                   if isinstance(layout, LayoutSpec) else self.names.stream)
@@ -206,7 +208,8 @@ class StreamConsumer:
             request = pb.ReplayRequest.FromString(fields[b"request"])
             layout, tokens, chunks = decode_request(request)
             result = await self.worker.rebuild(layout, tokens, chunks,
-                                               request.tail, request.replay_tokens or None)
+                                               request.tail, request.replay_tokens or None,
+                                               model_fingerprint=request.model_fingerprint)
             reply = REPLY_OK + pb.ReplayReply(
                 window=result.window, replayed_tokens=result.replayed_tokens,
                 seconds=result.seconds, worker=self.consumer,

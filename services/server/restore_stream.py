@@ -6,6 +6,10 @@ the tail, or, layer by layer, every (stream, layer) of every chunk and the tail 
 last layer arrives (the tail's sections carry ``chunk_index == len(chunk_keys)``); then
 the window, if asked for and held (or rebuilt by Resume); then a ``ResumeSummary``.
 
+The header carries the session's model fingerprint; a caller that stated another one
+gets ``ModelMismatch`` before any byte, and a replay runs only on weights of the
+session's fingerprint (the replay worker checks it against its own: ``ModelMismatch``).
+
 The header states how a held window was made (``window_replayed_tokens``: 0 for the
 engine's own, else the tokens of the replay that built it, partial when fewer than W);
 a Restore returns the stored window as it is. A Resume whose R (at most the session's
@@ -37,6 +41,7 @@ from kvstore.errors import (
 from kvstore.keys import chunk_digest, shared_domain, split_block_key
 from kvstore.layout import LayoutSpec
 from kvstore.manager import TierManager
+from kvstore.model_identity import check_model
 from kvstore.restore import RestoredChunk
 from kvstore.tiers.base import Buffer
 from kvtier.shm import PackedWriter
@@ -59,6 +64,7 @@ class StreamOptions:
     peer: str = ""  # the caller's connection: whose leases these are
     resume: bool = False  # rebuild a dropped window by bounded replay
     replay_tokens: int = 128
+    model_fingerprint: str = ""  # the caller's model; "": not checked
 
 
 class RestoreStreamer:
@@ -80,6 +86,8 @@ class RestoreStreamer:
         try:
             async with self.manager.reading(tenant, session_id) as reader:
                 m, spec = reader.manifest, reader.spec
+                check_model(opts.model_fingerprint, m.model_fingerprint,
+                            f"{tenant}/{session_id}")
                 has_window = bool(spec.ephemeral_streams)
                 backend, why_none = self.replay()
                 # A stored window made by a shorter replay than this Resume asks for is
@@ -129,7 +137,8 @@ class RestoreStreamer:
                     # while they are sent: the client receives during the replay.
                     got = [chunk async for chunk in restored]
                     rebuilding = asyncio.ensure_future(backend.rebuild(
-                        spec, m.token_ids, [c.data for c in got], m.tail, opts.replay_tokens))
+                        spec, m.token_ids, [c.data for c in got], m.tail, opts.replay_tokens,
+                        model_fingerprint=m.model_fingerprint))
                     restored = _listed(got)
                 async for chunk in restored:
                     tiers.add(chunk.tier)
@@ -159,7 +168,8 @@ class RestoreStreamer:
                 try:
                     rebuilt = await (rebuilding if rebuilding is not None else
                                      backend.rebuild(spec, tokens, chunks, tail,
-                                                     opts.replay_tokens))
+                                                     opts.replay_tokens,
+                                                     model_fingerprint=m.model_fingerprint))
                 except LayoutMismatch as exc:  # the store's verified bytes: the model differs
                     raise ReplayUnavailable(
                         f"{tenant}/{session_id} needs its window rebuilt by replay, and the "

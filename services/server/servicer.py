@@ -30,7 +30,7 @@ from kvstore.errors import (
     UnknownLayout,
     status_name,
 )
-from kvstore.keys import dedupe_scope, split_block_key
+from kvstore.keys import check_fingerprint, dedupe_scope, split_block_key
 from kvstore.layout import LayoutSpec, all_layouts, layout_to_json
 from kvstore.manager import TierManager
 from kvstore.manifest import SessionManifest
@@ -177,7 +177,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         opts = StreamOptions(layer_by_layer=request.layer_by_layer,
                              want_window=request.want_window,
                              use_shared_memory=request.use_shared_memory,
-                             reply_lease=request.reply_lease, peer=context.peer())
+                             reply_lease=request.reply_lease, peer=context.peer(),
+                             model_fingerprint=check_fingerprint(request.model_fingerprint))
         with self.limits.stream(opts.peer, "Restore"):
             async for reply in self._stream(tenant, session_id, opts):
                 yield reply
@@ -189,7 +190,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         opts = StreamOptions(want_window=True, use_shared_memory=request.use_shared_memory,
                              reply_lease=request.reply_lease, peer=context.peer(), resume=True,
                              replay_tokens=check.replay_tokens(request.replay_tokens,
-                                                               self.config.replay_tokens))
+                                                               self.config.replay_tokens),
+                             model_fingerprint=check_fingerprint(request.model_fingerprint))
         with self.limits.stream(opts.peer, "Resume"):
             async for reply in self._resume(tenant, session_id, opts):
                 yield reply
@@ -411,7 +413,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             chunks=len(m.chunk_keys), window_tier=m.window_tier or "",
             last_access_unix=m.last_access, tiers=tiers_holding(self.manager, m.chunk_keys),
             writeback_failed=m.writeback_failed, window_node_id=node,
-            window_node_address=address)
+            window_node_address=address, model_fingerprint=m.model_fingerprint)
 
 
 def _own_session(ref: pb.SessionRef, field_name: str = "session") -> tuple[str, str]:

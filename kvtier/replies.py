@@ -1,0 +1,120 @@
+"""The Restore / Resume reply stream on the client side: its parts collected (payloads
+copied out of shared memory) and turned into a ``RestoredSession``. No retries here
+(``kvtier.client`` owns the calls)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvstore.errors import InvalidRequest
+from kvstore.keys import block_key
+from kvstore.layout import LayoutSpec
+from kvstore.model_identity import check_model
+from kvstore.packed_run import PackedRun
+from kvtier import codec as cc
+from kvtier import shm
+from kvtier.types import RestoredSession
+from proto import kvtier_pb2 as pb
+
+
+def copied_out(segment: shm.Segment | None, chunks: list, tail) -> tuple:
+    """Chunks and tail that came as shared memory refs, copied out of ``segment``: chunks
+    lying back to back (with the tail after them) as one ``PackedRun``, in one copy,
+    which the decode reads without joining them; else each on its own."""
+    refs = [c for c in chunks if isinstance(c, pb.SharedMemoryRef)]
+    tail_ref = tail if isinstance(tail, pb.SharedMemoryRef) else None
+    if segment is None or (not refs and tail_ref is None):
+        return chunks, tail
+    if refs and len(refs) == len(chunks):
+        run = segment.read_run([*refs, tail_ref]) if tail_ref is not None else None
+        if run is not None:
+            return PackedRun(run.buffer, run.lengths[:-1]), run[-1]
+        run = segment.read_run(refs)
+        if run is not None:
+            return run, segment.read(tail_ref) if tail_ref is not None else tail
+    return ([segment.read(c) if isinstance(c, pb.SharedMemoryRef) else c for c in chunks],
+            segment.read(tail_ref) if tail_ref is not None else tail)
+
+
+async def collect(call, segments: shm.ClientSegments, used: list[shm.Segment], persistent,
+                  stated: str) -> tuple:
+    """The reply stream's parts, payloads copied out of shared memory; the segment the
+    header named (mapped, and added to ``used``, unless it is the offered one).
+    ``persistent(header, chunks, tail)`` is awaited once, as soon as every chunk and
+    the tail have come (before the window, which a Resume may still be replaying).
+    ``stated``: the caller's model fingerprint, checked against the header's here too
+    (a server that predates the check would not refuse)."""
+    header, chunks, tail, window, summary = None, [], b"", None, pb.ResumeSummary()
+    segment, done = None, False
+    try:
+        async for reply in call:
+            kind = reply.WhichOneof("item")
+            if kind == "header":
+                header = reply.header
+                check_model(stated, header.model_fingerprint, "the restored session")
+                if header.HasField("reply_segment"):
+                    segment = await _reply_segment(segments, header.reply_segment, used)
+            elif kind == "summary":
+                summary = reply.summary
+            else:
+                payload = reply.chunk.payload if kind == "chunk" else getattr(reply, kind)
+                if payload.WhichOneof("body") != "shm":
+                    data = payload.data
+                elif segment is None:
+                    raise InvalidRequest("a reply refers to shared memory the header "
+                                         "did not name")
+                elif kind in ("chunk", "tail"):
+                    data = payload.shm  # copied out below, all in one copy
+                else:
+                    data = segment.read(payload.shm)
+                if kind == "chunk":
+                    chunks.append(data)
+                elif kind == "tail":
+                    tail = data
+                else:
+                    window = data
+                if (not done and header is not None and kind != "window"
+                        and len(chunks) == len(header.chunk_keys)
+                        and (kind == "tail" or not header.tail_digest)):
+                    chunks, tail = copied_out(segment, chunks, tail)
+                    await persistent(header, chunks, tail)
+                    done = True
+        if not done and header is not None:  # none came, or not all
+            chunks, tail = copied_out(segment, chunks, tail)
+            await persistent(header, chunks, tail)
+    except BaseException:
+        call.cancel()
+        raise
+    return header, chunks, tail, window, summary, segment
+
+async def _reply_segment(segments: shm.ClientSegments, lease: pb.SharedMemoryLease,
+                         used: list[shm.Segment]) -> shm.Segment:
+    if used and used[0].lease_id == lease.lease_id:
+        return used[0]  # the offered one, written into
+    segment = await segments.mapped(lease)
+    used.append(segment)
+    return segment
+
+def restored_session(spec: LayoutSpec, header: pb.SessionHeader, chunks, tail, window, summary,
+            persistent: dict | None) -> RestoredSession:
+    """The session; ``persistent``: its decoded persistent streams, None (no decode)."""
+    tokens = cc.as_tokens(np.frombuffer(header.token_ids, dtype="<u4"))
+    streams, start = None, 0
+    if window is not None:
+        start = cc.window_start(window)
+        if persistent is not None:
+            streams, start = cc.decode_window(spec, tokens, window)
+    return RestoredSession(
+        layout=spec, generation=header.generation, token_ids=tokens,
+        # block keys (chain key + digest), as the server stores the chunks
+        chunk_keys=[block_key(k, d) for k, d in zip(header.chunk_keys, header.chunk_digests,
+                                                     strict=True)],
+        chunks=chunks, tail=tail, window_blob=window,
+        persistent={} if persistent is None else persistent,
+        window=streams, window_start=start, window_tier=header.window_tier,
+        replay_needed=window is None and bool(spec.ephemeral_streams),
+        replayed=summary.replayed, replay_tokens=summary.replay_tokens, tier=summary.tier,
+        restore_seconds=summary.restore_seconds, replay_seconds=summary.replay_seconds,
+        writeback_failed=header.writeback_failed, model_fingerprint=header.model_fingerprint,
+        window_replayed_tokens=(summary.replay_tokens if summary.replayed
+                                else header.window_replayed_tokens))
