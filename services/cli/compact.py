@@ -120,30 +120,32 @@ def _progress():
 
 
 async def _compact(config, options, server: str | None, connection: dict):
+    from kvstore.encryption import load_keyring
+    from kvstore.sealed_census import Census, census_disk
     from kvstore.tiers.disk import DiskTier
     from kvstore.tiers.disk.lock import WRITER_LOCK, DirLock
 
     disk_dir = config.data_dir / "disk"
-    if config.encrypts:  # its scrub would take every sealed chunk for a corrupt one
-        raise InvalidRequest("kvtier compact does not read encrypted data directories yet "
-                             "(encryption_key_file / KVTIER_ENCRYPTION_KEY is set); the "
-                             "server's own segment reclamation still runs")
     if not (disk_dir / "index").is_dir():
         raise InvalidRequest(f"{config.data_dir} holds no disk tier ({disk_dir}/index is "
                              "missing): nothing to compact")
     if options.demote_after_s is not None and not config.object_bytes:
         raise InvalidRequest("--demote-after needs an object tier; the config has "
                              "object_bytes = 0")
+    keyring = load_keyring(config.encryption_key_file, config.encryption_key)
     disk = DiskTier(disk_dir, config.disk_bytes, writer=False)
     writer = DirLock(disk_dir / WRITER_LOCK, "the disk tier's writer lock")
     try:
+        # before anything changes: does the keyring (or its absence) open what is stored?
+        census = await census_disk(disk, Census(f"the data directory {config.data_dir}"))
+        census.require(keyring)
         if options.dry_run:
             mode = "live" if DiskTier.writer_is_live(disk_dir) else "offline"
-            return await _run(disk, options, mode, config, None, "")
+            return await _run(disk, options, mode, config, None, "", keyring=keyring)
         disk.compact_lock.acquire()
         if writer.try_acquire():
-            return await _offline(disk, options, config, writer)
-        return await _live(disk, options, config, server, connection)
+            return await _offline(disk, options, config, writer, keyring, census)
+        return await _live(disk, options, config, server, connection, keyring)
     finally:
         writer.release()
         await disk.close()
@@ -157,30 +159,46 @@ async def _run(disk, options, mode, config, ops, why, **extra):
                                 **extra)
 
 
-async def _offline(disk, options, config, writer):
+async def _offline(disk, options, config, writer, keyring, census):
     from kvstore.compaction.disk_scrub import seal_dead_writer
+    from kvstore.compaction.job import manifest_store
     from kvstore.compaction.sessions import ManagerOps
     from kvstore.manager import TierManager
+    from kvstore.sealed_census import census_tier
     from services.server.store import manager_config
 
+    objects = _object_tier(config, options.zstd_level, keyring) if config.object_bytes \
+        else None
+    try:
+        if objects is not None:  # the objects this run scrubs and demotes into, too
+            await census_tier(objects, census)
+            census.require(keyring)
+    except BaseException:
+        if objects is not None:
+            await objects.close()
+        raise
     sealed = seal_dead_writer(disk)
     if sealed is not None:
         logging.getLogger(__name__).info("sealed segment %d of the stopped server", sealed)
-    tiers = [disk]
-    if config.object_bytes:
-        tiers.append(_object_tier(config, options.zstd_level))
+    tiers = [disk] if objects is None else [disk, objects]
+    if keyring is not None:  # as the server stacks them (services.server.store)
+        from kvstore.tiers.sealed import BlockDomains, EncryptedTier
+
+        domains = BlockDomains()
+        tiers = [EncryptedTier(tier, keyring, domains) for tier in tiers]
     # the server's retention: chunks it keeps as cache are not garbage to collect here
-    manager = await TierManager.open(tiers, disk.meta, config=manager_config(config))
+    manager = await TierManager.open(tiers, manifest_store(disk, keyring),
+                                     config=manager_config(config))
     try:
         return await _run(disk, options, "offline", config,
-                          ManagerOps(manager, options.zstd_level), "",
-                          object_tier=tiers[1] if len(tiers) > 1 else None,
-                          after_sessions=writer.release)
+                          ManagerOps(manager, None if keyring else options.zstd_level), "",
+                          object_tier=objects, after_sessions=writer.release,
+                          keyring=keyring)
     finally:
         await manager.close()
 
 
-async def _live(disk, options, config, server, connection: dict):
+async def _live(disk, options, config, server, connection: dict, keyring):
     from services.cli.compact_remote import ServerOps
     from services.server.address_file import SERVER_ADDRESS_FILE, recorded_address
 
@@ -188,17 +206,19 @@ async def _live(disk, options, config, server, connection: dict):
     if address is None:
         why = (f"a server is live on {config.data_dir} and its address is unknown (pass "
                f"--server HOST:PORT; it is not recorded in {SERVER_ADDRESS_FILE})")
-        return await _run(disk, options, "live", config, None, why)
+        return await _run(disk, options, "live", config, None, why, keyring=keyring)
     ops = ServerOps(address, connection)
     try:
-        return await _run(disk, options, "live", config, ops, "")
+        return await _run(disk, options, "live", config, ops, "", keyring=keyring)
     finally:
         await ops.close()
 
 
-def _object_tier(config, zstd_level: int):
+def _object_tier(config, zstd_level: int, keyring):
     from kvstore.tiers.object import ObjectTier, ObjectTierConfig
 
+    # sealed values are random bytes: zstd would only cost time (as the server does)
     return ObjectTier(config.object_url, config.object_bytes, ObjectTierConfig(
-        compression_level=zstd_level, endpoint_url=config.s3_endpoint or None,
+        compression_level=zstd_level if keyring is None else None,
+        endpoint_url=config.s3_endpoint or None,
         region_name=config.s3_region or None))

@@ -1,0 +1,192 @@
+"""The offline tools on an encrypted data directory filled by the real server through the
+real client: without the server's key (``--config`` key file or ``KVTIER_ENCRYPTION_KEY``)
+``kvtier compact`` refuses before touching anything, with it every step works (sessions
+expire and demote, dead space is reclaimed, the scrub opens sealed chunks and quarantines
+only a truly corrupt one) and a real server with the key restores every session
+bit-exact afterwards. A wrong key, or a key given to a clear directory, is refused too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from kvstore.errors import SessionNotFound
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk.segments import HEADER_SIZE, segment_path
+from kvtier import AsyncClient
+from services import cli
+from services.server.config import load_config
+from services.server.server import create_server
+from tests.test_compact_helpers import HOUR, SPECS, Snapshot, snapshot, spill_all
+
+KEY = base64.b64encode(bytes(range(40, 72))).decode()
+WRONG = base64.b64encode(bytes(range(1, 33))).decode()  # another key under the same id
+
+
+@contextlib.asynccontextmanager
+async def sealed_server(data_dir: Path, key: str | None = KEY):
+    """The real embedded server over ``data_dir``, sealing with ``key`` (None: in clear)."""
+    config = load_config(preset="embedded", env={"KVTIER_ENCRYPTION_KEY": key} if key else {},
+                         overrides={"data_dir": data_dir, "listen": "127.0.0.1:0",
+                                    "retain_unreferenced": False})
+    server, port = await create_server(config)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0.5)
+
+
+async def fill(data_dir: Path, *, key: str | None = KEY, delete=("d", "f")
+               ) -> tuple[dict[str, Snapshot], float]:
+    """Spill SPECS through a sealing server, delete ``delete`` (dead segment space), and
+    return what restores give for the others, and a time after every spill."""
+    async with sealed_server(data_dir, key) as target, AsyncClient(target) as kv:
+        await spill_all(kv)
+        for session_id in delete:
+            await kv.delete("acme", session_id)
+        done = time.time()
+        return {spec.session_id: await snapshot(kv, spec.session_id) for spec in SPECS
+                if spec.session_id not in delete}, done
+
+
+async def restore_all(data_dir: Path, names, key: str | None = KEY) -> dict[str, Snapshot]:
+    async with sealed_server(data_dir, key) as target, AsyncClient(target) as kv:
+        return {name: await snapshot(kv, name) for name in names}
+
+
+def files(root: Path) -> dict[str, bytes]:
+    """Every file's bytes but the lock files' (they name the pid that last held them)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.suffix != ".lock"}
+
+
+def key_config(tmp_path: Path, material: str, key_id: str = "env", extra: str = "") -> Path:
+    key_file = tmp_path / f"{key_id}-{material[:6]}.keys.toml"
+    key_file.write_text(f'[[key]]\nid = "{key_id}"\nmaterial = "{material}"\n')
+    config = tmp_path / f"{key_id}-{material[:6]}.toml"
+    config.write_text(f'encryption_key_file = "{key_file}"\n{extra}')
+    return config
+
+
+def compact(capsys, monkeypatch, data: Path, *args: str, key: str | None = None
+            ) -> tuple[int, dict | None, str]:
+    """``kvtier compact`` in-process, with ``key`` (or none) in the environment."""
+    monkeypatch.delenv("KVTIER_ENCRYPTION_KEY", raising=False)
+    monkeypatch.delenv("KVTIER_ENCRYPTION_KEY_FILE", raising=False)
+    if key is not None:
+        monkeypatch.setenv("KVTIER_ENCRYPTION_KEY", key)
+    rc = cli.main(["compact", "--data-dir", str(data), *args])
+    out, err = capsys.readouterr()
+    return rc, json.loads(out.strip().splitlines()[-1]) if rc == 0 and out.strip() else None, err
+
+
+def flip_value_byte(data: Path, key: str) -> None:
+    async def locate():
+        disk = DiskTier(data / "disk", 1 << 30, writer=False)
+        try:
+            return disk.index.lookup(key.encode())
+        finally:
+            await disk.close()
+
+    entry = asyncio.run(locate())
+    path = segment_path(data / "disk" / "segments", entry.seg_id)
+    at = entry.offset + HEADER_SIZE + len(key) + entry.value_len // 2
+    with open(path, "r+b") as file:
+        file.seek(at)
+        byte = file.read(1)
+        file.seek(at)
+        file.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_compact_without_the_key_refuses_and_touches_nothing(tmp_path, capsys, monkeypatch):
+    data = tmp_path / "data"
+    snaps, _ = asyncio.run(fill(data))
+    before = files(data)
+    for extra in ((), ("--dry-run",), ("--no-scrub", "--ttl", "0s")):
+        rc, report, err = compact(capsys, monkeypatch, data, "--json", *extra)
+        assert rc == 2 and report is None, err
+        assert "encrypt" in err and "KVTIER_ENCRYPTION_KEY" in err, err
+        assert "quarantine" not in err and "bad manifest magic" not in err, err
+        assert files(data) == before  # nothing quarantined, moved, rewritten or deleted
+    # A key of the server's id with other material opens nothing: refused the same way.
+    rc, _, err = compact(capsys, monkeypatch, data, "--json", key=WRONG)
+    assert rc == 2 and "does not open" in err, err
+    rc, _, err = compact(capsys, monkeypatch, data, "--json", "--config",
+                         str(key_config(tmp_path, KEY, key_id="other")))
+    assert rc == 2 and "'env'" in err, err
+    assert files(data) == before
+    assert asyncio.run(restore_all(data, snaps)) == snaps
+
+
+def test_compact_with_the_key_expires_demotes_reclaims_and_scrubs(tmp_path, capsys,
+                                                                   monkeypatch):
+    data = tmp_path / "data"
+    snaps, done = asyncio.run(fill(data))
+    corrupt = snaps["e"].chunk_keys[1]  # e's own chunk, sealed: flipped in its ciphertext
+    flip_value_byte(data, corrupt)
+    later = ("--as-of", repr(done + 2 * HOUR))
+    rc, report, err = compact(capsys, monkeypatch, data, "--json", "--ttl", "3h",
+                              "--demote-after", "1h", *later, key=KEY)
+    assert rc == 0, err
+    assert report["mode"] == "offline" and report["sessions_expired"] == 0
+    # e names the damaged chunk: its demotion fails (reported), every other one moves
+    assert sorted(report["demoted"]) == [f"acme/{name}" for name in sorted(set(snaps) - {"e"})]
+    assert [why.split(" failed")[0] for why in report["skipped"]] == ["demotion of acme/e"]
+    assert report["reclaimed_bytes"] > 0 and report["segments_rewritten"] > 0
+    assert report["corrupt_keys"] == [f"disk:{corrupt}"]  # only the one really damaged
+    assert report["marked_sessions"] == ["acme/e"]
+    assert sorted(p.name for p in (data / "quarantine").iterdir()) == [
+        f"disk-{corrupt}.bin", f"disk-{corrupt}.json"]
+    intact = sorted(set(snaps) - {"e"})
+    assert asyncio.run(restore_all(data, intact)) == {name: snaps[name] for name in intact}
+
+    # The key from the config's key file, and an expiry: the sessions and their chunks go.
+    config = str(key_config(tmp_path, KEY, extra="retain_unreferenced = false\n"))
+    rc, again, err = compact(capsys, monkeypatch, data, "--json", "--config", config,
+                             "--ttl", "1h", "--as-of", repr(time.time() + 2 * HOUR))
+    assert rc == 0 and again["sessions_expired"] == len(snaps), err
+    assert again["corrupt_chunks"] == 0 and again["chunks_collected"] > 0
+    with pytest.raises(SessionNotFound):
+        asyncio.run(restore_all(data, ["a"]))
+
+
+def test_compact_refuses_a_key_for_a_clear_directory(tmp_path, capsys, monkeypatch):
+    data = tmp_path / "data"
+    snaps, _ = asyncio.run(fill(data, key=None, delete=()))
+    before = files(data)
+    rc, _, err = compact(capsys, monkeypatch, data, "--json", key=KEY)
+    assert rc == 2 and "in clear" in err, err
+    assert files(data) == before
+    rc, report, err = compact(capsys, monkeypatch, data, "--json")
+    assert rc == 0 and report["corrupt_chunks"] == 0, err
+    assert asyncio.run(restore_all(data, snaps, key=None)) == snaps
+
+
+@pytest.mark.parametrize("where", ["env", "config"])
+def test_repair_refuses_the_right_id_with_the_wrong_material(tmp_path, capsys, monkeypatch,
+                                                             where):
+    data = tmp_path / "data"
+    snaps, _ = asyncio.run(fill(data, delete=()))
+    (data / "disk" / "index" / "data.mdb").unlink()
+    before = files(data)
+    monkeypatch.delenv("KVTIER_ENCRYPTION_KEY", raising=False)
+    args = ["repair", "--data-dir", str(data), "--json"]
+    if where == "env":
+        monkeypatch.setenv("KVTIER_ENCRYPTION_KEY", WRONG)
+    else:
+        args += ["--config", str(key_config(tmp_path, WRONG))]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "does not open" in err and "nothing was changed" in err, err
+    assert files(data) == before
+    monkeypatch.setenv("KVTIER_ENCRYPTION_KEY", KEY)
+    assert cli.main(["repair", "--data-dir", str(data), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["orphans"] == []
+    assert asyncio.run(restore_all(data, snaps)) == snaps
