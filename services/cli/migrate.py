@@ -1,22 +1,30 @@
 """``kvtier migrate``: switch an existing single-node data directory to a fleet's shared
 metadata, once (docs/fleet.md "Migrating a single node").
 
-    kvtier migrate --config C [--data-dir D] [--json]
+    kvtier migrate --config C [--data-dir D] [--decrypt] [--json]
 
 ``C`` is the node's config as it will serve: ``metadata = "shared"``, ``s3_bucket`` and
 the rest; ``D`` (default: ``C``'s ``data_dir``) is the directory its single-node server
-used, stopped now. Every session manifest in the directory's disk index is copied to the
-bucket with its chunks: each chunk is read from the local disk or object tier, checked
-against its key's digest, and uploaded unless the bucket already holds it intact (read
-back and checked; a wrong copy is replaced). A manifest is written only after all its
-chunks, and only where the bucket has none (If-None-Match): a session already there at
-the same generation and content counts as done, any other is a conflict, reported and
-never overwritten. Windows are not carried over (resumes replay them). Running it again
-does nothing more than finish what an interrupted run left.
+used, stopped now. First every session manifest in the directory's disk index is
+planned against the bucket: none there, it is migrated; the same generation and content
+there, it counts as done; any other is a conflict, reported and never overwritten, and
+none of its chunks is uploaded. Then the chunks of the sessions to migrate (and of those
+done) are made intact in the bucket: each read from the local disk or object tier,
+checked against its key's digest, and uploaded unless the bucket already holds it
+intact (read back and checked; a wrong copy is replaced). A manifest is written only
+after all its chunks, and only where the bucket still has none (If-None-Match).
+Windows are not carried over (resumes replay them). Running it again does nothing more
+than finish what an interrupted run left.
+
+An encrypted directory (``kvstore.sealed_census`` finds sealed values in it before
+anything is opened for writing) is read with the key of ``C`` (``encryption_key_file``)
+or ``KVTIER_ENCRYPTION_KEY``, and only with ``--decrypt``: a fleet's bucket is not
+encrypted at rest, so its sessions are stored there in clear. Without the key, with a
+wrong one, or with a key for a directory in clear, migrate refuses and changes nothing.
 
 Exit status: 0 every session migrated (or already), 1 some are conflicts or have chunks
-no local tier holds intact (listed), 2 refused (not a shared config, no disk tier,
-encryption at rest, the directory in use).
+no local tier holds intact (listed), 2 refused (not a shared config, no disk tier, an
+encrypted directory without its key or ``--decrypt``, the directory in use).
 """
 
 from __future__ import annotations
@@ -39,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", type=Path,
                         help="the single-node data directory (default: the config's)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--decrypt", action="store_true",
+                        help="an encrypted directory: open it with the key of --config (or "
+                             "KVTIER_ENCRYPTION_KEY) and store its sessions in the bucket in "
+                             "clear (a fleet does not encrypt at rest)")
 
 
 @dataclass
@@ -93,23 +105,74 @@ async def _chunk(manager, objects, manifest, index: int, done: dict[str, bool],
     return True
 
 
-async def migrate(config, data_dir: Path) -> MigrateReport:
+def _same(local, there: bytes | None) -> bool | None:
+    """None: the bucket has no manifest there; else whether it is ``local``'s (same
+    generation and content)."""
+    from kvstore.errors import ChunkCorrupt, UnsupportedVersion
+    from kvstore.manifest import SessionManifest
+
+    if there is None:
+        return None
+    try:
+        other = SessionManifest.decode(there)
+    except (ChunkCorrupt, UnsupportedVersion):
+        return False  # not ours to judge or overwrite: a conflict
+    return ((other.generation, other.spill_digest, other.chunk_keys)
+            == (local.generation, local.spill_digest, local.chunk_keys))
+
+
+async def check_source(source, data_dir: Path, *, decrypt: bool) -> None:
+    """Refuse (``InvalidRequest``, before anything is opened for writing) a directory
+    the keyring of ``source`` does not open, and an encrypted one without ``decrypt``."""
+    from kvstore.encryption import load_keyring
+    from kvstore.sealed_census import Census, census_disk, census_tier
+    from kvstore.tiers.disk import DiskTier
+    from kvstore.tiers.object import ObjectTier
+
+    keyring = load_keyring(source.encryption_key_file, source.encryption_key)
+    census = Census(f"the data directory {data_dir}")
+    disk = DiskTier(data_dir / "disk", source.disk_bytes, writer=False)
+    try:
+        await census_disk(disk, census)
+    finally:
+        await disk.close()
+    if source.object_bytes:
+        objects = ObjectTier(source.object_url, source.object_bytes)
+        try:
+            await census_tier(objects, census)
+        finally:
+            await objects.close()
+    census.require(keyring)
+    if census.sealed and not decrypt:
+        raise InvalidRequest(
+            f"{data_dir} is encrypted at rest and a fleet's bucket is not (docs/fleet.md): "
+            "pass --decrypt to store its sessions in the bucket in clear, opened with this "
+            "key; nothing was changed")
+
+
+async def migrate(config, data_dir: Path, *, decrypt: bool = False) -> MigrateReport:
+    """Copy ``data_dir``'s sessions into ``config``'s bucket: every manifest is planned
+    first against the bucket (absent: to migrate; the same one: already there; another:
+    a conflict), then only the chunks of sessions to migrate or already there are made
+    intact in the bucket, then their manifests are written with If-None-Match. A
+    conflict's own chunks are never uploaded (one that loses a race at its manifest's
+    write leaves its chunks for the fleet's garbage collection)."""
     from kvstore.fleet import prepare_bucket
     from kvstore.manifest import MANIFEST_PREFIX, SessionManifest
     from services.cli.fleet_gc import open_bucket
     from services.server.store import open_manager
 
     started = time.monotonic()
-    if config.encrypts:
-        raise InvalidRequest("shared metadata with encryption at rest is not supported yet")
     if not (data_dir / "disk").is_dir():
         raise InvalidRequest(f"no disk tier in {data_dir}: a single node without one keeps "
                              "its manifests in memory only, there is nothing to migrate")
-    meta = open_bucket(config)
+    # the source as its single node served it; its key (if any) is the config's
     source = config.replace(
         data_dir=data_dir, metadata="local", s3_bucket="", s3_endpoint="", s3_region="",
         redis_url="", object_bytes=config.object_bytes if (data_dir / "objects").is_dir()
         else 0)
+    await check_source(source, data_dir, decrypt=decrypt)
+    meta = open_bucket(config)
     manager = await open_manager(source)
     report, done = MigrateReport(), {}
     gate = asyncio.Semaphore(_CONCURRENCY)
@@ -121,27 +184,32 @@ async def migrate(config, data_dir: Path) -> MigrateReport:
     try:
         await prepare_bucket(meta)  # the epoch object, if this bucket has none yet
         await meta.gate.baseline()
+        plan = []
         for key, value in await manager.meta.scan(MANIFEST_PREFIX):
             report.sessions += 1
             local = SessionManifest.decode(value)
             name = f"{local.tenant}/{local.session_id}"
+            same = _same(local, await meta.get(key))
+            if same is False:
+                report.conflicts.append(name)
+            else:
+                plan.append((key, local, name, same))
+        for key, local, name, same in plan:
             found = await asyncio.gather(*(bounded(local, i)
                                            for i in range(len(local.chunk_keys))))
             if not all(found):
                 report.incomplete.append(name)
+                continue
+            if same:
+                report.already += 1
                 continue
             shared = local.evolve(window_tier=None, window_key=None, node_id=config.node_name,
                                   remote_window=None)
             try:
                 await meta.commit({key: shared.encode()})
                 report.migrated += 1
-            except StaleGeneration:
-                there = await meta.get(key)
-                other = SessionManifest.decode(there) if there is not None else None
-                if other is not None and (other.generation, other.spill_digest,
-                                          other.chunk_keys) == (local.generation,
-                                                                local.spill_digest,
-                                                                local.chunk_keys):
+            except StaleGeneration:  # written meanwhile by a serving node
+                if _same(local, await meta.get(key)):
                     report.already += 1
                 else:
                     report.conflicts.append(name)
@@ -157,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config)
-        report = asyncio.run(migrate(config, args.data_dir or config.data_dir))
+        report = asyncio.run(migrate(config, args.data_dir or config.data_dir,
+                                     decrypt=args.decrypt))
     except Busy as exc:
         print(f"kvtier migrate: {exc}: stop the single-node server first", file=sys.stderr)
         return 2

@@ -1,0 +1,146 @@
+"""``kvtier migrate`` against moto's S3 server: a run that meets conflicts uploads only
+what the sessions it migrates need (every object in the bucket counted before and
+after), and an encrypted single-node directory is migrated only with its key and
+``--decrypt``, refused before anything changes otherwise."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import boto3
+import pytest
+from fleet_support import bucket_chunks, shared_config
+from test_manager_support import make_session, random_tokens
+
+from services.cli.main import main
+from services.server.config import ServerConfig
+from services.server.store import open_manager
+
+KEY = base64.b64encode(bytes(range(90, 122))).decode()
+WRONG = base64.b64encode(bytes(range(3, 35))).decode()
+
+
+@pytest.fixture
+def fleet(tmp_path, s3_server, s3_bucket, s3_credentials, monkeypatch):
+    """(write(node) -> the node's TOML config as it will serve, shared config factory,
+    every object key in the bucket now)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_credentials["aws_access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_credentials["aws_secret_access_key"])
+    monkeypatch.delenv("KVTIER_ENCRYPTION_KEY", raising=False)
+    region = s3_credentials["region_name"]
+    client = boto3.client("s3", endpoint_url=s3_server, **s3_credentials)
+
+    def write(node: str) -> str:
+        values = dict(data_dir=str(tmp_path / node), metadata="shared", node_id=node,
+                      s3_bucket=s3_bucket, s3_endpoint=s3_server, s3_region=region,
+                      object_compression_level=-1, host_bytes=8 << 20, disk_bytes=64 << 20)
+        path = tmp_path / f"{node}.toml"
+        path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items()))
+        return str(path)
+
+    def objects() -> set[str]:
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=s3_bucket)
+        return {item["Key"] for page in pages for item in page.get("Contents", [])}
+
+    return write, lambda node: shared_config(tmp_path, s3_server, s3_bucket, region, node), \
+        objects
+
+
+def session(i: int) -> dict:
+    return make_session(random_tokens(64, i), seed=i, window=False, tenant="acme")
+
+
+def single_node(tmp_path, name: str, key: str = "") -> ServerConfig:
+    return ServerConfig(data_dir=tmp_path / name, host_bytes=8 << 20, disk_bytes=64 << 20,
+                        object_compression_level=-1, encryption_key=key)
+
+
+async def spill(config: ServerConfig, sessions: dict[str, dict], generation: int = 1
+                ) -> None:
+    node = await open_manager(config)
+    try:
+        for name, content in sessions.items():
+            await node.spill("acme", name, generation=generation, ack="durable", **content)
+    finally:
+        await node.close()
+
+
+def migrate(capsys, config: str, *extra: str) -> tuple[int, dict, str]:
+    code = main(["migrate", "--config", config, "--json", *extra])
+    out, err = capsys.readouterr()
+    return code, json.loads(out) if out.strip() else {}, err
+
+
+async def check_restores(config: ServerConfig, sessions: dict[str, dict]) -> set[str]:
+    """Every session restores bit-exact from a fleet node; the chunks the bucket holds."""
+    node = await open_manager(config)
+    try:
+        for name, content in sessions.items():
+            got = await node.restore("acme", name)
+            assert got.manifest.generation == 1
+            assert [bytes(x) for x in got.chunks] == [bytes(d) for _, d in content["chunks"]]
+            assert got.manifest.tail == content["tail"]
+        return await bucket_chunks(node.meta)
+    finally:
+        await node.close()
+
+
+def test_a_run_with_conflicts_uploads_no_orphan_chunk(fleet, tmp_path, capsys):
+    write, shared, objects = fleet
+    clean = {"s0": session(1), "s1": session(2)}
+    local = {"c0": session(3), "c1": session(4)}  # the bucket has other c0, c1
+    theirs = {"c0": session(5), "c1": session(6)}
+    asyncio.run(spill(single_node(tmp_path, "single"), {**clean, **local}))
+    asyncio.run(spill(shared("other"), theirs, generation=4))
+    before = objects()
+    config = write("single")
+    code, report, err = migrate(capsys, config)
+    assert code == 1, err
+    assert sorted(report["conflicts"]) == ["acme/c0", "acme/c1"] and report["migrated"] == 2
+    added = objects() - before
+    wanted = {key for content in clean.values() for key, _ in content["chunks"]}
+    assert report["chunks_uploaded"] == len(wanted) and report["chunks_present"] == 0
+    # exactly the clean sessions' chunks and manifests (and the bucket's first epoch)
+    assert {name for name in added if name.endswith(".bin")} == {
+        f"kvtier/{key}.bin" for key in wanted}
+    assert {name for name in added if not name.endswith(".bin")} - {
+        "kvtier/fleet/gc/epoch"} == {f"kvtier/fleet/manifest/acme/{s}.kvsm" for s in clean}
+    orphans = {key for content in local.values() for key, _ in content["chunks"]}
+    assert not any(key in name for key in orphans for name in objects())
+    held = asyncio.run(check_restores(shared("fresh"), clean))
+    assert wanted <= held and not orphans & held
+    after = objects()
+    code, again, _ = migrate(capsys, config)  # a rerun: the same plan, nothing new
+    assert code == 1 and again["already"] == 2 and again["chunks_uploaded"] == 0
+    assert objects() == after
+
+
+def test_an_encrypted_directory_needs_its_key_and_decrypt(fleet, tmp_path, capsys,
+                                                          monkeypatch):
+    write, shared, objects = fleet
+    sessions = {f"s{i}": session(10 + i) for i in range(3)}
+    asyncio.run(spill(single_node(tmp_path, "single", KEY), sessions))
+    directory = tmp_path / "single"
+
+    def files() -> dict[str, bytes]:
+        return {str(p): p.read_bytes() for p in sorted(directory.rglob("*"))
+                if p.is_file() and p.suffix != ".lock"}
+
+    before, bucket = files(), objects()
+    config = write("single")
+    code, _, err = migrate(capsys, config, "--decrypt")  # no key at all
+    assert code == 2 and "encrypted at rest" in err and "KVTIER_ENCRYPTION_KEY" in err, err
+    monkeypatch.setenv("KVTIER_ENCRYPTION_KEY", WRONG)  # the id the server used, not its key
+    code, _, err = migrate(capsys, config, "--decrypt")
+    assert code == 2 and "does not open" in err, err
+    monkeypatch.setenv("KVTIER_ENCRYPTION_KEY", KEY)
+    code, _, err = migrate(capsys, config)  # the key, but no consent to store in clear
+    assert code == 2 and "--decrypt" in err, err
+    assert files() == before and objects() == bucket  # nothing changed by any refusal
+
+    code, report, err = migrate(capsys, config, "--decrypt")
+    assert code == 0 and report["migrated"] == 3, err
+    monkeypatch.delenv("KVTIER_ENCRYPTION_KEY")
+    asyncio.run(check_restores(shared("fresh"), sessions))
