@@ -12,6 +12,10 @@ import asyncio
 import base64
 import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -24,7 +28,7 @@ from kvtier import AsyncClient
 from services import cli
 from services.server.config import load_config
 from services.server.server import create_server
-from tests.test_compact_helpers import HOUR, SPECS, Snapshot, snapshot, spill_all
+from tests.test_compact_helpers import HOUR, ROOT, SPECS, Snapshot, snapshot, spill_all
 
 KEY = base64.b64encode(bytes(range(40, 72))).decode()
 WRONG = base64.b64encode(bytes(range(1, 33))).decode()  # another key under the same id
@@ -190,3 +194,43 @@ def test_repair_refuses_the_right_id_with_the_wrong_material(tmp_path, capsys, m
     assert cli.main(["repair", "--data-dir", str(data), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["orphans"] == []
     assert asyncio.run(restore_all(data, snaps)) == snaps
+
+
+@contextlib.contextmanager
+def serving(data: Path, log: Path):
+    """``kvtier serve`` on ``data`` in its own process, sealing with KEY; its address."""
+    command = [sys.executable, "-m", "services.cli", "serve", "--preset", "embedded",
+               "--data-dir", str(data), "--listen", "127.0.0.1:0"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KVTIER_ENCRYPTION_KEY": KEY,
+           "KVTIER_RETAIN_UNREFERENCED": "false"}
+    with open(log, "w") as err:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=err,
+                                text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("kvtier serving on "), log.read_text()[-3000:]
+        yield line.split()[3].rstrip(",")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def test_compact_beside_a_live_encrypted_server(tmp_path, capsys, monkeypatch):
+    data = tmp_path / "data"
+    snaps, _ = asyncio.run(fill(data))
+    with serving(data, tmp_path / "serve.log") as address:
+        async def listed() -> list[str]:
+            async with AsyncClient(address) as kv:
+                return sorted(s.session.session_id for s in await kv.list("acme"))
+
+        assert asyncio.run(listed()) == sorted(snaps)
+        args = ("--json", "--server", address, "--ttl", "1h",
+                "--as-of", repr(time.time() + 2 * HOUR))
+        rc, _, err = compact(capsys, monkeypatch, data, *args)
+        assert rc == 2 and "encrypted at rest" in err, err
+        assert asyncio.run(listed()) == sorted(snaps)
+        rc, report, err = compact(capsys, monkeypatch, data, *args, key=KEY)
+        assert rc == 0 and report["mode"] == "live", err
+        assert sorted(report["expired"]) == sorted(f"acme/{name}" for name in snaps)
+        assert report["corrupt_chunks"] == 0 and not (data / "quarantine").exists()
+        assert asyncio.run(listed()) == []
