@@ -17,6 +17,7 @@ the head of every chunk record) and of any other tier (every value read once).
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -111,33 +112,46 @@ def _opens(keyring: Keyring, sample: _Sample) -> bool:
 
 async def census_disk(disk: DiskTier, census: Census) -> Census:
     """Note ``disk``'s manifests (from its own, unsealed MetaStore) and every chunk entry
-    (the head of its record, read from its segment)."""
+    (the head of its record, read from its segment in a worker thread)."""
     await census_manifests(disk.meta, census)
-    start = None
-    while batch := disk.index.entries_after(start, _BATCH):
-        for kb, entry in batch:
-            key = kb.decode()
-            disk.files.pin(entry.seg_id)
-            try:
-                head = await disk.files.read(entry.seg_id, entry.offset + HEADER_SIZE
-                                             + len(kb), min(entry.value_len, OVERHEAD_BYTES))
-            except (OSError, ChunkCorrupt):
-                continue  # unreadable: the scrub finds it and says why
-            finally:
-                disk.files.unpin(entry.seg_id)
-            census.note(key, head, _reader(disk, key, entry))
-        start = batch[-1][0]
+    descriptors: dict[int, int | None] = {}
+    try:
+        start = None
+        while batch := disk.index.entries_after(start, _BATCH):
+            await asyncio.to_thread(_note_records, disk, batch, descriptors, census)
+            start = batch[-1][0]
+    finally:
+        for fd in descriptors.values():
+            if fd is not None:
+                disk.fs.close(fd)
     return census
 
 
-def _reader(disk: DiskTier, key: str, entry: IndexEntry) -> Callable[[], Buffer]:
-    """The whole value ``entry`` names, read when a key check needs it (a few per key)."""
+def _note_records(disk: DiskTier, batch: list[tuple[bytes, IndexEntry]],
+                  descriptors: dict[int, int | None], census: Census) -> None:
+    for kb, entry in batch:
+        fd = descriptors.get(entry.seg_id, -1)
+        if fd == -1:
+            try:
+                fd = disk.fs.open(segment_path(disk.segment_dir, entry.seg_id), os.O_RDONLY)
+            except FileNotFoundError:
+                fd = None  # retired since the listing: its entries moved
+            descriptors[entry.seg_id] = fd
+        if fd is None:
+            continue
+        at = entry.offset + HEADER_SIZE + len(kb)
+        head = memoryview(bytearray(min(entry.value_len, OVERHEAD_BYTES)))
+        got = disk.fs.read(fd, head, at)
+        census.note(kb.decode(), head[:got], _reader(disk, entry, at))
+
+
+def _reader(disk: DiskTier, entry: IndexEntry, at: int) -> Callable[[], Buffer]:
+    """The whole value ``entry`` names (at ``at``), read when a key check needs it."""
     def load() -> Buffer:
         fd = disk.fs.open(segment_path(disk.segment_dir, entry.seg_id), os.O_RDONLY)
         try:
             out = memoryview(bytearray(entry.value_len))
-            got = disk.fs.read(fd, out, entry.offset + HEADER_SIZE + len(key.encode()))
-            return out[:got]
+            return out[:disk.fs.read(fd, out, at)]
         finally:
             disk.fs.close(fd)
     return load

@@ -24,9 +24,18 @@ Protocol beside a server (``kvstore.compaction.job`` has the details):
     (the server frees what its deletes release). Rewrites and the scrub are safe beside
     it (see ``kvstore.compaction.disk_rewrite`` and ``kvstore.compaction.scrub``).
 
+Encrypted data directories: before anything else the job reads what the directory holds
+at rest (``kvstore.sealed_census``: every manifest, the head of every disk record and,
+offline, every object). Sealed values are opened with the server's keyring, from
+``--config`` (``encryption_key_file``) or ``KVTIER_ENCRYPTION_KEY`` as ``kvtier serve``
+reads it: manifests through ``SealedMetaStore``, the tiers it changes sealed as the
+server stacks them, every scrubbed value authenticated before its codec check. Without
+the key, with a key that does not open them, or with a key for a directory in clear,
+it refuses (status 2) having changed nothing.
+
 Progress: a tqdm bar per step on a terminal, log lines otherwise. ``--json`` prints the
-report as one JSON object. Exit status: 0 done, 2 bad arguments, 3 another compaction
-runs, 1 any other store error.
+report as one JSON object. Exit status: 0 done, 2 bad arguments or a keyring that does
+not open the directory, 3 another compaction runs, 1 any other store error.
 """
 
 from __future__ import annotations
@@ -58,7 +67,8 @@ def parse_duration(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", required=True, type=Path,
                         help="the server's data directory (holds disk/ and objects/)")
-    parser.add_argument("--config", help="the server's TOML config (S3 object tier, sizes)")
+    parser.add_argument("--config", help="the server's TOML config (S3 object tier, sizes, "
+                                         "encryption_key_file)")
     parser.add_argument("--dry-run", action="store_true",
                         help="change nothing; report what would be done")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
