@@ -136,6 +136,11 @@ async def _compact(config, options, server: str | None, connection: dict):
     from kvstore.tiers.disk.lock import WRITER_LOCK, DirLock
 
     disk_dir = config.data_dir / "disk"
+    if config.metadata == "shared":  # one node's counts would collect the fleet's chunks
+        raise InvalidRequest(
+            "the config has metadata = 'shared': a fleet's manifests and chunks live in "
+            "its bucket, which kvtier fleet-gc collects (mark and sweep over every "
+            "manifest); a node's local tiers are caches its server reclaims itself")
     if not (disk_dir / "index").is_dir():
         raise InvalidRequest(f"{config.data_dir} holds no disk tier ({disk_dir}/index is "
                              "missing): nothing to compact")

@@ -1,7 +1,9 @@
-"""``kvtier migrate`` against moto's S3 server: a run that meets conflicts uploads only
-what the sessions it migrates need (every object in the bucket counted before and
-after), and an encrypted single-node directory is migrated only with its key and
-``--decrypt``, refused before anything changes otherwise."""
+"""The offline tools against a fleet's bucket on moto's S3 server: ``kvtier migrate``
+uploads only what the sessions it migrates need when it meets conflicts (every object
+in the bucket counted before and after), migrates an encrypted single-node directory
+only with its key and ``--decrypt`` (refused before anything changes otherwise), and
+``kvtier compact`` refuses a fleet node's config rather than collect the bucket's
+chunks by one node's reference counts."""
 
 from __future__ import annotations
 
@@ -32,10 +34,11 @@ def fleet(tmp_path, s3_server, s3_bucket, s3_credentials, monkeypatch):
     region = s3_credentials["region_name"]
     client = boto3.client("s3", endpoint_url=s3_server, **s3_credentials)
 
-    def write(node: str) -> str:
+    def write(node: str, **extra: object) -> str:
         values = dict(data_dir=str(tmp_path / node), metadata="shared", node_id=node,
                       s3_bucket=s3_bucket, s3_endpoint=s3_server, s3_region=region,
-                      object_compression_level=-1, host_bytes=8 << 20, disk_bytes=64 << 20)
+                      object_compression_level=-1, host_bytes=8 << 20, disk_bytes=64 << 20,
+                      **extra)
         path = tmp_path / f"{node}.toml"
         path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items()))
         return str(path)
@@ -143,4 +146,19 @@ def test_an_encrypted_directory_needs_its_key_and_decrypt(fleet, tmp_path, capsy
     code, report, err = migrate(capsys, config, "--decrypt")
     assert code == 0 and report["migrated"] == 3, err
     monkeypatch.delenv("KVTIER_ENCRYPTION_KEY")
+    asyncio.run(check_restores(shared("fresh"), sessions))
+
+
+def test_compact_refuses_a_fleet_config_and_leaves_the_bucket_alone(fleet, tmp_path, capsys):
+    write, shared, objects = fleet
+    sessions = {"s0": session(30), "s1": session(31)}
+    asyncio.run(spill(shared("other"), sessions))  # the fleet's: in the bucket
+    config = write("node", retain_unreferenced=False)  # nothing kept as cache
+    asyncio.run(spill(shared("node"), {"n0": session(32)}))  # and this node's own disk
+    bucket = objects()
+    code = main(["compact", "--config", config, "--data-dir", str(tmp_path / "node"),
+                 "--json", "--ttl", "0s"])
+    err = capsys.readouterr().err
+    assert code == 2 and "fleet-gc" in err, err
+    assert objects() == bucket
     asyncio.run(check_restores(shared("fresh"), sessions))
