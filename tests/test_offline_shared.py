@@ -1,7 +1,8 @@
 """The offline tools against a fleet's bucket on moto's S3 server: ``kvtier migrate``
 uploads only what the sessions it migrates need when it meets conflicts (every object
 in the bucket counted before and after), migrates an encrypted single-node directory
-only with its key and ``--decrypt`` (refused before anything changes otherwise), and
+into a sealed bucket with its key (refused before anything changes otherwise),
+``kvtier fleet-gc`` sweeps a sealed bucket with the fleet's key only, and
 ``kvtier compact`` refuses a fleet node's config rather than collect the bucket's
 chunks by one node's reference counts."""
 
@@ -13,9 +14,11 @@ import json
 
 import boto3
 import pytest
-from fleet_support import bucket_chunks, shared_config
+from fleet_support import FAST, bucket_chunks, shared_config
 from test_manager_support import make_session, random_tokens
 
+from kvstore.encryption import MAGIC
+from kvstore.fleet import prepare_bucket
 from services.cli.main import main
 from services.server.config import ServerConfig
 from services.server.store import open_manager
@@ -47,8 +50,13 @@ def fleet(tmp_path, s3_server, s3_bucket, s3_credentials, monkeypatch):
         pages = client.get_paginator("list_objects_v2").paginate(Bucket=s3_bucket)
         return {item["Key"] for page in pages for item in page.get("Contents", [])}
 
-    return write, lambda node: shared_config(tmp_path, s3_server, s3_bucket, region, node), \
-        objects
+    def stored_objects() -> dict[str, bytes]:
+        return {name: client.get_object(Bucket=s3_bucket, Key=name)["Body"].read()
+                for name in objects()}
+
+    objects.stored = stored_objects
+    return write, lambda node, **extra: shared_config(tmp_path, s3_server, s3_bucket,
+                                                      region, node, **extra), objects
 
 
 def session(i: int) -> dict:
@@ -120,8 +128,14 @@ def test_a_run_with_conflicts_uploads_no_orphan_chunk(fleet, tmp_path, capsys):
     assert objects() == after
 
 
-def test_an_encrypted_directory_needs_its_key_and_decrypt(fleet, tmp_path, capsys,
-                                                          monkeypatch):
+def sealed_objects(objects: dict[str, bytes]) -> bool:
+    """Whether every chunk and manifest object is sealed (no token id or KV in clear)."""
+    kept = {k: v for k, v in objects.items() if k.endswith((".bin", ".zst", ".kvsm"))}
+    return bool(kept) and all(value.startswith(MAGIC) for value in kept.values())
+
+
+def test_an_encrypted_directory_migrates_sealed_with_its_key_only(fleet, tmp_path, capsys,
+                                                                  monkeypatch):
     write, shared, objects = fleet
     sessions = {f"s{i}": session(10 + i) for i in range(3)}
     asyncio.run(spill(single_node(tmp_path, "single", KEY), sessions))
@@ -133,20 +147,60 @@ def test_an_encrypted_directory_needs_its_key_and_decrypt(fleet, tmp_path, capsy
 
     before, bucket = files(), objects()
     config = write("single")
-    code, _, err = migrate(capsys, config, "--decrypt")  # no key at all
+    code, _, err = migrate(capsys, config)  # no key: nothing can be read, nothing changes
     assert code == 2 and "encrypted at rest" in err and "KVTIER_ENCRYPTION_KEY" in err, err
     monkeypatch.setenv("KVTIER_ENCRYPTION_KEY", WRONG)  # the id the server used, not its key
-    code, _, err = migrate(capsys, config, "--decrypt")
+    code, _, err = migrate(capsys, config)
     assert code == 2 and "does not open" in err, err
-    monkeypatch.setenv("KVTIER_ENCRYPTION_KEY", KEY)
-    code, _, err = migrate(capsys, config)  # the key, but no consent to store in clear
-    assert code == 2 and "--decrypt" in err, err
-    assert files() == before and objects() == bucket  # nothing changed by any refusal
+    assert files() == before and objects() == bucket
 
-    code, report, err = migrate(capsys, config, "--decrypt")
+    monkeypatch.setenv("KVTIER_ENCRYPTION_KEY", KEY)  # the fleet's key is the node's
+    code, report, err = migrate(capsys, config)
     assert code == 0 and report["migrated"] == 3, err
-    monkeypatch.delenv("KVTIER_ENCRYPTION_KEY")
-    asyncio.run(check_restores(shared("fresh"), sessions))
+    assert sealed_objects(objects.stored())
+    asyncio.run(check_restores(shared("fresh", encryption_key=KEY), sessions))
+    code, again, _ = migrate(capsys, config)
+    assert code == 0 and again["already"] == 3 and again["chunks_uploaded"] == 0
+    monkeypatch.delenv("KVTIER_ENCRYPTION_KEY")  # a clear directory into this sealed bucket
+    asyncio.run(spill(single_node(tmp_path, "clear"), {"c0": session(20)}))
+    code, _, err = migrate(capsys, write("clear"))
+    assert code == 2 and "encrypted at rest" in err, err
+
+
+def test_fleet_gc_sweeps_a_sealed_bucket_with_the_key_and_refuses_without(
+        fleet, tmp_path, capsys, monkeypatch):
+    write, shared, objects = fleet
+    kept, dropped = session(40), session(41)
+
+    async def setup() -> None:
+        node = await open_manager(shared("a", encryption_key=KEY))
+        try:
+            await prepare_bucket(node.meta, FAST.spill_bound_s)
+            await node.spill("acme", "kept", generation=1, ack="durable", **kept)
+            await node.spill("acme", "dropped", generation=1, ack="durable", **dropped)
+            await node.delete("acme", "dropped")
+        finally:
+            await node.close()
+
+    asyncio.run(setup())
+    config = write("gc", fleet_gc_grace_s=0.0, fleet_retain_s=0.0)
+    sweep = ["fleet-gc", "--config", config, "--json", "--margin-s", "0.2",
+             "--spill-bound-s", "0.5"]
+    bucket = objects()
+    for key in (None, WRONG):
+        if key is not None:
+            monkeypatch.setenv("KVTIER_ENCRYPTION_KEY", key)
+        code = main(sweep)
+        err = capsys.readouterr().err
+        assert code == 2 and ("encrypted at rest" in err if key is None
+                              else "does not open" in err), err
+    assert objects() == bucket
+    monkeypatch.setenv("KVTIER_ENCRYPTION_KEY", KEY)
+    code = main(sweep)
+    swept = json.loads(capsys.readouterr().out)
+    assert code == 0 and swept["corrupt_manifests"] == 0
+    assert swept["deleted"] == len(dropped["chunks"]) and swept["live"] == len(kept["chunks"])
+    asyncio.run(check_restores(shared("fresh", encryption_key=KEY), {"kept": kept}))
 
 
 def test_compact_refuses_a_fleet_config_and_leaves_the_bucket_alone(fleet, tmp_path, capsys):

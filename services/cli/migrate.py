@@ -1,7 +1,7 @@
 """``kvtier migrate``: switch an existing single-node data directory to a fleet's shared
 metadata, once (docs/fleet.md "Migrating a single node").
 
-    kvtier migrate --config C [--data-dir D] [--decrypt] [--json]
+    kvtier migrate --config C [--data-dir D] [--json]
 
 ``C`` is the node's config as it will serve: ``metadata = "shared"``, ``s3_bucket`` and
 the rest; ``D`` (default: ``C``'s ``data_dir``) is the directory its single-node server
@@ -16,15 +16,17 @@ after all its chunks, and only where the bucket still has none (If-None-Match).
 Windows are not carried over (resumes replay them). Running it again does nothing more
 than finish what an interrupted run left.
 
-An encrypted directory (``kvstore.sealed_census`` finds sealed values in it before
-anything is opened for writing) is read with the key of ``C`` (``encryption_key_file``)
-or ``KVTIER_ENCRYPTION_KEY``, and only with ``--decrypt``: a fleet's bucket is not
-encrypted at rest, so its sessions are stored there in clear. Without the key, with a
-wrong one, or with a key for a directory in clear, migrate refuses and changes nothing.
+Encryption at rest goes across as it is: an encrypted directory migrates into a fleet
+that encrypts with the same keys (``C``'s ``encryption_key_file`` or
+``KVTIER_ENCRYPTION_KEY``), its chunks and manifests sealed in the bucket as the
+fleet's nodes seal them; a directory in clear into a fleet in clear. Before anything is
+opened for writing (``kvstore.sealed_census``) the directory and a sample of the
+bucket's manifests are checked against the key: sealed data without it, a wrong key, or
+a key beside data in clear, and migrate refuses having changed nothing.
 
 Exit status: 0 every session migrated (or already), 1 some are conflicts or have chunks
-no local tier holds intact (listed), 2 refused (not a shared config, no disk tier, an
-encrypted directory without its key or ``--decrypt``, the directory in use).
+no local tier holds intact (listed), 2 refused (not a shared config, no disk tier, a
+key that does not match the directory or the bucket, the directory in use).
 """
 
 from __future__ import annotations
@@ -37,7 +39,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvstore.errors import Busy, DataLoss, InvalidRequest, StaleGeneration, TierUnavailable
+from kvstore.errors import (
+    Busy,
+    ChunkCorrupt,
+    CodecError,
+    DataLoss,
+    InvalidRequest,
+    StaleGeneration,
+    TierUnavailable,
+)
 
 _CONCURRENCY = 8  # chunk transfers in flight
 
@@ -47,10 +57,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", type=Path,
                         help="the single-node data directory (default: the config's)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--decrypt", action="store_true",
-                        help="an encrypted directory: open it with the key of --config (or "
-                             "KVTIER_ENCRYPTION_KEY) and store its sessions in the bucket in "
-                             "clear (a fleet does not encrypt at rest)")
 
 
 @dataclass
@@ -83,8 +89,8 @@ async def _chunk(manager, objects, manifest, index: int, done: dict[str, bool],
     held = None
     try:
         held = bytes(await objects.get(key)) if await objects.contains(key) else None
-    except DataLoss:
-        held = None
+    except (DataLoss, CodecError):
+        held = b""  # a copy that does not open or decompress: replaced below
     if held is not None and chunk_digest(held) == digest:
         report.chunks_present += 1
         done[key] = True
@@ -105,10 +111,19 @@ async def _chunk(manager, objects, manifest, index: int, done: dict[str, bool],
     return True
 
 
+async def _there(meta, key: str) -> bytes | None:
+    """The bucket's manifest under ``key``; one that does not open under the fleet's key
+    is returned as an empty record (a conflict: never overwritten)."""
+    try:
+        return await meta.get(key)
+    except ChunkCorrupt:
+        return b""
+
+
 def _same(local, there: bytes | None) -> bool | None:
     """None: the bucket has no manifest there; else whether it is ``local``'s (same
     generation and content)."""
-    from kvstore.errors import ChunkCorrupt, UnsupportedVersion
+    from kvstore.errors import UnsupportedVersion
     from kvstore.manifest import SessionManifest
 
     if there is None:
@@ -121,15 +136,14 @@ def _same(local, there: bytes | None) -> bool | None:
             == (local.generation, local.spill_digest, local.chunk_keys))
 
 
-async def check_source(source, data_dir: Path, *, decrypt: bool) -> None:
-    """Refuse (``InvalidRequest``, before anything is opened for writing) a directory
-    the keyring of ``source`` does not open, and an encrypted one without ``decrypt``."""
-    from kvstore.encryption import load_keyring
+async def check_keys(source, config, data_dir: Path, keyring) -> None:
+    """Refuse (``InvalidRequest``, before anything is opened for writing) a directory or
+    bucket ``keyring`` does not open as stored (``kvstore.sealed_census``)."""
     from kvstore.sealed_census import Census, census_disk, census_tier
     from kvstore.tiers.disk import DiskTier
     from kvstore.tiers.object import ObjectTier
+    from services.cli.fleet_gc import check_bucket_keys
 
-    keyring = load_keyring(source.encryption_key_file, source.encryption_key)
     census = Census(f"the data directory {data_dir}")
     disk = DiskTier(data_dir / "disk", source.disk_bytes, writer=False)
     try:
@@ -143,20 +157,18 @@ async def check_source(source, data_dir: Path, *, decrypt: bool) -> None:
         finally:
             await objects.close()
     census.require(keyring)
-    if census.sealed and not decrypt:
-        raise InvalidRequest(
-            f"{data_dir} is encrypted at rest and a fleet's bucket is not (docs/fleet.md): "
-            "pass --decrypt to store its sessions in the bucket in clear, opened with this "
-            "key; nothing was changed")
+    await check_bucket_keys(config, keyring)
 
 
-async def migrate(config, data_dir: Path, *, decrypt: bool = False) -> MigrateReport:
+async def migrate(config, data_dir: Path) -> MigrateReport:
     """Copy ``data_dir``'s sessions into ``config``'s bucket: every manifest is planned
     first against the bucket (absent: to migrate; the same one: already there; another:
     a conflict), then only the chunks of sessions to migrate or already there are made
     intact in the bucket, then their manifests are written with If-None-Match. A
     conflict's own chunks are never uploaded (one that loses a race at its manifest's
-    write leaves its chunks for the fleet's garbage collection)."""
+    write leaves its chunks for the fleet's garbage collection). With the config's key
+    the directory is read and the bucket written sealed."""
+    from kvstore.encryption import load_keyring
     from kvstore.fleet import prepare_bucket
     from kvstore.manifest import MANIFEST_PREFIX, SessionManifest
     from services.cli.fleet_gc import open_bucket
@@ -166,20 +178,26 @@ async def migrate(config, data_dir: Path, *, decrypt: bool = False) -> MigrateRe
     if not (data_dir / "disk").is_dir():
         raise InvalidRequest(f"no disk tier in {data_dir}: a single node without one keeps "
                              "its manifests in memory only, there is nothing to migrate")
-    # the source as its single node served it; its key (if any) is the config's
+    # the source as its single node served it, with the fleet's key (if any)
     source = config.replace(
         data_dir=data_dir, metadata="local", s3_bucket="", s3_endpoint="", s3_region="",
         redis_url="", object_bytes=config.object_bytes if (data_dir / "objects").is_dir()
         else 0)
-    await check_source(source, data_dir, decrypt=decrypt)
-    meta = open_bucket(config)
+    keyring = load_keyring(config.encryption_key_file, config.encryption_key)
+    await check_keys(source, config, data_dir, keyring)
+    meta = open_bucket(config, keyring)
     manager = await open_manager(source)
+    chunks = meta.tier
+    if keyring is not None:  # sealed for the domain the source's sealed copy names
+        from kvstore.tiers.sealed import EncryptedTier
+
+        chunks = EncryptedTier(meta.tier, keyring, manager.domains)
     report, done = MigrateReport(), {}
     gate = asyncio.Semaphore(_CONCURRENCY)
 
     async def bounded(manifest, index: int) -> bool:
         async with gate:
-            return await _chunk(manager, meta.tier, manifest, index, done, report)
+            return await _chunk(manager, chunks, manifest, index, done, report)
 
     try:
         await prepare_bucket(meta)  # the epoch object, if this bucket has none yet
@@ -189,7 +207,7 @@ async def migrate(config, data_dir: Path, *, decrypt: bool = False) -> MigrateRe
             report.sessions += 1
             local = SessionManifest.decode(value)
             name = f"{local.tenant}/{local.session_id}"
-            same = _same(local, await meta.get(key))
+            same = _same(local, await _there(meta, key))
             if same is False:
                 report.conflicts.append(name)
             else:
@@ -209,7 +227,7 @@ async def migrate(config, data_dir: Path, *, decrypt: bool = False) -> MigrateRe
                 await meta.commit({key: shared.encode()})
                 report.migrated += 1
             except StaleGeneration:  # written meanwhile by a serving node
-                if _same(local, await meta.get(key)):
+                if _same(local, await _there(meta, key)):
                     report.already += 1
                 else:
                     report.conflicts.append(name)
@@ -225,8 +243,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config)
-        report = asyncio.run(migrate(config, args.data_dir or config.data_dir,
-                                     decrypt=args.decrypt))
+        report = asyncio.run(migrate(config, args.data_dir or config.data_dir))
     except Busy as exc:
         print(f"kvtier migrate: {exc}: stop the single-node server first", file=sys.stderr)
         return 2
