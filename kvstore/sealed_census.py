@@ -5,7 +5,8 @@ A ``Census`` is shown stored values (manifests, chunks) and notes each one as se
 (``kvstore.encryption``'s magic) under a key id, or in clear. ``require`` refuses, with
 ``InvalidRequest`` and before the tool changes anything, when
 
-- sealed values are there and no keyring was given, or they name a key id it lacks;
+- sealed values are there (or values whose sealed header is damaged) and no keyring
+  was given, or they name a key id it lacks;
 - for some key id none of the values sampled under it opens: a key of that id with
   other material (a wrong key is refused, never taken for corruption);
 - a keyring was given and values are in clear (``clear_allowed`` off): a server with
@@ -53,8 +54,9 @@ class Census:
     where: str  # named in refusals: "the data directory D"
     sealed: dict[str, list[_Sample]] = field(default_factory=dict)  # key id -> samples
     sealed_count: int = 0
-    clear: list[str] = field(default_factory=list)  # storage keys of values in clear
-    damaged: int = 0  # sealed magic, header unreadable: corruption, for the tool to judge
+    clear: int = 0  # values in clear
+    clear_example: str = ""  # the storage key of the first
+    damaged: int = 0  # sealed magic, header unreadable: corrupt, if a keyring is given
 
     def note(self, storage_key: str, head: Buffer,
              load: Callable[[], Buffer] | Buffer | None = None) -> None:
@@ -62,7 +64,8 @@ class Census:
         the whole value, or a callable returning it (default: ``head`` is all of it)."""
         view = memoryview(head).cast("B")
         if bytes(view[:len(MAGIC)]) != MAGIC:
-            self.clear.append(storage_key)
+            self.clear += 1
+            self.clear_example = self.clear_example or storage_key
             return
         try:
             key_id = read_header(view).key_id
@@ -76,11 +79,12 @@ class Census:
 
     def require(self, keyring: Keyring | None, *, clear_allowed: bool = False) -> None:
         """Refuse (``InvalidRequest``) unless ``keyring`` opens what was noted."""
-        if self.sealed and keyring is None:
+        if (self.sealed or self.damaged) and keyring is None:
             raise InvalidRequest(
-                f"{self.where} is encrypted at rest ({self.sealed_count} sealed "
-                f"values under key id(s) {sorted(self.sealed)}) and no key was given: give "
-                f"the server's key ({KEY_SOURCES}); nothing was changed")
+                f"{self.where} is encrypted at rest ({self.sealed_count} sealed values "
+                f"under key id(s) {sorted(self.sealed)}, {self.damaged} more with a "
+                f"damaged header) and no key was given: give the server's key "
+                f"({KEY_SOURCES}); nothing was changed")
         if keyring is None:
             return
         missing = sorted(set(self.sealed) - set(keyring.key_ids))
@@ -98,17 +102,17 @@ class Census:
         if self.clear and not clear_allowed:
             what = "not encrypted" if not self.sealed else "partly in clear"
             raise InvalidRequest(
-                f"{self.where} is {what} ({len(self.clear)} values in clear, e.g. "
-                f"{self.clear[0]!r}), but an encryption key was given: a server with it "
+                f"{self.where} is {what} ({self.clear} values in clear, e.g. "
+                f"{self.clear_example!r}), but an encryption key was given: a server with it "
                 "reads them as corrupt. Run without the key for a directory in clear "
                 "(encryption is turned on only for a new one); nothing was changed")
 
 
 def _opens(keyring: Keyring, sample: _Sample) -> bool:
-    value = sample.load() if callable(sample.load) else sample.load
     try:
+        value = sample.load() if callable(sample.load) else sample.load
         keyring.open(sample.storage_key, value)
-    except ChunkCorrupt:
+    except (ChunkCorrupt, OSError):  # OSError: its segment was retired meanwhile
         return False
     return True
 

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.errors import SessionNotFound
+from kvstore.encryption import MAGIC, Keyring, MasterKey
+from kvstore.errors import InvalidRequest, SessionNotFound
+from kvstore.sealed_census import Census
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk.segments import HEADER_SIZE, segment_path
 from kvtier import AsyncClient
@@ -234,3 +236,27 @@ def test_compact_beside_a_live_encrypted_server(tmp_path, capsys, monkeypatch):
         assert sorted(report["expired"]) == sorted(f"acme/{name}" for name in snaps)
         assert report["corrupt_chunks"] == 0 and not (data / "quarantine").exists()
         assert asyncio.run(listed()) == []
+
+
+def test_the_census_names_what_a_keyring_lacks_and_a_damaged_seal_is_not_clear():
+    old = Keyring([MasterKey("k1", bytes(range(32)))])
+    new = Keyring([MasterKey("k2", bytes(range(1, 33))), MasterKey("k1", bytes(range(32)))],
+                  current="k2")
+    census = Census("the test store")
+    census.note("a", old.seal("a", "tenant:acme", b"old value"))
+    census.note("b", new.seal("b", "tenant:acme", b"new value"))
+    census.require(new)  # a rotated keyring opens both generations
+    with pytest.raises(InvalidRequest, match=r"\['k1'\]"):
+        census.require(Keyring([MasterKey("k2", bytes(range(1, 33)))]))
+    with pytest.raises(InvalidRequest, match="no key was given"):
+        census.require(None)
+    damaged = Census("the test store")
+    damaged.note("c", MAGIC + b"\xff" * 60)  # the sealed magic, then no valid header
+    with pytest.raises(InvalidRequest, match="1 more with a damaged header"):
+        damaged.require(None)
+    clear = Census("the test store")
+    clear.note("d", b"KVTC" + bytes(60))
+    clear.require(None)
+    with pytest.raises(InvalidRequest, match="not encrypted"):
+        clear.require(new)
+    clear.require(new, clear_allowed=True)
