@@ -182,16 +182,15 @@ async def _offline(disk, options, config, writer, keyring, census):
     from kvstore.sealed_census import census_tier
     from services.server.store import manager_config
 
-    objects = _object_tier(config, options.zstd_level, keyring) if config.object_bytes \
-        else None
-    try:
-        if objects is not None:  # the objects this run scrubs and demotes into, too
+    objects = None
+    if config.object_bytes:  # the objects this run scrubs and demotes into: checked too
+        objects = _object_tier(config, options.zstd_level, keyring)
+        try:
             await census_tier(objects, census)
             census.require(keyring)
-    except BaseException:
-        if objects is not None:
+        except BaseException:
             await objects.close()
-        raise
+            raise
     sealed = seal_dead_writer(disk)
     if sealed is not None:
         logging.getLogger(__name__).info("sealed segment %d of the stopped server", sealed)
