@@ -24,9 +24,10 @@ opened for writing (``kvstore.sealed_census``) the directory and a sample of the
 bucket's manifests are checked against the key: sealed data without it, a wrong key, or
 a key beside data in clear, and migrate refuses having changed nothing.
 
-Exit status: 0 every session migrated (or already), 1 some are conflicts or have chunks
-no local tier holds intact (listed), 2 refused (not a shared config, no disk tier, a
-key that does not match the directory or the bucket, the directory in use).
+Exit status: 0 every session migrated (or already), 1 some are conflicts, have chunks
+no local tier holds intact or a manifest that does not decode (listed), 2 refused (not
+a shared config, no disk tier, a key that does not match the directory or the bucket,
+the directory in use).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from kvstore.errors import (
     InvalidRequest,
     StaleGeneration,
     TierUnavailable,
+    UnsupportedVersion,
 )
 
 _CONCURRENCY = 8  # chunk transfers in flight
@@ -66,6 +68,7 @@ class MigrateReport:
     already: int = 0  # in the bucket before, same generation and content
     conflicts: list[str] = field(default_factory=list)  # another generation or content there
     incomplete: list[str] = field(default_factory=list)  # a chunk no local tier holds intact
+    corrupt_manifests: list[str] = field(default_factory=list)  # local ones that do not decode
     chunks_uploaded: int = 0
     chunks_present: int = 0  # already in the bucket, read back and intact
     chunks_replaced: int = 0  # in the bucket but not intact: uploaded again
@@ -123,7 +126,6 @@ async def _there(meta, key: str) -> bytes | None:
 def _same(local, there: bytes | None) -> bool | None:
     """None: the bucket has no manifest there; else whether it is ``local``'s (same
     generation and content)."""
-    from kvstore.errors import UnsupportedVersion
     from kvstore.manifest import SessionManifest
 
     if there is None:
@@ -186,7 +188,11 @@ async def migrate(config, data_dir: Path) -> MigrateReport:
     keyring = load_keyring(config.encryption_key_file, config.encryption_key)
     await check_keys(source, config, data_dir, keyring)
     meta = open_bucket(config, keyring)
-    manager = await open_manager(source)
+    try:
+        manager = await open_manager(source)
+    except BaseException:
+        await meta.close()
+        raise
     chunks = meta.tier
     if keyring is not None:  # sealed for the domain the source's sealed copy names
         from kvstore.tiers.sealed import EncryptedTier
@@ -205,7 +211,11 @@ async def migrate(config, data_dir: Path) -> MigrateReport:
         plan = []
         for key, value in await manager.meta.scan(MANIFEST_PREFIX):
             report.sessions += 1
-            local = SessionManifest.decode(value)
+            try:
+                local = SessionManifest.decode(value)
+            except (ChunkCorrupt, UnsupportedVersion):
+                report.corrupt_manifests.append(key[len(MANIFEST_PREFIX):])
+                continue
             name = f"{local.tenant}/{local.session_id}"
             same = _same(local, await _there(meta, key))
             if same is False:
@@ -263,7 +273,8 @@ def run(args: argparse.Namespace) -> int:
         for label, names in (("conflicts (another generation in the bucket, kept)",
                               report.conflicts),
                              ("incomplete (a chunk no local tier holds intact)",
-                              report.incomplete)):
+                              report.incomplete),
+                             ("corrupt manifests (not migrated)", report.corrupt_manifests)):
             if names:
                 print(f"  {label}: {', '.join(names)}")
-    return 1 if report.conflicts or report.incomplete else 0
+    return 1 if report.conflicts or report.incomplete or report.corrupt_manifests else 0
