@@ -153,6 +153,17 @@ def test_compact_with_the_key_expires_demotes_reclaims_and_scrubs(tmp_path, caps
     intact = sorted(set(snaps) - {"e"})
     assert asyncio.run(restore_all(data, intact)) == {name: snaps[name] for name in intact}
 
+    # A demoted chunk altered in place in the object tier: only authentication can tell.
+    victim = snaps["a"].chunk_keys[-1]  # a's own (b and c share its first two)
+    [path] = (data / "objects").glob(f"*/{victim}.*")
+    sealed = bytearray(path.read_bytes())
+    assert sealed.startswith(MAGIC)
+    sealed[len(sealed) // 2] ^= 0x01
+    path.write_bytes(bytes(sealed))
+    rc, scrubbed, err = compact(capsys, monkeypatch, data, "--json", key=KEY)
+    assert rc == 0 and scrubbed["corrupt_keys"] == [f"object:{victim}"], err
+    assert scrubbed["marked_sessions"] == ["acme/a"]
+
     # The key from the config's key file, and an expiry: the sessions and their chunks go.
     config = str(key_config(tmp_path, KEY, extra="retain_unreferenced = false\n"))
     rc, again, err = compact(capsys, monkeypatch, data, "--json", "--config", config,
