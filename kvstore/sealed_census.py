@@ -104,8 +104,9 @@ class Census:
             raise InvalidRequest(
                 f"{self.where} is {what} ({self.clear} values in clear, e.g. "
                 f"{self.clear_example!r}), but an encryption key was given: a server with it "
-                "reads them as corrupt. Run without the key for a directory in clear "
-                "(encryption is turned on only for a new one); nothing was changed")
+                "reads them as corrupt. Run without the key for data in clear (encryption "
+                "at rest is turned on only for a new directory or bucket); nothing was "
+                "changed")
 
 
 def _opens(keyring: Keyring, sample: _Sample) -> bool:
