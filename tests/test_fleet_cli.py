@@ -133,8 +133,8 @@ def test_migrate_copies_a_single_node_directory_once_and_keeps_conflicts(fleet_t
     assert code == 1 and first["conflicts"] == ["acme/c"]
     assert first["sessions"] == 4 and first["migrated"] == 3 and not first["incomplete"]
     total = sum(len(content["chunks"]) for content in sessions.values())
-    assert first["chunks_uploaded"] + first["chunks_present"] == total + \
-        len(local_conflict["chunks"])
+    # the conflict's own chunks are not uploaded: nothing would name them
+    assert first["chunks_uploaded"] + first["chunks_present"] == total
     assert first["chunks_uploaded"] >= total
     code, again = run_json(capsys, "migrate", "--config", config, "--json")
     assert code == 1 and again["migrated"] == 0 and again["already"] == 3

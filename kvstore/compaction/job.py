@@ -27,6 +27,11 @@ Coordination with a server on the same directory (see ``services.cli.compact``):
   corrupt disk entry only by compare and delete, and rewrites rely on the disk tier's
   cross-process protocol (the server re-looks-up a key whose segment file vanished;
   a descriptor it already has keeps an unlinked file readable).
+
+An encrypted data directory is compacted with the server's keyring: manifests are read
+through ``SealedMetaStore`` and the scrub opens every value; segment rewriting copies
+records as stored. The caller checks first (``kvstore.sealed_census``) that the keyring
+opens what the directory holds, and refuses otherwise.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ from kvstore.compaction.report import CompactionReport, CompactOptions, Progress
 from kvstore.compaction.scrub import CorruptChunk, Quarantine, mark_sessions, scrub_disk, scrub_tier
 from kvstore.compaction.segments import candidates, groups, rewrite, write_rates
 from kvstore.compaction.sessions import SessionOps, apply_sessions, load_manifests, plan_sessions
-from kvstore.tiers.base import Tier
+from kvstore.encryption import Keyring
+from kvstore.tiers.base import MetaStore, Tier
 from kvstore.tiers.disk.tier import DiskTier
 
 
@@ -54,19 +60,22 @@ async def run_compaction(
     object_tier: Tier | None = None,
     quarantine_dir: Path,
     after_sessions: Callable[[], None] | None = None,
+    keyring: Keyring | None = None,
 ) -> CompactionReport:
     """Run every step over ``disk`` (opened attached, ``compact.lock`` held by the caller
     unless ``options.dry_run``). ``ops``: how sessions are changed, None to skip that
-    (``why_no_ops`` goes into the report); ``object_tier``: scrubbed too when given;
-    ``after_sessions``: called once the session steps are done (to drop the writer lock).
+    (``why_no_ops`` goes into the report); ``object_tier``: scrubbed too when given (as
+    stored, not sealed); ``after_sessions``: called once the session steps are done (to
+    drop the writer lock); ``keyring``: opens an encrypted directory's manifests and values.
     """
     started = time.perf_counter()
+    meta = manifest_store(disk, keyring)
     dry = options.dry_run
     report = CompactionReport(mode="dry-run" if dry else mode)
     report.dead_bytes_before = sum(info.dead_bytes for info in disk.segments())
 
     now = time.time() if options.as_of is None else options.as_of
-    plan = await plan_sessions(disk, await load_manifests(disk.meta), options, now)
+    plan = await plan_sessions(disk, await load_manifests(meta), options, now)
     if dry:
         report.sessions_expired = len(plan.expired)
         report.expired = [f"{m.tenant}/{m.session_id}" for m in plan.expired]
@@ -77,14 +86,14 @@ async def run_compaction(
         report.skipped.append(f"expiry, unreferenced-chunk collection and demotion: "
                               f"{why_no_ops}")
     else:
-        await apply_sessions(plan, ops, disk.meta, report, progress)
+        await apply_sessions(plan, ops, meta, report, progress)
 
     corrupt: list[CorruptChunk] = []
     if options.scrub:
         quarantine = None if dry else Quarantine(quarantine_dir)
-        corrupt += await scrub_disk(disk, quarantine, progress)
+        corrupt += await scrub_disk(disk, quarantine, progress, keyring)
         if object_tier is not None:
-            corrupt += await scrub_tier(object_tier, quarantine, progress)
+            corrupt += await scrub_tier(object_tier, quarantine, progress, keyring)
         elif mode == "live" or dry:
             report.skipped.append("object tier scrub: only offline runs scrub it (the server "
                                   "owns its object tier's accounting)")
@@ -107,8 +116,17 @@ async def run_compaction(
 
     report.corrupt_chunks = len(corrupt)
     report.corrupt_keys = [f"{chunk.tier}:{chunk.key}" for chunk in corrupt]
-    report.marked_sessions = await mark_sessions(disk.meta, await load_manifests(disk.meta),
-                                                 corrupt, dry_run=dry)
+    report.marked_sessions = await mark_sessions(meta, await load_manifests(meta), corrupt,
+                                                 dry_run=dry)
     report.live_bytes = sum(info.live_bytes for info in disk.segments())
     report.seconds = time.perf_counter() - started
     return report
+
+
+def manifest_store(disk: DiskTier, keyring: Keyring | None) -> MetaStore:
+    """``disk``'s MetaStore as the server reads it: manifests opened with ``keyring``."""
+    if keyring is None:
+        return disk.meta
+    from kvstore.tiers.sealed import SealedMetaStore
+
+    return SealedMetaStore(disk.meta, keyring)

@@ -3,10 +3,14 @@
 A disk-tier chunk is checked twice: its segment record (xxh3 over lengths, key and
 value, against the index entry) and its codec encoding (``codec.verify_chunk``: header,
 section table and every section checksum). An object-tier chunk gets the codec check
-(and its zstd frame's own check when compressed). A corrupt chunk's bytes are copied
-into the quarantine directory (written, fsynced, renamed) before its entry or object
-is removed, so nothing is lost that an operator might still want to look at, and a
-crash between the two leaves both (the next scrub finds it again). The disk entry is
+(and its zstd frame's own check when compressed). In an encrypted data directory the
+scrub is given the server's keyring and every value is opened (authenticated) first;
+``kvstore.sealed_census`` has already refused a run whose keyring does not open what the
+directory holds, so a value failing here is damaged, not sealed under a missing key.
+A corrupt chunk's bytes are copied into the quarantine directory (written, fsynced,
+renamed) before its entry or object is removed, so nothing is lost that an operator
+might still want to look at, and a crash between the two leaves both (the next scrub
+finds it again). The disk entry is
 removed by compare and delete: a writer that stored the chunk again meanwhile wins.
 Sessions whose manifests name a quarantined chunk are marked in the MetaStore under
 ``quarantine/{tenant}/{session}``.
@@ -25,6 +29,7 @@ from urllib.parse import quote
 from kvstore.codec import verify_chunk
 from kvstore.compaction.disk_scrub import drop_if_unchanged, raw_record
 from kvstore.compaction.report import Progress, quarantine_key
+from kvstore.encryption import Keyring
 from kvstore.errors import ChunkNotFound, CodecError
 from kvstore.manifest import SessionManifest
 from kvstore.tiers.base import MetaStore, Tier
@@ -62,9 +67,18 @@ class Quarantine:
         return self.directory / (stem + ".bin")
 
 
-async def scrub_disk(tier: DiskTier, quarantine: Quarantine | None, progress: Progress
-                     ) -> list[CorruptChunk]:
-    """Verify every live disk entry; quarantine (unless ``quarantine`` is None) the bad."""
+def check_value(key: str, value: memoryview | bytes, keyring: Keyring | None) -> None:
+    """``CodecError`` unless ``value``, stored under ``key``, is an intact chunk (opened
+    with ``keyring`` first when given: every value of an encrypted directory is sealed)."""
+    if keyring is not None:
+        _, value = keyring.open(key, value)
+    verify_chunk(value)
+
+
+async def scrub_disk(tier: DiskTier, quarantine: Quarantine | None, progress: Progress,
+                     keyring: Keyring | None = None) -> list[CorruptChunk]:
+    """Verify every live disk entry; quarantine (unless ``quarantine`` is None) the bad.
+    ``tier``: the disk tier itself, not sealed; ``keyring``: opens its values."""
     entries, start = [], None
     while batch := tier.index.entries_after(start, 4096):
         entries += batch
@@ -78,7 +92,7 @@ async def scrub_disk(tier: DiskTier, quarantine: Quarantine | None, progress: Pr
                 continue
             key = kb.decode()
             try:
-                verify_chunk(await tier.read_entry(key, entry))
+                check_value(key, await tier.read_entry(key, entry), keyring)
                 continue
             except SegmentGone:
                 continue  # its segment was retired: the entry moved since the listing
@@ -94,9 +108,10 @@ async def scrub_disk(tier: DiskTier, quarantine: Quarantine | None, progress: Pr
     return corrupt
 
 
-async def scrub_tier(tier: Tier, quarantine: Quarantine | None, progress: Progress
-                     ) -> list[CorruptChunk]:
-    """Verify every value of a tier through its own API (the object tier)."""
+async def scrub_tier(tier: Tier, quarantine: Quarantine | None, progress: Progress,
+                     keyring: Keyring | None = None) -> list[CorruptChunk]:
+    """Verify every value of a tier through its own API (the object tier, not sealed;
+    ``keyring`` opens its values)."""
     keys = [key async for key in tier.keys()]
     corrupt: list[CorruptChunk] = []
     step = progress.step(f"scrub {tier.name}", len(keys))
@@ -106,7 +121,7 @@ async def scrub_tier(tier: Tier, quarantine: Quarantine | None, progress: Progre
             data = b""
             try:
                 data = await tier.get(key)
-                verify_chunk(data)
+                check_value(key, data, keyring)
                 continue
             except ChunkNotFound:
                 continue

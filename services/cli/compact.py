@@ -24,9 +24,18 @@ Protocol beside a server (``kvstore.compaction.job`` has the details):
     (the server frees what its deletes release). Rewrites and the scrub are safe beside
     it (see ``kvstore.compaction.disk_rewrite`` and ``kvstore.compaction.scrub``).
 
+Encrypted data directories: before anything else the job reads what the directory holds
+at rest (``kvstore.sealed_census``: every manifest, the head of every disk record and,
+offline, every object). Sealed values are opened with the server's keyring, from
+``--config`` (``encryption_key_file``) or ``KVTIER_ENCRYPTION_KEY`` as ``kvtier serve``
+reads it: manifests through ``SealedMetaStore``, the tiers it changes sealed as the
+server stacks them, every scrubbed value authenticated before its codec check. Without
+the key, with a key that does not open them, or with a key for a directory in clear,
+it refuses (status 2) having changed nothing.
+
 Progress: a tqdm bar per step on a terminal, log lines otherwise. ``--json`` prints the
-report as one JSON object. Exit status: 0 done, 2 bad arguments, 3 another compaction
-runs, 1 any other store error.
+report as one JSON object. Exit status: 0 done, 2 bad arguments or a keyring that does
+not open the directory, 3 another compaction runs, 1 any other store error.
 """
 
 from __future__ import annotations
@@ -58,7 +67,8 @@ def parse_duration(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", required=True, type=Path,
                         help="the server's data directory (holds disk/ and objects/)")
-    parser.add_argument("--config", help="the server's TOML config (S3 object tier, sizes)")
+    parser.add_argument("--config", help="the server's TOML config (S3 object tier, sizes, "
+                                         "encryption_key_file)")
     parser.add_argument("--dry-run", action="store_true",
                         help="change nothing; report what would be done")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -120,30 +130,37 @@ def _progress():
 
 
 async def _compact(config, options, server: str | None, connection: dict):
+    from kvstore.encryption import load_keyring
+    from kvstore.sealed_census import Census, census_disk
     from kvstore.tiers.disk import DiskTier
     from kvstore.tiers.disk.lock import WRITER_LOCK, DirLock
 
     disk_dir = config.data_dir / "disk"
-    if config.encrypts:  # its scrub would take every sealed chunk for a corrupt one
-        raise InvalidRequest("kvtier compact does not read encrypted data directories yet "
-                             "(encryption_key_file / KVTIER_ENCRYPTION_KEY is set); the "
-                             "server's own segment reclamation still runs")
+    if config.metadata == "shared":  # one node's counts would collect the fleet's chunks
+        raise InvalidRequest(
+            "the config has metadata = 'shared': a fleet's manifests and chunks live in "
+            "its bucket, which kvtier fleet-gc collects (mark and sweep over every "
+            "manifest); a node's local tiers are caches its server reclaims itself")
     if not (disk_dir / "index").is_dir():
         raise InvalidRequest(f"{config.data_dir} holds no disk tier ({disk_dir}/index is "
                              "missing): nothing to compact")
     if options.demote_after_s is not None and not config.object_bytes:
         raise InvalidRequest("--demote-after needs an object tier; the config has "
                              "object_bytes = 0")
+    keyring = load_keyring(config.encryption_key_file, config.encryption_key)
     disk = DiskTier(disk_dir, config.disk_bytes, writer=False)
     writer = DirLock(disk_dir / WRITER_LOCK, "the disk tier's writer lock")
     try:
+        # before anything changes: does the keyring (or its absence) open what is stored?
+        census = await census_disk(disk, Census(f"the data directory {config.data_dir}"))
+        census.require(keyring)
         if options.dry_run:
             mode = "live" if DiskTier.writer_is_live(disk_dir) else "offline"
-            return await _run(disk, options, mode, config, None, "")
+            return await _run(disk, options, mode, config, None, "", keyring=keyring)
         disk.compact_lock.acquire()
         if writer.try_acquire():
-            return await _offline(disk, options, config, writer)
-        return await _live(disk, options, config, server, connection)
+            return await _offline(disk, options, config, writer, keyring, census)
+        return await _live(disk, options, config, server, connection, keyring)
     finally:
         writer.release()
         await disk.close()
@@ -157,30 +174,45 @@ async def _run(disk, options, mode, config, ops, why, **extra):
                                 **extra)
 
 
-async def _offline(disk, options, config, writer):
+async def _offline(disk, options, config, writer, keyring, census):
     from kvstore.compaction.disk_scrub import seal_dead_writer
+    from kvstore.compaction.job import manifest_store
     from kvstore.compaction.sessions import ManagerOps
     from kvstore.manager import TierManager
+    from kvstore.sealed_census import census_tier
     from services.server.store import manager_config
 
+    objects = None
+    if config.object_bytes:  # the objects this run scrubs and demotes into: checked too
+        objects = _object_tier(config, options.zstd_level, keyring)
+        try:
+            await census_tier(objects, census)
+            census.require(keyring)
+        except BaseException:
+            await objects.close()
+            raise
     sealed = seal_dead_writer(disk)
     if sealed is not None:
         logging.getLogger(__name__).info("sealed segment %d of the stopped server", sealed)
-    tiers = [disk]
-    if config.object_bytes:
-        tiers.append(_object_tier(config, options.zstd_level))
+    tiers = [disk] if objects is None else [disk, objects]
+    if keyring is not None:  # as the server stacks them (services.server.store)
+        from kvstore.tiers.sealed import BlockDomains, EncryptedTier
+
+        domains = BlockDomains()
+        tiers = [EncryptedTier(tier, keyring, domains) for tier in tiers]
     # the server's retention: chunks it keeps as cache are not garbage to collect here
-    manager = await TierManager.open(tiers, disk.meta, config=manager_config(config))
+    manager = await TierManager.open(tiers, manifest_store(disk, keyring),
+                                     config=manager_config(config))
     try:
         return await _run(disk, options, "offline", config,
-                          ManagerOps(manager, options.zstd_level), "",
-                          object_tier=tiers[1] if len(tiers) > 1 else None,
-                          after_sessions=writer.release)
+                          ManagerOps(manager, None if keyring else options.zstd_level), "",
+                          object_tier=objects, after_sessions=writer.release,
+                          keyring=keyring)
     finally:
         await manager.close()
 
 
-async def _live(disk, options, config, server, connection: dict):
+async def _live(disk, options, config, server, connection: dict, keyring):
     from services.cli.compact_remote import ServerOps
     from services.server.address_file import SERVER_ADDRESS_FILE, recorded_address
 
@@ -188,17 +220,19 @@ async def _live(disk, options, config, server, connection: dict):
     if address is None:
         why = (f"a server is live on {config.data_dir} and its address is unknown (pass "
                f"--server HOST:PORT; it is not recorded in {SERVER_ADDRESS_FILE})")
-        return await _run(disk, options, "live", config, None, why)
+        return await _run(disk, options, "live", config, None, why, keyring=keyring)
     ops = ServerOps(address, connection)
     try:
-        return await _run(disk, options, "live", config, ops, "")
+        return await _run(disk, options, "live", config, ops, "", keyring=keyring)
     finally:
         await ops.close()
 
 
-def _object_tier(config, zstd_level: int):
+def _object_tier(config, zstd_level: int, keyring):
     from kvstore.tiers.object import ObjectTier, ObjectTierConfig
 
+    # sealed values are random bytes: zstd would only cost time (as the server does)
     return ObjectTier(config.object_url, config.object_bytes, ObjectTierConfig(
-        compression_level=zstd_level, endpoint_url=config.s3_endpoint or None,
+        compression_level=zstd_level if keyring is None else None,
+        endpoint_url=config.s3_endpoint or None,
         region_name=config.s3_region or None))

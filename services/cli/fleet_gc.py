@@ -4,13 +4,18 @@
                     [--spill-bound-s S] [--margin-s S]
 
 ``C`` is a fleet node's config (``metadata = "shared"``, ``s3_bucket``...; ``KVTIER_*``
-variables apply as for ``kvtier serve``). Safe beside serving nodes: chunks no manifest
-names are deleted once past ``fleet_gc_grace_s`` and ``fleet_retain_s`` (docs/fleet.md
-"Garbage collection"); ``--dry-run`` counts them and writes nothing. The sweep waits
+variables apply as for ``kvtier serve``), with the fleet's key when it encrypts at rest
+(``encryption_key_file`` or ``KVTIER_ENCRYPTION_KEY``): the sweep opens the sealed
+manifests with it. Manifests sampled before the sweep (``kvstore.sealed_census``) that
+the key does not open, or sealed ones without a key, refuse it up front; one met during
+the sweep that does not decode stops every deletion. Safe beside serving nodes: chunks
+no manifest names are deleted once past ``fleet_gc_grace_s`` and ``fleet_retain_s``
+(docs/fleet.md "Garbage collection"); ``--dry-run`` counts them and writes nothing. The sweep waits
 ``spill bound + margin`` between marking and deleting, so it takes that long at least.
 
-Exit status: 0 swept, 2 the config is refused (not shared, no bucket), 3 another sweep
-is running, 4 the bucket cannot be reached.
+Exit status: 0 swept, 2 the config is refused (not shared, no bucket, a key that does
+not open the bucket's manifests), 3 another sweep is running, 4 the bucket cannot be
+reached.
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a manifest PUT's time in flight, added to the mark wait (45)")
 
 
-def open_bucket(config):
+def open_bucket(config, keyring=None):
     """The fleet's ``SharedMetaStore`` over ``config``'s bucket, without a node's tiers
-    (``InvalidRequest`` unless the config describes a shared fleet)."""
+    (``InvalidRequest`` unless the config describes a shared fleet); with ``keyring`` its
+    manifests are opened and sealed as the fleet's nodes do (``RecordSealer``)."""
     from kvstore.tiers.base import MemoryMetaStore
     from kvstore.tiers.object import ObjectTier, ObjectTierConfig
     from kvstore.tiers.shared_meta import SharedMetaStore
@@ -49,11 +55,29 @@ def open_bucket(config):
         raise InvalidRequest("the config is not a fleet's: set metadata = 'shared' and "
                              "s3_bucket (a local store's chunks are its own)")
     check_bucket(config)
-    level = config.object_compression_level
+    level = config.object_compression_level if keyring is None else -1
     objects = ObjectTier(config.object_url, config.object_bytes, ObjectTierConfig(
         compression_level=None if level < 0 else level, endpoint_url=config.s3_endpoint or None,
         region_name=config.s3_region or None, shared=True))
-    return SharedMetaStore(objects, MemoryMetaStore(), config.node_name)
+    if keyring is None:
+        return SharedMetaStore(objects, MemoryMetaStore(), config.node_name)
+    from kvstore.tiers.sealed import RecordSealer
+
+    return SharedMetaStore(objects, MemoryMetaStore(), config.node_name,
+                           sealer=RecordSealer(keyring))
+
+
+async def check_bucket_keys(config, keyring) -> None:
+    """Refuse (``InvalidRequest``) a bucket whose manifests ``keyring`` does not open:
+    sealed ones without it or under other keys, or ones in clear with it."""
+    from kvstore.sealed_census import Census, census_bucket
+
+    raw = open_bucket(config)  # manifests as stored
+    try:
+        census = await census_bucket(raw, Census(f"the bucket {config.s3_bucket!r}"))
+    finally:
+        await raw.close()
+    census.require(keyring)
 
 
 def timing_of(config, args: argparse.Namespace):
@@ -68,16 +92,22 @@ def timing_of(config, args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvstore.encryption import load_keyring
     from kvstore.fleet import collect
     from services.server.config import load_config
 
     try:
         config = load_config(args.config)
         timing = timing_of(config, args)
-        meta = open_bucket(config)
+        keyring = load_keyring(config.encryption_key_file, config.encryption_key)
+        asyncio.run(check_bucket_keys(config, keyring))
+        meta = open_bucket(config, keyring)
     except InvalidRequest as exc:
         print(f"kvtier fleet-gc: refused: {exc}", file=sys.stderr)
         return 2
+    except TierUnavailable as exc:
+        print(f"kvtier fleet-gc: the bucket cannot be reached: {exc}", file=sys.stderr)
+        return 4
     try:
         report = asyncio.run(collect(meta, timing, dry_run=args.dry_run))
     except Busy as exc:

@@ -5,18 +5,29 @@ metadata, once (docs/fleet.md "Migrating a single node").
 
 ``C`` is the node's config as it will serve: ``metadata = "shared"``, ``s3_bucket`` and
 the rest; ``D`` (default: ``C``'s ``data_dir``) is the directory its single-node server
-used, stopped now. Every session manifest in the directory's disk index is copied to the
-bucket with its chunks: each chunk is read from the local disk or object tier, checked
-against its key's digest, and uploaded unless the bucket already holds it intact (read
-back and checked; a wrong copy is replaced). A manifest is written only after all its
-chunks, and only where the bucket has none (If-None-Match): a session already there at
-the same generation and content counts as done, any other is a conflict, reported and
-never overwritten. Windows are not carried over (resumes replay them). Running it again
-does nothing more than finish what an interrupted run left.
+used, stopped now. First every session manifest in the directory's disk index is
+planned against the bucket: none there, it is migrated; the same generation and content
+there, it counts as done; any other is a conflict, reported and never overwritten, and
+none of its chunks is uploaded. Then the chunks of the sessions to migrate (and of those
+done) are made intact in the bucket: each read from the local disk or object tier,
+checked against its key's digest, and uploaded unless the bucket already holds it
+intact (read back and checked; a wrong copy is replaced). A manifest is written only
+after all its chunks, and only where the bucket still has none (If-None-Match).
+Windows are not carried over (resumes replay them). Running it again does nothing more
+than finish what an interrupted run left.
 
-Exit status: 0 every session migrated (or already), 1 some are conflicts or have chunks
-no local tier holds intact (listed), 2 refused (not a shared config, no disk tier,
-encryption at rest, the directory in use).
+Encryption at rest goes across as it is: an encrypted directory migrates into a fleet
+that encrypts with the same keys (``C``'s ``encryption_key_file`` or
+``KVTIER_ENCRYPTION_KEY``), its chunks and manifests sealed in the bucket as the
+fleet's nodes seal them; a directory in clear into a fleet in clear. Before anything is
+opened for writing (``kvstore.sealed_census``) the directory and a sample of the
+bucket's manifests are checked against the key: sealed data without it, a wrong key, or
+a key beside data in clear, and migrate refuses having changed nothing.
+
+Exit status: 0 every session migrated (or already), 1 some are conflicts, have chunks
+no local tier holds intact or a manifest that does not decode (listed), 2 refused (not
+a shared config, no disk tier, a key that does not match the directory or the bucket,
+the directory in use).
 """
 
 from __future__ import annotations
@@ -29,7 +40,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvstore.errors import Busy, DataLoss, InvalidRequest, StaleGeneration, TierUnavailable
+from kvstore.errors import (
+    Busy,
+    ChunkCorrupt,
+    CodecError,
+    DataLoss,
+    InvalidRequest,
+    StaleGeneration,
+    TierUnavailable,
+    UnsupportedVersion,
+)
 
 _CONCURRENCY = 8  # chunk transfers in flight
 
@@ -48,6 +68,7 @@ class MigrateReport:
     already: int = 0  # in the bucket before, same generation and content
     conflicts: list[str] = field(default_factory=list)  # another generation or content there
     incomplete: list[str] = field(default_factory=list)  # a chunk no local tier holds intact
+    corrupt_manifests: list[str] = field(default_factory=list)  # local ones that do not decode
     chunks_uploaded: int = 0
     chunks_present: int = 0  # already in the bucket, read back and intact
     chunks_replaced: int = 0  # in the bucket but not intact: uploaded again
@@ -71,8 +92,8 @@ async def _chunk(manager, objects, manifest, index: int, done: dict[str, bool],
     held = None
     try:
         held = bytes(await objects.get(key)) if await objects.contains(key) else None
-    except DataLoss:
-        held = None
+    except (DataLoss, CodecError):
+        held = b""  # a copy that does not open or decompress: replaced below
     if held is not None and chunk_digest(held) == digest:
         report.chunks_present += 1
         done[key] = True
@@ -93,55 +114,130 @@ async def _chunk(manager, objects, manifest, index: int, done: dict[str, bool],
     return True
 
 
+async def _there(meta, key: str) -> bytes | None:
+    """The bucket's manifest under ``key``; one that does not open under the fleet's key
+    is returned as an empty record (a conflict: never overwritten)."""
+    try:
+        return await meta.get(key)
+    except ChunkCorrupt:
+        return b""
+
+
+def _same(local, there: bytes | None) -> bool | None:
+    """None: the bucket has no manifest there; else whether it is ``local``'s (same
+    generation and content)."""
+    from kvstore.manifest import SessionManifest
+
+    if there is None:
+        return None
+    try:
+        other = SessionManifest.decode(there)
+    except (ChunkCorrupt, UnsupportedVersion):
+        return False  # not ours to judge or overwrite: a conflict
+    return ((other.generation, other.spill_digest, other.chunk_keys)
+            == (local.generation, local.spill_digest, local.chunk_keys))
+
+
+async def check_keys(source, config, data_dir: Path, keyring) -> None:
+    """Refuse (``InvalidRequest``, before anything is opened for writing) a directory or
+    bucket ``keyring`` does not open as stored (``kvstore.sealed_census``)."""
+    from kvstore.sealed_census import Census, census_disk, census_tier
+    from kvstore.tiers.disk import DiskTier
+    from kvstore.tiers.object import ObjectTier
+    from services.cli.fleet_gc import check_bucket_keys
+
+    census = Census(f"the data directory {data_dir}")
+    disk = DiskTier(data_dir / "disk", source.disk_bytes, writer=False)
+    try:
+        await census_disk(disk, census)
+    finally:
+        await disk.close()
+    if source.object_bytes:
+        objects = ObjectTier(source.object_url, source.object_bytes)
+        try:
+            await census_tier(objects, census)
+        finally:
+            await objects.close()
+    census.require(keyring)
+    await check_bucket_keys(config, keyring)
+
+
 async def migrate(config, data_dir: Path) -> MigrateReport:
+    """Copy ``data_dir``'s sessions into ``config``'s bucket: every manifest is planned
+    first against the bucket (absent: to migrate; the same one: already there; another:
+    a conflict), then only the chunks of sessions to migrate or already there are made
+    intact in the bucket, then their manifests are written with If-None-Match. A
+    conflict's own chunks are never uploaded (one that loses a race at its manifest's
+    write leaves its chunks for the fleet's garbage collection). With the config's key
+    the directory is read and the bucket written sealed."""
+    from kvstore.encryption import load_keyring
     from kvstore.fleet import prepare_bucket
     from kvstore.manifest import MANIFEST_PREFIX, SessionManifest
     from services.cli.fleet_gc import open_bucket
     from services.server.store import open_manager
 
     started = time.monotonic()
-    if config.encrypts:
-        raise InvalidRequest("shared metadata with encryption at rest is not supported yet")
     if not (data_dir / "disk").is_dir():
         raise InvalidRequest(f"no disk tier in {data_dir}: a single node without one keeps "
                              "its manifests in memory only, there is nothing to migrate")
-    meta = open_bucket(config)
+    # the source as its single node served it, with the fleet's key (if any)
     source = config.replace(
         data_dir=data_dir, metadata="local", s3_bucket="", s3_endpoint="", s3_region="",
         redis_url="", object_bytes=config.object_bytes if (data_dir / "objects").is_dir()
         else 0)
-    manager = await open_manager(source)
+    keyring = load_keyring(config.encryption_key_file, config.encryption_key)
+    await check_keys(source, config, data_dir, keyring)
+    meta = open_bucket(config, keyring)
+    try:
+        manager = await open_manager(source)
+    except BaseException:
+        await meta.close()
+        raise
+    chunks = meta.tier
+    if keyring is not None:  # sealed for the domain the source's sealed copy names
+        from kvstore.tiers.sealed import EncryptedTier
+
+        chunks = EncryptedTier(meta.tier, keyring, manager.domains)
     report, done = MigrateReport(), {}
     gate = asyncio.Semaphore(_CONCURRENCY)
 
     async def bounded(manifest, index: int) -> bool:
         async with gate:
-            return await _chunk(manager, meta.tier, manifest, index, done, report)
+            return await _chunk(manager, chunks, manifest, index, done, report)
 
     try:
         await prepare_bucket(meta)  # the epoch object, if this bucket has none yet
         await meta.gate.baseline()
+        plan = []
         for key, value in await manager.meta.scan(MANIFEST_PREFIX):
             report.sessions += 1
-            local = SessionManifest.decode(value)
+            try:
+                local = SessionManifest.decode(value)
+            except (ChunkCorrupt, UnsupportedVersion):
+                report.corrupt_manifests.append(key[len(MANIFEST_PREFIX):])
+                continue
             name = f"{local.tenant}/{local.session_id}"
+            same = _same(local, await _there(meta, key))
+            if same is False:
+                report.conflicts.append(name)
+            else:
+                plan.append((key, local, name, same))
+        for key, local, name, same in plan:
             found = await asyncio.gather(*(bounded(local, i)
                                            for i in range(len(local.chunk_keys))))
             if not all(found):
                 report.incomplete.append(name)
+                continue
+            if same:
+                report.already += 1
                 continue
             shared = local.evolve(window_tier=None, window_key=None, node_id=config.node_name,
                                   remote_window=None)
             try:
                 await meta.commit({key: shared.encode()})
                 report.migrated += 1
-            except StaleGeneration:
-                there = await meta.get(key)
-                other = SessionManifest.decode(there) if there is not None else None
-                if other is not None and (other.generation, other.spill_digest,
-                                          other.chunk_keys) == (local.generation,
-                                                                local.spill_digest,
-                                                                local.chunk_keys):
+            except StaleGeneration:  # written meanwhile by a serving node
+                if _same(local, await _there(meta, key)):
                     report.already += 1
                 else:
                     report.conflicts.append(name)
@@ -177,7 +273,8 @@ def run(args: argparse.Namespace) -> int:
         for label, names in (("conflicts (another generation in the bucket, kept)",
                               report.conflicts),
                              ("incomplete (a chunk no local tier holds intact)",
-                              report.incomplete)):
+                              report.incomplete),
+                             ("corrupt manifests (not migrated)", report.corrupt_manifests)):
             if names:
                 print(f"  {label}: {', '.join(names)}")
-    return 1 if report.conflicts or report.incomplete else 0
+    return 1 if report.conflicts or report.incomplete or report.corrupt_manifests else 0

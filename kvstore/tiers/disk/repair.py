@@ -16,8 +16,9 @@ A repair, run with no writer on the directory:
 
 On an encrypted data directory the manifests are sealed (``kvstore.tiers.sealed``):
 the references are recounted from them opened with the server's keyring. Without the
-keys they name, repair refuses before changing anything (every chunk would look
-unreferenced, and compaction would collect them).
+keys they name, or with a key of their id that does not open them, repair refuses
+before changing anything (every chunk would look unreferenced, and compaction would
+collect them).
 
 Chunks no manifest names are kept and reported as orphans: compaction collects them.
 A session whose chunks are not all on disk is reported as incomplete (they may live
@@ -34,11 +35,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvstore.encryption import MAGIC as SEALED_MAGIC
-from kvstore.encryption import Keyring, read_header
-from kvstore.errors import ChunkCorrupt, InvalidRequest, UnsupportedVersion
+from kvstore.encryption import Keyring
+from kvstore.errors import ChunkCorrupt, UnsupportedVersion
 from kvstore.keys import dedupe_scope
 from kvstore.manifest import MANIFEST_PREFIX, SessionManifest
 from kvstore.refcount import REF_PREFIX
+from kvstore.sealed_census import Census
 from kvstore.tiers.disk.fs import OS, FileSystem
 from kvstore.tiers.disk.index import DiskIndex, IndexEntry, MetaOp, PutOp, SegmentInfo, SegState
 from kvstore.tiers.disk.lock import COMPACT_LOCK, WRITER_LOCK, DirLock
@@ -88,7 +90,7 @@ def repair(path: str | Path, *, keyring: Keyring | None = None, map_size: int = 
     """Rebuild the index of the disk tier in ``path`` (the directory holding
     ``segments/`` and ``index/``). Raises ``Busy`` while a writer or compaction holds it,
     ``InvalidRequest`` (changing nothing) when manifests are sealed under keys
-    ``keyring`` (the server's, for an encrypted directory) does not hold."""
+    ``keyring`` (the server's, for an encrypted directory) does not hold or open."""
     started = time.perf_counter()
     path = Path(path)
     report = RepairReport(str(path))
@@ -99,7 +101,7 @@ def repair(path: str | Path, *, keyring: Keyring | None = None, map_size: int = 
         compact.acquire()
         try:
             found = _scan(fs, path / "segments", report)
-            _check_keys(found, keyring)
+            _check_keys(path, found, keyring)
             report.moved_aside = _move_aside(fs, path)
             _build(path / "index", map_size, found, report, keyring)
         finally:
@@ -194,28 +196,14 @@ def _is_manifest(key: bytes) -> bool:
     return key.decode(errors="replace").startswith(MANIFEST_PREFIX)
 
 
-def _check_keys(found: _Found, keyring: Keyring | None) -> None:
-    """Refuse a repair whose manifests are sealed under keys it was not given."""
-    key_ids = {_sealed_key_id(payload) for key, (_, _, _, payload) in found.meta.items()
-               if payload is not None and _is_manifest(key)} - {None}
-    missing = sorted(key_ids - set(keyring.key_ids if keyring is not None else ()))
-    if missing:
-        held = f" (the keyring given holds {keyring.key_ids})" if keyring is not None else ""
-        raise InvalidRequest(
-            f"the manifests are sealed (encryption at rest) under encryption key id(s) "
-            f"{missing}{held}: give repair the server's key (--config with "
-            "encryption_key_file, or KVTIER_ENCRYPTION_KEY); nothing was changed")
-
-
-def _sealed_key_id(payload: bytes) -> str | None:
-    """The key id a sealed record names; None for one in clear (or too damaged to say:
-    it is reported as a corrupt manifest)."""
-    if not payload.startswith(SEALED_MAGIC):
-        return None
-    try:
-        return read_header(payload).key_id
-    except ChunkCorrupt:
-        return None
+def _check_keys(path: Path, found: _Found, keyring: Keyring | None) -> None:
+    """Refuse a repair whose sealed manifests ``keyring`` does not open (missing, or a
+    wrong key of the right id): their references would go uncounted."""
+    census = Census(f"the disk tier in {path}")
+    for key, (_, _, _, payload) in found.meta.items():
+        if payload is not None and _is_manifest(key):
+            census.note(key.decode(errors="replace"), payload)
+    census.require(keyring, clear_allowed=True)  # a key on a clear directory does no harm
 
 
 def _open_manifest(name: str, raw: bytes, keyring: Keyring | None) -> SessionManifest:
