@@ -52,7 +52,7 @@ class SharedMetaStore(MetaStore):
         while a spill named it is put back (``kvstore.fleet_epoch``)."""
         self._tier = tier
         self._client, self._bucket, prefix = tier.s3_location()
-        self.io = BucketIO(self._client, self._bucket)
+        self.io = BucketIO(self._client, self._bucket, tier.remote)
         self._root = prefix + "fleet/"
         self.paths = GcPaths(self._root)
         self._local = local
@@ -82,7 +82,7 @@ class SharedMetaStore(MetaStore):
                                         Bucket=self._bucket, Key=self._object(key))
         except ChunkNotFound:
             return _ABSENT, None
-        body = await asyncio.to_thread(response["Body"].read)
+        body = await self.io.read(response["Body"])
         return response["ETag"], body
 
     async def get(self, key: str) -> bytes | None:

@@ -56,6 +56,11 @@ class ReplayRouter:
                                     f"{layout.replayer!r}, which this server does not run")
         return await backend.rebuild(layout, token_ids, chunks, tail, replay_tokens)
 
+    def breakers(self) -> list:
+        """The circuit breakers of the backends that call remote workers."""
+        return [b for backend in self.backends.values()
+                for b in getattr(backend, "breakers", list)()]
+
     async def close(self) -> None:
         for backend in self.backends.values():
             await backend.close()
@@ -93,7 +98,9 @@ def _transformers_backend(config: ServerConfig) -> ReplayBackend | None:
 def _remote(config: ServerConfig, addresses: Sequence[str]) -> ReplayBackend:
     from services.replay.remote import RemoteReplay, credentials_from
 
-    return RemoteReplay(addresses, max_message_bytes=config.max_message_bytes,
+    return RemoteReplay(addresses, timeout_s=config.replay_timeout_s,
+                        breaker_cooldown_s=config.breaker_cooldown_s,
+                        max_message_bytes=config.max_message_bytes,
                         credentials=credentials_from(config))
 
 
