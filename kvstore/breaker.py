@@ -96,3 +96,8 @@ class CircuitBreaker:
                           self.cooldown_s, reason)
             self._state, self._since = OPEN, self.clock()
 
+
+def tripped(holder: object) -> bool:
+    """Whether ``holder`` (a tier) has a circuit breaker and it is open."""
+    breaker = getattr(holder, "breaker", None)
+    return breaker is not None and breaker.is_open
