@@ -342,3 +342,25 @@ async def test_a_stalled_replay_worker_is_skipped_after_one_timeout():
             await only_stalled.close()
             await server.stop(0)
             await worker.close()
+
+
+async def test_a_stalled_replay_job_queue_costs_one_deadline(redis_server_factory):
+    from services.replay.streams import StreamNames, StreamReplay
+
+    redis = redis_server_factory()
+    model = tiny_model()
+    state, chunks, tail = tiny_session(model, 45)
+    backend = StreamReplay(redis.url, names=StreamNames(stream="t:stall"), timeout_s=30,
+                           queue_timeout_s=DEADLINE_S, breaker_cooldown_s=60)
+    os.kill(redis.process.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TierUnavailable, match="replay job queue unreachable or stalled"):
+            await backend.rebuild(TINY_SPEC.layout_id, state.token_ids, chunks, tail)
+        assert time.monotonic() - started < BOUND_S
+        assert backend.breakers()[0].is_open
+        with pytest.raises(TierUnavailable, match="replay-queue is down .*circuit open"):
+            await backend.rebuild(TINY_SPEC.layout_id, state.token_ids, chunks, tail)
+    finally:
+        os.kill(redis.process.pid, signal.SIGCONT)
+        await backend.close()

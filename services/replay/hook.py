@@ -116,7 +116,9 @@ def _bundled_backend(config: ServerConfig) -> tuple[ReplayBackend | None, str]:
         if mode == "streams":
             from services.replay.streams import StreamReplay
 
-            return StreamReplay(config.replay_redis_url or config.redis_url), ""
+            return StreamReplay(config.replay_redis_url or config.redis_url,
+                                timeout_s=config.replay_timeout_s,
+                                breaker_cooldown_s=config.breaker_cooldown_s), ""
         from replay import ReplayService
 
         weights = {"weights": Path(config.replay_weights)} if config.replay_weights else {}
