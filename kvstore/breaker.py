@@ -92,8 +92,8 @@ class CircuitBreaker:
         if self._state == HALF_OPEN or self._failures >= self.threshold:
             if self._state == CLOSED:
                 self.opened += 1
-                log.error("%s unavailable, circuit open for %.1f s: %s", self.dependency,
-                          self.cooldown_s, reason)
+                log.warning("%s unavailable, circuit open for %.1f s: %s", self.dependency,
+                            self.cooldown_s, reason)
             self._state, self._since = OPEN, self.clock()
 
 
