@@ -255,6 +255,46 @@ async def test_a_stalled_object_store_costs_one_deadline_then_fails_fast(
                                      streams_for(LAYOUT, TOKENS, seed=seed))
 
 
+async def test_a_stalled_object_tier_is_routed_around_when_the_disk_is_durable(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", MotoServer.CREDENTIALS["aws_access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY",
+                       MotoServer.CREDENTIALS["aws_secret_access_key"])
+    bucket = f"kvtier-stall-{uuid.uuid4().hex[:8]}"
+    with moto_process() as (moto, url):
+        boto3.client("s3", endpoint_url=url, **MotoServer.CREDENTIALS).create_bucket(
+            Bucket=bucket)
+        async with running_server(
+                tmp_path, s3_endpoint=url, s3_bucket=bucket, s3_region="us-east-1",
+                s3_deadline_s=DEADLINE_S, s3_read_timeout_s=2.0,
+                breaker_cooldown_s=COOLDOWN_S) as (server, target), \
+                AsyncClient(target, retry=NO_RETRY) as kv:
+            await _spill(kv, "held", 1, "memory")
+            await server.manager.drain()
+            os.kill(moto.pid, signal.SIGSTOP)
+            started = time.monotonic()
+            resumed = await kv.resume("acme", "held")
+            await _spill(kv, "new", 2, "durable")  # acked by the disk tier
+            assert time.monotonic() - started < BOUND_S
+            assert_streams_equal(resumed.persistent, streams_for(LAYOUT, TOKENS, seed=1))
+            # Moving a session down to the object tier needs the store: it waits one
+            # deadline, then the next attempt fails at once, sending nothing.
+            objects = server.manager.tiers[-1]
+            started = time.monotonic()
+            with pytest.raises(kvtier.TierUnavailable, match="did not answer within 0.5 s"):
+                await kv.evict("acme", "held", "object")
+            assert time.monotonic() - started < BOUND_S
+            assert objects.breaker.is_open
+            stalled_calls = objects.remote.busy
+            with pytest.raises(kvtier.TierUnavailable):
+                await kv.evict("acme", "held", "object")
+            assert objects.remote.busy == stalled_calls
+            assert (await kv.stat()).tiers[-1].available is False
+            os.kill(moto.pid, signal.SIGCONT)
+            restored = await kv.restore("acme", "new")
+            assert_streams_equal(restored.persistent, streams_for(LAYOUT, TOKENS, seed=2))
+
+
 # -- a stalled redis-server under the Redis tier --
 
 

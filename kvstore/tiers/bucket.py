@@ -113,14 +113,14 @@ class BucketIO:
     async def listing(self, prefix: str) -> list[dict[str, Any]]:
         """Every object under ``prefix``: dicts with Key, Size and LastModified."""
         found: list[dict[str, Any]] = []
-
-        def pages() -> None:
-            paginator = self.client.get_paginator("list_objects_v2")
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
-                found.extend(page.get("Contents", []))
-
-        await self.call("LIST", pages)
-        return found
+        more: dict[str, str] = {}
+        while True:  # page by page: one deadline per request, not per listing
+            page = await self.call("LIST", self.client.list_objects_v2, Bucket=self.bucket,
+                                   Prefix=prefix, **more)
+            found.extend(page.get("Contents", []))
+            if not page.get("IsTruncated"):
+                return found
+            more = {"ContinuationToken": page["NextContinuationToken"]}
 
     async def age(self, key: str) -> float | None:
         """Seconds since ``key`` was last written, on S3's own clock (its Date header

@@ -145,7 +145,14 @@ class ObjectTier(Tier):
                     await self.resync()
 
     async def _listing(self) -> list[tuple[str, int]]:
-        return await self._io("LIST", lambda: list(self._store.list()))
+        store = self._store
+        if not isinstance(store, S3Store):
+            return await self._io("LIST", lambda: list(store.list()))
+        found, token = await self._io("LIST", store.page)
+        while token is not None:  # page by page: one deadline per request, not per bucket
+            items, token = await self._io("LIST", store.page, token)
+            found.extend(items)
+        return found
 
     async def resync(self) -> int:
         """Rebuild the accounting from a listing of the medium; return ``used_bytes``."""

@@ -214,12 +214,22 @@ class S3Store:
         return [(item["Key"][len(self.prefix):], item["Size"])
                 for item in response.get("Contents", []) if item["Key"].endswith((RAW, ZSTD))]
 
+    def page(self, token: str | None = None) -> tuple[list[tuple[str, int]], str | None]:
+        """One LIST request: (name, size) of up to 1,000 values, and the token of the next
+        page (None after the last): each page is one call, within its own deadline."""
+        more = {"ContinuationToken": token} if token else {}
+        response = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix, **more)
+        items = [(item["Key"][len(self.prefix):], item["Size"])
+                 for item in response.get("Contents", []) if item["Key"].endswith((RAW, ZSTD))]
+        return items, response.get("NextContinuationToken") if response.get("IsTruncated") \
+            else None
+
     def list(self) -> Iterator[tuple[str, int]]:
-        paginator = self.client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix):
-            for item in page.get("Contents", []):
-                if item["Key"].endswith((RAW, ZSTD)):
-                    yield item["Key"][len(self.prefix):], item["Size"]
+        items, token = self.page()
+        yield from items
+        while token is not None:
+            items, token = self.page(token)
+            yield from items
 
 
 def error_code(exc: ClientError) -> str | None:

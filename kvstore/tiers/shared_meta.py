@@ -101,15 +101,8 @@ class SharedMetaStore(MetaStore):
         if not self._shared(prefix):
             return await self._local.scan(prefix)
         await self.gate.baseline()  # the manager's open scans before listing its tiers
-        names: list[str] = []
-        paginator = self._client.get_paginator("list_objects_v2")
-
-        def listing() -> None:
-            for page in paginator.paginate(Bucket=self._bucket, Prefix=self._root + prefix):
-                names.extend(item["Key"] for item in page.get("Contents", [])
-                             if item["Key"].endswith(SUFFIX))
-
-        await self._call("LIST", listing)
+        names = [item["Key"] for item in await self.io.listing(self._root + prefix)
+                 if item["Key"].endswith(SUFFIX)]
         keys = [name[len(self._root):-len(SUFFIX)] for name in names]
         found = await asyncio.gather(*(self._fetch(key) for key in keys))
         return sorted((key, body) for key, (_, body) in zip(keys, found, strict=True)
