@@ -24,9 +24,9 @@ import pytest
 
 import kvtier
 from kvstore.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-from kvstore.errors import TierUnavailable
+from kvstore.errors import InvalidRequest, TierUnavailable
 from kvstore.remote_calls import BlockingCalls
-from kvstore.tiers.redis import RedisTier, RedisTierConfig
+from kvstore.tiers.redis import REDIS_PRESETS, RedisTier, RedisTierConfig
 from kvtier import AsyncClient, RetryPolicy
 from services.replay.remote import RemoteReplay
 from tests.conftest import LOOPBACK, MotoServer, free_port
@@ -404,3 +404,40 @@ async def test_a_stalled_replay_job_queue_costs_one_deadline(redis_server_factor
     finally:
         os.kill(redis.process.pid, signal.SIGCONT)
         await backend.close()
+
+
+# -- the config keys reach every dependency --
+
+
+async def test_deadline_keys_reach_every_dependency(tmp_path):
+    from services.replay.hook import make_replay_backend
+    from services.server.store import build_tiers
+    from tests.service_support import config_for
+
+    config = config_for(tmp_path, redis_url="redis://127.0.0.1:1/0", s3_bucket="kvtier-cfg",
+                        s3_endpoint="http://127.0.0.1:1", s3_connect_timeout_s=0.3,
+                        s3_read_timeout_s=0.6, s3_deadline_s=0.7, redis_deadline_s=0.8,
+                        redis_socket_timeout_s=0.4, replay="remote",
+                        replay_workers=("127.0.0.1:1",), replay_timeout_s=0.9,
+                        breaker_cooldown_s=2.5)
+    tiers: list = []
+    build_tiers(config, tiers)
+    by_name = {tier.name: tier for tier in tiers}
+    objects, redis = by_name["object"], by_name["redis"]
+    client_config = objects.s3_location()[0].meta.config
+    assert (client_config.connect_timeout, client_config.read_timeout) == (0.3, 0.6)
+    assert objects.remote.deadline_s == 0.7 and objects.breaker.cooldown_s == 2.5
+    assert redis.config.op_timeout_s == 0.8 and redis.config.socket_timeout_s == 0.4
+    assert redis.config.connect_timeout_s == REDIS_PRESETS["datacenter"].connect_timeout_s
+    assert redis.breaker.cooldown_s == 2.5
+    backend, _ = make_replay_backend(config)
+    assert backend.timeout_s == 0.9
+    assert [b.cooldown_s for b in backend.breakers()] == [2.5]
+    await backend.close()
+    for tier in tiers:
+        await tier.close()
+    for key in ("s3_deadline_s", "replay_timeout_s", "breaker_cooldown_s"):
+        with pytest.raises(InvalidRequest, match=key):
+            config_for(tmp_path, **{key: 0})
+    with pytest.raises(InvalidRequest, match="redis_deadline_s"):
+        config_for(tmp_path, redis_deadline_s=-1)
