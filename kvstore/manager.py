@@ -60,6 +60,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.blocks import Blocks
+from kvstore.breaker import tripped
 from kvstore.catalog import Catalog
 from kvstore.durability import WriteBackFailures
 from kvstore.errors import InvalidRequest, KVTierError
@@ -395,7 +396,7 @@ class TierManager:
         each tier holds), so a metrics scrape never waits on a slow or absent tier."""
         tier_stats = tuple(
             TierStats(tier.name, tier.capacity_bytes, tier.used_bytes,
-                      len(self._stack.policies[j]), self._stack.up(j))
+                      len(self._stack.policies[j]), self._stack.up(j) and not tripped(tier))
             for j, tier in enumerate(self.tiers)
         )
         return ManagerStats(

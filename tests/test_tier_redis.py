@@ -17,7 +17,7 @@ from kvstore.tiers.redis import RedisTier, RedisTierConfig
 from tests.clock_support import ManualClock
 
 FAST_FAIL = RedisTierConfig(connect_timeout_s=0.2, socket_timeout_s=0.5, retries=1,
-                            op_timeout_s=1.5)
+                            op_timeout_s=1.5, breaker_cooldown_s=0.2)
 
 
 async def test_round_trip_namespaces_and_buffer_types(redis_server):
@@ -170,6 +170,7 @@ async def test_outage_raises_promptly_and_recovers(redis_process, redis_server, 
         assert tier.used_bytes == 100  # a failed delete changed nothing
 
         redis_process.restart()  # same port, no persistence: the data is gone
+        await asyncio.sleep(FAST_FAIL.breaker_cooldown_s)  # then one call probes again
         with pytest.raises(ChunkNotFound):
             await tier.get("before")
         assert tier.health.available and tier.used_bytes == 0
@@ -194,6 +195,7 @@ async def test_a_hung_server_times_out_instead_of_hanging(redis_server_factory):
             assert time.monotonic() - started < 3 * FAST_FAIL.op_timeout_s  # bounded, not hung
         finally:
             os.kill(server.process.pid, signal.SIGCONT)
+        await asyncio.sleep(FAST_FAIL.breaker_cooldown_s)  # then one call probes again
         assert await tier.get("k") == b"v"
     finally:
         await tier.close()

@@ -4,7 +4,9 @@ objects (docs/fleet.md), with conditional writes and our errors.
 ``BucketIO`` runs each boto3 call in a worker thread and maps its failures: a failed
 precondition (412: If-Match or If-None-Match did not hold) is ``StaleGeneration``, a
 missing object ``ChunkNotFound``, anything else ``TierUnavailable``. It reuses the
-object tier's client (its timeouts and retries are what bound a call's time in flight).
+object tier's client and its ``BlockingCalls`` (``calls``): each call, and each read of
+a response body, is waited for at most the tier's deadline, behind the store's circuit
+breaker, so a stalled store costs one deadline and then fails fast.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, TypeVar
 from botocore.exceptions import BotoCoreError, ClientError
 
 from kvstore.errors import ChunkNotFound, StaleGeneration, TierUnavailable
+from kvstore.remote_calls import BlockingCalls
 
 T = TypeVar("T")
 _PRECONDITION = ("PreconditionFailed", "412", "ConditionalRequestConflict")
@@ -26,12 +29,15 @@ _DELETE_BATCH = 1000  # DeleteObjects takes at most this many keys
 
 
 class BucketIO:
-    def __init__(self, client: Any, bucket: str) -> None:
-        self.client, self.bucket = client, bucket
+    def __init__(self, client: Any, bucket: str, calls: BlockingCalls | None = None) -> None:
+        """``calls``: the object tier's (None: plain worker threads, no deadline)."""
+        self.client, self.bucket, self.calls = client, bucket, calls
 
     async def call(self, what: str, function: Callable[..., T], **kwargs: object) -> T:
         try:
-            return await asyncio.to_thread(function, **kwargs)
+            if self.calls is None:
+                return await asyncio.to_thread(function, **kwargs)
+            return await self.calls.run(what, function, **kwargs)
         except ClientError as exc:
             code = exc.response.get("Error", {}).get("Code")
             if code in _PRECONDITION:
@@ -49,8 +55,12 @@ class BucketIO:
                                        Key=key)
         except ChunkNotFound:
             return None
-        body = await asyncio.to_thread(response["Body"].read)
-        return response["ETag"], body
+        return response["ETag"], await self.read(response["Body"])
+
+    async def read(self, body: Any, limit: int | None = None) -> bytes:
+        """A response body (up to ``limit`` bytes), read within the calls' deadline."""
+        return await self.call("GET body", body.read, **({} if limit is None
+                                                        else {"amt": limit}))
 
     async def get_json(self, key: str) -> tuple[str, Any] | None:
         found = await self.get(key)
@@ -103,14 +113,14 @@ class BucketIO:
     async def listing(self, prefix: str) -> list[dict[str, Any]]:
         """Every object under ``prefix``: dicts with Key, Size and LastModified."""
         found: list[dict[str, Any]] = []
-
-        def pages() -> None:
-            paginator = self.client.get_paginator("list_objects_v2")
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
-                found.extend(page.get("Contents", []))
-
-        await self.call("LIST", pages)
-        return found
+        more: dict[str, str] = {}
+        while True:  # page by page: one deadline per request, not per listing
+            page = await self.call("LIST", self.client.list_objects_v2, Bucket=self.bucket,
+                                   Prefix=prefix, **more)
+            found.extend(page.get("Contents", []))
+            if not page.get("IsTruncated"):
+                return found
+            more = {"ContinuationToken": page["NextContinuationToken"]}
 
     async def age(self, key: str) -> float | None:
         """Seconds since ``key`` was last written, on S3's own clock (its Date header

@@ -11,6 +11,12 @@ compression: what the medium holds), loaded from a listing of the medium when th
 is built (local directory) or first used (S3), and again by ``resync()``. ``ttl_s`` is
 accepted and not enforced here: expiring durable data is the compaction job's work, which
 knows session lifetimes. Blocking I/O runs in worker threads, except small local reads.
+
+An S3 call is waited for at most ``config.deadline_s`` (retries included), in a pool of
+``max_pool_connections`` threads, behind the store's circuit breaker (``self.breaker``,
+dependency "object"): while it is open every call fails fast with ``TierUnavailable``
+and the tier reports itself down (``kvstore.remote_calls``). The fleet's metadata in the
+bucket (``kvstore.tiers.bucket``) goes through the same calls and breaker.
 """
 
 from __future__ import annotations
@@ -28,8 +34,10 @@ from urllib.parse import urlsplit
 import zstandard
 from botocore.exceptions import BotoCoreError, ClientError
 
+from kvstore.breaker import CircuitBreaker
 from kvstore.errors import ChunkCorrupt, ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
 from kvstore.keys import split_block_key
+from kvstore.remote_calls import BlockingCalls
 from kvstore.tiers.base import Buffer, Tier, TierStats
 from kvstore.tiers.common import Availability, as_byte_view, check_key
 from kvstore.tiers.object_media import (
@@ -40,6 +48,7 @@ from kvstore.tiers.object_media import (
     ObjectTierConfig,
     S3Store,
     error_code,
+    is_outage,
 )
 
 log = logging.getLogger(__name__)
@@ -64,9 +73,15 @@ class ObjectTier(Tier):
             if prefix and not prefix.endswith("/"):
                 prefix += "/"
             self._store: S3Store | LocalDirStore = S3Store(parts.netloc, prefix, config)
+            self.breaker: CircuitBreaker | None = CircuitBreaker(
+                "object", cooldown_s=config.breaker_cooldown_s)
+            self.remote: BlockingCalls | None = BlockingCalls(
+                self.breaker, deadline_s=config.deadline_s,
+                max_threads=config.max_pool_connections, is_outage=is_outage)
         elif parts.scheme in ("", "file"):
             path = Path(parts.path if parts.scheme == "file" else self.url)
             self._store = LocalDirStore(path, config)
+            self.breaker = self.remote = None  # a local disk: no remote dependency
         else:
             raise InvalidRequest(f"object tier URL must be s3://bucket/prefix or a path: "
                                  f"{self.url!r}")
@@ -93,10 +108,18 @@ class ObjectTier(Tier):
 
     async def _io(self, what: str, function: Callable[..., T], *args: object,
                   inline: bool = False) -> T:
-        """Run blocking store I/O in a worker thread (or here when ``inline``); map medium
-        failures to our errors."""
+        """Run blocking store I/O in a worker thread (or here when ``inline``; S3 calls
+        within their deadline, behind the breaker); map medium failures to our errors."""
         try:
-            result = function(*args) if inline else await asyncio.to_thread(function, *args)
+            if inline:
+                result = function(*args)
+            elif self.remote is not None:
+                result = await self.remote.run(what, function, *args)
+            else:
+                result = await asyncio.to_thread(function, *args)
+        except TierUnavailable as exc:  # past its deadline, or the circuit is open
+            self.health.failed(what, exc)
+            raise
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise TierFull(f"object {what}: the directory's disk is full") from exc
@@ -122,7 +145,14 @@ class ObjectTier(Tier):
                     await self.resync()
 
     async def _listing(self) -> list[tuple[str, int]]:
-        return await self._io("LIST", lambda: list(self._store.list()))
+        store = self._store
+        if not isinstance(store, S3Store):
+            return await self._io("LIST", lambda: list(store.list()))
+        found, token = await self._io("LIST", store.page)
+        while token is not None:  # page by page: one deadline per request, not per bucket
+            items, token = await self._io("LIST", store.page, token)
+            found.extend(items)
+        return found
 
     async def resync(self) -> int:
         """Rebuild the accounting from a listing of the medium; return ``used_bytes``."""
@@ -138,7 +168,12 @@ class ObjectTier(Tier):
         with contextlib.suppress(TierUnavailable):
             await self._ensure_loaded()
         items = len({name[:-len(RAW)] for name in self._sizes})
-        return TierStats(self.name, self.capacity_bytes, self._used, items, self.health.available)
+        up = self.health.available and not (self.breaker is not None and self.breaker.is_open)
+        return TierStats(self.name, self.capacity_bytes, self._used, items, up)
+
+    async def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
 
     def _account(self, name: str, stored: int | None) -> None:
         self._used -= self._sizes.pop(name, 0)

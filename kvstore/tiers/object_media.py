@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote
 
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from kvstore.errors import InvalidRequest
 from kvstore.tiers.base import Buffer
@@ -44,9 +44,13 @@ class ObjectTierConfig:
     transfer_chunk_bytes: int = 8 << 20
     transfer_concurrency: int = 4
     connect_timeout_s: float = 1.0
-    read_timeout_s: float = 10.0
+    read_timeout_s: float = 10.0  # one socket read; a stalled store is found by the deadline
     max_attempts: int = 3  # botocore's own retries ("standard" mode, with backoff)
-    max_pool_connections: int = 16
+    # The most one call (its retries included) is waited for, and how long the tier then
+    # fails fast before one call probes the store again (kvstore.breaker).
+    deadline_s: float = 15.0
+    breaker_cooldown_s: float = 5.0
+    max_pool_connections: int = 16  # also the threads calls run in (kvstore.remote_calls)
     # Shared by a fleet (docs/fleet.md): other nodes' manifests may name any chunk, so
     # ``delete`` (a node's reference count reaching zero) keeps the object; only the
     # fleet's sweep (kvstore.fleet.collect) removes chunks.
@@ -210,16 +214,36 @@ class S3Store:
         return [(item["Key"][len(self.prefix):], item["Size"])
                 for item in response.get("Contents", []) if item["Key"].endswith((RAW, ZSTD))]
 
+    def page(self, token: str | None = None) -> tuple[list[tuple[str, int]], str | None]:
+        """One LIST request: (name, size) of up to 1,000 values, and the token of the next
+        page (None after the last): each page is one call, within its own deadline."""
+        more = {"ContinuationToken": token} if token else {}
+        response = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix, **more)
+        items = [(item["Key"][len(self.prefix):], item["Size"])
+                 for item in response.get("Contents", []) if item["Key"].endswith((RAW, ZSTD))]
+        return items, response.get("NextContinuationToken") if response.get("IsTruncated") \
+            else None
+
     def list(self) -> Iterator[tuple[str, int]]:
-        paginator = self.client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix):
-            for item in page.get("Contents", []):
-                if item["Key"].endswith((RAW, ZSTD)):
-                    yield item["Key"][len(self.prefix):], item["Size"]
+        items, token = self.page()
+        yield from items
+        while token is not None:
+            items, token = self.page(token)
+            yield from items
 
 
 def error_code(exc: ClientError) -> str | None:
     return exc.response.get("Error", {}).get("Code")
+
+
+def is_outage(exc: BaseException) -> bool:
+    """Whether an exception of a boto3 call means the store is out (no answer, or a server
+    error after botocore's retries), not that it answered the request (a missing key, a
+    failed precondition)."""
+    if isinstance(exc, ClientError):
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        return status >= 500
+    return isinstance(exc, (BotoCoreError, OSError))
 
 
 def is_missing(exc: ClientError) -> bool:

@@ -8,7 +8,10 @@ the prefix must not contain a ``{hash tag}``, or every value would land on one s
 Outages: transient connection errors are retried by redis-py's own ``Retry`` with
 exponential backoff and jitter; when that gives up, or ``op_timeout_s`` passes, the call
 raises ``TierUnavailable`` (logged, rate-limited: see ``Availability``) and the pool
-reconnects by itself on a later call once Redis is back. With a cluster, only the keys of
+reconnects by itself on a later call once Redis is back. Such a failure of the whole tier
+opens its circuit breaker (``self.breaker``, dependency "redis", ``kvstore.breaker``):
+for ``breaker_cooldown_s`` every call then fails fast, and the tier reports itself down,
+until one call probes Redis again. With a cluster, only the keys of
 a master that is down fail: when a call on one key fails and another master still reports
 ``cluster_state:ok``, the ``TierUnavailable`` says ``whole_tier=False`` and the tier stack
 keeps using Redis for every other key. (A cluster that requires full slot coverage, the
@@ -49,6 +52,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
+from kvstore.breaker import CircuitBreaker
 from kvstore.errors import ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
 from kvstore.keys import split_block_key
 from kvstore.tiers.base import Buffer, Tier, TierStats
@@ -90,6 +94,7 @@ class RedisTierConfig:
     backoff_base_s: float = 0.02
     backoff_cap_s: float = 0.25
     op_timeout_s: float = 5.0  # hard bound on one operation, retries included
+    breaker_cooldown_s: float = 5.0  # failing fast after an outage, before a probe
     max_connections: int = 32
     default_ttl_s: float | None = None
     scan_batch: int = 1000
@@ -147,6 +152,7 @@ class RedisTier(Tier):
         self._expiry: dict[str, float] = {}
         self._expiry_heap: list[tuple[float, str]] = []
         self.health = Availability(log, f"redis tier at {self.url}")
+        self.breaker = CircuitBreaker("redis", cooldown_s=config.breaker_cooldown_s)
 
     # -- accounting --
 
@@ -186,19 +192,32 @@ class RedisTier(Tier):
                     redis_key: str | None = None) -> T:
         """Run one call; ``redis_key``: the one key it touches, if it touches one."""
         try:
+            self.breaker.check()
+        except TierUnavailable as exc:
+            self.health.failed(what, exc)
+            raise
+        try:
             async with asyncio.timeout(self.config.op_timeout_s):
                 result = await operation()
         except rexc.OutOfMemoryError as exc:
+            self.breaker.succeeded()  # Redis answered
             raise TierFull(f"redis refused {what}: {exc}") from exc
         except _UNAVAILABLE_ERRORS as exc:
             self.health.failed(what, exc)
             if redis_key is not None and await self._others_serve(redis_key):
+                self.breaker.succeeded()  # the cluster answers; one master is out
                 raise TierUnavailable(f"redis {what} failed for this key (the cluster serves "
                                       f"others): {exc!r}", whole_tier=False) from exc
+            self.breaker.failed(f"{what}: {exc!r}")
             raise TierUnavailable(f"redis {what} failed: {exc!r}") from exc
         except rexc.RedisError as exc:  # e.g. WRONGTYPE: foreign data under our prefix
+            self.breaker.succeeded()
             raise TierUnavailable(f"redis refused {what}: {exc}") from exc
+        except asyncio.CancelledError:
+            self.breaker.cancelled()
+            raise
         self.health.succeeded()
+        self.breaker.succeeded()
         return result
 
     async def _others_serve(self, redis_key: str) -> bool:
@@ -396,7 +415,7 @@ class RedisTier(Tier):
         """Counts what this tier wrote (cheap, no scan); ``available`` is the last call's."""
         used = self.used_bytes
         return TierStats(self.name, self.capacity_bytes, used, len(self._sizes),
-                         self.health.available)
+                         self.health.available and not self.breaker.is_open)
 
     async def ping(self) -> bool:
         """True when Redis answers now; never raises."""

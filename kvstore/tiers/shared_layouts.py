@@ -12,7 +12,6 @@ PUT, not by two nodes' reads. Raw bytes here; what they must be is the server's 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from kvstore.errors import ChunkNotFound, StaleGeneration
@@ -56,7 +55,7 @@ class BucketLayouts:
                 log.warning("fleet layout object %s holds %s bytes, more than a layout may: "
                             "ignored", self.key(name), response["ContentLength"])
                 return None
-            return await asyncio.to_thread(body.read, self.max_bytes + 1)
+            return await self.io.read(body, self.max_bytes + 1)
         finally:
             body.close()
 

@@ -64,7 +64,7 @@ class SharedMetaStore(MetaStore):
         self._chunks = chunks if chunks is not None else tier
         self._sealer = sealer
         self._client, self._bucket, prefix = tier.s3_location()
-        self.io = BucketIO(self._client, self._bucket)
+        self.io = BucketIO(self._client, self._bucket, tier.remote)
         self._root = prefix + "fleet/"
         self.paths = GcPaths(self._root)
         self._local = local
@@ -97,7 +97,7 @@ class SharedMetaStore(MetaStore):
                                         Bucket=self._bucket, Key=self._object(key))
         except ChunkNotFound:
             return _ABSENT, None
-        body = await asyncio.to_thread(response["Body"].read)
+        body = await self.io.read(response["Body"])
         if self._sealer is not None:
             try:
                 body = self._sealer.open(key, body)
@@ -123,15 +123,8 @@ class SharedMetaStore(MetaStore):
         if not self._shared(prefix):
             return await self._local.scan(prefix)
         await self.gate.baseline()  # the manager's open scans before listing its tiers
-        names: list[str] = []
-        paginator = self._client.get_paginator("list_objects_v2")
-
-        def listing() -> None:
-            for page in paginator.paginate(Bucket=self._bucket, Prefix=self._root + prefix):
-                names.extend(item["Key"] for item in page.get("Contents", [])
-                             if item["Key"].endswith(SUFFIX))
-
-        await self._call("LIST", listing)
+        names = [item["Key"] for item in await self.io.listing(self._root + prefix)
+                 if item["Key"].endswith(SUFFIX)]
         keys = [name[len(self._root):-len(SUFFIX)] for name in names]
         found = await asyncio.gather(*(self._fetch(key, keep_sealed=True) for key in keys))
         return sorted((key, body) for key, (_, body) in zip(keys, found, strict=True)

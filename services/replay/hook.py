@@ -61,6 +61,11 @@ class ReplayRouter:
         return await backend.rebuild(layout, token_ids, chunks, tail, replay_tokens,
                                      model_fingerprint=model_fingerprint)
 
+    def breakers(self) -> list:
+        """The circuit breakers of the backends that call remote workers."""
+        return [b for backend in self.backends.values()
+                for b in getattr(backend, "breakers", list)()]
+
     async def close(self) -> None:
         for backend in self.backends.values():
             await backend.close()
@@ -98,7 +103,9 @@ def _transformers_backend(config: ServerConfig) -> ReplayBackend | None:
 def _remote(config: ServerConfig, addresses: Sequence[str]) -> ReplayBackend:
     from services.replay.remote import RemoteReplay, credentials_from
 
-    return RemoteReplay(addresses, max_message_bytes=config.max_message_bytes,
+    return RemoteReplay(addresses, timeout_s=config.replay_timeout_s,
+                        breaker_cooldown_s=config.breaker_cooldown_s,
+                        max_message_bytes=config.max_message_bytes,
                         credentials=credentials_from(config))
 
 
@@ -114,7 +121,9 @@ def _bundled_backend(config: ServerConfig) -> tuple[ReplayBackend | None, str]:
         if mode == "streams":
             from services.replay.streams import StreamReplay
 
-            return StreamReplay(config.replay_redis_url or config.redis_url), ""
+            return StreamReplay(config.replay_redis_url or config.redis_url,
+                                timeout_s=config.replay_timeout_s,
+                                breaker_cooldown_s=config.breaker_cooldown_s), ""
         from replay import ReplayService
 
         weights = {"weights": Path(config.replay_weights)} if config.replay_weights else {}

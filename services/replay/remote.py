@@ -5,8 +5,12 @@
     await backend.close()
 
 Same call and result as ``ReplayWorker.rebuild``. Workers are taken in turn; one that is
-down or too slow (UNAVAILABLE, DEADLINE_EXCEEDED) hands the job to the next, and only when
-every worker failed does the call raise ``TierUnavailable``. Any other failure is the
+down or too slow (UNAVAILABLE, or no answer within ``timeout_s``: DEADLINE_EXCEEDED)
+hands the job to the next, and only when every worker failed does the call raise
+``TierUnavailable``. Each worker has a circuit breaker (``kvstore.breaker``, dependency
+``replay:<address>``, cool-down ``breaker_cooldown_s``): one that failed so is skipped
+without a call until its cool-down ends and one call probes it again, so a stalled worker
+costs one ``timeout_s``, not one per job. Any other failure is the
 worker's verdict on the request and is raised as the ``kvstore.errors`` class it named
 (``kvtier.errors.error_from_rpc``). ``credentials`` (``kvtier.channel``): TLS towards the
 workers and the bearer token of role ``replay`` they check, from the server's
@@ -15,6 +19,7 @@ workers and the bearer token of role ``replay`` they check, from the server's
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 import uuid
@@ -23,6 +28,7 @@ from pathlib import Path
 
 import grpc
 
+from kvstore.breaker import CircuitBreaker
 from kvstore.errors import InvalidRequest, TierUnavailable
 from kvstore.keys import check_fingerprint
 from kvstore.layout import LayoutSpec, layout_to_json
@@ -71,7 +77,7 @@ def credentials_from(config: ServerConfig) -> Credentials:
 
 class RemoteReplay:
     def __init__(self, addresses: Sequence[str], *, timeout_s: float = 120.0,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 breaker_cooldown_s: float = 5.0, max_message_bytes: int = MAX_MESSAGE_BYTES,
                  credentials: Credentials = Credentials()) -> None:
         if not addresses:
             raise InvalidRequest("RemoteReplay needs at least one worker address")
@@ -82,7 +88,12 @@ class RemoteReplay:
         self._stubs = [pb_grpc.ReplayStub(c) for c in self._channels]
         self._turn = itertools.cycle(range(len(addresses)))
         self.timeout_s = timeout_s
+        self._breakers = [CircuitBreaker(f"replay:{a}", cooldown_s=breaker_cooldown_s)
+                          for a in addresses]
         self.last_worker = ""
+
+    def breakers(self) -> list[CircuitBreaker]:
+        return list(self._breakers)
 
     async def rebuild(self, layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer],
                       tail: Buffer, replay_tokens: int | None = None, *,
@@ -98,13 +109,23 @@ class RemoteReplay:
         # (a shared cursor would let concurrent calls try one dead worker twice).
         first = next(self._turn)
         for i in ((first + k) % len(self.addresses) for k in range(len(self.addresses))):
+            breaker = self._breakers[i]
+            if not breaker.allow():
+                failures.append(f"{self.addresses[i]}: down (circuit open)")
+                continue
             try:
                 reply = await self._stubs[i].Rebuild(request, timeout=self.timeout_s)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in RETRY_ON:
+                    breaker.failed(f"{exc.code().name}: {exc.details()}")
                     failures.append(f"{self.addresses[i]}: {exc.code().name}")
                     continue
+                breaker.succeeded()  # the worker answered: its verdict on the request
                 raise error_from_rpc(exc, "replay worker: ") from exc
+            except asyncio.CancelledError:
+                breaker.cancelled()
+                raise
+            breaker.succeeded()
             self.last_worker = reply.worker or self.addresses[i]
             # the caller waited for the network and the queue too: report that time
             return ReplayResult(reply.window, reply.replayed_tokens,

@@ -16,7 +16,11 @@ each job goes to one worker; the worker pushes the reply (LPUSH, with a TTL), th
 and deletes the entry. A job its worker never acknowledged (the worker died) is taken over
 by another worker with XAUTOCLAIM once it has been idle ``claim_idle_ms``; after
 ``max_deliveries`` the job is answered with an error instead of being tried again. The
-client waits on its reply list with BLPOP.
+client waits on its reply list with BLPOP. The client's calls to Redis have deadlines
+(``queue_timeout_s`` for the XADD and the connection, ``timeout_s`` more for the reply)
+and a circuit breaker (``kvstore.breaker``, dependency "replay-queue"): a job queue that
+is unreachable or stalled costs one deadline, then every rebuild fails fast with
+``TierUnavailable`` until one call probes it after the cool-down.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from kvstore.breaker import CircuitBreaker
 from kvstore.errors import (
     InvalidRequest,
     KVTierError,
@@ -73,18 +78,24 @@ class StreamNames:
         return self if replayer == "bundled" else replace(self, stream=f"{self.stream}:{replayer}")
 
 
-def connect(url: str) -> aioredis.Redis:
+def connect(url: str, *, connect_timeout_s: float = 5.0) -> aioredis.Redis:
     """A client that retries dropped connections (redis-py's own retry) a few times."""
     return aioredis.from_url(url, retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 4),
-                             retry_on_error=[RedisConnectionError, RedisTimeoutError])
+                             retry_on_error=[RedisConnectionError, RedisTimeoutError],
+                             socket_connect_timeout=connect_timeout_s)
 
 
 class StreamReplay:
     def __init__(self, redis_url: str, *, names: StreamNames = StreamNames(),
-                 timeout_s: float = 120.0) -> None:
-        self.redis = connect(redis_url)
+                 timeout_s: float = 120.0, queue_timeout_s: float = 5.0,
+                 breaker_cooldown_s: float = 5.0) -> None:
+        self.redis = connect(redis_url, connect_timeout_s=queue_timeout_s)
         self.names = names
-        self.timeout_s = timeout_s
+        self.timeout_s, self.queue_timeout_s = timeout_s, queue_timeout_s
+        self.breaker = CircuitBreaker("replay-queue", cooldown_s=breaker_cooldown_s)
+
+    def breakers(self) -> list[CircuitBreaker]:
+        return [self.breaker]
 
     async def rebuild(self, layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer],
                       tail: Buffer, replay_tokens: int | None = None, *,
@@ -95,13 +106,21 @@ class StreamReplay:
         stream = (self.names.for_replayer(layout.replayer).stream
                   if isinstance(layout, LayoutSpec) else self.names.stream)
         started = time.perf_counter()
+        self.breaker.check()
+        wait = max(1, round(self.timeout_s))  # BLPOP takes whole seconds
         try:
-            await self.redis.xadd(stream, {
-                "request": request.SerializeToString(), "reply_to": reply_key})
-            # BLPOP takes whole seconds; the server side timeout is the socket's
-            answer = await self.redis.blpop([reply_key], timeout=max(1, round(self.timeout_s)))
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            raise TierUnavailable(f"replay job queue unreachable: {exc}") from exc
+            async with asyncio.timeout(self.queue_timeout_s):
+                await self.redis.xadd(stream, {
+                    "request": request.SerializeToString(), "reply_to": reply_key})
+            async with asyncio.timeout(wait + self.queue_timeout_s):
+                answer = await self.redis.blpop([reply_key], timeout=wait)
+        except (RedisConnectionError, RedisTimeoutError, TimeoutError) as exc:
+            self.breaker.failed(f"{exc!r}")
+            raise TierUnavailable(f"replay job queue unreachable or stalled: {exc!r}") from exc
+        except asyncio.CancelledError:
+            self.breaker.cancelled()
+            raise
+        self.breaker.succeeded()
         if answer is None:
             raise TierUnavailable(f"no replay worker answered job {request.job_id} within "
                                   f"{self.timeout_s:.0f}s")

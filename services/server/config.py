@@ -70,6 +70,18 @@ class ServerConfig:
     s3_bucket: str = ""
     s3_prefix: str = "kvtier/"
     s3_region: str = ""
+    # Deadlines of the remote dependencies: S3's connect and read timeouts and the most
+    # one S3 call is waited for, retries included; Redis's likewise (0: redis_preset's);
+    # one call to a remote replay worker. One that failed so is skipped (fails fast, its
+    # tier reported down) for breaker_cooldown_s, then probed by one call (kvstore.breaker).
+    s3_connect_timeout_s: float = 1.0
+    s3_read_timeout_s: float = 10.0
+    s3_deadline_s: float = 15.0
+    redis_connect_timeout_s: float = 0.0
+    redis_socket_timeout_s: float = 0.0
+    redis_deadline_s: float = 0.0
+    replay_timeout_s: float = 120.0
+    breaker_cooldown_s: float = 5.0
     object_compression_level: int = 3  # zstd on the slowest tier; -1 stores raw bytes
     # Fleet (docs/fleet.md): "shared" keeps the manifests in the S3 bucket (compare and
     # swap), so any server sharing it resumes any session; "local": in data_dir.
@@ -209,6 +221,13 @@ class ServerConfig:
             raise InvalidRequest("replay = 'streams' needs replay_redis_url or redis_url")
         if self.s3_bucket and "/" in self.s3_bucket:
             raise InvalidRequest(f"s3_bucket is a bucket name, got {self.s3_bucket!r}")
+        for name in ("s3_connect_timeout_s", "s3_read_timeout_s", "s3_deadline_s",
+                     "replay_timeout_s", "breaker_cooldown_s", "redis_connect_timeout_s",
+                     "redis_socket_timeout_s", "redis_deadline_s"):
+            if not getattr(self, name) > 0 and not (name.startswith("redis_")
+                                                    and getattr(self, name) == 0):
+                raise InvalidRequest(f"{name} must be > 0 (redis_*: 0 keeps the preset's), "
+                                     f"got {getattr(self, name)}")
         for name in ("hbm_bytes", "host_bytes", "redis_bytes", "disk_bytes", "object_bytes"):
             if getattr(self, name) < 0:
                 raise InvalidRequest(f"{name} must be >= 0")

@@ -17,6 +17,10 @@ counters end in ``_total``. Every RPC is counted by method and final status code
 served the session. The registry also holds the process and platform collectors and
 ``kvtier_build_info``, as the default registry would.
 
+``kvtier_breaker_open{dependency}`` is 1 while the circuit breaker of a remote
+dependency (``object``, ``redis``, ``replay:<address>``: ``kvstore.breaker``) is open,
+read from the breakers at scrape time (plain attribute reads, safe from the HTTP thread).
+
 Per-tenant figures (``kvtier_tenant_*``, ``kvtier_quota_*``) carry a ``tenant`` label only
 for tenants named in a ``[quota.<tenant>]`` table; every other tenant is summed under
 ``tenant="other"``, so their number of series is bounded by the config, not by clients.
@@ -25,7 +29,7 @@ for tenants named in a ``[quota.<tenant>]`` table; every other tenant is summed 
 from __future__ import annotations
 
 import platform
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from importlib import metadata
 
 from prometheus_client import (
@@ -40,6 +44,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvstore.breaker import CircuitBreaker
 from kvstore.stats import ManagerStats
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -124,6 +129,23 @@ class _ManagerCollector(Collector):
                                 value=stats.retained_bytes)
 
 
+class _BreakerCollector(Collector):
+    def __init__(self) -> None:
+        self.breakers: Callable[[], Iterable[CircuitBreaker]] = tuple
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("kvtier_breaker_open", "1 while the circuit breaker of a "
+                                   "remote dependency is open (calls fail fast)",
+                                   labels=["dependency"])
+        states: dict[str, int] = {}
+        for breaker in self.breakers():
+            states[breaker.dependency] = max(states.get(breaker.dependency, 0),
+                                             int(breaker.is_open))
+        for dependency, state in sorted(states.items()):
+            family.add_metric([dependency], state)
+        yield family
+
+
 def _tenant_metrics(stats: ManagerStats) -> Iterator[Metric]:
     sessions = GaugeMetricFamily("kvtier_tenant_sessions", "Sessions the tenant stores",
                                  labels=["tenant"])
@@ -163,6 +185,8 @@ class ServiceMetrics:
         self.registry = CollectorRegistry()
         self._manager = _ManagerCollector()
         self.registry.register(self._manager)
+        self._breakers = _BreakerCollector()
+        self.registry.register(self._breakers)
         # Our own registry (tests run several servers) misses the default one's collectors.
         self.registry.register(PROCESS_COLLECTOR)
         self.registry.register(PLATFORM_COLLECTOR)
@@ -208,6 +232,10 @@ class ServiceMetrics:
         if ok:
             self.requests.labels(method, "OK").inc()
         self.request_seconds.labels(method).observe(seconds)
+
+    def watch_breakers(self, breakers: Callable[[], Iterable[CircuitBreaker]]) -> None:
+        """Export the breakers ``breakers()`` lists (asked at every scrape)."""
+        self._breakers.breakers = breakers
 
     def update(self, stats: ManagerStats) -> None:
         self._manager.latest = stats

@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvstore.breaker import CircuitBreaker
 from kvstore.errors import Busy
 from kvstore.manager import TierManager
 from kvtier.errors import add_servicer
@@ -110,6 +111,13 @@ def _options(config: ServerConfig) -> list[tuple[str, int]]:
             ("grpc.so_reuseport", 0)]
 
 
+def breakers_of(manager: TierManager, replay: object) -> list[CircuitBreaker]:
+    """The circuit breakers of the store's remote tiers and of the replay backend."""
+    found = [tier.breaker for tier in manager.tiers
+             if getattr(tier, "breaker", None) is not None]
+    return found + list(getattr(replay, "breakers", list)())
+
+
 async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServer, int]:
     """Open the store, bind, start; ``(server, port)`` (port 0 in the address: a free one)."""
     config = (load_config(overrides={"listen": config_or_addr})
@@ -119,6 +127,7 @@ async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServe
     try:
         replay = make_replay_backend(config)
         metrics = ServiceMetrics()
+        metrics.watch_breakers(lambda: breakers_of(manager, replay[0]))
         servicer = KVTierServicer(manager, config, metrics, replay)
         grpc_server = grpc.aio.server(options=_options(config),
                                       interceptors=_interceptors(config, servicer))

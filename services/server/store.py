@@ -69,8 +69,13 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
         if config.redis_prefix != redis_config.prefix:
             redis_config = dataclasses.replace(redis_config, prefix=config.redis_prefix)
         # a fleet's nodes find each other's chunks by chain key (kvstore.fleet_prefix)
-        redis_config = dataclasses.replace(redis_config,
-                                           chain_index=config.metadata == "shared")
+        redis_config = dataclasses.replace(
+            redis_config, chain_index=config.metadata == "shared",
+            breaker_cooldown_s=config.breaker_cooldown_s,
+            **{field: value for field, value in (
+                ("connect_timeout_s", config.redis_connect_timeout_s),
+                ("socket_timeout_s", config.redis_socket_timeout_s),
+                ("op_timeout_s", config.redis_deadline_s)) if value})
         tiers.append(outside(RedisTier(config.redis_url, config.redis_bytes, redis_config)))
     if config.disk_bytes:
         from kvstore.tiers.disk import DiskTier
@@ -102,6 +107,9 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
             compression_level=None if level < 0 else level,
             endpoint_url=config.s3_endpoint or None,
             region_name=config.s3_region or None,
+            connect_timeout_s=config.s3_connect_timeout_s,
+            read_timeout_s=config.s3_read_timeout_s, deadline_s=config.s3_deadline_s,
+            breaker_cooldown_s=config.breaker_cooldown_s,
             shared=shared,
         ))
         tiers.append(outside(objects))
