@@ -1,0 +1,273 @@
+"""Admission at the crossings, over real servers: every RPC that creates a session goes
+through the one reservation path (parallel forks, forks racing spills: every quota
+holds, and the count after a restart is the count before); registered layouts that
+claim a replayer must be that replayer's model exactly (nothing they say can make a
+Resume fail with INTERNAL); and on a real full tmpfs the disk tier's reserve is kept by
+every write, so every Delete succeeds, space comes back and spills work again, also
+after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvstore.errors import KVTierError, LayoutMismatch, QuotaExceeded, TierFull, status_name
+from kvstore.layout import ANY_TOKEN_ID, LayoutSpec, get_layout, layout_to_json
+from kvstore.tiers.disk.headroom import DEFAULT_RESERVE_BYTES
+from kvtier import AsyncClient, Client, RetryPolicy
+from tests.service_support import (
+    LAYOUT,
+    assert_streams_equal,
+    running_server,
+    streams_for,
+    tokens_for,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+N = 2 * LAYOUT.chunk_tokens + 40  # two chunks and a tail
+
+
+async def _spill(kv, tenant, sid, *, seed=0, tokens=N, **options):
+    return await kv.spill(tenant, sid, LAYOUT.name, tokens_for(tokens, seed=seed),
+                          streams_for(LAYOUT, tokens, seed=seed), generation=1, **options)
+
+
+def _sessions(results):
+    admitted = [r for r in results if not isinstance(r, BaseException)]
+    refused = [r for r in results if isinstance(r, QuotaExceeded)]
+    others = [r for r in results if isinstance(r, BaseException)
+              and not isinstance(r, QuotaExceeded)]
+    assert not others, others
+    return admitted, refused
+
+
+# -- one reservation path: forks and spills --
+
+
+async def test_parallel_forks_hold_the_sessions_quota_also_after_a_restart(tmp_path):
+    config = {"quota": {"acme": {"sessions": 3}}}
+    async with running_server(tmp_path, **config) as (server, target), \
+            AsyncClient(target, shared_memory=False) as kv:
+        await _spill(kv, "acme", "src", ack="durable")
+        results = await asyncio.gather(
+            *(kv.fork("acme", "src", f"f{i}", upto_tokens=N) for i in range(30)),
+            return_exceptions=True)
+        admitted, refused = _sessions(results)
+        assert (len(admitted), len(refused)) == (2, 28)
+        assert "quota sessions for tenant acme: limit 3" in str(refused[0])
+        assert len(await server.manager.list_sessions("acme")) == 3
+        before = server.manager.tenant_usage("acme").usage
+        assert before.sessions == 3
+    async with running_server(tmp_path, **config) as (server, target), \
+            AsyncClient(target, shared_memory=False) as kv:
+        after = server.manager.tenant_usage("acme").usage
+        assert (after.sessions, after.durable_bytes) == (before.sessions, before.durable_bytes)
+        assert len(await server.manager.list_sessions("acme")) == 3
+        with pytest.raises(QuotaExceeded):
+            await kv.fork("acme", "src", "late", upto_tokens=N)
+
+
+async def test_spills_racing_forks_hold_every_quota(tmp_path):
+    async with running_server(tmp_path / "probe") as (server, target), \
+            AsyncClient(target, shared_memory=False) as kv:
+        await _spill(kv, "acme", "probe")
+        size = server.manager.tenant_usage("acme").usage.durable_bytes
+    config = {"quota": {"acme": {"sessions": 6}, "beta": {"durable_bytes": 4 * size}}}
+    async with running_server(tmp_path / "data", **config) as (server, target), \
+            AsyncClient(target, shared_memory=False) as kv:
+        for tenant, limit in (("acme", 6), ("beta", 4)):
+            await _spill(kv, tenant, "src")
+            calls = []
+            for i in range(12):
+                calls.append(kv.fork(tenant, "src", f"f{i}", upto_tokens=N))
+                calls.append(_spill(kv, tenant, f"s{i}", seed=i + 1))
+            admitted, refused = _sessions(await asyncio.gather(*calls, return_exceptions=True))
+            assert len(admitted) == limit - 1 and len(refused) == 24 - (limit - 1)
+            assert len(await server.manager.list_sessions(tenant)) == limit
+        use = server.manager.tenant_usage("beta").usage
+        assert use.durable_bytes == 4 * size
+        # forks at a chunk boundary cost less than the source: the bytes quota still holds
+        await kv.delete("beta", "src")
+        results = await asyncio.gather(
+            *(kv.fork("beta", sid.session_id, f"p{i}", upto_tokens=LAYOUT.chunk_tokens)
+              for i, sid in enumerate(await kv.list("beta"))), return_exceptions=True)
+        _sessions(results)
+        assert server.manager.tenant_usage("beta").usage.durable_bytes <= 4 * size
+
+
+# -- registered layouts against the replayer they claim --
+
+
+def _bundled(**changes) -> LayoutSpec:
+    return dataclasses.replace(get_layout("kvtier-bundled"), name="bundled-copy", **changes)
+
+
+HOSTILE = {
+    "vocab_size=2^32": dict(vocab_size=ANY_TOKEN_ID),
+    "vocab_size=257": dict(vocab_size=257),
+    "window_tokens=4096": dict(window_tokens=4096),
+    "layer_modes reversed": dict(layer_modes=tuple(reversed(
+        get_layout("kvtier-bundled").layer_modes))),
+}
+
+
+@pytest.mark.parametrize("changes", HOSTILE.values(), ids=HOSTILE)
+def test_the_bundled_replayer_refuses_a_layout_of_another_cache(changes):
+    from model.config import ModelConfig
+    from replay.state_codec import check_spec
+
+    check_spec(ModelConfig(), _bundled())  # the same cache under another name
+    with pytest.raises(LayoutMismatch):
+        check_spec(ModelConfig(), _bundled(**changes))
+
+
+async def test_register_layout_refuses_a_copy_of_the_bundled_layout_with_another_vocabulary(
+        tmp_path):
+    hostile = _bundled(vocab_size=ANY_TOKEN_ID)
+    tokens = tokens_for(LAYOUT.chunk_tokens + 8)
+    tokens[-1] = 300  # past the bundled model's 256-token vocabulary
+    async with running_server(tmp_path) as (server, target), \
+            AsyncClient(target, retry=RetryPolicy(attempts=1), shared_memory=False) as kv:
+        await kv.register_layout(_bundled(name="bundled-same"))  # its cache, another name
+        with pytest.raises(KVTierError) as info:
+            await kv.register_layout(hostile)
+            # on a server that took it: the spill is accepted, the Resume must not be INTERNAL
+            await kv.spill("acme", "v", hostile.name, tokens,
+                           streams_for(hostile, len(tokens)), generation=1)
+            await kv.resume("acme", "v")
+        assert status_name(info.value) == "INVALID_ARGUMENT", info.value
+        assert "vocab_size" in str(info.value) and "bundled" in str(info.value)
+        assert str(tmp_path) not in str(info.value)
+        for i, changes in enumerate(HOSTILE.values()):
+            with pytest.raises(LayoutMismatch):
+                await kv.register_layout(_bundled(name=f"hostile-{i}", **changes))
+        names = {info.layout_id.partition("@")[0] for info in await kv.layouts()}
+        assert "bundled-same" in names and "bundled-copy" not in names
+        assert not {name for name in names if name.startswith("hostile-")}
+
+
+def test_a_configured_layout_claiming_the_bundled_replayer_must_be_its_cache(tmp_path):
+    from services.server.layouts import ServerLayouts
+
+    with pytest.raises(LayoutMismatch, match="config layouts.*vocab_size"):
+        ServerLayouts((layout_to_json(_bundled(name="cfg-copy", vocab_size=ANY_TOKEN_ID)),),
+                      tmp_path, "any", 64 << 20)
+
+
+# -- a real full medium --
+
+FULL_CONFIG = """
+host_bytes = "2MiB"
+disk_bytes = "1GiB"
+object_bytes = 0
+disk_segment_bytes = "1MiB"
+disk_reclaim_dead_fraction = 0.5
+disk_reclaim_interval_s = 0.05
+retain_unreferenced = false
+"""
+BIG = 16 * LAYOUT.chunk_tokens  # sixteen chunks, ~300 KB on disk
+SMALL = 3  # no whole chunk: a manifest (its tail inside) and nothing else
+
+
+def _serve(data_dir: Path, config: Path) -> tuple[subprocess.Popen, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve", "--preset", "test", "--config",
+         str(config), "--data-dir", str(data_dir), "--listen", "127.0.0.1:0",
+         "--log-level", "CRITICAL"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    line = process.stdout.readline()
+    if not line.startswith("kvtier serving on "):
+        process.kill()
+        raise AssertionError(f"server did not start: {line!r}")
+    return process, line.split()[-1]
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=60)
+    finally:
+        process.kill()
+
+
+def _free(path: Path) -> int:
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize
+
+
+def _fill(kv: Client, prefix: str, tokens: int, ack: str, limit: int) -> list[str]:
+    """Spill sessions until the medium refuses 8 in a row; their names."""
+    stored, refused = [], 0
+    for n in range(limit):
+        if refused >= 8:
+            return stored
+        try:
+            kv.spill("acme", f"{prefix}{n}", LAYOUT.name, tokens_for(tokens, seed=n),
+                     streams_for(LAYOUT, tokens, seed=n), generation=1, ack=ack)
+            stored.append(f"{prefix}{n}")
+            refused = 0
+        except TierFull:
+            refused += 1
+    pytest.fail(f"{limit} spills of {tokens} tokens never filled the medium")
+
+
+def _spill_when_room(kv: Client, sid: str, attempts: int = 300) -> None:
+    for _ in range(attempts):
+        try:
+            return kv.spill("acme", sid, LAYOUT.name, tokens_for(BIG, seed=7),
+                            streams_for(LAYOUT, BIG, seed=7), generation=1, ack="durable")
+        except TierFull:
+            time.sleep(0.1)
+    pytest.fail(f"spill {sid} still refused after the deletes: no space came back")
+
+
+@pytest.mark.slow
+def test_a_full_tmpfs_keeps_its_reserve_and_every_delete_succeeds(tmpfs_factory, tmp_path):
+    medium = tmpfs_factory(20)
+    config = tmp_path / "kvtier.toml"
+    config.write_text(FULL_CONFIG)
+    process, target = _serve(medium, config)
+    try:
+        with Client(target, retry=RetryPolicy(attempts=1)) as kv:
+            big = _fill(kv, "b", BIG, "durable", 200)
+            # manifests only, memory acks: none of these writes may eat the reserve either
+            small = _fill(kv, "t", SMALL, "memory", 4000)
+            assert len(big) > 4 and small
+            assert _free(medium) >= DEFAULT_RESERVE_BYTES // 2, "the reserve was eaten"
+            full = _free(medium)
+            failed = []
+            for sid in big[:32] + small[:32]:
+                try:
+                    kv.delete("acme", sid)
+                except KVTierError as exc:
+                    failed.append((sid, exc))
+            assert not failed, failed[:3]
+            for _ in range(300):  # reclamation frees the dead segments online
+                if _free(medium) > full + 1024 * 1024:
+                    break
+                time.sleep(0.1)
+            else:
+                pytest.fail(f"free space stayed at {_free(medium)} after the deletes")
+            _spill_when_room(kv, "after")
+            assert_streams_equal(kv.restore("acme", "after", want_window=False).persistent,
+                                 streams_for(LAYOUT, BIG, seed=7))
+    finally:
+        _stop(process)
+    process, target = _serve(medium, config)
+    try:
+        with Client(target, retry=RetryPolicy(attempts=1)) as kv:
+            assert_streams_equal(kv.restore("acme", big[-1], want_window=False).persistent,
+                                 streams_for(LAYOUT, BIG, seed=int(big[-1][1:])))
+            for sid in small[32:64]:
+                kv.delete("acme", sid)
+            _spill_when_room(kv, "after-restart")
+    finally:
+        _stop(process)
