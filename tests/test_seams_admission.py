@@ -106,7 +106,8 @@ async def test_spills_racing_forks_hold_every_quota(tmp_path):
 
 
 def _bundled(**changes) -> LayoutSpec:
-    return dataclasses.replace(get_layout("kvtier-bundled"), name="bundled-copy", **changes)
+    return dataclasses.replace(get_layout("kvtier-bundled"), **{"name": "bundled-copy",
+                                                                **changes})
 
 
 HOSTILE = {
