@@ -2,24 +2,27 @@
 
 Copy on write through dedupe: the new manifest names the source's very blocks and takes
 a reference on each, so either session may later spill past the fork point (its new
-chunks are its own) without touching the other. Only a fork at the source's whole
+chunks are its own) without touching the other. A fork is admitted like a spill: it
+reserves its session, bytes and memory with ``QuotaGate.reserve`` before it stores
+anything and holds them until its manifest is committed. Only a fork at the source's whole
 length carries the tail, and the window when the source's covers that point; any other
 fork has no window, so its Resume rebuilds one at the fork point by bounded replay.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import AsyncExitStack
 
 from kvstore.blocks import Blocks
 from kvstore.catalog import Catalog
-from kvstore.errors import DataLoss, InvalidRequest, PreconditionFailed
+from kvstore.errors import DataLoss, InvalidRequest, PreconditionFailed, QuotaExceeded
 from kvstore.layout import get_layout
 from kvstore.locks import KeyedLocks
 from kvstore.manifest import SessionManifest, check_name
 from kvstore.placement import WINDOW_PREFIX, TierStack
-from kvstore.quota import QuotaGate, TenantUsage
+from kvstore.quota import QuotaGate, Reservation, TenantUsage
 
 FORK_GENERATION = 1
 
@@ -64,10 +67,33 @@ class Forker:
         keys, sizes = source.chunk_keys[:count], source.chunk_sizes[:count]
         tail = source.tail if whole else b""
         tokens = source.token_ids[: upto if whole else count * spec.chunk_tokens]
-        self._quotas.check(source.tenant, TenantUsage(
-            sessions=1, durable_bytes=sum(sizes) + len(tail)))
+        reservation, copy_window = self._admit(source, keys, sizes, tail, whole)
+        with reservation:  # until the manifest is committed: concurrent admissions see it
+            return await self._commit(source, new_id, tokens, keys, sizes, tail, copy_window)
+
+    def _admit(self, source: SessionManifest, keys: tuple[str, ...], sizes: tuple[int, ...],
+               tail: bytes, whole: bool) -> tuple[Reservation, bool]:
+        """Reserve the fork's session, bytes and memory (its chunks held in memory count
+        for it as for any session of the tenant, and the copied window); (the
+        reservation, whether the window is copied). The window is left out, not the fork
+        refused, when only it would pass ``memory_bytes``: the fork's Resume replays."""
+        usage = self._quotas.ledger
+        need = TenantUsage(sessions=1, durable_bytes=sum(sizes) + len(tail),
+                           memory_bytes=sum(map(usage.memory_bytes, keys)))
+        window = usage.memory_bytes(source.window_key) if whole else 0
+        if window:
+            try:
+                return self._quotas.reserve(source.tenant, dataclasses.replace(
+                    need, memory_bytes=need.memory_bytes + window), count=False,
+                    what="fork"), True
+            except QuotaExceeded:
+                pass
+        return self._quotas.reserve(source.tenant, need, what="fork"), False
+
+    async def _commit(self, source: SessionManifest, new_id: str, tokens, keys, sizes,
+                      tail: bytes, copy_window: bool) -> SessionManifest:
         window_key = window_tier = None
-        if whole and source.window_key is not None:
+        if copy_window:
             window_key = f"{WINDOW_PREFIX}{source.tenant}/{new_id}/{FORK_GENERATION}"
             window_tier = await self._copy_window(source.window_key, window_key)
             window_key = window_key if window_tier is not None else None

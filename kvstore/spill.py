@@ -12,8 +12,9 @@ for one chain key are stored as their own version. A spill repeated at the store
 generation with identical content (a client's retry after a lost reply) is answered
 with the first one's receipt; other content at that generation is ``GenerationConflict``.
 
-Every spill is admitted against its tenant's quotas (``kvstore.quota``) before anything
-is stored; ``Spiller._admit`` says how one that would pass ``memory_bytes`` is placed.
+Every spill, and every rebuilt window kept, is admitted through ``QuotaGate.reserve``
+(``kvstore.quota``) before anything is stored; ``Spiller._admit`` says how a spill that
+would pass ``memory_bytes`` is placed.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kvstore.errors import (
     DataLoss,
     GenerationConflict,
     InvalidRequest,
+    QuotaExceeded,
     StaleGeneration,
     TierUnavailable,
 )
@@ -413,8 +415,9 @@ class Spiller:
 
         Only the window changes: generation, token ids and chunks stay as they are. The
         blob lives in a window tier (hbm, host) or nowhere: returns that tier's name, or
-        None when none has room. ``StaleGeneration`` if the session was spilled again
-        (or deleted and re-created) since ``generation``.
+        None when none has room or it would take the tenant past ``memory_bytes``.
+        ``StaleGeneration`` if the session was spilled again (or deleted and re-created)
+        since ``generation``.
         """
         check_name("tenant", tenant)
         check_name("session_id", session_id)
@@ -432,16 +435,25 @@ class Spiller:
             if held:
                 return manifest.window_tier  # already held (another resume stored one)
             key = f"{WINDOW_PREFIX}{tenant}/{session_id}/{generation}"
-            await self._blocks.drop(key)  # a leftover copy must not stand in for this one
-            tier = await self._store_window(key, window, manifest.hint)
-            if tier is None:
+            try:  # the window is memory the tenant holds: admitted like a spill's
+                reservation = self._quotas.reserve(
+                    tenant, TenantUsage(memory_bytes=len(window)), count=False, what="window")
+            except QuotaExceeded:
+                self._counters.windows_dropped += 1
+                log.info("%s/%s: rebuilt window not kept, over the tenant's memory_bytes "
+                         "quota", tenant, session_id)
                 return None
-            try:
-                await self._catalog.put(manifest.evolve(window_tier=tier, window_key=key))
-            except BaseException:
-                await self._blocks.drop(key)
-                raise
-            return tier
+            with reservation:
+                await self._blocks.drop(key)  # a leftover copy must not stand in for this one
+                tier = await self._store_window(key, window, manifest.hint)
+                if tier is None:
+                    return None
+                try:
+                    await self._catalog.put(manifest.evolve(window_tier=tier, window_key=key))
+                except BaseException:
+                    await self._blocks.drop(key)
+                    raise
+                return tier
 
 
 def _content_digest(layout_id: str, model_fingerprint: str, scope: str, ack: str,

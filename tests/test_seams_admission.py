@@ -93,12 +93,16 @@ async def test_spills_racing_forks_hold_every_quota(tmp_path):
             assert len(await server.manager.list_sessions(tenant)) == limit
         use = server.manager.tenant_usage("beta").usage
         assert use.durable_bytes == 4 * size
-        # forks at a chunk boundary cost less than the source: the bytes quota still holds
+        # forks at a chunk boundary cost one chunk: the bytes quota holds them too
         await kv.delete("beta", "src")
+        source = (await server.manager.list_sessions("beta"))[0]
+        chunk = source.chunk_sizes[0]
+        room = 4 * size - server.manager.tenant_usage("beta").usage.durable_bytes
         results = await asyncio.gather(
-            *(kv.fork("beta", sid.session_id, f"p{i}", upto_tokens=LAYOUT.chunk_tokens)
-              for i, sid in enumerate(await kv.list("beta"))), return_exceptions=True)
-        _sessions(results)
+            *(kv.fork("beta", source.session_id, f"p{i}", upto_tokens=LAYOUT.chunk_tokens)
+              for i in range(8)), return_exceptions=True)
+        admitted, _ = _sessions(results)
+        assert len(admitted) == room // chunk
         assert server.manager.tenant_usage("beta").usage.durable_bytes <= 4 * size
 
 
