@@ -175,7 +175,6 @@ object_bytes = 0
 disk_segment_bytes = "1MiB"
 disk_reclaim_dead_fraction = 0.5
 disk_reclaim_interval_s = 0.05
-retain_unreferenced = false
 """
 BIG = 16 * LAYOUT.chunk_tokens  # sixteen chunks, ~300 KB on disk
 SMALL = 3  # no whole chunk: a manifest (its tail inside) and nothing else
@@ -235,10 +234,14 @@ def _spill_when_room(kv: Client, sid: str, attempts: int = 300) -> None:
 
 
 @pytest.mark.slow
-def test_a_full_tmpfs_keeps_its_reserve_and_every_delete_succeeds(tmpfs_factory, tmp_path):
+@pytest.mark.parametrize("retain", [False, True], ids=["freed", "retained"])
+def test_a_full_tmpfs_keeps_its_reserve_and_every_delete_succeeds(tmpfs_factory, tmp_path,
+                                                                  retain):
+    """Deleted sessions' chunks are freed at once, or (``retain``) kept as cache until a
+    spill needs their room: space comes back either way."""
     medium = tmpfs_factory(20)
     config = tmp_path / "kvtier.toml"
-    config.write_text(FULL_CONFIG)
+    config.write_text(FULL_CONFIG + f"retain_unreferenced = {str(retain).lower()}\n")
     process, target = _serve(medium, config)
     try:
         with Client(target, retry=RetryPolicy(attempts=1)) as kv:
@@ -248,19 +251,21 @@ def test_a_full_tmpfs_keeps_its_reserve_and_every_delete_succeeds(tmpfs_factory,
             assert len(big) > 4 and small
             assert _free(medium) >= DEFAULT_RESERVE_BYTES // 2, "the reserve was eaten"
             full = _free(medium)
+            names = [*small, *big]
             failed = []
-            for sid in big[:32] + small[:32]:
+            for sid in names[:40]:
                 try:
                     kv.delete("acme", sid)
                 except KVTierError as exc:
                     failed.append((sid, exc))
             assert not failed, failed[:3]
-            for _ in range(300):  # reclamation frees the dead segments online
-                if _free(medium) > full + 1024 * 1024:
-                    break
-                time.sleep(0.1)
-            else:
-                pytest.fail(f"free space stayed at {_free(medium)} after the deletes")
+            if not retain:
+                for _ in range(300):  # reclamation frees the dead segments online
+                    if _free(medium) > full + 1024 * 1024:
+                        break
+                    time.sleep(0.1)
+                else:
+                    pytest.fail(f"free space stayed at {_free(medium)} after the deletes")
             _spill_when_room(kv, "after")
             assert_streams_equal(kv.restore("acme", "after", want_window=False).persistent,
                                  streams_for(LAYOUT, BIG, seed=7))
@@ -269,9 +274,12 @@ def test_a_full_tmpfs_keeps_its_reserve_and_every_delete_succeeds(tmpfs_factory,
     process, target = _serve(medium, config)
     try:
         with Client(target, retry=RetryPolicy(attempts=1)) as kv:
-            assert_streams_equal(kv.restore("acme", big[-1], want_window=False).persistent,
-                                 streams_for(LAYOUT, BIG, seed=int(big[-1][1:])))
-            for sid in small[32:64]:
+            kept = big[-1]
+            assert_streams_equal(kv.restore("acme", kept, want_window=False).persistent,
+                                 streams_for(LAYOUT, BIG, seed=int(kept[1:])))
+            _fill(kv, "c", BIG, "durable", 200)  # full again, after the restart
+            assert _free(medium) >= DEFAULT_RESERVE_BYTES // 2, "the reserve was eaten"
+            for sid in names[40:]:
                 kv.delete("acme", sid)
             _spill_when_room(kv, "after-restart")
     finally:

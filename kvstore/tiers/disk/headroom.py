@@ -57,8 +57,9 @@ def free_bytes(path: Path) -> int:
 
 
 def check_room(path: Path, nbytes: int, reserve_bytes: int) -> None:
-    """``TierFull`` unless ``nbytes`` more leave ``reserve_bytes`` free on ``path``'s medium."""
-    if reserve_bytes <= 0:
+    """``TierFull`` unless ``nbytes`` more leave ``reserve_bytes`` free on ``path``'s medium
+    (nothing asked is always granted: that is what deletes ask)."""
+    if reserve_bytes <= 0 or nbytes <= 0:
         return
     free = free_bytes(path)
     if free - nbytes < reserve_bytes:
