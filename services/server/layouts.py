@@ -3,10 +3,11 @@
 - ``layouts`` in the config: canonical layout JSON inline, or paths of files holding one
   layout object or a JSON list of them, loaded at start (a bad one stops the start);
 - ``RegisterLayout``: a layout a client sends, checked hard (``check_bounds``: nothing in
-  it may make the server allocate without bound), idempotent for the same layout (same
-  id and replayer), refused for a known name of another shape; kept in
-  ``{data_dir}/layouts.json`` (written atomically), so it is served again after a
-  restart. Who may register is ``register_layouts``: ``admin`` (admin credentials only),
+  it may make the server allocate without bound; ``check_replayer``: a layout naming a
+  replayer is that replayer's model's cache exactly, else ``LayoutMismatch``),
+  idempotent for the same layout (same id and replayer), refused for a known name of
+  another shape; kept in ``{data_dir}/layouts.json`` (written atomically), so it is
+  served again after a restart. Who may register is ``register_layouts``: ``admin`` (admin credentials only),
   ``any`` (any caller the server lets in), ``none``; ``auto`` (the default) is ``admin``
   when the server authenticates and ``any`` when it does not (a server without
   identities has no admins). Every registration is logged and, with an audit log,
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from kvstore.errors import (
     InvalidRequest,
+    LayoutMismatch,
     PermissionDenied,
     TierFull,
     TierUnavailable,
@@ -39,12 +41,13 @@ from kvstore.layout import (
     NAME,
     LayoutSpec,
     all_layouts,
+    cache_difference,
     get_layout,
     layout_from_json,
     layout_to_json,
     register_layout,
 )
-from kvstore.presets import SHIPPED
+from kvstore.presets import KVTIER_BUNDLED, SHIPPED
 from kvstore.tiers.base import MetaStore
 from kvstore.tiers.shared_layouts import BucketLayouts
 from kvstore.validate import chunk_bytes_max, window_bytes_max
@@ -68,6 +71,8 @@ MAX_REGISTERED = 256  # layouts registered at run time, all callers together
 # registration) and a ListLayouts reply (encoded on the event loop) hold, 256 layouts of
 # 64 KiB each would be 16 MiB (and 140 MiB of Python objects).
 MAX_REGISTERED_BYTES = 4 << 20
+# The cache of each replayer's model, where this process knows it (check_replayer).
+REPLAYER_LAYOUTS = {"bundled": KVTIER_BUNDLED}
 
 
 def check_bounds(spec: LayoutSpec, max_message_bytes: int) -> None:
@@ -102,13 +107,28 @@ def check_bounds(spec: LayoutSpec, max_message_bytes: int) -> None:
                              "a message can carry: fewer chunk_tokens, or smaller entries")
 
 
+def check_replayer(spec: LayoutSpec) -> None:
+    """LayoutMismatch when ``spec`` names a replayer whose model's cache it is not
+    (``cache_difference``): a replay of it would feed the model token ids past its
+    vocabulary, or rebuild a window of another size. The bundled replayer's model is
+    the shipped ``kvtier-bundled`` cache; the transformers replayer's models are known
+    by their configs only where they run, and its workers check every layout they get."""
+    own = REPLAYER_LAYOUTS.get(spec.replayer)
+    differs = None if own is None else cache_difference(spec, own)
+    if differs is not None:
+        raise LayoutMismatch(f"layout {spec.name} names replayer {spec.replayer!r} but is "
+                             f"not the cache of its model ({own.layout_id}): {differs}")
+
+
 def parse_layout(text: str, max_message_bytes: int) -> LayoutSpec:
     """A layout sent by a client or a peer (RegisterLayout, a replay request, the fleet's
-    bucket): at most MAX_JSON_BYTES of JSON, inside ``check_bounds``."""
+    bucket): at most MAX_JSON_BYTES of JSON, inside ``check_bounds``, the cache of the
+    replayer it names (``check_replayer``)."""
     if len(text.encode()) > MAX_JSON_BYTES:
         raise InvalidRequest(f"layout_json is over {MAX_JSON_BYTES} bytes")
     spec = layout_from_json(text)
     check_bounds(spec, max_message_bytes)
+    check_replayer(spec)
     return spec
 
 
@@ -151,17 +171,21 @@ class ServerLayouts:
         self._lock = asyncio.Lock()
         for entry in entries:
             for spec in _configured(entry):
-                self._add(spec, "config layouts")
+                self._add(spec, "config layouts", check_replayer)
+        # Registered before: kept as stored (their replays are refused by the replayer
+        # itself, LayoutMismatch, when a layout is not its model's cache).
         for spec in self._stored():
             self.registered[spec.name] = self._add(spec, str(self.path))
             self.registered_bytes += len(layout_to_json(spec))
 
-    def _add(self, spec: LayoutSpec, where: str) -> LayoutSpec:
+    def _add(self, spec: LayoutSpec, where: str, *checks) -> LayoutSpec:
         try:
             check_bounds(spec, self.max_message_bytes)
+            for check in checks:
+                check(spec)
             return register_layout(spec)
-        except InvalidRequest as exc:
-            raise InvalidRequest(f"{where}: {exc}") from exc
+        except InvalidRequest as exc:  # of its class (LayoutMismatch stays one)
+            raise type(exc)(f"{where}: {exc}") from exc
 
     def _stored(self) -> list[LayoutSpec]:
         try:
