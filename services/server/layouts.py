@@ -7,11 +7,11 @@
   replayer is that replayer's model's cache exactly, else ``LayoutMismatch``),
   idempotent for the same layout (same id and replayer), refused for a known name of
   another shape; kept in ``{data_dir}/layouts.json`` (written atomically), so it is
-  served again after a restart. Who may register is ``register_layouts``: ``admin`` (admin credentials only),
-  ``any`` (any caller the server lets in), ``none``; ``auto`` (the default) is ``admin``
-  when the server authenticates and ``any`` when it does not (a server without
-  identities has no admins). Every registration is logged and, with an audit log,
-  audited (kind ``layout``).
+  served again after a restart. Who may register is ``register_layouts``: ``admin``
+  (admin credentials only), ``any`` (any caller the server lets in), ``none``; ``auto``
+  (the default) is ``admin`` when the server authenticates and ``any`` when it does not
+  (a server without identities has no admins). Every registration is logged and, with
+  an audit log, audited (kind ``layout``).
 
 Layouts live in the process's registry (``kvstore.layout.register_layout``), which the
 store resolves session layouts from. With shared metadata a registration also goes to
