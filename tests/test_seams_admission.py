@@ -158,12 +158,11 @@ async def test_register_layout_refuses_a_copy_of_the_bundled_layout_with_another
         assert not {name for name in names if name.startswith("hostile-")}
 
 
-def test_a_configured_layout_claiming_the_bundled_replayer_must_be_its_cache(tmp_path):
-    from services.server.layouts import ServerLayouts
-
+async def test_a_configured_layout_claiming_the_bundled_replayer_must_be_its_cache(tmp_path):
+    hostile = layout_to_json(_bundled(name="cfg-copy", vocab_size=ANY_TOKEN_ID))
     with pytest.raises(LayoutMismatch, match="config layouts.*vocab_size"):
-        ServerLayouts((layout_to_json(_bundled(name="cfg-copy", vocab_size=ANY_TOKEN_ID)),),
-                      tmp_path, "any", 64 << 20)
+        async with running_server(tmp_path, layouts=(hostile,)):
+            pass
 
 
 # -- a real full medium --

@@ -61,6 +61,16 @@ class ReplayRouter:
             await backend.close()
 
 
+def model_layout(backend: ReplayBackend | None, replayer: str) -> LayoutSpec | None:
+    """The cache of the model ``backend`` rebuilds ``replayer``'s layouts with, where
+    this process knows it (an in-process model, from its config); None where it does
+    not (remote workers, streams: they check every layout they are sent)."""
+    if isinstance(backend, ReplayRouter):
+        backend = backend.backends.get(replayer)
+    own = getattr(backend, "model_layout", None)
+    return own(replayer) if own is not None else None
+
+
 def make_replay_backend(config: ServerConfig) -> tuple[ReplayBackend | None, str]:
     """(backend, "") or (None, why there is none) for the configured replay mode."""
     backend, why = _bundled_backend(config)

@@ -4,7 +4,7 @@
   layout object or a JSON list of them, loaded at start (a bad one stops the start);
 - ``RegisterLayout``: a layout a client sends, checked hard (``check_bounds``: nothing in
   it may make the server allocate without bound; ``check_replayer``: a layout naming a
-  replayer is that replayer's model's cache exactly, else ``LayoutMismatch``),
+  replayer whose model runs here is that model's cache exactly, else ``LayoutMismatch``),
   idempotent for the same layout (same id and replayer), refused for a known name of
   another shape; kept in ``{data_dir}/layouts.json`` (written atomically), so it is
   served again after a restart. Who may register is ``register_layouts``: ``admin``
@@ -27,6 +27,7 @@ import asyncio
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from kvstore.errors import (
@@ -47,7 +48,7 @@ from kvstore.layout import (
     layout_to_json,
     register_layout,
 )
-from kvstore.presets import KVTIER_BUNDLED, SHIPPED
+from kvstore.presets import SHIPPED
 from kvstore.tiers.base import MetaStore
 from kvstore.tiers.shared_layouts import BucketLayouts
 from kvstore.validate import chunk_bytes_max, window_bytes_max
@@ -71,8 +72,6 @@ MAX_REGISTERED = 256  # layouts registered at run time, all callers together
 # registration) and a ListLayouts reply (encoded on the event loop) hold, 256 layouts of
 # 64 KiB each would be 16 MiB (and 140 MiB of Python objects).
 MAX_REGISTERED_BYTES = 4 << 20
-# The cache of each replayer's model, where this process knows it (check_replayer).
-REPLAYER_LAYOUTS = {"bundled": KVTIER_BUNDLED}
 
 
 def check_bounds(spec: LayoutSpec, max_message_bytes: int) -> None:
@@ -107,28 +106,25 @@ def check_bounds(spec: LayoutSpec, max_message_bytes: int) -> None:
                              "a message can carry: fewer chunk_tokens, or smaller entries")
 
 
-def check_replayer(spec: LayoutSpec) -> None:
-    """LayoutMismatch when ``spec`` names a replayer whose model's cache it is not
-    (``cache_difference``): a replay of it would feed the model token ids past its
-    vocabulary, or rebuild a window of another size. The bundled replayer's model is
-    the shipped ``kvtier-bundled`` cache; the transformers replayer's models are known
-    by their configs only where they run, and its workers check every layout they get."""
-    own = REPLAYER_LAYOUTS.get(spec.replayer)
+def check_replayer(spec: LayoutSpec, own: LayoutSpec | None) -> None:
+    """LayoutMismatch when ``spec`` names a replayer and is not the cache of the model
+    ``own`` describes, that replayer's here (``cache_difference``): a replay of it would
+    feed the model token ids past its vocabulary, or rebuild a window of another size.
+    ``own`` None: the model runs elsewhere (remote workers), which checks every layout
+    it is sent."""
     differs = None if own is None else cache_difference(spec, own)
     if differs is not None:
         raise LayoutMismatch(f"layout {spec.name} names replayer {spec.replayer!r} but is "
-                             f"not the cache of its model ({own.layout_id}): {differs}")
+                             f"not the cache of its model here ({own.layout_id}): {differs}")
 
 
 def parse_layout(text: str, max_message_bytes: int) -> LayoutSpec:
     """A layout sent by a client or a peer (RegisterLayout, a replay request, the fleet's
-    bucket): at most MAX_JSON_BYTES of JSON, inside ``check_bounds``, the cache of the
-    replayer it names (``check_replayer``)."""
+    bucket): at most MAX_JSON_BYTES of JSON, inside ``check_bounds``."""
     if len(text.encode()) > MAX_JSON_BYTES:
         raise InvalidRequest(f"layout_json is over {MAX_JSON_BYTES} bytes")
     spec = layout_from_json(text)
     check_bounds(spec, max_message_bytes)
-    check_replayer(spec)
     return spec
 
 
@@ -160,9 +156,14 @@ class ServerLayouts:
     """The configured and registered layouts of one server, put in the process's registry."""
 
     def __init__(self, entries: tuple[str, ...], data_dir: Path, policy: str,
-                 max_message_bytes: int, shared: BucketLayouts | None = None) -> None:
-        """``shared``: the fleet's layouts (metadata = "shared", ``fleet_layouts``)."""
+                 max_message_bytes: int, shared: BucketLayouts | None = None,
+                 replayer_model: Callable[[str], LayoutSpec | None] = lambda _: None
+                 ) -> None:
+        """``shared``: the fleet's layouts (metadata = "shared", ``fleet_layouts``);
+        ``replayer_model``: the cache of a replayer's model where this server runs it
+        (``services.replay.hook.model_layout``), None where it does not."""
         self.policy = policy
+        self.replayer_model = replayer_model
         self.max_message_bytes = max_message_bytes
         self.shared = shared
         self.path = Path(data_dir) / FILE_NAME
@@ -171,7 +172,7 @@ class ServerLayouts:
         self._lock = asyncio.Lock()
         for entry in entries:
             for spec in _configured(entry):
-                self._add(spec, "config layouts", check_replayer)
+                self._add(spec, "config layouts", self.check_replayer)
         # Registered before: kept as stored (their replays are refused by the replayer
         # itself, LayoutMismatch, when a layout is not its model's cache).
         for spec in self._stored():
@@ -196,6 +197,11 @@ class ServerLayouts:
             raise InvalidRequest(f"cannot read {self.path}: {exc.strerror}") from exc
         return _specs_in(text, str(self.path))
 
+    def check_replayer(self, spec: LayoutSpec) -> None:
+        """``check_replayer`` against this server's model of ``spec``'s replayer."""
+        if spec.replayer != "none":
+            check_replayer(spec, self.replayer_model(spec.replayer))
+
     def check_caller(self, role: str | None) -> None:
         """PermissionDenied unless a caller of ``role`` (None: not authenticated) may
         register layouts here."""
@@ -210,6 +216,7 @@ class ServerLayouts:
         """(the layout, whether it was new: to the fleet, with shared metadata) for a
         RegisterLayout's JSON."""
         spec = parse_layout(text, self.max_message_bytes)
+        self.check_replayer(spec)
         async with self._lock:
             known = {s.name: s for s in all_layouts()}.get(spec.name)
             if known is not None:
