@@ -50,6 +50,7 @@ from kvstore.layout import (
 )
 from kvstore.presets import SHIPPED
 from kvstore.tiers.base import MetaStore
+from kvstore.tiers.disk.headroom import DEFAULT_RESERVE_BYTES, PAGE_BYTES, check_room
 from kvstore.tiers.shared_layouts import BucketLayouts
 from kvstore.validate import chunk_bytes_max, window_bytes_max
 
@@ -346,9 +347,12 @@ def _known(layout_id: str) -> bool:
 
 
 def _write_atomically(path: Path, specs: list[LayoutSpec]) -> None:
-    """The file is either the old list or the new one, whatever happens meanwhile."""
+    """The file is either the old list or the new one, whatever happens meanwhile;
+    ``TierFull`` when writing it would eat into the medium's reserve."""
     body = "[\n" + ",\n".join(layout_to_json(s) for s in specs) + "\n]\n"
     path.parent.mkdir(parents=True, exist_ok=True)
+    # the data directory's medium keeps the disk tier's reserve (its deletes need it)
+    check_room(path.parent, len(body) + PAGE_BYTES, DEFAULT_RESERVE_BYTES)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as handle:
         handle.write(body)
