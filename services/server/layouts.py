@@ -24,6 +24,7 @@ from there, checked as RegisterLayout checks one and kept like one.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -246,8 +247,9 @@ class ServerLayouts:
                                     [*self.registered.values(), spec])
         except OSError as exc:  # no server path in what the client sees
             log.error("cannot store layout %s in %s: %s", spec.layout_id, self.path, exc)
-            raise TierUnavailable(f"cannot store layout {spec.layout_id} on this "
-                                  f"server's disk: {exc.strerror}") from exc
+            error = TierFull if exc.errno in (errno.ENOSPC, errno.EDQUOT) else TierUnavailable
+            raise error(f"cannot store layout {spec.layout_id} on this server's disk: "
+                        f"{exc.strerror}") from exc
         self.registered[spec.name] = register_layout(spec)
         self.registered_bytes += len(layout_to_json(spec))
 
