@@ -11,7 +11,7 @@ fork has no window, so its Resume rebuilds one at the fork point by bounded repl
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import time
 from contextlib import AsyncExitStack
 
@@ -22,7 +22,7 @@ from kvstore.layout import get_layout
 from kvstore.locks import KeyedLocks
 from kvstore.manifest import SessionManifest, check_name
 from kvstore.placement import WINDOW_PREFIX, TierStack
-from kvstore.quota import QuotaGate, Reservation, TenantUsage
+from kvstore.quota import QuotaGate, Reservation, TenantUsage, demote_own, memory_floor
 
 FORK_GENERATION = 1
 
@@ -67,28 +67,40 @@ class Forker:
         keys, sizes = source.chunk_keys[:count], source.chunk_sizes[:count]
         tail = source.tail if whole else b""
         tokens = source.token_ids[: upto if whole else count * spec.chunk_tokens]
-        reservation, copy_window = self._admit(source, keys, sizes, tail, whole)
+        reservation, copy_window = await self._admit(source, keys, sizes, tail, whole)
         with reservation:  # until the manifest is committed: concurrent admissions see it
             return await self._commit(source, new_id, tokens, keys, sizes, tail, copy_window)
 
-    def _admit(self, source: SessionManifest, keys: tuple[str, ...], sizes: tuple[int, ...],
-               tail: bytes, whole: bool) -> tuple[Reservation, bool]:
-        """Reserve the fork's session, bytes and memory (its chunks held in memory count
-        for it as for any session of the tenant, and the copied window); (the
-        reservation, whether the window is copied). The window is left out, not the fork
-        refused, when only it would pass ``memory_bytes``: the fork's Resume replays."""
-        usage = self._quotas.ledger
-        need = TenantUsage(sessions=1, durable_bytes=sum(sizes) + len(tail),
-                           memory_bytes=sum(map(usage.memory_bytes, keys)))
-        window = usage.memory_bytes(source.window_key) if whole else 0
+    async def _admit(self, source: SessionManifest, keys: tuple[str, ...],
+                     sizes: tuple[int, ...], tail: bytes, whole: bool
+                     ) -> tuple[Reservation, bool]:
+        """Reserve the fork's session, bytes and memory: its chunks held in memory count
+        for it as for any session of the tenant, and so does the window it copies.
+        Returns the reservation and whether the window is copied. Past ``memory_bytes``
+        the tenant's own memory-resident data is moved down first (as for a spill); the
+        window is left out (the fork's Resume replays it) rather than the fork refused
+        when only the window does not fit."""
+        tenant, usage = source.tenant, self._quotas.ledger
+
+        def need(window: bool) -> TenantUsage:
+            held = sum(map(usage.memory_bytes, keys))
+            if window:
+                held += usage.memory_bytes(source.window_key)
+            return TenantUsage(sessions=1, durable_bytes=sum(sizes) + len(tail),
+                               memory_bytes=held)
+
+        window = whole and bool(usage.memory_bytes(source.window_key))
+        room = self._quotas.room(tenant, "memory_bytes")
+        below = memory_floor(self._stack)
+        if room is not None and need(window).memory_bytes > room and below is not None:
+            await demote_own(usage, self._stack, self._locks, tenant,
+                             need(window).memory_bytes - room, below)
+            window = window and bool(usage.memory_bytes(source.window_key))
         if window:
-            try:
-                return self._quotas.reserve(source.tenant, dataclasses.replace(
-                    need, memory_bytes=need.memory_bytes + window), count=False,
-                    what="fork"), True
-            except QuotaExceeded:
-                pass
-        return self._quotas.reserve(source.tenant, need, what="fork"), False
+            with contextlib.suppress(QuotaExceeded):
+                return self._quotas.reserve(tenant, need(True), count=False,
+                                            what="fork"), True
+        return self._quotas.reserve(tenant, need(False), what="fork"), False
 
     async def _commit(self, source: SessionManifest, new_id: str, tokens, keys, sizes,
                       tail: bytes, copy_window: bool) -> SessionManifest:

@@ -374,6 +374,26 @@ class QuotaGate:
         return (*named, TenantReport(OTHER, other, self.quotas.default, rejected))
 
 
+def memory_floor(stack: TierStack) -> int | None:
+    """The first tier below the memory (window) tiers, None when there is none (or no
+    memory tier)."""
+    memory = [j for j, tier in enumerate(stack.tiers) if tier.holds_window]
+    return memory[-1] + 1 if memory and memory[-1] + 1 < len(stack.tiers) else None
+
+
+async def demote_own(ledger: UsageLedger, stack: TierStack, locks: KeyedLocks, tenant: str,
+                     amount: int, below: int, protect: Collection[str] = ()) -> None:
+    """Move the tenant's memory-resident blocks (but ``protect``) to tier ``below`` or
+    lower until its memory use fell by ``amount``, or none is left to move: what an
+    admission that would pass ``memory_bytes`` does first."""
+    before = ledger.usage(tenant).memory_bytes
+    for key in ledger.in_memory(tenant):
+        if before - ledger.usage(tenant).memory_bytes >= amount:
+            return
+        if key not in protect:
+            await demote_out_of_memory(stack, locks, key, below)
+
+
 async def demote_out_of_memory(stack: TierStack, locks: KeyedLocks, key: str,
                                below: int) -> bool:
     """Move ``key`` from the memory tiers (those above ``below``) to tier ``below`` or

@@ -28,6 +28,7 @@ from tests.service_support import (
     running_server,
     streams_for,
     tokens_for,
+    window_for,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,6 +105,32 @@ async def test_spills_racing_forks_hold_every_quota(tmp_path):
         admitted, _ = _sessions(results)
         assert len(admitted) == room // chunk
         assert server.manager.tenant_usage("beta").usage.durable_bytes <= 4 * size
+
+
+async def test_forks_hold_the_memory_quota(tmp_path):
+    """A fork's chunks held in memory count for it as for any session, and so does the
+    window it copies: past the quota the tenant's own data moves down first, and the
+    fork's window is left out (its Resume replays it) rather than the quota passed."""
+    window = window_for(LAYOUT, N)
+    async with running_server(tmp_path / "probe") as (server, target), \
+            AsyncClient(target, shared_memory=False) as kv:
+        await _spill(kv, "acme", "probe", window=window)
+        use = server.manager.tenant_usage("acme").usage.memory_bytes
+    limit = use + use // 2  # one session with its window in memory, not two
+    async with running_server(tmp_path / "data", quota={"acme": {"memory_bytes": limit}}) \
+            as (server, target), AsyncClient(target, shared_memory=False) as kv:
+        await _spill(kv, "acme", "src", window=window)
+        assert server.manager.tenant_usage("acme").usage.memory_bytes == use
+        results = await asyncio.gather(
+            *(kv.fork("acme", "src", f"f{i}", upto_tokens=N) for i in range(6)),
+            return_exceptions=True)
+        admitted, _ = _sessions(results)
+        assert admitted
+        assert server.manager.tenant_usage("acme").usage.memory_bytes <= limit
+        for i, result in enumerate(results):
+            if not isinstance(result, BaseException):
+                got = await kv.restore("acme", f"f{i}", want_window=False)
+                assert_streams_equal(got.persistent, streams_for(LAYOUT, N, seed=0))
 
 
 # -- registered layouts against the replayer they claim --
