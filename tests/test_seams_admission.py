@@ -260,6 +260,42 @@ def _spill_when_room(kv: Client, sid: str, attempts: int = 300) -> None:
     pytest.fail(f"spill {sid} still refused after the deletes: no space came back")
 
 
+async def test_the_disk_tier_keeps_its_reserve_for_every_write_that_stores(tmpfs_factory):
+    """Values, overwrites (a new record each) and metadata puts stop at the reserve;
+    metadata deletes and value deletes still run there; a rewrite takes half of it."""
+    from kvstore.tiers.disk import DiskTier
+
+    medium = tmpfs_factory(8)
+    reserve = 2 << 20
+    tier = DiskTier(medium, 1 << 30, segment_bytes=256 << 10, reserve_bytes=reserve,
+                    reclaim_dead_fraction=0.5, reclaim_interval_s=3600)
+    try:
+        value = os.urandom(32 << 10)
+        stored = 0
+        with pytest.raises(TierFull):
+            while True:
+                await tier.put(f"v{stored}", value)
+                stored += 1
+        with pytest.raises(TierFull):  # an overwrite is a record of its own too
+            for _ in range(64):
+                await tier.put("v0", value)
+        with pytest.raises(TierFull):
+            for i in range(64):
+                await tier.meta.commit({f"m/{i}": value})
+        assert _free(medium) >= reserve - SLACK, "the reserve was eaten"
+        for i in range(1, stored, 2):  # every sealed segment half dead
+            await tier.delete(f"v{i}")
+        await tier.meta.commit({f"m/{i}": None for i in range(64)})
+        full = _free(medium)
+        assert await tier.reclaimer.run_once() > 0  # fits its runs to the room it has
+        assert _free(medium) > full
+        for i in range(0, stored, 2):
+            await tier.delete(f"v{i}")
+        assert await tier.count() == 0
+    finally:
+        await tier.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("retain", [False, True], ids=["freed", "retained"])
 def test_a_full_tmpfs_keeps_its_reserve_and_every_delete_succeeds(tmpfs_factory, tmp_path,
