@@ -2,11 +2,13 @@
 
 Copy on write through dedupe: the new manifest names the source's very blocks and takes
 a reference on each, so either session may later spill past the fork point (its new
-chunks are its own) without touching the other. A fork is admitted like a spill: it
-reserves its session, bytes and memory with ``QuotaGate.reserve`` before it stores
-anything and holds them until its manifest is committed. Only a fork at the source's whole
+chunks are its own) without touching the other. Only a fork at the source's whole
 length carries the tail, and the window when the source's covers that point; any other
 fork has no window, so its Resume rebuilds one at the fork point by bounded replay.
+
+A fork is admitted like a spill: it reserves its session, bytes and memory with
+``QuotaGate.reserve`` before it stores anything and holds them until its manifest is
+committed.
 """
 
 from __future__ import annotations

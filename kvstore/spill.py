@@ -403,9 +403,8 @@ class Spiller:
 
         Only the window changes: generation, token ids and chunks stay as they are. The
         blob lives in a window tier (hbm, host) or nowhere: returns that tier's name, or
-        None when none has room or it would take the tenant past ``memory_bytes``.
-        ``StaleGeneration`` if the session was spilled again (or deleted and re-created)
-        since ``generation``.
+        None when none has room. ``StaleGeneration`` if the session was spilled again
+        (or deleted and re-created) since ``generation``.
         """
         check_name("tenant", tenant)
         check_name("session_id", session_id)
@@ -423,25 +422,32 @@ class Spiller:
             if held:
                 return manifest.window_tier  # already held (another resume stored one)
             key = f"{WINDOW_PREFIX}{tenant}/{session_id}/{generation}"
-            try:  # the window is memory the tenant holds: admitted like a spill's
-                reservation = self._quotas.reserve(
-                    tenant, TenantUsage(memory_bytes=len(window)), count=False, what="window")
-            except QuotaExceeded:
-                self._counters.windows_dropped += 1
-                log.info("%s/%s: rebuilt window not kept, over the tenant's memory_bytes "
-                         "quota", tenant, session_id)
+            await self._blocks.drop(key)  # a leftover copy must not stand in for this one
+            tier = await self._store_rebuilt(tenant, session_id, key, window, manifest.hint)
+            if tier is None:
                 return None
-            with reservation:
-                await self._blocks.drop(key)  # a leftover copy must not stand in for this one
-                tier = await self._store_window(key, window, manifest.hint)
-                if tier is None:
-                    return None
-                try:
-                    await self._catalog.put(manifest.evolve(window_tier=tier, window_key=key))
-                except BaseException:
-                    await self._blocks.drop(key)
-                    raise
-                return tier
+            try:
+                await self._catalog.put(manifest.evolve(window_tier=tier, window_key=key))
+            except BaseException:
+                await self._blocks.drop(key)
+                raise
+            return tier
+
+    async def _store_rebuilt(self, tenant: str, session_id: str, key: str, data: Buffer,
+                             hint: ResumeHint | None) -> str | None:
+        """``_store_window`` for a rebuilt window, admitted as memory the tenant holds
+        (None, not kept, past ``memory_bytes``). The reservation covers the placement
+        only: a window blob counts for its owner from the moment a memory tier holds it."""
+        try:
+            reservation = self._quotas.reserve(
+                tenant, TenantUsage(memory_bytes=len(data)), count=False, what="window")
+        except QuotaExceeded:
+            self._counters.windows_dropped += 1
+            log.info("%s/%s: rebuilt window not kept, over the tenant's memory_bytes quota",
+                     tenant, session_id)
+            return None
+        with reservation:
+            return await self._store_window(key, data, hint)
 
 
 def _content_digest(layout_id: str, model_fingerprint: str, scope: str, ack: str,

@@ -133,6 +133,25 @@ async def test_forks_hold_the_memory_quota(tmp_path):
                 assert_streams_equal(got.persistent, streams_for(LAYOUT, N, seed=0))
 
 
+async def test_a_rebuilt_window_is_kept_only_within_the_memory_quota(tmp_path):
+    window = window_for(LAYOUT, N)
+    async with running_server(tmp_path / "probe") as (server, target), \
+            AsyncClient(target, shared_memory=False) as kv:
+        await _spill(kv, "acme", "probe")
+        chunks = server.manager.tenant_usage("acme").usage.memory_bytes
+        await kv.delete("acme", "probe")
+        await _spill(kv, "acme", "probe", window=window)
+        with_window = server.manager.tenant_usage("acme").usage.memory_bytes
+    limit = chunks + (with_window - chunks) // 2  # the chunks, not the window too
+    async with running_server(tmp_path / "data", quota={"acme": {"memory_bytes": limit}}) \
+            as (server, target), AsyncClient(target, shared_memory=False) as kv:
+        await _spill(kv, "acme", "s")
+        resumed = await kv.resume("acme", "s")  # replayed: its window is not kept
+        assert resumed.replayed and resumed.window
+        assert server.manager.tenant_usage("acme").usage.memory_bytes <= limit
+        assert (await server.manager.get_manifest("acme", "s")).window_key is None
+
+
 # -- registered layouts against the replayer they claim --
 
 
