@@ -56,7 +56,7 @@ class ReplayService(LazyReplay):
         self._weights = weights
         self._layout: LayoutSpec | None = None
 
-    def model_layout(self, replayer: str) -> LayoutSpec | None:
+    def model_layouts(self, replayer: str) -> tuple[LayoutSpec, ...] | None:
         """The cache of the model it replays ``replayer``'s layouts with (from the config
         stored with its weights, which stay unloaded); None for another replayer."""
         if replayer != ReplayWorker.replayer:
@@ -67,4 +67,4 @@ class ReplayService(LazyReplay):
             except (OSError, ValueError) as exc:  # the first rebuild reports it
                 log.warning("no model config with the weights at %s: %s", self._weights, exc)
                 return None
-        return self._layout
+        return (self._layout,)

@@ -211,6 +211,23 @@ async def test_a_configured_layout_claiming_the_bundled_replayer_must_be_its_cac
             pass
 
 
+async def test_a_layout_claiming_the_servers_transformers_model_must_be_its_cache(tmp_path):
+    pytest.importorskip("transformers")
+    from bench.hf import tiny_config
+    from kvstore.hf.layouts import deepseek_v4_layout
+
+    config = tiny_config()
+    config_json = tmp_path / "config.json"
+    config.to_json_file(config_json)
+    own = deepseek_v4_layout(config, 4)
+    async with running_server(tmp_path / "data", replay_hf_model=str(config_json)) \
+            as (_, target), AsyncClient(target, retry=RetryPolicy(attempts=1)) as kv:
+        await kv.register_layout(dataclasses.replace(own, name="v4-same"))
+        with pytest.raises(LayoutMismatch, match="not the cache of its model here.*vocab"):
+            await kv.register_layout(dataclasses.replace(own, name="v4-vocab",
+                                                         vocab_size=ANY_TOKEN_ID))
+
+
 # -- a real full medium --
 
 FULL_CONFIG = """

@@ -28,7 +28,7 @@ import errno
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvstore.errors import (
@@ -108,16 +108,19 @@ def check_bounds(spec: LayoutSpec, max_message_bytes: int) -> None:
                              "a message can carry: fewer chunk_tokens, or smaller entries")
 
 
-def check_replayer(spec: LayoutSpec, own: LayoutSpec | None) -> None:
+def check_replayer(spec: LayoutSpec, owns: Sequence[LayoutSpec] | None) -> None:
     """LayoutMismatch when ``spec`` names a replayer and is not the cache of the model
-    ``own`` describes, that replayer's here (``cache_difference``): a replay of it would
-    feed the model token ids past its vocabulary, or rebuild a window of another size.
-    ``own`` None: the model runs elsewhere (remote workers), which checks every layout
-    it is sent."""
-    differs = None if own is None else cache_difference(spec, own)
-    if differs is not None:
+    ``owns`` describes (one layout per way it may store that model's cache), that
+    replayer's here (``cache_difference``): a replay of it would feed the model token
+    ids past its vocabulary, or rebuild a window of another size. ``owns`` None: the
+    model runs elsewhere (remote workers), which checks every layout it is sent."""
+    if not owns:
+        return
+    differs = [cache_difference(spec, own) for own in owns]
+    if None not in differs:
+        theirs = ", ".join(own.layout_id for own in owns)
         raise LayoutMismatch(f"layout {spec.name} names replayer {spec.replayer!r} but is "
-                             f"not the cache of its model here ({own.layout_id}): {differs}")
+                             f"not the cache of its model here ({theirs}): {differs[0]}")
 
 
 def parse_layout(text: str, max_message_bytes: int) -> LayoutSpec:
@@ -159,11 +162,11 @@ class ServerLayouts:
 
     def __init__(self, entries: tuple[str, ...], data_dir: Path, policy: str,
                  max_message_bytes: int, shared: BucketLayouts | None = None,
-                 replayer_model: Callable[[str], LayoutSpec | None] = lambda _: None
-                 ) -> None:
+                 replayer_model: Callable[[str], Sequence[LayoutSpec] | None] = (
+                     lambda _: None)) -> None:
         """``shared``: the fleet's layouts (metadata = "shared", ``fleet_layouts``);
-        ``replayer_model``: the cache of a replayer's model where this server runs it
-        (``services.replay.hook.model_layout``), None where it does not."""
+        ``replayer_model``: the caches of a replayer's model where this server runs it
+        (``services.replay.hook.model_layouts``), None where it does not."""
         self.policy = policy
         self.replayer_model = replayer_model
         self.max_message_bytes = max_message_bytes
