@@ -13,9 +13,8 @@ committed.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, suppress
 
 from kvstore.blocks import Blocks
 from kvstore.catalog import Catalog
@@ -91,6 +90,9 @@ class Forker:
             return TenantUsage(sessions=1, durable_bytes=sum(sizes) + len(tail),
                                memory_bytes=held)
 
+        # sessions and bytes first: nothing is moved for a fork refused anyway
+        self._quotas.check(tenant, TenantUsage(sessions=1, durable_bytes=sum(sizes) + len(tail)),
+                           what="fork")
         window = whole and bool(usage.memory_bytes(source.window_key))
         room = self._quotas.room(tenant, "memory_bytes")
         below = memory_floor(self._stack)
@@ -99,7 +101,7 @@ class Forker:
                              need(window).memory_bytes - room, below)
             window = window and bool(usage.memory_bytes(source.window_key))
         if window:
-            with contextlib.suppress(QuotaExceeded):
+            with suppress(QuotaExceeded):
                 return self._quotas.reserve(tenant, need(True), count=False,
                                             what="fork"), True
         return self._quotas.reserve(tenant, need(False), what="fork"), False
