@@ -70,6 +70,12 @@ class Blocks:
         async with self._locks.hold(key):
             await self._stack.delete_everywhere(key)
 
+    async def shed_durable(self, size: int) -> None:
+        """Evict about ``size`` bytes of retained chunks from each durable tier: what a
+        metadata commit refused for a full medium gives back (``Catalog.put``)."""
+        for j in self.durable:
+            await self._stack.shed(j, size)
+
     def any_durable(self, tiers: Iterable[int]) -> bool:
         return any(self._stack.tiers[i].durable for i in tiers)
 

@@ -3,17 +3,19 @@
 Every manifest write goes through the ``RefLedger``, so it commits in one batch with the
 reference changes it implies (``kvstore.refcount``), and is told to the tenants'
 ``UsageLedger`` (``kvstore.quota``) once committed, which ``load_count`` fills from every
-manifest at open. Callers hold the session's lock (``read`` to look, ``write`` to change)
-from a ``load`` to the ``put`` that depends on it.
+manifest at open. A manifest commit refused for a full medium sheds retained chunks
+(``make_room``) before it fails, so a retry finds the room a delete left. Callers hold
+the session's lock (``read`` to look, ``write`` to change) from a ``load`` to the
+``put`` that depends on it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 
-from kvstore.errors import ChunkCorrupt, DataLoss, SessionNotFound
+from kvstore.errors import ChunkCorrupt, DataLoss, SessionNotFound, TierFull
 from kvstore.locks import RWLocks
 from kvstore.manifest import MANIFEST_PREFIX, SessionManifest, manifest_key
 from kvstore.quota import UsageLedger
@@ -21,6 +23,9 @@ from kvstore.refcount import RefLedger
 from kvstore.tiers.base import MetaStore
 
 log = logging.getLogger(__name__)
+# Bytes of cache a refused manifest sheds per byte of it: a manifest is logged and
+# indexed (two copies) with its reference counts beside it.
+_ROOM_PER_BYTE = 4
 
 
 class Catalog:
@@ -33,6 +38,9 @@ class Catalog:
         # Sessions (and generation) marked writeback_failed whose mark may not have been
         # persisted (a full medium can refuse the manifest write too): loads report them.
         self._failed: dict[tuple[str, str], int] = {}
+        # Sheds cache (retained chunks) when a manifest commit meets a full medium, so
+        # the room comes back, once the tier reclaims it, for a retry.
+        self.make_room: Callable[[int], Awaitable[None]] | None = None
 
     async def load_count(self) -> None:
         """Count the manifests and record each in the usage ledger (a corrupt one is
@@ -131,10 +139,16 @@ class Catalog:
                                                            self.meta.node_address):
             manifest = manifest.evolve(node_id=self.meta.node_id,
                                        node_address=self.meta.node_address)
-        freed = await self._ledger.commit(
-            {manifest_key(manifest.tenant, manifest.session_id): manifest.encode()},
-            acquire=acquire, release=release, marks=marks,
-        )
+        encoded = manifest.encode()
+        try:
+            freed = await self._ledger.commit(
+                {manifest_key(manifest.tenant, manifest.session_id): encoded},
+                acquire=acquire, release=release, marks=marks,
+            )
+        except TierFull:  # the medium is full (a MetaStore knows no quota)
+            if self.make_room is not None:
+                await self.make_room(_ROOM_PER_BYTE * len(encoded))
+            raise
         ref = (manifest.tenant, manifest.session_id)
         if self._failed.get(ref, manifest.generation) != manifest.generation:
             del self._failed[ref]  # an older generation's mark

@@ -6,21 +6,25 @@ chunks are its own) without touching the other. Only a fork at the source's whol
 length carries the tail, and the window when the source's covers that point (with how it
 was made: a partial one stays partial, so the fork's Resume may rebuild it); any other
 fork has no window, so its Resume rebuilds one at the fork point by bounded replay.
+
+A fork is admitted like a spill: it reserves its session, bytes and memory with
+``QuotaGate.reserve`` before it stores anything and holds them until its manifest is
+committed.
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, suppress
 
 from kvstore.blocks import Blocks
 from kvstore.catalog import Catalog
-from kvstore.errors import DataLoss, InvalidRequest, PreconditionFailed
+from kvstore.errors import DataLoss, InvalidRequest, PreconditionFailed, QuotaExceeded
 from kvstore.layout import get_layout
 from kvstore.locks import KeyedLocks
 from kvstore.manifest import SessionManifest, check_name
 from kvstore.placement import WINDOW_PREFIX, TierStack
-from kvstore.quota import QuotaGate, TenantUsage
+from kvstore.quota import QuotaGate, Reservation, TenantUsage, demote_own, memory_floor
 
 FORK_GENERATION = 1
 
@@ -65,10 +69,48 @@ class Forker:
         keys, sizes = source.chunk_keys[:count], source.chunk_sizes[:count]
         tail = source.tail if whole else b""
         tokens = source.token_ids[: upto if whole else count * spec.chunk_tokens]
-        self._quotas.check(source.tenant, TenantUsage(
-            sessions=1, durable_bytes=sum(sizes) + len(tail)))
+        reservation, copy_window = await self._admit(source, keys, sizes, tail, whole)
+        with reservation:  # until the manifest is committed: concurrent admissions see it
+            return await self._commit(source, new_id, tokens, keys, sizes, tail, copy_window)
+
+    async def _admit(self, source: SessionManifest, keys: tuple[str, ...],
+                     sizes: tuple[int, ...], tail: bytes, whole: bool
+                     ) -> tuple[Reservation, bool]:
+        """Reserve the fork's session, bytes and memory: its chunks held in memory count
+        for it as for any session of the tenant, and so does the window it copies.
+        Returns the reservation and whether the window is copied. Past ``memory_bytes``
+        the tenant's own memory-resident data is moved down first (as for a spill); the
+        window is left out (the fork's Resume replays it) rather than the fork refused
+        when only the window does not fit."""
+        tenant, usage = source.tenant, self._quotas.ledger
+
+        def need(window: bool) -> TenantUsage:
+            held = sum(map(usage.memory_bytes, keys))
+            if window:
+                held += usage.memory_bytes(source.window_key)
+            return TenantUsage(sessions=1, durable_bytes=sum(sizes) + len(tail),
+                               memory_bytes=held)
+
+        # sessions and bytes first: nothing is moved for a fork refused anyway
+        self._quotas.check(tenant, TenantUsage(sessions=1, durable_bytes=sum(sizes) + len(tail)),
+                           what="fork")
+        window = whole and bool(usage.memory_bytes(source.window_key))
+        room = self._quotas.room(tenant, "memory_bytes")
+        below = memory_floor(self._stack)
+        if room is not None and need(window).memory_bytes > room and below is not None:
+            await demote_own(usage, self._stack, self._locks, tenant,
+                             need(window).memory_bytes - room, below)
+            window = window and bool(usage.memory_bytes(source.window_key))
+        if window:
+            with suppress(QuotaExceeded):
+                return self._quotas.reserve(tenant, need(True), count=False,
+                                            what="fork"), True
+        return self._quotas.reserve(tenant, need(False), what="fork"), False
+
+    async def _commit(self, source: SessionManifest, new_id: str, tokens, keys, sizes,
+                      tail: bytes, copy_window: bool) -> SessionManifest:
         window_key = window_tier = None
-        if whole and source.window_key is not None:
+        if copy_window:
             window_key = f"{WINDOW_PREFIX}{source.tenant}/{new_id}/{FORK_GENERATION}"
             window_tier = await self._copy_window(source.window_key, window_key)
             window_key = window_key if window_tier is not None else None

@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 
 import xxhash
@@ -259,6 +259,22 @@ class LayoutSpec:
             "streams": [{**asdict(s), "bytes_per_token": s.bytes_per_token} for s in self.streams],
             "notes": self.notes,
         }
+
+
+def cache_difference(spec: LayoutSpec, own: LayoutSpec) -> str | None:
+    """How ``spec`` lays out another cache than ``own`` (a replayer's model's), or None
+    when it is the same cache: every field a replay decodes, rebuilds, checks tokens or
+    encodes by (the streams, chunk_tokens, vocab_size, window_tokens, layer_modes). The
+    names, pending marks, baseline, notes, fingerprint rule and replayer shape none of it."""
+    def shape(stream: Stream) -> Stream:
+        return replace(stream, pending=False)
+
+    if [shape(s) for s in spec.streams] != [shape(s) for s in own.streams]:
+        return "its streams (names, shapes, bits, groups, m, layers, lifetimes) differ"
+    for name in ("chunk_tokens", "vocab_size", "window_tokens", "layer_modes"):
+        if getattr(spec, name) != getattr(own, name):
+            return f"its {name} is {getattr(spec, name)!r}, the model's {getattr(own, name)!r}"
+    return None
 
 
 def _canonical_object(spec: LayoutSpec) -> dict:

@@ -174,6 +174,7 @@ class TierManager:
         self._expiry: asyncio.Task | None = None  # frees retained chunks past their TTL
         blocks = self._blocks = Blocks(self._stack, self._ledger, locks, self.counters,
                                        io_concurrency=config.io_concurrency)
+        self._catalog.make_room = blocks.shed_durable
         self._failures = WriteBackFailures(self._catalog, blocks, self.counters,
                                            spawn=self._spawn,
                                            retry_s=config.writeback_retry_s,

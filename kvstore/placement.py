@@ -290,7 +290,7 @@ class TierStack:
             try:
                 await tier.put(key, data)
             except TierFull:  # the room was taken meanwhile, or the medium is full
-                await self._shed(j, size, protect)
+                await self.shed(j, size, protect)
                 continue
             except TierUnavailable as exc:
                 self._mark_down(j, "put", exc)
@@ -315,7 +315,7 @@ class TierStack:
                 await self._evict(j, victim)
         return True
 
-    async def _shed(self, j: int, size: int, protect: Collection[str]) -> None:
+    async def shed(self, j: int, size: int, protect: Collection[str] = ()) -> None:
         """Evict retained chunks of tier ``j`` until ``size`` bytes of them went (one of
         unknown size counts as ``size``): the room a full medium gives back (at once, or
         once the tier reclaims it, as the disk tier does)."""

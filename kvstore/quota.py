@@ -33,12 +33,17 @@ default key by key; an absent key is unlimited. What each quota counts (``Tenant
 The usage is exact across restarts: the ``Catalog`` feeds every manifest to the
 ``UsageLedger`` at open, and every commit and removal after; memory tiers start empty.
 
-``QuotaGate.reserve`` admits a spill under the session's write lock before it stores
-anything and holds what it admitted until the manifest is committed, so concurrent spills
-of one tenant cannot pass a limit together. Going over raises ``QuotaExceeded``
-(RESOURCE_EXHAUSTED) naming the quota, the limit and the use. A spill that does not grow
-a use is always admitted: a lowered limit never blocks replacing a session with a
-smaller one. How a spill that would pass ``memory_bytes`` is placed lower instead is on
+Admission has one path: ``QuotaGate.reserve``. Everything that creates a session or
+grows what a tenant holds (a spill, a fork, a rebuilt window kept) reserves its growth
+under the session's write lock before it stores anything, and holds the reservation
+until the manifest is committed (the ledger then counts it) or the call failed. The
+check and the hold happen with no await between them, and every check counts what is
+reserved as well as what is committed, so concurrent admissions of one tenant (spills,
+forks, both) cannot pass a limit together, and the use rebuilt from manifests after a
+restart is the use before it. Going over raises ``QuotaExceeded`` (RESOURCE_EXHAUSTED)
+naming the quota, the limit and the use. An admission that does not grow a use is always
+admitted: a lowered limit never blocks replacing a session with a smaller one. How a
+spill that would pass ``memory_bytes`` is placed lower instead is on
 ``kvstore.spill.Spiller``.
 """
 
@@ -144,7 +149,7 @@ class TenantReport:
     tenant: str
     usage: TenantUsage
     limits: QuotaLimits
-    rejections: Mapping[str, int]  # quota -> spills refused
+    rejections: Mapping[str, int]  # quota -> admissions refused
 
 
 @dataclass(frozen=True)
@@ -274,7 +279,8 @@ class MemoryWatch:
 
 
 class Reservation:
-    """What a spill in flight was admitted for; ``release`` once it committed or failed."""
+    """What an admission in flight was granted; ``release`` once its manifest committed or
+    it failed (``with reservation:`` releases on leaving, whichever happened)."""
 
     def __init__(self, reserved: dict[str, TenantUsage], tenant: str, need: TenantUsage) -> None:
         self._reserved, self._tenant, self._need = reserved, tenant, need
@@ -287,6 +293,12 @@ class Reservation:
             held.add(self._need, -1)
             if held.empty():
                 del self._reserved[self._tenant]
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
 
 
 class QuotaGate:
@@ -309,8 +321,10 @@ class QuotaGate:
         limit = getattr(self.quotas.limits(tenant), quota)
         return None if limit is None else limit - getattr(self.in_use(tenant), quota)
 
-    def check(self, tenant: str, need: TenantUsage, *, count: bool = True) -> None:
-        """``QuotaExceeded`` for the first quota ``need`` would take the tenant over."""
+    def check(self, tenant: str, need: TenantUsage, *, count: bool = True,
+              what: str = "spill") -> None:
+        """``QuotaExceeded`` for the first quota ``need`` would take the tenant over (a
+        check alone admits nothing: ``reserve`` does)."""
         use = self.in_use(tenant)
         limits = self.quotas.limits(tenant)
         for quota in QUOTA_KEYS:
@@ -320,12 +334,15 @@ class QuotaGate:
                     self._rejections[self.quotas.label(tenant), quota] += 1
                 raise QuotaExceeded(
                     f"quota {quota} for tenant {tenant}: limit {limit}, in use "
-                    f"{getattr(use, quota)}, this spill needs {more} more")
+                    f"{getattr(use, quota)}, this {what} needs {more} more")
 
-    def reserve(self, tenant: str, need: TenantUsage, *, count: bool = True) -> Reservation:
-        """Admit ``need`` (only its growth counts) and hold it until released."""
+    def reserve(self, tenant: str, need: TenantUsage, *, count: bool = True,
+                what: str = "spill") -> Reservation:
+        """Admit ``need`` (only its growth counts) and hold it until released: the one
+        way anything is admitted (module docstring). ``count``: whether a refusal counts
+        in the tenant's rejections."""
         grows = TenantUsage(**{q: max(0, getattr(need, q)) for q in QUOTA_KEYS})
-        self.check(tenant, grows, count=count)
+        self.check(tenant, grows, count=count, what=what)
         if not grows.empty():  # so a tenant's entry is dropped with its last reservation
             self._reserved.setdefault(tenant, TenantUsage()).add(grows)
         return Reservation(self._reserved, tenant, grows)
@@ -355,6 +372,26 @@ class QuotaGate:
                                    if scope.startswith(dedupe_scope("")) and scope not in own)
         rejected = {q: self._rejections[OTHER, q] for q in QUOTA_KEYS}
         return (*named, TenantReport(OTHER, other, self.quotas.default, rejected))
+
+
+def memory_floor(stack: TierStack) -> int | None:
+    """The first tier below the memory (window) tiers, None when there is none (or no
+    memory tier)."""
+    memory = [j for j, tier in enumerate(stack.tiers) if tier.holds_window]
+    return memory[-1] + 1 if memory and memory[-1] + 1 < len(stack.tiers) else None
+
+
+async def demote_own(ledger: UsageLedger, stack: TierStack, locks: KeyedLocks, tenant: str,
+                     amount: int, below: int, protect: Collection[str] = ()) -> None:
+    """Move the tenant's memory-resident blocks (but ``protect``) to tier ``below`` or
+    lower until its memory use fell by ``amount``, or none is left to move: what an
+    admission that would pass ``memory_bytes`` does first."""
+    before = ledger.usage(tenant).memory_bytes
+    for key in ledger.in_memory(tenant):
+        if before - ledger.usage(tenant).memory_bytes >= amount:
+            return
+        if key not in protect:
+            await demote_out_of_memory(stack, locks, key, below)
 
 
 async def demote_out_of_memory(stack: TierStack, locks: KeyedLocks, key: str,

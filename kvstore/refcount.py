@@ -4,7 +4,9 @@ Every manifest commit carries the reference changes it implies, in the same atom
 MetaStore batch, so counts and manifests never disagree after a crash. Concurrent
 commits are grouped: one writer task applies queued requests in order and commits them
 as one batch, which keeps count updates ordered without a lock held across I/O and
-amortises the MetaStore's commit cost (an fsync on disk) over concurrent spills.
+amortises the MetaStore's commit cost (an fsync on disk) over concurrent spills. A
+batch holds requests of one kind, deletes or stores (``_take``), so a full medium that
+refuses stores never fails a delete.
 
 Besides committed counts the ledger keeps in-memory pins: a spill pins the chunks it is
 writing before any manifest references them, so a concurrent delete that drops the
@@ -127,7 +129,7 @@ class RefLedger:
 
     async def _write_batches(self) -> None:
         while self._queue:
-            batch, self._queue = self._queue, []
+            batch = self._take()
             before: dict[str, int] = {}
             writes: dict[str, bytes | None] = {}
             zeroed: list[list[str]] = []  # per request: keys its release brought to zero
@@ -177,6 +179,19 @@ class RefLedger:
             for request, keys in zip(batch, zeroed, strict=True):
                 if not request.done.done():  # a later request of the batch may hold it again
                     request.done.set_result([k for k in keys if not self.count(k)])
+
+    def _take(self) -> list[_Request]:
+        """The queue's leading requests of one kind: those that only delete metadata, or
+        those that store some. On a full medium a disk MetaStore lets the first use its
+        reserve and refuses the second, so neither may fail the other by sharing a batch."""
+        def stores(request: _Request) -> bool:
+            return any(value is not None for value in request.writes.values())
+
+        kind = stores(self._queue[0])
+        n = next((i for i, request in enumerate(self._queue) if stores(request) != kind),
+                 len(self._queue))
+        batch, self._queue = self._queue[:n], self._queue[n:]
+        return batch
 
     def _mark_writes(self, batch: Sequence[_Request], before: Mapping[str, int],
                      unmarks: set[str], writes: dict[str, bytes | None]) -> list[str]:

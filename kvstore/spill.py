@@ -12,8 +12,9 @@ for one chain key are stored as their own version. A spill repeated at the store
 generation with identical content (a client's retry after a lost reply) is answered
 with the first one's receipt; other content at that generation is ``GenerationConflict``.
 
-Every spill is admitted against its tenant's quotas (``kvstore.quota``) before anything
-is stored; ``Spiller._admit`` says how one that would pass ``memory_bytes`` is placed.
+Every spill, and every rebuilt window kept, is admitted through ``QuotaGate.reserve``
+(``kvstore.quota``) before anything is stored; ``Spiller._admit`` says how a spill that
+would pass ``memory_bytes`` is placed.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
@@ -35,6 +36,7 @@ from kvstore.errors import (
     DataLoss,
     GenerationConflict,
     InvalidRequest,
+    QuotaExceeded,
     StaleGeneration,
     TierUnavailable,
 )
@@ -46,7 +48,7 @@ from kvstore.pause_estimate import PauseEstimator
 from kvstore.placement import WINDOW_PREFIX, Check, TierStack, not_placed
 from kvstore.policy import ResumeHint
 from kvstore.prefix import Retention
-from kvstore.quota import QuotaGate, Reservation, TenantUsage, demote_out_of_memory
+from kvstore.quota import QuotaGate, Reservation, TenantUsage, demote_own, memory_floor
 from kvstore.refcount import RefLedger
 from kvstore.stats import Counters
 from kvstore.tiers.base import Buffer
@@ -77,10 +79,8 @@ class Spiller:
         self._can_ack_durable = durable_meta and bool(blocks.durable)
         self._quotas = quotas
         self._retention = retention
-        memory = [j for j, tier in enumerate(stack.tiers) if tier.holds_window]
-        # the first tier below the memory (window) tiers, if there is one
-        self._below = memory[-1] + 1 if memory and memory[-1] + 1 < len(stack.tiers) else None
-        self._placed_in_memory = bool(memory) and memory[0] == 0  # placement starts at tier 0
+        self._below = memory_floor(stack)
+        self._placed_in_memory = stack.tiers[0].holds_window  # placement starts at tier 0
 
     async def spill(
         self,
@@ -286,8 +286,9 @@ class Spiller:
         room = self._quotas.room(tenant, "memory_bytes")
         memory, start, keep_window = held() + sent + extra, 0, True
         if room is not None and memory > room and self._below is not None:
-            await self._demote_own(tenant, memory - room,
-                                   {key for key, data in chunks if data is not None})
+            await demote_own(self._quotas.ledger, self._stack, self._locks, tenant,
+                             memory - room, self._below,
+                             {key for key, data in chunks if data is not None})
             room = self._quotas.room(tenant, "memory_bytes")
             memory = held() + sent + extra
             if room is not None and memory > room:
@@ -309,17 +310,6 @@ class Spiller:
                   + max(0, grows) - room)
         if excess > 0:
             await self._blocks.free(self._retention.over_quota(scope, excess, own))
-
-    async def _demote_own(self, tenant: str, amount: int, protect: Collection[str]) -> None:
-        """Move the tenant's memory-resident blocks below the memory tiers until its
-        memory use fell by ``amount`` (or none is left to move)."""
-        usage = self._quotas.ledger
-        before = usage.usage(tenant).memory_bytes
-        for key in usage.in_memory(tenant):
-            if before - usage.usage(tenant).memory_bytes >= amount:
-                return
-            if key not in protect:
-                await demote_out_of_memory(self._stack, self._locks, key, self._below)
 
     def _top_tier(self, keys: Sequence[str]) -> str:
         """The highest tier holding any of ``keys`` ("" when none is)."""
@@ -451,7 +441,7 @@ class Spiller:
             # the manifest names this one
             key = f"{WINDOW_PREFIX}{tenant}/{session_id}/{generation}r{replayed_tokens}"
             await self._blocks.drop(key)  # a leftover copy must not stand in for this one
-            tier = await self._store_window(key, window, manifest.hint)
+            tier = await self._store_rebuilt(tenant, session_id, key, window, manifest.hint)
             if tier is None:
                 return None
             try:
@@ -464,6 +454,22 @@ class Spiller:
             if old is not None and old != key:
                 await self._blocks.drop(old)
             return tier
+
+    async def _store_rebuilt(self, tenant: str, session_id: str, key: str, data: Buffer,
+                             hint: ResumeHint | None) -> str | None:
+        """``_store_window`` for a rebuilt window, admitted as memory the tenant holds
+        (None, not kept, past ``memory_bytes``). The reservation covers the placement
+        only: a window blob counts for its owner from the moment a memory tier holds it."""
+        try:
+            reservation = self._quotas.reserve(
+                tenant, TenantUsage(memory_bytes=len(data)), count=False, what="window")
+        except QuotaExceeded:
+            self._counters.windows_dropped += 1
+            log.info("%s/%s: rebuilt window not kept, over the tenant's memory_bytes quota",
+                     tenant, session_id)
+            return None
+        with reservation:
+            return await self._store_window(key, data, hint)
 
 
 def _content_digest(layout_id: str, model_fingerprint: str, scope: str, ack: str,

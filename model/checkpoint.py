@@ -29,15 +29,20 @@ def save(model: KVTierLM, path: Path = BUNDLED_WEIGHTS) -> None:
     path.with_suffix(".json").write_text(model.cfg.to_json() + "\n")
 
 
-def load(path: Path = BUNDLED_WEIGHTS, device: torch.device | str = "cpu") -> KVTierLM:
-    """Model in eval mode with the weights (and config) stored at `path`."""
+def load_config(path: Path = BUNDLED_WEIGHTS) -> ModelConfig:
+    """The config stored with the weights at `path` (their header only is read)."""
     if not path.exists():
         raise FileNotFoundError(f"no weights at {path}: run `python -m model.train`")
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
     if "config" not in meta:
         raise ValueError(f"{path} carries no model config in its metadata")
-    model = KVTierLM(ModelConfig.from_json(meta["config"]))
+    return ModelConfig.from_json(meta["config"])
+
+
+def load(path: Path = BUNDLED_WEIGHTS, device: torch.device | str = "cpu") -> KVTierLM:
+    """Model in eval mode with the weights (and config) stored at `path`."""
+    model = KVTierLM(load_config(path))
     tensors = {k: v.float() for k, v in load_file(str(path), device="cpu").items()}
     model.load_state_dict(tensors, strict=True)
     return model.to(device).eval()

@@ -5,15 +5,19 @@ a server that never needs replay never pays for them."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvstore.errors import InvalidRequest
 from kvstore.layout import LayoutSpec
-from model.checkpoint import BUNDLED_WEIGHTS, load
+from model.checkpoint import BUNDLED_WEIGHTS, load, load_config
+from model.config import layout_spec
 from replay.state_codec import Buffer
 from replay.worker import DEFAULT_MAX_BATCH, DEFAULT_REPLAY_TOKENS, ReplayResult, ReplayWorker
+
+log = logging.getLogger(__name__)
 
 
 class LazyReplay:
@@ -51,3 +55,18 @@ class ReplayService(LazyReplay):
             raise InvalidRequest(f"no model weights at {weights}: run `python -m model.train`")
         super().__init__(lambda: load(weights), lambda model: ReplayWorker(
             model, default_tokens=default_tokens, max_batch=max_batch))
+        self._weights = weights
+        self._layout: LayoutSpec | None = None
+
+    def model_layouts(self, replayer: str) -> tuple[LayoutSpec, ...] | None:
+        """The cache of the model it replays ``replayer``'s layouts with (from the config
+        stored with its weights, which stay unloaded); None for another replayer."""
+        if replayer != ReplayWorker.replayer:
+            return None
+        if self._layout is None:
+            try:
+                self._layout = layout_spec(load_config(self._weights))
+            except (OSError, ValueError) as exc:  # the first rebuild reports it
+                log.warning("no model config with the weights at %s: %s", self._weights, exc)
+                return None
+        return (self._layout,)

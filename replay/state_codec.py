@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -31,7 +30,7 @@ from kvstore.codec import StreamData, decode_chunk, encode_chunk, read_header, s
 from kvstore.codec_run import decode_chunks
 from kvstore.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
 from kvstore.keys import block_keys, token_bytes
-from kvstore.layout import LayoutSpec
+from kvstore.layout import LayoutSpec, cache_difference
 from model.config import ModelConfig, layout_spec
 from model.state import PERSISTENT, KVState
 
@@ -41,17 +40,14 @@ Buffer = bytes | bytearray | memoryview
 
 
 def check_spec(cfg: ModelConfig, spec: LayoutSpec) -> None:
-    """Raise LayoutMismatch unless ``spec`` describes this model's cache (same streams,
-    shapes, bits and lifetimes; the layout's name and the pending marks may differ)."""
-    derived = layout_spec(cfg, name=spec.name)
-
-    def shape(s):
-        return replace(s, pending=False)
-
-    if ([shape(s) for s in spec.streams] != [shape(s) for s in derived.streams]
-            or spec.chunk_tokens != derived.chunk_tokens):
+    """Raise LayoutMismatch unless ``spec`` describes this model's cache exactly
+    (``kvstore.layout.cache_difference``: streams, chunk size, vocabulary, window and
+    layer modes; the layout's name and the pending marks may differ)."""
+    differs = cache_difference(spec, layout_spec(cfg, name=spec.name))
+    if differs is not None:
         raise LayoutMismatch(f"layout {spec.layout_id} does not describe this model's cache "
-                             f"(width {cfg.width}, W={cfg.window}, m={cfg.block})")
+                             f"(width {cfg.width}, W={cfg.window}, m={cfg.block}, vocabulary "
+                             f"{cfg.vocab}): {differs}")
 
 
 def as_token_array(token_ids) -> np.ndarray:

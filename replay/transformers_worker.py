@@ -16,6 +16,7 @@ one dedicated thread, one rebuild at a time.
 from __future__ import annotations
 
 import asyncio
+import logging
 import operator
 import time
 from collections.abc import Sequence
@@ -35,6 +36,8 @@ from kvstore.window_blob import encode_window
 from replay.service import LazyReplay
 from replay.state_codec import Buffer, as_token_array, decode_persistent
 from replay.worker import DEFAULT_REPLAY_TOKENS, MAX_REPLAY_TOKENS, ReplayResult
+
+log = logging.getLogger(__name__)
 
 
 def load_model(path: str | Path, seed: int = 0):
@@ -159,3 +162,23 @@ class TransformersReplayService(LazyReplay):
             raise InvalidRequest(f"no transformers model at {path}")
         super().__init__(lambda: load_model(path, seed), lambda model: TransformersReplayWorker(
             model, default_tokens=default_tokens))
+        self._path = path
+        self._layouts: tuple[LayoutSpec, ...] | None = None
+
+    def model_layouts(self, replayer: str) -> tuple[LayoutSpec, ...] | None:
+        """The layouts of its model's cache (from its config; the weights stay unloaded),
+        for ``replayer`` this one; None for another, or a config that does not load."""
+        if replayer != TransformersReplayWorker.replayer:
+            return None
+        if self._layouts is None:
+            from transformers import AutoConfig
+
+            try:
+                config = AutoConfig.from_pretrained(self._path)
+            except (OSError, ValueError) as exc:  # the first rebuild reports it
+                log.warning("no transformers config at %s: %s", self._path, exc)
+                return None
+            if not is_deepseek_v4(config):
+                return None
+            self._layouts = tuple(deepseek_v4_layout(config, bits) for bits in DEEPSEEK_V4_BITS)
+        return self._layouts

@@ -112,6 +112,10 @@ class ReplayWorker:
         check_spec(self.model.cfg, spec)
         return spec
 
+    def model_layouts(self, replayer: str) -> tuple[LayoutSpec, ...] | None:
+        """The cache of its model, for layouts of its replayer (None for another)."""
+        return (layout_spec(self.model.cfg),) if replayer == self.replayer else None
+
     def replay_tokens(self, requested: int | None, num_tokens: int) -> int:
         """R for a request: None or 0 -> the default; capped at the session's length."""
         try:

@@ -396,7 +396,9 @@ def test_config_lists_layouts_inline_as_json_or_toml_tables(tmp_path):
 
 async def test_a_layout_claiming_a_replayer_that_cannot_rebuild_it_is_failed_precondition(
         tmp_path):
-    from kvstore.errors import ReplayUnavailable
+    """Refused at RegisterLayout; one stored by an older server is still served, and its
+    Resume is FAILED_PRECONDITION (the replayer checks the layout), its Restore works."""
+    from kvstore.errors import LayoutMismatch, ReplayUnavailable
     from kvtier import AsyncClient, RetryPolicy
     from tests.service_support import running_server, tokens_for
 
@@ -404,11 +406,16 @@ async def test_a_layout_claiming_a_replayer_that_cannot_rebuild_it_is_failed_pre
     claimed = LayoutSpec("flash-claims-bundled", flash.streams, chunk_tokens=256,
                          window_tokens=128, vocab_size=256, replayer="bundled")
     tokens = tokens_for(claimed.chunk_tokens)
-    async with running_server(tmp_path) as (_, target), \
+    async with running_server(tmp_path / "new") as (_, target), \
             AsyncClient(target, retry=RetryPolicy(attempts=1)) as kv:
-        await kv.register_layout(claimed)
-        await kv.spill("acme", "c", claimed.name, tokens, _stream_data(claimed, len(tokens)),
-                       generation=1)
+        with pytest.raises(LayoutMismatch, match="not the cache of its model.*streams"):
+            await kv.register_layout(claimed)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "layouts.json").write_text(f"[{layout_to_json(claimed)}]")
+    async with running_server(tmp_path / "old") as (_, target), \
+            AsyncClient(target, retry=RetryPolicy(attempts=1)) as kv:
+        await kv.spill("acme", "c", claimed.layout_id, tokens,
+                       _stream_data(claimed, len(tokens)), generation=1)
         with pytest.raises(ReplayUnavailable, match="bundled replayer here cannot rebuild"):
             await kv.resume("acme", "c")
         assert not (await kv.restore("acme", "c")).replayed

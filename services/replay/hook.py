@@ -71,6 +71,17 @@ class ReplayRouter:
             await backend.close()
 
 
+def model_layouts(backend: ReplayBackend | None, replayer: str
+                  ) -> tuple[LayoutSpec, ...] | None:
+    """The caches of the model ``backend`` rebuilds ``replayer``'s layouts with, where
+    this process knows them (an in-process model, from its config); None where it does
+    not (remote workers, streams: they check every layout they are sent)."""
+    if isinstance(backend, ReplayRouter):
+        backend = backend.backends.get(replayer)
+    own = getattr(backend, "model_layouts", None)
+    return own(replayer) if own is not None else None
+
+
 def make_replay_backend(config: ServerConfig) -> tuple[ReplayBackend | None, str]:
     """(backend, "") or (None, why there is none) for the configured replay mode."""
     backend, why = _bundled_backend(config)

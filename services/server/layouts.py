@@ -3,14 +3,15 @@
 - ``layouts`` in the config: canonical layout JSON inline, or paths of files holding one
   layout object or a JSON list of them, loaded at start (a bad one stops the start);
 - ``RegisterLayout``: a layout a client sends, checked hard (``check_bounds``: nothing in
-  it may make the server allocate without bound), idempotent for the same layout (same
-  id and replayer), refused for a known name of another shape; kept in
-  ``{data_dir}/layouts.json`` (written atomically), so it is served again after a
-  restart. Who may register is ``register_layouts``: ``admin`` (admin credentials only),
-  ``any`` (any caller the server lets in), ``none``; ``auto`` (the default) is ``admin``
-  when the server authenticates and ``any`` when it does not (a server without
-  identities has no admins). Every registration is logged and, with an audit log,
-  audited (kind ``layout``).
+  it may make the server allocate without bound; ``check_replayer``: a layout naming a
+  replayer whose model runs here is that model's cache exactly, else ``LayoutMismatch``),
+  idempotent for the same layout (same id and replayer), refused for a known name of
+  another shape; kept in ``{data_dir}/layouts.json`` (written atomically), so it is
+  served again after a restart. Who may register is ``register_layouts``: ``admin``
+  (admin credentials only), ``any`` (any caller the server lets in), ``none``; ``auto``
+  (the default) is ``admin`` when the server authenticates and ``any`` when it does not
+  (a server without identities has no admins). Every registration is logged and, with
+  an audit log, audited (kind ``layout``).
 
 Layouts live in the process's registry (``kvstore.layout.register_layout``), which the
 store resolves session layouts from. With shared metadata a registration also goes to
@@ -23,13 +24,16 @@ from there, checked as RegisterLayout checks one and kept like one.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvstore.errors import (
     InvalidRequest,
+    LayoutMismatch,
     PermissionDenied,
     TierFull,
     TierUnavailable,
@@ -39,6 +43,7 @@ from kvstore.layout import (
     NAME,
     LayoutSpec,
     all_layouts,
+    cache_difference,
     get_layout,
     layout_from_json,
     layout_to_json,
@@ -46,6 +51,7 @@ from kvstore.layout import (
 )
 from kvstore.presets import SHIPPED
 from kvstore.tiers.base import MetaStore
+from kvstore.tiers.disk.headroom import DEFAULT_RESERVE_BYTES, PAGE_BYTES, check_room
 from kvstore.tiers.shared_layouts import BucketLayouts
 from kvstore.validate import chunk_bytes_max, window_bytes_max
 
@@ -102,6 +108,21 @@ def check_bounds(spec: LayoutSpec, max_message_bytes: int) -> None:
                              "a message can carry: fewer chunk_tokens, or smaller entries")
 
 
+def check_replayer(spec: LayoutSpec, owns: Sequence[LayoutSpec] | None) -> None:
+    """LayoutMismatch when ``spec`` names a replayer and is not the cache of the model
+    ``owns`` describes (one layout per way it may store that model's cache), that
+    replayer's here (``cache_difference``): a replay of it would feed the model token
+    ids past its vocabulary, or rebuild a window of another size. ``owns`` None: the
+    model runs elsewhere (remote workers), which checks every layout it is sent."""
+    if not owns:
+        return
+    differs = [cache_difference(spec, own) for own in owns]
+    if None not in differs:
+        theirs = ", ".join(own.layout_id for own in owns)
+        raise LayoutMismatch(f"layout {spec.name} names replayer {spec.replayer!r} but is "
+                             f"not the cache of its model here ({theirs}): {differs[0]}")
+
+
 def parse_layout(text: str, max_message_bytes: int) -> LayoutSpec:
     """A layout sent by a client or a peer (RegisterLayout, a replay request, the fleet's
     bucket): at most MAX_JSON_BYTES of JSON, inside ``check_bounds``."""
@@ -140,9 +161,14 @@ class ServerLayouts:
     """The configured and registered layouts of one server, put in the process's registry."""
 
     def __init__(self, entries: tuple[str, ...], data_dir: Path, policy: str,
-                 max_message_bytes: int, shared: BucketLayouts | None = None) -> None:
-        """``shared``: the fleet's layouts (metadata = "shared", ``fleet_layouts``)."""
+                 max_message_bytes: int, shared: BucketLayouts | None = None,
+                 replayer_model: Callable[[str], Sequence[LayoutSpec] | None] = (
+                     lambda _: None)) -> None:
+        """``shared``: the fleet's layouts (metadata = "shared", ``fleet_layouts``);
+        ``replayer_model``: the caches of a replayer's model where this server runs it
+        (``services.replay.hook.model_layouts``), None where it does not."""
         self.policy = policy
+        self.replayer_model = replayer_model
         self.max_message_bytes = max_message_bytes
         self.shared = shared
         self.path = Path(data_dir) / FILE_NAME
@@ -151,17 +177,21 @@ class ServerLayouts:
         self._lock = asyncio.Lock()
         for entry in entries:
             for spec in _configured(entry):
-                self._add(spec, "config layouts")
+                self._add(spec, "config layouts", self.check_replayer)
+        # Registered before: kept as stored (their replays are refused by the replayer
+        # itself, LayoutMismatch, when a layout is not its model's cache).
         for spec in self._stored():
             self.registered[spec.name] = self._add(spec, str(self.path))
             self.registered_bytes += len(layout_to_json(spec))
 
-    def _add(self, spec: LayoutSpec, where: str) -> LayoutSpec:
+    def _add(self, spec: LayoutSpec, where: str, *checks) -> LayoutSpec:
         try:
             check_bounds(spec, self.max_message_bytes)
+            for check in checks:
+                check(spec)
             return register_layout(spec)
-        except InvalidRequest as exc:
-            raise InvalidRequest(f"{where}: {exc}") from exc
+        except InvalidRequest as exc:  # of its class (LayoutMismatch stays one)
+            raise type(exc)(f"{where}: {exc}") from exc
 
     def _stored(self) -> list[LayoutSpec]:
         try:
@@ -171,6 +201,11 @@ class ServerLayouts:
         except OSError as exc:
             raise InvalidRequest(f"cannot read {self.path}: {exc.strerror}") from exc
         return _specs_in(text, str(self.path))
+
+    def check_replayer(self, spec: LayoutSpec) -> None:
+        """``check_replayer`` against this server's model of ``spec``'s replayer."""
+        if spec.replayer != "none":
+            check_replayer(spec, self.replayer_model(spec.replayer))
 
     def check_caller(self, role: str | None) -> None:
         """PermissionDenied unless a caller of ``role`` (None: not authenticated) may
@@ -186,6 +221,7 @@ class ServerLayouts:
         """(the layout, whether it was new: to the fleet, with shared metadata) for a
         RegisterLayout's JSON."""
         spec = parse_layout(text, self.max_message_bytes)
+        self.check_replayer(spec)
         async with self._lock:
             known = {s.name: s for s in all_layouts()}.get(spec.name)
             if known is not None:
@@ -214,8 +250,9 @@ class ServerLayouts:
                                     [*self.registered.values(), spec])
         except OSError as exc:  # no server path in what the client sees
             log.error("cannot store layout %s in %s: %s", spec.layout_id, self.path, exc)
-            raise TierUnavailable(f"cannot store layout {spec.layout_id} on this "
-                                  f"server's disk: {exc.strerror}") from exc
+            error = TierFull if exc.errno in (errno.ENOSPC, errno.EDQUOT) else TierUnavailable
+            raise error(f"cannot store layout {spec.layout_id} on this server's disk: "
+                        f"{exc.strerror}") from exc
         self.registered[spec.name] = register_layout(spec)
         self.registered_bytes += len(layout_to_json(spec))
 
@@ -315,9 +352,12 @@ def _known(layout_id: str) -> bool:
 
 
 def _write_atomically(path: Path, specs: list[LayoutSpec]) -> None:
-    """The file is either the old list or the new one, whatever happens meanwhile."""
+    """The file is either the old list or the new one, whatever happens meanwhile;
+    ``TierFull`` when writing it would eat into the medium's reserve."""
     body = "[\n" + ",\n".join(layout_to_json(s) for s in specs) + "\n]\n"
     path.parent.mkdir(parents=True, exist_ok=True)
+    # the data directory's medium keeps the disk tier's reserve (its deletes need it)
+    check_room(path.parent, len(body) + PAGE_BYTES, DEFAULT_RESERVE_BYTES)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as handle:
         handle.write(body)

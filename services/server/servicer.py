@@ -39,7 +39,7 @@ from kvtier import shm
 from kvtier.errors import grpc_errors
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
-from services.replay.hook import ReplayBackend
+from services.replay.hook import ReplayBackend, model_layouts
 from services.server import auth
 from services.server import validate as check
 from services.server.audit import AuditLog
@@ -71,7 +71,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                                         lambda: (self.replay, self.why_no_replay),
                                         config.max_message_bytes, config.replay_layouts)
         self.layouts = ServerLayouts(config.layouts, config.data_dir, config.layout_policy,
-                                     config.max_message_bytes, fleet_layouts(manager.meta))
+                                     config.max_message_bytes, fleet_layouts(manager.meta),
+                                     lambda replayer: model_layouts(self.replay, replayer))
         self.replays = 0
         self.address = ""  # where other nodes and routers reach this server (once bound)
         self.audit: AuditLog | None = None  # set when auth or an audit log is configured

@@ -1,4 +1,5 @@
-"""Checking the disk tier's LMDB environment before the writer opens it.
+"""Checking the disk tier's LMDB environment before the writer opens it, and that it is
+this directory's (``check_names_segments``).
 
 Damaged LMDB pages surface as ``lmdb.CorruptedError`` or ``PageNotFoundError``, as
 records that do not decode, or as an assertion in mdb.c that aborts the process, which
@@ -15,8 +16,14 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvstore.errors import IndexCorrupt
+from kvstore.tiers.disk.fs import FileSystem
+from kvstore.tiers.disk.segments import segment_files, starts_with_record
+
+if TYPE_CHECKING:
+    from kvstore.tiers.disk.index import DiskIndex
 
 _CHILD = r"""
 import struct, sys
@@ -83,3 +90,15 @@ def index_corrupt(path: Path, reason: str) -> IndexCorrupt:
     """The error naming the repair (start-up prints it to the operator, who needs the path)."""
     return IndexCorrupt(f"the disk index in {path} is corrupt ({reason}): run "
                         f"`kvtier repair --data-dir {path}`")
+
+
+def check_names_segments(index: DiskIndex, fs: FileSystem, segment_dir: Path,
+                         path: Path) -> None:
+    """A segment file holding records under an id the index never gave out means the
+    index is not this directory's (lost, replaced, rolled back): recovery would remove
+    every segment it does not name, so refuse and name the repair instead."""
+    issued = index.next_segment()
+    for seg_id, file in segment_files(fs, segment_dir):
+        if seg_id > issued and starts_with_record(fs, file):
+            raise index_corrupt(path, f"segment {seg_id} holds records but the index has "
+                                f"given out segment ids up to {issued} only")

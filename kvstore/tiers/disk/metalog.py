@@ -10,18 +10,29 @@ unknown. A record's
 value starts with a log sequence number that orders the writes of a key across
 segments (a compaction's copy may sit in a newer segment than a later write).
 Tombstones stay live for good (a few dozen bytes each): an older put of their key may
-still lie, dead, in some segment.
+still lie, dead, in some segment. A commit that only deletes (tombstones, with the
+reference counts and retention marks that go with them) may use the medium's reserve;
+one that stores a value must leave it (``room_needed``, ``headroom.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import struct
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
+from kvstore.compaction import disk_rewrite
 from kvstore.refcount import REF_PREFIX, RETAIN_PREFIX
 from kvstore.tiers.base import Buffer
-from kvstore.tiers.disk.segments import META, TOMBSTONE, encode_header
+from kvstore.tiers.disk.headroom import index_growth
+from kvstore.tiers.disk.index import EndOp, IndexEntry, MetaOp, SegState
+from kvstore.tiers.disk.log import SegmentAppender
+from kvstore.tiers.disk.segments import META, TOMBSTONE, encode_header, record_size
+
+if TYPE_CHECKING:
+    from kvstore.tiers.disk.tier import DiskTier
 
 _LSN = struct.Struct("<Q")
 _DERIVED = (REF_PREFIX.encode(), RETAIN_PREFIX.encode())  # not logged
@@ -49,3 +60,36 @@ def records(writes: dict[bytes, bytes | None], lsn: int
         flags = META | (TOMBSTONE if value is None else 0)
         header, checksum = encode_header(key, memoryview(payload), flags)
         yield key, [header, key, payload], len(payload), checksum
+
+
+def room_needed(writes: dict[bytes, bytes | None]) -> int:
+    """What a commit of ``writes`` may take on the medium: its log records and the index
+    pages and values of its transaction when it stores a logged value, 0 when it only
+    deletes (it may use the reserve: deletes free space)."""
+    logged = {key: value for key, value in writes.items() if not key.startswith(_DERIVED)}
+    if all(value is None for value in logged.values()):
+        return 0
+    records = sum(record_size(len(key), _LSN.size + len(value or b""))
+                  for key, value in logged.items())
+    stored = sum(len(key) + len(value or b"") for key, value in writes.items())
+    return records + index_growth(len(writes), stored)
+
+
+async def logged_aside(tier: DiskTier, encoded: dict[bytes, bytes | None], logged: list,
+                       lsn: int) -> list[tuple]:
+    """Enqueue arguments logging ``logged`` (``records``) in a segment of its own, sealed
+    by the same commit: an attached tier's (it has no active segment)."""
+    appender = SegmentAppender(tier.index, tier.segment_dir, tier.segment_bytes,
+                               SegState.BUILDING)
+    entries: dict[bytes, IndexEntry] = {}
+    try:
+        for key, parts, value_len, checksum in logged:
+            seg_id, offset = await appender.append(parts, record_size(len(key), value_len))
+            entries[key] = IndexEntry(seg_id, offset, value_len, checksum, 0)
+        built = await appender.finish()
+    except BaseException:
+        await appender.close()
+        await asyncio.to_thread(disk_rewrite.discard, tier, appender)
+        raise
+    seals = [(EndOp(seg_id, end, True),) for seg_id, end in built.items()]
+    return [*seals, (MetaOp(encoded, entries, lsn),)]

@@ -6,10 +6,13 @@ tier pokes its ``Reclaimer``: one background task (never two at once), at most o
 ``interval_s``, picks the SEALED segments whose dead fraction is at or above
 ``dead_fraction`` and rewrites them with the crash-safe protocol of
 ``kvstore.compaction.disk_rewrite`` (copies fsynced, entries switched in one
-transaction, the old file removed only once the index no longer names it). A fully
-dead segment is simply forgotten and removed: freeing space needs none to write.
-Everything slow runs in worker threads or aiofiles, beside the tier's own writes. When
-an offline ``kvtier compact`` holds the compaction lock, the round is skipped.
+transaction, the old file removed only once the index no longer names it), the
+deadest first, in runs whose copies fit in the free space and half the medium's
+reserve (``headroom.py``), so a full medium gets its space back a segment at a time
+and deletes always find the other half. A fully dead segment is simply forgotten and
+removed: freeing space needs none to write. Everything slow runs in worker threads or
+aiofiles, beside the tier's own writes. When an offline ``kvtier compact`` holds the
+compaction lock, the round is skipped.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import time
 from typing import TYPE_CHECKING
 
 from kvstore.errors import Busy, KVTierError
-from kvstore.tiers.disk.index import SegState
+from kvstore.tiers.disk.headroom import free_bytes, rewrite_need
+from kvstore.tiers.disk.index import SegmentInfo, SegState
 
 if TYPE_CHECKING:
     from kvstore.tiers.disk.tier import DiskTier
@@ -77,18 +81,22 @@ class Reclaimer:
 
     async def run_once(self) -> int:
         """One round now; returns the bytes of segment files it freed."""
-        chosen = sorted(info.seg_id for info in self.tier.segments()
-                        if info.state == SegState.SEALED and info.dead_bytes > 0
-                        and info.dead_fraction >= self.dead_fraction)
+        # the deadest first: they free the most for what they copy
+        chosen = sorted((info for info in self.tier.segments()
+                         if info.state == SegState.SEALED and info.dead_bytes > 0
+                         and info.dead_fraction >= self.dead_fraction),
+                        key=lambda info: (-info.dead_fraction, info.seg_id))
         if not chosen:
             return 0
         if not self.tier.compact_lock.try_acquire():
             return 0  # a compaction runs: it rewrites these itself
-        freed = 0
+        freed = done = 0
         try:
-            for start in range(0, len(chosen), _RUN_SEGMENTS):
-                result = await self.tier.rewrite_segments(chosen[start:start + _RUN_SEGMENTS])
+            while run := self._next_run(chosen):
+                result = await self.tier.rewrite_segments([info.seg_id for info in run])
                 freed += result.reclaimed_bytes
+                done += len(run)
+                chosen = [info for info in chosen if info not in run]
         except Busy:
             return freed
         finally:
@@ -96,5 +104,20 @@ class Reclaimer:
         self.rounds += 1
         self.reclaimed_bytes += freed
         log.info("disk tier %s: reclaimed %d bytes from %d segment(s)", self.tier.path,
-                 freed, len(chosen))
+                 freed, done)
         return freed
+
+    def _next_run(self, chosen: list[SegmentInfo]) -> list[SegmentInfo]:
+        """Up to ``_RUN_SEGMENTS`` of ``chosen`` whose copies fit in the free space and
+        half the reserve (``headroom.py``); on a full medium the fully dead ones (they
+        copy nothing) and the deadest that fit, so space comes back a segment at a time."""
+        tier = self.tier
+        room = free_bytes(tier.path) - tier.reserve_bytes // 2 if tier.reserve_bytes > 0 \
+            else None
+        run: list[SegmentInfo] = []
+        for info in chosen:
+            if len(run) == _RUN_SEGMENTS:
+                break
+            if room is None or rewrite_need([*run, info]) <= room:
+                run.append(info)
+        return run

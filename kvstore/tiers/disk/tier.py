@@ -43,7 +43,12 @@ from kvstore.errors import ChunkCorrupt, ChunkNotFound, InvalidRequest, TierFull
 from kvstore.tiers.base import Buffer, Tier
 from kvstore.tiers.disk import batch, metalog
 from kvstore.tiers.disk.fs import OS, FileSystem
-from kvstore.tiers.disk.headroom import DEFAULT_RESERVE_BYTES, check_room
+from kvstore.tiers.disk.headroom import (
+    DEFAULT_RESERVE_BYTES,
+    check_room,
+    index_growth,
+    rewrite_need,
+)
 from kvstore.tiers.disk.index import (
     DeleteOp,
     DiskIndex,
@@ -54,7 +59,7 @@ from kvstore.tiers.disk.index import (
     SegmentInfo,
     SegState,
 )
-from kvstore.tiers.disk.index_check import index_corrupt
+from kvstore.tiers.disk.index_check import check_names_segments
 from kvstore.tiers.disk.lock import COMPACT_LOCK, WRITER_LOCK, DirLock
 from kvstore.tiers.disk.log import SegmentAppender, storage_error
 from kvstore.tiers.disk.meta import DiskMetaStore, encode_writes
@@ -68,8 +73,6 @@ from kvstore.tiers.disk.segments import (
     encode_header,
     key_bytes,
     record_size,
-    segment_files,
-    starts_with_record,
     value_view,
 )
 
@@ -112,7 +115,7 @@ class DiskTier(Tier):
             self.index = DiskIndex(self.path / "index", map_size=map_size, fs=fs,
                                    check=writer, report_as=self.path)
             if writer:
-                self._check_names_segments()
+                check_names_segments(self.index, fs, self.segment_dir, self.path)
                 self.recovery = recover(self.index, self.segment_dir, self.compact_lock)
         except BaseException:
             if hasattr(self, "index"):
@@ -133,16 +136,6 @@ class DiskTier(Tier):
         self.reclaimer = Reclaimer(self, reclaim_dead_fraction if writer else 1.0,
                                    reclaim_interval_s)
         self._closed = False
-
-    def _check_names_segments(self) -> None:
-        """A segment file holding records under an id the index never gave out means
-        the index is not this directory's (lost, replaced, rolled back): recovery would
-        remove every segment it does not name, so refuse and name the repair instead."""
-        issued = self.index.next_segment()
-        for seg_id, path in segment_files(self.fs, self.segment_dir):
-            if seg_id > issued and starts_with_record(self.fs, path):
-                raise index_corrupt(self.path, f"segment {seg_id} holds records but the "
-                                   f"index has given out segment ids up to {issued} only")
 
     @classmethod
     def writer_is_live(cls, path: str | Path) -> bool:
@@ -197,7 +190,8 @@ class DiskTier(Tier):
             if self.used_bytes + delta > self.capacity_bytes:
                 raise TierFull(f"disk tier: {view.nbytes} bytes for {key!r} do "
                                f"not fit ({self.used_bytes} of {self.capacity_bytes} used)")
-            check_room(self.path, view.nbytes, self.reserve_bytes)
+            check_room(self.path, record_size(len(kb), view.nbytes) + index_growth(1),
+                       self.reserve_bytes)
             try:
                 entry = await self._append(kb, [header, kb, view], view.nbytes, checksum,
                                            expires)
@@ -230,7 +224,10 @@ class DiskTier(Tier):
                 raise TierFull(f"disk tier: a batch of {len(prepared)} values "
                                f"needs {growth} more bytes ({self.used_bytes} of "
                                f"{self.capacity_bytes} used)")
-            check_room(self.path, growth, self.reserve_bytes)
+            encoded = encode_writes(meta or {})
+            records = sum(record_size(len(kb), view.nbytes) for kb, view, _, _ in prepared)
+            check_room(self.path, records + index_growth(len(prepared))
+                       + metalog.room_needed(encoded), self.reserve_bytes)
             ready: list[tuple] = []  # enqueue arguments, queued once all are appended
             try:
                 for (kb, view, header, checksum), (delta, count) in zip(prepared, plans,
@@ -245,7 +242,7 @@ class DiskTier(Tier):
                         self.pipeline.enqueue(*args)
                 raise
             if meta:
-                ready += await self._logged_meta(meta)
+                ready += await self._logged_meta(encoded, checked=True)
             if not ready:
                 return
             ops = [self.pipeline.enqueue(*args) for args in ready[:-1]]
@@ -257,7 +254,7 @@ class DiskTier(Tier):
         call: the same transaction as still-pending ones, or a later one."""
         async with self._append_lock:
             self._check_open()
-            ready = await self._logged_meta(writes)
+            ready = await self._logged_meta(encode_writes(writes))
             for args in ready[:-1]:
                 self.pipeline.enqueue(*args)
             queued = self.pipeline.enqueue(*ready[-1], future=True)
@@ -265,16 +262,20 @@ class DiskTier(Tier):
         if any(value is None for value in writes.values()):
             self.reclaimer.poke()
 
-    async def _logged_meta(self, writes: dict[str, bytes | None]) -> list[tuple]:
-        """Enqueue arguments applying ``writes`` with the segment records that log them
-        (``metalog.py``), the MetaOp last. The writer appends them to its active
-        segment; an attached tier (no appender) to a segment of its own, sealed by the
-        same commit. Call holding the append lock."""
-        encoded = encode_writes(writes)
+    async def _logged_meta(self, encoded: dict[bytes, bytes | None], *,
+                           checked: bool = False) -> list[tuple]:
+        """Enqueue arguments applying ``encoded`` (``encode_writes``) with the segment
+        records that log them (``metalog.py``), the MetaOp last. The writer appends them
+        to its active segment; an attached tier (no appender) to a segment of its own,
+        sealed by the same commit. A commit that stores something leaves the reserve
+        (``headroom.py``; ``checked``: the caller counted it). Call holding the append
+        lock."""
+        if not checked:
+            check_room(self.path, metalog.room_needed(encoded), self.reserve_bytes)
         lsn = self._lsn.next()
         logged = list(metalog.records(encoded, lsn))
         if self._appender is None and logged:
-            return await self._logged_aside(encoded, logged, lsn)
+            return await metalog.logged_aside(self, encoded, logged, lsn)
         entries: dict[bytes, IndexEntry] = {}
         ready: list[tuple] = []
         try:
@@ -286,23 +287,6 @@ class DiskTier(Tier):
                 self.pipeline.enqueue(*args)
             raise
         return [*ready, (MetaOp(encoded, entries, lsn),)]
-
-    async def _logged_aside(self, encoded: dict[bytes, bytes | None], logged: list,
-                            lsn: int) -> list[tuple]:
-        appender = SegmentAppender(self.index, self.segment_dir, self.segment_bytes,
-                                   SegState.BUILDING)
-        entries: dict[bytes, IndexEntry] = {}
-        try:
-            for key, parts, value_len, checksum in logged:
-                seg_id, offset = await appender.append(parts, record_size(len(key), value_len))
-                entries[key] = IndexEntry(seg_id, offset, value_len, checksum, 0)
-            built = await appender.finish()
-        except BaseException:
-            await appender.close()
-            await asyncio.to_thread(disk_rewrite.discard, self, appender)
-            raise
-        seals = [(EndOp(seg_id, end, True),) for seg_id, end in built.items()]
-        return [*seals, (MetaOp(encoded, entries, lsn),)]
 
     async def get(self, key: str) -> Buffer:
         """The value as a read-only view, after verifying its record checksum."""
@@ -431,8 +415,14 @@ class DiskTier(Tier):
             self.files.unpin(entry.seg_id)
 
     async def rewrite_segments(self, seg_ids: Iterable[int]) -> disk_rewrite.RewriteResult:
+        """Copy the live records of these SEALED segments, switch, remove the sources
+        (``disk_rewrite``); ``TierFull`` when the copies would take more than half of
+        the reserve (``headroom.py``)."""
+        seg_ids = list(seg_ids)
+        infos = [info for info in map(self.index.segment, seg_ids) if info is not None]
+        check_room(self.path, rewrite_need(infos), self.reserve_bytes // 2)
         try:
-            return await disk_rewrite.rewrite_segments(self, list(seg_ids))
+            return await disk_rewrite.rewrite_segments(self, seg_ids)
         except OSError as exc:  # a read, open or unlink of the compaction's own
             raise storage_error(exc, "disk tier compaction") from exc
 
