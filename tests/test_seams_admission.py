@@ -332,8 +332,9 @@ async def test_the_disk_tier_keeps_its_reserve_for_every_write_that_stores(tmpfs
         await tier.close()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("retain", [False, True], ids=["freed", "retained"])
+# the retained case repeats the freed one with retention's shedding on top: slow only
+@pytest.mark.parametrize("retain", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["freed", "retained"])
 def test_a_full_tmpfs_keeps_its_reserve_and_every_delete_succeeds(tmpfs_factory, tmp_path,
                                                                   retain):
     """Deleted sessions' chunks are freed at once, or (``retain``) kept as cache until a
