@@ -109,6 +109,9 @@ class ServerConfig:
     replay_hf_workers: tuple[str, ...] = ()
     prefetch_timeout_s: float = 30.0  # when a Prefetch request says 0
     max_message_bytes: int = 64 * MiB  # one gRPC message, either direction
+    # A Spill header or a Lookup request: parsed and checked on the event loop, so its
+    # size bounds the loop's work (services.server.sizes); 8 MiB: token ids of 2M tokens.
+    max_header_bytes: int = 8 * MiB
     max_spill_bytes: int = 4 * GiB  # one Spill stream, all payloads together
     # What clients may hold open (services.server.limits); past a bound RESOURCE_EXHAUSTED.
     max_streams: int = 512  # Spill, Restore and Resume streams open at once, all clients
@@ -222,6 +225,9 @@ class ServerConfig:
                                  "disk_reclaim_interval_s >= 0")
         if self.replay_tokens < 1 or self.max_message_bytes < 1 * MiB:
             raise InvalidRequest("replay_tokens must be >= 1 and max_message_bytes >= 1 MiB")
+        if not 64 * KiB <= self.max_header_bytes <= self.max_message_bytes:
+            raise InvalidRequest(f"max_header_bytes must be from 64 KiB to max_message_bytes "
+                                 f"({self.max_message_bytes}), got {self.max_header_bytes}")
         for name in ("max_streams", "max_peer_streams", "stream_idle_s",
                      "max_inflight_bytes", "max_tenant_inflight_bytes"):
             if getattr(self, name) <= 0:
@@ -245,6 +251,7 @@ class ServerConfig:
         if self.replay_max_batch < 1:
             raise InvalidRequest(f"replay_max_batch must be >= 1, got {self.replay_max_batch}")
         _check_pairs(self)
+        _check_fleet(self)
         _check_layout_settings(self)
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         object.__setattr__(self, "replay_workers", tuple(self.replay_workers))
@@ -349,6 +356,21 @@ def _check_pairs(config: ServerConfig) -> None:
         raise InvalidRequest("auth_jwt_audience needs auth_jwt_key")
     if not config.metrics_host:
         raise InvalidRequest("metrics_host must name an address, e.g. 127.0.0.1")
+
+
+def _check_fleet(config: ServerConfig) -> None:
+    if config.metadata != "shared":
+        return
+    if not (config.s3_bucket and config.object_bytes):
+        raise InvalidRequest("metadata = 'shared' needs an S3 object tier: set s3_bucket "
+                             "(and object_bytes > 0), or metadata = 'local'")
+    if not config.node_id and not config.listen.startswith("unix:") and config.port == 0:
+        # the default node name is host:port, the same for every server picking a port
+        raise InvalidRequest("metadata = 'shared' with listen port 0 needs node_id: "
+                             "nodes of a fleet must have distinct names")
+    if config.encrypts:
+        raise InvalidRequest("metadata = 'shared' with encryption at rest is not supported "
+                             "yet (docs/fleet.md): unset one of them")
 
 
 def _check_layout_settings(config: ServerConfig) -> None:
@@ -495,11 +517,11 @@ def _coerce(name: str, value: object) -> object:
     return str(value)
 
 
-def _apply(config: ServerConfig, values: Mapping[str, object], source: str) -> ServerConfig:
+def _coerced(values: Mapping[str, object], source: str) -> dict[str, object]:
     unknown = sorted(set(values) - set(_FIELDS))
     if unknown:
         raise InvalidRequest(f"{source}: unknown config keys {unknown}; known: {sorted(_FIELDS)}")
-    return config.replace(**{k: _coerce(k, v) for k, v in values.items()})
+    return {k: _coerce(k, v) for k, v in values.items()}
 
 
 def env_values(env: Mapping[str, str]) -> dict[str, str]:
@@ -529,10 +551,13 @@ def load_config(
     from_file.pop("preset", None)
     if name not in PRESETS:
         raise InvalidRequest(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
-    config = _apply(PRESETS[name], from_file, f"config file {path}")
-    config = _apply(config, env_values(env), "environment")
-    return _apply(config, {k: v for k, v in (overrides or {}).items() if v is not None},
-                  "overrides")
+    # One replace of the merged values: a setting that needs another (tls_cert and
+    # tls_key) may come from different sources.
+    values = _coerced(from_file, f"config file {path}")
+    values |= _coerced(env_values(env), "environment")
+    values |= _coerced({k: v for k, v in (overrides or {}).items() if v is not None},
+                       "overrides")
+    return PRESETS[name].replace(**values)
 
 
 def field_names() -> list[str]:
