@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import sys
@@ -86,6 +87,11 @@ async def _serve(config) -> int:
     except OSError as exc:
         print(f"kvtier serve: cannot start: {exc}", file=sys.stderr)
         return 2
+    # What start-up made (the store's modules, torch) lives as long as the process: out
+    # of the collector's sight, a full collection walks only what serving made since,
+    # not every object of the start, which held the event loop for 50-130 ms each time.
+    gc.collect()
+    gc.freeze()
     stop = stop_on_signals()
     host = config.listen.rpartition(":")[0]
     extra = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
