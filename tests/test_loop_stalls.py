@@ -16,11 +16,14 @@ import numpy as np
 import pytest
 
 from bench.live_server import LiveServer, channel
+from kvstore.keys import dedupe_scope
+from kvtier import shm
+from kvtier.codec import as_tokens, encode_session
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.server.config import ServerConfig
 from services.server.sizes import CONTROL_BYTES
-from tests.service_support import LAYOUT
+from tests.service_support import LAYOUT, raw_spill_header, streams_for, tokens_for
 
 MESSAGE = ServerConfig.max_message_bytes
 HEADER = ServerConfig.max_header_bytes
@@ -187,3 +190,34 @@ def _length(n: int) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+@pytest.mark.skipif(not shm.available(), reason="needs a writable /dev/shm")
+def test_a_shared_memory_payload_is_bounded_before_it_is_copied(live):
+    """A chunk named by a shared-memory ref as long as a whole leased segment is refused
+    by the layout's bound on a chunk, before its bytes are copied out on the loop."""
+    tokens = as_tokens(tokens_for(LAYOUT.chunk_tokens))
+    enc = encode_session(LAYOUT, tokens, streams_for(LAYOUT, LAYOUT.chunk_tokens),
+                         scope=dedupe_scope(REF.tenant))
+    header = pb.SpillRequest(header=raw_spill_header(REF, tokens, enc)).SerializeToString()
+    size = 256 << 20
+
+    async def run():
+        async with channel(live.target) as ch:
+            stub = pb_grpc.KVTierStub(ch)
+            lease = await stub.LeaseSegment(pb.LeaseRequest(size=size))
+            ref = pb.SharedMemoryRef(lease_id=lease.lease_id, offset=0, length=size)
+
+            async def messages():
+                yield pb.SpillRequest.FromString(header)
+                yield pb.SpillRequest(chunk=pb.Payload(key=enc.keys[0], shm=ref))
+
+            try:
+                await stub.Spill(messages(), timeout=60)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code(), exc.details()
+            return grpc.StatusCode.OK, ""
+
+    code, details = asyncio.run(run())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"the chunk payload is {size} B of shared memory" in details
