@@ -8,7 +8,9 @@ the test's own work cannot stall its loop."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
+import time
 import urllib.request
 
 import grpc
@@ -22,6 +24,8 @@ from kvtier.codec import as_tokens, encode_session
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.server.config import ServerConfig
+from services.server.loop_lag import STALL_S, LoopMonitor
+from services.server.metrics import ServiceMetrics
 from services.server.sizes import CONTROL_BYTES
 from tests.service_support import LAYOUT, raw_spill_header, streams_for, tokens_for
 
@@ -221,3 +225,24 @@ def test_a_shared_memory_payload_is_bounded_before_it_is_copied(live):
     code, details = asyncio.run(run())
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert f"the chunk payload is {size} B of shared memory" in details
+
+
+async def test_the_monitor_counts_a_stall_and_names_the_rpc_in_flight(caplog):
+    """The monitor itself, on this test's loop: a handler that blocks the loop for twice
+    the stall bound is counted and named in the warning."""
+    metrics = ServiceMetrics()
+    monitor = LoopMonitor(metrics)
+    monitor.start()
+    try:
+        await asyncio.sleep(0.1)
+        assert metrics.registry.get_sample_value("kvtier_event_loop_lag_seconds_count") > 0
+        with caplog.at_level(logging.WARNING, logger="services.server.loop_lag"):
+            monitor.entered("Spill")
+            time.sleep(2 * STALL_S)  # what a handler holding the loop does
+            monitor.left("Spill")
+            await asyncio.sleep(0.05)
+    finally:
+        await monitor.stop()
+    assert metrics.registry.get_sample_value("kvtier_event_loop_stalls_total") >= 1
+    assert monitor.max_lag_s >= 2 * STALL_S * 0.9
+    assert "event loop stalled" in caplog.text and "RPCs in flight: Spill" in caplog.text
