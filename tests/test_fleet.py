@@ -122,5 +122,6 @@ async def test_shared_metadata_needs_an_s3_object_tier(tmp_path):
 
 async def test_a_fleet_node_listening_on_port_0_must_be_named(node_config):
     # every such node would otherwise be "host:0", and take the others' windows for its own
-    with pytest.raises(InvalidRequest, match="needs node_id"):  # refused by the config
-        dataclasses.replace(node_config("a"), node_id="", listen="127.0.0.1:0")
+    unnamed = dataclasses.replace(node_config("a"), node_id="", listen="127.0.0.1:0")
+    with pytest.raises(InvalidRequest, match="needs node_id"):
+        await open_manager(unnamed)

@@ -367,10 +367,6 @@ def _check_fleet(config: ServerConfig) -> None:
     if not (config.s3_bucket and config.object_bytes):
         raise InvalidRequest("metadata = 'shared' needs an S3 object tier: set s3_bucket "
                              "(and object_bytes > 0), or metadata = 'local'")
-    if not config.node_id and not config.listen.startswith("unix:") and config.port == 0:
-        # the default node name is host:port, the same for every server picking a port
-        raise InvalidRequest("metadata = 'shared' with listen port 0 needs node_id: "
-                             "nodes of a fleet must have distinct names")
     if config.encrypts:
         raise InvalidRequest("metadata = 'shared' with encryption at rest is not supported "
                              "yet (docs/fleet.md): unset one of them")

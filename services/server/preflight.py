@@ -33,6 +33,7 @@ def check(config: ServerConfig, *, insecure: bool = False) -> None:
     if config.metrics_port:
         refuse_if_taken(f"{config.metrics_host}:{config.metrics_port}",
                         "--metrics-port (0: none)")
+    check_node_name(config)
     if config.tls:
         check_tls_pair(config.tls_cert, config.tls_key, config.tls_client_ca)
     from services.server.audit import AuditLog
@@ -56,6 +57,15 @@ def check(config: ServerConfig, *, insecure: bool = False) -> None:
                       config.max_message_bytes)
     if config.audit_log:
         AuditLog(config.audit_log).close()
+
+
+def check_node_name(config: ServerConfig) -> None:
+    """InvalidRequest when a fleet node (shared metadata) would serve under the default
+    name of every node that picks its port (host:0)."""
+    if config.metadata == "shared" and not config.node_id \
+            and not config.listen.startswith("unix:") and config.port == 0:
+        raise InvalidRequest("metadata = 'shared' with listen port 0 needs node_id: "
+                             "nodes of a fleet must have distinct names")
 
 
 def check_tls_pair(cert: str, key: str, client_ca: str = "") -> None:

@@ -27,7 +27,7 @@ from kvstore.tiers.base import MemoryMetaStore, MetaStore, Tier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
 from services.server.config import ServerConfig
-from services.server.preflight import prepare_data_dir
+from services.server.preflight import check_node_name, prepare_data_dir
 
 if TYPE_CHECKING:  # cryptography is imported only by a server that encrypts
     from kvstore.encryption import Keyring
@@ -85,6 +85,7 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
 
             meta = SealedMetaStore(disk.meta, keyring)
     shared = config.metadata == "shared"  # with an S3 bucket (ServerConfig checks it)
+    check_node_name(config)
     if config.object_bytes:
         from kvstore.tiers.object import ObjectTier, ObjectTierConfig
 
