@@ -23,7 +23,6 @@ from typing import TypeVar
 from kvstore.errors import TierFull
 
 T = TypeVar("T")
-YIELD_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -116,17 +115,9 @@ class InFlight:
 async def idle_bounded(messages: AsyncIterator[T], idle_s: float, method: str
                        ) -> AsyncIterator[T]:
     """``messages``, cancelled with ``TierFull`` once the client sends nothing for
-    ``idle_s`` seconds (an open stream it never finishes holds a slot and its bytes).
-    Every ``YIELD_S`` of the consumer's work it lets the event loop run other calls: a
-    message gRPC already holds is handed over without a pause, so a stream of many
-    would otherwise keep the loop for all of them."""
+    ``idle_s`` seconds (an open stream it never finishes holds a slot and its bytes)."""
     iterator = aiter(messages)
-    loop = asyncio.get_running_loop()
-    resumed = loop.time()
     while True:
-        if loop.time() - resumed > YIELD_S:
-            await asyncio.sleep(0)
-            resumed = loop.time()
         try:
             async with asyncio.timeout(idle_s):
                 message = await anext(iterator)
