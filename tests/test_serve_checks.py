@@ -3,7 +3,6 @@ with the same status and the same line: both run ``services.server.preflight.che
 
 from __future__ import annotations
 
-import base64
 import os
 import socket
 from pathlib import Path
@@ -13,7 +12,6 @@ import pytest
 from services.cli.main import main
 from services.server.devcerts import write_dev_set
 
-KEY = base64.b64encode(bytes(range(32))).decode()
 BAD_TOKENS = "[[token]]\nsha256 = 1\n"
 NO_KEYS = "nothing = 1\n"
 
@@ -45,9 +43,6 @@ CASES = {
         [], 'metadata = "shared"\nnode_id = "n1"\n', ["metadata = 'shared'", "s3_bucket"]),
     "shared metadata on port 0 without node_id": lambda t, s: (
         [], 'metadata = "shared"\ns3_bucket = "b"\n', ["node_id"]),
-    "shared metadata with encryption": lambda t, s: (
-        [], f'metadata = "shared"\ns3_bucket = "b"\nnode_id = "n1"\n'
-            f'encryption_key = "{KEY}"\n', ["encryption", "not supported"]),
     "missing TLS files": lambda t, s: (
         [], f'tls_cert = "{t}/no-cert.pem"\ntls_key = "{t}/no-key.pem"\n',
         ["tls_key", "no-key.pem", "cannot read"]),

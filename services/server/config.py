@@ -367,9 +367,6 @@ def _check_fleet(config: ServerConfig) -> None:
     if not (config.s3_bucket and config.object_bytes):
         raise InvalidRequest("metadata = 'shared' needs an S3 object tier: set s3_bucket "
                              "(and object_bytes > 0), or metadata = 'local'")
-    if config.encrypts:
-        raise InvalidRequest("metadata = 'shared' with encryption at rest is not supported "
-                             "yet (docs/fleet.md): unset one of them")
 
 
 def _check_layout_settings(config: ServerConfig) -> None:
