@@ -93,8 +93,9 @@ def _transformers_backend(config: ServerConfig) -> ReplayBackend | None:
 def _remote(config: ServerConfig, addresses: Sequence[str]) -> ReplayBackend:
     from services.replay.remote import RemoteReplay, credentials_from
 
-    return RemoteReplay(addresses, max_message_bytes=config.max_message_bytes,
-                        credentials=credentials_from(config))
+    # a request carries the whole session's chunks: the workers' message limit, not the
+    # one this server puts on its clients' messages
+    return RemoteReplay(addresses, credentials=credentials_from(config))
 
 
 def _bundled_backend(config: ServerConfig) -> tuple[ReplayBackend | None, str]:
