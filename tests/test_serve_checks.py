@@ -77,9 +77,6 @@ CASES = {
                                                ["cannot start", "audit.jsonl"]),
     "unknown manager preset": lambda t, s: ([], 'manager_preset = "galactic"\n',
                                             ["manager_preset", "galactic"]),
-    "unknown redis preset": lambda t, s: (
-        [], 'redis_url = "redis://127.0.0.1:1/0"\nredis_preset = "galactic"\n',
-        ["redis_preset", "galactic"]),
     "unknown config key": lambda t, s: ([], "no_such_key = 1\n", ["no_such_key"]),
 }
 

@@ -7,10 +7,9 @@ no store and no network: the configuration's own rules (``ServerConfig``), the e
 rule (``services.server.tls.exposure_problem``), the ports, and every file the server
 reads at start-up, each read by the function the server reads it with (TLS certificate
 and key, the tokens file, the JWT key, the encryption keyring, configured layouts, the
-audit log), the manager and Redis presets, and the data directory (``prepare_data_dir``,
-without creating it). What only opening the store can tell (the data directory's
-writer lock held by another server, a bucket S3 says does not exist, a damaged index)
-is refused by ``serve`` alone.
+audit log), and the data directory (``prepare_data_dir``, without creating it). What
+only opening the store can tell (the data directory's writer lock held by another
+server, a bucket S3 says does not exist, a damaged index) is refused by ``serve`` alone.
 """
 
 from __future__ import annotations
@@ -47,12 +46,10 @@ def check(config: ServerConfig, *, insecure: bool = False) -> None:
 
         load_keyring(config.encryption_key_file, config.encryption_key)
     prepare_data_dir(config.data_dir, create=False)
-    if config.manager_preset != ServerConfig.manager_preset or config.redis_url:
-        from services.server.store import manager_config, redis_settings  # only then
+    if config.manager_preset != ServerConfig.manager_preset:
+        from services.server.store import manager_config  # the store's modules: only then
 
         manager_config(config)
-        if config.redis_url:
-            redis_settings(config)
     if config.layouts:
         from services.server.layouts import ServerLayouts
 

@@ -42,18 +42,6 @@ def _preset(presets: dict, name: str, key: str):
     return presets[name]
 
 
-def redis_settings(config: ServerConfig):
-    """The Redis tier's settings (``kvstore.tiers.redis.RedisConfig``): ``redis_preset``
-    with this server's key prefix, and the chain index a fleet's nodes share."""
-    from kvstore.tiers.redis import REDIS_PRESETS
-
-    redis_config = _preset(REDIS_PRESETS, config.redis_preset, "redis_preset")
-    if config.redis_prefix != redis_config.prefix:
-        redis_config = dataclasses.replace(redis_config, prefix=config.redis_prefix)
-    # a fleet's nodes find each other's chunks by chain key (kvstore.fleet_prefix)
-    return dataclasses.replace(redis_config, chain_index=config.metadata == "shared")
-
-
 def build_tiers(config: ServerConfig, tiers: list[Tier],
                 keyring: Keyring | None = None, domains: BlockDomains | None = None
                 ) -> MetaStore:
@@ -74,10 +62,15 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
     if config.host_bytes:
         tiers.append(HostTier(config.host_bytes))
     if config.redis_url:
-        from kvstore.tiers.redis import RedisTier
+        from kvstore.tiers.redis import REDIS_PRESETS, RedisTier
 
-        tiers.append(outside(RedisTier(config.redis_url, config.redis_bytes,
-                                       redis_settings(config))))
+        redis_config = _preset(REDIS_PRESETS, config.redis_preset, "redis_preset")
+        if config.redis_prefix != redis_config.prefix:
+            redis_config = dataclasses.replace(redis_config, prefix=config.redis_prefix)
+        # a fleet's nodes find each other's chunks by chain key (kvstore.fleet_prefix)
+        redis_config = dataclasses.replace(redis_config,
+                                           chain_index=config.metadata == "shared")
+        tiers.append(outside(RedisTier(config.redis_url, config.redis_bytes, redis_config)))
     if config.disk_bytes:
         from kvstore.tiers.disk import DiskTier
 
