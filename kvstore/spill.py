@@ -57,6 +57,7 @@ from kvstore.writeback import WriteBack, WriteBackQueue
 
 Ack = Literal["memory", "durable"]
 log = logging.getLogger(__name__)
+CHECK_ON_LOOP_BYTES = 1 << 20  # about a millisecond of hashing
 
 
 class Spiller:
@@ -136,11 +137,19 @@ class Spiller:
         tokens = np.frombuffer(token_bytes(token_ids), dtype="<u4")
         check_fingerprint(model_fingerprint)
         scope = dedupe_scope(tenant, dedupe_domain)
-        check_spill(spec, tokens, chunks, tail, window, scope=scope,
-                    model_fingerprint=model_fingerprint)
         keys = [key for key, _ in chunks]
-        digest = _content_digest(spec.layout_id, model_fingerprint, scope, ack, tokens, keys,
-                                 tail, window)
+
+        def checked() -> str:
+            check_spill(spec, tokens, chunks, tail, window, scope=scope,
+                        model_fingerprint=model_fingerprint)
+            return _content_digest(spec.layout_id, model_fingerprint, scope, ack, tokens,
+                                   keys, tail, window)
+
+        # Every byte is hashed: a large spill is checked off the event loop.
+        sent = (sum(len(data) for _, data in chunks if data is not None) + len(tail)
+                + (len(window) if window is not None else 0))
+        digest = (await asyncio.to_thread(checked) if sent > CHECK_ON_LOOP_BYTES
+                  else checked())
         async with self._catalog.write(tenant, session_id):
             old = await self._catalog.load(tenant, session_id)
             if old is not None and generation == old.generation:

@@ -23,6 +23,7 @@ from kvstore.layout import layout_from_json, layout_to_json
 from kvtier import AsyncClient
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
+from services.server.config import ServerConfig
 from services.server.layouts import MAX_JSON_BYTES, MAX_REGISTERED, MAX_REGISTERED_BYTES
 from tests.security_support import TOKENS, dev_set, secured_server, spill_one
 from tests.service_support import LAYOUT, running_server, streams_for, tokens_for
@@ -30,8 +31,8 @@ from tests.service_support import LAYOUT, running_server, streams_for, tokens_fo
 MiB = 1 << 20
 DEADLINE_S = 20.0  # the fuzzer's hang: one-token chunks took ~9 s per million tokens
 STREAM = {"name": "a", "entry_shape": [2], "bits": 16}
-# the most token ids a 64 MiB message carries, with room for the other fields
-MAX_MESSAGE_TOKENS = (64 * MiB - 4096) // 4
+# the most token ids a Lookup or a Spill header carries, with room for the other fields
+MAX_MESSAGE_TOKENS = (ServerConfig.max_header_bytes - 4096) // 4
 
 
 def layout_json(name: str, **fields) -> str:

@@ -9,21 +9,26 @@ free port; scripts read it from that line).
 A server that cannot start (a bad config, its data directory in use or not a directory,
 its port taken) prints one line naming the cause on stderr and exits with status 2; so
 does one asked to listen off loopback without TLS and authentication, unless
-``--insecure`` is given (``services.server.tls.exposure_problem``).
+``--insecure`` is given (``services.server.tls.exposure_problem``). ``--print-config``
+runs the same checks (``services.server.preflight.check``) before it prints, and refuses
+what ``serve`` would, with the same line and status; only what opening the store finds
+(the data directory in use, a missing bucket) is left to ``serve``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import sys
 
 from kvstore.errors import KVTierError
-from services.cli.lifecycle import refuse_if_taken, stop_on_signals
+from services.cli.lifecycle import stop_on_signals
+from services.server import preflight
 from services.server.config import PRESETS, load_config
-from services.server.tls import INSECURE_FLAG, exposure_problem
+from services.server.tls import INSECURE_FLAG
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve a non-loopback address without TLS and authentication "
                         "(anyone reaching the port may read and delete every session)")
     parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved configuration as JSON and exit")
+                        help="check the configuration as serve does (exit 2 with serve's "
+                        "message if serve would refuse it), print it as JSON and exit")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -57,26 +63,16 @@ def run(args: argparse.Namespace) -> int:
                  "replay_workers": args.replay_workers}
     try:
         config = load_config(args.config, preset=args.preset, overrides=overrides)
+        preflight.check(config, insecure=args.insecure)
     except KVTierError as exc:
         print(f"kvtier serve: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"kvtier serve: cannot start: {exc}", file=sys.stderr)
         return 2
     if args.print_config:
         print(json.dumps(config.summary(), indent=2))
         return 0
-    problem = exposure_problem(config.listen, config.tls, config.authenticates)
-    if problem and not args.insecure:
-        print(f"kvtier serve: {problem}", file=sys.stderr)
-        return 2
-    try:
-        # Ports first: before the store is opened (and torch imported), and without the
-        # line gRPC itself logs when it cannot bind.
-        refuse_if_taken(config.listen)
-        if config.metrics_port:
-            refuse_if_taken(f"{config.metrics_host}:{config.metrics_port}",
-                            "--metrics-port (0: none)")
-    except KVTierError as exc:
-        print(f"kvtier serve: {exc}", file=sys.stderr)
-        return 2
     return asyncio.run(_serve(config))
 
 
@@ -91,6 +87,11 @@ async def _serve(config) -> int:
     except OSError as exc:
         print(f"kvtier serve: cannot start: {exc}", file=sys.stderr)
         return 2
+    # What start-up made (the store's modules, torch) lives as long as the process: out
+    # of the collector's sight, a full collection walks only what serving made since,
+    # not every object of the start, which held the event loop for 50-130 ms each time.
+    gc.collect()
+    gc.freeze()
     stop = stop_on_signals()
     host = config.listen.rpartition(":")[0]
     extra = f", metrics on :{server.metrics_port}" if server.metrics_port else ""

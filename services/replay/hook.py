@@ -114,9 +114,10 @@ def _transformers_backend(config: ServerConfig) -> ReplayBackend | None:
 def _remote(config: ServerConfig, addresses: Sequence[str]) -> ReplayBackend:
     from services.replay.remote import RemoteReplay, credentials_from
 
+    # a request carries the whole session's chunks: the workers' message limit, not the
+    # one this server puts on its clients' messages
     return RemoteReplay(addresses, timeout_s=config.replay_timeout_s,
                         breaker_cooldown_s=config.breaker_cooldown_s,
-                        max_message_bytes=config.max_message_bytes,
                         credentials=credentials_from(config))
 
 

@@ -15,8 +15,8 @@ subject CN a ``[[client_cert]]`` entry of the tokens file maps. The tokens file 
     tenant = "acme"
     role = "tenant"
 
-is read again when its mtime, size or inode changed, looked at most once per second on
-a call (an edit that does not parse keeps the last good table, with a warning).
+is read again, and its content hash compared, at most once per second on a call; while
+it is missing, unreadable or does not parse it grants nothing (``TokenFile``).
 
 Authorization: ``METHOD_ROLES`` says which roles may call each method; the tenant a
 request names must be the caller's (``check_tenant``, ``list_scope``) unless the caller
@@ -114,7 +114,16 @@ def token_id(token: str) -> str:
 
 
 class TokenFile:
-    """The tokens file: token digests and certificate CNs -> identities, kept current."""
+    """The tokens file: token digests and certificate CNs -> identities, kept current.
+
+    At most once per ``RELOAD_CHECK_S``, on a call, the file is read whole and its
+    SHA-256 compared with the last one read: any edit is seen, whatever it does to the
+    size or the modification time. It fails closed: while the file is missing,
+    unreadable or does not parse, no token or certificate of it is accepted (the last
+    table is dropped, and a warning says why, once per state); the next good read
+    restores it. Write it atomically (a new file renamed over the old) so no call sees
+    half an edit. At start-up a bad file is an error.
+    """
 
     def __init__(self, path: str | os.PathLike,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -122,20 +131,17 @@ class TokenFile:
         self._clock = clock
         self._tokens: list[tuple[bytes, Identity]] = []
         self._certs: dict[str, Identity] = {}
-        self._seen: tuple[int, int, int] | None = None
+        self._digest: bytes | None = None  # of the content last read, good or bad
+        self._problem: str | None = None  # why the file is refused now
         self._checked = clock()
         try:
-            self._load(self._signature())  # at start-up a bad file is an error
+            self._load(self.path.read_bytes())
         except (OSError, ValueError, tomllib.TOMLDecodeError) as exc:
             raise InvalidRequest(f"auth_tokens_file {self.path}: {exc}") from exc
 
-    def _signature(self) -> tuple[int, int, int]:
-        st = self.path.stat()
-        return st.st_mtime_ns, st.st_size, st.st_ino
-
-    def _load(self, signature: tuple[int, int, int]) -> None:
-        with open(self.path, "rb") as handle:
-            table = tomllib.load(handle)
+    def _load(self, content: bytes) -> None:
+        self._digest = hashlib.sha256(content).digest()
+        table = tomllib.loads(content.decode("utf-8"))
         tokens, certs = [], {}
         for i, entry in enumerate(table.get("token", [])):
             digest = str(entry.get("sha256", "")).lower()
@@ -149,7 +155,7 @@ class TokenFile:
         unknown = set(table) - {"token", "client_cert"}
         if unknown:
             raise ValueError(f"unknown tables {sorted(unknown)}; known: token, client_cert")
-        self._tokens, self._certs, self._seen = tokens, certs, signature
+        self._tokens, self._certs = tokens, certs
 
     def _refresh(self) -> None:
         now = self._clock()
@@ -157,15 +163,29 @@ class TokenFile:
             return
         self._checked = now
         try:
-            signature = self._signature()
-            if signature != self._seen:
-                self._load(signature)
-                log.info("auth_tokens_file %s reloaded: %d tokens, %d client certificates",
-                         self.path, len(self._tokens), len(self._certs))
-        except (OSError, ValueError, tomllib.TOMLDecodeError, InvalidRequest) as exc:
-            # A half-written edit must not lock every client out: keep the last table.
-            log.warning("auth_tokens_file %s not reloaded (the last one stays): %s",
-                        self.path, exc)
+            content = self.path.read_bytes()
+        except OSError as exc:
+            self._refuse(f"cannot be read ({exc.strerror})")
+            self._digest = None
+            return
+        if hashlib.sha256(content).digest() == self._digest:
+            return
+        try:
+            self._load(content)
+        except (ValueError, tomllib.TOMLDecodeError) as exc:
+            # The parser's messages name a line and column, never the file's text.
+            self._refuse(f"does not parse ({exc})")
+            return
+        self._problem = None
+        log.info("auth_tokens_file %s reloaded: %d tokens, %d client certificates",
+                 self.path, len(self._tokens), len(self._certs))
+
+    def _refuse(self, problem: str) -> None:
+        self._tokens, self._certs = [], {}
+        if problem != self._problem:
+            log.warning("auth_tokens_file %s %s: every token and client certificate of it "
+                        "is refused until it is readable again", self.path, problem)
+        self._problem = problem
 
     def token(self, token: str) -> Identity | None:
         self._refresh()

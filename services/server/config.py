@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import socket
 import tomllib
 from collections.abc import Mapping
@@ -28,13 +27,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
-from urllib.parse import urlsplit
 
 from kvstore.errors import InvalidRequest
 from kvstore.layout import REPLAYERS
 from services.server.address_file import WILDCARD_HOSTS
+from services.server.config_values import (
+    GiB,
+    KiB,
+    MiB,
+    TiB,
+    check_domains,
+    check_listen,
+    check_url,
+    domains_value,
+    flag,
+    parse_size,
+    quota_tables,
+)
 
-KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 ENV_PREFIX = "KVTIER_"
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9100
@@ -120,7 +130,13 @@ class ServerConfig:
     # turn as replay_workers are, reached with the replay_tls_* settings).
     replay_hf_workers: tuple[str, ...] = ()
     prefetch_timeout_s: float = 30.0  # when a Prefetch request says 0
-    max_message_bytes: int = 64 * MiB  # one gRPC message, either direction
+    # One gRPC message, either direction. gRPC copies each message it receives on the
+    # event loop, so this bounds how long one message holds it (services.server.sizes);
+    # every shipped layout's chunk and window fit.
+    max_message_bytes: int = 8 * MiB
+    # A Spill header or a Lookup request (token ids, chain keys): parsed and checked on
+    # the event loop, so its size bounds that work; 6 MiB carry 1.5M token ids.
+    max_header_bytes: int = 6 * MiB
     max_spill_bytes: int = 4 * GiB  # one Spill stream, all payloads together
     # What clients may hold open (services.server.limits); past a bound RESOURCE_EXHAUSTED.
     max_streams: int = 512  # Spill, Restore and Resume streams open at once, all clients
@@ -189,12 +205,12 @@ class ServerConfig:
     layouts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_listen("listen", self.listen)
+        check_listen("listen", self.listen)
         if self.advertise_address:
-            _check_listen("advertise_address", self.advertise_address)
+            check_listen("advertise_address", self.advertise_address)
         for name in ("redis_url", "replay_redis_url"):
-            _check_url(name, getattr(self, name), REDIS_SCHEMES)
-        _check_url("s3_endpoint", self.s3_endpoint, S3_ENDPOINT_SCHEMES)
+            check_url(name, getattr(self, name), REDIS_SCHEMES)
+        check_url("s3_endpoint", self.s3_endpoint, S3_ENDPOINT_SCHEMES)
         if (self.s3_endpoint or self.s3_region) and not self.s3_bucket:
             # Without a bucket the object tier is a local directory: the endpoint would
             # be ignored without a word.
@@ -241,6 +257,9 @@ class ServerConfig:
                                  "disk_reclaim_interval_s >= 0")
         if self.replay_tokens < 1 or self.max_message_bytes < 1 * MiB:
             raise InvalidRequest("replay_tokens must be >= 1 and max_message_bytes >= 1 MiB")
+        if self.max_header_bytes < 64 * KiB:  # and max_message_bytes bounds it too
+            raise InvalidRequest(f"max_header_bytes must be >= 64 KiB, got "
+                                 f"{self.max_header_bytes}")
         for name in ("max_streams", "max_peer_streams", "stream_idle_s",
                      "max_inflight_bytes", "max_tenant_inflight_bytes"):
             if getattr(self, name) <= 0:
@@ -250,7 +269,7 @@ class ServerConfig:
         for name in ("shm_lease_bytes_per_client", "shm_lease_bytes_total"):
             if getattr(self, name) < 0:
                 raise InvalidRequest(f"{name} must be >= 0 (0: no shared memory)")
-        _check_domains(self.dedupe_domains)
+        check_domains(self.dedupe_domains)
         if self.quota:
             from kvstore.quota import Quotas  # loads the store's modules: only when used
 
@@ -264,6 +283,7 @@ class ServerConfig:
         if self.replay_max_batch < 1:
             raise InvalidRequest(f"replay_max_batch must be >= 1, got {self.replay_max_batch}")
         _check_pairs(self)
+        _check_fleet(self)
         _check_layout_settings(self)
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         object.__setattr__(self, "replay_workers", tuple(self.replay_workers))
@@ -350,14 +370,6 @@ class ServerConfig:
         return out
 
 
-def _check_listen(name: str, address: str) -> None:
-    if address.startswith("unix:"):
-        return
-    _, colon, port = address.rpartition(":")
-    if not colon or not port.isdigit() or int(port) > 65535:
-        raise InvalidRequest(f"{name} must be HOST:PORT (port 0: a free one), got {address!r}")
-
-
 def _check_pairs(config: ServerConfig) -> None:
     for cert, key in (("tls_cert", "tls_key"), ("replay_tls_cert", "replay_tls_key")):
         if bool(getattr(config, cert)) != bool(getattr(config, key)):
@@ -370,6 +382,14 @@ def _check_pairs(config: ServerConfig) -> None:
         raise InvalidRequest("metrics_host must name an address, e.g. 127.0.0.1")
 
 
+def _check_fleet(config: ServerConfig) -> None:
+    if config.metadata != "shared":
+        return
+    if not (config.s3_bucket and config.object_bytes):
+        raise InvalidRequest("metadata = 'shared' needs an S3 object tier: set s3_bucket "
+                             "(and object_bytes > 0), or metadata = 'local'")
+
+
 def _check_layout_settings(config: ServerConfig) -> None:
     if config.register_layouts not in LAYOUT_POLICIES:
         raise InvalidRequest(f"register_layouts must be one of {LAYOUT_POLICIES}, "
@@ -377,66 +397,6 @@ def _check_layout_settings(config: ServerConfig) -> None:
     unknown = set(config.replayers) - set(REPLAYERS[:-1])
     if unknown:
         raise InvalidRequest(f"replayers must be some of {REPLAYERS[:-1]}, got {sorted(unknown)}")
-
-
-_DOMAIN = re.compile(r"^[a-z0-9_-]{1,64}$")  # as tenant ids
-
-
-def _check_domains(domains: object) -> None:
-    if not isinstance(domains, Mapping):
-        raise InvalidRequest("dedupe_domains must be a table of domain = [tenants]")
-    for name, tenants in domains.items():
-        if not isinstance(name, str) or not _DOMAIN.match(name):
-            raise InvalidRequest(f"dedupe_domains: domain name {name!r} must match "
-                                 f"{_DOMAIN.pattern}")
-        if isinstance(tenants, str) or not all(
-                isinstance(t, str) and _DOMAIN.match(t) for t in tenants):
-            raise InvalidRequest(f"dedupe_domains.{name} must list tenant ids "
-                                 f"({_DOMAIN.pattern}), got {tenants!r}")
-
-
-def _domains(value: object) -> object:
-    """``name=t1,t2;name2=t3`` (the environment's form) or a TOML table as it is."""
-    if not isinstance(value, str):
-        return value
-    out: dict[str, tuple[str, ...]] = {}
-    for entry in filter(None, (part.strip() for part in value.split(";"))):
-        name, eq, tenants = entry.partition("=")
-        if not eq:
-            raise ValueError(f"{entry!r} is not name=tenant,tenant")
-        out[name.strip()] = tuple(t.strip() for t in tenants.split(",") if t.strip())
-    return out
-
-
-def _quota_tables(value: object) -> dict[str, dict[str, object]]:
-    """``[quota.*]`` TOML tables or the environment's ``tenant.key=value;...``, with sizes
-    (``memory_bytes``, ``durable_bytes``) and string counts turned into ints."""
-    if isinstance(value, str):
-        tables: dict[str, dict[str, object]] = {}
-        for entry in filter(None, (part.strip() for part in value.split(";"))):
-            where, eq, raw = entry.partition("=")
-            name, dot, key = where.strip().partition(".")
-            if not eq or not dot:
-                raise ValueError(f"{entry!r} is not tenant.key=value")
-            tables.setdefault(name, {})[key] = raw.strip()
-        value = tables
-    if not isinstance(value, Mapping) or not all(isinstance(t, Mapping) for t in value.values()):
-        raise ValueError("quotas are [quota.default] and [quota.<tenant>] tables")
-    return {name: {key: parse_size(v) if key.endswith("_bytes")
-                   else int(v) if isinstance(v, str) else v for key, v in table.items()}
-            for name, table in value.items()}
-
-
-def _check_url(name: str, url: str, schemes: tuple[str, ...]) -> None:
-    """An empty URL leaves its tier out; any other must be of one of ``schemes``."""
-    if not url:
-        return
-    parts = urlsplit(url)
-    needs_host = parts.scheme != "unix"
-    if parts.scheme not in schemes or (needs_host and not parts.netloc) \
-            or (not needs_host and not parts.path):
-        wanted = ", ".join(f"{scheme}://" for scheme in schemes)
-        raise InvalidRequest(f"{name} must be a URL starting with one of {wanted}; got {url!r}")
 
 
 PRESETS: dict[str, ServerConfig] = {
@@ -457,41 +417,13 @@ PRESETS: dict[str, ServerConfig] = {
 }
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
-          "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}
-
-
-def parse_size(value: object) -> int:
-    """``4096``, ``"4096"``, ``"64MiB"``, ``"1.5GB"`` -> bytes."""
-    if isinstance(value, bool):
-        raise InvalidRequest(f"not a size: {value!r}")
-    if isinstance(value, int):
-        return value
-    match = _SIZE.match(str(value))
-    if not match:
-        raise InvalidRequest(f"not a size: {value!r} (use bytes or e.g. '64MiB')")
-    number, unit = match.groups()
-    return int(float(number) * _UNITS[(unit or "b").lower()])
-
-
-def _flag(value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    if str(value).strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    if str(value).strip().lower() in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError("not a boolean (true or false)")
-
-
 def _coerce(name: str, value: object) -> object:
     kind = _FIELDS[name].type
     try:
         if name.endswith("_bytes"):
             return parse_size(value)
         if kind == "bool":
-            return _flag(value)
+            return flag(value)
         if kind == "int":
             return int(value)
         if kind == "float":
@@ -499,9 +431,9 @@ def _coerce(name: str, value: object) -> object:
         if kind == "Path":
             return Path(str(value))
         if name == "quota":
-            return _quota_tables(value)
+            return quota_tables(value)
         if kind.startswith("Mapping"):
-            return _domains(value)
+            return domains_value(value)
         if name == "layouts" and not isinstance(value, str):
             # TOML inline tables are layouts too: kept as the JSON they spell
             return tuple(json.dumps(item) if isinstance(item, Mapping) else str(item)
@@ -514,11 +446,11 @@ def _coerce(name: str, value: object) -> object:
     return str(value)
 
 
-def _apply(config: ServerConfig, values: Mapping[str, object], source: str) -> ServerConfig:
+def _coerced(values: Mapping[str, object], source: str) -> dict[str, object]:
     unknown = sorted(set(values) - set(_FIELDS))
     if unknown:
         raise InvalidRequest(f"{source}: unknown config keys {unknown}; known: {sorted(_FIELDS)}")
-    return config.replace(**{k: _coerce(k, v) for k, v in values.items()})
+    return {k: _coerce(k, v) for k, v in values.items()}
 
 
 def env_values(env: Mapping[str, str]) -> dict[str, str]:
@@ -548,10 +480,13 @@ def load_config(
     from_file.pop("preset", None)
     if name not in PRESETS:
         raise InvalidRequest(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
-    config = _apply(PRESETS[name], from_file, f"config file {path}")
-    config = _apply(config, env_values(env), "environment")
-    return _apply(config, {k: v for k, v in (overrides or {}).items() if v is not None},
-                  "overrides")
+    # One replace of the merged values: a setting that needs another (tls_cert and
+    # tls_key) may come from different sources.
+    values = _coerced(from_file, f"config file {path}")
+    values |= _coerced(env_values(env), "environment")
+    values |= _coerced({k: v for k, v in (overrides or {}).items() if v is not None},
+                       "overrides")
+    return PRESETS[name].replace(**values)
 
 
 def field_names() -> list[str]:

@@ -219,6 +219,12 @@ class ServiceMetrics:
                                      ["path"], registry=r)
         self.shm_segments = Gauge("kvtier_shm_segments", "Shared-memory segments leased "
                                   "to clients", registry=r)
+        # services.server.loop_lag: how late the event loop ran a tick it had due
+        self.loop_lag_seconds = Histogram(
+            "kvtier_event_loop_lag_seconds", "How late the event loop woke the lag "
+            "monitor, per tick", buckets=LATENCY_BUCKETS, registry=r)
+        self.loop_stalls = Counter("kvtier_event_loop_stalls", "Lag monitor ticks late by "
+                                   "more than the stall bound (50 ms)", registry=r)
         self._http = None
 
     def record_error(self, method: str, code: str) -> None:

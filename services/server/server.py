@@ -2,7 +2,10 @@
 (``services.server.servicer``), binds (TLS when configured, ``services.server.tls``),
 registers health checking and, when ``reflection`` is set, reflection, records its
 connectable address in ``{data_dir}/server.addr`` (``services.server.address_file``) and
-serves metrics; ``KVTierServer.stop`` drains in-flight calls, then the write-back queue.
+serves metrics. Every request is bounded in size before it is parsed
+(``services.server.sizes``) and the event loop's lag is measured throughout
+(``services.server.loop_lag``). ``KVTierServer.stop`` drains in-flight calls, then the
+write-back queue.
 
     server, port = await create_server(load_config(preset="test", overrides={...}))
     ...
@@ -25,9 +28,10 @@ from kvstore.manager import TierManager
 from kvtier.errors import add_servicer
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.replay.hook import make_replay_backend
-from services.server import address_file, auth, reflection
+from services.server import address_file, auth, reflection, sizes
 from services.server.audit import AuditLog
 from services.server.config import ServerConfig, load_config
+from services.server.loop_lag import LoopMonitor
 from services.server.metrics import ServiceMetrics
 from services.server.servicer import SERVICE, KVTierServicer
 from services.server.store import open_manager
@@ -40,8 +44,10 @@ class KVTierServer:
     """A running server: the grpc.aio server, the store under it, and its metrics."""
 
     def __init__(self, grpc_server: grpc.aio.Server, servicer: KVTierServicer,
-                 health_servicer: health.aio.HealthServicer, port: int) -> None:
+                 health_servicer: health.aio.HealthServicer, port: int,
+                 loop_monitor: LoopMonitor) -> None:
         self.grpc_server = grpc_server
+        self.loop_monitor = loop_monitor  # running from start to stop
         self.servicer = servicer
         self.health = health_servicer
         self.port = port
@@ -93,6 +99,7 @@ class KVTierServer:
             if self._refresher is not None:
                 self._refresher.cancel()
                 await asyncio.gather(self._refresher, return_exceptions=True)
+            await self.loop_monitor.stop()
             try:
                 await self.manager.close()
             finally:
@@ -129,9 +136,12 @@ async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServe
         metrics = ServiceMetrics()
         metrics.watch_breakers(lambda: breakers_of(manager, replay[0]))
         servicer = KVTierServicer(manager, config, metrics, replay)
-        grpc_server = grpc.aio.server(options=_options(config),
-                                      interceptors=_interceptors(config, servicer))
-        add_servicer(pb_grpc.add_KVTierServicer_to_server, servicer, grpc_server)
+        monitor = LoopMonitor(metrics)
+        grpc_server = grpc.aio.server(
+            options=_options(config),
+            interceptors=[monitor.interceptor(), *_interceptors(config, servicer)])
+        add_servicer(sizes.bounded(pb_grpc.add_KVTierServicer_to_server,
+                                   config.max_header_bytes), servicer, grpc_server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         if config.reflection:  # it lists the services to anyone who asks: only on request
@@ -150,7 +160,7 @@ async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServe
             servicer.leases.close()
         await manager.close()  # releases the disk tier's writer lock for the next try
         raise
-    server = KVTierServer(grpc_server, servicer, health_servicer, port)
+    server = KVTierServer(grpc_server, servicer, health_servicer, port, monitor)
     try:
         for name in ("", SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -162,6 +172,7 @@ async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServe
             log.warning("cannot record the server address in %s: %s", config.data_dir, exc)
         if config.metrics_port:
             _start_metrics(server, config)
+        monitor.start()  # from here on every tick is one of serving
     except BaseException:
         await server.stop(0)  # a half-started server closes like a running one
         raise

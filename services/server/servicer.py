@@ -105,7 +105,13 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         started = time.perf_counter()
         plan = None
 
-        def read(payload: pb.Payload) -> bytes:
+        def read(kind: str, payload: pb.Payload) -> bytes:
+            if payload.WhichOneof("body") == "shm" and \
+                    payload.shm.length > plan.payload_limit(kind):
+                # refused before it is copied out of the segment (on the event loop)
+                raise InvalidRequest(f"the {kind} payload is {payload.shm.length} B of shared "
+                                     f"memory; layout {plan.spec.name} encodes it in at most "
+                                     f"{plan.payload_limit(kind)} B")
             data = self._payload_bytes(payload, peer,
                                        self.config.max_spill_bytes - plan.bytes_received)
             flight.reserve(plan.tenant, len(data))
@@ -125,11 +131,11 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                 plan = (await asyncio.to_thread(checked)
                         if len(message.header.chunk_keys) > HEADER_KEYS_ON_LOOP else checked())
             elif kind == "chunk":
-                plan.add_chunk(message.chunk.key, read(message.chunk))
+                plan.add_chunk(message.chunk.key, read(kind, message.chunk))
             elif kind == "tail":
-                plan.add_tail(message.tail.key, read(message.tail))
+                plan.add_tail(message.tail.key, read(kind, message.tail))
             else:
-                plan.add_window(message.window.key, read(message.window))
+                plan.add_window(message.window.key, read(kind, message.window))
         plan = check.spill_ended(plan)
         plan.finish()
         # Chunks left out go by key only: the store confirms it holds that key with that

@@ -15,9 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvstore.errors import Busy, InvalidRequest
@@ -29,6 +27,7 @@ from kvstore.tiers.base import MemoryMetaStore, MetaStore, Tier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
 from services.server.config import ServerConfig
+from services.server.preflight import check_node_name, prepare_data_dir
 
 if TYPE_CHECKING:  # cryptography is imported only by a server that encrypts
     from kvstore.encryption import Keyring
@@ -90,14 +89,8 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
             from kvstore.tiers.sealed import SealedMetaStore
 
             meta = SealedMetaStore(disk.meta, keyring)
-    shared = config.metadata == "shared"
-    if shared and not (config.s3_bucket and config.object_bytes):
-        raise InvalidRequest("metadata = 'shared' needs an S3 object tier: set s3_bucket "
-                             "(and object_bytes > 0), or metadata = 'local'")
-    if shared and not config.node_id and config.port == 0:
-        # the default node name is host:port, the same for every server picking a port
-        raise InvalidRequest("metadata = 'shared' with listen port 0 needs node_id: "
-                             "nodes of a fleet must have distinct names")
+    shared = config.metadata == "shared"  # with an S3 bucket (ServerConfig checks it)
+    check_node_name(config)
     if config.object_bytes:
         from kvstore.tiers.object import ObjectTier, ObjectTierConfig
 
@@ -129,21 +122,6 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
             return SharedMetaStore(objects, meta or MemoryMetaStore(), config.node_name,
                                    caches=tiers[:-1], sealer=sealer, chunks=tiers[-1])
     return meta if meta is not None else MemoryMetaStore()
-
-
-def prepare_data_dir(path: Path) -> None:
-    """Create the data directory and check that files can be made in it, so a wrong one
-    is refused by name at start-up rather than by whichever tier touches it first."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except (FileExistsError, NotADirectoryError) as exc:
-        raise InvalidRequest(f"data_dir {path} is not a directory (it or a parent is a "
-                             "file): choose a directory for data_dir") from exc
-    except OSError as exc:
-        raise InvalidRequest(f"data_dir {path} cannot be written ({exc.strerror}): fix its "
-                             "permissions or choose another data_dir") from exc
 
 
 def check_bucket(config: ServerConfig) -> None:

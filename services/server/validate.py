@@ -113,6 +113,11 @@ class SpillPlan:
         # Window K/V over at most W tokens plus the pending rows of an unfinished entry.
         self._window_limit = window_bytes_max(self.spec)
 
+    def payload_limit(self, kind: str) -> int:
+        """The most bytes the layout encodes a ``kind`` payload (chunk, tail, window) in."""
+        return {"chunk": self._chunk_limit, "tail": self._tail_limit,
+                "window": self._window_limit}[kind]
+
     @property
     def block_keys(self) -> list[str]:
         """What the store names the chunks by: chain key and stated digest (its bytes are
