@@ -1,0 +1,69 @@
+"""A whole simulation: the shared processes (redis-server, moto's S3 server, a
+development set of TLS certificates and tokens), then each switch combination in turn,
+the step budget shared among those that serve; the result as one JSON-able dict."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+from bench.live_server import Credentials
+from bench.seams.engine import Simulation
+from bench.seams.switches import Combination
+from bench.seams.verdict import KEYS, Ledger
+from bench.seams.world import Moto, Redis
+
+MIN_STEPS = 20  # per combination, whatever the budget
+
+
+def simulate(steps: int, seed: int, combinations: list[Combination], *,
+             workdir: Path | None = None, log_path: Path | None = None) -> dict:
+    with tempfile.TemporaryDirectory(prefix="kvtier-seams-") as scratch:
+        root = Path(workdir or scratch)
+        root.mkdir(parents=True, exist_ok=True)
+        log_file = open(log_path or root / "seams.log", "a", buffering=1)  # noqa: SIM115
+        try:
+            return asyncio.run(_simulate(steps, seed, combinations, root,
+                                         lambda line: log_file.write(line + "\n")))
+        finally:
+            log_file.close()
+
+
+async def _simulate(steps: int, seed: int, combinations: list[Combination], root: Path,
+                    log) -> dict:
+    started = time.monotonic()
+    ledger = Ledger(seed, log)
+    redis, moto = Redis(root / "redis"), Moto(root / "moto.log")
+    creds = Credentials.write(root / "creds")
+    results = []
+    # The most crossed first: a combination its server refuses leaves its share of the
+    # budget to those after it.
+    order = sorted(combinations, key=lambda c: -sum(vars(c).values()))
+    try:
+        await asyncio.to_thread(redis.start)
+        await asyncio.to_thread(moto.start)
+        done = 0
+        for i, combo in enumerate(order):
+            share = max(MIN_STEPS, (steps - done) // (len(order) - i))
+            log(f"seed={seed} combo={combo.name} steps={share}")
+            sim = Simulation(combo, seed, share, workdir=root, redis=redis, moto=moto,
+                             creds=creds, ledger=ledger, log=log)
+            results.append(await sim.run())
+            done += results[-1]["steps"]
+    finally:
+        moto.stop()
+        redis.stop()
+    stalls_sources = sorted({r["stalls"]["source"] for r in results if r["stalls"]["source"]})
+    return {
+        "steps": sum(r["steps"] for r in results),
+        "switch_combinations": sum(r["ran"] for r in results),
+        "combinations_tried": len(results),
+        **{key: ledger.counts[key] for key in KEYS},
+        "stalls_source": ", ".join(stalls_sources),
+        "seed": seed,
+        "seconds": round(time.monotonic() - started, 1),
+        "per_combination": results,
+        "findings": ledger.report(),
+    }
