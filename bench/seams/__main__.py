@@ -2,7 +2,8 @@
 whole-service simulation (``bench.seams.engine``) over every switch combination; prints
 the failure counts, the per-combination figures and the first findings. Each step is
 logged (``--log``, default a file in the scratch directory) as ``step=N op=...`` so a
-finding's seed and step replay it."""
+finding's seed and step replay it. Exit status: with ``--json`` 0 once the run completed
+(the counts are in the JSON), without it 1 when any failure key is not 0."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {finding['kind']} {finding['combination']} step {finding['step']} "
                   f"{finding['op']} {finding['session']}: expected {finding['expected']}, "
                   f"got {finding['got']}")
-    return 0 if not any(result[k] for k in KEYS) else 1
+    # With --json the findings are the output (bench.all collects them): 0 once the run
+    # completed; without it, 1 when any failure key is not 0.
+    return 0 if args.json or not any(result[k] for k in KEYS) else 1
 
 
 if __name__ == "__main__":

@@ -25,8 +25,10 @@ def simulate(steps: int, seed: int, combinations: list[Combination], *,
         root.mkdir(parents=True, exist_ok=True)
         log_file = open(log_path or root / "seams.log", "a", buffering=1)  # noqa: SIM115
         try:
-            return asyncio.run(_simulate(steps, seed, combinations, root,
-                                         lambda line: log_file.write(line + "\n")))
+            began = time.monotonic()
+            return asyncio.run(_simulate(
+                steps, seed, combinations, root,
+                lambda line: log_file.write(f"t={time.monotonic() - began:.1f} {line}\n")))
         finally:
             log_file.close()
 

@@ -53,9 +53,10 @@ class Ledger:
         self.by_combination: dict[str, dict[str, int]] = {}
 
     def add(self, kind: str, combination: str, step: int, op: str, session: str,
-            expected: str, got: str) -> None:
-        self.counts[kind] += 1
-        self.by_combination.setdefault(combination, dict.fromkeys(KEYS, 0))[kind] += 1
+            expected: str, got: str, count: int = 1) -> None:
+        """One finding (``count``: of that many failures, e.g. stalls)."""
+        self.counts[kind] += count
+        self.by_combination.setdefault(combination, dict.fromkeys(KEYS, 0))[kind] += count
         finding = Finding(kind, combination, self.seed, step, op, session, expected,
                           got[:300])
         if len(self.findings) < SHOWN:
