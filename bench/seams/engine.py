@@ -30,8 +30,9 @@ TMPFS_MIB = 48
 EVENTS = ("restart", "compact-live", "kill9", "compact-offline", "repair", "full-disk")
 EVENT_EVERY = 110  # steps between maintenance events
 MAX_SESSIONS = 10  # per tenant, so quota and capacity are met and sessions stay small
+# resumes replay on the server's CPU (the costliest step): fewer of them, every R still
 WEIGHTS = {"spill-new": 12, "spill-extend": 12, "spill-rewrite": 5, "lookup-spill": 5,
-           "stale-spill": 2, "restore": 16, "resume": 14, "fork": 5, "fork-burst": 1,
+           "stale-spill": 2, "restore": 16, "resume": 7, "fork": 5, "fork-burst": 1,
            "delete": 6, "restore-deleted": 2, "lookup-foreign": 3, "register": 2,
            "evict": 4, "count": 3}
 

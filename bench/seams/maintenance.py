@@ -129,7 +129,7 @@ async def full_disk(sim) -> None:
             from bench.seams.model import Held, Version
 
             sim.model[(tenant, sid)] = Held(tenant, sid, [Version(
-                1, spec.name, tokens, sim._last_streams, None, True)])
+                1, spec.name, tokens, sim._last_streams, None, True, f"fill@{sim.step}")])
         sim.log(f"step={sim.step} full-disk filled {len(made)} then "
                 f"{named(refused) if refused else 'no refusal'} free={sim.tmpfs.free()}")
         if refused is not None and not sim.documented(refused, admission=True):
@@ -169,7 +169,7 @@ async def _spill_settles(sim, tenant: str) -> None:
         from bench.seams.model import Held, Version
 
         sim.model[(tenant, sid)] = Held(tenant, sid, [Version(
-            1, spec.name, tokens, sim._last_streams, None, True)])
+            1, spec.name, tokens, sim._last_streams, None, True, f"refill@{sim.step}")])
         return
     sim.ledger.add("unexpected", sim.combo.name, sim.step, "spill-after-deletes",
                    f"{tenant}/{sid}", f"taken within {SETTLE_S} s of the deletes",

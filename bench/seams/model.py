@@ -125,9 +125,11 @@ class Version:
     persistent: dict[str, StreamData]
     window: dict[str, StreamData] | None  # as spilled (exactly what a restore returns)
     durable: bool
+    origin: str = ""  # the operation and step that made it: "spill-rewrite@31"
 
     def describe(self) -> str:
-        return f"gen {self.generation} n {len(self.tokens)} digest {digest(self.persistent)}"
+        return (f"gen {self.generation} n {len(self.tokens)} digest {digest(self.persistent)}"
+                f" ({self.origin})")
 
 
 @dataclass

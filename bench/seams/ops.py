@@ -129,7 +129,7 @@ class Ops:
                      persistent, held: Held | None, gen: int, *, window: bool | None = None,
                      ttl: bool | None = None) -> Version | None:
         n = len(tokens)
-        with_window = self.rng.random() < 0.6 if window is None else window
+        with_window = self.rng.random() < 0.4 if window is None else window
         win = random_window(spec, n, self.rng) if with_window else None
         ack = self.rng.choice(("memory", "durable"))
         ttl_s = self.session_ttl if (self.rng.random() < 0.25 if ttl is None else ttl) else 0.0
@@ -144,8 +144,8 @@ class Ops:
             if not self.documented(exc, admission=True):
                 self.fail(exc, step, op, name, f"gen {gen} stored")
                 if error_kind(exc) == "unexpected":  # it may have landed: either is right
-                    self._maybe(tenant, sid, held, Version(gen, spec.name, tokens,
-                                                           persistent, win, False), ttl_s)
+                    self._maybe(tenant, sid, held, Version(gen, spec.name, tokens, persistent,
+                                                           win, False, f"{op}@{step}?"), ttl_s)
             return None
         except Exception as exc:  # noqa: BLE001 - a client crash is a finding, not an abort
             self.fail(exc, step, op, name, f"gen {gen} stored")
@@ -153,7 +153,8 @@ class Ops:
         if reply.generation != gen:
             self.wrong(step, op, name, f"generation {gen}", f"generation {reply.generation}")
         version = Version(gen, spec.name, tokens, persistent,
-                          win if reply.window_kept else None, ack == "durable" and reply.durable)
+                          win if reply.window_kept else None, ack == "durable" and reply.durable,
+                          f"{op}@{step}")
         if ack == "durable" and not reply.durable:
             self.ledger.add("unexpected", self.combo.name, step, op, name,
                             "a durable ack says durable", "durable=False")
@@ -210,12 +211,12 @@ class Ops:
             return
         if held.may_be_absent(now()):  # expired and collected: the spill made it anew
             held.settle(Version(base.generation, spec.name, base.tokens, persistent, None,
-                                True))
+                                True, f"stale-spill@{step}"))
             return
         self.ledger.add("unexpected", self.combo.name, step, "stale-spill", name,
                         "StaleGeneration (other tensors, same generation)", "accepted")
         held.versions = [base, Version(base.generation, spec.name, base.tokens, persistent,
-                                       None, True)]
+                                       None, True, f"stale-spill@{step}")]
         base.durable = True
         held.uncertain = True
 
@@ -285,7 +286,7 @@ class Ops:
             # one finding per cause: what the server holds now is what later calls are
             # judged against
             held.settle(Version(got.generation, held.current.layout, tokens, got.persistent,
-                                None, held.current.durable))
+                                None, held.current.durable, f"as {op} got it@{step}"))
             held.window_replayed = True
             return
         held.settle(match)
@@ -351,9 +352,11 @@ class Ops:
         persistent = base.persistent if whole else truncated(spec, base.persistent, k)
         window = base.window if whole and reply.window_kept else None
         copy = Version(1, base.layout, base.tokens[:k].clone(), persistent, window,
-                       base.durable)
+                       base.durable, f"fork@{step}")
+        # a fork keeps its source's TTL, counted from the fork
         self.model[(held.tenant, new)] = Held(held.tenant, new, [copy],
-                                              window_replayed=held.window_replayed and whole)
+                                              window_replayed=held.window_replayed and whole,
+                                              ttl_s=held.ttl_s)
         self.deleted.discard((held.tenant, new))
         return True
 
