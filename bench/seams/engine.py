@@ -33,7 +33,7 @@ MAX_SESSIONS = 10  # per tenant, so quota and capacity are met and sessions stay
 # resumes replay on the server's CPU (the costliest step): fewer of them, every R still
 WEIGHTS = {"spill-new": 12, "spill-extend": 12, "spill-rewrite": 5, "lookup-spill": 5,
            "stale-spill": 2, "restore": 16, "resume": 7, "fork": 5, "fork-burst": 1,
-           "delete": 6, "restore-deleted": 2, "lookup-foreign": 3, "register": 2,
+           "delete": 6, "restore-deleted": 2, "lookup-foreign": 3, "register": 3,
            "evict": 4, "count": 3}
 
 

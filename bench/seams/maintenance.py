@@ -28,7 +28,10 @@ from kvstore.errors import KVTierError, TierFull
 
 BALLAST_FREE = 6 << 20  # what the ballast leaves free: a little above the disk reserve
 FILL_TOKENS = 4096
-SETTLE_S = 8.0  # how long a spill may wait for a full medium's freed space
+SETTLE_S = 8.0
+# The disk tier stops value writes while less than its 4 MiB reserve would be left
+# (metadata and deletes may use it): a quarter of it must still be free when it refuses.
+KEPT_FREE = 1 << 20  # how long a spill may wait for a full medium's freed space
 
 
 class Abort(Exception):
@@ -134,6 +137,11 @@ async def full_disk(sim) -> None:
                 f"{named(refused) if refused else 'no refusal'} free={sim.tmpfs.free()}")
         if refused is not None and not sim.documented(refused, admission=True):
             sim.fail(refused, sim.step, "fill", f"{tenant}/-", "TierFull or QuotaExceeded")
+        free = sim.tmpfs.free()
+        if isinstance(refused, TierFull) and free < KEPT_FREE:
+            sim.ledger.add("unexpected", sim.combo.name, sim.step, "fill", f"{tenant}/-",
+                           f">= {KEPT_FREE} B left free on the medium (the disk tier's "
+                           "reserve) once spills are refused", f"{free} B free")
         for key in sorted(sim.model)[:3]:  # reads need no free space
             sim.step += 1
             await sim.restore(sim.step, sim.model[key], op="restore-full")

@@ -424,12 +424,14 @@ class Ops:
         try:
             layout_id = await kv.register_layout(text)
         except (InvalidRequest, PermissionDenied) as exc:
+            self.log(f"step={step} register-layout what={what} refused: {named(exc)[:120]}")
             if not hostile and not isinstance(exc, PermissionDenied):
                 self.fail(exc, step, "register-layout", what, "registered")
             return
         except KVTierError as exc:
             self.fail(exc, step, "register-layout", what, "registered or InvalidRequest")
             return
+        self.log(f"step={step} register-layout what={what} accepted as {layout_id}")
         spec = layout_from_json(text)
         self.layout_specs[spec.name] = spec
         for client in self.clients.values():
@@ -450,7 +452,9 @@ class Ops:
             return
         tenant = self.tenants[0]
         sid = self.new_sid()
-        tokens = torch.randint(0, 200, (8,), generator=torch.Generator().manual_seed(step))
+        # ids across the whole vocabulary the layout declares, as its client may send
+        tokens = torch.randint(0, spec.vocab_size, (8,),
+                               generator=torch.Generator().manual_seed(step))
         kv = self.client(tenant)
         try:
             await kv.spill(tenant, sid, spec, tokens.numpy().astype("uint32"),
