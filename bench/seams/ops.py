@@ -153,7 +153,7 @@ class Ops:
         if reply.generation != gen:
             self.wrong(step, op, name, f"generation {gen}", f"generation {reply.generation}")
         version = Version(gen, spec.name, tokens, persistent,
-                          win if reply.window_kept else None, ack == "durable" and reply.durable,
+                          win if reply.window_kept else None, reply.durable,
                           f"{op}@{step}")
         if ack == "durable" and not reply.durable:
             self.ledger.add("unexpected", self.combo.name, step, op, name,
