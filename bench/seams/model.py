@@ -144,6 +144,7 @@ class Held:
     ttl_s: float = 0.0
     touched: float = field(default_factory=time.monotonic)
     flagged: set[str] = field(default_factory=set)  # kinds of findings already recorded
+    trail: list[str] = field(default_factory=list)  # origins since a restore last agreed
 
     @property
     def current(self) -> Version:
@@ -167,11 +168,13 @@ class Held:
         """A restore showed ``version``: it is the truth from now on."""
         self.versions = [version]
         self.uncertain = False
+        self.trail = []
 
     def push(self, version: Version) -> None:
         """A newer version acked: kept with those a kill -9 may fall back to (from the
         last durable one on)."""
         self.versions.append(version)
+        self.trail.append(version.origin)
         floor = max((i for i, v in enumerate(self.versions) if v.durable), default=0)
         self.versions = self.versions[floor:]
         self.window_replayed = False

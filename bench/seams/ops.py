@@ -281,6 +281,8 @@ class Ops:
                 match = version
         if match is None:
             want = " or ".join(v.describe() for v in held.candidates())
+            if len(held.trail) > 1:  # what changed it since a restore last agreed
+                want += f" after {', '.join(held.trail)}"
             self.wrong(step, op, name, want, f"gen {got.generation} n {len(tokens)} digest "
                                              f"{digest(got.persistent)}")
             # one finding per cause: what the server holds now is what later calls are
