@@ -28,7 +28,7 @@ from kvtier import AsyncClient
 
 TMPFS_MIB = 48
 EVENTS = ("restart", "compact-live", "kill9", "compact-offline", "repair", "full-disk")
-EVENT_EVERY = 110  # steps between maintenance events
+EVENT_EVERY = 200  # steps between maintenance events (each restarts or runs a tool)
 MAX_SESSIONS = 10  # per tenant, so quota and capacity are met and sessions stay small
 # resumes replay on the server's CPU (the costliest step): fewer of them, every R still
 WEIGHTS = {"spill-new": 12, "spill-extend": 12, "spill-rewrite": 5, "lookup-spill": 5,
