@@ -54,6 +54,7 @@ class Simulation(Ops):
         self.session_ttl = SESSION_TTL_S if combo.ret else 0.0
         self.default_replay = 128
         self.full = False
+        self.overshoots: dict[tuple[str, str], int] = {}  # (tenant, what) -> most seen
         self.clients: dict[str, AsyncClient] = {}
         self._admin: AsyncClient | None = None
         self._ids = 0

@@ -487,9 +487,11 @@ class Ops:
                  f"durable={usage.durable_bytes}")
         if not self.combo.quota:
             return
-        if len(listed) > SESSIONS:
-            self.ledger.add("quota_overshoot", self.combo.name, step, op, tenant,
-                            f"<= {SESSIONS} sessions", f"{len(listed)} listed")
-        if usage.durable_bytes > DURABLE_BYTES:
-            self.ledger.add("quota_overshoot", self.combo.name, step, op, tenant,
-                            f"<= {DURABLE_BYTES} durable bytes", f"{usage.durable_bytes}")
+        # an overshoot is counted when it grows, not again at every count that sees it
+        for what, limit, value in (("sessions", SESSIONS, len(listed)),
+                                   ("durable bytes", DURABLE_BYTES, usage.durable_bytes)):
+            seen = self.overshoots.get((tenant, what), limit)
+            if value > seen:
+                self.overshoots[(tenant, what)] = value
+                self.ledger.add("quota_overshoot", self.combo.name, step, op, tenant,
+                                f"<= {limit} {what}", f"{value}")
