@@ -24,7 +24,7 @@ def failures(result: dict) -> str:
     shown = "\n".join(f"  {f['kind']} {f['combination']} seed {f['seed']} step {f['step']} "
                       f"{f['op']} {f['session']}: expected {f['expected']}, got {f['got']}"
                       for f in result["findings"][:20])
-    return f"{counts}\n{shown}"
+    return f"{counts} (step log: {result['log']})\n{shown}"
 
 
 @pytest.mark.parametrize("seed", [1, 2])

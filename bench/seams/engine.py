@@ -18,8 +18,9 @@ from pathlib import Path
 
 from bench.live_server import ROOT, Credentials
 from bench.seams import maintenance
+from bench.seams.layouts import BUNDLED
 from bench.seams.model import Held
-from bench.seams.ops import BUNDLED, REPLAYS, Ops
+from bench.seams.ops import REPLAYS, Ops
 from bench.seams.switches import SESSION_TTL_S, Combination, write_config
 from bench.seams.verdict import Ledger
 from bench.seams.world import Moto, Node, Redis, Tmpfs
@@ -231,6 +232,16 @@ class Simulation(Ops):
             self.step += len(batch)
             await asyncio.gather(*(self.timed(kind, op, first + i)
                                    for i, (kind, op) in enumerate(batch)))
+            if not self.node.alive():
+                await self.revive(first)
+
+    async def revive(self, step: int) -> None:
+        """The server died under the operations: a finding, then a start as after a
+        kill -9 (the model's memory-acked versions may be gone)."""
+        code = self.node.child.proc.returncode
+        self.ledger.add("internal", self.combo.name, step, "server-died", "-",
+                        "the server keeps serving", f"exit {code}")
+        await maintenance.event(self, "kill9")
 
     async def timed(self, kind: str, op, step: int) -> None:
         started = time.monotonic()

@@ -23,12 +23,16 @@ def simulate(steps: int, seed: int, combinations: list[Combination], *,
     with tempfile.TemporaryDirectory(prefix="kvtier-seams-") as scratch:
         root = Path(workdir or scratch)
         root.mkdir(parents=True, exist_ok=True)
-        log_file = open(log_path or root / "seams.log", "a", buffering=1)  # noqa: SIM115
+        # the step log outlives a scratch directory: findings are replayed from it
+        log_path = log_path or (root / "seams.log" if workdir else
+                                Path(tempfile.gettempdir()) / f"kvtier-seams-{seed}.log")
+        log_file = open(log_path, "a", buffering=1)  # noqa: SIM115
         try:
             began = time.monotonic()
-            return asyncio.run(_simulate(
+            result = asyncio.run(_simulate(
                 steps, seed, combinations, root,
                 lambda line: log_file.write(f"t={time.monotonic() - began:.1f} {line}\n")))
+            return {**result, "log": str(log_path)}
         finally:
             log_file.close()
 
