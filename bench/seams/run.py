@@ -50,14 +50,14 @@ async def _simulate(steps: int, seed: int, combinations: list[Combination], root
     try:
         await asyncio.to_thread(redis.start)
         await asyncio.to_thread(moto.start)
-        done = 0
+        planned = 0  # the shares of those that served (their verifications come on top)
         for i, combo in enumerate(order):
-            share = max(MIN_STEPS, (steps - done) // (len(order) - i))
+            share = max(MIN_STEPS, (steps - planned) // (len(order) - i))
             log(f"seed={seed} combo={combo.name} steps={share}")
             sim = Simulation(combo, seed, share, workdir=root, redis=redis, moto=moto,
                              creds=creds, ledger=ledger, log=log)
             results.append(await sim.run())
-            done += results[-1]["steps"]
+            planned += share if results[-1]["ran"] else 0
     finally:
         moto.stop()
         redis.stop()
