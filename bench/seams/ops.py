@@ -328,7 +328,8 @@ class Ops:
         # a fork keeps its source's TTL, counted from the fork
         self.model[(held.tenant, new)] = Held(held.tenant, new, [copy],
                                               window_replayed=held.window_replayed and whole,
-                                              ttl_s=held.ttl_s)
+                                              ttl_s=held.ttl_s,
+                                              trail=[*held.trail, copy.origin])
         self.deleted.discard((held.tenant, new))
         return True
 
