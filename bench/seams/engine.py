@@ -33,8 +33,8 @@ EVENT_EVERY = 200  # steps between maintenance events (each restarts or runs a t
 MAX_SESSIONS = 10  # per tenant, so quota and capacity are met and sessions stay small
 # resumes replay on the server's CPU (the costliest step): fewer of them, every R still
 WEIGHTS = {"spill-new": 12, "spill-extend": 12, "spill-rewrite": 5, "lookup-spill": 5,
-           "stale-spill": 2, "restore": 16, "resume": 7, "fork": 5, "fork-burst": 1,
-           "delete": 6, "restore-deleted": 2, "lookup-foreign": 3, "register": 3,
+           "stale-spill": 2, "restore": 16, "resume": 5, "resume-twice": 2, "fork": 5,
+           "fork-burst": 1, "delete": 6, "restore-deleted": 2, "lookup-foreign": 3, "register": 3,
            "evict": 4, "count": 3}
 
 
@@ -291,6 +291,9 @@ class Simulation(Ops):
             return "stale_spill", lambda s: self.stale_spill(s, held)
         if kind == "restore":
             return "restore", lambda s: self.restore(s, held)
+        if kind == "resume-twice":  # a later Resume must not get a shorter replay's window
+            first, then = self.rng.choice(REPLAYS), self.rng.choice(REPLAYS)
+            return "resume_twice", lambda s: self.resume_twice(s, held, first, then)
         if kind == "resume":
             replay = self.rng.choice(REPLAYS)
             return "resume", lambda s: self.restore(s, held, op="resume", replay=replay)

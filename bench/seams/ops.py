@@ -234,6 +234,11 @@ class Ops:
             return
         self.judge(step, op, held, got, replay=None if replay is None else r)
 
+    async def resume_twice(self, step: int, held: Held, first: str, then: str) -> None:
+        await self.restore(step, held, op="resume", replay=first)
+        if (held.tenant, held.sid) in self.model:
+            await self.restore(step, held, op="resume-again", replay=then)
+
     def replay_refusal(self, held: Held, r: int) -> bool:
         """Whether InvalidRequest is documented for a Resume with R = ``r``: a session
         of no tokens (no window to rebuild), or R shorter than its unfinished entry."""
