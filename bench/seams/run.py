@@ -5,6 +5,7 @@ the step budget shared among those that serve; the result as one JSON-able dict.
 from __future__ import annotations
 
 import asyncio
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ def simulate(steps: int, seed: int, combinations: list[Combination], *,
         log_path = log_path or (root / "seams.log" if workdir else
                                 Path(tempfile.gettempdir()) / f"kvtier-seams-{seed}.log")
         log_file = open(log_path, "a", buffering=1)  # noqa: SIM115
+        previous = signal.signal(signal.SIGTERM, _exit_on_term)
         try:
             began = time.monotonic()
             result = asyncio.run(_simulate(
@@ -34,7 +36,13 @@ def simulate(steps: int, seed: int, combinations: list[Combination], *,
                 lambda line: log_file.write(f"t={time.monotonic() - began:.1f} {line}\n")))
             return {**result, "log": str(log_path)}
         finally:
+            signal.signal(signal.SIGTERM, previous)
             log_file.close()
+
+
+def _exit_on_term(signum, frame) -> None:
+    # SIGTERM unwinds like Ctrl-C: servers stopped, tmpfs unmounted, processes ended
+    raise SystemExit(128 + signum)
 
 
 async def _simulate(steps: int, seed: int, combinations: list[Combination], root: Path,
