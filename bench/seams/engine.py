@@ -23,7 +23,7 @@ from bench.seams.model import Held
 from bench.seams.ops import REPLAYS, Ops
 from bench.seams.switches import SESSION_TTL_S, Combination, write_config
 from bench.seams.verdict import Ledger
-from bench.seams.world import Moto, Node, Redis, Tmpfs
+from bench.seams.world import STARTED, Moto, Node, Redis, Tmpfs
 from kvstore.layout import get_layout
 from kvtier import AsyncClient
 
@@ -123,6 +123,7 @@ class Simulation(Ops):
                 argv += [self.creds.ca, self.creds.tokens["admin"]]
             self.probe = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, text=True)
+            STARTED.append(self.probe)
         return True
 
     async def end_life(self, how: str) -> None:

@@ -14,7 +14,7 @@ from bench.live_server import Credentials
 from bench.seams.engine import Simulation
 from bench.seams.switches import Combination
 from bench.seams.verdict import KEYS, Ledger
-from bench.seams.world import Moto, Redis
+from bench.seams.world import Moto, Redis, reap
 
 MIN_STEPS = 20  # per combination, whatever the budget
 
@@ -37,6 +37,7 @@ def simulate(steps: int, seed: int, combinations: list[Combination], *,
             return {**result, "log": str(log_path)}
         finally:
             signal.signal(signal.SIGTERM, previous)
+            reap()
             log_file.close()
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from bench.live_server import ROOT, Child, Credentials, free_port
 
+STARTED: list[subprocess.Popen] = []  # every child of this run, for ``reap``
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_DEFAULT_REGION": "us-east-1"}
 CLI = [sys.executable, "-m", "services.cli"]
@@ -48,6 +49,7 @@ class Redis:
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.workdir), "--logfile", "redis.log",
              "--protected-mode", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        STARTED.append(self.proc)
         _wait_port(self.port, self.proc, "redis-server")
 
     def stop(self) -> None:
@@ -72,6 +74,7 @@ class Moto:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([*argv, "-H", "127.0.0.1", "-p", str(self.port)],
                                          stdout=log, stderr=log, env={**os.environ, **AWS_ENV})
+        STARTED.append(self.proc)
         _wait_port(self.port, self.proc, "moto_server")
 
     def bucket(self, name: str) -> str:
@@ -128,6 +131,7 @@ class Node:
         except RuntimeError as exc:
             self.refusal = str(exc)
             return False
+        STARTED.append(self.child.proc)
         return True
 
     def stop(self) -> int | None:
@@ -173,6 +177,15 @@ class Node:
             return None
         found = [v for k, v in samples.items() if re.match(rf"^{STALLS}(\{{|$)", k)]
         return sum(found) if found else None
+
+
+def reap() -> None:
+    """Kill whatever this run started that is still running (a run cut short)."""
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def run_cli(args: list[str], env: dict[str, str], timeout_s: float = 300.0
