@@ -29,8 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, help="keep the run's files here")
     parser.add_argument("--log", type=Path, help="the step log (default: in the workdir)")
     args = parser.parse_args(argv)
-    result = simulate(args.steps, args.seed, parse_combinations(args.combinations),
-                      workdir=args.workdir, log_path=args.log)
+    try:
+        combinations = parse_combinations(args.combinations)
+    except ValueError as exc:
+        parser.error(str(exc))
+    result = simulate(args.steps, args.seed, combinations, workdir=args.workdir,
+                      log_path=args.log)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
