@@ -17,8 +17,10 @@ the attacks of issue #11 (each must hold). faults (a child process) comes last:
 ``bench.faults``, power loss at every point, ENOSPC and EIO at every call site, index
 repair. fleet (a child process) after it: ``bench.fleet``, resume paths across replicas
 sharing one Redis and one S3 bucket, manifest CAS latency, resumes per second.
-hf (a child process) last: ``bench.hf``, the transformers integration on a tiny
+hf (a child process): ``bench.hf``, the transformers integration on a tiny
 DeepseekV4 with seeded random weights (bytes, time to ready, replay fidelity).
+seams (a child process) last: ``bench.seams``, the whole-service simulation over every
+switch combination (its own default budget: 20,000 steps, about 25 minutes).
 A stage that fails is recorded with its error and the others still run; the exit status
 is 1 if any failed. ``--merge`` reruns only the ``--only`` stages into the existing results
 (new weights, say, rerun resume and fidelity): the other stages keep their figures, and
@@ -71,6 +73,7 @@ SIZES = {
         "fleet": ["--tokens", "1100", "--sessions", "3", "--resumes", "12", "--clients", "2",
                   "--manifests", "5"],
         "hf": ["--contexts", "300", "--follow", "16"],
+        "seams": ["--steps", "200", "--combinations", "plain,enc+quota+tls"],
     },
     "quick": {
         "codec": ["--mb", "16", "--repeats", "3"],
@@ -86,6 +89,7 @@ SIZES = {
         "faults": ["--workload", "large"],
         "fleet": [],
         "hf": [],
+        "seams": [],
     },
     "full": {
         "codec": [],
@@ -101,10 +105,11 @@ SIZES = {
         "faults": ["--workload", "large"],
         "fleet": ["--tokens", "16384", "--resumes", "300"],
         "hf": [],
+        "seams": [],
     },
 }
 STAGES = ("codec", "tiers", "trace", "resume", "fidelity", "bytes", "replay_batch",
-          "fuzz", "adversarial", "faults", "fleet", "hf")
+          "fuzz", "adversarial", "faults", "fleet", "hf", "seams")
 
 
 def machine() -> dict:
@@ -188,6 +193,7 @@ def stage_runners(sizes: dict, trace: Path, weights: Path) -> dict[str, Callable
         "faults": lambda: child_json("faults", sizes["faults"]),
         "fleet": lambda: child_json("fleet", sizes["fleet"]),
         "hf": lambda: child_json("hf", sizes["hf"]),
+        "seams": lambda: child_json("seams", sizes["seams"]),
     }
 
 

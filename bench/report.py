@@ -14,6 +14,7 @@ from pathlib import Path
 
 from bench import peers
 from bench.report_plots import PATH_LABELS, RESUME_PATHS, plot_fidelity, plot_resume, plot_trace
+from bench.seams.report import section as seams_section
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:
@@ -555,7 +556,8 @@ def write_report(results: dict, out_dir: Path) -> Path:
                 ("adversarial", adversarial_section, None, None),
                 ("faults", faults_section, None, None),
                 ("fleet", fleet_section, None, None),
-                ("hf", hf_section, None, None))
+                ("hf", hf_section, None, None),
+                ("seams", seams_section, None, None))
     for name, section, plot, png in sections:
         stage = stages.get(name)
         if not _ok(stage):

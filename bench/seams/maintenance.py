@@ -1,0 +1,217 @@
+"""Maintenance events between a simulation's operations, each ending with every session
+checked against the model (``Simulation.verify_all``):
+
+- ``restart``: SIGTERM (the write-back drains: every acked version is durable), start;
+- ``kill9``: SIGKILL; a memory-acked version may be gone, back to the last durable one;
+- ``compact-offline``: stopped, ``kvtier compact --data-dir D --json`` with the server's
+  ``--config``; on an encrypted directory first without it, as the README's command
+  runs: then it must either work or refuse (exit 2), and lose nothing either way;
+- ``compact-live``: the same against the live server (``--server``, an admin token);
+- ``repair``: stopped, ``kvtier repair --data-dir D --json`` (encrypted: first without
+  the key, then with it);
+- ``full-disk``: a ballast file beside the data directory leaves a few MiB of its tmpfs
+  free; spills until one is refused, restores, deletes (every one must work), spills
+  again once the deletes' space is back, the ballast removed;
+- ``migrate`` (single-node combinations, at the end): ``kvtier migrate`` into a bucket
+  of its own, then the directory served shared.
+
+Windows live in memory only: after any restart none of the spilled ones may come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from bench.seams.verdict import named
+from bench.seams.world import run_cli
+from kvstore.errors import KVTierError, TierFull
+
+BALLAST_FREE = 6 << 20  # what the ballast leaves free: a little above the disk reserve
+FILL_TOKENS = 4096
+SETTLE_S = 8.0
+# The disk tier stops value writes while less than its 4 MiB reserve would be left
+# (metadata and deletes may use it): a quarter of it must still be free when it refuses.
+KEPT_FREE = 1 << 20  # how long a spill may wait for a full medium's freed space
+
+
+class Abort(Exception):
+    """The combination cannot go on (its server would not start again)."""
+
+
+async def event(sim, kind: str) -> None:
+    sim.log(f"step={sim.step} event={kind}")
+    sim.step += 1
+    if kind == "restart":
+        await _stop(sim, "term")
+        await _start(sim, kind)
+    elif kind == "kill9":
+        await _stop(sim, "kill")
+        await _start(sim, kind)
+    elif kind == "compact-offline":
+        await _stop(sim, "term")
+        args = ["compact", "--data-dir", str(sim.data_dir), "--json"]
+        if sim.combo.enc:  # the README's command first, as an operator may run it
+            await _tool(sim, kind, args, bare=True)
+        await _tool(sim, kind, args, bare=False)
+        await _start(sim, kind)
+    elif kind == "compact-live":
+        args = ["compact", "--data-dir", str(sim.data_dir), "--json", "--server",
+                sim.node.target]
+        if sim.combo.tls:
+            args += ["--tls-ca", sim.creds.ca, "--token-file",
+                     str(sim.creds.root / "admin.token")]
+        await _tool(sim, kind, args, bare=False)
+    elif kind == "repair":
+        await _stop(sim, "term")
+        args = ["repair", "--data-dir", str(sim.data_dir), "--json"]
+        if sim.combo.enc:
+            await _tool(sim, kind, args, bare=True)
+        await _tool(sim, kind, args, bare=False)
+        await _start(sim, kind)
+    elif kind == "full-disk":
+        await full_disk(sim)
+    await sim.verify_all(kind)
+
+
+async def _stop(sim, how: str) -> None:
+    await sim.end_life(how)
+    for held in sim.model.values():
+        if how == "term":
+            held.drained()
+        else:
+            held.uncertain = True
+        for version in held.versions:
+            version.window = None  # memory tiers only
+        held.window_replayed = False
+
+
+async def _start(sim, why: str, config=None) -> None:
+    if not await sim.start(config):
+        sim.ledger.add("unexpected", sim.combo.name, sim.step, f"start-after-{why}", "-",
+                       "the server starts again", sim.node.refusal)
+        raise Abort(sim.node.refusal)
+
+
+async def _tool(sim, kind: str, args: list[str], *, bare: bool) -> tuple[int, dict | None]:
+    """A CLI tool with the server's config (``bare``: without it, nor any key)."""
+    if not bare:
+        args = [*args, "--config", str(sim.config_path)]
+    rc, report, said = await asyncio.to_thread(run_cli, args, {})
+    sim.log(f"step={sim.step} tool={kind} bare={bare} rc={rc} said={said[:200]}")
+    if rc != 0 and not (bare and sim.combo.enc and rc == 2):
+        sim.ledger.add("unexpected", sim.combo.name, sim.step, kind,
+                       "-", "exit 0" + (" or a refusal (exit 2) without the key" if bare
+                                        else ""), f"exit {rc}: {said}")
+    return rc, report
+
+
+async def full_disk(sim) -> None:
+    if not sim.tmpfs.mounted:
+        sim.log(f"step={sim.step} full-disk skipped: no tmpfs (not root)")
+        return
+    ballast = sim.tmpfs.path / "ballast"  # beside the data directory, not in it
+    size = sim.tmpfs.free() - BALLAST_FREE
+    if size > 0:
+        with open(ballast, "wb") as handle:
+            os.posix_fallocate(handle.fileno(), 0, size)
+    sim.full = True
+    made, refused = [], None
+    try:
+        tenant = sim.tenants[sim.step % 2]
+        spec = sim.spec("kvtier-bundled")
+        for _ in range(60):
+            sim.step += 1
+            sid = sim.new_sid()
+            tokens = sim.tokens(spec, FILL_TOKENS)
+            try:
+                await sim.client(tenant).spill(
+                    tenant, sid, spec, tokens.numpy().astype("uint32"),
+                    _streams(sim, spec), generation=1, ack="durable")
+            except KVTierError as exc:
+                refused = exc
+                break
+            made.append(sid)
+            from bench.seams.model import Held, Version
+
+            sim.model[(tenant, sid)] = Held(tenant, sid, [Version(
+                1, spec.name, tokens, sim._last_streams, None, True, f"fill@{sim.step}")])
+        sim.log(f"step={sim.step} full-disk filled {len(made)} then "
+                f"{named(refused) if refused else 'no refusal'} free={sim.tmpfs.free()}")
+        if refused is not None and not sim.documented(refused, admission=True):
+            sim.fail(refused, sim.step, "fill", f"{tenant}/-", "TierFull or QuotaExceeded")
+        free = sim.tmpfs.free()
+        if isinstance(refused, TierFull) and free < KEPT_FREE:
+            sim.ledger.add("unexpected", sim.combo.name, sim.step, "fill", f"{tenant}/-",
+                           f">= {KEPT_FREE} B left free on the medium (the disk tier's "
+                           "reserve) once spills are refused", f"{free} B free")
+        for key in sorted(sim.model)[:3]:  # reads need no free space
+            sim.step += 1
+            await sim.restore(sim.step, sim.model[key], op="restore-full")
+        for sid in made:
+            sim.step += 1
+            held = sim.model.get((tenant, sid))
+            if held is not None:
+                await sim.delete(sim.step, held)
+        if isinstance(refused, TierFull) and made:
+            await _spill_settles(sim, tenant)
+    finally:
+        ballast.unlink(missing_ok=True)
+        sim.full = False
+
+
+async def _spill_settles(sim, tenant: str) -> None:
+    """After the deletes a spill must be taken again (once the server has its space
+    back, within ``SETTLE_S``)."""
+    spec = sim.spec("kvtier-bundled")
+    sid = sim.new_sid()
+    tokens = sim.tokens(spec, 512)
+    last = None
+    for _ in range(int(SETTLE_S / 0.5)):
+        sim.step += 1
+        try:
+            await sim.client(tenant).spill(tenant, sid, spec, tokens.numpy().astype("uint32"),
+                                           _streams(sim, spec, 512), generation=1,
+                                           ack="durable")
+        except TierFull as exc:
+            last = exc
+            await asyncio.sleep(0.5)
+            continue
+        from bench.seams.model import Held, Version
+
+        sim.model[(tenant, sid)] = Held(tenant, sid, [Version(
+            1, spec.name, tokens, sim._last_streams, None, True, f"refill@{sim.step}")])
+        return
+    sim.ledger.add("unexpected", sim.combo.name, sim.step, "spill-after-deletes",
+                   f"{tenant}/{sid}", f"taken within {SETTLE_S} s of the deletes",
+                   named(last) if last else "-")
+
+
+def _streams(sim, spec, tokens: int = FILL_TOKENS):
+    from bench.seams.model import random_streams
+
+    sim._last_streams = random_streams(spec, tokens, sim.rng)
+    return sim._last_streams
+
+
+async def migrate(sim) -> None:
+    """Stopped, migrated into a bucket of its own, served shared, every session checked."""
+    sim.log(f"step={sim.step} event=migrate")
+    sim.step += 1
+    await _stop(sim, "term")
+    sim.bucket = f"seams-{sim.seed}-{sim.combo.slug}-m"[:63]
+    await asyncio.to_thread(sim.moto.bucket, sim.bucket)
+    shared = sim.config(shared=True)
+    rc, report, said = await asyncio.to_thread(
+        run_cli, ["migrate", "--config", str(shared), "--data-dir", str(sim.data_dir),
+                  "--json"], {})
+    sim.log(f"step={sim.step} tool=migrate rc={rc} said={said[:200]}")
+    if rc == 2 and sim.combo.enc:  # documented: migrate refuses encryption at rest
+        await _start(sim, "migrate-refused")
+    elif rc != 0:
+        sim.ledger.add("unexpected", sim.combo.name, sim.step, "migrate", "-", "exit 0",
+                       f"exit {rc}: {said}")
+        await _start(sim, "migrate-failed")
+    else:
+        await _start(sim, "migrate", shared)
+    await sim.verify_all("migrate")

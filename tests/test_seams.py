@@ -1,0 +1,43 @@
+"""The whole-service simulation (``bench.seams``) on a short seeded budget: real
+``kvtier serve`` processes, redis-server and moto's S3 server, each seed a rotation of
+three switch combinations; every failure key must be 0. The long run (every
+combination, thousands of steps) is marked slow."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.seams.run import simulate
+from bench.seams.switches import all_combinations
+from bench.seams.verdict import KEYS
+
+STEPS_PER_COMBINATION = 60
+
+
+def rotation(seed: int, count: int = 3) -> list:
+    every = all_combinations()
+    return [every[(seed * 5 + i * 11) % len(every)] for i in range(count)]
+
+
+def failures(result: dict) -> str:
+    counts = ", ".join(f"{k} {result[k]}" for k in KEYS)
+    shown = "\n".join(f"  {f['kind']} {f['combination']} seed {f['seed']} step {f['step']} "
+                      f"{f['op']} {f['session']}: expected {f['expected']}, got {f['got']}"
+                      for f in result["findings"][:20])
+    return f"{counts} (step log: {result['log']})\n{shown}"
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_short_simulation_finds_nothing(seed: int, tmp_path) -> None:
+    combos = rotation(seed)
+    result = simulate(STEPS_PER_COMBINATION * len(combos), seed, combos, workdir=tmp_path)
+    assert all(result[key] == 0 for key in KEYS), failures(result)
+    assert result["combinations_tried"] == result["switch_combinations"] == len(combos)
+    assert result["steps"] >= STEPS_PER_COMBINATION * len(combos)
+
+
+@pytest.mark.slow
+def test_long_simulation_over_every_combination(tmp_path) -> None:
+    result = simulate(2_000, 7, all_combinations(), workdir=tmp_path)
+    assert result["combinations_tried"] == 32
+    assert all(result[key] == 0 for key in KEYS), failures(result)
