@@ -21,8 +21,9 @@ log = logging.getLogger(__name__)
 
 
 class LazyReplay:
-    """A replay backend whose model is loaded (in a thread) on the first rebuild, so a
-    server that never replays never pays for the weights."""
+    """A replay backend whose model is loaded and worker made (in a thread: the worker
+    fingerprints every weight) on the first rebuild, so a server that never replays never
+    pays for the weights."""
 
     def __init__(self, load: Callable[[], Any], make_worker: Callable[[Any], Any]) -> None:
         self._load, self._make_worker = load, make_worker
@@ -32,7 +33,8 @@ class LazyReplay:
     async def worker(self):
         async with self._loading:
             if self._worker is None:
-                self._worker = self._make_worker(await asyncio.to_thread(self._load))
+                self._worker = await asyncio.to_thread(
+                    lambda: self._make_worker(self._load()))
         return self._worker
 
     async def rebuild(self, layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer],

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 
 import grpc
@@ -56,18 +57,21 @@ class LoopMonitor:
         while True:
             self._seen = set(self.running)
             due = loop.time() + self.tick_s
+            cpu = time.thread_time()
             await asyncio.sleep(self.tick_s)
-            self.observe(max(0.0, loop.time() - due))
+            self.observe(max(0.0, loop.time() - due), time.thread_time() - cpu)
 
-    def observe(self, lag_s: float) -> None:
+    def observe(self, lag_s: float, busy_s: float = 0.0) -> None:
+        """One tick ``lag_s`` late, ``busy_s`` of it on the loop thread's CPU (the rest:
+        waiting for a core or the GIL, which work on the loop does not explain)."""
         self.metrics.loop_lag_seconds.observe(lag_s)
         self.max_lag_s = max(self.max_lag_s, lag_s)
         if lag_s > self.stall_s:
             self.stalls += 1
             self.metrics.loop_stalls.inc()
-            log.warning("event loop stalled %.0f ms (over %.0f ms); RPCs in flight: %s",
-                        lag_s * 1e3, self.stall_s * 1e3, ", ".join(sorted(self._seen))
-                        or "none")
+            log.warning("event loop stalled %.0f ms (over %.0f ms; %.0f ms of it running on "
+                        "the loop); RPCs in flight: %s", lag_s * 1e3, self.stall_s * 1e3,
+                        busy_s * 1e3, ", ".join(sorted(self._seen)) or "none")
 
     def entered(self, method: str) -> None:
         self.running[method] += 1
