@@ -5,16 +5,28 @@ single-node directory copied to the bucket, conflicts reported and kept, idempot
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
+import torch
 from fleet_support import FAST, bucket_chunks, shared_config
+from service_support import streams_for, tokens_for
 from test_manager_support import make_session, random_tokens
 
+from kvstore import layout as layouts
 from kvstore.fleet import prepare_bucket
+from kvstore.layout import LayoutSpec, get_layout
+from kvtier import AsyncClient
 from services.cli.main import main
 from services.server.config import ServerConfig
+from services.server.server import create_server
 from services.server.store import open_manager
+
+
+def forget(spec: LayoutSpec) -> None:
+    """Drop a registered layout from this process, as a fresh process starts."""
+    layouts._REGISTRY.pop(spec.name, None)
 
 
 @pytest.fixture
@@ -167,3 +179,42 @@ def test_migrate_refuses_a_directory_without_a_disk_tier(fleet_toml, tmp_path, c
     assert main(["migrate", "--config", write("m", "empty"),
                  "--data-dir", str(tmp_path / "nothing")]) == 2
     assert "no disk tier" in capsys.readouterr().err
+
+
+def test_migrate_carries_the_directorys_registered_layouts_into_the_fleet(fleet_toml,
+                                                                          tmp_path, capsys):
+    write, shared = fleet_toml
+    spec = dataclasses.replace(get_layout("kvtier-bundled"), name="migrated-copy")
+    single = ServerConfig(data_dir=tmp_path / "single", host_bytes=8 << 20,
+                          disk_bytes=64 << 20, object_compression_level=-1, listen="127.0.0.1:0")
+    tokens = tokens_for(700, seed=3)
+    persistent = streams_for(spec, 700, seed=3)
+
+    async def setup() -> None:
+        server, port = await create_server(single)
+        try:
+            async with AsyncClient(f"127.0.0.1:{port}") as kv:
+                await kv.register_layout(spec)
+                await kv.spill("acme", "copy", spec, tokens, persistent, generation=1,
+                               ack="durable")
+        finally:
+            await server.stop(0.5)
+            forget(spec)  # a fresh process knows only what its directory or bucket holds
+
+    asyncio.run(setup())
+    code, report = run_json(capsys, "migrate", "--config", write("migrate", "single"), "--json")
+    assert code == 0 and report["migrated"] == 1, report
+    forget(spec)
+
+    async def resume_elsewhere() -> None:
+        server, port = await create_server(shared("fresh").replace(listen="127.0.0.1:0"))
+        try:
+            async with AsyncClient(f"127.0.0.1:{port}") as kv:
+                got = await kv.restore("acme", "copy", want_window=False)
+                assert got.layout.layout_id == spec.layout_id
+                for name, data in persistent.items():
+                    assert torch.equal(got.persistent[name].codes, data.codes), name
+        finally:
+            await server.stop(0.5)
+
+    asyncio.run(resume_elsewhere())

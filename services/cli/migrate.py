@@ -168,12 +168,14 @@ async def migrate(config, data_dir: Path) -> MigrateReport:
     a conflict), then only the chunks of sessions to migrate or already there are made
     intact in the bucket, then their manifests are written with If-None-Match. A
     conflict's own chunks are never uploaded (one that loses a race at its manifest's
-    write leaves its chunks for the fleet's garbage collection). With the config's key
-    the directory is read and the bucket written sealed."""
+    write leaves its chunks for the fleet's garbage collection). The directory's
+    registered layouts go to the bucket before any chunk. With the config's key the
+    directory is read and the bucket written sealed."""
     from kvstore.encryption import load_keyring
     from kvstore.fleet import prepare_bucket
     from kvstore.manifest import MANIFEST_PREFIX, SessionManifest
     from services.cli.fleet_gc import open_bucket
+    from services.server.layouts import ServerLayouts, fleet_layouts
     from services.server.store import open_manager
 
     started = time.monotonic()
@@ -189,6 +191,9 @@ async def migrate(config, data_dir: Path) -> MigrateReport:
     await check_keys(source, config, data_dir, keyring)
     meta = open_bucket(config, keyring)
     try:
+        # the directory's registered layouts, known before its manifests are read
+        layouts = ServerLayouts(source.layouts, data_dir, source.layout_policy,
+                                source.max_message_bytes, shared=fleet_layouts(meta))
         manager = await open_manager(source)
     except BaseException:
         await meta.close()
@@ -222,6 +227,8 @@ async def migrate(config, data_dir: Path) -> MigrateReport:
                 report.conflicts.append(name)
             else:
                 plan.append((key, local, name, same))
+        if plan:  # before their chunks: a node that meets a layout id loads it from here
+            await layouts.share_registered()
         for key, local, name, same in plan:
             found = await asyncio.gather(*(bounded(local, i)
                                            for i in range(len(local.chunk_keys))))

@@ -258,6 +258,21 @@ class ServerLayouts:
 
     # -- the fleet's layouts in the bucket (kvstore.tiers.shared_layouts) --
 
+    async def share_registered(self) -> None:
+        """Put every layout registered here in the fleet's bucket (a migration brings its
+        directory's along); InvalidRequest, before any is put, when the bucket holds
+        another layout under one of their names."""
+        clashes = []
+        for spec in self.registered.values():
+            body = await self.shared.get(spec.name)
+            if body is not None and body != layout_to_json(spec).encode():
+                clashes.append(spec.name)
+        if clashes:
+            raise InvalidRequest(f"the fleet's bucket holds other layouts named {clashes}; "
+                                 "rename them in this directory's layouts.json first")
+        for spec in self.registered.values():
+            await self._share(spec)
+
     async def _share(self, spec: LayoutSpec) -> bool:
         """Put ``spec`` in the fleet's bucket; whether it was new there. InvalidRequest
         when another node registered another layout under its name, as a local
