@@ -4,7 +4,11 @@ real server on a loopback port (port 0) over a temporary data directory."""
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import torch
 
@@ -17,6 +21,7 @@ from services.server.config import load_config
 from services.server.server import KVTierServer, create_server
 
 LAYOUT = get_layout("kvtier-bundled")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def streams_for(spec: LayoutSpec, tokens: int, *, seed: int = 0, streams=None
@@ -91,3 +96,29 @@ async def running_server(tmp_path, **overrides) -> AsyncIterator[tuple[KVTierSer
         yield server, f"127.0.0.1:{port}"
     finally:
         await server.stop(0.5)
+
+
+def serve_child(data_dir: Path, config: Path, log_level: str = "ERROR"
+                ) -> tuple[subprocess.Popen, str]:
+    """``kvtier serve --preset test`` in a child process over ``data_dir`` with
+    ``config`` (no ``KVTIER_*`` of this process), on a free port: (process, address)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve", "--preset", "test", "--config",
+         str(config), "--data-dir", str(data_dir), "--listen", "127.0.0.1:0",
+         "--log-level", log_level],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    line = process.stdout.readline()
+    if not line.startswith("kvtier serving on "):
+        process.kill()
+        raise AssertionError(f"server did not start: {line!r}")
+    return process, line.split()[-1]
+
+
+def stop_child(process: subprocess.Popen) -> None:
+    """SIGTERM, a graceful stop of a minute at most, then SIGKILL."""
+    process.terminate()
+    try:
+        process.wait(timeout=60)
+    finally:
+        process.kill()

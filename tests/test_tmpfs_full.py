@@ -9,19 +9,21 @@ still restores bit-exact, before and after a restart.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from kvstore.errors import TierFull
 from kvtier import Client
-from tests.service_support import LAYOUT, assert_streams_equal, streams_for, tokens_for
+from tests.service_support import (
+    LAYOUT,
+    assert_streams_equal,
+    serve_child,
+    stop_child,
+    streams_for,
+    tokens_for,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
 TOKENS = 16 * LAYOUT.chunk_tokens  # sixteen chunks, ~300 KB on disk
 MAX_SPILLS = 200  # 20 MiB holds fewer than 80 of them
 CONFIG = """
@@ -41,28 +43,6 @@ def tmpfs(tmpfs_factory):
     return tmpfs_factory(20)
 
 
-def _serve(data_dir: Path, config: Path) -> tuple[subprocess.Popen, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--preset", "test", "--config",
-         str(config), "--data-dir", str(data_dir), "--listen", "127.0.0.1:0",
-         "--log-level", "ERROR"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    line = process.stdout.readline()
-    if not line.startswith("kvtier serving on "):
-        process.kill()
-        raise AssertionError(f"server did not start: {line!r}")
-    return process, line.split()[-1]
-
-
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=60)
-    finally:
-        process.kill()
-
-
 def _spill(kv: Client, n: int) -> None:
     kv.spill("acme", f"s{n}", LAYOUT.name, tokens_for(TOKENS, seed=n),
              streams_for(LAYOUT, TOKENS, seed=n), generation=1, ack="durable")
@@ -77,7 +57,7 @@ def _restores_exactly(kv: Client, kept: list[int]) -> None:
 def test_a_full_tmpfs_refuses_spills_then_serves_again_after_deletes(tmpfs, tmp_path):
     config = tmp_path / "kvtier.toml"
     config.write_text(CONFIG)
-    process, target = _serve(tmpfs, config)
+    process, target = serve_child(tmpfs, config)
     try:
         with Client(target) as kv:
             stored = []
@@ -100,13 +80,13 @@ def test_a_full_tmpfs_refuses_spills_then_serves_again_after_deletes(tmpfs, tmp_
             kept += more
             _restores_exactly(kv, kept)
     finally:
-        _stop(process)
-    process, target = _serve(tmpfs, config)
+        stop_child(process)
+    process, target = serve_child(tmpfs, config)
     try:
         with Client(target) as kv:
             _restores_exactly(kv, kept)
     finally:
-        _stop(process)
+        stop_child(process)
 
 
 def _spill_when_reclaimed(kv: Client, n: int, attempts: int = 300) -> None:

@@ -18,30 +18,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.chunk_plan import CODE_DTYPES
+from bench import fuzz_pool
 from kvstore.codec import StreamData
 from kvstore.layout import LayoutSpec
 
 
 def random_streams(spec: LayoutSpec, tokens: int, rng: random.Random, streams=None
                    ) -> dict[str, StreamData]:
-    """Random codes and scales for ``streams`` (default: the persistent ones)."""
-    gen = torch.Generator().manual_seed(rng.getrandbits(62))
-    out = {}
-    for s in spec.persistent_streams if streams is None else streams:
-        shape = (s.layers, s.entries_for(tokens), *s.codes_shape)
-        if s.bits == 16:
-            codes = torch.randn(shape, generator=gen).to(CODE_DTYPES[16])
-        else:
-            low, high = (-128, 128) if s.bits == 8 else (0, 256)
-            codes = torch.randint(low, high, shape, generator=gen, dtype=torch.int16
-                                  ).to(CODE_DTYPES[s.bits])
-        scales = None
-        if s.bits < 16:
-            scales = torch.rand((s.layers, s.entries_for(tokens), s.scales_per_entry),
-                                generator=gen).to(torch.float16)
-        out[s.name] = StreamData(codes, scales)
-    return out
+    """Random codes and scales for ``streams`` (default: the persistent ones), drawn
+    from ``rng``'s sequence."""
+    return fuzz_pool.random_streams(spec, tokens, rng.getrandbits(62), streams)
 
 
 def random_window(spec: LayoutSpec, tokens: int, rng: random.Random
