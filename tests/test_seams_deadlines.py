@@ -123,9 +123,11 @@ async def test_blocking_calls_keep_their_deadline_and_bound_their_threads():
             await calls.run("GET", release.wait, 30)
         assert calls.busy == 2
         breaker.succeeded()
-        # both threads stalled: a third call is refused, not queued behind them
-        with pytest.raises(TierUnavailable, match="all 2 connections are waiting"):
+        # both threads stalled: a third call waits for one within its deadline, no longer
+        started = time.monotonic()
+        with pytest.raises(TierUnavailable, match="all 2 connections stayed busy"):
             await calls.run("GET", lambda: 1)
+        assert time.monotonic() - started < BOUND_S and calls.busy == 2
         release.set()
         for _ in range(100):
             if calls.busy == 0:
@@ -133,6 +135,9 @@ async def test_blocking_calls_keep_their_deadline_and_bound_their_threads():
             await asyncio.sleep(0.01)
         assert calls.busy == 0
         assert await calls.run("GET", lambda x: x + 1, 1) == 2
+        # a burst larger than the pool queues for its threads: every call answers
+        burst = await asyncio.gather(*(calls.run("GET", time.sleep, 0.01) for _ in range(20)))
+        assert burst == [None] * 20 and calls.busy == 0
         with pytest.raises(KeyError):  # the dependency's answer: not an outage
             await calls.run("GET", {}.__getitem__, "missing")
         assert not breaker.is_open
