@@ -25,6 +25,7 @@ from kvstore.locks import KeyedLocks
 from kvstore.manifest import SessionManifest, check_name
 from kvstore.placement import WINDOW_PREFIX, TierStack
 from kvstore.quota import QuotaGate, Reservation, TenantUsage, demote_own, memory_floor
+from kvstore.validate import window_check
 
 FORK_GENERATION = 1
 
@@ -112,7 +113,7 @@ class Forker:
         window_key = window_tier = None
         if copy_window:
             window_key = f"{WINDOW_PREFIX}{source.tenant}/{new_id}/{FORK_GENERATION}"
-            window_tier = await self._copy_window(source.window_key, window_key)
+            window_tier = await self._copy_window(source, window_key)
             window_key = window_key if window_tier is not None else None
         now = time.time()
         manifest = SessionManifest(
@@ -130,12 +131,14 @@ class Forker:
             raise
         return manifest
 
-    async def _copy_window(self, source_key: str, key: str) -> str | None:
-        """Copy a window blob to the fork's own key; the tier it landed in, or None when
-        it is gone or no window tier has room (the fork's Resume then replays)."""
-        async with self._locks.hold(source_key):
+    async def _copy_window(self, source: SessionManifest, key: str) -> str | None:
+        """Copy ``source``'s window blob (checked as a window of its tokens: window K/V
+        and pending rows back to back) to the fork's own key; the tier it landed in, or
+        None when it is gone or no window tier has room (the fork's Resume then replays)."""
+        check = window_check(get_layout(source.layout_id), source.token_ids)
+        async with self._locks.hold(source.window_key):
             try:
-                data, _, _ = await self._stack.read(source_key, access=False)
+                data, _, _ = await self._stack.read(source.window_key, check, access=False)
             except DataLoss:
                 return None
         async with self._locks.hold(key):

@@ -299,3 +299,20 @@ async def test_a_short_replay_on_another_node_leaves_a_longer_window_named(node_
     finally:
         for manager in (a, b):
             await manager.close()
+
+
+@pytest.mark.parametrize("pending", [0, 3], ids=["whole-entries", "pending-rows"])
+async def test_a_whole_fork_copies_the_window_whatever_its_pending_rows(tmp_path, pending):
+    from tests.service_support import LAYOUT, streams_for, tokens_for, window_for
+
+    n = 2 * LAYOUT.chunk_tokens + 80 + pending  # m = 4: the last `pending` tokens unfinished
+    window = window_for(LAYOUT, n)
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
+        await kv.spill("acme", "src", LAYOUT, tokens_for(n), streams_for(LAYOUT, n),
+                       window=window, generation=1, ack="durable")
+        source = await kv.restore("acme", "src")
+        reply = await kv.fork("acme", "src", "copy", upto_tokens=n)
+        assert reply.num_tokens == n and reply.window_kept
+        copy = await kv.restore("acme", "copy")
+        assert copy.window_tier == "host"
+        assert bytes(copy.window_blob) == bytes(source.window_blob)

@@ -7,6 +7,8 @@ checked against the model (``Simulation.verify_all``):
   ``--config``; on an encrypted directory first without it, as the README's command
   runs: then it must either work or refuse (exit 2), and lose nothing either way;
 - ``compact-live``: the same against the live server (``--server``, an admin token);
+  with shared metadata compact must refuse, and ``kvtier fleet-gc`` sweeps the bucket
+  with no grace period instead;
 - ``repair``: stopped, ``kvtier repair --data-dir D --json`` (encrypted: first without
   the key, then with it);
 - ``full-disk``: a ballast file beside the data directory leaves a few MiB of its tmpfs
@@ -53,7 +55,7 @@ async def event(sim, kind: str) -> None:
         args = ["compact", "--data-dir", str(sim.data_dir), "--json"]
         if sim.combo.enc:  # the README's command first, as an operator may run it
             await _tool(sim, kind, args, bare=True)
-        await _tool(sim, kind, args, bare=False)
+        await _compact(sim, kind, args)
         await _start(sim, kind)
     elif kind == "compact-live":
         args = ["compact", "--data-dir", str(sim.data_dir), "--json", "--server",
@@ -61,7 +63,7 @@ async def event(sim, kind: str) -> None:
         if sim.combo.tls:
             args += ["--tls-ca", sim.creds.ca, "--token-file",
                      str(sim.creds.root / "admin.token")]
-        await _tool(sim, kind, args, bare=False)
+        await _compact(sim, kind, args)
     elif kind == "repair":
         await _stop(sim, "term")
         args = ["repair", "--data-dir", str(sim.data_dir), "--json"]
@@ -93,13 +95,31 @@ async def _start(sim, why: str, config=None) -> None:
         raise Abort(sim.node.refusal)
 
 
-async def _tool(sim, kind: str, args: list[str], *, bare: bool) -> tuple[int, dict | None]:
-    """A CLI tool with the server's config (``bare``: without it, nor any key)."""
+async def _compact(sim, kind: str, args: list[str]) -> None:
+    """``kvtier compact`` with the server's config; a fleet node's must be refused (its
+    chunks are the fleet's), and the fleet's own sweep runs instead, with no grace
+    period: every chunk no manifest names is collected, the sessions must all hold."""
+    if not sim.combo.shared:
+        await _tool(sim, kind, args, bare=False)
+        return
+    await _tool(sim, kind, args, bare=False, refusal="metadata = 'shared'")
+    await _tool(sim, "fleet-gc", ["fleet-gc", "--json", "--grace-s", "0", "--retain-s", "0",
+                                  "--spill-bound-s", "0.5", "--margin-s", "0.2"], bare=False)
+
+
+async def _tool(sim, kind: str, args: list[str], *, bare: bool, refusal: str = ""
+                ) -> tuple[int, dict | None]:
+    """A CLI tool with the server's config (``bare``: without it, nor any key);
+    ``refusal``: it must exit 2 saying so."""
     if not bare:
         args = [*args, "--config", str(sim.config_path)]
     rc, report, said = await asyncio.to_thread(run_cli, args, {})
     sim.log(f"step={sim.step} tool={kind} bare={bare} rc={rc} said={said[:200]}")
-    if rc != 0 and not (bare and sim.combo.enc and rc == 2):
+    if refusal:
+        if rc != 2 or refusal not in said:
+            sim.ledger.add("unexpected", sim.combo.name, sim.step, kind, "-",
+                           f"refused (exit 2): {refusal}", f"exit {rc}: {said}")
+    elif rc != 0 and not (bare and sim.combo.enc and rc == 2):
         sim.ledger.add("unexpected", sim.combo.name, sim.step, kind,
                        "-", "exit 0" + (" or a refusal (exit 2) without the key" if bare
                                         else ""), f"exit {rc}: {said}")

@@ -183,6 +183,8 @@ class Ops:
             held.settle(Version(base.generation, spec.name, base.tokens, persistent, None,
                                 True, f"stale-spill@{step}"))
             return
+        if same_streams(persistent, base.persistent) and base.window is None:
+            return  # fewer tokens than an entry: nothing differs, a retry answered as such
         self.ledger.add("unexpected", self.combo.name, step, "stale-spill", name,
                         "StaleGeneration (other tensors, same generation)", "accepted")
         held.versions = [base, Version(base.generation, spec.name, base.tokens, persistent,
