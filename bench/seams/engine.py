@@ -38,6 +38,11 @@ WEIGHTS = {"spill-new": 12, "spill-extend": 12, "spill-rewrite": 5, "lookup-spil
            "evict": 4, "count": 3}
 
 
+# Server log lines no operation of a simulation may cause.
+SERVER_LOG_FINDINGS = ("corrupt copy", "Traceback (most recent call last)",
+                       "exception was never retrieved")
+
+
 class Simulation(Ops):
     def __init__(self, combo: Combination, seed: int, steps: int, *, workdir: Path,
                  redis: Redis, moto: Moto, creds: Credentials, ledger: Ledger, log) -> None:
@@ -204,9 +209,24 @@ class Simulation(Ops):
             finally:
                 if self.node.alive():
                     await self.end_life("term")
+                self.read_server_log()
         finally:
             self.tmpfs.close()
         return self.summary()
+
+    def read_server_log(self) -> None:
+        """What the server logged that no operation may cause: a corrupt copy (nothing
+        in a simulation damages a medium), a traceback, a task whose error nobody read."""
+        path = self.root / "server.log"
+        if not path.exists():
+            return
+        seen = set()
+        for line in path.read_text(errors="replace").splitlines():
+            message = line.partition(": ")[2] if line[:4].isdigit() else line
+            if any(mark in line for mark in SERVER_LOG_FINDINGS) and message not in seen:
+                seen.add(message)
+                self.ledger.add("unexpected", self.combo.name, self.step, "server-log", "-",
+                                "no corrupt copy, traceback or unread task error", line[:300])
 
     def refused(self) -> None:
         from services.cli import serve
