@@ -1,13 +1,10 @@
-"""Process lifecycle shared by the long-running commands (``serve``, ``replay-worker``)."""
+"""Process lifecycle shared by the long-running commands (``serve``, ``replay-worker``);
+their start-up port check is ``services.server.preflight.refuse_if_taken``."""
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import signal
-import socket
-
-from kvstore.errors import Busy, InvalidRequest
 
 
 def stop_on_signals() -> asyncio.Event:
@@ -18,28 +15,3 @@ def stop_on_signals() -> asyncio.Event:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     return stop
-
-
-def refuse_if_taken(listen: str, flag: str = "--listen") -> None:
-    """Busy when ``listen`` (host:port, set by ``flag``) cannot be bound now. The server
-    would fail too, but later (after the store is opened) and gRPC logs its own line."""
-    host, _, port = listen.rpartition(":")
-    if listen.startswith("unix:") or port == "0":
-        return
-    try:
-        addresses = socket.getaddrinfo(host.strip("[]") or None, int(port),
-                                       type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise InvalidRequest(f"cannot listen on {listen} ({exc.strerror}): pass another "
-                             f"{flag}") from exc
-    for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
-            try:
-                probe.bind(address)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    raise Busy(f"cannot listen on {listen} ({exc.strerror}): stop what holds "
-                               f"the port or pass another {flag}") from exc
-                raise InvalidRequest(f"cannot listen on {listen} ({exc.strerror}): pass "
-                                     f"another {flag}") from exc
