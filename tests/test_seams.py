@@ -37,6 +37,7 @@ def test_short_simulation_finds_nothing(seed: int, tmp_path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # about 6 to 10 minutes on 2 cores; the default is 300 s
 def test_long_simulation_over_every_combination(tmp_path) -> None:
     result = simulate(2_000, 7, all_combinations(), workdir=tmp_path)
     assert result["combinations_tried"] == 32
