@@ -37,7 +37,6 @@ from pathlib import Path
 from kvstore.encryption import MAGIC as SEALED_MAGIC
 from kvstore.encryption import Keyring
 from kvstore.errors import ChunkCorrupt, UnsupportedVersion
-from kvstore.keys import dedupe_scope
 from kvstore.manifest import MANIFEST_PREFIX, SessionManifest
 from kvstore.refcount import REF_PREFIX
 from kvstore.sealed_census import Census
@@ -53,6 +52,7 @@ from kvstore.tiers.disk.segments import (
     scan_records,
     segment_files,
 )
+from kvstore.tiers.sealed import RecordSealer
 
 _LSN = struct.Struct("<Q")
 _BATCH = 4096  # chunk entries per LMDB transaction
@@ -209,10 +209,7 @@ def _check_keys(path: Path, found: _Found, keyring: Keyring | None) -> None:
 def _open_manifest(name: str, raw: bytes, keyring: Keyring | None) -> SessionManifest:
     """A manifest record as stored, opened first when sealed (as ``SealedMetaStore``)."""
     if keyring is not None and raw.startswith(SEALED_MAGIC):
-        header, raw = keyring.open(name, raw)
-        tenant = name[len(MANIFEST_PREFIX):].partition("/")[0]
-        if header.domain != dedupe_scope(tenant):
-            raise ChunkCorrupt(f"record {name!r} is sealed for another tenant")
+        raw = RecordSealer(keyring).open(name, raw)
     return SessionManifest.decode(raw)
 
 
