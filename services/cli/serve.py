@@ -25,9 +25,9 @@ import logging
 import sys
 
 from kvstore.errors import KVTierError
-from services.cli.lifecycle import stop_on_signals
 from services.server import preflight
 from services.server.config import PRESETS, load_config
+from services.server.lifecycle import stop_on_signals
 from services.server.tls import INSECURE_FLAG
 
 

@@ -1,24 +1,10 @@
-"""``kvtier --version``: the installed package's version, or pyproject's in a checkout
-that was never installed."""
+"""``kvtier --version``: the package's version (``services.server.version``)."""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
-
-
-def package_version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("kvtier")
-    except metadata.PackageNotFoundError:
-        import tomllib
-
-        with open(PYPROJECT, "rb") as handle:
-            return tomllib.load(handle)["project"]["version"]
+from services.server.version import package_version
 
 
 class VersionAction(argparse.Action):

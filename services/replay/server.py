@@ -45,11 +45,10 @@ from kvtier.errors import add_servicer, grpc_errors
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from replay.worker import DEFAULT_MAX_BATCH, DEFAULT_REPLAY_TOKENS, ReplayResult, ReplayWorker
-from services.cli.lifecycle import stop_on_signals
 from services.server.audit import AuditLog
 from services.server.auth import Authenticator, AuthInterceptor
 from services.server.layouts import parse_layout
-from services.server.preflight import refuse_if_taken
+from services.server.lifecycle import refuse_if_taken, stop_on_signals
 from services.server.tls import INSECURE_FLAG, exposure_problem, server_credentials
 
 log = logging.getLogger(__name__)

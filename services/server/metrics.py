@@ -169,7 +169,7 @@ def _tenant_metrics(stats: ManagerStats) -> Iterator[Metric]:
 
 
 def _build_info(registry: CollectorRegistry) -> None:
-    from services.cli.version import package_version
+    from services.server.version import package_version
 
     info = Gauge("kvtier_build_info", "Always 1; the labels name what runs",
                  ["version", "python", "torch"], registry=registry)

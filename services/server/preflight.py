@@ -14,13 +14,12 @@ server, a bucket S3 says does not exist, a damaged index) is refused by ``serve`
 
 from __future__ import annotations
 
-import errno
-import socket
 import tempfile
 from pathlib import Path
 
-from kvstore.errors import Busy, InvalidRequest
+from kvstore.errors import InvalidRequest
 from services.server.config import ServerConfig
+from services.server.lifecycle import refuse_if_taken
 from services.server.tls import exposure_problem, server_credentials
 
 
@@ -121,28 +120,3 @@ def prepare_data_dir(path: Path, *, create: bool = True) -> None:
     except OSError as exc:
         raise InvalidRequest(f"data_dir {path} cannot be written ({exc.strerror}): fix its "
                              "permissions or choose another data_dir") from exc
-
-
-def refuse_if_taken(listen: str, flag: str = "--listen") -> None:
-    """Busy when ``listen`` (host:port, set by ``flag``) cannot be bound now. The server
-    would fail too, but later (after the store is opened) and gRPC logs its own line."""
-    host, _, port = listen.rpartition(":")
-    if listen.startswith("unix:") or port == "0":
-        return
-    try:
-        addresses = socket.getaddrinfo(host.strip("[]") or None, int(port),
-                                       type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise InvalidRequest(f"cannot listen on {listen} ({exc.strerror}): pass another "
-                             f"{flag}") from exc
-    for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
-            try:
-                probe.bind(address)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    raise Busy(f"cannot listen on {listen} ({exc.strerror}): stop what holds "
-                               f"the port or pass another {flag}") from exc
-                raise InvalidRequest(f"cannot listen on {listen} ({exc.strerror}): pass "
-                                     f"another {flag}") from exc
