@@ -22,7 +22,6 @@ from kvstore.compaction.segments import groups
 from kvstore.errors import InvalidRequest, SessionNotFound
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk.index import SegmentInfo, SegState
-from kvstore.tiers.disk.segments import HEADER_SIZE, segment_path
 from services import cli
 from services.cli.compact import parse_duration
 from tests.test_compact_helpers import (
@@ -32,6 +31,7 @@ from tests.test_compact_helpers import (
     Spec,
     fill,
     fill_idle_and_hot,
+    flip_value_byte,
     restore_all,
 )
 
@@ -107,30 +107,12 @@ def test_end_to_end_expire_demote_reclaim(tmp_path, capsys):
     assert again["chunks_collected"] == 0
 
 
-def _corrupt_value_byte(data: Path, key: str) -> None:
-    async def locate():
-        disk = DiskTier(data / "disk", 1 << 30, writer=False)
-        try:
-            return disk.index.lookup(key.encode())
-        finally:
-            await disk.close()
-
-    entry = asyncio.run(locate())
-    path = segment_path(data / "disk" / "segments", entry.seg_id)
-    at = entry.offset + HEADER_SIZE + len(key) + entry.value_len // 2
-    with open(path, "r+b") as file:
-        file.seek(at)
-        byte = file.read(1)
-        file.seek(at)
-        file.write(bytes([byte[0] ^ 0xFF]))
-
-
 def test_scrub_quarantines_corrupt_chunks_and_marks_sessions(tmp_path, capsys):
     data = tmp_path / "data"
     snaps = asyncio.run(fill(data, delete=()))
     shared, own = snaps["a"].chunk_keys[0], snaps["e"].chunk_keys[1]
     for key in (shared, own):
-        _corrupt_value_byte(data, key)
+        flip_value_byte(data, key)
 
     rc, dry, _ = compact(data, capsys, "--dry-run", "--json")
     assert rc == 0 and dry["corrupt_chunks"] == 2

@@ -4,6 +4,7 @@ server through the real client, snapshots of what restores return, and runs of t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -17,6 +18,8 @@ import torch
 
 from kvstore.codec import StreamData
 from kvstore.errors import SessionNotFound
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk.segments import HEADER_SIZE, segment_path
 from kvtier import AsyncClient
 from services.server.config import load_config
 from services.server.server import create_server
@@ -70,11 +73,13 @@ def streams_of(spec: Spec, specs=SPECS) -> dict[str, StreamData]:
 
 
 @contextlib.asynccontextmanager
-async def embedded_server(data_dir: Path):
+async def embedded_server(data_dir: Path, encryption_key: str | None = None):
     """The real server with the embedded config (what ``kvtier serve`` runs by default)
-    over ``data_dir``, on a free loopback port; yields its address. Retention is off:
-    the compaction tests measure the dead records a delete leaves on disk."""
-    config = load_config(preset="embedded", env={},
+    over ``data_dir``, on a free loopback port, sealing with ``encryption_key`` (None: in
+    clear); yields its address. Retention is off: the compaction tests measure the dead
+    records a delete leaves on disk."""
+    env = {"KVTIER_ENCRYPTION_KEY": encryption_key} if encryption_key else {}
+    config = load_config(preset="embedded", env=env,
                          overrides={"data_dir": data_dir, "listen": "127.0.0.1:0",
                                     "retain_unreferenced": False})
     server, port = await create_server(config)
@@ -166,3 +171,22 @@ def run_compact(data_dir: Path, *args: str, timeout: float = 120
 def report_of(done: subprocess.CompletedProcess) -> dict:
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def flip_value_byte(data: Path, key: str) -> None:
+    """Flip one byte in the middle of the disk record of ``key`` in ``data``."""
+    async def locate():
+        disk = DiskTier(data / "disk", 1 << 30, writer=False)
+        try:
+            return disk.index.lookup(key.encode())
+        finally:
+            await disk.close()
+
+    entry = asyncio.run(locate())
+    path = segment_path(data / "disk" / "segments", entry.seg_id)
+    at = entry.offset + HEADER_SIZE + len(key) + entry.value_len // 2
+    with open(path, "r+b") as file:
+        file.seek(at)
+        byte = file.read(1)
+        file.seek(at)
+        file.write(bytes([byte[0] ^ 0xFF]))

@@ -24,36 +24,28 @@ import pytest
 from kvstore.encryption import MAGIC, Keyring, MasterKey
 from kvstore.errors import InvalidRequest, SessionNotFound
 from kvstore.sealed_census import Census
-from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.disk.segments import HEADER_SIZE, segment_path
 from kvtier import AsyncClient
 from services import cli
-from services.server.config import load_config
-from services.server.server import create_server
-from tests.test_compact_helpers import HOUR, ROOT, SPECS, Snapshot, snapshot, spill_all
+from tests.test_compact_helpers import (
+    HOUR,
+    ROOT,
+    SPECS,
+    Snapshot,
+    embedded_server,
+    flip_value_byte,
+    snapshot,
+    spill_all,
+)
 
 KEY = base64.b64encode(bytes(range(40, 72))).decode()
 WRONG = base64.b64encode(bytes(range(1, 33))).decode()  # another key under the same id
-
-
-@contextlib.asynccontextmanager
-async def sealed_server(data_dir: Path, key: str | None = KEY):
-    """The real embedded server over ``data_dir``, sealing with ``key`` (None: in clear)."""
-    config = load_config(preset="embedded", env={"KVTIER_ENCRYPTION_KEY": key} if key else {},
-                         overrides={"data_dir": data_dir, "listen": "127.0.0.1:0",
-                                    "retain_unreferenced": False})
-    server, port = await create_server(config)
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(0.5)
 
 
 async def fill(data_dir: Path, *, key: str | None = KEY, delete=("d", "f")
                ) -> tuple[dict[str, Snapshot], float]:
     """Spill SPECS through a sealing server, delete ``delete`` (dead segment space), and
     return what restores give for the others, and a time after every spill."""
-    async with sealed_server(data_dir, key) as target, AsyncClient(target) as kv:
+    async with embedded_server(data_dir, key) as target, AsyncClient(target) as kv:
         await spill_all(kv)
         for session_id in delete:
             await kv.delete("acme", session_id)
@@ -63,7 +55,7 @@ async def fill(data_dir: Path, *, key: str | None = KEY, delete=("d", "f")
 
 
 async def restore_all(data_dir: Path, names, key: str | None = KEY) -> dict[str, Snapshot]:
-    async with sealed_server(data_dir, key) as target, AsyncClient(target) as kv:
+    async with embedded_server(data_dir, key) as target, AsyncClient(target) as kv:
         return {name: await snapshot(kv, name) for name in names}
 
 
@@ -91,24 +83,6 @@ def compact(capsys, monkeypatch, data: Path, *args: str, key: str | None = None
     rc = cli.main(["compact", "--data-dir", str(data), *args])
     out, err = capsys.readouterr()
     return rc, json.loads(out.strip().splitlines()[-1]) if rc == 0 and out.strip() else None, err
-
-
-def flip_value_byte(data: Path, key: str) -> None:
-    async def locate():
-        disk = DiskTier(data / "disk", 1 << 30, writer=False)
-        try:
-            return disk.index.lookup(key.encode())
-        finally:
-            await disk.close()
-
-    entry = asyncio.run(locate())
-    path = segment_path(data / "disk" / "segments", entry.seg_id)
-    at = entry.offset + HEADER_SIZE + len(key) + entry.value_len // 2
-    with open(path, "r+b") as file:
-        file.seek(at)
-        byte = file.read(1)
-        file.seek(at)
-        file.write(bytes([byte[0] ^ 0xFF]))
 
 
 def test_compact_without_the_key_refuses_and_touches_nothing(tmp_path, capsys, monkeypatch):
