@@ -156,6 +156,20 @@ def _refuse() -> None:
 # -- a stalled S3 store under a fleet's server --
 
 
+@pytest.fixture
+def stallable_s3(monkeypatch):
+    """(process, URL, bucket) of a moto S3 server in a process of its own, with one empty
+    bucket and its credentials in this process's environment."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", MotoServer.CREDENTIALS["aws_access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY",
+                       MotoServer.CREDENTIALS["aws_secret_access_key"])
+    bucket = f"kvtier-stall-{uuid.uuid4().hex[:8]}"
+    with moto_process() as (process, url):
+        boto3.client("s3", endpoint_url=url, **MotoServer.CREDENTIALS).create_bucket(
+            Bucket=bucket)
+        yield process, url, bucket
+
+
 @contextlib.contextmanager
 def moto_process():
     """moto's S3 server in a process of its own (so it can be stopped); its URL."""
@@ -196,108 +210,96 @@ async def _spill(kv, sid: str, seed: int, ack: str):
 
 
 async def test_a_stalled_object_store_costs_one_deadline_then_fails_fast(
-        tmp_path, monkeypatch):
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", MotoServer.CREDENTIALS["aws_access_key_id"])
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY",
-                       MotoServer.CREDENTIALS["aws_secret_access_key"])
-    bucket = f"kvtier-stall-{uuid.uuid4().hex[:8]}"
-    with moto_process() as (moto, url):
-        boto3.client("s3", endpoint_url=url, **MotoServer.CREDENTIALS).create_bucket(
-            Bucket=bucket)
-        async with running_server(
-                tmp_path, s3_endpoint=url, s3_bucket=bucket, s3_region="us-east-1",
-                metadata="shared", node_id="n1", s3_deadline_s=DEADLINE_S,
-                s3_read_timeout_s=2.0, breaker_cooldown_s=COOLDOWN_S) as (server, target), \
-                AsyncClient(target, retry=NO_RETRY) as kv:
-            port = server.start_metrics(0, "127.0.0.1")
-            await _spill(kv, "held", 1, "durable")  # in host memory and in the bucket
-            os.kill(moto.pid, signal.SIGSTOP)
+        tmp_path, stallable_s3):
+    moto, url, bucket = stallable_s3
+    async with running_server(
+            tmp_path, s3_endpoint=url, s3_bucket=bucket, s3_region="us-east-1",
+            metadata="shared", node_id="n1", s3_deadline_s=DEADLINE_S,
+            s3_read_timeout_s=2.0, breaker_cooldown_s=COOLDOWN_S) as (server, target), \
+            AsyncClient(target, retry=NO_RETRY) as kv:
+        port = server.start_metrics(0, "127.0.0.1")
+        await _spill(kv, "held", 1, "durable")  # in host memory and in the bucket
+        os.kill(moto.pid, signal.SIGSTOP)
 
-            # A resume of a session held in memory: its manifest read from the bucket
-            # waits one deadline at most, then this node's copy is served.
-            started = time.monotonic()
-            resumed = await kv.resume("acme", "held")
-            assert time.monotonic() - started < BOUND_S
-            assert_streams_equal(resumed.persistent, streams_for(LAYOUT, TOKENS, seed=1))
-            assert resumed.window is not None
+        # A resume of a session held in memory: its manifest read from the bucket
+        # waits one deadline at most, then this node's copy is served.
+        started = time.monotonic()
+        resumed = await kv.resume("acme", "held")
+        assert time.monotonic() - started < BOUND_S
+        assert_streams_equal(resumed.persistent, streams_for(LAYOUT, TOKENS, seed=1))
+        assert resumed.window is not None
 
-            # A durable spill: UNAVAILABLE within the deadline's bound, with a message.
-            started = time.monotonic()
-            with pytest.raises(kvtier.TierUnavailable) as raised:
+        # A durable spill: UNAVAILABLE within the deadline's bound, with a message.
+        started = time.monotonic()
+        with pytest.raises(kvtier.TierUnavailable) as raised:
+            await _spill(kv, "new", 2, "durable")
+        assert time.monotonic() - started < BOUND_S
+        assert str(raised.value).startswith("UNAVAILABLE")
+        assert "object" in str(raised.value)
+        await kv.stat()  # refreshes the snapshot the endpoint exports
+        samples = await _scrape(port)
+        assert samples['kvtier_breaker_open{dependency="object"}'] == 1
+        assert samples['kvtier_tier_up{tier="object"}'] == 0
+
+        # While open: no call waits on the store; a resume of the held session too.
+        with pytest.raises(kvtier.TierUnavailable, match="circuit open"):
+            await _spill(kv, "new", 2, "durable")
+        started = time.monotonic()
+        resumed = await kv.resume("acme", "held")
+        assert time.monotonic() - started < BOUND_S
+        assert_streams_equal(resumed.persistent, streams_for(LAYOUT, TOKENS, seed=1))
+
+        os.kill(moto.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while True:  # after the cool-down one probe closes the breaker
+            try:
                 await _spill(kv, "new", 2, "durable")
-            assert time.monotonic() - started < BOUND_S
-            assert str(raised.value).startswith("UNAVAILABLE")
-            assert "object" in str(raised.value)
-            await kv.stat()  # refreshes the snapshot the endpoint exports
-            samples = await _scrape(port)
-            assert samples['kvtier_breaker_open{dependency="object"}'] == 1
-            assert samples['kvtier_tier_up{tier="object"}'] == 0
-
-            # While open: no call waits on the store; a resume of the held session too.
-            with pytest.raises(kvtier.TierUnavailable, match="circuit open"):
-                await _spill(kv, "new", 2, "durable")
-            started = time.monotonic()
-            resumed = await kv.resume("acme", "held")
-            assert time.monotonic() - started < BOUND_S
-            assert_streams_equal(resumed.persistent, streams_for(LAYOUT, TOKENS, seed=1))
-
-            os.kill(moto.pid, signal.SIGCONT)
-            deadline = time.monotonic() + 60
-            while True:  # after the cool-down one probe closes the breaker
-                try:
-                    await _spill(kv, "new", 2, "durable")
-                    break
-                except kvtier.TierUnavailable:
-                    assert time.monotonic() < deadline, "the object tier never came back"
-                    await asyncio.sleep(0.2)
-            await kv.stat()
-            samples = await _scrape(port)
-            assert samples['kvtier_breaker_open{dependency="object"}'] == 0
-            assert samples['kvtier_tier_up{tier="object"}'] == 1
-            for sid, seed in (("held", 1), ("new", 2)):  # nothing acked was lost
-                restored = await kv.restore("acme", sid)
-                assert_streams_equal(restored.persistent,
-                                     streams_for(LAYOUT, TOKENS, seed=seed))
+                break
+            except kvtier.TierUnavailable:
+                assert time.monotonic() < deadline, "the object tier never came back"
+                await asyncio.sleep(0.2)
+        await kv.stat()
+        samples = await _scrape(port)
+        assert samples['kvtier_breaker_open{dependency="object"}'] == 0
+        assert samples['kvtier_tier_up{tier="object"}'] == 1
+        for sid, seed in (("held", 1), ("new", 2)):  # nothing acked was lost
+            restored = await kv.restore("acme", sid)
+            assert_streams_equal(restored.persistent,
+                                 streams_for(LAYOUT, TOKENS, seed=seed))
 
 
 async def test_a_stalled_object_tier_is_routed_around_when_the_disk_is_durable(
-        tmp_path, monkeypatch):
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", MotoServer.CREDENTIALS["aws_access_key_id"])
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY",
-                       MotoServer.CREDENTIALS["aws_secret_access_key"])
-    bucket = f"kvtier-stall-{uuid.uuid4().hex[:8]}"
-    with moto_process() as (moto, url):
-        boto3.client("s3", endpoint_url=url, **MotoServer.CREDENTIALS).create_bucket(
-            Bucket=bucket)
-        async with running_server(
-                tmp_path, s3_endpoint=url, s3_bucket=bucket, s3_region="us-east-1",
-                s3_deadline_s=DEADLINE_S, s3_read_timeout_s=2.0,
-                breaker_cooldown_s=COOLDOWN_S) as (server, target), \
-                AsyncClient(target, retry=NO_RETRY) as kv:
-            await _spill(kv, "held", 1, "memory")
-            await server.manager.drain()
-            os.kill(moto.pid, signal.SIGSTOP)
-            started = time.monotonic()
-            resumed = await kv.resume("acme", "held")
-            await _spill(kv, "new", 2, "durable")  # acked by the disk tier
-            assert time.monotonic() - started < BOUND_S
-            assert_streams_equal(resumed.persistent, streams_for(LAYOUT, TOKENS, seed=1))
-            # Moving a session down to the object tier needs the store: it waits one
-            # deadline, then the next attempt fails at once, sending nothing.
-            objects = server.manager.tiers[-1]
-            started = time.monotonic()
-            with pytest.raises(kvtier.TierUnavailable, match="did not answer within 0.5 s"):
-                await kv.evict("acme", "held", "object")
-            assert time.monotonic() - started < BOUND_S
-            assert objects.breaker.is_open
-            stalled_calls = objects.remote.busy
-            with pytest.raises(kvtier.TierUnavailable):
-                await kv.evict("acme", "held", "object")
-            assert objects.remote.busy == stalled_calls
-            assert (await kv.stat()).tiers[-1].available is False
-            os.kill(moto.pid, signal.SIGCONT)
-            restored = await kv.restore("acme", "new")
-            assert_streams_equal(restored.persistent, streams_for(LAYOUT, TOKENS, seed=2))
+        tmp_path, stallable_s3):
+    moto, url, bucket = stallable_s3
+    async with running_server(
+            tmp_path, s3_endpoint=url, s3_bucket=bucket, s3_region="us-east-1",
+            s3_deadline_s=DEADLINE_S, s3_read_timeout_s=2.0,
+            breaker_cooldown_s=COOLDOWN_S) as (server, target), \
+            AsyncClient(target, retry=NO_RETRY) as kv:
+        await _spill(kv, "held", 1, "memory")
+        await server.manager.drain()
+        os.kill(moto.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        resumed = await kv.resume("acme", "held")
+        await _spill(kv, "new", 2, "durable")  # acked by the disk tier
+        assert time.monotonic() - started < BOUND_S
+        assert_streams_equal(resumed.persistent, streams_for(LAYOUT, TOKENS, seed=1))
+        # Moving a session down to the object tier needs the store: it waits one
+        # deadline, then the next attempt fails at once, sending nothing.
+        objects = server.manager.tiers[-1]
+        started = time.monotonic()
+        with pytest.raises(kvtier.TierUnavailable, match="did not answer within 0.5 s"):
+            await kv.evict("acme", "held", "object")
+        assert time.monotonic() - started < BOUND_S
+        assert objects.breaker.is_open
+        stalled_calls = objects.remote.busy
+        with pytest.raises(kvtier.TierUnavailable):
+            await kv.evict("acme", "held", "object")
+        assert objects.remote.busy == stalled_calls
+        assert (await kv.stat()).tiers[-1].available is False
+        os.kill(moto.pid, signal.SIGCONT)
+        restored = await kv.restore("acme", "new")
+        assert_streams_equal(restored.persistent, streams_for(LAYOUT, TOKENS, seed=2))
 
 
 # -- a stalled redis-server under the Redis tier --
