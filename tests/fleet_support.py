@@ -39,6 +39,18 @@ def shared_config(data_dir: Path, endpoint: str, bucket: str, region: str, node:
                         node_id=node, **extra)
 
 
+async def kept_and_dropped(node, kept: dict, dropped: dict) -> None:
+    """On ``node`` (closed after): the bucket prepared for ``FAST`` sweeps, sessions
+    acme/kept and acme/dropped spilled durable, and acme/dropped deleted."""
+    try:
+        await prepare_bucket(node.meta, FAST.spill_bound_s)
+        await node.spill("acme", "kept", generation=1, ack="durable", **kept)
+        await node.spill("acme", "dropped", generation=1, ack="durable", **dropped)
+        await node.delete("acme", "dropped")
+    finally:
+        await node.close()
+
+
 async def bucket_chunks(meta) -> set[str]:
     """Chunk keys the bucket holds now (one listing)."""
     prefix = meta.tier.s3_location()[2]

@@ -10,12 +10,11 @@ import json
 
 import pytest
 import torch
-from fleet_support import FAST, bucket_chunks, shared_config
+from fleet_support import bucket_chunks, kept_and_dropped, shared_config
 from service_support import streams_for, tokens_for
 from test_manager_support import make_session, random_tokens
 
 from kvstore import layout as layouts
-from kvstore.fleet import prepare_bucket
 from kvstore.layout import LayoutSpec, get_layout
 from kvtier import AsyncClient
 from services.cli.main import main
@@ -74,13 +73,7 @@ def test_fleet_gc_sweeps_the_configured_bucket_and_a_dry_run_deletes_nothing(fle
 
     async def setup() -> None:
         node = await open_manager(shared("a"))
-        try:
-            await prepare_bucket(node.meta, FAST.spill_bound_s)
-            await node.spill("acme", "kept", generation=1, ack="durable", **kept)
-            await node.spill("acme", "dropped", generation=1, ack="durable", **dropped)
-            await node.delete("acme", "dropped")
-        finally:
-            await node.close()
+        await kept_and_dropped(node, kept, dropped)
 
     asyncio.run(setup())
     config = write("gc", "gc", fleet_gc_grace_s=0.0, fleet_retain_s=0.0)

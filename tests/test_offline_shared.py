@@ -14,11 +14,10 @@ import json
 
 import boto3
 import pytest
-from fleet_support import FAST, bucket_chunks, shared_config
+from fleet_support import bucket_chunks, kept_and_dropped, shared_config
 from test_manager_support import make_session, random_tokens
 
 from kvstore.encryption import MAGIC
-from kvstore.fleet import prepare_bucket
 from services.cli.main import main
 from services.server.config import ServerConfig
 from services.server.store import open_manager
@@ -174,13 +173,7 @@ def test_fleet_gc_sweeps_a_sealed_bucket_with_the_key_and_refuses_without(
 
     async def setup() -> None:
         node = await open_manager(shared("a", encryption_key=KEY))
-        try:
-            await prepare_bucket(node.meta, FAST.spill_bound_s)
-            await node.spill("acme", "kept", generation=1, ack="durable", **kept)
-            await node.spill("acme", "dropped", generation=1, ack="durable", **dropped)
-            await node.delete("acme", "dropped")
-        finally:
-            await node.close()
+        await kept_and_dropped(node, kept, dropped)
 
     asyncio.run(setup())
     config = write("gc", fleet_gc_grace_s=0.0, fleet_retain_s=0.0)
