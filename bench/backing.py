@@ -125,11 +125,16 @@ class Backing:
 
     def close(self) -> None:
         for proc in reversed(self._procs):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            end_process(proc)
         self._procs.clear()
+
+
+def end_process(proc: subprocess.Popen | None) -> None:
+    """SIGTERM, ten seconds to exit, then SIGKILL; nothing for one already ended."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -98,15 +98,15 @@ async def running_server(tmp_path, **overrides) -> AsyncIterator[tuple[KVTierSer
         await server.stop(0.5)
 
 
-def serve_child(data_dir: Path, config: Path, log_level: str = "ERROR"
+def serve_child(data_dir: Path, config: Path | None = None, log_level: str = "ERROR"
                 ) -> tuple[subprocess.Popen, str]:
     """``kvtier serve --preset test`` in a child process over ``data_dir`` with
     ``config`` (no ``KVTIER_*`` of this process), on a free port: (process, address)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--preset", "test", "--config",
-         str(config), "--data-dir", str(data_dir), "--listen", "127.0.0.1:0",
-         "--log-level", log_level],
+        [sys.executable, "-m", "services.cli", "serve", "--preset", "test",
+         *(["--config", str(config)] if config is not None else []),
+         "--data-dir", str(data_dir), "--listen", "127.0.0.1:0", "--log-level", log_level],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     line = process.stdout.readline()
     if not line.startswith("kvtier serving on "):

@@ -4,10 +4,7 @@ durable acknowledgement."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ from tests.service_support import (
     LAYOUT,
     assert_streams_equal,
     running_server,
+    serve_child,
     streams_for,
     tokens_for,
     window_for,
@@ -46,24 +44,11 @@ async def test_graceful_restart_keeps_memory_acked_sessions(tmp_path):
         await kv.spill("acme", "s1", LAYOUT.name, tokens, persistent, generation=4)
 
 
-def _start(data_dir: Path) -> tuple[subprocess.Popen, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--preset", "test",
-         "--data-dir", str(data_dir), "--log-level", "WARNING"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    line = process.stdout.readline()
-    if not line.startswith("kvtier serving on "):
-        process.kill()
-        raise AssertionError(f"server did not start: {line!r}")
-    return process, line.split()[-1]
-
-
 @pytest.mark.slow  # two server processes, each importing torch: ~20 s on the dev machine
 def test_durable_ack_survives_sigkill(tmp_path):
     tokens = tokens_for(TOKENS, seed=5)
     persistent = streams_for(LAYOUT, TOKENS, seed=5)
-    process, target = _start(tmp_path)
+    process, target = serve_child(tmp_path, log_level="WARNING")
     try:
         with Client(target) as kv:
             result = kv.spill("acme", "s1", LAYOUT.name, tokens, persistent, generation=1,
@@ -73,7 +58,7 @@ def test_durable_ack_survives_sigkill(tmp_path):
             process.wait(timeout=30)
     finally:
         process.kill()
-    process, target = _start(tmp_path)
+    process, target = serve_child(tmp_path, log_level="WARNING")
     try:
         with Client(target) as kv:
             restored = kv.restore("acme", "s1")

@@ -22,6 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench.backing import end_process
 from bench.live_server import ROOT, Child, Credentials, free_port
 
 STARTED: list[subprocess.Popen] = []  # every child of this run, for ``reap``
@@ -53,7 +54,7 @@ class Redis:
         _wait_port(self.port, self.proc, "redis-server")
 
     def stop(self) -> None:
-        _end(self.proc)
+        end_process(self.proc)
 
 
 class Moto:
@@ -86,7 +87,7 @@ class Moto:
         return name
 
     def stop(self) -> None:
-        _end(self.proc)
+        end_process(self.proc)
 
 
 class Tmpfs:
@@ -220,13 +221,3 @@ def _wait_port(port: int, proc: subprocess.Popen, what: str) -> None:
                 return
         time.sleep(0.05)
     raise RuntimeError(f"{what} did not listen on {port}")
-
-
-def _end(proc: subprocess.Popen | None) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
