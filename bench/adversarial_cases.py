@@ -16,8 +16,8 @@ import numpy as np
 from bench import forge
 from bench.fuzz_pool import LAYOUT, Encoded, encode, token_ids
 from bench.live_server import Credentials, LiveServer, channel, client
-from kvstore.chunk_plan import chunk_plan
-from kvstore.keys import chunk_digest
+from kvstore.format.chunk_parts import chunk_plan
+from kvstore.format.keys import chunk_digest
 from kvtier import shm
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc

@@ -16,7 +16,7 @@ import json
 from bench.adversarial_cases import Context, status
 from bench.fuzz_pool import LAYOUT, encode, random_streams, token_ids
 from bench.live_server import Credentials, channel, client
-from kvstore.layout import layout_from_json
+from kvstore.format.layout import layout_from_json
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 

@@ -42,7 +42,7 @@ from bench.resume import (
     spec_for,
     spill_state,
 )
-from kvstore.manifest import manifest_key
+from kvstore.session.manifest import manifest_key
 from model.infer import prefill
 from model.net import KVTierLM
 

@@ -27,10 +27,10 @@ import time
 import numpy as np
 import torch
 
-from kvstore.codec import StreamData, decode_chunk, encode_chunk
-from kvstore.codec_run import decode_chunks
-from kvstore.layout import LayoutSpec, all_layouts, get_layout
-from kvstore.packed_run import PackedRun
+from kvstore.format.chunk import StreamData, decode_chunk, encode_chunk
+from kvstore.format.chunk_run import decode_chunks
+from kvstore.format.layout import LayoutSpec, all_layouts, get_layout
+from kvstore.format.packed_run import PackedRun
 
 _DTYPES = {4: torch.uint8, 8: torch.int8, 16: torch.bfloat16}
 

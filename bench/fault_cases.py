@@ -4,7 +4,7 @@
     cases = run_cases(errno.EIO, ["write", "read"], per_kind=3)   # a list of dicts
 
 A case drives a ``TierManager`` over one ``DiskTier`` whose file system is a
-``FaultyFileSystem`` (``kvstore.tiers.disk.faultfs``). Three sessions are spilled
+``FaultyFileSystem`` (``testing.faultfs``). Three sessions are spilled
 durably while healthy; then the fault is armed and a phase runs: six new sessions
 spilled durably, two old ones deleted, every acknowledged session restored, the
 SEALED segments rewritten (a compaction: reads, writes, fsyncs, unlinks) and one more
@@ -32,12 +32,12 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvstore.errors import DataLoss, SessionNotFound, TierFull, TierUnavailable
-from kvstore.manager import ManagerConfig, TierManager
+from kvstore.format.errors import DataLoss, SessionNotFound, TierFull, TierUnavailable
+from kvstore.session.manager import ManagerConfig, TierManager
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.disk.faultfs import FaultyFileSystem
 from kvstore.tiers.disk.index import SegState
-from kvstore.tiers.disk.power_loss import (
+from testing.faultfs import FaultyFileSystem
+from testing.power_loss import (
     TENANT,
     Spill,
     crash_layout,

@@ -3,7 +3,7 @@ call site, and a lost or damaged index repaired.
 
 ``python -m bench.faults --json [--workload small|large] [--seed N] [--per-kind K]``
 
-- Power loss (``kvstore.tiers.disk.power_loss``): the workload runs on a recorded file
+- Power loss (``testing.power_loss``): the workload runs on a recorded file
   system; every prefix of its I/O log, in every crash variant (page cache kept, synced
   bytes only, last write torn), is reopened and checked. ``acked_lost``: durable acks
   that did not survive; ``wrong``: restores of bytes no allowed generation holds;
@@ -29,7 +29,7 @@ import sys
 import time
 
 from bench import fault_cases, repair_trials
-from kvstore.tiers.disk.power_loss import large_workload, run_crash_campaign, small_workload
+from testing.power_loss import large_workload, run_crash_campaign, small_workload
 
 SIZES = {
     # crash workload; cases per call site kind; repair sessions and byte-flip trials

@@ -72,7 +72,7 @@ def start_all(children: list[Child]) -> list[str]:
 def session_state(tokens: int) -> tuple[torch.Tensor, list[bytes], bytes, bytes, float]:
     """(ids, chunks, tail, window) of the bundled model's prefill, and that prefill's
     seconds (after a short warm-up prefill)."""
-    from kvstore.layout import get_layout
+    from kvstore.format.layout import get_layout
     from model.checkpoint import load_bundled
     from model.config import BUNDLED
     from model.infer import prefill
@@ -120,7 +120,7 @@ async def spill_all(target: str, tenant: str, names: list[str], state: tuple) ->
 async def manifest_round_trip(backing: Backing, workdir: Path, count: int) -> dict:
     """CAS put and get of one session's manifest, ``count`` times, through a fleet
     node's own store (no chunks named, so the put's touch-before-commit is empty)."""
-    from kvstore.manifest import SessionManifest, manifest_key
+    from kvstore.session.manifest import SessionManifest, manifest_key
     from services.server.config import load_config
     from services.server.store import open_manager
 

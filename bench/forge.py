@@ -1,6 +1,6 @@
 """Chunks forged byte by byte for the fuzz campaign and the adversarial benchmark: a
 header and section table of the attacker's choosing with every checksum right, so only
-the layout can tell them apart from honest chunks (the format is ``kvstore/codec.py``'s).
+the layout can tell them apart from honest chunks (the format is ``kvstore/format/chunk.py``'s).
 
     bomb = zstd_bomb(spec, tokens, 512 << 20)        # ~20 KB that would expand to 512 MiB
     table = one_section_chunk(spec, tokens, honest)  # one zstd section instead of the layout's
@@ -15,11 +15,18 @@ import numpy as np
 import xxhash
 import zstandard
 
-from kvstore.chunk_plan import chunk_plan
-from kvstore.codec import FLAG_EPHEMERAL, FLAG_ZSTD, MAGIC, SECTION_DTYPE, VERSION, tokens_hash
-from kvstore.layout import LayoutSpec
+from kvstore.format.chunk import (
+    FLAG_EPHEMERAL,
+    FLAG_ZSTD,
+    MAGIC,
+    SECTION_DTYPE,
+    VERSION,
+    tokens_hash,
+)
+from kvstore.format.chunk_parts import chunk_plan
+from kvstore.format.layout import LayoutSpec
 
-HEADER = struct.Struct("<4sHHQQIIQQQ")  # the chunk header, as kvstore/codec.py documents it
+HEADER = struct.Struct("<4sHHQQIIQQQ")  # the chunk header, as kvstore/format/chunk.py documents it
 MiB = 1 << 20
 
 

@@ -32,7 +32,7 @@ from bench.fuzz_layouts import HUGE_TOKENS, LayoutCases
 from bench.fuzz_messages import DOUBLES, INTS, STRINGS, U32, U64, random_message
 from bench.fuzz_pool import LAYOUT, Encoded, token_ids
 from bench.fuzz_state import SESSIONS, TENANTS, Case, Spilled, State, ser
-from kvstore.keys import chunk_digest
+from kvstore.format.keys import chunk_digest
 from proto import kvtier_pb2 as pb
 
 SERVICES = [pb.DESCRIPTOR.services_by_name[name] for name in ("KVTier", "Replay")]

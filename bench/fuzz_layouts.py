@@ -28,8 +28,8 @@ from google.protobuf.descriptor import FieldDescriptor as F
 from bench.fuzz_messages import INTS, STRINGS, U64
 from bench.fuzz_pool import LAYOUT
 from bench.fuzz_state import SESSIONS, TENANTS, Case, State, ser
-from kvstore.layout import layout_to_json
-from kvstore.presets import SHIPPED
+from kvstore.format.layout import layout_to_json
+from kvstore.format.presets import SHIPPED
 from proto import kvtier_pb2 as pb
 
 HONEST_NAMES = tuple(f"fz-{i}" for i in range(6))

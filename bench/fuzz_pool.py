@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.keys import chain_keys, chunk_digest, dedupe_scope
-from kvstore.layout import LayoutSpec, get_layout
+from kvstore.format.keys import chain_keys, chunk_digest, dedupe_scope
+from kvstore.format.layout import LayoutSpec, get_layout
 from proto import kvtier_pb2 as pb
 
 LAYOUT = get_layout("kvtier-bundled")
@@ -64,8 +64,8 @@ def random_streams(spec: LayoutSpec, tokens: int, seed: int, streams=None) -> di
     ``tokens`` tokens, shaped as the client takes them."""
     import torch
 
-    from kvstore.chunk_plan import CODE_DTYPES
-    from kvstore.codec import StreamData
+    from kvstore.format.chunk import StreamData
+    from kvstore.format.chunk_parts import CODE_DTYPES
 
     gen = torch.Generator().manual_seed(seed)
     out = {}

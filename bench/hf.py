@@ -93,8 +93,8 @@ def leading_matches(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def zero_window_cache(spec, model, n: int, persistent: dict):
-    from kvstore.hf import deepseek_v4
-    from kvstore.hf.quant import encode_values
+    from kvstore.format.hf import deepseek_v4
+    from kvstore.format.hf.quant import encode_values
 
     stream = spec.stream("window")
     rows = min(n, model.config.sliding_window - 1)
@@ -104,7 +104,7 @@ def zero_window_cache(spec, model, n: int, persistent: dict):
 
 
 async def run(contexts: list[int], follow: int, seed: int, bits: int) -> dict:
-    from kvstore.hf.layouts import persistent_bf16_bytes_per_token
+    from kvstore.format.hf.model_layouts import persistent_bf16_bytes_per_token
     from kvtier import AsyncClient
     from kvtier.integrations.transformers import (
         async_resume_cache,
@@ -141,7 +141,7 @@ async def run(contexts: list[int], follow: int, seed: int, bits: int) -> dict:
 
 
 async def _context(kv, model, spec, n, follow, seed, spill, resume, bf16_entries) -> dict:
-    from kvstore.hf.deepseek_v4 import persistent_streams, window_streams
+    from kvstore.format.hf.deepseek_v4 import persistent_streams, window_streams
 
     gen = torch.Generator().manual_seed(seed + n)
     ids = torch.randint(0, model.config.vocab_size, (n + 1,), generator=gen)

@@ -26,17 +26,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvstore.errors import IndexCorrupt, KVTierError, SessionNotFound
-from kvstore.manager import TierManager
+from kvstore.format.errors import IndexCorrupt, KVTierError, SessionNotFound
+from kvstore.session.manager import TierManager
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.disk.power_loss import (
+from kvstore.tiers.disk.repair import repair
+from testing.power_loss import (
     TENANT,
     Spill,
     crash_layout,
     restores_exactly,
     session_args,
 )
-from kvstore.tiers.disk.repair import repair
 
 ROOT = Path(__file__).resolve().parent.parent
 CAPACITY = 1 << 26
@@ -46,7 +46,7 @@ DELETED = ("gone0", "gone1")
 # Prints "opened", "corrupt <message>", or dies by a signal (an mdb.c abort).
 _OPEN_CHILD = """
 import sys
-from kvstore.errors import IndexCorrupt
+from kvstore.format.errors import IndexCorrupt
 from kvstore.tiers.disk import DiskTier
 try:
     DiskTier(sys.argv[1], 1 << 26)

@@ -180,7 +180,7 @@ def trace_goal_lines(stage: dict) -> list[str]:
     g = stage.get("goals")
     if g:
         share, lru = g["belady_share"], g["never_below_lru"]
-        out += ["", "Goals (`kvtier` is the project's policy, `kvstore.policy_reuse."
+        out += ["", "Goals (`kvtier` is the project's policy, `kvstore.eviction.reuse."
                 "ReusePolicy`, with hints inferred from the past only):", ""]
         out += _table(["goal", "measured", "met"], [
             *[[f"kvtier >= {share['target']:g} x Belady, fast among re-reads, hbm {f}",

@@ -74,11 +74,11 @@ import torch
 from torch.nn import functional as F
 
 from bench.paths import recorded, resolved
-from kvstore.errors import UnknownLayout
-from kvstore.keys import dedupe_scope
-from kvstore.layout import LayoutSpec, get_layout, register_layout
-from kvstore.manager import TierManager
-from kvstore.manifest import manifest_key
+from kvstore.format.errors import UnknownLayout
+from kvstore.format.keys import dedupe_scope
+from kvstore.format.layout import LayoutSpec, get_layout, register_layout
+from kvstore.session.manager import TierManager
+from kvstore.session.manifest import manifest_key
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.object import ObjectTier, ObjectTierConfig

@@ -19,8 +19,8 @@ import time
 import torch
 
 from bench.codec import random_chunk
-from kvstore.codec import StreamData
-from kvstore.layout import get_layout
+from kvstore.format.chunk import StreamData
+from kvstore.format.layout import get_layout
 from kvtier.client import AsyncClient
 from kvtier.codec import as_tokens, encode_session
 from services.server.config import load_config

@@ -10,7 +10,7 @@ size, next to ``raw_put_gbps`` / ``raw_get_gbps`` of the bare medium in the same
 - object-local: plain file write + fsync per value into its own file, and plain reads;
 - object-s3: plain ``put_object`` / ``get_object`` with boto3 against the same server.
 
-For redis and disk it also reports the tier sealed (``kvstore.tiers.sealed``, AES-256-GCM
+For redis and disk it also reports the tier sealed (``kvstore.encryption.tiers``, AES-256-GCM
 encryption at rest) against the same tier in clear, interleaved in the same run:
 ``sealed_put_gbps`` / ``sealed_get_gbps`` and the ratios ``sealed_put_vs_clear`` /
 ``sealed_get_vs_clear`` (1.0: encryption costs nothing). Beside each best-of ratio,
@@ -174,8 +174,8 @@ def _raw_s3(client, bucket: str, values: list[bytes]) -> tuple[Op, Op]:
 
 def _sealed(inner: Tier, count: int) -> Tier:
     """``inner`` sealed with a throwaway key, the bench keys claimed for one tenant."""
-    from kvstore.encryption import Keyring, MasterKey
-    from kvstore.tiers.sealed import BlockDomain, BlockDomains, EncryptedTier
+    from kvstore.encryption.seal import Keyring, MasterKey
+    from kvstore.encryption.tiers import BlockDomain, BlockDomains, EncryptedTier
 
     domains = BlockDomains()
     for i in range(count):

@@ -29,8 +29,8 @@ How each figure is obtained (the JSON repeats this under "method"):
   if lower), prefills the rest (new if never stored, re-prefill otherwise), reads its
   session's window (missing: one bounded replay of W tokens), then spills its blocks and
   new window with its hint; write-back copies every block to disk. Placement mirrors
-  ``kvstore.placement.TierStack``. Time is a virtual clock at the trace's timestamps.
-- Policies: ``kvtier`` (the project's own: ``kvstore.policy_reuse.ReusePolicy``, one
+  ``kvstore.placement.stack.TierStack``. Time is a virtual clock at the trace's timestamps.
+- Policies: ``kvtier`` (the project's own: ``kvstore.eviction.reuse.ReusePolicy``, one
   model per tier stack, hit density per reuse class learned online from reads, resume
   hints inferred from the past only, as the TierManager infers them: no future
   knowledge), ``kvtier-hint`` (the same given the oracle-derived hints of ``hint``),
@@ -39,7 +39,7 @@ How each figure is obtained (the JSON repeats this under "method"):
   ``lru`` (LRUPolicy), ``hint`` (HintPolicy given the true gap to the
   session's next request x lognormal noise, sigma ``--hint-sigma``: an oracle-derived
   estimate, labelled as such), ``hint-perfect`` (sigma 0), ``hint-causal`` (HintPolicy
-  given the hints kvtier infers itself from the past only, ``kvstore.pause_estimate``: a
+  given the hints kvtier infers itself from the past only, ``kvstore.eviction.pause_estimate``: a
   session's first request a long pause, a later one a pause of 0: recency), ``belady``
   (evict the block whose next read is farthest ahead, from a next-use table of the whole
   trace; ``bench.trace_belady``).
@@ -74,8 +74,8 @@ from bench.trace_policies import POLICIES, setup_policy
 from bench.trace_reader import BLOCK_TOKENS, TraceRequest, read_trace
 from bench.trace_sim import CAUSES, SimCounters, SimTier, TierSim, replay
 from bench.trace_workload import DEFAULT_SESSION_TTL_S, Workload, build_workload
-from kvstore.errors import InvalidRequest, KVTierError
-from kvstore.layout import get_layout
+from kvstore.format.errors import InvalidRequest, KVTierError
+from kvstore.format.layout import get_layout
 
 DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2)
 DEFAULT_POLICIES = ("kvtier", "lru", "hint", "hint-causal", "kvtier-hint", "belady")

@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Hashable
 import numpy as np
 
 from bench.trace_workload import NEVER
-from kvstore.policy import BlockId, EvictionPolicy, NextUse
+from kvstore.eviction.policies import BlockId, EvictionPolicy, NextUse
 
 
 class NextUseTable:

@@ -2,14 +2,14 @@
 
 The first N requests are replayed twice with the same policies, hints and virtual
 clock: once through ``bench.trace_sim.TierSim``, once through the real
-``kvstore.placement.TierStack`` (the tier manager's placement engine) over real tiers:
+``kvstore.placement.stack.TierStack`` (the tier manager's placement engine) over real tiers:
 ``HBMTier`` (on the CPU device here), ``HostTier`` and a ``DiskTier`` in a temporary
-directory, holding real encoded chunks (``kvstore.codec``; every copy is verified on
+directory, holding real encoded chunks (``kvstore.format.chunk``; every copy is verified on
 each read and demotion). The driver below makes the calls the manager makes for a
 restore (``read``, then ``promote`` protecting the session's blocks) and a spill
 (``touch``, ``place``, window replacement, write-back through ``read(access=False)``
 and ``place`` on the durable tier), a lookup's naming of held chunks, and session ends,
-with the manager's ``kvstore.prefix.Retention`` deciding what an unreferenced chunk
+with the manager's ``kvstore.prefix.chains.Retention`` deciding what an unreferenced chunk
 becomes. Equal counts mean the simulation's figures are the product's on that prefix.
 
 ``bench.trace_manager`` checks the ``TierManager`` itself, through its public calls
@@ -34,13 +34,13 @@ from bench.trace_policies import setup_policy
 from bench.trace_reader import BLOCK_TOKENS, TraceRequest
 from bench.trace_sim import SimTier, TierSim, replay
 from bench.trace_workload import DEFAULT_SESSION_TTL_S, Workload, build_workload
-from kvstore.codec import StreamData, encode_chunk, verify_chunk
-from kvstore.errors import DataLoss
-from kvstore.layout import LayoutSpec, Stream
-from kvstore.locks import KeyedLocks
-from kvstore.placement import WINDOW_PREFIX, TierStack
-from kvstore.prefix import Retention
-from kvstore.restore import READ_BATCH
+from kvstore.format.chunk import StreamData, encode_chunk, verify_chunk
+from kvstore.format.errors import DataLoss
+from kvstore.format.layout import LayoutSpec, Stream
+from kvstore.placement.locks import KeyedLocks
+from kvstore.placement.stack import WINDOW_PREFIX, TierStack
+from kvstore.prefix.chains import Retention
+from kvstore.session.restore import READ_BATCH
 from kvstore.stats import Counters
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.hbm import HBMTier
@@ -232,7 +232,7 @@ async def _stack_point(workload: Workload, policy: str, capacities: Sequence[int
         stack = TierStack(tiers, setup.factory, KeyedLocks(), Counters(),
                           is_referenced=lambda key: refs.get(key, 0) > 0,
                           on_window_dropped=lambda key: None)
-        # the manager's retention (kvstore.prefix), wired as TierManager wires it
+        # the manager's retention (kvstore.prefix.chains), wired as TierManager wires it
         retention = Retention(enabled=workload.retain, ttl_s=None,
                               is_held=lambda key: bool(stack.holders(key)),
                               is_referenced=lambda key: refs.get(key, 0) > 0)
@@ -274,7 +274,7 @@ def check_against_stack(requests: Sequence[TraceRequest], *, policies: Sequence[
                            "agree": not diff, "diff": diff, "stack": real})
     return {
         "method": "the same requests, policies, hints and clock through TierSim and through "
-                  "kvstore.placement.TierStack over real HBMTier (CPU device), HostTier and "
+                  "kvstore.placement.stack.TierStack over real HBMTier (CPU device), HostTier and "
                   "DiskTier with encoded chunks of a small layout; compared: block and "
                   "window hits per tier, misses, replays, evictions and bytes written per "
                   "tier, windows dropped",

@@ -24,8 +24,8 @@ import time
 import torch
 
 from bench.resume import TENANT, held_out_ids, load_model, spec_for
-from kvstore.keys import dedupe_scope
-from kvstore.manager import TierManager
+from kvstore.format.keys import dedupe_scope
+from kvstore.session.manager import TierManager
 from kvstore.tiers.base import MemoryMetaStore
 from kvstore.tiers.host import HostTier
 from model import checkpoint

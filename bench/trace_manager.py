@@ -10,7 +10,7 @@ resume hint, ``ack="memory"``; ``drain`` then finishes write-back and background
 promotions before the next request. Tiers: ``HBMTier`` (CPU device here), ``HostTier``,
 ``DiskTier`` in a temporary directory; chunks are real encoded chunks of a small layout
 over synthetic token ids (block id b at every position of its 512 tokens), keyed by
-``kvstore.keys.chain_keys`` exactly as a client would. The manager runs with one
+``kvstore.format.keys.chain_keys`` exactly as a client would. The manager runs with one
 request in flight at each stage (``ManagerConfig`` below) so its order of tier moves is
 the simulation's, except that a restore promotes chunks in background tasks that may
 run after the window's promotion. Belady is left out: its next-use table needs to see
@@ -33,10 +33,10 @@ from bench.trace_policies import setup_policy
 from bench.trace_reader import BLOCK_TOKENS, TraceRequest
 from bench.trace_sim import SimTier, TierSim, replay
 from bench.trace_workload import DEFAULT_SESSION_TTL_S, Workload, build_workload
-from kvstore.codec import encode_chunk
-from kvstore.keys import ROOT_PARENT, block_key, chunk_digest, chunk_key, dedupe_scope
-from kvstore.layout import register_layout
-from kvstore.manager import ManagerConfig, TierManager
+from kvstore.format.chunk import encode_chunk
+from kvstore.format.keys import ROOT_PARENT, block_key, chunk_digest, chunk_key, dedupe_scope
+from kvstore.format.layout import register_layout
+from kvstore.session.manager import ManagerConfig, TierManager
 from kvstore.tiers.base import MemoryMetaStore
 
 # The bench gives every spill its hint itself (on the trace's clock): no inferred ones.

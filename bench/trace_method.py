@@ -30,7 +30,7 @@ def describe_method(sizes: dict, host_ratio: float, disk_fraction: float | None,
                        if session_ttl_s else "sessions are never deleted",
         "retention": "with retain_unreferenced (the results), chunks no session names stay "
                      "as cache entries a lookup finds, evicted first (oldest first) and "
-                     "deleted rather than moved down, as kvstore.prefix.Retention does; "
+                     "deleted rather than moved down, as kvstore.prefix.chains.Retention does; "
                      "without it they are freed from every tier at once",
         "capacities": f"footprint = unique blocks x block bytes; hbm = f x footprint, host = "
                       f"{host_ratio:g} x f x footprint, disk {disk}",
@@ -41,7 +41,7 @@ def describe_method(sizes: dict, host_ratio: float, disk_fraction: float | None,
                   "rest (new if never stored, else re-prefill); spill its blocks and a new "
                   "window with its hint; write back new blocks to disk; placement, eviction "
                   "cascade, protection of the blocks being read or spilled, freeing, "
-                  "retention and write-back mirror kvstore.placement.TierStack and the "
+                  "retention and write-back mirror kvstore.placement.stack.TierStack and the "
                   "manager's spill/restore",
         "validation": "the first N requests replayed through the real TierStack (every "
                       "policy) and the real TierManager (lookup, spill by key, restore, "
@@ -64,16 +64,16 @@ def describe_method(sizes: dict, host_ratio: float, disk_fraction: float | None,
                  f"z ~ N(0,1) per request (an oracle-derived estimate from the trace's "
                  f"future, standing for a framework predicting its pause); a session's "
                  f"last request hints 1e9 s; hint-perfect: sigma 0; hint-causal: "
-                 f"the hints kvtier infers itself (kvstore.pause_estimate.PauseEstimator, "
+                 f"the hints kvtier infers itself (kvstore.eviction.pause_estimate.PauseEstimator, "
                  f"no future knowledge): a session's first request hints the 90th "
                  f"percentile of the last 512 gaps seen so far over the share of first "
                  f"requests whose session came back so far, a later request a pause of "
                  f"0 (due now, then ranked by recency); each hint is attached when its "
-                 f"request spills; HintPolicy sees them through kvstore.policy.HintBook "
+                 f"request spills; HintPolicy sees them through kvstore.eviction.policies.HintBook "
                  f"(predicted returns in trace time: the earliest ahead among the sessions "
                  f"storing a block, kept when the block moves; a missed return ages the "
                  f"block; a block whose hints proved wrong is kept in LRU order)",
-        "kvtier": "the project's policy (kvstore.policy_reuse.ReusePolicy via "
+        "kvtier": "the project's policy (kvstore.eviction.reuse.ReusePolicy via "
                   "reuse_policies: one model shared by a stack's tiers), no future "
                   "knowledge: evicts the block of lowest learned hit density per byte "
                   "(reads expected after its age over the time it is expected to stay, "

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from bench.trace_belady import BeladyPolicy, NextUseTable
 from bench.trace_workload import FINISHED_PAUSE_S, Workload, causal_hints, oracle_hints
-from kvstore.errors import InvalidRequest
-from kvstore.policy import EvictionPolicy, HintPolicy, LRUPolicy, ResumeHint
-from kvstore.policy_reuse import reuse_policies
+from kvstore.eviction.policies import EvictionPolicy, HintPolicy, LRUPolicy, ResumeHint
+from kvstore.eviction.reuse import reuse_policies
+from kvstore.format.errors import InvalidRequest
 
 POLICIES = ("kvtier", "kvtier-hint", "kvtier-returns", "lru", "hint", "hint-perfect",
             "hint-causal", "belady")

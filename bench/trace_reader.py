@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.errors import InvalidRequest
+from kvstore.format.errors import InvalidRequest
 
 BLOCK_TOKENS = 512  # the Mooncake traces hash prompts in blocks of 512 tokens
 

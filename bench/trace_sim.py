@@ -1,6 +1,6 @@
 """A byte-accurate simulation of the tier stack, replaying a ``Workload``.
 
-It mirrors ``kvstore.placement.TierStack`` and the manager's spill and restore:
+It mirrors ``kvstore.placement.stack.TierStack`` and the manager's spill and restore:
 
 - A block goes to the highest tier with room; making room asks the tier's policy for
   victims. A victim moves to the next tier down that holds it already or takes it (which
@@ -17,7 +17,7 @@ It mirrors ``kvstore.placement.TierStack`` and the manager's spill and restore:
 - A session whose TTL passed is deleted the same way (``end``).
 - Retained chunks (``retain``: unreferenced, kept) are what eviction takes first, oldest
   first, before the tier's policy is asked; an evicted one is deleted from that tier,
-  not moved down (``kvstore.prefix.Retention`` and ``TierStack.evict_first``). A spill
+  not moved down (``kvstore.prefix.chains.Retention`` and ``TierStack.evict_first``). A spill
   naming one revives it.
 - A new session from a lookup first names the held prefix by key (a spill of those
   chunks, no hint, which revives retained ones), then reads them as its restore does.
@@ -38,8 +38,8 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from bench.trace_workload import Ended, Workload
-from kvstore.policy import EvictionPolicy, HintBook, ResumeHint
-from kvstore.restore import READ_BATCH
+from kvstore.eviction.policies import EvictionPolicy, HintBook, ResumeHint
+from kvstore.session.restore import READ_BATCH
 
 CAUSES = ("spill", "promotion", "demotion", "writeback")
 

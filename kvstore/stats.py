@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from kvstore.tiers.base import TierStats
 
 if TYPE_CHECKING:
-    from kvstore.quota import TenantReport
+    from kvstore.session.quota import TenantReport
 
 
 @dataclass
@@ -54,7 +54,7 @@ class ManagerStats:
     writeback_capacity: int
     referenced_chunks: int  # distinct chunk keys some manifest references
     sessions: int = 0  # manifests stored (TierManager.session_count)
-    # Tenants with a quota table of their own, then "other" (kvstore.quota.QuotaGate.reports)
+    # Tenants with a quota table of their own, then "other" (QuotaGate.reports)
     tenants: tuple[TenantReport, ...] = ()
-    retained_chunks: int = 0  # unreferenced chunks kept as cache (kvstore.prefix)
+    retained_chunks: int = 0  # unreferenced chunks kept as cache (kvstore.prefix.chains)
     retained_bytes: int = 0

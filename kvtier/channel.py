@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from kvstore.errors import InvalidRequest
+from kvstore.format.errors import InvalidRequest
 
 LOOPBACK = ("localhost", "127.", "[::1]", "unix:", "ipv4:127.", "ipv6:[::1]")
 

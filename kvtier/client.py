@@ -7,7 +7,7 @@ out, over the kvtier gRPC service.
         session = await kv.resume("acme", "s1")   # session.persistent, session.window
 
 Spill cuts the persistent streams into chunks of ``layout.chunk_tokens``, encodes them
-(``kvstore.codec``), keys them (``kvstore.keys.chain_keys``: the tenant's or a shared
+(``kvstore.format.chunk``), keys them (``kvstore.format.keys.chain_keys``: the tenant's or a shared
 dedupe domain, the layout, the model fingerprint), states the BLAKE2b-256 digest of every
 chunk, the tail and the window (every digest of the bytes of this spill), and sends only
 chunks the server may not hold: a chunk whose fresh digest is the one the server
@@ -20,7 +20,7 @@ Calls failing with UNAVAILABLE are retried with exponential backoff and jitter (
 are restarted whole, so one retry mechanism covers every call; a retried Spill whose
 first attempt landed gets that attempt's reply, the server's spills being idempotent
 per generation and content); any other failure
-raises the ``kvstore.errors`` class the server raised. On the same host chunk bytes go
+raises the ``kvstore.format.errors`` class the server raised. On the same host chunk bytes go
 through shared memory (``shared_memory=None``: whenever the target is loopback).
 """
 
@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
-from kvstore.errors import InvalidRequest, StaleGeneration, UnknownLayout, shown
-from kvstore.keys import chunk_digest, dedupe_scope
-from kvstore.layout import LayoutSpec, layout_to_json
-from kvstore.model_identity import check_model
-from kvstore.policy import ResumeHint
+from kvstore.eviction.policies import ResumeHint
+from kvstore.format.errors import InvalidRequest, StaleGeneration, UnknownLayout, shown
+from kvstore.format.keys import chunk_digest, dedupe_scope
+from kvstore.format.layout import LayoutSpec, layout_to_json
+from kvstore.format.model_identity import check_model
 from kvtier import codec as cc
 from kvtier import replies, shm
 from kvtier.channel import LOOPBACK, Credentials, open_channel
@@ -48,8 +48,8 @@ from kvtier.types import LayoutInfo, RestoredSession, RetryPolicy, SpillResult
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 
-if TYPE_CHECKING:  # a hint only: kvstore.restore imports torch
-    from kvstore.restore import LayerSlice
+if TYPE_CHECKING:  # a hint only: kvstore.session.restore imports torch
+    from kvstore.session.restore import LayerSlice
 
 ACKS = {"memory": pb.ACK_MEMORY, "durable": pb.ACK_DURABLE, None: pb.ACK_UNSPECIFIED}
 

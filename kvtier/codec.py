@@ -1,7 +1,7 @@
 """The client's tensor side: cut a session's streams into chunks and encode them, and
 turn restored bytes back into tensors. No gRPC here.
 
-Tensor layouts (per stream of the layout spec, see ``kvstore.chunk_plan``):
+Tensor layouts (per stream of the layout spec, see ``kvstore.format.chunk_parts``):
   persistent stream: codes (layers, entries, *codes_shape), scales (layers, entries,
       groups) float16 or None for bf16 streams, entries = stream.entries_for(num_tokens)
   window stream: the same for the tokens it covers (ephemeral streams only: the window
@@ -18,17 +18,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xxhash
 
-from kvstore.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
-from kvstore.keys import chain_keys, chunk_digest, token_bytes
-from kvstore.layout import LayoutSpec
+from kvstore.format.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
+from kvstore.format.keys import chain_keys, chunk_digest, token_bytes
+from kvstore.format.layout import LayoutSpec
 
-# torch (through kvstore.codec) is imported by the calls that handle tensors, not here:
+# torch (through kvstore.format.chunk) is imported by the calls that handle tensors, not here:
 # importing the client (``kvtier stat``, ``kvtier list``) must not pay seconds for it.
 if TYPE_CHECKING:
     import torch
 
-    from kvstore.codec import StreamData
-    from kvstore.restore import LayerSlice
+    from kvstore.format.chunk import StreamData
+    from kvstore.session.restore import LayerSlice
 
 Streams = Mapping[str, "StreamData"]
 
@@ -45,7 +45,7 @@ def _check_streams(spec: LayoutSpec, streams: Streams, ephemeral: bool, what: st
     """The layout's streams, each a StreamData of (layers, entries, ...); raises on a
     mismatch. (Entry counts are checked against the token count by the caller: streams of
     different m cover different whole-entry token counts, e.g. 300 tokens at m = 4 and 128.)"""
-    from kvstore.codec import StreamData
+    from kvstore.format.chunk import StreamData
     expected = spec.ephemeral_streams if ephemeral else spec.persistent_streams
     names = {s.name for s in expected}
     if set(streams) != names:
@@ -54,7 +54,7 @@ def _check_streams(spec: LayoutSpec, streams: Streams, ephemeral: bool, what: st
     for stream in expected:
         data = streams[stream.name]
         if not isinstance(data, StreamData):
-            raise InvalidRequest(f"{what}: stream {stream.name} must be a kvstore.codec."
+            raise InvalidRequest(f"{what}: stream {stream.name} must be a kvstore.format.chunk."
                                  f"StreamData, got {type(data).__name__}")
         if data.codes.dim() < 2 or data.codes.shape[0] != stream.layers:
             raise LayoutMismatch(f"{what}: stream {stream.name} codes must be (layers="
@@ -64,7 +64,7 @@ def _check_streams(spec: LayoutSpec, streams: Streams, ephemeral: bool, what: st
 @dataclass
 class EncodedSession:
     keys: list[str]  # chained keys of the complete chunks
-    digests: list[bytes]  # BLAKE2b-256 of each complete chunk's bytes (kvstore.keys)
+    digests: list[bytes]  # BLAKE2b-256 of each complete chunk's bytes (kvstore.format.keys)
     chunks: dict[int, bytes]  # index -> encoded chunk, for the indices asked for
     tail: bytes  # b"" when the tokens fill whole chunks
     window: bytes | None
@@ -108,7 +108,7 @@ def encode_session(
     every one of them: each digest is of the bytes encoded now. A chunk ``held`` names
     (chain key -> digest of the bytes the server holds) with that very digest is left
     out of ``chunks`` and goes by key and digest; any other is sent."""
-    from kvstore.codec import encode_chunk
+    from kvstore.format.chunk import encode_chunk
     entries_needed = {s.name: s.entries_for(len(tokens)) for s in spec.persistent_streams}
     _check_streams(spec, persistent, False, "persistent streams")
     for name, need in entries_needed.items():
@@ -131,7 +131,7 @@ def encode_session(
 
 
 def _slice(spec: LayoutSpec, streams: Streams, start: int, stop: int) -> dict[str, StreamData]:
-    from kvstore.codec import StreamData
+    from kvstore.format.chunk import StreamData
     out = {}
     for s in spec.persistent_streams:
         data = streams[s.name]
@@ -142,8 +142,8 @@ def _slice(spec: LayoutSpec, streams: Streams, start: int, stop: int) -> dict[st
 
 
 def encode_window(spec: LayoutSpec, tokens: np.ndarray, window: Streams) -> bytes:
-    """The window blob of ``window``'s ephemeral streams (``kvstore.window_blob``)."""
-    from kvstore.window_blob import encode_window as encode  # torch: loaded only when used
+    """The window blob of ``window``'s ephemeral streams (``kvstore.format.window``)."""
+    from kvstore.format.window import encode_window as encode  # torch: loaded only when used
     return encode(spec, tokens, window)
 
 
@@ -151,7 +151,7 @@ def check_digests(chunks: Sequence[bytes | memoryview], digests: Sequence[bytes]
                   tail: bytes | memoryview, tail_digest: bytes) -> None:
     """Every restored chunk and the tail must have the digest its spiller stated (the
     server sends them in the header): ``DataLoss`` names the first that does not."""
-    from kvstore.errors import DataLoss
+    from kvstore.format.errors import DataLoss
     if len(chunks) != len(digests):
         raise DataLoss(f"the restore sent {len(chunks)} chunks for {len(digests)} digests")
     for i, (data, want) in enumerate(zip(chunks, digests, strict=True)):
@@ -164,9 +164,9 @@ def check_digests(chunks: Sequence[bytes | memoryview], digests: Sequence[bytes]
 def decode_persistent(spec: LayoutSpec, tokens: np.ndarray, chunks: Sequence[bytes],
                       tail: bytes) -> dict[str, StreamData]:
     """The whole session's persistent streams, (layers, entries, ...) each, verified."""
-    from kvstore.codec import read_header
-    from kvstore.codec_run import decode_chunks
-    from kvstore.packed_run import PackedRun
+    from kvstore.format.chunk import read_header
+    from kvstore.format.chunk_run import decode_chunks
+    from kvstore.format.packed_run import PackedRun
     if not len(chunks) and not len(tail):
         return {}
     bufs, counts = chunks, [spec.chunk_tokens] * len(chunks)
@@ -183,14 +183,14 @@ def decode_persistent(spec: LayoutSpec, tokens: np.ndarray, chunks: Sequence[byt
 
 def window_start(window) -> int:
     """First token covered by the window blob's first (window K/V) chunk."""
-    from kvstore.codec import read_header, split_chunks
+    from kvstore.format.chunk import read_header, split_chunks
     return read_header(split_chunks(window)[0]).start_token
 
 
 def decode_window(spec: LayoutSpec, tokens: np.ndarray, window
                   ) -> tuple[dict[str, StreamData], int]:
     """Every ephemeral stream of the window blob, and the first token of its first chunk."""
-    from kvstore.codec import decode_chunk, read_header, split_chunks
+    from kvstore.format.chunk import decode_chunk, read_header, split_chunks
     out: dict[str, StreamData] = {}
     parts = split_chunks(window)
     for part in parts:
@@ -227,8 +227,8 @@ class LayerAssembler:
     def finish(self) -> LayerSlice | None:
         import torch
 
-        from kvstore.codec import StreamData
-        from kvstore.restore import LayerSlice
+        from kvstore.format.chunk import StreamData
+        from kvstore.session.restore import LayerSlice
 
         if self.current is None:
             return None

@@ -1,6 +1,6 @@
 """kvtier's errors, and the one place they meet gRPC: the servers' ``grpc_errors`` turns
 an exception into a status code and the ``kvtier-error`` trailer, ``error_from_rpc``
-turns a failed call back into the exception, both by the table in ``kvstore.errors``;
+turns a failed call back into the exception, both by the table in ``kvstore.format.errors``;
 ``add_servicer`` registers a servicer so bytes that do not parse as its request type are
 INVALID_ARGUMENT (gRPC itself answers UNKNOWN, or fails inside a client stream).
 
@@ -28,9 +28,9 @@ from typing import Protocol, TypeVar, runtime_checkable
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvstore import errors as store_errors
-from kvstore.errors import *  # noqa: F403  (every class of the one hierarchy)
-from kvstore.errors import (
+from kvstore.format import errors as store_errors
+from kvstore.format.errors import *  # noqa: F403  (every class of the one hierarchy)
+from kvstore.format.errors import (
     ERROR_KEY,
     InvalidRequest,
     KVTierError,

@@ -1,12 +1,12 @@
-"""The layouts a client knows: this process's registry (``kvstore.layout``: the presets and
+"""The layouts a client knows: this process's registry (``kvstore.format.layout``: the presets and
 whatever it registered), then those the server listed (ListLayouts) or registered for it,
 so a client that defines no layout of its own still spills and restores any the server
 serves."""
 
 from __future__ import annotations
 
-from kvstore.errors import LayoutMismatch, UnknownLayout
-from kvstore.layout import LayoutSpec, get_layout, layout_from_json
+from kvstore.format.errors import LayoutMismatch, UnknownLayout
+from kvstore.format.layout import LayoutSpec, get_layout, layout_from_json
 from kvtier.types import LayoutInfo
 from proto import kvtier_pb2 as pb
 

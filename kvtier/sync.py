@@ -12,8 +12,8 @@ from kvtier.client import AsyncClient
 from kvtier.types import LayoutInfo, RestoredSession, SpillResult
 from proto import kvtier_pb2 as pb
 
-if TYPE_CHECKING:  # a hint only: kvstore.restore imports torch
-    from kvstore.restore import LayerSlice
+if TYPE_CHECKING:  # a hint only: kvstore.session.restore imports torch
+    from kvstore.session.restore import LayerSlice
 
 
 class Client:

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # hints only: importing these types must not import torch or numpy
     import numpy as np
 
-    from kvstore.codec import StreamData
-    from kvstore.layout import LayoutSpec
+    from kvstore.format.chunk import StreamData
+    from kvstore.format.layout import LayoutSpec
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,8 @@ class LayoutInfo:
     """A layout the server serves (ListLayouts, RegisterLayout)."""
 
     layout_id: str  # name@<16 hex digits>
-    layout_json: str  # the canonical encoding (kvstore.layout.layout_to_json)
-    replayer: str  # kvstore.layout.REPLAYERS: what can rebuild its window
+    layout_json: str  # the canonical encoding (kvstore.format.layout.layout_to_json)
+    replayer: str  # kvstore.format.layout.REPLAYERS: what can rebuild its window
     builtin: bool  # a shipped preset, not registered at run time
     spec: LayoutSpec  # layout_json parsed
 
@@ -58,7 +58,7 @@ class RestoredSession:
     token_ids: np.ndarray  # (num_tokens,) uint32
     chunk_keys: list[str]
     # Encoded blocks, verified by the server and again on decode: bytes when they came
-    # inline; over shared memory a kvstore.packed_run.PackedRun (views of one copy of
+    # inline; over shared memory a kvstore.format.packed_run.PackedRun (views of one copy of
     # them, back to back, which the decode reads without joining).
     chunks: Sequence[bytes | memoryview]
     tail: bytes | memoryview

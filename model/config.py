@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields, replace
 
-from kvstore.layout import BaselineKV, LayoutSpec, Stream
+from kvstore.format.layout import BaselineKV, LayoutSpec, Stream
 
 MODES = ("full", "reindex", "reuse")
 

@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstore.errors import InvalidRequest
-from kvstore.layout import LayoutSpec
+from kvstore.format.errors import InvalidRequest
+from kvstore.format.layout import LayoutSpec
 from model.checkpoint import BUNDLED_WEIGHTS, load, load_config
 from model.config import layout_spec
 from replay.state_codec import Buffer

@@ -5,12 +5,12 @@
 
 Tensor layouts on the model side are those of ``model.state`` (per stream: codes
 (layers, entries, ...), scales (layers, entries, ...) fp16); on the store side those of
-``kvstore.codec`` (codes (layers, entries, *codes_shape), scales (layers, entries, groups)).
+``kvstore.format.chunk`` (codes (layers, entries, *codes_shape), scales (layers, entries, groups)).
 The only reshaping is the window scales: (L, S, Hkv, Dh/gw) <-> (L, S, Hkv * Dh/gw).
 
 Bytes:
   chunks  one encoded persistent chunk per full ``spec.chunk_tokens`` tokens, keyed by
-          ``kvstore.keys.block_keys`` (chain key and digest) under the scope and model
+          ``kvstore.format.keys.block_keys`` (chain key and digest) under the scope and model
           fingerprint given (for ``TierManager.spill``: ``dedupe_scope(tenant)``)
   tail    the persistent streams of the partial last chunk (b"" when chunks cover all)
   window  one or more ephemeral chunks back to back: the window K/V (S tokens) and, when
@@ -26,11 +26,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvstore.codec import StreamData, decode_chunk, encode_chunk, read_header, split_chunks
-from kvstore.codec_run import decode_chunks
-from kvstore.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
-from kvstore.keys import block_keys, token_bytes
-from kvstore.layout import LayoutSpec, cache_difference
+from kvstore.format.chunk import StreamData, decode_chunk, encode_chunk, read_header, split_chunks
+from kvstore.format.chunk_run import decode_chunks
+from kvstore.format.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
+from kvstore.format.keys import block_keys, token_bytes
+from kvstore.format.layout import LayoutSpec, cache_difference
 from model.config import ModelConfig, layout_spec
 from model.state import PERSISTENT, KVState
 
@@ -41,7 +41,7 @@ Buffer = bytes | bytearray | memoryview
 
 def check_spec(cfg: ModelConfig, spec: LayoutSpec) -> None:
     """Raise LayoutMismatch unless ``spec`` describes this model's cache exactly
-    (``kvstore.layout.cache_difference``: streams, chunk size, vocabulary, window and
+    (``kvstore.format.layout.cache_difference``: streams, chunk size, vocabulary, window and
     layer modes; the layout's name and the pending marks may differ)."""
     differs = cache_difference(spec, layout_spec(cfg, name=spec.name))
     if differs is not None:

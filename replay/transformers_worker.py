@@ -6,7 +6,7 @@
     result.window     # window blob: window K=V + compressor partial-block state
 
 It decodes the session's persisted compressor and indexer entries, reruns the last R
-tokens (aligned, ``kvstore.hf.deepseek_v4.replay_start``) through the model with
+tokens (aligned, ``kvstore.format.hf.deepseek_v4.replay_start``) through the model with
 its compressors frozen, and encodes what that rebuilt as ephemeral chunks. ``load_model``
 takes a ``save_pretrained`` directory, or a config JSON whose weights are drawn at random
 from ``seed`` (for tests and benchmarks: no download ever happens). Model compute runs on
@@ -26,13 +26,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvstore.errors import InvalidRequest, LayoutMismatch, UnknownLayout
-from kvstore.hf import deepseek_v4
-from kvstore.hf.layouts import DEEPSEEK_V4_BITS, deepseek_v4_layout, is_deepseek_v4
-from kvstore.layout import LayoutSpec, get_layout
-from kvstore.model_identity import check_replayer, module_fingerprint
-from kvstore.validate import check_token_ids
-from kvstore.window_blob import encode_window
+from kvstore.format.checks import check_token_ids
+from kvstore.format.errors import InvalidRequest, LayoutMismatch, UnknownLayout
+from kvstore.format.hf import deepseek_v4
+from kvstore.format.hf.model_layouts import DEEPSEEK_V4_BITS, deepseek_v4_layout, is_deepseek_v4
+from kvstore.format.layout import LayoutSpec, get_layout
+from kvstore.format.model_identity import check_replayer, module_fingerprint
+from kvstore.format.window import encode_window
 from replay.service import LazyReplay
 from replay.state_codec import Buffer, as_token_array, decode_persistent
 from replay.worker import DEFAULT_REPLAY_TOKENS, MAX_REPLAY_TOKENS, ReplayResult

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.errors import InvalidRequest, UnknownLayout
-from kvstore.layout import LayoutSpec, get_layout
-from kvstore.model_identity import check_replayer, module_fingerprint
-from kvstore.validate import check_token_ids
+from kvstore.format.checks import check_token_ids
+from kvstore.format.errors import InvalidRequest, UnknownLayout
+from kvstore.format.layout import LayoutSpec, get_layout
+from kvstore.format.model_identity import check_replayer, module_fingerprint
 from model.config import layout_spec
 from model.infer import replay_batch
 from model.net import KVTierLM
@@ -74,7 +74,7 @@ class _Job:
 
 
 class ReplayWorker:
-    replayer = "bundled"  # kvstore.layout.REPLAYERS: the layouts it rebuilds
+    replayer = "bundled"  # kvstore.format.layout.REPLAYERS: the layouts it rebuilds
 
     def __init__(self, model: KVTierLM, *, default_tokens: int = DEFAULT_REPLAY_TOKENS,
                  max_tokens: int = MAX_REPLAY_TOKENS,

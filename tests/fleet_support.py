@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.fleet import GcTiming, prepare_bucket
-from kvstore.layout import get_layout
-from kvstore.manifest import MANIFEST_PREFIX, SessionManifest
+from kvstore.fleet.gc import GcTiming, prepare_bucket
+from kvstore.format.layout import get_layout
+from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest
 from kvtier.codec import decode_window
 from model.checkpoint import load, save
 from model.config import BUNDLED

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from kvstore.chunk_plan import CODE_DTYPES
-from kvstore.codec import StreamData
-from kvstore.keys import chunk_digest
-from kvstore.layout import LayoutSpec, get_layout
+from kvstore.format.chunk import StreamData
+from kvstore.format.chunk_parts import CODE_DTYPES
+from kvstore.format.keys import chunk_digest
+from kvstore.format.layout import LayoutSpec, get_layout
 from proto import kvtier_pb2 as pb
 from services.server.config import load_config
 from services.server.server import KVTierServer, create_server

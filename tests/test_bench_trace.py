@@ -18,8 +18,8 @@ from bench.trace_manager import check_against_manager
 from bench.trace_reader import read_trace
 from bench.trace_sim import SimTier
 from bench.trace_workload import build_workload
-from kvstore.errors import InvalidRequest
-from kvstore.layout import get_layout
+from kvstore.format.errors import InvalidRequest
+from kvstore.format.layout import get_layout
 
 BLOCK = 512
 

@@ -22,8 +22,8 @@ import pytest
 import xxhash
 import zstandard
 
-from kvstore.chunk_plan import chunk_plan, max_chunk_tokens
-from kvstore.codec import (
+from kvstore.format.checks import check_spill, check_token_ids, window_bytes_max
+from kvstore.format.chunk import (
     FLAG_EPHEMERAL,
     FLAG_ZSTD,
     MAGIC,
@@ -33,11 +33,11 @@ from kvstore.codec import (
     encode_chunk,
     tokens_hash,
 )
-from kvstore.errors import ChunkCorrupt, InvalidRequest
-from kvstore.keys import chain_keys, chunk_digest, dedupe_scope
-from kvstore.layout import LayoutSpec, Stream
+from kvstore.format.chunk_parts import chunk_plan, max_chunk_tokens
+from kvstore.format.errors import ChunkCorrupt, InvalidRequest
+from kvstore.format.keys import chain_keys, chunk_digest, dedupe_scope
+from kvstore.format.layout import LayoutSpec, Stream
 from kvstore.tiers.object import ObjectTier, ObjectTierConfig
-from kvstore.validate import check_spill, check_token_ids, window_bytes_max
 from kvtier import AsyncClient
 from kvtier.codec import as_tokens, encode_session, encode_window
 from proto import kvtier_pb2 as pb
@@ -51,7 +51,7 @@ from tests.service_support import (
     window_for,
 )
 
-HEADER = struct.Struct("<4sHHQQIIQQQQ")  # the chunk header, as kvstore/codec.py documents it
+HEADER = struct.Struct("<4sHHQQIIQQQQ")  # the chunk header, as kvstore/format/chunk.py documents it
 BOMB = 512 << 20  # what a bomb expands to: far above any peak the refusal may add
 RSS_SLACK = 100 << 20  # the most a refused request may raise the server's peak RSS
 WINDOW_KV = ("enc.window.k", "enc.window.v")
@@ -336,7 +336,7 @@ def test_chunk_token_bounds_come_from_the_layout():
 
 
 def test_layouts_state_their_vocabulary_and_window():
-    from kvstore.layout import get_layout
+    from kvstore.format.layout import get_layout
 
     assert (LAYOUT.vocab_size, LAYOUT.window_tokens) == (256, 128)
     assert get_layout("deepseek-v3").vocab_size == 129_280

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.codec import StreamData
-from kvstore.packed_run import PackedRun
+from kvstore.format.chunk import StreamData
+from kvstore.format.packed_run import PackedRun
 from kvtier import AsyncClient, Client, shm
 from tests.conftest import free_port
 from tests.service_support import (

@@ -6,15 +6,15 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvstore.codec import StreamData, decode_chunk, encode_chunk, read_header, verify_chunk
-from kvstore.errors import (
+from kvstore.format.chunk import StreamData, decode_chunk, encode_chunk, read_header, verify_chunk
+from kvstore.format.errors import (
     ChunkCorrupt,
     ChunkTruncated,
     CodecError,
     LayoutMismatch,
     UnsupportedVersion,
 )
-from kvstore.layout import LayoutSpec, Stream, get_layout
+from kvstore.format.layout import LayoutSpec, Stream, get_layout
 
 BUNDLED = get_layout("kvtier-bundled")
 MIXED = LayoutSpec(
@@ -182,7 +182,7 @@ def test_fuzz_random_and_mutated_buffers_only_decode_or_raise_codec_errors():
 
 
 def test_window_blob_carries_stream_subsets_back_to_back():
-    from kvstore.codec import split_chunks
+    from kvstore.format.chunk import split_chunks
 
     full = make_streams(MIXED2, 9, ephemeral=True)
     window = {"win": full["win"]}

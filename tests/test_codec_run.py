@@ -12,12 +12,12 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore import codec
-from kvstore.codec import StreamData, decode_chunk, encode_chunk
-from kvstore.codec_run import decode_chunks
-from kvstore.errors import ChunkCorrupt, CodecError, InvalidRequest, LayoutMismatch
-from kvstore.layout import LayoutSpec, Stream
-from kvstore.packed_run import PackedRun
+from kvstore.format import chunk as codec
+from kvstore.format.chunk import StreamData, decode_chunk, encode_chunk
+from kvstore.format.chunk_run import decode_chunks
+from kvstore.format.errors import ChunkCorrupt, CodecError, InvalidRequest, LayoutMismatch
+from kvstore.format.layout import LayoutSpec, Stream
+from kvstore.format.packed_run import PackedRun
 from tests.test_codec import BUNDLED, MIXED, assert_same, make_streams
 from tests.test_layout import layouts
 

@@ -19,7 +19,7 @@ import zstandard
 from kvstore.compaction.job import run_compaction
 from kvstore.compaction.report import COMPACT_PRESETS, CompactOptions, LogProgress
 from kvstore.compaction.segments import groups
-from kvstore.errors import InvalidRequest, SessionNotFound
+from kvstore.format.errors import InvalidRequest, SessionNotFound
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk.index import SegmentInfo, SegState
 from services import cli

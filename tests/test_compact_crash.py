@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.codec import verify_chunk
 from kvstore.compaction.sessions import load_manifests
+from kvstore.format.chunk import verify_chunk
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.object import ObjectTier
 from services import cli

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from kvstore.codec import StreamData
-from kvstore.errors import SessionNotFound
+from kvstore.format.chunk import StreamData
+from kvstore.format.errors import SessionNotFound
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk.segments import HEADER_SIZE, segment_path
 from kvtier import AsyncClient

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.errors import SessionNotFound
+from kvstore.format.errors import SessionNotFound
 from kvstore.tiers.disk import DiskTier
 from kvtier import AsyncClient
 from services import cli

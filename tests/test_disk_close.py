@@ -12,9 +12,9 @@ import threading
 
 import pytest
 
-from kvstore.errors import TierUnavailable
+from kvstore.format.errors import TierUnavailable
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.disk.faultfs import FaultyFileSystem
+from testing.faultfs import FaultyFileSystem
 
 GUARD_S = 30  # only so a regression fails instead of hanging the suite
 

@@ -1,5 +1,5 @@
 """ENOSPC and EIO injected at each write, fsync, read and file-creation call of the disk
-tier (kvstore.tiers.disk.faultfs): a failed write is TierFull or TierUnavailable, never
+tier (testing.faultfs): a failed write is TierFull or TierUnavailable, never
 anything else; the tier takes writes again as soon as the fault clears, with no
 restart; nothing acknowledged is lost; a failed read falls through or is DATA_LOSS."""
 
@@ -10,12 +10,12 @@ import random
 
 import pytest
 
-from kvstore.errors import DataLoss, TierFull, TierUnavailable
-from kvstore.manager import TierManager
+from kvstore.format.errors import DataLoss, TierFull, TierUnavailable
+from kvstore.session.manager import TierManager
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.disk.faultfs import FaultyFileSystem
 from kvstore.tiers.disk.index import SegState
-from kvstore.tiers.disk.power_loss import TENANT, Spill, crash_layout, session_args
+from testing.faultfs import FaultyFileSystem
+from testing.power_loss import TENANT, Spill, crash_layout, session_args
 
 SEGMENT = 8192
 EXPECTED = {errno.ENOSPC: TierFull, errno.EIO: TierUnavailable}

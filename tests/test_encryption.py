@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import redis
 
-from kvstore.encryption import Keyring, MasterKey, keyring_from_file, read_header
-from kvstore.errors import ChunkCorrupt, DataLoss, InvalidRequest
+from kvstore.encryption.seal import Keyring, MasterKey, keyring_from_file, read_header
+from kvstore.format.errors import ChunkCorrupt, DataLoss, InvalidRequest
 from services.server.config import load_config
 from services.server.store import open_manager
 from tests.test_manager_support import make_session

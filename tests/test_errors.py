@@ -9,8 +9,14 @@ import grpc
 import pytest
 
 import kvtier
-from kvstore import errors
-from kvstore.errors import ERROR_CLASSES, ERROR_KEY, KVTierError, ServerError, SessionNotFound
+from kvstore.format import errors
+from kvstore.format.errors import (
+    ERROR_CLASSES,
+    ERROR_KEY,
+    KVTierError,
+    ServerError,
+    SessionNotFound,
+)
 from kvtier import AsyncClient, RetryPolicy
 from kvtier import errors as kvtier_errors
 from kvtier.errors import grpc_errors, status_for

@@ -12,13 +12,13 @@ import pytest
 from conftest import MotoServer
 from test_manager_support import make_session, random_tokens
 
-from kvstore.errors import (
+from kvstore.format.errors import (
     GenerationConflict,
     InvalidRequest,
     StaleGeneration,
     TierUnavailable,
 )
-from kvstore.manifest import SessionManifest
+from kvstore.session.manifest import SessionManifest
 from kvstore.tiers.object import ObjectTier
 from services.server.config import ServerConfig
 from services.server.store import open_manager

@@ -15,8 +15,8 @@ import redis
 import torch
 from fleet_support import SPEC, TOKENS, assert_persistent, assert_same_window, fleet
 
-from kvstore.encryption import MAGIC
-from kvstore.errors import ChunkCorrupt, DataLoss, StaleGeneration
+from kvstore.encryption.seal import MAGIC
+from kvstore.format.errors import ChunkCorrupt, DataLoss, StaleGeneration
 from kvtier import AsyncClient
 
 KEY = base64.b64encode(bytes(range(32))).decode()

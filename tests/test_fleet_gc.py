@@ -1,4 +1,4 @@
-"""The fleet's sweep (kvstore.fleet, docs/fleet.md "Garbage collection"): it deletes only
+"""The fleet's sweep (kvstore.fleet.gc, docs/fleet.md "Garbage collection"): it deletes only
 collectable chunks (unnamed, past grace and retention), a spill deduping a marked chunk
 claims it, a node puts back a chunk a sweep deleted under its belief, one sweep runs at a
 time and a dead one is taken over, and sweeps racing deduping spills for N rounds delete
@@ -15,10 +15,10 @@ import pytest
 from fleet_support import FAST, bucket_chunks, fleet_nodes, named_chunks, shared_config
 from test_manager_support import make_session, random_tokens
 
-from kvstore.errors import Busy, DataLoss, TierUnavailable
-from kvstore.fleet import collect
-from kvstore.fleet_epoch import read_epoch
-from kvstore.manifest import SessionManifest
+from kvstore.fleet.epochs import read_epoch
+from kvstore.fleet.gc import collect
+from kvstore.format.errors import Busy, DataLoss, TierUnavailable
+from kvstore.session.manifest import SessionManifest
 
 
 @pytest.fixture

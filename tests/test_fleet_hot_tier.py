@@ -17,8 +17,8 @@ from fleet_support import fleet_servers, shared_config
 from redis.cluster import RedisCluster
 from test_manager_support import TINY, make_session, random_tokens
 
-from kvstore.errors import ChunksNotHeld
-from kvstore.manager import TierManager
+from kvstore.format.errors import ChunksNotHeld
+from kvstore.session.manager import TierManager
 from kvtier import AsyncClient
 from services.server.config import ServerConfig
 from services.server.store import open_manager

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from bench.live_server import Child
-from kvstore.errors import InvalidRequest, UnknownLayout
-from kvstore.layout import BaselineKV, get_layout, layout_to_json
+from kvstore.format.errors import InvalidRequest, UnknownLayout
+from kvstore.format.layout import BaselineKV, get_layout, layout_to_json
 from kvtier import AsyncClient
 from model.checkpoint import load, save
 from model.config import BUNDLED

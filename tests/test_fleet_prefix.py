@@ -17,8 +17,8 @@ from redis.cluster import RedisCluster
 from test_fleet_hot_tier import PREFIX, assert_same, nodes
 from test_manager_support import TINY, make_session, random_tokens
 
-from kvstore.errors import PreconditionFailed
-from kvstore.keys import block_key, split_block_key
+from kvstore.format.errors import PreconditionFailed
+from kvstore.format.keys import block_key, split_block_key
 from kvstore.tiers.redis import RedisTier, RedisTierConfig
 from kvtier import AsyncClient
 from services.server.config import ServerConfig

@@ -20,7 +20,12 @@ import pytest
 from fleet_support import SPEC, TOKENS, assert_persistent, assert_same_window, fleet
 
 from bench.live_server import Child
-from kvstore.errors import GenerationConflict, InvalidRequest, SessionNotFound, StaleGeneration
+from kvstore.format.errors import (
+    GenerationConflict,
+    InvalidRequest,
+    SessionNotFound,
+    StaleGeneration,
+)
 from kvtier import AsyncClient
 from services import cli
 from services.server.config import ServerConfig, load_config

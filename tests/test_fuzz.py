@@ -17,8 +17,8 @@ from bench.fuzz_cases import METHODS, SERVICES, CaseGenerator
 from bench.fuzz_layouts import layout_body
 from bench.fuzz_pool import build_pool
 from bench.live_server import Credentials, LiveServer
-from kvstore.errors import InvalidRequest
-from kvstore.layout import layout_from_json
+from kvstore.format.errors import InvalidRequest
+from kvstore.format.layout import layout_from_json
 from services.server.layouts import MAX_JSON_BYTES, check_bounds
 
 DEADLINE_S = 20.0  # a request still running after this is a hang

@@ -45,7 +45,7 @@ from transformers import (  # noqa: E402
 )
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
-from kvstore.errors import InvalidRequest, KVTierError, SessionNotFound  # noqa: E402
+from kvstore.format.errors import InvalidRequest, KVTierError, SessionNotFound  # noqa: E402
 from kvtier import AsyncClient, UnsupportedModel  # noqa: E402
 from kvtier.integrations.transformers import (  # noqa: E402
     async_resume_cache,
@@ -232,7 +232,7 @@ class _Model:
 
 
 def test_unsupported_model_names_the_window_and_maps_to_invalid_argument():
-    from kvstore.errors import status_name
+    from kvstore.format.errors import status_name
 
     assert issubclass(UnsupportedModel, KVTierError)
     assert status_name(UnsupportedModel("x")) == "INVALID_ARGUMENT"

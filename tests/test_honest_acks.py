@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from kvstore.errors import DataLoss
+from kvstore.format.errors import DataLoss
 from kvtier import AsyncClient
 from tests.service_support import (
     LAYOUT,

@@ -18,8 +18,8 @@ import pytest
 
 from bench.adversarial_cases import status, stream
 from bench.live_server import LiveServer, channel
-from kvstore.errors import InvalidRequest
-from kvstore.layout import layout_from_json, layout_to_json
+from kvstore.format.errors import InvalidRequest
+from kvstore.format.layout import layout_from_json, layout_to_json
 from kvtier import AsyncClient
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc

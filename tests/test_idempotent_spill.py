@@ -7,8 +7,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvstore.errors import GenerationConflict, StaleGeneration
-from kvstore.keys import chunk_digest, dedupe_scope
+from kvstore.format.errors import GenerationConflict, StaleGeneration
+from kvstore.format.keys import chunk_digest, dedupe_scope
 from kvtier import AsyncClient
 from kvtier.codec import as_tokens, encode_session, encode_window
 from proto import kvtier_pb2 as pb

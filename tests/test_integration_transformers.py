@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from bench.hf import compare, follow_logits, tiny_model  # noqa: E402
-from kvstore.errors import LayoutMismatch, ModelMismatch  # noqa: E402
-from kvstore.hf import deepseek_v4  # noqa: E402
+from kvstore.format.errors import LayoutMismatch, ModelMismatch  # noqa: E402
+from kvstore.format.hf import deepseek_v4  # noqa: E402
 from kvtier import AsyncClient  # noqa: E402
 from kvtier.integrations.transformers import (  # noqa: E402
     async_resume_cache,

@@ -1,4 +1,4 @@
-"""Chunk identity (kvstore.keys): chained keys bind the dedupe domain, layout, model
+"""Chunk identity (kvstore.format.keys): chained keys bind the dedupe domain, layout, model
 fingerprint and a chunk's whole prefix; block keys add the digest of the bytes."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.errors import InvalidRequest
-from kvstore.keys import (
+from kvstore.format.errors import InvalidRequest
+from kvstore.format.keys import (
     ROOT_PARENT,
     block_key,
     block_keys,

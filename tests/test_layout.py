@@ -9,8 +9,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvstore.errors import InvalidRequest, UnknownLayout
-from kvstore.layout import BaselineKV, LayoutSpec, Stream, get_layout
+from kvstore.format.errors import InvalidRequest, UnknownLayout
+from kvstore.format.layout import BaselineKV, LayoutSpec, Stream, get_layout
 
 
 def test_first_generation_gqa_computes_389120():

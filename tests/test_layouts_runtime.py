@@ -10,8 +10,8 @@ import json
 import pytest
 import xxhash
 
-from kvstore.errors import InvalidRequest
-from kvstore.layout import (
+from kvstore.format.errors import InvalidRequest
+from kvstore.format.layout import (
     BaselineKV,
     LayoutSpec,
     Stream,
@@ -20,7 +20,7 @@ from kvstore.layout import (
     layout_from_json,
     layout_to_json,
 )
-from kvstore.presets import V41_FLASH_CONFIG, deepseek_v41_layout
+from kvstore.format.presets import V41_FLASH_CONFIG, deepseek_v41_layout
 
 # deepseek-v3's canonical encoding, written out: sorted keys, no spaces, every stream
 # field, no notes, no baseline (it has none).
@@ -174,7 +174,7 @@ def _huge(**changes) -> str:
 async def test_register_layout_refuses_what_could_grow_without_bound(tmp_path, text, error, why):
     import grpc
 
-    from kvstore.errors import ERROR_CLASSES
+    from kvstore.format.errors import ERROR_CLASSES
     from kvtier import AsyncClient, RetryPolicy
     from tests.service_support import running_server
 
@@ -189,7 +189,7 @@ async def test_register_layout_refuses_what_could_grow_without_bound(tmp_path, t
 
 @pytest.mark.parametrize("policy", ["none", "admin"])
 async def test_register_layouts_policy_refuses_callers(tmp_path, policy):
-    from kvstore.errors import PermissionDenied
+    from kvstore.format.errors import PermissionDenied
     from kvtier import AsyncClient
     from tests.service_support import running_server
 
@@ -203,7 +203,7 @@ async def test_register_layouts_policy_refuses_callers(tmp_path, policy):
 
 async def test_with_identities_only_admins_register_and_every_registration_is_audited(
         tmp_path):
-    from kvstore.errors import PermissionDenied
+    from kvstore.format.errors import PermissionDenied
     from tests.security_support import dev_set, secured_server
 
     certs = dev_set(tmp_path)
@@ -226,7 +226,7 @@ async def test_with_identities_only_admins_register_and_every_registration_is_au
 async def test_resume_of_a_layout_nothing_here_replays_is_failed_precondition(tmp_path):
     import grpc
 
-    from kvstore.errors import ReplayUnavailable
+    from kvstore.format.errors import ReplayUnavailable
     from kvtier import AsyncClient, RetryPolicy
     from tests.service_support import LAYOUT, assert_streams_equal, running_server, tokens_for
 
@@ -251,7 +251,7 @@ async def test_resume_of_a_layout_nothing_here_replays_is_failed_precondition(tm
 
 
 async def test_resume_on_flash_like_with_the_default_replay_says_nothing_replays_it(tmp_path):
-    from kvstore.errors import ReplayUnavailable
+    from kvstore.format.errors import ReplayUnavailable
     from kvtier import AsyncClient, RetryPolicy
     from tests.service_support import running_server, tokens_for
 
@@ -294,7 +294,7 @@ def _serve(data_dir, config):
 
 def test_a_client_with_no_layouts_of_its_own_lists_spills_and_restores_and_they_persist(
         tmp_path):
-    from kvstore.errors import UnknownLayout
+    from kvstore.format.errors import UnknownLayout
     from kvtier import Client
     from tests.service_support import assert_streams_equal, tokens_for
 
@@ -398,7 +398,7 @@ async def test_a_layout_claiming_a_replayer_that_cannot_rebuild_it_is_failed_pre
         tmp_path):
     """Refused at RegisterLayout; one stored by an older server is still served, and its
     Resume is FAILED_PRECONDITION (the replayer checks the layout), its Restore works."""
-    from kvstore.errors import LayoutMismatch, ReplayUnavailable
+    from kvstore.format.errors import LayoutMismatch, ReplayUnavailable
     from kvtier import AsyncClient, RetryPolicy
     from tests.service_support import running_server, tokens_for
 

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvstore.keys import chain_keys, chunk_digest, dedupe_scope
+from kvstore.format.keys import chain_keys, chunk_digest, dedupe_scope
 from kvtier.codec import as_tokens, encode_session
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc

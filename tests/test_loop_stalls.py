@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from bench.live_server import LiveServer, channel
-from kvstore.keys import dedupe_scope
+from kvstore.format.keys import dedupe_scope
 from kvtier import shm
 from kvtier.codec import as_tokens, encode_session
 from proto import kvtier_pb2 as pb

@@ -9,14 +9,14 @@ import pytest
 import torch
 from test_manager_support import TINY, make_session, random_tokens, tier_keys
 
-from kvstore.codec import decode_chunk
-from kvstore.errors import (
+from kvstore.format.chunk import decode_chunk
+from kvstore.format.errors import (
     InvalidRequest,
     LayoutMismatch,
     SessionNotFound,
     StaleGeneration,
 )
-from kvstore.manager import MANAGER_PRESETS, TierManager
+from kvstore.session.manager import MANAGER_PRESETS, TierManager
 from kvstore.tiers.base import MemoryMetaStore
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from test_manager_support import make_session, random_tokens, tier_keys
 
-from kvstore.errors import (
+from kvstore.format.errors import (
     ChunksNotHeld,
     InvalidRequest,
     LayoutMismatch,
     SessionNotFound,
     StaleGeneration,
 )
-from kvstore.manager import TierManager
+from kvstore.session.manager import TierManager
 from kvstore.tiers.base import MemoryMetaStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from test_manager_support import make_session
 
-from kvstore.errors import DataLoss, SessionNotFound, StaleGeneration
-from kvstore.manager import TierManager
+from kvstore.format.errors import DataLoss, SessionNotFound, StaleGeneration
+from kvstore.session.manager import TierManager
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
 

@@ -1,6 +1,6 @@
 """Shared builders for the tier manager tests: a tiny layout and real encoded sessions.
 
-Chunks are made only through ``kvstore.codec``; nothing here stores or decodes bytes.
+Chunks are made only through ``kvstore.format.chunk``; nothing here stores or decodes bytes.
 """
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvstore.codec import StreamData, encode_chunk
-from kvstore.keys import block_keys, dedupe_scope
-from kvstore.layout import LayoutSpec, Stream, register_layout
+from kvstore.format.chunk import StreamData, encode_chunk
+from kvstore.format.keys import block_keys, dedupe_scope
+from kvstore.format.layout import LayoutSpec, Stream, register_layout
 
 TINY = register_layout(
     LayoutSpec(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from test_manager_support import make_session, random_tokens, tier_keys
 
-from kvstore.errors import DataLoss, InvalidRequest
-from kvstore.manager import TierManager
-from kvstore.policy import HintPolicy, LRUPolicy, ResumeHint
+from kvstore.eviction.policies import HintPolicy, LRUPolicy, ResumeHint
+from kvstore.format.errors import DataLoss, InvalidRequest
+from kvstore.session.manager import TierManager
 from kvstore.tiers.base import MemoryMetaStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.hbm import HBMTier
@@ -286,7 +286,7 @@ async def test_a_restore_of_many_batches_reads_in_order_and_promotes_after(tmp_p
     """More chunks than one read batch: restore() and a streamed read give every chunk in
     order, bit-exact, from the disk tier; the promotions to host come once the reader is
     done, and a chunk missing from every tier is DataLoss naming its index."""
-    from kvstore.restore import READ_BATCH
+    from kvstore.session.restore import READ_BATCH
 
     host, disk = HostTier(64 * MB), DiskTier(tmp_path / "disk", 64 * MB)
     manager = await TierManager.open([host, disk], disk.meta)

@@ -1,4 +1,4 @@
-"""Session manifests (kvstore.manifest): any manifest round-trips through its encoding
+"""Session manifests (kvstore.session.manifest): any manifest round-trips through its encoding
 exactly, and any changed byte of an encoding is refused as corrupt."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.errors import ChunkCorrupt
-from kvstore.manifest import SessionManifest
-from kvstore.policy import ResumeHint
+from kvstore.eviction.policies import ResumeHint
+from kvstore.format.errors import ChunkCorrupt
+from kvstore.session.manifest import SessionManifest
 
 # Tenant and session ids are plain: no '/', no control characters, at most 256 bytes.
 names = st.text(st.characters(blacklist_categories=("Cs", "Cc"), blacklist_characters="/"),

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.encryption import MAGIC, Keyring, MasterKey
-from kvstore.errors import InvalidRequest, SessionNotFound
-from kvstore.sealed_census import Census
+from kvstore.encryption.census import Census
+from kvstore.encryption.seal import MAGIC, Keyring, MasterKey
+from kvstore.format.errors import InvalidRequest, SessionNotFound
 from kvtier import AsyncClient
 from services import cli
 from tests.test_compact_helpers import (

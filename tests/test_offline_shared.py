@@ -17,7 +17,7 @@ import pytest
 from fleet_support import bucket_chunks, kept_and_dropped, shared_config
 from test_manager_support import make_session, random_tokens
 
-from kvstore.encryption import MAGIC
+from kvstore.encryption.seal import MAGIC
 from services.cli.main import main
 from services.server.config import ServerConfig
 from services.server.store import open_manager

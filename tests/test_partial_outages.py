@@ -15,8 +15,8 @@ from redis.crc import key_slot
 from test_manager_support import make_session, random_tokens
 
 import kvtier
-from kvstore.errors import DataLoss
-from kvstore.manager import TierManager
+from kvstore.format.errors import DataLoss
+from kvstore.session.manager import TierManager
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.redis import RedisTier, RedisTierConfig
 from kvtier import AsyncClient, RetryPolicy

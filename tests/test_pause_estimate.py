@@ -7,9 +7,9 @@ import statistics
 
 import pytest
 
-from kvstore.manager import ManagerConfig, TierManager
-from kvstore.pause_estimate import MIN_PAUSES, RETURNED, PauseEstimator
-from kvstore.policy import HintPolicy, LRUPolicy, ResumeHint
+from kvstore.eviction.pause_estimate import MIN_PAUSES, RETURNED, PauseEstimator
+from kvstore.eviction.policies import HintPolicy, LRUPolicy, ResumeHint
+from kvstore.session.manager import ManagerConfig, TierManager
 from kvstore.tiers.base import MemoryMetaStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier

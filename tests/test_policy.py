@@ -9,11 +9,11 @@ import random
 import pytest
 from test_manager_support import encode, random_tokens
 
-from kvstore.errors import InvalidRequest
-from kvstore.locks import KeyedLocks
-from kvstore.placement import TierStack
-from kvstore.policy import HintBook, HintPolicy, LRUPolicy, NextUse, ResumeHint
-from kvstore.policy_reuse import REFRESH, ReusePolicy, reuse_policies
+from kvstore.eviction.policies import HintBook, HintPolicy, LRUPolicy, NextUse, ResumeHint
+from kvstore.eviction.reuse import REFRESH, ReusePolicy, reuse_policies
+from kvstore.format.errors import InvalidRequest
+from kvstore.placement.locks import KeyedLocks
+from kvstore.placement.stack import TierStack
 from kvstore.stats import Counters
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier

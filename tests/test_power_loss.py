@@ -1,4 +1,4 @@
-"""Simulated power loss at every point of a disk-tier workload (kvstore.tiers.disk.simfs
+"""Simulated power loss at every point of a disk-tier workload (testing.simfs
 and power_loss): every durable ack survives, nothing restores wrong, recovery never
 fails. Real files and a real TierManager; only the crash is simulated."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from kvstore.tiers.disk import log as segment_log
 from kvstore.tiers.disk import pipeline
-from kvstore.tiers.disk.power_loss import (
+from testing.power_loss import (
     Compact,
     Delete,
     Spill,
@@ -18,7 +18,7 @@ from kvstore.tiers.disk.power_loss import (
     run_crash_campaign,
     small_workload,
 )
-from kvstore.tiers.disk.simfs import SECTOR, RecordingFileSystem, power_loss_images
+from testing.simfs import SECTOR, RecordingFileSystem, power_loss_images
 
 
 def assert_clean(report: dict) -> None:

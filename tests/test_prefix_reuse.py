@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from kvstore.codec import StreamData
-from kvstore.errors import PreconditionFailed
-from kvstore.keys import dedupe_scope
+from kvstore.format.chunk import StreamData
+from kvstore.format.errors import PreconditionFailed
+from kvstore.format.keys import dedupe_scope
 from kvtier import AsyncClient
 from kvtier import codec as cc
 from tests.service_support import (

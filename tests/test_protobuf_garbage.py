@@ -10,7 +10,7 @@ import logging
 import grpc
 import pytest
 
-from kvstore.errors import ERROR_KEY
+from kvstore.format.errors import ERROR_KEY
 from proto import kvtier_pb2 as pb
 from replay.worker import ReplayWorker
 from services.replay.server import create_server as create_replay_server

@@ -1,4 +1,4 @@
-"""Per-tenant quotas over a real server (kvstore.quota): each quota refuses with
+"""Per-tenant quotas over a real server (kvstore.session.quota): each quota refuses with
 RESOURCE_EXHAUSTED naming quota, limit and use; deleting makes room; usage survives a
 restart; concurrent spills never overshoot; memory quotas push a tenant's own data down
 before refusing; `kvtier stat --tenant` and the metrics show the usage, labels bounded."""
@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from kvstore.errors import (
+from kvstore.format.errors import (
     InvalidRequest,
     QuotaExceeded,
     SessionNotFound,
@@ -247,7 +247,7 @@ def test_config_quota_tables(tmp_path, capsys):
     assert dict(config.quota["acme"]) == {"durable_bytes": 2 << 20}
     with pytest.raises(TypeError):
         config.quota["acme"]["sessions"] = 1  # frozen
-    from kvstore.quota import Quotas
+    from kvstore.session.quota import Quotas
 
     acme = Quotas.from_tables(config.quota).limits("acme")
     assert (acme.sessions, acme.memory_bytes, acme.durable_bytes) == (200, 1 << 30, 2 << 20)

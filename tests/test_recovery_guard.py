@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from kvstore.errors import IndexCorrupt
+from kvstore.format.errors import IndexCorrupt
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk.index import _SEG_KEY
 from kvstore.tiers.disk.repair import repair

@@ -20,8 +20,8 @@ import pytest
 from test_manager_support import make_session, random_tokens
 
 from bench.repair_trials import opens_in_child
-from kvstore.errors import IndexCorrupt
-from kvstore.manager import TierManager
+from kvstore.format.errors import IndexCorrupt
+from kvstore.session.manager import TierManager
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk.index import DiskIndex, SegState
 from kvstore.tiers.disk.lock import WRITER_LOCK, DirLock

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvstore.errors import IndexCorrupt
+from kvstore.format.errors import IndexCorrupt
 from kvstore.tiers.disk import DiskTier
 from services.server.config import load_config
 from services.server.store import open_manager

@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvstore.codec import split_chunks
-from kvstore.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
-from kvstore.keys import block_keys, dedupe_scope
-from kvstore.validate import check_spill
+from kvstore.format.checks import check_spill
+from kvstore.format.chunk import split_chunks
+from kvstore.format.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
+from kvstore.format.keys import block_keys, dedupe_scope
 from model.config import TINY, layout_spec
 from model.infer import prefill, replay
 from model.net import KVTierLM

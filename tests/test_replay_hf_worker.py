@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("transformers")
 
 from bench.hf import compare, follow_logits, tiny_model  # noqa: E402
-from kvstore.errors import InvalidRequest, ReplayUnavailable  # noqa: E402
+from kvstore.format.errors import InvalidRequest, ReplayUnavailable  # noqa: E402
 from kvtier import AsyncClient  # noqa: E402
 from kvtier.codec import as_tokens, encode_session  # noqa: E402
 from kvtier.integrations.transformers import (  # noqa: E402

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvstore.errors import InvalidRequest, TierUnavailable
-from kvstore.layout import BaselineKV
+from kvstore.format.errors import InvalidRequest, TierUnavailable
+from kvstore.format.layout import BaselineKV
 from model.checkpoint import save
 from model.infer import replay
 from replay.state_codec import encode_window, state_to_chunks

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from kvstore.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch, UnknownLayout
+from kvstore.format.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch, UnknownLayout
 from model.infer import decode_step, replay
 from replay.state_codec import encode_window, state_from_chunks
 from replay.worker import ReplayWorker

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from kvstore.errors import PermissionDenied, QuotaExceeded, TierFull
-from kvstore.keys import dedupe_scope
+from kvstore.format.errors import PermissionDenied, QuotaExceeded, TierFull
+from kvstore.format.keys import dedupe_scope
 from kvtier import AsyncClient
 from kvtier import codec as cc
 from tests.security_support import dev_set, secured_server

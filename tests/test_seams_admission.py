@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.errors import (
+from kvstore.format.errors import (
     InvalidRequest,
     KVTierError,
     LayoutMismatch,
@@ -24,7 +24,7 @@ from kvstore.errors import (
     TierFull,
     status_name,
 )
-from kvstore.layout import ANY_TOKEN_ID, LayoutSpec, get_layout, layout_to_json
+from kvstore.format.layout import ANY_TOKEN_ID, LayoutSpec, get_layout, layout_to_json
 from kvstore.tiers.disk.headroom import DEFAULT_RESERVE_BYTES
 from kvtier import AsyncClient, Client, RetryPolicy
 from tests.service_support import (
@@ -222,7 +222,7 @@ async def test_a_configured_layout_claiming_the_bundled_replayer_must_be_its_cac
 async def test_a_layout_claiming_the_servers_transformers_model_must_be_its_cache(tmp_path):
     pytest.importorskip("transformers")
     from bench.hf import tiny_config
-    from kvstore.hf.layouts import deepseek_v4_layout
+    from kvstore.format.hf.model_layouts import deepseek_v4_layout
 
     config = tiny_config()
     config_json = tmp_path / "config.json"

@@ -23,9 +23,9 @@ import boto3
 import pytest
 
 import kvtier
-from kvstore.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-from kvstore.errors import InvalidRequest, TierUnavailable
-from kvstore.remote_calls import BlockingCalls
+from kvstore.format.errors import InvalidRequest, TierUnavailable
+from kvstore.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from kvstore.remote.calls import BlockingCalls
 from kvstore.tiers.redis import REDIS_PRESETS, RedisTier, RedisTierConfig
 from kvtier import AsyncClient, RetryPolicy
 from services.replay.remote import RemoteReplay

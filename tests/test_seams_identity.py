@@ -10,8 +10,8 @@ import grpc
 import pytest
 import torch
 
-from kvstore.errors import MissingChunks, PreconditionFailed
-from kvstore.keys import dedupe_scope
+from kvstore.format.errors import MissingChunks, PreconditionFailed
+from kvstore.format.keys import dedupe_scope
 from kvtier import AsyncClient, Client, ModelMismatch  # exported for clients to catch
 from kvtier.codec import as_tokens, encode_session
 from proto import kvtier_pb2 as pb
@@ -202,7 +202,7 @@ def test_a_manifest_written_without_a_fingerprint_reads_as_none_stated():
 
     import xxhash
 
-    from kvstore.manifest import SessionManifest
+    from kvstore.session.manifest import SessionManifest
 
     raw = SessionManifest(tenant="acme", session_id="s", layout_id=LAYOUT.layout_id,
                           generation=1, token_ids=[1, 2, 3], chunk_keys=(), chunk_sizes=(),
@@ -232,7 +232,7 @@ def _window():
 
 
 def test_a_weights_fingerprint_is_computed_from_every_weight():
-    from kvstore.model_identity import module_fingerprint
+    from kvstore.format.model_identity import module_fingerprint
     from tests.replay_support import tiny_model
 
     model = tiny_model(seed=0)
@@ -246,7 +246,7 @@ def test_a_weights_fingerprint_is_computed_from_every_weight():
 
 
 async def test_the_bundled_replayer_refuses_a_session_of_other_weights(tmp_path):
-    from kvstore.model_identity import module_fingerprint
+    from kvstore.format.model_identity import module_fingerprint
     from replay.worker import ReplayWorker
     from services.replay.remote import RemoteReplay
     from services.replay.server import create_server as create_worker_server

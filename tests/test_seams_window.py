@@ -18,9 +18,9 @@ import pytest
 import xxhash
 from test_manager_support import make_session, random_tokens, tier_keys
 
-from kvstore.errors import InvalidRequest
-from kvstore.manager import TierManager
-from kvstore.manifest import SessionManifest
+from kvstore.format.errors import InvalidRequest
+from kvstore.session.manager import TierManager
+from kvstore.session.manifest import SessionManifest
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
@@ -245,7 +245,7 @@ def test_a_manifest_states_how_its_window_was_made():
 
 
 def without_field(encoded: bytes, name: str) -> bytes:
-    """A manifest encoding (docs in kvstore.manifest) with ``name`` left out of its JSON."""
+    """A manifest encoding (docs in kvstore.session.manifest) with ``name`` left out of its JSON."""
     magic, version, size = struct.unpack_from("<4sHI", encoded)
     head = json.loads(encoded[10:10 + size])
     del head[name]

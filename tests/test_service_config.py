@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.errors import InvalidRequest
+from kvstore.format.errors import InvalidRequest
 from services.server.config import PRESETS, load_config, parse_size
 from services.server.store import open_manager
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.errors import StaleGeneration
+from kvstore.format.errors import StaleGeneration
 from kvtier import AsyncClient, Client
 from tests.service_support import (
     LAYOUT,

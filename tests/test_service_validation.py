@@ -8,7 +8,7 @@ import logging
 import grpc
 import pytest
 
-from kvstore.keys import dedupe_scope
+from kvstore.format.keys import dedupe_scope
 from kvtier.codec import as_tokens, encode_session, encode_window
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
@@ -171,7 +171,7 @@ async def test_corrupt_chunk_on_disk_is_data_loss_not_a_tensor(tmp_path, caplog)
 
 
 async def test_oversize_message_is_refused_clearly(tmp_path):
-    from kvstore.errors import InvalidRequest
+    from kvstore.format.errors import InvalidRequest
     from kvtier import AsyncClient
 
     tokens = tokens_for(LAYOUT.chunk_tokens)

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from bench.adversarial_cases import planted
-from kvstore.keys import dedupe_scope
+from kvstore.format.keys import dedupe_scope
 from kvtier import AsyncClient, shm
 from kvtier.codec import as_tokens, encode_session
 from proto import kvtier_pb2 as pb

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.errors import Busy, InvalidRequest
+from kvstore.format.errors import Busy, InvalidRequest
 from services.server.server import create_server
 from tests.service_support import config_for, running_server
 

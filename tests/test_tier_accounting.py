@@ -12,7 +12,7 @@ import boto3
 import pytest
 import redis
 
-from kvstore.errors import TierFull
+from kvstore.format.errors import TierFull
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier

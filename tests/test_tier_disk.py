@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kvstore.errors import (
+from kvstore.format.errors import (
     Busy,
     ChunkCorrupt,
     ChunkNotFound,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.errors import ChunkCorrupt, ChunkNotFound, ChunkTruncated
+from kvstore.format.errors import ChunkCorrupt, ChunkNotFound, ChunkTruncated
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk.index import SegState
 from kvstore.tiers.disk.segments import HEADER_SIZE, encode_header, segment_path, value_view
@@ -232,7 +232,7 @@ async def test_sigkilled_durable_writer_loses_no_acknowledged_write(tmp_path, ro
 
 FULL_DISK = """
 import asyncio, json, resource, signal, sys
-from kvstore.errors import TierFull
+from kvstore.format.errors import TierFull
 from kvstore.tiers.disk import DiskTier
 
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # oversize writes fail with EFBIG instead
@@ -276,7 +276,7 @@ async def test_full_file_system_becomes_tier_full_and_keeps_the_index(tmp_path):
 
 COMPACTOR = """
 import asyncio, json, sys
-from kvstore.errors import TierUnavailable
+from kvstore.format.errors import TierUnavailable
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk.index import SegState
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.errors import ChunkNotFound, TierFull
+from kvstore.format.errors import ChunkNotFound, TierFull
 from kvstore.tiers.hbm import HBMTier, serving_device
 
 

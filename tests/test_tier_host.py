@@ -7,7 +7,7 @@ import array
 import pytest
 import torch
 
-from kvstore.errors import ChunkNotFound, InvalidRequest, TierFull
+from kvstore.format.errors import ChunkNotFound, InvalidRequest, TierFull
 from kvstore.tiers.host import HostTier
 from tests.clock_support import ManualClock
 

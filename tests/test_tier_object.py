@@ -9,7 +9,7 @@ import uuid
 import boto3
 import pytest
 
-from kvstore.errors import ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
+from kvstore.format.errors import ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
 from kvstore.tiers.object import ObjectTier, ObjectTierConfig
 
 
@@ -116,7 +116,7 @@ async def test_local_writes_leave_no_temp_files_and_clear_crash_debris(tmp_path)
 
 
 async def test_corrupt_compressed_object_is_reported(tmp_path):
-    from kvstore.errors import ChunkCorrupt
+    from kvstore.format.errors import ChunkCorrupt
 
     tier = ObjectTier(tmp_path, 1000, ObjectTierConfig(compression_level=1))
     await tier.put("k", b"v" * 100)

@@ -11,7 +11,7 @@ import time
 import pytest
 import redis
 
-from kvstore.errors import ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
+from kvstore.format.errors import ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
 from kvstore.tiers.common import Availability
 from kvstore.tiers.redis import RedisTier, RedisTierConfig
 from tests.clock_support import ManualClock

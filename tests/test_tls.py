@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.errors import PermissionDenied, TierUnavailable, Unauthenticated
+from kvstore.format.errors import PermissionDenied, TierUnavailable, Unauthenticated
 from kvtier import AsyncClient
 from kvtier.channel import Credentials
 from replay.worker import ReplayWorker

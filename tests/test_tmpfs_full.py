@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from kvstore.errors import TierFull
+from kvstore.format.errors import TierFull
 from kvtier import Client
 from tests.service_support import (
     LAYOUT,

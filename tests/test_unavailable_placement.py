@@ -11,12 +11,12 @@ import errno
 
 import pytest
 
-from kvstore.errors import TierFull, TierUnavailable
-from kvstore.manager import MANAGER_PRESETS, TierManager
+from kvstore.format.errors import TierFull, TierUnavailable
+from kvstore.session.manager import MANAGER_PRESETS, TierManager
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.disk.faultfs import FaultyFileSystem
-from kvstore.tiers.disk.power_loss import TENANT, Spill, crash_layout, session_args
 from kvstore.tiers.host import HostTier
+from testing.faultfs import FaultyFileSystem
+from testing.power_loss import TENANT, Spill, crash_layout, session_args
 
 COOLDOWN_S = 1.0
 

@@ -17,10 +17,16 @@ import xxhash
 import zstandard
 
 from kernels.reference import dequantize_int4, dequantize_int8
-from kvstore.codec import decode_chunk, encode_chunk, read_header, split_chunks, verify_chunk
-from kvstore.errors import CLASS_FOR_STATUS, ERROR_CLASSES, ERROR_KEY, ChunkCorrupt, status_name
-from kvstore.keys import chain_keys, chunk_digest, token_bytes
-from kvstore.layout import layout_from_json, layout_to_json
+from kvstore.format.chunk import decode_chunk, encode_chunk, read_header, split_chunks, verify_chunk
+from kvstore.format.errors import (
+    CLASS_FOR_STATUS,
+    ERROR_CLASSES,
+    ERROR_KEY,
+    ChunkCorrupt,
+    status_name,
+)
+from kvstore.format.keys import chain_keys, chunk_digest, token_bytes
+from kvstore.format.layout import layout_from_json, layout_to_json
 from kvtier.codec import decode_persistent, decode_window
 from tests.vectors.generate import header_fields, other_layout, stream_data, wire_layout
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from kvstore.layout import get_layout, layout_to_json
+from kvstore.format.layout import get_layout, layout_to_json
 
 BUNDLED = "kvtier-bundled"
 

@@ -27,7 +27,7 @@ import os
 
 from bench.seams.verdict import named
 from bench.seams.world import run_cli
-from kvstore.errors import KVTierError, TierFull
+from kvstore.format.errors import KVTierError, TierFull
 
 BALLAST_FREE = 6 << 20  # what the ballast leaves free: a little above the disk reserve
 FILL_TOKENS = 4096

@@ -5,7 +5,7 @@ the spilled window tensors, whether the ack was durable). Normally only the late
 counts; after a kill -9 any version from the last durable one on may come back (or
 none, when no version was durable), until a restore shows which one did.
 
-Tensors of a stream (``kvstore.codec.StreamData``): codes ``(layers, entries,
+Tensors of a stream (``kvstore.format.chunk.StreamData``): codes ``(layers, entries,
 *codes_shape)``, scales ``(layers, entries, groups)`` or None for 16-bit streams.
 """
 
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from bench import fuzz_pool
-from kvstore.codec import StreamData
-from kvstore.layout import LayoutSpec
+from kvstore.format.chunk import StreamData
+from kvstore.format.layout import LayoutSpec
 
 
 def random_streams(spec: LayoutSpec, tokens: int, rng: random.Random, streams=None

@@ -28,7 +28,7 @@ from bench.seams.model import (
     truncated,
 )
 from bench.seams.verdict import error_kind, named, now
-from kvstore.errors import (
+from kvstore.format.errors import (
     InvalidRequest,
     KVTierError,
     NotFound,
@@ -39,7 +39,7 @@ from kvstore.errors import (
     StaleGeneration,
     TierFull,
 )
-from kvstore.layout import get_layout, layout_from_json, layout_to_json
+from kvstore.format.layout import get_layout, layout_from_json, layout_to_json
 
 SIZES = (1, 3, 64, 130, 511, 512, 517, 640, 1024, 1100, 1536)
 REPLAYS = ("0", "1", "small", "127", "128", "over-window", "over-tokens")

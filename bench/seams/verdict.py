@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-from kvstore.errors import (
+from kvstore.format.errors import (
     CodecError,
     DataLoss,
     KVTierError,

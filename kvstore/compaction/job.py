@@ -30,7 +30,7 @@ Coordination with a server on the same directory (see ``services.cli.compact``):
 
 An encrypted data directory is compacted with the server's keyring: manifests are read
 through ``SealedMetaStore`` and the scrub opens every value; segment rewriting copies
-records as stored. The caller checks first (``kvstore.sealed_census``) that the keyring
+records as stored. The caller checks first (``kvstore.encryption.census``) that the keyring
 opens what the directory holds, and refuses otherwise.
 """
 
@@ -44,7 +44,7 @@ from kvstore.compaction.report import CompactionReport, CompactOptions, Progress
 from kvstore.compaction.scrub import CorruptChunk, Quarantine, mark_sessions, scrub_disk, scrub_tier
 from kvstore.compaction.segments import candidates, groups, rewrite, write_rates
 from kvstore.compaction.sessions import SessionOps, apply_sessions, load_manifests, plan_sessions
-from kvstore.encryption import Keyring
+from kvstore.encryption.seal import Keyring
 from kvstore.tiers.base import MetaStore, Tier
 from kvstore.tiers.disk.tier import DiskTier
 
@@ -127,6 +127,6 @@ def manifest_store(disk: DiskTier, keyring: Keyring | None) -> MetaStore:
     """``disk``'s MetaStore as the server reads it: manifests opened with ``keyring``."""
     if keyring is None:
         return disk.meta
-    from kvstore.tiers.sealed import SealedMetaStore
+    from kvstore.encryption.tiers import SealedMetaStore
 
     return SealedMetaStore(disk.meta, keyring)

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvstore.errors import InvalidRequest
+from kvstore.format.errors import InvalidRequest
 
 log = logging.getLogger("kvstore.compaction.job")
 

@@ -5,7 +5,7 @@ value, against the index entry) and its codec encoding (``codec.verify_chunk``: 
 section table and every section checksum). An object-tier chunk gets the codec check
 (and its zstd frame's own check when compressed). In an encrypted data directory the
 scrub is given the server's keyring and every value is opened (authenticated) first;
-``kvstore.sealed_census`` has already refused a run whose keyring does not open what the
+``kvstore.encryption.census`` has already refused a run whose keyring does not open what the
 directory holds, so a value failing here is damaged, not sealed under a missing key.
 A corrupt chunk's bytes are copied into the quarantine directory (written, fsynced,
 renamed) before its entry or object is removed, so nothing is lost that an operator
@@ -26,14 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from kvstore.codec import verify_chunk
-from kvstore.compaction.disk_scrub import drop_if_unchanged, raw_record
 from kvstore.compaction.report import Progress, quarantine_key
-from kvstore.encryption import Keyring
-from kvstore.errors import ChunkNotFound, CodecError
-from kvstore.manifest import SessionManifest
+from kvstore.encryption.seal import Keyring
+from kvstore.format.chunk import verify_chunk
+from kvstore.format.errors import ChunkNotFound, CodecError
+from kvstore.session.manifest import SessionManifest
 from kvstore.tiers.base import MetaStore, Tier
 from kvstore.tiers.disk.reader import SegmentGone
+from kvstore.tiers.disk.scrub import drop_if_unchanged, raw_record
 from kvstore.tiers.disk.segments import fsync_directory
 from kvstore.tiers.disk.tier import DiskTier
 

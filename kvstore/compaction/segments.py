@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.compaction.report import Progress
-from kvstore.errors import TierFull
+from kvstore.format.errors import TierFull
 from kvstore.tiers.disk.index import SegmentInfo, SegState
 from kvstore.tiers.disk.tier import DiskTier
 

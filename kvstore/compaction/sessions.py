@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvstore.compaction.report import CompactionReport, CompactOptions, Progress, demoted_key
-from kvstore.errors import ChunkCorrupt, DataLoss, SessionNotFound, TierFull, TierUnavailable
-from kvstore.manager import TierManager
-from kvstore.manifest import MANIFEST_PREFIX, SessionManifest, manifest_key
-from kvstore.refcount import REF_PREFIX
+from kvstore.format.errors import ChunkCorrupt, DataLoss, SessionNotFound, TierFull, TierUnavailable
+from kvstore.placement.refcount import REF_PREFIX
+from kvstore.session.manager import TierManager
+from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest, manifest_key
 from kvstore.tiers.base import MetaStore
 from kvstore.tiers.disk.tier import DiskTier
 

@@ -1,7 +1,7 @@
 """The one small interface every tier implements, and the metadata store interface.
 
 A tier is a byte-capacity store of opaque values under string keys: encoded chunks
-(see ``kvstore.codec``) and window blobs. Tiers never evict on their own; the tier
+(see ``kvstore.format.chunk``) and window blobs. Tiers never evict on their own; the tier
 manager picks victims through its policy and calls ``delete``. A put that does not fit
 raises ``TierFull`` so the manager can evict and retry or place the value lower.
 """
@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvstore.errors import KVTierError
+from kvstore.format.errors import KVTierError
 
 Buffer = bytes | bytearray | memoryview
 
@@ -47,7 +47,7 @@ class Tier(abc.ABC):
         self.capacity_bytes = capacity_bytes
         # Requests asking a remote medium whether it holds keys, by operation (EXISTS,
         # HEAD, LIST, GET of a chain pointer; "round trip" per Redis pipeline): what a
-        # fleet's prefix lookups cost (kvstore.fleet_prefix), counted, not timed.
+        # fleet's prefix lookups cost (kvstore.fleet.lookup), counted, not timed.
         self.probes: Counter[str] = Counter()
 
     @property
@@ -94,9 +94,9 @@ class Tier(abc.ABC):
         """Every key held, in no particular order."""
 
     async def find_chains(self, chains: Sequence[str]) -> list[str | None] | None:
-        """The block key (``kvstore.keys``) this medium holds for each chain key, None
+        """The block key (``kvstore.format.keys``) this medium holds for each chain key, None
         where it holds none; None for a tier that cannot be asked by chain key (only a
-        fleet's shared tiers can: ``kvstore.fleet_prefix``)."""
+        fleet's shared tiers can: ``kvstore.fleet.lookup``)."""
         return None
 
     async def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing
@@ -113,7 +113,7 @@ class MetaStore(abc.ABC):
     """Small durable records (session manifests, reference counts) with atomic batches."""
 
     # The node whose manifests this store writes, where several nodes share the
-    # manifests (kvstore.tiers.shared_meta); "" where one node owns them. node_address:
+    # manifests (kvstore.fleet.shared_meta); "" where one node owns them. node_address:
     # where other nodes and routers reach it (recorded in its manifests beside node_id).
     node_id: str = ""
     node_address: str = ""

@@ -7,7 +7,7 @@ import logging
 import math
 import time
 
-from kvstore.errors import InvalidRequest
+from kvstore.format.errors import InvalidRequest
 
 
 def as_byte_view(value: object) -> memoryview:

@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import torch
 
-from kvstore.errors import ChunkNotFound, InvalidRequest, TierFull
+from kvstore.format.errors import ChunkNotFound, InvalidRequest, TierFull
 from kvstore.tiers.base import Buffer, Tier
 from kvstore.tiers.common import as_byte_view, check_key
 

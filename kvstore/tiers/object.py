@@ -15,8 +15,8 @@ knows session lifetimes. Blocking I/O runs in worker threads, except small local
 An S3 call is waited for at most ``config.deadline_s`` (retries included), in a pool of
 ``max_pool_connections`` threads, behind the store's circuit breaker (``self.breaker``,
 dependency "object"): while it is open every call fails fast with ``TierUnavailable``
-and the tier reports itself down (``kvstore.remote_calls``). The fleet's metadata in the
-bucket (``kvstore.tiers.bucket``) goes through the same calls and breaker.
+and the tier reports itself down (``kvstore.remote.calls``). The fleet's metadata in the
+bucket (``kvstore.fleet.bucket``) goes through the same calls and breaker.
 """
 
 from __future__ import annotations
@@ -34,10 +34,16 @@ from urllib.parse import urlsplit
 import zstandard
 from botocore.exceptions import BotoCoreError, ClientError
 
-from kvstore.breaker import CircuitBreaker
-from kvstore.errors import ChunkCorrupt, ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
-from kvstore.keys import split_block_key
-from kvstore.remote_calls import BlockingCalls
+from kvstore.format.errors import (
+    ChunkCorrupt,
+    ChunkNotFound,
+    InvalidRequest,
+    TierFull,
+    TierUnavailable,
+)
+from kvstore.format.keys import split_block_key
+from kvstore.remote.breaker import CircuitBreaker
+from kvstore.remote.calls import BlockingCalls
 from kvstore.tiers.base import Buffer, Tier, TierStats
 from kvstore.tiers.common import Availability, as_byte_view, check_key
 from kvstore.tiers.object_media import (
@@ -100,7 +106,7 @@ class ObjectTier(Tier):
 
     def s3_location(self) -> tuple[object, str, str]:
         """(boto3 client, bucket, prefix) of an S3 tier, for records kept beside its
-        chunks (kvstore.tiers.shared_meta); ``InvalidRequest`` for a local directory."""
+        chunks (kvstore.fleet.shared_meta); ``InvalidRequest`` for a local directory."""
         if not isinstance(self._store, S3Store):
             raise InvalidRequest(f"object tier at {self.url} is not S3: shared metadata "
                                  "needs s3_bucket")

@@ -18,7 +18,7 @@ from urllib.parse import quote, unquote
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from kvstore.errors import InvalidRequest
+from kvstore.format.errors import InvalidRequest
 from kvstore.tiers.base import Buffer
 
 log = logging.getLogger(__name__)
@@ -47,13 +47,13 @@ class ObjectTierConfig:
     read_timeout_s: float = 10.0  # one socket read; a stalled store is found by the deadline
     max_attempts: int = 3  # botocore's own retries ("standard" mode, with backoff)
     # The most one call (its retries included) is waited for, and how long the tier then
-    # fails fast before one call probes the store again (kvstore.breaker).
+    # fails fast before one call probes the store again (kvstore.remote.breaker).
     deadline_s: float = 15.0
     breaker_cooldown_s: float = 5.0
-    max_pool_connections: int = 16  # also the threads calls run in (kvstore.remote_calls)
+    max_pool_connections: int = 16  # also the threads calls run in (kvstore.remote.calls)
     # Shared by a fleet (docs/fleet.md): other nodes' manifests may name any chunk, so
     # ``delete`` (a node's reference count reaching zero) keeps the object; only the
-    # fleet's sweep (kvstore.fleet.collect) removes chunks.
+    # fleet's sweep (kvstore.fleet.gc.collect) removes chunks.
     shared: bool = False
     # Local directory only:
     fsync: bool = True

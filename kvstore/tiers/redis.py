@@ -9,7 +9,7 @@ Outages: transient connection errors are retried by redis-py's own ``Retry`` wit
 exponential backoff and jitter; when that gives up, or ``op_timeout_s`` passes, the call
 raises ``TierUnavailable`` (logged, rate-limited: see ``Availability``) and the pool
 reconnects by itself on a later call once Redis is back. Such a failure of the whole tier
-opens its circuit breaker (``self.breaker``, dependency "redis", ``kvstore.breaker``):
+opens its circuit breaker (``self.breaker``, dependency "redis", ``kvstore.remote.breaker``):
 for ``breaker_cooldown_s`` every call then fails fast, and the tier reports itself down,
 until one call probes Redis again. With a cluster, only the keys of
 a master that is down fail: when a call on one key fails and another master still reports
@@ -30,7 +30,7 @@ With ``chain_index`` (a fleet's shared hot tier) every chunk put also sets a poi
 ``config.prefix + "chain/" + <chain key>``, to the digest of the bytes under it (the
 last writer's version), with the same TTL, and a delete removes the pointer if it still
 names that digest. ``find_chains`` reads them, so a node can find chunks another node
-wrote knowing only their chain keys (``kvstore.fleet_prefix``). Pointers (about 100 B
+wrote knowing only their chain keys (``kvstore.fleet.lookup``). Pointers (about 100 B
 each) are not counted in ``used_bytes`` nor listed by ``keys``.
 """
 
@@ -52,9 +52,9 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
-from kvstore.breaker import CircuitBreaker
-from kvstore.errors import ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
-from kvstore.keys import split_block_key
+from kvstore.format.errors import ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
+from kvstore.format.keys import split_block_key
+from kvstore.remote.breaker import CircuitBreaker
 from kvstore.tiers.base import Buffer, Tier, TierStats
 from kvstore.tiers.common import Availability, as_byte_view, check_key
 

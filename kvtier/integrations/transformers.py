@@ -7,7 +7,7 @@
     cache, tokens = resume_cache(client, "acme", "s1", model)
     model.generate(torch.cat([tokens, last])[None], past_key_values=cache, ...)
 
-The layout comes from ``model.config`` (``kvstore.hf.layouts``): spill_cache
+The layout comes from ``model.config`` (``kvstore.format.hf.model_layouts``): spill_cache
 registers it with the server when the server does not know it (``UnknownLayout``) and
 retries once. Standard models (a ``DynamicCache`` of full-attention and sliding-window
 layers, the classes transformers builds for the config) keep every layer persistent, at
@@ -16,12 +16,12 @@ comes back with its last W - 1 rows and its count of every token seen. Any other
 (other layer kinds, encoder-decoder, per-layer head shapes) is ``UnsupportedModel``,
 raised before anything is sent. DeepseekV4 keeps its compressor and indexer entries at 4
 or 8 bits and drops the window and the partial-block state; resume_cache has them
-rebuilt by bounded replay (``kvstore.hf.deepseek_v4``): by the server's replay worker
+rebuilt by bounded replay (``kvstore.format.hf.deepseek_v4``): by the server's replay worker
 (``replay="server"``), by this process's model (``"local"``), or the server's when it has
 one (``"auto"``).
 
 Model identity: both state the model's fingerprint computed from its weights
-(``model_fingerprint(model)``, ``kvstore.model_identity``) unless given one
+(``model_fingerprint(model)``, ``kvstore.format.model_identity``) unless given one
 (``model_fingerprint=``; "" states none), so a session resumes only into the weights
 that spilled it (``ModelMismatch`` otherwise) and the server's replayer rebuilds its
 window only with those weights. Hashing reads every weight once per call: a caller that
@@ -39,20 +39,20 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from kvstore.codec import StreamData
-from kvstore.errors import (
+from kvstore.format.chunk import StreamData
+from kvstore.format.errors import (
     InvalidRequest,
     LayoutMismatch,
     PreconditionFailed,
     UnknownLayout,
     UnsupportedModel,
 )
-from kvstore.hf import deepseek_v4
-from kvstore.hf.attention import layer_windows, text_config
-from kvstore.hf.layouts import candidate_layouts, is_deepseek_v4, layout_for
-from kvstore.hf.quant import decode_values, encode_values
-from kvstore.layout import LayoutSpec
-from kvstore.model_identity import module_fingerprint
+from kvstore.format.hf import deepseek_v4
+from kvstore.format.hf.attention import layer_windows, text_config
+from kvstore.format.hf.model_layouts import candidate_layouts, is_deepseek_v4, layout_for
+from kvstore.format.hf.quant import decode_values, encode_values
+from kvstore.format.layout import LayoutSpec
+from kvstore.format.model_identity import module_fingerprint
 from kvtier.sync import Client
 from kvtier.types import RestoredSession, SpillResult
 

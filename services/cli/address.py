@@ -9,7 +9,7 @@ import argparse
 import os
 from pathlib import Path
 
-from kvstore.errors import InvalidRequest, KVTierError, TierUnavailable
+from kvstore.format.errors import InvalidRequest, KVTierError, TierUnavailable
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 ENV_VARS = ("KVTIER_SERVER", "KVTIER_TARGET")

@@ -22,10 +22,10 @@ Protocol beside a server (``kvstore.compaction.job`` has the details):
     ``--server`` or the address it recorded in ``D/server.addr``; with neither, those
     steps are skipped and the report says so. Unreferenced-chunk collection is skipped
     (the server frees what its deletes release). Rewrites and the scrub are safe beside
-    it (see ``kvstore.compaction.disk_rewrite`` and ``kvstore.compaction.scrub``).
+    it (see ``kvstore.tiers.disk.rewrite`` and ``kvstore.compaction.scrub``).
 
 Encrypted data directories: before anything else the job reads what the directory holds
-at rest (``kvstore.sealed_census``: every manifest, the head of every disk record and,
+at rest (``kvstore.encryption.census``: every manifest, the head of every disk record and,
 offline, every object). Sealed values are opened with the server's keyring, from
 ``--config`` (``encryption_key_file``) or ``KVTIER_ENCRYPTION_KEY`` as ``kvtier serve``
 reads it: manifests through ``SealedMetaStore``, the tiers it changes sealed as the
@@ -48,7 +48,7 @@ import re
 import sys
 from pathlib import Path
 
-from kvstore.errors import Busy, InvalidRequest, KVTierError
+from kvstore.format.errors import Busy, InvalidRequest, KVTierError
 from services.cli.address import add_credential_arguments, client_options
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
@@ -130,8 +130,8 @@ def _progress():
 
 
 async def _compact(config, options, server: str | None, connection: dict):
-    from kvstore.encryption import load_keyring
-    from kvstore.sealed_census import Census, census_disk
+    from kvstore.encryption.census import Census, census_disk
+    from kvstore.encryption.seal import load_keyring
     from kvstore.tiers.disk import DiskTier
     from kvstore.tiers.disk.lock import WRITER_LOCK, DirLock
 
@@ -175,11 +175,11 @@ async def _run(disk, options, mode, config, ops, why, **extra):
 
 
 async def _offline(disk, options, config, writer, keyring, census):
-    from kvstore.compaction.disk_scrub import seal_dead_writer
     from kvstore.compaction.job import manifest_store
     from kvstore.compaction.sessions import ManagerOps
-    from kvstore.manager import TierManager
-    from kvstore.sealed_census import census_tier
+    from kvstore.encryption.census import census_tier
+    from kvstore.session.manager import TierManager
+    from kvstore.tiers.disk.scrub import seal_dead_writer
     from services.server.store import manager_config
 
     objects = None
@@ -196,7 +196,7 @@ async def _offline(disk, options, config, writer, keyring, census):
         logging.getLogger(__name__).info("sealed segment %d of the stopped server", sealed)
     tiers = [disk] if objects is None else [disk, objects]
     if keyring is not None:  # as the server stacks them (services.server.store)
-        from kvstore.tiers.sealed import BlockDomains, EncryptedTier
+        from kvstore.encryption.tiers import BlockDomains, EncryptedTier
 
         domains = BlockDomains()
         tiers = [EncryptedTier(tier, keyring, domains) for tier in tiers]

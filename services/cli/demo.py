@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from kvstore.errors import KVTierError
-from kvstore.layout import LayoutSpec
-from kvstore.policy import ResumeHint
+from kvstore.eviction.policies import ResumeHint
+from kvstore.format.errors import KVTierError
+from kvstore.format.layout import LayoutSpec
 from kvtier.client import AsyncClient
 from model.data import corpus
 from model.infer import decode_step, prefill

@@ -1,4 +1,4 @@
-"""``kvtier fleet-gc``: one sweep of a fleet's bucket (``kvstore.fleet.collect``).
+"""``kvtier fleet-gc``: one sweep of a fleet's bucket (``kvstore.fleet.gc.collect``).
 
     kvtier fleet-gc --config C [--dry-run] [--json] [--grace-s S] [--retain-s S]
                     [--spill-bound-s S] [--margin-s S]
@@ -6,7 +6,7 @@
 ``C`` is a fleet node's config (``metadata = "shared"``, ``s3_bucket``...; ``KVTIER_*``
 variables apply as for ``kvtier serve``), with the fleet's key when it encrypts at rest
 (``encryption_key_file`` or ``KVTIER_ENCRYPTION_KEY``): the sweep opens the sealed
-manifests with it. Manifests sampled before the sweep (``kvstore.sealed_census``) that
+manifests with it. Manifests sampled before the sweep (``kvstore.encryption.census``) that
 the key does not open, or sealed ones without a key, refuse it up front; one met during
 the sweep that does not decode stops every deletion. Safe beside serving nodes: chunks
 no manifest names are deleted once past ``fleet_gc_grace_s`` and ``fleet_retain_s``
@@ -26,7 +26,7 @@ import dataclasses
 import json
 import sys
 
-from kvstore.errors import Busy, InvalidRequest, TierUnavailable
+from kvstore.format.errors import Busy, InvalidRequest, TierUnavailable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,9 +46,9 @@ def open_bucket(config, keyring=None):
     """The fleet's ``SharedMetaStore`` over ``config``'s bucket, without a node's tiers
     (``InvalidRequest`` unless the config describes a shared fleet); with ``keyring`` its
     manifests are opened and sealed as the fleet's nodes do (``RecordSealer``)."""
+    from kvstore.fleet.shared_meta import SharedMetaStore
     from kvstore.tiers.base import MemoryMetaStore
     from kvstore.tiers.object import ObjectTier, ObjectTierConfig
-    from kvstore.tiers.shared_meta import SharedMetaStore
     from services.server.store import check_bucket
 
     if config.metadata != "shared" or not config.s3_bucket:
@@ -61,7 +61,7 @@ def open_bucket(config, keyring=None):
         region_name=config.s3_region or None, shared=True))
     if keyring is None:
         return SharedMetaStore(objects, MemoryMetaStore(), config.node_name)
-    from kvstore.tiers.sealed import RecordSealer
+    from kvstore.encryption.tiers import RecordSealer
 
     return SharedMetaStore(objects, MemoryMetaStore(), config.node_name,
                            sealer=RecordSealer(keyring))
@@ -70,7 +70,7 @@ def open_bucket(config, keyring=None):
 async def check_bucket_keys(config, keyring) -> None:
     """Refuse (``InvalidRequest``) a bucket whose manifests ``keyring`` does not open:
     sealed ones without it or under other keys, or ones in clear with it."""
-    from kvstore.sealed_census import Census, census_bucket
+    from kvstore.encryption.census import Census, census_bucket
 
     raw = open_bucket(config)  # manifests as stored
     try:
@@ -81,7 +81,7 @@ async def check_bucket_keys(config, keyring) -> None:
 
 
 def timing_of(config, args: argparse.Namespace):
-    from kvstore.fleet import GC_PRESETS
+    from kvstore.fleet.gc import GC_PRESETS
 
     changes = {"grace_s": config.fleet_gc_grace_s, "retain_s": config.fleet_retain_s}
     for flag, name in (("grace_s", "grace_s"), ("retain_s", "retain_s"),
@@ -92,8 +92,8 @@ def timing_of(config, args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstore.encryption import load_keyring
-    from kvstore.fleet import collect
+    from kvstore.encryption.seal import load_keyring
+    from kvstore.fleet.gc import collect
     from services.server.config import load_config
 
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvstore.errors import KVTierError
+from kvstore.format.errors import KVTierError
 from services.cli.address import add_server_argument, client_options, failure
 
 

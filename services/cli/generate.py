@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 import xxhash
 
-from kvstore.errors import KVTierError, LayoutMismatch, SessionNotFound
-from kvstore.layout import LayoutSpec, register_layout
+from kvstore.format.errors import KVTierError, LayoutMismatch, SessionNotFound
+from kvstore.format.layout import LayoutSpec, register_layout
 from kvtier.client import AsyncClient
 from model.config import BUNDLED, ModelConfig, layout_spec
 from model.infer import decode_step, prefill

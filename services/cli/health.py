@@ -11,7 +11,7 @@ import argparse
 import asyncio
 import sys
 
-from kvstore.errors import KVTierError
+from kvstore.format.errors import KVTierError
 from services.cli.address import add_server_argument, client_options
 
 

@@ -8,8 +8,8 @@ import argparse
 import json
 import sys
 
-from kvstore.errors import KVTierError
-from kvstore.layout import LayoutSpec, all_layouts
+from kvstore.format.errors import KVTierError
+from kvstore.format.layout import LayoutSpec, all_layouts
 from services.cli.address import add_credential_arguments, client_options, failure
 
 

@@ -9,7 +9,7 @@ import time
 
 from google.protobuf.json_format import MessageToDict
 
-from kvstore.errors import KVTierError
+from kvstore.format.errors import KVTierError
 from services.cli.address import add_server_argument, client_options, failure
 
 

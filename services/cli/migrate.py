@@ -20,7 +20,7 @@ Encryption at rest goes across as it is: an encrypted directory migrates into a 
 that encrypts with the same keys (``C``'s ``encryption_key_file`` or
 ``KVTIER_ENCRYPTION_KEY``), its chunks and manifests sealed in the bucket as the
 fleet's nodes seal them; a directory in clear into a fleet in clear. Before anything is
-opened for writing (``kvstore.sealed_census``) the directory and a sample of the
+opened for writing (``kvstore.encryption.census``) the directory and a sample of the
 bucket's manifests are checked against the key: sealed data without it, a wrong key, or
 a key beside data in clear, and migrate refuses having changed nothing.
 
@@ -40,7 +40,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvstore.errors import (
+from kvstore.format.errors import (
     Busy,
     ChunkCorrupt,
     CodecError,
@@ -83,7 +83,7 @@ async def _chunk(manager, objects, manifest, index: int, done: dict[str, bool],
                  report: MigrateReport) -> bool:
     """Make chunk ``index`` of ``manifest`` intact in the bucket; False if no local tier
     holds it intact (and the bucket does not either)."""
-    from kvstore.keys import chunk_digest, split_block_key
+    from kvstore.format.keys import chunk_digest, split_block_key
 
     key = manifest.chunk_keys[index]
     if key in done:
@@ -126,7 +126,7 @@ async def _there(meta, key: str) -> bytes | None:
 def _same(local, there: bytes | None) -> bool | None:
     """None: the bucket has no manifest there; else whether it is ``local``'s (same
     generation and content)."""
-    from kvstore.manifest import SessionManifest
+    from kvstore.session.manifest import SessionManifest
 
     if there is None:
         return None
@@ -140,8 +140,8 @@ def _same(local, there: bytes | None) -> bool | None:
 
 async def check_keys(source, config, data_dir: Path, keyring) -> None:
     """Refuse (``InvalidRequest``, before anything is opened for writing) a directory or
-    bucket ``keyring`` does not open as stored (``kvstore.sealed_census``)."""
-    from kvstore.sealed_census import Census, census_disk, census_tier
+    bucket ``keyring`` does not open as stored (``kvstore.encryption.census``)."""
+    from kvstore.encryption.census import Census, census_disk, census_tier
     from kvstore.tiers.disk import DiskTier
     from kvstore.tiers.object import ObjectTier
     from services.cli.fleet_gc import check_bucket_keys
@@ -171,9 +171,9 @@ async def migrate(config, data_dir: Path) -> MigrateReport:
     write leaves its chunks for the fleet's garbage collection). The directory's
     registered layouts go to the bucket before any chunk. With the config's key the
     directory is read and the bucket written sealed."""
-    from kvstore.encryption import load_keyring
-    from kvstore.fleet import prepare_bucket
-    from kvstore.manifest import MANIFEST_PREFIX, SessionManifest
+    from kvstore.encryption.seal import load_keyring
+    from kvstore.fleet.gc import prepare_bucket
+    from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest
     from services.cli.fleet_gc import open_bucket
     from services.server.layouts import ServerLayouts, fleet_layouts
     from services.server.store import open_manager
@@ -200,7 +200,7 @@ async def migrate(config, data_dir: Path) -> MigrateReport:
         raise
     chunks = meta.tier
     if keyring is not None:  # sealed for the domain the source's sealed copy names
-        from kvstore.tiers.sealed import EncryptedTier
+        from kvstore.encryption.tiers import EncryptedTier
 
         chunks = EncryptedTier(meta.tier, keyring, manager.domains)
     report, done = MigrateReport(), {}

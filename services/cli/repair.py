@@ -26,7 +26,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvstore.errors import Busy, InvalidRequest
+from kvstore.format.errors import Busy, InvalidRequest
 
 _SHOWN = 10  # names listed per line in the text report
 
@@ -47,7 +47,7 @@ def disk_directory(data_dir: Path) -> Path | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstore.encryption import load_keyring
+    from kvstore.encryption.seal import load_keyring
     from kvstore.tiers.disk.repair import repair
     from services.server.config import load_config
 

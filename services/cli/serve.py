@@ -24,7 +24,7 @@ import json
 import logging
 import sys
 
-from kvstore.errors import KVTierError
+from kvstore.format.errors import KVTierError
 from services.server import preflight
 from services.server.config import PRESETS, load_config
 from services.server.lifecycle import stop_on_signals

@@ -13,7 +13,7 @@ import urllib.request
 
 from google.protobuf.json_format import MessageToDict
 
-from kvstore.errors import KVTierError
+from kvstore.format.errors import KVTierError
 from services.cli.address import add_server_argument, client_options, failure
 
 

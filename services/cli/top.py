@@ -7,7 +7,7 @@ import argparse
 import sys
 import time
 
-from kvstore.errors import KVTierError
+from kvstore.format.errors import KVTierError
 from services.cli.address import add_server_argument, client_options, failure
 from services.cli.stat import human_bytes, tier_table
 

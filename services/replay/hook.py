@@ -19,7 +19,7 @@ Every backend has the same call, ``await backend.rebuild(spec, token_ids, chunks
 replay_tokens, model_fingerprint=...) -> replay.ReplayResult`` (the encoded window,
 tokens replayed, seconds), and ``await backend.close()``. ``model_fingerprint`` is the
 session's: the worker that runs the model refuses it with ``ModelMismatch`` unless it is
-"" or the fingerprint computed from that worker's weights (``kvstore.model_identity``).
+"" or the fingerprint computed from that worker's weights (``kvstore.format.model_identity``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from kvstore.errors import KVTierError, ReplayUnavailable
-from kvstore.layout import LayoutSpec
+from kvstore.format.errors import KVTierError, ReplayUnavailable
+from kvstore.format.layout import LayoutSpec
 from kvstore.tiers.base import Buffer
 from services.server.config import ServerConfig
 

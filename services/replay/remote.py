@@ -7,11 +7,11 @@
 Same call and result as ``ReplayWorker.rebuild``. Workers are taken in turn; one that is
 down or too slow (UNAVAILABLE, or no answer within ``timeout_s``: DEADLINE_EXCEEDED)
 hands the job to the next, and only when every worker failed does the call raise
-``TierUnavailable``. Each worker has a circuit breaker (``kvstore.breaker``, dependency
+``TierUnavailable``. Each worker has a circuit breaker (``kvstore.remote.breaker``, dependency
 ``replay:<address>``, cool-down ``breaker_cooldown_s``): one that failed so is skipped
 without a call until its cool-down ends and one call probes it again, so a stalled worker
 costs one ``timeout_s``, not one per job. Any other failure is the
-worker's verdict on the request and is raised as the ``kvstore.errors`` class it named
+worker's verdict on the request and is raised as the ``kvstore.format.errors`` class it named
 (``kvtier.errors.error_from_rpc``). ``credentials`` (``kvtier.channel``): TLS towards the
 workers and the bearer token of role ``replay`` they check, from the server's
 ``replay_tls_*`` and ``replay_token_file`` settings (``credentials_from``).
@@ -28,10 +28,10 @@ from pathlib import Path
 
 import grpc
 
-from kvstore.breaker import CircuitBreaker
-from kvstore.errors import InvalidRequest, TierUnavailable
-from kvstore.keys import check_fingerprint
-from kvstore.layout import LayoutSpec, layout_to_json
+from kvstore.format.errors import InvalidRequest, TierUnavailable
+from kvstore.format.keys import check_fingerprint
+from kvstore.format.layout import LayoutSpec, layout_to_json
+from kvstore.remote.breaker import CircuitBreaker
 from kvtier.channel import Credentials, open_channel
 from kvtier.errors import error_from_rpc
 from proto import kvtier_pb2 as pb

@@ -14,7 +14,7 @@ kvtier server replays here too (the model still refuses a layout it cannot rebui
 spilled by other weights than those it loaded (the request's ``model_fingerprint``
 against the one computed from its weights: ``ModelMismatch``).
 Errors travel as gRPC statuses with the ``kvtier-error`` trailing metadata naming the
-``kvstore.errors`` class (``kvtier.errors.grpc_errors``, as in the kvtier server), and
+``kvstore.format.errors`` class (``kvtier.errors.grpc_errors``, as in the kvtier server), and
 bytes that are not a ``ReplayRequest`` are INVALID_ARGUMENT (``kvtier.errors.add_servicer``).
 
 Security takes the kvtier server's options as flags: ``--tls-cert``/``--tls-key`` (TLS),
@@ -38,9 +38,9 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore.errors import InvalidRequest, KVTierError, shown
-from kvstore.keys import check_fingerprint
-from kvstore.layout import LayoutSpec
+from kvstore.format.errors import InvalidRequest, KVTierError, shown
+from kvstore.format.keys import check_fingerprint
+from kvstore.format.layout import LayoutSpec
 from kvtier.errors import add_servicer, grpc_errors
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
@@ -62,8 +62,8 @@ class Worker(Protocol):
     ``replay.transformers_worker.TransformersReplayWorker`` (``--hf-model``)."""
 
     max_batch: int  # jobs a Streams consumer takes at once
-    replayer: str  # kvstore.layout.REPLAYERS: the layouts it rebuilds
-    model_fingerprint: str  # computed from the weights it loaded (kvstore.model_identity)
+    replayer: str  # kvstore.format.layout.REPLAYERS: the layouts it rebuilds
+    model_fingerprint: str  # computed from the weights it loaded (kvstore.format.model_identity)
 
     async def rebuild(self, layout: str | LayoutSpec, token_ids, chunks, tail,
                       replay_tokens: int | None = None, *,

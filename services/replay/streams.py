@@ -18,7 +18,7 @@ by another worker with XAUTOCLAIM once it has been idle ``claim_idle_ms``; after
 ``max_deliveries`` the job is answered with an error instead of being tried again. The
 client waits on its reply list with BLPOP. The client's calls to Redis have deadlines
 (``queue_timeout_s`` for the XADD and the connection, ``timeout_s`` more for the reply)
-and a circuit breaker (``kvstore.breaker``, dependency "replay-queue"): a job queue that
+and a circuit breaker (``kvstore.remote.breaker``, dependency "replay-queue"): a job queue that
 is unreachable or stalled costs one deadline, then every rebuild fails fast with
 ``TierUnavailable`` until one call probes it after the cool-down.
 """
@@ -39,8 +39,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from kvstore.breaker import CircuitBreaker
-from kvstore.errors import (
+from kvstore.format.errors import (
     InvalidRequest,
     KVTierError,
     ServerError,
@@ -49,7 +48,8 @@ from kvstore.errors import (
     error_name,
     status_name,
 )
-from kvstore.layout import LayoutSpec
+from kvstore.format.layout import LayoutSpec
+from kvstore.remote.breaker import CircuitBreaker
 from proto import kvtier_pb2 as pb
 from replay.state_codec import Buffer
 from replay.worker import ReplayResult
@@ -144,7 +144,7 @@ def parse_reply(item: bytes) -> pb.ReplayReply:
 
 def error_reply(exc: KVTierError) -> bytes:
     """A job's failure as gRPC would carry it: the status code name and the class name
-    from the one table (``kvstore.errors``), and the message."""
+    from the one table (``kvstore.format.errors``), and the message."""
     return REPLY_ERROR + json.dumps({"code": status_name(exc), "error": error_name(exc),
                                      "message": str(exc)}).encode()
 

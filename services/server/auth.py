@@ -41,7 +41,7 @@ from pathlib import Path
 
 import grpc
 
-from kvstore.errors import InvalidRequest, PermissionDenied, Unauthenticated
+from kvstore.format.errors import InvalidRequest, PermissionDenied, Unauthenticated
 from kvtier.errors import RecordsCalls, abort
 from services.server.audit import AuditLog
 

@@ -6,7 +6,7 @@ environment (``KVTIER_`` + the field name in upper case, e.g. ``KVTIER_REDIS_URL
 explicit overrides (the ``kvtier serve`` flags). Sizes accept plain byte counts or
 ``"64MiB"``-style strings; lists (``replay_workers``) accept a comma-separated string.
 ``dedupe_domains`` is a TOML table (``[dedupe_domains]`` then ``public = ["acme", "beta"]``)
-or, in the environment, ``public=acme,beta;other=gamma``. Quotas (``kvstore.quota``) are
+or, in the environment, ``public=acme,beta;other=gamma``. Quotas (``kvstore.session.quota``) are
 ``[quota.default]`` and ``[quota.<tenant>]`` tables of ``memory_bytes``, ``durable_bytes``
 and ``sessions`` or, in the environment, ``default.sessions=200;acme.memory_bytes=1GiB``.
 
@@ -28,8 +28,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from kvstore.errors import InvalidRequest
-from kvstore.layout import REPLAYERS
+from kvstore.format.errors import InvalidRequest
+from kvstore.format.layout import REPLAYERS
 from services.server.address_file import WILDCARD_HOSTS
 from services.server.config_values import (
     GiB,
@@ -83,7 +83,7 @@ class ServerConfig:
     # Deadlines of the remote dependencies: S3's connect and read timeouts and the most
     # one S3 call is waited for, retries included; Redis's likewise (0: redis_preset's);
     # one call to a remote replay worker. One that failed so is skipped (fails fast, its
-    # tier reported down) for breaker_cooldown_s, then probed by one call (kvstore.breaker).
+    # tier reported down) for breaker_cooldown_s, then probed by one call (kvstore.remote.breaker).
     s3_connect_timeout_s: float = 1.0
     s3_read_timeout_s: float = 10.0
     s3_deadline_s: float = 15.0
@@ -108,9 +108,9 @@ class ServerConfig:
     advertise_address: str = ""
     # Behaviour.
     default_ack: str = "memory"  # what ACK_UNSPECIFIED means
-    # reuse: kvstore.policy_reuse.ReusePolicy (reuse learned from every tier's reads, per
+    # reuse: kvstore.eviction.reuse.ReusePolicy (reuse learned from every tier's reads, per
     # read count and resume hint, per byte; retained chunks ranked with the rest); hint:
-    # kvstore.policy.HintPolicy (resume hints, sent or inferred; LRU order without any;
+    # kvstore.eviction.policies.HintPolicy (resume hints, sent or inferred; LRU order without any;
     # retained chunks first); lru: LRUPolicy, hints ignored.
     eviction: str = "reuse"
     # REPLAY_MODES; auto: remote when replay_workers are named, else streams when
@@ -151,9 +151,9 @@ class ServerConfig:
     metrics_port: int = 0  # 0: no Prometheus endpoint
     metrics_interval_s: float = 2.0  # how often tier figures are refreshed for metrics
     grace_s: float = 10.0  # in-flight RPCs get this long at shutdown
-    manager_preset: str = "embedded"  # kvstore.manager.MANAGER_PRESETS
+    manager_preset: str = "embedded"  # kvstore.session.manager.MANAGER_PRESETS
     # true: chunks no session names any more stay as evictable cache for prefix reuse
-    # (Lookup, kvstore.prefix.Retention), accounted to their dedupe domain, until a tier's
+    # (Lookup, kvstore.prefix.chains.Retention), accounted to their dedupe domain, until a tier's
     # capacity, a full medium or the tenant's durable_bytes quota needs their room, or
     # they sit unused for retain_ttl_s (0: no TTL); false frees them with their last
     # reference.
@@ -165,7 +165,7 @@ class ServerConfig:
     # Per-tenant quotas: "default" and tenant -> {memory_bytes, durable_bytes, sessions};
     # a tenant's table overrides the default's key by key, an absent key is unlimited.
     quota: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
-    # Encryption at rest (kvstore.encryption) of the redis, disk and object tiers and the
+    # Encryption at rest (kvstore.encryption.seal) of the redis, disk and object tiers and the
     # manifests: a TOML file of [[key]] id, material (base64 of 32 bytes), current; or
     # one base64 key in KVTIER_ENCRYPTION_KEY. Never shown (summary, repr, logs).
     encryption_key_file: str = ""
@@ -190,7 +190,7 @@ class ServerConfig:
     replay_tls_cert: str = ""
     replay_tls_key: str = ""
     replay_token_file: str = ""
-    # The layouts' replayers (kvstore.layout.REPLAYERS) the replay backend runs: a Resume
+    # The layouts' replayers (kvstore.format.layout.REPLAYERS) the replay backend runs: a Resume
     # that needs a replay of a layout whose replayer is not here answers
     # ReplayUnavailable. Empty: "bundled" (the in-process model, and what the bundled
     # `kvtier replay-worker` runs), and "transformers-deepseek-v4" with replay_hf_model or
@@ -271,7 +271,7 @@ class ServerConfig:
                 raise InvalidRequest(f"{name} must be >= 0 (0: no shared memory)")
         check_domains(self.dedupe_domains)
         if self.quota:
-            from kvstore.quota import Quotas  # loads the store's modules: only when used
+            from kvstore.session.quota import Quotas  # loads the store's modules: only when used
 
             Quotas.from_tables(self.quota)  # refuses unknown keys, bad values, bad tenants
         object.__setattr__(self, "quota", MappingProxyType({
@@ -326,7 +326,7 @@ class ServerConfig:
 
     @property
     def encrypts(self) -> bool:
-        """Whether values leaving the process are sealed (``kvstore.encryption``)."""
+        """Whether values leaving the process are sealed (``kvstore.encryption.seal``)."""
         return bool(self.encryption_key_file or self.encryption_key)
 
     @property

@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from kvstore.errors import InvalidRequest
+from kvstore.format.errors import InvalidRequest
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 

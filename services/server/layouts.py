@@ -13,9 +13,9 @@
   (a server without identities has no admins). Every registration is logged and, with
   an audit log, audited (kind ``layout``).
 
-Layouts live in the process's registry (``kvstore.layout.register_layout``), which the
+Layouts live in the process's registry (``kvstore.format.layout.register_layout``), which the
 store resolves session layouts from. With shared metadata a registration also goes to
-the fleet's bucket (``kvstore.tiers.shared_layouts``; a name registered there by another
+the fleet's bucket (``kvstore.fleet.shared_layouts``; a name registered there by another
 node as another layout is refused), and a node that meets a layout id it does not know
 (Spill, Lookup, Restore, Resume, Fork: ``resolve``) or lists layouts (``sync``) loads it
 from there, checked as RegisterLayout checks one and kept like one.
@@ -31,7 +31,9 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvstore.errors import (
+from kvstore.fleet.shared_layouts import BucketLayouts
+from kvstore.format.checks import chunk_bytes_max, window_bytes_max
+from kvstore.format.errors import (
     InvalidRequest,
     LayoutMismatch,
     PermissionDenied,
@@ -39,7 +41,7 @@ from kvstore.errors import (
     TierUnavailable,
     UnknownLayout,
 )
-from kvstore.layout import (
+from kvstore.format.layout import (
     NAME,
     LayoutSpec,
     all_layouts,
@@ -49,11 +51,9 @@ from kvstore.layout import (
     layout_to_json,
     register_layout,
 )
-from kvstore.presets import SHIPPED
+from kvstore.format.presets import SHIPPED
 from kvstore.tiers.base import MetaStore
 from kvstore.tiers.disk.headroom import DEFAULT_RESERVE_BYTES, PAGE_BYTES, check_room
-from kvstore.tiers.shared_layouts import BucketLayouts
-from kvstore.validate import chunk_bytes_max, window_bytes_max
 
 log = logging.getLogger(__name__)
 FILE_NAME = "layouts.json"
@@ -256,7 +256,7 @@ class ServerLayouts:
         self.registered[spec.name] = register_layout(spec)
         self.registered_bytes += len(layout_to_json(spec))
 
-    # -- the fleet's layouts in the bucket (kvstore.tiers.shared_layouts) --
+    # -- the fleet's layouts in the bucket (kvstore.fleet.shared_layouts) --
 
     async def share_registered(self) -> None:
         """Put every layout registered here in the fleet's bucket (a migration brings its
@@ -350,7 +350,7 @@ class ServerLayouts:
 
 def fleet_layouts(meta: MetaStore) -> BucketLayouts | None:
     """The fleet's layouts in the bucket, when ``meta`` is shared metadata."""
-    from kvstore.tiers.shared_meta import SharedMetaStore
+    from kvstore.fleet.shared_meta import SharedMetaStore
 
     if not isinstance(meta, SharedMetaStore):
         return None

@@ -8,7 +8,7 @@ import errno
 import signal
 import socket
 
-from kvstore.errors import Busy, InvalidRequest
+from kvstore.format.errors import Busy, InvalidRequest
 
 
 def stop_on_signals() -> asyncio.Event:

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from kvstore.errors import TierFull
+from kvstore.format.errors import TierFull
 
 T = TypeVar("T")
 

@@ -18,7 +18,7 @@ served the session. The registry also holds the process and platform collectors 
 ``kvtier_build_info``, as the default registry would.
 
 ``kvtier_breaker_open{dependency}`` is 1 while the circuit breaker of a remote
-dependency (``object``, ``redis``, ``replay:<address>``: ``kvstore.breaker``) is open,
+dependency (``object``, ``redis``, ``replay:<address>``: ``kvstore.remote.breaker``) is open,
 read from the breakers at scrape time (plain attribute reads, safe from the HTTP thread).
 
 Per-tenant figures (``kvtier_tenant_*``, ``kvtier_quota_*``) carry a ``tenant`` label only
@@ -44,7 +44,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvstore.breaker import CircuitBreaker
+from kvstore.remote.breaker import CircuitBreaker
 from kvstore.stats import ManagerStats
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)

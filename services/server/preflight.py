@@ -17,7 +17,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from kvstore.errors import InvalidRequest
+from kvstore.format.errors import InvalidRequest
 from services.server.config import ServerConfig
 from services.server.lifecycle import refuse_if_taken
 from services.server.tls import exposure_problem, server_credentials
@@ -42,7 +42,7 @@ def check(config: ServerConfig, *, insecure: bool = False) -> None:
     Authenticator.from_settings(config.auth_tokens_file, config.auth_jwt_key,
                                 config.auth_jwt_audience)
     if config.encrypts:
-        from kvstore.encryption import load_keyring
+        from kvstore.encryption.seal import load_keyring
 
         load_keyring(config.encryption_key_file, config.encryption_key)
     prepare_data_dir(config.data_dir, create=False)

@@ -30,19 +30,19 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.codec import DecodedChunk, decode_chunk, max_encoded_bytes
-from kvstore.errors import (
+from kvstore.format.chunk import DecodedChunk, decode_chunk, max_encoded_bytes
+from kvstore.format.errors import (
     DataLoss,
     KVTierError,
     LayoutMismatch,
     ReplayUnavailable,
     TierFull,
 )
-from kvstore.keys import chunk_digest, shared_domain, split_block_key
-from kvstore.layout import LayoutSpec
-from kvstore.manager import TierManager
-from kvstore.model_identity import check_model
-from kvstore.restore import RestoredChunk
+from kvstore.format.keys import chunk_digest, shared_domain, split_block_key
+from kvstore.format.layout import LayoutSpec
+from kvstore.format.model_identity import check_model
+from kvstore.session.manager import TierManager
+from kvstore.session.restore import RestoredChunk
 from kvstore.tiers.base import Buffer
 from kvtier.shm import PackedWriter
 from proto import kvtier_pb2 as pb

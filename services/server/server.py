@@ -22,9 +22,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore.breaker import CircuitBreaker
-from kvstore.errors import Busy
-from kvstore.manager import TierManager
+from kvstore.format.errors import Busy
+from kvstore.remote.breaker import CircuitBreaker
+from kvstore.session.manager import TierManager
 from kvtier.errors import add_servicer
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.replay.hook import make_replay_backend

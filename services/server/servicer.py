@@ -3,7 +3,7 @@
 
 Every request is validated (``services.server.validate``) before the store sees it,
 and every failure becomes a gRPC status by ``grpc_errors``, with its code from the one
-table in ``kvstore.errors`` (``STATUS_NAMES``); bytes that are not a request are
+table in ``kvstore.format.errors`` (``STATUS_NAMES``); bytes that are not a request are
 INVALID_ARGUMENT (``kvtier.errors.add_servicer``). Streams and the bytes of spills in
 flight are bounded (``services.server.limits``). With authentication or an audit log
 configured every call passes ``services.server.auth`` first, and the handlers check the
@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvstore.errors import (
+from kvstore.format.errors import (
     ChunksNotHeld,
     CodecError,
     InvalidRequest,
@@ -30,11 +30,11 @@ from kvstore.errors import (
     UnknownLayout,
     status_name,
 )
-from kvstore.keys import check_fingerprint, dedupe_scope, split_block_key
-from kvstore.layout import LayoutSpec, all_layouts, layout_to_json
-from kvstore.manager import TierManager
-from kvstore.manifest import SessionManifest
-from kvstore.quota import TenantReport
+from kvstore.format.keys import check_fingerprint, dedupe_scope, split_block_key
+from kvstore.format.layout import LayoutSpec, all_layouts, layout_to_json
+from kvstore.session.manager import TierManager
+from kvstore.session.manifest import SessionManifest
+from kvstore.session.quota import TenantReport
 from kvtier import shm
 from kvtier.errors import grpc_errors
 from proto import kvtier_pb2 as pb

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 
-from kvstore.errors import InvalidRequest, SharedMemoryUnavailable, TierFull
+from kvstore.format.errors import InvalidRequest, SharedMemoryUnavailable, TierFull
 from kvtier.shm import PREFIX, SHM_DIR, round_up
 from proto import kvtier_pb2 as pb
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from kvstore.errors import InvalidRequest
+from kvstore.format.errors import InvalidRequest
 from kvtier.errors import Undecodable
 from services.server.layouts import MAX_JSON_BYTES
 

@@ -7,7 +7,7 @@ restarts; without one the metadata lives in memory and durable acks are refused.
 
 With an encryption key configured (``encryption_key_file`` or ``KVTIER_ENCRYPTION_KEY``)
 the redis, disk and object tiers and the disk MetaStore's manifests are sealed
-(``kvstore.tiers.sealed``); hbm and host never leave the process and stay in clear.
+(``kvstore.encryption.tiers``); hbm and host never leave the process and stay in clear.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvstore.errors import Busy, InvalidRequest
-from kvstore.manager import MANAGER_PRESETS, ManagerConfig, TierManager
-from kvstore.policy import HintPolicy, LRUPolicy
-from kvstore.policy_reuse import reuse_policies
-from kvstore.quota import Quotas
+from kvstore.eviction.policies import HintPolicy, LRUPolicy
+from kvstore.eviction.reuse import reuse_policies
+from kvstore.format.errors import Busy, InvalidRequest
+from kvstore.session.manager import MANAGER_PRESETS, ManagerConfig, TierManager
+from kvstore.session.quota import Quotas
 from kvstore.tiers.base import MemoryMetaStore, MetaStore, Tier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
@@ -30,8 +30,8 @@ from services.server.config import ServerConfig
 from services.server.preflight import check_node_name, prepare_data_dir
 
 if TYPE_CHECKING:  # cryptography is imported only by a server that encrypts
-    from kvstore.encryption import Keyring
-    from kvstore.tiers.sealed import BlockDomains
+    from kvstore.encryption.seal import Keyring
+    from kvstore.encryption.tiers import BlockDomains
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
     def outside(tier: Tier) -> Tier:
         if keyring is None:
             return tier
-        from kvstore.tiers.sealed import EncryptedTier
+        from kvstore.encryption.tiers import EncryptedTier
 
         return EncryptedTier(tier, keyring, domains)
 
@@ -67,7 +67,7 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
         redis_config = _preset(REDIS_PRESETS, config.redis_preset, "redis_preset")
         if config.redis_prefix != redis_config.prefix:
             redis_config = dataclasses.replace(redis_config, prefix=config.redis_prefix)
-        # a fleet's nodes find each other's chunks by chain key (kvstore.fleet_prefix)
+        # a fleet's nodes find each other's chunks by chain key (kvstore.fleet.lookup)
         redis_config = dataclasses.replace(
             redis_config, chain_index=config.metadata == "shared",
             breaker_cooldown_s=config.breaker_cooldown_s,
@@ -86,7 +86,7 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
         tiers.append(outside(disk))
         meta = disk.meta
         if keyring is not None:
-            from kvstore.tiers.sealed import SealedMetaStore
+            from kvstore.encryption.tiers import SealedMetaStore
 
             meta = SealedMetaStore(disk.meta, keyring)
     shared = config.metadata == "shared"  # with an S3 bucket (ServerConfig checks it)
@@ -107,16 +107,16 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
         ))
         tiers.append(outside(objects))
         if shared:  # the manifests live beside the chunks; reference counts stay here
-            from kvstore.tiers.shared_meta import SharedMetaStore
+            from kvstore.fleet.shared_meta import SharedMetaStore
 
             for tier in tiers[:-1]:  # node-local tiers are caches: a durable ack (and a
                 tier.durable = False  # write-back) means the shared store (docs/fleet.md)
             for tier in tiers:  # Redis, the fleet's hot tier, and the bucket: every node's
-                tier.shared = tier.name in ("redis", "object")  # (kvstore.placement)
+                tier.shared = tier.name in ("redis", "object")  # (kvstore.placement.stack)
 
             sealer = None
             if keyring is not None:
-                from kvstore.tiers.sealed import RecordSealer
+                from kvstore.encryption.tiers import RecordSealer
 
                 sealer = RecordSealer(keyring)
             return SharedMetaStore(objects, meta or MemoryMetaStore(), config.node_name,
@@ -162,8 +162,8 @@ async def open_manager(config: ServerConfig) -> TierManager:
         await asyncio.to_thread(check_bucket, config)
     keyring = domains = None
     if config.encrypts:
-        from kvstore.encryption import load_keyring
-        from kvstore.tiers.sealed import BlockDomains
+        from kvstore.encryption.seal import load_keyring
+        from kvstore.encryption.tiers import BlockDomains
 
         keyring = load_keyring(config.encryption_key_file, config.encryption_key)
         domains = BlockDomains()
@@ -180,7 +180,7 @@ async def open_manager(config: ServerConfig) -> TierManager:
             "quotas": Quotas.from_tables(config.quota)}
         if keyring is None:
             return await TierManager.open(tiers, meta, **options)
-        from kvstore.sealed_manager import SealingTierManager
+        from kvstore.encryption.manager import SealingTierManager
 
         return await SealingTierManager.open(tiers, meta, domains=domains, **options)
     except BaseException as exc:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 
-from kvstore.errors import InvalidRequest
+from kvstore.format.errors import InvalidRequest
 
 INSECURE_FLAG = "--insecure"
 

@@ -1,7 +1,7 @@
 """Checks on every request before it reaches the store; each failure is an
 ``InvalidRequest`` (INVALID_ARGUMENT) that says what was wrong and what was expected.
 
-The store re-checks what it relies on (``kvstore.validate``); these checks exist so a bad
+The store re-checks what it relies on (``kvstore.format.checks``); these checks exist so a bad
 request is refused early (before megabytes are streamed), with a message in the terms of
 the request (field names, message order, payload index), and so limits hold. A value
 the client sent is echoed through ``shown`` (at most 128 characters of it).
@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstore.codec import checked_header, split_chunks, tokens_hash
-from kvstore.errors import CodecError, InvalidRequest, PermissionDenied, shown
-from kvstore.keys import (
+from kvstore.eviction.policies import ResumeHint
+from kvstore.format.checks import check_token_ids, chunk_bytes_max, window_bytes_max
+from kvstore.format.chunk import checked_header, split_chunks, tokens_hash
+from kvstore.format.errors import CodecError, InvalidRequest, PermissionDenied, shown
+from kvstore.format.keys import (
     DIGEST_BYTES,
     block_key,
     check_fingerprint,
@@ -26,9 +28,7 @@ from kvstore.keys import (
     dedupe_scope,
     iter_chain_keys,
 )
-from kvstore.layout import LayoutSpec, get_layout
-from kvstore.policy import ResumeHint
-from kvstore.validate import check_token_ids, chunk_bytes_max, window_bytes_max
+from kvstore.format.layout import LayoutSpec, get_layout
 from proto import kvtier_pb2 as pb
 from replay.worker import MAX_REPLAY_TOKENS
 
@@ -121,7 +121,7 @@ class SpillPlan:
     @property
     def block_keys(self) -> list[str]:
         """What the store names the chunks by: chain key and stated digest (its bytes are
-        checked against the digest by the store, ``kvstore.validate.check_spill``)."""
+        checked against the digest by the store, ``kvstore.format.checks.check_spill``)."""
         return [block_key(k, d) for k, d in zip(self.keys, self.digests, strict=True)]
 
     def add_chunk(self, key: str, data: bytes) -> None:
@@ -212,7 +212,7 @@ class SpillPlan:
 def _check_digest(what: str, data: bytes, stated: bytes, field_name: str) -> None:
     if not stated:
         raise InvalidRequest(f"{what} was sent without {field_name} (BLAKE2b-256 of its "
-                             "bytes, kvstore.keys.chunk_digest)")
+                             "bytes, kvstore.format.keys.chunk_digest)")
     if chunk_digest(data) != stated:
         raise InvalidRequest(f"{what}'s bytes do not have the digest {field_name} states")
 
@@ -278,7 +278,7 @@ def spill_header(header: pb.SpillHeader, default_ack: str, max_tokens: int,
         if got != want:
             raise InvalidRequest(f"header.chunk_keys[{i}] is {shown(got)}; the token ids chain "
                                  f"to {want!r} under {spec.layout_id}, this model fingerprint "
-                                 "and dedupe domain (kvstore.keys.chain_keys)")
+                                 "and dedupe domain (kvstore.format.keys.chain_keys)")
     digests = list(header.chunk_digests)
     if len(digests) != len(keys):
         raise InvalidRequest(f"header.chunk_digests has {len(digests)} entries; one per "

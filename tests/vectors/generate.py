@@ -23,11 +23,11 @@ import xxhash
 import zstandard
 
 from kernels.reference import pack_int4
-from kvstore.chunk_plan import CODE_DTYPES
-from kvstore.codec import StreamData, encode_chunk, read_header
-from kvstore.errors import CLASS_FOR_STATUS, ERROR_CLASSES, ERROR_KEY, status_name
-from kvstore.keys import chain_keys, chunk_digest, chunk_key, dedupe_scope, token_bytes
-from kvstore.layout import BaselineKV, LayoutSpec, Stream, layout_to_json
+from kvstore.format.chunk import StreamData, encode_chunk, read_header
+from kvstore.format.chunk_parts import CODE_DTYPES
+from kvstore.format.errors import CLASS_FOR_STATUS, ERROR_CLASSES, ERROR_KEY, status_name
+from kvstore.format.keys import chain_keys, chunk_digest, chunk_key, dedupe_scope, token_bytes
+from kvstore.format.layout import BaselineKV, LayoutSpec, Stream, layout_to_json
 
 HERE = Path(__file__).resolve().parent
 TENANT = "acme"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvstore.errors import ChunkCorrupt, KVTierError
+from kvstore.format.errors import ChunkCorrupt, KVTierError
 from kvstore.tiers.base import Buffer
 from kvstore.tiers.disk.reader import SegmentGone
 from kvstore.tiers.disk.segments import check_record, key_bytes, record_size

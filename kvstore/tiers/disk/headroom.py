@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvstore.errors import TierFull
+from kvstore.format.errors import TierFull
 
 if TYPE_CHECKING:
     from kvstore.tiers.disk.index import SegmentInfo

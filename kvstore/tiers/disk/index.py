@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import lmdb
 
-from kvstore.errors import Busy
+from kvstore.format.errors import Busy
 from kvstore.tiers.disk import index_check
 from kvstore.tiers.disk.fs import OS, FileSystem
 from kvstore.tiers.disk.index_check import index_corrupt

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvstore.errors import IndexCorrupt
+from kvstore.format.errors import IndexCorrupt
 from kvstore.tiers.disk.fs import FileSystem
 from kvstore.tiers.disk.segments import segment_files, starts_with_record
 

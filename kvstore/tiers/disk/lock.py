@@ -21,7 +21,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from kvstore.errors import Busy
+from kvstore.format.errors import Busy
 
 WRITER_LOCK = "writer.lock"
 COMPACT_LOCK = "compact.lock"

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import lmdb
 
-from kvstore.errors import TierFull, TierUnavailable
+from kvstore.format.errors import TierFull, TierUnavailable
 from kvstore.tiers.base import Buffer
 from kvstore.tiers.disk.index import DiskIndex, SegState
 from kvstore.tiers.disk.segments import segment_path

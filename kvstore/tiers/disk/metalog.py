@@ -4,7 +4,7 @@ Each committed MetaStore write (a session manifest, a demotion or quarantine not
 appended as a ``META`` record, a deletion as a ``META | TOMBSTONE`` record; the index
 names the latest one per key (``metarec``) so it stays live through compactions.
 Reference counts are not logged: a repair recounts them from the manifests. Nor are
-retention marks (``kvstore.prefix``): each one's deletion would leave a tombstone for
+retention marks (``kvstore.prefix.chains``): each one's deletion would leave a tombstone for
 good, and without them the next open still retains every unreferenced chunk, its domain
 unknown. A record's
 value starts with a log sequence number that orders the writes of a key across
@@ -23,9 +23,9 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from kvstore.compaction import disk_rewrite
-from kvstore.refcount import REF_PREFIX, RETAIN_PREFIX
+from kvstore.placement.refcount import REF_PREFIX, RETAIN_PREFIX
 from kvstore.tiers.base import Buffer
+from kvstore.tiers.disk import rewrite as disk_rewrite
 from kvstore.tiers.disk.headroom import index_growth
 from kvstore.tiers.disk.index import EndOp, IndexEntry, MetaOp, SegState
 from kvstore.tiers.disk.log import SegmentAppender

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import lmdb
 
-from kvstore.errors import TierFull, TierUnavailable
+from kvstore.format.errors import TierFull, TierUnavailable
 from kvstore.tiers.disk.fs import fsync_path
 from kvstore.tiers.disk.index import DeleteOp, DiskIndex, IndexEntry, IndexOp, MetaOp, PutOp
 from kvstore.tiers.disk.log import storage_error

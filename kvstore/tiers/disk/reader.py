@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.errors import ChunkTruncated
+from kvstore.format.errors import ChunkTruncated
 from kvstore.tiers.disk.fs import OS, FileSystem
 from kvstore.tiers.disk.segments import segment_path
 

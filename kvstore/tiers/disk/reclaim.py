@@ -5,7 +5,7 @@ live records are copied elsewhere and the file is removed. After such a change t
 tier pokes its ``Reclaimer``: one background task (never two at once), at most once per
 ``interval_s``, picks the SEALED segments whose dead fraction is at or above
 ``dead_fraction`` and rewrites them with the crash-safe protocol of
-``kvstore.compaction.disk_rewrite`` (copies fsynced, entries switched in one
+``kvstore.tiers.disk.rewrite`` (copies fsynced, entries switched in one
 transaction, the old file removed only once the index no longer names it), the
 deadest first, in runs whose copies fit in the free space and half the medium's
 reserve (``headroom.py``), so a full medium gets its space back a segment at a time
@@ -22,7 +22,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from kvstore.errors import Busy, KVTierError
+from kvstore.format.errors import Busy, KVTierError
 from kvstore.tiers.disk.headroom import free_bytes, rewrite_need
 from kvstore.tiers.disk.index import SegmentInfo, SegState
 

@@ -14,7 +14,7 @@ A repair, run with no writer on the directory:
    the chunk entries (without TTLs: those lived only in the index), the metadata and
    its log entries, and reference counts recounted from the manifests.
 
-On an encrypted data directory the manifests are sealed (``kvstore.tiers.sealed``):
+On an encrypted data directory the manifests are sealed (``kvstore.encryption.tiers``):
 the references are recounted from them opened with the server's keyring. Without the
 keys they name, or with a key of their id that does not open them, repair refuses
 before changing anything (every chunk would look unreferenced, and compaction would
@@ -34,12 +34,13 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvstore.encryption import MAGIC as SEALED_MAGIC
-from kvstore.encryption import Keyring
-from kvstore.errors import ChunkCorrupt, UnsupportedVersion
-from kvstore.manifest import MANIFEST_PREFIX, SessionManifest
-from kvstore.refcount import REF_PREFIX
-from kvstore.sealed_census import Census
+from kvstore.encryption.census import Census
+from kvstore.encryption.seal import MAGIC as SEALED_MAGIC
+from kvstore.encryption.seal import Keyring
+from kvstore.encryption.tiers import RecordSealer
+from kvstore.format.errors import ChunkCorrupt, UnsupportedVersion
+from kvstore.placement.refcount import REF_PREFIX
+from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest
 from kvstore.tiers.disk.fs import OS, FileSystem
 from kvstore.tiers.disk.index import DiskIndex, IndexEntry, MetaOp, PutOp, SegmentInfo, SegState
 from kvstore.tiers.disk.lock import COMPACT_LOCK, WRITER_LOCK, DirLock
@@ -52,7 +53,6 @@ from kvstore.tiers.disk.segments import (
     scan_records,
     segment_files,
 )
-from kvstore.tiers.sealed import RecordSealer
 
 _LSN = struct.Struct("<Q")
 _BATCH = 4096  # chunk entries per LMDB transaction

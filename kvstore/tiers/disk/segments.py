@@ -28,7 +28,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvstore.errors import ChunkCorrupt, ChunkTruncated, InvalidRequest
+from kvstore.format.errors import ChunkCorrupt, ChunkTruncated, InvalidRequest
 from kvstore.tiers.disk.fs import OS, FileSystem
 
 MAGIC = b"KVR1"

@@ -38,10 +38,16 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import ClassVar
 
-from kvstore.compaction import disk_rewrite
-from kvstore.errors import ChunkCorrupt, ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
+from kvstore.format.errors import (
+    ChunkCorrupt,
+    ChunkNotFound,
+    InvalidRequest,
+    TierFull,
+    TierUnavailable,
+)
 from kvstore.tiers.base import Buffer, Tier
 from kvstore.tiers.disk import batch, metalog
+from kvstore.tiers.disk import rewrite as disk_rewrite
 from kvstore.tiers.disk.fs import OS, FileSystem
 from kvstore.tiers.disk.headroom import (
     DEFAULT_RESERVE_BYTES,

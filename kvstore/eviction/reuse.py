@@ -1,0 +1,306 @@
+"""ReusePolicy: evict the block expected to be read again latest, learned online.
+
+One policy for every kind of block a tier holds: a session's chunks, a prefix shared by
+many sessions, a retained chunk no session names, a window blob. It ranks them with no
+future knowledge by *reuse density*, the expected reads per byte per second a block
+gives from its current age on (the hit density of Beckmann et al., "LHD: Improving Cache
+Hit Rate by Maximizing Hit Density", NSDI 2018), learned per *reuse class* from what
+happened to earlier blocks of the class at each age (time since the block's last store
+or read):
+
+- reuse frequency: client reads of the block so far (0, 1, 2, 3 or more; ``NextUse.reads``).
+  A block several sessions read (a shared document or system prompt) is read again more
+  often than one only its own session stored.
+- resume hint: the pause predicted by its last hinted store (``NextUse.pause``, sent by
+  the framework or inferred by ``kvstore.eviction.pause_estimate``), in buckets: none, due,
+  up to 30 s, 5 min, later. Whether a bucket predicts anything is learned, not assumed: a
+  "not back soon" hint that proves wrong simply gets its class a higher density.
+- size: density is per byte, so a window blob (several chunks' worth) must earn its room.
+
+The policies of one tier stack share one ``ReuseModel`` (``reuse_policies()`` makes the
+factory): a block is read whichever tier holds it, so the model learns from every read
+in the stack, not only from the reads a tier happened to serve, and a class evicted early
+is not taken for one never read. Per class and age bin (log2 seconds) it counts reads
+(an episode runs from a block's first store or a read to its next read), ends (the block
+left every tier unread) and the episodes still open at each age; every ``REFRESH``
+events it folds them into::
+
+    density(c, a) = reads after age a / (time lived after age a), over the class's episodes
+
+and ``victim`` takes, among ``SAMPLE`` blocks drawn at random (seeded) from the tier, the
+one of lowest priority, then lowest density per byte. Until a class has its own events
+it leans on the pooled ones (``PRIOR``); before any, density falls with age: LRU order.
+A block that arrives without a ``NextUse`` (never hinted) is in the no-hint class; the
+model does not follow it, so it is ranked by the pooled table from its last access.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Collection
+
+import numpy as np
+
+from kvstore.eviction.policies import BlockId, Clock, EvictionPolicy, NextUse
+
+AGE_BINS = 24  # log2 seconds: bin 0 below 1 s, bin k in [2^(k-1), 2^k), the last open
+READ_CLASSES = 4  # 0, 1, 2, 3+ reads
+PAUSE_LIMITS_S = (1.0, 30.0, 300.0)  # due / short / medium / long; plus "no hint"
+CLASSES = READ_CLASSES * (len(PAUSE_LIMITS_S) + 2)
+SAMPLE = 64
+REFRESH = 512  # events between density recomputations
+DECAY = 1.0  # weight kept by the older counts at each recomputation
+PRIOR = 1.0  # pseudo-events per class, drawn from the pooled table, against noise
+_WIDTHS = np.array([1.0] + [2.0 ** (k - 1) for k in range(1, AGE_BINS)])
+# no data yet: density falling with age, so the policy starts as LRU
+_START = 1.0 / np.cumsum(_WIDTHS)
+
+
+def age_bin(age_s: float) -> int:
+    if age_s < 1.0:
+        return 0
+    return min(AGE_BINS - 1, int(math.log2(age_s)) + 1)
+
+
+def age_bins(ages: np.ndarray) -> np.ndarray:
+    """``age_bin`` of each of ``ages``."""
+    safe = np.maximum(ages, 1.0)
+    return np.where(ages < 1.0, 0, np.minimum(np.floor(np.log2(safe)).astype(np.int64) + 1,
+                                               AGE_BINS - 1))
+
+
+def reuse_class(hint: NextUse | None) -> int:
+    """The class of a block from its ``NextUse`` (see the module doc)."""
+    if hint is None:
+        return 0  # never hinted: no reads known either
+    pause = 0  # 0: no pause predicted; 1 due, 2 short, 3 medium, 4 long
+    if hint.pause is not None:
+        pause = 1 + sum(hint.pause > limit for limit in PAUSE_LIMITS_S)
+    return min(hint.reads, READ_CLASSES - 1) * (len(PAUSE_LIMITS_S) + 2) + pause
+
+
+class ReuseModel:
+    """Reads, ends and open episodes per class and age, for the policies of one stack."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self._slot: dict[BlockId, int] = {}
+        self._free: list[int] = []
+        n = 1024  # episode arrays, grown by doubling
+        self._cls = np.zeros(n, dtype=np.int64)
+        self._since = np.zeros(n)
+        self._open = np.zeros(n, dtype=bool)
+        self._reads = np.zeros(n, dtype=np.int64)
+        self._holders = np.zeros(n, dtype=np.int64)  # bit i: the tier of level i holds it
+        self._hits = np.zeros((CLASSES, AGE_BINS))
+        self._events = 0
+        self.density = np.tile(_START, (CLASSES, 1))
+
+    def _new_slot(self, block: BlockId) -> int:
+        if not self._free:
+            n = len(self._cls)
+            self._free.extend(range(2 * n - 1, n - 1, -1))
+            for name in ("_cls", "_since", "_open", "_reads", "_holders"):
+                old = getattr(self, name)
+                grown = np.zeros(2 * n, dtype=old.dtype)
+                grown[:n] = old
+                setattr(self, name, grown)
+        slot = self._slot[block] = self._free.pop()
+        self._holders[slot] = 0
+        return slot
+
+    def seen(self, block: BlockId, hint: NextUse | None, level: int) -> None:
+        """The policy of the tier at ``level``, which holds ``block``, was told of it."""
+        if hint is None:
+            return
+        slot = self._slot.get(block)
+        if slot is None:
+            slot = self._new_slot(block)
+            self._start(slot, hint)
+        elif hint.reads > self._reads[slot]:  # read since: the episode ends with a read
+            if self._open[slot]:
+                self._count(self._hits, slot)
+            self._start(slot, hint)
+        else:  # stored again or moved: the episode goes on, in what it is known as now
+            self._cls[slot] = reuse_class(hint)
+        self._holders[slot] |= 1 << level
+
+    def left(self, block: BlockId, level: int) -> None:
+        """The tier of ``level`` no longer holds ``block``. At its last the episode is dropped, not
+        counted: a window blob evicted from the last tier that takes windows would have
+        been read all the same (its resume replays), and counting it unread would teach
+        the model that such blocks are never read, the more so the more it evicts them.
+        Blocks that truly are not read again say so by ageing unread while held (a chunk
+        keeps a durable copy), and a window shares its class with its session's chunks."""
+        slot = self._slot.get(block)
+        if slot is None:
+            return
+        self._holders[slot] &= ~(1 << level)
+        if not self._holders[slot]:
+            self._open[slot] = False
+            del self._slot[block]
+            self._free.append(slot)
+
+    def slot(self, block: BlockId) -> int:
+        """The row the model keeps ``block`` in (-1: not followed, never hinted)."""
+        return self._slot.get(block, -1)
+
+    def holders(self, slots: np.ndarray) -> np.ndarray:
+        """Per slot, the bit mask of tier levels holding its block (0 for -1)."""
+        return np.where(slots >= 0, self._holders[np.maximum(slots, 0)], 0)
+
+    def _start(self, slot: int, hint: NextUse) -> None:
+        self._cls[slot] = reuse_class(hint)
+        self._reads[slot] = hint.reads
+        self._since[slot] = self.clock() if hint.since is None else hint.since
+        self._open[slot] = True
+
+    def _count(self, table: np.ndarray, slot: int) -> None:
+        table[self._cls[slot], age_bin(self.clock() - self._since[slot])] += 1
+        self._open[slot] = False
+        self._events += 1
+        if self._events >= REFRESH:
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Fold reads, ends and the open episodes' ages into the density table."""
+        self._events = 0
+        live = self._open
+        bins = age_bins(self.clock() - self._since[live])
+        open_now = np.zeros((CLASSES, AGE_BINS))
+        np.add.at(open_now, (self._cls[live], bins), 1)
+        reached = self._hits + open_now  # episodes by the age they got to
+
+        def density(reads: np.ndarray, reached: np.ndarray) -> np.ndarray:
+            # (..., AGE_BINS): reads after each age over the time lived after it
+            after = np.flip(np.cumsum(np.flip(reached, -1), -1), -1)
+            reads_after = np.flip(np.cumsum(np.flip(reads, -1), -1), -1)
+            life_after = np.flip(np.cumsum(np.flip(after * _WIDTHS, -1), -1), -1)
+            return reads_after / np.maximum(life_after, 1e-12)
+
+        pooled_reads, pooled = self._hits.sum(0), reached.sum(0)
+        if pooled.sum() > 0:
+            # PRIOR episodes shaped like the pooled ones, so a class with few episodes of
+            # its own leans on the stack's overall pattern
+            share = PRIOR / pooled.sum()
+            self.density = density(self._hits + share * pooled_reads, reached + share * pooled)
+        self._hits *= DECAY
+
+
+class ReusePolicy(EvictionPolicy):
+    """Lowest priority first, then lowest learned reuse density per byte (module doc)."""
+
+    ranks_retained = True  # a retained chunk's learned density says what it is worth
+
+    def __init__(self, clock: Clock = time.monotonic, *, model: ReuseModel | None = None,
+                 level: int = 0, seed: int = 0) -> None:
+        """``level``: the tier's place in its stack, highest 0 (``reuse_policies``)."""
+        super().__init__(clock)
+        self.model = ReuseModel(clock) if model is None else model
+        self.level = level
+        self._index: dict[BlockId, int] = {}  # block -> its row in the arrays below
+        self._order: list[BlockId] = []  # row -> block (rows stay dense: O(1) draws)
+        n = 256
+        self._cls = np.zeros(n, dtype=np.int64)
+        self._since = np.zeros(n)
+        self._size = np.ones(n)
+        self._priority = np.zeros(n, dtype=np.int64)
+        self._slot = np.full(n, -1, dtype=np.int64)  # the block's ReuseModel slot
+        self._random = np.random.default_rng(seed)
+        self._sizes = 0  # sum of known sizes, for blocks listed without one
+        self._sized = 0
+
+    def on_insert(self, block: BlockId, size: int = 0, hint: NextUse | None = None) -> None:
+        if block in self._index:
+            self.on_access(block, hint)
+            return
+        if size <= 0:  # listed at open: the mean size known so far
+            size = self._sizes // self._sized if self._sized else 1
+        else:
+            self._sizes += size
+            self._sized += 1
+        row = len(self._order)
+        if row == len(self._cls):  # grow the rows by doubling
+            for name, fill in (("_cls", 0), ("_since", 0), ("_size", 1), ("_priority", 0),
+                               ("_slot", -1)):
+                old = getattr(self, name)
+                setattr(self, name, np.concatenate([old, np.full_like(old, fill)]))
+        self._index[block] = row
+        self._order.append(block)
+        self._size[row] = size
+        self._classify(block, row, hint)
+
+    def on_access(self, block: BlockId, hint: NextUse | None = None) -> None:
+        row = self._index.get(block)
+        if row is None:
+            self.on_insert(block, 0, hint)
+            return
+        self._classify(block, row, hint)
+
+    def on_remove(self, block: BlockId) -> None:
+        row = self._index.pop(block, None)
+        if row is None:
+            return
+        self.model.left(block, self.level)
+        last = self._order.pop()
+        if last != block:  # move the last row into the freed one
+            end = len(self._order)
+            self._order[row] = last
+            self._index[last] = row
+            for array in (self._cls, self._since, self._size, self._priority, self._slot):
+                array[row] = array[end]
+
+    def _classify(self, block: BlockId, row: int, hint: NextUse | None) -> None:
+        self.model.seen(block, hint, self.level)
+        self._cls[row] = reuse_class(hint)
+        self._priority[row] = 0 if hint is None else hint.priority
+        since = None if hint is None else hint.since
+        self._since[row] = self.clock() if since is None else since
+        self._slot[row] = self.model.slot(block)
+
+    # -- choosing --
+
+    def victim(self, exclude: Collection[BlockId] = ()) -> BlockId | None:
+        n = len(self._order)
+        if n <= SAMPLE:
+            return self._best(np.arange(n), exclude)
+        found = self._best(self._random.integers(0, n, SAMPLE), exclude)
+        return found if found is not None else self._best(np.arange(n), exclude)
+
+    def _best(self, rows: np.ndarray, exclude: Collection[BlockId]) -> BlockId | None:
+        """The block of ``rows`` to evict first, skipping ``exclude``: lowest priority;
+        then a copy a higher tier also holds (it serves no read from here); then lowest
+        density per byte; equal densities (ages past any read seen) oldest first."""
+        if not len(rows):
+            return None
+        model, since = self.model, self._since[rows]
+        density = model.density[self._cls[rows], age_bins(self.clock() - since)]
+        slots = self._slot[rows]
+        above = model.holders(slots) & ((1 << self.level) - 1)
+        ranked = np.lexsort((since, density / self._size[rows], above == 0,
+                             self._priority[rows]))
+        for k in ranked:
+            block = self._order[rows[k]]
+            if block not in exclude:
+                return block
+        return None
+
+    def __contains__(self, block: BlockId) -> bool:
+        return block in self._index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+
+def reuse_policies(clock: Clock = time.monotonic) -> Callable[[], ReusePolicy]:
+    """A policy factory for one tier stack (``TierManager(policy=...)``): its policies
+    share one ``ReuseModel``, so each learns from reads in every tier."""
+    model = ReuseModel(clock)
+    levels = itertools.count()  # TierStack makes one policy per tier, highest first
+
+    def make() -> ReusePolicy:
+        level = next(levels)
+        return ReusePolicy(clock, model=model, level=level, seed=level)
+    return make

@@ -1,0 +1,188 @@
+"""Checks that spilled and restored bytes are what a session's manifest says they are.
+
+A spill is refused whole (nothing stored) unless its token ids lie in the layout's
+vocabulary and every chunk decodes cleanly, has exactly the section table the layout
+gives its token count (so every size is known from the layout before anything is
+decompressed), belongs to the session's layout, covers exactly its token range, and
+carries the key that the token ids chain to, with the digest of its bytes: a wrong key
+would let dedupe hand one session another's KV. On
+restore the same facts are re-checked for every copy read, so a copy that passes its
+own checksum but belongs elsewhere still counts as corrupt and is fallen through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvstore.format.chunk import (
+    ChunkHeader,
+    max_encoded_bytes,
+    read_header,
+    split_chunks,
+    tokens_hash,
+    verify_chunk,
+)
+from kvstore.format.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch, shown
+from kvstore.format.keys import ROOT_PARENT, chunk_digest, chunk_key, split_block_key
+from kvstore.format.layout import LayoutSpec
+from kvstore.tiers.base import Buffer
+
+
+def check_token_ids(spec: LayoutSpec, tokens: np.ndarray) -> None:
+    """Every id must lie in the layout's vocabulary: a model fed one outside it fails
+    (an embedding lookup out of range) long after the spill was acknowledged."""
+    if len(tokens) and int(tokens.max()) >= spec.vocab_size:
+        at = int(np.argmax(tokens >= spec.vocab_size))
+        raise InvalidRequest(f"token id {int(tokens[at])} at position {at} is outside the "
+                             f"vocabulary of layout {spec.name}: ids must be < "
+                             f"vocab_size {spec.vocab_size}")
+
+
+def chunk_bytes_max(spec: LayoutSpec, num_tokens: int) -> int:
+    """The most bytes a persistent chunk of ``num_tokens`` tokens can be encoded in."""
+    return max_encoded_bytes(spec, num_tokens, False)
+
+
+def window_bytes_max(spec: LayoutSpec) -> int:
+    """The most bytes a window blob can take, whatever the session's length: the window
+    K/V over at most W tokens, and the pending rows of at most m - 1 tokens."""
+    window = tuple(s.name for s in spec.ephemeral_streams if not s.pending)
+    pending = tuple(s.name for s in spec.ephemeral_streams if s.pending)
+    total = max_encoded_bytes(spec, spec.window_tokens, True, window) if window else 0
+    if pending:
+        total += max_encoded_bytes(spec, spec.pending_tokens_max, True, pending)
+    return total
+
+
+def _check_range(
+    what: str, header: ChunkHeader, spec: LayoutSpec, tokens: np.ndarray, start: int, count: int
+) -> None:
+    if header.layout_hash != spec.layout_hash:
+        raise LayoutMismatch(f"{what} belongs to layout {header.layout_hash:016x}, "
+                             f"not {spec.layout_id}")
+    if header.start_token != start or header.num_tokens != count:
+        raise InvalidRequest(f"{what} covers tokens {header.start_token}+{header.num_tokens}, "
+                             f"expected {start}+{count}")
+    if header.tokens_hash != tokens_hash(tokens[start : start + count]):
+        raise LayoutMismatch(f"{what} was encoded for other token ids")
+
+
+def check_spill(
+    spec: LayoutSpec,
+    tokens: np.ndarray,
+    chunks: Sequence[tuple[str, Buffer | None]],
+    tail: Buffer,
+    window: Buffer | None,
+    *,
+    scope: str,
+    model_fingerprint: str = "",
+) -> None:
+    """Raise ``InvalidRequest`` / ``LayoutMismatch`` / ``CodecError`` unless it all fits.
+
+    ``tokens``: (num_tokens,) uint32. Every complete chunk of the token ids must be given,
+    as (block key, bytes), or as (block key, None) for a chunk the store already holds.
+    A block key is the chain key of the chunk's tokens (under ``scope``, the layout and
+    ``model_fingerprint``) and the digest of its bytes (``kvstore.format.keys``): the chain part
+    must be the one the tokens chain to, so a spill can only name chunks of its own
+    tokens, model and domain; sent bytes must have the digest the key states, so a named
+    chunk is the very bytes its spiller sent. The tail covers the rest (tokens of an
+    incomplete entry may stay uncovered).
+    """
+    check_token_ids(spec, tokens)
+    if spec.requires_model_fingerprint and not model_fingerprint:
+        raise InvalidRequest(f"layout {spec.layout_id} requires a model fingerprint "
+                             "(the weights/version id of the model whose KV this is)")
+    size = spec.chunk_tokens
+    if len(chunks) != len(tokens) // size:
+        raise InvalidRequest(f"{len(tokens)} tokens make {len(tokens) // size} chunks of "
+                             f"{size}; {len(chunks)} were given")
+    parent = ROOT_PARENT
+    for i, item in enumerate(chunks):
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise InvalidRequest(f"chunk {i} must be a (block key, bytes or None) pair")
+        key, data = item
+        chain, digest = split_block_key(key)
+        parent = chunk_key(scope, spec.layout_id, model_fingerprint, parent,
+                           tokens[i * size : (i + 1) * size])
+        if chain != parent:
+            raise InvalidRequest(f"chunk {i} has key {shown(key)}; its tokens under layout "
+                                 f"{spec.layout_id}, this model fingerprint and dedupe "
+                                 f"domain chain to {parent!r}")
+        if data is None:
+            continue
+        header = verify_chunk(data, spec)
+        if header.ephemeral:
+            raise InvalidRequest(f"chunk {i} holds ephemeral (window) streams")
+        _check_range(f"chunk {i}", header, spec, tokens, i * size, size)
+        if chunk_digest(data) != digest:
+            raise InvalidRequest(f"chunk {i}'s bytes do not have the digest its key states "
+                                 "(BLAKE2b-256 of the encoded chunk)")
+    covered = len(chunks) * size
+    if len(tail):
+        header = verify_chunk(tail, spec)
+        if header.ephemeral:
+            raise InvalidRequest("the tail holds ephemeral (window) streams")
+        if not 0 < header.num_tokens <= len(tokens) - covered:
+            raise InvalidRequest(f"the tail covers {header.num_tokens} tokens; "
+                                 f"{len(tokens) - covered} follow the last chunk")
+        _check_range("the tail", header, spec, tokens, covered, header.num_tokens)
+    if window is not None:
+        check_window(spec, tokens, window)
+
+
+def check_window(spec: LayoutSpec, tokens: np.ndarray, window: Buffer) -> None:
+    """A window blob is one or more ephemeral chunks back to back (window K/V, pending rows),
+    together no larger than the layout's window allows."""
+    if len(window) > window_bytes_max(spec):
+        raise InvalidRequest(f"the window blob is {len(window)} B; layout {spec.name} "
+                             f"(W = {spec.window_tokens}) encodes one in at most "
+                             f"{window_bytes_max(spec)} B")
+    parts = split_chunks(window)
+    if not parts:
+        raise InvalidRequest("the window blob is empty")
+    for part in parts:
+        header = verify_chunk(part, spec)
+        if not header.ephemeral:
+            raise InvalidRequest("the window blob must be encoded with ephemeral=True")
+        if header.start_token + header.num_tokens > len(tokens):
+            raise InvalidRequest("the window covers tokens beyond the session's end")
+        _check_range("the window", header, spec, tokens, header.start_token, header.num_tokens)
+
+
+def restored_chunk_check(spec: LayoutSpec, tokens: np.ndarray, index: int,
+                         key: str | None = None):
+    """A ``TierStack.read`` check: the copy must be chunk ``index`` of these tokens and,
+    given its block ``key``, have the digest the key states (a valid chunk of the same
+    tokens with other bytes passes every codec checksum)."""
+    start, size = index * spec.chunk_tokens, spec.chunk_tokens
+    digest = None if key is None else split_block_key(key)[1]
+
+    def check(data: Buffer) -> None:
+        if digest is not None and chunk_digest(data) != digest:
+            raise ChunkCorrupt(f"a copy of chunk {index} does not have the digest its key "
+                               "states")
+        try:
+            # With the digest matching, every byte is one the spiller sent under this key
+            # (BLAKE2b-256), which check_spill verified whole (checksums, section table
+            # against the layout): checking them again would add nothing. What is left
+            # is whether they are this session's chunk.
+            header = verify_chunk(data, spec) if digest is None else read_header(data)
+            if header.ephemeral:
+                raise InvalidRequest("holds ephemeral streams")
+            _check_range(f"chunk {index}", header, spec, tokens, start, size)
+        except InvalidRequest as exc:
+            raise ChunkCorrupt(f"a copy does not match the manifest: {exc}") from exc
+
+    return check
+
+
+def window_check(spec: LayoutSpec, tokens: np.ndarray):
+    def check(data: Buffer) -> None:
+        try:
+            check_window(spec, tokens, data)
+        except InvalidRequest as exc:
+            raise ChunkCorrupt(f"the window copy does not match the manifest: {exc}") from exc
+
+    return check

@@ -1,0 +1,87 @@
+"""Where each (stream, layer, part) of a chunk lives in its payload, for one layout and
+token count. Encoder and decoder share it, so the byte order has one source of truth,
+and it is cached because a session's chunks all have the same shape."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvstore.format.layout import LayoutSpec, Stream
+
+PART_CODES, PART_SCALES = 0, 1
+CODE_DTYPES = {4: torch.uint8, 8: torch.int8, 16: torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    stream: Stream
+    stream_index: int
+    part: int  # PART_CODES or PART_SCALES
+    first_section: int  # row of layer 0 in the section table
+    offset: int  # payload offset of layer 0; layers follow back to back
+    layer_bytes: int
+    shape: tuple[int, ...]  # (layers, entries, ...) of the whole part
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    parts: tuple[PartPlan, ...]
+    # (sections, 3) uint64: the table's first 24 bytes per row (ids, offset, length), as
+    # encode_chunk writes them; a decoder compares the stored table against it in one call.
+    table_head: np.ndarray
+    payload_bytes: int
+
+
+def streams_of(spec: LayoutSpec, ephemeral: bool) -> tuple[Stream, ...]:
+    return spec.ephemeral_streams if ephemeral else spec.persistent_streams
+
+
+def max_chunk_tokens(spec: LayoutSpec, ephemeral: bool, names: tuple[str, ...] | None = None
+                     ) -> int:
+    """The most tokens one chunk of these streams may cover: a persistent chunk its
+    chunk_tokens; an ephemeral one the window W for window streams and m - 1 for the
+    pending rows (every stream it carries must fit). With the section table checked
+    against the plan, this bounds every decoded size by the layout alone."""
+    if not ephemeral:
+        return spec.chunk_tokens
+    bounds = [spec.pending_tokens_max if s.pending else spec.window_tokens
+              for s in spec.ephemeral_streams if names is None or s.name in names]
+    return min(bounds, default=0)
+
+
+@functools.lru_cache(maxsize=512)
+def chunk_plan(
+    spec: LayoutSpec, num_tokens: int, ephemeral: bool, names: tuple[str, ...] | None = None
+) -> ChunkPlan:
+    """``names`` picks a subset of the streams (ephemeral chunks only); None: all of them.
+
+    Stream indices in the table stay those of the full stream list, so a subset chunk
+    says which streams it carries.
+    """
+    parts, rows, offset, section = [], [], 0, 0
+    for index, stream in enumerate(streams_of(spec, ephemeral)):
+        if names is not None and stream.name not in names:
+            continue
+        entries = stream.entries_for(num_tokens)
+        kinds = [
+            (PART_CODES, (stream.layers, entries, *stream.codes_shape), CODE_DTYPES[stream.bits])
+        ]
+        if stream.bits < 16:
+            kinds.append(
+                (PART_SCALES, (stream.layers, entries, stream.scales_per_entry), torch.float16)
+            )
+        for part, shape, dtype in kinds:
+            layer_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+            parts.append(PartPlan(stream, index, part, section, offset, layer_bytes, shape, dtype))
+            for layer in range(stream.layers):
+                ids = index | (layer << 16) | (part << 32)  # u2 stream, u2 layer, u1 part, 3 pad
+                rows.append((ids, offset, layer_bytes))
+                offset += layer_bytes
+                section += 1
+    table_head = np.array(rows, dtype=np.uint64).reshape(-1, 3)
+    return ChunkPlan(tuple(parts), table_head, offset)

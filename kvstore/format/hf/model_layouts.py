@@ -1,0 +1,161 @@
+"""The kvtier layout of a transformers model's cache, derived from ``model.config``.
+
+- Standard models (a ``DynamicCache`` of full-attention and sliding-window layers, as
+  transformers builds it for the config, ``attention.layer_windows``: Llama, Mistral,
+  Gemma2...): streams ``k`` and ``v`` of (kv_heads, head_dim) per token on every layer,
+  persistent, at bf16 or int8; nothing to replay. A sliding layer of window W holds only
+  the last W - 1 tokens: its rows before them are stored as zeros, never read back (a
+  resume installs the last min(n, W - 1) rows), and the layout's layer modes
+  (``full`` / ``sliding-W``) bind the windows into its id. Every other kind of layer is
+  ``UnsupportedModel``.
+- DeepseekV4 (``model_type == "deepseek_v4"``): the compressor entries of the CSA layers
+  (``csa.kv``, m = 4), their Lightning Indexer entries (``csa.index``, m = 4) and the HCA
+  layers' entries (``hca.kv``, m = 128), persistent at 4 or 8 bits. Ephemeral, rebuilt by
+  the ``transformers-deepseek-v4`` replayer: the window K=V of every layer (``window``,
+  at most sliding_window - 1 rows), and the compressors' partial-block state: the
+  projected (kv, gate) rows of the unfinished block (``csa.buffer``, ``csa.index_buffer``,
+  ``hca.buffer``; pending, fewer than m rows) and the Ca half of the last complete CSA
+  window (``csa.overlap``, ``csa.index_overlap``; m rows).
+
+A layout's name says the family and precision and ends in a digest of its shape, so two
+configs never claim one name with different streams.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from kvstore.format.errors import InvalidRequest, UnsupportedModel
+from kvstore.format.hf.attention import layer_windows, text_config
+from kvstore.format.layout import LayoutSpec, Stream
+
+CSA, HCA, SLIDING = ("compressed_sparse_attention", "heavily_compressed_attention",
+                     "sliding_attention")
+GROUP = {4: 32, 8: 64}  # values per fp16 scale, as the shipped presets use
+STANDARD_BITS = (16, 8)
+DEEPSEEK_V4_BITS = (4, 8)
+
+
+def is_deepseek_v4(config) -> bool:
+    return getattr(config, "model_type", "") == "deepseek_v4"
+
+
+def layout_for(config, bits: int | None = None) -> LayoutSpec:
+    """The layout of this config's cache at ``bits`` (default: 16 for standard models, 4
+    for DeepseekV4)."""
+    if is_deepseek_v4(config):
+        return deepseek_v4_layout(config, 4 if bits is None else bits)
+    return standard_layout(config, 16 if bits is None else bits)
+
+
+def candidate_layouts(config) -> list[LayoutSpec]:
+    """Every layout a session of this config may have been spilled with."""
+    bits = DEEPSEEK_V4_BITS if is_deepseek_v4(config) else STANDARD_BITS
+    return [layout_for(config, b) for b in bits]
+
+
+def _group(bits: int, dim: int) -> int:
+    return 0 if bits == 16 else math.gcd(GROUP[bits], dim)
+
+
+def _named(spec: LayoutSpec, family: str, bits: int) -> LayoutSpec:
+    tag = "bf16" if bits == 16 else f"int{bits}"
+    return replace(spec, name=f"hf-{family}-{tag}-{replace(spec, name='x').layout_hash:016x}"[:64])
+
+
+def _kv_shape(text) -> tuple[int, int]:
+    """(kv_heads, head_dim) of every layer of a decoder config; ``UnsupportedModel`` when
+    the layers differ or the config does not say."""
+    shapes = set()
+    try:
+        for layer in text.per_layer_config:  # each layer's own view, heterogeneous or not
+            attention_heads = layer.num_attention_heads
+            # configs without the field (GPT-2...) have one KV head per attention head
+            heads = getattr(layer, "num_key_value_heads", None) or attention_heads
+            shapes.add((heads, getattr(layer, "head_dim", None)
+                        or layer.hidden_size // attention_heads))
+    except (AttributeError, RuntimeError, TypeError, ValueError) as exc:
+        raise UnsupportedModel(f"{text.model_type}: its config does not state the cache's "
+                               f"shape ({exc})") from None
+    if len(shapes) != 1:
+        raise UnsupportedModel(f"{text.model_type}: per-layer KV shapes {sorted(shapes)} are "
+                               "not supported (one (kv_heads, head_dim) for every layer)")
+    return shapes.pop()
+
+
+def standard_layout(config, bits: int = 16) -> LayoutSpec:
+    if bits not in STANDARD_BITS:
+        raise InvalidRequest(f"a standard model's cache is stored at bf16 (16) or int8 (8), "
+                             f"not {bits} bits")
+    windows = layer_windows(config)
+    text = text_config(config)
+    kind = text.model_type
+    heads, head_dim = _kv_shape(text)
+    try:
+        vocab_size = text.vocab_size
+    except AttributeError:
+        raise UnsupportedModel(f"{kind}: its config states no vocab_size") from None
+    layers = len(windows)
+    streams = tuple(Stream(name, (heads, head_dim), bits=bits, group_size=_group(bits, head_dim),
+                           layers=layers) for name in ("k", "v"))
+    sliding = sorted({w for w in windows if w})
+    # modes only when some layer slides, so full-attention layouts keep their ids
+    modes = tuple(f"sliding-{w}" if w else "full" for w in windows) if sliding else ()
+    spec = LayoutSpec(name="x", streams=streams, chunk_tokens=64, vocab_size=vocab_size,
+                      layer_modes=modes,
+                      notes=f"transformers {kind}: {layers} layers, {heads} KV heads x "
+                      f"{head_dim}, every layer persistent" + (
+                          f"; {sum(map(bool, windows))} sliding (W = "
+                          f"{', '.join(map(str, sliding))}) keep their last W - 1 tokens, "
+                          "earlier rows stored as zeros" if sliding else ""))
+    return _named(spec, kind.replace("_", "-"), bits)
+
+
+def deepseek_v4_layout(config, bits: int = 4) -> LayoutSpec:
+    if bits not in DEEPSEEK_V4_BITS:
+        raise InvalidRequest(f"DeepseekV4's compressed entries are stored at 4 or 8 bits, "
+                             f"not {bits}")
+    types = list(config.layer_types)
+    csa, hca = types.count(CSA), types.count(HCA)
+    m_csa = config.compress_rates[CSA]
+    m_hca = config.compress_rates[HCA]
+    d, di = config.head_dim, config.index_head_dim
+
+    def entries(name, dim, m, layers):
+        return Stream(name, (dim,), bits=bits, group_size=_group(bits, dim), tokens_per_entry=m,
+                      layers=layers)
+
+    def state(name, shape, layers, pending=True):
+        return Stream(name, shape, bits=16, layers=layers, persistent=False, pending=pending)
+
+    streams = []
+    if csa:
+        streams += [entries("csa.kv", d, m_csa, csa), entries("csa.index", di, m_csa, csa)]
+    if hca:
+        streams.append(entries("hca.kv", d, m_hca, hca))
+    streams.append(Stream("window", (d,), bits=16, layers=len(types), persistent=False))
+    if csa:
+        # (kv, gate) rows: CSA projects 2 x head_dim per token (the Ca and Cb series)
+        streams += [state("csa.buffer", (2, 2 * d), csa),
+                    state("csa.index_buffer", (2, 2 * di), csa),
+                    state("csa.overlap", (2, d), csa, pending=False),
+                    state("csa.index_overlap", (2, di), csa, pending=False)]
+    if hca:
+        streams.append(state("hca.buffer", (2, d), hca))
+    lcm = math.lcm(*(s.tokens_per_entry for s in streams if s.persistent)) if csa or hca else 1
+    spec = LayoutSpec(
+        name="x", streams=tuple(streams), chunk_tokens=lcm * max(1, 256 // lcm),
+        layer_modes=tuple({CSA: "csa", HCA: "hca", SLIDING: "sliding"}[t] for t in types),
+        vocab_size=config.vocab_size, window_tokens=config.sliding_window,
+        replayer="transformers-deepseek-v4",
+        notes=f"transformers DeepseekV4: {csa} CSA (m={m_csa}), {hca} HCA (m={m_hca}), "
+        f"{len(types) - csa - hca} sliding layers, window {config.sliding_window}")
+    return _named(spec, "deepseek-v4", bits)
+
+
+def persistent_bf16_bytes_per_token(spec: LayoutSpec) -> float:
+    """What the persistent streams would take per token unquantized (bf16): the cache
+    the model itself keeps per token."""
+    return sum(s.layers * s.values_per_entry * 2 / s.tokens_per_entry
+               for s in spec.persistent_streams)

@@ -1,0 +1,111 @@
+"""Block moves that spill, restore and maintenance share, each under its key's lock.
+
+``TierStack`` leaves three things to its callers, and ``Blocks`` does them once: holding
+the key's lock (``KeyedLocks``) around every mutation, freeing a chunk only when the
+``RefLedger`` counts no reference (or pin) to it, and copying chunks to a durable tier.
+``gather`` bounds how many moves run at once (``ManagerConfig.io_concurrency``, shared
+by every call of one manager).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+
+from kvstore.format.errors import DataLoss, TierUnavailable
+from kvstore.placement.locks import KeyedLocks
+from kvstore.placement.refcount import RefLedger
+from kvstore.placement.stack import TierStack, not_placed
+from kvstore.stats import Counters
+from kvstore.tiers.base import Buffer
+
+
+class Blocks:
+    def __init__(self, stack: TierStack, ledger: RefLedger, locks: KeyedLocks,
+                 counters: Counters, *, io_concurrency: int) -> None:
+        self._stack = stack
+        self._ledger = ledger
+        self._locks = locks
+        self._counters = counters
+        self._io = asyncio.Semaphore(io_concurrency)
+        self.durable = [i for i, tier in enumerate(stack.tiers) if tier.durable]
+        self.on_freed: Callable[[], None] | None = None  # told when a free made room
+
+    async def gather(self, coros: Iterable[Coroutine]) -> list:
+        """Run ``coros`` at most ``io_concurrency`` at a time; on failure cancel the rest."""
+        async def bounded(coro: Coroutine):
+            async with self._io:
+                return await coro
+
+        coros = list(coros)
+        tasks = [asyncio.ensure_future(bounded(c)) for c in coros]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for coro in coros:
+                coro.close()  # those cancelled before they started
+            raise
+
+    async def free(self, keys: Sequence[str]) -> int:
+        """Delete unreferenced ``keys`` from every tier; how many this call freed."""
+        async def free(key: str) -> bool:
+            async with self._locks.hold(key):
+                if self._ledger.count(key):
+                    return False  # referenced again (or pinned by a spill) meanwhile
+                held = bool(self._stack.holders(key))  # False: another call freed it first
+                await self._stack.delete_everywhere(key)
+                self._counters.freed_chunks += held
+                return held
+
+        freed = sum(await self.gather(free(key) for key in dict.fromkeys(keys)))
+        if freed and self.on_freed is not None:
+            self.on_freed()
+        return freed
+
+    async def drop(self, key: str) -> None:
+        """Delete ``key`` from every tier whatever references it (window blobs)."""
+        async with self._locks.hold(key):
+            await self._stack.delete_everywhere(key)
+
+    async def shed_durable(self, size: int) -> None:
+        """Evict about ``size`` bytes of retained chunks from each durable tier: what a
+        metadata commit refused for a full medium gives back (``Catalog.put``)."""
+        for j in self.durable:
+            await self._stack.shed(j, size)
+
+    def any_durable(self, tiers: Iterable[int]) -> bool:
+        return any(self._stack.tiers[i].durable for i in tiers)
+
+    async def copy_to_durable(self, key: str, data: Buffer,
+                              unavailable: list[TierUnavailable] | None = None) -> bool:
+        """Put ``key`` in the first durable tier that holds or takes it; False if none
+        did (``unavailable`` collects the outages among them, as ``TierStack.place``).
+        The caller holds the key's lock."""
+        for j in self.durable:
+            if await self._stack.place(key, data, start=j, stop=j + 1,
+                                       unavailable=unavailable) is not None:
+                return True
+        return False
+
+    async def write_back(self, key: str) -> None:
+        """The write-back queue's handler: copy a chunk acked "in memory" to a durable
+        tier, unless it was freed or reached one since it was queued."""
+        async with self._locks.hold(key):
+            if not self._ledger.count(key):
+                return  # freed, or its spill failed, since it was queued
+            if self.any_durable(self._stack.holders(key)):
+                return
+            try:
+                data, _, _ = await self._stack.read(key, access=False)
+            except DataLoss:
+                self._counters.writeback_failed += 1
+                raise
+            unavailable: list[TierUnavailable] = []
+            if await self.copy_to_durable(key, data, unavailable):
+                self._counters.writeback_done += 1
+                return
+            self._counters.writeback_failed += 1
+            raise not_placed(f"no durable tier took chunk {key} for write-back", unavailable)

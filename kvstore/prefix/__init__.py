@@ -1,0 +1,1 @@
+"""Prefix reuse: the chain index over stored blocks, and retention of unreferenced chunks."""

@@ -1,0 +1,1 @@
+"""Calls to remote dependencies: deadlines, and one circuit breaker per dependency."""

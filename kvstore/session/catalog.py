@@ -1,0 +1,167 @@
+"""The session catalog: manifests in the MetaStore, the per-session locks, their count.
+
+Every manifest write goes through the ``RefLedger``, so it commits in one batch with the
+reference changes it implies (``kvstore.placement.refcount``), and is told to the tenants'
+``UsageLedger`` (``kvstore.session.quota``) once committed, which ``load_count`` fills from every
+manifest at open. A manifest commit refused for a full medium sheds retained chunks
+(``make_room``) before it fails, so a retry finds the room a delete left. Callers hold
+the session's lock (``read`` to look, ``write`` to change) from a ``load`` to the
+``put`` that depends on it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+
+from kvstore.format.errors import ChunkCorrupt, DataLoss, SessionNotFound, TierFull
+from kvstore.placement.locks import RWLocks
+from kvstore.placement.refcount import RefLedger
+from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest, manifest_key
+from kvstore.session.quota import UsageLedger
+from kvstore.tiers.base import MetaStore
+
+log = logging.getLogger(__name__)
+# Bytes of cache a refused manifest sheds per byte of it: a manifest is logged and
+# indexed (two copies) with its reference counts beside it.
+_ROOM_PER_BYTE = 4
+
+
+class Catalog:
+    def __init__(self, meta: MetaStore, ledger: RefLedger, usage: UsageLedger) -> None:
+        self.meta = meta
+        self._ledger = ledger
+        self._usage = usage
+        self._locks = RWLocks()
+        self.held = 0  # manifests in the MetaStore (expired ones not yet collected included)
+        # Sessions (and generation) marked writeback_failed whose mark may not have been
+        # persisted (a full medium can refuse the manifest write too): loads report them.
+        self._failed: dict[tuple[str, str], int] = {}
+        # Sheds cache (retained chunks) when a manifest commit meets a full medium, so
+        # the room comes back, once the tier reclaims it, for a retry.
+        self.make_room: Callable[[int], Awaitable[None]] | None = None
+
+    async def load_count(self) -> None:
+        """Count the manifests and record each in the usage ledger (a corrupt one is
+        counted as held but uses nothing until it is deleted or replaced)."""
+        found = await self.meta.scan(MANIFEST_PREFIX)
+        self.held = len(found)
+        for key, value in found:
+            try:
+                self._usage.record(SessionManifest.decode(value))
+            except ChunkCorrupt as exc:
+                log.error("corrupt manifest %s uses no quota: %s", key, exc)
+
+    def read(self, tenant: str, session_id: str) -> AbstractAsyncContextManager[None]:
+        """The session's shared lock: restores."""
+        return self._locks.read((tenant, session_id))
+
+    def write(self, tenant: str, session_id: str) -> AbstractAsyncContextManager[None]:
+        """The session's exclusive lock: spills, deletes, demotes, manifest rewrites."""
+        return self._locks.write((tenant, session_id))
+
+    async def load(self, tenant: str, session_id: str) -> SessionManifest | None:
+        """The stored manifest, None if there is none, ``DataLoss`` if it is corrupt."""
+        raw = await self.meta.get(manifest_key(tenant, session_id))
+        if raw is None:
+            return None
+        try:
+            manifest = SessionManifest.decode(raw)
+        except ChunkCorrupt as exc:
+            raise DataLoss(f"the manifest of {tenant}/{session_id} is corrupt: {exc}") from exc
+        return self._with_mark(self._localized(manifest))
+
+    def _localized(self, manifest: SessionManifest) -> SessionManifest:
+        """Another node's window is in that node's memory: here it is absent (replay)."""
+        if manifest.node_id == self.meta.node_id or manifest.window_key is None:
+            return manifest
+        return manifest.evolve(window_tier=None, window_key=None,
+                               remote_window=(manifest.window_tier, manifest.window_key))
+
+    def _with_mark(self, manifest: SessionManifest) -> SessionManifest:
+        marked = self._failed.get((manifest.tenant, manifest.session_id))
+        if marked == manifest.generation and not manifest.writeback_failed:
+            return manifest.evolve(writeback_failed=True)
+        return manifest
+
+    async def mark_writeback_failed(self, tenant: str, session_id: str, generation: int,
+                                    failed: bool) -> None:
+        """Set (or clear) ``writeback_failed`` on the session while it is at ``generation``.
+        Loads report a mark at once, even one whose persisting failed (a full medium can
+        refuse the manifest write too; the error propagates)."""
+        ref = (tenant, session_id)
+        async with self.write(tenant, session_id):
+            if not failed and self._failed.get(ref) == generation:
+                del self._failed[ref]
+            raw = await self.meta.get(manifest_key(tenant, session_id))
+            try:
+                # localized: a window another node holds stays named as its (see put)
+                manifest = None if raw is None else self._localized(SessionManifest.decode(raw))
+            except ChunkCorrupt:
+                return  # its loads report the corruption
+            if manifest is None or manifest.generation != generation:
+                return  # deleted or spilled again since
+            if failed:
+                self._failed[ref] = generation
+            if manifest.writeback_failed != failed:
+                await self.put(manifest.evolve(writeback_failed=failed))
+
+    async def load_required(self, tenant: str, session_id: str) -> SessionManifest:
+        manifest = await self.load(tenant, session_id)
+        if manifest is None:
+            raise SessionNotFound(f"no session {tenant}/{session_id}")
+        return manifest
+
+    async def manifests(self, tenant: str | None = None) -> list[SessionManifest]:
+        """Every decodable manifest (of one tenant), sorted by tenant and id."""
+        prefix = MANIFEST_PREFIX if tenant is None else manifest_key(tenant, "")
+        out = []
+        for key, value in await self.meta.scan(prefix):
+            try:
+                out.append(self._with_mark(self._localized(SessionManifest.decode(value))))
+            except ChunkCorrupt as exc:
+                log.error("skipping corrupt manifest %s: %s", key, exc)
+        return out
+
+    async def put(self, manifest: SessionManifest, *, acquire: Sequence[str] = (),
+                  release: Sequence[str] = (), new: bool = False,
+                  marks: Mapping[str, bytes] | None = None) -> list[str]:
+        """Commit ``manifest`` with its reference changes (``new``: the session had no
+        manifest; ``marks``: retention marks of released chunks, ``RefLedger.commit``).
+        Returns the chunks left unreferenced: the caller frees or retains them."""
+        if manifest.remote_window is not None and manifest.window_key is None:
+            # A change here (an access time, a mark) leaves the window where it is: the
+            # manifest keeps naming it and its node, so a router still sends it home.
+            tier, key = manifest.remote_window
+            manifest = manifest.evolve(window_tier=tier, window_key=key, remote_window=None)
+        elif (manifest.node_id, manifest.node_address) != (self.meta.node_id,
+                                                           self.meta.node_address):
+            manifest = manifest.evolve(node_id=self.meta.node_id,
+                                       node_address=self.meta.node_address)
+        encoded = manifest.encode()
+        try:
+            freed = await self._ledger.commit(
+                {manifest_key(manifest.tenant, manifest.session_id): encoded},
+                acquire=acquire, release=release, marks=marks,
+            )
+        except TierFull:  # the medium is full (a MetaStore knows no quota)
+            if self.make_room is not None:
+                await self.make_room(_ROOM_PER_BYTE * len(encoded))
+            raise
+        ref = (manifest.tenant, manifest.session_id)
+        if self._failed.get(ref, manifest.generation) != manifest.generation:
+            del self._failed[ref]  # an older generation's mark
+        self.held += new  # counted once its manifest is committed
+        self._usage.record(manifest)
+        return freed
+
+    async def remove(self, tenant: str, session_id: str, *, release: Sequence[str] = (),
+                     marks: Mapping[str, bytes] | None = None) -> list[str]:
+        """Delete the session's manifest; returns the chunks left unreferenced."""
+        freed = await self._ledger.commit({manifest_key(tenant, session_id): None},
+                                          release=release, marks=marks)
+        self._failed.pop((tenant, session_id), None)
+        self.held -= 1
+        self._usage.forget(tenant, session_id)
+        return freed

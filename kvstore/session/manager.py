@@ -1,0 +1,439 @@
+"""The tier manager: the store's library API, which the gRPC service wraps thinly.
+
+    disk = DiskTier(path, capacity)
+    manager = await TierManager.open([HostTier(capacity), disk], disk.meta)
+    await manager.spill(tenant, session_id, layout_id=..., generation=1, token_ids=...,
+                        chunks=[(key, encoded), ...], tail=b"", window=blob, ack="memory")
+    result = await manager.restore(tenant, session_id)      # or stream: manager.reading()
+
+``TierManager`` builds its parts and delegates each public call to one of them:
+
+- ``spill``, ``store_window``: ``Spiller`` (kvstore.session.spill);
+- ``restore``, ``reading``, ``prefetch``, ``read_chunk``: ``Restorer`` (kvstore.session.restore);
+- ``delete``, ``demote``, ``collect_garbage``: ``Maintenance`` (kvstore.session.maintenance);
+- ``get_manifest``, ``list_sessions``, ``session_count``: ``Catalog`` (kvstore.session.catalog);
+- ``lookup``: ``ChainIndex`` (kvstore.prefix.chains), in a fleet ``lookup_fleet`` asks the
+  shared tiers too (kvstore.fleet.lookup); ``fork``: ``Forker`` (kvstore.session.fork);
+- ``where``, ``stat``, ``drain``, ``close``, ``open``, ``tiers``: here.
+
+The parts share a ``TierStack`` (kvstore.placement.stack: where blocks live), a ``RefLedger``
+(kvstore.placement.refcount), the ``Catalog`` of manifests and per-session locks, and ``Blocks``
+(kvstore.placement.blocks: key-locked frees, drops and durable copies, under one I/O bound).
+
+Rules it keeps (placement details in ``kvstore.placement.stack``):
+
+- Generations: a spill must present a generation strictly greater than the session's
+  stored one (any generation >= 0 for a new session), else ``StaleGeneration``; the
+  stored generation again with identical content is an idempotent retry (the stored
+  manifest comes back), with other content ``GenerationConflict``.
+- Acks: ``"memory"`` returns once every chunk is in some tier and the manifest is
+  committed; chunks not yet on a durable tier are queued for background write-back.
+  ``"durable"`` returns once every chunk is also on a durable tier (and needs a
+  MetaStore that is itself durable, such as the disk tier's). A memory-acked session
+  whose write-back failed is marked ``writeback_failed`` until a retry makes it
+  durable (``kvstore.placement.durability``).
+- Dedupe: chunks are shared by block key (``kvstore.format.keys``: dedupe domain, layout, model
+  fingerprint, tokens, and the digest of the bytes) across the sessions of this manager,
+  with reference counts (``kvstore.placement.refcount``); a chunk nothing references is deleted
+  from every tier, or, with ``retain_unreferenced``, kept as a cache entry that eviction
+  takes first and ``lookup`` finds (``kvstore.prefix.chains.Retention``).
+- Window blobs only live in tiers with ``holds_window``; when one is dropped the
+  manifest's ``window_tier`` becomes None and a restore reports ``replay_needed``.
+- Quotas (``quotas=``, ``kvstore.session.quota``): each tenant's sessions, durable bytes and
+  memory bytes are counted exactly (rebuilt from manifests at open) and a spill that
+  would pass a limit is refused before anything is stored (``QuotaExceeded``), or, for
+  memory, placed lower (``Spiller.spill``).
+- Locks: a readers-writer lock per session (restores share it, spills/deletes/demotes
+  are exclusive) and a lock per chunk key for moves; never a global lock across I/O.
+
+One manager owns its tiers and MetaStore; ``close`` drains write-back and closes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.eviction.pause_estimate import PauseEstimator
+from kvstore.eviction.policies import EvictionPolicy, LRUPolicy, ResumeHint
+from kvstore.fleet.lookup import held_chains
+from kvstore.format.errors import InvalidRequest, KVTierError
+from kvstore.format.keys import check_fingerprint, dedupe_scope, iter_chain_keys
+from kvstore.format.layout import get_layout
+from kvstore.placement.blocks import Blocks
+from kvstore.placement.durability import WriteBackFailures
+from kvstore.placement.locks import KeyedLocks
+from kvstore.placement.refcount import RefLedger
+from kvstore.placement.stack import TierStack
+from kvstore.placement.writeback import WriteBackQueue
+from kvstore.prefix.chains import ChainIndex, LookupResult, Retention, longest_prefix
+from kvstore.remote.breaker import tripped
+from kvstore.session.catalog import Catalog
+from kvstore.session.fork import Forker
+from kvstore.session.maintenance import DeleteResult, GarbageReport, Maintenance
+from kvstore.session.manifest import SessionManifest, check_name
+from kvstore.session.quota import MemoryWatch, QuotaGate, Quotas, TenantReport, UsageLedger
+from kvstore.session.restore import PrefetchResult, Restorer, RestoreResult, SessionReader
+from kvstore.session.spill import Ack, Spiller
+from kvstore.stats import Counters, ManagerStats
+from kvstore.tiers.base import Buffer, MemoryMetaStore, MetaStore, Tier, TierStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ManagerConfig:
+    writeback_depth: int = 256  # chunks queued for write-back before spills wait
+    writeback_workers: int = 2
+    io_concurrency: int = 8  # chunk moves in flight per spill, restore or prefetch
+    restore_lookahead: int = 8  # chunks a streamed restore fetches ahead of the reader
+    unavailable_cooldown_s: float = 1.0  # how long a tier that failed is skipped
+    # A failed write-back is retried after this, doubling up to the max (placement.durability)
+    writeback_retry_s: float = 0.5
+    writeback_retry_max_s: float = 30.0
+    # Spills without a hint get one inferred from past sessions (kvstore.eviction.pause_estimate);
+    # only a hint-aware policy (HintPolicy) acts on it.
+    infer_hints: bool = True
+    # Chunks whose last reference goes away stay as evictable cache (a later session
+    # with the same prefix finds them by ``lookup``), freed under pressure (tier
+    # capacity, a full medium, the tenant's durable_bytes quota) or once idle for
+    # retain_ttl_s (None: only under pressure); False frees them at once. Off here (the
+    # library), on in the server's config.
+    retain_unreferenced: bool = False
+    retain_ttl_s: float | None = None
+
+
+MANAGER_PRESETS = {
+    "default": ManagerConfig(),
+    # One process on a small machine (the embedded `kvtier serve`): fewer tasks in flight.
+    "embedded": ManagerConfig(writeback_depth=64, writeback_workers=1, io_concurrency=4,
+                              restore_lookahead=4),
+    # Remote tiers with high latency: more in flight hides round trips.
+    "remote": ManagerConfig(writeback_depth=1024, writeback_workers=8, io_concurrency=32,
+                            restore_lookahead=32, unavailable_cooldown_s=5.0),
+}
+
+
+class TierManager:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        meta: MetaStore,
+        *,
+        policy: Callable[[], EvictionPolicy] = LRUPolicy,
+        config: ManagerConfig = MANAGER_PRESETS["default"],
+        quotas: Quotas = Quotas(),
+    ) -> None:
+        """Use ``await TierManager.open(...)``.
+
+        ``tiers``: highest first, names unique; ``meta``: where manifests and reference
+        counts live (the disk tier's ``meta`` for durability); ``policy``: a factory
+        called once per tier (``LRUPolicy``, ``HintPolicy`` or any ``EvictionPolicy``);
+        ``quotas``: per-tenant limits (default: none; usage is counted all the same).
+        """
+        names = [tier.name for tier in tiers]
+        if not tiers or len(set(names)) != len(names):
+            raise InvalidRequest(f"need at least one tier, each name once; got {names}")
+        self.config = config
+        self.meta = meta
+        self.counters = Counters()
+        self._pauses = PauseEstimator() if config.infer_hints else None
+        self._tasks: set[asyncio.Task] = set()  # background work that drain waits for
+        locks = KeyedLocks()
+        self._ledger = RefLedger(meta)
+        usage = UsageLedger()
+        self._quotas = QuotaGate(quotas, usage)
+        self._catalog = Catalog(meta, self._ledger, usage)
+        # memory tiers are the window tiers (hbm, host)
+        self._index = ChainIndex(MemoryWatch(usage, [j for j, t in enumerate(tiers)
+                                                     if t.holds_window]))
+        self._stack = TierStack(
+            tiers, policy, locks, self.counters,
+            is_referenced=lambda key: self._ledger.count(key) > 0,
+            on_window_dropped=lambda key: self._spawn(self._maintenance.forget_window(key)),
+            cooldown_s=config.unavailable_cooldown_s, residency=self._index,
+        )
+        self._retention = Retention(
+            enabled=config.retain_unreferenced, ttl_s=config.retain_ttl_s,
+            is_held=lambda key: bool(self._stack.holders(key)),
+            is_referenced=lambda key: self._ledger.count(key) > 0, size_of=self._index.size)
+        self._index.on_gone = self._retention.forget
+        self._retention.on_forget = lambda key: self._ledger.unmark([key])
+        self._ledger.on_referenced = self._retention.revive
+        self._quotas.retained = lambda: {scope: size for scope, (_, size)
+                                         in self._retention.by_domain().items()}
+        if config.retain_unreferenced:
+            self._stack.evict_first = lambda j, skip: self._retention.victim(
+                self._stack.policies[j], skip)
+            self._stack.first_size = self._retention.size
+        self._expiry: asyncio.Task | None = None  # frees retained chunks past their TTL
+        blocks = self._blocks = Blocks(self._stack, self._ledger, locks, self.counters,
+                                       io_concurrency=config.io_concurrency)
+        self._catalog.make_room = blocks.shed_durable
+        self._failures = WriteBackFailures(self._catalog, blocks, self.counters,
+                                           spawn=self._spawn,
+                                           retry_s=config.writeback_retry_s,
+                                           retry_max_s=config.writeback_retry_max_s)
+        blocks.on_freed = self._failures.poke
+        self._writeback = WriteBackQueue(
+            self._failures.write_back, depth=config.writeback_depth,
+            workers=config.writeback_workers,
+        )
+        self._failures.attach(self._writeback)
+        parts = (self._catalog, blocks, self._stack, locks, self._ledger, self.counters)
+        self._spiller = Spiller(*parts, self._writeback, pauses=self._pauses,
+                                durable_meta=not isinstance(meta, MemoryMetaStore),
+                                quotas=self._quotas, retention=self._retention)
+        self._restorer = Restorer(*parts, spawn=self._spawn, lookahead=config.restore_lookahead)
+        self._maintenance = Maintenance(*parts, retention=self._retention)
+        self._forker = Forker(self._catalog, blocks, self._stack, locks, self._quotas)
+
+    @classmethod
+    async def open(cls, tiers: Sequence[Tier], meta: MetaStore, **options) -> TierManager:
+        """Start a manager: load reference counts and learn what each tier holds."""
+        manager = cls(tiers, meta, **options)
+        await manager._ledger.load()
+        await manager._catalog.load_count()
+        await manager._stack.load()
+        await manager._adopt_retained()
+        if manager._retention.enabled and manager._retention.ttl_s is not None:
+            manager._expiry = asyncio.create_task(manager._expire_retained())
+        return manager
+
+    async def _adopt_retained(self) -> None:
+        """Rebuild the retained set from what the tiers hold that nothing references
+        (``kvstore.prefix.chains``), and delete the marks that no longer describe one, unless
+        a tier could not be listed (it may still hold their chunks)."""
+        stale = self._retention.adopt(self._index.keys(), self._ledger.marks)
+        if not stale or not all(self._stack.up(j) for j in range(len(self.tiers))):
+            return
+        self._ledger.unmark(stale)
+        try:
+            await self._ledger.flush_marks()
+        except KVTierError as exc:  # they stay pending for the next commit
+            log.warning("stale retention marks not deleted at open: %s", exc)
+
+    async def _expire_retained(self) -> None:
+        """Free retained chunks idle past ``retain_ttl_s``, checking a few times a TTL."""
+        ttl = self._retention.ttl_s
+        while True:
+            await asyncio.sleep(min(max(ttl / 4, 0.05), 60.0))
+            try:
+                await self._blocks.free(self._retention.expired())
+            except KVTierError as exc:
+                log.warning("freeing expired retained chunks failed: %s", exc)
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        return self._stack.tiers
+
+    async def __aenter__(self) -> TierManager:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    # -- writes: kvstore.session.spill --
+
+    async def spill(
+        self,
+        tenant: str,
+        session_id: str,
+        *,
+        layout_id: str,
+        generation: int,
+        token_ids: Sequence[int] | np.ndarray,
+        chunks: Sequence[tuple[str, Buffer | None]],
+        tail: Buffer = b"",
+        window: Buffer | None = None,
+        ack: Ack = "memory",
+        hint: ResumeHint | None = None,
+        ttl_s: float | None = None,
+        model_fingerprint: str = "",
+        dedupe_domain: str | None = None,
+    ) -> SessionManifest:
+        """Store a session (replacing its older generation); see ``Spiller.spill``."""
+        return await self._spiller.spill(
+            tenant, session_id, layout_id=layout_id, generation=generation,
+            token_ids=token_ids, chunks=chunks, tail=tail, window=window, ack=ack,
+            hint=hint, ttl_s=ttl_s, model_fingerprint=model_fingerprint,
+            dedupe_domain=dedupe_domain,
+        )
+
+    async def store_window(self, tenant: str, session_id: str, generation: int,
+                           window: Buffer, *, replayed_tokens: int) -> str | None:
+        """Keep a window rebuilt by a replay of ``replayed_tokens`` tokens unless one at
+        least as good is stored; see ``Spiller.store_window``."""
+        return await self._spiller.store_window(tenant, session_id, generation, window,
+                                                replayed_tokens=replayed_tokens)
+
+    # -- reads: kvstore.session.restore --
+
+    def reading(self, tenant: str, session_id: str
+                ) -> AbstractAsyncContextManager[SessionReader]:
+        """Stream a session under its read lock; see ``kvstore.session.restore``."""
+        return self._restorer.reading(tenant, session_id)
+
+    async def restore(self, tenant: str, session_id: str, *, want_window: bool = True
+                      ) -> RestoreResult:
+        """The whole session: every chunk verified, the window blob if it is still held."""
+        return await self._restorer.restore(tenant, session_id, want_window=want_window)
+
+    async def prefetch(self, tenant: str, session_id: str, timeout_s: float) -> PrefetchResult:
+        """Promote a session's blocks toward the top tier within ``timeout_s``."""
+        return await self._restorer.prefetch(tenant, session_id, timeout_s)
+
+    async def read_chunk(self, manifest: SessionManifest, index: int) -> tuple[Buffer, str]:
+        """(bytes, tier) of chunk ``index`` of ``manifest`` from the highest tier with a
+        copy that verifies against the manifest, or ``DataLoss``. An internal read: not
+        counted, not promoted; hold ``reading()`` if a concurrent spill must not race it."""
+        return await self._restorer.read_chunk(manifest, index)
+
+    # -- maintenance: kvstore.session.maintenance --
+
+    async def delete(self, tenant: str, session_id: str) -> DeleteResult:
+        """Drop a session; chunks nothing else references are deleted from every tier.
+        The counts are this call's own, whatever runs concurrently."""
+        return await self._maintenance.delete(tenant, session_id)
+
+    async def demote(self, tenant: str, session_id: str, tier_name: str | None = None
+                     ) -> SessionManifest:
+        """Move a session's blocks down to ``tier_name`` (default: the lowest tier)."""
+        return await self._maintenance.demote(tenant, session_id, tier_name)
+
+    async def collect_garbage(self, now: float | None = None) -> GarbageReport:
+        """Delete expired sessions, then unreferenced blocks in every tier."""
+        return await self._maintenance.collect_garbage(now)
+
+    # -- prefix reuse: kvstore.prefix.chains, kvstore.session.fork --
+
+    def lookup(self, tenant: str, layout_id: str, token_ids: Sequence[int] | np.ndarray, *,
+               model_fingerprint: str = "", dedupe_domain: str | None = None
+               ) -> LookupResult:
+        """The longest prefix of ``token_ids`` (whole chunks) whose chunks some tier holds
+        in the caller's dedupe domain, each chunk's block key and tiers (no I/O). The keys
+        bind the domain, so another domain's blocks are never found. A spill may then name
+        those chunks by block key without their bytes (``ChunksNotHeld`` if one went
+        meanwhile); retained ones found count as used now."""
+        chunk_tokens, chains = self._chains(tenant, layout_id, token_ids, model_fingerprint,
+                                            dedupe_domain)
+        return self._held_prefix(chains, chunk_tokens)
+
+    async def lookup_fleet(self, tenant: str, layout_id: str,
+                           token_ids: Sequence[int] | np.ndarray, *, model_fingerprint: str = "",
+                           dedupe_domain: str | None = None) -> LookupResult:
+        """``lookup`` in a fleet (metadata = "shared"): chain keys past what this node
+        knows are asked of the shared tiers, Redis then the bucket, within bounds
+        (``kvstore.fleet.lookup``), and what they hold is learnt. Without shared tiers
+        exactly ``lookup`` (no I/O)."""
+        chunk_tokens, chains = self._chains(tenant, layout_id, token_ids, model_fingerprint,
+                                            dedupe_domain)
+        if self._stack.shared_tiers():
+            chains = iter(await held_chains(self._stack, self._index, chains))
+        return self._held_prefix(chains, chunk_tokens)
+
+    def _chains(self, tenant: str, layout_id: str, token_ids: Sequence[int] | np.ndarray,
+                model_fingerprint: str, dedupe_domain: str | None
+                ) -> tuple[int, Iterator[str]]:
+        check_name("tenant", tenant)
+        spec = get_layout(layout_id)
+        # Hashed as the walk goes: a miss ends it, so no token past the held prefix costs.
+        return spec.chunk_tokens, iter_chain_keys(
+            spec.layout_id, token_ids, spec.chunk_tokens,
+            scope=dedupe_scope(tenant, dedupe_domain),
+            model_fingerprint=check_fingerprint(model_fingerprint))
+
+    def _held_prefix(self, chains: Iterator[str], chunk_tokens: int) -> LookupResult:
+        found = longest_prefix(self._index, chains, [t.name for t in self.tiers],
+                               chunk_tokens, lambda key: self._ledger.count(key) > 0)
+        self._retention.touch(chunk.block_key for chunk in found.chunks)
+        return found
+
+    async def fork(self, tenant: str, source_session: str, new_session: str, *,
+                   upto_tokens: int) -> SessionManifest:
+        """Create ``new_session`` (generation 1) sharing ``source_session``'s chunks up to
+        ``upto_tokens`` rounded down to a chunk boundary; at exactly the source's length
+        the tail and a held window are carried too. ``PreconditionFailed`` if the new
+        session exists or ``upto_tokens`` passes the source's length."""
+        return await self._forker.fork(tenant, source_session, new_session, upto_tokens)
+
+    def retained_chunks(self) -> dict[str, tuple[int, int]]:
+        """(chunks, bytes) retained (unreferenced, kept as cache) per dedupe domain (""
+        when unknown: blocks found unreferenced at open without a mark)."""
+        return self._retention.by_domain()
+
+    # -- listing: kvstore.session.catalog --
+
+    async def get_manifest(self, tenant: str, session_id: str) -> SessionManifest:
+        return await self._catalog.load_required(check_name("tenant", tenant),
+                                                 check_name("session_id", session_id))
+
+    async def list_sessions(self, tenant: str | None = None) -> list[SessionManifest]:
+        """Manifests of every session (of one tenant), sorted by tenant and id."""
+        return await self._catalog.manifests(None if tenant is None
+                                             else check_name("tenant", tenant))
+
+    def tenant_usage(self, tenant: str) -> TenantReport:
+        """The tenant's use against its quota limits (no I/O)."""
+        return self._quotas.report(check_name("tenant", tenant))
+
+    def session_count(self) -> int:
+        """Sessions stored (expired ones not yet collected included); no I/O."""
+        return self._catalog.held
+
+    # -- placement, stats, lifecycle: here --
+
+    def where(self, key: str) -> list[str]:
+        """Names of the tiers believed to hold block ``key``, highest first (no I/O)."""
+        return [self.tiers[i].name for i in self._stack.holders(key)]
+
+    async def stat(self) -> ManagerStats:
+        """Counters and per-tier gauges; no I/O (``items`` is what the manager believes
+        each tier holds), so a metrics scrape never waits on a slow or absent tier."""
+        tier_stats = tuple(
+            TierStats(tier.name, tier.capacity_bytes, tier.used_bytes,
+                      len(self._stack.policies[j]), self._stack.up(j) and not tripped(tier))
+            for j, tier in enumerate(self.tiers)
+        )
+        return ManagerStats(
+            tiers=tier_stats, counters=self.counters.snapshot(),
+            writeback_depth=self._writeback.depth, writeback_capacity=self._writeback.capacity,
+            referenced_chunks=len(self._ledger.referenced()), sessions=self._catalog.held,
+            tenants=self._quotas.reports(), retained_chunks=len(self._retention),
+            retained_bytes=sum(size for _, size in self._retention.by_domain().values()),
+        )
+
+    async def drain(self) -> None:
+        """Wait for queued write-backs and background promotions to finish."""
+        while self._tasks or self._writeback.depth:
+            await self._writeback.join()
+            if self._tasks:
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def close(self) -> None:
+        """Drain, then close every tier and the MetaStore."""
+        await self.drain()
+        if self._expiry is not None:
+            self._expiry.cancel()
+            await asyncio.gather(self._expiry, return_exceptions=True)
+        await self._failures.close()  # chunks still failing stay marked
+        await self._writeback.close()
+        for tier in self.tiers:
+            await tier.close()
+        await self.meta.close()
+
+    def _spawn(self, coro: Awaitable) -> None:
+        """Run ``coro`` in the background; ``drain`` waits for it, failures are logged."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed: %r", task.exception())

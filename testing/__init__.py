@@ -1,0 +1,1 @@
+"""Test harness: simulated and faulty filesystems, and the power-loss campaign. Not shipped."""
