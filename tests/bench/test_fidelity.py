@@ -21,7 +21,7 @@ from bench.fidelity import (
 from bench.resume import held_out_ids
 from model.infer import prefill
 from replay.worker import ReplayWorker
-from tests.replay_support import tiny_model
+from tests.support.replay import tiny_model
 
 
 async def test_exact_and_full_replay_match_the_never_evicted_session():

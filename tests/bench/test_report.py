@@ -12,7 +12,7 @@ from bench import bytes as bytes_bench
 from bench import fidelity, resume
 from bench.report import write_report
 from bench.trace import run_trace_benchmark
-from tests.replay_support import tiny_model
+from tests.support.replay import tiny_model
 
 INFO = {"weights": None, "trained": False, "note": "tiny test model"}
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -22,7 +22,7 @@ from kvstore.format.layout import get_layout
 from model import checkpoint
 from model.config import BUNDLED, TINY, layout_spec
 from replay.worker import ReplayWorker
-from tests.replay_support import tiny_model
+from tests.support.replay import tiny_model
 
 INFO = {"weights": None, "trained": False, "note": "tiny test model"}
 

@@ -11,7 +11,7 @@ import pytest
 
 from model.checkpoint import save
 from services import cli
-from tests.replay_support import tiny_model
+from tests.support.replay import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 from model.checkpoint import save
 from services import cli
 from services.cli.generate import continue_greedy
-from tests.replay_support import tiny_model
+from tests.support.replay import tiny_model
 
 
 @pytest.fixture(scope="module")

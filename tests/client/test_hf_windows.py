@@ -52,7 +52,7 @@ from kvtier.integrations.transformers import (  # noqa: E402
     async_spill_cache,
     model_layout,
 )
-from tests.service_support import running_server  # noqa: E402
+from tests.support.service import running_server  # noqa: E402
 
 VOCAB = 256
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,

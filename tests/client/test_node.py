@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from kvstore.format import layout as layouts
-from tests.service_support import running_server
+from tests.support.service import running_server
 from tests.vectors.generate import wire_layout
 
-NODE_DIR = Path(__file__).resolve().parents[1] / "clients" / "node"
+NODE_DIR = Path(__file__).resolve().parents[2] / "clients" / "node"
 NODE = shutil.which("node")
 pytestmark = pytest.mark.skipif(NODE is None, reason="node is not installed (make test "
                                 "installs Debian's nodejs when run as root)")

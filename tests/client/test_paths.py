@@ -16,8 +16,8 @@ import torch
 from kvstore.format.chunk import StreamData
 from kvstore.format.packed_run import PackedRun
 from kvtier import AsyncClient, Client, shm
-from tests.conftest import free_port
-from tests.service_support import (
+from tests.support.servers import free_port
+from tests.support.service import (
     LAYOUT,
     assert_streams_equal,
     config_for,
@@ -28,7 +28,7 @@ from tests.service_support import (
 )
 
 TOKENS = 2 * LAYOUT.chunk_tokens + 36
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _shm_names() -> set[str]:

@@ -23,7 +23,7 @@ from kvtier.integrations.transformers import (  # noqa: E402
     async_spill_cache,
     model_layout,
 )
-from tests.service_support import running_server  # noqa: E402
+from tests.support.service import running_server  # noqa: E402
 
 
 def tiny_llama(dtype=torch.bfloat16):

@@ -24,7 +24,7 @@ from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk.index import SegmentInfo, SegState
 from services import cli
 from services.cli.compact import parse_duration
-from tests.test_compact_helpers import (
+from tests.support.compaction import (
     HOUR,
     SPECS,
     TENANT,

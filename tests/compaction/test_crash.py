@@ -33,7 +33,7 @@ from kvstore.format.chunk import verify_chunk
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.object import ObjectTier
 from services import cli
-from tests.test_compact_helpers import HOUR, SPECS, Snapshot, Spec, fill_idle_and_hot, restore_all
+from tests.support.compaction import HOUR, SPECS, Snapshot, Spec, fill_idle_and_hot, restore_all
 
 CRASH_SPECS = (*SPECS, Spec("t", 3, prefix_of="a", ttl_s=HOUR))
 HOT = ("a", "b", "g")  # spilled again after a pause: the others are idle and get demoted
@@ -66,7 +66,7 @@ def pristine(tmp_path_factory) -> Pristine:
 # A fresh interpreter that preloads the command and forks a child per run.
 FORK_SERVER = multiprocessing.get_context("forkserver")
 FORK_SERVER.set_forkserver_preload(["services.cli.main", "services.cli.compact",
-                                    "kvstore.compaction.job", "tests.test_compact_crash"])
+                                    "kvstore.compaction.job", "tests.compaction.test_crash"])
 
 
 def run_cli(argv: list[str], log: Connection | None) -> None:

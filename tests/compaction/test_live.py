@@ -26,7 +26,7 @@ from kvstore.tiers.disk import DiskTier
 from kvtier import AsyncClient
 from services import cli
 from services.server.address_file import SERVER_ADDRESS_FILE
-from tests.test_compact_helpers import (
+from tests.support.compaction import (
     HOUR,
     ROOT,
     SPECS,

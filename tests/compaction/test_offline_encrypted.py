@@ -26,7 +26,7 @@ from kvstore.encryption.seal import MAGIC, Keyring, MasterKey
 from kvstore.format.errors import InvalidRequest, SessionNotFound
 from kvtier import AsyncClient
 from services import cli
-from tests.test_compact_helpers import (
+from tests.support.compaction import (
     HOUR,
     ROOT,
     SPECS,

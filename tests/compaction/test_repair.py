@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_manager_support import make_session, random_tokens
 
 from bench.repair_trials import opens_in_child
 from kvstore.format.errors import IndexCorrupt
@@ -26,9 +25,10 @@ from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk.index import DiskIndex, SegState
 from kvstore.tiers.disk.lock import WRITER_LOCK, DirLock
 from kvstore.tiers.host import HostTier
+from tests.support.manager import make_session, random_tokens
 
 MB = 1 << 20
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KEPT = [f"s{i}" for i in range(5)]
 DELETED = ["gone0", "gone1"]
 

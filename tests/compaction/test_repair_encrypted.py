@@ -17,9 +17,9 @@ from kvstore.format.errors import IndexCorrupt
 from kvstore.tiers.disk import DiskTier
 from services.server.config import load_config
 from services.server.store import open_manager
-from tests.test_manager_support import make_session, random_tokens
+from tests.support.manager import make_session, random_tokens
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KEY = base64.b64encode(bytes(range(7, 39))).decode()
 SESSIONS = [("acme", "s0"), ("acme", "s1"), ("globex", "s2"), ("globex", "s3")]
 

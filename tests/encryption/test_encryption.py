@@ -17,7 +17,7 @@ from kvstore.encryption.seal import Keyring, MasterKey, keyring_from_file, read_
 from kvstore.format.errors import ChunkCorrupt, DataLoss, InvalidRequest
 from services.server.config import load_config
 from services.server.store import open_manager
-from tests.test_manager_support import make_session
+from tests.support.manager import make_session
 
 KEY_A = base64.b64encode(bytes(range(32))).decode()
 KEY_B = base64.b64encode(bytes(range(100, 132))).decode()

@@ -13,7 +13,7 @@ from kvstore.session.manager import ManagerConfig, TierManager
 from kvstore.tiers.base import MemoryMetaStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
-from tests.test_manager_support import make_session, random_tokens, tier_keys
+from tests.support.manager import make_session, random_tokens, tier_keys
 
 MB = 1 << 20
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_manager_support import encode, random_tokens
 
 from kvstore.eviction.policies import HintBook, HintPolicy, LRUPolicy, NextUse, ResumeHint
 from kvstore.eviction.reuse import REFRESH, ReusePolicy, reuse_policies
@@ -17,6 +16,7 @@ from kvstore.placement.stack import TierStack
 from kvstore.stats import Counters
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
+from tests.support.manager import encode, random_tokens
 
 
 class VirtualClock:

@@ -10,9 +10,6 @@ import json
 
 import pytest
 import torch
-from fleet_support import bucket_chunks, kept_and_dropped, shared_config
-from service_support import streams_for, tokens_for
-from test_manager_support import make_session, random_tokens
 
 from kvstore.format import layout as layouts
 from kvstore.format.layout import LayoutSpec, get_layout
@@ -21,6 +18,9 @@ from services.cli.main import main
 from services.server.config import ServerConfig
 from services.server.server import create_server
 from services.server.store import open_manager
+from tests.support.fleet import bucket_chunks, kept_and_dropped, shared_config
+from tests.support.manager import make_session, random_tokens
+from tests.support.service import streams_for, tokens_for
 
 
 def forget(spec: LayoutSpec) -> None:

@@ -13,11 +13,11 @@ import boto3
 import pytest
 import redis
 import torch
-from fleet_support import SPEC, TOKENS, assert_persistent, assert_same_window, fleet
 
 from kvstore.encryption.seal import MAGIC
 from kvstore.format.errors import ChunkCorrupt, DataLoss, StaleGeneration
 from kvtier import AsyncClient
+from tests.support.fleet import SPEC, TOKENS, assert_persistent, assert_same_window, fleet
 
 KEY = base64.b64encode(bytes(range(32))).decode()
 

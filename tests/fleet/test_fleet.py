@@ -1,5 +1,5 @@
 """A fleet sharing one bucket (docs/fleet.md): any node resumes any session, and
-generations are compare-and-swap across nodes (the fleet's sweep: test_fleet_gc.py).
+generations are compare-and-swap across nodes (the fleet's sweep: fleet/test_gc.py).
 Real servers' stores (``open_manager``) over moto's S3 server."""
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ import contextlib
 import dataclasses
 
 import pytest
-from conftest import MotoServer
-from test_manager_support import make_session, random_tokens
 
 from kvstore.format.errors import (
     GenerationConflict,
@@ -22,6 +20,8 @@ from kvstore.session.manifest import SessionManifest
 from kvstore.tiers.object import ObjectTier
 from services.server.config import ServerConfig
 from services.server.store import open_manager
+from tests.support.manager import make_session, random_tokens
+from tests.support.servers import MotoServer
 
 
 @pytest.fixture

@@ -12,13 +12,13 @@ import random
 from collections import Counter
 
 import pytest
-from fleet_support import FAST, bucket_chunks, fleet_nodes, named_chunks, shared_config
-from test_manager_support import make_session, random_tokens
 
 from kvstore.fleet.epochs import read_epoch
 from kvstore.fleet.gc import collect
 from kvstore.format.errors import Busy, DataLoss, TierUnavailable
 from kvstore.session.manifest import SessionManifest
+from tests.support.fleet import FAST, bucket_chunks, fleet_nodes, named_chunks, shared_config
+from tests.support.manager import make_session, random_tokens
 
 
 @pytest.fixture

@@ -3,63 +3,30 @@
 beside the bucket (moto's S3 server), so another node resumes from Redis, not S3; a
 read that had to go to the bucket leaves a copy in Redis for the next node; a spill may
 name by key alone chunks another node wrote; Redis down costs nothing durable (a master
-down: test_fleet_servers.py). Real servers' stores (``open_manager``), as test_fleet.py,
+down: fleet/test_servers.py). Real servers' stores (``open_manager``), as fleet/test_fleet.py,
 and real servers over gRPC for what Stat reports."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
 
 import pytest
-from fleet_support import fleet_servers, shared_config
 from redis.cluster import RedisCluster
-from test_manager_support import TINY, make_session, random_tokens
 
 from kvstore.format.errors import ChunksNotHeld
-from kvstore.session.manager import TierManager
 from kvtier import AsyncClient
 from services.server.config import ServerConfig
-from services.server.store import open_manager
+from tests.support import hot_tier
+from tests.support.fleet import fleet_servers
+from tests.support.hot_tier import PREFIX, assert_same, nodes
+from tests.support.manager import TINY, make_session, random_tokens
 
-PREFIX = "kvtier:"  # ServerConfig.redis_prefix
-
-
-@pytest.fixture
-def node_config(tmp_path, s3_server, s3_bucket, s3_credentials, monkeypatch):
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_credentials["aws_access_key_id"])
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_credentials["aws_secret_access_key"])
-
-    def make(node: str, redis_url: str, **extra: object) -> ServerConfig:
-        config = shared_config(tmp_path, s3_server, s3_bucket, s3_credentials["region_name"],
-                               node, redis_url=redis_url, redis_bytes=64 << 20,
-                               redis_preset="loopback")
-        return dataclasses.replace(config, **extra)
-    return make
-
-
-@contextlib.asynccontextmanager
-async def nodes(make, redis_url: str, names: str = "abc", **options
-                ) -> AsyncIterator[list[TierManager]]:
-    opened: list[TierManager] = []
-    try:
-        for name in names:
-            opened.append(await open_manager(make(name, redis_url, **options)))
-        yield opened
-    finally:
-        for manager in opened:
-            await manager.close()
+node_config = hot_tier.node_config  # the fixture: three nodes' configs
 
 
 def in_redis(url: str, keys) -> list[bool]:
     with RedisCluster.from_url(url.replace("redis+cluster://", "redis://")) as client:
         return [bool(client.exists(PREFIX + key)) for key in keys]
-
-
-def assert_same(got, session: dict) -> None:
-    assert [bytes(x) for x in got.chunks] == [bytes(d) for _, d in session["chunks"]]
-    assert got.manifest.tail == session["tail"]
 
 
 async def test_a_durable_spill_writes_through_to_redis_and_another_node_resumes_from_it(

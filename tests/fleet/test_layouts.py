@@ -30,7 +30,7 @@ from replay.state_codec import state_to_chunks
 from services.server.config import load_config
 from services.server.server import create_server
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BUNDLED_SPEC = get_layout("kvtier-bundled")
 TOKENS = 600  # one chunk of 512, a tail, and the window of 128
 

@@ -14,13 +14,13 @@ import json
 
 import boto3
 import pytest
-from fleet_support import bucket_chunks, kept_and_dropped, shared_config
-from test_manager_support import make_session, random_tokens
 
 from kvstore.encryption.seal import MAGIC
 from services.cli.main import main
 from services.server.config import ServerConfig
 from services.server.store import open_manager
+from tests.support.fleet import bucket_chunks, kept_and_dropped, shared_config
+from tests.support.manager import make_session, random_tokens
 
 KEY = base64.b64encode(bytes(range(90, 122))).decode()
 WRONG = base64.b64encode(bytes(range(3, 35))).decode()

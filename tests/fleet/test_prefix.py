@@ -11,21 +11,21 @@ import dataclasses
 
 import numpy as np
 import pytest
-import test_fleet_hot_tier
-from fleet_support import fleet_servers
 from redis.cluster import RedisCluster
-from test_fleet_hot_tier import PREFIX, assert_same, nodes
-from test_manager_support import TINY, make_session, random_tokens
 
 from kvstore.format.errors import PreconditionFailed
 from kvstore.format.keys import block_key, split_block_key
 from kvstore.tiers.redis import RedisTier, RedisTierConfig
 from kvtier import AsyncClient
 from services.server.config import ServerConfig
-from tests.service_support import LAYOUT, assert_streams_equal, streams_for, tokens_for
+from tests.support import hot_tier
+from tests.support.fleet import fleet_servers
+from tests.support.hot_tier import PREFIX, assert_same, nodes
+from tests.support.manager import TINY, make_session, random_tokens
+from tests.support.service import LAYOUT, assert_streams_equal, streams_for, tokens_for
 
 C = TINY.chunk_tokens
-node_config = test_fleet_hot_tier.node_config  # the fixture: three nodes' configs
+node_config = hot_tier.node_config  # the fixture: three nodes' configs
 
 
 def probes(manager, name: str) -> dict[str, int]:

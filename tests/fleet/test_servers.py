@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from fleet_support import SPEC, TOKENS, assert_persistent, assert_same_window, fleet
 
 from bench.live_server import Child
 from kvstore.format.errors import (
@@ -30,8 +29,9 @@ from kvtier import AsyncClient
 from services import cli
 from services.server.config import ServerConfig, load_config
 from services.server.server import create_server
+from tests.support.fleet import SPEC, TOKENS, assert_persistent, assert_same_window, fleet
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 async def test_spill_on_a_resumes_on_b_and_c_and_stat_names_the_window_node(

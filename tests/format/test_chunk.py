@@ -14,50 +14,8 @@ from kvstore.format.errors import (
     LayoutMismatch,
     UnsupportedVersion,
 )
-from kvstore.format.layout import LayoutSpec, Stream, get_layout
-
-BUNDLED = get_layout("kvtier-bundled")
-MIXED = LayoutSpec(
-    "codec-test",
-    (
-        Stream("lat", (48,), bits=4, group_size=16, tokens_per_entry=4, layers=3),
-        Stream("idx", (2, 10), bits=8, group_size=10, tokens_per_entry=2),
-        Stream("raw", (6,), bits=16, layers=2),
-        Stream("win", (3, 8), bits=8, group_size=8, layers=2, persistent=False),
-    ),
-    chunk_tokens=12,
-    window_tokens=30,
-)
-_DTYPES = {4: torch.uint8, 8: torch.int8, 16: torch.bfloat16}
-
-
-def make_streams(spec, num_tokens, seed=0, ephemeral=False):
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for s in spec.ephemeral_streams if ephemeral else spec.persistent_streams:
-        e = s.entries_for(num_tokens)
-        if s.bits == 16:
-            codes = torch.randn(s.layers, e, *s.codes_shape, generator=g).to(torch.bfloat16)
-            scales = None
-        else:
-            codes = torch.randint(
-                0, 256, (s.layers, e, *s.codes_shape), generator=g, dtype=torch.uint8
-            ).view(_DTYPES[s.bits])
-            scales = torch.rand(s.layers, e, s.scales_per_entry, generator=g).half()
-        out[s.name] = StreamData(codes, scales)
-    return out
-
-
-def assert_same(decoded, original):
-    assert decoded.keys() == original.keys()
-    for name, data in original.items():
-        assert torch.equal(decoded[name].codes.view(torch.uint8), data.codes.view(torch.uint8))
-        if data.scales is None:
-            assert decoded[name].scales is None
-        else:
-            assert torch.equal(
-                decoded[name].scales.view(torch.uint8), data.scales.view(torch.uint8)
-            )
+from kvstore.format.layout import LayoutSpec, Stream
+from tests.support.chunks import BUNDLED, MIXED, assert_same, make_streams
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

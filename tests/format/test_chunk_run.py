@@ -18,8 +18,7 @@ from kvstore.format.chunk_run import decode_chunks
 from kvstore.format.errors import ChunkCorrupt, CodecError, InvalidRequest, LayoutMismatch
 from kvstore.format.layout import LayoutSpec, Stream
 from kvstore.format.packed_run import PackedRun
-from tests.test_codec import BUNDLED, MIXED, assert_same, make_streams
-from tests.test_layout import layouts
+from tests.support.chunks import BUNDLED, MIXED, assert_same, layouts, make_streams
 
 
 def session(spec, counts, zstd=None, seed=0):

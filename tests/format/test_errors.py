@@ -24,7 +24,7 @@ from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.replay.remote import RemoteReplay
 from services.replay.streams import error_reply, parse_reply
-from tests.service_support import LAYOUT, running_server, streams_for, tokens_for
+from tests.support.service import LAYOUT, running_server, streams_for, tokens_for
 
 NO_RETRY = RetryPolicy(attempts=1)
 

@@ -16,7 +16,7 @@ from kvtier import AsyncClient
 from kvtier.codec import as_tokens, check_digests, encode_session
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
-from tests.service_support import (
+from tests.support.service import (
     LAYOUT,
     assert_streams_equal,
     raw_spill_header,

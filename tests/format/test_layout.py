@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvstore.format.errors import InvalidRequest, UnknownLayout
 from kvstore.format.layout import BaselineKV, LayoutSpec, Stream, get_layout
+from tests.support.chunks import layouts, streams
 
 
 def test_first_generation_gqa_computes_389120():
@@ -115,31 +116,6 @@ def test_cli_json_reproduces_reference_figures():
     for row in rows.values():
         for key in ("ephemeral_bytes_per_token", "bf16_baseline_bytes_per_token"):
             assert key in row
-
-
-# Random layouts for property tests: persistent streams only (no window), chunk_tokens a
-# multiple of 12 so every m in 1..4 divides it.
-@st.composite
-def streams(draw, name: str | None = None) -> Stream:
-    bits = draw(st.sampled_from([4, 8, 16]))
-    last = 2 * draw(st.integers(1, 12))
-    group = 0 if bits == 16 else draw(st.sampled_from(
-        [g for g in range(1, last + 1) if last % g == 0]))
-    shape = (*draw(st.lists(st.integers(1, 4), max_size=1)), last)
-    return Stream(name or draw(st.sampled_from("abcdef")), shape, bits=bits, group_size=group,
-                  tokens_per_entry=draw(st.integers(1, 4)), layers=draw(st.integers(1, 6)))
-
-
-@st.composite
-def layouts(draw) -> LayoutSpec:
-    names = draw(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=3, unique=True))
-    baseline = draw(st.none() | st.builds(BaselineKV, st.integers(1, 8), st.integers(1, 8),
-                                          st.integers(1, 128)))
-    return LayoutSpec(draw(st.sampled_from(["p", "q"])),
-                      tuple(draw(streams(n)) for n in names),
-                      chunk_tokens=12 * draw(st.integers(1, 4)), baseline=baseline,
-                      layer_modes=tuple(draw(st.lists(st.sampled_from(["full", "reuse"]),
-                                                      max_size=3))))
 
 
 def by_hand_bytes_per_token(s: Stream) -> Fraction:

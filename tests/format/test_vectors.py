@@ -30,7 +30,7 @@ from kvstore.format.layout import layout_from_json, layout_to_json
 from kvtier.codec import decode_persistent, decode_window
 from tests.vectors.generate import header_fields, other_layout, stream_data, wire_layout
 
-VECTORS = Path(__file__).resolve().parent / "vectors"
+VECTORS = Path(__file__).resolve().parents[1] / "vectors"
 SPEC = wire_layout()
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from kernels import ops
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow  # a fresh Python process: about 5-10 s on 2 cores

@@ -12,7 +12,7 @@ import pytest
 
 from kvstore.format.errors import DataLoss
 from kvtier import AsyncClient
-from tests.service_support import (
+from tests.support.service import (
     LAYOUT,
     assert_streams_equal,
     running_server,

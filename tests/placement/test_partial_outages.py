@@ -12,7 +12,6 @@ import urllib.request
 import boto3
 import pytest
 from redis.crc import key_slot
-from test_manager_support import make_session, random_tokens
 
 import kvtier
 from kvstore.format.errors import DataLoss
@@ -20,7 +19,8 @@ from kvstore.session.manager import TierManager
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.redis import RedisTier, RedisTierConfig
 from kvtier import AsyncClient, RetryPolicy
-from tests.service_support import LAYOUT, running_server, streams_for, tokens_for
+from tests.support.manager import make_session, random_tokens
+from tests.support.service import LAYOUT, running_server, streams_for, tokens_for
 
 MB = 1 << 20
 PREFIX = "kvtier:"

@@ -12,7 +12,7 @@ from kvstore.format.errors import PreconditionFailed
 from kvstore.format.keys import dedupe_scope
 from kvtier import AsyncClient
 from kvtier import codec as cc
-from tests.service_support import (
+from tests.support.service import (
     LAYOUT,
     assert_streams_equal,
     running_server,

@@ -30,7 +30,7 @@ from kvtier.integrations.transformers import (  # noqa: E402
 from replay.transformers_worker import TransformersReplayWorker  # noqa: E402
 from services.replay.server import add_arguments, create_server, load_worker  # noqa: E402
 from services.replay.streams import StreamConsumer, StreamNames, StreamReplay  # noqa: E402
-from tests.service_support import config_for, running_server  # noqa: E402
+from tests.support.service import config_for, running_server  # noqa: E402
 
 
 async def test_a_deepseek_v4_session_resumes_through_a_transformers_replay_worker(tmp_path):

@@ -20,9 +20,9 @@ from replay.state_codec import encode_window, state_from_chunks, state_to_chunks
 from replay.worker import ReplayWorker
 from services.replay.remote import RemoteReplay, replay_request
 from services.replay.server import create_server
-from tests.conftest import free_port
-from tests.replay_support import TINY_SPEC, tiny_model, tiny_session
-from tests.service_support import running_server
+from tests.support.replay import TINY_SPEC, tiny_model, tiny_session
+from tests.support.servers import free_port
+from tests.support.service import running_server
 
 
 @pytest.fixture(scope="module")

@@ -26,9 +26,9 @@ from model.infer import replay
 from replay.state_codec import encode_window, state_to_chunks
 from replay.worker import ReplayWorker
 from services.replay.streams import StreamConsumer, StreamNames, StreamReplay
-from tests.replay_support import TINY_SPEC, tiny_model, tiny_session
+from tests.support.replay import TINY_SPEC, tiny_model, tiny_session
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from kvstore.format.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch, 
 from model.infer import decode_step, replay
 from replay.state_codec import encode_window, state_from_chunks
 from replay.worker import ReplayWorker
-from tests.replay_support import TINY_SPEC, tiny_model, tiny_session
+from tests.support.replay import TINY_SPEC, tiny_model, tiny_session
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from kvstore.format.errors import (
 from kvstore.format.layout import ANY_TOKEN_ID, LayoutSpec, get_layout, layout_to_json
 from kvstore.tiers.disk.headroom import DEFAULT_RESERVE_BYTES
 from kvtier import AsyncClient, Client, RetryPolicy
-from tests.service_support import (
+from tests.support.service import (
     LAYOUT,
     assert_streams_equal,
     running_server,

@@ -29,9 +29,9 @@ from kvstore.remote.calls import BlockingCalls
 from kvstore.tiers.redis import REDIS_PRESETS, RedisTier, RedisTierConfig
 from kvtier import AsyncClient, RetryPolicy
 from services.replay.remote import RemoteReplay
-from tests.conftest import LOOPBACK, MotoServer, free_port
-from tests.replay_support import TINY_SPEC, tiny_model, tiny_session
-from tests.service_support import (
+from tests.support.replay import TINY_SPEC, tiny_model, tiny_session
+from tests.support.servers import LOOPBACK, MotoServer, free_port
+from tests.support.service import (
     LAYOUT,
     assert_streams_equal,
     running_server,
@@ -419,7 +419,7 @@ async def test_a_stalled_replay_job_queue_costs_one_deadline(redis_server_factor
 async def test_deadline_keys_reach_every_dependency(tmp_path):
     from services.replay.hook import make_replay_backend
     from services.server.store import build_tiers
-    from tests.service_support import config_for
+    from tests.support.service import config_for
 
     config = config_for(tmp_path, redis_url="redis://127.0.0.1:1/0", s3_bucket="kvtier-cfg",
                         s3_endpoint="http://127.0.0.1:1", s3_connect_timeout_s=0.3,

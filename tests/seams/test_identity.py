@@ -16,7 +16,7 @@ from kvtier import AsyncClient, Client, ModelMismatch  # exported for clients to
 from kvtier.codec import as_tokens, encode_session
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
-from tests.service_support import (
+from tests.support.service import (
     LAYOUT,
     assert_streams_equal,
     raw_spill_header,
@@ -223,7 +223,7 @@ async def _layers(stream) -> list:
 
 def _window():
     from kvtier.codec import encode_window
-    from tests.service_support import window_for
+    from tests.support.service import window_for
 
     return encode_window(LAYOUT, TOKENS, window_for(LAYOUT, N))
 
@@ -233,7 +233,7 @@ def _window():
 
 def test_a_weights_fingerprint_is_computed_from_every_weight():
     from kvstore.format.model_identity import module_fingerprint
-    from tests.replay_support import tiny_model
+    from tests.support.replay import tiny_model
 
     model = tiny_model(seed=0)
     same = module_fingerprint(tiny_model(seed=0))
@@ -250,7 +250,7 @@ async def test_the_bundled_replayer_refuses_a_session_of_other_weights(tmp_path)
     from replay.worker import ReplayWorker
     from services.replay.remote import RemoteReplay
     from services.replay.server import create_server as create_worker_server
-    from tests.replay_support import TINY_SPEC, tiny_model, tiny_session
+    from tests.support.replay import TINY_SPEC, tiny_model, tiny_session
 
     served, other = tiny_model(seed=0), tiny_model(seed=1)
     state, chunks, tail = tiny_session(served, 45)

@@ -16,7 +16,6 @@ import struct
 
 import pytest
 import xxhash
-from test_manager_support import make_session, random_tokens, tier_keys
 
 from kvstore.format.errors import InvalidRequest
 from kvstore.session.manager import TierManager
@@ -31,8 +30,9 @@ from replay.state_codec import encode_window, state_from_chunks, state_to_chunks
 from replay.worker import ReplayWorker
 from services.server.config import ServerConfig
 from services.server.store import open_manager
-from tests.replay_support import TINY_SPEC, tiny_model, tiny_session
-from tests.service_support import running_server
+from tests.support.manager import make_session, random_tokens, tier_keys
+from tests.support.replay import TINY_SPEC, tiny_model, tiny_session
+from tests.support.service import running_server
 
 N = 148  # more than R = 128, a multiple of m (no pending rows: R = 1 may replay)
 MB = 1 << 20
@@ -303,7 +303,7 @@ async def test_a_short_replay_on_another_node_leaves_a_longer_window_named(node_
 
 @pytest.mark.parametrize("pending", [0, 3], ids=["whole-entries", "pending-rows"])
 async def test_a_whole_fork_copies_the_window_whatever_its_pending_rows(tmp_path, pending):
-    from tests.service_support import LAYOUT, streams_for, tokens_for, window_for
+    from tests.support.service import LAYOUT, streams_for, tokens_for, window_for
 
     n = 2 * LAYOUT.chunk_tokens + 80 + pending  # m = 4: the last `pending` tokens unfinished
     window = window_for(LAYOUT, n)

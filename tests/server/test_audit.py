@@ -11,8 +11,8 @@ import pytest
 
 from kvtier import AsyncClient, PermissionDenied, Unauthenticated
 from services.cli.main import main as kvtier_main
-from tests.security_support import dev_set, secured_server, spill_one
-from tests.service_support import running_server
+from tests.support.security import dev_set, secured_server, spill_one
+from tests.support.service import running_server
 
 
 def _count(server, kind: str) -> float:

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvtier import AsyncClient, PermissionDenied, SessionNotFound, Unauthenticated
 from services.server.devcerts import tokens_toml
-from tests.security_support import (
+from tests.support.security import (
     JWT_SECRET,
     TOKENS,
     data_dir,
@@ -25,7 +25,7 @@ from tests.security_support import (
     secured_server,
     spill_one,
 )
-from tests.service_support import running_server, tokens_for
+from tests.support.service import running_server, tokens_for
 
 
 async def test_a_missing_or_wrong_token_is_unauthenticated(tmp_path):
@@ -120,7 +120,7 @@ async def test_the_tokens_file_is_reloaded_while_serving(tmp_path):
             pytest.fail("the new token was never accepted")
         with pytest.raises(Unauthenticated):
             await acme.list()
-        # An edit that does not parse grants nothing (tests/test_tokens_file.py).
+        # An edit that does not parse grants nothing (tests/server/test_tokens_file.py).
         tokens_file.write_text("[[token]\nbroken")
         await asyncio.sleep(1.2)
         with pytest.raises(Unauthenticated):

@@ -11,7 +11,7 @@ import yaml
 
 from services.server.config import DEFAULT_REPLAY_PORT, PRESETS, load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
 

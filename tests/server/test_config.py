@@ -85,7 +85,7 @@ async def test_tier_stacks(tmp_path, s3_server, s3_bucket, s3_credentials, monke
 def test_the_example_config_file_loads():
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "deploy" / "kvtier.example.toml"
+    path = Path(__file__).resolve().parents[2] / "deploy" / "kvtier.example.toml"
     config = load_config(path, env={})
     assert config.replay_mode == "remote" and config.object_url == "s3://kvtier-cold/kvtier/"
     assert config.host_bytes == 8 << 30 and config.metrics_port == 9100

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvtier import AsyncClient
 from services import cli
 from services.server.address_file import recorded_address
-from tests.service_support import LAYOUT, running_server, streams_for, tokens_for
+from tests.support.service import LAYOUT, running_server, streams_for, tokens_for
 
 TOKENS = LAYOUT.chunk_tokens + 20
 V1_REFLECTION = "grpc.reflection.v1.ServerReflection"

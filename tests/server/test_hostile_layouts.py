@@ -25,8 +25,8 @@ from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.server.config import ServerConfig
 from services.server.layouts import MAX_JSON_BYTES, MAX_REGISTERED, MAX_REGISTERED_BYTES
-from tests.security_support import TOKENS, dev_set, secured_server, spill_one
-from tests.service_support import LAYOUT, running_server, streams_for, tokens_for
+from tests.support.security import TOKENS, dev_set, secured_server, spill_one
+from tests.support.service import LAYOUT, running_server, streams_for, tokens_for
 
 MiB = 1 << 20
 DEADLINE_S = 20.0  # the fuzzer's hang: one-token chunks took ~9 s per million tokens

@@ -129,14 +129,14 @@ GQA = LayoutSpec(  # plain GQA at bf16: 32 layers x 8 KV heads x 128 dims, K and
 
 
 def _stream_data(spec: LayoutSpec, tokens: int):
-    from tests.service_support import streams_for
+    from tests.support.service import streams_for
 
     return streams_for(spec, tokens, seed=7)
 
 
 async def test_a_registered_gqa_layout_spills_and_restores_bit_exact(tmp_path):
     from kvtier import AsyncClient
-    from tests.service_support import assert_streams_equal, running_server, tokens_for
+    from tests.support.service import assert_streams_equal, running_server, tokens_for
 
     tokens = tokens_for(2 * GQA.chunk_tokens + 5)
     data = _stream_data(GQA, len(tokens))
@@ -176,7 +176,7 @@ async def test_register_layout_refuses_what_could_grow_without_bound(tmp_path, t
 
     from kvstore.format.errors import ERROR_CLASSES
     from kvtier import AsyncClient, RetryPolicy
-    from tests.service_support import running_server
+    from tests.support.service import running_server
 
     async with running_server(tmp_path) as (server, target), \
             AsyncClient(target, retry=RetryPolicy(attempts=1)) as kv:
@@ -191,7 +191,7 @@ async def test_register_layout_refuses_what_could_grow_without_bound(tmp_path, t
 async def test_register_layouts_policy_refuses_callers(tmp_path, policy):
     from kvstore.format.errors import PermissionDenied
     from kvtier import AsyncClient
-    from tests.service_support import running_server
+    from tests.support.service import running_server
 
     async with running_server(tmp_path, register_layouts=policy) as (_, target), \
             AsyncClient(target) as kv:
@@ -204,7 +204,7 @@ async def test_register_layouts_policy_refuses_callers(tmp_path, policy):
 async def test_with_identities_only_admins_register_and_every_registration_is_audited(
         tmp_path):
     from kvstore.format.errors import PermissionDenied
-    from tests.security_support import dev_set, secured_server
+    from tests.support.security import dev_set, secured_server
 
     certs = dev_set(tmp_path)
     spec = LayoutSpec("gqa-audited", GQA.streams, chunk_tokens=16)
@@ -228,7 +228,7 @@ async def test_resume_of_a_layout_nothing_here_replays_is_failed_precondition(tm
 
     from kvstore.format.errors import ReplayUnavailable
     from kvtier import AsyncClient, RetryPolicy
-    from tests.service_support import LAYOUT, assert_streams_equal, running_server, tokens_for
+    from tests.support.service import LAYOUT, assert_streams_equal, running_server, tokens_for
 
     flash = get_layout("deepseek-v4.1-flash")
     tokens = tokens_for(flash.chunk_tokens + 6)
@@ -253,7 +253,7 @@ async def test_resume_of_a_layout_nothing_here_replays_is_failed_precondition(tm
 async def test_resume_on_flash_like_with_the_default_replay_says_nothing_replays_it(tmp_path):
     from kvstore.format.errors import ReplayUnavailable
     from kvtier import AsyncClient, RetryPolicy
-    from tests.service_support import running_server, tokens_for
+    from tests.support.service import running_server, tokens_for
 
     flash = get_layout("flash-4.1-like")  # was INVALID_ARGUMENT LayoutMismatch
     tokens = tokens_for(flash.chunk_tokens)
@@ -283,7 +283,7 @@ def _serve(data_dir, config):
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "serve", "--preset", "test", "--config",
          str(config), "--data-dir", str(data_dir), "--log-level", "WARNING"],
-        cwd=Path(__file__).resolve().parent.parent, env=env, stdout=subprocess.PIPE,
+        cwd=Path(__file__).resolve().parents[2], env=env, stdout=subprocess.PIPE,
         text=True)
     line = process.stdout.readline()
     if not line.startswith("kvtier serving on "):
@@ -296,7 +296,7 @@ def test_a_client_with_no_layouts_of_its_own_lists_spills_and_restores_and_they_
         tmp_path):
     from kvstore.format.errors import UnknownLayout
     from kvtier import Client
-    from tests.service_support import assert_streams_equal, tokens_for
+    from tests.support.service import assert_streams_equal, tokens_for
 
     for spec in (CONFIGURED, REGISTERED):
         with pytest.raises(UnknownLayout):
@@ -341,14 +341,14 @@ async def test_kvtier_layouts_lists_a_servers_layouts(tmp_path):
     from pathlib import Path
 
     from kvtier import AsyncClient
-    from tests.service_support import running_server
+    from tests.support.service import running_server
 
     spec = LayoutSpec("gqa-cli", GQA.streams, chunk_tokens=8)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
 
     def kvtier(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "services.cli", "layouts", *argv],
-                              cwd=Path(__file__).resolve().parent.parent, env=env,
+                              cwd=Path(__file__).resolve().parents[2], env=env,
                               capture_output=True, text=True, timeout=120)
 
     async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
@@ -400,7 +400,7 @@ async def test_a_layout_claiming_a_replayer_that_cannot_rebuild_it_is_failed_pre
     Resume is FAILED_PRECONDITION (the replayer checks the layout), its Restore works."""
     from kvstore.format.errors import LayoutMismatch, ReplayUnavailable
     from kvtier import AsyncClient, RetryPolicy
-    from tests.service_support import running_server, tokens_for
+    from tests.support.service import running_server, tokens_for
 
     flash = get_layout("flash-4.1-like")
     claimed = LayoutSpec("flash-claims-bundled", flash.streams, chunk_tokens=256,

@@ -19,9 +19,9 @@ from kvstore.format.keys import chain_keys, chunk_digest, dedupe_scope
 from kvtier.codec import as_tokens, encode_session
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
-from tests.service_support import LAYOUT, running_server, streams_for, tokens_for
+from tests.support.service import LAYOUT, running_server, streams_for, tokens_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 RSS_BUDGET = 128 * MiB  # growth of the server's RSS with 300 idle Spill streams open
 HEADER_TOKENS = 65_536  # 256 KiB of token ids per header: 300 unbounded take ~240 MiB

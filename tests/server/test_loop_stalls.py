@@ -27,7 +27,7 @@ from services.server.config import ServerConfig
 from services.server.loop_lag import STALL_S, LoopMonitor
 from services.server.metrics import ServiceMetrics
 from services.server.sizes import CONTROL_BYTES
-from tests.service_support import LAYOUT, raw_spill_header, streams_for, tokens_for
+from tests.support.service import LAYOUT, raw_spill_header, streams_for, tokens_for
 
 MESSAGE = ServerConfig.max_message_bytes
 HEADER = ServerConfig.max_header_bytes

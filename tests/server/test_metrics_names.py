@@ -15,10 +15,10 @@ import pytest
 import yaml
 
 from kvtier import AsyncClient, PermissionDenied, SessionNotFound, Unauthenticated
-from tests.security_support import dev_set, secured_server
-from tests.service_support import LAYOUT, running_server, streams_for, tokens_for
+from tests.support.security import dev_set, secured_server
+from tests.support.service import LAYOUT, running_server, streams_for, tokens_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NAME = re.compile(r"\bkvtier_[a-z_]+")
 SUFFIXES = ("_bucket", "_sum", "_count")  # a histogram's series, named by its base
 

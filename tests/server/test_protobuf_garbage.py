@@ -14,8 +14,8 @@ from kvstore.format.errors import ERROR_KEY
 from proto import kvtier_pb2 as pb
 from replay.worker import ReplayWorker
 from services.replay.server import create_server as create_replay_server
-from tests.replay_support import tiny_model
-from tests.service_support import running_server
+from tests.support.replay import tiny_model
+from tests.support.service import running_server
 
 # A length-delimited field that runs past the end, a varint longer than ten bytes, and
 # wire type 7 (which does not exist): each fails to parse as any message.

@@ -4,7 +4,7 @@ Redis come back from it, and from the disk tier when Redis goes away."""
 from __future__ import annotations
 
 from kvtier import AsyncClient
-from tests.service_support import (
+from tests.support.service import (
     LAYOUT,
     assert_streams_equal,
     running_server,

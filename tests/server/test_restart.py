@@ -11,7 +11,7 @@ import pytest
 
 from kvstore.format.errors import StaleGeneration
 from kvtier import AsyncClient, Client
-from tests.service_support import (
+from tests.support.service import (
     LAYOUT,
     assert_streams_equal,
     running_server,
@@ -21,7 +21,7 @@ from tests.service_support import (
     window_for,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOKENS = 2 * LAYOUT.chunk_tokens + 8
 
 

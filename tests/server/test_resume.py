@@ -22,7 +22,7 @@ from replay import ReplayWorker
 from replay.state_codec import encode_window, state_to_chunks
 from services.replay.server import create_server as create_worker_server
 from services.replay.streams import StreamConsumer
-from tests.service_support import running_server
+from tests.support.service import running_server
 
 SPEC = get_layout("kvtier-bundled")
 TOKENS = 150  # more than R = 128, and 150 % 4 = 2 pending rows

@@ -8,7 +8,7 @@ from kvstore.eviction.policies import ResumeHint
 from kvstore.format.errors import InvalidRequest, SessionNotFound
 from kvtier import AsyncClient
 from kvtier.errors import PreconditionFailed
-from tests.service_support import (
+from tests.support.service import (
     LAYOUT,
     assert_streams_equal,
     running_server,

@@ -18,7 +18,7 @@ from kvtier.codec import as_tokens, encode_session
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.server.shm import LeaseTable
-from tests.service_support import (
+from tests.support.service import (
     LAYOUT,
     assert_streams_equal,
     raw_spill_header,

@@ -13,9 +13,9 @@ import pytest
 
 from kvstore.format.errors import Busy, InvalidRequest
 from services.server.server import create_server
-from tests.service_support import config_for, running_server
+from tests.support.service import config_for, running_server
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _kvtier(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

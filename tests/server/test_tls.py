@@ -23,12 +23,12 @@ from services.replay.remote import RemoteReplay
 from services.replay.server import create_server as create_worker_server
 from services.replay.server import security
 from services.server.tls import exposure_problem
-from tests.conftest import free_port
-from tests.replay_support import TINY_SPEC, tiny_model, tiny_session
-from tests.security_support import NO_RETRY, data_dir, dev_set, secured_server, spill_one
-from tests.service_support import running_server
+from tests.support.replay import TINY_SPEC, tiny_model, tiny_session
+from tests.support.security import NO_RETRY, data_dir, dev_set, secured_server, spill_one
+from tests.support.servers import free_port
+from tests.support.service import running_server
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 async def test_a_plaintext_client_cannot_talk_to_a_tls_server(tmp_path):

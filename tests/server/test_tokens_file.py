@@ -15,7 +15,7 @@ import pytest
 from kvtier import Unauthenticated
 from services.server import auth
 from services.server.devcerts import token_digest
-from tests.security_support import DevSet, dev_set, secured_server
+from tests.support.security import DevSet, dev_set, secured_server
 
 INTERVAL_S = auth.RELOAD_CHECK_S * 1.2  # past the reload interval, with a margin
 

@@ -13,7 +13,7 @@ from kvtier import AsyncClient
 from kvtier.codec import as_tokens, encode_session, encode_window
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
-from tests.service_support import (
+from tests.support.service import (
     LAYOUT,
     raw_spill_header,
     running_server,

@@ -7,7 +7,6 @@ import asyncio
 import numpy as np
 import pytest
 import torch
-from test_manager_support import TINY, make_session, random_tokens, tier_keys
 
 from kvstore.format.chunk import decode_chunk
 from kvstore.format.errors import (
@@ -21,6 +20,7 @@ from kvstore.tiers.base import MemoryMetaStore
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.object import ObjectTier
+from tests.support.manager import TINY, make_session, random_tokens, tier_keys
 
 MB = 1 << 20
 

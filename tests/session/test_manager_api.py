@@ -7,7 +7,6 @@ import asyncio
 
 import numpy as np
 import pytest
-from test_manager_support import make_session, random_tokens, tier_keys
 
 from kvstore.format.errors import (
     ChunksNotHeld,
@@ -20,6 +19,7 @@ from kvstore.session.manager import TierManager
 from kvstore.tiers.base import MemoryMetaStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
+from tests.support.manager import make_session, random_tokens, tier_keys
 
 MB = 1 << 20
 

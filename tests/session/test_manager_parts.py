@@ -7,7 +7,6 @@ import random
 
 import numpy as np
 import pytest
-from test_manager_support import make_session, random_tokens, tier_keys
 
 from kvstore.eviction.policies import ResumeHint
 from kvstore.format.errors import ChunkCorrupt, InvalidRequest, SessionNotFound
@@ -18,6 +17,7 @@ from kvstore.session.manifest import SessionManifest
 from kvstore.tiers.base import MemoryMetaStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
+from tests.support.manager import make_session, random_tokens, tier_keys
 
 MB = 1 << 20
 

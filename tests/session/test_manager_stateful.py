@@ -24,12 +24,12 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from test_manager_support import make_session
 
 from kvstore.format.errors import DataLoss, SessionNotFound, StaleGeneration
 from kvstore.session.manager import TierManager
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
+from tests.support.manager import make_session
 
 TENANT = "t"
 SESSIONS = ("a", "b", "c")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from test_manager_support import make_session, random_tokens, tier_keys
 
 from kvstore.eviction.policies import HintPolicy, LRUPolicy, ResumeHint
 from kvstore.format.errors import DataLoss, InvalidRequest
@@ -14,6 +13,7 @@ from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.object import ObjectTier
 from kvstore.tiers.redis import REDIS_PRESETS, RedisTier
+from tests.support.manager import make_session, random_tokens, tier_keys
 
 MB = 1 << 20
 

@@ -22,7 +22,7 @@ from kvstore.format.errors import (
 from kvtier import AsyncClient
 from services.cli.main import main as cli_main
 from services.server.config import load_config
-from tests.service_support import (
+from tests.support.service import (
     LAYOUT,
     assert_streams_equal,
     running_server,

@@ -12,8 +12,8 @@ from kvstore.format.errors import PermissionDenied, QuotaExceeded, TierFull
 from kvstore.format.keys import dedupe_scope
 from kvtier import AsyncClient
 from kvtier import codec as cc
-from tests.security_support import dev_set, secured_server
-from tests.service_support import (
+from tests.support.security import dev_set, secured_server
+from tests.support.service import (
     LAYOUT,
     assert_streams_equal,
     running_server,

@@ -23,9 +23,9 @@ from kvstore.tiers.disk.segments import HEADER_SIZE, segment_path
 from kvtier import AsyncClient
 from services.server.config import load_config
 from services.server.server import create_server
-from tests.service_support import LAYOUT, streams_for, tokens_for
+from tests.support.service import LAYOUT, streams_for, tokens_for
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHUNK = LAYOUT.chunk_tokens
 TENANT = "acme"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from kvtier import AsyncClient, RetryPolicy
 from services.server.devcerts import DEV_CLIENT_CN, issue, make_ca, write_dev_set
 from services.server.server import KVTierServer
-from tests.service_support import LAYOUT, running_server, streams_for, tokens_for
+from tests.support.service import LAYOUT, running_server, streams_for, tokens_for
 
 NO_RETRY = RetryPolicy(attempts=1)
 JWT_SECRET = "a-shared-secret-of-the-tests-32-bytes!"

@@ -21,7 +21,7 @@ from services.server.config import load_config
 from services.server.server import KVTierServer, create_server
 
 LAYOUT = get_layout("kvtier-bundled")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def streams_for(spec: LayoutSpec, tokens: int, *, seed: int = 0, streams=None

@@ -19,7 +19,7 @@ from kvstore.format.errors import (
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk.index import SegState
 from kvstore.tiers.disk.segments import HEADER_SIZE, segment_path
-from tests.clock_support import ManualClock
+from tests.support.clock import ManualClock
 
 
 def value_for(key: str, size: int) -> bytes:

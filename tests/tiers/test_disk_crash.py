@@ -21,7 +21,7 @@ from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk.index import SegState
 from kvstore.tiers.disk.segments import HEADER_SIZE, encode_header, segment_path, value_view
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def value_for(key: str) -> bytes:

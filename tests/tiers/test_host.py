@@ -9,7 +9,7 @@ import torch
 
 from kvstore.format.errors import ChunkNotFound, InvalidRequest, TierFull
 from kvstore.tiers.host import HostTier
-from tests.clock_support import ManualClock
+from tests.support.clock import ManualClock
 
 
 async def test_round_trip_and_copy_semantics():

@@ -14,7 +14,7 @@ import redis
 from kvstore.format.errors import ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
 from kvstore.tiers.common import Availability
 from kvstore.tiers.redis import RedisTier, RedisTierConfig
-from tests.clock_support import ManualClock
+from tests.support.clock import ManualClock
 
 FAST_FAIL = RedisTierConfig(connect_timeout_s=0.2, socket_timeout_s=0.5, retries=1,
                             op_timeout_s=1.5, breaker_cooldown_s=0.2)

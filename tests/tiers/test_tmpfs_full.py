@@ -15,7 +15,7 @@ import pytest
 
 from kvstore.format.errors import TierFull
 from kvtier import Client
-from tests.service_support import (
+from tests.support.service import (
     LAYOUT,
     assert_streams_equal,
     serve_child,

@@ -2,7 +2,7 @@
 
 The vectors are inputs and the exact bytes and keys kvtier produces for them, for a
 small layout with one stream of each kind (int4, int8, bf16; a window stream and a
-pending stream). ``tests/test_vectors.py`` compares the codec against the committed
+pending stream). ``tests/format/test_vectors.py`` compares the codec against the committed
 files, and the Node client (clients/node) against the same files, so a change to the
 codec that alters a byte fails both: regenerate only for a deliberate format change.
 

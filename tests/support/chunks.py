@@ -1,0 +1,78 @@
+"""Chunk-format fixtures for the format tests: two layouts, random streams for a layout,
+exact comparison of decoded streams, and Hypothesis strategies for random layouts."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import strategies as st
+
+from kvstore.format.chunk import StreamData
+from kvstore.format.layout import BaselineKV, LayoutSpec, Stream, get_layout
+
+BUNDLED = get_layout("kvtier-bundled")
+MIXED = LayoutSpec(
+    "codec-test",
+    (
+        Stream("lat", (48,), bits=4, group_size=16, tokens_per_entry=4, layers=3),
+        Stream("idx", (2, 10), bits=8, group_size=10, tokens_per_entry=2),
+        Stream("raw", (6,), bits=16, layers=2),
+        Stream("win", (3, 8), bits=8, group_size=8, layers=2, persistent=False),
+    ),
+    chunk_tokens=12,
+    window_tokens=30,
+)
+_DTYPES = {4: torch.uint8, 8: torch.int8, 16: torch.bfloat16}
+
+
+def make_streams(spec, num_tokens, seed=0, ephemeral=False):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for s in spec.ephemeral_streams if ephemeral else spec.persistent_streams:
+        e = s.entries_for(num_tokens)
+        if s.bits == 16:
+            codes = torch.randn(s.layers, e, *s.codes_shape, generator=g).to(torch.bfloat16)
+            scales = None
+        else:
+            codes = torch.randint(
+                0, 256, (s.layers, e, *s.codes_shape), generator=g, dtype=torch.uint8
+            ).view(_DTYPES[s.bits])
+            scales = torch.rand(s.layers, e, s.scales_per_entry, generator=g).half()
+        out[s.name] = StreamData(codes, scales)
+    return out
+
+
+def assert_same(decoded, original):
+    assert decoded.keys() == original.keys()
+    for name, data in original.items():
+        assert torch.equal(decoded[name].codes.view(torch.uint8), data.codes.view(torch.uint8))
+        if data.scales is None:
+            assert decoded[name].scales is None
+        else:
+            assert torch.equal(
+                decoded[name].scales.view(torch.uint8), data.scales.view(torch.uint8)
+            )
+
+
+# Random layouts for property tests: persistent streams only (no window), chunk_tokens a
+# multiple of 12 so every m in 1..4 divides it.
+@st.composite
+def streams(draw, name: str | None = None) -> Stream:
+    bits = draw(st.sampled_from([4, 8, 16]))
+    last = 2 * draw(st.integers(1, 12))
+    group = 0 if bits == 16 else draw(st.sampled_from(
+        [g for g in range(1, last + 1) if last % g == 0]))
+    shape = (*draw(st.lists(st.integers(1, 4), max_size=1)), last)
+    return Stream(name or draw(st.sampled_from("abcdef")), shape, bits=bits, group_size=group,
+                  tokens_per_entry=draw(st.integers(1, 4)), layers=draw(st.integers(1, 6)))
+
+
+@st.composite
+def layouts(draw) -> LayoutSpec:
+    names = draw(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=3, unique=True))
+    baseline = draw(st.none() | st.builds(BaselineKV, st.integers(1, 8), st.integers(1, 8),
+                                          st.integers(1, 128)))
+    return LayoutSpec(draw(st.sampled_from(["p", "q"])),
+                      tuple(draw(streams(n)) for n in names),
+                      chunk_tokens=12 * draw(st.integers(1, 4)), baseline=baseline,
+                      layer_modes=tuple(draw(st.lists(st.sampled_from(["full", "reuse"]),
+                                                      max_size=3))))
