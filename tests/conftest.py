@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.manager import Managers
 from tests.support.servers import (
     MotoServer,
     RedisClusterProcesses,
@@ -40,8 +41,25 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if not inspect.iscoroutinefunction(pyfuncitem.obj):
         return None
     names = pyfuncitem._fixtureinfo.argnames
-    asyncio.run(pyfuncitem.obj(**{name: pyfuncitem.funcargs[name] for name in names}))
+    asyncio.run(_closing(pyfuncitem.obj, {name: pyfuncitem.funcargs[name] for name in names}))
     return True
+
+
+async def _closing(test, kwargs: dict) -> None:
+    """Run the test, then close the managers it left open (``managers``), in its loop."""
+    try:
+        await test(**kwargs)
+    finally:
+        for value in kwargs.values():
+            if isinstance(value, Managers):
+                await value.close_all()
+
+
+@pytest.fixture
+def managers() -> Managers:
+    """``await managers.open(tiers, meta, **options) -> TierManager``: closed when an
+    ``async def`` test ends, passed or failed (``Managers``)."""
+    return Managers()
 
 
 # -- Redis, single node --

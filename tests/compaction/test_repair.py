@@ -25,7 +25,7 @@ from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk.index import DiskIndex, SegState
 from kvstore.tiers.disk.lock import WRITER_LOCK, DirLock
 from kvstore.tiers.host import HostTier
-from tests.support.manager import make_session, random_tokens
+from tests.support.manager import make_session, random_tokens, running_manager
 
 MB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,12 +40,11 @@ async def build(disk_dir: Path) -> dict[str, dict]:
     sessions = {name: make_session(random_tokens(16 * 5 + i, seed=40 + i), window=False)
                 for i, name in enumerate(KEPT + DELETED)}
     disk = DiskTier(disk_dir, 64 * MB, segment_bytes=16 << 10)
-    manager = await TierManager.open([HostTier(MB), disk], disk.meta)
-    for name, args in sessions.items():
-        await manager.spill("t", name, generation=1, ack="durable", **args)
-    for name in DELETED:
-        await manager.delete("t", name)
-    await manager.close()
+    async with running_manager([HostTier(MB), disk], disk.meta) as manager:
+        for name, args in sessions.items():
+            await manager.spill("t", name, generation=1, ack="durable", **args)
+        for name in DELETED:
+            await manager.delete("t", name)
     return {name: sessions[name] for name in KEPT}
 
 

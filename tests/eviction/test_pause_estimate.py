@@ -9,7 +9,7 @@ import pytest
 
 from kvstore.eviction.pause_estimate import MIN_PAUSES, RETURNED, PauseEstimator
 from kvstore.eviction.policies import HintPolicy, LRUPolicy, ResumeHint
-from kvstore.session.manager import ManagerConfig, TierManager
+from kvstore.session.manager import ManagerConfig
 from kvstore.tiers.base import MemoryMetaStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
@@ -45,9 +45,10 @@ def test_a_return_rate_of_zero_still_gives_a_finite_hint():
 
 @pytest.mark.parametrize("restored", [True, False])  # False: the framework kept it itself
 @pytest.mark.parametrize("policy, survivor", [(LRUPolicy, "once"), (HintPolicy, "back")])
-async def test_the_manager_hints_first_spills_itself(tmp_path, policy, survivor, restored):
+async def test_the_manager_hints_first_spills_itself(tmp_path, policy, survivor, restored,
+                                                     managers):
     host = HostTier(4200)  # room for two of these sessions, not three
-    manager = await TierManager.open([host, DiskTier(tmp_path / "disk", 64 * MB)],
+    manager = await managers.open([host, DiskTier(tmp_path / "disk", 64 * MB)],
                                      MemoryMetaStore(), policy=policy)
     for _ in range(MIN_PAUSES):  # the history: every session came back after 60 s
         manager._pauses.on_spill(None, None, 0.0)
@@ -73,13 +74,13 @@ async def test_the_manager_hints_first_spills_itself(tmp_path, policy, survivor,
     held = await tier_keys(host)
     assert keys["new"] <= held
     assert {sid for sid in ("back", "once") if keys[sid] <= held} == {survivor}
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_inference_can_be_turned_off(tmp_path):
-    manager = await TierManager.open([HostTier(1 << 20)], MemoryMetaStore(),
+async def test_inference_can_be_turned_off(tmp_path, managers):
+    manager = await managers.open([HostTier(1 << 20)], MemoryMetaStore(),
                                      config=ManagerConfig(infer_hints=False))
     for _ in range(MIN_PAUSES + 1):
         args = make_session(random_tokens(16, seed=1), window=False)
         assert (await manager.spill("t", "s", generation=_ + 1, **args)).hint is None
-    await manager.close()
+    await managers.close(manager)

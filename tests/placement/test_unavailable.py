@@ -17,17 +17,18 @@ from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
 from testing.faultfs import FaultyFileSystem
 from testing.power_loss import TENANT, Spill, crash_layout, session_args
+from tests.support.manager import Managers
 
 COOLDOWN_S = 1.0
 
 
-async def open_manager(tmp_path, fs: FaultyFileSystem, with_memory: bool
+async def open_manager(managers: Managers, tmp_path, fs: FaultyFileSystem, with_memory: bool
                        ) -> tuple[TierManager, DiskTier]:
     disk = DiskTier(tmp_path, 1 << 26, segment_bytes=1 << 16, fs=fs)
     tiers = [HostTier(1 << 24, pin_memory=False), disk] if with_memory else [disk]
     config = dataclasses.replace(MANAGER_PRESETS["default"],
                                  unavailable_cooldown_s=COOLDOWN_S)
-    return await TierManager.open(tiers, disk.meta, config=config), disk
+    return await managers.open(tiers, disk.meta, config=config), disk
 
 
 async def spill(manager: TierManager, session: str, generation: int) -> dict:
@@ -37,9 +38,10 @@ async def spill(manager: TierManager, session: str, generation: int) -> dict:
 
 
 @pytest.mark.parametrize("with_memory", [False, True], ids=["disk-only", "host-over-disk"])
-async def test_spill_in_an_outage_cooldown_is_unavailable_not_full(tmp_path, with_memory):
+async def test_spill_in_an_outage_cooldown_is_unavailable_not_full(tmp_path, with_memory,
+                                                                  managers):
     fs = FaultyFileSystem()
-    manager, disk = await open_manager(tmp_path, fs, with_memory)
+    manager, disk = await open_manager(managers, tmp_path, fs, with_memory)
     stack = manager._stack
     j = stack.index(disk.name)
     kept = await spill(manager, "before", 1)
@@ -59,16 +61,16 @@ async def test_spill_in_an_outage_cooldown_is_unavailable_not_full(tmp_path, wit
     for session, args in (("before", kept), ("after", after)):
         got = await manager.restore(TENANT, session)
         assert [bytes(c) for c in got.chunks] == [bytes(c) for _, c in args["chunks"]]
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_a_truly_full_durable_tier_is_still_full(tmp_path):
+async def test_a_truly_full_durable_tier_is_still_full(tmp_path, managers):
     fs = FaultyFileSystem()
-    manager, disk = await open_manager(tmp_path, fs, with_memory=True)
+    manager, disk = await open_manager(managers, tmp_path, fs, with_memory=True)
     fs.fail("write", errno.ENOSPC, times=None)  # the medium is full, not out
     with pytest.raises(TierFull):
         await spill(manager, "full", 1)
     assert manager._stack.up(manager._stack.index(disk.name))
     fs.heal()
     await spill(manager, "room-again", 1)
-    await manager.close()
+    await managers.close(manager)

@@ -15,7 +15,7 @@ from kvstore.format.errors import (
     SessionNotFound,
     StaleGeneration,
 )
-from kvstore.session.manager import MANAGER_PRESETS, TierManager
+from kvstore.session.manager import MANAGER_PRESETS
 from kvstore.tiers.base import MemoryMetaStore
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
@@ -29,8 +29,8 @@ def same_bytes(got, want) -> bool:
     return bytes(got) == bytes(want)
 
 
-async def test_round_trip_host_only_is_byte_identical():
-    manager = await TierManager.open([HostTier(MB)], MemoryMetaStore())
+async def test_round_trip_host_only_is_byte_identical(managers):
+    manager = await managers.open([HostTier(MB)], MemoryMetaStore())
     args = make_session(random_tokens(16 * 5 + 9, seed=1), tenant="t1")
     manifest = await manager.spill("t1", "s1", generation=1, **args)
     assert manifest.num_tokens == 89 and len(manifest.chunk_keys) == 5
@@ -41,12 +41,12 @@ async def test_round_trip_host_only_is_byte_identical():
     assert not result.replay_needed
     assert result.manifest.tail == args["tail"]
     np.testing.assert_array_equal(result.manifest.token_ids, args["token_ids"])
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_round_trip_hbm_host_object_and_layer_by_layer(tmp_path):
+async def test_round_trip_hbm_host_object_and_layer_by_layer(tmp_path, managers):
     tiers = [HBMTier(4096), HostTier(8192), ObjectTier(tmp_path / "obj", 64 * MB)]
-    manager = await TierManager.open(tiers, MemoryMetaStore())
+    manager = await managers.open(tiers, MemoryMetaStore())
     args = make_session(random_tokens(16 * 40 + 3, seed=2))
     await manager.spill("t", "s", generation=0, **args)
     await manager.drain()
@@ -67,11 +67,11 @@ async def test_round_trip_hbm_host_object_and_layer_by_layer(tmp_path):
             tail = decode_chunk(args["tail"], TINY, streams=["lat"], layers=[piece.layer])
             want.append(tail.streams["lat"].codes[0])
             assert piece.data.codes.equal(torch.cat(want))
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_stale_generation_refused_and_nothing_changes():
-    manager = await TierManager.open([HostTier(MB)], MemoryMetaStore())
+async def test_stale_generation_refused_and_nothing_changes(managers):
+    manager = await managers.open([HostTier(MB)], MemoryMetaStore())
     first = make_session(random_tokens(40, seed=3), seed=1)
     await manager.spill("t", "s", generation=5, **first)
     newer = make_session(random_tokens(50, seed=4), seed=2)
@@ -88,11 +88,11 @@ async def test_stale_generation_refused_and_nothing_changes():
     stats = await manager.stat()
     assert stats.referenced_chunks == 3
     assert stats.tiers[0].items == 3 + 1  # three chunks and one window blob
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_bad_spills_are_refused_whole():
-    manager = await TierManager.open([HostTier(MB)], MemoryMetaStore())
+async def test_bad_spills_are_refused_whole(managers):
+    manager = await managers.open([HostTier(MB)], MemoryMetaStore())
     args = make_session(random_tokens(48, seed=5))
     other = make_session(random_tokens(48, seed=6))
     bad_key = dict(args, chunks=[(other["chunks"][0][0], args["chunks"][0][1]),
@@ -112,12 +112,12 @@ async def test_bad_spills_are_refused_whole():
     with pytest.raises(SessionNotFound):
         await manager.restore("t", "s")
     assert (await manager.stat()).tiers[0].used_bytes == 0
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_dedupe_refcounts_shared_prefix_and_release():
+async def test_dedupe_refcounts_shared_prefix_and_release(managers):
     tiers = [HostTier(6000)]
-    manager = await TierManager.open(tiers, MemoryMetaStore())
+    manager = await managers.open(tiers, MemoryMetaStore())
     prefix = random_tokens(16 * 3, seed=7)
     # Two tenants dedupe only in a shared domain (their own domains never share chunks).
     a = make_session(np.concatenate([prefix, random_tokens(20, seed=8)]),
@@ -141,12 +141,12 @@ async def test_dedupe_refcounts_shared_prefix_and_release():
     assert tiers[0].used_bytes == 0 and (await manager.stat()).referenced_chunks == 0
     with pytest.raises(SessionNotFound):
         await manager.delete("tenant-b", "s")
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_window_dropped_below_host_reports_replay(tmp_path):
+async def test_window_dropped_below_host_reports_replay(tmp_path, managers):
     tiers = [HostTier(MB), ObjectTier(tmp_path / "obj", 64 * MB)]
-    manager = await TierManager.open(tiers, MemoryMetaStore())
+    manager = await managers.open(tiers, MemoryMetaStore())
     args = make_session(random_tokens(70, seed=10))
     await manager.spill("t", "s", generation=1, **args)
     manifest = await manager.demote("t", "s", "object")
@@ -158,12 +158,12 @@ async def test_window_dropped_below_host_reports_replay(tmp_path):
     assert not [key for key in await tier_keys(tiers[1]) if key.startswith("win/")]
     await manager.drain()  # restore promoted the chunks back up
     assert (await manager.restore("t", "s")).chunk_tiers == ["host"] * 4
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_window_evicted_by_pressure_updates_manifest(tmp_path):
+async def test_window_evicted_by_pressure_updates_manifest(tmp_path, managers):
     tiers = [HostTier(2500), ObjectTier(tmp_path / "obj", 64 * MB)]
-    manager = await TierManager.open(tiers, MemoryMetaStore())
+    manager = await managers.open(tiers, MemoryMetaStore())
     first = make_session(random_tokens(20, seed=11), seed=1)
     await manager.spill("t", "first", generation=1, **first)
     for i in range(4):  # newer sessions push the first one's window out of host
@@ -174,10 +174,10 @@ async def test_window_evicted_by_pressure_updates_manifest(tmp_path):
     result = await manager.restore("t", "first")
     assert result.replay_needed and result.window is None
     assert (await manager.stat()).counters["windows_dropped"] >= 1
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_eviction_demotes_chunks_to_a_lower_tier_that_did_not_hold_them():
+async def test_eviction_demotes_chunks_to_a_lower_tier_that_did_not_hold_them(managers):
     """hbm over host, neither durable (no write-back copy below): making room in hbm moves
     the older session's chunks down into host, each counted as a demotion there."""
     older = make_session(random_tokens(16 * 3, seed=12), window=False)
@@ -185,7 +185,7 @@ async def test_eviction_demotes_chunks_to_a_lower_tier_that_did_not_hold_them():
     hbm_bytes = sum(len(data) for _, data in older["chunks"])
     assert hbm_bytes == sum(len(data) for _, data in newer["chunks"])
     tiers = [HBMTier(hbm_bytes, device="cpu"), HostTier(MB)]
-    manager = await TierManager.open(tiers, MemoryMetaStore())
+    manager = await managers.open(tiers, MemoryMetaStore())
     await manager.spill("t", "older", generation=1, **older)
     assert all(manager.where(key) == ["hbm"] for key, _ in older["chunks"])
     await manager.spill("t", "newer", generation=1, **newer)  # fills hbm: older moves down
@@ -196,12 +196,12 @@ async def test_eviction_demotes_chunks_to_a_lower_tier_that_did_not_hold_them():
     result = await manager.restore("t", "older", want_window=False)
     assert result.chunk_tiers == ["host"] * 3
     assert [bytes(c) for c in result.chunks] == [bytes(d) for _, d in older["chunks"]]
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_concurrent_spills_and_restores(tmp_path):
+async def test_concurrent_spills_and_restores(tmp_path, managers):
     tiers = [HostTier(40_000), ObjectTier(tmp_path / "obj", 64 * MB)]
-    manager = await TierManager.open(tiers, MemoryMetaStore(), config=MANAGER_PRESETS["embedded"])
+    manager = await managers.open(tiers, MemoryMetaStore(), config=MANAGER_PRESETS["embedded"])
     prefix = random_tokens(32, seed=12)
     sessions = {
         f"s{i}": make_session(np.concatenate([prefix, random_tokens(30 + i, seed=100 + i)]))
@@ -227,4 +227,4 @@ async def test_concurrent_spills_and_restores(tmp_path):
     await manager.drain()
     assert tiers[0].used_bytes == 0 and tiers[1].used_bytes == 0
     assert (await manager.list_sessions()) == []
-    await manager.close()
+    await managers.close(manager)

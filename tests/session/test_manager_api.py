@@ -15,7 +15,6 @@ from kvstore.format.errors import (
     SessionNotFound,
     StaleGeneration,
 )
-from kvstore.session.manager import TierManager
 from kvstore.tiers.base import MemoryMetaStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
@@ -30,9 +29,9 @@ def keys_only(args: dict, held: int) -> dict:
     return {**args, "chunks": chunks}
 
 
-async def test_spill_references_held_chunks_by_key_only(tmp_path):
+async def test_spill_references_held_chunks_by_key_only(tmp_path, managers):
     host, disk = HostTier(MB), DiskTier(tmp_path / "disk", 64 * MB)
-    manager = await TierManager.open([host, disk], disk.meta)
+    manager = await managers.open([host, disk], disk.meta)
     tokens = random_tokens(16 * 5 + 3, seed=50)
     first = make_session(tokens[:16 * 3 + 5], seed=1)
     await manager.spill("t", "s", generation=1, **first)
@@ -66,12 +65,12 @@ async def test_spill_references_held_chunks_by_key_only(tmp_path):
     bad_tail = {**keys_only(grown, 1), "tail": first["tail"]}  # the tail of other tokens
     with pytest.raises(InvalidRequest, match="tail"):
         await manager.spill("t", "s", generation=3, **bad_tail)
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_delete_counts_are_exact_under_concurrency():
+async def test_delete_counts_are_exact_under_concurrency(managers):
     host = HostTier(MB)
-    manager = await TierManager.open([host], MemoryMetaStore())
+    manager = await managers.open([host], MemoryMetaStore())
     prefix = random_tokens(16 * 3, seed=52)
     a = make_session(np.concatenate([prefix, random_tokens(20, seed=53)]))
     b = make_session(np.concatenate([prefix, random_tokens(37, seed=54)]))
@@ -93,12 +92,12 @@ async def test_delete_counts_are_exact_under_concurrency():
     assert {k for k in await tier_keys(host) if not k.startswith("win/")} == left
     all_keys = {k for s in (a, b) for k, _ in s["chunks"]}
     assert ra.chunks_freed + rb.chunks_freed in (len(all_keys - left), len(all_keys))
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_store_window_keeps_a_rebuilt_window_for_its_generation(tmp_path):
+async def test_store_window_keeps_a_rebuilt_window_for_its_generation(tmp_path, managers):
     disk = DiskTier(tmp_path / "disk", 64 * MB)
-    manager = await TierManager.open([HostTier(MB), disk], disk.meta)
+    manager = await managers.open([HostTier(MB), disk], disk.meta)
     args = make_session(random_tokens(16 * 3 + 6, seed=56))
     await manager.spill("t", "s", generation=1, **args)
     await manager.demote("t", "s", "disk")  # the window cannot live on disk: dropped
@@ -121,12 +120,12 @@ async def test_store_window_keeps_a_rebuilt_window_for_its_generation(tmp_path):
     after = await manager.get_manifest("t", "s")
     assert after.generation == 2 and after.window_key is None
     assert not [k for k in await tier_keys(manager.tiers[0]) if k.startswith("win/")]
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_session_count_follows_spills_and_deletes_and_reopens():
+async def test_session_count_follows_spills_and_deletes_and_reopens(managers):
     meta = MemoryMetaStore()
-    manager = await TierManager.open([HostTier(MB)], meta)
+    manager = await managers.open([HostTier(MB)], meta)
     sessions = {f"s{i}": make_session(random_tokens(16 * 2 + i, seed=60 + i)) for i in range(3)}
     for sid, args in sessions.items():
         await manager.spill("t", sid, generation=1, **args)
@@ -143,8 +142,8 @@ async def test_session_count_follows_spills_and_deletes_and_reopens():
                         **make_session(random_tokens(16 * 2 + 1, seed=61), tenant="u"))
     report = await manager.collect_garbage(now=1e12)
     assert report.expired_sessions == 1 and manager.session_count() == 2
-    await manager.close()
+    await managers.close(manager)
 
-    reopened = await TierManager.open([HostTier(MB)], meta)
+    reopened = await managers.open([HostTier(MB)], meta)
     assert reopened.session_count() == 2 == len(await reopened.list_sessions())
-    await reopened.close()
+    await managers.close(reopened)

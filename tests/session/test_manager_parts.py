@@ -12,7 +12,6 @@ from kvstore.eviction.policies import ResumeHint
 from kvstore.format.errors import ChunkCorrupt, InvalidRequest, SessionNotFound
 from kvstore.placement.locks import KeyedLocks, RWLocks
 from kvstore.placement.refcount import REF_PREFIX, RefLedger
-from kvstore.session.manager import TierManager
 from kvstore.session.manifest import SessionManifest
 from kvstore.tiers.base import MemoryMetaStore
 from kvstore.tiers.disk import DiskTier
@@ -111,9 +110,9 @@ async def test_keyed_and_rw_locks():
     assert events.index("w+") > max(events.index("r1-"), events.index("r2-"))
 
 
-async def test_garbage_collection_of_expired_sessions_and_orphans(tmp_path):
+async def test_garbage_collection_of_expired_sessions_and_orphans(tmp_path, managers):
     host, disk = HostTier(MB), DiskTier(tmp_path / "disk", 64 * MB)
-    manager = await TierManager.open([host, disk], disk.meta)
+    manager = await managers.open([host, disk], disk.meta)
     keep = make_session(random_tokens(40, seed=1))
     await manager.spill("t", "keep", generation=1, **keep)
     short = make_session(random_tokens(40, seed=2))
@@ -133,14 +132,14 @@ async def test_garbage_collection_of_expired_sessions_and_orphans(tmp_path):
     assert [bytes(c) for c in result.chunks] == [bytes(d) for _, d in keep["chunks"]]
     held = await tier_keys(host) | await tier_keys(disk)
     assert held == {k for k, _ in keep["chunks"]} | {result.manifest.window_key}
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_random_operations_leave_exact_accounting(tmp_path):
+async def test_random_operations_leave_exact_accounting(tmp_path, managers):
     """Many sessions sharing prefixes, spilled, re-spilled, restored and deleted at once:
     afterwards every tier holds exactly the live sessions' blocks, then nothing."""
     tiers = [HostTier(12_000), DiskTier(tmp_path / "disk", 64 * MB)]
-    manager = await TierManager.open(tiers, tiers[1].meta)
+    manager = await managers.open(tiers, tiers[1].meta)
     rng = random.Random(11)
     prefixes = [random_tokens(32, seed=s) for s in range(3)]
     generation: dict[str, int] = {}
@@ -180,16 +179,16 @@ async def test_random_operations_leave_exact_accounting(tmp_path):
     await manager.drain()
     assert [t.used_bytes for t in tiers] == [0, 0]
     assert (await manager.stat()).referenced_chunks == 0
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_concurrent_moves_under_pressure_never_return_wrong_bytes(tmp_path):
+async def test_concurrent_moves_under_pressure_never_return_wrong_bytes(tmp_path, managers):
     """Spills, restores, prefetches, demotions and deletes of overlapping sessions at once
     on tiers far too small: every restore is byte-identical, nothing deadlocks."""
     from kvstore.tiers.hbm import HBMTier
 
     tiers = [HBMTier(2500), HostTier(5000), DiskTier(tmp_path / "disk", 64 * MB)]
-    manager = await TierManager.open(tiers, tiers[2].meta)
+    manager = await managers.open(tiers, tiers[2].meta)
     prefix = random_tokens(48, seed=90)
     sessions = {f"s{i}": make_session(np.concatenate([prefix, random_tokens(16 + 9 * i,
                                                                              seed=91 + i)]))
@@ -217,4 +216,4 @@ async def test_concurrent_moves_under_pressure_never_return_wrong_bytes(tmp_path
     await asyncio.gather(*(manager.delete("t", sid) for sid in sessions))
     await manager.drain()
     assert [t.used_bytes for t in tiers] == [0, 0, 0]
-    await manager.close()
+    await managers.close(manager)

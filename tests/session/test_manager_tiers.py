@@ -6,7 +6,6 @@ import pytest
 
 from kvstore.eviction.policies import HintPolicy, LRUPolicy, ResumeHint
 from kvstore.format.errors import DataLoss, InvalidRequest
-from kvstore.session.manager import TierManager
 from kvstore.tiers.base import MemoryMetaStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.hbm import HBMTier
@@ -28,9 +27,9 @@ def corrupted(data) -> bytes:
     return bytes(bad)
 
 
-async def test_host_disk_round_trip_and_write_back(tmp_path):
+async def test_host_disk_round_trip_and_write_back(tmp_path, managers):
     host, disk = HostTier(MB), DiskTier(tmp_path / "disk", 64 * MB)
-    manager = await TierManager.open([host, disk], disk.meta)
+    manager = await managers.open([host, disk], disk.meta)
     args = make_session(random_tokens(16 * 6 + 5, seed=1))
     await manager.spill("t", "s", generation=1, **args)
     await manager.drain()
@@ -44,18 +43,19 @@ async def test_host_disk_round_trip_and_write_back(tmp_path):
     assert result.chunk_tiers == ["host"] * 6 and not result.replay_needed
     await manager.delete("t", "s")
     assert host.used_bytes == 0 and disk.used_bytes == 0
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_durable_ack_survives_reopen(tmp_path):
+async def test_durable_ack_survives_reopen(tmp_path, managers):
     disk = DiskTier(tmp_path / "disk", 64 * MB)
-    manager = await TierManager.open([HostTier(MB), disk], disk.meta)
+    manager = await managers.open([HostTier(MB), disk], disk.meta)
     args = make_session(random_tokens(16 * 4 + 2, seed=2))
     await manager.spill("t", "s", generation=3, ack="durable", **args)
     await disk.close()  # the process goes away: nothing is drained, host memory is lost
+    managers.abandon(manager)
 
     disk = DiskTier(tmp_path / "disk", 64 * MB)
-    manager = await TierManager.open([HostTier(MB), disk], disk.meta)
+    manager = await managers.open([HostTier(MB), disk], disk.meta)
     result = await manager.restore("t", "s")
     assert result.manifest.generation == 3
     assert [bytes(c) for c in result.chunks] == chunk_bytes(args)
@@ -64,14 +64,14 @@ async def test_durable_ack_survives_reopen(tmp_path):
     assert [m.session_id for m in await manager.list_sessions("t")] == ["s"]
     await manager.delete("t", "s")  # reference counts came back with the MetaStore
     assert disk.used_bytes == 0 and await tier_keys(disk) == set()
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_all_tiers_round_trip_with_redis(tmp_path, redis_server):
+async def test_all_tiers_round_trip_with_redis(tmp_path, redis_server, managers):
     tiers = [HBMTier(3000), HostTier(6000),
              RedisTier(redis_server, 8 * MB, REDIS_PRESETS["loopback"]),
              DiskTier(tmp_path / "disk", 64 * MB)]
-    manager = await TierManager.open(tiers, tiers[3].meta)
+    manager = await managers.open(tiers, tiers[3].meta)
     sessions = {f"s{i}": make_session(random_tokens(16 * 8 + i, seed=10 + i)) for i in range(3)}
     for sid, args in sessions.items():
         await manager.spill("t", sid, generation=1, **args)
@@ -89,13 +89,14 @@ async def test_all_tiers_round_trip_with_redis(tmp_path, redis_server):
         await manager.delete("t", sid)
     await manager.drain()
     assert [t.used_bytes for t in tiers] == [0, 0, 0, 0]
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_redis_outage_degrades_to_other_tiers(tmp_path, redis_server, redis_process):
+async def test_redis_outage_degrades_to_other_tiers(tmp_path, redis_server, redis_process,
+                                                    managers):
     redis = RedisTier(redis_server, 8 * MB, REDIS_PRESETS["loopback"])
     tiers = [HostTier(2000), redis, DiskTier(tmp_path / "disk", 64 * MB)]
-    manager = await TierManager.open(tiers, tiers[2].meta)
+    manager = await managers.open(tiers, tiers[2].meta)
     args = make_session(random_tokens(16 * 8, seed=20))
     await manager.spill("t", "s", generation=1, **args)
     await manager.drain()
@@ -113,12 +114,12 @@ async def test_redis_outage_degrades_to_other_tiers(tmp_path, redis_server, redi
     result = await manager.restore("t", "other")
     assert [bytes(c) for c in result.chunks] == chunk_bytes(other)
     redis_process.restart()
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_checksum_fall_through_and_promotion_rewrites(tmp_path):
+async def test_checksum_fall_through_and_promotion_rewrites(tmp_path, managers):
     host, disk = HostTier(MB), DiskTier(tmp_path / "disk", 64 * MB)
-    manager = await TierManager.open([host, disk], disk.meta)
+    manager = await managers.open([host, disk], disk.meta)
     args = make_session(random_tokens(16 * 3, seed=30))
     await manager.spill("t", "s", generation=1, **args)
     await manager.drain()
@@ -137,7 +138,7 @@ async def test_checksum_fall_through_and_promotion_rewrites(tmp_path):
     with pytest.raises(DataLoss, match="chunk 1"):
         await manager.restore("t", "s")
     assert (await manager.stat()).counters["misses"] == 1
-    await manager.close()
+    await managers.close(manager)
 
 
 def flip_in_segments(disk_dir, data) -> int:
@@ -154,11 +155,11 @@ def flip_in_segments(disk_dir, data) -> int:
     return hits
 
 
-async def test_corrupt_disk_record_falls_through_to_the_object_copy(tmp_path):
+async def test_corrupt_disk_record_falls_through_to_the_object_copy(tmp_path, managers):
     async def open_manager():
         disk = DiskTier(tmp_path / "disk", 64 * MB)
-        return disk, await TierManager.open([disk, ObjectTier(tmp_path / "obj", 64 * MB)],
-                                            disk.meta)
+        return disk, await managers.open([disk, ObjectTier(tmp_path / "obj", 64 * MB)],
+                                         disk.meta)
 
     disk, manager = await open_manager()
     args = make_session(random_tokens(16 * 3, seed=32))
@@ -168,7 +169,7 @@ async def test_corrupt_disk_record_falls_through_to_the_object_copy(tmp_path):
     await manager.drain()  # promoted: disk and object both hold every chunk now
     key, good = args["chunks"][1]
     assert manager.where(key) == ["disk", "object"]
-    await manager.close()
+    await managers.close(manager)
     assert flip_in_segments(tmp_path / "disk", good)  # the disk tier's record check fails
 
     disk, manager = await open_manager()
@@ -179,23 +180,23 @@ async def test_corrupt_disk_record_falls_through_to_the_object_copy(tmp_path):
     await manager.drain()
     assert bytes(await disk.get(key)) == bytes(good)  # the promotion rewrote the disk copy
     assert (await manager.restore("t", "s")).chunk_tiers == ["disk"] * 3
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_corrupt_manifest_is_data_loss_not_a_half_session():
+async def test_corrupt_manifest_is_data_loss_not_a_half_session(managers):
     meta = MemoryMetaStore()
-    manager = await TierManager.open([HostTier(MB)], meta)
+    manager = await managers.open([HostTier(MB)], meta)
     await manager.spill("t", "s", generation=1, **make_session(random_tokens(20, seed=31)))
     (key, raw), = await meta.scan("manifest/")
     await meta.commit({key: raw[:-3] + bytes([raw[-3] ^ 1]) + raw[-2:]})
     with pytest.raises(DataLoss, match="manifest"):
         await manager.restore("t", "s")
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_prefetch_promotes_within_timeout(tmp_path):
+async def test_prefetch_promotes_within_timeout(tmp_path, managers):
     tiers = [HBMTier(MB), HostTier(MB), DiskTier(tmp_path / "disk", 64 * MB)]
-    manager = await TierManager.open(tiers, tiers[2].meta)
+    manager = await managers.open(tiers, tiers[2].meta)
     args = make_session(random_tokens(16 * 5, seed=40))
     await manager.spill("t", "s", generation=1, **args)
     await manager.demote("t", "s", "disk")
@@ -206,13 +207,13 @@ async def test_prefetch_promotes_within_timeout(tmp_path):
     result = await manager.restore("t", "s", want_window=False)
     assert result.chunk_tiers == ["hbm"] * 5 and result.replay_needed
     assert [bytes(c) for c in result.chunks] == chunk_bytes(args)
-    await manager.close()
+    await managers.close(manager)
 
 
 @pytest.mark.parametrize("policy, survivor", [(LRUPolicy, "late"), (HintPolicy, "soon")])
-async def test_hint_policy_keeps_the_session_due_back_first(tmp_path, policy, survivor):
+async def test_hint_policy_keeps_the_session_due_back_first(tmp_path, policy, survivor, managers):
     host = HostTier(4200)  # room for two of these sessions, not three
-    manager = await TierManager.open([host, DiskTier(tmp_path / "disk", 64 * MB)],
+    manager = await managers.open([host, DiskTier(tmp_path / "disk", 64 * MB)],
                                      MemoryMetaStore(), policy=policy)
     hints = {"soon": ResumeHint(expected_pause_s=5), "late": ResumeHint(expected_pause_s=3600)}
     keys = {}
@@ -224,16 +225,16 @@ async def test_hint_policy_keeps_the_session_due_back_first(tmp_path, policy, su
     held = await tier_keys(host)
     assert keys["new"] <= held
     assert {sid for sid in ("soon", "late") if keys[sid] <= held} == {survivor}
-    await manager.close()
+    await managers.close(manager)
 
 
 async def test_redis_restart_loses_blocks_and_a_new_spill_does_not_dedupe_against_them(
-        redis_server, redis_process):
+        redis_server, redis_process, managers):
     import numpy as np
 
     host = HostTier(1000)  # two chunks: the rest of a session goes to Redis
     redis = RedisTier(redis_server, 8 * MB, REDIS_PRESETS["loopback"])
-    manager = await TierManager.open([host, redis], MemoryMetaStore())
+    manager = await managers.open([host, redis], MemoryMetaStore())
     prefix = random_tokens(16 * 4, seed=60)
     first = make_session(prefix, window=False)
     await manager.spill("t", "first", generation=1, **first)
@@ -246,13 +247,13 @@ async def test_redis_restart_loses_blocks_and_a_new_spill_does_not_dedupe_agains
     await manager.spill("t", "second", generation=1, **second)
     result = await manager.restore("t", "second")
     assert [bytes(c) for c in result.chunks] == chunk_bytes(second)
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_round_trip_through_redis_cluster(tmp_path, redis_cluster):
+async def test_round_trip_through_redis_cluster(tmp_path, redis_cluster, managers):
     tiers = [HostTier(2000), RedisTier(redis_cluster, 8 * MB, REDIS_PRESETS["loopback"]),
              DiskTier(tmp_path / "disk", 64 * MB)]
-    manager = await TierManager.open(tiers, tiers[2].meta)
+    manager = await managers.open(tiers, tiers[2].meta)
     args = make_session(random_tokens(16 * 10, seed=70))
     await manager.spill("t", "s", generation=1, **args)
     await manager.drain()
@@ -261,12 +262,12 @@ async def test_round_trip_through_redis_cluster(tmp_path, redis_cluster):
     assert "redis" in result.chunk_tiers
     await manager.delete("t", "s")
     assert [t.used_bytes for t in tiers] == [0, 0, 0]
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_where_and_read_chunk_report_placement_without_moving_anything(tmp_path):
+async def test_where_and_read_chunk_report_placement_without_moving_anything(tmp_path, managers):
     host, disk = HostTier(MB), DiskTier(tmp_path / "disk", 64 * MB)
-    manager = await TierManager.open([host, disk], disk.meta)
+    manager = await managers.open([host, disk], disk.meta)
     args = make_session(random_tokens(16 * 2, seed=80))
     manifest = await manager.spill("t", "s", generation=1, **args)
     await manager.drain()
@@ -279,17 +280,17 @@ async def test_where_and_read_chunk_report_placement_without_moving_anything(tmp
     assert bytes(await host.get(key)) != bytes(good)  # an internal read promotes nothing
     with pytest.raises(InvalidRequest):
         await manager.read_chunk(manifest, 2)
-    await manager.close()
+    await managers.close(manager)
 
 
-async def test_a_restore_of_many_batches_reads_in_order_and_promotes_after(tmp_path):
+async def test_a_restore_of_many_batches_reads_in_order_and_promotes_after(tmp_path, managers):
     """More chunks than one read batch: restore() and a streamed read give every chunk in
     order, bit-exact, from the disk tier; the promotions to host come once the reader is
     done, and a chunk missing from every tier is DataLoss naming its index."""
     from kvstore.session.restore import READ_BATCH
 
     host, disk = HostTier(64 * MB), DiskTier(tmp_path / "disk", 64 * MB)
-    manager = await TierManager.open([host, disk], disk.meta)
+    manager = await managers.open([host, disk], disk.meta)
     n = 2 * READ_BATCH + 5
     args = make_session(random_tokens(16 * n, seed=33))
     await manager.spill("t", "s", generation=1, ack="durable", **args)
@@ -310,4 +311,4 @@ async def test_a_restore_of_many_batches_reads_in_order_and_promotes_after(tmp_p
         await tier.delete(lost)
     with pytest.raises(DataLoss, match=f"chunk {READ_BATCH + 1}:"):
         await manager.restore("t", "s")
-    await manager.close()
+    await managers.close(manager)

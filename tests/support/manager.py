@@ -1,9 +1,13 @@
-"""Shared builders for the tier manager tests: a tiny layout and real encoded sessions.
+"""Shared builders for the tier manager tests: a tiny layout and real encoded sessions,
+and managers that are closed however a test ends.
 
 Chunks are made only through ``kvstore.format.chunk``; nothing here stores or decodes bytes.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 import torch
@@ -11,6 +15,8 @@ import torch
 from kvstore.format.chunk import StreamData, encode_chunk
 from kvstore.format.keys import block_keys, dedupe_scope
 from kvstore.format.layout import LayoutSpec, Stream, register_layout
+from kvstore.session.manager import TierManager
+from kvstore.tiers.base import MetaStore, Tier
 
 TINY = register_layout(
     LayoutSpec(
@@ -75,3 +81,49 @@ async def tier_keys(tier) -> set[str]:
 
 def random_tokens(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 50_000, n, dtype=np.uint32)
+
+
+@contextlib.asynccontextmanager
+async def running_manager(tiers: Sequence[Tier], meta: MetaStore, **options
+                          ) -> AsyncIterator[TierManager]:
+    """``TierManager.open(tiers, meta, **options)``, closed when the block ends, whatever
+    it raised."""
+    manager = await TierManager.open(tiers, meta, **options)
+    try:
+        yield manager
+    finally:
+        await manager.close()
+
+
+class Managers:
+    """The ``managers`` fixture: opens a test's managers, and when the test ends, in its
+    event loop (the conftest's ``pytest_pyfunc_call``), closes each one still open."""
+
+    def __init__(self) -> None:
+        self._open: list[TierManager] = []
+
+    async def open(self, tiers: Sequence[Tier], meta: MetaStore, **options) -> TierManager:
+        manager = await TierManager.open(tiers, meta, **options)
+        self._open.append(manager)
+        return manager
+
+    async def close(self, manager: TierManager) -> None:
+        """Close ``manager`` now: the test goes on without it (reopens, or checks the close)."""
+        self._open.remove(manager)
+        await manager.close()
+
+    def abandon(self, manager: TierManager) -> None:
+        """Never close ``manager``: it stands for a process that died with it open."""
+        self._open.remove(manager)
+
+    async def close_all(self) -> None:
+        """Close what is still open, the last opened first; raise the first close's error
+        once every close was tried."""
+        errors: list[Exception] = []
+        while self._open:
+            try:
+                await self._open.pop().close()
+            except Exception as exc:  # the other managers still close
+                errors.append(exc)
+        if errors:
+            raise errors[0]

@@ -11,7 +11,6 @@ import random
 import pytest
 
 from kvstore.format.errors import DataLoss, TierFull, TierUnavailable
-from kvstore.session.manager import TierManager
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk.index import SegState
 from testing.faultfs import FaultyFileSystem
@@ -102,10 +101,10 @@ async def test_after_a_failed_fsync_the_segment_is_never_trusted_again(tmp_path)
     await tier.close()
 
 
-async def test_eio_on_read_is_data_loss_and_clears(tmp_path):
+async def test_eio_on_read_is_data_loss_and_clears(tmp_path, managers):
     fs = FaultyFileSystem()
     disk = DiskTier(tmp_path, 1 << 26, segment_bytes=SEGMENT, fs=fs)
-    manager = await TierManager.open([disk], disk.meta)
+    manager = await managers.open([disk], disk.meta)
     session = session_args(crash_layout(), Spill("s", 1, 40))
     await manager.spill(TENANT, "s", generation=1, ack="durable", **session)
     fs.fail("read", errno.EIO, times=None)
@@ -116,4 +115,4 @@ async def test_eio_on_read_is_data_loss_and_clears(tmp_path):
     fs.heal()
     got = await manager.restore(TENANT, "s")
     assert [bytes(c) for c in got.chunks] == [c for _, c in session["chunks"]]
-    await manager.close()
+    await managers.close(manager)
