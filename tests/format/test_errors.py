@@ -10,6 +10,7 @@ import pytest
 
 import kvtier
 from kvstore.format import errors
+from kvstore.format import layout as layout_registry
 from kvstore.format.errors import (
     ERROR_CLASSES,
     ERROR_KEY,
@@ -17,6 +18,7 @@ from kvstore.format.errors import (
     ServerError,
     SessionNotFound,
 )
+from kvstore.format.presets import SHIPPED
 from kvtier import AsyncClient, RetryPolicy
 from kvtier import errors as kvtier_errors
 from kvtier.errors import grpc_errors, status_for
@@ -170,8 +172,12 @@ async def test_resume_refuses_an_oversize_replay_before_reading_the_session(tmp_
         assert "replay_tokens" in raw.value.details()
 
 
-async def test_a_long_client_value_comes_back_short_and_invalid_argument(tmp_path):
+async def test_a_long_client_value_comes_back_short_and_invalid_argument(tmp_path,
+                                                                       monkeypatch):
     # 20 kB echoed whole overflowed gRPC's metadata limit: RESOURCE_EXHAUSTED, not ours.
+    # An unknown layout's refusal lists the known ones: only the shipped presets here, not
+    # whatever layouts tests run before this one registered in the process.
+    monkeypatch.setattr(layout_registry, "_REGISTRY", {spec.name: spec for spec in SHIPPED})
     long_id, long_layout = "x" * 20_000, "y" * 20_000
     ref = pb.SessionRef(tenant="acme", session_id=long_id)
     async with running_server(tmp_path) as (_, addr), grpc.aio.insecure_channel(addr) as ch:
