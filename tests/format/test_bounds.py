@@ -1,4 +1,4 @@
-"""Every size is bounded by the layout before anything is decoded (issue #11).
+"""Every size is bounded by the layout before anything is decoded.
 
 Each measured failure has a test here over a real server on loopback: a chunk whose
 section table is not the layout's, zstd bombs (small bytes, a huge declared or

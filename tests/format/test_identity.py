@@ -1,4 +1,4 @@
-"""Chunk identity over a real server (issue #11, item 1): a chunk is deduped only within
+"""Chunk identity over a real server: a chunk is deduped only within
 the spiller's dedupe domain, for the same layout and model fingerprint, and only when its
 bytes are the very bytes stored; every restored byte is checked against its digest."""
 

@@ -1,4 +1,4 @@
-"""A disk outage must not look like a full disk (issue #13): after one EIO the tier stack
+"""A disk outage must not look like a full disk: after one EIO the tier stack
 skips the disk tier for its cooldown, and a durable spill in that window is
 TierUnavailable (UNAVAILABLE: retry later), not TierFull (RESOURCE_EXHAUSTED: free
 space); once the cooldown ends the healed disk takes spills again."""

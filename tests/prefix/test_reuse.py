@@ -1,5 +1,5 @@
 """Prefix reuse over a real server: Lookup, Fork, and chunks retained after their last
-session is gone (issue #15)."""
+session is gone."""
 
 from __future__ import annotations
 

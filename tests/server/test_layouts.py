@@ -1,4 +1,4 @@
-"""Layouts at run time (issue 16): the canonical layout encoding and id, the
+"""Layouts at run time: the canonical layout encoding and id, the
 deepseek-v4.1-flash preset against the report's 890 B/token, and (over real servers)
 RegisterLayout / ListLayouts, their refusals and persistence, and Resume on a layout
 nothing here can replay."""

@@ -1,6 +1,6 @@
 """Shared memory is the server's: a client names no file, holds only leases, and the
 bytes leased are bounded per client and in all; leases end at their lease time and at
-shutdown. Every attack here ran against the client-named design (issue #11)."""
+shutdown. Every attack here ran against the client-named design."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Idempotent spills (issue #11, item 8): a Spill repeated at the stored generation with
+"""Idempotent spills: a Spill repeated at the stored generation with
 identical content gets the first reply again, through the client's UNAVAILABLE retry
 too; other content at that generation is FAILED_PRECONDITION (GenerationConflict)."""
 

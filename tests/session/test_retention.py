@@ -1,4 +1,4 @@
-"""Retained chunks over a real server (issue #15): chunks no session names any more stay
+"""Retained chunks over a real server: chunks no session names any more stay
 as evictable cache, accounted to their dedupe domain, and give way under every pressure
 (a full medium, their TTL, the tenant's quota); their marks survive a restart."""
 
