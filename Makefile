@@ -27,7 +27,7 @@ redis-server:
 	  else echo "redis-server is missing: install it (Debian: apt-get install redis-server)"; exit 1; fi; }
 	@redis-server --version
 
-# The Node client's test (tests/test_node_client.py) needs node and clients/node's locked
+# The Node client's test (tests/client/test_node.py) needs node and clients/node's locked
 # packages: Debian's nodejs and npm when missing and we are root; without node it skips.
 NODE_MODULES := clients/node/node_modules/.package-lock.json
 
