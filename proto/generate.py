@@ -1,7 +1,7 @@
 """Regenerate the committed Python code from proto/kvtier.proto (``make proto``).
 
 Generated into the ``proto`` package so the stubs import ``from proto import kvtier_pb2``.
-``tests/test_proto.py`` regenerates into a temporary directory and fails when the
+``tests/format/test_proto.py`` regenerates into a temporary directory and fails when the
 committed files differ.
 """
 
