@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 from fleet_support import SPEC, TOKENS, assert_persistent, assert_same_window, fleet
 
-from bench.live_server import Child
 from kvstore.format.errors import (
     GenerationConflict,
     InvalidRequest,
@@ -30,6 +29,7 @@ from kvtier import AsyncClient
 from services import cli
 from services.server.config import ServerConfig, load_config
 from services.server.server import create_server
+from testing.live_server import Child
 
 ROOT = Path(__file__).resolve().parent.parent
 
