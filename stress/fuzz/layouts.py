@@ -82,7 +82,7 @@ def flood(rng: random.Random, serial: int) -> str:
 
 def hostile(rng: random.Random) -> tuple[str, str]:
     """(what it is, the JSON); only the one drawn is built (each draw costs Hypothesis's
-    random source bytes: tests/test_fuzz.py hands it in)."""
+    random source bytes: stress/fuzz/test_fuzz.py hands it in)."""
     base = honest(rng)
     s = base["streams"][0]
     one = rng.choice
