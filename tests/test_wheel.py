@@ -1,9 +1,11 @@
 """What the wheel ships: the product packages, every one of their sub-packages, and none
 of bench, stress, testing or tests (read from pyproject.toml's package finder; the slow
-test builds the wheel itself); the image copies the same packages."""
+test builds the wheel itself); the image copies the same packages, and the shipped
+code imports none of what is left out."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -36,6 +38,22 @@ def test_the_wheel_ships_every_product_package_and_nothing_else():
     with_modules = {name for name in find_namespace_packages(str(ROOT), include=[
         f"{top}*" for top in PRODUCT]) if any((ROOT / name.replace(".", "/")).glob("*.py"))}
     assert with_modules <= shipped, sorted(with_modules - shipped)
+
+
+IMPORT = re.compile(r"^\s*(?:from|import)\s+(\w+)", re.MULTILINE)
+
+
+def imported_tops(top: str) -> set[str]:
+    """The top-level names the modules under ``top`` import (absolute imports)."""
+    return {name for path in (ROOT / top).rglob("*.py")
+            for name in IMPORT.findall(path.read_text())}
+
+
+def test_shipped_code_imports_nothing_the_wheel_leaves_out():
+    for top in PRODUCT:
+        assert not imported_tops(top) & set(NOT_SHIPPED), top
+    # stress and testing sit below bench: bench may import them, never the other way
+    assert "bench" not in imported_tops("stress") | imported_tops("testing")
 
 
 def test_package_data_names_only_product_packages():
