@@ -5,16 +5,16 @@ bench/results.json, then bench/REPORT.md and its plots (``bench.report``).
 
 Stages, in order: codec, tiers and trace (run as ``python -m bench.<name> --json`` child
 processes, their printed JSON collected: for trace, the result of
-``bench.trace.run_trace_benchmark``), then resume, fidelity and bytes (called in this
+``bench.trace.run.run_trace_benchmark``), then resume, fidelity and bytes (called in this
 process, sharing one loaded model), then replay_batch (a child process again). ``--sizes
 quick`` is the default budget (resume at the issue's 4096, 16384 and 65536 tokens,
 fidelity at 1k, 4k and 16k on 2 stretches each); ``--sizes tiny`` a smoke run of every
 stage; ``--sizes full`` 4 stretches per fidelity context and the codec and tiers
 benchmarks' own default sizes.
-fuzz and adversarial (child processes) follow replay_batch: ``bench.fuzz`` sends hostile
-requests to every RPC of a live server and replay worker, ``bench.adversarial`` replays
-the attacks of issue #11 (each must hold). faults (a child process) comes last:
-``bench.faults``, power loss at every point, ENOSPC and EIO at every call site, index
+fuzz and adversarial (child processes) follow replay_batch: ``stress.fuzz`` sends hostile
+requests to every RPC of a live server and replay worker, ``stress.adversarial`` runs
+named attacks from outside (each must hold). faults (a child process) comes last:
+``stress.faults``, power loss at every point, ENOSPC and EIO at every call site, index
 repair. fleet (a child process) after it: ``bench.fleet``, resume paths across replicas
 sharing one Redis and one S3 bucket, manifest CAS latency, resumes per second.
 hf (a child process): ``bench.hf``, the transformers integration on a tiny
@@ -108,6 +108,7 @@ SIZES = {
         "seams": [],
     },
 }
+CAMPAIGNS = ("fuzz", "adversarial", "faults")  # stages whose runner is in stress/
 STAGES = ("codec", "tiers", "trace", "resume", "fidelity", "bytes", "replay_batch",
           "fuzz", "adversarial", "faults", "fleet", "hf", "seams")
 
@@ -144,9 +145,11 @@ def machine() -> dict:
 
 
 def child_json(name: str, args: list[str]) -> dict:
-    """``python -m bench.<name> --json *args`` in a child process; its printed JSON. Its
-    progress lines (stderr) pass through as they come, indented under the stage's line."""
-    with subprocess.Popen([sys.executable, "-m", f"bench.{name}", "--json", *args], cwd=ROOT,
+    """``python -m bench.<name> --json *args`` (``stress.<name>`` for a campaign of
+    ``CAMPAIGNS``) in a child process; its printed JSON. Its progress lines (stderr) pass
+    through as they come, indented under the stage's line."""
+    module = f"stress.{name}" if name in CAMPAIGNS else f"bench.{name}"
+    with subprocess.Popen([sys.executable, "-m", module, "--json", *args], cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         stdout = [""]
         reader = threading.Thread(target=lambda: stdout.__setitem__(0, proc.stdout.read()))
@@ -157,7 +160,7 @@ def child_json(name: str, args: list[str]) -> dict:
             print(f"    {name}: {line.rstrip()}", file=sys.stderr, flush=True)
         reader.join()
     if proc.returncode:
-        raise RuntimeError(f"bench.{name} exited {proc.returncode}: "
+        raise RuntimeError(f"{module} exited {proc.returncode}: "
                            f"{''.join(tail)[-2000:]}")
     return json.loads(stdout[0])
 

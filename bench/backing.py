@@ -17,7 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.live_server import free_port
+from testing.live_server import free_port
 
 LOOPBACK = "127.0.0.1"
 BUCKET = "kvtier-fleet"

@@ -2,7 +2,7 @@
 
 ``python -m bench.fleet --json [--tokens 4096] [--sessions 4] [--resumes 96]``
 
-Real ``kvtier serve`` child processes (``bench.live_server.Child``), configured only by
+Real ``kvtier serve`` child processes (``testing.live_server.Child``), configured only by
 their environment (``KVTIER_METADATA=shared``, ``KVTIER_NODE_ID``, the S3 and Redis
 keys: ``bench.backing``), share one redis-server and one moto S3 server (both child
 processes on loopback). Sessions are the bundled model's own prefill state
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from bench.backing import Backing
-from bench.live_server import ROOT, Child
+from testing.live_server import ROOT, Child
 
 REPLAY_TOKENS = 128
 

@@ -15,11 +15,11 @@ from pathlib import Path
 from bench import peers
 from bench.report_plots import PATH_LABELS, RESUME_PATHS, plot_fidelity, plot_resume, plot_trace
 from bench.seams.report import section as seams_section
-
-
-def _table(header: list[str], rows: list[list]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+from bench.trace.report import section as trace_section
+from stress.adversarial.report import section as adversarial_section
+from stress.faults.report import section as faults_section
+from stress.fuzz.report import section as fuzz_section
+from stress.markdown import table
 
 
 def _ms(seconds: float) -> str:
@@ -36,8 +36,6 @@ def _problem(name: str, stage: dict | None) -> list[str]:
     return [f"_{name}: {stage.get('error') or stage.get('skipped')}_", ""]
 
 
-# -- plots --
-
 def machine_section(results: dict) -> list[str]:
     m = results["machine"]
     rows = [["CPU", f"{m['cpu_model']} ({m['cpus']} cores, {m['cpus_usable']} usable)"],
@@ -49,7 +47,7 @@ def machine_section(results: dict) -> list[str]:
             ["load average (1, 5, 15 min) at start / end",
              f"{_load(m['load_average_at_start'])} / {_load(results['load_average_at_end'])}"],
             ["torch threads", results["torch_threads"]], ["sizes", results["sizes"]]]
-    return ["## Machine", ""] + _table(["", ""], rows) + [""]
+    return ["## Machine", ""] + table(["", ""], rows) + [""]
 
 
 def _load(values) -> str:
@@ -79,19 +77,19 @@ def resume_section(stage: dict) -> list[str]:
                          "n/a" if p["verified"] is None else p["verified"],
                          "" if kl is None else f"{kl:.1e}",
                          "" if kl is None else p["check"]["top1_agreement"] == 1.0])
-    out += _table(["context", "path", "time to ready", "speedup vs prefill",
-                   "stored B/token", "verified", "next-token KL", "top-1"], rows) + [""]
+    out += table(["context", "path", "time to ready", "speedup vs prefill",
+                  "stored B/token", "verified", "next-token KL", "top-1"], rows) + [""]
     rows = [[row["context"], name, _ms(p["restore_s"]), _ms(p["replay_s"]), _ms(p["decode_s"])]
             for row in stage["contexts"] for name, p in row["paths"].items()
             if "restore_s" in p]
     out += ["Where the tier paths spend their time:", ""]
-    out += _table(["context", "path", "restore (read + verify)", "replay",
-                   "decode to KVState"], rows) + [""]
+    out += table(["context", "path", "restore (read + verify)", "replay",
+                  "decode to KVState"], rows) + [""]
     rows = [[row["context"], _ms(row["paths"]["host"]["spill_s"]),
              _ms(row["paths"]["naive"]["spill_s"])] for row in stage["contexts"]]
     out += ["Writing the session (not part of time to ready):", ""]
-    out += _table(["context", "kvtier spill, durable ack (host + disk)",
-                   "naive torch.save + fsync"], rows) + [""]
+    out += table(["context", "kvtier spill, durable ack (host + disk)",
+                  "naive torch.save + fsync"], rows) + [""]
     naive = stage["contexts"][-1]["paths"]["naive"]
     out += [f"The medium: the naive file of the largest context was read back at "
             f"{naive['stored_bytes'] / naive['seconds'] / 1e9:.2f} GB/s with its page cache "
@@ -125,8 +123,8 @@ def fidelity_section(stage: dict) -> list[str]:
              f"{v['bits_per_byte']:.4f}", f"{v['ref_bits_per_byte']:.4f}",
              f"{v['bpb_rel_diff']:+.2%}", " / ".join(f"{q:.1e}" for q in v["kl_by_quarter"])]
             for row in stage["contexts"] for name, v in row["variants"].items()]
-    out += _table(["context", "resume", "KL (nats)", "top-1", "bits/byte",
-                   "never-evicted bits/byte", "bits/byte change", "KL by quarter"], rows)
+    out += table(["context", "resume", "KL (nats)", "top-1", "bits/byte",
+                  "never-evicted bits/byte", "bits/byte change", "KL by quarter"], rows)
     g = stage["goal"]
     out += ["", f"Goal at R = {g['replay_tokens']} (top-1 >= {g['top1_at_least']}, KL <= "
             f"{g['kl_at_most']:g} nats, bits/byte within {g['bpb_within']:.1%}): per context "
@@ -137,102 +135,14 @@ def fidelity_section(stage: dict) -> list[str]:
                 "session's): the window (R = 0 against R = 128) and the global KV "
                 f"(window-only against R = 0); goal: each at least {pv['clearly_worse_by']:.0%}.",
                 ""]
-        out += _table(["context", "window dropped (R=0 vs R=128)",
-                       "global KV dropped too (window-only vs R=0)", "window-only vs R=128",
-                       "clearly ordered"],
-                      [[c, f"{p['r0_vs_r128']:+.2%}", f"{p['window_only_vs_r0']:+.2%}",
-                        f"{p['window_only_vs_r128']:+.2%}", "yes" if p["ordered"] else "**no**"]
-                       for c, p in pv["per_context"].items()])
+        out += table(["context", "window dropped (R=0 vs R=128)",
+                      "global KV dropped too (window-only vs R=0)", "window-only vs R=128",
+                      "clearly ordered"],
+                     [[c, f"{p['r0_vs_r128']:+.2%}", f"{p['window_only_vs_r0']:+.2%}",
+                       f"{p['window_only_vs_r128']:+.2%}", "yes" if p["ordered"] else "**no**"]
+                      for c, p in pv["per_context"].items()])
         out += ["", f"**{'met' if pv['met'] else 'NOT met'}**.", ""]
     return out
-
-
-def trace_section(stage: dict) -> list[str]:
-    t = stage["trace"]
-    out = ["## Hit rate on a request trace (`python -m bench.trace`)", "",
-           f"Trace `{t['path']}`: {t['requests']} requests, {t['block_reads']} block reads, "
-           f"{t['unique_blocks']} unique blocks, {t['sessions']} sessions, "
-           f"{t['continuations']} continuations, {t['lookup_starts']} new sessions started "
-           f"from a looked-up prefix. Layout {stage['layout']['name']}: block "
-           f"{stage['layout']['block_bytes']} B, window {stage['layout']['window_bytes']} B. "
-           "Method: see `bench/trace.py` (repeated under `method` in results.json).", "",
-           "![hit rate](trace_hit_rate.png)", ""]
-    rows = []
-    for r in stage["results"]:
-        rate = r["block_hit_rate"]
-        rows.append([r["capacity_fraction"], r["policy"], f"{rate['hbm']:.3f}",
-                     f"{rate['host']:.3f}", f"{rate['disk']:.3f}", f"{rate['new']:.3f}",
-                     f"{rate['reprefill']:.3f}", f"{r['fast_hit_rate']:.3f}",
-                     f"{r['reuse_fast_hit_rate']:.3f}", f"{r['replays']}/{r['resumes']}"])
-    out += _table(["hbm fraction", "policy", "hbm", "host", "disk", "new", "re-prefill",
-                   "fast (hbm+host)", "fast among re-reads", "replays/continuations"], rows)
-    out += ["", *trace_retention_lines(stage), *trace_goal_lines(stage)]
-    if "validation" in stage:
-        v = stage["validation"]
-        out += ["", f"Simulation checked against the real TierStack on the first "
-                f"{v['requests']} requests: {'all counts agree' if v['agree'] else 'DIFFER'}."]
-    return out + [""]
-
-
-def trace_goal_lines(stage: dict) -> list[str]:
-    """The issue's goals, kvtier next to libCacheSim on one tier, and Lookup's cost."""
-    out: list[str] = []
-    g = stage.get("goals")
-    if g:
-        share, lru = g["belady_share"], g["never_below_lru"]
-        out += ["", "Goals (`kvtier` is the project's policy, `kvstore.eviction.reuse."
-                "ReusePolicy`, with hints inferred from the past only):", ""]
-        out += _table(["goal", "measured", "met"], [
-            *[[f"kvtier >= {share['target']:g} x Belady, fast among re-reads, hbm {f}",
-               f"{v['kvtier']:.3f} / {v['belady']:.3f} = **{v['share']:.3f}**",
-               "yes" if v["share"] >= share["target"] else "**no**"]
-              for f, v in share["points"].items()],
-            ["kvtier never below LRU", ", ".join(
-                f"{f}: {v['kvtier']:.3f} vs {v['lru']:.3f}" for f, v in lru["points"].items()
-                if None not in v.values()), "yes" if lru["met"] else
-                f"**no** (at hbm {', '.join(lru['below_at'])})"],
-            ["re-prefill with retention, unbounded disk < 1% of reads",
-             f"{g['reprefill_with_retention']['rate']:.4f}",
-             "yes" if g["reprefill_with_retention"]["met"] else "**no**"]])
-    one = stage.get("one_tier")
-    if one:
-        lcs = one["libcachesim"].get("hit_rate_among_rereads", {})
-        ours = one["hit_rate_among_rereads"]
-        theirs = one["libcachesim"].get("policies", [])
-        mine = list(next(iter(ours.values()), {}))
-        out += ["", "One tier of equal-size blocks, prefix reads, hit rate among re-reads: "
-                "kvtier's simulation (no window blobs, no host tier) next to libCacheSim "
-                f"{one['libcachesim'].get('libcachesim', '')} on the same trace "
-                "(`bench/trace_libcachesim.py`, committed `bench/trace_libcachesim.json`"
-                f"{'' if lcs else ': ' + one['libcachesim'].get('missing', '')}).", ""]
-        out += _table(["cache size", *[f"sim {p}" for p in mine], *theirs],
-                      [[f"{float(f):.0%}", *[f"{ours[f][p]:.3f}" for p in mine],
-                        *[f"{lcs.get(f, {}).get(p, float('nan')):.3f}" for p in theirs]]
-                       for f in ours])
-    lk = stage.get("lookup")
-    if lk:
-        out += ["", f"Lookup of a {lk['tokens']}-token prefix (bundled model, same run, "
-                f"`bench.trace_lookup`): {lk['lookup_s'] * 1000:.2f} ms against "
-                f"{lk['prefill_s']:.1f} s to prefill it: **{lk['lookup_vs_prefill']:.1e}** of "
-                f"the prefill (goal < {lk['goal_ratio']:g}: "
-                f"{'met' if lk['met'] else 'NOT met'})."]
-    return out
-
-
-def _disk(fraction: float | None) -> str:
-    return "unbounded" if fraction is None else f"{fraction:g} x footprint"
-
-
-def trace_retention_lines(stage: dict) -> list[str]:
-    ret = stage["retention"]
-    rates = {k: ret[k]["reprefill_blocks"] / ret[k]["block_reads"] for k in ("with", "without")}
-    ttl = stage["trace"]["session_ttl_s"]
-    return [f"Re-prefilled blocks / block reads ({ret['policy']}, hbm "
-            f"{ret['capacity_fraction']:g}, disk {_disk(stage['tiers']['disk_fraction'])}, "
-            f"sessions deleted {f'{ttl:g} s' if ttl else 'never'} after their last request): "
-            f"with retention **{rates['with']:.4f}** ({ret['with']['retained_hits']} "
-            f"looked-up reads of retained chunks), without **{rates['without']:.4f}** "
-            f"({ret['without']['freed_chunks']} chunks freed)."]
 
 
 def bytes_section(stage: dict) -> list[str]:
@@ -241,8 +151,8 @@ def bytes_section(stage: dict) -> list[str]:
            f"{len(stage['sessions'])} real sessions ({', '.join(map(str, stage['sessions']))} "
            f"tokens of held-out text, {stage['tokens']} in all) spilled through the "
            "TierManager and demoted to the disk tier.", ""]
-    out += _table(["what", "bytes/token"], [[k, "-" if v is None else f"{v:.2f}"]
-                                             for k, v in per.items()])
+    out += table(["what", "bytes/token"], [[k, "-" if v is None else f"{v:.2f}"]
+                                            for k, v in per.items()])
     out += ["", f"Disk total / spec = {stage['disk_vs_spec']:.3f}; bf16 baseline / disk total = "
             f"{stage['bf16_vs_disk']:.1f}x. `manifests` carries the token ids (4 B/token) and "
             "the partial last chunk of each session.", ""]
@@ -252,17 +162,17 @@ def bytes_section(stage: dict) -> list[str]:
 def codec_tiers_section(codec: dict | None, tiers: dict | None) -> list[str]:
     out = ["## Codec and tiers (`python -m bench.codec`, `python -m bench.tiers`)", ""]
     if _ok(codec):
-        out += _table(["layout", "chunk B", "zstd", "encode GB/s", "decode GB/s",
-                       "run decode GB/s", "memcpy GB/s", "decode / memcpy",
-                       "run decode / memcpy", "joined run / memcpy", "run / hot memcpy",
-                       "stored / raw"],
-                      [[r["layout"], r["chunk_payload_bytes"], r["zstd_level"] or "-",
-                        f"{r['encode_gbps']:.2f}", f"{r['decode_gbps']:.2f}",
-                        f"{r['decode_run_gbps']:.2f}", f"{r['memcpy_gbps']:.2f}",
-                        f"{r['decode_vs_memcpy']:.2f}", f"{r['decode_run_vs_memcpy']:.2f}",
-                        f"{r.get('decode_run_joined_vs_memcpy', float('nan')):.2f}",
-                        f"{r.get('decode_run_vs_memcpy_hot', float('nan')):.2f}",
-                        f"{r['stored_bytes'] / r['payload_bytes']:.3f}"] for r in codec["rows"]])
+        out += table(["layout", "chunk B", "zstd", "encode GB/s", "decode GB/s",
+                      "run decode GB/s", "memcpy GB/s", "decode / memcpy",
+                      "run decode / memcpy", "joined run / memcpy", "run / hot memcpy",
+                      "stored / raw"],
+                     [[r["layout"], r["chunk_payload_bytes"], r["zstd_level"] or "-",
+                       f"{r['encode_gbps']:.2f}", f"{r['decode_gbps']:.2f}",
+                       f"{r['decode_run_gbps']:.2f}", f"{r['memcpy_gbps']:.2f}",
+                       f"{r['decode_vs_memcpy']:.2f}", f"{r['decode_run_vs_memcpy']:.2f}",
+                       f"{r.get('decode_run_joined_vs_memcpy', float('nan')):.2f}",
+                       f"{r.get('decode_run_vs_memcpy_hot', float('nan')):.2f}",
+                       f"{r['stored_bytes'] / r['payload_bytes']:.3f}"] for r in codec["rows"]])
         out += ["", "decode: one `decode_chunk` per chunk; run decode: the chunks as one "
                 "session through `decode_chunks` (one tensor per stream), as a restore of a "
                 "whole session does, from one buffer as a shared-memory restore hands them "
@@ -282,8 +192,8 @@ def codec_tiers_section(codec: dict | None, tiers: dict | None) -> list[str]:
                 for name, r in tiers["tiers"].items()]
         out += [f"Values of {tiers['value_bytes']} B, one call in flight, each tier next to "
                 "its bare medium in the same run (GB/s):", ""]
-        out += _table(["tier", "values", "put", "raw put", "get", "raw get", "get / raw"],
-                      rows) + [""]
+        out += table(["tier", "values", "put", "raw put", "get", "raw get", "get / raw"],
+                     rows) + [""]
         zero_copy = [n for n, r in tiers["tiers"].items() if r.get("get_zero_copy")]
         if zero_copy:
             out += [f"{', '.join(zero_copy)}: `get` hands out a read-only view of the stored "
@@ -301,49 +211,10 @@ def replay_batch_section(stage: dict) -> list[str]:
            "batching is faster). The worker batches at most 8,192 tokens of context per "
            "call.", ""]
     keys = [k for k in stage["rows"][0] if k.startswith("batched_speedup_")]
-    out += _table(["context", "one replay", *[f"{k.rsplit('_', 1)[1]} in one call"
-                                             for k in keys]],
-                  [[row["context"], _ms(row["replay_ms"] / 1000),
-                    *[f"{row[k]:.2f}x" for k in keys]] for row in stage["rows"]])
-    return out + [""]
-
-
-def faults_section(stage: dict) -> list[str]:
-    out = ["## Faults (`python -m bench.faults`)", "",
-           f"Power loss, workload `{stage['workload']}` (seed {stage['seed']}): "
-           f"{stage['events']} file-system events, {stage['crash_points']} crash points, "
-           f"{stage['images']} distinct crash images reopened; {stage['acked_durable']} "
-           f"durable acks owed, **{stage['acked_lost']} lost**, {stage['wrong']} wrong "
-           f"restores, {stage['recovery_failures']} recovery failures.", "",
-           "ENOSPC (a full disk until healed) and EIO (one failing call) at the nth call "
-           "of each kind, spread over the calls a healthy phase makes; recovered: clear "
-           "tier errors only, nothing acknowledged lost, serving again once healed with "
-           "no reopen.", ""]
-    rows = []
-    for name in ("enospc", "eio"):
-        kinds: dict[str, list[dict]] = {}
-        for case in stage[name]:
-            kinds.setdefault(case["kind"], []).append(case)
-        for kind, cases in kinds.items():
-            errors: dict[str, int] = {}
-            for case in cases:
-                for error, count in case["errors"].items():
-                    errors[error] = errors.get(error, 0) + count
-            rows.append([name.upper(), kind, ", ".join(str(c["nth"]) for c in cases),
-                         f"{sum(c['fired'] > 0 for c in cases)}/{len(cases)}",
-                         f"{sum(c['recovered'] for c in cases)}/{len(cases)}",
-                         ", ".join(f"{e} {n}" for e, n in sorted(errors.items())) or "-"])
-    out += _table(["fault", "call", "nth calls", "fired", "recovered", "errors met"], rows)
-    rows = [[variant.replace("_", " "), r["sessions_before"], r["sessions_after"],
-             r["bit_exact"], r["orphans"],
-             r.get("open_before_repair") or f"opened {r['opened']}, refused {r['refused']}, "
-                                           f"crashed {r['crashed']} of {r['trials']}"]
-            for variant, r in stage["repair"].items()]
-    out += ["", "Index repair (`kvstore.tiers.disk.repair`, as `kvtier repair` runs it); "
-            f"flipped bytes: {stage['repair']['flipped_bytes']['flips']} seeded bit flips in "
-            "data.mdb per trial, the damaged open in a child process:", ""]
-    out += _table(["damage", "sessions before", "sessions restored after",
-                   "bit-exact", "orphan chunks", "writer open before repair"], rows)
+    out += table(["context", "one replay", *[f"{k.rsplit('_', 1)[1]} in one call"
+                                            for k in keys]],
+                 [[row["context"], _ms(row["replay_ms"] / 1000),
+                   *[f"{row[k]:.2f}x" for k in keys]] for row in stage["rows"]])
     return out + [""]
 
 
@@ -355,18 +226,18 @@ def fleet_section(stage: dict) -> list[str]:
            f"{stage['tokens']} tokens ({stage['chunks']} chunks) of the bundled model, spilled "
            f"durable on a; median of {stage['sessions']} resumes each (decoded, over gRPC), "
            f"replay R = {stage['replay_tokens']}.", ""]
-    out += _table(["path", "time to ready", "vs re-prefill", "replayed", "chunks from"],
-                  [[name.replace("_", " "), _ms(p["median_ms"] / 1000),
-                    f"{p['speedup_vs_prefill']:.2f}x", p.get("replayed", "-"),
-                    ", ".join(p.get("tiers", [])) or "-"] for name, p in paths.items()])
+    out += table(["path", "time to ready", "vs re-prefill", "replayed", "chunks from"],
+                 [[name.replace("_", " "), _ms(p["median_ms"] / 1000),
+                   f"{p['speedup_vs_prefill']:.2f}x", p.get("replayed", "-"),
+                   ", ".join(p.get("tiers", [])) or "-"] for name, p in paths.items()])
     m = stage["manifest_round_trip"]
     out += ["", f"Manifest compare-and-swap ({m['bytes']} B, {m['count']} generations): PUT "
             f"If-Match p50 {m['put_p50_ms']} ms (p95 {m['put_p95_ms']}), GET p50 "
             f"{m['get_p50_ms']} ms, both p50 {m['round_trip_p50_ms']} ms "
             f"(p95 {m['round_trip_p95_ms']}).", ""]
-    out += _table(["replicas", "resumes", "clients", "resumes/s", "replayed"],
-                  [[r["replicas"], r["resumes"], r["clients"], r["resumes_per_s"],
-                    r["replayed"]] for r in stage["aggregate"]])
+    out += table(["replicas", "resumes", "clients", "resumes/s", "replayed"],
+                 [[r["replicas"], r["resumes"], r["clients"], r["resumes_per_s"],
+                   r["replayed"]] for r in stage["aggregate"]])
     out += ["", f"3 replicas / 1: {stage['scaling_3_vs_1']}x (each resume routed to the node "
             "Stat names as holding its window; the replicas share this machine's cores, so "
             "this is not a fleet's scaling across machines).", ""]
@@ -377,62 +248,6 @@ def fleet_section(stage: dict) -> list[str]:
                 f"{run['load_average_at_end'][0]} at its end on {stage['cpus']} cores (other "
                 "work shared the machine: compare the paths within the run).", ""]
     return out
-
-
-def fuzz_section(stage: dict) -> list[str]:
-    out = ["## Fuzz (`python -m bench.fuzz`)", "",
-           f"{stage['requests']} requests (seed {stage['seed']}) to every KVTier and Replay "
-           "method of a live server and replay worker over raw stubs: random bytes, truncated "
-           "and random messages, bombs, wrong section tables, huge ids and token counts, bad "
-           "digests, foreign and path-like lease ids, out-of-vocabulary ids, stale and "
-           "duplicate generations, Spill messages out of order, streams abandoned or left "
-           "silent; hostile layouts for RegisterLayout (nesting, floats, huge dims, floods "
-           "up to the bounds), ListLayouts, Lookups of up to 15M tokens and of other "
-           "tenants' prompts, Forks past the source, onto itself and across tenants; "
-           f"{stage['probes']} probes spilled and restored through the client "
-           f"between them. {stage['seconds']} s.", ""]
-    columns = ["crashes", "hangs", "INTERNAL/UNKNOWN (client / server count)",
-               "wrong tensors", "pre-existing sessions intact", "server peak RSS"]
-    row = [stage["crashes"], stage["hangs"],
-           f"{stage['internal_or_unknown']} / {stage['server_internal_or_unknown']}",
-           stage["wrong_tensors"], stage["preexisting_sessions_intact"],
-           f"{stage['server_peak_rss_mib']:.0f} MiB"]
-    if "prefix_leaks" in stage:  # a prefix found by another tenant; a path in an answer
-        columns += ["prefix leaks", "path leaks", "loop stalls (slowest Stat)"]
-        row += [stage["prefix_leaks"], stage["path_leaks"],
-                f"{stage['stalls']} ({stage['stat_max_s']:.2f} s)"]
-    out += _table(columns, [row])
-    out += ["", "Status codes: " + ", ".join(f"{code} {count}" for code, count
-                                               in stage["by_code"].items())
-            + " (CANCELLED: streams the fuzzer abandoned; CLIENT_WRITE_RACE: the server ended "
-            "a client stream while the fuzzer was still writing, which grpc's aio client "
-            "reports as its own INTERNAL, grpc/grpc#36066: the server's own count is the "
-            "second INTERNAL figure).", ""]
-    if auth := stage.get("authenticated"):
-        out += [f"Against a server with TLS and bearer tokens (`--auth`): {auth['requests']} "
-                f"requests, {auth['credential_attacks']} of them credential attacks (no token, "
-                "a forged token, another tenant's session named with a valid one): "
-                f"{auth['credential_breaches']} breaches, {auth['crashes']} crashes, "
-                f"{auth['hangs']} hangs, {auth['internal_or_unknown']} INTERNAL/UNKNOWN, "
-                f"{auth['wrong_tensors']} wrong tensors, pre-existing sessions intact: "
-                f"{auth['preexisting_sessions_intact']}.", ""]
-    return out
-
-
-def adversarial_section(stage: dict) -> list[str]:
-    def measured(case: dict) -> str:
-        shown = {k: v for k, v in case.items()
-                 if k not in ("held", "seconds", "server_alive", "details", "spill_details")}
-        return json.dumps(shown, separators=(", ", ": "))[1:-1].replace("|", "/")
-
-    out = ["## Adversarial (`python -m bench.adversarial`)", "",
-           "The attacks of issue #11, and on layouts at run time and prefix reuse (9a-9d), "
-           "each against a live server and replay worker; "
-           f"all held: **{'yes' if stage['all_held'] else 'no'}**.", ""]
-    out += _table(["case", "held", "measured"],
-                  [[name, "yes" if case["held"] else "**no**", measured(case)]
-                   for name, case in stage["cases"].items()])
-    return out + [""]
 
 
 def _parts_clause(fid: dict, context: int) -> str:
@@ -487,7 +302,7 @@ def headlines(stages: dict) -> list[str]:
                    "past requests alone; `hint` is given each session's true next gap with "
                    "noise, an oracle-derived estimate, and `kvtier-hint` is kvtier's policy "
                    "given those; `hint-causal` HintPolicy with inferred hints; `belady` is "
-                   "the offline optimum. See the method notes in `bench/trace.py`.)")
+                   "the offline optimum. See the method notes in `bench/trace/run.py`.)")
     fa = stages.get("faults")
     if _ok(fa):
         cases = fa["enospc"] + fa["eio"]
@@ -515,8 +330,8 @@ def hf_section(stage: dict) -> list[str]:
                      if "ready_seconds" in f else "-")
             rows.append([n, r, f"{f['kl_nats']:.4f}", f"{f['top1_agreement']:.2f}",
                          f["greedy_match_tokens"], ready])
-    out += _table(["tokens", "R", "KL (nats)", "top-1", "greedy match", "ready (vs prefill)"],
-                  rows)
+    out += table(["tokens", "R", "KL (nats)", "top-1", "greedy match", "ready (vs prefill)"],
+                 rows)
     out += [""] + [f"{n} tokens: persisted {row['persisted_bytes_per_token']:.1f} B/token, "
                    f"the model's own cache at bf16 {row['bf16_bytes_per_token']:.1f} B/token "
                    f"({row['persisted_vs_bf16']:.1f}x); re-prefill "

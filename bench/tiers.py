@@ -40,12 +40,12 @@ from pathlib import Path
 import torch
 
 from bench.backing import start_redis
-from bench.live_server import free_port
 from kvstore.tiers.base import Tier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.object import ObjectTier, ObjectTierConfig
 from kvstore.tiers.redis import RedisTier, RedisTierConfig
+from testing.live_server import free_port
 
 S3_CREDENTIALS = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench",
                   "region_name": "us-east-1"}

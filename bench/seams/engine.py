@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-from bench.live_server import ROOT, Credentials
 from bench.seams import maintenance
 from bench.seams.layouts import BUNDLED
 from bench.seams.model import Held
@@ -26,6 +25,7 @@ from bench.seams.verdict import Ledger
 from bench.seams.world import STARTED, Moto, Node, Redis, Tmpfs
 from kvstore.format.layout import get_layout
 from kvtier import AsyncClient
+from testing.live_server import ROOT, Credentials
 
 TMPFS_MIB = 48
 EVENTS = ("restart", "compact-live", "kill9", "compact-offline", "repair", "full-disk")

@@ -18,16 +18,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bench import fuzz_pool
 from kvstore.format.chunk import StreamData
 from kvstore.format.layout import LayoutSpec
+from stress.fuzz import pool
 
 
 def random_streams(spec: LayoutSpec, tokens: int, rng: random.Random, streams=None
                    ) -> dict[str, StreamData]:
     """Random codes and scales for ``streams`` (default: the persistent ones), drawn
     from ``rng``'s sequence."""
-    return fuzz_pool.random_streams(spec, tokens, rng.getrandbits(62), streams)
+    return pool.random_streams(spec, tokens, rng.getrandbits(62), streams)
 
 
 def random_window(spec: LayoutSpec, tokens: int, rng: random.Random

@@ -10,11 +10,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.live_server import Credentials
 from bench.seams.engine import Simulation
 from bench.seams.switches import Combination
 from bench.seams.verdict import KEYS, Ledger
 from bench.seams.world import Moto, Redis, reap
+from testing.live_server import Credentials
 
 MIN_STEPS = 20  # per combination, whatever the budget
 

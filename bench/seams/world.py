@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.backing import end_process
-from bench.live_server import ROOT, Child, Credentials, free_port
+from testing.live_server import ROOT, Child, Credentials, free_port
 
 STARTED: list[subprocess.Popen] = []  # every child of this run, for ``reap``
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",

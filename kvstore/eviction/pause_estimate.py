@@ -1,7 +1,7 @@
 """Resume hints kvtier infers itself, for spills whose framework sent none.
 
 What a session did before says much about when it comes back. On the Mooncake request
-trace (``bench/trace.py``), 12% of conversations come back after their first turn but
+trace (``bench.trace``), 12% of conversations come back after their first turn but
 80% after any later one: a session that has never resumed is mostly one that never will.
 So a session's first spill is hinted as a long pause, the 90th percentile of the pauses
 seen so far divided by the share of first spills that came back (a rare return, expected

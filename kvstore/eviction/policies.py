@@ -3,7 +3,7 @@
 A policy knows nothing of tiers or bytes on media: it sees opaque block ids (chunk keys,
 window keys, or a trace simulator's integers) through four calls, ``on_insert``,
 ``on_access``, ``on_remove`` and ``victim``. The tier manager keeps one policy instance
-per tier; ``bench/trace.py`` can drive one directly with a virtual clock.
+per tier; ``bench.trace`` can drive one directly with a virtual clock.
 
 ``LRUPolicy`` is the baseline. ``HintPolicy`` uses the resume hints an agent framework
 can send (expected pause length, priority) to evict first the block that will be needed

@@ -11,7 +11,7 @@ from bench import all as bench_all
 from bench import bytes as bytes_bench
 from bench import fidelity, resume
 from bench.report import write_report
-from bench.trace import run_trace_benchmark
+from bench.trace.run import run_trace_benchmark
 from tests.support.replay import tiny_model
 
 INFO = {"weights": None, "trained": False, "note": "tiny test model"}

@@ -12,12 +12,12 @@ import re
 
 import pytest
 
-from bench.trace import main, make_tiers, run_trace_benchmark, simulate
-from bench.trace_check import check_against_stack
-from bench.trace_manager import check_against_manager
-from bench.trace_reader import read_trace
-from bench.trace_sim import SimTier
-from bench.trace_workload import build_workload
+from bench.trace.check import check_against_stack
+from bench.trace.manager_check import check_against_manager
+from bench.trace.reader import read_trace
+from bench.trace.run import main, make_tiers, run_trace_benchmark, simulate
+from bench.trace.sim import SimTier
+from bench.trace.workload import build_workload
 from kvstore.format.errors import InvalidRequest
 from kvstore.format.layout import get_layout
 
@@ -112,7 +112,7 @@ def test_cli_reports_a_bad_trace_and_exits_2(tmp_path, capsys):
 # -- sessions --
 
 def parsed(trace):
-    from bench.trace_reader import parse_request
+    from bench.trace.reader import parse_request
 
     return [parse_request(json.dumps(r), f"line {i}") for i, r in enumerate(trace)]
 

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.repair_trials import opens_in_child
 from kvstore.format.errors import IndexCorrupt
 from kvstore.session.manager import TierManager
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk.index import DiskIndex, SegState
 from kvstore.tiers.disk.lock import WRITER_LOCK, DirLock
 from kvstore.tiers.host import HostTier
+from stress.faults.repair_trials import opens_in_child
 from tests.support.manager import make_session, random_tokens, running_manager
 
 MB = 1 << 20

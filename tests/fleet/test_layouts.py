@@ -18,7 +18,6 @@ import boto3
 import pytest
 import torch
 
-from bench.live_server import Child
 from kvstore.format.errors import InvalidRequest, UnknownLayout
 from kvstore.format.layout import BaselineKV, get_layout, layout_to_json
 from kvtier import AsyncClient
@@ -29,6 +28,7 @@ from model.net import KVTierLM
 from replay.state_codec import state_to_chunks
 from services.server.config import load_config
 from services.server.server import create_server
+from testing.live_server import Child
 
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLED_SPEC = get_layout("kvtier-bundled")

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.live_server import Child
 from kvstore.format.errors import (
     GenerationConflict,
     InvalidRequest,
@@ -29,6 +28,7 @@ from kvtier import AsyncClient
 from services import cli
 from services.server.config import ServerConfig, load_config
 from services.server.server import create_server
+from testing.live_server import Child
 from tests.support.fleet import SPEC, TOKENS, assert_persistent, assert_same_window, fleet
 
 ROOT = Path(__file__).resolve().parents[2]

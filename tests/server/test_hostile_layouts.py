@@ -16,8 +16,6 @@ import grpc
 import numpy as np
 import pytest
 
-from bench.adversarial_cases import status, stream
-from bench.live_server import LiveServer, channel
 from kvstore.format.errors import InvalidRequest
 from kvstore.format.layout import layout_from_json, layout_to_json
 from kvtier import AsyncClient
@@ -25,6 +23,8 @@ from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.server.config import ServerConfig
 from services.server.layouts import MAX_JSON_BYTES, MAX_REGISTERED, MAX_REGISTERED_BYTES
+from stress.adversarial.cases import status, stream
+from testing.live_server import LiveServer, channel
 from tests.support.security import TOKENS, dev_set, secured_server, spill_one
 from tests.support.service import LAYOUT, running_server, streams_for, tokens_for
 

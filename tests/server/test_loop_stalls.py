@@ -17,7 +17,6 @@ import grpc
 import numpy as np
 import pytest
 
-from bench.live_server import LiveServer, channel
 from kvstore.format.keys import dedupe_scope
 from kvtier import shm
 from kvtier.codec import as_tokens, encode_session
@@ -27,6 +26,7 @@ from services.server.config import ServerConfig
 from services.server.loop_lag import STALL_S, LoopMonitor
 from services.server.metrics import ServiceMetrics
 from services.server.sizes import CONTROL_BYTES
+from testing.live_server import LiveServer, channel
 from tests.support.service import LAYOUT, raw_spill_header, streams_for, tokens_for
 
 MESSAGE = ServerConfig.max_message_bytes

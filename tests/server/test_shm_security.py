@@ -11,13 +11,13 @@ import stat
 import grpc
 import pytest
 
-from bench.adversarial_cases import planted
 from kvstore.format.keys import dedupe_scope
 from kvtier import AsyncClient, shm
 from kvtier.codec import as_tokens, encode_session
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.server.shm import LeaseTable
+from stress.adversarial.cases import planted
 from tests.support.service import (
     LAYOUT,
     assert_streams_equal,

@@ -1,0 +1,5 @@
+"""``python -m bench.trace``: the trace benchmark's runner (``run.main``)."""
+
+from bench.trace.run import main
+
+raise SystemExit(main())

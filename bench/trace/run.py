@@ -1,0 +1,467 @@
+"""Block hit rates of kvtier's tier hierarchy on a request trace, per eviction policy.
+
+    python -m bench.trace --json --trace ../shared/traces/mooncake_synthetic_trace.jsonl
+
+How each figure is obtained (the JSON repeats this under "method"):
+
+- Trace: Mooncake format, one request per line (``bench.trace.reader``; a bad line is
+  rejected with its line number). Each ``hash_ids`` entry is one 512-token prefix block.
+- Block bytes: the layout spec's persistent bytes/token x 512 (``--layout``, default
+  kvtier-bundled). Window bytes: the spec's ephemeral bytes/token x W = 128 tokens. Both
+  are computed from the spec at run time and printed under "layout". A layout without
+  ephemeral streams has no window blobs and never needs replay.
+- Blocks: a request's complete blocks (input_length // 512 of its hash_ids) are its
+  chunks; the partial last block is the session's tail, which kvtier keeps in the
+  manifest rather than in a tier, so it is left out (counted as trace.tail_blocks).
+- Sessions (``bench.trace.workload``): a request continues an earlier request's session
+  only when that request's complete blocks are a prefix of its own and it is still its
+  session's latest (the session's head; restore, then spill the next generation); any
+  other request starts a new session from what ``Lookup`` finds held (the chunks named by
+  key, then read), exactly as the product serves it. A session is deleted
+  ``--session-ttl`` seconds after its last request; its chunks are then retained as
+  evictable cache (``retain_unreferenced``, the default here) or freed
+  (``--no-retain``); the ``retention`` section compares both.
+- Tiers: hbm = f x footprint, host = host_ratio x f x footprint, disk unbounded (or
+  ``--disk-fraction`` x footprint), footprint = unique blocks x block bytes, for each
+  f in ``--fractions``. Windows live only in hbm and host.
+- Replay (``bench.trace.sim``): each request reads its blocks (its session's stored
+  chunks, or the looked-up prefix; a hit in the highest tier holding it, promotion to hbm
+  if lower), prefills the rest (new if never stored, re-prefill otherwise), reads its
+  session's window (missing: one bounded replay of W tokens), then spills its blocks and
+  new window with its hint; write-back copies every block to disk. Placement mirrors
+  ``kvstore.placement.stack.TierStack``. Time is a virtual clock at the trace's timestamps.
+- Policies: ``kvtier`` (the project's own: ``kvstore.eviction.reuse.ReusePolicy``, one
+  model per tier stack, hit density per reuse class learned online from reads, resume
+  hints inferred from the past only, as the TierManager infers them: no future
+  knowledge), ``kvtier-hint`` (the same given the oracle-derived hints of ``hint``),
+  ``kvtier-returns`` (a probe, not run by default: the same told only whether each
+  session comes back, not when),
+  ``lru`` (LRUPolicy), ``hint`` (HintPolicy given the true gap to the
+  session's next request x lognormal noise, sigma ``--hint-sigma``: an oracle-derived
+  estimate, labelled as such), ``hint-perfect`` (sigma 0), ``hint-causal`` (HintPolicy
+  given the hints kvtier infers itself from the past only, ``kvstore.eviction.pause_estimate``: a
+  session's first request a long pause, a later one a pause of 0: recency), ``belady``
+  (evict the block whose next read is farthest ahead, from a next-use table of the whole
+  trace; ``bench.trace.belady``).
+- ``--validate N`` replays the first N requests through the real ``TierStack``
+  (``bench.trace.check``) and the real ``TierManager`` (``bench.trace.manager_check``) over
+  real HBM, host and disk tiers and reports whether their counts equal the simulation's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from bench.paths import recorded
+from bench.trace.compare import (
+    GOAL_FRACTIONS,
+    ONE_TIER_POLICIES,
+    goals,
+    libcachesim_results,
+    one_tier_summary,
+)
+from bench.trace.method import describe_method
+from bench.trace.policies import POLICIES, setup_policy
+from bench.trace.reader import BLOCK_TOKENS, TraceRequest, read_trace
+from bench.trace.sim import CAUSES, SimCounters, SimTier, TierSim, replay
+from bench.trace.workload import DEFAULT_SESSION_TTL_S, Workload, build_workload
+from kvstore.format.errors import InvalidRequest, KVTierError
+from kvstore.format.layout import get_layout
+
+DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2)
+DEFAULT_POLICIES = ("kvtier", "lru", "hint", "hint-causal", "kvtier-hint", "belady")
+WINDOW_TOKENS = 128  # W: the window kept exactly, and the bounded replay's length R
+TIER_NAMES = ("hbm", "host", "disk")
+
+
+def layout_sizes(layout: str, window_tokens: int = WINDOW_TOKENS) -> dict:
+    spec = get_layout(layout)
+    return {
+        "name": spec.name,
+        "layout_id": spec.layout_id,
+        "block_tokens": BLOCK_TOKENS,
+        "persistent_bytes_per_token": spec.persistent_bytes_per_token,
+        "block_bytes": math.ceil(spec.persistent_bytes_per_token * BLOCK_TOKENS),
+        "ephemeral_bytes_per_token": spec.ephemeral_bytes_per_token,
+        "window_tokens": window_tokens,
+        "window_bytes": math.ceil(spec.ephemeral_bytes_per_token * window_tokens),
+    }
+
+
+def make_tiers(footprint: int, fraction: float, host_ratio: float,
+               disk_fraction: float | None) -> list[SimTier]:
+    return [
+        SimTier("hbm", int(fraction * footprint), holds_window=True, durable=False),
+        SimTier("host", int(host_ratio * fraction * footprint), holds_window=True, durable=False),
+        SimTier("disk", math.inf if disk_fraction is None else int(disk_fraction * footprint),
+                holds_window=False, durable=True),
+    ]
+
+
+def simulate(workload: Workload, policy: str, tiers: Sequence[SimTier], block_bytes: int,
+             window_bytes: int, *, hint_sigma: float = 0.5, seed: int = 0,
+             retained_first: bool = True) -> TierSim:
+    """Replay ``workload`` through a fresh ``TierSim`` driven by ``policy``; return it."""
+    setup = setup_policy(workload, policy, hint_sigma=hint_sigma, seed=seed)
+    sim = TierSim(tiers, setup.factory, block_bytes, window_bytes, retain=workload.retain,
+                  retained_first=retained_first)
+    replay(workload, sim, setup.hints, setup.clock.set, setup.advance)
+    return sim
+
+
+def summarize(sim: TierSim, window_tokens: int) -> dict:
+    c, names = sim.counters, [t.name for t in sim.tiers]
+    reads, reuse = c.block_reads, c.block_reads - c.new_blocks
+    hits = dict(zip(names, c.block_hits, strict=True))
+    return {
+        "capacities_bytes": {t.name: None if math.isinf(t.capacity_bytes) else int(t.capacity_bytes)
+                             for t in sim.tiers},
+        "block_hit_rate": {**{n: h / reads for n, h in hits.items()},
+                           "new": c.new_blocks / reads, "reprefill": c.reprefill_blocks / reads},
+        "fast_hit_rate": (hits["hbm"] + hits["host"]) / reads,
+        "reuse_hit_rate": {n: h / reuse if reuse else 0.0 for n, h in hits.items()},
+        "reuse_fast_hit_rate": (hits["hbm"] + hits["host"]) / reuse if reuse else 0.0,
+        "reuse_by_kind": _reuse_by_kind(c, names, reuse),
+        "block_reads": reads,
+        "block_hits": hits,
+        "new_blocks": c.new_blocks,
+        "reprefill_blocks": c.reprefill_blocks,
+        "reprefill_tokens": c.reprefill_blocks * BLOCK_TOKENS,
+        "reprefill_requests": c.reprefill_requests,
+        "resumes": c.resumes,
+        "window_hits": dict(zip(names, c.window_hits, strict=True)),
+        "replays": c.replays,
+        "lookup_starts": c.lookup_starts,
+        "lookup_blocks": c.lookup_blocks,
+        "retained_hits": c.retained_hits,
+        "retained_chunks": c.retained_chunks,
+        "freed_chunks": c.freed_chunks,
+        "sessions_ended": c.sessions_ended,
+        "replay_tokens": c.replays * window_tokens,
+        "bytes_moved": {cause: {n: b for n, b in zip(names, c.bytes_written[cause], strict=True)
+                                if b} for cause in CAUSES},
+        "evictions": dict(zip(names, c.evictions, strict=True)),
+        "windows_dropped": c.windows_dropped,
+        "chunks_dropped": c.chunks_dropped,
+    }
+
+
+def _reuse_by_kind(c: SimCounters, names: list[str], reuse: int) -> dict:
+    """Fast (hbm + host) hit rate of re-reads within a session and across sessions."""
+    fast = [i for i, name in enumerate(names) if name in ("hbm", "host")]
+    shared_fast = sum(c.shared_hits[i] for i in fast)
+    own_fast = sum(c.block_hits[i] for i in fast) - shared_fast
+    own_reads = reuse - c.shared_reads
+    return {
+        "same_session": {"reads": own_reads,
+                              "fast_hit_rate": own_fast / own_reads if own_reads else 0.0},
+        "other_session": {"reads": c.shared_reads, "fast_hit_rate":
+                               shared_fast / c.shared_reads if c.shared_reads else 0.0},
+    }
+
+
+# per worker process, built once by _init_worker: (retain, windows) -> workload
+_WORKLOADS: dict[tuple[bool, bool], Workload] = {}
+
+
+def _init_worker(path: str, limit: int | None, windows: bool, ttl_s: float | None) -> None:
+    requests = read_trace(path, limit)
+    for retain, with_windows in ((True, windows), (False, windows), (True, False)):
+        _WORKLOADS[retain, with_windows] = build_workload(
+            requests, windows=with_windows, retain=retain, session_ttl_s=ttl_s)
+
+
+def _run_point(job: dict) -> dict:
+    start = time.perf_counter()
+    if job["one_tier"]:  # as libCacheSim's cache: equal-size blocks in one tier over disk
+        tiers = make_tiers(job["footprint"], job["fraction"], 0.0, None)
+        workload = _WORKLOADS[True, False]
+    else:
+        tiers = make_tiers(job["footprint"], job["fraction"], job["host_ratio"],
+                           job["disk_fraction"])
+        workload = _WORKLOADS[job["retain"], job["window_bytes"] > 0]
+    sim = simulate(workload, job["policy"], tiers, job["block_bytes"],
+                   0 if job["one_tier"] else job["window_bytes"],
+                   hint_sigma=job["hint_sigma"], seed=job["seed"],
+                   retained_first=job["retained_first"])
+    return {"policy": job["policy"], "capacity_fraction": job["fraction"],
+            "retain": job["retain"], "one_tier": job["one_tier"],
+            **summarize(sim, job["window_tokens"]),
+            "sim_seconds": round(time.perf_counter() - start, 2)}
+
+
+def _validate(requests: Sequence[TraceRequest], policies: Sequence[str], host_ratio: float,
+              hint_sigma: float, seed: int, session_ttl_s: float | None) -> dict:
+    from bench.trace.check import check_against_stack  # imports torch and the tiers
+    from bench.trace.manager_check import check_against_manager
+
+    options = {"policies": policies, "host_ratio": host_ratio, "hint_sigma": hint_sigma,
+               "seed": seed, "session_ttl_s": session_ttl_s}
+    stack = check_against_stack(requests, fractions=(0.05,), **options)
+    manager = check_against_manager(requests, fraction=0.05, **options)
+    return {"agree": stack["agree"] and manager["agree"], "requests": len(requests),
+            "tier_stack": stack, "manager": manager}
+
+
+def run_trace_benchmark(
+    trace: str | Path,
+    *,
+    limit: int | None = None,
+    layout: str = "kvtier-bundled",
+    fractions: Sequence[float] = DEFAULT_FRACTIONS,
+    host_ratio: float = 4.0,
+    disk_fraction: float | None = None,
+    policies: Sequence[str] = DEFAULT_POLICIES,
+    hint_sigma: float = 0.5,
+    seed: int = 0,
+    window_tokens: int = WINDOW_TOKENS,
+    validate_requests: int = 0,
+    jobs: int = 2,
+    session_ttl_s: float | None = DEFAULT_SESSION_TTL_S,
+    one_tier_comparison: bool = True,
+    lookup_tokens: int = 0,
+    retained_first: bool = True,
+) -> dict:
+    """Every (policy, capacity fraction) point; see the module docstring for the method.
+
+    ``result["results"]``: one dict per point (with retention) with ``policy``,
+    ``capacity_fraction``, ``block_hit_rate`` (per tier, ``new``, ``reprefill``),
+    ``fast_hit_rate``, replays, bytes moved; ``bench.report_plots`` plots ``fast_hit_rate``
+    against the fraction. ``result["retention"]``: the first policy's re-prefills at
+    the middle fraction with and without retention.
+    """
+    started = time.perf_counter()
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        raise InvalidRequest(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    if not fractions or any(not f > 0 for f in fractions):
+        raise InvalidRequest(f"capacity fractions must be > 0, got {list(fractions)}")
+    if host_ratio < 0 or (disk_fraction is not None and not disk_fraction > 0) or jobs < 1:
+        raise InvalidRequest(f"need host_ratio >= 0 (got {host_ratio}), disk_fraction > 0 "
+                             f"or None (got {disk_fraction}), jobs >= 1 (got {jobs})")
+    if validate_requests and not retained_first:
+        raise InvalidRequest("the validation replays the product, which evicts retained chunks "
+                             "first; the what-if of a policy ranking them needs validate 0")
+    if lookup_tokens < 0:
+        raise InvalidRequest(f"lookup_tokens must be >= 0, got {lookup_tokens}")
+    if session_ttl_s is not None and not session_ttl_s > 0:
+        raise InvalidRequest(f"session_ttl_s must be > 0 or None, got {session_ttl_s}")
+    sizes = layout_sizes(layout, window_tokens)
+    windows = sizes["window_bytes"] > 0
+    requests: list[TraceRequest] = read_trace(trace, limit)
+    workload = build_workload(requests, windows=windows, session_ttl_s=session_ttl_s)
+    if not workload.unique_blocks:
+        raise InvalidRequest(f"trace {trace} holds no complete {BLOCK_TOKENS}-token block: "
+                             "nothing to cache")
+    if validate_requests and not any(r.full_blocks for r in requests[:validate_requests]):
+        raise InvalidRequest(f"the first {validate_requests} requests hold no complete block "
+                             "to validate with; ask for more")
+    footprint = workload.unique_blocks * sizes["block_bytes"]
+    common = {"footprint": footprint, "host_ratio": host_ratio, "disk_fraction": disk_fraction,
+              "block_bytes": sizes["block_bytes"], "window_bytes": sizes["window_bytes"],
+              "hint_sigma": hint_sigma, "seed": seed, "window_tokens": window_tokens,
+              "retained_first": retained_first}
+    middle = sorted(fractions)[len(fractions) // 2]
+    points = [{"policy": p, "fraction": f, "retain": True, "one_tier": False, **common}
+              for f in fractions for p in policies]
+    one_tier = [{"policy": p, "fraction": f, "retain": True, "one_tier": True, **common}
+                for f in fractions if f in GOAL_FRACTIONS for p in ONE_TIER_POLICIES
+                if p in policies] if one_tier_comparison else []
+    points += one_tier
+    points.append({"policy": policies[0], "fraction": middle, "retain": False,
+                   "one_tier": False, **common})
+    init = (str(trace), limit, windows, session_ttl_s)
+    validation = None
+    if jobs > 1:
+        # spawn, not fork: a caller with gRPC threads running (bench.all) deadlocks a
+        # forked worker on a lock a thread held at the fork
+        with ProcessPoolExecutor(min(jobs, len(points)), initializer=_init_worker,
+                                 initargs=init,
+                                 mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(_run_point, point) for point in points]
+            if validate_requests:  # meanwhile, in this otherwise idle process
+                validation = _validate(requests[:validate_requests], policies, host_ratio,
+                                       hint_sigma, seed, session_ttl_s)
+            results = [future.result() for future in futures]
+    else:
+        _init_worker(*init)
+        results = [_run_point(point) for point in points]
+        if validate_requests:
+            validation = _validate(requests[:validate_requests], policies, host_ratio,
+                                   hint_sigma, seed, session_ttl_s)
+    without = results.pop()
+    one_tier_points = results[len(results) - len(one_tier):]
+    results = results[:len(results) - len(one_tier)]
+    with_ = next(r for r in results if r["policy"] == policies[0]
+                 and r["capacity_fraction"] == middle)
+    report = {
+        "benchmark": "trace",
+        "trace": {"path": recorded(trace), "limit": limit, "requests": len(requests),
+                  "block_reads": workload.block_reads, "unique_blocks": workload.unique_blocks,
+                  "tail_blocks": workload.tail_blocks, "sessions": workload.sessions,
+                  "continuations": workload.continuations,
+                  "lookup_starts": workload.lookup_starts, "span_s": workload.span_s,
+                  "session_ttl_s": session_ttl_s},
+        "layout": sizes,
+        "footprint_bytes": footprint,
+        "tiers": {"names": list(TIER_NAMES), "host_ratio": host_ratio,
+                  "disk_fraction": disk_fraction},
+        "retained_first": retained_first,
+        "policies": list(policies),
+        "method": describe_method(sizes, host_ratio, disk_fraction, hint_sigma, session_ttl_s),
+        "results": results,
+        "retention": {"policy": policies[0], "capacity_fraction": middle,
+                      **{label: {k: r[k] for k in _RETENTION_KEYS}
+                         for label, r in (("with", with_), ("without", without))}},
+    }
+    report["goals"] = goals(results, report["retention"], disk_fraction)
+    if lookup_tokens:  # after the simulations, so its timing has the cores to itself
+        from bench.trace.lookup import measure  # imports torch and the model
+
+        report["lookup"] = measure(lookup_tokens)
+    if one_tier_comparison:
+        report["one_tier"] = {
+            "method": "kvtier's simulation as one tier of equal-size blocks (no window "
+                      "blobs, no host tier; the unbounded disk below is the backing store): "
+                      "hbm hit rate among re-reads, on the same re-reads as libCacheSim's",
+            "hit_rate_among_rereads": one_tier_summary(one_tier_points),
+            "libcachesim": libcachesim_results(recorded(trace), limit)}
+    if validation is not None:
+        report["validation"] = validation
+    report["elapsed_s"] = round(time.perf_counter() - started, 1)
+    report["machine"] = {"cpus": os.cpu_count(), "jobs": jobs}
+    return report
+
+
+_RETENTION_KEYS = ("block_reads", "reprefill_blocks", "reprefill_requests", "new_blocks",
+                   "lookup_starts", "lookup_blocks", "retained_hits", "retained_chunks",
+                   "freed_chunks", "sessions_ended", "reuse_fast_hit_rate")
+
+
+def format_table(report: dict) -> str:
+    t, lay = report["trace"], report["layout"]
+    lines = [
+        f"trace {t['path']}: {t['requests']} requests, {t['block_reads']} block reads, "
+        f"{t['unique_blocks']} unique blocks, {t['sessions']} sessions, "
+        f"{t['continuations']} continuations, {t['lookup_starts']} lookup starts",
+        f"layout {lay['name']}: block {lay['block_bytes']} B, window {lay['window_bytes']} B; "
+        f"footprint {report['footprint_bytes'] / 2**20:.1f} MiB; host = "
+        f"{report['tiers']['host_ratio']:g} x hbm",
+        "hit rates are fractions of block reads; fast = hbm + host; reuse-fast, own (same "
+        "session) and shared (another's blocks) leave out first reads; replays: "
+        "continuations without a window in hbm/host",
+        "",
+        f"{'hbm frac':>8} {'policy':<12} {'hbm':>6} {'host':>6} {'disk':>6} {'new':>6} "
+        f"{'re-pf':>6} {'fast':>6} {'reuse-fast':>10} {'own':>6} {'shared':>6} {'replays':>9} "
+        f"{'promo MiB':>9} {'demo MiB':>9}",
+    ]
+    for r in report["results"]:
+        rate = r["block_hit_rate"]
+        promo = sum(r["bytes_moved"]["promotion"].values()) / 2**20
+        demo = sum(r["bytes_moved"]["demotion"].values()) / 2**20
+        lines.append(
+            f"{r['capacity_fraction']:>8g} {r['policy']:<12} {rate['hbm']:>6.3f} "
+            f"{rate['host']:>6.3f} {rate['disk']:>6.3f} {rate['new']:>6.3f} "
+            f"{rate['reprefill']:>6.3f} {r['fast_hit_rate']:>6.3f} "
+            f"{r['reuse_fast_hit_rate']:>10.3f} "
+            f"{r['reuse_by_kind']['same_session']['fast_hit_rate']:>6.3f} "
+            f"{r['reuse_by_kind']['other_session']['fast_hit_rate']:>6.3f} "
+            f"{r['replays']:>4}/{r['resumes']:<4} {promo:>9.1f} {demo:>9.1f}")
+    ret = report["retention"]
+    lines += ["", f"re-prefilled blocks / block reads, {ret['policy']} at hbm "
+                  f"{ret['capacity_fraction']:g}: with retention "
+                  f"{ret['with']['reprefill_blocks'] / ret['with']['block_reads']:.4f}, without "
+                  f"{ret['without']['reprefill_blocks'] / ret['without']['block_reads']:.4f}"]
+    g = report["goals"]
+    below = g["never_below_lru"]["below_at"]
+    lines += ["goals: kvtier / belady (fast among re-reads), target >= "
+              f"{g['belady_share']['target']:g}: " + ", ".join(
+                  f"hbm {f}: {v['share']:.3f}" for f, v in g["belady_share"]["points"].items())
+              + f" ({_met(g['belady_share'])}); never below lru: {_met(g['never_below_lru'])}"
+              + (f" (below at hbm {', '.join(below)})" if below else "")
+              + f"; re-prefill with retention {g['reprefill_with_retention']['rate']:.4f} "
+              f"({_met(g['reprefill_with_retention'])})"]
+    if "lookup" in report:
+        lk = report["lookup"]
+        lines += [f"lookup of a {lk['tokens']}-token prefix: {lk['lookup_s'] * 1000:.2f} ms, "
+                  f"prefill {lk['prefill_s']:.2f} s: {lk['lookup_vs_prefill']:.2e} of it "
+                  f"(goal < {lk['goal_ratio']:g}: {_met(lk)})"]
+    if "one_tier" in report:
+        one, lcs = report["one_tier"], report["one_tier"]["libcachesim"]
+        lines += ["", "one tier of equal-size blocks, hit rate among re-reads:"]
+        for fraction, rates in one["hit_rate_among_rereads"].items():
+            theirs = lcs.get("hit_rate_among_rereads", {}).get(fraction, {})
+            lines.append(f"  {fraction:>5}: " + " ".join(f"{p} {v:.3f}" for p, v in rates.items())
+                         + " | libCacheSim: " + (" ".join(f"{p} {v:.3f}"
+                                                          for p, v in theirs.items())
+                                                 or lcs.get("missing", "-")))
+    if "validation" in report:
+        v = report["validation"]
+        lines += ["", f"validation, first {v['requests']} requests at hbm 0.05: "
+                      f"{'all counts agree' if v['agree'] else 'counts DIFFER'}"]
+        for part, label in (("tier_stack", "TierStack"), ("manager", "TierManager")):
+            lines += [f"  {label} {p['policy']}: {'agree' if p['agree'] else 'DIFFER'}"
+                      for p in v[part]["points"]]
+    lines += ["", "method:"] + [f"  {k}: {v}" for k, v in report["method"].items()]
+    return "\n".join(lines)
+
+
+def _met(goal: dict) -> str:
+    return "met" if goal["met"] else "NOT met"
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.trace", description=__doc__.split(
+        "\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    parser.add_argument("--limit", type=int, help="use only the first N requests")
+    parser.add_argument("--layout", default="kvtier-bundled", help="layout spec for byte sizes")
+    parser.add_argument("--fractions", type=_floats, default=list(DEFAULT_FRACTIONS),
+                        help="hbm capacities as fractions of the unique block footprint")
+    parser.add_argument("--host-ratio", type=float, default=4.0, help="host capacity / hbm")
+    parser.add_argument("--disk-fraction", type=float, help="disk capacity (default unbounded)")
+    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                        help=f"comma-separated, from {','.join(POLICIES)}")
+    parser.add_argument("--hint-sigma", type=float, default=0.5, help="lognormal hint noise")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--validate", type=int, default=100, metavar="N",
+                        help="replay the first N requests through the real TierStack (0: no)")
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes")
+    parser.add_argument("--session-ttl", type=float, default=DEFAULT_SESSION_TTL_S,
+                        help="seconds after its last request a session is deleted "
+                             "(0: never)")
+    parser.add_argument("--lookup-tokens", type=int, default=65536,
+                        help="time Lookup of a prefix this long against its prefill with "
+                             "the bundled model (bench.trace.lookup; 0: skip)")
+    parser.add_argument("--policy-ranks-retained", action="store_true",
+                        help="what-if: every policy ranks retained chunks itself (the "
+                             "reuse policy always does; the others evict them first)")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    try:
+        report = run_trace_benchmark(
+            args.trace, limit=args.limit, layout=args.layout, fractions=args.fractions,
+            host_ratio=args.host_ratio, disk_fraction=args.disk_fraction,
+            policies=[p for p in args.policies.split(",") if p], hint_sigma=args.hint_sigma,
+            seed=args.seed, validate_requests=args.validate, jobs=args.jobs,
+            session_ttl_s=args.session_ttl or None, lookup_tokens=args.lookup_tokens,
+            retained_first=not args.policy_ranks_retained)
+    except KVTierError as exc:
+        print(f"bench.trace: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    return 0
+
