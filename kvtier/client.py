@@ -29,13 +29,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 
-from kvstore.eviction.policies import ResumeHint
+from kvstore.format.chunk import LayerSlice
 from kvstore.format.errors import InvalidRequest, StaleGeneration, UnknownLayout, shown
+from kvstore.format.hints import ResumeHint
 from kvstore.format.keys import chunk_digest, dedupe_scope
 from kvstore.format.layout import LayoutSpec, layout_to_json
 from kvstore.format.model_identity import check_model
@@ -47,9 +47,6 @@ from kvtier.layouts import KnownLayouts, info_from
 from kvtier.types import LayoutInfo, RestoredSession, RetryPolicy, SpillResult
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:  # a hint only: kvstore.session.restore imports torch
-    from kvstore.session.restore import LayerSlice
 
 ACKS = {"memory": pb.ACK_MEMORY, "durable": pb.ACK_DURABLE, None: pb.ACK_UNSPECIFIED}
 

@@ -19,7 +19,7 @@ from bench.trace_reader import read_trace
 from bench.trace_sim import SimTier
 from bench.trace_workload import build_workload
 from kvstore.format.errors import InvalidRequest
-from kvstore.format.layout import get_layout
+from kvstore.format.registry import get_layout
 
 BLOCK = 512
 

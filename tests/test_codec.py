@@ -14,7 +14,8 @@ from kvstore.format.errors import (
     LayoutMismatch,
     UnsupportedVersion,
 )
-from kvstore.format.layout import LayoutSpec, Stream, get_layout
+from kvstore.format.layout import LayoutSpec, Stream
+from kvstore.format.registry import get_layout
 
 BUNDLED = get_layout("kvtier-bundled")
 MIXED = LayoutSpec(

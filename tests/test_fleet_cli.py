@@ -14,8 +14,9 @@ from fleet_support import bucket_chunks, kept_and_dropped, shared_config
 from service_support import streams_for, tokens_for
 from test_manager_support import make_session, random_tokens
 
-from kvstore.format import layout as layouts
-from kvstore.format.layout import LayoutSpec, get_layout
+from kvstore.format import registry as layouts
+from kvstore.format.layout import LayoutSpec
+from kvstore.format.registry import get_layout
 from kvtier import AsyncClient
 from services.cli.main import main
 from services.server.config import ServerConfig

@@ -10,7 +10,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvstore.format.errors import InvalidRequest, UnknownLayout
-from kvstore.format.layout import BaselineKV, LayoutSpec, Stream, get_layout
+from kvstore.format.layout import BaselineKV, LayoutSpec, Stream
+from kvstore.format.registry import get_layout
 
 
 def test_first_generation_gqa_computes_389120():

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from test_manager_support import make_session, random_tokens, tier_keys
 
-from kvstore.eviction.policies import ResumeHint
 from kvstore.format.errors import ChunkCorrupt, InvalidRequest, SessionNotFound
+from kvstore.format.hints import ResumeHint
 from kvstore.placement.locks import KeyedLocks, RWLocks
 from kvstore.placement.refcount import REF_PREFIX, RefLedger
 from kvstore.session.manager import TierManager

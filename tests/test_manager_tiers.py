@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from test_manager_support import make_session, random_tokens, tier_keys
 
-from kvstore.eviction.policies import HintPolicy, LRUPolicy, ResumeHint
+from kvstore.eviction.policies import HintPolicy, LRUPolicy
 from kvstore.format.errors import DataLoss, InvalidRequest
+from kvstore.format.hints import ResumeHint
 from kvstore.session.manager import TierManager
 from kvstore.tiers.base import MemoryMetaStore
 from kvstore.tiers.disk import DiskTier

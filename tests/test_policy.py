@@ -9,9 +9,10 @@ import random
 import pytest
 from test_manager_support import encode, random_tokens
 
-from kvstore.eviction.policies import HintBook, HintPolicy, LRUPolicy, NextUse, ResumeHint
+from kvstore.eviction.policies import HintBook, HintPolicy, LRUPolicy, NextUse
 from kvstore.eviction.reuse import REFRESH, ReusePolicy, reuse_policies
 from kvstore.format.errors import InvalidRequest
+from kvstore.format.hints import ResumeHint
 from kvstore.placement.locks import KeyedLocks
 from kvstore.placement.stack import TierStack
 from kvstore.stats import Counters
