@@ -37,6 +37,7 @@ import numpy as np
 from kvstore.format.checks import check_token_ids
 from kvstore.format.errors import InvalidRequest, UnknownLayout
 from kvstore.format.layout import LayoutSpec
+from kvstore.format.limits import MAX_REPLAY_TOKENS
 from kvstore.format.model_identity import check_replayer, module_fingerprint
 from kvstore.format.registry import get_layout
 from model.config import layout_spec
@@ -51,7 +52,6 @@ from replay.state_codec import (
 )
 
 DEFAULT_REPLAY_TOKENS = 128
-MAX_REPLAY_TOKENS = 8192  # far past any useful R: a bound on what one request may cost
 DEFAULT_MAX_BATCH = 8  # bench.replay_batch: batching gains flatten out past a few sessions on CPU
 BATCH_TOKENS = 1 << 13  # context per batched call; past it batching can be slower
 

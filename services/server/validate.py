@@ -29,9 +29,9 @@ from kvstore.format.keys import (
     iter_chain_keys,
 )
 from kvstore.format.layout import LayoutSpec
+from kvstore.format.limits import MAX_REPLAY_TOKENS
 from kvstore.format.registry import get_layout
 from proto import kvtier_pb2 as pb
-from replay.worker import MAX_REPLAY_TOKENS
 
 TENANT = re.compile(r"^[a-z0-9_-]{1,64}$")
 SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
