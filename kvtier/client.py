@@ -43,7 +43,7 @@ from kvtier import codec as cc
 from kvtier import replies, shm
 from kvtier.channel import LOOPBACK, Credentials, open_channel
 from kvtier.errors import MissingChunks, SharedMemoryUnavailable, error_from_rpc
-from kvtier.layouts import KnownLayouts, info_from
+from kvtier.known_layouts import KnownLayouts, info_from
 from kvtier.types import LayoutInfo, RestoredSession, RetryPolicy, SpillResult
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
@@ -336,7 +336,7 @@ class AsyncClient:
                     raise error_from_rpc(exc) from exc
             await asyncio.sleep(delay)
 
-    # -- layouts (kvtier.layouts) --
+    # -- layouts (kvtier.known_layouts) --
 
     async def layouts(self) -> list[LayoutInfo]:
         """Every layout the server serves (ListLayouts); each becomes known to this client."""

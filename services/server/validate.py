@@ -29,8 +29,8 @@ from kvstore.format.keys import (
     iter_chain_keys,
 )
 from kvstore.format.layout import LayoutSpec
-from kvstore.format.limits import MAX_REPLAY_TOKENS
 from kvstore.format.registry import get_layout
+from kvstore.format.wire_limits import MAX_REPLAY_TOKENS
 from proto import kvtier_pb2 as pb
 
 TENANT = re.compile(r"^[a-z0-9_-]{1,64}$")
