@@ -46,7 +46,9 @@ $(NODE_MODULES): clients/node/package.json clients/node/package-lock.json
 demo: $(STAMP)
 	$(BIN)/kvtier demo
 
+# The import contract first (pyproject.toml [tool.importlinter]): a second, not minutes.
 test: $(STAMP) redis-server node-client
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q
 
 test-slow: $(STAMP) redis-server node-client

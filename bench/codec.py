@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from kvstore.format.chunk import StreamData, decode_chunk, encode_chunk
-from kvstore.format.chunk_run import decode_chunks
-from kvstore.format.layout import LayoutSpec, all_layouts, get_layout
-from kvstore.format.packed_run import PackedRun
+from kvstore.format.chunk_run import PackedRun, decode_chunks
+from kvstore.format.layout import LayoutSpec
+from kvstore.format.registry import all_layouts, get_layout
 
 _DTYPES = {4: torch.uint8, 8: torch.int8, 16: torch.bfloat16}
 

@@ -72,7 +72,7 @@ def start_all(children: list[Child]) -> list[str]:
 def session_state(tokens: int) -> tuple[torch.Tensor, list[bytes], bytes, bytes, float]:
     """(ids, chunks, tail, window) of the bundled model's prefill, and that prefill's
     seconds (after a short warm-up prefill)."""
-    from kvstore.format.layout import get_layout
+    from kvstore.format.registry import get_layout
     from model.checkpoint import load_bundled
     from model.config import BUNDLED
     from model.infer import prefill

@@ -76,7 +76,8 @@ from torch.nn import functional as F
 from bench.paths import recorded, resolved
 from kvstore.format.errors import UnknownLayout
 from kvstore.format.keys import dedupe_scope
-from kvstore.format.layout import LayoutSpec, get_layout, register_layout
+from kvstore.format.layout import LayoutSpec
+from kvstore.format.registry import get_layout, register_layout
 from kvstore.session.manager import TierManager
 from kvstore.session.manifest import manifest_key
 from kvstore.tiers.disk import DiskTier

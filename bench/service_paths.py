@@ -20,7 +20,7 @@ import torch
 
 from bench.codec import random_chunk
 from kvstore.format.chunk import StreamData
-from kvstore.format.layout import get_layout
+from kvstore.format.registry import get_layout
 from kvtier.client import AsyncClient
 from kvtier.codec import as_tokens, encode_session
 from services.server.config import load_config

@@ -29,13 +29,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 
-from kvstore.eviction.policies import ResumeHint
+from kvstore.format.chunk import LayerSlice
 from kvstore.format.errors import InvalidRequest, StaleGeneration, UnknownLayout, shown
+from kvstore.format.hints import ResumeHint
 from kvstore.format.keys import chunk_digest, dedupe_scope
 from kvstore.format.layout import LayoutSpec, layout_to_json
 from kvstore.format.model_identity import check_model
@@ -43,13 +43,10 @@ from kvtier import codec as cc
 from kvtier import replies, shm
 from kvtier.channel import LOOPBACK, Credentials, open_channel
 from kvtier.errors import MissingChunks, SharedMemoryUnavailable, error_from_rpc
-from kvtier.layouts import KnownLayouts, info_from
+from kvtier.known_layouts import KnownLayouts, info_from
 from kvtier.types import LayoutInfo, RestoredSession, RetryPolicy, SpillResult
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:  # a hint only: kvstore.session.restore imports torch
-    from kvstore.session.restore import LayerSlice
 
 ACKS = {"memory": pb.ACK_MEMORY, "durable": pb.ACK_DURABLE, None: pb.ACK_UNSPECIFIED}
 
@@ -339,7 +336,7 @@ class AsyncClient:
                     raise error_from_rpc(exc) from exc
             await asyncio.sleep(delay)
 
-    # -- layouts (kvtier.layouts) --
+    # -- layouts (kvtier.known_layouts) --
 
     async def layouts(self) -> list[LayoutInfo]:
         """Every layout the server serves (ListLayouts); each becomes known to this client."""

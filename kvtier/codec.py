@@ -1,5 +1,6 @@
 """The client's tensor side: cut a session's streams into chunks and encode them, and
-turn restored bytes back into tensors. No gRPC here.
+turn restored bytes back into tensors. No gRPC here; torch is loaded by the calls that
+make or read tensors.
 
 Tensor layouts (per stream of the layout spec, see ``kvstore.format.chunk_parts``):
   persistent stream: codes (layers, entries, *codes_shape), scales (layers, entries,
@@ -18,19 +19,25 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xxhash
 
-from kvstore.format.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
+from kvstore.format.chunk import (
+    LayerSlice,
+    StreamData,
+    decode_chunk,
+    encode_chunk,
+    read_header,
+    split_chunks,
+)
+from kvstore.format.chunk_parts import SCALES_DTYPE_NAME, code_dtype, torch_dtype
+from kvstore.format.chunk_run import PackedRun, decode_chunks
+from kvstore.format.errors import ChunkCorrupt, DataLoss, InvalidRequest, LayoutMismatch
 from kvstore.format.keys import chain_keys, chunk_digest, token_bytes
 from kvstore.format.layout import LayoutSpec
+from kvstore.format.window import encode_window as encode_window_blob
 
-# torch (through kvstore.format.chunk) is imported by the calls that handle tensors, not here:
-# importing the client (``kvtier stat``, ``kvtier list``) must not pay seconds for it.
 if TYPE_CHECKING:
     import torch
 
-    from kvstore.format.chunk import StreamData
-    from kvstore.session.restore import LayerSlice
-
-Streams = Mapping[str, "StreamData"]
+Streams = Mapping[str, StreamData]
 
 
 def as_tokens(token_ids) -> np.ndarray:
@@ -45,7 +52,6 @@ def _check_streams(spec: LayoutSpec, streams: Streams, ephemeral: bool, what: st
     """The layout's streams, each a StreamData of (layers, entries, ...); raises on a
     mismatch. (Entry counts are checked against the token count by the caller: streams of
     different m cover different whole-entry token counts, e.g. 300 tokens at m = 4 and 128.)"""
-    from kvstore.format.chunk import StreamData
     expected = spec.ephemeral_streams if ephemeral else spec.persistent_streams
     names = {s.name for s in expected}
     if set(streams) != names:
@@ -108,7 +114,6 @@ def encode_session(
     every one of them: each digest is of the bytes encoded now. A chunk ``held`` names
     (chain key -> digest of the bytes the server holds) with that very digest is left
     out of ``chunks`` and goes by key and digest; any other is sent."""
-    from kvstore.format.chunk import encode_chunk
     entries_needed = {s.name: s.entries_for(len(tokens)) for s in spec.persistent_streams}
     _check_streams(spec, persistent, False, "persistent streams")
     for name, need in entries_needed.items():
@@ -131,7 +136,6 @@ def encode_session(
 
 
 def _slice(spec: LayoutSpec, streams: Streams, start: int, stop: int) -> dict[str, StreamData]:
-    from kvstore.format.chunk import StreamData
     out = {}
     for s in spec.persistent_streams:
         data = streams[s.name]
@@ -143,15 +147,13 @@ def _slice(spec: LayoutSpec, streams: Streams, start: int, stop: int) -> dict[st
 
 def encode_window(spec: LayoutSpec, tokens: np.ndarray, window: Streams) -> bytes:
     """The window blob of ``window``'s ephemeral streams (``kvstore.format.window``)."""
-    from kvstore.format.window import encode_window as encode  # torch: loaded only when used
-    return encode(spec, tokens, window)
+    return encode_window_blob(spec, tokens, window)
 
 
 def check_digests(chunks: Sequence[bytes | memoryview], digests: Sequence[bytes],
                   tail: bytes | memoryview, tail_digest: bytes) -> None:
     """Every restored chunk and the tail must have the digest its spiller stated (the
     server sends them in the header): ``DataLoss`` names the first that does not."""
-    from kvstore.format.errors import DataLoss
     if len(chunks) != len(digests):
         raise DataLoss(f"the restore sent {len(chunks)} chunks for {len(digests)} digests")
     for i, (data, want) in enumerate(zip(chunks, digests, strict=True)):
@@ -164,9 +166,7 @@ def check_digests(chunks: Sequence[bytes | memoryview], digests: Sequence[bytes]
 def decode_persistent(spec: LayoutSpec, tokens: np.ndarray, chunks: Sequence[bytes],
                       tail: bytes) -> dict[str, StreamData]:
     """The whole session's persistent streams, (layers, entries, ...) each, verified."""
-    from kvstore.format.chunk import read_header
-    from kvstore.format.chunk_run import decode_chunks
-    from kvstore.format.packed_run import PackedRun
+
     if not len(chunks) and not len(tail):
         return {}
     bufs, counts = chunks, [spec.chunk_tokens] * len(chunks)
@@ -183,14 +183,12 @@ def decode_persistent(spec: LayoutSpec, tokens: np.ndarray, chunks: Sequence[byt
 
 def window_start(window) -> int:
     """First token covered by the window blob's first (window K/V) chunk."""
-    from kvstore.format.chunk import read_header, split_chunks
     return read_header(split_chunks(window)[0]).start_token
 
 
 def decode_window(spec: LayoutSpec, tokens: np.ndarray, window
                   ) -> tuple[dict[str, StreamData], int]:
     """Every ephemeral stream of the window blob, and the first token of its first chunk."""
-    from kvstore.format.chunk import decode_chunk, read_header, split_chunks
     out: dict[str, StreamData] = {}
     parts = split_chunks(window)
     for part in parts:
@@ -225,20 +223,15 @@ class LayerAssembler:
         return done
 
     def finish(self) -> LayerSlice | None:
-        import torch
-
-        from kvstore.format.chunk import StreamData
-        from kvstore.session.restore import LayerSlice
-
         if self.current is None:
             return None
         name, layer = self.current
         stream = self.spec.stream(name)
-        dtype = {4: torch.uint8, 8: torch.int8, 16: torch.bfloat16}[stream.bits]
-        codes = _tensor(b"".join(c for c, _ in self.parts), dtype, stream.codes_shape)
+        codes = _tensor(b"".join(c for c, _ in self.parts), code_dtype(stream.bits),
+                        stream.codes_shape)
         scales = None
         if stream.bits < 16:
-            scales = _tensor(b"".join(s for _, s in self.parts), torch.float16,
+            scales = _tensor(b"".join(s for _, s in self.parts), torch_dtype(SCALES_DTYPE_NAME),
                              (stream.scales_per_entry,))
         self.parts, self.current = [], None
         return LayerSlice(name, layer, StreamData(codes, scales))

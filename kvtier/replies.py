@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvstore.format.chunk_run import PackedRun
 from kvstore.format.errors import InvalidRequest
 from kvstore.format.keys import block_key
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.model_identity import check_model
-from kvstore.format.packed_run import PackedRun
 from kvtier import codec as cc
 from kvtier import shm
 from kvtier.types import RestoredSession

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import grpc
 
+from kvstore.format.chunk_run import PackedRun
 from kvstore.format.errors import InvalidRequest, SharedMemoryUnavailable, TierFull
-from kvstore.format.packed_run import PackedRun
 from kvtier.errors import error_from_rpc
 from proto import kvtier_pb2 as pb
 

@@ -6,14 +6,11 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
+from kvstore.format.chunk import LayerSlice
 from kvtier.client import AsyncClient
 from kvtier.types import LayoutInfo, RestoredSession, SpillResult
 from proto import kvtier_pb2 as pb
-
-if TYPE_CHECKING:  # a hint only: kvstore.session.restore imports torch
-    from kvstore.session.restore import LayerSlice
 
 
 class Client:

@@ -5,13 +5,11 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # hints only: importing these types must not import torch or numpy
-    import numpy as np
+import numpy as np
 
-    from kvstore.format.chunk import StreamData
-    from kvstore.format.layout import LayoutSpec
+from kvstore.format.chunk import StreamData
+from kvstore.format.layout import LayoutSpec
 
 
 @dataclass(frozen=True)
@@ -58,7 +56,7 @@ class RestoredSession:
     token_ids: np.ndarray  # (num_tokens,) uint32
     chunk_keys: list[str]
     # Encoded blocks, verified by the server and again on decode: bytes when they came
-    # inline; over shared memory a kvstore.format.packed_run.PackedRun (views of one copy of
+    # inline; over shared memory a kvstore.format.chunk_run.PackedRun (views of one copy of
     # them, back to back, which the decode reads without joining).
     chunks: Sequence[bytes | memoryview]
     tail: bytes | memoryview

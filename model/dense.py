@@ -206,7 +206,7 @@ def forward_train(model: KVTierLM, ids: torch.Tensor, sparse: bool = True,
     learn); sparse=True attends only to each layer's top-k selection, as inference does.
     stats, if given, receives one selection_quality() dict per indexer. linear_dtype
     bfloat16 runs the model's linear layers under autocast (float32 master weights; the
-    backend's maths stays float32): on an avx512_bf16 CPU their matmuls ran 4.8x faster.
+    backend's maths stays float32), much faster on a CPU with bf16 matmuls.
     index_leak: the indexers' ReLU gradient below zero (leaky_relu_grad); the forward
     values, selections included, do not depend on it. target_power: see indexer_loss.
     """

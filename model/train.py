@@ -81,14 +81,10 @@ class TrainConfig:
 
 
 # "v1" is what produced the first shipped weights (2 stages, float32, plain ReLU).
-# "curriculum" is the retrain plan of issue 18: 512 -> 2,048 -> 8,192-byte sequences
-# (11.3 M bytes, about one pass over the training split), bf16 linear layers, leaky
-# indexer gradients, a sharpened target, their own clip and a tenth of the learning
-# rate (model/README.md: four of five indexers at 1.5x chance or more after 240 steps),
-# a longer dense warm-up.
-# Measured CPU s/step (one thread, bf16):
-# 1.22 at 8 x 512, 6.36 at 4 x 2,048, 27.9 at 1 x 8,192 (attention over T x T/m
-# entries grows with T), so about 36 + 48 + 14 = 98 minutes on a free core.
+# "curriculum" is the retrain plan: 512 -> 2,048 -> 8,192-byte sequences (about one pass
+# over the training split), bf16 linear layers, leaky indexer gradients, a sharpened
+# target, their own clip and a tenth of the learning rate, a longer dense warm-up
+# (model/README.md has its results and timings).
 PLANS = {
     "v1": TrainConfig(),
     "curriculum": TrainConfig(

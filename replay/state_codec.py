@@ -26,7 +26,14 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvstore.format.chunk import StreamData, decode_chunk, encode_chunk, read_header, split_chunks
+from kvstore.format.chunk import (
+    Buffer,
+    StreamData,
+    decode_chunk,
+    encode_chunk,
+    read_header,
+    split_chunks,
+)
 from kvstore.format.chunk_run import decode_chunks
 from kvstore.format.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
 from kvstore.format.keys import block_keys, token_bytes
@@ -36,7 +43,6 @@ from model.state import PERSISTENT, KVState
 
 WINDOW_KV = ("enc.window.k", "enc.window.v")
 PENDING = ("enc.tail", "dec.tail")
-Buffer = bytes | bytearray | memoryview
 
 
 def check_spec(cfg: ModelConfig, spec: LayoutSpec) -> None:

@@ -36,8 +36,10 @@ import numpy as np
 
 from kvstore.format.checks import check_token_ids
 from kvstore.format.errors import InvalidRequest, UnknownLayout
-from kvstore.format.layout import LayoutSpec, get_layout
+from kvstore.format.layout import LayoutSpec
 from kvstore.format.model_identity import check_replayer, module_fingerprint
+from kvstore.format.registry import get_layout
+from kvstore.format.wire_limits import MAX_REPLAY_TOKENS
 from model.config import layout_spec
 from model.infer import replay_batch
 from model.net import KVTierLM
@@ -50,8 +52,7 @@ from replay.state_codec import (
 )
 
 DEFAULT_REPLAY_TOKENS = 128
-MAX_REPLAY_TOKENS = 8192  # far past any useful R: a bound on what one request may cost
-DEFAULT_MAX_BATCH = 8  # bench.replay_batch: batching gains flatten out past a few sessions on CPU
+DEFAULT_MAX_BATCH = 8  # batching gains flatten out past a few sessions (bench.replay_batch)
 BATCH_TOKENS = 1 << 13  # context per batched call; past it batching can be slower
 
 

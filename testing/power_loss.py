@@ -95,7 +95,8 @@ class CampaignReport:
 
 
 def crash_layout():
-    from kvstore.format.layout import LayoutSpec, Stream, register_layout
+    from kvstore.format.layout import LayoutSpec, Stream
+    from kvstore.format.registry import register_layout
 
     return register_layout(LayoutSpec(
         name="power-loss-tiny",

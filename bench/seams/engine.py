@@ -23,7 +23,7 @@ from bench.seams.ops import REPLAYS, Ops
 from bench.seams.switches import SESSION_TTL_S, Combination, write_config
 from bench.seams.verdict import Ledger
 from bench.seams.world import STARTED, Moto, Node, Redis, Tmpfs
-from kvstore.format.layout import get_layout
+from kvstore.format.registry import get_layout
 from kvtier import AsyncClient
 from testing.live_server import ROOT, Credentials
 

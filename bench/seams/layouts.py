@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from kvstore.format.layout import get_layout, layout_to_json
+from kvstore.format.layout import layout_to_json
+from kvstore.format.registry import get_layout
 
 BUNDLED = "kvtier-bundled"
 

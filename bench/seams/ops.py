@@ -39,7 +39,8 @@ from kvstore.format.errors import (
     StaleGeneration,
     TierFull,
 )
-from kvstore.format.layout import get_layout, layout_from_json, layout_to_json
+from kvstore.format.layout import layout_from_json, layout_to_json
+from kvstore.format.registry import get_layout
 
 SIZES = (1, 3, 64, 130, 511, 512, 517, 640, 1024, 1100, 1536)
 REPLAYS = ("0", "1", "small", "127", "128", "over-window", "over-tokens")

@@ -35,7 +35,7 @@ from bench.trace.sim import SimTier, TierSim, replay
 from bench.trace.workload import DEFAULT_SESSION_TTL_S, Workload, build_workload
 from kvstore.format.chunk import encode_chunk
 from kvstore.format.keys import ROOT_PARENT, block_key, chunk_digest, chunk_key, dedupe_scope
-from kvstore.format.layout import register_layout
+from kvstore.format.registry import register_layout
 from kvstore.session.manager import ManagerConfig, TierManager
 from kvstore.tiers.base import MemoryMetaStore
 

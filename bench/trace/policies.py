@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 from bench.trace.belady import BeladyPolicy, NextUseTable
 from bench.trace.workload import FINISHED_PAUSE_S, Workload, causal_hints, oracle_hints
-from kvstore.eviction.policies import EvictionPolicy, HintPolicy, LRUPolicy, ResumeHint
+from kvstore.eviction.policies import EvictionPolicy, HintPolicy, LRUPolicy
 from kvstore.eviction.reuse import reuse_policies
 from kvstore.format.errors import InvalidRequest
+from kvstore.format.hints import ResumeHint
 
 POLICIES = ("kvtier", "kvtier-hint", "kvtier-returns", "lru", "hint", "hint-perfect",
             "hint-causal", "belady")

@@ -75,7 +75,7 @@ from bench.trace.reader import BLOCK_TOKENS, TraceRequest, read_trace
 from bench.trace.sim import CAUSES, SimCounters, SimTier, TierSim, replay
 from bench.trace.workload import DEFAULT_SESSION_TTL_S, Workload, build_workload
 from kvstore.format.errors import InvalidRequest, KVTierError
-from kvstore.format.layout import get_layout
+from kvstore.format.registry import get_layout
 
 DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2)
 DEFAULT_POLICIES = ("kvtier", "lru", "hint", "hint-causal", "kvtier-hint", "belady")

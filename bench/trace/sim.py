@@ -38,7 +38,8 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from bench.trace.workload import Ended, Workload
-from kvstore.eviction.policies import EvictionPolicy, HintBook, ResumeHint
+from kvstore.eviction.policies import EvictionPolicy, HintBook
+from kvstore.format.hints import ResumeHint
 from kvstore.session.restore import READ_BATCH
 
 CAUSES = ("spill", "promotion", "demotion", "writeback")

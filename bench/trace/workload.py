@@ -36,7 +36,7 @@ import numpy as np
 
 from bench.trace.reader import TraceRequest
 from kvstore.eviction.pause_estimate import PauseEstimator
-from kvstore.eviction.policies import ResumeHint
+from kvstore.format.hints import ResumeHint
 
 NEVER = 1 << 62  # "no further read" in next-use tables
 # A session's last request in the trace: the oracle hint says it does not come back.

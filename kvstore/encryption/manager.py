@@ -17,7 +17,7 @@ import numpy as np
 from kvstore.encryption.tiers import BlockDomain, BlockDomains
 from kvstore.format.errors import KVTierError
 from kvstore.format.keys import chain_keys, dedupe_scope
-from kvstore.format.layout import get_layout
+from kvstore.format.registry import get_layout
 from kvstore.session.manager import TierManager
 from kvstore.session.manifest import SessionManifest
 from kvstore.tiers.base import Buffer, MetaStore, Tier

@@ -23,7 +23,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-from kvstore.eviction.policies import ResumeHint
+from kvstore.format.hints import ResumeHint
 
 MIN_PAUSES = 10  # below this many observed pauses, no estimate
 MIN_RETURN_RATE = 0.02  # bounds the hinted pause when almost nothing came back yet

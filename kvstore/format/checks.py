@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvstore.format.chunk import (
+    Buffer,
     ChunkHeader,
     max_encoded_bytes,
     read_header,
@@ -27,7 +28,6 @@ from kvstore.format.chunk import (
 from kvstore.format.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch, shown
 from kvstore.format.keys import ROOT_PARENT, chunk_digest, chunk_key, split_block_key
 from kvstore.format.layout import LayoutSpec
-from kvstore.tiers.base import Buffer
 
 
 def check_token_ids(spec: LayoutSpec, tokens: np.ndarray) -> None:

@@ -27,9 +27,9 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 import xxhash
 import zstandard
 
@@ -49,8 +49,13 @@ from kvstore.format.errors import (
     UnsupportedVersion,
 )
 from kvstore.format.keys import token_bytes
-from kvstore.format.layout import LayoutSpec, layout_by_hash
+from kvstore.format.layout import LayoutSpec
+from kvstore.format.registry import layout_by_hash
 
+if TYPE_CHECKING:  # torch is imported by the calls that make or read tensors
+    import torch
+
+Buffer = bytes | bytearray | memoryview  # what chunk bytes may be given as
 MAGIC = b"KVTC"
 VERSION = 2  # 2: the header holds the stored payload's xxh3-64
 FLAG_ZSTD = 1
@@ -61,34 +66,14 @@ _HEADER_V1 = struct.Struct("<4sHHQQIIQQQ")
 _HEADER = struct.Struct(_HEADER_V1.format + "Q")
 _SECTION = struct.Struct("<HHB3xQQQ")
 # The same record as a numpy dtype, so a table of hundreds of sections parses in one call.
-SECTION_DTYPE = np.dtype(
-    [
-        ("stream", "<u2"),
-        ("layer", "<u2"),
-        ("part", "u1"),
-        ("pad", "V3"),
-        ("offset", "<u8"),
-        ("length", "<u8"),
-        ("checksum", "<u8"),
-    ]
-)
+SECTION_DTYPE = np.dtype([("stream", "<u2"), ("layer", "<u2"), ("part", "u1"), ("pad", "V3"),
+                          ("offset", "<u8"), ("length", "<u8"), ("checksum", "<u8")])
 _CHECK = struct.Struct("<Q")
 # The version 2 header as a numpy dtype, so a run's headers are checked in a few calls.
-HEADER_DTYPE = np.dtype(
-    [
-        ("magic", "S4"),
-        ("version", "<u2"),
-        ("flags", "<u2"),
-        ("layout_hash", "<u8"),
-        ("start_token", "<u8"),
-        ("num_tokens", "<u4"),
-        ("sections", "<u4"),
-        ("tokens_hash", "<u8"),
-        ("stored_len", "<u8"),
-        ("raw_len", "<u8"),
-        ("payload_checksum", "<u8"),
-    ]
-)
+HEADER_DTYPE = np.dtype([("magic", "S4"), ("version", "<u2"), ("flags", "<u2"),
+                         ("layout_hash", "<u8"), ("start_token", "<u8"), ("num_tokens", "<u4"),
+                         ("sections", "<u4"), ("tokens_hash", "<u8"), ("stored_len", "<u8"),
+                         ("raw_len", "<u8"), ("payload_checksum", "<u8")])
 assert HEADER_DTYPE.itemsize == _HEADER.size
 # Bounds a corrupt header can claim, so decoding never tries to allocate absurd sizes.
 MAX_SECTIONS = 1 << 16
@@ -103,6 +88,15 @@ class StreamData:
 
     codes: torch.Tensor  # (layers, entries, *codes_shape) uint8 (int4 packed) | int8 | bf16
     scales: torch.Tensor | None  # (layers, entries, scales_per_entry) float16; None for bf16
+
+
+@dataclass(frozen=True)
+class LayerSlice:
+    """One owning layer of one stream, as a layer-by-layer restore yields it."""
+
+    stream: str
+    layer: int  # index among the stream's owning layers
+    data: StreamData  # codes (entries, *codes_shape), scales (entries, groups) or None
 
 
 @dataclass(frozen=True)
@@ -152,6 +146,8 @@ def encode_chunk(
     zstd_level: int | None = None,
 ) -> bytes:
     """Encode the persistent (or, with ``ephemeral``, the window) streams of a token range."""
+    import torch
+
     num_tokens = len(token_ids)
     ordered = [st.name for st in streams_of(spec, ephemeral)]
     # A window blob may carry only some ephemeral streams (the window K/V and, separately,
@@ -223,7 +219,7 @@ def max_encoded_bytes(spec: LayoutSpec, num_tokens: int, ephemeral: bool,
     return table + plan.payload_bytes + plan.payload_bytes // 256 + ZSTD_SLACK
 
 
-def read_header(buf: bytes | bytearray | memoryview) -> ChunkHeader:
+def read_header(buf: Buffer) -> ChunkHeader:
     """Parse and check the header and section table (not the payload bytes)."""
     view = memoryview(buf).cast("B")
     header = _parse_header(view)
@@ -232,7 +228,7 @@ def read_header(buf: bytes | bytearray | memoryview) -> ChunkHeader:
     return header
 
 
-def split_chunks(buf: bytes | bytearray | memoryview) -> list[memoryview]:
+def split_chunks(buf: Buffer) -> list[memoryview]:
     """Cut a concatenation of encoded chunks (a window blob) into its chunks, unverified."""
     view, out = memoryview(buf).cast("B"), []
     while view:
@@ -349,7 +345,7 @@ def stored_intact(view: memoryview, header: ChunkHeader) -> bool:
     return xxhash.xxh3_64_intdigest(stored) == header.payload_checksum
 
 
-def verify_chunk(buf: bytes | bytearray | memoryview, spec: LayoutSpec | None = None
+def verify_chunk(buf: Buffer, spec: LayoutSpec | None = None
                  ) -> ChunkHeader:
     """Check every byte of a chunk without copying it; return its header. Its section
     table (hence every size) is checked against ``spec``, or without one against the
@@ -414,7 +410,7 @@ def checked_plan(view: memoryview, spec: LayoutSpec,
     return header, plan
 
 
-def checked_header(buf: bytes | bytearray | memoryview, spec: LayoutSpec) -> ChunkHeader:
+def checked_header(buf: Buffer, spec: LayoutSpec) -> ChunkHeader:
     """The header of a chunk whose every size is the layout's, read without decompressing
     or hashing the payload: the section table is the layout's for its token count (which
     is within the layout's bound), and a zstd payload declares exactly that raw size."""
@@ -426,7 +422,7 @@ def checked_header(buf: bytes | bytearray | memoryview, spec: LayoutSpec) -> Chu
 
 
 def decode_chunk(
-    buf: bytes | bytearray | memoryview,
+    buf: Buffer,
     spec: LayoutSpec,
     *,
     streams: Iterable[str] | None = None,
@@ -438,6 +434,8 @@ def decode_chunk(
     ``layers`` selects layer indices of every chosen stream (layer-by-layer restore);
     ``token_ids``, when given, must be the ids the chunk was encoded with.
     """
+    import torch
+
     view = memoryview(buf).cast("B")
     header, plan = checked_plan(view, spec, token_ids)
     table = header.sections

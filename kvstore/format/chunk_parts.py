@@ -1,6 +1,6 @@
 """Where each (stream, layer, part) of a chunk lives in its payload, for one layout and
-token count. Encoder and decoder share it, so the byte order has one source of truth,
-and it is cached because a session's chunks all have the same shape."""
+token count: the one source of the byte order, shared by encoder and decoder, cached per
+shape. Plain numpy: reading the plan loads no torch; a part's ``dtype`` does."""
 
 from __future__ import annotations
 
@@ -8,12 +8,27 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from kvstore.format.layout import LayoutSpec, Stream
 
 PART_CODES, PART_SCALES = 0, 1
-CODE_DTYPES = {4: torch.uint8, 8: torch.int8, 16: torch.bfloat16}
+# torch dtype names: codes by bits (int4 packed two per byte in uint8), scales fp16
+CODE_DTYPE_NAMES = {4: "uint8", 8: "int8", 16: "bfloat16"}
+SCALES_DTYPE_NAME = "float16"
+ITEMSIZE = {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2}
+
+
+@functools.cache
+def torch_dtype(name: str):
+    """The torch dtype of a part's dtype name (imports torch: tensors are asked for)."""
+    import torch
+
+    return getattr(torch, name)
+
+
+def code_dtype(bits: int):
+    """The torch dtype of the codes of a stream of ``bits``."""
+    return torch_dtype(CODE_DTYPE_NAMES[bits])
 
 
 @dataclass(frozen=True)
@@ -25,7 +40,12 @@ class PartPlan:
     offset: int  # payload offset of layer 0; layers follow back to back
     layer_bytes: int
     shape: tuple[int, ...]  # (layers, entries, ...) of the whole part
-    dtype: torch.dtype
+    dtype_name: str  # CODE_DTYPE_NAMES or SCALES_DTYPE_NAME
+
+    @property
+    def dtype(self):
+        """The part's torch dtype."""
+        return torch_dtype(self.dtype_name)
 
 
 @dataclass(frozen=True)
@@ -69,14 +89,14 @@ def chunk_plan(
             continue
         entries = stream.entries_for(num_tokens)
         kinds = [
-            (PART_CODES, (stream.layers, entries, *stream.codes_shape), CODE_DTYPES[stream.bits])
+            (PART_CODES, (stream.layers, entries, *stream.codes_shape),
+             CODE_DTYPE_NAMES[stream.bits])
         ]
         if stream.bits < 16:
-            kinds.append(
-                (PART_SCALES, (stream.layers, entries, stream.scales_per_entry), torch.float16)
-            )
+            kinds.append((PART_SCALES, (stream.layers, entries, stream.scales_per_entry),
+                          SCALES_DTYPE_NAME))
         for part, shape, dtype in kinds:
-            layer_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+            layer_bytes = int(np.prod(shape[1:], dtype=np.int64)) * ITEMSIZE[dtype]
             parts.append(PartPlan(stream, index, part, section, offset, layer_bytes, shape, dtype))
             for layer in range(stream.layers):
                 ids = index | (layer << 16) | (part << 32)  # u2 stream, u2 layer, u1 part, 3 pad

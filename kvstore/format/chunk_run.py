@@ -1,17 +1,14 @@
-"""Decode a run of consecutive persistent chunks (a session's, in token order) straight into
-one tensor per stream and part.
+"""A run of consecutive persistent chunks (a session's, in token order): ``PackedRun``, chunks
+back to back in one buffer as a restore reply lies in shared memory, and ``decode_chunks``,
+which decodes a run straight into one tensor per stream and part.
 
-``decode_chunk`` builds a dict of tensors per chunk, which costs about 100 µs of Python
-and torch calls whatever the chunk's size; a 64k-token session of the bundled layout has
-128 chunks of 18 KB. Here the run is checked as a whole, with no Python step per chunk:
-consecutive chunks of one size are one (chunks, bytes) array (a view of the buffer they
-lie in back to back, a ``PackedRun`` as a restore reply delivers them, else of one join
-of them), every header and section table is read from it as one numpy structured array
-and compared with the layout's table once per token count, each chunk's header, token
-ids and payload are hashed row by row (version 2 checksums the payload as one piece),
-and each part of the result is one strided copy per group. Anything the run check does
-not accept (a version 1 chunk, any fault) is decoded chunk by chunk, which verifies
-every section and raises the first bad chunk's specific error.
+The run is checked as a whole, with no Python step per chunk: consecutive chunks of one size
+are one (chunks, bytes) array (a view of a ``PackedRun``'s buffer, else of one join of them),
+every header and section table is read from it as one numpy structured array and compared
+with the layout's table once per token count, each chunk's header, token ids and payload are
+hashed row by row, and each part of the result is one strided copy per group. Anything the
+run check does not accept (a version 1 chunk, any fault) is decoded chunk by chunk, which
+raises the first bad chunk's specific error. A ``PackedRun`` loads no torch; decoding does.
 
     streams = decode_chunks(bufs, spec, token_ids, counts)  # {name: StreamData (layers, E, ...)}
 """
@@ -19,10 +16,9 @@ every section and raises the first bad chunk's specific error.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
-import torch
 import xxhash
 
 from kvstore.format.chunk import (
@@ -31,6 +27,7 @@ from kvstore.format.chunk import (
     MAGIC,
     SECTION_DTYPE,
     VERSION,
+    Buffer,
     StreamData,
     checked_plan,
     decoded_payload,
@@ -41,15 +38,52 @@ from kvstore.format.chunk import (
 from kvstore.format.chunk_parts import PART_CODES, PART_SCALES, chunk_plan
 from kvstore.format.errors import InvalidRequest, LayoutMismatch
 from kvstore.format.layout import LayoutSpec
-from kvstore.format.packed_run import PackedRun
 
-Buffer = bytes | bytearray | memoryview
 # Chunks laid out alike, back to back: (k, bytes per chunk) uint8, payload offset in a
 # row, tokens per chunk.
 Group = tuple[np.ndarray, int, int]
 # Chunks at least this large are read from where they lie, one group each; smaller ones
 # are joined first (unless packed), so a group of them is one array.
 JOIN_BELOW = 1 << 18
+
+
+class PackedRun(Sequence[memoryview]):
+    """Chunks back to back in one buffer: chunk i is ``buffer[offsets[i]:offsets[i] +
+    lengths[i]]``. A sequence of those views to every other reader; ``decode_chunks``
+    reads the run from the buffer without joining it first."""
+
+    def __init__(self, buffer: Buffer, lengths: Sequence[int]) -> None:
+        self.buffer = np.frombuffer(buffer, np.uint8)  # (bytes,) uint8
+        self.lengths = np.asarray(lengths, np.int64).reshape(-1)
+        self.offsets = np.zeros(len(self.lengths), np.int64)
+        np.cumsum(self.lengths[:-1], out=self.offsets[1:])
+        if len(self.lengths) and (self.lengths.min() < 0
+                                  or self.offsets[-1] + self.lengths[-1] > len(self.buffer)):
+            raise InvalidRequest(f"{self.lengths.sum()} B of chunks do not fit a "
+                                 f"{len(self.buffer)} B buffer")
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        at = int(self.offsets[index])
+        return memoryview(self.buffer[at:at + int(self.lengths[index])])
+
+    def __iter__(self) -> Iterator[memoryview]:
+        return map(self.__getitem__, range(len(self)))
+
+    def followed_by(self, tail: Buffer) -> PackedRun | None:
+        """This run with ``tail`` as one more chunk when ``tail`` lies right after it in
+        the same buffer (as a restore reply's tail follows its chunks); else None."""
+        view = np.frombuffer(tail, np.uint8)
+        end = int(self.offsets[-1] + self.lengths[-1]) if len(self) else 0
+        here = self.buffer.__array_interface__["data"][0] + end
+        if (not view.size or end + view.size > len(self.buffer)
+                or view.__array_interface__["data"][0] != here):
+            return None
+        return PackedRun(self.buffer, [*self.lengths.tolist(), view.size])
 
 
 def decode_chunks(bufs: Sequence[Buffer], spec: LayoutSpec,
@@ -186,11 +220,15 @@ def _checked_each(bufs: Sequence[Buffer], spec: LayoutSpec, ids: np.ndarray,
         groups.append((payload.reshape(1, -1), 0, count))
         start += count
     return groups
+
+
 def _assemble(spec: LayoutSpec, groups: list[Group]) -> dict[str, StreamData]:
     """Each part of the run as one tensor: per group of chunks, one strided copy of the
     part's (chunk, layer, bytes) into (layer, chunk, bytes) of the result."""
+    import torch
+
     plans = [(block, base, chunk_plan(spec, count, False).parts) for block, base, count in groups]
-    parts: dict[str, dict[int, torch.Tensor]] = {}
+    parts: dict[str, dict[int, object]] = {}  # stream -> part -> tensor
     for index, p in enumerate(chunk_plan(spec, 0, False).parts):
         layers, shape = p.stream.layers, p.shape[2:]
         width = sum(len(block) * got[index].layer_bytes for block, _, got in plans)

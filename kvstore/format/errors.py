@@ -135,6 +135,11 @@ class QuotaExceeded(TierFull):
     message names the quota, its limit and the tenant's use."""
 
 
+class MessageTooLarge(KVTierError):
+    """A payload is larger than one gRPC message may carry (``max_message_bytes``): raise
+    the limit or use shared memory."""
+
+
 class StaleGeneration(KVTierError):
     """A writer presented a generation older than the session's current one."""
 
@@ -186,6 +191,7 @@ STATUS_NAMES: tuple[tuple[type[KVTierError], str], ...] = (
     (InvalidRequest, "INVALID_ARGUMENT"),
     (NotFound, "NOT_FOUND"),
     (TierFull, "RESOURCE_EXHAUSTED"),
+    (MessageTooLarge, "RESOURCE_EXHAUSTED"),
     (StaleGeneration, "FAILED_PRECONDITION"),
     (PermissionDenied, "PERMISSION_DENIED"),
     (Unauthenticated, "UNAUTHENTICATED"),
@@ -202,7 +208,7 @@ UNEXPECTED = "INTERNAL"  # ServerError, a bare KVTierError, and anything not our
 CLASS_FOR_STATUS: dict[str, type[KVTierError]] = {
     "INVALID_ARGUMENT": InvalidRequest,
     "NOT_FOUND": SessionNotFound,
-    # Our own RESOURCE_EXHAUSTED always names TierFull; without a name it is gRPC's
+    # Our own RESOURCE_EXHAUSTED always names its class; without a name it is gRPC's
     # refusal of a message over the size limit: the request was too big.
     "RESOURCE_EXHAUSTED": InvalidRequest,
     "FAILED_PRECONDITION": StaleGeneration,

@@ -7,8 +7,9 @@ KV, kept only in hbm and host). Every byte figure is computed from these fields.
 
 A spec also states the model's vocabulary (token ids must lie below it) and its window W
 (the most tokens the ephemeral window streams hold), so every size a request can carry is
-bounded by the layout before anything is decoded (``chunk_plan.max_chunk_tokens``,
-``codec.max_encoded_bytes``, ``validate.window_bytes_max``).
+bounded by the layout before anything is decoded (``chunk_parts.max_chunk_tokens``,
+``chunk.max_encoded_bytes``, ``checks.window_bytes_max``). This process's known layouts are
+``kvstore.format.registry``'s.
 
 The store needs nothing else from a model: any cache that can be described this way can
 be spilled and restored. A spec also names its ``replayer``: what can rebuild its window
@@ -43,7 +44,7 @@ from functools import cached_property
 
 import xxhash
 
-from kvstore.format.errors import InvalidRequest, UnknownLayout, shown
+from kvstore.format.errors import InvalidRequest, shown
 
 SCALE_BYTES = 2  # one fp16 scale per quantization group
 BF16_BYTES = 2
@@ -376,56 +377,3 @@ def layout_from_json(text: str | bytes) -> LayoutSpec:
             raise InvalidRequest(f"layer_modes must list strings, got {shown(modes)}")
         fields["layer_modes"] = tuple(modes)
     return LayoutSpec(streams=tuple(streams), **fields)
-
-
-_REGISTRY: dict[str, LayoutSpec] = {}
-
-
-def _registry() -> dict[str, LayoutSpec]:
-    # The shipped presets register themselves on import; importing them lazily keeps
-    # kvstore.format.presets free to import this module.
-    import kvstore.format.presets  # noqa: F401
-
-    return _REGISTRY
-
-
-def register_layout(spec: LayoutSpec) -> LayoutSpec:
-    """Add ``spec`` to this process's layouts; the one already registered when it is the
-    same layout (idempotent), InvalidRequest when its name is taken by another."""
-    known = _REGISTRY.get(spec.name)
-    if known is not None:
-        if known.layout_hash != spec.layout_hash:
-            raise InvalidRequest(f"layout name {spec.name!r} is already registered as "
-                                 f"{known.layout_id}, with another shape")
-        if known.replayer != spec.replayer:
-            raise InvalidRequest(f"layout {known.layout_id} is already registered with "
-                                 f"replayer {known.replayer!r}, not {spec.replayer!r}")
-        return known
-    _REGISTRY[spec.name] = spec
-    return spec
-
-
-def get_layout(name_or_id: str) -> LayoutSpec:
-    """Look a spec up by name or by full layout id (``name@hash``)."""
-    name, _, wanted_hash = name_or_id.partition("@")
-    registry = _registry()
-    spec = registry.get(name)
-    if spec is None:
-        raise UnknownLayout(f"unknown layout {shown(name_or_id)}; known: {sorted(registry)}")
-    if wanted_hash and wanted_hash != f"{spec.layout_hash:016x}":
-        raise UnknownLayout(
-            f"layout {name!r} is known as {spec.layout_id}, not {shown(name_or_id)} "
-            "(spec changed?)"
-        )
-    return spec
-
-
-def layout_by_hash(layout_hash: int) -> LayoutSpec:
-    for spec in _registry().values():
-        if spec.layout_hash == layout_hash:
-            return spec
-    raise UnknownLayout(f"no registered layout has hash {layout_hash:016x}")
-
-
-def all_layouts() -> list[LayoutSpec]:
-    return list(_registry().values())

@@ -44,9 +44,10 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
-from kvstore.eviction.policies import EvictionPolicy, HintBook, ResumeHint
+from kvstore.eviction.policies import EvictionPolicy, HintBook
 from kvstore.format.chunk import verify_chunk
 from kvstore.format.errors import ChunkNotFound, CodecError, DataLoss, TierFull, TierUnavailable
+from kvstore.format.hints import ResumeHint
 from kvstore.placement.locks import KeyedLocks
 from kvstore.stats import Counters
 from kvstore.tiers.base import Buffer, Tier

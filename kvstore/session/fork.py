@@ -19,7 +19,7 @@ from contextlib import AsyncExitStack, suppress
 
 from kvstore.format.checks import window_check
 from kvstore.format.errors import DataLoss, InvalidRequest, PreconditionFailed, QuotaExceeded
-from kvstore.format.layout import get_layout
+from kvstore.format.registry import get_layout
 from kvstore.placement.blocks import Blocks
 from kvstore.placement.locks import KeyedLocks
 from kvstore.placement.stack import WINDOW_PREFIX, TierStack

@@ -60,11 +60,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.eviction.pause_estimate import PauseEstimator
-from kvstore.eviction.policies import EvictionPolicy, LRUPolicy, ResumeHint
+from kvstore.eviction.policies import EvictionPolicy, LRUPolicy
 from kvstore.fleet.lookup import held_chains
 from kvstore.format.errors import InvalidRequest, KVTierError
+from kvstore.format.hints import ResumeHint
 from kvstore.format.keys import check_fingerprint, dedupe_scope, iter_chain_keys
-from kvstore.format.layout import get_layout
+from kvstore.format.registry import get_layout
 from kvstore.placement.blocks import Blocks
 from kvstore.placement.durability import WriteBackFailures
 from kvstore.placement.locks import KeyedLocks

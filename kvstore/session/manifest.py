@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 import xxhash
 
-from kvstore.eviction.policies import ResumeHint
 from kvstore.format.errors import ChunkCorrupt, InvalidRequest, UnsupportedVersion, shown
+from kvstore.format.hints import ResumeHint
 from kvstore.format.keys import token_bytes
 
 MAGIC = b"KVSM"

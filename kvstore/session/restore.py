@@ -29,9 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.format.checks import restored_chunk_check, window_check
-from kvstore.format.chunk import StreamData, decode_chunk
+from kvstore.format.chunk import LayerSlice, StreamData, decode_chunk
 from kvstore.format.errors import DataLoss, InvalidRequest, SessionNotFound
-from kvstore.format.layout import LayoutSpec, get_layout
+from kvstore.format.layout import LayoutSpec
+from kvstore.format.registry import get_layout
 from kvstore.placement.blocks import Blocks
 from kvstore.placement.locks import KeyedLocks
 from kvstore.placement.refcount import RefLedger
@@ -63,13 +64,6 @@ class RestoreResult:
     window: Buffer | None
     window_tier: str | None
     replay_needed: bool  # the layout has window streams and no window blob came back
-
-
-@dataclass(frozen=True)
-class LayerSlice:
-    stream: str
-    layer: int  # index among the stream's owning layers
-    data: StreamData  # codes (entries, *codes_shape), scales (entries, groups) or None
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ from typing import Literal
 import numpy as np
 
 from kvstore.eviction.pause_estimate import PauseEstimator
-from kvstore.eviction.policies import ResumeHint
 from kvstore.format.checks import check_spill, check_window, chunk_bytes_max, restored_chunk_check
 from kvstore.format.errors import (
     ChunksNotHeld,
@@ -41,8 +40,10 @@ from kvstore.format.errors import (
     StaleGeneration,
     TierUnavailable,
 )
+from kvstore.format.hints import ResumeHint
 from kvstore.format.keys import check_fingerprint, chunk_digest, dedupe_scope, token_bytes
-from kvstore.format.layout import LayoutSpec, get_layout
+from kvstore.format.layout import LayoutSpec
+from kvstore.format.registry import get_layout
 from kvstore.placement.blocks import Blocks
 from kvstore.placement.locks import KeyedLocks
 from kvstore.placement.refcount import RefLedger

@@ -15,9 +15,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kvstore.format.chunk import Buffer
 from kvstore.format.errors import KVTierError
-
-Buffer = bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from kvstore.eviction.policies import ResumeHint
 from kvstore.format.errors import KVTierError
+from kvstore.format.hints import ResumeHint
 from kvstore.format.layout import LayoutSpec
 from kvtier.client import AsyncClient
 from model.data import corpus

@@ -27,7 +27,8 @@ import torch
 import xxhash
 
 from kvstore.format.errors import KVTierError, LayoutMismatch, SessionNotFound
-from kvstore.format.layout import LayoutSpec, register_layout
+from kvstore.format.layout import LayoutSpec
+from kvstore.format.registry import register_layout
 from kvtier.client import AsyncClient
 from model.config import BUNDLED, ModelConfig, layout_spec
 from model.infer import decode_step, prefill

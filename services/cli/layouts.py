@@ -9,7 +9,8 @@ import json
 import sys
 
 from kvstore.format.errors import KVTierError
-from kvstore.format.layout import LayoutSpec, all_layouts
+from kvstore.format.layout import LayoutSpec
+from kvstore.format.registry import all_layouts
 from services.cli.address import add_credential_arguments, client_options, failure
 
 

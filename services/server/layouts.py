@@ -13,7 +13,7 @@
   (a server without identities has no admins). Every registration is logged and, with
   an audit log, audited (kind ``layout``).
 
-Layouts live in the process's registry (``kvstore.format.layout.register_layout``), which the
+Layouts live in the process's registry (``kvstore.format.registry.register_layout``), which the
 store resolves session layouts from. With shared metadata a registration also goes to
 the fleet's bucket (``kvstore.fleet.shared_layouts``; a name registered there by another
 node as another layout is refused), and a node that meets a layout id it does not know
@@ -44,14 +44,12 @@ from kvstore.format.errors import (
 from kvstore.format.layout import (
     NAME,
     LayoutSpec,
-    all_layouts,
     cache_difference,
-    get_layout,
     layout_from_json,
     layout_to_json,
-    register_layout,
 )
 from kvstore.format.presets import SHIPPED
+from kvstore.format.registry import all_layouts, get_layout, register_layout
 from kvstore.tiers.base import MetaStore
 from kvstore.tiers.disk.headroom import DEFAULT_RESERVE_BYTES, PAGE_BYTES, check_room
 

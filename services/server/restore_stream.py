@@ -35,6 +35,7 @@ from kvstore.format.errors import (
     DataLoss,
     KVTierError,
     LayoutMismatch,
+    MessageTooLarge,
     ReplayUnavailable,
     TierFull,
 )
@@ -236,7 +237,7 @@ class RestoreStreamer:
             self.metrics.restore_bytes.labels("shm").inc(len(data))
             return pb.Payload(key=key, shm=writer.add(data))
         if len(data) > self.max_payload:
-            raise TierFull(f"a {len(data)} B block exceeds the {self.max_payload} B message "
+            raise MessageTooLarge(f"a {len(data)} B block exceeds the {self.max_payload} B message "
                            "limit: raise max_message_bytes or use shared memory"
                            + (f" (refused: {refused})" if refused else ""))
         self.metrics.restore_bytes.labels("grpc").inc(len(data))

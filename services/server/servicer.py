@@ -31,7 +31,8 @@ from kvstore.format.errors import (
     status_name,
 )
 from kvstore.format.keys import check_fingerprint, dedupe_scope, split_block_key
-from kvstore.format.layout import LayoutSpec, all_layouts, layout_to_json
+from kvstore.format.layout import LayoutSpec, layout_to_json
+from kvstore.format.registry import all_layouts
 from kvstore.session.manager import TierManager
 from kvstore.session.manifest import SessionManifest
 from kvstore.session.quota import TenantReport

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstore.eviction.policies import ResumeHint
 from kvstore.format.checks import check_token_ids, chunk_bytes_max, window_bytes_max
 from kvstore.format.chunk import checked_header, split_chunks, tokens_hash
 from kvstore.format.errors import CodecError, InvalidRequest, PermissionDenied, shown
+from kvstore.format.hints import ResumeHint
 from kvstore.format.keys import (
     DIGEST_BYTES,
     block_key,
@@ -28,9 +28,10 @@ from kvstore.format.keys import (
     dedupe_scope,
     iter_chain_keys,
 )
-from kvstore.format.layout import LayoutSpec, get_layout
+from kvstore.format.layout import LayoutSpec
+from kvstore.format.registry import get_layout
+from kvstore.format.wire_limits import MAX_REPLAY_TOKENS
 from proto import kvtier_pb2 as pb
-from replay.worker import MAX_REPLAY_TOKENS
 
 TENANT = re.compile(r"^[a-z0-9_-]{1,64}$")
 SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")

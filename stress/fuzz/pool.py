@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.format.keys import chain_keys, chunk_digest, dedupe_scope
-from kvstore.format.layout import LayoutSpec, get_layout
+from kvstore.format.layout import LayoutSpec
+from kvstore.format.registry import get_layout
 from proto import kvtier_pb2 as pb
 
 LAYOUT = get_layout("kvtier-bundled")
@@ -65,18 +66,18 @@ def random_streams(spec: LayoutSpec, tokens: int, seed: int, streams=None) -> di
     import torch
 
     from kvstore.format.chunk import StreamData
-    from kvstore.format.chunk_parts import CODE_DTYPES
+    from kvstore.format.chunk_parts import code_dtype
 
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for s in spec.persistent_streams if streams is None else streams:
         shape = (s.layers, s.entries_for(tokens), *s.codes_shape)
         if s.bits == 16:
-            codes = torch.randn(shape, generator=gen).to(CODE_DTYPES[16])
+            codes = torch.randn(shape, generator=gen).to(code_dtype(16))
         else:
             low, high = (-128, 128) if s.bits == 8 else (0, 256)
             codes = torch.randint(low, high, shape, generator=gen,
-                                  dtype=torch.int16).to(CODE_DTYPES[s.bits])
+                                  dtype=torch.int16).to(code_dtype(s.bits))
         scales = None if s.bits == 16 else torch.rand(
             (s.layers, s.entries_for(tokens), s.scales_per_entry), generator=gen
         ).to(torch.float16)

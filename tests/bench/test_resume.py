@@ -18,7 +18,7 @@ from bench.resume import (
     run,
     spec_for,
 )
-from kvstore.format.layout import get_layout
+from kvstore.format.registry import get_layout
 from model import checkpoint
 from model.config import BUNDLED, TINY, layout_spec
 from replay.worker import ReplayWorker

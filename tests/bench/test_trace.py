@@ -19,7 +19,7 @@ from bench.trace.run import main, make_tiers, run_trace_benchmark, simulate
 from bench.trace.sim import SimTier
 from bench.trace.workload import build_workload
 from kvstore.format.errors import InvalidRequest
-from kvstore.format.layout import get_layout
+from kvstore.format.registry import get_layout
 
 BLOCK = 512
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.format import layout as layouts
+from kvstore.format import registry as layouts
 from tests.support.service import running_server
 from tests.vectors.generate import wire_layout
 

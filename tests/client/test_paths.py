@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvstore.format.chunk import StreamData
-from kvstore.format.packed_run import PackedRun
+from kvstore.format.chunk_run import PackedRun
 from kvtier import AsyncClient, Client, shm
 from tests.support.servers import free_port
 from tests.support.service import (

@@ -8,7 +8,8 @@ import statistics
 import pytest
 
 from kvstore.eviction.pause_estimate import MIN_PAUSES, RETURNED, PauseEstimator
-from kvstore.eviction.policies import HintPolicy, LRUPolicy, ResumeHint
+from kvstore.eviction.policies import HintPolicy, LRUPolicy
+from kvstore.format.hints import ResumeHint
 from kvstore.session.manager import ManagerConfig
 from kvstore.tiers.base import MemoryMetaStore
 from kvstore.tiers.disk import DiskTier

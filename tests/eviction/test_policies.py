@@ -8,9 +8,10 @@ import random
 
 import pytest
 
-from kvstore.eviction.policies import HintBook, HintPolicy, LRUPolicy, NextUse, ResumeHint
+from kvstore.eviction.policies import HintBook, HintPolicy, LRUPolicy, NextUse
 from kvstore.eviction.reuse import REFRESH, ReusePolicy, reuse_policies
 from kvstore.format.errors import InvalidRequest
+from kvstore.format.hints import ResumeHint
 from kvstore.placement.locks import KeyedLocks
 from kvstore.placement.stack import TierStack
 from kvstore.stats import Counters

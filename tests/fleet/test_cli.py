@@ -11,8 +11,9 @@ import json
 import pytest
 import torch
 
-from kvstore.format import layout as layouts
-from kvstore.format.layout import LayoutSpec, get_layout
+from kvstore.format import registry as layouts
+from kvstore.format.layout import LayoutSpec
+from kvstore.format.registry import get_layout
 from kvtier import AsyncClient
 from services.cli.main import main
 from services.server.config import ServerConfig

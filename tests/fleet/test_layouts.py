@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from kvstore.format.errors import InvalidRequest, UnknownLayout
-from kvstore.format.layout import BaselineKV, get_layout, layout_to_json
+from kvstore.format.layout import BaselineKV, layout_to_json
+from kvstore.format.registry import get_layout
 from kvtier import AsyncClient
 from model.checkpoint import load, save
 from model.config import BUNDLED

@@ -336,7 +336,7 @@ def test_chunk_token_bounds_come_from_the_layout():
 
 
 def test_layouts_state_their_vocabulary_and_window():
-    from kvstore.format.layout import get_layout
+    from kvstore.format.registry import get_layout
 
     assert (LAYOUT.vocab_size, LAYOUT.window_tokens) == (256, 128)
     assert get_layout("deepseek-v3").vocab_size == 129_280

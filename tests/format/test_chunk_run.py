@@ -14,10 +14,9 @@ from hypothesis import strategies as st
 
 from kvstore.format import chunk as codec
 from kvstore.format.chunk import StreamData, decode_chunk, encode_chunk
-from kvstore.format.chunk_run import decode_chunks
+from kvstore.format.chunk_run import PackedRun, decode_chunks
 from kvstore.format.errors import ChunkCorrupt, CodecError, InvalidRequest, LayoutMismatch
 from kvstore.format.layout import LayoutSpec, Stream
-from kvstore.format.packed_run import PackedRun
 from tests.support.chunks import BUNDLED, MIXED, assert_same, layouts, make_streams
 
 

@@ -10,7 +10,7 @@ import pytest
 
 import kvtier
 from kvstore.format import errors
-from kvstore.format import layout as layout_registry
+from kvstore.format import registry as layout_registry
 from kvstore.format.errors import (
     ERROR_CLASSES,
     ERROR_KEY,
@@ -76,6 +76,7 @@ def test_the_table_covers_every_class_and_kvtier_exports_it():
     expected = {"InvalidRequest": "INVALID_ARGUMENT", "SharedMemoryUnavailable":
                 "INVALID_ARGUMENT", "SessionNotFound": "NOT_FOUND",
                 "ChunksNotHeld": "NOT_FOUND", "TierFull": "RESOURCE_EXHAUSTED",
+                "MessageTooLarge": "RESOURCE_EXHAUSTED",
                 "StaleGeneration": "FAILED_PRECONDITION", "MissingChunks":
                 "FAILED_PRECONDITION", "ReplayUnavailable": "FAILED_PRECONDITION",
                 "ChunkTruncated": "DATA_LOSS", "DataLoss": "DATA_LOSS",

@@ -11,7 +11,7 @@ import pytest
 
 from kvstore.format.errors import DataLoss, InvalidRequest, PermissionDenied
 from kvstore.format.keys import chunk_digest, dedupe_scope
-from kvstore.format.layout import register_layout
+from kvstore.format.registry import register_layout
 from kvtier import AsyncClient
 from kvtier.codec import as_tokens, check_digests, encode_session
 from proto import kvtier_pb2 as pb

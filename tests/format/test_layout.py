@@ -10,7 +10,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvstore.format.errors import InvalidRequest, UnknownLayout
-from kvstore.format.layout import BaselineKV, LayoutSpec, Stream, get_layout
+from kvstore.format.layout import BaselineKV, LayoutSpec, Stream
+from kvstore.format.registry import get_layout, register_layout
 from tests.support.chunks import layouts, streams
 
 
@@ -163,3 +164,13 @@ def test_layout_hash_is_stable_for_equal_specs_and_changes_with_any_field(spec, 
     changed = dataclasses.replace(spec, **changes[data.draw(st.sampled_from(sorted(changes)))]())
     assume(changed != spec)
     assert changed.layout_hash != spec.layout_hash
+
+
+def test_an_unknown_layout_error_names_the_presets_but_no_registered_layout():
+    register_layout(LayoutSpec("tenant-private-layout", (Stream("k", (8,), bits=16),),
+                               chunk_tokens=16))
+    with pytest.raises(UnknownLayout) as err:
+        get_layout("no-such-layout")
+    message = str(err.value)
+    assert "kvtier-bundled" in message and "registered" in message
+    assert "tenant-private-layout" not in message

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.format.layout import get_layout
+from kvstore.format.registry import get_layout
 from model.config import BUNDLED, TINY, layout_spec
 from model.infer import prefill
 from model.net import KVTierLM

@@ -13,7 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.format.errors import InvalidRequest, LayoutMismatch, TierUnavailable, UnknownLayout
-from kvstore.format.layout import BaselineKV, get_layout, layout_to_json
+from kvstore.format.layout import BaselineKV, layout_to_json
+from kvstore.format.registry import get_layout
 from kvtier.client import AsyncClient
 from model.infer import replay
 from replay.state_codec import encode_window, state_from_chunks, state_to_chunks

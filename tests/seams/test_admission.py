@@ -24,7 +24,8 @@ from kvstore.format.errors import (
     TierFull,
     status_name,
 )
-from kvstore.format.layout import ANY_TOKEN_ID, LayoutSpec, get_layout, layout_to_json
+from kvstore.format.layout import ANY_TOKEN_ID, LayoutSpec, layout_to_json
+from kvstore.format.registry import get_layout
 from kvstore.tiers.disk.headroom import DEFAULT_RESERVE_BYTES
 from kvtier import AsyncClient, Client, RetryPolicy
 from tests.support.service import (

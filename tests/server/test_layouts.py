@@ -11,16 +11,9 @@ import pytest
 import xxhash
 
 from kvstore.format.errors import InvalidRequest
-from kvstore.format.layout import (
-    BaselineKV,
-    LayoutSpec,
-    Stream,
-    all_layouts,
-    get_layout,
-    layout_from_json,
-    layout_to_json,
-)
+from kvstore.format.layout import BaselineKV, LayoutSpec, Stream, layout_from_json, layout_to_json
 from kvstore.format.presets import V41_FLASH_CONFIG, deepseek_v41_layout
+from kvstore.format.registry import all_layouts, get_layout
 
 # deepseek-v3's canonical encoding, written out: sorted keys, no spaces, every stream
 # field, no notes, no baseline (it has none).

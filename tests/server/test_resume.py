@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from kvstore.format.layout import get_layout
+from kvstore.format.registry import get_layout
 from kvtier import AsyncClient
 from kvtier.codec import decode_window
 from model.checkpoint import load, save

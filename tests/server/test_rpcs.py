@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.eviction.policies import ResumeHint
 from kvstore.format.errors import InvalidRequest, SessionNotFound
+from kvstore.format.hints import ResumeHint
 from kvtier import AsyncClient
 from kvtier.errors import PreconditionFailed
 from tests.support.service import (

@@ -185,3 +185,21 @@ async def test_oversize_message_is_refused_clearly(tmp_path):
                 await small.spill("acme", "s1", LAYOUT.name, tokens, chunks=[blob],
                                   generation=1)
         assert await kv.list() == []
+
+
+
+async def test_a_restored_block_over_the_message_limit_is_message_too_large(tmp_path):
+    from kvstore.format.errors import MessageTooLarge, TierFull
+    from kvstore.format.presets import DEEPSEEK_LLM_67B as BIG  # 6 MB chunks
+    from kvtier import AsyncClient
+
+    tokens = tokens_for(BIG.chunk_tokens)
+    async with running_server(tmp_path) as (_, target), \
+            AsyncClient(target, shared_memory=False) as kv:
+        await kv.spill("acme", "s1", BIG.name, tokens, streams_for(BIG, len(tokens)),
+                       generation=1)
+    async with running_server(tmp_path, max_message_bytes=1 << 20) as (_, target), \
+            AsyncClient(target, shared_memory=False) as kv:
+        with pytest.raises(MessageTooLarge, match="RESOURCE_EXHAUSTED.*message limit") as err:
+            await kv.restore("acme", "s1")
+        assert not isinstance(err.value, TierFull)

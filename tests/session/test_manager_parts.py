@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from kvstore.eviction.policies import ResumeHint
 from kvstore.format.errors import ChunkCorrupt, InvalidRequest, SessionNotFound
+from kvstore.format.hints import ResumeHint
 from kvstore.placement.locks import KeyedLocks, RWLocks
 from kvstore.placement.refcount import REF_PREFIX, RefLedger
 from kvstore.session.manifest import SessionManifest

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.eviction.policies import HintPolicy, LRUPolicy, ResumeHint
+from kvstore.eviction.policies import HintPolicy, LRUPolicy
 from kvstore.format.errors import DataLoss, InvalidRequest
+from kvstore.format.hints import ResumeHint
 from kvstore.tiers.base import MemoryMetaStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.hbm import HBMTier

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.eviction.policies import ResumeHint
 from kvstore.format.errors import ChunkCorrupt
+from kvstore.format.hints import ResumeHint
 from kvstore.session.manifest import SessionManifest
 
 # Tenant and session ids are plain: no '/', no control characters, at most 256 bytes.

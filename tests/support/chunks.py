@@ -7,7 +7,8 @@ import torch
 from hypothesis import strategies as st
 
 from kvstore.format.chunk import StreamData
-from kvstore.format.layout import BaselineKV, LayoutSpec, Stream, get_layout
+from kvstore.format.layout import BaselineKV, LayoutSpec, Stream
+from kvstore.format.registry import get_layout
 
 BUNDLED = get_layout("kvtier-bundled")
 MIXED = LayoutSpec(

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvstore.fleet.gc import GcTiming, prepare_bucket
-from kvstore.format.layout import get_layout
+from kvstore.format.registry import get_layout
 from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest
 from kvtier.codec import decode_window
 from model.checkpoint import load, save

@@ -14,7 +14,8 @@ import torch
 
 from kvstore.format.chunk import StreamData, encode_chunk
 from kvstore.format.keys import block_keys, dedupe_scope
-from kvstore.format.layout import LayoutSpec, Stream, register_layout
+from kvstore.format.layout import LayoutSpec, Stream
+from kvstore.format.registry import register_layout
 from kvstore.session.manager import TierManager
 from kvstore.tiers.base import MetaStore, Tier
 

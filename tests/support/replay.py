@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.format.layout import register_layout
+from kvstore.format.registry import register_layout
 from model.config import TINY, layout_spec
 from model.infer import prefill
 from model.net import KVTierLM

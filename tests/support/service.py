@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 
 from kvstore.format.chunk import StreamData
-from kvstore.format.chunk_parts import CODE_DTYPES
+from kvstore.format.chunk_parts import code_dtype
 from kvstore.format.keys import chunk_digest
-from kvstore.format.layout import LayoutSpec, get_layout
+from kvstore.format.layout import LayoutSpec
+from kvstore.format.registry import get_layout
 from proto import kvtier_pb2 as pb
 from services.server.config import load_config
 from services.server.server import KVTierServer, create_server
@@ -32,7 +33,7 @@ def streams_for(spec: LayoutSpec, tokens: int, *, seed: int = 0, streams=None
     out = {}
     for s in spec.persistent_streams if streams is None else streams:
         shape = (s.layers, s.entries_for(tokens), *s.codes_shape)
-        dtype = CODE_DTYPES[s.bits]
+        dtype = code_dtype(s.bits)
         if s.bits == 16:
             codes = torch.randn(shape, generator=gen).to(dtype)
         else:

@@ -24,7 +24,7 @@ import zstandard
 
 from kernels.reference import pack_int4
 from kvstore.format.chunk import StreamData, encode_chunk, read_header
-from kvstore.format.chunk_parts import CODE_DTYPES
+from kvstore.format.chunk_parts import code_dtype
 from kvstore.format.errors import CLASS_FOR_STATUS, ERROR_CLASSES, ERROR_KEY, status_name
 from kvstore.format.keys import chain_keys, chunk_digest, chunk_key, dedupe_scope, token_bytes
 from kvstore.format.layout import BaselineKV, LayoutSpec, Stream, layout_to_json
@@ -113,7 +113,7 @@ def stream_data(stream: Stream, inputs: dict) -> StreamData:
         return StreamData(codes.reshape(shape), None)
     values = torch.tensor(inputs["values"], dtype=torch.int8).reshape(shape)
     codes = pack_int4(values) if stream.bits == 4 else values
-    assert codes.dtype == CODE_DTYPES[stream.bits]
+    assert codes.dtype == code_dtype(stream.bits)
     scales = torch.tensor(inputs["scales"], dtype=torch.float16).reshape(inputs["scales_shape"])
     return StreamData(codes, scales)
 

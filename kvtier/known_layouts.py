@@ -1,12 +1,13 @@
-"""The layouts a client knows: this process's registry (``kvstore.format.layout``: the presets and
-whatever it registered), then those the server listed (ListLayouts) or registered for it,
-so a client that defines no layout of its own still spills and restores any the server
-serves."""
+"""The layouts a client knows: this process's registry (``kvstore.format.registry``: the
+presets and whatever it registered), then those the server listed (ListLayouts) or
+registered for it, so a client that defines no layout of its own still spills and restores
+any the server serves."""
 
 from __future__ import annotations
 
 from kvstore.format.errors import LayoutMismatch, UnknownLayout
-from kvstore.format.layout import LayoutSpec, get_layout, layout_from_json
+from kvstore.format.layout import LayoutSpec, layout_from_json
+from kvstore.format.registry import get_layout
 from kvtier.types import LayoutInfo
 from proto import kvtier_pb2 as pb
 
