@@ -12,10 +12,10 @@ from test_manager_support import make_session, random_tokens, tier_keys
 from kvstore.eviction.policies import ResumeHint
 from kvstore.format.errors import ChunkCorrupt, InvalidRequest, SessionNotFound
 from kvstore.placement.locks import KeyedLocks, RWLocks
-from kvstore.placement.refcount import REF_PREFIX, RefLedger
+from kvstore.placement.refcount import RefLedger
 from kvstore.session.manager import TierManager
 from kvstore.session.manifest import SessionManifest
-from kvstore.tiers.base import MemoryMetaStore
+from kvstore.tiers.base import REF_PREFIX, MemoryMetaStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
 

@@ -42,10 +42,11 @@ from pathlib import Path
 
 from kvstore.compaction.report import CompactionReport, CompactOptions, Progress
 from kvstore.compaction.scrub import CorruptChunk, Quarantine, mark_sessions, scrub_disk, scrub_tier
-from kvstore.compaction.segments import candidates, groups, rewrite, write_rates
+from kvstore.compaction.segments import rewrite, write_rates
 from kvstore.compaction.sessions import SessionOps, apply_sessions, load_manifests, plan_sessions
 from kvstore.encryption.seal import Keyring
 from kvstore.tiers.base import MetaStore, Tier
+from kvstore.tiers.disk.reclaim import groups, reclaimable
 from kvstore.tiers.disk.tier import DiskTier
 
 
@@ -100,7 +101,8 @@ async def run_compaction(
     if after_sessions is not None:
         after_sessions()
 
-    chosen = candidates(disk, options.dead_fraction, include_active=dry and mode == "offline")
+    chosen = reclaimable(disk.segments(), options.dead_fraction,
+                         include_active=dry and mode == "offline")
     if dry:
         report.segments_rewritten = len(chosen)
         report.reclaimed_bytes = sum(info.dead_bytes for info in chosen)

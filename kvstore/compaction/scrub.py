@@ -99,8 +99,8 @@ async def scrub_disk(tier: DiskTier, quarantine: Quarantine | None, progress: Pr
             except CodecError as exc:
                 chunk = CorruptChunk(key, tier.name, str(exc))
             if quarantine is not None:
-                quarantine.keep(chunk, raw_record(tier, key, entry))
-                if not drop_if_unchanged(tier, key, entry):
+                quarantine.keep(chunk, raw_record(tier.files, key, entry))
+                if not drop_if_unchanged(tier.index, key, entry):
                     continue  # rewritten meanwhile: the new copy is another scrub's business
             corrupt.append(chunk)
     finally:

@@ -109,6 +109,14 @@ class Tier(abc.ABC):
         return sum([1 async for _ in self.keys()])
 
 
+# MetaStore key prefixes of derived records: reference counts (recounted from the manifests
+# by a repair) and retention marks (``kvstore.prefix.chains.mark``; without them every
+# unreferenced chunk is retained). A durable store need not log either.
+REF_PREFIX = "ref/"
+RETAIN_PREFIX = "ret/"
+DERIVED_PREFIXES = (REF_PREFIX, RETAIN_PREFIX)
+
+
 class MetaStore(abc.ABC):
     """Small durable records (session manifests, reference counts) with atomic batches."""
 

@@ -191,7 +191,7 @@ async def _offline(disk, options, config, writer, keyring, census):
         except BaseException:
             await objects.close()
             raise
-    sealed = seal_dead_writer(disk)
+    sealed = seal_dead_writer(disk.index, disk.path)
     if sealed is not None:
         logging.getLogger(__name__).info("sealed segment %d of the stopped server", sealed)
     tiers = [disk] if objects is None else [disk, objects]

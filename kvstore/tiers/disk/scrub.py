@@ -13,20 +13,17 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from pathlib import Path
 
-from kvstore.tiers.disk.index import IndexEntry, SegState, _Accounts
+from kvstore.tiers.disk.index import DiskIndex, IndexEntry, SegState, _Accounts
 from kvstore.tiers.disk.lock import COMPACT_LOCK, DirLock
+from kvstore.tiers.disk.reader import SegmentFiles
 from kvstore.tiers.disk.recovery import recover
 from kvstore.tiers.disk.segments import record_size, segment_path
 
-if TYPE_CHECKING:
-    from kvstore.tiers.disk.tier import DiskTier
 
-
-def drop_if_unchanged(tier: DiskTier, key: str, entry: IndexEntry) -> bool:
+def drop_if_unchanged(index: DiskIndex, key: str, entry: IndexEntry) -> bool:
     """Delete ``key``'s index entry if it is still ``entry``; True when it was deleted."""
-    index = tier.index
     kb = key.encode()
     with index.write() as txn:
         if txn.get(kb, db=index.chunks) != entry.pack():
@@ -38,41 +35,43 @@ def drop_if_unchanged(tier: DiskTier, key: str, entry: IndexEntry) -> bool:
     return True
 
 
-def raw_record(tier: DiskTier, key: str, entry: IndexEntry) -> bytes:
+def raw_record(files: SegmentFiles, key: str, entry: IndexEntry) -> bytes:
     """Whatever the segment file holds where ``entry``'s record should be."""
+    fs = files.fs
     size = record_size(len(key.encode()), entry.value_len)
     try:
-        fd = tier.fs.open(segment_path(tier.segment_dir, entry.seg_id), os.O_RDONLY)
+        fd = fs.open(segment_path(files.directory, entry.seg_id), os.O_RDONLY)
     except FileNotFoundError:
         return b""
     try:
         buffer = bytearray(size)
-        return bytes(buffer[:tier.fs.read(fd, memoryview(buffer), entry.offset)])
+        return bytes(buffer[:fs.read(fd, memoryview(buffer), entry.offset)])
     finally:
-        tier.fs.close(fd)
+        fs.close(fd)
 
 
-def seal_dead_writer(tier: DiskTier) -> int | None:
-    """Recover like a writer open, then seal the segment appends would resume in.
+def seal_dead_writer(index: DiskIndex, path: Path) -> int | None:
+    """Recover like a writer open, then seal the segment appends would resume in, for
+    the disk tier in ``path`` whose index is ``index``.
 
-    Call only while holding ``writer.lock`` (no writer is live) and ``compact.lock``
-    (through ``tier.compact_lock``). Returns the sealed segment id, or None.
+    Call only while holding ``writer.lock`` (no writer is live) and ``compact.lock``.
+    Returns the sealed segment id, or None.
     """
+    segment_dir = path / "segments"
     # A second lock object on compact.lock: recover() takes it only when it is free, and
     # it is not (this compaction holds it), so recover() leaves BUILDING segments to us.
-    report = recover(tier.index, tier.segment_dir,
-                     DirLock(tier.path / COMPACT_LOCK, "the compaction lock"))
+    report = recover(index, segment_dir, DirLock(path / COMPACT_LOCK, "the compaction lock"))
     if report.active is None:
         return None
     seg_id, end = report.active
-    info = tier.index.segment(seg_id)
+    info = index.segment(seg_id)
     if info is None or info.state != SegState.ACTIVE:
         return None
     if end == 0:  # an empty segment: forget it rather than keep an empty sealed one
-        if tier.index.drop_segment(seg_id):
-            tier.fs.unlink(segment_path(tier.segment_dir, seg_id))
+        if index.drop_segment(seg_id):
+            index.fs.unlink(segment_path(segment_dir, seg_id))
         return None
     info.state = SegState.SEALED
-    tier.index.set_segments([info])
+    index.set_segments([info])
     return seg_id
 

@@ -47,14 +47,8 @@ from kvstore.format.errors import (
 )
 from kvstore.tiers.base import Buffer, Tier
 from kvstore.tiers.disk import batch, metalog
-from kvstore.tiers.disk import rewrite as disk_rewrite
 from kvstore.tiers.disk.fs import OS, FileSystem
-from kvstore.tiers.disk.headroom import (
-    DEFAULT_RESERVE_BYTES,
-    check_room,
-    index_growth,
-    rewrite_need,
-)
+from kvstore.tiers.disk.headroom import DEFAULT_RESERVE_BYTES, check_room, index_growth
 from kvstore.tiers.disk.index import (
     DeleteOp,
     DiskIndex,
@@ -74,6 +68,7 @@ from kvstore.tiers.disk.pipeline import CommitPipeline
 from kvstore.tiers.disk.reader import SegmentFiles, SegmentGone
 from kvstore.tiers.disk.reclaim import Reclaimer
 from kvstore.tiers.disk.recovery import RecoveryReport, recover
+from kvstore.tiers.disk.rewrite import Rewriter, RewriteResult
 from kvstore.tiers.disk.segments import (
     check_record,
     encode_header,
@@ -139,8 +134,11 @@ class DiskTier(Tier):
         self._append_lock = asyncio.Lock()
         self._epoch = self.index.segment_epoch()
         self._lsn = SequenceClock(self.index.meta_lsn())
-        self.reclaimer = Reclaimer(self, reclaim_dead_fraction if writer else 1.0,
-                                   reclaim_interval_s)
+        self.rewriter = Rewriter(self.path, self.index, self.files, segment_bytes,
+                                 self.compact_lock, reserve_bytes)
+        self.reclaimer = Reclaimer(self.rewriter, self.segments,
+                                   reclaim_dead_fraction if writer else 1.0,
+                                   reclaim_interval_s, 2 * commit_interval_s)
         self._closed = False
 
     @classmethod
@@ -151,7 +149,7 @@ class DiskTier(Tier):
     @property
     def meta(self) -> DiskMetaStore:
         """A MetaStore over the ``meta`` database of this tier's LMDB environment."""
-        return DiskMetaStore(self)
+        return DiskMetaStore(self.index, self.commit_with_meta)
 
     @property
     def used_bytes(self) -> int:
@@ -281,7 +279,9 @@ class DiskTier(Tier):
         lsn = self._lsn.next()
         logged = list(metalog.records(encoded, lsn))
         if self._appender is None and logged:
-            return await metalog.logged_aside(self, encoded, logged, lsn)
+            aside = SegmentAppender(self.index, self.segment_dir, self.segment_bytes,
+                                    SegState.BUILDING)
+            return await metalog.logged_aside(aside, encoded, logged, lsn)
         entries: dict[bytes, IndexEntry] = {}
         ready: list[tuple] = []
         try:
@@ -319,7 +319,15 @@ class DiskTier(Tier):
 
     async def get_many(self, keys: Sequence[str]) -> list[Buffer | Exception]:
         """``get`` of each key, read in file order in one batch (``batch.py``)."""
-        return await batch.get_many(self, keys)
+        self._check_open()
+        self._forget_retired()
+        now = self.clock()
+
+        def current(kb: bytes) -> IndexEntry | None:
+            entry = self._current(kb)
+            return None if entry is None or entry.expired(now) else entry
+
+        return await batch.get_many(self.files, keys, current, self.get, self.path)
 
     async def _read(self, kb: bytes, entry: IndexEntry) -> memoryview:
         size = record_size(len(kb), entry.value_len)
@@ -420,23 +428,15 @@ class DiskTier(Tier):
         finally:
             self.files.unpin(entry.seg_id)
 
-    async def rewrite_segments(self, seg_ids: Iterable[int]) -> disk_rewrite.RewriteResult:
-        """Copy the live records of these SEALED segments, switch, remove the sources
-        (``disk_rewrite``); ``TierFull`` when the copies would take more than half of
-        the reserve (``headroom.py``)."""
-        seg_ids = list(seg_ids)
-        infos = [info for info in map(self.index.segment, seg_ids) if info is not None]
-        check_room(self.path, rewrite_need(infos), self.reserve_bytes // 2)
-        try:
-            return await disk_rewrite.rewrite_segments(self, seg_ids)
-        except OSError as exc:  # a read, open or unlink of the compaction's own
-            raise storage_error(exc, "disk tier compaction") from exc
+    async def rewrite_segments(self, seg_ids: Iterable[int]) -> RewriteResult:
+        """``Rewriter.rewrite`` (``rewrite.py``)."""
+        return await self.rewriter.rewrite(list(seg_ids))
 
     async def retire_segment(self, seg_id: int) -> bool:
-        return await disk_rewrite.retire_segment(self, seg_id)
+        return await self.rewriter.retire(seg_id)
 
     async def sweep(self) -> tuple[list[int], list[int]]:
-        return await disk_rewrite.sweep(self)
+        return await self.rewriter.sweep()
 
     # internals
 
