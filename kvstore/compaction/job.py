@@ -11,7 +11,7 @@ Steps, in order (each crash-safe on its own, so a killed run is simply run again
    leaves a chunk in both tiers, and the next run finishes the move.
 2. scrub (``kvstore.compaction.scrub``): verify every chunk, copy corrupt ones into
    ``quarantine/`` before removing them, mark the sessions that name them.
-3. rewrite (``kvstore.compaction.segments``): sealed segments whose dead fraction is
+3. rewrite (``kvstore.compaction.rewrite_runs``): sealed segments whose dead fraction is
    at or above ``dead_fraction`` are rewritten by the disk tier's protocol: live
    records copied into BUILDING segments and fsynced, index entries switched by
    compare-and-swap in one LMDB transaction, old files removed only after it commits.
@@ -41,8 +41,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvstore.compaction.report import CompactionReport, CompactOptions, Progress
+from kvstore.compaction.rewrite_runs import rewrite, write_rates
 from kvstore.compaction.scrub import CorruptChunk, Quarantine, mark_sessions, scrub_disk, scrub_tier
-from kvstore.compaction.segments import rewrite, write_rates
 from kvstore.compaction.sessions import SessionOps, apply_sessions, load_manifests, plan_sessions
 from kvstore.encryption.seal import Keyring
 from kvstore.tiers.base import MetaStore, Tier

@@ -32,8 +32,8 @@ from kvstore.format.chunk import verify_chunk
 from kvstore.format.errors import ChunkNotFound, CodecError
 from kvstore.session.manifest import SessionManifest
 from kvstore.tiers.base import MetaStore, Tier
+from kvstore.tiers.disk.quarantine import drop_if_unchanged, raw_record
 from kvstore.tiers.disk.reader import SegmentGone
-from kvstore.tiers.disk.scrub import drop_if_unchanged, raw_record
 from kvstore.tiers.disk.segments import fsync_directory
 from kvstore.tiers.disk.tier import DiskTier
 

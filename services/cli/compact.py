@@ -179,7 +179,7 @@ async def _offline(disk, options, config, writer, keyring, census):
     from kvstore.compaction.sessions import ManagerOps
     from kvstore.encryption.census import census_tier
     from kvstore.session.manager import TierManager
-    from kvstore.tiers.disk.scrub import seal_dead_writer
+    from kvstore.tiers.disk.recovery import seal_dead_writer
     from services.server.store import manager_config
 
     objects = None

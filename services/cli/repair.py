@@ -5,7 +5,7 @@
 ``D`` is the server's data directory (the disk tier in ``D/disk``) or the disk tier's
 own directory. Run it when ``kvtier serve`` says the disk index is corrupt, or when the
 LMDB environment (``index/``) is lost: the old environment is moved aside, never
-deleted, and a new one is built from the segments (``kvstore.tiers.disk.repair``).
+deleted, and a new one is built from the segments (``kvstore.compaction.index_repair``).
 Reports the sessions recovered, those with chunks not on disk, and the chunks no
 session names (orphans: kept; ``kvtier compact`` collects them).
 
@@ -47,8 +47,8 @@ def disk_directory(data_dir: Path) -> Path | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvstore.compaction.index_repair import repair
     from kvstore.encryption.seal import load_keyring
-    from kvstore.tiers.disk.repair import repair
     from services.server.config import load_config
 
     disk = disk_directory(args.data_dir)

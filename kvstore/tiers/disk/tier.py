@@ -26,7 +26,7 @@ Cross-process protocol (server and offline compactor on one directory):
     the index, so both processes see the same numbers.
   - compaction holds ``compact.lock``; it rewrites only SEALED segments into new
     segments, switches entries by compare-and-swap in one transaction, and removes an
-    old file only after that commit (see ``disk_compaction``).
+    old file only after that commit (``rewrite.py``).
 """
 
 from __future__ import annotations
@@ -413,7 +413,7 @@ class DiskTier(Tier):
             self.writer_lock.release()
             self.compact_lock.release()
 
-    # compaction primitives (see disk_compaction for the protocol)
+    # compaction primitives (``rewrite.py`` has the protocol)
 
     def live_entries(self, seg_id: int) -> list[tuple[str, IndexEntry]]:
         """The entries naming ``seg_id``, in offset order."""
