@@ -85,7 +85,7 @@ def _check_keys(path: Path, logged: dict[bytes, bytes], keyring: Keyring | None)
 
 
 def _open_manifest(name: str, raw: bytes, keyring: Keyring | None) -> SessionManifest:
-    """A manifest record as stored, opened first when encrypted (as ``SealedMetaStore``)."""
+    """A manifest record as stored, opened first when encrypted (as ``EncryptedMetaStore``)."""
     if keyring is not None and raw.startswith(ENCRYPTED_MAGIC):
         raw = RecordSealer(keyring).open(name, raw)
     return SessionManifest.decode(raw)

@@ -86,9 +86,9 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
         tiers.append(outside(disk))
         meta = disk.meta
         if keyring is not None:
-            from kvstore.encryption.tiers import SealedMetaStore
+            from kvstore.encryption.tiers import EncryptedMetaStore
 
-            meta = SealedMetaStore(disk.meta, keyring)
+            meta = EncryptedMetaStore(disk.meta, keyring)
     shared = config.metadata == "shared"  # with an S3 bucket (ServerConfig checks it)
     check_node_name(config)
     if config.object_bytes:

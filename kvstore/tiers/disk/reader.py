@@ -122,7 +122,7 @@ class SegmentFiles:
     async def read(self, seg_id: int, offset: int, size: int) -> memoryview:
         """A read-only copy of ``size`` bytes at ``offset``; the caller holds a pin."""
         fd = self.descriptor(seg_id)
-        # np.empty, not bytearray: zero-filling 1 MiB first costs as much as the read
+        # np.empty, not bytearray: the read fills it, and zero-filling first costs as much
         buffer = memoryview(np.empty(size, dtype=np.uint8))
         done = self._cached_part(fd, buffer, offset)
         if done < size:

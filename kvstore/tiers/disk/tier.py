@@ -1,32 +1,21 @@
 """The disk tier: append-only segment files indexed in LMDB, all file I/O through ``fs``.
 
-Write path (one append lock, then group commit):
-  put -> append the record to the active segment (flushed to the OS) -> queue its index
-  entry -> [commit] fsync every segment the batch wrote -> one LMDB write transaction
-  applying the batch in append order. The index never names bytes that were not fsynced.
-  Until its commit a put is visible to this process through an in-memory overlay.
+Write path: append the record to the active segment, queue its index entry, then group
+commit (``pipeline.py``): fsync every segment the batch wrote, then one LMDB transaction.
+The index never names bytes that were not fsynced; until its commit a put is visible to
+this process through an in-memory overlay.
 
-Acknowledgement modes:
-  - ``durable=True`` (``put(..., durable=True)`` or the tier default): ``put`` returns
-    after its batch committed. Concurrent durable puts share one fsync and one
-    transaction (group commit).
-  - buffered (``durable=False``): ``put`` returns after the append; a background task
-    commits within ``commit_interval_s``. ``await flush()`` is the durability barrier.
-  For the manager's "durable ack" of a session: ``put_many(chunks, meta={manifest})``
-  (chunks and manifest in one transaction), or buffered puts followed by
-  ``commit_with_meta({manifest})``, which commits in order after them.
+Acknowledgement: ``durable=True`` (per put or the tier default) returns after the batch
+committed; buffered (``durable=False``) returns after the append and commits within
+``commit_interval_s``, ``flush()`` being the barrier. A session's durable ack is
+``put_many(chunks, meta={manifest})`` (one transaction) or buffered puts followed by
+``commit_with_meta({manifest})``, which commits in order after them.
 
-Cross-process protocol (server and offline compactor on one directory):
-  - the writer (``writer=True``, the server) holds ``writer.lock`` (flock) for its life;
-    only it appends and runs recovery; a second writer gets ``Busy``.
-  - the compactor opens with ``writer=False`` (attached), whether or not a server runs,
-    so it never keeps a server from starting; ``DiskTier.writer_is_live(path)`` says
-    whether one does. An attached tier reads, deletes, commits meta and compacts; LMDB
-    serialises write transactions across processes and every accounting figure lives in
-    the index, so both processes see the same numbers.
-  - compaction holds ``compact.lock``; it rewrites only SEALED segments into new
-    segments, switches entries by compare-and-swap in one transaction, and removes an
-    old file only after that commit (``rewrite.py``).
+Two processes on one directory: the writer (``writer=True``, the server) holds
+``writer.lock`` for its life and alone appends and recovers (a second writer gets
+``Busy``); an attached tier (``writer=False``, the offline compactor) reads, deletes,
+commits meta and compacts. Every accounting figure lives in the index, so both see the
+same numbers. Compaction holds ``compact.lock`` (``rewrite.py`` has its protocol).
 """
 
 from __future__ import annotations
@@ -269,11 +258,9 @@ class DiskTier(Tier):
     async def _logged_meta(self, encoded: dict[bytes, bytes | None], *,
                            checked: bool = False) -> list[tuple]:
         """Enqueue arguments applying ``encoded`` (``encode_writes``) with the segment
-        records that log them (``metalog.py``), the MetaOp last. The writer appends them
-        to its active segment; an attached tier (no appender) to a segment of its own,
-        sealed by the same commit. A commit that stores something leaves the reserve
-        (``headroom.py``; ``checked``: the caller counted it). Call holding the append
-        lock."""
+        records that log them (``metalog.py``), the MetaOp last; an attached tier logs
+        them in a segment of its own. ``checked``: the caller already checked the room.
+        Call holding the append lock."""
         if not checked:
             check_room(self.path, metalog.room_needed(encoded), self.reserve_bytes)
         lsn = self._lsn.next()
