@@ -19,7 +19,7 @@ from bench.fuzz_pool import build_pool
 from bench.live_server import Credentials, LiveServer
 from kvstore.format.errors import InvalidRequest
 from kvstore.format.layout import layout_from_json
-from services.server.layouts import MAX_JSON_BYTES, check_bounds
+from services.server.layout_registry import MAX_JSON_BYTES, check_bounds
 
 DEADLINE_S = 20.0  # a request still running after this is a hang
 

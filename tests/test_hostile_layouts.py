@@ -24,7 +24,7 @@ from kvtier import AsyncClient
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.server.config import ServerConfig
-from services.server.layouts import MAX_JSON_BYTES, MAX_REGISTERED, MAX_REGISTERED_BYTES
+from services.server.layout_registry import MAX_JSON_BYTES, MAX_REGISTERED, MAX_REGISTERED_BYTES
 from tests.security_support import TOKENS, dev_set, secured_server, spill_one
 from tests.service_support import LAYOUT, running_server, streams_for, tokens_for
 

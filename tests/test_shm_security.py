@@ -17,7 +17,7 @@ from kvtier import AsyncClient, shm
 from kvtier.codec import as_tokens, encode_session
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
-from services.server.shm import LeaseTable
+from services.server.shm_leases import LeaseTable
 from tests.service_support import (
     LAYOUT,
     assert_streams_equal,

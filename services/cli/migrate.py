@@ -163,7 +163,7 @@ async def migrate(config, data_dir: Path) -> MigrateReport:
     from kvstore.fleet.gc import prepare_bucket
     from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest
     from services.cli.fleet_gc import open_bucket
-    from services.server.layouts import ServerLayouts, fleet_layouts
+    from services.server.layout_registry import ServerLayouts, fleet_layouts
     from services.server.store import open_manager
 
     started = time.monotonic()

@@ -47,7 +47,7 @@ from proto import kvtier_pb2_grpc as pb_grpc
 from replay.worker import DEFAULT_MAX_BATCH, DEFAULT_REPLAY_TOKENS, ReplayResult, ReplayWorker
 from services.server.audit import AuditLog
 from services.server.auth import Authenticator, AuthInterceptor
-from services.server.layouts import parse_layout
+from services.server.layout_registry import parse_layout
 from services.server.lifecycle import refuse_if_taken, stop_on_signals
 from services.server.tls import INSECURE_FLAG, exposure_problem, server_credentials
 

@@ -51,7 +51,7 @@ def check(config: ServerConfig, *, insecure: bool = False) -> None:
 
         manager_config(config)
     if config.layouts:
-        from services.server.layouts import ServerLayouts
+        from services.server.layout_registry import ServerLayouts
 
         ServerLayouts(config.layouts, config.data_dir, config.layout_policy,
                       config.max_message_bytes)
