@@ -22,7 +22,7 @@ namespace, or Redis' own ``maxmemory`` eviction, is seen only when the key is ne
 With ``chain_index`` (a fleet's shared hot tier) a chunk put also sets
 ``config.prefix + "chain/" + <chain key>`` to the digest of its bytes, with the same TTL;
 a delete removes it if it still names that digest. ``find_chains`` reads them
-(``kvstore.fleet.lookup``). Pointers are neither counted in ``used_bytes`` nor listed.
+(``kvstore.prefix.fleet_lookup``). Pointers are neither counted in ``used_bytes`` nor listed.
 """
 
 from __future__ import annotations

@@ -105,7 +105,8 @@ class DiskTier(Tier):
             self.index = DiskIndex(self.path / "index", map_size=map_size, fs=fs,
                                    check=writer, report_as=self.path)
             if writer:
-                check_names_segments(self.index, fs, self.segment_dir, self.path)
+                check_names_segments(self.index.next_segment(), fs, self.segment_dir,
+                                     self.path)
                 self.recovery = recover(self.index, self.segment_dir, self.compact_lock)
         except BaseException:
             if hasattr(self, "index"):
