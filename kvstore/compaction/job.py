@@ -55,7 +55,7 @@ async def run_compaction(
     """Run every step over ``disk`` (opened attached, ``compact.lock`` held by the caller
     unless ``options.dry_run``). ``ops``: how sessions are changed, None to skip that
     (``why_no_ops`` goes into the report); ``object_tier``: scrubbed too when given (as
-    stored, not sealed); ``after_sessions``: called once the session steps are done (to
+    stored, not decrypted); ``after_sessions``: called once the session steps are done (to
     drop the writer lock); ``keyring``: opens an encrypted directory's manifests and values.
     """
     started = time.perf_counter()

@@ -10,9 +10,8 @@ fails for that key alone, as a medium refusing it would.
 
 ``EncryptedMetaStore`` seals session manifests (token ids and the tail are user data)
 under their tenant's key, bound to the record key (``RecordSealer``, which a fleet's
-``SharedMetaStore`` applies to the manifests it keeps in the bucket). Reference counts, demotion and
-quarantine notes hold no user data and stay in clear (a repair recounts references
-without any key).
+``SharedMetaStore`` applies to the manifests it keeps in the bucket). Reference counts,
+demotion and quarantine notes hold no user data and stay in clear.
 """
 
 from __future__ import annotations

@@ -220,7 +220,7 @@ async def _live(disk, options, config, server, connection: dict, keyring):
 def _object_tier(config, zstd_level: int, keyring):
     from kvstore.tiers.object import ObjectTier, ObjectTierConfig
 
-    # sealed values are random bytes: zstd would only cost time (as the server does)
+    # encrypted values are random bytes: zstd would only cost time (as the server does)
     return ObjectTier(config.object_url, config.object_bytes, ObjectTierConfig(
         compression_level=zstd_level if keyring is None else None,
         endpoint_url=config.s3_endpoint or None,

@@ -11,12 +11,12 @@ session names (orphans: kept; ``kvtier compact`` collects them).
 
 An encrypted data directory needs the server's key, from ``--config`` (its
 ``encryption_key_file``) or the environment (``KVTIER_ENCRYPTION_KEY``, as the server
-reads it): the manifests are sealed, and the references are recounted from them.
+reads it): the manifests are encrypted, and the references are recounted from them.
 Without it, or with a key of the same id that does not open them, repair refuses and
 changes nothing.
 
 Exit status: 0 repaired, 2 no disk tier there, a server (or compaction) holds it, or
-the key of sealed manifests is missing.
+the key of encrypted manifests is missing.
 """
 
 from __future__ import annotations

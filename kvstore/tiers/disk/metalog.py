@@ -1,18 +1,15 @@
-"""Metadata writes logged as segment records, so a repair can rebuild them.
+"""Metadata writes logged as segment records, so an index rebuild (``rebuild.py``) can
+restore them.
 
 Each committed MetaStore write (a session manifest, a demotion or quarantine note) is
 appended as a ``META`` record, a deletion as a ``META | TOMBSTONE`` record; the index
-names the latest one per key (``metarec``) so it stays live through compactions.
-Reference counts are not logged: a repair recounts them from the manifests. Nor are
-retention marks (``kvstore.prefix.chains``): each one's deletion would leave a tombstone for
-good, and without them the next open still retains every unreferenced chunk, its domain
-unknown. A record's
-value starts with a log sequence number that orders the writes of a key across
-segments (a compaction's copy may sit in a newer segment than a later write).
-Tombstones stay live for good (a few dozen bytes each): an older put of their key may
-still lie, dead, in some segment. A commit that only deletes (tombstones, with the
-reference counts and retention marks that go with them) may use the medium's reserve;
-one that stores a value must leave it (``room_needed``, ``headroom.py``).
+names the latest one per key (``metarec``), so it stays live through compactions.
+Derived records (``kvstore.tiers.base.DERIVED_PREFIXES``: reference counts, retention
+marks) are not logged. A record's value starts with a log sequence number ordering the
+writes of a key across segments (a compaction's copy may sit in a newer segment than a
+later write). Tombstones stay live for good: an older put of their key may still lie,
+dead, in some segment. A commit that only deletes may use the medium's reserve; one that
+stores a value must leave it (``room_needed``, ``headroom.py``).
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
-"""Online space reclamation: the writer rewrites its own mostly dead segments.
+"""Online space reclamation, and which segments are worth rewriting.
 
-Deletes and overwrites only make bytes dead; the space comes back when a segment's
-live records are copied elsewhere and the file is removed. After such a change the
-tier pokes its ``Reclaimer``: one background task (never two at once), at most once per
-``interval_s``, picks the SEALED segments whose dead fraction is at or above
-``dead_fraction`` and rewrites them with the crash-safe protocol of
-``kvstore.tiers.disk.rewrite`` (copies fsynced, entries switched in one
-transaction, the old file removed only once the index no longer names it), the
-deadest first, in runs whose copies fit in the free space and half the medium's
-reserve (``headroom.py``), so a full medium gets its space back a segment at a time
-and deletes always find the other half. A fully dead segment is simply forgotten and
-removed: freeing space needs none to write. Everything slow runs in worker threads or
-aiofiles, beside the tier's own writes. When an offline ``kvtier compact`` holds the
-compaction lock, the round is skipped.
+Deletes and overwrites only make bytes dead; the space comes back when a segment's live
+records are copied elsewhere (``rewrite.py``) and its file removed. After such a change
+the tier pokes its ``Reclaimer``: one background task, at most once per ``interval_s``,
+rewrites the SEALED segments at or above ``dead_fraction`` dead, the deadest first, in
+runs whose copies fit in the free space and half the medium's reserve (``headroom.py``),
+so a full medium gets its space back a segment at a time and deletes always find the
+other half. A fully dead segment copies nothing. A round is skipped while an offline
+compaction holds the compaction lock.
 """
 
 from __future__ import annotations

@@ -1,27 +1,22 @@
 """Compaction primitives of the disk tier: rewrite live records, switch, retire.
 
-Protocol (what keeps every step crash-safe and safe beside a live writer):
+Protocol (crash-safe at every step, and safe beside a live writer):
 
-1. Take ``compact.lock`` (``Busy`` if another compaction runs) and ``sweep``: remove
-   BUILDING segments an earlier, killed compaction left behind and files whose removal
-   a crash cut short.
-2. Only SEALED segments are rewritten; the writer never touches them again.
-3. Copy each live record, verified, into new segments registered as BUILDING (named in
-   the index before their files exist, named by no entry), then fsync them.
-4. One LMDB transaction: each moved entry is switched by compare-and-swap (a put or
-   delete the writer committed meanwhile wins, and its copy is just dead bytes), the
-   new segments become SEALED, and every source segment no entry names any more is
-   forgotten.
-5. Only then are forgotten source files removed: at once when no reader here pins
-   them, else at the last unpin. Readers in another process hold open descriptors (an
-   unlinked file stays readable through them) or find the file gone and look the key
-   up again, which now names the copy.
+1. Take ``compact.lock`` (``Busy`` if another compaction runs) and sweep: remove the
+   BUILDING segments a killed compaction left and files whose removal a crash cut short.
+2. Rewrite only SEALED segments (the writer never touches them again): copy each live
+   record, verified, into new BUILDING segments (named in the index, by no entry), fsync.
+3. One LMDB transaction: switch each moved entry by compare-and-swap (a put or delete
+   the writer committed meanwhile wins; its copy is dead bytes), mark the new segments
+   SEALED, and forget every source segment no entry names any more.
+4. Only then remove the forgotten files: at once when no reader here pins them, else at
+   the last unpin. A reader in another process keeps an open descriptor, or finds the
+   file gone and looks the key up again.
 
-A crash before 4 leaves BUILDING segments and the old entries intact; a crash after 4
-leaves unnamed files; the next compaction's sweep or writer open removes either.
-Records that fail their checksum are not copied: their entries keep naming the old
-segment, which therefore stays, and their keys are reported for the caller (the
-scrub) to quarantine.
+A crash before 3 leaves BUILDING segments and the old entries; after 3, unnamed files;
+the next sweep or writer open removes either. A record failing its checksum is not
+copied: its entry keeps its segment alive, and its key is reported (the scrub
+quarantines it).
 """
 
 from __future__ import annotations
