@@ -23,7 +23,7 @@ MAX_MESSAGE_BYTES = 64 << 20
 
 
 class Worker(Protocol):
-    """What this server serves: ``replay.worker.ReplayWorker`` (the bundled model) or
+    """What a replay worker serves with: ``replay.worker.ReplayWorker`` (the bundled model) or
     ``replay.transformers_worker.TransformersReplayWorker`` (``--hf-model``)."""
 
     max_batch: int  # jobs a Streams consumer takes at once
