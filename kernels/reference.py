@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import checks
+from kernels import arg_checks
 
 INT4_MIN, INT4_MAX = -8, 7
 INT8_MAX = 127
@@ -19,7 +19,7 @@ INT8_MAX = 127
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """(..., D) int8 in [-8, 7] -> (..., D/2) uint8; code 2i in the low nibble, 2i+1 high."""
-    checks.require_dtype("q", q, torch.int8)
+    arg_checks.require_dtype("q", q, torch.int8)
     if q.dim() < 1 or q.shape[-1] % 2:
         raise ValueError(f"q last dimension must be even, got shape {tuple(q.shape)}")
     if q.numel() and (int(q.min()) < INT4_MIN or int(q.max()) > INT4_MAX):
@@ -31,7 +31,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """(..., D/2) uint8 -> (..., D) int8 in [-8, 7]; exact inverse of pack_int4."""
-    checks.require_dtype("packed", packed, torch.uint8)
+    arg_checks.require_dtype("packed", packed, torch.uint8)
     if packed.dim() < 1:
         raise ValueError("packed must have at least one dimension (..., D/2)")
     p = packed.to(torch.int16)
@@ -76,7 +76,7 @@ def _dequant(codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> torc
 
 def quantize_int4(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x float (..., D) -> (packed uint8 (..., D/2), scales fp16 (..., D/group_size))."""
-    checks.check_quantize(x, group_size, int4=True)
+    arg_checks.check_quantize(x, group_size, int4=True)
     codes, scales = _group_codes(x, group_size, INT4_MAX, INT4_MIN)
     return pack_int4(codes), scales
 
@@ -84,20 +84,20 @@ def quantize_int4(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor,
                     group_size: int) -> torch.Tensor:
     """packed uint8 (..., D/2), scales fp16 (..., D/group_size) -> float32 (..., D)."""
-    checks.check_dequantize(packed, scales, group_size, int4=True)
+    arg_checks.check_dequantize(packed, scales, group_size, int4=True)
     return _dequant(unpack_int4(packed), scales, group_size)
 
 
 def quantize_int8(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x float (..., D) -> (codes int8 (..., D) in [-127, 127], scales fp16 (..., D/group_size))."""
-    checks.check_quantize(x, group_size, int4=False)
+    arg_checks.check_quantize(x, group_size, int4=False)
     return _group_codes(x, group_size, INT8_MAX, -INT8_MAX)
 
 
 def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor,
                     group_size: int) -> torch.Tensor:
     """codes int8 (..., D), scales fp16 (..., D/group_size) -> float32 (..., D)."""
-    checks.check_dequantize(codes, scales, group_size, int4=False)
+    arg_checks.check_dequantize(codes, scales, group_size, int4=False)
     return _dequant(codes, scales, group_size)
 
 
@@ -123,7 +123,7 @@ def window_attention(q, k_codes, k_scales, v_codes, v_scales, q_pos, k_pos, wind
     slot). Key j is visible to query i iff 0 <= q_pos[i] - k_pos[j] < window.
     Returns out (B, H, T, Dh) float32 and lse (B, H, T) float32.
     """
-    b, h, t, dh, hkv, s = checks.check_window_attention(
+    b, h, t, dh, hkv, s = arg_checks.check_window_attention(
         q, k_codes, k_scales, v_codes, v_scales, q_pos, k_pos, window, group_size, sm_scale)
     rep = h // hkv
     k = _dequant(k_codes, k_scales, group_size).repeat_interleave(rep, dim=1)
@@ -143,7 +143,7 @@ def sparse_compressed_attention(q, kv_packed, kv_scales, idx, group_size: int,
     fp16; idx (B, T, K) int32 indices into N, -1 = unused. Each entry's latent is both key
     and value. Returns out (B, H, T, Dc) float32 and lse (B, H, T) float32.
     """
-    b, h, t, dc, n, k = checks.check_sparse_attention(
+    b, h, t, dc, n, k = arg_checks.check_sparse_attention(
         q, kv_packed, kv_scales, idx, group_size, sm_scale)
     kv = _dequant(unpack_int4(kv_packed), kv_scales, group_size)  # (B, N, Dc)
     used = idx >= 0
@@ -164,7 +164,7 @@ def indexer_scores(qi, ki_packed, ki_scales, w, n_visible, group_size: int) -> t
     qi (B, T, Hi, Di) float; ki_packed (B, N, Di/2) uint8; ki_scales (B, N, Di/group_size)
     fp16; w (B, T, Hi) float; n_visible (T,) or (B, T) int64. Returns (B, T, N) float32.
     """
-    b, t, hi, di, n = checks.check_indexer_scores(qi, ki_packed, ki_scales, w, n_visible,
+    b, t, hi, di, n = arg_checks.check_indexer_scores(qi, ki_packed, ki_scales, w, n_visible,
                                                   group_size)
     ki = _dequant(unpack_int4(ki_packed), ki_scales, group_size)  # (B, N, Di)
     dots = torch.relu(torch.einsum("bthd,bnd->bthn", qi.float(), ki))
@@ -182,7 +182,7 @@ def indexer_topk(scores: torch.Tensor, k: int,
     number of pickable entries hold -1. Returns (B, T, k) int32. Deterministic: entries in
     ascending index order, then a stable sort by descending score.
     """
-    checks.check_topk(scores, k, candidates)
+    arg_checks.check_topk(scores, k, candidates)
     n = scores.shape[-1]
     s = scores.float()
     if candidates is None:

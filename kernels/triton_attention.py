@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import checks
+from kernels import arg_checks
 from kernels.triton_quant import require_triton_device, unpack_nibbles
 
 
@@ -188,7 +188,7 @@ def window_attention(q, k_codes, k_scales, v_codes, v_scales, q_pos, k_pos, wind
     Dh/group_size) fp16; q_pos (T,) int64; k_pos (S,) int64. Returns out (B, H, T, Dh)
     float32 and lse (B, H, T) float32.
     """
-    b, h, t, dh, hkv, s = checks.check_window_attention(
+    b, h, t, dh, hkv, s = arg_checks.check_window_attention(
         q, k_codes, k_scales, v_codes, v_scales, q_pos, k_pos, window, group_size, sm_scale)
     require_triton_device(q=q, k_codes=k_codes, k_scales=k_scales, v_codes=v_codes,
                           v_scales=v_scales, q_pos=q_pos, k_pos=k_pos)
@@ -213,7 +213,7 @@ def sparse_compressed_attention(q, kv_packed, kv_scales, idx, group_size: int,
     q (B, H, T, Dc) float; kv_packed (B, N, Dc/2) uint8; kv_scales (B, N, Dc/group_size)
     fp16; idx (B, T, K) int32 (-1 unused). Returns out (B, H, T, Dc) float32, lse (B, H, T).
     """
-    b, h, t, dc, n, k = checks.check_sparse_attention(
+    b, h, t, dc, n, k = arg_checks.check_sparse_attention(
         q, kv_packed, kv_scales, idx, group_size, sm_scale)
     require_triton_device(q=q, kv_packed=kv_packed, kv_scales=kv_scales, idx=idx)
     out = torch.zeros((b, h, t, dc), dtype=torch.float32, device=q.device)

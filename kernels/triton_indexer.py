@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import checks
+from kernels import arg_checks
 from kernels.triton_quant import require_triton_device, unpack_nibbles
 
 
@@ -76,7 +76,7 @@ def indexer_scores(qi, ki_packed, ki_scales, w, n_visible, group_size: int) -> t
     qi (B, T, Hi, Di) float; ki_packed (B, N, Di/2) uint8; ki_scales (B, N, Di/group_size)
     fp16; w (B, T, Hi) float; n_visible (T,) or (B, T) int64. Returns (B, T, N) float32.
     """
-    b, t, hi, di, n = checks.check_indexer_scores(qi, ki_packed, ki_scales, w, n_visible,
+    b, t, hi, di, n = arg_checks.check_indexer_scores(qi, ki_packed, ki_scales, w, n_visible,
                                                   group_size)
     require_triton_device(qi=qi, ki_packed=ki_packed, ki_scales=ki_scales, w=w,
                           n_visible=n_visible)

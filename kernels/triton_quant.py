@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import backend, checks
+from kernels import arg_checks, backend
 
 _BLOCK_ELEMS = 2048  # elements per program: small enough for registers, big enough for DRAM
 
@@ -178,7 +178,7 @@ def _unpack_int4_kernel(packed_ptr, q_ptr, P, BLOCK: tl.constexpr):
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """(..., D) int8 in [-8, 7] -> (..., D/2) uint8; code 2i in the low nibble, 2i+1 high."""
-    checks.require_dtype("q", q, torch.int8)
+    arg_checks.require_dtype("q", q, torch.int8)
     if q.dim() < 1 or q.shape[-1] % 2:
         raise ValueError(f"q last dimension must be even, got shape {tuple(q.shape)}")
     require_triton_device(q=q)
@@ -194,7 +194,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """(..., D/2) uint8 -> (..., D) int8 in [-8, 7]."""
-    checks.require_dtype("packed", packed, torch.uint8)
+    arg_checks.require_dtype("packed", packed, torch.uint8)
     if packed.dim() < 1:
         raise ValueError("packed must have at least one dimension (..., D/2)")
     require_triton_device(packed=packed)
@@ -215,7 +215,7 @@ def _launch_per_groups(kernel, launch: dict, groups: int, *tensors: torch.Tensor
 
 def quantize_int4(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x float (..., D) -> (packed uint8 (..., D/2), scales fp16 (..., D/group_size))."""
-    groups = checks.check_quantize(x, group_size, int4=True)
+    groups = arg_checks.check_quantize(x, group_size, int4=True)
     require_triton_device(x=x)
     x = x.contiguous()
     packed = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8, device=x.device)
@@ -228,7 +228,7 @@ def quantize_int4(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor,
                     group_size: int) -> torch.Tensor:
     """packed uint8 (..., D/2), scales fp16 (..., D/group_size) -> float32 (..., D)."""
-    dim = checks.check_dequantize(packed, scales, group_size, int4=True)
+    dim = arg_checks.check_dequantize(packed, scales, group_size, int4=True)
     require_triton_device(packed=packed, scales=scales)
     packed, scales = packed.contiguous(), scales.contiguous()
     out = torch.empty((*packed.shape[:-1], dim), dtype=torch.float32, device=packed.device)
@@ -239,7 +239,7 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor,
 
 def quantize_int8(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x float (..., D) -> (codes int8 (..., D), scales fp16 (..., D/group_size))."""
-    groups = checks.check_quantize(x, group_size, int4=False)
+    groups = arg_checks.check_quantize(x, group_size, int4=False)
     require_triton_device(x=x)
     x = x.contiguous()
     codes = torch.empty(x.shape, dtype=torch.int8, device=x.device)
@@ -252,7 +252,7 @@ def quantize_int8(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
 def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor,
                     group_size: int) -> torch.Tensor:
     """codes int8 (..., D), scales fp16 (..., D/group_size) -> float32 (..., D)."""
-    checks.check_dequantize(codes, scales, group_size, int4=False)
+    arg_checks.check_dequantize(codes, scales, group_size, int4=False)
     require_triton_device(codes=codes, scales=scales)
     codes, scales = codes.contiguous(), scales.contiguous()
     out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)

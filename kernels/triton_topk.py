@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import checks
+from kernels import arg_checks
 from kernels.reference import rank_by_score, sorted_candidates
 from kernels.triton_quant import require_triton_device
 
@@ -84,7 +84,7 @@ def indexer_topk(scores: torch.Tensor, k: int,
 
     scores (B, T, N) float; candidates (B, T, P) int32 or None. Returns (B, T, k) int32.
     """
-    checks.check_topk(scores, k, candidates)
+    arg_checks.check_topk(scores, k, candidates)
     tensors = {"scores": scores} if candidates is None else {"scores": scores,
                                                               "candidates": candidates}
     require_triton_device(**tensors)

@@ -1,6 +1,6 @@
 """Same-host fast path, client side: chunk bytes through POSIX shared memory, control over
 gRPC. The server side (creating, leasing, reaping, bounding) is
-``services.server.shm``; the rules are in ``proto/kvtier.proto``.
+``services.server.shm_leases``; the rules are in ``proto/kvtier.proto``.
 
 Only the server creates segments; it hands out a ``SharedMemoryLease`` (lease id, name,
 size) and the client maps ``/dev/shm/<name>`` (``Segment``), never creating, naming or

@@ -1,1 +1,2 @@
-"""Compaction: the offline (and beside-a-live-server) job, and the disk-tier pieces it drives."""
+"""The offline jobs over a data directory: compaction and index repair. They orchestrate;
+the disk-tier primitives they drive live in ``kvstore.tiers.disk``."""

@@ -1,37 +1,26 @@
 """The offline compaction job over one data directory (``kvtier compact`` runs it).
 
-Steps, in order (each crash-safe on its own, so a killed run is simply run again):
+Steps, in order, each crash-safe on its own (a killed run is simply run again):
 
-1. sessions (``kvstore.compaction.sessions``): expire sessions past their own TTL or
-   idle past ``ttl_s``, collect chunks no session references (shared prefix chunks
-   stay while any manifest names them: only a zero reference count frees a chunk),
-   demote sessions idle past ``demote_after_s`` to the object tier and record where
-   they went. A crash between a manifest commit and the chunk removals it implies
-   leaves unreferenced chunks, which the next run collects; a crash inside a demotion
-   leaves a chunk in both tiers, and the next run finishes the move.
-2. scrub (``kvstore.compaction.scrub``): verify every chunk, copy corrupt ones into
-   ``quarantine/`` before removing them, mark the sessions that name them.
-3. rewrite (``kvstore.compaction.segments``): sealed segments whose dead fraction is
-   at or above ``dead_fraction`` are rewritten by the disk tier's protocol: live
-   records copied into BUILDING segments and fsynced, index entries switched by
-   compare-and-swap in one LMDB transaction, old files removed only after it commits.
+1. sessions (``kvstore.compaction.sessions``): expire sessions past their TTL or idle
+   past ``ttl_s``, collect chunks no manifest references, demote sessions idle past
+   ``demote_after_s`` to the object tier and record where they went.
+2. scrub (``kvstore.compaction.scrub``): verify every chunk, quarantine the corrupt ones,
+   mark the sessions that name them.
+3. rewrite (``kvstore.compaction.rewrite_runs``): rewrite the sealed segments at or above
+   ``dead_fraction`` dead by the disk tier's protocol (``kvstore.tiers.disk.rewrite``).
 
-Coordination with a server on the same directory (see ``services.cli.compact``):
+The caller holds ``compact.lock`` for the whole run. With no server live it also holds
+``writer.lock`` through steps 1-2, seals the dead writer's last segment so it can be
+rewritten too, and changes sessions through its own TierManager. With a server live the
+job never appends nor touches reference counts: session changes go through the server
+(``SessionOps`` over gRPC), the scrub removes a disk entry only by compare and delete,
+and rewrites rely on the disk tier's cross-process protocol.
 
-- ``compact.lock`` (flock) is held for the whole run: a second compaction gets ``Busy``.
-- When no server is live the job holds ``writer.lock`` through steps 1-2 (a server
-  starting then is refused with ``Busy`` until they end), seals the dead writer's last
-  segment so it can be rewritten too, and changes sessions through its own TierManager.
-- When a server is live the job never appends and never touches its reference counts:
-  session changes go through the server (``SessionOps`` over gRPC), the scrub removes a
-  corrupt disk entry only by compare and delete, and rewrites rely on the disk tier's
-  cross-process protocol (the server re-looks-up a key whose segment file vanished;
-  a descriptor it already has keeps an unlinked file readable).
-
-An encrypted data directory is compacted with the server's keyring: manifests are read
-through ``SealedMetaStore`` and the scrub opens every value; segment rewriting copies
-records as stored. The caller checks first (``kvstore.encryption.census``) that the keyring
-opens what the directory holds, and refuses otherwise.
+An encrypted directory is compacted with the server's keyring, which the caller has
+checked opens what the directory holds (``kvstore.encryption.census``): manifests are
+read through ``EncryptedMetaStore``, the scrub opens every value, and rewrites copy
+records as stored.
 """
 
 from __future__ import annotations
@@ -41,11 +30,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvstore.compaction.report import CompactionReport, CompactOptions, Progress
+from kvstore.compaction.rewrite_runs import rewrite, write_rates
 from kvstore.compaction.scrub import CorruptChunk, Quarantine, mark_sessions, scrub_disk, scrub_tier
-from kvstore.compaction.segments import candidates, groups, rewrite, write_rates
 from kvstore.compaction.sessions import SessionOps, apply_sessions, load_manifests, plan_sessions
 from kvstore.encryption.seal import Keyring
 from kvstore.tiers.base import MetaStore, Tier
+from kvstore.tiers.disk.reclaim import groups, reclaimable
 from kvstore.tiers.disk.tier import DiskTier
 
 
@@ -65,7 +55,7 @@ async def run_compaction(
     """Run every step over ``disk`` (opened attached, ``compact.lock`` held by the caller
     unless ``options.dry_run``). ``ops``: how sessions are changed, None to skip that
     (``why_no_ops`` goes into the report); ``object_tier``: scrubbed too when given (as
-    stored, not sealed); ``after_sessions``: called once the session steps are done (to
+    stored, not decrypted); ``after_sessions``: called once the session steps are done (to
     drop the writer lock); ``keyring``: opens an encrypted directory's manifests and values.
     """
     started = time.perf_counter()
@@ -100,7 +90,8 @@ async def run_compaction(
     if after_sessions is not None:
         after_sessions()
 
-    chosen = candidates(disk, options.dead_fraction, include_active=dry and mode == "offline")
+    chosen = reclaimable(disk.segments(), options.dead_fraction,
+                         include_active=dry and mode == "offline")
     if dry:
         report.segments_rewritten = len(chosen)
         report.reclaimed_bytes = sum(info.dead_bytes for info in chosen)
@@ -127,6 +118,6 @@ def manifest_store(disk: DiskTier, keyring: Keyring | None) -> MetaStore:
     """``disk``'s MetaStore as the server reads it: manifests opened with ``keyring``."""
     if keyring is None:
         return disk.meta
-    from kvstore.encryption.tiers import SealedMetaStore
+    from kvstore.encryption.tiers import EncryptedMetaStore
 
-    return SealedMetaStore(disk.meta, keyring)
+    return EncryptedMetaStore(disk.meta, keyring)

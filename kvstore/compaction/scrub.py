@@ -1,19 +1,15 @@
 """The scrub step of compaction: verify every stored chunk, quarantine the corrupt ones.
 
-A disk-tier chunk is checked twice: its segment record (xxh3 over lengths, key and
-value, against the index entry) and its codec encoding (``codec.verify_chunk``: header,
-section table and every section checksum). An object-tier chunk gets the codec check
-(and its zstd frame's own check when compressed). In an encrypted data directory the
-scrub is given the server's keyring and every value is opened (authenticated) first;
-``kvstore.encryption.census`` has already refused a run whose keyring does not open what the
-directory holds, so a value failing here is damaged, not sealed under a missing key.
-A corrupt chunk's bytes are copied into the quarantine directory (written, fsynced,
-renamed) before its entry or object is removed, so nothing is lost that an operator
-might still want to look at, and a crash between the two leaves both (the next scrub
-finds it again). The disk entry is
-removed by compare and delete: a writer that stored the chunk again meanwhile wins.
-Sessions whose manifests name a quarantined chunk are marked in the MetaStore under
-``quarantine/{tenant}/{session}``.
+A disk-tier chunk is checked twice: its segment record (xxh3 against the index entry) and
+its chunk encoding (``kvstore.format.chunk.verify_chunk``: header, section table, every
+section checksum); an object-tier chunk gets the encoding check (and its zstd frame's).
+In an encrypted directory every value is opened (authenticated) first with the server's
+keyring, which ``kvstore.encryption.census`` has already checked opens what the
+directory holds. A corrupt chunk's bytes are copied into the quarantine directory
+(written, fsynced, renamed) before its entry or object is removed, so a crash between the
+two leaves both and the next scrub finds it again; the disk entry is removed by compare
+and delete (a writer that stored the chunk again meanwhile wins). Sessions whose
+manifests name a quarantined chunk are marked under ``quarantine/{tenant}/{session}``.
 """
 
 from __future__ import annotations
@@ -32,8 +28,8 @@ from kvstore.format.chunk import verify_chunk
 from kvstore.format.errors import ChunkNotFound, CodecError
 from kvstore.session.manifest import SessionManifest
 from kvstore.tiers.base import MetaStore, Tier
+from kvstore.tiers.disk.quarantine import drop_if_unchanged, raw_record
 from kvstore.tiers.disk.reader import SegmentGone
-from kvstore.tiers.disk.scrub import drop_if_unchanged, raw_record
 from kvstore.tiers.disk.segments import fsync_directory
 from kvstore.tiers.disk.tier import DiskTier
 
@@ -69,7 +65,8 @@ class Quarantine:
 
 def check_value(key: str, value: memoryview | bytes, keyring: Keyring | None) -> None:
     """``CodecError`` unless ``value``, stored under ``key``, is an intact chunk (opened
-    with ``keyring`` first when given: every value of an encrypted directory is sealed)."""
+    with ``keyring`` first when given: every value of an encrypted directory is
+    encrypted)."""
     if keyring is not None:
         _, value = keyring.open(key, value)
     verify_chunk(value)
@@ -78,7 +75,8 @@ def check_value(key: str, value: memoryview | bytes, keyring: Keyring | None) ->
 async def scrub_disk(tier: DiskTier, quarantine: Quarantine | None, progress: Progress,
                      keyring: Keyring | None = None) -> list[CorruptChunk]:
     """Verify every live disk entry; quarantine (unless ``quarantine`` is None) the bad.
-    ``tier``: the disk tier itself, not sealed; ``keyring``: opens its values."""
+    ``tier``: the disk tier itself, not its encrypting wrapper; ``keyring``: opens its
+    values."""
     entries, start = [], None
     while batch := tier.index.entries_after(start, 4096):
         entries += batch
@@ -99,8 +97,8 @@ async def scrub_disk(tier: DiskTier, quarantine: Quarantine | None, progress: Pr
             except CodecError as exc:
                 chunk = CorruptChunk(key, tier.name, str(exc))
             if quarantine is not None:
-                quarantine.keep(chunk, raw_record(tier, key, entry))
-                if not drop_if_unchanged(tier, key, entry):
+                quarantine.keep(chunk, raw_record(tier.files, key, entry))
+                if not drop_if_unchanged(tier.index, key, entry):
                     continue  # rewritten meanwhile: the new copy is another scrub's business
             corrupt.append(chunk)
     finally:
@@ -110,8 +108,8 @@ async def scrub_disk(tier: DiskTier, quarantine: Quarantine | None, progress: Pr
 
 async def scrub_tier(tier: Tier, quarantine: Quarantine | None, progress: Progress,
                      keyring: Keyring | None = None) -> list[CorruptChunk]:
-    """Verify every value of a tier through its own API (the object tier, not sealed;
-    ``keyring`` opens its values)."""
+    """Verify every value of a tier through its own API (the object tier, not its
+    encrypting wrapper; ``keyring`` opens its values)."""
     keys = [key async for key in tier.keys()]
     corrupt: list[CorruptChunk] = []
     step = progress.step(f"scrub {tier.name}", len(keys))

@@ -27,10 +27,9 @@ from typing import Protocol
 
 from kvstore.compaction.report import CompactionReport, CompactOptions, Progress, demoted_key
 from kvstore.format.errors import ChunkCorrupt, DataLoss, SessionNotFound, TierFull, TierUnavailable
-from kvstore.placement.refcount import REF_PREFIX
 from kvstore.session.manager import TierManager
 from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest, manifest_key
-from kvstore.tiers.base import MetaStore
+from kvstore.tiers.base import REF_PREFIX, MetaStore
 from kvstore.tiers.disk.tier import DiskTier
 
 log = logging.getLogger("kvstore.compaction.job")

@@ -13,9 +13,8 @@ A ``Census`` is shown stored values (manifests, chunks) and notes each one as se
   that key reads them as corrupt, so a tool with it would quarantine intact data.
 
 ``census_disk`` and ``census_tier`` collect a census of a disk tier (its manifests and
-the head of every chunk record) and of any other tier (every value read once);
-``census_bucket`` of the manifests in a fleet's bucket (a sample: a manifest a sweep
-cannot open stops its deletions anyway, and a migration never overwrites one).
+the head of every chunk record) and of any other tier (every value read once); a fleet's
+bucket is sampled by ``SharedMetaStore.listed_manifests``.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from kvstore.tiers.base import Buffer, MetaStore, Tier
 from kvstore.tiers.disk.segments import HEADER_SIZE, segment_path
 
 if TYPE_CHECKING:
-    from kvstore.fleet.shared_meta import SharedMetaStore
     from kvstore.tiers.disk.index import IndexEntry
     from kvstore.tiers.disk.tier import DiskTier
 
@@ -180,20 +178,4 @@ async def census_tier(tier: Tier, census: Census) -> Census:
         except (ChunkNotFound, ChunkCorrupt):
             continue  # gone meanwhile, or damaged below the seal: the scrub's business
         census.note(key, value)
-    return census
-
-
-async def census_bucket(meta: SharedMetaStore, census: Census, *, limit: int = 64) -> Census:
-    """Note the first ``limit`` manifests listed in a fleet's bucket, as stored (``meta``
-    must not open them: a ``SharedMetaStore`` without a sealer)."""
-    from kvstore.fleet.shared_meta import SUFFIX
-
-    root = meta.paths.root
-    names = [item["Key"] for item in await meta.io.listing(root + MANIFEST_PREFIX)
-             if item["Key"].endswith(SUFFIX)]
-    for name in sorted(names)[:limit]:
-        key = name[len(root):-len(SUFFIX)]
-        raw = await meta.get(key)
-        if raw is not None:
-            census.note(key, raw)
     return census

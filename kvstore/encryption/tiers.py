@@ -8,11 +8,10 @@ chain key proves the domain, ``kvstore.format.keys``), or learned from the heade
 copy read back. A block whose domain is unknown is never written in clear: the put
 fails for that key alone, as a medium refusing it would.
 
-``SealedMetaStore`` seals session manifests (token ids and the tail are user data)
+``EncryptedMetaStore`` seals session manifests (token ids and the tail are user data)
 under their tenant's key, bound to the record key (``RecordSealer``, which a fleet's
-``SharedMetaStore`` applies to the manifests it keeps in the bucket). Reference counts, demotion and
-quarantine notes hold no user data and stay in clear (a repair recounts references
-without any key).
+``SharedMetaStore`` applies to the manifests it keeps in the bucket). Reference counts,
+demotion and quarantine notes hold no user data and stay in clear.
 """
 
 from __future__ import annotations
@@ -164,7 +163,7 @@ class RecordSealer:
         return plaintext
 
 
-class SealedMetaStore(MetaStore):
+class EncryptedMetaStore(MetaStore):
     """``inner`` with manifests sealed (``RecordSealer``)."""
 
     def __init__(self, inner: MetaStore, keyring: Keyring) -> None:

@@ -1,1 +1,1 @@
-"""The fleet: shared metadata on S3, its layouts, fleet-wide lookup, and garbage collection."""
+"""The fleet: shared metadata on S3, its layouts, and garbage collection."""

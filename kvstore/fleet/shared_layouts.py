@@ -7,7 +7,7 @@ canonical JSON (``kvstore.format.layout.layout_to_json``). Written once, with ``
 registered another layout under it), which the writer sees as the bytes already there.
 Keyed by name rather than by id so that a clash is decided by the store's conditional
 PUT, not by two nodes' reads. Raw bytes here; what they must be is the server's to check
-(``services.server.layouts``), and every read is bounded (``max_bytes``, ``max_names``).
+(``services.server.layout_registry``), and every read is bounded (``max_bytes``, ``max_names``).
 """
 
 from __future__ import annotations

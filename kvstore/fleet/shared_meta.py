@@ -130,6 +130,22 @@ class SharedMetaStore(MetaStore):
         return sorted((key, body) for key, (_, body) in zip(keys, found, strict=True)
                       if body is not None)
 
+    async def listed_manifests(self, limit: int = 64) -> list[tuple[str, bytes]]:
+        """(key, record) of the first ``limit`` manifests listed in the bucket, opened only
+        when this store has a sealer: a sample for ``kvstore.encryption.census`` (a
+        manifest a sweep cannot open stops its deletions anyway, and a migration never
+        overwrites one)."""
+        root = self.paths.root
+        names = [item["Key"] for item in await self.io.listing(root + MANIFEST_PREFIX)
+                 if item["Key"].endswith(SUFFIX)]
+        out = []
+        for name in sorted(names)[:limit]:
+            key = name[len(root):-len(SUFFIX)]
+            raw = await self.get(key)
+            if raw is not None:
+                out.append((key, raw))
+        return out
+
     async def commit(self, writes: dict[str, bytes | None]) -> None:
         """Manifests first, one CAS each (a batch groups several sessions' commits): if
         one loses, the ones already written are put back as they were, so the batch

@@ -29,10 +29,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.format.errors import ChunkCorrupt
-from kvstore.tiers.base import MetaStore
+from kvstore.tiers.base import REF_PREFIX, RETAIN_PREFIX, MetaStore
 
-REF_PREFIX = "ref/"
-RETAIN_PREFIX = "ret/"  # retention marks (kvstore.prefix.chains.mark)
 log = logging.getLogger(__name__)
 
 

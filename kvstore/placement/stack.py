@@ -15,7 +15,7 @@ the index of what the tier holds (rebuilt from ``Tier.keys`` on open). Rules:
   for a volatile one: the tier counts as full.
 - Shared tiers (``Tier.shared``: Redis and the bucket of a fleet) may hold keys other
   nodes wrote: ``find_shared`` asks them about a key this node never saw, and
-  ``find_chains`` about chain keys (a fleet's prefix lookup, ``kvstore.fleet.lookup``).
+  ``find_chains`` about chain keys (a fleet's prefix lookup, ``kvstore.prefix.fleet_lookup``).
   ``share`` copies a block into the shared caches (Redis: shared, not durable) a spill
   wrote or a read passed; eviction finds it held there and moves nothing.
 - Window blobs (keys under ``WINDOW_PREFIX``) only live in tiers with ``holds_window``;

@@ -13,7 +13,7 @@
 - ``delete``, ``demote``, ``collect_garbage``: ``Maintenance`` (kvstore.session.maintenance);
 - ``get_manifest``, ``list_sessions``, ``session_count``: ``Catalog`` (kvstore.session.catalog);
 - ``lookup``: ``ChainIndex`` (kvstore.prefix.chains), in a fleet ``lookup_fleet`` asks the
-  shared tiers too (kvstore.fleet.lookup); ``fork``: ``Forker`` (kvstore.session.fork);
+  shared tiers too (kvstore.prefix.fleet_lookup); ``fork``: ``Forker`` (kvstore.session.fork);
 - ``where``, ``stat``, ``drain``, ``close``, ``open``, ``tiers``: here.
 
 The parts share a ``TierStack`` (kvstore.placement.stack: where blocks live), a ``RefLedger``
@@ -61,7 +61,6 @@ import numpy as np
 
 from kvstore.eviction.pause_estimate import PauseEstimator
 from kvstore.eviction.policies import EvictionPolicy, LRUPolicy
-from kvstore.fleet.lookup import held_chains
 from kvstore.format.errors import InvalidRequest, KVTierError
 from kvstore.format.hints import ResumeHint
 from kvstore.format.keys import check_fingerprint, dedupe_scope, iter_chain_keys
@@ -73,6 +72,7 @@ from kvstore.placement.refcount import RefLedger
 from kvstore.placement.stack import TierStack
 from kvstore.placement.writeback import WriteBackQueue
 from kvstore.prefix.chains import ChainIndex, LookupResult, Retention, longest_prefix
+from kvstore.prefix.fleet_lookup import held_chains
 from kvstore.remote.breaker import tripped
 from kvstore.session.catalog import Catalog
 from kvstore.session.fork import Forker
@@ -330,7 +330,7 @@ class TierManager:
                            dedupe_domain: str | None = None) -> LookupResult:
         """``lookup`` in a fleet (metadata = "shared"): chain keys past what this node
         knows are asked of the shared tiers, Redis then the bucket, within bounds
-        (``kvstore.fleet.lookup``), and what they hold is learnt. Without shared tiers
+        (``kvstore.prefix.fleet_lookup``), and what they hold is learnt. Without shared tiers
         exactly ``lookup`` (no I/O)."""
         chunk_tokens, chains = self._chains(tenant, layout_id, token_ids, model_fingerprint,
                                             dedupe_domain)

@@ -46,7 +46,7 @@ class Tier(abc.ABC):
         self.capacity_bytes = capacity_bytes
         # Requests asking a remote medium whether it holds keys, by operation (EXISTS,
         # HEAD, LIST, GET of a chain pointer; "round trip" per Redis pipeline): what a
-        # fleet's prefix lookups cost (kvstore.fleet.lookup), counted, not timed.
+        # fleet's prefix lookups cost (kvstore.prefix.fleet_lookup), counted, not timed.
         self.probes: Counter[str] = Counter()
 
     @property
@@ -95,7 +95,7 @@ class Tier(abc.ABC):
     async def find_chains(self, chains: Sequence[str]) -> list[str | None] | None:
         """The block key (``kvstore.format.keys``) this medium holds for each chain key, None
         where it holds none; None for a tier that cannot be asked by chain key (only a
-        fleet's shared tiers can: ``kvstore.fleet.lookup``)."""
+        fleet's shared tiers can: ``kvstore.prefix.fleet_lookup``)."""
         return None
 
     async def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing
@@ -106,6 +106,14 @@ class Tier(abc.ABC):
 
     async def count(self) -> int:
         return sum([1 async for _ in self.keys()])
+
+
+# MetaStore key prefixes of derived records: reference counts (recounted from the manifests
+# by a repair) and retention marks (``kvstore.prefix.chains.mark``; without them every
+# unreferenced chunk is retained). A durable store need not log either.
+REF_PREFIX = "ref/"
+RETAIN_PREFIX = "ret/"
+DERIVED_PREFIXES = (REF_PREFIX, RETAIN_PREFIX)
 
 
 class MetaStore(abc.ABC):

@@ -38,8 +38,8 @@ class ObjectTierConfig:
     region_name: str | None = None
     aws_access_key_id: str | None = None
     aws_secret_access_key: str | None = None
-    # At or above: boto3's transfer manager (parallel parts). Plain PUT/GET measured faster
-    # on moto up to 32 MiB; real S3 caps a connection's rate, so parts pay off for big values.
+    # At or above: boto3's transfer manager (parallel parts). Real S3 caps a connection's
+    # rate, so parts pay off for big values; below, a plain PUT/GET does better.
     transfer_threshold_bytes: int = 64 << 20
     transfer_chunk_bytes: int = 8 << 20
     transfer_concurrency: int = 4
@@ -57,8 +57,8 @@ class ObjectTierConfig:
     shared: bool = False
     # Local directory only:
     fsync: bool = True
-    # Reads up to this size run on the event loop: from the page cache a 1 MiB read costs
-    # less than a hand-off to a worker thread (bench.tiers). 0 for slow or network disks.
+    # Reads up to this size run on the event loop: from the page cache such a read costs
+    # less than a hand-off to a worker thread. 0 for slow or network disks.
     inline_read_bytes: int = 4 << 20
 
 

@@ -1,37 +1,28 @@
 """The Redis tier: one Redis key per value, single node or Redis Cluster, through redis-py's
 asyncio clients.
 
-Each value is written by a single ``SET`` (with ``PX`` for a TTL), so a reader sees the old
-value or the new one, never part of one. Keys are ``config.prefix + key``; with a cluster
-the prefix must not contain a ``{hash tag}``, or every value would land on one slot.
+Each value is written by a single ``SET`` (``PX`` for a TTL): a reader sees the old value
+or the new one, never part of one. Keys are ``config.prefix + key``; with a cluster the
+prefix must not contain a ``{hash tag}`` (every value would land on one slot).
 
-Outages: transient connection errors are retried by redis-py's own ``Retry`` with
-exponential backoff and jitter; when that gives up, or ``op_timeout_s`` passes, the call
-raises ``TierUnavailable`` (logged, rate-limited: see ``Availability``) and the pool
-reconnects by itself on a later call once Redis is back. Such a failure of the whole tier
-opens its circuit breaker (``self.breaker``, dependency "redis", ``kvstore.remote.breaker``):
-for ``breaker_cooldown_s`` every call then fails fast, and the tier reports itself down,
-until one call probes Redis again. With a cluster, only the keys of
-a master that is down fail: when a call on one key fails and another master still reports
-``cluster_state:ok``, the ``TierUnavailable`` says ``whole_tier=False`` and the tier stack
-keeps using Redis for every other key. (A cluster that requires full slot coverage, the
-Redis default, stops serving every slot once it marks a master failed: run clusters
-without replicas with ``cluster-require-full-coverage no``.) The client refreshes its
-slot map when the node returns.
+Outages: redis-py's ``Retry`` retries transient connection errors with backoff; when it
+gives up, or ``op_timeout_s`` passes, the call raises ``TierUnavailable`` and the pool
+reconnects on a later call. A failure of the whole tier opens the circuit breaker
+(``self.breaker``, ``kvstore.remote.breaker``): calls fail fast for
+``breaker_cooldown_s``, then one probes Redis again. With a cluster, when a call on one
+key fails and another master still reports ``cluster_state:ok``, the error says
+``whole_tier=False`` and the stack keeps using Redis for other keys (run clusters without
+replicas with ``cluster-require-full-coverage no``, or a failed master stops every slot).
 
-Accounting is exact for what this tier instance wrote and has not deleted: the size of
-every key it set, dropped when it deletes the key, finds it missing, or its TTL passes
-(tracked locally from the TTL it set). Limits: another writer sharing the namespace
-(another replica) is not counted, and its overwrite or delete of one of our keys is seen
-only when we next read that key; an eviction by Redis' own ``maxmemory`` policy likewise.
-``resync()`` rebuilds the accounting from the medium (every key under the prefix).
+Accounting is exact for what this instance wrote and has not deleted (sizes it set,
+dropped on delete, on finding the key missing, or at its TTL). Another writer on the
+namespace, or Redis' own ``maxmemory`` eviction, is seen only when the key is next read;
+``resync()`` rebuilds the accounting from every key under the prefix.
 
-With ``chain_index`` (a fleet's shared hot tier) every chunk put also sets a pointer,
-``config.prefix + "chain/" + <chain key>``, to the digest of the bytes under it (the
-last writer's version), with the same TTL, and a delete removes the pointer if it still
-names that digest. ``find_chains`` reads them, so a node can find chunks another node
-wrote knowing only their chain keys (``kvstore.fleet.lookup``). Pointers (about 100 B
-each) are not counted in ``used_bytes`` nor listed by ``keys``.
+With ``chain_index`` (a fleet's shared hot tier) a chunk put also sets
+``config.prefix + "chain/" + <chain key>`` to the digest of its bytes, with the same TTL;
+a delete removes it if it still names that digest. ``find_chains`` reads them
+(``kvstore.prefix.fleet_lookup``). Pointers are neither counted in ``used_bytes`` nor listed.
 """
 
 from __future__ import annotations

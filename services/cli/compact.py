@@ -5,35 +5,24 @@
                    [--as-of UNIX_SECONDS]
 
 Reclaims dead segment space, expires sessions, collects unreferenced chunks, demotes
-idle sessions to the object tier (zstd at ``--zstd-level``), and scrubs checksums
-(``kvstore.compaction.job`` describes the steps). The data directory is laid out as the
-server lays it out (``services.server.store``): ``D/disk`` (segments, LMDB index, manifests,
-reference counts), ``D/objects`` (the local object tier, unless ``--config`` names S3),
-and ``D/quarantine`` for corrupt chunks this job removed.
+idle sessions to the object tier (zstd at ``--zstd-level``) and scrubs checksums; the
+steps and their protocol beside a server are ``kvstore.compaction.job``'s. The data
+directory is the server's (``services.server.store``): ``D/disk``, ``D/objects`` (the
+local object tier, unless ``--config`` names S3) and ``D/quarantine`` for the corrupt
+chunks this job removed.
 
-Protocol beside a server (``kvstore.compaction.job`` has the details):
-  - ``D/disk/compact.lock`` is held for the whole run; a second compaction exits with
-    status 3 and says who holds it.
-  - no server live: this job takes ``D/disk/writer.lock`` for the session and scrub
-    steps (a server started meanwhile is refused with Busy until then), opens its own
-    TierManager over the disk and object tiers, and seals the last segment so it can be
-    rewritten too. Segment rewriting runs after the writer lock is dropped.
-  - a server live: expiry and demotion go through its Delete and Evict RPCs, at
-    ``--server`` or the address it recorded in ``D/server.addr``; with neither, those
-    steps are skipped and the report says so. Unreferenced-chunk collection is skipped
-    (the server frees what its deletes release). Rewrites and the scrub are safe beside
-    it (see ``kvstore.tiers.disk.rewrite`` and ``kvstore.compaction.scrub``).
+With no server live the job holds ``D/disk/writer.lock`` through the session and scrub
+steps and changes sessions through its own TierManager. With one live, expiry and
+demotion go through its Delete and Evict RPCs at ``--server`` or the address recorded in
+``D/server.addr`` (with neither they are skipped, and the report says so), and
+unreferenced-chunk collection is skipped.
 
-Encrypted data directories: before anything else the job reads what the directory holds
-at rest (``kvstore.encryption.census``: every manifest, the head of every disk record and,
-offline, every object). Sealed values are opened with the server's keyring, from
-``--config`` (``encryption_key_file``) or ``KVTIER_ENCRYPTION_KEY`` as ``kvtier serve``
-reads it: manifests through ``SealedMetaStore``, the tiers it changes sealed as the
-server stacks them, every scrubbed value authenticated before its codec check. Without
-the key, with a key that does not open them, or with a key for a directory in clear,
-it refuses (status 2) having changed nothing.
+An encrypted directory is opened with the server's keyring (``--config``'s
+``encryption_key_file`` or ``KVTIER_ENCRYPTION_KEY``, as ``kvtier serve`` reads it);
+without it, with a key that does not open what the directory holds, or with a key for a
+directory in clear, the job refuses having changed nothing (``kvstore.encryption.census``).
 
-Progress: a tqdm bar per step on a terminal, log lines otherwise. ``--json`` prints the
+Progress: a tqdm bar per step on a terminal, log lines otherwise; ``--json`` prints the
 report as one JSON object. Exit status: 0 done, 2 bad arguments or a keyring that does
 not open the directory, 3 another compaction runs, 1 any other store error.
 """
@@ -179,7 +168,7 @@ async def _offline(disk, options, config, writer, keyring, census):
     from kvstore.compaction.sessions import ManagerOps
     from kvstore.encryption.census import census_tier
     from kvstore.session.manager import TierManager
-    from kvstore.tiers.disk.scrub import seal_dead_writer
+    from kvstore.tiers.disk.recovery import seal_dead_writer
     from services.server.store import manager_config
 
     objects = None
@@ -191,7 +180,7 @@ async def _offline(disk, options, config, writer, keyring, census):
         except BaseException:
             await objects.close()
             raise
-    sealed = seal_dead_writer(disk)
+    sealed = seal_dead_writer(disk.index, disk.path)
     if sealed is not None:
         logging.getLogger(__name__).info("sealed segment %d of the stopped server", sealed)
     tiers = [disk] if objects is None else [disk, objects]
@@ -231,7 +220,7 @@ async def _live(disk, options, config, server, connection: dict, keyring):
 def _object_tier(config, zstd_level: int, keyring):
     from kvstore.tiers.object import ObjectTier, ObjectTierConfig
 
-    # sealed values are random bytes: zstd would only cost time (as the server does)
+    # encrypted values are random bytes: zstd would only cost time (as the server does)
     return ObjectTier(config.object_url, config.object_bytes, ObjectTierConfig(
         compression_level=zstd_level if keyring is None else None,
         endpoint_url=config.s3_endpoint or None,

@@ -70,11 +70,13 @@ def open_bucket(config, keyring=None):
 async def check_bucket_keys(config, keyring) -> None:
     """Refuse (``InvalidRequest``) a bucket whose manifests ``keyring`` does not open:
     sealed ones without it or under other keys, or ones in clear with it."""
-    from kvstore.encryption.census import Census, census_bucket
+    from kvstore.encryption.census import Census
 
+    census = Census(f"the bucket {config.s3_bucket!r}")
     raw = open_bucket(config)  # manifests as stored
     try:
-        census = await census_bucket(raw, Census(f"the bucket {config.s3_bucket!r}"))
+        for key, record in await raw.listed_manifests():
+            census.note(key, record)
     finally:
         await raw.close()
     census.require(keyring)

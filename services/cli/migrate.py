@@ -3,26 +3,19 @@ metadata, once (docs/fleet.md "Migrating a single node").
 
     kvtier migrate --config C [--data-dir D] [--json]
 
-``C`` is the node's config as it will serve: ``metadata = "shared"``, ``s3_bucket`` and
-the rest; ``D`` (default: ``C``'s ``data_dir``) is the directory its single-node server
-used, stopped now. First every session manifest in the directory's disk index is
-planned against the bucket: none there, it is migrated; the same generation and content
-there, it counts as done; any other is a conflict, reported and never overwritten, and
-none of its chunks is uploaded. Then the chunks of the sessions to migrate (and of those
-done) are made intact in the bucket: each read from the local disk or object tier,
-checked against its key's digest, and uploaded unless the bucket already holds it
-intact (read back and checked; a wrong copy is replaced). A manifest is written only
-after all its chunks, and only where the bucket still has none (If-None-Match).
-Windows are not carried over (resumes replay them). Running it again does nothing more
-than finish what an interrupted run left.
+``C`` is the node's config as it will serve (``metadata = "shared"``, ``s3_bucket``...);
+``D`` (default: ``C``'s ``data_dir``) is the directory its single-node server used, now
+stopped. Each session manifest is planned against the bucket: absent there, it is
+migrated; the same there, it is done; any other is a conflict, reported, never
+overwritten, and none of its chunks uploaded. A manifest is written only after all its
+chunks are intact in the bucket, and only where the bucket has none (If-None-Match).
+Windows are not carried over (resumes replay them). A second run only finishes what an
+interrupted one left.
 
-Encryption at rest goes across as it is: an encrypted directory migrates into a fleet
-that encrypts with the same keys (``C``'s ``encryption_key_file`` or
-``KVTIER_ENCRYPTION_KEY``), its chunks and manifests sealed in the bucket as the
-fleet's nodes seal them; a directory in clear into a fleet in clear. Before anything is
-opened for writing (``kvstore.encryption.census``) the directory and a sample of the
-bucket's manifests are checked against the key: sealed data without it, a wrong key, or
-a key beside data in clear, and migrate refuses having changed nothing.
+Encryption at rest goes across as it is: an encrypted directory into a fleet with the
+same keys (``C``'s ``encryption_key_file`` or ``KVTIER_ENCRYPTION_KEY``), a directory in
+clear into a fleet in clear; anything else, checked before anything is written
+(``kvstore.encryption.census``), and migrate refuses having changed nothing.
 
 Exit status: 0 every session migrated (or already), 1 some are conflicts, have chunks
 no local tier holds intact or a manifest that does not decode (listed), 2 refused (not
@@ -163,19 +156,14 @@ async def check_keys(source, config, data_dir: Path, keyring) -> None:
 
 
 async def migrate(config, data_dir: Path) -> MigrateReport:
-    """Copy ``data_dir``'s sessions into ``config``'s bucket: every manifest is planned
-    first against the bucket (absent: to migrate; the same one: already there; another:
-    a conflict), then only the chunks of sessions to migrate or already there are made
-    intact in the bucket, then their manifests are written with If-None-Match. A
-    conflict's own chunks are never uploaded (one that loses a race at its manifest's
-    write leaves its chunks for the fleet's garbage collection). The directory's
-    registered layouts go to the bucket before any chunk. With the config's key the
-    directory is read and the bucket written sealed."""
+    """Copy ``data_dir``'s sessions into ``config``'s bucket as the module says; the
+    directory's registered layouts go first. A session that loses a race at its
+    manifest's write leaves its chunks for the fleet's garbage collection."""
     from kvstore.encryption.seal import load_keyring
     from kvstore.fleet.gc import prepare_bucket
     from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest
     from services.cli.fleet_gc import open_bucket
-    from services.server.layouts import ServerLayouts, fleet_layouts
+    from services.server.layout_registry import ServerLayouts, fleet_layouts
     from services.server.store import open_manager
 
     started = time.monotonic()

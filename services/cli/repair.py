@@ -5,18 +5,18 @@
 ``D`` is the server's data directory (the disk tier in ``D/disk``) or the disk tier's
 own directory. Run it when ``kvtier serve`` says the disk index is corrupt, or when the
 LMDB environment (``index/``) is lost: the old environment is moved aside, never
-deleted, and a new one is built from the segments (``kvstore.tiers.disk.repair``).
+deleted, and a new one is built from the segments (``kvstore.compaction.index_repair``).
 Reports the sessions recovered, those with chunks not on disk, and the chunks no
 session names (orphans: kept; ``kvtier compact`` collects them).
 
 An encrypted data directory needs the server's key, from ``--config`` (its
 ``encryption_key_file``) or the environment (``KVTIER_ENCRYPTION_KEY``, as the server
-reads it): the manifests are sealed, and the references are recounted from them.
+reads it): the manifests are encrypted, and the references are recounted from them.
 Without it, or with a key of the same id that does not open them, repair refuses and
 changes nothing.
 
 Exit status: 0 repaired, 2 no disk tier there, a server (or compaction) holds it, or
-the key of sealed manifests is missing.
+the key of encrypted manifests is missing.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def disk_directory(data_dir: Path) -> Path | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvstore.compaction.index_repair import repair
     from kvstore.encryption.seal import load_keyring
-    from kvstore.tiers.disk.repair import repair
     from services.server.config import load_config
 
     disk = disk_directory(args.data_dir)

@@ -89,7 +89,7 @@ async def _serve(config) -> int:
         return 2
     # What start-up made (the store's modules, torch) lives as long as the process: out
     # of the collector's sight, a full collection walks only what serving made since,
-    # not every object of the start, which held the event loop for 50-130 ms each time.
+    # not every object of the start, which would hold the event loop each time.
     gc.collect()
     gc.freeze()
     stop = stop_on_signals()

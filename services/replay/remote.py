@@ -22,43 +22,24 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
 
 from kvstore.format.errors import InvalidRequest, TierUnavailable
-from kvstore.format.keys import check_fingerprint
-from kvstore.format.layout import LayoutSpec, layout_to_json
+from kvstore.format.layout import LayoutSpec
 from kvstore.remote.breaker import CircuitBreaker
 from kvtier.channel import Credentials, open_channel
 from kvtier.errors import error_from_rpc
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
-from replay.state_codec import Buffer, as_token_array
+from replay.state_codec import Buffer
 from replay.worker import ReplayResult
-from services.replay.server import MAX_MESSAGE_BYTES
+from services.replay.messages import MAX_MESSAGE_BYTES, replay_request
 from services.server.config import ServerConfig
 
 RETRY_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-def replay_request(layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer],
-                   tail: Buffer, replay_tokens: int | None, model_fingerprint: str = ""
-                   ) -> pb.ReplayRequest:
-    """The request for ``layout`` (an id, or a spec: then its canonical JSON travels with
-    it, so a worker needs no registry of its own), of a session spilled by
-    ``model_fingerprint`` (the worker refuses other weights')."""
-    layout_id = layout.layout_id if isinstance(layout, LayoutSpec) else layout
-    layout_json = layout_to_json(layout) if isinstance(layout, LayoutSpec) else ""
-    if replay_tokens is not None and not 0 <= replay_tokens < 1 << 32:
-        raise InvalidRequest(f"replay_tokens must be a non-negative integer, got {replay_tokens}")
-    return pb.ReplayRequest(layout_id=layout_id, token_ids=as_token_array(token_ids).tobytes(),
-                            chunks=[bytes(c) for c in chunks], tail=bytes(tail),
-                            replay_tokens=replay_tokens or 0, job_id=uuid.uuid4().hex,
-                            layout_json=layout_json,
-                            model_fingerprint=check_fingerprint(model_fingerprint))
 
 
 def credentials_from(config: ServerConfig) -> Credentials:

@@ -32,64 +32,24 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Protocol
 
 import grpc
-import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore.format.errors import InvalidRequest, KVTierError, shown
-from kvstore.format.keys import check_fingerprint
-from kvstore.format.layout import LayoutSpec
+from kvstore.format.errors import InvalidRequest, KVTierError
 from kvtier.errors import add_servicer, grpc_errors
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
-from replay.worker import DEFAULT_MAX_BATCH, DEFAULT_REPLAY_TOKENS, ReplayResult, ReplayWorker
+from replay.worker import DEFAULT_MAX_BATCH, DEFAULT_REPLAY_TOKENS, ReplayWorker
+from services.replay.messages import MAX_MESSAGE_BYTES, Worker, decode_request
 from services.server.audit import AuditLog
 from services.server.auth import Authenticator, AuthInterceptor
-from services.server.layouts import parse_layout
 from services.server.lifecycle import refuse_if_taken, stop_on_signals
 from services.server.tls import INSECURE_FLAG, exposure_problem, server_credentials
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["Replay"].full_name
 DEFAULT_LISTEN = "127.0.0.1:50052"
-MAX_MESSAGE_BYTES = 64 << 20
-
-
-class Worker(Protocol):
-    """What this server serves: ``replay.worker.ReplayWorker`` (the bundled model) or
-    ``replay.transformers_worker.TransformersReplayWorker`` (``--hf-model``)."""
-
-    max_batch: int  # jobs a Streams consumer takes at once
-    replayer: str  # kvstore.format.layout.REPLAYERS: the layouts it rebuilds
-    model_fingerprint: str  # computed from the weights it loaded (kvstore.format.model_identity)
-
-    async def rebuild(self, layout: str | LayoutSpec, token_ids, chunks, tail,
-                      replay_tokens: int | None = None, *,
-                      model_fingerprint: str = "") -> ReplayResult: ...
-
-    async def close(self) -> None: ...
-
-
-def decode_request(request: pb.ReplayRequest, max_message_bytes: int = MAX_MESSAGE_BYTES
-                   ) -> tuple[str | LayoutSpec, np.ndarray, list[bytes]]:
-    """The request's layout, token ids ((n,) uint32) and chunks, checked for shape only
-    (and its model fingerprint for length: the worker compares it with its own).
-    The layout is the spec its ``layout_json`` spells (bounded as RegisterLayout bounds
-    it, and it must be ``layout_id``'s), so a layout registered only on the server
-    replays here; without one, the id for the worker to resolve."""
-    check_fingerprint(request.model_fingerprint)
-    if len(request.token_ids) % 4:
-        raise InvalidRequest(f"token_ids must be little-endian uint32 values; got "
-                             f"{len(request.token_ids)} bytes")
-    layout: str | LayoutSpec = request.layout_id
-    if request.layout_json:
-        layout = parse_layout(request.layout_json, max_message_bytes)
-        if request.layout_id and layout.layout_id != request.layout_id:
-            raise InvalidRequest(f"layout_json is layout {layout.layout_id}, not "
-                                 f"{shown(request.layout_id)}")
-    return layout, np.frombuffer(request.token_ids, dtype="<u4"), list(request.chunks)
 
 
 class ReplayServicer(pb_grpc.ReplayServicer):

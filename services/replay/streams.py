@@ -53,8 +53,7 @@ from kvstore.remote.breaker import CircuitBreaker
 from proto import kvtier_pb2 as pb
 from replay.state_codec import Buffer
 from replay.worker import ReplayResult
-from services.replay.remote import replay_request
-from services.replay.server import Worker, decode_request
+from services.replay.messages import Worker, decode_request, replay_request
 
 log = logging.getLogger(__name__)
 REPLY_OK, REPLY_ERROR = b"\x00", b"\x01"  # first byte of a reply list item

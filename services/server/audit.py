@@ -16,15 +16,19 @@ import datetime
 import json
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
-if TYPE_CHECKING:
-    from services.server.auth import Identity
-
 log = logging.getLogger(__name__)
 KINDS = ("auth_failure", "permission_denied", "delete", "layout", "admin")
+
+
+class Caller(Protocol):
+    """Who made a call (``services.server.auth.Identity``)."""
+
+    tenant: str
+    role: str
 
 
 class AuditLog:
@@ -38,7 +42,7 @@ class AuditLog:
         for kind in KINDS:
             self.events.labels(kind)  # every kind exported from the start, at 0
 
-    def record(self, kind: str, identity: Identity | None, method: str, peer: str,
+    def record(self, kind: str, identity: Caller | None, method: str, peer: str,
                result: str, reason: str = "") -> None:
         self.events.labels(kind).inc()
         if self._file is None:

@@ -61,7 +61,7 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
                                     "ReleaseSegments", "Lookup", "Fork")},
     **{_KVTIER + m: _CONTROL for m in ("Prefetch", "Evict", "Delete", "Stat", "List",
                                        "ListLayouts")},
-    # who of these may register: the server's register_layouts (services.server.layouts)
+    # who of these may register: the server's register_layouts (services.server.layout_registry)
     _KVTIER + "RegisterLayout": _CONTROL,
     "/kvtier.v1.Replay/Rebuild": frozenset({REPLAY}),
 }

@@ -197,7 +197,7 @@ class ServerConfig:
     # replay_hf_workers; with replay off, none. With replay = "streams", list
     # "transformers-deepseek-v4" here when `--hf-model` workers read its stream.
     replayers: tuple[str, ...] = ()
-    # Layouts at run time (services.server.layouts): who may call RegisterLayout (admin,
+    # Layouts at run time (services.server.layout_registry): who may call RegisterLayout (admin,
     # any, none; auto: admin when the server authenticates, else any), and layouts served
     # besides the presets: canonical layout JSON inline, or paths of JSON files holding
     # one layout or a list of them (in the environment: paths, comma-separated).

@@ -14,12 +14,11 @@ server, a bucket S3 says does not exist, a damaged index) is refused by ``serve`
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 from kvstore.format.errors import InvalidRequest
 from services.server.config import ServerConfig
-from services.server.lifecycle import refuse_if_taken
+from services.server.lifecycle import check_node_name, prepare_data_dir, refuse_if_taken
 from services.server.tls import exposure_problem, server_credentials
 
 
@@ -51,21 +50,12 @@ def check(config: ServerConfig, *, insecure: bool = False) -> None:
 
         manager_config(config)
     if config.layouts:
-        from services.server.layouts import ServerLayouts
+        from services.server.layout_registry import ServerLayouts
 
         ServerLayouts(config.layouts, config.data_dir, config.layout_policy,
                       config.max_message_bytes)
     if config.audit_log:
         AuditLog(config.audit_log).close()
-
-
-def check_node_name(config: ServerConfig) -> None:
-    """InvalidRequest when a fleet node (shared metadata) would serve under the default
-    name of every node that picks its port (host:0)."""
-    if config.metadata == "shared" and not config.node_id \
-            and not config.listen.startswith("unix:") and config.port == 0:
-        raise InvalidRequest("metadata = 'shared' with listen port 0 needs node_id: "
-                             "nodes of a fleet must have distinct names")
 
 
 def check_tls_pair(cert: str, key: str, client_ca: str = "") -> None:
@@ -97,26 +87,3 @@ def check_tls_pair(cert: str, key: str, client_ca: str = "") -> None:
         except ValueError as exc:
             raise InvalidRequest(f"tls_client_ca {client_ca} holds no PEM certificate: "
                                  f"{exc}") from exc
-
-
-def prepare_data_dir(path: Path, *, create: bool = True) -> None:
-    """Check that files can be made in the data directory (creating it unless ``create``
-    is False: then its nearest existing parent is checked), so a wrong one is refused by
-    name at start-up rather than by whichever tier touches it first."""
-    probe = path
-    try:
-        if create:
-            path.mkdir(parents=True, exist_ok=True)
-        else:
-            while not probe.exists() and probe.parent != probe:
-                probe = probe.parent
-            if not probe.is_dir():
-                raise NotADirectoryError(str(probe))
-        with tempfile.TemporaryFile(dir=probe):
-            pass
-    except (FileExistsError, NotADirectoryError) as exc:
-        raise InvalidRequest(f"data_dir {path} is not a directory (it or a parent is a "
-                             "file): choose a directory for data_dir") from exc
-    except OSError as exc:
-        raise InvalidRequest(f"data_dir {path} cannot be written ({exc.strerror}): fix its "
-                             "permissions or choose another data_dir") from exc

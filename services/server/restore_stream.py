@@ -49,7 +49,7 @@ from kvtier.shm import PackedWriter
 from proto import kvtier_pb2 as pb
 from services.replay.hook import ReplayBackend
 from services.server.metrics import ServiceMetrics
-from services.server.shm import LeaseTable
+from services.server.shm_leases import LeaseTable
 
 MESSAGE_MARGIN = 4096  # room for the fields around one payload in a reply
 

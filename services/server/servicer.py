@@ -45,11 +45,11 @@ from services.server import auth
 from services.server import validate as check
 from services.server.audit import AuditLog
 from services.server.config import ServerConfig
-from services.server.layouts import ServerLayouts, fleet_layouts, is_builtin
+from services.server.layout_registry import ServerLayouts, fleet_layouts, is_builtin
 from services.server.limits import Bounds, InFlight, Limits, idle_bounded
 from services.server.metrics import ServiceMetrics, tier_lookups
 from services.server.restore_stream import RestoreStreamer, StreamOptions
-from services.server.shm import LeaseTable
+from services.server.shm_leases import LeaseTable
 from services.server.store import restore_tier, tiers_holding
 
 log = logging.getLogger(__name__)
@@ -380,7 +380,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                             chunks=len(manifest.chunk_keys),
                             window_kept=manifest.window_key is not None)
 
-    # -- layouts at run time (services.server.layouts) --
+    # -- layouts at run time (services.server.layout_registry) --
 
     @grpc_errors
     async def RegisterLayout(self, request: pb.RegisterLayoutRequest,

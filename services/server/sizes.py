@@ -8,7 +8,7 @@ of what reaches a parser bounds that work. Per method of the KVTier service:
   tail or window: bytes the layout bounds, copied not walked); a header is at most
   ``max_header_bytes``;
 - Lookup (token ids, hashed into chain keys): at most ``max_header_bytes``;
-- RegisterLayout: the layout JSON bound (``services.server.layouts.MAX_JSON_BYTES``)
+- RegisterLayout: the layout JSON bound (``services.server.layout_registry.MAX_JSON_BYTES``)
   and a margin;
 - every other method: ``CONTROL_BYTES``.
 
@@ -25,7 +25,7 @@ import grpc
 
 from kvstore.format.errors import InvalidRequest
 from kvtier.errors import Undecodable
-from services.server.layouts import MAX_JSON_BYTES
+from services.server.layout_registry import MAX_JSON_BYTES
 
 CONTROL_BYTES = 64 << 10  # a session ref, a few names and numbers, a page of ids
 _SPILL_PAYLOADS = {2: "chunk", 3: "tail", 4: "window"}  # SpillRequest's oneof fields

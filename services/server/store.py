@@ -27,7 +27,7 @@ from kvstore.tiers.base import MemoryMetaStore, MetaStore, Tier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
 from services.server.config import ServerConfig
-from services.server.preflight import check_node_name, prepare_data_dir
+from services.server.lifecycle import check_node_name, prepare_data_dir
 
 if TYPE_CHECKING:  # cryptography is imported only by a server that encrypts
     from kvstore.encryption.seal import Keyring
@@ -67,7 +67,7 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
         redis_config = _preset(REDIS_PRESETS, config.redis_preset, "redis_preset")
         if config.redis_prefix != redis_config.prefix:
             redis_config = dataclasses.replace(redis_config, prefix=config.redis_prefix)
-        # a fleet's nodes find each other's chunks by chain key (kvstore.fleet.lookup)
+        # a fleet's nodes find each other's chunks by chain key (kvstore.prefix.fleet_lookup)
         redis_config = dataclasses.replace(
             redis_config, chain_index=config.metadata == "shared",
             breaker_cooldown_s=config.breaker_cooldown_s,
@@ -86,9 +86,9 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
         tiers.append(outside(disk))
         meta = disk.meta
         if keyring is not None:
-            from kvstore.encryption.tiers import SealedMetaStore
+            from kvstore.encryption.tiers import EncryptedMetaStore
 
-            meta = SealedMetaStore(disk.meta, keyring)
+            meta = EncryptedMetaStore(disk.meta, keyring)
     shared = config.metadata == "shared"  # with an S3 bucket (ServerConfig checks it)
     check_node_name(config)
     if config.object_bytes:

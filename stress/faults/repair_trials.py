@@ -1,4 +1,4 @@
-"""The disk index lost or damaged, then rebuilt by ``kvstore.tiers.disk.repair``.
+"""The disk index lost or damaged, then rebuilt by ``kvstore.compaction.index_repair``.
 
     from stress.faults.repair_trials import deleted_index, flipped_bytes
     deleted_index(sessions=12)                     # a dict
@@ -26,10 +26,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvstore.compaction.index_repair import repair
 from kvstore.format.errors import IndexCorrupt, KVTierError, SessionNotFound
 from kvstore.session.manager import TierManager
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.disk.repair import repair
 from testing.power_loss import (
     TENANT,
     Spill,

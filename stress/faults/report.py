@@ -37,7 +37,7 @@ def section(stage: dict) -> list[str]:
              r.get("open_before_repair") or f"opened {r['opened']}, refused {r['refused']}, "
                                            f"crashed {r['crashed']} of {r['trials']}"]
             for variant, r in stage["repair"].items()]
-    out += ["", "Index repair (`kvstore.tiers.disk.repair`, as `kvtier repair` runs it); "
+    out += ["", "Index repair (`kvstore.compaction.index_repair`, as `kvtier repair` runs it); "
             f"flipped bytes: {stage['repair']['flipped_bytes']['flips']} seeded bit flips in "
             "data.mdb per trial, the damaged open in a child process:", ""]
     out += table(["damage", "sessions before", "sessions restored after",

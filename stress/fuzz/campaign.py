@@ -219,10 +219,12 @@ class Campaign:
             self.check_reply(case, reply)
         # A write race is a refusal too: the server ended the stream before reading all of
         # it, which it does only to refuse (an accepted Spill is answered after its end).
-        # Bytes that are no request are refused before anyone's rights matter.
+        # Bytes that are no request are refused before anyone's rights matter, and so is a
+        # message over the transport's limit: gRPC drops it before any handler runs.
         undecodable = code == "INVALID_ARGUMENT" and details.startswith("the request is not")
+        oversized = code == "RESOURCE_EXHAUSTED" and "larger than max" in details
         if expected is not None and code not in (expected, "CLIENT_WRITE_RACE") and not (
-                expected == "PERMISSION_DENIED" and undecodable):
+                expected == "PERMISSION_DENIED" and undecodable) and not oversized:
             self.counts["credential_breaches"] += 1
             self.note("credential_breach", case, f"expected {expected}, got {code}: {details}")
         if code == "DEADLINE_EXCEEDED":

@@ -18,10 +18,10 @@ import zstandard
 
 from kvstore.compaction.job import run_compaction
 from kvstore.compaction.report import COMPACT_PRESETS, CompactOptions, LogProgress
-from kvstore.compaction.segments import groups
 from kvstore.format.errors import InvalidRequest, SessionNotFound
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk.index import SegmentInfo, SegState
+from kvstore.tiers.disk.reclaim import groups
 from services import cli
 from services.cli.compact import parse_duration
 from tests.support.compaction import (

@@ -19,7 +19,8 @@ from kvtier.client import AsyncClient
 from model.infer import replay
 from replay.state_codec import encode_window, state_from_chunks, state_to_chunks
 from replay.worker import ReplayWorker
-from services.replay.remote import RemoteReplay, replay_request
+from services.replay.messages import replay_request
+from services.replay.remote import RemoteReplay
 from services.replay.server import create_server
 from tests.support.replay import TINY_SPEC, tiny_model, tiny_session
 from tests.support.servers import free_port

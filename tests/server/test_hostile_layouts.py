@@ -22,7 +22,7 @@ from kvtier import AsyncClient
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.server.config import ServerConfig
-from services.server.layouts import MAX_JSON_BYTES, MAX_REGISTERED, MAX_REGISTERED_BYTES
+from services.server.layout_registry import MAX_JSON_BYTES, MAX_REGISTERED, MAX_REGISTERED_BYTES
 from stress.adversarial.cases import status, stream
 from testing.live_server import LiveServer, channel
 from tests.support.security import TOKENS, dev_set, secured_server, spill_one

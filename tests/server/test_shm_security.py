@@ -16,7 +16,7 @@ from kvtier import AsyncClient, shm
 from kvtier.codec import as_tokens, encode_session
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
-from services.server.shm import LeaseTable
+from services.server.shm_leases import LeaseTable
 from stress.adversarial.cases import planted
 from tests.support.service import (
     LAYOUT,

@@ -11,9 +11,9 @@ import pytest
 from kvstore.format.errors import ChunkCorrupt, InvalidRequest, SessionNotFound
 from kvstore.format.hints import ResumeHint
 from kvstore.placement.locks import KeyedLocks, RWLocks
-from kvstore.placement.refcount import REF_PREFIX, RefLedger
+from kvstore.placement.refcount import RefLedger
 from kvstore.session.manifest import SessionManifest
-from kvstore.tiers.base import MemoryMetaStore
+from kvstore.tiers.base import REF_PREFIX, MemoryMetaStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
 from tests.support.manager import make_session, random_tokens, tier_keys

@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
+from kvstore.compaction.index_repair import repair
 from kvstore.format.errors import IndexCorrupt
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk.index import _SEG_KEY
-from kvstore.tiers.disk.repair import repair
 from kvstore.tiers.disk.segments import segment_path
 
 

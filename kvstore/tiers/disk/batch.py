@@ -13,54 +13,54 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 
 from kvstore.format.errors import ChunkCorrupt, KVTierError
 from kvstore.tiers.base import Buffer
-from kvstore.tiers.disk.reader import SegmentGone
+from kvstore.tiers.disk.index import IndexEntry
+from kvstore.tiers.disk.reader import SegmentFiles, SegmentGone
 from kvstore.tiers.disk.segments import check_record, key_bytes, record_size
-
-if TYPE_CHECKING:
-    from kvstore.tiers.disk.tier import DiskTier
 
 log = logging.getLogger(__name__)
 
 
-async def get_many(tier: DiskTier, keys: Sequence[str]) -> list[Buffer | KVTierError]:
-    tier._check_open()
-    tier._forget_retired()
-    now = tier.clock()
+async def get_many(files: SegmentFiles, keys: Sequence[str],
+                   current: Callable[[bytes], IndexEntry | None],
+                   get: Callable[[str], Awaitable[Buffer]], where: Path
+                   ) -> list[Buffer | KVTierError]:
+    """``current``: a key's unexpired entry or None; ``get``: the tier's own, for what the
+    batch does not serve; ``where``: the tier's path, for the log."""
     out: list[Buffer | KVTierError | None] = [None] * len(keys)
     wanted = []  # (seg_id, offset, index, key bytes, entry)
     for i, key in enumerate(keys):
         kb = key_bytes(key)
-        entry = tier._current(kb)
-        if entry is not None and not entry.expired(now):
+        entry = current(kb)
+        if entry is not None:
             wanted.append((entry.seg_id, entry.offset, i, kb, entry))
     wanted.sort(key=lambda w: (w[0], w[1]))
     segs = {w[0] for w in wanted}
     for seg_id in segs:
-        tier.files.pin(seg_id)
+        files.pin(seg_id)
     try:
-        await _read_batch(tier, wanted, out)
+        await _read_batch(files, where, wanted, out)
     finally:
         for seg_id in segs:
-            tier.files.unpin(seg_id)
+            files.unpin(seg_id)
     for i, got in enumerate(out):
         if got is None:
-            out[i] = await _get(tier, keys[i])
+            out[i] = await _get(get, keys[i])
     return out  # type: ignore[return-value]
 
 
-async def _read_batch(tier: DiskTier, wanted: list, out: list) -> None:
+async def _read_batch(files: SegmentFiles, where: Path, wanted: list, out: list) -> None:
     fds, runs, records = {}, [], []  # runs: (fd, offset, size); records: (index, kb, entry)
     for seg_id, offset, i, kb, entry in wanted:
         if seg_id not in fds:
             try:
-                fds[seg_id] = tier.files.descriptor(seg_id)
+                fds[seg_id] = files.descriptor(seg_id)
             except (SegmentGone, OSError):  # get looks it up again or reports the failure
                 fds[seg_id] = None
         fd, size = fds[seg_id], record_size(len(kb), entry.value_len)
@@ -77,7 +77,7 @@ async def _read_batch(tier: DiskTier, wanted: list, out: list) -> None:
     buffer = memoryview(np.empty(sum(size for *_, size in records), dtype=np.uint8))
 
     def read_and_check() -> list[Buffer | KVTierError]:
-        tier.files.read_runs(runs, buffer)
+        files.read_runs(runs, buffer)
         values, at = [], 0
         for _, kb, entry, size in records:
             try:
@@ -85,7 +85,7 @@ async def _read_batch(tier: DiskTier, wanted: list, out: list) -> None:
                                            entry.checksum, f"disk tier, key {kb!r}"
                                            ).toreadonly())
             except ChunkCorrupt as exc:
-                log.warning("disk tier %s, segment %d @ %d: %s", tier.path, entry.seg_id,
+                log.warning("disk tier %s, segment %d @ %d: %s", where, entry.seg_id,
                             entry.offset, exc)
                 values.append(exc)
             at += size
@@ -94,14 +94,14 @@ async def _read_batch(tier: DiskTier, wanted: list, out: list) -> None:
     try:
         values = await asyncio.to_thread(read_and_check)
     except (OSError, ChunkCorrupt) as exc:  # a failed or short read: each key's get says
-        log.info("disk tier %s: batched read failed, reading one by one: %s", tier.path, exc)
+        log.info("disk tier %s: batched read failed, reading one by one: %s", where, exc)
         return
     for (i, *_), value in zip(records, values, strict=True):
         out[i] = value
 
 
-async def _get(tier: DiskTier, key: str) -> Buffer | KVTierError:
+async def _get(get: Callable[[str], Awaitable[Buffer]], key: str) -> Buffer | KVTierError:
     try:
-        return await tier.get(key)
+        return await get(key)
     except KVTierError as exc:
         return exc

@@ -13,7 +13,7 @@ One LMDB environment, five named databases:
 - ``state``: counters: next segment id, total live value bytes, total live items, the
   highest metadata log sequence number.
 
-The environment is a cache of the segments: ``repair`` rebuilds it from them. Opening
+The environment is a cache of the segments: ``rebuild.py`` rebuilds it from them. Opening
 it checks it first (``index_check``); damage raises ``IndexCorrupt`` naming the repair.
 
 Every change to ``chunks`` updates the accounting in ``segments`` and ``state`` inside
@@ -378,7 +378,7 @@ class DiskIndex:
             txn.put(_LSN, _U64.pack(op.lsn), db=self.state)
 
     def install(self, next_segment: int, lsn: int) -> None:
-        """Set the counters a repair derived from the segments it found."""
+        """Set the counters a rebuild derived from the segments it found."""
         with self.write(self.state) as txn:
             txn.put(_NEXT_SEG, _U64.pack(next_segment))
             txn.put(_LSN, _U64.pack(lsn))

@@ -16,14 +16,10 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvstore.format.errors import IndexCorrupt
 from kvstore.tiers.disk.fs import FileSystem
 from kvstore.tiers.disk.segments import segment_files, starts_with_record
-
-if TYPE_CHECKING:
-    from kvstore.tiers.disk.index import DiskIndex
 
 _CHILD = r"""
 import struct, sys
@@ -92,12 +88,12 @@ def index_corrupt(path: Path, reason: str) -> IndexCorrupt:
                         f"`kvtier repair --data-dir {path}`")
 
 
-def check_names_segments(index: DiskIndex, fs: FileSystem, segment_dir: Path,
+def check_names_segments(issued: int, fs: FileSystem, segment_dir: Path,
                          path: Path) -> None:
-    """A segment file holding records under an id the index never gave out means the
-    index is not this directory's (lost, replaced, rolled back): recovery would remove
-    every segment it does not name, so refuse and name the repair instead."""
-    issued = index.next_segment()
+    """A segment file holding records under an id above ``issued`` (the highest the
+    index gave out) means the index is not this directory's (lost, replaced, rolled
+    back): recovery would remove every segment it does not name, so refuse and name the
+    repair instead."""
     for seg_id, file in segment_files(fs, segment_dir):
         if seg_id > issued and starts_with_record(fs, file):
             raise index_corrupt(path, f"segment {seg_id} holds records but the index has "

@@ -156,3 +156,17 @@ class SegmentAppender:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             self._close_quietly(fd)
+
+    async def abort(self) -> None:
+        """Close, and remove the segments this BUILDING appender made (no entry names
+        them): what an aborted compaction or attached meta write leaves."""
+        await self.close()
+        await asyncio.to_thread(self._discard)
+
+    def _discard(self) -> None:
+        seg_ids = set(self.finished)
+        if self.seg_id is not None:
+            seg_ids.add(self.seg_id)
+        for seg_id in seg_ids:
+            if self.index.drop_segment(seg_id):
+                self.fs.unlink(segment_path(self.directory, seg_id))

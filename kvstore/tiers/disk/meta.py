@@ -8,28 +8,29 @@ tier accepted before it: a manifest is never durable before the chunks it names 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 from kvstore.tiers.base import MetaStore
+from kvstore.tiers.disk.index import DiskIndex
 from kvstore.tiers.disk.segments import key_bytes
-
-if TYPE_CHECKING:
-    from kvstore.tiers.disk.tier import DiskTier
 
 
 class DiskMetaStore(MetaStore):
-    def __init__(self, tier: DiskTier) -> None:
-        self._tier = tier
+    def __init__(self, index: DiskIndex,
+                 commit: Callable[[dict[str, bytes | None]], Awaitable[None]]) -> None:
+        """``commit``: the tier's ``commit_with_meta``."""
+        self._index = index
+        self._commit = commit
 
     async def get(self, key: str) -> bytes | None:
-        return self._tier.index.meta_get(key_bytes(key))
+        return self._index.meta_get(key_bytes(key))
 
     async def commit(self, writes: dict[str, bytes | None]) -> None:
-        await self._tier.commit_with_meta(writes)
+        await self._commit(writes)
 
     async def scan(self, prefix: str) -> list[tuple[str, bytes]]:
         return [(key.decode(), value)
-                for key, value in self._tier.index.meta_scan(prefix.encode("utf-8"))]
+                for key, value in self._index.meta_scan(prefix.encode("utf-8"))]
 
 
 def encode_writes(writes: dict[str, bytes | None]) -> dict[bytes, bytes | None]:

@@ -1,41 +1,31 @@
-"""Metadata writes logged as segment records, so a repair can rebuild them.
+"""Metadata writes logged as segment records, so an index rebuild (``rebuild.py``) can
+restore them.
 
 Each committed MetaStore write (a session manifest, a demotion or quarantine note) is
 appended as a ``META`` record, a deletion as a ``META | TOMBSTONE`` record; the index
-names the latest one per key (``metarec``) so it stays live through compactions.
-Reference counts are not logged: a repair recounts them from the manifests. Nor are
-retention marks (``kvstore.prefix.chains``): each one's deletion would leave a tombstone for
-good, and without them the next open still retains every unreferenced chunk, its domain
-unknown. A record's
-value starts with a log sequence number that orders the writes of a key across
-segments (a compaction's copy may sit in a newer segment than a later write).
-Tombstones stay live for good (a few dozen bytes each): an older put of their key may
-still lie, dead, in some segment. A commit that only deletes (tombstones, with the
-reference counts and retention marks that go with them) may use the medium's reserve;
-one that stores a value must leave it (``room_needed``, ``headroom.py``).
+names the latest one per key (``metarec``), so it stays live through compactions.
+Derived records (``kvstore.tiers.base.DERIVED_PREFIXES``: reference counts, retention
+marks) are not logged. A record's value starts with a log sequence number ordering the
+writes of a key across segments (a compaction's copy may sit in a newer segment than a
+later write). Tombstones stay live for good: an older put of their key may still lie,
+dead, in some segment. A commit that only deletes may use the medium's reserve; one that
+stores a value must leave it (``room_needed``, ``headroom.py``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import struct
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
-from kvstore.placement.refcount import REF_PREFIX, RETAIN_PREFIX
-from kvstore.tiers.base import Buffer
-from kvstore.tiers.disk import rewrite as disk_rewrite
+from kvstore.tiers.base import DERIVED_PREFIXES, Buffer
 from kvstore.tiers.disk.headroom import index_growth
-from kvstore.tiers.disk.index import EndOp, IndexEntry, MetaOp, SegState
+from kvstore.tiers.disk.index import EndOp, IndexEntry, MetaOp
 from kvstore.tiers.disk.log import SegmentAppender
 from kvstore.tiers.disk.segments import META, TOMBSTONE, encode_header, record_size
 
-if TYPE_CHECKING:
-    from kvstore.tiers.disk.tier import DiskTier
-
 _LSN = struct.Struct("<Q")
-_DERIVED = (REF_PREFIX.encode(), RETAIN_PREFIX.encode())  # not logged
+_DERIVED = tuple(prefix.encode() for prefix in DERIVED_PREFIXES)  # not logged
 
 
 class SequenceClock:
@@ -75,12 +65,10 @@ def room_needed(writes: dict[bytes, bytes | None]) -> int:
     return records + index_growth(len(writes), stored)
 
 
-async def logged_aside(tier: DiskTier, encoded: dict[bytes, bytes | None], logged: list,
-                       lsn: int) -> list[tuple]:
-    """Enqueue arguments logging ``logged`` (``records``) in a segment of its own, sealed
-    by the same commit: an attached tier's (it has no active segment)."""
-    appender = SegmentAppender(tier.index, tier.segment_dir, tier.segment_bytes,
-                               SegState.BUILDING)
+async def logged_aside(appender: SegmentAppender, encoded: dict[bytes, bytes | None],
+                       logged: list, lsn: int) -> list[tuple]:
+    """Enqueue arguments logging ``logged`` (``records``) through a BUILDING ``appender``
+    in segments sealed by the same commit: an attached tier's (it has no active one)."""
     entries: dict[bytes, IndexEntry] = {}
     try:
         for key, parts, value_len, checksum in logged:
@@ -88,8 +76,7 @@ async def logged_aside(tier: DiskTier, encoded: dict[bytes, bytes | None], logge
             entries[key] = IndexEntry(seg_id, offset, value_len, checksum, 0)
         built = await appender.finish()
     except BaseException:
-        await appender.close()
-        await asyncio.to_thread(disk_rewrite.discard, tier, appender)
+        await appender.abort()
         raise
     seals = [(EndOp(seg_id, end, True),) for seg_id, end in built.items()]
     return [*seals, (MetaOp(encoded, entries, lsn),)]

@@ -1,20 +1,16 @@
 """Reading records from segment files: cached descriptors, pins, deferred removal.
 
-Reads do not go through aiofiles, nor through a mapping. A record is read with
-``os.preadv`` into a fresh buffer: first with ``RWF_NOWAIT`` on the event loop, which
-copies what the page cache holds of it and never waits on the device, then the rest (a
-cold record, or the part of it readahead has not brought in yet) in a worker thread,
-one large read. A mapping would serve a cached record without the copy, but a record
-that only looks cached (its first and last pages are; readahead filled them) faults its
-other pages in from the device on the event loop while its checksum is computed.
-``read_many`` reads several records of one segment into one buffer in one thread call.
+A record is read with ``os.preadv`` into a fresh buffer: first with ``RWF_NOWAIT`` on the
+event loop, which copies what the page cache holds and never waits on the device, then
+the rest in a worker thread, one large read. (Not a mapping: a record whose first and
+last pages are cached would fault the others in on the event loop.) ``read_runs`` reads
+several runs into one buffer in one thread call.
 
 Pins: a reader pins the segment it reads; ``retire`` removes a segment file at once when
-it is unpinned, otherwise when the last pin goes. Another process (the offline
-compactor) cannot see these pins; it removes a segment file only after the index stops
-naming it, and a read here survives that: a descriptor already open keeps the unlinked
-file's bytes readable, and a segment whose file is gone before it was opened raises
-``SegmentGone`` so the caller looks the key up again.
+it is unpinned, else at the last unpin. Another process (the offline compactor) cannot
+see these pins and removes a file only after the index stops naming it: a descriptor
+already open keeps the unlinked file readable, and a segment whose file is gone before
+it was opened raises ``SegmentGone``, so the caller looks the key up again.
 """
 
 from __future__ import annotations
@@ -122,7 +118,7 @@ class SegmentFiles:
     async def read(self, seg_id: int, offset: int, size: int) -> memoryview:
         """A read-only copy of ``size`` bytes at ``offset``; the caller holds a pin."""
         fd = self.descriptor(seg_id)
-        # np.empty, not bytearray: zero-filling 1 MiB first costs as much as the read
+        # np.empty, not bytearray: the read fills it, and zero-filling first costs as much
         buffer = memoryview(np.empty(size, dtype=np.uint8))
         done = self._cached_part(fd, buffer, offset)
         if done < size:

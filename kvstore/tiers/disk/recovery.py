@@ -30,7 +30,7 @@ from pathlib import Path
 from kvstore.tiers.disk.fs import FileSystem
 from kvstore.tiers.disk.index import DiskIndex, SegState
 from kvstore.tiers.disk.index_check import index_corrupt
-from kvstore.tiers.disk.lock import DirLock
+from kvstore.tiers.disk.lock import COMPACT_LOCK, DirLock
 from kvstore.tiers.disk.segments import record_size, scan_records, segment_files, segment_path
 
 log = logging.getLogger(__name__)
@@ -161,3 +161,31 @@ def _log(report: RecoveryReport, directory: Path) -> None:
         log.error("disk tier %s: %d index entries named bytes that are gone (segment file "
                   "missing or short); dropped: %s", directory, len(report.dropped_entries),
                   report.dropped_entries[:10])
+
+
+def seal_dead_writer(index: DiskIndex, path: Path) -> int | None:
+    """Recover like a writer open, then seal the segment appends would resume in, for
+    the disk tier in ``path`` whose index is ``index``: so a compaction can rewrite the
+    last segment too; the next writer starts a new one.
+
+    Call only while holding ``writer.lock`` (no writer is live) and ``compact.lock``.
+    Returns the sealed segment id, or None.
+    """
+    segment_dir = path / "segments"
+    # A second lock object on compact.lock: recover() takes it only when it is free, and
+    # it is not (this compaction holds it), so recover() leaves BUILDING segments to us.
+    report = recover(index, segment_dir, DirLock(path / COMPACT_LOCK, "the compaction lock"))
+    if report.active is None:
+        return None
+    seg_id, end = report.active
+    info = index.segment(seg_id)
+    if info is None or info.state != SegState.ACTIVE:
+        return None
+    if end == 0:  # an empty segment: forget it rather than keep an empty sealed one
+        if index.drop_segment(seg_id):
+            index.fs.unlink(segment_path(segment_dir, seg_id))
+        return None
+    info.state = SegState.SEALED
+    index.set_segments([info])
+    return seg_id
+

@@ -11,11 +11,10 @@ hash over one contiguous slice verifies the lengths, the key and the value toget
 The key is stored so a record can be checked against the index entry that names it and
 so compaction can copy records without consulting anything else.
 
-``flags`` tells chunk records (0) from metadata records (``META``): every committed
-MetaStore write but the reference counts (derived from the manifests) is also logged as
-a record, its value a u64 log sequence number then the value bytes, a deletion as a
-``META | TOMBSTONE`` record with no value bytes. The segments are thus the log of record
-and the LMDB index a cache of them, which ``repair`` rebuilds from them.
+``flags`` tells chunk records (0) from metadata records (``META``, ``metalog.py``): a
+logged MetaStore write's value is a u64 log sequence number then the value bytes, a
+deletion a ``META | TOMBSTONE`` record with no value bytes. The segments are thus the
+log of record and the LMDB index a cache of them (``rebuild.py``).
 """
 
 from __future__ import annotations

@@ -1,32 +1,21 @@
 """The disk tier: append-only segment files indexed in LMDB, all file I/O through ``fs``.
 
-Write path (one append lock, then group commit):
-  put -> append the record to the active segment (flushed to the OS) -> queue its index
-  entry -> [commit] fsync every segment the batch wrote -> one LMDB write transaction
-  applying the batch in append order. The index never names bytes that were not fsynced.
-  Until its commit a put is visible to this process through an in-memory overlay.
+Write path: append the record to the active segment, queue its index entry, then group
+commit (``pipeline.py``): fsync every segment the batch wrote, then one LMDB transaction.
+The index never names bytes that were not fsynced; until its commit a put is visible to
+this process through an in-memory overlay.
 
-Acknowledgement modes:
-  - ``durable=True`` (``put(..., durable=True)`` or the tier default): ``put`` returns
-    after its batch committed. Concurrent durable puts share one fsync and one
-    transaction (group commit).
-  - buffered (``durable=False``): ``put`` returns after the append; a background task
-    commits within ``commit_interval_s``. ``await flush()`` is the durability barrier.
-  For the manager's "durable ack" of a session: ``put_many(chunks, meta={manifest})``
-  (chunks and manifest in one transaction), or buffered puts followed by
-  ``commit_with_meta({manifest})``, which commits in order after them.
+Acknowledgement: ``durable=True`` (per put or the tier default) returns after the batch
+committed; buffered (``durable=False``) returns after the append and commits within
+``commit_interval_s``, ``flush()`` being the barrier. A session's durable ack is
+``put_many(chunks, meta={manifest})`` (one transaction) or buffered puts followed by
+``commit_with_meta({manifest})``, which commits in order after them.
 
-Cross-process protocol (server and offline compactor on one directory):
-  - the writer (``writer=True``, the server) holds ``writer.lock`` (flock) for its life;
-    only it appends and runs recovery; a second writer gets ``Busy``.
-  - the compactor opens with ``writer=False`` (attached), whether or not a server runs,
-    so it never keeps a server from starting; ``DiskTier.writer_is_live(path)`` says
-    whether one does. An attached tier reads, deletes, commits meta and compacts; LMDB
-    serialises write transactions across processes and every accounting figure lives in
-    the index, so both processes see the same numbers.
-  - compaction holds ``compact.lock``; it rewrites only SEALED segments into new
-    segments, switches entries by compare-and-swap in one transaction, and removes an
-    old file only after that commit (see ``disk_compaction``).
+Two processes on one directory: the writer (``writer=True``, the server) holds
+``writer.lock`` for its life and alone appends and recovers (a second writer gets
+``Busy``); an attached tier (``writer=False``, the offline compactor) reads, deletes,
+commits meta and compacts. Every accounting figure lives in the index, so both see the
+same numbers. Compaction holds ``compact.lock`` (``rewrite.py`` has its protocol).
 """
 
 from __future__ import annotations
@@ -47,14 +36,8 @@ from kvstore.format.errors import (
 )
 from kvstore.tiers.base import Buffer, Tier
 from kvstore.tiers.disk import batch, metalog
-from kvstore.tiers.disk import rewrite as disk_rewrite
 from kvstore.tiers.disk.fs import OS, FileSystem
-from kvstore.tiers.disk.headroom import (
-    DEFAULT_RESERVE_BYTES,
-    check_room,
-    index_growth,
-    rewrite_need,
-)
+from kvstore.tiers.disk.headroom import DEFAULT_RESERVE_BYTES, check_room, index_growth
 from kvstore.tiers.disk.index import (
     DeleteOp,
     DiskIndex,
@@ -74,6 +57,7 @@ from kvstore.tiers.disk.pipeline import CommitPipeline
 from kvstore.tiers.disk.reader import SegmentFiles, SegmentGone
 from kvstore.tiers.disk.reclaim import Reclaimer
 from kvstore.tiers.disk.recovery import RecoveryReport, recover
+from kvstore.tiers.disk.rewrite import Rewriter, RewriteResult
 from kvstore.tiers.disk.segments import (
     check_record,
     encode_header,
@@ -121,7 +105,8 @@ class DiskTier(Tier):
             self.index = DiskIndex(self.path / "index", map_size=map_size, fs=fs,
                                    check=writer, report_as=self.path)
             if writer:
-                check_names_segments(self.index, fs, self.segment_dir, self.path)
+                check_names_segments(self.index.next_segment(), fs, self.segment_dir,
+                                     self.path)
                 self.recovery = recover(self.index, self.segment_dir, self.compact_lock)
         except BaseException:
             if hasattr(self, "index"):
@@ -139,8 +124,11 @@ class DiskTier(Tier):
         self._append_lock = asyncio.Lock()
         self._epoch = self.index.segment_epoch()
         self._lsn = SequenceClock(self.index.meta_lsn())
-        self.reclaimer = Reclaimer(self, reclaim_dead_fraction if writer else 1.0,
-                                   reclaim_interval_s)
+        self.rewriter = Rewriter(self.path, self.index, self.files, segment_bytes,
+                                 self.compact_lock, reserve_bytes)
+        self.reclaimer = Reclaimer(self.rewriter, self.segments,
+                                   reclaim_dead_fraction if writer else 1.0,
+                                   reclaim_interval_s, 2 * commit_interval_s)
         self._closed = False
 
     @classmethod
@@ -151,7 +139,7 @@ class DiskTier(Tier):
     @property
     def meta(self) -> DiskMetaStore:
         """A MetaStore over the ``meta`` database of this tier's LMDB environment."""
-        return DiskMetaStore(self)
+        return DiskMetaStore(self.index, self.commit_with_meta)
 
     @property
     def used_bytes(self) -> int:
@@ -271,17 +259,17 @@ class DiskTier(Tier):
     async def _logged_meta(self, encoded: dict[bytes, bytes | None], *,
                            checked: bool = False) -> list[tuple]:
         """Enqueue arguments applying ``encoded`` (``encode_writes``) with the segment
-        records that log them (``metalog.py``), the MetaOp last. The writer appends them
-        to its active segment; an attached tier (no appender) to a segment of its own,
-        sealed by the same commit. A commit that stores something leaves the reserve
-        (``headroom.py``; ``checked``: the caller counted it). Call holding the append
-        lock."""
+        records that log them (``metalog.py``), the MetaOp last; an attached tier logs
+        them in a segment of its own. ``checked``: the caller already checked the room.
+        Call holding the append lock."""
         if not checked:
             check_room(self.path, metalog.room_needed(encoded), self.reserve_bytes)
         lsn = self._lsn.next()
         logged = list(metalog.records(encoded, lsn))
         if self._appender is None and logged:
-            return await metalog.logged_aside(self, encoded, logged, lsn)
+            aside = SegmentAppender(self.index, self.segment_dir, self.segment_bytes,
+                                    SegState.BUILDING)
+            return await metalog.logged_aside(aside, encoded, logged, lsn)
         entries: dict[bytes, IndexEntry] = {}
         ready: list[tuple] = []
         try:
@@ -319,7 +307,15 @@ class DiskTier(Tier):
 
     async def get_many(self, keys: Sequence[str]) -> list[Buffer | Exception]:
         """``get`` of each key, read in file order in one batch (``batch.py``)."""
-        return await batch.get_many(self, keys)
+        self._check_open()
+        self._forget_retired()
+        now = self.clock()
+
+        def current(kb: bytes) -> IndexEntry | None:
+            entry = self._current(kb)
+            return None if entry is None or entry.expired(now) else entry
+
+        return await batch.get_many(self.files, keys, current, self.get, self.path)
 
     async def _read(self, kb: bytes, entry: IndexEntry) -> memoryview:
         size = record_size(len(kb), entry.value_len)
@@ -405,7 +401,7 @@ class DiskTier(Tier):
             self.writer_lock.release()
             self.compact_lock.release()
 
-    # compaction primitives (see disk_compaction for the protocol)
+    # compaction primitives (``rewrite.py`` has the protocol)
 
     def live_entries(self, seg_id: int) -> list[tuple[str, IndexEntry]]:
         """The entries naming ``seg_id``, in offset order."""
@@ -420,23 +416,15 @@ class DiskTier(Tier):
         finally:
             self.files.unpin(entry.seg_id)
 
-    async def rewrite_segments(self, seg_ids: Iterable[int]) -> disk_rewrite.RewriteResult:
-        """Copy the live records of these SEALED segments, switch, remove the sources
-        (``disk_rewrite``); ``TierFull`` when the copies would take more than half of
-        the reserve (``headroom.py``)."""
-        seg_ids = list(seg_ids)
-        infos = [info for info in map(self.index.segment, seg_ids) if info is not None]
-        check_room(self.path, rewrite_need(infos), self.reserve_bytes // 2)
-        try:
-            return await disk_rewrite.rewrite_segments(self, seg_ids)
-        except OSError as exc:  # a read, open or unlink of the compaction's own
-            raise storage_error(exc, "disk tier compaction") from exc
+    async def rewrite_segments(self, seg_ids: Iterable[int]) -> RewriteResult:
+        """``Rewriter.rewrite`` (``rewrite.py``)."""
+        return await self.rewriter.rewrite(list(seg_ids))
 
     async def retire_segment(self, seg_id: int) -> bool:
-        return await disk_rewrite.retire_segment(self, seg_id)
+        return await self.rewriter.retire(seg_id)
 
     async def sweep(self) -> tuple[list[int], list[int]]:
-        return await disk_rewrite.sweep(self)
+        return await self.rewriter.sweep()
 
     # internals
 

@@ -1,10 +1,6 @@
-"""Reclaiming dead space in disk-tier segments, and the raw write rate it is judged by.
-
-The rewrite itself is the disk tier's (``DiskTier.rewrite_segments``: copy live records
-into new segments, switch their index entries in one LMDB transaction, remove the old
-files after the commit). This module picks the segments, groups them so each switch
-covers about ``group_bytes`` of live data, times the copies, and measures a plain
-sequential write + fsync of the same volume on the same file system for comparison.
+"""The rewrite step of compaction: drive the disk tier's rewrite over runs of segments
+(``kvstore.tiers.disk.reclaim`` picks and groups them), time it, and judge it against a
+plain sequential write + fsync of the same volume on the same file system.
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ import numpy as np
 
 from kvstore.compaction.report import Progress
 from kvstore.format.errors import TierFull
-from kvstore.tiers.disk.index import SegmentInfo, SegState
 from kvstore.tiers.disk.tier import DiskTier
 
 log = logging.getLogger(__name__)
@@ -35,30 +30,6 @@ class RewriteTotals:
     reclaimed_bytes: int = 0
     seconds: float = 0.0
     corrupt_keys: tuple[str, ...] = ()
-
-
-def candidates(tier: DiskTier, dead_fraction: float, *, include_active: bool = False
-               ) -> list[SegmentInfo]:
-    """Sealed segments with dead bytes at or above ``dead_fraction`` of their size
-    (``include_active``: a stopped writer's active segment too, which a real offline run
-    seals first; for a dry run's forecast)."""
-    states = (SegState.SEALED, SegState.ACTIVE) if include_active else (SegState.SEALED,)
-    return [info for info in tier.segments()
-            if info.state in states and info.dead_bytes > 0
-            and info.dead_fraction >= dead_fraction]
-
-
-def groups(infos: list[SegmentInfo], group_bytes: int) -> list[list[int]]:
-    """Segment ids in runs of about ``group_bytes`` live bytes (each run: one switch)."""
-    out: list[list[int]] = []
-    size = 0
-    for info in sorted(infos, key=lambda i: i.seg_id):
-        if not out or size + info.live_bytes > group_bytes:
-            out.append([])
-            size = 0
-        out[-1].append(info.seg_id)
-        size += info.live_bytes
-    return out
 
 
 async def rewrite(tier: DiskTier, runs: list[list[int]], progress: Progress) -> RewriteTotals:

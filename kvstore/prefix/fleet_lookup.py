@@ -1,35 +1,26 @@
 """Prefix reuse across a fleet: what ``Lookup`` asks the shared tiers (metadata = "shared").
 
-A node knows the chunks it spilled or read and what its tiers listed at open; a system
-prompt another node spilled since is unknown to it. ``held_chains`` walks a request's
-chain keys (hashed lazily, ``kvstore.format.keys.iter_chain_keys``): first those this node
-knows (no I/O, as on a single node), then it asks the shared tiers about the rest,
-Redis first, then the bucket, and learns what they hold, so that the lookup
-(``kvstore.prefix.chains.longest_prefix``) and a spill naming those chunks by key find them.
+A node knows the chunks it spilled or read and what its tiers listed at open, not what
+another node spilled since. ``held_chains`` walks a request's chain keys (hashed lazily,
+``kvstore.format.keys.iter_chain_keys``): first those this node knows (no I/O), then it
+asks the shared tiers about the rest, Redis first, then the bucket, and learns what they
+hold, so that the lookup (``kvstore.prefix.chains.longest_prefix``) and a spill naming
+those chunks by key find them.
 
-Every chunk of the answer is asked about, not a binary search's few: a lookup answers
-each chunk's block key (chain key and digest, which a spill names), and the digest is
-what only the tier can tell. Chain keys are prefix-ordered, so the walk stops at the
-first chunk held nowhere; the bounds are on round trips, requests and hashing:
+Every chunk of the answer is asked about (its digest is what only the tier can tell);
+chain keys are prefix-ordered, so the walk stops at the first chunk held nowhere. Bounds:
 
-* Redis (``RedisTier.find_chains``: chain pointers, then EXISTS, one pipeline each) is
-  asked in rounds of ``first_round`` chain keys, doubling to ``max_round``, until a
-  round is not held whole: for n held chunks about 2 log2(n) round trips, GETs of at
-  most 2 n + ``first_round`` pointers and an EXISTS per pointer found.
-* The bucket (``ObjectTier.find_chains``: one LIST per chain key, since a HEAD needs
-  the digest) only for the chain keys Redis lacks, in order, in groups of 1, 2, 4 ..
-  ``bucket_group`` at once, and at most ``bucket_probes`` per lookup.
-* At most ``max_chunks`` chain keys past the node's own prefix are hashed or asked
-  about. With the defaults a lookup of any length (1M tokens or more) costs at most
-  4096 chain keys hashed past the node's own prefix, 28 Redis round trips (14 rounds,
-  8192 commands) and 64 LISTs.
+* Redis (``RedisTier.find_chains``) is asked in rounds of ``first_round`` chain keys,
+  doubling to ``max_round``, until a round is not held whole: about 2 log2(n) round trips
+  for n held chunks.
+* The bucket (``ObjectTier.find_chains``: one LIST per chain key) only for the chain keys
+  Redis lacks, in groups of 1, 2, 4 .. ``bucket_group``, at most ``bucket_probes`` per
+  lookup.
+* At most ``max_chunks`` chain keys past the node's own prefix are hashed or asked about.
 
 A lookup stopped by a bound answers a shorter prefix, never a wrong one; what it learnt
-stays known, so the next lookup of that prefix goes on from there.
-
-Domains: a chain key binds the dedupe domain, layout and model (``kvstore.format.keys``), and
-the tiers are asked only the keys computed in the caller's domain, so no probe can find
-another domain's chunk.
+stays known. The tiers are asked only keys computed in the caller's dedupe domain, so no
+probe can find another domain's chunk.
 """
 
 from __future__ import annotations

@@ -69,8 +69,8 @@ MAX_WINDOW_TOKENS = 1 << 16
 MAX_LAYER_MODES = 4096
 MAX_REGISTERED = 256  # layouts registered at run time, all callers together
 # Their canonical JSON together: what the registry, layouts.json (rewritten whole on each
-# registration) and a ListLayouts reply (encoded on the event loop) hold, 256 layouts of
-# 64 KiB each would be 16 MiB (and 140 MiB of Python objects).
+# registration) and a ListLayouts reply (encoded on the event loop) hold; the count
+# alone would let that grow with the size of each layout.
 MAX_REGISTERED_BYTES = 4 << 20
 
 

@@ -1,0 +1,112 @@
+"""Repairing a data directory's disk index: the rebuild from its segment files
+(``kvstore.tiers.disk.rebuild``) with the reference counts recounted from the manifests.
+
+On an encrypted data directory the manifests are encrypted (``kvstore.encryption.tiers``):
+the references are recounted from them opened with the server's keyring. Without the
+keys they name, or with a key of their id that does not open them, the repair refuses
+before changing anything (every chunk would look unreferenced, and compaction would
+collect them).
+
+Chunks no manifest names are kept and reported as orphans: compaction collects them.
+A session whose chunks are not all on disk is reported as incomplete (they may live
+in another tier).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvstore.encryption.census import Census
+from kvstore.encryption.seal import MAGIC as ENCRYPTED_MAGIC
+from kvstore.encryption.seal import Keyring
+from kvstore.encryption.tiers import RecordSealer
+from kvstore.format.errors import ChunkCorrupt, UnsupportedVersion
+from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest
+from kvstore.tiers.base import REF_PREFIX
+from kvstore.tiers.disk.fs import OS, FileSystem
+from kvstore.tiers.disk.rebuild import rebuild_index
+
+
+@dataclass
+class RepairReport:
+    path: str
+    moved_aside: str | None = None  # where the old environment went
+    segments: int = 0
+    records: int = 0
+    damaged_bytes: int = 0  # bytes of segments that held no valid record
+    chunks: int = 0
+    sessions: list[str] = field(default_factory=list)  # tenant/session recovered
+    incomplete: list[str] = field(default_factory=list)  # with chunks not on disk
+    orphans: list[str] = field(default_factory=list)  # chunk keys no manifest names
+    corrupt_manifests: list[str] = field(default_factory=list)
+    meta_keys: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def repair(path: str | Path, *, keyring: Keyring | None = None, map_size: int = 64 << 30,
+           fs: FileSystem = OS) -> RepairReport:
+    """Rebuild the index of the disk tier in ``path`` (the directory holding
+    ``segments/`` and ``index/``). Raises ``Busy`` while a writer or compaction holds it,
+    ``InvalidRequest`` (changing nothing) when manifests are encrypted under keys
+    ``keyring`` (the server's, for an encrypted directory) does not hold or open."""
+    started = time.perf_counter()
+    path = Path(path)
+    report = RepairReport(str(path))
+
+    def recount(logged: dict[bytes, bytes], on_disk: set[str]) -> dict[bytes, bytes]:
+        _check_keys(path, logged, keyring)
+        refs = _sessions(logged, on_disk, report, keyring)
+        return {f"{REF_PREFIX}{key}".encode(): str(count).encode()
+                for key, count in refs.items()}
+
+    rebuilt = rebuild_index(path, derive=recount, map_size=map_size, fs=fs)
+    for name in ("moved_aside", "segments", "records", "damaged_bytes", "chunks",
+                 "meta_keys"):
+        setattr(report, name, getattr(rebuilt, name))
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _check_keys(path: Path, logged: dict[bytes, bytes], keyring: Keyring | None) -> None:
+    """Refuse a repair whose encrypted manifests ``keyring`` does not open (missing, or a
+    wrong key of the right id): their references would go uncounted."""
+    census = Census(f"the disk tier in {path}")
+    for key, payload in logged.items():
+        name = key.decode(errors="replace")
+        if name.startswith(MANIFEST_PREFIX):
+            census.note(name, payload)
+    census.require(keyring, clear_allowed=True)  # a key on a clear directory does no harm
+
+
+def _open_manifest(name: str, raw: bytes, keyring: Keyring | None) -> SessionManifest:
+    """A manifest record as stored, opened first when encrypted (as ``EncryptedMetaStore``)."""
+    if keyring is not None and raw.startswith(ENCRYPTED_MAGIC):
+        raw = RecordSealer(keyring).open(name, raw)
+    return SessionManifest.decode(raw)
+
+
+def _sessions(logged: dict[bytes, bytes], on_disk: set[str], report: RepairReport,
+              keyring: Keyring | None) -> Counter[str]:
+    """Reference counts recounted from the manifests, and the report's session lists."""
+    refs: Counter[str] = Counter()
+    for key, raw in sorted(logged.items()):
+        name = key.decode(errors="replace")
+        if not name.startswith(MANIFEST_PREFIX):
+            continue
+        try:
+            manifest = _open_manifest(name, raw, keyring)
+        except (ChunkCorrupt, UnsupportedVersion):
+            report.corrupt_manifests.append(name[len(MANIFEST_PREFIX):])
+            continue
+        refs.update(manifest.chunk_keys)  # as the ledger counts: one per key named
+        session = f"{manifest.tenant}/{manifest.session_id}"
+        missing = any(chunk not in on_disk for chunk in manifest.chunk_keys)
+        (report.incomplete if missing else report.sessions).append(session)
+    report.orphans = sorted(on_disk - set(refs))
+    return refs
