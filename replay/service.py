@@ -1,4 +1,4 @@
-"""The in-process replay backend the server builds (``services.replay.hook``):
+"""The in-process replay backend the server builds (``services.server.replay_backend``):
 ``ReplayService()`` serves the bundled model, loading its weights on the first rebuild so
 a server that never needs replay never pays for them."""
 

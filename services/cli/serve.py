@@ -9,7 +9,7 @@ free port; scripts read it from that line).
 A server that cannot start (a bad config, its data directory in use or not a directory,
 its port taken) prints one line naming the cause on stderr and exits with status 2; so
 does one asked to listen off loopback without TLS and authentication, unless
-``--insecure`` is given (``services.server.tls.exposure_problem``). ``--print-config``
+``--insecure`` is given (``services.serving.tls.exposure_problem``). ``--print-config``
 runs the same checks (``services.server.preflight.check``) before it prints, and refuses
 what ``serve`` would, with the same line and status; only what opening the store finds
 (the data directory in use, a missing bucket) is left to ``serve``.
@@ -27,8 +27,8 @@ import sys
 from kvstore.format.errors import KVTierError
 from services.server import preflight
 from services.server.config import PRESETS, load_config
-from services.server.lifecycle import stop_on_signals
-from services.server.tls import INSECURE_FLAG
+from services.serving.lifecycle import stop_on_signals
+from services.serving.tls import INSECURE_FLAG
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

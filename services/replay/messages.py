@@ -14,10 +14,10 @@ import numpy as np
 from kvstore.format.errors import InvalidRequest, shown
 from kvstore.format.keys import check_fingerprint
 from kvstore.format.layout import LayoutSpec, layout_to_json
+from kvstore.format.layout_bounds import parse_layout
 from proto import kvtier_pb2 as pb
 from replay.state_codec import Buffer, as_token_array
 from replay.worker import ReplayResult
-from services.server.layout_registry import parse_layout
 
 MAX_MESSAGE_BYTES = 64 << 20
 

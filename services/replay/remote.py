@@ -14,7 +14,7 @@ costs one ``timeout_s``, not one per job. Any other failure is the
 worker's verdict on the request and is raised as the ``kvstore.format.errors`` class it named
 (``kvtier.errors.error_from_rpc``). ``credentials`` (``kvtier.channel``): TLS towards the
 workers and the bearer token of role ``replay`` they check, from the server's
-``replay_tls_*`` and ``replay_token_file`` settings (``credentials_from``).
+``replay_tls_*`` and ``replay_token_file`` settings (``replay_backend.credentials_from``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import asyncio
 import itertools
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import grpc
 
@@ -37,23 +36,8 @@ from proto import kvtier_pb2_grpc as pb_grpc
 from replay.state_codec import Buffer
 from replay.worker import ReplayResult
 from services.replay.messages import MAX_MESSAGE_BYTES, replay_request
-from services.server.config import ServerConfig
 
 RETRY_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-def credentials_from(config: ServerConfig) -> Credentials:
-    """How this server reaches its replay workers, from its ``replay_tls_*`` settings
-    and the token in ``replay_token_file``."""
-    token = None
-    if config.replay_token_file:
-        try:
-            token = Path(config.replay_token_file).read_text().strip()
-        except OSError as exc:
-            raise InvalidRequest(f"replay_token_file: cannot read {config.replay_token_file}: "
-                                 f"{exc.strerror}") from exc
-    return Credentials(config.replay_tls_ca or None, config.replay_tls_cert or None,
-                       config.replay_tls_key or None, token)
 
 
 class RemoteReplay:

@@ -19,7 +19,7 @@ bytes that are not a ``ReplayRequest`` are INVALID_ARGUMENT (``kvtier.errors.add
 
 Security takes the kvtier server's options as flags: ``--tls-cert``/``--tls-key`` (TLS),
 ``--tls-client-ca`` (mTLS), ``--auth-tokens-file``/``--auth-jwt-key`` (then only role
-``replay`` may call Rebuild; ``services.server.auth``), ``--audit-log``. Off loopback the
+``replay`` may call Rebuild; ``services.serving.auth``), ``--audit-log``. Off loopback the
 worker refuses to start without TLS and authentication unless ``--insecure`` is given.
 """
 
@@ -42,10 +42,10 @@ from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from replay.worker import DEFAULT_MAX_BATCH, DEFAULT_REPLAY_TOKENS, ReplayWorker
 from services.replay.messages import MAX_MESSAGE_BYTES, Worker, decode_request
-from services.server.audit import AuditLog
-from services.server.auth import Authenticator, AuthInterceptor
-from services.server.lifecycle import refuse_if_taken, stop_on_signals
-from services.server.tls import INSECURE_FLAG, exposure_problem, server_credentials
+from services.serving.audit import AuditLog
+from services.serving.auth import Authenticator, AuthInterceptor
+from services.serving.lifecycle import refuse_if_taken, stop_on_signals
+from services.serving.tls import INSECURE_FLAG, exposure_problem, server_credentials
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["Replay"].full_name
@@ -133,7 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-client-ca", default="",
                         help="require client certificates signed by this CA (mTLS)")
     parser.add_argument("--auth-tokens-file", default="",
-                        help="TOML tokens file (services.server.auth); only role replay may call")
+                        help="TOML tokens file (services.serving.auth); only role replay may call")
     parser.add_argument("--auth-jwt-key", default="",
                         help="check JWTs with this key (a PEM public key or secret file)")
     parser.add_argument("--auth-jwt-audience", default="", help="the JWTs' audience")

@@ -174,7 +174,7 @@ class ServerConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""  # client certificates must chain to this CA
-    # Authentication (services.server.auth): a TOML file of [[token]] (sha256, tenant,
+    # Authentication (services.serving.auth): a TOML file of [[token]] (sha256, tenant,
     # role) and [[client_cert]] (cn, tenant, role), reloaded when it changes; and/or JWTs
     # checked with auth_jwt_key (a PEM public key file, a file holding a shared secret,
     # or the secret itself) for auth_jwt_audience.

@@ -32,7 +32,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvstore.fleet.shared_layouts import BucketLayouts
-from kvstore.format.checks import chunk_bytes_max, window_bytes_max
 from kvstore.format.errors import (
     InvalidRequest,
     LayoutMismatch,
@@ -48,6 +47,7 @@ from kvstore.format.layout import (
     layout_from_json,
     layout_to_json,
 )
+from kvstore.format.layout_bounds import MAX_JSON_BYTES, check_bounds, parse_layout
 from kvstore.format.presets import SHIPPED
 from kvstore.format.registry import all_layouts, get_layout, register_layout
 from kvstore.tiers.base import MetaStore
@@ -55,55 +55,11 @@ from kvstore.tiers.disk.headroom import DEFAULT_RESERVE_BYTES, PAGE_BYTES, check
 
 log = logging.getLogger(__name__)
 FILE_NAME = "layouts.json"
-MESSAGE_MARGIN = 4096  # as services.server.restore_stream: the fields around a payload
-# Bounds on one layout: every size it implies is bounded by the layout, so bounding the
-# layout bounds what a session of it can make the server hold.
-MAX_JSON_BYTES = 64 << 10
-MAX_STREAMS = 64
-MAX_DIMS = 4
-MAX_ENTRY_VALUES = 1 << 20
-MAX_LAYER_SECTIONS = 1 << 14  # layers of all streams together (each a codec section)
-MAX_TOKENS_PER_ENTRY = 1024
-MAX_CHUNK_TOKENS = 1 << 16
-MAX_WINDOW_TOKENS = 1 << 16
-MAX_LAYER_MODES = 4096
 MAX_REGISTERED = 256  # layouts registered at run time, all callers together
 # Their canonical JSON together: what the registry, layouts.json (rewritten whole on each
 # registration) and a ListLayouts reply (encoded on the event loop) hold; the count
 # alone would let that grow with the size of each layout.
 MAX_REGISTERED_BYTES = 4 << 20
-
-
-def check_bounds(spec: LayoutSpec, max_message_bytes: int) -> None:
-    """InvalidRequest unless ``spec`` stays inside the bounds above, and one chunk and
-    one window blob of it fit in a message."""
-    what = f"layout {spec.name}"
-    if not 1 <= len(spec.streams) <= MAX_STREAMS or not spec.persistent_streams:
-        raise InvalidRequest(f"{what}: needs 1 to {MAX_STREAMS} streams, one persistent at "
-                             f"least; has {len(spec.streams)}")
-    for s in spec.streams:
-        if len(s.entry_shape) > MAX_DIMS or s.values_per_entry > MAX_ENTRY_VALUES:
-            raise InvalidRequest(f"{what}: stream {s.name}'s entry must have at most "
-                                 f"{MAX_DIMS} dimensions and {MAX_ENTRY_VALUES} values")
-        if s.tokens_per_entry > MAX_TOKENS_PER_ENTRY:
-            raise InvalidRequest(f"{what}: stream {s.name}: tokens_per_entry at most "
-                                 f"{MAX_TOKENS_PER_ENTRY}")
-    if sum(s.layers for s in spec.streams) > MAX_LAYER_SECTIONS:
-        raise InvalidRequest(f"{what}: its streams' layers add up to more than "
-                             f"{MAX_LAYER_SECTIONS}")
-    if spec.chunk_tokens > MAX_CHUNK_TOKENS or spec.window_tokens > MAX_WINDOW_TOKENS:
-        raise InvalidRequest(f"{what}: chunk_tokens and window_tokens must be at most "
-                             f"{MAX_CHUNK_TOKENS} and {MAX_WINDOW_TOKENS}")
-    if len(spec.layer_modes) > MAX_LAYER_MODES:
-        raise InvalidRequest(f"{what}: at most {MAX_LAYER_MODES} layer modes")
-    room = max_message_bytes - MESSAGE_MARGIN
-    # Plain arithmetic first, so the codec's plans are only made for bounded layouts.
-    rough = (spec.chunk_tokens * spec.persistent_bytes_per_token
-             + spec.window_tokens * spec.ephemeral_bytes_per_token)
-    if rough > room or chunk_bytes_max(spec, spec.chunk_tokens) > room \
-            or window_bytes_max(spec) > room:
-        raise InvalidRequest(f"{what}: a chunk or a window of it would exceed the {room} B "
-                             "a message can carry: fewer chunk_tokens, or smaller entries")
 
 
 def check_replayer(spec: LayoutSpec, owns: Sequence[LayoutSpec] | None) -> None:
@@ -119,16 +75,6 @@ def check_replayer(spec: LayoutSpec, owns: Sequence[LayoutSpec] | None) -> None:
         theirs = ", ".join(own.layout_id for own in owns)
         raise LayoutMismatch(f"layout {spec.name} names replayer {spec.replayer!r} but is "
                              f"not the cache of its model here ({theirs}): {differs[0]}")
-
-
-def parse_layout(text: str, max_message_bytes: int) -> LayoutSpec:
-    """A layout sent by a client or a peer (RegisterLayout, a replay request, the fleet's
-    bucket): at most MAX_JSON_BYTES of JSON, inside ``check_bounds``."""
-    if len(text.encode()) > MAX_JSON_BYTES:
-        raise InvalidRequest(f"layout_json is over {MAX_JSON_BYTES} bytes")
-    spec = layout_from_json(text)
-    check_bounds(spec, max_message_bytes)
-    return spec
 
 
 def _specs_in(text: str, where: str) -> list[LayoutSpec]:
@@ -164,7 +110,7 @@ class ServerLayouts:
                      lambda _: None)) -> None:
         """``shared``: the fleet's layouts (metadata = "shared", ``fleet_layouts``);
         ``replayer_model``: the caches of a replayer's model where this server runs it
-        (``services.replay.hook.model_layouts``), None where it does not."""
+        (``services.server.replay_backend.model_layouts``), None where it does not."""
         self.policy = policy
         self.replayer_model = replayer_model
         self.max_message_bytes = max_message_bytes

@@ -4,7 +4,7 @@ other refuses with the same message.
 
 ``check`` runs everything the server would refuse before it accepts a call that needs
 no store and no network: the configuration's own rules (``ServerConfig``), the exposure
-rule (``services.server.tls.exposure_problem``), the ports, and every file the server
+rule (``services.serving.tls.exposure_problem``), the ports, and every file the server
 reads at start-up, each read by the function the server reads it with (TLS certificate
 and key, the tokens file, the JWT key, the encryption keyring, configured layouts, the
 audit log), and the data directory (``prepare_data_dir``, without creating it). What
@@ -18,8 +18,9 @@ from pathlib import Path
 
 from kvstore.format.errors import InvalidRequest
 from services.server.config import ServerConfig
-from services.server.lifecycle import check_node_name, prepare_data_dir, refuse_if_taken
-from services.server.tls import exposure_problem, server_credentials
+from services.server.startup import check_node_name, prepare_data_dir
+from services.serving.lifecycle import refuse_if_taken
+from services.serving.tls import exposure_problem, server_credentials
 
 
 def check(config: ServerConfig, *, insecure: bool = False) -> None:
@@ -35,8 +36,8 @@ def check(config: ServerConfig, *, insecure: bool = False) -> None:
     check_node_name(config)
     if config.tls:
         check_tls_pair(config.tls_cert, config.tls_key, config.tls_client_ca)
-    from services.server.audit import AuditLog
-    from services.server.auth import Authenticator
+    from services.serving.audit import AuditLog
+    from services.serving.auth import Authenticator
 
     Authenticator.from_settings(config.auth_tokens_file, config.auth_jwt_key,
                                 config.auth_jwt_audience)

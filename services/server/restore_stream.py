@@ -47,8 +47,8 @@ from kvstore.session.restore import RestoredChunk
 from kvstore.tiers.base import Buffer
 from kvtier.shm import PackedWriter
 from proto import kvtier_pb2 as pb
-from services.replay.hook import ReplayBackend
 from services.server.metrics import ServiceMetrics
+from services.server.replay_backend import ReplayBackend
 from services.server.shm_leases import LeaseTable
 
 MESSAGE_MARGIN = 4096  # room for the fields around one payload in a reply

@@ -1,5 +1,5 @@
 """The running kvtier server: ``create_server`` opens the store, builds the servicer
-(``services.server.servicer``), binds (TLS when configured, ``services.server.tls``),
+(``services.server.servicer``), binds (TLS when configured, ``services.serving.tls``),
 registers health checking and, when ``reflection`` is set, reflection, records its
 connectable address in ``{data_dir}/server.addr`` (``services.server.address_file``) and
 serves metrics. Every request is bounded in size before it is parsed
@@ -27,15 +27,16 @@ from kvstore.remote.breaker import CircuitBreaker
 from kvstore.session.manager import TierManager
 from kvtier.errors import add_servicer
 from proto import kvtier_pb2_grpc as pb_grpc
-from services.replay.hook import make_replay_backend
-from services.server import address_file, auth, reflection, sizes
-from services.server.audit import AuditLog
+from services.server import address_file, reflection, sizes
 from services.server.config import ServerConfig, load_config
 from services.server.loop_lag import LoopMonitor
 from services.server.metrics import ServiceMetrics
+from services.server.replay_backend import make_replay_backend
 from services.server.servicer import SERVICE, KVTierServicer
 from services.server.store import open_manager
-from services.server.tls import server_credentials
+from services.serving import auth
+from services.serving.audit import AuditLog
+from services.serving.tls import server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +183,7 @@ async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServe
 
 def _interceptors(config: ServerConfig, servicer: KVTierServicer
                   ) -> list[grpc.aio.ServerInterceptor]:
-    """Authentication, authorization and audit (``services.server.auth``), when any of
+    """Authentication, authorization and audit (``services.serving.auth``), when any of
     them is configured; else none (tenants are what requests name)."""
     authenticator = auth.Authenticator.from_settings(
         config.auth_tokens_file, config.auth_jwt_key, config.auth_jwt_audience)

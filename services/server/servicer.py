@@ -6,7 +6,7 @@ and every failure becomes a gRPC status by ``grpc_errors``, with its code from t
 table in ``kvstore.format.errors`` (``STATUS_NAMES``); bytes that are not a request are
 INVALID_ARGUMENT (``kvtier.errors.add_servicer``). Streams and the bytes of spills in
 flight are bounded (``services.server.limits``). With authentication or an audit log
-configured every call passes ``services.server.auth`` first, and the handlers check the
+configured every call passes ``services.serving.auth`` first, and the handlers check the
 tenant a request names against the caller's (``_own_session``, ``auth.check_tenant``).
 """
 from __future__ import annotations
@@ -40,17 +40,17 @@ from kvtier import shm
 from kvtier.errors import grpc_errors
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
-from services.replay.hook import ReplayBackend, model_layouts
-from services.server import auth
 from services.server import validate as check
-from services.server.audit import AuditLog
 from services.server.config import ServerConfig
 from services.server.layout_registry import ServerLayouts, fleet_layouts, is_builtin
 from services.server.limits import Bounds, InFlight, Limits, idle_bounded
 from services.server.metrics import ServiceMetrics, tier_lookups
+from services.server.replay_backend import ReplayBackend, model_layouts
 from services.server.restore_stream import RestoreStreamer, StreamOptions
 from services.server.shm_leases import LeaseTable
 from services.server.store import restore_tier, tiers_holding
+from services.serving import auth
+from services.serving.audit import AuditLog
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["KVTier"].full_name

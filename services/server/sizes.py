@@ -8,7 +8,7 @@ of what reaches a parser bounds that work. Per method of the KVTier service:
   tail or window: bytes the layout bounds, copied not walked); a header is at most
   ``max_header_bytes``;
 - Lookup (token ids, hashed into chain keys): at most ``max_header_bytes``;
-- RegisterLayout: the layout JSON bound (``services.server.layout_registry.MAX_JSON_BYTES``)
+- RegisterLayout: the layout JSON bound (``kvstore.format.layout_bounds.MAX_JSON_BYTES``)
   and a margin;
 - every other method: ``CONTROL_BYTES``.
 
@@ -24,8 +24,8 @@ from typing import Any
 import grpc
 
 from kvstore.format.errors import InvalidRequest
+from kvstore.format.layout_bounds import MAX_JSON_BYTES
 from kvtier.errors import Undecodable
-from services.server.layout_registry import MAX_JSON_BYTES
 
 CONTROL_BYTES = 64 << 10  # a session ref, a few names and numbers, a page of ids
 _SPILL_PAYLOADS = {2: "chunk", 3: "tail", 4: "window"}  # SpillRequest's oneof fields

@@ -27,7 +27,7 @@ from kvstore.tiers.base import MemoryMetaStore, MetaStore, Tier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
 from services.server.config import ServerConfig
-from services.server.lifecycle import check_node_name, prepare_data_dir
+from services.server.startup import check_node_name, prepare_data_dir
 
 if TYPE_CHECKING:  # cryptography is imported only by a server that encrypts
     from kvstore.encryption.seal import Keyring

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvstore.format.errors import InvalidRequest
 from kvstore.format.layout import layout_from_json
-from services.server.layout_registry import MAX_JSON_BYTES, check_bounds
+from kvstore.format.layout_bounds import MAX_JSON_BYTES, check_bounds
 from stress.fuzz.campaign import IDLE_S, Campaign
 from stress.fuzz.cases import METHODS, SERVICES, CaseGenerator
 from stress.fuzz.layouts import layout_body

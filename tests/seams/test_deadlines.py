@@ -417,7 +417,7 @@ async def test_a_stalled_replay_job_queue_costs_one_deadline(redis_server_factor
 
 
 async def test_deadline_keys_reach_every_dependency(tmp_path):
-    from services.replay.hook import make_replay_backend
+    from services.server.replay_backend import make_replay_backend
     from services.server.store import build_tiers
     from tests.support.service import config_for
 

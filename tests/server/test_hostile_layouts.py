@@ -18,11 +18,12 @@ import pytest
 
 from kvstore.format.errors import InvalidRequest
 from kvstore.format.layout import layout_from_json, layout_to_json
+from kvstore.format.layout_bounds import MAX_JSON_BYTES
 from kvtier import AsyncClient
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.server.config import ServerConfig
-from services.server.layout_registry import MAX_JSON_BYTES, MAX_REGISTERED, MAX_REGISTERED_BYTES
+from services.server.layout_registry import MAX_REGISTERED, MAX_REGISTERED_BYTES
 from stress.adversarial.cases import status, stream
 from testing.live_server import LiveServer, channel
 from tests.support.security import TOKENS, dev_set, secured_server, spill_one

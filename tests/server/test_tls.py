@@ -22,7 +22,7 @@ from replay.worker import ReplayWorker
 from services.replay.remote import RemoteReplay
 from services.replay.server import create_server as create_worker_server
 from services.replay.server import security
-from services.server.tls import exposure_problem
+from services.serving.tls import exposure_problem
 from tests.support.replay import TINY_SPEC, tiny_model, tiny_session
 from tests.support.security import NO_RETRY, data_dir, dev_set, secured_server, spill_one
 from tests.support.servers import free_port

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvtier import Unauthenticated
-from services.server import auth
 from services.server.devcerts import token_digest
+from services.serving import auth
 from tests.support.security import DevSet, dev_set, secured_server
 
 INTERVAL_S = auth.RELOAD_CHECK_S * 1.2  # past the reload interval, with a margin

@@ -22,7 +22,7 @@ Authorization: ``METHOD_ROLES`` says which roles may call each method; the tenan
 request names must be the caller's (``check_tenant``, ``list_scope``) unless the caller
 is an admin. ``AuthInterceptor`` does both for every call of the services it guards (the
 health service stays open), sets the caller for the handlers (``caller()``: a context
-variable, each RPC running in its own task), and writes the audit (``services.server.audit``).
+variable, each RPC running in its own task), and writes the audit (``services.serving.audit``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import grpc
 
 from kvstore.format.errors import InvalidRequest, PermissionDenied, Unauthenticated
 from kvtier.errors import RecordsCalls, abort
-from services.server.audit import AuditLog
+from services.serving.audit import AuditLog
 
 log = logging.getLogger(__name__)
 TENANT, ADMIN, REPLAY = "tenant", "admin", "replay"

@@ -25,7 +25,7 @@ KINDS = ("auth_failure", "permission_denied", "delete", "layout", "admin")
 
 
 class Caller(Protocol):
-    """Who made a call (``services.server.auth.Identity``)."""
+    """Who made a call (``services.serving.auth.Identity``)."""
 
     tenant: str
     role: str

@@ -29,9 +29,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from kvstore.format.errors import KVTierError, ReplayUnavailable
+from kvstore.format.errors import InvalidRequest, KVTierError, ReplayUnavailable
 from kvstore.format.layout import LayoutSpec
 from kvstore.tiers.base import Buffer
+from kvtier.channel import Credentials
 from services.server.config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ def _transformers_backend(config: ServerConfig) -> ReplayBackend | None:
 
 
 def _remote(config: ServerConfig, addresses: Sequence[str]) -> ReplayBackend:
-    from services.replay.remote import RemoteReplay, credentials_from
+    from services.replay.remote import RemoteReplay
 
     # a request carries the whole session's chunks: the workers' message limit, not the
     # one this server puts on its clients' messages
@@ -144,3 +145,17 @@ def _bundled_backend(config: ServerConfig) -> tuple[ReplayBackend | None, str]:
     except (ImportError, KVTierError) as exc:
         log.warning("no %s replay backend: %s", mode, exc)
         return None, f"the {mode} replay backend is unavailable: {exc}"
+
+
+def credentials_from(config: ServerConfig) -> Credentials:
+    """How this server reaches its replay workers, from its ``replay_tls_*`` settings
+    and the token in ``replay_token_file``."""
+    token = None
+    if config.replay_token_file:
+        try:
+            token = Path(config.replay_token_file).read_text().strip()
+        except OSError as exc:
+            raise InvalidRequest(f"replay_token_file: cannot read {config.replay_token_file}: "
+                                 f"{exc.strerror}") from exc
+    return Credentials(config.replay_tls_ca or None, config.replay_tls_cert or None,
+                       config.replay_tls_key or None, token)

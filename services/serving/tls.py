@@ -5,7 +5,7 @@ expose either in clear.
     port = grpc_server.add_secure_port(listen, creds)
 
 With ``client_ca`` the peer must present a certificate that CA signed (mTLS); its subject
-CN is then what ``services.server.auth`` maps to an identity. Certificates are read once:
+CN is then what ``services.serving.auth`` maps to an identity. Certificates are read once:
 replacing them takes a restart.
 """
 
