@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.closing import Opened
 from tests.support.manager import Managers
 from tests.support.servers import (
     MotoServer,
@@ -46,20 +47,28 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
 
 async def _closing(test, kwargs: dict) -> None:
-    """Run the test, then close the managers it left open (``managers``), in its loop."""
+    """Run the test, then close what it left open (``managers``, ``opened``), in its loop."""
     try:
         await test(**kwargs)
     finally:
         for value in kwargs.values():
-            if isinstance(value, Managers):
+            if isinstance(value, Opened):
                 await value.close_all()
 
 
 @pytest.fixture
 def managers() -> Managers:
-    """``await managers.open(tiers, meta, **options) -> TierManager``: closed when an
-    ``async def`` test ends, passed or failed (``Managers``)."""
+    """``await managers.open(tiers, meta, **options) -> TierManager`` (or
+    ``managers.adopt(await open_manager(config))``): closed when an ``async def`` test
+    ends, passed or failed (``Managers``)."""
     return Managers()
+
+
+@pytest.fixture
+def opened() -> Opened:
+    """``opened.adopt(tier) -> tier``: closed when an ``async def`` test ends, passed or
+    failed, unless the test closed it first (``await opened.close(tier)``)."""
+    return Opened()
 
 
 # -- Redis, single node --
