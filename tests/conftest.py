@@ -42,18 +42,21 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if not inspect.iscoroutinefunction(pyfuncitem.obj):
         return None
     names = pyfuncitem._fixtureinfo.argnames
-    asyncio.run(_closing(pyfuncitem.obj, {name: pyfuncitem.funcargs[name] for name in names}))
+    # every fixture's value, the test's own and those its fixtures asked for
+    held = [value for value in pyfuncitem.funcargs.values() if isinstance(value, Opened)]
+    asyncio.run(_closing(pyfuncitem.obj, {name: pyfuncitem.funcargs[name] for name in names},
+                         held))
     return True
 
 
-async def _closing(test, kwargs: dict) -> None:
-    """Run the test, then close what it left open (``managers``, ``opened``), in its loop."""
+async def _closing(test, kwargs: dict, held: list[Opened]) -> None:
+    """Run the test, then close what it or its fixtures left open (``managers``,
+    ``opened``), in its loop."""
     try:
         await test(**kwargs)
     finally:
-        for value in kwargs.values():
-            if isinstance(value, Opened):
-                await value.close_all()
+        for value in held:
+            await value.close_all()
 
 
 @pytest.fixture
