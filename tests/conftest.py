@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.closing import Opened
 from tests.support.manager import Managers
 from tests.support.servers import (
     MotoServer,
@@ -41,25 +42,36 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if not inspect.iscoroutinefunction(pyfuncitem.obj):
         return None
     names = pyfuncitem._fixtureinfo.argnames
-    asyncio.run(_closing(pyfuncitem.obj, {name: pyfuncitem.funcargs[name] for name in names}))
+    # every fixture's value, the test's own and those its fixtures asked for
+    held = [value for value in pyfuncitem.funcargs.values() if isinstance(value, Opened)]
+    asyncio.run(_closing(pyfuncitem.obj, {name: pyfuncitem.funcargs[name] for name in names},
+                         held))
     return True
 
 
-async def _closing(test, kwargs: dict) -> None:
-    """Run the test, then close the managers it left open (``managers``), in its loop."""
+async def _closing(test, kwargs: dict, held: list[Opened]) -> None:
+    """Run the test, then close what it or its fixtures left open (``managers``,
+    ``opened``), in its loop."""
     try:
         await test(**kwargs)
     finally:
-        for value in kwargs.values():
-            if isinstance(value, Managers):
-                await value.close_all()
+        for value in held:
+            await value.close_all()
 
 
 @pytest.fixture
 def managers() -> Managers:
-    """``await managers.open(tiers, meta, **options) -> TierManager``: closed when an
-    ``async def`` test ends, passed or failed (``Managers``)."""
+    """``await managers.open(tiers, meta, **options) -> TierManager`` (or
+    ``managers.adopt(await open_manager(config))``): closed when an ``async def`` test
+    ends, passed or failed (``Managers``)."""
     return Managers()
+
+
+@pytest.fixture
+def opened() -> Opened:
+    """``opened.adopt(tier) -> tier``: closed when an ``async def`` test ends, passed or
+    failed, unless the test closed it first (``await opened.close(tier)``)."""
+    return Opened()
 
 
 # -- Redis, single node --

@@ -162,10 +162,12 @@ async def test_a_layer_stream_is_retried_until_the_server_is_up(tmp_path):
 
     config = config_for(tmp_path, listen=f"127.0.0.1:{port}")
     server, _ = await create_server(config)
-    async with AsyncClient(f"127.0.0.1:{port}") as kv:
-        await kv.spill("acme", "s1", LAYOUT.name, tokens, persistent, generation=1,
-                       ack="durable")
-    await server.stop(0.5)
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}") as kv:
+            await kv.spill("acme", "s1", LAYOUT.name, tokens, persistent, generation=1,
+                           ack="durable")
+    finally:
+        await server.stop(0.5)
 
     async def start_late():
         await asyncio.sleep(0.3)

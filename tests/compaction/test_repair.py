@@ -89,18 +89,18 @@ async def test_repair_after_data_mdb_is_deleted(tmp_path):
     await check_restores(disk_dir, sessions)
 
 
-async def test_repair_reports_orphans_and_keeps_them(tmp_path):
+async def test_repair_reports_orphans_and_keeps_them(tmp_path, opened):
     disk_dir = tmp_path / "disk"
-    disk = DiskTier(disk_dir, 64 * MB)
+    disk = opened.adopt(DiskTier(disk_dir, 64 * MB))
     await disk.put("lonely-chunk", b"nobody names me")
-    await disk.close()
+    await opened.close(disk)
     shutil.rmtree(disk_dir / "index")
     done = run_repair(disk_dir)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["orphans"] == ["lonely-chunk"]
-    disk = DiskTier(disk_dir, 64 * MB)
+    disk = opened.adopt(DiskTier(disk_dir, 64 * MB))
     assert bytes(await disk.get("lonely-chunk")) == b"nobody names me"
-    await disk.close()
+    await opened.close(disk)
 
 
 def test_repair_refuses_beside_a_live_writer(tmp_path):

@@ -29,16 +29,16 @@ def server_config(data_dir: Path):
                        overrides={"data_dir": data_dir})
 
 
-async def build(data_dir: Path) -> dict[tuple[str, str], dict]:
+async def build(managers, data_dir: Path) -> dict[tuple[str, str], dict]:
     """Durable sessions of two tenants in an encrypted data directory, its index lost."""
-    manager = await open_manager(server_config(data_dir))
+    manager = managers.adopt(await open_manager(server_config(data_dir)))
     sessions = {}
     for i, (tenant, name) in enumerate(SESSIONS):
         args = make_session(random_tokens(16 * 4 + i, seed=70 + i), seed=i, window=False,
                             tenant=tenant)
         await manager.spill(tenant, name, generation=1, ack="durable", **args)
         sessions[tenant, name] = args
-    await manager.close()
+    await managers.close(manager)
     (data_dir / "disk" / "index" / "data.mdb").unlink()
     return sessions
 
@@ -74,9 +74,9 @@ async def check_restores(data_dir: Path, sessions: dict[tuple[str, str], dict]) 
         await manager.close()
 
 
-async def test_repair_without_the_key_refuses_and_changes_nothing(tmp_path):
+async def test_repair_without_the_key_refuses_and_changes_nothing(tmp_path, managers, opened):
     data_dir = tmp_path / "data"
-    await build(data_dir)
+    await build(managers, data_dir)
     before = snapshot(data_dir)
     assert any(name.startswith("disk/segments/") for name in before)
     done = run_repair(data_dir)
@@ -89,7 +89,7 @@ async def test_repair_without_the_key_refuses_and_changes_nothing(tmp_path):
     assert done.returncode == 2 and "['env']" in done.stderr, done.stderr
     assert snapshot(data_dir) == before
     try:
-        DiskTier(data_dir / "disk", 1 << 26)
+        opened.adopt(DiskTier(data_dir / "disk", 1 << 26))
     except IndexCorrupt:
         pass  # still lost, as it was: nothing was rebuilt without the key
     else:
@@ -104,9 +104,10 @@ def key_config(tmp_path: Path, key_id: str, material: str) -> Path:
     return config
 
 
-async def test_repair_with_the_key_from_the_environment_restores_every_session(tmp_path):
+async def test_repair_with_the_key_from_the_environment_restores_every_session(tmp_path,
+                                                                              managers):
     data_dir = tmp_path / "data"
-    sessions = await build(data_dir)
+    sessions = await build(managers, data_dir)
     done = run_repair(data_dir, key=KEY)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
@@ -115,9 +116,10 @@ async def test_repair_with_the_key_from_the_environment_restores_every_session(t
     await check_restores(data_dir, sessions)
 
 
-async def test_repair_with_the_key_file_of_the_config_restores_every_session(tmp_path):
+async def test_repair_with_the_key_file_of_the_config_restores_every_session(tmp_path,
+                                                                             managers):
     data_dir = tmp_path / "data"
-    sessions = await build(data_dir)
+    sessions = await build(managers, data_dir)
     done = run_repair(data_dir, "--config", str(key_config(tmp_path, "env", KEY)))
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["orphans"] == []

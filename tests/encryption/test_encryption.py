@@ -48,8 +48,9 @@ def config_for(tmp_path, key: str | None = None, **overrides):
                        overrides={"data_dir": tmp_path / "data", **overrides})
 
 
-async def spill_and_demote(config, tenant="acme", session_id="s1", to="object", seed=1):
-    manager = await open_manager(config)
+async def spill_and_demote(managers, config, tenant="acme", session_id="s1", to="object",
+                           seed=1):
+    manager = managers.adopt(await open_manager(config))
     session = make_session(TOKENS, seed=seed, window=False, tenant=tenant)
     await manager.spill(tenant, session_id, generation=1, ack="memory", **session)
     await manager.drain()
@@ -65,11 +66,11 @@ async def check_restores(manager, session, tenant="acme", session_id="s1"):
 
 
 @pytest.mark.parametrize("key", [None, KEY_A], ids=["clear", "sealed"])
-async def test_data_dir_holds_no_plaintext(tmp_path, key):
-    manager, session = await spill_and_demote(config_for(tmp_path, key), to="disk")
+async def test_data_dir_holds_no_plaintext(tmp_path, key, managers):
+    manager, session = await spill_and_demote(managers, config_for(tmp_path, key), to="disk")
     assert manager.where(session["chunks"][0][0]) == ["disk"]
     await manager.demote("acme", "s1", "object")  # on disk, then in the object directory
-    await manager.close()
+    await managers.close(manager)
     found = files_hold(tmp_path / "data", needles(session))
     if key is None:  # the search finds what is there: chunks, tail and token ids
         assert len(found) >= len(needles(session))
@@ -83,9 +84,10 @@ async def test_data_dir_holds_no_plaintext(tmp_path, key):
         await manager.close()
 
 
-async def test_redis_holds_no_plaintext_and_a_moved_value_is_data_loss(tmp_path, redis_server):
+async def test_redis_holds_no_plaintext_and_a_moved_value_is_data_loss(tmp_path, redis_server,
+                                                                       managers):
     config = config_for(tmp_path, KEY_A, redis_url=redis_server, disk_bytes=0, object_bytes=0)
-    manager, session = await spill_and_demote(config, to="redis")
+    manager, session = await spill_and_demote(managers, config, to="redis")
     try:
         other = make_session(TOKENS, seed=2, window=False, tenant="evil")
         await manager.spill("evil", "s1", generation=1, ack="memory", **other)
@@ -105,7 +107,7 @@ async def test_redis_holds_no_plaintext_and_a_moved_value_is_data_loss(tmp_path,
         with pytest.raises(DataLoss, match="corrupt"):
             await manager.restore("acme", "s1")
     finally:
-        await manager.close()
+        await managers.close(manager)
 
 
 async def test_a_moved_copy_falls_through_to_an_intact_one(tmp_path, redis_server):
@@ -136,14 +138,14 @@ async def test_a_moved_copy_falls_through_to_an_intact_one(tmp_path, redis_serve
 
 
 async def test_s3_objects_hold_no_plaintext(tmp_path, s3_server, s3_bucket, s3_credentials,
-                                            monkeypatch):
+                                            monkeypatch, managers):
     import boto3
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_credentials["aws_access_key_id"])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_credentials["aws_secret_access_key"])
     config = config_for(tmp_path, KEY_A, s3_bucket=s3_bucket, s3_endpoint=s3_server,
                         s3_region="us-east-1")
-    manager, session = await spill_and_demote(config, to="object")
+    manager, session = await spill_and_demote(managers, config, to="object")
     try:
         client = boto3.client("s3", endpoint_url=s3_server, **s3_credentials)
         listing = client.list_objects_v2(Bucket=s3_bucket).get("Contents", [])
@@ -154,7 +156,7 @@ async def test_s3_objects_hold_no_plaintext(tmp_path, s3_server, s3_bucket, s3_c
         assert not [n for n in needles(session) for b in bodies if n in b]
         await check_restores(manager, session)
     finally:
-        await manager.close()
+        await managers.close(manager)
     assert files_hold(tmp_path / "data", needles(session)) == []  # nor the manifests
 
 
@@ -173,12 +175,13 @@ def test_a_sealed_value_opens_only_under_its_key_domain_and_layout():
     assert ring.seal("abc.01", "tenant:acme", b"secret kv", 7) != sealed  # fresh nonce
 
 
-async def test_rotation_keeps_old_sessions_and_seals_new_ones_with_the_new_key(tmp_path):
+async def test_rotation_keeps_old_sessions_and_seals_new_ones_with_the_new_key(tmp_path,
+                                                                             managers):
     key_file = tmp_path / "keys.toml"
     key_file.write_text(f'[[key]]\nid = "2026-11"\nmaterial = "{KEY_A}"\n')
     config = config_for(tmp_path, encryption_key_file=str(key_file), object_bytes=0)
-    manager, old = await spill_and_demote(config, to="disk")
-    await manager.close()
+    manager, old = await spill_and_demote(managers, config, to="disk")
+    await managers.close(manager)
     key_file.write_text(f'[[key]]\nid = "2026-11"\nmaterial = "{KEY_A}"\n'
                         f'[[key]]\nid = "2026-12"\nmaterial = "{KEY_B}"\ncurrent = true\n')
     assert keyring_from_file(key_file).current == "2026-12"
@@ -212,8 +215,8 @@ async def test_the_key_is_never_shown(tmp_path):
     assert KEY_A not in str(info.value)
 
 
-async def test_startup_log_names_the_key_ids_not_the_key(tmp_path, caplog):
+async def test_startup_log_names_the_key_ids_not_the_key(tmp_path, caplog, managers):
     caplog.set_level(logging.DEBUG)
-    manager = await open_manager(config_for(tmp_path, KEY_A))
-    await manager.close()
+    manager = managers.adopt(await open_manager(config_for(tmp_path, KEY_A)))
+    await managers.close(manager)
     assert "encryption at rest: on" in caplog.text and KEY_A not in caplog.text

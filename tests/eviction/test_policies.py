@@ -226,14 +226,15 @@ def _reference_victim(model, now, exclude):
     return max(candidates, key=lambda b: _score(model[b], now))
 
 
-async def test_tier_stack_moves_keep_the_predicted_return():
+async def test_tier_stack_moves_keep_the_predicted_return(opened):
     """Demotion and promotion are not accesses by the session: a block keeps the return
     its hint predicted, in whichever tier it lands."""
     clock = VirtualClock()
     tokens = random_tokens(16, seed=1)
     data = {key: encode(0, tokens, seed=i) for i, key in enumerate("abc")}
     size = len(data["a"])
-    tiers = [HBMTier(2 * size, device="cpu"), HostTier(8 * size, pin_memory=False)]
+    tiers = [opened.adopt(HBMTier(2 * size, device="cpu")),
+             opened.adopt(HostTier(8 * size, pin_memory=False))]
     stack = TierStack(tiers, lambda: HintPolicy(clock), KeyedLocks(), Counters(),
                       is_referenced=lambda key: True, on_window_dropped=lambda key: None)
     for key, pause in (("a", 100), ("b", 1000), ("c", 10)):
@@ -251,7 +252,7 @@ async def test_tier_stack_moves_keep_the_predicted_return():
     assert stack.holders("c") == [1] and stack.policies[1].reference_time("c") == 50
     assert await stack.delete(1, "c") and stack.hints.get("c") is None  # its last copy
     for tier in tiers:
-        await tier.close()
+        await opened.close(tier)
 
 
 def test_resume_hint_validates():
@@ -333,12 +334,13 @@ def test_reuse_policy_gives_up_a_copy_a_higher_tier_holds_first():
     assert host.victim() == "only-in-host"  # now the older one, as LRU
 
 
-async def test_tier_stack_runs_the_reuse_policies():
+async def test_tier_stack_runs_the_reuse_policies(opened):
     clock = VirtualClock()
     tokens = random_tokens(16, seed=1)
     data = {key: encode(0, tokens, seed=i) for i, key in enumerate("abcd")}
     size = len(data["a"])
-    tiers = [HBMTier(2 * size, device="cpu"), HostTier(8 * size, pin_memory=False)]
+    tiers = [opened.adopt(HBMTier(2 * size, device="cpu")),
+             opened.adopt(HostTier(8 * size, pin_memory=False))]
     stack = TierStack(tiers, reuse_policies(clock), KeyedLocks(), Counters(),
                       is_referenced=lambda key: True, on_window_dropped=lambda key: None)
     for key in "abcd":
@@ -350,4 +352,4 @@ async def test_tier_stack_runs_the_reuse_policies():
     found, source, bad = await stack.read("a")
     assert source == 1 and bytes(found) == bytes(data["a"])
     for tier in tiers:
-        await tier.close()
+        await opened.close(tier)

@@ -41,8 +41,8 @@ def objects_of(manager) -> ObjectTier:
     return next(tier for tier in manager.tiers if isinstance(tier, ObjectTier))
 
 
-async def test_any_node_resumes_a_durable_session(node_config):
-    a, b, c = [await open_manager(node_config(n)) for n in "abc"]
+async def test_any_node_resumes_a_durable_session(node_config, managers):
+    a, b, c = [managers.adopt(await open_manager(node_config(n))) for n in "abc"]
     try:
         session = make_session(random_tokens(70, 1), seed=1, tenant="acme")
         await a.spill("acme", "s1", generation=1, ack="durable", **session)
@@ -58,11 +58,12 @@ async def test_any_node_resumes_a_durable_session(node_config):
         assert home.window_tier == "host"
     finally:
         for manager in (a, b, c):
-            await manager.close()
+            await managers.close(manager)
 
 
-async def test_two_nodes_race_each_generation_and_exactly_one_wins(node_config):
-    a, b, reader = [await open_manager(node_config(n)) for n in ("a", "b", "reader")]
+async def test_two_nodes_race_each_generation_and_exactly_one_wins(node_config, managers):
+    a, b, reader = [managers.adopt(await open_manager(node_config(n)))
+                    for n in ("a", "b", "reader")]
     try:
         await a.spill("acme", "s1", generation=1, ack="durable",
                       **make_session(random_tokens(40, 0), seed=0, window=False, tenant="acme"))
@@ -87,7 +88,7 @@ async def test_two_nodes_race_each_generation_and_exactly_one_wins(node_config):
             assert [bytes(x) for x in stored.chunks] == [bytes(d) for _, d in winner["chunks"]]
     finally:
         for manager in (a, b, reader):
-            await manager.close()
+            await managers.close(manager)
 
 
 async def test_an_unreachable_store_refuses_durable_spills_and_hot_sessions_resume(

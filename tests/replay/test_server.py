@@ -32,7 +32,7 @@ def model():
     return tiny_model()
 
 
-async def test_remote_backend_rebuilds_through_a_worker(model):
+async def test_remote_backend_rebuilds_through_a_worker(model, opened):
     state, chunks, tail = tiny_session(model, 45)
     worker = ReplayWorker(model, default_tokens=16)
     server, port = await create_server("127.0.0.1:0", worker, name="w1")
@@ -62,10 +62,10 @@ async def test_remote_backend_rebuilds_through_a_worker(model):
         await backend.close()
         await server.stop(0)
         await worker.close()
-    only_dead = RemoteReplay([dead], timeout_s=2)
+    only_dead = opened.adopt(RemoteReplay([dead], timeout_s=2))
     with pytest.raises(TierUnavailable, match="no replay worker answered"):
         await only_dead.rebuild(TINY_SPEC.layout_id, state.token_ids, chunks, tail)
-    await only_dead.close()
+    await opened.close(only_dead)
 
 
 async def test_server_resume_replays_a_dropped_window_on_the_worker(model, tmp_path):

@@ -49,7 +49,7 @@ async def consuming(url: str, worker: ReplayWorker, name: str, names: StreamName
         await consumer.close()
 
 
-async def test_jobs_are_served_by_the_group_and_answered(model, redis_server):
+async def test_jobs_are_served_by_the_group_and_answered(model, redis_server, opened):
     state, chunks, tail = tiny_session(model, 45)
     names = StreamNames(stream="t:jobs", group="t-group", reply_prefix="t:reply:")
     worker = ReplayWorker(model, default_tokens=12)
@@ -74,10 +74,11 @@ async def test_jobs_are_served_by_the_group_and_answered(model, redis_server):
         await backend.close()
         await worker.close()
     # no worker at all: the caller gets a clear error after its timeout
-    lonely = StreamReplay(redis_server, names=StreamNames(stream="t:none"), timeout_s=1)
+    lonely = opened.adopt(StreamReplay(redis_server, names=StreamNames(stream="t:none"),
+                                       timeout_s=1))
     with pytest.raises(TierUnavailable, match="no replay worker answered"):
         await lonely.rebuild(TINY_SPEC.layout_id, state.token_ids, chunks, tail)
-    await lonely.close()
+    await opened.close(lonely)
 
 
 async def test_a_job_carries_its_layout_to_the_stream_of_its_replayer(model, redis_server):
@@ -157,7 +158,8 @@ def start_worker_process(weights: Path, url: str, names: StreamNames) -> subproc
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-async def test_a_killed_workers_job_is_retried_by_another(model, redis_server, tmp_path):
+async def test_a_killed_workers_job_is_retried_by_another(model, redis_server, tmp_path,
+                                                         opened):
     state, chunks, tail = tiny_session(model, 45)
     names = StreamNames(stream="k:jobs", group="k-group", reply_prefix="k:reply:")
     weights = tmp_path / "tiny.safetensors"
@@ -173,7 +175,7 @@ async def test_a_killed_workers_job_is_retried_by_another(model, redis_server, t
             assert time.monotonic() < deadline, "the worker process never waited for jobs"
             await asyncio.sleep(0.05)
         doomed.send_signal(signal.SIGSTOP)
-        backend = StreamReplay(redis_server, names=names, timeout_s=30)
+        backend = opened.adopt(StreamReplay(redis_server, names=names, timeout_s=30))
         job = asyncio.create_task(backend.rebuild(TINY_SPEC.layout_id, state.token_ids,
                                                   chunks, tail, 12))
         deadline = time.monotonic() + 10
@@ -184,15 +186,15 @@ async def test_a_killed_workers_job_is_retried_by_another(model, redis_server, t
         assert owner["consumer"] == b"doomed"
         doomed.kill()  # SIGKILL: the job stays pending, never acknowledged
         doomed.wait(timeout=10)
-        worker = ReplayWorker(model)
+        worker = opened.adopt(ReplayWorker(model))
         async with consuming(redis_server, worker, "rescuer", names, claim_idle_ms=300) as r:
             result = await asyncio.wait_for(job, 20)
             assert await answered(r) == 1
         assert result.window == encode_window(TINY_SPEC,
                                               replay(model, state.without_window(), 12))
         assert inspect.xpending(names.stream, names.group)["pending"] == 0
-        await backend.close()
-        await worker.close()
+        await opened.close(backend)
+        await opened.close(worker)
     finally:
         if doomed.poll() is None:
             doomed.kill()
@@ -200,12 +202,13 @@ async def test_a_killed_workers_job_is_retried_by_another(model, redis_server, t
 
 
 
-async def test_a_job_that_keeps_killing_workers_is_answered_with_an_error(model, redis_server):
+async def test_a_job_that_keeps_killing_workers_is_answered_with_an_error(model, redis_server,
+                                                                         opened):
     state, chunks, tail = tiny_session(model, 45)
     names = StreamNames(stream="p:jobs", group="p-group", reply_prefix="p:reply:")
     inspect = redis.Redis.from_url(redis_server)
     inspect.xgroup_create(names.stream, names.group, id="0", mkstream=True)
-    backend = StreamReplay(redis_server, names=names, timeout_s=20)
+    backend = opened.adopt(StreamReplay(redis_server, names=names, timeout_s=20))
     job = asyncio.create_task(backend.rebuild(TINY_SPEC.layout_id, state.token_ids, chunks,
                                               tail))
     deadline = time.monotonic() + 10
@@ -216,11 +219,11 @@ async def test_a_job_that_keeps_killing_workers_is_answered_with_an_error(model,
     taken = inspect.xreadgroup(names.group, "ghost", {names.stream: ">"}, count=1)
     entry_id = taken[0][1][0][0]
     inspect.xclaim(names.stream, names.group, "ghost", 0, [entry_id], retrycount=3)
-    worker = ReplayWorker(model)
+    worker = opened.adopt(ReplayWorker(model))
     async with consuming(redis_server, worker, "survivor", names, claim_idle_ms=0,
                          max_deliveries=3):
         with pytest.raises(TierUnavailable, match="giving up"):
             await asyncio.wait_for(job, 15)
     assert inspect.xpending(names.stream, names.group)["pending"] == 0
-    await backend.close()
-    await worker.close()
+    await opened.close(backend)
+    await opened.close(worker)

@@ -416,7 +416,7 @@ async def test_a_stalled_replay_job_queue_costs_one_deadline(redis_server_factor
 # -- the config keys reach every dependency --
 
 
-async def test_deadline_keys_reach_every_dependency(tmp_path):
+async def test_deadline_keys_reach_every_dependency(tmp_path, opened):
     from services.server.replay_backend import make_replay_backend
     from services.server.store import build_tiers
     from tests.support.service import config_for
@@ -429,6 +429,8 @@ async def test_deadline_keys_reach_every_dependency(tmp_path):
                         breaker_cooldown_s=2.5)
     tiers: list = []
     build_tiers(config, tiers)
+    for tier in tiers:
+        opened.adopt(tier)
     by_name = {tier.name: tier for tier in tiers}
     objects, redis = by_name["object"], by_name["redis"]
     client_config = objects.s3_location()[0].meta.config
@@ -437,12 +439,12 @@ async def test_deadline_keys_reach_every_dependency(tmp_path):
     assert redis.config.op_timeout_s == 0.8 and redis.config.socket_timeout_s == 0.4
     assert redis.config.connect_timeout_s == REDIS_PRESETS["datacenter"].connect_timeout_s
     assert redis.breaker.cooldown_s == 2.5
-    backend, _ = make_replay_backend(config)
+    backend = opened.adopt(make_replay_backend(config)[0])
     assert backend.timeout_s == 0.9
     assert [b.cooldown_s for b in backend.breakers()] == [2.5]
-    await backend.close()
+    await opened.close(backend)
     for tier in tiers:
-        await tier.close()
+        await opened.close(tier)
     for key in ("s3_deadline_s", "replay_timeout_s", "breaker_cooldown_s"):
         with pytest.raises(InvalidRequest, match=key):
             config_for(tmp_path, **{key: 0})

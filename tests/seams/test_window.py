@@ -267,8 +267,9 @@ def node_config(tmp_path, s3_server, s3_bucket, s3_credentials, monkeypatch):
     return make
 
 
-async def test_a_short_replay_on_another_node_leaves_a_longer_window_named(node_config):
-    a, b = [await open_manager(node_config(name)) for name in "ab"]
+async def test_a_short_replay_on_another_node_leaves_a_longer_window_named(node_config,
+                                                                           managers):
+    a, b = [managers.adopt(await open_manager(node_config(name))) for name in "ab"]
     try:
         args = make_session(random_tokens(16 * 3 + 6, seed=7), tenant="acme")
         n = len(args["token_ids"])
@@ -298,7 +299,7 @@ async def test_a_short_replay_on_another_node_leaves_a_longer_window_named(node_
         assert (await b.get_manifest("acme", "s2")).node_id == "a"
     finally:
         for manager in (a, b):
-            await manager.close()
+            await managers.close(manager)
 
 
 @pytest.mark.parametrize("pending", [0, 3], ids=["whole-entries", "pending-rows"])

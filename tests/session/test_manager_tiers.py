@@ -47,12 +47,12 @@ async def test_host_disk_round_trip_and_write_back(tmp_path, managers):
     await managers.close(manager)
 
 
-async def test_durable_ack_survives_reopen(tmp_path, managers):
-    disk = DiskTier(tmp_path / "disk", 64 * MB)
+async def test_durable_ack_survives_reopen(tmp_path, managers, opened):
+    disk = opened.adopt(DiskTier(tmp_path / "disk", 64 * MB))
     manager = await managers.open([HostTier(MB), disk], disk.meta)
     args = make_session(random_tokens(16 * 4 + 2, seed=2))
     await manager.spill("t", "s", generation=3, ack="durable", **args)
-    await disk.close()  # the process goes away: nothing is drained, host memory is lost
+    await opened.close(disk)  # the process goes away: nothing is drained, host memory is lost
     managers.abandon(manager)
 
     disk = DiskTier(tmp_path / "disk", 64 * MB)

@@ -18,6 +18,7 @@ from kvstore.format.layout import LayoutSpec, Stream
 from kvstore.format.registry import register_layout
 from kvstore.session.manager import TierManager
 from kvstore.tiers.base import MetaStore, Tier
+from tests.support.closing import Opened
 
 TINY = register_layout(
     LayoutSpec(
@@ -96,35 +97,9 @@ async def running_manager(tiers: Sequence[Tier], meta: MetaStore, **options
         await manager.close()
 
 
-class Managers:
-    """The ``managers`` fixture: opens a test's managers, and when the test ends, in its
-    event loop (the conftest's ``pytest_pyfunc_call``), closes each one still open."""
-
-    def __init__(self) -> None:
-        self._open: list[TierManager] = []
+class Managers(Opened):
+    """The ``managers`` fixture: opens a test's managers (or adopts one a test opened, as
+    ``open_manager`` does), and closes each one still open when the test ends."""
 
     async def open(self, tiers: Sequence[Tier], meta: MetaStore, **options) -> TierManager:
-        manager = await TierManager.open(tiers, meta, **options)
-        self._open.append(manager)
-        return manager
-
-    async def close(self, manager: TierManager) -> None:
-        """Close ``manager`` now: the test goes on without it (reopens, or checks the close)."""
-        self._open.remove(manager)
-        await manager.close()
-
-    def abandon(self, manager: TierManager) -> None:
-        """Never close ``manager``: it stands for a process that died with it open."""
-        self._open.remove(manager)
-
-    async def close_all(self) -> None:
-        """Close what is still open, the last opened first; raise the first close's error
-        once every close was tried."""
-        errors: list[Exception] = []
-        while self._open:
-            try:
-                await self._open.pop().close()
-            except Exception as exc:  # the other managers still close
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        return self.adopt(await TierManager.open(tiers, meta, **options))

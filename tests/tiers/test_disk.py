@@ -41,8 +41,8 @@ def check_accounting(tier: DiskTier, model: dict[str, bytes]) -> None:
         assert segment_path(tier.segment_dir, info.seg_id).stat().st_size == info.file_bytes
 
 
-async def test_put_get_overwrite_delete(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 20, segment_bytes=4096)
+async def test_put_get_overwrite_delete(tmp_path, opened):
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 20, segment_bytes=4096))
     await tier.put("a", b"first")
     held = await tier.get("a")
     assert bytes(held) == b"first"
@@ -67,22 +67,22 @@ async def test_put_get_overwrite_delete(tmp_path):
         await tier.put("k" * 600, b"x")
     with pytest.raises(InvalidRequest):
         await tier.put("c", "not bytes")  # type: ignore[arg-type]
-    await tier.close()
+    await opened.close(tier)
     with pytest.raises(TierUnavailable):
         await tier.put("c", b"x")
 
 
-async def test_reopen_keeps_values_accounting_and_meta(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 24, segment_bytes=64 << 10)
+async def test_reopen_keeps_values_accounting_and_meta(tmp_path, opened):
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 24, segment_bytes=64 << 10))
     model = {f"k{i}": value_for(f"k{i}", 3000 + i) for i in range(60)}
     await asyncio.gather(*(tier.put(k, v) for k, v in model.items()))
     await tier.delete("k3")
     del model["k3"]
     await tier.meta.commit({"session/1": b"manifest-1", "session/2": b"manifest-2"})
     before = [(s.seg_id, s.state, s.file_bytes, s.live_bytes) for s in tier.segments()]
-    await tier.close()
+    await opened.close(tier)
 
-    tier = DiskTier(tmp_path, 1 << 24, segment_bytes=64 << 10)
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 24, segment_bytes=64 << 10))
     assert tier.recovery.uncommitted_records == 0 and tier.recovery.torn_bytes == 0
     assert [(s.seg_id, s.state, s.file_bytes, s.live_bytes) for s in tier.segments()] == before
     for key, value in model.items():
@@ -91,22 +91,22 @@ async def test_reopen_keeps_values_accounting_and_meta(tmp_path):
     assert await tier.meta.get("session/2") == b"manifest-2"
     await tier.put("after", b"reopen appends")
     assert bytes(await tier.get("after")) == b"reopen appends"
-    await tier.close()
+    await opened.close(tier)
 
 
-async def test_second_writer_is_refused(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 20)
+async def test_second_writer_is_refused(tmp_path, opened):
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 20))
     assert DiskTier.writer_is_live(tmp_path)
     with pytest.raises(Busy, match="writer lock"):
         DiskTier(tmp_path, 1 << 20)
     with pytest.raises(Busy, match="already open in this process"):
         DiskTier(tmp_path, 0, writer=False)  # LMDB must not be opened twice in a process
-    await tier.close()
+    await opened.close(tier)
     assert not DiskTier.writer_is_live(tmp_path)
 
 
-async def test_buffered_puts_are_visible_at_once_and_durable_after_flush(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 20, durable=False, commit_interval_s=60)
+async def test_buffered_puts_are_visible_at_once_and_durable_after_flush(tmp_path, opened):
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 20, durable=False, commit_interval_s=60))
     await tier.put("k", b"buffered")
     assert bytes(await tier.get("k")) == b"buffered"
     assert tier.index.lookup(b"k") is None  # not yet committed
@@ -118,12 +118,12 @@ async def test_buffered_puts_are_visible_at_once_and_durable_after_flush(tmp_pat
     assert tier.index.totals() == (2, 1)
     await tier.put("k3", b"durable", durable=True)
     assert tier.index.lookup(b"k3") is not None
-    await tier.close()
+    await opened.close(tier)
 
 
-async def test_segments_seal_at_the_size_limit(tmp_path):
+async def test_segments_seal_at_the_size_limit(tmp_path, opened):
     limit = 10_000
-    tier = DiskTier(tmp_path, 1 << 24, segment_bytes=limit)
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 24, segment_bytes=limit))
     for i in range(40):
         await tier.put(f"k{i:02d}", value_for(str(i), 1500), durable=False)
     await tier.put("huge", value_for("huge", 3 * limit))  # larger than a segment
@@ -137,11 +137,11 @@ async def test_segments_seal_at_the_size_limit(tmp_path):
             assert info.file_bytes <= limit
     assert any(s.live_records == 1 and s.file_bytes > limit for s in segments)
     assert bytes(await tier.get("huge")) == value_for("huge", 3 * limit)
-    await tier.close()
+    await opened.close(tier)
 
 
-async def test_tier_full_stores_nothing(tmp_path):
-    tier = DiskTier(tmp_path, 1000)
+async def test_tier_full_stores_nothing(tmp_path, opened):
+    tier = opened.adopt(DiskTier(tmp_path, 1000))
     await tier.put("a", bytes(600))
     with pytest.raises(TierFull):
         await tier.put("b", bytes(500))
@@ -151,13 +151,14 @@ async def test_tier_full_stores_nothing(tmp_path):
     assert await tier.meta.get("m") is None
     await tier.put("a", bytes(900))  # overwriting counts the old value as freed
     assert tier.used_bytes == 900
-    await tier.close()
+    await opened.close(tier)
 
 
-async def test_random_operations_keep_exact_accounting(tmp_path):
+async def test_random_operations_keep_exact_accounting(tmp_path, opened):
     rng = random.Random(1234)
     model: dict[str, bytes] = {}
-    tier = DiskTier(tmp_path, 1 << 26, segment_bytes=32 << 10, commit_interval_s=0.001)
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 26, segment_bytes=32 << 10,
+                                 commit_interval_s=0.001))
     keys = [f"key-{i}" for i in range(150)]
     for step in range(2000):
         key = rng.choice(keys)
@@ -175,24 +176,24 @@ async def test_random_operations_keep_exact_accounting(tmp_path):
             else:
                 assert not await tier.contains(key)
         elif step % 3 == 0:
-            await tier.close()
-            tier = DiskTier(tmp_path, 1 << 26, segment_bytes=32 << 10)
+            await opened.close(tier)
+            tier = opened.adopt(DiskTier(tmp_path, 1 << 26, segment_bytes=32 << 10))
         else:
             await tier.flush()
         assert tier.used_bytes == sum(len(v) for v in model.values())
     await tier.flush()
     check_accounting(tier, model)
     assert sorted([k async for k in tier.keys()]) == sorted(model)  # noqa: SIM118 - async iterator
-    await tier.close()
-    tier = DiskTier(tmp_path, 1 << 26, segment_bytes=32 << 10)
+    await opened.close(tier)
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 26, segment_bytes=32 << 10))
     assert tier.recovery.dropped_entries == []
     check_accounting(tier, model)
-    await tier.close()
+    await opened.close(tier)
 
 
-async def test_ttl_expiry_and_purge(tmp_path):
+async def test_ttl_expiry_and_purge(tmp_path, opened):
     clock = ManualClock()
-    tier = DiskTier(tmp_path, 1 << 20, clock=clock)
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 20, clock=clock))
     await tier.put("short", b"12345", ttl_s=0.3)
     await tier.put("long", b"678", ttl_s=3600)
     await tier.put("forever", b"9")
@@ -214,11 +215,11 @@ async def test_ttl_expiry_and_purge(tmp_path):
     assert tier.used_bytes == 1 and await tier.count() == 1
     with pytest.raises(InvalidRequest):
         await tier.put("bad", b"x", ttl_s=0)
-    await tier.close()
+    await opened.close(tier)
 
 
-async def test_meta_store_commits_atomically_and_in_order(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 20, durable=False, commit_interval_s=60)
+async def test_meta_store_commits_atomically_and_in_order(tmp_path, opened):
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 20, durable=False, commit_interval_s=60))
     meta = tier.meta
     await meta.commit({"s/b": b"2", "s/a": b"1", "t/x": b"other"})
     assert await meta.scan("s/") == [("s/a", b"1"), ("s/b", b"2")]
@@ -236,11 +237,11 @@ async def test_meta_store_commits_atomically_and_in_order(tmp_path):
     await tier.put_many([("chunk-2", b"c2"), ("chunk-3", b"c3")],
                         meta={"manifest": b"chunk-2,chunk-3"}, durable=True)
     assert tier.index.lookup(b"chunk-3") is not None
-    await tier.close()
-    tier = DiskTier(tmp_path, 1 << 20)
+    await opened.close(tier)
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 20))
     assert await tier.meta.get("manifest") == b"chunk-2,chunk-3"
     assert bytes(await tier.get("chunk-2")) == b"c2"
-    await tier.close()
+    await opened.close(tier)
 
 
 async def fill_sealed(tier: DiskTier, count: int, size: int) -> dict[str, bytes]:
@@ -251,8 +252,8 @@ async def fill_sealed(tier: DiskTier, count: int, size: int) -> dict[str, bytes]
     return model
 
 
-async def test_pinning_defers_retirement(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 24, segment_bytes=8000)
+async def test_pinning_defers_retirement(tmp_path, opened):
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 24, segment_bytes=8000))
     model = await fill_sealed(tier, 12, 3000)
     first = tier.segments()[0]
     assert first.state == SegState.SEALED
@@ -273,11 +274,11 @@ async def test_pinning_defers_retirement(tmp_path):
     assert not path.exists()
     for key, value in model.items():
         assert bytes(await tier.get(key)) == value
-    await tier.close()
+    await opened.close(tier)
 
 
-async def test_rewrite_segments_reclaims_dead_bytes(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 24, segment_bytes=16000)
+async def test_rewrite_segments_reclaims_dead_bytes(tmp_path, opened):
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 24, segment_bytes=16000))
     model = await fill_sealed(tier, 40, 2000)
     for key in list(model)[::2]:
         await tier.delete(key)
@@ -298,14 +299,14 @@ async def test_rewrite_segments_reclaims_dead_bytes(tmp_path):
     check_accounting(tier, model)
     with pytest.raises(InvalidRequest, match="SEALED"):
         await tier.rewrite_segments([sealed[0]])
-    await tier.close()
-    tier = DiskTier(tmp_path, 1 << 24, segment_bytes=16000)
+    await opened.close(tier)
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 24, segment_bytes=16000))
     check_accounting(tier, model)
-    await tier.close()
+    await opened.close(tier)
 
 
-async def test_switch_is_compare_and_swap_and_compactions_exclude_each_other(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 24, segment_bytes=8000)
+async def test_switch_is_compare_and_swap_and_compactions_exclude_each_other(tmp_path, opened):
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 24, segment_bytes=8000))
     await fill_sealed(tier, 10, 3000)
     sealed = [s.seg_id for s in tier.segments() if s.state == SegState.SEALED]
     stale = tier.index.lookup(b"c000")
@@ -322,11 +323,12 @@ async def test_switch_is_compare_and_swap_and_compactions_exclude_each_other(tmp
     elsewhere.release()
     expected = sum(len(tier.live_entries(seg_id)) for seg_id in sealed)
     assert (await tier.rewrite_segments(sealed)).moved == expected == 7
-    await tier.close()
+    await opened.close(tier)
 
 
-async def test_concurrent_writers_and_readers_match_a_model(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 26, segment_bytes=32 << 10, commit_interval_s=0.001)
+async def test_concurrent_writers_and_readers_match_a_model(tmp_path, opened):
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 26, segment_bytes=32 << 10,
+                                 commit_interval_s=0.001))
     models: list[dict[str, bytes]] = [{} for _ in range(8)]
 
     async def worker(n: int) -> None:
@@ -345,22 +347,23 @@ async def test_concurrent_writers_and_readers_match_a_model(tmp_path):
     merged = {k: v for model in models for k, v in model.items()}
     await tier.flush()
     check_accounting(tier, merged)
-    await tier.close()
+    await opened.close(tier)
 
 
-async def test_buffered_puts_commit_in_the_background(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 20, durable=False, commit_interval_s=0.01)
+async def test_buffered_puts_commit_in_the_background(tmp_path, opened):
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 20, durable=False, commit_interval_s=0.01))
     await tier.put("k", b"v")
     for _ in range(100):
         if tier.index.lookup(b"k") is not None:
             break
         await asyncio.sleep(0.01)
     assert tier.index.lookup(b"k") is not None and not tier.pipeline.overlay
-    await tier.close()
+    await opened.close(tier)
 
 
-async def test_a_failed_commit_loses_its_batch_and_nothing_else(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 24, durable=False, commit_interval_s=60, map_size=1 << 20)
+async def test_a_failed_commit_loses_its_batch_and_nothing_else(tmp_path, opened):
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 24, durable=False, commit_interval_s=60,
+                                 map_size=1 << 20))
     await tier.put("kept", b"committed", durable=True)
     await tier.put("lost", b"buffered in the failing batch")
     with pytest.raises(TierFull, match="LMDB"):
@@ -371,18 +374,18 @@ async def test_a_failed_commit_loses_its_batch_and_nothing_else(tmp_path):
     await tier.flush()
     await tier.put("after", b"still works", durable=True)
     assert tier.used_bytes == len(b"committed") + len(b"still works")
-    await tier.close()
-    tier = DiskTier(tmp_path, 1 << 24, map_size=1 << 20)
+    await opened.close(tier)
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 24, map_size=1 << 20))
     assert sorted([k async for k in tier.keys()]) == ["after", "kept"]  # noqa: SIM118
     assert tier.used_bytes == len(b"committed") + len(b"still works")
-    await tier.close()
+    await opened.close(tier)
 
 
-async def test_get_many_reads_in_one_batch_and_answers_each_key(tmp_path):
+async def test_get_many_reads_in_one_batch_and_answers_each_key(tmp_path, opened):
     """get_many: every value bit-exact and in the order asked, across segments and with
     a buffered put; a missing key answers ChunkNotFound and a record whose
     bytes were damaged on the file ChunkCorrupt, while the other keys are still served."""
-    tier = DiskTier(tmp_path, 1 << 22, segment_bytes=8192)
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 22, segment_bytes=8192))
     model = {f"k{i:03d}": value_for(f"k{i:03d}", 700 + 37 * i) for i in range(40)}
     await tier.put_many(model.items())
     await tier.put("late", b"buffered", durable=False)
@@ -401,4 +404,4 @@ async def test_get_many_reads_in_one_batch_and_answers_each_key(tmp_path):
     got = await tier.get_many(["k006", "k007", "k008"])
     assert bytes(got[0]) == model["k006"] and bytes(got[2]) == model["k008"]
     assert isinstance(got[1], ChunkCorrupt)
-    await tier.close()
+    await opened.close(tier)

@@ -46,15 +46,15 @@ async def _spin(turns: int = 50) -> None:
         await asyncio.sleep(0)
 
 
-async def test_close_waits_for_a_commit_another_task_starts_after_its_flush(tmp_path):
+async def test_close_waits_for_a_commit_another_task_starts_after_its_flush(tmp_path, opened):
     fs = HoldingFileSystem()
-    tier = DiskTier(tmp_path, 1 << 20, fs=fs)
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 20, fs=fs))
     await tier.put("a", b"first" * 100)
     # A durable put parked in its append (holding the append lock) while close flushes.
     write_entered, write_release = fs.arm("write")
     put = asyncio.create_task(tier.put("b", b"second" * 100))
     assert await asyncio.to_thread(write_entered.wait, GUARD_S)
-    closing = asyncio.create_task(tier.close())
+    closing = asyncio.create_task(opened.close(tier))
     await _spin()
     assert not closing.done()  # flushed, now waiting for the append in flight
     # The put's commit starts after close's flush; its fsync is parked in the thread.
@@ -73,13 +73,13 @@ async def test_close_waits_for_a_commit_another_task_starts_after_its_flush(tmp_
         await reopened.close()
 
 
-async def test_close_lets_a_background_commit_finish_and_refuses_later_ones(tmp_path):
+async def test_close_lets_a_background_commit_finish_and_refuses_later_ones(tmp_path, opened):
     fs = HoldingFileSystem()
-    tier = DiskTier(tmp_path, 1 << 20, fs=fs, durable=False, commit_interval_s=0)
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 20, fs=fs, durable=False, commit_interval_s=0))
     fsync_entered, fsync_release = fs.arm("fsync")
     await tier.put("a", b"buffered" * 100)  # the background flush commits it
     assert await asyncio.to_thread(fsync_entered.wait, GUARD_S)
-    closing = asyncio.create_task(tier.close())
+    closing = asyncio.create_task(opened.close(tier))
     await _spin()
     assert not closing.done()
     fsync_release.set()

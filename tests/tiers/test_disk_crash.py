@@ -20,6 +20,7 @@ from kvstore.format.errors import ChunkCorrupt, ChunkNotFound, ChunkTruncated
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk.index import SegState
 from kvstore.tiers.disk.segments import HEADER_SIZE, encode_header, segment_path, value_view
+from tests.support.closing import Opened
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,9 +30,10 @@ def value_for(key: str) -> bytes:
     return rng.randbytes(rng.randint(100, 6000))
 
 
-async def filled(path: Path, count: int, **kwargs) -> tuple[DiskTier, dict[str, bytes]]:
-    tier = DiskTier(path, 1 << 26, segment_bytes=kwargs.pop("segment_bytes", 1 << 20),
-                    **kwargs)
+async def filled(opened: Opened, path: Path, count: int, **kwargs
+                 ) -> tuple[DiskTier, dict[str, bytes]]:
+    tier = opened.adopt(DiskTier(path, 1 << 26,
+                                 segment_bytes=kwargs.pop("segment_bytes", 1 << 20), **kwargs))
     model = {f"k{i:03d}": value_for(f"k{i}") for i in range(count)}
     for key, value in model.items():
         await tier.put(key, value, durable=False)
@@ -43,10 +45,10 @@ def active_segment(tier: DiskTier):
     return next(s for s in tier.segments() if s.state == SegState.ACTIVE)
 
 
-async def test_torn_tail_is_cut_and_uncommitted_records_discarded(tmp_path):
-    tier, model = await filled(tmp_path, 20)
+async def test_torn_tail_is_cut_and_uncommitted_records_discarded(tmp_path, opened):
+    tier, model = await filled(opened, tmp_path, 20)
     active = active_segment(tier)
-    await tier.close()
+    await opened.close(tier)
     path = segment_path(tmp_path / "segments", active.seg_id)
     whole = value_view(b"never committed")
     header, _ = encode_header(b"ghost", whole)
@@ -56,7 +58,7 @@ async def test_torn_tail_is_cut_and_uncommitted_records_discarded(tmp_path):
         segment.write(header + b"ghost" + bytes(whole))
         segment.write((torn_header + b"torn" + bytes(torn))[:1500])
 
-    tier = DiskTier(tmp_path, 1 << 26)
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 26))
     assert tier.recovery.uncommitted_records == 1
     assert tier.recovery.torn_bytes == 1500
     assert path.stat().st_size == active.file_bytes
@@ -64,15 +66,15 @@ async def test_torn_tail_is_cut_and_uncommitted_records_discarded(tmp_path):
     for key, value in model.items():
         assert bytes(await tier.get(key)) == value
     await tier.put("next", b"appended after recovery")
-    await tier.close()
-    tier = DiskTier(tmp_path, 1 << 26)
+    await opened.close(tier)
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 26))
     assert bytes(await tier.get("next")) == b"appended after recovery"
     assert tier.recovery.torn_bytes == 0
-    await tier.close()
+    await opened.close(tier)
 
 
-async def test_lost_bytes_never_read_as_data(tmp_path):
-    tier, model = await filled(tmp_path, 20)
+async def test_lost_bytes_never_read_as_data(tmp_path, opened):
+    tier, model = await filled(opened, tmp_path, 20)
     victim = "k017"
     entry = tier.index.lookup(victim.encode())
     path = segment_path(tier.segment_dir, entry.seg_id)
@@ -81,9 +83,9 @@ async def test_lost_bytes_never_read_as_data(tmp_path):
     os.truncate(path, entry.offset + HEADER_SIZE + 10)  # the file lost its tail
     with pytest.raises(ChunkTruncated):
         await tier.get(victim)
-    await tier.close()
+    await opened.close(tier)
 
-    tier = DiskTier(tmp_path, 1 << 26)
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 26))
     assert victim in tier.recovery.dropped_entries
     with pytest.raises(ChunkNotFound):
         await tier.get(victim)
@@ -93,11 +95,11 @@ async def test_lost_bytes_never_read_as_data(tmp_path):
     for key, value in survivors.items():
         assert bytes(await tier.get(key)) == value
     assert tier.used_bytes == sum(len(v) for v in survivors.values())
-    await tier.close()
+    await opened.close(tier)
 
 
-async def test_every_flipped_bit_of_a_record_raises_chunk_corrupt(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 20)
+async def test_every_flipped_bit_of_a_record_raises_chunk_corrupt(tmp_path, opened):
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 20))
     await tier.put("neighbour", b"left alone")
     await tier.put("target", bytes(range(48)))
     entry = tier.index.lookup(b"target")
@@ -117,28 +119,28 @@ async def test_every_flipped_bit_of_a_record_raises_chunk_corrupt(tmp_path):
         os.close(fd)
     assert bytes(await tier.get("target")) == bytes(range(48))
     assert bytes(await tier.get("neighbour")) == b"left alone"
-    await tier.close()
+    await opened.close(tier)
 
 
-async def test_stray_and_half_built_segment_files_are_removed(tmp_path):
-    tier, model = await filled(tmp_path, 5)
+async def test_stray_and_half_built_segment_files_are_removed(tmp_path, opened):
+    tier, model = await filled(opened, tmp_path, 5)
     building = tier.index.register_segment(SegState.BUILDING)
     segment_path(tier.segment_dir, building).write_bytes(b"half a compaction")
-    await tier.close()
+    await opened.close(tier)
     stray = segment_path(tmp_path / "segments", 999)
     stray.write_bytes(b"retired but not yet unlinked")
 
-    tier = DiskTier(tmp_path, 1 << 26)
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 26))
     assert tier.recovery.removed_unnamed == [999]
     assert tier.recovery.removed_building == [building]
     assert not stray.exists() and not segment_path(tier.segment_dir, building).exists()
     for key, value in model.items():
         assert bytes(await tier.get(key)) == value
-    await tier.close()
+    await opened.close(tier)
 
 
-async def test_sweep_beside_a_live_writer_removes_only_leftovers(tmp_path):
-    tier, model = await filled(tmp_path, 30, segment_bytes=32 << 10)
+async def test_sweep_beside_a_live_writer_removes_only_leftovers(tmp_path, opened):
+    tier, model = await filled(opened, tmp_path, 30, segment_bytes=32 << 10)
     building = tier.index.register_segment(SegState.BUILDING)
     segment_path(tier.segment_dir, building).write_bytes(b"killed compaction")
     stray = segment_path(tier.segment_dir, 999)
@@ -148,7 +150,7 @@ async def test_sweep_beside_a_live_writer_removes_only_leftovers(tmp_path):
     assert all(segment_path(tier.segment_dir, s.seg_id).exists() for s in tier.segments())
     for key, value in model.items():
         assert bytes(await tier.get(key)) == value
-    await tier.close()
+    await opened.close(tier)
 
 
 WRITER = """
@@ -256,7 +258,7 @@ asyncio.run(main())
 """
 
 
-async def test_full_file_system_becomes_tier_full_and_keeps_the_index(tmp_path):
+async def test_full_file_system_becomes_tier_full_and_keeps_the_index(tmp_path, opened):
     done = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -265,13 +267,13 @@ async def test_full_file_system_becomes_tier_full_and_keeps_the_index(tmp_path):
     assert report["errors"] and "no space left" in report["errors"][0]
     assert report["used"] == 25_000 * len(report["acked"])
 
-    tier = DiskTier(tmp_path, 1 << 30, segment_bytes=1 << 20)
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 30, segment_bytes=1 << 20))
     assert tier.recovery.torn_bytes == 0 and tier.recovery.uncommitted_records == 0
     assert sorted([k async for k in tier.keys()]) == sorted(report["acked"])  # noqa: SIM118
     for key in report["acked"]:
         assert bytes(await tier.get(key)) == bytes([int(key[1:])]) * 25_000
     assert tier.used_bytes == report["used"]
-    await tier.close()
+    await opened.close(tier)
 
 
 COMPACTOR = """
@@ -303,8 +305,8 @@ def sealed_dead_bytes(tier: DiskTier) -> int:
     return sum(s.dead_bytes for s in tier.segments() if s.state == SegState.SEALED)
 
 
-async def test_compaction_in_another_process_beside_a_live_writer(tmp_path):
-    tier, model = await filled(tmp_path, 60, segment_bytes=16 << 10)
+async def test_compaction_in_another_process_beside_a_live_writer(tmp_path, opened):
+    tier, model = await filled(opened, tmp_path, 60, segment_bytes=16 << 10)
     for key in list(model)[::3]:
         await tier.delete(key)
         del model[key]
@@ -332,7 +334,7 @@ async def test_compaction_in_another_process_beside_a_live_writer(tmp_path):
     assert tier.used_bytes == used + len(b"written while compacting")
     assert sealed_dead_bytes(tier) < dead
     assert not any(segment_path(tier.segment_dir, s).exists() for s in report["sealed"])
-    await tier.close()
+    await opened.close(tier)
 
 
 def open_deleted_segments(segment_dir: Path) -> list[str]:

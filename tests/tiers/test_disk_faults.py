@@ -42,11 +42,11 @@ async def write_through_fault(tier: DiskTier, fs: FaultyFileSystem, kind: str, c
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
 @pytest.mark.parametrize("kind", ["write", "fsync", "dirsync", "open", "truncate"])
 async def test_each_failing_call_is_a_tier_error_and_loses_nothing_acked(tmp_path, kind,
-                                                                         code):
+                                                                         code, opened):
     for nth in range(1, 8):
         path = tmp_path / f"{nth}"
         fs = FaultyFileSystem()
-        tier = DiskTier(path, 1 << 26, segment_bytes=SEGMENT, fs=fs)
+        tier = opened.adopt(DiskTier(path, 1 << 26, segment_bytes=SEGMENT, fs=fs))
         if kind == "truncate":  # a truncation only follows a failed write
             fs.fail("write", code, nth=nth)
         acked = await write_through_fault(tier, fs, kind, code, nth)
@@ -55,18 +55,18 @@ async def test_each_failing_call_is_a_tier_error_and_loses_nothing_acked(tmp_pat
         await tier.put("after", b"the fault cleared", durable=True)  # no restart
         for key, data in acked.items():
             assert bytes(await tier.get(key)) == data
-        await tier.close()
-        tier = DiskTier(path, 1 << 26, segment_bytes=SEGMENT)
+        await opened.close(tier)
+        tier = opened.adopt(DiskTier(path, 1 << 26, segment_bytes=SEGMENT))
         for key, data in acked.items():
             assert bytes(await tier.get(key)) == data, (kind, nth, key)
         assert bytes(await tier.get("after")) == b"the fault cleared"
         assert await tier.count() == len(acked) + 1  # a failed put left no entry
-        await tier.close()
+        await opened.close(tier)
 
 
-async def test_a_full_disk_recovers_without_restart_and_abandons_a_torn_segment(tmp_path):
+async def test_a_full_disk_recovers_without_restart_and_abandons_a_torn_segment(tmp_path, opened):
     fs = FaultyFileSystem()
-    tier = DiskTier(tmp_path, 1 << 26, segment_bytes=SEGMENT, fs=fs)
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 26, segment_bytes=SEGMENT, fs=fs))
     await tier.put("before", value(1), durable=True)
     fs.fail("write", errno.ENOSPC, times=None)
     fs.fail("truncate", errno.ENOSPC, times=None)  # the failed record cannot be cut off
@@ -78,18 +78,18 @@ async def test_a_full_disk_recovers_without_restart_and_abandons_a_torn_segment(
         await tier.put(f"k{i}", value(i), durable=True)
     sealed = [s for s in tier.segments() if s.state == SegState.SEALED]
     assert sealed, "the segment the failed write tore was sealed, not reused"
-    await tier.close()
-    tier = DiskTier(tmp_path, 1 << 26, segment_bytes=SEGMENT)
+    await opened.close(tier)
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 26, segment_bytes=SEGMENT))
     assert bytes(await tier.get("before")) == value(1)
     for i in range(20):
         assert bytes(await tier.get(f"k{i}")) == value(i)
         assert not await tier.contains(f"full{i}")
-    await tier.close()
+    await opened.close(tier)
 
 
-async def test_after_a_failed_fsync_the_segment_is_never_trusted_again(tmp_path):
+async def test_after_a_failed_fsync_the_segment_is_never_trusted_again(tmp_path, opened):
     fs = FaultyFileSystem()
-    tier = DiskTier(tmp_path, 1 << 26, segment_bytes=1 << 20, fs=fs)
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 26, segment_bytes=1 << 20, fs=fs))
     await tier.put("a", value(1), durable=True)
     first = tier.index.lookup(b"a").seg_id
     fs.fail("fsync", errno.EIO)
@@ -98,7 +98,7 @@ async def test_after_a_failed_fsync_the_segment_is_never_trusted_again(tmp_path)
     await tier.put("c", value(3), durable=True)
     assert tier.index.lookup(b"c").seg_id != first  # rolled away from the failed one
     assert not await tier.contains("b")
-    await tier.close()
+    await opened.close(tier)
 
 
 async def test_eio_on_read_is_data_loss_and_clears(tmp_path, managers):

@@ -14,18 +14,18 @@ from kvstore.tiers.object import ObjectTier, ObjectTierConfig
 
 
 @pytest.fixture(params=["local", "s3"])
-def make_tier(request, tmp_path):
+def make_tier(request, tmp_path, opened):
     """``make_tier(capacity, **config) -> ObjectTier``, on both backends, same place each
-    call (so a second tier sees what the first wrote)."""
+    call (so a second tier sees what the first wrote); closed when the test ends."""
     if request.param == "local":
         return lambda capacity, **config: ObjectTier(tmp_path / "objects", capacity,
                                                      ObjectTierConfig(**config))
     endpoint = request.getfixturevalue("s3_server")
     bucket = request.getfixturevalue("s3_bucket")
     credentials = request.getfixturevalue("s3_credentials")
-    return lambda capacity, **config: ObjectTier(
+    return lambda capacity, **config: opened.adopt(ObjectTier(
         f"s3://{bucket}/chunks", capacity,
-        ObjectTierConfig(endpoint_url=endpoint, **credentials, **config))
+        ObjectTierConfig(endpoint_url=endpoint, **credentials, **config)))
 
 
 async def test_round_trip_overwrite_delete(make_tier):
@@ -132,10 +132,10 @@ def _closed_port() -> int:
         return sock.getsockname()[1]
 
 
-async def test_unreachable_endpoint_is_unavailable(s3_credentials):
+async def test_unreachable_endpoint_is_unavailable(s3_credentials, opened):
     config = ObjectTierConfig(endpoint_url=f"http://127.0.0.1:{_closed_port()}",
                               connect_timeout_s=0.2, max_attempts=1, **s3_credentials)
-    tier = ObjectTier("s3://bucket/prefix", 1000, config)
+    tier = opened.adopt(ObjectTier("s3://bucket/prefix", 1000, config))
     with pytest.raises(TierUnavailable):
         await tier.put("k", b"v")
     with pytest.raises(TierUnavailable):
@@ -144,9 +144,9 @@ async def test_unreachable_endpoint_is_unavailable(s3_credentials):
 
 
 async def test_missing_bucket_is_unavailable_and_errors_are_not_misreported(
-        s3_server, s3_credentials):
-    tier = ObjectTier("s3://no-such-bucket-here", 1000,
-                      ObjectTierConfig(endpoint_url=s3_server, **s3_credentials))
+        s3_server, s3_credentials, opened):
+    tier = opened.adopt(ObjectTier("s3://no-such-bucket-here", 1000,
+                                   ObjectTierConfig(endpoint_url=s3_server, **s3_credentials)))
     with pytest.raises(TierUnavailable):
         await tier.get("k")
     client = boto3.client("s3", endpoint_url=s3_server, **s3_credentials)
@@ -165,10 +165,10 @@ def test_bad_urls():
 
 
 async def test_a_missing_bucket_fails_every_call_by_name_until_it_exists(
-        s3_server, s3_credentials):
+        s3_server, s3_credentials, opened):
     bucket = f"kvtier-missing-{uuid.uuid4().hex[:12]}"
-    tier = ObjectTier(f"s3://{bucket}/chunks", 1000,
-                      ObjectTierConfig(endpoint_url=s3_server, max_attempts=1, **s3_credentials))
+    tier = opened.adopt(ObjectTier(f"s3://{bucket}/chunks", 1000, ObjectTierConfig(
+        endpoint_url=s3_server, max_attempts=1, **s3_credentials)))
     calls = {"put": lambda: tier.put("k", b"v"), "get": lambda: tier.get("k"),
              "delete": lambda: tier.delete("k"), "contains": lambda: tier.contains("k"),
              "resync": tier.resync, "held_bytes": tier.held_bytes}
@@ -187,10 +187,10 @@ async def test_a_missing_bucket_fails_every_call_by_name_until_it_exists(
 
 
 async def test_a_bucket_deleted_under_a_loaded_tier_is_unavailable_by_name(
-        s3_server, s3_credentials, s3_bucket):
+        s3_server, s3_credentials, s3_bucket, opened):
     client = boto3.client("s3", endpoint_url=s3_server, **s3_credentials)
-    tier = ObjectTier(f"s3://{s3_bucket}/chunks", 1000,
-                      ObjectTierConfig(endpoint_url=s3_server, max_attempts=1, **s3_credentials))
+    tier = opened.adopt(ObjectTier(f"s3://{s3_bucket}/chunks", 1000, ObjectTierConfig(
+        endpoint_url=s3_server, max_attempts=1, **s3_credentials)))
     await tier.put("k", b"v")
     client.delete_object(Bucket=s3_bucket, Key="chunks/k.bin")
     client.delete_bucket(Bucket=s3_bucket)

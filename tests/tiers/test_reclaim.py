@@ -13,9 +13,9 @@ def files_bytes(tier: DiskTier) -> int:
     return sum(p.stat().st_size for p in tier.segment_dir.iterdir())
 
 
-async def test_deletes_free_segment_files_under_a_live_tier(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 26, segment_bytes=64 << 10,
-                    reclaim_dead_fraction=0.5, reclaim_interval_s=0)
+async def test_deletes_free_segment_files_under_a_live_tier(tmp_path, opened):
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 26, segment_bytes=64 << 10,
+                                 reclaim_dead_fraction=0.5, reclaim_interval_s=0))
     values = {f"k{i}": bytes([i % 251]) * 8000 for i in range(64)}
     for key, value in values.items():
         await tier.put(key, value)
@@ -34,19 +34,20 @@ async def test_deletes_free_segment_files_under_a_live_tier(tmp_path):
         if key not in doomed:
             assert bytes(await tier.get(key)) == value
     assert await tier.meta.get("manifest/t/s") == b"names the kept keys"
-    await tier.close()
-    tier = DiskTier(tmp_path, 1 << 26)  # the moved metadata record is still the live one
+    await opened.close(tier)
+    # the moved metadata record is still the live one
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 26))
     assert await tier.meta.get("manifest/t/s") == b"names the kept keys"
     assert tier.recovery.dropped_entries == []
-    await tier.close()
+    await opened.close(tier)
 
 
-async def test_reclamation_off_leaves_dead_bytes(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 26, segment_bytes=64 << 10)
+async def test_reclamation_off_leaves_dead_bytes(tmp_path, opened):
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 26, segment_bytes=64 << 10))
     for i in range(32):
         await tier.put(f"k{i}", b"x" * 8000)
     for i in range(32):
         await tier.delete(f"k{i}")
     await asyncio.sleep(0.05)
     assert tier.reclaimer.rounds == 0 and tier.dead_bytes > 0
-    await tier.close()
+    await opened.close(tier)

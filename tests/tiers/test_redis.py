@@ -114,7 +114,7 @@ async def test_default_ttl_from_config(redis_server):
         await tier.close()
 
 
-async def test_other_writers_are_seen_on_read_and_by_resync(redis_server):
+async def test_other_writers_are_seen_on_read_and_by_resync(redis_server, opened):
     tier = RedisTier(redis_server, 1 << 20, RedisTierConfig(prefix="ns:"))
     try:
         await tier.put("mine", b"m" * 50)
@@ -134,12 +134,12 @@ async def test_other_writers_are_seen_on_read_and_by_resync(redis_server):
             await tier.get("hash")
         with redis.Redis.from_url(redis_server) as client:
             client.delete("ns:hash")
-        fresh = RedisTier(redis_server, 1 << 20, RedisTierConfig(prefix="ns:"))
+        fresh = opened.adopt(RedisTier(redis_server, 1 << 20, RedisTierConfig(prefix="ns:")))
         assert await fresh.resync() == 75 == fresh.used_bytes
         assert 0 < await fresh.ttl_s("theirs") <= 60
         assert await fresh.delete("theirs") == 5
         assert fresh.used_bytes == 70
-        await fresh.close()
+        await opened.close(fresh)
     finally:
         await tier.close()
 
@@ -214,7 +214,7 @@ async def test_persistent_server_keeps_values_across_restart(redis_server_factor
         await tier.close()
 
 
-async def test_cluster_spreads_keys_over_every_master(redis_cluster, redis_cluster_process):
+async def test_cluster_spreads_keys_over_every_master(redis_cluster, redis_cluster_process, opened):
     clock = ManualClock()
     tier = RedisTier(redis_cluster, 1 << 20, clock=clock)
     assert tier.cluster
@@ -247,9 +247,9 @@ async def test_cluster_spreads_keys_over_every_master(redis_cluster, redis_clust
         assert await tier.delete("chunk-3") == 100
         assert not await tier.contains("chunk-3")
         assert tier.used_bytes == 59 * 100 + 1
-        fresh = RedisTier(redis_cluster, 1 << 20)
+        fresh = opened.adopt(RedisTier(redis_cluster, 1 << 20))
         assert await fresh.resync() == tier.used_bytes
-        await fresh.close()
+        await opened.close(fresh)
     finally:
         await tier.close()
 
