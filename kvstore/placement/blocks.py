@@ -2,7 +2,8 @@
 
 ``TierStack`` leaves three things to its callers, and ``Blocks`` does them once: holding
 the key's lock (``KeyedLocks``) around every mutation, freeing a chunk only when the
-``RefLedger`` counts no reference (or pin) to it, and copying chunks to a durable tier.
+``RefLedger`` counts no reference (or pin) to it (``release`` lets ``Retention`` keep the
+held ones as cache first), and copying chunks to a durable tier.
 ``gather`` bounds how many moves run at once (``ManagerConfig.io_concurrency``, shared
 by every call of one manager).
 """
@@ -10,26 +11,35 @@ by every call of one manager).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from kvstore.format.errors import DataLoss, TierUnavailable
+from kvstore.placement.events import StoreEvents
 from kvstore.placement.locks import KeyedLocks
 from kvstore.placement.refcount import RefLedger
 from kvstore.placement.stack import TierStack, not_placed
 from kvstore.stats import Counters
 from kvstore.tiers.base import Buffer
 
+if TYPE_CHECKING:  # retention sits above placement
+    from kvstore.prefix.chains import Retention
+
 
 class Blocks:
     def __init__(self, stack: TierStack, ledger: RefLedger, locks: KeyedLocks,
-                 counters: Counters, *, io_concurrency: int) -> None:
+                 counters: Counters, *, io_concurrency: int, retention: Retention,
+                 events: StoreEvents | None = None) -> None:
+        """``retention``: keeps chunks left unreferenced as cache (or says to free them);
+        ``events``: told when a free made room."""
         self._stack = stack
+        self._retention = retention
+        self._events = events
         self._ledger = ledger
         self._locks = locks
         self._counters = counters
         self._io = asyncio.Semaphore(io_concurrency)
         self.durable = [i for i, tier in enumerate(stack.tiers) if tier.durable]
-        self.on_freed: Callable[[], None] | None = None  # told when a free made room
 
     async def gather(self, coros: Iterable[Coroutine]) -> list:
         """Run ``coros`` at most ``io_concurrency`` at a time; on failure cancel the rest."""
@@ -61,9 +71,16 @@ class Blocks:
                 return held
 
         freed = sum(await self.gather(free(key) for key in dict.fromkeys(keys)))
-        if freed and self.on_freed is not None:
-            self.on_freed()
+        if freed and self._events is not None:
+            self._events.freed()
         return freed
+
+    async def release(self, keys: Iterable[str], scope: str = "",
+                      sizes: Mapping[str, int] | None = None) -> int:
+        """Let go of chunks whose last reference (or pin) just went away: the held ones
+        retention keeps (in dedupe domain ``scope``, ``sizes`` where known), the rest are
+        freed (``free``)."""
+        return await self.free(self._retention.keep(keys, scope, sizes))
 
     async def drop(self, key: str) -> None:
         """Delete ``key`` from every tier whatever references it (window blobs)."""

@@ -22,7 +22,7 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -32,13 +32,10 @@ from kvstore.format.checks import restored_chunk_check, window_check
 from kvstore.format.chunk import StreamData, decode_chunk
 from kvstore.format.errors import DataLoss, InvalidRequest, SessionNotFound
 from kvstore.format.layout import LayoutSpec, get_layout
-from kvstore.placement.blocks import Blocks
-from kvstore.placement.locks import KeyedLocks
-from kvstore.placement.refcount import RefLedger
-from kvstore.placement.stack import Check, TierStack, is_window_key
-from kvstore.session.catalog import Catalog
+from kvstore.placement.reads import Check
+from kvstore.placement.stack import is_window_key
+from kvstore.session.context import StoreContext
 from kvstore.session.manifest import SessionManifest, check_name
-from kvstore.stats import Counters
 from kvstore.tiers.base import Buffer
 
 READ_BATCH = 32  # chunks a restore asks the tiers for at once
@@ -167,18 +164,16 @@ class SessionReader:
 
 
 class Restorer:
-    def __init__(self, catalog: Catalog, blocks: Blocks, stack: TierStack, locks: KeyedLocks,
-                 ledger: RefLedger, counters: Counters, *,
-                 spawn: Callable[[Awaitable], None], lookahead: int) -> None:
-        """``spawn`` runs background work (promotions, access times) that ``drain``
-        waits for; ``lookahead``: chunks a streamed restore fetches ahead by default."""
-        self._catalog = catalog
-        self._blocks = blocks
-        self._stack = stack
-        self._locks = locks
-        self._ledger = ledger
-        self._counters = counters
-        self._spawn = spawn
+    def __init__(self, store: StoreContext, *, lookahead: int) -> None:
+        """``lookahead``: chunks a streamed restore fetches ahead by default. Promotions
+        and access times run in the background (``store.spawn``)."""
+        self._catalog = store.catalog
+        self._blocks = store.blocks
+        self._stack = store.stack
+        self._locks = store.locks
+        self._ledger = store.ledger
+        self._counters = store.counters
+        self._spawn = store.spawn
         self.lookahead = lookahead
 
     @asynccontextmanager

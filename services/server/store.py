@@ -176,13 +176,13 @@ async def open_manager(config: ServerConfig) -> TierManager:
                      keyring.current)
         # reuse_policies() is one factory per stack: its tiers' policies share one model
         policy = {"reuse": reuse_policies(), "hint": HintPolicy, "lru": LRUPolicy}[config.eviction]
-        options = {"policy": policy, "config": manager_config(config),
-            "quotas": Quotas.from_tables(config.quota)}
-        if keyring is None:
-            return await TierManager.open(tiers, meta, **options)
-        from kvstore.encryption.manager import SealingTierManager
+        hook = None
+        if keyring is not None:  # the sealing tiers learn each block's dedupe domain
+            from kvstore.encryption.claims import DomainClaims
 
-        return await SealingTierManager.open(tiers, meta, domains=domains, **options)
+            hook = DomainClaims(domains)
+        return await TierManager.open(tiers, meta, policy=policy, config=manager_config(config),
+                                      quotas=Quotas.from_tables(config.quota), spill_hook=hook)
     except BaseException as exc:
         for tier in tiers:
             await tier.close()
