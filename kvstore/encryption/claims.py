@@ -1,4 +1,4 @@
-"""The spill hook of sealing tiers (``kvstore.encryption.tiers``): a spill tells them the
+"""The spill hook of encrypting tiers (``kvstore.encryption.tiers``): a spill tells them the
 dedupe domain of every block it brings in.
 
 A block moves between tiers without session context, so the domain it is sealed for is
@@ -26,7 +26,7 @@ class DomainClaims:
     """A ``kvstore.session.spill.SpillHook``: claims before a spill, sweeps after it."""
 
     def __init__(self, domains: BlockDomains) -> None:
-        """``domains``: the map the sealing tiers read."""
+        """``domains``: the map the encrypting tiers read."""
         self.domains = domains
 
     def before(self, request: SpillRequest) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvstore.format.chunk import verify_chunk
 from kvstore.format.errors import ChunkNotFound, CodecError, DataLoss, TierUnavailable
@@ -27,6 +27,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Check = Callable[[Buffer], object]
+
+
+class Copy(NamedTuple):
+    """What a read found: the bytes, the tier they came from, and the tiers found
+    holding a bad copy."""
+
+    data: Buffer
+    tier: int
+    bad: list[int]
 
 
 def intact(data: Buffer) -> bool:
@@ -46,8 +55,8 @@ class Reads:
     hints: HintBook
 
     async def read(self, key: str, check: Check = verify_chunk, *, access: bool = True
-                   ) -> tuple[Buffer, int, list[int]]:
-        """(bytes, tier index, tiers found holding a bad copy) or ``DataLoss``.
+                   ) -> Copy:
+        """The ``Copy`` read, or ``DataLoss``.
 
         ``check`` raises a ``CodecError`` for bytes that must not be used. ``access``:
         a client read (counted, and recent for the policy); internal copies pass False.
@@ -58,7 +67,7 @@ class Reads:
         return got
 
     async def read_many(self, keys: Sequence[str], checks: Sequence[Check], *,
-                        access: bool = True) -> list[tuple[Buffer, int, list[int]] | DataLoss]:
+                        access: bool = True) -> list[Copy | DataLoss]:
         """``read`` of each key (its answer, or its ``DataLoss``), asking each tier for
         all the keys it is to be tried for in one ``Tier.get_many`` (the disk tier reads
         them in one go); the checks of a batch of many bytes run in a worker thread."""
@@ -95,7 +104,7 @@ class Reads:
                     tried[i] += 1
                     if self._outcome(j, keys[i], value, believed[i], bad[i], problems[i],
                                      access):
-                        out[i] = (value, j, bad[i])
+                        out[i] = Copy(value, j, bad[i])
                     else:
                         pending.append(i)
         return out

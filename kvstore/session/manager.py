@@ -71,7 +71,13 @@ from kvstore.session.fork import Forker
 from kvstore.session.maintenance import DeleteResult, GarbageReport, Maintenance
 from kvstore.session.manifest import SessionManifest, check_name
 from kvstore.session.quota import Quotas, TenantReport
-from kvstore.session.restore import PrefetchResult, Restorer, RestoreResult, SessionReader
+from kvstore.session.restore import (
+    ChunkBytes,
+    PrefetchResult,
+    Restorer,
+    RestoreResult,
+    SessionReader,
+)
 from kvstore.session.spill import Spiller, SpillHook, SpillRequest
 from kvstore.stats import ManagerStats
 from kvstore.tiers.base import Buffer, MemoryMetaStore, MetaStore, Tier, TierStats
@@ -129,7 +135,7 @@ class TierManager:
         counts live (the disk tier's ``meta`` for durability); ``policy``: a factory
         called once per tier (``LRUPolicy``, ``HintPolicy`` or any ``EvictionPolicy``);
         ``quotas``: per-tenant limits (default: none; usage is counted all the same);
-        ``spill_hook``: runs around every spill (the sealing tiers' domain claims,
+        ``spill_hook``: runs around every spill (the encrypting tiers' domain claims,
         ``kvstore.encryption.claims``).
         """
         names = [tier.name for tier in tiers]
@@ -234,8 +240,8 @@ class TierManager:
         """Promote a session's blocks toward the top tier within ``timeout_s``."""
         return await self._restorer.prefetch(tenant, session_id, timeout_s)
 
-    async def read_chunk(self, manifest: SessionManifest, index: int) -> tuple[Buffer, str]:
-        """(bytes, tier) of chunk ``index`` of ``manifest`` from the highest tier with a
+    async def read_chunk(self, manifest: SessionManifest, index: int) -> ChunkBytes:
+        """The bytes of chunk ``index`` of ``manifest`` from the highest tier with a
         copy that verifies against the manifest, or ``DataLoss``. An internal read: not
         counted, not promoted; hold ``reading()`` if a concurrent spill must not race it."""
         return await self._restorer.read_chunk(manifest, index)

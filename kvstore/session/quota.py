@@ -42,9 +42,15 @@ reserved as well as what is committed, so concurrent admissions of one tenant (s
 forks, both) cannot pass a limit together, and the use rebuilt from manifests after a
 restart is the use before it. Going over raises ``QuotaExceeded`` (RESOURCE_EXHAUSTED)
 naming the quota, the limit and the use. An admission that does not grow a use is always
-admitted: a lowered limit never blocks replacing a session with a smaller one. How a
-spill that would pass ``memory_bytes`` is placed lower instead is on
-``kvstore.session.spill.Spiller``.
+admitted: a lowered limit never blocks replacing a session with a smaller one.
+
+A spill's ``memory_bytes`` are its chunks in memory (sent ones land there first) plus
+its window, less what the older generation holds there. When that would pass the limit
+and a tier lies below the memory tiers, the tenant's own memory-resident data is moved
+down first (``demote_own``: chunks as eviction moves them, windows dropped, their resumes
+replay); if that is not enough, the sent chunks go straight below the memory tiers and
+the window is not kept. The spill is refused only when what must stay in memory (chunks
+named by key that no lower tier took) still does not fit, or when no tier lies below.
 """
 
 from __future__ import annotations

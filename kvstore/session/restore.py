@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -37,6 +38,12 @@ from kvstore.placement.stack import is_window_key
 from kvstore.session.context import StoreContext
 from kvstore.session.manifest import SessionManifest, check_name
 from kvstore.tiers.base import Buffer
+
+
+class ChunkBytes(NamedTuple):
+    data: Buffer
+    tier: str  # the name of the tier they were read from
+
 
 READ_BATCH = 32  # chunks a restore asks the tiers for at once
 # last_access (which TTLs count from) is rewritten at most this often: a manifest commit
@@ -251,7 +258,7 @@ class Restorer:
             return PrefetchResult(blocks, promoted, complete=False)
         return PrefetchResult(blocks, promoted, complete=True)
 
-    async def read_chunk(self, manifest: SessionManifest, index: int) -> tuple[Buffer, str]:
+    async def read_chunk(self, manifest: SessionManifest, index: int) -> ChunkBytes:
         """See ``TierManager.read_chunk``: an internal read, not counted, not promoted."""
         if not 0 <= index < len(manifest.chunk_keys):
             raise InvalidRequest(f"chunk index {index} out of range "
@@ -260,10 +267,10 @@ class Restorer:
         check = restored_chunk_check(get_layout(manifest.layout_id), manifest.token_ids, index,
                                      key)
         data, source, _ = await self._stack.read(key, check, access=False)
-        return data, self._stack.tiers[source].name
+        return ChunkBytes(data, self._stack.tiers[source].name)
 
     async def read_block(self, key: str, check: Check, protect: frozenset[str], *,
-                          promote_now: bool = False) -> tuple[Buffer, str]:
+                          promote_now: bool = False) -> ChunkBytes:
         data, source, bad = await self._stack.read(key, check)
         if source > 0 or bad:
             promotion = self._promote(key, data, source, bad, protect)
@@ -271,7 +278,7 @@ class Restorer:
                 await promotion
             else:
                 self._spawn(promotion)
-        return data, self._stack.tiers[source].name
+        return ChunkBytes(data, self._stack.tiers[source].name)
 
     async def read_blocks(self, keys: list[str], checks: list[Check], protect: frozenset[str],
                           promotions: list) -> list[tuple[Buffer, str] | DataLoss]:

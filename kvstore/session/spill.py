@@ -8,7 +8,7 @@ in ``kvstore.placement.stack`` and, for admission, in ``kvstore.session.quota``.
 
 Chunks are named by block key (chain key + digest of the bytes, ``kvstore.format.keys``),
 so a dedupe is a byte-for-byte match within the spill's dedupe domain, and different
-bytes for one chain key are stored as their own version. A ``SpillHook`` (the sealing
+bytes for one chain key are stored as their own version. A ``SpillHook`` (the encrypting
 tiers' domain claims, ``kvstore.encryption.claims``) runs around every spill.
 """
 
@@ -236,9 +236,9 @@ class Spiller:
                     await self._blocks.drop(window_key)
                 raise
             if freed:  # the older generation's alone
-                freed = self._retention.keep(freed, old.dedupe_scope, dict(
+                await self._blocks.release(freed, old.dedupe_scope, dict(
                     zip(old.chunk_keys, old.chunk_sizes, strict=True)))
-            await self._blocks.free(freed + self._retention.keep(self._ledger.unpin(keys), scope))
+            await self._blocks.release(self._ledger.unpin(keys), scope)
             if old is not None and old.window_key is not None:
                 await self._blocks.drop(old.window_key)
         for key, outcome in zip(keys, outcomes, strict=True):

@@ -6,7 +6,7 @@ reference counts, so a server with a disk tier keeps every acknowledged session 
 restarts; without one the metadata lives in memory and durable acks are refused.
 
 With an encryption key configured (``encryption_key_file`` or ``KVTIER_ENCRYPTION_KEY``)
-the redis, disk and object tiers and the disk MetaStore's manifests are sealed
+the redis, disk and object tiers and the disk MetaStore's manifests are encrypted
 (``kvstore.encryption.tiers``); hbm and host never leave the process and stay in clear.
 """
 
@@ -94,7 +94,7 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
     if config.object_bytes:
         from kvstore.tiers.object import ObjectTier, ObjectTierConfig
 
-        # sealed values are random bytes: zstd would only cost time
+        # encrypted values are random bytes: zstd would only cost time
         level = config.object_compression_level if keyring is None else -1
         objects = ObjectTier(config.object_url, config.object_bytes, ObjectTierConfig(
             compression_level=None if level < 0 else level,
@@ -177,7 +177,7 @@ async def open_manager(config: ServerConfig) -> TierManager:
         # reuse_policies() is one factory per stack: its tiers' policies share one model
         policy = {"reuse": reuse_policies(), "hint": HintPolicy, "lru": LRUPolicy}[config.eviction]
         hook = None
-        if keyring is not None:  # the sealing tiers learn each block's dedupe domain
+        if keyring is not None:  # the encrypting tiers learn each block's dedupe domain
             from kvstore.encryption.claims import DomainClaims
 
             hook = DomainClaims(domains)
