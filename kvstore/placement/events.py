@@ -21,10 +21,10 @@ class Residency(Protocol):
 
 
 class StoreEvents(Protocol):
-    def referenced(self, key: str) -> bool:
+    def is_referenced(self, key: str) -> bool:
         """Whether a manifest (or a spill in flight) references chunk ``key``."""
 
-    def held(self, key: str) -> bool:
+    def is_held(self, key: str) -> bool:
         """Whether some tier is believed to hold ``key``."""
 
     def window_dropped(self, key: str) -> None:

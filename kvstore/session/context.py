@@ -72,13 +72,13 @@ class StoreContext:
         ledger = RefLedger(meta, events)
         index = ChainIndex(MemoryWatch(usage, [j for j, t in enumerate(tiers)
                                                if t.holds_window]), events)
-        stack = TierStack(tiers, policy, locks, counters, is_referenced=events.referenced,
+        stack = TierStack(tiers, policy, locks, counters, is_referenced=events.is_referenced,
                           on_window_dropped=events.window_dropped,
                           cooldown_s=options.cooldown_s, residency=index,
                           evict_first=events.evict_first if options.retain else None,
                           first_size=events.first_size)
         retention = Retention(enabled=options.retain, ttl_s=options.retain_ttl_s,
-                              is_held=events.held, is_referenced=events.referenced,
+                              is_held=events.is_held, is_referenced=events.is_referenced,
                               size_of=index.size, events=events)
         catalog = Catalog(meta, ledger, usage, events)
         blocks = Blocks(stack, ledger, locks, counters, io_concurrency=options.io_concurrency,
@@ -100,10 +100,10 @@ class Wiring:
 
     store: StoreContext
 
-    def referenced(self, key: str) -> bool:
+    def is_referenced(self, key: str) -> bool:
         return self.store.ledger.count(key) > 0
 
-    def held(self, key: str) -> bool:
+    def is_held(self, key: str) -> bool:
         return bool(self.store.stack.holders(key))
 
     def window_dropped(self, key: str) -> None:

@@ -92,7 +92,7 @@ class ManagerConfig:
     io_concurrency: int = 8  # chunk moves in flight per spill, restore or prefetch
     restore_lookahead: int = 8  # chunks a streamed restore fetches ahead of the reader
     unavailable_cooldown_s: float = 1.0  # how long a tier that failed is skipped
-    # A failed write-back is retried after this, doubling up to the max (placement.durability)
+    # A failed write-back is retried after this, doubling up to the max (session.durability)
     writeback_retry_s: float = 0.5
     writeback_retry_max_s: float = 30.0
     # Spills without a hint get one inferred from past sessions (kvstore.eviction.pause_estimate);

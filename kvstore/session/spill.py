@@ -1,15 +1,14 @@
 """Spills: a session's chunks, tail and window stored as a new generation; store_window.
 
-``Spiller`` places sent chunks (or confirms the ones named by key only), places the
-window blob, commits the manifest with its reference changes through the ``Catalog``,
-lets go of what the older generation alone held, and queues chunks not yet on a durable
-tier for write-back (an "in memory" ack). The rules are documented on ``TierManager``,
-in ``kvstore.placement.stack`` and, for admission, in ``kvstore.session.quota``.
-
-Chunks are named by block key (chain key + digest of the bytes, ``kvstore.format.keys``),
-so a dedupe is a byte-for-byte match within the spill's dedupe domain, and different
-bytes for one chain key are stored as their own version. A ``SpillHook`` (the encrypting
-tiers' domain claims, ``kvstore.encryption.claims``) runs around every spill.
+``Spiller`` places sent chunks (or confirms the ones named by key only) and the window
+blob, commits the manifest with its reference changes through the ``Catalog``, lets go
+of what the older generation alone held, and queues chunks not yet on a durable tier for
+write-back (an "in memory" ack). Rules: ``TierManager``, ``kvstore.placement.stack``, and
+for admission ``kvstore.session.quota``. Chunks are named by block key (chain key and the
+digest of the bytes, ``kvstore.format.keys``): a dedupe is a byte-for-byte match within
+the spill's dedupe domain, and other bytes for one chain key are a version of their own.
+A ``SpillHook`` (the encrypting tiers' domain claims, ``kvstore.encryption.claims``) runs
+around every spill.
 """
 
 from __future__ import annotations
