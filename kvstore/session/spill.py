@@ -29,17 +29,15 @@ from kvstore.eviction.policies import ResumeHint
 from kvstore.format.checks import check_spill, check_window, chunk_bytes_max, restored_chunk_check
 from kvstore.format.errors import (
     ChunksNotHeld,
-    DataLoss,
     GenerationConflict,
     InvalidRequest,
     QuotaExceeded,
     StaleGeneration,
-    TierUnavailable,
 )
 from kvstore.format.keys import check_fingerprint, chunk_digest, dedupe_scope, token_bytes
 from kvstore.format.layout import LayoutSpec, get_layout
-from kvstore.placement.reads import Check
-from kvstore.placement.stack import WINDOW_PREFIX, not_placed
+from kvstore.placement.blocks import ChunkOutcome
+from kvstore.placement.stack import WINDOW_PREFIX
 from kvstore.placement.writeback import WriteBack
 from kvstore.session.context import StoreContext
 from kvstore.session.manifest import SessionManifest, SpillReceipt, check_name, window_coverage
@@ -99,12 +97,6 @@ class Admission(NamedTuple):
     reservation: Reservation  # released once the manifest is committed, or the spill failed
     start: int  # the first tier the sent chunks may take
     keep_window: bool
-
-
-class ChunkOutcome(NamedTuple):
-    needs_writeback: bool  # not on a durable tier yet, and there is one
-    size: int  # encoded bytes
-    held: bool  # deduped: some tier held it already
 
 
 class Spiller:
@@ -256,8 +248,9 @@ class Spiller:
         known = dict(zip(old.chunk_keys, old.chunk_sizes, strict=True)) if old else {}
         by_key = [i for i, (_, data) in enumerate(chunks) if data is None]
         found = await self._blocks.gather(
-            self._reference_chunk(chunks[i][0], known.get(chunks[i][0]),
-                                  restored_chunk_check(spec, tokens, i, chunks[i][0]), hint, ack)
+            self._blocks.reference(chunks[i][0], known.get(chunks[i][0]),
+                                   restored_chunk_check(spec, tokens, i, chunks[i][0]), hint,
+                                   durable_ack=ack == "durable")
             for i in by_key)
         missing = [i for i, result in zip(by_key, found, strict=True) if result is None]
         if missing:
@@ -265,7 +258,8 @@ class Spiller:
         protect = frozenset(key for key, _ in chunks)
         sent = [i for i, (_, data) in enumerate(chunks) if data is not None]
         stored = await self._blocks.gather(
-            self._store_chunk(chunks[i][0], chunks[i][1], hint, ack, protect, start)
+            self._blocks.store(chunks[i][0], chunks[i][1], hint, protect, start,
+                               durable_ack=ack == "durable")
             for i in sent)
         outcomes = dict(zip(by_key, found, strict=True)) | dict(zip(sent, stored, strict=True))
         return [outcomes[i] for i in range(len(chunks))]
@@ -329,78 +323,9 @@ class Spiller:
         tops = [holders[0] for holders in map(self._stack.holders, keys) if holders]
         return self._stack.tiers[min(tops)].name if tops else ""
 
-    async def _reference_chunk(self, key: str, size: int | None, check: Check,
-                               hint: ResumeHint | None, ack: Ack) -> ChunkOutcome | None:
-        """A chunk named by key only: None when no tier holds it intact. Its bytes are
-        read only when its size is unknown (not in the session's last manifest) or a
-        durable ack must copy it."""
-        async with self._locks.hold(key):
-            self._stack.touch(key, hint)
-            # one another node of the fleet wrote: Redis or the bucket knows it
-            if not (await self._stack.confirmed_holder(key)
-                    or await self._stack.find_shared(key)):
-                return None
-            durable = self._blocks.any_durable(self._stack.holders(key))
-            data = None
-            if size is None or (ack == "durable" and not durable):
-                try:
-                    data, _, _ = await self._stack.read(key, check, access=False)
-                except DataLoss:
-                    return None
-                size = len(data)
-            self._counters.dedupe_hits += 1
-            if durable:
-                return ChunkOutcome(False, size, True)
-            if ack == "memory":
-                return ChunkOutcome(bool(self._blocks.durable), size, True)
-            unavailable: list[TierUnavailable] = []
-            if await self._blocks.copy_to_durable(key, data, unavailable):
-                return ChunkOutcome(False, size, True)
-            raise not_placed(f"no durable tier took chunk {key} ({size} B)", unavailable)
-
-    async def _store_chunk(self, key: str, data: Buffer, hint: ResumeHint | None, ack: Ack,
-                           protect: frozenset[str], start: int) -> ChunkOutcome:
-        """Place one chunk (or find it held, the very bytes: the key binds their digest)."""
-        async with self._locks.hold(key):
-            self._stack.touch(key, hint)
-            holders = await self._stack.confirmed_holder(key)
-            held = bool(holders)
-            unavailable: list[TierUnavailable] = []  # outages, told apart from full tiers
-            if held:
-                self._counters.dedupe_hits += 1
-            else:
-                placed = await self._stack.place(key, data, protect=protect, start=start,
-                                                 unavailable=unavailable)
-                if placed is None:
-                    raise not_placed(f"no tier has room for chunk {key} ({len(data)} B)",
-                                     unavailable)
-                holders = [placed]
-            durable = self._blocks.any_durable(holders)
-            if durable or ack == "memory":
-                await self._share(key, data, protect)
-                return ChunkOutcome(not durable and bool(self._blocks.durable), len(data), held)
-            copied, _ = await asyncio.gather(  # the bucket and Redis at once; both end here
-                self._blocks.copy_to_durable(key, data, unavailable),
-                self._share(key, data, protect), return_exceptions=True)
-            if isinstance(copied, BaseException):
-                raise copied
-            if copied:
-                return ChunkOutcome(False, len(data), held)
-            raise not_placed(f"no durable tier took chunk {key} ({len(data)} B)", unavailable)
-
-    async def _share(self, key: str, data: Buffer, protect: frozenset[str]) -> None:
-        """Write the chunk through to the fleet's shared cache (Redis; nothing on a single
-        node), so other nodes read it there: it is a cache, its failure fails nothing."""
-        try:
-            await self._stack.share(key, data, protect=protect)
-        except Exception as exc:  # noqa: BLE001 - TierStack.share handles the tiers' own
-            log.warning("write-through of chunk %s to the shared cache failed: %r", key, exc)
-
     async def _store_window(self, key: str, data: Buffer, hint: ResumeHint | None
                             ) -> str | None:
-        async with self._locks.hold(key):
-            self._stack.touch(key, hint)
-            placed = await self._stack.place(key, data)
+        placed = await self._blocks.place_window(key, data, hint)
         if placed is None:
             self._stack.window_lost(None)
             log.warning("no window tier has room for %s (%d B): replay will be needed",
