@@ -1,19 +1,13 @@
-"""Counters of the tier manager, in the shape the service exports as Prometheus metrics.
+"""Counters of the store, in the shape the service exports as Prometheus metrics.
 
 Per-tier counters are keyed by tier name; every figure only ever grows (Prometheus
-counters), except the gauges in ``ManagerStats`` (write-back depth, tier usage).
+counters). The manager's gauges (write-back depth, tier usage) are in ``ManagerStats``.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-from kvstore.tiers.base import TierStats
-
-if TYPE_CHECKING:
-    from kvstore.session.quota import TenantReport
 
 
 @dataclass
@@ -44,17 +38,3 @@ class Counters:
             name: dict(value) if isinstance(value, Counter) else value
             for name, value in vars(self).items()
         }
-
-
-@dataclass(frozen=True)
-class ManagerStats:
-    tiers: tuple[TierStats, ...]  # highest first
-    counters: dict  # Counters.snapshot()
-    writeback_depth: int  # chunks queued for write-back now
-    writeback_capacity: int
-    referenced_chunks: int  # distinct chunk keys some manifest references
-    sessions: int = 0  # manifests stored (TierManager.session_count)
-    # Tenants with a quota table of their own, then "other" (QuotaGate.reports)
-    tenants: tuple[TenantReport, ...] = ()
-    retained_chunks: int = 0  # unreferenced chunks kept as cache (kvstore.prefix.chains)
-    retained_bytes: int = 0

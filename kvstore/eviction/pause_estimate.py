@@ -1,15 +1,12 @@
 """Resume hints kvtier infers itself, for spills whose framework sent none.
 
-What a session did before says much about when it comes back. On the Mooncake request
-trace (``bench.trace``), 12% of conversations come back after their first turn but
-80% after any later one: a session that has never resumed is mostly one that never will.
-So a session's first spill is hinted as a long pause, the 90th percentile of the pauses
-seen so far divided by the share of first spills that came back (a rare return, expected
-late), and a session that has resumed is hinted as due now: from there recency (LRU
-order) ranks it, which measured better than predicting its next pause from its last one
-(pauses of one session correlate only weakly), and the long pause predicted at its first
-spill no longer marks its blocks as not needed soon, even when it spills again without
-having been restored from kvtier (a framework that kept the session in its own memory).
+A session that has never resumed is mostly one that never will. So a session's first
+spill is hinted as a long pause, the 90th percentile of the pauses seen so far divided
+by the share of first spills that came back (a rare return, expected late), and a
+session that has resumed is hinted as due now: from there recency (LRU order) ranks it,
+and the long pause predicted at its first spill no longer marks its blocks as not needed
+soon, even when it spills again without having been restored from kvtier (a framework
+that kept the session in its own memory). ``bench.trace`` measures the choice.
 
 The estimator only learns from what already happened; it is fed one call per spill::
 

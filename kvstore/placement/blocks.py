@@ -2,7 +2,9 @@
 
 ``TierStack`` leaves three things to its callers, and ``Blocks`` does them once: holding
 the key's lock (``KeyedLocks``) around every mutation, freeing a chunk only when the
-``RefLedger`` counts no reference (or pin) to it, and copying chunks to a durable tier.
+``RefLedger`` counts no reference (or pin) to it (``release`` lets ``Retention`` keep the
+held ones as cache first), and copying chunks to a durable tier. A spill's chunks are
+placed (``store``) or confirmed (``reference``) here, and its window (``place_window``).
 ``gather`` bounds how many moves run at once (``ManagerConfig.io_concurrency``, shared
 by every call of one manager).
 """
@@ -10,26 +12,45 @@ by every call of one manager).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+import logging
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 from kvstore.format.errors import DataLoss, TierUnavailable
+from kvstore.format.hints import ResumeHint
+from kvstore.placement.events import Keeper, StoreEvents
 from kvstore.placement.locks import KeyedLocks
+from kvstore.placement.reads import Check
 from kvstore.placement.refcount import RefLedger
 from kvstore.placement.stack import TierStack, not_placed
 from kvstore.stats import Counters
 from kvstore.tiers.base import Buffer
 
+log = logging.getLogger(__name__)
+
+
+class ChunkOutcome(NamedTuple):
+    """What placing (or finding) one chunk of a spill came to."""
+
+    needs_writeback: bool  # not on a durable tier yet, and there is one
+    size: int  # encoded bytes
+    held: bool  # deduped: some tier held it already
+
 
 class Blocks:
     def __init__(self, stack: TierStack, ledger: RefLedger, locks: KeyedLocks,
-                 counters: Counters, *, io_concurrency: int) -> None:
+                 counters: Counters, *, io_concurrency: int, retention: Keeper,
+                 events: StoreEvents | None = None) -> None:
+        """``retention``: keeps chunks left unreferenced as cache (or says to free them);
+        ``events``: told when a free made room."""
         self._stack = stack
+        self._retention = retention
+        self._events = events
         self._ledger = ledger
         self._locks = locks
         self._counters = counters
         self._io = asyncio.Semaphore(io_concurrency)
         self.durable = [i for i, tier in enumerate(stack.tiers) if tier.durable]
-        self.on_freed: Callable[[], None] | None = None  # told when a free made room
 
     async def gather(self, coros: Iterable[Coroutine]) -> list:
         """Run ``coros`` at most ``io_concurrency`` at a time; on failure cancel the rest."""
@@ -61,9 +82,16 @@ class Blocks:
                 return held
 
         freed = sum(await self.gather(free(key) for key in dict.fromkeys(keys)))
-        if freed and self.on_freed is not None:
-            self.on_freed()
+        if freed and self._events is not None:
+            self._events.freed()
         return freed
+
+    async def release(self, keys: Iterable[str], scope: str = "",
+                      sizes: Mapping[str, int] | None = None) -> int:
+        """Let go of chunks whose last reference (or pin) just went away: the held ones
+        retention keeps (in dedupe domain ``scope``, ``sizes`` where known), the rest are
+        freed (``free``)."""
+        return await self.free(self._retention.keep(keys, scope, sizes))
 
     async def drop(self, key: str) -> None:
         """Delete ``key`` from every tier whatever references it (window blobs)."""
@@ -109,3 +137,79 @@ class Blocks:
                 return
             self._counters.writeback_failed += 1
             raise not_placed(f"no durable tier took chunk {key} for write-back", unavailable)
+
+    async def reference(self, key: str, size: int | None, check: Check,
+                        hint: ResumeHint | None, *, durable_ack: bool) -> ChunkOutcome | None:
+        """A chunk a spill names by key only: None when no tier holds it intact. Its
+        bytes are read only when its size is unknown (not in the session's last manifest)
+        or a durable ack must copy it."""
+        async with self._locks.hold(key):
+            self._stack.touch(key, hint)
+            # one another node of the fleet wrote: Redis or the bucket knows it
+            if not (await self._stack.confirmed_holder(key)
+                    or await self._stack.find_shared(key)):
+                return None
+            durable = self.any_durable(self._stack.holders(key))
+            data = None
+            if size is None or (durable_ack and not durable):
+                try:
+                    data, _, _ = await self._stack.read(key, check, access=False)
+                except DataLoss:
+                    return None
+                size = len(data)
+            self._counters.dedupe_hits += 1
+            if durable:
+                return ChunkOutcome(False, size, True)
+            if not durable_ack:
+                return ChunkOutcome(bool(self.durable), size, True)
+            unavailable: list[TierUnavailable] = []
+            if await self.copy_to_durable(key, data, unavailable):
+                return ChunkOutcome(False, size, True)
+            raise not_placed(f"no durable tier took chunk {key} ({size} B)", unavailable)
+
+    async def store(self, key: str, data: Buffer, hint: ResumeHint | None,
+                    protect: frozenset[str], start: int, *, durable_ack: bool) -> ChunkOutcome:
+        """Place one chunk a spill sent in tier ``start`` or lower, never evicting one of
+        ``protect`` (or find it held, the very bytes: the key binds their digest)."""
+        async with self._locks.hold(key):
+            self._stack.touch(key, hint)
+            holders = await self._stack.confirmed_holder(key)
+            held = bool(holders)
+            unavailable: list[TierUnavailable] = []  # outages, told apart from full tiers
+            if held:
+                self._counters.dedupe_hits += 1
+            else:
+                placed = await self._stack.place(key, data, protect=protect, start=start,
+                                                 unavailable=unavailable)
+                if placed is None:
+                    raise not_placed(f"no tier has room for chunk {key} ({len(data)} B)",
+                                     unavailable)
+                holders = [placed]
+            durable = self.any_durable(holders)
+            if durable or not durable_ack:
+                await self._share(key, data, protect)
+                return ChunkOutcome(not durable and bool(self.durable), len(data), held)
+            copied, _ = await asyncio.gather(  # the bucket and Redis at once; both end here
+                self.copy_to_durable(key, data, unavailable),
+                self._share(key, data, protect), return_exceptions=True)
+            if isinstance(copied, BaseException):
+                raise copied
+            if copied:
+                return ChunkOutcome(False, len(data), held)
+            raise not_placed(f"no durable tier took chunk {key} ({len(data)} B)", unavailable)
+
+    async def _share(self, key: str, data: Buffer, protect: frozenset[str]) -> None:
+        """Write the chunk through to the fleet's shared cache (Redis; nothing on a single
+        node), so other nodes read it there: it is a cache, its failure fails nothing."""
+        try:
+            await self._stack.share(key, data, protect=protect)
+        except Exception as exc:  # noqa: BLE001 - TierStack.share handles the tiers' own
+            log.warning("write-through of chunk %s to the shared cache failed: %r", key, exc)
+
+    async def place_window(self, key: str, data: Buffer, hint: ResumeHint | None
+                           ) -> int | None:
+        """Place window blob ``key`` in the highest window tier with room; its index, or
+        None when none had room."""
+        async with self._locks.hold(key):
+            self._stack.touch(key, hint)
+            return await self._stack.place(key, data)

@@ -25,10 +25,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.format.errors import ChunkCorrupt
+from kvstore.placement.events import StoreEvents
 from kvstore.tiers.base import REF_PREFIX, RETAIN_PREFIX, MetaStore
 
 log = logging.getLogger(__name__)
@@ -46,16 +47,17 @@ class _Request:
 class RefLedger:
     """Reference counts per chunk key; one ledger per MetaStore (one manager process)."""
 
-    def __init__(self, meta: MetaStore) -> None:
+    def __init__(self, meta: MetaStore, events: StoreEvents | None = None) -> None:
+        """``events``: told, after their commit, the keys a batch referenced that had no
+        reference."""
         self._meta = meta
+        self._events = events
         self._committed: dict[str, int] = {}
         self._pins: Counter[str] = Counter()
         self._queue: list[_Request] = []
         self._writer: asyncio.Task | None = None
         self.marks: dict[str, bytes] = {}  # chunk key -> its persisted retention mark
         self._unmarks: set[str] = set()  # marks the next batch deletes
-        # told, after their commit, the keys a batch referenced that had no reference
-        self.on_referenced: Callable[[list[str]], None] | None = None
 
     async def load(self) -> None:
         self._committed.clear()
@@ -172,8 +174,8 @@ class RefLedger:
                 if not isinstance(exc, Exception):
                     raise
                 continue
-            if referenced and self.on_referenced is not None:
-                self.on_referenced(referenced)
+            if referenced and self._events is not None:
+                self._events.revived(referenced)
             for request, keys in zip(batch, zeroed, strict=True):
                 if not request.done.done():  # a later request of the batch may hold it again
                     request.done.set_result([k for k in keys if not self.count(k)])

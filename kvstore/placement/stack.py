@@ -20,10 +20,7 @@ the index of what the tier holds (rebuilt from ``Tier.keys`` on open). Rules:
   wrote or a read passed; eviction finds it held there and moves nothing.
 - Window blobs (keys under ``WINDOW_PREFIX``) only live in tiers with ``holds_window``;
   one that would have to move lower is dropped and ``on_window_dropped`` is told.
-- A read tries the tiers believed to hold the block, highest first, then the others,
-  verifying every copy (``codec.verify_chunk``) and falling through on a corrupt copy
-  (one that fails the check, or that the tier itself refuses with a ``CodecError``, as
-  the disk tier does for a record failing its checksum) or an unavailable tier;
+- A read falls through corrupt copies and unavailable tiers (``kvstore.placement.reads``);
   ``promote`` then replaces bad copies and moves the block up.
 - A tier that raised ``TierUnavailable`` is skipped for ``cooldown_s`` (a Redis outage
   costs one timeout, not one per chunk), except as a read's last resort. One that says
@@ -38,25 +35,22 @@ takes victims whose lock is free (``KeyedLocks.busy``), so it never waits on a l
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Protocol
 
 from kvstore.eviction.policies import EvictionPolicy, HintBook
-from kvstore.format.chunk import verify_chunk
-from kvstore.format.errors import ChunkNotFound, CodecError, DataLoss, TierFull, TierUnavailable
+from kvstore.format.errors import ChunkNotFound, CodecError, TierFull, TierUnavailable
 from kvstore.format.hints import ResumeHint
+from kvstore.placement.events import Residency
 from kvstore.placement.locks import KeyedLocks
+from kvstore.placement.reads import Reads, intact
 from kvstore.stats import Counters
 from kvstore.tiers.base import Buffer, Tier
 
 WINDOW_PREFIX = "win/"
 PUT_ATTEMPTS = 3  # room made by eviction can be taken by a concurrent put before ours
 log = logging.getLogger(__name__)
-
-Check = Callable[[Buffer], object]
 
 
 def is_window_key(key: str) -> bool:
@@ -72,14 +66,6 @@ def not_placed(what: str, unavailable: Sequence[TierUnavailable]) -> TierFull | 
     return TierFull(what)
 
 
-class Residency(Protocol):
-    """Told when a tier starts or stops being believed to hold a block."""
-
-    def held(self, j: int, key: str, size: int) -> None: ...
-
-    def dropped(self, j: int, key: str) -> None: ...
-
-
 class _Skip:
     """Victims to pass over: locked, protected, and already found unevictable keys."""
 
@@ -90,7 +76,7 @@ class _Skip:
         return key in self.keys or key in self.protect or self.locks.busy(key)
 
 
-class TierStack:
+class TierStack(Reads):
     def __init__(
         self,
         tiers: Sequence[Tier],
@@ -102,6 +88,8 @@ class TierStack:
         on_window_dropped: Callable[[str], None],
         cooldown_s: float = 1.0,
         residency: Residency | None = None,
+        evict_first: Callable[[int, Collection[str]], str | None] | None = None,
+        first_size: Callable[[str], int] = lambda key: 0,
     ) -> None:
         self.tiers = tuple(tiers)
         self.residency = residency
@@ -110,10 +98,10 @@ class TierStack:
         self.counters = counters
         self.is_referenced = is_referenced
         self.on_window_dropped = on_window_dropped
-        # (tier, keys to skip) -> a victim to take before the tier's policy is asked:
-        # retained, unreferenced chunks (kvstore.prefix.chains.Retention)
-        self.evict_first: Callable[[int, Collection[str]], str | None] | None = None
-        self.first_size: Callable[[str], int] = lambda key: 0  # an evict_first's bytes
+        # (tier, keys to skip) -> a victim to take before the tier's policy is asked
+        # (retained chunks, kvstore.prefix.chains.Retention), and that victim's bytes
+        self.evict_first = evict_first
+        self.first_size = first_size
         # predicted next uses on the policies' clock (one factory, one clock), carried
         # along when a block moves: moving is not an access by the session
         self.hints = HintBook(self.policies[0].clock)
@@ -347,23 +335,54 @@ class TierStack:
             return False
         except CodecError:  # the tier's own record check failed: nothing worth keeping
             data = None
-        intact = data is not None and self._intact(data)
+        whole = data is not None and intact(data)
         held_below = [i for i in self.holders(key) if i > j]
-        target = await self.place(key, data, start=j + 1) if intact else None
+        target = await self.place(key, data, start=j + 1) if whole else None
         # Another copy that keeps what this one gives: a durable tier's copy is only
         # replaced by another durable one (a durable ack must survive the eviction).
         elsewhere = any(i != j and (self.tiers[i].durable or not tier.durable)
                         for i in self.holders(key))
-        if intact and not window and not elsewhere:
+        if whole and not window and not elsewhere:
             return False  # the last (durable) copy of a referenced chunk stays
         if target is not None and target not in held_below:
             self.counters.demotions[self.tiers[target].name] += 1
         if not await self.delete(j, key, evicted=True):
             return False
         if window and target is None:
-            self.counters.windows_dropped += 1
-            self.on_window_dropped(key)
+            self.window_lost(key)
         return True
+
+    async def demote(self, key: str, target: int,
+                     unavailable: list[TierUnavailable] | None = None) -> bool:
+        """Move ``key`` to tier ``target`` or lower: placed there (read, unless a copy is
+        there already), then deleted from the tiers above. False when no tier there took
+        it (its copies stay; ``unavailable`` as ``place``); ``DataLoss`` when no intact
+        copy is left to move. Caller holds the key lock."""
+        holders = self.holders(key)
+        if not any(i >= target for i in holders):
+            data, _, _ = await self.read(key, access=False)
+            placed = await self.place(key, data, start=target, unavailable=unavailable)
+            if placed is None:
+                return False
+            self.counters.demotions[self.tiers[placed].name] += 1
+        for i in (i for i in holders if i < target):
+            await self.delete(i, key, evicted=True)
+        return True
+
+    async def drop_window(self, key: str) -> None:
+        """Evict window blob ``key`` from every tier (it lives in memory or nowhere);
+        ``window_lost`` once no copy is left. Caller holds the key lock."""
+        for i in self.holders(key):
+            await self.delete(i, key, evicted=True)
+        if not self.holders(key):
+            self.window_lost(key)
+
+    def window_lost(self, key: str | None, *, tell: bool = True) -> None:
+        """Count a window blob gone or not kept (``key`` None: never placed); ``tell``
+        the store, whose manifest still names it, unless the caller updates it."""
+        self.counters.windows_dropped += 1
+        if key is not None and tell:
+            self.on_window_dropped(key)
 
     async def delete(self, j: int, key: str, *, evicted: bool = False) -> bool:
         """False when the tier is unavailable: the block stays (believed) held there."""
@@ -392,105 +411,6 @@ class TierStack:
         self.hints.forget(key)
         return done
 
-    # -- reads --
-
-    @staticmethod
-    def _intact(data: Buffer) -> bool:
-        try:
-            verify_chunk(data)
-        except CodecError:
-            return False
-        return True
-
-    async def read(self, key: str, check: Check = verify_chunk, *, access: bool = True
-                   ) -> tuple[Buffer, int, list[int]]:
-        """(bytes, tier index, tiers found holding a bad copy) or ``DataLoss``.
-
-        ``check`` raises a ``CodecError`` for bytes that must not be used. ``access``:
-        a client read (counted, and recent for the policy); internal copies pass False.
-        """
-        (got,) = await self.read_many([key], [check], access=access)
-        if isinstance(got, DataLoss):
-            raise got
-        return got
-
-    async def read_many(self, keys: Sequence[str], checks: Sequence[Check], *,
-                        access: bool = True) -> list[tuple[Buffer, int, list[int]] | DataLoss]:
-        """``read`` of each key (its answer, or its ``DataLoss``), asking each tier for
-        all the keys it is to be tried for in one ``Tier.get_many`` (the disk tier reads
-        them in one go); the checks of a batch of many bytes run in a worker thread."""
-        if access:
-            self.counters.lookups += len(keys)
-        orders, believed = [], [self.holders(key) for key in keys]
-        for key, held in zip(keys, believed, strict=True):
-            order = held + [i for i in range(len(self.tiers))
-                            if i not in held and self.may_hold(i, key)]
-            down = [j for j in order if not self.up(j)]
-            for j in down:
-                if j in held:  # skipped, unless nothing else answers
-                    self.counters.fallthrough_unavailable[self.tiers[j].name] += 1
-            orders.append([j for j in order if j not in down] + down)  # outages last
-        out: list = [None] * len(keys)
-        tried, bad = [0] * len(keys), [[] for _ in keys]
-        problems: list[list[str]] = [[] for _ in keys]
-        pending = list(range(len(keys)))
-        while pending:
-            by_tier: dict[int, list[int]] = {}
-            for i in pending:
-                if tried[i] < len(orders[i]):
-                    by_tier.setdefault(orders[i][tried[i]], []).append(i)
-                    continue
-                if access:
-                    self.counters.misses += 1
-                found = "; ".join(problems[i]) or "no tier holds it"
-                out[i] = DataLoss(f"no intact copy of {keys[i]}: {found}")
-            pending = []
-            for j, batch in sorted(by_tier.items()):
-                got = await self.tiers[j].get_many([keys[i] for i in batch])
-                got = await _checked(got, [checks[i] for i in batch])
-                for i, value in zip(batch, got, strict=True):
-                    tried[i] += 1
-                    if self._outcome(j, keys[i], value, believed[i], bad[i], problems[i],
-                                     access):
-                        out[i] = (value, j, bad[i])
-                    else:
-                        pending.append(i)
-        return out
-
-    def _outcome(self, j: int, key: str, got: Buffer | Exception, believed: list[int],
-                 bad: list[int], problems: list[str], access: bool) -> bool:
-        """Account for tier ``j``'s answer (bytes that passed the check, or why not) to a
-        read of ``key``; True when it is the read's answer."""
-        tier = self.tiers[j]
-        if isinstance(got, ChunkNotFound):
-            if j in believed:
-                self._forget(j, key)
-            return False
-        if isinstance(got, TierUnavailable):
-            if self.up(j):
-                self.counters.fallthrough_unavailable[tier.name] += 1
-            problems.append(f"{tier.name} unavailable")
-            self._mark_down(j, f"read of {key}", got)
-            return False
-        if isinstance(got, CodecError):  # from the check, or the tier's own record check
-            self.counters.fallthrough_corrupt[tier.name] += 1
-            problems.append(f"{tier.name} corrupt ({got})")
-            log.error("corrupt copy of %s in tier %s, falling through: %s", key, tier.name, got)
-            bad.append(j)
-            return False
-        if isinstance(got, Exception):
-            raise got
-        if access:
-            self.hints.read(key)
-        if j not in believed:
-            self._learn(j, key, len(got))
-        elif access:
-            self.policies[j].on_access(key, self.hints.get(key))
-        if access:
-            self.counters.hits[tier.name] += 1
-            self.counters.bytes_read[tier.name] += len(got)
-        return True
-
     async def promote(self, key: str, data: Buffer, source: int, bad: Sequence[int],
                       protect: Collection[str] = ()) -> int | None:
         """Replace bad copies above ``source`` and move ``key`` up. Caller holds the key lock."""
@@ -502,25 +422,3 @@ class TierStack:
             self.counters.promotions[self.tiers[target].name] += 1
         await self.share(key, data, stop=source, protect=protect)  # the next node's hit
         return target
-
-
-# Checks of a batch of at least this many bytes run in a worker thread: BLAKE2b (a chunk's
-# digest) releases the GIL, and the event loop serves other requests meanwhile.
-CHECK_IN_THREAD_BYTES = 1 << 18
-
-
-async def _checked(got: list, checks: Sequence[Check]) -> list:
-    """``got`` with each value that fails its check replaced by the check's ``CodecError``."""
-    def run() -> list:
-        out = []
-        for value, check in zip(got, checks, strict=True):
-            if not isinstance(value, Exception):
-                try:
-                    check(value)
-                except CodecError as exc:
-                    value = exc
-            out.append(value)
-        return out
-
-    size = sum(len(v) for v in got if not isinstance(v, Exception))
-    return await asyncio.to_thread(run) if size >= CHECK_IN_THREAD_BYTES else run()

@@ -5,7 +5,7 @@ few worker tasks drain the queue, reading each chunk from whichever tier holds i
 then. The queue is bounded, so spills wait (back-pressure) rather than pile up unbounded
 bytes in volatile tiers when the durable tier is slower than they are; its depth is
 exported as a gauge. Each job names the session whose spill queued it, so a failure can
-be reported on that session (``kvstore.placement.durability``).
+be reported on that session (``kvstore.session.durability``).
 """
 
 from __future__ import annotations

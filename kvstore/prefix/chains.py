@@ -39,17 +39,21 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from dataclasses import dataclass
 
 from kvstore.format.errors import InvalidRequest
-from kvstore.placement.stack import Residency, is_window_key
+from kvstore.placement.events import Residency, StoreEvents
+from kvstore.placement.stack import is_window_key
 
 
 class ChainIndex:
     """chain key -> {block key: tiers holding it}; told by the ``TierStack``."""
 
-    def __init__(self, inner: Residency | None = None) -> None:
-        self._inner = inner  # the watcher this one stands in front of (quota residency)
+    def __init__(self, inner: Residency | None = None, events: StoreEvents | None = None
+                 ) -> None:
+        """``inner``: the watcher this one stands in front of (quota residency);
+        ``events``: told when a block left its last tier."""
+        self._inner = inner
+        self._events = events
         self._blocks: dict[str, dict[str, set[int]]] = {}
         self._sizes: dict[str, int] = {}  # block key -> bytes, where a placement said
-        self.on_gone: Callable[[str], None] | None = None  # a block left its last tier
 
     def held(self, j: int, key: str, size: int) -> None:
         if self._inner is not None:
@@ -74,8 +78,8 @@ class ChainIndex:
             if not versions:
                 del self._blocks[chain]
             self._sizes.pop(key, None)
-            if self.on_gone is not None:
-                self.on_gone(key)
+            if self._events is not None:
+                self._events.gone(key)
 
     def keys(self) -> list[str]:
         """Every block key some tier is believed to hold."""
@@ -160,9 +164,11 @@ class Retention:
 
     def __init__(self, *, enabled: bool, ttl_s: float | None,
                  is_held: Callable[[str], bool], is_referenced: Callable[[str], bool],
-                 size_of: Callable[[str], int] = lambda key: 0) -> None:
+                 size_of: Callable[[str], int] = lambda key: 0,
+                 events: StoreEvents | None = None) -> None:
         """``is_referenced``: a committed reference or a spill's pin; ``size_of``: a
-        block's bytes where the caller does not say them."""
+        block's bytes where the caller does not say them; ``events``: told when a chunk
+        is no longer retained (its mark may go)."""
         if ttl_s is not None and not ttl_s > 0:
             raise InvalidRequest(f"retain_ttl_s must be > 0, got {ttl_s}")
         self.enabled = enabled
@@ -173,7 +179,7 @@ class Retention:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._chunks: Counter[str] = Counter()  # scope -> retained chunks
         self._bytes: Counter[str] = Counter()  # scope -> retained bytes
-        self.on_forget: Callable[[str], None] | None = None  # a mark may be deleted
+        self._events = events
 
     def marks(self, keys: Sequence[str], sizes: Sequence[int], scope: str
               ) -> dict[str, bytes]:
@@ -242,8 +248,8 @@ class Retention:
     def forget(self, key: str) -> None:
         """``key`` left its last tier."""
         self._drop(key)
-        if self.on_forget is not None:
-            self.on_forget(key)
+        if self._events is not None:
+            self._events.unmarked(key)
 
     def _add(self, key: str, entry: _Entry) -> None:
         self._drop(key)

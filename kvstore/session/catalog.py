@@ -4,7 +4,7 @@ Every manifest write goes through the ``RefLedger``, so it commits in one batch 
 reference changes it implies (``kvstore.placement.refcount``), and is told to the tenants'
 ``UsageLedger`` (``kvstore.session.quota``) once committed, which ``load_count`` fills from every
 manifest at open. A manifest commit refused for a full medium sheds retained chunks
-(``make_room``) before it fails, so a retry finds the room a delete left. Callers hold
+(``StoreEvents.make_room``) before it fails, so a retry finds the room a delete left. Callers hold
 the session's lock (``read`` to look, ``write`` to change) from a ``load`` to the
 ``put`` that depends on it.
 """
@@ -12,10 +12,11 @@ the session's lock (``read`` to look, ``write`` to change) from a ``load`` to th
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 
 from kvstore.format.errors import ChunkCorrupt, DataLoss, SessionNotFound, TierFull
+from kvstore.placement.events import StoreEvents
 from kvstore.placement.locks import RWLocks
 from kvstore.placement.refcount import RefLedger
 from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest, manifest_key
@@ -29,8 +30,12 @@ _ROOM_PER_BYTE = 4
 
 
 class Catalog:
-    def __init__(self, meta: MetaStore, ledger: RefLedger, usage: UsageLedger) -> None:
+    def __init__(self, meta: MetaStore, ledger: RefLedger, usage: UsageLedger,
+                 events: StoreEvents | None = None) -> None:
+        """``events``: asked to shed cache (retained chunks) when a manifest commit meets
+        a full medium, so the room comes back, once the tier reclaims it, for a retry."""
         self.meta = meta
+        self._events = events
         self._ledger = ledger
         self._usage = usage
         self._locks = RWLocks()
@@ -38,9 +43,6 @@ class Catalog:
         # Sessions (and generation) marked writeback_failed whose mark may not have been
         # persisted (a full medium can refuse the manifest write too): loads report them.
         self._failed: dict[tuple[str, str], int] = {}
-        # Sheds cache (retained chunks) when a manifest commit meets a full medium, so
-        # the room comes back, once the tier reclaims it, for a retry.
-        self.make_room: Callable[[int], Awaitable[None]] | None = None
 
     async def load_count(self) -> None:
         """Count the manifests and record each in the usage ledger (a corrupt one is
@@ -146,8 +148,8 @@ class Catalog:
                 acquire=acquire, release=release, marks=marks,
             )
         except TierFull:  # the medium is full (a MetaStore knows no quota)
-            if self.make_room is not None:
-                await self.make_room(_ROOM_PER_BYTE * len(encoded))
+            if self._events is not None:
+                await self._events.make_room(_ROOM_PER_BYTE * len(encoded))
             raise
         ref = (manifest.tenant, manifest.session_id)
         if self._failed.get(ref, manifest.generation) != manifest.generation:

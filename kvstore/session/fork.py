@@ -20,24 +20,21 @@ from contextlib import AsyncExitStack, suppress
 from kvstore.format.checks import window_check
 from kvstore.format.errors import DataLoss, InvalidRequest, PreconditionFailed, QuotaExceeded
 from kvstore.format.registry import get_layout
-from kvstore.placement.blocks import Blocks
-from kvstore.placement.locks import KeyedLocks
-from kvstore.placement.stack import WINDOW_PREFIX, TierStack
-from kvstore.session.catalog import Catalog
+from kvstore.placement.stack import WINDOW_PREFIX
+from kvstore.session.context import StoreContext
 from kvstore.session.manifest import SessionManifest, check_name
-from kvstore.session.quota import QuotaGate, Reservation, TenantUsage, demote_own, memory_floor
+from kvstore.session.quota import Reservation, TenantUsage, demote_own, memory_floor
 
 FORK_GENERATION = 1
 
 
 class Forker:
-    def __init__(self, catalog: Catalog, blocks: Blocks, stack: TierStack, locks: KeyedLocks,
-                 quotas: QuotaGate) -> None:
-        self._catalog = catalog
-        self._blocks = blocks
-        self._stack = stack
-        self._locks = locks
-        self._quotas = quotas
+    def __init__(self, store: StoreContext) -> None:
+        self._catalog = store.catalog
+        self._blocks = store.blocks
+        self._stack = store.stack
+        self._locks = store.locks
+        self._quotas = store.quotas
 
     async def fork(self, tenant: str, source_id: str, new_id: str, upto_tokens: int
                    ) -> SessionManifest:

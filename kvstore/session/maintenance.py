@@ -1,11 +1,10 @@
-"""Maintenance: deletes, explicit demotion, garbage collection, dropped windows.
+"""Maintenance: deletes, explicit demotion, garbage collection.
 
 ``Maintenance.delete`` drops a session and frees the chunks nothing else references;
 ``demote`` moves a session down on purpose (an operator, or the compaction job cooling a
 session); ``collect_garbage`` deletes expired sessions and blocks that nothing
 references, which a crash between a block write and its manifest commit, or a tier that
-was down during a delete, can leave behind; ``forget_window`` records in the manifest
-that eviction dropped a session's window blob (a restore then reports replay needed).
+was down during a delete, can leave behind.
 """
 
 from __future__ import annotations
@@ -14,16 +13,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvstore.format.errors import DataLoss, InvalidRequest, TierFull, TierUnavailable
-from kvstore.placement.blocks import Blocks
-from kvstore.placement.locks import KeyedLocks
-from kvstore.placement.refcount import RefLedger
-from kvstore.placement.stack import WINDOW_PREFIX, TierStack, is_window_key
-from kvstore.prefix.chains import Retention
-from kvstore.session.catalog import Catalog
+from kvstore.placement.stack import WINDOW_PREFIX, is_window_key, not_placed
 from kvstore.session.manifest import SessionManifest, check_name
-from kvstore.stats import Counters
+
+if TYPE_CHECKING:  # the context is built from the parts, this one's function included
+    from kvstore.session.context import StoreContext
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +38,13 @@ class GarbageReport:
 
 
 class Maintenance:
-    def __init__(self, catalog: Catalog, blocks: Blocks, stack: TierStack, locks: KeyedLocks,
-                 ledger: RefLedger, counters: Counters, *, retention: Retention) -> None:
-        self._catalog = catalog
-        self._blocks = blocks
-        self._stack = stack
-        self._locks = locks
-        self._ledger = ledger
-        self._counters = counters
-        self._retention = retention  # chunks left unreferenced: kept as cache, or freed
+    def __init__(self, store: StoreContext) -> None:
+        self._catalog = store.catalog
+        self._blocks = store.blocks
+        self._stack = store.stack
+        self._locks = store.locks
+        self._ledger = store.ledger
+        self._retention = store.retention  # chunks left unreferenced: kept as cache, or freed
 
     async def delete(self, tenant: str, session_id: str) -> DeleteResult:
         """See ``TierManager.delete``."""
@@ -74,8 +69,8 @@ class Maintenance:
             freed = await self._catalog.remove(
                 tenant, session_id, release=manifest.chunk_keys,
                 marks=self._retention.marks(manifest.chunk_keys, sizes, scope))
-            freed_here = await self._blocks.free(self._retention.keep(
-                freed, scope, dict(zip(manifest.chunk_keys, sizes, strict=True))))
+            freed_here = await self._blocks.release(
+                freed, scope, dict(zip(manifest.chunk_keys, sizes, strict=True)))
             if manifest.window_key is not None:
                 await self._blocks.drop(manifest.window_key)
             return DeleteResult(len(manifest.chunk_keys), freed_here)
@@ -104,7 +99,7 @@ class Maintenance:
             kept = tiers[target].holds_window and await self._demote_window(window, target)
             if not kept:
                 await self._blocks.drop(window)
-                self._counters.windows_dropped += 1
+                self._stack.window_lost(window, tell=False)  # the manifest below says so
             held = self._stack.holders(window) if kept else []
             manifest = manifest.evolve(window_tier=tiers[held[0]].name if held else None,
                                        window_key=window if held else None)
@@ -113,20 +108,10 @@ class Maintenance:
 
     async def _demote_block(self, key: str, target: int) -> None:
         async with self._locks.hold(key):
-            holders = self._stack.holders(key)
-            if not any(i >= target for i in holders):
-                data, _, _ = await self._stack.read(key, access=False)
-                unavailable: list[TierUnavailable] = []
-                placed = await self._stack.place(key, data, start=target,
-                                                 unavailable=unavailable)
-                if placed is None:
-                    below = f"no tier at or below {self._stack.tiers[target].name} took {key}"
-                    if unavailable:  # a tier that was out, not one that was full
-                        raise TierUnavailable(f"{below}: {unavailable[0]}")
-                    raise TierFull(below)
-                self._counters.demotions[self._stack.tiers[placed].name] += 1
-            for i in (i for i in holders if i < target):
-                await self._stack.delete(i, key, evicted=True)
+            unavailable: list[TierUnavailable] = []
+            if not await self._stack.demote(key, target, unavailable):
+                raise not_placed(f"no tier at or below {self._stack.tiers[target].name} "
+                                 f"took {key}", unavailable)
 
     async def _demote_window(self, key: str, target: int) -> bool:
         """Move a window blob down to ``target``; False if it is gone or finds no room."""
@@ -185,12 +170,3 @@ class Maintenance:
                 return False
             async with self._locks.hold(key):
                 return await self._stack.delete(j, key)
-
-    async def forget_window(self, key: str) -> None:
-        """A window was evicted below the window tiers: record that replay is needed."""
-        tenant, session_id, _ = key[len(WINDOW_PREFIX):].split("/")
-        async with self._catalog.write(tenant, session_id):
-            manifest = await self._catalog.load(tenant, session_id)
-            if manifest is None or manifest.window_key != key or self._stack.holders(key):
-                return
-            await self._catalog.put(manifest.evolve(window_tier=None, window_key=None))

@@ -4,6 +4,7 @@
     manager = await TierManager.open([HostTier(capacity), disk], disk.meta)
     await manager.spill(tenant, session_id, layout_id=..., generation=1, token_ids=...,
                         chunks=[(key, encoded), ...], tail=b"", window=blob, ack="memory")
+    await manager.spill_request(SpillRequest(tenant=..., ...))  # the same, as one value
     result = await manager.restore(tenant, session_id)      # or stream: manager.reading()
 
 ``TierManager`` builds its parts and delegates each public call to one of them:
@@ -16,9 +17,10 @@
   shared tiers too (kvstore.prefix.fleet_lookup); ``fork``: ``Forker`` (kvstore.session.fork);
 - ``where``, ``stat``, ``drain``, ``close``, ``open``, ``tiers``: here.
 
-The parts share a ``TierStack`` (kvstore.placement.stack: where blocks live), a ``RefLedger``
-(kvstore.placement.refcount), the ``Catalog`` of manifests and per-session locks, and ``Blocks``
-(kvstore.placement.blocks: key-locked frees, drops and durable copies, under one I/O bound).
+The parts share one ``StoreContext`` (kvstore.session.context: the tier stack, reference
+ledger, catalog, blocks, retention, quotas, write-back), whose ``Wiring`` carries the events
+between them. ``docs/impl.md`` follows a Spill and a Resume through the files, with the
+lock order.
 
 Rules it keeps (placement details in ``kvstore.placement.stack``):
 
@@ -31,7 +33,7 @@ Rules it keeps (placement details in ``kvstore.placement.stack``):
   ``"durable"`` returns once every chunk is also on a durable tier (and needs a
   MetaStore that is itself durable, such as the disk tier's). A memory-acked session
   whose write-back failed is marked ``writeback_failed`` until a retry makes it
-  durable (``kvstore.placement.durability``).
+  durable (``kvstore.session.durability``).
 - Dedupe: chunks are shared by block key (``kvstore.format.keys``: dedupe domain, layout, model
   fingerprint, tokens, and the digest of the bytes) across the sessions of this manager,
   with reference counts (``kvstore.placement.refcount``); a chunk nothing references is deleted
@@ -39,10 +41,7 @@ Rules it keeps (placement details in ``kvstore.placement.stack``):
   takes first and ``lookup`` finds (``kvstore.prefix.chains.Retention``).
 - Window blobs only live in tiers with ``holds_window``; when one is dropped the
   manifest's ``window_tier`` becomes None and a restore reports ``replay_needed``.
-- Quotas (``quotas=``, ``kvstore.session.quota``): each tenant's sessions, durable bytes and
-  memory bytes are counted exactly (rebuilt from manifests at open) and a spill that
-  would pass a limit is refused before anything is stored (``QuotaExceeded``), or, for
-  memory, placed lower (``Spiller.spill``).
+- Quotas (``quotas=``): the rules are in ``kvstore.session.quota``.
 - Locks: a readers-writer lock per session (restores share it, spills/deletes/demotes
   are exclusive) and a lock per chunk key for moves; never a global lock across I/O.
 
@@ -62,29 +61,41 @@ import numpy as np
 from kvstore.eviction.pause_estimate import PauseEstimator
 from kvstore.eviction.policies import EvictionPolicy, LRUPolicy
 from kvstore.format.errors import InvalidRequest, KVTierError
-from kvstore.format.hints import ResumeHint
 from kvstore.format.keys import check_fingerprint, dedupe_scope, iter_chain_keys
 from kvstore.format.registry import get_layout
-from kvstore.placement.blocks import Blocks
-from kvstore.placement.durability import WriteBackFailures
-from kvstore.placement.locks import KeyedLocks
-from kvstore.placement.refcount import RefLedger
-from kvstore.placement.stack import TierStack
-from kvstore.placement.writeback import WriteBackQueue
-from kvstore.prefix.chains import ChainIndex, LookupResult, Retention, longest_prefix
+from kvstore.prefix.chains import LookupResult, longest_prefix
 from kvstore.prefix.fleet_lookup import held_chains
 from kvstore.remote.breaker import tripped
-from kvstore.session.catalog import Catalog
+from kvstore.session.context import StoreContext, StoreOptions
 from kvstore.session.fork import Forker
 from kvstore.session.maintenance import DeleteResult, GarbageReport, Maintenance
 from kvstore.session.manifest import SessionManifest, check_name
-from kvstore.session.quota import MemoryWatch, QuotaGate, Quotas, TenantReport, UsageLedger
-from kvstore.session.restore import PrefetchResult, Restorer, RestoreResult, SessionReader
-from kvstore.session.spill import Ack, Spiller
-from kvstore.stats import Counters, ManagerStats
+from kvstore.session.quota import Quotas, TenantReport
+from kvstore.session.restore import (
+    ChunkBytes,
+    PrefetchResult,
+    Restorer,
+    RestoreResult,
+    SessionReader,
+)
+from kvstore.session.spill import Spiller, SpillHook, SpillRequest
 from kvstore.tiers.base import Buffer, MemoryMetaStore, MetaStore, Tier, TierStats
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ManagerStats:
+    tiers: tuple[TierStats, ...]  # highest first
+    counters: dict  # Counters.snapshot()
+    writeback_depth: int  # chunks queued for write-back now
+    writeback_capacity: int
+    referenced_chunks: int  # distinct chunk keys some manifest references
+    sessions: int = 0  # manifests stored (TierManager.session_count)
+    # Tenants with a quota table of their own, then "other" (QuotaGate.reports)
+    tenants: tuple[TenantReport, ...] = ()
+    retained_chunks: int = 0  # unreferenced chunks kept as cache (kvstore.prefix.chains)
+    retained_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,7 +105,7 @@ class ManagerConfig:
     io_concurrency: int = 8  # chunk moves in flight per spill, restore or prefetch
     restore_lookahead: int = 8  # chunks a streamed restore fetches ahead of the reader
     unavailable_cooldown_s: float = 1.0  # how long a tier that failed is skipped
-    # A failed write-back is retried after this, doubling up to the max (placement.durability)
+    # A failed write-back is retried after this, doubling up to the max (session.durability)
     writeback_retry_s: float = 0.5
     writeback_retry_max_s: float = 30.0
     # Spills without a hint get one inferred from past sessions (kvstore.eviction.pause_estimate);
@@ -129,80 +140,48 @@ class TierManager:
         policy: Callable[[], EvictionPolicy] = LRUPolicy,
         config: ManagerConfig = MANAGER_PRESETS["default"],
         quotas: Quotas = Quotas(),
+        spill_hook: SpillHook | None = None,
     ) -> None:
         """Use ``await TierManager.open(...)``.
 
         ``tiers``: highest first, names unique; ``meta``: where manifests and reference
         counts live (the disk tier's ``meta`` for durability); ``policy``: a factory
         called once per tier (``LRUPolicy``, ``HintPolicy`` or any ``EvictionPolicy``);
-        ``quotas``: per-tenant limits (default: none; usage is counted all the same).
+        ``quotas``: per-tenant limits (default: none; usage is counted all the same);
+        ``spill_hook``: runs around every spill (the encrypting tiers' domain claims,
+        ``kvstore.encryption.claims``).
         """
         names = [tier.name for tier in tiers]
         if not tiers or len(set(names)) != len(names):
             raise InvalidRequest(f"need at least one tier, each name once; got {names}")
         self.config = config
         self.meta = meta
-        self.counters = Counters()
         self._pauses = PauseEstimator() if config.infer_hints else None
         self._tasks: set[asyncio.Task] = set()  # background work that drain waits for
-        locks = KeyedLocks()
-        self._ledger = RefLedger(meta)
-        usage = UsageLedger()
-        self._quotas = QuotaGate(quotas, usage)
-        self._catalog = Catalog(meta, self._ledger, usage)
-        # memory tiers are the window tiers (hbm, host)
-        self._index = ChainIndex(MemoryWatch(usage, [j for j, t in enumerate(tiers)
-                                                     if t.holds_window]))
-        self._stack = TierStack(
-            tiers, policy, locks, self.counters,
-            is_referenced=lambda key: self._ledger.count(key) > 0,
-            on_window_dropped=lambda key: self._spawn(self._maintenance.forget_window(key)),
-            cooldown_s=config.unavailable_cooldown_s, residency=self._index,
-        )
-        self._retention = Retention(
-            enabled=config.retain_unreferenced, ttl_s=config.retain_ttl_s,
-            is_held=lambda key: bool(self._stack.holders(key)),
-            is_referenced=lambda key: self._ledger.count(key) > 0, size_of=self._index.size)
-        self._index.on_gone = self._retention.forget
-        self._retention.on_forget = lambda key: self._ledger.unmark([key])
-        self._ledger.on_referenced = self._retention.revive
-        self._quotas.retained = lambda: {scope: size for scope, (_, size)
-                                         in self._retention.by_domain().items()}
-        if config.retain_unreferenced:
-            self._stack.evict_first = lambda j, skip: self._retention.victim(
-                self._stack.policies[j], skip)
-            self._stack.first_size = self._retention.size
+        self.store = store = StoreContext.build(tiers, meta, policy, quotas, StoreOptions(
+            io_concurrency=config.io_concurrency, cooldown_s=config.unavailable_cooldown_s,
+            retain=config.retain_unreferenced, retain_ttl_s=config.retain_ttl_s,
+            writeback_depth=config.writeback_depth, writeback_workers=config.writeback_workers,
+            writeback_retry_s=config.writeback_retry_s,
+            writeback_retry_max_s=config.writeback_retry_max_s), self._spawn)
+        self.counters = store.counters
         self._expiry: asyncio.Task | None = None  # frees retained chunks past their TTL
-        blocks = self._blocks = Blocks(self._stack, self._ledger, locks, self.counters,
-                                       io_concurrency=config.io_concurrency)
-        self._catalog.make_room = blocks.shed_durable
-        self._failures = WriteBackFailures(self._catalog, blocks, self.counters,
-                                           spawn=self._spawn,
-                                           retry_s=config.writeback_retry_s,
-                                           retry_max_s=config.writeback_retry_max_s)
-        blocks.on_freed = self._failures.poke
-        self._writeback = WriteBackQueue(
-            self._failures.write_back, depth=config.writeback_depth,
-            workers=config.writeback_workers,
-        )
-        self._failures.attach(self._writeback)
-        parts = (self._catalog, blocks, self._stack, locks, self._ledger, self.counters)
-        self._spiller = Spiller(*parts, self._writeback, pauses=self._pauses,
-                                durable_meta=not isinstance(meta, MemoryMetaStore),
-                                quotas=self._quotas, retention=self._retention)
-        self._restorer = Restorer(*parts, spawn=self._spawn, lookahead=config.restore_lookahead)
-        self._maintenance = Maintenance(*parts, retention=self._retention)
-        self._forker = Forker(self._catalog, blocks, self._stack, locks, self._quotas)
+        self.spill_hook = spill_hook
+        self._spiller = Spiller(store, pauses=self._pauses, hook=spill_hook,
+                                durable_meta=not isinstance(meta, MemoryMetaStore))
+        self._restorer = Restorer(store, lookahead=config.restore_lookahead)
+        self._maintenance = Maintenance(store)
+        self._forker = Forker(store)
 
     @classmethod
     async def open(cls, tiers: Sequence[Tier], meta: MetaStore, **options) -> TierManager:
         """Start a manager: load reference counts and learn what each tier holds."""
         manager = cls(tiers, meta, **options)
-        await manager._ledger.load()
-        await manager._catalog.load_count()
-        await manager._stack.load()
+        await manager.store.ledger.load()
+        await manager.store.catalog.load_count()
+        await manager.store.stack.load()
         await manager._adopt_retained()
-        if manager._retention.enabled and manager._retention.ttl_s is not None:
+        if manager.store.retention.enabled and manager.store.retention.ttl_s is not None:
             manager._expiry = asyncio.create_task(manager._expire_retained())
         return manager
 
@@ -210,28 +189,28 @@ class TierManager:
         """Rebuild the retained set from what the tiers hold that nothing references
         (``kvstore.prefix.chains``), and delete the marks that no longer describe one, unless
         a tier could not be listed (it may still hold their chunks)."""
-        stale = self._retention.adopt(self._index.keys(), self._ledger.marks)
-        if not stale or not all(self._stack.up(j) for j in range(len(self.tiers))):
+        stale = self.store.retention.adopt(self.store.index.keys(), self.store.ledger.marks)
+        if not stale or not all(self.store.stack.up(j) for j in range(len(self.tiers))):
             return
-        self._ledger.unmark(stale)
+        self.store.ledger.unmark(stale)
         try:
-            await self._ledger.flush_marks()
+            await self.store.ledger.flush_marks()
         except KVTierError as exc:  # they stay pending for the next commit
             log.warning("stale retention marks not deleted at open: %s", exc)
 
     async def _expire_retained(self) -> None:
         """Free retained chunks idle past ``retain_ttl_s``, checking a few times a TTL."""
-        ttl = self._retention.ttl_s
+        ttl = self.store.retention.ttl_s
         while True:
             await asyncio.sleep(min(max(ttl / 4, 0.05), 60.0))
             try:
-                await self._blocks.free(self._retention.expired())
+                await self.store.blocks.free(self.store.retention.expired())
             except KVTierError as exc:
                 log.warning("freeing expired retained chunks failed: %s", exc)
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
-        return self._stack.tiers
+        return self.store.stack.tiers
 
     async def __aenter__(self) -> TierManager:
         return self
@@ -241,30 +220,15 @@ class TierManager:
 
     # -- writes: kvstore.session.spill --
 
-    async def spill(
-        self,
-        tenant: str,
-        session_id: str,
-        *,
-        layout_id: str,
-        generation: int,
-        token_ids: Sequence[int] | np.ndarray,
-        chunks: Sequence[tuple[str, Buffer | None]],
-        tail: Buffer = b"",
-        window: Buffer | None = None,
-        ack: Ack = "memory",
-        hint: ResumeHint | None = None,
-        ttl_s: float | None = None,
-        model_fingerprint: str = "",
-        dedupe_domain: str | None = None,
-    ) -> SessionManifest:
+    async def spill(self, tenant: str, session_id: str, **fields) -> SessionManifest:
+        """Store a session (replacing its older generation): ``spill_request`` of
+        ``SpillRequest(tenant=tenant, session_id=session_id, **fields)``."""
+        return await self._spiller.spill(SpillRequest(tenant=tenant, session_id=session_id,
+                                                      **fields))
+
+    async def spill_request(self, request: SpillRequest) -> SessionManifest:
         """Store a session (replacing its older generation); see ``Spiller.spill``."""
-        return await self._spiller.spill(
-            tenant, session_id, layout_id=layout_id, generation=generation,
-            token_ids=token_ids, chunks=chunks, tail=tail, window=window, ack=ack,
-            hint=hint, ttl_s=ttl_s, model_fingerprint=model_fingerprint,
-            dedupe_domain=dedupe_domain,
-        )
+        return await self._spiller.spill(request)
 
     async def store_window(self, tenant: str, session_id: str, generation: int,
                            window: Buffer, *, replayed_tokens: int) -> str | None:
@@ -289,8 +253,8 @@ class TierManager:
         """Promote a session's blocks toward the top tier within ``timeout_s``."""
         return await self._restorer.prefetch(tenant, session_id, timeout_s)
 
-    async def read_chunk(self, manifest: SessionManifest, index: int) -> tuple[Buffer, str]:
-        """(bytes, tier) of chunk ``index`` of ``manifest`` from the highest tier with a
+    async def read_chunk(self, manifest: SessionManifest, index: int) -> ChunkBytes:
+        """The bytes of chunk ``index`` of ``manifest`` from the highest tier with a
         copy that verifies against the manifest, or ``DataLoss``. An internal read: not
         counted, not promoted; hold ``reading()`` if a concurrent spill must not race it."""
         return await self._restorer.read_chunk(manifest, index)
@@ -334,8 +298,8 @@ class TierManager:
         exactly ``lookup`` (no I/O)."""
         chunk_tokens, chains = self._chains(tenant, layout_id, token_ids, model_fingerprint,
                                             dedupe_domain)
-        if self._stack.shared_tiers():
-            chains = iter(await held_chains(self._stack, self._index, chains))
+        if self.store.stack.shared_tiers():
+            chains = iter(await held_chains(self.store.stack, self.store.index, chains))
         return self._held_prefix(chains, chunk_tokens)
 
     def _chains(self, tenant: str, layout_id: str, token_ids: Sequence[int] | np.ndarray,
@@ -350,9 +314,9 @@ class TierManager:
             model_fingerprint=check_fingerprint(model_fingerprint))
 
     def _held_prefix(self, chains: Iterator[str], chunk_tokens: int) -> LookupResult:
-        found = longest_prefix(self._index, chains, [t.name for t in self.tiers],
-                               chunk_tokens, lambda key: self._ledger.count(key) > 0)
-        self._retention.touch(chunk.block_key for chunk in found.chunks)
+        found = longest_prefix(self.store.index, chains, [t.name for t in self.tiers],
+                               chunk_tokens, lambda key: self.store.ledger.count(key) > 0)
+        self.store.retention.touch(chunk.block_key for chunk in found.chunks)
         return found
 
     async def fork(self, tenant: str, source_session: str, new_session: str, *,
@@ -366,53 +330,54 @@ class TierManager:
     def retained_chunks(self) -> dict[str, tuple[int, int]]:
         """(chunks, bytes) retained (unreferenced, kept as cache) per dedupe domain (""
         when unknown: blocks found unreferenced at open without a mark)."""
-        return self._retention.by_domain()
+        return self.store.retention.by_domain()
 
     # -- listing: kvstore.session.catalog --
 
     async def get_manifest(self, tenant: str, session_id: str) -> SessionManifest:
-        return await self._catalog.load_required(check_name("tenant", tenant),
+        return await self.store.catalog.load_required(check_name("tenant", tenant),
                                                  check_name("session_id", session_id))
 
     async def list_sessions(self, tenant: str | None = None) -> list[SessionManifest]:
         """Manifests of every session (of one tenant), sorted by tenant and id."""
-        return await self._catalog.manifests(None if tenant is None
+        return await self.store.catalog.manifests(None if tenant is None
                                              else check_name("tenant", tenant))
 
     def tenant_usage(self, tenant: str) -> TenantReport:
         """The tenant's use against its quota limits (no I/O)."""
-        return self._quotas.report(check_name("tenant", tenant))
+        return self.store.quotas.report(check_name("tenant", tenant))
 
     def session_count(self) -> int:
         """Sessions stored (expired ones not yet collected included); no I/O."""
-        return self._catalog.held
+        return self.store.catalog.held
 
     # -- placement, stats, lifecycle: here --
 
     def where(self, key: str) -> list[str]:
         """Names of the tiers believed to hold block ``key``, highest first (no I/O)."""
-        return [self.tiers[i].name for i in self._stack.holders(key)]
+        return [self.tiers[i].name for i in self.store.stack.holders(key)]
 
     async def stat(self) -> ManagerStats:
         """Counters and per-tier gauges; no I/O (``items`` is what the manager believes
         each tier holds), so a metrics scrape never waits on a slow or absent tier."""
+        store, queue = self.store, self.store.durability.queue
         tier_stats = tuple(
             TierStats(tier.name, tier.capacity_bytes, tier.used_bytes,
-                      len(self._stack.policies[j]), self._stack.up(j) and not tripped(tier))
+                      len(store.stack.policies[j]), store.stack.up(j) and not tripped(tier))
             for j, tier in enumerate(self.tiers)
         )
         return ManagerStats(
             tiers=tier_stats, counters=self.counters.snapshot(),
-            writeback_depth=self._writeback.depth, writeback_capacity=self._writeback.capacity,
-            referenced_chunks=len(self._ledger.referenced()), sessions=self._catalog.held,
-            tenants=self._quotas.reports(), retained_chunks=len(self._retention),
-            retained_bytes=sum(size for _, size in self._retention.by_domain().values()),
+            writeback_depth=queue.depth, writeback_capacity=queue.capacity,
+            referenced_chunks=len(store.ledger.referenced()), sessions=store.catalog.held,
+            tenants=store.quotas.reports(), retained_chunks=len(store.retention),
+            retained_bytes=sum(size for _, size in store.retention.by_domain().values()),
         )
 
     async def drain(self) -> None:
         """Wait for queued write-backs and background promotions to finish."""
-        while self._tasks or self._writeback.depth:
-            await self._writeback.join()
+        while self._tasks or self.store.durability.queue.depth:
+            await self.store.durability.queue.join()
             if self._tasks:
                 await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
@@ -422,8 +387,8 @@ class TierManager:
         if self._expiry is not None:
             self._expiry.cancel()
             await asyncio.gather(self._expiry, return_exceptions=True)
-        await self._failures.close()  # chunks still failing stay marked
-        await self._writeback.close()
+        await self.store.durability.close()  # chunks still failing stay marked
+        await self.store.durability.queue.close()
         for tier in self.tiers:
             await tier.close()
         await self.meta.close()

@@ -102,7 +102,7 @@ class SessionManifest:
     spill_digest: str = ""  # content digest of the spill that wrote this generation
     receipt: SpillReceipt | None = None  # what that spill answered
     # A write-back of a memory-acked chunk failed: the session may not survive a restart
-    # (kvstore.placement.durability). Absent from older manifests: False.
+    # (kvstore.session.durability). Absent from older manifests: False.
     writeback_failed: bool = False
     # The node that wrote this generation, where metadata is shared by a fleet
     # (docs/fleet.md): its window lives in that node's memory only. "" on a single node.

@@ -42,21 +42,28 @@ reserved as well as what is committed, so concurrent admissions of one tenant (s
 forks, both) cannot pass a limit together, and the use rebuilt from manifests after a
 restart is the use before it. Going over raises ``QuotaExceeded`` (RESOURCE_EXHAUSTED)
 naming the quota, the limit and the use. An admission that does not grow a use is always
-admitted: a lowered limit never blocks replacing a session with a smaller one. How a
-spill that would pass ``memory_bytes`` is placed lower instead is on
-``kvstore.session.spill.Spiller``.
+admitted: a lowered limit never blocks replacing a session with a smaller one.
+
+A spill's ``memory_bytes`` are its chunks in memory (sent ones land there first) plus
+its window, less what the older generation holds there. When that would pass the limit
+and a tier lies below the memory tiers, the tenant's own memory-resident data is moved
+down first (``demote_own``: chunks as eviction moves them, windows dropped, their resumes
+replay); if that is not enough, the sent chunks go straight below the memory tiers and
+the window is not kept. The spill is refused only when what must stay in memory (chunks
+named by key that no lower tier took) still does not fit, or when no tier lies below.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from kvstore.format.errors import DataLoss, InvalidRequest, QuotaExceeded
 from kvstore.format.keys import dedupe_scope
+from kvstore.placement.events import StoreEvents
 from kvstore.placement.locks import KeyedLocks
 from kvstore.placement.stack import WINDOW_PREFIX, TierStack, is_window_key
 from kvstore.session.manifest import SessionManifest, check_name
@@ -302,13 +309,17 @@ class Reservation:
 
 
 class QuotaGate:
-    def __init__(self, quotas: Quotas, ledger: UsageLedger) -> None:
+    def __init__(self, quotas: Quotas, ledger: UsageLedger,
+                 events: StoreEvents | None = None) -> None:
+        """``events``: says the retained bytes of each dedupe domain."""
         self.quotas = quotas
         self.ledger = ledger
+        self._events = events
         self._reserved: dict[str, TenantUsage] = {}  # admitted, not yet committed
         self._rejections: Counter[tuple[str, str]] = Counter()  # (label, quota)
-        # dedupe domain -> its retained bytes (kvstore.prefix.chains.Retention.by_domain)
-        self.retained: Callable[[], Mapping[str, int]] = dict
+
+    def _retained(self) -> Mapping[str, int]:
+        return {} if self._events is None else self._events.retained_bytes()
 
     def in_use(self, tenant: str) -> TenantUsage:
         """Committed use plus what spills in flight were admitted for."""
@@ -350,7 +361,7 @@ class QuotaGate:
     def usage(self, tenant: str) -> TenantUsage:
         """Committed use, with the retained bytes of the tenant's own domain."""
         use = self.ledger.usage(tenant)
-        use.retained_bytes = self.retained().get(dedupe_scope(tenant), 0)
+        use.retained_bytes = self._retained().get(dedupe_scope(tenant), 0)
         return use
 
     def report(self, tenant: str) -> TenantReport:
@@ -368,7 +379,7 @@ class QuotaGate:
             if tenant not in self.quotas.tenants:
                 other.add(self.ledger.usage(tenant))
         own = {dedupe_scope(tenant) for tenant in self.quotas.tenants}
-        other.retained_bytes = sum(size for scope, size in self.retained().items()
+        other.retained_bytes = sum(size for scope, size in self._retained().items()
                                    if scope.startswith(dedupe_scope("")) and scope not in own)
         rejected = {q: self._rejections[OTHER, q] for q in QUOTA_KEYS}
         return (*named, TenantReport(OTHER, other, self.quotas.default, rejected))
@@ -397,28 +408,15 @@ async def demote_own(ledger: UsageLedger, stack: TierStack, locks: KeyedLocks, t
 async def demote_out_of_memory(stack: TierStack, locks: KeyedLocks, key: str,
                                below: int) -> bool:
     """Move ``key`` from the memory tiers (those above ``below``) to tier ``below`` or
-    lower, as eviction would (a window blob, which lives only in memory, is dropped and
-    ``on_window_dropped`` told); False when no tier there takes it."""
+    lower (``TierStack.demote``; a window blob, which lives only in memory, is dropped);
+    False when no tier there takes it."""
     async with locks.hold(key):
-        holders = stack.holders(key)
-        if not any(i < below for i in holders):
+        if not any(i < below for i in stack.holders(key)):
             return True
         if is_window_key(key):
-            for i in holders:
-                await stack.delete(i, key, evicted=True)
-            if not stack.holders(key):
-                stack.counters.windows_dropped += 1
-                stack.on_window_dropped(key)
+            await stack.drop_window(key)
             return True
-        if not any(i >= below for i in holders):
-            try:
-                data, _, _ = await stack.read(key, access=False)
-            except DataLoss:
-                return False
-            placed = await stack.place(key, data, start=below)
-            if placed is None:
-                return False
-            stack.counters.demotions[stack.tiers[placed].name] += 1
-        for i in (i for i in holders if i < below):
-            await stack.delete(i, key, evicted=True)
-        return True
+        try:
+            return await stack.demote(key, below)
+        except DataLoss:
+            return False

@@ -22,9 +22,10 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -33,14 +34,17 @@ from kvstore.format.chunk import LayerSlice, StreamData, decode_chunk
 from kvstore.format.errors import DataLoss, InvalidRequest, SessionNotFound
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.registry import get_layout
-from kvstore.placement.blocks import Blocks
-from kvstore.placement.locks import KeyedLocks
-from kvstore.placement.refcount import RefLedger
-from kvstore.placement.stack import Check, TierStack, is_window_key
-from kvstore.session.catalog import Catalog
+from kvstore.placement.reads import Check
+from kvstore.placement.stack import is_window_key
+from kvstore.session.context import StoreContext
 from kvstore.session.manifest import SessionManifest, check_name
-from kvstore.stats import Counters
 from kvstore.tiers.base import Buffer
+
+
+class ChunkBytes(NamedTuple):
+    data: Buffer
+    tier: str  # the name of the tier they were read from
+
 
 READ_BATCH = 32  # chunks a restore asks the tiers for at once
 # last_access (which TTLs count from) is rewritten at most this often: a manifest commit
@@ -161,18 +165,16 @@ class SessionReader:
 
 
 class Restorer:
-    def __init__(self, catalog: Catalog, blocks: Blocks, stack: TierStack, locks: KeyedLocks,
-                 ledger: RefLedger, counters: Counters, *,
-                 spawn: Callable[[Awaitable], None], lookahead: int) -> None:
-        """``spawn`` runs background work (promotions, access times) that ``drain``
-        waits for; ``lookahead``: chunks a streamed restore fetches ahead by default."""
-        self._catalog = catalog
-        self._blocks = blocks
-        self._stack = stack
-        self._locks = locks
-        self._ledger = ledger
-        self._counters = counters
-        self._spawn = spawn
+    def __init__(self, store: StoreContext, *, lookahead: int) -> None:
+        """``lookahead``: chunks a streamed restore fetches ahead by default. Promotions
+        and access times run in the background (``store.spawn``)."""
+        self._catalog = store.catalog
+        self._blocks = store.blocks
+        self._stack = store.stack
+        self._locks = store.locks
+        self._ledger = store.ledger
+        self._counters = store.counters
+        self._spawn = store.spawn
         self.lookahead = lookahead
 
     @asynccontextmanager
@@ -250,7 +252,7 @@ class Restorer:
             return PrefetchResult(blocks, promoted, complete=False)
         return PrefetchResult(blocks, promoted, complete=True)
 
-    async def read_chunk(self, manifest: SessionManifest, index: int) -> tuple[Buffer, str]:
+    async def read_chunk(self, manifest: SessionManifest, index: int) -> ChunkBytes:
         """See ``TierManager.read_chunk``: an internal read, not counted, not promoted."""
         if not 0 <= index < len(manifest.chunk_keys):
             raise InvalidRequest(f"chunk index {index} out of range "
@@ -259,10 +261,10 @@ class Restorer:
         check = restored_chunk_check(get_layout(manifest.layout_id), manifest.token_ids, index,
                                      key)
         data, source, _ = await self._stack.read(key, check, access=False)
-        return data, self._stack.tiers[source].name
+        return ChunkBytes(data, self._stack.tiers[source].name)
 
     async def read_block(self, key: str, check: Check, protect: frozenset[str], *,
-                          promote_now: bool = False) -> tuple[Buffer, str]:
+                          promote_now: bool = False) -> ChunkBytes:
         data, source, bad = await self._stack.read(key, check)
         if source > 0 or bad:
             promotion = self._promote(key, data, source, bad, protect)
@@ -270,7 +272,7 @@ class Restorer:
                 await promotion
             else:
                 self._spawn(promotion)
-        return data, self._stack.tiers[source].name
+        return ChunkBytes(data, self._stack.tiers[source].name)
 
     async def read_blocks(self, keys: list[str], checks: list[Check], protect: frozenset[str],
                           promotions: list) -> list[tuple[Buffer, str] | DataLoss]:

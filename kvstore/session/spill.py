@@ -1,20 +1,14 @@
 """Spills: a session's chunks, tail and window stored as a new generation; store_window.
 
-``Spiller`` places sent chunks (or confirms the ones named by key only), places the
-window blob, commits the manifest with its reference changes through the ``Catalog``,
-frees what the older generation alone held, and queues chunks not yet on a durable tier
-for write-back (an "in memory" ack). The rules are documented on ``TierManager`` and in
-``kvstore.placement.stack``.
-
-Chunks are named by block key (chain key + digest of the bytes, ``kvstore.format.keys``), so a
-dedupe is a byte-for-byte match within the spill's dedupe domain, and different bytes
-for one chain key are stored as their own version. A spill repeated at the stored
-generation with identical content (a client's retry after a lost reply) is answered
-with the first one's receipt; other content at that generation is ``GenerationConflict``.
-
-Every spill, and every rebuilt window kept, is admitted through ``QuotaGate.reserve``
-(``kvstore.session.quota``) before anything is stored; ``Spiller._admit`` says how a spill that
-would pass ``memory_bytes`` is placed.
+``Spiller`` places sent chunks (or confirms the ones named by key only) and the window
+blob, commits the manifest with its reference changes through the ``Catalog``, lets go
+of what the older generation alone held, and queues chunks not yet on a durable tier for
+write-back (an "in memory" ack). Rules: ``TierManager``, ``kvstore.placement.stack``, and
+for admission ``kvstore.session.quota``. Chunks are named by block key (chain key and the
+digest of the bytes, ``kvstore.format.keys``): a dedupe is a byte-for-byte match within
+the spill's dedupe domain, and other bytes for one chain key are a version of their own.
+A ``SpillHook`` (the encrypting tiers' domain claims, ``kvstore.encryption.claims``) runs
+around every spill.
 """
 
 from __future__ import annotations
@@ -25,7 +19,8 @@ import hashlib
 import logging
 import time
 from collections.abc import Sequence
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, Protocol
 
 import numpy as np
 
@@ -33,27 +28,21 @@ from kvstore.eviction.pause_estimate import PauseEstimator
 from kvstore.format.checks import check_spill, check_window, chunk_bytes_max, restored_chunk_check
 from kvstore.format.errors import (
     ChunksNotHeld,
-    DataLoss,
     GenerationConflict,
     InvalidRequest,
     QuotaExceeded,
     StaleGeneration,
-    TierUnavailable,
 )
 from kvstore.format.hints import ResumeHint
 from kvstore.format.keys import check_fingerprint, chunk_digest, dedupe_scope, token_bytes
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.registry import get_layout
-from kvstore.placement.blocks import Blocks
-from kvstore.placement.locks import KeyedLocks
-from kvstore.placement.refcount import RefLedger
-from kvstore.placement.stack import WINDOW_PREFIX, Check, TierStack, not_placed
-from kvstore.placement.writeback import WriteBack, WriteBackQueue
-from kvstore.prefix.chains import Retention
-from kvstore.session.catalog import Catalog
+from kvstore.placement.blocks import ChunkOutcome
+from kvstore.placement.stack import WINDOW_PREFIX
+from kvstore.placement.writeback import WriteBack
+from kvstore.session.context import StoreContext
 from kvstore.session.manifest import SessionManifest, SpillReceipt, check_name, window_coverage
-from kvstore.session.quota import QuotaGate, Reservation, TenantUsage, demote_own, memory_floor
-from kvstore.stats import Counters
+from kvstore.session.quota import Reservation, TenantUsage, demote_own, memory_floor
 from kvstore.tiers.base import Buffer
 
 Ack = Literal["memory", "durable"]
@@ -61,71 +50,96 @@ log = logging.getLogger(__name__)
 CHECK_ON_LOOP_BYTES = 1 << 20  # about a millisecond of hashing
 
 
+@dataclass(frozen=True, kw_only=True)
+class SpillRequest:
+    """One spill: a session's new generation. ``chunks``: (block key as
+    ``kvstore.format.keys.block_keys`` makes it, encoded bytes) of every complete chunk
+    in order, or (key, None) for one the store holds already (referenced unread);
+    ``tail``: the partial last chunk or b""; ``window``: the window blob or None (buffers
+    unchanged until the spill returns); ``hint``: None lets the manager infer one;
+    ``model_fingerprint``: the model's weights/version id (required by layouts with
+    ``requires_model_fingerprint``); ``dedupe_domain``: a shared domain, None for the
+    tenant's own (the caller decides who may use one)."""
+
+    tenant: str
+    session_id: str
+    layout_id: str
+    generation: int
+    token_ids: Sequence[int] | np.ndarray
+    chunks: Sequence[tuple[str, Buffer | None]]
+    tail: Buffer = b""
+    window: Buffer | None = None
+    ack: Ack = "memory"
+    hint: ResumeHint | None = None
+    ttl_s: float | None = None
+    model_fingerprint: str = ""
+    dedupe_domain: str | None = None
+
+    @property
+    def keys(self) -> list[str]:
+        return [key for key, _ in self.chunks]
+
+    @property
+    def sent_bytes(self) -> int:
+        """The bytes the spill carries: sent chunks, tail and window."""
+        return (sum(len(data) for _, data in self.chunks if data is not None) + len(self.tail)
+                + (len(self.window) if self.window is not None else 0))
+
+
+class SpillHook(Protocol):
+    """Runs around every spill: ``before`` it is checked, ``after`` it ended either way."""
+
+    def before(self, request: SpillRequest) -> None: ...
+
+    def after(self, request: SpillRequest, store: StoreContext) -> None: ...
+
+
+class Admission(NamedTuple):
+    reservation: Reservation  # released once the manifest is committed, or the spill failed
+    start: int  # the first tier the sent chunks may take
+    keep_window: bool
+
+
 class Spiller:
-    def __init__(self, catalog: Catalog, blocks: Blocks, stack: TierStack, locks: KeyedLocks,
-                 ledger: RefLedger, counters: Counters, writeback: WriteBackQueue, *,
-                 pauses: PauseEstimator | None, durable_meta: bool, quotas: QuotaGate,
-                 retention: Retention) -> None:
+    def __init__(self, store: StoreContext, *, pauses: PauseEstimator | None,
+                 durable_meta: bool, hook: SpillHook | None = None) -> None:
         """``pauses``: infers hints for spills without one (None: no inference);
-        ``durable_meta``: whether manifests survive a restart (a durable ack needs it);
-        ``quotas``: admits each spill against its tenant's limits; ``retention``: keeps
-        chunks left unreferenced as cache (or says to free them)."""
-        self._catalog = catalog
-        self._blocks = blocks
-        self._stack = stack
-        self._locks = locks
-        self._ledger = ledger
-        self._counters = counters
-        self._writeback = writeback
+        ``durable_meta``: whether manifests survive a restart (a durable ack needs it)."""
+        self._store = store
+        self._catalog = store.catalog
+        self._blocks = store.blocks
+        self._stack = store.stack
+        self._locks = store.locks
+        self._ledger = store.ledger
+        self._counters = store.counters
+        self._quotas = store.quotas
+        self._retention = store.retention
         self._pauses = pauses
-        self._can_ack_durable = durable_meta and bool(blocks.durable)
-        self._quotas = quotas
-        self._retention = retention
-        self._below = memory_floor(stack)
-        self._placed_in_memory = stack.tiers[0].holds_window  # placement starts at tier 0
+        self._hook = hook
+        self._can_ack_durable = durable_meta and bool(store.blocks.durable)
+        self._below = memory_floor(store.stack)
+        self._placed_in_memory = store.stack.tiers[0].holds_window  # placement starts at 0
 
-    async def spill(
-        self,
-        tenant: str,
-        session_id: str,
-        *,
-        layout_id: str,
-        generation: int,
-        token_ids: Sequence[int] | np.ndarray,
-        chunks: Sequence[tuple[str, Buffer | None]],
-        tail: Buffer = b"",
-        window: Buffer | None = None,
-        ack: Ack = "memory",
-        hint: ResumeHint | None = None,
-        ttl_s: float | None = None,
-        model_fingerprint: str = "",
-        dedupe_domain: str | None = None,
-    ) -> SessionManifest:
+    async def spill(self, request: SpillRequest) -> SessionManifest:
         """Store a session (replacing its older generation) and return its manifest.
-
-        ``chunks``: (block key, codec-encoded bytes) of every complete chunk, in order,
-        keys as ``kvstore.format.keys.block_keys(spec.layout_id, token_ids, spec.chunk_tokens,
-        datas, scope=dedupe_scope(tenant, dedupe_domain), model_fingerprint=...)``;
-        ``tail``: the encoded partial last chunk or b""; ``window``: the encoded window
-        blob (``ephemeral=True``) or None. Buffers must stay unchanged until this returns.
-
-        ``hint``: the framework's resume hint; None lets the manager infer one
-        (``ManagerConfig.infer_hints``), which the manifest then records.
-
-        ``model_fingerprint``: the weights/version id of the model (required by layouts
-        with ``requires_model_fingerprint``); ``dedupe_domain``: a shared domain's name,
-        None for the tenant's own. The caller decides who may use a shared domain.
 
         At the stored generation, the same content (token ids, block keys, tail, window,
         layout, fingerprint, domain, ack) returns the stored manifest unchanged (its
-        ``receipt`` is what the first spill answered); other content raises
-        ``GenerationConflict``, an older generation ``StaleGeneration``.
-
-        A chunk given as ``(key, None)`` is one the store already holds (typically the
-        previous generation's prefix): it is referenced without its bytes being sent or
-        read back. If no tier holds one intact, ``ChunksNotHeld`` names them and nothing
-        is stored.
+        ``receipt`` is what the first spill answered: a client's retry after a lost
+        reply); other content raises ``GenerationConflict``, an older generation
+        ``StaleGeneration``. If no tier holds a chunk named by key intact,
+        ``ChunksNotHeld`` names them and nothing is stored.
         """
+        if self._hook is None:
+            return await self._spill(request)
+        self._hook.before(request)
+        try:
+            return await self._spill(request)
+        finally:
+            self._hook.after(request, self._store)
+
+    async def _spill(self, r: SpillRequest) -> SessionManifest:
+        tenant, session_id, generation, ack = r.tenant, r.session_id, r.generation, r.ack
         check_name("tenant", tenant)
         check_name("session_id", session_id)
         if ack not in ("memory", "durable"):
@@ -134,22 +148,20 @@ class Spiller:
             raise InvalidRequest("a durable ack needs a durable tier and a durable MetaStore")
         if not isinstance(generation, int) or generation < 0:
             raise InvalidRequest(f"generation must be an int >= 0, got {generation!r}")
-        spec = get_layout(layout_id)
-        tokens = np.frombuffer(token_bytes(token_ids), dtype="<u4")
-        check_fingerprint(model_fingerprint)
-        scope = dedupe_scope(tenant, dedupe_domain)
-        keys = [key for key, _ in chunks]
+        spec = get_layout(r.layout_id)
+        tokens = np.frombuffer(token_bytes(r.token_ids), dtype="<u4")
+        check_fingerprint(r.model_fingerprint)
+        scope = dedupe_scope(tenant, r.dedupe_domain)
+        keys = r.keys
 
         def checked() -> str:
-            check_spill(spec, tokens, chunks, tail, window, scope=scope,
-                        model_fingerprint=model_fingerprint)
-            return _content_digest(spec.layout_id, model_fingerprint, scope, ack, tokens,
-                                   keys, tail, window)
+            check_spill(spec, tokens, r.chunks, r.tail, r.window, scope=scope,
+                        model_fingerprint=r.model_fingerprint)
+            return _content_digest(spec.layout_id, r.model_fingerprint, scope, ack, tokens,
+                                   keys, r.tail, r.window)
 
         # Every byte is hashed: a large spill is checked off the event loop.
-        sent = (sum(len(data) for _, data in chunks if data is not None) + len(tail)
-                + (len(window) if window is not None else 0))
-        digest = (await asyncio.to_thread(checked) if sent > CHECK_ON_LOOP_BYTES
+        digest = (await asyncio.to_thread(checked) if r.sent_bytes > CHECK_ON_LOOP_BYTES
                   else checked())
         async with self._catalog.write(tenant, session_id):
             old = await self._catalog.load(tenant, session_id)
@@ -165,41 +177,41 @@ class Spiller:
                     f"{tenant}/{session_id}: generation {generation} is not newer than the "
                     f"stored {old.generation}"
                 )
+            hint = r.hint
             if self._pauses is not None:  # learns from every spill, hinted or not
                 inferred = self._pauses.on_spill(old.updated_at if old else None,
                                                  old.created_at if old else None, time.time())
                 hint = hint if hint is not None else inferred
-            reservation, start, keep_window = await self._admit(tenant, spec, old, chunks,
-                                                                tail, window)
+            admitted = await self._admit(r, spec, old)
             self._ledger.pin(keys)
             window_key = None
             try:
-                queued, sizes, deduped = await self._place_chunks(spec, tokens, chunks, old,
-                                                                  hint, ack, start)
+                outcomes = await self._place_chunks(spec, tokens, r.chunks, old, hint, ack,
+                                                    admitted.start)
                 window_tier = None
-                if window is not None and not keep_window:
-                    self._counters.windows_dropped += 1
+                if r.window is not None and not admitted.keep_window:
+                    self._stack.window_lost(None)
                     log.info("%s/%s: window not kept, over the tenant's memory_bytes quota "
                              "(a resume replays it)", tenant, session_id)
-                if window is not None and keep_window:
+                if r.window is not None and admitted.keep_window:
                     window_key = f"{WINDOW_PREFIX}{tenant}/{session_id}/{generation}"
-                    window_tier = await self._store_window(window_key, window, hint)
+                    window_tier = await self._store_window(window_key, r.window, hint)
+                deduped = sum(outcome.held for outcome in outcomes)
                 receipt = SpillReceipt(
                     chunks_written=len(keys) - deduped, chunks_deduped=deduped,
                     tier=self._top_tier(keys) or window_tier or "",
-                    bytes_received=sum(len(d) for _, d in chunks if d is not None)
-                    + len(tail) + (len(window) if window is not None else 0),
-                    window_kept=window_tier is not None, durable=ack == "durable")
+                    bytes_received=r.sent_bytes, window_kept=window_tier is not None,
+                    durable=ack == "durable")
                 now = time.time()
                 manifest = SessionManifest(
                     tenant=tenant, session_id=session_id, layout_id=spec.layout_id,
                     generation=generation, token_ids=tokens, chunk_keys=tuple(keys),
-                    chunk_sizes=tuple(sizes), tail=bytes(tail),
-                    window_tier=window_tier,
+                    chunk_sizes=tuple(outcome.size for outcome in outcomes),
+                    tail=bytes(r.tail), window_tier=window_tier,
                     window_key=window_key if window_tier is not None else None,
                     created_at=old.created_at if old else now, updated_at=now,
-                    last_access=now, ttl_s=ttl_s, hint=hint,
-                    model_fingerprint=model_fingerprint, dedupe_scope=scope,
+                    last_access=now, ttl_s=r.ttl_s, hint=hint,
+                    model_fingerprint=r.model_fingerprint, dedupe_scope=scope,
                     spill_digest=digest, receipt=receipt,
                 )
                 freed = await self._catalog.put(
@@ -207,39 +219,39 @@ class Spiller:
                     new=old is None, marks=self._retention.marks(
                         old.chunk_keys, old.chunk_sizes, old.dedupe_scope) if old else None,
                 )
-                reservation.release()  # the committed manifest now counts in its stead
+                admitted.reservation.release()  # the committed manifest counts in its stead
             except BaseException:
-                reservation.release()
-                sent = {key: len(data) for key, data in chunks if data is not None}
-                await self._blocks.free(self._retention.keep(self._ledger.unpin(keys), scope,
-                                                             sent))
+                admitted.reservation.release()
+                sent = {key: len(data) for key, data in r.chunks if data is not None}
+                await self._blocks.release(self._ledger.unpin(keys), scope, sent)
                 if window_key is not None:
                     await self._blocks.drop(window_key)
                 raise
             if freed:  # the older generation's alone
-                freed = self._retention.keep(freed, old.dedupe_scope, dict(
+                await self._blocks.release(freed, old.dedupe_scope, dict(
                     zip(old.chunk_keys, old.chunk_sizes, strict=True)))
-            await self._blocks.free(freed + self._retention.keep(self._ledger.unpin(keys), scope))
+            await self._blocks.release(self._ledger.unpin(keys), scope)
             if old is not None and old.window_key is not None:
                 await self._blocks.drop(old.window_key)
-        for key in (k for k, wants_writeback in zip(keys, queued, strict=True) if wants_writeback):
-            await self._writeback.submit(WriteBack(key, tenant, session_id, generation))
+        for key, outcome in zip(keys, outcomes, strict=True):
+            if outcome.needs_writeback:
+                await self._store.durability.queue.submit(
+                    WriteBack(key, tenant, session_id, generation))
         self._counters.spills += 1
         return manifest
 
     async def _place_chunks(self, spec: LayoutSpec, tokens: np.ndarray,
                             chunks: Sequence[tuple[str, Buffer | None]],
                             old: SessionManifest | None, hint: ResumeHint | None, ack: Ack,
-                            start: int) -> tuple[list[bool], list[int], int]:
+                            start: int) -> list[ChunkOutcome]:
         """Place the sent chunks (in tier ``start`` or lower) and confirm the ones named by
-        key only (those first, so a refused spill wrote nothing). Returns, per chunk,
-        whether it needs write-back and its encoded size; and how many chunks were
-        already held (deduped)."""
+        key only (those first, so a refused spill wrote nothing); each chunk's outcome."""
         known = dict(zip(old.chunk_keys, old.chunk_sizes, strict=True)) if old else {}
         by_key = [i for i, (_, data) in enumerate(chunks) if data is None]
         found = await self._blocks.gather(
-            self._reference_chunk(chunks[i][0], known.get(chunks[i][0]),
-                                  restored_chunk_check(spec, tokens, i, chunks[i][0]), hint, ack)
+            self._blocks.reference(chunks[i][0], known.get(chunks[i][0]),
+                                   restored_chunk_check(spec, tokens, i, chunks[i][0]), hint,
+                                   durable_ack=ack == "durable")
             for i in by_key)
         missing = [i for i, result in zip(by_key, found, strict=True) if result is None]
         if missing:
@@ -247,45 +259,31 @@ class Spiller:
         protect = frozenset(key for key, _ in chunks)
         sent = [i for i, (_, data) in enumerate(chunks) if data is not None]
         stored = await self._blocks.gather(
-            self._store_chunk(chunks[i][0], chunks[i][1], hint, ack, protect, start)
+            self._blocks.store(chunks[i][0], chunks[i][1], hint, protect, start,
+                               durable_ack=ack == "durable")
             for i in sent)
-        results = dict(zip(by_key, found, strict=True))
-        results.update((i, (wants, len(chunks[i][1])))
-                       for i, (wants, _) in zip(sent, stored, strict=True))
-        deduped = len(by_key) + sum(held for _, held in stored)
-        return ([results[i][0] for i in range(len(chunks))],
-                [results[i][1] for i in range(len(chunks))], deduped)
+        outcomes = dict(zip(by_key, found, strict=True)) | dict(zip(sent, stored, strict=True))
+        return [outcomes[i] for i in range(len(chunks))]
 
-    async def _admit(self, tenant: str, spec: LayoutSpec, old: SessionManifest | None,
-                     chunks: Sequence[tuple[str, Buffer | None]], tail: Buffer,
-                     window: Buffer | None) -> tuple[Reservation, int, bool]:
-        """Admit the spill against the tenant's quotas before anything is stored: (what it
-        reserved, the first tier its sent chunks may take, whether its window may be kept).
-
-        ``sessions`` and ``durable_bytes`` are refused (``QuotaExceeded``) when the spill
-        would pass them; a chunk named by key whose size is unknown here counts as the
-        largest chunk the layout allows. ``memory_bytes``: the spill's chunks in memory
-        (sent ones land there first) plus its window, less what the older generation
-        holds there. When that would pass the limit and a tier lies below the memory
-        tiers, the tenant's own memory-resident data is moved down first (chunks as
-        eviction moves them, windows dropped: their resumes replay); if that is not
-        enough, the sent chunks go straight below the memory tiers and the window is not
-        kept. Refused only when what must stay in memory (chunks named by key that no
-        lower tier took) still does not fit, or when no tier lies below.
-        """
+    async def _admit(self, r: SpillRequest, spec: LayoutSpec, old: SessionManifest | None
+                     ) -> Admission:
+        """Admit the spill against the tenant's quotas before anything is stored, as
+        ``kvstore.session.quota`` states the rules (a chunk named by key whose size is
+        unknown here counts as the largest chunk the layout allows)."""
+        tenant, chunks = r.tenant, r.chunks
         usage = self._quotas.ledger
         known = dict(zip(old.chunk_keys, old.chunk_sizes, strict=True)) if old else {}
         largest = chunk_bytes_max(spec, spec.chunk_tokens)
-        stored = len(tail) + sum(len(data) if data is not None else
-                                 known.get(key) or usage.memory_bytes(key) or largest
-                                 for key, data in chunks)
+        stored = len(r.tail) + sum(len(data) if data is not None else
+                                   known.get(key) or usage.memory_bytes(key) or largest
+                                   for key, data in chunks)
         need = TenantUsage(sessions=int(old is None),
                            durable_bytes=stored - (old.stored_bytes if old else 0))
-        await self._shed_retained(tenant, need.durable_bytes, [key for key, _ in chunks])
+        await self._shed_retained(tenant, need.durable_bytes, r.keys)
         self._quotas.check(tenant, need)  # before moving anything for memory
         sent = sum(len(data) for _, data in chunks if data is not None)
         sent = sent if self._placed_in_memory else 0
-        extra = len(window) if window is not None else 0
+        extra = len(r.window) if r.window is not None else 0
 
         def held() -> int:  # memory the spill's chunks named by key add, net of the old's
             by_key = sum(usage.memory_bytes(key) for key, data in chunks if data is None)
@@ -303,8 +301,8 @@ class Spiller:
             memory = held() + sent + extra
             if room is not None and memory > room:
                 memory, start, keep_window = held(), self._below, False
-        return (self._quotas.reserve(tenant, dataclasses.replace(need, memory_bytes=memory)),
-                start, keep_window)
+        return Admission(self._quotas.reserve(
+            tenant, dataclasses.replace(need, memory_bytes=memory)), start, keep_window)
 
     async def _shed_retained(self, tenant: str, grows: int, keys: Sequence[str]) -> None:
         """The retained chunks of the tenant's own domain live in the room its
@@ -326,81 +324,11 @@ class Spiller:
         tops = [holders[0] for holders in map(self._stack.holders, keys) if holders]
         return self._stack.tiers[min(tops)].name if tops else ""
 
-    async def _reference_chunk(self, key: str, size: int | None, check: Check,
-                               hint: ResumeHint | None, ack: Ack) -> tuple[bool, int] | None:
-        """A chunk named by key only: None when no tier holds it intact, else (whether it
-        still needs write-back, its size). Its bytes are read only when its size is
-        unknown (not in the session's last manifest) or a durable ack must copy it."""
-        async with self._locks.hold(key):
-            self._stack.touch(key, hint)
-            # one another node of the fleet wrote: Redis or the bucket knows it
-            if not (await self._stack.confirmed_holder(key)
-                    or await self._stack.find_shared(key)):
-                return None
-            durable = self._blocks.any_durable(self._stack.holders(key))
-            data = None
-            if size is None or (ack == "durable" and not durable):
-                try:
-                    data, _, _ = await self._stack.read(key, check, access=False)
-                except DataLoss:
-                    return None
-                size = len(data)
-            self._counters.dedupe_hits += 1
-            if durable:
-                return False, size
-            if ack == "memory":
-                return bool(self._blocks.durable), size
-            unavailable: list[TierUnavailable] = []
-            if await self._blocks.copy_to_durable(key, data, unavailable):
-                return False, size
-            raise not_placed(f"no durable tier took chunk {key} ({size} B)", unavailable)
-
-    async def _store_chunk(self, key: str, data: Buffer, hint: ResumeHint | None, ack: Ack,
-                           protect: frozenset[str], start: int) -> tuple[bool, bool]:
-        """Place one chunk (or find it held, the very bytes: the key binds their digest);
-        (whether it still needs write-back, whether it was held)."""
-        async with self._locks.hold(key):
-            self._stack.touch(key, hint)
-            holders = await self._stack.confirmed_holder(key)
-            held = bool(holders)
-            unavailable: list[TierUnavailable] = []  # outages, told apart from full tiers
-            if held:
-                self._counters.dedupe_hits += 1
-            else:
-                placed = await self._stack.place(key, data, protect=protect, start=start,
-                                                 unavailable=unavailable)
-                if placed is None:
-                    raise not_placed(f"no tier has room for chunk {key} ({len(data)} B)",
-                                     unavailable)
-                holders = [placed]
-            durable = self._blocks.any_durable(holders)
-            if durable or ack == "memory":
-                await self._share(key, data, protect)
-                return not durable and bool(self._blocks.durable), held
-            copied, _ = await asyncio.gather(  # the bucket and Redis at once; both end here
-                self._blocks.copy_to_durable(key, data, unavailable),
-                self._share(key, data, protect), return_exceptions=True)
-            if isinstance(copied, BaseException):
-                raise copied
-            if copied:
-                return False, held
-            raise not_placed(f"no durable tier took chunk {key} ({len(data)} B)", unavailable)
-
-    async def _share(self, key: str, data: Buffer, protect: frozenset[str]) -> None:
-        """Write the chunk through to the fleet's shared cache (Redis; nothing on a single
-        node), so other nodes read it there: it is a cache, its failure fails nothing."""
-        try:
-            await self._stack.share(key, data, protect=protect)
-        except Exception as exc:  # noqa: BLE001 - TierStack.share handles the tiers' own
-            log.warning("write-through of chunk %s to the shared cache failed: %r", key, exc)
-
     async def _store_window(self, key: str, data: Buffer, hint: ResumeHint | None
                             ) -> str | None:
-        async with self._locks.hold(key):
-            self._stack.touch(key, hint)
-            placed = await self._stack.place(key, data)
+        placed = await self._blocks.place_window(key, data, hint)
         if placed is None:
-            self._counters.windows_dropped += 1
+            self._stack.window_lost(None)
             log.warning("no window tier has room for %s (%d B): replay will be needed",
                         key, len(data))
             return None
@@ -474,7 +402,7 @@ class Spiller:
             reservation = self._quotas.reserve(
                 tenant, TenantUsage(memory_bytes=len(data)), count=False, what="window")
         except QuotaExceeded:
-            self._counters.windows_dropped += 1
+            self._stack.window_lost(None)
             log.info("%s/%s: rebuilt window not kept, over the tenant's memory_bytes quota",
                      tenant, session_id)
             return None

@@ -104,22 +104,22 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     async def _spill(self, request_iterator: AsyncIterator[pb.SpillRequest],
                      peer: str, flight: InFlight) -> pb.SpillReply:
         started = time.perf_counter()
-        plan = None
+        incoming = None
 
         def read(kind: str, payload: pb.Payload) -> bytes:
             if payload.WhichOneof("body") == "shm" and \
-                    payload.shm.length > plan.payload_limit(kind):
+                    payload.shm.length > incoming.payload_limit(kind):
                 # refused before it is copied out of the segment (on the event loop)
                 raise InvalidRequest(f"the {kind} payload is {payload.shm.length} B of shared "
-                                     f"memory; layout {plan.spec.name} encodes it in at most "
-                                     f"{plan.payload_limit(kind)} B")
+                                     f"memory; layout {incoming.spec.name} encodes it in at most "
+                                     f"{incoming.payload_limit(kind)} B")
             data = self._payload_bytes(payload, peer,
-                                       self.config.max_spill_bytes - plan.bytes_received)
-            flight.reserve(plan.tenant, len(data))
+                                       self.config.max_spill_bytes - incoming.bytes_received)
+            flight.reserve(incoming.tenant, len(data))
             return data
 
         async for message in request_iterator:
-            kind = check.spill_item(message, plan)
+            kind = check.spill_item(message, incoming)
             if kind == "header":
                 # Held until the call ends (its token ids): counted before it is checked.
                 tenant, _ = _own_session(message.header.session, "header.session")
@@ -129,26 +129,18 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                                             self.config.default_ack, MAX_TOKENS,
                                             self.config.dedupe_domains)
                 # every chunk key is hashed again: a long chain is checked off the loop
-                plan = (await asyncio.to_thread(checked)
-                        if len(message.header.chunk_keys) > HEADER_KEYS_ON_LOOP else checked())
+                incoming = (await asyncio.to_thread(checked)
+                            if len(message.header.chunk_keys) > HEADER_KEYS_ON_LOOP
+                            else checked())
             elif kind == "chunk":
-                plan.add_chunk(message.chunk.key, read(kind, message.chunk))
+                incoming.add_chunk(message.chunk.key, read(kind, message.chunk))
             elif kind == "tail":
-                plan.add_tail(message.tail.key, read(kind, message.tail))
+                incoming.add_tail(message.tail.key, read(kind, message.tail))
             else:
-                plan.add_window(message.window.key, read(kind, message.window))
-        plan = check.spill_ended(plan)
-        plan.finish()
-        # Chunks left out go by key only: the store confirms it holds that key with that
-        # digest, unread.
-        chunks = [(key, plan.chunks.get(i)) for i, key in enumerate(plan.block_keys)]
+                incoming.add_window(message.window.key, read(kind, message.window))
+        request = check.spill_ended(incoming).finish()
         try:
-            manifest = await self.manager.spill(
-                plan.tenant, plan.session_id, layout_id=plan.spec.layout_id,
-                generation=plan.generation, token_ids=plan.tokens, chunks=chunks,
-                tail=plan.tail or b"", window=plan.window, ack=plan.ack, hint=plan.hint,
-                ttl_s=plan.ttl_s, model_fingerprint=plan.model_fingerprint,
-                dedupe_domain=plan.dedupe_domain)
+            manifest = await self.manager.spill_request(request)
         except ChunksNotHeld as exc:
             raise MissingChunks(str(exc)) from exc
         except CodecError as exc:

@@ -6,7 +6,7 @@ reference counts, so a server with a disk tier keeps every acknowledged session 
 restarts; without one the metadata lives in memory and durable acks are refused.
 
 With an encryption key configured (``encryption_key_file`` or ``KVTIER_ENCRYPTION_KEY``)
-the redis, disk and object tiers and the disk MetaStore's manifests are sealed
+the redis, disk and object tiers and the disk MetaStore's manifests are encrypted
 (``kvstore.encryption.tiers``); hbm and host never leave the process and stay in clear.
 """
 
@@ -94,7 +94,7 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
     if config.object_bytes:
         from kvstore.tiers.object import ObjectTier, ObjectTierConfig
 
-        # sealed values are random bytes: zstd would only cost time
+        # encrypted values are random bytes: zstd would only cost time
         level = config.object_compression_level if keyring is None else -1
         objects = ObjectTier(config.object_url, config.object_bytes, ObjectTierConfig(
             compression_level=None if level < 0 else level,
@@ -176,13 +176,13 @@ async def open_manager(config: ServerConfig) -> TierManager:
                      keyring.current)
         # reuse_policies() is one factory per stack: its tiers' policies share one model
         policy = {"reuse": reuse_policies(), "hint": HintPolicy, "lru": LRUPolicy}[config.eviction]
-        options = {"policy": policy, "config": manager_config(config),
-            "quotas": Quotas.from_tables(config.quota)}
-        if keyring is None:
-            return await TierManager.open(tiers, meta, **options)
-        from kvstore.encryption.manager import SealingTierManager
+        hook = None
+        if keyring is not None:  # the encrypting tiers learn each block's dedupe domain
+            from kvstore.encryption.claims import DomainClaims
 
-        return await SealingTierManager.open(tiers, meta, domains=domains, **options)
+            hook = DomainClaims(domains)
+        return await TierManager.open(tiers, meta, policy=policy, config=manager_config(config),
+                                      quotas=Quotas.from_tables(config.quota), spill_hook=hook)
     except BaseException as exc:
         for tier in tiers:
             await tier.close()

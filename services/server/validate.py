@@ -31,6 +31,7 @@ from kvstore.format.keys import (
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.registry import get_layout
 from kvstore.format.wire_limits import MAX_REPLAY_TOKENS
+from kvstore.session.spill import SpillRequest
 from proto import kvtier_pb2 as pb
 
 TENANT = re.compile(r"^[a-z0-9_-]{1,64}$")
@@ -83,7 +84,7 @@ def token_array(raw: bytes, field_name: str = "token_ids") -> np.ndarray:
 
 
 @dataclass
-class SpillPlan:
+class IncomingSpill:
     """A validated Spill header and what the stream after it may still carry."""
 
     tenant: str
@@ -201,13 +202,20 @@ class SpillPlan:
                                  f"header.token_ids[{start}:{start + count}]")
         return header
 
-    def finish(self) -> list[int]:
-        """Indices of named chunks the stream did not carry (the server may hold them)."""
+    def finish(self) -> SpillRequest:
+        """The store's request once the stream ended. Chunks it did not carry go by key
+        only: the store confirms it holds that key with that digest, unread."""
         if self.tail_digest and not self.tail:
             raise InvalidRequest("header.tail_digest is set but no tail was sent")
         if self.window_digest and self.window is None:
             raise InvalidRequest("header.window_digest is set but no window was sent")
-        return [i for i in range(len(self.keys)) if i not in self.chunks]
+        return SpillRequest(
+            tenant=self.tenant, session_id=self.session_id, layout_id=self.spec.layout_id,
+            generation=self.generation, token_ids=self.tokens,
+            chunks=[(key, self.chunks.get(i)) for i, key in enumerate(self.block_keys)],
+            tail=self.tail or b"", window=self.window, ack=self.ack, hint=self.hint,
+            ttl_s=self.ttl_s, model_fingerprint=self.model_fingerprint,
+            dedupe_domain=self.dedupe_domain)
 
 
 def _check_digest(what: str, data: bytes, stated: bytes, field_name: str) -> None:
@@ -230,28 +238,28 @@ def dedupe_domain(tenant: str, name: str, domains: Mapping[str, tuple[str, ...]]
     return name
 
 
-def spill_item(message: pb.SpillRequest, plan: SpillPlan | None) -> str:
+def spill_item(message: pb.SpillRequest, incoming: IncomingSpill | None) -> str:
     """Which item a Spill message carries ("header", "chunk", "tail" or "window"), checked
     to come in order: the header once and first, then the payloads."""
     kind = message.WhichOneof("item")
     if kind is None:
         raise InvalidRequest("a SpillRequest must carry header, chunk, tail or window")
-    if kind == "header" and plan is not None:
+    if kind == "header" and incoming is not None:
         raise InvalidRequest("the header was sent twice")
-    if kind != "header" and plan is None:
+    if kind != "header" and incoming is None:
         raise InvalidRequest(f"the first message must be the header, got {kind}")
     return kind
 
 
-def spill_ended(plan: SpillPlan | None) -> SpillPlan:
-    """The plan of a Spill stream that has ended: it must have had a header."""
-    if plan is None:
+def spill_ended(incoming: IncomingSpill | None) -> IncomingSpill:
+    """A Spill stream that has ended: it must have had a header."""
+    if incoming is None:
         raise InvalidRequest("empty Spill stream: the header is required")
-    return plan
+    return incoming
 
 
 def spill_header(header: pb.SpillHeader, default_ack: str, max_tokens: int,
-                 domains: Mapping[str, tuple[str, ...]] | None = None) -> SpillPlan:
+                 domains: Mapping[str, tuple[str, ...]] | None = None) -> IncomingSpill:
     """``domains``: the shared dedupe domains and the tenants that may use each."""
     tenant, session_id = session_ref(header.session, field_name="header.session")
     domain = dedupe_domain(tenant, header.dedupe_domain, domains or {})
@@ -296,7 +304,7 @@ def spill_header(header: pb.SpillHeader, default_ack: str, max_tokens: int,
     if header.HasField("hint"):
         pause = seconds("hint.expected_pause_s", header.hint.expected_pause_s, None)
         hint = ResumeHint(pause, header.hint.priority)
-    return SpillPlan(
+    return IncomingSpill(
         tenant=tenant, session_id=session_id, spec=spec, tokens=tokens, keys=keys,
         generation=header.generation, ack=ACKS.get(header.ack, default_ack), hint=hint,
         ttl_s=seconds("header.ttl_s", header.ttl_s, None), digests=digests,

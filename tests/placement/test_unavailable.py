@@ -42,7 +42,7 @@ async def test_spill_in_an_outage_cooldown_is_unavailable_not_full(tmp_path, wit
                                                                   managers):
     fs = FaultyFileSystem()
     manager, disk = await open_manager(managers, tmp_path, fs, with_memory)
-    stack = manager._stack
+    stack = manager.store.stack
     j = stack.index(disk.name)
     kept = await spill(manager, "before", 1)
     fs.fail("write", errno.EIO)  # one failed write: the disk is healthy again after it
@@ -70,7 +70,7 @@ async def test_a_truly_full_durable_tier_is_still_full(tmp_path, managers):
     fs.fail("write", errno.ENOSPC, times=None)  # the medium is full, not out
     with pytest.raises(TierFull):
         await spill(manager, "full", 1)
-    assert manager._stack.up(manager._stack.index(disk.name))
+    assert manager.store.stack.up(manager.store.stack.index(disk.name))
     fs.heal()
     await spill(manager, "room-again", 1)
     await managers.close(manager)

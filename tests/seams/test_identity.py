@@ -10,6 +10,7 @@ import grpc
 import pytest
 import torch
 
+from kvstore.encryption.claims import DomainClaims
 from kvstore.format.errors import MissingChunks, PreconditionFailed
 from kvstore.format.keys import dedupe_scope
 from kvtier import AsyncClient, Client, ModelMismatch  # exported for clients to catch
@@ -117,7 +118,7 @@ async def test_the_server_honours_a_chunk_named_by_key_only_with_the_held_digest
 
     async with running_server(tmp_path, **_sealed(tmp_path, sealed)) as (server, target), \
             grpc.aio.insecure_channel(target) as channel:
-        assert (type(server.manager).__name__ == "SealingTierManager") == sealed
+        assert isinstance(server.manager.spill_hook, DomainClaims) == sealed
         stub = pb_grpc.KVTierStub(channel)
         await stub.Spill(messages(raw_spill_header(pb.SessionRef(tenant="acme", session_id="a"),
                                                    TOKENS, a),

@@ -112,6 +112,6 @@ async def test_the_eviction_policy_reaches_every_tier(tmp_path, eviction, policy
                          overrides={"data_dir": tmp_path})
     manager = await open_manager(config)
     try:
-        assert {type(p).__name__ for p in manager._stack.policies} == {policy}
+        assert {type(p).__name__ for p in manager.store.stack.policies} == {policy}
     finally:
         await manager.close()

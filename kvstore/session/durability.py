@@ -38,8 +38,10 @@ Owner = tuple[str, str, int]  # tenant, session id, generation
 
 class WriteBackFailures:
     def __init__(self, catalog: Catalog, blocks: Blocks, counters: Counters, *,
-                 spawn: Callable[[Awaitable], None], retry_s: float,
-                 retry_max_s: float) -> None:
+                 spawn: Callable[[Awaitable], None], retry_s: float, retry_max_s: float,
+                 depth: int, workers: int) -> None:
+        """``queue``: the write-back queue (``depth`` jobs, ``workers`` at once) whose
+        failures this tracks."""
         self._catalog = catalog
         self._blocks = blocks
         self._counters = counters
@@ -47,15 +49,12 @@ class WriteBackFailures:
         self._retry_s = retry_s
         self._retry_max_s = retry_max_s
         self._delay = retry_s
-        self._queue: WriteBackQueue | None = None
+        self.queue = WriteBackQueue(self.write_back, depth=depth, workers=workers)
         self._open: dict[Owner, set[str]] = {}  # chunks whose write-back failed, not yet done
         self._lost: set[Owner] = set()  # sessions with a chunk no retry can bring back
         self._due: set[WriteBack] = set()  # failed jobs for the next retry round
         self._wake = asyncio.Event()
         self._retrier: asyncio.Task | None = None
-
-    def attach(self, queue: WriteBackQueue) -> None:
-        self._queue = queue
 
     async def write_back(self, job: WriteBack) -> None:
         """The write-back queue's handler."""
@@ -113,4 +112,4 @@ class WriteBackFailures:
             self._delay = min(self._delay * 2, self._retry_max_s)
             jobs, self._due = self._due, set()
             for job in jobs:
-                await self._queue.submit(job)
+                await self.queue.submit(job)

@@ -1,0 +1,166 @@
+"""Fall-through reads of a ``TierStack``: every copy verified, outages tried last.
+
+A read tries the tiers believed to hold the block, highest first, then the others,
+verifying every copy (``kvstore.format.chunk.verify_chunk``) and falling through on a
+corrupt copy (one that fails the check, or that the tier itself refuses with a
+``CodecError``, as the disk tier does for a record failing its checksum) or an
+unavailable tier, which is tried last. A read learns the copies it finds and forgets
+the ones a tier lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+from kvstore.format.chunk import verify_chunk
+from kvstore.format.errors import ChunkNotFound, CodecError, DataLoss, TierUnavailable
+from kvstore.tiers.base import Buffer
+
+if TYPE_CHECKING:
+    from kvstore.eviction.policies import EvictionPolicy, HintBook
+    from kvstore.stats import Counters
+    from kvstore.tiers.base import Tier
+
+log = logging.getLogger(__name__)
+
+Check = Callable[[Buffer], object]
+
+
+class Copy(NamedTuple):
+    """What a read found: the bytes, the tier they came from, and the tiers found
+    holding a bad copy."""
+
+    data: Buffer
+    tier: int
+    bad: list[int]
+
+
+def intact(data: Buffer) -> bool:
+    try:
+        verify_chunk(data)
+    except CodecError:
+        return False
+    return True
+
+
+class Reads:
+    """The read half of ``kvstore.placement.stack.TierStack``."""
+
+    tiers: tuple[Tier, ...]
+    policies: list[EvictionPolicy]
+    counters: Counters
+    hints: HintBook
+
+    async def read(self, key: str, check: Check = verify_chunk, *, access: bool = True
+                   ) -> Copy:
+        """The ``Copy`` read, or ``DataLoss``.
+
+        ``check`` raises a ``CodecError`` for bytes that must not be used. ``access``:
+        a client read (counted, and recent for the policy); internal copies pass False.
+        """
+        (got,) = await self.read_many([key], [check], access=access)
+        if isinstance(got, DataLoss):
+            raise got
+        return got
+
+    async def read_many(self, keys: Sequence[str], checks: Sequence[Check], *,
+                        access: bool = True) -> list[Copy | DataLoss]:
+        """``read`` of each key (its answer, or its ``DataLoss``), asking each tier for
+        all the keys it is to be tried for in one ``Tier.get_many`` (the disk tier reads
+        them in one go); the checks of a batch of many bytes run in a worker thread."""
+        if access:
+            self.counters.lookups += len(keys)
+        orders, believed = [], [self.holders(key) for key in keys]
+        for key, held in zip(keys, believed, strict=True):
+            order = held + [i for i in range(len(self.tiers))
+                            if i not in held and self.may_hold(i, key)]
+            down = [j for j in order if not self.up(j)]
+            for j in down:
+                if j in held:  # skipped, unless nothing else answers
+                    self.counters.fallthrough_unavailable[self.tiers[j].name] += 1
+            orders.append([j for j in order if j not in down] + down)  # outages last
+        out: list = [None] * len(keys)
+        tried, bad = [0] * len(keys), [[] for _ in keys]
+        problems: list[list[str]] = [[] for _ in keys]
+        pending = list(range(len(keys)))
+        while pending:
+            by_tier: dict[int, list[int]] = {}
+            for i in pending:
+                if tried[i] < len(orders[i]):
+                    by_tier.setdefault(orders[i][tried[i]], []).append(i)
+                    continue
+                if access:
+                    self.counters.misses += 1
+                found = "; ".join(problems[i]) or "no tier holds it"
+                out[i] = DataLoss(f"no intact copy of {keys[i]}: {found}")
+            pending = []
+            for j, batch in sorted(by_tier.items()):
+                got = await self.tiers[j].get_many([keys[i] for i in batch])
+                got = await _checked(got, [checks[i] for i in batch])
+                for i, value in zip(batch, got, strict=True):
+                    tried[i] += 1
+                    if self._outcome(j, keys[i], value, believed[i], bad[i], problems[i],
+                                     access):
+                        out[i] = Copy(value, j, bad[i])
+                    else:
+                        pending.append(i)
+        return out
+
+    def _outcome(self, j: int, key: str, got: Buffer | Exception, believed: list[int],
+                 bad: list[int], problems: list[str], access: bool) -> bool:
+        """Account for tier ``j``'s answer (bytes that passed the check, or why not) to a
+        read of ``key``; True when it is the read's answer."""
+        tier = self.tiers[j]
+        if isinstance(got, ChunkNotFound):
+            if j in believed:
+                self._forget(j, key)
+            return False
+        if isinstance(got, TierUnavailable):
+            if self.up(j):
+                self.counters.fallthrough_unavailable[tier.name] += 1
+            problems.append(f"{tier.name} unavailable")
+            self._mark_down(j, f"read of {key}", got)
+            return False
+        if isinstance(got, CodecError):  # from the check, or the tier's own record check
+            self.counters.fallthrough_corrupt[tier.name] += 1
+            problems.append(f"{tier.name} corrupt ({got})")
+            log.error("corrupt copy of %s in tier %s, falling through: %s", key, tier.name, got)
+            bad.append(j)
+            return False
+        if isinstance(got, Exception):
+            raise got
+        if access:
+            self.hints.read(key)
+        if j not in believed:
+            self._learn(j, key, len(got))
+        elif access:
+            self.policies[j].on_access(key, self.hints.get(key))
+        if access:
+            self.counters.hits[tier.name] += 1
+            self.counters.bytes_read[tier.name] += len(got)
+        return True
+
+
+# Checks of a batch of at least this many bytes run in a worker thread: BLAKE2b (a chunk's
+# digest) releases the GIL, and the event loop serves other requests meanwhile.
+CHECK_IN_THREAD_BYTES = 1 << 18
+
+
+async def _checked(got: list, checks: Sequence[Check]) -> list:
+    """``got`` with each value that fails its check replaced by the check's ``CodecError``."""
+    def run() -> list:
+        out = []
+        for value, check in zip(got, checks, strict=True):
+            if not isinstance(value, Exception):
+                try:
+                    check(value)
+                except CodecError as exc:
+                    value = exc
+            out.append(value)
+        return out
+
+    size = sum(len(v) for v in got if not isinstance(v, Exception))
+    return await asyncio.to_thread(run) if size >= CHECK_IN_THREAD_BYTES else run()

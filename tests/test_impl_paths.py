@@ -1,0 +1,132 @@
+"""The product files a Spill and a Resume run, as ``docs/impl.md`` lists them.
+
+One durable-acked Spill (with a window) and one Resume go through the real gRPC servicer
+of an embedded server with a host and a disk tier. ``sys.settrace`` (and
+``threading.settrace`` for the worker threads) records the file of every frame that runs
+in the RPC's context: a context variable set when the handler starts, which the tasks
+and worker threads it starts inherit, so a background task of the server is not counted.
+The Spill ends at the disk tier's index commit of its manifest (``DiskIndex.apply`` of a
+``MetaOp``), the Resume when its last reply is sent. The messages are built before the
+call and sent by the raw stub, so the client library is not on the path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import re
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+
+from kvstore.format.keys import chunk_digest, dedupe_scope
+from kvstore.tiers.disk.index import DiskIndex, MetaOp
+from kvtier.codec import as_tokens, encode_session, encode_window
+from proto import kvtier_pb2 as pb
+from proto import kvtier_pb2_grpc as pb_grpc
+from services.server.servicer import KVTierServicer
+from tests.service_support import (
+    LAYOUT,
+    ROOT,
+    raw_spill_header,
+    running_server,
+    streams_for,
+    tokens_for,
+    window_for,
+)
+
+PRODUCT = ("kvtier", "kvstore", "services", "replay", "model", "kernels", "proto")
+SPILL_BOUND = 38  # the files a Spill runs today: a change may lower it, never raise it
+N = 2 * LAYOUT.chunk_tokens + 40
+REF = pb.SessionRef(tenant="acme", session_id="s1")
+IN_RPC: contextvars.ContextVar[bool] = contextvars.ContextVar("in_rpc", default=False)
+
+
+class PathTrace:
+    """The product files run in an RPC's context from ``start`` (a handler's code) until
+    ``stops`` (a frame) says the path ended."""
+
+    def __init__(self, start, stops=lambda frame: False) -> None:
+        self.start, self.stops = start, stops
+        self.files: set[str] = set()
+        self.done = False
+
+    def __call__(self, frame, event, arg):
+        if event != "call" or self.done:
+            return None
+        if frame.f_code is self.start:
+            IN_RPC.set(True)
+        if not IN_RPC.get() or frame.f_code.co_name == "<module>":  # an import, not the path
+            return None
+        path = Path(frame.f_code.co_filename)
+        if path.is_relative_to(ROOT):
+            rel = path.relative_to(ROOT)
+            if rel.parts[0] in PRODUCT and not rel.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                self.files.add(rel.as_posix())
+        if self.stops(frame):
+            self.done = True
+        return None
+
+
+async def traced(trace: PathTrace, call) -> object:
+    # Fresh worker threads, so that each one starts traced.
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(4))
+    threading.settrace(trace)
+    sys.settrace(trace)
+    try:
+        return await call()
+    finally:
+        sys.settrace(None)
+        threading.settrace(None)
+
+
+def documented(section: str) -> set[str]:
+    """The files listed under ``## <section>`` in docs/impl.md (each a `path` in a table's
+    first column)."""
+    text = (ROOT / "docs" / "impl.md").read_text()
+    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `([\w/]+\.py)`", body, re.MULTILINE))
+
+
+def _messages(header, enc, window: bytes):
+    out = [pb.SpillRequest(header=header)]
+    out += [pb.SpillRequest(chunk=pb.Payload(key=enc.keys[i], data=data))
+            for i, data in sorted(enc.chunks.items())]
+    return out + [pb.SpillRequest(tail=pb.Payload(data=enc.tail)),
+                  pb.SpillRequest(window=pb.Payload(data=window))]
+
+
+def _is_manifest_commit(frame) -> bool:
+    return (frame.f_code is DiskIndex.apply.__code__
+            and any(isinstance(op, MetaOp) for op in frame.f_locals["ops"]))
+
+
+async def test_a_spill_and_a_resume_run_the_files_docs_impl_lists(tmp_path):
+    tokens = as_tokens(tokens_for(N))
+    enc = encode_session(LAYOUT, tokens, streams_for(LAYOUT, N), scope=dedupe_scope("acme"))
+    window = encode_window(LAYOUT, tokens, window_for(LAYOUT, N))
+    header = raw_spill_header(REF, tokens, enc, window_digest=chunk_digest(window),
+                              ack=pb.ACK_DURABLE)
+    messages = _messages(header, enc, window)
+    async with running_server(tmp_path) as (server, target), \
+            grpc.aio.insecure_channel(target) as channel:
+        assert "disk" in [tier.name for tier in server.manager.tiers]
+        stub = pb_grpc.KVTierStub(channel)
+        spill = PathTrace(KVTierServicer.Spill.__wrapped__.__code__, _is_manifest_commit)
+        reply = await traced(spill, lambda: stub.Spill(iter(messages)))
+        assert reply.durable and reply.window_kept and spill.done
+
+        async def resume() -> list:
+            return [r async for r in stub.Resume(pb.ResumeRequest(session=REF))]
+        resumed = PathTrace(KVTierServicer.Resume.__wrapped__.__code__)
+        replies = await traced(resumed, resume)
+        assert replies and not replies[-1].summary.replayed
+
+    assert "kvstore/tiers/disk/index.py" in spill.files  # it reached the commit
+    assert sorted(spill.files) == sorted(documented("The Spill path"))
+    assert len(spill.files) <= SPILL_BOUND, sorted(spill.files)
+    assert sorted(resumed.files) == sorted(documented("The Resume path"))
