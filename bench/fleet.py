@@ -1,4 +1,4 @@
-"""A fleet's resume paths and throughput, one run (issue #14, docs/fleet.md).
+"""A fleet's resume paths and throughput, one run (docs/fleet.md).
 
 ``python -m bench.fleet --json [--tokens 4096] [--sessions 4] [--resumes 96]``
 

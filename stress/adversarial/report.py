@@ -15,7 +15,7 @@ def section(stage: dict) -> list[str]:
         return json.dumps(shown, separators=(", ", ": "))[1:-1].replace("|", "/")
 
     out = ["## Adversarial (`python -m stress.adversarial`)", "",
-           "The attacks of issue #11, and on layouts at run time and prefix reuse (9a-9d), "
+           "Attacks on the store, on layouts at run time and on prefix reuse, "
            "each against a live server and replay worker; "
            f"all held: **{'yes' if stage['all_held'] else 'no'}**.", ""]
     out += table(["case", "held", "measured"],
