@@ -30,11 +30,7 @@ FORK_GENERATION = 1
 
 class Forker:
     def __init__(self, store: StoreContext) -> None:
-        self._catalog = store.catalog
-        self._blocks = store.blocks
-        self._stack = store.stack
-        self._locks = store.locks
-        self._quotas = store.quotas
+        self._store = store
 
     async def fork(self, tenant: str, source_id: str, new_id: str, upto_tokens: int
                    ) -> SessionManifest:
@@ -49,13 +45,14 @@ class Forker:
         async with AsyncExitStack() as held:
             # the two session locks in one order (by id), so crossing forks never deadlock
             for session_id in sorted((source_id, new_id)):
-                lock = (self._catalog.read if session_id == source_id else self._catalog.write)
+                catalog = self._store.catalog
+                lock = catalog.read if session_id == source_id else catalog.write
                 await held.enter_async_context(lock(tenant, session_id))
-            source = await self._catalog.load_required(tenant, source_id)
+            source = await self._store.catalog.load_required(tenant, source_id)
             if upto_tokens > source.num_tokens:
                 raise PreconditionFailed(f"{tenant}/{source_id} holds {source.num_tokens} "
                                          f"tokens; cannot fork at {upto_tokens}")
-            if await self._catalog.load(tenant, new_id) is not None:
+            if await self._store.catalog.load(tenant, new_id) is not None:
                 raise PreconditionFailed(f"{tenant}/{new_id} already exists: a fork creates "
                                          "a new session")
             return await self._fork(source, new_id, upto_tokens)
@@ -80,7 +77,7 @@ class Forker:
         the tenant's own memory-resident data is moved down first (as for a spill); the
         window is left out (the fork's Resume replays it) rather than the fork refused
         when only the window does not fit."""
-        tenant, usage = source.tenant, self._quotas.ledger
+        tenant, usage = source.tenant, self._store.quotas.ledger
 
         def need(window: bool) -> TenantUsage:
             held = sum(map(usage.memory_bytes, keys))
@@ -90,20 +87,20 @@ class Forker:
                                memory_bytes=held)
 
         # sessions and bytes first: nothing is moved for a fork refused anyway
-        self._quotas.check(tenant, TenantUsage(sessions=1, durable_bytes=sum(sizes) + len(tail)),
-                           what="fork")
+        stored = TenantUsage(sessions=1, durable_bytes=sum(sizes) + len(tail))
+        self._store.quotas.check(tenant, stored, what="fork")
         window = whole and bool(usage.memory_bytes(source.window_key))
-        room = self._quotas.room(tenant, "memory_bytes")
-        below = memory_floor(self._stack)
+        room = self._store.quotas.room(tenant, "memory_bytes")
+        below = memory_floor(self._store.stack)
         if room is not None and need(window).memory_bytes > room and below is not None:
-            await demote_own(usage, self._stack, self._locks, tenant,
+            await demote_own(usage, self._store.stack, self._store.locks, tenant,
                              need(window).memory_bytes - room, below)
             window = window and bool(usage.memory_bytes(source.window_key))
         if window:
             with suppress(QuotaExceeded):
-                return self._quotas.reserve(tenant, need(True), count=False,
+                return self._store.quotas.reserve(tenant, need(True), count=False,
                                             what="fork"), True
-        return self._quotas.reserve(tenant, need(False), what="fork"), False
+        return self._store.quotas.reserve(tenant, need(False), what="fork"), False
 
     async def _commit(self, source: SessionManifest, new_id: str, tokens, keys, sizes,
                       tail: bytes, copy_window: bool) -> SessionManifest:
@@ -121,10 +118,10 @@ class Forker:
             updated_at=now, last_access=now, ttl_s=source.ttl_s, hint=source.hint,
             model_fingerprint=source.model_fingerprint, dedupe_scope=source.dedupe_scope)
         try:
-            await self._catalog.put(manifest, acquire=keys, new=True)
+            await self._store.catalog.put(manifest, acquire=keys, new=True)
         except BaseException:
             if window_key is not None:
-                await self._blocks.drop(window_key)
+                await self._store.blocks.drop(window_key)
             raise
         return manifest
 
@@ -133,12 +130,12 @@ class Forker:
         and pending rows back to back) to the fork's own key; the tier it landed in, or
         None when it is gone or no window tier has room (the fork's Resume then replays)."""
         check = window_check(get_layout(source.layout_id), source.token_ids)
-        async with self._locks.hold(source.window_key):
+        async with self._store.locks.hold(source.window_key):
             try:
-                data, _, _ = await self._stack.read(source.window_key, check, access=False)
+                data, _, _ = await self._store.stack.read(source.window_key, check, access=False)
             except DataLoss:
                 return None
-        async with self._locks.hold(key):
-            await self._stack.delete_everywhere(key)  # a leftover must not stand in for it
-            placed = await self._stack.place(key, data)
-        return None if placed is None else self._stack.tiers[placed].name
+        async with self._store.locks.hold(key):
+            await self._store.stack.delete_everywhere(key)  # a leftover must not stand in for it
+            placed = await self._store.stack.place(key, data)
+        return None if placed is None else self._store.stack.tiers[placed].name

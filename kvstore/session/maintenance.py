@@ -39,12 +39,7 @@ class GarbageReport:
 
 class Maintenance:
     def __init__(self, store: StoreContext) -> None:
-        self._catalog = store.catalog
-        self._blocks = store.blocks
-        self._stack = store.stack
-        self._locks = store.locks
-        self._ledger = store.ledger
-        self._retention = store.retention  # chunks left unreferenced: kept as cache, or freed
+        self._store = store
 
     async def delete(self, tenant: str, session_id: str) -> DeleteResult:
         """See ``TierManager.delete``."""
@@ -55,24 +50,24 @@ class Maintenance:
     async def _delete_if(self, tenant: str, session_id: str,
                          condition: Callable[[SessionManifest], bool]) -> DeleteResult | None:
         """Delete the session if ``condition(manifest)`` holds under its write lock."""
-        async with self._catalog.write(tenant, session_id):
+        async with self._store.catalog.write(tenant, session_id):
             try:
-                manifest = await self._catalog.load_required(tenant, session_id)
+                manifest = await self._store.catalog.load_required(tenant, session_id)
             except DataLoss:
                 log.error("deleting the corrupt manifest of %s/%s: its chunks stay referenced",
                           tenant, session_id)
-                await self._catalog.remove(tenant, session_id)
+                await self._store.catalog.remove(tenant, session_id)
                 return DeleteResult(0, 0)
             if not condition(manifest):
                 return None
             scope, sizes = manifest.dedupe_scope, manifest.chunk_sizes
-            freed = await self._catalog.remove(
+            freed = await self._store.catalog.remove(
                 tenant, session_id, release=manifest.chunk_keys,
-                marks=self._retention.marks(manifest.chunk_keys, sizes, scope))
-            freed_here = await self._blocks.release(
+                marks=self._store.retention.marks(manifest.chunk_keys, sizes, scope))
+            freed_here = await self._store.blocks.release(
                 freed, scope, dict(zip(manifest.chunk_keys, sizes, strict=True)))
             if manifest.window_key is not None:
-                await self._blocks.drop(manifest.window_key)
+                await self._store.blocks.drop(manifest.window_key)
             return DeleteResult(len(manifest.chunk_keys), freed_here)
 
     async def demote(self, tenant: str, session_id: str, tier_name: str | None = None
@@ -85,32 +80,32 @@ class Maintenance:
         check_name("tenant", tenant)
         check_name("session_id", session_id)
         try:
-            target = self._stack.index(tier_name or self._stack.tiers[-1].name)
+            target = self._store.stack.index(tier_name or self._store.stack.tiers[-1].name)
         except KeyError:
             raise InvalidRequest(f"no tier named {tier_name!r}") from None
-        async with self._catalog.write(tenant, session_id):
-            manifest = await self._catalog.load_required(tenant, session_id)
-            await self._blocks.gather(self._demote_block(key, target)
+        async with self._store.catalog.write(tenant, session_id):
+            manifest = await self._store.catalog.load_required(tenant, session_id)
+            await self._store.blocks.gather(self._demote_block(key, target)
                                       for key in manifest.chunk_keys)
             window = manifest.window_key
             if window is None:
                 return manifest
-            tiers = self._stack.tiers
+            tiers = self._store.stack.tiers
             kept = tiers[target].holds_window and await self._demote_window(window, target)
             if not kept:
-                await self._blocks.drop(window)
-                self._stack.window_lost(window, tell=False)  # the manifest below says so
-            held = self._stack.holders(window) if kept else []
+                await self._store.blocks.drop(window)
+                self._store.stack.window_lost(window, tell=False)  # the manifest below says so
+            held = self._store.stack.holders(window) if kept else []
             manifest = manifest.evolve(window_tier=tiers[held[0]].name if held else None,
                                        window_key=window if held else None)
-            await self._catalog.put(manifest)
+            await self._store.catalog.put(manifest)
             return manifest
 
     async def _demote_block(self, key: str, target: int) -> None:
-        async with self._locks.hold(key):
+        async with self._store.locks.hold(key):
             unavailable: list[TierUnavailable] = []
-            if not await self._stack.demote(key, target, unavailable):
-                raise not_placed(f"no tier at or below {self._stack.tiers[target].name} "
+            if not await self._store.stack.demote(key, target, unavailable):
+                raise not_placed(f"no tier at or below {self._store.stack.tiers[target].name} "
                                  f"took {key}", unavailable)
 
     async def _demote_window(self, key: str, target: int) -> bool:
@@ -129,14 +124,14 @@ class Maintenance:
         """
         now = time.time() if now is None else now
         expired = 0
-        for manifest in await self._catalog.manifests():
+        for manifest in await self._store.catalog.manifests():
             if manifest.expired(now) and await self._delete_if(
                 manifest.tenant, manifest.session_id, lambda m: m.expired(now)
             ):
                 expired += 1
-        orphans = await self._blocks.free(self._retention.expired())
-        for j, tier in enumerate(self._stack.tiers):
-            if not self._stack.up(j):
+        orphans = await self._store.blocks.free(self._store.retention.expired())
+        for j, tier in enumerate(self._store.stack.tiers):
+            if not self._store.stack.up(j):
                 continue
             listing = tier.keys()
             try:
@@ -155,18 +150,18 @@ class Maintenance:
         """Delete ``key`` from tier ``j`` if nothing references it. Locks are taken in the
         manager's one order, session before key, as a spill takes them."""
         if not is_window_key(key):
-            if self._ledger.count(key) or self._retention.retained(key):
+            if self._store.ledger.count(key) or self._store.retention.retained(key):
                 return False  # referenced, or kept as cache (until pressure or its TTL)
-            async with self._locks.hold(key):
-                return not self._ledger.count(key) and await self._stack.delete(j, key)
+            async with self._store.locks.hold(key):
+                return not self._store.ledger.count(key) and await self._store.stack.delete(j, key)
         tenant, session_id, _ = key[len(WINDOW_PREFIX):].split("/")
         # under the read lock: a spill places its window before the manifest naming it
-        async with self._catalog.read(tenant, session_id):
+        async with self._store.catalog.read(tenant, session_id):
             try:
-                manifest = await self._catalog.load(tenant, session_id)
+                manifest = await self._store.catalog.load(tenant, session_id)
             except DataLoss:
                 return False
             if manifest is not None and manifest.window_key == key:
                 return False
-            async with self._locks.hold(key):
-                return await self._stack.delete(j, key)
+            async with self._store.locks.hold(key):
+                return await self._store.stack.delete(j, key)

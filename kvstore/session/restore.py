@@ -168,21 +168,15 @@ class Restorer:
     def __init__(self, store: StoreContext, *, lookahead: int) -> None:
         """``lookahead``: chunks a streamed restore fetches ahead by default. Promotions
         and access times run in the background (``store.spawn``)."""
-        self._catalog = store.catalog
-        self._blocks = store.blocks
-        self._stack = store.stack
-        self._locks = store.locks
-        self._ledger = store.ledger
-        self._counters = store.counters
-        self._spawn = store.spawn
+        self._store = store
         self.lookahead = lookahead
 
     @asynccontextmanager
     async def reading(self, tenant: str, session_id: str) -> AsyncIterator[SessionReader]:
         check_name("tenant", tenant)
         check_name("session_id", session_id)
-        async with self._catalog.read(tenant, session_id):
-            manifest = await self._catalog.load_required(tenant, session_id)
+        async with self._store.catalog.read(tenant, session_id):
+            manifest = await self._store.catalog.load_required(tenant, session_id)
             if manifest.expired():
                 raise SessionNotFound(f"session {tenant}/{session_id} has expired")
             reader = SessionReader(self, manifest, get_layout(manifest.layout_id))
@@ -190,10 +184,10 @@ class Restorer:
                 yield reader
             finally:
                 if reader.promotions:
-                    self._spawn(self._promote_all(reader.promotions, reader.blocks))
-        self._counters.restores += 1
+                    self._store.spawn(self._promote_all(reader.promotions, reader.blocks))
+        self._store.counters.restores += 1
         if time.time() - manifest.last_access > ACCESS_PERSIST_S:
-            self._spawn(self._note_access(tenant, session_id, manifest.generation))
+            self._store.spawn(self._note_access(tenant, session_id, manifest.generation))
 
     async def restore(self, tenant: str, session_id: str, *, want_window: bool = True
                       ) -> RestoreResult:
@@ -203,7 +197,8 @@ class Restorer:
             window, window_tier = await reader.window() if want_window else (None, None)
             manifest = reader.manifest
             has_window_streams = bool(reader.spec.ephemeral_streams)
-        held = manifest.window_key is not None and bool(self._stack.holders(manifest.window_key))
+        key = manifest.window_key
+        held = key is not None and bool(self._store.stack.holders(key))
         available = window is not None if want_window else held
         return RestoreResult(
             manifest=manifest,
@@ -222,17 +217,17 @@ class Restorer:
 
         async def lift(key: str, check, protect: frozenset[str]) -> None:
             nonlocal promoted
-            holders = self._stack.holders(key)
+            holders = self._store.stack.holders(key)
             if holders and holders[0] == 0:
                 return
             try:
-                data, source, bad = await self._stack.read(key, check)
+                data, source, bad = await self._store.stack.read(key, check)
             except DataLoss:
                 if is_window_key(key):
                     return  # evicted since the manifest was read: a restore will replay
                 raise
-            async with self._locks.hold(key):
-                target = await self._stack.promote(key, data, source, bad, protect)
+            async with self._store.locks.hold(key):
+                target = await self._store.stack.promote(key, data, source, bad, protect)
             promoted += target is not None and target < source
 
         try:
@@ -247,7 +242,7 @@ class Restorer:
                     check = window_check(reader.spec, m.token_ids)
                     work.append(lift(m.window_key, check, reader.blocks))
                 blocks = len(work)
-                await self._blocks.gather(work)
+                await self._store.blocks.gather(work)
         except TimeoutError:
             return PrefetchResult(blocks, promoted, complete=False)
         return PrefetchResult(blocks, promoted, complete=True)
@@ -260,33 +255,33 @@ class Restorer:
         key = manifest.chunk_keys[index]
         check = restored_chunk_check(get_layout(manifest.layout_id), manifest.token_ids, index,
                                      key)
-        data, source, _ = await self._stack.read(key, check, access=False)
-        return ChunkBytes(data, self._stack.tiers[source].name)
+        data, source, _ = await self._store.stack.read(key, check, access=False)
+        return ChunkBytes(data, self._store.stack.tiers[source].name)
 
     async def read_block(self, key: str, check: Check, protect: frozenset[str], *,
                           promote_now: bool = False) -> ChunkBytes:
-        data, source, bad = await self._stack.read(key, check)
+        data, source, bad = await self._store.stack.read(key, check)
         if source > 0 or bad:
             promotion = self._promote(key, data, source, bad, protect)
             if promote_now:
                 await promotion
             else:
-                self._spawn(promotion)
-        return ChunkBytes(data, self._stack.tiers[source].name)
+                self._store.spawn(promotion)
+        return ChunkBytes(data, self._store.stack.tiers[source].name)
 
     async def read_blocks(self, keys: list[str], checks: list[Check], protect: frozenset[str],
                           promotions: list) -> list[tuple[Buffer, str] | DataLoss]:
         """``read_block`` of each key (its DataLoss in its place), the promotions left
         in ``promotions`` for the caller to make."""
         out: list[tuple[Buffer, str] | DataLoss] = []
-        for key, got in zip(keys, await self._stack.read_many(keys, checks), strict=True):
+        for key, got in zip(keys, await self._store.stack.read_many(keys, checks), strict=True):
             if isinstance(got, DataLoss):
                 out.append(got)
                 continue
             data, source, bad = got
             if source > 0 or bad:
                 promotions.append((key, data, source, bad))
-            out.append((data, self._stack.tiers[source].name))
+            out.append((data, self._store.stack.tiers[source].name))
         return out
 
     async def _promote_all(self, promotions: list, protect: frozenset[str]) -> None:
@@ -295,15 +290,15 @@ class Restorer:
 
     async def _promote(self, key: str, data: Buffer, source: int, bad: list[int],
                        protect: frozenset[str]) -> None:
-        async with self._locks.hold(key):
-            if is_window_key(key) or self._ledger.count(key):  # not freed since the read
-                await self._stack.promote(key, data, source, bad, protect)
+        async with self._store.locks.hold(key):
+            if is_window_key(key) or self._store.ledger.count(key):  # not freed since the read
+                await self._store.stack.promote(key, data, source, bad, protect)
             else:  # another node's session (counts are per node): Redis keeps it for all
-                await self._stack.share(key, data, stop=source, protect=protect)
+                await self._store.stack.share(key, data, stop=source, protect=protect)
 
     async def _note_access(self, tenant: str, session_id: str, generation: int) -> None:
-        async with self._catalog.write(tenant, session_id):
+        async with self._store.catalog.write(tenant, session_id):
             with contextlib.suppress(DataLoss):  # a corrupt manifest is reported elsewhere
-                manifest = await self._catalog.load(tenant, session_id)
+                manifest = await self._store.catalog.load(tenant, session_id)
                 if manifest is not None and manifest.generation == generation:
-                    await self._catalog.put(manifest.evolve(last_access=time.time()))
+                    await self._store.catalog.put(manifest.evolve(last_access=time.time()))

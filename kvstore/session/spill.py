@@ -106,14 +106,6 @@ class Spiller:
         """``pauses``: infers hints for spills without one (None: no inference);
         ``durable_meta``: whether manifests survive a restart (a durable ack needs it)."""
         self._store = store
-        self._catalog = store.catalog
-        self._blocks = store.blocks
-        self._stack = store.stack
-        self._locks = store.locks
-        self._ledger = store.ledger
-        self._counters = store.counters
-        self._quotas = store.quotas
-        self._retention = store.retention
         self._pauses = pauses
         self._hook = hook
         self._can_ack_durable = durable_meta and bool(store.blocks.durable)
@@ -163,8 +155,8 @@ class Spiller:
         # Every byte is hashed: a large spill is checked off the event loop.
         digest = (await asyncio.to_thread(checked) if r.sent_bytes > CHECK_ON_LOOP_BYTES
                   else checked())
-        async with self._catalog.write(tenant, session_id):
-            old = await self._catalog.load(tenant, session_id)
+        async with self._store.catalog.write(tenant, session_id):
+            old = await self._store.catalog.load(tenant, session_id)
             if old is not None and generation == old.generation:
                 if old.spill_digest == digest and old.receipt is not None:
                     return old  # a retry of the spill that stored it: answered as before
@@ -183,14 +175,14 @@ class Spiller:
                                                  old.created_at if old else None, time.time())
                 hint = hint if hint is not None else inferred
             admitted = await self._admit(r, spec, old)
-            self._ledger.pin(keys)
+            self._store.ledger.pin(keys)
             window_key = None
             try:
                 outcomes = await self._place_chunks(spec, tokens, r.chunks, old, hint, ack,
                                                     admitted.start)
                 window_tier = None
                 if r.window is not None and not admitted.keep_window:
-                    self._stack.window_lost(None)
+                    self._store.stack.window_lost(None)
                     log.info("%s/%s: window not kept, over the tenant's memory_bytes quota "
                              "(a resume replays it)", tenant, session_id)
                 if r.window is not None and admitted.keep_window:
@@ -214,30 +206,30 @@ class Spiller:
                     model_fingerprint=r.model_fingerprint, dedupe_scope=scope,
                     spill_digest=digest, receipt=receipt,
                 )
-                freed = await self._catalog.put(
+                freed = await self._store.catalog.put(
                     manifest, acquire=keys, release=old.chunk_keys if old else (),
-                    new=old is None, marks=self._retention.marks(
+                    new=old is None, marks=self._store.retention.marks(
                         old.chunk_keys, old.chunk_sizes, old.dedupe_scope) if old else None,
                 )
                 admitted.reservation.release()  # the committed manifest counts in its stead
             except BaseException:
                 admitted.reservation.release()
                 sent = {key: len(data) for key, data in r.chunks if data is not None}
-                await self._blocks.release(self._ledger.unpin(keys), scope, sent)
+                await self._store.blocks.release(self._store.ledger.unpin(keys), scope, sent)
                 if window_key is not None:
-                    await self._blocks.drop(window_key)
+                    await self._store.blocks.drop(window_key)
                 raise
             if freed:  # the older generation's alone
-                await self._blocks.release(freed, old.dedupe_scope, dict(
+                await self._store.blocks.release(freed, old.dedupe_scope, dict(
                     zip(old.chunk_keys, old.chunk_sizes, strict=True)))
-            await self._blocks.release(self._ledger.unpin(keys), scope)
+            await self._store.blocks.release(self._store.ledger.unpin(keys), scope)
             if old is not None and old.window_key is not None:
-                await self._blocks.drop(old.window_key)
+                await self._store.blocks.drop(old.window_key)
         for key, outcome in zip(keys, outcomes, strict=True):
             if outcome.needs_writeback:
                 await self._store.durability.queue.submit(
                     WriteBack(key, tenant, session_id, generation))
-        self._counters.spills += 1
+        self._store.counters.spills += 1
         return manifest
 
     async def _place_chunks(self, spec: LayoutSpec, tokens: np.ndarray,
@@ -248,8 +240,8 @@ class Spiller:
         key only (those first, so a refused spill wrote nothing); each chunk's outcome."""
         known = dict(zip(old.chunk_keys, old.chunk_sizes, strict=True)) if old else {}
         by_key = [i for i, (_, data) in enumerate(chunks) if data is None]
-        found = await self._blocks.gather(
-            self._blocks.reference(chunks[i][0], known.get(chunks[i][0]),
+        found = await self._store.blocks.gather(
+            self._store.blocks.reference(chunks[i][0], known.get(chunks[i][0]),
                                    restored_chunk_check(spec, tokens, i, chunks[i][0]), hint,
                                    durable_ack=ack == "durable")
             for i in by_key)
@@ -258,8 +250,8 @@ class Spiller:
             raise ChunksNotHeld(missing)
         protect = frozenset(key for key, _ in chunks)
         sent = [i for i, (_, data) in enumerate(chunks) if data is not None]
-        stored = await self._blocks.gather(
-            self._blocks.store(chunks[i][0], chunks[i][1], hint, protect, start,
+        stored = await self._store.blocks.gather(
+            self._store.blocks.store(chunks[i][0], chunks[i][1], hint, protect, start,
                                durable_ack=ack == "durable")
             for i in sent)
         outcomes = dict(zip(by_key, found, strict=True)) | dict(zip(sent, stored, strict=True))
@@ -271,7 +263,7 @@ class Spiller:
         ``kvstore.session.quota`` states the rules (a chunk named by key whose size is
         unknown here counts as the largest chunk the layout allows)."""
         tenant, chunks = r.tenant, r.chunks
-        usage = self._quotas.ledger
+        usage = self._store.quotas.ledger
         known = dict(zip(old.chunk_keys, old.chunk_sizes, strict=True)) if old else {}
         largest = chunk_bytes_max(spec, spec.chunk_tokens)
         stored = len(r.tail) + sum(len(data) if data is not None else
@@ -280,7 +272,7 @@ class Spiller:
         need = TenantUsage(sessions=int(old is None),
                            durable_bytes=stored - (old.stored_bytes if old else 0))
         await self._shed_retained(tenant, need.durable_bytes, r.keys)
-        self._quotas.check(tenant, need)  # before moving anything for memory
+        self._store.quotas.check(tenant, need)  # before moving anything for memory
         sent = sum(len(data) for _, data in chunks if data is not None)
         sent = sent if self._placed_in_memory else 0
         extra = len(r.window) if r.window is not None else 0
@@ -291,17 +283,18 @@ class Spiller:
                 return by_key
             return by_key - sum(map(usage.memory_bytes, (*old.chunk_keys, old.window_key)))
 
-        room = self._quotas.room(tenant, "memory_bytes")
+        room = self._store.quotas.room(tenant, "memory_bytes")
         memory, start, keep_window = held() + sent + extra, 0, True
         if room is not None and memory > room and self._below is not None:
-            await demote_own(self._quotas.ledger, self._stack, self._locks, tenant,
+            store = self._store
+            await demote_own(store.quotas.ledger, store.stack, store.locks, tenant,
                              memory - room, self._below,
                              {key for key, data in chunks if data is not None})
-            room = self._quotas.room(tenant, "memory_bytes")
+            room = self._store.quotas.room(tenant, "memory_bytes")
             memory = held() + sent + extra
             if room is not None and memory > room:
                 memory, start, keep_window = held(), self._below, False
-        return Admission(self._quotas.reserve(
+        return Admission(self._store.quotas.reserve(
             tenant, dataclasses.replace(need, memory_bytes=memory)), start, keep_window)
 
     async def _shed_retained(self, tenant: str, grows: int, keys: Sequence[str]) -> None:
@@ -309,30 +302,30 @@ class Spiller:
         ``durable_bytes`` quota leaves: free the least recently used ones that a spill
         growing the use by ``grows`` needs the room of (none of ``keys``, the spill's
         own, which it references again). Nothing is freed for a spill refused anyway."""
-        room = self._quotas.room(tenant, "durable_bytes")
+        room = self._store.quotas.room(tenant, "durable_bytes")
         if room is None or grows > room:
             return
         scope = dedupe_scope(tenant)
         own = set(keys)
-        excess = (self._retention.bytes_of(scope) - sum(map(self._retention.size, own))
+        excess = (self._store.retention.bytes_of(scope) - sum(map(self._store.retention.size, own))
                   + max(0, grows) - room)
         if excess > 0:
-            await self._blocks.free(self._retention.over_quota(scope, excess, own))
+            await self._store.blocks.free(self._store.retention.over_quota(scope, excess, own))
 
     def _top_tier(self, keys: Sequence[str]) -> str:
         """The highest tier holding any of ``keys`` ("" when none is)."""
-        tops = [holders[0] for holders in map(self._stack.holders, keys) if holders]
-        return self._stack.tiers[min(tops)].name if tops else ""
+        tops = [holders[0] for holders in map(self._store.stack.holders, keys) if holders]
+        return self._store.stack.tiers[min(tops)].name if tops else ""
 
     async def _store_window(self, key: str, data: Buffer, hint: ResumeHint | None
                             ) -> str | None:
-        placed = await self._blocks.place_window(key, data, hint)
+        placed = await self._store.blocks.place_window(key, data, hint)
         if placed is None:
-            self._stack.window_lost(None)
+            self._store.stack.window_lost(None)
             log.warning("no window tier has room for %s (%d B): replay will be needed",
                         key, len(data))
             return None
-        return self._stack.tiers[placed].name
+        return self._store.stack.tiers[placed].name
 
     async def store_window(self, tenant: str, session_id: str, generation: int,
                            window: Buffer, *, replayed_tokens: int) -> str | None:
@@ -351,8 +344,8 @@ class Spiller:
         """
         check_name("tenant", tenant)
         check_name("session_id", session_id)
-        async with self._catalog.write(tenant, session_id):
-            manifest = await self._catalog.load_required(tenant, session_id)
+        async with self._store.catalog.write(tenant, session_id):
+            manifest = await self._store.catalog.load_required(tenant, session_id)
             if manifest.generation != generation:
                 raise StaleGeneration(f"{tenant}/{session_id} is at generation "
                                       f"{manifest.generation}, not {generation}: the "
@@ -367,7 +360,7 @@ class Spiller:
             check_window(spec, manifest.token_ids, window)
             coverage = window_coverage(replayed_tokens, n)
             old = manifest.window_key
-            held = old is not None and self._stack.holders(old)
+            held = old is not None and self._store.stack.holders(old)
             if held and manifest.window_coverage >= coverage:
                 return manifest.window_tier  # as good or better already (another resume's)
             if manifest.remote_window is not None and manifest.window_coverage > coverage:
@@ -378,19 +371,19 @@ class Spiller:
             # its own key per replay length: the window it replaces stays readable until
             # the manifest names this one
             key = f"{WINDOW_PREFIX}{tenant}/{session_id}/{generation}r{replayed_tokens}"
-            await self._blocks.drop(key)  # a leftover copy must not stand in for this one
+            await self._store.blocks.drop(key)  # a leftover copy must not stand in for this one
             tier = await self._store_rebuilt(tenant, session_id, key, window, manifest.hint)
             if tier is None:
                 return None
             try:
-                await self._catalog.put(manifest.evolve(
+                await self._store.catalog.put(manifest.evolve(
                     window_tier=tier, window_key=key, window_replayed=replayed_tokens,
                     remote_window=None))
             except BaseException:
-                await self._blocks.drop(key)
+                await self._store.blocks.drop(key)
                 raise
             if old is not None and old != key:
-                await self._blocks.drop(old)
+                await self._store.blocks.drop(old)
             return tier
 
     async def _store_rebuilt(self, tenant: str, session_id: str, key: str, data: Buffer,
@@ -399,10 +392,10 @@ class Spiller:
         (None, not kept, past ``memory_bytes``). The reservation covers the placement
         only: a window blob counts for its owner from the moment a memory tier holds it."""
         try:
-            reservation = self._quotas.reserve(
+            reservation = self._store.quotas.reserve(
                 tenant, TenantUsage(memory_bytes=len(data)), count=False, what="window")
         except QuotaExceeded:
-            self._stack.window_lost(None)
+            self._store.stack.window_lost(None)
             log.info("%s/%s: rebuilt window not kept, over the tenant's memory_bytes quota",
                      tenant, session_id)
             return None
