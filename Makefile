@@ -57,9 +57,10 @@ test-slow: $(STAMP) redis-server node-client
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-# Development CA, certificates and tokens for docker-compose.yml (README "Security").
+# Development CA, certificates and tokens for the compose files (README "Security");
+# `make certs CERTS_FLAGS=--force` replaces an earlier set.
 certs: $(STAMP)
-	$(BIN)/python -m services.server.devcerts deploy/dev-certs kvtier replay-worker
+	$(BIN)/kvtier certs deploy/dev-certs $(CERTS_FLAGS)
 
 proto: $(STAMP)
 	$(BIN)/python -m proto.generate

@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "repair": ("services.cli.repair", "rebuild a data directory's disk index from its segments"),
     "fleet-gc": ("services.cli.fleet_gc", "sweep a fleet's bucket of chunks no manifest names"),
     "migrate": ("services.cli.migrate", "copy a single-node data directory to a fleet's bucket"),
+    "certs": ("services.server.devcerts", "write a development CA, certificates and tokens"),
+    "keygen": ("services.cli.keygen", "write a new encryption keyring file (one current key)"),
 }
 
 

@@ -8,11 +8,12 @@ free port; scripts read it from that line).
 
 A server that cannot start (a bad config, its data directory in use or not a directory,
 its port taken) prints one line naming the cause on stderr and exits with status 2; so
-does one asked to listen off loopback without TLS and authentication, unless
-``--insecure`` is given (``services.serving.tls.exposure_problem``). ``--print-config``
-runs the same checks (``services.server.preflight.check``) before it prints, and refuses
-what ``serve`` would, with the same line and status; only what opening the store finds
-(the data directory in use, a missing bucket) is left to ``serve``.
+does one asked to listen off loopback without TLS and authentication, or to serve
+metrics off loopback without TLS, unless ``--insecure`` is given
+(``services.serving.tls``). ``--print-config`` runs the same checks
+(``services.server.preflight.check``) before it prints, and refuses what ``serve``
+would, with the same line and status; only what opening the store finds (the data
+directory in use, a missing bucket) is left to ``serve``.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-bytes", help="disk tier capacity, e.g. 64GiB (0: no disk)")
     parser.add_argument("--replay-workers", help="comma-separated replay worker addresses")
     parser.add_argument(INSECURE_FLAG, action="store_true",
-                        help="serve a non-loopback address without TLS and authentication "
-                        "(anyone reaching the port may read and delete every session)")
+                        help="serve a non-loopback address without TLS and authentication, "
+                        "or metrics without TLS (anyone reaching the port may read and "
+                        "delete every session)")
     parser.add_argument("--print-config", action="store_true",
                         help="check the configuration as serve does (exit 2 with serve's "
                         "message if serve would refuse it), print it as JSON and exit")

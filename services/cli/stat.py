@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import ssl
 import sys
+import urllib.error
 import urllib.request
 
 from google.protobuf.json_format import MessageToDict
 
-from kvstore.format.errors import KVTierError
+from kvstore.format.errors import InvalidRequest, KVTierError, TierUnavailable
 from services.cli.address import add_server_argument, client_options, failure
 
 
@@ -72,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "its quotas")
     parser.add_argument("--json", action="store_true", help="print the reply as JSON")
     parser.add_argument("--metrics-url", help="also print kvtier_* samples from this URL "
-                        "(e.g. http://127.0.0.1:9100/metrics)")
+                        "(e.g. https://127.0.0.1:9100/metrics, checked with --tls-ca)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,7 +110,36 @@ def run(args: argparse.Namespace) -> int:
         if reply.HasField("tenant_usage"):
             print("\n".join(usage_table(reply.tenant_usage)))
     if args.metrics_url:
-        with urllib.request.urlopen(args.metrics_url, timeout=10) as response:
-            text = response.read().decode()
+        try:
+            text = fetch_metrics(args.metrics_url, args)
+        except KVTierError as exc:
+            print(f"kvtier stat: {exc}", file=sys.stderr)
+            return 1
         print("\n".join(line for line in text.splitlines() if line.startswith("kvtier_")))
     return 0
+
+
+def fetch_metrics(url: str, args: argparse.Namespace) -> str:
+    """The text at ``url``; over https checked against ``--tls-ca`` (else the system's
+    CAs), presenting ``--tls-cert``/``--tls-key`` when given, as the gRPC calls do."""
+    context = None
+    if url.startswith("https:"):
+        try:
+            context = ssl.create_default_context(cafile=args.tls_ca or None)
+            if args.tls_cert:
+                context.load_cert_chain(args.tls_cert, args.tls_key or None)
+        except (OSError, ssl.SSLError) as exc:
+            raise InvalidRequest(f"--metrics-url {url}: cannot load the TLS files: "
+                                 f"{exc}") from exc
+    try:
+        with urllib.request.urlopen(url, timeout=10, context=context) as response:
+            return response.read().decode()
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        if isinstance(reason, ssl.SSLCertVerificationError):
+            raise TierUnavailable(f"--metrics-url {url}: the certificate does not verify "
+                                  f"({reason.verify_message}); pass the server's CA as "
+                                  "--tls-ca") from exc
+        raise TierUnavailable(f"--metrics-url {url}: {reason}") from exc
+    except (OSError, ValueError) as exc:  # a reset connection, a malformed URL
+        raise TierUnavailable(f"--metrics-url {url}: {exc}") from exc

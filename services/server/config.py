@@ -43,6 +43,7 @@ from services.server.config_values import (
     flag,
     parse_size,
     quota_tables,
+    without_password,
 )
 
 ENV_PREFIX = "KVTIER_"
@@ -365,6 +366,8 @@ class ServerConfig:
         out["replay_hf_workers"] = list(self.replay_hf_workers)
         if self.encryption_key:
             out["encryption_key"] = "<secret>"
+        for name in ("redis_url", "replay_redis_url"):
+            out[name] = without_password(out[name])
         if self.auth_jwt_key and not Path(self.auth_jwt_key).is_file():
             out["auth_jwt_key"] = "<secret>"  # a shared secret given inline
         return out

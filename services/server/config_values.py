@@ -78,7 +78,17 @@ def check_url(name: str, url: str, schemes: tuple[str, ...]) -> None:
     if parts.scheme not in schemes or (needs_host and not parts.netloc) \
             or (not needs_host and not parts.path):
         wanted = ", ".join(f"{scheme}://" for scheme in schemes)
-        raise InvalidRequest(f"{name} must be a URL starting with one of {wanted}; got {url!r}")
+        raise InvalidRequest(f"{name} must be a URL starting with one of {wanted}; got "
+                             f"{without_password(url)!r}")
+
+
+def without_password(url: str) -> str:
+    """``url`` with a password it carries (``redis://:secret@host``) shown as ``<secret>``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user, _, host = parts.netloc.rpartition("@")
+    return parts._replace(netloc=f"{user.partition(':')[0]}:<secret>@{host}").geturl()
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)

@@ -1,18 +1,22 @@
 """Development certificates and tokens: a CA, a server certificate, client certificates,
-and a tokens file, for docker-compose.yml (``make certs``) and the security tests.
+and a tokens file, for the compose files, the secured quickstart and the security tests.
 
-    python -m services.server.devcerts deploy/dev-certs kvtier replay-worker localhost
+    kvtier certs DIR [--name HOST]... [--force]
+    python -m services.server.devcerts DIR ...   (the same command)
 
-writes into the directory: ``ca.pem``, ``server.pem`` + ``server-key.pem`` (for the named
-hosts, localhost and 127.0.0.1; it also serves as the server's client certificate towards
-replay workers), ``client.pem`` + ``client-key.pem`` (CN ``acme-client``, mapped to tenant
-acme), ``tokens.toml`` (the SHA-256 of each token only) and one ``<name>.token`` file per
-token (``admin``, ``acme``, ``beta``, ``replay``) for ``--token-file``. Never for production:
-the CA key is written beside them.
+writes into DIR: ``ca.pem`` + ``ca-key.pem``, ``server.pem`` + ``server-key.pem`` (for
+``DEFAULT_NAMES``, every name and address the compose files advertise, and each
+``--name``; it also serves as the server's client certificate towards replay workers),
+``client.pem`` + ``client-key.pem`` (CN ``acme-client``, mapped to tenant acme),
+``tokens.toml`` (the SHA-256 of each token only) and one ``<name>.token`` file per token
+(``admin``, ``acme``, ``beta``, ``replay``) for ``--token-file``. Keys and tokens are
+0600. It refuses to replace any of them without ``--force``. Never for production: the
+CA key is written beside them.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import hashlib
 import ipaddress
@@ -27,6 +31,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 VALID_DAYS = 365
+# The services docker-compose.yml and docker-compose.fleet.yml address by name, and the
+# local host (tests/server/test_compose.py checks the compose files name no other).
+DEFAULT_NAMES = ("kvtier", "kvtier-a", "kvtier-b", "replay-worker", "localhost", "127.0.0.1",
+                 "::1")
 DEV_TOKENS = {"admin": ("", "admin"), "acme": ("acme", "tenant"), "beta": ("beta", "tenant"),
               "replay": ("", "replay")}
 DEV_CLIENT_CN = "acme-client"
@@ -122,11 +130,18 @@ def _write(path: Path, data: bytes | str, private: bool = False) -> None:
         path.chmod(0o600)
 
 
+def output_names() -> list[str]:
+    """The files ``write_dev_set`` writes, by name."""
+    return ["ca.pem", "ca-key.pem", "server.pem", "server-key.pem", "client.pem",
+            "client-key.pem", "tokens.toml", *(f"{name}.token" for name in DEV_TOKENS)]
+
+
 def write_dev_set(directory: Path, hosts: tuple[str, ...] = ()) -> dict[str, str]:
-    """Write the development set described above; returns the tokens by name."""
+    """Write the development set described above, the server certificate for ``hosts``
+    and ``DEFAULT_NAMES``; returns the tokens by name. Replaces files already there."""
     directory.mkdir(parents=True, exist_ok=True)
     ca = make_ca()
-    server = issue(ca, "kvtier", (*hosts, "localhost", "127.0.0.1"))
+    server = issue(ca, "kvtier", tuple(dict.fromkeys((*hosts, *DEFAULT_NAMES))))
     client = issue(ca, DEV_CLIENT_CN)
     _write(directory / "ca.pem", ca.cert_pem)
     _write(directory / "ca-key.pem", ca.key_pem, private=True)
@@ -143,14 +158,55 @@ def write_dev_set(directory: Path, hosts: tuple[str, ...] = ()) -> dict[str, str
     return tokens
 
 
-def main(argv: list[str]) -> int:
-    if not argv:
-        print("usage: python -m services.server.devcerts DIRECTORY [HOST...]", file=sys.stderr)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("directory", metavar="DIR", help="where to write them (created)")
+    parser.add_argument("--name", action="append", default=[], metavar="HOST",
+                        help="also issue the server certificate for this DNS name or IP "
+                        f"address (repeatable; always: {', '.join(DEFAULT_NAMES)})")
+    parser.add_argument("--force", action="store_true",
+                        help="replace the files of an earlier set in DIR")
+
+
+def run(args: argparse.Namespace) -> int:
+    directory = Path(args.directory)
+    problem = _refusal(args.directory, args.name, args.force)
+    if problem:
+        print(f"kvtier certs: {problem}", file=sys.stderr)
         return 2
-    write_dev_set(Path(argv[0]), tuple(argv[1:]))
-    print(f"development certificates and tokens written to {argv[0]}")
+    try:
+        write_dev_set(directory, tuple(args.name))
+    except OSError as exc:
+        print(f"kvtier certs: cannot write {directory}: {exc.strerror}", file=sys.stderr)
+        return 2
+    print(f"development CA, certificates and tokens written to {directory} (never for "
+          "production: the CA key is there too)")
     return 0
 
 
+def _refusal(directory: str, names: list[str], force: bool) -> str | None:
+    # A mistyped option would otherwise become a directory of keys (``./--help``).
+    if directory.startswith("-"):
+        return f"DIR {directory!r} starts with '-': name a directory (./{directory})"
+    for name in names:
+        if not name or name.startswith("-") or any(c.isspace() for c in name):
+            return f"--name {name!r} is not a host name or IP address"
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        return f"{directory} exists and is not a directory"
+    existing = [n for n in output_names() if (path / n).exists()]
+    if existing and not force:
+        return (f"{directory} already holds {', '.join(existing)}: pass --force to replace "
+                "them (clients holding the old CA or tokens will be refused)")
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.server.devcerts",
+                                     description="make a development CA, certificates and "
+                                     "tokens (as `kvtier certs`)")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

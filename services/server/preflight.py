@@ -4,12 +4,13 @@ other refuses with the same message.
 
 ``check`` runs everything the server would refuse before it accepts a call that needs
 no store and no network: the configuration's own rules (``ServerConfig``), the exposure
-rule (``services.serving.tls.exposure_problem``), the ports, and every file the server
-reads at start-up, each read by the function the server reads it with (TLS certificate
-and key, the tokens file, the JWT key, the encryption keyring, configured layouts, the
-audit log), and the data directory (``prepare_data_dir``, without creating it). What
-only opening the store can tell (the data directory's writer lock held by another
-server, a bucket S3 says does not exist, a damaged index) is refused by ``serve`` alone.
+rules (``services.serving.tls``: gRPC and metrics off loopback), the ports, and every
+file the server reads at start-up, each read by the function the server reads it with
+(TLS certificate and key, the tokens file, the JWT key, the encryption keyring,
+configured layouts, the audit log), and the data directory (``prepare_data_dir``,
+without creating it). What only opening the store can tell (the data directory's writer
+lock held by another server, a bucket S3 says does not exist, a damaged index) is
+refused by ``serve`` alone.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ from kvstore.format.errors import InvalidRequest
 from services.server.config import ServerConfig
 from services.server.startup import check_node_name, prepare_data_dir
 from services.serving.lifecycle import refuse_if_taken
-from services.serving.tls import exposure_problem, server_credentials
+from services.serving.tls import exposure_problem, metrics_exposure_problem, server_credentials
 
 
 def check(config: ServerConfig, *, insecure: bool = False) -> None:
     """A ``KVTierError`` (or ``OSError``) naming the first reason ``config`` cannot be
     served; ``insecure`` is ``kvtier serve --insecure`` (a non-loopback address in clear)."""
-    problem = exposure_problem(config.listen, config.tls, config.authenticates)
+    problem = (exposure_problem(config.listen, config.tls, config.authenticates)
+               or metrics_exposure_problem(config.metrics_host, config.metrics_port,
+                                           config.tls))
     if problem and not insecure:
         raise InvalidRequest(problem)
     refuse_if_taken(config.listen)

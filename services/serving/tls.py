@@ -62,3 +62,15 @@ def exposure_problem(listen: str, tls: bool, authenticates: bool) -> str | None:
     return (f"refusing to serve {listen} without {missing}: anyone who reaches the port "
             f"could read and delete every tenant's sessions; configure it, listen on "
             f"127.0.0.1, or pass {INSECURE_FLAG}")
+
+
+def metrics_exposure_problem(host: str, port: int, tls: bool) -> str | None:
+    """Why serving the Prometheus endpoint on ``host`` like this is unsafe (None: it is
+    not): off loopback it must be HTTPS, or anyone on the path reads every tenant's
+    figures and the server's build, and a scraper can be fed forged ones."""
+    listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if not port or is_loopback(listen) or tls:
+        return None
+    return (f"refusing to serve metrics on {listen} without TLS (tls_cert, tls_key): plain "
+            f"HTTP reachable from other machines; configure TLS, set metrics_host = "
+            f'"127.0.0.1", or pass {INSECURE_FLAG}')

@@ -1,23 +1,75 @@
 """docker-compose.yml and deploy/prometheus.yml agree with the config defaults: service
-names, ports, the data volume, and the addresses the ``compose`` preset dials."""
+names, ports, the data volume, and the addresses the ``compose`` preset dials; and they
+are safe by default: only kvtier's gRPC port published, the web UIs on loopback, Redis
+behind a password, alerts sent to an Alertmanager, certificates for every advertised
+name."""
 
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
+from cryptography import x509
 
 from services.server.config import DEFAULT_REPLAY_PORT, PRESETS, load_config
+from services.server.devcerts import write_dev_set
 
 ROOT = Path(__file__).resolve().parents[2]
-COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+REDIS_PASSWORD = "compose-test-password"
+# ${VAR}, ${VAR:?message}, ${VAR:-default}, and $$ (a literal $), as compose reads them
+VARIABLE = re.compile(r"\$\$|\$\{(\w+)(?::?([?-])([^}]*))?\}")
+
+
+def _interpolated(node, env: dict[str, str]):
+    """``node`` (a parsed compose file) with its variables replaced as compose does;
+    KeyError for a required one that ``env`` lacks."""
+    if isinstance(node, dict):
+        return {k: _interpolated(v, env) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_interpolated(v, env) for v in node]
+    if not isinstance(node, str):
+        return node
+
+    def one(match: re.Match) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name, kind, rest = match.groups()
+        if name in env:
+            return env[name]
+        if kind == "?":
+            raise KeyError(name)
+        return rest if kind == "-" else ""
+
+    return VARIABLE.sub(one, node)
+
+
+def _compose(name: str, env: dict[str, str] | None = None) -> dict:
+    raw = yaml.safe_load((ROOT / name).read_text())
+    return _interpolated(raw, {"REDIS_PASSWORD": REDIS_PASSWORD} if env is None else env)
+
+
+COMPOSE = _compose("docker-compose.yml")
 SERVICES = COMPOSE["services"]
 
 
 def _container_ports(service: dict) -> set[int]:
-    return {int(str(p).split(":")[-1].split("/")[0]) for p in service.get("ports", [])}
+    """The ports other services reach: published and exposed alike."""
+    ports = [*service.get("ports", []), *service.get("expose", [])]
+    return {int(str(p).split(":")[-1].split("/")[0]) for p in ports}
+
+
+def _published(service: dict) -> list[tuple[str, int]]:
+    """(host address, container port) of each port published on the host; "" is every
+    interface."""
+    out = []
+    for spec in service.get("ports", []):
+        parts = str(spec).split("/")[0].split(":")
+        out.append((parts[0] if len(parts) == 3 else "", int(parts[-1])))
+    return out
 
 
 def _config():
@@ -47,8 +99,8 @@ def test_server_ports_and_volume_match_the_config():
 
 def test_redis_and_replay_addresses_point_at_their_services():
     config = _config()
-    redis_host, redis_port = config.redis_url.split("//")[1].split("/")[0].split(":")
-    assert redis_host in SERVICES and int(redis_port) in _container_ports(SERVICES[redis_host])
+    redis = urlsplit(config.redis_url)
+    assert redis.hostname in SERVICES and redis.port in _container_ports(SERVICES[redis.hostname])
     assert config.replay_mode == "remote"
     for address in config.replay_workers:
         host, port = address.split(":")
@@ -57,7 +109,8 @@ def test_redis_and_replay_addresses_point_at_their_services():
         listen = worker["command"][worker["command"].index("--listen") + 1]
         assert int(listen.split(":")[1]) == int(port) == DEFAULT_REPLAY_PORT
     # The preset alone (no environment) dials the same services.
-    assert PRESETS["compose"].redis_url == config.redis_url
+    preset_redis = urlsplit(PRESETS["compose"].redis_url)
+    assert (preset_redis.hostname, preset_redis.port) == (redis.hostname, redis.port)
     assert PRESETS["compose"].replay_workers == config.replay_workers
 
 
@@ -134,7 +187,7 @@ def test_the_image_runs_unprivileged_with_a_healthcheck_and_without_triton():
 
 # -- docker-compose.fleet.yml: two replicas sharing one Redis and one S3 endpoint --
 
-FLEET = yaml.safe_load((ROOT / "docker-compose.fleet.yml").read_text())
+FLEET = _compose("docker-compose.fleet.yml")
 FLEET_SERVICES = FLEET["services"]
 REPLICAS = [name for name, s in FLEET_SERVICES.items()
             if s.get("command", [])[:2] == ["kvtier", "serve"]]
@@ -149,7 +202,7 @@ def _replica_config(name: str):
 
 
 def _host_port(address: str) -> tuple[str, int]:
-    host, port = address.split("//")[-1].split("/")[0].rsplit(":", 1)
+    host, port = address.split("//")[-1].split("/")[0].split("@")[-1].rsplit(":", 1)
     return host, int(port)
 
 
@@ -205,4 +258,114 @@ def test_each_replica_has_its_own_ports_and_volume_and_a_grpc_healthcheck():
         assert any(ca.startswith(target + "/") for target in mounts)
         config_file = service["command"][service["command"].index("--config") + 1]
         assert (ROOT / mounts[config_file]).is_file()
-    assert len(host_ports) == 4 and len(volumes) == 2  # nothing shared but redis and S3
+    assert len(host_ports) == 2 and len(volumes) == 2  # nothing shared but redis and S3
+
+
+# -- safe by default, both files --
+
+FILES = {"docker-compose.yml": SERVICES, "docker-compose.fleet.yml": FLEET_SERVICES}
+WEB_UIS = ("prometheus", "grafana", "alertmanager")
+
+
+def _servers(services: dict) -> dict[str, object]:
+    """The kvtier servers of a compose file -> their configs as compose starts them."""
+    out = {}
+    for name, service in services.items():
+        command = service.get("command", [])
+        if command[:2] == ["kvtier", "serve"]:
+            out[name] = load_config(preset=command[command.index("--preset") + 1],
+                                    env={k: str(v) for k, v in service["environment"].items()})
+    return out
+
+
+def test_only_kvtier_grpc_is_published_and_the_web_uis_only_on_loopback():
+    for file, services in FILES.items():
+        servers = _servers(services)
+        assert servers, file
+        for name, service in services.items():
+            published = _published(service)
+            if name in servers:  # TLS and tokens: the one port for other machines
+                assert [port for _, port in published] == [servers[name].port], (file, name)
+            elif name in WEB_UIS:
+                assert published and {host for host, _ in published} == {"127.0.0.1"}, name
+            else:  # redis, moto, the replay worker: the compose network only
+                assert not published, (file, name, published)
+
+
+def test_redis_wants_a_password_and_kvtier_dials_it_with_that_password():
+    for file, services in FILES.items():
+        redis = services["redis"]
+        command = redis["command"]
+        assert command[0] == "redis-server", file  # the image then runs it unprivileged
+        assert command[command.index("--requirepass") + 1] == REDIS_PASSWORD, file
+        assert redis["environment"]["REDISCLI_AUTH"] == REDIS_PASSWORD  # healthcheck's too
+        assert redis["healthcheck"]["test"][:2] == ["CMD", "redis-cli"]
+        for name, config in _servers(services).items():
+            url = urlsplit(config.redis_url)
+            assert (url.hostname, url.password) == ("redis", REDIS_PASSWORD), (file, name)
+        # No default password: without REDIS_PASSWORD compose refuses to start.
+        raw = (ROOT / file).read_text()
+        assert "${REDIS_PASSWORD:?" in raw and "${REDIS_PASSWORD:-" not in raw
+        try:
+            _compose(file, env={})
+        except KeyError as missing:
+            assert missing.args == ("REDIS_PASSWORD",)
+        else:
+            raise AssertionError(f"{file} starts without REDIS_PASSWORD")
+
+
+def test_the_fleet_acks_durably():
+    # a session moves between replicas: a memory ack dies with the replica holding it
+    assert {c.default_ack for c in _servers(FLEET_SERVICES).values()} == {"durable"}
+
+
+def _dialled_names() -> set[str]:
+    """Every service name a compose file dials over TLS or advertises: advertise
+    addresses, replay workers, healthcheck and scrape targets."""
+    names = set()
+    for services in FILES.values():
+        for name, config in _servers(services).items():
+            names.add(name)
+            names |= {a.rpartition(":")[0] for a in config.replay_workers}
+            if config.advertise_address:
+                names.add(config.advertise_address.rpartition(":")[0])
+        for service in services.values():
+            test = service.get("healthcheck", {}).get("test", [])
+            if "--server" in test:
+                names.add(test[test.index("--server") + 1].rpartition(":")[0])
+    scrape = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    names |= {t.rpartition(":")[0] for job in scrape["scrape_configs"]
+              for c in job["static_configs"] for t in c["targets"]}
+    return names
+
+
+def test_the_development_certificate_covers_every_name_the_compose_files_dial(tmp_path):
+    names = _dialled_names()
+    assert {"kvtier", "kvtier-a", "kvtier-b", "replay-worker", "127.0.0.1"} <= names
+    assert "kvtier certs deploy/dev-certs" in (ROOT / "Makefile").read_text()  # no --name
+    write_dev_set(tmp_path)
+    cert = x509.load_pem_x509_certificate((tmp_path / "server.pem").read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    covered = set(san.get_values_for_type(x509.DNSName)) | {
+        str(ip) for ip in san.get_values_for_type(x509.IPAddress)}
+    assert names <= covered, names - covered
+
+
+def test_prometheus_sends_alerts_to_the_alertmanager_service():
+    prometheus = SERVICES["prometheus"]
+    scrape = yaml.safe_load(_mounted(prometheus, "/etc/prometheus/prometheus.yml").read_text())
+    targets = [t for entry in scrape["alerting"]["alertmanagers"]
+               for c in entry["static_configs"] for t in c["targets"]]
+    assert targets
+    for target in targets:
+        host, port = _host_port(target)
+        service = SERVICES[host]
+        assert service["image"].startswith("prom/alertmanager:")
+        assert port in _container_ports(service)
+        assert "condition" in prometheus["depends_on"][host]
+        command = service["command"]
+        config_path = next(c.split("=", 1)[1] for c in command if c.startswith("--config.file="))
+        config = yaml.safe_load(_mounted(service, config_path).read_text())
+        receivers = {r["name"] for r in config["receivers"]}
+        routes = [config["route"], *config["route"].get("routes", [])]
+        assert {r["receiver"] for r in routes if "receiver" in r} <= receivers

@@ -39,6 +39,9 @@ def _taken(holder: socket.socket) -> int:
 CASES = {
     "wildcard without TLS": lambda t, s: (["--listen", "0.0.0.0:0"], None,
                                           ["0.0.0.0:0", "without TLS", "--insecure"]),
+    "metrics off loopback without TLS": lambda t, s: (
+        ["--metrics-port", "9"], 'metrics_host = "0.0.0.0"\n',
+        ["metrics", "0.0.0.0:9", "without TLS", "--insecure"]),
     "shared metadata without a bucket": lambda t, s: (
         [], 'metadata = "shared"\nnode_id = "n1"\n', ["metadata = 'shared'", "s3_bucket"]),
     "shared metadata on port 0 without node_id": lambda t, s: (
@@ -146,3 +149,20 @@ def test_a_pair_from_two_sources(tmp_path, monkeypatch, capsys):
     path = _file(tmp_path, "kvtier.toml", f'tls_cert = "{certs}/server.pem"\n')
     assert main(["serve", "--print-config", "--config", path, "--listen", "127.0.0.1:0",
                  "--data-dir", str(tmp_path / "d")]) == 0, capsys.readouterr().err
+
+
+def test_metrics_off_loopback_need_tls_or_insecure(tmp_path, capsys, monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("KVTIER_"):
+            monkeypatch.delenv(name)
+    certs = _certs(tmp_path)
+    with socket.socket() as holder:
+        port = _taken(holder)
+    base = ["serve", "--print-config", "--listen", "127.0.0.1:0", "--metrics-port", str(port),
+            "--data-dir", str(tmp_path / "data")]
+    plain = _file(tmp_path, "plain.toml", 'metrics_host = "0.0.0.0"\n')
+    tls = _file(tmp_path, "tls.toml", f'metrics_host = "0.0.0.0"\ntls_cert = '
+                f'"{certs}/server.pem"\ntls_key = "{certs}/server-key.pem"\n')
+    assert _run(base + ["--config", plain], capsys)[0] == 2
+    assert _run(base + ["--config", plain, "--insecure"], capsys)[0] == 0  # said so
+    assert _run(base + ["--config", tls], capsys)[0] == 0  # HTTPS with the gRPC certificate
