@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from urllib.parse import urlsplit
 
 from kvstore.format.errors import InvalidRequest
 
@@ -60,3 +61,13 @@ class Availability:
             if self._recovery_unlogged:
                 self.logger.warning("%s available again", self.what)
                 self._recovery_unlogged = False
+
+
+def without_password(url: str) -> str:
+    """``url`` with a password it carries (``redis://:secret@host``) shown as ``<secret>``:
+    the form of a URL that may be logged or put in an error."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user, _, host = parts.netloc.rpartition("@")
+    return parts._replace(netloc=f"{user.partition(':')[0]}:<secret>@{host}").geturl()

@@ -47,7 +47,7 @@ from kvstore.format.errors import ChunkNotFound, InvalidRequest, TierFull, TierU
 from kvstore.format.keys import split_block_key
 from kvstore.remote.breaker import CircuitBreaker
 from kvstore.tiers.base import Buffer, Tier, TierStats
-from kvstore.tiers.common import Availability, as_byte_view, check_key
+from kvstore.tiers.common import Availability, as_byte_view, check_key, without_password
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -121,7 +121,7 @@ class RedisTier(Tier):
         if parts.scheme in CLUSTER_SCHEMES:
             url = urlunsplit(parts._replace(scheme=CLUSTER_SCHEMES[parts.scheme]))
         elif parts.scheme not in ("redis", "rediss", "unix"):
-            raise InvalidRequest(f"not a Redis URL: {url!r}")
+            raise InvalidRequest(f"not a Redis URL: {without_password(url)!r}")
         if self.cluster and "{" in config.prefix:
             raise InvalidRequest(f"a cluster prefix must not hold a hash tag: {config.prefix!r}")
         self.url = url
@@ -142,7 +142,7 @@ class RedisTier(Tier):
         self._reserved = 0  # bytes of puts in flight, so concurrent puts cannot overfill
         self._expiry: dict[str, float] = {}
         self._expiry_heap: list[tuple[float, str]] = []
-        self.health = Availability(log, f"redis tier at {self.url}")
+        self.health = Availability(log, f"redis tier at {without_password(self.url)}")
         self.breaker = CircuitBreaker("redis", cooldown_s=config.breaker_cooldown_s)
 
     # -- accounting --

@@ -30,6 +30,7 @@ from typing import Any
 
 from kvstore.format.errors import InvalidRequest
 from kvstore.format.layout import REPLAYERS
+from kvstore.tiers.common import without_password
 from services.server.address_file import WILDCARD_HOSTS
 from services.server.config_values import (
     GiB,
@@ -43,7 +44,6 @@ from services.server.config_values import (
     flag,
     parse_size,
     quota_tables,
-    without_password,
 )
 
 ENV_PREFIX = "KVTIER_"

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from kvstore.format.errors import InvalidRequest
+from kvstore.tiers.common import without_password
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 
@@ -80,15 +81,6 @@ def check_url(name: str, url: str, schemes: tuple[str, ...]) -> None:
         wanted = ", ".join(f"{scheme}://" for scheme in schemes)
         raise InvalidRequest(f"{name} must be a URL starting with one of {wanted}; got "
                              f"{without_password(url)!r}")
-
-
-def without_password(url: str) -> str:
-    """``url`` with a password it carries (``redis://:secret@host``) shown as ``<secret>``."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user, _, host = parts.netloc.rpartition("@")
-    return parts._replace(netloc=f"{user.partition(':')[0]}:<secret>@{host}").geturl()
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)

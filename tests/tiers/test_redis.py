@@ -311,3 +311,11 @@ async def test_cluster_master_outage_fails_only_its_keys(redis_cluster_factory):
         assert tier.health.available
     finally:
         await tier.close()
+
+
+def test_a_redis_url_password_appears_in_no_log_line_or_error(caplog):
+    with pytest.raises(InvalidRequest) as err:
+        RedisTier("http://:hunter2@localhost:1", capacity_bytes=1 << 20)
+    assert "hunter2" not in str(err.value) and "<secret>" in str(err.value)
+    tier = RedisTier("redis://:hunter2@127.0.0.1:1/0", capacity_bytes=1 << 20)
+    assert "hunter2" not in tier.health.what and "<secret>" in tier.health.what
