@@ -121,6 +121,8 @@ class ServerConfig:
     replay_tokens: int = 128  # R when a request says 0
     replay_max_batch: int = 8  # in-process replay: concurrent resumes per model call
     replay_weights: str = ""  # in-process replay: model weights (default: the bundled ones)
+    # in-process replay: load the model and run it once before health says SERVING
+    replay_warmup: bool = True
     # In-process replay of transformers DeepseekV4 layouts (replayer
     # "transformers-deepseek-v4"): a save_pretrained directory, or a config JSON whose
     # weights are drawn at random from replay_hf_seed (replay.transformers_worker).
@@ -412,7 +414,7 @@ PRESETS: dict[str, ServerConfig] = {
     "test": ServerConfig(
         listen="127.0.0.1:0", host_bytes=4 * MiB, disk_bytes=256 * MiB,
         object_bytes=1 * GiB, object_compression_level=-1, metrics_interval_s=0.2,
-        grace_s=2.0,
+        grace_s=2.0, replay_warmup=False,
     ),
 }
 
