@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -78,6 +79,7 @@ class SharedMetaStore(MetaStore):
         self.gate = SpillGate(self.io, self.paths, node_id, exists=tier.contains,
                               reupload=self._reupload, gone_since_listing=self._gone_since)
         self._observer = IGNORE
+        self.cas_results: Counter[str] = Counter()  # this node's CAS outcomes, as observed
 
     @property
     def observer(self) -> Observer:
@@ -207,15 +209,30 @@ class SharedMetaStore(MetaStore):
             result = await self._call(what, function, Bucket=self._bucket,
                                       Key=self._object(key), **kwargs)
         except (StaleGeneration, ChunkNotFound):
-            self._observer.cas("conflict")
+            self._cas("conflict")
             self._seen.pop(key, None)  # the next get reads the store again
             raise StaleGeneration(f"{key}: another node committed a generation since this "
                                   "node read it: load the session again") from None
         except Exception:
-            self._observer.cas("error")
+            self._cas("error")
             raise
-        self._observer.cas("won")
+        self._cas("won")
         return result
+
+    def _cas(self, result: str) -> None:
+        self.cas_results[result] += 1
+        self._observer.cas(result)
+
+    def writers(self) -> set[str]:
+        """Nodes that wrote the manifests this node last read or wrote (no I/O)."""
+        nodes = set()
+        for _, body in self._seen.values():
+            if body is not None:
+                try:
+                    nodes.add(SessionManifest.decode(body).node_id)
+                except ChunkCorrupt:
+                    continue
+        return nodes - {""}
 
     async def _admit(self, key: str, value: bytes) -> None:
         """Pass the chunks the manifest names and the one it replaces did not (those
