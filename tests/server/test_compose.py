@@ -96,7 +96,7 @@ def test_grafana_is_provisioned_with_prometheus_and_the_dashboard():
     provider = yaml.safe_load((provisioning / "dashboards" / "kvtier.yml").read_text())
     path = provider["providers"][0]["options"]["path"]
     dashboard = json.loads((_mounted(grafana, path) / "kvtier.json").read_text())
-    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p["targets"]}
+    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p.get("targets", [])}
     assert uids == {source["uid"]}
     assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"].startswith(path)
 
