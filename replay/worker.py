@@ -95,7 +95,8 @@ class ReplayWorker:
         self._queue: list[_Job] = []
         self._drainer: asyncio.Task | None = None
         self.rebuilds = 0
-        self.model_calls = 0
+        self.model_calls = 0  # those that rebuilt sessions (not warm_up's)
+        self.warmed_up = False
 
     def layout_for(self, layout: str | LayoutSpec) -> LayoutSpec:
         """The spec (by name or id), checked to be this model's cache. A layout id not
@@ -232,6 +233,7 @@ class ReplayWorker:
             replay_batch(self.model, [state], block)
 
         await asyncio.get_running_loop().run_in_executor(self._compute, run)
+        self.warmed_up = True
 
     async def close(self) -> None:
         """Finish the queued rebuilds, then release the compute thread."""
