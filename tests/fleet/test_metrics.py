@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -178,6 +179,21 @@ async def test_calls_to_an_s3_endpoint_that_does_not_answer_are_errors_by_op_and
     assert value(registry, "kvtier_object_request_seconds_count", op="put") == 0
 
 
+async def test_an_s3_call_past_its_deadline_is_a_timeout(opened):
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
+        tier = opened.adopt(ObjectTier("s3://bucket/p", 1 << 20, ObjectTierConfig(
+            endpoint_url=f"http://127.0.0.1:{silent.getsockname()[1]}",
+            region_name="us-east-1", aws_access_key_id="k", aws_secret_access_key="s",
+            max_attempts=1, read_timeout_s=1.0, deadline_s=0.2)))
+        registry = CollectorRegistry()
+        tier.remote.observer = RemoteMetrics(registry)
+        with pytest.raises(TierUnavailable, match="did not answer"):
+            await tier.put("t/" + "ab" * 16, b"x")
+        assert value(registry, "kvtier_object_errors_total", op="list", kind="timeout") == 1
+        assert value(registry, "kvtier_object_errors_total", op="list",
+                     kind="unavailable") == 0
+
+
 async def test_a_redis_that_does_not_answer_is_an_error_by_op_and_kind(opened):
     tier = opened.adopt(RedisTier(f"redis://127.0.0.1:{free_port()}/0", 1 << 20,
                             RedisTierConfig(retries=0, connect_timeout_s=0.2)))
@@ -199,3 +215,21 @@ async def test_a_node_opening_many_shared_sessions_never_overfills_boto3s_pool(
             b = await open_node("b")  # lists and reads every manifest
             assert len(await b.list_sessions()) == 48
         assert not [r for r in caplog.records if "pool is full" in r.getMessage()]
+
+
+def test_s3_failures_are_classified_by_kind_and_answers_are_no_errors():
+    from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
+
+    from kvstore.tiers.object_media import error_kind
+
+    def answer(code: str, status: int) -> ClientError:
+        return ClientError({"Error": {"Code": code},
+                            "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+    assert error_kind(answer("SlowDown", 503)) == "throttled"
+    assert error_kind(answer("InternalError", 500)) == "unavailable"
+    assert error_kind(answer("AccessDenied", 403)) == "other"
+    assert error_kind(answer("NoSuchKey", 404)) is None
+    assert error_kind(answer("PreconditionFailed", 412)) is None
+    assert error_kind(ReadTimeoutError(endpoint_url="http://s3")) == "timeout"
+    assert error_kind(EndpointConnectionError(endpoint_url="http://s3")) == "unavailable"
