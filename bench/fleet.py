@@ -121,7 +121,7 @@ async def manifest_round_trip(backing: Backing, workdir: Path, count: int) -> di
     """CAS put and get of one session's manifest, ``count`` times, through a fleet
     node's own store (no chunks named, so the put's touch-before-commit is empty)."""
     from kvstore.session.manifest import SessionManifest, manifest_key
-    from services.server.config import load_config
+    from services.server.config_load import load_config
     from services.server.store import open_manager
 
     backing.aws()

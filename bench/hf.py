@@ -111,7 +111,7 @@ async def run(contexts: list[int], follow: int, seed: int, bits: int) -> dict:
         async_spill_cache,
         model_layout,
     )
-    from services.server.config import load_config
+    from services.server.config_load import load_config
     from services.server.server import create_server
 
     model = tiny_model(seed)

@@ -255,7 +255,7 @@ async def _grpc_path(model: KVTierLM, weights: Path, spec: LayoutSpec, state: KV
                      root: Path, replay_tokens: int, repeats: int, next_token: int,
                      ref: torch.Tensor, kl_tol: float) -> dict:
     from kvtier.client import AsyncClient
-    from services.server.config import load_config
+    from services.server.config_load import load_config
     from services.server.server import create_server
 
     config = load_config(preset="embedded", env={}, overrides={

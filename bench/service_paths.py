@@ -23,7 +23,7 @@ from kvstore.format.chunk import StreamData
 from kvstore.format.registry import get_layout
 from kvtier.client import AsyncClient
 from kvtier.codec import as_tokens, encode_session
-from services.server.config import load_config
+from services.server.config_load import load_config
 from services.server.server import create_server
 
 

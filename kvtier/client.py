@@ -417,11 +417,13 @@ class AsyncClient:
         return await self._call(lambda: self._stub.Fork(request, timeout=self.timeout_s))
 
     async def stat(self, tenant: str = "", session_id: str = "", *,
-                   usage_of: str = "") -> pb.StatReply:
+                   usage_of: str = "", fleet: bool = False) -> pb.StatReply:
         """Tiers and counters; with ``tenant``/``session_id`` also that session, with
-        ``usage_of`` also that tenant's use against its quotas (``reply.tenant_usage``)."""
+        ``usage_of`` also that tenant's use against its quotas (``reply.tenant_usage``),
+        with ``fleet`` the fleet's view of a fleet node (``reply.fleet``)."""
         request = pb.StatRequest(session=self._ref(tenant, session_id)
-                                 if tenant or session_id else None, tenant=usage_of)
+                                 if tenant or session_id else None, tenant=usage_of,
+                                 fleet=fleet)
         return await self._call(lambda: self._stub.Stat(request, timeout=self.timeout_s))
 
     async def list(self, tenant: str = "", *, page_size: int = 0) -> list[pb.SessionInfo]:

@@ -361,12 +361,37 @@ class TierStat(_message.Message):
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., items: _Optional[int] = ..., available: _Optional[bool] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ...) -> None: ...
 
 class StatRequest(_message.Message):
-    __slots__ = ("session", "tenant")
+    __slots__ = ("session", "tenant", "fleet")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    FLEET_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     tenant: str
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
+    fleet: bool
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., tenant: _Optional[str] = ..., fleet: _Optional[bool] = ...) -> None: ...
+
+class FleetStat(_message.Message):
+    __slots__ = ("sessions", "nodes_seen", "gc_epoch", "gc_state", "gc_sweeper", "cas")
+    class CasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    NODES_SEEN_FIELD_NUMBER: _ClassVar[int]
+    GC_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GC_STATE_FIELD_NUMBER: _ClassVar[int]
+    GC_SWEEPER_FIELD_NUMBER: _ClassVar[int]
+    CAS_FIELD_NUMBER: _ClassVar[int]
+    sessions: int
+    nodes_seen: _containers.RepeatedScalarFieldContainer[str]
+    gc_epoch: int
+    gc_state: str
+    gc_sweeper: str
+    cas: _containers.ScalarMap[str, int]
+    def __init__(self, sessions: _Optional[int] = ..., nodes_seen: _Optional[_Iterable[str]] = ..., gc_epoch: _Optional[int] = ..., gc_state: _Optional[str] = ..., gc_sweeper: _Optional[str] = ..., cas: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class TenantUsage(_message.Message):
     __slots__ = ("tenant", "sessions", "durable_bytes", "memory_bytes", "sessions_limit", "durable_bytes_limit", "memory_bytes_limit", "rejections", "retained_bytes")
@@ -398,7 +423,7 @@ class TenantUsage(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., sessions: _Optional[int] = ..., durable_bytes: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., sessions_limit: _Optional[int] = ..., durable_bytes_limit: _Optional[int] = ..., memory_bytes_limit: _Optional[int] = ..., rejections: _Optional[_Mapping[str, int]] = ..., retained_bytes: _Optional[int] = ...) -> None: ...
 
 class StatReply(_message.Message):
-    __slots__ = ("tiers", "sessions", "writeback_queue_depth", "replays", "session", "tenant_usage", "node_id", "retained_bytes", "retained_chunks")
+    __slots__ = ("tiers", "sessions", "writeback_queue_depth", "replays", "session", "tenant_usage", "node_id", "retained_bytes", "retained_chunks", "fleet")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     WRITEBACK_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -408,6 +433,7 @@ class StatReply(_message.Message):
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RETAINED_BYTES_FIELD_NUMBER: _ClassVar[int]
     RETAINED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    FLEET_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStat]
     sessions: int
     writeback_queue_depth: int
@@ -417,7 +443,8 @@ class StatReply(_message.Message):
     node_id: str
     retained_bytes: int
     retained_chunks: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., sessions: _Optional[int] = ..., writeback_queue_depth: _Optional[int] = ..., replays: _Optional[int] = ..., session: _Optional[_Union[SessionInfo, _Mapping]] = ..., tenant_usage: _Optional[_Union[TenantUsage, _Mapping]] = ..., node_id: _Optional[str] = ..., retained_bytes: _Optional[int] = ..., retained_chunks: _Optional[int] = ...) -> None: ...
+    fleet: FleetStat
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., sessions: _Optional[int] = ..., writeback_queue_depth: _Optional[int] = ..., replays: _Optional[int] = ..., session: _Optional[_Union[SessionInfo, _Mapping]] = ..., tenant_usage: _Optional[_Union[TenantUsage, _Mapping]] = ..., node_id: _Optional[str] = ..., retained_bytes: _Optional[int] = ..., retained_chunks: _Optional[int] = ..., fleet: _Optional[_Union[FleetStat, _Mapping]] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("tenant", "page_size", "page_token")

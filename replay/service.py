@@ -1,6 +1,7 @@
 """The in-process replay backend the server builds (``services.server.replay_backend``):
 ``ReplayService()`` serves the bundled model, loading its weights on the first rebuild so
-a server that never needs replay never pays for them."""
+a server that never needs replay never pays for them, unless it warms it up first
+(``warm_up``: ``replay_warmup`` in the server's config)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,19 @@ class LazyReplay:
                 self._worker = await asyncio.to_thread(
                     lambda: self._make_worker(self._load()))
         return self._worker
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the model is loaded (by a rebuild or ``warm_up``)."""
+        return self._worker is not None
+
+    async def warm_up(self) -> None:
+        """Load the model now and run it once (the worker's ``warm_up``, where it has
+        one), so the first rebuild pays for neither."""
+        worker = await self.worker()
+        exercise = getattr(worker, "warm_up", None)
+        if exercise is not None:
+            await exercise()
 
     async def rebuild(self, layout: str | LayoutSpec, token_ids, chunks: Sequence[Buffer],
                       tail: Buffer, replay_tokens: int | None = None, *,

@@ -41,7 +41,7 @@ from kvstore.format.model_identity import check_replayer, module_fingerprint
 from kvstore.format.registry import get_layout
 from kvstore.format.wire_limits import MAX_REPLAY_TOKENS
 from model.config import layout_spec
-from model.infer import replay_batch
+from model.infer import prefill, replay_batch
 from model.net import KVTierLM
 from replay.state_codec import (
     Buffer,
@@ -95,7 +95,8 @@ class ReplayWorker:
         self._queue: list[_Job] = []
         self._drainer: asyncio.Task | None = None
         self.rebuilds = 0
-        self.model_calls = 0
+        self.model_calls = 0  # those that rebuilt sessions (not warm_up's)
+        self.warmed_up = False
 
     def layout_for(self, layout: str | LayoutSpec) -> LayoutSpec:
         """The spec (by name or id), checked to be this model's cache. A layout id not
@@ -220,6 +221,19 @@ class ReplayWorker:
                 outcomes[i] = window if isinstance(window, Exception) else ReplayResult(
                     window, r, seconds, len(cold))
         return outcomes
+
+    async def warm_up(self) -> None:
+        """Run the model once on the compute thread: a prefill of two blocks of token 0
+        and a replay of the second, so the first rebuild pays none of the model's
+        first-call costs."""
+        block = self.model.cfg.block
+
+        def run() -> None:
+            state, _ = prefill(self.model, [0] * (2 * block), logits="none")
+            replay_batch(self.model, [state], block)
+
+        await asyncio.get_running_loop().run_in_executor(self._compute, run)
+        self.warmed_up = True
 
     async def close(self) -> None:
         """Finish the queued rebuilds, then release the compute thread."""

@@ -20,6 +20,8 @@ new manifest names and the one it replaces did not (a chunk named by both stays 
 throughout: a PUT replaces an object whole). It costs one small GET of ``epoch`` per
 ``spill_bound_s / 4`` at most, reused across spills; more only while a sweep marks a
 chunk the spill names, or after a sweep deleted one this node may still believe held.
+Each admit's time, however it ends, is reported to ``SpillGate.observer``
+(``kvstore.remote.observe``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import asdict, dataclass
 
 from kvstore.fleet.bucket import BucketIO
 from kvstore.format.errors import DataLoss, TierUnavailable
+from kvstore.remote.observe import IGNORE
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +125,7 @@ class SpillGate:
         self._gone: set[str] = set()  # deleted by a sweep, maybe still believed held here
         self._candidates: dict[int, frozenset[str] | None] = {}  # epoch -> its candidates
         self._lock = asyncio.Lock()  # one reader of new epochs at a time
+        self.observer = IGNORE
 
     async def baseline(self) -> None:
         """Note the epoch this node's view of the bucket starts from: call before the
@@ -179,7 +183,13 @@ class SpillGate:
         them is deleted, nor will be, by any sweep. Raises ``TierUnavailable`` (retry)
         when a sweep keeps it waiting, ``DataLoss`` when a named chunk is gone from the
         bucket and no cache here holds its bytes (the client sends them again)."""
-        names = frozenset(names)
+        started = self._clock()
+        try:
+            await self._admit(frozenset(names), what)
+        finally:
+            self.observer.gate_wait(self._clock() - started)
+
+    async def _admit(self, names: frozenset[str], what: str) -> None:
         for _ in range(_ROUNDS):
             epoch, sent = await self._current()
             marked = frozenset()

@@ -17,6 +17,9 @@ the shared bucket when its own count reaches zero (``ObjectTierConfig.shared``).
 The spill side, the objects and why every interleaving is safe: ``kvstore.fleet.epochs``
 and docs/fleet.md. A sweep that finds another one in progress is ``Busy``; one in
 progress for longer than ``lease_s`` (on S3's clock) is taken over where it stopped.
+Each sweep that runs (not a dry run, not one refused ``Busy``) is reported to
+``meta.observer`` (``kvstore.remote.observe``): ok with its deletions, or error (it
+failed, or a corrupt manifest stopped it).
 """
 
 from __future__ import annotations
@@ -120,6 +123,21 @@ async def collect(meta: SharedMetaStore, timing: GcTiming = GC_PRESETS["default"
                   dry_run: bool = False, sweeper: str | None = None) -> FleetGcReport:
     """One sweep of the bucket behind ``meta`` (safe beside serving nodes); ``dry_run``
     reports what would be marked and writes nothing."""
+    try:
+        report = await _sweep(meta, timing, dry_run, sweeper)
+    except Busy:
+        raise  # another sweep's turn: this one did not run
+    except Exception:
+        if not dry_run:
+            meta.observer.gc_run("error", 0)
+        raise
+    if not dry_run:  # a corrupt manifest stopped it: nothing is collected until repaired
+        meta.observer.gc_run("error" if report.corrupt_manifests else "ok", report.deleted)
+    return report
+
+
+async def _sweep(meta: SharedMetaStore, timing: GcTiming, dry_run: bool,
+                 sweeper: str | None) -> FleetGcReport:
     started = time.monotonic()
     io, paths = meta.io, meta.paths
     sweeper = sweeper or sweeper_name()

@@ -16,6 +16,9 @@ caller's ``get`` under the session lock saw. When the store cannot be reached a 
 manifest is served (a node's hot sessions still resume), never trusted over the store
 once it answers; writes then fail ``TierUnavailable``.
 
+Each conditional write is reported to ``observer`` (``kvstore.remote.observe``: won,
+conflict, error), and so is each spill's time at the epoch gate.
+
 Under encryption at rest the manifests are sealed in the bucket as on a node's disk
 (``kvstore.encryption.tiers.RecordSealer``); the chunks are sealed by the object tier itself.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -38,6 +42,7 @@ from kvstore.format.errors import (
     TierUnavailable,
 )
 from kvstore.format.keys import chunk_digest, split_block_key
+from kvstore.remote.observe import IGNORE, Observer
 from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest
 from kvstore.tiers.base import MetaStore, Tier
 from kvstore.tiers.object import ObjectTier
@@ -73,6 +78,16 @@ class SharedMetaStore(MetaStore):
         self._seen: dict[str, tuple[str | None, bytes | None]] = {}  # key -> (ETag, bytes)
         self.gate = SpillGate(self.io, self.paths, node_id, exists=tier.contains,
                               reupload=self._reupload, gone_since_listing=self._gone_since)
+        self._observer = IGNORE
+        self.cas_results: Counter[str] = Counter()  # this node's CAS outcomes, as observed
+
+    @property
+    def observer(self) -> Observer:
+        return self._observer
+
+    @observer.setter
+    def observer(self, observer: Observer) -> None:
+        self._observer = self.gate.observer = observer
 
     @property
     def tier(self) -> ObjectTier:
@@ -126,7 +141,15 @@ class SharedMetaStore(MetaStore):
         names = [item["Key"] for item in await self.io.listing(self._root + prefix)
                  if item["Key"].endswith(SUFFIX)]
         keys = [name[len(self._root):-len(SUFFIX)] for name in names]
-        found = await asyncio.gather(*(self._fetch(key, keep_sealed=True) for key in keys))
+        # A fetch holds a connection from its GET to its body's read: as many fetches at
+        # once as calls run, so a scan of many manifests never overfills boto3's pool.
+        slots = asyncio.Semaphore(self.io.calls.max_threads if self.io.calls else 16)
+
+        async def fetch(key: str) -> tuple[str | None, bytes | None]:
+            async with slots:
+                return await self._fetch(key, keep_sealed=True)
+
+        found = await asyncio.gather(*(fetch(key) for key in keys))
         return sorted((key, body) for key, (_, body) in zip(keys, found, strict=True)
                       if body is not None)
 
@@ -168,21 +191,48 @@ class SharedMetaStore(MetaStore):
         """Write (or delete) ``key`` if it is still at ETag ``expected`` (None: absent);
         the new ETag."""
         condition = {"IfMatch": expected} if expected is not None else {"IfNoneMatch": "*"}
+        if value is None:
+            if expected is not None:
+                await self._conditional(key, "DELETE", self._client.delete_object,
+                                        IfMatch=expected)
+            return _ABSENT
+        await self._admit(key, value)
+        body = bytes(value) if self._sealer is None else self._sealer.seal(key, bytes(value))
+        response = await self._conditional(key, "PUT", self._client.put_object, Body=body,
+                                           **condition)
+        return response["ETag"]
+
+    async def _conditional(self, key: str, what: str, function: Callable[..., T],
+                           **kwargs: object) -> T:
+        """One compare-and-swap call on ``key``'s object, its outcome observed."""
         try:
-            if value is None:
-                if expected is not None:
-                    await self._call("DELETE", self._client.delete_object, Bucket=self._bucket,
-                                     Key=self._object(key), IfMatch=expected)
-                return _ABSENT
-            await self._admit(key, value)
-            body = bytes(value) if self._sealer is None else self._sealer.seal(key, bytes(value))
-            response = await self._call("PUT", self._client.put_object, Bucket=self._bucket,
-                                        Key=self._object(key), Body=body, **condition)
+            result = await self._call(what, function, Bucket=self._bucket,
+                                      Key=self._object(key), **kwargs)
         except (StaleGeneration, ChunkNotFound):
+            self._cas("conflict")
             self._seen.pop(key, None)  # the next get reads the store again
             raise StaleGeneration(f"{key}: another node committed a generation since this "
                                   "node read it: load the session again") from None
-        return response["ETag"]
+        except Exception:
+            self._cas("error")
+            raise
+        self._cas("won")
+        return result
+
+    def _cas(self, result: str) -> None:
+        self.cas_results[result] += 1
+        self._observer.cas(result)
+
+    def writers(self) -> set[str]:
+        """Nodes that wrote the manifests this node last read or wrote (no I/O)."""
+        nodes = set()
+        for _, body in self._seen.values():
+            if body is not None:
+                try:
+                    nodes.add(SessionManifest.decode(body).node_id)
+                except ChunkCorrupt:
+                    continue
+        return nodes - {""}
 
     async def _admit(self, key: str, value: bytes) -> None:
         """Pass the chunks the manifest names and the one it replaces did not (those

@@ -13,7 +13,7 @@ accepted and not enforced here: expiring durable data is the compaction job's wo
 knows session lifetimes. Blocking I/O runs in worker threads, except small local reads.
 
 An S3 call is waited for at most ``config.deadline_s`` (retries included), in a pool of
-``max_pool_connections`` threads, behind the store's circuit breaker (``self.breaker``,
+``max_threads`` threads, behind the store's circuit breaker (``self.breaker``,
 dependency "object"): while it is open every call fails fast with ``TierUnavailable``
 and the tier reports itself down (``kvstore.remote.calls``). The fleet's metadata in the
 bucket (``kvstore.fleet.bucket``) goes through the same calls and breaker.
@@ -54,6 +54,7 @@ from kvstore.tiers.object_media import (
     ObjectTierConfig,
     S3Store,
     error_code,
+    error_kind,
     is_outage,
 )
 
@@ -83,7 +84,8 @@ class ObjectTier(Tier):
                 "object", cooldown_s=config.breaker_cooldown_s)
             self.remote: BlockingCalls | None = BlockingCalls(
                 self.breaker, deadline_s=config.deadline_s,
-                max_threads=config.max_pool_connections, is_outage=is_outage)
+                max_threads=config.max_threads, is_outage=is_outage,
+                kind_of=error_kind)
         elif parts.scheme in ("", "file"):
             path = Path(parts.path if parts.scheme == "file" else self.url)
             self._store = LocalDirStore(path, config)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote
 
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError, ReadTimeoutError
 
 from kvstore.format.errors import InvalidRequest
 from kvstore.tiers.base import Buffer
@@ -50,7 +50,11 @@ class ObjectTierConfig:
     # fails fast before one call probes the store again (kvstore.remote.breaker).
     deadline_s: float = 15.0
     breaker_cooldown_s: float = 5.0
-    max_pool_connections: int = 16  # also the threads calls run in (kvstore.remote.calls)
+    max_threads: int = 16  # S3 calls at once: the threads they run in (kvstore.remote.calls)
+    # boto3's connection pool; 0: ``max_threads * transfer_concurrency``. A caller that
+    # reads response bodies in a later call (the fleet's metadata, kvstore.fleet.bucket)
+    # holds a connection until then: size the pool to those too (``kvtier serve`` does).
+    max_pool_connections: int = 0
     # Shared by a fleet (docs/fleet.md): other nodes' manifests may name any chunk, so
     # ``delete`` (a node's reference count reaching zero) keeps the object; only the
     # fleet's sweep (kvstore.fleet.gc.collect) removes chunks.
@@ -60,6 +64,11 @@ class ObjectTierConfig:
     # Reads up to this size run on the event loop: from the page cache such a read costs
     # less than a hand-off to a worker thread. 0 for slow or network disks.
     inline_read_bytes: int = 4 << 20
+
+    @property
+    def pool_connections(self) -> int:
+        """boto3's connection pool size (``max_pool_connections``, above)."""
+        return self.max_pool_connections or self.max_threads * self.transfer_concurrency
 
 
 # The slowest tier: compressing trades CPU for fewer bytes moved and kept.
@@ -163,7 +172,7 @@ class S3Store:
             config=Config(connect_timeout=config.connect_timeout_s,
                           read_timeout=config.read_timeout_s,
                           retries={"max_attempts": config.max_attempts, "mode": "standard"},
-                          max_pool_connections=config.max_pool_connections))
+                          max_pool_connections=config.pool_connections))
         self.transfer = TransferConfig(multipart_threshold=config.transfer_threshold_bytes,
                                        multipart_chunksize=config.transfer_chunk_bytes,
                                        max_concurrency=config.transfer_concurrency)
@@ -244,6 +253,27 @@ def is_outage(exc: BaseException) -> bool:
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
         return status >= 500
     return isinstance(exc, (BotoCoreError, OSError))
+
+
+_THROTTLED = ("SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+              "TooManyRequestsException", "503")
+
+
+def error_kind(exc: BaseException) -> str | None:
+    """The ``kind`` of a boto3 call's failure (``kvstore.remote.observe``); None when S3
+    answered the request (a missing key, a failed precondition)."""
+    if isinstance(exc, ClientError):
+        code = error_code(exc)
+        if code in _THROTTLED:
+            return "throttled"
+        if is_missing(exc) or code in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+            return None
+        return "unavailable" if is_outage(exc) else "other"
+    if isinstance(exc, (ConnectTimeoutError, ReadTimeoutError)):
+        return "timeout"
+    if isinstance(exc, (BotoCoreError, OSError)):
+        return "unavailable"
+    return "other"
 
 
 def is_missing(exc: ClientError) -> bool:

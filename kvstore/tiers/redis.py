@@ -19,6 +19,9 @@ dropped on delete, on finding the key missing, or at its TTL). Another writer on
 namespace, or Redis' own ``maxmemory`` eviction, is seen only when the key is next read;
 ``resync()`` rebuilds the accounting from every key under the prefix.
 
+Every call is timed and reported, with its error's kind, to ``self.observer``
+(``kvstore.remote.observe``, dependency "redis").
+
 With ``chain_index`` (a fleet's shared hot tier) a chunk put also sets
 ``config.prefix + "chain/" + <chain key>`` to the digest of its bytes, with the same TTL;
 a delete removes it if it still names that digest. ``find_chains`` reads them
@@ -46,6 +49,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from kvstore.format.errors import ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
 from kvstore.format.keys import split_block_key
 from kvstore.remote.breaker import CircuitBreaker
+from kvstore.remote.observe import IGNORE, op_name
 from kvstore.tiers.base import Buffer, Tier, TierStats
 from kvstore.tiers.common import Availability, as_byte_view, check_key, without_password
 
@@ -144,6 +148,7 @@ class RedisTier(Tier):
         self._expiry_heap: list[tuple[float, str]] = []
         self.health = Availability(log, f"redis tier at {without_password(self.url)}")
         self.breaker = CircuitBreaker("redis", cooldown_s=config.breaker_cooldown_s)
+        self.observer = IGNORE
 
     # -- accounting --
 
@@ -181,7 +186,25 @@ class RedisTier(Tier):
 
     async def _call(self, what: str, operation: Callable[[], Awaitable[T]],
                     redis_key: str | None = None) -> T:
-        """Run one call; ``redis_key``: the one key it touches, if it touches one."""
+        """Run one call (timed); ``redis_key``: the one key it touches, if it touches one."""
+        started, kind = time.perf_counter(), None
+        try:
+            return await self._attempt(what, operation, redis_key)
+        except TierFull:
+            raise  # Redis answered
+        except TierUnavailable as exc:
+            cause = exc.__cause__
+            kind = ("timeout" if isinstance(cause, TimeoutError | rexc.TimeoutError) else
+                    "unavailable" if cause is None or isinstance(cause, _UNAVAILABLE_ERRORS)
+                    else "other")  # e.g. WRONGTYPE: foreign data under our prefix
+            raise
+        finally:
+            self.observer.request("redis", op_name(what), time.perf_counter() - started)
+            if kind is not None:
+                self.observer.error("redis", op_name(what), kind)
+
+    async def _attempt(self, what: str, operation: Callable[[], Awaitable[T]],
+                       redis_key: str | None) -> T:
         try:
             self.breaker.check()
         except TierUnavailable as exc:

@@ -1,7 +1,7 @@
 """``kvtier fleet-gc``: one sweep of a fleet's bucket (``kvstore.fleet.gc.collect``).
 
     kvtier fleet-gc --config C [--dry-run] [--json] [--grace-s S] [--retain-s S]
-                    [--spill-bound-s S] [--margin-s S]
+                    [--spill-bound-s S] [--margin-s S] [--metrics-file F]
 
 ``C`` is a fleet node's config (``metadata = "shared"``, ``s3_bucket``...; ``KVTIER_*``
 variables apply as for ``kvtier serve``), with the fleet's key when it encrypts at rest
@@ -12,6 +12,13 @@ the sweep that does not decode stops every deletion. Safe beside serving nodes: 
 no manifest names are deleted once past ``fleet_gc_grace_s`` and ``fleet_retain_s``
 (docs/fleet.md "Garbage collection"); ``--dry-run`` counts them and writes nothing. The sweep waits
 ``spill bound + margin`` between marking and deleting, so it takes that long at least.
+
+A sweep runs in this process, not in a server, so no server's scrape counts it: ``--json``
+carries the run's figures with its ``result`` (ok, or error when a corrupt manifest stopped
+it), and ``--metrics-file`` adds the run to a Prometheus text file
+(``kvtier_fleet_gc_runs_total{result}``, ``kvtier_fleet_gc_deleted_total``, counted across
+runs: for node_exporter's textfile collector). A dry run, or one refused because another
+sweep runs, is not counted; a bucket that cannot be reached counts as an error.
 
 Exit status: 0 swept, 2 the config is refused (not shared, no bucket, a key that does
 not open the bucket's manifests), 3 another sweep is running, 4 the bucket cannot be
@@ -27,6 +34,7 @@ import json
 import sys
 
 from kvstore.format.errors import Busy, InvalidRequest, TierUnavailable
+from kvstore.remote.observe import Observer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the spill bound this sweep publishes (default 20)")
     parser.add_argument("--margin-s", type=float,
                         help="a manifest PUT's time in flight, added to the mark wait (45)")
+    parser.add_argument("--metrics-file", help="add this run to the Prometheus text file "
+                        "(node_exporter textfile collector): kvtier_fleet_gc_runs_total, "
+                        "kvtier_fleet_gc_deleted_total")
 
 
 def open_bucket(config, keyring=None):
@@ -93,11 +104,55 @@ def timing_of(config, args: argparse.Namespace):
     return dataclasses.replace(GC_PRESETS["default"], **changes)
 
 
+class _Run(Observer):
+    """The sweep's outcome as ``collect`` reports it (``kvstore.remote.observe``)."""
+
+    def __init__(self) -> None:
+        self.result, self.deleted = "", 0
+
+    def gc_run(self, result: str, deleted: int) -> None:
+        self.result, self.deleted = result, deleted
+
+
+def record_run(path: str, result: str, deleted: int) -> None:
+    """Add one run to the counters in the Prometheus text file ``path`` (written whole,
+    by rename: a collector never reads half a file)."""
+    from prometheus_client import CollectorRegistry, Counter, write_to_textfile
+    from prometheus_client.parser import text_string_to_metric_families
+
+    before: dict[tuple[str, str], float] = {}
+    try:
+        with open(path) as file:
+            for family in text_string_to_metric_families(file.read()):
+                for sample in family.samples:
+                    before[(sample.name, sample.labels.get("result", ""))] = sample.value
+    except FileNotFoundError:
+        pass
+    registry = CollectorRegistry()
+    runs = Counter("kvtier_fleet_gc_runs", "Fleet garbage-collection sweeps by result",
+                   ["result"], registry=registry)
+    gone = Counter("kvtier_fleet_gc_deleted", "Chunks the sweeps deleted from the shared "
+                   "bucket", registry=registry)
+    for name in ("ok", "error"):
+        runs.labels(name).inc(before.get(("kvtier_fleet_gc_runs_total", name), 0)
+                              + (name == result))
+    gone.inc(before.get(("kvtier_fleet_gc_deleted_total", ""), 0) + deleted)
+    write_to_textfile(path, registry)
+
+
 def run(args: argparse.Namespace) -> int:
+    code, outcome = _sweep(args)
+    if args.metrics_file and outcome.result:
+        record_run(args.metrics_file, outcome.result, outcome.deleted)
+    return code
+
+
+def _sweep(args: argparse.Namespace) -> tuple[int, _Run]:
     from kvstore.encryption.seal import load_keyring
     from kvstore.fleet.gc import collect
-    from services.server.config import load_config
+    from services.server.config_load import load_config
 
+    outcome = _Run()
     try:
         config = load_config(args.config)
         timing = timing_of(config, args)
@@ -106,21 +161,23 @@ def run(args: argparse.Namespace) -> int:
         meta = open_bucket(config, keyring)
     except InvalidRequest as exc:
         print(f"kvtier fleet-gc: refused: {exc}", file=sys.stderr)
-        return 2
+        return 2, outcome
     except TierUnavailable as exc:
         print(f"kvtier fleet-gc: the bucket cannot be reached: {exc}", file=sys.stderr)
-        return 4
+        outcome.result = "" if args.dry_run else "error"
+        return 4, outcome
+    meta.observer = outcome
     try:
         report = asyncio.run(collect(meta, timing, dry_run=args.dry_run))
     except Busy as exc:
         print(f"kvtier fleet-gc: {exc}", file=sys.stderr)
-        return 3
+        return 3, outcome
     except TierUnavailable as exc:
         print(f"kvtier fleet-gc: the bucket cannot be reached: {exc}", file=sys.stderr)
-        return 4
+        return 4, outcome
     if args.json:
-        print(json.dumps(report.to_dict()))
-        return 0
+        print(json.dumps({**report.to_dict(), "result": outcome.result or "ok"}))
+        return 0, outcome
     verb = "would mark" if report.dry_run else "deleted"
     count = report.candidates if report.dry_run else report.deleted
     print(f"fleet gc{' (dry run)' if report.dry_run else ''}: {report.listed} chunks, "
@@ -130,4 +187,4 @@ def run(args: argparse.Namespace) -> int:
           f"{report.claimed} claimed by spills, {report.named_again} named again")
     if report.corrupt_manifests:
         print(f"  {report.corrupt_manifests} corrupt manifests: nothing deleted")
-    return 0
+    return 0, outcome

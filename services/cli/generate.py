@@ -37,7 +37,7 @@ from model.state import KVState
 from replay.state_codec import state_from_chunks, state_to_chunks
 from replay.worker import ReplayWorker
 from services.cli.address import add_credential_arguments, client_options, server_from_env
-from services.server.config import load_config
+from services.server.config_load import load_config
 
 
 def model_layout(cfg: ModelConfig) -> LayoutSpec:

@@ -244,7 +244,7 @@ async def migrate(config, data_dir: Path) -> MigrateReport:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.server.config import load_config
+    from services.server.config_load import load_config
 
     try:
         config = load_config(args.config)

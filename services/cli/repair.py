@@ -49,7 +49,7 @@ def disk_directory(data_dir: Path) -> Path | None:
 def run(args: argparse.Namespace) -> int:
     from kvstore.compaction.index_repair import repair
     from kvstore.encryption.seal import load_keyring
-    from services.server.config import load_config
+    from services.server.config_load import load_config
 
     disk = disk_directory(args.data_dir)
     if disk is None:

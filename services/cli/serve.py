@@ -27,7 +27,7 @@ import sys
 
 from kvstore.format.errors import KVTierError
 from services.server import preflight
-from services.server.config import PRESETS, load_config
+from services.server.config_load import PRESETS, load_config
 from services.serving.lifecycle import stop_on_signals
 from services.serving.tls import INSECURE_FLAG
 

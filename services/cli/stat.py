@@ -2,7 +2,11 @@
 write-back queue depth, replays and node id, from the Stat RPC; ``--session`` also
 describes a session, with the node holding its window and that node's address (where a
 fleet's router sends it); ``--tenant`` also prints a tenant's use against its quotas,
-``--metrics-url`` the Prometheus endpoint's ``kvtier_*`` samples."""
+``--metrics-url`` the Prometheus endpoint's ``kvtier_*`` samples; ``--fleet`` (a fleet node)
+also the fleet's view: sessions in the shared bucket (what every node's listing shows, where
+``sessions`` counts those this node has loaded), the nodes it has seen, the garbage
+collection's epoch and this node's compare-and-swap outcomes (``--json``: a "fleet"
+object beside the other keys)."""
 
 from __future__ import annotations
 
@@ -67,11 +71,23 @@ def usage_table(usage) -> list[str]:
     return lines
 
 
+def fleet_lines(fleet) -> list[str]:
+    """The fleet's view (``pb.FleetStat``)."""
+    cas = "   ".join(f"{result} {count}" for result, count in sorted(fleet.cas.items()))
+    return [f"fleet: sessions {fleet.sessions}   nodes seen {len(fleet.nodes_seen)} "
+            f"({', '.join(fleet.nodes_seen)})",
+            f"fleet gc: epoch {fleet.gc_epoch} {fleet.gc_state}"
+            + (f" (by {fleet.gc_sweeper})" if fleet.gc_sweeper else ""),
+            f"manifest CAS on this node: {cas or '-'}"]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_argument(parser)
     parser.add_argument("--session", metavar="TENANT/ID", help="also describe this session")
     parser.add_argument("--tenant", default="", help="also show this tenant's use against "
                         "its quotas")
+    parser.add_argument("--fleet", action="store_true", help="also show the fleet's view "
+                        "(a fleet node: sessions in the shared bucket, nodes, gc epoch)")
     parser.add_argument("--json", action="store_true", help="print the reply as JSON")
     parser.add_argument("--metrics-url", help="also print kvtier_* samples from this URL "
                         "(e.g. https://127.0.0.1:9100/metrics, checked with --tls-ca)")
@@ -86,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         # One retry: a server restarting right now answers; none there fails in a second.
         with Client(args.server, timeout_s=10, retry=RetryPolicy(attempts=2),
                     **client_options(args)) as kv:
-            reply = kv.stat(tenant, session_id, usage_of=args.tenant)
+            reply = kv.stat(tenant, session_id, usage_of=args.tenant, fleet=args.fleet)
     except KVTierError as exc:
         print(failure("stat", args.server, exc), file=sys.stderr)
         return 1
@@ -109,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
                   if s.window_node_id else "window node - (a resume anywhere replays)")
         if reply.HasField("tenant_usage"):
             print("\n".join(usage_table(reply.tenant_usage)))
+        if reply.HasField("fleet"):
+            print("\n".join(fleet_lines(reply.fleet)))
     if args.metrics_url:
         try:
             text = fetch_metrics(args.metrics_url, args)

@@ -1,27 +1,25 @@
-"""Server configuration: one dataclass, named presets, a TOML file and ``KVTIER_*`` env vars.
+"""Server configuration: one dataclass and its rules; ``config_load`` builds one from a preset,
+a TOML file and ``KVTIER_*`` env vars.
 
 Precedence, lowest first: the preset (``embedded`` unless the file or ``KVTIER_PRESET``
-names another), the TOML file (top-level keys are the field names below), the
-environment (``KVTIER_`` + the field name in upper case, e.g. ``KVTIER_REDIS_URL``), and
-explicit overrides (the ``kvtier serve`` flags). Sizes accept plain byte counts or
-``"64MiB"``-style strings; lists (``replay_workers``) accept a comma-separated string.
-``dedupe_domains`` is a TOML table (``[dedupe_domains]`` then ``public = ["acme", "beta"]``)
-or, in the environment, ``public=acme,beta;other=gamma``. Quotas (``kvstore.session.quota``) are
-``[quota.default]`` and ``[quota.<tenant>]`` tables of ``memory_bytes``, ``durable_bytes``
-and ``sessions`` or, in the environment, ``default.sessions=200;acme.memory_bytes=1GiB``.
+names another), the TOML file (top-level keys are the field names below), the environment
+(``KVTIER_`` + the field name in upper case, e.g. ``KVTIER_REDIS_URL``), and explicit
+overrides (the ``kvtier serve`` flags). Sizes accept plain byte counts or ``"64MiB"``-style
+strings; lists (``replay_workers``) accept a comma-separated string. ``dedupe_domains`` is a
+TOML table (``[dedupe_domains]`` then ``public = ["acme", "beta"]``) or, in the environment,
+``public=acme,beta;other=gamma``. Quotas (``kvstore.session.quota``) are ``[quota.default]``
+and ``[quota.<tenant>]`` tables of ``memory_bytes``, ``durable_bytes`` and ``sessions`` or,
+in the environment, ``default.sessions=200;acme.memory_bytes=1GiB``.
 
-The ``embedded`` preset needs nothing installed: a data directory on local disk holding
-the disk tier and the object tier (a local directory), the host RAM tier, no Redis, and
-replay in the server's process.
+The ``embedded`` preset needs nothing installed: a data directory on local disk holding the
+disk tier and the object tier (a local directory), the host RAM tier, no Redis, and replay
+in the server's process.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import socket
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,10 +38,6 @@ from services.server.config_values import (
     check_domains,
     check_listen,
     check_url,
-    domains_value,
-    flag,
-    parse_size,
-    quota_tables,
 )
 
 ENV_PREFIX = "KVTIER_"
@@ -122,6 +116,8 @@ class ServerConfig:
     replay_tokens: int = 128  # R when a request says 0
     replay_max_batch: int = 8  # in-process replay: concurrent resumes per model call
     replay_weights: str = ""  # in-process replay: model weights (default: the bundled ones)
+    # in-process replay: load the model and run it once before health says SERVING
+    replay_warmup: bool = True
     # In-process replay of transformers DeepseekV4 layouts (replayer
     # "transformers-deepseek-v4"): a save_pretrained directory, or a config JSON whose
     # weights are drawn at random from replay_hf_seed (replay.transformers_worker).
@@ -402,98 +398,4 @@ def _check_layout_settings(config: ServerConfig) -> None:
         raise InvalidRequest(f"replayers must be some of {REPLAYERS[:-1]}, got {sorted(unknown)}")
 
 
-PRESETS: dict[str, ServerConfig] = {
-    "embedded": ServerConfig(),
-    # What docker-compose.yml runs: every tier on, replay on a worker container.
-    "compose": ServerConfig(
-        listen=f"0.0.0.0:{DEFAULT_PORT}", data_dir=Path("/data"),
-        redis_url="redis://redis:6379/0", metrics_port=DEFAULT_METRICS_PORT,
-        metrics_host="0.0.0.0",  # scraped from the prometheus container
-        replay_workers=(f"replay-worker:{DEFAULT_REPLAY_PORT}",),
-    ),
-    # Small capacities so a few test sessions reach every tier.
-    "test": ServerConfig(
-        listen="127.0.0.1:0", host_bytes=4 * MiB, disk_bytes=256 * MiB,
-        object_bytes=1 * GiB, object_compression_level=-1, metrics_interval_s=0.2,
-        grace_s=2.0,
-    ),
-}
-
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
-def _coerce(name: str, value: object) -> object:
-    kind = _FIELDS[name].type
-    try:
-        if name.endswith("_bytes"):
-            return parse_size(value)
-        if kind == "bool":
-            return flag(value)
-        if kind == "int":
-            return int(value)
-        if kind == "float":
-            return float(value)
-        if kind == "Path":
-            return Path(str(value))
-        if name == "quota":
-            return quota_tables(value)
-        if kind.startswith("Mapping"):
-            return domains_value(value)
-        if name == "layouts" and not isinstance(value, str):
-            # TOML inline tables are layouts too: kept as the JSON they spell
-            return tuple(json.dumps(item) if isinstance(item, Mapping) else str(item)
-                         for item in value)
-        if kind.startswith("tuple"):
-            items = value.split(",") if isinstance(value, str) else list(value)
-            return tuple(item.strip() for item in items if item.strip())
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequest(f"config {name}: cannot use {value!r}: {exc}") from exc
-    return str(value)
-
-
-def _coerced(values: Mapping[str, object], source: str) -> dict[str, object]:
-    unknown = sorted(set(values) - set(_FIELDS))
-    if unknown:
-        raise InvalidRequest(f"{source}: unknown config keys {unknown}; known: {sorted(_FIELDS)}")
-    return {k: _coerce(k, v) for k, v in values.items()}
-
-
-def env_values(env: Mapping[str, str]) -> dict[str, str]:
-    """The ``KVTIER_<FIELD>`` variables of ``env`` as field -> raw string."""
-    return {name: env[ENV_PREFIX + name.upper()]
-            for name in _FIELDS if ENV_PREFIX + name.upper() in env}
-
-
-def load_config(
-    path: str | os.PathLike | None = None,
-    *,
-    preset: str | None = None,
-    env: Mapping[str, str] | None = None,
-    overrides: Mapping[str, object] | None = None,
-) -> ServerConfig:
-    """Build the server's config: preset < TOML file < ``KVTIER_*`` env < overrides."""
-    env = os.environ if env is None else env
-    from_file: dict[str, object] = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as handle:
-                from_file = tomllib.load(handle)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise InvalidRequest(f"cannot read config file {path}: {exc}") from exc
-    name = preset or str(from_file.pop("preset", "") or env.get(ENV_PREFIX + "PRESET", "")
-                         or "embedded")
-    from_file.pop("preset", None)
-    if name not in PRESETS:
-        raise InvalidRequest(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
-    # One replace of the merged values: a setting that needs another (tls_cert and
-    # tls_key) may come from different sources.
-    values = _coerced(from_file, f"config file {path}")
-    values |= _coerced(env_values(env), "environment")
-    values |= _coerced({k: v for k, v in (overrides or {}).items() if v is not None},
-                       "overrides")
-    return PRESETS[name].replace(**values)
-
-
-def field_names() -> list[str]:
-    return list(_FIELDS)
-
-
-__all__ = ["PRESETS", "ServerConfig", "field_names", "load_config", "parse_size"]

@@ -38,6 +38,17 @@ class Bounds:
         return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
 
 
+def s3_pool_connections(config: object) -> int:
+    """boto3's connection pool for the object tier of a server with ``config``: one
+    connection per stream it may hold open (a fleet's metadata read holds its connection
+    until the body is read) and one per part of each of the tier's calls
+    (``ObjectTierConfig.pool_connections``), so the pool is never full ("Connection pool
+    is full, discarding connection")."""
+    from kvstore.tiers.object_media import ObjectTierConfig
+
+    return config.max_streams + ObjectTierConfig().pool_connections
+
+
 class Limits:
     def __init__(self, bounds: Bounds) -> None:
         self.bounds = bounds

@@ -21,6 +21,9 @@ served the session. The registry also holds the process and platform collectors 
 dependency (``object``, ``redis``, ``replay:<address>``: ``kvstore.remote.breaker``) is open,
 read from the breakers at scrape time (plain attribute reads, safe from the HTTP thread).
 
+The remote calls' latency and errors and the fleet's protocol (``kvtier_object_*``,
+``kvtier_redis_*``, ``kvtier_fleet_*``) are ``self.remote`` (``services.server.remote_metrics``).
+
 Per-tenant figures (``kvtier_tenant_*``, ``kvtier_quota_*``) carry a ``tenant`` label only
 for tenants named in a ``[quota.<tenant>]`` table; every other tenant is summed under
 ``tenant="other"``, so their number of series is bounded by the config, not by clients.
@@ -46,6 +49,7 @@ from prometheus_client.registry import Collector
 
 from kvstore.remote.breaker import CircuitBreaker
 from kvstore.session.manager import ManagerStats
+from services.server.remote_metrics import RemoteMetrics
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -192,6 +196,7 @@ class ServiceMetrics:
         self.registry.register(PLATFORM_COLLECTOR)
         r = self.registry
         _build_info(r)
+        self.remote = RemoteMetrics(r)
         self.requests = Counter("kvtier_requests", "RPCs by method and final status code",
                                 ["method", "code"], registry=r)
         self.request_seconds = Histogram("kvtier_request_seconds", "RPC latency by method",

@@ -7,10 +7,10 @@ no store and no network: the configuration's own rules (``ServerConfig``), the e
 rules (``services.serving.tls``: gRPC and metrics off loopback), the ports, and every
 file the server reads at start-up, each read by the function the server reads it with
 (TLS certificate and key, the tokens file, the JWT key, the encryption keyring,
-configured layouts, the audit log), and the data directory (``prepare_data_dir``,
-without creating it). What only opening the store can tell (the data directory's writer
-lock held by another server, a bucket S3 says does not exist, a damaged index) is
-refused by ``serve`` alone.
+configured layouts, the audit log, the replay weights the warm-up loads), and the data
+directory (``prepare_data_dir``, without creating it). What only opening the store can
+tell (the data directory's writer lock held by another server, a bucket S3 says does not
+exist, a damaged index) is refused by ``serve`` alone.
 """
 
 from __future__ import annotations
@@ -48,6 +48,10 @@ def check(config: ServerConfig, *, insecure: bool = False) -> None:
         from kvstore.encryption.seal import load_keyring
 
         load_keyring(config.encryption_key_file, config.encryption_key)
+    if config.replay_warmup and config.replay_mode == "in-process" and \
+            config.replay_weights and not Path(config.replay_weights).is_file():
+        raise InvalidRequest(f"replay_weights {config.replay_weights} is not a file: the "
+                             "replay warm-up (replay_warmup) would load it before serving")
     prepare_data_dir(config.data_dir, create=False)
     if config.manager_preset != ServerConfig.manager_preset:
         from services.server.store import manager_config  # the store's modules: only then

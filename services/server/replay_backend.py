@@ -15,6 +15,9 @@ processes of ``replay_hf_workers`` (a ``RemoteReplay`` of their own); the others
 backend above. With ``streams`` and neither, ``StreamReplay`` sends each job to the stream
 of its layout's replayer, which only workers of that model read.
 
+A backend that runs a model in this process also has ``await backend.warm_up()``
+(load it and run it once: ``replay_warmup``, ``warm_up_replay``).
+
 Every backend has the same call, ``await backend.rebuild(spec, token_ids, chunks, tail,
 replay_tokens, model_fingerprint=...) -> replay.ReplayResult`` (the encoded window,
 tokens replayed, seconds), and ``await backend.close()``. ``model_fingerprint`` is the
@@ -62,6 +65,10 @@ class ReplayRouter:
         return await backend.rebuild(layout, token_ids, chunks, tail, replay_tokens,
                                      model_fingerprint=model_fingerprint)
 
+    async def warm_up(self) -> None:
+        for backend in self.backends.values():
+            await warm_up_replay(backend)
+
     def breakers(self) -> list:
         """The circuit breakers of the backends that call remote workers."""
         return [b for backend in self.backends.values()
@@ -70,6 +77,16 @@ class ReplayRouter:
     async def close(self) -> None:
         for backend in self.backends.values():
             await backend.close()
+
+
+async def warm_up_replay(backend: ReplayBackend | None) -> bool:
+    """Load and run once the model ``backend`` runs in this process; whether it has one
+    (remote workers and streams load their own)."""
+    warm_up = getattr(backend, "warm_up", None)
+    if warm_up is None:
+        return False
+    await warm_up()
+    return True
 
 
 def model_layouts(backend: ReplayBackend | None, replayer: str

@@ -2,7 +2,9 @@
 (``services.server.servicer``), binds (TLS when configured, ``services.serving.tls``),
 registers health checking and, when ``reflection`` is set, reflection, records its
 connectable address in ``{data_dir}/server.addr`` (``services.server.address_file``) and
-serves metrics. Every request is bounded in size before it is parsed
+serves metrics. Health checking says NOT_SERVING until the server is ready: with
+``replay_warmup`` once the in-process replay model is loaded and has run once
+(``KVTierServer.ready``), else at once. Every request is bounded in size before it is parsed
 (``services.server.sizes``) and the event loop's lag is measured throughout
 (``services.server.loop_lag``). ``KVTierServer.stop`` drains in-flight calls, then the
 write-back queue.
@@ -28,10 +30,12 @@ from kvstore.session.manager import TierManager
 from kvtier.errors import add_servicer
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.server import address_file, reflection, sizes
-from services.server.config import ServerConfig, load_config
+from services.server.config import ServerConfig
+from services.server.config_load import load_config
 from services.server.loop_lag import LoopMonitor
 from services.server.metrics import ServiceMetrics
-from services.server.replay_backend import make_replay_backend
+from services.server.remote_metrics import observe_store
+from services.server.replay_backend import make_replay_backend, warm_up_replay
 from services.server.servicer import SERVICE, KVTierServicer
 from services.server.store import open_manager
 from services.serving import auth
@@ -56,6 +60,8 @@ class KVTierServer:
         self.address_path: Path | None = None  # {data_dir}/server.addr once recorded
         self.metrics_port: int | None = None
         self._refresher: asyncio.Task | None = None
+        # done once health checking says SERVING (create_server awaits it by default)
+        self.ready: asyncio.Task | None = None
         self._stopped = False
 
     @property
@@ -81,6 +87,19 @@ class KVTierServer:
                 self.metrics.shm_segments.set(len(self.servicer.leases))
             await asyncio.sleep(interval_s)
 
+    async def _become_ready(self, warm_up: bool) -> None:
+        """Warm the replay model up (``warm_up``), then say SERVING."""
+        if warm_up:
+            try:
+                if await warm_up_replay(self.servicer.replay):
+                    log.info("replay model loaded and run once (replay_warmup)")
+            except Exception:  # resumes that need replay fail then, the rest serves
+                log.exception("replay warm-up failed: resumes that need replay will load "
+                              "the model again")
+        if not self._stopped:
+            for name in ("", SERVICE):
+                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
     async def wait_for_termination(self) -> None:
         await self.grpc_server.wait_for_termination()
 
@@ -91,6 +110,8 @@ class KVTierServer:
             return
         self._stopped = True
         config = self.servicer.config
+        if self.ready is not None:  # a model load in its thread cannot be cancelled
+            await asyncio.gather(self.ready, return_exceptions=True)
         try:
             await self.health.enter_graceful_shutdown()
             await self.grpc_server.stop(config.grace_s if grace_s is None else grace_s)
@@ -126,8 +147,11 @@ def breakers_of(manager: TierManager, replay: object) -> list[CircuitBreaker]:
     return found + list(getattr(replay, "breakers", list)())
 
 
-async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServer, int]:
-    """Open the store, bind, start; ``(server, port)`` (port 0 in the address: a free one)."""
+async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool = True
+                        ) -> tuple[KVTierServer, int]:
+    """Open the store, bind, start; ``(server, port)`` (port 0 in the address: a free one).
+    ``wait_ready``: return once health checking says SERVING (else at once, the replay
+    warm-up still to run: ``server.ready``)."""
     config = (load_config(overrides={"listen": config_or_addr})
               if isinstance(config_or_addr, str) else config_or_addr)
     manager = await open_manager(config)
@@ -136,6 +160,7 @@ async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServe
         replay = make_replay_backend(config)
         metrics = ServiceMetrics()
         metrics.watch_breakers(lambda: breakers_of(manager, replay[0]))
+        observe_store(manager.tiers, manager.meta, metrics.remote)
         servicer = KVTierServicer(manager, config, metrics, replay)
         monitor = LoopMonitor(metrics)
         grpc_server = grpc.aio.server(
@@ -144,6 +169,8 @@ async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServe
         add_servicer(sizes.bounded(pb_grpc.add_KVTierServicer_to_server,
                                    config.max_header_bytes), servicer, grpc_server)
         health_servicer = health.aio.HealthServicer()
+        for name in ("", SERVICE):  # until ready (KVTierServer._become_ready)
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         if config.reflection:  # it lists the services to anyone who asks: only on request
             reflection.enable(
@@ -163,8 +190,6 @@ async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServe
         raise
     server = KVTierServer(grpc_server, servicer, health_servicer, port, monitor)
     try:
-        for name in ("", SERVICE):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         metrics.update(await manager.stat())
         server._refresher = asyncio.create_task(server._refresh(config.metrics_interval_s))
         try:
@@ -174,6 +199,9 @@ async def create_server(config_or_addr: ServerConfig | str) -> tuple[KVTierServe
         if config.metrics_port:
             _start_metrics(server, config)
         monitor.start()  # from here on every tick is one of serving
+        server.ready = asyncio.create_task(server._become_ready(config.replay_warmup))
+        if wait_ready:
+            await server.ready
     except BaseException:
         await server.stop(0)  # a half-started server closes like a running one
         raise

@@ -42,6 +42,7 @@ from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.server import validate as check
 from services.server.config import ServerConfig
+from services.server.fleet_stat import fleet_stat
 from services.server.layout_registry import ServerLayouts, fleet_layouts, is_builtin
 from services.server.limits import Bounds, InFlight, Limits, idle_bounded
 from services.server.metrics import ServiceMetrics, tier_lookups
@@ -311,6 +312,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         own = auth.list_scope(None)  # a tenant's credential: its own domain's figures only
         if own is not None:
             retained = self.manager.retained_chunks().get(dedupe_scope(own), (0, 0))
+        fleet = await fleet_stat(self.manager, own) if request.fleet else None
         return pb.StatReply(
             tiers=[pb.TierStat(name=t.name, capacity_bytes=t.capacity_bytes,
                                used_bytes=t.used_bytes, items=t.items, available=t.available,
@@ -319,7 +321,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             sessions=stats.sessions,
             writeback_queue_depth=stats.writeback_depth, replays=self.replays,
             session=session, tenant_usage=usage, node_id=self.config.node_name,
-            retained_chunks=retained[0], retained_bytes=retained[1])
+            retained_chunks=retained[0], retained_bytes=retained[1], fleet=fleet)
 
     @grpc_errors
     async def List(self, request: pb.ListRequest, context: grpc.aio.ServicerContext

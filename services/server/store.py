@@ -27,6 +27,7 @@ from kvstore.tiers.base import MemoryMetaStore, MetaStore, Tier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
 from services.server.config import ServerConfig
+from services.server.limits import s3_pool_connections
 from services.server.startup import check_node_name, prepare_data_dir
 
 if TYPE_CHECKING:  # cryptography is imported only by a server that encrypts
@@ -103,7 +104,7 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
             connect_timeout_s=config.s3_connect_timeout_s,
             read_timeout_s=config.s3_read_timeout_s, deadline_s=config.s3_deadline_s,
             breaker_cooldown_s=config.breaker_cooldown_s,
-            shared=shared,
+            shared=shared, max_pool_connections=s3_pool_connections(config),
         ))
         tiers.append(outside(objects))
         if shared:  # the manifests live beside the chunks; reference counts stay here

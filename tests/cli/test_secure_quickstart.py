@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.server.config import load_config
+from services.server.config_load import load_config
 from services.serving.tls import exposure_problem, metrics_exposure_problem
 from tests.support.servers import free_port
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kvstore.format.errors import IndexCorrupt
 from kvstore.tiers.disk import DiskTier
-from services.server.config import load_config
+from services.server.config_load import load_config
 from services.server.store import open_manager
 from tests.support.manager import make_session, random_tokens
 

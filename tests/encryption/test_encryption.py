@@ -15,7 +15,7 @@ import redis
 
 from kvstore.encryption.seal import Keyring, MasterKey, keyring_from_file, read_header
 from kvstore.format.errors import ChunkCorrupt, DataLoss, InvalidRequest
-from services.server.config import load_config
+from services.server.config_load import load_config
 from services.server.store import open_manager
 from tests.support.manager import make_session
 

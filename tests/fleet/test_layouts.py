@@ -27,7 +27,7 @@ from model.config import BUNDLED
 from model.infer import prefill
 from model.net import KVTierLM
 from replay.state_codec import state_to_chunks
-from services.server.config import load_config
+from services.server.config_load import load_config
 from services.server.server import create_server
 from testing.live_server import Child
 

@@ -26,7 +26,8 @@ from kvstore.format.errors import (
 )
 from kvtier import AsyncClient
 from services import cli
-from services.server.config import ServerConfig, load_config
+from services.server.config import ServerConfig
+from services.server.config_load import load_config
 from services.server.server import create_server
 from testing.live_server import Child
 from tests.support.fleet import SPEC, TOKENS, assert_persistent, assert_same_window, fleet

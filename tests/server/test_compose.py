@@ -15,7 +15,8 @@ from urllib.parse import urlsplit
 import yaml
 from cryptography import x509
 
-from services.server.config import DEFAULT_REPLAY_PORT, PRESETS, load_config
+from services.server.config import DEFAULT_REPLAY_PORT
+from services.server.config_load import PRESETS, load_config
 from services.server.devcerts import write_dev_set
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -149,7 +150,7 @@ def test_grafana_is_provisioned_with_prometheus_and_the_dashboard():
     provider = yaml.safe_load((provisioning / "dashboards" / "kvtier.yml").read_text())
     path = provider["providers"][0]["options"]["path"]
     dashboard = json.loads((_mounted(grafana, path) / "kvtier.json").read_text())
-    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p["targets"]}
+    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p.get("targets", [])}
     assert uids == {source["uid"]}
     assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"].startswith(path)
 

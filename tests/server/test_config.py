@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvstore.format.errors import InvalidRequest
-from services.server.config import PRESETS, load_config, parse_size
+from services.server.config_load import PRESETS, load_config
+from services.server.config_values import parse_size
 from services.server.store import open_manager
 
 

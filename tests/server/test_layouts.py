@@ -360,7 +360,7 @@ async def test_kvtier_layouts_lists_a_servers_layouts(tmp_path):
 
 
 def test_config_lists_layouts_inline_as_json_or_toml_tables(tmp_path):
-    from services.server.config import load_config
+    from services.server.config_load import load_config
     from services.server.layout_registry import ServerLayouts
 
     table = LayoutSpec("gqa-toml", GQA.streams, chunk_tokens=8)

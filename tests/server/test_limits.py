@@ -82,7 +82,7 @@ def _full_spill(tenant: str, session_id: str, tokens, enc):
 
 SERVER = """
 import asyncio, json, sys
-from services.server.config import load_config
+from services.server.config_load import load_config
 from services.server.server import create_server
 
 async def main():

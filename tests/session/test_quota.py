@@ -21,7 +21,7 @@ from kvstore.format.errors import (
 )
 from kvtier import AsyncClient
 from services.cli.main import main as cli_main
-from services.server.config import load_config
+from services.server.config_load import load_config
 from tests.support.service import (
     LAYOUT,
     assert_streams_equal,

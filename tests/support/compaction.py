@@ -21,7 +21,7 @@ from kvstore.format.errors import SessionNotFound
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk.segments import HEADER_SIZE, segment_path
 from kvtier import AsyncClient
-from services.server.config import load_config
+from services.server.config_load import load_config
 from services.server.server import create_server
 from tests.support.service import LAYOUT, streams_for, tokens_for
 

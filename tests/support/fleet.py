@@ -20,7 +20,8 @@ from model.config import BUNDLED
 from model.infer import prefill
 from model.net import KVTierLM
 from replay.state_codec import state_to_chunks
-from services.server.config import ServerConfig, load_config
+from services.server.config import ServerConfig
+from services.server.config_load import load_config
 from services.server.server import create_server
 from services.server.store import open_manager
 

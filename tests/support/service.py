@@ -18,7 +18,7 @@ from kvstore.format.keys import chunk_digest
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.registry import get_layout
 from proto import kvtier_pb2 as pb
-from services.server.config import load_config
+from services.server.config_load import load_config
 from services.server.server import KVTierServer, create_server
 
 LAYOUT = get_layout("kvtier-bundled")
