@@ -12,6 +12,10 @@ from bench.seams.switches import all_combinations
 from bench.seams.verdict import KEYS
 
 STEPS_PER_COMBINATION = 60
+# Event-loop stalls are ticks late by a wall-clock bound, which a loaded machine crosses on
+# its own: bench.seams reports them, and tests/server/test_loop_stalls.py checks the
+# requests that could hold the loop. Every other key is a count of wrong behaviour.
+CHECKED = tuple(key for key in KEYS if key != "stalls_over_50ms")
 
 
 def rotation(seed: int, count: int = 3) -> list:
@@ -23,7 +27,7 @@ def failures(result: dict) -> str:
     counts = ", ".join(f"{k} {result[k]}" for k in KEYS)
     shown = "\n".join(f"  {f['kind']} {f['combination']} seed {f['seed']} step {f['step']} "
                       f"{f['op']} {f['session']}: expected {f['expected']}, got {f['got']}"
-                      for f in result["findings"][:20])
+                      for f in result["findings"][:20] if f["kind"] in CHECKED)
     return f"{counts} (step log: {result['log']})\n{shown}"
 
 
@@ -31,7 +35,7 @@ def failures(result: dict) -> str:
 def test_short_simulation_finds_nothing(seed: int, tmp_path) -> None:
     combos = rotation(seed)
     result = simulate(STEPS_PER_COMBINATION * len(combos), seed, combos, workdir=tmp_path)
-    assert all(result[key] == 0 for key in KEYS), failures(result)
+    assert all(result[key] == 0 for key in CHECKED), failures(result)
     assert result["combinations_tried"] == result["switch_combinations"] == len(combos)
     assert result["steps"] >= STEPS_PER_COMBINATION * len(combos)
 
@@ -41,4 +45,4 @@ def test_short_simulation_finds_nothing(seed: int, tmp_path) -> None:
 def test_long_simulation_over_every_combination(tmp_path) -> None:
     result = simulate(2_000, 7, all_combinations(), workdir=tmp_path)
     assert result["combinations_tried"] == 32
-    assert all(result[key] == 0 for key in KEYS), failures(result)
+    assert all(result[key] == 0 for key in CHECKED), failures(result)
