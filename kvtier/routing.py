@@ -2,15 +2,18 @@
 
 A session's resume, restore, prefetch and evict go to its home: the node whose memory
 holds its window, as ``Stat`` names it (``window_node_address``, or ``window_node_id``
-of a node this client has heard from), asked once and cached (an LRU of
-``RoutingPolicy.entries`` sessions, each kept ``ttl_s``). An entry is dropped when a call
-it routed fails with UNAVAILABLE, or its node served the session by replay (it no longer
-held the window: the next call asks ``Stat`` again). A session without a home among
-``servers`` goes to its chosen node: a stable hash of tenant and session id over
-``servers``, so one session's calls keep to one node and sessions spread over the fleet.
-A spill goes to the cached home, else the chosen node (no ``Stat``), and its node is the
-home after. Calls naming no session go to the first node up. A node failing with
-UNAVAILABLE is down for ``cooldown_s``: calls skip it while another is up.
+of a node this client has heard from), asked of the session's chosen node (below) once
+and cached (an LRU of ``RoutingPolicy.entries`` sessions, each kept ``ttl_s``). An entry
+is dropped when a call it routed fails with UNAVAILABLE, or its node served the session
+by replay (it no longer held the window: the next call asks ``Stat`` again).
+
+A session without a home among ``servers`` goes to its chosen node: a stable hash of
+tenant and session id over ``servers``, so one session's calls keep to one node and
+sessions spread over the fleet. A spill goes to the cached home, else the chosen node
+(no ``Stat``), and its node is the home after. Calls naming no session go to the first
+node up. A node failing with UNAVAILABLE is down for ``cooldown_s``: calls skip it while
+another is up, and the call goes to another node at once (one of
+``RetryPolicy.attempts``).
 
 Routing only chooses the node: every node answers every call from the fleet's shared
 metadata, so a stale route costs time (a replay), never a wrong tensor.
@@ -139,7 +142,7 @@ class Router:
         """The session's home among the nodes, asked of Stat (None: none is)."""
         request = pb.StatRequest(session=pb.SessionRef(tenant=ref[0], session_id=ref[1]))
         for _ in self.nodes:
-            asked = self.any()
+            asked = self.chosen(ref)  # spreads the lookups, and learns each node's id
             try:
                 reply = await asked.stub.Stat(request, timeout=timeout_s)
             except grpc.aio.AioRpcError as exc:

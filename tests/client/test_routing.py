@@ -73,6 +73,15 @@ async def test_a_resume_goes_to_the_home_node_and_its_route_is_cached(
             await kv.spill("acme", "s1", SPEC, ids, chunks=chunks, tail=tail, window=window,
                            generation=2, ack="durable")
             assert calls(nodes, "Spill") == {"a": 2, "b": 0}
+            # A new session's spill goes to its chosen node, its home from then on.
+            before = calls(nodes, "Spill")
+            await kv.spill("acme", "s2", SPEC, ids, chunks=chunks, tail=tail, window=window,
+                           generation=1, ack="durable")
+            [home] = [name for name, n in calls(nodes, "Spill").items() if n > before[name]]
+            resumed = calls(nodes, "Resume")
+            assert not (await kv.resume("acme", "s2")).replayed
+            assert sum(calls(nodes, "Stat").values()) == stats  # none: it was spilled there
+            assert calls(nodes, "Resume")[home] == resumed[home] + 1
 
 
 async def test_with_the_home_node_down_a_resume_falls_back_and_replays_exactly(
