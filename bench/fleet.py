@@ -1,6 +1,6 @@
 """A fleet's resume paths and throughput, one run (docs/fleet.md).
 
-``python -m bench.fleet --json [--tokens 4096] [--sessions 4] [--resumes 96]``
+``python -m bench.fleet --json [--tokens 4096] [--sessions 4] [--resumes 96] [--rounds 5]``
 
 Real ``kvtier serve`` child processes (``testing.live_server.Child``), configured only by
 their environment (``KVTIER_METADATA=shared``, ``KVTIER_NODE_ID``, the S3 and Redis
@@ -26,7 +26,13 @@ p95 of the CAS put, the get, and both. ``aggregate``: resumes per second of
 ``--resumes`` resumes of ``--sessions`` hot sessions by ``--clients`` concurrent
 clients, with 1 replica (every session homed on a) and with 3 (session i spilled on
 node i % 3, each resume sent to the node ``Stat`` names as holding its window, as a
-router would). Every replica shares the machine's cores (recorded beside the figures).
+router would). ``routing``: ``--rounds`` resumes of each of ``--sessions`` sessions
+spilled on a, routed (``AsyncClient(servers=[a, b, c])``: the home node, no replay) against
+unrouted (round-robin over a, b, c), and of those the ones on another node (a replay):
+median and p90.
+``first_resume``: a node started after the spills, with ``replay_warmup`` on and off:
+seconds to serving and its first resume (a replay; off, it loads the model first). Every
+replica shares the machine's cores (recorded beside the figures).
 """
 
 from __future__ import annotations
@@ -56,10 +62,12 @@ def log(message: str) -> None:
     print(f"bench.fleet: {message}", file=sys.stderr, flush=True)
 
 
-def node(backing: Backing, workdir: Path, name: str, *, redis: bool = True) -> Child:
+def node(backing: Backing, workdir: Path, name: str, *, redis: bool = True,
+         warmup: bool = False) -> Child:
     env = {**backing.env(redis=redis), "KVTIER_NODE_ID": name, "KVTIER_LISTEN": "127.0.0.1:0",
            "KVTIER_DATA_DIR": str(workdir / name), "KVTIER_HOST_BYTES": "1GiB",
-           "KVTIER_REPLAY": "in-process", "PYTHONPATH": str(ROOT)}
+           "KVTIER_REPLAY": "in-process", "KVTIER_REPLAY_WARMUP": str(warmup).lower(),
+           "PYTHONPATH": str(ROOT)}
     return Child([sys.executable, "-m", "services.cli", "serve", "--preset", "test",
                   "--log-level", "WARNING"], "kvtier serving on ", workdir / f"{name}.log", env)
 
@@ -115,6 +123,67 @@ async def spill_all(target: str, tenant: str, names: list[str], state: tuple) ->
         for name in names:
             await kv.spill(tenant, name, "kvtier-bundled", ids, chunks=chunks, tail=tail,
                            window=window, generation=1, ack="durable")
+
+
+def spread(seconds: list[float]) -> dict:
+    return {"median_ms": round(1000 * statistics.median(seconds), 2),
+            "p90_ms": round(1000 * statistics.quantiles(seconds, n=10)[-1], 2)}
+
+
+async def routing(targets: list[str], tenant: str, sessions: int, rounds: int,
+                  state: tuple) -> dict:
+    """Resumes of ``sessions`` sessions spilled on targets[0], ``rounds`` each: routed
+    (one ``AsyncClient(servers=targets)``: each to the node holding its window) and
+    unrouted (round-robin over the nodes, as a balancer without affinity: round r of
+    every session on targets[r % n]). A replay of the last R tokens leaves the window's
+    home where it was, so an unrouted resume lands on the home node one time in n;
+    ``other_node``: the unrouted resumes that did not (each a replay)."""
+    from kvtier import AsyncClient
+
+    names = [f"r{i}" for i in range(sessions)]
+    await spill_all(targets[0], tenant, names, state)
+
+    async def timed(kv: AsyncClient, name: str) -> tuple[float, bool]:
+        started = time.perf_counter()
+        got = await kv.resume(tenant, name)
+        return time.perf_counter() - started, got.replayed
+
+    async with AsyncClient(servers=targets) as kv:
+        routed = [await timed(kv, name) for _ in range(rounds) for name in names]
+    kvs = [AsyncClient(t) for t in targets]
+    try:
+        unrouted = [await timed(kvs[r % len(kvs)], name) for r in range(1, rounds + 1)
+                    for name in names]
+    finally:
+        for kv in kvs:
+            await kv.close()
+    other = [(s, r) for s, r in unrouted if r]  # those that landed off the session's home
+    out = {name: {**spread([s for s, _ in runs]), "resumes": len(runs),
+                  "replayed": sum(r for _, r in runs)}
+           for name, runs in (("routed", routed), ("unrouted", unrouted),
+                              ("other_node", other))}
+    out["speedup"] = round(out["unrouted"]["median_ms"] / out["routed"]["median_ms"], 2)
+    return out
+
+
+async def first_resume(backing: Backing, workdir: Path, name: str, warmup: bool) -> dict:
+    """A node started now (``replay_warmup`` on or off): seconds to serving, and its first
+    resume of ``paths/warm`` (a replay: the window is another node's)."""
+    from kvtier import AsyncClient
+
+    child = node(backing, workdir, name, warmup=warmup)
+    started = time.perf_counter()
+    target = await asyncio.to_thread(child.start)
+    ready = time.perf_counter() - started
+    try:
+        async with AsyncClient(target) as kv:
+            started = time.perf_counter()
+            got = await kv.resume("paths", "warm")
+            seconds = time.perf_counter() - started
+    finally:
+        child.stop()
+    return {"replay_warmup": warmup, "start_s": round(ready, 2),
+            "first_resume_ms": round(1000 * seconds, 2), "replayed": got.replayed}
 
 
 async def manifest_round_trip(backing: Backing, workdir: Path, count: int) -> dict:
@@ -193,7 +262,7 @@ async def aggregate(targets: list[str], tenant: str, sessions: int, resumes: int
 
 
 async def run(tokens: int, sessions: int, resumes: int, clients: int, manifests: int,
-              workdir: Path) -> dict:
+              rounds: int, workdir: Path) -> dict:
     state = await asyncio.to_thread(session_state, tokens)
     log(f"prefill of {tokens} tokens: {state[4]:.3f} s")
     names = ["warm", *[f"s{i}" for i in range(sessions)]]
@@ -211,6 +280,11 @@ async def run(tokens: int, sessions: int, resumes: int, clients: int, manifests:
                 await asyncio.to_thread(cold.start), "paths", names)
             paths["re_prefill"] = {"median_ms": round(1000 * state[4], 2)}
             log(f"paths: {json.dumps(paths)}")
+            routes = await routing([a, b, c], "routing", sessions, rounds, state)
+            log(f"routing: {json.dumps(routes)}")
+            first = [await first_resume(backing, workdir, f"fresh-{w}", w)
+                     for w in (True, False)]
+            log(f"first resume: {json.dumps(first)}")
             manifest = await manifest_round_trip(backing, workdir, manifests)
             log(f"manifest: {json.dumps(manifest)}")
             rates = [await aggregate([a], "one", sessions, resumes, clients, state),
@@ -224,7 +298,8 @@ async def run(tokens: int, sessions: int, resumes: int, clients: int, manifests:
         path["speedup_vs_prefill"] = round(prefill_ms / path["median_ms"], 2)
     return {"tokens": tokens, "sessions": sessions, "replay_tokens": REPLAY_TOKENS,
             "chunks": len(state[1]), "cpus": os.cpu_count(), "time_to_ready": paths,
-            "manifest_round_trip": manifest, "aggregate": rates,
+            "manifest_round_trip": manifest, "aggregate": rates, "routing": routes,
+            "first_resume": first,
             "scaling_3_vs_1": round(rates[1]["resumes_per_s"] / rates[0]["resumes_per_s"], 2)}
 
 
@@ -235,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resumes", type=int, default=120)
     parser.add_argument("--clients", type=int, default=6)
     parser.add_argument("--manifests", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=5, help="routing: resumes per session")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
     if args.sessions < 3 or args.manifests < 2:
@@ -242,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="kvtier-fleet-") as tmp:
         result = asyncio.run(run(args.tokens, args.sessions, args.resumes, args.clients,
-                                 args.manifests, Path(tmp)))
+                                 args.manifests, args.rounds, Path(tmp)))
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -251,6 +327,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{path['speedup_vs_prefill']:>7.2f}x vs prefill")
         m = result["manifest_round_trip"]
         print(f"manifest CAS put + get    {m['round_trip_p50_ms']:>9.2f} ms p50")
+        for way in ("routed", "unrouted", "other_node"):
+            r = result["routing"][way]
+            print(f"{way + ' resume':<26} {r['median_ms']:>9.2f} ms  p90 {r['p90_ms']:.2f} ms "
+                  f"({r['replayed']}/{r['resumes']} replayed)")
+        for f in result["first_resume"]:
+            print(f"first resume, warm-up {'on ' if f['replay_warmup'] else 'off'} "
+                  f"{f['first_resume_ms']:>9.2f} ms")
         for rate in result["aggregate"]:
             print(f"{rate['replicas']} replica(s)               "
                   f"{rate['resumes_per_s']:>9.1f} resumes/s")

@@ -218,6 +218,27 @@ def replay_batch_section(stage: dict) -> list[str]:
     return out + [""]
 
 
+def _routing(stage: dict) -> list[str]:
+    """Routed against unrouted resumes, and a fresh node's first resume (runs that have them)."""
+    routes, first = stage.get("routing"), stage.get("first_resume")
+    out = []
+    if routes:
+        out += table(["resume", "median", "p90", "replayed"],
+                     [[f"{way} ({label})", _ms(r["median_ms"] / 1000), _ms(r["p90_ms"] / 1000),
+                       f"{r['replayed']}/{r['resumes']}"]
+                      for way, label in (("routed", "`servers=[a, b, c]`: the home node"),
+                                         ("unrouted", "round-robin over a, b, c"),
+                                         ("other_node", "those not on the home node"))
+                      for r in [routes[way]]])
+        out += ["", f"Routed / unrouted: {routes['speedup']}x faster (median).", ""]
+    if first:
+        out += table(["fresh node", "start to serving", "first resume"],
+                     [[f"replay_warmup {'on' if f['replay_warmup'] else 'off'}",
+                       f"{f['start_s']} s", _ms(f["first_resume_ms"] / 1000)] for f in first])
+        out += [""]
+    return out
+
+
 def fleet_section(stage: dict) -> list[str]:
     paths = stage["time_to_ready"]
     out = ["## Fleet (`python -m bench.fleet`)", "",
@@ -241,6 +262,7 @@ def fleet_section(stage: dict) -> list[str]:
     out += ["", f"3 replicas / 1: {stage['scaling_3_vs_1']}x (each resume routed to the node "
             "Stat names as holding its window; the replicas share this machine's cores, so "
             "this is not a fleet's scaling across machines).", ""]
+    out += _routing(stage)
     run = stage.get("run")  # the stage's own run, merged beside the others' figures
     if run:
         out += [f"This stage's run: commit {run['git_commit']}, {run['date_utc']}, load "

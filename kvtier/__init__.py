@@ -10,8 +10,9 @@ from kvstore.format import errors as _errors
 from kvstore.format.chunk import StreamData
 from kvstore.format.errors import *  # noqa: F403  (every class of the one hierarchy)
 from kvtier.client import AsyncClient
+from kvtier.routing import RoutingPolicy
 from kvtier.sync import Client
 from kvtier.types import LayoutInfo, RestoredSession, RetryPolicy, SpillResult
 
 __all__ = ["AsyncClient", "Client", "LayoutInfo", "RestoredSession", "RetryPolicy",
-           "SpillResult", "StreamData", *_errors.__all__]
+           "RoutingPolicy", "SpillResult", "StreamData", *_errors.__all__]

@@ -22,13 +22,17 @@ first attempt landed gets that attempt's reply, the server's spills being idempo
 per generation and content); any other failure
 raises the ``kvstore.format.errors`` class the server raised. On the same host chunk bytes go
 through shared memory (``shared_memory=None``: whenever the target is loopback).
+
+``AsyncClient(servers=[a, b, c])`` talks to a fleet: each session's calls go to the node
+holding its window, found through ``Stat`` and cached; a node down, to another
+(``kvtier.routing``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 import numpy as np
@@ -41,12 +45,12 @@ from kvstore.format.layout import LayoutSpec, layout_to_json
 from kvstore.format.model_identity import check_model
 from kvtier import codec as cc
 from kvtier import replies, shm
-from kvtier.channel import LOOPBACK, Credentials, open_channel
+from kvtier.channel import LOOPBACK, Credentials
 from kvtier.errors import MissingChunks, SharedMemoryUnavailable, error_from_rpc
 from kvtier.known_layouts import KnownLayouts, info_from
+from kvtier.routing import Node, Ref, Router, RoutingPolicy, open_node
 from kvtier.types import LayoutInfo, RestoredSession, RetryPolicy, SpillResult
 from proto import kvtier_pb2 as pb
-from proto import kvtier_pb2_grpc as pb_grpc
 
 ACKS = {"memory": pb.ACK_MEMORY, "durable": pb.ACK_DURABLE, None: pb.ACK_UNSPECIFIED}
 
@@ -59,31 +63,41 @@ async def _stream(messages: list) -> AsyncIterator:
 
 
 class AsyncClient:
-    def __init__(self, target: str = "127.0.0.1:50051", *, shared_memory: bool | None = None,
+    def __init__(self, target: str | None = None, *, servers: Sequence[str] | None = None,
+                 shared_memory: bool | None = None,
                  retry: RetryPolicy = RetryPolicy(), timeout_s: float | None = None,
                  max_message_bytes: int = 64 << 20, tls_ca: str | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None,
-                 token: str | None = None) -> None:
-        """``tls_ca``, ``tls_cert`` + ``tls_key``, ``token``: see ``kvtier.channel``."""
-        self.target = target
-        self.shared_memory = (shm.available() and target.startswith(LOOPBACK)
+                 token: str | None = None, routing: RoutingPolicy = RoutingPolicy()) -> None:
+        """``target``: one server (default ``127.0.0.1:50051``); or ``servers``: a fleet's
+        nodes, each call routed to one of them (``kvtier.routing``), with the same TLS and
+        token for every node. ``tls_ca``, ``tls_cert`` + ``tls_key``, ``token``: see
+        ``kvtier.channel``."""
+        if target is not None and servers is not None:
+            raise ValueError("give target or servers=, not both")
+        if servers is not None and not servers:
+            raise ValueError("servers= names no server")
+        addresses = list(servers) if servers is not None else [target or "127.0.0.1:50051"]
+        self.target = addresses[0]
+        self.servers = addresses
+        self.shared_memory = (shm.available()
+                              and all(a.startswith(LOOPBACK) for a in addresses)
                               if shared_memory is None else shared_memory)
         self.retry = retry
         self.timeout_s = timeout_s
         self.max_message_bytes = max_message_bytes
         credentials = Credentials(tls_ca, tls_cert, tls_key, token)
-        self._channel = open_channel(target, credentials, options=[
+        options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
             # Reconnect about as fast as calls are retried (gRPC's default waits 1 s+).
             ("grpc.initial_reconnect_backoff_ms", int(retry.initial_backoff_s * 1000)),
-            ("grpc.max_reconnect_backoff_ms", int(retry.max_backoff_s * 1000))])
-        self._stub = pb_grpc.KVTierStub(self._channel)
+            ("grpc.max_reconnect_backoff_ms", int(retry.max_backoff_s * 1000))]
+        self._router = Router([open_node(a, credentials, options) for a in addresses], routing)
         # Per session: chain key -> digest of the chunks the server acknowledged.
         self._held: dict[tuple[str, str], dict[str, bytes]] = {}
         # (tenant, scope, layout, model) -> chain key -> digest, from the latest lookup
         self._looked_up: dict[tuple[str, str, str, str], dict[str, bytes]] = {}
-        self._segments = shm.ClientSegments(self._stub)  # leased from the server
         self._layouts = KnownLayouts()  # this process's and those the server listed
 
     async def __aenter__(self) -> AsyncClient:
@@ -93,15 +107,21 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        await self._segments.close()
-        await self._channel.close()
+        for node in self._router.nodes:
+            await node.segments.close()
+            await node.channel.close()
 
-    async def _call(self, attempt: Callable[[], Awaitable]):
+    async def _call(self, attempt: Callable[[Node], Awaitable], ref: Ref | None = None,
+                    ask: bool = True):
+        """``attempt(node)`` on the node ``ref`` routes to (``Router.route``), retried on
+        UNAVAILABLE with backoff; with ``servers``, the retry goes to another node at once
+        while one is up."""
         delays = self.retry.delays()
         leases_lost = False
         while True:
+            node = await self._router.route(ref, ask, self.timeout_s)
             try:
-                return await attempt()
+                return await attempt(node)
             except SharedMemoryUnavailable:
                 if not self.shared_memory:
                     raise
@@ -113,12 +133,15 @@ class AsyncClient:
                 if isinstance(error, SharedMemoryUnavailable) and self.shared_memory:
                     # The server does not hold our lease (restarted, or it ran out): lease
                     # afresh once; refused again, the bytes go inline.
-                    self._segments.forget()
+                    node.segments.forget()
                     self.shared_memory = not leases_lost
                     leases_lost = True
                     continue
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or delay is None:
                     raise error from exc
+                self._router.failed(node, ref)
+                if self._router.routed and self._router.any_up():
+                    continue  # another node is up: no wait
             await asyncio.sleep(delay)
 
     # -- spill --
@@ -173,17 +196,24 @@ class AsyncClient:
         # freshly computed digest is the held one goes without its bytes
         looked_up = self._looked_up.get((tenant, scope, spec.layout_id, model_fingerprint), {})
         encoded = await encode({**looked_up, **self._held.get(ref, {})})
+        spilled_on: list[Node] = []
+
+        async def spill_once(node: Node) -> pb.SpillReply:
+            spilled_on[:] = [node]
+            return await self._spill_once(node, header, encoded)
+
         try:
-            reply = await self._call(lambda: self._spill_once(header, encoded))
+            reply = await self._call(spill_once, ref, ask=False)
         except MissingChunks:
             encoded = await encode({})
-            reply = await self._call(lambda: self._spill_once(header, encoded))
+            reply = await self._call(spill_once, ref, ask=False)
+        self._router.remember(ref, spilled_on[0])  # its window is there now
         self._held[ref] = dict(zip(encoded.keys, encoded.digests, strict=True))
         return SpillResult(reply.generation, reply.tier, reply.chunks_written,
                            reply.chunks_deduped, len(encoded.chunks), reply.durable,
                            reply.bytes_received, reply.window_kept)
 
-    async def _spill_once(self, header: pb.SpillHeader, enc: cc.EncodedSession
+    async def _spill_once(self, node: Node, header: pb.SpillHeader, enc: cc.EncodedSession
                           ) -> pb.SpillReply:
         items = [("chunk", enc.keys[i], data) for i, data in sorted(enc.chunks.items())]
         if enc.tail:
@@ -193,7 +223,7 @@ class AsyncClient:
         started = time.monotonic()
         segment = None
         if self.shared_memory and items:
-            segment = await self._segments.for_spill(sum(len(d) for _, _, d in items),
+            segment = await node.segments.for_spill(sum(len(d) for _, _, d in items),
                                                      self.timeout_s)
         writer = segment.writer() if segment is not None else None
         too_big = [(kind, len(d)) for kind, _, d in items
@@ -209,17 +239,17 @@ class AsyncClient:
                 payload = (pb.Payload(key=key, shm=writer.add(data)) if writer
                            else pb.Payload(key=key, data=data))
                 messages.append(pb.SpillRequest(**{kind: payload}))
-            reply = await self._stub.Spill(_stream(messages), timeout=self.timeout_s)
+            reply = await node.stub.Spill(_stream(messages), timeout=self.timeout_s)
         except Exception:
             if segment is not None:  # the server may still be reading it: never reuse it
-                await self._segments.release([segment])
+                await node.segments.release([segment])
             raise
         except BaseException:
             if segment is not None:  # cancelled: no call to release it, the server reaps it
                 segment.close()
             raise
         if segment is not None:  # the server copied the bytes out before it answered
-            await self._segments.keep(segment, started)
+            await node.segments.keep(segment, started)
         return reply
 
     # -- restore, resume --
@@ -234,7 +264,8 @@ class AsyncClient:
                                     want_window=want_window,
                                     use_shared_memory=self.shared_memory,
                                     model_fingerprint=model_fingerprint)
-        return await self._call(lambda: self._receive(self._stub.Restore, request, decode))
+        return await self._call(lambda node: self._receive(node, node.stub.Restore, request,
+                                                           decode), (tenant, session_id))
 
     async def resume(self, tenant: str, session_id: str, *, replay_tokens: int = 0,
                      decode: bool = True, model_fingerprint: str = "") -> RestoredSession:
@@ -244,13 +275,18 @@ class AsyncClient:
                                    replay_tokens=replay_tokens,
                                    use_shared_memory=self.shared_memory,
                                    model_fingerprint=model_fingerprint)
-        return await self._call(lambda: self._receive(self._stub.Resume, request, decode))
+        ref = (tenant, session_id)
+        session = await self._call(lambda node: self._receive(node, node.stub.Resume, request,
+                                                              decode), ref)
+        if session.replayed:  # its node did not hold the window: ask Stat again next time
+            self._router.forget(ref)
+        return session
 
-    async def _receive(self, method, request, decode: bool) -> RestoredSession:
+    async def _receive(self, node: Node, method, request, decode: bool) -> RestoredSession:
         """One call; on the shared-memory path it offers a segment it holds (warm pages)
         as ``reply_lease``; the server writes into it, or into a new one it leases us."""
         request.use_shared_memory = self.shared_memory  # may have fallen back since
-        offered = self._segments.for_reply() if self.shared_memory else None
+        offered = node.segments.for_reply() if self.shared_memory else None
         request.reply_lease = offered.lease_id if offered is not None else ""
         used = [offered] if offered is not None else []  # every segment this call touched
         started = time.monotonic()
@@ -268,10 +304,10 @@ class AsyncClient:
 
         try:
             header, chunks, tail, window, summary, segment = await replies.collect(
-                method(request, timeout=self.timeout_s), self._segments, used, persistent,
+                method(request, timeout=self.timeout_s), node.segments, used, persistent,
                 request.model_fingerprint)
         except Exception:  # the server may still be writing into them: never reuse them
-            await self._segments.release(used)
+            await node.segments.release(used)
             await asyncio.gather(*decoding, return_exceptions=True)
             raise
         except BaseException:  # cancelled: no call to release them, the server reaps them
@@ -284,7 +320,7 @@ class AsyncClient:
             if held is not segment:  # replaced: the server released it
                 held.close()
         if segment is not None:  # copied out: it may serve the next call
-            await self._segments.keep(segment, started)
+            await node.segments.keep(segment, started)
         spec = await self.layout(header.layout_id)
         if not decode:
             return replies.restored_session(spec, header, chunks, tail, window, summary, None)
@@ -307,8 +343,9 @@ class AsyncClient:
         generation = None
         while True:
             assembler = None
+            node = await self._router.route((tenant, session_id), True, self.timeout_s)
             try:
-                async for reply in self._stub.Restore(request, timeout=self.timeout_s):
+                async for reply in node.stub.Restore(request, timeout=self.timeout_s):
                     kind = reply.WhichOneof("item")
                     if kind == "header":
                         check_model(model_fingerprint, reply.header.model_fingerprint,
@@ -334,13 +371,14 @@ class AsyncClient:
                 delay = next(delays, None)
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or delay is None:
                     raise error_from_rpc(exc) from exc
+                self._router.failed(node, (tenant, session_id))
             await asyncio.sleep(delay)
 
     # -- layouts (kvtier.known_layouts) --
 
     async def layouts(self) -> list[LayoutInfo]:
         """Every layout the server serves (ListLayouts); each becomes known to this client."""
-        reply = await self._call(lambda: self._stub.ListLayouts(pb.ListLayoutsRequest(),
+        reply = await self._call(lambda node: node.stub.ListLayouts(pb.ListLayoutsRequest(),
                                                                 timeout=self.timeout_s))
         infos = [info_from(message) for message in reply.layouts]
         for info in infos:
@@ -353,7 +391,7 @@ class AsyncClient:
         InvalidRequest, and the server's register_layouts may refuse the caller."""
         text = layout_to_json(layout) if isinstance(layout, LayoutSpec) else layout
         request = pb.RegisterLayoutRequest(layout_json=text)
-        reply = await self._call(lambda: self._stub.RegisterLayout(request,
+        reply = await self._call(lambda node: node.stub.RegisterLayout(request,
                                                                    timeout=self.timeout_s))
         info = info_from(reply.layout)
         self._layouts.add(info)
@@ -380,17 +418,20 @@ class AsyncClient:
                        target_tier: str = "") -> pb.PrefetchReply:
         request = pb.PrefetchRequest(session=self._ref(tenant, session_id), timeout_s=timeout_s,
                                      target_tier=target_tier)
-        return await self._call(lambda: self._stub.Prefetch(request, timeout=self.timeout_s))
+        return await self._call(lambda node: node.stub.Prefetch(request, timeout=self.timeout_s),
+                                (tenant, session_id))
 
     async def evict(self, tenant: str, session_id: str, target_tier: str = ""
                     ) -> pb.EvictReply:
         request = pb.EvictRequest(session=self._ref(tenant, session_id), target_tier=target_tier)
-        return await self._call(lambda: self._stub.Evict(request, timeout=self.timeout_s))
+        return await self._call(lambda node: node.stub.Evict(request, timeout=self.timeout_s),
+                                (tenant, session_id))
 
     async def delete(self, tenant: str, session_id: str) -> pb.DeleteReply:
         self._held.pop((tenant, session_id), None)
+        self._router.forget((tenant, session_id))
         request = pb.DeleteRequest(session=self._ref(tenant, session_id))
-        return await self._call(lambda: self._stub.Delete(request, timeout=self.timeout_s))
+        return await self._call(lambda node: node.stub.Delete(request, timeout=self.timeout_s))
 
     async def lookup(self, tenant: str, layout: str | LayoutSpec, token_ids, *,
                      model: str | None = None, dedupe_domain: str = "") -> int:
@@ -401,7 +442,7 @@ class AsyncClient:
         request = pb.LookupRequest(tenant=tenant, layout_id=spec.layout_id,
                                    model_fingerprint=model or "", dedupe_domain=dedupe_domain,
                                    token_ids=cc.as_tokens(token_ids).tobytes())
-        reply = await self._call(lambda: self._stub.Lookup(request, timeout=self.timeout_s))
+        reply = await self._call(lambda node: node.stub.Lookup(request, timeout=self.timeout_s))
         scope = dedupe_scope(tenant, dedupe_domain or None)
         # the latest lookup per domain, layout and model: what a spill may name by key
         self._looked_up[(tenant, scope, spec.layout_id, model or "")] = {
@@ -414,7 +455,7 @@ class AsyncClient:
         ``upto_tokens`` rounded down to a chunk boundary (copy on write)."""
         request = pb.ForkRequest(source=self._ref(tenant, source_session),
                                  new_session_id=new_session, upto_tokens=upto_tokens)
-        return await self._call(lambda: self._stub.Fork(request, timeout=self.timeout_s))
+        return await self._call(lambda node: node.stub.Fork(request, timeout=self.timeout_s))
 
     async def stat(self, tenant: str = "", session_id: str = "", *,
                    usage_of: str = "", fleet: bool = False) -> pb.StatReply:
@@ -424,14 +465,15 @@ class AsyncClient:
         request = pb.StatRequest(session=self._ref(tenant, session_id)
                                  if tenant or session_id else None, tenant=usage_of,
                                  fleet=fleet)
-        return await self._call(lambda: self._stub.Stat(request, timeout=self.timeout_s))
+        return await self._call(lambda node: node.stub.Stat(request, timeout=self.timeout_s))
 
     async def list(self, tenant: str = "", *, page_size: int = 0) -> list[pb.SessionInfo]:
         """Every session (of one tenant), following pages."""
         out, token = [], ""
         while True:
             request = pb.ListRequest(tenant=tenant, page_size=page_size, page_token=token)
-            reply = await self._call(lambda r=request: self._stub.List(r, timeout=self.timeout_s))
+            reply = await self._call(lambda node, r=request: node.stub.List(
+                r, timeout=self.timeout_s))
             out.extend(reply.sessions)
             token = reply.next_page_token
             if not token:

@@ -16,14 +16,15 @@ from proto import kvtier_pb2 as pb
 class Client:
     """The blocking twin of ``AsyncClient`` (its own event loop on a daemon thread)."""
 
-    def __init__(self, target: str = "127.0.0.1:50051", **options) -> None:
+    def __init__(self, target: str | None = None, **options) -> None:
+        """As ``AsyncClient``: ``target`` (one server) or ``servers=[...]`` (routed)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="kvtier-client")
         self._thread.start()
         self._async = self._run(self._make(target, options))
 
-    async def _make(self, target: str, options: dict) -> AsyncClient:
+    async def _make(self, target: str | None, options: dict) -> AsyncClient:
         return AsyncClient(target, **options)
 
     def _run(self, coro):

@@ -1,6 +1,8 @@
 """bench.fleet at its tiny size: real replicas, the resume paths it claims to time (the
 window kept on the same replica, replay elsewhere with the chunks from the shared Redis,
-a cold node reading the bucket only), router-sent resumes that never replay, and its
+a cold node reading the bucket only), router-sent resumes that never replay, resumes
+routed by ``AsyncClient(servers=...)`` that never replay against round-robin ones that
+replay off the home node, a fresh node's first resume with and without the replay warm-up, and its
 REPORT.md section."""
 
 from __future__ import annotations
@@ -23,5 +25,14 @@ def test_the_fleet_benchmark_times_the_paths_it_names_and_renders():
     assert all(r["replayed"] == 0 for r in result["aggregate"])  # routed to the window's node
     manifest = result["manifest_round_trip"]
     assert manifest["round_trip_p50_ms"] >= manifest["put_p50_ms"] > 0
+    routes = result["routing"]
+    assert routes["routed"]["replayed"] == 0  # each resume on the session's home node
+    # round-robin lands off the home node, and there replays
+    assert 0 < routes["unrouted"]["replayed"] == routes["other_node"]["resumes"]
+    assert routes["other_node"]["replayed"] == routes["other_node"]["resumes"]
+    on, off = result["first_resume"]
+    assert on["replay_warmup"] and not off["replay_warmup"]
+    assert on["replayed"] and off["replayed"]
     text = "\n".join(fleet_section(result))
     assert "## Fleet" in text and "| cold node s3 only |" in text and "3 replicas / 1" in text
+    assert "| routed (" in text and "| replay_warmup on |" in text
