@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk.lock import COMPACT_LOCK, DirLock
 from kvtier import AsyncClient
 from services.cli.backup import MANIFEST, digest
 from tests.support.compaction import (
@@ -175,3 +176,29 @@ def test_refusals_change_nothing(tmp_path):
     aside = list(tmp_path.glob("busy.replaced-*"))
     assert len(aside) == 1 and (aside[0] / "keep.txt").read_text() == "mine"
     assert asyncio.run(restore_all(busy, ["a"]))["a"].chunks
+
+
+def test_a_running_compaction_is_waited_for_then_refused(tmp_path):
+    data, out = tmp_path / "data", tmp_path / "backup"
+    asyncio.run(fill(data, delete=()))
+    lock = DirLock(data / "disk" / COMPACT_LOCK, "the compaction lock")
+    with lock.holding():  # as a kvtier compact holds it
+        refused = kvtier("backup", "--data-dir", str(data), str(out), "--wait", "0.3")
+    assert refused.returncode == 3 and "compaction" in refused.stderr
+    assert not out.exists()
+    assert backup(data, out)["sessions"] == len(SPECS)  # once it is free
+
+
+def test_force_refuses_a_target_a_server_holds(tmp_path):
+    data, out, live = tmp_path / "data", tmp_path / "backup", tmp_path / "live"
+    asyncio.run(fill(data, delete=()))
+    backup(data, out)
+
+    async def attempt():
+        async with embedded_server(live):
+            return await asyncio.to_thread(
+                kvtier, "restore-backup", str(out), str(live), "--force")
+
+    done = asyncio.run(attempt())
+    assert done.returncode == 2 and "server is running" in done.stderr
+    assert not list(tmp_path.glob("live.replaced-*"))
