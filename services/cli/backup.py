@@ -1,16 +1,20 @@
 """``kvtier backup``: a consistent snapshot of a data directory, live or not.
 
     kvtier backup --data-dir D BACKUP [--wait 60] [--json]
+    kvtier backup --bucket s3://BUCKET/PREFIX BACKUP [--s3-endpoint URL] [--json]
 
 Writes the new directory ``BACKUP``: ``disk/`` (the LMDB index and the segments it names,
 copied by ``kvstore.tiers.disk.snapshot`` beside a running server), ``objects/`` (the
 local object tier, when there is one), ``layouts.json``, and last ``backup.json``: the
 format version, when, from where, every file with its size and BLAKE2b digest, and the
 counts of sessions and chunks. A directory without ``backup.json`` is not a backup.
-Encrypted values are copied as stored (no key is needed). ``docs/backup.md`` says what
-a backup covers; ``kvtier restore-backup`` restores and verifies one.
+Encrypted values are copied as stored (no key is needed). With ``--bucket`` a fleet's
+bucket prefix is backed up instead (``services.cli.backup_bucket``; S3 credentials as
+boto3 finds them). ``docs/backup.md`` says what a backup covers; ``kvtier
+restore-backup`` restores and verifies one.
 
-Exit status: 0 written, 2 bad arguments (no disk tier, BACKUP not empty or inside D),
+Exit status: 0 written, 2 bad arguments (no disk tier, BACKUP not empty or inside D,
+not an s3:// URL),
 3 a compaction held the directory past ``--wait``, 1 a copy failed (BACKUP removed).
 """
 
@@ -25,7 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from kvstore.format.errors import Busy, KVTierError
+from botocore.exceptions import BotoCoreError, ClientError
+
+from kvstore.format.errors import Busy, InvalidRequest, KVTierError
 
 MANIFEST = "backup.json"
 FORMAT = "kvtier-backup"
@@ -34,12 +40,21 @@ _READ = 8 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data-dir", required=True, type=Path,
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data-dir", type=Path,
                         help="the server's data directory (holds disk/)")
+    source.add_argument("--bucket", metavar="s3://BUCKET/PREFIX",
+                        help="a fleet's bucket prefix instead of a data directory")
     parser.add_argument("backup", type=Path, help="the new backup directory")
+    add_s3_arguments(parser)
     parser.add_argument("--wait", type=float, default=60.0,
                         help="seconds to wait for a running compaction (default 60)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def add_s3_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--s3-endpoint", help="S3 endpoint URL for --bucket (default: AWS)")
+    parser.add_argument("--s3-region", help="S3 region for --bucket")
 
 
 def digest(path: Path) -> str:
@@ -103,11 +118,32 @@ def take_backup(data_dir: Path, backup: Path, wait_s: float) -> dict:
     if (data_dir / "layouts.json").is_file():
         copy_prefix(data_dir / "layouts.json", backup / "layouts.json")
         files.append(backup / "layouts.json")
-    listed = [{"path": str(path.relative_to(backup)), "bytes": path.stat().st_size,
-               "blake2b": digest(path)} for path in files]
-    manifest = {"format": FORMAT, "version": VERSION, "created": time.time(),
-                "source": str(data_dir.resolve()), "sessions": snap.manifests,
-                "chunks": snap.chunks + len(copied), "files": listed}
+    return write_manifest(backup, files, {}, str(data_dir.resolve()), "data_dir",
+                          snap.manifests, snap.chunks + len(copied), started)
+
+
+def take_bucket_backup(url: str, backup: Path, endpoint: str | None,
+                       region: str | None) -> dict:
+    """Write the backup of a bucket prefix into the new directory ``backup``; its report."""
+    from services.cli.backup_bucket import back_up_bucket, client
+
+    started = time.monotonic()
+    files, keys, sessions, chunks = back_up_bucket(client(endpoint, region), url, backup)
+    return write_manifest(backup, files, keys, url, "bucket", sessions, chunks, started)
+
+
+def write_manifest(backup: Path, files: list[Path], keys: dict[str, str], source: str,
+                   kind: str, sessions: int, chunks: int, started: float) -> dict:
+    """Write ``backup.json`` last (fsynced, renamed in); the backup's report. ``keys``:
+    a bucket object's key by file path."""
+    listed = []
+    for path in files:
+        relative = str(path.relative_to(backup))
+        listed.append({"path": relative, "bytes": path.stat().st_size,
+                       "blake2b": digest(path)} | ({"key": keys[relative]}
+                                                   if relative in keys else {}))
+    manifest = {"format": FORMAT, "version": VERSION, "kind": kind, "created": time.time(),
+                "source": source, "sessions": sessions, "chunks": chunks, "files": listed}
     temp = backup / f".{MANIFEST}.tmp"
     with open(temp, "w") as file:
         json.dump(manifest, file, indent=1)
@@ -121,17 +157,19 @@ def take_backup(data_dir: Path, backup: Path, wait_s: float) -> dict:
         finally:
             os.close(fd)
     return {"path": str(backup), "files": len(listed),
-            "bytes": sum(entry["bytes"] for entry in listed), "sessions": snap.manifests,
-            "chunks": manifest["chunks"], "seconds": round(time.monotonic() - started, 3)}
+            "bytes": sum(entry["bytes"] for entry in listed), "sessions": sessions,
+            "chunks": chunks, "seconds": round(time.monotonic() - started, 3)}
 
 
 def run(args: argparse.Namespace) -> int:
     data_dir, backup = args.data_dir, args.backup
-    if not (data_dir / "disk" / "index").is_dir():
+    if data_dir is None:
+        data_dir = args.bucket
+    elif not (data_dir / "disk" / "index").is_dir():
         print(f"kvtier backup: no disk tier in {data_dir} ({data_dir}/disk/index is "
               "missing)", file=sys.stderr)
         return 2
-    if nested(data_dir, backup):
+    if args.bucket is None and nested(data_dir, backup):
         print(f"kvtier backup: refused: {backup} and {data_dir} must not contain each other",
               file=sys.stderr)
         return 2
@@ -142,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
     made = not backup.exists()
     backup.mkdir(parents=True, exist_ok=True)
     try:
-        report = take_backup(data_dir, backup, args.wait)
+        report = (take_backup(data_dir, backup, args.wait) if args.bucket is None else
+                  take_bucket_backup(args.bucket, backup, args.s3_endpoint, args.s3_region))
     except BaseException as exc:
         # half a backup must not pass for one: remove what this run wrote
         remove_tree(backup, keep_root=not made)
@@ -150,7 +189,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvtier backup: refused: {exc} (a compaction runs: try again after it)",
                   file=sys.stderr)
             return 3
-        if isinstance(exc, (KVTierError, OSError)):
+        if isinstance(exc, InvalidRequest):
+            print(f"kvtier backup: refused: {exc}", file=sys.stderr)
+            return 2
+        if isinstance(exc, (KVTierError, OSError, BotoCoreError, ClientError)):
             print(f"kvtier backup: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
         raise

@@ -1,6 +1,7 @@
 """``kvtier restore-backup``: restore a ``kvtier backup`` into a data directory, verified.
 
     kvtier restore-backup BACKUP DATA_DIR [--config C] [--force] [--json]
+    kvtier restore-backup BACKUP --bucket s3://BUCKET/PREFIX [--s3-endpoint URL] ...
 
 First every file of the backup is checked against ``backup.json`` (size and BLAKE2b);
 then the files are copied into a staging directory beside ``DATA_DIR``, which is opened
@@ -15,6 +16,10 @@ nothing is left that could pass for a good data directory.
 backup needs the server's key (``--config``'s ``encryption_key_file`` or
 ``KVTIER_ENCRYPTION_KEY``); without it, or with a key that does not open the values,
 restore-backup refuses.
+
+A bucket backup (``kvtier backup --bucket``) is restored to ``--bucket``'s prefix
+instead (``services.cli.backup_bucket``: chunks uploaded and verified there, the
+manifests only after).
 
 Exit status: 0 restored, 1 data loss (the backup is damaged, or a chunk a manifest names
 is missing or corrupt), 2 refused (bad target, missing or wrong key, not a backup).
@@ -31,8 +36,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from botocore.exceptions import BotoCoreError, ClientError
+
 from kvstore.format.errors import Busy, DataLoss, InvalidRequest
-from services.cli.backup import FORMAT, MANIFEST, digest, nested, remove_tree
+from services.cli.backup import FORMAT, MANIFEST, add_s3_arguments, digest, nested, remove_tree
 
 _SHOWN = 10
 
@@ -47,7 +54,11 @@ class Verified:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("backup", type=Path, help="a directory kvtier backup wrote")
-    parser.add_argument("data_dir", type=Path, help="the data directory to restore into")
+    parser.add_argument("data_dir", type=Path, nargs="?",
+                        help="the data directory to restore into")
+    parser.add_argument("--bucket", metavar="s3://BUCKET/PREFIX",
+                        help="restore a bucket backup to this prefix instead")
+    add_s3_arguments(parser)
     parser.add_argument("--config", help="the server's TOML config (its encryption_key_file "
                                          "opens an encrypted backup)")
     parser.add_argument("--force", action="store_true",
@@ -55,15 +66,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def check_backup(backup: Path) -> list[dict]:
+def check_backup(backup: Path, kind: str = "data_dir") -> list[dict]:
     """The files ``backup.json`` lists, each checked; ``InvalidRequest`` when it is not a
-    backup, ``DataLoss`` naming the first file that is missing or differs."""
+    backup of ``kind``, ``DataLoss`` naming the first file that is missing or differs."""
     try:
         manifest = json.loads((backup / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
         raise InvalidRequest(f"{backup} is not a kvtier backup ({MANIFEST}: {exc})") from exc
     if manifest.get("format") != FORMAT or manifest.get("version") != 1:
         raise InvalidRequest(f"{backup}/{MANIFEST} is not a version 1 {FORMAT} manifest")
+    if manifest.get("kind", "data_dir") != kind:
+        other = "--bucket" if kind == "data_dir" else "a DATA_DIR"
+        raise InvalidRequest(f"{backup} is a backup of a {manifest.get('kind')}: restore it "
+                             f"to {other}")
     for entry in manifest["files"]:
         path = backup / entry["path"]
         if Path(entry["path"]).is_absolute() or ".." in Path(entry["path"]).parts:
@@ -152,7 +167,7 @@ def restore(backup: Path, target: Path, keyring, force: bool) -> tuple[Verified,
             copy_prefix(backup / entry["path"], stage / entry["path"])
         result = asyncio.run(verify(stage, keyring))
         if result.corrupt or result.missing:
-            raise _Lost(result)
+            raise Lost(result)
         if target.exists() and any(target.iterdir()):
             target.rename(f"{target}.replaced-{int(time.time())}")
         elif target.exists():
@@ -164,7 +179,7 @@ def restore(backup: Path, target: Path, keyring, force: bool) -> tuple[Verified,
     return result, time.monotonic() - started
 
 
-class _Lost(DataLoss):
+class Lost(DataLoss):
     def __init__(self, result: Verified) -> None:
         super().__init__(f"{len(result.corrupt)} corrupt, {len(result.missing)} missing")
         self.result = result
@@ -174,22 +189,35 @@ def run(args: argparse.Namespace) -> int:
     from kvstore.encryption.seal import load_keyring
     from services.server.config_load import load_config
 
-    problem = _target_problem(args.backup, args.data_dir, args.force)
+    if (args.data_dir is None) == (args.bucket is None):
+        print("kvtier restore-backup: give a DATA_DIR or --bucket (one of them)",
+              file=sys.stderr)
+        return 2
+    problem = args.bucket is None and _target_problem(args.backup, args.data_dir, args.force)
     if problem:
         print(f"kvtier restore-backup: refused: {problem}", file=sys.stderr)
         return 2
     try:
-        config = load_config(args.config, overrides={"data_dir": args.data_dir})
+        config = load_config(args.config, overrides={"data_dir": args.data_dir or "."})
         keyring = load_keyring(config.encryption_key_file, config.encryption_key)
-        result, seconds = restore(args.backup, args.data_dir, keyring, args.force)
+        if args.bucket is None:
+            result, seconds = restore(args.backup, args.data_dir, keyring, args.force)
+        else:
+            from services.cli.backup_bucket import client, restore_bucket
+
+            endpoint = args.s3_endpoint or config.s3_endpoint
+            region = args.s3_region or config.s3_region
+            result, seconds = restore_bucket(
+                client(endpoint, region), args.backup, check_backup(args.backup, "bucket"),
+                args.bucket, keyring, args.force, endpoint, region)
     except (InvalidRequest, Busy) as exc:
         print(f"kvtier restore-backup: refused: {exc}; nothing was restored", file=sys.stderr)
         return 2
-    except _Lost as exc:
+    except Lost as exc:
         lost = exc.result
         print(f"kvtier restore-backup: DATA_LOSS: the backup {args.backup} restores "
               f"{len(lost.corrupt)} corrupt chunks and {len(lost.missing)} missing ones; "
-              f"nothing was restored to {args.data_dir}", file=sys.stderr)
+              f"nothing was restored to {args.data_dir or args.bucket}", file=sys.stderr)
         for line in (lost.corrupt + lost.missing)[:_SHOWN]:
             print(f"  {line}", file=sys.stderr)
         if args.json:
@@ -201,13 +229,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvtier restore-backup: DATA_LOSS: {exc}; nothing was restored",
               file=sys.stderr)
         return 1
-    report = {"path": str(args.data_dir), "sessions": result.sessions,
+    except (BotoCoreError, ClientError) as exc:
+        print(f"kvtier restore-backup: failed: {type(exc).__name__}: {exc}; what was "
+              "uploaded was removed", file=sys.stderr)
+        return 1
+    report = {"path": str(args.data_dir or args.bucket), "sessions": result.sessions,
               "chunks_verified": result.chunks_verified, "corrupt": [], "missing": [],
               "restored": True, "seconds": round(seconds, 3)}
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"restored {args.backup} to {args.data_dir} in {seconds:.2f} s: "
+        print(f"restored {args.backup} to {report['path']} in {seconds:.2f} s: "
               f"{result.sessions} sessions, {result.chunks_verified} chunks verified, "
               "0 corrupt")
     return 0
