@@ -81,7 +81,7 @@ def back_up_bucket(s3, url: str, backup: Path) -> tuple[list[Path], dict[str, st
 def restore_bucket(s3, backup: Path, files: list[dict], url: str, keyring, force: bool,
                    endpoint: str | None, region: str | None):
     """Upload, verify, then upload the manifests; the verification and the seconds."""
-    from services.cli.restore_backup import Lost
+    from services.cli.backup_report import Lost
 
     started = time.monotonic()
     bucket, prefix = location(url)
@@ -134,7 +134,7 @@ async def _verify(backup: Path, manifests: list[dict], url: str, keyring,
     from kvstore.encryption.tiers import RecordSealer
     from kvstore.session.manifest import SessionManifest
     from kvstore.tiers.object import ObjectTier, ObjectTierConfig
-    from services.cli.restore_backup import Verified
+    from services.cli.backup_report import Verified
 
     out = Verified()
     objects = ObjectTier(url, 1 << 62, ObjectTierConfig(

@@ -33,23 +33,15 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from botocore.exceptions import BotoCoreError, ClientError
 
 from kvstore.format.errors import Busy, DataLoss, InvalidRequest
 from services.cli.backup import FORMAT, MANIFEST, add_s3_arguments, digest, nested, remove_tree
+from services.cli.backup_report import Lost, Verified
 
 _SHOWN = 10
-
-
-@dataclass
-class Verified:
-    sessions: int = 0
-    chunks_verified: int = 0
-    corrupt: list[str] = field(default_factory=list)  # "key (tier): reason"
-    missing: list[str] = field(default_factory=list)  # "tenant/session: key"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -177,12 +169,6 @@ def restore(backup: Path, target: Path, keyring, force: bool) -> tuple[Verified,
         if stage.exists():
             remove_tree(stage)
     return result, time.monotonic() - started
-
-
-class Lost(DataLoss):
-    def __init__(self, result: Verified) -> None:
-        super().__init__(f"{len(result.corrupt)} corrupt, {len(result.missing)} missing")
-        self.result = result
 
 
 def run(args: argparse.Namespace) -> int:
