@@ -9,8 +9,9 @@ spill's order), so it is in the later listing unless a sweep collected it meanwh
 which a restore reports.
 
 A restore uploads the chunks and other objects to an empty prefix (``--force``: a
-non-empty one, written over), verifies every chunk there (the scrub, opened with the
-keyring when sealed) and every chunk each manifest names, and uploads the manifests
+non-empty one, written over; objects it held are never removed), verifies every chunk
+there (the scrub, opened with the keyring when sealed) and every chunk each manifest
+names, and uploads the manifests
 last, only when all verified: a failed restore removes what it uploaded, and a prefix
 without manifests holds no session.
 """
@@ -85,7 +86,8 @@ def restore_bucket(s3, backup: Path, files: list[dict], url: str, keyring, force
 
     started = time.monotonic()
     bucket, prefix = location(url)
-    if _keys(s3, bucket, prefix) and not force:
+    existing = set(_keys(s3, bucket, prefix))
+    if existing and not force:
         raise InvalidRequest(f"{url} is not empty (--force writes over it)")
     manifests = [f for f in files if f["key"].startswith(_MANIFESTS)]
     others = [f for f in files if not f["key"].startswith(_MANIFESTS)]
@@ -95,7 +97,8 @@ def restore_bucket(s3, backup: Path, files: list[dict], url: str, keyring, force
         for entry in others:
             s3.put_object(Bucket=bucket, Key=prefix + entry["key"],
                           Body=(backup / entry["path"]).read_bytes())
-            uploaded.append(prefix + entry["key"])
+            if prefix + entry["key"] not in existing:  # a failure removes only new ones
+                uploaded.append(prefix + entry["key"])
         result = asyncio.run(_verify(backup, manifests, url, keyring, endpoint, region))
         if result.corrupt or result.missing:
             raise Lost(result)

@@ -11,6 +11,9 @@ keyring first when encrypted) and every chunk each manifest names. Only a restor
 verifies clean is renamed into place; otherwise the staging directory is removed and
 nothing is left that could pass for a good data directory.
 
+A node whose object tier is S3 keeps its demoted chunks there, not in the data directory:
+give its ``--config``, and the chunks its manifests name are looked up there too.
+
 ``DATA_DIR`` must be missing or empty; with ``--force`` an existing one is moved aside to
 ``DATA_DIR.replaced-<time>`` (never deleted), unless a server holds it. An encrypted
 backup needs the server's key (``--config``'s ``encryption_key_file`` or
@@ -34,12 +37,16 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from kvstore.format.errors import Busy, DataLoss, InvalidRequest
+from kvstore.format.errors import Busy, DataLoss, InvalidRequest, KVTierError
 from services.cli.backup import FORMAT, MANIFEST, add_s3_arguments, digest, nested, remove_tree
 from services.cli.backup_report import Lost, Verified
+
+if TYPE_CHECKING:
+    from kvstore.tiers.object import ObjectTier
 
 _SHOWN = 10
 
@@ -82,15 +89,17 @@ def check_backup(backup: Path, kind: str = "data_dir") -> list[dict]:
     return manifest["files"]
 
 
-async def verify(data_dir: Path, keyring) -> Verified:
-    """Open ``data_dir`` as the server does and verify every chunk and manifest."""
+async def verify(data_dir: Path, keyring, remote: ObjectTier | None = None) -> Verified:
+    """Open ``data_dir`` as the server does and verify every chunk and manifest;
+    ``remote``: the node's S3 object tier (not in the backup), where manifests may name
+    demoted chunks (listed, not scrubbed; closed here)."""
     from kvstore.compaction.job import manifest_store
     from kvstore.compaction.report import LogProgress
     from kvstore.compaction.scrub import scrub_disk, scrub_tier
     from kvstore.encryption.census import Census, census_disk, census_tier
     from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest
     from kvstore.tiers.disk import DiskTier
-    from kvstore.tiers.object import ObjectTier, ObjectTierConfig
+    from kvstore.tiers.object import ObjectTierConfig
 
     out = Verified()
     disk = DiskTier(data_dir / "disk", 1 << 62)  # the writer: recovery runs, as at serve
@@ -104,6 +113,7 @@ async def verify(data_dir: Path, keyring) -> Verified:
             await census_tier(objects, census)
             object_keys = {key async for key in objects.keys()}
         census.require(keyring)
+        elsewhere = set() if remote is None else {key async for key in remote.keys()}
         progress = LogProgress()
         corrupt = await scrub_disk(disk, None, progress, keyring)
         if objects is not None:
@@ -119,11 +129,12 @@ async def verify(data_dir: Path, keyring) -> Verified:
             out.sessions += 1
             session = f"{manifest.tenant}/{manifest.session_id}"
             out.missing += [f"{session}: {key}" for key in manifest.chunk_keys
-                            if key not in object_keys
+                            if key not in object_keys and key not in elsewhere
                             and disk.index.lookup(key.encode()) is None]
     finally:
-        if objects is not None:
-            await objects.close()
+        for tier in (objects, remote):
+            if tier is not None:
+                await tier.close()
         await disk.close()
     return out
 
@@ -144,7 +155,8 @@ def _target_problem(backup: Path, target: Path, force: bool) -> str | None:
     return None
 
 
-def restore(backup: Path, target: Path, keyring, force: bool) -> tuple[Verified, float]:
+def restore(backup: Path, target: Path, keyring, force: bool, remote: ObjectTier | None = None
+            ) -> tuple[Verified, float]:
     """Check, stage, verify and move into place; the verification and the seconds."""
     from kvstore.tiers.disk.snapshot import copy_prefix
 
@@ -157,7 +169,7 @@ def restore(backup: Path, target: Path, keyring, force: bool) -> tuple[Verified,
         for entry in files:
             (stage / entry["path"]).parent.mkdir(parents=True, exist_ok=True)
             copy_prefix(backup / entry["path"], stage / entry["path"])
-        result = asyncio.run(verify(stage, keyring))
+        result = asyncio.run(verify(stage, keyring, remote))
         if result.corrupt or result.missing:
             raise Lost(result)
         if target.exists() and any(target.iterdir()):
@@ -169,6 +181,16 @@ def restore(backup: Path, target: Path, keyring, force: bool) -> tuple[Verified,
         if stage.exists():
             remove_tree(stage)
     return result, time.monotonic() - started
+
+
+def _remote_objects(config) -> ObjectTier | None:
+    """The config's S3 object tier of a single node (its chunks are not in a backup)."""
+    if not (config.s3_bucket and config.object_bytes) or config.metadata == "shared":
+        return None
+    from kvstore.tiers.object import ObjectTier, ObjectTierConfig
+
+    return ObjectTier(config.object_url, config.object_bytes, ObjectTierConfig(
+        endpoint_url=config.s3_endpoint or None, region_name=config.s3_region or None))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -187,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, overrides={"data_dir": args.data_dir or "."})
         keyring = load_keyring(config.encryption_key_file, config.encryption_key)
         if args.bucket is None:
-            result, seconds = restore(args.backup, args.data_dir, keyring, args.force)
+            result, seconds = restore(args.backup, args.data_dir, keyring, args.force,
+                                      _remote_objects(config))
         else:
             from services.cli.backup_bucket import client, restore_bucket
 
@@ -215,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvtier restore-backup: DATA_LOSS: {exc}; nothing was restored",
               file=sys.stderr)
         return 1
-    except (BotoCoreError, ClientError) as exc:
+    except (KVTierError, BotoCoreError, ClientError) as exc:
         print(f"kvtier restore-backup: failed: {type(exc).__name__}: {exc}; what was "
               "uploaded was removed", file=sys.stderr)
         return 1

@@ -14,6 +14,7 @@ from pathlib import Path
 import boto3
 
 from services.cli.backup import MANIFEST, digest
+from services.server.config import ServerConfig
 from services.server.store import open_manager
 from tests.support.fleet import shared_config
 from tests.support.manager import make_session, random_tokens
@@ -104,3 +105,38 @@ def test_a_bucket_prefix_round_trips_and_damage_leaves_it_empty(tmp_path, s3_ser
 
     as_dir = kvtier(s3_server, "restore-backup", str(out), str(tmp_path / "d"))
     assert as_dir.returncode == 2 and "--bucket" in as_dir.stderr
+
+
+def test_a_node_with_an_s3_object_tier_restores_with_its_config(tmp_path, s3_server,
+                                                                 s3_bucket, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", MotoServer.CREDENTIALS["aws_access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY",
+                       MotoServer.CREDENTIALS["aws_secret_access_key"])
+    data, out, target = tmp_path / "data", tmp_path / "backup", tmp_path / "restored"
+
+    def config(data_dir: Path):
+        return ServerConfig(data_dir=data_dir, host_bytes=8 << 20, disk_bytes=64 << 20,
+                            object_bytes=1 << 30, s3_endpoint=s3_server, s3_bucket=s3_bucket,
+                            s3_region="us-east-1", object_compression_level=-1)
+
+    async def fill_and_demote():
+        sessions = await fill(config(data))
+        manager = await open_manager(config(data))
+        try:
+            await manager.demote("acme", "s0", "object")
+        finally:
+            await manager.close()
+        return sessions
+
+    sessions = asyncio.run(fill_and_demote())
+    done = kvtier(s3_server, "backup", "--data-dir", str(data), str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    blind = kvtier(s3_server, "restore-backup", str(out), str(tmp_path / "blind"))
+    assert blind.returncode == 1 and "acme/s0" in blind.stderr  # demoted: in S3 only
+    toml = tmp_path / "node.toml"
+    toml.write_text(f'object_bytes = {1 << 30}\ns3_endpoint = "{s3_server}"\n'
+                    f's3_bucket = "{s3_bucket}"\ns3_region = "us-east-1"\n')
+    restored = kvtier(s3_server, "restore-backup", str(out), str(target), "--config", str(toml))
+    assert restored.returncode == 0, restored.stderr[-3000:]
+    assert json.loads(restored.stdout)["missing"] == []
+    asyncio.run(read_back(config(target), sessions))
