@@ -106,9 +106,10 @@ async def test_the_clients_retry_after_a_lost_reply_gets_the_first_attempts_repl
     lose = LoseFirstSpillReply()
     async with running_server(tmp_path) as (server, target), \
             AsyncClient(target, shared_memory=False) as kv:
-        await kv._channel.close()  # the client's calls go through the lossy channel
-        kv._channel = grpc.aio.insecure_channel(target, interceptors=[lose])
-        kv._stub = pb_grpc.KVTierStub(kv._channel)
+        node = kv._router.nodes[0]  # the client's calls go through the lossy channel
+        await node.channel.close()
+        node.channel = grpc.aio.insecure_channel(target, interceptors=[lose])
+        node.stub = pb_grpc.KVTierStub(node.channel)
         result = await kv.spill("acme", "s1", LAYOUT.name, tokens, persistent, generation=1)
         assert lose.lost == 1  # the first attempt landed and its reply was dropped
         # The retry was answered as the first attempt was: written, not deduped.
