@@ -37,6 +37,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -70,6 +71,18 @@ _UNAVAILABLE_ERRORS = (
     TimeoutError,
     OSError,
 )
+
+_REDIS_PACKAGE = Path(rexc.__file__).parent
+
+
+def _dead_connection(exc: AttributeError) -> bool:
+    """An AttributeError raised inside redis-py itself: a command written to a connection
+    that a failover just closed (its writer is None) escapes as one (redis/redis-py#4287)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and Path(tb.tb_frame.f_code.co_filename).is_relative_to(_REDIS_PACKAGE)
+
 
 # STRLEN then DEL in one step, so delete reports the bytes the medium really freed.
 _DELETE_SCRIPT = "local n = redis.call('STRLEN', KEYS[1]) redis.call('DEL', KEYS[1]) return n"
@@ -203,6 +216,17 @@ class RedisTier(Tier):
             if kind is not None:
                 self.observer.error("redis", op_name(what), kind)
 
+    async def _unavailable(self, what: str, exc: BaseException,
+                           redis_key: str | None) -> TierUnavailable:
+        """The error a failed call raises: for this key only when the cluster serves others."""
+        self.health.failed(what, exc)
+        if redis_key is not None and await self._others_serve(redis_key):
+            self.breaker.succeeded()  # the cluster answers; one master is out
+            return TierUnavailable(f"redis {what} failed for this key (the cluster serves "
+                                   f"others): {exc!r}", whole_tier=False)
+        self.breaker.failed(f"{what}: {exc!r}")
+        return TierUnavailable(f"redis {what} failed: {exc!r}")
+
     async def _attempt(self, what: str, operation: Callable[[], Awaitable[T]],
                        redis_key: str | None) -> T:
         try:
@@ -217,13 +241,11 @@ class RedisTier(Tier):
             self.breaker.succeeded()  # Redis answered
             raise TierFull(f"redis refused {what}: {exc}") from exc
         except _UNAVAILABLE_ERRORS as exc:
-            self.health.failed(what, exc)
-            if redis_key is not None and await self._others_serve(redis_key):
-                self.breaker.succeeded()  # the cluster answers; one master is out
-                raise TierUnavailable(f"redis {what} failed for this key (the cluster serves "
-                                      f"others): {exc!r}", whole_tier=False) from exc
-            self.breaker.failed(f"{what}: {exc!r}")
-            raise TierUnavailable(f"redis {what} failed: {exc!r}") from exc
+            raise await self._unavailable(what, exc, redis_key) from exc
+        except AttributeError as exc:
+            if not _dead_connection(exc):
+                raise
+            raise await self._unavailable(what, exc, redis_key) from exc
         except rexc.RedisError as exc:  # e.g. WRONGTYPE: foreign data under our prefix
             self.breaker.succeeded()
             raise TierUnavailable(f"redis refused {what}: {exc}") from exc

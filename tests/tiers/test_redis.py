@@ -319,3 +319,25 @@ def test_a_redis_url_password_appears_in_no_log_line_or_error(caplog):
     assert "hunter2" not in str(err.value) and "<secret>" in str(err.value)
     tier = RedisTier("redis://:hunter2@127.0.0.1:1/0", capacity_bytes=1 << 20)
     assert "hunter2" not in tier.health.what and "<secret>" in tier.health.what
+
+
+async def test_an_attribute_error_inside_redis_py_is_an_outage_and_ours_is_a_bug(redis_server,
+                                                                                  opened):
+    """A command written to a connection a failover closed escapes redis-py as an
+    AttributeError; only one raised inside redis-py is taken for an outage."""
+    from types import SimpleNamespace
+
+    from redis.asyncio.connection import Connection
+
+    tier = opened.adopt(RedisTier(redis_server, 1 << 20, FAST_FAIL))
+
+    async def dead_connection():
+        await Connection.send_packed_command(SimpleNamespace(), b"PING")
+
+    async def our_bug():
+        return SimpleNamespace().missing
+
+    with pytest.raises(AttributeError):
+        await tier._attempt("get", our_bug, None)
+    with pytest.raises(TierUnavailable, match="failed"):
+        await tier._attempt("get", dead_connection, None)
