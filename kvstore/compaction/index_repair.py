@@ -16,33 +16,27 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from kvstore.encryption.census import Census
-from kvstore.encryption.seal import MAGIC as ENCRYPTED_MAGIC
 from kvstore.encryption.seal import Keyring
-from kvstore.encryption.tiers import RecordSealer
+from kvstore.encryption.tiers import opened_record
 from kvstore.format.errors import ChunkCorrupt, UnsupportedVersion
 from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest
 from kvstore.tiers.base import REF_PREFIX
 from kvstore.tiers.disk.fs import OS, FileSystem
-from kvstore.tiers.disk.rebuild import rebuild_index
+from kvstore.tiers.disk.rebuild import Rebuild, rebuild_index
 
 
 @dataclass
-class RepairReport:
-    path: str
-    moved_aside: str | None = None  # where the old environment went
-    segments: int = 0
-    records: int = 0
-    damaged_bytes: int = 0  # bytes of segments that held no valid record
-    chunks: int = 0
+class RepairReport(Rebuild):
+    """The index rebuild's figures, and what the recount of the manifests found."""
+
     sessions: list[str] = field(default_factory=list)  # tenant/session recovered
     incomplete: list[str] = field(default_factory=list)  # with chunks not on disk
     orphans: list[str] = field(default_factory=list)  # chunk keys no manifest names
     corrupt_manifests: list[str] = field(default_factory=list)
-    meta_keys: int = 0
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
@@ -66,8 +60,7 @@ def repair(path: str | Path, *, keyring: Keyring | None = None, map_size: int = 
                 for key, count in refs.items()}
 
     rebuilt = rebuild_index(path, derive=recount, map_size=map_size, fs=fs)
-    for name in ("moved_aside", "segments", "records", "damaged_bytes", "chunks",
-                 "meta_keys"):
+    for name in (f.name for f in fields(Rebuild)):
         setattr(report, name, getattr(rebuilt, name))
     report.seconds = time.perf_counter() - started
     return report
@@ -84,13 +77,6 @@ def _check_keys(path: Path, logged: dict[bytes, bytes], keyring: Keyring | None)
     census.require(keyring, clear_allowed=True)  # a key on a clear directory does no harm
 
 
-def _open_manifest(name: str, raw: bytes, keyring: Keyring | None) -> SessionManifest:
-    """A manifest record as stored, opened first when encrypted (as ``EncryptedMetaStore``)."""
-    if keyring is not None and raw.startswith(ENCRYPTED_MAGIC):
-        raw = RecordSealer(keyring).open(name, raw)
-    return SessionManifest.decode(raw)
-
-
 def _sessions(logged: dict[bytes, bytes], on_disk: set[str], report: RepairReport,
               keyring: Keyring | None) -> Counter[str]:
     """Reference counts recounted from the manifests, and the report's session lists."""
@@ -100,7 +86,7 @@ def _sessions(logged: dict[bytes, bytes], on_disk: set[str], report: RepairRepor
         if not name.startswith(MANIFEST_PREFIX):
             continue
         try:
-            manifest = _open_manifest(name, raw, keyring)
+            manifest = SessionManifest.decode(opened_record(name, raw, keyring))
         except (ChunkCorrupt, UnsupportedVersion):
             report.corrupt_manifests.append(name[len(MANIFEST_PREFIX):])
             continue

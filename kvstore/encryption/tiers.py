@@ -21,7 +21,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import NamedTuple
 
-from kvstore.encryption.seal import OVERHEAD_BYTES, Keyring
+from kvstore.encryption.seal import MAGIC, OVERHEAD_BYTES, Keyring
 from kvstore.format.errors import ChunkCorrupt, TierUnavailable
 from kvstore.format.keys import dedupe_scope
 from kvstore.session.manifest import MANIFEST_PREFIX
@@ -161,6 +161,14 @@ class RecordSealer:
         if header.domain != domain:
             raise ChunkCorrupt(f"record {key!r} is sealed for another tenant")
         return plaintext
+
+
+def opened_record(key: str, value: bytes, keyring: Keyring | None) -> bytes:
+    """A metadata record as an offline reader finds it (a directory or bucket may hold
+    records in clear beside sealed ones): opened when sealed and ``keyring`` is given."""
+    if keyring is None or not value.startswith(MAGIC):
+        return value
+    return RecordSealer(keyring).open(key, value)
 
 
 class EncryptedMetaStore(MetaStore):

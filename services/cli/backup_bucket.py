@@ -133,8 +133,7 @@ async def _verify(backup: Path, manifests: list[dict], url: str, keyring,
                   endpoint: str | None, region: str | None):
     from kvstore.compaction.report import LogProgress
     from kvstore.compaction.scrub import scrub_tier
-    from kvstore.encryption.seal import MAGIC
-    from kvstore.encryption.tiers import RecordSealer
+    from kvstore.encryption.tiers import opened_record
     from kvstore.session.manifest import SessionManifest
     from kvstore.tiers.object import ObjectTier, ObjectTierConfig
     from services.cli.backup_report import Verified
@@ -154,9 +153,7 @@ async def _verify(backup: Path, manifests: list[dict], url: str, keyring,
             continue
         name, raw = _manifest_name(entry["key"]), (backup / entry["path"]).read_bytes()
         try:
-            if keyring is not None and raw.startswith(MAGIC):
-                raw = RecordSealer(keyring).open(name, raw)
-            manifest = SessionManifest.decode(raw)
+            manifest = SessionManifest.decode(opened_record(name, raw, keyring))
         except Exception as exc:  # noqa: BLE001 - any failure to decode is damage
             out.corrupt.append(f"{name} (manifest): {exc}")
             continue

@@ -354,7 +354,8 @@ class ServerConfig:
         return dataclasses.replace(self, **changes)
 
     def summary(self) -> dict[str, Any]:
-        out = {name: getattr(self, name) for name in _FIELDS}  # shallow: quota is read-only
+        # shallow: quota is read-only
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["quota"] = {name: dict(table) for name, table in self.quota.items()}
         out["data_dir"] = str(self.data_dir)
         out["dedupe_domains"] = {k: list(v) for k, v in self.dedupe_domains.items()}
@@ -396,6 +397,3 @@ def _check_layout_settings(config: ServerConfig) -> None:
     unknown = set(config.replayers) - set(REPLAYERS[:-1])
     if unknown:
         raise InvalidRequest(f"replayers must be some of {REPLAYERS[:-1]}, got {sorted(unknown)}")
-
-
-_FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
