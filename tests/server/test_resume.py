@@ -22,6 +22,7 @@ from replay import ReplayWorker
 from replay.state_codec import encode_window, state_to_chunks
 from services.replay.server import create_server as create_worker_server
 from services.replay.streams import StreamConsumer
+from tests.support.fleet import assert_same_window
 from tests.support.service import running_server
 
 SPEC = get_layout("kvtier-bundled")
@@ -40,16 +41,6 @@ def model_and_state(tmp_path_factory):
     return weights, ids, state_to_chunks(SPEC, state)
 
 
-def _assert_same_window(got: bytes, want: bytes, tokens) -> None:
-    mine, start = decode_window(SPEC, tokens, got)
-    theirs, want_start = decode_window(SPEC, tokens, want)
-    assert start == want_start and set(mine) == set(theirs)
-    for name, data in theirs.items():
-        assert torch.equal(mine[name].codes, data.codes), name
-        if data.scales is not None:
-            assert torch.equal(mine[name].scales, data.scales), name
-
-
 async def test_resume_replays_a_dropped_window_even_across_a_restart(tmp_path,
                                                                      model_and_state):
     weights, ids, (chunks, tail, window) = model_and_state
@@ -63,7 +54,7 @@ async def test_resume_replays_a_dropped_window_even_across_a_restart(tmp_path,
         await kv.evict("acme", "s1", "disk")  # the window cannot live on disk: dropped
         rebuilt = await kv.resume("acme", "s1", replay_tokens=TOKENS)
         assert rebuilt.replayed and rebuilt.replay_tokens == TOKENS
-        _assert_same_window(rebuilt.window_blob, window, rebuilt.token_ids)
+        assert_same_window(rebuilt.window_blob, window, rebuilt.token_ids)
         assert rebuilt.window is not None and not rebuilt.replay_needed
         assert (await kv.stat()).replays == 1
         # The rebuilt window was kept in the session: a second resume does not replay.
@@ -153,7 +144,7 @@ async def test_resume_through_remote_workers_and_redis_streams(tmp_path, model_a
                                tail=tail, generation=1)  # no window: replay needed
                 resumed = await kv.resume("acme", "s1", replay_tokens=TOKENS)
                 assert resumed.replayed, mode
-                _assert_same_window(resumed.window_blob, window, resumed.token_ids)
+                assert_same_window(resumed.window_blob, window, resumed.token_ids)
         assert consumer.done == 1
     finally:
         consuming.cancel()
