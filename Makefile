@@ -64,9 +64,12 @@ demo: $(STAMP)
 	$(BIN)/kvtier demo
 
 # The import contract first (pyproject.toml [tool.importlinter]): a second, not minutes.
+# With .venv-vllm (`make vllm`), the vLLM end-to-end tests run there too.
 test: $(STAMP) redis-server node-client
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q
+	@if [ -f $(VLLM_STAMP) ]; then $(VLLM_VENV)/bin/python -m pytest -q tests/vllm; \
+	else echo "no $(VLLM_VENV) (make vllm): the vLLM end-to-end tests did not run"; fi
 
 test-slow: $(STAMP) redis-server node-client
 	$(BIN)/python -m pytest -q -m slow

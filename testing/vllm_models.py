@@ -29,6 +29,9 @@ class LlamaSpec:
     max_positions: int = 8192
     dtype: str = "bfloat16"
     seed: int = 0
+    # Wider than transformers' 0.02, so a greedy output depends on its whole context: with
+    # 0.02 a random Llama repeats one token whatever its prompt, and a wrong block goes unseen.
+    init_std: float = 0.1
 
     @property
     def digest(self) -> str:
@@ -58,6 +61,7 @@ def build(spec: LlamaSpec, root: Path | str = DEFAULT_ROOT) -> Path:
         num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
         intermediate_size=spec.intermediate, vocab_size=spec.vocab,
         max_position_embeddings=spec.max_positions, tie_word_embeddings=False,
+        initializer_range=spec.init_std,
     )
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config).to(getattr(torch, spec.dtype))

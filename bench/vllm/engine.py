@@ -1,0 +1,85 @@
+"""One vLLM engine in this process, running a list of steps; the result as JSON on stdout.
+
+``python -m bench.vllm.engine PLAN.json`` (run by ``bench.vllm``, one child per engine, so
+each configuration starts from a fresh engine and none shares another's caches). A plan::
+
+    {"model": DIR, "max_model_len": N, "prefix_caching": bool,
+     "connector": null | {"kv_connector": ..., "kv_connector_module_path": ...,
+                          "kv_connector_extra_config": {...}},
+     "steps": [{"name": .., "prompt": [ids], "max_tokens": n, "repeat": k,
+                "reset_prefix_cache": bool, "kvtier_session": id | null,
+                "settle_s": seconds to wait after it (an asynchronous save lands),
+                "extend": {"after": step name, "append": [ids]}   (instead of a prompt:
+                          that step's prompt and answer, then ``append``: a next turn)}]}
+
+Each step reports its wall seconds per repeat (with ``max_tokens`` 1, the time to the first
+token), the greedy output token ids, and how many prompt tokens came from a cache
+(``num_cached_tokens``). The connector's Prometheus metrics (names with ``kvtier``) are
+reported at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def run(plan: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    transfer = None
+    if plan.get("connector"):
+        transfer = KVTransferConfig(kv_role="kv_both", **plan["connector"])
+    started = time.perf_counter()
+    llm = LLM(model=plan["model"], dtype="bfloat16", max_model_len=plan["max_model_len"],
+              enforce_eager=True, skip_tokenizer_init=True, seed=0,
+              enable_prefix_caching=plan["prefix_caching"], kv_transfer_config=transfer,
+              disable_log_stats=False)
+    out = {"start_s": time.perf_counter() - started, "steps": []}
+    done: dict[str, dict] = {}
+    for step in plan["steps"]:
+        extra = None
+        if step.get("kvtier_session"):
+            extra = {"kv_transfer_params": {"kvtier_session": step["kvtier_session"]}}
+        params = SamplingParams(max_tokens=step["max_tokens"], temperature=0.0,
+                                detokenize=False, extra_args=extra)
+        if "extend" in step:  # the next turn: an earlier step's prompt, its answer, more
+            before = done[step["extend"]["after"]]
+            step["prompt"] = before["prompt"] + before["output"] + step["extend"]["append"]
+        seconds, outputs, cached = [], [], []
+        for _ in range(step.get("repeat", 1)):
+            if step.get("reset_prefix_cache"):
+                llm.reset_prefix_cache()
+            t = time.perf_counter()
+            reply = llm.generate([TokensPrompt(prompt_token_ids=step["prompt"])], params,
+                                 use_tqdm=False)[0]
+            seconds.append(time.perf_counter() - t)
+            outputs.append(list(reply.outputs[0].token_ids))
+            cached.append(reply.num_cached_tokens or 0)
+        if step.get("settle_s"):
+            time.sleep(step["settle_s"])
+        done[step["name"]] = {"prompt": step["prompt"], "output": outputs[-1]}
+        out["steps"].append({"name": step["name"], "seconds": seconds, "output": outputs[-1],
+                             "prompt_tokens": len(step["prompt"]),
+                             "outputs_agree": all(o == outputs[0] for o in outputs),
+                             "num_cached_tokens": cached})
+    out["metrics"] = connector_metrics(llm)
+    return out
+
+
+def connector_metrics(llm) -> dict[str, float]:
+    """The connector's counters, summed over labels: name -> value."""
+    totals: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if "kvtier" in metric.name and hasattr(metric, "value"):
+            totals[metric.name] = totals.get(metric.name, 0.0) + float(metric.value)
+    return totals
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        result = run(json.load(f))
+    sys.stdout.write("BENCH-RESULT " + json.dumps(result) + "\n")
