@@ -19,8 +19,10 @@ repair. fleet (a child process) after it: ``bench.fleet``, resume paths across r
 sharing one Redis and one S3 bucket, manifest CAS latency, resumes per second.
 hf (a child process): ``bench.hf``, the transformers integration on a tiny
 DeepseekV4 with seeded random weights (bytes, time to ready, replay fidelity).
-seams (a child process) last: ``bench.seams``, the whole-service simulation over every
+seams (a child process): ``bench.seams``, the whole-service simulation over every
 switch combination (its own default budget: 20,000 steps, about 25 minutes).
+vllm (a child process in .venv-vllm, ``make vllm``) last: ``bench.vllm``, kvtier's vLLM
+connector beside ExampleConnector and vLLM's own prefix cache, in vLLM's CPU build.
 A stage that fails is recorded with its error and the others still run; the exit status
 is 1 if any failed. ``--merge`` reruns only the ``--only`` stages into the existing results
 (new weights, say, rerun resume and fidelity): the other stages keep their figures, and
@@ -74,6 +76,7 @@ SIZES = {
                   "--manifests", "5"],
         "hf": ["--contexts", "300", "--follow", "16"],
         "seams": ["--steps", "200", "--combinations", "plain,enc+quota+tls"],
+        "vllm": ["--models", "tiny", "--lengths", "1024", "--repeats", "1"],
     },
     "quick": {
         "codec": ["--mb", "16", "--repeats", "3"],
@@ -90,6 +93,7 @@ SIZES = {
         "fleet": [],
         "hf": [],
         "seams": [],
+        "vllm": [],
     },
     "full": {
         "codec": [],
@@ -106,11 +110,12 @@ SIZES = {
         "fleet": ["--tokens", "16384", "--resumes", "300"],
         "hf": [],
         "seams": [],
+        "vllm": [],
     },
 }
 CAMPAIGNS = ("fuzz", "adversarial", "faults")  # stages whose runner is in stress/
 STAGES = ("codec", "tiers", "trace", "resume", "fidelity", "bytes", "replay_batch",
-          "fuzz", "adversarial", "faults", "fleet", "hf", "seams")
+          "fuzz", "adversarial", "faults", "fleet", "hf", "seams", "vllm")
 
 
 def machine() -> dict:
@@ -144,12 +149,12 @@ def machine() -> dict:
     }
 
 
-def child_json(name: str, args: list[str]) -> dict:
+def child_json(name: str, args: list[str], python: str = sys.executable) -> dict:
     """``python -m bench.<name> --json *args`` (``stress.<name>`` for a campaign of
     ``CAMPAIGNS``) in a child process; its printed JSON. Its progress lines (stderr) pass
     through as they come, indented under the stage's line."""
     module = f"stress.{name}" if name in CAMPAIGNS else f"bench.{name}"
-    with subprocess.Popen([sys.executable, "-m", module, "--json", *args], cwd=ROOT,
+    with subprocess.Popen([python, "-m", module, "--json", *args], cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         stdout = [""]
         reader = threading.Thread(target=lambda: stdout.__setitem__(0, proc.stdout.read()))
@@ -197,7 +202,16 @@ def stage_runners(sizes: dict, trace: Path, weights: Path) -> dict[str, Callable
         "fleet": lambda: child_json("fleet", sizes["fleet"]),
         "hf": lambda: child_json("hf", sizes["hf"]),
         "seams": lambda: child_json("seams", sizes["seams"]),
+        "vllm": lambda: child_json("vllm", sizes["vllm"], _vllm_python()),
     }
+
+
+def _vllm_python() -> str:
+    """vLLM's CPU build lives in its own venv (its transformers pin differs from ours)."""
+    python = ROOT / ".venv-vllm" / "bin" / "python"
+    if not python.exists():
+        raise RuntimeError("the vllm stage runs in .venv-vllm: `make vllm` builds it")
+    return str(python)
 
 
 def _bytes_stage(model: tuple, lengths: list[int]) -> dict:

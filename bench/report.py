@@ -16,6 +16,7 @@ from bench import peers
 from bench.report_plots import PATH_LABELS, RESUME_PATHS, plot_fidelity, plot_resume, plot_trace
 from bench.seams.report import section as seams_section
 from bench.trace.report import section as trace_section
+from bench.vllm.report import section as vllm_section
 from stress.adversarial.report import section as adversarial_section
 from stress.faults.report import section as faults_section
 from stress.fuzz.report import section as fuzz_section
@@ -394,7 +395,8 @@ def write_report(results: dict, out_dir: Path) -> Path:
                 ("faults", faults_section, None, None),
                 ("fleet", fleet_section, None, None),
                 ("hf", hf_section, None, None),
-                ("seams", seams_section, None, None))
+                ("seams", seams_section, None, None),
+                ("vllm", vllm_section, None, None))
     for name, section, plot, png in sections:
         stage = stages.get(name)
         if not _ok(stage):
