@@ -3,6 +3,8 @@ retained cache of the caller's domain and read by their position in a token sequ
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 
@@ -20,11 +22,13 @@ from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from tests.support.service import (
     LAYOUT,
+    ROOT,
     assert_streams_equal,
     running_server,
     streams_for,
     tokens_for,
 )
+from tests.vectors.generate import wire_layout
 
 C = LAYOUT.chunk_tokens
 
@@ -290,3 +294,28 @@ async def test_the_durable_bytes_quota_bounds_a_domains_written_chunks(tmp_path)
         # a tenant without a limit writes as much as it likes
         assert (await kv.write_chunks("beta", LAYOUT.name, both, both_chunks)
                 ).chunks_written == 6
+
+
+async def test_the_golden_vectors_messages_get_the_stated_keys(tmp_path):
+    vectors = json.loads((ROOT / "tests" / "vectors" / "prefix_chunks.json").read_text())
+    domains = {"dedupe_domains": {c["dedupe_domain"]: ("acme",) for c in vectors["cases"]
+                                  if c["dedupe_domain"]}}
+    async with running_server(tmp_path, **domains) as (_, target), \
+            AsyncClient(target) as kv, grpc.aio.insecure_channel(target) as channel:
+        assert await kv.register_layout(wire_layout()) == vectors["layout_id"]
+        stub = pb_grpc.KVTierStub(channel)
+        for case in vectors["cases"]:
+            header = pb.WriteChunksHeader.FromString(
+                bytes.fromhex(case["write_header"]["bytes"]))
+            payloads = [pb.WriteChunksRequest(chunk=pb.Payload(
+                key=key, data=bytes.fromhex(chunk["bytes"])))
+                for key, chunk in zip(case["payload_keys"], vectors["chunks"], strict=True)]
+            reply = await stub.WriteChunks(_messages(pb.WriteChunksRequest(header=header),
+                                                     *payloads))
+            assert list(reply.chunk_keys) == case["reply_chunk_keys"] and reply.durable
+            request = pb.ReadChunksRequest.FromString(
+                bytes.fromhex(case["read_request"]["bytes"]))
+            replies = [r async for r in stub.ReadChunks(request)]
+            assert list(replies[0].header.chunk_keys) == case["read_chunk_keys"]
+            assert replies[1].chunk.index == 1
+            assert replies[1].chunk.payload.data.hex() == vectors["chunks"][0]["bytes"]
