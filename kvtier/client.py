@@ -51,7 +51,7 @@ from kvtier import replies, shm
 from kvtier.channel import LOOPBACK, Credentials
 from kvtier.errors import MissingChunks, SharedMemoryUnavailable, error_from_rpc
 from kvtier.known_layouts import KnownLayouts, info_from
-from kvtier.prefix_chunks import PrefixChunkCalls
+from kvtier.prefix_chunks import PrefixChunkMethods
 from kvtier.routing import Node, Ref, Router, RoutingPolicy, open_node
 from kvtier.types import LayoutInfo, RestoredSession, RetryPolicy, SpillResult
 from proto import kvtier_pb2 as pb
@@ -66,7 +66,7 @@ async def _stream(messages: list) -> AsyncIterator:
         yield message
 
 
-class AsyncClient(PrefixChunkCalls):
+class AsyncClient(PrefixChunkMethods):
     def __init__(self, target: str | None = None, *, servers: Sequence[str] | None = None,
                  shared_memory: bool | None = None,
                  retry: RetryPolicy = RetryPolicy(), timeout_s: float | None = None,

@@ -189,8 +189,8 @@ def checked_result(spec: LayoutSpec, tokens: np.ndarray, first_chunk: int,
     return result
 
 
-class PrefixChunkCalls:
-    """``AsyncClient``'s prefix-chunk calls (it supplies ``_call``, ``layout``,
+class PrefixChunkMethods:
+    """``AsyncClient``'s prefix-chunk methods (it supplies ``_call``, ``layout``,
     ``shared_memory``, ``timeout_s`` and ``max_message_bytes``)."""
 
     async def write_chunks(self, tenant: str, layout: str | LayoutSpec, token_ids,

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from kvstore.format.checks import chunk_bytes_max
+from kvstore.format.chunk import StreamData
 from kvstore.format.errors import (
     InvalidRequest,
     PermissionDenied,
@@ -39,7 +40,7 @@ def encoded(count: int, seed: int = 0, *, first: int = 0) -> tuple:
     full = streams_for(LAYOUT, count * C, seed=seed)
     chunks = cc.encode_chunks(LAYOUT, tokens, full)
     if first:  # the helper encodes a range from streams over that range alone
-        ranged = {s.name: type(full[s.name])(
+        ranged = {s.name: StreamData(
             full[s.name].codes[:, first * C // s.tokens_per_entry:],
             full[s.name].scales[:, first * C // s.tokens_per_entry:])
             for s in LAYOUT.persistent_streams}
