@@ -113,7 +113,7 @@ def stream_data(stream: Stream, inputs: dict) -> StreamData:
         return StreamData(codes.reshape(shape), None)
     values = torch.tensor(inputs["values"], dtype=torch.int8).reshape(shape)
     codes = pack_int4(values) if stream.bits == 4 else values
-    assert codes.dtype == code_dtype(stream.bits)
+    assert codes.dtype == code_dtype(stream)
     scales = torch.tensor(inputs["scales"], dtype=torch.float16).reshape(inputs["scales_shape"])
     return StreamData(codes, scales)
 
