@@ -274,7 +274,7 @@ def format_values(stream: Stream, entries: int, seed: int) -> dict:
     n = int(np.prod(shape))
     rng = np.random.default_rng(seed)
     if stream.format == "fp16":
-        values = rng.integers(-4096, 4096, n) / 1024
+        values = (rng.integers(-4096, 4096, n) / 1024).astype(np.float16).astype(float)
         # 1 + 2^-10 (bf16 rounds it), fp16's largest, smallest normal and subnormal
         values[:4] = [1 + 2**-10, 65504.0, -(2**-14), 2**-24]
         return {"shape": shape, "values": values.tolist()}
