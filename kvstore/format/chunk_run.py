@@ -92,8 +92,9 @@ def decode_chunks(bufs: Sequence[Buffer], spec: LayoutSpec,
                   ) -> dict[str, StreamData]:
     """Every persistent stream of the chunks ``bufs``, concatenated along entries: codes
     (layers, E, *codes_shape) and scales (layers, E, scales_per_entry), E the entries of
-    all the chunks (fp8: scales (layers, len(bufs)) float32, chunk i's in column i). Chunk i must hold the ``counts[i]`` tokens after those of the chunks
-    before it (the first starts at token 0), encoded for those of ``token_ids``; else
+    all the chunks (fp8: scales (layers, len(bufs)) float32, chunk i's in column i).
+    Chunk i must hold the ``counts[i]`` tokens after those of the chunks before it (the
+    first starts at token 0), encoded for those of ``token_ids``; else
     InvalidRequest (the wrong chunks) or LayoutMismatch (other tokens or layout). Every
     byte read is verified, as by ``decode_chunk``: a bad chunk raises its CodecError."""
     if len(bufs) != len(counts):

@@ -4,12 +4,14 @@ whole, layer by layer and (fp8 window) with their window, bit for bit."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
-from kvstore.format.chunk import StreamData
+from kvstore.format.chunk import StreamData, encode_chunk
+from kvstore.format.errors import InvalidRequest, SessionNotFound
 from kvstore.format.layout import LayoutSpec, Stream
 from kvtier import AsyncClient
-from tests.support.chunks import make_streams
+from tests.support.chunks import make_streams, resealed
 from tests.support.service import running_server
 
 SPEC = LayoutSpec("formats-e2e", (
@@ -48,3 +50,15 @@ async def test_fp8_and_fp16_sessions_restore_bit_exact_with_each_chunks_scale(tm
             assert torch.equal(piece.data.scales, scales[piece.layer])
         else:
             assert piece.data.scales is None
+
+
+async def test_the_server_refuses_a_chunk_whose_fp8_scale_is_not_positive(tmp_path):
+    spec = LayoutSpec("formats-e2e-k", SPEC.streams[:1], chunk_tokens=16)
+    data = make_streams(spec, 16)
+    bad = resealed(encode_chunk(spec, 0, TOKENS[:16], data), spec, -1.0)
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
+        await kv.register_layout(spec)
+        with pytest.raises(InvalidRequest, match="finite and > 0"):
+            await kv.spill("acme", "bad", spec, TOKENS[:16], chunks=[bad], generation=1)
+        with pytest.raises(SessionNotFound):
+            await kv.restore("acme", "bad")

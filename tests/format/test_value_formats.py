@@ -14,7 +14,6 @@ import pytest
 import torch
 import xxhash
 
-from kvstore.format import chunk as codec
 from kvstore.format.checks import check_window, window_bytes_max
 from kvstore.format.chunk import (
     StreamData,
@@ -33,7 +32,7 @@ from kvstore.format.registry import all_layouts
 from kvstore.format.window import encode_window
 from kvtier.codec import LayerAssembler, decode_persistent, encode_session
 from proto import kvtier_pb2 as pb
-from tests.support.chunks import assert_same, make_streams
+from tests.support.chunks import assert_same, make_streams, resealed
 
 FP8 = Stream("k8", (2, 4), bits=8, layers=2, format="fp8_e4m3")
 FP16 = Stream("h", (3, 4), bits=16, layers=3, format="fp16")
@@ -178,23 +177,6 @@ def test_fp8_encode_refuses_non_finite_values_and_a_wrong_scale_count():
         encode_values(FP8, torch.ones(2, 1, 2, 4), [1.0, 2.0, 3.0])
     with pytest.raises(InvalidRequest, match="only fp8"):
         encode_values(FP16, torch.ones(3, 1, 3, 4), 1.0)
-
-
-def resealed(buf: bytes, spec: LayoutSpec, value: float) -> bytes:
-    """``buf`` with its first fp8 scale replaced by ``value`` and every checksum made to
-    agree: what a hostile writer could send."""
-    h = read_header(buf)
-    payload = bytearray(buf[h.payload_offset:])
-    part = next(p for p in chunk_plan(spec, h.num_tokens, False).parts if p.part == PART_SCALES)
-    payload[part.offset:part.offset + 4] = struct.pack("<f", value)
-    table = h.sections.copy()
-    table["checksum"] = [xxhash.xxh3_64_intdigest(bytes(payload[o:o + n]))
-                         for o, n in zip(table["offset"].tolist(), table["length"].tolist(),
-                                         strict=True)]
-    fields = list(codec._HEADER.unpack_from(buf))
-    fields[-1] = xxhash.xxh3_64_intdigest(bytes(payload))
-    head = codec._HEADER.pack(*fields) + table.tobytes()
-    return head + codec._CHECK.pack(xxhash.xxh3_64_intdigest(head)) + bytes(payload)
 
 
 @pytest.mark.parametrize("bad", [0.0, -0.5, float("nan"), float("-inf")])

@@ -1,13 +1,18 @@
 """Chunk-format fixtures for the format tests: two layouts, random streams for a layout,
-exact comparison of decoded streams, and Hypothesis strategies for random layouts."""
+a chunk resealed around a hostile fp8 scale, exact comparison of decoded streams, and
+Hypothesis strategies for random layouts."""
 
 from __future__ import annotations
 
+import struct
+
 import torch
+import xxhash
 from hypothesis import strategies as st
 
-from kvstore.format.chunk import StreamData
-from kvstore.format.chunk_parts import code_dtype
+from kvstore.format import chunk as codec
+from kvstore.format.chunk import StreamData, read_header
+from kvstore.format.chunk_parts import PART_SCALES, chunk_plan, code_dtype
 from kvstore.format.layout import FORMATS, BaselineKV, LayoutSpec, Stream
 from kvstore.format.registry import get_layout
 
@@ -47,6 +52,23 @@ def make_streams(spec, num_tokens, seed=0, ephemeral=False):
             scales = torch.rand(s.layers, 1, generator=g) + 0.5
         out[s.name] = StreamData(codes, scales)
     return out
+
+
+def resealed(buf: bytes, spec: LayoutSpec, value: float) -> bytes:
+    """``buf`` with its first fp8 scale replaced by ``value`` and every checksum made to
+    agree: what a hostile writer could send."""
+    h = read_header(buf)
+    payload = bytearray(buf[h.payload_offset:])
+    part = next(p for p in chunk_plan(spec, h.num_tokens, False).parts if p.part == PART_SCALES)
+    payload[part.offset:part.offset + 4] = struct.pack("<f", value)
+    table = h.sections.copy()
+    table["checksum"] = [xxhash.xxh3_64_intdigest(bytes(payload[o:o + n]))
+                         for o, n in zip(table["offset"].tolist(), table["length"].tolist(),
+                                         strict=True)]
+    fields = list(codec._HEADER.unpack_from(buf))
+    fields[-1] = xxhash.xxh3_64_intdigest(bytes(payload))
+    head = codec._HEADER.pack(*fields) + table.tobytes()
+    return head + codec._CHECK.pack(xxhash.xxh3_64_intdigest(head)) + bytes(payload)
 
 
 def assert_same(decoded, original):

@@ -5,9 +5,10 @@
   Gemma2...): streams ``k`` and ``v`` of (kv_heads, head_dim) per token on every layer,
   persistent, in one of ``STANDARD_FORMATS``: bf16 or fp16 (the model's own 16-bit float,
   lossless; a 16-bit format that would round the model's values is refused), int8 or
-  fp8_e4m3 (one scale per layer per chunk); nothing to replay. A sliding layer of window W holds only
-  the last W - 1 tokens: its rows before them are stored as zeros, never read back (a
-  resume installs the last min(n, W - 1) rows), and the layout's layer modes
+  fp8_e4m3 (one scale per layer per chunk); nothing to replay. A sliding layer of
+  window W holds only the last W - 1 tokens: its rows before them are stored as zeros,
+  never read back (a resume installs the last min(n, W - 1) rows), and the layout's
+  layer modes
   (``full`` / ``sliding-W``) bind the windows into its id. Every other kind of layer is
   ``UnsupportedModel``.
 - DeepseekV4 (``model_type == "deepseek_v4"``): the compressor entries of the CSA layers
