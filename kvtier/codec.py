@@ -31,12 +31,11 @@ from kvstore.format.chunk import (
     read_header,
     split_chunks,
 )
-from kvstore.format.chunk_parts import code_dtype, scales_dtype
+from kvstore.format.chunk_parts import code_dtype, scales_dtype, tensor_scale_fault
 from kvstore.format.chunk_run import PackedRun, decode_chunks
 from kvstore.format.errors import ChunkCorrupt, DataLoss, InvalidRequest, LayoutMismatch
 from kvstore.format.keys import chain_keys, chunk_digest, token_bytes
 from kvstore.format.layout import LayoutSpec
-from kvstore.format.values import tensor_scale_fault
 from kvstore.format.window import encode_window as encode_window_blob
 
 if TYPE_CHECKING:

@@ -39,9 +39,11 @@ from kvstore.format.chunk_parts import (
     PART_CODES,
     PART_SCALES,
     ChunkPlan,
+    check_tensor_scales,
     chunk_plan,
     max_chunk_tokens,
     streams_of,
+    tensor_scale_fault,
 )
 from kvstore.format.errors import (
     ChunkCorrupt,
@@ -54,7 +56,7 @@ from kvstore.format.errors import (
 from kvstore.format.keys import token_bytes
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.registry import layout_by_hash
-from kvstore.format.values import StreamData, check_tensor_scales, tensor_scale_fault
+from kvstore.format.stream_data import StreamData
 
 if TYPE_CHECKING:  # torch is imported by the calls that make or read tensors
     import torch

@@ -5,7 +5,7 @@ shape. Plain numpy: reading the plan loads no torch; a part's ``dtype`` does.
 Parts per stream format (``layout.FORMATS``): codes (layers, entries, *codes_shape) of
 the format's code dtype; group-scaled formats (int4, int8) add scales (layers, entries,
 scales_per_entry) float16; a tensor-scaled one (fp8_e4m3) adds scales (layers, 1)
-float32, the chunk's one scale per layer."""
+float32, the chunk's one scale per layer, which must be finite and > 0."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvstore.format.errors import ChunkCorrupt
 from kvstore.format.layout import LayoutSpec, Stream
 
 PART_CODES, PART_SCALES = 0, 1
@@ -124,3 +125,24 @@ def chunk_plan(
                 section += 1
     table_head = np.array(rows, dtype=np.uint64).reshape(-1, 3)
     return ChunkPlan(tuple(parts), table_head, offset)
+
+
+def tensor_scale_fault(stream: str, scales: np.ndarray) -> str | None:
+    """Why float32 ``scales`` of a tensor-scaled (fp8) stream are not all usable scales
+    (each must be finite and > 0: a dequantizer multiplies by it), or None."""
+    bad = ~(np.isfinite(scales) & (scales > 0))
+    if not bad.any():
+        return None
+    return (f"stream {stream}: an fp8 scale must be finite and > 0, got "
+            f"{float(scales[bad][0])!r}")
+
+
+def check_tensor_scales(plan: ChunkPlan, payload: np.ndarray) -> None:
+    """ChunkCorrupt unless every fp8 scale in a chunk's raw ``payload`` (of ``plan``) is
+    finite and > 0."""
+    for p in plan.parts:
+        if p.part == PART_SCALES and p.stream.value_format.scales == "tensor":
+            scales = np.frombuffer(payload, "<f4", count=p.stream.layers, offset=p.offset)
+            fault = tensor_scale_fault(p.stream.name, scales)
+            if fault:
+                raise ChunkCorrupt(fault)

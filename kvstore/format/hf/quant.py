@@ -15,10 +15,9 @@ from __future__ import annotations
 import torch
 
 from kvstore.format.chunk import StreamData
-from kvstore.format.chunk_parts import code_dtype
+from kvstore.format.chunk_parts import code_dtype, tensor_scale_fault
 from kvstore.format.errors import InvalidRequest
 from kvstore.format.layout import Stream
-from kvstore.format.values import tensor_scale_fault
 
 QMAX = {4: 7, 8: 127}
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
