@@ -328,7 +328,7 @@ def cache_difference(spec: LayoutSpec, own: LayoutSpec) -> str | None:
         return replace(stream, pending=False)
 
     if [shape(s) for s in spec.streams] != [shape(s) for s in own.streams]:
-        return "its streams (names, shapes, bits, groups, m, layers, lifetimes) differ"
+        return "its streams (names, shapes, bits, formats, groups, m, layers, lifetimes) differ"
     for name in ("chunk_tokens", "vocab_size", "window_tokens", "layer_modes"):
         if getattr(spec, name) != getattr(own, name):
             return f"its {name} is {getattr(spec, name)!r}, the model's {getattr(own, name)!r}"
