@@ -28,6 +28,7 @@ from kvstore.format.chunk import (
 from kvstore.format.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch, shown
 from kvstore.format.keys import ROOT_PARENT, chunk_digest, chunk_key, split_block_key
 from kvstore.format.layout import LayoutSpec
+from kvstore.format.window import check_part
 
 
 def check_token_ids(spec: LayoutSpec, tokens: np.ndarray) -> None:
@@ -133,8 +134,9 @@ def check_spill(
 
 
 def check_window(spec: LayoutSpec, tokens: np.ndarray, window: Buffer) -> None:
-    """A window blob is one or more ephemeral chunks back to back (window K/V, pending rows),
-    together no larger than the layout's window allows."""
+    """A window blob is one or more ephemeral chunks back to back (window K/V, pending rows
+    of ``kvstore.format.window.pending_counts`` tokens), together no larger than the
+    layout's window allows."""
     if len(window) > window_bytes_max(spec):
         raise InvalidRequest(f"the window blob is {len(window)} B; layout {spec.name} "
                              f"(W = {spec.window_tokens}) encodes one in at most "
@@ -149,6 +151,7 @@ def check_window(spec: LayoutSpec, tokens: np.ndarray, window: Buffer) -> None:
         if header.start_token + header.num_tokens > len(tokens):
             raise InvalidRequest("the window covers tokens beyond the session's end")
         _check_range("the window", header, spec, tokens, header.start_token, header.num_tokens)
+        check_part(spec, len(tokens), header)
 
 
 def restored_chunk_check(spec: LayoutSpec, tokens: np.ndarray, index: int,

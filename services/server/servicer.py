@@ -328,9 +328,9 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                    ) -> pb.ListReply:
         tenant = auth.list_scope(check.tenant_filter(request.tenant))
         size = check.page_size(request.page_size)
-        after = request.page_token
+        after = check.page_token(request.page_token, tenant)
         manifests = [m for m in await self.manager.list_sessions(tenant)
-                     if f"{m.tenant}/{m.session_id}" > after]
+                     if after is None or (m.tenant, m.session_id) > after]
         page = manifests[:size]
         more = len(manifests) > size
         return pb.ListReply(
