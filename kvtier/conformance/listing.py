@@ -1,4 +1,5 @@
-"""List pages: every session exactly once, in (tenant, session_id) order, following
+"""List pages: every session exactly once, in code point order of
+``<tenant>/<session_id>``, following
 opaque ``next_page_token``s; a token the server did not give is INVALID_ARGUMENT
 (docs/wire-format.md section 6)."""
 
@@ -23,12 +24,12 @@ async def pages(ctx: Context) -> str:
                                                    page_token=token))
         calls += 1
         expect(len(reply.sessions) <= 2, f"a page of {len(reply.sessions)} for page_size 2")
-        listed += [(s.session.tenant, s.session.session_id) for s in reply.sessions]
+        listed += [f"{s.session.tenant}/{s.session.session_id}" for s in reply.sessions]
         token = reply.next_page_token
         if not token or calls > 10_000:
             break
     expect(listed == sorted(set(listed)), "List pages repeat or are out of order")
-    expect(all((ctx.tenant, sid) in listed for sid in ours), "List pages lost a session")
+    expect(all(f"{ctx.tenant}/{sid}" in listed for sid in ours), "List pages lost a session")
     return f"{len(listed)} sessions in {calls} pages, each once, in order"
 
 

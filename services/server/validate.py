@@ -336,19 +336,19 @@ def page_size(value: int, default: int = 100) -> int:
     return value or default
 
 
-def page_token(token: str, tenant: str | None) -> tuple[str, str] | None:
-    """The (tenant, session_id) a List page token says the previous page ended at (the
-    server's next_page_token, ``<tenant>/<session_id>``); None for the first page. A token
-    of no session's shape, or of another tenant than the one listed, is InvalidRequest."""
+def page_token(token: str, tenant: str | None) -> str:
+    """The ``<tenant>/<session_id>`` a List page token says the previous page ended at
+    (the server's next_page_token; "" for the first page). A token of no session's
+    shape, or of another tenant than the one listed, is InvalidRequest."""
     if not token:
-        return None
+        return ""
     owner, _, session_id = token.partition("/")
     if not TENANT.fullmatch(owner) or not SESSION_ID.fullmatch(session_id) or \
             tenant not in (None, owner):
         raise InvalidRequest(f"page_token {shown(token)} is not one this server gave for "
                              "this listing: pass next_page_token back unchanged, or \"\" for "
                              "the first page")
-    return owner, session_id
+    return token
 
 
 def lookup_request(request: pb.LookupRequest, max_tokens: int,
