@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvstore.format.checks import check_part
 from kvstore.format.chunk import (
     LayerSlice,
     StreamData,
@@ -32,7 +33,6 @@ from kvstore.format.errors import ChunkCorrupt, DataLoss, InvalidRequest, Layout
 from kvstore.format.keys import chain_keys, chunk_digest, token_bytes
 from kvstore.format.layer_sections import LayerCheck
 from kvstore.format.layout import LayoutSpec
-from kvstore.format.window import check_part
 from kvstore.format.window import encode_window as encode_window_blob
 
 if TYPE_CHECKING:

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from kvstore.format.checks import pending_counts
 from kvstore.format.chunk import encode_raw
 from kvstore.format.chunk_parts import chunk_plan
 from kvstore.format.keys import chain_keys, chunk_digest, dedupe_scope
 from kvstore.format.layout import LayoutSpec, Stream
-from kvstore.format.window import pending_counts
 from proto import kvtier_pb2 as pb
 
 # Every kind of stream (int4 with m = 2, int8, bf16; window K/V and pending rows), four

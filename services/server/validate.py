@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstore.format.checks import check_token_ids, chunk_bytes_max, window_bytes_max
+from kvstore.format.checks import check_part, check_token_ids, chunk_bytes_max, window_bytes_max
 from kvstore.format.chunk import VERSION, checked_header, split_chunks, tokens_hash
 from kvstore.format.errors import CodecError, InvalidRequest, PermissionDenied, shown
 from kvstore.format.hints import ResumeHint
@@ -30,7 +30,6 @@ from kvstore.format.keys import (
 )
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.registry import get_layout
-from kvstore.format.window import check_part
 from kvstore.format.wire_limits import MAX_REPLAY_TOKENS
 from kvstore.session.spill import SpillRequest
 from proto import kvtier_pb2 as pb

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import xxhash
 
+from kvstore.format.checks import check_part, pending_counts
 from kvstore.format.chunk import read_header
 from kvstore.format.errors import ChunkCorrupt, DataLoss, InvalidRequest
 from kvstore.format.layer_sections import LayerCheck
-from kvstore.format.window import check_part, encode_window, pending_counts
+from kvstore.format.window import encode_window
 from tests.vectors.generate import layers_vector, stream_data, wire_layout
 
 VECTORS = Path(__file__).resolve().parents[1] / "vectors"

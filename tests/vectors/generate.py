@@ -23,13 +23,13 @@ import xxhash
 import zstandard
 
 from kernels.reference import pack_int4
+from kvstore.format.checks import pending_counts
 from kvstore.format.chunk import StreamData, encode_chunk, read_header
 from kvstore.format.chunk_parts import code_dtype
 from kvstore.format.errors import CLASS_FOR_STATUS, ERROR_CLASSES, ERROR_KEY, status_name
 from kvstore.format.keys import chain_keys, chunk_digest, chunk_key, dedupe_scope, token_bytes
 from kvstore.format.layer_sections import EMPTY_XXH3, chunk_table, section_order
 from kvstore.format.layout import BaselineKV, LayoutSpec, Stream, layout_to_json
-from kvstore.format.window import pending_counts
 
 HERE = Path(__file__).resolve().parent
 TENANT = "acme"
