@@ -65,6 +65,9 @@ class LayerCheck:
     def __init__(self, spec: LayoutSpec, tokens: np.ndarray, tables: Sequence[bytes],
                  digests: Sequence[bytes], tail_digest: bytes) -> None:
         blocks = len(digests) + (1 if tail_digest else 0)
+        if len(digests) != len(tokens) // spec.chunk_tokens:
+            raise DataLoss(f"the header states {len(digests)} chunk digests for "
+                           f"{len(tokens)} tokens in chunks of {spec.chunk_tokens}")
         if len(tables) != blocks:
             raise DataLoss(f"the header has {len(tables)} chunk tables for {len(digests)} "
                            f"chunks{' and a tail' if tail_digest else ''}")
