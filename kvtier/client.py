@@ -335,7 +335,9 @@ class AsyncClient(PrefixChunkMethods):
                              model_fingerprint: str = "") -> AsyncIterator[LayerSlice]:
         """Each (stream, layer) of the whole session as soon as it has arrived, layer 0 of
         every stream first: codes (entries, *codes_shape), scales (entries, groups);
-        ``model_fingerprint`` as in ``restore``.
+        ``model_fingerprint`` as in ``restore``. Every section is checked against its
+        chunk's table before it is used, and the digests of uncompressed chunks once the
+        stream has ended, before the last layer is yielded (``cc.LayerAssembler``).
 
         UNAVAILABLE restarts the stream with backoff, like every call; layers already
         yielded are not yielded again, and a session that changed generation meanwhile
@@ -360,8 +362,8 @@ class AsyncClient(PrefixChunkMethods):
                                 f"{generation} to {reply.header.generation} while its layers "
                                 "were being restored")
                         generation = reply.header.generation
-                        assembler = cc.LayerAssembler(
-                            await self.layout(reply.header.layout_id))
+                        assembler = cc.LayerAssembler.for_header(
+                            await self.layout(reply.header.layout_id), reply.header)
                     elif kind == "section":
                         done = assembler.add(reply.section)
                         if done is not None and (done.stream, done.layer) not in delivered:

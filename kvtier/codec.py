@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-import xxhash
 
+from kvstore.format.checks import check_part
 from kvstore.format.chunk import (
     LayerSlice,
     StreamData,
@@ -35,6 +35,7 @@ from kvstore.format.chunk_parts import code_dtype, scales_dtype, tensor_scale_fa
 from kvstore.format.chunk_run import PackedRun, decode_chunks
 from kvstore.format.errors import ChunkCorrupt, DataLoss, InvalidRequest, LayoutMismatch
 from kvstore.format.keys import chain_keys, chunk_digest, token_bytes
+from kvstore.format.layer_sections import LayerCheck
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.window import encode_window as encode_window_blob
 
@@ -232,6 +233,14 @@ def decode_persistent(spec: LayoutSpec, tokens: np.ndarray, chunks: Sequence[byt
         raise ChunkCorrupt(str(exc)) from exc
 
 
+def check_window_digest(window, stated: bytes) -> None:
+    """A restored window must have the digest its reply states (``SessionHeader`` for a
+    held window, ``ResumeSummary`` for one the Resume rebuilt): ``DataLoss`` if not."""
+    if chunk_digest(window) != stated:
+        raise DataLoss("the restored window does not have the digest its reply states"
+                       + ("" if stated else " (it states none)"))
+
+
 def window_start(window) -> int:
     """First token covered by the window blob's first (window K/V) chunk."""
     return read_header(split_chunks(window)[0]).start_token
@@ -247,33 +256,50 @@ def decode_window(spec: LayoutSpec, tokens: np.ndarray, window
         start, count = header.start_token, header.num_tokens
         if not header.ephemeral or start + count > len(tokens):
             raise ChunkCorrupt("the window blob does not fit the session")
+        try:
+            check_part(spec, len(tokens), header)
+        except InvalidRequest as exc:
+            raise ChunkCorrupt(f"the window blob does not fit the session: {exc}") from exc
         out.update(decode_chunk(part, spec, token_ids=tokens[start:start + count]).streams)
     return out, read_header(parts[0]).start_token if parts else 0
 
 
 @dataclass
 class LayerAssembler:
-    """Collects ``LayerSection`` messages and yields each (stream, layer) when complete."""
+    """Collects ``LayerSection`` messages, each checked as it comes against its chunk's
+    table (``kvstore.format.layer_sections.LayerCheck``: order, lengths, checksums), and
+    yields each (stream, layer) when complete; ``finish`` yields the last one once the
+    digests of the uncompressed chunks have been checked."""
 
     spec: LayoutSpec
+    check: LayerCheck
     parts: list[tuple[bytes, bytes]] = field(default_factory=list)
     current: tuple[str, int] | None = None
 
+    @classmethod
+    def for_header(cls, spec: LayoutSpec, header) -> LayerAssembler:
+        """For the sections of the restore whose ``SessionHeader`` is ``header``."""
+        tokens = as_tokens(np.frombuffer(header.token_ids, dtype="<u4"))
+        return cls(spec, LayerCheck(spec, tokens, header.chunk_tables, header.chunk_digests,
+                                    header.tail_digest))
+
     def add(self, section) -> LayerSlice | None:
-        for raw, want in ((section.codes, section.codes_xxh3),
-                          (section.scales, section.scales_xxh3)):
-            if raw and xxhash.xxh3_64_intdigest(raw) != want:
-                raise ChunkCorrupt(f"section {section.stream} layer {section.layer} chunk "
-                                   f"{section.chunk_index} fails its checksum")
+        self.check.add(section.stream, section.layer, section.chunk_index, section.codes,
+                       section.scales, section.codes_xxh3, section.scales_xxh3)
         key = (section.stream, section.layer)
         done = None
         if self.current is not None and key != self.current:
-            done = self.finish()
+            done = self._complete()
         self.current = key
         self.parts.append((section.codes, section.scales))
         return done
 
     def finish(self) -> LayerSlice | None:
+        """The last (stream, layer), once every section came and every digest held."""
+        self.check.finish()
+        return self._complete()
+
+    def _complete(self) -> LayerSlice | None:
         if self.current is None:
             return None
         name, layer = self.current

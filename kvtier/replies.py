@@ -101,6 +101,8 @@ def restored_session(spec: LayoutSpec, header: pb.SessionHeader, chunks, tail, w
     tokens = cc.as_tokens(np.frombuffer(header.token_ids, dtype="<u4"))
     streams, start = None, 0
     if window is not None:
+        cc.check_window_digest(window, summary.window_digest if summary.replayed
+                               else header.window_digest)
         start = cc.window_start(window)
         if persistent is not None:
             streams, start = cc.decode_window(spec, tokens, window)

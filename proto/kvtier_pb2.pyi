@@ -159,7 +159,7 @@ class RestoreRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., layer_by_layer: _Optional[bool] = ..., want_window: _Optional[bool] = ..., use_shared_memory: _Optional[bool] = ..., reply_lease: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class SessionHeader(_message.Message):
-    __slots__ = ("layout_id", "generation", "num_tokens", "token_ids", "chunk_keys", "window_available", "replay_needed", "window_tier", "reply_segment", "chunk_digests", "tail_digest", "model_fingerprint", "dedupe_domain", "writeback_failed", "window_replayed_tokens")
+    __slots__ = ("layout_id", "generation", "num_tokens", "token_ids", "chunk_keys", "window_available", "replay_needed", "window_tier", "reply_segment", "chunk_digests", "tail_digest", "model_fingerprint", "dedupe_domain", "writeback_failed", "window_replayed_tokens", "window_digest", "chunk_tables")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,8 @@ class SessionHeader(_message.Message):
     DEDUPE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     WRITEBACK_FAILED_FIELD_NUMBER: _ClassVar[int]
     WINDOW_REPLAYED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TABLES_FIELD_NUMBER: _ClassVar[int]
     layout_id: str
     generation: int
     num_tokens: int
@@ -190,7 +192,9 @@ class SessionHeader(_message.Message):
     dedupe_domain: str
     writeback_failed: bool
     window_replayed_tokens: int
-    def __init__(self, layout_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., chunk_keys: _Optional[_Iterable[str]] = ..., window_available: _Optional[bool] = ..., replay_needed: _Optional[bool] = ..., window_tier: _Optional[str] = ..., reply_segment: _Optional[_Union[SharedMemoryLease, _Mapping]] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., tail_digest: _Optional[bytes] = ..., model_fingerprint: _Optional[str] = ..., dedupe_domain: _Optional[str] = ..., writeback_failed: _Optional[bool] = ..., window_replayed_tokens: _Optional[int] = ...) -> None: ...
+    window_digest: bytes
+    chunk_tables: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, layout_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., chunk_keys: _Optional[_Iterable[str]] = ..., window_available: _Optional[bool] = ..., replay_needed: _Optional[bool] = ..., window_tier: _Optional[str] = ..., reply_segment: _Optional[_Union[SharedMemoryLease, _Mapping]] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., tail_digest: _Optional[bytes] = ..., model_fingerprint: _Optional[str] = ..., dedupe_domain: _Optional[str] = ..., writeback_failed: _Optional[bool] = ..., window_replayed_tokens: _Optional[int] = ..., window_digest: _Optional[bytes] = ..., chunk_tables: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class RestoredChunk(_message.Message):
     __slots__ = ("index", "tier", "payload")
@@ -221,18 +225,20 @@ class LayerSection(_message.Message):
     def __init__(self, stream: _Optional[str] = ..., layer: _Optional[int] = ..., chunk_index: _Optional[int] = ..., codes: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., codes_xxh3: _Optional[int] = ..., scales_xxh3: _Optional[int] = ...) -> None: ...
 
 class ResumeSummary(_message.Message):
-    __slots__ = ("tier", "replayed", "replay_tokens", "restore_seconds", "replay_seconds")
+    __slots__ = ("tier", "replayed", "replay_tokens", "restore_seconds", "replay_seconds", "window_digest")
     TIER_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
     REPLAY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REPLAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_DIGEST_FIELD_NUMBER: _ClassVar[int]
     tier: str
     replayed: bool
     replay_tokens: int
     restore_seconds: float
     replay_seconds: float
-    def __init__(self, tier: _Optional[str] = ..., replayed: _Optional[bool] = ..., replay_tokens: _Optional[int] = ..., restore_seconds: _Optional[float] = ..., replay_seconds: _Optional[float] = ...) -> None: ...
+    window_digest: bytes
+    def __init__(self, tier: _Optional[str] = ..., replayed: _Optional[bool] = ..., replay_tokens: _Optional[int] = ..., restore_seconds: _Optional[float] = ..., replay_seconds: _Optional[float] = ..., window_digest: _Optional[bytes] = ...) -> None: ...
 
 class RestoreReply(_message.Message):
     __slots__ = ("header", "chunk", "section", "tail", "window", "summary")

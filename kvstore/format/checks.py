@@ -1,5 +1,10 @@
 """Checks that spilled and restored bytes are what a session's manifest says they are.
 
+Pending rows (the ephemeral streams marked ``pending``) are the tokens of a persistent
+stream's unfinished entry: a window part that carries any covers ``n mod m`` tokens of an
+``n``-token session, for ``m`` the ``tokens_per_entry`` of one of the persistent streams
+(a layout whose persistent streams share one m: ``n mod m``), and ends at token ``n``.
+
 A spill is refused whole (nothing stored) unless its token ids lie in the layout's
 vocabulary and every chunk decodes cleanly, has exactly the section table the layout
 gives its token count (so every size is known from the layout before anything is
@@ -142,8 +147,9 @@ def check_chunk(spec: LayoutSpec, tokens: np.ndarray, index: int, digest: bytes,
 
 
 def check_window(spec: LayoutSpec, tokens: np.ndarray, window: Buffer) -> None:
-    """A window blob is one or more ephemeral chunks back to back (window K/V, pending rows),
-    together no larger than the layout's window allows."""
+    """A window blob is one or more ephemeral chunks back to back (window K/V, pending rows
+    of ``kvstore.format.window.pending_counts`` tokens), together no larger than the
+    layout's window allows."""
     if len(window) > window_bytes_max(spec):
         raise InvalidRequest(f"the window blob is {len(window)} B; layout {spec.name} "
                              f"(W = {spec.window_tokens}) encodes one in at most "
@@ -158,6 +164,7 @@ def check_window(spec: LayoutSpec, tokens: np.ndarray, window: Buffer) -> None:
         if header.start_token + header.num_tokens > len(tokens):
             raise InvalidRequest("the window covers tokens beyond the session's end")
         _check_range("the window", header, spec, tokens, header.start_token, header.num_tokens)
+        check_part(spec, len(tokens), header)
 
 
 def restored_chunk_check(spec: LayoutSpec, tokens: np.ndarray, index: int,
@@ -195,3 +202,35 @@ def window_check(spec: LayoutSpec, tokens: np.ndarray):
             raise ChunkCorrupt(f"the window copy does not match the manifest: {exc}") from exc
 
     return check
+
+
+def pending_counts(spec: LayoutSpec, num_tokens: int) -> set[int]:
+    """The token counts a part with pending rows may cover in a session of ``num_tokens``
+    tokens: ``num_tokens mod m`` for each persistent stream's m, 0 left out."""
+    return {num_tokens % s.tokens_per_entry for s in spec.persistent_streams} - {0}
+
+
+def check_part(spec: LayoutSpec, num_tokens: int, header: ChunkHeader) -> None:
+    """``InvalidRequest`` unless a window part (checked against the layout already) that
+    carries pending rows covers a count of ``pending_counts`` and ends at the session's
+    last token."""
+    ephemeral = spec.ephemeral_streams
+    streams = [ephemeral[i] for i in dict.fromkeys(header.sections["stream"].tolist())]
+    check_pending(spec, num_tokens, header.num_tokens, streams)
+    if any(s.pending for s in streams) and \
+            header.start_token + header.num_tokens != num_tokens:
+        raise InvalidRequest(f"pending rows cover tokens {header.start_token}+"
+                             f"{header.num_tokens}; they must end at the session's last "
+                             f"token ({num_tokens})")
+
+
+def check_pending(spec: LayoutSpec, num_tokens: int, covered: int, streams) -> None:
+    """``InvalidRequest`` unless ``streams`` (of a window part over ``covered`` tokens)
+    carry no pending rows, or a count of ``pending_counts``."""
+    pending = [s.name for s in streams if s.pending]
+    if pending and covered not in pending_counts(spec, num_tokens):
+        ms = sorted({s.tokens_per_entry for s in spec.persistent_streams})
+        raise InvalidRequest(f"pending rows {pending} cover {covered} tokens; a session of "
+                             f"{num_tokens} tokens has {num_tokens} mod m of them for m in "
+                             f"{ms} (layout {spec.name}), one of "
+                             f"{sorted(pending_counts(spec, num_tokens))}")

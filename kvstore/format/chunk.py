@@ -57,6 +57,7 @@ from kvstore.format.keys import token_bytes
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.registry import layout_by_hash
 from kvstore.format.stream_data import StreamData
+from kvstore.format.zstd_frame import check_frame, decompressed
 
 if TYPE_CHECKING:  # torch is imported by the calls that make or read tensors
     import torch
@@ -181,7 +182,19 @@ def encode_chunk(
             if fault:
                 raise InvalidRequest(fault)
         blobs.append(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
-    raw_payload = b"".join(blobs)
+    return encode_raw(spec, start_token, token_ids, b"".join(blobs), ephemeral=ephemeral,
+                      names=names, zstd_level=zstd_level)
+
+
+def encode_raw(spec: LayoutSpec, start_token: int, token_ids: Sequence[int] | np.ndarray,
+               raw_payload: bytes, *, ephemeral: bool = False,
+               names: tuple[str, ...] | None = None, zstd_level: int | None = None) -> bytes:
+    """Encode a raw payload already in the plan's part order (every section's bytes back
+    to back, ``chunk_plan(spec, len(token_ids), ephemeral, names)``): no torch needed."""
+    plan = chunk_plan(spec, len(token_ids), ephemeral, names)
+    if len(raw_payload) != plan.payload_bytes:
+        raise LayoutMismatch(f"a raw payload of {len(raw_payload)} B; layout {spec.name} "
+                             f"holds {plan.payload_bytes} B for {len(token_ids)} tokens")
     view = memoryview(raw_payload)
     table = np.zeros(len(plan.table_head), SECTION_DTYPE)
     table.view(np.uint64).reshape(-1, 4)[:, :3] = plan.table_head
@@ -202,7 +215,7 @@ def encode_chunk(
             flags,
             spec.layout_hash,
             start_token,
-            num_tokens,
+            len(token_ids),
             len(table),
             tokens_hash(token_ids),
             len(payload),
@@ -233,6 +246,17 @@ def read_header(buf: Buffer) -> ChunkHeader:
     return header
 
 
+def read_table(buf: Buffer) -> ChunkHeader:
+    """Parse and check a chunk's leading ``payload_offset`` bytes alone (header, section
+    table, check), as a layer-by-layer restore's header carries them."""
+    view = memoryview(buf).cast("B")
+    header = _parse_header(view, payload=False)
+    if len(view) != header.payload_offset:
+        raise ChunkCorrupt(f"a chunk table of {len(view)} bytes; its header says "
+                           f"{header.payload_offset}")
+    return header
+
+
 def split_chunks(buf: Buffer) -> list[memoryview]:
     """Cut a concatenation of encoded chunks (a window blob) into its chunks, unverified."""
     view, out = memoryview(buf).cast("B"), []
@@ -243,7 +267,7 @@ def split_chunks(buf: Buffer) -> list[memoryview]:
     return out
 
 
-def _parse_header(view: memoryview) -> ChunkHeader:
+def _parse_header(view: memoryview, *, payload: bool = True) -> ChunkHeader:
     if len(view) < _HEADER_V1.size:
         raise ChunkTruncated(
             f"chunk of {len(view)} bytes is shorter than its {_HEADER_V1.size}-byte header"
@@ -271,7 +295,7 @@ def _parse_header(view: memoryview) -> ChunkHeader:
         raise ChunkCorrupt("header checksum mismatch")
     if flags & ~_KNOWN_FLAGS:
         raise ChunkCorrupt(f"unknown flags {flags:#x}")
-    if len(view) < payload_offset + stored:
+    if payload and len(view) < payload_offset + stored:
         raise ChunkTruncated(f"payload is {len(view) - payload_offset} bytes, header says {stored}")
     if not flags & FLAG_ZSTD and stored != raw:
         raise ChunkCorrupt(f"uncompressed payload stored as {stored} bytes, raw {raw}")
@@ -296,33 +320,6 @@ def decoded_payload(view: memoryview, header: ChunkHeader, *, copy: bool = True)
         payload = np.frombuffer(stored, np.uint8)
         return np.array(payload) if copy else payload
     return decompressed(stored, header.raw_payload_len)
-
-
-def decompressed(stored, raw_len: int) -> np.ndarray:
-    """A zstd payload's ``raw_len`` bytes as a fresh, writable array, its declared size
-    checked before anything is allocated."""
-    check_frame(stored, raw_len)
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw_len)
-    except zstandard.ZstdError as exc:
-        raise ChunkCorrupt(f"zstd payload does not decompress: {exc}") from exc
-    if len(raw) != raw_len:
-        raise ChunkCorrupt(f"zstd payload is {len(raw)} bytes, header says {raw_len}")
-    return np.frombuffer(bytearray(raw), np.uint8)
-
-
-def check_frame(stored, raw_len: int) -> None:
-    """A zstd payload must declare exactly the raw length its header says; checked before
-    decompressing (a frame that declares a size is decompressed into a buffer of that
-    size, whatever ``max_output_size`` says), so nothing larger is ever allocated."""
-    try:
-        declared = zstandard.frame_content_size(stored)
-    except zstandard.ZstdError as exc:
-        raise ChunkCorrupt(f"zstd payload has no valid frame header: {exc}") from exc
-    if declared < 0:
-        raise ChunkCorrupt("zstd payload does not declare its content size")
-    if declared != raw_len:
-        raise ChunkCorrupt(f"zstd payload declares {declared} bytes, header says {raw_len}")
 
 
 def verify_sections(payload, sections: np.ndarray) -> None:
@@ -379,6 +376,13 @@ def checked_plan(view: memoryview, spec: LayoutSpec,
     """The chunk's header and the plan its payload follows, once the header, the layout,
     the token ids (when given) and the section table have been checked."""
     header = read_header(view)
+    return header, plan_for(header, spec, token_ids)
+
+
+def plan_for(header: ChunkHeader, spec: LayoutSpec,
+             token_ids: Sequence[int] | np.ndarray | None = None) -> ChunkPlan:
+    """The plan of a parsed chunk, once its layout, its token ids (when given) and its
+    section table (exactly the layout's for its token count) have been checked."""
     if header.layout_hash != spec.layout_hash:
         raise LayoutMismatch(
             f"chunk belongs to layout {header.layout_hash:016x}, not {spec.layout_id}"
@@ -414,7 +418,7 @@ def checked_plan(view: memoryview, spec: LayoutSpec,
                            f"{len(plan.table_head)} sections ({plan.payload_bytes} B) for "
                            f"{header.num_tokens} tokens, got {len(table)} "
                            f"({header.raw_payload_len} B)")
-    return header, plan
+    return plan
 
 
 def checked_header(buf: Buffer, spec: LayoutSpec) -> ChunkHeader:

@@ -31,13 +31,13 @@ from kvstore.format.chunk import (
     StreamData,
     checked_plan,
     decoded_payload,
-    decompressed,
     tokens_hash,
     verify_payload,
 )
 from kvstore.format.chunk_parts import PART_CODES, PART_SCALES, chunk_plan, tensor_scale_fault
 from kvstore.format.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
 from kvstore.format.layout import LayoutSpec
+from kvstore.format.zstd_frame import decompressed
 
 # Chunks laid out alike, back to back: (k, bytes per chunk) uint8, payload offset in a
 # row, tokens per chunk.

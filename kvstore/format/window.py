@@ -1,4 +1,5 @@
-"""The window blob: a session's ephemeral streams as chunks that end at its last token."""
+"""The window blob: a session's ephemeral streams as chunks that end at its last token,
+pending rows of ``n mod m`` tokens (``kvstore.format.checks.pending_counts``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from kvstore.format.checks import check_pending
 from kvstore.format.chunk import StreamData, encode_chunk
 from kvstore.format.errors import InvalidRequest, LayoutMismatch
 from kvstore.format.layout import LayoutSpec
@@ -34,5 +36,7 @@ def encode_window(spec: LayoutSpec, tokens: np.ndarray,
                                  f"the session has {len(tokens)}")
         if covered:
             start = len(tokens) - covered
+            check_pending(spec, len(tokens), covered, [known[n] for n in streams])
             parts.append(encode_chunk(spec, start, tokens[start:], streams, ephemeral=True))
     return b"".join(parts)
+

@@ -3,8 +3,11 @@
 Order: one ``SessionHeader``; then either every chunk in order (``RestoredChunk``) and
 the tail, or, layer by layer, every (stream, layer) of every chunk and the tail as
 ``LayerSection``s with layer 0 of every stream first, so a worker can start before the
-last layer arrives (the tail's sections carry ``chunk_index == len(chunk_keys)``); then
-the window, if asked for and held (or rebuilt by Resume); then a ``ResumeSummary``.
+last layer arrives (``kvstore.format.layer_sections``: the order, the chunk tables the
+header then carries, and the tail's sections with ``chunk_index == len(chunk_keys)``);
+then the window, if asked for and held (or rebuilt by Resume); then a ``ResumeSummary``.
+The header states the digest of a held window it carries; the summary that of a window
+the Resume rebuilt.
 
 The header carries the session's model fingerprint; a caller that stated another one
 gets ``ModelMismatch`` before any byte, and a replay runs only on weights of the
@@ -40,6 +43,7 @@ from kvstore.format.errors import (
     TierFull,
 )
 from kvstore.format.keys import chunk_digest, shared_domain, split_block_key
+from kvstore.format.layer_sections import EMPTY_XXH3, chunk_table, section_order
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.model_identity import check_model
 from kvstore.session.manager import TierManager
@@ -110,6 +114,13 @@ class RestoreStreamer:
                 lease, writer, refused = self.reply_segment(opts, size)
                 split = [split_block_key(key) for key in m.chunk_keys]
                 chains = [chain for chain, _ in split]
+                restored = _explained(reader.chunks(), m.writeback_failed)
+                tables = []
+                if opts.layer_by_layer:  # the header carries every chunk's table
+                    got = [chunk async for chunk in restored]
+                    restored = _listed(got)
+                    tables = [chunk_table(c.data) for c in got] + (
+                        [chunk_table(m.tail)] if m.tail else [])
                 yield pb.RestoreReply(header=pb.SessionHeader(
                     layout_id=m.layout_id, generation=m.generation, num_tokens=m.num_tokens,
                     token_ids=m.token_ids.tobytes(), chunk_keys=chains,
@@ -120,12 +131,13 @@ class RestoreStreamer:
                     window_available=held, replay_needed=replay,
                     window_replayed_tokens=m.window_replayed if held else 0,
                     window_tier=window_tier or (m.window_tier or "") if held else "",
+                    window_digest=chunk_digest(window) if window is not None else b"",
+                    chunk_tables=tables,
                     writeback_failed=m.writeback_failed,
                     reply_segment=self.leases.describe(lease) if lease is not None else None))
                 chunks: list[Buffer] = []
                 tiers: set[str] = set()
                 keep = opts.layer_by_layer or (opts.resume and replay)
-                restored = _explained(reader.chunks(), m.writeback_failed)
                 if opts.resume and replay and not opts.layer_by_layer:
                     # Every chunk read first, so the replay (in its worker thread) runs
                     # while they are sent: the client receives during the replay.
@@ -179,6 +191,7 @@ class RestoreStreamer:
                 summary.replayed = True
                 summary.replay_tokens = rebuilt.replayed_tokens
                 summary.replay_seconds = rebuilt.seconds
+                summary.window_digest = chunk_digest(rebuilt.window)
             if opts.resume:
                 self.metrics.resume_seconds.labels(lowest or "none").observe(
                     time.perf_counter() - started)
@@ -264,14 +277,9 @@ class RestoreStreamer:
         decoded = await asyncio.gather(
             *(asyncio.to_thread(decode_chunk, buf, spec) for buf in buffers))
         sums = [_checksums(chunk) for chunk in decoded]
-        streams = spec.persistent_streams
-        for layer in range(max((s.layers for s in streams), default=0)):
-            for index, stream in enumerate(streams):
-                if layer >= stream.layers:
-                    continue
-                for chunk_index, chunk in enumerate(decoded):
-                    yield _section(chunk, sums[chunk_index], index, stream.name, layer,
-                                   chunk_index)
+        for index, name, layer, chunk_index in section_order(spec, len(decoded)):
+            yield _section(decoded[chunk_index], sums[chunk_index], index, name, layer,
+                           chunk_index)
 
 
 async def _listed(chunks: list[RestoredChunk]) -> AsyncIterator[RestoredChunk]:
@@ -321,5 +329,5 @@ def _section(chunk: DecodedChunk, sums: dict, stream_index: int, name: str, laye
         stream=name, layer=layer, chunk_index=chunk_index,
         codes=_bytes(data.codes[layer]),
         scales=_bytes(None if data.scales is None else data.scales[layer]),
-        codes_xxh3=sums.get((stream_index, layer, 0), 0),
-        scales_xxh3=sums.get((stream_index, layer, 1), 0))
+        codes_xxh3=sums[(stream_index, layer, 0)],
+        scales_xxh3=sums.get((stream_index, layer, 1), EMPTY_XXH3))

@@ -346,9 +346,10 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                    ) -> pb.ListReply:
         tenant = auth.list_scope(check.tenant_filter(request.tenant))
         size = check.page_size(request.page_size)
-        after = request.page_token
-        manifests = [m for m in await self.manager.list_sessions(tenant)
-                     if f"{m.tenant}/{m.session_id}" > after]
+        after = check.page_token(request.page_token, tenant)
+        # in code point order of "<tenant>/<session_id>", the order the token marks
+        manifests = sorted((m for m in await self.manager.list_sessions(tenant)
+                            if _list_order(m) > after), key=_list_order)
         page = manifests[:size]
         more = len(manifests) > size
         return pb.ListReply(
@@ -442,6 +443,10 @@ def _own_session(ref: pb.SessionRef, field_name: str = "session") -> tuple[str, 
     tenant, session_id = check.session_ref(ref, field_name=field_name)
     auth.check_tenant(tenant)
     return tenant, session_id
+
+
+def _list_order(m: SessionManifest) -> str:
+    return f"{m.tenant}/{m.session_id}"
 
 
 def _layout_info(spec: LayoutSpec) -> pb.LayoutInfo:

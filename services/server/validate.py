@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstore.format.checks import check_token_ids, chunk_bytes_max, window_bytes_max
-from kvstore.format.chunk import checked_header, split_chunks, tokens_hash
+from kvstore.format.checks import check_part, check_token_ids, chunk_bytes_max, window_bytes_max
+from kvstore.format.chunk import VERSION, checked_header, split_chunks, tokens_hash
 from kvstore.format.errors import CodecError, InvalidRequest, PermissionDenied, shown
 from kvstore.format.hints import ResumeHint
 from kvstore.format.keys import (
@@ -171,7 +171,11 @@ class IncomingSpill:
         if not parts:
             raise InvalidRequest("the window payload is empty")
         for i, part in enumerate(parts):  # window K/V, then any pending rows
-            self._check_header(f"window part {i}", part, None, None, True)
+            header = self._check_header(f"window part {i}", part, None, None, True)
+            try:
+                check_part(self.spec, len(self.tokens), header)
+            except InvalidRequest as exc:
+                raise InvalidRequest(f"window part {i}: {exc}") from exc
         self.window = data
 
     def _check_size(self, what: str, data: bytes, limit: int) -> None:
@@ -188,6 +192,10 @@ class IncomingSpill:
         except (CodecError, InvalidRequest) as exc:  # corrupt, or another layout's
             raise InvalidRequest(f"{what} is not a valid chunk of layout {self.spec.name}: "
                                  f"{exc}") from exc
+        if header.version != VERSION:
+            raise InvalidRequest(f"{what} is in chunk format version {header.version}, which "
+                                 f"this server still reads from storage but no longer accepts "
+                                 f"in a Spill: encode format version {VERSION}")
         if header.ephemeral != ephemeral:
             kind = "window (ephemeral)" if ephemeral else "persistent"
             raise InvalidRequest(f"{what} must hold the {kind} streams")
@@ -325,6 +333,21 @@ def page_size(value: int, default: int = 100) -> int:
     if value > MAX_PAGE:
         raise InvalidRequest(f"page_size {value} exceeds {MAX_PAGE}")
     return value or default
+
+
+def page_token(token: str, tenant: str | None) -> str:
+    """The ``<tenant>/<session_id>`` a List page token says the previous page ended at
+    (the server's next_page_token; "" for the first page). A token of no session's
+    shape, or of another tenant than the one listed, is InvalidRequest."""
+    if not token:
+        return ""
+    owner, _, session_id = token.partition("/")
+    if not TENANT.fullmatch(owner) or not SESSION_ID.fullmatch(session_id) or \
+            tenant not in (None, owner):
+        raise InvalidRequest(f"page_token {shown(token)} is not one this server gave for "
+                             "this listing: pass next_page_token back unchanged, or \"\" for "
+                             "the first page")
+    return token
 
 
 def lookup_request(request: pb.LookupRequest, max_tokens: int,

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import struct
 
 import numpy as np
 import pytest
 import torch
-import xxhash
 
 from kvstore.format.checks import check_window, window_bytes_max
 from kvstore.format.chunk import (
@@ -27,6 +25,8 @@ from kvstore.format.chunk_parts import PART_SCALES, chunk_plan
 from kvstore.format.chunk_run import decode_chunks
 from kvstore.format.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
 from kvstore.format.hf.quant import FP8_MAX, decode_values, encode_values
+from kvstore.format.keys import chunk_digest
+from kvstore.format.layer_sections import EMPTY_XXH3, chunk_table, section_order
 from kvstore.format.layout import LayoutSpec, Stream, layout_from_json, layout_to_json
 from kvstore.format.registry import all_layouts
 from kvstore.format.window import encode_window
@@ -237,42 +237,46 @@ def test_a_session_encodes_one_scale_for_every_chunk_or_one_per_chunk():
                        scope="t")
 
 
-def sections(spec: LayoutSpec, bufs: list[bytes], stream: str, layer: int):
-    """The restore stream's LayerSection messages of one (stream, layer), as the server
-    cuts them from decoded chunks."""
-    index = [s.name for s in spec.persistent_streams].index(stream)
+def restore_sections(spec: LayoutSpec, bufs: list[bytes]):
+    """A layer-by-layer restore of ``bufs`` (the last one the tail): its header, and its
+    LayerSection messages in the order the server sends them."""
+    tokens = np.arange(sum(read_header(b).num_tokens for b in bufs), dtype=np.uint32)
+    header = pb.SessionHeader(token_ids=tokens.astype("<u4").tobytes(),
+                              chunk_tables=[chunk_table(b) for b in bufs],
+                              chunk_digests=[chunk_digest(b) for b in bufs[:-1]],
+                              tail_digest=chunk_digest(bufs[-1]))
     out = []
-    for i, buf in enumerate(bufs):
-        data = decode_chunk(buf, spec).streams[stream]
-        codes = data.codes[layer].contiguous().view(torch.uint8).numpy().tobytes()
-        scales = data.scales[layer].contiguous().view(torch.uint8).numpy().tobytes()
-        rows = read_header(buf).sections
-        sums = {(r["stream"], r["layer"], r["part"]): int(r["checksum"]) for r in rows}
-        out.append(pb.LayerSection(stream=stream, layer=layer, chunk_index=i, codes=codes,
-                                   scales=scales, codes_xxh3=sums[(index, layer, 0)],
-                                   scales_xxh3=sums[(index, layer, 1)]))
-    return out
+    for index, name, layer, chunk_index in section_order(spec, len(bufs)):
+        buf = bufs[chunk_index]
+        h = read_header(buf)
+        payload = buf[h.payload_offset:]
+        parts = {(r["stream"], r["layer"], r["part"]): (int(r["offset"]), int(r["length"]),
+                                                      int(r["checksum"])) for r in h.sections}
+        cut = []
+        for part in (0, 1):
+            offset, length, checksum = parts.get((index, layer, part), (0, 0, EMPTY_XXH3))
+            cut.append((payload[offset:offset + length], checksum))
+        (codes, codes_sum), (scales, scales_sum) = cut
+        out.append(pb.LayerSection(stream=name, layer=layer, chunk_index=chunk_index,
+                                   codes=codes, scales=scales, codes_xxh3=codes_sum,
+                                   scales_xxh3=scales_sum))
+    return header, out
+
+
+def assembled(spec: LayoutSpec, bufs: list[bytes]) -> dict[tuple[str, int], object]:
+    header, sections = restore_sections(spec, bufs)
+    assembler = LayerAssembler.for_header(spec, header)
+    slices = [assembler.add(s) for s in sections] + [assembler.finish()]
+    return {(x.stream, x.layer): x.data for x in slices if x is not None}
 
 
 def test_the_layer_assembler_gives_an_fp8_layer_its_chunks_scales_and_checks_them():
     bufs = [encode_chunk(SPEC, 8 * i, np.arange(8 * i, 8 * i + n), make_streams(SPEC, n, i))
             for i, n in enumerate([8, 2])]
-    assembler = LayerAssembler(SPEC)
-    for section in sections(SPEC, bufs, "k8", 1):
-        assert assembler.add(section) is None
-    got = assembler.finish()
+    got = assembled(SPEC, bufs)[("k8", 1)]
     want = decode_chunks(bufs, SPEC, np.arange(10), [8, 2])["k8"]
-    assert torch.equal(got.data.codes.view(torch.uint8), want.codes[1].view(torch.uint8))
-    assert torch.equal(got.data.scales, want.scales[1])  # (chunks,) float32
-    bad = sections(SPEC, [bufs[0]], "k8", 1)
-    zero = struct.pack("<f", 0.0)
-    bad[0].scales, bad[0].scales_xxh3 = zero, xxhash.xxh3_64_intdigest(zero)
-    assembler.add(bad[0])
+    assert torch.equal(got.codes.view(torch.uint8), want.codes[1].view(torch.uint8))
+    assert torch.equal(got.scales, want.scales[1])  # (chunks,) float32
+    # A hostile writer's zero scale, every checksum and digest agreeing with it.
     with pytest.raises(ChunkCorrupt, match="finite and > 0"):
-        assembler.finish()
-    short = sections(SPEC, [bufs[0]], "k8", 1)
-    short[0].codes = short[0].codes[:-1]
-    short[0].codes_xxh3 = xxhash.xxh3_64_intdigest(short[0].codes)
-    assembler.add(short[0])
-    with pytest.raises(ChunkCorrupt, match="whole number"):
-        assembler.finish()
+        assembled(SPEC, [resealed(bufs[0], SPEC, 0.0), bufs[1]])

@@ -25,10 +25,12 @@ import xxhash
 import zstandard
 
 from kernels.reference import pack_int4
+from kvstore.format.checks import pending_counts
 from kvstore.format.chunk import StreamData, encode_chunk, read_header
 from kvstore.format.chunk_parts import code_dtype
 from kvstore.format.errors import CLASS_FOR_STATUS, ERROR_CLASSES, ERROR_KEY, status_name
 from kvstore.format.keys import chain_keys, chunk_digest, chunk_key, dedupe_scope, token_bytes
+from kvstore.format.layer_sections import EMPTY_XXH3, chunk_table, section_order
 from kvstore.format.layout import BaselineKV, LayoutSpec, Stream, layout_to_json
 from proto import kvtier_pb2 as pb
 
@@ -253,9 +255,10 @@ def build() -> dict[str, dict]:
                                   CLASS_FOR_STATUS.items()},
     }
     layouts = {"layouts": [layout_vector(spec), layout_vector(other_layout())]}
+    blocks = [bytes.fromhex(chunks["chunks"][0]["bytes"]), bytes.fromhex(chunks["tail"]["bytes"])]
     return {"layouts.json": layouts, "chunks.json": chunks, "keys.json": keys,
             "errors.json": errors, "prefix_chunks.json": prefix_chunks(spec),
-            "formats.json": build_formats()}
+            "formats.json": build_formats(), "layers.json": layers_vector(spec, blocks)}
 
 
 def prefix_chunks(spec: LayoutSpec) -> dict:
@@ -354,6 +357,33 @@ def build_formats() -> dict:
         chunk["decoded"] = {stream.name: format_decoded(stream, inputs[stream.name])}
         out.append({"format": stream.format, "layout": layout_vector(spec), "chunk": chunk})
     return {"token_ids": tokens, "formats": out}
+
+
+def layers_vector(spec: LayoutSpec, blocks: list[bytes]) -> dict:
+    """A layer-by-layer Restore of the chunks.json session (chunk 0, then the tail as
+    chunk_index 1): the header's chunk tables and every section, in order; and the
+    pending rows' token counts of sessions of 4 to 8 tokens."""
+    heads = [read_header(b) for b in blocks]
+    sections = []
+    for index, name, layer, chunk_index in section_order(spec, len(blocks)):
+        rows = {(s, lay, p): (o, n, c) for s, lay, p, _, o, n, c in
+                heads[chunk_index].sections.tolist()}
+        raw = blocks[chunk_index][heads[chunk_index].payload_offset:]
+        parts = []
+        for part in (0, 1):
+            offset, length, checksum = rows.get((index, layer, part), (0, 0, EMPTY_XXH3))
+            parts.append((raw[offset:offset + length], checksum))
+        (codes, codes_sum), (scales, scales_sum) = parts
+        sections.append({"stream": name, "layer": layer, "chunk_index": chunk_index,
+                         "codes": codes.hex(), "scales": scales.hex(),
+                         "codes_xxh3": f"{codes_sum:016x}", "scales_xxh3": f"{scales_sum:016x}"})
+    return {
+        "chunk_tables": [chunk_table(b).hex() for b in blocks],
+        "sections": sections,
+        "empty_xxh3": f"{EMPTY_XXH3:016x}",
+        "pending_rows": [{"num_tokens": n, "counts": sorted(pending_counts(spec, n))}
+                         for n in range(4, 9)],
+    }
 
 
 def compact(text: str) -> str:
