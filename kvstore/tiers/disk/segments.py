@@ -88,17 +88,20 @@ def encode_header(key: bytes, value: memoryview, flags: int = 0) -> tuple[bytes,
 
 
 def check_record(record: memoryview, key: bytes, value_len: int, checksum: int,
-                 where: str) -> memoryview:
-    """The value slice of one whole record after checking it against its index entry.
+                 where: str, kind: int | None = 0) -> memoryview:
+    """The value slice of one whole record after checking it against its index entry
+    (and that it is a record of ``kind``: 0 a chunk, ``META`` a logged write, None any).
 
     Raises ``ChunkCorrupt`` on any disagreement: a record that fails here is never
     returned, whatever part of it was damaged.
     """
     if record.nbytes < HEADER_SIZE:
         raise ChunkTruncated(f"{where}: record shorter than its header")
-    magic, stored_sum, key_len, _flags, stored_len = HEADER.unpack_from(record)
+    magic, stored_sum, key_len, flags, stored_len = HEADER.unpack_from(record)
     if magic != MAGIC:
         raise ChunkCorrupt(f"{where}: bad record magic {bytes(magic)!r}")
+    if kind is not None and flags & (META | TOMBSTONE) != kind:
+        raise ChunkCorrupt(f"{where}: record flags {flags:#x} are not of kind {kind:#x}")
     if key_len != len(key) or stored_len != value_len:
         raise ChunkCorrupt(f"{where}: record lengths ({key_len}, {stored_len}) disagree "
                            f"with the index ({len(key)}, {value_len})")

@@ -138,8 +138,15 @@ class DiskTier(Tier):
 
     @property
     def meta(self) -> DiskMetaStore:
-        """A MetaStore over the ``meta`` database of this tier's LMDB environment."""
-        return DiskMetaStore(self.index, self.commit_with_meta)
+        """The MetaStore this tier keeps (``meta.py``)."""
+        return DiskMetaStore(self.index, self.commit_with_meta, self._read_logged)
+
+    async def _read_logged(self, kb: bytes, entry: IndexEntry) -> bytes:
+        self.files.pin(entry.seg_id)
+        try:
+            return metalog.logged_value(await self._read(kb, entry, metalog.META))
+        finally:
+            self.files.unpin(entry.seg_id)
 
     @property
     def used_bytes(self) -> int:
@@ -317,14 +324,17 @@ class DiskTier(Tier):
 
         return await batch.get_many(self.files, keys, current, self.get, self.path)
 
-    async def _read(self, kb: bytes, entry: IndexEntry) -> memoryview:
+    async def _read(self, kb: bytes, entry: IndexEntry, flags: int = 0) -> memoryview:
         size = record_size(len(kb), entry.value_len)
         # Messages may reach a client: the segment's path and offset go to the log only.
         location = f"disk tier {self.path}, segment {entry.seg_id} @ {entry.offset}"
-        try:
-            record = await self.files.read(entry.seg_id, entry.offset, size)
+
+        def check(record: memoryview) -> memoryview:
             return check_record(record, kb, entry.value_len, entry.checksum,
-                                f"disk tier, key {kb!r}").toreadonly()
+                                f"disk tier, key {kb!r}", flags).toreadonly()
+
+        try:
+            return await self.files.read(entry.seg_id, entry.offset, size, check)
         except OSError as exc:
             log.warning("%s: read failed: %s", location, exc)
             raise TierUnavailable(f"disk tier: reading a segment failed: "
