@@ -13,8 +13,10 @@ so compaction can copy records without consulting anything else.
 
 ``flags`` tells chunk records (0) from metadata records (``META``, ``metalog.py``): a
 logged MetaStore write's value is a u64 log sequence number then the value bytes, a
-deletion a ``META | TOMBSTONE`` record with no value bytes. The segments are thus the
-log of record and the LMDB index a cache of them (``rebuild.py``).
+deletion a ``META | TOMBSTONE`` record with no value bytes. ``ADMITTED`` marks a chunk
+record whose value had the digest its block key states when written (``admission.py``).
+The segments are thus the log of record and the LMDB index a cache of them
+(``rebuild.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ MAX_VALUE_BYTES = 2**32 - 1
 SEGMENT_SUFFIX = ".seg"
 META = 1  # record flag: a MetaStore write (see the module docstring)
 TOMBSTONE = 2  # with META: the key was deleted
+ADMITTED = 4  # a chunk record whose value's digest was checked against its key
 
 
 def key_bytes(key: object) -> bytes:
@@ -116,6 +119,11 @@ def check_record(record: memoryview, key: bytes, value_len: int, checksum: int,
     if record[HEADER_SIZE:HEADER_SIZE + key_len] != key:
         raise ChunkCorrupt(f"{where}: record holds a different key")
     return record[HEADER_SIZE + key_len:]
+
+
+def record_flags(record: memoryview) -> int:
+    """The flags of a record ``check_record`` passed."""
+    return HEADER.unpack_from(record)[3]
 
 
 @dataclass(frozen=True)
