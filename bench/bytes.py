@@ -13,13 +13,20 @@ paused session ends up. Then, over all sessions together, per token:
   layouts`` prints); ``bf16_baseline``: the spec's plain cache (every layer's bf16 K and V);
 - ``encoded_chunks``: the codec's bytes for the full chunks (headers and checksums
   included) over the tokens they cover;
-- ``disk_segments``: the disk tier's segment files on the file system (record headers,
-  keys, padding, all of it: ``st_size``) over every token;
-- ``manifests``: the session manifests the disk tier's LMDB keeps (token ids at 4 B/token,
-  the encoded tail chunk, the chunk keys);
-- ``disk_total``: segments + manifests over every token, the headline figure;
+- ``manifests``: the session manifests (token ids at the fewest bytes that hold them,
+  the encoded tail chunk, the chunk keys), held by the disk tier in its segments, once
+  each (``kvstore/tiers/disk/meta.py``);
+- ``disk_live_records``: the live records of the segments (the index's exact
+  accounting: headers, keys, chunk values, the manifests' records);
+- ``index_meta_values``: metadata values the LMDB index holds itself (the derived
+  records: reference counts, retention marks);
+- ``disk_total``: live records + index-held values over every token, the headline
+  figure: what the tier holds, each byte once;
+- ``disk_segments``: the segment files on the file system (``st_size``), which also
+  counts ``disk_dead``: records superseded (a demotion rewrites its manifest) that
+  compaction reclaims, reported beside the headline, not in it;
 - ``lmdb_allocated``: the index environment's allocated file blocks (page-granular,
-  shared by every session, so it is reported beside the headline, not in it);
+  shared by every session, so it too is reported beside the headline);
 - ``object_zstd``: the object tier's stored bytes after the sessions are demoted there
   (zstd level 3), plus the manifests, for comparison.
 """
@@ -79,6 +86,8 @@ async def measure(model: KVTierLM, model_info: dict, lengths: list[int], root: P
             full_tokens += len(manifest.chunk_keys) * spec.chunk_tokens
         segments_apparent, segments_allocated = allocated(disk.segment_dir)
         index_apparent, index_allocated = allocated(disk.path / "index")
+        live_records = sum(info.live_bytes for info in disk.segments())
+        index_values = sum(len(value) for _, value, _ in disk.index.meta_scan(b""))
         live = disk.used_bytes
         for i in range(len(lengths)):
             await manager.demote(TENANT, f"s{i}", "object")
@@ -92,9 +101,12 @@ async def measure(model: KVTierLM, model_info: dict, lengths: list[int], root: P
         "bf16_baseline": spec.bf16_baseline_bytes_per_token,
         "encoded_chunks": chunk_bytes / full_tokens if full_tokens else None,
         "disk_live_values": live / tokens,
-        "disk_segments": segments_apparent / tokens,
         "manifests": manifests / tokens,
-        "disk_total": (segments_apparent + manifests) / tokens,
+        "disk_live_records": live_records / tokens,
+        "index_meta_values": index_values / tokens,
+        "disk_total": (live_records + index_values) / tokens,
+        "disk_segments": segments_apparent / tokens,
+        "disk_dead": (segments_apparent - live_records) / tokens,
         "lmdb_allocated": index_allocated / tokens,
         "object_zstd": (object_bytes + manifests) / tokens,
     }
@@ -104,11 +116,13 @@ async def measure(model: KVTierLM, model_info: dict, lengths: list[int], root: P
         "bytes": {"encoded_chunks": chunk_bytes, "disk_live_values": live,
                   "segment_files": segments_apparent,
                   "segment_files_allocated": segments_allocated,
-                  "manifests": manifests, "lmdb_apparent": index_apparent,
+                  "manifests": manifests, "live_records": live_records,
+                  "index_meta_values": index_values, "lmdb_apparent": index_apparent,
                   "lmdb_allocated": index_allocated, "object_stored": object_bytes},
         "bytes_per_token": per_token,
         "disk_vs_spec": per_token["disk_total"] / per_token["spec"],
         "bf16_vs_disk": per_token["bf16_baseline"] / per_token["disk_total"],
+        "goal": {"disk_total_max": 40, "met_40_b_per_token": per_token["disk_total"] <= 40},
         "load_average_1m": os.getloadavg()[0],
     }
 

@@ -155,8 +155,14 @@ def bytes_section(stage: dict) -> list[str]:
     out += table(["what", "bytes/token"], [[k, "-" if v is None else f"{v:.2f}"]
                                             for k, v in per.items()])
     out += ["", f"Disk total / spec = {stage['disk_vs_spec']:.3f}; bf16 baseline / disk total = "
-            f"{stage['bf16_vs_disk']:.1f}x. `manifests` carries the token ids (4 B/token) and "
-            "the partial last chunk of each session.", ""]
+            f"{stage['bf16_vs_disk']:.1f}x. `manifests` carries the token ids and the partial "
+            "last chunk of each session, stored once, in the segments. `disk_total` counts "
+            "the live records and the index's own values; `disk_segments` is the files' size, "
+            "with `disk_dead` (superseded records that compaction reclaims) in it."]
+    if "goal" in stage:
+        out.append(f"Goal: at most {stage['goal']['disk_total_max']} B/token on disk: "
+                   f"**{'met' if stage['goal']['met_40_b_per_token'] else 'NOT met'}**.")
+    out.append("")
     return out
 
 

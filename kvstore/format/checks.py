@@ -179,6 +179,10 @@ def restored_chunk_check(spec: LayoutSpec, tokens: np.ndarray, index: int,
         if digest is not None and chunk_digest(data) != digest:
             raise ChunkCorrupt(f"a copy of chunk {index} does not have the digest its key "
                                "states")
+        proven(data)
+
+    def proven(data: Buffer) -> None:
+        """The check of a copy whose tier proved it has the key's digest."""
         try:
             # With the digest matching, every byte is one the spiller sent under this key
             # (BLAKE2b-256), which check_spill verified whole (checksums, section table
@@ -191,6 +195,8 @@ def restored_chunk_check(spec: LayoutSpec, tokens: np.ndarray, index: int,
         except InvalidRequest as exc:
             raise ChunkCorrupt(f"a copy does not match the manifest: {exc}") from exc
 
+    if digest is not None:  # a tier can only prove a digest the key states
+        check.proven = proven  # type: ignore[attr-defined]
     return check
 
 

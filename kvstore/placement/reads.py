@@ -100,8 +100,8 @@ class Reads:
                                   unavailable=unreachable[i])
             pending = []
             for j, batch in sorted(by_tier.items()):
-                got = await self.tiers[j].get_many([keys[i] for i in batch])
-                got = await _checked(got, [checks[i] for i in batch])
+                got, proven = await self.tiers[j].get_many_proven([keys[i] for i in batch])
+                got = await _checked(got, [checks[i] for i in batch], proven)
                 for i, value in zip(batch, got, strict=True):
                     tried[i] += 1
                     unreachable[i] |= isinstance(value, TierUnavailable)
@@ -152,14 +152,16 @@ class Reads:
 CHECK_IN_THREAD_BYTES = 1 << 18
 
 
-async def _checked(got: list, checks: Sequence[Check]) -> list:
-    """``got`` with each value that fails its check replaced by the check's ``CodecError``."""
+async def _checked(got: list, checks: Sequence[Check], proven: Sequence[bool]) -> list:
+    """``got`` with each value that fails its check replaced by the check's ``CodecError``;
+    a value whose digest the tier proved gets its check's ``proven`` form where it has one
+    (``kvstore.format.checks.restored_chunk_check``: all but the digest)."""
     def run() -> list:
         out = []
-        for value, check in zip(got, checks, strict=True):
+        for value, check, sure in zip(got, checks, proven, strict=True):
             if not isinstance(value, Exception):
                 try:
-                    check(value)
+                    (getattr(check, "proven", check) if sure else check)(value)
                 except CodecError as exc:
                     value = exc
             out.append(value)

@@ -24,8 +24,8 @@ from kvstore.session.quota import UsageLedger
 from kvstore.tiers.base import MetaStore
 
 log = logging.getLogger(__name__)
-# Bytes of cache a refused manifest sheds per byte of it: a manifest is logged and
-# indexed (two copies) with its reference counts beside it.
+# Bytes of cache a refused manifest sheds per byte of it: a manifest's record, its index
+# pages and its reference counts beside it, with room to spare.
 _ROOM_PER_BYTE = 4
 
 
@@ -65,12 +65,12 @@ class Catalog:
 
     async def load(self, tenant: str, session_id: str) -> SessionManifest | None:
         """The stored manifest, None if there is none, ``DataLoss`` if it is corrupt."""
-        raw = await self.meta.get(manifest_key(tenant, session_id))
-        if raw is None:
-            return None
         try:
+            raw = await self.meta.get(manifest_key(tenant, session_id))
+            if raw is None:
+                return None
             manifest = SessionManifest.decode(raw)
-        except ChunkCorrupt as exc:
+        except ChunkCorrupt as exc:  # its bytes, or the record holding them
             raise DataLoss(f"the manifest of {tenant}/{session_id} is corrupt: {exc}") from exc
         return self._with_mark(self._localized(manifest))
 
@@ -96,8 +96,8 @@ class Catalog:
         async with self.write(tenant, session_id):
             if not failed and self._failed.get(ref) == generation:
                 del self._failed[ref]
-            raw = await self.meta.get(manifest_key(tenant, session_id))
             try:
+                raw = await self.meta.get(manifest_key(tenant, session_id))
                 # localized: a window another node holds stays named as its (see put)
                 manifest = None if raw is None else self._localized(SessionManifest.decode(raw))
             except ChunkCorrupt:

@@ -10,10 +10,14 @@ is answered as the first one was, a digest of the spill's content and its receip
 Encoding (little-endian)::
 
     magic "KVSM", u16 version, u32 JSON length
-    JSON      every scalar field, the chunk keys and sizes, token and tail lengths
-    tokens    token ids as uint32
+    JSON      every scalar field, the chunk keys and sizes, token and tail lengths, and
+              the token width w (1, 2 or 4: the fewest bytes that hold the largest id)
+    tokens    token ids as w-byte unsigned integers
     tail      the tail chunk's bytes (codec-encoded) or nothing
     check     xxh3-64 of everything before it
+
+Version 3 added the token width; a version 2 manifest (token ids as uint32, no width) is
+read as ever.
 
 A buffer that does not parse whole raises ``ChunkCorrupt``: never a half manifest.
 """
@@ -33,7 +37,9 @@ from kvstore.format.hints import ResumeHint
 from kvstore.format.keys import token_bytes
 
 MAGIC = b"KVSM"
-VERSION = 2  # 2: block keys, model fingerprint, dedupe scope, spill receipt
+VERSION = 3  # 2: block keys, model fingerprint, dedupe scope, spill receipt; 3: token width
+READS = (2, 3)
+_WIDTHS = {1: "<u1", 2: "<u2", 4: "<u4"}
 _HEAD = struct.Struct("<4sHI")
 _CHECK = struct.Struct("<Q")
 MAX_NAME_BYTES = 256
@@ -184,8 +190,11 @@ class SessionManifest:
             "node_id": self.node_id,
             "node_address": self.node_address,
         }
+        width = _token_width(self.token_ids)
+        head["token_width"] = width
         body = json.dumps(head, separators=(",", ":")).encode()
-        out = _HEAD.pack(MAGIC, VERSION, len(body)) + body + self.token_ids.tobytes() + self.tail
+        tokens = self.token_ids.astype(_WIDTHS[width], copy=False).tobytes()
+        out = _HEAD.pack(MAGIC, VERSION, len(body)) + body + tokens + self.tail
         return out + _CHECK.pack(xxhash.xxh3_64_intdigest(out))
 
     @classmethod
@@ -199,12 +208,13 @@ class SessionManifest:
         (check,) = _CHECK.unpack_from(view, len(view) - _CHECK.size)
         if xxhash.xxh3_64_intdigest(view[: len(view) - _CHECK.size]) != check:
             raise ChunkCorrupt("manifest checksum mismatch")
-        if version != VERSION:
-            raise UnsupportedVersion(f"manifest version {version}; this build reads {VERSION}")
+        if version not in READS:
+            raise UnsupportedVersion(f"manifest version {version}; this build reads {READS}")
         try:
             head = json.loads(bytes(view[_HEAD.size : _HEAD.size + body_len]))
+            width = head["token_width"] if version >= 3 else 4
             tokens_at = _HEAD.size + body_len
-            tail_at = tokens_at + 4 * head["num_tokens"]
+            tail_at = tokens_at + width * head["num_tokens"]
             if tail_at + head["tail_len"] != len(view) - _CHECK.size:
                 raise ChunkCorrupt("manifest lengths do not add up")
             hint = head["hint"]
@@ -213,7 +223,7 @@ class SessionManifest:
                 session_id=head["session_id"],
                 layout_id=head["layout_id"],
                 generation=head["generation"],
-                token_ids=np.frombuffer(view[tokens_at:tail_at], dtype="<u4"),
+                token_ids=np.frombuffer(view[tokens_at:tail_at], dtype=_WIDTHS[width]),
                 chunk_keys=tuple(head["chunk_keys"]),
                 chunk_sizes=tuple(head["chunk_sizes"]),
                 tail=bytes(view[tail_at : tail_at + head["tail_len"]]),
@@ -237,3 +247,9 @@ class SessionManifest:
             raise
         except (ValueError, KeyError, TypeError, InvalidRequest) as exc:
             raise ChunkCorrupt(f"manifest does not parse: {exc}") from exc
+
+
+def _token_width(tokens: np.ndarray) -> int:
+    """The fewest bytes (1, 2 or 4) that hold every id of ``tokens`` (uint32)."""
+    top = int(tokens.max()) if len(tokens) else 0
+    return 1 if top < 1 << 8 else 2 if top < 1 << 16 else 4

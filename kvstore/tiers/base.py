@@ -81,6 +81,13 @@ class Tier(abc.ABC):
 
         return list(await asyncio.gather(*map(one, keys)))
 
+    async def get_many_proven(self, keys: Sequence[str]
+                              ) -> tuple[list[Buffer | KVTierError], list[bool]]:
+        """``get_many``, and per key whether this tier proved that the bytes have the
+        digest their block key states, so a reader need not hash them again (the disk
+        tier's admitted records); a tier that proves nothing says False for each."""
+        return await self.get_many(keys), [False] * len(keys)
+
     @abc.abstractmethod
     async def delete(self, key: str) -> int:
         """Remove ``key``; return the bytes freed (0 when it was absent)."""

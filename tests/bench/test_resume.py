@@ -128,8 +128,11 @@ async def test_bytes_counts_what_the_disk_tier_holds(tmp_path):
     assert raw["encoded_chunks"] > 3 * 16 * spec.persistent_bytes_per_token
     assert raw["disk_live_values"] == raw["encoded_chunks"]
     assert raw["segment_files"] >= raw["disk_live_values"]
-    assert raw["manifests"] > 4 * 63  # token ids at 4 B/token, plus the tails
-    assert per["disk_total"] == (raw["segment_files"] + raw["manifests"]) / 63
+    assert raw["manifests"] > 63  # token ids at 1 B/token (vocab 256), plus the tails
+    # each manifest once, in its segment record: the live records hold chunks and manifests
+    assert raw["live_records"] > raw["encoded_chunks"] + raw["manifests"]
+    assert per["disk_total"] == (raw["live_records"] + raw["index_meta_values"]) / 63
+    assert raw["segment_files"] - raw["live_records"] == pytest.approx(per["disk_dead"] * 63)
     assert result["bf16_vs_disk"] == per["bf16_baseline"] / per["disk_total"]
 
 

@@ -20,6 +20,7 @@ import pytest
 
 from kvstore.format.errors import IndexCorrupt
 from kvstore.session.manager import TierManager
+from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest, manifest_key
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk.index import DiskIndex, SegState
 from kvstore.tiers.disk.lock import WRITER_LOCK, DirLock
@@ -87,6 +88,45 @@ async def test_repair_after_data_mdb_is_deleted(tmp_path):
     assert report["incomplete"] == [] and report["corrupt_manifests"] == []
     assert Path(report["moved_aside"]).is_dir()  # kept, never deleted
     await check_restores(disk_dir, sessions)
+
+
+async def test_each_manifest_is_stored_once_and_repair_brings_back_its_latest(tmp_path):
+    """A manifest's bytes live in its segment record alone (the index names the key with
+    an empty value); a demotion rewrites it, and a repair from the segments alone brings
+    back the newer one, byte for byte."""
+    disk_dir = tmp_path / "disk"
+    names = ["a", "b", "c"]
+    sessions = {name: make_session(random_tokens(16 * 5 + i, seed=60 + i))
+                for i, name in enumerate(names)}
+    disk = DiskTier(disk_dir, 64 * MB, segment_bytes=16 << 10)
+    async with running_manager([HostTier(MB), disk], disk.meta) as manager:
+        for name, args in sessions.items():
+            await manager.spill("t", name, generation=1, ack="durable", **args)
+            assert (await manager.get_manifest("t", name)).window_key is not None
+            await manager.demote("t", name, "disk")  # the window goes: a newer manifest
+        stored = {name: await disk.meta.get(manifest_key("t", name)) for name in names}
+    assert all(SessionManifest.decode(raw).window_key is None for raw in stored.values())
+    index = DiskIndex(disk_dir / "index", map_size=1 << 30)
+    try:
+        rows = index.meta_scan(MANIFEST_PREFIX.encode())
+    finally:
+        index.close()
+    assert [(key, value) for key, value, _ in rows] == [
+        (manifest_key("t", name).encode(), b"") for name in names]
+    assert all(entry is not None and entry.value_len > len(stored[key.decode().split("/")[-1]])
+               for key, _, entry in rows)  # the record: sequence number + the manifest
+
+    (disk_dir / "index" / "data.mdb").unlink()
+    done = run_repair(disk_dir)
+    assert done.returncode == 0, done.stderr
+    assert sorted(json.loads(done.stdout)["sessions"]) == [f"t/{name}" for name in names]
+    disk = DiskTier(disk_dir, 64 * MB, segment_bytes=16 << 10)
+    async with running_manager([HostTier(MB), disk], disk.meta) as manager:
+        for name, args in sessions.items():
+            assert await disk.meta.get(manifest_key("t", name)) == stored[name]
+            result = await manager.restore("t", name)
+            assert [bytes(c) for c in result.chunks] == chunk_bytes(args)
+            assert result.replay_needed and result.window is None
 
 
 async def test_repair_reports_orphans_and_keeps_them(tmp_path, opened):

@@ -63,3 +63,36 @@ def test_any_changed_byte_is_refused(manifest, data):
         SessionManifest.decode(bytes(encoded))
     with pytest.raises(ChunkCorrupt):
         SessionManifest.decode(bytes(encoded[:at]))
+
+
+@pytest.mark.parametrize(("top", "width"), [(0, 1), (255, 1), (256, 2), (65535, 2),
+                                            (65536, 4), (2**32 - 1, 4)])
+def test_token_ids_take_the_fewest_bytes_that_hold_them(top, width):
+    ids = [7, top, 3] * 100
+    manifest = SessionManifest(tenant="t", session_id="s", layout_id="l", generation=1,
+                               token_ids=ids, chunk_keys=(), chunk_sizes=())
+    encoded = manifest.encode()
+    body_len = int.from_bytes(encoded[6:10], "little")
+    assert len(encoded) == 10 + body_len + width * len(ids) + 8  # head, JSON, ids, check
+    decoded = SessionManifest.decode(encoded)
+    assert decoded.token_ids.dtype == "<u4" and decoded.token_ids.tolist() == ids
+
+
+def test_a_version_2_manifest_with_uint32_token_ids_is_still_read():
+    import json
+    import struct
+
+    import xxhash
+
+    head = {"tenant": "t", "session_id": "s", "layout_id": "l", "generation": 4,
+            "chunk_keys": ["k"], "chunk_sizes": [9], "num_tokens": 3, "tail_len": 2,
+            "window_tier": None, "window_key": None, "window_replayed": 0,
+            "created_at": 1.0, "updated_at": 2.0, "last_access": 3.0, "ttl_s": None,
+            "hint": None, "model_fingerprint": "", "dedupe_scope": "tenant:t",
+            "spill_digest": "", "receipt": None}
+    body = json.dumps(head).encode()
+    out = (struct.pack("<4sHI", b"KVSM", 2, len(body)) + body
+           + struct.pack("<3I", 1, 70000, 2**32 - 1) + b"tl")
+    manifest = SessionManifest.decode(out + struct.pack("<Q", xxhash.xxh3_64_intdigest(out)))
+    assert manifest.token_ids.tolist() == [1, 70000, 2**32 - 1]
+    assert manifest.tail == b"tl" and manifest.generation == 4 and manifest.chunk_keys == ("k",)

@@ -107,10 +107,13 @@ async def test_eio_on_read_is_data_loss_and_clears(tmp_path, managers):
     manager = await managers.open([disk], disk.meta)
     session = session_args(crash_layout(), Spill("s", 1, 40))
     await manager.spill(TENANT, "s", generation=1, ack="durable", **session)
-    fs.fail("read", errno.EIO, times=None)
+    fs.fail("read", errno.EIO)
     with pytest.raises(TierUnavailable):
         await disk.get(session["chunks"][0][0])
+    fs.fail("read", errno.EIO, nth=2, times=None)  # the manifest's record reads, no chunk
     with pytest.raises(DataLoss):
+        await manager.restore(TENANT, "s")
+    with pytest.raises(TierUnavailable):  # nor the manifest, now
         await manager.restore(TENANT, "s")
     fs.heal()
     got = await manager.restore(TENANT, "s")

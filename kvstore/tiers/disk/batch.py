@@ -22,7 +22,13 @@ from kvstore.format.errors import ChunkCorrupt, KVTierError
 from kvstore.tiers.base import Buffer
 from kvstore.tiers.disk.index import IndexEntry
 from kvstore.tiers.disk.reader import SegmentFiles, SegmentGone
-from kvstore.tiers.disk.segments import check_record, key_bytes, record_size
+from kvstore.tiers.disk.segments import (
+    ADMITTED,
+    check_record,
+    key_bytes,
+    record_flags,
+    record_size,
+)
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +36,12 @@ log = logging.getLogger(__name__)
 async def get_many(files: SegmentFiles, keys: Sequence[str],
                    current: Callable[[bytes], IndexEntry | None],
                    get: Callable[[str], Awaitable[Buffer]], where: Path
-                   ) -> list[Buffer | KVTierError]:
-    """``current``: a key's unexpired entry or None; ``get``: the tier's own, for what the
-    batch does not serve; ``where``: the tier's path, for the log."""
+                   ) -> tuple[list[Buffer | KVTierError], list[bool]]:
+    """(answers, and per key whether its value came from an ``ADMITTED`` record:
+    ``admission.py``). ``current``: a key's unexpired entry or None; ``get``: the tier's
+    own, for what the batch does not serve; ``where``: the tier's path, for the log."""
     out: list[Buffer | KVTierError | None] = [None] * len(keys)
+    proven = [False] * len(keys)
     wanted = []  # (seg_id, offset, index, key bytes, entry)
     for i, key in enumerate(keys):
         kb = key_bytes(key)
@@ -45,17 +53,18 @@ async def get_many(files: SegmentFiles, keys: Sequence[str],
     for seg_id in segs:
         files.pin(seg_id)
     try:
-        await _read_batch(files, where, wanted, out)
+        await _read_batch(files, where, wanted, out, proven)
     finally:
         for seg_id in segs:
             files.unpin(seg_id)
     for i, got in enumerate(out):
         if got is None:
             out[i] = await _get(get, keys[i])
-    return out  # type: ignore[return-value]
+    return out, proven  # type: ignore[return-value]
 
 
-async def _read_batch(files: SegmentFiles, where: Path, wanted: list, out: list) -> None:
+async def _read_batch(files: SegmentFiles, where: Path, wanted: list, out: list,
+                      proven: list[bool]) -> None:
     fds, runs, records = {}, [], []  # runs: (fd, offset, size); records: (index, kb, entry)
     for seg_id, offset, i, kb, entry in wanted:
         if seg_id not in fds:
@@ -76,14 +85,15 @@ async def _read_batch(files: SegmentFiles, where: Path, wanted: list, out: list)
     # np.empty, not bytearray: zero-filling first costs as much as the read
     buffer = memoryview(np.empty(sum(size for *_, size in records), dtype=np.uint8))
 
-    def read_and_check() -> list[Buffer | KVTierError]:
+    def read_and_check() -> list[tuple[Buffer, bool] | KVTierError]:
         files.read_runs(runs, buffer)
         values, at = [], 0
         for _, kb, entry, size in records:
+            record = buffer[at:at + size]
             try:
-                values.append(check_record(buffer[at:at + size], kb, entry.value_len,
-                                           entry.checksum, f"disk tier, key {kb!r}"
-                                           ).toreadonly())
+                values.append((check_record(record, kb, entry.value_len, entry.checksum,
+                                            f"disk tier, key {kb!r}").toreadonly(),
+                               bool(record_flags(record) & ADMITTED)))
             except ChunkCorrupt as exc:
                 log.warning("disk tier %s, segment %d @ %d: %s", where, entry.seg_id,
                             entry.offset, exc)
@@ -97,7 +107,7 @@ async def _read_batch(files: SegmentFiles, where: Path, wanted: list, out: list)
         log.info("disk tier %s: batched read failed, reading one by one: %s", where, exc)
         return
     for (i, *_), value in zip(records, values, strict=True):
-        out[i] = value
+        out[i], proven[i] = (value, False) if isinstance(value, ChunkCorrupt) else value
 
 
 async def _get(get: Callable[[str], Awaitable[Buffer]], key: str) -> Buffer | KVTierError:

@@ -12,12 +12,14 @@ The LMDB index is one more file that does not go through here: LMDB writes it it
 and under ``sync=True, metasync=True`` without ``writemap`` a commit that returned is
 durable and a crash leaves the last committed transaction (see ``index.py``). The seam
 only hears of each commit (``commit_index``), so a recorder knows what the index held
-at every point. The advisory lock files (``lock.py``) stay outside too: flock state
+at every point. ``mmap`` is optional: a file system without it (the fault injector) has
+every read served by copy. The advisory lock files (``lock.py``) stay outside too: flock state
 does not survive a crash, and their content is only a pid for error messages.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -75,6 +77,10 @@ class OsFileSystem:
     def read(self, fd: int, buffer: memoryview, offset: int, flags: int = 0) -> int:
         return os.preadv(fd, [buffer], offset, flags) if flags else os.preadv(
             fd, [buffer], offset)
+
+    def mmap(self, fd: int) -> mmap.mmap:
+        """A read-only mapping of the whole file as it is now."""
+        return mmap.mmap(fd, 0, prot=mmap.PROT_READ)
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)

@@ -6,7 +6,8 @@ One LMDB environment, five named databases:
   expiry). An entry is written only after its record's bytes were fsynced.
 - ``segments``: segment id (u32 big-endian, so keys sort by id) -> SegmentInfo (state,
   committed end, live record bytes, live value bytes, live record count).
-- ``meta``: the MetaStore records (session manifests, reference counts).
+- ``meta``: the MetaStore keys: a logged one (session manifests) with an empty value,
+  its bytes being in its record alone; a derived one (reference counts) with its value.
 - ``metarec``: meta key -> IndexEntry of the segment record that logs its latest write
   (or deletion); these records count as live bytes of their segment, so compaction
   copies them, but not in the tier's used bytes or items.
@@ -149,8 +150,7 @@ class _Accounts:
         return self.segments[seg_id]
 
     def count(self, key: bytes, entry: IndexEntry, sign: int, totals: bool = True) -> None:
-        """``totals`` False: a metadata record, live bytes of its segment but no part of
-        the tier's value bytes or items."""
+        """``totals`` False: a metadata record (its segment's bytes, not the tier's)."""
         info = self.segment(entry.seg_id)
         if info is None:
             log.error("index entry %r names unknown segment %d", key, entry.seg_id)
@@ -309,18 +309,17 @@ class DiskIndex:
                 out[entry.seg_id].append((key, entry))
         return out
 
-    def meta_get(self, key: bytes) -> bytes | None:
-        with self.env.begin(db=self.meta) as txn:
-            return txn.get(key)
-
-    def meta_scan(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
-        out: list[tuple[bytes, bytes]] = []
+    def meta_scan(self, prefix: bytes, *, exact: bool = False) -> list[tuple]:
+        """(key, value, entry of its record or None) of each meta key starting with
+        ``prefix`` (``exact``: that key only); an empty value names its record's bytes."""
+        out = []
         with self.env.begin(db=self.meta) as txn:
             cursor = txn.cursor()
-            found = cursor.set_range(prefix)
+            found = cursor.set_key(prefix) if exact else cursor.set_range(prefix)
             while found and cursor.key().startswith(prefix):
-                out.append((cursor.key(), cursor.value()))
-                found = cursor.next()
+                raw = txn.get(cursor.key(), db=self.metarec)
+                out.append((cursor.key(), cursor.value(), raw and IndexEntry.unpack(raw)))
+                found = not exact and cursor.next()
         return out
 
     # writes: each one LMDB write transaction
@@ -357,11 +356,12 @@ class DiskIndex:
                     if op.seal and info is not None:
                         info.state = SegState.SEALED
                 else:
+                    logged = op.records or {}
                     for key, value in op.writes.items():
                         if value is None:
                             txn.delete(key, db=self.meta)
-                        else:
-                            txn.put(key, value, db=self.meta)
+                        else:  # a logged value is kept once: in its record
+                            txn.put(key, b"" if key in logged else value, db=self.meta)
                     self._log_meta(txn, accounts, op)
             accounts.save()
 
@@ -447,13 +447,12 @@ class DiskIndex:
         return SwitchOutcome(moved, len(moves) - moved, emptied)
 
     def rebuild_accounting(self, file_size: Callable[[int], int | None]) -> list[bytes]:
-        """Recompute every segment's figures and the totals from the entries themselves,
-        dropping entries whose bytes are gone (segment file missing or too short).
+        """Recompute every segment's figures and the totals from the entries, dropping
+        those whose bytes are gone (segment file missing or too short).
 
         ``file_size(seg_id)`` gives a segment file's size or None when it is missing; it
-        is called inside the write transaction, so no other process can commit meanwhile.
-        Returns the keys of dropped entries.
-        """
+        is called inside the write transaction, so no other process commits meanwhile.
+        Returns the dropped keys."""
         dropped: list[bytes] = []
         sizes: dict[int, int | None] = {}
         with self.write() as txn:
@@ -487,9 +486,10 @@ class DiskIndex:
                 info, size = infos.get(entry.seg_id), sizes[entry.seg_id]
                 end = entry.offset + record_size(len(key), entry.value_len)
                 if info is None or size is None or end > min(size, info.file_bytes):
-                    log.error("the record logging meta key %r is gone; repair could not "
-                              "rebuild it", key)
+                    log.error("the record holding meta key %r is gone", key)
                     txn.delete(key, db=self.metarec)
+                    if txn.get(key, db=self.meta) == b"":  # the value was that record's
+                        txn.delete(key, db=self.meta)
                     continue
                 info.live_bytes += record_size(len(key), entry.value_len)
                 info.live_records += 1

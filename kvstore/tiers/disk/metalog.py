@@ -1,5 +1,5 @@
-"""Metadata writes logged as segment records, so an index rebuild (``rebuild.py``) can
-restore them.
+"""Metadata writes logged as segment records: the one copy of their values (``meta.py``
+reads them there), which an index rebuild (``rebuild.py``) restores.
 
 Each committed MetaStore write (a session manifest, a demotion or quarantine note) is
 appended as a ``META`` record, a deletion as a ``META | TOMBSTONE`` record; the index
@@ -18,6 +18,7 @@ import struct
 import time
 from collections.abc import Iterator
 
+from kvstore.format.errors import ChunkCorrupt
 from kvstore.tiers.base import DERIVED_PREFIXES, Buffer
 from kvstore.tiers.disk.headroom import index_growth
 from kvstore.tiers.disk.index import EndOp, IndexEntry, MetaOp
@@ -50,6 +51,13 @@ def records(writes: dict[bytes, bytes | None], lsn: int
         flags = META | (TOMBSTONE if value is None else 0)
         header, checksum = encode_header(key, memoryview(payload), flags)
         yield key, [header, key, payload], len(payload), checksum
+
+
+def logged_value(value: memoryview) -> bytes:
+    """The value a logged write's record value holds (past its sequence number)."""
+    if value.nbytes < _LSN.size:
+        raise ChunkCorrupt("disk tier: a metadata record is shorter than its sequence number")
+    return bytes(value[_LSN.size:])
 
 
 def room_needed(writes: dict[bytes, bytes | None]) -> int:

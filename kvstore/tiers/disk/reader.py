@@ -1,10 +1,14 @@
 """Reading records from segment files: cached descriptors, pins, deferred removal.
 
-A record is read with ``os.preadv`` into a fresh buffer: first with ``RWF_NOWAIT`` on the
-event loop, which copies what the page cache holds and never waits on the device, then
-the rest in a worker thread, one large read. (Not a mapping: a record whose first and
-last pages are cached would fault the others in on the event loop.) ``read_runs`` reads
-several runs into one buffer in one thread call.
+``read`` serves a record the page cache holds (``RWF_NOWAIT`` one-byte probes of its
+first and last byte say so without blocking) of at least ``MAP_MIN_BYTES`` as a
+zero-copy view of the segment's mapping, verified in a worker thread: a page that only
+looked cached faults in there, never on the event loop, and the view is returned only
+once every byte of it passed the check. Any other record is read with ``os.preadv``
+into a fresh buffer: first with ``RWF_NOWAIT`` on the event loop (what the page cache
+holds, without waiting on the device), the rest in a worker thread, one large read,
+verified in that thread. ``read_runs`` reads several runs into one buffer in one
+thread call. A mapping only ever covers committed records, which no one truncates.
 
 Pins: a reader pins the segment it reads; ``retire`` removes a segment file at once when
 it is unpinned, else at the last unpin. Another process (the offline compactor) cannot
@@ -20,6 +24,7 @@ import errno
 import logging
 import os
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +36,11 @@ from kvstore.tiers.disk.segments import segment_path
 log = logging.getLogger(__name__)
 
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+MAP_MIN_BYTES = 1 << 18  # smaller cached records are copied: a copy costs less than a thread hop
+INLINE_CHECK_BYTES = 1 << 16  # copied records at least this large are checked off the loop
+
+# The verified value of a whole record, or ChunkCorrupt; called in a worker thread.
+Check = Callable[[memoryview], memoryview]
 
 
 class SegmentGone(Exception):
@@ -55,7 +65,9 @@ class SegmentFiles:
         self._fds: OrderedDict[int, int] = OrderedDict()  # LRU of read descriptors
         self._pins: Counter[int] = Counter()
         self._retiring: set[int] = set()
+        self._maps: dict[int, object] = {}  # seg id -> mmap.mmap of it
         self._nowait = _NOWAIT
+        self._probe = memoryview(bytearray(1))
 
     def pin(self, seg_id: int) -> None:
         self._pins[seg_id] += 1
@@ -89,6 +101,7 @@ class SegmentFiles:
                         seg_id, exc)
 
     def _close(self, seg_id: int) -> None:
+        self._maps.pop(seg_id, None)  # dropped, not closed: views handed out keep it alive
         fd = self._fds.pop(seg_id, None)
         if fd is not None:
             self.fs.close(fd)
@@ -115,20 +128,50 @@ class SegmentFiles:
             self._close(victim)
         return fd
 
-    async def read(self, seg_id: int, offset: int, size: int) -> memoryview:
-        """A read-only copy of ``size`` bytes at ``offset``; the caller holds a pin."""
+    async def read(self, seg_id: int, offset: int, size: int, check: Check) -> memoryview:
+        """``check`` of the ``size`` bytes at ``offset`` (read-only); the caller holds a
+        pin. ``ChunkTruncated`` if the file ends first."""
         fd = self.descriptor(seg_id)
+        view = self._mapped(seg_id, fd, offset, size) if size >= MAP_MIN_BYTES else None
+        if view is not None:
+            return await asyncio.to_thread(check, view)
         # np.empty, not bytearray: the read fills it, and zero-filling first costs as much
         buffer = memoryview(np.empty(size, dtype=np.uint8))
         done = self._cached_part(fd, buffer, offset)
-        if done < size:
-            done += await asyncio.to_thread(_pread_into, self.fs, fd, buffer[done:],
-                                            offset + done)
-        if done < size:
-            log.warning("segment %d: %d bytes at offset %d requested, the file ends after %d",
-                        seg_id, size, offset, done)
-            raise ChunkTruncated("disk tier: a record runs past the end of its segment")
-        return buffer.toreadonly()
+        if done == size:
+            whole = buffer.toreadonly()
+            return check(whole) if size < INLINE_CHECK_BYTES else await asyncio.to_thread(
+                check, whole)
+
+        def rest() -> memoryview:
+            got = done + _pread_into(self.fs, fd, buffer[done:], offset + done)
+            if got < size:
+                log.warning("segment %d: %d bytes at offset %d requested, the file ends "
+                            "after %d", seg_id, size, offset, got)
+                raise ChunkTruncated("disk tier: a record runs past the end of its segment")
+            return check(buffer.toreadonly())
+
+        return await asyncio.to_thread(rest)
+
+    def _mapped(self, seg_id: int, fd: int, offset: int, size: int) -> memoryview | None:
+        """A view of the range from the segment's mapping when its first and last bytes
+        are cached (which also proves the file reaches its end); else None."""
+        if not self._nowait or not hasattr(self.fs, "mmap"):
+            return None
+        end = offset + size
+        try:
+            if (self.fs.read(fd, self._probe, offset, self._nowait) != 1
+                    or self.fs.read(fd, self._probe, end - 1, self._nowait) != 1):
+                return None
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            self._nowait_failed(exc)
+            return None
+        mapped = self._maps.get(seg_id)
+        if mapped is None or len(mapped) < end:
+            mapped = self._maps[seg_id] = self.fs.mmap(fd)
+        return memoryview(mapped)[offset:end] if len(mapped) >= end else None
 
     def read_runs(self, runs: list[tuple[int, int, int]], buffer: memoryview) -> None:
         """Blocking (run it in a worker thread): read each (descriptor, offset, size) run
@@ -150,11 +193,14 @@ class SegmentFiles:
         except BlockingIOError:
             return 0
         except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            log.info("RWF_NOWAIT unsupported in %s; reading in threads", self.directory)
-            self._nowait = 0
+            self._nowait_failed(exc)
             return 0
+
+    def _nowait_failed(self, exc: OSError) -> None:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise exc
+        log.info("RWF_NOWAIT unsupported in %s; reading in threads", self.directory)
+        self._nowait = 0
 
     def close(self) -> None:
         for seg_id in list(self._fds):

@@ -25,7 +25,7 @@ import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore.format.errors import ChunkCorrupt, InvalidRequest
+from kvstore.format.errors import ChunkCorrupt, ChunkTruncated, InvalidRequest
 from kvstore.tiers.disk.headroom import check_room, rewrite_need
 from kvstore.tiers.disk.index import DiskIndex, IndexEntry, SegState
 from kvstore.tiers.disk.lock import DirLock
@@ -151,10 +151,16 @@ class Rewriter:
         try:
             for kb, entry, meta in live:
                 size = record_size(len(kb), entry.value_len)
-                record = await self.files.read(seg_id, entry.offset, size)
-                try:
+
+                def whole(record: memoryview, kb=kb, entry=entry) -> memoryview:
                     check_record(record, kb, entry.value_len, entry.checksum,
-                                 f"segment {seg_id} @ {entry.offset}")
+                                 f"segment {seg_id} @ {entry.offset}", None)
+                    return record
+
+                try:
+                    record = await self.files.read(seg_id, entry.offset, size, whole)
+                except ChunkTruncated:
+                    raise  # the file ends inside a committed record: not a bad copy
                 except ChunkCorrupt:
                     if not meta:  # a bad meta record keeps its segment alive
                         result.corrupt_keys.append(kb.decode(errors="replace"))

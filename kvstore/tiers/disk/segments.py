@@ -13,8 +13,10 @@ so compaction can copy records without consulting anything else.
 
 ``flags`` tells chunk records (0) from metadata records (``META``, ``metalog.py``): a
 logged MetaStore write's value is a u64 log sequence number then the value bytes, a
-deletion a ``META | TOMBSTONE`` record with no value bytes. The segments are thus the
-log of record and the LMDB index a cache of them (``rebuild.py``).
+deletion a ``META | TOMBSTONE`` record with no value bytes. ``ADMITTED`` marks a chunk
+record whose value had the digest its block key states when written (``admission.py``).
+The segments are thus the log of record and the LMDB index a cache of them
+(``rebuild.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ MAX_VALUE_BYTES = 2**32 - 1
 SEGMENT_SUFFIX = ".seg"
 META = 1  # record flag: a MetaStore write (see the module docstring)
 TOMBSTONE = 2  # with META: the key was deleted
+ADMITTED = 4  # a chunk record whose value's digest was checked against its key
 
 
 def key_bytes(key: object) -> bytes:
@@ -88,17 +91,20 @@ def encode_header(key: bytes, value: memoryview, flags: int = 0) -> tuple[bytes,
 
 
 def check_record(record: memoryview, key: bytes, value_len: int, checksum: int,
-                 where: str) -> memoryview:
-    """The value slice of one whole record after checking it against its index entry.
+                 where: str, kind: int | None = 0) -> memoryview:
+    """The value slice of one whole record after checking it against its index entry
+    (and that it is a record of ``kind``: 0 a chunk, ``META`` a logged write, None any).
 
     Raises ``ChunkCorrupt`` on any disagreement: a record that fails here is never
     returned, whatever part of it was damaged.
     """
     if record.nbytes < HEADER_SIZE:
         raise ChunkTruncated(f"{where}: record shorter than its header")
-    magic, stored_sum, key_len, _flags, stored_len = HEADER.unpack_from(record)
+    magic, stored_sum, key_len, flags, stored_len = HEADER.unpack_from(record)
     if magic != MAGIC:
         raise ChunkCorrupt(f"{where}: bad record magic {bytes(magic)!r}")
+    if kind is not None and flags & (META | TOMBSTONE) != kind:
+        raise ChunkCorrupt(f"{where}: record flags {flags:#x} are not of kind {kind:#x}")
     if key_len != len(key) or stored_len != value_len:
         raise ChunkCorrupt(f"{where}: record lengths ({key_len}, {stored_len}) disagree "
                            f"with the index ({len(key)}, {value_len})")
@@ -113,6 +119,11 @@ def check_record(record: memoryview, key: bytes, value_len: int, checksum: int,
     if record[HEADER_SIZE:HEADER_SIZE + key_len] != key:
         raise ChunkCorrupt(f"{where}: record holds a different key")
     return record[HEADER_SIZE + key_len:]
+
+
+def record_flags(record: memoryview) -> int:
+    """The flags of a record ``check_record`` passed."""
+    return HEADER.unpack_from(record)[3]
 
 
 @dataclass(frozen=True)

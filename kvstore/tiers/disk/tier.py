@@ -35,7 +35,7 @@ from kvstore.format.errors import (
     TierUnavailable,
 )
 from kvstore.tiers.base import Buffer, Tier
-from kvstore.tiers.disk import batch, metalog
+from kvstore.tiers.disk import admission, batch, metalog
 from kvstore.tiers.disk.fs import OS, FileSystem
 from kvstore.tiers.disk.headroom import DEFAULT_RESERVE_BYTES, check_room, index_growth
 from kvstore.tiers.disk.index import (
@@ -58,13 +58,7 @@ from kvstore.tiers.disk.reader import SegmentFiles, SegmentGone
 from kvstore.tiers.disk.reclaim import Reclaimer
 from kvstore.tiers.disk.recovery import RecoveryReport, recover
 from kvstore.tiers.disk.rewrite import Rewriter, RewriteResult
-from kvstore.tiers.disk.segments import (
-    check_record,
-    encode_header,
-    key_bytes,
-    record_size,
-    value_view,
-)
+from kvstore.tiers.disk.segments import check_record, key_bytes, record_size
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +132,15 @@ class DiskTier(Tier):
 
     @property
     def meta(self) -> DiskMetaStore:
-        """A MetaStore over the ``meta`` database of this tier's LMDB environment."""
-        return DiskMetaStore(self.index, self.commit_with_meta)
+        """The MetaStore this tier keeps (``meta.py``)."""
+        return DiskMetaStore(self.index, self.commit_with_meta, self._read_logged)
+
+    async def _read_logged(self, kb: bytes, entry: IndexEntry) -> bytes:
+        self.files.pin(entry.seg_id)
+        try:
+            return metalog.logged_value(await self._read(kb, entry, metalog.META))
+        finally:
+            self.files.unpin(entry.seg_id)
 
     @property
     def used_bytes(self) -> int:
@@ -174,9 +175,8 @@ class DiskTier(Tier):
 
     async def put(self, key: str, value: Buffer, *, ttl_s: float | None = None,
                   durable: bool | None = None) -> None:
-        kb, view = key_bytes(key), value_view(value)
+        ((kb, view, header, checksum),) = await admission.prepared([(key, value)])
         expires = _expiry(ttl_s, self.clock())
-        header, checksum = encode_header(kb, view)
         async with self._append_lock:
             self._check_writable()
             old = self._length_or_none(kb)
@@ -202,8 +202,7 @@ class DiskTier(Tier):
                        meta: dict[str, bytes | None] | None = None,
                        ttl_s: float | None = None, durable: bool | None = None) -> None:
         """Put every item and apply ``meta`` in one index transaction: all or none."""
-        prepared = [(kb, view, *encode_header(kb, view))
-                    for kb, view in ((key_bytes(k), value_view(v)) for k, v in items)]
+        prepared = await admission.prepared(items)
         expires = _expiry(ttl_s, self.clock())
         async with self._append_lock:
             self._check_writable()
@@ -307,6 +306,11 @@ class DiskTier(Tier):
 
     async def get_many(self, keys: Sequence[str]) -> list[Buffer | Exception]:
         """``get`` of each key, read in file order in one batch (``batch.py``)."""
+        return (await self.get_many_proven(keys))[0]
+
+    async def get_many_proven(self, keys: Sequence[str]
+                              ) -> tuple[list[Buffer | Exception], list[bool]]:
+        """``get_many``, and per key whether its bytes have the digest its key states."""
         self._check_open()
         self._forget_retired()
         now = self.clock()
@@ -317,14 +321,17 @@ class DiskTier(Tier):
 
         return await batch.get_many(self.files, keys, current, self.get, self.path)
 
-    async def _read(self, kb: bytes, entry: IndexEntry) -> memoryview:
+    async def _read(self, kb: bytes, entry: IndexEntry, flags: int = 0) -> memoryview:
         size = record_size(len(kb), entry.value_len)
         # Messages may reach a client: the segment's path and offset go to the log only.
         location = f"disk tier {self.path}, segment {entry.seg_id} @ {entry.offset}"
-        try:
-            record = await self.files.read(entry.seg_id, entry.offset, size)
+
+        def check(record: memoryview) -> memoryview:
             return check_record(record, kb, entry.value_len, entry.checksum,
-                                f"disk tier, key {kb!r}").toreadonly()
+                                f"disk tier, key {kb!r}", flags).toreadonly()
+
+        try:
+            return await self.files.read(entry.seg_id, entry.offset, size, check)
         except OSError as exc:
             log.warning("%s: read failed: %s", location, exc)
             raise TierUnavailable(f"disk tier: reading a segment failed: "
