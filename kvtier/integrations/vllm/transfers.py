@@ -138,8 +138,9 @@ def run_load(store: Store, job: LoadJob) -> None:
         for event in job.layer_ready:
             event.set()
         failed = len(plan.block_ids) - job.loaded_chunks
-        store.stats.add(loads=1, loaded_tokens=job.loaded_chunks * bs, load_bytes=read_bytes,
-                        load_seconds=time.monotonic() - started, load_error_blocks=failed)
+        store.stats.add(loads=1, loaded_tokens=job.loaded_chunks * bs,
+                        loaded_bytes=read_bytes, load_seconds=time.monotonic() - started,
+                        load_error_blocks=failed)
         job.done.set()
 
 
@@ -171,7 +172,7 @@ def run_save(store: Store, plan: SavePlan, raw: list[torch.Tensor]) -> None:
             first_chunk=plan.first_chunk, model_fingerprint=store.config.model_fingerprint,
             dedupe_domain=store.config.dedupe_domain, ack=store.config.ack, skip_held=True)
         store.stats.add(saves=1, saved_tokens=result.chunks_written * store.block_size,
-                        save_bytes=sum(len(c) for c in chunks),
+                        saved_bytes=sum(len(c) for c in chunks),
                         save_seconds=time.monotonic() - started)
     except Exception as exc:  # a lost save is a later miss, never a wrong block
         logger.warning("kvtier save of request %s failed: %s", plan.req_id, exc)
