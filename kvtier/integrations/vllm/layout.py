@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
 
 from kvstore.format.errors import UnsupportedModel
 from kvstore.format.layout import LayoutSpec, Stream
@@ -50,13 +51,13 @@ def cache_shape(vllm_config, kv_cache_config) -> CacheShape:
                                "full-attention layers is supported")
     spec = groups[0].kv_cache_spec
     kind = type(spec).__name__
-    if kind != "FullAttentionSpec" or getattr(spec, "sliding_window", None):
+    if type(spec) is not FullAttentionSpec or spec.sliding_window is not None:
         raise UnsupportedModel(f"kvtier connector: KV cache spec {kind} is not supported "
                                "(full attention only; MLA and sliding windows are not)")
     if spec.head_size_v != spec.head_size:
         raise UnsupportedModel("kvtier connector: K and V head sizes differ "
                                f"({spec.head_size}, {spec.head_size_v})")
-    if str(getattr(spec, "kv_quant_mode", "")).rsplit(".", 1)[-1] not in ("", "NONE"):
+    if spec.kv_quant_mode != KVQuantMode.NONE:
         raise UnsupportedModel(f"kvtier connector: quantized KV cache ({spec.kv_quant_mode}) "
                                "is not supported; run with kv_cache_dtype auto")
     return CacheShape(
