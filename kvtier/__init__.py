@@ -12,7 +12,15 @@ from kvstore.format.errors import *  # noqa: F403  (every class of the one hiera
 from kvtier.client import AsyncClient
 from kvtier.routing import RoutingPolicy
 from kvtier.sync import Client
-from kvtier.types import LayoutInfo, RestoredSession, RetryPolicy, SpillResult
+from kvtier.types import (
+    LayoutInfo,
+    ReadChunksResult,
+    RestoredSession,
+    RetryPolicy,
+    SpillResult,
+    WriteChunksResult,
+)
 
-__all__ = ["AsyncClient", "Client", "LayoutInfo", "RestoredSession", "RetryPolicy",
-           "RoutingPolicy", "SpillResult", "StreamData", *_errors.__all__]
+__all__ = ["AsyncClient", "Client", "LayoutInfo", "ReadChunksResult", "RestoredSession",
+           "RetryPolicy", "RoutingPolicy", "SpillResult", "StreamData", "WriteChunksResult",
+           *_errors.__all__]

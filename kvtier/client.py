@@ -23,6 +23,9 @@ per generation and content); any other failure
 raises the ``kvstore.format.errors`` class the server raised. On the same host chunk bytes go
 through shared memory (``shared_memory=None``: whenever the target is loopback).
 
+``write_chunks`` and ``read_chunks`` (prefix chunks of no session) are
+``kvtier.prefix_chunks``'s.
+
 ``AsyncClient(servers=[a, b, c])`` talks to a fleet: each session's calls go to the node
 holding its window, found through ``Stat`` and cached; a node down, to another
 (``kvtier.routing``).
@@ -48,6 +51,7 @@ from kvtier import replies, shm
 from kvtier.channel import LOOPBACK, Credentials
 from kvtier.errors import MissingChunks, SharedMemoryUnavailable, error_from_rpc
 from kvtier.known_layouts import KnownLayouts, info_from
+from kvtier.prefix_chunks import PrefixChunkMethods
 from kvtier.routing import Node, Ref, Router, RoutingPolicy, open_node
 from kvtier.types import LayoutInfo, RestoredSession, RetryPolicy, SpillResult
 from proto import kvtier_pb2 as pb
@@ -62,7 +66,7 @@ async def _stream(messages: list) -> AsyncIterator:
         yield message
 
 
-class AsyncClient:
+class AsyncClient(PrefixChunkMethods):
     def __init__(self, target: str | None = None, *, servers: Sequence[str] | None = None,
                  shared_memory: bool | None = None,
                  retry: RetryPolicy = RetryPolicy(), timeout_s: float | None = None,

@@ -123,9 +123,7 @@ def encode_session(
     keys = chain_keys(spec.layout_id, tokens, spec.chunk_tokens, scope=scope,
                       model_fingerprint=model_fingerprint)
     size = spec.chunk_tokens
-    encoded = [encode_chunk(spec, i * size, tokens[i * size:(i + 1) * size],
-                            _slice(spec, persistent, i * size, (i + 1) * size),
-                            zstd_level=zstd_level) for i in range(len(keys))]
+    encoded = _encoded(spec, tokens, persistent, range(len(keys)), 0, zstd_level)
     digests, chunks = _unheld(keys, encoded, held)
     covered = len(keys) * size
     tail = b""
@@ -133,6 +131,36 @@ def encode_session(
         tail = encode_chunk(spec, covered, tokens[covered:],
                             _slice(spec, persistent, covered, len(tokens)), zstd_level=zstd_level)
     return EncodedSession(keys, digests, chunks, tail, None)
+
+
+def encode_chunks(spec: LayoutSpec, tokens: np.ndarray, persistent: Streams, *,
+                  first_chunk: int = 0, zstd_level: int | None = None) -> list[bytes]:
+    """The whole chunks of ``tokens`` from ``first_chunk`` on, encoded (what
+    ``AsyncClient.write_chunks`` takes); ``persistent``: streams (layers, entries, ...)
+    over exactly those tokens, ``tokens[first_chunk * chunk_tokens : whole chunks]``."""
+    size = spec.chunk_tokens
+    whole = len(tokens) // size
+    if not 0 <= first_chunk <= whole:
+        raise InvalidRequest(f"first_chunk {first_chunk} is not in [0, {whole}] (the whole "
+                             f"chunks of {len(tokens)} tokens)")
+    _check_streams(spec, persistent, False, "persistent streams")
+    origin = first_chunk * size
+    for s in spec.persistent_streams:
+        need = s.entries_for(whole * size) - origin // s.tokens_per_entry
+        if persistent[s.name].codes.shape[1] != need:
+            raise LayoutMismatch(f"stream {s.name} has {persistent[s.name].codes.shape[1]} "
+                                 f"entries; tokens {origin}..{whole * size} need {need}")
+    return _encoded(spec, tokens, persistent, range(first_chunk, whole), origin, zstd_level)
+
+
+def _encoded(spec: LayoutSpec, tokens: np.ndarray, streams: Streams, indices: range,
+             origin: int, zstd_level: int | None) -> list[bytes]:
+    """Chunks ``indices`` encoded from ``streams``, which start at token ``origin`` (a
+    chunk boundary)."""
+    size = spec.chunk_tokens
+    return [encode_chunk(spec, i * size, tokens[i * size:(i + 1) * size],
+                         _slice(spec, streams, i * size - origin, (i + 1) * size - origin),
+                         zstd_level=zstd_level) for i in indices]
 
 
 def _slice(spec: LayoutSpec, streams: Streams, start: int, stop: int) -> dict[str, StreamData]:

@@ -9,7 +9,13 @@ from collections.abc import Iterator
 
 from kvstore.format.chunk import LayerSlice
 from kvtier.client import AsyncClient
-from kvtier.types import LayoutInfo, RestoredSession, SpillResult
+from kvtier.types import (
+    LayoutInfo,
+    ReadChunksResult,
+    RestoredSession,
+    SpillResult,
+    WriteChunksResult,
+)
 from proto import kvtier_pb2 as pb
 
 
@@ -85,6 +91,12 @@ class Client:
 
     def lookup(self, *args, **kwargs) -> int:
         return self._run(self._async.lookup(*args, **kwargs))
+
+    def write_chunks(self, *args, **kwargs) -> WriteChunksResult:
+        return self._run(self._async.write_chunks(*args, **kwargs))
+
+    def read_chunks(self, *args, **kwargs) -> ReadChunksResult:
+        return self._run(self._async.read_chunks(*args, **kwargs))
 
     def fork(self, *args, **kwargs) -> pb.ForkReply:
         return self._run(self._async.fork(*args, **kwargs))

@@ -90,3 +90,27 @@ class RestoredSession:
         does (a Resume with a larger ``replay_tokens`` rebuilds it)."""
         full = min(self.layout.window_tokens, len(self.token_ids))
         return self.window_blob is not None and 0 < self.window_replayed_tokens < full
+
+
+@dataclass(frozen=True)
+class WriteChunksResult:
+    """A WriteChunks reply: prefix chunks stored as cache of the caller's domain."""
+
+    chunks_written: int
+    chunks_deduped: int  # held already with the same digest (sent or not)
+    tier: str  # the highest tier the chunks landed in
+    durable: bool
+    chunk_keys: list[str]  # chain keys of the chunks from first_chunk on
+
+
+@dataclass
+class ReadChunksResult:
+    """Chunks read by their position in a token sequence (ReadChunks)."""
+
+    first_chunk: int
+    keys: list[str]  # chain keys of the chunks asked for, from first_chunk on
+    # chunk index -> its encoded bytes, verified here (digest, codec header against the
+    # tokens); over shared memory a copy out of the segment
+    chunks: dict[int, bytes | memoryview]
+    missing: dict[int, str]  # chunk index -> why not: not_held, corrupt, digest_mismatch,
+    # tier_unavailable (the server's), or corrupt (failing the checks here)

@@ -520,6 +520,102 @@ class ForkReply(_message.Message):
     window_kept: bool
     def __init__(self, generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., window_kept: _Optional[bool] = ...) -> None: ...
 
+class WriteChunksHeader(_message.Message):
+    __slots__ = ("tenant", "layout_id", "model_fingerprint", "dedupe_domain", "token_ids", "first_chunk", "chunk_digests", "ack", "hint")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DEDUPE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    HINT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    layout_id: str
+    model_fingerprint: str
+    dedupe_domain: str
+    token_ids: bytes
+    first_chunk: int
+    chunk_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    ack: Ack
+    hint: ResumeHint
+    def __init__(self, tenant: _Optional[str] = ..., layout_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dedupe_domain: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., first_chunk: _Optional[int] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., ack: _Optional[_Union[Ack, str]] = ..., hint: _Optional[_Union[ResumeHint, _Mapping]] = ...) -> None: ...
+
+class WriteChunksRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: WriteChunksHeader
+    chunk: Payload
+    def __init__(self, header: _Optional[_Union[WriteChunksHeader, _Mapping]] = ..., chunk: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
+
+class WriteChunksReply(_message.Message):
+    __slots__ = ("chunks_written", "chunks_deduped", "tier", "durable", "chunk_keys")
+    CHUNKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_DEDUPED_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    chunks_written: int
+    chunks_deduped: int
+    tier: str
+    durable: bool
+    chunk_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, chunks_written: _Optional[int] = ..., chunks_deduped: _Optional[int] = ..., tier: _Optional[str] = ..., durable: _Optional[bool] = ..., chunk_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReadChunksRequest(_message.Message):
+    __slots__ = ("tenant", "layout_id", "model_fingerprint", "dedupe_domain", "token_ids", "first_chunk", "max_chunks", "chunk_digests", "use_shared_memory", "reply_lease")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DEDUPE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    USE_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    REPLY_LEASE_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    layout_id: str
+    model_fingerprint: str
+    dedupe_domain: str
+    token_ids: bytes
+    first_chunk: int
+    max_chunks: int
+    chunk_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    use_shared_memory: bool
+    reply_lease: str
+    def __init__(self, tenant: _Optional[str] = ..., layout_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dedupe_domain: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., first_chunk: _Optional[int] = ..., max_chunks: _Optional[int] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., use_shared_memory: _Optional[bool] = ..., reply_lease: _Optional[str] = ...) -> None: ...
+
+class ChunksHeader(_message.Message):
+    __slots__ = ("chunk_keys", "chunk_digests", "reply_segment")
+    CHUNK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    REPLY_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    chunk_keys: _containers.RepeatedScalarFieldContainer[str]
+    chunk_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    reply_segment: SharedMemoryLease
+    def __init__(self, chunk_keys: _Optional[_Iterable[str]] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., reply_segment: _Optional[_Union[SharedMemoryLease, _Mapping]] = ...) -> None: ...
+
+class MissingChunk(_message.Message):
+    __slots__ = ("index", "reason")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    reason: str
+    def __init__(self, index: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReadChunksReply(_message.Message):
+    __slots__ = ("header", "chunk", "missing")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    header: ChunksHeader
+    chunk: RestoredChunk
+    missing: MissingChunk
+    def __init__(self, header: _Optional[_Union[ChunksHeader, _Mapping]] = ..., chunk: _Optional[_Union[RestoredChunk, _Mapping]] = ..., missing: _Optional[_Union[MissingChunk, _Mapping]] = ...) -> None: ...
+
 class LayoutInfo(_message.Message):
     __slots__ = ("layout_id", "layout_json", "replayer", "builtin")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]

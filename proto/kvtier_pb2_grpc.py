@@ -94,6 +94,16 @@ class KVTierStub:
                 request_serializer=proto_dot_kvtier__pb2.ForkRequest.SerializeToString,
                 response_deserializer=proto_dot_kvtier__pb2.ForkReply.FromString,
                 _registered_method=True)
+        self.WriteChunks = channel.stream_unary(
+                '/kvtier.v1.KVTier/WriteChunks',
+                request_serializer=proto_dot_kvtier__pb2.WriteChunksRequest.SerializeToString,
+                response_deserializer=proto_dot_kvtier__pb2.WriteChunksReply.FromString,
+                _registered_method=True)
+        self.ReadChunks = channel.unary_stream(
+                '/kvtier.v1.KVTier/ReadChunks',
+                request_serializer=proto_dot_kvtier__pb2.ReadChunksRequest.SerializeToString,
+                response_deserializer=proto_dot_kvtier__pb2.ReadChunksReply.FromString,
+                _registered_method=True)
         self.RegisterLayout = channel.unary_unary(
                 '/kvtier.v1.KVTier/RegisterLayout',
                 request_serializer=proto_dot_kvtier__pb2.RegisterLayoutRequest.SerializeToString,
@@ -183,6 +193,19 @@ class KVTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WriteChunks(self, request_iterator, context):
+        """Prefix chunks of no session (see "Prefix chunks" above).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadChunks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RegisterLayout(self, request, context):
         """Admin (when identity is on, by the server's register_layouts policy).
         """
@@ -258,6 +281,16 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.Fork,
                     request_deserializer=proto_dot_kvtier__pb2.ForkRequest.FromString,
                     response_serializer=proto_dot_kvtier__pb2.ForkReply.SerializeToString,
+            ),
+            'WriteChunks': grpc.stream_unary_rpc_method_handler(
+                    servicer.WriteChunks,
+                    request_deserializer=proto_dot_kvtier__pb2.WriteChunksRequest.FromString,
+                    response_serializer=proto_dot_kvtier__pb2.WriteChunksReply.SerializeToString,
+            ),
+            'ReadChunks': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadChunks,
+                    request_deserializer=proto_dot_kvtier__pb2.ReadChunksRequest.FromString,
+                    response_serializer=proto_dot_kvtier__pb2.ReadChunksReply.SerializeToString,
             ),
             'RegisterLayout': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterLayout,
@@ -594,6 +627,60 @@ class KVTier:
             '/kvtier.v1.KVTier/Fork',
             proto_dot_kvtier__pb2.ForkRequest.SerializeToString,
             proto_dot_kvtier__pb2.ForkReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteChunks(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kvtier.v1.KVTier/WriteChunks',
+            proto_dot_kvtier__pb2.WriteChunksRequest.SerializeToString,
+            proto_dot_kvtier__pb2.WriteChunksReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadChunks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvtier.v1.KVTier/ReadChunks',
+            proto_dot_kvtier__pb2.ReadChunksRequest.SerializeToString,
+            proto_dot_kvtier__pb2.ReadChunksReply.FromString,
             options,
             channel_credentials,
             insecure,

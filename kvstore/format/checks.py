@@ -110,15 +110,8 @@ def check_spill(
             raise InvalidRequest(f"chunk {i} has key {shown(key)}; its tokens under layout "
                                  f"{spec.layout_id}, this model fingerprint and dedupe "
                                  f"domain chain to {parent!r}")
-        if data is None:
-            continue
-        header = verify_chunk(data, spec)
-        if header.ephemeral:
-            raise InvalidRequest(f"chunk {i} holds ephemeral (window) streams")
-        _check_range(f"chunk {i}", header, spec, tokens, i * size, size)
-        if chunk_digest(data) != digest:
-            raise InvalidRequest(f"chunk {i}'s bytes do not have the digest its key states "
-                                 "(BLAKE2b-256 of the encoded chunk)")
+        if data is not None:
+            check_chunk(spec, tokens, i, digest, data)
     covered = len(chunks) * size
     if len(tail):
         header = verify_chunk(tail, spec)
@@ -130,6 +123,22 @@ def check_spill(
         _check_range("the tail", header, spec, tokens, covered, header.num_tokens)
     if window is not None:
         check_window(spec, tokens, window)
+
+
+def check_chunk(spec: LayoutSpec, tokens: np.ndarray, index: int, digest: bytes,
+                data: Buffer) -> None:
+    """Sent bytes of chunk ``index`` of ``tokens``: a valid chunk of the layout (every
+    checksum, the section table against the layout), of persistent streams, covering that
+    chunk's tokens, with the stated ``digest``; else ``InvalidRequest`` / ``LayoutMismatch``
+    / ``CodecError``."""
+    header = verify_chunk(data, spec)
+    if header.ephemeral:
+        raise InvalidRequest(f"chunk {index} holds ephemeral (window) streams")
+    size = spec.chunk_tokens
+    _check_range(f"chunk {index}", header, spec, tokens, index * size, size)
+    if chunk_digest(data) != digest:
+        raise InvalidRequest(f"chunk {index}'s bytes do not have the digest its key states "
+                             "(BLAKE2b-256 of the encoded chunk)")
 
 
 def check_window(spec: LayoutSpec, tokens: np.ndarray, window: Buffer) -> None:

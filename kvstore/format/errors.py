@@ -106,7 +106,17 @@ class ChunksNotHeld(ChunkNotFound):
 
 
 class DataLoss(KVTierError):
-    """No tier holds an intact copy of something the session needs."""
+    """No tier holds an intact copy of something the session needs.
+
+    A read's loss says why, where it knows: ``corrupt``, some tier held a copy that failed
+    its checks; ``unavailable``, a tier tried for it could not be reached (neither: no
+    tier holds it). A peer learns the message only."""
+
+    def __init__(self, message: str = "", *, corrupt: bool = False,
+                 unavailable: bool = False) -> None:
+        super().__init__(message)
+        self.corrupt = corrupt
+        self.unavailable = unavailable
 
 
 class TierUnavailable(KVTierError):

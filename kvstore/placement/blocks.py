@@ -120,9 +120,10 @@ class Blocks:
 
     async def write_back(self, key: str) -> None:
         """The write-back queue's handler: copy a chunk acked "in memory" to a durable
-        tier, unless it was freed or reached one since it was queued."""
+        tier (a session's, or one kept as cache: a prefix chunk), unless it was freed or
+        reached one since it was queued."""
         async with self._locks.hold(key):
-            if not self._ledger.count(key):
+            if not self._ledger.count(key) and not self._retention.retained(key):
                 return  # freed, or its spill failed, since it was queued
             if self.any_durable(self._stack.holders(key)):
                 return

@@ -63,3 +63,6 @@ class Keeper(Protocol):
     def keep(self, keys: Iterable[str], scope: str = "",
              sizes: Mapping[str, int] | None = None) -> list[str]:
         """Keep the held ones of ``keys``; returns the ones to free now."""
+
+    def retained(self, key: str) -> bool:
+        """Whether ``key`` is kept as cache now (held, unreferenced)."""

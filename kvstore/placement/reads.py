@@ -85,6 +85,7 @@ class Reads:
         out: list = [None] * len(keys)
         tried, bad = [0] * len(keys), [[] for _ in keys]
         problems: list[list[str]] = [[] for _ in keys]
+        unreachable = [False] * len(keys)  # a tier tried for it was unavailable
         pending = list(range(len(keys)))
         while pending:
             by_tier: dict[int, list[int]] = {}
@@ -95,13 +96,15 @@ class Reads:
                 if access:
                     self.counters.misses += 1
                 found = "; ".join(problems[i]) or "no tier holds it"
-                out[i] = DataLoss(f"no intact copy of {keys[i]}: {found}")
+                out[i] = DataLoss(f"no intact copy of {keys[i]}: {found}", corrupt=bool(bad[i]),
+                                  unavailable=unreachable[i])
             pending = []
             for j, batch in sorted(by_tier.items()):
                 got = await self.tiers[j].get_many([keys[i] for i in batch])
                 got = await _checked(got, [checks[i] for i in batch])
                 for i, value in zip(batch, got, strict=True):
                     tried[i] += 1
+                    unreachable[i] |= isinstance(value, TierUnavailable)
                     if self._outcome(j, keys[i], value, believed[i], bad[i], problems[i],
                                      access):
                         out[i] = Copy(value, j, bad[i])

@@ -17,7 +17,9 @@ Retention marks (``kvstore.prefix.chains``: a chunk kept as cache after its last
 follow the same discipline: a commit that releases chunks may carry their marks, and
 the batch writes ``ret/<key>`` for each one it leaves unreferenced; a batch that
 references a marked chunk again deletes its mark, and so does the next batch after
-``unmark`` (the chunk left every tier), so no mark costs a commit of its own.
+``unmark`` (the chunk left every tier), so no mark costs a commit of its own. A chunk
+stored as cache with no reference ever (a prefix chunk of no session) has its mark
+written by ``mark_retained``, a batch of its own.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class _Request:
     acquire: Sequence[str]
     release: Sequence[str]
     marks: Mapping[str, bytes]  # released key -> its mark, if the batch frees it
+    retained: bool = False  # marks of chunks no reference ever held (``mark_retained``)
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -89,6 +92,13 @@ class RefLedger:
         if self._unmarks:
             await self.commit({})
 
+    async def mark_retained(self, marks: Mapping[str, bytes]) -> None:
+        """Persist the retention marks of chunks stored as cache without a reference (a
+        prefix written by no session), for those still without a committed reference
+        when the batch commits."""
+        if marks:
+            await self._enqueue(_Request({}, (), (), marks, retained=True))
+
     def pin(self, keys: Iterable[str]) -> None:
         for key in keys:
             self._pins[key] += 1
@@ -121,7 +131,9 @@ class RefLedger:
         what the MetaStore raises, in which case nothing of this request (or its batch)
         was applied.
         """
-        request = _Request(writes, acquire, release, marks or {})
+        return await self._enqueue(_Request(writes, acquire, release, marks or {}))
+
+    async def _enqueue(self, request: _Request) -> list[str]:
         self._queue.append(request)
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write_batches())
@@ -185,7 +197,8 @@ class RefLedger:
         those that store some. On a full medium a disk MetaStore lets the first use its
         reserve and refuses the second, so neither may fail the other by sharing a batch."""
         def stores(request: _Request) -> bool:
-            return any(value is not None for value in request.writes.values())
+            return request.retained or any(value is not None
+                                           for value in request.writes.values())
 
         kind = stores(self._queue[0])
         n = next((i for i, request in enumerate(self._queue) if stores(request) != kind),
@@ -203,7 +216,7 @@ class RefLedger:
                 writes[RETAIN_PREFIX + key] = None
         for request in batch:
             for key, value in request.marks.items():
-                if key in before and not self._committed.get(key):
+                if (key in before or request.retained) and not self._committed.get(key):
                     self.marks[key] = value
                     writes[RETAIN_PREFIX + key] = value
         referenced = [key for key, old in before.items()

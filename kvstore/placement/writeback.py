@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 
 
 class WriteBack(NamedTuple):
-    """One chunk to copy to a durable tier, for the spill of ``generation`` that acked it."""
+    """One chunk to copy to a durable tier, for the spill of ``generation`` that acked it
+    (``session_id`` "": for a prefix chunk of no session)."""
 
     key: str
     tenant: str

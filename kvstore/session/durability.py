@@ -11,8 +11,11 @@ session is not what its ack promised to become. ``WriteBackFailures`` then
 - retries the failed chunks with exponential backoff (``retry_s`` doubling up to
   ``retry_max_s``), and at once when chunks are freed (space may have returned);
 - clears the mark once every failed chunk of that generation has been written back, or
-  is no longer referenced. A newer spill writes a fresh, unmarked manifest; a chunk
+  is no longer referenced (or retained). A newer spill writes a fresh, unmarked manifest; a chunk
   that is lost outright (``DataLoss``) is not retried and its session stays marked.
+
+A job of no session (``session_id`` "": a prefix chunk written by ``WriteChunks``,
+``kvstore.session.prefix_chunks``) is retried the same way, with no manifest to mark.
 
 Marks are set in background tasks (``spawn``), never by a write-back worker, which must
 not wait on a session lock that a slow restore holds.
@@ -79,6 +82,12 @@ class WriteBackFailures:
 
     def _failed(self, job: WriteBack, *, retry: bool) -> None:
         owner = (job.tenant, job.session_id, job.generation)
+        if not job.session_id:  # a prefix chunk of no session: retried, no one to mark
+            if retry:
+                self._due.add(job)
+                if self._retrier is None or self._retrier.done():
+                    self._retrier = asyncio.ensure_future(self._retry())
+            return
         if owner not in self._open and owner not in self._lost:
             self._counters.writeback_failed_sessions += 1
             self._spawn(self._catalog.mark_writeback_failed(*owner, failed=True))

@@ -15,6 +15,8 @@
 - ``get_manifest``, ``list_sessions``, ``session_count``: ``Catalog`` (kvstore.session.catalog);
 - ``lookup``: ``ChainIndex`` (kvstore.prefix.chains), in a fleet ``lookup_fleet`` asks the
   shared tiers too (kvstore.prefix.fleet_lookup); ``fork``: ``Forker`` (kvstore.session.fork);
+- ``write_chunks``, ``read_chunks`` (prefix chunks of no session): ``PrefixChunks``
+  (kvstore.session.prefix_chunks);
 - ``where``, ``stat``, ``drain``, ``close``, ``open``, ``tiers``: here.
 
 The parts share one ``StoreContext`` (kvstore.session.context: the tier stack, reference
@@ -70,6 +72,7 @@ from kvstore.session.context import StoreContext, StoreOptions
 from kvstore.session.fork import Forker
 from kvstore.session.maintenance import DeleteResult, GarbageReport, Maintenance
 from kvstore.session.manifest import SessionManifest, check_name
+from kvstore.session.prefix_chunks import ChunkRead, ChunksWritten, ChunkWrite, PrefixChunks
 from kvstore.session.quota import Quotas, TenantReport
 from kvstore.session.restore import (
     ChunkBytes,
@@ -167,9 +170,11 @@ class TierManager:
         self.counters = store.counters
         self._expiry: asyncio.Task | None = None  # frees retained chunks past their TTL
         self.spill_hook = spill_hook
+        durable_meta = not isinstance(meta, MemoryMetaStore)
         self._spiller = Spiller(store, pauses=self._pauses, hook=spill_hook,
-                                durable_meta=not isinstance(meta, MemoryMetaStore))
+                                durable_meta=durable_meta)
         self._restorer = Restorer(store, lookahead=config.restore_lookahead)
+        self._prefix = PrefixChunks(store, self._restorer, durable_meta=durable_meta)
         self._maintenance = Maintenance(store)
         self._forker = Forker(store)
 
@@ -326,6 +331,24 @@ class TierManager:
         the tail and a held window are carried too. ``PreconditionFailed`` if the new
         session exists or ``upto_tokens`` passes the source's length."""
         return await self._forker.fork(tenant, source_session, new_session, upto_tokens)
+
+    async def write_chunks(self, request: ChunkWrite) -> ChunksWritten:
+        """Store whole chunks of a token prefix as retained cache entries of the caller's
+        domain, keyed here from the tokens; see ``kvstore.session.prefix_chunks``."""
+        return await self._prefix.write(request)
+
+    async def read_chunks(self, tenant: str, layout_id: str,
+                          token_ids: Sequence[int] | np.ndarray, *, first_chunk: int,
+                          count: int, digests: Sequence[bytes] = (),
+                          model_fingerprint: str = "", dedupe_domain: str | None = None
+                          ) -> list[ChunkRead]:
+        """Chunks ``first_chunk`` on (``count`` of them) of ``token_ids`` in the caller's
+        domain, each read (verified) or missing with its reason; see
+        ``kvstore.session.prefix_chunks``."""
+        return await self._prefix.read(tenant, layout_id, token_ids, first_chunk=first_chunk,
+                                       count=count, digests=digests,
+                                       model_fingerprint=model_fingerprint,
+                                       dedupe_domain=dedupe_domain)
 
     def retained_chunks(self) -> dict[str, tuple[int, int]]:
         """(chunks, bytes) retained (unreferenced, kept as cache) per dedupe domain (""

@@ -184,7 +184,7 @@ class Restorer:
                 yield reader
             finally:
                 if reader.promotions:
-                    self._store.spawn(self._promote_all(reader.promotions, reader.blocks))
+                    self._store.spawn(self.promote_all(reader.promotions, reader.blocks))
         self._store.counters.restores += 1
         if time.time() - manifest.last_access > ACCESS_PERSIST_S:
             self._store.spawn(self._note_access(tenant, session_id, manifest.generation))
@@ -284,7 +284,8 @@ class Restorer:
             out.append((data, self._store.stack.tiers[source].name))
         return out
 
-    async def _promote_all(self, promotions: list, protect: frozenset[str]) -> None:
+    async def promote_all(self, promotions: list, protect: frozenset[str]) -> None:
+        """Make the promotions ``read_blocks`` left, never evicting one of ``protect``."""
         for key, data, source, bad in promotions:
             await self._promote(key, data, source, bad, protect)
 

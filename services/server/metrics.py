@@ -218,9 +218,11 @@ class ServiceMetrics:
         self.replay_batch_size = Histogram(
             "kvtier_replay_batch_size", "Sessions rebuilt by the model call that rebuilt this "
             "one", buckets=(1, 2, 4, 8, 16, 32), registry=r)
-        self.spill_bytes = Counter("kvtier_spill_bytes", "Payload bytes received by Spill",
+        self.spill_bytes = Counter("kvtier_spill_bytes",
+                                   "Payload bytes received by Spill and WriteChunks",
                                    ["path"], registry=r)
-        self.restore_bytes = Counter("kvtier_restore_bytes", "Payload bytes sent by restores",
+        self.restore_bytes = Counter("kvtier_restore_bytes",
+                                     "Payload bytes sent by restores and ReadChunks",
                                      ["path"], registry=r)
         self.shm_segments = Gauge("kvtier_shm_segments", "Shared-memory segments leased "
                                   "to clients", registry=r)

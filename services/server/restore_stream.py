@@ -49,7 +49,7 @@ from kvtier.shm import PackedWriter
 from proto import kvtier_pb2 as pb
 from services.server.metrics import ServiceMetrics
 from services.server.replay_backend import ReplayBackend
-from services.server.shm_leases import LeaseTable
+from services.server.shm_leases import Lease, LeaseTable
 
 MESSAGE_MARGIN = 4096  # room for the fields around one payload in a reply
 
@@ -107,14 +107,7 @@ class RestoreStreamer:
                 size = sum(m.chunk_sizes) + len(m.tail) + (len(window) if window else 0)
                 if replay and opts.resume:  # the rebuilt window goes in the segment too
                     size += _window_bound(spec)
-                if opts.use_shared_memory and self.leases is not None:
-                    try:
-                        lease = self.leases.reply_segment(opts.peer, opts.reply_lease, size)
-                    except TierFull as exc:  # a bound reached: the bytes go inline
-                        refused = str(exc)
-                    self.metrics.shm_segments.set(len(self.leases))
-                    writer = (PackedWriter(lease.map, lease.lease_id) if lease is not None
-                              else None)
+                lease, writer, refused = self.reply_segment(opts, size)
                 split = [split_block_key(key) for key in m.chunk_keys]
                 chains = [chain for chain, _ in split]
                 yield pb.RestoreReply(header=pb.SessionHeader(
@@ -148,16 +141,16 @@ class RestoreStreamer:
                     if not opts.layer_by_layer:
                         yield pb.RestoreReply(chunk=pb.RestoredChunk(
                             index=chunk.index, tier=chunk.tier,
-                            payload=self._payload(chains[chunk.index], chunk.data, writer,
+                            payload=self.payload(chains[chunk.index], chunk.data, writer,
                                                   refused)))
                 if opts.layer_by_layer:
                     buffers = chunks + ([m.tail] if m.tail else [])
                     async for section in self._sections(spec, buffers):
                         yield pb.RestoreReply(section=section)
                 elif m.tail:
-                    yield pb.RestoreReply(tail=self._payload("", m.tail, writer, refused))
+                    yield pb.RestoreReply(tail=self.payload("", m.tail, writer, refused))
                 if window is not None:
-                    yield pb.RestoreReply(window=self._payload("", window, writer, refused))
+                    yield pb.RestoreReply(window=self.payload("", window, writer, refused))
                 tokens, tail = m.token_ids, m.tail
             restore_s = time.perf_counter() - started
             if window_tier:
@@ -180,7 +173,7 @@ class RestoreStreamer:
                 self.metrics.replayed_tokens.inc(rebuilt.replayed_tokens)
                 self.metrics.replay_seconds.observe(rebuilt.seconds)
                 self.metrics.replay_batch_size.observe(rebuilt.batch_size)
-                yield pb.RestoreReply(window=self._payload("", rebuilt.window, writer))
+                yield pb.RestoreReply(window=self.payload("", rebuilt.window, writer))
                 await self._keep_window(tenant, session_id, m.generation, rebuilt.window,
                                         rebuilt.replayed_tokens)
                 summary.replayed = True
@@ -231,8 +224,27 @@ class RestoreStreamer:
             log.info("rebuilt window of %s/%s not kept here (no window tier has room, or "
                      "another node holds a better one)", tenant, session_id)
 
-    def _payload(self, key: str, data: Buffer, writer: PackedWriter | None, refused: str = ""
-                 ) -> pb.Payload:
+    def reply_segment(self, opts: StreamOptions, size: int
+                      ) -> tuple[Lease | None, PackedWriter | None, str]:
+        """The segment a reply of ``size`` bytes goes in, as ``opts`` asks (the lease
+        rules of proto/kvtier.proto), its writer, and why none was leased where a bound
+        refused it (the bytes then go inline): (lease, writer, refused). Give the lease
+        back with ``self.leases.done`` when the reply ends."""
+        if not opts.use_shared_memory or self.leases is None:
+            return None, None, ""
+        lease, refused = None, ""
+        try:
+            lease = self.leases.reply_segment(opts.peer, opts.reply_lease, size)
+        except TierFull as exc:  # a bound reached: the bytes go inline
+            refused = str(exc)
+        self.metrics.shm_segments.set(len(self.leases))
+        writer = PackedWriter(lease.map, lease.lease_id) if lease is not None else None
+        return lease, writer, refused
+
+    def payload(self, key: str, data: Buffer, writer: PackedWriter | None, refused: str = ""
+                ) -> pb.Payload:
+        """``data`` in the segment while it fits, else inline (``MessageTooLarge`` past the
+        message limit)."""
         if writer is not None and writer.fits(len(data)):
             self.metrics.restore_bytes.labels("shm").inc(len(data))
             return pb.Payload(key=key, shm=writer.add(data))

@@ -46,6 +46,7 @@ from services.server.fleet_stat import fleet_stat
 from services.server.layout_registry import ServerLayouts, fleet_layouts, is_builtin
 from services.server.limits import Bounds, InFlight, Limits, idle_bounded
 from services.server.metrics import ServiceMetrics, tier_lookups
+from services.server.prefix_chunks import PrefixChunkCalls
 from services.server.replay_backend import ReplayBackend, model_layouts
 from services.server.restore_stream import RestoreStreamer, StreamOptions
 from services.server.shm_leases import LeaseTable
@@ -79,6 +80,9 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         self.address = ""  # where other nodes and routers reach this server (once bound)
         self.audit: AuditLog | None = None  # set when auth or an audit log is configured
         self.limits = Limits(Bounds.from_config(config))
+        self.chunks = PrefixChunkCalls(
+            manager, config, self.limits, self.layouts, self.streamer,
+            functools.partial(self._payload_bytes, method="WriteChunks"), MAX_TOKENS)
 
     def use_replay(self, backend: ReplayBackend, replayers: frozenset[str]) -> None:
         """Rebuild windows with ``backend`` (e.g. a model this process holds already) for
@@ -156,7 +160,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             durable=receipt.durable, bytes_received=receipt.bytes_received,
             window_kept=receipt.window_kept)
 
-    def _payload_bytes(self, payload: pb.Payload, peer: str, budget: int) -> bytes:
+    def _payload_bytes(self, payload: pb.Payload, peer: str, budget: int,
+                       method: str = "Spill") -> bytes:
         body = payload.WhichOneof("body")
         if body == "shm":
             data = self._leases().read(peer, payload.shm, budget)
@@ -165,7 +170,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             data = payload.data
             self.metrics.spill_bytes.labels("grpc").inc(len(data))
         if len(data) > budget:
-            raise InvalidRequest(f"the Spill stream exceeds max_spill_bytes "
+            raise InvalidRequest(f"the {method} stream exceeds max_spill_bytes "
                                  f"({self.config.max_spill_bytes} B)")
         return data
 
@@ -226,6 +231,19 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         async for reply in self._stream(tenant, session_id, opts):
             if reply.WhichOneof("item") == "summary" and reply.summary.replayed:
                 self.replays += 1
+            yield reply
+
+    # -- prefix chunks of no session (services.server.prefix_chunks) --
+
+    @grpc_errors
+    async def WriteChunks(self, request_iterator: AsyncIterator[pb.WriteChunksRequest],
+                          context: grpc.aio.ServicerContext) -> pb.WriteChunksReply:
+        return await self.chunks.write(request_iterator, context.peer())
+
+    @grpc_errors
+    async def ReadChunks(self, request: pb.ReadChunksRequest,
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ReadChunksReply]:
+        async for reply in self.chunks.read(request, context.peer()):
             yield reply
 
     # -- shared memory (same-host fast path; rules in proto/kvtier.proto) --

@@ -4,10 +4,10 @@ Parsing a message, and what a handler then does over its fields (token ids check
 hashed into chain keys, lists walked), runs on the server's one event loop, so the size
 of what reaches a parser bounds that work. Per method of the KVTier service:
 
-- Spill: a message over ``max_header_bytes`` must be exactly one payload field (chunk,
-  tail or window: bytes the layout bounds, copied not walked); a header is at most
-  ``max_header_bytes``;
-- Lookup (token ids, hashed into chain keys): at most ``max_header_bytes``;
+- Spill, WriteChunks: a message over ``max_header_bytes`` must be exactly one payload
+  field (chunk, tail or window: bytes the layout bounds, copied not walked); a header is
+  at most ``max_header_bytes``;
+- Lookup, ReadChunks (token ids, hashed into chain keys): at most ``max_header_bytes``;
 - RegisterLayout: the layout JSON bound (``kvstore.format.layout_bounds.MAX_JSON_BYTES``)
   and a margin;
 - every other method: ``CONTROL_BYTES``.
@@ -28,7 +28,11 @@ from kvstore.format.layout_bounds import MAX_JSON_BYTES
 from kvtier.errors import Undecodable
 
 CONTROL_BYTES = 64 << 10  # a session ref, a few names and numbers, a page of ids
-_SPILL_PAYLOADS = {2: "chunk", 3: "tail", 4: "window"}  # SpillRequest's oneof fields
+# The oneof fields of the client-streamed requests that carry payloads, and their names
+PAYLOAD_FIELDS: dict[str, tuple[frozenset[int], str]] = {
+    "Spill": (frozenset({2, 3, 4}), "chunk, tail or window"),
+    "WriteChunks": (frozenset({2}), "chunk"),
+}
 _LENGTH_DELIMITED = 2
 
 
@@ -44,23 +48,28 @@ class _SizedParser:
     """A request deserializer that parses only messages inside the method's bound."""
 
     def __init__(self, parse: Callable[[bytes], Any], method: str, limit: int,
-                 setting: str, spill: bool) -> None:
+                 setting: str) -> None:
         self.parse_message = parse
         self.DESCRIPTOR = parse.__self__.DESCRIPTOR  # the type, for the parse errors
-        self.method, self.limit, self.setting, self.spill = method, limit, setting, spill
+        self.method, self.limit, self.setting = method, limit, setting
+        self.payloads, self.payload_names = PAYLOAD_FIELDS.get(method, (frozenset(), ""))
 
     def parse(self, raw: bytes) -> Any:
-        if len(raw) <= self.limit or (self.spill and _one_payload(raw)):
+        if len(raw) <= self.limit or self._one_payload(raw):
             return self.parse_message(raw)
         bound = f"{self.setting} = {self.limit} B" if self.setting else f"{self.limit} B"
-        if self.spill and _first_field(raw) == (1, len(raw)):  # one header field
-            what = f"the Spill header is {len(raw)} B, over the limit ({bound})"
-        elif self.spill:
-            what = (f"a Spill message of {len(raw)} B (over {bound}) must carry one chunk, "
-                    "tail or window payload and nothing else")
+        if self.payloads and _first_field(raw) == (1, len(raw)):  # one header field
+            what = f"the {self.method} header is {len(raw)} B, over the limit ({bound})"
+        elif self.payloads:
+            what = (f"a {self.method} message of {len(raw)} B (over {bound}) must carry one "
+                    f"{self.payload_names} payload and nothing else")
         else:
             what = f"a {self.method} request is {len(raw)} B, over the limit ({bound})"
         return _Oversized(InvalidRequest(what))
+
+    def _one_payload(self, raw: bytes) -> bool:
+        number, end = _first_field(raw)
+        return number in self.payloads and end == len(raw)
 
 
 def _varint(raw: bytes, at: int) -> tuple[int, int]:
@@ -84,15 +93,14 @@ def _first_field(raw: bytes) -> tuple[int, int]:
     return tag >> 3, (at + length if at >= 0 else -1)
 
 
-def _one_payload(raw: bytes) -> bool:
-    number, end = _first_field(raw)
-    return number in _SPILL_PAYLOADS and end == len(raw)
 
 
 def request_limits(max_header_bytes: int) -> dict[str, tuple[int, str]]:
     """Method -> (bound in bytes, the config key that sets it or "")."""
     return {"Spill": (max_header_bytes, "max_header_bytes"),
+            "WriteChunks": (max_header_bytes, "max_header_bytes"),
             "Lookup": (max_header_bytes, "max_header_bytes"),
+            "ReadChunks": (max_header_bytes, "max_header_bytes"),
             "RegisterLayout": (MAX_JSON_BYTES + CONTROL_BYTES, "")}
 
 
@@ -122,7 +130,6 @@ class _Bounding:
         sized = {}
         for name, handler in handlers.items():
             limit, setting = self.limits.get(name, (CONTROL_BYTES, ""))
-            parser = _SizedParser(handler.request_deserializer, name, limit, setting,
-                                  name == "Spill")
+            parser = _SizedParser(handler.request_deserializer, name, limit, setting)
             sized[name] = handler._replace(request_deserializer=parser.parse)
         self.server.add_registered_method_handlers(service, sized)

@@ -58,7 +58,8 @@ _DATA = frozenset({TENANT})  # the KV bytes themselves: the tenant's own only
 _CONTROL = frozenset({TENANT, ADMIN})  # admin: every tenant (listing, stats, compaction)
 METHOD_ROLES: dict[str, frozenset[str]] = {
     **{_KVTIER + m: _DATA for m in ("Spill", "Restore", "Resume", "LeaseSegment",
-                                    "ReleaseSegments", "Lookup", "Fork")},
+                                    "ReleaseSegments", "Lookup", "Fork", "WriteChunks",
+                                    "ReadChunks")},
     **{_KVTIER + m: _CONTROL for m in ("Prefetch", "Evict", "Delete", "Stat", "List",
                                        "ListLayouts")},
     # who of these may register: the server's register_layouts (services.server.layout_registry)

@@ -28,6 +28,7 @@ from kvstore.format.errors import (
 from kvstore.format.keys import chain_keys, chunk_digest, token_bytes
 from kvstore.format.layout import layout_from_json, layout_to_json
 from kvtier.codec import decode_persistent, decode_window
+from proto import kvtier_pb2 as pb
 from tests.vectors.generate import header_fields, other_layout, stream_data, wire_layout
 
 VECTORS = Path(__file__).resolve().parents[1] / "vectors"
@@ -187,3 +188,29 @@ def test_error_table():
         names, status = line.strip("| ").rsplit("|", 1)
         rows.update(dict.fromkeys(re.findall(r"`(\w+)`", names), status.strip()))
     assert {n: s for n, s in rows.items() if n in ERROR_CLASSES} == errors["classes"]
+
+
+def test_prefix_chunk_messages():
+    vectors = load("prefix_chunks.json")
+    assert vectors["layout_id"] == SPEC.layout_id
+    for chunk in vectors["chunks"]:
+        buf = encode_chunk(SPEC, chunk["start_token"], chunk["token_ids"], streams_of(chunk))
+        assert buf.hex() == chunk["bytes"] and chunk_digest(buf).hex() == chunk["digest"]
+    for case in vectors["cases"]:
+        keys = chain_keys(SPEC.layout_id, case["token_ids"], vectors["chunk_tokens"],
+                          scope=case["scope"], model_fingerprint=case["model_fingerprint"])
+        first = case["write_header"]["first_chunk"]
+        assert keys[first:] == case["reply_chunk_keys"] == case["payload_keys"]
+        header = pb.WriteChunksHeader.FromString(bytes.fromhex(case["write_header"]["bytes"]))
+        assert header.token_ids == token_bytes(case["token_ids"])
+        assert header.first_chunk == first and header.ack == pb.ACK_DURABLE
+        assert [d.hex() for d in header.chunk_digests] == \
+            case["write_header"]["chunk_digests"] == [c["digest"] for c in vectors["chunks"]]
+        assert (header.tenant, header.dedupe_domain, header.model_fingerprint) == \
+            (case["tenant"], case["dedupe_domain"], case["model_fingerprint"])
+        read = pb.ReadChunksRequest.FromString(bytes.fromhex(case["read_request"]["bytes"]))
+        start = read.first_chunk
+        assert keys[start:start + read.max_chunks] == case["read_chunk_keys"]
+    # the two scopes chain apart: no domain's keys name another's chunks
+    own, shared = vectors["cases"]
+    assert not set(own["reply_chunk_keys"]) & set(shared["reply_chunk_keys"])

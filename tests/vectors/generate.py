@@ -1,6 +1,7 @@
 """Write the golden vectors of docs/wire-format.md: ``python -m tests.vectors.generate``.
 
-The vectors are inputs and the exact bytes and keys kvtier produces for them, for a
+The vectors are inputs and the exact bytes and keys kvtier produces for them (and the
+WriteChunks / ReadChunks messages of ``prefix_chunks.json``), for a
 small layout with one stream of each kind (int4, int8, bf16; a window stream and a
 pending stream). ``tests/format/test_vectors.py`` compares the codec against the committed
 files, and the Node client (clients/node) against the same files, so a change to the
@@ -28,6 +29,7 @@ from kvstore.format.chunk_parts import code_dtype
 from kvstore.format.errors import CLASS_FOR_STATUS, ERROR_CLASSES, ERROR_KEY, status_name
 from kvstore.format.keys import chain_keys, chunk_digest, chunk_key, dedupe_scope, token_bytes
 from kvstore.format.layout import BaselineKV, LayoutSpec, Stream, layout_to_json
+from proto import kvtier_pb2 as pb
 
 HERE = Path(__file__).resolve().parent
 TENANT = "acme"
@@ -246,7 +248,50 @@ def build() -> dict[str, dict]:
     }
     layouts = {"layouts": [layout_vector(spec), layout_vector(other_layout())]}
     return {"layouts.json": layouts, "chunks.json": chunks, "keys.json": keys,
-            "errors.json": errors}
+            "errors.json": errors, "prefix_chunks.json": prefix_chunks(spec)}
+
+
+def prefix_chunks(spec: LayoutSpec) -> dict:
+    """WriteChunks and ReadChunks of a three-chunk sequence: the header a client sends
+    for chunks 1 and 2 (first_chunk 1, chunk 0 written before), the chunk keys the server
+    answers (chained from token 0 in the caller's scope), and a ReadChunks of chunk 1."""
+    tokens = TOKENS + [4, 5, 6, 8, 9]
+    size = spec.chunk_tokens
+    full = {s.name: stream_values(s, s.entries_for(len(tokens)), 10 + seed)
+            for seed, s in enumerate(spec.persistent_streams)}
+    chunks = [chunk_vector(spec, f"chunk {i}", i * size, tokens[i * size:(i + 1) * size],
+                           {s.name: sliced(s, full[s.name], i * size // s.tokens_per_entry,
+                                           s.entries_for((i + 1) * size))
+                            for s in spec.persistent_streams})
+              for i in range(1, len(tokens) // size)]
+    cases = []
+    for domain in ("", SHARED_DOMAIN):
+        scope = dedupe_scope(TENANT, domain or None)
+        keys = chain_keys(spec.layout_id, tokens, size, scope=scope,
+                          model_fingerprint=MODEL_FINGERPRINT)
+        header = pb.WriteChunksHeader(
+            tenant=TENANT, layout_id=spec.layout_id, model_fingerprint=MODEL_FINGERPRINT,
+            dedupe_domain=domain, token_ids=token_bytes(tokens), first_chunk=1,
+            chunk_digests=[bytes.fromhex(c["digest"]) for c in chunks], ack=pb.ACK_DURABLE)
+        read = pb.ReadChunksRequest(
+            tenant=TENANT, layout_id=spec.layout_id, model_fingerprint=MODEL_FINGERPRINT,
+            dedupe_domain=domain, token_ids=token_bytes(tokens), first_chunk=1, max_chunks=1)
+        cases.append({
+            "scope": scope, "tenant": TENANT, "dedupe_domain": domain,
+            "model_fingerprint": MODEL_FINGERPRINT, "token_ids": tokens,
+            "write_header": {"first_chunk": 1, "chunk_digests": [c["digest"] for c in chunks],
+                             "ack": "ACK_DURABLE", "bytes": header.SerializeToString().hex()},
+            "payload_keys": keys[1:],  # Payload.key of each chunk sent
+            "reply_chunk_keys": keys[1:],  # WriteChunksReply.chunk_keys
+            "read_request": {"first_chunk": 1, "max_chunks": 1,
+                             "bytes": read.SerializeToString().hex()},
+            "read_chunk_keys": keys[1:2],  # ChunksHeader.chunk_keys
+        })
+    return {"layout_id": spec.layout_id, "chunk_tokens": size, "chunks": chunks,
+            "cases": cases,
+            "missing_reasons": ["not_held", "corrupt", "digest_mismatch", "tier_unavailable"],
+            "refused": [{"token_ids": tokens[:-1], "why": "a partial last chunk",
+                         "status": "INVALID_ARGUMENT"}]}
 
 
 def compact(text: str) -> str:

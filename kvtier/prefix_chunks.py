@@ -1,0 +1,247 @@
+"""``AsyncClient.write_chunks`` and ``read_chunks``: prefix chunks of no session over
+the WriteChunks and ReadChunks calls (proto "Prefix chunks"). No retries here
+(``kvtier.client`` owns the calls: each is one ``attempt(node)``).
+
+A write keys and digests the encoded chunks it is given (``kvstore.format.keys``, from
+token 0 in the caller's domain: the server computes the same keys and refuses others),
+and with ``skip_held`` sends only the chunks a Lookup did not find held with the very
+digest (``MissingChunks`` if one went meanwhile: the client sends them all). A read
+checks every chunk again end to end, its digest against the header's and its codec
+header against the tokens (layout hash, start token, token count, tokens hash); one
+that fails is reported missing, "corrupt".
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
+
+import numpy as np
+
+from kvstore.format.checks import restored_chunk_check
+from kvstore.format.errors import CodecError, InvalidRequest
+from kvstore.format.keys import block_key, chain_keys, chunk_digest, dedupe_scope
+from kvstore.format.layout import LayoutSpec
+from kvtier import codec as cc
+from kvtier import shm
+from kvtier.errors import MissingChunks
+from kvtier.routing import Node
+from kvtier.types import ReadChunksResult, WriteChunksResult
+from proto import kvtier_pb2 as pb
+
+MESSAGE_MARGIN = 1024  # room for the fields around one payload in a message
+
+
+def write_header(spec: LayoutSpec, tenant: str, tokens: np.ndarray, digests: list[bytes], *,
+                 first_chunk: int, model_fingerprint: str, dedupe_domain: str, ack: int
+                 ) -> pb.WriteChunksHeader:
+    return pb.WriteChunksHeader(
+        tenant=tenant, layout_id=spec.layout_id, model_fingerprint=model_fingerprint,
+        dedupe_domain=dedupe_domain, token_ids=tokens.tobytes(), first_chunk=first_chunk,
+        chunk_digests=digests, ack=ack)
+
+
+def keyed(spec: LayoutSpec, tokens: np.ndarray, chunks: Sequence[bytes], first_chunk: int,
+          scope: str, model_fingerprint: str) -> tuple[list[str], list[bytes]]:
+    """(chain keys, digests) of the chunks given, one per whole chunk from first_chunk."""
+    keys = chain_keys(spec.layout_id, tokens, spec.chunk_tokens, scope=scope,
+                      model_fingerprint=model_fingerprint)[first_chunk:]
+    if len(chunks) != len(keys):
+        raise InvalidRequest(f"{len(tokens)} tokens make {len(keys)} whole chunks from chunk "
+                             f"{first_chunk} on; {len(chunks)} were given")
+    return keys, [chunk_digest(c) for c in chunks]
+
+
+def unheld(lookup: pb.LookupReply, keys: Sequence[str], digests: Sequence[bytes],
+           first_chunk: int) -> list[int]:
+    """The positions (from first_chunk) of the chunks a Lookup did not find held with
+    the same digest: those to send."""
+    held = {c.chunk_key: c.digest for c in lookup.chunks}
+    return [n for n, key in enumerate(keys) if held.get(key) != digests[n]]
+
+
+async def write_once(node: Node, header: pb.WriteChunksHeader, keys: Sequence[str],
+                     chunks: Sequence[bytes], send: Sequence[int], *, shared_memory: bool,
+                     max_message_bytes: int, timeout_s: float | None) -> WriteChunksResult:
+    """One WriteChunks call sending ``chunks[n]`` for each ``n`` in ``send``."""
+    started = time.monotonic()
+    segment = None
+    if shared_memory and send:
+        segment = await node.segments.for_spill(sum(len(chunks[n]) for n in send), timeout_s)
+    writer = segment.writer() if segment is not None else None
+    too_big = [n for n in send if len(chunks[n]) + MESSAGE_MARGIN > max_message_bytes]
+    if too_big and writer is None:
+        raise InvalidRequest(f"chunk {header.first_chunk + too_big[0]} of "
+                             f"{len(chunks[too_big[0]])} B exceeds the {max_message_bytes} B "
+                             "message limit and shared memory is off or refused")
+    try:
+        messages = [pb.WriteChunksRequest(header=header)]
+        for n in send:
+            payload = (pb.Payload(key=keys[n], shm=writer.add(chunks[n])) if writer
+                       else pb.Payload(key=keys[n], data=bytes(chunks[n])))
+            messages.append(pb.WriteChunksRequest(chunk=payload))
+        reply = await node.stub.WriteChunks(_stream(messages), timeout=timeout_s)
+    except Exception:
+        if segment is not None:  # the server may still be reading it: never reuse it
+            await node.segments.release([segment])
+        raise
+    except BaseException:
+        if segment is not None:  # cancelled: no call to release it, the server reaps it
+            segment.close()
+        raise
+    if segment is not None:  # the server copied the bytes out before it answered
+        await node.segments.keep(segment, started)
+    return WriteChunksResult(reply.chunks_written, reply.chunks_deduped, reply.tier,
+                             reply.durable, list(reply.chunk_keys))
+
+
+async def _stream(messages: list) -> AsyncIterator:
+    # An async iterator, as kvtier.client's: a refused message keeps its own status.
+    for message in messages:
+        yield message
+
+
+async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,
+                    tokens: np.ndarray, timeout_s: float | None) -> ReadChunksResult:
+    """One ReadChunks call; on the shared-memory path it offers a segment it holds as
+    ``reply_lease``, as a restore does (``kvtier.client.AsyncClient._receive``)."""
+    offered = node.segments.for_reply() if request.use_shared_memory else None
+    request.reply_lease = offered.lease_id if offered is not None else ""
+    used = [offered] if offered is not None else []
+    started = time.monotonic()
+    call = node.stub.ReadChunks(request, timeout=timeout_s)
+    header, got, segment = None, [], None
+    try:
+        async for reply in call:
+            kind = reply.WhichOneof("item")
+            if kind == "header":
+                header = reply.header
+                if header.HasField("reply_segment"):
+                    segment = await _reply_segment(node.segments, header.reply_segment, used)
+            elif header is None:
+                raise InvalidRequest(f"a ReadChunks reply sent {kind} before its header")
+            elif kind == "missing":
+                got.append((reply.missing.index, None, reply.missing.reason))
+            else:
+                payload = reply.chunk.payload
+                if payload.WhichOneof("body") != "shm":
+                    data = payload.data
+                elif segment is None:
+                    raise InvalidRequest("a reply refers to shared memory the header did "
+                                         "not name")
+                else:
+                    data = segment.read(payload.shm)
+                got.append((reply.chunk.index, data, ""))
+    except Exception:  # the server may still be writing into them: never reuse them
+        call.cancel()
+        await node.segments.release(used)
+        raise
+    except BaseException:  # cancelled: no call to release them, the server reaps them
+        call.cancel()
+        for held in used:
+            held.close()
+        raise
+    for held in used:
+        if held is not segment:  # replaced: the server released it
+            held.close()
+    if segment is not None:  # copied out: it may serve the next call
+        await node.segments.keep(segment, started)
+    if header is None:
+        raise InvalidRequest("the ReadChunks reply had no header")
+    return checked_result(spec, tokens, request.first_chunk, header, got)
+
+
+async def _reply_segment(segments: shm.ClientSegments, lease: pb.SharedMemoryLease,
+                         used: list[shm.Segment]) -> shm.Segment:
+    if used and used[0].lease_id == lease.lease_id:
+        return used[0]  # the offered one, written into
+    segment = await segments.mapped(lease)
+    used.append(segment)
+    return segment
+
+
+def checked_result(spec: LayoutSpec, tokens: np.ndarray, first_chunk: int,
+                   header: pb.ChunksHeader, got: list) -> ReadChunksResult:
+    """The reply's chunks, each checked end to end; one failing a check is "corrupt"."""
+    keys = list(header.chunk_keys)
+    digests = list(header.chunk_digests)
+    if len(digests) != len(keys):
+        raise InvalidRequest(f"a ReadChunks header names {len(keys)} chunks and "
+                             f"{len(digests)} digests")
+    result = ReadChunksResult(first_chunk, keys, {}, {})
+    for index, data, reason in got:
+        n = index - first_chunk
+        if not 0 <= n < len(keys) or index in result.chunks or index in result.missing:
+            raise InvalidRequest(f"a ReadChunks reply sent chunk {index} twice or out of "
+                                 f"the range asked for ({first_chunk}+{len(keys)})")
+        if data is None:
+            result.missing[index] = reason
+            continue
+        try:
+            restored_chunk_check(spec, tokens, index, block_key(keys[n], digests[n]))(data)
+        except (CodecError, InvalidRequest):
+            result.missing[index] = "corrupt"
+            continue
+        result.chunks[index] = data
+    for index in range(first_chunk, first_chunk + len(keys)):
+        if index not in result.chunks:  # one the reply left out is no chunk to use either
+            result.missing.setdefault(index, "not_held")
+    return result
+
+
+class PrefixChunkMethods:
+    """``AsyncClient``'s prefix-chunk methods (it supplies ``_call``, ``layout``,
+    ``shared_memory``, ``timeout_s`` and ``max_message_bytes``)."""
+
+    async def write_chunks(self, tenant: str, layout: str | LayoutSpec, token_ids,
+                           chunks: Sequence[bytes], *, first_chunk: int = 0,
+                           model_fingerprint: str = "", dedupe_domain: str = "",
+                           ack: str = "memory", skip_held: bool = True) -> WriteChunksResult:
+        """Store encoded ``chunks`` (one per whole chunk of ``token_ids`` from ``first_chunk``)
+        as cache of no session; ``skip_held``: send only those a Lookup does not find held
+        with the same digest (``kvtier.prefix_chunks``)."""
+        spec = layout if isinstance(layout, LayoutSpec) else await self.layout(layout)
+        tokens = cc.as_tokens(token_ids)
+        scope = dedupe_scope(tenant, dedupe_domain or None)
+        keys, digests = keyed(spec, tokens, chunks, first_chunk, scope, model_fingerprint)
+        header = write_header(spec, tenant, tokens, digests, first_chunk=first_chunk,
+                              model_fingerprint=model_fingerprint, dedupe_domain=dedupe_domain,
+                              ack=pb.Ack.Value(f"ACK_{ack.upper()}"))
+        send = list(range(len(chunks)))
+        if skip_held and chunks:
+            lookup = pb.LookupRequest(tenant=tenant, layout_id=spec.layout_id,
+                                      model_fingerprint=model_fingerprint,
+                                      dedupe_domain=dedupe_domain, token_ids=tokens.tobytes())
+            held = await self._call(lambda node: node.stub.Lookup(lookup,
+                                                                  timeout=self.timeout_s))
+            send = unheld(held, keys, digests, first_chunk)
+
+        def attempt(node: Node, send=send) -> Awaitable[WriteChunksResult]:
+            return write_once(node, header, keys, chunks, send,
+                              shared_memory=self.shared_memory, timeout_s=self.timeout_s,
+                              max_message_bytes=self.max_message_bytes)
+
+        try:
+            return await self._call(attempt)
+        except MissingChunks:  # one went since the lookup: send every chunk
+            return await self._call(lambda node: attempt(node, range(len(chunks))))
+
+    async def read_chunks(self, tenant: str, layout: str | LayoutSpec, token_ids, *,
+                          first_chunk: int = 0, max_chunks: int = 0, model_fingerprint: str = "",
+                          dedupe_domain: str = "", digests: Sequence[bytes] | None = None,
+                          use_shared_memory: bool | None = None) -> ReadChunksResult:
+        """Chunks of ``token_ids`` by position (``max_chunks`` 0: every whole one), each
+        verified again here; ``digests``: the expected ones, one per chunk read."""
+        spec = layout if isinstance(layout, LayoutSpec) else await self.layout(layout)
+        tokens = cc.as_tokens(token_ids)
+        request = pb.ReadChunksRequest(
+            tenant=tenant, layout_id=spec.layout_id, model_fingerprint=model_fingerprint,
+            dedupe_domain=dedupe_domain, token_ids=tokens.tobytes(), first_chunk=first_chunk,
+            max_chunks=max_chunks, chunk_digests=digests or [])
+
+        def attempt(node: Node) -> Awaitable[ReadChunksResult]:
+            request.use_shared_memory = (self.shared_memory if use_shared_memory is None
+                                         else use_shared_memory and self.shared_memory)
+            return read_once(node, request, spec, tokens, self.timeout_s)
+
+        return await self._call(attempt)
