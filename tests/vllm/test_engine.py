@@ -145,7 +145,8 @@ def test_a_session_resumes_and_is_spilled_as_its_next_generation(engine, store, 
     session = store.restore(TENANT, "chat", decode=False)
     assert list(session.token_ids) == (turn2 + out2)[:stat.num_tokens]
     assert len(session.chunk_keys) == stat.num_tokens // BS
-    assert metrics(engine)["spills"] >= 2
+    generate(engine, prompt(10, seed=9))  # vLLM reports the engine's counters as it steps
+    assert metrics(engine)["spills"] >= 2 and not metrics(engine).get("spill_errors")
 
 
 def test_damaged_and_lost_chunks_are_recomputed(engine, store, layout, kvtier_server):
