@@ -3,14 +3,18 @@ turn restored bytes back into tensors. No gRPC here; torch is loaded by the call
 make or read tensors.
 
 Tensor layouts (per stream of the layout spec, see ``kvstore.format.chunk_parts``):
-  persistent stream: codes (layers, entries, *codes_shape), scales (layers, entries,
-      groups) float16 or None for bf16 streams, entries = stream.entries_for(num_tokens)
+  persistent stream: codes (layers, entries, *codes_shape) of the format's dtype, scales
+      (layers, entries, groups) float16 for int4/int8, None for bf16/fp16, and for fp8
+      (layers, chunks) float32: column c the scale of chunk c (the tail is the last
+      chunk), or (layers, 1) on encode for one scale in every chunk;
+      entries = stream.entries_for(num_tokens)
   window stream: the same for the tokens it covers (ephemeral streams only: the window
       K/V over the last W tokens, pending rows over the last num_tokens % m)
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +31,7 @@ from kvstore.format.chunk import (
     read_header,
     split_chunks,
 )
-from kvstore.format.chunk_parts import SCALES_DTYPE_NAME, code_dtype, torch_dtype
+from kvstore.format.chunk_parts import code_dtype, scales_dtype, tensor_scale_fault
 from kvstore.format.chunk_run import PackedRun, decode_chunks
 from kvstore.format.errors import ChunkCorrupt, DataLoss, InvalidRequest, LayoutMismatch
 from kvstore.format.keys import chain_keys, chunk_digest, token_bytes
@@ -120,9 +124,10 @@ def encode_session(
         if persistent[name].codes.shape[1] != need:
             raise LayoutMismatch(f"stream {name} has {persistent[name].codes.shape[1]} "
                                  f"entries; {len(tokens)} tokens need {need}")
+    size = spec.chunk_tokens
+    _check_tensor_scales(spec, persistent, -(-len(tokens) // size))
     keys = chain_keys(spec.layout_id, tokens, spec.chunk_tokens, scope=scope,
                       model_fingerprint=model_fingerprint)
-    size = spec.chunk_tokens
     encoded = _encoded(spec, tokens, persistent, range(len(keys)), 0, zstd_level)
     digests, chunks = _unheld(keys, encoded, held)
     covered = len(keys) * size
@@ -145,6 +150,7 @@ def encode_chunks(spec: LayoutSpec, tokens: np.ndarray, persistent: Streams, *,
                              f"chunks of {len(tokens)} tokens)")
     _check_streams(spec, persistent, False, "persistent streams")
     origin = first_chunk * size
+    _check_tensor_scales(spec, persistent, whole - first_chunk)
     for s in spec.persistent_streams:
         need = s.entries_for(whole * size) - origin // s.tokens_per_entry
         if persistent[s.name].codes.shape[1] != need:
@@ -163,13 +169,30 @@ def _encoded(spec: LayoutSpec, tokens: np.ndarray, streams: Streams, indices: ra
                          zstd_level=zstd_level) for i in indices]
 
 
+def _check_tensor_scales(spec: LayoutSpec, streams: Streams, chunks: int) -> None:
+    """An fp8 stream's scales are (layers, 1) (every chunk's) or (layers, chunks)."""
+    for s in spec.persistent_streams:
+        scales = streams[s.name].scales
+        if s.value_format.scales != "tensor":
+            continue
+        if scales is None or scales.dim() != 2 or scales.shape[1] not in (1, chunks):
+            got = None if scales is None else tuple(scales.shape)
+            raise LayoutMismatch(f"stream {s.name} is {s.format}: its scales must be "
+                                 f"(layers, 1) or (layers, {chunks}) float32, got {got}")
+
+
 def _slice(spec: LayoutSpec, streams: Streams, start: int, stop: int) -> dict[str, StreamData]:
     out = {}
     for s in spec.persistent_streams:
         data = streams[s.name]
         a, b = start // s.tokens_per_entry, s.entries_for(stop)
-        out[s.name] = StreamData(data.codes[:, a:b],
-                                 None if data.scales is None else data.scales[:, a:b])
+        scales = data.scales
+        if s.value_format.scales == "group":
+            scales = scales[:, a:b]
+        elif scales is not None and scales.shape[1] > 1:  # fp8: this chunk's column
+            chunk = start // spec.chunk_tokens
+            scales = scales[:, chunk:chunk + 1]
+        out[s.name] = StreamData(data.codes[:, a:b], scales)
     return out
 
 
@@ -255,20 +278,35 @@ class LayerAssembler:
             return None
         name, layer = self.current
         stream = self.spec.stream(name)
-        codes = _tensor(b"".join(c for c, _ in self.parts), code_dtype(stream.bits),
-                        stream.codes_shape)
+        what = f"stream {name} layer {layer}"
+        codes = _tensor(b"".join(c for c, _ in self.parts), code_dtype(stream),
+                        stream.codes_shape, what)
         scales = None
-        if stream.bits < 16:
-            scales = _tensor(b"".join(s for _, s in self.parts), torch_dtype(SCALES_DTYPE_NAME),
-                             (stream.scales_per_entry,))
+        kind = stream.value_format.scales
+        if kind != "none":
+            # group: (entries, groups) float16; tensor: (chunks,) float32, one a section
+            scales = _tensor(b"".join(s for _, s in self.parts), scales_dtype(stream),
+                             (stream.scales_per_entry,) if kind == "group" else (), what)
+            if kind == "tensor":
+                fault = (tensor_scale_fault(name, scales.numpy()) if len(scales) ==
+                         len(self.parts) else f"{what}: {len(scales)} fp8 scales in "
+                         f"{len(self.parts)} chunks")
+                if fault:
+                    raise ChunkCorrupt(fault)
         self.parts, self.current = [], None
         return LayerSlice(name, layer, StreamData(codes, scales))
 
 
-def _tensor(raw: bytes, dtype: torch.dtype, entry_shape: tuple[int, ...]) -> torch.Tensor:
-    """(entries, *entry_shape) tensor owning a copy of ``raw``."""
+def _tensor(raw: bytes, dtype: torch.dtype, entry_shape: tuple[int, ...], what: str
+            ) -> torch.Tensor:
+    """(entries, *entry_shape) tensor owning a copy of ``raw``; ChunkCorrupt unless
+    ``raw`` is whole entries."""
     import torch
 
+    entry_bytes = dtype.itemsize * math.prod(entry_shape)
+    if len(raw) % entry_bytes:
+        raise ChunkCorrupt(f"{what}: {len(raw)} B is not a whole number of {entry_bytes} B "
+                           f"entries of {dtype}")
     if not raw:
         return torch.empty((0, *entry_shape), dtype=dtype)
     flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)

@@ -52,6 +52,14 @@ describe('wire format against tests/vectors', () => {
       LAYOUTS[0].layout_json);
   });
 
+  it('refuses the value formats it does not decode, keeps their layout ids', () => {
+    for (const { layout, chunk } of load('formats.json').formats) {
+      const spec = JSON.parse(layout.layout_json);
+      assert.equal(wire.layoutId(spec), layout.layout_id);
+      assert.throws(() => wire.sectionPlan(spec, chunk.token_ids.length, false), /not supported/);
+    }
+  });
+
   it('token ids are uint32le', () => {
     assert.equal(hex(wire.tokenBytes(TOKENS)), CHUNKS.token_bytes);
     assert.deepEqual(wire.tokenIds(unhex(CHUNKS.token_bytes)), TOKENS);

@@ -107,10 +107,21 @@ function codeBytesPerEntry(stream) {
   return (valuesPerEntry(stream) * stream.bits) / 8;
 }
 
+// The value formats this client reads and writes (docs/wire-format.md 2.6): each bit
+// width's default. A stream of another format (fp16, fp8_e4m3) is refused, not misread.
+const DEFAULT_FORMAT = { 4: 'int4', 8: 'int8', 16: 'bf16' };
+
+function checkFormat(stream) {
+  if (stream.format !== undefined && stream.format !== DEFAULT_FORMAT[stream.bits]) {
+    throw new WireError(`stream ${stream.name}: format ${stream.format} is not supported by this client`);
+  }
+}
+
 // The section table a chunk of `numTokens` tokens of these streams must have:
 // [{stream (index), layer, part, offset, length}], in payload order.
 export function sectionPlan(layout, numTokens, ephemeral, names = null) {
   const list = ephemeral ? ephemeralStreams(layout) : persistentStreams(layout);
+  list.forEach(checkFormat);
   const rows = [];
   let offset = 0;
   list.forEach((stream, index) => {

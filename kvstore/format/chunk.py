@@ -11,7 +11,9 @@ Layout of a chunk (little-endian)::
     check     xxh3-64 of header + section table
     payload   the sections back to back, zstd-compressed as a whole when flagged
 
-Codes are int4 packed two per byte (uint8), int8, or bf16; scales are fp16, one per group.
+Codes and scales per stream format (docs/wire-format.md "Value formats"): int4 packed two
+per byte (uint8) or int8 with fp16 group scales; bf16 or fp16 without scales; fp8 e4m3
+with one float32 scale per layer, which must be finite and > 0.
 A compressed payload is one zstd frame that declares its content size: the size is checked
 against the header (and, through the section table, the layout) before anything is
 decompressed, so a small chunk can never expand into a large allocation.
@@ -37,13 +39,16 @@ from kvstore.format.chunk_parts import (
     PART_CODES,
     PART_SCALES,
     ChunkPlan,
+    check_tensor_scales,
     chunk_plan,
     max_chunk_tokens,
     streams_of,
+    tensor_scale_fault,
 )
 from kvstore.format.errors import (
     ChunkCorrupt,
     ChunkTruncated,
+    InvalidRequest,
     LayoutMismatch,
     UnknownLayout,
     UnsupportedVersion,
@@ -51,6 +56,7 @@ from kvstore.format.errors import (
 from kvstore.format.keys import token_bytes
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.registry import layout_by_hash
+from kvstore.format.stream_data import StreamData
 
 if TYPE_CHECKING:  # torch is imported by the calls that make or read tensors
     import torch
@@ -83,20 +89,14 @@ ZSTD_SLACK = 1024
 
 
 @dataclass(frozen=True)
-class StreamData:
-    """One stream's share of a chunk, every owning layer."""
-
-    codes: torch.Tensor  # (layers, entries, *codes_shape) uint8 (int4 packed) | int8 | bf16
-    scales: torch.Tensor | None  # (layers, entries, scales_per_entry) float16; None for bf16
-
-
-@dataclass(frozen=True)
 class LayerSlice:
     """One owning layer of one stream, as a layer-by-layer restore yields it."""
 
     stream: str
     layer: int  # index among the stream's owning layers
-    data: StreamData  # codes (entries, *codes_shape), scales (entries, groups) or None
+    # codes (entries, *codes_shape); scales (entries, groups), (chunks,) float32 for
+    # fp8_e4m3, or None
+    data: StreamData
 
 
 @dataclass(frozen=True)
@@ -167,14 +167,19 @@ def encode_chunk(
     for p in plan.parts:
         data = streams[p.stream.name]
         tensor = data.codes if p.part == PART_CODES else data.scales
-        if p.stream.bits == 16 and data.scales is not None:
-            raise LayoutMismatch(f"stream {p.stream.name} is bf16 and takes no scales")
+        if p.stream.value_format.scales == "none" and data.scales is not None:
+            raise LayoutMismatch(f"stream {p.stream.name} is {p.stream.format} and takes no "
+                                 "scales")
         if tensor is None or tuple(tensor.shape) != p.shape or tensor.dtype != p.dtype:
             got = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
             raise LayoutMismatch(
                 f"stream {p.stream.name} part {p.part}: expected {p.shape} {p.dtype} for "
                 f"{num_tokens} tokens, got {got}"
             )
+        if p.part == PART_SCALES and p.stream.value_format.scales == "tensor":
+            fault = tensor_scale_fault(p.stream.name, tensor.detach().cpu().numpy())
+            if fault:
+                raise InvalidRequest(fault)
         blobs.append(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
     raw_payload = b"".join(blobs)
     view = memoryview(raw_payload)
@@ -356,7 +361,7 @@ def verify_chunk(buf: Buffer, spec: LayoutSpec | None = None
             spec = layout_by_hash(read_header(view).layout_hash)
         except UnknownLayout:
             spec = None
-    header = read_header(view) if spec is None else checked_plan(view, spec, None)[0]
+    header, plan = (read_header(view), None) if spec is None else checked_plan(view, spec, None)
     if header.compressed:
         payload = decoded_payload(view, header)
     else:
@@ -364,6 +369,8 @@ def verify_chunk(buf: Buffer, spec: LayoutSpec | None = None
     # both checksums: a chunk whose section and payload checksums disagree is corrupt
     verify_sections(payload, header.sections)
     verify_payload(view, header, payload)
+    if plan is not None:
+        check_tensor_scales(plan, payload)
     return header
 
 
@@ -462,6 +469,7 @@ def decode_chunk(
             raise ChunkCorrupt("payload checksum mismatch")
         verify_sections(payload, table[[p.first_section + layer for p, picked in selected
                                         for layer in picked]])
+    check_tensor_scales(plan, payload)
     out: dict[str, dict[int, torch.Tensor]] = {}
     for p, picked in selected:
         if layers is None:

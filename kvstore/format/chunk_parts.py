@@ -1,6 +1,11 @@
 """Where each (stream, layer, part) of a chunk lives in its payload, for one layout and
 token count: the one source of the byte order, shared by encoder and decoder, cached per
-shape. Plain numpy: reading the plan loads no torch; a part's ``dtype`` does."""
+shape. Plain numpy: reading the plan loads no torch; a part's ``dtype`` does.
+
+Parts per stream format (``layout.FORMATS``): codes (layers, entries, *codes_shape) of
+the format's code dtype; group-scaled formats (int4, int8) add scales (layers, entries,
+scales_per_entry) float16; a tensor-scaled one (fp8_e4m3) adds scales (layers, 1)
+float32, the chunk's one scale per layer, which must be finite and > 0."""
 
 from __future__ import annotations
 
@@ -9,13 +14,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvstore.format.errors import ChunkCorrupt
 from kvstore.format.layout import LayoutSpec, Stream
 
 PART_CODES, PART_SCALES = 0, 1
-# torch dtype names: codes by bits (int4 packed two per byte in uint8), scales fp16
-CODE_DTYPE_NAMES = {4: "uint8", 8: "int8", 16: "bfloat16"}
-SCALES_DTYPE_NAME = "float16"
-ITEMSIZE = {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2}
+# torch dtype names of the scales, by the format's scales kind
+SCALES_DTYPE_NAMES = {"group": "float16", "tensor": "float32"}
+ITEMSIZE = {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1,
+            "float32": 4}
 
 
 @functools.cache
@@ -26,9 +32,24 @@ def torch_dtype(name: str):
     return getattr(torch, name)
 
 
-def code_dtype(bits: int):
-    """The torch dtype of the codes of a stream of ``bits``."""
-    return torch_dtype(CODE_DTYPE_NAMES[bits])
+def code_dtype(stream: Stream):
+    """The torch dtype of ``stream``'s codes (its format's)."""
+    return torch_dtype(stream.value_format.code_dtype)
+
+
+def scales_shape(stream: Stream, entries: int) -> tuple[int, ...] | None:
+    """Per-layer shape of one chunk's scales of ``stream`` over ``entries`` entries; None
+    when its format has no scales."""
+    kind = stream.value_format.scales
+    if kind == "none":
+        return None
+    return (entries, stream.scales_per_entry) if kind == "group" else (1,)
+
+
+def scales_dtype(stream: Stream):
+    """The torch dtype of ``stream``'s scales; None when its format has none."""
+    kind = stream.value_format.scales
+    return None if kind == "none" else torch_dtype(SCALES_DTYPE_NAMES[kind])
 
 
 @dataclass(frozen=True)
@@ -40,7 +61,7 @@ class PartPlan:
     offset: int  # payload offset of layer 0; layers follow back to back
     layer_bytes: int
     shape: tuple[int, ...]  # (layers, entries, ...) of the whole part
-    dtype_name: str  # CODE_DTYPE_NAMES or SCALES_DTYPE_NAME
+    dtype_name: str  # the format's code dtype, or SCALES_DTYPE_NAMES
 
     @property
     def dtype(self):
@@ -88,13 +109,12 @@ def chunk_plan(
         if names is not None and stream.name not in names:
             continue
         entries = stream.entries_for(num_tokens)
-        kinds = [
-            (PART_CODES, (stream.layers, entries, *stream.codes_shape),
-             CODE_DTYPE_NAMES[stream.bits])
-        ]
-        if stream.bits < 16:
-            kinds.append((PART_SCALES, (stream.layers, entries, stream.scales_per_entry),
-                          SCALES_DTYPE_NAME))
+        kinds = [(PART_CODES, (stream.layers, entries, *stream.codes_shape),
+                  stream.value_format.code_dtype)]
+        scales = scales_shape(stream, entries)
+        if scales is not None:
+            kinds.append((PART_SCALES, (stream.layers, *scales),
+                          SCALES_DTYPE_NAMES[stream.value_format.scales]))
         for part, shape, dtype in kinds:
             layer_bytes = int(np.prod(shape[1:], dtype=np.int64)) * ITEMSIZE[dtype]
             parts.append(PartPlan(stream, index, part, section, offset, layer_bytes, shape, dtype))
@@ -105,3 +125,24 @@ def chunk_plan(
                 section += 1
     table_head = np.array(rows, dtype=np.uint64).reshape(-1, 3)
     return ChunkPlan(tuple(parts), table_head, offset)
+
+
+def tensor_scale_fault(stream: str, scales: np.ndarray) -> str | None:
+    """Why float32 ``scales`` of a tensor-scaled (fp8) stream are not all usable scales
+    (each must be finite and > 0: a dequantizer multiplies by it), or None."""
+    bad = ~(np.isfinite(scales) & (scales > 0))
+    if not bad.any():
+        return None
+    return (f"stream {stream}: an fp8 scale must be finite and > 0, got "
+            f"{float(scales[bad][0])!r}")
+
+
+def check_tensor_scales(plan: ChunkPlan, payload: np.ndarray) -> None:
+    """ChunkCorrupt unless every fp8 scale in a chunk's raw ``payload`` (of ``plan``) is
+    finite and > 0."""
+    for p in plan.parts:
+        if p.part == PART_SCALES and p.stream.value_format.scales == "tensor":
+            scales = np.frombuffer(payload, "<f4", count=p.stream.layers, offset=p.offset)
+            fault = tensor_scale_fault(p.stream.name, scales)
+            if fault:
+                raise ChunkCorrupt(fault)

@@ -35,8 +35,8 @@ from kvstore.format.chunk import (
     tokens_hash,
     verify_payload,
 )
-from kvstore.format.chunk_parts import PART_CODES, PART_SCALES, chunk_plan
-from kvstore.format.errors import InvalidRequest, LayoutMismatch
+from kvstore.format.chunk_parts import PART_CODES, PART_SCALES, chunk_plan, tensor_scale_fault
+from kvstore.format.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch
 from kvstore.format.layout import LayoutSpec
 
 # Chunks laid out alike, back to back: (k, bytes per chunk) uint8, payload offset in a
@@ -91,8 +91,9 @@ def decode_chunks(bufs: Sequence[Buffer], spec: LayoutSpec,
                   ) -> dict[str, StreamData]:
     """Every persistent stream of the chunks ``bufs``, concatenated along entries: codes
     (layers, E, *codes_shape) and scales (layers, E, scales_per_entry), E the entries of
-    all the chunks. Chunk i must hold the ``counts[i]`` tokens after those of the chunks
-    before it (the first starts at token 0), encoded for those of ``token_ids``; else
+    all the chunks (fp8: scales (layers, len(bufs)) float32, chunk i's in column i).
+    Chunk i must hold the ``counts[i]`` tokens after those of the chunks before it (the
+    first starts at token 0), encoded for those of ``token_ids``; else
     InvalidRequest (the wrong chunks) or LayoutMismatch (other tokens or layout). Every
     byte read is verified, as by ``decode_chunk``: a bad chunk raises its CodecError."""
     if len(bufs) != len(counts):
@@ -244,6 +245,10 @@ def _assemble(spec: LayoutSpec, groups: list[Group]) -> dict[str, StreamData]:
             tensor = torch.from_numpy(out).view(p.dtype).reshape(layers, -1, *shape)
         else:  # no entry (a view of nothing has no usable stride)
             tensor = torch.empty((layers, 0, *shape), dtype=p.dtype)
+        if p.part == PART_SCALES and p.stream.value_format.scales == "tensor":
+            fault = tensor_scale_fault(p.stream.name, tensor.numpy())  # (layers, chunks)
+            if fault:
+                raise ChunkCorrupt(fault)
         parts.setdefault(p.stream.name, {})[p.part] = tensor
     return {name: StreamData(got[PART_CODES], got.get(PART_SCALES))
             for name, got in parts.items()}

@@ -1,9 +1,11 @@
 """Layout specs: what a model's per-token KV cache is made of, and how big it is.
 
-A spec lists named streams. Each stream has an entry shape, a bit width, a quantization
-group size, how many tokens merge into one entry (m), how many layers own a copy, and
-whether it is persistent (global KV, stored on every tier) or ephemeral (sliding-window
-KV, kept only in hbm and host). Every byte figure is computed from these fields.
+A spec lists named streams. Each stream has an entry shape, a bit width and a value
+format (``FORMATS``: int4 / int8 with fp16 group scales, bf16 / fp16 unscaled, fp8 e4m3
+with one float32 scale per layer per chunk), a quantization group size, how many tokens
+merge into one entry (m), how many layers own a copy, and whether it is persistent
+(global KV, stored on every tier) or ephemeral (sliding-window KV, kept only in hbm and
+host). Every byte figure is computed from these fields.
 
 A spec also states the model's vocabulary (token ids must lie below it) and its window W
 (the most tokens the ephemeral window streams hold), so every size a request can carry is
@@ -25,10 +27,15 @@ arrays and objects only (no floats, no null)::
      "chunk_tokens":..,
      "layer_modes":["full",..],                               only when not empty
      "name":"..","replayer":"..","requires_model_fingerprint":false,
-     "streams":[{"bits":..,"entry_shape":[..],"group_size":..,"layers":..,"name":"..",
+     "streams":[{"bits":..,"entry_shape":[..],
+                 "format":"..",                                only when not the default
+                 "group_size":..,"layers":..,"name":"..",
                  "pending":false,"persistent":true,"tokens_per_entry":..},..],
      "vocab_size":..,"window_tokens":..}
 
+A stream's ``format`` is encoded only when it is not the default for its bits
+(``DEFAULT_FORMAT``: 4 int4, 8 int8, 16 bf16), so a layout of default formats has the
+encoding, hence the id, it had before formats existed.
 Hashed: every key above but ``replayer`` (``notes`` is never encoded). Names (the
 layout's, its streams', its layer modes) are restricted to ``NAME`` (ASCII letters,
 digits, ``.``, ``_``, ``-``), so no string in the encoding ever needs an escape.
@@ -47,6 +54,7 @@ import xxhash
 from kvstore.format.errors import InvalidRequest, shown
 
 SCALE_BYTES = 2  # one fp16 scale per quantization group
+TENSOR_SCALE_BYTES = 4  # one float32 scale per layer per chunk
 BF16_BYTES = 2
 # Token ids travel as little-endian uint32: a layout that names no vocabulary takes any.
 ANY_TOKEN_ID = 1 << 32
@@ -65,32 +73,63 @@ def _check_name(what: str, name: object) -> None:
 
 
 @dataclass(frozen=True)
+class ValueFormat:
+    """How a stream's values are stored (docs/wire-format.md "Value formats")."""
+
+    bits: int
+    code_dtype: str  # torch dtype name of the stored codes
+    # "group": one fp16 scale per group_size values; "none"; "tensor": one float32
+    # scale per (stream, layer) per chunk, the one its codes were made with
+    scales: str
+
+
+FORMATS = {
+    "int4": ValueFormat(4, "uint8", "group"),  # two's-complement nibbles, two per byte
+    "int8": ValueFormat(8, "int8", "group"),
+    "bf16": ValueFormat(16, "bfloat16", "none"),
+    "fp16": ValueFormat(16, "float16", "none"),
+    "fp8_e4m3": ValueFormat(8, "float8_e4m3fn", "tensor"),
+}
+DEFAULT_FORMAT = {4: "int4", 8: "int8", 16: "bf16"}  # a stream that names no format
+
+
+@dataclass(frozen=True)
 class Stream:
     name: str
     entry_shape: tuple[int, ...]  # values per entry, e.g. (kv_heads, head_dim) or (latent,)
-    bits: int  # 4 (int4 packed two per byte), 8 (int8) or 16 (bf16, unquantized)
-    group_size: int = 0  # values per fp16 scale along the last axis; 0 for 16-bit
+    bits: int  # 4, 8 or 16: the width of one stored value (its format's)
+    group_size: int = 0  # values per fp16 scale along the last axis; 0 without group scales
     tokens_per_entry: int = 1  # m: tokens merged into one entry
     layers: int = 1  # layers that own a copy; layers that borrow it add nothing
     persistent: bool = True
     # Holds only the tokens not yet merged into an entry (fewer than m): ephemeral, and
     # not a per-token cost of the window.
     pending: bool = False
+    format: str = ""  # FORMATS key; "" is DEFAULT_FORMAT[bits], stored as that name
 
     def __post_init__(self) -> None:
         _check_name("stream name", self.name)
         if self.pending and self.persistent:
             raise InvalidRequest(f"stream {self.name}: a pending stream must be ephemeral")
-        if self.bits not in (4, 8, 16):
+        if self.bits not in DEFAULT_FORMAT:
             raise InvalidRequest(f"stream {self.name}: bits must be 4, 8 or 16, got {self.bits}")
+        if not self.format:
+            object.__setattr__(self, "format", DEFAULT_FORMAT[self.bits])
+        if self.format not in FORMATS:
+            raise InvalidRequest(f"stream {self.name}: format must be one of "
+                                 f"{sorted(FORMATS)}, got {shown(self.format)}")
+        if FORMATS[self.format].bits != self.bits:
+            raise InvalidRequest(f"stream {self.name}: format {self.format} stores "
+                                 f"{FORMATS[self.format].bits}-bit values, not {self.bits}")
         if not self.entry_shape or any(d <= 0 for d in self.entry_shape):
             raise InvalidRequest(f"stream {self.name}: bad entry shape {self.entry_shape}")
         if self.tokens_per_entry < 1 or self.layers < 1:
             raise InvalidRequest(f"stream {self.name}: tokens_per_entry and layers must be >= 1")
         last = self.entry_shape[-1]
-        if self.bits == 16:
+        if self.value_format.scales != "group":
             if self.group_size != 0:
-                raise InvalidRequest(f"stream {self.name}: 16-bit streams have no scales")
+                raise InvalidRequest(f"stream {self.name}: {self.format} streams have no group "
+                                     "scales: group_size must be 0")
         elif self.group_size <= 0 or last % self.group_size:
             raise InvalidRequest(
                 f"stream {self.name}: group_size {self.group_size} must divide the last "
@@ -98,6 +137,10 @@ class Stream:
             )
         if self.bits == 4 and last % 2:
             raise InvalidRequest(f"stream {self.name}: int4 needs an even last dimension")
+
+    @property
+    def value_format(self) -> ValueFormat:
+        return FORMATS[self.format]
 
     @property
     def values_per_entry(self) -> int:
@@ -112,16 +155,25 @@ class Stream:
 
     @property
     def scales_per_entry(self) -> int:
-        return 0 if self.bits == 16 else self.values_per_entry // self.group_size
+        """fp16 group scales of one entry; 0 for formats without group scales."""
+        if self.value_format.scales != "group":
+            return 0
+        return self.values_per_entry // self.group_size
 
     @property
     def bytes_per_entry(self) -> int:
-        """Bytes of one entry of one layer: codes plus fp16 scales."""
+        """Bytes of one entry of one layer: codes plus fp16 group scales."""
         return self.values_per_entry * self.bits // 8 + self.scales_per_entry * SCALE_BYTES
 
     @property
     def bytes_per_token(self) -> float:
+        """Per-token bytes of every owning layer (a chunk adds ``bytes_per_chunk``)."""
         return self.layers * self.bytes_per_entry / self.tokens_per_entry
+
+    @property
+    def bytes_per_chunk(self) -> int:
+        """Bytes a chunk of this stream holds whatever its length: the tensor scales."""
+        return self.layers * TENSOR_SCALE_BYTES if self.value_format.scales == "tensor" else 0
 
     def entries_for(self, tokens: int) -> int:
         """Complete entries covering ``tokens`` tokens (a partial entry is not stored)."""
@@ -207,12 +259,16 @@ class LayoutSpec:
 
     @property
     def persistent_bytes_per_token(self) -> float:
-        return sum(s.bytes_per_token for s in self.persistent_streams)
+        """Per token of a full chunk: its tensor scales spread over chunk_tokens."""
+        return sum(s.bytes_per_token + s.bytes_per_chunk / self.chunk_tokens
+                   for s in self.persistent_streams)
 
     @property
     def ephemeral_bytes_per_token(self) -> float:
-        """What each token of the sliding window costs in hbm or host RAM."""
-        return sum(s.bytes_per_token for s in self.ephemeral_streams if not s.pending)
+        """What each token of the sliding window costs in hbm or host RAM (a full
+        window's tensor scales spread over W)."""
+        return sum(s.bytes_per_token + s.bytes_per_chunk / self.window_tokens
+                   for s in self.ephemeral_streams if not s.pending)
 
     @property
     def pending_tokens_max(self) -> int:
@@ -222,8 +278,9 @@ class LayoutSpec:
     @property
     def pending_bytes_max(self) -> int:
         """The most the not-yet-merged rows (fewer than m tokens) can hold."""
-        pending = sum(s.bytes_per_token for s in self.ephemeral_streams if s.pending)
-        return int(pending * self.pending_tokens_max)
+        pending = [s for s in self.ephemeral_streams if s.pending]
+        rows = sum(s.bytes_per_token for s in pending) * self.pending_tokens_max
+        return int(rows) + sum(s.bytes_per_chunk for s in pending)
 
     @property
     def bf16_baseline_bytes_per_token(self) -> float:
@@ -271,7 +328,7 @@ def cache_difference(spec: LayoutSpec, own: LayoutSpec) -> str | None:
         return replace(stream, pending=False)
 
     if [shape(s) for s in spec.streams] != [shape(s) for s in own.streams]:
-        return "its streams (names, shapes, bits, groups, m, layers, lifetimes) differ"
+        return "its streams (names, shapes, bits, formats, groups, m, layers, lifetimes) differ"
     for name in ("chunk_tokens", "vocab_size", "window_tokens", "layer_modes"):
         if getattr(spec, name) != getattr(own, name):
             return f"its {name} is {getattr(spec, name)!r}, the model's {getattr(own, name)!r}"
@@ -286,12 +343,19 @@ def _canonical_object(spec: LayoutSpec) -> dict:
         "window_tokens": spec.window_tokens,
         "requires_model_fingerprint": spec.requires_model_fingerprint,
         "replayer": spec.replayer,
-        "streams": [{**asdict(s), "entry_shape": list(s.entry_shape)} for s in spec.streams],
+        "streams": [_canonical_stream(s) for s in spec.streams],
     }
     if spec.baseline is not None:
         out["baseline"] = asdict(spec.baseline)
     if spec.layer_modes:
         out["layer_modes"] = list(spec.layer_modes)
+    return out
+
+
+def _canonical_stream(stream: Stream) -> dict:
+    out = {**asdict(stream), "entry_shape": list(stream.entry_shape)}
+    if stream.format == DEFAULT_FORMAT[stream.bits]:
+        del out["format"]  # so layouts of default formats keep their ids
     return out
 
 
@@ -306,7 +370,8 @@ def layout_to_json(spec: LayoutSpec) -> str:
 
 
 _STREAM_KEYS = {"name": str, "entry_shape": list, "bits": int, "group_size": int,
-                "tokens_per_entry": int, "layers": int, "persistent": bool, "pending": bool}
+                "tokens_per_entry": int, "layers": int, "persistent": bool, "pending": bool,
+                "format": str}
 _LAYOUT_KEYS = {"name": str, "streams": list, "chunk_tokens": int, "baseline": dict,
                 "layer_modes": list, "vocab_size": int, "window_tokens": int,
                 "requires_model_fingerprint": bool, "replayer": str, "notes": str}
@@ -353,7 +418,8 @@ def _ints(what: str, values: list) -> tuple[int, ...]:
 def layout_from_json(text: str | bytes) -> LayoutSpec:
     """A spec from any JSON encoding of the canonical object (keys in any order, spaces,
     optional keys left out, ``notes`` allowed); InvalidRequest naming what is wrong.
-    Left out: group_size 0, tokens_per_entry 1, layers 1, persistent true, pending false;
+    Left out: group_size 0, tokens_per_entry 1, layers 1, persistent true, pending false,
+    format the default for its bits;
     vocab_size 2^32, window_tokens 0, requires_model_fingerprint false, replayer "none",
     no baseline, no layer modes."""
     try:

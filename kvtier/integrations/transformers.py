@@ -11,8 +11,11 @@ The layout comes from ``model.config`` (``kvstore.format.hf.model_layouts``): sp
 registers it with the server when the server does not know it (``UnknownLayout``) and
 retries once. Standard models (a ``DynamicCache`` of full-attention and sliding-window
 layers, the classes transformers builds for the config) keep every layer persistent, at
-bf16 (``bits=16``, lossless for a bf16 model) or int8; nothing to replay: a sliding layer
-comes back with its last W - 1 rows and its count of every token seen. Any other model
+16 bits in the model's own float (bf16 or fp16, lossless; ``bits=16``, the default; a
+float32 model's at bf16) or quantized (``bits=8``: int8; ``format="fp8_e4m3"``: fp8 with
+one scale per layer per chunk); a 16-bit ``format`` other than a bf16 / fp16 model's own
+is refused, never a silent rounding. Nothing to replay: a sliding layer comes back with
+its last W - 1 rows and its count of every token seen. Any other model
 (other layer kinds, encoder-decoder, per-layer head shapes) is ``UnsupportedModel``,
 raised before anything is sent. DeepseekV4 keeps its compressor and indexer entries at 4
 or 8 bits and drops the window and the partial-block state; resume_cache has them
@@ -59,11 +62,12 @@ from kvtier.types import RestoredSession, SpillResult
 REPLAY_MODES = ("auto", "server", "local")
 
 
-def model_layout(model, bits: int | None = None) -> LayoutSpec:
-    """The layout of ``model``'s cache at ``bits`` (``hf_layouts.layout_for``). It is not
-    registered in this process: a spill names the spec itself, and a restore resolves the
-    session's layout id from the server's list (``AsyncClient.layout``)."""
-    return layout_for(model.config, bits)
+def model_layout(model, bits: int | None = None, *, format: str | None = None) -> LayoutSpec:
+    """The layout of ``model``'s cache at ``bits`` or in ``format``, for the model's dtype
+    (``model_layouts.layout_for``). It is not registered in this process: a spill names
+    the spec itself, and a restore resolves the session's layout id from the server's
+    list (``AsyncClient.layout``)."""
+    return layout_for(model.config, bits, format=format, dtype=getattr(model, "dtype", None))
 
 
 def model_fingerprint(model) -> str:
@@ -149,7 +153,8 @@ def _check_layers(cache: DynamicCache, windows: tuple[int, ...], n: int) -> None
 def standard_cache(spec: LayoutSpec, model, persistent: dict[str, StreamData]) -> DynamicCache:
     """A ``DynamicCache`` of the model's layers (its own classes) from the k/v streams."""
     dtype = model.get_input_embeddings().weight.dtype
-    k, v = (decode_values(spec.stream(name), persistent[name]).to(dtype) for name in ("k", "v"))
+    k, v = (decode_values(spec.stream(name), persistent[name], spec.chunk_tokens).to(dtype)
+            for name in ("k", "v"))
     windows = layer_windows(model.config)
     cache = DynamicCache(config=model.config)
     n = k.shape[1]
@@ -166,12 +171,14 @@ def standard_cache(spec: LayoutSpec, model, persistent: dict[str, StreamData]) -
 
 async def async_spill_cache(client, tenant: str, session_id: str, model, cache: DynamicCache,
                             token_ids, *, generation: int, ack: str | None = None,
-                            bits: int | None = None, **spill_options) -> SpillResult:
+                            bits: int | None = None, format: str | None = None,
+                            **spill_options) -> SpillResult:
     """Spill ``cache`` (covering ``token_ids``) as generation ``generation`` through a
-    ``kvtier.AsyncClient``; ``bits`` picks the layout's precision (``hf_layouts``);
-    other keywords go to ``AsyncClient.spill`` (ttl_s, hint, model_fingerprint, ...);
-    ``model_fingerprint`` defaults to the model's own (``model_fingerprint(model)``)."""
-    spec = model_layout(model, bits)
+    ``kvtier.AsyncClient``; ``bits`` or ``format`` picks the layout's precision
+    (``model_layout``); other keywords go to ``AsyncClient.spill`` (ttl_s, hint,
+    model_fingerprint, ...); ``model_fingerprint`` defaults to the model's own
+    (``model_fingerprint(model)``)."""
+    spec = model_layout(model, bits, format=format)
     tokens = _token_array(token_ids)
     persistent = await asyncio.to_thread(cache_streams, spec, model, cache, len(tokens))
     spill_options["model_fingerprint"] = await _fingerprint(
@@ -244,11 +251,11 @@ def _deepseek_cache(spec: LayoutSpec, model, session: RestoredSession, ids: torc
 
 def spill_cache(client: Client, tenant: str, session_id: str, model, cache: DynamicCache,
                 token_ids, *, generation: int, ack: str | None = None, bits: int | None = None,
-                **spill_options) -> SpillResult:
+                format: str | None = None, **spill_options) -> SpillResult:
     """The blocking twin of ``async_spill_cache`` (a ``kvtier.Client``)."""
     return client._run(async_spill_cache(client._async, tenant, session_id, model, cache,
                                          token_ids, generation=generation, ack=ack, bits=bits,
-                                         **spill_options))
+                                         format=format, **spill_options))
 
 
 def resume_cache(client: Client, tenant: str, session_id: str, model, *,

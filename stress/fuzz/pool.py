@@ -73,11 +73,11 @@ def random_streams(spec: LayoutSpec, tokens: int, seed: int, streams=None) -> di
     for s in spec.persistent_streams if streams is None else streams:
         shape = (s.layers, s.entries_for(tokens), *s.codes_shape)
         if s.bits == 16:
-            codes = torch.randn(shape, generator=gen).to(code_dtype(16))
+            codes = torch.randn(shape, generator=gen).to(code_dtype(s))
         else:
             low, high = (-128, 128) if s.bits == 8 else (0, 256)
             codes = torch.randint(low, high, shape, generator=gen,
-                                  dtype=torch.int16).to(code_dtype(s.bits))
+                                  dtype=torch.int16).to(code_dtype(s))
         scales = None if s.bits == 16 else torch.rand(
             (s.layers, s.entries_for(tokens), s.scales_per_entry), generator=gen
         ).to(torch.float16)

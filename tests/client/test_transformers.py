@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from bench.hf import compare, follow_logits, tiny_model  # noqa: E402
-from kvstore.format.errors import LayoutMismatch, ModelMismatch  # noqa: E402
+from kvstore.format.errors import InvalidRequest, LayoutMismatch, ModelMismatch  # noqa: E402
 from kvstore.format.hf import deepseek_v4  # noqa: E402
 from kvtier import AsyncClient  # noqa: E402
 from kvtier.integrations.transformers import (  # noqa: E402
@@ -84,6 +84,35 @@ async def test_a_llama_cache_round_trips_with_a_bit_exact_greedy_continuation(tm
             await async_resume_cache(kv, "acme", "llama", other)
         with pytest.raises(LayoutMismatch):
             await async_resume_cache(kv, "acme", "llama", other, model_fingerprint="")
+
+
+async def test_an_fp16_llama_is_stored_as_fp16_and_resumes_bit_exact(tmp_path):
+    model = tiny_llama(torch.float16)
+    spec = model_layout(model)
+    assert [s.format for s in spec.streams] == ["fp16", "fp16"] and "-fp16-" in spec.name
+    assert model_layout(tiny_llama()).stream("k").format == "bf16"  # a bf16 model's own
+    with pytest.raises(InvalidRequest, match="would round"):  # never a silent rounding
+        model_layout(model, format="bf16")
+    prompt = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(4))
+    sequence, cache = generated(model, prompt, 10)
+    want = continued(model, sequence, copy.deepcopy(cache), 16)
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
+        await async_spill_cache(kv, "acme", "fp16", model, cache, sequence[:-1], generation=1)
+        restored, _ = await async_resume_cache(kv, "acme", "fp16", model)
+        for got, kept in zip(restored.layers, cache.layers, strict=True):
+            assert got.keys.dtype == torch.float16
+            assert torch.equal(got.keys, kept.keys) and torch.equal(got.values, kept.values)
+        assert torch.equal(continued(model, sequence, restored, 16), want)
+
+        # fp8 e4m3, one scale per layer per chunk: close, not exact
+        await async_spill_cache(kv, "acme", "fp8", model, cache, sequence[:-1], generation=1,
+                                format="fp8_e4m3")
+        restored8, _ = await async_resume_cache(kv, "acme", "fp8", model)
+        assert not torch.equal(restored8.layers[0].keys, cache.layers[0].keys)
+        follow = torch.cat([sequence[-1:], want[:-1]])
+        figures = compare(follow_logits(model, copy.deepcopy(cache), follow),
+                          follow_logits(model, restored8, follow))
+        assert figures["kl_nats"] < 1e-2 and figures["top1_agreement"] >= 0.8, figures
 
 
 async def test_a_deepseek_v4_cache_resumes_through_the_servers_replay(tmp_path):

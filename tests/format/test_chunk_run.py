@@ -37,7 +37,8 @@ def concatenated(spec, streams):
     out = {}
     for s in spec.persistent_streams:
         codes = torch.cat([d[s.name].codes for d in streams], 1)
-        scales = None if s.bits == 16 else torch.cat([d[s.name].scales for d in streams], 1)
+        scales = (None if streams[0][s.name].scales is None
+                  else torch.cat([d[s.name].scales for d in streams], 1))
         out[s.name] = StreamData(codes, scales)
     return out
 

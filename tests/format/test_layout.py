@@ -119,19 +119,21 @@ def test_cli_json_reproduces_reference_figures():
             assert key in row
 
 
-def by_hand_bytes_per_token(s: Stream) -> Fraction:
+def by_hand_bytes_per_token(s: Stream, chunk_tokens: int) -> Fraction:
     values = 1
     for d in s.entry_shape:
         values *= d
     codes = Fraction(values * s.bits, 8)  # int4 packs two values per byte
-    scales = 0 if s.bits == 16 else 2 * values // s.group_size  # one fp16 per group
-    return (codes + scales) * s.layers / s.tokens_per_entry
+    # one fp16 per group (int4, int8); fp8: one float32 per layer per chunk
+    scales = 2 * values // s.group_size if s.format in ("int4", "int8") else 0
+    per_chunk = Fraction(4 * s.layers, chunk_tokens) if s.format == "fp8_e4m3" else 0
+    return (codes + scales) * s.layers / s.tokens_per_entry + per_chunk
 
 
 @settings(max_examples=80, deadline=None)
 @given(layouts())
 def test_bytes_per_token_match_an_independent_count(spec):
-    want = sum(by_hand_bytes_per_token(s) for s in spec.streams)
+    want = sum(by_hand_bytes_per_token(s, spec.chunk_tokens) for s in spec.streams)
     assert spec.persistent_bytes_per_token == pytest.approx(float(want), rel=1e-12)
     assert spec.ephemeral_bytes_per_token == 0
     plain = spec.baseline.bytes_per_token if spec.baseline else sum(

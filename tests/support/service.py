@@ -33,7 +33,7 @@ def streams_for(spec: LayoutSpec, tokens: int, *, seed: int = 0, streams=None
     out = {}
     for s in spec.persistent_streams if streams is None else streams:
         shape = (s.layers, s.entries_for(tokens), *s.codes_shape)
-        dtype = code_dtype(s.bits)
+        dtype = code_dtype(s)
         if s.bits == 16:
             codes = torch.randn(shape, generator=gen).to(dtype)
         else:

@@ -3,7 +3,8 @@
 The vectors are inputs and the exact bytes and keys kvtier produces for them (and the
 WriteChunks / ReadChunks messages of ``prefix_chunks.json``), for a
 small layout with one stream of each kind (int4, int8, bf16; a window stream and a
-pending stream). ``tests/format/test_vectors.py`` compares the codec against the committed
+pending stream), and (formats.json) one small layout and chunk per other value format
+(fp16, fp8_e4m3). ``tests/format/test_vectors.py`` compares the codec against the committed
 files, and the Node client (clients/node) against the same files, so a change to the
 codec that alters a byte fails both: regenerate only for a deliberate format change.
 
@@ -108,14 +109,19 @@ def stream_values(stream: Stream, entries: int, seed: int) -> dict:
 
 
 def stream_data(stream: Stream, inputs: dict) -> StreamData:
-    """The codec's tensors for one stream's inputs (see ``stream_values``)."""
+    """The codec's tensors for one stream's inputs (see ``stream_values`` and
+    ``format_values``)."""
     shape = inputs["shape"]
-    if stream.bits == 16:
-        codes = torch.tensor(inputs["values"], dtype=torch.float32).to(torch.bfloat16)
+    if stream.value_format.scales == "none":  # bf16, fp16: the values, exact in the format
+        codes = torch.tensor(inputs["values"], dtype=torch.float32).to(code_dtype(stream))
         return StreamData(codes.reshape(shape), None)
+    if stream.value_format.scales == "tensor":  # fp8: codes are e4m3 values, exactly
+        codes = torch.tensor(inputs["values"], dtype=torch.float32).to(code_dtype(stream))
+        scales = torch.tensor(inputs["scales"], dtype=torch.float32)
+        return StreamData(codes.reshape(shape), scales.reshape(inputs["scales_shape"]))
     values = torch.tensor(inputs["values"], dtype=torch.int8).reshape(shape)
     codes = pack_int4(values) if stream.bits == 4 else values
-    assert codes.dtype == code_dtype(stream.bits)
+    assert codes.dtype == code_dtype(stream)
     scales = torch.tensor(inputs["scales"], dtype=torch.float16).reshape(inputs["scales_shape"])
     return StreamData(codes, scales)
 
@@ -248,7 +254,8 @@ def build() -> dict[str, dict]:
     }
     layouts = {"layouts": [layout_vector(spec), layout_vector(other_layout())]}
     return {"layouts.json": layouts, "chunks.json": chunks, "keys.json": keys,
-            "errors.json": errors, "prefix_chunks.json": prefix_chunks(spec)}
+            "errors.json": errors, "prefix_chunks.json": prefix_chunks(spec),
+            "formats.json": build_formats()}
 
 
 def prefix_chunks(spec: LayoutSpec) -> dict:
@@ -292,6 +299,61 @@ def prefix_chunks(spec: LayoutSpec) -> dict:
             "missing_reasons": ["not_held", "corrupt", "digest_mismatch", "tier_unavailable"],
             "refused": [{"token_ids": tokens[:-1], "why": "a partial last chunk",
                          "status": "INVALID_ARGUMENT"}]}
+
+
+def format_layouts() -> list[LayoutSpec]:
+    """One layout per format beyond int4 / int8 / bf16: a chunk of 4 tokens each."""
+    return [
+        LayoutSpec("wire-test-fp16", (Stream("h.fp16", (2, 4), bits=16, layers=2,
+                                             format="fp16"),),
+                   chunk_tokens=4, vocab_size=1 << 17),
+        LayoutSpec("wire-test-fp8", (Stream("f.fp8", (2, 4), bits=8, layers=2,
+                                            format="fp8_e4m3"),),
+                   chunk_tokens=4, vocab_size=1 << 17),
+    ]
+
+
+def format_values(stream: Stream, entries: int, seed: int) -> dict:
+    """Inputs of an fp16 stream (values fp16 holds exactly, some that bf16 does not) or
+    an fp8 one (e4m3 code values, their bytes, one float32 scale per layer)."""
+    shape = [stream.layers, entries, *stream.entry_shape]
+    n = int(np.prod(shape))
+    rng = np.random.default_rng(seed)
+    if stream.format == "fp16":
+        values = (rng.integers(-4096, 4096, n) / 1024).astype(np.float16).astype(float)
+        # 1 + 2^-10 (bf16 rounds it), fp16's largest, smallest normal and subnormal
+        values[:4] = [1 + 2**-10, 65504.0, -(2**-14), 2**-24]
+        return {"shape": shape, "values": values.tolist()}
+    codes = rng.integers(0, 256, n).astype(np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x38  # no NaN codes (0x7f, 0xff): 1.0 instead
+    codes[:2] = [0x7E, 0x01]  # e4m3's largest (448) and smallest subnormal (2^-9)
+    values = torch.from_numpy(codes).view(torch.float8_e4m3fn).float()
+    return {"shape": shape, "values": values.tolist(), "code_bytes": codes.tolist(),
+            "scales_shape": [stream.layers, 1],
+            "scales": [0.015625, 0.375, 3.0][:stream.layers]}
+
+
+def format_decoded(stream: Stream, inputs: dict) -> list[float]:
+    """What a reader reconstructs, float32: fp16 the values; fp8 code x its layer's scale."""
+    values = np.array(inputs["values"], np.float32)
+    if stream.format == "fp16":
+        return values.tolist()
+    scales = np.array(inputs["scales"], np.float32).reshape(stream.layers, 1)
+    return (values.reshape(stream.layers, -1) * scales).reshape(-1).tolist()
+
+
+def build_formats() -> dict:
+    """formats.json: per layout, its canonical JSON and id, and chunk 0 of a 4-token
+    session with its inputs, exact bytes and decoded values."""
+    tokens = TOKENS[:4]
+    out = []
+    for seed, spec in enumerate(format_layouts()):
+        (stream,) = spec.streams
+        inputs = {stream.name: format_values(stream, stream.entries_for(len(tokens)), seed)}
+        chunk = chunk_vector(spec, f"{stream.format} chunk 0", 0, tokens, inputs)
+        chunk["decoded"] = {stream.name: format_decoded(stream, inputs[stream.name])}
+        out.append({"format": stream.format, "layout": layout_vector(spec), "chunk": chunk})
+    return {"token_ids": tokens, "formats": out}
 
 
 def compact(text: str) -> str:

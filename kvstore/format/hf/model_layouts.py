@@ -3,9 +3,12 @@
 - Standard models (a ``DynamicCache`` of full-attention and sliding-window layers, as
   transformers builds it for the config, ``attention.layer_windows``: Llama, Mistral,
   Gemma2...): streams ``k`` and ``v`` of (kv_heads, head_dim) per token on every layer,
-  persistent, at bf16 or int8; nothing to replay. A sliding layer of window W holds only
-  the last W - 1 tokens: its rows before them are stored as zeros, never read back (a
-  resume installs the last min(n, W - 1) rows), and the layout's layer modes
+  persistent, in one of ``STANDARD_FORMATS``: bf16 or fp16 (the model's own 16-bit float,
+  lossless; a 16-bit format that would round the model's values is refused), int8 or
+  fp8_e4m3 (one scale per layer per chunk); nothing to replay. A sliding layer of
+  window W holds only the last W - 1 tokens: its rows before them are stored as zeros,
+  never read back (a resume installs the last min(n, W - 1) rows), and the layout's
+  layer modes
   (``full`` / ``sliding-W``) bind the windows into its id. Every other kind of layer is
   ``UnsupportedModel``.
 - DeepseekV4 (``model_type == "deepseek_v4"``): the compressor entries of the CSA layers
@@ -28,39 +31,58 @@ from dataclasses import replace
 
 from kvstore.format.errors import InvalidRequest, UnsupportedModel
 from kvstore.format.hf.attention import layer_windows, text_config
-from kvstore.format.layout import LayoutSpec, Stream
+from kvstore.format.layout import FORMATS, LayoutSpec, Stream
 
 CSA, HCA, SLIDING = ("compressed_sparse_attention", "heavily_compressed_attention",
                      "sliding_attention")
 GROUP = {4: 32, 8: 64}  # values per fp16 scale, as the shipped presets use
-STANDARD_BITS = (16, 8)
+STANDARD_FORMATS = ("bf16", "fp16", "int8", "fp8_e4m3")
 DEEPSEEK_V4_BITS = (4, 8)
+# A model's 16-bit float dtype (str(torch dtype)) and the format that stores it exactly.
+FLOAT_FORMATS = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
 def is_deepseek_v4(config) -> bool:
     return getattr(config, "model_type", "") == "deepseek_v4"
 
 
-def layout_for(config, bits: int | None = None) -> LayoutSpec:
-    """The layout of this config's cache at ``bits`` (default: 16 for standard models, 4
-    for DeepseekV4)."""
+def layout_for(config, bits: int | None = None, *, format: str | None = None,
+               dtype=None) -> LayoutSpec:
+    """The layout of this config's cache at ``bits`` or in ``format`` (default: 16 bits
+    for standard models, 4 for DeepseekV4). A standard model's 16 bits are ``dtype``'s
+    format (the model's torch dtype: fp16 for float16, else bf16); a 16-bit ``format``
+    that is not a bf16 / fp16 model's own is ``InvalidRequest`` (it would round every
+    value)."""
     if is_deepseek_v4(config):
+        if format is not None:
+            raise InvalidRequest("DeepseekV4's layouts are chosen by bits (4 or 8), not by "
+                                 f"format ({format!r})")
         return deepseek_v4_layout(config, 4 if bits is None else bits)
-    return standard_layout(config, 16 if bits is None else bits)
+    own = FLOAT_FORMATS.get(str(dtype))
+    if format is None:
+        format = "int8" if bits == 8 else own or "bf16"
+    if format not in STANDARD_FORMATS or bits not in (None, FORMATS[format].bits):
+        raise InvalidRequest(f"a standard model's cache is stored as one of "
+                             f"{STANDARD_FORMATS} (bits 16 or 8), not {format} at {bits} bits")
+    if own and FORMATS[format].scales == "none" and format != own:
+        raise InvalidRequest(f"the model's cache is {own}: format {format} would round every "
+                             f"value; store it as {own} (lossless) or quantized (int8, "
+                             "fp8_e4m3)")
+    return standard_layout(config, format)
 
 
 def candidate_layouts(config) -> list[LayoutSpec]:
     """Every layout a session of this config may have been spilled with."""
-    bits = DEEPSEEK_V4_BITS if is_deepseek_v4(config) else STANDARD_BITS
-    return [layout_for(config, b) for b in bits]
+    if is_deepseek_v4(config):
+        return [deepseek_v4_layout(config, b) for b in DEEPSEEK_V4_BITS]
+    return [standard_layout(config, f) for f in STANDARD_FORMATS]
 
 
 def _group(bits: int, dim: int) -> int:
     return 0 if bits == 16 else math.gcd(GROUP[bits], dim)
 
 
-def _named(spec: LayoutSpec, family: str, bits: int) -> LayoutSpec:
-    tag = "bf16" if bits == 16 else f"int{bits}"
+def _named(spec: LayoutSpec, family: str, tag: str) -> LayoutSpec:
     return replace(spec, name=f"hf-{family}-{tag}-{replace(spec, name='x').layout_hash:016x}"[:64])
 
 
@@ -84,10 +106,11 @@ def _kv_shape(text) -> tuple[int, int]:
     return shapes.pop()
 
 
-def standard_layout(config, bits: int = 16) -> LayoutSpec:
-    if bits not in STANDARD_BITS:
-        raise InvalidRequest(f"a standard model's cache is stored at bf16 (16) or int8 (8), "
-                             f"not {bits} bits")
+def standard_layout(config, format: str = "bf16") -> LayoutSpec:
+    if format not in STANDARD_FORMATS:
+        raise InvalidRequest(f"a standard model's cache is stored as one of "
+                             f"{STANDARD_FORMATS}, not {format}")
+    value = FORMATS[format]
     windows = layer_windows(config)
     text = text_config(config)
     kind = text.model_type
@@ -97,8 +120,9 @@ def standard_layout(config, bits: int = 16) -> LayoutSpec:
     except AttributeError:
         raise UnsupportedModel(f"{kind}: its config states no vocab_size") from None
     layers = len(windows)
-    streams = tuple(Stream(name, (heads, head_dim), bits=bits, group_size=_group(bits, head_dim),
-                           layers=layers) for name in ("k", "v"))
+    group = math.gcd(GROUP[value.bits], head_dim) if value.scales == "group" else 0
+    streams = tuple(Stream(name, (heads, head_dim), bits=value.bits, group_size=group,
+                           layers=layers, format=format) for name in ("k", "v"))
     sliding = sorted({w for w in windows if w})
     # modes only when some layer slides, so full-attention layouts keep their ids
     modes = tuple(f"sliding-{w}" if w else "full" for w in windows) if sliding else ()
@@ -109,7 +133,7 @@ def standard_layout(config, bits: int = 16) -> LayoutSpec:
                           f"; {sum(map(bool, windows))} sliding (W = "
                           f"{', '.join(map(str, sliding))}) keep their last W - 1 tokens, "
                           "earlier rows stored as zeros" if sliding else ""))
-    return _named(spec, kind.replace("_", "-"), bits)
+    return _named(spec, kind.replace("_", "-"), format)
 
 
 def deepseek_v4_layout(config, bits: int = 4) -> LayoutSpec:
@@ -151,7 +175,7 @@ def deepseek_v4_layout(config, bits: int = 4) -> LayoutSpec:
         replayer="transformers-deepseek-v4",
         notes=f"transformers DeepseekV4: {csa} CSA (m={m_csa}), {hca} HCA (m={m_hca}), "
         f"{len(types) - csa - hca} sliding layers, window {config.sliding_window}")
-    return _named(spec, "deepseek-v4", bits)
+    return _named(spec, "deepseek-v4", f"int{bits}")
 
 
 def persistent_bf16_bytes_per_token(spec: LayoutSpec) -> float:
