@@ -32,5 +32,7 @@ def test_every_rpc_is_in_the_service():
         "Fork",
         "RegisterLayout",
         "ListLayouts",
+        "WriteChunks",
+        "ReadChunks",
     }
     assert "Replay" in kvtier_pb2.DESCRIPTOR.services_by_name
