@@ -9,6 +9,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 from kvstore.format.chunk import decode_chunk, encode_chunk  # noqa: E402
+from kvstore.format.errors import LayoutMismatch  # noqa: E402
 from kvtier.integrations.vllm import values  # noqa: E402
 from kvtier.integrations.vllm.layout import CacheShape, rank_layout  # noqa: E402
 from kvtier.integrations.vllm.repack import PagedLayout, layout_kind  # noqa: E402
@@ -111,11 +112,27 @@ def test_bf16_values_are_stored_as_they_are():
     assert same_bits(values.decode(spec.stream("v"), decoded.streams["v"], torch.bfloat16), v)
 
 
-def test_int8_values_are_close():
+def test_fp16_values_are_stored_as_they_are_and_other_dtypes_refused():
+    shape = CacheShape(layers=2, kv_heads=H, head_size=D, block_size=BS, vocab_size=100,
+                       dtype=torch.float16, tp_size=1)
+    stream = rank_layout(shape, 0, "auto").stream("k")
+    x = torch.randn(2, BS, H, D).to(torch.float16)
+    assert same_bits(values.decode(stream, values.encode(stream, x), torch.float16), x)
+    with pytest.raises(LayoutMismatch):
+        values.encode(stream, x.to(torch.bfloat16))  # never rounded silently
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_lossy_values_are_close(fmt):
     shape = CacheShape(layers=2, kv_heads=H, head_size=D, block_size=BS, vocab_size=100,
                        dtype=torch.bfloat16, tp_size=1)
-    stream = rank_layout(shape, 0, "int8").stream("k")
+    stream = rank_layout(shape, 0, fmt).stream("k")
     x = torch.randn(2, BS, H, D).to(torch.bfloat16)
     back = values.decode(stream, values.encode(stream, x), torch.bfloat16)
-    scale = x.float().abs().amax(-1, keepdim=True) / 127
-    assert ((back.float() - x.float()).abs() <= scale * 0.5 + 1e-2).all()
+    assert back.dtype == torch.bfloat16 and back.shape == x.shape
+    # int8: half a step of its per-(token, head) scale; e4m3: 3 mantissa bits (2^-4
+    # relative) or, near zero, the smallest subnormal step of its per-layer scale
+    err = (back.float() - x.float()).abs()
+    bound = (x.float().abs().amax(-1, keepdim=True) / 127 * 0.5 if fmt == "int8"
+             else x.float().abs() / 16 + x.float().abs().amax() / 448 * 2 ** -9)
+    assert (err <= bound + 1e-2).all()

@@ -27,7 +27,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.layout import cache_shape, rank_layout
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata
-from kvtier.integrations.vllm.repack import layout_kind
+from kvtier.integrations.vllm.repack import PagedLayout, layout_kind
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats, StatsCounter
 from kvtier.integrations.vllm.transfers import Store
@@ -81,8 +81,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.model_executor.models.utils import extract_layer_index
 
         first = next(iter(kv_caches.values()))
-        self._worker = WorkerSide(self._store_of, self.shape, self._rank,
-                                  layout_kind(self._is_cpu, first))
+        heads, head_size = self._spec.stream("k").entry_shape
+        paged = PagedLayout(layout_kind(self._is_cpu, first), heads, head_size,
+                            self.shape.block_size)
+        self._worker = WorkerSide(self._store_of, self.shape, self._rank, paged)
         self._worker.register_kv_caches(kv_caches, extract_layer_index)
 
     def _store_of(self, layers, paged) -> Store:

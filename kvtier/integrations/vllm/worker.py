@@ -33,11 +33,12 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerSide:
-    def __init__(self, store_of, shape: CacheShape, rank: int, paged_kind: str) -> None:
-        """``store_of(layers, paged)``: the ``transfers.Store`` of the registered cache."""
+    def __init__(self, store_of, shape: CacheShape, rank: int, paged: PagedLayout) -> None:
+        """``store_of(layers, paged)``: the ``transfers.Store`` of the registered cache;
+        ``paged``: the layout of this rank's cache layers."""
         self.shape = shape
         self.rank = rank
-        self.paged = PagedLayout(paged_kind, shape.kv_heads, shape.head_size, shape.block_size)
+        self.paged = paged
         self._store_of = store_of
         self.store: Store | None = None
         self._layer_index: dict[str, int] = {}
