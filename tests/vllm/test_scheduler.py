@@ -87,6 +87,10 @@ def test_held_prefix_is_whole_blocks_and_never_the_last_token(side):
     assert other.get_num_new_matched_tokens(request("e", TOKENS), 0) == (0, False)
     stats = side.take_stats()
     assert stats.data["lookups"] == 4 and stats.data["lookup_errors"] == 0
+    # KV that is not a function of the tokens alone is never matched (nor asked for)
+    salted = Request("f", list(TOKENS), SamplingParams(max_tokens=8), None, cache_salt="s")
+    assert side.get_num_new_matched_tokens(salted, 0) == (0, False)
+    assert side.take_stats() is None
 
 
 def test_a_store_that_cannot_answer_is_a_miss():
@@ -151,3 +155,20 @@ def test_a_session_request_spills_its_next_generation(side):
     new.num_computed_tokens = 20
     assert side.request_finished(new, [5, 6])[1] == {"kvtier_session": "fresh",
                                                      "kvtier_generation": 1}
+
+
+def test_draft_tokens_do_not_fill_a_block(side):
+    """A block is saved only once the KV of accepted tokens fills it: a step's draft
+    tokens may be rejected."""
+    req = request("d1", TOKENS[:3 * BS + 6])
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, blocks(20, 21, 22, 23), 3 * BS)
+    req.num_computed_tokens = 3 * BS
+    side.build_connector_meta(step([NewRequestData.from_request(req, ([20, 21, 22, 23],))],
+                                   scheduled={"d1": 6}))
+    req.append_output_token_ids(list(range(200, 210)))
+    drafted = step(cached=cached_step("d1", 4 * BS - 2), scheduled={"d1": 3})
+    drafted.scheduled_spec_decode_tokens = {"d1": [1, 2]}
+    assert side.build_connector_meta(drafted).saves == []
+    accepted = step(cached=cached_step("d1", 4 * BS - 1), scheduled={"d1": 1})
+    assert [s.first_chunk for s in side.build_connector_meta(accepted).saves] == [3]

@@ -80,6 +80,16 @@ def session_of(request) -> str | None:
     return session
 
 
+def cacheable(request) -> bool:
+    """Whether a request's KV is a function of its token ids and the model alone: not with
+    prompt embeddings, multimodal inputs (their placeholder tokens do not say what they
+    stand for), a LoRA adapter or a cache salt (vLLM's own cache isolation). Others are
+    neither loaded nor saved."""
+    return (request.prompt_token_ids is not None and request.prompt_embeds is None
+            and not request.mm_features and request.lora_request is None
+            and request.cache_salt is None)
+
+
 def held_limit(num_tokens: int, block_size: int) -> int:
     """The most tokens of a ``num_tokens`` sequence a load may cover: whole blocks that
     leave at least the last token to compute."""
@@ -102,6 +112,8 @@ class SchedulerSide:
     # -- matching --
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        if not cacheable(request):
+            return 0, False
         tokens = list(request.all_token_ids)
         bs = self.shape.block_size
         match = self._matches.get(request.request_id)
@@ -141,6 +153,8 @@ class SchedulerSide:
         return reply.session.generation if reply.HasField("session") else 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if not cacheable(request):
+            return
         match = self._matches.pop(request.request_id, None)
         bs = self.shape.block_size
         session = match.session if match is not None else session_of(request)
@@ -161,13 +175,16 @@ class SchedulerSide:
                                      f"[{start}, {end}) of a {match.held_tokens}-token hit in "
                                      f"blocks of {bs}")
             tracker.load = (start // bs, end // bs)
-            self.stats.add(hit_tokens=num_external_tokens)
+            self.stats.add(hits=1, hit_tokens=num_external_tokens)
 
     # -- per-step plans --
 
     def build_connector_meta(self, scheduler_output) -> KVTierConnectorMetadata:
         meta = KVTierConnectorMetadata()
-        scheduled = scheduler_output.num_scheduled_tokens
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        # KV that will stand after the step: draft tokens' KV may be rejected
+        scheduled = {req_id: n - len(drafts.get(req_id, ()))
+                     for req_id, n in scheduler_output.num_scheduled_tokens.items()}
         for new in scheduler_output.scheduled_new_reqs:
             tracker = self._trackers.get(new.req_id)
             if tracker is not None:

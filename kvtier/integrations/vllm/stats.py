@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 FIELDS = {
     "lookups": "prefix lookups asked of the store",
     "lookup_errors": "lookups that failed (taken as misses)",
+    "hits": "requests that load a prefix from the store",
     "hit_tokens": "tokens the store held beyond vLLM's own cache",
     "loads": "requests whose KV was loaded",
     "loaded_tokens": "tokens of KV loaded into the paged cache",
