@@ -50,21 +50,25 @@ def test_cpu_layout_is_what_vllm_packs(dtype):
     assert not ours[[0, 2, 5]].any()
 
 
-@pytest.mark.parametrize("kind", ["cpu", "split", "nhd"])
-def test_round_trip_is_exact(kind):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("kind,device", [("cpu", "cpu"), ("split", "cpu"), ("nhd", "cpu"),
+                                         pytest.param("split", "cuda", marks=CUDA),
+                                         pytest.param("nhd", "cuda", marks=CUDA)])
+def test_round_trip_is_exact(kind, device):
     paged = PagedLayout(kind, H, D, BS)
     cache = (torch.randn(2, N, BS, H, D) if kind == "nhd"
-             else torch.randn(N, H, BS, 2 * D)).to(torch.bfloat16)
+             else torch.randn(N, H, BS, 2 * D)).to(torch.bfloat16).to(device)
     before = cache.clone()
-    ids = torch.tensor([5, 0, 2])
-    k, v = kv(len(ids) * BS, seed=2)
+    ids = torch.tensor([5, 0, 2], device=device)
+    k, v = kv(len(ids) * BS, seed=2)  # on the CPU, as decoded chunks are
     paged.put(cache, ids, k, v)
-    got_k, got_v = paged.split(paged.take(cache, ids))
+    got_k, got_v = paged.split(paged.take(cache, ids).cpu())
     assert same_bits(got_k, k) and same_bits(got_v, v)
-    others = [1, 3, 4]
+    others = torch.tensor([1, 3, 4], device=device)
     dim = 1 if kind == "nhd" else 0
-    assert same_bits(cache.index_select(dim, torch.tensor(others)),
-                     before.index_select(dim, torch.tensor(others)))
+    assert same_bits(cache.index_select(dim, others).cpu(), before.index_select(dim, others).cpu())
 
 
 def test_split_layout_reads_vllms_view_of_any_strides():

@@ -83,12 +83,15 @@ def gathered(raw: list[torch.Tensor], paged: PagedLayout) -> dict[str, torch.Ten
 class LoadJob:
     plan: LoadPlan
     layer_ready: list[threading.Event]
+    # a CUDA event after the step's work queued before the load (vLLM zeroes new blocks
+    # first): the load writes after it; None on the CPU, where that work is done
+    queued: object = None
     done: threading.Event = field(default_factory=threading.Event)
     loaded_chunks: int = 0  # chunks from plan.first_chunk written into their blocks
 
     @classmethod
-    def of(cls, plan: LoadPlan, layers: int) -> LoadJob:
-        return cls(plan, [threading.Event() for _ in range(layers)])
+    def of(cls, plan: LoadPlan, layers: int, queued=None) -> LoadJob:
+        return cls(plan, [threading.Event() for _ in range(layers)], queued)
 
     @property
     def failed_blocks(self) -> list[int]:
@@ -128,8 +131,11 @@ def run_load(store: Store, job: LoadJob) -> None:
             kv = {name: torch.cat([values.decode(store.spec.stream(name), d[name], store.dtype)
                                    for d in decoded], dim=1) for name in STREAMS}
             index = store.block_index(plan.block_ids[:len(decoded)])
+            if job.queued is not None:
+                job.queued.synchronize()
             for layer, tensor in enumerate(store.layers):
                 store.paged.put(tensor, index, kv["k"][layer], kv["v"][layer])
+                settle(tensor)
                 job.layer_ready[layer].set()
             job.loaded_chunks = len(decoded)
     except Exception as exc:  # an outage, a bug: the blocks are recomputed, never used
@@ -160,11 +166,21 @@ def _checked(store: Store, data, chunk: int, token_ids: Sequence[int]
         return None
 
 
-def run_save(store: Store, plan: SavePlan, raw: list[torch.Tensor]) -> None:
+def settle(tensor: torch.Tensor) -> None:
+    """Wait until this thread's queued writes to ``tensor`` are done: a CUDA copy is
+    asynchronous, and the forward pass reads the cache on another stream."""
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
+def run_save(store: Store, plan: SavePlan, raw: list[torch.Tensor], ready=None) -> None:
     """Encode the blocks ``raw`` (per layer, as ``PagedLayout.take`` copied them) and write
-    them as chunks from ``plan.first_chunk`` (those the store holds are not sent)."""
+    them as chunks from ``plan.first_chunk`` (those the store holds are not sent);
+    ``ready``: a CUDA event recorded after the copies were queued (None on the CPU)."""
     started = time.monotonic()
     try:
+        if ready is not None:
+            ready.synchronize()
         kv = gathered(raw, store.paged)
         chunks = store.encode_blocks(kv, plan.token_ids, plan.first_chunk * store.block_size)
         result = store.client.write_chunks(

@@ -32,6 +32,18 @@ from kvtier.integrations.vllm.transfers import LoadJob, Store, run_load, run_sav
 logger = logging.getLogger(__name__)
 
 
+def recorded(tensors: list[torch.Tensor]):
+    """A CUDA event after the work queued so far on this thread's stream (None on the
+    CPU, where it is done): a background thread waits on it before it touches
+    ``tensors`` (the save thread before reading block copies, a load before writing
+    blocks vLLM zeroes first)."""
+    if not tensors[0].is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 class WorkerSide:
     def __init__(self, store_of, shape: CacheShape, rank: int, paged: PagedLayout) -> None:
         """``store_of(layers, paged)``: the ``transfers.Store`` of the registered cache;
@@ -66,8 +78,9 @@ class WorkerSide:
     # -- loads --
 
     def start_load_kv(self, meta: KVTierConnectorMetadata) -> None:
+        queued = recorded(self.store.layers) if meta.loads else None
         for plan in meta.loads:
-            job = LoadJob.of(plan, self.shape.layers)
+            job = LoadJob.of(plan, self.shape.layers, queued)
             self._loads.append(job)
             self._load_pool.submit(run_load, self.store, job)
 
@@ -110,7 +123,7 @@ class WorkerSide:
                 self._unsaved[plan.req_id] = min(plan.first_chunk,
                                                  self._unsaved.get(plan.req_id, plan.first_chunk))
                 continue
-            self._queue(plan.req_id, run_save, self.store, plan, raw)
+            self._queue(plan.req_id, run_save, self.store, plan, raw, recorded(raw))
         self._staged.clear()
         for plan in meta.spills:
             self._queue(plan.req_id, run_spill, self.store, plan,
