@@ -155,6 +155,13 @@ def test_a_session_request_spills_its_next_generation(side):
     new.num_computed_tokens = 20
     assert side.request_finished(new, [5, 6])[1] == {"kvtier_session": "fresh",
                                                      "kvtier_generation": 1}
+    # a value that is no session id is ignored, never an error in the engine
+    odd = Request("s3", TOKENS[:20], SamplingParams(
+        max_tokens=8, extra_args={"kv_transfer_params": {"kvtier_session": 7}}), None)
+    side.get_num_new_matched_tokens(odd, 0)
+    side.update_state_after_alloc(odd, blocks(8, 9), 0)
+    odd.num_computed_tokens = 20
+    assert side.request_finished(odd, [8, 9]) == (False, None)
 
 
 def test_draft_tokens_do_not_fill_a_block(side):

@@ -69,14 +69,16 @@ class _Tracker:
 
 
 def session_of(request) -> str | None:
-    """The session a request resumes and extends (``kv_transfer_params``), or None."""
+    """The session a request resumes and extends (``kv_transfer_params``), or None; a
+    value that is no session id is ignored (logged): a request must not stop the engine."""
     params = getattr(request, "kv_transfer_params", None) or {}
     session = params.get(SESSION_PARAM)
     if session is None:
         return None
     if not isinstance(session, str) or not session:
-        raise InvalidRequest(f"kv_transfer_params {SESSION_PARAM} must be a non-empty string, "
-                             f"got {shown(session)}")
+        logger.warning("kvtier: request %s: %s must be a non-empty string, got %s; ignored",
+                       request.request_id, SESSION_PARAM, shown(session))
+        return None
     return session
 
 
