@@ -16,7 +16,6 @@ its blocks.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -28,8 +27,6 @@ from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWor
 from kvtier.integrations.vllm.repack import PagedLayout
 from kvtier.integrations.vllm.stats import KVTierStats
 from kvtier.integrations.vllm.transfers import LoadJob, Store, run_load, run_save, run_spill
-
-logger = logging.getLogger(__name__)
 
 
 def recorded(tensors: list[torch.Tensor]):
