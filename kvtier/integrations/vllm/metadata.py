@@ -1,0 +1,74 @@
+"""What the scheduler side tells the worker side each step, and what comes back.
+
+Chunk c of a request covers its tokens [c * block_size, (c + 1) * block_size) and is held
+by one paged block; every plan names a run of chunks from ``first_chunk`` and their blocks,
+one per chunk, in order. ``token_ids`` run from the request's first token to the end of the
+plan's last chunk (chain keys cover every token before a chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass(frozen=True)
+class ChunkRun:
+    req_id: str
+    token_ids: tuple[int, ...]
+    first_chunk: int
+    block_ids: tuple[int, ...]  # one per chunk, from first_chunk on
+
+    @property
+    def end_chunk(self) -> int:
+        return self.first_chunk + len(self.block_ids)
+
+
+@dataclass(frozen=True)
+class LoadPlan(ChunkRun):
+    """Read these chunks and write them into their blocks before this step's attention."""
+
+
+@dataclass(frozen=True)
+class SavePlan(ChunkRun):
+    """Blocks that are full after this step's forward: write them as chunks."""
+
+
+@dataclass(frozen=True)
+class SpillPlan:
+    """A finished session request: spill its computed KV as the session's next generation."""
+
+    req_id: str
+    session_id: str  # as the request named it (layout.rank_session makes a rank's)
+    generation: int
+    token_ids: tuple[int, ...]  # every token with KV in the cache
+    block_ids: tuple[int, ...]  # the blocks holding them, the partial last one included
+
+
+@dataclass
+class KVTierConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadPlan] = field(default_factory=list)
+    saves: list[SavePlan] = field(default_factory=list)
+    spills: list[SpillPlan] = field(default_factory=list)
+    # Finished requests whose blocks vLLM keeps until the worker reports them done
+    # (get_finished): their saves and spill are in flight.
+    delayed: list[str] = field(default_factory=list)
+
+
+@dataclass
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """``unsaved``: req_id -> the first chunk the worker did not save (its blocks were
+    computed over a prefix that failed to load): the scheduler plans it again once
+    recomputed."""
+
+    unsaved: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
+        merged = dict(self.unsaved)
+        for req_id, chunk in getattr(other, "unsaved", {}).items():
+            merged[req_id] = min(chunk, merged.get(req_id, chunk))
+        return KVTierWorkerMetadata(merged)

@@ -1,0 +1,107 @@
+"""vLLM's paged KV blocks <-> kvtier's token-major K and V: copies only, no arithmetic, so a
+block goes out and comes back bit for bit.
+
+kvtier's side, per layer: ``k``, ``v`` (blocks * block_size, H, D), token t of block i at
+row i * block_size + t.
+
+vLLM's side, one tensor per attention layer (``LAYOUTS``):
+  "cpu" (CPU_ATTN): (num_blocks, H, block_size, 2 * D), contiguous. Within a block and
+      head, the first block_size * D values are K transposed, (D, block_size), the next
+      block_size * D are V, (block_size, D): what ``CpuPlatform.pack_kv_cache`` writes.
+  "split" (vLLM's GPU attention backends): the logical (num_blocks, H, block_size, 2 * D)
+      view vLLM hands connectors, any strides: [..., :D] is K and [..., D:] is V of token n
+      at [block, :, n].
+  "nhd": (2, num_blocks, block_size, H, D), [0] K and [1] V (FlashAttention's cache
+      before vLLM's per-layer [B, H, N, C] views).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.format.errors import UnsupportedModel
+
+LAYOUTS = ("cpu", "split", "nhd")
+
+
+def layout_kind(is_cpu: bool, layer: torch.Tensor) -> str:
+    """The layout of a layer's cache: CPU_ATTN's on the CPU platform, else by its rank."""
+    if is_cpu:
+        return "cpu"
+    return "nhd" if layer.dim() == 5 else "split"
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    kind: str  # LAYOUTS
+    kv_heads: int
+    head_size: int
+    block_size: int
+
+    @property
+    def block_dim(self) -> int:
+        return 1 if self.kind == "nhd" else 0
+
+    def check(self, layer: torch.Tensor) -> None:
+        """``layer`` must be one layer's cache of this layout (``UnsupportedModel``)."""
+        h, d, b = self.kv_heads, self.head_size, self.block_size
+        if self.kind == "nhd":
+            ok, want = (layer.dim() == 5 and layer.shape[0] == 2
+                        and tuple(layer.shape[2:]) == (b, h, d)), f"(2, num_blocks, {b}, {h}, {d})"
+        else:
+            ok = layer.dim() == 4 and tuple(layer.shape[1:]) == (h, b, 2 * d) and (
+                self.kind == "split" or layer.is_contiguous())
+            want = f"(num_blocks, {h}, {b}, {2 * d})" + (" contiguous" if self.kind == "cpu"
+                                                         else "")
+        if not ok:
+            raise UnsupportedModel(f"kvtier connector: a {self.kind} KV cache layer must be "
+                                   f"{want}, got {tuple(layer.shape)}")
+
+    def take(self, layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """A copy of the blocks ``block_ids`` (int64, on the layer's device) of ``layer``,
+        still in vLLM's layout: (n, H, block_size, 2D), or (2, n, block_size, H, D) for
+        nhd."""
+        return layer.index_select(self.block_dim, block_ids)
+
+    def split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V, each (n * block_size, H, D), of blocks ``take`` returned."""
+        h, d, b = self.kv_heads, self.head_size, self.block_size
+        n = blocks.shape[self.block_dim]
+        if self.kind == "nhd":
+            return blocks[0].reshape(n * b, h, d), blocks[1].reshape(n * b, h, d)
+        if self.kind == "split":
+            k = blocks[..., :d].permute(0, 2, 1, 3)  # (n, b, H, D)
+            v = blocks[..., d:].permute(0, 2, 1, 3)
+        else:
+            halves = blocks.contiguous().view(n, h, 2, b * d)
+            k = halves[:, :, 0].reshape(n, h, d, b).permute(0, 3, 1, 2)  # (n, b, H, D)
+            v = halves[:, :, 1].reshape(n, h, b, d).permute(0, 2, 1, 3)  # (n, b, H, D)
+        return k.reshape(n * b, h, d), v.reshape(n * b, h, d)
+
+    def join(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Blocks in vLLM's layout (as ``take`` returns them) of K and V, each
+        (n * block_size, H, D)."""
+        h, d, b = self.kv_heads, self.head_size, self.block_size
+        if k.shape != v.shape or k.dim() != 3 or tuple(k.shape[1:]) != (h, d) \
+                or k.shape[0] % b:
+            raise ValueError(f"K and V must both be (n * {b}, {h}, {d}), got "
+                             f"{tuple(k.shape)}, {tuple(v.shape)}")
+        n = k.shape[0] // b
+        k, v = k.reshape(n, b, h, d), v.reshape(n, b, h, d)
+        if self.kind == "nhd":
+            return torch.stack((k, v))
+        if self.kind == "split":
+            return torch.cat((k, v), dim=-1).permute(0, 2, 1, 3)  # (n, H, b, 2D)
+        blocks = torch.empty((n, h, 2, b * d), dtype=k.dtype, device=k.device)
+        blocks[:, :, 0] = k.permute(0, 2, 3, 1).reshape(n, h, d * b)
+        blocks[:, :, 1] = v.permute(0, 2, 1, 3).reshape(n, h, b * d)
+        return blocks.view(n, h, b, 2 * d)
+
+    def put(self, layer: torch.Tensor, block_ids: torch.Tensor, k: torch.Tensor,
+            v: torch.Tensor) -> None:
+        """Write K and V (n * block_size, H, D each) into the blocks ``block_ids`` of
+        ``layer``."""
+        blocks = self.join(k.to(layer.device), v.to(layer.device))
+        layer.index_copy_(self.block_dim, block_ids, blocks)

@@ -1,0 +1,142 @@
+"""The repack between vLLM's paged blocks and kvtier's token-major K/V is exact: every
+layout round-trips bit for bit, the CPU one agrees with vLLM's own packer, and values of
+a bf16 stream are stored as they are."""
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+from kvstore.format.chunk import decode_chunk, encode_chunk  # noqa: E402
+from kvstore.format.errors import LayoutMismatch  # noqa: E402
+from kvtier.integrations.vllm import values  # noqa: E402
+from kvtier.integrations.vllm.layout import CacheShape, rank_layout  # noqa: E402
+from kvtier.integrations.vllm.repack import PagedLayout, layout_kind  # noqa: E402
+
+H, D, BS, N = 2, 32, 16, 6
+
+
+def kv(n_tokens: int, seed: int, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n_tokens, H, D, generator=g).to(dtype),
+            torch.randn(n_tokens, H, D, generator=g).to(dtype))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8),
+                                              b.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cpu_layout_is_what_vllm_packs(dtype):
+    """Plain K|V written into blocks and packed by CpuPlatform.pack_kv_cache read back as
+    that K and V; blocks the packer was not asked to touch are left alone by put."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    paged = PagedLayout("cpu", H, D, BS)
+    ids = torch.tensor([4, 1, 3])
+    k, v = kv(len(ids) * BS, seed=1, dtype=dtype)
+    plain = torch.cat([k.view(-1, BS, H, D), v.view(-1, BS, H, D)], dim=-1)  # (n, bs, H, 2D)
+    cache = torch.zeros(N, H, BS, 2 * D, dtype=dtype)
+    cache[ids] = plain.permute(0, 2, 1, 3)
+    CpuPlatform.pack_kv_cache(cache, ids)
+    got_k, got_v = paged.split(paged.take(cache, ids))
+    assert same_bits(got_k, k) and same_bits(got_v, v)
+    # and put writes exactly the bytes the packer wrote
+    ours = torch.zeros_like(cache)
+    paged.put(ours, ids, k, v)
+    assert same_bits(ours[ids], cache[ids])
+    assert not ours[[0, 2, 5]].any()
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("kind,device", [("cpu", "cpu"), ("split", "cpu"), ("nhd", "cpu"),
+                                         pytest.param("split", "cuda", marks=CUDA),
+                                         pytest.param("nhd", "cuda", marks=CUDA)])
+def test_round_trip_is_exact(kind, device):
+    paged = PagedLayout(kind, H, D, BS)
+    cache = (torch.randn(2, N, BS, H, D) if kind == "nhd"
+             else torch.randn(N, H, BS, 2 * D)).to(torch.bfloat16).to(device)
+    before = cache.clone()
+    ids = torch.tensor([5, 0, 2], device=device)
+    k, v = kv(len(ids) * BS, seed=2)  # on the CPU, as decoded chunks are
+    paged.put(cache, ids, k, v)
+    got_k, got_v = paged.split(paged.take(cache, ids).cpu())
+    assert same_bits(got_k, k) and same_bits(got_v, v)
+    others = torch.tensor([1, 3, 4], device=device)
+    dim = 1 if kind == "nhd" else 0
+    assert same_bits(cache.index_select(dim, others).cpu(), before.index_select(dim, others).cpu())
+
+
+def test_split_layout_reads_vllms_view_of_any_strides():
+    """vLLM's GPU backends hand connectors a logical (B, H, N, 2D) view over memory laid
+    out (B, N, H, 2D): K is [..., :D], V [..., D:] of token n at [b, :, n]."""
+    physical = torch.randn(N, BS, H, 2 * D).to(torch.bfloat16)
+    view = physical.permute(0, 2, 1, 3)
+    assert not view.is_contiguous()
+    paged = PagedLayout("split", H, D, BS)
+    paged.check(view)
+    ids = torch.tensor([3, 4])
+    k, v = paged.split(paged.take(view, ids))
+    assert same_bits(k, physical[ids][..., :D].reshape(-1, H, D))
+    assert same_bits(v, physical[ids][..., D:].reshape(-1, H, D))
+    k2, v2 = kv(len(ids) * BS, seed=3)
+    paged.put(view, ids, k2, v2)  # through the view, into the physical memory
+    assert same_bits(physical[ids][..., :D].reshape(-1, H, D), k2)
+    assert same_bits(physical[ids][..., D:].reshape(-1, H, D), v2)
+
+
+def test_layouts_are_told_apart_and_checked():
+    from kvstore.format.errors import UnsupportedModel
+
+    assert layout_kind(True, torch.zeros(N, H, BS, 2 * D)) == "cpu"
+    assert layout_kind(False, torch.zeros(N, H, BS, 2 * D)) == "split"
+    assert layout_kind(False, torch.zeros(2, N, BS, H, D)) == "nhd"
+    with pytest.raises(UnsupportedModel):
+        PagedLayout("cpu", H, D, BS).check(torch.zeros(N, H + 1, BS, 2 * D))
+    with pytest.raises(UnsupportedModel):
+        PagedLayout("nhd", H, D, BS).check(torch.zeros(2, N, BS + 1, H, D))
+    with pytest.raises(ValueError):
+        PagedLayout("cpu", H, D, BS).join(*kv(BS + 1, seed=0))
+
+
+def test_bf16_values_are_stored_as_they_are():
+    shape = CacheShape(layers=3, kv_heads=H, head_size=D, block_size=BS, vocab_size=100,
+                       dtype=torch.bfloat16, tp_size=1)
+    spec = rank_layout(shape, 0, "auto")
+    k = torch.randn(3, BS, H, D).to(torch.bfloat16)
+    v = torch.randn(3, BS, H, D).to(torch.bfloat16)
+    streams = {"k": values.encode(spec.stream("k"), k), "v": values.encode(spec.stream("v"), v)}
+    tokens = list(range(BS))
+    decoded = decode_chunk(encode_chunk(spec, 0, tokens, streams), spec, token_ids=tokens)
+    assert same_bits(values.decode(spec.stream("k"), decoded.streams["k"], torch.bfloat16), k)
+    assert same_bits(values.decode(spec.stream("v"), decoded.streams["v"], torch.bfloat16), v)
+
+
+def test_fp16_values_are_stored_as_they_are_and_other_dtypes_refused():
+    shape = CacheShape(layers=2, kv_heads=H, head_size=D, block_size=BS, vocab_size=100,
+                       dtype=torch.float16, tp_size=1)
+    stream = rank_layout(shape, 0, "auto").stream("k")
+    x = torch.randn(2, BS, H, D).to(torch.float16)
+    assert same_bits(values.decode(stream, values.encode(stream, x), torch.float16), x)
+    with pytest.raises(LayoutMismatch):
+        values.encode(stream, x.to(torch.bfloat16))  # never rounded silently
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_lossy_values_are_close(fmt):
+    shape = CacheShape(layers=2, kv_heads=H, head_size=D, block_size=BS, vocab_size=100,
+                       dtype=torch.bfloat16, tp_size=1)
+    stream = rank_layout(shape, 0, fmt).stream("k")
+    x = torch.randn(2, BS, H, D).to(torch.bfloat16)
+    back = values.decode(stream, values.encode(stream, x), torch.bfloat16)
+    assert back.dtype == torch.bfloat16 and back.shape == x.shape
+    # int8: half a step of its per-(token, head) scale; e4m3: 3 mantissa bits (2^-4
+    # relative) or, near zero, the smallest subnormal step of its per-layer scale
+    err = (back.float() - x.float()).abs()
+    bound = (x.float().abs().amax(-1, keepdim=True) / 127 * 0.5 if fmt == "int8"
+             else x.float().abs() / 16 + x.float().abs().amax() / 448 * 2 ** -9)
+    assert (err <= bound + 1e-2).all()

@@ -1,0 +1,121 @@
+"""The worker side against a real server, without an engine: blocks saved from one paged
+cache load bit for bit into another's blocks layer by layer, a gap in the store ends a
+load (that block and every later one are load errors), a request's saves over a failed
+load are dropped and reported, and a finished request is reported once its saves landed."""
+
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from vllm.model_executor.models.utils import extract_layer_index  # noqa: E402
+
+import kvtier  # noqa: E402
+from kvtier.integrations.vllm.config import ConnectorConfig  # noqa: E402
+from kvtier.integrations.vllm.layout import CacheShape, rank_layout  # noqa: E402
+from kvtier.integrations.vllm.metadata import (  # noqa: E402
+    KVTierConnectorMetadata,
+    LoadPlan,
+    SavePlan,
+)
+from kvtier.integrations.vllm.repack import PagedLayout  # noqa: E402
+from kvtier.integrations.vllm.stats import StatsCounter  # noqa: E402
+from kvtier.integrations.vllm.transfers import Store  # noqa: E402
+from kvtier.integrations.vllm.worker import WorkerSide  # noqa: E402
+
+BS, H, D, LAYERS, BLOCKS = 16, 2, 16, 2, 8
+SHAPE = CacheShape(LAYERS, H, D, BS, 1000, torch.bfloat16, 1)
+SPEC = rank_layout(SHAPE, 0, "auto")
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+TOKENS = [(11 * i) % 991 + 1 for i in range(3 * BS)]
+
+
+@pytest.fixture(scope="module")
+def client(kvtier_server):
+    with kvtier.Client(kvtier_server.target) as c:
+        c.register_layout(SPEC)
+        yield c
+
+
+def worker(client, kvtier_server, seed: int | None):
+    """A worker side over a fresh CPU cache (random when ``seed`` is given, else zeros)."""
+    config = ConnectorConfig.from_extra({"server": kvtier_server.target, "tenant": "worker",
+                                         "model_fingerprint": "worker-test", "ack": "durable"})
+    g = torch.Generator().manual_seed(seed or 0)
+    caches = {name: (torch.randn(BLOCKS, H, BS, 2 * D, generator=g) if seed is not None
+                     else torch.zeros(BLOCKS, H, BS, 2 * D)).to(torch.bfloat16)
+              for name in NAMES}
+    paged = PagedLayout("cpu", H, D, BS)
+    side = WorkerSide(lambda layers, p: Store(client, config, SPEC, p, layers, torch.bfloat16,
+                                              StatsCounter()), SHAPE, 0, paged)
+    side.register_kv_caches(caches, extract_layer_index)
+    return side, caches
+
+
+def run_step(side, caches, meta: KVTierConnectorMetadata, finished=()):
+    """One step as vLLM's model runner drives it; (load errors, finished sends)."""
+    side.start_load_kv(meta)
+    for name in NAMES:
+        side.wait_for_layer_load(name)
+        side.save_kv_layer(meta, name, caches[name])
+    side.wait_for_save(meta)
+    done, _ = side.get_finished(set(finished))
+    return side.get_block_ids_with_load_errors(), done or set()
+
+
+def finish(side, caches, req_id: str) -> None:
+    """Report ``req_id`` finished (delayed) and step until the worker releases it."""
+    deadline = time.monotonic() + 30
+    _, done = run_step(side, caches, KVTierConnectorMetadata(delayed=[req_id]), [req_id])
+    while req_id not in done:
+        assert time.monotonic() < deadline, "the saves did not finish"
+        time.sleep(0.05)
+        _, done = run_step(side, caches, KVTierConnectorMetadata())
+
+
+def test_saved_blocks_load_bit_for_bit_into_other_blocks(client, kvtier_server):
+    source, src = worker(client, kvtier_server, seed=1)
+    errors, _ = run_step(source, src, KVTierConnectorMetadata(
+        saves=[SavePlan("w", tuple(TOKENS), 0, (3, 5, 6))]))
+    assert errors == set()
+    finish(source, src, "w")
+    assert client.lookup("worker", SPEC, TOKENS, model="worker-test") == 3 * BS
+    target, dst = worker(client, kvtier_server, seed=None)
+    errors, _ = run_step(target, dst, KVTierConnectorMetadata(
+        loads=[LoadPlan("r", tuple(TOKENS), 0, (1, 2, 4))]))
+    assert errors == set()
+    for name in NAMES:
+        assert torch.equal(dst[name][[1, 2, 4]].view(torch.int16),
+                           src[name][[3, 5, 6]].view(torch.int16))
+        assert not dst[name][[0, 3, 5, 6, 7]].any()  # no other block touched
+    stats = target.take_stats().data
+    assert (stats["loads"], stats["loaded_tokens"], stats["load_error_blocks"]) == (1, 48, 0)
+
+
+def test_a_gap_ends_the_load_and_saves_over_it_are_dropped(client, kvtier_server):
+    source, src = worker(client, kvtier_server, seed=2)
+    other = [(13 * i) % 983 + 2 for i in range(3 * BS)]
+    run_step(source, src, KVTierConnectorMetadata(
+        saves=[SavePlan("w0", tuple(other[:BS]), 0, (4,))]))
+    finish(source, src, "w0")  # only its first block is held
+    target, dst = worker(client, kvtier_server, seed=None)
+    meta = KVTierConnectorMetadata(loads=[LoadPlan("g", tuple(other), 0, (0, 1, 2))],
+                                   saves=[SavePlan("g", tuple(other) + (5,) * BS, 3, (3,))])
+    errors, _ = run_step(target, dst, meta)
+    assert errors == {1, 2}
+    assert dst[NAMES[0]][0].any() and not dst[NAMES[0]][[1, 2]].any()
+    assert target.build_connector_worker_meta().unsaved == {"g": 3}
+    assert target.build_connector_worker_meta() is None  # reported once
+    assert target.take_stats().data["load_error_blocks"] == 2
+    # a store that does not answer fails the whole load, and no forward waits forever
+    dead = kvtier.Client("127.0.0.1:9", retry=kvtier.RetryPolicy(attempts=1), timeout_s=1)
+    try:
+        target.store.client = dead
+        errors, _ = run_step(target, dst, KVTierConnectorMetadata(
+            loads=[LoadPlan("x", tuple(TOKENS), 0, (5, 6, 7))]))
+        assert errors == {5, 6, 7}
+    finally:
+        target.store.client = client
+        dead.close()
