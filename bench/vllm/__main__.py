@@ -127,6 +127,7 @@ def bench_model(key: str, lengths, repeats: int, work: Path) -> dict:
         kvt = run_engine({**base, "prefix_caching": False, "connector": {
             "kv_connector": "KVTierConnector",
             "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"server": live.target, "tenant": TENANT,
                                           "model_fingerprint": f"{spec.name}-{spec.digest}"}},
             "steps": connector_plan(lengths, spec, repeats, sessions=True)}, work, f"{key}-kvtier")

@@ -14,7 +14,7 @@ each configuration starts from a fresh engine and none shares another's caches).
 
 Each step reports its wall seconds per repeat (with ``max_tokens`` 1, the time to the first
 token), the greedy output token ids, and how many prompt tokens came from a cache
-(``num_cached_tokens``). The connector's Prometheus metrics (names with ``kvtier``) are
+(``num_cached_tokens``). The connector's Prometheus counters (``vllm:kvtier_<field>``) are
 reported at the end.
 """
 
@@ -71,11 +71,13 @@ def run(plan: dict) -> dict:
 
 
 def connector_metrics(llm) -> dict[str, float]:
-    """The connector's counters, summed over labels: name -> value."""
+    """The connector's counters (``vllm:kvtier_<field>``), summed over labels:
+    ``kvtier_<field>`` -> value."""
     totals: dict[str, float] = {}
     for metric in llm.get_metrics():
-        if "kvtier" in metric.name and hasattr(metric, "value"):
-            totals[metric.name] = totals.get(metric.name, 0.0) + float(metric.value)
+        if metric.name.startswith("vllm:kvtier_") and hasattr(metric, "value"):
+            name = metric.name.removeprefix("vllm:").removesuffix("_total")
+            totals[name] = totals.get(name, 0.0) + float(metric.value)
     return totals
 
 
