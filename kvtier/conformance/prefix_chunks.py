@@ -4,8 +4,11 @@ caller's scope, reads in index order with the bytes of the header's digests, a c
 held or not of the expected digest missing while the others arrive, refusals that store
 nothing, dedupe with sessions both ways, and the golden vectors' messages as sent.
 
-Every check writes chunks of tokens drawn from this run's id, so a chunk an earlier run
-left retained on the server is never one a check expects to be absent.
+The checks of this suite's layout write chunks of tokens drawn from this run's id, so a
+chunk an earlier run left retained on the server is never one a check expects absent.
+The golden vectors' messages are sent as they are: tenant ``acme`` (the caller must be
+allowed it); their shared domain may be refused PERMISSION_DENIED, as a server that does
+not configure it for ``acme`` must.
 """
 
 from __future__ import annotations
