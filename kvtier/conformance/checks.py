@@ -9,6 +9,7 @@ from kvtier.conformance import (
     layers,
     limits,
     listing,
+    prefix_chunks,
     roundtrip,
     sharing,
     statuses,
@@ -17,8 +18,7 @@ from kvtier.conformance import (
 from kvtier.conformance.harness import Check
 
 SESSIONS = (roundtrip, layers, window, sharing, statuses, listing, limits, golden)
-# The modules of the chunk RPCs (WriteChunks / ReadChunks), once the contract has them.
-CHUNK_RPCS: tuple = ()
+CHUNK_RPCS = (prefix_chunks,)  # WriteChunks / ReadChunks
 
 
 def all_checks() -> list[Check]:

@@ -17,7 +17,7 @@ from proto import kvtier_pb2 as pb
 SOURCE_VECTORS = Path(__file__).resolve().parents[2] / "tests" / "vectors"
 
 
-def _load(ctx: Context, name: str) -> dict:
+def load_vectors(ctx: Context, name: str) -> dict:
     path = (ctx.vectors or SOURCE_VECTORS) / name
     if not path.is_file():
         raise Failed(f"no golden vectors at {path}: give --vectors DIR (tests/vectors of "
@@ -45,7 +45,7 @@ async def _spill(ctx: Context, vectors: dict, layout_id: str, what: str, chunk: 
 
 
 async def golden(ctx: Context) -> str:
-    vectors, layers = _load(ctx, "chunks.json"), _load(ctx, "layers.json")
+    vectors, layers = load_vectors(ctx, "chunks.json"), load_vectors(ctx, "layers.json")
     layout_id = await ctx.register_json(vectors["layout"])
     expect(layout_id == vectors["layout_id"], f"the vectors' layout registers as "
                                               f"{layout_id}, not {vectors['layout_id']}")

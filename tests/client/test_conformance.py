@@ -1,6 +1,7 @@
 """``python -m kvtier.conformance`` against a real kvtier server: every check passes; and
-against the same server modified (its restore stream drops the tail's sections in layer
-mode, or flips one byte of every chunk), the checks that cover it fail."""
+against the same server modified (its restore stream, which Restore and ReadChunks both
+reply through, drops the tail's sections in layer mode, or flips one byte of every
+chunk), the checks that cover it fail."""
 
 from __future__ import annotations
 
@@ -52,9 +53,12 @@ class FlipsAByte(RestoreStreamer):
 
 
 def broken(server, kind: type[RestoreStreamer]) -> None:
+    """``kind`` serves Restore and Resume, and ReadChunks (whose calls hold the streamer
+    they were built with, and build each chunk's payload with its ``payload``)."""
     old = server.servicer.streamer
     server.servicer.streamer = kind(old.manager, old.metrics, old.leases, old.replay,
                                     old.max_payload + MESSAGE_MARGIN, old.replayers)
+    server.servicer.chunks.streamer = server.servicer.streamer
 
 
 async def test_every_check_passes_against_the_server(tmp_path):
@@ -65,7 +69,8 @@ async def test_every_check_passes_against_the_server(tmp_path):
     assert [r for r in results if not r.ok] == []
     names = {r.name for r in results}
     assert {"golden vectors", "receive limit", "version 1 chunk refused in a Spill",
-            "layer-by-layer restore: order, tail sections, checksums, digests"} <= names
+            "layer-by-layer restore: order, tail sections, checksums, digests",
+            "prefix chunk golden vectors", "ReadChunks: expected digests"} <= names
     out = json.loads(report(results, as_json=True))
     assert out["failed"] == 0 and out["passed"] == len(results) == len(out["checks"])
 
@@ -87,6 +92,16 @@ async def test_the_suite_catches_a_server_that_drops_the_tail_or_flips_a_byte(tm
     assert {"spill/restore round trip", "zstd chunks round trip", "golden vectors",
             "receive limit"} <= set(failed)
     assert "restored chunk 0 differs" in failed["spill/restore round trip"]
+    read = {"ReadChunks: header, then chunks or MissingChunks in index order",
+            "ReadChunks: first_chunk and max_chunks", "ReadChunks: expected digests",
+            "prefix chunks and sessions dedupe both ways", "prefix chunk golden vectors"}
+    assert read <= set(failed)
+    assert "chunk 0's bytes are not of the header's digest" in \
+        failed["ReadChunks: header, then chunks or MissingChunks in index order"]
+    # what reads no chunk's bytes back is not affected
+    assert not {"WriteChunks: chain keys from token 0 in the caller's scope",
+                "WriteChunks: a partial last chunk refused",
+                "WriteChunks: a chunk named by digest, not held, refused"} & set(failed)
 
 
 async def test_the_command_line_exits_1_on_a_failure_and_prints_json(tmp_path):
