@@ -36,8 +36,11 @@ def engine(kvtier_server):
     transfer = KVTransferConfig(
         kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
         kv_role="kv_both", kv_load_failure_policy="recompute",
+        # A durable save fsyncs on a CI box whose two cores the engine keeps busy: the
+        # default 10 s per call can pass there, and a save that times out is not retried.
         kv_connector_extra_config={"server": kvtier_server.target, "tenant": TENANT,
-                                   "model_fingerprint": FINGERPRINT, "ack": "durable"})
+                                   "model_fingerprint": FINGERPRINT, "ack": "durable",
+                                   "timeout_s": 60})
     llm = LLM(model=str(vllm_models.tiny_llama()), dtype="bfloat16", max_model_len=2048,
               enforce_eager=True, skip_tokenizer_init=True, seed=0, kv_transfer_config=transfer,
               disable_log_stats=False)
