@@ -47,13 +47,13 @@ def prompts(spec: vllm_models.LlamaSpec, length: int) -> dict[str, list[int]]:
             "Q": shared + vllm_models.prompt(spec, length - len(shared), seed=length + 2)}
 
 
-def session_turns(spec: vllm_models.LlamaSpec) -> list[dict]:
+def session_turns(spec: vllm_models.LlamaSpec, name: str = "turn") -> list[dict]:
     """Three turns of one session: 1k tokens, then each turn appends 256 new tokens to the
     previous prompt and its answer."""
-    turns = [{"name": "turn1", "prompt": vllm_models.prompt(spec, 1024, seed=7)}]
+    turns = [{"name": f"{name}1", "prompt": vllm_models.prompt(spec, 1024, seed=7)}]
     for n in (2, 3):
-        turns.append({"name": f"turn{n}", "extend": {
-            "after": f"turn{n - 1}", "append": vllm_models.prompt(spec, 256, seed=7 + n)}})
+        turns.append({"name": f"{name}{n}", "extend": {
+            "after": f"{name}{n - 1}", "append": vllm_models.prompt(spec, 256, seed=7 + n)}})
     return turns
 
 
@@ -69,7 +69,12 @@ def plain_plan(model: Path, lengths, spec, repeats: int) -> list[dict]:
             {"name": f"Q{n}", "prompt": p["Q"], "max_tokens": OUTPUT_TOKENS,
              "reset_prefix_cache": True},
         ]
+    # A session's turns as vLLM serves them by default: each turn's prompt blocks from its
+    # own prefix cache (the reference), and once more from a full prefill each turn.
+    steps.append({"name": "reset", "prompt": [1], "max_tokens": 1, "reset_prefix_cache": True})
     for turn in session_turns(spec):
+        steps.append({**turn, "max_tokens": OUTPUT_TOKENS})
+    for turn in session_turns(spec, "full"):
         steps.append({**turn, "max_tokens": OUTPUT_TOKENS, "reset_prefix_cache": True})
     return steps
 
@@ -99,6 +104,9 @@ def run_engine(plan: dict, work: Path, name: str) -> dict:
     proc = subprocess.run([sys.executable, "-m", "bench.vllm.engine", str(path)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=3600)
     (work / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    for line in proc.stdout.splitlines():
+        if line.startswith("BENCH-RESULT "):
+            (work / f"{name}.result.json").write_text(line[len("BENCH-RESULT "):])
     for line in proc.stdout.splitlines():
         if line.startswith("BENCH-RESULT "):
             return json.loads(line[len("BENCH-RESULT "):])
@@ -164,6 +172,7 @@ def summarize(key, spec, lengths, plain, example, kvt, stored) -> dict:
         })
     turns = [s for s in kvt["steps"] if s["name"].startswith("turn")]
     session_same = all(t["output"] == ref[t["name"]]["output"] for t in turns)
+    full_same = [t["output"] == ref[f"full{t['name'][4:]}"]["output"] for t in turns]
     m = kvt["metrics"]
     load_s, store_s = m.get("kvtier_load_seconds", 0.0), m.get("kvtier_save_seconds", 0.0)
     saved_tokens = m.get("kvtier_saved_tokens", 0.0)
@@ -171,6 +180,10 @@ def summarize(key, spec, lengths, plain, example, kvt, stored) -> dict:
     return {
         "model": key, "layers": spec.layers, "cases": cases,
         "session": {"turns": len(turns), "identical_outputs": session_same,
+                    "identical_to_full_prefill_per_turn": full_same,
+                    "prefix_cache_identical_to_full_prefill_per_turn": [
+                        ref[f"turn{n}"]["output"] == ref[f"full{n}"]["output"]
+                        for n in range(1, len(turns) + 1)],
                     "cached_tokens": [t["num_cached_tokens"][-1] for t in turns]},
         "load_GBps": m.get("kvtier_loaded_bytes", 0.0) / load_s / 1e9 if load_s else None,
         "store_GBps": m.get("kvtier_saved_bytes", 0.0) / store_s / 1e9 if store_s else None,
@@ -204,11 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="tiny,mid")
     parser.add_argument("--lengths", default="1024,4096")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--work", type=Path, help="keep the engines' plans, logs and results "
+                        "here (default: a temporary folder, removed)")
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-vllm-") as tmp:
-        models = [bench_model(k, lengths, args.repeats, Path(tmp))
-                  for k in args.models.split(",")]
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        models = [bench_model(k, lengths, args.repeats, work) for k in args.models.split(",")]
     result = {**headline(models), "models": models}
     if args.json:
         print(json.dumps(result, indent=1))

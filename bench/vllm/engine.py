@@ -66,18 +66,23 @@ def run(plan: dict) -> dict:
                              "prompt_tokens": len(step["prompt"]),
                              "outputs_agree": all(o == outputs[0] for o in outputs),
                              "num_cached_tokens": cached})
-    out["metrics"] = connector_metrics(llm)
+    out["metrics"] = connector_metrics()
     return out
 
 
-def connector_metrics(llm) -> dict[str, float]:
-    """The connector's counters (``vllm:kvtier_<field>``), summed over labels:
-    ``kvtier_<field>`` -> value."""
+def connector_metrics() -> dict[str, float]:
+    """The connector's counters (``vllm:kvtier_<field>``) in this process's Prometheus
+    registry, where vLLM's stats logger records them, summed over labels:
+    ``kvtier_<field>`` -> value. Read from the registry, not ``LLM.get_metrics()``, which
+    truncates counters to integers (the seconds fields)."""
+    from prometheus_client import REGISTRY
+
     totals: dict[str, float] = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:kvtier_") and hasattr(metric, "value"):
-            name = metric.name.removeprefix("vllm:").removesuffix("_total")
-            totals[name] = totals.get(name, 0.0) + float(metric.value)
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name.startswith("vllm:kvtier_") and sample.name.endswith("_total"):
+                name = sample.name.removeprefix("vllm:").removesuffix("_total")
+                totals[name] = totals.get(name, 0.0) + float(sample.value)
     return totals
 
 
