@@ -416,10 +416,15 @@ def run_benchmark(trace: str | Path | None, *, shape_names: Sequence[str] = tupl
     workloads = ({Path(trace).stem: report} if trace is not None else {}) | report["shapes"]
     report["by_shape"] = {name: {**{k: r["goals"][k] for k in GOAL_KEYS},
                                  "table": shape_table(r)} for name, r in workloads.items()}
-    report["all_shapes_met"] = {k: all(v[k]["met"] for v in report["by_shape"].values())
+    report["all_shapes_met"] = {k: _all_met([v[k]["met"] for v in report["by_shape"].values()])
                                 for k in GOAL_KEYS}
     report["elapsed_s"] = round(time.perf_counter() - started, 1)
     return report
+
+
+def _all_met(met: Sequence[bool | None]) -> bool | None:
+    """False if any workload missed the goal, None if any was not measured, else True."""
+    return False if False in met else None if None in met else True
 
 
 GOAL_KEYS = ("monotone", "never_below_lru", "belady_share", "one_tier_vs_best_classical",
