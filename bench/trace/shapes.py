@@ -272,8 +272,9 @@ def parameters(name: str, scale: float = 1.0) -> dict:
 
 def generate(name: str, *, scale: float = 1.0, seed: int = 0) -> list[TraceRequest]:
     """Shape ``name``'s requests, in arrival order (``parameters`` says what they are)."""
+    values = parameters(name, scale)
     make, params, _ = SHAPES[name]
-    return make(params(**parameters(name, scale)), random.Random(f"{name}/{seed}"))
+    return make(params(**values), random.Random(f"{name}/{seed}"))
 
 
 def names() -> Iterator[str]:

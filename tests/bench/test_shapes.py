@@ -46,7 +46,7 @@ def test_shapes_have_their_stated_features():
     assert sum(len(s.shared) for s in forks.steps) > 0  # siblings share their parent
     mix = shapes.generate("mix")
     lengths = sorted(r.input_length for r in mix)
-    assert lengths[len(lengths) // 2] < 4000 < 50_000 < lengths[-1]
+    assert lengths[len(lengths) // 2] < 6000 < 50_000 < lengths[-1]
     bursts = shapes.generate("bursts", scale=0.2)
     idle = max(b.timestamp_ms - a.timestamp_ms for a, b in zip(bursts, bursts[1:]))
     assert idle > 3_600_000
