@@ -41,14 +41,14 @@ def test_shapes_have_their_stated_features():
     gaps = {}
     for r in agent:  # requests of one context share its first task block
         gaps.setdefault(r.hash_ids[8], []).append(r.timestamp_ms)
-    assert max(b - a for ts in gaps.values() for a, b in zip(ts, ts[1:])) > 600_000
+    assert max(b - a for ts in gaps.values() for a, b in zip(ts, ts[1:], strict=False)) > 600_000
     forks = build_workload(shapes.generate("forks", scale=0.2), windows=True)
     assert sum(len(s.shared) for s in forks.steps) > 0  # siblings share their parent
     mix = shapes.generate("mix")
     lengths = sorted(r.input_length for r in mix)
     assert lengths[len(lengths) // 2] < 6000 < 50_000 < lengths[-1]
     bursts = shapes.generate("bursts", scale=0.2)
-    idle = max(b.timestamp_ms - a.timestamp_ms for a, b in zip(bursts, bursts[1:]))
+    idle = max(b.timestamp_ms - a.timestamp_ms for a, b in zip(bursts, bursts[1:], strict=False))
     assert idle > 3_600_000
     with pytest.raises(InvalidRequest, match="unknown shape"):
         shapes.generate("nope")
