@@ -92,7 +92,8 @@ def describe_method(sizes: dict, host_ratio: float, disk_fraction: float | None,
                  f"block; a block whose hints proved wrong is kept in LRU order)",
         "kvtier": "the project's policy (kvstore.eviction.reuse.ReusePolicy via "
                   "reuse_policies: one model shared by a stack's tiers), no future "
-                  "knowledge: evicts the block of lowest learned hit density per byte "
+                  "knowledge: evicts the block of lowest learned hit density x loss cost "
+                  "per byte (a window's loss weighed as the replay it costs) "
                   "(reads expected after its age over the time it is expected to stay, "
                   "per reuse class: reads so far x the pause its last hint predicted) "
                   "among 64 drawn at random (seeded), a copy a higher tier also holds "

@@ -2,6 +2,11 @@
 
     python -m bench.trace --json --trace ../shared/traces/mooncake_synthetic_trace.jsonl
 
+It runs the trace, then each generated shape of ``bench.trace.shapes`` (``--shapes``,
+``--shape-scale``), and puts every workload's goals (``bench.trace.compare``: the keys
+``monotone``, ``never_below_lru``, ``belady_share``, ``one_tier_vs_best_classical``,
+``belady_bound``) and table under ``by_shape``.
+
 How each figure is obtained (the JSON repeats this under "method"):
 
 - Trace: Mooncake format, one request per line (``bench.trace.reader``; a bad line is
@@ -19,8 +24,9 @@ How each figure is obtained (the JSON repeats this under "method"):
   other request starts a new session from what ``Lookup`` finds held (the chunks named by
   key, then read), exactly as the product serves it. A session is deleted
   ``--session-ttl`` seconds after its last request; its chunks are then retained as
-  evictable cache (``retain_unreferenced``, the default here) or freed
-  (``--no-retain``); the ``retention`` section compares both.
+  evictable cache (``retain_unreferenced``, the default here) or freed; the
+  ``retention`` section compares both. A retained chunk leaving a tier moves down like
+  any other unless the full tier below does not admit it (``EvictionPolicy.admits``).
 - Tiers: hbm = f x footprint, host = host_ratio x f x footprint, disk unbounded (or
   ``--disk-fraction`` x footprint), footprint = unique blocks x block bytes, for each
   f in ``--fractions``. Windows live only in hbm and host.
@@ -42,10 +48,16 @@ How each figure is obtained (the JSON repeats this under "method"):
   given the hints kvtier infers itself from the past only, ``kvstore.eviction.pause_estimate``: a
   session's first request a long pause, a later one a pause of 0: recency), ``belady``
   (evict the block whose next read is farthest ahead, from a next-use table of the whole
-  trace; ``bench.trace.belady``).
-- ``--validate N`` replays the first N requests through the real ``TierStack``
-  (``bench.trace.check``) and the real ``TierManager`` (``bench.trace.manager_check``) over
-  real HBM, host and disk tiers and reports whether their counts equal the simulation's.
+  trace, retained chunks ranked with the rest, bypass when moving down;
+  ``bench.trace.belady``): the bound every other policy is checked against.
+- Headline figure (``reuse_fast_value``): hbm + host hits among re-reads, each resume's
+  window weighed as ``--replay-cost`` chunk reads (what its replay costs), so a policy
+  cannot look good by dropping windows; kvtier's policy weighs windows the same way.
+- ``--validate N`` replays the first N requests (default 300) with session TTL
+  ``--validate-ttl`` (default 20 s) through the real ``TierStack`` (``bench.trace.check``)
+  and the real ``TierManager`` (``bench.trace.manager_check``) over real HBM, host and disk
+  tiers and reports whether their counts equal the simulation's, and what the prefix
+  covered (``covers``: sessions ended, retained chunks read again, disk reads, misses).
 """
 
 from __future__ import annotations
