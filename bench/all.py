@@ -66,7 +66,7 @@ SIZES = {
         "resume": {"contexts": [600, 1100], "repeats": 1},
         "fidelity": {"contexts": [600], "segments": 1, "follow": 32},
         "trace": ["--limit", "200", "--fractions", "0.05,0.2", "--validate", "0",
-                  "--lookup-tokens", "1024"],
+                  "--lookup-tokens", "1024", "--shapes", "forks", "--shape-scale", "0.1"],
         "bytes": {"lengths": [300, 1100]},
         "replay_batch": ["--contexts", "512", "--batches", "2", "--repeat", "1"],
         "fuzz": ["--requests", "300"],
@@ -84,7 +84,7 @@ SIZES = {
         # the contexts; re-prefilling 65k tokens alone takes minutes on one core
         "resume": {"contexts": [4096, 16384, 65536], "repeats": 2},
         "fidelity": {"contexts": [1024, 4096, 16384], "segments": 2},
-        "trace": ["--validate", "100"],
+        "trace": [],  # every shape; validation of 300 requests
         "bytes": {"lengths": [1000, 3000, 8192]},
         "replay_batch": ["--contexts", "512,2048,8192,32768", "--batches", "2,4,8"],
         "fuzz": ["--requests", "10000"],
@@ -100,7 +100,7 @@ SIZES = {
         "tiers": [],
         "resume": {"contexts": [4096, 16384, 65536], "repeats": 3},
         "fidelity": {"contexts": [1024, 4096, 16384], "segments": 4},  # ~25 s a 16k prefill
-        "trace": ["--validate", "100"],
+        "trace": [],  # every shape; validation of 300 requests
         "bytes": {"lengths": [1000, 3000, 8192, 20000]},
         "replay_batch": ["--contexts", "512,2048,8192,32768", "--batches", "2,4,8",
                          "--repeat", "5"],

@@ -322,11 +322,11 @@ def headlines(stages: dict) -> list[str]:
     if _ok(tr):
         fractions = sorted({r["capacity_fraction"] for r in tr["results"]})
         for fraction in dict.fromkeys((fractions[0], fractions[len(fractions) // 2])):
-            rates = ", ".join(f"{r['policy']} {r['reuse_fast_hit_rate']:.3f}"
+            rates = ", ".join(f"{r['policy']} {r['reuse_fast_value']:.3f}"
                               for r in tr["results"] if r["capacity_fraction"] == fraction)
             out.append(f"- Trace, hbm at {fraction:g} of the footprint (host "
                        f"{tr['tiers']['host_ratio']:g}x that): hbm + host hit rate among "
-                       f"re-reads: {rates}.")
+                       f"re-reads, windows weighed as replays: {rates}.")
         out.append("  (`kvtier` is the project's policy with the hints kvtier infers from "
                    "past requests alone; `hint` is given each session's true next gap with "
                    "noise, an oracle-derived estimate, and `kvtier-hint` is kvtier's policy "

@@ -85,8 +85,8 @@ def plot_fidelity(stage: dict, path: Path) -> None:
 
 def plot_trace(stage: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    panels = (("fast_hit_rate", "hbm + host hits / all block reads"),
-              ("reuse_fast_hit_rate", "hbm + host hits / re-reads (first reads excluded)"))
+    panels = (("reuse_fast_value", "hbm + host hits / re-reads, windows weighed as replays"),
+              ("reuse_fast_hit_rate", "hbm + host block hits / re-reads (first reads excluded)"))
     for ax, (key, title) in zip(axes, panels, strict=True):
         for policy in stage["policies"]:
             points = sorted((r["capacity_fraction"], r[key]) for r in stage["results"]

@@ -6,6 +6,9 @@ The simulator moves its cursor with ``advance(position)`` at every read, so at a
 ``next_use(key)`` is the position of ``key``'s next read after now (``NEVER`` if none).
 A block's next use only changes when it is read, and every read reaches the policy as an
 ``on_access`` or ``on_insert``, so ``BeladyPolicy`` can key a heap on it once per call.
+It ranks retained chunks among the rest (their next reads are in the table like any
+other's) and admits a block moving down only if it is read sooner than the tier's
+farthest: Belady's optimum with bypass, the offline reference every policy is held to.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class NextUseTable:
 class BeladyPolicy(EvictionPolicy):
     """Farthest next read first; blocks never read again go first, oldest first."""
 
+    ranks_retained = True
+
     def __init__(self, table: NextUseTable) -> None:
         super().__init__()
         self.table = table
@@ -66,6 +71,10 @@ class BeladyPolicy(EvictionPolicy):
 
     def on_remove(self, block: BlockId) -> None:
         self._entry.pop(block, None)
+
+    def admits(self, block: BlockId, size: int, hint: NextUse | None = None) -> bool:
+        farthest = self.victim()
+        return farthest is None or self.table.next_use(block) < self._entry[farthest][0]
 
     def victim(self, exclude: Collection[BlockId] = ()) -> BlockId | None:
         # Pop excluded entries aside (stale ones for good) and push them back: a handful of

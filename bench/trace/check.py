@@ -256,6 +256,7 @@ def check_against_stack(requests: Sequence[TraceRequest], *, policies: Sequence[
                               session_ttl_s=session_ttl_s)
     footprint = workload.unique_blocks * len(block)
     points = []
+    covered = {"sessions_ended": 0, "retained_reads": 0, "disk_reads": 0, "misses": 0}
     for fraction in fractions:
         capacities = [int(fraction * footprint), int(host_ratio * fraction * footprint)]
         for policy in policies:
@@ -265,6 +266,11 @@ def check_against_stack(requests: Sequence[TraceRequest], *, policies: Sequence[
             setup = setup_policy(workload, policy, hint_sigma=hint_sigma, seed=seed)
             sim = TierSim(sim_tiers, setup.factory, len(block), len(window), retain=retain)
             replay(workload, sim, setup.hints, setup.clock.set, setup.advance)
+            c = sim.counters
+            for what, n in (("sessions_ended", c.sessions_ended),
+                            ("retained_reads", c.retained_hits), ("disk_reads", c.block_hits[2]),
+                            ("misses", c.replays + c.read_misses)):
+                covered[what] = max(covered[what], n)
             real = asyncio.run(_stack_point(workload, policy, capacities, block, window,
                                             hint_sigma, seed))
             expected = {k: v for k, v in sim.counters.comparable().items() if k in real}
@@ -283,5 +289,7 @@ def check_against_stack(requests: Sequence[TraceRequest], *, policies: Sequence[
         "window_bytes": len(window),
         "points": points,
         "agree": all(p["agree"] for p in points),
+        "span_s": workload.span_s,
+        "covered": covered,  # the most any point saw of each
         "seconds": round(time.perf_counter() - started, 1),
     }

@@ -6,7 +6,8 @@ from bench.trace.reader import BLOCK_TOKENS
 
 
 def describe_method(sizes: dict, host_ratio: float, disk_fraction: float | None,
-                    hint_sigma: float, session_ttl_s: float | None) -> dict:
+                    hint_sigma: float, session_ttl_s: float | None,
+                    replay_cost: float) -> dict:
     w = sizes["window_tokens"]
     disk = ("unbounded" if disk_fraction is None
             else f"{disk_fraction:g} x footprint; a chunk evicted from it is dropped")
@@ -29,9 +30,19 @@ def describe_method(sizes: dict, host_ratio: float, disk_fraction: float | None,
         "session_end": f"a session is deleted {session_ttl_s:g} s after its last request"
                        if session_ttl_s else "sessions are never deleted",
         "retention": "with retain_unreferenced (the results), chunks no session names stay "
-                     "as cache entries a lookup finds, evicted first (oldest first) and "
-                     "deleted rather than moved down, as kvstore.prefix.chains.Retention does; "
-                     "without it they are freed from every tier at once",
+                     "as cache entries a lookup finds; a policy that does not rank them "
+                     "itself (lru, hint) has them evicted first (oldest retained first, "
+                     "kvstore.prefix.chains.Retention); kvtier and belady rank them with the "
+                     "rest; an evicted one moves down like any other block unless the full "
+                     "tier below would not admit it (EvictionPolicy.admits: its policy ranks "
+                     "it below all it holds), and is dropped where no tier takes it; without "
+                     "retention they are freed from every tier at once",
+        "headline": f"reuse_fast_value = (fast block hits among re-reads + {replay_cost:g} x "
+                    f"window hits) / (block re-reads + {replay_cost:g} x resumes): a resume "
+                    f"that finds no window replays W tokens, weighed as {replay_cost:g} chunk "
+                    f"reads from disk (kvstore.eviction.reuse.REPLAY_COST_READS: bench.resume "
+                    f"restores 8 chunks from disk in 1.35 ms and replays 128 tokens in 28 ms "
+                    f"on the development machine); the goals (bench.trace.compare) use it",
         "capacities": f"footprint = unique blocks x block bytes; hbm = f x footprint, host = "
                       f"{host_ratio:g} x f x footprint, disk {disk}",
         "replay": "per request at its timestamp (virtual clock): sessions past their TTL "
@@ -43,10 +54,16 @@ def describe_method(sizes: dict, host_ratio: float, disk_fraction: float | None,
                   "cascade, protection of the blocks being read or spilled, freeing, "
                   "retention and write-back mirror kvstore.placement.stack.TierStack and the "
                   "manager's spill/restore",
-        "validation": "the first N requests replayed through the real TierStack (every "
-                      "policy) and the real TierManager (lookup, spill by key, restore, "
-                      "delete; Belady excepted) over HBMTier, HostTier and DiskTier with "
-                      "real encoded chunks; agree = every count equals the simulation's",
+        "validation": "the first N requests replayed, with the validation's session TTL, "
+                      "through the real TierStack (every policy) and the real TierManager "
+                      "(lookup, spill by key, restore, delete; Belady excepted) over "
+                      "HBMTier, HostTier and DiskTier with real encoded chunks; agree = every "
+                      "count equals the simulation's; covers: what the prefix exercised "
+                      "(sessions ended, retained chunks read by a lookup, block reads from "
+                      "disk, misses: resumes that replayed or reads no tier served)",
+        "shapes": "generated workloads (bench.trace.shapes: chat, agent, forks, mix, bursts; "
+                  "parameters and seed under each shape's report) replayed the same way, "
+                  "policies kvtier, lru and belady",
         "reuse_by_kind": "re-reads of a block last used by the same session (its own "
                          "history) or by another one (a shared prefix, deduplicated), each "
                          "with its fast (hbm + host) hit rate",
@@ -75,7 +92,8 @@ def describe_method(sizes: dict, host_ratio: float, disk_fraction: float | None,
                  f"block; a block whose hints proved wrong is kept in LRU order)",
         "kvtier": "the project's policy (kvstore.eviction.reuse.ReusePolicy via "
                   "reuse_policies: one model shared by a stack's tiers), no future "
-                  "knowledge: evicts the block of lowest learned hit density per byte "
+                  "knowledge: evicts the block of lowest learned hit density x loss cost "
+                  "per byte (a window's loss weighed as the replay it costs) "
                   "(reads expected after its age over the time it is expected to stay, "
                   "per reuse class: reads so far x the pause its last hint predicted) "
                   "among 64 drawn at random (seeded), a copy a higher tier also holds "
@@ -85,6 +103,9 @@ def describe_method(sizes: dict, host_ratio: float, disk_fraction: float | None,
                   "pause if it does, 1e9 s if not)",
         "belady": "evict the block whose next read is farthest ahead (never again: first), "
                   "from a next-use table over the whole trace's read sequence, in every "
-                  "tier; optimal for one tier of equal-size blocks, a reference (not a "
-                  "proven bound) for the hierarchy with window blobs",
+                  "tier, retained chunks ranked with the rest; a block moving down enters "
+                  "a full tier only if read sooner than its farthest (bypass); optimal for "
+                  "one tier of equal-size blocks, and on the hierarchy with window blobs "
+                  "the reference every policy is checked against (goals.belady_bound lists "
+                  "any point above it)",
     }

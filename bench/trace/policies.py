@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from bench.trace.belady import BeladyPolicy, NextUseTable
 from bench.trace.workload import FINISHED_PAUSE_S, Workload, causal_hints, oracle_hints
 from kvstore.eviction.policies import EvictionPolicy, HintPolicy, LRUPolicy
-from kvstore.eviction.reuse import reuse_policies
+from kvstore.eviction.reuse import REPLAY_COST_READS, reuse_policies, window_cost
 from kvstore.format.errors import InvalidRequest
 from kvstore.format.hints import ResumeHint
+from kvstore.placement.stack import is_window_key
 
 POLICIES = ("kvtier", "kvtier-hint", "kvtier-returns", "lru", "hint", "hint-perfect",
             "hint-causal", "belady")
@@ -44,7 +45,8 @@ class PolicySetup:
 
 
 def setup_policy(workload: Workload, policy: str, *, hint_sigma: float = 0.5, seed: int = 0,
-                 name: Callable[[int], Hashable] | None = None) -> PolicySetup:
+                 name: Callable[[int], Hashable] | None = None,
+                 replay_cost: float = REPLAY_COST_READS) -> PolicySetup:
     """``kvtier``: ReusePolicy (the project's own), hints inferred from the past only, as
     the TierManager infers them; ``kvtier-hint``: the same with ``hint``'s hints;
     ``kvtier-returns``: the same told only whether each session comes back (an oracle
@@ -52,8 +54,16 @@ def setup_policy(workload: Workload, policy: str, *, hint_sigma: float = 0.5, se
     ``lru``: LRUPolicy. ``hint``: HintPolicy, oracle hints with lognormal noise
     ``hint_sigma``; ``hint-perfect``: the same with no noise; ``hint-causal``: HintPolicy,
     hints from past gaps only. ``belady``: farthest next read first (offline table; ``name``
-    maps trace keys to the keys its policies will see)."""
+    maps trace keys to the keys its policies will see). kvtier's policies weigh a window
+    blob's loss as ``replay_cost`` chunk reads, as the server configures them."""
     clock = VirtualClock()
+    # trace keys are ints (windows < 0); the real stacks' are strings
+    cost = window_cost(lambda key: key < 0 if isinstance(key, int) else is_window_key(key),
+                       replay_cost)
+
+    def reuse() -> Callable[[], EvictionPolicy]:
+        return reuse_policies(clock, cost=cost)
+
     no_hints: list[ResumeHint | None] = [None] * len(workload.steps)
     if policy == "lru":
         return PolicySetup(lambda: LRUPolicy(clock), no_hints, clock, None)
@@ -62,11 +72,11 @@ def setup_policy(workload: Workload, policy: str, *, hint_sigma: float = 0.5, se
                              name)
         return PolicySetup(lambda: BeladyPolicy(table), no_hints, clock, table.advance)
     if policy == "kvtier":
-        return PolicySetup(reuse_policies(clock), causal_hints(workload), clock, None)
+        return PolicySetup(reuse(), causal_hints(workload), clock, None)
     if policy == "kvtier-returns":  # a probe of what limits kvtier: told only who returns
         hints = [ResumeHint(expected_pause_s=FINISHED_PAUSE_S if step.next_gap_s is None
                             else RETURNS_PAUSE_S) for step in workload.steps]
-        return PolicySetup(reuse_policies(clock), hints, clock, None)
+        return PolicySetup(reuse(), hints, clock, None)
     if policy == "hint-causal":
         return PolicySetup(lambda: HintPolicy(clock), causal_hints(workload), clock, None)
     if policy in ("hint", "hint-perfect", "kvtier-hint"):
@@ -74,6 +84,6 @@ def setup_policy(workload: Workload, policy: str, *, hint_sigma: float = 0.5, se
         if sigma < 0:
             raise InvalidRequest(f"hint_sigma must be >= 0, got {sigma}")
         hints: list[ResumeHint | None] = list(oracle_hints(workload, sigma, seed))
-        factory = reuse_policies(clock) if policy == "kvtier-hint" else lambda: HintPolicy(clock)
+        factory = reuse() if policy == "kvtier-hint" else lambda: HintPolicy(clock)
         return PolicySetup(factory, hints, clock, None)
     raise InvalidRequest(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")

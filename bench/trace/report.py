@@ -23,47 +23,79 @@ def section(stage: dict) -> list[str]:
         rows.append([r["capacity_fraction"], r["policy"], f"{rate['hbm']:.3f}",
                      f"{rate['host']:.3f}", f"{rate['disk']:.3f}", f"{rate['new']:.3f}",
                      f"{rate['reprefill']:.3f}", f"{r['fast_hit_rate']:.3f}",
-                     f"{r['reuse_fast_hit_rate']:.3f}", f"{r['replays']}/{r['resumes']}"])
+                     f"{r['reuse_fast_hit_rate']:.3f}", f"{r['reuse_fast_value']:.3f}",
+                     f"{r['replays']}/{r['resumes']}"])
     out += table(["hbm fraction", "policy", "hbm", "host", "disk", "new", "re-prefill",
-                  "fast (hbm+host)", "fast among re-reads", "replays/continuations"], rows)
+                  "fast (hbm+host)", "fast among re-reads", "headline (windows as replays)",
+                  "replays/continuations"], rows)
     out += ["", *retention_lines(stage), *goal_lines(stage)]
     if "validation" in stage:
         v = stage["validation"]
-        out += ["", f"Simulation checked against the real TierStack on the first "
-                f"{v['requests']} requests: {'all counts agree' if v['agree'] else 'DIFFER'}."]
+        out += ["", f"Simulation checked against the real TierStack and TierManager on the "
+                f"first {v['requests']} requests (session TTL {v['session_ttl_s']:g} s): "
+                f"{'all counts agree' if v['agree'] else 'DIFFER'}; it covered "
+                + ", ".join(f"{k.replace('_', ' ')} {n}" for k, n in v["covers"].items())
+                + ("" if v["covers_all"] else " (NOT all of them)") + "."]
     return out + [""]
 
 
 def goal_lines(stage: dict) -> list[str]:
-    """The goals, kvtier next to libCacheSim on one tier, and Lookup's cost."""
+    """The goals of every workload (the trace and each shape), their tables (two tiers:
+    Belady, LRU, kvtier; one tier: Belady, LRU, ARC, the best classical policy, kvtier),
+    kvtier next to libCacheSim on one tier, and Lookup's cost."""
     out: list[str] = []
-    g = stage.get("goals")
-    if g:
-        share, lru = g["belady_share"], g["never_below_lru"]
-        out += ["", "Goals (`kvtier` is the project's policy, `kvstore.eviction.reuse."
-                "ReusePolicy`, with hints inferred from the past only):", ""]
-        out += table(["goal", "measured", "met"], [
-            *[[f"kvtier >= {share['target']:g} x Belady, fast among re-reads, hbm {f}",
-               f"{v['kvtier']:.3f} / {v['belady']:.3f} = **{v['share']:.3f}**",
-               "yes" if v["share"] >= share["target"] else "**no**"]
-              for f, v in share["points"].items()],
-            ["kvtier never below LRU", ", ".join(
-                f"{f}: {v['kvtier']:.3f} vs {v['lru']:.3f}" for f, v in lru["points"].items()
-                if None not in v.values()), "yes" if lru["met"] else
-                f"**no** (at hbm {', '.join(lru['below_at'])})"],
-            ["re-prefill with retention, unbounded disk < 1% of reads",
-             f"{g['reprefill_with_retention']['rate']:.4f}",
-             "yes" if g["reprefill_with_retention"]["met"] else "**no**"]])
+    by_shape = stage.get("by_shape", {})
+    if by_shape:
+        met = stage.get("all_shapes_met", {})
+        out += ["", "### Every workload: goals and tables", "",
+                "Headline figure (two tiers, hbm + host over disk): hbm + host hits among "
+                "re-reads, each resume's window weighed as "
+                f"{stage.get('replay_cost', 0):g} chunk reads (what a replay costs); one "
+                "tier: equal-size blocks, no windows, hit rate among re-reads, next to "
+                "libCacheSim's policies on the same reads. `kvtier` is the project's "
+                "policy, `kvstore.eviction.reuse.ReusePolicy`, with hints inferred from the "
+                "past only. Shapes: `bench.trace.shapes` (parameters and seeds in "
+                "results.json under each shape).", ""]
+        out += table(["goal", *by_shape, "all"], [
+            [label, *[_yes(row[key]["met"]) for row in by_shape.values()], _yes(met.get(key))]
+            for key, label in (("monotone", "kvtier monotone in capacity"),
+                               ("never_below_lru", "kvtier never below LRU"),
+                               ("belady_share", "kvtier >= 0.95 x Belady (two tiers)"),
+                               ("one_tier_vs_best_classical",
+                                "one tier: kvtier >= best libCacheSim policy"),
+                               ("belady_bound", "Belady above every policy"))])
+        for name, row in by_shape.items():
+            shares = row["belady_share"]["points"]
+            out += ["", f"**{name}**", ""]
+            out += table(["hbm", "Belady", "LRU", "kvtier", "kvtier / Belady",
+                          "1 tier: Belady", "LRU", "ARC", "best classical", "kvtier"],
+                         [[f"{t['fraction']:g}", _n(t["two_tier_belady"]), _n(t["two_tier_lru"]),
+                           _n(t["two_tier_kvtier"]),
+                           _n(shares.get(f"{t['fraction']:g}", {}).get("share")),
+                           _n(t["one_tier_belady"]), _n(t["one_tier_lru"]),
+                           _n(t["one_tier_arc"]),
+                           f"{_n(t['one_tier_best_classical_rate'])} "
+                           f"({t['one_tier_best_classical'] or '-'})",
+                           _n(t["one_tier_kvtier"])] for t in row["table"]])
+            bound = row["belady_bound"]
+            if not bound["held"]:
+                out += ["", "Belady is NOT above every policy here (a bug): " + "; ".join(
+                    f"{v['policy']} {v['policy_rate']:.4f} > {v['belady']:.4f} at "
+                    f"{v['fraction']:g} ({v['view']})" for v in bound["violations"])]
+    g = stage.get("goals", {})
+    if "reprefill_with_retention" in g:
+        r = g["reprefill_with_retention"]
+        out += ["", f"Re-prefill with retention and an unbounded disk: {r['rate']:.4f} of "
+                f"block reads (goal < {r['target']:g}: {_yes(r['met'])})."]
     one = stage.get("one_tier")
     if one:
         lcs = one["libcachesim"].get("hit_rate_among_rereads", {})
         ours = one["hit_rate_among_rereads"]
         theirs = one["libcachesim"].get("policies", [])
         mine = list(next(iter(ours.values()), {}))
-        out += ["", "One tier of equal-size blocks, prefix reads, hit rate among re-reads: "
-                "kvtier's simulation (no window blobs, no host tier) next to libCacheSim "
-                f"{one['libcachesim'].get('libcachesim', '')} on the same trace "
-                "(`bench/trace/libcachesim.py`, committed `bench/trace_libcachesim.json`"
+        out += ["", "One tier of equal-size blocks on the trace, every libCacheSim policy run "
+                f"(libCacheSim {one['libcachesim'].get('libcachesim', '')}, "
+                "`bench/trace/libcachesim.py`, committed `bench/trace_libcachesim.json`"
                 f"{'' if lcs else ': ' + one['libcachesim'].get('missing', '')}).", ""]
         out += table(["cache size", *[f"sim {p}" for p in mine], *theirs],
                      [[f"{float(f):.0%}", *[f"{ours[f][p]:.3f}" for p in mine],
@@ -94,3 +126,11 @@ def retention_lines(stage: dict) -> list[str]:
             f"looked-up reads of retained chunks), without **{rates['without']:.4f}** "
             f"({ret['without']['freed_chunks']} chunks freed)."]
 
+
+
+def _n(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _yes(met: bool | None) -> str:
+    return {True: "yes", False: "**no**", None: "not measured"}[met]

@@ -2,6 +2,11 @@
 
     python -m bench.trace --json --trace ../shared/traces/mooncake_synthetic_trace.jsonl
 
+It runs the trace, then each generated shape of ``bench.trace.shapes`` (``--shapes``,
+``--shape-scale``), and puts every workload's goals (``bench.trace.compare``: the keys
+``monotone``, ``never_below_lru``, ``belady_share``, ``one_tier_vs_best_classical``,
+``belady_bound``) and table under ``by_shape``.
+
 How each figure is obtained (the JSON repeats this under "method"):
 
 - Trace: Mooncake format, one request per line (``bench.trace.reader``; a bad line is
@@ -19,8 +24,9 @@ How each figure is obtained (the JSON repeats this under "method"):
   other request starts a new session from what ``Lookup`` finds held (the chunks named by
   key, then read), exactly as the product serves it. A session is deleted
   ``--session-ttl`` seconds after its last request; its chunks are then retained as
-  evictable cache (``retain_unreferenced``, the default here) or freed
-  (``--no-retain``); the ``retention`` section compares both.
+  evictable cache (``retain_unreferenced``, the default here) or freed; the
+  ``retention`` section compares both. A retained chunk leaving a tier moves down like
+  any other unless the full tier below does not admit it (``EvictionPolicy.admits``).
 - Tiers: hbm = f x footprint, host = host_ratio x f x footprint, disk unbounded (or
   ``--disk-fraction`` x footprint), footprint = unique blocks x block bytes, for each
   f in ``--fractions``. Windows live only in hbm and host.
@@ -42,10 +48,16 @@ How each figure is obtained (the JSON repeats this under "method"):
   given the hints kvtier infers itself from the past only, ``kvstore.eviction.pause_estimate``: a
   session's first request a long pause, a later one a pause of 0: recency), ``belady``
   (evict the block whose next read is farthest ahead, from a next-use table of the whole
-  trace; ``bench.trace.belady``).
-- ``--validate N`` replays the first N requests through the real ``TierStack``
-  (``bench.trace.check``) and the real ``TierManager`` (``bench.trace.manager_check``) over
-  real HBM, host and disk tiers and reports whether their counts equal the simulation's.
+  trace, retained chunks ranked with the rest, bypass when moving down;
+  ``bench.trace.belady``): the bound every other policy is checked against.
+- Headline figure (``reuse_fast_value``): hbm + host hits among re-reads, each resume's
+  window weighed as ``--replay-cost`` chunk reads (what its replay costs), so a policy
+  cannot look good by dropping windows; kvtier's policy weighs windows the same way.
+- ``--validate N`` replays the first N requests (default 300) with session TTL
+  ``--validate-ttl`` (default 20 s) through the real ``TierStack`` (``bench.trace.check``)
+  and the real ``TierManager`` (``bench.trace.manager_check``) over real HBM, host and disk
+  tiers and reports whether their counts equal the simulation's, and what the prefix
+  covered (``covers``: sessions ended, retained chunks read again, disk reads, misses).
 """
 
 from __future__ import annotations
@@ -62,25 +74,38 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from bench.paths import recorded
-from bench.trace.compare import (
-    GOAL_FRACTIONS,
-    ONE_TIER_POLICIES,
-    goals,
-    libcachesim_results,
-    one_tier_summary,
-)
+from bench.trace import shapes
+from bench.trace.compare import ONE_TIER_POLICIES, goals, libcachesim_results, one_tier_summary
 from bench.trace.method import describe_method
 from bench.trace.policies import POLICIES, setup_policy
 from bench.trace.reader import BLOCK_TOKENS, TraceRequest, read_trace
 from bench.trace.sim import CAUSES, SimCounters, SimTier, TierSim, replay
 from bench.trace.workload import DEFAULT_SESSION_TTL_S, Workload, build_workload
+from kvstore.eviction.reuse import REPLAY_COST_READS
 from kvstore.format.errors import InvalidRequest, KVTierError
 from kvstore.format.registry import get_layout
 
 DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2)
 DEFAULT_POLICIES = ("kvtier", "lru", "hint", "hint-causal", "kvtier-hint", "belady")
+SHAPE_POLICIES = ("kvtier", "lru", "belady")  # the generated shapes: the goals' policies
 WINDOW_TOKENS = 128  # W: the window kept exactly, and the bounded replay's length R
 TIER_NAMES = ("hbm", "host", "disk")
+SHAPE_PREFIX = "shape:"  # a source naming a generated shape instead of a trace file
+# the validation's own session TTL: short enough that its prefix sees sessions end,
+# retained chunks looked up again, disk reads and replays (it states what it saw)
+DEFAULT_VALIDATE_REQUESTS = 300
+DEFAULT_VALIDATE_TTL_S = 20.0
+VALIDATE_FRACTION = 0.02  # small enough that LRU loses windows there (misses)
+
+
+def load_requests(source: str | Path, limit: int | None = None, *, shape_scale: float = 1.0,
+                  seed: int = 0) -> list[TraceRequest]:
+    """A trace file's requests, or a generated shape's (``shape:NAME``)."""
+    text = str(source)
+    if text.startswith(SHAPE_PREFIX):
+        requests = shapes.generate(text[len(SHAPE_PREFIX):], scale=shape_scale, seed=seed)
+        return requests[:limit] if limit is not None else requests
+    return read_trace(source, limit)
 
 
 def layout_sizes(layout: str, window_tokens: int = WINDOW_TOKENS) -> dict:
@@ -109,20 +134,25 @@ def make_tiers(footprint: int, fraction: float, host_ratio: float,
 
 def simulate(workload: Workload, policy: str, tiers: Sequence[SimTier], block_bytes: int,
              window_bytes: int, *, hint_sigma: float = 0.5, seed: int = 0,
-             retained_first: bool = True) -> TierSim:
+             retained_first: bool = True, replay_cost: float = REPLAY_COST_READS) -> TierSim:
     """Replay ``workload`` through a fresh ``TierSim`` driven by ``policy``; return it."""
-    setup = setup_policy(workload, policy, hint_sigma=hint_sigma, seed=seed)
+    setup = setup_policy(workload, policy, hint_sigma=hint_sigma, seed=seed,
+                         replay_cost=replay_cost)
     sim = TierSim(tiers, setup.factory, block_bytes, window_bytes, retain=workload.retain,
                   retained_first=retained_first)
     replay(workload, sim, setup.hints, setup.clock.set, setup.advance)
     return sim
 
 
-def summarize(sim: TierSim, window_tokens: int) -> dict:
+def summarize(sim: TierSim, window_tokens: int, replay_cost: float) -> dict:
     c, names = sim.counters, [t.name for t in sim.tiers]
     reads, reuse = c.block_reads, c.block_reads - c.new_blocks
     hits = dict(zip(names, c.block_hits, strict=True))
+    fast = hits["hbm"] + hits["host"]
+    weight = reuse + replay_cost * c.resumes
     return {
+        # the headline: fast hits among re-reads, a resume's window weighed as a replay
+        "reuse_fast_value": (fast + replay_cost * sum(c.window_hits)) / weight if weight else 0.0,
         "capacities_bytes": {t.name: None if math.isinf(t.capacity_bytes) else int(t.capacity_bytes)
                              for t in sim.tiers},
         "block_hit_rate": {**{n: h / reads for n, h in hits.items()},
@@ -173,8 +203,9 @@ def _reuse_by_kind(c: SimCounters, names: list[str], reuse: int) -> dict:
 _WORKLOADS: dict[tuple[bool, bool], Workload] = {}
 
 
-def _init_worker(path: str, limit: int | None, windows: bool, ttl_s: float | None) -> None:
-    requests = read_trace(path, limit)
+def _init_worker(source: str, limit: int | None, windows: bool, ttl_s: float | None,
+                 shape_scale: float, seed: int) -> None:
+    requests = load_requests(source, limit, shape_scale=shape_scale, seed=seed)
     for retain, with_windows in ((True, windows), (False, windows), (True, False)):
         _WORKLOADS[retain, with_windows] = build_workload(
             requests, windows=with_windows, retain=retain, session_ttl_s=ttl_s)
@@ -192,10 +223,10 @@ def _run_point(job: dict) -> dict:
     sim = simulate(workload, job["policy"], tiers, job["block_bytes"],
                    0 if job["one_tier"] else job["window_bytes"],
                    hint_sigma=job["hint_sigma"], seed=job["seed"],
-                   retained_first=job["retained_first"])
+                   retained_first=job["retained_first"], replay_cost=job["replay_cost"])
     return {"policy": job["policy"], "capacity_fraction": job["fraction"],
             "retain": job["retain"], "one_tier": job["one_tier"],
-            **summarize(sim, job["window_tokens"]),
+            **summarize(sim, job["window_tokens"], job["replay_cost"]),
             "sim_seconds": round(time.perf_counter() - start, 2)}
 
 
@@ -206,10 +237,26 @@ def _validate(requests: Sequence[TraceRequest], policies: Sequence[str], host_ra
 
     options = {"policies": policies, "host_ratio": host_ratio, "hint_sigma": hint_sigma,
                "seed": seed, "session_ttl_s": session_ttl_s}
-    stack = check_against_stack(requests, fractions=(0.05,), **options)
-    manager = check_against_manager(requests, fraction=0.05, **options)
+    stack = check_against_stack(requests, fractions=(VALIDATE_FRACTION,), **options)
+    manager = check_against_manager(requests, fraction=VALIDATE_FRACTION, **options)
+    seen = stack["covered"]
     return {"agree": stack["agree"] and manager["agree"], "requests": len(requests),
+            "session_ttl_s": session_ttl_s, "span_s": stack["span_s"],
+            "covers": seen, "covers_all": all(v > 0 for v in seen.values()),
             "tier_stack": stack, "manager": manager}
+
+
+def _points(policies: Sequence[str], fractions: Sequence[float], one_tier: bool,
+            common: dict) -> list[dict]:
+    points = [{"policy": p, "fraction": f, "retain": True, "one_tier": False, **common}
+              for f in fractions for p in policies]
+    if one_tier:
+        points += [{"policy": p, "fraction": f, "retain": True, "one_tier": True, **common}
+                   for f in fractions for p in ONE_TIER_POLICIES if p in policies]
+    middle = sorted(fractions)[len(fractions) // 2]
+    points.append({"policy": policies[0], "fraction": middle, "retain": False,
+                   "one_tier": False, **common})
+    return points
 
 
 def run_trace_benchmark(
@@ -225,19 +272,25 @@ def run_trace_benchmark(
     seed: int = 0,
     window_tokens: int = WINDOW_TOKENS,
     validate_requests: int = 0,
+    validate_ttl_s: float | None = DEFAULT_VALIDATE_TTL_S,
     jobs: int = 2,
     session_ttl_s: float | None = DEFAULT_SESSION_TTL_S,
     one_tier_comparison: bool = True,
     lookup_tokens: int = 0,
     retained_first: bool = True,
+    replay_cost: float = REPLAY_COST_READS,
+    shape_scale: float = 1.0,
 ) -> dict:
-    """Every (policy, capacity fraction) point; see the module docstring for the method.
+    """Every (policy, capacity fraction) point of one workload (a trace file, or
+    ``shape:NAME``, a ``bench.trace.shapes`` workload at ``shape_scale``, seeded by
+    ``seed``); see the module docstring for the method.
 
     ``result["results"]``: one dict per point (with retention) with ``policy``,
     ``capacity_fraction``, ``block_hit_rate`` (per tier, ``new``, ``reprefill``),
-    ``fast_hit_rate``, replays, bytes moved; ``bench.report_plots`` plots ``fast_hit_rate``
-    against the fraction. ``result["retention"]``: the first policy's re-prefills at
-    the middle fraction with and without retention.
+    ``fast_hit_rate``, ``reuse_fast_value`` (the headline), replays, bytes moved;
+    ``bench.report_plots`` plots ``fast_hit_rate`` against the fraction.
+    ``result["retention"]``: the first policy's re-prefills at the middle fraction with
+    and without retention. ``result["goals"]``: ``bench.trace.compare.goals``.
     """
     started = time.perf_counter()
     unknown = [p for p in policies if p not in POLICIES]
@@ -251,13 +304,16 @@ def run_trace_benchmark(
     if validate_requests and not retained_first:
         raise InvalidRequest("the validation replays the product, which evicts retained chunks "
                              "first; the what-if of a policy ranking them needs validate 0")
-    if lookup_tokens < 0:
-        raise InvalidRequest(f"lookup_tokens must be >= 0, got {lookup_tokens}")
-    if session_ttl_s is not None and not session_ttl_s > 0:
-        raise InvalidRequest(f"session_ttl_s must be > 0 or None, got {session_ttl_s}")
+    if lookup_tokens < 0 or replay_cost < 0:
+        raise InvalidRequest(f"lookup_tokens and replay_cost must be >= 0, got "
+                             f"{lookup_tokens} and {replay_cost}")
+    for ttl in (session_ttl_s, validate_ttl_s):
+        if ttl is not None and not ttl > 0:
+            raise InvalidRequest(f"session TTLs must be > 0 or None, got {ttl}")
     sizes = layout_sizes(layout, window_tokens)
     windows = sizes["window_bytes"] > 0
-    requests: list[TraceRequest] = read_trace(trace, limit)
+    requests: list[TraceRequest] = load_requests(trace, limit, shape_scale=shape_scale,
+                                                 seed=seed)
     workload = build_workload(requests, windows=windows, session_ttl_s=session_ttl_s)
     if not workload.unique_blocks:
         raise InvalidRequest(f"trace {trace} holds no complete {BLOCK_TOKENS}-token block: "
@@ -269,18 +325,13 @@ def run_trace_benchmark(
     common = {"footprint": footprint, "host_ratio": host_ratio, "disk_fraction": disk_fraction,
               "block_bytes": sizes["block_bytes"], "window_bytes": sizes["window_bytes"],
               "hint_sigma": hint_sigma, "seed": seed, "window_tokens": window_tokens,
-              "retained_first": retained_first}
+              "retained_first": retained_first, "replay_cost": replay_cost}
     middle = sorted(fractions)[len(fractions) // 2]
-    points = [{"policy": p, "fraction": f, "retain": True, "one_tier": False, **common}
-              for f in fractions for p in policies]
-    one_tier = [{"policy": p, "fraction": f, "retain": True, "one_tier": True, **common}
-                for f in fractions if f in GOAL_FRACTIONS for p in ONE_TIER_POLICIES
-                if p in policies] if one_tier_comparison else []
-    points += one_tier
-    points.append({"policy": policies[0], "fraction": middle, "retain": False,
-                   "one_tier": False, **common})
-    init = (str(trace), limit, windows, session_ttl_s)
+    points = _points(policies, fractions, one_tier_comparison, common)
+    init = (str(trace), limit, windows, session_ttl_s, shape_scale, seed)
     validation = None
+    validate_with = (requests[:validate_requests], policies, host_ratio, hint_sigma, seed,
+                     validate_ttl_s)
     if jobs > 1:
         # spawn, not fork: a caller with gRPC threads running (bench.all) deadlocks a
         # forked worker on a lock a thread held at the fork
@@ -289,23 +340,23 @@ def run_trace_benchmark(
                                  mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = [pool.submit(_run_point, point) for point in points]
             if validate_requests:  # meanwhile, in this otherwise idle process
-                validation = _validate(requests[:validate_requests], policies, host_ratio,
-                                       hint_sigma, seed, session_ttl_s)
+                validation = _validate(*validate_with)
             results = [future.result() for future in futures]
     else:
         _init_worker(*init)
         results = [_run_point(point) for point in points]
         if validate_requests:
-            validation = _validate(requests[:validate_requests], policies, host_ratio,
-                                   hint_sigma, seed, session_ttl_s)
+            validation = _validate(*validate_with)
     without = results.pop()
-    one_tier_points = results[len(results) - len(one_tier):]
-    results = results[:len(results) - len(one_tier)]
+    one_tier_points = [r for r in results if r["one_tier"]]
+    results = [r for r in results if not r["one_tier"]]
     with_ = next(r for r in results if r["policy"] == policies[0]
                  and r["capacity_fraction"] == middle)
+    source = str(trace)
     report = {
         "benchmark": "trace",
-        "trace": {"path": recorded(trace), "limit": limit, "requests": len(requests),
+        "trace": {"path": source if source.startswith(SHAPE_PREFIX) else recorded(trace),
+                  "limit": limit, "requests": len(requests),
                   "block_reads": workload.block_reads, "unique_blocks": workload.unique_blocks,
                   "tail_blocks": workload.tail_blocks, "sessions": workload.sessions,
                   "continuations": workload.continuations,
@@ -316,14 +367,24 @@ def run_trace_benchmark(
         "tiers": {"names": list(TIER_NAMES), "host_ratio": host_ratio,
                   "disk_fraction": disk_fraction},
         "retained_first": retained_first,
+        "replay_cost": replay_cost,
         "policies": list(policies),
-        "method": describe_method(sizes, host_ratio, disk_fraction, hint_sigma, session_ttl_s),
+        "method": describe_method(sizes, host_ratio, disk_fraction, hint_sigma, session_ttl_s,
+                                  replay_cost),
         "results": results,
         "retention": {"policy": policies[0], "capacity_fraction": middle,
                       **{label: {k: r[k] for k in _RETENTION_KEYS}
                          for label, r in (("with", with_), ("without", without))}},
     }
-    report["goals"] = goals(results, report["retention"], disk_fraction)
+    if source.startswith(SHAPE_PREFIX):
+        name = source[len(SHAPE_PREFIX):]
+        report["shape"] = {"name": name, "scale": shape_scale, "seed": seed,
+                           "parameters": shapes.parameters(name, shape_scale)}
+    lcs_key = _libcachesim_key(source, shape_scale, seed)
+    lcs = libcachesim_results(lcs_key, limit) if one_tier_comparison else {}
+    one_tier = one_tier_summary(one_tier_points)
+    report["goals"] = goals(results, one_tier_points, one_tier, lcs, report["retention"],
+                            disk_fraction)
     if lookup_tokens:  # after the simulations, so its timing has the cores to itself
         from bench.trace.lookup import measure  # imports torch and the model
 
@@ -333,13 +394,76 @@ def run_trace_benchmark(
             "method": "kvtier's simulation as one tier of equal-size blocks (no window "
                       "blobs, no host tier; the unbounded disk below is the backing store): "
                       "hbm hit rate among re-reads, on the same re-reads as libCacheSim's",
-            "hit_rate_among_rereads": one_tier_summary(one_tier_points),
-            "libcachesim": libcachesim_results(recorded(trace), limit)}
+            "hit_rate_among_rereads": one_tier, "libcachesim": lcs}
     if validation is not None:
         report["validation"] = validation
     report["elapsed_s"] = round(time.perf_counter() - started, 1)
     report["machine"] = {"cpus": os.cpu_count(), "jobs": jobs}
     return report
+
+
+def _libcachesim_key(source: str, shape_scale: float, seed: int) -> str:
+    """How ``bench/trace_libcachesim.json`` names a workload: a trace by its file name, a
+    shape by its name, scale and seed."""
+    if source.startswith(SHAPE_PREFIX):
+        return f"{source}@{shape_scale:g}/{seed}"
+    return Path(source).name
+
+
+def run_benchmark(trace: str | Path | None, *, shape_names: Sequence[str] = tuple(shapes.SHAPES),
+                  shape_policies: Sequence[str] = SHAPE_POLICIES, **options) -> dict:
+    """The trace (if any, with every option) and then each generated shape (its policies,
+    no validation or lookup timing): the trace's report, with ``shapes`` (each shape's
+    report) and ``by_shape`` (every workload's goals and table)."""
+    if trace is None and not shape_names:
+        raise InvalidRequest("nothing to run: give a trace or at least one shape")
+    for name in shape_names:
+        shapes.parameters(name)  # refuses an unknown shape before anything runs
+    started = time.perf_counter()
+    report = run_trace_benchmark(trace, **options) if trace is not None else {}
+    shape_options = {**options, "policies": shape_policies, "validate_requests": 0,
+                     "lookup_tokens": 0, "limit": None}
+    report["shapes"] = {name: run_trace_benchmark(f"{SHAPE_PREFIX}{name}", **shape_options)
+                        for name in shape_names}
+    workloads = ({Path(trace).stem: report} if trace is not None else {}) | report["shapes"]
+    report["by_shape"] = {name: {**{k: r["goals"][k] for k in GOAL_KEYS},
+                                 "table": shape_table(r)} for name, r in workloads.items()}
+    report["all_shapes_met"] = {k: _all_met([v[k]["met"] for v in report["by_shape"].values()])
+                                for k in GOAL_KEYS}
+    report["elapsed_s"] = round(time.perf_counter() - started, 1)
+    return report
+
+
+def _all_met(met: Sequence[bool | None]) -> bool | None:
+    """False if any workload missed the goal, None if any was not measured, else True."""
+    return False if False in met else None if None in met else True
+
+
+GOAL_KEYS = ("monotone", "never_below_lru", "belady_share", "one_tier_vs_best_classical",
+             "belady_bound")
+
+
+def shape_table(report: dict) -> list[dict]:
+    """Per fraction: Belady, LRU and kvtier on the two-tier stack (headline figure), and
+    on one tier Belady, LRU, ARC (libCacheSim), the best classical policy and kvtier."""
+    two: dict[float, dict[str, float]] = {}
+    for r in report["results"]:
+        two.setdefault(r["capacity_fraction"], {})[r["policy"]] = round(r["reuse_fast_value"], 4)
+    one = report.get("one_tier", {})
+    ours, lcs = one.get("hit_rate_among_rereads", {}), one.get("libcachesim", {})
+    theirs = lcs.get("hit_rate_among_rereads", {})
+    best = report["goals"]["one_tier_vs_best_classical"].get("points", {})
+    rows = []
+    for f in sorted(two):
+        key = f"{f:g}"
+        rows.append({"fraction": f, **{f"two_tier_{p}": two[f].get(p)
+                                       for p in ("belady", "lru", "kvtier")},
+                     **{f"one_tier_{p}": ours.get(key, {}).get(p) for p in ("belady", "lru")},
+                     "one_tier_arc": theirs.get(key, {}).get("ARC"),
+                     "one_tier_best_classical": best.get(key, {}).get("best"),
+                     "one_tier_best_classical_rate": best.get(key, {}).get("best_rate"),
+                     "one_tier_kvtier": ours.get(key, {}).get("kvtier")})
+    return rows
 
 
 _RETENTION_KEYS = ("block_reads", "reprefill_blocks", "reprefill_requests", "new_blocks",
@@ -348,6 +472,8 @@ _RETENTION_KEYS = ("block_reads", "reprefill_blocks", "reprefill_requests", "new
 
 
 def format_table(report: dict) -> str:
+    if "trace" not in report:  # shapes only
+        return "\n".join(shapes_lines(report))
     t, lay = report["trace"], report["layout"]
     lines = [
         f"trace {t['path']}: {t['requests']} requests, {t['block_reads']} block reads, "
@@ -381,15 +507,7 @@ def format_table(report: dict) -> str:
                   f"{ret['capacity_fraction']:g}: with retention "
                   f"{ret['with']['reprefill_blocks'] / ret['with']['block_reads']:.4f}, without "
                   f"{ret['without']['reprefill_blocks'] / ret['without']['block_reads']:.4f}"]
-    g = report["goals"]
-    below = g["never_below_lru"]["below_at"]
-    lines += ["goals: kvtier / belady (fast among re-reads), target >= "
-              f"{g['belady_share']['target']:g}: " + ", ".join(
-                  f"hbm {f}: {v['share']:.3f}" for f, v in g["belady_share"]["points"].items())
-              + f" ({_met(g['belady_share'])}); never below lru: {_met(g['never_below_lru'])}"
-              + (f" (below at hbm {', '.join(below)})" if below else "")
-              + f"; re-prefill with retention {g['reprefill_with_retention']['rate']:.4f} "
-              f"({_met(g['reprefill_with_retention'])})"]
+    lines += goal_line(report["goals"])
     if "lookup" in report:
         lk = report["lookup"]
         lines += [f"lookup of a {lk['tokens']}-token prefix: {lk['lookup_s'] * 1000:.2f} ms, "
@@ -406,17 +524,57 @@ def format_table(report: dict) -> str:
                                                  or lcs.get("missing", "-")))
     if "validation" in report:
         v = report["validation"]
-        lines += ["", f"validation, first {v['requests']} requests at hbm 0.05: "
-                      f"{'all counts agree' if v['agree'] else 'counts DIFFER'}"]
+        lines += ["", f"validation, first {v['requests']} requests at hbm {VALIDATE_FRACTION:g} "
+                      f"(session TTL "
+                      f"{v['session_ttl_s']} s): "
+                      f"{'all counts agree' if v['agree'] else 'counts DIFFER'}; covers "
+                      + ", ".join(f"{k} {n}" for k, n in v["covers"].items())]
         for part, label in (("tier_stack", "TierStack"), ("manager", "TierManager")):
             lines += [f"  {label} {p['policy']}: {'agree' if p['agree'] else 'DIFFER'}"
                       for p in v[part]["points"]]
+    lines += shapes_lines(report)
     lines += ["", "method:"] + [f"  {k}: {v}" for k, v in report["method"].items()]
     return "\n".join(lines)
 
 
+def goal_line(g: dict) -> list[str]:
+    below = g["never_below_lru"]["below_at"]
+    out = ["goals (headline: fast value among re-reads): kvtier / belady, target >= "
+           f"{g['belady_share']['target']:g}: " + ", ".join(
+               f"hbm {f}: {v['share']:.3f}" for f, v in g["belady_share"]["points"].items())
+           + f" ({_met(g['belady_share'])}); never below lru: {_met(g['never_below_lru'])}"
+           + (f" (below at hbm {', '.join(below)})" if below else "")
+           + f"; monotone: {_met(g['monotone'])}; one tier vs best classical: "
+           f"{_met(g['one_tier_vs_best_classical'])}; Belady the bound: "
+           + ("yes" if g["belady_bound"]["held"] else
+              f"NO ({len(g['belady_bound']['violations'])} points above it: a bug)")]
+    if "reprefill_with_retention" in g:
+        out.append(f"re-prefill with retention {g['reprefill_with_retention']['rate']:.4f} "
+                   f"({_met(g['reprefill_with_retention'])})")
+    return out
+
+
+def shapes_lines(report: dict) -> list[str]:
+    lines = []
+    for name, row in report.get("by_shape", {}).items():
+        lines += ["", f"{name}: hbm frac | two-tier value Belady LRU kvtier | one tier "
+                      "Belady LRU ARC best-classical kvtier"]
+        for t in row["table"]:
+            lines.append(f"  {t['fraction']:>5g} | " + " ".join(
+                _num(t[f"two_tier_{p}"]) for p in ("belady", "lru", "kvtier")) + " | " + " ".join(
+                _num(t[k]) for k in ("one_tier_belady", "one_tier_lru", "one_tier_arc",
+                                     "one_tier_best_classical_rate", "one_tier_kvtier"))
+                + f" ({t['one_tier_best_classical'] or '-'})")
+        lines += goal_line({k: row[k] for k in GOAL_KEYS})
+    return lines
+
+
+def _num(value: float | None) -> str:
+    return "  -  " if value is None else f"{value:.3f}"
+
+
 def _met(goal: dict) -> str:
-    return "met" if goal["met"] else "NOT met"
+    return {True: "met", False: "NOT met", None: "not measured"}[goal["met"]]
 
 
 def _floats(text: str) -> list[float]:
@@ -426,7 +584,16 @@ def _floats(text: str) -> list[float]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.trace", description=__doc__.split(
         "\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    parser.add_argument("--trace", help="Mooncake-format JSONL trace (none: shapes only)")
+    parser.add_argument("--shapes", default=",".join(shapes.SHAPES),
+                        help="generated workloads to run after the trace (comma-separated, "
+                             f"from {','.join(shapes.SHAPES)}; empty: none)")
+    parser.add_argument("--shape-scale", type=float, default=1.0,
+                        help="multiplies each shape's session count")
+    parser.add_argument("--shape-policies", default=",".join(SHAPE_POLICIES))
+    parser.add_argument("--replay-cost", type=float, default=REPLAY_COST_READS,
+                        help="a window's replay in chunk reads: its weight in the headline "
+                             "figure and in kvtier's policy")
     parser.add_argument("--limit", type=int, help="use only the first N requests")
     parser.add_argument("--layout", default="kvtier-bundled", help="layout spec for byte sizes")
     parser.add_argument("--fractions", type=_floats, default=list(DEFAULT_FRACTIONS),
@@ -437,8 +604,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"comma-separated, from {','.join(POLICIES)}")
     parser.add_argument("--hint-sigma", type=float, default=0.5, help="lognormal hint noise")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--validate", type=int, default=100, metavar="N",
-                        help="replay the first N requests through the real TierStack (0: no)")
+    parser.add_argument("--validate", type=int, default=DEFAULT_VALIDATE_REQUESTS, metavar="N",
+                        help="replay the first N requests through the real TierStack and "
+                             "TierManager (0: no)")
+    parser.add_argument("--validate-ttl", type=float, default=DEFAULT_VALIDATE_TTL_S,
+                        help="the validation's session TTL, so that its prefix sees sessions "
+                             "end and retained chunks come back (0: the run's)")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes")
     parser.add_argument("--session-ttl", type=float, default=DEFAULT_SESSION_TTL_S,
                         help="seconds after its last request a session is deleted "
@@ -452,8 +623,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
     try:
-        report = run_trace_benchmark(
-            args.trace, limit=args.limit, layout=args.layout, fractions=args.fractions,
+        report = run_benchmark(
+            args.trace, shape_names=[n for n in args.shapes.split(",") if n],
+            shape_policies=[p for p in args.shape_policies.split(",") if p],
+            shape_scale=args.shape_scale, replay_cost=args.replay_cost,
+            validate_ttl_s=args.validate_ttl or args.session_ttl or None,
+            limit=args.limit, layout=args.layout, fractions=args.fractions,
             host_ratio=args.host_ratio, disk_fraction=args.disk_fraction,
             policies=[p for p in args.policies.split(",") if p], hint_sigma=args.hint_sigma,
             seed=args.seed, validate_requests=args.validate, jobs=args.jobs,

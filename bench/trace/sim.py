@@ -16,9 +16,11 @@ It mirrors ``kvstore.placement.stack.TierStack`` and the manager's spill and res
   (``ack="memory"``; the write-back's read is not an access).
 - A session whose TTL passed is deleted the same way (``end``).
 - Retained chunks (``retain``: unreferenced, kept) are what eviction takes first, oldest
-  first, before the tier's policy is asked; an evicted one is deleted from that tier,
-  not moved down (``kvstore.prefix.chains.Retention`` and ``TierStack.evict_first``). A spill
-  naming one revives it.
+  retained first, before the tier's policy is asked, unless the policy ranks them itself
+  (``ranks_retained``: kvtier's and Belady's do); an evicted one moves down like any
+  other block, except past a full tier whose policy does not ``admits`` it, and is
+  dropped where no tier below takes it (``kvstore.prefix.chains.Retention``,
+  ``TierStack.evict_first`` and ``_evict_retained``). A spill naming one revives it.
 - A new session from a lookup first names the held prefix by key (a spill of those
   chunks, no hint, which revives retained ones), then reads them as its restore does.
 - Making room for a request's promotion or spill never evicts that request's own blocks
@@ -32,8 +34,9 @@ Keys are ints: chunks >= 0, windows < 0 (see ``bench.trace.workload``).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -114,6 +117,46 @@ class _Skip:
         return key in self.tried or key in self.protect or key in self.busy
 
 
+class _Retained:
+    """Retained chunks, oldest retained first, per tier holding them: one sequence over
+    the stack, as ``Retention`` keeps one order for every tier (lazy heaps)."""
+
+    def __init__(self, tiers: int) -> None:
+        self.seq: dict[int, int] = {}  # retained key -> when it was retained
+        self._heaps: list[list[tuple[int, int]]] = [[] for _ in range(tiers)]
+        self._count = itertools.count()
+
+    def keep(self, key: int, tiers: Iterable[int]) -> None:
+        seq = self.seq[key] = next(self._count)
+        for j in tiers:
+            heapq.heappush(self._heaps[j], (seq, key))
+
+    def held(self, j: int, key: int) -> None:
+        """Tier ``j`` took ``key`` (retained or not)."""
+        seq = self.seq.get(key)
+        if seq is not None:
+            heapq.heappush(self._heaps[j], (seq, key))
+
+    def drop(self, key: int) -> None:
+        self.seq.pop(key, None)
+
+    def first(self, j: int, skip: Collection[int], held: Callable[[int], bool]) -> int | None:
+        """The oldest retained key tier ``j`` holds (``held``) not in ``skip``."""
+        heap, aside, found = self._heaps[j], [], None
+        while heap:
+            seq, key = heap[0]
+            if self.seq.get(key) != seq or not held(key):
+                heapq.heappop(heap)
+            elif key in skip:
+                aside.append(heapq.heappop(heap))
+            else:
+                found = key
+                break
+        for item in aside:
+            heapq.heappush(heap, item)
+        return found
+
+
 class TierSim:
     def __init__(self, tiers: Sequence[SimTier], policy: Callable[[], EvictionPolicy],
                  block_bytes: int, window_bytes: int, *, retain: bool = True,
@@ -135,8 +178,7 @@ class TierSim:
         # as the manager: retained chunks go before the policy is asked (False: a what-if
         # where the tier's policy ranks them with the rest)
         self.retained_first = retained_first
-        # per tier, the retained chunks it holds, oldest kept first
-        self.retained: list[OrderedDict[int, None]] = [OrderedDict() for _ in self.tiers]
+        self.retained = _Retained(len(self.tiers))
         self._durable = [i for i, t in enumerate(self.tiers) if t.durable]
         self._durable_mask = sum(1 << i for i in self._durable)
         self._window_tiers = [t.holds_window for t in self.tiers]
@@ -152,7 +194,7 @@ class TierSim:
     # -- placement (TierStack.place / _put / _make_room / _evict / delete) --
 
     def place(self, key: int, cause: str, start: int = 0, stop: int | None = None,
-              protect: Collection[int] = ()) -> int | None:
+              protect: Collection[int] = (), admit: bool = False) -> int | None:
         mask = self.where.get(key, 0)
         for j in range(start, len(self.tiers) if stop is None else stop):
             if key < 0 and not self._window_tiers[j]:
@@ -160,6 +202,10 @@ class TierSim:
             if mask >> j & 1:
                 self.policies[j].on_access(key, self.hints.get(key))
                 return j
+            size = self.size(key)
+            if admit and self.tiers[j].capacity_bytes - self.used[j] < size \
+                    and not self.policies[j].admits(key, size, self.hints.get(key)):
+                continue
             if self._put(j, key, cause, protect):
                 return j
         return None
@@ -175,8 +221,8 @@ class TierSim:
             while capacity - self.used[j] < size:
                 # as TierStack: retained first, unless the policy ranks them itself
                 first = self.retained_first and not policy.ranks_retained
-                victim = next((k for k in self.retained[j] if k not in skip), None
-                              ) if first else None
+                victim = self.retained.first(j, skip, lambda k: self.where.get(k, 0) >> j & 1
+                                             ) if first else None
                 if victim is None:
                     victim = policy.victim(skip)
                 if victim is None:
@@ -187,12 +233,14 @@ class TierSim:
                 self._busy.discard(victim)
         self.used[j] += size
         self.where[key] = self.where.get(key, 0) | 1 << j
+        self.retained.held(j, key)
         policy.on_insert(key, size, self.hints.get(key))
         self.counters.bytes_written[cause][j] += size
         return True
 
     def _evict(self, j: int, key: int) -> bool:
-        if key >= 0 and key not in self.refs:  # retained: deleted here, not moved down
+        if key >= 0 and key not in self.refs:  # retained: down if admitted, else dropped
+            self.place(key, "demotion", start=j + 1, admit=True)
             self.delete(j, key, evicted=True)
             return True
         target = self.place(key, "demotion", start=j + 1)
@@ -212,12 +260,12 @@ class TierSim:
         if mask >> j & 1:
             self.used[j] -= self.size(key)
             self.policies[j].on_remove(key)
-            self.retained[j].pop(key, None)
             mask &= ~(1 << j)
             if mask:
                 self.where[key] = mask
             else:
                 del self.where[key]
+                self.retained.drop(key)  # Retention.forget: it left its last tier
                 self.hints.forget(key)  # as TierStack.delete
             if evicted:
                 self.counters.evictions[j] += 1
@@ -269,8 +317,7 @@ class TierSim:
             count = self.refs.get(key, 0)
             self.refs[key] = count + 1
             if not count:
-                for held in self.retained:
-                    held.pop(key, None)
+                self.retained.drop(key)
 
     def release(self, keys: Iterable[int]) -> None:
         """A reference each to ``keys`` went away: the unreferenced are kept or freed."""
@@ -283,9 +330,7 @@ class TierSim:
             mask = self.where.get(key, 0)
             if self.retain and mask:
                 self.counters.retained_chunks += 1
-                for j in range(len(self.tiers)):
-                    if mask >> j & 1:
-                        self.retained[j][key] = None
+                self.retained.keep(key, (j for j in range(len(self.tiers)) if mask >> j & 1))
             else:
                 self.delete_everywhere(key)
                 self.counters.freed_chunks += 1

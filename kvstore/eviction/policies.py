@@ -198,6 +198,14 @@ class EvictionPolicy(abc.ABC):
     def victim(self, exclude: Collection[BlockId] = ()) -> BlockId | None:
         """The block to evict next, skipping ``exclude``; None when nothing is evictable."""
 
+    def admits(self, block: BlockId, size: int, hint: NextUse | None = None) -> bool:
+        """Whether the tier, full, would rather hold ``block`` (not held here, ``size``
+        bytes, predicted ``hint``) than its next victim. A tier stack asks before moving
+        down a block it need not keep (a retained chunk): False means the policy ranks
+        it below everything it holds. A policy with no such ranking (LRU: a block placed
+        is the most recently used) admits every block."""
+        return True
+
     @abc.abstractmethod
     def __contains__(self, block: BlockId) -> bool: ...
 

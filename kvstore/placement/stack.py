@@ -12,7 +12,9 @@ the index of what the tier holds (rebuilt from ``Tier.keys`` on open). Rules:
 - An evicted block moves down to the next tier that holds it already or takes it (which
   may evict there in turn); it is simply dropped only if another copy exists elsewhere.
   The last intact copy of a referenced chunk is never dropped, nor its last durable copy
-  for a volatile one: the tier counts as full.
+  for a volatile one: the tier counts as full. A retained chunk (unreferenced) moves down
+  the same way, except past a full tier whose policy ranks it below all it holds
+  (``EvictionPolicy.admits``); where no tier below takes it, it is dropped from this one.
 - Shared tiers (``Tier.shared``: Redis and the bucket of a fleet) may hold keys other
   nodes wrote: ``find_shared`` asks them about a key this node never saw, and
   ``find_chains`` about chain keys (a fleet's prefix lookup, ``kvstore.prefix.fleet_lookup``).
@@ -232,14 +234,17 @@ class TierStack(Reads):
     async def place(
         self, key: str, data: Buffer, *, start: int = 0, stop: int | None = None,
         protect: Collection[str] = (), unavailable: list[TierUnavailable] | None = None,
+        admit: bool = False,
     ) -> int | None:
         """Put ``key`` in the highest tier of ``[start, stop)`` that holds it or takes it.
 
         Making room never evicts a key in ``protect`` (the rest of the session being
         placed or restored, so a session larger than a tier does not evict itself).
-        Returns that tier's index, or None when none could. ``unavailable`` collects why
-        tiers that were down (or failed the put) did not take it: a caller that must
-        place the key tells "unavailable" from "full". The caller holds the key lock.
+        ``admit``: a tier that would have to evict takes the key only if its policy
+        ``admits`` it. Returns that tier's index, or None when none could.
+        ``unavailable`` collects why tiers that were down (or failed the put) did not
+        take it: a caller that must place the key tells "unavailable" from "full". The
+        caller holds the key lock.
         """
         for j in range(start, len(self.tiers) if stop is None else stop):
             if not self.may_hold(j, key):
@@ -247,6 +252,9 @@ class TierStack(Reads):
             if key in self.policies[j]:
                 self.policies[j].on_access(key, self.hints.get(key))
                 return j
+            if admit and self.tiers[j].free_bytes < len(data) and not self.policies[j].admits(
+                    key, len(data), self.hints.get(key)):
+                continue
             if await self._put(j, key, data, protect, unavailable):
                 return j
         return None
@@ -324,7 +332,7 @@ class TierStack(Reads):
         """Move ``key`` out of tier ``j`` (down, or nowhere if a copy exists elsewhere)."""
         tier, window = self.tiers[j], is_window_key(key)
         if not window and not self.is_referenced(key):
-            return await self.delete(j, key, evicted=True)  # an orphan: nothing to keep
+            return await self._evict_retained(j, key)
         try:
             data = await tier.get(key)
         except ChunkNotFound:
@@ -351,6 +359,23 @@ class TierStack(Reads):
         if window and target is None:
             self.window_lost(key)
         return True
+
+    async def _evict_retained(self, j: int, key: str) -> bool:
+        """A chunk no session names leaves tier ``j``: down to a tier below that holds it,
+        has room, or admits it; else dropped (a cache entry needs no last copy)."""
+        try:
+            data = await self.tiers[j].get(key)
+        except (ChunkNotFound, CodecError):
+            data = None
+        except TierUnavailable as exc:
+            self._mark_down(j, "eviction read", exc)
+            return False
+        if data is not None and intact(data):
+            held_below = [i for i in self.holders(key) if i > j]
+            target = await self.place(key, data, start=j + 1, admit=True)
+            if target is not None and target not in held_below:
+                self.counters.demotions[self.tiers[target].name] += 1
+        return await self.delete(j, key, evicted=True)
 
     async def demote(self, key: str, target: int,
                      unavailable: list[TierUnavailable] | None = None) -> bool:

@@ -19,8 +19,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvstore.eviction.policies import HintPolicy, LRUPolicy
-from kvstore.eviction.reuse import reuse_policies
+from kvstore.eviction.reuse import reuse_policies, window_cost
 from kvstore.format.errors import Busy, InvalidRequest
+from kvstore.placement.stack import is_window_key
 from kvstore.session.manager import MANAGER_PRESETS, ManagerConfig, TierManager
 from kvstore.session.quota import Quotas
 from kvstore.tiers.base import MemoryMetaStore, MetaStore, Tier
@@ -175,8 +176,10 @@ async def open_manager(config: ServerConfig) -> TierManager:
         if keyring is not None:
             log.info("encryption at rest: on (key ids %s, current %s)", keyring.key_ids,
                      keyring.current)
-        # reuse_policies() is one factory per stack: its tiers' policies share one model
-        policy = {"reuse": reuse_policies(), "hint": HintPolicy, "lru": LRUPolicy}[config.eviction]
+        # reuse_policies() is one factory per stack: its tiers' policies share one model;
+        # a window blob lost costs a replay, a chunk lost a read from a lower tier
+        policy = {"reuse": reuse_policies(cost=window_cost(is_window_key)), "hint": HintPolicy,
+                  "lru": LRUPolicy}[config.eviction]
         hook = None
         if keyring is not None:  # the encrypting tiers learn each block's dedupe domain
             from kvstore.encryption.claims import DomainClaims

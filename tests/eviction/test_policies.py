@@ -9,7 +9,13 @@ import random
 import pytest
 
 from kvstore.eviction.policies import HintBook, HintPolicy, LRUPolicy, NextUse
-from kvstore.eviction.reuse import REFRESH, ReusePolicy, reuse_policies
+from kvstore.eviction.reuse import (
+    REFRESH,
+    REPLAY_COST_READS,
+    ReusePolicy,
+    reuse_policies,
+    window_cost,
+)
 from kvstore.format.errors import InvalidRequest
 from kvstore.format.hints import ResumeHint
 from kvstore.placement.locks import KeyedLocks
@@ -351,5 +357,60 @@ async def test_tier_stack_runs_the_reuse_policies(opened):
     assert stack.holders("a") == [1] and stack.holders("b") == [1]
     found, source, bad = await stack.read("a")
     assert source == 1 and bytes(found) == bytes(data["a"])
+    for tier in tiers:
+        await opened.close(tier)
+
+
+def test_reuse_policy_weighs_a_window_by_the_replay_losing_it_costs():
+    """A window blob is 15 chunks' bytes: per byte it loses to a chunk unless its loss is
+    weighed as a replay; with the cost it stays and the chunk goes."""
+    clock = VirtualClock()
+    plain = ReusePolicy(clock)
+    costed = reuse_policies(clock, cost=window_cost(lambda key: key.startswith("win/")))()
+    for policy in (plain, costed):
+        policy.on_insert("win/s1", 15 * 100)
+        policy.on_insert("chunk", 100)
+    assert plain.victim() == "win/s1"
+    assert costed.victim() == "chunk"
+    assert costed.cost("win/s1") == REPLAY_COST_READS and costed.cost("chunk") == 1.0
+
+
+def test_admission_compares_with_the_tiers_lowest_block():
+    clock = VirtualClock()
+    policy = ReusePolicy(clock)
+    assert policy.admits("anything", 100)  # an empty tier takes anything
+    policy.on_insert("held", 100)
+    assert policy.admits("small", 10)  # as dense, a tenth of the bytes: worth more
+    assert not policy.admits("big", 10_000)
+    assert policy.admits("big", 10_000, NextUse(priority=1))  # priority first
+    assert LRUPolicy(clock).admits("big", 10_000)  # LRU ranks a placed block first
+
+
+async def test_a_retained_chunk_leaving_hbm_moves_down_unless_ranked_lowest(opened):
+    """Unreferenced chunks ("a" and "b") evicted from a full hbm go to the host tier like
+    any other block while it has room; once it is full, a chunk its policy would not
+    admit is dropped instead, and one it admits still moves down."""
+    tokens = random_tokens(16, seed=2)
+    data = {key: encode(0, tokens, seed=i) for i, key in enumerate("abcdef")}
+    size = len(data["a"])
+    tiers = [opened.adopt(HBMTier(2 * size, device="cpu")),
+             opened.adopt(HostTier(2 * size, pin_memory=False))]
+    admitted: set[str] = set()
+
+    class Admitting(LRUPolicy):
+        def admits(self, block, size, hint=None):
+            return block in admitted
+
+    stack = TierStack(tiers, Admitting, KeyedLocks(), Counters(),
+                      is_referenced=lambda key: False, on_window_dropped=lambda key: None)
+    for key in "abcd":
+        assert await stack.place(key, data[key]) == 0
+    assert stack.holders("a") == [1] and stack.holders("b") == [1]  # moved down
+    assert stack.counters.demotions["host"] == 2
+    assert await stack.place("e", data["e"]) == 0  # evicts "c": host full, not admitted
+    assert stack.holders("c") == [] and stack.holders("a") == [1]
+    admitted.add("d")
+    assert await stack.place("f", data["f"]) == 0  # evicts "d": admitted, "a" makes room
+    assert stack.holders("d") == [1] and stack.holders("a") == []
     for tier in tiers:
         await opened.close(tier)
