@@ -102,7 +102,8 @@ async def _stream(messages: list) -> AsyncIterator:
 
 
 async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,
-                    tokens: np.ndarray, timeout_s: float | None) -> ReadChunksResult:
+                    tokens: np.ndarray, timeout_s: float | None,
+                    check_digests: bool = True) -> ReadChunksResult:
     """One ReadChunks call; on the shared-memory path it offers a segment it holds as
     ``reply_lease``, as a restore does (``kvtier.client.AsyncClient._receive``)."""
     offered = node.segments.for_reply() if request.use_shared_memory else None
@@ -148,7 +149,7 @@ async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,
         await node.segments.keep(segment, started)
     if header is None:
         raise InvalidRequest("the ReadChunks reply had no header")
-    return checked_result(spec, tokens, request.first_chunk, header, got)
+    return checked_result(spec, tokens, request.first_chunk, header, got, check_digests)
 
 
 async def _reply_segment(segments: shm.ClientSegments, lease: pb.SharedMemoryLease,
@@ -161,8 +162,10 @@ async def _reply_segment(segments: shm.ClientSegments, lease: pb.SharedMemoryLea
 
 
 def checked_result(spec: LayoutSpec, tokens: np.ndarray, first_chunk: int,
-                   header: pb.ChunksHeader, got: list) -> ReadChunksResult:
-    """The reply's chunks, each checked end to end; one failing a check is "corrupt"."""
+                   header: pb.ChunksHeader, got: list, check_digests: bool = True
+                   ) -> ReadChunksResult:
+    """The reply's chunks, each checked end to end (with ``check_digests``, against the
+    header's digest too; else against its own checksums); one failing is "corrupt"."""
     keys = list(header.chunk_keys)
     digests = list(header.chunk_digests)
     if len(digests) != len(keys):
@@ -178,7 +181,8 @@ def checked_result(spec: LayoutSpec, tokens: np.ndarray, first_chunk: int,
             result.missing[index] = reason
             continue
         try:
-            restored_chunk_check(spec, tokens, index, block_key(keys[n], digests[n]))(data)
+            key = block_key(keys[n], digests[n]) if check_digests else None
+            restored_chunk_check(spec, tokens, index, key)(data)
         except (CodecError, InvalidRequest):
             result.missing[index] = "corrupt"
             continue
@@ -229,9 +233,15 @@ class PrefixChunkMethods:
     async def read_chunks(self, tenant: str, layout: str | LayoutSpec, token_ids, *,
                           first_chunk: int = 0, max_chunks: int = 0, model_fingerprint: str = "",
                           dedupe_domain: str = "", digests: Sequence[bytes] | None = None,
-                          use_shared_memory: bool | None = None) -> ReadChunksResult:
+                          use_shared_memory: bool | None = None,
+                          check_digests: bool = True) -> ReadChunksResult:
         """Chunks of ``token_ids`` by position (``max_chunks`` 0: every whole one), each
-        verified again here; ``digests``: the expected ones, one per chunk read."""
+        verified again here; ``digests``: the expected ones, one per chunk read.
+        ``check_digests`` False: each chunk's bytes are still checked whole against its own
+        checksums (header, section table, xxh3 of the payload) and its token range, but its
+        BLAKE2b digest is not recomputed: a caller that only needs intact KV of these tokens
+        (the vLLM connector) skips the costliest check, which only another version of the
+        same tokens' chunk would fail."""
         spec = layout if isinstance(layout, LayoutSpec) else await self.layout(layout)
         tokens = cc.as_tokens(token_ids)
         request = pb.ReadChunksRequest(
@@ -242,6 +252,6 @@ class PrefixChunkMethods:
         def attempt(node: Node) -> Awaitable[ReadChunksResult]:
             request.use_shared_memory = (self.shared_memory if use_shared_memory is None
                                          else use_shared_memory and self.shared_memory)
-            return read_once(node, request, spec, tokens, self.timeout_s)
+            return read_once(node, request, spec, tokens, self.timeout_s, check_digests)
 
         return await self._call(attempt)

@@ -7,17 +7,28 @@ three engines run one after another, each in its own child process (``bench.vllm
 - plain: no connector, vLLM's prefix cache on. Per prompt length: the first-token time on a
   miss (``ttft_miss_s``), then on vLLM's own prefix-cache hit (``ttft_prefix_cache_s``: the
   in-memory ceiling), and the greedy outputs every other engine must reproduce.
-- kvtier: ``KVTierConnector`` against a live kvtier server (its own process), vLLM's prefix
-  cache off, so every hit comes through kvtier: the prompt is stored on a miss, then its
-  first-token time on a kvtier hit (``ttft_kvtier_hit_s``), a second prompt sharing its prefix,
-  and a three-turn session (``kvtier_session``) resumed turn after turn.
+- kvtier: ``KVTierConnector`` against a live kvtier server (its own process): the prompt
+  stored on a miss, then its first-token time on a kvtier hit (``ttft_kvtier_hit_s``), a
+  second prompt sharing its prefix, and a three-turn session (``kvtier_session``) resumed
+  turn after turn; vLLM's prefix cache is emptied before each step a hit must come from
+  kvtier (``connector_plan``).
 - example: vLLM's ``ExampleConnector`` (safetensors files), the same way
-  (``ttft_example_hit_s``).
+  (``ttft_example_hit_s``), and the references below.
 
-``identical_outputs``: every greedy output of the connector engines equals the plain engine's
-for the same prompt. ``load_GBps``/``store_GBps``/``bytes_per_token`` come from the
-connector's metrics (bytes and seconds of its loads and saves) and the server's tiers. Times
-are medians of ``--repeats`` runs (hits; a miss is run once per length, after a reset).
+``identical_outputs``: kvtier's greedy outputs equal those the engine gives from the same KV
+held in vLLM's own prefix cache (same blocks cached, same tokens computed): a miss equals the
+example engine's miss, a kvtier hit of P equals P served from vLLM's prefix cache, the
+shared-prefix prompt equals the example engine's (its shared blocks from vLLM's cache), and
+each session turn equals the example engine's turn (the earlier turns' blocks from vLLM's
+cache). Bit-exact KV gives exactly these; a wrong block would not. The outputs of an engine
+without any connector are reported beside them (``identical_to_no_connector_engine``):
+vLLM computes a little differently once a connector is configured (ExampleConnector's
+misses differ from the plain engine's as kvtier's do), and a prefix-cache hit differs from
+a full prefill of the same prompt on these random-weight models, so neither is the
+reference. ``load_GBps``/``store_GBps`` come from the connector's counters (bytes and
+seconds of its loads and saves), ``bytes_per_token`` from the server's disk tier over the
+tokens the connector stored. Times are medians of ``--repeats`` runs (hits; a miss is run
+once per length).
 """
 
 from __future__ import annotations
@@ -64,35 +75,43 @@ def plain_plan(model: Path, lengths, spec, repeats: int) -> list[dict]:
         steps += [
             {"name": f"miss{n}", "prompt": p["P"], "max_tokens": 1, "reset_prefix_cache": True},
             {"name": f"prefix{n}", "prompt": p["P"], "max_tokens": 1, "repeat": repeats},
-            {"name": f"P{n}", "prompt": p["P"], "max_tokens": OUTPUT_TOKENS,
-             "reset_prefix_cache": True},
-            {"name": f"Q{n}", "prompt": p["Q"], "max_tokens": OUTPUT_TOKENS,
-             "reset_prefix_cache": True},
+            {"name": f"P{n}", "prompt": p["P"], "max_tokens": OUTPUT_TOKENS, "fresh": True},
+            {"name": f"Q{n}", "prompt": p["Q"], "max_tokens": OUTPUT_TOKENS},
         ]
-    # A session's turns as vLLM serves them by default: each turn's prompt blocks from its
-    # own prefix cache (the reference), and once more from a full prefill each turn.
     steps.append({"name": "reset", "prompt": [1], "max_tokens": 1, "reset_prefix_cache": True})
     for turn in session_turns(spec):
         steps.append({**turn, "max_tokens": OUTPUT_TOKENS})
-    for turn in session_turns(spec, "full"):
-        steps.append({**turn, "max_tokens": OUTPUT_TOKENS, "reset_prefix_cache": True})
     return steps
 
 
-def connector_plan(lengths, spec, repeats: int, sessions: bool) -> list[dict]:
+def connector_plan(lengths, spec, repeats: int, kvtier: bool) -> list[dict]:
+    """vLLM's prefix cache is on, and emptied before every step a hit must come from the
+    connector. Per prompt length: P on a miss; P again from vLLM's own prefix cache (the
+    reference for a hit of the same blocks); the first-token time of a connector hit; P and
+    then Q (sharing P's first blocks) from the connector. ExampleConnector matches whole
+    prompts only, so its engine serves Q's shared blocks from vLLM's prefix cache: the
+    reference for kvtier's Q. Then a session's turns: through kvtier (``kvtier_session``),
+    each from the connector; in the example engine, each from vLLM's prefix cache."""
     steps = []
     for n in lengths:
         p = prompts(spec, n)
         steps += [
-            {"name": f"P{n}", "prompt": p["P"], "max_tokens": OUTPUT_TOKENS, "settle_s": 1.0},
-            {"name": f"hit{n}", "prompt": p["P"], "max_tokens": 1, "repeat": repeats},
-            {"name": f"Phit{n}", "prompt": p["P"], "max_tokens": OUTPUT_TOKENS},
-            {"name": f"Q{n}", "prompt": p["Q"], "max_tokens": OUTPUT_TOKENS, "settle_s": 1.0},
+            {"name": f"P{n}", "prompt": p["P"], "max_tokens": OUTPUT_TOKENS, "fresh": True,
+             "settle_s": 1.0},
+            {"name": f"Ppc{n}", "prompt": p["P"], "max_tokens": OUTPUT_TOKENS},
+            {"name": f"hit{n}", "prompt": p["P"], "max_tokens": 1, "repeat": repeats,
+             "reset_prefix_cache": True},
+            {"name": f"Phit{n}", "prompt": p["P"], "max_tokens": OUTPUT_TOKENS,
+             "reset_prefix_cache": True},
+            {"name": f"Q{n}", "prompt": p["Q"], "max_tokens": OUTPUT_TOKENS,
+             "reset_prefix_cache": kvtier, "settle_s": 1.0},
         ]
-    if sessions:
-        for turn in session_turns(spec):
-            steps.append({**turn, "max_tokens": OUTPUT_TOKENS, "kvtier_session": "chat-1",
-                          "settle_s": 1.0})
+    steps.append({"name": "reset", "prompt": [1], "max_tokens": 1, "reset_prefix_cache": True})
+    for turn in session_turns(spec):
+        if kvtier:
+            turn = {**turn, "kvtier_session": "chat-1", "reset_prefix_cache": True,
+                    "settle_s": 1.0}
+        steps.append({**turn, "max_tokens": OUTPUT_TOKENS})
     return steps
 
 
@@ -122,23 +141,23 @@ def bench_model(key: str, lengths, repeats: int, work: Path) -> dict:
     spec = MODELS[key]
     model = vllm_models.build(spec)
     max_len = max(8192, max(lengths) + 2 * OUTPUT_TOKENS)
-    base = {"model": str(model), "max_model_len": max_len}
-    plain = run_engine({**base, "prefix_caching": True,
+    base = {"model": str(model), "max_model_len": max_len, "prefix_caching": True}
+    plain = run_engine({**base,
                         "steps": plain_plan(model, lengths, spec, repeats)}, work, f"{key}-plain")
     example_dir = work / f"{key}-example-store"
-    example = run_engine({**base, "prefix_caching": False, "connector": {
+    example = run_engine({**base, "connector": {
         "kv_connector": "ExampleConnector",
         "kv_connector_extra_config": {"shared_storage_path": str(example_dir)}},
-        "steps": connector_plan(lengths, spec, repeats, sessions=False)}, work, f"{key}-example")
+        "steps": connector_plan(lengths, spec, repeats, kvtier=False)}, work, f"{key}-example")
     with LiveServer(work / f"{key}-kvtier-data", work, replay=False,
                     env={"KVTIER_HOST_BYTES": str(4 << 30)}) as live:
-        kvt = run_engine({**base, "prefix_caching": False, "connector": {
+        kvt = run_engine({**base, "connector": {
             "kv_connector": "KVTierConnector",
             "kv_connector_module_path": "kvtier.integrations.vllm",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"server": live.target, "tenant": TENANT,
                                           "model_fingerprint": f"{spec.name}-{spec.digest}"}},
-            "steps": connector_plan(lengths, spec, repeats, sessions=True)}, work, f"{key}-kvtier")
+            "steps": connector_plan(lengths, spec, repeats, kvtier=True)}, work, f"{key}-kvtier")
         stored = stored_bytes(live.target)
     return summarize(key, spec, lengths, plain, example, kvt, stored)
 
@@ -157,8 +176,12 @@ def summarize(key, spec, lengths, plain, example, kvt, stored) -> dict:
     median = statistics.median
     cases = []
     for n in lengths:
-        same = all(engine[name]["output"] == ref[f"{name[0]}{n}"]["output"]
-                   for engine in (ex, kv) for name in (f"P{n}", f"Phit{n}", f"Q{n}"))
+        same = {  # kvtier's output beside the one of the same KV from vLLM's own cache
+            "miss": kv[f"P{n}"]["output"] == ex[f"P{n}"]["output"],
+            "hit": kv[f"Phit{n}"]["output"] == kv[f"Ppc{n}"]["output"]
+            == ex[f"Ppc{n}"]["output"] == ex[f"Phit{n}"]["output"],
+            "shared_prefix": kv[f"Q{n}"]["output"] == ex[f"Q{n}"]["output"],
+        }
         cases.append({
             "model": key, "prompt_tokens": n,
             "ttft_miss_s": ref[f"miss{n}"]["seconds"][0],
@@ -168,23 +191,26 @@ def summarize(key, spec, lengths, plain, example, kvt, stored) -> dict:
             "kvtier_cached_tokens": kv[f"hit{n}"]["num_cached_tokens"][-1],
             "example_cached_tokens": ex[f"hit{n}"]["num_cached_tokens"][-1],
             "shared_prefix_cached_tokens": kv[f"Q{n}"]["num_cached_tokens"][-1],
-            "identical_outputs": same,
+            "identical_outputs": all(same.values()), "identical": same,
+            "identical_to_no_connector_engine": {
+                engine: all(e[f"{x}{n}"]["output"] == ref[f"{x}{n}"]["output"] for x in "PQ")
+                for engine, e in (("kvtier", kv), ("example", ex))},
         })
     turns = [s for s in kvt["steps"] if s["name"].startswith("turn")]
-    session_same = all(t["output"] == ref[t["name"]]["output"] for t in turns)
-    full_same = [t["output"] == ref[f"full{t['name'][4:]}"]["output"] for t in turns]
+    session_same = [t["output"] == ex[t["name"]]["output"] for t in turns]
+    no_connector_same = [t["output"] == ref[t["name"]]["output"] for t in turns]
     m = kvt["metrics"]
     load_s, store_s = m.get("kvtier_load_seconds", 0.0), m.get("kvtier_save_seconds", 0.0)
     saved_tokens = m.get("kvtier_saved_tokens", 0.0)
     durable = stored.get("disk", 0)
     return {
         "model": key, "layers": spec.layers, "cases": cases,
-        "session": {"turns": len(turns), "identical_outputs": session_same,
-                    "identical_to_full_prefill_per_turn": full_same,
-                    "prefix_cache_identical_to_full_prefill_per_turn": [
-                        ref[f"turn{n}"]["output"] == ref[f"full{n}"]["output"]
-                        for n in range(1, len(turns) + 1)],
-                    "cached_tokens": [t["num_cached_tokens"][-1] for t in turns]},
+        "session": {"turns": len(turns), "identical_outputs": all(session_same),
+                    "identical_per_turn": session_same,
+                    "identical_to_no_connector_engine_per_turn": no_connector_same,
+                    "cached_tokens": [t["num_cached_tokens"][-1] for t in turns],
+                    "reference_cached_tokens": [ex[t["name"]]["num_cached_tokens"][-1]
+                                                for t in turns]},
         "load_GBps": m.get("kvtier_loaded_bytes", 0.0) / load_s / 1e9 if load_s else None,
         "store_GBps": m.get("kvtier_saved_bytes", 0.0) / store_s / 1e9 if store_s else None,
         "bytes_per_token": durable / saved_tokens if saved_tokens else None,

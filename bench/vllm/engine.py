@@ -8,6 +8,7 @@ each configuration starts from a fresh engine and none shares another's caches).
                           "kv_connector_extra_config": {...}},
      "steps": [{"name": .., "prompt": [ids], "max_tokens": n, "repeat": k,
                 "reset_prefix_cache": bool, "kvtier_session": id | null,
+                "fresh": bool (read no cache: a miss in this engine),
                 "settle_s": seconds to wait after it (an asynchronous save lands),
                 "extend": {"after": step name, "append": [ids]}   (instead of a prompt:
                           that step's prompt and answer, then ``append``: a next turn)}]}
@@ -44,8 +45,10 @@ def run(plan: dict) -> dict:
         extra = None
         if step.get("kvtier_session"):
             extra = {"kv_transfer_params": {"kvtier_session": step["kvtier_session"]}}
+        # fresh: read no cache, vLLM's own nor the connector's (a miss in this very engine)
         params = SamplingParams(max_tokens=step["max_tokens"], temperature=0.0,
-                                detokenize=False, extra_args=extra)
+                                detokenize=False, extra_args=extra,
+                                skip_reading_prefix_cache=step.get("fresh") or None)
         if "extend" in step:  # the next turn: an earlier step's prompt, its answer, more
             before = done[step["extend"]["after"]]
             step["prompt"] = before["prompt"] + before["output"] + step["extend"]["append"]

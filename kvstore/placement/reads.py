@@ -102,7 +102,10 @@ class Reads:
             for j, batch in sorted(by_tier.items()):
                 got, proven = await self.tiers[j].get_many_proven([keys[i] for i in batch])
                 got = await _checked(got, [checks[i] for i in batch], proven)
-                for i, value in zip(batch, got, strict=True):
+                for i, value, sure in zip(batch, got, proven, strict=True):
+                    if not sure and hasattr(checks[i], "proven") and \
+                            not isinstance(value, Exception):
+                        self.tiers[j].note_proven(keys[i], value)  # its digest just held
                     tried[i] += 1
                     unreachable[i] |= isinstance(value, TierUnavailable)
                     if self._outcome(j, keys[i], value, believed[i], bad[i], problems[i],

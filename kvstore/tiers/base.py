@@ -88,6 +88,11 @@ class Tier(abc.ABC):
         tier's admitted records); a tier that proves nothing says False for each."""
         return await self.get_many(keys), [False] * len(keys)
 
+    def note_proven(self, key: str, value: Buffer) -> None:  # noqa: B027 - optional hook
+        """A reader hashed ``value``, this tier's answer for ``key``, and found the digest
+        the block key states: a tier whose stored bytes cannot change under a reader may
+        remember it and say so in ``get_many_proven`` (the memory tiers)."""
+
     @abc.abstractmethod
     async def delete(self, key: str) -> int:
         """Remove ``key``; return the bytes freed (0 when it was absent)."""

@@ -6,6 +6,9 @@ when CUDA is present, so promotion to HBM is a DMA without a staging copy) and
 
 Values are immutable once stored: ``get`` hands out a read-only view of the stored bytes
 (no copy) when they live in host memory, and ``put`` always copies the caller's buffer.
+So once a reader has hashed a stored value and found its block key's digest
+(``note_proven``), it stays proven until that key is stored again or removed, and later
+reads need not hash it again (``get_many_proven``).
 A view keeps its tensor alive after a delete or overwrite until the reader drops it; that
 memory is outside the accounting, which counts what the tier holds.
 TTLs are honoured lazily: an expired value is dropped when it is next looked up or when
@@ -20,9 +23,10 @@ import warnings
 from collections.abc import AsyncIterator, Callable
 from typing import ClassVar
 
+import numpy as np
 import torch
 
-from kvstore.format.errors import ChunkNotFound, InvalidRequest, TierFull
+from kvstore.format.errors import ChunkNotFound, InvalidRequest, KVTierError, TierFull
 from kvstore.tiers.base import Buffer, Tier
 from kvstore.tiers.common import as_byte_view, check_key
 
@@ -40,6 +44,7 @@ class MemoryTier(Tier):
         self.device = device
         self.pin_memory = pin_memory
         self._values: dict[str, torch.Tensor] = {}  # each (nbytes,) uint8 on self.device
+        self._proven: set[str] = set()  # keys whose stored bytes a reader found intact
         self._used = 0
         self._expiry: dict[str, float] = {}
         self._expiry_heap: list[tuple[float, str]] = []
@@ -83,6 +88,7 @@ class MemoryTier(Tier):
                 f"{self.capacity_bytes} B)"
             )
         self._values[key] = stored
+        self._proven.discard(key)
         self._used += nbytes - old_bytes
         if ttl_s is None:
             self._expiry.pop(key, None)
@@ -104,6 +110,7 @@ class MemoryTier(Tier):
     def _remove(self, key: str) -> int:
         stored = self._values.pop(key, None)
         self._expiry.pop(key, None)
+        self._proven.discard(key)
         if stored is None:
             return 0
         self._used -= stored.numel()
@@ -148,6 +155,26 @@ class MemoryTier(Tier):
         if stored.device.type != "cpu":
             stored = stored.cpu()
         return memoryview(stored.numpy()).toreadonly()
+
+    async def get_many_proven(self, keys) -> tuple[list, list[bool]]:
+        # get suspends nowhere: each value and its flag are read in one step of the loop
+        values, flags = [], []
+        for key in keys:
+            try:
+                values.append(await self.get(key))
+                flags.append(key in self._proven)
+            except KVTierError as exc:
+                values.append(exc)
+                flags.append(False)
+        return values, flags
+
+    def note_proven(self, key: str, value: Buffer) -> None:
+        stored = self._values.get(key)
+        if stored is None or stored.device.type != "cpu" or len(value) != stored.numel():
+            return
+        # Only the very bytes stored (a view ``get`` handed out), not a copy of them.
+        if stored.numel() and np.frombuffer(value, np.uint8).ctypes.data == stored.data_ptr():
+            self._proven.add(key)
 
     async def get_tensor(self, key: str) -> torch.Tensor:
         """The stored (nbytes,) uint8 tensor itself, on ``self.device``: read it, never write it."""

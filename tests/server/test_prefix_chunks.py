@@ -320,3 +320,19 @@ async def test_the_golden_vectors_messages_get_the_stated_keys(tmp_path):
             assert list(replies[0].header.chunk_keys) == case["read_chunk_keys"]
             assert replies[1].chunk.index == 1
             assert replies[1].chunk.payload.data.hex() == vectors["chunks"][0]["bytes"]
+
+
+async def test_a_host_copy_is_hashed_by_its_first_read_only_and_digests_can_be_left_to_checksums(
+        tmp_path):
+    tokens, chunks, _ = encoded(3)
+    async with running_server(tmp_path) as (server, target), AsyncClient(target) as kv:
+        await kv.write_chunks("acme", LAYOUT.name, tokens, chunks)
+        host = next(t for t in server.manager.tiers if t.name == "host")
+        keys = [block_key(k, chunk_digest(c)) for k, c in zip(keys_of(tokens), chunks,
+                                                               strict=True)]
+        assert (await host.get_many_proven(keys))[1] == [False] * 3
+        first = await kv.read_chunks("acme", LAYOUT.name, tokens)  # hashed by the server
+        assert (await host.get_many_proven(keys))[1] == [True] * 3
+        again = await kv.read_chunks("acme", LAYOUT.name, tokens, check_digests=False)
+        assert [bytes(again.chunks[i]) for i in range(3)] == chunks
+        assert [bytes(first.chunks[i]) for i in range(3)] == chunks

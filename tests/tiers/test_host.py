@@ -126,3 +126,20 @@ def test_pinning_follows_cuda_availability():
     assert HostTier(0).pin_memory == torch.cuda.is_available()
     with pytest.raises(ValueError):
         HostTier(-1)
+
+
+async def test_a_value_a_reader_hashed_stays_proven_until_it_is_stored_again():
+    tier = HostTier(1 << 20)
+    await tier.put("k", b"abc" * 100)
+    values, proven = await tier.get_many_proven(["k", "absent"])
+    assert proven == [False, False] and isinstance(values[1], ChunkNotFound)
+    tier.note_proven("k", bytes(values[0]))  # a copy of the bytes is no proof of the stored
+    assert (await tier.get_many_proven(["k"]))[1] == [False]
+    tier.note_proven("k", values[0])
+    assert (await tier.get_many_proven(["k"]))[1] == [True]
+    await tier.put("k", b"xyz" * 100)  # stored again: other bytes, no longer proven
+    assert (await tier.get_many_proven(["k"]))[1] == [False]
+    tier.note_proven("k", (await tier.get_many_proven(["k"]))[0][0])
+    await tier.delete("k")
+    await tier.put("k", b"abc" * 100)
+    assert (await tier.get_many_proven(["k"]))[1] == [False]

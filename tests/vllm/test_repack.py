@@ -71,6 +71,23 @@ def test_round_trip_is_exact(kind, device):
     assert same_bits(cache.index_select(dim, others).cpu(), before.index_select(dim, others).cpu())
 
 
+@pytest.mark.parametrize("kind,device", [("cpu", "cpu"), ("split", "cpu"), ("nhd", "cpu"),
+                                         pytest.param("split", "cuda", marks=CUDA),
+                                         pytest.param("nhd", "cuda", marks=CUDA)])
+def test_a_block_written_in_place_is_what_put_writes(kind, device):
+    paged = PagedLayout(kind, H, D, BS)
+    cache = (torch.randn(2, N, BS, H, D) if kind == "nhd"
+             else torch.randn(N, H, BS, 2 * D)).to(torch.bfloat16).to(device)
+    other = cache.clone()
+    k, v = kv(2 * BS, seed=3)
+    paged.put(cache, torch.tensor([4, 1], device=device), k, v)
+    for block_id, rows in ((4, slice(0, BS)), (1, slice(BS, 2 * BS))):
+        paged.put_block(other, block_id, k[rows].to(device), v[rows].to(device))
+    assert same_bits(other.cpu(), cache.cpu())
+    with pytest.raises(ValueError, match="must both be"):
+        paged.put_block(other, 0, k[:BS - 1], v[:BS - 1])
+
+
 def test_split_layout_reads_vllms_view_of_any_strides():
     """vLLM's GPU backends hand connectors a logical (B, H, N, 2D) view over memory laid
     out (B, N, H, 2D): K is [..., :D], V [..., D:] of token n at [b, :, n]."""

@@ -105,3 +105,25 @@ class PagedLayout:
         ``layer``."""
         blocks = self.join(k.to(layer.device), v.to(layer.device))
         layer.index_copy_(self.block_dim, block_ids, blocks)
+
+    def put_block(self, layer: torch.Tensor, block_id: int, k: torch.Tensor,
+                  v: torch.Tensor) -> None:
+        """Write K and V (block_size, H, D each) into block ``block_id`` of ``layer`` in
+        place: one copy of each value, no staging blocks."""
+        h, d, b = self.kv_heads, self.head_size, self.block_size
+        if k.shape != (b, h, d) or v.shape != (b, h, d):
+            raise ValueError(f"K and V must both be ({b}, {h}, {d}), got {tuple(k.shape)}, "
+                             f"{tuple(v.shape)}")
+        if self.kind == "nhd":
+            layer[0, block_id].copy_(k)
+            layer[1, block_id].copy_(v)
+            return
+        block = layer[block_id]  # (H, b, 2D)
+        if self.kind == "split":
+            block[..., :d].copy_(k.permute(1, 0, 2))
+            block[..., d:].copy_(v.permute(1, 0, 2))
+            return
+        halves = block.view(h, 2, b * d)  # contiguous: K^T (D, b) then V (b, D) per head
+        halves[:, 0].view(h, d, b).copy_(k.permute(1, 2, 0))
+        halves[:, 1].view(h, b, d).copy_(v.permute(1, 0, 2))
+

@@ -13,12 +13,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from kvstore.format.chunk import StreamData, decode_chunk, encode_chunk, read_header
+from kvstore.format.chunk_parts import PART_CODES, chunk_plan
 from kvstore.format.errors import KVTierError
 from kvstore.format.layout import LayoutSpec
 from kvtier.integrations.vllm import values
@@ -111,10 +113,12 @@ def run_load(store: Store, job: LoadJob) -> None:
     started = time.monotonic()
     read_bytes = 0
     try:
+        # Digests are not recomputed: every byte is still checked against the chunk's own
+        # checksums and token range, twice (the client's check, then the decode's).
         result = store.client.read_chunks(
             store.config.tenant, store.spec, list(plan.token_ids), first_chunk=plan.first_chunk,
             max_chunks=len(plan.block_ids), model_fingerprint=store.config.model_fingerprint,
-            dedupe_domain=store.config.dedupe_domain)
+            dedupe_domain=store.config.dedupe_domain, check_digests=False)
         decoded = []
         for chunk in range(plan.first_chunk, plan.end_chunk):
             data = result.chunks.get(chunk)
@@ -128,13 +132,15 @@ def run_load(store: Store, job: LoadJob) -> None:
             decoded.append(streams)
             read_bytes += len(data)
         if decoded:
-            kv = {name: torch.cat([values.decode(store.spec.stream(name), d[name], store.dtype)
-                                   for d in decoded], dim=1) for name in STREAMS}
-            index = store.block_index(plan.block_ids[:len(decoded)])
             if job.queued is not None:
                 job.queued.synchronize()
+            # Layer by layer, each layer's event set once it is written: the forward pass
+            # runs a layer as soon as its blocks are in.
             for layer, tensor in enumerate(store.layers):
-                store.paged.put(tensor, index, kv["k"][layer], kv["v"][layer])
+                for block_id, streams in zip(plan.block_ids, decoded, strict=False):
+                    k, v = (_layer_values(store, name, streams[name], layer) for name in STREAMS)
+                    store.paged.put_block(tensor, block_id, k.to(tensor.device),
+                                          v.to(tensor.device))
                 settle(tensor)
                 job.layer_ready[layer].set()
             job.loaded_chunks = len(decoded)
@@ -152,18 +158,45 @@ def run_load(store: Store, job: LoadJob) -> None:
 
 def _checked(store: Store, data, chunk: int, token_ids: Sequence[int]
              ) -> dict[str, StreamData] | None:
-    """The streams of chunk ``chunk`` if every check passes, else None (logged)."""
+    """The streams of chunk ``chunk`` if every check passes, else None (logged). An
+    uncompressed chunk of a passthrough format gives views of its bytes (``read_chunks``
+    checked every one of them against the chunk's checksums and this token range); any
+    other is decoded, and checked again while it is."""
     bs = store.block_size
     try:
         header = read_header(data)
         if header.start_token != chunk * bs or header.num_tokens != bs:
             raise KVTierError(f"it covers tokens from {header.start_token} "
                               f"({header.num_tokens}), not block {chunk}")
+        if not header.compressed and all(store.spec.stream(n).value_format.scales == "none"
+                                         for n in STREAMS):
+            return _views(store, data, header.payload_offset)
         return decode_chunk(data, store.spec,
                             token_ids=token_ids[chunk * bs:(chunk + 1) * bs]).streams
     except KVTierError as exc:
         logger.warning("kvtier chunk %d fails its checks, not loaded: %s", chunk, exc)
         return None
+
+
+def _views(store: Store, data, payload_offset: int) -> dict[str, StreamData]:
+    """Each stream's codes (layers, block_size, H, D) as a view of the chunk's bytes."""
+    out = {}
+    with warnings.catch_warnings():  # read-only bytes: only ever read from
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        for part in chunk_plan(store.spec, store.block_size, False).parts:
+            if part.part != PART_CODES:
+                continue
+            raw = torch.frombuffer(data, dtype=torch.uint8, offset=payload_offset + part.offset,
+                                   count=part.layer_bytes * part.shape[0])
+            out[part.stream.name] = StreamData(raw.view(part.dtype).view(part.shape), None)
+    return out
+
+
+def _layer_values(store: Store, name: str, data: StreamData, layer: int) -> torch.Tensor:
+    """(block_size, H, D) values in the cache's dtype of one layer of one chunk's stream."""
+    one = StreamData(data.codes[layer:layer + 1],
+                     None if data.scales is None else data.scales[layer:layer + 1])
+    return values.decode(store.spec.stream(name), one, store.dtype)[0]
 
 
 def settle(tensor: torch.Tensor) -> None:
