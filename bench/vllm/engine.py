@@ -69,6 +69,11 @@ def run(plan: dict) -> dict:
                              "prompt_tokens": len(step["prompt"]),
                              "outputs_agree": all(o == outputs[0] for o in outputs),
                              "num_cached_tokens": cached})
+    # A worker reports a step's transfers with the next step's output: one more short
+    # request, after the last saves had time to land, flushes them into the counters.
+    time.sleep(1.0)
+    llm.generate([TokensPrompt(prompt_token_ids=[1, 2])],
+                 SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
     out["metrics"] = connector_metrics()
     return out
 
