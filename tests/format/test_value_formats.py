@@ -44,7 +44,10 @@ SPEC = LayoutSpec("formats-test", (FP8, FP16, BF16,
 
 
 def test_default_formats_keep_every_layouts_json_and_id():
-    for spec in all_layouts():
+    defaults = {4: "int4", 8: "int8", 16: "bf16"}
+    # every layout of default formats (others, an fp16 model's say, may be registered)
+    for spec in (s for s in all_layouts()
+                 if all(x.format == defaults[x.bits] for x in s.streams)):
         text = layout_to_json(spec)
         assert '"format"' not in text, spec.name
         explicit = dataclasses.replace(spec, streams=tuple(
