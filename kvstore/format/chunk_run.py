@@ -45,6 +45,7 @@ Group = tuple[np.ndarray, int, int]
 # Chunks at least this large are read from where they lie, one group each; smaller ones
 # are joined first (unless packed), so a group of them is one array.
 JOIN_BELOW = 1 << 18
+_ALIGN = 64
 
 
 class PackedRun(Sequence[memoryview]):
@@ -225,15 +226,25 @@ def _checked_each(bufs: Sequence[Buffer], spec: LayoutSpec, ids: np.ndarray,
 
 def _assemble(spec: LayoutSpec, groups: list[Group]) -> dict[str, StreamData]:
     """Each part of the run as one tensor: per group of chunks, one strided copy of the
-    part's (chunk, layer, bytes) into (layer, chunk, bytes) of the result."""
+    part's (chunk, layer, bytes) into (layer, chunk, bytes) of the result. Every part is
+    a view of one allocation: separate ones of a few MB each are mmapped or trimmed back
+    to the kernel when freed, so each decode would fault every output page in afresh
+    (costlier on a VM than the copy itself)."""
     import torch
 
     plans = [(block, base, chunk_plan(spec, count, False).parts) for block, base, count in groups]
+    sizes = [sum(len(block) * got[index].layer_bytes for block, _, got in plans)
+             * p.stream.layers for index, p in enumerate(chunk_plan(spec, 0, False).parts)]
+    starts = [0]
+    for size in sizes:  # each part 64-byte aligned, for any dtype's view
+        starts.append(starts[-1] + -(-size // _ALIGN) * _ALIGN)
+    whole = np.empty(starts[-1] + _ALIGN, np.uint8)
+    skip = (-whole.ctypes.data) % _ALIGN
     parts: dict[str, dict[int, object]] = {}  # stream -> part -> tensor
     for index, p in enumerate(chunk_plan(spec, 0, False).parts):
         layers, shape = p.stream.layers, p.shape[2:]
-        width = sum(len(block) * got[index].layer_bytes for block, _, got in plans)
-        out = np.empty((layers, width), np.uint8)
+        at0 = skip + starts[index]
+        out = whole[at0:at0 + sizes[index]].reshape(layers, -1)  # (layers, bytes) uint8
         col = 0
         for block, base, got in plans:
             k, span = len(block), got[index].layer_bytes
