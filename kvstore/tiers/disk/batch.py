@@ -34,18 +34,17 @@ log = logging.getLogger(__name__)
 
 
 async def get_many(files: SegmentFiles, keys: Sequence[str],
-                   current: Callable[[bytes], IndexEntry | None],
+                   current: Callable[[Sequence[bytes]], list[IndexEntry | None]],
                    get: Callable[[str], Awaitable[Buffer]], where: Path
                    ) -> tuple[list[Buffer | KVTierError], list[bool]]:
     """(answers, and per key whether its value came from an ``ADMITTED`` record:
-    ``admission.py``). ``current``: a key's unexpired entry or None; ``get``: the tier's
+    ``admission.py``). ``current``: each key's unexpired entry or None; ``get``: the tier's
     own, for what the batch does not serve; ``where``: the tier's path, for the log."""
     out: list[Buffer | KVTierError | None] = [None] * len(keys)
     proven = [False] * len(keys)
     wanted = []  # (seg_id, offset, index, key bytes, entry)
-    for i, key in enumerate(keys):
-        kb = key_bytes(key)
-        entry = current(kb)
+    kbs = [key_bytes(key) for key in keys]
+    for i, (kb, entry) in enumerate(zip(kbs, current(kbs), strict=True)):
         if entry is not None:
             wanted.append((entry.seg_id, entry.offset, i, kb, entry))
     wanted.sort(key=lambda w: (w[0], w[1]))

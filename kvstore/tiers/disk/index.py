@@ -29,7 +29,7 @@ import contextlib
 import enum
 import logging
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -237,6 +237,12 @@ class DiskIndex:
         with self.env.begin(db=self.chunks, buffers=True) as txn:
             raw = txn.get(key)
             return None if raw is None else IndexEntry.unpack(raw)
+
+    def lookup_many(self, keys: Sequence[bytes]) -> list[IndexEntry | None]:
+        """``lookup`` of each key, in one read transaction."""
+        with self.env.begin(db=self.chunks, buffers=True) as txn:
+            return [None if raw is None else IndexEntry.unpack(raw)
+                    for raw in map(txn.get, keys)]
 
     def totals(self) -> tuple[int, int]:
         """(live value bytes, live items) as last committed by any process."""
