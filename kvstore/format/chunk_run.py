@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import xxhash
 
+from kvstore.format import run_buffers
 from kvstore.format.chunk import (
     FLAG_ZSTD,
     HEADER_DTYPE,
@@ -227,9 +228,8 @@ def _checked_each(bufs: Sequence[Buffer], spec: LayoutSpec, ids: np.ndarray,
 def _assemble(spec: LayoutSpec, groups: list[Group]) -> dict[str, StreamData]:
     """Each part of the run as one tensor: per group of chunks, one strided copy of the
     part's (chunk, layer, bytes) into (layer, chunk, bytes) of the result. Every part is
-    a view of one allocation: separate ones of a few MB each are mmapped or trimmed back
-    to the kernel when freed, so each decode would fault every output page in afresh
-    (costlier on a VM than the copy itself)."""
+    a view of one block of ``run_buffers`` (memory of earlier decodes, reused: fresh
+    pages fault in one by one)."""
     import torch
 
     plans = [(block, base, chunk_plan(spec, count, False).parts) for block, base, count in groups]
@@ -238,7 +238,7 @@ def _assemble(spec: LayoutSpec, groups: list[Group]) -> dict[str, StreamData]:
     starts = [0]
     for size in sizes:  # each part 64-byte aligned, for any dtype's view
         starts.append(starts[-1] + -(-size // _ALIGN) * _ALIGN)
-    whole = np.empty(starts[-1] + _ALIGN, np.uint8)
+    whole = run_buffers.take(starts[-1] + _ALIGN)
     skip = (-whole.ctypes.data) % _ALIGN
     parts: dict[str, dict[int, object]] = {}  # stream -> part -> tensor
     for index, p in enumerate(chunk_plan(spec, 0, False).parts):
