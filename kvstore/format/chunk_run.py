@@ -108,7 +108,7 @@ def decode_chunks(bufs: Sequence[Buffer], spec: LayoutSpec,
 
 
 @functools.lru_cache(maxsize=64)
-def run_header_dtype(sections: int) -> np.dtype:
+def _run_header_dtype(sections: int) -> np.dtype:
     """Header, section table and header checksum of a version 2 chunk of ``sections``."""
     return np.dtype([("head", HEADER_DTYPE), ("table", SECTION_DTYPE, (sections,)),
                      ("check", "<u8")])
@@ -144,7 +144,7 @@ def _checked_run(bufs: Sequence[Buffer], spec: LayoutSpec, ids: np.ndarray,
     check fails or a chunk is not version 2 (the chunk-by-chunk path then decides)."""
     n = len(bufs)
     nsec = len(chunk_plan(spec, spec.chunk_tokens, False).table_head)  # any count's
-    dtype = run_header_dtype(nsec)
+    dtype = _run_header_dtype(nsec)
     size = dtype.itemsize
     lens = (bufs.lengths if isinstance(bufs, PackedRun)
             else np.fromiter(map(len, map(memoryview, bufs)), np.int64, n))

@@ -19,9 +19,8 @@ import numpy as np
 import xxhash
 
 from kvstore.format.checks import restored_chunk_check
-from kvstore.format.chunk import FLAG_ZSTD, MAGIC, VERSION, Buffer
+from kvstore.format.chunk import FLAG_ZSTD, HEADER_DTYPE, MAGIC, SECTION_DTYPE, VERSION, Buffer
 from kvstore.format.chunk_parts import chunk_plan
-from kvstore.format.chunk_run import run_header_dtype
 from kvstore.format.errors import ChunkCorrupt, CodecError
 from kvstore.format.keys import chunk_digest, split_block_key, token_bytes
 from kvstore.format.layout import LayoutSpec
@@ -37,7 +36,8 @@ class RunCheck:
         self._checks: dict[int, object] = {}  # each chunk's own check, made when needed
         self.plan = chunk_plan(spec, size, False)
         self.sections = len(self.plan.table_head)
-        self.dtype = run_header_dtype(self.sections)  # header, table, table check
+        self.dtype = np.dtype([("head", HEADER_DTYPE), ("table", SECTION_DTYPE, (self.sections,)),
+                               ("check", "<u8")])  # header, table, table check
         self.payload_offset = self.dtype.itemsize
         ids = np.frombuffer(token_bytes(tokens[first * size:(first + len(keys)) * size]),
                             np.uint8).reshape(-1, 4 * size)  # (chunks, 4 * size) uint8
