@@ -74,10 +74,11 @@ class Reads:
         if access:
             self.counters.lookups += len(keys)
         orders, believed = [], [self.holders(key) for key in keys]
+        tiers = range(len(self.tiers))
+        out_now = {j for j in tiers if not self.up(j)}  # one look at the clock for all
         for key, held in zip(keys, believed, strict=True):
-            order = held + [i for i in range(len(self.tiers))
-                            if i not in held and self.may_hold(i, key)]
-            down = [j for j in order if not self.up(j)]
+            order = held + [i for i in tiers if i not in held and self.may_hold(i, key)]
+            down = [j for j in order if j in out_now]
             for j in down:
                 if j in held:  # skipped, unless nothing else answers
                     self.counters.fallthrough_unavailable[self.tiers[j].name] += 1
