@@ -7,9 +7,10 @@ are one (chunks, bytes) array (a view of a ``PackedRun``'s buffer, else of one j
 every header and section table is read from it as one numpy structured array and compared
 with the layout's table once per token count, each chunk's header, token ids and payload are
 hashed row by row, and each part of the result is one strided copy per slab of a group (the
-payloads of a slab hashed just before it is copied, so each byte comes from memory once). Anything the
-run check does not accept (a version 1 chunk, any fault) is decoded chunk by chunk, which
-raises the first bad chunk's specific error. A ``PackedRun`` loads no torch; decoding does.
+payloads of a slab hashed just before it is copied, so each byte comes from memory once).
+Anything the run check does not accept (a version 1 chunk, any fault) is decoded chunk by
+chunk, which raises the first bad chunk's specific error. A ``PackedRun`` loads no torch;
+decoding does.
 
     streams = decode_chunks(bufs, spec, token_ids, counts)  # {name: StreamData (layers, E, ...)}
 """
