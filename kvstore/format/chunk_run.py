@@ -6,9 +6,11 @@ The run is checked as a whole, with no Python step per chunk: consecutive chunks
 are one (chunks, bytes) array (a view of a ``PackedRun``'s buffer, else of one join of them),
 every header and section table is read from it as one numpy structured array and compared
 with the layout's table once per token count, each chunk's header, token ids and payload are
-hashed row by row, and each part of the result is one strided copy per group. Anything the
-run check does not accept (a version 1 chunk, any fault) is decoded chunk by chunk, which
-raises the first bad chunk's specific error. A ``PackedRun`` loads no torch; decoding does.
+hashed row by row, and each part of the result is one strided copy per slab of a group (the
+payloads of a slab hashed just before it is copied, so each byte comes from memory once).
+Anything the run check does not accept (a version 1 chunk, any fault) is decoded chunk by
+chunk, which raises the first bad chunk's specific error. A ``PackedRun`` loads no torch;
+decoding does.
 
     streams = decode_chunks(bufs, spec, token_ids, counts)  # {name: StreamData (layers, E, ...)}
 """
@@ -21,6 +23,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import xxhash
 
+from kvstore.format import run_buffers
 from kvstore.format.chunk import (
     FLAG_ZSTD,
     HEADER_DTYPE,
@@ -40,11 +43,16 @@ from kvstore.format.layout import LayoutSpec
 from kvstore.format.zstd_frame import decompressed
 
 # Chunks laid out alike, back to back: (k, bytes per chunk) uint8, payload offset in a
-# row, tokens per chunk.
-Group = tuple[np.ndarray, int, int]
+# row, tokens per chunk, and the payloads' checksums (k,) uint64 where they are still to
+# be checked (as they are copied), else None.
+Group = tuple[np.ndarray, int, int, np.ndarray | None]
+# Rows are checked and copied out this many bytes at a time, so each is read from memory
+# once and hashed and copied from cache.
+SLAB_BYTES = 1 << 20
 # Chunks at least this large are read from where they lie, one group each; smaller ones
 # are joined first (unless packed), so a group of them is one array.
 JOIN_BELOW = 1 << 18
+_ALIGN = 64
 
 
 class PackedRun(Sequence[memoryview]):
@@ -100,9 +108,11 @@ def decode_chunks(bufs: Sequence[Buffer], spec: LayoutSpec,
         raise InvalidRequest(f"{len(bufs)} chunks but {len(counts)} token counts")
     ids = np.asarray(token_ids)
     groups = _checked_run(bufs, spec, ids, counts)
-    if groups is None:
-        groups = _checked_each(bufs, spec, ids, counts)
-    return _assemble(spec, groups)
+    if groups is not None:
+        got = _assemble(spec, groups)
+        if got is not None:
+            return got
+    return _assemble(spec, _checked_each(bufs, spec, ids, counts))
 
 
 @functools.lru_cache(maxsize=64)
@@ -179,11 +189,12 @@ def _checked_run(bufs: Sequence[Buffer], spec: LayoutSpec, ids: np.ndarray,
         # the table is exactly the layout's for the token count; then the token ids, and
         # the payload as stored, compressed or not (version 2's checksum)
         mine = tokens[4 * first:4 * (first + k * count)].reshape(k, 4 * count)
+        stored = zstd[at:at + k].any()  # uncompressed: checked as it is copied
         if not ((rows[at:at + k] == plan.table_head).all()
                 and (head["raw_len"][at:at + k] == plan.payload_bytes).all()
                 and (_row_hashes(mine) == head["tokens_hash"][at:at + k]).all()
-                and (_row_hashes(block[:, size:]) == head["payload_checksum"][at:at + k]
-                     ).all()):
+                and (not stored or (_row_hashes(block[:, size:])
+                                    == head["payload_checksum"][at:at + k]).all())):
             return None
         at += k
     groups: list[Group] = []
@@ -191,10 +202,10 @@ def _checked_run(bufs: Sequence[Buffer], spec: LayoutSpec, ids: np.ndarray,
     for block in blocks:
         k, count = len(block), int(want[at])
         if not zstd[at:at + k].any():
-            groups.append((block, size, count))
+            groups.append((block, size, count, head["payload_checksum"][at:at + k]))
         else:
             groups += [(decompressed(row[size:], int(head["raw_len"][at + i])).reshape(1, -1),
-                        0, count) for i, row in enumerate(block)]
+                        0, count, None) for i, row in enumerate(block)]
         at += k
     return groups
 
@@ -218,29 +229,48 @@ def _checked_each(bufs: Sequence[Buffer], spec: LayoutSpec, ids: np.ndarray,
                                  "for other token ids")
         payload = decoded_payload(view, header, copy=False)  # assembled below: one copy
         verify_payload(view, header, payload)
-        groups.append((payload.reshape(1, -1), 0, count))
+        groups.append((payload.reshape(1, -1), 0, count, None))
         start += count
     return groups
 
 
-def _assemble(spec: LayoutSpec, groups: list[Group]) -> dict[str, StreamData]:
-    """Each part of the run as one tensor: per group of chunks, one strided copy of the
-    part's (chunk, layer, bytes) into (layer, chunk, bytes) of the result."""
+def _assemble(spec: LayoutSpec, groups: list[Group]) -> dict[str, StreamData] | None:
+    """Each part of the run as one tensor: per slab of a group's chunks, their payload
+    checksums checked (where still to be), then one strided copy per part of the slab's
+    (chunk, layer, bytes) into (layer, chunk, bytes) of the result; None when a checksum
+    fails (nothing of the result is returned). Every part is a view of one block of
+    ``run_buffers`` (memory of earlier decodes, reused: fresh pages fault in one by one)."""
     import torch
 
-    plans = [(block, base, chunk_plan(spec, count, False).parts) for block, base, count in groups]
+    plans = [(block, base, chunk_plan(spec, count, False).parts, sums)
+             for block, base, count, sums in groups]
+    parts0 = chunk_plan(spec, 0, False).parts
+    sizes = [sum(len(block) * got[index].layer_bytes for block, _, got, _ in plans)
+             * p.stream.layers for index, p in enumerate(parts0)]
+    starts = [0]
+    for size in sizes:  # each part 64-byte aligned, for any dtype's view
+        starts.append(starts[-1] + -(-size // _ALIGN) * _ALIGN)
+    whole = run_buffers.take(starts[-1] + _ALIGN)
+    skip = (-whole.ctypes.data) % _ALIGN
+    outs = [whole[skip + starts[i]:skip + starts[i] + sizes[i]].reshape(p.stream.layers, -1)
+            for i, p in enumerate(parts0)]  # each (layers, bytes) uint8
+    cols = [0] * len(parts0)
+    for block, base, got, sums in plans:
+        step = max(1, SLAB_BYTES // max(1, block.shape[1]))
+        for a in range(0, len(block), step):
+            rows = block[a:a + step]
+            if sums is not None and not (_row_hashes(rows[:, base:]) == sums[a:a + step]).all():
+                return None
+            for index, out in enumerate(outs):
+                k, span, layers = len(rows), got[index].layer_bytes, out.shape[0]
+                at = base + got[index].offset
+                src = rows[:, at:at + layers * span].reshape(k, layers, span)
+                col = cols[index]
+                out[:, col:col + k * span].reshape(layers, k, span)[...] = src.transpose(1, 0, 2)
+                cols[index] = col + k * span
     parts: dict[str, dict[int, object]] = {}  # stream -> part -> tensor
-    for index, p in enumerate(chunk_plan(spec, 0, False).parts):
+    for p, out in zip(parts0, outs, strict=True):
         layers, shape = p.stream.layers, p.shape[2:]
-        width = sum(len(block) * got[index].layer_bytes for block, _, got in plans)
-        out = np.empty((layers, width), np.uint8)
-        col = 0
-        for block, base, got in plans:
-            k, span = len(block), got[index].layer_bytes
-            at = base + got[index].offset
-            src = block[:, at:at + layers * span].reshape(k, layers, span)
-            out[:, col:col + k * span].reshape(layers, k, span)[...] = src.transpose(1, 0, 2)
-            col += k * span
         if out.size:
             tensor = torch.from_numpy(out).view(p.dtype).reshape(layers, -1, *shape)
         else:  # no entry (a view of nothing has no usable stride)

@@ -74,10 +74,11 @@ class Reads:
         if access:
             self.counters.lookups += len(keys)
         orders, believed = [], [self.holders(key) for key in keys]
+        tiers = range(len(self.tiers))
+        out_now = {j for j in tiers if not self.up(j)}  # one look at the clock for all
         for key, held in zip(keys, believed, strict=True):
-            order = held + [i for i in range(len(self.tiers))
-                            if i not in held and self.may_hold(i, key)]
-            down = [j for j in order if not self.up(j)]
+            order = held + [i for i in tiers if i not in held and self.may_hold(i, key)]
+            down = [j for j in order if j in out_now]
             for j in down:
                 if j in held:  # skipped, unless nothing else answers
                     self.counters.fallthrough_unavailable[self.tiers[j].name] += 1
@@ -150,25 +151,42 @@ class Reads:
         return True
 
 
-# Checks of a batch of at least this many bytes run in a worker thread: BLAKE2b (a chunk's
-# digest) releases the GIL, and the event loop serves other requests meanwhile.
+# Checks of a batch hashing at least this many bytes run in a worker thread: BLAKE2b (a
+# chunk's digest) releases the GIL, and the event loop serves other requests meanwhile.
 CHECK_IN_THREAD_BYTES = 1 << 18
 
 
 async def _checked(got: list, checks: Sequence[Check], proven: Sequence[bool]) -> list:
     """``got`` with each value that fails its check replaced by the check's ``CodecError``;
     a value whose digest the tier proved gets its check's ``proven`` form where it has one
-    (``kvstore.format.checks.restored_chunk_check``: all but the digest)."""
-    def run() -> list:
-        out = []
-        for value, check, sure in zip(got, checks, proven, strict=True):
-            if not isinstance(value, Exception):
-                try:
-                    (getattr(check, "proven", check) if sure else check)(value)
-                except CodecError as exc:
-                    value = exc
-            out.append(value)
+    (``kvstore.format.checks.restored_chunk_check``: all but the digest). Values whose
+    checks share a ``run`` (``kvstore.format.run_checks``) are checked together by it."""
+    runs: dict[int, tuple[object, list[int]]] = {}
+    alone, hashed = [], 0
+    for at, (value, check, sure) in enumerate(zip(got, checks, proven, strict=True)):
+        if isinstance(value, Exception):
+            continue
+        run = getattr(check, "run", None)
+        if run is not None:
+            runs.setdefault(id(run), (run, []))[1].append(at)
+        else:
+            alone.append(at)
+        hashed += 0 if sure and hasattr(check, "proven") else len(value)
+
+    def check_all() -> list:
+        out = list(got)
+        for at in alone:
+            check = checks[at]
+            try:
+                (getattr(check, "proven", check) if proven[at] else check)(got[at])
+            except CodecError as exc:
+                out[at] = exc
+        for run, members in runs.values():
+            errors = run.many([checks[at].index for at in members],  # type: ignore[attr-defined]
+                              [got[at] for at in members], [proven[at] for at in members])
+            for at, error in zip(members, errors, strict=True):
+                if error is not None:
+                    out[at] = error
         return out
 
-    size = sum(len(v) for v in got if not isinstance(v, Exception))
-    return await asyncio.to_thread(run) if size >= CHECK_IN_THREAD_BYTES else run()
+    return await asyncio.to_thread(check_all) if hashed >= CHECK_IN_THREAD_BYTES else check_all()

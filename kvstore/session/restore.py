@@ -34,6 +34,7 @@ from kvstore.format.chunk import LayerSlice, StreamData, decode_chunk
 from kvstore.format.errors import DataLoss, InvalidRequest, SessionNotFound
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.registry import get_layout
+from kvstore.format.run_checks import restored_run_checks
 from kvstore.placement.reads import Check
 from kvstore.placement.stack import is_window_key
 from kvstore.session.context import StoreContext
@@ -46,7 +47,8 @@ class ChunkBytes(NamedTuple):
     tier: str  # the name of the tier they were read from
 
 
-READ_BATCH = 32  # chunks a restore asks the tiers for at once
+READ_BATCH = 32  # chunks a streamed restore asks the tiers for at once
+WHOLE_BATCH = 1024  # the same for a whole restore, which keeps every chunk anyway
 # last_access (which TTLs count from) is rewritten at most this often: a manifest commit
 # on every restore would cost a MetaStore write (an fsync on disk) per read.
 ACCESS_PERSIST_S = 60.0
@@ -89,20 +91,22 @@ class SessionReader:
         # beside a bad copy: promoted once the reader is done, off the restore's path
         self.promotions: list[tuple[str, Buffer, int, list[int]]] = []
 
-    async def chunks(self, lookahead: int | None = None) -> AsyncIterator[RestoredChunk]:
+    async def chunks(self, lookahead: int | None = None, batch: int = READ_BATCH
+                     ) -> AsyncIterator[RestoredChunk]:
         """Chunks in order, ``DataLoss`` if one is lost. They are read in batches of
-        ``READ_BATCH`` (one ``TierStack.read_many`` each: the disk tier reads a batch in
-        one go), with as many batches as ``lookahead`` chunks (default: the manager's
-        ``config.restore_lookahead``) in flight beyond the one being yielded."""
+        ``batch`` (one ``TierStack.read_many`` each: the disk tier reads a batch in one
+        go, and its checks run as one), with as many batches as ``lookahead`` chunks
+        (default: the manager's ``config.restore_lookahead``) in flight beyond the one
+        being yielded."""
         lookahead = lookahead or self._restorer.lookahead
         keys = self.manifest.chunk_keys
-        starts = range(0, len(keys), READ_BATCH)
-        ahead = 1 + -(-max(1, lookahead) // READ_BATCH)
+        starts = range(0, len(keys), batch)
+        ahead = 1 + -(-max(1, lookahead) // batch)
         pending: collections.deque[asyncio.Future] = collections.deque()
         try:
             for at in starts:
-                pending.append(asyncio.ensure_future(self._read(at, len(keys))))
-                if len(pending) < ahead and at + READ_BATCH < len(keys):
+                pending.append(asyncio.ensure_future(self._read(at, len(keys), batch)))
+                if len(pending) < ahead and at + batch < len(keys):
                     continue
                 for chunk in await pending.popleft():
                     yield chunk
@@ -113,11 +117,10 @@ class SessionReader:
             for task in pending:
                 task.cancel()
 
-    async def _read(self, at: int, end: int) -> list[RestoredChunk]:
-        indices = range(at, min(at + READ_BATCH, end))
+    async def _read(self, at: int, end: int, batch: int) -> list[RestoredChunk]:
+        indices = range(at, min(at + batch, end))
         keys = [self.manifest.chunk_keys[i] for i in indices]
-        checks = [restored_chunk_check(self.spec, self.manifest.token_ids, i, key)
-                  for i, key in zip(indices, keys, strict=True)]
+        checks = restored_run_checks(self.spec, self.manifest.token_ids, at, keys)
         got = await self._restorer.read_blocks(keys, checks, self.blocks, self.promotions)
         out = []
         for i, key, value in zip(indices, keys, got, strict=True):
@@ -193,7 +196,8 @@ class Restorer:
                       ) -> RestoreResult:
         """The whole session: every chunk verified, the window blob if it is still held."""
         async with self.reading(tenant, session_id) as reader:
-            chunks = [chunk async for chunk in reader.chunks()]
+            count = len(reader.manifest.chunk_keys)  # all in flight: nothing waits on them
+            chunks = [chunk async for chunk in reader.chunks(count, WHOLE_BATCH)]
             window, window_tier = await reader.window() if want_window else (None, None)
             manifest = reader.manifest
             has_window_streams = bool(reader.spec.ephemeral_streams)

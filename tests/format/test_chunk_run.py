@@ -162,3 +162,22 @@ def test_a_packed_run_decodes_as_its_chunks_do_and_is_verified(spec, counts):
             decode_chunks(PackedRun(bytes(broken), run.lengths), spec, ids, counts)
     with pytest.raises(InvalidRequest, match="do not fit"):
         PackedRun(packed[:-1], run.lengths)
+
+
+def test_a_payload_flipped_in_a_later_slab_is_caught_after_earlier_slabs_were_copied():
+    """A run larger than a slab (checked and copied slab by slab): a bad payload in the
+    last chunk still raises, and a packed run decodes as the joined one does."""
+    from kvstore.format import chunk_run
+
+    counts = [512] * 80  # about 1.5 MB of bundled chunks: more than one slab
+    bufs, ids, streams = session(BUNDLED, counts, seed=5)
+    assert sum(map(len, bufs)) > chunk_run.SLAB_BYTES
+    packed = PackedRun(b"".join(bufs), [len(b) for b in bufs])
+    assert_same(decode_chunks(packed, BUNDLED, ids, counts), concatenated(BUNDLED, streams))
+    broken = bytearray(bufs[-1])
+    broken[-3] ^= 0x10
+    with pytest.raises(ChunkCorrupt):
+        decode_chunks([*bufs[:-1], bytes(broken)], BUNDLED, ids, counts)
+    with pytest.raises(ChunkCorrupt):
+        decode_chunks(PackedRun(b"".join(bufs[:-1]) + bytes(broken), packed.lengths),
+                      BUNDLED, ids, counts)

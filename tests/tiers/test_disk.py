@@ -406,3 +406,25 @@ async def test_get_many_reads_in_one_batch_and_answers_each_key(tmp_path, opened
     assert bytes(got[0]) == model["k006"] and bytes(got[2]) == model["k008"]
     assert isinstance(got[1], ChunkCorrupt)
     await opened.close(tier)
+
+
+@pytest.mark.parametrize("at", [0, 5, 12, 14, 16, HEADER_SIZE + 1, -1])
+async def test_a_batch_refuses_a_record_damaged_anywhere_and_serves_the_others(
+        tmp_path, opened, at):
+    """The batch's record check (headers in one array) refuses a flipped byte of the
+    magic, checksum, lengths, flags, key or value, as check_record does."""
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 22))
+    model = {f"k{i:03d}": value_for(f"k{i:03d}", 900) for i in range(6)}
+    await tier.put_many(model.items())
+    entry = tier.index.lookup(b"k002")
+    size = HEADER_SIZE + len(b"k002") + entry.value_len
+    with open(segment_path(tier.segment_dir, entry.seg_id), "r+b") as file:
+        file.seek(entry.offset + at % size)
+        byte = file.read(1)
+        file.seek(-1, 1)
+        file.write(bytes([byte[0] ^ 0x01]))
+    got = await tier.get_many(list(model))
+    assert isinstance(got[2], ChunkCorrupt)
+    assert [bytes(v) for i, v in enumerate(got) if i != 2] == \
+        [v for k, v in model.items() if k != "k002"]
+    await opened.close(tier)

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from kvstore.format.errors import ChunkCorrupt, KVTierError
 from kvstore.tiers.base import Buffer
@@ -24,6 +25,11 @@ from kvstore.tiers.disk.index import IndexEntry
 from kvstore.tiers.disk.reader import SegmentFiles, SegmentGone
 from kvstore.tiers.disk.segments import (
     ADMITTED,
+    HASHED_FROM,
+    HEADER_SIZE,
+    MAGIC,
+    META,
+    TOMBSTONE,
     check_record,
     key_bytes,
     record_flags,
@@ -34,18 +40,17 @@ log = logging.getLogger(__name__)
 
 
 async def get_many(files: SegmentFiles, keys: Sequence[str],
-                   current: Callable[[bytes], IndexEntry | None],
+                   current: Callable[[Sequence[bytes]], list[IndexEntry | None]],
                    get: Callable[[str], Awaitable[Buffer]], where: Path
                    ) -> tuple[list[Buffer | KVTierError], list[bool]]:
     """(answers, and per key whether its value came from an ``ADMITTED`` record:
-    ``admission.py``). ``current``: a key's unexpired entry or None; ``get``: the tier's
+    ``admission.py``). ``current``: each key's unexpired entry or None; ``get``: the tier's
     own, for what the batch does not serve; ``where``: the tier's path, for the log."""
     out: list[Buffer | KVTierError | None] = [None] * len(keys)
     proven = [False] * len(keys)
     wanted = []  # (seg_id, offset, index, key bytes, entry)
-    for i, key in enumerate(keys):
-        kb = key_bytes(key)
-        entry = current(kb)
+    kbs = [key_bytes(key) for key in keys]
+    for i, (kb, entry) in enumerate(zip(kbs, current(kbs), strict=True)):
         if entry is not None:
             wanted.append((entry.seg_id, entry.offset, i, kb, entry))
     wanted.sort(key=lambda w: (w[0], w[1]))
@@ -87,19 +92,7 @@ async def _read_batch(files: SegmentFiles, where: Path, wanted: list, out: list,
 
     def read_and_check() -> list[tuple[Buffer, bool] | KVTierError]:
         files.read_runs(runs, buffer)
-        values, at = [], 0
-        for _, kb, entry, size in records:
-            record = buffer[at:at + size]
-            try:
-                values.append((check_record(record, kb, entry.value_len, entry.checksum,
-                                            f"disk tier, key {kb!r}").toreadonly(),
-                               bool(record_flags(record) & ADMITTED)))
-            except ChunkCorrupt as exc:
-                log.warning("disk tier %s, segment %d @ %d: %s", where, entry.seg_id,
-                            entry.offset, exc)
-                values.append(exc)
-            at += size
-        return values
+        return _checked_records(buffer, records, where)
 
     try:
         values = await asyncio.to_thread(read_and_check)
@@ -108,6 +101,51 @@ async def _read_batch(files: SegmentFiles, where: Path, wanted: list, out: list,
         return
     for (i, *_), value in zip(records, values, strict=True):
         out[i], proven[i] = (value, False) if isinstance(value, ChunkCorrupt) else value
+
+
+# A record header (``segments.HEADER``) as a numpy dtype: a batch's headers in a few calls.
+_RECORD = np.dtype([("magic", "S4"), ("checksum", "<u8"), ("key_len", "<u2"), ("flags", "<u2"),
+                    ("value_len", "<u4")])
+assert _RECORD.itemsize == HEADER_SIZE
+
+
+def _checked_records(buffer: memoryview, records: list, where: Path
+                     ) -> list[tuple[Buffer, bool] | ChunkCorrupt]:
+    """Each record of ``buffer`` (back to back, as ``records`` list them) checked as
+    ``check_record`` does: its value (a read-only view) and whether it is ``ADMITTED``,
+    or the ``ChunkCorrupt`` of ``check_record`` itself for one the batch check refuses."""
+    n = len(records)
+    sizes = np.fromiter((size for *_, size in records), np.int64, n)
+    starts = np.zeros(n, np.int64)
+    np.cumsum(sizes[:-1], out=starts[1:])
+    whole = np.frombuffer(buffer, np.uint8)
+    heads = whole[starts[:, None] + np.arange(HEADER_SIZE)].view(_RECORD).reshape(n)
+    sums = np.fromiter((entry.checksum for _, _, entry, _ in records), np.uint64, n)
+    hashed = np.fromiter((xxhash.xxh3_64_intdigest(buffer[at + HASHED_FROM:at + size])
+                          for at, size in zip(starts.tolist(), sizes.tolist(), strict=True)),
+                         np.uint64, n)
+    ok = ((heads["magic"] == MAGIC) & ((heads["flags"] & (META | TOMBSTONE)) == 0)
+          & (heads["key_len"] == np.fromiter((len(r[1]) for r in records), np.int64, n))
+          & (heads["value_len"] == np.fromiter((r[2].value_len for r in records), np.int64, n))
+          & (heads["checksum"] == sums) & (hashed == sums)).tolist()
+    admitted = ((heads["flags"] & ADMITTED) != 0).tolist()
+    view, values = buffer.toreadonly(), []
+    for (_, kb, entry, size), at, good, sure in zip(records, starts.tolist(), ok, admitted,
+                                                    strict=True):
+        key_at = at + HEADER_SIZE
+        if good and view[key_at:key_at + len(kb)] == kb:
+            values.append((view[key_at + len(kb):at + size], sure))
+            continue
+        record = buffer[at:at + size]
+        try:  # refused above: check_record says why
+            values.append((check_record(record, kb, entry.value_len, entry.checksum,
+                                        f"disk tier, key {kb!r}").toreadonly(),
+                           bool(record_flags(record) & ADMITTED)))
+        except ChunkCorrupt as exc:
+            log.warning("disk tier %s, segment %d @ %d: %s", where, entry.seg_id,
+                        entry.offset, exc)
+            values.append(exc)
+    return values
 
 
 async def _get(get: Callable[[str], Awaitable[Buffer]], key: str) -> Buffer | KVTierError:

@@ -29,7 +29,7 @@ import contextlib
 import enum
 import logging
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -211,11 +211,9 @@ class DiskIndex:
         self.env = lmdb.open(str(path), map_size=map_size, max_dbs=5, subdir=True,
                              sync=True, metasync=True, writemap=False, map_async=False)
         with self.write() as txn:
-            self.chunks = self.env.open_db(b"chunks", txn=txn)
-            self.segments = self.env.open_db(b"segments", txn=txn)
-            self.meta = self.env.open_db(b"meta", txn=txn)
-            self.metarec = self.env.open_db(b"metarec", txn=txn)
-            self.state = self.env.open_db(b"state", txn=txn)
+            self.chunks, self.segments, self.meta, self.metarec, self.state = (
+                self.env.open_db(name, txn=txn)
+                for name in (b"chunks", b"segments", b"meta", b"metarec", b"state"))
             for name in (_NEXT_SEG, _USED, _ITEMS, _EPOCH, _LSN):
                 txn.put(name, _U64.pack(0), db=self.state, overwrite=False)
                 _U64.unpack(txn.get(name, db=self.state))  # struct.error when damaged
@@ -234,9 +232,11 @@ class DiskIndex:
     # reads: short read transactions, safe on the event loop thread
 
     def lookup(self, key: bytes) -> IndexEntry | None:
-        with self.env.begin(db=self.chunks, buffers=True) as txn:
-            raw = txn.get(key)
-            return None if raw is None else IndexEntry.unpack(raw)
+        return self.lookup_many((key,))[0]
+
+    def lookup_many(self, keys: Sequence[bytes]) -> list[IndexEntry | None]:
+        with self.env.begin(db=self.chunks, buffers=True) as txn:  # one for them all
+            return [None if raw is None else IndexEntry.unpack(raw) for raw in map(txn.get, keys)]
 
     def totals(self) -> tuple[int, int]:
         """(live value bytes, live items) as last committed by any process."""

@@ -35,7 +35,7 @@ from kvstore.tiers.disk.fs import OS, FileSystem
 MAGIC = b"KVR1"
 HEADER = struct.Struct("<4sQHHI")  # magic, checksum, key_len, flags, value_len
 HEADER_SIZE = HEADER.size
-_HASHED_FROM = 12  # the checksum covers bytes [12:] of a record
+HASHED_FROM = 12  # the checksum covers bytes [12:] of a record
 _LENGTHS = struct.Struct("<HHI")
 # LMDB's default maximum key size; chunk keys are far shorter.
 MAX_KEY_BYTES = 511
@@ -114,7 +114,7 @@ def check_record(record: memoryview, key: bytes, value_len: int, checksum: int,
     if stored_sum != checksum:
         raise ChunkCorrupt(f"{where}: record checksum {stored_sum:#018x} disagrees with "
                            f"the index ({checksum:#018x})")
-    if xxhash.xxh3_64_intdigest(record[_HASHED_FROM:]) != checksum:
+    if xxhash.xxh3_64_intdigest(record[HASHED_FROM:]) != checksum:
         raise ChunkCorrupt(f"{where}: record bytes fail their xxh3 checksum")
     if record[HEADER_SIZE:HEADER_SIZE + key_len] != key:
         raise ChunkCorrupt(f"{where}: record holds a different key")
@@ -158,7 +158,7 @@ def scan_records(fs: FileSystem, fd: int, start: int, end: int
             break
         record = memoryview(bytearray(size))
         if (fs.read(fd, record, position) != size
-                or xxhash.xxh3_64_intdigest(record[_HASHED_FROM:]) != checksum):
+                or xxhash.xxh3_64_intdigest(record[HASHED_FROM:]) != checksum):
             break
         key = bytes(record[HEADER_SIZE:HEADER_SIZE + key_len])
         records.append(ScannedRecord(key, position, value_len, checksum, flags))

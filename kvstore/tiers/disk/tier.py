@@ -315,9 +315,11 @@ class DiskTier(Tier):
         self._forget_retired()
         now = self.clock()
 
-        def current(kb: bytes) -> IndexEntry | None:
-            entry = self._current(kb)
-            return None if entry is None or entry.expired(now) else entry
+        def current(kbs: Sequence[bytes]) -> list[IndexEntry | None]:
+            overlay = self.pipeline.overlay
+            found = self.index.lookup_many([kb for kb in kbs if kb not in overlay])[::-1]
+            entries = [overlay[kb][1] if kb in overlay else found.pop() for kb in kbs]
+            return [None if e is None or e.expired(now) else e for e in entries]
 
         return await batch.get_many(self.files, keys, current, self.get, self.path)
 
