@@ -30,6 +30,7 @@ from google.protobuf.descriptor import FieldDescriptor as F
 from kvstore.format.keys import chunk_digest
 from proto import kvtier_pb2 as pb
 from stress import forge
+from stress.fuzz.chunk_cases import ChunkCases
 from stress.fuzz.layouts import HUGE_TOKENS, LayoutCases
 from stress.fuzz.messages import DOUBLES, INTS, STRINGS, U32, U64, random_message
 from stress.fuzz.pool import LAYOUT, Encoded, token_ids
@@ -42,10 +43,10 @@ BOMB = 512 << 20
 METHOD_WEIGHTS = {"Spill": 30, "Restore": 12, "Resume": 8, "Prefetch": 5, "Evict": 5,
                   "Delete": 5, "Stat": 5, "List": 5, "LeaseSegment": 6,
                   "ReleaseSegments": 4, "Rebuild": 8, "Lookup": 7, "Fork": 7,
-                  "RegisterLayout": 14, "ListLayouts": 2}
+                  "RegisterLayout": 14, "ListLayouts": 2, "WriteChunks": 8, "ReadChunks": 7}
 
 
-class CaseGenerator(LayoutCases):
+class CaseGenerator(LayoutCases, ChunkCases):
     def __init__(self, rng: random.Random, pool: dict[tuple[int, str], Encoded],
                  state: State | None = None) -> None:
         self.rng = rng
