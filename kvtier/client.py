@@ -41,7 +41,7 @@ import grpc
 import numpy as np
 
 from kvstore.format.chunk import LayerSlice
-from kvstore.format.errors import InvalidRequest, StaleGeneration, UnknownLayout, shown
+from kvstore.format.errors import StaleGeneration, UnknownLayout, shown
 from kvstore.format.hints import ResumeHint
 from kvstore.format.keys import chunk_digest, dedupe_scope
 from kvstore.format.layout import LayoutSpec, layout_to_json
@@ -54,16 +54,10 @@ from kvtier.known_layouts import KnownLayouts, info_from
 from kvtier.prefix_chunks import PrefixChunkMethods
 from kvtier.routing import Node, Ref, Router, RoutingPolicy, open_node
 from kvtier.types import LayoutInfo, RestoredSession, RetryPolicy, SpillResult
+from kvtier.upload import Item, upload
 from proto import kvtier_pb2 as pb
 
 ACKS = {"memory": pb.ACK_MEMORY, "durable": pb.ACK_DURABLE, None: pb.ACK_UNSPECIFIED}
-
-
-async def _stream(messages: list) -> AsyncIterator:
-    # An async iterator: with a plain one, a server refusing an oversize message
-    # surfaces as INTERNAL instead of its RESOURCE_EXHAUSTED status.
-    for message in messages:
-        yield message
 
 
 class AsyncClient(PrefixChunkMethods):
@@ -219,42 +213,17 @@ class AsyncClient(PrefixChunkMethods):
 
     async def _spill_once(self, node: Node, header: pb.SpillHeader, enc: cc.EncodedSession
                           ) -> pb.SpillReply:
-        items = [("chunk", enc.keys[i], data) for i, data in sorted(enc.chunks.items())]
+        items = [Item("chunk", enc.keys[i], data) for i, data in sorted(enc.chunks.items())]
         if enc.tail:
-            items.append(("tail", "", enc.tail))
+            items.append(Item("tail", "", enc.tail))
         if enc.window is not None:
-            items.append(("window", "", enc.window))
-        started = time.monotonic()
-        segment = None
-        if self.shared_memory and items:
-            segment = await node.segments.for_spill(sum(len(d) for _, _, d in items),
-                                                     self.timeout_s)
-        writer = segment.writer() if segment is not None else None
-        too_big = [(kind, len(d)) for kind, _, d in items
-                   if len(d) + 1024 > self.max_message_bytes]
-        if too_big and writer is None:
-            raise InvalidRequest(f"{too_big[0][0]} of {too_big[0][1]} B exceeds the "
-                                 f"{self.max_message_bytes} B message limit and shared memory "
-                                 "is off or refused: raise max_message_bytes (client and "
-                                 "server)")
-        try:
-            messages = [pb.SpillRequest(header=header)]
-            for kind, key, data in items:
-                payload = (pb.Payload(key=key, shm=writer.add(data)) if writer
-                           else pb.Payload(key=key, data=data))
-                messages.append(pb.SpillRequest(**{kind: payload}))
-            reply = await node.stub.Spill(_stream(messages), timeout=self.timeout_s)
-        except Exception:
-            if segment is not None:  # the server may still be reading it: never reuse it
-                await node.segments.release([segment])
-            raise
-        except BaseException:
-            if segment is not None:  # cancelled: no call to release it, the server reaps it
-                segment.close()
-            raise
-        if segment is not None:  # the server copied the bytes out before it answered
-            await node.segments.keep(segment, started)
-        return reply
+            items.append(Item("window", "", enc.window))
+        return await upload(
+            node, pb.SpillRequest(header=header), items,
+            lambda item, payload: pb.SpillRequest(**{item.what: payload}),
+            lambda stream: node.stub.Spill(stream, timeout=self.timeout_s),
+            shared_memory=self.shared_memory, max_message_bytes=self.max_message_bytes,
+            timeout_s=self.timeout_s)
 
     # -- restore, resume --
 

@@ -14,7 +14,7 @@ that fails is reported missing, "corrupt".
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import Awaitable, Sequence
 
 import numpy as np
 
@@ -27,9 +27,8 @@ from kvtier import shm
 from kvtier.errors import MissingChunks
 from kvtier.routing import Node
 from kvtier.types import ReadChunksResult, WriteChunksResult
+from kvtier.upload import Item, upload
 from proto import kvtier_pb2 as pb
-
-MESSAGE_MARGIN = 1024  # room for the fields around one payload in a message
 
 
 def write_header(spec: LayoutSpec, tenant: str, tokens: np.ndarray, digests: list[bytes], *,
@@ -64,41 +63,14 @@ async def write_once(node: Node, header: pb.WriteChunksHeader, keys: Sequence[st
                      chunks: Sequence[bytes], send: Sequence[int], *, shared_memory: bool,
                      max_message_bytes: int, timeout_s: float | None) -> WriteChunksResult:
     """One WriteChunks call sending ``chunks[n]`` for each ``n`` in ``send``."""
-    started = time.monotonic()
-    segment = None
-    if shared_memory and send:
-        segment = await node.segments.for_spill(sum(len(chunks[n]) for n in send), timeout_s)
-    writer = segment.writer() if segment is not None else None
-    too_big = [n for n in send if len(chunks[n]) + MESSAGE_MARGIN > max_message_bytes]
-    if too_big and writer is None:
-        raise InvalidRequest(f"chunk {header.first_chunk + too_big[0]} of "
-                             f"{len(chunks[too_big[0]])} B exceeds the {max_message_bytes} B "
-                             "message limit and shared memory is off or refused")
-    try:
-        messages = [pb.WriteChunksRequest(header=header)]
-        for n in send:
-            payload = (pb.Payload(key=keys[n], shm=writer.add(chunks[n])) if writer
-                       else pb.Payload(key=keys[n], data=bytes(chunks[n])))
-            messages.append(pb.WriteChunksRequest(chunk=payload))
-        reply = await node.stub.WriteChunks(_stream(messages), timeout=timeout_s)
-    except Exception:
-        if segment is not None:  # the server may still be reading it: never reuse it
-            await node.segments.release([segment])
-        raise
-    except BaseException:
-        if segment is not None:  # cancelled: no call to release it, the server reaps it
-            segment.close()
-        raise
-    if segment is not None:  # the server copied the bytes out before it answered
-        await node.segments.keep(segment, started)
+    items = [Item(f"chunk {header.first_chunk + n}", keys[n], chunks[n]) for n in send]
+    reply = await upload(
+        node, pb.WriteChunksRequest(header=header), items,
+        lambda _, payload: pb.WriteChunksRequest(chunk=payload),
+        lambda stream: node.stub.WriteChunks(stream, timeout=timeout_s),
+        shared_memory=shared_memory, max_message_bytes=max_message_bytes, timeout_s=timeout_s)
     return WriteChunksResult(reply.chunks_written, reply.chunks_deduped, reply.tier,
                              reply.durable, list(reply.chunk_keys))
-
-
-async def _stream(messages: list) -> AsyncIterator:
-    # An async iterator, as kvtier.client's: a refused message keeps its own status.
-    for message in messages:
-        yield message
 
 
 async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,
