@@ -53,9 +53,10 @@ def setup_policy(workload: Workload, policy: str, *, hint_sigma: float = 0.5, se
     bit, no timing: what knowing the future's "who" alone is worth).
     ``lru``: LRUPolicy. ``hint``: HintPolicy, oracle hints with lognormal noise
     ``hint_sigma``; ``hint-perfect``: the same with no noise; ``hint-causal``: HintPolicy,
-    hints from past gaps only. ``belady``: farthest next read first (offline table; ``name``
-    maps trace keys to the keys its policies will see). kvtier's policies weigh a window
-    blob's loss as ``replay_cost`` chunk reads, as the server configures them."""
+    hints from past gaps only. ``belady``: farthest next read first, weighted by size over cost (offline
+    table; ``name`` maps trace keys to the keys its policies will see). kvtier's policies
+    and Belady weigh a window blob's loss as ``replay_cost`` chunk reads, as the server
+    configures kvtier's."""
     clock = VirtualClock()
     # trace keys are ints (windows < 0); the real stacks' are strings
     cost = window_cost(lambda key: key < 0 if isinstance(key, int) else is_window_key(key),
@@ -70,7 +71,7 @@ def setup_policy(workload: Workload, policy: str, *, hint_sigma: float = 0.5, se
     if policy == "belady":
         table = NextUseTable(workload.reads, workload.next_read, workload.first_positions(),
                              name)
-        return PolicySetup(lambda: BeladyPolicy(table), no_hints, clock, table.advance)
+        return PolicySetup(lambda: BeladyPolicy(table, cost), no_hints, clock, table.advance)
     if policy == "kvtier":
         return PolicySetup(reuse(), causal_hints(workload), clock, None)
     if policy == "kvtier-returns":  # a probe of what limits kvtier: told only who returns
