@@ -54,7 +54,9 @@ from kvstore.eviction.policies import BlockId, Clock, EvictionPolicy, NextUse
 AGE_BINS = 24  # log2 seconds: bin 0 below 1 s, bin k in [2^(k-1), 2^k), the last open
 READ_CLASSES = 4  # 0, 1, 2, 3+ reads
 PAUSE_LIMITS_S = (1.0, 30.0, 300.0)  # due / short / medium / long; plus "no hint"
-CLASSES = READ_CLASSES * (len(PAUSE_LIMITS_S) + 2)
+HINT_CLASSES = READ_CLASSES * (len(PAUSE_LIMITS_S) + 2)
+KINDS = 2  # a chunk; a block whose loss costs more than a read (a window blob)
+CLASSES = KINDS * HINT_CLASSES
 SAMPLE = 64
 REFRESH = 512  # events between density recomputations
 DECAY = 1.0  # weight kept by the older counts at each recomputation
@@ -80,14 +82,15 @@ def age_bins(ages: np.ndarray) -> np.ndarray:
                                                AGE_BINS - 1))
 
 
-def reuse_class(hint: NextUse | None) -> int:
-    """The class of a block from its ``NextUse`` (see the module doc)."""
+def reuse_class(hint: NextUse | None, kind: int = 0) -> int:
+    """The class of a block of ``kind`` from its ``NextUse`` (see the module doc)."""
     if hint is None:
-        return 0  # never hinted: no reads known either
+        return kind * HINT_CLASSES  # never hinted: no reads known either
     pause = 0  # 0: no pause predicted; 1 due, 2 short, 3 medium, 4 long
     if hint.pause is not None:
         pause = 1 + sum(hint.pause > limit for limit in PAUSE_LIMITS_S)
-    return min(hint.reads, READ_CLASSES - 1) * (len(PAUSE_LIMITS_S) + 2) + pause
+    return (kind * HINT_CLASSES + min(hint.reads, READ_CLASSES - 1) * (len(PAUSE_LIMITS_S) + 2)
+            + pause)
 
 
 class ReuseModel:
@@ -103,7 +106,8 @@ class ReuseModel:
         self._open = np.zeros(n, dtype=bool)
         self._reads = np.zeros(n, dtype=np.int64)
         self._holders = np.zeros(n, dtype=np.int64)  # bit i: the tier of level i holds it
-        self._hits = np.zeros((CLASSES, AGE_BINS))
+        self._hits = np.zeros((CLASSES, AGE_BINS))  # episodes ended by a read, by age
+        self._lost = np.zeros((CLASSES, AGE_BINS))  # episodes that left the stack unread
         self._events = 0
         self.density = np.tile(_START, (CLASSES, 1))
 
@@ -120,35 +124,36 @@ class ReuseModel:
         self._holders[slot] = 0
         return slot
 
-    def seen(self, block: BlockId, hint: NextUse | None, level: int) -> None:
-        """The policy of the tier at ``level``, which holds ``block``, was told of it."""
+    def seen(self, block: BlockId, hint: NextUse | None, level: int, kind: int = 0) -> None:
+        """The policy of the tier at ``level``, which holds ``block`` (of ``kind``), was
+        told of it."""
         if hint is None:
             return
         slot = self._slot.get(block)
         if slot is None:
             slot = self._new_slot(block)
-            self._start(slot, hint)
+            self._start(slot, hint, kind)
         elif hint.reads > self._reads[slot]:  # read since: the episode ends with a read
             if self._open[slot]:
                 self._count(self._hits, slot)
-            self._start(slot, hint)
+            self._start(slot, hint, kind)
         else:  # stored again or moved: the episode goes on, in what it is known as now
-            self._cls[slot] = reuse_class(hint)
+            self._cls[slot] = reuse_class(hint, kind)
         self._holders[slot] |= 1 << level
 
     def left(self, block: BlockId, level: int) -> None:
-        """The tier of ``level`` no longer holds ``block``. At its last the episode is dropped, not
-        counted: a window blob evicted from the last tier that takes windows would have
-        been read all the same (its resume replays), and counting it unread would teach
-        the model that such blocks are never read, the more so the more it evicts them.
-        Blocks that truly are not read again say so by ageing unread while held (a chunk
-        keeps a durable copy), and a window shares its class with its session's chunks."""
+        """The tier of ``level`` no longer holds ``block``. At its last the open episode is
+        counted as *censored* at its age: it lived that long unread, and what came after
+        is unknown (an evicted window blob might have been read all the same). It adds
+        its time to the class's life up to that age, never a claim that the block would
+        not have been read later, so evicting a class more does not make it look unread."""
         slot = self._slot.get(block)
         if slot is None:
             return
         self._holders[slot] &= ~(1 << level)
         if not self._holders[slot]:
-            self._open[slot] = False
+            if self._open[slot]:
+                self._count(self._lost, slot)
             del self._slot[block]
             self._free.append(slot)
 
@@ -160,8 +165,8 @@ class ReuseModel:
         """Per slot, the bit mask of tier levels holding its block (0 for -1)."""
         return np.where(slots >= 0, self._holders[np.maximum(slots, 0)], 0)
 
-    def _start(self, slot: int, hint: NextUse) -> None:
-        self._cls[slot] = reuse_class(hint)
+    def _start(self, slot: int, hint: NextUse, kind: int) -> None:
+        self._cls[slot] = reuse_class(hint, kind)
         self._reads[slot] = hint.reads
         self._since[slot] = self.clock() if hint.since is None else hint.since
         self._open[slot] = True
@@ -180,7 +185,7 @@ class ReuseModel:
         bins = age_bins(self.clock() - self._since[live])
         open_now = np.zeros((CLASSES, AGE_BINS))
         np.add.at(open_now, (self._cls[live], bins), 1)
-        reached = self._hits + open_now  # episodes by the age they got to
+        reached = self._hits + self._lost + open_now  # episodes by the age they got to
 
         def density(reads: np.ndarray, reached: np.ndarray) -> np.ndarray:
             # (..., AGE_BINS): reads after each age over the time lived after it
@@ -196,6 +201,7 @@ class ReuseModel:
             share = PRIOR / pooled.sum()
             self.density = density(self._hits + share * pooled_reads, reached + share * pooled)
         self._hits *= DECAY
+        self._lost *= DECAY
 
 
 class ReusePolicy(EvictionPolicy):
@@ -268,8 +274,9 @@ class ReusePolicy(EvictionPolicy):
                 array[row] = array[end]
 
     def _classify(self, block: BlockId, row: int, hint: NextUse | None) -> None:
-        self.model.seen(block, hint, self.level)
-        self._cls[row] = reuse_class(hint)
+        kind = int(self._cost[row] > 1.0)
+        self.model.seen(block, hint, self.level, kind)
+        self._cls[row] = reuse_class(hint, kind)
         self._priority[row] = 0 if hint is None else hint.priority
         since = None if hint is None else hint.since
         self._since[row] = self.clock() if since is None else since
@@ -320,8 +327,9 @@ class ReusePolicy(EvictionPolicy):
         if priority != self._priority[rows[low]]:
             return priority > self._priority[rows[low]]
         since = self.clock() if hint is None or hint.since is None else hint.since
-        density = self.model.density[reuse_class(hint), age_bin(self.clock() - since)]
         cost = 1.0 if self.cost is None else self.cost(block)
+        density = self.model.density[reuse_class(hint, int(cost > 1.0)),
+                                     age_bin(self.clock() - since)]
         return density * cost / max(size, 1) > values[low]
 
     def __contains__(self, block: BlockId) -> bool:
