@@ -33,8 +33,10 @@ events it folds them into::
 
     density(c, a) = reads after age a / (time lived after age a), over the class's episodes
 
-and ``victim`` takes, among ``SAMPLE`` blocks drawn at random (seeded) from the tier, the
-one of lowest priority, then lowest value per byte. Until a class has its own events
+and ``victim`` takes, among ``SAMPLE`` blocks drawn at random (seeded) from the tier and
+its ``OLDEST`` least recently used ones, the one of lowest priority, then lowest value
+per byte: where the table says little (density falling with age, as at the start), the
+oldest are the victims, as in LRU, which a random sample alone would often miss. Until a class has its own events
 it leans on the pooled ones (``PRIOR``); before any, density falls with age: LRU order.
 A block that arrives without a ``NextUse`` (never hinted) is in the no-hint class; the
 model does not follow it, so it is ranked by the pooled table from its last access.
@@ -42,6 +44,7 @@ model does not follow it, so it is ranked by the pooled table from its last acce
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import time
@@ -58,6 +61,7 @@ HINT_CLASSES = READ_CLASSES * (len(PAUSE_LIMITS_S) + 2)
 KINDS = 2  # a chunk; a block whose loss costs more than a read (a window blob)
 CLASSES = KINDS * HINT_CLASSES
 SAMPLE = 64
+OLDEST = 8  # least recently used blocks added to each sample
 REFRESH = 512  # events between density recomputations
 DECAY = 1.0  # weight kept by the older counts at each recomputation
 PRIOR = 1.0  # pseudo-events per class, drawn from the pooled table, against noise
@@ -228,6 +232,9 @@ class ReusePolicy(EvictionPolicy):
         self._slot = np.full(n, -1, dtype=np.int64)  # the block's ReuseModel slot
         self._cost = np.ones(n)
         self._random = np.random.default_rng(seed)
+        self._aged: list[tuple[float, int, BlockId]] = []  # lazy heap (since, seq, block)
+        self._aged_of: dict[BlockId, int] = {}  # block -> the seq of its live heap entry
+        self._aged_seq = itertools.count()
         self._sizes = 0  # sum of known sizes, for blocks listed without one
         self._sized = 0
 
@@ -264,6 +271,7 @@ class ReusePolicy(EvictionPolicy):
         if row is None:
             return
         self.model.left(block, self.level)
+        del self._aged_of[block]
         last = self._order.pop()
         if last != block:  # move the last row into the freed one
             end = len(self._order)
@@ -281,6 +289,12 @@ class ReusePolicy(EvictionPolicy):
         since = None if hint is None else hint.since
         self._since[row] = self.clock() if since is None else since
         self._slot[row] = self.model.slot(block)
+        seq = self._aged_of[block] = next(self._aged_seq)
+        heapq.heappush(self._aged, (float(self._since[row]), seq, block))
+        if len(self._aged) > 2 * len(self._order) + 64:  # bound the stale entries
+            self._aged = [(float(self._since[self._index[b]]), q, b)
+                          for b, q in self._aged_of.items()]
+            heapq.heapify(self._aged)
 
     # -- choosing --
 
@@ -288,8 +302,24 @@ class ReusePolicy(EvictionPolicy):
         n = len(self._order)
         if n <= SAMPLE:
             return self._best(np.arange(n), exclude)
-        found = self._best(self._random.integers(0, n, SAMPLE), exclude)
+        rows = np.concatenate([self._random.integers(0, n, SAMPLE), self._oldest(exclude)])
+        found = self._best(rows, exclude)
         return found if found is not None else self._best(np.arange(n), exclude)
+
+    def _oldest(self, exclude: Collection[BlockId]) -> np.ndarray:
+        """The rows of the ``OLDEST`` least recently used blocks not in ``exclude``."""
+        heap, live, found = self._aged, self._aged_of, []
+        aside = []
+        while heap and len(found) < OLDEST:
+            entry = heapq.heappop(heap)
+            if live.get(entry[2]) != entry[1]:
+                continue  # re-keyed or removed: dropped for good
+            aside.append(entry)
+            if entry[2] not in exclude:
+                found.append(self._index[entry[2]])
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        return np.array(found, dtype=np.int64)
 
     def _value(self, rows: np.ndarray) -> np.ndarray:
         """Expected reads per byte per second, times what losing the block costs."""
