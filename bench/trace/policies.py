@@ -53,10 +53,10 @@ def setup_policy(workload: Workload, policy: str, *, hint_sigma: float = 0.5, se
     bit, no timing: what knowing the future's "who" alone is worth).
     ``lru``: LRUPolicy. ``hint``: HintPolicy, oracle hints with lognormal noise
     ``hint_sigma``; ``hint-perfect``: the same with no noise; ``hint-causal``: HintPolicy,
-    hints from past gaps only. ``belady``: farthest next read first, weighted by size over cost (offline
-    table; ``name`` maps trace keys to the keys its policies will see). kvtier's policies
-    and Belady weigh a window blob's loss as ``replay_cost`` chunk reads, as the server
-    configures kvtier's; ``belady-blocks``: the same weighing every block alike."""
+    hints from past gaps only. ``belady``: farthest next read first, weighted by size over
+    cost (offline table; ``name`` maps trace keys to the keys its policies will see).
+    kvtier's policies and Belady weigh a window blob's loss as ``replay_cost`` chunk reads,
+    as the server configures kvtier's; ``belady-blocks``: Belady weighing every block alike."""
     clock = VirtualClock()
     # trace keys are ints (windows < 0); the real stacks' are strings
     cost = window_cost(lambda key: key < 0 if isinstance(key, int) else is_window_key(key),

@@ -78,10 +78,10 @@ from bench.trace import shapes
 from bench.trace.compare import (
     HEADLINE,
     ONE_TIER_POLICIES,
-    rates_by_policy,
     goals,
     libcachesim_results,
     one_tier_summary,
+    rates_by_policy,
 )
 from bench.trace.method import describe_method
 from bench.trace.policies import POLICIES, setup_policy

@@ -36,8 +36,11 @@ events it folds them into::
 and ``victim`` takes, among ``SAMPLE`` blocks drawn at random (seeded) from the tier and
 its ``OLDEST`` least recently used ones, the one of lowest priority, then lowest value
 per byte: where the table says little (density falling with age, as at the start), the
-oldest are the victims, as in LRU, which a random sample alone would often miss. Until a class has its own events
-it leans on the pooled ones (``PRIOR``); before any, density falls with age: LRU order.
+oldest are the victims, as in LRU, which a random sample alone would often miss. Until a
+class has its own events it leans on the pooled ones (``PRIOR``); before any, density
+falls with age: LRU order. Blocks whose loss costs more than a read (window blobs, read
+once by their session's resume and then replaced) are classed apart from chunks
+(``KINDS``): their reuse is learned from windows alone, not from their session's chunks.
 A block that arrives without a ``NextUse`` (never hinted) is in the no-hint class; the
 model does not follow it, so it is ranked by the pooled table from its last access.
 """
@@ -111,7 +114,6 @@ class ReuseModel:
         self._reads = np.zeros(n, dtype=np.int64)
         self._holders = np.zeros(n, dtype=np.int64)  # bit i: the tier of level i holds it
         self._hits = np.zeros((CLASSES, AGE_BINS))  # episodes ended by a read, by age
-        self._lost = np.zeros((CLASSES, AGE_BINS))  # episodes that left the stack unread
         self._events = 0
         self.density = np.tile(_START, (CLASSES, 1))
 
@@ -146,18 +148,19 @@ class ReuseModel:
         self._holders[slot] |= 1 << level
 
     def left(self, block: BlockId, level: int) -> None:
-        """The tier of ``level`` no longer holds ``block``. At its last the open episode is
-        counted as *censored* at its age: it lived that long unread, and what came after
-        is unknown (an evicted window blob might have been read all the same). It adds
-        its time to the class's life up to that age, never a claim that the block would
-        not have been read later, so evicting a class more does not make it look unread."""
+        """The tier of ``level`` no longer holds ``block``. At its last the episode is dropped, not
+        counted: a window blob evicted from the last tier that takes windows would have
+        been read all the same (its resume replays), and counting it unread, even only up
+        to its age, would teach the model that such blocks are read less, the more so
+        the more it evicts them. Blocks that truly are not read again say so by ageing
+        unread while held (a chunk keeps a durable copy; a window its session does not
+        resume stays open while a tier holds it)."""
         slot = self._slot.get(block)
         if slot is None:
             return
         self._holders[slot] &= ~(1 << level)
         if not self._holders[slot]:
-            if self._open[slot]:
-                self._count(self._lost, slot)
+            self._open[slot] = False
             del self._slot[block]
             self._free.append(slot)
 
@@ -189,7 +192,7 @@ class ReuseModel:
         bins = age_bins(self.clock() - self._since[live])
         open_now = np.zeros((CLASSES, AGE_BINS))
         np.add.at(open_now, (self._cls[live], bins), 1)
-        reached = self._hits + self._lost + open_now  # episodes by the age they got to
+        reached = self._hits + open_now  # episodes by the age they got to
 
         def density(reads: np.ndarray, reached: np.ndarray) -> np.ndarray:
             # (..., AGE_BINS): reads after each age over the time lived after it
@@ -205,7 +208,6 @@ class ReuseModel:
             share = PRIOR / pooled.sum()
             self.density = density(self._hits + share * pooled_reads, reached + share * pooled)
         self._hits *= DECAY
-        self._lost *= DECAY
 
 
 class ReusePolicy(EvictionPolicy):

@@ -20,9 +20,9 @@ from bench.trace.reader import read_trace
 from bench.trace.run import main, make_tiers, run_trace_benchmark, simulate
 from bench.trace.sim import SimTier
 from bench.trace.workload import NEVER, build_workload
+from kvstore.eviction.reuse import window_cost
 from kvstore.format.errors import InvalidRequest
 from kvstore.format.registry import get_layout
-from kvstore.eviction.reuse import window_cost
 
 BLOCK = 512
 

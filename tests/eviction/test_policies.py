@@ -418,9 +418,9 @@ async def test_a_retained_chunk_leaving_hbm_moves_down_unless_ranked_lowest(open
 
 def test_reuse_policy_learns_window_reuse_apart_from_chunks():
     """Chunks of both hints are read 3 s after their store; windows stored with one hint
-    are read then too, those with the other are evicted unread then. The windows'
-    own counts (their evictions counted as lived time, not dropped) tell the two apart,
-    where the chunks' cannot: of two windows at the age the read kind is read at, the
+    are read then too, those with the other are evicted unread at 30 s. The windows'
+    own counts (the unread kind ageing unread while held) tell the two apart, where the
+    chunks' cannot: of two windows at the age the read kind is read at, the
     one of the unread kind goes first, though it is the younger."""
     clock = VirtualClock()
     book = HintBook(clock)
@@ -446,7 +446,8 @@ def test_reuse_policy_learns_window_reuse_apart_from_chunks():
                 policy.on_remove(f"chunk{pause}/{i - 3}")
             read(f"win/read{i - 3}")
             policy.on_remove(f"win/read{i - 3}")  # a resume deletes the window it read
-            policy.on_remove(f"win/unread{i - 3}")  # evicted, never read
+        if i >= 30:
+            policy.on_remove(f"win/unread{i - 30}")  # evicted, never read
     store("win/older", 0.5, 1500)
     clock.now += 0.1
     store("win/fresh", 1e4, 1500)
