@@ -68,6 +68,9 @@ OLDEST = 8  # least recently used blocks added to each sample
 REFRESH = 512  # events between density recomputations
 DECAY = 1.0  # weight kept by the older counts at each recomputation
 PRIOR = 1.0  # pseudo-events per class, drawn from the pooled table, against noise
+# an evicted episode's unread time, against a held one's (ReuseModel.left): 0 and 1 each
+# lose to LRU somewhere (the mix shape at 2%; the synthetic trace at 2%), 0.3 on neither
+CENSORED_WEIGHT = 0.3
 # A bounded replay of W = 128 tokens against one chunk read from disk: bench.resume on the
 # development machine restores 8 chunks from disk in 1.35 ms and replays in 28 ms.
 REPLAY_COST_READS = 160.0
@@ -114,6 +117,7 @@ class ReuseModel:
         self._reads = np.zeros(n, dtype=np.int64)
         self._holders = np.zeros(n, dtype=np.int64)  # bit i: the tier of level i holds it
         self._hits = np.zeros((CLASSES, AGE_BINS))  # episodes ended by a read, by age
+        self._lost = np.zeros((CLASSES, AGE_BINS))  # censored: left the stack unread
         self._events = 0
         self.density = np.tile(_START, (CLASSES, 1))
 
@@ -148,19 +152,20 @@ class ReuseModel:
         self._holders[slot] |= 1 << level
 
     def left(self, block: BlockId, level: int) -> None:
-        """The tier of ``level`` no longer holds ``block``. At its last the episode is dropped, not
-        counted: a window blob evicted from the last tier that takes windows would have
-        been read all the same (its resume replays), and counting it unread, even only up
-        to its age, would teach the model that such blocks are read less, the more so
-        the more it evicts them. Blocks that truly are not read again say so by ageing
-        unread while held (a chunk keeps a durable copy; a window its session does not
-        resume stays open while a tier holds it)."""
+        """The tier of ``level`` no longer holds ``block``. At its last the open episode is
+        counted *censored*: its lived time, unread, weighed ``CENSORED_WEIGHT``. Not 1:
+        a window blob evicted from the last tier that takes windows may have been read
+        all the same (its resume replays), and counting it fully unread teaches the
+        model that such blocks are read less, the more so the more it evicts them. Not
+        0: a window its session never resumes must show as unread somehow (a chunk
+        keeps a durable copy, so it shows by ageing unread while held)."""
         slot = self._slot.get(block)
         if slot is None:
             return
         self._holders[slot] &= ~(1 << level)
         if not self._holders[slot]:
-            self._open[slot] = False
+            if self._open[slot]:
+                self._count(self._lost, slot, CENSORED_WEIGHT)
             del self._slot[block]
             self._free.append(slot)
 
@@ -178,8 +183,8 @@ class ReuseModel:
         self._since[slot] = self.clock() if hint.since is None else hint.since
         self._open[slot] = True
 
-    def _count(self, table: np.ndarray, slot: int) -> None:
-        table[self._cls[slot], age_bin(self.clock() - self._since[slot])] += 1
+    def _count(self, table: np.ndarray, slot: int, weight: float = 1.0) -> None:
+        table[self._cls[slot], age_bin(self.clock() - self._since[slot])] += weight
         self._open[slot] = False
         self._events += 1
         if self._events >= REFRESH:
@@ -192,7 +197,7 @@ class ReuseModel:
         bins = age_bins(self.clock() - self._since[live])
         open_now = np.zeros((CLASSES, AGE_BINS))
         np.add.at(open_now, (self._cls[live], bins), 1)
-        reached = self._hits + open_now  # episodes by the age they got to
+        reached = self._hits + self._lost + open_now  # episodes by the age they got to
 
         def density(reads: np.ndarray, reached: np.ndarray) -> np.ndarray:
             # (..., AGE_BINS): reads after each age over the time lived after it
@@ -208,6 +213,7 @@ class ReuseModel:
             share = PRIOR / pooled.sum()
             self.density = density(self._hits + share * pooled_reads, reached + share * pooled)
         self._hits *= DECAY
+        self._lost *= DECAY
 
 
 class ReusePolicy(EvictionPolicy):
