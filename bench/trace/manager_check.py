@@ -158,7 +158,7 @@ def check_against_manager(requests: Sequence[TraceRequest], *, policies: Sequenc
     footprint = workload.unique_blocks * block_bytes
     capacities = [int(fraction * footprint), int(host_ratio * fraction * footprint)]
     points = []
-    for policy in (p for p in policies if p != "belady"):
+    for policy in (p for p in policies if not p.startswith("belady")):
         setup = setup_policy(workload, policy, hint_sigma=hint_sigma, seed=seed)
         sim = TierSim([SimTier("hbm", capacities[0], True, False),
                        SimTier("host", capacities[1], True, False),

@@ -101,11 +101,14 @@ def describe_method(sizes: dict, host_ratio: float, disk_fraction: float | None,
                   "given hint's oracle-derived hints; kvtier-returns (a probe, not run by "
                   "default): the same told only whether each session comes back (a 60 s "
                   "pause if it does, 1e9 s if not)",
-        "belady": "evict the block whose next read is farthest ahead (never again: first), "
-                  "from a next-use table over the whole trace's read sequence, in every "
-                  "tier, retained chunks ranked with the rest; a block moving down enters "
-                  "a full tier only if read sooner than its farthest (bypass); optimal for "
-                  "one tier of equal-size blocks, and on the hierarchy with window blobs "
-                  "the reference every policy is checked against (goals.belady_bound lists "
-                  "any point above it)",
+        "belady": "evict the block of largest weighted distance (next read - now) x size "
+                  "/ cost, a window's loss costing the replay cost in chunk reads (never "
+                  "read again: first), from a next-use table over the whole trace's read "
+                  "sequence, in every tier, retained chunks ranked with the rest; a block "
+                  "moving down enters a full tier only if its weighted distance is below "
+                  "the victim's (bypass); optimal for one tier of equal-size blocks, and "
+                  "on the hierarchy with window blobs the reference of the headline figure "
+                  "(goals.belady_bound lists any point above the best reference)",
+        "belady-blocks": "belady weighing every block alike (size and cost ignored): the "
+                         "reference of the blocks' own fast hit rate",
     }

@@ -19,7 +19,7 @@ from kvstore.format.hints import ResumeHint
 from kvstore.placement.stack import is_window_key
 
 POLICIES = ("kvtier", "kvtier-hint", "kvtier-returns", "lru", "hint", "hint-perfect",
-            "hint-causal", "belady")
+            "hint-causal", "belady", "belady-blocks")
 RETURNS_PAUSE_S = 60.0  # kvtier-returns: "back soon", the same for every returning session
 
 
@@ -53,9 +53,10 @@ def setup_policy(workload: Workload, policy: str, *, hint_sigma: float = 0.5, se
     bit, no timing: what knowing the future's "who" alone is worth).
     ``lru``: LRUPolicy. ``hint``: HintPolicy, oracle hints with lognormal noise
     ``hint_sigma``; ``hint-perfect``: the same with no noise; ``hint-causal``: HintPolicy,
-    hints from past gaps only. ``belady``: farthest next read first (offline table; ``name``
-    maps trace keys to the keys its policies will see). kvtier's policies weigh a window
-    blob's loss as ``replay_cost`` chunk reads, as the server configures them."""
+    hints from past gaps only. ``belady``: farthest next read first, weighted by size over
+    cost (offline table; ``name`` maps trace keys to the keys its policies will see).
+    kvtier's policies and Belady weigh a window blob's loss as ``replay_cost`` chunk reads,
+    as the server configures kvtier's; ``belady-blocks``: Belady weighing every block alike."""
     clock = VirtualClock()
     # trace keys are ints (windows < 0); the real stacks' are strings
     cost = window_cost(lambda key: key < 0 if isinstance(key, int) else is_window_key(key),
@@ -67,10 +68,11 @@ def setup_policy(workload: Workload, policy: str, *, hint_sigma: float = 0.5, se
     no_hints: list[ResumeHint | None] = [None] * len(workload.steps)
     if policy == "lru":
         return PolicySetup(lambda: LRUPolicy(clock), no_hints, clock, None)
-    if policy == "belady":
+    if policy in ("belady", "belady-blocks"):
         table = NextUseTable(workload.reads, workload.next_read, workload.first_positions(),
                              name)
-        return PolicySetup(lambda: BeladyPolicy(table), no_hints, clock, table.advance)
+        weigh = cost if policy == "belady" else None
+        return PolicySetup(lambda: BeladyPolicy(table, weigh), no_hints, clock, table.advance)
     if policy == "kvtier":
         return PolicySetup(reuse(), causal_hints(workload), clock, None)
     if policy == "kvtier-returns":  # a probe of what limits kvtier: told only who returns

@@ -75,7 +75,14 @@ from pathlib import Path
 
 from bench.paths import recorded
 from bench.trace import shapes
-from bench.trace.compare import ONE_TIER_POLICIES, goals, libcachesim_results, one_tier_summary
+from bench.trace.compare import (
+    HEADLINE,
+    ONE_TIER_POLICIES,
+    goals,
+    libcachesim_results,
+    one_tier_summary,
+    rates_by_policy,
+)
 from bench.trace.method import describe_method
 from bench.trace.policies import POLICIES, setup_policy
 from bench.trace.reader import BLOCK_TOKENS, TraceRequest, read_trace
@@ -86,8 +93,10 @@ from kvstore.format.errors import InvalidRequest, KVTierError
 from kvstore.format.registry import get_layout
 
 DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2)
-DEFAULT_POLICIES = ("kvtier", "lru", "hint", "hint-causal", "kvtier-hint", "belady")
-SHAPE_POLICIES = ("kvtier", "lru", "belady")  # the generated shapes: the goals' policies
+DEFAULT_POLICIES = ("kvtier", "lru", "hint", "hint-causal", "kvtier-hint", "belady",
+                    "belady-blocks")
+# the generated shapes: the goals' policies
+SHAPE_POLICIES = ("kvtier", "lru", "belady", "belady-blocks")
 WINDOW_TOKENS = 128  # W: the window kept exactly, and the bounded replay's length R
 TIER_NAMES = ("hbm", "host", "disk")
 SHAPE_PREFIX = "shape:"  # a source naming a generated shape instead of a trace file
@@ -447,8 +456,9 @@ def shape_table(report: dict) -> list[dict]:
     """Per fraction: Belady, LRU and kvtier on the two-tier stack (headline figure), and
     on one tier Belady, LRU, ARC (libCacheSim), the best classical policy and kvtier."""
     two: dict[float, dict[str, float]] = {}
-    for r in report["results"]:
-        two.setdefault(r["capacity_fraction"], {})[r["policy"]] = round(r["reuse_fast_value"], 4)
+    for policy, points in rates_by_policy(report["results"], HEADLINE).items():
+        for f, value in points.items():
+            two.setdefault(f, {})[policy] = round(value, 4)
     one = report.get("one_tier", {})
     ours, lcs = one.get("hit_rate_among_rereads", {}), one.get("libcachesim", {})
     theirs = lcs.get("hit_rate_among_rereads", {})

@@ -33,15 +33,21 @@ events it folds them into::
 
     density(c, a) = reads after age a / (time lived after age a), over the class's episodes
 
-and ``victim`` takes, among ``SAMPLE`` blocks drawn at random (seeded) from the tier, the
-one of lowest priority, then lowest value per byte. Until a class has its own events
-it leans on the pooled ones (``PRIOR``); before any, density falls with age: LRU order.
+and ``victim`` takes, among ``SAMPLE`` blocks drawn at random (seeded) from the tier and
+its ``OLDEST`` least recently used ones, the one of lowest priority, then lowest value
+per byte: where the table says little (density falling with age, as at the start), the
+oldest are the victims, as in LRU, which a random sample alone would often miss. Until a
+class has its own events it leans on the pooled ones (``PRIOR``); before any, density
+falls with age: LRU order. Blocks whose loss costs more than a read (window blobs, read
+once by their session's resume and then replaced) are classed apart from chunks
+(``KINDS``): their reuse is learned from windows alone, not from their session's chunks.
 A block that arrives without a ``NextUse`` (never hinted) is in the no-hint class; the
 model does not follow it, so it is ranked by the pooled table from its last access.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import time
@@ -54,11 +60,17 @@ from kvstore.eviction.policies import BlockId, Clock, EvictionPolicy, NextUse
 AGE_BINS = 24  # log2 seconds: bin 0 below 1 s, bin k in [2^(k-1), 2^k), the last open
 READ_CLASSES = 4  # 0, 1, 2, 3+ reads
 PAUSE_LIMITS_S = (1.0, 30.0, 300.0)  # due / short / medium / long; plus "no hint"
-CLASSES = READ_CLASSES * (len(PAUSE_LIMITS_S) + 2)
+HINT_CLASSES = READ_CLASSES * (len(PAUSE_LIMITS_S) + 2)
+KINDS = 2  # a chunk; a block whose loss costs more than a read (a window blob)
+CLASSES = KINDS * HINT_CLASSES
 SAMPLE = 64
+OLDEST = 8  # least recently used blocks added to each sample
 REFRESH = 512  # events between density recomputations
 DECAY = 1.0  # weight kept by the older counts at each recomputation
 PRIOR = 1.0  # pseudo-events per class, drawn from the pooled table, against noise
+# an evicted episode's unread time, against a held one's (ReuseModel.left): 0 and 1 each
+# lose to LRU somewhere (the mix shape at 2%; the synthetic trace at 2%), 0.3 on neither
+CENSORED_WEIGHT = 0.3
 # A bounded replay of W = 128 tokens against one chunk read from disk: bench.resume on the
 # development machine restores 8 chunks from disk in 1.35 ms and replays in 28 ms.
 REPLAY_COST_READS = 160.0
@@ -80,14 +92,15 @@ def age_bins(ages: np.ndarray) -> np.ndarray:
                                                AGE_BINS - 1))
 
 
-def reuse_class(hint: NextUse | None) -> int:
-    """The class of a block from its ``NextUse`` (see the module doc)."""
+def reuse_class(hint: NextUse | None, kind: int = 0) -> int:
+    """The class of a block of ``kind`` from its ``NextUse`` (see the module doc)."""
     if hint is None:
-        return 0  # never hinted: no reads known either
+        return kind * HINT_CLASSES  # never hinted: no reads known either
     pause = 0  # 0: no pause predicted; 1 due, 2 short, 3 medium, 4 long
     if hint.pause is not None:
         pause = 1 + sum(hint.pause > limit for limit in PAUSE_LIMITS_S)
-    return min(hint.reads, READ_CLASSES - 1) * (len(PAUSE_LIMITS_S) + 2) + pause
+    return (kind * HINT_CLASSES + min(hint.reads, READ_CLASSES - 1) * (len(PAUSE_LIMITS_S) + 2)
+            + pause)
 
 
 class ReuseModel:
@@ -103,7 +116,8 @@ class ReuseModel:
         self._open = np.zeros(n, dtype=bool)
         self._reads = np.zeros(n, dtype=np.int64)
         self._holders = np.zeros(n, dtype=np.int64)  # bit i: the tier of level i holds it
-        self._hits = np.zeros((CLASSES, AGE_BINS))
+        self._hits = np.zeros((CLASSES, AGE_BINS))  # episodes ended by a read, by age
+        self._lost = np.zeros((CLASSES, AGE_BINS))  # censored: left the stack unread
         self._events = 0
         self.density = np.tile(_START, (CLASSES, 1))
 
@@ -120,35 +134,38 @@ class ReuseModel:
         self._holders[slot] = 0
         return slot
 
-    def seen(self, block: BlockId, hint: NextUse | None, level: int) -> None:
-        """The policy of the tier at ``level``, which holds ``block``, was told of it."""
+    def seen(self, block: BlockId, hint: NextUse | None, level: int, kind: int = 0) -> None:
+        """The policy of the tier at ``level``, which holds ``block`` (of ``kind``), was
+        told of it."""
         if hint is None:
             return
         slot = self._slot.get(block)
         if slot is None:
             slot = self._new_slot(block)
-            self._start(slot, hint)
+            self._start(slot, hint, kind)
         elif hint.reads > self._reads[slot]:  # read since: the episode ends with a read
             if self._open[slot]:
                 self._count(self._hits, slot)
-            self._start(slot, hint)
+            self._start(slot, hint, kind)
         else:  # stored again or moved: the episode goes on, in what it is known as now
-            self._cls[slot] = reuse_class(hint)
+            self._cls[slot] = reuse_class(hint, kind)
         self._holders[slot] |= 1 << level
 
     def left(self, block: BlockId, level: int) -> None:
-        """The tier of ``level`` no longer holds ``block``. At its last the episode is dropped, not
-        counted: a window blob evicted from the last tier that takes windows would have
-        been read all the same (its resume replays), and counting it unread would teach
-        the model that such blocks are never read, the more so the more it evicts them.
-        Blocks that truly are not read again say so by ageing unread while held (a chunk
-        keeps a durable copy), and a window shares its class with its session's chunks."""
+        """The tier of ``level`` no longer holds ``block``. At its last the open episode is
+        counted *censored*: its lived time, unread, weighed ``CENSORED_WEIGHT``. Not 1:
+        a window blob evicted from the last tier that takes windows may have been read
+        all the same (its resume replays), and counting it fully unread teaches the
+        model that such blocks are read less, the more so the more it evicts them. Not
+        0: a window its session never resumes must show as unread somehow (a chunk
+        keeps a durable copy, so it shows by ageing unread while held)."""
         slot = self._slot.get(block)
         if slot is None:
             return
         self._holders[slot] &= ~(1 << level)
         if not self._holders[slot]:
-            self._open[slot] = False
+            if self._open[slot]:
+                self._count(self._lost, slot, CENSORED_WEIGHT)
             del self._slot[block]
             self._free.append(slot)
 
@@ -160,14 +177,14 @@ class ReuseModel:
         """Per slot, the bit mask of tier levels holding its block (0 for -1)."""
         return np.where(slots >= 0, self._holders[np.maximum(slots, 0)], 0)
 
-    def _start(self, slot: int, hint: NextUse) -> None:
-        self._cls[slot] = reuse_class(hint)
+    def _start(self, slot: int, hint: NextUse, kind: int) -> None:
+        self._cls[slot] = reuse_class(hint, kind)
         self._reads[slot] = hint.reads
         self._since[slot] = self.clock() if hint.since is None else hint.since
         self._open[slot] = True
 
-    def _count(self, table: np.ndarray, slot: int) -> None:
-        table[self._cls[slot], age_bin(self.clock() - self._since[slot])] += 1
+    def _count(self, table: np.ndarray, slot: int, weight: float = 1.0) -> None:
+        table[self._cls[slot], age_bin(self.clock() - self._since[slot])] += weight
         self._open[slot] = False
         self._events += 1
         if self._events >= REFRESH:
@@ -180,7 +197,7 @@ class ReuseModel:
         bins = age_bins(self.clock() - self._since[live])
         open_now = np.zeros((CLASSES, AGE_BINS))
         np.add.at(open_now, (self._cls[live], bins), 1)
-        reached = self._hits + open_now  # episodes by the age they got to
+        reached = self._hits + self._lost + open_now  # episodes by the age they got to
 
         def density(reads: np.ndarray, reached: np.ndarray) -> np.ndarray:
             # (..., AGE_BINS): reads after each age over the time lived after it
@@ -196,6 +213,7 @@ class ReuseModel:
             share = PRIOR / pooled.sum()
             self.density = density(self._hits + share * pooled_reads, reached + share * pooled)
         self._hits *= DECAY
+        self._lost *= DECAY
 
 
 class ReusePolicy(EvictionPolicy):
@@ -222,6 +240,9 @@ class ReusePolicy(EvictionPolicy):
         self._slot = np.full(n, -1, dtype=np.int64)  # the block's ReuseModel slot
         self._cost = np.ones(n)
         self._random = np.random.default_rng(seed)
+        self._aged: list[tuple[float, int, BlockId]] = []  # lazy heap (since, seq, block)
+        self._aged_of: dict[BlockId, int] = {}  # block -> the seq of its live heap entry
+        self._aged_seq = itertools.count()
         self._sizes = 0  # sum of known sizes, for blocks listed without one
         self._sized = 0
 
@@ -258,6 +279,7 @@ class ReusePolicy(EvictionPolicy):
         if row is None:
             return
         self.model.left(block, self.level)
+        del self._aged_of[block]
         last = self._order.pop()
         if last != block:  # move the last row into the freed one
             end = len(self._order)
@@ -268,12 +290,19 @@ class ReusePolicy(EvictionPolicy):
                 array[row] = array[end]
 
     def _classify(self, block: BlockId, row: int, hint: NextUse | None) -> None:
-        self.model.seen(block, hint, self.level)
-        self._cls[row] = reuse_class(hint)
+        kind = int(self._cost[row] > 1.0)
+        self.model.seen(block, hint, self.level, kind)
+        self._cls[row] = reuse_class(hint, kind)
         self._priority[row] = 0 if hint is None else hint.priority
         since = None if hint is None else hint.since
         self._since[row] = self.clock() if since is None else since
         self._slot[row] = self.model.slot(block)
+        seq = self._aged_of[block] = next(self._aged_seq)
+        heapq.heappush(self._aged, (float(self._since[row]), seq, block))
+        if len(self._aged) > 2 * len(self._order) + 64:  # bound the stale entries
+            self._aged = [(float(self._since[self._index[b]]), q, b)
+                          for b, q in self._aged_of.items()]
+            heapq.heapify(self._aged)
 
     # -- choosing --
 
@@ -281,8 +310,24 @@ class ReusePolicy(EvictionPolicy):
         n = len(self._order)
         if n <= SAMPLE:
             return self._best(np.arange(n), exclude)
-        found = self._best(self._random.integers(0, n, SAMPLE), exclude)
+        rows = np.concatenate([self._random.integers(0, n, SAMPLE), self._oldest(exclude)])
+        found = self._best(rows, exclude)
         return found if found is not None else self._best(np.arange(n), exclude)
+
+    def _oldest(self, exclude: Collection[BlockId]) -> np.ndarray:
+        """The rows of the ``OLDEST`` least recently used blocks not in ``exclude``."""
+        heap, live, found = self._aged, self._aged_of, []
+        aside = []
+        while heap and len(found) < OLDEST:
+            entry = heapq.heappop(heap)
+            if live.get(entry[2]) != entry[1]:
+                continue  # re-keyed or removed: dropped for good
+            aside.append(entry)
+            if entry[2] not in exclude:
+                found.append(self._index[entry[2]])
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        return np.array(found, dtype=np.int64)
 
     def _value(self, rows: np.ndarray) -> np.ndarray:
         """Expected reads per byte per second, times what losing the block costs."""
@@ -320,8 +365,9 @@ class ReusePolicy(EvictionPolicy):
         if priority != self._priority[rows[low]]:
             return priority > self._priority[rows[low]]
         since = self.clock() if hint is None or hint.since is None else hint.since
-        density = self.model.density[reuse_class(hint), age_bin(self.clock() - since)]
         cost = 1.0 if self.cost is None else self.cost(block)
+        density = self.model.density[reuse_class(hint, int(cost > 1.0)),
+                                     age_bin(self.clock() - since)]
         return density * cost / max(size, 1) > values[low]
 
     def __contains__(self, block: BlockId) -> bool:

@@ -414,3 +414,48 @@ async def test_a_retained_chunk_leaving_hbm_moves_down_unless_ranked_lowest(open
     assert stack.holders("d") == [1] and stack.holders("a") == []
     for tier in tiers:
         await opened.close(tier)
+
+
+def test_reuse_policy_learns_window_reuse_apart_from_chunks():
+    """Chunks of both hints are read 3 s after their store; windows stored with one hint
+    are read then too, those with the other are evicted unread at 30 s. The windows'
+    own counts (the unread kind ageing unread while held) tell the two apart, where the
+    chunks' cannot: of two windows at the age the read kind is read at, the
+    one of the unread kind goes first, though it is the younger."""
+    clock = VirtualClock()
+    book = HintBook(clock)
+    policy = reuse_policies(clock, cost=window_cost(lambda key: key.startswith("win/")))()
+
+    def store(block, pause, size):
+        book.stored(block, ResumeHint(expected_pause_s=pause))
+        policy.on_insert(block, size, book.get(block))
+
+    def read(block):
+        book.read(block)
+        policy.on_access(block, book.get(block))
+
+    for i in range(2 * REFRESH):
+        clock.now += 1
+        for pause in (0.5, 1e4):
+            store(f"chunk{pause}/{i}", pause, 100)
+        store(f"win/read{i}", 0.5, 1500)
+        store(f"win/unread{i}", 1e4, 1500)
+        if i >= 3:
+            for pause in (0.5, 1e4):
+                read(f"chunk{pause}/{i - 3}")
+                policy.on_remove(f"chunk{pause}/{i - 3}")
+            read(f"win/read{i - 3}")
+            policy.on_remove(f"win/read{i - 3}")  # a resume deletes the window it read
+        if i >= 30:
+            policy.on_remove(f"win/unread{i - 30}")  # evicted, never read
+    store("win/older", 0.5, 1500)
+    clock.now += 0.1
+    store("win/fresh", 1e4, 1500)
+    clock.now += 2  # both now at the age the read kind is read at
+    exclude = {b for b in policy._index if b not in ("win/older", "win/fresh")}
+    assert policy.victim(exclude) == "win/fresh"
+    # chunks of that hint are read all the same: its window goes first, replay cost or not
+    store("chunk/fresh", 1e4, 100)
+    clock.now += 0.1
+    exclude = {b for b in policy._index if b not in ("chunk/fresh", "win/fresh")}
+    assert policy.victim(exclude) == "win/fresh"
