@@ -86,7 +86,9 @@ from bench.trace.compare import (
 from bench.trace.method import describe_method
 from bench.trace.policies import POLICIES, setup_policy
 from bench.trace.reader import BLOCK_TOKENS, TraceRequest, read_trace
-from bench.trace.sim import CAUSES, SimCounters, SimTier, TierSim, replay
+from bench.trace.sim import SimTier, TierSim, replay
+from bench.trace.summary import summarize
+from bench.trace.text import GOAL_KEYS, format_table
 from bench.trace.workload import DEFAULT_SESSION_TTL_S, Workload, build_workload
 from kvstore.eviction.reuse import REPLAY_COST_READS
 from kvstore.format.errors import InvalidRequest, KVTierError
@@ -153,62 +155,6 @@ def simulate(workload: Workload, policy: str, tiers: Sequence[SimTier], block_by
     return sim
 
 
-def summarize(sim: TierSim, window_tokens: int, replay_cost: float) -> dict:
-    c, names = sim.counters, [t.name for t in sim.tiers]
-    reads, reuse = c.block_reads, c.block_reads - c.new_blocks
-    hits = dict(zip(names, c.block_hits, strict=True))
-    fast = hits["hbm"] + hits["host"]
-    weight = reuse + replay_cost * c.resumes
-    return {
-        # the headline: fast hits among re-reads, a resume's window weighed as a replay
-        "reuse_fast_value": (fast + replay_cost * sum(c.window_hits)) / weight if weight else 0.0,
-        "capacities_bytes": {t.name: None if math.isinf(t.capacity_bytes) else int(t.capacity_bytes)
-                             for t in sim.tiers},
-        "block_hit_rate": {**{n: h / reads for n, h in hits.items()},
-                           "new": c.new_blocks / reads, "reprefill": c.reprefill_blocks / reads},
-        "fast_hit_rate": (hits["hbm"] + hits["host"]) / reads,
-        "reuse_hit_rate": {n: h / reuse if reuse else 0.0 for n, h in hits.items()},
-        "reuse_fast_hit_rate": (hits["hbm"] + hits["host"]) / reuse if reuse else 0.0,
-        "reuse_by_kind": _reuse_by_kind(c, names, reuse),
-        "block_reads": reads,
-        "block_hits": hits,
-        "new_blocks": c.new_blocks,
-        "reprefill_blocks": c.reprefill_blocks,
-        "reprefill_tokens": c.reprefill_blocks * BLOCK_TOKENS,
-        "reprefill_requests": c.reprefill_requests,
-        "resumes": c.resumes,
-        "window_hits": dict(zip(names, c.window_hits, strict=True)),
-        "replays": c.replays,
-        "lookup_starts": c.lookup_starts,
-        "lookup_blocks": c.lookup_blocks,
-        "retained_hits": c.retained_hits,
-        "retained_chunks": c.retained_chunks,
-        "freed_chunks": c.freed_chunks,
-        "sessions_ended": c.sessions_ended,
-        "replay_tokens": c.replays * window_tokens,
-        "bytes_moved": {cause: {n: b for n, b in zip(names, c.bytes_written[cause], strict=True)
-                                if b} for cause in CAUSES},
-        "evictions": dict(zip(names, c.evictions, strict=True)),
-        "windows_dropped": c.windows_dropped,
-        "chunks_dropped": c.chunks_dropped,
-    }
-
-
-def _reuse_by_kind(c: SimCounters, names: list[str], reuse: int) -> dict:
-    """Fast (hbm + host) hit rate of re-reads within a session and across sessions."""
-    fast = [i for i, name in enumerate(names) if name in ("hbm", "host")]
-    shared_fast = sum(c.shared_hits[i] for i in fast)
-    own_fast = sum(c.block_hits[i] for i in fast) - shared_fast
-    own_reads = reuse - c.shared_reads
-    return {
-        "same_session": {"reads": own_reads,
-                              "fast_hit_rate": own_fast / own_reads if own_reads else 0.0},
-        "other_session": {"reads": c.shared_reads, "fast_hit_rate":
-                               shared_fast / c.shared_reads if c.shared_reads else 0.0},
-    }
-
-
-# per worker process, built once by _init_worker: (retain, windows) -> workload
 _WORKLOADS: dict[tuple[bool, bool], Workload] = {}
 
 
@@ -250,7 +196,8 @@ def _validate(requests: Sequence[TraceRequest], policies: Sequence[str], host_ra
     manager = check_against_manager(requests, fraction=VALIDATE_FRACTION, **options)
     seen = stack["covered"]
     return {"agree": stack["agree"] and manager["agree"], "requests": len(requests),
-            "session_ttl_s": session_ttl_s, "span_s": stack["span_s"],
+            "hbm_fraction": VALIDATE_FRACTION, "session_ttl_s": session_ttl_s,
+            "span_s": stack["span_s"],
             "covers": seen, "covers_all": all(v > 0 for v in seen.values()),
             "tier_stack": stack, "manager": manager}
 
@@ -448,9 +395,6 @@ def _all_met(met: Sequence[bool | None]) -> bool | None:
     return False if False in met else None if None in met else True
 
 
-GOAL_KEYS = ("monotone", "never_below_lru", "belady_share", "one_tier_vs_best_classical",
-             "belady_bound")
-
 
 def shape_table(report: dict) -> list[dict]:
     """Per fraction: Belady, LRU and kvtier on the two-tier stack (headline figure), and
@@ -479,112 +423,6 @@ def shape_table(report: dict) -> list[dict]:
 _RETENTION_KEYS = ("block_reads", "reprefill_blocks", "reprefill_requests", "new_blocks",
                    "lookup_starts", "lookup_blocks", "retained_hits", "retained_chunks",
                    "freed_chunks", "sessions_ended", "reuse_fast_hit_rate")
-
-
-def format_table(report: dict) -> str:
-    if "trace" not in report:  # shapes only
-        return "\n".join(shapes_lines(report))
-    t, lay = report["trace"], report["layout"]
-    lines = [
-        f"trace {t['path']}: {t['requests']} requests, {t['block_reads']} block reads, "
-        f"{t['unique_blocks']} unique blocks, {t['sessions']} sessions, "
-        f"{t['continuations']} continuations, {t['lookup_starts']} lookup starts",
-        f"layout {lay['name']}: block {lay['block_bytes']} B, window {lay['window_bytes']} B; "
-        f"footprint {report['footprint_bytes'] / 2**20:.1f} MiB; host = "
-        f"{report['tiers']['host_ratio']:g} x hbm",
-        "hit rates are fractions of block reads; fast = hbm + host; reuse-fast, own (same "
-        "session) and shared (another's blocks) leave out first reads; replays: "
-        "continuations without a window in hbm/host",
-        "",
-        f"{'hbm frac':>8} {'policy':<12} {'hbm':>6} {'host':>6} {'disk':>6} {'new':>6} "
-        f"{'re-pf':>6} {'fast':>6} {'reuse-fast':>10} {'own':>6} {'shared':>6} {'replays':>9} "
-        f"{'promo MiB':>9} {'demo MiB':>9}",
-    ]
-    for r in report["results"]:
-        rate = r["block_hit_rate"]
-        promo = sum(r["bytes_moved"]["promotion"].values()) / 2**20
-        demo = sum(r["bytes_moved"]["demotion"].values()) / 2**20
-        lines.append(
-            f"{r['capacity_fraction']:>8g} {r['policy']:<12} {rate['hbm']:>6.3f} "
-            f"{rate['host']:>6.3f} {rate['disk']:>6.3f} {rate['new']:>6.3f} "
-            f"{rate['reprefill']:>6.3f} {r['fast_hit_rate']:>6.3f} "
-            f"{r['reuse_fast_hit_rate']:>10.3f} "
-            f"{r['reuse_by_kind']['same_session']['fast_hit_rate']:>6.3f} "
-            f"{r['reuse_by_kind']['other_session']['fast_hit_rate']:>6.3f} "
-            f"{r['replays']:>4}/{r['resumes']:<4} {promo:>9.1f} {demo:>9.1f}")
-    ret = report["retention"]
-    lines += ["", f"re-prefilled blocks / block reads, {ret['policy']} at hbm "
-                  f"{ret['capacity_fraction']:g}: with retention "
-                  f"{ret['with']['reprefill_blocks'] / ret['with']['block_reads']:.4f}, without "
-                  f"{ret['without']['reprefill_blocks'] / ret['without']['block_reads']:.4f}"]
-    lines += goal_line(report["goals"])
-    if "lookup" in report:
-        lk = report["lookup"]
-        lines += [f"lookup of a {lk['tokens']}-token prefix: {lk['lookup_s'] * 1000:.2f} ms, "
-                  f"prefill {lk['prefill_s']:.2f} s: {lk['lookup_vs_prefill']:.2e} of it "
-                  f"(goal < {lk['goal_ratio']:g}: {_met(lk)})"]
-    if "one_tier" in report:
-        one, lcs = report["one_tier"], report["one_tier"]["libcachesim"]
-        lines += ["", "one tier of equal-size blocks, hit rate among re-reads:"]
-        for fraction, rates in one["hit_rate_among_rereads"].items():
-            theirs = lcs.get("hit_rate_among_rereads", {}).get(fraction, {})
-            lines.append(f"  {fraction:>5}: " + " ".join(f"{p} {v:.3f}" for p, v in rates.items())
-                         + " | libCacheSim: " + (" ".join(f"{p} {v:.3f}"
-                                                          for p, v in theirs.items())
-                                                 or lcs.get("missing", "-")))
-    if "validation" in report:
-        v = report["validation"]
-        lines += ["", f"validation, first {v['requests']} requests at hbm {VALIDATE_FRACTION:g} "
-                      f"(session TTL "
-                      f"{v['session_ttl_s']} s): "
-                      f"{'all counts agree' if v['agree'] else 'counts DIFFER'}; covers "
-                      + ", ".join(f"{k} {n}" for k, n in v["covers"].items())]
-        for part, label in (("tier_stack", "TierStack"), ("manager", "TierManager")):
-            lines += [f"  {label} {p['policy']}: {'agree' if p['agree'] else 'DIFFER'}"
-                      for p in v[part]["points"]]
-    lines += shapes_lines(report)
-    lines += ["", "method:"] + [f"  {k}: {v}" for k, v in report["method"].items()]
-    return "\n".join(lines)
-
-
-def goal_line(g: dict) -> list[str]:
-    below = g["never_below_lru"]["below_at"]
-    out = ["goals (headline: fast value among re-reads): kvtier / belady, target >= "
-           f"{g['belady_share']['target']:g}: " + ", ".join(
-               f"hbm {f}: {v['share']:.3f}" for f, v in g["belady_share"]["points"].items())
-           + f" ({_met(g['belady_share'])}); never below lru: {_met(g['never_below_lru'])}"
-           + (f" (below at hbm {', '.join(below)})" if below else "")
-           + f"; monotone: {_met(g['monotone'])}; one tier vs best classical: "
-           f"{_met(g['one_tier_vs_best_classical'])}; Belady the bound: "
-           + ("yes" if g["belady_bound"]["held"] else
-              f"NO ({len(g['belady_bound']['violations'])} points above it: a bug)")]
-    if "reprefill_with_retention" in g:
-        out.append(f"re-prefill with retention {g['reprefill_with_retention']['rate']:.4f} "
-                   f"({_met(g['reprefill_with_retention'])})")
-    return out
-
-
-def shapes_lines(report: dict) -> list[str]:
-    lines = []
-    for name, row in report.get("by_shape", {}).items():
-        lines += ["", f"{name}: hbm frac | two-tier value Belady LRU kvtier | one tier "
-                      "Belady LRU ARC best-classical kvtier"]
-        for t in row["table"]:
-            lines.append(f"  {t['fraction']:>5g} | " + " ".join(
-                _num(t[f"two_tier_{p}"]) for p in ("belady", "lru", "kvtier")) + " | " + " ".join(
-                _num(t[k]) for k in ("one_tier_belady", "one_tier_lru", "one_tier_arc",
-                                     "one_tier_best_classical_rate", "one_tier_kvtier"))
-                + f" ({t['one_tier_best_classical'] or '-'})")
-        lines += goal_line({k: row[k] for k in GOAL_KEYS})
-    return lines
-
-
-def _num(value: float | None) -> str:
-    return "  -  " if value is None else f"{value:.3f}"
-
-
-def _met(goal: dict) -> str:
-    return {True: "met", False: "NOT met", None: "not measured"}[goal["met"]]
 
 
 def _floats(text: str) -> list[float]:

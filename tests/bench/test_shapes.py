@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from bench.trace import compare, shapes
 from bench.trace.reader import BLOCK_TOKENS, parse_request
-from bench.trace.run import layout_sizes, make_tiers, run_benchmark, simulate, summarize
+from bench.trace.run import layout_sizes, make_tiers, run_benchmark, simulate
+from bench.trace.summary import summarize
 from bench.trace.workload import build_workload
 from kvstore.format.errors import InvalidRequest
 from tests.bench.test_trace import parsed, random_trace
