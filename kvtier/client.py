@@ -289,11 +289,7 @@ class AsyncClient(PrefixChunkMethods):
             for future in decoding:
                 future.cancel()
             raise
-        for held in used:
-            if held is not segment:  # replaced: the server released it
-                held.close()
-        if segment is not None:  # copied out: it may serve the next call
-            await node.segments.keep(segment, started)
+        await node.segments.replied(used, segment, started)
         spec = await self.layout(header.layout_id)
         if not decode:
             return replies.restored_session(spec, header, chunks, tail, window, summary, None)

@@ -114,11 +114,7 @@ async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,
         for held in used:
             held.close()
         raise
-    for held in used:
-        if held is not segment:  # replaced: the server released it
-            held.close()
-    if segment is not None:  # copied out: it may serve the next call
-        await node.segments.keep(segment, started)
+    await node.segments.replied(used, segment, started)
     if header is None:
         raise InvalidRequest("the ReadChunks reply had no header")
     return checked_result(spec, tokens, request.first_chunk, header, got, check_digests)

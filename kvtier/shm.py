@@ -190,6 +190,17 @@ class ClientSegments:
         extra, self._free = self._free[POOL_SIZE:], self._free[:POOL_SIZE]
         await self.release(extra)
 
+    async def replied(self, used: list[Segment], segment: Segment | None,
+                      started: float) -> None:
+        """A reply that began at ``started`` came whole: of the segments it ``used``, the
+        one its bytes were copied out of (``segment``) serves the next call; any other
+        (offered, then replaced: the server released it) is closed."""
+        for held in used:
+            if held is not segment:
+                held.close()
+        if segment is not None:
+            await self.keep(segment, started)
+
     async def release(self, segments) -> None:
         """Unmap segments we stop using and end their leases (best effort: the server
         reaps them at their lease end anyway)."""

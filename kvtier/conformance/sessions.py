@@ -23,20 +23,16 @@ from proto import kvtier_pb2 as pb
 
 # Every kind of stream (int4 with m = 2, int8, bf16; window K/V and pending rows), four
 # tokens a chunk, W = 4: a session of 11 tokens has 2 chunks, a tail of 3, 1 pending row.
-LAYOUT = LayoutSpec(
-    name="kvtier-conformance",
-    streams=(
-        Stream("a.int4", (2, 8), bits=4, group_size=8, tokens_per_entry=2, layers=2),
-        Stream("b.int8", (8,), bits=8, group_size=4, layers=1),
-        Stream("c.bf16", (4,), bits=16, layers=1),
-        Stream("w.window", (4,), bits=8, group_size=4, layers=1, persistent=False),
-        Stream("p.pending", (4,), bits=16, layers=1, persistent=False, pending=True),
-    ),
-    chunk_tokens=4,
-    vocab_size=1 << 17,
-    window_tokens=4,
-    notes="python -m kvtier.conformance",
+# The same streams as the golden vectors' `wire-test` layout (tests/vectors/generate.py).
+EVERY_KIND = (
+    Stream("a.int4", (2, 8), bits=4, group_size=8, tokens_per_entry=2, layers=2),
+    Stream("b.int8", (8,), bits=8, group_size=4, layers=1),
+    Stream("c.bf16", (4,), bits=16, layers=1),
+    Stream("w.window", (4,), bits=8, group_size=4, layers=1, persistent=False),
+    Stream("p.pending", (4,), bits=16, layers=1, persistent=False, pending=True),
 )
+LAYOUT = LayoutSpec("kvtier-conformance", EVERY_KIND, chunk_tokens=4, vocab_size=1 << 17,
+                    window_tokens=4, notes="python -m kvtier.conformance")
 # One chunk of 5 MiB (a bf16 stream of 1,024 values, 2,560 tokens): over gRPC's default
 # 4 MiB receive limit, within the server's default 8 MiB message limit.
 LARGE = LayoutSpec(

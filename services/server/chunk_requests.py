@@ -165,23 +165,6 @@ def write_header(header: pb.WriteChunksHeader, default_ack: str, max_tokens: int
                           check.ACKS.get(header.ack, default_ack), hint, index)
 
 
-def write_item(message: pb.WriteChunksRequest, incoming: IncomingChunks | None) -> str:
-    """Which item a WriteChunks message carries, checked to come in order: the header
-    once and first, then chunks."""
-    kind = message.WhichOneof("item")
-    if kind is None:
-        raise InvalidRequest("a WriteChunksRequest must carry header or chunk")
-    if kind == "header" and incoming is not None:
-        raise InvalidRequest("the header was sent twice")
-    if kind != "header" and incoming is None:
-        raise InvalidRequest(f"the first message must be the header, got {kind}")
-    return kind
-
-
-def write_ended(incoming: IncomingChunks | None) -> IncomingChunks:
-    if incoming is None:
-        raise InvalidRequest("empty WriteChunks stream: the header is required")
-    return incoming
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from kvstore.format.errors import ChunksNotHeld, CodecError, InvalidRequest, Mis
 from kvstore.session.manager import TierManager
 from proto import kvtier_pb2 as pb
 from services.server import chunk_requests as check
+from services.server import validate
 from services.server.config import ServerConfig
 from services.server.layout_registry import ServerLayouts
 from services.server.limits import Limits, idle_bounded
@@ -50,7 +51,7 @@ class PrefixChunkCalls:
             incoming = None
             budget = self.config.max_spill_bytes
             async for message in idle_bounded(messages, self.limits.idle_s, "WriteChunks"):
-                kind = check.write_item(message, incoming)
+                kind = validate.stream_item(message, incoming is not None)
                 if kind == "header":
                     header = message.header
                     tenant = check.tenant_of(header, "header.")
@@ -73,7 +74,7 @@ class PrefixChunkCalls:
                 data = self.payload_bytes(payload, peer, budget - incoming.bytes_received)
                 flight.reserve(incoming.scope.tenant, len(data))
                 incoming.add_chunk(payload.key, data)
-            request = check.write_ended(incoming).finish()
+            request = validate.stream_ended(incoming, "WriteChunks").finish()
             try:
                 written = await self.manager.write_chunks(request)
             except ChunksNotHeld as exc:

@@ -124,7 +124,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             return data
 
         async for message in request_iterator:
-            kind = check.spill_item(message, incoming)
+            kind = check.stream_item(message, incoming is not None)
             if kind == "header":
                 # Held until the call ends (its token ids): counted before it is checked.
                 tenant, _ = _own_session(message.header.session, "header.session")
@@ -143,7 +143,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                 incoming.add_tail(message.tail.key, read(kind, message.tail))
             else:
                 incoming.add_window(message.window.key, read(kind, message.window))
-        request = check.spill_ended(incoming).finish()
+        request = check.stream_ended(incoming, "Spill").finish()
         try:
             manifest = await self.manager.spill_request(request)
         except ChunksNotHeld as exc:

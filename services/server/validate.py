@@ -13,6 +13,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -38,7 +39,7 @@ TENANT = re.compile(r"^[a-z0-9_-]{1,64}$")
 SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 ACKS = {pb.ACK_MEMORY: "memory", pb.ACK_DURABLE: "durable"}
 MAX_PAGE = 1000
-
+T = TypeVar("T")
 
 def session_ref(ref: pb.SessionRef, *, field_name: str = "session") -> tuple[str, str]:
     if not ref.tenant and not ref.session_id:
@@ -246,23 +247,26 @@ def dedupe_domain(tenant: str, name: str, domains: Mapping[str, tuple[str, ...]]
     return name
 
 
-def spill_item(message: pb.SpillRequest, incoming: IncomingSpill | None) -> str:
-    """Which item a Spill message carries ("header", "chunk", "tail" or "window"), checked
-    to come in order: the header once and first, then the payloads."""
+def stream_item(message, started: bool) -> str:
+    """Which item a message of a client-streamed call (Spill, WriteChunks) carries, checked
+    to come in order: the header once and first (``started``: it came), then payloads."""
     kind = message.WhichOneof("item")
     if kind is None:
-        raise InvalidRequest("a SpillRequest must carry header, chunk, tail or window")
-    if kind == "header" and incoming is not None:
+        *first, last = [f.name for f in message.DESCRIPTOR.oneofs_by_name["item"].fields]
+        raise InvalidRequest(f"a {message.DESCRIPTOR.name} must carry "
+                             f"{', '.join(first)} or {last}")
+    if kind == "header" and started:
         raise InvalidRequest("the header was sent twice")
-    if kind != "header" and incoming is None:
+    if kind != "header" and not started:
         raise InvalidRequest(f"the first message must be the header, got {kind}")
     return kind
 
 
-def spill_ended(incoming: IncomingSpill | None) -> IncomingSpill:
-    """A Spill stream that has ended: it must have had a header."""
+def stream_ended(incoming: T | None, call: str) -> T:
+    """What the header of a client-streamed ``call`` that has ended began: it must have
+    had one."""
     if incoming is None:
-        raise InvalidRequest("empty Spill stream: the header is required")
+        raise InvalidRequest(f"empty {call} stream: the header is required")
     return incoming
 
 

@@ -32,6 +32,7 @@ from kvstore.format.errors import CLASS_FOR_STATUS, ERROR_CLASSES, ERROR_KEY, st
 from kvstore.format.keys import chain_keys, chunk_digest, chunk_key, dedupe_scope, token_bytes
 from kvstore.format.layer_sections import EMPTY_XXH3, chunk_table, section_order
 from kvstore.format.layout import BaselineKV, LayoutSpec, Stream, layout_to_json
+from kvtier.conformance.sessions import EVERY_KIND
 from proto import kvtier_pb2 as pb
 
 HERE = Path(__file__).resolve().parent
@@ -45,20 +46,8 @@ ZSTD_LEVEL = 3
 
 def wire_layout() -> LayoutSpec:
     """The vectors' layout: every kind of stream, a chunk of 4 tokens, W = 4."""
-    return LayoutSpec(
-        name="wire-test",
-        streams=(
-            Stream("a.int4", (2, 8), bits=4, group_size=8, tokens_per_entry=2, layers=2),
-            Stream("b.int8", (8,), bits=8, group_size=4, layers=1),
-            Stream("c.bf16", (4,), bits=16, layers=1),
-            Stream("w.window", (4,), bits=8, group_size=4, layers=1, persistent=False),
-            Stream("p.pending", (4,), bits=16, layers=1, persistent=False, pending=True),
-        ),
-        chunk_tokens=4,
-        vocab_size=1 << 17,
-        window_tokens=4,
-        notes="golden vectors of docs/wire-format.md",
-    )
+    return LayoutSpec("wire-test", EVERY_KIND, chunk_tokens=4, vocab_size=1 << 17,
+                      window_tokens=4, notes="golden vectors of docs/wire-format.md")
 
 
 def other_layout() -> LayoutSpec:
