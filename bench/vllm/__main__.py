@@ -68,7 +68,7 @@ def session_turns(spec: vllm_models.LlamaSpec, name: str = "turn") -> list[dict]
     return turns
 
 
-def plain_plan(model: Path, lengths, spec, repeats: int) -> list[dict]:
+def plain_plan(lengths, spec, repeats: int) -> list[dict]:
     steps = []
     for n in lengths:
         p = prompts(spec, n)
@@ -143,7 +143,7 @@ def bench_model(key: str, lengths, repeats: int, work: Path) -> dict:
     max_len = max(8192, max(lengths) + 2 * OUTPUT_TOKENS)
     base = {"model": str(model), "max_model_len": max_len, "prefix_caching": True}
     plain = run_engine({**base,
-                        "steps": plain_plan(model, lengths, spec, repeats)}, work, f"{key}-plain")
+                        "steps": plain_plan(lengths, spec, repeats)}, work, f"{key}-plain")
     example_dir = work / f"{key}-example-store"
     example = run_engine({**base, "connector": {
         "kv_connector": "ExampleConnector",
