@@ -73,16 +73,13 @@ class Reads:
         them in one go); the checks of a batch of many bytes run in a worker thread."""
         if access:
             self.counters.lookups += len(keys)
-        orders, believed = [], [self.holders(key) for key in keys]
-        tiers = range(len(self.tiers))
-        out_now = {j for j in tiers if not self.up(j)}  # one look at the clock for all
-        for key, held in zip(keys, believed, strict=True):
-            order = held + [i for i in tiers if i not in held and self.may_hold(i, key)]
-            down = [j for j in order if j in out_now]
-            for j in down:
-                if j in held:  # skipped, unless nothing else answers
-                    self.counters.fallthrough_unavailable[self.tiers[j].name] += 1
-            orders.append([j for j in order if j not in down] + down)  # outages last
+        believed = [self.holders(key) for key in keys]
+        out_now = {j for j in range(len(self.tiers)) if not self.up(j)}  # one look at the clock
+        # A key's first try is the highest tier believed to hold it when that tier is up;
+        # its whole order (the other tiers, outages last) is made only if that try fails.
+        fast = [bool(held) and held[0] not in out_now for held in believed]
+        orders = [[held[0]] if quick else self._order(key, held, out_now)
+                  for key, held, quick in zip(keys, believed, fast, strict=True)]
         out: list = [None] * len(keys)
         tried, bad = [0] * len(keys), [[] for _ in keys]
         problems: list[list[str]] = [[] for _ in keys]
@@ -91,8 +88,12 @@ class Reads:
         while pending:
             by_tier: dict[int, list[int]] = {}
             for i in pending:
-                if tried[i] < len(orders[i]):
-                    by_tier.setdefault(orders[i][tried[i]], []).append(i)
+                order = orders[i]
+                if fast[i] and tried[i] == len(order):
+                    fast[i] = False
+                    order = orders[i] = self._order(keys[i], believed[i], out_now)
+                if tried[i] < len(order):
+                    by_tier.setdefault(order[tried[i]], []).append(i)
                     continue
                 if access:
                     self.counters.misses += 1
@@ -116,11 +117,32 @@ class Reads:
                         pending.append(i)
         return out
 
+    def _order(self, key: str, held: list[int], out_now: set[int]) -> list[int]:
+        """Every tier to try for ``key``: those believed to hold it, highest first, then
+        the others that may, the ones out now last."""
+        order = held + [i for i in range(len(self.tiers))
+                        if i not in held and self.may_hold(i, key)]
+        down = [j for j in order if j in out_now]
+        for j in down:
+            if j in held:  # skipped, unless nothing else answers
+                self.counters.fallthrough_unavailable[self.tiers[j].name] += 1
+        return [j for j in order if j not in down] + down
+
     def _outcome(self, j: int, key: str, got: Buffer | Exception, believed: list[int],
                  bad: list[int], problems: list[str], access: bool) -> bool:
         """Account for tier ``j``'s answer (bytes that passed the check, or why not) to a
         read of ``key``; True when it is the read's answer."""
         tier = self.tiers[j]
+        if not isinstance(got, Exception):
+            if access:
+                self.hints.read(key)
+                self.counters.hits[tier.name] += 1
+                self.counters.bytes_read[tier.name] += len(got)
+            if j not in believed:
+                self._learn(j, key, len(got))
+            elif access:
+                self.policies[j].on_access(key, self.hints.get(key))
+            return True
         if isinstance(got, ChunkNotFound):
             if j in believed:
                 self._forget(j, key)
@@ -137,18 +159,7 @@ class Reads:
             log.error("corrupt copy of %s in tier %s, falling through: %s", key, tier.name, got)
             bad.append(j)
             return False
-        if isinstance(got, Exception):
-            raise got
-        if access:
-            self.hints.read(key)
-        if j not in believed:
-            self._learn(j, key, len(got))
-        elif access:
-            self.policies[j].on_access(key, self.hints.get(key))
-        if access:
-            self.counters.hits[tier.name] += 1
-            self.counters.bytes_read[tier.name] += len(got)
-        return True
+        raise got
 
 
 # Checks of a batch hashing at least this many bytes run in a worker thread: BLAKE2b (a

@@ -1,12 +1,14 @@
-"""Batched reads of the disk tier: many records in file order, one buffer, one thread call.
+"""Batched reads of the disk tier: many records in file order, read in a few large pieces.
 
 A session's chunks are appended together, so they mostly lie back to back in one segment.
-``get_many`` looks every key up, orders the records by (segment, offset), merges adjacent
-ones into runs, and in one worker thread reads the runs into one preallocated buffer and
-checks every record (``check_record``), so neither the reads nor the checksums wait on the
-event loop. Per key it answers the value (a read-only view of that buffer) or the error a
-``get`` of it raises; a key it cannot serve so (missing or expired, a segment retired under
-it, a read that failed or came up short) is answered by ``get`` itself.
+``get_many`` looks every key up, orders the records by (segment, offset), cuts them into
+up to ``MAX_PIECES`` pieces of whole records, and reads each piece (its adjacent records
+merged into runs) into one preallocated buffer and checks its records (``check_record``)
+in a worker thread of its own, so neither the reads nor the checksums wait on the event
+loop, and the pieces are in flight together. Per key it answers the value (a read-only view
+of its piece's buffer) or the error a ``get`` of it raises; a key it cannot serve so
+(missing or expired, a segment retired under it, a read of its piece that failed or came
+up short) is answered by ``get`` itself.
 """
 
 from __future__ import annotations
@@ -68,27 +70,54 @@ async def get_many(files: SegmentFiles, keys: Sequence[str],
     return out, proven  # type: ignore[return-value]
 
 
+# A batch of more bytes than this is read as several pieces (whole records each), each
+# read and checked in its own worker thread: the device serves them in parallel, as it
+# does not serve one long read, and the checksums run on every core.
+PIECE_BYTES = 1 << 19
+MAX_PIECES = 4
+
+
 async def _read_batch(files: SegmentFiles, where: Path, wanted: list, out: list,
                       proven: list[bool]) -> None:
-    fds, runs, records = {}, [], []  # runs: (fd, offset, size); records: (index, kb, entry)
-    for seg_id, offset, i, kb, entry in wanted:
+    fds, records = {}, []  # records: (index, kb, entry, size, descriptor)
+    for seg_id, _, i, kb, entry in wanted:
         if seg_id not in fds:
             try:
                 fds[seg_id] = files.descriptor(seg_id)
             except (SegmentGone, OSError):  # get looks it up again or reports the failure
                 fds[seg_id] = None
-        fd, size = fds[seg_id], record_size(len(kb), entry.value_len)
-        if fd is None:
-            continue
-        if runs and runs[-1][0] == fd and runs[-1][1] + runs[-1][2] == offset:
+        if fds[seg_id] is not None:
+            records.append((i, kb, entry, record_size(len(kb), entry.value_len), fds[seg_id]))
+    if records:
+        await asyncio.gather(*(_read_piece(files, where, piece, out, proven)
+                               for piece in _pieces(records)))
+
+
+def _pieces(records: list) -> list[list]:
+    """``records`` in consecutive groups of about equal bytes, at most ``MAX_PIECES``,
+    none under ``PIECE_BYTES`` but the last."""
+    total = sum(r[3] for r in records)
+    target = max(PIECE_BYTES, -(-total // MAX_PIECES))
+    pieces, size = [[]], 0
+    for record in records:
+        if size >= target:
+            pieces.append([])
+            size = 0
+        pieces[-1].append(record)
+        size += record[3]
+    return pieces
+
+
+async def _read_piece(files: SegmentFiles, where: Path, records: list, out: list,
+                      proven: list[bool]) -> None:
+    runs: list[tuple[int, int, int]] = []  # (descriptor, offset, size), merged when adjacent
+    for _, _, entry, size, fd in records:
+        if runs and runs[-1][0] == fd and runs[-1][1] + runs[-1][2] == entry.offset:
             runs[-1] = (fd, runs[-1][1], runs[-1][2] + size)
         else:
-            runs.append((fd, offset, size))
-        records.append((i, kb, entry, size))
-    if not records:
-        return
+            runs.append((fd, entry.offset, size))
     # np.empty, not bytearray: zero-filling first costs as much as the read
-    buffer = memoryview(np.empty(sum(size for *_, size in records), dtype=np.uint8))
+    buffer = memoryview(np.empty(sum(r[3] for r in records), dtype=np.uint8))
 
     def read_and_check() -> list[tuple[Buffer, bool] | KVTierError]:
         files.read_runs(runs, buffer)
@@ -115,12 +144,12 @@ def _checked_records(buffer: memoryview, records: list, where: Path
     ``check_record`` does: its value (a read-only view) and whether it is ``ADMITTED``,
     or the ``ChunkCorrupt`` of ``check_record`` itself for one the batch check refuses."""
     n = len(records)
-    sizes = np.fromiter((size for *_, size in records), np.int64, n)
+    sizes = np.fromiter((r[3] for r in records), np.int64, n)
     starts = np.zeros(n, np.int64)
     np.cumsum(sizes[:-1], out=starts[1:])
     whole = np.frombuffer(buffer, np.uint8)
     heads = whole[starts[:, None] + np.arange(HEADER_SIZE)].view(_RECORD).reshape(n)
-    sums = np.fromiter((entry.checksum for _, _, entry, _ in records), np.uint64, n)
+    sums = np.fromiter((r[2].checksum for r in records), np.uint64, n)
     hashed = np.fromiter((xxhash.xxh3_64_intdigest(buffer[at + HASHED_FROM:at + size])
                           for at, size in zip(starts.tolist(), sizes.tolist(), strict=True)),
                          np.uint64, n)
@@ -130,7 +159,7 @@ def _checked_records(buffer: memoryview, records: list, where: Path
           & (heads["checksum"] == sums) & (hashed == sums)).tolist()
     admitted = ((heads["flags"] & ADMITTED) != 0).tolist()
     view, values = buffer.toreadonly(), []
-    for (_, kb, entry, size), at, good, sure in zip(records, starts.tolist(), ok, admitted,
+    for (_, kb, entry, size, _), at, good, sure in zip(records, starts.tolist(), ok, admitted,
                                                     strict=True):
         key_at = at + HEADER_SIZE
         if good and view[key_at:key_at + len(kb)] == kb:
