@@ -20,6 +20,7 @@ from kvstore.placement.events import StoreEvents
 from kvstore.placement.locks import RWLocks
 from kvstore.placement.refcount import RefLedger
 from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest, manifest_key
+from kvstore.session.manifest_cache import ManifestCache
 from kvstore.session.quota import UsageLedger
 from kvstore.tiers.base import MetaStore
 
@@ -40,6 +41,8 @@ class Catalog:
         self._usage = usage
         self._locks = RWLocks()
         self.held = 0  # manifests in the MetaStore (expired ones not yet collected included)
+        # decoded manifests, where this node alone writes them (no shared metadata)
+        self._cache = ManifestCache() if not meta.node_id else None
         # Sessions (and generation) marked writeback_failed whose mark may not have been
         # persisted (a full medium can refuse the manifest write too): loads report them.
         self._failed: dict[tuple[str, str], int] = {}
@@ -65,13 +68,18 @@ class Catalog:
 
     async def load(self, tenant: str, session_id: str) -> SessionManifest | None:
         """The stored manifest, None if there is none, ``DataLoss`` if it is corrupt."""
-        try:
-            raw = await self.meta.get(manifest_key(tenant, session_id))
-            if raw is None:
-                return None
-            manifest = SessionManifest.decode(raw)
-        except ChunkCorrupt as exc:  # its bytes, or the record holding them
-            raise DataLoss(f"the manifest of {tenant}/{session_id} is corrupt: {exc}") from exc
+        manifest = self._cache.get(tenant, session_id) if self._cache is not None else None
+        if manifest is None:
+            try:
+                raw = await self.meta.get(manifest_key(tenant, session_id))
+                if raw is None:
+                    return None
+                manifest = SessionManifest.decode(raw)
+            except ChunkCorrupt as exc:  # its bytes, or the record holding them
+                raise DataLoss(f"the manifest of {tenant}/{session_id} is corrupt: "
+                               f"{exc}") from exc
+            if self._cache is not None:
+                self._cache.put(manifest)
         return self._with_mark(self._localized(manifest))
 
     def _localized(self, manifest: SessionManifest) -> SessionManifest:
@@ -142,6 +150,8 @@ class Catalog:
             manifest = manifest.evolve(node_id=self.meta.node_id,
                                        node_address=self.meta.node_address)
         encoded = manifest.encode()
+        if self._cache is not None:  # until committed: a failed commit may have landed
+            self._cache.drop(manifest.tenant, manifest.session_id)
         try:
             freed = await self._ledger.commit(
                 {manifest_key(manifest.tenant, manifest.session_id): encoded},
@@ -151,6 +161,8 @@ class Catalog:
             if self._events is not None:
                 await self._events.make_room(_ROOM_PER_BYTE * len(encoded))
             raise
+        if self._cache is not None:
+            self._cache.put(manifest)
         ref = (manifest.tenant, manifest.session_id)
         if self._failed.get(ref, manifest.generation) != manifest.generation:
             del self._failed[ref]  # an older generation's mark
@@ -161,6 +173,8 @@ class Catalog:
     async def remove(self, tenant: str, session_id: str, *, release: Sequence[str] = (),
                      marks: Mapping[str, bytes] | None = None) -> list[str]:
         """Delete the session's manifest; returns the chunks left unreferenced."""
+        if self._cache is not None:
+            self._cache.drop(tenant, session_id)
         freed = await self._ledger.commit({manifest_key(tenant, session_id): None},
                                           release=release, marks=marks)
         self._failed.pop((tenant, session_id), None)

@@ -190,6 +190,9 @@ async def test_corrupt_manifest_is_data_loss_not_a_half_session(managers):
     await manager.spill("t", "s", generation=1, **make_session(random_tokens(20, seed=31)))
     (key, raw), = await meta.scan("manifest/")
     await meta.commit({key: raw[:-3] + bytes([raw[-3] ^ 1]) + raw[-2:]})
+    assert (await manager.restore("t", "s")).manifest.num_tokens == 20  # as committed here
+    await managers.close(manager)
+    manager = await managers.open([HostTier(MB)], meta)  # the next process reads the record
     with pytest.raises(DataLoss, match="manifest"):
         await manager.restore("t", "s")
     await managers.close(manager)
