@@ -23,8 +23,9 @@ paused session ends up. Then, over all sessions together, per token:
 - ``disk_total``: live records + index-held values over every token, the headline
   figure: what the tier holds, each byte once;
 - ``disk_segments``: the segment files on the file system (``st_size``), which also
-  counts ``disk_dead``: records superseded (a demotion rewrites its manifest) that
-  compaction reclaims, reported beside the headline, not in it;
+  counts ``disk_dead``: records superseded (a manifest rewritten, a chunk deleted) that
+  compaction reclaims, reported beside the headline, not in it (a demotion leaves
+  the manifest as it is);
 - ``lmdb_allocated``: the index environment's allocated file blocks (page-granular,
   shared by every session, so it too is reported beside the headline);
 - ``object_zstd``: the object tier's stored bytes after the sessions are demoted there
@@ -122,7 +123,9 @@ async def measure(model: KVTierLM, model_info: dict, lengths: list[int], root: P
         "bytes_per_token": per_token,
         "disk_vs_spec": per_token["disk_total"] / per_token["spec"],
         "bf16_vs_disk": per_token["bf16_baseline"] / per_token["disk_total"],
-        "goal": {"disk_total_max": 40, "met_40_b_per_token": per_token["disk_total"] <= 40},
+        # on disk: what the tier holds, and its files' size too
+        "goal": {"disk_total_max": 40, "met_40_b_per_token":
+                 max(per_token["disk_total"], per_token["disk_segments"]) <= 40},
         "load_average_1m": os.getloadavg()[0],
     }
 

@@ -160,7 +160,8 @@ def bytes_section(stage: dict) -> list[str]:
             "the live records and the index's own values; `disk_segments` is the files' size, "
             "with `disk_dead` (superseded records that compaction reclaims) in it."]
     if "goal" in stage:
-        out.append(f"Goal: at most {stage['goal']['disk_total_max']} B/token on disk: "
+        out.append(f"Goal: at most {stage['goal']['disk_total_max']} B/token on disk (held, "
+                   "and the files' size): "
                    f"**{'met' if stage['goal']['met_40_b_per_token'] else 'NOT met'}**.")
     out.append("")
     return out

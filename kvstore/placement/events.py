@@ -27,8 +27,8 @@ class StoreEvents(Protocol):
     def is_held(self, key: str) -> bool:
         """Whether some tier is believed to hold ``key``."""
 
-    def window_dropped(self, key: str) -> None:
-        """Eviction dropped window blob ``key``: its session's manifest must say so."""
+    def window_tier(self, key: str) -> str | None:
+        """The highest tier holding window blob ``key``, None when none does."""
 
     def evict_first(self, j: int, skip: Collection[str]) -> str | None:
         """A retained chunk of tier ``j`` (not in ``skip``) to evict before the tier's

@@ -21,7 +21,7 @@ the index of what the tier holds (rebuilt from ``Tier.keys`` on open). Rules:
   ``share`` copies a block into the shared caches (Redis: shared, not durable) a spill
   wrote or a read passed; eviction finds it held there and moves nothing.
 - Window blobs (keys under ``WINDOW_PREFIX``) only live in tiers with ``holds_window``;
-  one that would have to move lower is dropped and ``on_window_dropped`` is told.
+  one that would have to move lower is dropped (and counted).
 - A read falls through corrupt copies and unavailable tiers (``kvstore.placement.reads``);
   ``promote`` then replaces bad copies and moves the block up.
 - A tier that raised ``TierUnavailable`` is skipped for ``cooldown_s`` (a Redis outage
@@ -87,7 +87,6 @@ class TierStack(Reads):
         counters: Counters,
         *,
         is_referenced: Callable[[str], bool],
-        on_window_dropped: Callable[[str], None],
         cooldown_s: float = 1.0,
         residency: Residency | None = None,
         evict_first: Callable[[int, Collection[str]], str | None] | None = None,
@@ -99,7 +98,6 @@ class TierStack(Reads):
         self.locks = locks
         self.counters = counters
         self.is_referenced = is_referenced
-        self.on_window_dropped = on_window_dropped
         # (tier, keys to skip) -> a victim to take before the tier's policy is asked
         # (retained chunks, kvstore.prefix.chains.Retention), and that victim's bytes
         self.evict_first = evict_first
@@ -357,7 +355,7 @@ class TierStack(Reads):
         if not await self.delete(j, key, evicted=True):
             return False
         if window and target is None:
-            self.window_lost(key)
+            self.window_lost()
         return True
 
     async def _evict_retained(self, j: int, key: str) -> bool:
@@ -400,14 +398,12 @@ class TierStack(Reads):
         for i in self.holders(key):
             await self.delete(i, key, evicted=True)
         if not self.holders(key):
-            self.window_lost(key)
+            self.window_lost()
 
-    def window_lost(self, key: str | None, *, tell: bool = True) -> None:
-        """Count a window blob gone or not kept (``key`` None: never placed); ``tell``
-        the store, whose manifest still names it, unless the caller updates it."""
+    def window_lost(self) -> None:
+        """Count a window blob gone or not kept (a manifest naming one that no tier
+        holds loads without it: ``kvstore.session.catalog``)."""
         self.counters.windows_dropped += 1
-        if key is not None and tell:
-            self.on_window_dropped(key)
 
     async def delete(self, j: int, key: str, *, evicted: bool = False) -> bool:
         """False when the tier is unavailable: the block stays (believed) held there."""

@@ -83,11 +83,19 @@ class Catalog:
         return self._with_mark(self._localized(manifest))
 
     def _localized(self, manifest: SessionManifest) -> SessionManifest:
-        """Another node's window is in that node's memory: here it is absent (replay)."""
-        if manifest.node_id == self.meta.node_id or manifest.window_key is None:
+        """The window as this node finds it: another node's is in that node's memory, so
+        here it is absent (replay); this node's is where its tier stack holds it now, and
+        absent once evicted (a manifest is not rewritten for that), or after a restart."""
+        key = manifest.window_key
+        if key is None:
             return manifest
-        return manifest.evolve(window_tier=None, window_key=None,
-                               remote_window=(manifest.window_tier, manifest.window_key))
+        if manifest.node_id != self.meta.node_id:
+            return manifest.evolve(window_tier=None, window_key=None,
+                                   remote_window=(manifest.window_tier, key))
+        tier = self._events.window_tier(key) if self._events is not None else manifest.window_tier
+        if tier is None:
+            return manifest.evolve(window_tier=None, window_key=None)
+        return manifest if tier == manifest.window_tier else manifest.evolve(window_tier=tier)
 
     def _with_mark(self, manifest: SessionManifest) -> SessionManifest:
         marked = self._failed.get((manifest.tenant, manifest.session_id))

@@ -8,7 +8,7 @@ tells the parts that must hear of it:
     a tier holds or dropped a block   -> ChainIndex -> MemoryWatch (quota memory use)
     a block left its last tier         -> Retention.forget -> RefLedger.unmark
     a commit referenced a chunk again  -> Retention.revive
-    eviction dropped a window blob     -> its manifest says replay is needed
+    a manifest loads, naming a window  -> the tier stack says where it is, if anywhere
     eviction needs a victim            -> Retention's least recently used chunk first
     a free deleted chunks              -> WriteBackFailures retries now
     a manifest commit met a full medium -> Blocks.shed_durable
@@ -23,7 +23,7 @@ from kvstore.eviction.policies import EvictionPolicy
 from kvstore.placement.blocks import Blocks
 from kvstore.placement.locks import KeyedLocks
 from kvstore.placement.refcount import RefLedger
-from kvstore.placement.stack import WINDOW_PREFIX, TierStack
+from kvstore.placement.stack import TierStack
 from kvstore.prefix.chains import ChainIndex, Retention
 from kvstore.session.catalog import Catalog
 from kvstore.session.durability import WriteBackFailures
@@ -72,7 +72,6 @@ class StoreContext:
         index = ChainIndex(MemoryWatch(usage, [j for j, t in enumerate(tiers)
                                                if t.holds_window]), events)
         stack = TierStack(tiers, policy, locks, counters, is_referenced=events.is_referenced,
-                          on_window_dropped=events.window_dropped,
                           cooldown_s=options.cooldown_s, residency=index,
                           evict_first=events.evict_first if options.retain else None,
                           first_size=events.first_size)
@@ -105,18 +104,9 @@ class Wiring:
     def is_held(self, key: str) -> bool:
         return bool(self.store.stack.holders(key))
 
-    def window_dropped(self, key: str) -> None:
-        self.store.spawn(self._forget_window(key))
-
-    async def _forget_window(self, key: str) -> None:
-        """A window was evicted below the window tiers: record that replay is needed."""
-        tenant, session_id, _ = key[len(WINDOW_PREFIX):].split("/")
-        catalog = self.store.catalog
-        async with catalog.write(tenant, session_id):
-            manifest = await catalog.load(tenant, session_id)
-            if manifest is None or manifest.window_key != key or self.store.stack.holders(key):
-                return
-            await catalog.put(manifest.evolve(window_tier=None, window_key=None))
+    def window_tier(self, key: str) -> str | None:
+        held = self.store.stack.holders(key)
+        return self.store.stack.tiers[held[0]].name if held else None
 
     def evict_first(self, j: int, skip: Collection[str]) -> str | None:
         return self.store.retention.victim(self.store.stack.policies[j], skip)

@@ -75,7 +75,9 @@ class Maintenance:
         """Move a session's blocks down to ``tier_name`` (default: the lowest tier).
 
         Copies above that tier are removed, shared chunks included. A window that the
-        target tier cannot hold is dropped and the manifest says so.
+        target tier cannot hold is dropped (the manifest is not rewritten: it loads
+        without a window no tier holds, ``kvstore.session.catalog``); the manifest
+        returned says where the window is now.
         """
         check_name("tenant", tenant)
         check_name("session_id", session_id)
@@ -94,12 +96,10 @@ class Maintenance:
             kept = tiers[target].holds_window and await self._demote_window(window, target)
             if not kept:
                 await self._store.blocks.drop(window)
-                self._store.stack.window_lost(window, tell=False)  # the manifest below says so
+                self._store.stack.window_lost()
             held = self._store.stack.holders(window) if kept else []
-            manifest = manifest.evolve(window_tier=tiers[held[0]].name if held else None,
-                                       window_key=window if held else None)
-            await self._store.catalog.put(manifest)
-            return manifest
+            return manifest.evolve(window_tier=tiers[held[0]].name if held else None,
+                                   window_key=window if held else None)
 
     async def _demote_block(self, key: str, target: int) -> None:
         async with self._store.locks.hold(key):

@@ -182,7 +182,7 @@ class Spiller:
                                                     admitted.start)
                 window_tier = None
                 if r.window is not None and not admitted.keep_window:
-                    self._store.stack.window_lost(None)
+                    self._store.stack.window_lost()
                     log.info("%s/%s: window not kept, over the tenant's memory_bytes quota "
                              "(a resume replays it)", tenant, session_id)
                 if r.window is not None and admitted.keep_window:
@@ -321,7 +321,7 @@ class Spiller:
                             ) -> str | None:
         placed = await self._store.blocks.place_window(key, data, hint)
         if placed is None:
-            self._store.stack.window_lost(None)
+            self._store.stack.window_lost()
             log.warning("no window tier has room for %s (%d B): replay will be needed",
                         key, len(data))
             return None
@@ -395,7 +395,7 @@ class Spiller:
             reservation = self._store.quotas.reserve(
                 tenant, TenantUsage(memory_bytes=len(data)), count=False, what="window")
         except QuotaExceeded:
-            self._store.stack.window_lost(None)
+            self._store.stack.window_lost()
             log.info("%s/%s: rebuilt window not kept, over the tenant's memory_bytes quota",
                      tenant, session_id)
             return None

@@ -242,7 +242,7 @@ async def test_tier_stack_moves_keep_the_predicted_return(opened):
     tiers = [opened.adopt(HBMTier(2 * size, device="cpu")),
              opened.adopt(HostTier(8 * size, pin_memory=False))]
     stack = TierStack(tiers, lambda: HintPolicy(clock), KeyedLocks(), Counters(),
-                      is_referenced=lambda key: True, on_window_dropped=lambda key: None)
+                      is_referenced=lambda key: True)
     for key, pause in (("a", 100), ("b", 1000), ("c", 10)):
         stack.touch(key, ResumeHint(expected_pause_s=pause))
         assert await stack.place(key, data[key]) == 0
@@ -348,7 +348,7 @@ async def test_tier_stack_runs_the_reuse_policies(opened):
     tiers = [opened.adopt(HBMTier(2 * size, device="cpu")),
              opened.adopt(HostTier(8 * size, pin_memory=False))]
     stack = TierStack(tiers, reuse_policies(clock), KeyedLocks(), Counters(),
-                      is_referenced=lambda key: True, on_window_dropped=lambda key: None)
+                      is_referenced=lambda key: True)
     for key in "abcd":
         clock.now += 1
         stack.touch(key, ResumeHint(expected_pause_s=5))
@@ -402,7 +402,7 @@ async def test_a_retained_chunk_leaving_hbm_moves_down_unless_ranked_lowest(open
             return block in admitted
 
     stack = TierStack(tiers, Admitting, KeyedLocks(), Counters(),
-                      is_referenced=lambda key: False, on_window_dropped=lambda key: None)
+                      is_referenced=lambda key: False)
     for key in "abcd":
         assert await stack.place(key, data[key]) == 0
     assert stack.holders("a") == [1] and stack.holders("b") == [1]  # moved down
