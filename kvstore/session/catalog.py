@@ -1,4 +1,5 @@
-"""The session catalog: manifests in the MetaStore, the per-session locks, their count.
+"""The session catalog: manifests in the MetaStore, the per-session locks, their count,
+and (where this node alone writes them) the decoded manifests in memory (``ManifestCache``).
 
 Every manifest write goes through the ``RefLedger``, so it commits in one batch with the
 reference changes it implies (``kvstore.placement.refcount``), and is told to the tenants'
@@ -12,6 +13,7 @@ the session's lock (``read`` to look, ``write`` to change) from a ``load`` to th
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 
@@ -20,7 +22,6 @@ from kvstore.placement.events import StoreEvents
 from kvstore.placement.locks import RWLocks
 from kvstore.placement.refcount import RefLedger
 from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest, manifest_key
-from kvstore.session.manifest_cache import ManifestCache
 from kvstore.session.quota import UsageLedger
 from kvstore.tiers.base import MetaStore
 
@@ -28,6 +29,54 @@ log = logging.getLogger(__name__)
 # Bytes of cache a refused manifest sheds per byte of it: a manifest's record, its index
 # pages and its reference counts beside it, with room to spare.
 _ROOM_PER_BYTE = 4
+
+# Memory for decoded manifests: a 64k-token session's is about 300 KiB.
+MANIFEST_CACHE_BYTES = 32 << 20
+_PER_CHUNK = 96  # a chunk key and its size, as Python holds them
+_FIXED = 1024  # the other fields
+
+
+def footprint(manifest: SessionManifest) -> int:
+    """Bytes ``manifest`` holds in memory, about."""
+    return (manifest.token_ids.nbytes + len(manifest.tail)
+            + _PER_CHUNK * len(manifest.chunk_keys) + _FIXED)
+
+
+class ManifestCache:
+    """Decoded manifests, most recently used first, within a byte budget. Where one node
+    alone writes the manifests (its ``MetaStore`` has no ``node_id``), the catalog's own
+    commits are the only changes, so one it committed or loaded stays exact until its
+    next commit or delete, which replace or drop it here: a restore then reads only its
+    chunks from the medium. Kept as committed: marks and localization apply on load."""
+
+    def __init__(self, budget: int = MANIFEST_CACHE_BYTES) -> None:
+        self.budget = budget
+        self._held: OrderedDict[tuple[str, str], tuple[SessionManifest, int]] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, tenant: str, session_id: str) -> SessionManifest | None:
+        found = self._held.get((tenant, session_id))
+        if found is None:
+            return None
+        self._held.move_to_end((tenant, session_id))
+        return found[0]
+
+    def put(self, manifest: SessionManifest) -> None:
+        ref = (manifest.tenant, manifest.session_id)
+        self.drop(*ref)
+        size = footprint(manifest)
+        if size > self.budget:
+            return
+        self._held[ref] = (manifest, size)
+        self._bytes += size
+        while self._bytes > self.budget:
+            _, (_, freed) = self._held.popitem(last=False)
+            self._bytes -= freed
+
+    def drop(self, tenant: str, session_id: str) -> None:
+        found = self._held.pop((tenant, session_id), None)
+        if found is not None:
+            self._bytes -= found[1]
 
 
 class Catalog:
