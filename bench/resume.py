@@ -13,7 +13,9 @@ session is somewhere" to "a ``KVState`` that ``decode_step`` accepts" (best of
   costs); it defines the reference, so it is not checked against it.
 - ``host``: ``TierManager.restore`` from the host tier, window kept, no replay, decoded
   with ``replay.state_codec.state_from_chunks``.
-- ``disk``: the session demoted to the disk tier (window dropped), restored, its window
+- ``disk``: the session demoted to the disk tier (window dropped), restored (its chunks
+  read from the disk tier, page cache dropped; its manifest from the store's memory, as a
+  running server keeps the manifests it wrote), its window
   rebuilt by the real ``replay.worker.ReplayWorker`` with R = ``--replay-tokens``
   (which decodes the chunks, replays and encodes the window, as the server's Resume
   does), then decoded as the client does.

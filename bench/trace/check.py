@@ -230,8 +230,7 @@ async def _stack_point(workload: Workload, policy: str, capacities: Sequence[int
         tiers = real_hierarchy(capacities, root)
         refs: dict[str, int] = {}
         stack = TierStack(tiers, setup.factory, KeyedLocks(), Counters(),
-                          is_referenced=lambda key: refs.get(key, 0) > 0,
-                          on_window_dropped=lambda key: None)
+                          is_referenced=lambda key: refs.get(key, 0) > 0)
         # the manager's retention (kvstore.prefix.chains), wired as TierManager wires it
         retention = Retention(enabled=workload.retain, ttl_s=None,
                               is_held=lambda key: bool(stack.holders(key)),

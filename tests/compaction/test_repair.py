@@ -92,20 +92,26 @@ async def test_repair_after_data_mdb_is_deleted(tmp_path):
 
 async def test_each_manifest_is_stored_once_and_repair_brings_back_its_latest(tmp_path):
     """A manifest's bytes live in its segment record alone (the index names the key with
-    an empty value); a demotion rewrites it, and a repair from the segments alone brings
-    back the newer one, byte for byte."""
+    an empty value); a new generation supersedes it (a demotion does not rewrite it), and
+    a repair from the segments alone brings back the newer one, byte for byte."""
     disk_dir = tmp_path / "disk"
     names = ["a", "b", "c"]
+    first = {name: make_session(random_tokens(16 * 4 + i, seed=50 + i))
+             for i, name in enumerate(names)}
     sessions = {name: make_session(random_tokens(16 * 5 + i, seed=60 + i))
                 for i, name in enumerate(names)}
     disk = DiskTier(disk_dir, 64 * MB, segment_bytes=16 << 10)
     async with running_manager([HostTier(MB), disk], disk.meta) as manager:
-        for name, args in sessions.items():
-            await manager.spill("t", name, generation=1, ack="durable", **args)
+        for name in names:
+            await manager.spill("t", name, generation=1, ack="durable", **first[name])
+            await manager.spill("t", name, generation=2, ack="durable", **sessions[name])
             assert (await manager.get_manifest("t", name)).window_key is not None
-            await manager.demote("t", name, "disk")  # the window goes: a newer manifest
+            before = await disk.meta.get(manifest_key("t", name))
+            await manager.demote("t", name, "disk")  # the window goes, the record stays
+            assert await disk.meta.get(manifest_key("t", name)) == before
+            assert (await manager.get_manifest("t", name)).window_key is None
         stored = {name: await disk.meta.get(manifest_key("t", name)) for name in names}
-    assert all(SessionManifest.decode(raw).window_key is None for raw in stored.values())
+    assert all(SessionManifest.decode(raw).generation == 2 for raw in stored.values())
     index = DiskIndex(disk_dir / "index", map_size=1 << 30)
     try:
         rows = index.meta_scan(MANIFEST_PREFIX.encode())
