@@ -97,9 +97,7 @@ class Maintenance:
             if not kept:
                 await self._store.blocks.drop(window)
                 self._store.stack.window_lost()
-            held = self._store.stack.holders(window) if kept else []
-            return manifest.evolve(window_tier=tiers[held[0]].name if held else None,
-                                   window_key=window if held else None)
+            return await self._store.catalog.load_required(tenant, session_id)
 
     async def _demote_block(self, key: str, target: int) -> None:
         async with self._store.locks.hold(key):
