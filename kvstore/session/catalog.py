@@ -117,19 +117,24 @@ class Catalog:
 
     async def load(self, tenant: str, session_id: str) -> SessionManifest | None:
         """The stored manifest, None if there is none, ``DataLoss`` if it is corrupt."""
+        try:
+            manifest = await self._stored(tenant, session_id)
+        except ChunkCorrupt as exc:  # its bytes, or the record holding them
+            raise DataLoss(f"the manifest of {tenant}/{session_id} is corrupt: {exc}") from exc
+        return None if manifest is None else self._with_mark(self._localized(manifest))
+
+    async def _stored(self, tenant: str, session_id: str) -> SessionManifest | None:
+        """The manifest as committed, from memory or else decoded from the MetaStore;
+        ``ChunkCorrupt`` if its record is."""
         manifest = self._cache.get(tenant, session_id) if self._cache is not None else None
         if manifest is None:
-            try:
-                raw = await self.meta.get(manifest_key(tenant, session_id))
-                if raw is None:
-                    return None
-                manifest = SessionManifest.decode(raw)
-            except ChunkCorrupt as exc:  # its bytes, or the record holding them
-                raise DataLoss(f"the manifest of {tenant}/{session_id} is corrupt: "
-                               f"{exc}") from exc
+            raw = await self.meta.get(manifest_key(tenant, session_id))
+            if raw is None:
+                return None
+            manifest = SessionManifest.decode(raw)
             if self._cache is not None:
                 self._cache.put(manifest)
-        return self._with_mark(self._localized(manifest))
+        return manifest
 
     def _localized(self, manifest: SessionManifest) -> SessionManifest:
         """The window as this node finds it: another node's is in that node's memory, so
@@ -162,9 +167,9 @@ class Catalog:
             if not failed and self._failed.get(ref) == generation:
                 del self._failed[ref]
             try:
-                raw = await self.meta.get(manifest_key(tenant, session_id))
                 # localized: a window another node holds stays named as its (see put)
-                manifest = None if raw is None else self._localized(SessionManifest.decode(raw))
+                stored = await self._stored(tenant, session_id)
+                manifest = None if stored is None else self._localized(stored)
             except ChunkCorrupt:
                 return  # its loads report the corruption
             if manifest is None or manifest.generation != generation:
