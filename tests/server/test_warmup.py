@@ -55,7 +55,7 @@ async def test_without_warm_up_the_model_stays_unloaded(tmp_path):
 def test_warm_up_is_the_default_and_preflight_checks_the_weights_it_loads(tmp_path):
     assert load_config(env={}).replay_warmup
     assert "replay_warmup" in load_config(env={}).summary()
-    config = load_config(env={}, overrides={"data_dir": tmp_path,
+    config = load_config(env={}, overrides={"data_dir": tmp_path, "listen": "127.0.0.1:0",
                                             "replay_weights": str(tmp_path / "none")})
     try:
         check(config)

@@ -253,7 +253,8 @@ def test_config_quota_tables(tmp_path, capsys):
     assert (acme.sessions, acme.memory_bytes, acme.durable_bytes) == (200, 1 << 30, 2 << 20)
     env = load_config(env={"KVTIER_QUOTA": "default.sessions=3;acme.memory_bytes=1KiB"})
     assert dict(env.quota["acme"]) == {"memory_bytes": 1024}
-    assert cli_main(["serve", "--print-config", "--config", str(path)]) == 0
+    assert cli_main(["serve", "--print-config", "--config", str(path),
+                     "--listen", "127.0.0.1:0"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["quota"] == {"default": {"sessions": 200, "memory_bytes": 1 << 30},
                               "acme": {"durable_bytes": 2 << 20}}
