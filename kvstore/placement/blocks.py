@@ -177,7 +177,9 @@ class Blocks:
     async def store(self, key: str, data: Buffer, hint: ResumeHint | None,
                     protect: frozenset[str], start: int, *, durable_ack: bool) -> ChunkOutcome:
         """Place one chunk a spill sent in tier ``start`` or lower, never evicting one of
-        ``protect`` (or find it held, the very bytes: the key binds their digest)."""
+        ``protect`` (or find it held, the very bytes: the key binds their digest). With
+        ``durable_ack``, a chunk this call placed whose durable copy fails is deleted
+        again (the write fails; nothing of it stays visible)."""
         async with self._locks.hold(key):
             self._stack.touch(key, hint)
             holders = await self._stack.confirmed_holder(key)
@@ -196,14 +198,22 @@ class Blocks:
             if durable or not durable_ack:
                 await self._share(key, data, protect)
                 return ChunkOutcome(not durable and bool(self.durable), len(data), held)
-            copied, _ = await asyncio.gather(  # the bucket and Redis at once; both end here
-                self.copy_to_durable(key, data, unavailable),
-                self._share(key, data, protect), return_exceptions=True)
-            if isinstance(copied, BaseException):
-                raise copied
-            if copied:
-                return ChunkOutcome(False, len(data), held)
-            raise not_placed(f"no durable tier took chunk {key} ({len(data)} B)", unavailable)
+            try:
+                copied, _ = await asyncio.gather(  # the bucket and Redis at once; both end here
+                    self.copy_to_durable(key, data, unavailable),
+                    self._share(key, data, protect), return_exceptions=True)
+                if isinstance(copied, BaseException):
+                    raise copied
+                if not copied:
+                    raise not_placed(f"no durable tier took chunk {key} ({len(data)} B)",
+                                     unavailable)
+            except BaseException:
+                # a durable write failed is never acknowledged: the copies this call
+                # placed go, so no lookup or read finds them meanwhile
+                if not held:
+                    await self._stack.delete_everywhere(key)
+                raise
+            return ChunkOutcome(False, len(data), held)
 
     async def _share(self, key: str, data: Buffer, protect: frozenset[str]) -> None:
         """Write the chunk through to the fleet's shared cache (Redis; nothing on a single
