@@ -90,14 +90,8 @@ class Blocks:
                       sizes: Mapping[str, int] | None = None) -> int:
         """Let go of chunks whose last reference (or pin) just went away: the held ones
         retention keeps (in dedupe domain ``scope``, ``sizes`` where known), the rest are
-        freed (``free``), and so are those a tier on a full medium holds
-        (``Tier.medium_full``): kept there, a delete would give no space back."""
-        keys = list(keys)
-        full = {j for j, tier in enumerate(self._stack.tiers) if tier.medium_full()}
-        crowded = {key for key in keys if full.intersection(self._stack.holders(key))} \
-            if full else set()
-        return await self.free([*crowded, *self._retention.keep(
-            [key for key in keys if key not in crowded], scope, sizes)])
+        freed (``free``)."""
+        return await self.free(self._retention.keep(keys, scope, sizes))
 
     async def drop(self, key: str) -> None:
         """Delete ``key`` from every tier whatever references it (window blobs)."""

@@ -59,8 +59,9 @@ class Tier(abc.ABC):
 
     def medium_full(self) -> bool:
         """Whether the medium under this tier is full past what its own capacity says (a
-        disk shared with other files, ``kvstore.tiers.disk.headroom``): chunks released
-        there are freed, not kept as cache, so a delete gives the space back."""
+        disk shared with other files, ``kvstore.tiers.disk.headroom``): a put refused there
+        sheds every chunk retained in the tier (``TierStack.shed``), so what deletes left
+        as cache gives the space back."""
         return False
 
     @abc.abstractmethod

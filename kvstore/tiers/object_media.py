@@ -114,7 +114,7 @@ class LocalDirStore:
             os.close(fd)
 
     def full(self) -> bool:
-        return medium_full(self.root, self.reserve_bytes, PAGE_BYTES)
+        return medium_full(self.root, self.reserve_bytes)
 
     def put(self, name: str, data: Buffer) -> None:
         # the file's blocks and its directory entry, counted whole

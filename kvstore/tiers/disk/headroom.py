@@ -58,10 +58,10 @@ def free_bytes(path: Path) -> int:
     return stat.f_bavail * stat.f_frsize
 
 
-def medium_full(path: Path, reserve_bytes: int, unit_bytes: int) -> bool:
-    """Whether less than ``reserve_bytes`` and one ``unit_bytes`` (the largest write that
-    stores something: a disk segment) are free on ``path``'s medium."""
-    return reserve_bytes > 0 and free_bytes(path) < reserve_bytes + unit_bytes
+def medium_full(path: Path, reserve_bytes: int) -> bool:
+    """Whether ``path``'s medium is within one reserve of refusing writes (less than twice
+    ``reserve_bytes`` free): cache kept there should give the space back."""
+    return reserve_bytes > 0 and free_bytes(path) < 2 * reserve_bytes
 
 
 def check_room(path: Path, nbytes: int, reserve_bytes: int, who: str = "disk tier") -> None:

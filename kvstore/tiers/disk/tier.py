@@ -153,7 +153,7 @@ class DiskTier(Tier):
         return self.pipeline.committed_totals()[0] + self.pipeline.pending_delta
 
     def medium_full(self) -> bool:
-        return medium_full(self.path, self.reserve_bytes, self.segment_bytes)
+        return medium_full(self.path, self.reserve_bytes)
 
     @property
     def live_bytes(self) -> int:
