@@ -12,29 +12,15 @@ tells the parts that must hear of it:
     eviction needs a victim            -> Retention's least recently used chunk first
     a free deleted chunks              -> WriteBackFailures retries now
     a manifest commit met a full medium -> Blocks.shed_durable
-
-``StoreContext.admitting`` is the one admission of blocks: every write that stores
-chunks (a spill, a WriteChunks) names their dedupe domain there, before any is placed,
-to the ``WriteHook`` (the encrypting tiers' domain claims, ``kvstore.encryption.claims``).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import (
-    Awaitable,
-    Callable,
-    Collection,
-    Iterable,
-    Iterator,
-    Mapping,
-    Sequence,
-)
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from kvstore.eviction.policies import EvictionPolicy
-from kvstore.placement.blocks import Blocks
+from kvstore.placement.blocks import Blocks, WriteHook
 from kvstore.placement.locks import KeyedLocks
 from kvstore.placement.refcount import RefLedger
 from kvstore.placement.stack import TierStack
@@ -61,27 +47,6 @@ class StoreOptions:
 
 
 @dataclass(frozen=True)
-class BlockWrite:
-    """The chunks one write brings in or names (window blobs live in memory tiers only,
-    sealed nowhere): every key's chain part is proven, by the write's own checks, to be
-    the one its tokens chain to under ``scope`` (``kvstore.format.keys``), so a write can
-    only name blocks of its own domain."""
-
-    scope: str  # kvstore.format.keys.dedupe_scope
-    layout_hash: int
-    keys: tuple[str, ...]
-
-
-class WriteHook(Protocol):
-    """Told of every write that stores chunks: ``before`` anything of it is placed,
-    ``after`` it ended, stored or refused."""
-
-    def before(self, write: BlockWrite) -> None: ...
-
-    def after(self, write: BlockWrite, store: StoreContext) -> None: ...
-
-
-@dataclass(frozen=True)
 class StoreContext:
     catalog: Catalog
     blocks: Blocks
@@ -94,15 +59,15 @@ class StoreContext:
     index: ChainIndex
     durability: WriteBackFailures  # owns the write-back queue
     spawn: Callable[[Awaitable], None]  # background work the manager's drain waits for
-    hook: WriteHook | None = None
 
     @classmethod
     def build(cls, tiers: Sequence[Tier], meta: MetaStore,
               policy: Callable[[], EvictionPolicy], quotas: Quotas, options: StoreOptions,
               spawn: Callable[[Awaitable], None], hook: WriteHook | None = None
               ) -> StoreContext:
-        """The parts over ``tiers`` (highest first) and ``meta``, wired to one ``Wiring``.
-        Call on the loop the manager runs on (the write-back workers start here)."""
+        """The parts over ``tiers`` (highest first) and ``meta``, wired to one ``Wiring``;
+        ``hook``: told of every write that stores chunks (``Blocks.admitting``). Call on
+        the loop the manager runs on (the write-back workers start here)."""
         events = Wiring()
         counters, locks, usage = Counters(), KeyedLocks(), UsageLedger()
         ledger = RefLedger(meta, events)
@@ -117,28 +82,15 @@ class StoreContext:
                               size_of=index.size, events=events)
         catalog = Catalog(meta, ledger, usage, events)
         blocks = Blocks(stack, ledger, locks, counters, io_concurrency=options.io_concurrency,
-                        retention=retention, events=events)
+                        retention=retention, events=events, hook=hook)
         durability = WriteBackFailures(
             catalog, blocks, counters, spawn=spawn, retry_s=options.writeback_retry_s,
             retry_max_s=options.writeback_retry_max_s, depth=options.writeback_depth,
             workers=options.writeback_workers)
         store = cls(catalog, blocks, stack, locks, ledger, counters, retention,
-                    QuotaGate(quotas, usage, events), index, durability, spawn, hook)
+                    QuotaGate(quotas, usage, events), index, durability, spawn)
         events.store = store
         return store
-
-    @contextlib.contextmanager
-    def admitting(self, write: BlockWrite) -> Iterator[None]:
-        """Around a write that stores chunks, once its checks proved its keys: the hook
-        learns their domain before any is placed, and settles after, however it ended."""
-        if self.hook is None:
-            yield
-            return
-        self.hook.before(write)
-        try:
-            yield
-        finally:
-            self.hook.after(write, self)
 
 
 class Wiring:

@@ -65,10 +65,11 @@ from kvstore.eviction.policies import EvictionPolicy, LRUPolicy
 from kvstore.format.errors import InvalidRequest, KVTierError
 from kvstore.format.keys import check_fingerprint, dedupe_scope, iter_chain_keys
 from kvstore.format.registry import get_layout
+from kvstore.placement.blocks import WriteHook
 from kvstore.prefix.chains import LookupResult, longest_prefix
 from kvstore.prefix.fleet_lookup import held_chains
 from kvstore.remote.breaker import tripped
-from kvstore.session.context import StoreContext, StoreOptions, WriteHook
+from kvstore.session.context import StoreContext, StoreOptions
 from kvstore.session.fork import Forker
 from kvstore.session.maintenance import DeleteResult, GarbageReport, Maintenance
 from kvstore.session.manifest import SessionManifest, check_name

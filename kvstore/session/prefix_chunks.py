@@ -19,7 +19,7 @@ chunk is readable here). Rules:
   retained chunks of the domain that the room needs first. Past the tenant's
   ``memory_bytes`` room the chunks start below the memory tiers. A shared domain's count
   against no tenant's quota.
-- Chunks are admitted as a spill's, through ``StoreContext.admitting`` (the encrypting
+- Chunks are admitted as a spill's, through ``Blocks.admitting`` (the encrypting
   tiers learn their domain there).
 - Acks as a spill's: "memory" once every chunk is in some tier (queued for write-back
   to a durable one, ``WriteBack`` of no session); "durable" once each is on a durable
@@ -61,9 +61,9 @@ from kvstore.format.keys import (
 )
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.registry import get_layout
-from kvstore.placement.blocks import ChunkOutcome
+from kvstore.placement.blocks import BlockWrite, ChunkOutcome
 from kvstore.placement.writeback import WriteBack
-from kvstore.session.context import BlockWrite, StoreContext
+from kvstore.session.context import StoreContext
 from kvstore.session.manifest import check_name
 from kvstore.session.quota import Reservation, TenantUsage, memory_floor
 from kvstore.session.restore import Restorer
@@ -162,7 +162,7 @@ class PrefixChunks:
         else:
             checked()
         own = r.dedupe_domain is None
-        with store.admitting(BlockWrite(scope, spec.layout_hash, tuple(keys))):
+        with store.blocks.admitting(BlockWrite(scope, spec.layout_hash, tuple(keys))):
             with await self._admit(r.tenant, scope, sent, keys, own) as admitted:
                 outcomes, sizes = await self._place(spec, tokens, r, keys, admitted)
             for key, outcome in zip(keys, outcomes, strict=True):

@@ -7,7 +7,7 @@ write-back (an "in memory" ack). Rules: ``TierManager``, ``kvstore.placement.sta
 for admission ``kvstore.session.quota``. Chunks are named by block key (chain key and the
 digest of the bytes, ``kvstore.format.keys``): a dedupe is a byte-for-byte match within
 the spill's dedupe domain, and other bytes for one chain key are a version of their own.
-A spill's chunks are admitted through ``StoreContext.admitting`` once its checks proved
+A spill's chunks are admitted through ``Blocks.admitting`` once its checks proved
 their keys (the write hook learns their domain there).
 """
 
@@ -37,10 +37,10 @@ from kvstore.format.hints import ResumeHint
 from kvstore.format.keys import check_fingerprint, chunk_digest, dedupe_scope, token_bytes
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.registry import get_layout
-from kvstore.placement.blocks import ChunkOutcome
+from kvstore.placement.blocks import BlockWrite, ChunkOutcome
 from kvstore.placement.stack import WINDOW_PREFIX
 from kvstore.placement.writeback import WriteBack
-from kvstore.session.context import BlockWrite, StoreContext
+from kvstore.session.context import StoreContext
 from kvstore.session.manifest import SessionManifest, SpillReceipt, check_name, window_coverage
 from kvstore.session.quota import Reservation, TenantUsage, demote_own, memory_floor
 from kvstore.tiers.base import Buffer
@@ -114,7 +114,7 @@ class Spiller:
         ``ChunksNotHeld`` names them and nothing is stored.
         """
         spec, tokens, scope, digest = await self._checked(request)
-        with self._store.admitting(BlockWrite(scope, spec.layout_hash, tuple(request.keys))):
+        with self._store.blocks.admitting(BlockWrite(scope, spec.layout_hash, tuple(request.keys))):
             return await self._spill(request, spec, tokens, scope, digest)
 
     async def _checked(self, r: SpillRequest) -> tuple[LayoutSpec, np.ndarray, str, str]:
