@@ -93,6 +93,9 @@ class EncryptedTier(Tier):
         # The manager makes room for the plaintext's size; the sealed value is larger.
         return max(0, self.inner.free_bytes - OVERHEAD_BYTES)
 
+    def medium_full(self) -> bool:
+        return self.inner.medium_full()
+
     async def put(self, key: str, value: Buffer, *, ttl_s: float | None = None) -> None:
         domain = self.domains.get(key)
         if domain is None:

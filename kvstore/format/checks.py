@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvstore.format.chunk import (
+    VERSION,
     Buffer,
     ChunkHeader,
     max_encoded_bytes,
@@ -43,6 +44,17 @@ def check_token_ids(spec: LayoutSpec, tokens: np.ndarray) -> None:
         raise InvalidRequest(f"token id {int(tokens[at])} at position {at} is outside the "
                              f"vocabulary of layout {spec.name}: ids must be < "
                              f"vocab_size {spec.vocab_size}")
+
+
+def check_written_version(what: str, header: ChunkHeader) -> None:
+    """The one chunk-version rule of every write that stores chunks (a Spill's chunks,
+    tail and window; WriteChunks): only the current format version is accepted. Older
+    ones are still read where stored (docs/wire-format.md 2.1), never taken in: a chunk
+    taken in may be named by key later and sent to any reader of section 3."""
+    if header.version != VERSION:
+        raise InvalidRequest(f"{what} is in chunk format version {header.version}, which "
+                             "this server still reads from storage but no longer accepts in "
+                             f"a write (Spill, WriteChunks): encode format version {VERSION}")
 
 
 def chunk_bytes_max(spec: LayoutSpec, num_tokens: int) -> int:
@@ -120,6 +132,7 @@ def check_spill(
     covered = len(chunks) * size
     if len(tail):
         header = verify_chunk(tail, spec)
+        check_written_version("the tail", header)
         if header.ephemeral:
             raise InvalidRequest("the tail holds ephemeral (window) streams")
         if not 0 < header.num_tokens <= len(tokens) - covered:
@@ -137,6 +150,7 @@ def check_chunk(spec: LayoutSpec, tokens: np.ndarray, index: int, digest: bytes,
     chunk's tokens, with the stated ``digest``; else ``InvalidRequest`` / ``LayoutMismatch``
     / ``CodecError``."""
     header = verify_chunk(data, spec)
+    check_written_version(f"chunk {index}", header)
     if header.ephemeral:
         raise InvalidRequest(f"chunk {index} holds ephemeral (window) streams")
     size = spec.chunk_tokens
@@ -159,6 +173,7 @@ def check_window(spec: LayoutSpec, tokens: np.ndarray, window: Buffer) -> None:
         raise InvalidRequest("the window blob is empty")
     for part in parts:
         header = verify_chunk(part, spec)
+        check_written_version("the window", header)
         if not header.ephemeral:
             raise InvalidRequest("the window blob must be encoded with ephemeral=True")
         if header.start_token + header.num_tokens > len(tokens):

@@ -7,14 +7,21 @@ held ones as cache first), and copying chunks to a durable tier. A spill's chunk
 placed (``store``) or confirmed (``reference``) here, and its window (``place_window``).
 ``gather`` bounds how many moves run at once (``ManagerConfig.io_concurrency``, shared
 by every call of one manager).
+
+``admitting`` is the one admission of chunks: every write that stores them (a spill, a
+WriteChunks) names their dedupe domain there, once its checks proved their keys and
+before any is placed, to the ``WriteHook`` (the encrypting tiers' domain claims,
+``kvstore.encryption.claims``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 from kvstore.format.errors import DataLoss, TierUnavailable
 from kvstore.format.hints import ResumeHint
@@ -37,12 +44,36 @@ class ChunkOutcome(NamedTuple):
     held: bool  # deduped: some tier held it already
 
 
+@dataclass(frozen=True)
+class BlockWrite:
+    """The chunks one write brings in or names (window blobs live in memory tiers only,
+    sealed nowhere): every key's chain part is proven, by the write's own checks, to be
+    the one its tokens chain to under ``scope`` (``kvstore.format.keys``), so a write can
+    only name blocks of its own domain."""
+
+    scope: str  # kvstore.format.keys.dedupe_scope
+    layout_hash: int
+    keys: tuple[str, ...]
+
+
+class WriteHook(Protocol):
+    """Told of every write that stores chunks: ``before`` anything of it is placed,
+    ``after`` it ended, stored or refused (``in_use``: whether a block is still pinned,
+    referenced or retained)."""
+
+    def before(self, write: BlockWrite) -> None: ...
+
+    def after(self, write: BlockWrite, in_use: Callable[[str], bool]) -> None: ...
+
+
 class Blocks:
     def __init__(self, stack: TierStack, ledger: RefLedger, locks: KeyedLocks,
                  counters: Counters, *, io_concurrency: int, retention: Keeper,
-                 events: StoreEvents | None = None) -> None:
+                 events: StoreEvents | None = None, hook: WriteHook | None = None) -> None:
         """``retention``: keeps chunks left unreferenced as cache (or says to free them);
-        ``events``: told when a free made room."""
+        ``events``: told when a free made room; ``hook``: told of every write
+        (``admitting``)."""
+        self._hook = hook
         self._stack = stack
         self._retention = retention
         self._events = events
@@ -51,6 +82,22 @@ class Blocks:
         self._counters = counters
         self._io = asyncio.Semaphore(io_concurrency)
         self.durable = [i for i, tier in enumerate(stack.tiers) if tier.durable]
+
+    @contextlib.contextmanager
+    def admitting(self, write: BlockWrite) -> Iterator[None]:
+        """Around a write that stores chunks, once its checks proved its keys: the hook
+        learns their domain before any is placed, and settles after, however it ended."""
+        if self._hook is None:
+            yield
+            return
+        self._hook.before(write)
+        try:
+            yield
+        finally:
+            self._hook.after(write, self._in_use)
+
+    def _in_use(self, key: str) -> bool:
+        return bool(self._ledger.count(key)) or self._retention.retained(key)
 
     async def gather(self, coros: Iterable[Coroutine]) -> list:
         """Run ``coros`` at most ``io_concurrency`` at a time; on failure cancel the rest."""
@@ -171,7 +218,9 @@ class Blocks:
     async def store(self, key: str, data: Buffer, hint: ResumeHint | None,
                     protect: frozenset[str], start: int, *, durable_ack: bool) -> ChunkOutcome:
         """Place one chunk a spill sent in tier ``start`` or lower, never evicting one of
-        ``protect`` (or find it held, the very bytes: the key binds their digest)."""
+        ``protect`` (or find it held, the very bytes: the key binds their digest). With
+        ``durable_ack``, a chunk this call placed whose durable copy fails is deleted
+        again (the write fails; nothing of it stays visible)."""
         async with self._locks.hold(key):
             self._stack.touch(key, hint)
             holders = await self._stack.confirmed_holder(key)
@@ -190,14 +239,22 @@ class Blocks:
             if durable or not durable_ack:
                 await self._share(key, data, protect)
                 return ChunkOutcome(not durable and bool(self.durable), len(data), held)
-            copied, _ = await asyncio.gather(  # the bucket and Redis at once; both end here
-                self.copy_to_durable(key, data, unavailable),
-                self._share(key, data, protect), return_exceptions=True)
-            if isinstance(copied, BaseException):
-                raise copied
-            if copied:
-                return ChunkOutcome(False, len(data), held)
-            raise not_placed(f"no durable tier took chunk {key} ({len(data)} B)", unavailable)
+            try:
+                copied, _ = await asyncio.gather(  # the bucket and Redis at once; both end here
+                    self.copy_to_durable(key, data, unavailable),
+                    self._share(key, data, protect), return_exceptions=True)
+                if isinstance(copied, BaseException):
+                    raise copied
+                if not copied:
+                    raise not_placed(f"no durable tier took chunk {key} ({len(data)} B)",
+                                     unavailable)
+            except BaseException:
+                # a durable write failed is never acknowledged: the copies this call
+                # placed go, so no lookup or read finds them meanwhile
+                if not held:
+                    await self._stack.delete_everywhere(key)
+                raise
+            return ChunkOutcome(False, len(data), held)
 
     async def _share(self, key: str, data: Buffer, protect: frozenset[str]) -> None:
         """Write the chunk through to the fleet's shared cache (Redis; nothing on a single

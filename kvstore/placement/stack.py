@@ -7,8 +7,9 @@ the index of what the tier holds (rebuilt from ``Tier.keys`` on open). Rules:
 - A block goes to the highest tier with room; making room evicts the policy's victims,
   retained chunks first (``evict_first``). A tier whose put is refused ``TierFull``
   although its capacity has room (its medium filled first: a disk shared with other
-  files) sheds retained chunks of that tier as large as the block and retries, before
-  the block goes lower or is refused.
+  files) sheds retained chunks of that tier as large as the block (all of them when
+  the tier reports its medium full, ``Tier.medium_full``) and retries, before the block
+  goes lower or is refused.
 - An evicted block moves down to the next tier that holds it already or takes it (which
   may evict there in turn); it is simply dropped only if another copy exists elsewhere.
   The last intact copy of a referenced chunk is never dropped, nor its last durable copy
@@ -38,6 +39,7 @@ takes victims whose lock is free (``KeyedLocks.busy``), so it never waits on a l
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable, Collection, Sequence
 
@@ -313,7 +315,11 @@ class TierStack(Reads):
     async def shed(self, j: int, size: int, protect: Collection[str] = ()) -> None:
         """Evict retained chunks of tier ``j`` until ``size`` bytes of them went (one of
         unknown size counts as ``size``): the room a full medium gives back (at once, or
-        once the tier reclaims it, as the disk tier does)."""
+        once the tier reclaims it, as the disk tier does). On a medium the tier reports
+        full (``Tier.medium_full``) every retained chunk there goes: a medium that gives
+        space back by whole segments frees none for a few chunks' worth of dead bytes."""
+        if self.tiers[j].medium_full():
+            size = sys.maxsize
         skip = _Skip(self.locks, set(), protect)
         shed = 0
         while shed < size and self.evict_first is not None:

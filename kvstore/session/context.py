@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, 
 from dataclasses import dataclass
 
 from kvstore.eviction.policies import EvictionPolicy
-from kvstore.placement.blocks import Blocks
+from kvstore.placement.blocks import Blocks, WriteHook
 from kvstore.placement.locks import KeyedLocks
 from kvstore.placement.refcount import RefLedger
 from kvstore.placement.stack import TierStack
@@ -63,9 +63,11 @@ class StoreContext:
     @classmethod
     def build(cls, tiers: Sequence[Tier], meta: MetaStore,
               policy: Callable[[], EvictionPolicy], quotas: Quotas, options: StoreOptions,
-              spawn: Callable[[Awaitable], None]) -> StoreContext:
-        """The parts over ``tiers`` (highest first) and ``meta``, wired to one ``Wiring``.
-        Call on the loop the manager runs on (the write-back workers start here)."""
+              spawn: Callable[[Awaitable], None], hook: WriteHook | None = None
+              ) -> StoreContext:
+        """The parts over ``tiers`` (highest first) and ``meta``, wired to one ``Wiring``;
+        ``hook``: told of every write that stores chunks (``Blocks.admitting``). Call on
+        the loop the manager runs on (the write-back workers start here)."""
         events = Wiring()
         counters, locks, usage = Counters(), KeyedLocks(), UsageLedger()
         ledger = RefLedger(meta, events)
@@ -80,7 +82,7 @@ class StoreContext:
                               size_of=index.size, events=events)
         catalog = Catalog(meta, ledger, usage, events)
         blocks = Blocks(stack, ledger, locks, counters, io_concurrency=options.io_concurrency,
-                        retention=retention, events=events)
+                        retention=retention, events=events, hook=hook)
         durability = WriteBackFailures(
             catalog, blocks, counters, spawn=spawn, retry_s=options.writeback_retry_s,
             retry_max_s=options.writeback_retry_max_s, depth=options.writeback_depth,

@@ -65,6 +65,7 @@ from kvstore.eviction.policies import EvictionPolicy, LRUPolicy
 from kvstore.format.errors import InvalidRequest, KVTierError
 from kvstore.format.keys import check_fingerprint, dedupe_scope, iter_chain_keys
 from kvstore.format.registry import get_layout
+from kvstore.placement.blocks import WriteHook
 from kvstore.prefix.chains import LookupResult, longest_prefix
 from kvstore.prefix.fleet_lookup import held_chains
 from kvstore.remote.breaker import tripped
@@ -81,7 +82,7 @@ from kvstore.session.restore import (
     RestoreResult,
     SessionReader,
 )
-from kvstore.session.spill import Spiller, SpillHook, SpillRequest
+from kvstore.session.spill import Spiller, SpillRequest
 from kvstore.tiers.base import Buffer, MemoryMetaStore, MetaStore, Tier, TierStats
 
 log = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ class TierManager:
         policy: Callable[[], EvictionPolicy] = LRUPolicy,
         config: ManagerConfig = MANAGER_PRESETS["default"],
         quotas: Quotas = Quotas(),
-        spill_hook: SpillHook | None = None,
+        write_hook: WriteHook | None = None,
     ) -> None:
         """Use ``await TierManager.open(...)``.
 
@@ -151,8 +152,8 @@ class TierManager:
         counts live (the disk tier's ``meta`` for durability); ``policy``: a factory
         called once per tier (``LRUPolicy``, ``HintPolicy`` or any ``EvictionPolicy``);
         ``quotas``: per-tenant limits (default: none; usage is counted all the same);
-        ``spill_hook``: runs around every spill (the encrypting tiers' domain claims,
-        ``kvstore.encryption.claims``).
+        ``write_hook``: told of every write that stores chunks, spill or WriteChunks (the
+        encrypting tiers' domain claims, ``kvstore.encryption.claims``).
         """
         names = [tier.name for tier in tiers]
         if not tiers or len(set(names)) != len(names):
@@ -166,13 +167,12 @@ class TierManager:
             retain=config.retain_unreferenced, retain_ttl_s=config.retain_ttl_s,
             writeback_depth=config.writeback_depth, writeback_workers=config.writeback_workers,
             writeback_retry_s=config.writeback_retry_s,
-            writeback_retry_max_s=config.writeback_retry_max_s), self._spawn)
+            writeback_retry_max_s=config.writeback_retry_max_s), self._spawn, write_hook)
         self.counters = store.counters
         self._expiry: asyncio.Task | None = None  # frees retained chunks past their TTL
-        self.spill_hook = spill_hook
+        self.write_hook = write_hook
         durable_meta = not isinstance(meta, MemoryMetaStore)
-        self._spiller = Spiller(store, pauses=self._pauses, hook=spill_hook,
-                                durable_meta=durable_meta)
+        self._spiller = Spiller(store, pauses=self._pauses, durable_meta=durable_meta)
         self._restorer = Restorer(store, lookahead=config.restore_lookahead)
         self._prefix = PrefixChunks(store, self._restorer, durable_meta=durable_meta)
         self._maintenance = Maintenance(store)

@@ -19,9 +19,12 @@ chunk is readable here). Rules:
   retained chunks of the domain that the room needs first. Past the tenant's
   ``memory_bytes`` room the chunks start below the memory tiers. A shared domain's count
   against no tenant's quota.
+- Chunks are admitted as a spill's, through ``Blocks.admitting`` (the encrypting
+  tiers learn their domain there).
 - Acks as a spill's: "memory" once every chunk is in some tier (queued for write-back
   to a durable one, ``WriteBack`` of no session); "durable" once each is on a durable
-  tier and its mark committed.
+  tier and its mark committed (a chunk whose durable copy failed is not kept
+  anywhere: ``Blocks.store``).
 - A read never fails for one chunk: a chunk held nowhere intact, or not of the expected
   digest, comes back with the reason (``MISSING_REASONS``) and the others are read.
   Reads count and promote as a restore's (``Restorer.read_blocks``) and make retained
@@ -58,7 +61,7 @@ from kvstore.format.keys import (
 )
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.registry import get_layout
-from kvstore.placement.blocks import ChunkOutcome
+from kvstore.placement.blocks import BlockWrite, ChunkOutcome
 from kvstore.placement.writeback import WriteBack
 from kvstore.session.context import StoreContext
 from kvstore.session.manifest import check_name
@@ -159,11 +162,12 @@ class PrefixChunks:
         else:
             checked()
         own = r.dedupe_domain is None
-        with await self._admit(r.tenant, scope, sent, keys, own) as admitted:
-            outcomes, sizes = await self._place(spec, tokens, r, keys, admitted)
-        for key, outcome in zip(keys, outcomes, strict=True):
-            if outcome.needs_writeback:
-                await store.durability.queue.submit(WriteBack(key, r.tenant, "", 0))
+        with store.blocks.admitting(BlockWrite(scope, spec.layout_hash, tuple(keys))):
+            with await self._admit(r.tenant, scope, sent, keys, own) as admitted:
+                outcomes, sizes = await self._place(spec, tokens, r, keys, admitted)
+            for key, outcome in zip(keys, outcomes, strict=True):
+                if outcome.needs_writeback:
+                    await store.durability.queue.submit(WriteBack(key, r.tenant, "", 0))
         tops = [holders[0] for holders in map(store.stack.holders, keys) if holders]
         deduped = sum(outcome.held for outcome in outcomes)
         return ChunksWritten(tuple(chains[first:]), len(keys) - deduped, deduped,

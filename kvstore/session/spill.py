@@ -7,8 +7,8 @@ write-back (an "in memory" ack). Rules: ``TierManager``, ``kvstore.placement.sta
 for admission ``kvstore.session.quota``. Chunks are named by block key (chain key and the
 digest of the bytes, ``kvstore.format.keys``): a dedupe is a byte-for-byte match within
 the spill's dedupe domain, and other bytes for one chain key are a version of their own.
-A ``SpillHook`` (the encrypting tiers' domain claims, ``kvstore.encryption.claims``) runs
-around every spill.
+A spill's chunks are admitted through ``Blocks.admitting`` once its checks proved
+their keys (the write hook learns their domain there).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Protocol
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -37,7 +37,7 @@ from kvstore.format.hints import ResumeHint
 from kvstore.format.keys import check_fingerprint, chunk_digest, dedupe_scope, token_bytes
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.registry import get_layout
-from kvstore.placement.blocks import ChunkOutcome
+from kvstore.placement.blocks import BlockWrite, ChunkOutcome
 from kvstore.placement.stack import WINDOW_PREFIX
 from kvstore.placement.writeback import WriteBack
 from kvstore.session.context import StoreContext
@@ -86,14 +86,6 @@ class SpillRequest:
                 + (len(self.window) if self.window is not None else 0))
 
 
-class SpillHook(Protocol):
-    """Runs around every spill: ``before`` it is checked, ``after`` it ended either way."""
-
-    def before(self, request: SpillRequest) -> None: ...
-
-    def after(self, request: SpillRequest, store: StoreContext) -> None: ...
-
-
 class Admission(NamedTuple):
     reservation: Reservation  # released once the manifest is committed, or the spill failed
     start: int  # the first tier the sent chunks may take
@@ -102,12 +94,11 @@ class Admission(NamedTuple):
 
 class Spiller:
     def __init__(self, store: StoreContext, *, pauses: PauseEstimator | None,
-                 durable_meta: bool, hook: SpillHook | None = None) -> None:
+                 durable_meta: bool) -> None:
         """``pauses``: infers hints for spills without one (None: no inference);
         ``durable_meta``: whether manifests survive a restart (a durable ack needs it)."""
         self._store = store
         self._pauses = pauses
-        self._hook = hook
         self._can_ack_durable = durable_meta and bool(store.blocks.durable)
         self._below = memory_floor(store.stack)
         self._placed_in_memory = store.stack.tiers[0].holds_window  # placement starts at 0
@@ -122,15 +113,13 @@ class Spiller:
         ``StaleGeneration``. If no tier holds a chunk named by key intact,
         ``ChunksNotHeld`` names them and nothing is stored.
         """
-        if self._hook is None:
-            return await self._spill(request)
-        self._hook.before(request)
-        try:
-            return await self._spill(request)
-        finally:
-            self._hook.after(request, self._store)
+        spec, tokens, scope, digest = await self._checked(request)
+        with self._store.blocks.admitting(BlockWrite(scope, spec.layout_hash, tuple(request.keys))):
+            return await self._spill(request, spec, tokens, scope, digest)
 
-    async def _spill(self, r: SpillRequest) -> SessionManifest:
+    async def _checked(self, r: SpillRequest) -> tuple[LayoutSpec, np.ndarray, str, str]:
+        """The spill checked whole (``check_spill``): its layout, token ids, dedupe scope
+        and content digest."""
         tenant, session_id, generation, ack = r.tenant, r.session_id, r.generation, r.ack
         check_name("tenant", tenant)
         check_name("session_id", session_id)
@@ -144,17 +133,22 @@ class Spiller:
         tokens = np.frombuffer(token_bytes(r.token_ids), dtype="<u4")
         check_fingerprint(r.model_fingerprint)
         scope = dedupe_scope(tenant, r.dedupe_domain)
-        keys = r.keys
 
         def checked() -> str:
             check_spill(spec, tokens, r.chunks, r.tail, r.window, scope=scope,
                         model_fingerprint=r.model_fingerprint)
             return _content_digest(spec.layout_id, r.model_fingerprint, scope, ack, tokens,
-                                   keys, r.tail, r.window)
+                                   r.keys, r.tail, r.window)
 
         # Every byte is hashed: a large spill is checked off the event loop.
         digest = (await asyncio.to_thread(checked) if r.sent_bytes > CHECK_ON_LOOP_BYTES
                   else checked())
+        return spec, tokens, scope, digest
+
+    async def _spill(self, r: SpillRequest, spec: LayoutSpec, tokens: np.ndarray, scope: str,
+                     digest: str) -> SessionManifest:
+        tenant, session_id, generation, ack = r.tenant, r.session_id, r.generation, r.ack
+        keys = r.keys
         async with self._store.catalog.write(tenant, session_id):
             old = await self._store.catalog.load(tenant, session_id)
             if old is not None and generation == old.generation:

@@ -57,6 +57,13 @@ class Tier(abc.ABC):
     def free_bytes(self) -> int:
         return max(0, self.capacity_bytes - self.used_bytes)
 
+    def medium_full(self) -> bool:
+        """Whether the medium under this tier is full past what its own capacity says (a
+        disk shared with other files, ``kvstore.tiers.disk.headroom``): a put refused there
+        sheds every chunk retained in the tier (``TierStack.shed``), so what deletes left
+        as cache gives the space back."""
+        return False
+
     @abc.abstractmethod
     async def put(self, key: str, value: Buffer, *, ttl_s: float | None = None) -> None:
         """Store ``value`` whole under ``key`` (replacing any old value) or raise.

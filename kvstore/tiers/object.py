@@ -106,6 +106,9 @@ class ObjectTier(Tier):
     def used_bytes(self) -> int:
         return self._used
 
+    def medium_full(self) -> bool:
+        return isinstance(self._store, LocalDirStore) and self._store.full()
+
     def s3_location(self) -> tuple[object, str, str]:
         """(boto3 client, bucket, prefix) of an S3 tier, for records kept beside its
         chunks (kvstore.fleet.shared_meta); ``InvalidRequest`` for a local directory."""

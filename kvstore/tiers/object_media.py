@@ -20,6 +20,7 @@ from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError,
 
 from kvstore.format.errors import InvalidRequest
 from kvstore.tiers.base import Buffer
+from kvstore.tiers.disk.headroom import DEFAULT_RESERVE_BYTES, PAGE_BYTES, check_room, medium_full
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,9 @@ class ObjectTierConfig:
     shared: bool = False
     # Local directory only:
     fsync: bool = True
+    # Free space a put leaves on the directory's medium (``kvstore.tiers.disk.headroom``):
+    # it is the data directory's, whose disk tier needs the reserve to delete and reclaim.
+    reserve_bytes: int = DEFAULT_RESERVE_BYTES
     # Reads up to this size run on the event loop: from the page cache such a read costs
     # less than a hand-off to a worker thread. 0 for slow or network disks.
     inline_read_bytes: int = 4 << 20
@@ -88,6 +92,7 @@ class LocalDirStore:
 
     def __init__(self, root: Path, config: ObjectTierConfig) -> None:
         self.root, self.fsync, self.tmp = root, config.fsync, root / ".tmp"
+        self.reserve_bytes = config.reserve_bytes
         self.inline_read_bytes = config.inline_read_bytes
         self.tmp.mkdir(parents=True, exist_ok=True)
         for debris in self.tmp.iterdir():  # temp files of writes a crash interrupted
@@ -108,7 +113,13 @@ class LocalDirStore:
         finally:
             os.close(fd)
 
+    def full(self) -> bool:
+        return medium_full(self.root, self.reserve_bytes)
+
     def put(self, name: str, data: Buffer) -> None:
+        # the file's blocks and its directory entry, counted whole
+        check_room(self.root, memoryview(data).nbytes + PAGE_BYTES, self.reserve_bytes,
+                   "object tier")
         final = self._path(name)
         if not final.parent.is_dir():
             final.parent.mkdir(exist_ok=True)

@@ -190,7 +190,7 @@ async def migrate(config, data_dir: Path) -> MigrateReport:
     if keyring is not None:  # sealed for the domain the source's sealed copy names
         from kvstore.encryption.tiers import EncryptedTier
 
-        chunks = EncryptedTier(meta.tier, keyring, manager.spill_hook.domains)
+        chunks = EncryptedTier(meta.tier, keyring, manager.write_hook.domains)
     report, done = MigrateReport(), {}
     gate = asyncio.Semaphore(_CONCURRENCY)
 

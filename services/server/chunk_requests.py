@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstore.format.checks import check_token_ids, chunk_bytes_max
+from kvstore.format.checks import check_token_ids, check_written_version, chunk_bytes_max
 from kvstore.format.chunk import checked_header, tokens_hash
 from kvstore.format.errors import CodecError, InvalidRequest, shown
 from kvstore.format.hints import ResumeHint
@@ -114,6 +114,7 @@ class IncomingChunks:
         except (CodecError, InvalidRequest) as exc:
             raise InvalidRequest(f"chunk {index} is not a valid chunk of layout {spec.name}: "
                                  f"{exc}") from exc
+        check_written_version(f"chunk {index}", header)
         size, tokens = spec.chunk_tokens, self.scope.tokens
         start = index * size
         if header.ephemeral or header.start_token != start or header.num_tokens != size:

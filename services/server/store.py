@@ -186,7 +186,7 @@ async def open_manager(config: ServerConfig) -> TierManager:
 
             hook = DomainClaims(domains)
         return await TierManager.open(tiers, meta, policy=policy, config=manager_config(config),
-                                      quotas=Quotas.from_tables(config.quota), spill_hook=hook)
+                                      quotas=Quotas.from_tables(config.quota), write_hook=hook)
     except BaseException as exc:
         for tier in tiers:
             await tier.close()

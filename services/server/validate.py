@@ -17,8 +17,14 @@ from typing import TypeVar
 
 import numpy as np
 
-from kvstore.format.checks import check_part, check_token_ids, chunk_bytes_max, window_bytes_max
-from kvstore.format.chunk import VERSION, checked_header, split_chunks, tokens_hash
+from kvstore.format.checks import (
+    check_part,
+    check_token_ids,
+    check_written_version,
+    chunk_bytes_max,
+    window_bytes_max,
+)
+from kvstore.format.chunk import checked_header, split_chunks, tokens_hash
 from kvstore.format.errors import CodecError, InvalidRequest, PermissionDenied, shown
 from kvstore.format.hints import ResumeHint
 from kvstore.format.keys import (
@@ -193,10 +199,7 @@ class IncomingSpill:
         except (CodecError, InvalidRequest) as exc:  # corrupt, or another layout's
             raise InvalidRequest(f"{what} is not a valid chunk of layout {self.spec.name}: "
                                  f"{exc}") from exc
-        if header.version != VERSION:
-            raise InvalidRequest(f"{what} is in chunk format version {header.version}, which "
-                                 f"this server still reads from storage but no longer accepts "
-                                 f"in a Spill: encode format version {VERSION}")
+        check_written_version(what, header)
         if header.ephemeral != ephemeral:
             kind = "window (ephemeral)" if ephemeral else "persistent"
             raise InvalidRequest(f"{what} must hold the {kind} streams")

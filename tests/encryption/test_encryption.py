@@ -6,6 +6,7 @@ readable; the key never shows in the config's summary, repr or the startup log."
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 import os
 
@@ -15,9 +16,15 @@ import redis
 
 from kvstore.encryption.seal import Keyring, MasterKey, keyring_from_file, read_header
 from kvstore.format.errors import ChunkCorrupt, DataLoss, InvalidRequest
+from kvstore.format.keys import split_block_key
+from kvstore.session.prefix_chunks import ChunkWrite
+from kvtier import AsyncClient
+from kvtier import codec as cc
 from services.server.config_load import load_config
 from services.server.store import open_manager
-from tests.support.manager import make_session
+from tests.support.fleet import shared_config
+from tests.support.manager import TINY, make_session
+from tests.support.service import LAYOUT, running_server, streams_for, tokens_for
 
 KEY_A = base64.b64encode(bytes(range(32))).decode()
 KEY_B = base64.b64encode(bytes(range(100, 132))).decode()
@@ -220,3 +227,76 @@ async def test_startup_log_names_the_key_ids_not_the_key(tmp_path, caplog, manag
     manager = managers.adopt(await open_manager(config_for(tmp_path, KEY_A)))
     await managers.close(manager)
     assert "encryption at rest: on" in caplog.text and KEY_A not in caplog.text
+
+
+def _prefix(count: int, seed: int):
+    """(tokens, encoded chunks) of ``count`` whole chunks of the service tests' layout."""
+    tokens = cc.as_tokens(tokens_for(count * LAYOUT.chunk_tokens, seed=seed))
+    streams = streams_for(LAYOUT, count * LAYOUT.chunk_tokens, seed=seed)
+    return tokens, cc.encode_chunks(LAYOUT, tokens, streams)
+
+
+async def test_written_chunks_are_sealed_and_survive_a_restart_with_either_ack(tmp_path):
+    """WriteChunks names its chunks' domain to the encrypting tiers as a spill does: the
+    old main failed every durable ack (UNAVAILABLE, the domain unknown) and wrote back no
+    memory-acked chunk, so after a restart ReadChunks found none."""
+    key_file = tmp_path / "keys.toml"
+    key_file.write_text(f'[[key]]\nid = "2026-11"\nmaterial = "{KEY_A}"\n')
+    sealed = {"encryption_key_file": str(key_file)}
+    durable, memory = _prefix(4, seed=1), _prefix(4, seed=2)
+    async with running_server(tmp_path / "data", **sealed) as (server, target), \
+            AsyncClient(target) as kv:
+        for (tokens, chunks), ack in ((durable, "durable"), (memory, "memory")):
+            written = await kv.write_chunks("acme", LAYOUT.name, tokens, chunks, ack=ack)
+            assert written.chunks_written == 4 and written.durable == (ack == "durable")
+        await server.manager.drain()
+        assert server.manager.counters.writeback_failed == 0
+    wanted = [bytes(c[len(c) // 2: len(c) // 2 + 48]) for _, chunks in (durable, memory)
+              for c in chunks]
+    assert files_hold(tmp_path / "data", wanted) == []  # on disk, sealed
+    async with running_server(tmp_path / "data", **sealed) as (_, target), \
+            AsyncClient(target) as kv:
+        for tokens, chunks in (durable, memory):
+            got = await kv.read_chunks("acme", LAYOUT.name, tokens)
+            assert not got.missing
+            assert [bytes(got.chunks[i]) for i in range(4)] == chunks
+
+
+async def test_a_sealed_fleets_written_chunks_reach_the_bucket(tmp_path, s3_server, s3_bucket,
+                                                               s3_credentials, monkeypatch):
+    """Shared metadata: the bucket is the durable tier; chunks one node wrote (either
+    ack) are read by another node from the bucket, sealed there."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_credentials["aws_access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_credentials["aws_secret_access_key"])
+
+    def node(name: str):
+        return dataclasses.replace(
+            shared_config(tmp_path, s3_server, s3_bucket, s3_credentials["region_name"],
+                          name), encryption_key=KEY_A, retain_unreferenced=True)
+
+    whole = 2 * TINY.chunk_tokens
+    tokens = {"durable": TOKENS[:whole], "memory": TOKENS[:whole] + 64}  # two prefixes
+    sessions = {ack: make_session(tokens[ack], seed=5, window=False, tenant="acme")
+                for ack in tokens}
+    writer = await open_manager(node("a"))
+    try:
+        for ack, session in sessions.items():
+            written = await writer.write_chunks(ChunkWrite(
+                tenant="acme", layout_id=TINY.layout_id, token_ids=tokens[ack],
+                first_chunk=0, digests=[split_block_key(k)[1] for k, _ in session["chunks"]],
+                chunks={i: data for i, (_, data) in enumerate(session["chunks"])}, ack=ack))
+            assert written.written == len(session["chunks"])
+        await writer.drain()
+        assert writer.counters.writeback_failed == 0
+    finally:
+        await writer.close()
+    reader = await open_manager(node("b"))
+    try:
+        for ack, session in sessions.items():
+            got = await reader.read_chunks("acme", TINY.layout_id, tokens[ack], first_chunk=0,
+                                           count=len(session["chunks"]))
+            assert [r.missing for r in got] == [""] * len(got), ack
+            assert [bytes(r.data) for r in got] == [d for _, d in session["chunks"]]
+            assert {r.tier for r in got} == {"object"}
+    finally:
+        await reader.close()

@@ -1,7 +1,8 @@
 """A disk outage must not look like a full disk: after one EIO the tier stack
 skips the disk tier for its cooldown, and a durable spill in that window is
 TierUnavailable (UNAVAILABLE: retry later), not TierFull (RESOURCE_EXHAUSTED: free
-space); once the cooldown ends the healed disk takes spills again."""
+space); once the cooldown ends the healed disk takes spills again. A durable write the
+disk refuses leaves nothing a lookup or read finds."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import errno
 import pytest
 
 from kvstore.format.errors import TierFull, TierUnavailable
+from kvstore.format.keys import split_block_key
+from kvstore.format.registry import get_layout
 from kvstore.session.manager import MANAGER_PRESETS, TierManager
+from kvstore.session.prefix_chunks import ChunkWrite
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
 from testing.faultfs import FaultyFileSystem
@@ -73,4 +77,36 @@ async def test_a_truly_full_durable_tier_is_still_full(tmp_path, managers):
     assert manager.store.stack.up(manager.store.stack.index(disk.name))
     fs.heal()
     await spill(manager, "room-again", 1)
+    await managers.close(manager)
+
+
+@pytest.mark.parametrize("call", ["spill", "write_chunks"])
+async def test_a_durable_write_the_disk_refuses_leaves_nothing_visible(tmp_path, call, managers):
+    """Every write path: a durable ack the disk cannot give is refused, and the copies
+    it put in host memory go with it (the old main kept them there as cache, so Lookup
+    reported them held and ReadChunks returned bytes never acknowledged)."""
+    fs = FaultyFileSystem()
+    disk = DiskTier(tmp_path, 1 << 26, segment_bytes=1 << 16, fs=fs)
+    config = dataclasses.replace(MANAGER_PRESETS["default"], retain_unreferenced=True,
+                                 unavailable_cooldown_s=COOLDOWN_S)
+    manager = await managers.open([HostTier(1 << 24, pin_memory=False), disk], disk.meta,
+                                  config=config)
+    args = session_args(crash_layout(), Spill("s", 1, 40))
+    spec = get_layout(args["layout_id"])
+    tokens = args["token_ids"][: len(args["chunks"]) * spec.chunk_tokens]
+    fs.fail("write", errno.EIO, times=None)
+    with pytest.raises(TierUnavailable):
+        if call == "spill":
+            await manager.spill(TENANT, "s", generation=1, ack="durable", **args)
+        else:
+            await manager.write_chunks(ChunkWrite(
+                tenant=TENANT, layout_id=spec.layout_id, token_ids=tokens, first_chunk=0,
+                digests=[split_block_key(key)[1] for key, _ in args["chunks"]],
+                chunks={i: data for i, (_, data) in enumerate(args["chunks"])},
+                ack="durable"))
+    assert not manager.lookup(TENANT, spec.layout_id, tokens).chunks
+    assert all(manager.where(key) == [] for key, _ in args["chunks"])
+    got = await manager.read_chunks(TENANT, spec.layout_id, tokens, first_chunk=0,
+                                    count=len(args["chunks"]))
+    assert {r.missing for r in got} == {"not_held"}
     await managers.close(manager)

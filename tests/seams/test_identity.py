@@ -118,7 +118,7 @@ async def test_the_server_honours_a_chunk_named_by_key_only_with_the_held_digest
 
     async with running_server(tmp_path, **_sealed(tmp_path, sealed)) as (server, target), \
             grpc.aio.insecure_channel(target) as channel:
-        assert isinstance(server.manager.spill_hook, DomainClaims) == sealed
+        assert isinstance(server.manager.write_hook, DomainClaims) == sealed
         stub = pb_grpc.KVTierStub(channel)
         await stub.Spill(messages(raw_spill_header(pb.SessionRef(tenant="acme", session_id="a"),
                                                    TOKENS, a),

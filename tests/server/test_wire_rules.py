@@ -1,17 +1,19 @@
 """The server against the byte-level rules of docs/wire-format.md that a client cannot
 check alone: the order and the chunk tables of a layer-by-layer Restore (the tail as
-sections), the pending rows' token count, version 1 chunks (refused in a Spill, still
-read when stored), and List's page tokens."""
+sections), the pending rows' token count, version 1 chunks (refused in a Spill and a
+WriteChunks, still read when stored), and List's page tokens."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 
+from kvstore.format import checks
 from kvstore.format.chunk import encode_chunk
-from kvstore.format.errors import ERROR_KEY
+from kvstore.format.errors import ERROR_KEY, InvalidRequest
 from kvstore.format.keys import block_key, chunk_digest, dedupe_scope
 from kvstore.format.layer_sections import LayerCheck, section_order
+from kvstore.session.prefix_chunks import ChunkWrite
 from kvstore.session.spill import SpillRequest
 from kvtier import AsyncClient
 from kvtier.codec import as_tokens, encode_session, encode_window
@@ -95,7 +97,8 @@ async def test_a_window_with_pending_rows_of_another_count_is_refused(tmp_path):
     assert "pending rows" in error.details() and "cover 3 tokens" in error.details()
 
 
-async def test_version_1_chunks_are_refused_in_a_spill_and_still_read_when_stored(tmp_path):
+async def test_version_1_chunks_are_refused_in_a_spill_and_still_read_when_stored(tmp_path,
+                                                                                  monkeypatch):
     tokens, enc = _encoded()
     old = [as_version_1(enc.chunks[i]) for i in range(2)]
     async with running_server(tmp_path) as (server, target), AsyncClient(target) as kv:
@@ -110,7 +113,9 @@ async def test_version_1_chunks_are_refused_in_a_spill_and_still_read_when_store
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert dict(error.trailing_metadata())[ERROR_KEY] == "InvalidRequest"
         assert "chunk 0 is in chunk format version 1" in error.details()
-        # written before version 2 (through the store, as the server then accepted it)
+        # written before version 2, through the store as a server then accepted it
+        # (this build's store refuses it too: the one version rule, suspended here)
+        monkeypatch.setattr(checks, "check_written_version", lambda what, header: None)
         await server.servicer.manager.spill_request(SpillRequest(
             tenant="acme", session_id="old", layout_id=LAYOUT.layout_id, generation=1,
             token_ids=tokens, tail=enc.tail, ack="durable",
@@ -120,6 +125,24 @@ async def test_version_1_chunks_are_refused_in_a_spill_and_still_read_when_store
         restored = await kv.restore("acme", "old")
     assert [bytes(c) for c in restored.chunks] == old
     assert restored.persistent["enc.latent"].codes.shape[1] == TOKENS // 4
+
+
+async def test_version_1_chunks_are_refused_in_write_chunks_by_the_same_rule(tmp_path):
+    """The old main stored them, so a later Spill could name one by key and a
+    layer-by-layer Restore send a version 1 table that section 3 does not describe."""
+    tokens, enc = _encoded(2 * LAYOUT.chunk_tokens)
+    old = [as_version_1(enc.chunks[i]) for i in range(2)]
+    async with running_server(tmp_path) as (server, target), AsyncClient(target) as kv:
+        with pytest.raises(InvalidRequest, match="chunk 1 is in chunk format version 1"):
+            await kv.write_chunks("acme", LAYOUT.name, tokens, [enc.chunks[0], old[1]])
+        # the store itself, below the transport's early check, by the very rule
+        with pytest.raises(InvalidRequest, match="chunk 0 is in chunk format version 1"):
+            await server.manager.write_chunks(ChunkWrite(
+                tenant="acme", layout_id=LAYOUT.layout_id, token_ids=tokens, first_chunk=0,
+                digests=[chunk_digest(c) for c in old], chunks=dict(enumerate(old))))
+        assert await kv.lookup("acme", LAYOUT.name, tokens) == 0
+        got = await kv.read_chunks("acme", LAYOUT.name, tokens)
+        assert set(got.missing.values()) == {"not_held"}
 
 
 async def test_list_page_tokens(tmp_path):

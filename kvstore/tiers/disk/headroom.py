@@ -12,7 +12,9 @@ Only what frees space uses the reserve: value deletes, metadata commits that del
 (tombstones, and the reference counts and retention marks that go with them), and a
 segment rewrite, which frees more than it writes and may take half of the reserve, so
 deletes always find the other half. The disk tier's own ``capacity_bytes`` is counted
-separately.
+separately. The object tier in a local directory (``data_dir/objects``, the same medium)
+leaves the reserve as well: a chunk that a full medium sheds from the disk tier moves
+down there, and would otherwise take the very space its delete was to give back.
 """
 
 from __future__ import annotations
@@ -56,12 +58,18 @@ def free_bytes(path: Path) -> int:
     return stat.f_bavail * stat.f_frsize
 
 
-def check_room(path: Path, nbytes: int, reserve_bytes: int) -> None:
+def medium_full(path: Path, reserve_bytes: int) -> bool:
+    """Whether ``path``'s medium is within one reserve of refusing writes (less than twice
+    ``reserve_bytes`` free): cache kept there should give the space back."""
+    return reserve_bytes > 0 and free_bytes(path) < 2 * reserve_bytes
+
+
+def check_room(path: Path, nbytes: int, reserve_bytes: int, who: str = "disk tier") -> None:
     """``TierFull`` unless ``nbytes`` more leave ``reserve_bytes`` free on ``path``'s medium
-    (nothing asked is always granted: that is what deletes ask)."""
+    (nothing asked is always granted: that is what deletes ask); ``who`` writes."""
     if reserve_bytes <= 0 or nbytes <= 0:
         return
     free = free_bytes(path)
     if free - nbytes < reserve_bytes:
-        raise TierFull(f"disk tier: the medium has {free} bytes free, and {reserve_bytes} "
+        raise TierFull(f"{who}: the medium has {free} bytes free, and {reserve_bytes} "
                        f"stay reserved for deletes and reclamation ({nbytes} asked)")

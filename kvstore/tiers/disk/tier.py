@@ -37,7 +37,12 @@ from kvstore.format.errors import (
 from kvstore.tiers.base import Buffer, Tier
 from kvstore.tiers.disk import admission, batch, metalog
 from kvstore.tiers.disk.fs import OS, FileSystem
-from kvstore.tiers.disk.headroom import DEFAULT_RESERVE_BYTES, check_room, index_growth
+from kvstore.tiers.disk.headroom import (
+    DEFAULT_RESERVE_BYTES,
+    check_room,
+    index_growth,
+    medium_full,
+)
 from kvstore.tiers.disk.index import (
     DeleteOp,
     DiskIndex,
@@ -146,6 +151,9 @@ class DiskTier(Tier):
     def used_bytes(self) -> int:
         """Sum of live value lengths: committed (any process) plus this one's pending."""
         return self.pipeline.committed_totals()[0] + self.pipeline.pending_delta
+
+    def medium_full(self) -> bool:
+        return medium_full(self.path, self.reserve_bytes)
 
     @property
     def live_bytes(self) -> int:
