@@ -159,7 +159,7 @@ class Spiller:
             old = await self._store.catalog.load(tenant, session_id)
             if old is not None and generation == old.generation:
                 if old.spill_digest == digest and old.receipt is not None:
-                    return old  # a retry of the spill that stored it: answered as before
+                    return self._retried(old)  # a retry of the spill that stored it
                 raise GenerationConflict(
                     f"{tenant}/{session_id}: generation {generation} is already stored with "
                     "other content (token ids, chunk or tail digests, window, model "
@@ -311,6 +311,17 @@ class Spiller:
                   + max(0, grows) - room)
         if excess > 0:
             await self._store.blocks.free(self._store.retention.over_quota(scope, excess, own))
+
+    def _retried(self, stored: SessionManifest) -> SessionManifest:
+        """The answer to a retry of the spill that stored ``stored`` (as loaded: a window
+        evicted since, or lost to a restart, is not named): the first attempt's counts,
+        and where the session is held now, never where it was. ``durable`` stays the
+        first answer's: a durable ack's generation stays durable, and a memory ack's
+        retry promises nothing more."""
+        receipt = dataclasses.replace(
+            stored.receipt, window_kept=stored.window_key is not None,
+            tier=self._top_tier(stored.chunk_keys) or stored.window_tier or "")
+        return stored.evolve(receipt=receipt)
 
     def _top_tier(self, keys: Sequence[str]) -> str:
         """The highest tier holding any of ``keys`` ("" when none is)."""

@@ -151,8 +151,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         except CodecError as exc:
             raise InvalidRequest(f"spilled bytes do not verify: {exc}") from exc
         self.metrics.spill_seconds.observe(time.perf_counter() - started)
-        # What the spill that stored this generation answered (this one, or the first
-        # attempt of a retry whose reply was lost).
+        # The counts of the spill that stored this generation (this one, or the first
+        # attempt of a retry whose reply was lost); tier and window as held now.
         receipt = manifest.receipt
         return pb.SpillReply(
             generation=manifest.generation, tier=receipt.tier,
