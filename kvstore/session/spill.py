@@ -343,9 +343,10 @@ class Spiller:
         """Keep a window rebuilt for the session as stored by a replay of
         ``replayed_tokens`` tokens, so the next resume need not replay again.
 
-        Only the window changes: generation, token ids and chunks stay as they are. It
-        replaces only a window of smaller ``window_coverage`` (a short replay never
-        stands in for a longer one or the engine's own): one held here that covers as
+        Only the window changes: generation, token ids and chunks stay as they are. A
+        partial window (a replay of fewer than ``min(W, num_tokens)`` tokens) is never
+        kept. It replaces only a window of smaller ``window_coverage`` (a short replay
+        never stands in for a longer one or the engine's own): one held here that covers as
         much stays, and its tier is returned; one in another node's memory (a fleet)
         stays named unless this one covers as much (then the session's window moves
         here). The blob lives in a window tier (hbm, host) or nowhere: returns the tier
@@ -374,6 +375,14 @@ class Spiller:
             held = old is not None and self._store.stack.holders(old)
             if held and manifest.window_coverage >= coverage:
                 return manifest.window_tier  # as good or better already (another resume's)
+            if coverage < min(spec.window_tokens, n):
+                # A partial window (fewer rows than a full one) is the Resume's answer,
+                # never the session's: kept, a Restore would serve it as the window while
+                # a Resume with a longer R rebuilds it. Without it, both say "replay".
+                log.info("rebuilt window of %s/%s not kept: a replay of %d tokens is "
+                         "partial (W = %d)", tenant, session_id, replayed_tokens,
+                         spec.window_tokens)
+                return None
             if manifest.remote_window is not None and manifest.window_coverage > coverage:
                 log.info("rebuilt window of %s/%s not kept: node %s holds one of coverage "
                          "%d > %d", tenant, session_id, manifest.node_id,
