@@ -8,11 +8,11 @@ copied by ``kvstore.tiers.disk.snapshot`` beside a running server), ``objects/``
 local object tier, when there is one), ``layouts.json``, and last ``backup.json``: the
 format version, when, from where, every file with its size and BLAKE2b digest, the
 counts of sessions and chunks, and the census a restore is checked against
-(``services.cli.backup_census``: each session, the chunks, the segments). A directory without ``backup.json`` is not a backup.
-Encrypted values are copied as stored (no key is needed). With ``--bucket`` a fleet's
-bucket prefix is backed up instead (``services.cli.backup_bucket``; S3 credentials as
-boto3 finds them). ``docs/backup.md`` says what a backup covers; ``kvtier
-restore-backup`` restores and verifies one.
+(``services.cli.backup_census``: each session, the chunks, the segments). A directory
+without ``backup.json`` is not a backup. Encrypted values are copied as stored (no key
+is needed). With ``--bucket`` a fleet's bucket prefix is backed up instead
+(``services.cli.backup_bucket``; S3 credentials as boto3 finds them). ``docs/backup.md``
+says what a backup covers; ``kvtier restore-backup`` restores and verifies one.
 
 Exit status: 0 written, 2 bad arguments (no disk tier, BACKUP not empty or inside D,
 not an s3:// URL),
