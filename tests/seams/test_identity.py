@@ -229,7 +229,7 @@ def _window():
     return encode_window(LAYOUT, TOKENS, window_for(LAYOUT, N))
 
 
-# -- replayers serve the fingerprint of the weights they loaded --
+# -- replayers serve the fingerprint of the model they loaded --
 
 
 def test_a_model_fingerprint_is_computed_from_every_weight_and_its_config():
