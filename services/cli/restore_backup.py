@@ -86,8 +86,6 @@ def check_backup(backup: Path, kind: str = "data_dir") -> tuple[list[dict], dict
     """The files ``backup.json`` lists, each checked, and its census (None in a version
     1 backup); ``InvalidRequest`` when it is not a backup of ``kind`` or holds a link,
     ``DataLoss`` naming the first file that is missing or differs."""
-    if backup.is_symlink():
-        raise InvalidRequest(f"{backup} is a symbolic link: give the backup directory itself")
     try:
         manifest = json.loads((backup / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
@@ -99,6 +97,10 @@ def check_backup(backup: Path, kind: str = "data_dir") -> tuple[list[dict], dict
         raise InvalidRequest(f"{backup} is a backup of a {manifest.get('kind')}: restore it "
                              f"to {other}")
     census = backup_census.read(manifest)
+    if census is None:
+        print(f"kvtier restore-backup: {backup} is a version 1 backup, without a census: "
+              "a segment or manifest lost together with its line in backup.json cannot be "
+              "told from one never there", file=sys.stderr)
     _only_regular(backup)
     for entry in manifest["files"]:
         path = backup / entry["path"]
