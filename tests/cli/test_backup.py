@@ -251,3 +251,17 @@ def test_a_linked_segment_is_refused_even_with_its_digest(tmp_path):
     segment.unlink()
     elsewhere.rename(segment)  # put back: the intact backup restores
     assert report(kvtier("restore-backup", str(out), str(target), "--json"))["restored"]
+
+
+def test_a_version_1_backup_without_a_census_restores_with_a_warning(tmp_path):
+    data, out, target = tmp_path / "data", tmp_path / "backup", tmp_path / "restored"
+    asyncio.run(fill(data, delete=()))
+    backup(data, out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    del manifest["census"]
+    (out / MANIFEST).write_text(json.dumps(manifest | {"version": 1}))
+    done = kvtier("restore-backup", str(out), str(target), "--json")
+    assert report(done)["restored"] and "without a census" in done.stderr
+    (out / MANIFEST).write_text(json.dumps(manifest))  # version 2 needs one
+    refused = kvtier("restore-backup", str(out), str(tmp_path / "again"))
+    assert refused.returncode == 2 and "census" in refused.stderr
