@@ -85,9 +85,9 @@ class RestoredSession:
 
     @property
     def window_partial(self) -> bool:
-        """The window came from a replay shorter than the layout's window W: it holds
-        only ``window_replayed_tokens`` of the ``min(W, num_tokens)`` tokens a full one
-        does (a Resume with a larger ``replay_tokens`` rebuilds it)."""
+        """The window came from this Resume's replay, shorter than the layout's window W:
+        it holds only ``window_replayed_tokens`` of the ``min(W, num_tokens)`` tokens a
+        full one does (the server does not keep it: the next call replays again)."""
         full = min(self.layout.window_tokens, len(self.token_ids))
         return self.window_blob is not None and 0 < self.window_replayed_tokens < full
 

@@ -72,8 +72,9 @@ class TransformersReplayWorker:
         if not is_deepseek_v4(model.config):
             raise InvalidRequest("the transformers replayer serves deepseek_v4 models")
         self.model = model
-        # of the weights it loaded: a session spilled by other weights is refused
-        self.model_fingerprint = module_fingerprint(model)
+        # of the model it loaded (weights, buffers, config): a session spilled by
+        # another model is refused
+        self.model_fingerprint = module_fingerprint(model, model.config)
         self.default_tokens = default_tokens
         self.max_tokens = max_tokens
         self.layouts = {spec.layout_id: spec for spec in

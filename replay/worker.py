@@ -86,8 +86,9 @@ class ReplayWorker:
         if max_batch < 1:
             raise InvalidRequest(f"max_batch must be at least 1, got {max_batch}")
         self.model = model
-        # of the weights it loaded: a session spilled by other weights is refused
-        self.model_fingerprint = module_fingerprint(model)
+        # of the model it loaded (weights, buffers, config): a session spilled by
+        # another model is refused
+        self.model_fingerprint = module_fingerprint(model, model.cfg)
         self.default_tokens = default_tokens
         self.max_tokens = max_tokens
         self.max_batch = max_batch

@@ -8,8 +8,11 @@ before changing anything (every chunk would look unreferenced, and compaction wo
 collect them).
 
 Chunks no manifest names are kept and reported as orphans: compaction collects them.
-A session whose chunks are not all on disk is reported as incomplete (they may live
-in another tier).
+A session whose chunks are not all on disk is reported as incomplete, with the chunks
+the disk lacks (they may live in another tier); ``RepairReport.settle`` then names the
+sessions lost: a chunk held neither on disk nor by the tiers that were listed, or a
+manifest that does not decode. What the log names and the rebuild cannot give back is
+data loss, never a clean repair.
 """
 
 from __future__ import annotations
@@ -37,10 +40,25 @@ class RepairReport(Rebuild):
     incomplete: list[str] = field(default_factory=list)  # with chunks not on disk
     orphans: list[str] = field(default_factory=list)  # chunk keys no manifest names
     corrupt_manifests: list[str] = field(default_factory=list)
+    # incomplete sessions' chunks not on disk, by session
+    not_on_disk: dict[str, list[str]] = field(default_factory=dict)
+    # settle's: "tenant/session: key" for each chunk held nowhere, "name (manifest)" for each
+    # manifest that does not decode
+    lost: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def settle(self, held_elsewhere: set[str]) -> list[str]:
+        """Name what the log holds that the repair did not give back: each chunk of an
+        incomplete session that no other tier holds (``held_elsewhere``: the keys those
+        the caller could list hold), and each corrupt manifest. Sets and returns
+        ``lost``."""
+        self.lost = [f"{session}: {key}" for session, keys in self.not_on_disk.items()
+                     for key in keys if key not in held_elsewhere]
+        self.lost += [f"{name} (manifest)" for name in self.corrupt_manifests]
+        return self.lost
 
 
 def repair(path: str | Path, *, keyring: Keyring | None = None, map_size: int = 64 << 30,
@@ -92,7 +110,9 @@ def _sessions(logged: dict[bytes, bytes], on_disk: set[str], report: RepairRepor
             continue
         refs.update(manifest.chunk_keys)  # as the ledger counts: one per key named
         session = f"{manifest.tenant}/{manifest.session_id}"
-        missing = any(chunk not in on_disk for chunk in manifest.chunk_keys)
+        missing = [chunk for chunk in manifest.chunk_keys if chunk not in on_disk]
         (report.incomplete if missing else report.sessions).append(session)
+        if missing:
+            report.not_on_disk[session] = missing
     report.orphans = sorted(on_disk - set(refs))
     return refs

@@ -153,7 +153,7 @@ class Spiller:
             old = await self._store.catalog.load(tenant, session_id)
             if old is not None and generation == old.generation:
                 if old.spill_digest == digest and old.receipt is not None:
-                    return old  # a retry of the spill that stored it: answered as before
+                    return self._retried(old)  # a retry of the spill that stored it
                 raise GenerationConflict(
                     f"{tenant}/{session_id}: generation {generation} is already stored with "
                     "other content (token ids, chunk or tail digests, window, model "
@@ -306,6 +306,17 @@ class Spiller:
         if excess > 0:
             await self._store.blocks.free(self._store.retention.over_quota(scope, excess, own))
 
+    def _retried(self, stored: SessionManifest) -> SessionManifest:
+        """The answer to a retry of the spill that stored ``stored`` (as loaded: a window
+        evicted since, or lost to a restart, is not named): the first attempt's counts,
+        and where the session is held now, never where it was. ``durable`` stays the
+        first answer's: a durable ack's generation stays durable, and a memory ack's
+        retry promises nothing more."""
+        receipt = dataclasses.replace(
+            stored.receipt, window_kept=stored.window_key is not None,
+            tier=self._top_tier(stored.chunk_keys) or stored.window_tier or "")
+        return stored.evolve(receipt=receipt)
+
     def _top_tier(self, keys: Sequence[str]) -> str:
         """The highest tier holding any of ``keys`` ("" when none is)."""
         tops = [holders[0] for holders in map(self._store.stack.holders, keys) if holders]
@@ -326,9 +337,10 @@ class Spiller:
         """Keep a window rebuilt for the session as stored by a replay of
         ``replayed_tokens`` tokens, so the next resume need not replay again.
 
-        Only the window changes: generation, token ids and chunks stay as they are. It
-        replaces only a window of smaller ``window_coverage`` (a short replay never
-        stands in for a longer one or the engine's own): one held here that covers as
+        Only the window changes: generation, token ids and chunks stay as they are. A
+        partial window (a replay of fewer than ``min(W, num_tokens)`` tokens) is never
+        kept. It replaces only a window of smaller ``window_coverage`` (a short replay
+        never stands in for a longer one or the engine's own): one held here that covers as
         much stays, and its tier is returned; one in another node's memory (a fleet)
         stays named unless this one covers as much (then the session's window moves
         here). The blob lives in a window tier (hbm, host) or nowhere: returns the tier
@@ -357,6 +369,14 @@ class Spiller:
             held = old is not None and self._store.stack.holders(old)
             if held and manifest.window_coverage >= coverage:
                 return manifest.window_tier  # as good or better already (another resume's)
+            if coverage < min(spec.window_tokens, n):
+                # A partial window (fewer rows than a full one) is the Resume's answer,
+                # never the session's: kept, a Restore would serve it as the window while
+                # a Resume with a longer R rebuilds it. Without it, both say "replay".
+                log.info("rebuilt window of %s/%s not kept: a replay of %d tokens is "
+                         "partial (W = %d)", tenant, session_id, replayed_tokens,
+                         spec.window_tokens)
+                return None
             if manifest.remote_window is not None and manifest.window_coverage > coverage:
                 log.info("rebuilt window of %s/%s not kept: node %s holds one of coverage "
                          "%d > %d", tenant, session_id, manifest.node_id,

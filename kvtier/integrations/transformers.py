@@ -23,11 +23,12 @@ rebuilt by bounded replay (``kvstore.format.hf.deepseek_v4``): by the server's r
 (``replay="server"``), by this process's model (``"local"``), or the server's when it has
 one (``"auto"``).
 
-Model identity: both state the model's fingerprint computed from its weights
-(``model_fingerprint(model)``, ``kvstore.format.model_identity``) unless given one
-(``model_fingerprint=``; "" states none), so a session resumes only into the weights
+Model identity: both state the model's fingerprint computed from its weights, buffers
+and config (``model_fingerprint(model)``, ``kvstore.format.model_identity``: the same
+weights with another ``rope_theta`` are another model) unless given one
+(``model_fingerprint=``; "" states none), so a session resumes only into the model
 that spilled it (``ModelMismatch`` otherwise) and the server's replayer rebuilds its
-window only with those weights. Hashing reads every weight once per call: a caller that
+window only with that model. Hashing reads every weight once per call: a caller that
 spills often can compute it once and pass it.
 
 ``async_spill_cache`` / ``async_resume_cache`` take a ``kvtier.AsyncClient``; the model's
@@ -71,8 +72,9 @@ def model_layout(model, bits: int | None = None, *, format: str | None = None) -
 
 
 def model_fingerprint(model) -> str:
-    """The fingerprint of ``model``'s weights (its state dict, in its dtype)."""
-    return module_fingerprint(model)
+    """The fingerprint of ``model``: its weights and buffers (rotary tables included), in
+    their dtype, and the config fields that enter its KV (``model_identity``)."""
+    return module_fingerprint(model, model.config)
 
 
 async def _fingerprint(model, given: str | None) -> str:

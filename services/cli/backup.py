@@ -6,12 +6,13 @@
 Writes the new directory ``BACKUP``: ``disk/`` (the LMDB index and the segments it names,
 copied by ``kvstore.tiers.disk.snapshot`` beside a running server), ``objects/`` (the
 local object tier, when there is one), ``layouts.json``, and last ``backup.json``: the
-format version, when, from where, every file with its size and BLAKE2b digest, and the
-counts of sessions and chunks. A directory without ``backup.json`` is not a backup.
-Encrypted values are copied as stored (no key is needed). With ``--bucket`` a fleet's
-bucket prefix is backed up instead (``services.cli.backup_bucket``; S3 credentials as
-boto3 finds them). ``docs/backup.md`` says what a backup covers; ``kvtier
-restore-backup`` restores and verifies one.
+format version, when, from where, every file with its size and BLAKE2b digest, the
+counts of sessions and chunks, and the census a restore is checked against
+(``services.cli.backup_census``: each session, the chunks, the segments). A directory
+without ``backup.json`` is not a backup. Encrypted values are copied as stored (no key
+is needed). With ``--bucket`` a fleet's bucket prefix is backed up instead
+(``services.cli.backup_bucket``; S3 credentials as boto3 finds them). ``docs/backup.md``
+says what a backup covers; ``kvtier restore-backup`` restores and verifies one.
 
 Exit status: 0 written, 2 bad arguments (no disk tier, BACKUP not empty or inside D,
 not an s3:// URL),
@@ -35,7 +36,7 @@ from kvstore.format.errors import Busy, InvalidRequest, KVTierError
 
 MANIFEST = "backup.json"
 FORMAT = "kvtier-backup"
-VERSION = 1
+VERSION = 2  # 2: the census (a version 1 backup has none)
 _READ = 8 << 20
 
 
@@ -103,7 +104,9 @@ def _copy_objects(source: Path, target: Path, done: set[str]) -> list[Path]:
 
 def take_backup(data_dir: Path, backup: Path, wait_s: float) -> dict:
     """Write the backup of ``data_dir`` into the new directory ``backup``; its report."""
+    from kvstore.tiers.disk.segments import segment_path
     from kvstore.tiers.disk.snapshot import copy_prefix, snapshot_disk
+    from services.cli import backup_census
 
     started = time.monotonic()
     objects, copied = data_dir / "objects", set()
@@ -118,8 +121,12 @@ def take_backup(data_dir: Path, backup: Path, wait_s: float) -> dict:
     if (data_dir / "layouts.json").is_file():
         copy_prefix(data_dir / "layouts.json", backup / "layouts.json")
         files.append(backup / "layouts.json")
+    held = snap.holdings
+    census = backup_census.take(held.manifests, snap.chunks, held.chunk_keys, [
+        str(segment_path(backup / "disk" / "segments", seg_id).relative_to(backup))
+        for seg_id in held.segments])
     return write_manifest(backup, files, {}, str(data_dir.resolve()), "data_dir",
-                          snap.manifests, snap.chunks + len(copied), started)
+                          snap.manifests, snap.chunks + len(copied), started, census)
 
 
 def take_bucket_backup(url: str, backup: Path, endpoint: str | None,
@@ -128,14 +135,16 @@ def take_bucket_backup(url: str, backup: Path, endpoint: str | None,
     from services.cli.backup_bucket import back_up_bucket, client
 
     started = time.monotonic()
-    files, keys, sessions, chunks = back_up_bucket(client(endpoint, region), url, backup)
-    return write_manifest(backup, files, keys, url, "bucket", sessions, chunks, started)
+    files, keys, census = back_up_bucket(client(endpoint, region), url, backup)
+    return write_manifest(backup, files, keys, url, "bucket", len(census["sessions"]),
+                          census["chunks"], started, census)
 
 
 def write_manifest(backup: Path, files: list[Path], keys: dict[str, str], source: str,
-                   kind: str, sessions: int, chunks: int, started: float) -> dict:
+                   kind: str, sessions: int, chunks: int, started: float, census: dict
+                   ) -> dict:
     """Write ``backup.json`` last (fsynced, renamed in); the backup's report. ``keys``:
-    a bucket object's key by file path."""
+    a bucket object's key by file path; ``census``: ``backup_census.take``'s."""
     listed = []
     for path in files:
         relative = str(path.relative_to(backup))
@@ -143,7 +152,8 @@ def write_manifest(backup: Path, files: list[Path], keys: dict[str, str], source
                        "blake2b": digest(path)} | ({"key": keys[relative]}
                                                    if relative in keys else {}))
     manifest = {"format": FORMAT, "version": VERSION, "kind": kind, "created": time.time(),
-                "source": source, "sessions": sessions, "chunks": chunks, "files": listed}
+                "source": source, "sessions": sessions, "chunks": chunks, "census": census,
+                "files": listed}
     temp = backup / f".{MANIFEST}.tmp"
     with open(temp, "w") as file:
         json.dump(manifest, file, indent=1)

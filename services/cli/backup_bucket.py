@@ -55,8 +55,18 @@ def _local(key: str) -> str:
     return "bucket/" + "/".join(quote(part, safe="") or "%2F" for part in key.split("/"))
 
 
-def back_up_bucket(s3, url: str, backup: Path) -> tuple[list[Path], dict[str, str], int, int]:
-    """Copy the prefix into ``backup``: (files, path -> key, sessions, chunks)."""
+def _chunk_name(key: str) -> str | None:
+    """The object tier's key of a chunk object's key (relative to the prefix), else None."""
+    if key.startswith("fleet/") or not key.endswith(_CHUNK_SUFFIXES):
+        return None
+    return key[:-4]
+
+
+def back_up_bucket(s3, url: str, backup: Path) -> tuple[list[Path], dict[str, str], dict]:
+    """Copy the prefix into ``backup``: (files, path -> key, census)."""
+    from kvstore.tiers.disk.snapshot import keys_digest
+    from services.cli import backup_census
+
     bucket, prefix = location(url)
     files, keys = [], {}
     for listing in (prefix + _MANIFESTS, prefix):  # the manifests first
@@ -73,16 +83,23 @@ def back_up_bucket(s3, url: str, backup: Path) -> tuple[list[Path], dict[str, st
             path.write_bytes(body)
             files.append(path)
             keys[_local(key)] = key
-    sessions = sum(key.startswith(_MANIFESTS) and key.endswith(_SUFFIX) for key in keys.values())
-    chunks = sum(not key.startswith("fleet/") and key.endswith(_CHUNK_SUFFIXES)
-                 for key in keys.values())
-    return files, keys, sessions, chunks
+    manifests = [(_manifest_name(key), (backup / path).read_bytes())
+                 for path, key in keys.items() if _is_manifest(key)]
+    chunks = [name.encode() for name in map(_chunk_name, keys.values()) if name]
+    return files, keys, backup_census.take(manifests, len(chunks), keys_digest(chunks))
 
 
-def restore_bucket(s3, backup: Path, files: list[dict], url: str, keyring, force: bool,
-                   endpoint: str | None, region: str | None):
-    """Upload, verify, then upload the manifests; the verification and the seconds."""
-    from services.cli.backup_report import Lost
+def _is_manifest(key: str) -> bool:
+    return key.startswith(_MANIFESTS) and key.endswith(_SUFFIX)
+
+
+def restore_bucket(s3, backup: Path, files: list[dict], census: dict | None, url: str,
+                   keyring, force: bool, endpoint: str | None, region: str | None):
+    """Check the files against ``census`` (the backup's; None in a version 1 backup),
+    upload, verify, then upload the manifests; the verification and the seconds."""
+    from kvstore.tiers.disk.snapshot import keys_digest
+    from services.cli import backup_census
+    from services.cli.backup_report import Lost, Verified
 
     started = time.monotonic()
     bucket, prefix = location(url)
@@ -91,7 +108,15 @@ def restore_bucket(s3, backup: Path, files: list[dict], url: str, keyring, force
         raise InvalidRequest(f"{url} is not empty (--force writes over it)")
     manifests = [f for f in files if f["key"].startswith(_MANIFESTS)]
     others = [f for f in files if not f["key"].startswith(_MANIFESTS)]
-    _census(backup, files, keyring)
+    if census is not None:
+        stored = {_manifest_name(f["key"]): (backup / f["path"]).read_bytes()
+                  for f in manifests if _is_manifest(f["key"])}
+        chunks = [name.encode() for name in (_chunk_name(f["key"]) for f in files) if name]
+        missing, differing = backup_census.compare(census, stored, len(chunks),
+                                                   keys_digest(chunks))
+        if missing or differing:
+            raise Lost(Verified(corrupt=differing, missing=missing))
+    _require_key(backup, files, keyring)
     uploaded = []
     try:
         for entry in others:
@@ -116,7 +141,8 @@ def _manifest_name(key: str) -> str:
     return "manifest/" + key[len(_MANIFESTS):-len(_SUFFIX)]
 
 
-def _census(backup: Path, files: list[dict], keyring) -> None:
+def _require_key(backup: Path, files: list[dict], keyring) -> None:
+    """Refuse (``InvalidRequest``) unless ``keyring`` opens the sealed values."""
     from kvstore.encryption.census import Census
 
     census = Census(f"the backup {backup}")
@@ -124,8 +150,8 @@ def _census(backup: Path, files: list[dict], keyring) -> None:
         key = entry["key"]
         if key.startswith(_MANIFESTS) and key.endswith(_SUFFIX):
             census.note(_manifest_name(key), (backup / entry["path"]).read_bytes())
-        elif not key.startswith("fleet/") and key.endswith(_CHUNK_SUFFIXES):
-            census.note(key[:-4], (backup / entry["path"]).read_bytes())
+        elif name := _chunk_name(key):
+            census.note(name, (backup / entry["path"]).read_bytes())
     census.require(keyring)
 
 

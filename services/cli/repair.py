@@ -7,7 +7,10 @@ own directory. Run it when ``kvtier serve`` says the disk index is corrupt, or w
 LMDB environment (``index/``) is lost: the old environment is moved aside, never
 deleted, and a new one is built from the segments (``kvstore.compaction.index_repair``).
 Reports the sessions recovered, those with chunks not on disk, and the chunks no
-session names (orphans: kept; ``kvtier compact`` collects them).
+session names (orphans: kept; ``kvtier compact`` collects them). A chunk a recovered
+manifest names that is neither on disk nor in the node's object tier (``D/objects``, or
+the S3 tier of ``--config``), and a manifest that does not decode, is data loss: the
+index is rebuilt all the same, and the command says DATA_LOSS, lists them and exits 1.
 
 An encrypted data directory needs the server's key, from ``--config`` (its
 ``encryption_key_file``) or the environment (``KVTIER_ENCRYPTION_KEY``, as the server
@@ -15,18 +18,21 @@ reads it): the manifests are encrypted, and the references are recounted from th
 Without it, or with a key of the same id that does not open them, repair refuses and
 changes nothing.
 
-Exit status: 0 repaired, 2 no disk tier there, a server (or compaction) holds it, or
-the key of encrypted manifests is missing.
+Exit status: 0 repaired, 1 repaired but data lost (DATA_LOSS), 2 no disk tier there, a
+server (or compaction) holds it, or the key of encrypted manifests is missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from pathlib import Path
 
-from kvstore.format.errors import Busy, InvalidRequest
+from botocore.exceptions import BotoCoreError, ClientError
+
+from kvstore.format.errors import Busy, InvalidRequest, KVTierError
 
 _SHOWN = 10  # names listed per line in the text report
 
@@ -67,9 +73,22 @@ def run(args: argparse.Namespace) -> int:
     except InvalidRequest as exc:  # a missing key, or a config that does not load
         print(f"kvtier repair: refused: {exc}", file=sys.stderr)
         return 2
+    unlisted = ""
+    try:
+        held = asyncio.run(_held_elsewhere(disk, config)) if report.not_on_disk else set()
+    except (KVTierError, OSError, BotoCoreError, ClientError) as exc:
+        held, unlisted = set(), f"{type(exc).__name__}: {exc}"  # then none counts as held
+    lost = report.settle(held)
+    if lost:
+        why = f" (the object tier could not be listed: {unlisted})" if unlisted else ""
+        print(f"kvtier repair: DATA_LOSS: the index of {report.path} was rebuilt, but "
+              f"{len(lost)} chunks and manifests its log names are not held{why}",
+              file=sys.stderr)
+        for line in lost[:_SHOWN]:
+            print(f"  {line}", file=sys.stderr)
     if args.json:
         print(json.dumps(report.to_dict()))
-        return 0
+        return 1 if lost else 0
     print(f"repaired {report.path} in {report.seconds:.2f} s: {report.segments} segments, "
           f"{report.records} records ({report.damaged_bytes} damaged bytes skipped)")
     if report.moved_aside:
@@ -81,4 +100,27 @@ def run(args: argparse.Namespace) -> int:
         more = f", ... {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
         print(f"  {label}: {len(names)}" + (f" ({', '.join(names[:_SHOWN])}{more})"
                                            if names else ""))
-    return 0
+    return 1 if lost else 0
+
+
+async def _held_elsewhere(disk: Path, config) -> set[str]:
+    """The chunk keys the node's object tiers hold: the local one beside the disk tier
+    (``D/objects``) and the S3 one of its config."""
+    from kvstore.tiers.object import ObjectTier, ObjectTierConfig
+
+    tiers = []
+    local = disk.parent / "objects"
+    if disk.name == "disk" and local.is_dir():
+        tiers.append(ObjectTier(str(local), 1 << 62, ObjectTierConfig(compression_level=None)))
+    if config.object_bytes and config.s3_bucket:
+        tiers.append(ObjectTier(config.object_url, config.object_bytes, ObjectTierConfig(
+            compression_level=None, endpoint_url=config.s3_endpoint or None,
+            region_name=config.s3_region or None, shared=config.metadata == "shared")))
+    held: set[str] = set()
+    try:
+        for tier in tiers:
+            held |= {key async for key in tier.keys()}
+    finally:
+        for tier in tiers:
+            await tier.close()
+    return held

@@ -3,8 +3,9 @@
     kvtier restore-backup BACKUP DATA_DIR [--config C] [--force] [--json]
     kvtier restore-backup BACKUP --bucket s3://BUCKET/PREFIX [--s3-endpoint URL] ...
 
-First every file of the backup is checked against ``backup.json`` (size and BLAKE2b);
-then the files are copied into a staging directory beside ``DATA_DIR``, which is opened
+First every file of the backup is checked against ``backup.json`` (size and BLAKE2b;
+a symbolic link or anything else but a regular file or directory in the backup is
+refused); then the files are copied into a staging directory beside ``DATA_DIR``, which is opened
 as the server opens its data directory (the disk tier with recovery) and verified: every
 chunk (``kvstore.compaction.scrub``: segment record and chunk encoding, opened with the
 keyring first when encrypted) and every chunk each manifest names. Only a restore that
@@ -24,8 +25,9 @@ A bucket backup (``kvtier backup --bucket``) is restored to ``--bucket``'s prefi
 instead (``services.cli.backup_bucket``: chunks uploaded and verified there, the
 manifests only after).
 
-Exit status: 0 restored, 1 data loss (the backup is damaged, or a chunk a manifest names
-is missing or corrupt), 2 refused (bad target, missing or wrong key, not a backup).
+Exit status: 0 restored, 1 data loss (the backup is damaged, a chunk a manifest names
+is missing or corrupt, or a session, chunk or segment of the census is not restored),
+2 refused (bad target, missing or wrong key, not a backup, a link in the backup).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import argparse
 import asyncio
 import json
 import os
+import stat
 import sys
 import time
 from pathlib import Path
@@ -42,6 +45,7 @@ from typing import TYPE_CHECKING
 from botocore.exceptions import BotoCoreError, ClientError
 
 from kvstore.format.errors import Busy, DataLoss, InvalidRequest, KVTierError
+from services.cli import backup_census
 from services.cli.backup import FORMAT, MANIFEST, add_s3_arguments, digest, nested, remove_tree
 from services.cli.backup_report import Lost, Verified
 
@@ -65,19 +69,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def check_backup(backup: Path, kind: str = "data_dir") -> list[dict]:
-    """The files ``backup.json`` lists, each checked; ``InvalidRequest`` when it is not a
-    backup of ``kind``, ``DataLoss`` naming the first file that is missing or differs."""
+def _only_regular(backup: Path) -> None:
+    """``InvalidRequest`` naming the first entry of ``backup`` that is neither a regular
+    file nor a directory (a link would restore bytes from outside the backup)."""
+    for root, dirs, names in os.walk(backup):
+        for name in dirs + names:
+            path = Path(root) / name
+            mode = path.lstat().st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+                raise InvalidRequest(f"{path.relative_to(backup)} in the backup is {kind}: "
+                                     "a backup holds regular files only")
+
+
+def check_backup(backup: Path, kind: str = "data_dir") -> tuple[list[dict], dict | None]:
+    """The files ``backup.json`` lists, each checked, and its census (None in a version
+    1 backup); ``InvalidRequest`` when it is not a backup of ``kind`` or holds a link,
+    ``DataLoss`` naming the first file that is missing or differs."""
     try:
         manifest = json.loads((backup / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
         raise InvalidRequest(f"{backup} is not a kvtier backup ({MANIFEST}: {exc})") from exc
-    if manifest.get("format") != FORMAT or manifest.get("version") != 1:
-        raise InvalidRequest(f"{backup}/{MANIFEST} is not a version 1 {FORMAT} manifest")
+    if manifest.get("format") != FORMAT or manifest.get("version") not in (1, 2):
+        raise InvalidRequest(f"{backup}/{MANIFEST} is not a version 1 or 2 {FORMAT} manifest")
     if manifest.get("kind", "data_dir") != kind:
         other = "--bucket" if kind == "data_dir" else "a DATA_DIR"
         raise InvalidRequest(f"{backup} is a backup of a {manifest.get('kind')}: restore it "
                              f"to {other}")
+    census = backup_census.read(manifest)
+    if census is None:
+        print(f"kvtier restore-backup: {backup} is a version 1 backup, without a census: "
+              "a segment or manifest lost together with its line in backup.json cannot be "
+              "told from one never there", file=sys.stderr)
+    _only_regular(backup)
     for entry in manifest["files"]:
         path = backup / entry["path"]
         if Path(entry["path"]).is_absolute() or ".." in Path(entry["path"]).parts:
@@ -86,19 +110,22 @@ def check_backup(backup: Path, kind: str = "data_dir") -> list[dict]:
             raise DataLoss(f"backup file {path} is missing or not {entry['bytes']} bytes")
         if digest(path) != entry["blake2b"]:
             raise DataLoss(f"backup file {path} fails its BLAKE2b digest")
-    return manifest["files"]
+    return manifest["files"], census
 
 
-async def verify(data_dir: Path, keyring, remote: ObjectTier | None = None) -> Verified:
-    """Open ``data_dir`` as the server does and verify every chunk and manifest;
-    ``remote``: the node's S3 object tier (not in the backup), where manifests may name
-    demoted chunks (listed, not scrubbed; closed here)."""
+async def verify(data_dir: Path, keyring, remote: ObjectTier | None = None,
+                 held: dict | None = None) -> Verified:
+    """Open ``data_dir`` as the server does and verify every chunk and manifest, and what
+    it holds against ``held`` (the backup's census); ``remote``: the node's S3 object tier
+    (not in the backup), where manifests may name demoted chunks (listed, not scrubbed;
+    closed here)."""
     from kvstore.compaction.job import manifest_store
     from kvstore.compaction.report import LogProgress
     from kvstore.compaction.scrub import scrub_disk, scrub_tier
     from kvstore.encryption.census import Census, census_disk, census_tier
     from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest
     from kvstore.tiers.disk import DiskTier
+    from kvstore.tiers.disk.snapshot import keys_digest
     from kvstore.tiers.object import ObjectTierConfig
 
     out = Verified()
@@ -131,12 +158,27 @@ async def verify(data_dir: Path, keyring, remote: ObjectTier | None = None) -> V
             out.missing += [f"{session}: {key}" for key in manifest.chunk_keys
                             if key not in object_keys and key not in elsewhere
                             and disk.index.lookup(key.encode()) is None]
+        if held is not None:
+            stored = dict(await disk.meta.scan(MANIFEST_PREFIX))  # as stored: sealed or not
+            chunk_keys = _chunk_keys(disk)
+            missing, differing = backup_census.compare(held, stored, len(chunk_keys),
+                                                       keys_digest(chunk_keys))
+            out.missing += missing
+            out.corrupt += differing
     finally:
         for tier in (objects, remote):
             if tier is not None:
                 await tier.close()
         await disk.close()
     return out
+
+
+def _chunk_keys(disk) -> list[bytes]:
+    """Every chunk key the disk tier's index holds."""
+    keys: list[bytes] = []
+    while batch := disk.index.entries_after(keys[-1] if keys else None, 4096):
+        keys += [key for key, _ in batch]
+    return keys
 
 
 def _target_problem(backup: Path, target: Path, force: bool) -> str | None:
@@ -161,7 +203,9 @@ def restore(backup: Path, target: Path, keyring, force: bool, remote: ObjectTier
     from kvstore.tiers.disk.snapshot import copy_prefix
 
     started = time.monotonic()
-    files = check_backup(backup)
+    files, census = check_backup(backup)
+    unlisted = [] if census is None else backup_census.unlisted_segments(
+        census, {entry["path"] for entry in files})
     stage = target.parent / f".{target.name}.restoring-{os.getpid()}"
     target.parent.mkdir(parents=True, exist_ok=True)
     stage.mkdir()
@@ -169,7 +213,8 @@ def restore(backup: Path, target: Path, keyring, force: bool, remote: ObjectTier
         for entry in files:
             (stage / entry["path"]).parent.mkdir(parents=True, exist_ok=True)
             copy_prefix(backup / entry["path"], stage / entry["path"])
-        result = asyncio.run(verify(stage, keyring, remote))
+        result = asyncio.run(verify(stage, keyring, remote, census))
+        result.missing = unlisted + result.missing
         if result.corrupt or result.missing:
             raise Lost(result)
         if target.exists() and any(target.iterdir()):
@@ -217,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
             endpoint = args.s3_endpoint or config.s3_endpoint
             region = args.s3_region or config.s3_region
             result, seconds = restore_bucket(
-                client(endpoint, region), args.backup, check_backup(args.backup, "bucket"),
+                client(endpoint, region), args.backup, *check_backup(args.backup, "bucket"),
                 args.bucket, keyring, args.force, endpoint, region)
     except (InvalidRequest, Busy) as exc:
         print(f"kvtier restore-backup: refused: {exc}; nothing was restored", file=sys.stderr)
@@ -225,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
     except Lost as exc:
         lost = exc.result
         print(f"kvtier restore-backup: DATA_LOSS: the backup {args.backup} restores "
-              f"{len(lost.corrupt)} corrupt chunks and {len(lost.missing)} missing ones; "
+              f"{len(lost.corrupt)} corrupt and {len(lost.missing)} missing items; "
               f"nothing was restored to {args.data_dir or args.bucket}", file=sys.stderr)
         for line in (lost.corrupt + lost.missing)[:_SHOWN]:
             print(f"  {line}", file=sys.stderr)

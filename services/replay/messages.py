@@ -28,7 +28,7 @@ class Worker(Protocol):
 
     max_batch: int  # jobs a Streams consumer takes at once
     replayer: str  # kvstore.format.layout.REPLAYERS: the layouts it rebuilds
-    model_fingerprint: str  # computed from the weights it loaded (kvstore.format.model_identity)
+    model_fingerprint: str  # of the model it loaded (kvstore.format.model_identity)
 
     async def rebuild(self, layout: str | LayoutSpec, token_ids, chunks, tail,
                       replay_tokens: int | None = None, *,

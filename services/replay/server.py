@@ -11,8 +11,8 @@ DeepseekV4 replayer (layouts whose replayer is ``transformers-deepseek-v4``), on
 protocol; a request's ``layout_json`` gives the layout, so one registered only on the
 kvtier server replays here too (the model still refuses a layout it cannot rebuild:
 ``LayoutMismatch``, which the server answers as ``ReplayUnavailable``), and a session
-spilled by other weights than those it loaded (the request's ``model_fingerprint``
-against the one computed from its weights: ``ModelMismatch``).
+spilled by another model than the one it loaded (the request's ``model_fingerprint``
+against the one computed from its weights, buffers and config: ``ModelMismatch``).
 Errors travel as gRPC statuses with the ``kvtier-error`` trailing metadata naming the
 ``kvstore.format.errors`` class (``kvtier.errors.grpc_errors``, as in the kvtier server), and
 bytes that are not a ``ReplayRequest`` are INVALID_ARGUMENT (``kvtier.errors.add_servicer``).

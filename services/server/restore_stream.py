@@ -14,10 +14,11 @@ gets ``ModelMismatch`` before any byte, and a replay runs only on weights of the
 session's fingerprint (the replay worker checks it against its own: ``ModelMismatch``).
 
 The header states how a held window was made (``window_replayed_tokens``: 0 for the
-engine's own, else the tokens of the replay that built it, partial when fewer than W);
-a Restore returns the stored window as it is. A Resume whose R (at most the session's
-length) exceeds that replay rebuilds the window with its R, where this server replays,
-and the store keeps whichever of the two covers more (``TierManager.store_window``).
+engine's own, else the tokens of the replay that built it); a Restore returns the stored
+window as it is. A Resume whose R (at most the session's length) exceeds that replay
+rebuilds the window with its R, where this server replays, and the store keeps whichever
+of the two covers more, never a partial one (fewer than W tokens:
+``TierManager.store_window``), so a Restore never serves a window a Resume would rebuild.
 
 Each block comes from the highest tier holding an intact copy (verified by the manager);
 no tier with an intact copy raises ``DataLoss`` before any byte of that block is sent.

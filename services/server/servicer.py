@@ -151,8 +151,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         except CodecError as exc:
             raise InvalidRequest(f"spilled bytes do not verify: {exc}") from exc
         self.metrics.spill_seconds.observe(time.perf_counter() - started)
-        # What the spill that stored this generation answered (this one, or the first
-        # attempt of a retry whose reply was lost).
+        # The counts of the spill that stored this generation (this one, or the first
+        # attempt of a retry whose reply was lost); tier and window as held now.
         receipt = manifest.receipt
         return pb.SpillReply(
             generation=manifest.generation, tier=receipt.tier,
@@ -299,7 +299,9 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         target = check.tier_name(request.target_tier, names, "target_tier")
         before = await self.manager.get_manifest(tenant, session_id)
         after = await self.manager.demote(tenant, session_id, target)
-        return pb.EvictReply(tier=target or names[-1],
+        # where the session is now: a block already below the target stays there
+        return pb.EvictReply(tier=restore_tier(self.manager, after.chunk_keys)
+                             or after.window_tier or "",
                              window_dropped=before.window_key is not None
                              and after.window_key is None)
 

@@ -22,6 +22,7 @@ from kvtier import AsyncClient
 from services.cli.backup import MANIFEST, digest
 from tests.support.compaction import (
     SPECS,
+    TENANT,
     Spec,
     embedded_server,
     fill,
@@ -205,3 +206,62 @@ def test_force_refuses_a_target_a_server_holds(tmp_path):
     done = asyncio.run(attempt())
     assert done.returncode == 2 and "server is running" in done.stderr
     assert not list(tmp_path.glob("live.replaced-*"))
+
+
+def _drop_from_listing(out: Path, path: str) -> dict:
+    """Remove ``path`` from the backup's folder and from its file list, as if lost with
+    its listing; the manifest left."""
+    manifest = json.loads((out / MANIFEST).read_text())
+    manifest["files"] = [entry for entry in manifest["files"] if entry["path"] != path]
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    (out / path).unlink()
+    return manifest
+
+
+def test_a_segment_lost_with_its_listing_is_data_loss_naming_it(tmp_path):
+    data, out, target = tmp_path / "data", tmp_path / "backup", tmp_path / "restored"
+    asyncio.run(fill(data, delete=()))
+    made = backup(data, out)
+    census = json.loads((out / MANIFEST).read_text())["census"]
+    assert len(census["sessions"]) == made["sessions"] == len(SPECS)
+    assert {line["generation"] for line in census["sessions"]} == {1}
+    segment = census["segments"][0]
+    _drop_from_listing(out, segment)
+    done = kvtier("restore-backup", str(out), str(target), "--json")
+    assert done.returncode == 1 and "DATA_LOSS" in done.stderr, done.stderr[-2000:]
+    lost = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not lost["restored"]
+    assert any(segment in line for line in lost["missing"])
+    assert any(line.startswith(f"{TENANT}/") and "not restored" in line
+               for line in lost["missing"])
+    assert not target.exists() and not list(tmp_path.glob(".restored.*"))
+
+
+def test_a_linked_segment_is_refused_even_with_its_digest(tmp_path):
+    data, out, target = tmp_path / "data", tmp_path / "backup", tmp_path / "restored"
+    asyncio.run(fill(data, delete=()))
+    backup(data, out)
+    segment = out / json.loads((out / MANIFEST).read_text())["census"]["segments"][0]
+    elsewhere = tmp_path / "elsewhere.seg"
+    segment.rename(elsewhere)
+    segment.symlink_to(elsewhere)  # same bytes, same digest: only the link differs
+    done = kvtier("restore-backup", str(out), str(target))
+    assert done.returncode == 2 and "symbolic link" in done.stderr, done.stderr[-2000:]
+    assert not target.exists()
+    segment.unlink()
+    elsewhere.rename(segment)  # put back: the intact backup restores
+    assert report(kvtier("restore-backup", str(out), str(target), "--json"))["restored"]
+
+
+def test_a_version_1_backup_without_a_census_restores_with_a_warning(tmp_path):
+    data, out, target = tmp_path / "data", tmp_path / "backup", tmp_path / "restored"
+    asyncio.run(fill(data, delete=()))
+    backup(data, out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    del manifest["census"]
+    (out / MANIFEST).write_text(json.dumps(manifest | {"version": 1}))
+    done = kvtier("restore-backup", str(out), str(target), "--json")
+    assert report(done)["restored"] and "without a census" in done.stderr
+    (out / MANIFEST).write_text(json.dumps(manifest))  # version 2 needs one
+    refused = kvtier("restore-backup", str(out), str(tmp_path / "again"))
+    assert refused.returncode == 2 and "census" in refused.stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,20 @@ def test_a_bucket_prefix_round_trips_and_damage_leaves_it_empty(tmp_path, s3_ser
     again = kvtier(s3_server, "restore-backup", str(out), "--bucket",
                    f"s3://{s3_bucket}/restored/")
     assert again.returncode == 2 and "not empty" in again.stderr
+
+    # a session's manifest lost with its listing: the census names it, nothing is uploaded
+    short = tmp_path / "short"
+    shutil.copytree(out, short)
+    listing = json.loads((short / MANIFEST).read_text())
+    dropped = next(f for f in listing["files"] if f["key"].startswith("fleet/manifest/"))
+    listing["files"].remove(dropped)
+    (short / MANIFEST).write_text(json.dumps(listing))
+    (short / dropped["path"]).unlink()
+    lost = kvtier(s3_server, "restore-backup", str(short), "--bucket",
+                  f"s3://{s3_bucket}/short/")
+    assert lost.returncode == 1 and "DATA_LOSS" in lost.stderr, lost.stderr[-2000:]
+    assert any("not restored" in line for line in json.loads(lost.stdout)["missing"])
+    assert prefix_keys(s3_server, s3_bucket, "short/") == []
 
     # a chunk damaged in the backup, its digest made to agree: the scrub finds it
     manifest = json.loads((out / MANIFEST).read_text())

@@ -223,3 +223,27 @@ async def test_a_segment_size_below_its_entries_is_refused_not_cut(tmp_path):
     assert {p.name: p.read_bytes() for p in (disk_dir / "segments").iterdir()} == files
     assert run_repair(disk_dir).returncode == 0
     await check_restores(disk_dir, sessions)
+
+
+async def test_a_session_whose_chunks_the_log_lost_is_data_loss_not_a_clean_repair(tmp_path):
+    disk_dir = tmp_path / "disk"
+    sessions = await build(disk_dir)
+    disk = DiskTier(disk_dir, 64 * MB, writer=False)
+    try:  # a segment holding a chunk of a session whose manifest lies in another one
+        for name, args in sessions.items():
+            (_, _, record), = disk.index.meta_scan(manifest_key("t", name).encode(),
+                                                   exact=True)
+            chunk = next((key for key, _ in args["chunks"]
+                          if disk.index.lookup(key.encode()).seg_id != record.seg_id), None)
+            if chunk is not None:
+                lost = disk.index.lookup(chunk.encode()).seg_id
+                break
+    finally:
+        await disk.close()
+    next(p for p in (disk_dir / "segments").iterdir() if int(p.stem) == lost).unlink()
+    shutil.rmtree(disk_dir / "index")
+    done = run_repair(disk_dir)
+    assert done.returncode == 1 and "DATA_LOSS" in done.stderr, done.stderr
+    report = json.loads(done.stdout)
+    assert any(line.startswith(f"t/{name}: ") for line in report["lost"])
+    assert f"t/{name}" in report["incomplete"]

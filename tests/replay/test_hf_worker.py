@@ -18,7 +18,11 @@ import torch
 pytest.importorskip("transformers")
 
 from bench.hf import compare, follow_logits, tiny_model  # noqa: E402
-from kvstore.format.errors import InvalidRequest, ReplayUnavailable  # noqa: E402
+from kvstore.format.errors import (  # noqa: E402
+    InvalidRequest,
+    ModelMismatch,
+    ReplayUnavailable,
+)
 from kvtier import AsyncClient  # noqa: E402
 from kvtier.codec import as_tokens, encode_session  # noqa: E402
 from kvtier.integrations.transformers import (  # noqa: E402
@@ -57,12 +61,19 @@ async def test_a_deepseek_v4_session_resumes_through_a_transformers_replay_worke
         replayed = compare(ref, follow_logits(model, resumed, ids[n:]))
         assert replayed["kl_nats"] < 0.1  # loose: random weights, R = 128
 
-        # a worker whose model is another DeepseekV4 (another window) cannot rebuild it
+        # a worker whose model is another DeepseekV4 (another window) cannot rebuild it:
+        # the same weights under another config are another model
         async with running_server(tmp_path / "b", replay_hf_workers=f"127.0.0.1:{bad_port}"
                                   ) as (_, target), AsyncClient(target) as kv:
             await async_spill_cache(kv, "acme", "v4", model, cache, ids[:n], generation=1)
-            with pytest.raises(ReplayUnavailable, match="cannot rebuild layout"):
+            with pytest.raises(ModelMismatch, match="another config"):
                 await async_resume_cache(kv, "acme", "v4", model, replay="server")
+            # and, the session stating no model, its layout is not the worker's
+            await async_spill_cache(kv, "acme", "bare", model, cache, ids[:n], generation=1,
+                                    model_fingerprint="")
+            with pytest.raises(ReplayUnavailable, match="cannot rebuild layout"):
+                await async_resume_cache(kv, "acme", "bare", model, replay="server",
+                                         model_fingerprint="")
         assert other.rebuilds == 0
     finally:
         await good.stop(0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvstore.encryption.claims import DomainClaims
-from kvstore.format.errors import MissingChunks, PreconditionFailed
+from kvstore.format.errors import MissingChunks, PreconditionFailed, status_name
 from kvstore.format.keys import dedupe_scope
 from kvtier import AsyncClient, Client, ModelMismatch  # exported for clients to catch
 from kvtier.codec import as_tokens, encode_session
@@ -229,21 +229,70 @@ def _window():
     return encode_window(LAYOUT, TOKENS, window_for(LAYOUT, N))
 
 
-# -- replayers serve the fingerprint of the weights they loaded --
+# -- replayers serve the fingerprint of the model they loaded --
 
 
-def test_a_weights_fingerprint_is_computed_from_every_weight():
+def test_a_model_fingerprint_is_computed_from_every_weight_and_its_config():
+    import dataclasses
+
     from kvstore.format.model_identity import module_fingerprint
     from tests.support.replay import tiny_model
 
     model = tiny_model(seed=0)
-    same = module_fingerprint(tiny_model(seed=0))
-    assert module_fingerprint(model) == same and same.startswith("weights-b2:")
-    assert module_fingerprint(tiny_model(seed=1)) != same
+    same = module_fingerprint(tiny_model(seed=0), model.cfg)
+    assert module_fingerprint(model, model.cfg) == same and same.startswith("model-b2:")
+    assert module_fingerprint(tiny_model(seed=1), model.cfg) != same
+    # the same weights under another rotary base compute other keys: another model
+    other_base = dataclasses.replace(model.cfg, rope_base=model.cfg.rope_base * 100)
+    assert module_fingerprint(model, other_base) != same
     name, weight = next(iter(model.state_dict().items()))
     with torch.no_grad():
         weight.view(-1)[0] = weight.view(-1)[0].item() + 1e-3  # one value, changed a little
-    assert module_fingerprint(model) != same, name
+    assert module_fingerprint(model, model.cfg) != same, name
+
+
+def test_a_transformers_models_identity_covers_its_buffers_and_attention_config():
+    pytest.importorskip("transformers")
+    from bench.hf import tiny_model
+    from kvstore.format.model_identity import INERT_FIELDS, config_identity, module_tensors
+    from kvtier.integrations.transformers import model_fingerprint
+
+    model = tiny_model(seed=3)
+    own = model_fingerprint(model)
+    # rotary tables are non-persistent buffers, outside the state dict, yet in the identity
+    assert any(name.endswith("inv_freq") for name in set(module_tensors(model))
+               - set(model.state_dict()))
+    for change in ({"rope_theta": 1e6}, {"sliding_window": 64}, {"partial_rotary_factor": 0.5},
+                   {"compress_rope_theta": 1e4}):
+        other = tiny_model(seed=3, **change)
+        weights = other.state_dict()
+        assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items()), change
+        assert model_fingerprint(other) != own, change
+    # what never enters the computation is left out: a renamed checkpoint is the same model
+    model.config._name_or_path = "elsewhere/tiny"
+    assert model_fingerprint(model) == own
+    assert not INERT_FIELDS & set(config_identity(model.config))
+
+
+async def test_the_same_weights_with_another_rope_theta_are_refused_the_session(tmp_path):
+    pytest.importorskip("transformers")
+    from bench.hf import tiny_model
+    from kvtier.integrations.transformers import async_resume_cache, async_spill_cache
+
+    model = tiny_model(seed=3)
+    rotated = tiny_model(seed=3, rope_theta=1e6)  # equal state dicts, other keys
+    n = 150
+    ids = torch.randint(0, model.config.vocab_size, (n,),
+                        generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        cache = model(ids[None], use_cache=True).past_key_values
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
+        await async_spill_cache(kv, "acme", "v4", model, cache, ids, generation=1)
+        with pytest.raises(ModelMismatch) as refused:
+            await async_resume_cache(kv, "acme", "v4", rotated, replay="local")
+        assert status_name(refused.value) == "FAILED_PRECONDITION"
+        resumed, tokens = await async_resume_cache(kv, "acme", "v4", model, replay="local")
+        assert torch.equal(tokens, ids) and resumed.get_seq_length() == n
 
 
 async def test_the_bundled_replayer_refuses_a_session_of_other_weights(tmp_path):
@@ -257,8 +306,8 @@ async def test_the_bundled_replayer_refuses_a_session_of_other_weights(tmp_path)
     state, chunks, tail = tiny_session(served, 45)
     ids = state.token_ids
     worker = ReplayWorker(served, default_tokens=16)
-    assert worker.model_fingerprint == module_fingerprint(served)
-    theirs = module_fingerprint(other)
+    assert worker.model_fingerprint == module_fingerprint(served, served.cfg)
+    theirs = module_fingerprint(other, other.cfg)
     with pytest.raises(ModelMismatch):
         await worker.rebuild(TINY_SPEC, ids, chunks, tail, model_fingerprint=theirs)
     own = await worker.rebuild(TINY_SPEC, ids, chunks, tail,

@@ -1,6 +1,7 @@
 """Resume's replay_tokens against the stored window: a window rebuilt by a short replay
-never stands in for a longer one or for the engine's own, a Resume that asks for more
-rebuilds it, and every reply says how the window it returns was made.
+never stands in for a longer one or for the engine's own, a partial one (a replay
+shorter than W) is never kept as the session's, a Resume that asks for more rebuilds it,
+and every reply says how the window it returns was made.
 
 Over a real server with in-process replay through the tiny model (W = 8, m = 4;
 tests.replay_support), sessions spilled without a window so that a Resume replays; the
@@ -30,7 +31,7 @@ from replay.state_codec import encode_window, state_from_chunks, state_to_chunks
 from replay.worker import ReplayWorker
 from services.server.config import ServerConfig
 from services.server.store import open_manager
-from tests.support.manager import make_session, random_tokens, tier_keys
+from tests.support.manager import WINDOW_TOKENS, make_session, random_tokens, tier_keys
 from tests.support.replay import TINY_SPEC, tiny_model, tiny_session
 from tests.support.service import running_server
 
@@ -123,17 +124,24 @@ async def test_a_shorter_resume_keeps_the_longer_window(tmp_path, model, session
         assert (await kv.stat()).replays == 1
 
 
-async def test_restore_says_the_window_it_returns_is_partial(tmp_path, model, session):
+async def test_a_short_replays_window_is_the_resumes_not_the_sessions(tmp_path, model,
+                                                                      session):
     async with serving(tmp_path, model) as kv:
         await spill(kv, "s1", session)
         short = await kv.resume("t", "s1", decode=False, replay_tokens=1)
+        assert short.replayed and short.window_partial and window_len(short) == 1
+        # not kept: a Restore states no window, as a Resume with R = 128 would rebuild it
         restored = await kv.restore("t", "s1", decode=False)
-        assert not restored.replayed and not restored.replay_needed
-        assert bytes(restored.window_blob) == bytes(short.window_blob)
-        assert restored.window_replayed_tokens == 1 and restored.window_partial
-        assert window_len(restored) == 1
+        assert restored.window_blob is None and restored.replay_needed
+        assert restored.window_replayed_tokens == 0 and not restored.window_partial
         plain = await kv.restore("t", "s1", want_window=False, decode=False)
-        assert plain.window_blob is None and plain.window_replayed_tokens == 1
+        assert plain.replay_needed and plain.window_replayed_tokens == 0
+        full = await kv.resume("t", "s1", decode=False, replay_tokens=TINY_SPEC.window_tokens)
+        assert full.replayed and not full.window_partial
+        kept = await kv.restore("t", "s1", decode=False)
+        assert bytes(kept.window_blob) == bytes(full.window_blob)
+        assert kept.window_replayed_tokens == TINY_SPEC.window_tokens and not kept.replay_needed
+        assert window_len(kept) == TINY_SPEC.window_tokens
 
         await spill(kv, "own", session, window=True)
         own = await kv.restore("t", "own", decode=False)
@@ -144,7 +152,8 @@ async def test_a_fork_carries_how_its_window_was_made(tmp_path, model, session):
     async with serving(tmp_path, model) as kv:
         await spill(kv, "s1", session)
         await spill(kv, "fresh", session)
-        await kv.resume("t", "s1", decode=False, replay_tokens=1)
+        w = TINY_SPEC.window_tokens  # the shortest replay whose window is kept
+        await kv.resume("t", "s1", decode=False, replay_tokens=w)
         forked = await kv.fork("t", "s1", "f1", upto_tokens=N)
         assert forked.window_kept
         restored = await kv.restore("t", "f1", decode=False)
@@ -153,10 +162,10 @@ async def test_a_fork_carries_how_its_window_was_made(tmp_path, model, session):
         assert rebuilt.replayed and rebuilt.replay_tokens == 128
         fresh = await kv.resume("t", "fresh", decode=False, replay_tokens=128)
         assert bytes(rebuilt.window_blob) == bytes(fresh.window_blob)
-        # the source keeps its own short window until it is asked for more
+        # the source keeps its own shorter replay's window until it is asked for more
         source = await kv.restore("t", "s1", decode=False)
-        assert restored.window_replayed_tokens == 1 and restored.window_partial
-        assert source.window_replayed_tokens == 1 and window_len(source) == 1
+        assert restored.window_replayed_tokens == w and not restored.window_partial
+        assert source.window_replayed_tokens == w and window_len(source) == w
 
 
 async def test_concurrent_short_and_long_resumes_leave_the_long_window(tmp_path, model,
@@ -197,9 +206,13 @@ async def test_the_store_keeps_the_window_of_largest_coverage_across_tiers(tmp_p
         await manager.spill("t", "s", generation=1, **{**args, "window": None})
         blob = args["window"]
 
-        assert await manager.store_window("t", "s", 1, blob, replayed_tokens=1) == "hbm"
+        w = WINDOW_TOKENS
+        # a partial window (a replay shorter than W) is never kept
+        assert await manager.store_window("t", "s", 1, blob, replayed_tokens=w - 1) is None
+        assert (await manager.get_manifest("t", "s")).window_key is None
+        assert await manager.store_window("t", "s", 1, blob, replayed_tokens=w) == "hbm"
         first = await manager.get_manifest("t", "s")
-        assert first.window_replayed == 1 and first.window_coverage == 1
+        assert first.window_replayed == w and first.window_coverage == w
         assert await manager.store_window("t", "s", 1, blob, replayed_tokens=20) == "hbm"
         longer = await manager.get_manifest("t", "s")
         assert longer.window_replayed == 20 and longer.window_key != first.window_key
@@ -275,9 +288,10 @@ async def test_a_short_replay_on_another_node_leaves_a_longer_window_named(node_
         n = len(args["token_ids"])
         await a.spill("acme", "s1", generation=1, ack="durable", **args)
         on_a = await a.get_manifest("acme", "s1")
-        # b sees no window of its own (a's is in a's memory) and replays; a short
+        # b sees no window of its own (a's is in a's memory) and replays; a shorter
         # window of b's does not take the session from a's own.
-        assert await b.store_window("acme", "s1", 1, args["window"], replayed_tokens=1) is None
+        assert await b.store_window("acme", "s1", 1, args["window"],
+                                    replayed_tokens=WINDOW_TOKENS) is None
         still = await a.get_manifest("acme", "s1")
         assert (still.node_id, still.window_key, still.window_replayed) == \
             ("a", on_a.window_key, 0)
@@ -289,10 +303,10 @@ async def test_a_short_replay_on_another_node_leaves_a_longer_window_named(node_
         assert moved.node_id == "b" and moved.window_key is None
         assert moved.remote_window is not None and moved.window_replayed == n
 
-        # b's replay of 20 tokens outranks a's of 4; a's of 30 takes the window to a.
+        # b's replay of 20 tokens outranks a's of 10; a's of 30 takes the window to a.
         await a.spill("acme", "s2", generation=1, ack="durable", **{**args, "window": None})
         assert await b.store_window("acme", "s2", 1, args["window"], replayed_tokens=20)
-        assert await a.store_window("acme", "s2", 1, args["window"], replayed_tokens=4) is None
+        assert await a.store_window("acme", "s2", 1, args["window"], replayed_tokens=10) is None
         assert (await b.get_manifest("acme", "s2")).window_replayed == 20
         assert await a.store_window("acme", "s2", 1, args["window"],
                                     replayed_tokens=30) == "host"

@@ -64,6 +64,10 @@ async def test_control_rpcs(tmp_path):
         assert evicted.tier == "disk" and evicted.window_dropped
         info = (await kv.stat("acme", "s0")).session
         assert info.tiers == ["disk"] and info.window_tier == ""
+        # an evict never moves a block up: the reply says where the session is, not
+        # where it was asked to go
+        higher = await kv.evict("acme", "s0", "host")
+        assert higher.tier == "disk" and not higher.window_dropped
         restored = await kv.restore("acme", "s0")
         assert restored.replay_needed and restored.window is None
         assert_streams_equal(restored.persistent, persistent)

@@ -118,3 +118,26 @@ async def test_the_clients_retry_after_a_lost_reply_gets_the_first_attempts_repl
         receipt = (await server.manager.get_manifest("acme", "s1")).receipt
         assert receipt.chunks_written == 2 and result.bytes_received == receipt.bytes_received
         assert (await kv.restore("acme", "s1")).generation == 1
+
+
+async def test_a_retry_after_a_restart_states_the_window_and_tier_it_finds(tmp_path):
+    tokens = as_tokens(tokens_for(N))
+    enc = encode_session(LAYOUT, tokens, streams_for(LAYOUT, N), scope=dedupe_scope("acme"))
+    window = encode_window(LAYOUT, tokens, window_for(LAYOUT, N))
+    header = raw_spill_header(REF, tokens, enc, window_digest=chunk_digest(window),
+                              ack=pb.ACK_DURABLE)
+    async with running_server(tmp_path) as (_, target), \
+            grpc.aio.insecure_channel(target) as channel:
+        first = await pb_grpc.KVTierStub(channel).Spill(_messages(header, enc, window))
+    assert first.window_kept and first.durable
+    # a restart keeps no window (host RAM): the retry must not say one is held
+    async with running_server(tmp_path) as (server, target), \
+            grpc.aio.insecure_channel(target) as channel:
+        again = await pb_grpc.KVTierStub(channel).Spill(_messages(header, enc, window))
+        stored = await server.manager.get_manifest("acme", "s1")
+        assert stored.window_key is None
+        assert not again.window_kept
+        assert first.tier == "host" and again.tier == "disk"  # memory does not survive
+        assert (again.chunks_written, again.chunks_deduped, again.bytes_received,
+                again.durable) == (first.chunks_written, first.chunks_deduped,
+                                   first.bytes_received, first.durable)
