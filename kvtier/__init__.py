@@ -22,6 +22,6 @@ from kvtier.types import (
     WriteChunksResult,
 )
 
-__all__ = ["AsyncClient", "Client", "DeadlineExceeded", "LayoutInfo", "ReadChunksResult", "RestoredSession",
-           "RetryPolicy", "RoutingPolicy", "SpillResult", "StreamData", "WriteChunksResult",
-           *_errors.__all__]
+__all__ = ["AsyncClient", "Client", "DeadlineExceeded", "LayoutInfo", "ReadChunksResult",
+           "RestoredSession", "RetryPolicy", "RoutingPolicy", "SpillResult", "StreamData",
+           "WriteChunksResult", *_errors.__all__]

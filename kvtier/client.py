@@ -126,22 +126,26 @@ class AsyncClient(PrefixChunkMethods):
             await node.segments.close()
             await node.channel.close()
 
-    def _deadline(self) -> float | None:
-        """The ``time.monotonic()`` a call started now must end by (None: no deadline)."""
-        return None if self.timeout_s is None else time.monotonic() + self.timeout_s
+    def _deadline(self, started: float | None = None) -> float | None:
+        """The ``time.monotonic()`` a call started at ``started`` (None: now) must end by
+        (None: no deadline)."""
+        if self.timeout_s is None:
+            return None
+        return (time.monotonic() if started is None else started) + self.timeout_s
 
     @staticmethod
     def _left(deadline: float | None) -> float | None:
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     async def _call(self, attempt: Callable[[Node], Awaitable], ref: Ref | None = None,
-                    ask: bool = True, idempotent: bool = True):
+                    ask: bool = True, idempotent: bool = True, started: float | None = None):
         """``attempt(node)`` on the node ``ref`` routes to (``Router.route``), retried on
         UNAVAILABLE with backoff; with ``servers``, the retry goes to another node at once
         while one is up. The whole call ends within ``timeout_s``: each attempt waits for
         its node at most ``Router.share`` of the time left, and a node silent that long is
-        down like one refusing (``_hung``)."""
-        deadline = self._deadline()
+        down like one refusing (``_hung``); ``started``: when the caller's call began, if
+        this is its second part (a spill sent again whole)."""
+        deadline = self._deadline(started)
         delays = self.retry.delays()
         leases_lost = False
         while True:
@@ -256,11 +260,12 @@ class AsyncClient(PrefixChunkMethods):
             spilled_on[:] = [node]
             return await self._spill_once(node, header, encoded)
 
+        started = time.monotonic()
         try:
             reply = await self._call(spill_once, ref, ask=False)
         except MissingChunks:
             encoded = await encode({})
-            reply = await self._call(spill_once, ref, ask=False)
+            reply = await self._call(spill_once, ref, ask=False, started=started)
         self._router.remember(ref, spilled_on[0])  # its window is there now
         self._held[ref] = dict(zip(encoded.keys, encoded.digests, strict=True))
         return SpillResult(reply.generation, reply.tier, reply.chunks_written,

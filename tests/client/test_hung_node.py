@@ -16,8 +16,12 @@ import time
 import pytest
 
 from kvtier import Client, DeadlineExceeded, RoutingPolicy
+from kvtier import codec as cc
 from kvtier.client import DEFAULT_TIMEOUT_S
 from testing.live_server import LiveServer
+from tests.support.service import LAYOUT, streams_for, tokens_for
+
+C = LAYOUT.chunk_tokens
 
 
 @pytest.fixture
@@ -85,6 +89,40 @@ def test_with_every_node_hung_each_call_ends_at_its_deadline(nodes):
         }
         with hung(a, b):
             for name, call in calls.items():
+                started = time.monotonic()
+                with pytest.raises(DeadlineExceeded):
+                    call()
+                took = time.monotonic() - started
+                assert timeout_s * 0.95 <= took < 2 * timeout_s, (name, took)
+
+
+@pytest.mark.timeout(120)
+def test_writes_fail_over_from_a_hung_node_and_end_at_the_deadline_when_all_hang(nodes):
+    """Spill and WriteChunks (client streams) go to the next node within the deadline,
+    and are whole there; with both nodes silent they end at the deadline."""
+    a, b = nodes["a"], nodes["b"]
+    timeout_s = 4.0
+    tokens = cc.as_tokens(tokens_for(2 * C))
+    streams = streams_for(LAYOUT, 2 * C)
+    chunks = cc.encode_chunks(LAYOUT, tokens, streams)
+    with Client(servers=[a.target, b.target], timeout_s=timeout_s,
+                routing=RoutingPolicy(cooldown_s=60.0)) as kv:
+        kv.layouts()
+        with hung(a):
+            started = time.monotonic()
+            # acme/s3's chosen node is A (the hash over servers), write_chunks's the first up
+            kv.spill("acme", "s3", LAYOUT.name, tokens, streams, generation=1)
+            written = kv.write_chunks("acme", LAYOUT.name, tokens, chunks, skip_held=False)
+            assert time.monotonic() - started < 2 * timeout_s  # two calls, each within one
+            assert written.chunks_written + written.chunks_deduped == 2
+            assert len(kv.restore("acme", "s3").token_ids) == 2 * C  # on B, whole
+            assert sorted(kv.read_chunks("acme", LAYOUT.name, tokens).chunks) == [0, 1]
+        with hung(a, b):
+            for name, call in {
+                    "spill": lambda: kv.spill("acme", "s2", LAYOUT.name, tokens, streams,
+                                              generation=1),
+                    "write_chunks": lambda: kv.write_chunks("acme", LAYOUT.name, tokens,
+                                                            chunks)}.items():
                 started = time.monotonic()
                 with pytest.raises(DeadlineExceeded):
                     call()
