@@ -153,10 +153,15 @@ def test_a_delete_is_not_sent_again_after_a_silent_node(nodes):
             assert node_of(kv) != ""  # A in its cool-down: B answers at once
 
 
+def test_every_client_has_a_finite_deadline_unless_told_otherwise():
+    with Client(servers=["127.0.0.1:1", "127.0.0.1:2"]) as kv:
+        assert kv._async.timeout_s == DEFAULT_TIMEOUT_S < float("inf")
+
+
+@pytest.mark.slow  # waits half the default deadline for the hung node
 @pytest.mark.timeout(DEFAULT_TIMEOUT_S * 2)
 def test_the_default_deadline_fails_over_from_a_hung_node(nodes):
     a, b = nodes["a"], nodes["b"]
-    assert DEFAULT_TIMEOUT_S is not None
     with Client(servers=[a.target, b.target]) as kv:
         node_a = node_of(kv)
         with hung(a):
