@@ -4,8 +4,8 @@ A session's resume, restore, prefetch and evict go to its home: the node whose m
 holds its window, as ``Stat`` names it (``window_node_address``, or ``window_node_id``
 of a node this client has heard from), asked of the session's chosen node (below) once
 and cached (an LRU of ``RoutingPolicy.entries`` sessions, each kept ``ttl_s``). An entry
-is dropped when a call it routed fails with UNAVAILABLE, or its node served the session
-by replay (it no longer held the window: the next call asks ``Stat`` again).
+is dropped when a call it routed fails with UNAVAILABLE or hangs, or its node served the
+session by replay (it no longer held the window: the next call asks ``Stat`` again).
 
 A session without a home among ``servers`` goes to its chosen node: a stable hash of
 tenant and session id over ``servers``, so one session's calls keep to one node and
