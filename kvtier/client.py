@@ -19,7 +19,12 @@ A restore checks every chunk and the tail against the digests the server returns
 Calls failing with UNAVAILABLE are retried with exponential backoff and jitter (streams
 are restarted whole, so one retry mechanism covers every call; a retried Spill whose
 first attempt landed gets that attempt's reply, the server's spills being idempotent
-per generation and content); any other failure
+per generation and content, and a retried WriteChunks names the same content-addressed
+chunks again). ``timeout_s`` (``DEFAULT_TIMEOUT_S`` unless given) bounds the whole
+call, retries, failovers and a stream's every message included: past it the call raises
+``DeadlineExceeded``. A node silent for its share of that deadline is down like one
+refusing; Delete and Fork, which must not be applied twice, are then not sent again
+(``DeadlineExceeded`` says they may have been applied). Any other failure
 raises the ``kvstore.format.errors`` class the server raised. On the same host chunk bytes go
 through shared memory (``shared_memory=None``: whenever the target is loopback).
 
@@ -49,7 +54,13 @@ from kvstore.format.model_identity import check_model
 from kvtier import codec as cc
 from kvtier import replies, shm
 from kvtier.channel import LOOPBACK, Credentials
-from kvtier.errors import MissingChunks, SharedMemoryUnavailable, error_from_rpc
+from kvtier.errors import (
+    DeadlineExceeded,
+    MissingChunks,
+    SharedMemoryUnavailable,
+    client_deadline_passed,
+    error_from_rpc,
+)
 from kvtier.known_layouts import KnownLayouts, info_from
 from kvtier.prefix_chunks import PrefixChunkMethods
 from kvtier.routing import Node, Ref, Router, RoutingPolicy, open_node
@@ -58,19 +69,25 @@ from kvtier.upload import Item, upload
 from proto import kvtier_pb2 as pb
 
 ACKS = {"memory": pb.ACK_MEMORY, "durable": pb.ACK_DURABLE, None: pb.ACK_UNSPECIFIED}
+# Every call's deadline unless the caller sets one: retries and failovers included, so a
+# hung node costs a call at most this (on a fleet, its share of it), never for ever.
+DEFAULT_TIMEOUT_S = 60.0
 
 
 class AsyncClient(PrefixChunkMethods):
     def __init__(self, target: str | None = None, *, servers: Sequence[str] | None = None,
                  shared_memory: bool | None = None,
-                 retry: RetryPolicy = RetryPolicy(), timeout_s: float | None = None,
+                 retry: RetryPolicy = RetryPolicy(),
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S,
                  max_message_bytes: int = 64 << 20, tls_ca: str | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None,
                  token: str | None = None, routing: RoutingPolicy = RoutingPolicy()) -> None:
         """``target``: one server (default ``127.0.0.1:50051``); or ``servers``: a fleet's
         nodes, each call routed to one of them (``kvtier.routing``), with the same TLS and
         token for every node. ``tls_ca``, ``tls_cert`` + ``tls_key``, ``token``: see
-        ``kvtier.channel``."""
+        ``kvtier.channel``. ``timeout_s``: the deadline of a whole call, every retry and
+        failover included (``DeadlineExceeded`` past it); None: no deadline, so a hung
+        node hangs the call."""
         if target is not None and servers is not None:
             raise ValueError("give target or servers=, not both")
         if servers is not None and not servers:
@@ -109,23 +126,45 @@ class AsyncClient(PrefixChunkMethods):
             await node.segments.close()
             await node.channel.close()
 
+    def _deadline(self, started: float | None = None) -> float | None:
+        """The ``time.monotonic()`` a call started at ``started`` (None: now) must end by
+        (None: no deadline)."""
+        if self.timeout_s is None:
+            return None
+        return (time.monotonic() if started is None else started) + self.timeout_s
+
+    @staticmethod
+    def _left(deadline: float | None) -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
     async def _call(self, attempt: Callable[[Node], Awaitable], ref: Ref | None = None,
-                    ask: bool = True):
+                    ask: bool = True, idempotent: bool = True, started: float | None = None):
         """``attempt(node)`` on the node ``ref`` routes to (``Router.route``), retried on
         UNAVAILABLE with backoff; with ``servers``, the retry goes to another node at once
-        while one is up."""
+        while one is up. The whole call ends within ``timeout_s``: each attempt waits for
+        its node at most ``Router.share`` of the time left, and a node silent that long is
+        down like one refusing (``_hung``); ``started``: when the caller's call began, if
+        this is its second part (a spill sent again whole)."""
+        deadline = self._deadline(started)
         delays = self.retry.delays()
         leases_lost = False
         while True:
-            node = await self._router.route(ref, ask, self.timeout_s)
+            node = await self._router.route(ref, ask, deadline)
+            share = self._router.share(self._left(deadline))
             try:
-                return await attempt(node)
+                return await asyncio.wait_for(attempt(node), share)
             except SharedMemoryUnavailable:
                 if not self.shared_memory:
                     raise
                 self.shared_memory = False  # not the same host after all: bytes inline
                 continue
+            except TimeoutError:
+                self._hung(node, ref, share, deadline, idempotent)
+                continue
             except grpc.aio.AioRpcError as exc:
+                if client_deadline_passed(exc):
+                    self._hung(node, ref, share, deadline, idempotent, exc)
+                    continue
                 delay = next(delays, None)
                 error = error_from_rpc(exc)
                 if isinstance(error, SharedMemoryUnavailable) and self.shared_memory:
@@ -140,7 +179,28 @@ class AsyncClient(PrefixChunkMethods):
                 self._router.failed(node, ref)
                 if self._router.routed and self._router.any_up():
                     continue  # another node is up: no wait
+                if deadline is not None and time.monotonic() + delay >= deadline:
+                    raise DeadlineExceeded(f"{node.address} is unavailable and the "
+                                           f"{self.timeout_s:g} s deadline leaves no time "
+                                           f"to retry: {error}") from exc
             await asyncio.sleep(delay)
+
+    def _hung(self, node: Node, ref: Ref | None, share: float | None,
+              deadline: float | None, idempotent: bool, cause: BaseException | None = None
+              ) -> None:
+        """``node`` did not answer within ``share``: down for the cool-down, like one
+        refusing. Returns when the call may go to another node; else raises
+        ``DeadlineExceeded``: the deadline passed, no other node is up, or the call must
+        not be sent twice (it may have been applied on the silent node)."""
+        self._router.failed(node, ref)
+        silent = f"{node.address} did not answer within {share or 0:.3g} s"
+        if not idempotent:
+            raise DeadlineExceeded(f"{silent}; the call may have been applied there, so it "
+                                   "is not sent again") from cause
+        if not self._router.routed or not self._router.any_up() or (
+                self._left(deadline) or 0) <= 0:
+            raise DeadlineExceeded(f"{silent}; the call's {self.timeout_s:g} s deadline "
+                                   f"is spent (servers: {', '.join(self.servers)})") from cause
 
     # -- spill --
 
@@ -200,11 +260,12 @@ class AsyncClient(PrefixChunkMethods):
             spilled_on[:] = [node]
             return await self._spill_once(node, header, encoded)
 
+        started = time.monotonic()
         try:
             reply = await self._call(spill_once, ref, ask=False)
         except MissingChunks:
             encoded = await encode({})
-            reply = await self._call(spill_once, ref, ask=False)
+            reply = await self._call(spill_once, ref, ask=False, started=started)
         self._router.remember(ref, spilled_on[0])  # its window is there now
         self._held[ref] = dict(zip(encoded.keys, encoded.digests, strict=True))
         return SpillResult(reply.generation, reply.tier, reply.chunks_written,
@@ -309,14 +370,17 @@ class AsyncClient(PrefixChunkMethods):
         raises StaleGeneration rather than mixing two versions."""
         request = pb.RestoreRequest(session=pb.SessionRef(tenant=tenant, session_id=session_id),
                                     layer_by_layer=True, model_fingerprint=model_fingerprint)
+        ref = (tenant, session_id)
+        deadline = self._deadline()
         delays = self.retry.delays()
         delivered: set[tuple[str, int]] = set()
         generation = None
         while True:
             assembler = None
-            node = await self._router.route((tenant, session_id), True, self.timeout_s)
+            node = await self._router.route(ref, True, deadline)
+            share = self._router.share(self._left(deadline))
             try:
-                async for reply in node.stub.Restore(request, timeout=self.timeout_s):
+                async for reply in node.stub.Restore(request, timeout=share):
                     kind = reply.WhichOneof("item")
                     if kind == "header":
                         check_model(model_fingerprint, reply.header.model_fingerprint,
@@ -339,10 +403,17 @@ class AsyncClient(PrefixChunkMethods):
                     yield last
                 return
             except grpc.aio.AioRpcError as exc:
+                if client_deadline_passed(exc):
+                    self._hung(node, ref, share, deadline, True, exc)
+                    continue
                 delay = next(delays, None)
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or delay is None:
                     raise error_from_rpc(exc) from exc
-                self._router.failed(node, (tenant, session_id))
+                self._router.failed(node, ref)
+                if deadline is not None and time.monotonic() + delay >= deadline:
+                    raise DeadlineExceeded(f"{node.address} is unavailable and the "
+                                           f"{self.timeout_s:g} s deadline leaves no time "
+                                           "to retry") from exc
             await asyncio.sleep(delay)
 
     # -- layouts (kvtier.known_layouts) --
@@ -402,7 +473,9 @@ class AsyncClient(PrefixChunkMethods):
         self._held.pop((tenant, session_id), None)
         self._router.forget((tenant, session_id))
         request = pb.DeleteRequest(session=self._ref(tenant, session_id))
-        return await self._call(lambda node: node.stub.Delete(request, timeout=self.timeout_s))
+        # Not sent twice: a second Delete after one landed would answer NOT_FOUND.
+        return await self._call(lambda node: node.stub.Delete(request, timeout=self.timeout_s),
+                                idempotent=False)
 
     async def lookup(self, tenant: str, layout: str | LayoutSpec, token_ids, *,
                      model: str | None = None, dedupe_domain: str = "") -> int:
@@ -426,7 +499,8 @@ class AsyncClient(PrefixChunkMethods):
         ``upto_tokens`` rounded down to a chunk boundary (copy on write)."""
         request = pb.ForkRequest(source=self._ref(tenant, source_session),
                                  new_session_id=new_session, upto_tokens=upto_tokens)
-        return await self._call(lambda node: node.stub.Fork(request, timeout=self.timeout_s))
+        return await self._call(lambda node: node.stub.Fork(request, timeout=self.timeout_s),
+                                idempotent=False)  # a second Fork would find it made
 
     async def stat(self, tenant: str = "", session_id: str = "", *,
                    usage_of: str = "", fleet: bool = False) -> pb.StatReply:

@@ -163,7 +163,8 @@ def checked_result(spec: LayoutSpec, tokens: np.ndarray, first_chunk: int,
 
 class PrefixChunkMethods:
     """``AsyncClient``'s prefix-chunk methods (it supplies ``_call``, ``layout``,
-    ``shared_memory``, ``timeout_s`` and ``max_message_bytes``)."""
+    ``shared_memory``, ``timeout_s`` and ``max_message_bytes``). A write is safe to send
+    again on another node: its chunks are content-addressed, a second copy a dedupe."""
 
     async def write_chunks(self, tenant: str, layout: str | LayoutSpec, token_ids,
                            chunks: Sequence[bytes], *, first_chunk: int = 0,
@@ -180,12 +181,14 @@ class PrefixChunkMethods:
                               model_fingerprint=model_fingerprint, dedupe_domain=dedupe_domain,
                               ack=pb.Ack.Value(f"ACK_{ack.upper()}"))
         send = list(range(len(chunks)))
+        started = time.monotonic()  # the lookup, the write and its resend: one deadline
         if skip_held and chunks:
             lookup = pb.LookupRequest(tenant=tenant, layout_id=spec.layout_id,
                                       model_fingerprint=model_fingerprint,
                                       dedupe_domain=dedupe_domain, token_ids=tokens.tobytes())
             held = await self._call(lambda node: node.stub.Lookup(lookup,
-                                                                  timeout=self.timeout_s))
+                                                                  timeout=self.timeout_s),
+                                    started=started)
             send = unheld(held, keys, digests, first_chunk)
 
         def attempt(node: Node, send=send) -> Awaitable[WriteChunksResult]:
@@ -194,9 +197,10 @@ class PrefixChunkMethods:
                               max_message_bytes=self.max_message_bytes)
 
         try:
-            return await self._call(attempt)
+            return await self._call(attempt, started=started)
         except MissingChunks:  # one went since the lookup: send every chunk
-            return await self._call(lambda node: attempt(node, range(len(chunks))))
+            return await self._call(lambda node: attempt(node, range(len(chunks))),
+                                    started=started)
 
     async def read_chunks(self, tenant: str, layout: str | LayoutSpec, token_ids, *,
                           first_chunk: int = 0, max_chunks: int = 0, model_fingerprint: str = "",

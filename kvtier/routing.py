@@ -4,16 +4,18 @@ A session's resume, restore, prefetch and evict go to its home: the node whose m
 holds its window, as ``Stat`` names it (``window_node_address``, or ``window_node_id``
 of a node this client has heard from), asked of the session's chosen node (below) once
 and cached (an LRU of ``RoutingPolicy.entries`` sessions, each kept ``ttl_s``). An entry
-is dropped when a call it routed fails with UNAVAILABLE, or its node served the session
-by replay (it no longer held the window: the next call asks ``Stat`` again).
+is dropped when a call it routed fails with UNAVAILABLE or hangs, or its node served the
+session by replay (it no longer held the window: the next call asks ``Stat`` again).
 
 A session without a home among ``servers`` goes to its chosen node: a stable hash of
 tenant and session id over ``servers``, so one session's calls keep to one node and
 sessions spread over the fleet. A spill goes to the cached home, else the chosen node
 (no ``Stat``), and its node is the home after. Calls naming no session go to the first
-node up. A node failing with UNAVAILABLE is down for ``cooldown_s``: calls skip it while
-another is up, and the call goes to another node at once (one of
-``RetryPolicy.attempts``).
+node up. A node failing with UNAVAILABLE, or silent for its share of the call's deadline
+(``share``: the time left split evenly over the nodes up, so a hung node leaves the
+others their turn), is down for ``cooldown_s``: calls skip it while another is up, the
+call goes to another node at once (one of ``RetryPolicy.attempts``), and once the
+cool-down is over the node is tried again.
 
 Routing only chooses the node: every node answers every call from the fleet's shared
 metadata, so a stale route costs time (a replay), never a wrong tensor.
@@ -31,6 +33,7 @@ import grpc
 
 from kvtier import shm
 from kvtier.channel import Credentials, open_channel
+from kvtier.errors import client_deadline_passed
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 
@@ -39,7 +42,7 @@ from proto import kvtier_pb2_grpc as pb_grpc
 class RoutingPolicy:
     entries: int = 4096      # sessions whose home is cached
     ttl_s: float = 30.0      # how long a cached home is trusted
-    cooldown_s: float = 5.0  # how long a node that failed UNAVAILABLE is skipped
+    cooldown_s: float = 5.0  # how long a node that failed or hung is skipped
 
 
 @dataclass(eq=False)
@@ -117,8 +120,17 @@ class Router:
     def forget(self, ref: Ref) -> None:
         self._homes.pop(ref, None)
 
+    def share(self, left_s: float | None) -> float | None:
+        """Seconds the next attempt may wait for its node, of ``left_s`` left to the call
+        (None: no deadline): an even share over the nodes up, so that a node that hangs
+        leaves each other one its turn."""
+        if left_s is None or not self.routed:
+            return left_s
+        return left_s / max(1, sum(self._up(node) for node in self.nodes))
+
     def failed(self, node: Node, ref: Ref | None) -> None:
-        """``node`` answered UNAVAILABLE: down for the cool-down, no session routed to it."""
+        """``node`` answered UNAVAILABLE or not in time: down for the cool-down, no
+        session routed to it."""
         if not self.routed:
             return
         node.down_until = self._clock() + self.policy.cooldown_s
@@ -127,26 +139,30 @@ class Router:
         for stale in [r for r, (home, _) in self._homes.items() if home is node]:
             del self._homes[stale]
 
-    async def route(self, ref: Ref | None, ask: bool, timeout_s: float | None) -> Node:
+    async def route(self, ref: Ref | None, ask: bool, deadline: float | None) -> Node:
         """The node for a call about session ``ref`` (None: about none); ``ask``: ask Stat
-        for a home not cached (a spill does not: its node becomes the home)."""
+        for a home not cached (a spill does not: its node becomes the home); ``deadline``:
+        the call's, in ``time.monotonic()`` (None: none)."""
         if ref is None or not self.routed:
             return self.any()
         node = self.cached(ref)
         if node is None:
-            node = (await self._look_up(ref, timeout_s) if ask else None) or self.chosen(ref)
+            node = (await self._look_up(ref, deadline) if ask else None) or self.chosen(ref)
             self.remember(ref, node)
         return node
 
-    async def _look_up(self, ref: Ref, timeout_s: float | None) -> Node | None:
+    async def _look_up(self, ref: Ref, deadline: float | None) -> Node | None:
         """The session's home among the nodes, asked of Stat (None: none is)."""
         request = pb.StatRequest(session=pb.SessionRef(tenant=ref[0], session_id=ref[1]))
         for _ in self.nodes:
             asked = self.chosen(ref)  # spreads the lookups, and learns each node's id
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None  # the routed call then reports the deadline
             try:
-                reply = await asked.stub.Stat(request, timeout=timeout_s)
+                reply = await asked.stub.Stat(request, timeout=self.share(left))
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE and not client_deadline_passed(exc):
                     return None  # the routed call itself then says what is wrong
                 self.failed(asked, None)
                 continue

@@ -146,8 +146,10 @@ async def test_the_route_cache_is_bounded_expires_and_skips_a_node_in_cool_down(
         router.failed(nodes[1], None)
         assert router.cached(("t", "s1")) is None  # routed to a node that failed
         assert router.any() is nodes[0]
+        assert router.share(3.0) == 1.5  # the time left over the two nodes up
         router.failed(nodes[0], None)
         assert router.any() is nodes[2]
+        assert router.share(3.0) == 3.0 and router.share(None) is None
         assert {router.chosen(("t", f"s{i}")) for i in range(20)} == {nodes[2]}
         clock.advance(5.0)
         assert router.any() is nodes[0]  # back after its cool-down
