@@ -25,7 +25,7 @@ from bench.seams.verdict import Ledger
 from bench.seams.world import STARTED, Moto, Node, Redis, Tmpfs
 from kvstore.format.registry import get_layout
 from kvtier import AsyncClient
-from testing.live_server import ROOT, Credentials
+from testing.live_server import ROOT, Child, Credentials
 
 TMPFS_MIB = 48
 EVENTS = ("restart", "compact-live", "kill9", "backup", "compact-offline", "cli-tools",
@@ -74,6 +74,7 @@ class Simulation(Ops):
         self.step = 0
         self.lives = 0
         self.probe: subprocess.Popen | None = None
+        self.replay_worker: Child | None = None  # the remote replayer, once one serves
         self.stalls = {"source": "", "count": 0, "probes": 0, "max_ms": 0.0}
         self._stalls_at_start = 0.0
         self.ran = False
@@ -111,7 +112,9 @@ class Simulation(Ops):
     # -- the server's lives --
 
     def config(self, shared: bool | None = None) -> Path:
+        worker = self.replay_worker.target if self.replay_worker is not None else ""
         return write_config(self.combo, self.root, self.data_dir, redis_url=self.redis.url,
+                            replay_worker=worker,
                             s3_endpoint=self.moto.endpoint, bucket=self.bucket,
                             creds_root=self.creds.root if self.combo.tls else None,
                             shared=shared)
@@ -216,6 +219,8 @@ class Simulation(Ops):
             finally:
                 if self.node.alive():
                     await self.end_life("term")
+                if self.replay_worker is not None:
+                    await asyncio.to_thread(self.replay_worker.stop)
                 self.read_server_log()
         finally:
             self.tmpfs.close()

@@ -14,8 +14,8 @@ the model (``maintenance.event`` verifies every session after each):
   B], timeout_s=ROUTED_TIMEOUT_S)``), B stopped (SIGSTOP): every restore routed must
   fail over to A within its deadline and be judged as any;
 - ``remote-replay``: the server restarted with a ``kvtier replay-worker`` as its remote
-  replayer (the Replay service's Rebuild), resumes judged as any, then restarted as it
-  was.
+  replayer (the Replay service's Rebuild) for the rest of the combination, resumes
+  judged as any.
 """
 
 from __future__ import annotations
@@ -142,15 +142,15 @@ async def _cli_lookup_and_fork(sim, tenant: str) -> None:
 
 
 async def _generate(sim, tenant: str) -> None:
-    """``kvtier generate`` twice on a new session (the bundled model, spilled durably
-    each time): the second continues the first, a generation on and longer; the session
-    is then deleted (its tensors are the model's, not the simulation's)."""
+    """``kvtier generate`` on a new session (the bundled model, spilled durably), twice
+    in half the events: the second continues the first, a generation on and longer; the
+    session is then deleted (its tensors are the model's, not the simulation's)."""
     sid = sim.new_sid()
     prompt = f"step {sim.step}: "
     args = ["generate", "--tenant", tenant, "--session", sid, "--max-new-tokens", "4",
             *_server_args(sim, tenant)]
     seen = []
-    for turn in ("one", "two"):
+    for turn in ("one", "two") if sim.rng.random() < 0.5 else ("one",):
         rc, _ = await _cli(sim, f"cli-generate-{turn}", [*args, "--prompt", prompt],
                            admission=True)
         if rc != 0:
@@ -324,7 +324,12 @@ async def hung_node(sim) -> None:
 
 
 async def remote_replay(sim) -> None:
-    """Resumes rebuilt by a ``kvtier replay-worker`` (the server's remote replayer)."""
+    """The server restarted with a ``kvtier replay-worker`` as its replayer for the rest
+    of the combination (``Simulation.replay_worker``): every later window rebuild is a
+    Rebuild call; a few resumes now must replay there."""
+    if sim.replay_worker is not None:
+        sim.log(f"step={sim.step} remote-replay: already remote")
+        return
     worker = Child([*CLI, "replay-worker", "--listen", "127.0.0.1:0", "--log-level",
                     "WARNING"], "kvtier replay-worker serving on ",
                    sim.root / "replay-worker.log", {})
@@ -335,34 +340,26 @@ async def remote_replay(sim) -> None:
                        "serving", str(exc))
         return
     STARTED.append(worker.proc)
-    remote = sim.root / "serve-remote.toml"
-    lines = sim.config_path.read_text().splitlines()
-    at = next((i for i, line in enumerate(lines) if line.startswith("[")), len(lines))
-    lines[at:at] = ['replay = "remote"', f'replay_workers = ["{worker.target}"]']
-    remote.write_text("\n".join(lines) + "\n")
-    try:
-        await maintenance.stop(sim, "term")
-        await maintenance.start(sim, "remote-replay", remote)
-        # windows went with the restart: a resume of a session of no stated model
-        # replays, on the worker
-        keys = sorted(k for k, h in sim.model.items() if not h.model
-                      and len(h.current.tokens) and not h.may_be_absent(now()))
-        for key in sim.rng.sample(keys, min(REMOTE_RESUMES, len(keys))):
-            held = sim.model.get(key)
-            if held is not None:
-                sim.step += 1
-                await sim.restore(sim.step, held, op="remote-resume",
-                                  replay=sim.rng.choice(("small", "128")))
-        replays = sum(v for k, v in (await asyncio.to_thread(sim.node.metrics)).items()
-                      if k.startswith("kvtier_replays_total"))
-        sim.log(f"step={sim.step} remote-replay: {replays:.0f} windows rebuilt remotely")
-        if keys and not replays:
-            sim.ledger.add("unexpected", sim.combo.name, sim.step, "remote-replay", "-",
-                           "resumes rebuilt by the replay worker (Rebuild)", "no replay")
-        await maintenance.stop(sim, "term")
-    finally:
-        await asyncio.to_thread(worker.stop)
-    await maintenance.start(sim, "remote-replay-done")
+    sim.replay_worker = worker
+    await maintenance.stop(sim, "term")
+    sim.config_path = sim.config()
+    await maintenance.start(sim, "remote-replay")
+    # windows went with the restart: a resume of a session of no stated model replays,
+    # on the worker
+    keys = sorted(k for k, h in sim.model.items() if not h.model
+                  and len(h.current.tokens) and not h.may_be_absent(now()))
+    for key in sim.rng.sample(keys, min(REMOTE_RESUMES, len(keys))):
+        held = sim.model.get(key)
+        if held is not None:
+            sim.step += 1
+            await sim.restore(sim.step, held, op="remote-resume",
+                              replay=sim.rng.choice(("small", "128")))
+    replays = sum(v for k, v in (await asyncio.to_thread(sim.node.metrics)).items()
+                  if k.startswith("kvtier_replays_total"))
+    sim.log(f"step={sim.step} remote-replay: {replays:.0f} windows rebuilt remotely")
+    if keys and not replays:
+        sim.ledger.add("unexpected", sim.combo.name, sim.step, "remote-replay", "-",
+                       "resumes rebuilt by the replay worker (Rebuild)", "no replay")
 
 
 EVENTS = {"cli-tools": cli_tools, "tokens-file": tokens_file, "hung-node": hung_node,

@@ -165,6 +165,13 @@ class Ops:
             self.fail(exc, step, "lookup", f"{source.tenant}/{source.sid}", "tokens held")
             return
         n = len(base.tokens)
+        whole = n // spec.chunk_tokens * spec.chunk_tokens
+        # its own chunks (of no stated model, as this lookup states none) are all held
+        settled = not source.uncertain and not source.model \
+            and not source.may_be_absent(now())
+        if held > whole or (settled and held != whole):
+            self.wrong(step, "lookup", f"{source.tenant}/{source.sid}",
+                       f"{whole if settled else f'<= {whole}'} tokens held", f"{held}")
         version = await self._spill(step, "lookup-spill", source.tenant, sid, spec, base.tokens,
                                     random_streams(spec, n, self.rng), None, 1, window=False)
         if version is not None:

@@ -68,9 +68,10 @@ def parse_combinations(text: str) -> list[Combination]:
 
 def write_config(combo: Combination, root: Path, data_dir: Path, *, redis_url: str,
                  s3_endpoint: str, bucket: str, creds_root: Path | None,
-                 shared: bool | None = None) -> Path:
+                 shared: bool | None = None, replay_worker: str = "") -> Path:
     """The TOML ``kvtier serve --config`` reads for ``combo`` (``shared`` overrides the
-    switch: a migrated directory served shared); its path."""
+    switch: a migrated directory served shared; ``replay_worker``: host:port of a
+    ``kvtier replay-worker`` that rebuilds every window); its path."""
     shared = combo.shared if shared is None else shared
     lines = ['preset = "test"', 'listen = "127.0.0.1:0"', f'data_dir = "{data_dir}"',
              'disk_bytes = "1GiB"',  # above the tmpfs: the medium fills first
@@ -95,6 +96,8 @@ def write_config(combo: Combination, root: Path, data_dir: Path, *, redis_url: s
         lines += [f'tls_cert = "{creds_root / "server.pem"}"',
                   f'tls_key = "{creds_root / "server-key.pem"}"',
                   f'auth_tokens_file = "{creds_root / "tokens.toml"}"']
+    if replay_worker:
+        lines += ['replay = "remote"', f'replay_workers = ["{replay_worker}"]']
     if combo.quota:
         lines += ["[quota.default]", f"sessions = {SESSIONS}",
                   f"durable_bytes = {DURABLE_BYTES}"]
