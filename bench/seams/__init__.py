@@ -7,7 +7,8 @@ reference model of every session), ``verdict`` (failure keys and findings), ``op
 client operations on sessions, judged: spills, restores and resumes with or without a
 stated model fingerprint, forks, deletes, evictions, prefetches, Stat, List, layouts),
 ``prefix`` (prefix chunks of no session: WriteChunks, ReadChunks, Lookup, and their
-model), ``layouts`` (valid and hostile registrations), ``maintenance`` (restarts,
+model), ``layouts`` (valid and hostile registrations), ``lives`` (a server stopped
+and started, the model told), ``maintenance`` (restarts,
 kill -9, compaction, repair, migrate, a full medium), ``backups`` (backup and
 restore-backup, with damage), ``operator`` (the online subcommands, certs and keygen,
 the live tokens file, a routed client with a hung node, a remote replay worker),

@@ -27,7 +27,7 @@ import json
 import shutil
 from pathlib import Path
 
-from bench.seams import maintenance, prefix
+from bench.seams import lives, prefix
 from bench.seams.verdict import now
 from bench.seams.world import run_cli
 
@@ -53,23 +53,23 @@ async def directory(sim, damage: str | None, *, live: bool) -> None:
 
 async def _directory(sim, backup: Path, damage: str | None, live: bool) -> None:
     if not live:
-        await maintenance.stop(sim, "term")
+        await lives.stop(sim, "term")
     ok = await _back_up(sim, ["--data-dir", str(sim.data_dir)], backup)
     if live:
-        await maintenance.stop(sim, "term")
+        await lives.stop(sim, "term")
         # what the backup holds is what a kill -9 at its time would have left
         for held in sim.model.values():
             held.uncertain = True
         prefix.after_stop(sim, "kill")
     if not ok:
-        await maintenance.start(sim, "backup-failed")
+        await lives.start(sim, "backup-failed")
         return
     what = _damage(sim, backup, damage)
     target = sim.tmpfs.path / f"restored-{sim.step}"
     rc, report = await _restore(sim, [str(backup), str(target)], what)
     if rc != 0:
         shutil.rmtree(target, ignore_errors=True)
-        await maintenance.start(sim, "backup-refused")
+        await lives.start(sim, "backup-refused")
         return
     # the restored directory is the node's from now on, as an operator's would be
     old = sim.data_dir
@@ -77,7 +77,7 @@ async def _directory(sim, backup: Path, damage: str | None, live: bool) -> None:
     sim.config_path = sim.config()
     shutil.rmtree(old, ignore_errors=True)
     prefix.forget_all(sim, "restore-backup")
-    await maintenance.start(sim, "restore-backup")
+    await lives.start(sim, "restore-backup")
     sim.log(f"step={sim.step} serving the restored backup {target.name} (damage: {what})")
     if report is not None:
         _census(sim, report, exact=not live)
@@ -85,7 +85,7 @@ async def _directory(sim, backup: Path, damage: str | None, live: bool) -> None:
 
 async def bucket(sim, damage: str | None) -> None:
     backup = sim.root / f"backup-{sim.step}"
-    await maintenance.stop(sim, "term")
+    await lives.stop(sim, "term")
     try:
         source = f"s3://{sim.bucket}/{FLEET_PREFIX}"
         if not await _back_up(sim, ["--bucket", source, "--s3-endpoint", sim.moto.endpoint],
@@ -105,7 +105,7 @@ async def bucket(sim, damage: str | None) -> None:
                            f"exit 0: {json.dumps(report)[:200]}")
     finally:
         _remove(backup)
-        await maintenance.start(sim, "backup")
+        await lives.start(sim, "backup")
 
 
 async def _back_up(sim, source: list[str], backup: Path) -> bool:

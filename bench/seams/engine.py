@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.seams import maintenance, prefix
+from bench.seams import lives, maintenance, prefix
 from bench.seams.layouts import BUNDLED
 from bench.seams.model import Held
 from bench.seams.ops import REPLAYS, Ops
@@ -214,7 +214,7 @@ class Simulation(Ops):
                 await self.loop()
                 if maintenance.applies(self, "migrate") and self.rng.random() < 0.5:
                     await maintenance.migrate(self)
-            except maintenance.Abort:
+            except lives.Abort:
                 self.log(f"combo={self.combo.name} aborted at step {self.step}")
             finally:
                 if self.node.alive():

@@ -34,6 +34,7 @@ import asyncio
 import os
 
 from bench.seams import backups, operator, prefix
+from bench.seams.lives import start, stop
 from bench.seams.verdict import named
 from bench.seams.world import run_cli
 from kvstore.format.errors import KVTierError, TierFull
@@ -44,10 +45,6 @@ SETTLE_S = 8.0
 # The disk tier stops value writes while less than its 4 MiB reserve would be left
 # (metadata and deletes may use it): a quarter of it must still be free when it refuses.
 KEPT_FREE = 1 << 20  # how long a spill may wait for a full medium's freed space
-
-
-class Abort(Exception):
-    """The combination cannot go on (its server would not start again)."""
 
 
 def applies(sim, kind: str) -> bool:
@@ -112,26 +109,6 @@ async def fresh_chunks(sim) -> None:
     for ack in ("durable", "memory"):
         sim.step += 1
         await prefix.write(sim, sim.step, prefix.new_prefix(sim, sim.tenants[0]), ack)
-
-
-async def stop(sim, how: str) -> None:
-    await sim.end_life(how)
-    prefix.after_stop(sim, how)
-    for held in sim.model.values():
-        if how == "term":
-            held.drained()
-        else:
-            held.uncertain = True
-        for version in held.versions:
-            version.window = None  # memory tiers only
-        held.window_replayed = False
-
-
-async def start(sim, why: str, config=None) -> None:
-    if not await sim.start(config):
-        sim.ledger.add("unexpected", sim.combo.name, sim.step, f"start-after-{why}", "-",
-                       "the server starts again", sim.node.refusal)
-        raise Abort(sim.node.refusal)
 
 
 async def _compact(sim, kind: str, args: list[str]) -> None:
