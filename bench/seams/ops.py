@@ -130,6 +130,9 @@ class Ops:
             return None
         if reply.generation != gen:
             self.wrong(step, op, name, f"generation {gen}", f"generation {reply.generation}")
+        if reply.window_kept and win is None:
+            self.wrong(step, op, name, "window_kept False (no window spilled)",
+                       "window_kept True")
         version = Version(gen, spec.name, tokens, persistent,
                           win if reply.window_kept else None, reply.durable,
                           f"{op}@{step}")
@@ -302,6 +305,12 @@ class Ops:
                 and (match.window is None or not same_streams(got.window, match.window)):
             self.wrong(step, op, name, f"window {digest(match.window)}",
                        f"window {digest(got.window)} from {got.window_start}")
+        if got.window is not None and not got.replayed \
+                and (got.window_replayed_tokens > 0) != held.window_replayed:
+            self.wrong(step, op, name, "window_replayed_tokens "
+                       + ("> 0 (a replay's window)" if held.window_replayed
+                          else "0 (the window as spilled)"),
+                       f"{got.window_replayed_tokens}")
         if got.replayed:
             held.window_replayed = True
         if replay is not None and spec.ephemeral_streams:
@@ -446,6 +455,9 @@ class Ops:
         whole = k == n
         if not whole and (k % spec.chunk_tokens or k > upto):
             self.wrong(step, "fork", name, f"fork upto {upto} of {n}", f"{k} tokens")
+        if reply.generation != 1 or reply.chunks != k // spec.chunk_tokens:
+            self.wrong(step, "fork", name, f"generation 1, {k // spec.chunk_tokens} chunks",
+                       f"generation {reply.generation}, {reply.chunks} chunks")
         persistent = base.persistent if whole else truncated(spec, base.persistent, k)
         window = base.window if whole and reply.window_kept else None
         copy = Version(1, base.layout, base.tokens[:k].clone(), persistent, window,
