@@ -53,28 +53,24 @@ class Prefix:
                 or time.time() > self.written[index] + RETAIN_TTL_S - TTL_MARGIN_S)
 
 
-def prefixes(sim) -> list[Prefix]:
-    return sim.prefixes
-
-
 def new_prefix(sim, tenant: str) -> Prefix:
     spec = sim.spec(BUNDLED)
     count = sim.rng.randint(1, MAX_CHUNKS)
     tokens = sim.tokens(spec, count * spec.chunk_tokens).numpy().astype("uint32")
     streams = random_streams(spec, len(tokens), sim.rng)
     chunks = cc.encode_chunks(spec, tokens, streams)
-    mine = [p for p in prefixes(sim) if p.tenant == tenant]
+    mine = [p for p in sim.prefixes if p.tenant == tenant]
     if len(mine) >= MAX_PREFIXES:
-        prefixes(sim).remove(mine[0])
+        sim.prefixes.remove(mine[0])
     prefix = Prefix(tenant, f"prefix-{sim.new_sid()}", tokens, chunks)
-    prefixes(sim).append(prefix)
+    sim.prefixes.append(prefix)
     return prefix
 
 
 def choose(sim, tenant: str, busy: set, *, written: bool) -> Prefix | None:
     """One of the tenant's prefixes no running operation uses (``written``: with chunks
     acked), marked busy."""
-    mine = [p for p in prefixes(sim) if p.tenant == tenant and (tenant, p.pid) not in busy
+    mine = [p for p in sim.prefixes if p.tenant == tenant and (tenant, p.pid) not in busy
             and (p.written or not written)]
     if not mine:
         return None
@@ -219,7 +215,7 @@ async def read(sim, step: int, prefix: Prefix, op: str = "read-chunks") -> None:
 def after_stop(sim, how: str) -> None:
     """The server stopped: SIGTERM drains every ack (durable now); a kill -9 may lose
     the memory-acked ones."""
-    for prefix in prefixes(sim):
+    for prefix in sim.prefixes:
         for i in prefix.written:
             if how == "term":
                 prefix.drained.add(i)
@@ -231,12 +227,12 @@ def forget_all(sim, why: str) -> None:
     """An event that may free unreferenced chunks (compaction, migrate, a restored
     backup): every chunk may be gone."""
     sim.log(f"step={sim.step} prefix chunks may be gone after {why}")
-    for prefix in prefixes(sim):
+    for prefix in sim.prefixes:
         prefix.maybe_gone.update(prefix.written)
 
 
 async def verify(sim, why: str) -> None:
-    for prefix in list(prefixes(sim)):
+    for prefix in list(sim.prefixes):
         if prefix.written:
             sim.step += 1
             await read(sim, sim.step, prefix, f"verify-chunks-{why}")
