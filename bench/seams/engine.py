@@ -75,6 +75,7 @@ class Simulation(Ops):
         self.lives = 0
         self.probe: subprocess.Popen | None = None
         self.replay_worker: Child | None = None  # the remote replayer, once one serves
+        self.issued: Path | None = None  # what `kvtier certs` last wrote (bench.seams.operator)
         self.stalls = {"source": "", "count": 0, "probes": 0, "max_ms": 0.0}
         self._stalls_at_start = 0.0
         self.ran = False

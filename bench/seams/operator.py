@@ -206,7 +206,7 @@ async def tokens_file(sim) -> None:
     if not sim.combo.tls:
         sim.log(f"step={sim.step} tokens-file skipped: no TLS")
         return
-    issued = getattr(sim, "issued", None)
+    issued = sim.issued
     if issued is None:  # certs writes the token and its tokens-file entry
         where = sim.root / f"tools-{sim.step}"
         rc, _ = await _cli(sim, "cli-certs", ["certs", str(where / "certs")])
