@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.seams import maintenance
+from bench.seams import lives, maintenance, prefix
 from bench.seams.layouts import BUNDLED
 from bench.seams.model import Held
 from bench.seams.ops import REPLAYS, Ops
@@ -25,17 +25,21 @@ from bench.seams.verdict import Ledger
 from bench.seams.world import STARTED, Moto, Node, Redis, Tmpfs
 from kvstore.format.registry import get_layout
 from kvtier import AsyncClient
-from testing.live_server import ROOT, Credentials
+from testing.live_server import ROOT, Child, Credentials
 
 TMPFS_MIB = 48
-EVENTS = ("restart", "compact-live", "kill9", "compact-offline", "repair", "full-disk")
+EVENTS = ("restart", "compact-live", "kill9", "backup", "compact-offline", "cli-tools",
+          "repair", "tokens-file", "full-disk", "hung-node", "remote-replay")
+FINAL = ("migrate",)  # after the last step, single-node combinations (half of them)
 EVENT_EVERY = 200  # steps between maintenance events (each restarts or runs a tool)
 MAX_SESSIONS = 10  # per tenant, so quota and capacity are met and sessions stay small
 # resumes replay on the server's CPU (the costliest step): fewer of them, every R still
 WEIGHTS = {"spill-new": 12, "spill-extend": 12, "spill-rewrite": 5, "lookup-spill": 5,
            "stale-spill": 2, "restore": 16, "resume": 5, "resume-twice": 2, "fork": 5,
            "fork-burst": 1, "delete": 6, "restore-deleted": 2, "lookup-foreign": 3, "register": 3,
-           "evict": 4, "count": 3}
+           "evict": 4, "count": 3, "write-chunks": 4, "read-chunks": 3, "identity": 2,
+           "stat-session": 2, "prefetch": 2, "list-layouts": 1}
+NO_SESSION = ("register", "count", "write-chunks", "read-chunks", "list-layouts")
 
 
 # Server log lines no operation of a simulation may cause.
@@ -54,7 +58,10 @@ class Simulation(Ops):
         self.ledger, self.log = ledger, log
         self.tenants = ("acme", "beta")
         self.model: dict[tuple[str, str], Held] = {}
+        self.prefixes: list[prefix.Prefix] = []  # prefix chunks written (bench.seams.prefix)
         self.deleted: set[tuple[str, str]] = set()
+        # forgotten (expired or lost) but maybe still listed and counted by the server
+        self.vanished: set[tuple[str, str]] = set()
         self.layouts = [BUNDLED]
         self.layout_specs = {BUNDLED: get_layout(BUNDLED)}
         self.session_ttl = SESSION_TTL_S if combo.ret else 0.0
@@ -67,6 +74,8 @@ class Simulation(Ops):
         self.step = 0
         self.lives = 0
         self.probe: subprocess.Popen | None = None
+        self.replay_worker: Child | None = None  # the remote replayer, once one serves
+        self.issued: Path | None = None  # what `kvtier certs` last wrote (bench.seams.operator)
         self.stalls = {"source": "", "count": 0, "probes": 0, "max_ms": 0.0}
         self._stalls_at_start = 0.0
         self.ran = False
@@ -104,7 +113,9 @@ class Simulation(Ops):
     # -- the server's lives --
 
     def config(self, shared: bool | None = None) -> Path:
+        worker = self.replay_worker.target if self.replay_worker is not None else ""
         return write_config(self.combo, self.root, self.data_dir, redis_url=self.redis.url,
+                            replay_worker=worker,
                             s3_endpoint=self.moto.endpoint, bucket=self.bucket,
                             creds_root=self.creds.root if self.combo.tls else None,
                             shared=shared)
@@ -202,13 +213,15 @@ class Simulation(Ops):
             self.ran = True
             try:
                 await self.loop()
-                if not self.combo.shared and self.rng.random() < 0.5:
+                if maintenance.applies(self, "migrate") and self.rng.random() < 0.5:
                     await maintenance.migrate(self)
-            except maintenance.Abort:
+            except lives.Abort:
                 self.log(f"combo={self.combo.name} aborted at step {self.step}")
             finally:
                 if self.node.alive():
                     await self.end_life("term")
+                if self.replay_worker is not None:
+                    await asyncio.to_thread(self.replay_worker.stop)
                 self.read_server_log()
         finally:
             self.tmpfs.close()
@@ -244,6 +257,8 @@ class Simulation(Ops):
         next_event, index = every, offset
         while self.step < self.steps:
             if self.step >= next_event:
+                while not maintenance.applies(self, EVENTS[index % len(EVENTS)]):
+                    index += 1
                 await maintenance.event(self, EVENTS[index % len(EVENTS)])
                 index += 1
                 next_event += every
@@ -284,6 +299,16 @@ class Simulation(Ops):
 
     def _pick(self, kind: str, busy: set):
         tenant = self.rng.choice(self.tenants)
+        if kind in ("write-chunks", "read-chunks"):
+            found = prefix.choose(self, tenant, busy, written=kind == "read-chunks")
+            if kind == "read-chunks" and found is not None:
+                return "read_chunks", lambda s: prefix.read(self, s, found)
+            if found is None or self.rng.random() < 0.5:
+                found = prefix.new_prefix(self, tenant)
+                busy.add((tenant, found.pid))
+            return "write_chunks", lambda s: prefix.write(self, s, found)
+        if kind == "list-layouts":
+            return "list_layouts", self.list_layouts
         mine = [h for k, h in sorted(self.model.items()) if k[0] == tenant and k not in busy]
         held = self.rng.choice(mine) if mine else None
         if held is not None:
@@ -295,7 +320,7 @@ class Simulation(Ops):
                 busy.discard((tenant, held.sid))
                 held = self.rng.choice(whole)
                 busy.add((tenant, held.sid))
-        if kind == "spill-new" or (held is None and kind not in ("register", "count")):
+        if kind == "spill-new" or (held is None and kind not in NO_SESSION):
             if len(mine) >= MAX_SESSIONS and held is not None:
                 return "delete", lambda s: self.delete(s, held)
             sid = self.new_sid()
@@ -341,6 +366,12 @@ class Simulation(Ops):
             return "register", lambda s: self.register(s, hostile)
         if kind == "evict":
             return "evict", lambda s: self.evict(s, held)
+        if kind == "identity":
+            return "identity", lambda s: self.identity(s, held)
+        if kind == "stat-session":
+            return "stat_session", lambda s: self.stat_session(s, held)
+        if kind == "prefetch":
+            return "prefetch", lambda s: self.prefetch(s, held)
         return "check_quota", lambda s: self.check_quota(s, tenant)
 
     async def verify_all(self, why: str) -> None:
@@ -353,6 +384,7 @@ class Simulation(Ops):
         for tenant in self.tenants:
             self.step += 1
             await self.check_quota(self.step, tenant, f"count-{why}")
+        await prefix.verify(self, why)
 
     def summary(self) -> dict:
         counts = self.ledger.by_combination.get(self.combo.name, {})

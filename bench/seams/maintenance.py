@@ -15,7 +15,15 @@ checked against the model (``Simulation.verify_all``):
   free; spills until one is refused, restores, deletes (every one must work), spills
   again once the deletes' space is back, the ballast removed;
 - ``migrate`` (single-node combinations, at the end): ``kvtier migrate`` into a bucket
-  of its own, then the directory served shared.
+  of its own, then the directory served shared;
+- ``backup``: ``kvtier backup`` then ``kvtier restore-backup`` (``bench.seams.backups``):
+  intact, exit 0 and every session bit-exact when served from the restored directory;
+  damaged (a segment removed, replaced by a symlink, a byte flipped), exit 1;
+- ``cli-tools``, ``tokens-file``, ``hung-node``, ``remote-replay``: what an operator does
+  beside the clients (``bench.seams.operator``).
+
+Before a stop the write-back queue holds fresh prefix chunks of both acks
+(``bench.seams.prefix``), so each restart judges what it keeps of them.
 
 Windows live in memory only: after any restart none of the spilled ones may come back.
 """
@@ -25,6 +33,8 @@ from __future__ import annotations
 import asyncio
 import os
 
+from bench.seams import backups, operator, prefix
+from bench.seams.lives import start, stop
 from bench.seams.verdict import named
 from bench.seams.world import run_cli
 from kvstore.format.errors import KVTierError, TierFull
@@ -37,27 +47,44 @@ SETTLE_S = 8.0
 KEPT_FREE = 1 << 20  # how long a spill may wait for a full medium's freed space
 
 
-class Abort(Exception):
-    """The combination cannot go on (its server would not start again)."""
+def applies(sim, kind: str) -> bool:
+    """Whether ``kind`` means something for the combination: the tokens file needs
+    TLS; a hung node, a second node on the same data (shared metadata); migrate, a
+    single node."""
+    if kind == "tokens-file":
+        return sim.combo.tls
+    if kind == "hung-node":
+        return sim.combo.shared
+    if kind == "migrate":
+        return not sim.combo.shared
+    return True
 
 
 async def event(sim, kind: str) -> None:
     sim.log(f"step={sim.step} event={kind}")
     sim.step += 1
+    if kind in ("restart", "kill9", "repair", "compact-offline", "backup"):
+        await fresh_chunks(sim)
     if kind == "restart":
-        await _stop(sim, "term")
-        await _start(sim, kind)
+        await stop(sim, "term")
+        await start(sim, kind)
     elif kind == "kill9":
-        await _stop(sim, "kill")
-        await _start(sim, kind)
+        await stop(sim, "kill")
+        await start(sim, kind)
+    elif kind == "backup":
+        await backups.event(sim)
+    elif kind in operator.EVENTS:
+        await operator.EVENTS[kind](sim)
     elif kind == "compact-offline":
-        await _stop(sim, "term")
+        prefix.forget_all(sim, kind)
+        await stop(sim, "term")
         args = ["compact", "--data-dir", str(sim.data_dir), "--json"]
         if sim.combo.enc:  # the README's command first, as an operator may run it
-            await _tool(sim, kind, args, bare=True)
+            await tool(sim, kind, args, bare=True)
         await _compact(sim, kind, args)
-        await _start(sim, kind)
+        await start(sim, kind)
     elif kind == "compact-live":
+        prefix.forget_all(sim, kind)
         args = ["compact", "--data-dir", str(sim.data_dir), "--json", "--server",
                 sim.node.target]
         if sim.combo.tls:
@@ -65,34 +92,23 @@ async def event(sim, kind: str) -> None:
                      str(sim.creds.root / "admin.token")]
         await _compact(sim, kind, args)
     elif kind == "repair":
-        await _stop(sim, "term")
+        await stop(sim, "term")
         args = ["repair", "--data-dir", str(sim.data_dir), "--json"]
         if sim.combo.enc:
-            await _tool(sim, kind, args, bare=True)
-        await _tool(sim, kind, args, bare=False)
-        await _start(sim, kind)
+            await tool(sim, kind, args, bare=True)
+        await tool(sim, kind, args, bare=False)
+        await start(sim, kind)
     elif kind == "full-disk":
         await full_disk(sim)
     await sim.verify_all(kind)
 
 
-async def _stop(sim, how: str) -> None:
-    await sim.end_life(how)
-    for held in sim.model.values():
-        if how == "term":
-            held.drained()
-        else:
-            held.uncertain = True
-        for version in held.versions:
-            version.window = None  # memory tiers only
-        held.window_replayed = False
-
-
-async def _start(sim, why: str, config=None) -> None:
-    if not await sim.start(config):
-        sim.ledger.add("unexpected", sim.combo.name, sim.step, f"start-after-{why}", "-",
-                       "the server starts again", sim.node.refusal)
-        raise Abort(sim.node.refusal)
+async def fresh_chunks(sim) -> None:
+    """Prefix chunks written just before a stop, one write of each ack, so a restart
+    judges chunks still within their retention time."""
+    for ack in ("durable", "memory"):
+        sim.step += 1
+        await prefix.write(sim, sim.step, prefix.new_prefix(sim, sim.tenants[0]), ack)
 
 
 async def _compact(sim, kind: str, args: list[str]) -> None:
@@ -100,14 +116,14 @@ async def _compact(sim, kind: str, args: list[str]) -> None:
     chunks are the fleet's), and the fleet's own sweep runs instead, with no grace
     period: every chunk no manifest names is collected, the sessions must all hold."""
     if not sim.combo.shared:
-        await _tool(sim, kind, args, bare=False)
+        await tool(sim, kind, args, bare=False)
         return
-    await _tool(sim, kind, args, bare=False, refusal="metadata = 'shared'")
-    await _tool(sim, "fleet-gc", ["fleet-gc", "--json", "--grace-s", "0", "--retain-s", "0",
+    await tool(sim, kind, args, bare=False, refusal="metadata = 'shared'")
+    await tool(sim, "fleet-gc", ["fleet-gc", "--json", "--grace-s", "0", "--retain-s", "0",
                                   "--spill-bound-s", "0.5", "--margin-s", "0.2"], bare=False)
 
 
-async def _tool(sim, kind: str, args: list[str], *, bare: bool, refusal: str = ""
+async def tool(sim, kind: str, args: list[str], *, bare: bool, refusal: str = ""
                 ) -> tuple[int, dict | None]:
     """A CLI tool with the server's config (``bare``: without it, nor any key);
     ``refusal``: it must exit 2 saying so."""
@@ -218,7 +234,8 @@ async def migrate(sim) -> None:
     """Stopped, migrated into a bucket of its own, served shared, every session checked."""
     sim.log(f"step={sim.step} event=migrate")
     sim.step += 1
-    await _stop(sim, "term")
+    await stop(sim, "term")
+    prefix.forget_all(sim, "migrate")
     sim.bucket = f"seams-{sim.seed}-{sim.combo.slug}-m"[:63]
     await asyncio.to_thread(sim.moto.bucket, sim.bucket)
     shared = sim.config(shared=True)
@@ -227,11 +244,11 @@ async def migrate(sim) -> None:
                   "--json"], {})
     sim.log(f"step={sim.step} tool=migrate rc={rc} said={said[:200]}")
     if rc == 2 and sim.combo.enc:  # documented: migrate refuses encryption at rest
-        await _start(sim, "migrate-refused")
+        await start(sim, "migrate-refused")
     elif rc != 0:
         sim.ledger.add("unexpected", sim.combo.name, sim.step, "migrate", "-", "exit 0",
                        f"exit {rc}: {said}")
-        await _start(sim, "migrate-failed")
+        await start(sim, "migrate-failed")
     else:
-        await _start(sim, "migrate", shared)
+        await start(sim, "migrate", shared)
     await sim.verify_all("migrate")

@@ -131,6 +131,7 @@ class Held:
     touched: float = field(default_factory=time.monotonic)
     flagged: set[str] = field(default_factory=set)  # kinds of findings already recorded
     trail: list[str] = field(default_factory=list)  # origins since a restore last agreed
+    model: str = ""  # the model fingerprint its spills state ("": none)
 
     @property
     def current(self) -> Version:

@@ -31,6 +31,7 @@ from bench.seams.verdict import error_kind, named, now
 from kvstore.format.errors import (
     InvalidRequest,
     KVTierError,
+    ModelMismatch,
     NotFound,
     PermissionDenied,
     PreconditionFailed,
@@ -44,6 +45,10 @@ from kvstore.format.registry import get_layout
 
 SIZES = (1, 3, 64, 130, 511, 512, 517, 640, 1024, 1100, 1536)
 REPLAYS = ("0", "1", "small", "127", "128", "over-window", "over-tokens")
+# Fingerprints some spills state (no replayer has these weights: a Resume that must
+# replay answers ModelMismatch), and one no session states.
+MODELS = ("seams-model-a", "seams-model-b")
+OTHER_MODEL = "seams-model-other"
 
 
 class Ops:
@@ -80,9 +85,10 @@ class Ops:
         spec = self.spec(layout)
         n = self.rng.choice(SIZES)
         tokens = self.tokens(spec, n)
+        model = self.rng.choice(MODELS) if self.rng.random() < 0.15 else ""
         await self._spill(step, "spill-new", tenant, sid, spec, tokens,
                           random_streams(spec, n, self.rng), None,
-                          self.rng.choice((1, 1, 2, 5)))
+                          self.rng.choice((1, 1, 2, 5)), model=model)
 
     async def spill_next(self, step: int, held: Held, rewrite: bool) -> None:
         base = held.candidates()[-1]
@@ -94,11 +100,11 @@ class Ops:
                       else extended(spec, base.persistent, old, n, self.rng))
         gen = max(v.generation for v in held.versions) + self.rng.choice((1, 1, 3))
         await self._spill(step, "spill-rewrite" if rewrite else "spill-extend", held.tenant,
-                          held.sid, spec, tokens, persistent, held, gen)
+                          held.sid, spec, tokens, persistent, held, gen, model=held.model)
 
     async def _spill(self, step: int, op: str, tenant: str, sid: str, spec, tokens,
                      persistent, held: Held | None, gen: int, *, window: bool | None = None,
-                     ttl: bool | None = None) -> Version | None:
+                     ttl: bool | None = None, model: str = "") -> Version | None:
         n = len(tokens)
         with_window = self.rng.random() < 0.4 if window is None else window
         win = random_window(spec, n, self.rng) if with_window else None
@@ -106,23 +112,27 @@ class Ops:
         ttl_s = self.session_ttl if (self.rng.random() < 0.25 if ttl is None else ttl) else 0.0
         name = f"{tenant}/{sid}"
         self.log(f"step={step} op={op} s={name} gen={gen} n={n} ack={ack} "
-                 f"win={int(win is not None)} ttl={ttl_s} layout={spec.name}")
+                 f"win={int(win is not None)} ttl={ttl_s} layout={spec.name} model={model}")
         try:
             reply = await self.client(tenant).spill(
                 tenant, sid, spec, tokens.numpy().astype("uint32"), persistent, window=win,
-                generation=gen, ack=ack, ttl_s=ttl_s)
+                generation=gen, ack=ack, ttl_s=ttl_s, model_fingerprint=model)
         except KVTierError as exc:
             if not self.documented(exc, admission=True):
                 self.fail(exc, step, op, name, f"gen {gen} stored")
                 if error_kind(exc) == "unexpected":  # it may have landed: either is right
                     self._maybe(tenant, sid, held, Version(gen, spec.name, tokens, persistent,
-                                                           win, False, f"{op}@{step}?"), ttl_s)
+                                                           win, False, f"{op}@{step}?"), ttl_s,
+                                model)
             return None
         except Exception as exc:  # noqa: BLE001 - a client crash is a finding, not an abort
             self.fail(exc, step, op, name, f"gen {gen} stored")
             return None
         if reply.generation != gen:
             self.wrong(step, op, name, f"generation {gen}", f"generation {reply.generation}")
+        if reply.window_kept and win is None:
+            self.wrong(step, op, name, "window_kept False (no window spilled)",
+                       "window_kept True")
         version = Version(gen, spec.name, tokens, persistent,
                           win if reply.window_kept else None, reply.durable,
                           f"{op}@{step}")
@@ -130,7 +140,8 @@ class Ops:
             self.ledger.add("unexpected", self.combo.name, step, op, name,
                             "a durable ack says durable", "durable=False")
         if held is None:
-            held = self.model[(tenant, sid)] = Held(tenant, sid, [version], ttl_s=ttl_s)
+            held = self.model[(tenant, sid)] = Held(tenant, sid, [version], ttl_s=ttl_s,
+                                                    model=model)
         else:
             held.push(version)
             held.ttl_s = ttl_s
@@ -138,9 +149,9 @@ class Ops:
         self.deleted.discard((tenant, sid))
         return version
 
-    def _maybe(self, tenant, sid, held, version, ttl_s) -> None:
+    def _maybe(self, tenant, sid, held, version, ttl_s, model) -> None:
         if held is None:
-            held = self.model[(tenant, sid)] = Held(tenant, sid, [], ttl_s=ttl_s)
+            held = self.model[(tenant, sid)] = Held(tenant, sid, [], ttl_s=ttl_s, model=model)
         held.versions.append(version)
         held.uncertain = True
 
@@ -157,6 +168,13 @@ class Ops:
             self.fail(exc, step, "lookup", f"{source.tenant}/{source.sid}", "tokens held")
             return
         n = len(base.tokens)
+        whole = n // spec.chunk_tokens * spec.chunk_tokens
+        # its own chunks (of no stated model, as this lookup states none) are all held
+        settled = not source.uncertain and not source.model \
+            and not source.may_be_absent(now())
+        if held > whole or (settled and held != whole):
+            self.wrong(step, "lookup", f"{source.tenant}/{source.sid}",
+                       f"{whole if settled else f'<= {whole}'} tokens held", f"{held}")
         version = await self._spill(step, "lookup-spill", source.tenant, sid, spec, base.tokens,
                                     random_streams(spec, n, self.rng), None, 1, window=False)
         if version is not None:
@@ -196,7 +214,9 @@ class Ops:
     # -- restore, resume --
 
     async def restore(self, step: int, held: Held, *, op: str = "restore",
-                      replay: str | None = None) -> None:
+                      replay: str | None = None, model: str = "") -> None:
+        """Restore (``replay`` None) or Resume of ``held``, judged; ``model``: the
+        fingerprint stated (the session's own, so it must be served)."""
         name = f"{held.tenant}/{held.sid}"
         kv = self.client(held.tenant)
         r = 0
@@ -209,9 +229,11 @@ class Ops:
         try:
             if replay is None:
                 got = await kv.restore(held.tenant, held.sid,
-                                       want_window=self.rng.random() < 0.7)
+                                       want_window=self.rng.random() < 0.7,
+                                       model_fingerprint=model)
             else:
-                got = await kv.resume(held.tenant, held.sid, replay_tokens=r)
+                got = await kv.resume(held.tenant, held.sid, replay_tokens=r,
+                                      model_fingerprint=model)
         except NotFound as exc:
             if held.may_be_absent(now()):
                 self.forget(held)
@@ -224,6 +246,11 @@ class Ops:
             if replay is not None:
                 return
             raise
+        except ModelMismatch as exc:
+            # documented for a replay: no replayer has the weights the session states
+            if not (replay is not None and held.model):
+                self.fail(exc, step, op, name, held.current.describe())
+            return
         except InvalidRequest as exc:
             if replay is not None and self.replay_refusal(held, r):
                 return
@@ -235,6 +262,9 @@ class Ops:
         except Exception as exc:  # noqa: BLE001
             self.fail(exc, step, op, name, held.current.describe())
             return
+        if got.model_fingerprint != held.model:
+            self.wrong(step, op, name, f"model fingerprint {held.model!r}",
+                       f"{got.model_fingerprint!r}")
         self.judge(step, op, held, got, replay=None if replay is None else r)
 
     async def resume_twice(self, step: int, held: Held, first: str, then: str) -> None:
@@ -275,6 +305,12 @@ class Ops:
                 and (match.window is None or not same_streams(got.window, match.window)):
             self.wrong(step, op, name, f"window {digest(match.window)}",
                        f"window {digest(got.window)} from {got.window_start}")
+        if got.window is not None and not got.replayed \
+                and (got.window_replayed_tokens > 0) != held.window_replayed:
+            self.wrong(step, op, name, "window_replayed_tokens "
+                       + ("> 0 (a replay's window)" if held.window_replayed
+                          else "0 (the window as spilled)"),
+                       f"{got.window_replayed_tokens}")
         if got.replayed:
             held.window_replayed = True
         if replay is not None and spec.ephemeral_streams:
@@ -285,8 +321,12 @@ class Ops:
                 self.wrong(step, op, name, f"window over >= {need} tokens (R={replay})",
                            f"window over {covered} tokens, replayed={got.replayed}")
 
-    def forget(self, held: Held) -> None:
+    def forget(self, held: Held, *, deleted: bool = False) -> None:
+        """The model no longer holds ``held``; unless ``deleted``, the server may still
+        list and count it (an expired session until a compaction collects it)."""
         self.model.pop((held.tenant, held.sid), None)
+        if not deleted:
+            self.vanished.add((held.tenant, held.sid))
 
     async def restore_deleted(self, step: int, tenant: str, sid: str) -> None:
         name = f"{tenant}/{sid}"
@@ -300,6 +340,92 @@ class Ops:
             return
         self.wrong(step, "restore-deleted", name, "SessionNotFound (deleted)",
                    f"gen {got.generation} n {len(got.token_ids)}")
+
+    async def identity(self, step: int, held: Held) -> None:
+        """Restore and Resume stating another model's fingerprint: ModelMismatch, the
+        session untouched; then a Restore stating its own (when it states one)."""
+        name = f"{held.tenant}/{held.sid}"
+        kv = self.client(held.tenant)
+        self.log(f"step={step} op=identity s={name} model={held.model or '-'}")
+        for call in (lambda: kv.restore(held.tenant, held.sid, model_fingerprint=OTHER_MODEL),
+                     lambda: kv.resume(held.tenant, held.sid, model_fingerprint=OTHER_MODEL)):
+            try:
+                got = await call()
+            except ModelMismatch:
+                continue
+            except NotFound as exc:
+                if not held.may_be_absent(now()):
+                    self.ledger.add("lost", self.combo.name, step, "identity", name,
+                                    held.current.describe(), named(exc))
+                self.forget(held)
+                return
+            except KVTierError as exc:
+                self.fail(exc, step, "identity", name, f"ModelMismatch ({OTHER_MODEL} "
+                          f"stated, the session's is {held.model!r})")
+                continue
+            self.wrong(step, "identity", name, f"ModelMismatch ({OTHER_MODEL} stated, the "
+                       f"session's is {held.model!r})",
+                       f"served gen {got.generation} of model {got.model_fingerprint!r}")
+        if held.model:
+            await self.restore(step, held, op="identity-restore", model=held.model)
+
+    async def stat_session(self, step: int, held: Held) -> None:
+        """Stat of one session: its generation, tokens, chunks and fingerprint as the
+        model holds them."""
+        name = f"{held.tenant}/{held.sid}"
+        self.log(f"step={step} op=stat-session s={name}")
+        try:
+            info = (await self.client(held.tenant).stat(held.tenant, held.sid)).session
+        except NotFound as exc:
+            if not held.may_be_absent(now()):
+                self.ledger.add("lost", self.combo.name, step, "stat-session", name,
+                                held.current.describe(), named(exc))
+            self.forget(held)
+            return
+        except KVTierError as exc:
+            self.fail(exc, step, "stat-session", name, held.current.describe())
+            return
+        spec = self.spec(held.current.layout)
+        fits = [v for v in held.candidates() if v.generation == info.generation
+                and len(v.tokens) == info.num_tokens]
+        if not fits or info.chunks != info.num_tokens // spec.chunk_tokens \
+                or info.model_fingerprint != held.model:
+            want = " or ".join(f"gen {v.generation} n {len(v.tokens)}"
+                               for v in held.candidates())
+            self.wrong(step, "stat-session", name, f"{want}, whole chunks, model "
+                       f"{held.model!r}", f"gen {info.generation} n {info.num_tokens} chunks "
+                       f"{info.chunks} model {info.model_fingerprint!r}")
+
+    async def prefetch(self, step: int, held: Held) -> None:
+        """Prefetch (to the host tier), then a restore judged as any."""
+        name = f"{held.tenant}/{held.sid}"
+        self.log(f"step={step} op=prefetch s={name}")
+        try:
+            await self.client(held.tenant).prefetch(held.tenant, held.sid, timeout_s=5.0)
+        except NotFound as exc:
+            if not held.may_be_absent(now()):
+                self.ledger.add("lost", self.combo.name, step, "prefetch", name,
+                                held.current.describe(), named(exc))
+            self.forget(held)
+            return
+        except KVTierError as exc:
+            self.fail(exc, step, "prefetch", name, "prefetched")
+            return
+        await self.restore(step, held, op="prefetch-restore")
+
+    async def list_layouts(self, step: int) -> None:
+        """ListLayouts names every layout the model registered."""
+        self.log(f"step={step} op=list-layouts")
+        try:
+            listed = await self.admin_client().layouts()
+        except KVTierError as exc:
+            self.fail(exc, step, "list-layouts", "-", "the layouts")
+            return
+        names = {info.spec.name for info in listed}
+        missing = [n for n in self.layouts if n not in names]
+        if missing:
+            self.wrong(step, "list-layouts", "-", f"{sorted(self.layouts)} listed",
+                       f"{missing} missing")
 
     # -- forks, deletes, evictions --
 
@@ -329,6 +455,9 @@ class Ops:
         whole = k == n
         if not whole and (k % spec.chunk_tokens or k > upto):
             self.wrong(step, "fork", name, f"fork upto {upto} of {n}", f"{k} tokens")
+        if reply.generation != 1 or reply.chunks != k // spec.chunk_tokens:
+            self.wrong(step, "fork", name, f"generation 1, {k // spec.chunk_tokens} chunks",
+                       f"generation {reply.generation}, {reply.chunks} chunks")
         persistent = base.persistent if whole else truncated(spec, base.persistent, k)
         window = base.window if whole and reply.window_kept else None
         copy = Version(1, base.layout, base.tokens[:k].clone(), persistent, window,
@@ -336,7 +465,7 @@ class Ops:
         # a fork keeps its source's TTL, counted from the fork
         self.model[(held.tenant, new)] = Held(held.tenant, new, [copy],
                                               window_replayed=held.window_replayed and whole,
-                                              ttl_s=held.ttl_s,
+                                              ttl_s=held.ttl_s, model=held.model,
                                               trail=[*held.trail, copy.origin])
         self.deleted.discard((held.tenant, new))
         return True
@@ -359,7 +488,8 @@ class Ops:
         except KVTierError as exc:
             self.fail(exc, step, "delete", name, "deleted")
             return  # still there, as far as anyone knows
-        self.forget(held)
+        self.forget(held, deleted=True)
+        self.vanished.discard((held.tenant, held.sid))
         self.deleted.add((held.tenant, held.sid))
 
     async def evict(self, step: int, held: Held) -> None:
@@ -451,6 +581,25 @@ class Ops:
         with contextlib.suppress(KVTierError):
             await kv.delete(tenant, sid)
 
+    def check_listed(self, step: int, op: str, tenant: str, listed) -> None:
+        """List names every session of the tenant the model holds for sure, each with
+        the generation and tokens of a version the model allows."""
+        by_id = {info.session.session_id: info for info in listed}
+        for (who, sid), held in sorted(self.model.items()):
+            if who != tenant or held.may_be_absent(now()):
+                continue
+            info = by_id.get(sid)
+            if info is None:
+                self.ledger.add("lost", self.combo.name, step, op, f"{tenant}/{sid}",
+                                f"listed: {held.current.describe()}", "not listed")
+                continue
+            if not any(v.generation == info.generation and len(v.tokens) == info.num_tokens
+                       for v in held.candidates()):
+                self.wrong(step, op, f"{tenant}/{sid}", "listed as "
+                           + " or ".join(f"gen {v.generation} n {len(v.tokens)}"
+                                         for v in held.candidates()),
+                           f"gen {info.generation} n {info.num_tokens}")
+
     async def check_quota(self, step: int, tenant: str, op: str = "count") -> None:
         """Sessions listed (and durable bytes) against the configured quota."""
         from bench.seams.switches import DURABLE_BYTES, SESSIONS
@@ -464,6 +613,10 @@ class Ops:
             return
         self.log(f"step={step} op={op} tenant={tenant} listed={len(listed)} "
                  f"durable={usage.durable_bytes}")
+        if op.startswith("count-"):  # nothing runs beside a verification: List is exact
+            self.log(f"step={step} listed: " + " ".join(
+                f"{i.session.session_id}:{i.generation}:{i.num_tokens}" for i in listed))
+            self.check_listed(step, op, tenant, listed)
         if not self.combo.quota:
             return
         # an overshoot is counted when it grows, not again at every count that sees it

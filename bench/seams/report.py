@@ -14,9 +14,11 @@ def section(stage: dict) -> list[str]:
            f"{stage['switch_combinations']} of {stage['combinations_tried']} switch "
            "combinations (encryption, quotas, retention, shared metadata, TLS with tokens) "
            "that served, against real `kvtier serve` processes, redis-server and moto's S3 "
-           "server, every restore checked against a reference model; restarts (SIGTERM and "
-           "kill -9), offline and live compaction, repair, migrate and a full tmpfs between "
-           f"the operations. {stage['seconds']} s. Stalls from: "
+           "server, every restore and prefix-chunk read checked against a reference model; "
+           "restarts (SIGTERM and kill -9), offline and live compaction, repair, migrate, "
+           "backup and restore-backup (damaged at times), the online CLI tools, a live "
+           "tokens file, a routed client with a hung node, a remote replay worker and a full "
+           f"tmpfs between the operations. {stage['seconds']} s. Stalls from: "
            f"{stage.get('stalls_source') or '-'}.", ""]
     out += ["| failure key | count |", "|---|---|"]
     out += [f"| {key} | {stage[key]} |" for key in KEYS]

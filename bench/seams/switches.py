@@ -5,8 +5,9 @@ Five switches, so 32 combinations, named by the switches on (``enc+quota+tls``;
 
 - ``enc``: encryption at rest, a key file (``encryption_key_file``) of one key;
 - ``quota``: ``[quota.default]`` of ``SESSIONS`` sessions and ``DURABLE_BYTES``;
-- ``ret``: retention: unreferenced chunks kept as cache with a short TTL, and some
-  spills carry a session TTL (``SESSION_TTL_S``);
+- ``ret``: retention: unreferenced chunks kept as cache with a short TTL
+  (``RETAIN_TTL_S``), and some spills carry a session TTL (``SESSION_TTL_S``); prefix
+  chunks (WriteChunks) need it;
 - ``shared``: shared metadata (``metadata = "shared"``) in a moto S3 bucket of its own,
   with the Redis tier beside it;
 - ``tls``: TLS with the development certificates and bearer tokens bound to tenants.
@@ -24,7 +25,10 @@ SWITCHES = ("enc", "quota", "ret", "shared", "tls")
 SESSIONS = 6  # per tenant, with quota on
 DURABLE_BYTES = 256 << 10
 SESSION_TTL_S = 4.0
-RETAIN_TTL_S = 3.0
+# Past a restart (a few seconds), so prefix chunks written just before one are judged
+# after it (bench.seams.prefix); short enough that unreferenced chunks still expire
+# within a combination's run.
+RETAIN_TTL_S = 12.0
 
 
 @dataclass(frozen=True)
@@ -64,9 +68,10 @@ def parse_combinations(text: str) -> list[Combination]:
 
 def write_config(combo: Combination, root: Path, data_dir: Path, *, redis_url: str,
                  s3_endpoint: str, bucket: str, creds_root: Path | None,
-                 shared: bool | None = None) -> Path:
+                 shared: bool | None = None, replay_worker: str = "") -> Path:
     """The TOML ``kvtier serve --config`` reads for ``combo`` (``shared`` overrides the
-    switch: a migrated directory served shared); its path."""
+    switch: a migrated directory served shared; ``replay_worker``: host:port of a
+    ``kvtier replay-worker`` that rebuilds every window); its path."""
     shared = combo.shared if shared is None else shared
     lines = ['preset = "test"', 'listen = "127.0.0.1:0"', f'data_dir = "{data_dir}"',
              'disk_bytes = "1GiB"',  # above the tmpfs: the medium fills first
@@ -91,6 +96,8 @@ def write_config(combo: Combination, root: Path, data_dir: Path, *, redis_url: s
         lines += [f'tls_cert = "{creds_root / "server.pem"}"',
                   f'tls_key = "{creds_root / "server-key.pem"}"',
                   f'auth_tokens_file = "{creds_root / "tokens.toml"}"']
+    if replay_worker:
+        lines += ['replay = "remote"', f'replay_workers = ["{replay_worker}"]']
     if combo.quota:
         lines += ["[quota.default]", f"sessions = {SESSIONS}",
                   f"durable_bytes = {DURABLE_BYTES}"]

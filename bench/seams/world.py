@@ -189,24 +189,30 @@ def reap() -> None:
             proc.wait()
 
 
-def run_cli(args: list[str], env: dict[str, str], timeout_s: float = 300.0
-            ) -> tuple[int, dict | None, str]:
-    """A ``kvtier`` command: exit status, its JSON report (None if it printed none),
-    the last lines of its stderr."""
+def cli_output(args: list[str], env: dict[str, str], timeout_s: float = 300.0
+               ) -> tuple[int, str, str]:
+    """A ``kvtier`` command: exit status, its stdout, the last lines of its stderr."""
     try:
         done = subprocess.run([*CLI, *args], cwd=ROOT, capture_output=True, text=True,
                               timeout=timeout_s, env={**os.environ, **AWS_ENV, **env})
     except subprocess.TimeoutExpired:
-        return 124, None, f"timed out after {timeout_s} s"
+        return 124, "", f"timed out after {timeout_s} s"
+    return done.returncode, done.stdout, " | ".join(done.stderr.strip().splitlines()[-3:])
+
+
+def run_cli(args: list[str], env: dict[str, str], timeout_s: float = 300.0
+            ) -> tuple[int, dict | None, str]:
+    """A ``kvtier`` command: exit status, its JSON report (None if it printed none),
+    the last lines of its stderr."""
+    code, stdout, tail = cli_output(args, env, timeout_s)
     report = None
-    text = done.stdout.strip()
+    text = stdout.strip()
     if text:
         try:
             report = json.loads(text[text.index("{"):]) if "{" in text else None
         except ValueError:
             report = None
-    tail = " | ".join(done.stderr.strip().splitlines()[-3:])
-    return done.returncode, report, tail
+    return code, report, tail
 
 
 def _wait_port(port: int, proc: subprocess.Popen, what: str) -> None:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from bench.seams import engine
 from bench.seams.run import simulate
-from bench.seams.switches import all_combinations
+from bench.seams.switches import all_combinations, parse_combinations
 from bench.seams.verdict import KEYS
 
 STEPS_PER_COMBINATION = 60
@@ -46,3 +47,19 @@ def test_long_simulation_over_every_combination(tmp_path) -> None:
     result = simulate(2_000, 7, all_combinations(), workdir=tmp_path)
     assert result["combinations_tried"] == 32
     assert all(result[key] == 0 for key in CHECKED), failures(result)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("combination", ["enc+quota+ret+shared+tls", "enc+ret+tls"])
+def test_every_maintenance_event_once(combination: str, tmp_path, monkeypatch) -> None:
+    """Each event of engine.EVENTS (those that apply: a hung node needs shared metadata)
+    once on a fleet node and once on a single node, every failure key 0."""
+    monkeypatch.setattr(engine, "EVENT_EVERY", 20)
+    steps = 20 * (len(engine.EVENTS) + 2)
+    result = simulate(steps, 5, parse_combinations(combination), workdir=tmp_path)
+    assert all(result[key] == 0 for key in CHECKED), failures(result)
+    log = (tmp_path / "seams.log").read_text()
+    ran = {kind for kind in engine.EVENTS if f"event={kind}" in log}
+    skipped = {"hung-node"} if "shared" not in combination else set()
+    assert ran == set(engine.EVENTS) - skipped
