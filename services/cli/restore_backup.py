@@ -126,7 +126,7 @@ async def verify(data_dir: Path, keyring, remote: ObjectTier | None = None,
     from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest
     from kvstore.tiers.disk import DiskTier
     from kvstore.tiers.disk.snapshot import keys_digest
-    from kvstore.tiers.object import ObjectTierConfig
+    from kvstore.tiers.object import ObjectTier, ObjectTierConfig
 
     out = Verified()
     disk = DiskTier(data_dir / "disk", 1 << 62)  # the writer: recovery runs, as at serve
