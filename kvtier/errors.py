@@ -34,13 +34,12 @@ from kvstore.format.errors import (
     ERROR_KEY,
     InvalidRequest,
     KVTierError,
-    TierUnavailable,
     error_for,
     error_name,
     status_name,
 )
 
-__all__ = [*store_errors.__all__, "DeadlineExceeded", "add_servicer", "client_message",
+__all__ = [*store_errors.__all__, "add_servicer", "client_message",
            "error_from_rpc", "grpc_errors", "status_for"]
 
 log = logging.getLogger(__name__)
@@ -59,12 +58,6 @@ class RecordsCalls(Protocol):
     def record_error(self, method: str, code: grpc.StatusCode) -> None: ...
 
     def record_done(self, method: str, seconds: float, ok: bool) -> None: ...
-
-
-class DeadlineExceeded(TierUnavailable):
-    """A client's call did not end within its ``timeout_s`` (every retry and failover
-    counted), or a call that must not be sent twice found its node silent: it may have
-    been applied there (the message says which)."""
 
 
 def client_deadline_passed(exc: grpc.aio.AioRpcError) -> bool:

@@ -131,6 +131,12 @@ class TierUnavailable(KVTierError):
         self.whole_tier = whole_tier
 
 
+class DeadlineExceeded(TierUnavailable):
+    """A call did not end within its deadline (a client's ``timeout_s``, every retry and
+    failover counted), or a call that must not be sent twice found its node silent: it may
+    have been applied there (the message says which)."""
+
+
 class IndexCorrupt(TierUnavailable):
     """The disk tier's LMDB index cannot be trusted; ``kvtier repair`` rebuilds it from the
     segments."""
@@ -209,6 +215,7 @@ STATUS_NAMES: tuple[tuple[type[KVTierError], str], ...] = (
     (PreconditionFailed, "FAILED_PRECONDITION"),
     (DataLoss, "DATA_LOSS"),
     (CodecError, "DATA_LOSS"),
+    (DeadlineExceeded, "DEADLINE_EXCEEDED"),
     (TierUnavailable, "UNAVAILABLE"),
     (Busy, "ABORTED"),
 )
@@ -224,7 +231,7 @@ CLASS_FOR_STATUS: dict[str, type[KVTierError]] = {
     "FAILED_PRECONDITION": StaleGeneration,
     "DATA_LOSS": DataLoss,
     "UNAVAILABLE": TierUnavailable,
-    "DEADLINE_EXCEEDED": TierUnavailable,
+    "DEADLINE_EXCEEDED": DeadlineExceeded,
     "ABORTED": Busy,
     "PERMISSION_DENIED": PermissionDenied,
     "UNAUTHENTICATED": Unauthenticated,

@@ -5,8 +5,8 @@
 
 First every file of the backup is checked against ``backup.json`` (size and BLAKE2b;
 a symbolic link or anything else but a regular file or directory in the backup is
-refused); then the files are copied into a staging directory beside ``DATA_DIR``, which is opened
-as the server opens its data directory (the disk tier with recovery) and verified: every
+DATA_LOSS); then the files are copied into a staging directory beside ``DATA_DIR``, which
+is opened as the server opens its data directory (the disk tier with recovery) and verified: every
 chunk (``kvstore.compaction.scrub``: segment record and chunk encoding, opened with the
 keyring first when encrypted) and every chunk each manifest names. Only a restore that
 verifies clean is renamed into place; otherwise the staging directory is removed and
@@ -78,8 +78,9 @@ def _only_regular(backup: Path) -> None:
             mode = path.lstat().st_mode
             if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
                 kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
-                raise InvalidRequest(f"{path.relative_to(backup)} in the backup is {kind}: "
-                                     "a backup holds regular files only")
+                # the file the backup wrote is not there: damage, like a missing one
+                raise DataLoss(f"{path.relative_to(backup)} in the backup is {kind}: "
+                               "a backup holds regular files only")
 
 
 def check_backup(backup: Path, kind: str = "data_dir") -> tuple[list[dict], dict | None]:

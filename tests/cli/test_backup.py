@@ -246,7 +246,8 @@ def test_a_linked_segment_is_refused_even_with_its_digest(tmp_path):
     segment.rename(elsewhere)
     segment.symlink_to(elsewhere)  # same bytes, same digest: only the link differs
     done = kvtier("restore-backup", str(out), str(target))
-    assert done.returncode == 2 and "symbolic link" in done.stderr, done.stderr[-2000:]
+    assert done.returncode == 1 and "DATA_LOSS" in done.stderr, done.stderr[-2000:]
+    assert "symbolic link" in done.stderr
     assert not target.exists()
     segment.unlink()
     elsewhere.rename(segment)  # put back: the intact backup restores
