@@ -68,7 +68,7 @@ def back_up_bucket(s3, url: str, backup: Path) -> tuple[list[Path], dict[str, st
     from services.cli import backup_census
 
     bucket, prefix = location(url)
-    files, keys = [], {}
+    files, keys, manifests = [], {}, []
     for listing in (prefix + _MANIFESTS, prefix):  # the manifests first
         for name in _keys(s3, bucket, listing):
             key = name[len(prefix):]
@@ -83,8 +83,8 @@ def back_up_bucket(s3, url: str, backup: Path) -> tuple[list[Path], dict[str, st
             path.write_bytes(body)
             files.append(path)
             keys[_local(key)] = key
-    manifests = [(_manifest_name(key), (backup / path).read_bytes())
-                 for path, key in keys.items() if _is_manifest(key)]
+            if _is_manifest(key):  # the census states the bytes just copied
+                manifests.append((_manifest_name(key), body))
     chunks = [name.encode() for name in map(_chunk_name, keys.values()) if name]
     return files, keys, backup_census.take(manifests, len(chunks), keys_digest(chunks))
 
@@ -106,11 +106,13 @@ def restore_bucket(s3, backup: Path, files: list[dict], census: dict | None, url
     existing = set(_keys(s3, bucket, prefix))
     if existing and not force:
         raise InvalidRequest(f"{url} is not empty (--force writes over it)")
-    manifests = [f for f in files if f["key"].startswith(_MANIFESTS)]
+    # the manifest objects' bytes, read once: checked, verified, then uploaded last
+    manifests = {f["key"]: (backup / f["path"]).read_bytes() for f in files
+                 if f["key"].startswith(_MANIFESTS)}
     others = [f for f in files if not f["key"].startswith(_MANIFESTS)]
     if census is not None:
-        stored = {_manifest_name(f["key"]): (backup / f["path"]).read_bytes()
-                  for f in manifests if _is_manifest(f["key"])}
+        stored = {_manifest_name(key): body for key, body in manifests.items()
+                  if _is_manifest(key)}
         chunks = [name.encode() for name in (_chunk_name(f["key"]) for f in files) if name]
         missing, differing = backup_census.compare(census, stored, len(chunks),
                                                    keys_digest(chunks))
@@ -124,12 +126,11 @@ def restore_bucket(s3, backup: Path, files: list[dict], census: dict | None, url
                           Body=(backup / entry["path"]).read_bytes())
             if prefix + entry["key"] not in existing:  # a failure removes only new ones
                 uploaded.append(prefix + entry["key"])
-        result = asyncio.run(_verify(backup, manifests, url, keyring, endpoint, region))
+        result = asyncio.run(_verify(manifests, url, keyring, endpoint, region))
         if result.corrupt or result.missing:
             raise Lost(result)
-        for entry in manifests:
-            s3.put_object(Bucket=bucket, Key=prefix + entry["key"],
-                          Body=(backup / entry["path"]).read_bytes())
+        for key, body in manifests.items():
+            s3.put_object(Bucket=bucket, Key=prefix + key, Body=body)
     except BaseException:
         for name in uploaded:  # chunks no manifest names: nothing that passes for data
             s3.delete_object(Bucket=bucket, Key=name)
@@ -155,8 +156,10 @@ def _require_key(backup: Path, files: list[dict], keyring) -> None:
     census.require(keyring)
 
 
-async def _verify(backup: Path, manifests: list[dict], url: str, keyring,
-                  endpoint: str | None, region: str | None):
+async def _verify(manifests: dict[str, bytes], url: str, keyring, endpoint: str | None,
+                  region: str | None):
+    """The uploaded chunks scrubbed, and each of ``manifests`` (object key -> bytes)
+    decoded with every chunk it names held."""
     from kvstore.compaction.report import LogProgress
     from kvstore.compaction.scrub import scrub_tier
     from kvstore.encryption.tiers import opened_record
@@ -174,10 +177,10 @@ async def _verify(backup: Path, manifests: list[dict], url: str, keyring,
         await objects.close()
     out.corrupt = [f"{c.key} ({c.tier}): {c.reason}" for c in corrupt]
     out.chunks_verified = len(held) - len(corrupt)
-    for entry in manifests:
-        if not entry["key"].endswith(_SUFFIX):
+    for object_key, raw in manifests.items():
+        if not object_key.endswith(_SUFFIX):
             continue
-        name, raw = _manifest_name(entry["key"]), (backup / entry["path"]).read_bytes()
+        name = _manifest_name(object_key)
         try:
             manifest = SessionManifest.decode(opened_record(name, raw, keyring))
         except Exception as exc:  # noqa: BLE001 - any failure to decode is damage
