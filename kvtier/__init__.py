@@ -10,7 +10,6 @@ from kvstore.format import errors as _errors
 from kvstore.format.chunk import StreamData
 from kvstore.format.errors import *  # noqa: F403  (every class of the one hierarchy)
 from kvtier.client import AsyncClient
-from kvtier.errors import DeadlineExceeded
 from kvtier.routing import RoutingPolicy
 from kvtier.sync import Client
 from kvtier.types import (
@@ -22,6 +21,6 @@ from kvtier.types import (
     WriteChunksResult,
 )
 
-__all__ = ["AsyncClient", "Client", "DeadlineExceeded", "LayoutInfo", "ReadChunksResult",
-           "RestoredSession", "RetryPolicy", "RoutingPolicy", "SpillResult", "StreamData",
-           "WriteChunksResult", *_errors.__all__]
+__all__ = ["AsyncClient", "Client", "LayoutInfo", "ReadChunksResult", "RestoredSession",
+           "RetryPolicy", "RoutingPolicy", "SpillResult", "StreamData", "WriteChunksResult",
+           *_errors.__all__]

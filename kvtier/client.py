@@ -179,11 +179,17 @@ class AsyncClient(PrefixChunkMethods):
                 self._router.failed(node, ref)
                 if self._router.routed and self._router.any_up():
                     continue  # another node is up: no wait
-                if deadline is not None and time.monotonic() + delay >= deadline:
-                    raise DeadlineExceeded(f"{node.address} is unavailable and the "
-                                           f"{self.timeout_s:g} s deadline leaves no time "
-                                           f"to retry: {error}") from exc
+                self._wait_fits(node, delay, deadline, exc)
             await asyncio.sleep(delay)
+
+    def _wait_fits(self, node: Node, delay: float, deadline: float | None,
+                   exc: grpc.aio.AioRpcError) -> None:
+        """``DeadlineExceeded`` when a backoff of ``delay`` before the retry would end past
+        ``deadline``: the call says so now rather than sleep into it."""
+        if deadline is not None and time.monotonic() + delay >= deadline:
+            raise DeadlineExceeded(f"{node.address} is unavailable and the "
+                                   f"{self.timeout_s:g} s deadline leaves no time to retry: "
+                                   f"{error_from_rpc(exc)}") from exc
 
     def _hung(self, node: Node, ref: Ref | None, share: float | None,
               deadline: float | None, idempotent: bool, cause: BaseException | None = None
@@ -410,10 +416,7 @@ class AsyncClient(PrefixChunkMethods):
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or delay is None:
                     raise error_from_rpc(exc) from exc
                 self._router.failed(node, ref)
-                if deadline is not None and time.monotonic() + delay >= deadline:
-                    raise DeadlineExceeded(f"{node.address} is unavailable and the "
-                                           f"{self.timeout_s:g} s deadline leaves no time "
-                                           "to retry") from exc
+                self._wait_fits(node, delay, deadline, exc)
             await asyncio.sleep(delay)
 
     # -- layouts (kvtier.known_layouts) --

@@ -39,8 +39,8 @@ from kvstore.format.errors import (
     status_name,
 )
 
-__all__ = [*store_errors.__all__, "add_servicer", "client_message",
-           "error_from_rpc", "grpc_errors", "status_for"]
+__all__ = [*store_errors.__all__, "add_servicer", "client_message", "error_from_rpc",
+           "grpc_errors", "status_for"]
 
 log = logging.getLogger(__name__)
 Handler = TypeVar("Handler", bound=Callable[..., Awaitable | AsyncIterator])
