@@ -26,8 +26,9 @@ instead (``services.cli.backup_bucket``: chunks uploaded and verified there, the
 manifests only after).
 
 Exit status: 0 restored, 1 data loss (the backup is damaged, a chunk a manifest names
-is missing or corrupt, or a session, chunk or segment of the census is not restored),
-2 refused (bad target, missing or wrong key, not a backup, a link in the backup).
+is missing or corrupt, a link in the backup, or a session, chunk or segment of the
+census is not restored),
+2 refused (bad target, missing or wrong key, not a backup).
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _only_regular(backup: Path) -> None:
-    """``InvalidRequest`` naming the first entry of ``backup`` that is neither a regular
-    file nor a directory (a link would restore bytes from outside the backup)."""
+    """``DataLoss`` naming the first entry of ``backup`` that is neither a regular file
+    nor a directory (a link would restore bytes from outside the backup)."""
     for root, dirs, names in os.walk(backup):
         for name in dirs + names:
             path = Path(root) / name
@@ -85,8 +86,8 @@ def _only_regular(backup: Path) -> None:
 
 def check_backup(backup: Path, kind: str = "data_dir") -> tuple[list[dict], dict | None]:
     """The files ``backup.json`` lists, each checked, and its census (None in a version
-    1 backup); ``InvalidRequest`` when it is not a backup of ``kind`` or holds a link,
-    ``DataLoss`` naming the first file that is missing or differs."""
+    1 backup); ``InvalidRequest`` when it is not a backup of ``kind``, ``DataLoss`` naming
+    the first file that is missing, differs or is a link."""
     try:
         manifest = json.loads((backup / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
