@@ -26,8 +26,10 @@ from tests.support.compaction import (
     Spec,
     embedded_server,
     fill,
+    fill_idle_and_hot,
     flip_value_byte,
     restore_all,
+    run_compact,
     snapshot,
     spill_all,
 )
@@ -87,6 +89,22 @@ def test_live_backup_while_spilling_restores_every_durable_session(tmp_path):
     assert restore["sessions"] == done["sessions"]
     assert restore["chunks_verified"] == done["chunks"]
     assert asyncio.run(restore_all(restored, [s.session_id for s in SPECS])) == before
+
+
+def test_sessions_demoted_to_the_object_folder_round_trip(tmp_path):
+    data, out, target = tmp_path / "data", tmp_path / "backup", tmp_path / "restored"
+    snaps, hot_since = asyncio.run(fill_idle_and_hot(data, delete=(), hot=("a", "b", "g")))
+    demoted = run_compact(data, "--json", "--demote-after", "1h",
+                          "--as-of", repr(hot_since + 3600))
+    assert demoted.returncode == 0, demoted.stderr[-3000:]
+    assert json.loads(demoted.stdout.strip().splitlines()[-1])["sessions_demoted"] > 0
+    assert list((data / "objects").rglob("*.zst"))  # some chunks live in objects/ alone
+    done = backup(data, out)
+    assert (out / "objects").is_dir()
+    restore = report(kvtier("restore-backup", str(out), str(target), "--json"))
+    assert restore["restored"] and restore["corrupt"] == [] and restore["missing"] == []
+    assert restore["chunks_verified"] == done["chunks"]
+    assert asyncio.run(restore_all(target, list(snaps))) == snaps
 
 
 def _chunk_of(data: Path) -> str:

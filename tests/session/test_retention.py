@@ -54,9 +54,11 @@ def session_bytes(n: int, tenant: str = "acme") -> tuple[int, int]:
     return chunks, chunks + len(encoded.tail)
 
 
-async def test_retained_chunks_give_way_when_the_medium_fills(tmpfs_factory):
+@pytest.mark.parametrize("ttl", [{}, {"retain_ttl_s": 600.0}], ids=["no-ttl", "long-ttl"])
+async def test_retained_chunks_give_way_when_the_medium_fills(tmpfs_factory, ttl):
+    # a retain TTL is how long they may stay, not a floor: a full medium takes them sooner
     medium = tmpfs_factory(8)
-    async with running_server(medium, **SMALL_MEDIUM) as (_, target), \
+    async with running_server(medium, **SMALL_MEDIUM, **ttl) as (_, target), \
             AsyncClient(target) as kv:
         stored = []
         for n in range(60):
