@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from kvstore.encryption.census import Census
 from kvstore.encryption.seal import Keyring
 from kvstore.encryption.tiers import opened_record
-from kvstore.format.errors import ChunkCorrupt, UnsupportedVersion
+from kvstore.format.errors import ChunkCorrupt, InvalidRequest, UnsupportedVersion
 from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest
-from kvstore.tiers.base import REF_PREFIX
+from kvstore.tiers.base import FLEET_BUCKET_KEY, REF_PREFIX
 from kvstore.tiers.disk.fs import OS, FileSystem
 from kvstore.tiers.disk.rebuild import Rebuild, rebuild_index
 
@@ -61,19 +62,31 @@ class RepairReport(Rebuild):
         return self.lost
 
 
-def repair(path: str | Path, *, keyring: Keyring | None = None, map_size: int = 64 << 30,
+def repair(path: str | Path, *, keyring: Keyring | None = None,
+           fleet_manifests: Mapping[str, bytes] | None = None, map_size: int = 64 << 30,
            fs: FileSystem = OS) -> RepairReport:
     """Rebuild the index of the disk tier in ``path`` (the directory holding
     ``segments/`` and ``index/``). Raises ``Busy`` while a writer or compaction holds it,
     ``InvalidRequest`` (changing nothing) when manifests are encrypted under keys
-    ``keyring`` (the server's, for an encrypted directory) does not hold or open."""
+    ``keyring`` (the server's, for an encrypted directory) does not hold or open.
+    ``fleet_manifests``: a fleet node's manifests (metadata = "shared"), opened, as the
+    bucket holds them: its log holds none, so its references are counted from these
+    (every node's: a chunk another node's session names is kept too, never freed)."""
     started = time.perf_counter()
     path = Path(path)
     report = RepairReport(str(path))
 
     def recount(logged: dict[bytes, bytes], on_disk: set[str]) -> dict[bytes, bytes]:
         _check_keys(path, logged, keyring)
-        refs = _sessions(logged, on_disk, report, keyring)
+        bucket = logged.get(FLEET_BUCKET_KEY.encode())
+        if bucket is not None and fleet_manifests is None:
+            raise InvalidRequest(f"{path} is a fleet node's: its manifests live in "
+                                 f"{bucket.decode(errors='replace')}; give the node's config "
+                                 "(metadata = 'shared') so its references are counted from "
+                                 "them; nothing was changed")
+        manifests = dict(logged)
+        manifests.update((key.encode(), raw) for key, raw in (fleet_manifests or {}).items())
+        refs = _sessions(manifests, on_disk, report, keyring)
         return {f"{REF_PREFIX}{key}".encode(): str(count).encode()
                 for key, count in refs.items()}
 

@@ -44,7 +44,7 @@ from kvstore.format.errors import (
 from kvstore.format.keys import chunk_digest, split_block_key
 from kvstore.remote.observe import IGNORE, Observer
 from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest
-from kvstore.tiers.base import MetaStore, Tier
+from kvstore.tiers.base import FLEET_BUCKET_KEY, MetaStore, Tier
 from kvstore.tiers.object import ObjectTier
 
 if TYPE_CHECKING:  # cryptography is imported only by a server that encrypts
@@ -121,6 +121,13 @@ class SharedMetaStore(MetaStore):
                     raise
                 log.error("manifest %s cannot be opened: %s", key, exc)
         return response["ETag"], body
+
+    async def mark_node(self) -> None:
+        """Name the fleet's bucket in this node's own store (once): its manifests are not
+        there, and a repair of the node's directory must count references from them."""
+        bucket = self._tier.url.encode()
+        if await self._local.get(FLEET_BUCKET_KEY) != bucket:
+            await self._local.commit({FLEET_BUCKET_KEY: bucket})
 
     async def get(self, key: str) -> bytes | None:
         if not self._shared(key):

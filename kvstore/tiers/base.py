@@ -133,6 +133,9 @@ class Tier(abc.ABC):
 REF_PREFIX = "ref/"
 RETAIN_PREFIX = "ret/"
 DERIVED_PREFIXES = (REF_PREFIX, RETAIN_PREFIX)
+# A fleet node's own MetaStore names the bucket its manifests live in (a logged record: a
+# repair of its directory finds it, and recounts the references from that bucket).
+FLEET_BUCKET_KEY = "fleet/bucket"
 
 
 class MetaStore(abc.ABC):

@@ -18,8 +18,16 @@ reads it): the manifests are encrypted, and the references are recounted from th
 Without it, or with a key of the same id that does not open them, repair refuses and
 changes nothing.
 
+A fleet node's directory (``metadata = "shared"`` in ``--config``) logs no manifests: they
+live in the fleet's bucket, so the references are recounted from the bucket's manifests
+(every node's: a chunk any session names stays referenced). A bucket that cannot be read
+is a refusal: without its manifests every reference would be lost. The node's directory
+names its bucket (the server records it), so a repair without the node's config is
+refused too, changing nothing.
+
 Exit status: 0 repaired, 1 repaired but data lost (DATA_LOSS), 2 no disk tier there, a
-server (or compaction) holds it, or the key of encrypted manifests is missing.
+server (or compaction) holds it, the key of encrypted manifests is missing, or a fleet
+node's bucket cannot be read.
 """
 
 from __future__ import annotations
@@ -64,14 +72,21 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         config = load_config(args.config)  # the key as the server reads it (file or env)
-        report = repair(disk, keyring=load_keyring(config.encryption_key_file,
-                                                   config.encryption_key))
+        keyring = load_keyring(config.encryption_key_file, config.encryption_key)
+        fleet = asyncio.run(_fleet_manifests(config, keyring)) \
+            if config.metadata == "shared" else None
+        report = repair(disk, keyring=keyring, fleet_manifests=fleet)
     except Busy as exc:
         print(f"kvtier repair: {exc}: stop the server (or wait for the compaction) first",
               file=sys.stderr)
         return 2
     except InvalidRequest as exc:  # a missing key, or a config that does not load
         print(f"kvtier repair: refused: {exc}", file=sys.stderr)
+        return 2
+    except (KVTierError, BotoCoreError, ClientError) as exc:  # the fleet's bucket
+        print(f"kvtier repair: refused: the fleet's manifests could not be read "
+              f"({type(exc).__name__}: {exc}); without them every reference would go "
+              "uncounted; nothing was changed", file=sys.stderr)
         return 2
     unlisted = ""
     try:
@@ -81,11 +96,13 @@ def run(args: argparse.Namespace) -> int:
     lost = report.settle(held)
     if lost:
         why = f" (the object tier could not be listed: {unlisted})" if unlisted else ""
+        print("kvtier repair: what the log names and no tier holds:", file=sys.stderr)
+        for line in lost[:_SHOWN]:
+            print(f"  {line}", file=sys.stderr)
+        # the verdict comes last, where a reader of a long listing looks
         print(f"kvtier repair: DATA_LOSS: the index of {report.path} was rebuilt, but "
               f"{len(lost)} chunks and manifests its log names are not held{why}",
               file=sys.stderr)
-        for line in lost[:_SHOWN]:
-            print(f"  {line}", file=sys.stderr)
     if args.json:
         print(json.dumps(report.to_dict()))
         return 1 if lost else 0
@@ -101,6 +118,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {label}: {len(names)}" + (f" ({', '.join(names[:_SHOWN])}{more})"
                                            if names else ""))
     return 1 if lost else 0
+
+
+async def _fleet_manifests(config, keyring) -> dict[str, bytes]:
+    """Every manifest in the fleet's bucket, opened: a fleet node's log holds none, so its
+    references are recounted from these."""
+    from kvstore.session.manifest import MANIFEST_PREFIX
+    from services.cli.fleet_gc import open_bucket
+
+    meta = open_bucket(config, keyring)
+    try:
+        return dict(await meta.scan(MANIFEST_PREFIX))
+    finally:
+        await meta.tier.close()
 
 
 async def _held_elsewhere(disk: Path, config) -> set[str]:

@@ -271,11 +271,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except Lost as exc:
         lost = exc.result
+        print(f"kvtier restore-backup: the backup {args.backup} does not verify:",
+              file=sys.stderr)
+        for line in (lost.corrupt + lost.missing)[:_SHOWN]:
+            print(f"  {line}", file=sys.stderr)
+        # the verdict comes last, where a reader of a long listing looks
         print(f"kvtier restore-backup: DATA_LOSS: the backup {args.backup} restores "
               f"{len(lost.corrupt)} corrupt and {len(lost.missing)} missing items; "
               f"nothing was restored to {args.data_dir or args.bucket}", file=sys.stderr)
-        for line in (lost.corrupt + lost.missing)[:_SHOWN]:
-            print(f"  {line}", file=sys.stderr)
         if args.json:
             print(json.dumps({"sessions": lost.sessions, "chunks_verified":
                               lost.chunks_verified, "corrupt": lost.corrupt,

@@ -172,6 +172,8 @@ async def open_manager(config: ServerConfig) -> TierManager:
     tiers: list[Tier] = []
     try:
         meta = build_tiers(config, tiers, keyring, domains)
+        if config.metadata == "shared":
+            await meta.mark_node()
         log.info("tiers: %s", ", ".join(f"{t.name} ({t.capacity_bytes} B)" for t in tiers))
         if keyring is not None:
             log.info("encryption at rest: on (key ids %s, current %s)", keyring.key_ids,

@@ -209,3 +209,37 @@ def test_compact_refuses_a_fleet_config_and_leaves_the_bucket_alone(fleet, tmp_p
     assert code == 2 and "fleet-gc" in err, err
     assert objects() == bucket
     asyncio.run(check_restores(shared("fresh"), sessions))
+
+
+async def reference_counts(data_dir) -> dict[str, bytes]:
+    from kvstore.tiers.base import REF_PREFIX
+    from kvstore.tiers.disk import DiskTier
+
+    disk = DiskTier(data_dir / "disk", 64 << 20, writer=False)
+    try:
+        return dict(await disk.meta.scan(REF_PREFIX))
+    finally:
+        await disk.close()
+
+
+def test_repair_of_a_fleet_node_counts_references_from_the_bucket(fleet, tmp_path, capsys):
+    write, shared, objects = fleet
+    sessions = {"s0": session(40), "s1": session(41)}
+    config = write("node")
+    asyncio.run(spill(shared("node"), sessions))  # its manifests go to the bucket alone
+    counted = asyncio.run(reference_counts(tmp_path / "node"))
+    assert counted  # the node's ledger counts its sessions' chunks
+
+    # without the node's config the repair cannot see its manifests: refused, unchanged
+    code = main(["repair", "--data-dir", str(tmp_path / "node"), "--json"])
+    err = capsys.readouterr().err
+    assert code == 2 and "fleet node" in err and "nothing was changed" in err, err
+    assert not list((tmp_path / "node" / "disk").glob("index.corrupt-*"))
+
+    code = main(["repair", "--data-dir", str(tmp_path / "node"), "--config", config, "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert sorted(json.loads(out)["sessions"] + json.loads(out)["incomplete"]) == [
+        "acme/s0", "acme/s1"]
+    assert asyncio.run(reference_counts(tmp_path / "node")) == counted
+    asyncio.run(check_restores(shared("node"), sessions))
