@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import logging
 import sys
@@ -82,18 +81,13 @@ async def _serve(config) -> int:
     from services.server.server import create_server
 
     try:
-        server, port = await create_server(config)
+        server, port = await create_server(config, freeze_startup=True)
     except KVTierError as exc:
         print(f"kvtier serve: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"kvtier serve: cannot start: {exc}", file=sys.stderr)
         return 2
-    # What start-up made (the store's modules, torch) lives as long as the process: out
-    # of the collector's sight, a full collection walks only what serving made since,
-    # not every object of the start, which would hold the event loop each time.
-    gc.collect()
-    gc.freeze()
     stop = stop_on_signals()
     host = config.listen.rpartition(":")[0]
     extra = f", metrics on :{server.metrics_port}" if server.metrics_port else ""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from pathlib import Path
 
@@ -87,8 +88,9 @@ class KVTierServer:
                 self.metrics.shm_segments.set(len(self.servicer.leases))
             await asyncio.sleep(interval_s)
 
-    async def _become_ready(self, warm_up: bool) -> None:
-        """Warm the replay model up (``warm_up``), then say SERVING."""
+    async def _become_ready(self, warm_up: bool, freeze_startup: bool) -> None:
+        """Warm the replay model up (``warm_up``), freeze what start-up made
+        (``freeze_startup``), then say SERVING."""
         if warm_up:
             try:
                 if await warm_up_replay(self.servicer.replay):
@@ -96,6 +98,15 @@ class KVTierServer:
             except Exception:  # resumes that need replay fail then, the rest serves
                 log.exception("replay warm-up failed: resumes that need replay will load "
                               "the model again")
+        if freeze_startup:
+            # What start-up made (the store's modules, torch, the model) lives as long as
+            # the process: out of the collector's sight, a full collection walks only what
+            # serving made since. The one collection here holds the loop ~100 ms, before
+            # SERVING: the lag monitor restarts after it, so it is no serving stall.
+            await self.loop_monitor.stop()
+            gc.collect()
+            gc.freeze()
+            self.loop_monitor.start()
         if not self._stopped:
             for name in ("", SERVICE):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -147,11 +158,13 @@ def breakers_of(manager: TierManager, replay: object) -> list[CircuitBreaker]:
     return found + list(getattr(replay, "breakers", list)())
 
 
-async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool = True
-                        ) -> tuple[KVTierServer, int]:
+async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool = True,
+                        freeze_startup: bool = False) -> tuple[KVTierServer, int]:
     """Open the store, bind, start; ``(server, port)`` (port 0 in the address: a free one).
     ``wait_ready``: return once health checking says SERVING (else at once, the replay
-    warm-up still to run: ``server.ready``)."""
+    warm-up still to run: ``server.ready``). ``freeze_startup``: a server process's own
+    (``kvtier serve``): what start-up made is frozen out of the garbage collector's sight
+    before SERVING (a process hosting many servers, as tests do, keeps collecting it)."""
     config = (load_config(overrides={"listen": config_or_addr})
               if isinstance(config_or_addr, str) else config_or_addr)
     manager = await open_manager(config)
@@ -199,7 +212,8 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
         if config.metrics_port:
             _start_metrics(server, config)
         monitor.start()  # from here on every tick is one of serving
-        server.ready = asyncio.create_task(server._become_ready(config.replay_warmup))
+        server.ready = asyncio.create_task(server._become_ready(config.replay_warmup,
+                                                                freeze_startup))
         if wait_ready:
             await server.ready
     except BaseException:
