@@ -26,9 +26,10 @@ Llamas saved locally) the engines run one after another, each in its own child p
   chunk, and a fresh engine: every hit is read from disk (``ttft_kvtier_disk_hit_s``; the
   OS page cache is not dropped, which needs root on a shared machine: a warm disk).
 - kvtier-down: an engine whose connector points at an address where nothing listens; the
-  first-token time of its first request (``ttft_kvtier_down_s``, beside ``ttft_miss_s``:
-  ``down_vs_miss``). An engine that refuses to start says so in ``down_engine.start_error``
-  and the key is null.
+  first-token time of its first request past the warm-up every engine runs
+  (``bench.vllm.engine``; shorter than a block, no connector looks it up):
+  ``ttft_kvtier_down_s``, beside ``ttft_miss_s`` (``down_vs_miss``). An engine that
+  refuses to start says so in ``down_engine.start_error`` and the key is null.
 - example: vLLM's ``ExampleConnector`` (safetensors files), the way kvtier's hits are
   measured (``ttft_example_hit_s``), and the references below.
 

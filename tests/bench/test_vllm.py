@@ -100,3 +100,10 @@ def test_the_session_names_where_it_first_parts_from_the_plain_engine():
     assert session["first_divergence_from_no_connector"] == {"turn": 3, "token": 7}
     assert summary(runs())["models"][0]["session"][
         "first_divergence_from_no_connector"] is None
+
+
+def test_every_engine_gets_the_same_reserved_core(monkeypatch):
+    # vLLM reserves one more core for an engine with a connector: on a 2-core machine its
+    # worker then gets both, computes with other threads and rounds differently
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    assert bench_vllm.engine_env()["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
