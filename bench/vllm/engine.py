@@ -6,6 +6,7 @@ each configuration starts from a fresh engine and none shares another's caches).
     {"model": DIR, "max_model_len": N, "prefix_caching": bool,
      "connector": null | {"kv_connector": ..., "kv_connector_module_path": ...,
                           "kv_connector_extra_config": {...}},
+     "warmup": bool (default true: see below),
      "steps": [{"name": .., "prompt": [ids], "max_tokens": n, "repeat": k,
                 "prompts": [[ids], ...] (instead of prompt and repeat: one per repeat),
                 "reset_prefix_cache": bool, "kvtier_session": id | null,
@@ -19,10 +20,12 @@ each configuration starts from a fresh engine and none shares another's caches).
 Each step reports its wall seconds per repeat (with ``max_tokens`` 1, the time to the first
 token), the greedy output token ids, and how many prompt tokens came from a cache
 (``num_cached_tokens``). The connector's Prometheus counters (``vllm:kvtier_<field>``) are
-reported at the end. Before its steps, each engine answers one prompt shorter than a block
-(a warm-up no connector looks up), so no step pays the engine's first-use costs. An engine
-that does not start reports ``start_error`` (and no steps); a step that raises reports its
-``error`` and ends the plan (the engine may be dead).
+reported at the end. Before its steps, an engine answers one prompt shorter than a block (a
+warm-up kvtier does not look up), so no step pays the engine's first-use costs; not the
+ExampleConnector's, which then matches any later prompt shorter than a block to the empty
+prefix it stored and fails on it. An engine that does not start reports ``start_error``
+(and no steps); a step that raises reports its ``error`` and ends the plan (the engine may
+be dead).
 """
 
 from __future__ import annotations
@@ -55,10 +58,11 @@ def run(plan: dict) -> dict:
         return {"start_s": time.perf_counter() - started, "steps": [],
                 "start_error": f"{type(exc).__name__}: {exc}"}
     out = {"start_s": time.perf_counter() - started, "steps": []}
-    # The engine's first request pays for first use (allocations, lazy setup): a prompt
-    # shorter than a block, which no connector looks up, pays it before any measured step.
-    llm.generate([TokensPrompt(prompt_token_ids=list(range(1, WARMUP_TOKENS + 1)))],
-                 SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+    if plan.get("warmup", True):
+        # The engine's first request pays for first use (allocations, lazy setup): a prompt
+        # shorter than a block, which kvtier does not look up, pays it before any step.
+        llm.generate([TokensPrompt(prompt_token_ids=list(range(1, WARMUP_TOKENS + 1)))],
+                     SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
     done: dict[str, dict] = {}
     for step in plan["steps"]:
         try:
