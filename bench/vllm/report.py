@@ -56,7 +56,14 @@ def section(stage: dict) -> list[str]:
            "the repeats. Identical: kvtier's greedy outputs (32 tokens) equal the engine's "
            "own from the same KV in vLLM's prefix cache (same blocks cached, same tokens "
            "computed): the miss, the hit of the whole prompt from host RAM and from disk, "
-           "the prompt sharing its prefix, every session turn.", ""]
+           "the prompt sharing its prefix, every session turn. Engines with and without a "
+           "connector once computed differently here (a session parted from the plain engine "
+           "at token 7 of turn 3): vLLM's CPU build reserves one more core for an engine with "
+           "a connector, which on 2 cores gave that engine's worker both cores, 2 threads "
+           "against 1, so bf16 sums rounded differently and a flat random-weight distribution "
+           "picked another greedy token; every engine now gets the same reserved core "
+           "(`VLLM_CPU_NUM_OF_RESERVED_CPU=1`), and the session's first divergence from the "
+           "engine without a connector is reported below.", ""]
     rows = []
     for m in stage["models"]:
         for c in m["cases"]:
