@@ -112,9 +112,10 @@ def prompts(spec: vllm_models.LlamaSpec, length: int) -> dict[str, list[int]]:
 
 
 def miss_prompts(spec: vllm_models.LlamaSpec, length: int, repeats: int) -> list[list[int]]:
-    """P, then prompts no engine saw before, ``repeats`` in all: each one a miss."""
-    return [prompts(spec, length)["P"]] + [
-        vllm_models.prompt(spec, length, seed=1000 * length + i) for i in range(1, repeats)]
+    """Prompts no engine saw before, then P, ``repeats`` in all: each one a miss. P comes
+    last, so vLLM's prefix cache (emptied before each) holds it after them."""
+    return [vllm_models.prompt(spec, length, seed=1000 * length + i)
+            for i in range(1, repeats)] + [prompts(spec, length)["P"]]
 
 
 def hung_prompt(spec: vllm_models.LlamaSpec, length: int) -> list[int]:

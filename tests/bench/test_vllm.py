@@ -107,3 +107,12 @@ def test_every_engine_gets_the_same_reserved_core(monkeypatch):
     # worker then gets both, computes with other threads and rounds differently
     monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
     assert bench_vllm.engine_env()["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+
+
+def test_the_plain_engine_still_holds_p_after_its_misses():
+    # its prefix-cache hits of P follow the misses, each of which empties vLLM's cache first
+    spec = bench_vllm.MODELS["tiny"]
+    plan = bench_vllm.plain_plan([N], spec, repeats=3)
+    misses, prefix = plan[0], plan[1]
+    assert misses["reset_prefix_cache"] and len({tuple(p) for p in misses["prompts"]}) == 3
+    assert misses["prompts"][-1] == prefix["prompt"] == bench_vllm.prompts(spec, N)["P"]
