@@ -250,11 +250,15 @@ def run_engine(plan: dict, work: Path, name: str, timeout_s: float = ENGINE_TIME
 
 
 def cause(log: str) -> str:
-    """The first line of an engine's log that names a kvtier or gRPC error: vLLM's own
-    message on a failed start ("Engine core initialization failed") does not."""
-    for line in log.splitlines():
-        if re.search(r"StatusCode\.|kvtier[^ ]*Error|Unavailable|UNAVAILABLE", line):
-            return f" (cause: {line.strip()[-300:]})"
+    """The first line of an engine's log that names why its worker failed, or a kvtier or
+    gRPC error: vLLM's own message on a failed start ("Engine core initialization failed")
+    does not."""
+    for pattern in (r"Worker failed with error", r"kvstore\.format\.errors\.\w+:",
+                    r"StatusCode\.|UNAVAILABLE"):
+        for line in log.splitlines():
+            if re.search(pattern, line):
+                message = line.rsplit("] ", 1)[-1]  # past "(Worker pid=..) ERROR .. [..]"
+                return f" (cause: {' '.join(message.split())[:300]})"
     return ""
 
 

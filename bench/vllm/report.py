@@ -100,7 +100,8 @@ def section(stage: dict) -> list[str]:
             "stored per token on disk.")
         down = m.get("down_engine")
         if down and down.get("start_error"):
-            out.append(f"  - engine with kvtier down did not start: {down['start_error']}")
+            out.append("  - the engine with kvtier down did not start: "
+                       + " ".join(down["start_error"].split()))
         for c in m["cases"]:
             for key, why in (c.get("not_measured") or {}).items():
                 if not (down and down.get("start_error") and key == "ttft_kvtier_down_s"):

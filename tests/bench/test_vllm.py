@@ -116,3 +116,15 @@ def test_the_plain_engine_still_holds_p_after_its_misses():
     misses, prefix = plan[0], plan[1]
     assert misses["reset_prefix_cache"] and len({tuple(p) for p in misses["prompts"]}) == 3
     assert misses["prompts"][-1] == prefix["prompt"] == bench_vllm.prompts(spec, N)["P"]
+
+
+def test_a_failed_start_names_the_workers_error_not_vllms_wrapper():
+    log = ("(EngineCore pid=1) ERROR 12-05 05:06:27 [core.py:1510] RuntimeError: Engine core "
+           "initialization failed. See root cause above.\n"
+           "(Worker pid=2) ERROR 12-05 05:06:27 [multiproc_executor.py:1063] \tstatus = "
+           "StatusCode.UNAVAILABLE\n"
+           "(EngineCore pid=1) ERROR 12-05 05:06:27 [core.py:1510] RuntimeError: Worker failed "
+           "with error 'UNAVAILABLE: failed to connect to all addresses'\n")
+    assert bench_vllm.cause(log) == (" (cause: RuntimeError: Worker failed with error "
+                                     "'UNAVAILABLE: failed to connect to all addresses')")
+    assert bench_vllm.cause("nothing to see\n") == ""
