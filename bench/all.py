@@ -22,7 +22,10 @@ DeepseekV4 with seeded random weights (bytes, time to ready, replay fidelity).
 seams (a child process): ``bench.seams``, the whole-service simulation over every
 switch combination (its own default budget: 20,000 steps, about 25 minutes).
 vllm (a child process in .venv-vllm, ``make vllm``) last: ``bench.vllm``, kvtier's vLLM
-connector beside ExampleConnector and vLLM's own prefix cache, in vLLM's CPU build.
+connector beside ExampleConnector and vLLM's own prefix cache, in vLLM's CPU build: what
+a user pays (misses with and without it, hits from host RAM and disk, a hung server, an
+engine started with kvtier down); the tiny size skips the disk and down cases, an engine
+start each.
 A stage that fails is recorded with its error and the others still run; the exit status
 is 1 if any failed. ``--merge`` reruns only the ``--only`` stages into the existing results
 (new weights, say, rerun resume and fidelity): the other stages keep their figures, and
@@ -76,7 +79,8 @@ SIZES = {
                   "--manifests", "5"],
         "hf": ["--contexts", "300", "--follow", "16"],
         "seams": ["--steps", "200", "--combinations", "plain,enc+quota+tls"],
-        "vllm": ["--models", "tiny", "--lengths", "1024", "--repeats", "1"],
+        "vllm": ["--models", "tiny", "--lengths", "1024", "--repeats", "1",
+                 "--cases", "connector_miss,hung"],
     },
     "quick": {
         "codec": ["--mb", "16", "--repeats", "3"],

@@ -340,7 +340,20 @@ def headlines(stages: dict) -> list[str]:
                    f"over {fa['images']} power-loss images; {fa['summary']['cases_recovered']}"
                    f"/{len(cases)} ENOSPC/EIO cases recovered; repair bit-exact: "
                    f"{fa['summary']['repair_bit_exact']}.")
+    vl = stages.get("vllm")
+    if _ok(vl) and "goal" in vl:
+        goals = [g for k, g in vl["goal"].items() if k != "all_met"]
+        out.append(f"- vLLM connector, {vl['headline_case']}: kvtier host-RAM hit "
+                   f"{_times(vl['host_hit_vs_example_hit'])} the ExampleConnector hit, miss "
+                   f"with the connector {_times(vl['miss_connector_vs_miss'])} the miss "
+                   f"without, load {_times(vl['load_vs_memcpy'])} memcpy; goals met "
+                   f"{sum(g['met'] is True for g in goals)} of {len(goals)} "
+                   f"({sum(g['met'] is None for g in goals)} not measured).")
     return out + [""]
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def hf_section(stage: dict) -> list[str]:
