@@ -1,0 +1,173 @@
+"""The connector's load path alone, beside a memcpy of the same bytes, in one run.
+
+``load_vs_memcpy()`` stores a prompt's blocks (the mid model's shape at 4k tokens by
+default: 8 layers, 4 KV heads of 64, bf16, blocks of 128 tokens, 32 MiB of KV) in a kvtier
+server running on a thread of this process with a host RAM tier that holds them, then loads
+them ``repeats`` times with ``transfers.run_load`` into a fake CPU paged cache (no engine),
+and copies the same number of bytes with one ``torch`` memcpy as many times. Medians:
+
+    {"load_GBps": ..., "memcpy_GBps": ..., "load_vs_memcpy": ..., "load_s": ...,
+     "bytes": ..., "stages": {...}}
+
+``stages`` times the load's parts in one extra load (``profile_stages``): the ReadChunks
+call, the checks and the block writes. Run in .venv-vllm (the connector imports vLLM):
+``python -m bench.vllm.load_path``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from testing import vllm_models
+
+TENANT = "bench-load"
+FINGERPRINT = "bench-load-path"
+
+
+def _server(data_dir: Path, host_bytes: int):
+    """A kvtier server on its own event loop in a thread: (server, target, loop, thread)."""
+    from services.server.config_load import load_config
+    from services.server.server import create_server
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True, name="kvtier-server")
+    thread.start()
+    config = load_config(preset="test", env={}, overrides={
+        "data_dir": data_dir, "host_bytes": host_bytes, "object_bytes": 0,
+        "listen": "127.0.0.1:0"})
+    server, port = asyncio.run_coroutine_threadsafe(create_server(config), loop).result(120)
+    return server, f"127.0.0.1:{port}", loop, thread
+
+
+def _store(client, spec, shape, blocks: int):
+    from kvtier.integrations.vllm.config import ConnectorConfig
+    from kvtier.integrations.vllm.repack import PagedLayout
+    from kvtier.integrations.vllm.stats import StatsCounter
+    from kvtier.integrations.vllm.transfers import Store
+
+    config = ConnectorConfig.from_extra({"tenant": TENANT, "model_fingerprint": FINGERPRINT,
+                                         "ack": "memory"})
+    paged = PagedLayout("cpu", shape.kv_heads, shape.head_size, shape.block_size)
+    g = torch.Generator().manual_seed(0)
+    layers = [torch.randn(blocks, shape.kv_heads, shape.block_size, 2 * shape.head_size,
+                          generator=g).to(shape.dtype) for _ in range(shape.layers)]
+    return Store(client, config, spec, paged, layers, shape.dtype, StatsCounter())
+
+
+def load_vs_memcpy(model: vllm_models.LlamaSpec = vllm_models.MID, tokens: int = 4096,
+                   repeats: int = 7, block_size: int = 128) -> dict:
+    """Load GB/s of ``tokens`` tokens of ``model``'s KV from host RAM against a memcpy of
+    the same bytes, medians of ``repeats`` runs each (see the module docstring)."""
+    from kvtier.integrations.vllm.layout import CacheShape, rank_layout
+    from kvtier.integrations.vllm.metadata import LoadPlan, SavePlan
+    from kvtier.integrations.vllm.transfers import LoadJob, run_load, run_save
+    from kvtier.sync import Client
+
+    torch.set_num_threads(1)  # as vLLM's CPU worker runs
+    head = model.hidden // model.heads
+    shape = CacheShape(model.layers, model.kv_heads, head, block_size, model.vocab,
+                       torch.bfloat16, 1)
+    spec = rank_layout(shape, 0, "auto")
+    count = tokens // block_size
+    ids = tuple(vllm_models.prompt(model, count * block_size, seed=1))
+    kv_bytes = count * block_size * model.layers * 2 * model.kv_heads * head * 2
+    with tempfile.TemporaryDirectory(prefix="kvtier-load-path-") as tmp:
+        server, target, loop, thread = _server(Path(tmp), host_bytes=8 * kv_bytes + (64 << 20))
+        try:
+            with Client(target) as client:
+                client.register_layout(spec)
+                source = _store(client, spec, shape, count)
+                plan = SavePlan("save", ids, 0, tuple(range(count)))
+                raw = [source.paged.take(layer, source.block_index(plan.block_ids))
+                       for layer in source.layers]
+                run_save(source, plan, raw)
+                if source.stats.take().data["save_errors"]:
+                    raise RuntimeError("the bench's save failed")
+                target_store = _store(client, spec, shape, count + 8)
+                order = tuple(range(count + 7, 7, -1))  # other blocks than the source's
+
+                def load() -> float:
+                    job = LoadJob.of(LoadPlan("load", ids, 0, order), model.layers)
+                    started = time.perf_counter()
+                    run_load(target_store, job)
+                    took = time.perf_counter() - started
+                    if job.loaded_chunks != count:
+                        raise RuntimeError(f"the bench's load loaded {job.loaded_chunks} of "
+                                           f"{count} chunks")
+                    return took
+
+                load()  # warm: the segment leased, pages faulted in
+                for i, layer in enumerate(target_store.layers):
+                    if not torch.equal(layer[list(order)].view(torch.int16),
+                                       source.layers[i][:count].view(torch.int16)):
+                        raise RuntimeError("the bench's load wrote other values")
+                loads = [load() for _ in range(repeats)]
+                stages = profile_stages(target_store, LoadPlan("load", ids, 0, order))
+        finally:
+            asyncio.run_coroutine_threadsafe(server.stop(0.5), loop).result(60)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+    src = torch.empty(kv_bytes, dtype=torch.uint8).random_(0, 255)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm
+    copies = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        dst.copy_(src)
+        copies.append(time.perf_counter() - started)
+    load_s, copy_s = statistics.median(loads), statistics.median(copies)
+    return {"load_GBps": kv_bytes / load_s / 1e9, "memcpy_GBps": kv_bytes / copy_s / 1e9,
+            "load_vs_memcpy": copy_s / load_s, "load_s": load_s, "memcpy_s": copy_s,
+            "bytes": kv_bytes, "stages": stages}
+
+
+def profile_stages(store, plan) -> dict[str, float]:
+    """Seconds of one load's stages: the ReadChunks call alone, then a whole load."""
+    from kvtier.integrations.vllm.transfers import LoadJob, run_load
+
+    started = time.perf_counter()
+    result = store.client.read_chunks(
+        store.config.tenant, store.spec, list(plan.token_ids), first_chunk=plan.first_chunk,
+        max_chunks=len(plan.block_ids), model_fingerprint=store.config.model_fingerprint,
+        check_digests=False)
+    read_s = time.perf_counter() - started
+    release = getattr(result, "release", None)
+    if release is not None:
+        release()
+    job = LoadJob.of(plan, len(store.layers))
+    started = time.perf_counter()
+    run_load(store, job)
+    return {"read_chunks_s": read_s, "load_s": time.perf_counter() - started}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--profile", action="store_true", help="cProfile one run's loads")
+    args = parser.parse_args()
+    if args.profile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        result = load_vs_memcpy(tokens=args.tokens, repeats=args.repeats)
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
+    else:
+        result = load_vs_memcpy(tokens=args.tokens, repeats=args.repeats)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
