@@ -2,9 +2,11 @@
 
 ``load_vs_memcpy()`` stores a prompt's blocks (the mid model's shape at 4k tokens by
 default: 8 layers, 4 KV heads of 64, bf16, blocks of 128 tokens, 32 MiB of KV) in a kvtier
-server running on a thread of this process with a host RAM tier that holds them, then loads
-them ``repeats`` times with ``transfers.run_load`` into a fake CPU paged cache (no engine),
-and copies the same number of bytes with one ``torch`` memcpy as many times. Medians:
+server of its own process on this host (``testing.live_server``, as bench.vllm runs it) with
+a host RAM tier that holds them, then loads them ``repeats`` times with
+``transfers.run_load`` into a fake CPU paged cache (no engine; one torch thread, as vLLM's
+CPU worker; the blocks in reverse order, so each layer's are scattered), and copies the
+same number of bytes with one ``torch`` memcpy as many times. Medians:
 
     {"load_GBps": ..., "memcpy_GBps": ..., "load_vs_memcpy": ..., "load_s": ...,
      "bytes": ..., "stages": {...}}
@@ -17,35 +19,19 @@ call, the checks and the block writes. Run in .venv-vllm (the connector imports 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
 
 from testing import vllm_models
+from testing.live_server import LiveServer
 
 TENANT = "bench-load"
 FINGERPRINT = "bench-load-path"
-
-
-def _server(data_dir: Path, host_bytes: int):
-    """A kvtier server on its own event loop in a thread: (server, target, loop, thread)."""
-    from services.server.config_load import load_config
-    from services.server.server import create_server
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True, name="kvtier-server")
-    thread.start()
-    config = load_config(preset="test", env={}, overrides={
-        "data_dir": data_dir, "host_bytes": host_bytes, "object_bytes": 0,
-        "listen": "127.0.0.1:0"})
-    server, port = asyncio.run_coroutine_threadsafe(create_server(config), loop).result(120)
-    return server, f"127.0.0.1:{port}", loop, thread
 
 
 def _store(client, spec, shape, blocks: int):
@@ -80,50 +66,48 @@ def load_vs_memcpy(model: vllm_models.LlamaSpec = vllm_models.MID, tokens: int =
     count = tokens // block_size
     ids = tuple(vllm_models.prompt(model, count * block_size, seed=1))
     kv_bytes = count * block_size * model.layers * 2 * model.kv_heads * head * 2
-    with tempfile.TemporaryDirectory(prefix="kvtier-load-path-") as tmp:
-        server, target, loop, thread = _server(Path(tmp), host_bytes=8 * kv_bytes + (64 << 20))
-        try:
-            with Client(target) as client:
-                client.register_layout(spec)
-                source = _store(client, spec, shape, count)
-                plan = SavePlan("save", ids, 0, tuple(range(count)))
-                raw = [source.paged.take(layer, source.block_index(plan.block_ids))
-                       for layer in source.layers]
-                run_save(source, plan, raw)
-                if source.stats.take().data["save_errors"]:
-                    raise RuntimeError("the bench's save failed")
-                target_store = _store(client, spec, shape, count + 8)
-                order = tuple(range(count + 7, 7, -1))  # other blocks than the source's
+    with tempfile.TemporaryDirectory(prefix="kvtier-load-path-") as tmp, \
+            LiveServer(Path(tmp) / "data", Path(tmp), replay=False,
+                       env={"KVTIER_HOST_BYTES": str(8 * kv_bytes + (64 << 20))}) as live, \
+            Client(live.target) as client:
+        client.register_layout(spec)
+        source = _store(client, spec, shape, count)
+        plan = SavePlan("save", ids, 0, tuple(range(count)))
+        raw = [source.paged.take(layer, source.block_index(plan.block_ids))
+               for layer in source.layers]
+        run_save(source, plan, raw)
+        if source.stats.take().data["save_errors"]:
+            raise RuntimeError("the bench's save failed")
+        target_store = _store(client, spec, shape, count + 8)
+        order = tuple(range(count + 7, 7, -1))  # other blocks than the source's
 
-                def load() -> float:
-                    job = LoadJob.of(LoadPlan("load", ids, 0, order), model.layers)
-                    started = time.perf_counter()
-                    run_load(target_store, job)
-                    took = time.perf_counter() - started
-                    if job.loaded_chunks != count:
-                        raise RuntimeError(f"the bench's load loaded {job.loaded_chunks} of "
-                                           f"{count} chunks")
-                    return took
+        def load() -> float:
+            job = LoadJob.of(LoadPlan("load", ids, 0, order), model.layers)
+            started = time.perf_counter()
+            run_load(target_store, job)
+            took = time.perf_counter() - started
+            if job.loaded_chunks != count:
+                raise RuntimeError(f"the bench's load loaded {job.loaded_chunks} of "
+                                   f"{count} chunks")
+            return took
 
-                load()  # warm: the segment leased, pages faulted in
-                for i, layer in enumerate(target_store.layers):
-                    if not torch.equal(layer[list(order)].view(torch.int16),
-                                       source.layers[i][:count].view(torch.int16)):
-                        raise RuntimeError("the bench's load wrote other values")
-                loads = [load() for _ in range(repeats)]
-                stages = profile_stages(target_store, LoadPlan("load", ids, 0, order))
-        finally:
-            asyncio.run_coroutine_threadsafe(server.stop(0.5), loop).result(60)
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(10)
-    src = torch.empty(kv_bytes, dtype=torch.uint8).random_(0, 255)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm
-    copies = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        dst.copy_(src)
-        copies.append(time.perf_counter() - started)
+        load()  # warm: the segment leased, pages faulted in
+        for i, layer in enumerate(target_store.layers):
+            if not torch.equal(layer[list(order)].view(torch.int16),
+                               source.layers[i][:count].view(torch.int16)):
+                raise RuntimeError("the bench's load wrote other values")
+        src = torch.empty(kv_bytes, dtype=torch.uint8).random_(0, 255)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # warm
+
+        def memcpy() -> float:
+            started = time.perf_counter()
+            dst.copy_(src)
+            return time.perf_counter() - started
+
+        # interleaved, so both see the same load on the machine
+        loads, copies = zip(*[(load(), memcpy()) for _ in range(repeats)], strict=True)
+        stages = profile_stages(target_store, LoadPlan("load", ids, 0, order))
     load_s, copy_s = statistics.median(loads), statistics.median(copies)
     return {"load_GBps": kv_bytes / load_s / 1e9, "memcpy_GBps": kv_bytes / copy_s / 1e9,
             "load_vs_memcpy": copy_s / load_s, "load_s": load_s, "memcpy_s": copy_s,
@@ -135,14 +119,12 @@ def profile_stages(store, plan) -> dict[str, float]:
     from kvtier.integrations.vllm.transfers import LoadJob, run_load
 
     started = time.perf_counter()
-    result = store.client.read_chunks(
-        store.config.tenant, store.spec, list(plan.token_ids), first_chunk=plan.first_chunk,
-        max_chunks=len(plan.block_ids), model_fingerprint=store.config.model_fingerprint,
-        check_digests=False)
-    read_s = time.perf_counter() - started
-    release = getattr(result, "release", None)
-    if release is not None:
-        release()
+    with store.client.read_chunks(
+            store.config.tenant, store.spec, list(plan.token_ids),
+            first_chunk=plan.first_chunk, max_chunks=len(plan.block_ids),
+            model_fingerprint=store.config.model_fingerprint, check_digests=False,
+            in_place=True):
+        read_s = time.perf_counter() - started
     job = LoadJob.of(plan, len(store.layers))
     started = time.perf_counter()
     run_load(store, job)
