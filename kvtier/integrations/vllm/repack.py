@@ -110,7 +110,11 @@ class PagedLayout:
                    v: torch.Tensor) -> None:
         """Write K and V (n, block_size, H, D each, any strides, e.g. views of chunks lying
         in a reply segment) into the blocks ``block_ids`` (n int64, on the layer's device)
-        of ``layer`` in place: one scatter of K and one of V, no staging blocks."""
+        of ``layer`` in place, no staging blocks: on a GPU layout one scatter of K and one
+        of V; on the CPU one copy of K and one of V per run of consecutive blocks, written
+        where they lie (K is transposed on the way: a single index_copy_ would need the
+        blocks packed first, one more pass over every byte, which measured slower in
+        bench.vllm.load_path even with every block its own run)."""
         h, d, b = self.kv_heads, self.head_size, self.block_size
         n = block_ids.shape[0]
         if k.shape != (n, b, h, d) or v.shape != (n, b, h, d):
@@ -124,15 +128,22 @@ class PagedLayout:
             layer[block_ids, :, :, :d] = k.permute(0, 2, 1, 3)  # (n, H, b, D)
             layer[block_ids, :, :, d:] = v.permute(0, 2, 1, 3)
         else:
-            # Blocks in one ascending run (as a fresh engine hands them out) are written
-            # where they lie; others are packed first and written with one index_copy_
-            # (a scatter of a permuted source copies element by element: slower).
-            ids = block_ids.tolist()
-            run = ids == list(range(ids[0], ids[0] + n)) if n else False
-            out = layer[ids[0]:ids[0] + n] if run else torch.empty(
-                (n, h, b, 2 * d), dtype=layer.dtype, device=layer.device)
-            halves = out.view(n, h, 2, b * d)  # per block and head K^T (D, b), then V (b, D)
-            halves[:, :, 0].view(n, h, d, b).copy_(k.permute(0, 2, 3, 1))
-            halves[:, :, 1].view(n, h, b, d).copy_(v.permute(0, 2, 1, 3))
-            if not run:
-                layer.index_copy_(0, block_ids, out)
+            at = 0
+            for start, count in runs(block_ids.tolist()):
+                # contiguous: per block and head K^T (D, b), then V (b, D)
+                halves = layer[start:start + count].view(count, h, 2, b * d)
+                kt, vt = k[at:at + count].permute(0, 2, 3, 1), v[at:at + count].permute(0, 2, 1, 3)
+                halves[:, :, 0].view(count, h, d, b).copy_(kt)
+                halves[:, :, 1].view(count, h, b, d).copy_(vt)
+                at += count
+
+
+def runs(ids: list[int]) -> list[tuple[int, int]]:
+    """(first, count) of each run of consecutive ascending ids, in order."""
+    out: list[tuple[int, int]] = []
+    for i in ids:
+        if out and out[-1][0] + out[-1][1] == i:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((i, 1))
+    return out
