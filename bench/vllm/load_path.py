@@ -11,8 +11,9 @@ same number of bytes with one ``torch`` memcpy as many times. Medians:
     {"load_GBps": ..., "memcpy_GBps": ..., "load_vs_memcpy": ..., "load_s": ...,
      "bytes": ..., "stages": {...}}
 
-``stages`` times the load's parts in one extra load (``profile_stages``): the ReadChunks
-call, the checks and the block writes. Run in .venv-vllm (the connector imports vLLM):
+``stages`` splits a load in two (``profile_stages``, medians of ``repeats`` more): the
+ReadChunks call with the client's checks (``read_chunks_s``), and the rest of the load, the
+block writes (``write_s``). Run in .venv-vllm (the connector imports vLLM):
 ``python -m bench.vllm.load_path``.
 """
 
@@ -107,28 +108,33 @@ def load_vs_memcpy(model: vllm_models.LlamaSpec = vllm_models.MID, tokens: int =
 
         # interleaved, so both see the same load on the machine
         loads, copies = zip(*[(load(), memcpy()) for _ in range(repeats)], strict=True)
-        stages = profile_stages(target_store, LoadPlan("load", ids, 0, order))
+        stages = profile_stages(target_store, LoadPlan("load", ids, 0, order), repeats)
     load_s, copy_s = statistics.median(loads), statistics.median(copies)
     return {"load_GBps": kv_bytes / load_s / 1e9, "memcpy_GBps": kv_bytes / copy_s / 1e9,
             "load_vs_memcpy": copy_s / load_s, "load_s": load_s, "memcpy_s": copy_s,
             "bytes": kv_bytes, "stages": stages}
 
 
-def profile_stages(store, plan) -> dict[str, float]:
-    """Seconds of one load's stages: the ReadChunks call alone, then a whole load."""
+def profile_stages(store, plan, repeats: int) -> dict[str, float]:
+    """Medians of ``repeats``: seconds of the ReadChunks call alone (the reply read in
+    place and checked), and of the rest of a whole load (the block writes)."""
     from kvtier.integrations.vllm.transfers import LoadJob, run_load
 
-    started = time.perf_counter()
-    with store.client.read_chunks(
-            store.config.tenant, store.spec, list(plan.token_ids),
-            first_chunk=plan.first_chunk, max_chunks=len(plan.block_ids),
-            model_fingerprint=store.config.model_fingerprint, check_digests=False,
-            in_place=True):
-        read_s = time.perf_counter() - started
-    job = LoadJob.of(plan, len(store.layers))
-    started = time.perf_counter()
-    run_load(store, job)
-    return {"read_chunks_s": read_s, "load_s": time.perf_counter() - started}
+    reads, loads = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        with store.client.read_chunks(
+                store.config.tenant, store.spec, list(plan.token_ids),
+                first_chunk=plan.first_chunk, max_chunks=len(plan.block_ids),
+                model_fingerprint=store.config.model_fingerprint, check_digests=False,
+                in_place=True):
+            reads.append(time.perf_counter() - started)
+        job = LoadJob.of(plan, len(store.layers))
+        started = time.perf_counter()
+        run_load(store, job)
+        loads.append(time.perf_counter() - started)
+    read_s = statistics.median(reads)
+    return {"read_chunks_s": read_s, "write_s": statistics.median(loads) - read_s}
 
 
 def main() -> None:
