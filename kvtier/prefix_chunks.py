@@ -87,6 +87,7 @@ async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,
     with ``in_place`` lends the reply's segment to the result (module docstring)."""
     offered = node.segments.for_reply() if request.use_shared_memory else None
     request.reply_lease = offered.lease_id if offered is not None else ""
+    request.refs_in_header = request.use_shared_memory
     used = [offered] if offered is not None else []
     started = time.monotonic()
     call = node.stub.ReadChunks(request, timeout=timeout_s)
@@ -98,6 +99,7 @@ async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,
                 header = reply.header
                 if header.HasField("reply_segment"):
                     segment = await _reply_segment(node.segments, header.reply_segment, used)
+                got += _in_header(header, segment, request.first_chunk, in_place)
             elif header is None:
                 raise InvalidRequest(f"a ReadChunks reply sent {kind} before its header")
             elif kind == "missing":
@@ -138,6 +140,26 @@ async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,
     if release is not None:
         result.release = release
     return result
+
+
+def _in_header(header: pb.ChunksHeader, segment: shm.Segment | None, first_chunk: int,
+               in_place: bool) -> list[tuple[int, object, str]]:
+    """The chunks the header lists in the reply segment (``chunk_refs``): views of it
+    (``in_place``), else copied out in one copy where they lie back to back."""
+    refs = list(header.chunk_refs)
+    if not refs:
+        return []
+    if segment is None or len(refs) != len(header.chunk_keys):
+        raise InvalidRequest(f"a ReadChunks header lists {len(refs)} chunks in shared memory "
+                             f"for {len(header.chunk_keys)} chunks"
+                             + ("" if segment is not None else " and names no segment"))
+    sent = [(first_chunk + n, ref) for n, ref in enumerate(refs) if ref.length]
+    if in_place:
+        return [(index, segment.view(ref), "") for index, ref in sent]
+    run = segment.read_run([ref for _, ref in sent])
+    if run is None:
+        return [(index, segment.read(ref), "") for index, ref in sent]
+    return [(index, data, "") for (index, _), data in zip(sent, run, strict=True)]
 
 
 async def _reply_segment(segments: shm.ClientSegments, lease: pb.SharedMemoryLease,

@@ -270,6 +270,37 @@ async def test_a_read_in_place_holds_its_segment_until_released(tmp_path):
         assert [bytes(warm.chunks[i]) for i in range(3)] == chunks  # a copy, as before
 
 
+@pytest.mark.skipif(not shm.available(), reason="no /dev/shm")
+async def test_chunks_listed_in_the_header_come_in_one_message(tmp_path):
+    """Asked for refs_in_header, a reply in shared memory is its header (every chunk read
+    written into the segment, the header listing where) and the MissingChunks alone;
+    inline, the same request gets a RestoredChunk per chunk."""
+    tokens, chunks, _ = encoded(3)
+    async with running_server(tmp_path) as (_, target), \
+            AsyncClient(target, shared_memory=False) as kv, \
+            grpc.aio.insecure_channel(target) as channel:
+        await kv.write_chunks("acme", LAYOUT.name, tokens[:2 * C], chunks[:2])
+        stub = pb_grpc.KVTierStub(channel)
+        request = pb.ReadChunksRequest(tenant="acme", layout_id=LAYOUT.name,
+                                       token_ids=tokens.tobytes(), use_shared_memory=True,
+                                       refs_in_header=True)
+        replies = [r async for r in stub.ReadChunks(request)]
+        assert [r.WhichOneof("item") for r in replies] == ["header", "missing"]
+        header = replies[0].header
+        assert replies[1].missing.index == 2 and header.chunk_refs[2].length == 0
+        segment = shm.Segment(header.reply_segment)
+        try:
+            assert [segment.read(ref) for ref in header.chunk_refs[:2]] == chunks[:2]
+        finally:
+            segment.close()
+            await stub.ReleaseSegments(pb.ReleaseRequest(
+                lease_ids=[header.reply_segment.lease_id]))
+        request.use_shared_memory = False
+        inline = [r async for r in stub.ReadChunks(request)]
+        assert [r.WhichOneof("item") for r in inline] == ["header", "chunk", "chunk", "missing"]
+        assert not inline[0].header.chunk_refs
+
+
 def test_a_replys_chunks_are_checked_whole_without_their_digests():
     """Checked together, without digests each chunk's every byte is still checked against
     its checksums and token range: a flipped payload byte or header field is "corrupt"."""
