@@ -10,7 +10,7 @@ request are load errors, so vLLM recomputes them; nothing after a gap is used.
 
 A load is one ReadChunks call; over shared memory its chunks are read where they lie in
 the reply segment (lent until the load is written), and each layer's K and V of every
-block go into the cache as one scatter each (``PagedLayout.put_blocks``).
+block go into the cache in one call (``PagedLayout.put_blocks``).
 """
 
 from __future__ import annotations
