@@ -8,7 +8,13 @@ and with ``skip_held`` sends only the chunks a Lookup did not find held with the
 digest (``MissingChunks`` if one went meanwhile: the client sends them all). A read
 checks every chunk again end to end, its digest against the header's and its codec
 header against the tokens (layout hash, start token, token count, tokens hash); one
-that fails is reported missing, "corrupt".
+that fails is reported missing, "corrupt". The checks run over the reply's chunks
+together (``kvstore.format.run_checks``: the headers as one numpy array).
+
+Over shared memory a read copies its chunks out of the reply segment, unless the caller
+asks to read them in place (``in_place``): the chunks are then views of the segment,
+which the client lends the caller until ``ReadChunksResult.release`` (the server writes
+into a segment only when the client offers it, and it offers none it has lent).
 """
 
 from __future__ import annotations
@@ -18,10 +24,10 @@ from collections.abc import Awaitable, Sequence
 
 import numpy as np
 
-from kvstore.format.checks import restored_chunk_check
-from kvstore.format.errors import CodecError, InvalidRequest
-from kvstore.format.keys import block_key, chain_keys, chunk_digest, dedupe_scope
+from kvstore.format.errors import InvalidRequest
+from kvstore.format.keys import DIGEST_BYTES, block_key, chain_keys, chunk_digest, dedupe_scope
 from kvstore.format.layout import LayoutSpec
+from kvstore.format.run_checks import RunCheck
 from kvtier import codec as cc
 from kvtier import shm
 from kvtier.errors import MissingChunks
@@ -75,11 +81,13 @@ async def write_once(node: Node, header: pb.WriteChunksHeader, keys: Sequence[st
 
 async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,
                     tokens: np.ndarray, timeout_s: float | None,
-                    check_digests: bool = True) -> ReadChunksResult:
+                    check_digests: bool = True, in_place: bool = False) -> ReadChunksResult:
     """One ReadChunks call; on the shared-memory path it offers a segment it holds as
-    ``reply_lease``, as a restore does (``kvtier.client.AsyncClient._receive``)."""
+    ``reply_lease``, as a restore does (``kvtier.client.AsyncClient._receive``), and
+    with ``in_place`` lends the reply's segment to the result (module docstring)."""
     offered = node.segments.for_reply() if request.use_shared_memory else None
     request.reply_lease = offered.lease_id if offered is not None else ""
+    request.refs_in_header = request.use_shared_memory
     used = [offered] if offered is not None else []
     started = time.monotonic()
     call = node.stub.ReadChunks(request, timeout=timeout_s)
@@ -91,6 +99,7 @@ async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,
                 header = reply.header
                 if header.HasField("reply_segment"):
                     segment = await _reply_segment(node.segments, header.reply_segment, used)
+                got += _in_header(header, segment, request.first_chunk, in_place)
             elif header is None:
                 raise InvalidRequest(f"a ReadChunks reply sent {kind} before its header")
             elif kind == "missing":
@@ -103,7 +112,7 @@ async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,
                     raise InvalidRequest("a reply refers to shared memory the header did "
                                          "not name")
                 else:
-                    data = segment.read(payload.shm)
+                    data = segment.view(payload.shm) if in_place else segment.read(payload.shm)
                 got.append((reply.chunk.index, data, ""))
     except Exception:  # the server may still be writing into them: never reuse them
         call.cancel()
@@ -114,10 +123,43 @@ async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,
         for held in used:
             held.close()
         raise
-    await node.segments.replied(used, segment, started)
-    if header is None:
-        raise InvalidRequest("the ReadChunks reply had no header")
-    return checked_result(spec, tokens, request.first_chunk, header, got, check_digests)
+    release = None
+    if in_place and segment is not None:
+        await node.segments.replied([s for s in used if s is not segment], None, started)
+        release = node.segments.lend(segment, started)
+    else:
+        await node.segments.replied(used, segment, started)
+    try:
+        if header is None:
+            raise InvalidRequest("the ReadChunks reply had no header")
+        result = checked_result(spec, tokens, request.first_chunk, header, got, check_digests)
+    except BaseException:
+        if release is not None:
+            release()
+        raise
+    if release is not None:
+        result.release = release
+    return result
+
+
+def _in_header(header: pb.ChunksHeader, segment: shm.Segment | None, first_chunk: int,
+               in_place: bool) -> list[tuple[int, object, str]]:
+    """The chunks the header lists in the reply segment (``chunk_refs``): views of it
+    (``in_place``), else copied out in one copy where they lie back to back."""
+    refs = list(header.chunk_refs)
+    if not refs:
+        return []
+    if segment is None or len(refs) != len(header.chunk_keys):
+        raise InvalidRequest(f"a ReadChunks header lists {len(refs)} chunks in shared memory "
+                             f"for {len(header.chunk_keys)} chunks"
+                             + ("" if segment is not None else " and names no segment"))
+    sent = [(first_chunk + n, ref) for n, ref in enumerate(refs) if ref.length]
+    if in_place:
+        return [(index, segment.view(ref), "") for index, ref in sent]
+    run = segment.read_run([ref for _, ref in sent])
+    if run is None:
+        return [(index, segment.read(ref), "") for index, ref in sent]
+    return [(index, data, "") for (index, _), data in zip(sent, run, strict=True)]
 
 
 async def _reply_segment(segments: shm.ClientSegments, lease: pb.SharedMemoryLease,
@@ -140,21 +182,36 @@ def checked_result(spec: LayoutSpec, tokens: np.ndarray, first_chunk: int,
         raise InvalidRequest(f"a ReadChunks header names {len(keys)} chunks and "
                              f"{len(digests)} digests")
     result = ReadChunksResult(first_chunk, keys, {}, {})
+    sent: dict[int, object] = {}
     for index, data, reason in got:
         n = index - first_chunk
-        if not 0 <= n < len(keys) or index in result.chunks or index in result.missing:
+        if not 0 <= n < len(keys) or index in sent or index in result.missing:
             raise InvalidRequest(f"a ReadChunks reply sent chunk {index} twice or out of "
                                  f"the range asked for ({first_chunk}+{len(keys)})")
         if data is None:
             result.missing[index] = reason
-            continue
-        try:
-            key = block_key(keys[n], digests[n]) if check_digests else None
-            restored_chunk_check(spec, tokens, index, key)(data)
-        except (CodecError, InvalidRequest):
+        else:
+            sent[index] = data
+    if first_chunk + len(keys) > len(tokens) // spec.chunk_tokens:
+        raise InvalidRequest(f"a ReadChunks header names {len(keys)} chunks from chunk "
+                             f"{first_chunk}; the tokens asked for have "
+                             f"{len(tokens) // spec.chunk_tokens} whole chunks")
+    block_keys: list[str | None] = [None] * len(keys)  # None: checked without a digest
+    if check_digests:
+        for index in list(sent):
+            n = index - first_chunk
+            if len(digests[n]) == DIGEST_BYTES:
+                block_keys[n] = block_key(keys[n], digests[n])
+            else:  # no digest to check it against: not a chunk to use
+                del sent[index]
+                result.missing[index] = "corrupt"
+    run = RunCheck(spec, tokens, first_chunk, block_keys)
+    errors = run.many(list(sent), list(sent.values()), [False] * len(sent))
+    for (index, data), error in zip(sent.items(), errors, strict=True):
+        if error is None:
+            result.chunks[index] = data
+        else:
             result.missing[index] = "corrupt"
-            continue
-        result.chunks[index] = data
     for index in range(first_chunk, first_chunk + len(keys)):
         if index not in result.chunks:  # one the reply left out is no chunk to use either
             result.missing.setdefault(index, "not_held")
@@ -206,14 +263,17 @@ class PrefixChunkMethods:
                           first_chunk: int = 0, max_chunks: int = 0, model_fingerprint: str = "",
                           dedupe_domain: str = "", digests: Sequence[bytes] | None = None,
                           use_shared_memory: bool | None = None,
-                          check_digests: bool = True) -> ReadChunksResult:
+                          check_digests: bool = True, in_place: bool = False
+                          ) -> ReadChunksResult:
         """Chunks of ``token_ids`` by position (``max_chunks`` 0: every whole one), each
         verified again here; ``digests``: the expected ones, one per chunk read.
         ``check_digests`` False: each chunk's bytes are still checked whole against its own
         checksums (header, section table, xxh3 of the payload) and its token range, but its
         BLAKE2b digest is not recomputed: a caller that only needs intact KV of these tokens
         (the vLLM connector) skips the costliest check, which only another version of the
-        same tokens' chunk would fail."""
+        same tokens' chunk would fail. ``in_place``: over shared memory the chunks are
+        views of the reply segment, valid until the caller calls the result's ``release``
+        (it must, once done with them); inline they are the reply's bytes."""
         spec = layout if isinstance(layout, LayoutSpec) else await self.layout(layout)
         tokens = cc.as_tokens(token_ids)
         request = pb.ReadChunksRequest(
@@ -224,6 +284,7 @@ class PrefixChunkMethods:
         def attempt(node: Node) -> Awaitable[ReadChunksResult]:
             request.use_shared_memory = (self.shared_memory if use_shared_memory is None
                                          else use_shared_memory and self.shared_memory)
-            return read_once(node, request, spec, tokens, self.timeout_s, check_digests)
+            return read_once(node, request, spec, tokens, self.timeout_s, check_digests,
+                             in_place)
 
         return await self._call(attempt)

@@ -8,8 +8,9 @@ unlinking one. Payloads refer to ``(lease_id, offset, length)``:
 
 - Spill: the client asks ``LeaseSegment`` for a segment, writes its payloads into it and
   sends references; the server copies them out before it answers.
-- Restore/Resume: the server writes the session into a segment it names in the header
-  (``reply_segment``); the client copies the payloads out.
+- Restore/Resume/ReadChunks: the server writes the reply into a segment it names in the
+  header (``reply_segment``); the client copies the payloads out, or lends the segment to
+  a caller that reads a ReadChunks reply in place (``lend``) until it gives it back.
 
 Either way the client keeps the segment (``ClientSegments``) and offers it again, to spill
 into or as ``reply_lease``, so its pages stay warm; each use renews the lease. Leases it
@@ -20,11 +21,13 @@ Linux only (``available()``): elsewhere clients send bytes inline.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import mmap
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -92,6 +95,12 @@ class Segment:
         self._check(ref)
         return self._map[ref.offset : ref.offset + ref.length]
 
+    def view(self, ref: pb.SharedMemoryRef) -> memoryview:
+        """The referenced bytes where they lie: valid while the segment is not offered
+        for another reply (``ClientSegments.lend``)."""
+        self._check(ref)
+        return memoryview(self._map)[ref.offset : ref.offset + ref.length]
+
     def read_run(self, refs: list[pb.SharedMemoryRef]) -> PackedRun | None:
         """Payloads that lie back to back, copied out with one copy as a ``PackedRun``
         (decoded without joining them); None when they do not."""
@@ -108,8 +117,10 @@ class Segment:
         return PackedWriter(self._map, self.lease_id)
 
     def close(self) -> None:
-        """Unmap (the name is the server's to unlink)."""
-        self._map.close()
+        """Unmap (the name is the server's to unlink); views a caller still holds keep
+        the mapping until they are dropped."""
+        with contextlib.suppress(BufferError):
+            self._map.close()
 
 
 class PackedWriter:
@@ -140,6 +151,7 @@ class ClientSegments:
         self._stub = stub
         self._clock = clock
         self._free: list[Segment] = []
+        self._returning: set[asyncio.Future] = set()  # lent segments being kept again
 
     def _take(self, fits) -> Segment | None:
         # Past its margin the server may reap it any moment: forget it, it will.
@@ -189,6 +201,27 @@ class ClientSegments:
         self._free.sort(key=lambda s: s.size, reverse=True)
         extra, self._free = self._free[POOL_SIZE:], self._free[:POOL_SIZE]
         await self.release(extra)
+
+    def lend(self, segment: Segment, started: float) -> Callable[[], None]:
+        """Lend ``segment``, just replied into by a call that began at ``started``, to a
+        caller reading it in place: it is offered for no reply until the call returned is
+        made (from any thread, once), which keeps it for the next call."""
+        loop = asyncio.get_running_loop()
+        lent = [segment]
+
+        def give_back() -> None:
+            if not lent:
+                return
+            lent.clear()
+            with contextlib.suppress(RuntimeError):  # the client closed: the server reaps it
+                loop.call_soon_threadsafe(self._give_back, segment, started)
+
+        return give_back
+
+    def _give_back(self, segment: Segment, started: float) -> None:
+        task = asyncio.ensure_future(self.keep(segment, started))
+        self._returning.add(task)
+        task.add_done_callback(self._returning.discard)
 
     async def replied(self, used: list[Segment], segment: Segment | None,
                       started: float) -> None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -110,7 +110,17 @@ class ReadChunksResult:
     first_chunk: int
     keys: list[str]  # chain keys of the chunks asked for, from first_chunk on
     # chunk index -> its encoded bytes, verified here (digest, codec header against the
-    # tokens); over shared memory a copy out of the segment
+    # tokens); over shared memory a copy out of the segment, or with ``in_place`` a view
+    # of it, valid until ``release``
     chunks: dict[int, bytes | memoryview]
     missing: dict[int, str]  # chunk index -> why not: not_held, corrupt, digest_mismatch,
     # tier_unavailable (the server's), or corrupt (failing the checks here)
+    # gives a lent segment back to the client (from any thread, once; a no-op otherwise):
+    # the chunks' views must not be read after it
+    release: Callable[[], None] = field(default=lambda: None, repr=False, compare=False)
+
+    def __enter__(self) -> ReadChunksResult:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()

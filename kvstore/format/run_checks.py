@@ -9,6 +9,10 @@ structured array, against the layout's table and what the manifest says (layout,
 range, token ids), under the header's checksum. A copy the numpy
 check does not accept gets the chunk's own check, which raises its specific error; a copy
 is never accepted by ``many`` that its own check would refuse.
+
+A chunk given no key (None: a reader that skips the digest) is checked as
+``restored_chunk_check`` without a key checks it: ``many`` hashes its payload against the
+header's checksum too, so every byte is still checked.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ class RunCheck:
     """The checks of chunks ``first .. first + len(keys) - 1`` of a session's tokens."""
 
     def __init__(self, spec: LayoutSpec, tokens: np.ndarray, first: int,
-                 keys: Sequence[str]) -> None:
+                 keys: Sequence[str | None]) -> None:
         size = spec.chunk_tokens
         self.spec, self.tokens, self.first, self.keys = spec, tokens, first, keys
         self._checks: dict[int, object] = {}  # each chunk's own check, made when needed
@@ -52,32 +56,39 @@ class RunCheck:
                 self.spec, self.tokens, index, self.keys[index - self.first])
         return check
 
-    def digest(self, index: int) -> bytes:
-        return split_block_key(self.keys[index - self.first])[1]
+    def digest(self, index: int) -> bytes | None:
+        key = self.keys[index - self.first]
+        return None if key is None else split_block_key(key)[1]
 
     def many(self, indices: Sequence[int], values: Sequence[Buffer],
              proven: Sequence[bool]) -> list[CodecError | None]:
         """Per value (the copy of chunk ``indices[j]``, ``proven[j]``: its tier proved its
         digest) None when it passes its check, else the check's ``CodecError``."""
         errors: list[CodecError | None] = [None] * len(values)
+        hashed = np.zeros(len(values), bool)  # no digest: the payload checksum is hashed
         for j, (index, value, sure) in enumerate(zip(indices, values, proven, strict=True)):
-            if not sure and chunk_digest(value) != self.digest(index):
+            digest = self.digest(index)
+            hashed[j] = digest is None
+            if not sure and digest is not None and chunk_digest(value) != digest:
                 errors[j] = ChunkCorrupt(f"a copy of chunk {index} does not have the digest "
                                          "its key states")
-        ok = self._headers_match(np.asarray(indices, np.int64), values)
+        ok = self._headers_match(np.asarray(indices, np.int64), values, hashed)
         for j in np.flatnonzero(~ok).tolist():
             if errors[j] is None:
+                check = self.check(indices[j])
                 try:
-                    self.check(indices[j]).proven(values[j])
+                    (check if hashed[j] else check.proven)(values[j])
                 except CodecError as exc:
                     errors[j] = exc
         return errors
 
-    def _headers_match(self, indices: np.ndarray, values: Sequence[Buffer]) -> np.ndarray:
+    def _headers_match(self, indices: np.ndarray, values: Sequence[Buffer],
+                       hashed: np.ndarray) -> np.ndarray:
         """(k,) bool: the value's header and section table are those of a version 2
         persistent chunk of this layout covering chunk ``indices[j]``'s tokens (the
         layout's table for them, under a checksum that holds), encoded for its token ids,
-        and it has the length its header gives."""
+        and it has the length its header gives; where ``hashed[j]``, its payload has the
+        header's payload checksum too."""
         if not len(values):
             return np.ones(0, bool)
         views = [memoryview(v).cast("B") for v in values]
@@ -91,6 +102,9 @@ class RunCheck:
         table = rows["table"].view(np.uint64).reshape(len(views), self.sections, 4)[:, :, :3]
         checks = np.fromiter(map(xxhash.xxh3_64_intdigest, raw[:, :top - 8]), np.uint64,
                              len(views))
+        payloads = np.fromiter((xxhash.xxh3_64_intdigest(v[top:]) if must else 0
+                                for v, must in zip(views, hashed.tolist(), strict=True)),
+                               np.uint64, len(views))
         return ((head["magic"] == MAGIC) & (head["version"] == VERSION)
                 & ((head["flags"] & ~np.uint16(FLAG_ZSTD)) == 0)  # persistent, none unknown
                 & (head["layout_hash"] == self.spec.layout_hash)
@@ -101,6 +115,7 @@ class RunCheck:
                 & (lens == top + head["stored_len"].astype(np.int64))
                 & (head["tokens_hash"] == self.tokens_hashes[indices - self.first])
                 & (checks == rows["check"])
+                & (~hashed | (payloads == head["payload_checksum"]))
                 & (table == self.plan.table_head).all(axis=(1, 2)))
 
 
@@ -121,7 +136,7 @@ class RunMember:
 
 
 def restored_run_checks(spec: LayoutSpec, tokens: np.ndarray, first: int,
-                        keys: Sequence[str]) -> list[RunMember]:
+                        keys: Sequence[str | None]) -> list[RunMember]:
     """One check per key (see the module docstring): chunk ``first + i`` is ``keys[i]``."""
     run = RunCheck(spec, tokens, first, keys)
     return [RunMember(run, first + i) for i in range(len(keys))]

@@ -7,7 +7,9 @@ by ``max_spill_bytes`` and held as in-flight bytes of the tenant until it ends.
 ReadChunks holds a stream slot; its reply is one ``ChunksHeader`` (after every chunk was
 read, so its digests are those of the bytes that follow), then a ``RestoredChunk`` or
 ``MissingChunk`` per chunk in index order, the bytes inline or in the caller's shared
-memory under the Restore rules (``RestoreStreamer.reply_segment``).
+memory under the Restore rules (``RestoreStreamer.reply_segment``). Asked for
+``refs_in_header``, a reply in shared memory is every chunk written into the segment, the
+header naming where (``chunk_refs``), then only the ``MissingChunk``s.
 """
 
 from __future__ import annotations
@@ -102,11 +104,22 @@ class PrefixChunkCalls:
             size = sum(len(c.data) for c in chunks if c.data is not None)
             lease, writer, refused = self.streamer.reply_segment(opts, size)
             try:
-                yield pb.ReadChunksReply(header=pb.ChunksHeader(
+                header = pb.ChunksHeader(
                     chunk_keys=[c.chain_key for c in chunks],
                     chunk_digests=[c.digest for c in chunks],
                     reply_segment=(self.streamer.leases.describe(lease)
-                                   if lease is not None else None)))
+                                   if lease is not None else None))
+                if request.refs_in_header and writer is not None:
+                    # the segment was leased for these bytes: every chunk fits
+                    header.chunk_refs.extend(self.streamer.in_segment(c.data, writer)
+                                             for c in chunks)
+                    yield pb.ReadChunksReply(header=header)
+                    for c in chunks:
+                        if c.data is None:
+                            yield pb.ReadChunksReply(missing=pb.MissingChunk(
+                                index=c.index, reason=c.missing))
+                    return
+                yield pb.ReadChunksReply(header=header)
                 for c in chunks:
                     if c.data is None:
                         yield pb.ReadChunksReply(missing=pb.MissingChunk(index=c.index,

@@ -255,6 +255,13 @@ class RestoreStreamer:
         writer = PackedWriter(lease.map, lease.lease_id) if lease is not None else None
         return lease, writer, refused
 
+    def in_segment(self, data: Buffer | None, writer: PackedWriter) -> pb.SharedMemoryRef:
+        """``data`` written into the reply segment (an empty ref for None): its place."""
+        if data is None:
+            return pb.SharedMemoryRef(lease_id=writer.lease_id, offset=writer.used, length=0)
+        self.metrics.restore_bytes.labels("shm").inc(len(data))
+        return writer.add(data)
+
     def payload(self, key: str, data: Buffer, writer: PackedWriter | None, refused: str = ""
                 ) -> pb.Payload:
         """``data`` in the segment while it fits, else inline (``MessageTooLarge`` past the

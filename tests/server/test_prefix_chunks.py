@@ -3,6 +3,7 @@ retained cache of the caller's domain and read by their position in a token sequ
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -19,6 +20,7 @@ from kvstore.format.errors import (
 from kvstore.format.keys import block_key, chain_keys, chunk_digest, dedupe_scope
 from kvtier import AsyncClient, shm
 from kvtier import codec as cc
+from kvtier.prefix_chunks import checked_result
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from tests.support.service import (
@@ -238,6 +240,85 @@ async def test_shared_memory_both_ways(tmp_path):
             2 * sum(map(len, chunks))
         inline = await kv.read_chunks("acme", LAYOUT.name, tokens, use_shared_memory=False)
         assert [bytes(inline.chunks[i]) for i in range(3)] == chunks
+
+
+@pytest.mark.skipif(not shm.available(), reason="no /dev/shm")
+async def test_a_read_in_place_holds_its_segment_until_released(tmp_path):
+    """Chunks read in place are views of the reply segment: a read meanwhile gets another
+    segment (the lent one is offered for no reply), and once released it serves again."""
+    tokens, chunks, _ = encoded(3)
+    theirs, their_chunks, _ = encoded(3, seed=5)
+    async with running_server(tmp_path) as (server, target), \
+            AsyncClient(target, shared_memory=True) as kv:
+        await kv.write_chunks("acme", LAYOUT.name, tokens, chunks)
+        await kv.write_chunks("acme", LAYOUT.name, theirs, their_chunks)
+        warm = await kv.read_chunks("acme", LAYOUT.name, tokens)  # leaves a kept segment
+        assert len(server.servicer.leases) == 1
+        held = await kv.read_chunks("acme", LAYOUT.name, tokens, in_place=True)
+        assert all(isinstance(held.chunks[i], memoryview) for i in range(3))
+        other = await kv.read_chunks("acme", LAYOUT.name, theirs, in_place=True)
+        assert len(server.servicer.leases) == 2  # not written into the lent one
+        assert [bytes(held.chunks[i]) for i in range(3)] == chunks
+        assert [bytes(other.chunks[i]) for i in range(3)] == their_chunks
+        held.release()
+        other.release()
+        held.release()  # once only
+        await asyncio.sleep(0.05)  # given back on the client's loop
+        with await kv.read_chunks("acme", LAYOUT.name, theirs, in_place=True) as again:
+            assert [bytes(again.chunks[i]) for i in range(3)] == their_chunks
+        assert len(server.servicer.leases) == 2
+        assert [bytes(warm.chunks[i]) for i in range(3)] == chunks  # a copy, as before
+
+
+@pytest.mark.skipif(not shm.available(), reason="no /dev/shm")
+async def test_chunks_listed_in_the_header_come_in_one_message(tmp_path):
+    """Asked for refs_in_header, a reply in shared memory is its header (every chunk read
+    written into the segment, the header listing where) and the MissingChunks alone;
+    inline, the same request gets a RestoredChunk per chunk."""
+    tokens, chunks, _ = encoded(3)
+    async with running_server(tmp_path) as (_, target), \
+            AsyncClient(target, shared_memory=False) as kv, \
+            grpc.aio.insecure_channel(target) as channel:
+        await kv.write_chunks("acme", LAYOUT.name, tokens[:2 * C], chunks[:2])
+        stub = pb_grpc.KVTierStub(channel)
+        request = pb.ReadChunksRequest(tenant="acme", layout_id=LAYOUT.name,
+                                       token_ids=tokens.tobytes(), use_shared_memory=True,
+                                       refs_in_header=True)
+        replies = [r async for r in stub.ReadChunks(request)]
+        assert [r.WhichOneof("item") for r in replies] == ["header", "missing"]
+        header = replies[0].header
+        assert replies[1].missing.index == 2 and header.chunk_refs[2].length == 0
+        segment = shm.Segment(header.reply_segment)
+        try:
+            assert [segment.read(ref) for ref in header.chunk_refs[:2]] == chunks[:2]
+        finally:
+            segment.close()
+            await stub.ReleaseSegments(pb.ReleaseRequest(
+                lease_ids=[header.reply_segment.lease_id]))
+        request.use_shared_memory = False
+        inline = [r async for r in stub.ReadChunks(request)]
+        assert [r.WhichOneof("item") for r in inline] == ["header", "chunk", "chunk", "missing"]
+        assert not inline[0].header.chunk_refs
+
+
+def test_a_replys_chunks_are_checked_whole_without_their_digests():
+    """Checked together, without digests each chunk's every byte is still checked against
+    its checksums and token range: a flipped payload byte or header field is "corrupt"."""
+    tokens, chunks, _ = encoded(4)
+    header = pb.ChunksHeader(chunk_keys=keys_of(tokens),
+                             chunk_digests=[chunk_digest(c) for c in chunks])
+    payload = bytearray(chunks[1])
+    payload[-5] ^= 0xFF
+    start = bytearray(chunks[2])
+    start[16] ^= 0x01  # in the header
+    got = [(0, chunks[0], ""), (1, bytes(payload), ""), (2, bytes(start), ""),
+           (3, memoryview(chunks[3]), "")]
+    for check_digests in (False, True):
+        result = checked_result(LAYOUT, tokens, 0, header, got, check_digests)
+        assert result.missing == {1: "corrupt", 2: "corrupt"}
+        assert {i: bytes(d) for i, d in result.chunks.items()} == {0: chunks[0], 3: chunks[3]}
+    swapped = checked_result(LAYOUT, tokens, 0, header, [(0, chunks[1], "")], False)
+    assert swapped.missing[0] == "corrupt"  # a chunk of other tokens
 
 
 async def test_written_chunks_give_way_under_pressure(tmp_path):

@@ -74,18 +74,28 @@ def test_round_trip_is_exact(kind, device):
 @pytest.mark.parametrize("kind,device", [("cpu", "cpu"), ("split", "cpu"), ("nhd", "cpu"),
                                          pytest.param("split", "cuda", marks=CUDA),
                                          pytest.param("nhd", "cuda", marks=CUDA)])
-def test_a_block_written_in_place_is_what_put_writes(kind, device):
+@pytest.mark.parametrize("ids", [[4, 1, 2], [1, 2, 3]], ids=["scattered", "one run"])
+def test_blocks_written_from_strided_views_are_what_put_writes(kind, device, ids):
+    """put_blocks takes each chunk's K and V where they lie (views with a chunk stride, as
+    in a reply segment) and writes what put writes, touching no other block."""
     paged = PagedLayout(kind, H, D, BS)
     cache = (torch.randn(2, N, BS, H, D) if kind == "nhd"
              else torch.randn(N, H, BS, 2 * D)).to(torch.bfloat16).to(device)
     other = cache.clone()
-    k, v = kv(2 * BS, seed=3)
-    paged.put(cache, torch.tensor([4, 1], device=device), k, v)
-    for block_id, rows in ((4, slice(0, BS)), (1, slice(BS, 2 * BS))):
-        paged.put_block(other, block_id, k[rows].to(device), v[rows].to(device))
+    k, v = kv(len(ids) * BS, seed=3)
+    index = torch.tensor(ids, device=device)
+    paged.put(cache, index, k, v)
+    # chunks of (K, V) rows back to back with a gap after each: strided (n, BS, H, D) views
+    rows = torch.zeros(len(ids), 2 * BS * H * D + 8, dtype=torch.bfloat16)
+    rows[:, :BS * H * D] = k.reshape(len(ids), -1)
+    rows[:, BS * H * D:2 * BS * H * D] = v.reshape(len(ids), -1)
+    k_view = rows[:, :BS * H * D].view(len(ids), BS, H, D)
+    v_view = rows[:, BS * H * D:2 * BS * H * D].view(len(ids), BS, H, D)
+    assert not k_view.is_contiguous()
+    paged.put_blocks(other, index, k_view, v_view)
     assert same_bits(other.cpu(), cache.cpu())
     with pytest.raises(ValueError, match="must both be"):
-        paged.put_block(other, 0, k[:BS - 1], v[:BS - 1])
+        paged.put_blocks(other, index, k_view[:, :BS - 1], v_view[:, :BS - 1])
 
 
 def test_split_layout_reads_vllms_view_of_any_strides():

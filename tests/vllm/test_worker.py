@@ -119,3 +119,31 @@ def test_a_gap_ends_the_load_and_saves_over_it_are_dropped(client, kvtier_server
     finally:
         target.store.client = client
         dead.close()
+
+
+def test_a_chunk_damaged_in_the_store_ends_the_load(client, kvtier_server):
+    """Chunk 1 of 3 corrupted on disk: block 0 loads bit for bit, blocks 1 and 2 are load
+    errors (nothing after a bad chunk is used), and no other block is touched."""
+    source, src = worker(client, kvtier_server, seed=4)
+    tokens = [(17 * i) % 977 + 3 for i in range(3 * BS)]
+    run_step(source, src, KVTierConnectorMetadata(
+        saves=[SavePlan("d", tuple(tokens), 0, (0, 1, 2))]))
+    finish(source, src, "d")
+    damaged = bytes(client.read_chunks("worker", SPEC, tokens,
+                                       model_fingerprint="worker-test").chunks[1])
+    hits = 0
+    for segment in (kvtier_server.data_dir / "disk" / "segments").iterdir():
+        raw = bytearray(segment.read_bytes())
+        at = raw.find(damaged)
+        if at >= 0:
+            raw[at + len(damaged) // 2] ^= 0xFF
+            segment.write_bytes(bytes(raw))
+            hits += 1
+    assert hits == 1
+    target, dst = worker(client, kvtier_server, seed=None)
+    errors, _ = run_step(target, dst, KVTierConnectorMetadata(
+        loads=[LoadPlan("d2", tuple(tokens), 0, (5, 3, 7))]))
+    assert errors == {3, 7}
+    for name in NAMES:
+        assert torch.equal(dst[name][5].view(torch.int16), src[name][0].view(torch.int16))
+        assert not dst[name][[0, 1, 2, 3, 4, 6, 7]].any()

@@ -106,24 +106,44 @@ class PagedLayout:
         blocks = self.join(k.to(layer.device), v.to(layer.device))
         layer.index_copy_(self.block_dim, block_ids, blocks)
 
-    def put_block(self, layer: torch.Tensor, block_id: int, k: torch.Tensor,
-                  v: torch.Tensor) -> None:
-        """Write K and V (block_size, H, D each) into block ``block_id`` of ``layer`` in
-        place: one copy of each value, no staging blocks."""
+    def put_blocks(self, layer: torch.Tensor, block_ids: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> None:
+        """Write K and V (n, block_size, H, D each, any strides, e.g. views of chunks lying
+        in a reply segment) into the blocks ``block_ids`` (n int64, on the layer's device)
+        of ``layer`` in place, no staging blocks: on a GPU layout one scatter of K and one
+        of V; on the CPU one copy of K and one of V per run of consecutive blocks, written
+        where they lie (K is transposed on the way: a single index_copy_ would need the
+        blocks packed first, one more pass over every byte, which measured slower in
+        bench.vllm.load_path even with every block its own run)."""
         h, d, b = self.kv_heads, self.head_size, self.block_size
-        if k.shape != (b, h, d) or v.shape != (b, h, d):
-            raise ValueError(f"K and V must both be ({b}, {h}, {d}), got {tuple(k.shape)}, "
-                             f"{tuple(v.shape)}")
+        n = block_ids.shape[0]
+        if k.shape != (n, b, h, d) or v.shape != (n, b, h, d):
+            raise ValueError(f"K and V must both be ({n}, {b}, {h}, {d}), got "
+                             f"{tuple(k.shape)}, {tuple(v.shape)}")
+        k, v = k.to(layer.device), v.to(layer.device)
         if self.kind == "nhd":
-            layer[0, block_id].copy_(k)
-            layer[1, block_id].copy_(v)
-            return
-        block = layer[block_id]  # (H, b, 2D)
-        if self.kind == "split":
-            block[..., :d].copy_(k.permute(1, 0, 2))
-            block[..., d:].copy_(v.permute(1, 0, 2))
-            return
-        halves = block.view(h, 2, b * d)  # contiguous: K^T (D, b) then V (b, D) per head
-        halves[:, 0].view(h, d, b).copy_(k.permute(1, 2, 0))
-        halves[:, 1].view(h, b, d).copy_(v.permute(1, 0, 2))
+            layer[0].index_copy_(0, block_ids, k)
+            layer[1].index_copy_(0, block_ids, v)
+        elif self.kind == "split":
+            layer[block_ids, :, :, :d] = k.permute(0, 2, 1, 3)  # (n, H, b, D)
+            layer[block_ids, :, :, d:] = v.permute(0, 2, 1, 3)
+        else:
+            at = 0
+            for start, count in runs(block_ids.tolist()):
+                # contiguous: per block and head K^T (D, b), then V (b, D)
+                halves = layer[start:start + count].view(count, h, 2, b * d)
+                kt, vt = k[at:at + count].permute(0, 2, 3, 1), v[at:at + count].permute(0, 2, 1, 3)
+                halves[:, :, 0].view(count, h, d, b).copy_(kt)
+                halves[:, :, 1].view(count, h, b, d).copy_(vt)
+                at += count
 
+
+def runs(ids: list[int]) -> list[tuple[int, int]]:
+    """(first, count) of each run of consecutive ascending ids, in order."""
+    out: list[tuple[int, int]] = []
+    for i in ids:
+        if out and out[-1][0] + out[-1][1] == i:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((i, 1))
+    return out

@@ -1,11 +1,16 @@
 """The worker's store I/O, each run in a background thread: load chunks into paged blocks
 layer by layer, save full blocks as chunks, spill a finished session.
 
-Every chunk read is checked before a byte of it reaches the cache: the store's digest and
-the client's end-to-end checks (``read_chunks``), then the codec's (checksums, layout, token
-count and token hash) and its start token here. The first chunk that is missing or fails
-ends the load: it and every later block of the request are load errors, so vLLM recomputes
-them; nothing after a gap is used.
+Every chunk read is checked before a byte of it reaches the cache, by the client's
+end-to-end checks (``read_chunks``: header and section table, checksums over every byte,
+layout, start token, token count and token hash, all chunks of a load at once); a chunk
+that is not a passthrough, uncompressed one is decoded, and checked again while it is. The
+first chunk that is missing or fails ends the load: it and every later block of the
+request are load errors, so vLLM recomputes them; nothing after a gap is used.
+
+A load is one ReadChunks call; over shared memory its chunks are read where they lie in
+the reply segment (lent until the load is written), and each layer's K and V of every
+block go into the cache in one call (``PagedLayout.put_blocks``).
 """
 
 from __future__ import annotations
@@ -17,9 +22,16 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from kvstore.format.chunk import StreamData, decode_chunk, encode_chunk, read_header
+from kvstore.format.chunk import (
+    FLAG_ZSTD,
+    HEADER_DTYPE,
+    decode_chunk,
+    encode_chunk,
+    read_header,
+)
 from kvstore.format.chunk_parts import PART_CODES, chunk_plan
 from kvstore.format.errors import KVTierError
 from kvstore.format.layout import LayoutSpec
@@ -30,8 +42,10 @@ from kvtier.integrations.vllm.metadata import LoadPlan, SavePlan, SpillPlan
 from kvtier.integrations.vllm.repack import PagedLayout
 from kvtier.integrations.vllm.stats import StatsCounter
 from kvtier.sync import Client
+from kvtier.types import ReadChunksResult
 
 logger = logging.getLogger(__name__)
+_FLAGS = HEADER_DTYPE.fields["flags"][1]  # the header flags' offset in a chunk
 
 
 @dataclass
@@ -114,36 +128,31 @@ def run_load(store: Store, job: LoadJob) -> None:
     read_bytes = 0
     try:
         # Digests are not recomputed: every byte is still checked against the chunk's own
-        # checksums and token range, twice (the client's check, then the decode's).
-        result = store.client.read_chunks(
-            store.config.tenant, store.spec, list(plan.token_ids), first_chunk=plan.first_chunk,
-            max_chunks=len(plan.block_ids), model_fingerprint=store.config.model_fingerprint,
-            dedupe_domain=store.config.dedupe_domain, check_digests=False)
-        decoded = []
-        for chunk in range(plan.first_chunk, plan.end_chunk):
-            data = result.chunks.get(chunk)
-            if data is None:
-                logger.warning("kvtier chunk %d of request %s not loaded: %s", chunk,
-                               plan.req_id, result.missing.get(chunk, "not sent"))
-                break
-            streams = _checked(store, data, chunk, plan.token_ids)
-            if streams is None:
-                break
-            decoded.append(streams)
-            read_bytes += len(data)
-        if decoded:
-            if job.queued is not None:
-                job.queued.synchronize()
-            # Layer by layer, each layer's event set once it is written: the forward pass
-            # runs a layer as soon as its blocks are in.
-            for layer, tensor in enumerate(store.layers):
-                for block_id, streams in zip(plan.block_ids, decoded, strict=False):
-                    k, v = (_layer_values(store, name, streams[name], layer) for name in STREAMS)
-                    store.paged.put_block(tensor, block_id, k.to(tensor.device),
-                                          v.to(tensor.device))
-                settle(tensor)
-                job.layer_ready[layer].set()
-            job.loaded_chunks = len(decoded)
+        # checksums and token range by ``read_chunks``, all chunks at once. Over shared
+        # memory the chunks are views of the reply segment, lent until ``release``.
+        with store.client.read_chunks(
+                store.config.tenant, store.spec, list(plan.token_ids),
+                first_chunk=plan.first_chunk, max_chunks=len(plan.block_ids),
+                model_fingerprint=store.config.model_fingerprint,
+                dedupe_domain=store.config.dedupe_domain, check_digests=False,
+                in_place=True) as result:
+            chunks = [result.chunks[plan.first_chunk + n]
+                      for n in range(_good_prefix(plan, result))]
+            streams = _streams(store, chunks, plan)
+            count = streams["k"][0].shape[0] if streams else 0
+            read_bytes = sum(map(len, chunks[:count]))
+            if count:
+                if job.queued is not None:
+                    job.queued.synchronize()
+                index = store.block_index(plan.block_ids[:count])
+                # Layer by layer, each layer's event set once it is written: the forward
+                # pass runs a layer as soon as its blocks are in.
+                for layer, tensor in enumerate(store.layers):
+                    k, v = (streams[name][layer] for name in STREAMS)
+                    store.paged.put_blocks(tensor, index, k, v)
+                    settle(tensor)
+                    job.layer_ready[layer].set()
+                job.loaded_chunks = count
     except Exception as exc:  # an outage, a bug: the blocks are recomputed, never used
         logger.warning("kvtier load of request %s failed: %s", plan.req_id, exc)
     finally:
@@ -156,47 +165,84 @@ def run_load(store: Store, job: LoadJob) -> None:
         job.done.set()
 
 
-def _checked(store: Store, data, chunk: int, token_ids: Sequence[int]
-             ) -> dict[str, StreamData] | None:
-    """The streams of chunk ``chunk`` if every check passes, else None (logged). An
-    uncompressed chunk of a passthrough format gives views of its bytes (``read_chunks``
-    checked every one of them against the chunk's checksums and this token range); any
-    other is decoded, and checked again while it is."""
+def _good_prefix(plan: LoadPlan, result: ReadChunksResult) -> int:
+    """How many chunks from ``plan.first_chunk`` on came and passed ``read_chunks``'
+    checks before the first that did not (logged): nothing after a gap is used."""
+    for n in range(len(plan.block_ids)):
+        chunk = plan.first_chunk + n
+        if chunk not in result.chunks:
+            logger.warning("kvtier chunk %d of request %s not loaded: %s", chunk,
+                           plan.req_id, result.missing.get(chunk, "not sent"))
+            return n
+    return len(plan.block_ids)
+
+
+def _streams(store: Store, chunks: list, plan: LoadPlan) -> dict[str, list[torch.Tensor]]:
+    """Per stream, per layer, the values (n, block_size, H, D) in the cache's dtype of the
+    first n of ``chunks`` (read and checked by ``read_chunks``) that decode: uncompressed
+    chunks of a passthrough format as views of their bytes, else decoded one by one (the
+    first that fails the codec's checks ends the run; logged). {} when none."""
+    if not chunks:
+        return {}
+    rows = _rows(store, chunks)
+    if rows is not None:
+        return _views(store, rows)
     bs = store.block_size
-    try:
-        header = read_header(data)
-        if header.start_token != chunk * bs or header.num_tokens != bs:
-            raise KVTierError(f"it covers tokens from {header.start_token} "
-                              f"({header.num_tokens}), not block {chunk}")
-        if not header.compressed and all(store.spec.stream(n).value_format.scales == "none"
-                                         for n in STREAMS):
-            return _views(store, data, header.payload_offset)
-        return decode_chunk(data, store.spec,
-                            token_ids=token_ids[chunk * bs:(chunk + 1) * bs]).streams
-    except KVTierError as exc:
-        logger.warning("kvtier chunk %d fails its checks, not loaded: %s", chunk, exc)
+    decoded = []
+    for n, data in enumerate(chunks):
+        chunk = plan.first_chunk + n
+        try:
+            got = decode_chunk(data, store.spec,
+                               token_ids=plan.token_ids[chunk * bs:(chunk + 1) * bs]).streams
+            decoded.append({name: values.decode(store.spec.stream(name), got[name],
+                                                store.dtype) for name in STREAMS})
+        except KVTierError as exc:
+            logger.warning("kvtier chunk %d fails its checks, not loaded: %s", chunk, exc)
+            break
+    if not decoded:
+        return {}
+    # each (layers, n, block_size, H, D)
+    return {name: list(torch.stack([d[name] for d in decoded], dim=1)) for name in STREAMS}
+
+
+def _rows(store: Store, chunks: list) -> np.ndarray | None:
+    """The chunks as one (n, bytes) uint8 array (a view where they lie back to back, as
+    in a reply segment, else one join) when all are uncompressed, of one size, of a
+    passthrough format; else None."""
+    if not all(store.spec.stream(n).value_format.scales == "none" for n in STREAMS):
         return None
+    views = [np.frombuffer(c, np.uint8) for c in chunks]
+    size = views[0].size
+    if any(v.size != size for v in views):
+        return None
+    first = views[0].ctypes.data
+    if all(v.ctypes.data == first + n * size for n, v in enumerate(views)):
+        rows = np.lib.stride_tricks.as_strided(views[0], (len(views), size), (size, 1),
+                                               writeable=False)
+    else:
+        rows = np.frombuffer(b"".join(chunks), np.uint8).reshape(len(views), size)
+    flags = rows[:, _FLAGS:_FLAGS + 2].copy().view("<u2").reshape(-1)  # (n,) header flags
+    return None if (flags & FLAG_ZSTD).any() else rows
 
 
-def _views(store: Store, data, payload_offset: int) -> dict[str, StreamData]:
-    """Each stream's codes (layers, block_size, H, D) as a view of the chunk's bytes."""
-    out = {}
+def _views(store: Store, rows: np.ndarray) -> dict[str, list[torch.Tensor]]:
+    """Each stream's codes per layer, (n, block_size, H, D), as views of ``rows``: (n,
+    bytes) uint8, uncompressed chunks ``read_chunks`` checked whole."""
+    n, size = rows.shape
+    payload = read_header(rows[0]).payload_offset
+    flat = np.lib.stride_tricks.as_strided(rows, (n * size,), (1,), writeable=False)
     with warnings.catch_warnings():  # read-only bytes: only ever read from
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        for part in chunk_plan(store.spec, store.block_size, False).parts:
-            if part.part != PART_CODES:
-                continue
-            raw = torch.frombuffer(data, dtype=torch.uint8, offset=payload_offset + part.offset,
-                                   count=part.layer_bytes * part.shape[0])
-            out[part.stream.name] = StreamData(raw.view(part.dtype).view(part.shape), None)
+        whole = torch.frombuffer(flat, dtype=torch.uint8)  # (n * size,)
+    out = {}
+    for part in chunk_plan(store.spec, store.block_size, False).parts:
+        if part.part != PART_CODES:
+            continue
+        layers, span = part.shape[0], part.layer_bytes
+        raw = whole.as_strided((layers, n, span), (span, size, 1), payload + part.offset)
+        codes = raw.view(part.dtype)  # (layers, n, block_size * H * D)
+        out[part.stream.name] = list(codes.view(layers, n, *part.shape[1:]))
     return out
-
-
-def _layer_values(store: Store, name: str, data: StreamData, layer: int) -> torch.Tensor:
-    """(block_size, H, D) values in the cache's dtype of one layer of one chunk's stream."""
-    one = StreamData(data.codes[layer:layer + 1],
-                     None if data.scales is None else data.scales[layer:layer + 1])
-    return values.decode(store.spec.stream(name), one, store.dtype)[0]
 
 
 def settle(tensor: torch.Tensor) -> None:
