@@ -50,6 +50,49 @@ def test_every_runbook_section_belongs_to_an_alert():
 def test_open_breakers_and_failing_fleet_sweeps_alert():
     exprs = {rule["alert"]: rule["expr"] for rule in RULES}
     assert "kvtier_breaker_open" in exprs["KVTierBreakerOpen"]
-    assert 'kvtier_fleet_gc_runs_total{result="error"}' in exprs["KVTierFleetGCFailing"]
+    # what the servers export (prometheus.yml scrapes them), not a textfile collector's
+    assert "kvtier_fleet_gc_last_run_failed" in exprs["KVTierFleetGCFailing"]
+    assert "time() - kvtier_fleet_gc_last_run_timestamp_seconds" in exprs["KVTierFleetGCStale"]
     for rule in RULES:
         assert rule["labels"]["severity"] in ("critical", "warning")  # alertmanager.yml routes
+
+
+def test_the_service_is_covered():
+    """Corrupt copies, loop stalls, a resume-latency SLO, remote error rates, fleet nodes
+    down: each has its alert on the metric that measures it."""
+    exprs = {rule["alert"]: rule["expr"] for rule in RULES}
+    wanted = {"KVTierCorruptCopies": "kvtier_corrupt_copies_total",
+              "KVTierEventLoopStalls": "kvtier_event_loop_stalls_total",
+              "KVTierResumeLatencySLO": "kvtier_resume_seconds_bucket",
+              "KVTierRedisErrorRate": "kvtier_redis_errors_total",
+              "KVTierObjectErrorRate": "kvtier_object_errors_total",
+              "KVTierFleetNodeDown": "kvtier_fleet_nodes_down"}
+    for alert, metric in wanted.items():
+        assert metric in exprs.get(alert, ""), alert
+
+
+def _aggregations(expr: str) -> list[str]:
+    """The ``by (...)`` label lists of every aggregation in ``expr``, in order."""
+    return re.findall(r"\b(?:sum|max|min|avg|count)\s+by\s*\(([^)]*)\)", expr) + [
+        "" for _ in re.findall(r"\b(?:sum|max|min|avg|count)\s*\(", expr)]
+
+
+def test_every_alert_keeps_the_instance_label_for_the_inhibit_rule():
+    """alertmanager.yml inhibits a server's warnings by its critical alerts with
+    ``equal: [instance]``: an aggregation that drops ``instance`` defeats it."""
+    manager = yaml.safe_load((ROOT / "deploy" / "alertmanager.yml").read_text())
+    assert manager["inhibit_rules"][0]["equal"] == ["instance"]
+    for rule in RULES:
+        for labels in _aggregations(rule["expr"]):
+            assert "instance" in [label.strip() for label in labels.split(",")], \
+                (rule["alert"], rule["expr"])
+
+
+def test_the_error_ratio_counts_server_faults_only():
+    """Quota and auth refusals, and a client's own errors, are not faults: the status
+    codes the servers count them under (kvtier_requests_total{code}) stay out."""
+    expr = {rule["alert"]: rule["expr"] for rule in RULES}["KVTierErrorRatioHigh"]
+    faults = re.search(r'code=~"([^"]+)"', expr).group(1).split("|")
+    assert {"INTERNAL", "UNAVAILABLE", "DATA_LOSS"} <= set(faults)
+    assert not {"RESOURCE_EXHAUSTED", "UNAUTHENTICATED", "PERMISSION_DENIED", "NOT_FOUND",
+                "INVALID_ARGUMENT", "FAILED_PRECONDITION", "CANCELLED"} & set(faults)
