@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from kvstore.fleet.liveness import Heartbeat
 from kvstore.format.errors import (
     ChunksNotHeld,
     CodecError,
@@ -32,7 +33,6 @@ from kvstore.format.errors import (
 )
 from kvstore.format.keys import check_fingerprint, dedupe_scope, split_block_key
 from kvstore.format.layout import LayoutSpec, layout_to_json
-from kvstore.fleet.liveness import Heartbeat
 from kvstore.format.registry import all_layouts
 from kvstore.session.manager import TierManager
 from kvstore.session.manifest import SessionManifest
