@@ -5,10 +5,11 @@ lost and without routers sending anything to it.
 
 The steps, in order, each reported as ``DrainProgress``:
 
-1. ``writes``: new writes (spills, forks, prefix chunk writes, rebuilt windows) are
-   refused with ``NodeDraining`` (UNAVAILABLE: a routed client sends the call to another
-   node at once, a single-node client retries until the node is back); the writes
-   admitted before run to their commit.
+1. ``writes``: new writes (spills, forks, prefix chunk writes) are refused with
+   ``TierUnavailable`` saying the node is draining (UNAVAILABLE: a routed client sends
+   the call to another node at once, a single-node client retries until the node is
+   back), and rebuilt windows are not kept; the writes admitted before run to their
+   commit.
 2. ``writeback``: the write-back queue empties (memory-acked chunks on a durable tier).
    A session whose write-back failed is counted; the drain waits for the retries,
    which clear the mark once its chunks are durable.
@@ -35,11 +36,6 @@ from kvstore.session.context import StoreContext
 
 log = logging.getLogger(__name__)
 PHASES = ("writes", "writeback", "windows", "done")
-
-
-class NodeDraining(TierUnavailable):
-    """This node is draining (``kvtier drain``): send the write to another node, or
-    retry once this one is back."""
 
 
 @dataclass(frozen=True)
@@ -70,13 +66,15 @@ class Draining:
         self._idle.set()
         self._released = 0
         self._held = 0
+        self._one = asyncio.Lock()  # a second drain runs once the first is through
 
     @contextlib.contextmanager
     def admitting(self, what: str) -> Iterator[None]:
-        """Around a write that stores session state: ``NodeDraining`` once draining."""
+        """Around a write that stores session state: refused once draining."""
         if self.active:
-            raise NodeDraining(f"this node is draining: {what} refused, send it to another "
-                               "node (a routed client does) or retry once the node is back")
+            raise TierUnavailable(f"this node is draining: {what} refused, send it to "
+                                  "another node (a routed client does) or retry once the "
+                                  "node is back")
         self._in_flight += 1
         self._idle.clear()
         try:
@@ -92,10 +90,15 @@ class Draining:
                              self._released)
 
     async def run(self, interval_s: float = 1.0) -> AsyncIterator[DrainProgress]:
-        """Start draining (once; a second call joins it) and report each step, and every
-        ``interval_s`` while one waits, until done."""
+        """Start draining (a second call waits for the first, then finds it done) and
+        report each step, and every ``interval_s`` while one waits, until done."""
         self.active = True
         yield self.progress("writes")
+        async with self._one:
+            async for step in self._steps(interval_s):
+                yield step
+
+    async def _steps(self, interval_s: float) -> AsyncIterator[DrainProgress]:
         while not await _waited(self._idle.wait(), interval_s):
             yield self.progress("writes")
         queue = self._store.durability.queue
@@ -104,40 +107,41 @@ class Draining:
             if settled and not queue.depth and not self._store.catalog.writeback_failed_count:
                 break
             if settled:  # only failed write-backs left: their retries run on a timer
-                await asyncio.sleep(min(interval_s, 0.1))
+                await asyncio.sleep(interval_s)
             yield self.progress("writeback")
         if self._store.catalog.meta.node_id:  # shared metadata: a fleet node
             mine = [m for m in await self._store.catalog.manifests() if m.window_key]
             self._held = len(mine)
             yield self.progress("windows")
             for manifest in mine:
-                await self._release(manifest.tenant, manifest.session_id)
+                self._released += await self._release(manifest.tenant, manifest.session_id)
                 self._held -= 1
-                self._released += 1
             log.info("drain: %d windows released (their sessions replay elsewhere)",
                      self._released)
         else:
             self._held = sum(1 for m in await self._store.catalog.manifests() if m.window_key)
         yield self.progress("done")
 
-    async def _release(self, tenant: str, session_id: str) -> None:
+    async def _release(self, tenant: str, session_id: str) -> bool:
         """Rewrite the session's manifest without the window this node holds, then free
-        the blob. A session spilled again meanwhile by another node names that node."""
+        the blob; whether it did. A session spilled again meanwhile by another node names
+        that node."""
         catalog = self._store.catalog
         async with catalog.write(tenant, session_id):
             try:
                 manifest = await catalog.load(tenant, session_id)
                 if manifest is None or manifest.window_key is None:
-                    return
+                    return False
                 await catalog.put(manifest.evolve(window_tier=None, window_key=None,
                                                   window_replayed=0))
             except StaleGeneration:
-                return  # another node wrote a newer generation: its window, not ours
+                return False  # another node wrote a newer generation: its window, not ours
             except KVTierError as exc:
                 log.warning("drain: the window of %s/%s not released: %s", tenant,
                             session_id, exc)
                 raise
             await self._store.blocks.drop(manifest.window_key)
+        return True
 
 
 async def _waited(awaitable: Awaitable[object], timeout_s: float) -> bool:
