@@ -43,6 +43,17 @@ def test_every_alert_links_a_runbook_section_that_says_what_to_do():
         assert all(part in body for part in PARTS), (rule["alert"], body[:200])
 
 
+def test_every_alert_says_what_to_run_first_and_it_needs_no_traffic():
+    """``runbook_step``: a command (a kvtier tool, the server's /metrics at the alert's
+    instance, the dependency's own client) whose answer does not depend on requests
+    arriving, so it works on an idle node."""
+    tools = ("kvtier ", "curl ", "redis-cli ", "aws s3 ")
+    for rule in RULES:
+        step = rule["annotations"].get("runbook_step", "")
+        assert any(tool in step for tool in tools), (rule["alert"], step)
+        assert "rate(" not in step and "increase(" not in step, rule["alert"]
+
+
 def test_every_runbook_section_belongs_to_an_alert():
     assert set(_sections()) == {_anchor(rule["alert"]) for rule in RULES}
 
