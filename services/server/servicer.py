@@ -12,6 +12,7 @@ tenant a request names against the caller's (``_own_session``, ``auth.check_tena
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -430,16 +431,22 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
                     ) -> AsyncIterator[pb.DrainProgress]:
         interval = check.drain_interval(request.progress_interval_s)
-        if self.heartbeat is not None:
-            await self.heartbeat.write("draining")
+        await self._say("draining")
         async for step in self.manager.start_drain(interval):
-            if step.done and self.heartbeat is not None:
-                await self.heartbeat.write("drained")
+            if step.done:
+                await self._say("drained")
             yield pb.DrainProgress(
                 phase=step.phase, writes_in_flight=step.writes_in_flight,
                 writeback_pending=step.writeback_pending,
                 writeback_failed=step.writeback_failed, windows_held=step.windows_held,
                 windows_released=step.windows_released, done=step.done)
+
+    async def _say(self, state: str) -> None:
+        """A fleet node's heartbeat says ``state`` now (else with its next beat: a bucket
+        away does not stop a drain, it only keeps the write-back from finishing)."""
+        if self.heartbeat is not None:
+            with contextlib.suppress(KVTierError):
+                await self.heartbeat.write(state)
 
     def _info(self, m: SessionManifest) -> pb.SessionInfo:
         node = address = ""
