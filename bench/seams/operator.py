@@ -10,8 +10,9 @@ the model (``maintenance.event`` verifies every session after each):
   loopback, files 0600 and directories 0700, the shipped deploy files, and a second
   ``init`` there refused;
 - ``drain``: ``kvtier drain`` of the live server: done with nothing left to write back,
-  a write after it refused UNAVAILABLE, then the server killed with SIGKILL and started
-  again, every version the model holds (memory-acked ones too) required to restore;
+  a write after it refused UNAVAILABLE, on a fleet node no session's window named there
+  any more, then the server killed with SIGKILL and started again, every version the
+  model holds (memory-acked ones too) required to restore;
 - ``tokens-file`` (TLS): a tenant token added to the live tokens file, then revoked;
   the server re-reads it once a second, so within ``RELOAD_S`` the new token works and
   then the revoked one is refused, while the other tenants' keep working;
@@ -261,6 +262,8 @@ async def drain(sim) -> None:
         await lives.start(sim, "drain")
         return
     await _refused_while_drained(sim)
+    if sim.combo.shared:
+        await _windows_released(sim)
     for held in sim.model.values():
         held.drained()  # every acked version written back: a kill loses none
     await sim.end_life("kill")
@@ -270,6 +273,23 @@ async def drain(sim) -> None:
             version.window = None  # memory tiers only
         held.window_replayed = False
     await lives.start(sim, "drain")
+
+
+async def _windows_released(sim) -> None:
+    """A drained fleet node holds no window: Stat names no window node for any session,
+    so no router sends one to it."""
+    for (tenant, sid), held in sorted(sim.model.items()):
+        if held.may_be_absent(now()) or held.uncertain:
+            continue
+        try:
+            info = (await sim.client(tenant).stat(tenant, sid)).session
+        except KVTierError as exc:
+            sim.fail(exc, sim.step, "drained-stat", f"{tenant}/{sid}", "its Stat")
+            continue
+        if info.window_node_id:
+            sim.ledger.add("unexpected", sim.combo.name, sim.step, "drained-stat",
+                           f"{tenant}/{sid}", "no window node (released by the drain)",
+                           f"window node {info.window_node_id}")
 
 
 async def _refused_while_drained(sim) -> None:
