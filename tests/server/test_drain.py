@@ -5,9 +5,12 @@ refused, and only an admin may drain a server that authenticates."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from kvtier import AsyncClient, InvalidRequest, PermissionDenied, RetryPolicy, TierUnavailable
+from services.cli.main import main
 from tests.support.security import dev_set, secured_server
 from tests.support.service import LAYOUT, running_server, streams_for, tokens_for, window_for
 
@@ -40,6 +43,20 @@ async def test_drain_writes_back_refuses_writes_and_keeps_serving_reads(tmp_path
                 await kv.fork("acme", "s0", "s0-copy", upto_tokens=LAYOUT.chunk_tokens)
             with pytest.raises(InvalidRequest, match="progress_interval_s"):
                 await kv.drain(progress_interval_s=-1)
+
+
+async def test_kvtier_drain_prints_progress_on_stderr_and_the_outcome_on_stdout(
+        tmp_path, capsys):
+    async with running_server(tmp_path) as (_, target):
+        async with AsyncClient(target) as kv:
+            await kv.spill("acme", "s1", LAYOUT.name, tokens_for(TOKENS),
+                           streams_for(LAYOUT, TOKENS), generation=1,
+                           window=window_for(LAYOUT, TOKENS), ack="memory")
+        assert await asyncio.to_thread(main, ["drain", "--server", target]) == 0
+        said = capsys.readouterr()
+        assert "kvtier drain: writes" in said.err and "kvtier drain: done" in said.err
+        assert said.out.startswith(f"{target} drained: every session durable")
+        assert "1 windows go with the process" in said.out
 
 
 async def test_only_an_admin_drains_a_server_that_authenticates(tmp_path):
