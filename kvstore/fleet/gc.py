@@ -52,6 +52,7 @@ from kvstore.tiers.object_media import RAW, ZSTD
 log = logging.getLogger(__name__)
 KEEP_EPOCHS = 64  # deletion lists kept for nodes that have not spilled since
 Progress = Callable[[str], None]
+PROGRESS_EVERY_S = 15.0  # a line while the sweep waits out its mark time
 
 
 def _quiet(step: str) -> None:
@@ -211,7 +212,7 @@ async def _sweep(meta: SharedMetaStore, timing: GcTiming, dry_run: bool,
             wait = max(0.0, current.mark_s - (age or 0.0))
             progress(f"taking over epoch {current.epoch} from {current.sweeper}: "
                      f"{len(candidates)} candidates, waiting {wait:.0f} s before deleting")
-            await asyncio.sleep(wait)
+            await _mark_wait(wait, progress)
         epoch = current
     else:
         progress("listing the bucket's chunks")
@@ -251,9 +252,18 @@ async def _sweep(meta: SharedMetaStore, timing: GcTiming, dry_run: bool,
         progress(f"{counts['manifests']} manifests name {counts['live']} chunks; "
                  f"{len(candidates)} candidates marked in epoch {e}, waiting {mark_s:.0f} s "
                  "for spills in flight")
-        await asyncio.sleep(mark_s)
+        await _mark_wait(mark_s, progress)
     return await _delete(meta, timing, epoch, etag, candidates, sizes, counts, sweeper, report,
                          progress)
+
+
+async def _mark_wait(seconds: float, progress: Progress) -> None:
+    """Sleep ``seconds``, telling ``progress`` what is left every ``PROGRESS_EVERY_S``."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        await asyncio.sleep(min(left, PROGRESS_EVERY_S))
+        if deadline - time.monotonic() > 0:
+            progress(f"waiting for spills in flight: {deadline - time.monotonic():.0f} s left")
 
 
 async def prepare_bucket(meta: SharedMetaStore, spill_bound_s: float = DEFAULT_SPILL_BOUND_S
