@@ -131,11 +131,16 @@ def _private(path: Path, data: bytes) -> None:
 
 
 def _lock_down(root: Path) -> None:
-    """Every directory 0700 and every file 0600 under ``root``, ``root`` included."""
-    for where, _, files in os.walk(root):
-        os.chmod(where, 0o700)
-        for name in files:
-            os.chmod(Path(where) / name, 0o600)
+    """What init wrote private: ``root``, its ``data`` directory, and every directory
+    0700 and file 0600 of the trees it wrote (``deploy``, ``tls``); nothing else a
+    ``--force`` DIR holds is touched."""
+    for path in (root, root / "data"):
+        os.chmod(path, 0o700)
+    for tree in (root / "deploy", root / "tls"):
+        for where, _, files in os.walk(tree):
+            os.chmod(where, 0o700)
+            for name in files:
+                os.chmod(Path(where) / name, 0o600)
 
 
 def write(args: argparse.Namespace) -> Path:

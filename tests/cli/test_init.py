@@ -76,8 +76,11 @@ def test_init_refuses_a_directory_that_is_not_empty_and_force_keeps_the_keyring(
     assert main(["init", str(root)]) == 2
     assert "not empty" in capsys.readouterr().err
     assert (root / "kvtier.toml").read_bytes() == config  # untouched
+    (root / "notes.txt").write_text("mine")
+    (root / "notes.txt").chmod(0o644)
     assert main(["init", str(root), "--secure", "--force", "--metrics-port", "0"]) == 0
     assert (root / "keyring.toml").read_bytes() == keyring  # sealed data stays readable
+    assert stat.S_IMODE((root / "notes.txt").stat().st_mode) == 0o644  # not init's: as it was
 
 
 def test_init_plain_listens_on_loopback_and_refuses_to_open_up_without_secure(
