@@ -152,6 +152,9 @@ async def full_disk(sim) -> None:
         with open(ballast, "wb") as handle:
             os.posix_fallocate(handle.fileno(), 0, size)
     sim.full = True
+    # a medium filling sheds retained chunks first (README "Retention"): prefix chunks
+    # are retained cache, so any may go
+    prefix.forget_all(sim, "full-disk")
     made, refused = [], None
     try:
         tenant = sim.tenants[sim.step % 2]
