@@ -35,12 +35,11 @@ from kvstore.format.errors import KVTierError, StaleGeneration, TierUnavailable
 from kvstore.session.context import StoreContext
 
 log = logging.getLogger(__name__)
-PHASES = ("writes", "writeback", "windows", "done")
 
 
 @dataclass(frozen=True)
 class DrainProgress:
-    phase: str  # one of PHASES
+    phase: str  # writes, writeback, windows, done
     writes_in_flight: int  # admitted before the drain, not yet committed
     writeback_pending: int  # chunks queued for write-back
     writeback_failed: int  # sessions marked writeback_failed
