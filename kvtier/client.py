@@ -46,7 +46,7 @@ import grpc
 import numpy as np
 
 from kvstore.format.chunk import LayerSlice
-from kvstore.format.errors import StaleGeneration, UnknownLayout, shown
+from kvstore.format.errors import InvalidRequest, StaleGeneration, UnknownLayout, shown
 from kvstore.format.hints import ResumeHint
 from kvstore.format.keys import chunk_digest, dedupe_scope
 from kvstore.format.layout import LayoutSpec, layout_to_json
@@ -514,6 +514,27 @@ class AsyncClient(PrefixChunkMethods):
                                  if tenant or session_id else None, tenant=usage_of,
                                  fleet=fleet)
         return await self._call(lambda node: node.stub.Stat(request, timeout=self.timeout_s))
+
+    async def drain(self, on_progress: Callable[[pb.DrainProgress], None] | None = None, *,
+                    progress_interval_s: float = 1.0) -> pb.DrainProgress:
+        """Drain the server before it stops (admin; ``kvtier drain``): it refuses new
+        writes (UNAVAILABLE), makes every memory-acked session durable and, in a fleet,
+        releases the windows it holds. ``on_progress`` is told each progress message
+        (at least every ``progress_interval_s``); returns the last, ``done`` once nothing
+        of a session depends on the node. One server only: the node to stop."""
+        if self._router.routed:
+            raise InvalidRequest("drain one node: Client(address) of the node to stop")
+        request = pb.DrainRequest(progress_interval_s=progress_interval_s)
+
+        async def follow(node: Node) -> pb.DrainProgress:
+            last = pb.DrainProgress()
+            async for step in node.stub.Drain(request, timeout=self.timeout_s):
+                last = step
+                if on_progress is not None:
+                    on_progress(step)
+            return last
+
+        return await self._call(follow)
 
     async def list(self, tenant: str = "", *, page_size: int = 0) -> list[pb.SessionInfo]:
         """Every session (of one tenant), following pages."""

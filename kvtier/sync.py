@@ -104,5 +104,8 @@ class Client:
     def stat(self, *args, **kwargs) -> pb.StatReply:
         return self._run(self._async.stat(*args, **kwargs))
 
+    def drain(self, *args, **kwargs) -> pb.DrainProgress:
+        return self._run(self._async.drain(*args, **kwargs))
+
     def list(self, *args, **kwargs) -> list[pb.SessionInfo]:
         return self._run(self._async.list(*args, **kwargs))

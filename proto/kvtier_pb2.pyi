@@ -377,7 +377,7 @@ class StatRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., tenant: _Optional[str] = ..., fleet: _Optional[bool] = ...) -> None: ...
 
 class FleetStat(_message.Message):
-    __slots__ = ("sessions", "nodes_seen", "gc_epoch", "gc_state", "gc_sweeper", "cas")
+    __slots__ = ("sessions", "nodes_seen", "gc_epoch", "gc_state", "gc_sweeper", "cas", "nodes")
     class CasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -391,13 +391,29 @@ class FleetStat(_message.Message):
     GC_STATE_FIELD_NUMBER: _ClassVar[int]
     GC_SWEEPER_FIELD_NUMBER: _ClassVar[int]
     CAS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
     sessions: int
     nodes_seen: _containers.RepeatedScalarFieldContainer[str]
     gc_epoch: int
     gc_state: str
     gc_sweeper: str
     cas: _containers.ScalarMap[str, int]
-    def __init__(self, sessions: _Optional[int] = ..., nodes_seen: _Optional[_Iterable[str]] = ..., gc_epoch: _Optional[int] = ..., gc_state: _Optional[str] = ..., gc_sweeper: _Optional[str] = ..., cas: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeLiveness]
+    def __init__(self, sessions: _Optional[int] = ..., nodes_seen: _Optional[_Iterable[str]] = ..., gc_epoch: _Optional[int] = ..., gc_state: _Optional[str] = ..., gc_sweeper: _Optional[str] = ..., cas: _Optional[_Mapping[str, int]] = ..., nodes: _Optional[_Iterable[_Union[NodeLiveness, _Mapping]]] = ...) -> None: ...
+
+class NodeLiveness(_message.Message):
+    __slots__ = ("node_id", "address", "state", "heartbeat_age_s", "down")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    DOWN_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    state: str
+    heartbeat_age_s: float
+    down: bool
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., heartbeat_age_s: _Optional[float] = ..., down: _Optional[bool] = ...) -> None: ...
 
 class TenantUsage(_message.Message):
     __slots__ = ("tenant", "sessions", "durable_bytes", "memory_bytes", "sessions_limit", "durable_bytes_limit", "memory_bytes_limit", "rejections", "retained_bytes")
@@ -655,6 +671,30 @@ class RegisterLayoutReply(_message.Message):
 class ListLayoutsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("progress_interval_s",)
+    PROGRESS_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    progress_interval_s: float
+    def __init__(self, progress_interval_s: _Optional[float] = ...) -> None: ...
+
+class DrainProgress(_message.Message):
+    __slots__ = ("phase", "writes_in_flight", "writeback_pending", "writeback_failed", "windows_held", "windows_released", "done")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    WRITES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    WRITEBACK_PENDING_FIELD_NUMBER: _ClassVar[int]
+    WRITEBACK_FAILED_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_HELD_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    phase: str
+    writes_in_flight: int
+    writeback_pending: int
+    writeback_failed: int
+    windows_held: int
+    windows_released: int
+    done: bool
+    def __init__(self, phase: _Optional[str] = ..., writes_in_flight: _Optional[int] = ..., writeback_pending: _Optional[int] = ..., writeback_failed: _Optional[int] = ..., windows_held: _Optional[int] = ..., windows_released: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class ListLayoutsReply(_message.Message):
     __slots__ = ("layouts",)

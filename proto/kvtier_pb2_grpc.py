@@ -114,6 +114,11 @@ class KVTierStub:
                 request_serializer=proto_dot_kvtier__pb2.ListLayoutsRequest.SerializeToString,
                 response_deserializer=proto_dot_kvtier__pb2.ListLayoutsReply.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_stream(
+                '/kvtier.v1.KVTier/Drain',
+                request_serializer=proto_dot_kvtier__pb2.DrainRequest.SerializeToString,
+                response_deserializer=proto_dot_kvtier__pb2.DrainProgress.FromString,
+                _registered_method=True)
 
 
 class KVTierServicer:
@@ -219,6 +224,14 @@ class KVTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Admin: stop taking writes, make every memory-acked session durable, release the
+        windows held here (a fleet), reporting progress until done; the node stays draining.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -301,6 +314,11 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.ListLayouts,
                     request_deserializer=proto_dot_kvtier__pb2.ListLayoutsRequest.FromString,
                     response_serializer=proto_dot_kvtier__pb2.ListLayoutsReply.SerializeToString,
+            ),
+            'Drain': grpc.unary_stream_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=proto_dot_kvtier__pb2.DrainRequest.FromString,
+                    response_serializer=proto_dot_kvtier__pb2.DrainProgress.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -735,6 +753,33 @@ class KVTier:
             '/kvtier.v1.KVTier/ListLayouts',
             proto_dot_kvtier__pb2.ListLayoutsRequest.SerializeToString,
             proto_dot_kvtier__pb2.ListLayoutsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvtier.v1.KVTier/Drain',
+            proto_dot_kvtier__pb2.DrainRequest.SerializeToString,
+            proto_dot_kvtier__pb2.DrainProgress.FromString,
             options,
             channel_credentials,
             insecure,

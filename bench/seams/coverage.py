@@ -45,6 +45,9 @@ COVERS = {
     "cli:migrate": "migrate",
     "cli:certs": "cli-tools",
     "cli:keygen": "cli-tools",
+    "cli:init": "cli-tools",
+    "cli:drain": "drain",
+    "rpc:KVTier.Drain": "drain",
 
 }
 

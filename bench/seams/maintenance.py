@@ -19,8 +19,8 @@ checked against the model (``Simulation.verify_all``):
 - ``backup``: ``kvtier backup`` then ``kvtier restore-backup`` (``bench.seams.backups``):
   intact, exit 0 and every session bit-exact when served from the restored directory;
   damaged (a segment removed, replaced by a symlink, a byte flipped), exit 1;
-- ``cli-tools``, ``tokens-file``, ``hung-node``, ``remote-replay``: what an operator does
-  beside the clients (``bench.seams.operator``).
+- ``cli-tools``, ``tokens-file``, ``hung-node``, ``remote-replay``, ``drain``: what an
+  operator does beside the clients (``bench.seams.operator``).
 
 Before a stop the write-back queue holds fresh prefix chunks of both acks
 (``bench.seams.prefix``), so each restart judges what it keeps of them.
@@ -63,7 +63,7 @@ def applies(sim, kind: str) -> bool:
 async def event(sim, kind: str) -> None:
     sim.log(f"step={sim.step} event={kind}")
     sim.step += 1
-    if kind in ("restart", "kill9", "repair", "compact-offline", "backup"):
+    if kind in ("restart", "kill9", "repair", "compact-offline", "backup", "drain"):
         await fresh_chunks(sim)
     if kind == "restart":
         await stop(sim, "term")
@@ -152,6 +152,9 @@ async def full_disk(sim) -> None:
         with open(ballast, "wb") as handle:
             os.posix_fallocate(handle.fileno(), 0, size)
     sim.full = True
+    # a medium filling sheds retained chunks first (README "Retention"): prefix chunks
+    # are retained cache, so any may go
+    prefix.forget_all(sim, "full-disk")
     made, refused = [], None
     try:
         tenant = sim.tenants[sim.step % 2]

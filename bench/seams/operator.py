@@ -6,6 +6,13 @@ the model (``maintenance.event`` verifies every session after each):
   ``health``, ``top --iterations 1``, ``lookup``, ``fork``), each reply's stored state
   against the model; ``certs`` and ``keygen`` into the run's directory, their files
   loaded by the server's own loaders (and ``certs``' tokens used by ``tokens-file``);
+  ``init --secure`` into a new directory: a config ``serve --print-config`` accepts,
+  loopback, files 0600 and directories 0700, the shipped deploy files, and a second
+  ``init`` there refused;
+- ``drain``: ``kvtier drain`` of the live server: done with nothing left to write back,
+  a write after it refused UNAVAILABLE, on a fleet node no session's window named there
+  any more, then the server killed with SIGKILL and started again, every version the
+  model holds (memory-acked ones too) required to restore;
 - ``tokens-file`` (TLS): a tenant token added to the live tokens file, then revoked;
   the server re-reads it once a second, so within ``RELOAD_S`` the new token works and
   then the revoked one is refused, while the other tenants' keep working;
@@ -28,12 +35,12 @@ import shutil
 import signal
 import time
 
-from bench.seams import lives
+from bench.seams import lives, prefix
 from bench.seams.model import Held, Version, truncated
 from bench.seams.verdict import now
 from bench.seams.world import CLI, STARTED, Node, cli_output
-from kvstore.format.errors import KVTierError
-from kvtier import AsyncClient
+from kvstore.format.errors import KVTierError, TierUnavailable
+from kvtier import AsyncClient, RetryPolicy
 from testing.live_server import Child
 
 RELOAD_S = 8.0  # the tokens file is re-read once a second: a bound with room for load
@@ -98,6 +105,7 @@ async def cli_tools(sim) -> None:
     await _cli_lookup_and_fork(sim, tenant)
     await _generate(sim, tenant)
     await _certs_and_keygen(sim)
+    await _init(sim)
 
 
 def _counted(sim, op: str, tenant: str, got: int) -> None:
@@ -199,6 +207,116 @@ async def _certs_and_keygen(sim) -> None:
     if keyring.read_bytes() != before:
         sim.ledger.add("lost", sim.combo.name, sim.step, "cli-keygen-again", "-",
                        "the keyring left as it was", "replaced")
+
+
+async def _init(sim) -> None:
+    """``kvtier init --secure`` into a new directory: what it writes is a config the
+    server accepts, on loopback, private, with the deploy files the wheel ships; a second
+    ``init`` into it is refused (exit 2) and changes nothing."""
+    from services.cli.init import DEPLOY_FILES, deploy_file
+
+    where = sim.root / f"init-{sim.step}"
+    shutil.rmtree(where, ignore_errors=True)
+    rc, _ = await _cli(sim, "cli-init", ["init", str(where), "--secure", "--listen",
+                                         "127.0.0.1:0", "--metrics-port", "0"])
+    if rc != 0:
+        return
+    config = where / "kvtier.toml"
+    loose = sorted(str(p.relative_to(where)) for p in [where, *where.rglob("*")]
+                   if p.stat().st_mode & 0o077)
+    if loose:
+        sim.ledger.add("unexpected", sim.combo.name, sim.step, "cli-init", "-",
+                       "files 0600 and directories 0700", f"open to others: {loose[:5]}")
+    differ = [n for n in DEPLOY_FILES if (where / "deploy" / n).read_bytes() != deploy_file(n)]
+    if differ:
+        sim.ledger.add("unexpected", sim.combo.name, sim.step, "cli-init", "-",
+                       "the shipped deploy files", f"differ: {differ}")
+    # after the modes: the server's checks open the audit log it names
+    rc, out = await _cli(sim, "cli-init-config", ["serve", "--config", str(config),
+                                                  "--print-config"])
+    if rc == 0 and "127.0.0.1:0" not in out:
+        sim.ledger.add("unexpected", sim.combo.name, sim.step, "cli-init", "-",
+                       "a config listening on loopback", out[:200])
+    before = config.read_bytes()
+    await _cli(sim, "cli-init-again", ["init", str(where)], expect=2)
+    if config.read_bytes() != before:
+        sim.ledger.add("lost", sim.combo.name, sim.step, "cli-init-again", "-",
+                       "the config left as it was", "replaced")
+    shutil.rmtree(where, ignore_errors=True)
+
+
+async def drain(sim) -> None:
+    """``kvtier drain`` of the live server, then SIGKILL and a start: a drained node
+    holds nothing a crash can lose, so every version the model holds, memory-acked ones
+    included, must restore after it."""
+    rc, out = await _cli(sim, "cli-drain", ["drain", "--json", "--interval", "0.5",
+                                            "--timeout", "120", *_server_args(sim)])
+    last = json.loads(out) if rc == 0 and out.strip() else {}
+    sim.log(f"step={sim.step} drain: {out.strip()[:300]}")
+    if rc == 0 and not (last.get("done") and last.get("writebackPending") == 0
+                        and last.get("writebackFailed") == 0):
+        sim.ledger.add("unexpected", sim.combo.name, sim.step, "cli-drain", "-",
+                       "done, nothing left to write back", out[:200])
+    if rc != 0 or not last.get("done"):
+        await lives.stop(sim, "term")  # as an operator would after a failed drain
+        await lives.start(sim, "drain")
+        return
+    await _refused_while_drained(sim)
+    if sim.combo.shared:
+        await _windows_released(sim)
+    for held in sim.model.values():
+        held.drained()  # every acked version written back: a kill loses none
+    await sim.end_life("kill")
+    prefix.after_stop(sim, "term")
+    for held in sim.model.values():
+        for version in held.versions:
+            version.window = None  # memory tiers only
+        held.window_replayed = False
+    await lives.start(sim, "drain")
+
+
+async def _windows_released(sim) -> None:
+    """A drained fleet node holds no window: Stat names no window node for any session,
+    so no router sends one to it."""
+    for (tenant, sid), held in sorted(sim.model.items()):
+        if held.may_be_absent(now()) or held.uncertain:
+            continue
+        try:
+            info = (await sim.client(tenant).stat(tenant, sid)).session
+        except KVTierError as exc:
+            sim.fail(exc, sim.step, "drained-stat", f"{tenant}/{sid}", "its Stat")
+            continue
+        if info.window_node_id:
+            sim.ledger.add("unexpected", sim.combo.name, sim.step, "drained-stat",
+                           f"{tenant}/{sid}", "no window node (released by the drain)",
+                           f"window node {info.window_node_id}")
+
+
+async def _refused_while_drained(sim) -> None:
+    """A fork on the drained server is refused UNAVAILABLE (a routed client would send it
+    to another node), and creates nothing."""
+    tenant = sim.tenants[0]
+    sessions = _sure(sim, tenant)
+    if not sessions:
+        return
+    held = sessions[0]
+    options: dict = {"timeout_s": 20.0, "retry": RetryPolicy(attempts=1)}
+    if sim.combo.tls:
+        options.update(tls_ca=sim.creds.ca, token=sim.creds.tokens[tenant])
+    new = sim.new_sid()
+    async with AsyncClient(sim.node.target, **options) as kv:
+        try:
+            await kv.fork(tenant, held.sid, new, upto_tokens=len(held.current.tokens))
+            got = "the fork made"
+        except TierUnavailable as exc:
+            got = "" if "draining" in str(exc) else f"UNAVAILABLE: {exc}"
+        except KVTierError as exc:
+            got = f"{type(exc).__name__}: {exc}"
+    sim.log(f"step={sim.step} drained-fork {tenant}/{held.sid}: {got or 'refused'}")
+    sim.deleted.add((tenant, new))  # never created: a restore of it must find nothing
+    if got:
+        sim.ledger.add("unexpected", sim.combo.name, sim.step, "drained-fork",
+                       f"{tenant}/{held.sid}", "UNAVAILABLE: the node is draining", got[:200])
 
 
 async def tokens_file(sim) -> None:
@@ -363,5 +481,5 @@ async def remote_replay(sim) -> None:
 
 
 EVENTS = {"cli-tools": cli_tools, "tokens-file": tokens_file, "hung-node": hung_node,
-          "remote-replay": remote_replay}
+          "remote-replay": remote_replay, "drain": drain}
 

@@ -14,6 +14,7 @@ Objects, under ``<s3_prefix>fleet/gc/``:
 * ``<e>/deleted/<sweeper>``: the keys that sweeper deletes in ``e``, written before
   its first delete, so a node learns every deletion of a done epoch.
 * ``unnamed``: when a sweep first saw each chunk that no manifest names (retention).
+* ``last_run``: the last sweep's result (``kvstore.fleet.gc``), for the nodes' metrics.
 
 ``SpillGate.admit`` runs just before a manifest's conditional PUT, for the chunks the
 new manifest names and the one it replaces did not (a chunk named by both stays named
@@ -84,6 +85,7 @@ class GcPaths:
         self.gc = root + "gc/"
         self.epoch = self.gc + "epoch"
         self.unnamed = self.gc + "unnamed"
+        self.last_run = self.gc + "last_run"
 
     def of(self, e: int) -> str:
         return f"{self.gc}{e:012d}/"

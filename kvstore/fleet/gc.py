@@ -19,7 +19,10 @@ and docs/fleet.md. A sweep that finds another one in progress is ``Busy``; one i
 progress for longer than ``lease_s`` (on S3's clock) is taken over where it stopped.
 Each sweep that runs (not a dry run, not one refused ``Busy``) is reported to
 ``meta.observer`` (``kvstore.remote.observe``): ok with its deletions, or error (it
-failed, or a corrupt manifest stopped it).
+failed, or a corrupt manifest stopped it), and recorded in the bucket (``gc/last_run``:
+result, deletions, sweeper), whose age every fleet node exports as the time of the last
+sweep (``last_run``), so an alert needs nothing but the nodes' scrapes. ``progress`` is
+told each step as it starts, in words (``kvtier fleet-gc`` prints them).
 """
 
 from __future__ import annotations
@@ -29,18 +32,31 @@ import logging
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvstore.fleet.bucket import BucketIO
 from kvstore.fleet.epochs import DEFAULT_SPILL_BOUND_S, Epoch, GcPaths, read_epoch
 from kvstore.fleet.shared_meta import SharedMetaStore
-from kvstore.format.errors import Busy, ChunkCorrupt, InvalidRequest, StaleGeneration
+from kvstore.format.errors import (
+    Busy,
+    ChunkCorrupt,
+    InvalidRequest,
+    KVTierError,
+    StaleGeneration,
+)
 from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest
 from kvstore.tiers.object_media import RAW, ZSTD
 
 log = logging.getLogger(__name__)
 KEEP_EPOCHS = 64  # deletion lists kept for nodes that have not spilled since
+Progress = Callable[[str], None]
+PROGRESS_EVERY_S = 15.0  # a line while the sweep waits out its mark time
+
+
+def _quiet(step: str) -> None:
+    """The default ``progress``: says nothing."""
 
 
 @dataclass(frozen=True)
@@ -120,27 +136,58 @@ async def _chunks(io: BucketIO, prefix: str, root: str) -> dict[str, tuple[list[
 
 
 async def collect(meta: SharedMetaStore, timing: GcTiming = GC_PRESETS["default"], *,
-                  dry_run: bool = False, sweeper: str | None = None) -> FleetGcReport:
+                  dry_run: bool = False, sweeper: str | None = None,
+                  progress: Progress = _quiet) -> FleetGcReport:
     """One sweep of the bucket behind ``meta`` (safe beside serving nodes); ``dry_run``
     reports what would be marked and writes nothing."""
+    sweeper = sweeper or sweeper_name()
     try:
-        report = await _sweep(meta, timing, dry_run, sweeper)
+        report = await _sweep(meta, timing, dry_run, sweeper, progress)
     except Busy:
         raise  # another sweep's turn: this one did not run
     except Exception:
         if not dry_run:
             meta.observer.gc_run("error", 0)
+            await _record_run(meta, "error", 0, sweeper)
         raise
     if not dry_run:  # a corrupt manifest stopped it: nothing is collected until repaired
-        meta.observer.gc_run("error" if report.corrupt_manifests else "ok", report.deleted)
+        result = "error" if report.corrupt_manifests else "ok"
+        meta.observer.gc_run(result, report.deleted)
+        await _record_run(meta, result, report.deleted, sweeper)
+    progress(f"done: {report.deleted} chunks deleted in {report.seconds:.1f} s")
     return report
 
 
+async def _record_run(meta: SharedMetaStore, result: str, deleted: int, sweeper: str) -> None:
+    """``gc/last_run`` for the nodes' metrics; a bucket that refuses it loses only that."""
+    try:
+        await meta.io.put_json(meta.paths.last_run, {"result": result, "deleted": deleted,
+                                                     "sweeper": sweeper, "unix": time.time()})
+    except KVTierError as exc:
+        log.warning("fleet gc: the run's record not written: %s", exc)
+
+
+@dataclass(frozen=True)
+class LastRun:
+    result: str  # ok or error
+    age_s: float  # since it was written, on S3's clock
+
+
+async def last_run(meta: SharedMetaStore) -> LastRun | None:
+    """The last sweep's record (None: no sweep has run on this bucket): one GET, one
+    HEAD."""
+    found = await meta.io.get_json(meta.paths.last_run)
+    if found is None:
+        return None
+    age = await meta.io.age(meta.paths.last_run)
+    result = found[1].get("result") if isinstance(found[1], dict) else None
+    return LastRun("ok" if result == "ok" else "error", 0.0 if age is None else max(age, 0.0))
+
+
 async def _sweep(meta: SharedMetaStore, timing: GcTiming, dry_run: bool,
-                 sweeper: str | None) -> FleetGcReport:
+                 sweeper: str, progress: Progress) -> FleetGcReport:
     started = time.monotonic()
     io, paths = meta.io, meta.paths
-    sweeper = sweeper or sweeper_name()
     prefix = meta.tier.s3_location()[2]
     current, etag = await read_epoch(io, paths)
     counts = dict(listed=0, live=0, kept_young=0, kept_retained=0, candidates=0, claimed=0,
@@ -162,10 +209,15 @@ async def _sweep(meta: SharedMetaStore, timing: GcTiming, dry_run: bool,
         candidates = list(found[1]) if found else []
         counts["candidates"] = len(candidates)
         if current.state == "marking":
-            await asyncio.sleep(max(0.0, current.mark_s - (age or 0.0)))
+            wait = max(0.0, current.mark_s - (age or 0.0))
+            progress(f"taking over epoch {current.epoch} from {current.sweeper}: "
+                     f"{len(candidates)} candidates, waiting {wait:.0f} s before deleting")
+            await _mark_wait(wait, progress)
         epoch = current
     else:
+        progress("listing the bucket's chunks")
         chunks = await _chunks(io, prefix, paths.root)
+        progress(f"{len(chunks)} chunks listed; reading every manifest")
         named, counts["manifests"], counts["corrupt_manifests"] = await _named(meta)
         counts["listed"] = len(chunks)
         counts["live"] = sum(key in named for key in chunks)
@@ -197,8 +249,21 @@ async def _sweep(meta: SharedMetaStore, timing: GcTiming, dry_run: bool,
         mark_s = max(current.spill_bound_s, timing.spill_bound_s) + timing.request_margin_s
         epoch = Epoch(e, "marking", timing.spill_bound_s, mark_s, sweeper)
         etag = await _cas(io, paths, epoch, etag)
-        await asyncio.sleep(mark_s)
-    return await _delete(meta, timing, epoch, etag, candidates, sizes, counts, sweeper, report)
+        progress(f"{counts['manifests']} manifests name {counts['live']} chunks; "
+                 f"{len(candidates)} candidates marked in epoch {e}, waiting {mark_s:.0f} s "
+                 "for spills in flight")
+        await _mark_wait(mark_s, progress)
+    return await _delete(meta, timing, epoch, etag, candidates, sizes, counts, sweeper, report,
+                         progress)
+
+
+async def _mark_wait(seconds: float, progress: Progress) -> None:
+    """Sleep ``seconds``, telling ``progress`` what is left every ``PROGRESS_EVERY_S``."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        await asyncio.sleep(min(left, PROGRESS_EVERY_S))
+        if deadline - time.monotonic() > 0:
+            progress(f"waiting for spills in flight: {deadline - time.monotonic():.0f} s left")
 
 
 async def prepare_bucket(meta: SharedMetaStore, spill_bound_s: float = DEFAULT_SPILL_BOUND_S
@@ -226,7 +291,8 @@ async def _cas(io: BucketIO, paths: GcPaths, epoch: Epoch, etag: str | None) -> 
 
 async def _delete(meta: SharedMetaStore, timing: GcTiming, epoch: Epoch, etag: str | None,
                   candidates: list[str], sizes: dict[str, tuple[list[str], int]],
-                  counts: dict[str, int], sweeper: str, report) -> FleetGcReport:
+                  counts: dict[str, int], sweeper: str, report, progress: Progress
+                  ) -> FleetGcReport:
     """Phase 2: deleting, claims, manifests again, the deletion list, deletes, done."""
     io, paths, e = meta.io, meta.paths, epoch.epoch
     sent = time.monotonic()
@@ -246,6 +312,8 @@ async def _delete(meta: SharedMetaStore, timing: GcTiming, epoch: Epoch, etag: s
             else:
                 doomed.append(key)
     await io.put_json(paths.deleted(e) + sweeper, doomed)  # before any delete
+    progress(f"deleting {len(doomed)} chunks ({counts['claimed']} claimed by spills, "
+             f"{counts['named_again']} named again: kept)")
     names = {key: sizes.get(key, ([key + RAW, key + ZSTD], 0)) for key in doomed}
     gone = set(await io.delete_many((n for key in doomed for n in names[key][0]),
                                     before=lambda: time.monotonic() < deadline))

@@ -1,7 +1,7 @@
 """What a fleet node can tell of its fleet: the sessions the shared bucket holds (the
 number every node's listing gives, not the ones this node has loaded), the nodes that
-wrote the manifests it read, the garbage-collection epoch, and its own compare-and-swap
-outcomes.
+wrote the manifests it read, every node's last heartbeat (``kvstore.fleet.liveness``),
+the garbage-collection epoch, and its own compare-and-swap outcomes.
 
     view = await fleet_view(meta)          # meta: the node's SharedMetaStore
     view.sessions, view.gc_state
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstore.fleet.epochs import read_epoch
+from kvstore.fleet.liveness import NodeLiveness, read_nodes
 from kvstore.fleet.shared_meta import SUFFIX, SharedMetaStore
 from kvstore.remote.observe import CAS_RESULTS
 from kvstore.session.manifest import MANIFEST_PREFIX, manifest_key
@@ -26,11 +27,13 @@ class FleetView:
     gc_state: str  # kvstore.fleet.epochs.STATES
     gc_sweeper: str
     cas: dict[str, int] = field(default_factory=dict)  # result -> count, this node's
+    nodes: tuple[NodeLiveness, ...] = ()  # every node's last heartbeat, by id
 
 
-async def fleet_view(meta: SharedMetaStore, tenant: str | None = None) -> FleetView:
-    """One listing of the manifests (``tenant``'s only when given) and one read of the
-    epoch object."""
+async def fleet_view(meta: SharedMetaStore, tenant: str | None = None, *,
+                     down_after_s: float = 30.0) -> FleetView:
+    """One listing of the manifests (``tenant``'s only when given), one read of the
+    epoch object and of every node's heartbeat."""
     prefix = meta.paths.root + (MANIFEST_PREFIX if tenant is None
                                 else manifest_key(tenant, ""))
     sessions = sum(item["Key"].endswith(SUFFIX) for item in await meta.io.listing(prefix))
@@ -39,4 +42,5 @@ async def fleet_view(meta: SharedMetaStore, tenant: str | None = None) -> FleetV
         node_id=meta.node_id, sessions=sessions,
         nodes_seen=tuple(sorted(meta.writers() | {meta.node_id})),
         gc_epoch=epoch.epoch, gc_state=epoch.state, gc_sweeper=epoch.sweeper,
-        cas={result: meta.cas_results[result] for result in CAS_RESULTS})
+        cas={result: meta.cas_results[result] for result in CAS_RESULTS},
+        nodes=await read_nodes(meta.io, meta.paths.root, down_after_s=down_after_s))

@@ -151,6 +151,11 @@ class Catalog:
             return manifest.evolve(window_tier=None, window_key=None)
         return manifest if tier == manifest.window_tier else manifest.evolve(window_tier=tier)
 
+    @property
+    def writeback_failed_count(self) -> int:
+        """Sessions marked writeback_failed now."""
+        return len(self._failed)
+
     def _with_mark(self, manifest: SessionManifest) -> SessionManifest:
         marked = self._failed.get((manifest.tenant, manifest.session_id))
         if marked == manifest.generation and not manifest.writeback_failed:

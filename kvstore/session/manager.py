@@ -17,6 +17,8 @@
   shared tiers too (kvstore.prefix.fleet_lookup); ``fork``: ``Forker`` (kvstore.session.fork);
 - ``write_chunks``, ``read_chunks`` (prefix chunks of no session): ``PrefixChunks``
   (kvstore.session.prefix_chunks);
+- ``start_drain`` (a node about to stop, ``kvtier drain``): ``Draining``
+  (kvstore.session.draining), which every write passes;
 - ``where``, ``stat``, ``drain``, ``close``, ``open``, ``tiers``: here.
 
 The parts share one ``StoreContext`` (kvstore.session.context: the tier stack, reference
@@ -54,7 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
@@ -70,6 +72,7 @@ from kvstore.prefix.chains import LookupResult, longest_prefix
 from kvstore.prefix.fleet_lookup import held_chains
 from kvstore.remote.breaker import tripped
 from kvstore.session.context import StoreContext, StoreOptions
+from kvstore.session.draining import Draining, DrainProgress
 from kvstore.session.fork import Forker
 from kvstore.session.maintenance import DeleteResult, GarbageReport, Maintenance
 from kvstore.session.manifest import SessionManifest, check_name
@@ -177,6 +180,7 @@ class TierManager:
         self._prefix = PrefixChunks(store, self._restorer, durable_meta=durable_meta)
         self._maintenance = Maintenance(store)
         self._forker = Forker(store)
+        self.draining = Draining(store, self.drain)
 
     @classmethod
     async def open(cls, tiers: Sequence[Tier], meta: MetaStore, **options) -> TierManager:
@@ -228,17 +232,21 @@ class TierManager:
     async def spill(self, tenant: str, session_id: str, **fields) -> SessionManifest:
         """Store a session (replacing its older generation): ``spill_request`` of
         ``SpillRequest(tenant=tenant, session_id=session_id, **fields)``."""
-        return await self._spiller.spill(SpillRequest(tenant=tenant, session_id=session_id,
-                                                      **fields))
+        return await self.spill_request(SpillRequest(tenant=tenant, session_id=session_id,
+                                                     **fields))
 
     async def spill_request(self, request: SpillRequest) -> SessionManifest:
         """Store a session (replacing its older generation); see ``Spiller.spill``."""
-        return await self._spiller.spill(request)
+        with self.draining.admitting("a spill"):
+            return await self._spiller.spill(request)
 
     async def store_window(self, tenant: str, session_id: str, generation: int,
                            window: Buffer, *, replayed_tokens: int) -> str | None:
         """Keep a window rebuilt by a replay of ``replayed_tokens`` tokens unless one at
-        least as good is stored; see ``Spiller.store_window``."""
+        least as good is stored; see ``Spiller.store_window``. A draining node keeps
+        none (None): its windows are being released."""
+        if self.draining.active:
+            return None
         return await self._spiller.store_window(tenant, session_id, generation, window,
                                                 replayed_tokens=replayed_tokens)
 
@@ -330,12 +338,14 @@ class TierManager:
         ``upto_tokens`` rounded down to a chunk boundary; at exactly the source's length
         the tail and a held window are carried too. ``PreconditionFailed`` if the new
         session exists or ``upto_tokens`` passes the source's length."""
-        return await self._forker.fork(tenant, source_session, new_session, upto_tokens)
+        with self.draining.admitting("a fork"):
+            return await self._forker.fork(tenant, source_session, new_session, upto_tokens)
 
     async def write_chunks(self, request: ChunkWrite) -> ChunksWritten:
         """Store whole chunks of a token prefix as retained cache entries of the caller's
         domain, keyed here from the tokens; see ``kvstore.session.prefix_chunks``."""
-        return await self._prefix.write(request)
+        with self.draining.admitting("a prefix chunk write"):
+            return await self._prefix.write(request)
 
     async def read_chunks(self, tenant: str, layout_id: str,
                           token_ids: Sequence[int] | np.ndarray, *, first_chunk: int,
@@ -396,6 +406,11 @@ class TierManager:
             tenants=store.quotas.reports(), retained_chunks=len(store.retention),
             retained_bytes=sum(size for _, size in store.retention.by_domain().values()),
         )
+
+    def start_drain(self, interval_s: float = 1.0) -> AsyncIterator[DrainProgress]:
+        """Drain this node before it stops, reporting progress; see
+        ``kvstore.session.draining``."""
+        return self.draining.run(interval_s)
 
     async def drain(self) -> None:
         """Wait for queued write-backs and background promotions to finish."""

@@ -2,7 +2,8 @@
 restore-backup --bucket``.
 
 A backup copies every object under ``s3://BUCKET/PREFIX`` (chunks, the fleet's manifests
-under ``fleet/manifest/``, its layouts and garbage-collection state) into ``BACKUP/bucket/``
+under ``fleet/manifest/``, its layouts and garbage-collection state; not the nodes'
+heartbeats under ``fleet/nodes/``, which describe processes, not data) into ``BACKUP/bucket/``
 with ``backup.json`` (``kind: "bucket"``; each file's ``key`` relative to the prefix). The
 manifests are copied first: a chunk a copied manifest names was uploaded before it (a
 spill's order), so it is in the later listing unless a sweep collected it meanwhile,
@@ -26,6 +27,7 @@ from urllib.parse import quote, urlsplit
 from kvstore.format.errors import InvalidRequest
 
 _MANIFESTS = "fleet/manifest/"
+_HEARTBEATS = "fleet/nodes/"  # kvstore.fleet.liveness: a restored fleet's nodes are its own
 _SUFFIX = ".kvsm"
 _CHUNK_SUFFIXES = (".bin", ".zst")
 
@@ -72,7 +74,7 @@ def back_up_bucket(s3, url: str, backup: Path) -> tuple[list[Path], dict[str, st
     for listing in (prefix + _MANIFESTS, prefix):  # the manifests first
         for name in _keys(s3, bucket, listing):
             key = name[len(prefix):]
-            if _local(key) in keys:
+            if _local(key) in keys or key.startswith(_HEARTBEATS):
                 continue
             try:
                 body = s3.get_object(Bucket=bucket, Key=name)["Body"].read()

@@ -20,6 +20,10 @@ it), and ``--metrics-file`` adds the run to a Prometheus text file
 runs: for node_exporter's textfile collector). A dry run, or one refused because another
 sweep runs, is not counted; a bucket that cannot be reached counts as an error.
 
+Each step prints one progress line on stderr as it starts (listing, manifests read, the
+mark wait, deleting), so a long sweep is seen working and ``--json`` stays one object on
+stdout.
+
 Exit status: 0 swept, 2 the config is refused (not shared, no bucket, a key that does
 not open the bucket's manifests), 3 another sweep is running, 4 the bucket cannot be
 reached.
@@ -32,6 +36,7 @@ import asyncio
 import dataclasses
 import json
 import sys
+import time
 
 from kvstore.format.errors import Busy, InvalidRequest, TierUnavailable
 from kvstore.remote.observe import Observer
@@ -167,8 +172,14 @@ def _sweep(args: argparse.Namespace) -> tuple[int, _Run]:
         outcome.result = "" if args.dry_run else "error"
         return 4, outcome
     meta.observer = outcome
+    started = time.monotonic()
+
+    def progress(step: str) -> None:
+        print(f"kvtier fleet-gc: [{time.monotonic() - started:6.1f} s] {step}",
+              file=sys.stderr, flush=True)
+
     try:
-        report = asyncio.run(collect(meta, timing, dry_run=args.dry_run))
+        report = asyncio.run(collect(meta, timing, dry_run=args.dry_run, progress=progress))
     except Busy as exc:
         print(f"kvtier fleet-gc: {exc}", file=sys.stderr)
         return 3, outcome

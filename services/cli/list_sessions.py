@@ -7,10 +7,9 @@ import json
 import sys
 import time
 
-from google.protobuf.json_format import MessageToDict
-
 from kvstore.format.errors import KVTierError
 from services.cli.address import add_server_argument, client_options, failure
+from services.cli.json_out import message_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         for s in sessions:
-            print(json.dumps(MessageToDict(s, always_print_fields_with_no_presence=True)))
+            print(json.dumps(message_json(s)))
         return 0
     print(f"{'tenant/session':<40} {'gen':>5} {'tokens':>9} {'chunks':>6} {'window':>7} "
           f"{'tiers':<18} last access")

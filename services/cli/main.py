@@ -28,6 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compact": ("services.cli.compact", "compact a data directory offline"),
     "repair": ("services.cli.repair", "rebuild a data directory's disk index from its segments"),
     "fleet-gc": ("services.cli.fleet_gc", "sweep a fleet's bucket of chunks no manifest names"),
+    "drain": ("services.cli.drain", "drain a server before it stops: every session durable, "
+              "its windows released"),
+    "init": ("services.cli.init", "write a working config (and with --secure certificates, "
+             "tokens, a keyring) and the deploy files into a new directory"),
     "backup": ("services.cli.backup", "write a consistent backup of a data directory, live or not"),
     "restore-backup": ("services.cli.restore_backup",
                        "restore a backup into a data directory, verifying every chunk"),

@@ -5,8 +5,10 @@ fleet's router sends it); ``--tenant`` also prints a tenant's use against its qu
 ``--metrics-url`` the Prometheus endpoint's ``kvtier_*`` samples; ``--fleet`` (a fleet node)
 also the fleet's view: sessions in the shared bucket (what every node's listing shows, where
 ``sessions`` counts those this node has loaded), the nodes it has seen, the garbage
-collection's epoch and this node's compare-and-swap outcomes (``--json``: a "fleet"
-object beside the other keys)."""
+collection's epoch and this node's compare-and-swap outcomes, and every node's liveness:
+its state and last heartbeat's age, DOWN when it is older than the server's
+``fleet_down_after_s`` (``--json``: a "fleet" object beside the other keys; every number
+a JSON number)."""
 
 from __future__ import annotations
 
@@ -17,10 +19,9 @@ import sys
 import urllib.error
 import urllib.request
 
-from google.protobuf.json_format import MessageToDict
-
 from kvstore.format.errors import InvalidRequest, KVTierError, TierUnavailable
 from services.cli.address import add_server_argument, client_options, failure
+from services.cli.json_out import message_json
 
 
 def human_bytes(n: int) -> str:
@@ -72,13 +73,19 @@ def usage_table(usage) -> list[str]:
 
 
 def fleet_lines(fleet) -> list[str]:
-    """The fleet's view (``pb.FleetStat``)."""
+    """The fleet's view (``pb.FleetStat``): one line per node's last heartbeat, DOWN
+    past the server's ``fleet_down_after_s``."""
     cas = "   ".join(f"{result} {count}" for result, count in sorted(fleet.cas.items()))
-    return [f"fleet: sessions {fleet.sessions}   nodes seen {len(fleet.nodes_seen)} "
-            f"({', '.join(fleet.nodes_seen)})",
-            f"fleet gc: epoch {fleet.gc_epoch} {fleet.gc_state}"
-            + (f" (by {fleet.gc_sweeper})" if fleet.gc_sweeper else ""),
-            f"manifest CAS on this node: {cas or '-'}"]
+    lines = [f"fleet: sessions {fleet.sessions}   nodes seen {len(fleet.nodes_seen)} "
+             f"({', '.join(fleet.nodes_seen)})",
+             f"{'node':<16} {'address':<24} {'state':<9} {'heartbeat':>10}"]
+    for node in fleet.nodes:
+        lines.append(f"{node.node_id:<16} {node.address:<24} {node.state:<9} "
+                     f"{node.heartbeat_age_s:>8.1f} s" + ("  DOWN" if node.down else ""))
+    lines += [f"fleet gc: epoch {fleet.gc_epoch} {fleet.gc_state}"
+              + (f" (by {fleet.gc_sweeper})" if fleet.gc_sweeper else ""),
+              f"manifest CAS on this node: {cas or '-'}"]
+    return lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         print(failure("stat", args.server, exc), file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True),
+        print(json.dumps(message_json(reply),
                          indent=2))
     else:
         print("\n".join(tier_table(reply.tiers)))

@@ -97,6 +97,10 @@ class ServerConfig:
     # manifest) and a sweep first saw it unnamed over fleet_retain_s ago (prefix cache).
     fleet_gc_grace_s: float = 3600.0
     fleet_retain_s: float = 86400.0
+    # Each fleet node writes a heartbeat to the bucket this often (kvstore.fleet.liveness);
+    # `kvtier stat --fleet` shows a node down once its last one is fleet_down_after_s old.
+    fleet_heartbeat_s: float = 10.0
+    fleet_down_after_s: float = 30.0
     # host:port other nodes and routers reach this server at, recorded in its manifests
     # beside node_id (Stat's window_node_address); empty: the bound listen address, a
     # wildcard host (0.0.0.0) replaced by this host's name.
@@ -217,6 +221,10 @@ class ServerConfig:
             raise InvalidRequest(f"metadata must be 'local' or 'shared', got {self.metadata!r}")
         if self.fleet_gc_grace_s < 0 or self.fleet_retain_s < 0:
             raise InvalidRequest("fleet_gc_grace_s and fleet_retain_s must be >= 0")
+        if not 0 < self.fleet_heartbeat_s < self.fleet_down_after_s:
+            raise InvalidRequest("fleet_heartbeat_s must be > 0 and below fleet_down_after_s "
+                                 f"(a node is down after missing a few), got "
+                                 f"{self.fleet_heartbeat_s} and {self.fleet_down_after_s}")
         if self.default_ack not in ACKS:
             raise InvalidRequest(f"default_ack must be one of {ACKS}, got {self.default_ack!r}")
         if self.eviction not in EVICTION_POLICIES:

@@ -9,7 +9,12 @@ to every holder in a tier manager.
 * ``kvtier_fleet_gate_wait_seconds``: a spill's time at the garbage-collection epoch gate;
 * ``kvtier_fleet_gc_runs_total{result}``, ``kvtier_fleet_gc_deleted_total``: sweeps this
   process ran (``kvtier fleet-gc`` runs them in its own process, which reports its own
-  figures: the server runs none, so these stay 0 on a server).
+  figures: the server runs none, so these stay 0 on a server);
+* ``kvtier_fleet_gc_last_run_timestamp_seconds`` (0: no sweep has run on the bucket) and
+  ``kvtier_fleet_gc_last_run_failed``: the fleet's last sweep, from the bucket's
+  ``gc/last_run`` (whoever ran it), and ``kvtier_fleet_nodes_down``: nodes whose
+  heartbeat is over ``fleet_down_after_s`` old; each fleet node refreshes them with its
+  heartbeat (``services.server.fleet_node``), so they hold on an idle node too.
 
 The labelled counters start at 0 for every ``result`` (an alert on the error series has
 a series to watch from the start).
@@ -17,7 +22,7 @@ a series to watch from the start).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvstore.remote.observe import CAS_RESULTS, GC_RESULTS, Observer
 
@@ -47,6 +52,14 @@ class RemoteMetrics(Observer):
                                "this process ran, by result", ["result"], registry=r)
         self.gc_deleted = Counter("kvtier_fleet_gc_deleted", "Chunks deleted from the "
                                   "shared bucket by the sweeps this process ran", registry=r)
+        self.gc_last_run = Gauge("kvtier_fleet_gc_last_run_timestamp_seconds", "When the "
+                                 "fleet's last garbage-collection sweep ended (Unix time; 0: "
+                                 "none has run on the bucket)", registry=r)
+        self.gc_last_failed = Gauge("kvtier_fleet_gc_last_run_failed", "1 when the fleet's "
+                                    "last sweep failed", registry=r)
+        self.nodes_down = Gauge("kvtier_fleet_nodes_down", "Fleet nodes whose last heartbeat "
+                                "is older than fleet_down_after_s (a clean stop excepted)",
+                                registry=r)
         for result in CAS_RESULTS:
             self.cas_total.labels(result)
         for result in GC_RESULTS:

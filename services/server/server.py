@@ -33,6 +33,7 @@ from proto import kvtier_pb2_grpc as pb_grpc
 from services.server import address_file, reflection, sizes
 from services.server.config import ServerConfig
 from services.server.config_load import load_config
+from services.server.fleet_node import FleetNode
 from services.server.loop_lag import LoopMonitor
 from services.server.metrics import ServiceMetrics
 from services.server.remote_metrics import observe_store
@@ -61,6 +62,7 @@ class KVTierServer:
         self.address_path: Path | None = None  # {data_dir}/server.addr once recorded
         self.metrics_port: int | None = None
         self._refresher: asyncio.Task | None = None
+        self.fleet_node: FleetNode | None = None  # a fleet node's heartbeat (shared metadata)
         # done once health checking says SERVING (create_server awaits it by default)
         self.ready: asyncio.Task | None = None
         self._stopped = False
@@ -132,6 +134,8 @@ class KVTierServer:
             if self._refresher is not None:
                 self._refresher.cancel()
                 await asyncio.gather(self._refresher, return_exceptions=True)
+            if self.fleet_node is not None:
+                await self.fleet_node.stop()
             await self.loop_monitor.stop()
             try:
                 await self.manager.close()
@@ -191,8 +195,11 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
                 grpc_server)
         port = _bind(grpc_server, config)
         servicer.address = config.advertised(port)  # known once bound (port 0 picks one)
+        fleet_node = None
         if config.metadata == "shared":  # recorded in this node's manifests
             manager.meta.node_address = servicer.address
+            fleet_node = FleetNode(manager.meta, config, servicer.address, metrics.remote)
+            servicer.heartbeat = fleet_node.heartbeat
         await grpc_server.start()
     except BaseException:
         if replay[0] is not None:
@@ -203,6 +210,9 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
         raise
     server = KVTierServer(grpc_server, servicer, health_servicer, port, monitor)
     try:
+        if fleet_node is not None:
+            server.fleet_node = fleet_node
+            fleet_node.start()
         metrics.update(await manager.stat())
         server._refresher = asyncio.create_task(server._refresh(config.metrics_interval_s))
         try:

@@ -12,6 +12,7 @@ tenant a request names against the caller's (``_own_session``, ``auth.check_tena
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from kvstore.fleet.liveness import Heartbeat
 from kvstore.format.errors import (
     ChunksNotHeld,
     CodecError,
@@ -78,6 +80,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                                      lambda replayer: model_layouts(self.replay, replayer))
         self.replays = 0
         self.address = ""  # where other nodes and routers reach this server (once bound)
+        self.heartbeat: Heartbeat | None = None  # a fleet node's (once bound)
         self.audit: AuditLog | None = None  # set when auth or an audit log is configured
         self.limits = Limits(Bounds.from_config(config))
         self.chunks = PrefixChunkCalls(
@@ -332,7 +335,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         own = auth.list_scope(None)  # a tenant's credential: its own domain's figures only
         if own is not None:
             retained = self.manager.retained_chunks().get(dedupe_scope(own), (0, 0))
-        fleet = await fleet_stat(self.manager, own) if request.fleet else None
+        fleet = (await fleet_stat(self.manager, own, self.config.fleet_down_after_s)
+                 if request.fleet else None)
         return pb.StatReply(
             tiers=[pb.TierStat(name=t.name, capacity_bytes=t.capacity_bytes,
                                used_bytes=t.used_bytes, items=t.items, available=t.available,
@@ -422,6 +426,27 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         await self.layouts.sync()  # the fleet's, with shared metadata
         specs = sorted(all_layouts(), key=lambda spec: spec.name)
         return pb.ListLayoutsReply(layouts=[_layout_info(spec) for spec in specs])
+
+    @grpc_errors
+    async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
+                    ) -> AsyncIterator[pb.DrainProgress]:
+        interval = check.drain_interval(request.progress_interval_s)
+        await self._say("draining")
+        async for step in self.manager.start_drain(interval):
+            if step.done:
+                await self._say("drained")
+            yield pb.DrainProgress(
+                phase=step.phase, writes_in_flight=step.writes_in_flight,
+                writeback_pending=step.writeback_pending,
+                writeback_failed=step.writeback_failed, windows_held=step.windows_held,
+                windows_released=step.windows_released, done=step.done)
+
+    async def _say(self, state: str) -> None:
+        """A fleet node's heartbeat says ``state`` now (else with its next beat: a bucket
+        away does not stop a drain, it only keeps the write-back from finishing)."""
+        if self.heartbeat is not None:
+            with contextlib.suppress(KVTierError):
+                await self.heartbeat.write(state)
 
     def _info(self, m: SessionManifest) -> pb.SessionInfo:
         node = address = ""

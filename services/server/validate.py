@@ -336,6 +336,15 @@ def replay_tokens(value: int, default: int) -> int:
     return value or default
 
 
+def drain_interval(value: float) -> float:
+    """Seconds between a Drain's progress messages: (0, 60]; 0 asks for the default 1."""
+    if value == 0:
+        return 1.0
+    if not 0 < value <= 60:  # NaN fails too
+        raise InvalidRequest(f"progress_interval_s must lie in (0, 60], got {value}")
+    return value
+
+
 def page_size(value: int, default: int = 100) -> int:
     if value > MAX_PAGE:
         raise InvalidRequest(f"page_size {value} exceeds {MAX_PAGE}")

@@ -64,6 +64,7 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
                                        "ListLayouts")},
     # who of these may register: the server's register_layouts (services.server.layout_registry)
     _KVTIER + "RegisterLayout": _CONTROL,
+    _KVTIER + "Drain": frozenset({ADMIN}),  # the node's, not a tenant's, to stop
     "/kvtier.v1.Replay/Rebuild": frozenset({REPLAY}),
 }
 

@@ -43,7 +43,8 @@ BOMB = 512 << 20
 METHOD_WEIGHTS = {"Spill": 30, "Restore": 12, "Resume": 8, "Prefetch": 5, "Evict": 5,
                   "Delete": 5, "Stat": 5, "List": 5, "LeaseSegment": 6,
                   "ReleaseSegments": 4, "Rebuild": 8, "Lookup": 7, "Fork": 7,
-                  "RegisterLayout": 14, "ListLayouts": 2, "WriteChunks": 8, "ReadChunks": 7}
+                  "RegisterLayout": 14, "ListLayouts": 2, "WriteChunks": 8, "ReadChunks": 7,
+                  "Drain": 2}
 
 
 class CaseGenerator(LayoutCases, ChunkCases):
@@ -62,7 +63,9 @@ class CaseGenerator(LayoutCases, ChunkCases):
         rng = self.rng
         method = rng.choices(self._methods, self._weights)[0]
         roll = rng.random()
-        if roll < 0.12:
+        if method == "Drain":  # only refused ones: a drained server takes no more spills
+            case = self.adv_Drain()
+        elif roll < 0.12:
             case = self.garbage(method)
         elif roll < 0.24:
             case = self.truncated(method)
@@ -376,6 +379,13 @@ class CaseGenerator(LayoutCases, ChunkCases):
                                  page_size=rng.choice((0, 1, 2, 1000, U32)),
                                  page_token=rng.choice(("", "acme/f1", "\U0010ffff", "z" * 500)))
         return Case("List", "list", ser([request]))
+
+    def adv_Drain(self) -> Case:
+        """An interval the server must refuse (INVALID_ARGUMENT) before it starts
+        draining; a valid Drain is driven by bench.seams (the drain event)."""
+        interval = self.rng.choice((-1.0, -0.5, float("nan"), float("inf"), float("-inf"),
+                                    60.5, 1e300, -1e-300))
+        return Case("Drain", "drain", ser([pb.DrainRequest(progress_interval_s=interval)]))
 
     def adv_LeaseSegment(self) -> Case:
         size = self.rng.choice((0, 1, 4096, 1 << 20, 3 << 20, 1 << 31, 1 << 40, U64))

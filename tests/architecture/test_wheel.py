@@ -5,6 +5,7 @@ code imports none of what is left out."""
 
 from __future__ import annotations
 
+import fnmatch
 import re
 import shutil
 import subprocess
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 from setuptools import find_namespace_packages, find_packages
+
+from services.cli.init import DEPLOY_FILES, deploy_file
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = {"kvtier", "kvstore", "services", "replay", "model", "kernels", "proto"}
@@ -62,10 +65,32 @@ def test_package_data_names_only_product_packages():
 
 
 def test_the_image_copies_the_product_packages_alone():
-    """deploy/Dockerfile installs the wheel from what it copies: the product, no more."""
-    copied = {line.split()[1] for line in (ROOT / "deploy" / "Dockerfile").read_text().splitlines()
+    """deploy/Dockerfile installs the wheel from what it copies: the product and the deploy
+    files it ships, no more (not deploy/dev-certs)."""
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    copied = {line.split()[1] for line in dockerfile.splitlines()
               if line.startswith("COPY ") and (ROOT / line.split()[1]).is_dir()}
-    assert copied == PRODUCT
+    assert copied == PRODUCT | {"deploy/grafana"}
+    copies = [line.split()[1:-1] for line in dockerfile.replace("\\\n", " ").splitlines()
+              if line.startswith("COPY ")]
+    sources = {source for line in copies for source in line}
+    for name in DEPLOY_FILES:
+        assert f"deploy/{name}" in sources or name.startswith("grafana/"), name
+    assert not {s for s in sources if s in ("deploy", "deploy/") or "dev-certs" in s}
+
+
+def test_the_deploy_files_ship_as_package_data():
+    """``kvtier init`` writes the deploy files from the installed package: each is package
+    data of ``services`` (services/deploy links to deploy/, one copy of each) and reads
+    back through importlib.resources as the repository's file."""
+    patterns = setuptools_config()["package-data"]["services"]
+    assert (ROOT / "services" / "deploy").resolve() == (ROOT / "deploy").resolve()
+    for name in DEPLOY_FILES:
+        assert any(fnmatch.fnmatch(f"deploy/{name}", pattern) for pattern in patterns), name
+        assert deploy_file(name) == (ROOT / "deploy" / name).read_bytes(), name
+    shipped = {str(path.relative_to(ROOT / "services" / "deploy")) for pattern in patterns
+               for path in (ROOT / "services").glob(pattern)}
+    assert shipped == set(DEPLOY_FILES)  # nothing more: never deploy/dev-certs
 
 
 @pytest.mark.slow
@@ -76,6 +101,8 @@ def test_the_built_wheel_holds_no_bench_stress_or_testing_code(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                     "-q", "-w", str(tmp_path / "dist"), str(tree)], check=True, timeout=300)
     (wheel,) = (tmp_path / "dist").glob("kvtier-*.whl")
-    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/")[0] for name in names}
     assert {top for top in tops if not top.endswith(".dist-info")} == PRODUCT
+    assert {f"services/deploy/{name}" for name in DEPLOY_FILES} <= set(names)
     assert not any(top.startswith(NOT_SHIPPED) for top in tops)

@@ -75,11 +75,16 @@ def test_a_bucket_prefix_round_trips_and_damage_leaves_it_empty(tmp_path, s3_ser
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY",
                        MotoServer.CREDENTIALS["aws_secret_access_key"])
     sessions = asyncio.run(fill(node_config(tmp_path, s3_server, s3_bucket, "n1", "live/")))
+    s3 = boto3.client("s3", endpoint_url=s3_server, **MotoServer.CREDENTIALS)
+    s3.put_object(Bucket=s3_bucket, Key="live/fleet/nodes/n1.json",  # a live node's heartbeat
+                  Body=b'{"node_id": "n1", "address": "", "state": "serving", "unix": 0}')
     out = tmp_path / "backup"
     done = kvtier(s3_server, "backup", "--bucket", f"s3://{s3_bucket}/live/", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     made = json.loads(done.stdout)
     assert made["sessions"] == len(SESSIONS) and made["chunks"] > 0
+    backed = [f["key"] for f in json.loads((out / MANIFEST).read_text())["files"]]
+    assert not [key for key in backed if key.startswith("fleet/nodes/")]  # not data
 
     restored = kvtier(s3_server, "restore-backup", str(out), "--bucket",
                       f"s3://{s3_bucket}/restored/")

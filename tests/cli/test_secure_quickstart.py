@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 from services.server.config_load import load_config
@@ -56,8 +57,12 @@ def test_the_secure_config_is_complete_and_safe_off_loopback():
     config = load_config(CONFIG, env={})
     assert config.tls and config.authenticates and config.encrypts
     assert config.audit_log and config.quota["default"]
-    assert not config.listen.startswith("127.")  # meant to be reached by other machines
-    assert exposure_problem(config.listen, config.tls, config.authenticates) is None
+    assert config.listen == "127.0.0.1:50051"  # loopback until the operator opens it
+    opened = CONFIG.read_text().replace('#   listen = "0.0.0.0:50051"', 'listen = "0.0.0.0:50051"')
+    opened = opened.replace('listen = "127.0.0.1:50051"', "")
+    wide = load_config(None, env={}, overrides={**tomllib.loads(opened)})
+    assert wide.listen == "0.0.0.0:50051"  # the comment says how, and it is safe so
+    assert exposure_problem(wide.listen, wide.tls, wide.authenticates) is None
     assert metrics_exposure_problem(config.metrics_host, config.metrics_port, True) is None
     for path in (config.tls_cert, config.tls_key, config.auth_tokens_file,
                  config.encryption_key_file, config.audit_log, str(config.data_dir)):

@@ -187,3 +187,24 @@ async def test_sweeps_racing_spills_that_dedupe_old_chunks_delete_no_live_chunk(
                 await node.delete("acme", name)  # unnamed again for the next round's sweep
         assert totals["claimed"] > 0 and totals["deleted"] > 0, totals
         assert totals["acked"] >= ROUNDS * 3, totals
+
+
+async def test_a_sweep_reports_each_step_and_its_mark_wait_as_it_goes(node_config,
+                                                                       monkeypatch):
+    """``progress`` hears each step when it starts, and what is left of the mark wait
+    while the sweep sleeps it out (the long silent part of a real sweep)."""
+    from kvstore.fleet import gc
+
+    monkeypatch.setattr(gc, "PROGRESS_EVERY_S", 0.1)
+    heard: list[str] = []
+    async with fleet_nodes(node_config) as make_node:
+        a = await make_node("a")
+        await a.spill("acme", "dropped", generation=1, ack="durable", **session(2))
+        await a.delete("acme", "dropped")
+        slow = dataclasses.replace(FAST, request_margin_s=0.5)  # a mark wait of 1 s
+        report = await collect(a.meta, slow, progress=heard.append)
+    assert report.deleted > 0
+    assert heard[0] == "listing the bucket's chunks"
+    assert any("candidates marked in epoch 1" in line for line in heard)
+    assert sum("s left" in line for line in heard) >= 3  # about one per 0.1 s of 1 s
+    assert heard[-2].startswith("deleting") and heard[-1].startswith("done:")

@@ -6,6 +6,7 @@ and Redis endpoints where nothing listens."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 
@@ -233,3 +234,55 @@ def test_s3_failures_are_classified_by_kind_and_answers_are_no_errors():
     assert error_kind(answer("PreconditionFailed", 412)) is None
     assert error_kind(ReadTimeoutError(endpoint_url="http://s3")) == "timeout"
     assert error_kind(EndpointConnectionError(endpoint_url="http://s3")) == "unavailable"
+
+
+async def _until(check, bound_s: float = 20.0) -> bool:
+    """Polls ``check()`` until it holds (a bound with room for a loaded machine)."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    while loop.time() - started < bound_s:
+        if check():
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def test_every_fleet_node_exports_the_fleets_last_sweep_wherever_it_ran(
+        tmp_path, node_config, s3_server, s3_bucket, s3_credentials, capsys):
+    """A serving node that runs no sweep exports when the last one ended and whether it
+    failed, read from the bucket with its heartbeat: what KVTierFleetGCStale and
+    KVTierFleetGCFailing alert on, with nothing scraped but the nodes. ``kvtier
+    fleet-gc`` prints its progress on stderr, its ``--json`` intact on stdout."""
+    node = node_config("a", fleet_heartbeat_s=0.1, fleet_down_after_s=5.0)
+    server, _ = await create_server(load_config(preset="test", env={}, overrides={
+        key: getattr(node, key) for key in ("data_dir", "s3_endpoint", "s3_bucket",
+                                            "s3_region", "metadata", "node_id",
+                                            "fleet_heartbeat_s", "fleet_down_after_s")}
+        | {"listen": "127.0.0.1:0", "replay": "off"}))
+    sample = server.metrics.registry.get_sample_value
+    try:
+        assert sample("kvtier_fleet_gc_last_run_timestamp_seconds") == 0  # none yet
+        config = tmp_path / "gc.toml"
+        config.write_text("\n".join(f'{k} = "{v}"' for k, v in dict(
+            data_dir=tmp_path / "gc", metadata="shared", node_id="gc", s3_bucket=s3_bucket,
+            s3_endpoint=s3_server, s3_region=s3_credentials["region_name"]).items())
+            + "\nfleet_gc_grace_s = 0.0\nfleet_retain_s = 0.0\n")
+        sweep = ["fleet-gc", "--config", str(config), "--margin-s", "0.2",
+                 "--spill-bound-s", "0.5", "--json"]
+        assert await asyncio.to_thread(main, sweep) == 0
+        said = capsys.readouterr()
+        assert json.loads(said.out)["result"] == "ok"
+        steps = [line for line in said.err.splitlines() if line.startswith("kvtier fleet-gc: [")]
+        assert any("listing" in s for s in steps) and "done" in steps[-1], said.err
+        assert await _until(lambda: sample("kvtier_fleet_gc_last_run_timestamp_seconds") > 0)
+        assert sample("kvtier_fleet_gc_last_run_failed") == 0
+        ended = sample("kvtier_fleet_gc_last_run_timestamp_seconds")
+        # a corrupt manifest stops the next sweep: the nodes say it failed
+        meta = server.manager.meta
+        await meta.io.put(meta.paths.root + manifest_key("acme", "bad") + ".kvsm", b"garbage")
+        assert await asyncio.to_thread(main, sweep) == 0
+        assert json.loads(capsys.readouterr().out)["result"] == "error"
+        assert await _until(lambda: sample("kvtier_fleet_gc_last_run_failed") == 1)
+        assert sample("kvtier_fleet_gc_last_run_timestamp_seconds") >= ended
+    finally:
+        await server.stop(0.2)

@@ -1,10 +1,12 @@
 """``kvtier stat --fleet`` on real fleet servers over moto's S3 server: the sessions the
 shared bucket holds (what ``kvtier list`` shows on any node, where ``sessions`` counts
-those this node has loaded), the nodes seen, the gc epoch and the node's CAS outcomes."""
+those this node has loaded), the nodes seen, each node's liveness (heartbeats), the gc
+epoch and the node's CAS outcomes; ``--json`` numbers as numbers."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -12,6 +14,7 @@ import pytest
 from kvtier import AsyncClient, InvalidRequest
 from services.cli.main import main
 from services.server.config_load import load_config
+from services.server.server import create_server
 from tests.support.fleet import fleet_servers
 from tests.support.service import LAYOUT, running_server, streams_for, tokens_for
 
@@ -70,3 +73,46 @@ async def test_stat_fleet_on_a_single_node_is_refused(tmp_path, capsys):
     async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
         with pytest.raises(InvalidRequest, match="not a fleet node"):
             await kv.stat(fleet=True)
+
+
+async def test_stat_fleet_numbers_are_json_numbers(node, capsys):
+    async with fleet_servers(node, "a") as addresses:
+        await spill(addresses["a"], "acme", ["a1"])
+        got = await asyncio.to_thread(stat, capsys, "--server", addresses["a"], "--json",
+                                      "--fleet", "--tenant", "acme")
+    assert got["sessions"] == 1 and got["fleet"]["sessions"] == 1  # not "1"
+    assert got["fleet"]["cas"] == {"won": 1, "conflict": 0, "error": 0}
+    assert all(isinstance(t["usedBytes"], int) and isinstance(t["capacityBytes"], int)
+               for t in got["tiers"])
+    assert got["tenantUsage"]["sessions"] == 1
+
+
+async def test_stat_fleet_shows_each_node_alive_stopped_or_down(node, capsys):
+    """Heartbeats every 0.1 s, down after 1 s: a running node is serving, one stopped
+    cleanly says stopped (not down), one that stops beating (killed, hung) is down."""
+    beating = {"fleet_heartbeat_s": 0.1, "fleet_down_after_s": 1.0}
+    servers = {}
+    try:
+        for name in "abc":
+            servers[name], _ = await create_server(
+                dataclasses.replace(node(name), **beating))
+        a = servers["a"].address
+        await servers["b"].stop(0.2)  # its last heartbeat says stopped
+        # c's heartbeats stop as a killed node's would (its task cancelled, no last word)
+        servers["c"].fleet_node._task.cancel()
+        await asyncio.sleep(1.5)
+        got = await asyncio.to_thread(stat, capsys, "--server", a, "--json", "--fleet")
+        nodes = {n["nodeId"]: n for n in got["fleet"]["nodes"]}
+        assert set(nodes) == {"a", "b", "c"}
+        assert nodes["a"]["state"] == "serving" and not nodes["a"]["down"]
+        assert nodes["a"]["heartbeatAgeS"] < 1.0 and nodes["a"]["address"] == a
+        assert nodes["b"]["state"] == "stopped" and not nodes["b"]["down"]
+        assert nodes["c"]["down"] and nodes["c"]["heartbeatAgeS"] > 1.0
+        assert await asyncio.to_thread(main, ["stat", "--server", a, "--fleet"]) == 0
+        text = capsys.readouterr().out
+        assert [line.split()[0] for line in text.splitlines() if line.endswith("DOWN")] == ["c"]
+        metrics = servers["a"].metrics.registry.get_sample_value("kvtier_fleet_nodes_down")
+        assert metrics == 1.0
+    finally:
+        for server in servers.values():
+            await server.stop(0.2)

@@ -34,5 +34,6 @@ def test_every_rpc_is_in_the_service():
         "ListLayouts",
         "WriteChunks",
         "ReadChunks",
+        "Drain",
     }
     assert "Replay" in kvtier_pb2.DESCRIPTOR.services_by_name

@@ -118,11 +118,11 @@ async def test_stat_top_and_list_tools(tmp_path, capsys):
         out = capsys.readouterr().out
         assert "host" in out and "100.0%" in out and "generation 7" in out
         assert await run("stat", "--json") == 0
-        assert json.loads(capsys.readouterr().out)["sessions"] == "1"
+        assert json.loads(capsys.readouterr().out)["sessions"] == 1  # a number, not "1"
         assert await run("top", "--iterations", "2", "--interval", "0.05") == 0
         assert capsys.readouterr().out.count("kvtier top") == 2
         assert await run("list", "--tenant", "acme") == 0
         assert "acme/s1" in capsys.readouterr().out
         assert await run("list", "--json") == 0
-        assert json.loads(capsys.readouterr().out)["generation"] == "7"
+        assert json.loads(capsys.readouterr().out)["generation"] == 7
         assert await asyncio.to_thread(cli.main, ["stat", "--server", "127.0.0.1:1"]) == 1
