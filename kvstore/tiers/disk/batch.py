@@ -5,20 +5,18 @@ A session's chunks are appended together, so they mostly lie back to back in one
 offset) and reads them in one worker thread: the kernel is first told every range the
 batch will read (``SegmentFiles.prefetch``: the device gets them all at once), then the
 records are read in order in pieces of about ``PIECE_BYTES`` (adjacent records merged
-into runs), each piece's records checked (``check_record``, all of a piece at once) in a
-checking thread while the next piece is read. Per key it answers the value (a read-only
-view of its piece's buffer) or the error a ``get`` of it raises; a key it cannot serve
-so (missing or expired, a segment retired under it, a read of its piece that failed or
-came up short) is answered by ``get`` itself.
+into runs), each piece's records checked (``check_record``, all of a piece at once) as
+soon as it is read, while the device fills the next pieces. Per key it answers the value
+(a read-only view of its piece's buffer) or the error a ``get`` of it raises; a key it
+cannot serve so (missing or expired, a segment retired under it, a read of its piece that
+failed or came up short) is answered by ``get`` itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -73,13 +71,10 @@ async def get_many(files: SegmentFiles, keys: Sequence[str],
     return out, proven  # type: ignore[return-value]
 
 
-# A batch is read in pieces of about this many bytes (whole records each): a piece is
-# checked while the next one is read, so what the checks add to a cold read is one piece's.
+# A batch is read in pieces of about this many bytes (whole records each), each checked
+# as soon as it is read: the device fills the next pieces meanwhile (the batch's ranges
+# were prefetched), so what the checks add to a cold read is about one piece's.
 PIECE_BYTES = 1 << 19
-# Checks of read pieces (xxh3 releases the GIL): as many as the cores, for a batch the
-# page cache serves as fast as it is copied.
-_CHECKS = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
-                             thread_name_prefix="kvtier-disk-check")
 
 
 async def _read_batch(files: SegmentFiles, where: Path, wanted: list, out: list,
@@ -118,11 +113,12 @@ def _pieces(records: list) -> list[list]:
 
 def _read_pieces(files: SegmentFiles, where: Path, pieces: list[list]
                  ) -> list[list[tuple[Buffer, bool] | ChunkCorrupt] | None]:
-    """Blocking (a worker thread): each piece read in order and handed to ``_CHECKS``;
-    per piece its ``_checked_records``, or None when its read failed or came up short."""
+    """Blocking (one worker thread: one thread hop per batch): every range prefetched,
+    then each piece read in order and checked; per piece its ``_checked_records``, or
+    None when its read failed or came up short."""
     plans = [(_runs(piece), piece) for piece in pieces]
     files.prefetch([run for runs, _ in plans for run in runs])
-    checks: list[Future | None] = []
+    checked: list[list | None] = []
     for runs, piece in plans:
         # np.empty, not bytearray: zero-filling first costs as much as the read
         buffer = memoryview(np.empty(sum(r[3] for r in piece), dtype=np.uint8))
@@ -130,10 +126,10 @@ def _read_pieces(files: SegmentFiles, where: Path, pieces: list[list]
             files.read_runs(runs, buffer)
         except (OSError, ChunkCorrupt) as exc:
             log.info("disk tier %s: batched read failed, reading one by one: %s", where, exc)
-            checks.append(None)
+            checked.append(None)
             continue
-        checks.append(_CHECKS.submit(_checked_records, buffer, piece, where))
-    return [None if check is None else check.result() for check in checks]
+        checked.append(_checked_records(buffer, piece, where))
+    return checked
 
 
 def _runs(records: list) -> list[tuple[int, int, int]]:
