@@ -2,7 +2,8 @@
 
 A policy knows nothing of tiers or bytes on media: it sees opaque block ids (chunk keys,
 window keys, or a trace simulator's integers) through four calls, ``on_insert``,
-``on_access``, ``on_remove`` and ``victim``. The tier manager keeps one policy instance
+``on_access``, ``on_remove`` and ``victim`` (and ``on_access_many``: a batch of reads as
+one update). The tier manager keeps one policy instance
 per tier; ``bench.trace`` can drive one directly with a virtual clock.
 
 ``LRUPolicy`` is the baseline. ``HintPolicy`` uses the resume hints an agent framework
