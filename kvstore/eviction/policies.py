@@ -2,7 +2,8 @@
 
 A policy knows nothing of tiers or bytes on media: it sees opaque block ids (chunk keys,
 window keys, or a trace simulator's integers) through four calls, ``on_insert``,
-``on_access``, ``on_remove`` and ``victim``. The tier manager keeps one policy instance
+``on_access``, ``on_remove`` and ``victim`` (and ``on_access_many``: a batch of reads as
+one update). The tier manager keeps one policy instance
 per tier; ``bench.trace`` can drive one directly with a virtual clock.
 
 ``LRUPolicy`` is the baseline. ``HintPolicy`` uses the resume hints an agent framework
@@ -26,7 +27,7 @@ import itertools
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 
 from kvstore.format.hints import ResumeHint
@@ -140,6 +141,18 @@ class HintBook:
                     entry.right += 1
             del at[i]
 
+    def read_many(self, blocks: Collection[BlockId]) -> None:
+        """``read`` of each block: a batch of reads from one restore."""
+        known = self._blocks
+        for block in blocks:
+            if block in known:
+                self.read(block)
+
+    def get_many(self, blocks: Collection[BlockId]) -> list[NextUse | None]:
+        """``get`` of each block."""
+        known = self._blocks
+        return [self.get(block) if block in known else None for block in blocks]
+
     def get(self, block: BlockId) -> NextUse | None:
         entry = self._blocks.get(block)
         if entry is None:
@@ -190,6 +203,13 @@ class EvictionPolicy(abc.ABC):
         """``block`` was read, rewritten or re-hinted; ``hint``: its predicted next use
         (None: nothing known, the block was just used)."""
 
+    def on_access_many(self, blocks: Sequence[BlockId], hints: Sequence[NextUse | None]
+                       ) -> None:
+        """``on_access`` of each block, ``hints[i]`` its predicted next use: the reads of
+        one batch, as one update."""
+        for block, hint in zip(blocks, hints, strict=True):
+            self.on_access(block, hint)
+
     @abc.abstractmethod
     def on_remove(self, block: BlockId) -> None:
         """``block`` left the tier (unknown blocks are ignored)."""
@@ -226,6 +246,13 @@ class LRUPolicy(EvictionPolicy):
     def on_access(self, block: BlockId, hint: NextUse | None = None) -> None:
         self._order[block] = None
         self._order.move_to_end(block)
+
+    def on_access_many(self, blocks: Sequence[BlockId], hints: Sequence[NextUse | None]
+                       ) -> None:
+        order = self._order
+        order.update(dict.fromkeys(blocks))
+        for block in blocks:
+            order.move_to_end(block)
 
     def on_remove(self, block: BlockId) -> None:
         self._order.pop(block, None)

@@ -51,7 +51,7 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
@@ -274,6 +274,28 @@ class ReusePolicy(EvictionPolicy):
             return
         self._classify(block, row, hint)
 
+    def on_access_many(self, blocks: Sequence[BlockId], hints: Sequence[NextUse | None]
+                       ) -> None:
+        """``on_access`` of each block, the rows' arrays written once for the batch."""
+        rows = [self._index.get(block) for block in blocks]
+        if None in rows:  # new blocks grow the rows: one by one
+            super().on_access_many(blocks, hints)
+            return
+        at = np.asarray(rows, dtype=np.int64)
+        kinds = (self._cost[at] > 1.0).astype(np.int64).tolist()
+        now = self.clock()
+        for block, hint, kind in zip(blocks, hints, kinds, strict=True):
+            self.model.seen(block, hint, self.level, kind)
+        self._cls[at] = [reuse_class(hint, kind) for hint, kind in zip(hints, kinds, strict=True)]
+        self._priority[at] = [0 if hint is None else hint.priority for hint in hints]
+        since = [now if hint is None or hint.since is None else hint.since for hint in hints]
+        self._since[at] = since
+        self._slot[at] = [self.model.slot(block) for block in blocks]
+        for block, when in zip(blocks, since, strict=True):
+            seq = self._aged_of[block] = next(self._aged_seq)
+            heapq.heappush(self._aged, (float(when), seq, block))
+        self._bound_aged()
+
     def on_remove(self, block: BlockId) -> None:
         row = self._index.pop(block, None)
         if row is None:
@@ -299,6 +321,9 @@ class ReusePolicy(EvictionPolicy):
         self._slot[row] = self.model.slot(block)
         seq = self._aged_of[block] = next(self._aged_seq)
         heapq.heappush(self._aged, (float(self._since[row]), seq, block))
+        self._bound_aged()
+
+    def _bound_aged(self) -> None:
         if len(self._aged) > 2 * len(self._order) + 64:  # bound the stale entries
             self._aged = [(float(self._since[self._index[b]]), q, b)
                           for b, q in self._aged_of.items()]

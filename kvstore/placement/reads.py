@@ -104,17 +104,20 @@ class Reads:
             for j, batch in sorted(by_tier.items()):
                 got, proven = await self.tiers[j].get_many_proven([keys[i] for i in batch])
                 got = await _checked(got, [checks[i] for i in batch], proven)
+                found = []  # (i, value) of the keys this tier answered with good bytes
                 for i, value, sure in zip(batch, got, proven, strict=True):
-                    if not sure and hasattr(checks[i], "proven") and \
-                            not isinstance(value, Exception):
-                        self.tiers[j].note_proven(keys[i], value)  # its digest just held
                     tried[i] += 1
-                    unreachable[i] |= isinstance(value, TierUnavailable)
-                    if self._outcome(j, keys[i], value, believed[i], bad[i], problems[i],
-                                     access):
+                    if not isinstance(value, Exception):
+                        if not sure and hasattr(checks[i], "proven"):
+                            self.tiers[j].note_proven(keys[i], value)  # its digest just held
+                        found.append((i, value))
                         out[i] = Copy(value, j, bad[i])
-                    else:
-                        pending.append(i)
+                        continue
+                    unreachable[i] |= isinstance(value, TierUnavailable)
+                    self._failed(j, keys[i], value, believed[i], bad[i], problems[i])
+                    pending.append(i)
+                self._found(j, [(keys[i], value, j in believed[i]) for i, value in found],
+                            access)
         return out
 
     def _order(self, key: str, held: list[int], out_now: set[int]) -> list[int]:
@@ -128,37 +131,44 @@ class Reads:
                 self.counters.fallthrough_unavailable[self.tiers[j].name] += 1
         return [j for j in order if j not in down] + down
 
-    def _outcome(self, j: int, key: str, got: Buffer | Exception, believed: list[int],
-                 bad: list[int], problems: list[str], access: bool) -> bool:
-        """Account for tier ``j``'s answer (bytes that passed the check, or why not) to a
-        read of ``key``; True when it is the read's answer."""
+    def _found(self, j: int, found: list[tuple[str, Buffer, bool]], access: bool) -> None:
+        """Account for tier ``j``'s good answers, (key, bytes, whether ``j`` was believed
+        to hold it) each, at once: one hint, counter and policy update per batch."""
+        if not found:
+            return
         tier = self.tiers[j]
-        if not isinstance(got, Exception):
-            if access:
-                self.hints.read(key)
-                self.counters.hits[tier.name] += 1
-                self.counters.bytes_read[tier.name] += len(got)
-            if j not in believed:
-                self._learn(j, key, len(got))
-            elif access:
-                self.policies[j].on_access(key, self.hints.get(key))
-            return True
+        if access:
+            read = [key for key, _, _ in found]
+            self.hints.read_many(read)
+            self.counters.hits[tier.name] += len(found)
+            self.counters.bytes_read[tier.name] += sum(len(value) for _, value, _ in found)
+            held = [key for key, _, believed in found if believed]
+            self.policies[j].on_access_many(held, self.hints.get_many(held))
+        for key, value, believed in found:
+            if not believed:
+                self._learn(j, key, len(value))
+
+    def _failed(self, j: int, key: str, got: Exception, believed: list[int],
+                bad: list[int], problems: list[str]) -> None:
+        """Account for tier ``j``'s failed answer to a read of ``key`` (why it has no
+        good bytes); the read falls through to the next tier."""
+        tier = self.tiers[j]
         if isinstance(got, ChunkNotFound):
             if j in believed:
                 self._forget(j, key)
-            return False
+            return
         if isinstance(got, TierUnavailable):
             if self.up(j):
                 self.counters.fallthrough_unavailable[tier.name] += 1
             problems.append(f"{tier.name} unavailable")
             self._mark_down(j, f"read of {key}", got)
-            return False
+            return
         if isinstance(got, CodecError):  # from the check, or the tier's own record check
             self.counters.fallthrough_corrupt[tier.name] += 1
             problems.append(f"{tier.name} corrupt ({got})")
             log.error("corrupt copy of %s in tier %s, falling through: %s", key, tier.name, got)
             bad.append(j)
-            return False
+            return
         raise got
 
 

@@ -459,3 +459,61 @@ def test_reuse_policy_learns_window_reuse_apart_from_chunks():
     clock.now += 0.1
     exclude = {b for b in policy._index if b not in ("chunk/fresh", "win/fresh")}
     assert policy.victim(exclude) == "win/fresh"
+
+
+@pytest.mark.parametrize("make", [LRUPolicy, HintPolicy, lambda clock: ReusePolicy(clock)])
+def test_a_batch_of_accesses_is_the_same_as_accessing_each_in_turn(make):
+    """on_access_many (one update for a batch of reads) leaves a policy as on_access of
+    each block in order does: the same victims, one after another, duplicates included."""
+    rng = random.Random(7)
+    clocks, policies = [VirtualClock(), VirtualClock()], []
+    book = HintBook(clocks[0])
+    blocks = [f"b{i}" for i in range(40)]
+    for clock in clocks:
+        policy = make(clock)
+        for i, block in enumerate(blocks):
+            clock.now = float(i)
+            policy.on_insert(block, 100 + i, None)
+        policies.append(policy)
+    for round_ in range(5):
+        batch = rng.sample(blocks, 12) + [blocks[round_]]  # a duplicate in some rounds
+        hints = [None if rng.random() < 0.5 else
+                 NextUse(at=rng.uniform(0, 200), priority=rng.choice([0, 0, 1]),
+                         reads=rng.randrange(3), since=rng.uniform(0, 50), pause=5.0)
+                 for _ in batch]
+        for clock in clocks:
+            clock.now = 50.0 + round_
+        for block, hint in zip(batch, hints, strict=True):
+            policies[0].on_access(block, hint)
+        policies[1].on_access_many(batch, hints)
+    assert book.get_many(blocks) == [None] * len(blocks)
+    order = [[], []]
+    for policy, out in zip(policies, order, strict=True):
+        while (victim := policy.victim()) is not None:
+            out.append(victim)
+            policy.on_remove(victim)
+    assert order[0] == order[1] and len(order[0]) == len(blocks)
+
+
+async def test_a_batched_read_updates_each_tiers_policy_once(opened):
+    """TierStack.read_many of many blocks: one on_access_many per tier that answered,
+    with every block it served, and the hit counters count each block."""
+    calls = []
+
+    class Counting(LRUPolicy):
+        def on_access_many(self, blocks, hints):
+            calls.append(list(blocks))
+            super().on_access_many(blocks, hints)
+
+    tokens = random_tokens(16, seed=3)
+    data = {f"k{i}": encode(0, tokens, seed=i) for i in range(6)}
+    tier = opened.adopt(HostTier(1 << 20, pin_memory=False))
+    stack = TierStack([tier], Counting, KeyedLocks(), Counters(),
+                      is_referenced=lambda key: True)
+    for key, value in data.items():
+        assert await stack.place(key, value) is not None
+    got = await stack.read_many(list(data), [lambda _: None] * len(data))
+    assert [bytes(copy.data) for copy in got] == [bytes(v) for v in data.values()]
+    assert calls == [list(data)]
+    assert stack.counters.hits["host"] == len(data)
+    await opened.close(tier)

@@ -316,3 +316,34 @@ async def test_a_restore_of_many_batches_reads_in_order_and_promotes_after(tmp_p
     with pytest.raises(DataLoss, match=f"chunk {READ_BATCH + 1}:"):
         await manager.restore("t", "s")
     await managers.close(manager)
+
+
+async def test_a_corrupt_disk_chunk_mid_batch_is_data_loss_for_it_and_nothing_after(
+        tmp_path, managers, monkeypatch):
+    """A disk-only session read in one batch of many pieces over several segment files,
+    its chunk 5 damaged on disk and nowhere else: a streamed read in batches of 4 (the
+    next batches read while one is yielded) yields chunks 0-3 bit-exact, then DataLoss
+    naming chunk 5 before any chunk of its batch; a whole restore (one batch) is the
+    same DataLoss."""
+    from kvstore.tiers.disk import batch
+    monkeypatch.setattr(batch, "PIECE_BYTES", 1)  # a piece per record
+    disk = DiskTier(tmp_path / "disk", 64 * MB, segment_bytes=4096)
+    manager = await managers.open([HostTier(MB), disk], disk.meta)
+    args = make_session(random_tokens(16 * 12, seed=41))
+    await manager.spill("t", "s", generation=1, ack="durable", **args)
+    await manager.demote("t", "s", "disk")
+    assert len(disk.segments()) > 2
+    await managers.close(manager)
+    assert flip_in_segments(tmp_path / "disk", args["chunks"][5][1])
+
+    disk = DiskTier(tmp_path / "disk", 64 * MB, segment_bytes=4096)
+    manager = await managers.open([HostTier(MB), disk], disk.meta)
+    got = []
+    with pytest.raises(DataLoss, match="chunk 5"):
+        async with manager.reading("t", "s") as reader:
+            async for chunk in reader.chunks(lookahead=12, batch=4):
+                got.append(bytes(chunk.data))
+    assert got == chunk_bytes(args)[:4]
+    with pytest.raises(DataLoss, match="chunk 5"):
+        await manager.restore("t", "s")
+    await managers.close(manager)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 import pytest
 
@@ -16,7 +17,7 @@ from kvstore.format.errors import (
     TierFull,
     TierUnavailable,
 )
-from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk import DiskTier, batch
 from kvstore.tiers.disk.index import SegState
 from kvstore.tiers.disk.segments import HEADER_SIZE, segment_path
 from tests.support.clock import ManualClock
@@ -427,4 +428,67 @@ async def test_a_batch_refuses_a_record_damaged_anywhere_and_serves_the_others(
     assert isinstance(got[2], ChunkCorrupt)
     assert [bytes(v) for i, v in enumerate(got) if i != 2] == \
         [v for k, v in model.items() if k != "k002"]
+    await opened.close(tier)
+
+
+async def test_a_batch_of_many_pieces_over_several_segments_is_exact_and_a_short_piece_is_refused(
+        tmp_path, opened, monkeypatch):
+    """A batch read as many pieces (one piece per few records) over several segment files:
+    every value bit-exact in the order asked. With the last segment file cut short, the
+    keys whose records it lost answer an error (never bytes), the others their values."""
+    monkeypatch.setattr(batch, "PIECE_BYTES", 2000)
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 22, segment_bytes=8192))
+    model = {f"k{i:03d}": value_for(f"k{i:03d}", 700 + 37 * i) for i in range(40)}
+    await tier.put_many(model.items())
+    assert len(tier.segments()) > 3
+    keys = list(model)
+    got = await tier.get_many(keys)
+    assert [bytes(v) for v in got] == [model[k] for k in keys]
+
+    last = max(tier.index.lookup(k.encode()).seg_id for k in keys)
+    in_last = [k for k in keys if tier.index.lookup(k.encode()).seg_id == last]
+    cut = min(tier.index.lookup(k.encode()).offset for k in in_last) + HEADER_SIZE + 10
+    with open(segment_path(tier.segment_dir, last), "r+b") as file:
+        file.truncate(cut)
+    got = await tier.get_many(keys)
+    for key, value in zip(keys, got, strict=True):
+        if key in in_last:
+            assert isinstance(value, (ChunkCorrupt, TierUnavailable)), key
+        else:
+            assert bytes(value) == model[key], key
+    await opened.close(tier)
+
+
+async def test_a_delete_and_compaction_racing_a_batched_read_never_give_wrong_bytes(
+        tmp_path, opened, monkeypatch):
+    """Keys deleted, their segment compacted away and its space rewritten while a batch
+    is between its index lookup and its reads: the batch answers the bytes it looked up
+    (the pinned segment stays readable), and the next batch says they are gone."""
+    tier = opened.adopt(DiskTier(tmp_path, 1 << 22, segment_bytes=16384))
+    model = {f"k{i:03d}": value_for(f"k{i:03d}", 900) for i in range(12)}
+    await tier.put_many(model.items())
+    seg_ids = sorted({tier.index.lookup(k.encode()).seg_id for k in model})
+    looked_up, release = asyncio.Event(), threading.Event()
+    read_pieces = batch._read_pieces
+
+    def held_read(*args):
+        loop.call_soon_threadsafe(looked_up.set)
+        assert release.wait(10)
+        return read_pieces(*args)
+
+    loop = asyncio.get_running_loop()
+    monkeypatch.setattr(batch, "_read_pieces", held_read)
+    reading = asyncio.ensure_future(tier.get_many(list(model)))
+    await looked_up.wait()
+    for key in model:
+        await tier.delete(key, durable=True)
+    await tier.put_many((f"new{i}", value_for(f"new{i}", 900)) for i in range(12))
+    await tier.rewrite_segments(seg_ids)
+    for seg_id in seg_ids:
+        await tier.retire_segment(seg_id)
+    release.set()
+    got = await reading
+    assert [bytes(v) for v in got] == list(model.values())
+    monkeypatch.setattr(batch, "_read_pieces", read_pieces)
+    assert all(isinstance(v, ChunkNotFound) for v in await tier.get_many(list(model)))
     await opened.close(tier)

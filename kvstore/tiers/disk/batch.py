@@ -1,14 +1,15 @@
-"""Batched reads of the disk tier: many records in file order, read in a few large pieces.
+"""Batched reads of the disk tier: many records in file order, read as one sequential pass.
 
 A session's chunks are appended together, so they mostly lie back to back in one segment.
-``get_many`` looks every key up, orders the records by (segment, offset), cuts them into
-up to ``MAX_PIECES`` pieces of whole records, and reads each piece (its adjacent records
-merged into runs) into one preallocated buffer and checks its records (``check_record``)
-in a worker thread of its own, so neither the reads nor the checksums wait on the event
-loop, and the pieces are in flight together. Per key it answers the value (a read-only view
-of its piece's buffer) or the error a ``get`` of it raises; a key it cannot serve so
-(missing or expired, a segment retired under it, a read of its piece that failed or came
-up short) is answered by ``get`` itself.
+``get_many`` looks every key up in one index call, orders the records by (segment,
+offset) and reads them in one worker thread: the kernel is first told every range the
+batch will read (``SegmentFiles.prefetch``: the device gets them all at once), then the
+records are read in order in pieces of about ``PIECE_BYTES`` (adjacent records merged
+into runs), each piece's records checked (``check_record``, all of a piece at once) as
+soon as it is read, while the device fills the next pieces. Per key it answers the value
+(a read-only view of its piece's buffer) or the error a ``get`` of it raises; a key it
+cannot serve so (missing or expired, a segment retired under it, a read of its piece that
+failed or came up short) is answered by ``get`` itself.
 """
 
 from __future__ import annotations
@@ -70,11 +71,10 @@ async def get_many(files: SegmentFiles, keys: Sequence[str],
     return out, proven  # type: ignore[return-value]
 
 
-# A batch of more bytes than this is read as several pieces (whole records each), each
-# read and checked in its own worker thread: the device serves them in parallel, as it
-# does not serve one long read, and the checksums run on every core.
+# A batch is read in pieces of about this many bytes (whole records each), each checked
+# as soon as it is read: the device fills the next pieces meanwhile (the batch's ranges
+# were prefetched), so what the checks add to a cold read is about one piece's.
 PIECE_BYTES = 1 << 19
-MAX_PIECES = 4
 
 
 async def _read_batch(files: SegmentFiles, where: Path, wanted: list, out: list,
@@ -88,19 +88,22 @@ async def _read_batch(files: SegmentFiles, where: Path, wanted: list, out: list,
                 fds[seg_id] = None
         if fds[seg_id] is not None:
             records.append((i, kb, entry, record_size(len(kb), entry.value_len), fds[seg_id]))
-    if records:
-        await asyncio.gather(*(_read_piece(files, where, piece, out, proven)
-                               for piece in _pieces(records)))
+    if not records:
+        return
+    pieces = _pieces(records)
+    checked = await asyncio.to_thread(_read_pieces, files, where, pieces)
+    for piece, values in zip(pieces, checked, strict=True):
+        if values is None:  # a failed or short read: each key's get says
+            continue
+        for (i, *_), value in zip(piece, values, strict=True):
+            out[i], proven[i] = (value, False) if isinstance(value, ChunkCorrupt) else value
 
 
 def _pieces(records: list) -> list[list]:
-    """``records`` in consecutive groups of about equal bytes, at most ``MAX_PIECES``,
-    none under ``PIECE_BYTES`` but the last."""
-    total = sum(r[3] for r in records)
-    target = max(PIECE_BYTES, -(-total // MAX_PIECES))
+    """``records`` in consecutive groups of about ``PIECE_BYTES`` each."""
     pieces, size = [[]], 0
     for record in records:
-        if size >= target:
+        if size >= PIECE_BYTES:
             pieces.append([])
             size = 0
         pieces[-1].append(record)
@@ -108,28 +111,36 @@ def _pieces(records: list) -> list[list]:
     return pieces
 
 
-async def _read_piece(files: SegmentFiles, where: Path, records: list, out: list,
-                      proven: list[bool]) -> None:
-    runs: list[tuple[int, int, int]] = []  # (descriptor, offset, size), merged when adjacent
+def _read_pieces(files: SegmentFiles, where: Path, pieces: list[list]
+                 ) -> list[list[tuple[Buffer, bool] | ChunkCorrupt] | None]:
+    """Blocking (one worker thread: one thread hop per batch): every range prefetched,
+    then each piece read in order and checked; per piece its ``_checked_records``, or
+    None when its read failed or came up short."""
+    plans = [(_runs(piece), piece) for piece in pieces]
+    files.prefetch([run for runs, _ in plans for run in runs])
+    checked: list[list | None] = []
+    for runs, piece in plans:
+        # np.empty, not bytearray: zero-filling first costs as much as the read
+        buffer = memoryview(np.empty(sum(r[3] for r in piece), dtype=np.uint8))
+        try:
+            files.read_runs(runs, buffer)
+        except (OSError, ChunkCorrupt) as exc:
+            log.info("disk tier %s: batched read failed, reading one by one: %s", where, exc)
+            checked.append(None)
+            continue
+        checked.append(_checked_records(buffer, piece, where))
+    return checked
+
+
+def _runs(records: list) -> list[tuple[int, int, int]]:
+    """(descriptor, offset, size) of ``records``, merged where they are adjacent."""
+    runs: list[tuple[int, int, int]] = []
     for _, _, entry, size, fd in records:
         if runs and runs[-1][0] == fd and runs[-1][1] + runs[-1][2] == entry.offset:
             runs[-1] = (fd, runs[-1][1], runs[-1][2] + size)
         else:
             runs.append((fd, entry.offset, size))
-    # np.empty, not bytearray: zero-filling first costs as much as the read
-    buffer = memoryview(np.empty(sum(r[3] for r in records), dtype=np.uint8))
-
-    def read_and_check() -> list[tuple[Buffer, bool] | KVTierError]:
-        files.read_runs(runs, buffer)
-        return _checked_records(buffer, records, where)
-
-    try:
-        values = await asyncio.to_thread(read_and_check)
-    except (OSError, ChunkCorrupt) as exc:  # a failed or short read: each key's get says
-        log.info("disk tier %s: batched read failed, reading one by one: %s", where, exc)
-        return
-    for (i, *_), value in zip(records, values, strict=True):
-        out[i], proven[i] = (value, False) if isinstance(value, ChunkCorrupt) else value
+    return runs
 
 
 # A record header (``segments.HEADER``) as a numpy dtype: a batch's headers in a few calls.

@@ -78,6 +78,10 @@ class OsFileSystem:
         return os.preadv(fd, [buffer], offset, flags) if flags else os.preadv(
             fd, [buffer], offset)
 
+    def willneed(self, fd: int, offset: int, size: int) -> None:
+        """Start reading the range into the page cache, without waiting for it."""
+        os.posix_fadvise(fd, offset, size, os.POSIX_FADV_WILLNEED)
+
     def mmap(self, fd: int) -> mmap.mmap:
         """A read-only mapping of the whole file as it is now."""
         return mmap.mmap(fd, 0, prot=mmap.PROT_READ)

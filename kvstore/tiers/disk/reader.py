@@ -7,8 +7,9 @@ looked cached faults in there, never on the event loop, and the view is returned
 once every byte of it passed the check. Any other record is read with ``os.preadv``
 into a fresh buffer: first with ``RWF_NOWAIT`` on the event loop (what the page cache
 holds, without waiting on the device), the rest in a worker thread, one large read,
-verified in that thread. ``read_runs`` reads several runs into one buffer in one
-thread call. A mapping only ever covers committed records, which no one truncates.
+verified in that thread. ``read_runs`` reads several runs into one buffer (blocking, for
+a worker thread), after ``prefetch`` told the kernel every range a batch will read. A
+mapping only ever covers committed records, which no one truncates.
 
 Pins: a reader pins the segment it reads; ``retire`` removes a segment file at once when
 it is unpinned, else at the last unpin. Another process (the offline compactor) cannot
@@ -172,6 +173,18 @@ class SegmentFiles:
         if mapped is None or len(mapped) < end:
             mapped = self._maps[seg_id] = self.fs.mmap(fd)
         return memoryview(mapped)[offset:end] if len(mapped) >= end else None
+
+    def prefetch(self, runs: list[tuple[int, int, int]]) -> None:
+        """Blocking: ask the kernel to start reading each (descriptor, offset, size) run,
+        so the device has a batch's ranges at once while they are read in order. Only a
+        hint: a file system that refuses it is read without it."""
+        if not hasattr(self.fs, "willneed"):
+            return
+        for fd, offset, size in runs:
+            try:
+                self.fs.willneed(fd, offset, size)
+            except OSError:
+                return
 
     def read_runs(self, runs: list[tuple[int, int, int]], buffer: memoryview) -> None:
         """Blocking (run it in a worker thread): read each (descriptor, offset, size) run
