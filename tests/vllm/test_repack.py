@@ -133,7 +133,7 @@ def test_layouts_are_told_apart_and_checked():
 def test_bf16_values_are_stored_as_they_are():
     shape = CacheShape(layers=3, kv_heads=H, head_size=D, block_size=BS, vocab_size=100,
                        dtype=torch.bfloat16, tp_size=1)
-    spec = rank_layout(shape, 0, "auto")
+    spec = rank_layout(shape, 0, "portable")
     k = torch.randn(3, BS, H, D).to(torch.bfloat16)
     v = torch.randn(3, BS, H, D).to(torch.bfloat16)
     streams = {"k": values.encode(spec.stream("k"), k), "v": values.encode(spec.stream("v"), v)}
@@ -146,7 +146,7 @@ def test_bf16_values_are_stored_as_they_are():
 def test_fp16_values_are_stored_as_they_are_and_other_dtypes_refused():
     shape = CacheShape(layers=2, kv_heads=H, head_size=D, block_size=BS, vocab_size=100,
                        dtype=torch.float16, tp_size=1)
-    stream = rank_layout(shape, 0, "auto").stream("k")
+    stream = rank_layout(shape, 0, "portable").stream("k")
     x = torch.randn(2, BS, H, D).to(torch.float16)
     assert same_bits(values.decode(stream, values.encode(stream, x), torch.float16), x)
     with pytest.raises(LayoutMismatch):
