@@ -84,7 +84,9 @@ class PagedLayout:
                   pages: torch.Tensor) -> None:
         """Write whole pages (n, ...) uint8 of n * page bytes, rows of any stride (e.g.
         views of chunks lying in a reply segment), into the blocks ``block_ids`` (n int64,
-        on the layer's device) of ``layer``: one scatter, no repack."""
+        on the layer's device) of ``layer``, no repack: on a GPU one scatter; on the CPU one
+        copy per run of consecutive blocks (a plain memcpy of whole pages: index_copy_
+        measured 2-3x slower than these copies even with every block its own run)."""
         h, d, b = self.kv_heads, self.head_size, self.block_size
         n = block_ids.shape[0]
         page_bytes = h * b * 2 * d * layer.element_size()
@@ -94,8 +96,13 @@ class PagedLayout:
         values = pages.to(layer.device).reshape(n, page_bytes).view(layer.dtype)
         if self.kind == "nhd":
             layer.index_copy_(1, block_ids, values.view(n, 2, b, h, d).transpose(0, 1))
-        else:
+        elif layer.is_cuda:
             layer.index_copy_(0, block_ids, values.view(n, h, b, 2 * d))
+        else:
+            at = 0
+            for start, count in runs(block_ids.tolist()):
+                layer[start:start + count].copy_(values[at:at + count].view(count, h, b, 2 * d))
+                at += count
 
     def split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V, each (n * block_size, H, D), of blocks ``take`` returned."""
