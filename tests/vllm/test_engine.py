@@ -33,6 +33,8 @@ def engine(kvtier_server):
     from vllm.config import KVTransferConfig
 
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    # lets a test run a function in the worker (collective_rpc) to read its cache
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     transfer = KVTransferConfig(
         kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
         kv_role="kv_both", kv_load_failure_policy="recompute",
