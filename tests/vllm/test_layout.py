@@ -3,6 +3,7 @@ for caches it cannot hold exactly; the extra_config is checked."""
 
 import json
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,6 +24,7 @@ from kvtier.integrations.vllm.config import ConnectorConfig  # noqa: E402
 from kvtier.integrations.vllm.layout import (  # noqa: E402
     CacheShape,
     cache_shape,
+    check_arrangement,
     rank_layout,
     rank_session,
 )
@@ -110,6 +112,20 @@ def test_engine_pages_layout_binds_the_block_arrangement(vllm_config):
     # TP ranks hold their own heads' pages
     tp = [rank_layout(replace(shape, tp_size=2), r, "auto") for r in range(2)]
     assert [s.stream("page").entry_shape for s in tp] == [(1, 2 * 128 * 16 * 2)] * 2
+
+
+def test_a_worker_runs_the_arrangement_its_layout_names():
+    """The worker's attention layers must run the backend (and CPU_ATTN ISA) the layout
+    names, else the engine does not start: pages are never read by another arrangement."""
+    cpu = SimpleNamespace(get_name=lambda: "CPU_ATTN")
+    vec = CacheShape(3, 2, 64, 128, 100, torch.bfloat16, 1, "cpu_attn.vec")
+    check_arrangement(vec, [SimpleNamespace(attn_backend=cpu, isa="vec")])
+    # not told its ISA yet: its backend alone is checked
+    check_arrangement(vec, [SimpleNamespace(attn_backend=cpu)])
+    for layer in (SimpleNamespace(attn_backend=cpu, isa="amx"),
+                  SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: "FLASH_ATTN"))):
+        with pytest.raises(UnsupportedModel, match="lay blocks out"):
+            check_arrangement(vec, [layer])
 
 
 def test_one_layout_per_rank_and_tp_size():
