@@ -173,3 +173,26 @@ def test_a_chunk_damaged_in_the_store_ends_the_load(client, kvtier_server):
     for name in NAMES:
         assert torch.equal(dst[name][5].view(torch.int16), src[name][0].view(torch.int16))
         assert not dst[name][[0, 1, 2, 3, 4, 6, 7]].any()
+
+
+def test_compressed_pages_are_decoded_and_written_as_they_were():
+    """Page chunks that cannot be read in place (zstd-compressed) are decoded one by one
+    and go into the blocks byte for byte, as the in-place ones do."""
+    from kvstore.format.chunk import encode_chunk
+    from kvtier.integrations.vllm import values
+    from kvtier.integrations.vllm.transfers import _streams
+
+    g = torch.Generator().manual_seed(9)
+    src = torch.randn(BLOCKS, H, BS, 2 * D, generator=g).to(torch.bfloat16)
+    paged = PagedLayout("cpu", H, D, BS, pages=True)
+    store = Store(None, None, SPEC, paged, [src] * LAYERS, torch.bfloat16, StatsCounter())
+    rows = store.read_blocks([6, 2])["page"]  # (layers, 2 * BS, row)
+    chunks = [encode_chunk(SPEC, i * BS, TOKENS[i * BS:(i + 1) * BS],
+                           {"page": values.encode(SPEC.stream("page"),
+                                                  rows[:, i * BS:(i + 1) * BS])},
+                           zstd_level=3) for i in range(2)]
+    streams = _streams(store, chunks, LoadPlan("z", tuple(TOKENS), 0, (0, 1)))
+    target = torch.zeros_like(src)
+    paged.put_pages(target, torch.tensor([1, 4]), streams["page"][0])
+    assert torch.equal(target[[1, 4]].view(torch.int16), src[[6, 2]].view(torch.int16))
+    assert not target[[0, 2, 3, 5, 6, 7]].any()
