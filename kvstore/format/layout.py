@@ -2,7 +2,8 @@
 
 A spec lists named streams. Each stream has an entry shape, a bit width and a value
 format (``FORMATS``: int4 / int8 with fp16 group scales, bf16 / fp16 unscaled, fp8 e4m3
-with one float32 scale per layer per chunk), a quantization group size, how many tokens
+with one float32 scale per layer per chunk, page: an engine's own paged-block bytes,
+opaque), a quantization group size, how many tokens
 merge into one entry (m), how many layers own a copy, and whether it is persistent
 (global KV, stored on every tier) or ephemeral (sliding-window KV, kept only in hbm and
 host). Every byte figure is computed from these fields.
@@ -89,6 +90,9 @@ FORMATS = {
     "bf16": ValueFormat(16, "bfloat16", "none"),
     "fp16": ValueFormat(16, "float16", "none"),
     "fp8_e4m3": ValueFormat(8, "float8_e4m3fn", "tensor"),
+    # an engine's own page bytes, opaque: one value is a byte, stored and read back as it
+    # is; only an engine of the arrangement the layout names interprets them
+    "page": ValueFormat(8, "uint8", "none"),
 }
 DEFAULT_FORMAT = {4: "int4", 8: "int8", 16: "bf16"}  # a stream that names no format
 

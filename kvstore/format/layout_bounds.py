@@ -13,6 +13,7 @@ MAX_JSON_BYTES = 64 << 10
 MAX_STREAMS = 64
 MAX_DIMS = 4
 MAX_ENTRY_VALUES = 1 << 20
+MAX_PAGE_BYTES = 1 << 22  # a page entry's bytes: one paged block of one layer
 MAX_LAYER_SECTIONS = 1 << 14  # layers of all streams together (each a codec section)
 MAX_TOKENS_PER_ENTRY = 1024
 MAX_CHUNK_TOKENS = 1 << 16
@@ -28,9 +29,10 @@ def check_bounds(spec: LayoutSpec, max_message_bytes: int) -> None:
         raise InvalidRequest(f"{what}: needs 1 to {MAX_STREAMS} streams, one persistent at "
                              f"least; has {len(spec.streams)}")
     for s in spec.streams:
-        if len(s.entry_shape) > MAX_DIMS or s.values_per_entry > MAX_ENTRY_VALUES:
+        most = MAX_PAGE_BYTES if s.format == "page" else MAX_ENTRY_VALUES
+        if len(s.entry_shape) > MAX_DIMS or s.values_per_entry > most:
             raise InvalidRequest(f"{what}: stream {s.name}'s entry must have at most "
-                                 f"{MAX_DIMS} dimensions and {MAX_ENTRY_VALUES} values")
+                                 f"{MAX_DIMS} dimensions and {most} values")
         if s.tokens_per_entry > MAX_TOKENS_PER_ENTRY:
             raise InvalidRequest(f"{what}: stream {s.name}: tokens_per_entry at most "
                                  f"{MAX_TOKENS_PER_ENTRY}")

@@ -176,3 +176,21 @@ def test_an_unknown_layout_error_names_the_presets_but_no_registered_layout():
     message = str(err.value)
     assert "kvtier-bundled" in message and "registered" in message
     assert "tenant-private-layout" not in message
+
+
+def test_a_page_entry_is_bounded_by_bytes_not_values():
+    """A page stream's entry is one engine block of one layer: up to 4 MiB of opaque bytes
+    may register, where other entries stop at 2^20 values; past that it is refused."""
+    from kvstore.format.layout import LayoutSpec, Stream
+    from kvstore.format.layout_bounds import check_bounds
+
+    def spec(entry: tuple[int, ...], fmt: str, bits: int) -> LayoutSpec:
+        return LayoutSpec("bounded", (Stream("s", entry, bits=bits, format=fmt,
+                                             tokens_per_entry=64),), chunk_tokens=64)
+
+    room = 64 << 20
+    check_bounds(spec((2, 1 << 20), "page", 8), room)  # 2 MiB of page bytes
+    with pytest.raises(InvalidRequest, match="at most 4 dimensions and 1048576 values"):
+        check_bounds(spec((2, 1 << 20), "bf16", 16), room)
+    with pytest.raises(InvalidRequest, match="4194304 values"):
+        check_bounds(spec((8, 1 << 20), "page", 8), room)

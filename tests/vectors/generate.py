@@ -4,7 +4,7 @@ The vectors are inputs and the exact bytes and keys kvtier produces for them (an
 WriteChunks / ReadChunks messages of ``prefix_chunks.json``), for a
 small layout with one stream of each kind (int4, int8, bf16; a window stream and a
 pending stream), and (formats.json) one small layout and chunk per other value format
-(fp16, fp8_e4m3). ``tests/format/test_vectors.py`` compares the codec against the committed
+(fp16, fp8_e4m3, page). ``tests/format/test_vectors.py`` compares the codec against the committed
 files, and the Node client (clients/node) against the same files, so a change to the
 codec that alters a byte fails both: regenerate only for a deliberate format change.
 
@@ -302,12 +302,17 @@ def format_layouts() -> list[LayoutSpec]:
         LayoutSpec("wire-test-fp8", (Stream("f.fp8", (2, 4), bits=8, layers=2,
                                             format="fp8_e4m3"),),
                    chunk_tokens=4, vocab_size=1 << 17),
+        # an engine's page of 4 tokens per layer: 2 heads of 8 opaque bytes
+        LayoutSpec("wire-test-page", (Stream("p.page", (2, 8), bits=8, layers=2,
+                                             tokens_per_entry=4, format="page"),),
+                   chunk_tokens=4, vocab_size=1 << 17),
     ]
 
 
 def format_values(stream: Stream, entries: int, seed: int) -> dict:
-    """Inputs of an fp16 stream (values fp16 holds exactly, some that bf16 does not) or
-    an fp8 one (e4m3 code values, their bytes, one float32 scale per layer)."""
+    """Inputs of an fp16 stream (values fp16 holds exactly, some that bf16 does not), an
+    fp8 one (e4m3 code values, their bytes, one float32 scale per layer) or a page one
+    (the bytes themselves)."""
     shape = [stream.layers, entries, *stream.entry_shape]
     n = int(np.prod(shape))
     rng = np.random.default_rng(seed)
@@ -316,6 +321,8 @@ def format_values(stream: Stream, entries: int, seed: int) -> dict:
         # 1 + 2^-10 (bf16 rounds it), fp16's largest, smallest normal and subnormal
         values[:4] = [1 + 2**-10, 65504.0, -(2**-14), 2**-24]
         return {"shape": shape, "values": values.tolist()}
+    if stream.format == "page":
+        return {"shape": shape, "values": rng.integers(0, 256, n).tolist()}
     codes = rng.integers(0, 256, n).astype(np.uint8)
     codes[(codes & 0x7F) == 0x7F] = 0x38  # no NaN codes (0x7f, 0xff): 1.0 instead
     codes[:2] = [0x7E, 0x01]  # e4m3's largest (448) and smallest subnormal (2^-9)
@@ -325,8 +332,11 @@ def format_values(stream: Stream, entries: int, seed: int) -> dict:
             "scales": [0.015625, 0.375, 3.0][:stream.layers]}
 
 
-def format_decoded(stream: Stream, inputs: dict) -> list[float]:
-    """What a reader reconstructs, float32: fp16 the values; fp8 code x its layer's scale."""
+def format_decoded(stream: Stream, inputs: dict) -> list[float] | None:
+    """What a reader reconstructs, float32: fp16 the values; fp8 code x its layer's scale;
+    page nothing (its bytes are copied, never decoded)."""
+    if stream.format == "page":
+        return None
     values = np.array(inputs["values"], np.float32)
     if stream.format == "fp16":
         return values.tolist()

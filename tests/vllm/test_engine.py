@@ -33,6 +33,8 @@ def engine(kvtier_server):
     from vllm.config import KVTransferConfig
 
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    # lets a test run a function in the worker (collective_rpc) to read its cache
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     transfer = KVTransferConfig(
         kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
         kv_role="kv_both", kv_load_failure_policy="recompute",
@@ -56,7 +58,9 @@ def store(kvtier_server):
 
 @pytest.fixture(scope="module")
 def layout(store):
-    (info,) = [i for i in store.layouts() if i.spec.name.startswith("vllm-4x2x64-b128-bf16")]
+    # value_format auto: the engine's own pages, named by CPU_ATTN's ISA path (vec or amx)
+    (info,) = [i for i in store.layouts() if i.spec.name.startswith("vllm-cpu_attn.")
+               and i.spec.name.endswith("-4x2x64-b128-bf16")]
     return info.spec
 
 
@@ -120,6 +124,47 @@ def test_a_stored_prompt_is_an_external_hit_with_the_same_output(engine, store, 
     counts = metrics(engine)
     assert counts["hit_tokens"] >= 5 * BS and counts["loaded_tokens"] >= 5 * BS
     assert counts["saved_tokens"] >= 4 * BS and counts.get("load_error_blocks", 0) == 0
+
+
+def pages_in_cache(worker, pages: list[list[bytes]]) -> list[list[bool]]:
+    """Run in the engine's worker: per layer, whether each page is some block's bytes."""
+    import torch
+
+    found = []
+    for layer, wanted in zip(worker.model_runner.kv_caches, pages, strict=True):
+        blocks = layer.view(torch.uint8).reshape(layer.shape[0], -1)
+        found.append([])
+        for page in wanted:
+            page = torch.frombuffer(bytearray(page), dtype=torch.uint8)
+            head = (blocks[:, :64] == page[:64]).all(dim=1).nonzero().flatten()
+            found[-1].append(any(torch.equal(blocks[i], page) for i in head.tolist()))
+    return found
+
+
+def test_engine_pages_round_trip_exactly(engine, store, layout):
+    """value_format auto stores each block as the engine's own page bytes: a hit loads
+    them back byte for byte, and gives the greedy output of vLLM's own prefix-cache hit
+    and of the cold run."""
+    from kvstore.format.chunk import decode_chunk
+
+    (page,) = layout.streams
+    assert page.format == "page" and page.tokens_per_entry == BS
+    p = prompt(2 * BS + 30, seed=11)
+    cold, cached, _ = generate(engine, p)
+    assert cached == 0
+    wait_held(store, layout, p, 2)
+    own, cached, _ = generate(engine, p)  # vLLM's own prefix cache
+    assert cached == 2 * BS
+    reset(engine)
+    loaded, cached, _ = generate(engine, p)  # kvtier's pages
+    assert cached == 2 * BS
+    assert loaded == own == cold
+    read = store.read_chunks(TENANT, layout, p[:2 * BS], model_fingerprint=FINGERPRINT)
+    codes = [decode_chunk(bytes(read.chunks[i]), layout, token_ids=p[i * BS:(i + 1) * BS])
+             .streams["page"].codes for i in range(2)]  # (layers, 1, H, bytes per head)
+    pages = [[c[layer].numpy().tobytes() for c in codes] for layer in range(page.layers)]
+    (found,) = engine.collective_rpc(pages_in_cache, args=(pages,))
+    assert found == [[True, True]] * page.layers
 
 
 def test_a_session_resumes_and_is_spilled_as_its_next_generation(engine, store, layout):

@@ -2,6 +2,8 @@
 for caches it cannot hold exactly; the extra_config is checked."""
 
 import json
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,6 +24,7 @@ from kvtier.integrations.vllm.config import ConnectorConfig  # noqa: E402
 from kvtier.integrations.vllm.layout import (  # noqa: E402
     CacheShape,
     cache_shape,
+    check_arrangement,
     rank_layout,
     rank_session,
 )
@@ -53,9 +56,11 @@ def full(dtype=torch.bfloat16, **extra) -> FullAttentionSpec:
 
 def test_layout_of_a_real_config(vllm_config):
     shape = cache_shape(vllm_config, kv_config(full()))
+    # head size 16: CPU_ATTN's vec16 path
     assert shape == CacheShape(layers=3, kv_heads=2, head_size=16, block_size=128,
-                               vocab_size=1000, dtype=torch.bfloat16, tp_size=1)
-    spec = rank_layout(shape, 0, "auto")
+                               vocab_size=1000, dtype=torch.bfloat16, tp_size=1,
+                               arrangement="cpu_attn.vec16")
+    spec = rank_layout(shape, 0, "portable")
     assert spec.name == "vllm-3x2x16-b128-bf16"
     assert spec.chunk_tokens == 128 and spec.vocab_size == 1000
     assert spec.requires_model_fingerprint and spec.replayer == "none"
@@ -73,7 +78,7 @@ def test_value_formats():
     def shape(dtype):
         return CacheShape(3, 2, 16, 16, 100, dtype, 1)
 
-    fp16 = rank_layout(shape(torch.float16), 0, "auto")
+    fp16 = rank_layout(shape(torch.float16), 0, "portable")
     assert fp16.name == "vllm-3x2x16-b16-fp16" and fp16.stream("v").format == "fp16"
     fp8 = rank_layout(shape(torch.bfloat16), 0, "fp8_e4m3")
     assert fp8.stream("k").format == "fp8_e4m3" and fp8.stream("k").bits == 8
@@ -81,15 +86,53 @@ def test_value_formats():
     assert int8.stream("k").format == "int8" and int8.stream("k").group_size == 16
     assert len({fp16.layout_id, fp8.layout_id, int8.layout_id}) == 3
     with pytest.raises(UnsupportedModel, match="exactly"):
-        rank_layout(shape(torch.float32), 0, "auto")
+        rank_layout(shape(torch.float32), 0, "portable")
     assert rank_layout(shape(torch.float32), 0, "int8").stream("v").bits == 8
+
+
+def test_engine_pages_layout_binds_the_block_arrangement(vllm_config):
+    """value_format auto: one page stream, a whole block of a layer per entry, and the
+    arrangement in the name, so engines whose blocks differ never share a chunk."""
+    shape = cache_shape(vllm_config, kv_config(full()))
+    spec = rank_layout(shape, 0, "auto")
+    assert spec.name == "vllm-cpu_attn.vec16-3x2x16-b128-bf16"
+    (page,) = spec.streams
+    assert (page.name, page.format, page.entry_shape, page.tokens_per_entry, page.layers) == (
+        "page", "page", (2, 2 * 128 * 16 * 2), 128, 3)
+    # the same bytes per token as the token-major K and V
+    assert spec.persistent_bytes_per_token == rank_layout(shape, 0, "portable"
+                                                          ).persistent_bytes_per_token
+    ids = {rank_layout(replace(shape, arrangement=a), 0, "auto").layout_id
+           for a in ("cpu_attn.vec", "cpu_attn.amx", "flash_attn")}
+    assert len(ids) == 3 and spec.layout_id not in ids
+    # float32 KV is held exactly as pages
+    assert rank_layout(replace(shape, dtype=torch.float32), 0, "auto").name.endswith("-fp32")
+    with pytest.raises(UnsupportedModel, match="arrangement"):
+        rank_layout(replace(shape, arrangement=""), 0, "auto")
+    # TP ranks hold their own heads' pages
+    tp = [rank_layout(replace(shape, tp_size=2), r, "auto") for r in range(2)]
+    assert [s.stream("page").entry_shape for s in tp] == [(1, 2 * 128 * 16 * 2)] * 2
+
+
+def test_a_worker_runs_the_arrangement_its_layout_names():
+    """The worker's attention layers must run the backend (and CPU_ATTN ISA) the layout
+    names, else the engine does not start: pages are never read by another arrangement."""
+    cpu = SimpleNamespace(get_name=lambda: "CPU_ATTN")
+    vec = CacheShape(3, 2, 64, 128, 100, torch.bfloat16, 1, "cpu_attn.vec")
+    check_arrangement(vec, [SimpleNamespace(attn_backend=cpu, isa="vec")])
+    # not told its ISA yet: its backend alone is checked
+    check_arrangement(vec, [SimpleNamespace(attn_backend=cpu)])
+    for layer in (SimpleNamespace(attn_backend=cpu, isa="amx"),
+                  SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: "FLASH_ATTN"))):
+        with pytest.raises(UnsupportedModel, match="lay blocks out"):
+            check_arrangement(vec, [layer])
 
 
 def test_one_layout_per_rank_and_tp_size():
     shape = CacheShape(layers=3, kv_heads=2, head_size=16, block_size=16, vocab_size=100,
                        dtype=torch.bfloat16, tp_size=2)
-    ranks = [rank_layout(shape, r, "auto") for r in range(2)]
-    single = rank_layout(CacheShape(3, 2, 16, 16, 100, torch.bfloat16, 1), 0, "auto")
+    ranks = [rank_layout(shape, r, "portable") for r in range(2)]
+    single = rank_layout(CacheShape(3, 2, 16, 16, 100, torch.bfloat16, 1), 0, "portable")
     assert len({s.layout_id for s in (*ranks, single)}) == 3
     assert [s.name for s in ranks] == ["vllm-3x2x16-b16-bf16-tp2r0", "vllm-3x2x16-b16-bf16-tp2r1"]
     assert all(s.stream("k").entry_shape == (1, 16) for s in ranks)

@@ -133,7 +133,7 @@ def test_layouts_are_told_apart_and_checked():
 def test_bf16_values_are_stored_as_they_are():
     shape = CacheShape(layers=3, kv_heads=H, head_size=D, block_size=BS, vocab_size=100,
                        dtype=torch.bfloat16, tp_size=1)
-    spec = rank_layout(shape, 0, "auto")
+    spec = rank_layout(shape, 0, "portable")
     k = torch.randn(3, BS, H, D).to(torch.bfloat16)
     v = torch.randn(3, BS, H, D).to(torch.bfloat16)
     streams = {"k": values.encode(spec.stream("k"), k), "v": values.encode(spec.stream("v"), v)}
@@ -146,7 +146,7 @@ def test_bf16_values_are_stored_as_they_are():
 def test_fp16_values_are_stored_as_they_are_and_other_dtypes_refused():
     shape = CacheShape(layers=2, kv_heads=H, head_size=D, block_size=BS, vocab_size=100,
                        dtype=torch.float16, tp_size=1)
-    stream = rank_layout(shape, 0, "auto").stream("k")
+    stream = rank_layout(shape, 0, "portable").stream("k")
     x = torch.randn(2, BS, H, D).to(torch.float16)
     assert same_bits(values.decode(stream, values.encode(stream, x), torch.float16), x)
     with pytest.raises(LayoutMismatch):
@@ -167,3 +167,60 @@ def test_lossy_values_are_close(fmt):
     bound = (x.float().abs().amax(-1, keepdim=True) / 127 * 0.5 if fmt == "int8"
              else x.float().abs() / 16 + x.float().abs().amax() / 448 * 2 ** -9)
     assert (err <= bound + 1e-2).all()
+
+
+@pytest.mark.parametrize("kind,device", [("cpu", "cpu"), ("split", "cpu"), ("nhd", "cpu"),
+                                         pytest.param("split", "cuda", marks=CUDA),
+                                         pytest.param("nhd", "cuda", marks=CUDA)])
+@pytest.mark.parametrize("ids", [[4, 1, 2], [1, 2, 3]], ids=["scattered", "one run"])
+def test_pages_go_back_as_the_bytes_they_were(kind, device, ids):
+    """Engine pages: each block's bytes as the layer holds them (nhd: its K block, then
+    its V block), put back from strided views (a chunk stride, as in a reply segment)
+    into other blocks bit for bit, touching no other block, with no repack."""
+    paged = PagedLayout(kind, H, D, BS, pages=True)
+    shape = (2, N, BS, H, D) if kind == "nhd" else (N, H, BS, 2 * D)
+    g = torch.Generator().manual_seed(5)
+    source = torch.randn(*shape, generator=g).to(torch.bfloat16).to(device)
+    index = torch.tensor([0, 3, 5], device=device)
+    rows = paged.page_rows(paged.take(source, index))  # (3 * BS, page bytes / BS)
+    page_bytes = H * BS * 2 * D * 2
+    assert rows.dtype == torch.uint8 and rows.shape == (3 * BS, page_bytes // BS)
+    dim = 1 if kind == "nhd" else 0
+    for n, block in enumerate(index.tolist()):  # a page is the block's own bytes
+        own = source.select(dim, block).cpu().contiguous().view(torch.uint8).reshape(-1)
+        assert torch.equal(rows[n * BS:(n + 1) * BS].reshape(-1), own)
+    pad = 40  # each page lies in a chunk with other bytes around it
+    segment = torch.zeros(3, pad + page_bytes + 8, dtype=torch.uint8)
+    segment[:, pad:pad + page_bytes] = rows.view(3, page_bytes)
+    target = torch.zeros(*shape, dtype=torch.bfloat16, device=device)
+    paged.put_pages(target, torch.tensor(ids, device=device),
+                    segment[:, pad:pad + page_bytes].view(3, 1, H, -1))
+    assert same_bits(target.index_select(dim, torch.tensor(ids, device=device)).cpu(),
+                     source.index_select(dim, index).cpu())
+    others = [b for b in range(N) if b not in ids]
+    assert not target.index_select(dim, torch.tensor(others, device=device)).any()
+    with pytest.raises(ValueError, match="pages must be"):
+        paged.put_pages(target, torch.tensor(ids, device=device), rows[:-1])
+
+
+def test_page_streams_hold_whole_blocks_only():
+    """A page stream's codes are whole pages, one entry per block: a partial block (a
+    spill's tail) holds none; decoding gives the page rows back, never values."""
+    from kvstore.format.errors import InvalidRequest
+    from kvstore.format.hf.quant import decode_values
+
+    shape = CacheShape(layers=2, kv_heads=H, head_size=D, block_size=BS, vocab_size=100,
+                       dtype=torch.bfloat16, tp_size=1, arrangement="cpu_attn.vec")
+    spec = rank_layout(shape, 0, "auto")
+    stream = spec.stream("page")
+    rows = torch.randint(0, 256, (2, BS, H * 2 * D * 2), dtype=torch.uint8)
+    data = values.encode(stream, rows)
+    assert data.codes.shape == (2, 1, H, BS * 2 * D * 2) and data.scales is None
+    chunk = encode_chunk(spec, 0, list(range(BS)), {"page": data})
+    got = decode_chunk(chunk, spec, token_ids=list(range(BS))).streams["page"]
+    assert torch.equal(values.decode(stream, got, torch.bfloat16), rows)
+    assert values.encode(stream, rows[:, :BS - 1]).codes.shape == (2, 0, H, BS * 2 * D * 2)
+    with pytest.raises(LayoutMismatch):
+        values.encode(stream, rows.view(torch.bfloat16))
+    with pytest.raises(InvalidRequest, match="page bytes"):
+        decode_values(stream, got)

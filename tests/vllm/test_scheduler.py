@@ -27,7 +27,7 @@ from kvtier.integrations.vllm.scheduler import SchedulerSide  # noqa: E402
 BS = 16
 SHAPE = CacheShape(layers=2, kv_heads=2, head_size=16, block_size=BS, vocab_size=1000,
                    dtype=torch.bfloat16, tp_size=1)
-SPEC = rank_layout(SHAPE, 0, "auto")
+SPEC = rank_layout(SHAPE, 0, "portable")  # token-major: the test spills K and V
 FINGERPRINT = "sched-test-model"
 TOKENS = [(7 * i) % 997 + 1 for i in range(3 * BS + 6)]  # 3 whole blocks and 6 tokens
 

@@ -4,6 +4,7 @@ load (that block and every later one are load errors), a request's saves over a 
 load are dropped and reported, and a finished request is reported once its saves landed."""
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -26,8 +27,9 @@ from kvtier.integrations.vllm.transfers import Store  # noqa: E402
 from kvtier.integrations.vllm.worker import WorkerSide  # noqa: E402
 
 BS, H, D, LAYERS, BLOCKS = 16, 2, 16, 2, 8
-SHAPE = CacheShape(LAYERS, H, D, BS, 1000, torch.bfloat16, 1)
-SPEC = rank_layout(SHAPE, 0, "auto")
+SHAPE = CacheShape(LAYERS, H, D, BS, 1000, torch.bfloat16, 1, "cpu_attn.vec")
+SPEC = rank_layout(SHAPE, 0, "auto")  # engine pages
+PORTABLE = rank_layout(SHAPE, 0, "portable")  # token-major K and V
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 TOKENS = [(11 * i) % 991 + 1 for i in range(3 * BS)]
 
@@ -35,20 +37,22 @@ TOKENS = [(11 * i) % 991 + 1 for i in range(3 * BS)]
 @pytest.fixture(scope="module")
 def client(kvtier_server):
     with kvtier.Client(kvtier_server.target) as c:
-        c.register_layout(SPEC)
+        for spec in (SPEC, PORTABLE):
+            c.register_layout(spec)
         yield c
 
 
-def worker(client, kvtier_server, seed: int | None):
-    """A worker side over a fresh CPU cache (random when ``seed`` is given, else zeros)."""
+def worker(client, kvtier_server, seed: int | None, spec=SPEC):
+    """A worker side over a fresh CPU cache (random when ``seed`` is given, else zeros),
+    storing under ``spec``."""
     config = ConnectorConfig.from_extra({"server": kvtier_server.target, "tenant": "worker",
                                          "model_fingerprint": "worker-test", "ack": "durable"})
     g = torch.Generator().manual_seed(seed or 0)
     caches = {name: (torch.randn(BLOCKS, H, BS, 2 * D, generator=g) if seed is not None
                      else torch.zeros(BLOCKS, H, BS, 2 * D)).to(torch.bfloat16)
               for name in NAMES}
-    paged = PagedLayout("cpu", H, D, BS)
-    side = WorkerSide(lambda layers, p: Store(client, config, SPEC, p, layers, torch.bfloat16,
+    paged = PagedLayout("cpu", H, D, BS, pages=spec.streams[0].format == "page")
+    side = WorkerSide(lambda layers, p: Store(client, config, spec, p, layers, torch.bfloat16,
                                               StatsCounter()), SHAPE, 0, paged)
     side.register_kv_caches(caches, extract_layer_index)
     return side, caches
@@ -75,14 +79,15 @@ def finish(side, caches, req_id: str) -> None:
         _, done = run_step(side, caches, KVTierConnectorMetadata())
 
 
-def test_saved_blocks_load_bit_for_bit_into_other_blocks(client, kvtier_server):
-    source, src = worker(client, kvtier_server, seed=1)
+@pytest.mark.parametrize("spec", [SPEC, PORTABLE], ids=["pages", "token-major"])
+def test_saved_blocks_load_bit_for_bit_into_other_blocks(client, kvtier_server, spec):
+    source, src = worker(client, kvtier_server, seed=1, spec=spec)
     errors, _ = run_step(source, src, KVTierConnectorMetadata(
         saves=[SavePlan("w", tuple(TOKENS), 0, (3, 5, 6))]))
     assert errors == set()
     finish(source, src, "w")
-    assert client.lookup("worker", SPEC, TOKENS, model="worker-test") == 3 * BS
-    target, dst = worker(client, kvtier_server, seed=None)
+    assert client.lookup("worker", spec, TOKENS, model="worker-test") == 3 * BS
+    target, dst = worker(client, kvtier_server, seed=None, spec=spec)
     errors, _ = run_step(target, dst, KVTierConnectorMetadata(
         loads=[LoadPlan("r", tuple(TOKENS), 0, (1, 2, 4))]))
     assert errors == set()
@@ -92,6 +97,27 @@ def test_saved_blocks_load_bit_for_bit_into_other_blocks(client, kvtier_server):
         assert not dst[name][[0, 3, 5, 6, 7]].any()  # no other block touched
     stats = target.take_stats().data
     assert (stats["loads"], stats["loaded_tokens"], stats["load_error_blocks"]) == (1, 48, 0)
+
+
+def test_pages_of_one_block_arrangement_are_not_found_by_another(client, kvtier_server):
+    """Pages saved by an engine whose blocks are laid out one way (vec) are not found by
+    one that lays them out another way (amx): another layout id, other chunk keys; its
+    load of them is a load error for every block, and nothing is written."""
+    amx = rank_layout(replace(SHAPE, arrangement="cpu_attn.amx"), 0, "auto")
+    client.register_layout(amx)
+    assert amx.layout_id != SPEC.layout_id
+    tokens = [(19 * i) % 971 + 5 for i in range(2 * BS)]
+    source, src = worker(client, kvtier_server, seed=7)
+    run_step(source, src, KVTierConnectorMetadata(
+        saves=[SavePlan("v", tuple(tokens), 0, (0, 1))]))
+    finish(source, src, "v")
+    assert client.lookup("worker", SPEC, tokens, model="worker-test") == 2 * BS
+    assert client.lookup("worker", amx, tokens, model="worker-test") == 0
+    target, dst = worker(client, kvtier_server, seed=None, spec=amx)
+    errors, _ = run_step(target, dst, KVTierConnectorMetadata(
+        loads=[LoadPlan("a", tuple(tokens), 0, (2, 3))]))
+    assert errors == {2, 3}
+    assert not any(dst[name].any() for name in NAMES)
 
 
 def test_a_gap_ends_the_load_and_saves_over_it_are_dropped(client, kvtier_server):
@@ -147,3 +173,26 @@ def test_a_chunk_damaged_in_the_store_ends_the_load(client, kvtier_server):
     for name in NAMES:
         assert torch.equal(dst[name][5].view(torch.int16), src[name][0].view(torch.int16))
         assert not dst[name][[0, 1, 2, 3, 4, 6, 7]].any()
+
+
+def test_compressed_pages_are_decoded_and_written_as_they_were():
+    """Page chunks that cannot be read in place (zstd-compressed) are decoded one by one
+    and go into the blocks byte for byte, as the in-place ones do."""
+    from kvstore.format.chunk import encode_chunk
+    from kvtier.integrations.vllm import values
+    from kvtier.integrations.vllm.transfers import _streams
+
+    g = torch.Generator().manual_seed(9)
+    src = torch.randn(BLOCKS, H, BS, 2 * D, generator=g).to(torch.bfloat16)
+    paged = PagedLayout("cpu", H, D, BS, pages=True)
+    store = Store(None, None, SPEC, paged, [src] * LAYERS, torch.bfloat16, StatsCounter())
+    rows = store.read_blocks([6, 2])["page"]  # (layers, 2 * BS, row)
+    chunks = [encode_chunk(SPEC, i * BS, TOKENS[i * BS:(i + 1) * BS],
+                           {"page": values.encode(SPEC.stream("page"),
+                                                  rows[:, i * BS:(i + 1) * BS])},
+                           zstd_level=3) for i in range(2)]
+    streams = _streams(store, chunks, LoadPlan("z", tuple(TOKENS), 0, (0, 1)))
+    target = torch.zeros_like(src)
+    paged.put_pages(target, torch.tensor([1, 4]), streams["page"][0])
+    assert torch.equal(target[[1, 4]].view(torch.int16), src[[6, 2]].view(torch.int16))
+    assert not target[[0, 2, 3, 5, 6, 7]].any()

@@ -88,6 +88,9 @@ def decode_values(stream: Stream, data: StreamData, chunk_tokens: int = 0) -> to
     if codes.dtype != code_dtype(stream) or tuple(codes.shape) != want:
         raise InvalidRequest(f"stream {stream.name}: codes must be {want} {code_dtype(stream)}, "
                              f"got {tuple(codes.shape)} {codes.dtype}")
+    if stream.format == "page":
+        raise InvalidRequest(f"stream {stream.name} holds an engine's own page bytes: they "
+                             "are no values to decode")
     if stream.value_format.scales == "none":
         return codes.float()
     if stream.format == "fp8_e4m3":

@@ -3,7 +3,7 @@
 Keys (all strings unless said): ``server`` (host:port, default 127.0.0.1:50051), ``tls_ca``
 (a CA file: TLS on), ``token`` or ``token_file`` (a bearer token), ``tenant`` (default
 "default"), ``model_fingerprint`` (required: the weights' identity, bound into every chunk
-key), ``value_format`` ("auto", "int8", "fp8_e4m3"), ``dedupe_domain`` ("" for the
+key), ``value_format`` ("auto", "portable", "int8", "fp8_e4m3"), ``dedupe_domain`` ("" for the
 tenant's own), ``ack`` ("memory" or "durable"), ``timeout_s`` (number: the most one store
 call may take, default 10).
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvstore.format.errors import InvalidRequest, shown
 
-VALUE_FORMATS = ("auto", "int8", "fp8_e4m3")
+VALUE_FORMATS = ("auto", "portable", "int8", "fp8_e4m3")
 ACKS = ("memory", "durable")
 KEYS = ("server", "tls_ca", "token", "token_file", "tenant", "model_fingerprint",
         "value_format", "dedupe_domain", "ack", "timeout_s")

@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.layout import cache_shape, rank_layout
+from kvtier.integrations.vllm.layout import PAGE, cache_shape, check_arrangement, rank_layout
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata
 from kvtier.integrations.vllm.repack import PagedLayout, layout_kind
 from kvtier.integrations.vllm.scheduler import SchedulerSide
@@ -81,9 +81,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.model_executor.models.utils import extract_layer_index
 
         first = next(iter(kv_caches.values()))
-        heads, head_size = self._spec.stream("k").entry_shape
-        paged = PagedLayout(layout_kind(self._is_cpu, first), heads, head_size,
-                            self.shape.block_size)
+        stream = self._spec.streams[0]
+        pages = stream.format == PAGE
+        if pages:
+            context = self._vllm_config.compilation_config.static_forward_context
+            check_arrangement(self.shape, [context[n] for n in kv_caches if n in context])
+        paged = PagedLayout(layout_kind(self._is_cpu, first), stream.entry_shape[0],
+                            self.shape.head_size, self.shape.block_size, pages=pages)
         self._worker = WorkerSide(self._store_of, self.shape, self._rank, paged)
         self._worker.register_kv_caches(kv_caches, extract_layer_index)
 

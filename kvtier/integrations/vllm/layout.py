@@ -10,10 +10,22 @@ under its own layout (``kvstore.format.tensor_parallel.tp_shard_layout``: the na
 ``-tp<size>r<rank>``), so ranks of one engine, and engines of another TP size, never share
 a chunk.
 
-Value formats (``value_format``): "auto" stores the engine's KV dtype exactly (bf16 as bf16,
-fp16 as fp16: a lossless passthrough); "int8" symmetric int8 with one fp16 scale per token
-and head; "fp8_e4m3" e4m3 codes with one float32 scale per layer and chunk (its absmax /
-448). The last two are lossy: a loaded block differs from a recomputed one by the rounding.
+Value formats (``value_format``): "auto" stores each block's engine page as it lies in the
+cache (below); "portable" the engine's KV dtype exactly, token-major (bf16 as bf16, fp16
+as fp16: a lossless passthrough any engine of the model can read); "int8" symmetric int8
+with one fp16 scale per token and head; "fp8_e4m3" e4m3 codes with one float32 scale per
+layer and chunk (its absmax / 448). The last two are lossy: a loaded block differs from a
+recomputed one by the rounding.
+
+Engine pages ("auto"): one stream ``page`` of format ``page`` (opaque bytes), one entry per
+block (``tokens_per_entry`` = the block size), entry ``(kv_heads, bytes per head)``: a
+chunk's layer section is exactly the bytes of ``kv_cache[layer][block]``, whatever the
+attention backend keeps there, so a save is one gather and a load one scatter of whole
+blocks. Which arrangement those bytes are in is the engine's (``block_arrangement``: on the
+CPU ``cpu_attn.<isa>``, vec and amx lay a block out differently; elsewhere the attention
+backend's name), and it is in the layout's name, so the layout id, hence every chunk key,
+binds it: an engine whose blocks are laid out otherwise never finds those chunks. The name
+is ``vllm-<arrangement>-<layers>x<kv_heads>x<head_size>-b<block>-<dtype>``.
 """
 
 from __future__ import annotations
@@ -27,9 +39,12 @@ from kvstore.format.errors import UnsupportedModel
 from kvstore.format.layout import LayoutSpec, Stream
 from kvstore.format.tensor_parallel import shard_heads, tp_shard_layout
 
-STREAMS = ("k", "v")
+STREAMS = ("k", "v")  # a token-major layout's
+PAGE = "page"  # an engine-page layout's one stream
 # the engine's KV dtype -> the stream format that holds it exactly
 EXACT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# the engine's KV dtype as an engine-page layout's name states it
+PAGE_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +58,9 @@ class CacheShape:
     vocab_size: int
     dtype: torch.dtype
     tp_size: int
+    # how the engine lays a block out (``block_arrangement``); "" when not known, and then
+    # there is no engine-page layout
+    arrangement: str = ""
 
 
 def cache_shape(vllm_config, kv_cache_config) -> CacheShape:
@@ -72,19 +90,53 @@ def cache_shape(vllm_config, kv_cache_config) -> CacheShape:
     return CacheShape(layers=len(groups[0].layer_names), kv_heads=kv_heads,
                       head_size=spec.head_size, block_size=spec.block_size,
                       vocab_size=vllm_config.model_config.get_vocab_size(), dtype=spec.dtype,
-                      tp_size=tp_size)
+                      tp_size=tp_size, arrangement=block_arrangement(vllm_config, spec))
+
+
+def block_arrangement(vllm_config, spec: FullAttentionSpec) -> str:
+    """How the engine's attention backend lays out a block's bytes, as both the scheduler
+    and every worker can tell from the config: on the CPU ``cpu_attn.<isa>`` (the ISA path
+    CPU_ATTN picks for the model's dtype, block and head size: vec, vec16, amx, neon, ...
+    each arrange K and V their own way), elsewhere the backend's name, lower case (the
+    worker checks its layers run that backend, ``check_arrangement``)."""
+    from vllm.platforms import current_platform
+
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return "cpu_attn." + _get_attn_isa(vllm_config.model_config.dtype, spec.block_size,
+                                           spec.head_size, cache_dtype)
+    from vllm.v1.attention.selector import get_attn_backend
+
+    return get_attn_backend(spec.head_size, spec.dtype, cache_dtype).get_name().lower()
+
+
+def check_arrangement(shape: CacheShape, attention_layers: list) -> None:
+    """The layers (vLLM ``Attention`` modules) really lay blocks out as ``shape`` says
+    (``UnsupportedModel``): an engine-page chunk is only ever read by its arrangement. A
+    CPU_ATTN layer that has not been told its ISA yet is checked by its backend alone."""
+    for layer in attention_layers:
+        got = layer.attn_backend.get_name().lower()
+        if got == "cpu_attn" and getattr(layer, "isa", None):
+            got += f".{layer.isa}"
+        if got != shape.arrangement and not shape.arrangement.startswith(got + "."):
+            raise UnsupportedModel(f"kvtier connector: the attention layers lay blocks out "
+                                   f"as {got}, the layout says {shape.arrangement}")
 
 
 def stream_format(value_format: str, dtype: torch.dtype) -> str:
     """The stream format (``kvstore.format.layout.FORMATS``) of ``value_format`` for KV of
-    ``dtype``."""
-    if value_format != "auto":
+    ``dtype``: "page" for "auto" (the engine's own block bytes)."""
+    if value_format == "auto":
+        return PAGE
+    if value_format != "portable":
         return value_format
     if dtype not in EXACT:
         raise UnsupportedModel(
-            f"kvtier connector: value_format auto stores the KV dtype exactly and no stream "
-            f"format holds {dtype} exactly: run vLLM with dtype bfloat16 or float16, or set "
-            "value_format int8 or fp8_e4m3")
+            f"kvtier connector: value_format portable stores the KV dtype exactly and no "
+            f"stream format holds {dtype} exactly: run vLLM with dtype bfloat16 or float16, "
+            "or set value_format auto, int8 or fp8_e4m3")
     return EXACT[dtype]
 
 
@@ -96,9 +148,31 @@ def value_stream(name: str, fmt: str, shape: CacheShape) -> Stream:
     return Stream(name, entry, bits=bits, layers=shape.layers, format=fmt)
 
 
+def page_layout(shape: CacheShape) -> LayoutSpec:
+    """The engine-page layout of the whole engine's cache (every head): each chunk holds,
+    per layer, its block's bytes as the engine lays them out (module docstring)."""
+    if not shape.arrangement:
+        raise UnsupportedModel("kvtier connector: the engine's block arrangement is not known: "
+                               "value_format auto needs it; set value_format portable")
+    if shape.dtype not in PAGE_DTYPES:
+        raise UnsupportedModel(f"kvtier connector: engine pages of {shape.dtype} KV are not "
+                               f"supported ({sorted(PAGE_DTYPES.values())})")
+    # a block's K and V of one head: 2 * block_size * head_size values
+    head_bytes = 2 * shape.block_size * shape.head_size * shape.dtype.itemsize
+    stream = Stream(PAGE, (shape.kv_heads, head_bytes), bits=8, format=PAGE,
+                    tokens_per_entry=shape.block_size, layers=shape.layers)
+    name = (f"vllm-{shape.arrangement}-{shape.layers}x{shape.kv_heads}x{shape.head_size}-"
+            f"b{shape.block_size}-{PAGE_DTYPES[shape.dtype]}")
+    return LayoutSpec(name, (stream,), chunk_tokens=shape.block_size,
+                      vocab_size=shape.vocab_size, requires_model_fingerprint=True,
+                      replayer="none", notes=f"a vLLM engine's paged blocks, {shape.arrangement}")
+
+
 def engine_layout(shape: CacheShape, value_format: str) -> LayoutSpec:
     """The layout of the whole engine's cache (every head)."""
     fmt = stream_format(value_format, shape.dtype)
+    if fmt == PAGE:
+        return page_layout(shape)
     name = (f"vllm-{shape.layers}x{shape.kv_heads}x{shape.head_size}-b{shape.block_size}-"
             f"{fmt.replace('_', '')}")
     return LayoutSpec(name, tuple(value_stream(s, fmt, shape) for s in STREAMS),

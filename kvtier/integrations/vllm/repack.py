@@ -13,6 +13,11 @@ vLLM's side, one tensor per attention layer (``LAYOUTS``):
       at [block, :, n].
   "nhd": (2, num_blocks, block_size, H, D), [0] K and [1] V (FlashAttention's cache
       before vLLM's per-layer [B, H, N, C] views).
+
+Or, for an engine-page layout (``pages``), no repack at all: a block's page is its bytes
+as the layer holds them, (H, block_size, 2 * D) values (cpu, split; the layer's own
+arrangement within them: vec, amx, ...), or its K block then its V block,
+(2, block_size, H, D) (nhd); saved by one gather and loaded by one scatter per layer.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class PagedLayout:
     kv_heads: int
     head_size: int
     block_size: int
+    pages: bool = False  # the store keeps blocks as engine pages, not token-major K and V
 
     @property
     def block_dim(self) -> int:
@@ -64,6 +70,39 @@ class PagedLayout:
         still in vLLM's layout: (n, H, block_size, 2D), or (2, n, block_size, H, D) for
         nhd."""
         return layer.index_select(self.block_dim, block_ids)
+
+    def page_rows(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Blocks ``take`` returned as their pages, byte for byte, on the CPU: (n *
+        block_size, page bytes // block_size) uint8, each block's page its block_size rows
+        back to back (a row is a share of a page, no token's K or V)."""
+        if self.kind == "nhd":
+            blocks = blocks.transpose(0, 1)  # (n, 2, b, H, D)
+        n, b = blocks.shape[0], self.block_size
+        return blocks.cpu().contiguous().view(torch.uint8).reshape(n * b, -1)
+
+    def put_pages(self, layer: torch.Tensor, block_ids: torch.Tensor,
+                  pages: torch.Tensor) -> None:
+        """Write whole pages (n, ...) uint8 of n * page bytes, rows of any stride (e.g.
+        views of chunks lying in a reply segment), into the blocks ``block_ids`` (n int64,
+        on the layer's device) of ``layer``, no repack: on a GPU one scatter; on the CPU one
+        copy per run of consecutive blocks (a plain memcpy of whole pages: index_copy_
+        measured 2-3x slower than these copies even with every block its own run)."""
+        h, d, b = self.kv_heads, self.head_size, self.block_size
+        n = block_ids.shape[0]
+        page_bytes = h * b * 2 * d * layer.element_size()
+        if pages.dtype != torch.uint8 or pages.numel() != n * page_bytes:
+            raise ValueError(f"pages must be {n} x {page_bytes} B (uint8), got "
+                             f"{tuple(pages.shape)} {pages.dtype}")
+        values = pages.to(layer.device).reshape(n, page_bytes).view(layer.dtype)
+        if self.kind == "nhd":
+            layer.index_copy_(1, block_ids, values.view(n, 2, b, h, d).transpose(0, 1))
+        elif layer.is_cuda:
+            layer.index_copy_(0, block_ids, values.view(n, h, b, 2 * d))
+        else:
+            at = 0
+            for start, count in runs(block_ids.tolist()):
+                layer[start:start + count].copy_(values[at:at + count].view(count, h, b, 2 * d))
+                at += count
 
     def split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V, each (n * block_size, H, D), of blocks ``take`` returned."""

@@ -9,8 +9,9 @@ first chunk that is missing or fails ends the load: it and every later block of 
 request are load errors, so vLLM recomputes them; nothing after a gap is used.
 
 A load is one ReadChunks call; over shared memory its chunks are read where they lie in
-the reply segment (lent until the load is written), and each layer's K and V of every
-block go into the cache in one call (``PagedLayout.put_blocks``).
+the reply segment (lent until the load is written), and each layer's blocks go into the
+cache in one call: engine pages as they are (``PagedLayout.put_pages``, one scatter), or
+token-major K and V (``PagedLayout.put_blocks``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from kvstore.format.errors import KVTierError
 from kvstore.format.layout import LayoutSpec
 from kvtier.integrations.vllm import values
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.layout import STREAMS
+from kvtier.integrations.vllm.layout import PAGE, STREAMS
 from kvtier.integrations.vllm.metadata import LoadPlan, SavePlan, SpillPlan
 from kvtier.integrations.vllm.repack import PagedLayout
 from kvtier.integrations.vllm.stats import StatsCounter
@@ -64,33 +65,43 @@ class Store:
     def block_size(self) -> int:
         return self.spec.chunk_tokens
 
+    @property
+    def streams(self) -> list[str]:
+        """The layout's streams: ``page`` (engine pages) or ``k`` and ``v``."""
+        return [s.name for s in self.spec.streams]
+
     def block_index(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.int64, device=self.layers[0].device)
 
     def encode_blocks(self, kv: dict[str, torch.Tensor], token_ids: Sequence[int],
                       first_token: int) -> list[bytes]:
-        """Chunks of K and V (layers, tokens, H, D) from token ``first_token`` on: one per
-        whole block, and one more for a partial last block."""
+        """Chunks of K and V (layers, tokens, H, D), or of page rows, from token
+        ``first_token`` on (``gathered``): one per whole block, and one more for a partial
+        last block."""
         bs = self.block_size
-        count = kv["k"].shape[1]
+        count = next(iter(kv.values())).shape[1]
         out = []
         for start in range(0, count, bs):
             stop = min(start + bs, count)
             streams = {name: values.encode(self.spec.stream(name), kv[name][:, start:stop])
-                       for name in STREAMS}
+                       for name in self.streams}
             at = first_token + start
             out.append(encode_chunk(self.spec, at, token_ids[at:at + stop - start], streams))
         return out
 
     def read_blocks(self, block_ids: Sequence[int]) -> dict[str, torch.Tensor]:
-        """K and V (layers, len(block_ids) * block_size, H, D) of paged blocks, on the CPU."""
+        """K and V (layers, len(block_ids) * block_size, H, D), or their page rows, of
+        paged blocks, on the CPU (``gathered``)."""
         index = self.block_index(block_ids)
         return gathered([self.paged.take(layer, index) for layer in self.layers], self.paged)
 
 
 def gathered(raw: list[torch.Tensor], paged: PagedLayout) -> dict[str, torch.Tensor]:
     """K and V (layers, tokens, H, D) on the CPU of per-layer blocks ``PagedLayout.take``
-    returned."""
+    returned; for engine pages their page rows, ``page`` (layers, tokens, page bytes //
+    block_size) uint8, no repack."""
+    if paged.pages:
+        return {PAGE: torch.stack([paged.page_rows(blocks) for blocks in raw])}
     split = [paged.split(blocks.cpu()) for blocks in raw]
     return {"k": torch.stack([k for k, _ in split]), "v": torch.stack([v for _, v in split])}
 
@@ -139,7 +150,7 @@ def run_load(store: Store, job: LoadJob) -> None:
             chunks = [result.chunks[plan.first_chunk + n]
                       for n in range(_good_prefix(plan, result))]
             streams = _streams(store, chunks, plan)
-            count = streams["k"][0].shape[0] if streams else 0
+            count = next(iter(streams.values()))[0].shape[0] if streams else 0
             read_bytes = sum(map(len, chunks[:count]))
             if count:
                 if job.queued is not None:
@@ -148,8 +159,11 @@ def run_load(store: Store, job: LoadJob) -> None:
                 # Layer by layer, each layer's event set once it is written: the forward
                 # pass runs a layer as soon as its blocks are in.
                 for layer, tensor in enumerate(store.layers):
-                    k, v = (streams[name][layer] for name in STREAMS)
-                    store.paged.put_blocks(tensor, index, k, v)
+                    if store.paged.pages:
+                        store.paged.put_pages(tensor, index, streams[PAGE][layer])
+                    else:
+                        k, v = (streams[name][layer] for name in STREAMS)
+                        store.paged.put_blocks(tensor, index, k, v)
                     settle(tensor)
                     job.layer_ready[layer].set()
                 job.loaded_chunks = count
@@ -178,10 +192,11 @@ def _good_prefix(plan: LoadPlan, result: ReadChunksResult) -> int:
 
 
 def _streams(store: Store, chunks: list, plan: LoadPlan) -> dict[str, list[torch.Tensor]]:
-    """Per stream, per layer, the values (n, block_size, H, D) in the cache's dtype of the
-    first n of ``chunks`` (read and checked by ``read_chunks``) that decode: uncompressed
-    chunks of a passthrough format as views of their bytes, else decoded one by one (the
-    first that fails the codec's checks ends the run; logged). {} when none."""
+    """Per stream, per layer, the values (n, block_size, H, D) in the cache's dtype (or
+    the pages, (n, ...) uint8) of the first n of ``chunks`` (read and checked by
+    ``read_chunks``) that decode: uncompressed chunks of a passthrough format as views of
+    their bytes, else decoded one by one (the first that fails the codec's checks ends the
+    run; logged). {} when none."""
     if not chunks:
         return {}
     rows = _rows(store, chunks)
@@ -195,21 +210,22 @@ def _streams(store: Store, chunks: list, plan: LoadPlan) -> dict[str, list[torch
             got = decode_chunk(data, store.spec,
                                token_ids=plan.token_ids[chunk * bs:(chunk + 1) * bs]).streams
             decoded.append({name: values.decode(store.spec.stream(name), got[name],
-                                                store.dtype) for name in STREAMS})
+                                                store.dtype) for name in store.streams})
         except KVTierError as exc:
             logger.warning("kvtier chunk %d fails its checks, not loaded: %s", chunk, exc)
             break
     if not decoded:
         return {}
     # each (layers, n, block_size, H, D)
-    return {name: list(torch.stack([d[name] for d in decoded], dim=1)) for name in STREAMS}
+    return {name: list(torch.stack([d[name] for d in decoded], dim=1))
+            for name in store.streams}
 
 
 def _rows(store: Store, chunks: list) -> np.ndarray | None:
     """The chunks as one (n, bytes) uint8 array (a view where they lie back to back, as
     in a reply segment, else one join) when all are uncompressed, of one size, of a
     passthrough format; else None."""
-    if not all(store.spec.stream(n).value_format.scales == "none" for n in STREAMS):
+    if not all(s.value_format.scales == "none" for s in store.spec.streams):
         return None
     views = [np.frombuffer(c, np.uint8) for c in chunks]
     size = views[0].size
@@ -226,8 +242,9 @@ def _rows(store: Store, chunks: list) -> np.ndarray | None:
 
 
 def _views(store: Store, rows: np.ndarray) -> dict[str, list[torch.Tensor]]:
-    """Each stream's codes per layer, (n, block_size, H, D), as views of ``rows``: (n,
-    bytes) uint8, uncompressed chunks ``read_chunks`` checked whole."""
+    """Each stream's codes per layer, (n, block_size, H, D) (a page stream's (n, 1, H,
+    bytes per head)), as views of ``rows``: (n, bytes) uint8, uncompressed chunks
+    ``read_chunks`` checked whole."""
     n, size = rows.shape
     payload = read_header(rows[0]).payload_offset
     flat = np.lib.stride_tricks.as_strided(rows, (n * size,), (1,), writeable=False)

@@ -5,6 +5,10 @@ values of its own dtype as they are (the codes are the values; another dtype is 
 never rounded); int8 and fp8 streams hold ``kvstore.format.hf.quant``'s codes (int8: one
 fp16 scale per token and head; fp8: one float32 scale per layer, made from the chunk's
 absmax).
+
+A page stream (``layout.page_layout``) holds no values: its rows are the engine's page
+bytes, (layers, tokens, page bytes // block_size) uint8 (``PagedLayout.page_rows``), and
+its codes are those bytes, one entry per whole block (a partial block holds none).
 """
 
 from __future__ import annotations
@@ -19,7 +23,14 @@ from kvstore.format.layout import Stream
 
 
 def encode(stream: Stream, values: torch.Tensor) -> StreamData:
-    """``stream``'s codes of ``values`` (layers, tokens, H, D)."""
+    """``stream``'s codes of ``values`` (layers, tokens, H, D), or of page rows."""
+    if stream.format == "page":
+        if values.dtype != torch.uint8:
+            raise LayoutMismatch(f"stream {stream.name} holds page bytes, got {values.dtype}")
+        layers, tokens = values.shape[:2]
+        whole = tokens // stream.tokens_per_entry * stream.tokens_per_entry
+        codes = values[:, :whole].reshape(layers, -1, *stream.entry_shape)
+        return StreamData(codes.contiguous(), None)
     if stream.value_format.scales == "none" and values.dtype != code_dtype(stream):
         raise LayoutMismatch(f"stream {stream.name} holds {stream.format} values as they are, "
                              f"got {values.dtype}")
@@ -27,7 +38,11 @@ def encode(stream: Stream, values: torch.Tensor) -> StreamData:
 
 
 def decode(stream: Stream, data: StreamData, dtype: torch.dtype) -> torch.Tensor:
-    """(layers, tokens, H, D) values in ``dtype`` of one chunk's decoded stream."""
+    """(layers, tokens, H, D) values in ``dtype`` of one chunk's decoded stream; a page
+    stream's page rows (layers, tokens, page bytes // block_size) uint8."""
+    if stream.format == "page":
+        return data.codes.reshape(data.codes.shape[0], -1, stream.bytes_per_entry
+                                  // stream.tokens_per_entry)
     if stream.value_format.scales == "none" and dtype == data.codes.dtype:
         return data.codes
     try:
