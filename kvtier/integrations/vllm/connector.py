@@ -66,7 +66,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerSide(self.config, self.shape, layouts,
                                             self._link(layouts, SCHEDULER_RETRY),
                                             loads=self.loads, saves=self.saves)
-            logger.info("kvtier connector: server %s, tenant %s, layout %s (id %s), model "
+            logger.info("kvtier connector: server %s, tenant %s, layout %s, model "
                         "fingerprint %s, value format %s, kv_role %s (%s); no sliding window: "
                         "every layer's KV is stored and loaded, none recomputed",
                         self.config.server, self.config.tenant, layouts[0].layout_id,
