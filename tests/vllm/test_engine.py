@@ -124,7 +124,7 @@ def test_a_stored_prompt_is_an_external_hit_with_the_same_output(engine, store, 
     assert counts["hit_tokens"] >= 5 * BS and counts["loaded_tokens"] >= 5 * BS
     assert counts["saved_tokens"] >= 4 * BS and counts.get("load_error_blocks", 0) == 0
     # seconds are fractions, never truncated to whole numbers
-    assert 0 < counts["load_seconds"] and counts["load_seconds"] != int(counts["load_seconds"])
+    assert counts["load_seconds"] > 0 and counts["load_seconds"] != int(counts["load_seconds"])
 
 
 def test_a_session_resumes_and_is_spilled_as_its_next_generation(engine, store, layout):

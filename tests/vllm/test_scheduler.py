@@ -253,3 +253,23 @@ def test_draft_tokens_do_not_fill_a_block(side):
     assert side.build_connector_meta(drafted).saves == []
     accepted = step(cached=cached_step("d1", 4 * BS - 1), scheduled={"d1": 1})
     assert [s.first_chunk for s in side.build_connector_meta(accepted).saves] == [3]
+
+
+def test_kv_role_a_producer_never_loads_and_a_consumer_never_saves(side):
+    producer = SchedulerSide(side.config, SHAPE, [SPEC], side.link, loads=False)
+    assert producer.get_num_new_matched_tokens(request("p1", TOKENS), 0) == (0, False)
+    assert producer.take_stats() is None  # not even asked
+    consumer = SchedulerSide(side.config, SHAPE, [SPEC], side.link, saves=False)
+    req = request("c1", TOKENS, session="stored")
+    assert matched(consumer, req, 0) == (3 * BS, False)  # it loads
+    consumer.update_state_after_alloc(req, blocks(1, 2, 3, 4), 3 * BS)
+    req.num_computed_tokens = 3 * BS
+    req.append_output_token_ids(list(range(100, 110)))
+    consumer.build_connector_meta(step([NewRequestData.from_request(req, ([1, 2, 3, 4],))],
+                                       scheduled={"c1": 6}))
+    meta = consumer.build_connector_meta(step(cached=cached_step("c1", 4 * BS - 1),
+                                              scheduled={"c1": 1}))
+    assert meta.saves == []  # a full block, never saved
+    req.num_computed_tokens = 4 * BS
+    assert consumer.request_finished(req, [1, 2, 3, 4]) == (False, None)  # nor spilled
+    assert consumer.build_connector_meta(step()).spills == []

@@ -21,6 +21,7 @@ them for its spill, whether the spill is queued or skipped.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
@@ -145,8 +146,9 @@ class WorkerSide:
                 self._unsaved[plan.req_id] = min(plan.first_chunk,
                                                  self._unsaved.get(plan.req_id, plan.first_chunk))
                 continue
-            raw = [t.narrow(self.paged.block_dim, at - count, count) for t in staged]
-            self._offer(plan.req_id, run_save, self.store, plan, raw, recorded(raw))
+            if self._may_queue(plan.req_id):
+                raw = [t.narrow(self.paged.block_dim, at - count, count) for t in staged]
+                self._offer(plan.req_id, run_save, self.store, plan, raw, recorded(raw))
         self._step_meta, self._step_index, self._staged = None, None, []
         for plan in meta.spills:
             if self._may_queue(plan.req_id):
@@ -168,10 +170,8 @@ class WorkerSide:
         return True
 
     def _offer(self, req_id: str, work, *args) -> None:
-        """Queue ``work(*args)`` for the writer, or skip it (counted) when the queue is
-        full or kvtier is down: never wait."""
-        if not self._may_queue(req_id):
-            return
+        """Queue ``work(*args)`` for the writer, or skip it (counted) if the queue filled
+        meanwhile: never wait."""
         try:
             self._jobs.put_nowait(lambda: self._report(work(*args)))
         except queue.Full:
@@ -207,9 +207,9 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self._load_pool.shutdown(wait=True)
-        try:
-            self._jobs.put(None, timeout=self.link.probe_interval_s)
-        except queue.Full:
-            pass  # the writer is stuck on a hung server: it is a daemon thread
-        self._writer.join(timeout=1)
+        # the queued saves land first, for a bounded time (the server may hang)
+        bound = self.store.config.timeout_s if self.store is not None else 1
+        with contextlib.suppress(queue.Full):
+            self._jobs.put(None, timeout=bound)
+        self._writer.join(timeout=bound)
         self.link.close()
