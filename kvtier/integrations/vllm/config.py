@@ -1,6 +1,5 @@
 """The connector's settings: vLLM's ``kv_connector_extra_config``, checked once, when the
-connector is built (a bad key is a ``ValueError`` naming it, before the engine loads its
-weights).
+connector is built (a bad key is a ``ValueError`` naming it).
 
 Keys (all strings unless said): ``server`` (host:port, default 127.0.0.1:50051), ``tls_ca``
 (a CA file: TLS on), ``token_file`` (a file holding the bearer token; a ``token`` itself is
