@@ -170,8 +170,11 @@ def connector_metrics() -> dict[str, float]:
     totals: dict[str, float] = {}
     for family in REGISTRY.collect():
         for sample in family.samples:
-            if sample.name.startswith("vllm:kvtier_") and sample.name.endswith("_total"):
-                name = sample.name.removeprefix("vllm:").removesuffix("_total")
+            # counters end in _total; a latency histogram's seconds are its _sum
+            if sample.name.startswith("vllm:kvtier_") \
+                    and sample.name.endswith(("_total", "_seconds_sum")):
+                name = sample.name.removeprefix("vllm:").removesuffix("_total") \
+                    .removesuffix("_sum")
                 totals[name] = totals.get(name, 0.0) + float(sample.value)
     return totals
 

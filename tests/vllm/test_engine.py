@@ -40,9 +40,10 @@ def engine(kvtier_server):
         kv_role="kv_both", kv_load_failure_policy="recompute",
         # A durable save fsyncs on a CI box whose two cores the engine keeps busy: the
         # default 10 s per call can pass there, and a save that times out is not retried.
+        # These tests check what is loaded, not how fast: a slow lookup waits, not a miss.
         kv_connector_extra_config={"server": kvtier_server.target, "tenant": TENANT,
                                    "model_fingerprint": FINGERPRINT, "ack": "durable",
-                                   "timeout_s": 60})
+                                   "timeout_s": 60, "lookup_timeout_ms": 10000})
     llm = LLM(model=str(vllm_models.tiny_llama()), dtype="bfloat16", max_model_len=2048,
               enforce_eager=True, skip_tokenizer_init=True, seed=0, kv_transfer_config=transfer,
               disable_log_stats=False)
@@ -78,8 +79,8 @@ def generate(llm, tokens, *, session: str | None = None, fresh: bool = False):
 
 
 def reset(llm) -> None:
-    """Empty vLLM's own prefix cache (refused while a finished request's blocks wait for its
-    save: retried)."""
+    """Empty vLLM's own prefix cache (refused while a finished session request's blocks
+    wait for its spill's copy: retried)."""
     deadline = time.monotonic() + 60
     while not llm.reset_prefix_cache():
         assert time.monotonic() < deadline, "vLLM kept blocks for a minute"
@@ -98,11 +99,13 @@ def wait_held(store, layout, tokens, blocks: int) -> None:
 
 
 def metrics(llm) -> dict[str, float]:
+    """The connector's counters, and its latency histograms' sums of seconds."""
     out: dict[str, float] = {}
     for metric in llm.get_metrics():
         if metric.name.startswith("vllm:kvtier_"):
             name = metric.name.removeprefix("vllm:kvtier_")
-            out[name] = out.get(name, 0.0) + float(metric.value)
+            value = metric.sum if hasattr(metric, "sum") else metric.value
+            out[name] = out.get(name, 0.0) + float(value)
     return out
 
 
@@ -124,6 +127,8 @@ def test_a_stored_prompt_is_an_external_hit_with_the_same_output(engine, store, 
     counts = metrics(engine)
     assert counts["hit_tokens"] >= 5 * BS and counts["loaded_tokens"] >= 5 * BS
     assert counts["saved_tokens"] >= 4 * BS and counts.get("load_error_blocks", 0) == 0
+    # seconds are fractions, never truncated to whole numbers
+    assert counts["load_seconds"] > 0 and counts["load_seconds"] != int(counts["load_seconds"])
 
 
 def pages_in_cache(worker, pages: list[list[bytes]]) -> list[list[bool]]:

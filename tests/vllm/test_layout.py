@@ -18,7 +18,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     MLAAttentionSpec,
 )
 
-from kvstore.format.errors import InvalidRequest, UnsupportedModel  # noqa: E402
+from kvstore.format.errors import UnsupportedModel  # noqa: E402
 from kvstore.format.layout import layout_to_json  # noqa: E402
 from kvtier.integrations.vllm.config import ConnectorConfig  # noqa: E402
 from kvtier.integrations.vllm.layout import (  # noqa: E402
@@ -165,5 +165,5 @@ def test_extra_config_is_checked(tmp_path):
     for bad in ({}, {**base, "ack": "never"}, {**base, "value_format": "fp4"},
                 {**base, "serverr": "x"}, {**base, "token": "a", "token_file": str(token)},
                 {**base, "timeout_s": -1}):
-        with pytest.raises(InvalidRequest):
+        with pytest.raises(ValueError):
             ConnectorConfig.from_extra(bad)

@@ -1,5 +1,10 @@
 """The scheduler side against a real server: how much of a prompt it reports held (whole
-blocks, never the last token), and the load, save and spill plans it hands the worker."""
+blocks, never the last token), and the load, save and spill plans it hands the worker; its
+lookups never block a step (a hung server's are misses by the deadline, then at once)."""
+
+import logging
+import socket
+import time
 
 import pytest
 
@@ -19,6 +24,7 @@ from vllm.v1.request import Request  # noqa: E402
 
 import kvtier  # noqa: E402
 from kvstore.format.chunk import StreamData  # noqa: E402
+from kvtier.integrations.vllm.breaker import Link  # noqa: E402
 from kvtier.integrations.vllm.config import ConnectorConfig  # noqa: E402
 from kvtier.integrations.vllm.layout import CacheShape, rank_layout  # noqa: E402
 from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata, LoadPlan, SavePlan  # noqa: E402
@@ -44,8 +50,32 @@ def side(kvtier_server):
           for name in ("k", "v")}
     client.spill("sched", "stored", SPEC, TOKENS[:3 * BS], kv, generation=1,
                  model_fingerprint=FINGERPRINT)
-    yield SchedulerSide(config, SHAPE, [SPEC], client)
-    client.close()
+    side = SchedulerSide(config, SHAPE, [SPEC], link_of(client, config))
+    wait_up(side.link)
+    yield side
+    side.shutdown()
+
+
+def link_of(client, config: ConnectorConfig) -> Link:
+    return Link(client, [SPEC], server=config.server, failures=config.breaker_failures,
+                probe_interval_s=config.probe_interval_s, logger=logging.getLogger("test"))
+
+
+def wait_up(link: Link) -> None:
+    deadline = time.monotonic() + 60
+    while not link.up:
+        assert time.monotonic() < deadline, "the link never came up"
+        time.sleep(0.01)
+
+
+def matched(side: SchedulerSide, req, computed: int) -> tuple[int, bool]:
+    """The scheduler's answer once it has one: it says None ("ask again") meanwhile, as
+    vLLM's scheduler asks again at its next step."""
+    while True:
+        answer = side.get_num_new_matched_tokens(req, computed)
+        if answer[0] is not None:
+            return answer
+        time.sleep(0.001)
 
 
 def request(req_id: str, tokens, session: str | None = None) -> Request:
@@ -74,40 +104,84 @@ def cached_step(req_id: str, computed: int, new_blocks=None) -> CachedRequestDat
 
 
 def test_held_prefix_is_whole_blocks_and_never_the_last_token(side):
-    assert side.get_num_new_matched_tokens(request("a", TOKENS), 0) == (3 * BS, False)
+    assert matched(side, request("a", TOKENS), 0) == (3 * BS, False)
     # beyond vLLM's own hit only
-    assert side.get_num_new_matched_tokens(request("b", TOKENS), BS) == (2 * BS, False)
+    assert matched(side, request("b", TOKENS), BS) == (2 * BS, False)
     # a prompt of exactly the held blocks: its last token must be computed
-    assert side.get_num_new_matched_tokens(request("c", TOKENS[:3 * BS]), 0) == (2 * BS, False)
+    assert matched(side, request("c", TOKENS[:3 * BS]), 0) == (2 * BS, False)
     # another prompt, or another model's fingerprint, holds nothing
-    assert side.get_num_new_matched_tokens(request("d", [5] + TOKENS[1:]), 0) == (0, False)
+    assert matched(side, request("d", [5] + TOKENS[1:]), 0) == (0, False)
     other = SchedulerSide(ConnectorConfig.from_extra(
         {"server": side.config.server, "tenant": "sched", "model_fingerprint": "other"}),
-        SHAPE, [SPEC], side.client)
-    assert other.get_num_new_matched_tokens(request("e", TOKENS), 0) == (0, False)
+        SHAPE, [SPEC], side.link)
+    assert matched(other, request("e", TOKENS), 0) == (0, False)
     stats = side.take_stats()
     assert stats.data["lookups"] == 4 and stats.data["lookup_errors"] == 0
     # KV that is not a function of the tokens alone is never matched (nor asked for)
     salted = Request("f", list(TOKENS), SamplingParams(max_tokens=8), None, cache_salt="s")
-    assert side.get_num_new_matched_tokens(salted, 0) == (0, False)
+    assert matched(side, salted, 0) == (0, False)
     assert side.take_stats() is None
 
 
-def test_a_store_that_cannot_answer_is_a_miss():
-    config = ConnectorConfig.from_extra({"server": "127.0.0.1:9", "model_fingerprint": "x",
-                                         "timeout_s": 1})
+def test_a_store_that_cannot_answer_is_a_miss_at_once():
+    """A server that refuses connections: the link never comes up, so every lookup is a
+    miss without a call, and the engine was never kept from starting."""
+    config = ConnectorConfig.from_extra({"server": f"127.0.0.1:{closed_port()}",
+                                         "model_fingerprint": "x", "timeout_s": 1})
     client = kvtier.Client(config.server, retry=kvtier.RetryPolicy(attempts=1), timeout_s=1)
+    dead = SchedulerSide(config, SHAPE, [SPEC], link_of(client, config))
     try:
-        dead = SchedulerSide(config, SHAPE, [SPEC], client)
         assert dead.get_num_new_matched_tokens(request("x", TOKENS), 0) == (0, False)
-        assert dead.take_stats().data["lookup_errors"] == 1
+        stats = dead.take_stats().data
+        assert (stats["lookups"], stats["lookups_down"]) == (1, 1)
     finally:
-        client.close()
+        dead.shutdown()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_hung_server_is_asked_again_then_a_miss_by_the_deadline_then_skipped():
+    """A server that accepts connections and never answers: each lookup says "ask again"
+    (None) until its deadline and is then a miss; after ``breaker_failures`` of them in a
+    row the breaker is open and a lookup is a miss without being asked."""
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)  # never accepted: the handshake never completes
+    target = f"127.0.0.1:{hung.getsockname()[1]}"
+    config = ConnectorConfig.from_extra({"server": target, "model_fingerprint": FINGERPRINT,
+                                         "tenant": "sched", "lookup_timeout_ms": 50,
+                                         "breaker_failures": 2, "probe_interval_s": 600})
+    link = link_of(kvtier.Client(target, timeout_s=5), config)
+    link.breaker.succeeded()  # it was up when the server hung
+    stalled = SchedulerSide(config, SHAPE, [SPEC], link)
+    try:
+        answers = []
+        for i in range(2):
+            req = request(f"h{i}", TOKENS)
+            while (answer := stalled.get_num_new_matched_tokens(req, 0))[0] is None:
+                answers.append(None)
+                time.sleep(0.005)
+            assert answer == (0, False)
+        assert answers, "a lookup in flight was not answered None"
+        assert not link.up  # two timeouts in a row opened the breaker
+        started = time.monotonic()
+        assert stalled.get_num_new_matched_tokens(request("h9", TOKENS), 0) == (0, False)
+        asked_s = time.monotonic() - started
+        stats = stalled.take_stats().data
+        assert (stats["lookup_timeouts"], stats["lookups_down"]) == (2, 1)
+        assert asked_s < config.lookup_timeout_ms / 1000  # answered without a call
+    finally:
+        stalled.shutdown()
+        hung.close()
 
 
 def test_plans_load_then_save_new_full_blocks(side):
     req = request("r1", TOKENS)
-    assert side.get_num_new_matched_tokens(req, BS) == (2 * BS, False)  # vLLM holds block 0
+    assert matched(side, req, BS) == (2 * BS, False)  # vLLM holds block 0
     side.update_state_after_alloc(req, blocks(7, 8, 9, 10), 2 * BS)
     req.num_computed_tokens = 3 * BS
     meta = side.build_connector_meta(step(
@@ -127,14 +201,14 @@ def test_plans_load_then_save_new_full_blocks(side):
     meta = side.build_connector_meta(step(cached=cached_step("r1", 4 * BS, ([11],)),
                                           scheduled={"r1": 1}))
     assert [(s.first_chunk, s.block_ids) for s in meta.saves] == [(3, (10,))]
-    # it finished with saves planned: its blocks wait for the worker
-    assert side.request_finished(req, [7, 8, 9, 10, 11]) == (True, None)
-    assert side.build_connector_meta(step()).delayed == ["r1"]
+    # it finished: its saves work on copies the worker took, so no block waits for them
+    assert side.request_finished(req, [7, 8, 9, 10, 11]) == (False, None)
+    assert side.build_connector_meta(step()).delayed == []
 
 
 def test_a_session_request_spills_its_next_generation(side):
     req = request("s1", TOKENS, session="stored")  # generation 1 is stored
-    assert side.get_num_new_matched_tokens(req, 0) == (3 * BS, False)
+    assert matched(side, req, 0) == (3 * BS, False)
     side.update_state_after_alloc(req, blocks(1, 2, 3, 4), 3 * BS)
     req.num_computed_tokens = 3 * BS
     side.build_connector_meta(step([NewRequestData.from_request(req, ([1, 2, 3, 4],))],
@@ -150,7 +224,7 @@ def test_a_session_request_spills_its_next_generation(side):
     assert meta.delayed == ["s1"]
     # a session the store does not have starts at generation 1
     new = request("s2", TOKENS[:20], session="fresh")
-    side.get_num_new_matched_tokens(new, 0)
+    matched(side, new, 0)
     side.update_state_after_alloc(new, blocks(5, 6), 0)
     new.num_computed_tokens = 20
     assert side.request_finished(new, [5, 6])[1] == {"kvtier_session": "fresh",
@@ -158,7 +232,7 @@ def test_a_session_request_spills_its_next_generation(side):
     # a value that is no session id is ignored, never an error in the engine
     odd = Request("s3", TOKENS[:20], SamplingParams(
         max_tokens=8, extra_args={"kv_transfer_params": {"kvtier_session": 7}}), None)
-    side.get_num_new_matched_tokens(odd, 0)
+    matched(side, odd, 0)
     side.update_state_after_alloc(odd, blocks(8, 9), 0)
     odd.num_computed_tokens = 20
     assert side.request_finished(odd, [8, 9]) == (False, None)
@@ -168,7 +242,7 @@ def test_draft_tokens_do_not_fill_a_block(side):
     """A block is saved only once the KV of accepted tokens fills it: a step's draft
     tokens may be rejected."""
     req = request("d1", TOKENS[:3 * BS + 6])
-    side.get_num_new_matched_tokens(req, 0)
+    matched(side, req, 0)
     side.update_state_after_alloc(req, blocks(20, 21, 22, 23), 3 * BS)
     req.num_computed_tokens = 3 * BS
     side.build_connector_meta(step([NewRequestData.from_request(req, ([20, 21, 22, 23],))],
@@ -179,3 +253,23 @@ def test_draft_tokens_do_not_fill_a_block(side):
     assert side.build_connector_meta(drafted).saves == []
     accepted = step(cached=cached_step("d1", 4 * BS - 1), scheduled={"d1": 1})
     assert [s.first_chunk for s in side.build_connector_meta(accepted).saves] == [3]
+
+
+def test_kv_role_a_producer_never_loads_and_a_consumer_never_saves(side):
+    producer = SchedulerSide(side.config, SHAPE, [SPEC], side.link, loads=False)
+    assert producer.get_num_new_matched_tokens(request("p1", TOKENS), 0) == (0, False)
+    assert producer.take_stats() is None  # not even asked
+    consumer = SchedulerSide(side.config, SHAPE, [SPEC], side.link, saves=False)
+    req = request("c1", TOKENS, session="stored")
+    assert matched(consumer, req, 0) == (3 * BS, False)  # it loads
+    consumer.update_state_after_alloc(req, blocks(1, 2, 3, 4), 3 * BS)
+    req.num_computed_tokens = 3 * BS
+    req.append_output_token_ids(list(range(100, 110)))
+    consumer.build_connector_meta(step([NewRequestData.from_request(req, ([1, 2, 3, 4],))],
+                                       scheduled={"c1": 6}))
+    meta = consumer.build_connector_meta(step(cached=cached_step("c1", 4 * BS - 1),
+                                              scheduled={"c1": 1}))
+    assert meta.saves == []  # a full block, never saved
+    req.num_computed_tokens = 4 * BS
+    assert consumer.request_finished(req, [1, 2, 3, 4]) == (False, None)  # nor spilled
+    assert consumer.build_connector_meta(step()).spills == []

@@ -1,8 +1,12 @@
 """The worker side against a real server, without an engine: blocks saved from one paged
 cache load bit for bit into another's blocks layer by layer, a gap in the store ends a
 load (that block and every later one are load errors), a request's saves over a failed
-load are dropped and reported, and a finished request is reported once its saves landed."""
+load are dropped and reported; saves never hold a block and never wait: with the writer
+stuck on a hung server, saves beyond the queue are skipped and counted, and a finished
+session request is released in the step that copies its blocks."""
 
+import logging
+import socket
 import time
 from dataclasses import replace
 
@@ -14,12 +18,14 @@ import torch  # noqa: E402
 from vllm.model_executor.models.utils import extract_layer_index  # noqa: E402
 
 import kvtier  # noqa: E402
+from kvtier.integrations.vllm.breaker import Link  # noqa: E402
 from kvtier.integrations.vllm.config import ConnectorConfig  # noqa: E402
 from kvtier.integrations.vllm.layout import CacheShape, rank_layout  # noqa: E402
 from kvtier.integrations.vllm.metadata import (  # noqa: E402
     KVTierConnectorMetadata,
     LoadPlan,
     SavePlan,
+    SpillPlan,
 )
 from kvtier.integrations.vllm.repack import PagedLayout  # noqa: E402
 from kvtier.integrations.vllm.stats import StatsCounter  # noqa: E402
@@ -42,18 +48,23 @@ def client(kvtier_server):
         yield c
 
 
-def worker(client, kvtier_server, seed: int | None, spec=SPEC):
+def worker(target: str, seed: int | None, *, depth: int = 8, spec=SPEC):
     """A worker side over a fresh CPU cache (random when ``seed`` is given, else zeros),
-    storing under ``spec``."""
-    config = ConnectorConfig.from_extra({"server": kvtier_server.target, "tenant": "worker",
-                                         "model_fingerprint": "worker-test", "ack": "durable"})
+    storing under ``spec``, its link up (as if the server had just answered)."""
+    config = ConnectorConfig.from_extra({"server": target, "tenant": "worker",
+                                         "model_fingerprint": "worker-test", "ack": "durable",
+                                         "save_queue_depth": depth, "probe_interval_s": 600})
     g = torch.Generator().manual_seed(seed or 0)
     caches = {name: (torch.randn(BLOCKS, H, BS, 2 * D, generator=g) if seed is not None
                      else torch.zeros(BLOCKS, H, BS, 2 * D)).to(torch.bfloat16)
               for name in NAMES}
     paged = PagedLayout("cpu", H, D, BS, pages=spec.streams[0].format == "page")
-    side = WorkerSide(lambda layers, p: Store(client, config, spec, p, layers, torch.bfloat16,
-                                              StatsCounter()), SHAPE, 0, paged)
+    link = Link(kvtier.Client(target, timeout_s=5), [spec], server=target, failures=3,
+                probe_interval_s=600, logger=logging.getLogger("test"))
+    link.breaker.succeeded()
+    side = WorkerSide(lambda layers, p: Store(link.client, config, spec, p, layers,
+                                              torch.bfloat16, StatsCounter()),
+                      SHAPE, 0, paged, link, queue_depth=depth)
     side.register_kv_caches(caches, extract_layer_index)
     return side, caches
 
@@ -69,25 +80,21 @@ def run_step(side, caches, meta: KVTierConnectorMetadata, finished=()):
     return side.get_block_ids_with_load_errors(), done or set()
 
 
-def finish(side, caches, req_id: str) -> None:
-    """Report ``req_id`` finished (delayed) and step until the worker releases it."""
+def wait_held(client, tokens, tokens_held: int, spec=SPEC) -> None:
     deadline = time.monotonic() + 30
-    _, done = run_step(side, caches, KVTierConnectorMetadata(delayed=[req_id]), [req_id])
-    while req_id not in done:
-        assert time.monotonic() < deadline, "the saves did not finish"
+    while client.lookup("worker", spec, tokens, model="worker-test") < tokens_held:
+        assert time.monotonic() < deadline, "the saves did not land"
         time.sleep(0.05)
-        _, done = run_step(side, caches, KVTierConnectorMetadata())
 
 
 @pytest.mark.parametrize("spec", [SPEC, PORTABLE], ids=["pages", "token-major"])
 def test_saved_blocks_load_bit_for_bit_into_other_blocks(client, kvtier_server, spec):
-    source, src = worker(client, kvtier_server, seed=1, spec=spec)
+    source, src = worker(kvtier_server.target, seed=1, spec=spec)
     errors, _ = run_step(source, src, KVTierConnectorMetadata(
         saves=[SavePlan("w", tuple(TOKENS), 0, (3, 5, 6))]))
     assert errors == set()
-    finish(source, src, "w")
-    assert client.lookup("worker", spec, TOKENS, model="worker-test") == 3 * BS
-    target, dst = worker(client, kvtier_server, seed=None, spec=spec)
+    wait_held(client, TOKENS, 3 * BS, spec)
+    target, dst = worker(kvtier_server.target, seed=None, spec=spec)
     errors, _ = run_step(target, dst, KVTierConnectorMetadata(
         loads=[LoadPlan("r", tuple(TOKENS), 0, (1, 2, 4))]))
     assert errors == set()
@@ -107,13 +114,13 @@ def test_pages_of_one_block_arrangement_are_not_found_by_another(client, kvtier_
     client.register_layout(amx)
     assert amx.layout_id != SPEC.layout_id
     tokens = [(19 * i) % 971 + 5 for i in range(2 * BS)]
-    source, src = worker(client, kvtier_server, seed=7)
+    source, src = worker(kvtier_server.target, seed=7)
     run_step(source, src, KVTierConnectorMetadata(
         saves=[SavePlan("v", tuple(tokens), 0, (0, 1))]))
-    finish(source, src, "v")
+    wait_held(client, tokens, 2 * BS)
     assert client.lookup("worker", SPEC, tokens, model="worker-test") == 2 * BS
     assert client.lookup("worker", amx, tokens, model="worker-test") == 0
-    target, dst = worker(client, kvtier_server, seed=None, spec=amx)
+    target, dst = worker(kvtier_server.target, seed=None, spec=amx)
     errors, _ = run_step(target, dst, KVTierConnectorMetadata(
         loads=[LoadPlan("a", tuple(tokens), 0, (2, 3))]))
     assert errors == {2, 3}
@@ -121,12 +128,12 @@ def test_pages_of_one_block_arrangement_are_not_found_by_another(client, kvtier_
 
 
 def test_a_gap_ends_the_load_and_saves_over_it_are_dropped(client, kvtier_server):
-    source, src = worker(client, kvtier_server, seed=2)
+    source, src = worker(kvtier_server.target, seed=2)
     other = [(13 * i) % 983 + 2 for i in range(3 * BS)]
     run_step(source, src, KVTierConnectorMetadata(
         saves=[SavePlan("w0", tuple(other[:BS]), 0, (4,))]))
-    finish(source, src, "w0")  # only its first block is held
-    target, dst = worker(client, kvtier_server, seed=None)
+    wait_held(client, other[:BS], BS)  # only its first block is held
+    target, dst = worker(kvtier_server.target, seed=None)
     meta = KVTierConnectorMetadata(loads=[LoadPlan("g", tuple(other), 0, (0, 1, 2))],
                                    saves=[SavePlan("g", tuple(other) + (5,) * BS, 3, (3,))])
     errors, _ = run_step(target, dst, meta)
@@ -137,24 +144,25 @@ def test_a_gap_ends_the_load_and_saves_over_it_are_dropped(client, kvtier_server
     assert target.take_stats().data["load_error_blocks"] == 2
     # a store that does not answer fails the whole load, and no forward waits forever
     dead = kvtier.Client("127.0.0.1:9", retry=kvtier.RetryPolicy(attempts=1), timeout_s=1)
+    live = target.store.client
     try:
         target.store.client = dead
         errors, _ = run_step(target, dst, KVTierConnectorMetadata(
             loads=[LoadPlan("x", tuple(TOKENS), 0, (5, 6, 7))]))
         assert errors == {5, 6, 7}
     finally:
-        target.store.client = client
+        target.store.client = live
         dead.close()
 
 
 def test_a_chunk_damaged_in_the_store_ends_the_load(client, kvtier_server):
     """Chunk 1 of 3 corrupted on disk: block 0 loads bit for bit, blocks 1 and 2 are load
     errors (nothing after a bad chunk is used), and no other block is touched."""
-    source, src = worker(client, kvtier_server, seed=4)
+    source, src = worker(kvtier_server.target, seed=4)
     tokens = [(17 * i) % 977 + 3 for i in range(3 * BS)]
     run_step(source, src, KVTierConnectorMetadata(
         saves=[SavePlan("d", tuple(tokens), 0, (0, 1, 2))]))
-    finish(source, src, "d")
+    wait_held(client, tokens, 3 * BS)
     damaged = bytes(client.read_chunks("worker", SPEC, tokens,
                                        model_fingerprint="worker-test").chunks[1])
     hits = 0
@@ -166,7 +174,7 @@ def test_a_chunk_damaged_in_the_store_ends_the_load(client, kvtier_server):
             segment.write_bytes(bytes(raw))
             hits += 1
     assert hits == 1
-    target, dst = worker(client, kvtier_server, seed=None)
+    target, dst = worker(kvtier_server.target, seed=None)
     errors, _ = run_step(target, dst, KVTierConnectorMetadata(
         loads=[LoadPlan("d2", tuple(tokens), 0, (5, 3, 7))]))
     assert errors == {3, 7}
@@ -180,13 +188,15 @@ def test_compressed_pages_are_decoded_and_written_as_they_were():
     and go into the blocks byte for byte, as the in-place ones do."""
     from kvstore.format.chunk import encode_chunk
     from kvtier.integrations.vllm import values
-    from kvtier.integrations.vllm.transfers import _streams
+    from kvtier.integrations.vllm.transfers import _streams, gathered
 
     g = torch.Generator().manual_seed(9)
     src = torch.randn(BLOCKS, H, BS, 2 * D, generator=g).to(torch.bfloat16)
     paged = PagedLayout("cpu", H, D, BS, pages=True)
     store = Store(None, None, SPEC, paged, [src] * LAYERS, torch.bfloat16, StatsCounter())
-    rows = store.read_blocks([6, 2])["page"]  # (layers, 2 * BS, row)
+    index = store.block_index([6, 2])
+    rows = gathered([paged.take(layer, index) for layer in store.layers],
+                    paged)["page"]  # (layers, 2 * BS, row)
     chunks = [encode_chunk(SPEC, i * BS, TOKENS[i * BS:(i + 1) * BS],
                            {"page": values.encode(SPEC.stream("page"),
                                                   rows[:, i * BS:(i + 1) * BS])},
@@ -196,3 +206,28 @@ def test_compressed_pages_are_decoded_and_written_as_they_were():
     paged.put_pages(target, torch.tensor([1, 4]), streams["page"][0])
     assert torch.equal(target[[1, 4]].view(torch.int16), src[[6, 2]].view(torch.int16))
     assert not target[[0, 2, 3, 5, 6, 7]].any()
+
+
+def test_saves_beyond_the_queue_are_skipped_and_no_block_waits_for_a_hung_server():
+    """The writer stuck on a server that never answers, a queue of one: the first save is
+    being written, the second waits, every later one is skipped and counted (that
+    request's later saves too), and a finished session request is released in the step
+    that copies its blocks, its spill skipped."""
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)  # never accepted
+    side, caches = worker(f"127.0.0.1:{hung.getsockname()[1]}", seed=3, depth=1)
+    try:
+        for i, req in enumerate(("a", "b", "c")):
+            run_step(side, caches, KVTierConnectorMetadata(
+                saves=[SavePlan(req, tuple(TOKENS[:BS]), 0, (i,))]))
+            time.sleep(0.2)  # the writer takes "a" off the queue and blocks on it
+        _, done = run_step(side, caches, KVTierConnectorMetadata(
+            saves=[SavePlan("c", tuple(TOKENS[:2 * BS]), 1, (4,))],
+            spills=[SpillPlan("s", "chat", 1, tuple(TOKENS[:20]), (5, 6))], delayed=["s"]),
+            finished={"s"})
+        assert done == {"s"}  # released at once: its blocks were copied, or skipped
+        assert side.take_stats().data["saves_skipped"] == 3  # c twice, s's spill
+    finally:
+        side.shutdown()
+        hung.close()

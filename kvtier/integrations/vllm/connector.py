@@ -8,13 +8,15 @@
 
 vLLM makes one instance per role: the scheduler's (``scheduler.SchedulerSide``) in the
 engine core, a worker's (``worker.WorkerSide``) in each worker; this class hands every hook
-to its side. Both register their layouts with the server at start (``layout``): a server
-that cannot be reached or refuses them stops the engine from starting.
+to its side. The settings are checked as the connector is built (``config``: a
+``ValueError`` naming the key). Neither side waits for kvtier: each has a ``breaker.Link``
+that registers its layouts in the background once the server answers (and again after an
+outage or a restart); until then the engine serves by recomputing, and vLLM's log says so.
+``kv_role`` decides what runs: ``kv_consumer`` loads only, ``kv_producer`` saves only.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -22,8 +24,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
+from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtier.integrations.vllm.breaker import Link
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.layout import PAGE, cache_shape, check_arrangement, rank_layout
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata
@@ -35,10 +39,10 @@ from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.sync import Client
 from kvtier.types import RetryPolicy
 
-logger = logging.getLogger(__name__)
+logger = init_logger("vllm." + __name__)  # under vLLM's logger: its format and level
 
-# The scheduler waits on its lookups: a store that does not answer soon is a miss.
-SCHEDULER_RETRY = RetryPolicy(attempts=2, initial_backoff_s=0.05, max_backoff_s=0.2)
+# A lookup has milliseconds (lookup_timeout_ms): one quick retry at most.
+SCHEDULER_RETRY = RetryPolicy(attempts=2, initial_backoff_s=0.005, max_backoff_s=0.05)
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
@@ -52,28 +56,37 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("kvtier connector: kv_load_failure_policy is %r: a block that "
                            "fails to load fails its request; set 'recompute' to recompute it",
                            transfer.kv_load_failure_policy)
+        self.loads, self.saves = transfer.is_kv_consumer, transfer.is_kv_producer
         self.shape = cache_shape(vllm_config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             layouts = [rank_layout(self.shape, r, self.config.value_format)
                        for r in range(self.shape.tp_size)]
-            client = self._client(SCHEDULER_RETRY)
-            for spec in layouts:
-                client.register_layout(spec)
-            self._scheduler = SchedulerSide(self.config, self.shape, layouts, client)
+            self._scheduler = SchedulerSide(self.config, self.shape, layouts,
+                                            self._link(layouts, SCHEDULER_RETRY),
+                                            loads=self.loads, saves=self.saves)
+            logger.info("kvtier connector: server %s, tenant %s, layout %s, model "
+                        "fingerprint %s, value format %s, kv_role %s (%s); no sliding window: "
+                        "every layer's KV is stored and loaded, none recomputed",
+                        self.config.server, self.config.tenant, layouts[0].layout_id,
+                        self.config.model_fingerprint,
+                        self.config.value_format, transfer.kv_role,
+                        " and ".join(w for w, on in (("loads", self.loads),
+                                                     ("saves", self.saves)) if on))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
             from vllm.platforms import current_platform
 
             self._rank = get_tensor_model_parallel_rank()
             self._spec = rank_layout(self.shape, self._rank, self.config.value_format)
-            self._client_w = self._client(RetryPolicy())
-            self._client_w.register_layout(self._spec)
             self._is_cpu = current_platform.is_cpu()
 
-    def _client(self, retry: RetryPolicy) -> Client:
-        return Client(self.config.server, retry=retry, **self.config.client_options())
+    def _link(self, layouts, retry: RetryPolicy) -> Link:
+        client = Client(self.config.server, retry=retry, **self.config.client_options())
+        return Link(client, layouts, server=self.config.server,
+                    failures=self.config.breaker_failures,
+                    probe_interval_s=self.config.probe_interval_s, logger=logger)
 
     # -- worker side --
 
@@ -88,12 +101,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             check_arrangement(self.shape, [context[n] for n in kv_caches if n in context])
         paged = PagedLayout(layout_kind(self._is_cpu, first), stream.entry_shape[0],
                             self.shape.head_size, self.shape.block_size, pages=pages)
-        self._worker = WorkerSide(self._store_of, self.shape, self._rank, paged)
+        self._link_w = self._link([self._spec], RetryPolicy())
+        self._worker = WorkerSide(self._store_of, self.shape, self._rank, paged, self._link_w,
+                                  queue_depth=self.config.save_queue_depth, saves=self.saves)
         self._worker.register_kv_caches(kv_caches, extract_layer_index)
 
     def _store_of(self, layers, paged) -> Store:
-        return Store(self._client_w, self.config, self._spec, paged, layers, self.shape.dtype,
-                     StatsCounter())
+        return Store(self._link_w.client, self.config, self._spec, paged, layers,
+                     self.shape.dtype, StatsCounter())
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         self._worker.start_load_kv(self._meta())
@@ -123,10 +138,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
-        client = self._scheduler.client if self._scheduler is not None \
-            else getattr(self, "_client_w", None)
-        if client is not None:
-            client.close()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
 
     def _meta(self) -> KVTierConnectorMetadata:
         meta = self._get_connector_metadata()

@@ -4,8 +4,11 @@ the store holds, and the per-step plans for the worker side.
 Matching: the store is asked (``Lookup``) for the longest held prefix of the request's
 tokens in whole blocks, never the whole sequence (the last token is always computed, so
 vLLM has logits to sample from); with several tensor-parallel ranks, the shortest of their
-layouts' prefixes. A store that cannot answer is a miss. The held blocks past vLLM's own
-cache hit are loaded synchronously in the request's first step (``LoadPlan``).
+layouts' prefixes. The lookup never blocks a step: it runs on a background thread, and
+until it answers the scheduler is told "ask again later" (None); one that has not answered
+within ``lookup_timeout_ms``, or fails, is a miss, and counts against the link's breaker.
+While kvtier is down (``breaker.Link``) every lookup is a miss at once. The held blocks past
+vLLM's own cache hit are loaded in the request's first step (``LoadPlan``).
 
 Saving: each step, the blocks that will be full after it and that the store did not hold
 are planned for saving (``SavePlan``), prompt and generated tokens alike; blocks the
@@ -17,17 +20,25 @@ any other (its session's chunks are chain chunks of the same keys), and when it 
 its computed KV is spilled as the session's next generation (``SpillPlan``); the request's
 output then carries ``{"kvtier_session": id, "kvtier_generation": n}``.
 
-A finished request with saves or a spill planned keeps its blocks (``delay_free``) until
-the worker reports the work done (``get_finished``).
+The worker copies a save's blocks out in the step that computes them, so saves never hold
+a request's blocks; a finished session request keeps its blocks (``delay_free``) only until
+the worker has copied them for its spill, in the next step (``get_finished``).
+
+``kv_role``: a ``kv_consumer`` only loads (no save or spill is planned), a ``kv_producer``
+only saves (every lookup is 0), ``kv_both`` does both.
 """
 
 from __future__ import annotations
 
-import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvstore.format.errors import InvalidRequest, KVTierError, NotFound, shown
+from vllm.logger import init_logger
+
+from kvstore.format.errors import InvalidRequest, NotFound, shown
 from kvstore.format.layout import LayoutSpec
+from kvtier.integrations.vllm.breaker import Link
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.layout import CacheShape, rank_session
 from kvtier.integrations.vllm.metadata import (
@@ -38,9 +49,8 @@ from kvtier.integrations.vllm.metadata import (
     SpillPlan,
 )
 from kvtier.integrations.vllm.stats import KVTierStats, StatsCounter
-from kvtier.sync import Client
 
-logger = logging.getLogger(__name__)
+logger = init_logger("vllm." + __name__)  # under vLLM's logger: its format and level
 
 SESSION_PARAM = "kvtier_session"
 GENERATION_PARAM = "kvtier_generation"
@@ -58,6 +68,17 @@ class _Match:
 
 
 @dataclass
+class _Asked:
+    """A lookup in flight for one request at one length."""
+
+    num_tokens: int
+    local_tokens: int
+    session: str | None
+    answer: Future  # (held tokens, session generation)
+    deadline: float  # time.monotonic() past which it is a miss
+
+
+@dataclass
 class _Tracker:
     request: object  # vllm.v1.request.Request
     session: str | None
@@ -65,7 +86,6 @@ class _Tracker:
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0  # chunks from 0 the store holds or a save was planned for
     load: tuple[int, int] | None = None  # (first, end) chunks to load in the next step
-    saving: bool = False  # a save was planned: the worker reports the request at its end
 
 
 def session_of(request) -> str | None:
@@ -100,48 +120,91 @@ def held_limit(num_tokens: int, block_size: int) -> int:
 
 class SchedulerSide:
     def __init__(self, config: ConnectorConfig, shape: CacheShape,
-                 layouts: list[LayoutSpec], client: Client) -> None:
+                 layouts: list[LayoutSpec], link: Link, *, loads: bool = True,
+                 saves: bool = True) -> None:
+        """``loads``/``saves``: what the engine's ``kv_role`` allows."""
         self.config = config
         self.shape = shape
         self.layouts = layouts  # one per rank, rank 0 first
-        self.client = client
+        self.link = link
+        self.loads = loads
+        self.saves = saves
         self.stats = StatsCounter()
+        self._lookups = ThreadPoolExecutor(4, thread_name_prefix="kvtier-lookup")
+        self._asked: dict[str, _Asked] = {}
         self._matches: dict[str, _Match] = {}
         self._trackers: dict[str, _Tracker] = {}
         self._spills: list[SpillPlan] = []
         self._delayed: list[str] = []
 
+    @property
+    def client(self):
+        return self.link.client
+
     # -- matching --
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        if not cacheable(request):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        if not self.loads or not cacheable(request):
             return 0, False
-        tokens = list(request.all_token_ids)
-        bs = self.shape.block_size
+        num_tokens = len(request.all_token_ids)
         match = self._matches.get(request.request_id)
-        if match is None or match.num_tokens != len(tokens) \
+        if match is None or match.num_tokens != num_tokens \
                 or match.local_tokens != num_computed_tokens:
-            session = session_of(request)
-            generation = self._generation(session) if session is not None else 0
-            limit = held_limit(len(tokens), bs)
-            held = self._held(tokens[:limit]) if limit > num_computed_tokens else 0
-            match = _Match(len(tokens), num_computed_tokens, held, session, generation)
+            match = self._match(request, num_tokens, num_computed_tokens)
+            if match is None:
+                return None, False  # asked: the answer comes in a later step
             self._matches[request.request_id] = match
         return max(0, match.held_tokens - num_computed_tokens), False
 
-    def _held(self, tokens: list[int]) -> int:
-        held = len(tokens)
+    def _match(self, request, num_tokens: int, local_tokens: int) -> _Match | None:
+        """The store's answer for ``request`` now, a miss, or None while it is asked."""
+        session = session_of(request)
+        limit = held_limit(num_tokens, self.shape.block_size)
+        if limit <= local_tokens and session is None:
+            return _Match(num_tokens, local_tokens, 0, session, 0)  # nothing to ask
+        asked = self._asked.get(request.request_id)
+        if asked is not None and (asked.num_tokens, asked.local_tokens) \
+                != (num_tokens, local_tokens):
+            asked = None  # asked for another length: ask again
+        if asked is None:
+            if not self.link.up:
+                self.stats.add(lookups=1, lookups_down=1)
+                return _Match(num_tokens, local_tokens, 0, session, 0)
+            # a session's generation is asked even when there is no prefix to look up
+            tokens = list(request.all_token_ids[:limit]) if limit > local_tokens else []
+            asked = _Asked(num_tokens, local_tokens, session,
+                           self._lookups.submit(self._ask, tokens, session),
+                           time.monotonic() + self.config.lookup_timeout_ms / 1000)
+            self._asked[request.request_id] = asked
+        if not asked.answer.done():
+            if time.monotonic() < asked.deadline:
+                return None
+            del self._asked[request.request_id]
+            self.stats.add(lookups=1, lookup_timeouts=1)
+            self.link.failed("lookup", TimeoutError(
+                f"no answer in {self.config.lookup_timeout_ms:g} ms"))
+            return _Match(num_tokens, local_tokens, 0, session, 0)
+        del self._asked[request.request_id]
         try:
-            for spec in self.layouts:
-                held = min(held, self.client.lookup(
-                    self.config.tenant, spec, tokens, model=self.config.model_fingerprint,
-                    dedupe_domain=self.config.dedupe_domain))
-        except KVTierError as exc:
+            held, generation = asked.answer.result()
+        except Exception as exc:  # down, refusing, a bug: a miss, never a stalled engine
             logger.warning("kvtier lookup failed, taken as a miss: %s", exc)
             self.stats.add(lookups=1, lookup_errors=1)
-            return 0
+            self.link.failed("lookup", exc)
+            return _Match(num_tokens, local_tokens, 0, session, 0)
+        self.link.succeeded()
         self.stats.add(lookups=1)
-        return held
+        return _Match(num_tokens, local_tokens, held, session, generation)
+
+    def _ask(self, tokens: list[int], session: str | None) -> tuple[int, int]:
+        """On a lookup thread: (the tokens every rank holds, the session's generation)."""
+        held = len(tokens)
+        for spec in self.layouts if tokens else ():
+            held = min(held, self.client.lookup(
+                self.config.tenant, spec, tokens, model=self.config.model_fingerprint,
+                dedupe_domain=self.config.dedupe_domain))
+        return held, self._generation(session) if session is not None else 0
 
     def _generation(self, session: str) -> int:
         """The stored generation of ``session`` (rank 0's); 0 when there is none."""
@@ -149,15 +212,13 @@ class SchedulerSide:
             reply = self.client.stat(self.config.tenant, rank_session(session, self.shape, 0))
         except NotFound:
             return 0
-        except KVTierError as exc:
-            logger.warning("kvtier stat of session %s failed: %s", session, exc)
-            return 0
         return reply.session.generation if reply.HasField("session") else 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if not cacheable(request):
             return
         match = self._matches.pop(request.request_id, None)
+        self._asked.pop(request.request_id, None)
         bs = self.shape.block_size
         session = match.session if match is not None else session_of(request)
         tracker = self._trackers.get(request.request_id)
@@ -219,11 +280,10 @@ class SchedulerSide:
             tracker.load = None
             tracker.saved = max(tracker.saved, end)
         full = min(computed_after, len(tokens), len(tracker.block_ids) * bs) // bs
-        if full > tracker.saved:
+        if self.saves and full > tracker.saved:
             meta.saves.append(SavePlan(req_id, tuple(tokens[:full * bs]), tracker.saved,
                                        tuple(tracker.block_ids[tracker.saved:full])))
             tracker.saved = full
-            tracker.saving = True
 
     def update_connector_output(self, connector_output) -> None:
         worker_meta = connector_output.kv_connector_worker_meta
@@ -237,23 +297,24 @@ class SchedulerSide:
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._matches.pop(request.request_id, None)
+        self._asked.pop(request.request_id, None)
         tracker = self._trackers.pop(request.request_id, None)
         if tracker is None:
             return False, None
-        params = None
-        delay = tracker.saving
         tokens = request.all_token_ids
         computed = min(request.num_computed_tokens, len(tokens))
-        if tracker.session is not None and computed > 0:
-            generation = tracker.generation + 1
-            blocks = -(-computed // self.shape.block_size)
-            self._spills.append(SpillPlan(request.request_id, tracker.session, generation,
-                                          tuple(tokens[:computed]), tuple(block_ids[:blocks])))
-            params = {SESSION_PARAM: tracker.session, GENERATION_PARAM: generation}
-            delay = True
-        if delay:
-            self._delayed.append(request.request_id)
-        return delay, params
+        if not self.saves or tracker.session is None or computed == 0:
+            return False, None  # its saves' blocks were copied as they were computed
+        generation = tracker.generation + 1
+        blocks = -(-computed // self.shape.block_size)
+        self._spills.append(SpillPlan(request.request_id, tracker.session, generation,
+                                      tuple(tokens[:computed]), tuple(block_ids[:blocks])))
+        self._delayed.append(request.request_id)
+        return True, {SESSION_PARAM: tracker.session, GENERATION_PARAM: generation}
 
     def take_stats(self) -> KVTierStats | None:
         return self.stats.take()
+
+    def shutdown(self) -> None:
+        self._lookups.shutdown(wait=False, cancel_futures=True)
+        self.link.close()

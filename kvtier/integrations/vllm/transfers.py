@@ -1,5 +1,6 @@
 """The worker's store I/O, each run in a background thread: load chunks into paged blocks
-layer by layer, save full blocks as chunks, spill a finished session.
+layer by layer, save full blocks as chunks, spill a finished session. Saves and spills
+work on copies of blocks the worker took on the forward path, so they never hold a block.
 
 Every chunk read is checked before a byte of it reaches the cache, by the client's
 end-to-end checks (``read_chunks``: header and section table, checksums over every byte,
@@ -16,7 +17,6 @@ token-major K and V (``PagedLayout.put_blocks``).
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import warnings
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from vllm.logger import init_logger
 
 from kvstore.format.chunk import (
     FLAG_ZSTD,
@@ -45,7 +46,7 @@ from kvtier.integrations.vllm.stats import StatsCounter
 from kvtier.sync import Client
 from kvtier.types import ReadChunksResult
 
-logger = logging.getLogger(__name__)
+logger = init_logger("vllm." + __name__)  # under vLLM's logger: its format and level
 _FLAGS = HEADER_DTYPE.fields["flags"][1]  # the header flags' offset in a chunk
 
 
@@ -88,12 +89,6 @@ class Store:
             at = first_token + start
             out.append(encode_chunk(self.spec, at, token_ids[at:at + stop - start], streams))
         return out
-
-    def read_blocks(self, block_ids: Sequence[int]) -> dict[str, torch.Tensor]:
-        """K and V (layers, len(block_ids) * block_size, H, D), or their page rows, of
-        paged blocks, on the CPU (``gathered``)."""
-        index = self.block_index(block_ids)
-        return gathered([self.paged.take(layer, index) for layer in self.layers], self.paged)
 
 
 def gathered(raw: list[torch.Tensor], paged: PagedLayout) -> dict[str, torch.Tensor]:
@@ -269,10 +264,11 @@ def settle(tensor: torch.Tensor) -> None:
         torch.cuda.current_stream(tensor.device).synchronize()
 
 
-def run_save(store: Store, plan: SavePlan, raw: list[torch.Tensor], ready=None) -> None:
+def run_save(store: Store, plan: SavePlan, raw: list[torch.Tensor], ready=None) -> bool:
     """Encode the blocks ``raw`` (per layer, as ``PagedLayout.take`` copied them) and write
     them as chunks from ``plan.first_chunk`` (those the store holds are not sent);
-    ``ready``: a CUDA event recorded after the copies were queued (None on the CPU)."""
+    ``ready``: a CUDA event recorded after the copies were queued (None on the CPU).
+    Whether it was written."""
     started = time.monotonic()
     try:
         if ready is not None:
@@ -286,19 +282,25 @@ def run_save(store: Store, plan: SavePlan, raw: list[torch.Tensor], ready=None) 
         store.stats.add(saves=1, saved_tokens=result.chunks_written * store.block_size,
                         saved_bytes=sum(len(c) for c in chunks),
                         save_seconds=time.monotonic() - started)
+        return True
     except Exception as exc:  # a lost save is a later miss, never a wrong block
         logger.warning("kvtier save of request %s failed: %s", plan.req_id, exc)
         store.stats.add(saves=1, save_errors=1, save_seconds=time.monotonic() - started)
+        return False
 
 
-def run_spill(store: Store, plan: SpillPlan, session_id: str) -> None:
-    """Spill the session from its blocks (still held: the request's blocks are freed only
-    once this is done): whole blocks as chunks (held ones go by key and digest), the
-    partial last block as the tail."""
+def run_spill(store: Store, plan: SpillPlan, session_id: str, raw: list[torch.Tensor],
+              ready=None) -> bool:
+    """Spill the session from copies of its blocks ``raw`` (per layer, as
+    ``PagedLayout.take`` copied them; ``ready`` as for ``run_save``): whole blocks as
+    chunks (held ones go by key and digest), the partial last block as the tail. Whether
+    it was spilled."""
     bs = store.block_size
     tokens = list(plan.token_ids)
     try:
-        kv = store.read_blocks(plan.block_ids)
+        if ready is not None:
+            ready.synchronize()
+        kv = gathered(raw, store.paged)
         kv = {name: tensor[:, :len(tokens)] for name, tensor in kv.items()}
         encoded = store.encode_blocks(kv, tokens, 0)
         full = len(tokens) // bs
@@ -312,6 +314,8 @@ def run_spill(store: Store, plan: SpillPlan, session_id: str) -> None:
                            model_fingerprint=store.config.model_fingerprint,
                            dedupe_domain=store.config.dedupe_domain)
         store.stats.add(spills=1)
+        return True
     except Exception as exc:
         logger.warning("kvtier spill of session %s failed: %s", session_id, exc)
         store.stats.add(spills=1, spill_errors=1)
+        return False

@@ -3,30 +3,41 @@ it, spills at a session's end, and what vLLM is told back.
 
 Per step: ``start_load_kv`` starts this step's loads in background threads;
 ``wait_for_layer_load(layer)`` waits only until that layer's blocks are written, so the
-forward pass runs layer ``l`` while later layers are still being written;
-``save_kv_layer`` copies the blocks a save plan names out of each layer as attention
-leaves it (a copy, so vLLM may reuse the blocks at once); ``wait_for_save`` queues the
-step's saves and spills on one background thread, in order, so a session spills only after
-its saves. A request's saves of a step whose load failed are dropped (their blocks were
-computed over blocks that are to be recomputed) and reported back (``unsaved``).
-``get_block_ids_with_load_errors`` names every block that did not load; ``get_finished``
-reports a finished request once its saves and spill are done, and only then does vLLM free
-its blocks.
+forward pass runs layer ``l`` while later layers are still being written.
+
+Saving never slows the engine: on the forward path the worker only copies blocks out, one
+gather per layer for all of the step's save plans (``save_kv_layer``) and one per layer for
+each spill of a finished session (``wait_for_save``); encoding and writing run on one
+background thread behind a queue of ``save_queue_depth`` jobs, in order, so a session
+spills only after its saves. A save that finds the queue full, or kvtier down, is skipped
+and counted (``saves_skipped``), never waited on, and the request's later saves are
+skipped too (a chunk after a gap is never found). A request's saves of a step whose load
+failed are dropped (their blocks were computed over blocks that are to be recomputed) and
+reported back (``unsaved``). Since every save works on copies, no block is held for one: a
+finished session request's blocks are released (``get_finished``) in the step that copies
+them for its spill, whether the spill is queued or skipped.
+``get_block_ids_with_load_errors`` names every block that did not load.
 """
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import threading
-from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from vllm.logger import init_logger
 
+from kvtier.integrations.vllm.breaker import Link
 from kvtier.integrations.vllm.layout import CacheShape, rank_session
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.repack import PagedLayout
 from kvtier.integrations.vllm.stats import KVTierStats
 from kvtier.integrations.vllm.transfers import LoadJob, Store, run_load, run_save, run_spill
+
+logger = init_logger("vllm." + __name__)  # under vLLM's logger: its format and level
 
 
 def recorded(tensors: list[torch.Tensor]):
@@ -42,24 +53,33 @@ def recorded(tensors: list[torch.Tensor]):
 
 
 class WorkerSide:
-    def __init__(self, store_of, shape: CacheShape, rank: int, paged: PagedLayout) -> None:
+    def __init__(self, store_of, shape: CacheShape, rank: int, paged: PagedLayout,
+                 link: Link, *, queue_depth: int, saves: bool = True) -> None:
         """``store_of(layers, paged)``: the ``transfers.Store`` of the registered cache;
-        ``paged``: the layout of this rank's cache layers."""
+        ``paged``: the layout of this rank's cache layers; ``link``: this worker's kvtier
+        link (saves are skipped while it is down); ``queue_depth``: saves and spills that
+        may wait for the writer; ``saves``: whether the engine's ``kv_role`` saves."""
         self.shape = shape
         self.rank = rank
         self.paged = paged
+        self.link = link
+        self.saves = saves
         self._store_of = store_of
         self.store: Store | None = None
         self._layer_index: dict[str, int] = {}
         self._loads: list[LoadJob] = []
-        self._staged: dict[str, list[torch.Tensor | None]] = {}
+        # this step's saves: every plan's blocks, in plan order, copied per layer
+        self._step_meta: KVTierConnectorMetadata | None = None
+        self._step_index: torch.Tensor | None = None
+        self._staged: list[torch.Tensor | None] = []
         self._unsaved: dict[str, int] = {}
+        self._abandoned: set[str] = set()  # requests a save was skipped of
+        self._released: set[str] = set()  # finished requests whose blocks were copied
         self._load_pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-load")
-        self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-save")
-        self._lock = threading.Lock()
-        self._pending: dict[str, int] = defaultdict(int)  # req_id -> saves/spills queued
-        self._delayed: set[str] = set()
-        self._finished: set[str] = set()
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(queue_depth)
+        self._writer = threading.Thread(target=self._write_loop, daemon=True,
+                                        name="kvtier-save")
+        self._writer.start()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layer_index) -> None:
         """``layer_index(name)``: the layer number of an attention layer's name."""
@@ -104,53 +124,76 @@ class WorkerSide:
     def save_kv_layer(self, meta: KVTierConnectorMetadata, layer_name: str,
                       kv_layer: torch.Tensor) -> None:
         index = self._layer_index.get(layer_name)
-        if index is None or not meta.saves:
+        if index is None or not meta.saves or not self.saves:
             return
-        for plan in meta.saves:
-            staged = self._staged.setdefault(plan.req_id, [None] * self.shape.layers)
-            staged[index] = self.paged.take(kv_layer, self.store.block_index(plan.block_ids))
+        if self._step_meta is not meta:  # the step's first layer
+            self._step_meta = meta
+            self._step_index = self.store.block_index(
+                [b for plan in meta.saves for b in plan.block_ids])
+            self._staged = [None] * self.shape.layers
+        self._staged[index] = self.paged.take(kv_layer, self._step_index)
 
     def wait_for_save(self, meta: KVTierConnectorMetadata) -> None:
         failed_loads = {job.plan.req_id: job.first_failed_chunk for job in self._loads_done()
                         if job.first_failed_chunk is not None}
+        staged = self._staged if self._step_meta is meta else []
+        complete = bool(staged) and all(t is not None for t in staged)
+        at = 0
         for plan in meta.saves:
-            raw = self._staged.pop(plan.req_id, None)
-            if plan.req_id in failed_loads or raw is None or any(r is None for r in raw):
+            count, at = len(plan.block_ids), at + len(plan.block_ids)
+            if plan.req_id in failed_loads or not complete:
                 # computed over blocks that failed to load, or not every layer ran
                 self._unsaved[plan.req_id] = min(plan.first_chunk,
                                                  self._unsaved.get(plan.req_id, plan.first_chunk))
                 continue
-            self._queue(plan.req_id, run_save, self.store, plan, raw, recorded(raw))
-        self._staged.clear()
+            if self._may_queue(plan.req_id):
+                raw = [t.narrow(self.paged.block_dim, at - count, count) for t in staged]
+                self._offer(plan.req_id, run_save, self.store, plan, raw, recorded(raw))
+        self._step_meta, self._step_index, self._staged = None, None, []
         for plan in meta.spills:
-            self._queue(plan.req_id, run_spill, self.store, plan,
-                        rank_session(plan.session_id, self.shape, self.rank))
-        with self._lock:
-            self._delayed.update(meta.delayed)
+            if self._may_queue(plan.req_id):
+                index = self.store.block_index(plan.block_ids)
+                raw = [self.paged.take(layer, index) for layer in self.store.layers]
+                self._offer(plan.req_id, run_spill, self.store, plan,
+                            rank_session(plan.session_id, self.shape, self.rank), raw,
+                            recorded(raw))
+        # every spill's blocks are copied (or its spill skipped): vLLM may free them now
+        self._released.update(meta.delayed)
 
-    def _queue(self, req_id: str, work, *args) -> None:
-        with self._lock:
-            self._pending[req_id] += 1
+    def _may_queue(self, req_id: str) -> bool:
+        """Whether a save of ``req_id`` may be offered: not while kvtier is down, nor after
+        one of its saves was skipped (counted when it is not)."""
+        if req_id in self._abandoned or not self.link.up or self._jobs.full():
+            self._abandoned.add(req_id)
+            self.store.stats.add(saves_skipped=1)
+            return False
+        return True
 
-        def run() -> None:
+    def _offer(self, req_id: str, work, *args) -> None:
+        """Queue ``work(*args)`` for the writer, or skip it (counted) if the queue filled
+        meanwhile: never wait."""
+        try:
+            self._jobs.put_nowait(lambda: self._report(work(*args)))
+        except queue.Full:
+            self._abandoned.add(req_id)
+            self.store.stats.add(saves_skipped=1)
+
+    def _report(self, ok: bool) -> None:
+        if ok:
+            self.link.succeeded()
+        else:
+            self.link.failed("save", RuntimeError("a save or spill failed"))
+
+    def _write_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
             try:
-                work(*args)
-            finally:
-                with self._lock:
-                    self._pending[req_id] -= 1
-                    if not self._pending[req_id]:
-                        del self._pending[req_id]
-
-        self._save_pool.submit(run)
+                job()
+            except Exception:  # a bug in a job must not stop every later save
+                logger.exception("kvtier save job failed")
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
-        with self._lock:
-            # A delayed request's id comes in the same step as its delay (wait_for_save
-            # runs first): only those are kept.
-            self._finished = (self._finished | finished_req_ids) & self._delayed
-            done = {r for r in self._finished if r not in self._pending}
-            self._delayed -= done
-            self._finished -= done
+        self._abandoned -= finished_req_ids
+        done, self._released = self._released, set()
         return done or None, None
 
     def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
@@ -164,4 +207,9 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self._load_pool.shutdown(wait=True)
-        self._save_pool.shutdown(wait=True)
+        # the queued saves land first, for a bounded time (the server may hang)
+        bound = self.store.config.timeout_s if self.store is not None else 1
+        with contextlib.suppress(queue.Full):
+            self._jobs.put(None, timeout=bound)
+        self._writer.join(timeout=bound)
+        self.link.close()
