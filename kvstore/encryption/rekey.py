@@ -132,14 +132,15 @@ async def rekey_tier(tier: Tier, keyring: Keyring, report: RekeyReport) -> None:
         report.resealed += 1
 
 
-async def rekey_records(meta: MetaStore, keyring: Keyring, report: RekeyReport,
-                        place: str) -> None:
-    """Reseal every manifest of ``meta`` (a MetaStore that does not open them: a disk
-    tier's own, or a ``SharedMetaStore`` without a sealer, whose commits compare and
-    swap on what it read)."""
+async def rekey_records(meta: MetaStore, keyring: Keyring, report: RekeyReport, place: str,
+                        sealing: MetaStore | None = None) -> None:
+    """Reseal every manifest of ``meta`` (a MetaStore that does not open them). The new
+    record is written to ``meta`` as sealed bytes, or, with ``sealing`` (a fleet's
+    ``SharedMetaStore`` over the same bucket with a ``RecordSealer``), as the plaintext
+    ``sealing`` read: it seals it under ``current`` and compares and swaps on that read."""
     report.places.append(place)
     for key, _ in await meta.scan(MANIFEST_PREFIX):
-        stored = await meta.get(key)  # a fleet's store remembers the ETag of this read
+        stored = await meta.get(key)
         if stored is None:
             continue
         if not _is_sealed(stored):
@@ -150,7 +151,14 @@ async def rekey_records(meta: MetaStore, keyring: Keyring, report: RekeyReport,
             report.already_current += 1
             continue
         try:
-            await meta.commit({key: fresh[0]})
+            if sealing is None:
+                await meta.commit({key: fresh[0]})
+            else:
+                plaintext = await sealing.get(key)  # remembers the ETag it read
+                if plaintext is None:
+                    continue  # deleted since the listing
+                await sealing.commit({key: plaintext})
+                fresh = (fresh[0], plaintext)
         except StaleGeneration:
             report.changed_meanwhile += 1
             continue

@@ -114,7 +114,16 @@ async def _rewrite(config, keyring, report) -> None:
         if config.disk_bytes or config.metadata == "shared":
             where = (f"the bucket {config.s3_bucket!r}" if config.metadata == "shared"
                      else f"manifests of {config.data_dir}")
-            await rekey_records(meta, keyring, report, where)
+            sealing = None
+            if config.metadata == "shared":
+                from services.cli.fleet_gc import open_bucket
+
+                sealing = open_bucket(config, keyring)
+            try:
+                await rekey_records(meta, keyring, report, where, sealing)
+            finally:
+                if sealing is not None:
+                    await sealing.close()
     finally:
         for tier in tiers:
             await tier.close()
