@@ -45,6 +45,7 @@ COVERS = {
     "cli:migrate": "migrate",
     "cli:certs": "cli-tools",
     "cli:keygen": "cli-tools",
+    "cli:rekey": "rekey",  # and keygen --rotate
 
 }
 

@@ -29,7 +29,7 @@ from testing.live_server import ROOT, Child, Credentials
 
 TMPFS_MIB = 48
 EVENTS = ("restart", "compact-live", "kill9", "backup", "compact-offline", "cli-tools",
-          "repair", "tokens-file", "full-disk", "hung-node", "remote-replay")
+          "repair", "tokens-file", "full-disk", "hung-node", "remote-replay", "rekey")
 FINAL = ("migrate",)  # after the last step, single-node combinations (half of them)
 EVENT_EVERY = 200  # steps between maintenance events (each restarts or runs a tool)
 MAX_SESSIONS = 10  # per tenant, so quota and capacity are met and sessions stay small

@@ -80,8 +80,10 @@ def write_config(combo: Combination, root: Path, data_dir: Path, *, redis_url: s
     if combo.enc:
         keys = root / "keys.toml"
         material = base64.b64encode(hashlib.sha256(combo.name.encode()).digest()).decode()
-        keys.write_text(f'[[key]]\nid = "seams"\nmaterial = "{material}"\ncurrent = true\n')
-        keys.chmod(0o600)
+        if not keys.exists():  # a later config keeps the keyring an operator rotated
+            keys.write_text(f'[[key]]\nid = "seams"\nmaterial = "{material}"\n'
+                            'current = true\n')
+            keys.chmod(0o600)
         lines.append(f'encryption_key_file = "{keys}"')
     if combo.ret:
         lines += ["retain_unreferenced = true", f"retain_ttl_s = {RETAIN_TTL_S}"]
