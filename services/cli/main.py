@@ -34,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "migrate": ("services.cli.migrate", "copy a single-node data directory to a fleet's bucket"),
     "certs": ("services.server.devcerts", "write a development CA, certificates and tokens"),
     "keygen": ("services.cli.keygen", "write a new encryption keyring, or add a current key"),
-    "rekey": ("services.cli.rekey", "reseal what is stored under retired keys with the current one"),
+    "rekey": ("services.cli.rekey", "reseal what old keys sealed under the current key"),
 }
 
 

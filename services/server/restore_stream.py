@@ -52,6 +52,7 @@ from kvstore.session.restore import RestoredChunk
 from kvstore.tiers.base import Buffer
 from kvtier.shm import PackedWriter
 from proto import kvtier_pb2 as pb
+from services.server import requests
 from services.server.metrics import ServiceMetrics
 from services.server.replay_backend import ReplayBackend
 from services.server.shm_leases import Lease, LeaseTable
@@ -113,6 +114,7 @@ class RestoreStreamer:
                 if replay and opts.resume:  # the rebuilt window goes in the segment too
                     size += _window_bound(spec)
                 lease, writer, refused = self.reply_segment(opts, size)
+                requests.note(bytes=size, generation=m.generation)
                 split = [split_block_key(key) for key in m.chunk_keys]
                 chains = [chain for chain, _ in split]
                 restored = _explained(reader.chunks(), m.writeback_failed)
@@ -171,6 +173,8 @@ class RestoreStreamer:
             lowest = self._lowest(tiers)
             self.metrics.restore_seconds.labels(lowest or "none").observe(restore_s)
             summary = pb.ResumeSummary(tier=lowest, restore_seconds=restore_s)
+            requests.record_phase("read_send", restore_s)
+            requests.note(tier=lowest or "none")
             if opts.resume and replay:
                 try:
                     rebuilt = await (rebuilding if rebuilding is not None else
@@ -189,6 +193,8 @@ class RestoreStreamer:
                 yield pb.RestoreReply(window=self.payload("", rebuilt.window, writer))
                 await self._keep_window(tenant, session_id, m.generation, rebuilt.window,
                                         rebuilt.replayed_tokens)
+                requests.record_phase("replay", rebuilt.seconds)
+                requests.note(replay_tokens=rebuilt.replayed_tokens)
                 summary.replayed = True
                 summary.replay_tokens = rebuilt.replayed_tokens
                 summary.replay_seconds = rebuilt.seconds

@@ -24,7 +24,7 @@ from kvstore.format.errors import InvalidRequest
 from kvtier import AsyncClient
 from services import cli
 from tests.support.compaction import ROOT, SPECS, snapshot, spill_all
-from tests.support.fleet import SPEC, TOKENS, assert_persistent, fleet, fleet_env, model_state
+from tests.support.fleet import SPEC, assert_persistent, fleet, fleet_env, model_state
 
 __all__ = ["fleet_env", "model_state"]  # fixtures, used by name
 
@@ -168,25 +168,25 @@ async def test_rekey_retires_a_key_on_an_encrypted_fleet(tmp_path, capsys, fleet
     keys = tmp_path / "keys.toml"
     assert keygen(str(keys), "--id", "k1").returncode == 0
     shared = {**fleet_env, "encryption_key_file": str(keys)}
-    async with fleet(tmp_path, shared, redis_server, names="ab") as nodes:
-        async with AsyncClient(nodes["a"]) as on_a:
-            for session in ("s1", "s2"):
-                await on_a.spill("acme", session, SPEC, ids, chunks=chunks, tail=tail,
-                                 generation=1, ack="durable")
+    async with (fleet(tmp_path, shared, redis_server, names="ab") as nodes,
+                AsyncClient(nodes["a"]) as on_a):
+        for session in ("s1", "s2"):
+            await on_a.spill("acme", session, SPEC, ids, chunks=chunks, tail=tail,
+                             generation=1, ack="durable")
     assert keygen("--rotate", str(keys), "--id", "k2").returncode == 0
     config = fleet_config(tmp_path / "a.toml", fleet_env, redis_server, keys, tmp_path / "a")
-    async with fleet(tmp_path, shared, redis_server, names="ab") as nodes:
-        async with AsyncClient(nodes["b"]) as on_b:
-            await on_b.spill("acme", "s3", SPEC, ids, chunks=chunks, tail=tail,
-                             generation=1, ack="durable")
-            rc, report, err = await asyncio.to_thread(rekey_process, config)  # online
-            assert rc == 0, err
-            assert report["resealed"] > 0
-            assert any("bucket" in place for place in report["places"])
-            assert redis_key_ids(redis_server) <= {"k2"}
-            for session in ("s1", "s2", "s3"):
-                assert_persistent(await on_b.restore("acme", session, want_window=False),
-                                  chunks, tail)
+    async with (fleet(tmp_path, shared, redis_server, names="ab") as nodes,
+                AsyncClient(nodes["b"]) as on_b):
+        await on_b.spill("acme", "s3", SPEC, ids, chunks=chunks, tail=tail,
+                         generation=1, ack="durable")
+        rc, report, err = await asyncio.to_thread(rekey_process, config)  # online
+        assert rc == 0, err
+        assert report["resealed"] > 0
+        assert any("bucket" in place for place in report["places"])
+        assert redis_key_ids(redis_server) <= {"k2"}
+        for session in ("s1", "s2", "s3"):
+            assert_persistent(await on_b.restore("acme", session, want_window=False),
+                              chunks, tail)
     for node in "ab":  # each node's disk cache, its server stopped
         node_config = fleet_config(tmp_path / f"{node}.toml", fleet_env, redis_server, keys,
                                    tmp_path / node)
