@@ -158,9 +158,8 @@ async def test_spans_to_the_in_memory_exporter_and_ids_checked_or_named(tmp_path
 
 
 def test_a_client_refuses_a_bad_request_id_and_json_lines_carry_the_request():
-    with pytest.raises(InvalidRequest, match="1 to 64 characters"):
-        with request_id("not ok"):
-            pass
+    with pytest.raises(InvalidRequest, match="1 to 64 characters"), request_id("not ok"):
+        pass
     record = logging.LogRecord("kvtier.test", logging.INFO, __file__, 1, "hello %s",
                                ("world",), None)
     RequestFields().filter(record)
