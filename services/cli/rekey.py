@@ -7,10 +7,11 @@ the keyring restarts with it (new writes are sealed under the new key, old value
 open); ``kvtier rekey`` reseals the rest; once it says ``key K is no longer needed``,
 remove K's ``[[key]]`` and restart.
 
-Places, as the config names them: the Redis tier and the object tier or a fleet's bucket
-(chunks and manifests) are rewritten online, beside running servers; the disk tier of
-``data_dir`` only while no server runs on it (its writer owns the segments), so a live
-node's disk is counted, not changed, and the run says to stop it and run again. A run cut
+Places, as the config names them: the Redis tier and a fleet's bucket (chunks and
+manifests) are rewritten online, beside running servers; the disk tier of ``data_dir``
+and a node's own object tier only while no server runs on it (its writer owns the
+segments, its accounting the objects), so a live node's are counted, not changed, and
+the run says to stop it and run again. A run cut
 short is simply run again; every rewritten value is read back and checked.
 
 Exit status: 0 done (``sealed_under_old`` may still be above 0: see the report), 2 bad
@@ -77,15 +78,19 @@ async def _rekey(config) -> tuple:
     skipped: list[str] = []
     disk_dir = config.data_dir / "disk"
     disk_live = bool(config.disk_bytes) and DiskTier.writer_is_live(disk_dir)
+    # a node's own object tier (not a fleet's bucket) is its server's too: its accounting
+    own_objects = disk_live and config.metadata != "shared" and bool(config.object_bytes)
     if disk_live:
-        skipped.append(f"disk tier of {config.data_dir}: a server is running on it, so it "
-                       "is counted, not rewritten; stop that server and run again")
+        skipped.append(f"{'disk and object tiers' if own_objects else 'disk tier'} of "
+                       f"{config.data_dir}: a server is running on them, so they are "
+                       "counted, not rewritten; stop that server and run again")
     # the media as stored (no EncryptedTier), never compressed (sealed bytes are random)
-    raw = dataclasses.replace(config, object_compression_level=-1,
-                              disk_bytes=0 if disk_live else config.disk_bytes)
-    await _rewrite(raw, keyring, report)
+    counted = dataclasses.replace(config, object_compression_level=-1,
+                                  disk_bytes=0 if disk_live else config.disk_bytes)
+    await _rewrite(dataclasses.replace(counted, object_bytes=0) if own_objects else counted,
+                   keyring, report)
     report.remaining.clear()  # recounted, the live disk included
-    await _recount(raw, report)
+    await _recount(counted, report)
     if disk_live and (disk_dir / "index").is_dir():
         from kvstore.encryption.rekey import census_record_keys, census_tier_keys
 
