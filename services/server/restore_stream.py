@@ -177,10 +177,13 @@ class RestoreStreamer:
             requests.note(tier=lowest or "none")
             if opts.resume and replay:
                 try:
-                    rebuilt = await (rebuilding if rebuilding is not None else
-                                     backend.rebuild(spec, tokens, chunks, tail,
-                                                     opts.replay_tokens,
-                                                     model_fingerprint=m.model_fingerprint))
+                    # the wait for the replay (a failed one too); it began during the send
+                    # when the chunks were read first
+                    with requests.phase("replay"):
+                        rebuilt = await (rebuilding if rebuilding is not None else
+                                         backend.rebuild(spec, tokens, chunks, tail,
+                                                         opts.replay_tokens,
+                                                         model_fingerprint=m.model_fingerprint))
                 except LayoutMismatch as exc:  # the store's verified bytes: the model differs
                     raise ReplayUnavailable(
                         f"{tenant}/{session_id} needs its window rebuilt by replay, and the "
@@ -193,8 +196,8 @@ class RestoreStreamer:
                 yield pb.RestoreReply(window=self.payload("", rebuilt.window, writer))
                 await self._keep_window(tenant, session_id, m.generation, rebuilt.window,
                                         rebuilt.replayed_tokens)
-                requests.record_phase("replay", rebuilt.seconds)
-                requests.note(replay_tokens=rebuilt.replayed_tokens)
+                requests.note(replay_tokens=rebuilt.replayed_tokens,
+                              replay_ms=round(rebuilt.seconds * 1000, 3))
                 summary.replayed = True
                 summary.replay_tokens = rebuilt.replayed_tokens
                 summary.replay_seconds = rebuilt.seconds

@@ -30,9 +30,11 @@ from services.server.requests import JsonFormatter, RequestFields
 from services.server.server import create_server
 from services.server.tracing import Tracing
 from tests.support.compaction import ROOT
+from tests.support.fleet import SPEC, model_state
 from tests.support.service import LAYOUT, config_for, streams_for, tokens_for
 
 TOKENS = 3 * LAYOUT.chunk_tokens + 5
+__all__ = ["model_state"]  # a fixture, used by name
 
 
 async def spill_and_restore(address: str) -> None:
@@ -155,6 +157,30 @@ async def test_spans_to_the_in_memory_exporter_and_ids_checked_or_named(tmp_path
                    "follow-missing")
     assert not missing.status.is_ok
     assert not any(s.name == "kvtier.List" for s in spans)  # only the calls followed
+
+
+async def test_a_resume_that_replays_has_its_replay_as_a_child_span(tmp_path, model_state):
+    weights, ids, chunks, tail, _ = model_state
+    exporter = InMemorySpanExporter()
+    config = config_for(tmp_path, listen="127.0.0.1:0", replay="in-process",
+                        replay_weights=str(weights))
+    server, port = await create_server(
+        config, tracing=Tracing(processor=SimpleSpanProcessor(exporter)))
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}") as kv:
+            await kv.spill("acme", "s1", SPEC, ids, chunks=chunks, tail=tail, generation=1)
+            with request_id("follow-resume"):  # no window was spilled: it is replayed
+                resumed = await kv.resume("acme", "s1", replay_tokens=len(ids))
+            assert resumed.replayed
+    finally:
+        await server.stop(0.5)
+    spans = exporter.get_finished_spans()
+    resume = next(s for s in spans if s.name == "kvtier.Resume")
+    assert resume.attributes["kvtier.request_id"] == "follow-resume"
+    assert resume.attributes["kvtier.replay_tokens"] == len(ids)
+    children = {s.name for s in spans
+                if s.parent is not None and s.parent.span_id == resume.context.span_id}
+    assert {"read_send", "replay"} <= children
 
 
 def test_a_client_refuses_a_bad_request_id_and_json_lines_carry_the_request():
