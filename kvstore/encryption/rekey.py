@@ -37,6 +37,7 @@ class RekeyReport:
     already_current: int = 0
     in_clear: int = 0  # values never sealed (left as they are)
     changed_meanwhile: int = 0  # rewritten by a server during the run: a rerun checks them
+    unreadable: list[str] = field(default_factory=list)  # sealed values that do not open
     remaining: Counter = field(default_factory=Counter)  # key id -> values still under it
 
     @property
@@ -57,6 +58,7 @@ class RekeyReport:
         return {"current": self.current, "places": self.places, "resealed": self.resealed,
                 "already_current": self.already_current, "in_clear": self.in_clear,
                 "changed_meanwhile": self.changed_meanwhile,
+                "unreadable": len(self.unreadable), "unreadable_keys": self.unreadable[:20],
                 "sealed_under_old": self.sealed_under_old,
                 "remaining_by_key": dict(sorted(self.remaining.items())),
                 "no_longer_needed": self.retired}
@@ -65,6 +67,10 @@ class RekeyReport:
         out = [f"rekey to {self.current!r} over {', '.join(self.places) or 'nothing'}: "
                f"{self.resealed} resealed, {self.already_current} already current, "
                f"{self.in_clear} in clear, {self.changed_meanwhile} changed meanwhile"]
+        if self.unreadable:
+            out.append(f"{len(self.unreadable)} values do not open (corrupt, or under a key "
+                       f"this keyring lacks), e.g. {self.unreadable[0]!r}: left as they are; "
+                       "kvtier compact's scrub quarantines corrupt ones")
         for key_id, count in sorted(self.remaining.items()):
             if count:
                 out.append(f"key {key_id} still seals {count} values: run kvtier rekey again")
@@ -88,6 +94,20 @@ def verify(keyring: Keyring, storage_key: str, stored: Buffer, plaintext: bytes)
     header, back = keyring.open(storage_key, stored)
     if header.key_id != keyring.current or back != plaintext:
         raise ChunkCorrupt(f"{storage_key}: the resealed copy read back does not match")
+
+
+def _resealed(keyring: Keyring, storage_key: str, sealed: Buffer, report: RekeyReport
+              ) -> tuple[bytes, bytes] | None:
+    """``reseal``, counting a value already current or one that does not open (a corrupt
+    copy is the scrub's to quarantine: it must not stop the others' rotation)."""
+    try:
+        fresh = reseal(keyring, storage_key, sealed)
+    except ChunkCorrupt:
+        report.unreadable.append(storage_key)
+        return None
+    if fresh is None:
+        report.already_current += 1
+    return fresh
 
 
 def _is_sealed(value: Buffer) -> bool:
@@ -119,9 +139,8 @@ async def rekey_tier(tier: Tier, keyring: Keyring, report: RekeyReport) -> None:
         if not _is_sealed(sealed):
             report.in_clear += 1
             continue
-        fresh = reseal(keyring, key, sealed)
+        fresh = _resealed(keyring, key, sealed, report)
         if fresh is None:
-            report.already_current += 1
             continue
         ttl_s = await _remaining_ttl(tier, key)
         await tier.put(key, fresh[0], ttl_s=ttl_s)
@@ -146,9 +165,8 @@ async def rekey_records(meta: MetaStore, keyring: Keyring, report: RekeyReport, 
         if not _is_sealed(stored):
             report.in_clear += 1
             continue
-        fresh = reseal(keyring, key, stored)
+        fresh = _resealed(keyring, key, stored, report)
         if fresh is None:
-            report.already_current += 1
             continue
         try:
             if sealing is None:

@@ -80,6 +80,30 @@ def test_rotate_adds_a_current_key_and_keeps_the_old_ones(tmp_path):
     assert keygen("--rotate", str(tmp_path / "none.toml")).returncode == 2
 
 
+async def test_a_value_that_does_not_open_is_reported_and_the_rest_resealed(tmp_path):
+    from kvstore.encryption.rekey import RekeyReport, census_tier_keys, rekey_tier
+    from kvstore.encryption.seal import Keyring, MasterKey
+    from kvstore.tiers.host import HostTier
+
+    old, new = MasterKey("k1", bytes(range(32))), MasterKey("k2", bytes(range(1, 33)))
+    medium = HostTier(1 << 20)
+    sealed = Keyring([old]).seal("good", "tenant:acme", b"kv bytes", 7)
+    damaged = bytearray(Keyring([old]).seal("bad", "tenant:acme", b"other bytes"))
+    damaged[-1] ^= 1
+    await medium.put("good", sealed)
+    await medium.put("bad", bytes(damaged))
+    keyring = Keyring([old, new], current="k2")
+    report = RekeyReport(keyring.current, keyring.key_ids)
+    await rekey_tier(medium, keyring, report)
+    assert report.resealed == 1 and report.unreadable == ["bad"]
+    header, plaintext = keyring.open("good", await medium.get("good"))
+    assert (header.key_id, header.domain, header.layout_hash, plaintext) == \
+        ("k2", "tenant:acme", 7, b"kv bytes")
+    await census_tier_keys(medium, report)
+    assert report.sealed_under_old == 1 and report.retired == []  # k1 still seals "bad"
+    assert any("do not open" in line for line in report.lines())
+
+
 def test_keyring_errors_name_the_line_and_column_and_a_missing_file(tmp_path):
     path = tmp_path / "keys.toml"
     path.write_text('[[key]]\nid = "k1"\nmaterial = "c2VjcmV0\n')
