@@ -49,7 +49,7 @@ def _read(name: str, path: str | None) -> bytes | None:
         raise InvalidRequest(f"{name}: cannot read {path}: {exc.strerror}") from exc
 
 
-class _Bearer:
+class _CallMetadata:
     """Adds the request id and, with a token, the ``authorization`` metadata to every call
     of its kind (grpc.aio files an interceptor under the first kind it is, so there is one
     class per kind)."""
@@ -63,22 +63,22 @@ class _Bearer:
         return details._replace(metadata=metadata)
 
 
-class _UnaryUnary(_Bearer, grpc.aio.UnaryUnaryClientInterceptor):
+class _UnaryUnary(_CallMetadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
 
-class _UnaryStream(_Bearer, grpc.aio.UnaryStreamClientInterceptor):
+class _UnaryStream(_CallMetadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
 
-class _StreamUnary(_Bearer, grpc.aio.StreamUnaryClientInterceptor):
+class _StreamUnary(_CallMetadata, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
 
 
-class _StreamStream(_Bearer, grpc.aio.StreamStreamClientInterceptor):
+class _StreamStream(_CallMetadata, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
 

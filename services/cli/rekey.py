@@ -11,11 +11,13 @@ Places, as the config names them: the Redis tier and a fleet's bucket (chunks an
 manifests) are rewritten online, beside running servers; the disk tier of ``data_dir``
 and a node's own object tier only while no server runs on it (its writer owns the
 segments, its accounting the objects), so a live node's are counted, not changed, and
-the run says to stop it and run again. A run cut
-short is simply run again; every rewritten value is read back and checked.
+the run says to stop it and run again. A run cut short is simply run again; every
+rewritten value is read back and checked. A value that does not open (corrupt, or under
+a key the keyring lacks) is left as it is and reported: it keeps its key counted.
 
 Exit status: 0 done (``sealed_under_old`` may still be above 0: see the report), 2 bad
-arguments or a keyring that does not open what is stored, 1 any other store error.
+arguments, no key configured or a keyring that does not parse, 1 any other store error
+(a medium unreachable; nothing is lost).
 """
 
 from __future__ import annotations
