@@ -19,7 +19,8 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet pip==$(PIP_VERSION)
 
-# The lock holds the test, gpu (triton, for its interpreter tests) and transformers extras.
+# The lock holds the test, gpu (triton, for its interpreter tests), transformers and tracing
+# extras.
 $(STAMP): $(BIN)/python pyproject.toml $(LOCK)
 	$(BIN)/pip install --quiet -r $(LOCK)
 	$(BIN)/pip install --quiet --no-deps -e .
@@ -37,7 +38,8 @@ COMPILE := $(LOCK_VENV)/bin/pip-compile --quiet --strip-extras --no-emit-find-li
 lock:
 	test -x $(LOCK_VENV)/bin/pip-compile || { $(PY) -m venv $(LOCK_VENV) && \
 	  $(LOCK_VENV)/bin/pip install --quiet pip==$(PIP_VERSION) pip-tools==$(PIP_TOOLS_VERSION); }
-	$(COMPILE) --upgrade --extra test --extra gpu --extra transformers -o $(LOCK) pyproject.toml
+	$(COMPILE) --upgrade --extra test --extra gpu --extra transformers --extra tracing \
+	  -o $(LOCK) pyproject.toml
 	$(COMPILE) --upgrade --extra test --unsafe-package torchvision --unsafe-package torchaudio \
 	  --unsafe-package torchcodec -o $(VLLM_LOCK) pyproject.toml requirements/vllm.in
 	sed -i 's/^torch==\(.*\)+cpu$$/torch==\1/' $(LOCK) $(VLLM_LOCK)

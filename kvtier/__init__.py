@@ -10,6 +10,7 @@ from kvstore.format import errors as _errors
 from kvstore.format.chunk import StreamData
 from kvstore.format.errors import *  # noqa: F403  (every class of the one hierarchy)
 from kvtier.client import AsyncClient
+from kvtier.request_ids import request_id
 from kvtier.routing import RoutingPolicy
 from kvtier.sync import Client
 from kvtier.types import (
@@ -23,4 +24,4 @@ from kvtier.types import (
 
 __all__ = ["AsyncClient", "Client", "LayoutInfo", "ReadChunksResult", "RestoredSession",
            "RetryPolicy", "RoutingPolicy", "SpillResult", "StreamData", "WriteChunksResult",
-           *_errors.__all__]
+           "request_id", *_errors.__all__]

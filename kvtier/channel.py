@@ -7,6 +7,7 @@ bearer token.
 certificate is given); ``tls_cert`` + ``tls_key``: this client's certificate (mTLS);
 ``token``: sent as ``authorization: Bearer <token>`` on every call. A token never goes
 in clear to another machine: without TLS it is refused unless the target is loopback.
+Every call also carries a request id (``kvtier.request_ids``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import grpc
 
 from kvstore.format.errors import InvalidRequest
+from kvtier.request_ids import REQUEST_ID_KEY, outgoing_request_id
 
 LOOPBACK = ("localhost", "127.", "[::1]", "unix:", "ipv4:127.", "ipv6:[::1]")
 
@@ -47,44 +49,45 @@ def _read(name: str, path: str | None) -> bytes | None:
         raise InvalidRequest(f"{name}: cannot read {path}: {exc.strerror}") from exc
 
 
-class _Bearer:
-    """Adds the ``authorization`` metadata to every call of its kind (grpc.aio files an
-    interceptor under the first kind it is, so there is one class per kind)."""
+class _CallMetadata:
+    """Adds the request id and, with a token, the ``authorization`` metadata to every call
+    of its kind (grpc.aio files an interceptor under the first kind it is, so there is one
+    class per kind)."""
 
-    def __init__(self, token: str) -> None:
-        self._entry = ("authorization", f"Bearer {token}")
+    def __init__(self, token: str | None) -> None:
+        self._entries = () if not token else (("authorization", f"Bearer {token}"),)
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._entry)
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._entries,
+                                     (REQUEST_ID_KEY, outgoing_request_id()))
         return details._replace(metadata=metadata)
 
 
-class _UnaryUnary(_Bearer, grpc.aio.UnaryUnaryClientInterceptor):
+class _UnaryUnary(_CallMetadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
 
-class _UnaryStream(_Bearer, grpc.aio.UnaryStreamClientInterceptor):
+class _UnaryStream(_CallMetadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
 
-class _StreamUnary(_Bearer, grpc.aio.StreamUnaryClientInterceptor):
+class _StreamUnary(_CallMetadata, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
 
 
-class _StreamStream(_Bearer, grpc.aio.StreamStreamClientInterceptor):
+class _StreamStream(_CallMetadata, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
 
 
 def open_channel(target: str, credentials: Credentials = Credentials(),
                  options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
-    interceptors = None
-    if credentials.token:
-        interceptors = [kind(credentials.token.strip())
-                        for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+    token = credentials.token.strip() if credentials.token else None
+    interceptors = [kind(token)
+                    for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
     if credentials.tls:
         ssl = grpc.ssl_channel_credentials(
             root_certificates=_read("tls_ca", credentials.tls_ca),

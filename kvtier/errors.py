@@ -38,6 +38,7 @@ from kvstore.format.errors import (
     error_name,
     status_name,
 )
+from kvtier.request_ids import REQUEST_ID_KEY
 
 __all__ = [*store_errors.__all__, "add_servicer", "client_message", "error_from_rpc",
            "grpc_errors", "status_for"]
@@ -75,7 +76,9 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 def error_from_rpc(exc: grpc.RpcError, source: str = "") -> KVTierError:
     """The exception a failed call stands for; ``source`` prefixes its message (who failed)."""
     trailing = dict(exc.trailing_metadata() or ())
-    return error_for(exc.code().name, source + (exc.details() or ""), trailing.get(ERROR_KEY))
+    error = error_for(exc.code().name, source + (exc.details() or ""), trailing.get(ERROR_KEY))
+    error.request_id = trailing.get(REQUEST_ID_KEY)  # kvtier.request_ids
+    return error
 
 
 def client_message(message: str) -> str:
@@ -101,7 +104,9 @@ async def abort(context: grpc.aio.ServicerContext, exc: BaseException,
         log.warning("%s in %s: %s", code.name, method or "an RPC", message)
     if isinstance(servicer, RecordsCalls):
         servicer.record_error(method, code)
-    context.set_trailing_metadata(((ERROR_KEY, error_name(exc)),))
+    # kept beside the error's name: the request id the server set at the call's start
+    kept = tuple((k, v) for k, v in (context.trailing_metadata() or ()) if k != ERROR_KEY)
+    context.set_trailing_metadata((*kept, (ERROR_KEY, error_name(exc))))
     await context.abort(code, shown)
 
 

@@ -4,6 +4,7 @@ results, run on a private event loop in a daemon thread."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from collections.abc import Iterator
 
@@ -34,7 +35,13 @@ class Client:
         return AsyncClient(target, **options)
 
     def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        # in this thread's context: a kvtier.request_id block around the call applies
+        context = contextvars.copy_context()
+
+        async def in_context():
+            return await self._loop.create_task(coro, context=context)
+
+        return asyncio.run_coroutine_threadsafe(in_context(), self._loop).result()
 
     @property
     def shared_memory(self) -> bool:

@@ -48,6 +48,7 @@ COVERS = {
     "cli:init": "cli-tools",
     "cli:drain": "drain",
     "rpc:KVTier.Drain": "drain",
+    "cli:rekey": "rekey",  # and keygen --rotate
 
 }
 

@@ -29,7 +29,8 @@ from testing.live_server import ROOT, Child, Credentials
 
 TMPFS_MIB = 48
 EVENTS = ("restart", "compact-live", "kill9", "backup", "compact-offline", "cli-tools",
-          "repair", "tokens-file", "full-disk", "hung-node", "remote-replay", "drain")
+          "repair", "tokens-file", "full-disk", "hung-node", "remote-replay", "drain",
+          "rekey")
 FINAL = ("migrate",)  # after the last step, single-node combinations (half of them)
 EVENT_EVERY = 200  # steps between maintenance events (each restarts or runs a tool)
 MAX_SESSIONS = 10  # per tenant, so quota and capacity are met and sessions stay small
@@ -229,12 +230,17 @@ class Simulation(Ops):
 
     def read_server_log(self) -> None:
         """What the server logged that no operation may cause: a corrupt copy (nothing
-        in a simulation damages a medium), a traceback, a task whose error nobody read."""
+        in a simulation damages a medium), a traceback, a task whose error nobody read,
+        a log line that is not JSON (the config says ``log_format = "json"``)."""
         path = self.root / "server.log"
         if not path.exists():
             return
         seen = set()
         for line in path.read_text(errors="replace").splitlines():
+            if line[:4].isdigit() and "unformatted" not in seen:  # a text line: not JSON
+                seen.add("unformatted")
+                self.ledger.add("unexpected", self.combo.name, self.step, "server-log", "-",
+                                'log_format = "json": one JSON object a line', line[:300])
             message = line.partition(": ")[2] if line[:4].isdigit() else line
             if any(mark in line for mark in SERVER_LOG_FINDINGS) and message not in seen:
                 seen.add(message)

@@ -19,6 +19,12 @@ checked against the model (``Simulation.verify_all``):
 - ``backup``: ``kvtier backup`` then ``kvtier restore-backup`` (``bench.seams.backups``):
   intact, exit 0 and every session bit-exact when served from the restored directory;
   damaged (a segment removed, replaced by a symlink, a byte flipped), exit 1;
+- ``rekey``: encrypted, ``kvtier keygen --rotate`` adds a current key, a restart takes
+  it, ``kvtier rekey --json`` runs beside the live server (Redis and the bucket), then
+  with it stopped (the disk); it must then report nothing under the old keys and name
+  them as no longer needed, and they are removed from the keyring before the restart:
+  every session must read as the model has it with the new key alone. In clear, rekey
+  must refuse (exit 2);
 - ``cli-tools``, ``tokens-file``, ``hung-node``, ``remote-replay``, ``drain``: what an
   operator does beside the clients (``bench.seams.operator``).
 
@@ -100,6 +106,8 @@ async def event(sim, kind: str) -> None:
         await start(sim, kind)
     elif kind == "full-disk":
         await full_disk(sim)
+    elif kind == "rekey":
+        await rekey(sim)
     await sim.verify_all(kind)
 
 
@@ -140,6 +148,38 @@ async def tool(sim, kind: str, args: list[str], *, bare: bool, refusal: str = ""
                        "-", "exit 0" + (" or a refusal (exit 2) without the key" if bare
                                         else ""), f"exit {rc}: {said}")
     return rc, report
+
+
+async def rekey(sim) -> None:
+    """Rotate the keyring, reseal everything under the new key, retire the old ones."""
+    from kvstore.encryption.seal import keyring_from_file
+
+    if not sim.combo.enc:
+        await tool(sim, "rekey", ["rekey", "--json"], bare=False, refusal="encrypts nothing")
+        return
+    keys = sim.root / "keys.toml"
+    old = keyring_from_file(keys).key_ids
+    new = f"seams-{sim.step}"
+    await tool(sim, "keygen-rotate", ["keygen", "--rotate", str(keys), "--id", new],
+               bare=True)
+    prefix.forget_all(sim, "rekey")
+    await stop(sim, "term")
+    await start(sim, "rekey")  # new writes sealed under the new key
+    _, online = await tool(sim, "rekey-online", ["rekey", "--json"], bare=False)
+    if online is not None and online["current"] != new:
+        sim.ledger.add("unexpected", sim.combo.name, sim.step, "rekey-online", "-",
+                       f"resealed under {new}", str(online["current"]))
+    await stop(sim, "term")
+    _, offline = await tool(sim, "rekey-offline", ["rekey", "--json"], bare=False)
+    if offline is None or offline["sealed_under_old"] or offline["no_longer_needed"] != old:
+        sim.ledger.add("unexpected", sim.combo.name, sim.step, "rekey-offline", "-",
+                       f"nothing left under {old}, each no longer needed", str(offline))
+    else:  # as the report says: the old keys leave the keyring
+        text = keys.read_text()
+        tables = text.split("[[key]]")
+        kept = [t for t in tables[1:] if f'id = "{new}"' in t]
+        keys.write_text(tables[0] + "".join("[[key]]" + t for t in kept))
+    await start(sim, "rekey")
 
 
 async def full_disk(sim) -> None:

@@ -42,6 +42,7 @@ from kvstore.format.errors import (
 )
 from kvstore.format.layout import layout_from_json, layout_to_json
 from kvstore.format.registry import get_layout
+from kvtier import request_id
 
 SIZES = (1, 3, 64, 130, 511, 512, 517, 640, 1024, 1100, 1536)
 REPLAYS = ("0", "1", "small", "127", "128", "over-window", "over-tokens")
@@ -332,8 +333,13 @@ class Ops:
         name = f"{tenant}/{sid}"
         self.log(f"step={step} op=restore-deleted s={name}")
         try:
-            got = await self.client(tenant).restore(tenant, sid)
-        except NotFound:
+            with request_id(f"seams-{step}"):
+                got = await self.client(tenant).restore(tenant, sid)
+        except NotFound as exc:
+            if exc.request_id != f"seams-{step}":  # the trailers name the call's id
+                self.ledger.add("unexpected", self.combo.name, step, "restore-deleted",
+                                name, f"request id seams-{step} in the trailers",
+                                str(exc.request_id))
             return
         except KVTierError as exc:
             self.fail(exc, step, "restore-deleted", name, "SessionNotFound")

@@ -76,12 +76,15 @@ def write_config(combo: Combination, root: Path, data_dir: Path, *, redis_url: s
     lines = ['preset = "test"', 'listen = "127.0.0.1:0"', f'data_dir = "{data_dir}"',
              'disk_bytes = "1GiB"',  # above the tmpfs: the medium fills first
              'disk_segment_bytes = "256KiB"', "disk_reclaim_interval_s = 1.0",
-             "grace_s = 5.0", 'register_layouts = "auto"']
+             "grace_s = 5.0", 'register_layouts = "auto"',
+             'log_format = "json"', "slow_request_s = 2.0"]  # read by engine.read_server_log
     if combo.enc:
         keys = root / "keys.toml"
         material = base64.b64encode(hashlib.sha256(combo.name.encode()).digest()).decode()
-        keys.write_text(f'[[key]]\nid = "seams"\nmaterial = "{material}"\ncurrent = true\n')
-        keys.chmod(0o600)
+        if not keys.exists():  # a later config keeps the keyring an operator rotated
+            keys.write_text(f'[[key]]\nid = "seams"\nmaterial = "{material}"\n'
+                            'current = true\n')
+            keys.chmod(0o600)
         lines.append(f'encryption_key_file = "{keys}"')
     if combo.ret:
         lines += ["retain_unreferenced = true", f"retain_ttl_s = {RETAIN_TTL_S}"]

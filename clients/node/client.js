@@ -16,14 +16,18 @@ const definition = protoLoader.loadSync(PROTO, {
 });
 const kvtier = grpc.loadPackageDefinition(definition).kvtier.v1;
 
-// A failed call: `code` the gRPC status name, `kvtierError` the class the trailer named.
+// A failed call: `code` the gRPC status name, `kvtierError` the class the trailer named,
+// `requestId` the id the server logged and traced it under (the `x-kvtier-request-id`
+// trailer: the server names one when the call sent none).
 export class KVTierCallError extends Error {
   constructor(error) {
     const names = Object.fromEntries(Object.entries(grpc.status).map(([k, v]) => [v, k]));
-    const trailer = error.metadata ? error.metadata.get('kvtier-error') : [];
+    const trailer = (key) => (error.metadata ? error.metadata.get(key) : []);
     super(`${names[error.code]}: ${error.details}`);
     this.code = names[error.code];
-    this.kvtierError = trailer.length ? String(trailer[0]) : null;
+    this.kvtierError = trailer('kvtier-error').length ? String(trailer('kvtier-error')[0]) : null;
+    const requestId = trailer('x-kvtier-request-id');
+    this.requestId = requestId.length ? String(requestId[0]) : null;
     this.details = error.details;
   }
 }

@@ -307,6 +307,8 @@ describe('against a live server', { skip: ADDRESS ? false : 'no server address g
       { scope: wire.dedupeScope('someone-else') })[0]];
     await rejects(client.spill(wrongKey.header, wrongKey.items), 'INVALID_ARGUMENT', 'InvalidRequest');
     await rejects(client.restore({ session: { tenant, session_id: 'never-spilled' } }), 'NOT_FOUND', 'SessionNotFound');
+    await assert.rejects(client.restore({ session: { tenant, session_id: 'never-spilled' } }),
+      (error) => /^[0-9a-f]{32}$/.test(error.requestId)); // named by the server
   });
 
   it('deletes the sessions', async () => {

@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+import re
 import struct
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -52,6 +53,7 @@ _HEAD = struct.Struct("<4sBBHQ")
 _HKDF_SALT = b"kvtier-at-rest-v1"
 # The most a sealed value adds to its plaintext (a domain is "shared:" + 64 characters).
 OVERHEAD_BYTES = _HEAD.size + MAX_KEY_ID_BYTES + 80 + NONCE_BYTES + TAG_BYTES
+_TOML_POSITION = re.compile(r"\(at (line \d+, column \d+)\)")
 
 
 @dataclass(frozen=True)
@@ -182,10 +184,17 @@ def keyring_from_file(path: str | os.PathLike) -> Keyring:
     try:
         with open(path, "rb") as handle:
             doc = tomllib.load(handle)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        # The parser's message may quote a line of the file, which holds key material.
-        raise InvalidRequest(f"encryption_key_file {path}: cannot read it as TOML "
-                             f"({type(exc).__name__})") from None
+    except FileNotFoundError:
+        raise InvalidRequest(f"encryption_key_file {path} does not exist (kvtier keygen "
+                             "PATH writes one)") from None
+    except OSError as exc:
+        raise InvalidRequest(f"encryption_key_file {path}: cannot read it: "
+                             f"{exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        # Only the position: the parser's message may quote a character of key material.
+        where = _TOML_POSITION.search(str(exc))
+        raise InvalidRequest(f"encryption_key_file {path}: not valid TOML at "
+                             f"{where.group(1) if where else 'an unknown position'}") from None
     entries = doc.get("key")
     if not isinstance(entries, list) or not entries:
         raise InvalidRequest(f"encryption_key_file {path}: no [[key]] tables")

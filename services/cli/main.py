@@ -37,7 +37,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                        "restore a backup into a data directory, verifying every chunk"),
     "migrate": ("services.cli.migrate", "copy a single-node data directory to a fleet's bucket"),
     "certs": ("services.server.devcerts", "write a development CA, certificates and tokens"),
-    "keygen": ("services.cli.keygen", "write a new encryption keyring file (one current key)"),
+    "keygen": ("services.cli.keygen", "write a new encryption keyring, or add a current key"),
+    "rekey": ("services.cli.rekey", "reseal what old keys sealed under the current key"),
 }
 
 

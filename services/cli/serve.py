@@ -27,6 +27,7 @@ import sys
 from kvstore.format.errors import KVTierError
 from services.server import preflight
 from services.server.config_load import PRESETS, load_config
+from services.server.requests import configure_logging
 from services.serving.lifecycle import stop_on_signals
 from services.serving.tls import INSECURE_FLAG
 
@@ -50,18 +51,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="check the configuration as serve does (exit 2 with serve's "
                         "message if serve would refuse it), print it as JSON and exit")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-format", choices=("text", "json"),
+                        help="log lines as text or one JSON object a line (default: the "
+                        "config's log_format, text)")
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format or "text")
     # boto3 says at INFO where it found credentials: noise unless one asks for DEBUG.
     if logging.root.level > logging.DEBUG:
         logging.getLogger("botocore").setLevel(logging.WARNING)
     overrides = {"listen": args.listen, "data_dir": args.data_dir,
                  "metrics_port": args.metrics_port, "redis_url": args.redis_url,
                  "host_bytes": args.host_bytes, "disk_bytes": args.disk_bytes,
-                 "replay_workers": args.replay_workers}
+                 "replay_workers": args.replay_workers, "log_format": args.log_format}
     try:
         config = load_config(args.config, preset=args.preset, overrides=overrides)
         preflight.check(config, insecure=args.insecure)
@@ -71,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"kvtier serve: cannot start: {exc}", file=sys.stderr)
         return 2
+    configure_logging(args.log_level, config.log_format)
     if args.print_config:
         print(json.dumps(config.summary(), indent=2))
         return 0

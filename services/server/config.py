@@ -152,6 +152,13 @@ class ServerConfig:
     metrics_port: int = 0  # 0: no Prometheus endpoint
     metrics_interval_s: float = 2.0  # how often tier figures are refreshed for metrics
     grace_s: float = 10.0  # in-flight RPCs get this long at shutdown
+    # Log lines as "text" or "json" (one object a line); a call taking at least
+    # slow_request_s logs a warning with its phases (0: off) (services.server.requests).
+    log_format: str = "text"
+    slow_request_s: float = 1.0
+    # OTLP/gRPC collector for spans of Spill, Restore, Resume and replay, e.g.
+    # "http://127.0.0.1:4317" (empty: no tracing) (services.server.tracing)
+    otlp_endpoint: str = ""
     manager_preset: str = "embedded"  # kvstore.session.manager.MANAGER_PRESETS
     # true: chunks no session names any more stay as evictable cache for prefix reuse
     # (Lookup, kvstore.prefix.chains.Retention), accounted to their dedupe domain, until a tier's
@@ -219,6 +226,11 @@ class ServerConfig:
                                  "name the bucket, or unset both for a local object tier")
         if self.metadata not in ("local", "shared"):
             raise InvalidRequest(f"metadata must be 'local' or 'shared', got {self.metadata!r}")
+        if self.log_format not in ("text", "json"):
+            raise InvalidRequest(f"log_format must be 'text' or 'json', got {self.log_format!r}")
+        if self.slow_request_s < 0:
+            raise InvalidRequest(f"slow_request_s must be >= 0 (0: off), got "
+                                 f"{self.slow_request_s}")
         if self.fleet_gc_grace_s < 0 or self.fleet_retain_s < 0:
             raise InvalidRequest("fleet_gc_grace_s and fleet_retain_s must be >= 0")
         if not 0 < self.fleet_heartbeat_s < self.fleet_down_after_s:

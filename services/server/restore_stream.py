@@ -52,6 +52,7 @@ from kvstore.session.restore import RestoredChunk
 from kvstore.tiers.base import Buffer
 from kvtier.shm import PackedWriter
 from proto import kvtier_pb2 as pb
+from services.server import requests
 from services.server.metrics import ServiceMetrics
 from services.server.replay_backend import ReplayBackend
 from services.server.shm_leases import Lease, LeaseTable
@@ -113,6 +114,7 @@ class RestoreStreamer:
                 if replay and opts.resume:  # the rebuilt window goes in the segment too
                     size += _window_bound(spec)
                 lease, writer, refused = self.reply_segment(opts, size)
+                requests.note(bytes=size, generation=m.generation)
                 split = [split_block_key(key) for key in m.chunk_keys]
                 chains = [chain for chain, _ in split]
                 restored = _explained(reader.chunks(), m.writeback_failed)
@@ -171,12 +173,17 @@ class RestoreStreamer:
             lowest = self._lowest(tiers)
             self.metrics.restore_seconds.labels(lowest or "none").observe(restore_s)
             summary = pb.ResumeSummary(tier=lowest, restore_seconds=restore_s)
+            requests.record_phase("read_send", restore_s)
+            requests.note(tier=lowest or "none")
             if opts.resume and replay:
                 try:
-                    rebuilt = await (rebuilding if rebuilding is not None else
-                                     backend.rebuild(spec, tokens, chunks, tail,
-                                                     opts.replay_tokens,
-                                                     model_fingerprint=m.model_fingerprint))
+                    # the wait for the replay (a failed one too); it began during the send
+                    # when the chunks were read first
+                    with requests.phase("replay"):
+                        rebuilt = await (rebuilding if rebuilding is not None else
+                                         backend.rebuild(spec, tokens, chunks, tail,
+                                                         opts.replay_tokens,
+                                                         model_fingerprint=m.model_fingerprint))
                 except LayoutMismatch as exc:  # the store's verified bytes: the model differs
                     raise ReplayUnavailable(
                         f"{tenant}/{session_id} needs its window rebuilt by replay, and the "
@@ -189,6 +196,8 @@ class RestoreStreamer:
                 yield pb.RestoreReply(window=self.payload("", rebuilt.window, writer))
                 await self._keep_window(tenant, session_id, m.generation, rebuilt.window,
                                         rebuilt.replayed_tokens)
+                requests.note(replay_tokens=rebuilt.replayed_tokens,
+                              replay_ms=round(rebuilt.seconds * 1000, 3))
                 summary.replayed = True
                 summary.replay_tokens = rebuilt.replayed_tokens
                 summary.replay_seconds = rebuilt.seconds

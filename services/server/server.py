@@ -38,8 +38,10 @@ from services.server.loop_lag import LoopMonitor
 from services.server.metrics import ServiceMetrics
 from services.server.remote_metrics import observe_store
 from services.server.replay_backend import make_replay_backend, warm_up_replay
+from services.server.requests import RequestInterceptor
 from services.server.servicer import SERVICE, KVTierServicer
 from services.server.store import open_manager
+from services.server.tracing import Tracing, tracing_for
 from services.serving import auth
 from services.serving.audit import AuditLog
 from services.serving.tls import server_credentials
@@ -66,6 +68,7 @@ class KVTierServer:
         # done once health checking says SERVING (create_server awaits it by default)
         self.ready: asyncio.Task | None = None
         self._stopped = False
+        self.tracing: Tracing | None = None  # flushed at stop
 
     @property
     def manager(self) -> TierManager:
@@ -146,6 +149,8 @@ class KVTierServer:
                     self.servicer.leases.close()
                 if self.servicer.audit is not None:
                     self.servicer.audit.close()
+                if self.tracing is not None:
+                    await asyncio.to_thread(self.tracing.close)  # exports what is batched
                 self.metrics.stop_http()
 
 
@@ -163,14 +168,17 @@ def breakers_of(manager: TierManager, replay: object) -> list[CircuitBreaker]:
 
 
 async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool = True,
-                        freeze_startup: bool = False) -> tuple[KVTierServer, int]:
+                        freeze_startup: bool = False, tracing: Tracing | None = None
+                        ) -> tuple[KVTierServer, int]:
     """Open the store, bind, start; ``(server, port)`` (port 0 in the address: a free one).
     ``wait_ready``: return once health checking says SERVING (else at once, the replay
     warm-up still to run: ``server.ready``). ``freeze_startup``: a server process's own
     (``kvtier serve``): what start-up made is frozen out of the garbage collector's sight
-    before SERVING (a process hosting many servers, as tests do, keeps collecting it)."""
+    before SERVING (a process hosting many servers, as tests do, keeps collecting it).
+    ``tracing``: where spans go (default: the config's ``otlp_endpoint``, if any)."""
     config = (load_config(overrides={"listen": config_or_addr})
               if isinstance(config_or_addr, str) else config_or_addr)
+    tracing = tracing if tracing is not None else tracing_for(config)
     manager = await open_manager(config)
     replay, servicer = (None, ""), None
     try:
@@ -182,7 +190,8 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
         monitor = LoopMonitor(metrics)
         grpc_server = grpc.aio.server(
             options=_options(config),
-            interceptors=[monitor.interceptor(), *_interceptors(config, servicer)])
+            interceptors=[RequestInterceptor(config.slow_request_s, tracing),
+                          monitor.interceptor(), *_interceptors(config, servicer)])
         add_servicer(sizes.bounded(pb_grpc.add_KVTierServicer_to_server,
                                    config.max_header_bytes), servicer, grpc_server)
         health_servicer = health.aio.HealthServicer()
@@ -207,8 +216,11 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
         if servicer is not None and servicer.leases is not None:
             servicer.leases.close()
         await manager.close()  # releases the disk tier's writer lock for the next try
+        if tracing is not None:
+            tracing.close()
         raise
     server = KVTierServer(grpc_server, servicer, health_servicer, port, monitor)
+    server.tracing = tracing
     try:
         if fleet_node is not None:
             server.fleet_node = fleet_node

@@ -42,6 +42,7 @@ from kvtier import shm
 from kvtier.errors import grpc_errors
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
+from services.server import requests
 from services.server import validate as check
 from services.server.config import ServerConfig
 from services.server.fleet_stat import fleet_stat
@@ -147,8 +148,10 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             else:
                 incoming.add_window(message.window.key, read(kind, message.window))
         request = check.stream_ended(incoming, "Spill").finish()
+        requests.record_phase("receive", time.perf_counter() - started)
         try:
-            manifest = await self.manager.spill_request(request)
+            with requests.phase("store"):
+                manifest = await self.manager.spill_request(request)
         except ChunksNotHeld as exc:
             raise MissingChunks(str(exc)) from exc
         except CodecError as exc:
@@ -157,6 +160,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         # The counts of the spill that stored this generation (this one, or the first
         # attempt of a retry whose reply was lost); tier and window as held now.
         receipt = manifest.receipt
+        requests.note(tier=receipt.tier, bytes=receipt.bytes_received,
+                      generation=manifest.generation, chunks_written=receipt.chunks_written)
         return pb.SpillReply(
             generation=manifest.generation, tier=receipt.tier,
             chunks_written=receipt.chunks_written, chunks_deduped=receipt.chunks_deduped,
@@ -468,6 +473,7 @@ def _own_session(ref: pb.SessionRef, field_name: str = "session") -> tuple[str, 
     """The (tenant, session_id) a request names, if the caller may use that tenant's
     sessions (PermissionDenied otherwise: nothing of it is read)."""
     tenant, session_id = check.session_ref(ref, field_name=field_name)
+    requests.note(tenant=tenant, session=session_id)
     auth.check_tenant(tenant)
     return tenant, session_id
 

@@ -44,7 +44,7 @@ from tests.support.service import (
 
 PRODUCT = ("kvtier", "kvstore", "services", "replay", "model", "kernels", "proto")
 SPINE_BOUND = 12  # files on the call chain from the servicer to the disk commits
-SPILL_BOUND = 41  # every file a Spill runs today (the drain gate, kvtier drain, the 41st)
+SPILL_BOUND = 42  # every file a Spill runs today (the drain gate and the request's log and trace)
 N = 2 * LAYOUT.chunk_tokens + 40
 REF = pb.SessionRef(tenant="acme", session_id="s1")
 IN_RPC: contextvars.ContextVar[bool] = contextvars.ContextVar("in_rpc", default=False)

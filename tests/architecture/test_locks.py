@@ -1,5 +1,5 @@
 """The lock files pin what pyproject.toml asks for: every requirement of the main venv
-(with the test, gpu and transformers extras) and of the vLLM venv (with the test extra and
+(with the test, gpu, transformers and tracing extras) and of the vLLM venv (with the test extra and
 requirements/vllm.in) is pinned to one version that satisfies it, and the venv the main
 suite runs in has exactly the locked versions of what it asks for. A change to
 pyproject.toml without `make lock` fails here, not on a fresh clone."""
@@ -41,7 +41,7 @@ def requirements(extras: tuple[str, ...], *more: Path) -> list[Requirement]:
 
 
 LOCKS = {
-    "lock.txt": (("test", "gpu", "transformers"), ()),
+    "lock.txt": (("test", "gpu", "transformers", "tracing"), ()),
     "vllm.lock": (("test",), (ROOT / "requirements" / "vllm.in",)),
 }
 
