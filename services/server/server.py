@@ -6,7 +6,10 @@ serves metrics. Health checking says NOT_SERVING until the server is ready: with
 ``replay_warmup`` once the in-process replay model is loaded and has run once
 (``KVTierServer.ready``), else at once. Every request is bounded in size before it is parsed
 (``services.server.sizes``) and the event loop's lag is measured throughout
-(``services.server.loop_lag``). ``KVTierServer.stop`` drains in-flight calls, then the
+(``services.server.loop_lag``). Remote tiers are probed every ``probe_interval_s``, and
+health says NOT_SERVING while a required one is down (``services.server.probes``).
+``KVTierServer.reload`` re-reads what may change without a restart
+(``services.server.reload``; ``kvtier serve`` runs it on SIGHUP). ``KVTierServer.stop`` drains in-flight calls, then the
 write-back queue.
 
     server, port = await create_server(load_config(preset="test", overrides={...}))
@@ -19,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -34,6 +39,7 @@ from services.server.config import ServerConfig
 from services.server.config_load import load_config
 from services.server.loop_lag import LoopMonitor
 from services.server.metrics import ServiceMetrics
+from services.server.probes import Prober
 from services.server.remote_metrics import observe_store
 from services.server.replay_backend import make_replay_backend, warm_up_replay
 from services.server.servicer import SERVICE, KVTierServicer
@@ -50,7 +56,7 @@ class KVTierServer:
 
     def __init__(self, grpc_server: grpc.aio.Server, servicer: KVTierServicer,
                  health_servicer: health.aio.HealthServicer, port: int,
-                 loop_monitor: LoopMonitor) -> None:
+                 loop_monitor: LoopMonitor, prober: Prober) -> None:
         self.grpc_server = grpc_server
         self.loop_monitor = loop_monitor  # running from start to stop
         self.servicer = servicer
@@ -60,6 +66,9 @@ class KVTierServer:
         self.address_path: Path | None = None  # {data_dir}/server.addr once recorded
         self.metrics_port: int | None = None
         self._refresher: asyncio.Task | None = None
+        self.prober = prober
+        self.interceptors: list[grpc.aio.ServerInterceptor] = []  # auth: swapped on reload
+        self._probing: asyncio.Task | None = None
         # done once health checking says SERVING (create_server awaits it by default)
         self.ready: asyncio.Task | None = None
         self._stopped = False
@@ -85,7 +94,18 @@ class KVTierServer:
             if self.servicer.leases is not None:
                 self.servicer.leases.reap()
                 self.metrics.shm_segments.set(len(self.servicer.leases))
+            with contextlib.suppress(OSError):  # the data directory removed under us
+                self.metrics.disk_free.set(
+                    shutil.disk_usage(self.servicer.config.data_dir).free)
             await asyncio.sleep(interval_s)
+
+    def reload(self, read_config: Callable[[], ServerConfig]) -> tuple[bool, str]:
+        """Re-read what may change without a restart from ``read_config()`` (tokens,
+        quotas, log level, keyring); a bad file keeps the last good version in force.
+        (Whether it was taken, the line saying so: ``services.server.reload``)."""
+        from services.server.reload import reload
+
+        return reload(self, read_config)
 
     async def _become_ready(self, warm_up: bool) -> None:
         """Warm the replay model up (``warm_up``), then say SERVING."""
@@ -97,8 +117,7 @@ class KVTierServer:
                 log.exception("replay warm-up failed: resumes that need replay will load "
                               "the model again")
         if not self._stopped:
-            for name in ("", SERVICE):
-                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await self.prober.set_ready()  # SERVING unless a required tier is down
 
     async def wait_for_termination(self) -> None:
         await self.grpc_server.wait_for_termination()
@@ -118,9 +137,10 @@ class KVTierServer:
         finally:
             if self.address_path is not None:
                 address_file.forget(self.address_path, self.address)
-            if self._refresher is not None:
-                self._refresher.cancel()
-                await asyncio.gather(self._refresher, return_exceptions=True)
+            for task in (self._refresher, self._probing):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
             await self.loop_monitor.stop()
             try:
                 await self.manager.close()
@@ -163,9 +183,9 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
         observe_store(manager.tiers, manager.meta, metrics.remote)
         servicer = KVTierServicer(manager, config, metrics, replay)
         monitor = LoopMonitor(metrics)
+        guards = _interceptors(config, servicer)
         grpc_server = grpc.aio.server(
-            options=_options(config),
-            interceptors=[monitor.interceptor(), *_interceptors(config, servicer)])
+            options=_options(config), interceptors=[monitor.interceptor(), *guards])
         add_servicer(sizes.bounded(pb_grpc.add_KVTierServicer_to_server,
                                    config.max_header_bytes), servicer, grpc_server)
         health_servicer = health.aio.HealthServicer()
@@ -188,10 +208,14 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
             servicer.leases.close()
         await manager.close()  # releases the disk tier's writer lock for the next try
         raise
-    server = KVTierServer(grpc_server, servicer, health_servicer, port, monitor)
+    prober = Prober(manager, health_servicer, metrics, ("", SERVICE), config.required_tiers,
+                    config.probe_interval_s)
+    server = KVTierServer(grpc_server, servicer, health_servicer, port, monitor, prober)
+    server.interceptors = guards
     try:
-        metrics.update(await manager.stat())
+        await prober.probe_once()  # the remote tiers' state before the first call
         server._refresher = asyncio.create_task(server._refresh(config.metrics_interval_s))
+        server._probing = asyncio.create_task(prober.run())
         try:
             server.address_path = address_file.record(config.data_dir, server.address)
         except OSError as exc:  # tools then need the address passed explicitly
