@@ -9,8 +9,8 @@ serves metrics. Health checking says NOT_SERVING until the server is ready: with
 (``services.server.loop_lag``). Remote tiers are probed every ``probe_interval_s``, and
 health says NOT_SERVING while a required one is down (``services.server.probes``).
 ``KVTierServer.reload`` re-reads what may change without a restart
-(``services.server.reload``; ``kvtier serve`` runs it on SIGHUP). ``KVTierServer.stop`` drains in-flight calls, then the
-write-back queue.
+(``services.server.reload``; ``kvtier serve`` runs it on SIGHUP). ``KVTierServer.stop``
+drains in-flight calls, then the write-back queue.
 
     server, port = await create_server(load_config(preset="test", overrides={...}))
     ...

@@ -77,19 +77,16 @@ def held_bytes(path: Path) -> int:
     return total
 
 
-def fit_disk_bytes(config: ServerConfig) -> ServerConfig:
-    """``config`` with ``disk_bytes`` lowered, with a warning, to what its filesystem can
-    hold (``DISK_SHARE`` of the free bytes plus what the disk tier already holds): a
-    capacity the medium cannot give would be reported and planned for, then fail as
-    a full disk."""
-    if not config.disk_bytes:
-        return config
+def fit_disk_bytes(config: ServerConfig) -> tuple[int, str]:
+    """``disk_bytes``, lowered to what its filesystem can hold (``DISK_SHARE`` of the free
+    bytes plus what the disk tier already holds), and the warning that says so ("" when
+    it fits): a capacity the medium cannot give would be reported and planned for, then
+    fail as a full disk."""
     disk_dir = config.data_dir / "disk"
     room = int(DISK_SHARE * (shutil.disk_usage(config.data_dir).free + held_bytes(disk_dir)))
     if config.disk_bytes <= room:
-        return config
-    log.warning("disk_bytes %d is more than the filesystem of %s can hold: using %d "
-                "(%.0f%% of its free bytes plus the disk tier's files); free space or "
-                "lower disk_bytes to silence this", config.disk_bytes, config.data_dir,
-                room, DISK_SHARE * 100)
-    return config.replace(disk_bytes=room)
+        return config.disk_bytes, ""
+    return room, (f"disk_bytes {config.disk_bytes} is more than the filesystem of "
+                  f"{config.data_dir} can hold: using {room} ({DISK_SHARE:.0%} of its free "
+                  "bytes plus the disk tier's files); free space or lower disk_bytes to "
+                  "silence this")

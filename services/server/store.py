@@ -84,10 +84,13 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
     if config.disk_bytes:
         from kvstore.tiers.disk import DiskTier
 
-        disk = DiskTier(config.data_dir / "disk", config.disk_bytes,
+        disk_bytes, lowered = fit_disk_bytes(config)
+        disk = DiskTier(config.data_dir / "disk", disk_bytes,
                         segment_bytes=config.disk_segment_bytes,
                         reclaim_dead_fraction=config.disk_reclaim_dead_fraction,
                         reclaim_interval_s=config.disk_reclaim_interval_s)
+        if lowered:  # said once the data directory is ours (its writer lock taken)
+            log.warning("%s", lowered)
         tiers.append(outside(disk))
         meta = disk.meta
         if keyring is not None:
@@ -168,7 +171,6 @@ def manager_config(config: ServerConfig) -> ManagerConfig:
 async def open_manager(config: ServerConfig) -> TierManager:
     """The manager over the configured tiers (closing them again if opening fails)."""
     prepare_data_dir(config.data_dir)
-    config = fit_disk_bytes(config)
     if config.s3_bucket and config.object_bytes:
         await asyncio.to_thread(check_bucket, config)
     keyring = domains = None

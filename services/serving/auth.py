@@ -16,9 +16,9 @@ subject CN a ``[[client_cert]]`` entry of the tokens file maps. The tokens file 
     role = "tenant"
 
 is read again, and its content hash compared, at most once per second on a call, and at
-once on a reload (SIGHUP, ``kvtier reload``); an edit that does not parse, or a file
-missing or unreadable, is refused with a warning (the parser's line and column) and the
-last good version stays in force (``TokenFile``).
+once on a reload (SIGHUP, ``kvtier reload``). An edit that does not parse is refused with
+a warning (the parser's line and column) and the last good version stays in force; a
+file removed or unreadable grants nothing until it is back (``TokenFile``).
 
 Authorization: ``METHOD_ROLES`` says which roles may call each method; the tenant a
 request names must be the caller's (``check_tenant``, ``list_scope``) unless the caller
@@ -134,11 +134,12 @@ class TokenFile:
 
     At most once per ``RELOAD_CHECK_S``, on a call, the file is read whole and its
     SHA-256 compared with the last one read: any edit is seen, whatever it does to the
-    size or the modification time. A bad edit (missing, unreadable, does not parse) keeps
-    the last good table in force, as Prometheus and Redis ACL LOAD do, with a warning
-    once per state; one typo does not lock every tenant out. To revoke every token,
-    write a file with none. Write it atomically (a new file renamed over the old) so no
-    call sees half an edit. At start-up (and on a reload) a bad file is an error.
+    size or the modification time. An edit that does not parse keeps the last good table
+    in force, as Prometheus and Redis ACL LOAD do, with a warning once per state: one
+    typo does not lock every tenant out. A file removed or unreadable fails closed (no
+    token or certificate of it is accepted until it is readable again): removing it
+    revokes everything. Write it atomically (a new file renamed over the old) so no call
+    sees half an edit. At start-up (and on a reload) a bad file is an error.
     """
 
     def __init__(self, path: str | os.PathLike,
@@ -181,7 +182,9 @@ class TokenFile:
         try:
             content = self.path.read_bytes()
         except OSError as exc:
-            self._refuse(f"cannot be read ({exc.strerror})")
+            self._tokens, self._certs = [], {}
+            self._refuse(f"cannot be read ({exc.strerror}): every token and client "
+                         "certificate of it is refused until it is readable again")
             self._digest = None
             return
         if hashlib.sha256(content).digest() == self._digest:
@@ -190,7 +193,9 @@ class TokenFile:
             self._load(content)
         except (ValueError, tomllib.TOMLDecodeError) as exc:
             # The parser's messages name a line and column, never the file's text.
-            self._refuse(f"does not parse ({exc})")
+            self._refuse(f"does not parse ({exc}): the last good version stays in force "
+                         f"({len(self._tokens)} tokens, {len(self._certs)} client "
+                         "certificates)")
             return
         self._problem = None
         log.info("auth_tokens_file %s reloaded: %d tokens, %d client certificates",
@@ -198,9 +203,7 @@ class TokenFile:
 
     def _refuse(self, problem: str) -> None:
         if problem != self._problem:
-            log.warning("auth_tokens_file %s %s: the last good version stays in force "
-                        "(%d tokens, %d client certificates)", self.path, problem,
-                        len(self._tokens), len(self._certs))
+            log.warning("auth_tokens_file %s %s", self.path, problem)
         self._problem = problem
 
     def token(self, token: str) -> Identity | None:
