@@ -110,7 +110,7 @@ async def _reload(sim) -> None:
     rc, out = await _cli(sim, "cli-reload", ["reload", "--data-dir", str(sim.data_dir)])
     if rc != 0:
         return
-    want = ["ok reloaded:", "quotas (0 tenant tables)"]
+    want = ["reloaded:", "quotas (0 tenant tables)"]
     if sim.combo.enc:
         want.append("keyring (current seams)")
     missing = [part for part in want if part not in out]

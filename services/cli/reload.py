@@ -41,8 +41,9 @@ def run(args: argparse.Namespace) -> int:
     while time.monotonic() < deadline:
         outcome = read_reload(data_dir)
         if outcome is not None and (before is None or outcome[0] > before[0]):
-            print(f"kvtier reload: {outcome[1]}")
-            return 0 if outcome[1].startswith("ok ") else 1
+            verdict, _, line = outcome[1].partition(" ")
+            print(f"kvtier reload: {line}", file=sys.stdout if verdict == "ok" else sys.stderr)
+            return 0 if verdict == "ok" else 1
         time.sleep(0.05)
     print(f"kvtier reload: sent SIGHUP to pid {pid}, no outcome within {args.timeout:g} s: "
           "see the server's log and kvtier_config_reload_success", file=sys.stderr)

@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(config, read_config) -> int:
+    from services.server.reload import reload as reload_server
     from services.server.server import create_server
 
     try:
@@ -114,7 +115,7 @@ async def _serve(config, read_config) -> int:
     def reload() -> None:
         nonlocal reloads
         reloads += 1
-        ok, line = server.reload(read_config)
+        ok, line = reload_server(server, read_config)
         try:
             record_reload(config.data_dir, reloads, ok, line)
         except OSError as exc:

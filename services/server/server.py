@@ -8,8 +8,8 @@ serves metrics. Health checking says NOT_SERVING until the server is ready: with
 (``services.server.sizes``) and the event loop's lag is measured throughout
 (``services.server.loop_lag``). Remote tiers are probed every ``probe_interval_s``, and
 health says NOT_SERVING while a required one is down (``services.server.probes``).
-``KVTierServer.reload`` re-reads what may change without a restart
-(``services.server.reload``; ``kvtier serve`` runs it on SIGHUP). ``KVTierServer.stop``
+``services.server.reload`` re-reads what may change without a restart (``kvtier serve``
+runs it on SIGHUP). ``KVTierServer.stop``
 drains in-flight calls, then the write-back queue.
 
     server, port = await create_server(load_config(preset="test", overrides={...}))
@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import logging
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -98,14 +97,6 @@ class KVTierServer:
                 self.metrics.disk_free.set(
                     shutil.disk_usage(self.servicer.config.data_dir).free)
             await asyncio.sleep(interval_s)
-
-    def reload(self, read_config: Callable[[], ServerConfig]) -> tuple[bool, str]:
-        """Re-read what may change without a restart from ``read_config()`` (tokens,
-        quotas, log level, keyring); a bad file keeps the last good version in force.
-        (Whether it was taken, the line saying so: ``services.server.reload``)."""
-        from services.server.reload import reload
-
-        return reload(self, read_config)
 
     async def _become_ready(self, warm_up: bool) -> None:
         """Warm the replay model up (``warm_up``), then say SERVING."""

@@ -131,7 +131,7 @@ async def test_reload_under_traffic_drops_no_request_and_keeps_the_last_good(tmp
         good = config.read_text()
         config.write_text(good.replace("sessions = 50", "sessions = 7\n[quota.acme"))
         refused = _reload(data)
-        assert refused.returncode == 1 and "line 7, column" in refused.stdout, refused
+        assert refused.returncode == 1 and "line 7, column" in refused.stderr, refused
         assert _metric(metrics_port, "kvtier_config_reload_success") == 0
         assert _metric(metrics_port, 'kvtier_config_reloads_total{result="failure"}') == 1
         # a keyring that does not parse: refused with its line and column
@@ -140,7 +140,7 @@ async def test_reload_under_traffic_drops_no_request_and_keeps_the_last_good(tmp
                                         + '[[key]]\nid = "k3\n')
         refused = _reload(data)
         assert refused.returncode == 1, refused
-        assert "encryption_key_file" in refused.stdout and "line 12, column" in refused.stdout
+        assert "encryption_key_file" in refused.stderr and "line 12, column" in refused.stderr
         await _until_more(done, 3)
         assert await _sessions_limit(target) == 50 and not await _accepted(target, "beta-token")
 
