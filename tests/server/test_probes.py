@@ -129,3 +129,71 @@ def test_start_names_a_cluster_url_pointed_at_a_single_redis(tmp_path, redis_ser
     url = redis.url.replace("redis://", "redis+cluster://").removesuffix("/0")
     line = _one_line(_serve("--data-dir", str(tmp_path), "--redis-url", url))
     assert "redis+cluster://" in line and "not a cluster" in line
+
+
+async def test_an_idle_fleet_node_follows_its_bucket_down_and_up(
+        tmp_path, s3_server, s3_bucket, s3_credentials, monkeypatch):
+    """The shared metadata lives in the bucket: the object tier's probe covers both."""
+    import boto3
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_credentials["aws_access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_credentials["aws_secret_access_key"])
+    s3 = boto3.client("s3", endpoint_url=s3_server, **s3_credentials)
+    async with running_server(tmp_path, s3_endpoint=s3_server, s3_bucket=s3_bucket,
+                              s3_region=s3_credentials["region_name"], metadata="shared",
+                              node_id="probed", **_probed()) as (server, target):
+
+        async def object_state() -> tuple[float | None, str]:
+            return (_sample(server, "kvtier_tier_up", tier="object"),
+                    await check(target, "", 5.0, {}))
+
+        assert await object_state() == (1, "SERVING")
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=s3_bucket):
+            for item in page.get("Contents", []):
+                s3.delete_object(Bucket=s3_bucket, Key=item["Key"])
+        s3.delete_bucket(Bucket=s3_bucket)
+
+        async def down() -> bool:
+            return await object_state() == (0, "NOT_SERVING")
+
+        assert await within(2, down), await object_state()
+        s3.create_bucket(Bucket=s3_bucket)
+
+        async def up() -> bool:
+            return await object_state() == (1, "SERVING")
+
+        assert await within(2, up), await object_state()
+
+
+def test_start_fails_fast_on_credentials_s3_refuses(tmp_path):
+    """An S3 endpoint that answers 403 to the bucket's HEAD: one line naming the refusal
+    (moto accepts any key, so a bare HTTP server plays S3 here)."""
+    import http.server
+    import threading
+
+    from kvstore.format.errors import InvalidRequest
+    from services.server.store import check_bucket
+    from tests.support.service import config_for
+
+    class Refusing(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(403)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        config = config_for(tmp_path, s3_bucket="kvtier-refused", s3_region="us-east-1",
+                            s3_endpoint=f"http://127.0.0.1:{httpd.server_address[1]}")
+        try:
+            check_bucket(config)
+        except InvalidRequest as exc:
+            assert "refuses the credentials (403)" in str(exc)
+        else:
+            raise AssertionError("a 403 from S3 did not stop the start")
+    finally:
+        httpd.shutdown()
