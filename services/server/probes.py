@@ -14,7 +14,6 @@ SERVING again once it answers (never before the server is ready).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -36,16 +35,21 @@ class Prober:
         self.ready = False  # set by the server once it may say SERVING
         self.down: list[str] = []  # required tiers down at the last round
         self._serving: bool | None = None
+        self.first_round = asyncio.Event()  # set once the first round ended, however
 
     @property
     def probed(self) -> list:
         return [tier for tier in self.manager.tiers if hasattr(tier, "probe")]
 
     async def run(self) -> None:
-        while True:  # the server probed once before serving
-            await asyncio.sleep(self.interval_s)
-            with contextlib.suppress(Exception):  # a failed round keeps the last verdict
+        while True:
+            try:
                 await self.probe_once()
+            except Exception:  # noqa: BLE001 - a failed round keeps the last verdict
+                log.debug("probe round failed", exc_info=True)
+            finally:
+                self.first_round.set()
+            await asyncio.sleep(self.interval_s)
 
     async def probe_once(self) -> None:
         """Ask every remote tier once, refresh the tier figures, then say health."""

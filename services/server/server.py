@@ -204,9 +204,13 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
     server = KVTierServer(grpc_server, servicer, health_servicer, port, monitor, prober)
     server.interceptors = guards
     try:
-        await prober.probe_once()  # the remote tiers' state before the first call
+        metrics.update(await manager.stat())
         server._refresher = asyncio.create_task(server._refresh(config.metrics_interval_s))
         server._probing = asyncio.create_task(prober.run())
+        # the remote tiers' state before the first call, unless a dependency that does not
+        # answer holds the first round past one interval (it goes on in the background)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(prober.first_round.wait(), config.probe_interval_s)
         try:
             server.address_path = address_file.record(config.data_dir, server.address)
         except OSError as exc:  # tools then need the address passed explicitly

@@ -61,10 +61,16 @@ def tighten(path: Path) -> None:
     """Make the data directory owner-only, with a warning when it was open to others
     (made by hand, or by an older release)."""
     mode = stat.S_IMODE(path.stat().st_mode)
-    if mode & 0o077:
-        log.warning("data_dir %s was readable by others (mode %o): made %o", path, mode,
-                    DATA_DIR_MODE)
+    if not mode & 0o077:
+        return
+    try:
         os.chmod(path, mode & ~0o077)
+    except PermissionError:  # another user's directory (a mounted volume): say so only
+        log.warning("data_dir %s is readable by others (mode %o) and not ours to change: "
+                    "make it %o", path, mode, DATA_DIR_MODE)
+        return
+    log.warning("data_dir %s was readable by others (mode %o): made %o", path, mode,
+                mode & ~0o077)
 
 
 def held_bytes(path: Path) -> int:

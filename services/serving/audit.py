@@ -77,6 +77,10 @@ def _open_private(path: str):
     descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     mode = stat.S_IMODE(os.fstat(descriptor).st_mode)
     if mode & 0o077:
-        log.warning("audit_log %s was readable by others (mode %o): made 600", path, mode)
-        os.fchmod(descriptor, 0o600)
+        try:
+            os.fchmod(descriptor, 0o600)
+            log.warning("audit_log %s was readable by others (mode %o): made 600", path, mode)
+        except PermissionError:  # another user's file: say so only
+            log.warning("audit_log %s is readable by others (mode %o) and not ours to "
+                        "change: make it 600", path, mode)
     return open(descriptor, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
