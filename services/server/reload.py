@@ -48,7 +48,9 @@ def reload(server: KVTierServer, read_config: Callable[[], ServerConfig]) -> tup
         authenticator = _authenticator(server, running, new, restart)
         keyring = _keyring(server, running, new, restart)
         quotas = Quotas.from_tables(new.quota)
-    except (KVTierError, OSError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the running version stays
+        if not isinstance(exc, KVTierError | OSError | ValueError):
+            log.exception("reload failed unexpectedly")
         metrics.reload_success.set(0)
         metrics.reloads.labels("failure").inc()
         line = f"reload refused, the running configuration stays in force: {exc}"
