@@ -31,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir)
     try:
         pid = int((data_dir / PID_FILE).read_text())
+        if not _serving(pid):
+            raise ProcessLookupError(pid)
         before = read_reload(data_dir)
         os.kill(pid, signal.SIGHUP)
     except (OSError, ValueError):
@@ -48,3 +50,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvtier reload: sent SIGHUP to pid {pid}, no outcome within {args.timeout:g} s: "
           "see the server's log and kvtier_config_reload_success", file=sys.stderr)
     return 1
+
+
+def _serving(pid: int) -> bool:
+    """Whether ``pid`` is a ``kvtier serve`` (where /proc says; a pid file left by a
+    crash may name a process that reused the number, which SIGHUP could end)."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except FileNotFoundError:
+        return not Path("/proc/self").exists()  # no /proc here: trust the pid file
+    return b"serve" in command

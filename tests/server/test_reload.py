@@ -161,6 +161,11 @@ async def test_reload_under_traffic_drops_no_request_and_keeps_the_last_good(tmp
 def test_reload_without_a_server_says_so(tmp_path):
     result = _reload(tmp_path)
     assert result.returncode == 2 and "no kvtier serve runs" in result.stderr
+    # a pid file left by a crash, its number reused by another process (this one): not
+    # signalled (SIGHUP would end it)
+    (tmp_path / "server.pid").write_text(f"{os.getpid()}\n")
+    result = _reload(tmp_path)
+    assert result.returncode == 2 and "no kvtier serve runs" in result.stderr
 
 
 @pytest.mark.parametrize("missing", ["keys.toml"])
