@@ -8,10 +8,15 @@ certificate is given); ``tls_cert`` + ``tls_key``: this client's certificate (mT
 ``token``: sent as ``authorization: Bearer <token>`` on every call. A token never goes
 in clear to another machine: without TLS it is refused unless the target is loopback.
 Every call also carries a request id (``kvtier.request_ids``).
+
+``tls_mismatch`` names what a failed connection's details mean when it is TLS that did not
+agree (a plaintext client and a TLS server, or the reverse, or a CA that did not sign the
+server's certificate), so an operator is not sent to check whether the server runs.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,3 +104,39 @@ def open_channel(target: str, credentials: Credentials = Credentials(),
         raise InvalidRequest(f"a token would travel in clear to {target}: give tls_ca "
                              "(the CA of the server's certificate) to use TLS")
     return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)
+
+
+# HTTP/2's client preface: a plaintext gRPC server answers it with a SETTINGS frame; a
+# TLS server takes it for a bad handshake and answers with an alert or hangs up.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_TLS_ALERT, _H2_SETTINGS = 0x15, 0x04
+
+
+async def tls_mismatch(target: str, credentials: Credentials, details: str) -> str | None:
+    """What went wrong with TLS for a call to ``target`` that failed UNAVAILABLE with
+    ``details``, or None when TLS is not the cause (the server may not run). A plaintext
+    client asks the server once (a preface, a short read) whether it speaks TLS."""
+    if "CERTIFICATE_VERIFY_FAILED" in details:
+        return (f"TLS: the certificate of {target} is not signed by the CA given (tls_ca, "
+                "--tls-ca); pass the CA that signed the server's certificate")
+    if credentials.tls and "WRONG_VERSION_NUMBER" in details:
+        return (f"TLS: {target} does not speak TLS (a plaintext server); drop tls_ca "
+                "(--tls-ca), or serve TLS (tls_cert, tls_key)")
+    if credentials.tls or "Socket closed" not in details or target.startswith("unix:"):
+        return None
+    host, _, port = target.rpartition(":")
+    try:
+        async with asyncio.timeout(2.0):
+            reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+            try:
+                writer.write(_H2_PREFACE + bytes(9))  # and an empty SETTINGS frame
+                first = await reader.read(5)
+            finally:
+                writer.close()
+    except (OSError, ValueError, TimeoutError):
+        return None
+    plaintext = len(first) >= 4 and first[3] == _H2_SETTINGS
+    if plaintext:
+        return None
+    return (f"TLS: {target} serves TLS and this client spoke plaintext; pass the server's "
+            "CA (tls_ca, --tls-ca)")

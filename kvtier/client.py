@@ -46,14 +46,21 @@ import grpc
 import numpy as np
 
 from kvstore.format.chunk import LayerSlice
-from kvstore.format.errors import InvalidRequest, StaleGeneration, UnknownLayout, shown
+from kvstore.format.errors import (
+    InvalidRequest,
+    KVTierError,
+    StaleGeneration,
+    TierUnavailable,
+    UnknownLayout,
+    shown,
+)
 from kvstore.format.hints import ResumeHint
 from kvstore.format.keys import chunk_digest, dedupe_scope
 from kvstore.format.layout import LayoutSpec, layout_to_json
 from kvstore.format.model_identity import check_model
 from kvtier import codec as cc
 from kvtier import replies, shm
-from kvtier.channel import LOOPBACK, Credentials
+from kvtier.channel import LOOPBACK, Credentials, tls_mismatch
 from kvtier.errors import (
     DeadlineExceeded,
     MissingChunks,
@@ -101,7 +108,7 @@ class AsyncClient(PrefixChunkMethods):
         self.retry = retry
         self.timeout_s = timeout_s
         self.max_message_bytes = max_message_bytes
-        credentials = Credentials(tls_ca, tls_cert, tls_key, token)
+        self._credentials = credentials = Credentials(tls_ca, tls_cert, tls_key, token)
         options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -175,12 +182,20 @@ class AsyncClient(PrefixChunkMethods):
                     leases_lost = True
                     continue
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or delay is None:
-                    raise error from exc
+                    raise await self._named(node, exc, error) from exc
                 self._router.failed(node, ref)
                 if self._router.routed and self._router.any_up():
                     continue  # another node is up: no wait
                 self._wait_fits(node, delay, deadline, exc)
             await asyncio.sleep(delay)
+
+    async def _named(self, node: Node, exc: grpc.aio.AioRpcError, error: KVTierError
+                     ) -> KVTierError:
+        """``error``, or for a connection TLS did not agree on, one that names that."""
+        if exc.code() != grpc.StatusCode.UNAVAILABLE:
+            return error
+        problem = await tls_mismatch(node.address, self._credentials, exc.details() or "")
+        return error if problem is None else TierUnavailable(f"{problem} ({error})")
 
     def _wait_fits(self, node: Node, delay: float, deadline: float | None,
                    exc: grpc.aio.AioRpcError) -> None:
@@ -414,7 +429,7 @@ class AsyncClient(PrefixChunkMethods):
                     continue
                 delay = next(delays, None)
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or delay is None:
-                    raise error_from_rpc(exc) from exc
+                    raise await self._named(node, exc, error_from_rpc(exc)) from exc
                 self._router.failed(node, ref)
                 self._wait_fits(node, delay, deadline, exc)
             await asyncio.sleep(delay)

@@ -33,6 +33,7 @@ COVERS = {
     "cli:stat": "cli-tools",
     "cli:top": "cli-tools",
     "cli:health": "cli-tools",
+    "cli:reload": "cli-tools",
     "cli:list": "cli-tools",
     "cli:lookup": "cli-tools",
     "cli:fork": "cli-tools",

@@ -4,8 +4,11 @@ the model (``maintenance.event`` verifies every session after each):
 - ``cli-tools``: the online subcommands against the live server as the README runs
   them (``stat --json --tenant``, ``list --json``, ``layouts --server --json``,
   ``health``, ``top --iterations 1``, ``lookup``, ``fork``), each reply's stored state
-  against the model; ``certs`` and ``keygen`` into the run's directory, their files
-  loaded by the server's own loaders (and ``certs``' tokens used by ``tokens-file``);
+  against the model; ``reload`` (SIGHUP) of the unchanged config, whose line must name
+  what the server runs with (no tenant quota table; the keyring's current key with
+  ``enc``), and every session verified after it; ``certs`` and ``keygen`` into the run's
+  directory, their files loaded by the server's own loaders (and ``certs``' tokens used
+  by ``tokens-file``);
   ``init --secure`` into a new directory: a config ``serve --print-config`` accepts,
   loopback, files 0600 and directories 0700, the shipped deploy files, and a second
   ``init`` there refused;
@@ -104,8 +107,23 @@ async def cli_tools(sim) -> None:
                                 *_server_args(sim)])
     await _cli_lookup_and_fork(sim, tenant)
     await _generate(sim, tenant)
+    await _reload(sim)
     await _certs_and_keygen(sim)
     await _init(sim)
+
+
+async def _reload(sim) -> None:
+    """``kvtier reload`` of the config the node runs: taken, and its line states the
+    quotas (only ``[quota.default]``: no tenant table) and the current key it runs with."""
+    rc, out = await _cli(sim, "cli-reload", ["reload", "--data-dir", str(sim.data_dir)])
+    if rc != 0:
+        return
+    want = ["reloaded:", "quotas (0 tenant tables)"]
+    if sim.combo.enc:
+        want.append("keyring (current seams)")
+    missing = [part for part in want if part not in out]
+    if missing:
+        sim.wrong(sim.step, "cli-reload", "-", f"a line naming {want}", out.strip())
 
 
 def _counted(sim, op: str, tenant: str, got: int) -> None:

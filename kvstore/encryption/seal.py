@@ -53,7 +53,7 @@ _HEAD = struct.Struct("<4sBBHQ")
 _HKDF_SALT = b"kvtier-at-rest-v1"
 # The most a sealed value adds to its plaintext (a domain is "shared:" + 64 characters).
 OVERHEAD_BYTES = _HEAD.size + MAX_KEY_ID_BYTES + 80 + NONCE_BYTES + TAG_BYTES
-_TOML_POSITION = re.compile(r"\(at (line \d+, column \d+)\)")
+_TOML_POSITION = re.compile(r"\(at (line \d+, column \d+)\)")  # tomllib's error position
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,12 @@ class Keyring:
     def key_ids(self) -> list[str]:
         return sorted(self._keys)
 
+    def adopt(self, other: Keyring) -> None:
+        """Take ``other``'s keys and current key in place (a reload of the key file):
+        every tier and record sealer holding this keyring uses them from the next call."""
+        self._ciphers = {}
+        self._keys, self.current = other._keys, other.current
+
     def _cipher(self, key_id: str, domain: str) -> AESGCM:
         cipher = self._ciphers.get((key_id, domain))
         if cipher is None:
@@ -114,11 +120,12 @@ class Keyring:
              layout_hash: int = 0) -> bytes:
         """``plaintext`` sealed for ``domain`` under the current key, bound to
         ``storage_key`` and ``layout_hash``."""
-        key_id, raw_domain = self.current.encode(), domain.encode()
+        current = self.current  # read once: a reload (adopt) may change it meanwhile
+        key_id, raw_domain = current.encode(), domain.encode()
         header = (_HEAD.pack(MAGIC, VERSION, len(key_id), len(raw_domain), layout_hash)
                   + key_id + raw_domain)
         nonce = os.urandom(NONCE_BYTES)
-        sealed = self._cipher(self.current, domain).encrypt(
+        sealed = self._cipher(current, domain).encrypt(
             nonce, plaintext, _associated(header, storage_key))
         return header + nonce + sealed
 

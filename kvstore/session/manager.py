@@ -376,6 +376,11 @@ class TierManager:
         return await self.store.catalog.manifests(None if tenant is None
                                              else check_name("tenant", tenant))
 
+    def set_quotas(self, quotas: Quotas) -> None:
+        """New limits from the next admission on (a reload); usage and spills already
+        admitted stay as they are."""
+        self.store.quotas.quotas = quotas
+
     def tenant_usage(self, tenant: str) -> TenantReport:
         """The tenant's use against its quota limits (no I/O)."""
         return self.store.quotas.report(check_name("tenant", tenant))

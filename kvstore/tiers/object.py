@@ -182,6 +182,22 @@ class ObjectTier(Tier):
         up = self.health.available and not (self.breaker is not None and self.breaker.is_open)
         return TierStats(self.name, self.capacity_bytes, self._used, items, up)
 
+    async def probe(self) -> bool:
+        """Whether the bucket serves now (HEAD bucket through the breaker, so a timer
+        calling this half-opens an open breaker after its cool-down); a local directory
+        is not probed. A bucket that answers but refuses (gone, access denied) opens the
+        breaker too: every call would fail. Never raises."""
+        store = self._store
+        if not isinstance(store, S3Store) or self.breaker is None:
+            return True
+        try:
+            await self._io("PROBE", lambda: store.client.head_bucket(Bucket=store.bucket))
+        except TierUnavailable as exc:
+            if not self.breaker.is_open:
+                self.breaker.failed(exc)
+            return False
+        return True
+
     async def close(self) -> None:
         if self.remote is not None:
             self.remote.close()

@@ -460,5 +460,52 @@ class RedisTier(Tier):
         except TierUnavailable:
             return False
 
+    async def probe(self) -> bool:
+        """Whether Redis serves now, asked through the breaker (so a timer calling this
+        half-opens an open breaker after its cool-down, no request needed): PING, and with
+        a cluster ``CLUSTER INFO`` of every master, up while one reports
+        ``cluster_state:ok`` (a cluster in ``fail`` still answers PING). Never raises."""
+        async def ask() -> bool:
+            if not self.cluster:
+                return bool(await self._client.ping())
+            await self._client.initialize()  # a cluster down at start has no masters yet
+            if not any(await asyncio.gather(*map(self._serving,
+                                                 self._client.get_primaries()))):
+                raise rexc.ClusterDownError("no master reports cluster_state:ok")
+            return True
+
+        try:
+            return await self._call("PROBE", ask)
+        except TierUnavailable:
+            return False
+
+    async def check_access(self) -> None:
+        """``InvalidRequest`` when Redis answers but refuses this tier: a wrong password
+        or user in the URL, or a ``redis+cluster://`` URL pointed at a Redis that is not
+        a cluster. A Redis that does not answer is not refused: the tier
+        starts down and the probes see it come up."""
+        where = without_password(self.url)
+        try:
+            async with asyncio.timeout(self.config.op_timeout_s):
+                if self.cluster:
+                    await self._client.initialize()
+                await self._client.ping()
+        except (rexc.AuthenticationError, rexc.AuthorizationError,
+                rexc.NoPermissionError) as exc:
+            raise InvalidRequest(f"redis_url {where}: Redis refuses the credentials "
+                                 f"({exc}): fix the user and password in redis_url") from None
+        except rexc.RedisClusterException as exc:
+            if "cluster mode is not enabled" not in str(exc).lower():
+                raise InvalidRequest(f"redis_url {where}: the cluster refuses this tier "
+                                     f"({exc})") from None
+            raise InvalidRequest(f"redis_url {where} names a Redis Cluster (redis+cluster://) "
+                                 "but that Redis is not a cluster: use redis:// for a "
+                                 "single Redis") from None
+        except rexc.ResponseError as exc:
+            raise InvalidRequest(f"redis_url {where}: Redis refuses this tier ({exc})") from None
+        except (*_UNAVAILABLE_ERRORS, rexc.RedisError) as exc:
+            log.warning("redis tier at %s does not answer at start (%r): it starts down "
+                        "and serves once Redis answers", where, exc)
+
     async def close(self) -> None:
         await self._client.aclose()

@@ -50,9 +50,10 @@ def client_options(args: argparse.Namespace) -> dict[str, str | None]:
 
 
 def failure(command: str, server: str, exc: KVTierError) -> str:
-    """The one line a command prints when its call failed; unavailable: what to check."""
+    """The one line a command prints when its call failed; unavailable: what to check
+    (unless the client named a TLS mismatch, ``kvtier.channel.tls_mismatch``)."""
     line = f"kvtier {command}: {exc}"
-    if isinstance(exc, TierUnavailable):
+    if isinstance(exc, TierUnavailable) and not str(exc).startswith("TLS:"):
         line += (f" (is `kvtier serve` running at {server}? pass --server HOST:PORT or set "
                  "KVTIER_SERVER)")
     return line

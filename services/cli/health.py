@@ -28,14 +28,17 @@ async def check(target: str, service: str, timeout_s: float, options: dict) -> s
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from kvtier.channel import Credentials, open_channel
+    from kvtier.channel import Credentials, open_channel, tls_mismatch
 
-    async with open_channel(target, Credentials(**options)) as channel:
+    credentials = Credentials(**options)
+    async with open_channel(target, credentials) as channel:
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
         except grpc.RpcError as exc:
-            return exc.code().name
+            problem = (await tls_mismatch(target, credentials, exc.details() or "")
+                       if exc.code() == grpc.StatusCode.UNAVAILABLE else None)
+            return exc.code().name + (f" ({problem})" if problem else "")
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 

@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay-worker": ("services.replay.server", "run a bounded-replay worker as a gRPC service"),
     "stat": ("services.cli.stat", "print the server's tier statistics and metrics"),
     "top": ("services.cli.top", "show hit rate per tier live in the terminal"),
+    "reload": ("services.cli.reload", "make a running server re-read its tokens, quotas, "
+               "log level and keyring (SIGHUP)"),
     "health": ("services.cli.health", "check a server's gRPC health service (exit 0: serving)"),
     "list": ("services.cli.list_sessions", "list stored sessions"),
     "lookup": ("services.cli.lookup", "how many tokens of a sequence the server holds"),

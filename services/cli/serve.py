@@ -1,5 +1,7 @@
 """``kvtier serve``: run the gRPC server until SIGTERM or SIGINT, then stop gracefully
-(in-flight calls finish, the write-back queue drains, tiers close).
+(in-flight calls finish, the write-back queue drains, tiers close). SIGHUP (or
+``kvtier reload``) reloads tokens, quotas, the log level and the keyring
+(``services.server.reload``): a bad file is refused and the last good version stays.
 
 Configuration: ``--config FILE`` (TOML) and ``KVTIER_*`` environment variables over the
 preset (``embedded`` by default); the flags below override both. Prints one line,
@@ -28,7 +30,13 @@ from kvstore.format.errors import KVTierError
 from services.server import preflight
 from services.server.config_load import PRESETS, load_config
 from services.server.requests import configure_logging
-from services.serving.lifecycle import stop_on_signals
+from services.serving.lifecycle import (
+    forget_pid,
+    record_pid,
+    record_reload,
+    reload_on_hangup,
+    stop_on_signals,
+)
 from services.serving.tls import INSECURE_FLAG
 
 
@@ -50,23 +58,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-config", action="store_true",
                         help="check the configuration as serve does (exit 2 with serve's "
                         "message if serve would refuse it), print it as JSON and exit")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", help="DEBUG, INFO, ... (default: the config's "
+                        "log_level, INFO)")
     parser.add_argument("--log-format", choices=("text", "json"),
                         help="log lines as text or one JSON object a line (default: the "
                         "config's log_format, text)")
 
 
 def run(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level, args.log_format or "text")
-    # boto3 says at INFO where it found credentials: noise unless one asks for DEBUG.
-    if logging.root.level > logging.DEBUG:
-        logging.getLogger("botocore").setLevel(logging.WARNING)
+    configure_logging(args.log_level or "INFO", args.log_format or "text")
+    # boto3 says at INFO where it found credentials: noise unless one asks for DEBUG;
+    # a reload may lower the root level, not this one.
+    logging.getLogger("botocore").setLevel(logging.WARNING)
     overrides = {"listen": args.listen, "data_dir": args.data_dir,
                  "metrics_port": args.metrics_port, "redis_url": args.redis_url,
                  "host_bytes": args.host_bytes, "disk_bytes": args.disk_bytes,
-                 "replay_workers": args.replay_workers, "log_format": args.log_format}
+                 "replay_workers": args.replay_workers, "log_level": args.log_level,
+                 "log_format": args.log_format}
+
+    def read_config():  # at start and on each reload, from the same sources
+        return load_config(args.config, preset=args.preset, overrides=overrides)
+
     try:
-        config = load_config(args.config, preset=args.preset, overrides=overrides)
+        config = read_config()
         preflight.check(config, insecure=args.insecure)
     except KVTierError as exc:
         print(f"kvtier serve: {exc}", file=sys.stderr)
@@ -74,14 +88,15 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"kvtier serve: cannot start: {exc}", file=sys.stderr)
         return 2
-    configure_logging(args.log_level, config.log_format)
+    configure_logging(config.log_level, config.log_format)
     if args.print_config:
         print(json.dumps(config.summary(), indent=2))
         return 0
-    return asyncio.run(_serve(config))
+    return asyncio.run(_serve(config, read_config))
 
 
-async def _serve(config) -> int:
+async def _serve(config, read_config) -> int:
+    from services.server.reload import reload as reload_server
     from services.server.server import create_server
 
     try:
@@ -93,11 +108,25 @@ async def _serve(config) -> int:
         print(f"kvtier serve: cannot start: {exc}", file=sys.stderr)
         return 2
     stop = stop_on_signals()
+    reloads = 0
+
+    def reload() -> None:
+        nonlocal reloads
+        reloads += 1
+        ok, line = reload_server(server, read_config)
+        try:
+            record_reload(config.data_dir, reloads, ok, line)
+        except OSError as exc:
+            logging.getLogger(__name__).warning("cannot record the reload's outcome: %s", exc)
+
+    reload_on_hangup(reload)
+    pid_file = record_pid(config.data_dir)
     host = config.listen.rpartition(":")[0]
     extra = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
     print(f"kvtier serving on {host}:{port}{extra}", flush=True)
     try:
         await stop.wait()
     finally:
+        forget_pid(pid_file)
         await server.stop()
     return 0

@@ -48,6 +48,7 @@ ACKS = ("memory", "durable")
 REPLAY_MODES = ("auto", "in-process", "remote", "streams", "off")
 LAYOUT_POLICIES = ("auto", "admin", "any", "none")  # register_layouts
 EVICTION_POLICIES = ("reuse", "hint", "lru")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # What kvstore.tiers.redis.RedisTier connects to, and what boto3 takes as an endpoint.
 REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix")
 S3_ENDPOINT_SCHEMES = ("http", "https")
@@ -87,6 +88,13 @@ class ServerConfig:
     redis_deadline_s: float = 0.0
     replay_timeout_s: float = 120.0
     breaker_cooldown_s: float = 5.0
+    # Every remote dependency (Redis, the S3 bucket, hence the fleet's shared metadata)
+    # is asked whether it answers this often, busy or idle (services.server.probes): its
+    # tier_up and breaker say what is true now, and an open breaker half-opens on this
+    # timer, not only when a request comes. gRPC health says NOT_SERVING while one of
+    # required_tiers that is configured is down ([]: health ignores the tiers).
+    probe_interval_s: float = 5.0
+    required_tiers: tuple[str, ...] = ("redis", "object")
     object_compression_level: int = 3  # zstd on the slowest tier; -1 stores raw bytes
     # Fleet (docs/fleet.md): "shared" keeps the manifests in the S3 bucket (compare and
     # swap), so any server sharing it resumes any session; "local": in data_dir.
@@ -151,6 +159,7 @@ class ServerConfig:
     shm_lease_bytes_total: int = 8 * GiB  # leased to all clients at once
     metrics_port: int = 0  # 0: no Prometheus endpoint
     metrics_interval_s: float = 2.0  # how often tier figures are refreshed for metrics
+    log_level: str = "INFO"  # `kvtier serve --log-level` overrides; reloaded on SIGHUP
     grace_s: float = 10.0  # in-flight RPCs get this long at shutdown
     # Log lines as "text" or "json" (one object a line); a call taking at least
     # slow_request_s logs a warning with its phases (0: off) (services.server.requests).
@@ -256,7 +265,7 @@ class ServerConfig:
             raise InvalidRequest(f"s3_bucket is a bucket name, got {self.s3_bucket!r}")
         for name in ("s3_connect_timeout_s", "s3_read_timeout_s", "s3_deadline_s",
                      "replay_timeout_s", "breaker_cooldown_s", "redis_connect_timeout_s",
-                     "redis_socket_timeout_s", "redis_deadline_s"):
+                     "redis_socket_timeout_s", "redis_deadline_s", "probe_interval_s"):
             if not getattr(self, name) > 0 and not (name.startswith("redis_")
                                                     and getattr(self, name) == 0):
                 raise InvalidRequest(f"{name} must be > 0 (redis_*: 0 keeps the preset's), "
@@ -287,6 +296,13 @@ class ServerConfig:
             if getattr(self, name) < 0:
                 raise InvalidRequest(f"{name} must be >= 0 (0: no shared memory)")
         check_domains(self.dedupe_domains)
+        unknown_tiers = set(self.required_tiers) - {"redis", "object"}
+        if unknown_tiers:
+            raise InvalidRequest(f"required_tiers: {sorted(unknown_tiers)} are not remote "
+                                 "tiers; name 'redis' and/or 'object'")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise InvalidRequest(f"log_level must be one of {LOG_LEVELS}, got "
+                                 f"{self.log_level!r}")
         if self.quota:
             from kvstore.session.quota import Quotas  # loads the store's modules: only when used
 
@@ -306,6 +322,7 @@ class ServerConfig:
         object.__setattr__(self, "replay_workers", tuple(self.replay_workers))
         object.__setattr__(self, "replay_hf_workers", tuple(self.replay_hf_workers))
         object.__setattr__(self, "replayers", tuple(self.replayers))
+        object.__setattr__(self, "required_tiers", tuple(self.required_tiers))
         object.__setattr__(self, "layouts", tuple(self.layouts))
 
     @property

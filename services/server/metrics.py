@@ -232,6 +232,17 @@ class ServiceMetrics:
             "monitor, per tick", buckets=LATENCY_BUCKETS, registry=r)
         self.loop_stalls = Counter("kvtier_event_loop_stalls", "Lag monitor ticks late by "
                                    "more than the stall bound (50 ms)", registry=r)
+        self.disk_free = Gauge("kvtier_disk_free_bytes", "Free bytes of the filesystem "
+                               "holding data_dir, as of the last metrics refresh", registry=r)
+        # services.server.reload: SIGHUP and `kvtier reload`
+        self.reload_success = Gauge("kvtier_config_reload_success", "1 when the last "
+                                    "reload was taken, 0 when it was refused (the last good "
+                                    "version stays in force)", registry=r)
+        self.reload_success.set(1)
+        self.reloads = Counter("kvtier_config_reloads", "Reloads by result", ["result"],
+                               registry=r)
+        for result in ("success", "failure"):
+            self.reloads.labels(result)
         self._http = None
 
     def record_error(self, method: str, code: str) -> None:

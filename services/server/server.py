@@ -6,8 +6,11 @@ serves metrics. Health checking says NOT_SERVING until the server is ready: with
 ``replay_warmup`` once the in-process replay model is loaded and has run once
 (``KVTierServer.ready``), else at once. Every request is bounded in size before it is parsed
 (``services.server.sizes``) and the event loop's lag is measured throughout
-(``services.server.loop_lag``). ``KVTierServer.stop`` drains in-flight calls, then the
-write-back queue.
+(``services.server.loop_lag``). Remote tiers are probed every ``probe_interval_s``, and
+health says NOT_SERVING while a required one is down (``services.server.probes``).
+``services.server.reload`` re-reads what may change without a restart (``kvtier serve``
+runs it on SIGHUP). ``KVTierServer.stop``
+drains in-flight calls, then the write-back queue.
 
     server, port = await create_server(load_config(preset="test", overrides={...}))
     ...
@@ -20,6 +23,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import shutil
 from pathlib import Path
 
 import grpc
@@ -36,6 +40,7 @@ from services.server.config_load import load_config
 from services.server.fleet_node import FleetNode
 from services.server.loop_lag import LoopMonitor
 from services.server.metrics import ServiceMetrics
+from services.server.probes import Prober
 from services.server.remote_metrics import observe_store
 from services.server.replay_backend import make_replay_backend, warm_up_replay
 from services.server.requests import RequestInterceptor
@@ -54,7 +59,7 @@ class KVTierServer:
 
     def __init__(self, grpc_server: grpc.aio.Server, servicer: KVTierServicer,
                  health_servicer: health.aio.HealthServicer, port: int,
-                 loop_monitor: LoopMonitor) -> None:
+                 loop_monitor: LoopMonitor, prober: Prober) -> None:
         self.grpc_server = grpc_server
         self.loop_monitor = loop_monitor  # running from start to stop
         self.servicer = servicer
@@ -65,6 +70,9 @@ class KVTierServer:
         self.metrics_port: int | None = None
         self._refresher: asyncio.Task | None = None
         self.fleet_node: FleetNode | None = None  # a fleet node's heartbeat (shared metadata)
+        self.prober = prober
+        self.interceptors: list[grpc.aio.ServerInterceptor] = []  # auth: swapped on reload
+        self._probing: asyncio.Task | None = None
         # done once health checking says SERVING (create_server awaits it by default)
         self.ready: asyncio.Task | None = None
         self._stopped = False
@@ -91,6 +99,9 @@ class KVTierServer:
             if self.servicer.leases is not None:
                 self.servicer.leases.reap()
                 self.metrics.shm_segments.set(len(self.servicer.leases))
+            with contextlib.suppress(OSError):  # the data directory removed under us
+                self.metrics.disk_free.set(
+                    shutil.disk_usage(self.servicer.config.data_dir).free)
             await asyncio.sleep(interval_s)
 
     async def _become_ready(self, warm_up: bool, freeze_startup: bool) -> None:
@@ -113,8 +124,7 @@ class KVTierServer:
             gc.freeze()
             self.loop_monitor.start()
         if not self._stopped:
-            for name in ("", SERVICE):
-                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await self.prober.set_ready()  # SERVING unless a required tier is down
 
     async def wait_for_termination(self) -> None:
         await self.grpc_server.wait_for_termination()
@@ -134,9 +144,10 @@ class KVTierServer:
         finally:
             if self.address_path is not None:
                 address_file.forget(self.address_path, self.address)
-            if self._refresher is not None:
-                self._refresher.cancel()
-                await asyncio.gather(self._refresher, return_exceptions=True)
+            for task in (self._refresher, self._probing):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
             if self.fleet_node is not None:
                 await self.fleet_node.stop()
             await self.loop_monitor.stop()
@@ -188,10 +199,11 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
         observe_store(manager.tiers, manager.meta, metrics.remote)
         servicer = KVTierServicer(manager, config, metrics, replay)
         monitor = LoopMonitor(metrics)
+        guards = _interceptors(config, servicer)
         grpc_server = grpc.aio.server(
             options=_options(config),
             interceptors=[RequestInterceptor(config.slow_request_s, tracing),
-                          monitor.interceptor(), *_interceptors(config, servicer)])
+                          monitor.interceptor(), *guards])
         add_servicer(sizes.bounded(pb_grpc.add_KVTierServicer_to_server,
                                    config.max_header_bytes), servicer, grpc_server)
         health_servicer = health.aio.HealthServicer()
@@ -219,7 +231,10 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
         if tracing is not None:
             tracing.close()
         raise
-    server = KVTierServer(grpc_server, servicer, health_servicer, port, monitor)
+    prober = Prober(manager, health_servicer, metrics, ("", SERVICE), config.required_tiers,
+                    config.probe_interval_s)
+    server = KVTierServer(grpc_server, servicer, health_servicer, port, monitor, prober)
+    server.interceptors = guards
     server.tracing = tracing
     try:
         if fleet_node is not None:
@@ -227,6 +242,11 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
             fleet_node.start()
         metrics.update(await manager.stat())
         server._refresher = asyncio.create_task(server._refresh(config.metrics_interval_s))
+        server._probing = asyncio.create_task(prober.run())
+        # the remote tiers' state before the first call, unless a dependency that does not
+        # answer holds the first round past one interval (it goes on in the background)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(prober.first_round.wait(), config.probe_interval_s)
         try:
             server.address_path = address_file.record(config.data_dir, server.address)
         except OSError as exc:  # tools then need the address passed explicitly

@@ -29,13 +29,16 @@ from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
 from services.server.config import ServerConfig
 from services.server.limits import s3_pool_connections
-from services.server.startup import check_node_name, prepare_data_dir
+from services.server.startup import check_node_name, fit_disk_bytes, prepare_data_dir
 
 if TYPE_CHECKING:  # cryptography is imported only by a server that encrypts
     from kvstore.encryption.seal import Keyring
     from kvstore.encryption.tiers import BlockDomains
 
 log = logging.getLogger(__name__)
+# What S3 answers to a key it does not know, a wrong secret or a policy that denies.
+S3_REFUSALS = ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+               "InvalidToken", "ExpiredToken")
 
 
 def _preset(presets: dict, name: str, key: str):
@@ -81,10 +84,13 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
     if config.disk_bytes:
         from kvstore.tiers.disk import DiskTier
 
-        disk = DiskTier(config.data_dir / "disk", config.disk_bytes,
+        disk_bytes, lowered = fit_disk_bytes(config)
+        disk = DiskTier(config.data_dir / "disk", disk_bytes,
                         segment_bytes=config.disk_segment_bytes,
                         reclaim_dead_fraction=config.disk_reclaim_dead_fraction,
                         reclaim_interval_s=config.disk_reclaim_interval_s)
+        if lowered:  # said once the data directory is ours (its writer lock taken)
+            log.warning("%s", lowered)
         tiers.append(outside(disk))
         meta = disk.meta
         if keyring is not None:
@@ -141,10 +147,15 @@ def check_bucket(config: ServerConfig) -> None:
     try:
         client.head_bucket(Bucket=config.s3_bucket)
     except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchBucket"):
-            where = config.s3_endpoint or "AWS"
+        code = exc.response.get("Error", {}).get("Code")
+        where = config.s3_endpoint or "AWS"
+        if code in ("404", "NoSuchBucket"):
             raise InvalidRequest(f"s3_bucket {config.s3_bucket!r} does not exist at {where}: "
                                  "create it or name another s3_bucket") from exc
+        if code in S3_REFUSALS:
+            raise InvalidRequest(f"s3_bucket {config.s3_bucket!r} at {where}: S3 refuses the "
+                                 f"credentials ({code}): fix AWS_ACCESS_KEY_ID and "
+                                 "AWS_SECRET_ACCESS_KEY (or the role) for this bucket") from exc
     except BotoCoreError:
         pass
 
@@ -172,6 +183,9 @@ async def open_manager(config: ServerConfig) -> TierManager:
     tiers: list[Tier] = []
     try:
         meta = build_tiers(config, tiers, keyring, domains)
+        for tier in tiers:  # credentials Redis refuses: one line now, not a tier down for good
+            if hasattr(tier, "check_access"):
+                await tier.check_access()
         if config.metadata == "shared":
             await meta.mark_node()
         log.info("tiers: %s", ", ".join(f"{t.name} ({t.capacity_bytes} B)" for t in tiers))

@@ -6,8 +6,10 @@ Kinds: ``auth_failure`` (a missing, unknown or expired credential), ``permission
 ``layout`` (every RegisterLayout, whoever asked; the reason names the layout) and
 ``admin`` (every other call of an admin). A line holds the time (UTC, ISO 8601), the
 kind, the identity (tenant and role, or role "anonymous"), the method, the peer, the
-result (a status code name) and, for failures, the reason; never a token (a credential
-is named by a prefix of its SHA-256 at most).
+result (a status code name), for failures the reason, and ``target``: the tenant the
+request named, when it names one (a denial says whose sessions were asked for); never a
+token (a credential is named by a prefix of its SHA-256 at most). The file is the
+owner's only (0600), made so and tightened at start with a warning when it was looser.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
+import stat
 import threading
 from typing import Protocol
 
@@ -34,8 +38,7 @@ class Caller(Protocol):
 class AuditLog:
     def __init__(self, path: str = "", registry: CollectorRegistry | None = None) -> None:
         # Held open for the server's life; line-buffered: each event is one write, in order.
-        self._file = (open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
-                      if path else None)
+        self._file = _open_private(path) if path else None
         self._lock = threading.Lock()
         self.events = Counter("kvtier_audit_events_total", "Audit events by kind", ["kind"],
                               registry=registry or CollectorRegistry())
@@ -43,7 +46,7 @@ class AuditLog:
             self.events.labels(kind)  # every kind exported from the start, at 0
 
     def record(self, kind: str, identity: Caller | None, method: str, peer: str,
-               result: str, reason: str = "") -> None:
+               result: str, reason: str = "", target: str = "") -> None:
         self.events.labels(kind).inc()
         if self._file is None:
             return
@@ -52,6 +55,8 @@ class AuditLog:
                 "tenant": identity.tenant if identity is not None else "",
                 "role": identity.role if identity is not None else "anonymous",
                 "method": method, "peer": peer, "result": result}
+        if target:
+            line["target"] = target
         if reason:
             line["reason"] = reason
         try:
@@ -64,3 +69,18 @@ class AuditLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _open_private(path: str):
+    """``path`` opened for appending, created 0600; an existing file open to others is
+    made 0600 with a warning (it names who called and what was denied)."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    mode = stat.S_IMODE(os.fstat(descriptor).st_mode)
+    if mode & 0o077:
+        try:
+            os.fchmod(descriptor, 0o600)
+            log.warning("audit_log %s was readable by others (mode %o): made 600", path, mode)
+        except PermissionError:  # another user's file: say so only
+            log.warning("audit_log %s is readable by others (mode %o) and not ours to "
+                        "change: make it 600", path, mode)
+    return open(descriptor, "a", buffering=1, encoding="utf-8")  # noqa: SIM115

@@ -15,8 +15,10 @@ subject CN a ``[[client_cert]]`` entry of the tokens file maps. The tokens file 
     tenant = "acme"
     role = "tenant"
 
-is read again, and its content hash compared, at most once per second on a call; while
-it is missing, unreadable or does not parse it grants nothing (``TokenFile``).
+is read again, and its content hash compared, at most once per second on a call, and at
+once on a reload (SIGHUP, ``kvtier reload``). An edit that does not parse is refused with
+a warning (the parser's line and column) and the last good version stays in force; a
+file removed or unreadable grants nothing until it is back (``TokenFile``).
 
 Authorization: ``METHOD_ROLES`` says which roles may call each method; the tenant a
 request names must be the caller's (``check_tenant``, ``list_scope``) unless the caller
@@ -84,6 +86,8 @@ class Identity:
 
 _CALLER: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("kvtier_caller",
                                                                           default=None)
+# The tenant the running call asked for, as far as known (the audit's ``target``).
+_TARGET: contextvars.ContextVar[str] = contextvars.ContextVar("kvtier_target", default="")
 
 
 def caller() -> Identity | None:
@@ -92,8 +96,19 @@ def caller() -> Identity | None:
     return _CALLER.get()
 
 
+def target_of(request: object) -> str:
+    """The tenant a unary request names (``tenant``, or its session ``ref``'s); "" for a
+    stream, whose first message the handler reads (``check_tenant`` then records it)."""
+    tenant = getattr(request, "tenant", None)
+    if isinstance(tenant, str):
+        return tenant
+    ref = getattr(request, "ref", None)
+    return ref.tenant if ref is not None and isinstance(getattr(ref, "tenant", None), str) else ""
+
+
 def check_tenant(tenant: str) -> None:
     """PermissionDenied unless the caller may use ``tenant``'s sessions."""
+    _TARGET.set(tenant)  # the audit names it (AuthInterceptor)
     identity = _CALLER.get()
     if identity is not None and identity.role != ADMIN and tenant != identity.tenant:
         raise PermissionDenied(f"this credential is tenant {identity.tenant!r}'s: it may not "
@@ -120,11 +135,12 @@ class TokenFile:
 
     At most once per ``RELOAD_CHECK_S``, on a call, the file is read whole and its
     SHA-256 compared with the last one read: any edit is seen, whatever it does to the
-    size or the modification time. It fails closed: while the file is missing,
-    unreadable or does not parse, no token or certificate of it is accepted (the last
-    table is dropped, and a warning says why, once per state); the next good read
-    restores it. Write it atomically (a new file renamed over the old) so no call sees
-    half an edit. At start-up a bad file is an error.
+    size or the modification time. An edit that does not parse keeps the last good table
+    in force, as Prometheus and Redis ACL LOAD do, with a warning once per state: one
+    typo does not lock every tenant out. A file removed or unreadable fails closed (no
+    token or certificate of it is accepted until it is readable again): removing it
+    revokes everything. Write it atomically (a new file renamed over the old) so no call
+    sees half an edit. At start-up (and on a reload) a bad file is an error.
     """
 
     def __init__(self, path: str | os.PathLike,
@@ -167,7 +183,9 @@ class TokenFile:
         try:
             content = self.path.read_bytes()
         except OSError as exc:
-            self._refuse(f"cannot be read ({exc.strerror})")
+            self._tokens, self._certs = [], {}
+            self._refuse(f"cannot be read ({exc.strerror}): every token and client "
+                         "certificate of it is refused until it is readable again")
             self._digest = None
             return
         if hashlib.sha256(content).digest() == self._digest:
@@ -176,17 +194,17 @@ class TokenFile:
             self._load(content)
         except (ValueError, tomllib.TOMLDecodeError) as exc:
             # The parser's messages name a line and column, never the file's text.
-            self._refuse(f"does not parse ({exc})")
+            self._refuse(f"does not parse ({exc}): the last good version stays in force "
+                         f"({len(self._tokens)} tokens, {len(self._certs)} client "
+                         "certificates)")
             return
         self._problem = None
         log.info("auth_tokens_file %s reloaded: %d tokens, %d client certificates",
                  self.path, len(self._tokens), len(self._certs))
 
     def _refuse(self, problem: str) -> None:
-        self._tokens, self._certs = [], {}
         if problem != self._problem:
-            log.warning("auth_tokens_file %s %s: every token and client certificate of it "
-                        "is refused until it is readable again", self.path, problem)
+            log.warning("auth_tokens_file %s %s", self.path, problem)
         self._problem = problem
 
     def token(self, token: str) -> Identity | None:
@@ -316,7 +334,9 @@ class _Guard:
         self.name = method.rpartition("/")[2]
         self.roles = roles
 
-    async def enter(self, context: grpc.aio.ServicerContext) -> Identity | None:
+    async def enter(self, context: grpc.aio.ServicerContext, request: object
+                    ) -> Identity | None:
+        _TARGET.set(target_of(request))
         if self.authenticator is None:
             return None
         try:
@@ -329,7 +349,7 @@ class _Guard:
             who = identity if isinstance(exc, PermissionDenied) else None
             self.audit.record(kind, who, self.name, context.peer(),
                               "UNAUTHENTICATED" if who is None else "PERMISSION_DENIED",
-                              str(exc))
+                              str(exc), target=target_of(request))
             await abort(context, exc, self.recorder, self.name)
         _CALLER.set(identity)
         return identity
@@ -348,7 +368,8 @@ class _Guard:
             kind = "admin"
         else:
             return
-        self.audit.record(kind, identity, self.name, context.peer(), result)
+        self.audit.record(kind, identity, self.name, context.peer(), result,
+                          target=_TARGET.get())
 
 
 def _wrapped(handler: grpc.RpcMethodHandler, guard: _Guard) -> grpc.RpcMethodHandler:
@@ -359,7 +380,7 @@ def _wrapped(handler: grpc.RpcMethodHandler, guard: _Guard) -> grpc.RpcMethodHan
         behaviour = getattr(handler, kind)
 
         async def guarded(request, context):
-            identity = await guard.enter(context)
+            identity = await guard.enter(context, request)
             error = None
             try:
                 async for reply in behaviour(request, context):
@@ -374,7 +395,7 @@ def _wrapped(handler: grpc.RpcMethodHandler, guard: _Guard) -> grpc.RpcMethodHan
         behaviour = getattr(handler, kind)
 
         async def guarded(request, context):
-            identity = await guard.enter(context)
+            identity = await guard.enter(context, request)
             error = None
             try:
                 return await behaviour(request, context)

@@ -1,12 +1,21 @@
 """Process lifecycle of the long-running servers (``kvtier serve``, the replay worker): a
-graceful stop on signals, and the free-port check at start."""
+graceful stop on signals, a reload on SIGHUP, and the free-port check at start.
+
+``kvtier serve`` records its process id in ``{data_dir}/server.pid`` while it serves, and
+the outcome of each reload in ``{data_dir}/server.reload`` (one line: a count, ``ok`` or
+``refused``, and what was done or why not), so ``kvtier reload --data-dir DIR`` can signal
+it and report what happened."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import os
 import signal
 import socket
+from collections.abc import Callable
+from pathlib import Path
 
 from kvstore.format.errors import Busy, InvalidRequest
 
@@ -19,6 +28,45 @@ def stop_on_signals() -> asyncio.Event:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     return stop
+
+
+PID_FILE = "server.pid"
+RELOAD_FILE = "server.reload"
+
+
+def reload_on_hangup(reload: Callable[[], None]) -> None:
+    """Run ``reload`` on the event loop at each SIGHUP (whose default ends the process)."""
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
+
+
+def record_pid(data_dir: Path) -> Path:
+    path = data_dir / PID_FILE
+    path.write_text(f"{os.getpid()}\n")
+    return path
+
+
+def forget_pid(path: Path) -> None:
+    """Remove the pid file if it is still this process's."""
+    with contextlib.suppress(OSError, ValueError):
+        if int(path.read_text()) == os.getpid():
+            path.unlink()
+
+
+def record_reload(data_dir: Path, count: int, ok: bool, line: str) -> None:
+    """The outcome of reload number ``count``, written whole (a new file renamed over)."""
+    path = data_dir / RELOAD_FILE
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temp.write_text(f"{count} {'ok' if ok else 'refused'} {line}\n")
+    os.replace(temp, path)
+
+
+def read_reload(data_dir: Path) -> tuple[int, str] | None:
+    """(count, the rest of the line) of the last reload recorded, if any."""
+    try:
+        count, _, rest = (data_dir / RELOAD_FILE).read_text().strip().partition(" ")
+        return int(count), rest
+    except (OSError, ValueError):
+        return None
 
 
 def refuse_if_taken(listen: str, flag: str = "--listen") -> None:

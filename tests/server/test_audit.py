@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import stat
 
 import pytest
 
@@ -50,6 +52,8 @@ async def test_every_kind_is_audited_without_the_token(tmp_path):
     ]
     for event in events:
         assert event["time"].endswith("+00:00") and event["peer"].startswith("ipv4:127.0.0.1:")
+    # a denial names the tenant whose sessions were asked for, beside the caller's
+    assert [e.get("target") for e in events] == [None, "beta", "acme", None, "acme"]
     text = (certs.root / "audit.jsonl").read_text()
     for token in (*certs.tokens.values(), "wrong-token-value"):
         assert token not in text
@@ -82,3 +86,19 @@ async def test_the_cli_sends_tls_and_a_token_file(tmp_path, capsys, monkeypatch)
         monkeypatch.delenv("KVTIER_TOKEN")
         code = await asyncio.to_thread(kvtier_main, ["stat", *flags])
         assert code == 1 and "UNAUTHENTICATED" in capsys.readouterr().err
+
+
+async def test_the_audit_log_and_the_data_directory_are_the_owners_only(tmp_path, caplog):
+    log, data = tmp_path / "audit.jsonl", tmp_path / "data"
+    async with running_server(data, audit_log=str(log)):
+        pass
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700
+    log.chmod(0o644)  # made by hand, or by an older release: tightened, with a warning
+    data.chmod(0o755)
+    with caplog.at_level(logging.WARNING):
+        async with running_server(data, audit_log=str(log)):
+            pass
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700
+    assert "audit_log" in caplog.text and "data_dir" in caplog.text

@@ -5,6 +5,7 @@ and the safe default that refuses a non-loopback listen in clear."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import ssl
 import subprocess
@@ -19,6 +20,7 @@ from kvstore.format.errors import PermissionDenied, TierUnavailable, Unauthentic
 from kvtier import AsyncClient
 from kvtier.channel import Credentials
 from replay.worker import ReplayWorker
+from services.cli.health import check
 from services.replay.remote import RemoteReplay
 from services.replay.server import create_server as create_worker_server
 from services.replay.server import security
@@ -35,16 +37,42 @@ async def test_a_plaintext_client_cannot_talk_to_a_tls_server(tmp_path):
     certs = dev_set(tmp_path)
     async with running_server(data_dir(tmp_path), **certs.server_tls()) as (_, target):
         async with AsyncClient(target, retry=NO_RETRY, timeout_s=5) as plain:
-            with pytest.raises(TierUnavailable):
+            with pytest.raises(TierUnavailable, match="serves TLS and this client spoke "
+                               "plaintext"):
                 await plain.list()
         async with certs.client(target) as kv:  # TLS, no authentication: tenants named
             await spill_one(kv, "acme", "s1")
             assert [s.session.tenant for s in await kv.list()] == ["acme"]
-        # A CA that did not sign the server's certificate: the handshake fails.
+        # A CA that did not sign the server's certificate: the handshake fails, named so.
         async with AsyncClient(target, tls_ca=certs.path("stranger.pem"), retry=NO_RETRY,
                                timeout_s=5) as wrong:
-            with pytest.raises(TierUnavailable):
+            with pytest.raises(TierUnavailable, match="not signed by the CA given"):
                 await wrong.list()
+        for flags, named in (([], "spoke plaintext"),
+                             (["--tls-ca", certs.path("stranger.pem")], "not signed")):
+            done = await asyncio.to_thread(
+                subprocess.run, [sys.executable, "-m", "services.cli", "list", "--server",
+                                 target, *flags], cwd=ROOT, capture_output=True, text=True,
+                timeout=60)
+            assert done.returncode == 1 and named in done.stderr, done
+            assert "kvtier serve` running" not in done.stderr
+            health = await check(target, "", 5.0, {"tls_ca": flags[1]} if flags else {})
+            assert health.startswith("UNAVAILABLE (TLS:") and named in health
+
+
+async def test_a_tls_client_against_a_plaintext_server_is_told_so(tmp_path):
+    certs = dev_set(tmp_path)
+    async with running_server(data_dir(tmp_path)) as (_, target), \
+            AsyncClient(target, tls_ca=certs.ca, retry=NO_RETRY, timeout_s=5) as kv:
+        with pytest.raises(TierUnavailable, match="does not speak TLS"):
+            await kv.list()
+
+
+async def test_a_server_that_is_not_there_is_not_called_a_tls_mismatch(tmp_path):
+    async with AsyncClient(f"127.0.0.1:{free_port()}", retry=NO_RETRY, timeout_s=5) as kv:
+        with pytest.raises(TierUnavailable) as raised:
+            await kv.list()
+    assert "TLS" not in str(raised.value)
 
 
 def test_a_token_never_travels_in_clear_off_loopback():

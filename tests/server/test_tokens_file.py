@@ -1,7 +1,7 @@
-"""The tokens file while serving, over real gRPC with TLS: it fails closed (deleted,
-unreadable or malformed: no token of it is accepted, and the server logs why, naming no
-token) and any edit is seen within the reload interval, whatever it does to the file's
-size and modification time."""
+"""The tokens file while serving, over real gRPC with TLS: it fails closed when deleted or
+unreadable (no token of it is accepted), a malformed edit keeps the last good version in
+force (the server logs why, naming no token), and any edit is seen within the reload
+interval, whatever it does to the file's size and modification time."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ async def test_an_edit_of_the_same_size_and_mtime_is_seen(tmp_path):
 
 @pytest.mark.parametrize("content", ["[[token]\nbroken", '[[token]]\nsha256 = "abc"\n',
                                      "[[tokens]]\n", "\xff\xfe"])
-async def test_a_malformed_tokens_file_grants_nothing(tmp_path, caplog, content):
+async def test_a_malformed_edit_keeps_the_last_good_tokens(tmp_path, caplog, content):
     certs = dev_set(tmp_path)
     tokens_file = certs.root / "tokens.toml"
     good = tokens_file.read_text()
@@ -94,12 +94,14 @@ async def test_a_malformed_tokens_file_grants_nothing(tmp_path, caplog, content)
         with caplog.at_level(logging.WARNING, logger=auth.__name__):
             Path(tokens_file).write_bytes(content.encode("latin-1"))
             await asyncio.sleep(INTERVAL_S)
-            assert not await _accepted(certs, target, "acme")
-            assert not await _accepted(certs, target, "admin")
-        assert "does not parse" in caplog.text
-        tokens_file.write_text(good + "\n")  # fixed (not byte-identical to the last good)
+            assert await _accepted(certs, target, "acme")  # one typo locks no one out
+            assert await _accepted(certs, target, "admin")
+        assert "does not parse" in caplog.text and "last good version" in caplog.text
+        # fixed, and beta revoked by the fix: the good edit is taken
+        tokens_file.write_text(good.replace(token_digest(certs.tokens["beta"]), "0" * 64))
         await asyncio.sleep(INTERVAL_S)
         assert await _accepted(certs, target, "acme")
+        assert not await _accepted(certs, target, "beta")
     _no_secret_logged(caplog, certs)
 
 
