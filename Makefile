@@ -4,13 +4,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-slow lint lock proto bench certs clean redis-server node-client vllm
+.PHONY: install demo test test-slow lint lock proto bench certs clean redis-server node-client vllm \
+	sglang
 
 # Every venv installs exactly what a lock file names (pip-tools, `make lock` refreshes them
 # from pyproject.toml): what CI tested is what a fresh clone gets. Each lock pins torch
 # 2.13.0, the CPU build where pip finds it (a bare `torch` would pull CUDA's gigabytes).
 LOCK := requirements/lock.txt
 VLLM_LOCK := requirements/vllm.lock
+SGLANG_LOCK := requirements/sglang.lock
 PIP_VERSION := 26.3
 PIP_TOOLS_VERSION := 7.7.0
 
@@ -28,7 +30,7 @@ $(STAMP): $(BIN)/python pyproject.toml $(LOCK)
 
 install: $(STAMP)
 
-# Refresh the locks after a change to pyproject.toml or requirements/vllm.in (needs the
+# Refresh the locks after a change to pyproject.toml or requirements/*.in (needs the
 # package index). vLLM's CUDA-linked torchvision, torchaudio and torchcodec break `import
 # vllm` beside the CPU torch: they are left out of its lock, which installs without deps.
 LOCK_VENV := .venv-lock
@@ -41,6 +43,11 @@ lock:
 	$(COMPILE) --upgrade --extra test --unsafe-package torchvision --unsafe-package torchaudio \
 	  --unsafe-package torchcodec -o $(VLLM_LOCK) pyproject.toml requirements/vllm.in
 	sed -i 's/^torch==\(.*\)+cpu$$/torch==\1/' $(LOCK) $(VLLM_LOCK)
+	$(LOCK_VENV)/bin/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+	  print("\n".join(d for d in p["dependencies"] + p["optional-dependencies"]["test"] if not d.startswith("torch")))' \
+	  > $(LOCK_VENV)/kvtier-without-torch.in
+	$(COMPILE) --upgrade -o $(SGLANG_LOCK) $(LOCK_VENV)/kvtier-without-torch.in requirements/sglang.in
+	cat requirements/sglang-nodeps.in >> $(SGLANG_LOCK)
 
 # Tests need a real redis-server; install Debian's package when it is missing and we are root.
 redis-server:
@@ -80,6 +87,22 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_LOCK)
 
 vllm: $(VLLM_STAMP)
 
+# SGLang's HiCache storage code (tests/sglang, bench.sglang) runs on CPU with torch 2.14.1,
+# so it gets its own venv; kvtier's own dependencies are in its lock, SGLang's serving stack
+# is not (`make lock`). About 15 minutes on a loaded 2-core machine.
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+
+$(SGLANG_STAMP): pyproject.toml $(SGLANG_LOCK)
+	@command -v $(PY) >/dev/null 2>&1 || { echo "need Python 3.11 ($(PY)) on PATH"; exit 1; }
+	test -x $(SGLANG_VENV)/bin/python || $(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install --quiet pip==$(PIP_VERSION)
+	$(SGLANG_VENV)/bin/pip install --quiet --no-deps -r $(SGLANG_LOCK)
+	$(SGLANG_VENV)/bin/pip install --quiet --no-deps -e .
+	touch $(SGLANG_STAMP)
+
+sglang: $(SGLANG_STAMP)
+
 # The agent-like end-to-end demo on embedded defaults: no Redis, no GPU, ./data.
 demo: $(STAMP)
 	$(BIN)/kvtier demo
@@ -94,6 +117,8 @@ test: $(STAMP) redis-server node-client
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 	@if [ -f $(VLLM_STAMP) ]; then $(VLLM_VENV)/bin/python -m pytest -q tests/vllm; \
 	else echo "no $(VLLM_VENV) (make vllm): the vLLM end-to-end tests did not run"; fi
+	@if [ -f $(SGLANG_STAMP) ]; then $(SGLANG_VENV)/bin/python -m pytest -q tests/sglang; \
+	else echo "no $(SGLANG_VENV) (make sglang): the SGLang storage tests did not run"; fi
 
 test-slow: $(STAMP) redis-server node-client
 	$(BIN)/python -m pytest -q -m slow
