@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
-
-from tests.support.service import threaded_server  # noqa: E402
+from tests.support.service import threaded_server
 
 
 @pytest.fixture(scope="session")

@@ -10,16 +10,19 @@ import time
 import uuid
 
 import pytest
-import torch
-from sglang.srt.mem_cache.hicache_storage import (
+
+pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+
+import torch  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     HiCacheStorageExtraInfo,
     PoolHitPolicy,
     PoolName,
     PoolTransfer,
 )
 
-from kvtier.integrations.sglang import KVTierStorage
-from testing.sglang_pools import (
+from kvtier.integrations.sglang import KVTierStorage  # noqa: E402
+from testing.sglang_pools import (  # noqa: E402
     KINDS,
     KVTIER,
     LAYOUTS,
@@ -142,7 +145,8 @@ def test_v2_hits_under_every_policy_are_hicache_files(kvtier_server, tmp_path, k
         [],
     ]
     for case in cases:
-        ours, theirs = store.batch_exists_v2(page_keys, case), files.batch_exists_v2(page_keys, case)
+        ours = store.batch_exists_v2(page_keys, case)
+        theirs = files.batch_exists_v2(page_keys, case)
         assert (ours.kv_hit_pages, ours.extra_pool_hit_pages, ours.restorable_prefix_pages) == (
             theirs.kv_hit_pages, theirs.extra_pool_hit_pages, theirs.restorable_prefix_pages), case
     # a partial hit: the reference agrees it is one
