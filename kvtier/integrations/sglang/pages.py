@@ -22,6 +22,7 @@ The layout holds one stream of raw 16-bit codes, the page's bytes verbatim
 from __future__ import annotations
 
 import hashlib
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,7 +80,7 @@ class PageFormat:
 
     pool: str
     page_bytes: int
-    dtype: str
+    dtype: torch.dtype
     memory_layout: str
     spec: LayoutSpec
 
@@ -91,7 +92,6 @@ class PageFormat:
             raise UnsupportedModel(f"kvtier sglang storage: a {pool} page of {page_bytes} B "
                                    f"is not a whole number of 16-bit values per each of "
                                    f"{KEY_TOKENS} key tokens")
-        dtype = str(page.dtype).removeprefix("torch.")
         memory_layout = str(getattr(host_pool, "layout", "") or "flat")
         values = page_bytes // 2 // KEY_TOKENS
         spec = LayoutSpec(f"sglang-page-{page_bytes}B",
@@ -99,16 +99,17 @@ class PageFormat:
                           chunk_tokens=KEY_TOKENS, vocab_size=1 << 16,
                           requires_model_fingerprint=True,
                           notes="one SGLang HiCache page, its bytes verbatim")
-        return cls(pool, page_bytes, dtype, memory_layout, spec)
+        return cls(pool, page_bytes, page.dtype, memory_layout, spec)
 
     def name(self, key: str, shard: Shard) -> str:
         """The storage name of page ``key`` (a KV key; ``"{key}.{pool}"`` for other
         pools, as SGLang names them)."""
-        return f"{key}|{self.pool}|{self.dtype}|{self.memory_layout}|{shard.suffix(self.pool)}"
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{key}|{self.pool}|{dtype}|{self.memory_layout}|{shard.suffix(self.pool)}"
 
     def encode(self, page: torch.Tensor, tokens: np.ndarray) -> bytes:
         """The chunk of one flat page (page values,) of the pool's dtype."""
-        raw = page.contiguous().view(torch.uint8).numpy().tobytes()
+        raw = memoryview(page.contiguous().view(torch.uint8).numpy())  # no copy: read once
         if len(raw) != self.page_bytes:
             raise ValueError(f"a {self.pool} page of {len(raw)} B; the pool's pages are "
                              f"{self.page_bytes} B")
@@ -122,6 +123,13 @@ class PageFormat:
             return None
         view = memoryview(chunk)[header.payload_offset:]
         return view if len(view) == self.page_bytes else None
+
+    def flat_page(self, payload: memoryview) -> torch.Tensor:
+        """A page's bytes as the flat page (page values,) of the pool's dtype, a view of
+        ``payload`` (no copy: the host pool copies it in)."""
+        with warnings.catch_warnings():  # read-only bytes: only ever read from
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype)
 
 
 def key_tokens(name: str) -> np.ndarray:

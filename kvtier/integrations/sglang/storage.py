@@ -190,16 +190,10 @@ class KVTierStorage(HiCacheStorage):
         if offsets is None or fmt is None:
             return [False] * len(keys)
         pages = self._read([(fmt, _pool_key(pool, key)) for key in keys])
-        done = []
         for offset, data in zip(offsets, pages, strict=True):
-            if data is None:
-                done.append(False)
-                continue
-            page = host_pool.get_dummy_flat_data_page()  # (page values,) of the pool's dtype
-            done.append(_fill(page, data))
-            if done[-1]:
-                host_pool.set_from_flat_data_page(offset, page)
-        return done
+            if data is not None:
+                host_pool.set_from_flat_data_page(offset, fmt.flat_page(data))
+        return [data is not None for data in pages]
 
     def _set_pages(self, pool: str, keys: list[str], host_indices: torch.Tensor | None,
                    host_pool) -> list[bool]:
