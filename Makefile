@@ -89,7 +89,7 @@ vllm: $(VLLM_STAMP)
 
 # SGLang's HiCache storage code (tests/sglang, bench.sglang) runs on CPU with torch 2.14.1,
 # so it gets its own venv; kvtier's own dependencies are in its lock, SGLang's serving stack
-# is not (`make lock`). About 15 minutes on a loaded 2-core machine.
+# is not (`make lock`). About 3 minutes here (the lock half a minute, the install the rest).
 SGLANG_VENV := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 
