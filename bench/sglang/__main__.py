@@ -2,7 +2,7 @@
 SGLang 0.5.23's real host pool, in one run.
 
 ``python -m bench.sglang [--json] [--pages 64] [--batch 16] [--layers 8] [--page-size 32]
-[--repeats 3]`` (in .venv-sglang: ``make sglang``).
+[--repeats 5]`` (in .venv-sglang: ``make sglang``).
 
 One ``MHATokenToKVPoolHost`` (page_first, bf16, 8 KV heads of 128: a Llama-8B-like rank's
 geometry, ``--layers`` layers) holds ``--pages`` pages of random bytes. Each backend is
@@ -19,7 +19,8 @@ SGLang's cache controller calls it:
   ``batch_get`` into flat pages + ``set_from_flat_data_page``. It checks nothing.
 
 Each set and get pass runs ``--repeats`` times over fresh keys (sets) or the same keys
-(gets); the best pass counts. Every loaded page is compared with its source after the
+(gets), the two backends' passes interleaved so a change in the machine's load falls on
+both; the best pass counts. Every loaded page is compared with its source after the
 timing: ``bytes_equal`` says all were. Figures: pages/s and GB/s (10^9 B) of page bytes.
 """
 
@@ -63,6 +64,7 @@ def _batches(args):
 
 
 def _kvtier_pass(store, pool, target, names, args, op: str) -> float:
+    store.register_mem_pool_host(pool if op == "set" else target)  # v1 moves pages of it
     started = time.perf_counter()
     for batch in _batches(args):
         keys = [names[p] for p in batch]
@@ -76,6 +78,7 @@ def _kvtier_pass(store, pool, target, names, args, op: str) -> float:
 
 
 def _file_pass(files, pool, target, names, args, op: str) -> float:
+    files.register_mem_pool_host(pool if op == "set" else target)
     started = time.perf_counter()
     for batch in _batches(args):
         keys = [names[p] for p in batch]
@@ -98,31 +101,34 @@ def _equal(pool, target, pages: int) -> bool:
                for p in range(pages))
 
 
-def _measure(name: str, store, run_pass, args, page_bytes: int) -> dict:
-    pool, target = store.pools
-    best = {"set": float("inf"), "get": float("inf")}
-    names = None
-    for _ in range(args.repeats):
-        run = uuid.uuid4().hex
-        names = [f"{run}-{p}" for p in range(args.pages)]
-        best["set"] = min(best["set"], run_pass(store.backend, pool, target, names, args, "set"))
-    equal = True
-    for _ in range(args.repeats):
-        target.kv_buffer.zero_()
-        best["get"] = min(best["get"], run_pass(store.backend, pool, target, names, args, "get"))
-        equal = equal and _equal(pool, target, args.pages)
-    total = args.pages * page_bytes
-    out = {"bytes_equal": equal}
-    for op, seconds in best.items():
-        out[f"{name}_{op}_s"] = seconds
-        out[f"{name}_{op}_pages_per_s"] = args.pages / seconds
-        out[f"{name}_{op}_GBps"] = total / seconds / 1e9
+def _rates(name: str, seconds: dict[str, float], args, page_bytes: int) -> dict:
+    out = {}
+    for op, best in seconds.items():
+        out[f"{name}_{op}_s"] = best
+        out[f"{name}_{op}_pages_per_s"] = args.pages / best
+        out[f"{name}_{op}_GBps"] = args.pages * page_bytes / best / 1e9
     return out
 
 
-class _Store:
-    def __init__(self, made, pools) -> None:
-        self.backend, self.pools = made, pools
+def _compare(backends: dict, pool, target, args) -> tuple[dict, bool]:
+    """The best pass of each backend and op, the backends' passes interleaved so a change
+    in the machine's load falls on both; whether every loaded page equalled its source."""
+    best = {name: {"set": float("inf"), "get": float("inf")} for name in backends}
+    names = {}
+    for _ in range(args.repeats):
+        for name, (made, run_pass) in backends.items():
+            run = uuid.uuid4().hex
+            names[name] = [f"{run}-{p}" for p in range(args.pages)]
+            seconds = run_pass(made, pool, target, names[name], args, "set")
+            best[name]["set"] = min(best[name]["set"], seconds)
+    equal = True
+    for _ in range(args.repeats):
+        for name, (made, run_pass) in backends.items():
+            target.kv_buffer.zero_()
+            seconds = run_pass(made, pool, target, names[name], args, "get")
+            best[name]["get"] = min(best[name]["get"], seconds)
+            equal = equal and _equal(pool, target, args.pages)
+    return best, equal
 
 
 def run(args) -> dict:
@@ -134,25 +140,21 @@ def run(args) -> dict:
               "layout": LAYOUT, "dtype": "bf16", "kv_heads": HEADS, "head_dim": HEAD_DIM}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-sglang-") as tmp:
         work = Path(tmp)
+        host_bytes = 4 * args.repeats * args.pages * page_bytes  # every page in host RAM
         with LiveServer(work / "data", work, replay=False,
-                        env={"KVTIER_HOST_BYTES": str(8 * args.repeats * args.pages
-                                                      * page_bytes)}) as live:
+                        env={"KVTIER_HOST_BYTES": str(host_bytes)}) as live:
             extra = {**KVTIER, "server": live.target, "model_fingerprint": "bench@1",
                      "timeout_ms": 30000}
             kv = backend("dynamic", pool, storage_config("mha", LAYOUT, extra))
-            kv.register_mem_pool_host(target)
-            kv.register_mem_pool_host(pool)
-            measured = _measure("kvtier", _Store(kv, (pool, target)), _kvtier_pass, args,
-                                page_bytes)
+            files = backend("file", pool, storage_config(
+                "mha", LAYOUT, {"file_storage_path": str(work / "hicache")}))
+            best, result["bytes_equal"] = _compare(
+                {"kvtier": (kv, _kvtier_pass), "hicache_file": (files, _file_pass)},
+                pool, target, args)
             result["kvtier_shared_memory"] = kv.client.shared_memory
             kv.close()
-        files = backend("file", pool, storage_config(
-            "mha", LAYOUT, {"file_storage_path": str(work / "hicache")}))
-        file_measured = _measure("hicache_file", _Store(files, (pool, target)), _file_pass,
-                                 args, page_bytes)
-    result["bytes_equal"] = measured.pop("bytes_equal") and file_measured.pop("bytes_equal")
-    result.update(measured)
-    result.update(file_measured)
+    for name, seconds in best.items():
+        result.update(_rates(name, seconds, args, page_bytes))
     result["get_vs_hicache_file"] = result["kvtier_get_GBps"] / result["hicache_file_get_GBps"]
     result["set_vs_hicache_file"] = result["kvtier_set_GBps"] / result["hicache_file_set_GBps"]
     result["cpus"] = os.cpu_count()
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--page-size", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     result = run(args)
     if args.json:
