@@ -264,7 +264,8 @@ class KVTierStorage(HiCacheStorage):
             return []
         if not self.breaker.allow():
             return [miss] * len(items)
-        outage = []
+        outage: list[Exception] = []
+        failed: list[Exception] = []
 
         async def one(item: tuple) -> T:
             try:
@@ -274,7 +275,7 @@ class KVTierStorage(HiCacheStorage):
             except TierUnavailable as exc:
                 outage.append(exc)
             except Exception as exc:  # one page's failure is that page's miss
-                logger.warning("kvtier sglang storage: a page failed: %s", exc)
+                failed.append(exc)
             return miss
 
         async def every() -> list[T]:
@@ -289,6 +290,9 @@ class KVTierStorage(HiCacheStorage):
             logger.warning("kvtier sglang storage: no answer within %g ms: %d pages missed",
                            self.settings.timeout_ms, len(items))
             return [miss] * len(items)
+        if failed:  # once a call, not once a page
+            logger.warning("kvtier sglang storage: %d of %d pages failed: %s", len(failed),
+                           len(items), failed[0])
         if outage:
             self.breaker.failed()
             logger.warning("kvtier sglang storage: server unavailable: %s", outage[0])
