@@ -5,9 +5,9 @@ Keys: ``server`` (host:port, default 127.0.0.1:50051), ``tls_ca`` (a CA file: TL
 config, which it logs), ``tenant`` (default "default"), ``model_fingerprint`` (required:
 the weights' identity, bound into every page's key, so two models never share a page),
 ``dedupe_domain`` ("" for the tenant's own), ``ack`` ("memory" or "durable"),
-``timeout_ms`` (number: the most one SGLang call may wait for kvtier, default 200).
+``timeout_ms`` (number: the most one SGLang call may wait for kvtier, default 1000).
 SGLang's own keys of the dynamic backend (``backend_name``, ``module_path``,
-``class_name``, ``interface_v1``) pass through.
+``class_name``, ``interface_v1``, ``tp_lcm_size``) pass through.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 ACKS = ("memory", "durable")
 KEYS = ("server", "tls_ca", "token_file", "tenant", "model_fingerprint", "dedupe_domain",
         "ack", "timeout_ms")
-SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
+SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size")
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class StorageSettings:
     model_fingerprint: str = ""
     dedupe_domain: str = ""
     ack: str = "memory"
-    timeout_ms: float = 200.0
+    timeout_ms: float = 1000.0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, object]) -> StorageSettings:
