@@ -24,7 +24,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 LAYOUTS = ("page_first", "layer_first", "page_first_direct")
 KINDS = ("mha", "mla")
-KVTIER = {"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",
+KVTIER = {"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang.storage",
           "class_name": "KVTierStorage", "interface_v1": 1}
 
 

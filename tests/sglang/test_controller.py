@@ -20,7 +20,7 @@ from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 
-from kvtier.integrations.sglang import KVTierStorage  # noqa: E402
+from kvtier.integrations.sglang.storage import KVTierStorage  # noqa: E402
 from testing.sglang_pools import KVTIER, fill_random, host_pool, page_indices  # noqa: E402
 
 PAGES = 3

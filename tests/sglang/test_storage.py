@@ -21,7 +21,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     PoolTransfer,
 )
 
-from kvtier.integrations.sglang import KVTierStorage  # noqa: E402
+from kvtier.integrations.sglang.storage import KVTierStorage  # noqa: E402
 from testing.sglang_pools import (  # noqa: E402
     KINDS,
     KVTIER,

@@ -67,7 +67,10 @@ class Shard:
         return self.per_tp_rank(pool) or self.tp_rank == self.dcp_rank
 
     def suffix(self, pool: str) -> str:
-        parts = [f"tp{self.tp_rank}of{self.tp_size}"] if self.per_tp_rank(pool) else []
+        if self.per_tp_rank(pool):
+            parts = [f"tp{self.tp_rank}of{self.tp_size}"]
+        else:  # replicated, but a DCP shard's slice of a page depends on the TP size
+            parts = [f"tpsize{self.tp_size}"] if self.dcp_size > 1 else []
         parts.append(f"pp{self.pp_rank}of{self.pp_size}")
         parts.append(f"cp{self.attn_cp_rank}of{self.attn_cp_size}")
         parts.append(f"dcp{self.dcp_rank}of{self.dcp_size}")

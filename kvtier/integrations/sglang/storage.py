@@ -2,7 +2,7 @@
 loaded by SGLang's ``dynamic`` backend (README "SGLang")::
 
     --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
-    '{"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",
+    '{"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang.storage",
       "class_name": "KVTierStorage", "interface_v1": 1, "model_fingerprint": "...", ...}'
 
 Every page is one prefix chunk in the caller's tenant or dedupe domain
