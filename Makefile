@@ -8,8 +8,9 @@ STAMP := $(VENV)/.installed
 	sglang
 
 # Every venv installs exactly what a lock file names (pip-tools, `make lock` refreshes them
-# from pyproject.toml): what CI tested is what a fresh clone gets. Each lock pins torch
-# 2.13.0, the CPU build where pip finds it (a bare `torch` would pull CUDA's gigabytes).
+# from pyproject.toml): what CI tested is what a fresh clone gets. The main and vLLM locks
+# pin torch 2.13.0, the CPU build where pip finds it (a bare `torch` would pull CUDA's
+# gigabytes); the SGLang lock pins 2.14.1, which SGLang's host pool needs (its .in says why).
 LOCK := requirements/lock.txt
 VLLM_LOCK := requirements/vllm.lock
 SGLANG_LOCK := requirements/sglang.lock
@@ -44,7 +45,7 @@ lock:
 	  --unsafe-package torchcodec -o $(VLLM_LOCK) pyproject.toml requirements/vllm.in
 	sed -i 's/^torch==\(.*\)+cpu$$/torch==\1/' $(LOCK) $(VLLM_LOCK)
 	$(LOCK_VENV)/bin/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
-	  print("\n".join(d for d in p["dependencies"] + p["optional-dependencies"]["test"] if not d.startswith("torch")))' \
+	  print("\n".join(d for d in p["dependencies"] + p["optional-dependencies"]["test"] if not d.startswith("torch==")))' \
 	  > $(LOCK_VENV)/kvtier-without-torch.in
 	$(COMPILE) --upgrade -o $(SGLANG_LOCK) $(LOCK_VENV)/kvtier-without-torch.in requirements/sglang.in
 	cat requirements/sglang-nodeps.in >> $(SGLANG_LOCK)
@@ -89,7 +90,7 @@ vllm: $(VLLM_STAMP)
 
 # SGLang's HiCache storage code (tests/sglang, bench.sglang) runs on CPU with torch 2.14.1,
 # so it gets its own venv; kvtier's own dependencies are in its lock, SGLang's serving stack
-# is not (`make lock`). About 3 minutes here (the lock half a minute, the install the rest).
+# is not (`make lock`). About 4 minutes from a clean venv here.
 SGLANG_VENV := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 
@@ -108,7 +109,8 @@ demo: $(STAMP)
 	$(BIN)/kvtier demo
 
 # The import contract first (pyproject.toml [tool.importlinter]): a second, not minutes.
-# With .venv-vllm (`make vllm`), the vLLM end-to-end tests run there too.
+# With .venv-vllm (`make vllm`), the vLLM end-to-end tests run there too; with .venv-sglang
+# (`make sglang`), the SGLang storage tests.
 # Two pytest-xdist workers (one per core of the 2-core target machine), a file to a worker
 # so module fixtures start once; TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2

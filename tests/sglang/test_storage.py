@@ -100,7 +100,10 @@ def test_v1_calls_answer_one_bool_per_key_never_none(kvtier_server):
     # host indices that do not fit the keys: every key a miss, not an exception or None
     assert store.batch_get_v1(keys(2), page_indices(pool, [0])) == [False, False]
     assert store.batch_set_v1(keys(2), page_indices(pool, [0])) == [False, False]
-    assert store.batch_get_v1([], page_indices(pool, [])[:0]) == []
+    assert store.batch_get_v1([], page_indices(pool, [])) == []
+    # a legacy set of no page, or of a page of another size: False, not an exception
+    assert store.set(keys(1)[0], None) is False
+    assert store.batch_set(keys(2), [page(pool, 0), page(pool, 0)[:8]]) is False
 
 
 def v2_pools(kind: str, layout: str):

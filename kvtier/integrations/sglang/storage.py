@@ -80,13 +80,13 @@ class KVTierStorage(HiCacheStorage):
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        return self._get_pages(KV_POOL, keys, host_indices, self.mem_pool_host_or_none())
+        return self._get_pages(KV_POOL, keys, host_indices, self._kv_host_pool())
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        return self._set_pages(KV_POOL, keys, host_indices, self.mem_pool_host_or_none())
+        return self._set_pages(KV_POOL, keys, host_indices, self._kv_host_pool())
 
-    def mem_pool_host_or_none(self):
+    def _kv_host_pool(self):
         return getattr(self, "mem_pool_host", None)
 
     # -- the legacy calls: flat pages in and out --
@@ -117,8 +117,8 @@ class KVTierStorage(HiCacheStorage):
             return False
         if not self.shard.writes(KV_POOL):
             return True  # the shard's writer rank stores these pages
-        return all(self._write([(fmt, key, value.reshape(-1)) for key, value
-                                in zip(keys, values, strict=True)]))
+        return all(self._write([(fmt, key, None if value is None else value.reshape(-1))
+                                for key, value in zip(keys, values, strict=True)]))
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -169,16 +169,16 @@ class KVTierStorage(HiCacheStorage):
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
         return {str(t.name): self._get_pages(str(t.name), t.keys or [], t.host_indices,
-                                             self.registered_pools_or_empty().get(t.name))
+                                             self._host_pools().get(t.name))
                 for t in transfers}
 
     def batch_set_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
         return {str(t.name): self._set_pages(str(t.name), t.keys or [], t.host_indices,
-                                             self.registered_pools_or_empty().get(t.name))
+                                             self._host_pools().get(t.name))
                 for t in transfers}
 
-    def registered_pools_or_empty(self) -> dict:
+    def _host_pools(self) -> dict:
         return getattr(self, "registered_pools", {})
 
     # -- pages of a host pool --
@@ -221,14 +221,16 @@ class KVTierStorage(HiCacheStorage):
 
         return self._each(pages, read, None)
 
-    def _write(self, pages: list[tuple[PageFormat, str, torch.Tensor]]) -> list[bool]:
-        if not pages:
-            return []
+    def _write(self, pages: list[tuple[PageFormat, str, torch.Tensor | None]]) -> list[bool]:
         # Encoded here, in SGLang's thread: the host pool's bytes are read before it returns.
-        chunks = []
+        chunks: list[tuple | None] = []
         for fmt, key, page in pages:
             tokens = key_tokens(fmt.name(key, self.shard))
-            chunks.append((fmt, tokens, fmt.encode(page, tokens)))
+            try:
+                chunks.append((fmt, tokens, fmt.encode(page, tokens)))
+            except (AttributeError, ValueError) as exc:  # no page, or not the pool's size
+                logger.warning("kvtier sglang storage: page %s not stored: %s", key, exc)
+                chunks.append(None)
 
         async def write(fmt: PageFormat, tokens, chunk: bytes) -> bool:
             await self.client.async_client.write_chunks(
@@ -238,7 +240,8 @@ class KVTierStorage(HiCacheStorage):
                 skip_held=False)
             return True
 
-        return self._each(chunks, write, False)
+        sent = iter(self._each([c for c in chunks if c is not None], write, False))
+        return [c is not None and next(sent) for c in chunks]
 
     def _exists(self, pages: list[Page]) -> list[bool]:
         async def exists(fmt: PageFormat, key: str) -> bool:
