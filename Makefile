@@ -4,13 +4,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-slow lint lock proto bench certs clean redis-server node-client vllm
+.PHONY: install demo test test-slow lint lock proto bench certs clean redis-server node-client vllm \
+	sglang
 
 # Every venv installs exactly what a lock file names (pip-tools, `make lock` refreshes them
-# from pyproject.toml): what CI tested is what a fresh clone gets. Each lock pins torch
-# 2.13.0, the CPU build where pip finds it (a bare `torch` would pull CUDA's gigabytes).
+# from pyproject.toml): what CI tested is what a fresh clone gets. The main and vLLM locks
+# pin torch 2.13.0, the CPU build where pip finds it (a bare `torch` would pull CUDA's
+# gigabytes); the SGLang lock pins 2.14.1, which SGLang's host pool needs (its .in says why).
 LOCK := requirements/lock.txt
 VLLM_LOCK := requirements/vllm.lock
+SGLANG_LOCK := requirements/sglang.lock
 PIP_VERSION := 26.3
 PIP_TOOLS_VERSION := 7.7.0
 
@@ -29,7 +32,7 @@ $(STAMP): $(BIN)/python pyproject.toml $(LOCK)
 
 install: $(STAMP)
 
-# Refresh the locks after a change to pyproject.toml or requirements/vllm.in (needs the
+# Refresh the locks after a change to pyproject.toml or requirements/*.in (needs the
 # package index). vLLM's CUDA-linked torchvision, torchaudio and torchcodec break `import
 # vllm` beside the CPU torch: they are left out of its lock, which installs without deps.
 LOCK_VENV := .venv-lock
@@ -43,6 +46,11 @@ lock:
 	$(COMPILE) --upgrade --extra test --unsafe-package torchvision --unsafe-package torchaudio \
 	  --unsafe-package torchcodec -o $(VLLM_LOCK) pyproject.toml requirements/vllm.in
 	sed -i 's/^torch==\(.*\)+cpu$$/torch==\1/' $(LOCK) $(VLLM_LOCK)
+	$(LOCK_VENV)/bin/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+	  print("\n".join(d for d in p["dependencies"] + p["optional-dependencies"]["test"] if not d.startswith("torch==")))' \
+	  > $(LOCK_VENV)/kvtier-without-torch.in
+	$(COMPILE) --upgrade -o $(SGLANG_LOCK) $(LOCK_VENV)/kvtier-without-torch.in requirements/sglang.in
+	cat requirements/sglang-nodeps.in >> $(SGLANG_LOCK)
 
 # Tests need a real redis-server; install Debian's package when it is missing and we are root.
 redis-server:
@@ -82,12 +90,29 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_LOCK)
 
 vllm: $(VLLM_STAMP)
 
+# SGLang's HiCache storage code (tests/sglang, bench.sglang) runs on CPU with torch 2.14.1,
+# so it gets its own venv; kvtier's own dependencies are in its lock, SGLang's serving stack
+# is not (`make lock`). About 4 minutes from a clean venv here.
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+
+$(SGLANG_STAMP): pyproject.toml $(SGLANG_LOCK)
+	@command -v $(PY) >/dev/null 2>&1 || { echo "need Python 3.11 ($(PY)) on PATH"; exit 1; }
+	test -x $(SGLANG_VENV)/bin/python || $(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install --quiet pip==$(PIP_VERSION)
+	$(SGLANG_VENV)/bin/pip install --quiet --no-deps -r $(SGLANG_LOCK)
+	$(SGLANG_VENV)/bin/pip install --quiet --no-deps -e .
+	touch $(SGLANG_STAMP)
+
+sglang: $(SGLANG_STAMP)
+
 # The agent-like end-to-end demo on embedded defaults: no Redis, no GPU, ./data.
 demo: $(STAMP)
 	$(BIN)/kvtier demo
 
 # The import contract first (pyproject.toml [tool.importlinter]): a second, not minutes.
-# With .venv-vllm (`make vllm`), the vLLM end-to-end tests run there too.
+# With .venv-vllm (`make vllm`), the vLLM end-to-end tests run there too; with .venv-sglang
+# (`make sglang`), the SGLang storage tests.
 # Two pytest-xdist workers (one per core of the 2-core target machine), a file to a worker
 # so module fixtures start once; TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
@@ -96,6 +121,8 @@ test: $(STAMP) redis-server node-client
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 	@if [ -f $(VLLM_STAMP) ]; then $(VLLM_VENV)/bin/python -m pytest -q tests/vllm; \
 	else echo "no $(VLLM_VENV) (make vllm): the vLLM end-to-end tests did not run"; fi
+	@if [ -f $(SGLANG_STAMP) ]; then $(SGLANG_VENV)/bin/python -m pytest -q tests/sglang; \
+	else echo "no $(SGLANG_VENV) (make sglang): the SGLang storage tests did not run"; fi
 
 test-slow: $(STAMP) redis-server node-client
 	$(BIN)/python -m pytest -q -m slow

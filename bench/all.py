@@ -26,6 +26,9 @@ connector beside ExampleConnector and vLLM's own prefix cache, in vLLM's CPU bui
 a user pays (misses with and without it, hits from host RAM and disk, a hung server, an
 engine started with kvtier down); the tiny size skips the disk and down cases, an engine
 start each.
+sglang (a child process in .venv-sglang, ``make sglang``) after it: ``bench.sglang``,
+kvtier as SGLang's HiCache storage beside SGLang's own HiCacheFile, through SGLang's host
+pool (pages/s and GB/s of set and get).
 A stage that fails is recorded with its error and the others still run; the exit status
 is 1 if any failed. ``--merge`` reruns only the ``--only`` stages into the existing results
 (new weights, say, rerun resume and fidelity): the other stages keep their figures, and
@@ -81,6 +84,7 @@ SIZES = {
         "seams": ["--steps", "200", "--combinations", "plain,enc+quota+tls"],
         "vllm": ["--models", "tiny", "--lengths", "1024", "--repeats", "1",
                  "--cases", "connector_miss,hung"],
+        "sglang": ["--pages", "16", "--batch", "8", "--repeats", "1"],
     },
     "quick": {
         "codec": ["--mb", "16", "--repeats", "3"],
@@ -98,6 +102,7 @@ SIZES = {
         "hf": [],
         "seams": [],
         "vllm": [],
+        "sglang": [],
     },
     "full": {
         "codec": [],
@@ -115,11 +120,12 @@ SIZES = {
         "hf": [],
         "seams": [],
         "vllm": [],
+        "sglang": ["--pages", "256", "--batch", "128"],
     },
 }
 CAMPAIGNS = ("fuzz", "adversarial", "faults")  # stages whose runner is in stress/
 STAGES = ("codec", "tiers", "trace", "resume", "fidelity", "bytes", "replay_batch",
-          "fuzz", "adversarial", "faults", "fleet", "hf", "seams", "vllm")
+          "fuzz", "adversarial", "faults", "fleet", "hf", "seams", "vllm", "sglang")
 
 
 def machine() -> dict:
@@ -206,15 +212,18 @@ def stage_runners(sizes: dict, trace: Path, weights: Path) -> dict[str, Callable
         "fleet": lambda: child_json("fleet", sizes["fleet"]),
         "hf": lambda: child_json("hf", sizes["hf"]),
         "seams": lambda: child_json("seams", sizes["seams"]),
-        "vllm": lambda: child_json("vllm", sizes["vllm"], _vllm_python()),
+        "vllm": lambda: child_json("vllm", sizes["vllm"], _engine_python("vllm")),
+        "sglang": lambda: child_json("sglang", sizes["sglang"], _engine_python("sglang")),
     }
 
 
-def _vllm_python() -> str:
-    """vLLM's CPU build lives in its own venv (its transformers pin differs from ours)."""
-    python = ROOT / ".venv-vllm" / "bin" / "python"
+def _engine_python(engine: str) -> str:
+    """vLLM's CPU build and SGLang live in venvs of their own (their transformers and
+    torch pins differ from ours)."""
+    python = ROOT / f".venv-{engine}" / "bin" / "python"
     if not python.exists():
-        raise RuntimeError("the vllm stage runs in .venv-vllm: `make vllm` builds it")
+        raise RuntimeError(f"the {engine} stage runs in .venv-{engine}: `make {engine}` "
+                           "builds it")
     return str(python)
 
 

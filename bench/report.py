@@ -15,6 +15,7 @@ from pathlib import Path
 from bench import peers
 from bench.report_plots import PATH_LABELS, RESUME_PATHS, plot_fidelity, plot_resume, plot_trace
 from bench.seams.report import section as seams_section
+from bench.sglang.report import section as sglang_section
 from bench.trace.report import section as trace_section
 from bench.vllm.report import section as vllm_section
 from stress.adversarial.report import section as adversarial_section
@@ -349,6 +350,12 @@ def headlines(stages: dict) -> list[str]:
                    f"without, load {_times(vl['load_vs_memcpy'])} memcpy; goals met "
                    f"{sum(g['met'] is True for g in goals)} of {len(goals)} "
                    f"({sum(g['met'] is None for g in goals)} not measured).")
+    sg = stages.get("sglang")
+    if _ok(sg):
+        out.append(f"- SGLang HiCache storage: kvtier get {sg['kvtier_get_GBps']:.2f} GB/s, "
+                   f"set {sg['kvtier_set_GBps']:.2f} GB/s through SGLang's host pool, "
+                   f"{_times(sg['get_vs_hicache_file'])} and "
+                   f"{_times(sg['set_vs_hicache_file'])} SGLang's HiCacheFile.")
     return out + [""]
 
 
@@ -416,7 +423,8 @@ def write_report(results: dict, out_dir: Path) -> Path:
                 ("fleet", fleet_section, None, None),
                 ("hf", hf_section, None, None),
                 ("seams", seams_section, None, None),
-                ("vllm", vllm_section, None, None))
+                ("vllm", vllm_section, None, None),
+                ("sglang", sglang_section, None, None))
     for name, section, plot, png in sections:
         stage = stages.get(name)
         if not _ok(stage):

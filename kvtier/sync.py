@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
+from concurrent.futures import Future
 
 from kvstore.format.chunk import LayerSlice
 from kvtier.client import AsyncClient
@@ -42,6 +43,16 @@ class Client:
             return await self._loop.create_task(coro, context=context)
 
         return asyncio.run_coroutine_threadsafe(in_context(), self._loop).result()
+
+    @property
+    def async_client(self) -> AsyncClient:
+        """The ``AsyncClient`` on this client's loop: its calls run through ``submit``."""
+        return self._async
+
+    def submit(self, coro: Coroutine) -> Future:
+        """Run ``coro`` (calls of ``async_client``) on the client's loop; the caller waits
+        on the future with its own deadline and may cancel it."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     @property
     def shared_memory(self) -> bool:

@@ -1,8 +1,9 @@
 """The lock files pin what pyproject.toml asks for: every requirement of the main venv
-(with the test, gpu, transformers and tracing extras) and of the vLLM venv (with the test extra and
-requirements/vllm.in) is pinned to one version that satisfies it, and the venv the main
-suite runs in has exactly the locked versions of what it asks for. A change to
-pyproject.toml without `make lock` fails here, not on a fresh clone."""
+(with the test, gpu, transformers and tracing extras), of the vLLM venv (with the test extra
+and requirements/vllm.in) and of the SGLang venv (kvtier's own but its torch pin, the test
+extra, requirements/sglang.in and SGLang itself) is pinned to one version that satisfies
+it, and the venv the main suite runs in has exactly the locked versions of what it asks
+for. A change to pyproject.toml without `make lock` fails here, not on a fresh clone."""
 
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ def pins(lock: Path) -> dict[str, Version]:
     return found
 
 
-def requirements(extras: tuple[str, ...], *more: Path) -> list[Requirement]:
+def requirements(extras: tuple[str, ...], *more: Path, own_torch: bool = True
+                 ) -> list[Requirement]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    lines = list(project["dependencies"])
+    lines = [line for line in project["dependencies"]
+             if own_torch or Requirement(line).name != "torch"]
     for extra in extras:
         lines += project["optional-dependencies"][extra]
     for path in more:
@@ -44,14 +47,18 @@ LOCKS = {
     "lock.txt": (("test", "gpu", "transformers", "tracing"), ()),
     "vllm.lock": (("test",), (ROOT / "requirements" / "vllm.in",)),
 }
+# SGLang's host pool needs torch 2.14.1 (requirements/sglang.in), not kvtier's 2.13.0
+SGLANG_LOCK = ("sglang.lock", ("test",), (ROOT / "requirements" / "sglang.in",
+                                          ROOT / "requirements" / "sglang-nodeps.in"))
 
 
-@pytest.mark.parametrize("lock", sorted(LOCKS))
+@pytest.mark.parametrize("lock", [*sorted(LOCKS), SGLANG_LOCK[0]])
 def test_every_requirement_is_pinned_to_a_version_that_satisfies_it(lock: str) -> None:
-    extras, more = LOCKS[lock]
+    own_torch = lock in LOCKS
+    extras, more = LOCKS[lock] if own_torch else SGLANG_LOCK[1:]
     pinned = pins(ROOT / "requirements" / lock)
     unpinned = []
-    for requirement in requirements(extras, *more):
+    for requirement in requirements(extras, *more, own_torch=own_torch):
         version = pinned.get(canonicalize_name(requirement.name))
         if version is None or not requirement.specifier.contains(version, prereleases=True):
             unpinned.append(f"{requirement} (locked: {version})")
@@ -63,6 +70,13 @@ def test_the_lock_pins_the_cpu_torch_by_its_public_version() -> None:
     for lock in LOCKS:
         assert pins(ROOT / "requirements" / lock)["torch"] == Version("2.13.0")
         assert "+cpu" not in (ROOT / "requirements" / lock).read_text()
+
+
+def test_the_sglang_lock_pins_the_torch_its_host_pool_imports_with() -> None:
+    # torchvision 0.28 fails against the CPU torch 2.13.0, and SGLang's host pool with it
+    pinned = pins(ROOT / "requirements" / SGLANG_LOCK[0])
+    assert (pinned["torch"], pinned["torchvision"]) == (Version("2.14.1"), Version("0.29.1"))
+    assert pinned["sglang"] == Version("0.5.23")
 
 
 def test_this_venv_has_the_locked_versions() -> None:

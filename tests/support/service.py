@@ -3,11 +3,14 @@ real server on a loopback port (port 0) over a temporary data directory."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -123,3 +126,40 @@ def stop_child(process: subprocess.Popen) -> None:
         process.wait(timeout=60)
     finally:
         process.kill()
+
+
+@dataclass
+class ThreadedServer:
+    """The real server on its own event loop in a thread of the test process, so a test
+    can damage what it stores behind its back."""
+
+    server: KVTierServer
+    target: str
+    data_dir: Path
+    loop: asyncio.AbstractEventLoop
+
+    def run(self, coro, timeout: float = 60):
+        """Run ``coro`` on the server's loop; its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def disk(self):
+        (tier,) = [t for t in self.server.manager.tiers if t.name == "disk"]
+        return tier
+
+
+@contextlib.contextmanager
+def threaded_server(data_dir: Path, **overrides) -> Iterator[ThreadedServer]:
+    """A ``ThreadedServer`` over ``data_dir`` on a free loopback port."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True, name="kvtier-server")
+    thread.start()
+    config = config_for(data_dir, listen="127.0.0.1:0", **overrides)
+    server, port = asyncio.run_coroutine_threadsafe(create_server(config), loop).result(120)
+    live = ThreadedServer(server, f"127.0.0.1:{port}", data_dir, loop)
+    try:
+        yield live
+    finally:
+        live.run(server.stop(0.5))
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)

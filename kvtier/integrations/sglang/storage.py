@@ -1,0 +1,335 @@
+"""``KVTierStorage``: kvtier as an L3 storage backend of SGLang's hierarchical cache,
+loaded by SGLang's ``dynamic`` backend (README "SGLang")::
+
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
+    '{"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang.storage",
+      "class_name": "KVTierStorage", "interface_v1": 1, "model_fingerprint": "...", ...}'
+
+Every page is one prefix chunk in the caller's tenant or dedupe domain
+(``kvtier.integrations.sglang.pages``), written with WriteChunks and read with ReadChunks,
+its bytes checked end to end on the way back: the BLAKE2b digest its writer stated, the
+chunk's own checksums, its layout and its key's stand-in tokens. A page missing, corrupt,
+of another model or of another pool or rank is a miss (False, None, 0): never wrong bytes,
+never an exception into SGLang, and never ``None`` from a v1 call.
+
+SGLang's threads never wait past ``timeout_ms``: each call's pages go concurrently on the
+kvtier client's own loop and the caller waits for them at most that long; bytes land in
+the host pool only in the caller's thread, after that wait, so a call that gave up writes
+nothing later. One breaker (``kvtier.integrations.breaker``): while the server is down,
+calls answer misses at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import warnings
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, TypeVar
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+from kvstore.format.errors import TierUnavailable, UnknownLayout
+from kvtier.integrations.breaker import Breaker
+from kvtier.integrations.sglang.config import StorageSettings
+from kvtier.integrations.sglang.hits import pool_hits
+from kvtier.integrations.sglang.pages import KV_POOL, PageFormat, Shard, key_tokens
+from kvtier.sync import Client
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+Page = tuple[PageFormat, str]  # the pool's pages, the page's storage key
+
+
+class KVTierStorage(HiCacheStorage):
+    def __init__(self, storage_config: HiCacheStorageConfig,
+                 kwargs: dict[str, Any] | None = None) -> None:
+        """As SGLang's dynamic backend builds it: ``cls(storage_config, kwargs)``."""
+        self.settings = StorageSettings.from_extra(storage_config.extra_config or {})
+        self.shard = Shard.of(storage_config)
+        self.client = Client(self.settings.server, **self.settings.client_options())
+        self.breaker = Breaker()
+        self.formats: dict[str, PageFormat] = {}  # pool name -> its pages
+        self._registered: set[str] = set()  # layout ids the server was told of
+
+    # -- pools --
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self.formats[KV_POOL] = PageFormat.of(KV_POOL, mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        self.formats[name] = PageFormat.of(name, host_pool)
+
+    def close(self) -> None:
+        self.client.close()
+
+    # -- v1: zero copy between the host pool and kvtier --
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        return self._get_pages(KV_POOL, keys, host_indices, self._kv_host_pool())
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        return self._set_pages(KV_POOL, keys, host_indices, self._kv_host_pool())
+
+    def _kv_host_pool(self):
+        return getattr(self, "mem_pool_host", None)
+
+    # -- the legacy calls: flat pages in and out --
+
+    def get(self, key: str, target_location: torch.Tensor | None = None,
+            target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: list[str], target_locations: Sequence[torch.Tensor] | None = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        fmt = self.formats.get(KV_POOL)
+        if fmt is None or target_locations is None or len(target_locations) != len(keys):
+            return [None] * len(keys)
+        pages = self._read([(fmt, key) for key in keys])
+        out: list[torch.Tensor | None] = []
+        for target, data in zip(target_locations, pages, strict=True):
+            out.append(target if data is not None and _fill(target, data) else None)
+        return out
+
+    def set(self, key: str, value: torch.Tensor | None = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Sequence[torch.Tensor] | None = None,
+                  target_locations: Any = None, target_sizes: Any = None) -> bool:
+        fmt = self.formats.get(KV_POOL)
+        if fmt is None or values is None or len(values) != len(keys):
+            return False
+        if not self.shard.writes(KV_POOL):
+            return True  # the shard's writer rank stores these pages
+        return all(self._write([(fmt, key, None if value is None else value.reshape(-1))
+                                for key, value in zip(keys, values, strict=True)]))
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys: list[str],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        fmt = self.formats.get(KV_POOL)
+        if fmt is None:
+            return 0
+        held = self._exists([(fmt, key) for key in keys])
+        return held.index(False) if False in held else len(held)
+
+    # -- v2: several pools, each with its hit policy --
+
+    def batch_exists_v2(self, keys: list[str],
+                        pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None
+                        ) -> PoolTransferResult:
+        transfers = list(pool_transfers or [])
+        kv = self.formats.get(KV_POOL)
+        if kv is None:
+            return PoolTransferResult(0, {}, [])
+        asked: list[Page] = [(kv, key) for key in keys]
+        # (pool, index) -> position in asked: a pool's page of KV key i, or of its own
+        # key i (BLOCK_GROUPS)
+        where: dict[tuple[str, int], int] = {}
+        for transfer in transfers:
+            fmt = self.formats.get(str(transfer.name))
+            if fmt is None:
+                continue
+            own = transfer.hit_policy == PoolHitPolicy.BLOCK_GROUPS
+            for i, key in enumerate(transfer.keys or [] if own else keys):
+                where[(str(transfer.name), i)] = len(asked)
+                asked.append((fmt, _pool_key(str(transfer.name), key)))
+        held = self._exists(asked)
+        kv_pages = held.index(False) if False in held[:len(keys)] else len(keys)
+
+        def has(pool: str, i: int) -> bool:
+            at = where.get((str(pool), i))
+            return at is not None and held[at]
+
+        try:
+            return pool_hits(kv_pages, transfers, has)
+        except ValueError as exc:  # a transfer SGLang sent wrong: no hit rather than raise
+            logger.warning("kvtier sglang storage: %s", exc)
+            return PoolTransferResult(0, {}, [])
+
+    def batch_get_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        return {str(t.name): self._get_pages(str(t.name), t.keys or [], t.host_indices,
+                                             self._host_pools().get(t.name))
+                for t in transfers}
+
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        return {str(t.name): self._set_pages(str(t.name), t.keys or [], t.host_indices,
+                                             self._host_pools().get(t.name))
+                for t in transfers}
+
+    def _host_pools(self) -> dict:
+        return getattr(self, "registered_pools", {})
+
+    # -- pages of a host pool --
+
+    def _get_pages(self, pool: str, keys: list[str], host_indices: torch.Tensor | None,
+                   host_pool) -> list[bool]:
+        offsets = _page_offsets(pool, keys, host_indices, host_pool)
+        fmt = self.formats.get(pool)
+        if offsets is None or fmt is None:
+            return [False] * len(keys)
+        pages = self._read([(fmt, _pool_key(pool, key)) for key in keys])
+        for offset, data in zip(offsets, pages, strict=True):
+            if data is not None:
+                host_pool.set_from_flat_data_page(offset, fmt.flat_page(data))
+        return [data is not None for data in pages]
+
+    def _set_pages(self, pool: str, keys: list[str], host_indices: torch.Tensor | None,
+                   host_pool) -> list[bool]:
+        offsets = _page_offsets(pool, keys, host_indices, host_pool)
+        fmt = self.formats.get(pool)
+        if offsets is None or fmt is None:
+            return [False] * len(keys)
+        if not self.shard.writes(pool):
+            return [True] * len(keys)  # the shard's writer rank stores these pages
+        return self._write([(fmt, _pool_key(pool, key),
+                             host_pool.get_data_page(offset, flat=True))
+                            for key, offset in zip(keys, offsets, strict=True)])
+
+    # -- kvtier calls: concurrent on the client's loop, bounded by the deadline --
+
+    def _read(self, pages: list[Page]) -> list[memoryview | None]:
+        async def read(fmt: PageFormat, key: str) -> memoryview | None:
+            result = await self.client.async_client.read_chunks(
+                self.settings.tenant, await self._layout(fmt), key_tokens(fmt.name(key,
+                                                                                   self.shard)),
+                model_fingerprint=self.settings.model_fingerprint,
+                dedupe_domain=self.settings.dedupe_domain)
+            chunk = result.chunks.get(0)
+            return None if chunk is None else fmt.payload(chunk)
+
+        return self._each(pages, read, None)
+
+    def _write(self, pages: list[tuple[PageFormat, str, torch.Tensor | None]]) -> list[bool]:
+        # Encoded here, in SGLang's thread: the host pool's bytes are read before it returns.
+        chunks: list[tuple | None] = []
+        for fmt, key, page in pages:
+            tokens = key_tokens(fmt.name(key, self.shard))
+            try:
+                chunks.append((fmt, tokens, fmt.encode(page, tokens)))
+            except (AttributeError, ValueError) as exc:  # no page, or not the pool's size
+                logger.warning("kvtier sglang storage: page %s not stored: %s", key, exc)
+                chunks.append(None)
+
+        async def write(fmt: PageFormat, tokens, chunk: bytes) -> bool:
+            await self.client.async_client.write_chunks(
+                self.settings.tenant, await self._layout(fmt), tokens, [chunk],
+                model_fingerprint=self.settings.model_fingerprint,
+                dedupe_domain=self.settings.dedupe_domain, ack=self.settings.ack,
+                skip_held=False)
+            return True
+
+        sent = iter(self._each([c for c in chunks if c is not None], write, False))
+        return [c is not None and next(sent) for c in chunks]
+
+    def _exists(self, pages: list[Page]) -> list[bool]:
+        async def exists(fmt: PageFormat, key: str) -> bool:
+            held = await self.client.async_client.lookup(
+                self.settings.tenant, await self._layout(fmt),
+                key_tokens(fmt.name(key, self.shard)), model=self.settings.model_fingerprint,
+                dedupe_domain=self.settings.dedupe_domain)
+            return held >= fmt.spec.chunk_tokens
+
+        return self._each(pages, exists, False)
+
+    async def _layout(self, fmt: PageFormat):
+        if fmt.spec.layout_id not in self._registered:
+            await self.client.async_client.register_layout(fmt.spec)
+            self._registered.add(fmt.spec.layout_id)
+        return fmt.spec
+
+    def _each(self, items: list[tuple], call: Callable[..., Coroutine[Any, Any, T]],
+              miss: T) -> list[T]:
+        """``call(*item)`` for every item at once on the client's loop; ``miss`` for each
+        that failed, and for all when the deadline passed or the breaker is open."""
+        if not items:
+            return []
+        if not self.breaker.allow():
+            return [miss] * len(items)
+        outage: list[Exception] = []
+        failed: list[Exception] = []
+
+        async def one(item: tuple) -> T:
+            try:
+                return await call(*item)
+            except UnknownLayout:  # a restarted server forgot it: told again next call
+                self._registered.discard(item[0].spec.layout_id)
+            except TierUnavailable as exc:
+                outage.append(exc)
+            except Exception as exc:  # one page's failure is that page's miss
+                failed.append(exc)
+            return miss
+
+        async def every() -> list[T]:
+            return list(await asyncio.gather(*(one(item) for item in items)))
+
+        future = self.client.submit(every())
+        try:
+            results = future.result(timeout=self.settings.timeout_s)
+        except FutureTimeout:
+            future.cancel()
+            self.breaker.failed()
+            logger.warning("kvtier sglang storage: no answer within %g ms: %d pages missed",
+                           self.settings.timeout_ms, len(items))
+            return [miss] * len(items)
+        if failed:  # once a call, not once a page
+            logger.warning("kvtier sglang storage: %d of %d pages failed: %s", len(failed),
+                           len(items), failed[0])
+        if outage:
+            self.breaker.failed()
+            logger.warning("kvtier sglang storage: server unavailable: %s", outage[0])
+        else:
+            self.breaker.succeeded()
+        return results
+
+
+def _pool_key(pool: str, key: str) -> str:
+    """SGLang's name of a pool's page: the KV key itself, ``"{key}.{pool}"`` for others."""
+    return key if pool == PoolName.KV.value else f"{key}.{pool}"
+
+
+def _page_offsets(pool: str, keys: list[str], host_indices: torch.Tensor | None,
+                  host_pool) -> list[int] | None:
+    """The host pool slot each page starts at (``host_indices`` holds ``page_size`` slots
+    a page); None when the pool is not registered or the indices do not fit the keys."""
+    if host_pool is None or host_indices is None:
+        return None
+    page_size = getattr(host_pool, "page_size", 1) or 1
+    if host_indices.numel() != len(keys) * page_size:
+        logger.error("kvtier sglang storage: %d host indices for %d %s pages of %d slots",
+                     host_indices.numel(), len(keys), pool, page_size)
+        return None
+    return [int(host_indices[i * page_size]) for i in range(len(keys))]
+
+
+def _fill(target: torch.Tensor, data: memoryview) -> bool:
+    """Copy one page's bytes into ``target`` (any shape, contiguous); False if the sizes
+    differ."""
+    if target.numel() * target.element_size() != len(data) or not target.is_contiguous():
+        return False
+    with warnings.catch_warnings():  # read-only bytes: only ever read from
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        source = torch.frombuffer(data, dtype=torch.uint8)
+    target.view(-1).view(torch.uint8).copy_(source)
+    return True
