@@ -17,6 +17,7 @@ from kvstore.fleet.shared_meta import SharedMetaStore
 from kvstore.format.errors import KVTierError
 from services.server.config import ServerConfig
 from services.server.remote_metrics import RemoteMetrics
+from services.serving.lifecycle import end_task
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,5 @@ class FleetNode:
 
     async def stop(self) -> None:
         """The last heartbeat says ``stopped``: a clean stop is not a node down."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await end_task(self._task)
         await self.heartbeat.stop()

@@ -15,7 +15,6 @@ what a request makes the loop parse).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter
@@ -23,6 +22,7 @@ from collections import Counter
 import grpc
 
 from services.server.metrics import ServiceMetrics
+from services.serving.lifecycle import end_task
 
 log = logging.getLogger(__name__)
 TICK_S = 0.01
@@ -46,11 +46,8 @@ class LoopMonitor:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await end_task(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -49,6 +49,7 @@ from services.server.store import open_manager
 from services.server.tracing import Tracing, tracing_for
 from services.serving import auth
 from services.serving.audit import AuditLog
+from services.serving.lifecycle import end_task
 from services.serving.tls import server_credentials
 
 log = logging.getLogger(__name__)
@@ -145,9 +146,7 @@ class KVTierServer:
             if self.address_path is not None:
                 address_file.forget(self.address_path, self.address)
             for task in (self._refresher, self._probing):
-                if task is not None:
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
+                await end_task(task)
             if self.fleet_node is not None:
                 await self.fleet_node.stop()
             await self.loop_monitor.stop()

@@ -1,5 +1,6 @@
 """Process lifecycle of the long-running servers (``kvtier serve``, the replay worker): a
-graceful stop on signals, a reload on SIGHUP, and the free-port check at start.
+graceful stop on signals, a reload on SIGHUP, the free-port check at start, and the end of
+their background tasks (``end_task``).
 
 ``kvtier serve`` records its process id in ``{data_dir}/server.pid`` while it serves, and
 the outcome of each reload in ``{data_dir}/server.reload`` (one line: a count, ``ok`` or
@@ -32,6 +33,19 @@ def stop_on_signals() -> asyncio.Event:
 
 PID_FILE = "server.pid"
 RELOAD_FILE = "server.reload"
+
+
+async def end_task(task: asyncio.Task | None) -> None:
+    """Cancel ``task`` and wait until it has ended. Python 3.11's ``asyncio.wait_for`` can
+    swallow a cancellation that races the result it waits for, and a loop task would then
+    run on forever: it is cancelled again until it ends."""
+    if task is None:
+        return
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    if not task.cancelled():
+        task.exception()  # retrieved: a task that failed is not logged as never retrieved
 
 
 def reload_on_hangup(reload: Callable[[], None]) -> None:

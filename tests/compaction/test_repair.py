@@ -196,6 +196,7 @@ async def test_byte_flip_campaign(tmp_path):
 
 def test_serve_on_a_corrupt_index_says_one_line(tmp_path):
     disk_dir = tmp_path / "data" / "disk"
+    (tmp_path / "data").mkdir(mode=0o700)  # as the server keeps it: no warning to tighten it
     (disk_dir / "index").mkdir(parents=True)
     (disk_dir / "index" / "data.mdb").write_bytes(b"\xff" * 16384)
     done = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--data-dir",

@@ -148,3 +148,30 @@ async def test_data_dir_file_in_process(tmp_path):
     (tmp_path / "f").write_text("")
     with pytest.raises(InvalidRequest, match="not a directory"):
         await create_server(config_for(tmp_path / "f"))
+
+
+async def test_a_background_task_that_swallowed_its_cancellation_still_ends():
+    """As Python 3.11's wait_for can: the first cancellation is lost inside the loop's
+    call, so one cancel would leave the loop running (and a stop waiting) for ever."""
+    import asyncio
+
+    from services.serving.lifecycle import end_task
+
+    calls = 0
+
+    async def loop_task():
+        nonlocal calls
+        while True:
+            calls += 1
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                if calls == 1:
+                    asyncio.current_task().uncancel()
+                    continue  # swallowed, as a racing wait_for does
+                raise
+
+    task = asyncio.create_task(loop_task())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(end_task(task), 5)
+    assert task.cancelled() and calls >= 2
