@@ -88,7 +88,9 @@ def outage(tmp_path_factory):
 
 def held(target: str, tokens) -> int:
     with Client(target) as store:
-        (info,) = [i for i in store.layouts() if i.spec.name.startswith("vllm-4x2x64-b128")]
+        # the engine pages layout: its name binds the block arrangement, then the shape
+        (info,) = [i for i in store.layouts()
+                   if i.spec.name.startswith("vllm-") and "-4x2x64-b128" in i.spec.name]
         return store.lookup(TENANT, info.spec, tokens, model=FINGERPRINT)
 
 
