@@ -334,8 +334,10 @@ def test_a_full_tmpfs_keeps_its_reserve_and_every_delete_succeeds(tmpfs_factory,
         with Client(target, retry=RetryPolicy(attempts=1)) as kv:
             big = _fill(kv, "b", BIG, "durable", 200)
             # manifests only, memory acks: none of these writes may eat the reserve either
+            # (none may fit: the refused big spills' chunks can leave the medium right at its
+            # reserve until reclamation frees them, and then every small write is refused too)
             small = _fill(kv, "t", SMALL, "memory", 4000)
-            assert len(big) > 4 and small
+            assert len(big) > 4
             with pytest.raises(TierFull):  # layouts.json lies on the same medium
                 for i in range(200):
                     kv.register_layout(dataclasses.replace(LAYOUT, name=f"full-{retain}-{i}",
