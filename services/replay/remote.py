@@ -15,6 +15,8 @@ worker's verdict on the request and is raised as the ``kvstore.format.errors`` c
 (``kvtier.errors.error_from_rpc``). ``credentials`` (``kvtier.channel``): TLS towards the
 workers and the bearer token of role ``replay`` they check, from the server's
 ``replay_tls_*`` and ``replay_token_file`` settings (``replay_backend.credentials_from``).
+``probe()`` asks every worker's gRPC health through its breaker (the server's prober calls
+it every ``probe_interval_s``), so an idle server knows when its workers are back.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 from collections.abc import Sequence
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.format.errors import InvalidRequest, TierUnavailable
 from kvstore.format.layout import LayoutSpec
@@ -38,6 +41,7 @@ from replay.worker import ReplayResult
 from services.replay.messages import MAX_MESSAGE_BYTES, replay_request
 
 RETRY_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+PROBE_TIMEOUT_S = 2.0  # a worker that takes longer to say it is healthy counts as down
 
 
 class RemoteReplay:
@@ -51,6 +55,7 @@ class RemoteReplay:
         self.addresses = list(addresses)
         self._channels = [open_channel(a, credentials, options) for a in addresses]
         self._stubs = [pb_grpc.ReplayStub(c) for c in self._channels]
+        self._health = [health_pb2_grpc.HealthStub(c) for c in self._channels]
         self._turn = itertools.cycle(range(len(addresses)))
         self.timeout_s = timeout_s
         self._breakers = [CircuitBreaker(f"replay:{a}", cooldown_s=breaker_cooldown_s)
@@ -96,6 +101,31 @@ class RemoteReplay:
             return ReplayResult(reply.window, reply.replayed_tokens,
                                 time.perf_counter() - started, reply.batch_size or 1)
         raise TierUnavailable(f"no replay worker answered: {'; '.join(failures)}")
+
+    async def probe(self) -> bool:
+        """Whether a worker says SERVING; each answer (or its absence) goes to the
+        worker's breaker, which half-opens on its cool-down here as on a job."""
+        answers = await asyncio.gather(*(self._probe_one(i) for i in range(len(self._stubs))))
+        return any(answers)
+
+    async def _probe_one(self, i: int) -> bool:
+        breaker = self._breakers[i]
+        if not breaker.allow():
+            return False
+        try:
+            reply = await self._health[i].Check(health_pb2.HealthCheckRequest(service=""),
+                                                timeout=min(PROBE_TIMEOUT_S, self.timeout_s))
+        except grpc.aio.AioRpcError as exc:
+            breaker.failed(f"health: {exc.code().name}")
+            return False
+        except asyncio.CancelledError:
+            breaker.cancelled()
+            raise
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            breaker.failed("health: NOT_SERVING")
+            return False
+        breaker.succeeded()
+        return True
 
     async def close(self) -> None:
         for channel in self._channels:

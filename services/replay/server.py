@@ -21,6 +21,8 @@ Security takes the kvtier server's options as flags: ``--tls-cert``/``--tls-key`
 ``--tls-client-ca`` (mTLS), ``--auth-tokens-file``/``--auth-jwt-key`` (then only role
 ``replay`` may call Rebuild; ``services.serving.auth``), ``--audit-log``. Off loopback the
 worker refuses to start without TLS and authentication unless ``--insecure`` is given.
+SIGHUP reads the tokens file and the JWT key again (a file that does not parse leaves the
+running ones in force, and one error line says so); SIGTERM and SIGINT stop it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -159,6 +162,26 @@ def security(args: argparse.Namespace) -> tuple[grpc.ServerCredentials | None,
     return credentials, (AuthInterceptor(authenticator, AuditLog(args.audit_log)),)
 
 
+def reload_auth(args: argparse.Namespace,
+                interceptors: tuple[grpc.aio.ServerInterceptor, ...]) -> bool:
+    """Read the tokens file and JWT key again into the running ``AuthInterceptor``; whether
+    they were taken (authentication cannot be turned on or off without a restart)."""
+    interceptor = next((item for item in interceptors if isinstance(item, AuthInterceptor)),
+                       None)
+    if interceptor is None or interceptor.authenticator is None:
+        log.warning("reload: this replay worker authenticates nothing; nothing to reload")
+        return False
+    try:
+        authenticator = Authenticator.from_settings(args.auth_tokens_file, args.auth_jwt_key,
+                                                    args.auth_jwt_audience)
+    except (OSError, ValueError, KVTierError) as exc:
+        log.error("reload refused, the running tokens stay in force: %s", exc)
+        return False
+    interceptor.authenticator = authenticator
+    log.info("reloaded: tokens")
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -218,6 +241,7 @@ async def _serve(args: argparse.Namespace, worker: Worker,
                                   f"{os.getpid()}", claim_idle_ms=args.claim_idle_ms)
         consumer_task = asyncio.create_task(consumer.run())
     stop = stop_on_signals()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_auth, args, interceptors)
     host = args.listen.rpartition(":")[0]
     via = f", jobs from {args.redis_url}" if args.redis_url else ""
     print(f"kvtier replay-worker serving on {host}:{port}{via}", flush=True)

@@ -92,7 +92,8 @@ class ServerConfig:
     # is asked whether it answers this often, busy or idle (services.server.probes): its
     # tier_up and breaker say what is true now, and an open breaker half-opens on this
     # timer, not only when a request comes. gRPC health says NOT_SERVING while one of
-    # required_tiers that is configured is down ([]: health ignores the tiers).
+    # required_tiers that is configured is down ([]: health ignores the tiers); "replay":
+    # every remote replay worker (replay_workers, replay_hf_workers) is down.
     probe_interval_s: float = 5.0
     required_tiers: tuple[str, ...] = ("redis", "object")
     object_compression_level: int = 3  # zstd on the slowest tier; -1 stores raw bytes
@@ -296,10 +297,10 @@ class ServerConfig:
             if getattr(self, name) < 0:
                 raise InvalidRequest(f"{name} must be >= 0 (0: no shared memory)")
         check_domains(self.dedupe_domains)
-        unknown_tiers = set(self.required_tiers) - {"redis", "object"}
+        unknown_tiers = set(self.required_tiers) - {"redis", "object", "replay"}
         if unknown_tiers:
             raise InvalidRequest(f"required_tiers: {sorted(unknown_tiers)} are not remote "
-                                 "tiers; name 'redis' and/or 'object'")
+                                 "dependencies; name 'redis', 'object' and/or 'replay'")
         if self.log_level.upper() not in LOG_LEVELS:
             raise InvalidRequest(f"log_level must be one of {LOG_LEVELS}, got "
                                  f"{self.log_level!r}")

@@ -27,6 +27,7 @@ session's: the worker that runs the model refuses it with ``ModelMismatch`` unle
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -87,6 +88,17 @@ async def warm_up_replay(backend: ReplayBackend | None) -> bool:
         return False
     await warm_up()
     return True
+
+
+async def probe_replay(backend: ReplayBackend | None) -> bool | None:
+    """Whether every backend that calls remote replay workers has one that answers (None:
+    none calls remote workers, there is nothing to probe)."""
+    backends = (list(backend.backends.values()) if isinstance(backend, ReplayRouter)
+                else [] if backend is None else [backend])
+    remote = [b for b in backends if hasattr(b, "probe")]
+    if not remote:
+        return None
+    return all(await asyncio.gather(*(b.probe() for b in remote)))
 
 
 def model_layouts(backend: ReplayBackend | None, replayer: str

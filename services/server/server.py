@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import shutil
@@ -42,7 +43,7 @@ from services.server.loop_lag import LoopMonitor
 from services.server.metrics import ServiceMetrics
 from services.server.probes import Prober
 from services.server.remote_metrics import observe_store
-from services.server.replay_backend import make_replay_backend, warm_up_replay
+from services.server.replay_backend import make_replay_backend, probe_replay, warm_up_replay
 from services.server.requests import RequestInterceptor
 from services.server.servicer import SERVICE, KVTierServicer
 from services.server.store import open_manager
@@ -231,7 +232,7 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
             tracing.close()
         raise
     prober = Prober(manager, health_servicer, metrics, ("", SERVICE), config.required_tiers,
-                    config.probe_interval_s)
+                    config.probe_interval_s, functools.partial(probe_replay, replay[0]))
     server = KVTierServer(grpc_server, servicer, health_servicer, port, monitor, prober)
     server.interceptors = guards
     server.tracing = tracing

@@ -136,3 +136,75 @@ def test_worker_without_weights_exits_with_a_clear_message(tmp_path, capsys):
     assert cli.main(["replay-worker", "--weights", str(tmp_path / "none.safetensors"),
                      "--listen", "127.0.0.1:0"]) == 2
     assert "no weights at" in capsys.readouterr().err
+
+
+async def test_sighup_reloads_the_workers_tokens_and_keeps_serving(model, tmp_path):
+    """A rotated tokens file is taken on SIGHUP (the old token refused, the new one let
+    through); a file that does not parse leaves the running tokens in force."""
+    import hashlib
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from model.checkpoint import save
+    from proto import kvtier_pb2 as pb
+    from proto import kvtier_pb2_grpc as pb_grpc
+    from tests.support.service import ROOT
+
+    def tokens_file(token: str) -> str:
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        return f'[[token]]\nsha256 = "{digest}"\ntenant = ""\nrole = "replay"\n'
+
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(tokens_file("first-replay-token"))
+    weights = tmp_path / "tiny.safetensors"
+    save(model, weights)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "replay-worker", "--listen", "127.0.0.1:0",
+         "--weights", str(weights), "--auth-tokens-file", str(tokens),
+         "--log-level", "WARNING"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = await asyncio.to_thread(process.stdout.readline)
+        assert "serving on" in line, (line, process.stderr.read() if process.poll() else "")
+        target = line.split("serving on ")[1].split(",")[0].strip()
+
+        async def code(token: str) -> grpc.StatusCode:
+            """The status of an empty Rebuild: past authentication it is refused as
+            INVALID_ARGUMENT, before it as UNAUTHENTICATED."""
+            async with grpc.aio.insecure_channel(target) as channel:
+                try:
+                    await pb_grpc.ReplayStub(channel).Rebuild(
+                        pb.ReplayRequest(), timeout=10,
+                        metadata=(("authorization", f"Bearer {token}"),))
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code()
+            return grpc.StatusCode.OK
+
+        async def after_sighup(token: str, want: grpc.StatusCode) -> grpc.StatusCode:
+            got = None
+            for _ in range(100):  # the signal is handled on the worker's loop
+                got = await code(token)
+                if got == want:
+                    break
+                await asyncio.sleep(0.05)
+            return got
+
+        assert await code("first-replay-token") == grpc.StatusCode.INVALID_ARGUMENT
+        assert await code("second-replay-token") == grpc.StatusCode.UNAUTHENTICATED
+        tokens.write_text(tokens_file("second-replay-token"))
+        process.send_signal(signal.SIGHUP)
+        assert await after_sighup("second-replay-token", grpc.StatusCode.INVALID_ARGUMENT) \
+            == grpc.StatusCode.INVALID_ARGUMENT
+        assert await code("first-replay-token") == grpc.StatusCode.UNAUTHENTICATED
+        tokens.write_text("[[token]\nnot toml")
+        process.send_signal(signal.SIGHUP)
+        await asyncio.sleep(0.5)
+        assert process.poll() is None, "SIGHUP ended the worker"
+        assert await code("second-replay-token") == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        process.terminate()
+        _, err = process.communicate(timeout=30)
+    assert "reload refused" in err and "second-replay-token" not in err

@@ -197,3 +197,56 @@ def test_start_fails_fast_on_credentials_s3_refuses(tmp_path):
             raise AssertionError("a 403 from S3 did not stop the start")
     finally:
         httpd.shutdown()
+
+
+async def test_an_idle_node_follows_its_replay_workers_down_and_up(tmp_path):
+    """With ``replay`` required, health says NOT_SERVING once no remote replay worker
+    answers its health check, and SERVING again when one does, with no resume asked."""
+    from replay.worker import ReplayWorker
+    from services.replay.server import create_server as create_worker_server
+    from tests.support.replay import tiny_model
+
+    worker = ReplayWorker(tiny_model(), default_tokens=16)
+    worker_server, port = await create_worker_server("127.0.0.1:0", worker)
+    try:
+        async with running_server(tmp_path, replay="remote",
+                                  replay_workers=f"127.0.0.1:{port}",
+                                  **_probed(required_tiers=["replay"])
+                                  ) as (server, target):
+
+            async def health() -> str:
+                return await check(target, "", 5.0, {})
+
+            async def breaker() -> float | None:
+                return _sample(server, "kvtier_breaker_open",
+                               dependency=f"replay:127.0.0.1:{port}")
+
+            assert await health() == "SERVING" and await breaker() == 0
+            await worker_server.stop(0)
+
+            async def down() -> bool:
+                return await health() == "NOT_SERVING" and await breaker() == 1
+
+            assert await within(2, down), (await health(), await breaker())
+            worker_server, _ = await create_worker_server(f"127.0.0.1:{port}", worker)
+
+            async def up() -> bool:
+                return await health() == "SERVING" and await breaker() == 0
+
+            assert await within(2, up), (await health(), await breaker())
+    finally:
+        await worker_server.stop(0)
+        await worker.close()
+
+
+def test_replay_names_a_dependency_health_may_require():
+    from services.server.config_load import load_config
+
+    config = load_config(preset="test", overrides={"required_tiers": ["replay"]})
+    assert config.required_tiers == ("replay",)
+    try:
+        load_config(preset="test", overrides={"required_tiers": ["disk"]})
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        assert "'replay'" in str(exc) and "disk" in str(exc)
+    else:
+        raise AssertionError("required_tiers accepted a tier that is not remote")
