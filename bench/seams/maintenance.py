@@ -19,12 +19,15 @@ checked against the model (``Simulation.verify_all``):
 - ``backup``: ``kvtier backup`` then ``kvtier restore-backup`` (``bench.seams.backups``):
   intact, exit 0 and every session bit-exact when served from the restored directory;
   damaged (a segment removed, replaced by a symlink, a byte flipped), exit 1;
-- ``rekey``: encrypted, ``kvtier keygen --rotate`` adds a current key, a restart takes
-  it, ``kvtier rekey --json`` runs beside the live server (Redis and the bucket), then
-  with it stopped (the disk); it must then report nothing under the old keys and name
-  them as no longer needed, and they are removed from the keyring before the restart:
-  every session must read as the model has it with the new key alone. In clear, rekey
-  must refuse (exit 2);
+- ``rekey``: encrypted, ``kvtier keygen --rotate`` adds a current key. Live (half the time):
+  ``kvtier reload`` gives it to the running server, which reseals its own disk in the
+  background, while ``kvtier rekey --json`` runs beside it (Redis and the bucket) until
+  it reports nothing under the old keys (bounded); the old keys then leave the keyring
+  and a second reload makes the server forget them, never stopping it. Offline (the other
+  half): a restart takes the key, rekey runs beside the live server, then with it
+  stopped (the disk). Either way it must end reporting nothing under the old keys and
+  naming them as no longer needed, and every session must read as the model has it with
+  the new key alone. In clear, rekey must refuse (exit 2);
 - ``cli-tools``, ``tokens-file``, ``hung-node``, ``remote-replay``, ``drain``: what an
   operator does beside the clients (``bench.seams.operator``).
 
@@ -163,6 +166,9 @@ async def rekey(sim) -> None:
     await tool(sim, "keygen-rotate", ["keygen", "--rotate", str(keys), "--id", new],
                bare=True)
     prefix.forget_all(sim, "rekey")
+    if sim.rng.random() < 0.5:
+        await _rekey_live(sim, old, new, keys)
+        return
     await stop(sim, "term")
     await start(sim, "rekey")  # new writes sealed under the new key
     _, online = await tool(sim, "rekey-online", ["rekey", "--json"], bare=False)
@@ -171,15 +177,43 @@ async def rekey(sim) -> None:
                        f"resealed under {new}", str(online["current"]))
     await stop(sim, "term")
     _, offline = await tool(sim, "rekey-offline", ["rekey", "--json"], bare=False)
-    if offline is None or offline["sealed_under_old"] or offline["no_longer_needed"] != old:
-        sim.ledger.add("unexpected", sim.combo.name, sim.step, "rekey-offline", "-",
-                       f"nothing left under {old}, each no longer needed", str(offline))
-    else:  # as the report says: the old keys leave the keyring
-        text = keys.read_text()
-        tables = text.split("[[key]]")
-        kept = [t for t in tables[1:] if f'id = "{new}"' in t]
-        keys.write_text(tables[0] + "".join("[[key]]" + t for t in kept))
+    if _retired(sim, "rekey-offline", offline, old):
+        _keep_only(keys, new)
     await start(sim, "rekey")
+
+
+REKEY_LIVE_TRIES = 60  # rekey runs, 0.5 s apart, while the server reseals its disk
+
+
+async def _rekey_live(sim, old: list[str], new: str, keys) -> None:
+    """Rotate without a stop: reload, rekey beside the resealing server until nothing is
+    left under ``old``, drop ``old`` from the keyring, reload again."""
+    reload = ["reload", "--data-dir", str(sim.data_dir)]
+    await tool(sim, "rekey-reload", reload, bare=True)
+    report = None
+    for _ in range(REKEY_LIVE_TRIES):
+        _, report = await tool(sim, "rekey-live", ["rekey", "--json"], bare=False)
+        if report is None or not report["sealed_under_old"]:
+            break
+        await asyncio.sleep(0.5)
+    if _retired(sim, "rekey-live", report, old):
+        _keep_only(keys, new)
+        await tool(sim, "rekey-reload", reload, bare=True)
+
+
+def _retired(sim, kind: str, report: dict | None, old: list[str]) -> bool:
+    if report is None or report["sealed_under_old"] or report["no_longer_needed"] != old:
+        sim.ledger.add("unexpected", sim.combo.name, sim.step, kind, "-",
+                       f"nothing left under {old}, each no longer needed", str(report))
+        return False
+    return True
+
+
+def _keep_only(keys, key_id: str) -> None:
+    """As rekey's report says: every other key leaves the keyring."""
+    tables = keys.read_text().split("[[key]]")
+    kept = [t for t in tables[1:] if f'id = "{key_id}"' in t]
+    keys.write_text(tables[0] + "".join("[[key]]" + t for t in kept))
 
 
 async def full_disk(sim) -> None:

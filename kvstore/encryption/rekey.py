@@ -114,7 +114,7 @@ def _is_sealed(value: Buffer) -> bool:
     return bytes(memoryview(value).cast("B")[:len(MAGIC)]) == MAGIC
 
 
-async def _remaining_ttl(tier: Tier, key: str) -> float | None:
+async def remaining_ttl(tier: Tier, key: str) -> float | None:
     """The time ``key`` has left in ``tier`` (None: no TTL), kept across the rewrite."""
     from kvstore.tiers.disk import DiskTier
     from kvstore.tiers.redis import RedisTier
@@ -142,7 +142,7 @@ async def rekey_tier(tier: Tier, keyring: Keyring, report: RekeyReport) -> None:
         fresh = _resealed(keyring, key, sealed, report)
         if fresh is None:
             continue
-        ttl_s = await _remaining_ttl(tier, key)
+        ttl_s = await remaining_ttl(tier, key)
         await tier.put(key, fresh[0], ttl_s=ttl_s)
         try:
             verify(keyring, key, await tier.get(key), fresh[1])

@@ -9,9 +9,11 @@ remove K's ``[[key]]`` and restart.
 
 Places, as the config names them: the Redis tier and a fleet's bucket (chunks and
 manifests) are rewritten online, beside running servers; the disk tier of ``data_dir``
-and a node's own object tier only while no server runs on it (its writer owns the
-segments, its accounting the objects), so a live node's are counted, not changed, and
-the run says to stop it and run again. A run cut short is simply run again; every
+and a node's own object tier here only while no server runs on it (its writer owns the
+segments, its accounting the objects). A live node's server reseals them itself while
+its keyring holds another key than ``current`` (at start and after a reload:
+``kvstore.encryption.resealer``), so this run counts them, and a later run counts
+what is left. A run cut short is simply run again; every
 rewritten value is read back and checked. A value that does not open (corrupt, or under
 a key the keyring lacks) is left as it is and reported: it keeps its key counted.
 
@@ -84,8 +86,9 @@ async def _rekey(config) -> tuple:
     own_objects = disk_live and config.metadata != "shared" and bool(config.object_bytes)
     if disk_live:
         skipped.append(f"{'disk and object tiers' if own_objects else 'disk tier'} of "
-                       f"{config.data_dir}: a server is running on them, so they are "
-                       "counted, not rewritten; stop that server and run again")
+                       f"{config.data_dir}: the server running on them reseals them itself "
+                       "(after its start or a reload with the rotated keyring); counted "
+                       "here, run again to count what is left")
     # the media as stored (no EncryptedTier), never compressed (sealed bytes are random)
     counted = dataclasses.replace(config, object_compression_level=-1,
                                   disk_bytes=0 if disk_live else config.disk_bytes)

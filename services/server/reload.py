@@ -7,7 +7,9 @@ what may change while serving:
 - quotas (``[quota.*]``): new limits for the next admission, usage kept;
 - ``log_level``;
 - the encryption keyring (``encryption_key_file`` or ``encryption_key``): keys added or
-  dropped, the current key changed (turning encryption on or off needs a restart).
+  dropped, the current key changed (turning encryption on or off needs a restart); the
+  server then reseals its own media under the current key in the background
+  (``kvstore.encryption.resealer``).
 
 Everything is read and checked before anything changes: a file that does not parse (its
 line and column named), or a value the server would refuse at start, leaves the running
@@ -67,6 +69,7 @@ def reload(server: KVTierServer, read_config: Callable[[], ServerConfig]) -> tup
             log.warning("reload drops encryption keys %s: values sealed under them can no "
                         "longer be read", sorted(dropped))
         running_keyring.adopt(keyring)
+        server.reseal()
     server.manager.set_quotas(quotas)
     logging.getLogger().setLevel(new.log_level.upper())
     server.servicer.config = running.replace(**taken)

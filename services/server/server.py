@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvstore.encryption.resealer import Resealer
 from kvstore.format.errors import Busy
 from kvstore.remote.breaker import CircuitBreaker
 from kvstore.session.manager import TierManager
@@ -79,6 +80,8 @@ class KVTierServer:
         self.ready: asyncio.Task | None = None
         self._stopped = False
         self.tracing: Tracing | None = None  # flushed at stop
+        self.resealer: Resealer | None = None  # an encrypting node's own media
+        self._resealing: asyncio.Task | None = None
 
     @property
     def manager(self) -> TierManager:
@@ -128,6 +131,24 @@ class KVTierServer:
         if not self._stopped:
             await self.prober.set_ready()  # SERVING unless a required tier is down
 
+    def reseal(self) -> None:
+        """Reseal this node's own media under its keyring's current key in the background,
+        when the keyring holds another key; a pass already running starts over (the
+        current key may have changed)."""
+        keyring = next((tier.keyring for tier in self.manager.tiers
+                        if getattr(tier, "keyring", None) is not None), None)
+        if self.resealer is None or keyring is None or not self.resealer.needed(keyring):
+            return
+        self._resealing = asyncio.create_task(self._reseal(keyring, self._resealing))
+
+    async def _reseal(self, keyring, previous: asyncio.Task | None) -> None:
+        await end_task(previous)
+        try:
+            await self.resealer.run(keyring)
+        except Exception:  # noqa: BLE001 - a medium error: the next start or reload retries
+            log.exception("resealing this node's media under key %s failed; every value "
+                          "is under one key or the other", keyring.current)
+
     async def wait_for_termination(self) -> None:
         await self.grpc_server.wait_for_termination()
 
@@ -146,7 +167,7 @@ class KVTierServer:
         finally:
             if self.address_path is not None:
                 address_file.forget(self.address_path, self.address)
-            for task in (self._refresher, self._probing):
+            for task in (self._refresher, self._probing, self._resealing):
                 await end_task(task)
             if self.fleet_node is not None:
                 await self.fleet_node.stop()
@@ -254,6 +275,11 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
         if config.metrics_port:
             _start_metrics(server, config)
         monitor.start()  # from here on every tick is one of serving
+        # a fleet's bucket is the fleet's: kvtier rekey reseals it beside the servers
+        server.resealer = Resealer(manager.tiers, manager.meta, manager.store.catalog,
+                                   manager.store.locks, ("disk",) if config.metadata ==
+                                   "shared" else ("disk", "object"))
+        server.reseal()
         server.ready = asyncio.create_task(server._become_ready(config.replay_warmup,
                                                                 freeze_startup))
         if wait_ready:
