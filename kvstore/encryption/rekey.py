@@ -20,6 +20,7 @@ A key is no longer needed once no value of the places a run covered is sealed un
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from kvstore.encryption.seal import MAGIC, Keyring, read_header
@@ -130,25 +131,18 @@ async def _remaining_ttl(tier: Tier, key: str) -> float | None:
 
 async def rekey_tier(tier: Tier, keyring: Keyring, report: RekeyReport) -> None:
     """Reseal every value of ``tier`` (the medium as stored, not an ``EncryptedTier``)."""
+    async def read(key: str) -> Buffer | None:
+        try:
+            return await tier.get(key)
+        except ChunkNotFound:
+            return None  # evicted or deleted since the listing
+
+    async def write(key: str, fresh: tuple[bytes, bytes]) -> bytes:
+        await tier.put(key, fresh[0], ttl_s=await _remaining_ttl(tier, key))
+        return fresh[1]
+
     report.places.append(tier.name)
-    async for key in tier.keys():
-        try:
-            sealed = await tier.get(key)
-        except ChunkNotFound:
-            continue  # evicted or deleted since the listing
-        if not _is_sealed(sealed):
-            report.in_clear += 1
-            continue
-        fresh = _resealed(keyring, key, sealed, report)
-        if fresh is None:
-            continue
-        ttl_s = await _remaining_ttl(tier, key)
-        await tier.put(key, fresh[0], ttl_s=ttl_s)
-        try:
-            verify(keyring, key, await tier.get(key), fresh[1])
-        except ChunkNotFound:
-            continue  # evicted at once: nothing is left under either key
-        report.resealed += 1
+    await _reseal_each(tier.keys(), read, write, keyring, report)
 
 
 async def rekey_records(meta: MetaStore, keyring: Keyring, report: RekeyReport, place: str,
@@ -157,9 +151,37 @@ async def rekey_records(meta: MetaStore, keyring: Keyring, report: RekeyReport, 
     record is written to ``meta`` as sealed bytes, or, with ``sealing`` (a fleet's
     ``SharedMetaStore`` over the same bucket with a ``RecordSealer``), as the plaintext
     ``sealing`` read: it seals it under ``current`` and compares and swaps on that read."""
+    async def manifests() -> AsyncIterator[str]:
+        for key, _ in await meta.scan(MANIFEST_PREFIX):
+            yield key
+
+    async def write(key: str, fresh: tuple[bytes, bytes]) -> bytes | None:
+        try:
+            if sealing is None:
+                await meta.commit({key: fresh[0]})
+                return fresh[1]
+            plaintext = await sealing.get(key)  # remembers the ETag it read
+            if plaintext is None:
+                return None  # deleted since the listing
+            await sealing.commit({key: plaintext})
+            return plaintext
+        except StaleGeneration:
+            report.changed_meanwhile += 1
+            return None
+
     report.places.append(place)
-    for key, _ in await meta.scan(MANIFEST_PREFIX):
-        stored = await meta.get(key)
+    await _reseal_each(manifests(), meta.get, write, keyring, report)
+
+
+async def _reseal_each(keys: AsyncIterator[str],
+                       read: Callable[[str], Awaitable[Buffer | None]],
+                       write: Callable[[str, tuple[bytes, bytes]], Awaitable[bytes | None]],
+                       keyring: Keyring, report: RekeyReport) -> None:
+    """The one pass over a place: each value ``read`` (None: gone since the listing) and
+    sealed under another key is resealed, given to ``write`` (which answers the plaintext
+    it stored, or None when it stored nothing), read back and checked."""
+    async for key in keys:
+        stored = await read(key)
         if stored is None:
             continue
         if not _is_sealed(stored):
@@ -168,22 +190,13 @@ async def rekey_records(meta: MetaStore, keyring: Keyring, report: RekeyReport, 
         fresh = _resealed(keyring, key, stored, report)
         if fresh is None:
             continue
-        try:
-            if sealing is None:
-                await meta.commit({key: fresh[0]})
-            else:
-                plaintext = await sealing.get(key)  # remembers the ETag it read
-                if plaintext is None:
-                    continue  # deleted since the listing
-                await sealing.commit({key: plaintext})
-                fresh = (fresh[0], plaintext)
-        except StaleGeneration:
-            report.changed_meanwhile += 1
+        plaintext = await write(key, fresh)
+        if plaintext is None:
             continue
-        back = await meta.get(key)
+        back = await read(key)
         if back is None:
-            continue  # deleted since (a session dropped): nothing is left under either key
-        verify(keyring, key, back, fresh[1])
+            continue  # evicted or deleted at once: nothing is left under either key
+        verify(keyring, key, back, plaintext)
         report.resealed += 1
 
 
