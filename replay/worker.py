@@ -17,10 +17,11 @@ one's global KV, and no more than ``BATCH_TOKENS`` tokens of context in all. A l
 rebuild never waits for company.
 
 Batching pays where fixed per-call costs dominate, i.e. short contexts; the indexer's
-per-session work over the global KV grows with context and does not batch, and past
-8k-16k tokens of context in one call it measured slower. On 1 CPU thread
-(``python -m bench.replay_batch``, one call against one after another): 8 sessions of 512
-tokens 1.49x, 4 of 2,048 1.44x; but 2 of 8,192 0.85-1.19x (noisy), 2 of 32,768 0.53x.
+per-session work over the global KV grows with context and does not batch, so a call
+holds at most ``BATCH_TOKENS`` of context. Measured (``python -m bench.replay_batch``,
+1 CPU thread, one batched call against the same replays one after another;
+bench/REPORT.md "Batched replay"): 2-8 sessions of 512-2,048 tokens 1.00-1.34x faster;
+sessions of 8,192 tokens 0.67-0.97x and of 32,768 0.44-0.65x, i.e. slower.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Fixtures shared by every test: real redis-server processes, a real three-master Redis
-Cluster, and moto's S3 server over HTTP, all on loopback ports.
+Cluster, and moto's S3 server over HTTP, all on loopback ports; and the addresses of a hung
+server and of one that is down, for the engine integrations.
 
 ``async def`` tests run on a fresh event loop each (see ``pytest_pyfunc_call``); fixtures
 stay synchronous, so an async test builds its own clients from the URLs fixtures give.
@@ -25,6 +26,8 @@ from tests.support.servers import (
     MotoServer,
     RedisClusterProcesses,
     RedisServer,
+    down_address,
+    hung_address,
     start_redis_cluster,
 )
 
@@ -192,6 +195,19 @@ def s3_bucket(s3_server: str) -> str:
     client = boto3.client("s3", endpoint_url=s3_server, **MotoServer.CREDENTIALS)
     client.create_bucket(Bucket=name)
     return name
+
+
+@pytest.fixture
+def hung_server():
+    """The address of a server that takes connections and never answers."""
+    with hung_address() as address:
+        yield address
+
+
+@pytest.fixture
+def down_server() -> str:
+    """The address of a server that refuses connections."""
+    return down_address()
 
 
 # -- a real small medium --

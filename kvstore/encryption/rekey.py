@@ -19,13 +19,23 @@ A key is no longer needed once no value of the places a run covered is sealed un
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
 from kvstore.encryption.seal import MAGIC, Keyring, read_header
 from kvstore.format.errors import ChunkCorrupt, ChunkNotFound, StaleGeneration
 from kvstore.session.manifest import MANIFEST_PREFIX
 from kvstore.tiers.base import Buffer, MetaStore, Tier
+
+Hold = Callable[[str], AbstractAsyncContextManager[object]]
+
+
+def _unheld(key: str) -> AbstractAsyncContextManager[object]:
+    return contextlib.nullcontext()
 
 
 @dataclass
@@ -128,63 +138,81 @@ async def remaining_ttl(tier: Tier, key: str) -> float | None:
     return None
 
 
-async def rekey_tier(tier: Tier, keyring: Keyring, report: RekeyReport) -> None:
-    """Reseal every value of ``tier`` (the medium as stored, not an ``EncryptedTier``)."""
+async def rekey_tier(tier: Tier, keyring: Keyring, report: RekeyReport, *,
+                     hold: Hold = _unheld) -> None:
+    """Reseal every value of ``tier`` (the medium as stored, not an ``EncryptedTier``);
+    ``hold(key)``: the lock each value is rewritten under (a serving store's key lock)."""
+    async def read(key: str) -> Buffer | None:
+        try:
+            return await tier.get(key)
+        except ChunkNotFound:
+            return None  # evicted or deleted since the listing
+
+    async def write(key: str, fresh: tuple[bytes, bytes]) -> bytes:
+        await tier.put(key, fresh[0], ttl_s=await remaining_ttl(tier, key))
+        return fresh[1]
+
     report.places.append(tier.name)
-    async for key in tier.keys():
-        try:
-            sealed = await tier.get(key)
-        except ChunkNotFound:
-            continue  # evicted or deleted since the listing
-        if not _is_sealed(sealed):
-            report.in_clear += 1
-            continue
-        fresh = _resealed(keyring, key, sealed, report)
-        if fresh is None:
-            continue
-        ttl_s = await remaining_ttl(tier, key)
-        await tier.put(key, fresh[0], ttl_s=ttl_s)
-        try:
-            verify(keyring, key, await tier.get(key), fresh[1])
-        except ChunkNotFound:
-            continue  # evicted at once: nothing is left under either key
-        report.resealed += 1
+    await _reseal_each(tier.keys(), read, write, keyring, report, hold)
 
 
 async def rekey_records(meta: MetaStore, keyring: Keyring, report: RekeyReport, place: str,
-                        sealing: MetaStore | None = None) -> None:
+                        sealing: MetaStore | None = None, *, hold: Hold = _unheld) -> None:
     """Reseal every manifest of ``meta`` (a MetaStore that does not open them). The new
     record is written to ``meta`` as sealed bytes, or, with ``sealing`` (a fleet's
     ``SharedMetaStore`` over the same bucket with a ``RecordSealer``), as the plaintext
-    ``sealing`` read: it seals it under ``current`` and compares and swaps on that read."""
-    report.places.append(place)
-    for key, _ in await meta.scan(MANIFEST_PREFIX):
-        stored = await meta.get(key)
-        if stored is None:
-            continue
-        if not _is_sealed(stored):
-            report.in_clear += 1
-            continue
-        fresh = _resealed(keyring, key, stored, report)
-        if fresh is None:
-            continue
+    ``sealing`` read: it seals it under ``current`` and compares and swaps on that read.
+    ``hold(key)``: the lock each record is rewritten under (a serving store's session
+    lock)."""
+    async def manifests() -> AsyncIterator[str]:
+        for key, _ in await meta.scan(MANIFEST_PREFIX):
+            yield key
+
+    async def write(key: str, fresh: tuple[bytes, bytes]) -> bytes | None:
         try:
             if sealing is None:
                 await meta.commit({key: fresh[0]})
-            else:
-                plaintext = await sealing.get(key)  # remembers the ETag it read
-                if plaintext is None:
-                    continue  # deleted since the listing
-                await sealing.commit({key: plaintext})
-                fresh = (fresh[0], plaintext)
+                return fresh[1]
+            plaintext = await sealing.get(key)  # remembers the ETag it read
+            if plaintext is None:
+                return None  # deleted since the listing
+            await sealing.commit({key: plaintext})
+            return plaintext
         except StaleGeneration:
             report.changed_meanwhile += 1
-            continue
-        back = await meta.get(key)
-        if back is None:
-            continue  # deleted since (a session dropped): nothing is left under either key
-        verify(keyring, key, back, fresh[1])
-        report.resealed += 1
+            return None
+
+    report.places.append(place)
+    await _reseal_each(manifests(), meta.get, write, keyring, report, hold)
+
+
+async def _reseal_each(keys: AsyncIterator[str],
+                       read: Callable[[str], Awaitable[Buffer | None]],
+                       write: Callable[[str, tuple[bytes, bytes]], Awaitable[bytes | None]],
+                       keyring: Keyring, report: RekeyReport, hold: Hold) -> None:
+    """The one pass over a place: each value ``read`` (None: gone since the listing) and
+    sealed under another key is resealed, given to ``write`` (which answers the plaintext
+    it stored, or None when it stored nothing), read back and checked, all under
+    ``hold(key)``. The sealing runs off the event loop (a server may be serving on it)."""
+    async for key in keys:
+        async with hold(key):
+            stored = await read(key)
+            if stored is None:
+                continue
+            if not _is_sealed(stored):
+                report.in_clear += 1
+                continue
+            fresh = await asyncio.to_thread(_resealed, keyring, key, stored, report)
+            if fresh is None:
+                continue
+            plaintext = await write(key, fresh)
+            if plaintext is None:
+                continue
+            back = await read(key)
+            if back is None:
+                continue  # evicted or deleted at once: nothing is left under either key
+            await asyncio.to_thread(verify, keyring, key, back, plaintext)
+            report.resealed += 1
 
 
 async def census_tier_keys(tier: Tier, report: RekeyReport) -> None:

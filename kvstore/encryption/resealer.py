@@ -17,38 +17,30 @@ is and reported. The sealing runs off the event loop.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Collection
+from contextlib import AbstractAsyncContextManager
 
-from kvstore.encryption.rekey import RekeyReport, remaining_ttl, reseal, verify
-from kvstore.encryption.seal import MAGIC, Keyring, read_header
+from kvstore.encryption.rekey import RekeyReport, rekey_records, rekey_tier
+from kvstore.encryption.seal import Keyring
 from kvstore.encryption.tiers import EncryptedMetaStore, EncryptedTier
-from kvstore.format.errors import ChunkCorrupt, ChunkNotFound
+from kvstore.placement.locks import KeyedLocks
 from kvstore.session.catalog import Catalog
 from kvstore.session.manifest import MANIFEST_PREFIX
-from kvstore.tiers.base import Buffer, MetaStore
+from kvstore.tiers.base import MetaStore, Tier
 
 log = logging.getLogger(__name__)
-
-
-def _sealed_under(value: Buffer) -> str | None:
-    """The key id sealing ``value``, or None for a value stored in clear."""
-    if bytes(memoryview(value).cast("B")[:len(MAGIC)]) != MAGIC:
-        return None
-    return read_header(value).key_id
 
 
 class Resealer:
     """Reseals ``tiers`` (the stack's encrypting tiers named in ``own``) and, when they are
     this node's (an ``EncryptedMetaStore``), the manifests of ``meta``."""
 
-    def __init__(self, tiers: Collection[object], meta: MetaStore, catalog: Catalog,
-                 locks, own: Collection[str]) -> None:
+    def __init__(self, tiers: Collection[Tier], meta: MetaStore, catalog: Catalog,
+                 locks: KeyedLocks, own: Collection[str]) -> None:
         self.tiers = [t for t in tiers if isinstance(t, EncryptedTier) and t.name in own]
         self.meta = meta if isinstance(meta, EncryptedMetaStore) else None
         self.catalog, self.locks = catalog, locks
-        self.last: RekeyReport | None = None  # the last finished pass
 
     def needed(self, keyring: Keyring) -> bool:
         """Whether a pass may find anything: the keyring holds a key besides ``current``."""
@@ -57,68 +49,16 @@ class Resealer:
     async def run(self, keyring: Keyring) -> RekeyReport:
         report = RekeyReport(keyring.current, keyring.key_ids)
         for tier in self.tiers:
-            report.places.append(tier.name)
-            async for key in tier.inner.keys():
-                async with self.locks.hold(key):
-                    await self._value(tier, key, keyring, report)
+            await rekey_tier(tier.inner, keyring, report, hold=self.locks.hold)
         if self.meta is not None:
-            report.places.append("manifests")
-            for key, _ in await self.meta.inner.scan(MANIFEST_PREFIX):
-                tenant, _, session_id = key.removeprefix(MANIFEST_PREFIX).partition("/")
-                async with self.catalog.write(tenant, session_id):
-                    await self._record(key, keyring, report)
-        self.last = report
+            await rekey_records(self.meta.inner, keyring, report, "manifests",
+                                hold=self._session_of)
         log.info("reseal under %s: %d resealed, %d already current, %d in clear, %d do "
-                 "not open, %d still under other keys", report.current, report.resealed,
-                 report.already_current, report.in_clear, len(report.unreadable),
-                 report.sealed_under_old)
+                 "not open (left as they are)", report.current, report.resealed,
+                 report.already_current, report.in_clear, len(report.unreadable))
         return report
 
-    async def _value(self, tier: EncryptedTier, key: str, keyring: Keyring,
-                     report: RekeyReport) -> None:
-        try:
-            sealed = await tier.inner.get(key)
-        except ChunkNotFound:
-            return  # freed or evicted since the listing
-        fresh = await self._resealed(keyring, key, sealed, report)
-        if fresh is None:
-            return
-        await tier.inner.put(key, fresh[0], ttl_s=await remaining_ttl(tier.inner, key))
-        try:
-            back = await tier.inner.get(key)
-        except ChunkNotFound:
-            return  # evicted at once by the medium (a TTL): nothing is left under either
-        await asyncio.to_thread(verify, keyring, key, back, fresh[1])
-        report.resealed += 1
-
-    async def _record(self, key: str, keyring: Keyring, report: RekeyReport) -> None:
-        stored = await self.meta.inner.get(key)
-        if stored is None:
-            return  # deleted since the listing
-        fresh = await self._resealed(keyring, key, stored, report)
-        if fresh is None:
-            return
-        await self.meta.inner.commit({key: fresh[0]})
-        back = await self.meta.inner.get(key)
-        if back is not None:
-            await asyncio.to_thread(verify, keyring, key, back, fresh[1])
-            report.resealed += 1
-
-    @staticmethod
-    async def _resealed(keyring: Keyring, key: str, stored: Buffer, report: RekeyReport
-                        ) -> tuple[bytes, bytes] | None:
-        """(the value under ``current``, its plaintext), or None when it stays as it is
-        (counted: in clear, already current, or not opening, which keeps its key counted)."""
-        key_id = _sealed_under(stored)
-        if key_id is None:
-            report.in_clear += 1
-            return None
-        try:
-            fresh = await asyncio.to_thread(reseal, keyring, key, stored)
-        except ChunkCorrupt:
-            report.unreadable.append(key)
-            report.note(key_id)
-            return None
-        if fresh is None:
-            report.already_current += 1
-        return fresh
+    def _session_of(self, key: str) -> AbstractAsyncContextManager[None]:
+        """The write lock of the session whose manifest ``key`` is."""
+        tenant, _, session_id = key.removeprefix(MANIFEST_PREFIX).partition("/")
+        return self.catalog.write(tenant, session_id)

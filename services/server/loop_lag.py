@@ -15,13 +15,17 @@ what a request makes the loop parse).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 
 import grpc
 
 from services.server.metrics import ServiceMetrics
+from services.serving.interceptors import scoped
 from services.serving.lifecycle import end_task
 
 log = logging.getLogger(__name__)
@@ -92,33 +96,13 @@ class _InFlight(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return None
-        return _tracked(handler, self.monitor, details.method.rpartition("/")[2])
+        return scoped(handler, functools.partial(self.counted, details.method.rpartition("/")[2]))
 
-
-def _tracked(handler: grpc.RpcMethodHandler, monitor: LoopMonitor, name: str
-             ) -> grpc.RpcMethodHandler:
-    """``handler`` counted in flight while it runs, of the same kind (grpc.aio tells
-    coroutines from async generators)."""
-    if handler.response_streaming:
-        kind = "stream_stream" if handler.request_streaming else "unary_stream"
-        behaviour = getattr(handler, kind)
-
-        async def tracked(request, context):
-            monitor.entered(name)
-            try:
-                async for reply in behaviour(request, context):
-                    yield reply
-            finally:
-                monitor.left(name)
-    else:
-        kind = "stream_unary" if handler.request_streaming else "unary_unary"
-        behaviour = getattr(handler, kind)
-
-        async def tracked(request, context):
-            monitor.entered(name)
-            try:
-                return await behaviour(request, context)
-            finally:
-                monitor.left(name)
-
-    return handler._replace(**{kind: tracked})
+    @contextlib.asynccontextmanager
+    async def counted(self, name: str, request: object, context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[None]:
+        self.monitor.entered(name)
+        try:
+            yield
+        finally:
+            self.monitor.left(name)

@@ -24,7 +24,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -33,6 +33,7 @@ import grpc
 
 from kvstore.format.errors import InvalidRequest
 from kvtier.request_ids import REQUEST_ID_KEY, check_request_id, new_request_id
+from services.serving.interceptors import scoped
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -138,40 +139,22 @@ def _fields(summary: dict[str, object]) -> str:
 
 def _followed(handler: grpc.RpcMethodHandler, interceptor: RequestInterceptor, name: str,
               sent: str | None) -> grpc.RpcMethodHandler:
-    """``handler`` with its Request set while it runs, of the same kind."""
-    async def opened(context) -> Request | None:
+    """``handler`` with its Request set while it runs."""
+    @contextlib.asynccontextmanager
+    async def followed(request: object, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[None]:
         try:
-            return interceptor.begin(name, sent, context)
+            call = interceptor.begin(name, sent, context)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        token = _current.set(call)
+        try:
+            yield
+        finally:
+            interceptor.end(call, context)  # its lines carry the request's fields
+            _current.reset(token)
 
-    if handler.response_streaming:
-        kind = "stream_stream" if handler.request_streaming else "unary_stream"
-        behaviour = getattr(handler, kind)
-
-        async def followed(request, context):
-            call = await opened(context)
-            token = _current.set(call)
-            try:
-                async for reply in behaviour(request, context):
-                    yield reply
-            finally:
-                interceptor.end(call, context)  # its lines carry the request's fields
-                _current.reset(token)
-    else:
-        kind = "stream_unary" if handler.request_streaming else "unary_unary"
-        behaviour = getattr(handler, kind)
-
-        async def followed(request, context):
-            call = await opened(context)
-            token = _current.set(call)
-            try:
-                return await behaviour(request, context)
-            finally:
-                interceptor.end(call, context)  # its lines carry the request's fields
-                _current.reset(token)
-
-    return handler._replace(**{kind: followed})
+    return scoped(handler, followed)
 
 
 class RequestFields(logging.Filter):

@@ -29,6 +29,7 @@ variable, each RPC running in its own task), and writes the audit (``services.se
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import hashlib
 import hmac
@@ -37,7 +38,7 @@ import os
 import re
 import time
 import tomllib
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,7 @@ import grpc
 from kvstore.format.errors import InvalidRequest, PermissionDenied, Unauthenticated
 from kvtier.errors import RecordsCalls, abort
 from services.serving.audit import AuditLog
+from services.serving.interceptors import scoped
 
 log = logging.getLogger(__name__)
 TENANT, ADMIN, REPLAY = "tenant", "admin", "replay"
@@ -320,7 +322,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         roles = METHOD_ROLES.get(details.method)
         if handler is None or roles is None:
             return handler  # health checking (and reflection, when configured) stay open
-        return _wrapped(handler, _Guard(self, details.method, roles))
+        return scoped(handler, _Guard(self, details.method, roles).call)
 
 
 class _Guard:
@@ -354,6 +356,19 @@ class _Guard:
         _CALLER.set(identity)
         return identity
 
+    @contextlib.asynccontextmanager
+    async def call(self, request: object, context: grpc.aio.ServicerContext
+                   ) -> AsyncIterator[None]:
+        identity = await self.enter(context, request)
+        error = None
+        try:
+            yield
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self.leave(context, identity, error)
+
     def leave(self, context: grpc.aio.ServicerContext, identity: Identity | None,
               error: BaseException | None) -> None:
         code = context.code()
@@ -370,39 +385,3 @@ class _Guard:
             return
         self.audit.record(kind, identity, self.name, context.peer(), result,
                           target=_TARGET.get())
-
-
-def _wrapped(handler: grpc.RpcMethodHandler, guard: _Guard) -> grpc.RpcMethodHandler:
-    """``handler`` behind ``guard``, of the same kind (grpc.aio tells coroutines from
-    async generators)."""
-    if handler.response_streaming:
-        kind = "stream_stream" if handler.request_streaming else "unary_stream"
-        behaviour = getattr(handler, kind)
-
-        async def guarded(request, context):
-            identity = await guard.enter(context, request)
-            error = None
-            try:
-                async for reply in behaviour(request, context):
-                    yield reply
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                guard.leave(context, identity, error)
-    else:
-        kind = "stream_unary" if handler.request_streaming else "unary_unary"
-        behaviour = getattr(handler, kind)
-
-        async def guarded(request, context):
-            identity = await guard.enter(context, request)
-            error = None
-            try:
-                return await behaviour(request, context)
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                guard.leave(context, identity, error)
-
-    return handler._replace(**{kind: guarded})

@@ -1,6 +1,7 @@
 """The engine integrations' breaker: open after a run of outages, one probe after the
 cool-down, closed by its success, open again by its failure; a probe that never reports
-gives its place after another cool-down."""
+gives its place after another cool-down. A breaker that starts open (the vLLM link's)
+stays open until a success."""
 
 from __future__ import annotations
 
@@ -60,6 +61,23 @@ def test_a_success_resets_the_run_of_failures() -> None:
     breaker.succeeded()
     breaker.failed()
     assert not breaker.is_open
+
+
+def test_failed_says_only_when_a_run_of_failures_opened_it() -> None:
+    clock = Clock()
+    breaker = Breaker(threshold=3, cooldown_s=1.0, start_open=True, clock=clock)
+    assert breaker.is_open  # nothing known to work yet
+    assert not breaker.failed()  # already open: not opened again
+    breaker.succeeded()
+    assert not breaker.is_open
+    assert not breaker.failed() and not breaker.failed()
+    breaker.succeeded()  # a success in between: the count starts over
+    assert not breaker.failed() and not breaker.failed()
+    assert breaker.failed() and breaker.is_open and breaker.opened == 1
+    assert not breaker.failed()
+    clock.now = 1.0
+    assert breaker.allow()
+    assert not breaker.failed() and breaker.is_open  # a failed probe: open, not opened
 
 
 def test_bad_settings_are_refused() -> None:

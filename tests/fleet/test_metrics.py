@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -180,19 +179,17 @@ async def test_calls_to_an_s3_endpoint_that_does_not_answer_are_errors_by_op_and
     assert value(registry, "kvtier_object_request_seconds_count", op="put") == 0
 
 
-async def test_an_s3_call_past_its_deadline_is_a_timeout(opened):
-    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
-        tier = opened.adopt(ObjectTier("s3://bucket/p", 1 << 20, ObjectTierConfig(
-            endpoint_url=f"http://127.0.0.1:{silent.getsockname()[1]}",
-            region_name="us-east-1", aws_access_key_id="k", aws_secret_access_key="s",
-            max_attempts=1, read_timeout_s=1.0, deadline_s=0.2)))
-        registry = CollectorRegistry()
-        tier.remote.observer = RemoteMetrics(registry)
-        with pytest.raises(TierUnavailable, match="did not answer"):
-            await tier.put("t/" + "ab" * 16, b"x")
-        assert value(registry, "kvtier_object_errors_total", op="list", kind="timeout") == 1
-        assert value(registry, "kvtier_object_errors_total", op="list",
-                     kind="unavailable") == 0
+async def test_an_s3_call_past_its_deadline_is_a_timeout(opened, hung_server):
+    tier = opened.adopt(ObjectTier("s3://bucket/p", 1 << 20, ObjectTierConfig(
+        endpoint_url=f"http://{hung_server}",
+        region_name="us-east-1", aws_access_key_id="k", aws_secret_access_key="s",
+        max_attempts=1, read_timeout_s=1.0, deadline_s=0.2)))
+    registry = CollectorRegistry()
+    tier.remote.observer = RemoteMetrics(registry)
+    with pytest.raises(TierUnavailable, match="did not answer"):
+        await tier.put("t/" + "ab" * 16, b"x")
+    assert value(registry, "kvtier_object_errors_total", op="list", kind="timeout") == 1
+    assert value(registry, "kvtier_object_errors_total", op="list", kind="unavailable") == 0
 
 
 async def test_a_redis_that_does_not_answer_is_an_error_by_op_and_kind(opened):

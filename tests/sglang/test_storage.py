@@ -5,7 +5,6 @@ SGLang's HiCacheFile on the same keys as the reference answer."""
 from __future__ import annotations
 
 import itertools
-import socket
 import time
 import uuid
 
@@ -285,27 +284,11 @@ def test_random_failures_and_delays_lose_nothing_and_return_nothing_wrong(
     assert steady.batch_exists(page_keys) == 8
 
 
-@pytest.fixture
-def silent_server():
-    """A TCP port that accepts connections and never answers: a hung server."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    yield f"127.0.0.1:{listener.getsockname()[1]}"
-    listener.close()
-
-
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
 @pytest.mark.parametrize("server", ["hung", "down"])
-def test_a_hung_or_down_server_gives_misses_within_the_deadline(silent_server, server):
+def test_a_hung_or_down_server_gives_misses_within_the_deadline(request, server):
     pool = host_pool("mha", "page_first")
     fill_random(pool, 2)
-    target = silent_server if server == "hung" else free_port()
+    target = request.getfixturevalue(f"{server}_server")
     store = kvtier_backend(target, "mha", "page_first", pool, timeout_ms=100)
     page_keys = keys(2)
     at = page_indices(pool, [0, 1])

@@ -1,14 +1,17 @@
 """Real servers for tests, each on a loopback port: ``redis-server`` processes, a Redis
-Cluster of them, and moto's S3 server over HTTP. The conftest's fixtures start them."""
+Cluster of them, and moto's S3 server over HTTP. The conftest's fixtures start them. And
+the two servers an engine integration must survive: a hung one and one that is down."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,6 +39,24 @@ def free_port(*, with_cluster_bus: bool = False) -> int:
         if _port_is_free(port) and (not with_cluster_bus or _port_is_free(port + 10000)):
             return port
     raise RuntimeError("no free loopback port found")
+
+
+@contextlib.contextmanager
+def hung_address() -> Iterator[str]:
+    """The address of a loopback port that takes connections and never answers: the
+    kernel completes the TCP handshake, nothing accepts or reads, so every call hangs until
+    its deadline."""
+    with socket.socket() as listener:
+        listener.bind((LOOPBACK, 0))
+        listener.listen(16)
+        yield f"{LOOPBACK}:{listener.getsockname()[1]}"
+
+
+def down_address() -> str:
+    """The address of a loopback port nothing listens on: connections are refused."""
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return f"{LOOPBACK}:{sock.getsockname()[1]}"
 
 
 class RedisServer:

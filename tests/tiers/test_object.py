@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 
 import boto3
@@ -126,14 +125,8 @@ async def test_corrupt_compressed_object_is_reported(tmp_path):
         await tier.get("k")
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-async def test_unreachable_endpoint_is_unavailable(s3_credentials, opened):
-    config = ObjectTierConfig(endpoint_url=f"http://127.0.0.1:{_closed_port()}",
+async def test_unreachable_endpoint_is_unavailable(s3_credentials, opened, down_server):
+    config = ObjectTierConfig(endpoint_url=f"http://{down_server}",
                               connect_timeout_s=0.2, max_attempts=1, **s3_credentials)
     tier = opened.adopt(ObjectTier("s3://bucket/prefix", 1000, config))
     with pytest.raises(TierUnavailable):

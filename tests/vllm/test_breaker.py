@@ -1,9 +1,9 @@
-"""The link's breaker: open until kvtier first answers, open again after consecutive
+"""The connector's link: open until kvtier first answers, open again after consecutive
 failures (said once in the log), closed by a probe on its timer; a link to a server that is
-not there yet comes up once it is, without any caller waiting."""
+not there yet comes up once it is, without any caller waiting. The breaker alone:
+tests/client/test_integration_breaker.py."""
 
 import logging
-import socket
 import time
 
 import pytest
@@ -13,31 +13,15 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 import kvtier  # noqa: E402
-from kvtier.integrations.vllm.breaker import Breaker, Link  # noqa: E402
+from kvtier.integrations.breaker import Link  # noqa: E402
 from kvtier.integrations.vllm.layout import CacheShape, rank_layout  # noqa: E402
 
 SPEC = rank_layout(CacheShape(2, 2, 16, 16, 1000, torch.bfloat16, 1, "cpu_attn.vec"), 0, "auto")
 
 
-def test_the_breaker_opens_after_consecutive_failures_only():
-    breaker = Breaker(3)
-    assert breaker.open  # nothing known to work yet
-    breaker.succeeded()
-    assert not breaker.open
-    assert not breaker.failed() and not breaker.failed()
-    breaker.succeeded()  # a success in between: the count starts over
-    assert not breaker.failed() and not breaker.failed()
-    assert breaker.failed() and breaker.open  # the third in a row opens it
-    assert not breaker.failed()  # already open: not opened again
-    with pytest.raises(ValueError):
-        Breaker(0)
-
-
-def test_a_link_comes_up_when_its_server_does_and_says_so(kvtier_server, caplog):
+def test_a_link_comes_up_when_its_server_does_and_says_so(kvtier_server, down_server, caplog):
     caplog.set_level(logging.INFO, logger="test-link")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    closed = down_server
     started = time.monotonic()
     down = Link(kvtier.Client(closed, retry=kvtier.RetryPolicy(attempts=1), timeout_s=1),
                 [SPEC], server=closed, failures=2, probe_interval_s=0.05,

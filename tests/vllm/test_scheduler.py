@@ -3,7 +3,6 @@ blocks, never the last token), and the load, save and spill plans it hands the w
 lookups never block a step (a hung server's are misses by the deadline, then at once)."""
 
 import logging
-import socket
 import time
 
 import pytest
@@ -24,7 +23,7 @@ from vllm.v1.request import Request  # noqa: E402
 
 import kvtier  # noqa: E402
 from kvstore.format.chunk import StreamData  # noqa: E402
-from kvtier.integrations.vllm.breaker import Link  # noqa: E402
+from kvtier.integrations.breaker import Link  # noqa: E402
 from kvtier.integrations.vllm.config import ConnectorConfig  # noqa: E402
 from kvtier.integrations.vllm.layout import CacheShape, rank_layout  # noqa: E402
 from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata, LoadPlan, SavePlan  # noqa: E402
@@ -123,10 +122,10 @@ def test_held_prefix_is_whole_blocks_and_never_the_last_token(side):
     assert side.take_stats() is None
 
 
-def test_a_store_that_cannot_answer_is_a_miss_at_once():
+def test_a_store_that_cannot_answer_is_a_miss_at_once(down_server):
     """A server that refuses connections: the link never comes up, so every lookup is a
     miss without a call, and the engine was never kept from starting."""
-    config = ConnectorConfig.from_extra({"server": f"127.0.0.1:{closed_port()}",
+    config = ConnectorConfig.from_extra({"server": down_server,
                                          "model_fingerprint": "x", "timeout_s": 1})
     client = kvtier.Client(config.server, retry=kvtier.RetryPolicy(attempts=1), timeout_s=1)
     dead = SchedulerSide(config, SHAPE, [SPEC], link_of(client, config))
@@ -138,20 +137,11 @@ def test_a_store_that_cannot_answer_is_a_miss_at_once():
         dead.shutdown()
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_a_hung_server_is_asked_again_then_a_miss_by_the_deadline_then_skipped():
+def test_a_hung_server_is_asked_again_then_a_miss_by_the_deadline_then_skipped(hung_server):
     """A server that accepts connections and never answers: each lookup says "ask again"
     (None) until its deadline and is then a miss; after ``breaker_failures`` of them in a
     row the breaker is open and a lookup is a miss without being asked."""
-    hung = socket.socket()
-    hung.bind(("127.0.0.1", 0))
-    hung.listen(16)  # never accepted: the handshake never completes
-    target = f"127.0.0.1:{hung.getsockname()[1]}"
+    target = hung_server
     config = ConnectorConfig.from_extra({"server": target, "model_fingerprint": FINGERPRINT,
                                          "tenant": "sched", "lookup_timeout_ms": 50,
                                          "breaker_failures": 2, "probe_interval_s": 600})
@@ -176,7 +166,6 @@ def test_a_hung_server_is_asked_again_then_a_miss_by_the_deadline_then_skipped()
         assert asked_s < config.lookup_timeout_ms / 1000  # answered without a call
     finally:
         stalled.shutdown()
-        hung.close()
 
 
 def test_plans_load_then_save_new_full_blocks(side):

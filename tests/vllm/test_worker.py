@@ -6,7 +6,6 @@ stuck on a hung server, saves beyond the queue are skipped and counted, and a fi
 session request is released in the step that copies its blocks."""
 
 import logging
-import socket
 import time
 from dataclasses import replace
 
@@ -18,7 +17,7 @@ import torch  # noqa: E402
 from vllm.model_executor.models.utils import extract_layer_index  # noqa: E402
 
 import kvtier  # noqa: E402
-from kvtier.integrations.vllm.breaker import Link  # noqa: E402
+from kvtier.integrations.breaker import Link  # noqa: E402
 from kvtier.integrations.vllm.config import ConnectorConfig  # noqa: E402
 from kvtier.integrations.vllm.layout import CacheShape, rank_layout  # noqa: E402
 from kvtier.integrations.vllm.metadata import (  # noqa: E402
@@ -208,15 +207,13 @@ def test_compressed_pages_are_decoded_and_written_as_they_were():
     assert not target[[0, 2, 3, 5, 6, 7]].any()
 
 
-def test_saves_beyond_the_queue_are_skipped_and_no_block_waits_for_a_hung_server():
+def test_saves_beyond_the_queue_are_skipped_and_no_block_waits_for_a_hung_server(
+        hung_server):
     """The writer stuck on a server that never answers, a queue of one: the first save is
     being written, the second waits, every later one is skipped and counted (that
     request's later saves too), and a finished session request is released in the step
     that copies its blocks, its spill skipped."""
-    hung = socket.socket()
-    hung.bind(("127.0.0.1", 0))
-    hung.listen(16)  # never accepted
-    side, caches = worker(f"127.0.0.1:{hung.getsockname()[1]}", seed=3, depth=1)
+    side, caches = worker(hung_server, seed=3, depth=1)
     try:
         for i, req in enumerate(("a", "b", "c")):
             run_step(side, caches, KVTierConnectorMetadata(
@@ -230,4 +227,3 @@ def test_saves_beyond_the_queue_are_skipped_and_no_block_waits_for_a_hung_server
         assert side.take_stats().data["saves_skipped"] == 3  # c twice, s's spill
     finally:
         side.shutdown()
-        hung.close()

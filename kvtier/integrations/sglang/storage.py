@@ -15,8 +15,8 @@ never an exception into SGLang, and never ``None`` from a v1 call.
 SGLang's threads never wait past ``timeout_ms``: each call's pages go concurrently on the
 kvtier client's own loop and the caller waits for them at most that long; bytes land in
 the host pool only in the caller's thread, after that wait, so a call that gave up writes
-nothing later. One breaker (``kvtier.integrations.breaker``): while the server is down,
-calls answer misses at once.
+nothing later. One breaker (``kvtier.integrations.breaker``, the vLLM connector's too):
+while the server is down, calls answer misses at once.
 """
 
 from __future__ import annotations

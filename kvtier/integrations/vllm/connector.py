@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.integrations.vllm.breaker import Link
+from kvtier.integrations.breaker import Link
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.layout import PAGE, cache_shape, check_arrangement, rank_layout
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata

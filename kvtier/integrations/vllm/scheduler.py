@@ -38,7 +38,7 @@ from vllm.logger import init_logger
 
 from kvstore.format.errors import InvalidRequest, NotFound, shown
 from kvstore.format.layout import LayoutSpec
-from kvtier.integrations.vllm.breaker import Link
+from kvtier.integrations.breaker import Link
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.layout import CacheShape, rank_session
 from kvtier.integrations.vllm.metadata import (

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from vllm.logger import init_logger
 
-from kvtier.integrations.vllm.breaker import Link
+from kvtier.integrations.breaker import Link
 from kvtier.integrations.vllm.layout import CacheShape, rank_session
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.repack import PagedLayout
