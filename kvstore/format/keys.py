@@ -104,6 +104,29 @@ def iter_chain_keys(layout_id: str, token_ids: Sequence[int] | np.ndarray, chunk
         yield parent
 
 
+def independent_keys(layout_id: str, token_ids: Sequence[int] | np.ndarray,
+                     chunk_tokens: int, *, scope: str, model_fingerprint: str = ""
+                     ) -> list[str]:
+    """Keys of the complete chunks of ``token_ids`` each keyed alone, as the first chunk of
+    a sequence of its own tokens (proto "Independent chunks"): chunk i's key is the one
+    ``chain_keys`` gives ``token_ids[i * chunk_tokens:(i + 1) * chunk_tokens]``."""
+    if chunk_tokens <= 0:
+        raise InvalidRequest(f"chunk_tokens must be positive, got {chunk_tokens}")
+    ids = np.asarray(token_ids)
+    return [chunk_key(scope, layout_id, model_fingerprint, ROOT_PARENT,
+                      ids[start : start + chunk_tokens])
+            for start in range(0, len(ids) - chunk_tokens + 1, chunk_tokens)]
+
+
+def chunk_tokens_of(tokens: np.ndarray, index: int, chunk_tokens: int, independent: bool
+                    ) -> tuple[np.ndarray, int]:
+    """(the sequence chunk ``index`` of ``tokens`` belongs to, its index there): ``tokens``
+    and ``index`` for a chained chunk; its own tokens and 0 for an independent one."""
+    if not independent:
+        return tokens, index
+    return tokens[index * chunk_tokens:(index + 1) * chunk_tokens], 0
+
+
 def chunk_digest(data: bytes | bytearray | memoryview) -> bytes:
     """BLAKE2b-256 of a chunk's encoded bytes (tail and window blobs alike)."""
     return hashlib.blake2b(data, digest_size=DIGEST_BYTES, person=_DIGEST_PERSON).digest()
