@@ -35,6 +35,7 @@ KEY_BYTES = 16
 DIGEST_BYTES = 32
 ROOT_PARENT = ""  # the parent of a session's first chunk
 MAX_FINGERPRINT_BYTES = 256
+MAX_INDEPENDENT_LOOKUP = 1 << 12  # chunks one Lookup of independent chunks asks about (~4 ms)
 _KEY_PERSON = b"kvtier-chunk-v2"
 _DIGEST_PERSON = b"kvtier-bytes-v1"
 _BLOCK_SEP = "."  # block key: "<chain key hex>.<digest hex>"

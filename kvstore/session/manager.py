@@ -65,7 +65,13 @@ import numpy as np
 from kvstore.eviction.pause_estimate import PauseEstimator
 from kvstore.eviction.policies import EvictionPolicy, LRUPolicy
 from kvstore.format.errors import InvalidRequest, KVTierError
-from kvstore.format.keys import check_fingerprint, dedupe_scope, independent_keys, iter_chain_keys
+from kvstore.format.keys import (
+    MAX_INDEPENDENT_LOOKUP,
+    check_fingerprint,
+    dedupe_scope,
+    independent_keys,
+    iter_chain_keys,
+)
 from kvstore.format.registry import get_layout
 from kvstore.placement.blocks import WriteHook
 from kvstore.prefix.chains import LookupResult, held_each, longest_prefix
@@ -89,7 +95,6 @@ from kvstore.session.spill import Spiller, SpillRequest
 from kvstore.tiers.base import Buffer, MemoryMetaStore, MetaStore, Tier, TierStats
 
 log = logging.getLogger(__name__)
-MAX_INDEPENDENT_LOOKUP = 1 << 12  # chunks one lookup of independent chunks hashes (~4 ms)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import pytest
 from kvstore.format.checks import chunk_bytes_max
 from kvstore.format.errors import InvalidRequest
 from kvstore.format.keys import (
+    MAX_INDEPENDENT_LOOKUP,
     block_key,
     chain_keys,
     chunk_digest,
@@ -18,7 +19,6 @@ from kvstore.format.keys import (
     independent_keys,
 )
 from kvstore.format.layout import LayoutSpec, Stream
-from kvstore.session.manager import MAX_INDEPENDENT_LOOKUP
 from kvtier import AsyncClient, shm
 from kvtier import codec as cc
 from proto import kvtier_pb2 as pb

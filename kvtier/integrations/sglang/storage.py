@@ -6,13 +6,14 @@ loaded by SGLang's ``dynamic`` backend (README "SGLang")::
       "class_name": "KVTierStorage", "interface_v1": 1, "model_fingerprint": "...", ...}'
 
 Every page is one prefix chunk in the caller's tenant or dedupe domain
-(``kvtier.integrations.sglang.pages``), written with WriteChunks and read with ReadChunks,
-its bytes checked end to end on the way back: the BLAKE2b digest its writer stated, the
-chunk's own checksums, its layout and its key's stand-in tokens. A page missing, corrupt,
-of another model or of another pool or rank is a miss (False, None, 0): never wrong bytes,
-never an exception into SGLang, and never ``None`` from a v1 call.
+(``kvtier.integrations.sglang.pages``), keyed alone (proto "Independent chunks"): an
+SGLang call's pages are one WriteChunks, ReadChunks or Lookup (a few where pages pass
+``MAX_CALL_BYTES``), its bytes checked end to end on the way back: the BLAKE2b digest its
+writer stated, the chunk's own checksums, its layout and its key's stand-in tokens. A page
+missing, corrupt, of another model or of another pool or rank is a miss (False, None, 0):
+never wrong bytes, never an exception into SGLang, and never ``None`` from a v1 call.
 
-SGLang's threads never wait past ``timeout_ms``: each call's pages go concurrently on the
+SGLang's threads never wait past ``timeout_ms``: each call's batches go concurrently on the
 kvtier client's own loop and the caller waits for them at most that long; bytes land in
 the host pool only in the caller's thread, after that wait, so a call that gave up writes
 nothing later. One breaker (``kvtier.integrations.breaker``): while the server is down,
@@ -28,6 +29,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
@@ -40,6 +42,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvstore.format.errors import TierUnavailable, UnknownLayout
+from kvstore.format.keys import MAX_INDEPENDENT_LOOKUP
 from kvtier.integrations.breaker import Breaker
 from kvtier.integrations.sglang.config import StorageSettings
 from kvtier.integrations.sglang.hits import pool_hits
@@ -49,6 +52,7 @@ from kvtier.sync import Client
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Page = tuple[PageFormat, str]  # the pool's pages, the page's storage key
+MAX_CALL_BYTES = 64 << 20  # pages read or written by one call at most (calls run at once)
 
 
 class KVTierStorage(HiCacheStorage):
@@ -207,19 +211,20 @@ class KVTierStorage(HiCacheStorage):
                              host_pool.get_data_page(offset, flat=True))
                             for key, offset in zip(keys, offsets, strict=True)])
 
-    # -- kvtier calls: concurrent on the client's loop, bounded by the deadline --
+    # -- kvtier calls: a batch a call, concurrent on the client's loop, bounded by the
+    # deadline --
 
     def _read(self, pages: list[Page]) -> list[memoryview | None]:
-        async def read(fmt: PageFormat, key: str) -> memoryview | None:
-            result = await self.client.async_client.read_chunks(
-                self.settings.tenant, await self._layout(fmt), key_tokens(fmt.name(key,
-                                                                                   self.shard)),
+        async def read(batch: list[Page]) -> list[memoryview | None]:
+            fmt = batch[0][0]
+            result = await self.client.async_client.read_independent_chunks(
+                self.settings.tenant, await self._layout(fmt), self._tokens(batch),
                 model_fingerprint=self.settings.model_fingerprint,
                 dedupe_domain=self.settings.dedupe_domain)
-            chunk = result.chunks.get(0)
-            return None if chunk is None else fmt.payload(chunk)
+            return [None if (chunk := result.chunks.get(i)) is None else f.payload(chunk)
+                    for i, (f, _) in enumerate(batch)]
 
-        return self._each(pages, read, None)
+        return self._each(pages, MAX_CALL_BYTES, read, None)
 
     def _write(self, pages: list[tuple[PageFormat, str, torch.Tensor | None]]) -> list[bool]:
         # Encoded here, in SGLang's thread: the host pool's bytes are read before it returns.
@@ -232,26 +237,31 @@ class KVTierStorage(HiCacheStorage):
                 logger.warning("kvtier sglang storage: page %s not stored: %s", key, exc)
                 chunks.append(None)
 
-        async def write(fmt: PageFormat, tokens, chunk: bytes) -> bool:
-            await self.client.async_client.write_chunks(
-                self.settings.tenant, await self._layout(fmt), tokens, [chunk],
+        async def write(batch: list[tuple]) -> list[bool]:
+            await self.client.async_client.write_independent_chunks(
+                self.settings.tenant, await self._layout(batch[0][0]),
+                np.concatenate([tokens for _, tokens, _ in batch]),
+                [chunk for _, _, chunk in batch],
                 model_fingerprint=self.settings.model_fingerprint,
-                dedupe_domain=self.settings.dedupe_domain, ack=self.settings.ack,
-                skip_held=False)
-            return True
+                dedupe_domain=self.settings.dedupe_domain, ack=self.settings.ack)
+            return [True] * len(batch)
 
-        sent = iter(self._each([c for c in chunks if c is not None], write, False))
+        sent = iter(self._each([c for c in chunks if c is not None], MAX_CALL_BYTES, write,
+                               False))
         return [c is not None and next(sent) for c in chunks]
 
     def _exists(self, pages: list[Page]) -> list[bool]:
-        async def exists(fmt: PageFormat, key: str) -> bool:
-            held = await self.client.async_client.lookup(
-                self.settings.tenant, await self._layout(fmt),
-                key_tokens(fmt.name(key, self.shard)), model=self.settings.model_fingerprint,
+        async def exists(batch: list[Page]) -> list[bool]:
+            return await self.client.async_client.lookup_independent_chunks(
+                self.settings.tenant, await self._layout(batch[0][0]), self._tokens(batch),
+                model_fingerprint=self.settings.model_fingerprint,
                 dedupe_domain=self.settings.dedupe_domain)
-            return held >= fmt.spec.chunk_tokens
 
-        return self._each(pages, exists, False)
+        return self._each(pages, None, exists, False)
+
+    def _tokens(self, batch: list[Page]) -> np.ndarray:
+        """Every page's stand-in tokens end to end: (pages * KEY_TOKENS,) uint32."""
+        return np.concatenate([key_tokens(fmt.name(key, self.shard)) for fmt, key in batch])
 
     async def _layout(self, fmt: PageFormat):
         if fmt.spec.layout_id not in self._registered:
@@ -259,10 +269,12 @@ class KVTierStorage(HiCacheStorage):
             self._registered.add(fmt.spec.layout_id)
         return fmt.spec
 
-    def _each(self, items: list[tuple], call: Callable[..., Coroutine[Any, Any, T]],
-              miss: T) -> list[T]:
-        """``call(*item)`` for every item at once on the client's loop; ``miss`` for each
-        that failed, and for all when the deadline passed or the breaker is open."""
+    def _each(self, items: list[tuple], max_bytes: int | None,
+              call: Callable[[list], Coroutine[Any, Any, list[T]]], miss: T) -> list[T]:
+        """``call(batch)`` for the items in batches, all at once on the client's loop: a
+        batch is items of one layout (``item[0]``: their PageFormat), of at most
+        ``max_bytes`` of pages (None: no bound but the lookup's); ``miss`` for each item of
+        a batch that failed, and for all when the deadline passed or the breaker is open."""
         if not items:
             return []
         if not self.breaker.allow():
@@ -270,38 +282,61 @@ class KVTierStorage(HiCacheStorage):
         outage: list[Exception] = []
         failed: list[Exception] = []
 
-        async def one(item: tuple) -> T:
+        async def one(batch: list[tuple]) -> list[T]:
             try:
-                return await call(*item)
+                return await call(batch)
             except UnknownLayout:  # a restarted server forgot it: told again next call
-                self._registered.discard(item[0].spec.layout_id)
+                self._registered.discard(batch[0][0].spec.layout_id)
             except TierUnavailable as exc:
                 outage.append(exc)
-            except Exception as exc:  # one page's failure is that page's miss
+            except Exception as exc:  # one batch's failure is its pages' misses
                 failed.append(exc)
-            return miss
+            return [miss] * len(batch)
 
-        async def every() -> list[T]:
-            return list(await asyncio.gather(*(one(item) for item in items)))
+        batches = _batches(items, max_bytes)
+
+        async def every() -> list[list[T]]:
+            return list(await asyncio.gather(*(one([items[i] for i in batch])
+                                               for batch in batches)))
 
         future = self.client.submit(every())
         try:
-            results = future.result(timeout=self.settings.timeout_s)
+            answers = future.result(timeout=self.settings.timeout_s)
         except FutureTimeout:
             future.cancel()
             self.breaker.failed()
             logger.warning("kvtier sglang storage: no answer within %g ms: %d pages missed",
                            self.settings.timeout_ms, len(items))
             return [miss] * len(items)
-        if failed:  # once a call, not once a page
-            logger.warning("kvtier sglang storage: %d of %d pages failed: %s", len(failed),
-                           len(items), failed[0])
+        if failed:  # once a call, not once a batch
+            logger.warning("kvtier sglang storage: %d of %d calls failed: %s", len(failed),
+                           len(batches), failed[0])
         if outage:
             self.breaker.failed()
             logger.warning("kvtier sglang storage: server unavailable: %s", outage[0])
         else:
             self.breaker.succeeded()
+        results: list[T] = [miss] * len(items)
+        for batch, answer in zip(batches, answers, strict=True):
+            for i, value in zip(batch, answer, strict=True):
+                results[i] = value
         return results
+
+
+def _batches(items: list[tuple], max_bytes: int | None) -> list[list[int]]:
+    """The items' positions grouped by layout (``item[0].spec``), in order, each group cut
+    into runs of at most ``max_bytes`` of pages (one page at least) and at most
+    ``MAX_INDEPENDENT_LOOKUP`` pages (what one Lookup may ask about)."""
+    groups: dict[str, list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(item[0].spec.layout_id, []).append(i)
+    out = []
+    for positions in groups.values():
+        size = MAX_INDEPENDENT_LOOKUP
+        if max_bytes is not None:
+            size = min(size, max(1, max_bytes // items[positions[0]][0].page_bytes))
+        out += [positions[n:n + size] for n in range(0, len(positions), size)]
+    return out
 
 
 def _pool_key(pool: str, key: str) -> str:
