@@ -52,6 +52,7 @@ from kvtier.sync import Client
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Page = tuple[PageFormat, str]  # the pool's pages, the page's storage key
+PoolPages = tuple[str, list[str], "torch.Tensor | None", Any]  # pool, keys, host indices, pool
 MAX_CALL_BYTES = 64 << 20  # pages read or written by one call at most (calls run at once)
 
 
@@ -84,11 +85,11 @@ class KVTierStorage(HiCacheStorage):
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        return self._get_pages(KV_POOL, keys, host_indices, self._kv_host_pool())
+        return self._get_pages([(KV_POOL, keys, host_indices, self._kv_host_pool())])[0]
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        return self._set_pages(KV_POOL, keys, host_indices, self._kv_host_pool())
+        return self._set_pages([(KV_POOL, keys, host_indices, self._kv_host_pool())])[0]
 
     def _kv_host_pool(self):
         return getattr(self, "mem_pool_host", None)
@@ -172,44 +173,74 @@ class KVTierStorage(HiCacheStorage):
 
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        return {str(t.name): self._get_pages(str(t.name), t.keys or [], t.host_indices,
-                                             self._host_pools().get(t.name))
-                for t in transfers}
+        done = self._get_pages(self._transfers(transfers))
+        return {str(t.name): got for t, got in zip(transfers, done, strict=True)}
 
     def batch_set_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        return {str(t.name): self._set_pages(str(t.name), t.keys or [], t.host_indices,
-                                             self._host_pools().get(t.name))
-                for t in transfers}
+        done = self._set_pages(self._transfers(transfers))
+        return {str(t.name): got for t, got in zip(transfers, done, strict=True)}
 
-    def _host_pools(self) -> dict:
-        return getattr(self, "registered_pools", {})
+    def _transfers(self, transfers: list[PoolTransfer]) -> list[PoolPages]:
+        pools = getattr(self, "registered_pools", {})
+        return [(str(t.name), t.keys or [], t.host_indices, pools.get(t.name))
+                for t in transfers]
 
     # -- pages of a host pool --
 
-    def _get_pages(self, pool: str, keys: list[str], host_indices: torch.Tensor | None,
-                   host_pool) -> list[bool]:
-        offsets = _page_offsets(pool, keys, host_indices, host_pool)
-        fmt = self.formats.get(pool)
-        if offsets is None or fmt is None:
-            return [False] * len(keys)
-        pages = self._read([(fmt, _pool_key(pool, key)) for key in keys])
-        for offset, data in zip(offsets, pages, strict=True):
-            if data is not None:
-                host_pool.set_from_flat_data_page(offset, fmt.flat_page(data))
-        return [data is not None for data in pages]
+    def _get_pages(self, transfers: list[PoolPages]) -> list[list[bool]]:
+        """Every pool's pages read in one go (one call a layout), each loaded into its
+        host pool; one bool a key."""
+        plans = self._plans(transfers)
+        asked: list[Page] = []
+        for (pool, keys, _, _), plan in zip(transfers, plans, strict=True):
+            if plan is not None:
+                asked += [(plan[0], _pool_key(pool, key)) for key in keys]
+        loaded = iter(self._read(asked))
+        out = []
+        for (_, keys, _, host_pool), plan in zip(transfers, plans, strict=True):
+            if plan is None:
+                out.append([False] * len(keys))
+                continue
+            fmt, offsets = plan
+            got = []
+            for offset in offsets:
+                data = next(loaded)
+                if data is not None:
+                    host_pool.set_from_flat_data_page(offset, fmt.flat_page(data))
+                got.append(data is not None)
+            out.append(got)
+        return out
 
-    def _set_pages(self, pool: str, keys: list[str], host_indices: torch.Tensor | None,
-                   host_pool) -> list[bool]:
-        offsets = _page_offsets(pool, keys, host_indices, host_pool)
-        fmt = self.formats.get(pool)
-        if offsets is None or fmt is None:
-            return [False] * len(keys)
-        if not self.shard.writes(pool):
-            return [True] * len(keys)  # the shard's writer rank stores these pages
-        return self._write([(fmt, _pool_key(pool, key),
-                             host_pool.get_data_page(offset, flat=True))
-                            for key, offset in zip(keys, offsets, strict=True)])
+    def _set_pages(self, transfers: list[PoolPages]) -> list[list[bool]]:
+        """Every pool's pages written in one go (one call a layout); one bool a key."""
+        plans = self._plans(transfers)
+        pages: list[tuple[PageFormat, str, torch.Tensor | None]] = []
+        for (pool, keys, _, host_pool), plan in zip(transfers, plans, strict=True):
+            if plan is not None and self.shard.writes(pool):
+                pages += [(plan[0], _pool_key(pool, key),
+                           host_pool.get_data_page(offset, flat=True))
+                          for key, offset in zip(keys, plan[1], strict=True)]
+        written = iter(self._write(pages))
+        out = []
+        for (pool, keys, _, _), plan in zip(transfers, plans, strict=True):
+            if plan is None:
+                out.append([False] * len(keys))
+            elif not self.shard.writes(pool):  # the shard's writer rank stores these pages
+                out.append([True] * len(keys))
+            else:
+                out.append([next(written) for _ in keys])
+        return out
+
+    def _plans(self, transfers: list[PoolPages]) -> list[tuple[PageFormat, list[int]] | None]:
+        """Per transfer, its pool's pages and the host slot each page starts at; None when
+        its pool is not registered or its host indices do not fit its keys."""
+        plans: list[tuple[PageFormat, list[int]] | None] = []
+        for pool, keys, host_indices, host_pool in transfers:
+            offsets = _page_offsets(pool, keys, host_indices, host_pool)
+            fmt = self.formats.get(pool)
+            plans.append(None if offsets is None or fmt is None else (fmt, offsets))
+        return plans
 
     # -- kvtier calls: a batch a call, concurrent on the client's loop, bounded by the
     # deadline --
@@ -355,7 +386,7 @@ def _page_offsets(pool: str, keys: list[str], host_indices: torch.Tensor | None,
         logger.error("kvtier sglang storage: %d host indices for %d %s pages of %d slots",
                      host_indices.numel(), len(keys), pool, page_size)
         return None
-    return [int(host_indices[i * page_size]) for i in range(len(keys))]
+    return host_indices[::page_size].tolist()
 
 
 def _fill(target: torch.Tensor, data: memoryview) -> bool:
