@@ -2,7 +2,14 @@
 SGLang 0.5.23's real host pool, in one run.
 
 ``python -m bench.sglang [--json] [--pages 64] [--batch 16] [--layers 8] [--page-size 32]
-[--repeats 5]`` (in .venv-sglang: ``make sglang``).
+[--repeats 5] [--small-page-size 1] [--small-pages 512] [--small-batch 128]`` (in
+.venv-sglang: ``make sglang``).
+
+Two configurations, each in one run of its own: ``--page-size`` tokens a page (32: 1 MiB
+pages, the result's top-level keys) and ``--small-page-size`` (1: 32 KiB pages, SGLang's
+default page size, under ``small_pages``; 0 skips it), whose pages go
+``--small-batch`` a call (128: SGLang's ``STORAGE_BATCH_SIZE``, what its controller
+passes for any prefetch or backup of 128 pages or more).
 
 One ``MHATokenToKVPoolHost`` (page_first, bf16, 8 KV heads of 128: a Llama-8B-like rank's
 geometry, ``--layers`` layers) holds ``--pages`` pages of random bytes. Each backend is
@@ -12,8 +19,10 @@ SGLang's cache controller calls it:
 
 - kvtier: ``KVTierStorage`` (``dynamic``, ``interface_v1``) against a live kvtier server
   (``kvtier serve --preset test``, its own process, its host RAM tier holding every
-  page): ``batch_set_v1`` / ``batch_get_v1`` with host indices. Every page read is checked
-  end to end (its BLAKE2b digest, the chunk's checksums, its layout and key).
+  page): ``batch_set_v1`` / ``batch_get_v1`` with host indices, a call's pages one kvtier
+  call each way. Every page read is checked end to end: the server sends only bytes of
+  the BLAKE2b digest the page was written with, the client checks each chunk's header,
+  section table, payload checksum (xxh3) and its key's stand-in tokens.
 - hicache_file: ``HiCacheFile`` over a temporary directory (the OS page cache holds every
   file): the controller's legacy path, ``get_data_page`` + ``batch_set`` and
   ``batch_get`` into flat pages + ``set_from_flat_data_page``. It checks nothing.
@@ -132,6 +141,15 @@ def _compare(backends: dict, pool, target, args) -> tuple[dict, bool]:
 
 
 def run(args) -> dict:
+    result = _configuration(args)
+    if args.small_page_size:
+        result["small_pages"] = _configuration(argparse.Namespace(
+            **{**vars(args), "page_size": args.small_page_size, "pages": args.small_pages,
+               "batch": args.small_batch}))
+    return result
+
+
+def _configuration(args) -> dict:
     pool, target = _pools(args)
     fill_random(pool, args.pages, seed=1)
     page_bytes = pool.get_dummy_flat_data_page().numel() * 2
@@ -171,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--small-page-size", type=int, default=1,
+                        help="tokens a page of the small-page configuration (0: skip it)")
+    parser.add_argument("--small-pages", type=int, default=512)
+    parser.add_argument("--small-batch", type=int, default=128)
     args = parser.parse_args(argv)
     result = run(args)
     if args.json:

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import warnings
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import numpy as np
@@ -105,11 +107,9 @@ class KVTierStorage(HiCacheStorage):
         fmt = self.formats.get(KV_POOL)
         if fmt is None or target_locations is None or len(target_locations) != len(keys):
             return [None] * len(keys)
-        pages = self._read([(fmt, key) for key in keys])
-        out: list[torch.Tensor | None] = []
-        for target, data in zip(target_locations, pages, strict=True):
-            out.append(target if data is not None and _fill(target, data) else None)
-        return out
+        with self._reading([(fmt, key) for key in keys]) as pages:
+            return [target if data is not None and _fill(target, data) else None
+                    for target, data in zip(target_locations, pages, strict=True)]
 
     def set(self, key: str, value: torch.Tensor | None = None, target_location: Any = None,
             target_sizes: Any = None) -> bool:
@@ -196,20 +196,21 @@ class KVTierStorage(HiCacheStorage):
         for (pool, keys, _, _), plan in zip(transfers, plans, strict=True):
             if plan is not None:
                 asked += [(plan[0], _pool_key(pool, key)) for key in keys]
-        loaded = iter(self._read(asked))
-        out = []
-        for (_, keys, _, host_pool), plan in zip(transfers, plans, strict=True):
-            if plan is None:
-                out.append([False] * len(keys))
-                continue
-            fmt, offsets = plan
-            got = []
-            for offset in offsets:
-                data = next(loaded)
-                if data is not None:
-                    host_pool.set_from_flat_data_page(offset, fmt.flat_page(data))
-                got.append(data is not None)
-            out.append(got)
+        with self._reading(asked) as pages:
+            loaded = iter(pages)
+            out = []
+            for (_, keys, _, host_pool), plan in zip(transfers, plans, strict=True):
+                if plan is None:
+                    out.append([False] * len(keys))
+                    continue
+                fmt, offsets = plan
+                got = []
+                for offset in offsets:
+                    data = next(loaded)
+                    if data is not None:
+                        host_pool.set_from_flat_data_page(offset, fmt.flat_page(data))
+                    got.append(data is not None)
+                out.append(got)
         return out
 
     def _set_pages(self, transfers: list[PoolPages]) -> list[list[bool]]:
@@ -245,17 +246,43 @@ class KVTierStorage(HiCacheStorage):
     # -- kvtier calls: a batch a call, concurrent on the client's loop, bounded by the
     # deadline --
 
-    def _read(self, pages: list[Page]) -> list[memoryview | None]:
+    @contextmanager
+    def _reading(self, pages: list[Page]) -> Iterator[list[memoryview | None]]:
+        """Each page's bytes (None: a miss), views of the reply's shared memory where the
+        client uses it (no copy before the host pool's), lent until the block ends.
+        Checked by the client against each chunk's own checksums (header, section table,
+        xxh3 of the payload) and its key's stand-in tokens; the BLAKE2b digest, by the
+        server, which sends only bytes of the digest the page was written with."""
+        lock = threading.Lock()
+        lent: list[Callable[[], None]] = []
+        closed = False
+
+        def hold(release: Callable[[], None]) -> bool:
+            with lock:
+                if not closed:
+                    lent.append(release)
+                return not closed
+
         async def read(batch: list[Page]) -> list[memoryview | None]:
             fmt = batch[0][0]
             result = await self.client.async_client.read_independent_chunks(
                 self.settings.tenant, await self._layout(fmt), self._tokens(batch),
                 model_fingerprint=self.settings.model_fingerprint,
-                dedupe_domain=self.settings.dedupe_domain)
+                dedupe_domain=self.settings.dedupe_domain, check_digests=False,
+                in_place=True)
+            if not hold(result.release):  # the caller gave up waiting meanwhile
+                result.release()
+                return [None] * len(batch)
             return [None if (chunk := result.chunks.get(i)) is None else f.payload(chunk)
                     for i, (f, _) in enumerate(batch)]
 
-        return self._each(pages, MAX_CALL_BYTES, read, None)
+        try:
+            yield self._each(pages, MAX_CALL_BYTES, read, None)
+        finally:
+            with lock:
+                closed = True
+            for release in lent:
+                release()
 
     def _write(self, pages: list[tuple[PageFormat, str, torch.Tensor | None]]) -> list[bool]:
         # Encoded here, in SGLang's thread: the host pool's bytes are read before it returns.
