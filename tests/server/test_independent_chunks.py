@@ -19,11 +19,17 @@ from kvstore.format.keys import (
     independent_keys,
 )
 from kvstore.format.layout import LayoutSpec, Stream
-from kvtier import AsyncClient, shm
+from kvtier import AsyncClient, Client, shm
 from kvtier import codec as cc
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
-from tests.support.service import LAYOUT, running_server, streams_for, tokens_for
+from tests.support.service import (
+    LAYOUT,
+    running_server,
+    streams_for,
+    threaded_server,
+    tokens_for,
+)
 
 C = LAYOUT.chunk_tokens
 
@@ -172,3 +178,15 @@ async def test_pages_over_shared_memory_both_ways(tmp_path):
             assert [bytes(got.chunks[i]) for i in range(3)] == chunks[:3]
         assert metrics.restore_bytes.labels("shm")._value.get() - read == \
             sum(map(len, chunks[:3]))
+
+
+def test_the_blocking_client_has_the_same_calls(tmp_path):
+    tokens, chunks = pages(3, seed=5)
+    with threaded_server(tmp_path) as live, Client(live.target) as kv:
+        written = kv.write_independent_chunks("acme", LAYOUT.name, tokens[C:], chunks[1:],
+                                              ack="durable")
+        assert (written.chunks_written, written.durable) == (2, True)
+        assert kv.lookup_independent_chunks("acme", LAYOUT.name, tokens) == [False, True, True]
+        got = kv.read_independent_chunks("acme", LAYOUT.name, tokens, check_digests=False)
+        assert got.missing == {0: "not_held"}
+        assert [bytes(got.chunks[i]) for i in (1, 2)] == chunks[1:]
