@@ -2,14 +2,15 @@
 SGLang 0.5.23's real host pool, in one run.
 
 ``python -m bench.sglang [--json] [--pages 64] [--batch 16] [--layers 8] [--page-size 32]
-[--repeats 5] [--small-page-size 1] [--small-pages 512] [--small-batch 128]`` (in
+[--repeats 5] [--small-page-sizes 1,16] [--small-pages 512] [--small-batch 128]`` (in
 .venv-sglang: ``make sglang``).
 
-Two configurations, each in one run of its own: ``--page-size`` tokens a page (32: 1 MiB
-pages, the result's top-level keys) and ``--small-page-size`` (1: 32 KiB pages, SGLang's
-default page size, under ``small_pages``; 0 skips it), whose pages go
-``--small-batch`` a call (128: SGLang's ``STORAGE_BATCH_SIZE``, what its controller
-passes for any prefetch or backup of 128 pages or more).
+Configurations, one after the other in one run: ``--page-size`` tokens a page (32: 1 MiB
+pages, the result's top-level keys), then each of ``--small-page-sizes`` (1: 32 KiB pages,
+SGLang's default page size; 16: 512 KiB; "" for none), each a dict of the same keys in
+``small_pages``, their pages ``--small-batch`` a call (128: SGLang's
+``STORAGE_BATCH_SIZE``, what its controller passes for any prefetch or backup of 128
+pages or more).
 
 One ``MHATokenToKVPoolHost`` (page_first, bf16, 8 KV heads of 128: a Llama-8B-like rank's
 geometry, ``--layers`` layers) holds ``--pages`` pages of random bytes. Each backend is
@@ -158,10 +159,10 @@ def _compare(backends: dict, pool, target, args) -> tuple[dict, bool]:
 
 def run(args) -> dict:
     result = _configuration(args)
-    if args.small_page_size:
-        result["small_pages"] = _configuration(argparse.Namespace(
-            **{**vars(args), "page_size": args.small_page_size, "pages": args.small_pages,
-               "batch": args.small_batch}))
+    sizes = [int(size) for size in args.small_page_sizes.split(",") if size.strip()]
+    result["small_pages"] = [_configuration(argparse.Namespace(
+        **{**vars(args), "page_size": size, "pages": args.small_pages,
+           "batch": args.small_batch})) for size in sizes]
     return result
 
 
@@ -205,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--small-page-size", type=int, default=1,
-                        help="tokens a page of the small-page configuration (0: skip it)")
+    parser.add_argument("--small-page-sizes", default="1,16",
+                        help="tokens a page of each small-page configuration ('': none)")
     parser.add_argument("--small-pages", type=int, default=512)
     parser.add_argument("--small-batch", type=int, default=128)
     args = parser.parse_args(argv)

@@ -25,7 +25,7 @@ def section(stage: dict) -> list[str]:
            "write-back to its disk tier drained; every loaded page equal to its "
            f"source: {stage['bytes_equal']}. Load average at the end: "
            f"{', '.join(f'{x:.1f}' for x in stage['load_avg'])} on {stage['cpus']} CPUs.", ""]
-    configurations = [stage] + ([stage["small_pages"]] if "small_pages" in stage else [])
+    configurations = [stage, *stage.get("small_pages", [])]
     rows = []
     for c in configurations:
         size = f"{c['page_size']} ({c['page_bytes'] / 1024:.0f} KiB)"
