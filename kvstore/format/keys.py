@@ -46,7 +46,8 @@ def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     arr = np.asarray(token_ids)
     if arr.ndim != 1:
         raise InvalidRequest(f"token ids must be one-dimensional, got shape {arr.shape}")
-    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+    fits = arr.dtype.kind == "u" and arr.dtype.itemsize <= 4  # by its type: no scan
+    if arr.size and not fits and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise InvalidRequest("token ids must fit in uint32")
     return arr.astype("<u4", copy=False).tobytes()
 
