@@ -2,7 +2,7 @@
 SGLang 0.5.23's real host pool, in one run.
 
 ``python -m bench.sglang [--json] [--pages 64] [--batch 16] [--layers 8] [--page-size 32]
-[--repeats 5] [--small-page-sizes 1,16] [--small-pages 512] [--small-batch 128]`` (in
+[--repeats 5] [--small-page-sizes 1,16] [--small-pages 256] [--small-batch 128]`` (in
 .venv-sglang: ``make sglang``).
 
 Configurations, one after the other in one run: ``--page-size`` tokens a page (32: 1 MiB
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--small-page-sizes", default="1,16",
                         help="tokens a page of each small-page configuration ('': none)")
-    parser.add_argument("--small-pages", type=int, default=512)
+    parser.add_argument("--small-pages", type=int, default=256)
     parser.add_argument("--small-batch", type=int, default=128)
     args = parser.parse_args(argv)
     result = run(args)

@@ -54,7 +54,7 @@ from kvtier.sync import Client
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Page = tuple[PageFormat, str]  # the pool's pages, the page's storage key
-PoolPages = tuple[str, list[str], "torch.Tensor | None", Any]  # pool, keys, host indices, pool
+PoolPages = tuple[str, list[str], torch.Tensor | None, Any]  # pool, keys, host indices, host pool
 MAX_CALL_BYTES = 64 << 20  # pages read or written by one call at most (calls run at once)
 
 
