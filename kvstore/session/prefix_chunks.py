@@ -156,6 +156,9 @@ class PrefixChunks:
         if outside:
             raise InvalidRequest(f"chunk {outside[0]} is not one of chunks {first}.."
                                  f"{len(chains) - 1}")
+        if len(set(chains[first:])) < len(chains) - first:
+            raise InvalidRequest("two independent chunks have the same tokens: write each "
+                                 "chunk once")
         keys = [block_key(chains[first + i], d) for i, d in enumerate(r.digests)]
 
         def checked() -> None:

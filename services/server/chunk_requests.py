@@ -172,7 +172,11 @@ def write_header(header: pb.WriteChunksHeader, default_ack: str, max_tokens: int
     chains = (independent_keys if scope.independent else iter_chain_keys)(
         scope.spec.layout_id, scope.tokens, size, scope=dedupe_scope(scope.tenant, scope.domain),
         model_fingerprint=scope.fingerprint)
-    index = {chain: i for i, chain in enumerate(chains) if i >= header.first_chunk}
+    index: dict[str, int] = {}
+    for i, chain in enumerate(chains):
+        if i >= header.first_chunk and index.setdefault(chain, i) != i:
+            raise InvalidRequest(f"independent chunks {index[chain]} and {i} have the same "
+                                 "tokens: send each chunk once")
     return IncomingChunks(scope, header.first_chunk, digests,
                           check.ACKS.get(header.ack, default_ack), hint, index)
 

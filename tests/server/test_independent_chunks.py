@@ -154,6 +154,11 @@ async def test_hostile_requests_are_refused_before_reading(tmp_path):
                 pb.WriteChunksRequest(header=header),
                 pb.WriteChunksRequest(chunk=pb.Payload(key=chained_key, data=chunks[1]))))
         assert "not the chain key" in wrong.value.details()
+        # one page twice in a call: refused before a byte of it is stored
+        with pytest.raises(InvalidRequest, match="same tokens"):
+            await kv.write_independent_chunks("acme", LAYOUT.name,
+                                              np.concatenate([tokens[:C], tokens[:C]]),
+                                              [chunks[0], chunks[0]])
 
 
 async def _messages(*messages):

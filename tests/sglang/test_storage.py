@@ -195,6 +195,10 @@ def test_a_batch_of_pages_is_one_call_each_way(kvtier_server):
     assert got == [True, False] + [True] * 15
     after = {m: rpcs(kvtier_server, m) - before[m] for m in before}
     assert after == {"WriteChunks": 1, "ReadChunks": 1, "Lookup": 1}
+    # a key twice in one call: written once, both answered
+    twice = keys(1) * 2
+    assert store.batch_set_v1(twice, page_indices(pool, [3, 3])) == [True, True]
+    assert store.batch_exists(twice) == 2
     for p in range(15):
         assert torch.equal(page(target, p + 2).view(torch.uint8),
                            page(pool, p).view(torch.uint8))

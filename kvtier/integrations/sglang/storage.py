@@ -304,9 +304,16 @@ class KVTierStorage(HiCacheStorage):
                 dedupe_domain=self.settings.dedupe_domain, ack=self.settings.ack)
             return [True] * len(batch)
 
-        sent = iter(self._each([c for c in chunks if c is not None], MAX_CALL_BYTES, write,
-                               False))
-        return [c is not None and next(sent) for c in chunks]
+        # A page asked twice in one call is written once (a write may not repeat a key).
+        names = [None if c is None else (c[0].spec.layout_id, c[1].tobytes()) for c in chunks]
+        first: dict[tuple[str, bytes], int] = {}
+        for i, name in enumerate(names):
+            if name is not None:
+                first.setdefault(name, i)
+        unique = list(first.values())
+        sent = dict(zip(unique, self._each([chunks[i] for i in unique], MAX_CALL_BYTES, write,
+                                           False), strict=True))
+        return [name is not None and sent[first[name]] for name in names]
 
     def _exists(self, pages: list[Page]) -> list[bool]:
         async def exists(batch: list[Page]) -> list[bool]:
