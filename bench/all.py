@@ -84,7 +84,7 @@ SIZES = {
         "seams": ["--steps", "200", "--combinations", "plain,enc+quota+tls"],
         "vllm": ["--models", "tiny", "--lengths", "1024", "--repeats", "1",
                  "--cases", "connector_miss,hung"],
-        "sglang": ["--pages", "16", "--batch", "8", "--repeats", "1"],
+        "sglang": ["--pages", "16", "--batch", "8", "--repeats", "1", "--small-pages", "32"],
     },
     "quick": {
         "codec": ["--mb", "16", "--repeats", "3"],

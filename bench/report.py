@@ -352,10 +352,14 @@ def headlines(stages: dict) -> list[str]:
                    f"({sum(g['met'] is None for g in goals)} not measured).")
     sg = stages.get("sglang")
     if _ok(sg):
+        small = "".join(f"; at {c['page_size']}-token pages ({c['page_bytes'] >> 10} KiB) get "
+                        f"{_times(c['get_vs_hicache_file'])}, set "
+                        f"{_times(c['set_vs_hicache_file'])}"
+                        for c in sg.get("small_pages", []))
         out.append(f"- SGLang HiCache storage: kvtier get {sg['kvtier_get_GBps']:.2f} GB/s, "
-                   f"set {sg['kvtier_set_GBps']:.2f} GB/s through SGLang's host pool, "
-                   f"{_times(sg['get_vs_hicache_file'])} and "
-                   f"{_times(sg['set_vs_hicache_file'])} SGLang's HiCacheFile.")
+                   f"set {sg['kvtier_set_GBps']:.2f} GB/s through SGLang's host pool at "
+                   f"{sg['page_size']}-token pages, {_times(sg['get_vs_hicache_file'])} and "
+                   f"{_times(sg['set_vs_hicache_file'])} SGLang's HiCacheFile{small}.")
     return out + [""]
 
 

@@ -11,6 +11,11 @@ header against the tokens (layout hash, start token, token count, tokens hash); 
 that fails is reported missing, "corrupt". The checks run over the reply's chunks
 together (``kvstore.format.run_checks``: the headers as one numpy array).
 
+The ``*_independent_chunks`` methods send many unrelated chunks in one call: each whole
+chunk of ``token_ids`` keyed, written, read and checked alone, as the first chunk of a
+sequence of its own tokens (proto "Independent chunks"); an engine's pages, each named by
+tokens of its own, then cost one call a batch, not one a page.
+
 Over shared memory a read copies its chunks out of the reply segment, unless the caller
 asks to read them in place (``in_place``): the chunks are then views of the segment,
 which the client lends the caller until ``ReadChunksResult.release`` (the server writes
@@ -25,7 +30,14 @@ from collections.abc import Awaitable, Sequence
 import numpy as np
 
 from kvstore.format.errors import InvalidRequest
-from kvstore.format.keys import DIGEST_BYTES, block_key, chain_keys, chunk_digest, dedupe_scope
+from kvstore.format.keys import (
+    DIGEST_BYTES,
+    block_key,
+    chain_keys,
+    chunk_digest,
+    dedupe_scope,
+    independent_keys,
+)
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.run_checks import RunCheck
 from kvtier import codec as cc
@@ -38,19 +50,21 @@ from proto import kvtier_pb2 as pb
 
 
 def write_header(spec: LayoutSpec, tenant: str, tokens: np.ndarray, digests: list[bytes], *,
-                 first_chunk: int, model_fingerprint: str, dedupe_domain: str, ack: int
-                 ) -> pb.WriteChunksHeader:
+                 first_chunk: int, model_fingerprint: str, dedupe_domain: str, ack: int,
+                 independent: bool = False) -> pb.WriteChunksHeader:
     return pb.WriteChunksHeader(
         tenant=tenant, layout_id=spec.layout_id, model_fingerprint=model_fingerprint,
         dedupe_domain=dedupe_domain, token_ids=tokens.tobytes(), first_chunk=first_chunk,
-        chunk_digests=digests, ack=ack)
+        chunk_digests=digests, ack=ack, independent_chunks=independent)
 
 
 def keyed(spec: LayoutSpec, tokens: np.ndarray, chunks: Sequence[bytes], first_chunk: int,
-          scope: str, model_fingerprint: str) -> tuple[list[str], list[bytes]]:
+          scope: str, model_fingerprint: str, independent: bool = False
+          ) -> tuple[list[str], list[bytes]]:
     """(chain keys, digests) of the chunks given, one per whole chunk from first_chunk."""
-    keys = chain_keys(spec.layout_id, tokens, spec.chunk_tokens, scope=scope,
-                      model_fingerprint=model_fingerprint)[first_chunk:]
+    keys = (independent_keys if independent else chain_keys)(
+        spec.layout_id, tokens, spec.chunk_tokens, scope=scope,
+        model_fingerprint=model_fingerprint)[first_chunk:]
     if len(chunks) != len(keys):
         raise InvalidRequest(f"{len(tokens)} tokens make {len(keys)} whole chunks from chunk "
                              f"{first_chunk} on; {len(chunks)} were given")
@@ -132,7 +146,8 @@ async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,
     try:
         if header is None:
             raise InvalidRequest("the ReadChunks reply had no header")
-        result = checked_result(spec, tokens, request.first_chunk, header, got, check_digests)
+        result = checked_result(spec, tokens, request.first_chunk, header, got, check_digests,
+                                request.independent_chunks)
     except BaseException:
         if release is not None:
             release()
@@ -172,10 +187,11 @@ async def _reply_segment(segments: shm.ClientSegments, lease: pb.SharedMemoryLea
 
 
 def checked_result(spec: LayoutSpec, tokens: np.ndarray, first_chunk: int,
-                   header: pb.ChunksHeader, got: list, check_digests: bool = True
-                   ) -> ReadChunksResult:
+                   header: pb.ChunksHeader, got: list, check_digests: bool = True,
+                   independent: bool = False) -> ReadChunksResult:
     """The reply's chunks, each checked end to end (with ``check_digests``, against the
-    header's digest too; else against its own checksums); one failing is "corrupt"."""
+    header's digest too; else against its own checksums); one failing is "corrupt".
+    ``independent``: each checked as the first chunk of its own tokens."""
     keys = list(header.chunk_keys)
     digests = list(header.chunk_digests)
     if len(digests) != len(keys):
@@ -205,7 +221,7 @@ def checked_result(spec: LayoutSpec, tokens: np.ndarray, first_chunk: int,
             else:  # no digest to check it against: not a chunk to use
                 del sent[index]
                 result.missing[index] = "corrupt"
-    run = RunCheck(spec, tokens, first_chunk, block_keys)
+    run = RunCheck(spec, tokens, first_chunk, block_keys, independent)
     errors = run.many(list(sent), list(sent.values()), [False] * len(sent))
     for (index, data), error in zip(sent.items(), errors, strict=True):
         if error is None:
@@ -230,19 +246,39 @@ class PrefixChunkMethods:
         """Store encoded ``chunks`` (one per whole chunk of ``token_ids`` from ``first_chunk``)
         as cache of no session; ``skip_held``: send only those a Lookup does not find held
         with the same digest (``kvtier.prefix_chunks``)."""
+        return await self._write(tenant, layout, token_ids, chunks, first_chunk,
+                                 model_fingerprint, dedupe_domain, ack, skip_held, False)
+
+    async def write_independent_chunks(self, tenant: str, layout: str | LayoutSpec,
+                                       token_ids: Sequence[int] | np.ndarray,
+                                       chunks: Sequence[bytes], *, model_fingerprint: str = "",
+                                       dedupe_domain: str = "", ack: str = "memory",
+                                       skip_held: bool = False) -> WriteChunksResult:
+        """``write_chunks`` of unrelated chunks in one call: ``chunks[i]`` is chunk 0 of the
+        sequence ``token_ids[i * chunk_tokens:(i + 1) * chunk_tokens]`` (encoded at start
+        token 0), keyed alone (module docstring)."""
+        return await self._write(tenant, layout, token_ids, chunks, 0, model_fingerprint,
+                                 dedupe_domain, ack, skip_held, True)
+
+    async def _write(self, tenant: str, layout: str | LayoutSpec, token_ids,
+                     chunks: Sequence[bytes], first_chunk: int, model_fingerprint: str,
+                     dedupe_domain: str, ack: str, skip_held: bool, independent: bool
+                     ) -> WriteChunksResult:
         spec = layout if isinstance(layout, LayoutSpec) else await self.layout(layout)
         tokens = cc.as_tokens(token_ids)
         scope = dedupe_scope(tenant, dedupe_domain or None)
-        keys, digests = keyed(spec, tokens, chunks, first_chunk, scope, model_fingerprint)
+        keys, digests = keyed(spec, tokens, chunks, first_chunk, scope, model_fingerprint,
+                              independent)
         header = write_header(spec, tenant, tokens, digests, first_chunk=first_chunk,
                               model_fingerprint=model_fingerprint, dedupe_domain=dedupe_domain,
-                              ack=pb.Ack.Value(f"ACK_{ack.upper()}"))
+                              ack=pb.Ack.Value(f"ACK_{ack.upper()}"), independent=independent)
         send = list(range(len(chunks)))
         started = time.monotonic()  # the lookup, the write and its resend: one deadline
         if skip_held and chunks:
             lookup = pb.LookupRequest(tenant=tenant, layout_id=spec.layout_id,
                                       model_fingerprint=model_fingerprint,
-                                      dedupe_domain=dedupe_domain, token_ids=tokens.tobytes())
+                                      dedupe_domain=dedupe_domain, token_ids=tokens.tobytes(),
+                                      independent_chunks=independent)
             held = await self._call(lambda node: node.stub.Lookup(lookup,
                                                                   timeout=self.timeout_s),
                                     started=started)
@@ -274,12 +310,35 @@ class PrefixChunkMethods:
         same tokens' chunk would fail. ``in_place``: over shared memory the chunks are
         views of the reply segment, valid until the caller calls the result's ``release``
         (it must, once done with them); inline they are the reply's bytes."""
+        return await self._read(tenant, layout, token_ids, first_chunk, max_chunks,
+                                model_fingerprint, dedupe_domain, digests, use_shared_memory,
+                                check_digests, in_place, False)
+
+    async def read_independent_chunks(self, tenant: str, layout: str | LayoutSpec,
+                                      token_ids: Sequence[int] | np.ndarray, *,
+                                      model_fingerprint: str = "", dedupe_domain: str = "",
+                                      use_shared_memory: bool | None = None,
+                                      check_digests: bool = True, in_place: bool = False
+                                      ) -> ReadChunksResult:
+        """``read_chunks`` of unrelated chunks in one call: chunk ``i`` of the result is
+        chunk 0 of the sequence ``token_ids[i * chunk_tokens:(i + 1) * chunk_tokens]``, read
+        and checked alone (module docstring); a missing or corrupt one is missing alone."""
+        return await self._read(tenant, layout, token_ids, 0, 0, model_fingerprint,
+                                dedupe_domain, None, use_shared_memory, check_digests,
+                                in_place, True)
+
+    async def _read(self, tenant: str, layout: str | LayoutSpec, token_ids, first_chunk: int,
+                    max_chunks: int, model_fingerprint: str, dedupe_domain: str,
+                    digests: Sequence[bytes] | None, use_shared_memory: bool | None,
+                    check_digests: bool, in_place: bool, independent: bool
+                    ) -> ReadChunksResult:
         spec = layout if isinstance(layout, LayoutSpec) else await self.layout(layout)
         tokens = cc.as_tokens(token_ids)
         request = pb.ReadChunksRequest(
             tenant=tenant, layout_id=spec.layout_id, model_fingerprint=model_fingerprint,
             dedupe_domain=dedupe_domain, token_ids=tokens.tobytes(), first_chunk=first_chunk,
-            max_chunks=max_chunks, chunk_digests=digests or [])
+            max_chunks=max_chunks, chunk_digests=digests or [],
+            independent_chunks=independent)
 
         def attempt(node: Node) -> Awaitable[ReadChunksResult]:
             request.use_shared_memory = (self.shared_memory if use_shared_memory is None
@@ -288,3 +347,24 @@ class PrefixChunkMethods:
                              in_place)
 
         return await self._call(attempt)
+
+    async def lookup_independent_chunks(self, tenant: str, layout: str | LayoutSpec,
+                                        token_ids: Sequence[int] | np.ndarray, *,
+                                        model_fingerprint: str = "", dedupe_domain: str = ""
+                                        ) -> list[bool]:
+        """Whether the server holds each whole chunk of ``token_ids``, each keyed alone
+        (as ``write_independent_chunks`` wrote it) in the caller's domain: one Lookup."""
+        spec = layout if isinstance(layout, LayoutSpec) else await self.layout(layout)
+        tokens = cc.as_tokens(token_ids)
+        request = pb.LookupRequest(tenant=tenant, layout_id=spec.layout_id,
+                                   model_fingerprint=model_fingerprint,
+                                   dedupe_domain=dedupe_domain, token_ids=tokens.tobytes(),
+                                   independent_chunks=True)
+        reply = await self._call(lambda node: node.stub.Lookup(request, timeout=self.timeout_s))
+        held = [False] * (len(tokens) // spec.chunk_tokens)
+        for chunk in reply.chunks:
+            if chunk.index >= len(held):
+                raise InvalidRequest(f"a Lookup reply names chunk {chunk.index} of "
+                                     f"{len(held)}")
+            held[chunk.index] = True
+        return held

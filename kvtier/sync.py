@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterator, Sequence
 from concurrent.futures import Future
 
+import numpy as np
+
 from kvstore.format.chunk import LayerSlice
+from kvstore.format.layout import LayoutSpec
 from kvtier.client import AsyncClient
 from kvtier.types import (
     LayoutInfo,
@@ -115,6 +118,34 @@ class Client:
 
     def read_chunks(self, *args, **kwargs) -> ReadChunksResult:
         return self._run(self._async.read_chunks(*args, **kwargs))
+
+    def write_independent_chunks(self, tenant: str, layout: str | LayoutSpec,
+                                 token_ids: Sequence[int] | np.ndarray, chunks: Sequence[bytes],
+                                 *, model_fingerprint: str = "", dedupe_domain: str = "",
+                                 ack: str = "memory", skip_held: bool = False
+                                 ) -> WriteChunksResult:
+        return self._run(self._async.write_independent_chunks(
+            tenant, layout, token_ids, chunks, model_fingerprint=model_fingerprint,
+            dedupe_domain=dedupe_domain, ack=ack, skip_held=skip_held))
+
+    def read_independent_chunks(self, tenant: str, layout: str | LayoutSpec,
+                                token_ids: Sequence[int] | np.ndarray, *,
+                                model_fingerprint: str = "", dedupe_domain: str = "",
+                                use_shared_memory: bool | None = None,
+                                check_digests: bool = True, in_place: bool = False
+                                ) -> ReadChunksResult:
+        return self._run(self._async.read_independent_chunks(
+            tenant, layout, token_ids, model_fingerprint=model_fingerprint,
+            dedupe_domain=dedupe_domain, use_shared_memory=use_shared_memory,
+            check_digests=check_digests, in_place=in_place))
+
+    def lookup_independent_chunks(self, tenant: str, layout: str | LayoutSpec,
+                                  token_ids: Sequence[int] | np.ndarray, *,
+                                  model_fingerprint: str = "", dedupe_domain: str = ""
+                                  ) -> list[bool]:
+        return self._run(self._async.lookup_independent_chunks(
+            tenant, layout, token_ids, model_fingerprint=model_fingerprint,
+            dedupe_domain=dedupe_domain))
 
     def fork(self, *args, **kwargs) -> pb.ForkReply:
         return self._run(self._async.fork(*args, **kwargs))

@@ -487,28 +487,32 @@ class ListReply(_message.Message):
     def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("tenant", "layout_id", "model_fingerprint", "dedupe_domain", "token_ids")
+    __slots__ = ("tenant", "layout_id", "model_fingerprint", "dedupe_domain", "token_ids", "independent_chunks")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DEDUPE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    INDEPENDENT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     layout_id: str
     model_fingerprint: str
     dedupe_domain: str
     token_ids: bytes
-    def __init__(self, tenant: _Optional[str] = ..., layout_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dedupe_domain: _Optional[str] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
+    independent_chunks: bool
+    def __init__(self, tenant: _Optional[str] = ..., layout_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dedupe_domain: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., independent_chunks: _Optional[bool] = ...) -> None: ...
 
 class HeldChunk(_message.Message):
-    __slots__ = ("chunk_key", "digest", "tiers")
+    __slots__ = ("chunk_key", "digest", "tiers", "index")
     CHUNK_KEY_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     chunk_key: str
     digest: bytes
     tiers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, chunk_key: _Optional[str] = ..., digest: _Optional[bytes] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
+    index: int
+    def __init__(self, chunk_key: _Optional[str] = ..., digest: _Optional[bytes] = ..., tiers: _Optional[_Iterable[str]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class LookupReply(_message.Message):
     __slots__ = ("tokens_held", "chunks_held", "chunks")
@@ -543,7 +547,7 @@ class ForkReply(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., num_tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., window_kept: _Optional[bool] = ...) -> None: ...
 
 class WriteChunksHeader(_message.Message):
-    __slots__ = ("tenant", "layout_id", "model_fingerprint", "dedupe_domain", "token_ids", "first_chunk", "chunk_digests", "ack", "hint")
+    __slots__ = ("tenant", "layout_id", "model_fingerprint", "dedupe_domain", "token_ids", "first_chunk", "chunk_digests", "ack", "hint", "independent_chunks")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -553,6 +557,7 @@ class WriteChunksHeader(_message.Message):
     CHUNK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     HINT_FIELD_NUMBER: _ClassVar[int]
+    INDEPENDENT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     layout_id: str
     model_fingerprint: str
@@ -562,7 +567,8 @@ class WriteChunksHeader(_message.Message):
     chunk_digests: _containers.RepeatedScalarFieldContainer[bytes]
     ack: Ack
     hint: ResumeHint
-    def __init__(self, tenant: _Optional[str] = ..., layout_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dedupe_domain: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., first_chunk: _Optional[int] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., ack: _Optional[_Union[Ack, str]] = ..., hint: _Optional[_Union[ResumeHint, _Mapping]] = ...) -> None: ...
+    independent_chunks: bool
+    def __init__(self, tenant: _Optional[str] = ..., layout_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dedupe_domain: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., first_chunk: _Optional[int] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., ack: _Optional[_Union[Ack, str]] = ..., hint: _Optional[_Union[ResumeHint, _Mapping]] = ..., independent_chunks: _Optional[bool] = ...) -> None: ...
 
 class WriteChunksRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -587,7 +593,7 @@ class WriteChunksReply(_message.Message):
     def __init__(self, chunks_written: _Optional[int] = ..., chunks_deduped: _Optional[int] = ..., tier: _Optional[str] = ..., durable: _Optional[bool] = ..., chunk_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReadChunksRequest(_message.Message):
-    __slots__ = ("tenant", "layout_id", "model_fingerprint", "dedupe_domain", "token_ids", "first_chunk", "max_chunks", "chunk_digests", "use_shared_memory", "reply_lease", "refs_in_header")
+    __slots__ = ("tenant", "layout_id", "model_fingerprint", "dedupe_domain", "token_ids", "first_chunk", "max_chunks", "chunk_digests", "use_shared_memory", "reply_lease", "refs_in_header", "independent_chunks")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -599,6 +605,7 @@ class ReadChunksRequest(_message.Message):
     USE_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     REPLY_LEASE_FIELD_NUMBER: _ClassVar[int]
     REFS_IN_HEADER_FIELD_NUMBER: _ClassVar[int]
+    INDEPENDENT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     layout_id: str
     model_fingerprint: str
@@ -610,7 +617,8 @@ class ReadChunksRequest(_message.Message):
     use_shared_memory: bool
     reply_lease: str
     refs_in_header: bool
-    def __init__(self, tenant: _Optional[str] = ..., layout_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dedupe_domain: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., first_chunk: _Optional[int] = ..., max_chunks: _Optional[int] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., use_shared_memory: _Optional[bool] = ..., reply_lease: _Optional[str] = ..., refs_in_header: _Optional[bool] = ...) -> None: ...
+    independent_chunks: bool
+    def __init__(self, tenant: _Optional[str] = ..., layout_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dedupe_domain: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., first_chunk: _Optional[int] = ..., max_chunks: _Optional[int] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., use_shared_memory: _Optional[bool] = ..., reply_lease: _Optional[str] = ..., refs_in_header: _Optional[bool] = ..., independent_chunks: _Optional[bool] = ...) -> None: ...
 
 class ChunksHeader(_message.Message):
     __slots__ = ("chunk_keys", "chunk_digests", "reply_segment", "chunk_refs")

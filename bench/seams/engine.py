@@ -38,9 +38,10 @@ MAX_SESSIONS = 10  # per tenant, so quota and capacity are met and sessions stay
 WEIGHTS = {"spill-new": 12, "spill-extend": 12, "spill-rewrite": 5, "lookup-spill": 5,
            "stale-spill": 2, "restore": 16, "resume": 5, "resume-twice": 2, "fork": 5,
            "fork-burst": 1, "delete": 6, "restore-deleted": 2, "lookup-foreign": 3, "register": 3,
-           "evict": 4, "count": 3, "write-chunks": 4, "read-chunks": 3, "identity": 2,
-           "stat-session": 2, "prefetch": 2, "list-layouts": 1}
-NO_SESSION = ("register", "count", "write-chunks", "read-chunks", "list-layouts")
+           "evict": 4, "count": 3, "write-chunks": 4, "read-chunks": 3, "write-pages": 2,
+           "read-pages": 2, "identity": 2, "stat-session": 2, "prefetch": 2, "list-layouts": 1}
+NO_SESSION = ("register", "count", "write-chunks", "read-chunks", "write-pages", "read-pages",
+              "list-layouts")
 
 
 # Server log lines no operation of a simulation may cause.
@@ -305,14 +306,18 @@ class Simulation(Ops):
 
     def _pick(self, kind: str, busy: set):
         tenant = self.rng.choice(self.tenants)
-        if kind in ("write-chunks", "read-chunks"):
-            found = prefix.choose(self, tenant, busy, written=kind == "read-chunks")
-            if kind == "read-chunks" and found is not None:
-                return "read_chunks", lambda s: prefix.read(self, s, found)
+        if kind in ("write-chunks", "read-chunks", "write-pages", "read-pages"):
+            pages = kind.endswith("pages")  # independent chunks
+            reading = kind.startswith("read")
+            found = prefix.choose(self, tenant, busy, written=reading, independent=pages)
+            if reading and found is not None:
+                return kind.replace("-", "_"), lambda s: prefix.read(
+                    self, s, found, "read-pages" if pages else "read-chunks")
             if found is None or self.rng.random() < 0.5:
-                found = prefix.new_prefix(self, tenant)
+                found = prefix.new_prefix(self, tenant, independent=pages)
                 busy.add((tenant, found.pid))
-            return "write_chunks", lambda s: prefix.write(self, s, found)
+            return ("write_pages" if pages else "write_chunks"), \
+                lambda s: prefix.write(self, s, found)
         if kind == "list-layouts":
             return "list_layouts", self.list_layouts
         mine = [h for k, h in sorted(self.model.items()) if k[0] == tenant and k not in busy]

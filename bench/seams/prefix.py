@@ -1,6 +1,8 @@
 """Prefix chunks of no session in a simulation: ``write`` (WriteChunks), ``read``
 (ReadChunks, then Lookup's held count), each judged against the model of what each
-tenant wrote (``Prefix``).
+tenant wrote (``Prefix``). A prefix may be independent chunks (proto "Independent
+chunks": an engine's pages, each chunk 0 of its own tokens): written a random subset a
+call, read in one call, and Lookup answers each page's held state, judged page by page.
 
 The promise (proto "Prefix chunks", ``kvstore.session.prefix_chunks``): a server whose
 ``retain_unreferenced`` is off refuses every write (FAILED_PRECONDITION); otherwise the
@@ -27,6 +29,7 @@ from bench.seams.layouts import BUNDLED
 from bench.seams.model import random_streams
 from bench.seams.switches import RETAIN_TTL_S
 from kvstore.format.errors import KVTierError, PreconditionFailed, QuotaExceeded, TierFull
+from kvstore.format.keys import dedupe_scope, independent_keys
 from kvtier import codec as cc
 
 MAX_CHUNKS = 3  # per write: a chunk of the bundled layout is about 18 KiB
@@ -47,31 +50,38 @@ class Prefix:
     drained: set[int] = field(default_factory=set)  # memory-acked, then a graceful stop
     maybe_gone: set[int] = field(default_factory=set)  # indices an event may have freed
     unacked: set[int] = field(default_factory=set)  # sent, the write failed: must not show
+    independent: bool = False  # every chunk keyed alone (pages), not a chain
 
     def may_be_absent(self, index: int, sim) -> bool:
         return (sim.combo.quota or sim.full or index in self.maybe_gone
                 or time.time() > self.written[index] + RETAIN_TTL_S - TTL_MARGIN_S)
 
 
-def new_prefix(sim, tenant: str) -> Prefix:
+def new_prefix(sim, tenant: str, independent: bool = False) -> Prefix:
     spec = sim.spec(BUNDLED)
     count = sim.rng.randint(1, MAX_CHUNKS)
     tokens = sim.tokens(spec, count * spec.chunk_tokens).numpy().astype("uint32")
-    streams = random_streams(spec, len(tokens), sim.rng)
-    chunks = cc.encode_chunks(spec, tokens, streams)
+    if independent:  # each page chunk 0 of its own tokens
+        c = spec.chunk_tokens
+        chunks = [cc.encode_chunks(spec, tokens[i * c:(i + 1) * c], random_streams(
+            spec, c, sim.rng))[0] for i in range(count)]
+    else:
+        chunks = cc.encode_chunks(spec, tokens, random_streams(spec, len(tokens), sim.rng))
     mine = [p for p in sim.prefixes if p.tenant == tenant]
     if len(mine) >= MAX_PREFIXES:
         sim.prefixes.remove(mine[0])
-    prefix = Prefix(tenant, f"prefix-{sim.new_sid()}", tokens, chunks)
+    prefix = Prefix(tenant, f"{'pages' if independent else 'prefix'}-{sim.new_sid()}", tokens,
+                    chunks, independent=independent)
     sim.prefixes.append(prefix)
     return prefix
 
 
-def choose(sim, tenant: str, busy: set, *, written: bool) -> Prefix | None:
-    """One of the tenant's prefixes no running operation uses (``written``: with chunks
-    acked), marked busy."""
+def choose(sim, tenant: str, busy: set, *, written: bool, independent: bool = False
+           ) -> Prefix | None:
+    """One of the tenant's prefixes (or pages) no running operation uses (``written``:
+    with chunks acked), marked busy."""
     mine = [p for p in sim.prefixes if p.tenant == tenant and (tenant, p.pid) not in busy
-            and (p.written or not written)]
+            and (p.written or not written) and p.independent == independent]
     if not mine:
         return None
     prefix = sim.rng.choice(mine)
@@ -81,44 +91,59 @@ def choose(sim, tenant: str, busy: set, *, written: bool) -> Prefix | None:
 
 async def write(sim, step: int, prefix: Prefix, ack: str | None = None) -> None:
     """WriteChunks of ``prefix``: from its first unwritten chunk, or again from 0 (a
-    dedupe of those written)."""
+    dedupe of those written); of pages, a random subset of them."""
     spec = sim.spec(BUNDLED)
     tenant = prefix.tenant
     first = 0 if sim.rng.random() < 0.5 else min(len(prefix.written), len(prefix.chunks) - 1)
     ack = ack or sim.rng.choice(("memory", "durable"))
     send = list(range(first, len(prefix.chunks)))
+    if prefix.independent:
+        send = sorted(sim.rng.sample(range(len(prefix.chunks)),
+                                     sim.rng.randint(1, len(prefix.chunks))))
     name = f"{tenant}/{prefix.pid}"
-    sim.log(f"step={step} op=write-chunks s={name} first={first} chunks={len(send)} ack={ack}")
+    op = "write-pages" if prefix.independent else "write-chunks"
+    sim.log(f"step={step} op={op} s={name} first={first} chunks={len(send)} ack={ack}")
+    skip_held = sim.rng.random() < 0.5
+    c = spec.chunk_tokens
     try:
-        reply = await sim.client(tenant).write_chunks(
-            tenant, spec, prefix.tokens, prefix.chunks[first:], first_chunk=first, ack=ack,
-            skip_held=sim.rng.random() < 0.5)
+        if prefix.independent:
+            tokens = np.concatenate([prefix.tokens[i * c:(i + 1) * c] for i in send])
+            reply = await sim.client(tenant).write_independent_chunks(
+                tenant, spec, tokens, [prefix.chunks[i] for i in send], ack=ack,
+                skip_held=skip_held)
+        else:
+            reply = await sim.client(tenant).write_chunks(
+                tenant, spec, prefix.tokens, prefix.chunks[first:], first_chunk=first,
+                ack=ack, skip_held=skip_held)
     except PreconditionFailed as exc:
         if sim.combo.ret:
-            sim.fail(exc, step, "write-chunks", name, f"{len(send)} chunks written")
+            sim.fail(exc, step, op, name, f"{len(send)} chunks written")
         prefix.unacked.update(i for i in send if i not in prefix.written)
         return
     except KVTierError as exc:
         if not (isinstance(exc, QuotaExceeded) and sim.combo.quota
                 or isinstance(exc, TierFull) and sim.full):
-            sim.fail(exc, step, "write-chunks", name, f"{len(send)} chunks written ({ack})")
+            sim.fail(exc, step, op, name, f"{len(send)} chunks written ({ack})")
         prefix.unacked.update(i for i in send if i not in prefix.written)
         await check_unacked(sim, step, prefix, name)
         return
     except Exception as exc:  # noqa: BLE001 - a client crash is a finding
-        sim.fail(exc, step, "write-chunks", name, f"{len(send)} chunks written")
+        sim.fail(exc, step, op, name, f"{len(send)} chunks written")
         return
     if not sim.combo.ret:
-        sim.ledger.add("unexpected", sim.combo.name, step, "write-chunks", name,
+        sim.ledger.add("unexpected", sim.combo.name, step, op, name,
                        "PreconditionFailed (retain_unreferenced is off)",
                        f"{reply.chunks_written} written")
     if reply.chunks_written + reply.chunks_deduped != len(send) \
             or len(reply.chunk_keys) != len(send):
-        sim.wrong(step, "write-chunks", name, f"{len(send)} chunks written or deduped, "
+        sim.wrong(step, op, name, f"{len(send)} chunks written or deduped, "
                   f"{len(send)} keys", f"{reply.chunks_written}+{reply.chunks_deduped}, "
                   f"{len(reply.chunk_keys)} keys")
+    elif prefix.independent and reply.chunk_keys != _page_keys(spec, prefix, tenant, send):
+        sim.wrong(step, op, name, "each page's key: chunk 0 of its own tokens",
+                  "other keys")
     if ack == "durable" and not reply.durable:
-        sim.ledger.add("unexpected", sim.combo.name, step, "write-chunks", name,
+        sim.ledger.add("unexpected", sim.combo.name, step, op, name,
                        "a durable ack says durable", "durable=False")
     now = time.time()
     for i in send:
@@ -129,14 +154,32 @@ async def write(sim, step: int, prefix: Prefix, ack: str | None = None) -> None:
             prefix.durable.add(i)
 
 
+def _page_keys(spec, prefix: Prefix, tenant: str, pages: list[int]) -> list[str]:
+    """The keys of ``pages`` of ``prefix``, each computed alone (chunk 0 of its tokens)."""
+    c = spec.chunk_tokens
+    return [independent_keys(spec.layout_id, prefix.tokens[i * c:(i + 1) * c], c,
+                             scope=dedupe_scope(tenant))[0] for i in pages]
+
+
 async def check_unacked(sim, step: int, prefix: Prefix, name: str) -> None:
     """A write that failed stored nothing a later call may see: Lookup counts no chunk
-    past the acknowledged prefix."""
+    past the acknowledged prefix (of pages: finds no page whose write failed)."""
     spec = sim.spec(BUNDLED)
+    kv = sim.client(prefix.tenant)
     try:
-        held = await sim.client(prefix.tenant).lookup(prefix.tenant, spec, prefix.tokens)
+        if prefix.independent:
+            pages = await kv.lookup_independent_chunks(prefix.tenant, spec, prefix.tokens)
+        else:
+            held = await kv.lookup(prefix.tenant, spec, prefix.tokens)
     except KVTierError as exc:
         sim.fail(exc, step, "lookup-chunks", name, "tokens held")
+        return
+    if prefix.independent:
+        shown = {i for i in prefix.unacked if pages[i] and i not in prefix.written}
+        if shown:
+            sim.wrong(step, "lookup-after-failed-write", name,
+                      f"pages {sorted(shown)} not held (their write failed)", "held")
+            tolerate(prefix, shown)
         return
     acked = _acked_run(prefix)
     if held > acked * spec.chunk_tokens:
@@ -171,8 +214,12 @@ async def read(sim, step: int, prefix: Prefix, op: str = "read-chunks") -> None:
     sim.log(f"step={step} op={op} s={name} chunks={len(prefix.chunks)}")
     kv = sim.client(prefix.tenant)
     try:
-        got = await kv.read_chunks(prefix.tenant, spec, prefix.tokens)
-        held = await kv.lookup(prefix.tenant, spec, prefix.tokens)
+        if prefix.independent:
+            got = await kv.read_independent_chunks(prefix.tenant, spec, prefix.tokens)
+            pages = await kv.lookup_independent_chunks(prefix.tenant, spec, prefix.tokens)
+        else:
+            got = await kv.read_chunks(prefix.tenant, spec, prefix.tokens)
+            held = await kv.lookup(prefix.tenant, spec, prefix.tokens)
     except KVTierError as exc:
         sim.fail(exc, step, op, name, "chunks read")
         return
@@ -198,6 +245,35 @@ async def read(sim, step: int, prefix: Prefix, op: str = "read-chunks") -> None:
             sim.ledger.add("lost", sim.combo.name, step, op, name, f"chunk {i} held ({how})",
                            "missing: not_held")
             prefix.maybe_gone.add(i)  # one finding per loss
+    if prefix.independent:
+        _judge_pages(sim, step, op, name, prefix, pages)
+    else:
+        _judge_prefix(sim, step, op, name, prefix, held)
+    present = set(got.chunks)
+    for i in list(prefix.written):  # what a read shows gone stays gone
+        if i not in present:
+            prefix.maybe_gone.add(i)
+
+
+def _judge_pages(sim, step: int, op: str, name: str, prefix: Prefix, pages: list[bool]
+                 ) -> None:
+    """Lookup of independent chunks: one answer a page, each against the model."""
+    if len(pages) != len(prefix.chunks):
+        sim.wrong(step, f"{op}-lookup", name, f"{len(prefix.chunks)} answers",
+                  f"{len(pages)} answers")
+        return
+    for i, held in enumerate(pages):
+        if held and i not in prefix.written:
+            sim.wrong(step, f"{op}-lookup", name, f"page {i} not held (never acked)", "held")
+            tolerate(prefix, {i})
+        elif not held and i in prefix.written and not prefix.may_be_absent(i, sim):
+            sim.wrong(step, f"{op}-lookup", name, f"page {i} held", "not held")
+            prefix.maybe_gone.add(i)
+
+
+def _judge_prefix(sim, step: int, op: str, name: str, prefix: Prefix, held: int) -> None:
+    """Lookup of a chain: the held prefix against the model's acked run."""
+    spec = sim.spec(BUNDLED)
     run = _acked_run(prefix)
     must = 0
     while must < run and not prefix.may_be_absent(must, sim):
@@ -206,10 +282,6 @@ async def read(sim, step: int, prefix: Prefix, op: str = "read-chunks") -> None:
     if held > run * c or held < must * c:
         sim.wrong(step, f"{op}-lookup", name, f"{must * c}..{run * c} tokens held",
                   f"{held} tokens held")
-    present = set(got.chunks)
-    for i in list(prefix.written):  # what a read shows gone stays gone
-        if i not in present:
-            prefix.maybe_gone.add(i)
 
 
 def after_stop(sim, how: str) -> None:

@@ -2,7 +2,15 @@
 SGLang 0.5.23's real host pool, in one run.
 
 ``python -m bench.sglang [--json] [--pages 64] [--batch 16] [--layers 8] [--page-size 32]
-[--repeats 5]`` (in .venv-sglang: ``make sglang``).
+[--repeats 5] [--small-page-sizes 1,16] [--small-pages 256] [--small-batch 128]`` (in
+.venv-sglang: ``make sglang``).
+
+Configurations, one after the other in one run: ``--page-size`` tokens a page (32: 1 MiB
+pages, the result's top-level keys), then each of ``--small-page-sizes`` (1: 32 KiB pages,
+SGLang's default page size; 16: 512 KiB; "" for none), each a dict of the same keys in
+``small_pages``, their pages ``--small-batch`` a call (128: SGLang's
+``STORAGE_BATCH_SIZE``, what its controller passes for any prefetch or backup of 128
+pages or more).
 
 One ``MHATokenToKVPoolHost`` (page_first, bf16, 8 KV heads of 128: a Llama-8B-like rank's
 geometry, ``--layers`` layers) holds ``--pages`` pages of random bytes. Each backend is
@@ -12,15 +20,19 @@ SGLang's cache controller calls it:
 
 - kvtier: ``KVTierStorage`` (``dynamic``, ``interface_v1``) against a live kvtier server
   (``kvtier serve --preset test``, its own process, its host RAM tier holding every
-  page): ``batch_set_v1`` / ``batch_get_v1`` with host indices. Every page read is checked
-  end to end (its BLAKE2b digest, the chunk's checksums, its layout and key).
+  page): ``batch_set_v1`` / ``batch_get_v1`` with host indices, a call's pages one kvtier
+  call each way. Every page read is checked end to end: the server sends only bytes of
+  the BLAKE2b digest the page was written with, the client checks each chunk's header,
+  section table, payload checksum (xxh3) and its key's stand-in tokens.
 - hicache_file: ``HiCacheFile`` over a temporary directory (the OS page cache holds every
   file): the controller's legacy path, ``get_data_page`` + ``batch_set`` and
   ``batch_get`` into flat pages + ``set_from_flat_data_page``. It checks nothing.
 
 Each set and get pass runs ``--repeats`` times over fresh keys (sets) or the same keys
 (gets), the two backends' passes interleaved so a change in the machine's load falls on
-both; the best pass counts. Every loaded page is compared with its source after the
+both; the best pass counts. The get passes start once the kvtier server's write-back of
+the pages it acked in memory has drained to its disk tier (it would otherwise run on the
+same two cores as the gets). Every loaded page is compared with its source after the
 timing: ``bytes_equal`` says all were. Figures: pages/s and GB/s (10^9 B) of page bytes.
 """
 
@@ -37,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier.integrations.sglang.storage import KVTierStorage
 from testing.live_server import LiveServer
 from testing.sglang_pools import (
     KVTIER,
@@ -110,6 +123,17 @@ def _rates(name: str, seconds: dict[str, float], args, page_bytes: int) -> dict:
     return out
 
 
+def _settled(store, most_s: float = 120.0) -> None:
+    """Wait (at most ``most_s``) until a kvtier server has copied every page it acked in
+    memory to its disk tier: its background write-back would otherwise share the
+    machine's two cores with the get passes, which HiCacheFile's finished writes do not."""
+    if not isinstance(store, KVTierStorage):
+        return
+    deadline = time.monotonic() + most_s
+    while store.client.stat().writeback_queue_depth and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _compare(backends: dict, pool, target, args) -> tuple[dict, bool]:
     """The best pass of each backend and op, the backends' passes interleaved so a change
     in the machine's load falls on both; whether every loaded page equalled its source."""
@@ -121,6 +145,8 @@ def _compare(backends: dict, pool, target, args) -> tuple[dict, bool]:
             names[name] = [f"{run}-{p}" for p in range(args.pages)]
             seconds = run_pass(made, pool, target, names[name], args, "set")
             best[name]["set"] = min(best[name]["set"], seconds)
+    for made, _ in backends.values():
+        _settled(made)
     equal = True
     for _ in range(args.repeats):
         for name, (made, run_pass) in backends.items():
@@ -132,6 +158,15 @@ def _compare(backends: dict, pool, target, args) -> tuple[dict, bool]:
 
 
 def run(args) -> dict:
+    result = _configuration(args)
+    sizes = [int(size) for size in args.small_page_sizes.split(",") if size.strip()]
+    result["small_pages"] = [_configuration(argparse.Namespace(
+        **{**vars(args), "page_size": size, "pages": args.small_pages,
+           "batch": args.small_batch})) for size in sizes]
+    return result
+
+
+def _configuration(args) -> dict:
     pool, target = _pools(args)
     fill_random(pool, args.pages, seed=1)
     page_bytes = pool.get_dummy_flat_data_page().numel() * 2
@@ -171,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--small-page-sizes", default="1,16",
+                        help="tokens a page of each small-page configuration ('': none)")
+    parser.add_argument("--small-pages", type=int, default=256)
+    parser.add_argument("--small-batch", type=int, default=128)
     args = parser.parse_args(argv)
     result = run(args)
     if args.json:

@@ -35,6 +35,7 @@ KEY_BYTES = 16
 DIGEST_BYTES = 32
 ROOT_PARENT = ""  # the parent of a session's first chunk
 MAX_FINGERPRINT_BYTES = 256
+MAX_INDEPENDENT_LOOKUP = 1 << 12  # chunks one Lookup of independent chunks asks about (~4 ms)
 _KEY_PERSON = b"kvtier-chunk-v2"
 _DIGEST_PERSON = b"kvtier-bytes-v1"
 _BLOCK_SEP = "."  # block key: "<chain key hex>.<digest hex>"
@@ -45,7 +46,8 @@ def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     arr = np.asarray(token_ids)
     if arr.ndim != 1:
         raise InvalidRequest(f"token ids must be one-dimensional, got shape {arr.shape}")
-    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+    fits = arr.dtype.kind == "u" and arr.dtype.itemsize <= 4  # by its type: no scan
+    if arr.size and not fits and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise InvalidRequest("token ids must fit in uint32")
     return arr.astype("<u4", copy=False).tobytes()
 
@@ -102,6 +104,29 @@ def iter_chain_keys(layout_id: str, token_ids: Sequence[int] | np.ndarray, chunk
         parent = chunk_key(scope, layout_id, model_fingerprint, parent,
                            ids[start : start + chunk_tokens])
         yield parent
+
+
+def independent_keys(layout_id: str, token_ids: Sequence[int] | np.ndarray,
+                     chunk_tokens: int, *, scope: str, model_fingerprint: str = ""
+                     ) -> list[str]:
+    """Keys of the complete chunks of ``token_ids`` each keyed alone, as the first chunk of
+    a sequence of its own tokens (proto "Independent chunks"): chunk i's key is the one
+    ``chain_keys`` gives ``token_ids[i * chunk_tokens:(i + 1) * chunk_tokens]``."""
+    if chunk_tokens <= 0:
+        raise InvalidRequest(f"chunk_tokens must be positive, got {chunk_tokens}")
+    ids = np.asarray(token_ids)
+    return [chunk_key(scope, layout_id, model_fingerprint, ROOT_PARENT,
+                      ids[start : start + chunk_tokens])
+            for start in range(0, len(ids) - chunk_tokens + 1, chunk_tokens)]
+
+
+def chunk_tokens_of(tokens: np.ndarray, index: int, chunk_tokens: int, independent: bool
+                    ) -> tuple[np.ndarray, int]:
+    """(the sequence chunk ``index`` of ``tokens`` belongs to, its index there): ``tokens``
+    and ``index`` for a chained chunk; its own tokens and 0 for an independent one."""
+    if not independent:
+        return tokens, index
+    return tokens[index * chunk_tokens:(index + 1) * chunk_tokens], 0
 
 
 def chunk_digest(data: bytes | bytearray | memoryview) -> bytes:

@@ -10,6 +10,9 @@ range, token ids), under the header's checksum. A copy the numpy
 check does not accept gets the chunk's own check, which raises its specific error; a copy
 is never accepted by ``many`` that its own check would refuse.
 
+With ``independent`` each chunk is checked as the first chunk of a sequence of its own
+tokens (proto "Independent chunks": start token 0).
+
 A chunk given no key (None: a reader that skips the digest) is checked as
 ``restored_chunk_check`` without a key checks it: ``many`` hashes its payload against the
 header's checksum too, so every byte is still checked.
@@ -26,7 +29,7 @@ from kvstore.format.checks import restored_chunk_check
 from kvstore.format.chunk import FLAG_ZSTD, HEADER_DTYPE, MAGIC, SECTION_DTYPE, VERSION, Buffer
 from kvstore.format.chunk_parts import chunk_plan
 from kvstore.format.errors import ChunkCorrupt, CodecError
-from kvstore.format.keys import chunk_digest, split_block_key, token_bytes
+from kvstore.format.keys import chunk_digest, chunk_tokens_of, split_block_key, token_bytes
 from kvstore.format.layout import LayoutSpec
 
 
@@ -34,9 +37,10 @@ class RunCheck:
     """The checks of chunks ``first .. first + len(keys) - 1`` of a session's tokens."""
 
     def __init__(self, spec: LayoutSpec, tokens: np.ndarray, first: int,
-                 keys: Sequence[str | None]) -> None:
+                 keys: Sequence[str | None], independent: bool = False) -> None:
         size = spec.chunk_tokens
         self.spec, self.tokens, self.first, self.keys = spec, tokens, first, keys
+        self.independent = independent
         self._checks: dict[int, object] = {}  # each chunk's own check, made when needed
         self.plan = chunk_plan(spec, size, False)
         self.sections = len(self.plan.table_head)
@@ -53,7 +57,8 @@ class RunCheck:
         check = self._checks.get(index)
         if check is None:
             check = self._checks[index] = restored_chunk_check(
-                self.spec, self.tokens, index, self.keys[index - self.first])
+                self.spec, *chunk_tokens_of(self.tokens, index, self.spec.chunk_tokens,
+                                            self.independent), self.keys[index - self.first])
         return check
 
     def digest(self, index: int) -> bytes | None:
@@ -108,7 +113,8 @@ class RunCheck:
         return ((head["magic"] == MAGIC) & (head["version"] == VERSION)
                 & ((head["flags"] & ~np.uint16(FLAG_ZSTD)) == 0)  # persistent, none unknown
                 & (head["layout_hash"] == self.spec.layout_hash)
-                & (head["start_token"] == indices * size) & (head["num_tokens"] == size)
+                & (head["start_token"] == (0 if self.independent else indices * size))
+                & (head["num_tokens"] == size)
                 & (head["sections"] == self.sections)
                 & (head["raw_len"] == self.plan.payload_bytes)
                 & (((head["flags"] & FLAG_ZSTD) != 0) | (head["stored_len"] == head["raw_len"]))

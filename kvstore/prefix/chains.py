@@ -105,12 +105,13 @@ def _chain_of(key: str) -> str | None:
 class HeldChunk:
     block_key: str
     tiers: tuple[str, ...]  # highest first
+    index: int  # the chunk's index in the sequence asked about
 
 
 @dataclass(frozen=True)
 class LookupResult:
     tokens_held: int  # a multiple of the layout's chunk_tokens
-    chunks: tuple[HeldChunk, ...]  # one per held chunk of the prefix, in order
+    chunks: tuple[HeldChunk, ...]  # one per held chunk (of the prefix), in order
 
 
 def longest_prefix(index: ChainIndex, chains: Iterable[str], tier_names: Sequence[str],
@@ -120,13 +121,30 @@ def longest_prefix(index: ChainIndex, chains: Iterable[str], tier_names: Sequenc
     versions of one chunk the referenced one is named (a live session vouches for it),
     then the one held highest."""
     held: list[HeldChunk] = []
-    for chain in chains:
-        versions = index.blocks(chain)
-        if not versions:
+    for n, chain in enumerate(chains):
+        found = _held(index, chain, n, tier_names, is_referenced)
+        if found is None:
             break
-        key = min(versions, key=lambda k: (not is_referenced(k), min(versions[k]), k))
-        held.append(HeldChunk(key, tuple(tier_names[j] for j in sorted(versions[key]))))
+        held.append(found)
     return LookupResult(len(held) * chunk_tokens, tuple(held))
+
+
+def held_each(index: ChainIndex, chains: Iterable[str], tier_names: Sequence[str],
+              chunk_tokens: int, is_referenced: Callable[[str], bool]) -> LookupResult:
+    """Every one of ``chains`` whose blocks some tier holds, each asked about alone
+    (independent chunks: no prefix), the version named as ``longest_prefix`` names it."""
+    held = [found for n, chain in enumerate(chains)
+            if (found := _held(index, chain, n, tier_names, is_referenced)) is not None]
+    return LookupResult(len(held) * chunk_tokens, tuple(held))
+
+
+def _held(index: ChainIndex, chain: str, n: int, tier_names: Sequence[str],
+          is_referenced: Callable[[str], bool]) -> HeldChunk | None:
+    versions = index.blocks(chain)
+    if not versions:
+        return None
+    key = min(versions, key=lambda k: (not is_referenced(k), min(versions[k]), k))
+    return HeldChunk(key, tuple(tier_names[j] for j in sorted(versions[key])), n)
 
 
 @dataclass(frozen=True)

@@ -101,3 +101,23 @@ async def held_chains(stack: TierStack, index: ChainIndex, chains: Iterator[str]
             held.append(chain)
         size = min(2 * size, probes.max_round)
     return held
+
+
+async def learn_each(stack: TierStack, index: ChainIndex, chains: list[str],
+                     probes: PrefixProbes = PROBES) -> None:
+    """Independent chunks (no prefix to stop at): ask the shared tiers about the chain keys
+    this node knows no version of, Redis in rounds of ``max_round``, the bucket at most
+    ``bucket_probes`` LISTs, at most ``max_chunks`` keys in all; learn what they hold."""
+    unknown = [chain for chain in chains if not index.blocks(chain)][:probes.max_chunks]
+    for j in stack.shared_tiers():
+        unknown = [chain for chain in unknown if not index.blocks(chain)]
+        if not unknown:
+            return
+        if stack.tiers[j].durable:
+            for start in range(0, min(len(unknown), probes.bucket_probes),
+                               probes.bucket_group):
+                await stack.find_chains(j, unknown[start:min(start + probes.bucket_group,
+                                                              probes.bucket_probes)])
+        else:
+            for start in range(0, len(unknown), probes.max_round):
+                await stack.find_chains(j, unknown[start:start + probes.max_round])

@@ -65,11 +65,17 @@ import numpy as np
 from kvstore.eviction.pause_estimate import PauseEstimator
 from kvstore.eviction.policies import EvictionPolicy, LRUPolicy
 from kvstore.format.errors import InvalidRequest, KVTierError
-from kvstore.format.keys import check_fingerprint, dedupe_scope, iter_chain_keys
+from kvstore.format.keys import (
+    MAX_INDEPENDENT_LOOKUP,
+    check_fingerprint,
+    dedupe_scope,
+    independent_keys,
+    iter_chain_keys,
+)
 from kvstore.format.registry import get_layout
 from kvstore.placement.blocks import WriteHook
-from kvstore.prefix.chains import LookupResult, longest_prefix
-from kvstore.prefix.fleet_lookup import held_chains
+from kvstore.prefix.chains import LookupResult, held_each, longest_prefix
+from kvstore.prefix.fleet_lookup import held_chains, learn_each
 from kvstore.remote.breaker import tripped
 from kvstore.session.context import StoreContext, StoreOptions
 from kvstore.session.draining import Draining, DrainProgress
@@ -291,44 +297,61 @@ class TierManager:
     # -- prefix reuse: kvstore.prefix.chains, kvstore.session.fork --
 
     def lookup(self, tenant: str, layout_id: str, token_ids: Sequence[int] | np.ndarray, *,
-               model_fingerprint: str = "", dedupe_domain: str | None = None
-               ) -> LookupResult:
+               model_fingerprint: str = "", dedupe_domain: str | None = None,
+               independent: bool = False) -> LookupResult:
         """The longest prefix of ``token_ids`` (whole chunks) whose chunks some tier holds
         in the caller's dedupe domain, each chunk's block key and tiers (no I/O). The keys
         bind the domain, so another domain's blocks are never found. A spill may then name
         those chunks by block key without their bytes (``ChunksNotHeld`` if one went
-        meanwhile); retained ones found count as used now."""
+        meanwhile); retained ones found count as used now. ``independent``: every whole
+        chunk keyed alone (``kvstore.session.prefix_chunks``), each held one named."""
         chunk_tokens, chains = self._chains(tenant, layout_id, token_ids, model_fingerprint,
-                                            dedupe_domain)
-        return self._held_prefix(chains, chunk_tokens)
+                                            dedupe_domain, independent)
+        return self._held(chains, chunk_tokens, independent)
 
     async def lookup_fleet(self, tenant: str, layout_id: str,
                            token_ids: Sequence[int] | np.ndarray, *, model_fingerprint: str = "",
-                           dedupe_domain: str | None = None) -> LookupResult:
+                           dedupe_domain: str | None = None, independent: bool = False
+                           ) -> LookupResult:
         """``lookup`` in a fleet (metadata = "shared"): chain keys past what this node
         knows are asked of the shared tiers, Redis then the bucket, within bounds
         (``kvstore.prefix.fleet_lookup``), and what they hold is learnt. Without shared tiers
         exactly ``lookup`` (no I/O)."""
         chunk_tokens, chains = self._chains(tenant, layout_id, token_ids, model_fingerprint,
-                                            dedupe_domain)
-        if self.store.stack.shared_tiers():
+                                            dedupe_domain, independent)
+        if independent and self.store.stack.shared_tiers():
+            keys = list(chains)
+            await learn_each(self.store.stack, self.store.index, keys)
+            chains = iter(keys)
+        elif self.store.stack.shared_tiers():
             chains = iter(await held_chains(self.store.stack, self.store.index, chains))
-        return self._held_prefix(chains, chunk_tokens)
+        return self._held(chains, chunk_tokens, independent)
 
     def _chains(self, tenant: str, layout_id: str, token_ids: Sequence[int] | np.ndarray,
-                model_fingerprint: str, dedupe_domain: str | None
+                model_fingerprint: str, dedupe_domain: str | None, independent: bool
                 ) -> tuple[int, Iterator[str]]:
         check_name("tenant", tenant)
         spec = get_layout(layout_id)
+        scope = dedupe_scope(tenant, dedupe_domain)
+        fingerprint = check_fingerprint(model_fingerprint)
+        if independent:  # every chunk is asked about: bounded
+            chunks = len(token_ids) // spec.chunk_tokens
+            if chunks > MAX_INDEPENDENT_LOOKUP:
+                raise InvalidRequest(f"a lookup of independent chunks asks about at most "
+                                     f"{MAX_INDEPENDENT_LOOKUP} chunks, not {chunks}")
+            return spec.chunk_tokens, iter(independent_keys(
+                spec.layout_id, token_ids, spec.chunk_tokens, scope=scope,
+                model_fingerprint=fingerprint))
         # Hashed as the walk goes: a miss ends it, so no token past the held prefix costs.
         return spec.chunk_tokens, iter_chain_keys(
-            spec.layout_id, token_ids, spec.chunk_tokens,
-            scope=dedupe_scope(tenant, dedupe_domain),
-            model_fingerprint=check_fingerprint(model_fingerprint))
+            spec.layout_id, token_ids, spec.chunk_tokens, scope=scope,
+            model_fingerprint=fingerprint)
 
-    def _held_prefix(self, chains: Iterator[str], chunk_tokens: int) -> LookupResult:
-        found = longest_prefix(self.store.index, chains, [t.name for t in self.tiers],
-                               chunk_tokens, lambda key: self.store.ledger.count(key) > 0)
+    def _held(self, chains: Iterator[str], chunk_tokens: int, independent: bool
+              ) -> LookupResult:
+        found = (held_each if independent else longest_prefix)(
+            self.store.index, chains, [t.name for t in self.tiers], chunk_tokens,
+            lambda key: self.store.ledger.count(key) > 0)
         self.store.retention.touch(chunk.block_key for chunk in found.chunks)
         return found
 
@@ -350,15 +373,15 @@ class TierManager:
     async def read_chunks(self, tenant: str, layout_id: str,
                           token_ids: Sequence[int] | np.ndarray, *, first_chunk: int,
                           count: int, digests: Sequence[bytes] = (),
-                          model_fingerprint: str = "", dedupe_domain: str | None = None
-                          ) -> list[ChunkRead]:
+                          model_fingerprint: str = "", dedupe_domain: str | None = None,
+                          independent: bool = False) -> list[ChunkRead]:
         """Chunks ``first_chunk`` on (``count`` of them) of ``token_ids`` in the caller's
-        domain, each read (verified) or missing with its reason; see
-        ``kvstore.session.prefix_chunks``."""
+        domain, each read (verified) or missing with its reason; ``independent``: each
+        keyed alone; see ``kvstore.session.prefix_chunks``."""
         return await self._prefix.read(tenant, layout_id, token_ids, first_chunk=first_chunk,
                                        count=count, digests=digests,
                                        model_fingerprint=model_fingerprint,
-                                       dedupe_domain=dedupe_domain)
+                                       dedupe_domain=dedupe_domain, independent=independent)
 
     def retained_chunks(self) -> dict[str, tuple[int, int]]:
         """(chunks, bytes) retained (unreferenced, kept as cache) per dedupe domain (""

@@ -5,7 +5,10 @@ Keys are computed here, never taken from the caller: chunk ``i``'s chain key cha
 from token 0 in the caller's dedupe domain (``kvstore.format.keys``), so a call reads or
 writes only its own domain's chunks, and a session spilled with those tokens shares them
 (a written chunk is what a spill naming its block key dedupes against, and a session's
-chunk is readable here). Rules:
+chunk is readable here). With ``independent`` each whole chunk is keyed and checked alone,
+as the first chunk of a sequence of its own tokens (proto "Independent chunks"): many
+unrelated chunks in one call, each the very chunk a one-chunk call of its tokens stores.
+Rules:
 
 - Written chunks are checked as a spill's (``kvstore.format.checks.check_chunk``) and
   kept as retained cache entries (``kvstore.prefix.chains.Retention``), their marks
@@ -54,7 +57,9 @@ from kvstore.format.keys import (
     DIGEST_BYTES,
     block_key,
     check_fingerprint,
+    chunk_tokens_of,
     dedupe_scope,
+    independent_keys,
     iter_chain_keys,
     split_block_key,
     token_bytes,
@@ -80,7 +85,7 @@ class ChunkWrite:
     from there, of its encoded bytes; ``chunks``: index in the sequence -> bytes, for
     those sent (the others are named by key: confirmed held, unread, or
     ``ChunksNotHeld``); ``dedupe_domain``: a shared domain the caller may use, None for
-    the tenant's own."""
+    the tenant's own; ``independent``: each chunk keyed alone (module docstring)."""
 
     tenant: str
     layout_id: str
@@ -92,6 +97,7 @@ class ChunkWrite:
     dedupe_domain: str | None = None
     ack: Literal["memory", "durable"] = "memory"
     hint: ResumeHint | None = None
+    independent: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,7 +142,7 @@ class PrefixChunks:
             raise InvalidRequest("a durable ack needs a durable tier and a durable MetaStore")
         spec, tokens, scope, chains = await self._chains(
             r.tenant, r.layout_id, r.token_ids, r.model_fingerprint, r.dedupe_domain,
-            whole=True)
+            whole=True, independent=r.independent)
         first = r.first_chunk
         if not isinstance(first, int) or not 0 <= first <= len(chains):
             raise InvalidRequest(f"first_chunk {first!r} is not in [0, {len(chains)}] (the "
@@ -150,11 +156,15 @@ class PrefixChunks:
         if outside:
             raise InvalidRequest(f"chunk {outside[0]} is not one of chunks {first}.."
                                  f"{len(chains) - 1}")
+        if len(set(chains[first:])) < len(chains) - first:
+            raise InvalidRequest("two independent chunks have the same tokens: write each "
+                                 "chunk once")
         keys = [block_key(chains[first + i], d) for i, d in enumerate(r.digests)]
 
         def checked() -> None:
             for i, data in r.chunks.items():
-                check_chunk(spec, tokens, i, r.digests[i - first], data)
+                check_chunk(spec, *chunk_tokens_of(tokens, i, spec.chunk_tokens, r.independent),
+                            r.digests[i - first], data)
 
         sent = sum(len(data) for data in r.chunks.values())
         if sent > CHECK_ON_LOOP_BYTES:  # every byte is hashed: off the event loop
@@ -216,7 +226,9 @@ class PrefixChunks:
         try:
             found = await store.blocks.gather(
                 store.blocks.reference(keys[i], store.index.size(keys[i]) or None,
-                                       restored_chunk_check(spec, tokens, first + i, keys[i]),
+                                       restored_chunk_check(spec, *chunk_tokens_of(
+                                           tokens, first + i, spec.chunk_tokens,
+                                           r.independent), keys[i]),
                                        r.hint, durable_ack=durable) for i in by_key)
             missing = [first + i for i, got in zip(by_key, found, strict=True) if got is None]
             if missing:
@@ -236,11 +248,12 @@ class PrefixChunks:
 
     async def read(self, tenant: str, layout_id: str, token_ids: Sequence[int] | np.ndarray,
                    *, first_chunk: int, count: int, digests: Sequence[bytes] = (),
-                   model_fingerprint: str = "", dedupe_domain: str | None = None
-                   ) -> list[ChunkRead]:
+                   model_fingerprint: str = "", dedupe_domain: str | None = None,
+                   independent: bool = False) -> list[ChunkRead]:
         """Chunks ``first_chunk`` .. ``first_chunk + count - 1`` of ``token_ids``, in order,
         each read or missing with its reason; ``digests`` (one per chunk, or none): the
-        bytes expected (only another version held: ``digest_mismatch``)."""
+        bytes expected (only another version held: ``digest_mismatch``); ``independent``:
+        each chunk keyed alone (module docstring)."""
         if digests and len(digests) != count:
             raise InvalidRequest(f"{len(digests)} expected digests for {count} chunks: give "
                                  "one per chunk read, or none")
@@ -248,7 +261,7 @@ class PrefixChunks:
             raise InvalidRequest(f"a chunk digest is {DIGEST_BYTES} bytes (BLAKE2b-256)")
         spec, tokens, _, chains = await self._chains(
             tenant, layout_id, token_ids, model_fingerprint, dedupe_domain, whole=False,
-            upto=first_chunk + count)
+            upto=first_chunk + count, independent=independent)
         if first_chunk < 0 or count < 0 or first_chunk + count > len(chains):
             raise InvalidRequest(f"chunks {first_chunk}..{first_chunk + count - 1} are not "
                                  f"whole chunks of token_ids ({len(tokens)} tokens)")
@@ -270,7 +283,9 @@ class PrefixChunks:
         counters.lookups += len(missing)  # asked and missed, like a read no tier answers
         counters.misses += len(missing)
         wanted = sorted(keys)
-        checks = [restored_chunk_check(spec, tokens, first_chunk + n, keys[n]) for n in wanted]
+        checks = [restored_chunk_check(spec, *chunk_tokens_of(tokens, first_chunk + n,
+                                                              spec.chunk_tokens, independent),
+                                       keys[n]) for n in wanted]
         promotions: list = []
         got = await self._restorer.read_blocks([keys[n] for n in wanted], checks,
                                                frozenset(), promotions)
@@ -308,10 +323,11 @@ class PrefixChunks:
 
     async def _chains(self, tenant: str, layout_id: str,
                       token_ids: Sequence[int] | np.ndarray, model_fingerprint: str,
-                      dedupe_domain: str | None, *, whole: bool, upto: int | None = None
+                      dedupe_domain: str | None, *, whole: bool, upto: int | None = None,
+                      independent: bool = False
                       ) -> tuple[LayoutSpec, np.ndarray, str, list[str]]:
         """(layout, tokens, scope, chain keys of the first ``upto`` whole chunks, or all);
-        ``whole``: a partial last chunk is refused."""
+        ``whole``: a partial last chunk is refused; ``independent``: each keyed alone."""
         check_name("tenant", tenant)
         spec = get_layout(layout_id)
         tokens = np.frombuffer(token_bytes(token_ids), dtype="<u4")
@@ -329,6 +345,9 @@ class PrefixChunks:
         wanted = len(tokens) // size if upto is None else min(upto, len(tokens) // size)
 
         def hashed() -> list[str]:
+            if independent:
+                return independent_keys(spec.layout_id, tokens[:wanted * size], size,
+                                        scope=scope, model_fingerprint=fingerprint)
             return list(itertools.islice(iter_chain_keys(
                 spec.layout_id, tokens, size, scope=scope, model_fingerprint=fingerprint),
                 wanted))

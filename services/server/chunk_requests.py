@@ -20,7 +20,14 @@ from kvstore.format.checks import check_token_ids, check_written_version, chunk_
 from kvstore.format.chunk import checked_header, tokens_hash
 from kvstore.format.errors import CodecError, InvalidRequest, shown
 from kvstore.format.hints import ResumeHint
-from kvstore.format.keys import DIGEST_BYTES, check_fingerprint, dedupe_scope, iter_chain_keys
+from kvstore.format.keys import (
+    DIGEST_BYTES,
+    check_fingerprint,
+    chunk_tokens_of,
+    dedupe_scope,
+    independent_keys,
+    iter_chain_keys,
+)
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.registry import get_layout
 from kvstore.session.prefix_chunks import ChunkWrite
@@ -37,6 +44,7 @@ class Scope:
     tokens: np.ndarray  # (num_tokens,) uint32
     fingerprint: str
     domain: str | None  # a shared domain the tenant may use; None: its own
+    independent: bool  # each whole chunk keyed alone (proto "Independent chunks")
 
 
 def tenant_of(request: pb.WriteChunksHeader | pb.ReadChunksRequest, where: str = "") -> str:
@@ -62,7 +70,7 @@ def _scope(request: pb.WriteChunksHeader | pb.ReadChunksRequest, where: str, max
     if spec.requires_model_fingerprint and not fingerprint:
         raise InvalidRequest(f"layout {spec.layout_id} requires {where}model_fingerprint "
                              "(the weights/version id of the model whose KV this is)")
-    return Scope(tenant, spec, tokens, fingerprint, domain)
+    return Scope(tenant, spec, tokens, fingerprint, domain, request.independent_chunks)
 
 
 def _digests(values, count: int, name: str) -> list[bytes]:
@@ -115,12 +123,15 @@ class IncomingChunks:
             raise InvalidRequest(f"chunk {index} is not a valid chunk of layout {spec.name}: "
                                  f"{exc}") from exc
         check_written_version(f"chunk {index}", header)
-        size, tokens = spec.chunk_tokens, self.scope.tokens
-        start = index * size
+        size = spec.chunk_tokens
+        tokens, at = chunk_tokens_of(self.scope.tokens, index, size, self.scope.independent)
+        start = at * size
         if header.ephemeral or header.start_token != start or header.num_tokens != size:
             raise InvalidRequest(f"chunk {index} must hold the persistent streams of tokens "
                                  f"{start}+{size}, not {header.start_token}+{header.num_tokens}"
-                                 + (" (ephemeral)" if header.ephemeral else ""))
+                                 + (" (ephemeral)" if header.ephemeral else "")
+                                 + (" (independent chunks: each starts at token 0)"
+                                    if self.scope.independent else ""))
         if header.tokens_hash != tokens_hash(tokens[start : start + size]):
             raise InvalidRequest(f"chunk {index} was encoded for other token ids than "
                                  f"header.token_ids[{start}:{start + size}]")
@@ -132,7 +143,7 @@ class IncomingChunks:
         return ChunkWrite(tenant=s.tenant, layout_id=s.spec.layout_id, token_ids=s.tokens,
                           first_chunk=self.first, digests=self.digests, chunks=self.chunks,
                           model_fingerprint=s.fingerprint, dedupe_domain=s.domain,
-                          ack=self.ack, hint=self.hint)
+                          ack=self.ack, hint=self.hint, independent=s.independent)
 
 
 def write_header(header: pb.WriteChunksHeader, default_ack: str, max_tokens: int,
@@ -158,10 +169,14 @@ def write_header(header: pb.WriteChunksHeader, default_ack: str, max_tokens: int
     if header.HasField("hint"):
         pause = check.seconds("hint.expected_pause_s", header.hint.expected_pause_s, None)
         hint = ResumeHint(pause, header.hint.priority)
-    chains = iter_chain_keys(scope.spec.layout_id, scope.tokens, size,
-                             scope=dedupe_scope(scope.tenant, scope.domain),
-                             model_fingerprint=scope.fingerprint)
-    index = {chain: i for i, chain in enumerate(chains) if i >= header.first_chunk}
+    chains = (independent_keys if scope.independent else iter_chain_keys)(
+        scope.spec.layout_id, scope.tokens, size, scope=dedupe_scope(scope.tenant, scope.domain),
+        model_fingerprint=scope.fingerprint)
+    index: dict[str, int] = {}
+    for i, chain in enumerate(chains):
+        if i >= header.first_chunk and index.setdefault(chain, i) != i:
+            raise InvalidRequest(f"independent chunks {index[chain]} and {i} have the same "
+                                 "tokens: send each chunk once")
     return IncomingChunks(scope, header.first_chunk, digests,
                           check.ACKS.get(header.ack, default_ack), hint, index)
 

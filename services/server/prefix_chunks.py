@@ -98,7 +98,7 @@ class PrefixChunkCalls:
             chunks = await self.manager.read_chunks(
                 s.tenant, s.spec.layout_id, s.tokens, first_chunk=asked.first,
                 count=asked.count, digests=asked.digests, model_fingerprint=s.fingerprint,
-                dedupe_domain=s.domain)
+                dedupe_domain=s.domain, independent=s.independent)
             opts = StreamOptions(use_shared_memory=request.use_shared_memory,
                                  reply_lease=request.reply_lease, peer=peer)
             size = sum(len(c.data) for c in chunks if c.data is not None)

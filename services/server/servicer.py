@@ -381,11 +381,13 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         auth.check_tenant(tenant)
         found = await self.manager.lookup_fleet(tenant, layout_id, tokens,
                                                 model_fingerprint=fingerprint,
-                                                dedupe_domain=domain)
+                                                dedupe_domain=domain,
+                                                independent=request.independent_chunks)
         chunks = []
         for chunk in found.chunks:
             chain, digest = split_block_key(chunk.block_key)
-            chunks.append(pb.HeldChunk(chunk_key=chain, digest=digest, tiers=chunk.tiers))
+            chunks.append(pb.HeldChunk(chunk_key=chain, digest=digest, tiers=chunk.tiers,
+                                       index=chunk.index))
         return pb.LookupReply(tokens_held=found.tokens_held, chunks_held=len(chunks),
                               chunks=chunks)
 

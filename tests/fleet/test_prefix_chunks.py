@@ -36,3 +36,34 @@ async def test_chunks_written_on_a_are_read_on_b(node_config, redis_cluster,
         got = await c.read_chunks("acme", TINY.layout_id, tokens, first_chunk=0, count=4)
         assert [bytes(r.data) for r in got] == chunks
         assert {r.tier for r in got} == {"object"}
+
+
+async def test_independent_chunks_written_on_a_are_found_and_read_on_b(
+        node_config, redis_cluster, redis_cluster_process):
+    """Pages (each chunk 0 of its own tokens) written on one node: another node's Lookup
+    of independent chunks learns them from Redis, then, Redis flushed, from the bucket;
+    a page never written stays a miss among them."""
+    async with nodes(node_config, redis_cluster) as (a, b, c):
+        pages = [random_tokens(C, 10 + i) for i in range(4)]
+        sessions = [make_session(t, seed=10 + i, tenant="acme") for i, t in enumerate(pages)]
+        chunks = [s["chunks"][0][1] for s in sessions]
+        held = [0, 1, 3]
+        written = await a.write_chunks(ChunkWrite(
+            tenant="acme", layout_id=TINY.layout_id,
+            token_ids=[t for i in held for t in pages[i]], first_chunk=0,
+            digests=[split_block_key(sessions[i]["chunks"][0][0])[1] for i in held],
+            chunks={n: chunks[i] for n, i in enumerate(held)}, ack="durable",
+            independent=True))
+        assert written.written == 3
+        every = [t for page in pages for t in page]
+        found = await b.lookup_fleet("acme", TINY.layout_id, every, independent=True)
+        assert [chunk.index for chunk in found.chunks] == held
+        got = await b.read_chunks("acme", TINY.layout_id, every, first_chunk=0, count=4,
+                                  independent=True)
+        assert [r.missing for r in got] == ["", "", "not_held", ""]
+        assert [bytes(got[i].data) for i in held] == [chunks[i] for i in held]
+        redis_cluster_process.flushall()  # the shared cache lost: the bucket answers
+        found = await c.lookup_fleet("acme", TINY.layout_id, every, independent=True)
+        assert [chunk.index for chunk in found.chunks] == held
+        theirs = await c.lookup_fleet("beta", TINY.layout_id, every, independent=True)
+        assert not theirs.chunks

@@ -19,8 +19,10 @@ from kvstore.format.keys import (
     chunk_digest,
     chunk_key,
     dedupe_scope,
+    independent_keys,
     shared_domain,
     split_block_key,
+    token_bytes,
 )
 
 tokens = st.lists(st.integers(0, 2**32 - 1), max_size=80)
@@ -119,3 +121,23 @@ def test_block_keys_bind_the_digest_of_the_bytes_and_split_back():
         block_key(chains[0], b"short")
     with pytest.raises(InvalidRequest):
         block_keys("a@1", ids, 4, chunks[:1], scope=SCOPE)
+
+
+def test_token_bytes_takes_any_ids_that_fit_in_uint32_and_refuses_the_rest():
+    for dtype in (np.uint8, np.uint16, np.uint32, np.int64):
+        assert token_bytes(np.array([0, 7, 255], dtype)) == \
+            np.array([0, 7, 255], "<u4").tobytes()
+    for bad in (np.array([-1], np.int64), np.array([1 << 32], np.int64),
+                np.array([1 << 32], np.uint64)):
+        with pytest.raises(InvalidRequest, match="uint32"):
+            token_bytes(bad)
+
+
+def test_independent_keys_are_each_chunks_first_key_alone():
+    ids = np.arange(12, dtype=np.uint32)
+    assert independent_keys("l@1", ids, 4, scope=SCOPE, model_fingerprint="m") == [
+        chain_keys("l@1", ids[i:i + 4], 4, scope=SCOPE, model_fingerprint="m")[0]
+        for i in (0, 4, 8)]
+    assert independent_keys("l@1", ids[:11], 4, scope=SCOPE)[1] != \
+        chain_keys("l@1", ids[:11], 4, scope=SCOPE)[1]  # not chained, and no partial chunk
+    assert len(independent_keys("l@1", ids[:11], 4, scope=SCOPE)) == 2

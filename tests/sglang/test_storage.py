@@ -171,6 +171,55 @@ def test_v2_hits_under_every_policy_are_hicache_files(kvtier_server, tmp_path, k
                                page(pools[name], p).view(torch.uint8))
 
 
+def rpcs(live, method: str) -> float:
+    """Calls of ``method`` the server answered so far (every status)."""
+    return sum(sample.value for metric in live.server.servicer.metrics.requests.collect()
+               for sample in metric.samples
+               if sample.name.endswith("_total") and sample.labels["method"].endswith(method))
+
+
+def test_a_batch_of_pages_is_one_call_each_way(kvtier_server):
+    """SGLang's batches (v1 and v2, every pool) cost one kvtier call a layout, not one a
+    page; a page missing among them is a miss alone."""
+    pool, target = host_pool("mha", "page_first"), host_pool("mha", "page_first")
+    fill_random(pool, 16, seed=6)
+    store = kvtier_backend(kvtier_server.target, "mha", "page_first", pool)
+    page_keys = keys(17)
+    before = {m: rpcs(kvtier_server, m) for m in ("WriteChunks", "ReadChunks", "Lookup")}
+    assert store.batch_set_v1(page_keys[:16], page_indices(pool, range(16))) == [True] * 16
+    assert store.batch_exists(page_keys) == 16
+    store.register_mem_pool_host(target)
+    got = store.batch_get_v1(page_keys[15:] + page_keys[:15],
+                             page_indices(target, range(17)))
+    assert got == [True, False] + [True] * 15
+    after = {m: rpcs(kvtier_server, m) - before[m] for m in before}
+    assert after == {"WriteChunks": 1, "ReadChunks": 1, "Lookup": 1}
+    # a key twice in one call: written once, both answered
+    twice = keys(1) * 2
+    assert store.batch_set_v1(twice, page_indices(pool, [3, 3])) == [True, True]
+    assert store.batch_exists(twice) == 2
+    for p in range(15):
+        assert torch.equal(page(target, p + 2).view(torch.uint8),
+                           page(pool, p).view(torch.uint8))
+
+    pools = v2_pools("mha", "page_first")  # three pools of one page size: one layout
+    for n, one in enumerate(pools.values()):
+        fill_random(one, 4, seed=20 + n)
+    v2 = kvtier_backend(kvtier_server.target, "mha", "page_first", pools[PoolName.KV])
+    register_v2(v2, pools)
+    v2_keys = keys(4)
+    transfers = [PoolTransfer(name=name, keys=v2_keys, host_indices=page_indices(one, range(4)))
+                 for name, one in pools.items()]
+    before = {m: rpcs(kvtier_server, m) for m in ("WriteChunks", "ReadChunks", "Lookup")}
+    assert v2.batch_set_v2(transfers) == {str(name): [True] * 4 for name in pools}
+    hit = v2.batch_exists_v2(v2_keys, [PoolTransfer(PoolName.MAMBA, keys=v2_keys,
+                                                    hit_policy=PoolHitPolicy.ALL_PAGES)])
+    assert hit.kv_hit_pages == 4
+    assert v2.batch_get_v2(transfers) == {str(name): [True] * 4 for name in pools}
+    after = {m: rpcs(kvtier_server, m) - before[m] for m in before}
+    assert after == {"WriteChunks": 1, "ReadChunks": 1, "Lookup": 1}
+
+
 def test_block_groups_count_whole_groups_from_the_start_and_never_gate_the_kv_hit(
         kvtier_server):
     layout = "page_first"

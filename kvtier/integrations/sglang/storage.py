@@ -6,13 +6,14 @@ loaded by SGLang's ``dynamic`` backend (README "SGLang")::
       "class_name": "KVTierStorage", "interface_v1": 1, "model_fingerprint": "...", ...}'
 
 Every page is one prefix chunk in the caller's tenant or dedupe domain
-(``kvtier.integrations.sglang.pages``), written with WriteChunks and read with ReadChunks,
-its bytes checked end to end on the way back: the BLAKE2b digest its writer stated, the
-chunk's own checksums, its layout and its key's stand-in tokens. A page missing, corrupt,
-of another model or of another pool or rank is a miss (False, None, 0): never wrong bytes,
-never an exception into SGLang, and never ``None`` from a v1 call.
+(``kvtier.integrations.sglang.pages``), keyed alone (proto "Independent chunks"): an
+SGLang call's pages are one WriteChunks, ReadChunks or Lookup (a few where pages pass
+``MAX_CALL_BYTES``), its bytes checked end to end on the way back: the BLAKE2b digest its
+writer stated, the chunk's own checksums, its layout and its key's stand-in tokens. A page
+missing, corrupt, of another model or of another pool or rank is a miss (False, None, 0):
+never wrong bytes, never an exception into SGLang, and never ``None`` from a v1 call.
 
-SGLang's threads never wait past ``timeout_ms``: each call's pages go concurrently on the
+SGLang's threads never wait past ``timeout_ms``: each call's batches go concurrently on the
 kvtier client's own loop and the caller waits for them at most that long; bytes land in
 the host pool only in the caller's thread, after that wait, so a call that gave up writes
 nothing later. One breaker (``kvtier.integrations.breaker``, the vLLM connector's too):
@@ -23,11 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import warnings
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
@@ -40,6 +44,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvstore.format.errors import TierUnavailable, UnknownLayout
+from kvstore.format.keys import MAX_INDEPENDENT_LOOKUP
 from kvtier.integrations.breaker import Breaker
 from kvtier.integrations.sglang.config import StorageSettings
 from kvtier.integrations.sglang.hits import pool_hits
@@ -49,6 +54,8 @@ from kvtier.sync import Client
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Page = tuple[PageFormat, str]  # the pool's pages, the page's storage key
+PoolPages = tuple[str, list[str], torch.Tensor | None, Any]  # pool, keys, host indices, host pool
+MAX_CALL_BYTES = 64 << 20  # pages read or written by one call at most (calls run at once)
 
 
 class KVTierStorage(HiCacheStorage):
@@ -80,11 +87,11 @@ class KVTierStorage(HiCacheStorage):
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        return self._get_pages(KV_POOL, keys, host_indices, self._kv_host_pool())
+        return self._get_pages([(KV_POOL, keys, host_indices, self._kv_host_pool())])[0]
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        return self._set_pages(KV_POOL, keys, host_indices, self._kv_host_pool())
+        return self._set_pages([(KV_POOL, keys, host_indices, self._kv_host_pool())])[0]
 
     def _kv_host_pool(self):
         return getattr(self, "mem_pool_host", None)
@@ -100,11 +107,9 @@ class KVTierStorage(HiCacheStorage):
         fmt = self.formats.get(KV_POOL)
         if fmt is None or target_locations is None or len(target_locations) != len(keys):
             return [None] * len(keys)
-        pages = self._read([(fmt, key) for key in keys])
-        out: list[torch.Tensor | None] = []
-        for target, data in zip(target_locations, pages, strict=True):
-            out.append(target if data is not None and _fill(target, data) else None)
-        return out
+        with self._reading([(fmt, key) for key in keys]) as pages:
+            return [target if data is not None and _fill(target, data) else None
+                    for target, data in zip(target_locations, pages, strict=True)]
 
     def set(self, key: str, value: torch.Tensor | None = None, target_location: Any = None,
             target_sizes: Any = None) -> bool:
@@ -168,58 +173,116 @@ class KVTierStorage(HiCacheStorage):
 
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        return {str(t.name): self._get_pages(str(t.name), t.keys or [], t.host_indices,
-                                             self._host_pools().get(t.name))
-                for t in transfers}
+        done = self._get_pages(self._transfers(transfers))
+        return {str(t.name): got for t, got in zip(transfers, done, strict=True)}
 
     def batch_set_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        return {str(t.name): self._set_pages(str(t.name), t.keys or [], t.host_indices,
-                                             self._host_pools().get(t.name))
-                for t in transfers}
+        done = self._set_pages(self._transfers(transfers))
+        return {str(t.name): got for t, got in zip(transfers, done, strict=True)}
 
-    def _host_pools(self) -> dict:
-        return getattr(self, "registered_pools", {})
+    def _transfers(self, transfers: list[PoolTransfer]) -> list[PoolPages]:
+        pools = getattr(self, "registered_pools", {})
+        return [(str(t.name), t.keys or [], t.host_indices, pools.get(t.name))
+                for t in transfers]
 
     # -- pages of a host pool --
 
-    def _get_pages(self, pool: str, keys: list[str], host_indices: torch.Tensor | None,
-                   host_pool) -> list[bool]:
-        offsets = _page_offsets(pool, keys, host_indices, host_pool)
-        fmt = self.formats.get(pool)
-        if offsets is None or fmt is None:
-            return [False] * len(keys)
-        pages = self._read([(fmt, _pool_key(pool, key)) for key in keys])
-        for offset, data in zip(offsets, pages, strict=True):
-            if data is not None:
-                host_pool.set_from_flat_data_page(offset, fmt.flat_page(data))
-        return [data is not None for data in pages]
+    def _get_pages(self, transfers: list[PoolPages]) -> list[list[bool]]:
+        """Every pool's pages read in one go (one call a layout), each loaded into its
+        host pool; one bool a key."""
+        plans = self._plans(transfers)
+        asked: list[Page] = []
+        for (pool, keys, _, _), plan in zip(transfers, plans, strict=True):
+            if plan is not None:
+                asked += [(plan[0], _pool_key(pool, key)) for key in keys]
+        with self._reading(asked) as pages:
+            loaded = iter(pages)
+            out = []
+            for (_, keys, _, host_pool), plan in zip(transfers, plans, strict=True):
+                if plan is None:
+                    out.append([False] * len(keys))
+                    continue
+                fmt, offsets = plan
+                got = []
+                for offset in offsets:
+                    data = next(loaded)
+                    if data is not None:
+                        host_pool.set_from_flat_data_page(offset, fmt.flat_page(data))
+                    got.append(data is not None)
+                out.append(got)
+        return out
 
-    def _set_pages(self, pool: str, keys: list[str], host_indices: torch.Tensor | None,
-                   host_pool) -> list[bool]:
-        offsets = _page_offsets(pool, keys, host_indices, host_pool)
-        fmt = self.formats.get(pool)
-        if offsets is None or fmt is None:
-            return [False] * len(keys)
-        if not self.shard.writes(pool):
-            return [True] * len(keys)  # the shard's writer rank stores these pages
-        return self._write([(fmt, _pool_key(pool, key),
-                             host_pool.get_data_page(offset, flat=True))
-                            for key, offset in zip(keys, offsets, strict=True)])
+    def _set_pages(self, transfers: list[PoolPages]) -> list[list[bool]]:
+        """Every pool's pages written in one go (one call a layout); one bool a key."""
+        plans = self._plans(transfers)
+        pages: list[tuple[PageFormat, str, torch.Tensor | None]] = []
+        for (pool, keys, _, host_pool), plan in zip(transfers, plans, strict=True):
+            if plan is not None and self.shard.writes(pool):
+                pages += [(plan[0], _pool_key(pool, key),
+                           host_pool.get_data_page(offset, flat=True))
+                          for key, offset in zip(keys, plan[1], strict=True)]
+        written = iter(self._write(pages))
+        out = []
+        for (pool, keys, _, _), plan in zip(transfers, plans, strict=True):
+            if plan is None:
+                out.append([False] * len(keys))
+            elif not self.shard.writes(pool):  # the shard's writer rank stores these pages
+                out.append([True] * len(keys))
+            else:
+                out.append([next(written) for _ in keys])
+        return out
 
-    # -- kvtier calls: concurrent on the client's loop, bounded by the deadline --
+    def _plans(self, transfers: list[PoolPages]) -> list[tuple[PageFormat, list[int]] | None]:
+        """Per transfer, its pool's pages and the host slot each page starts at; None when
+        its pool is not registered or its host indices do not fit its keys."""
+        plans: list[tuple[PageFormat, list[int]] | None] = []
+        for pool, keys, host_indices, host_pool in transfers:
+            offsets = _page_offsets(pool, keys, host_indices, host_pool)
+            fmt = self.formats.get(pool)
+            plans.append(None if offsets is None or fmt is None else (fmt, offsets))
+        return plans
 
-    def _read(self, pages: list[Page]) -> list[memoryview | None]:
-        async def read(fmt: PageFormat, key: str) -> memoryview | None:
-            result = await self.client.async_client.read_chunks(
-                self.settings.tenant, await self._layout(fmt), key_tokens(fmt.name(key,
-                                                                                   self.shard)),
+    # -- kvtier calls: a batch a call, concurrent on the client's loop, bounded by the
+    # deadline --
+
+    @contextmanager
+    def _reading(self, pages: list[Page]) -> Iterator[list[memoryview | None]]:
+        """Each page's bytes (None: a miss), views of the reply's shared memory where the
+        client uses it (no copy before the host pool's), lent until the block ends.
+        Checked by the client against each chunk's own checksums (header, section table,
+        xxh3 of the payload) and its key's stand-in tokens; the BLAKE2b digest, by the
+        server, which sends only bytes of the digest the page was written with."""
+        lock = threading.Lock()
+        lent: list[Callable[[], None]] = []
+        closed = False
+
+        def hold(release: Callable[[], None]) -> bool:
+            with lock:
+                if not closed:
+                    lent.append(release)
+                return not closed
+
+        async def read(batch: list[Page]) -> list[memoryview | None]:
+            fmt = batch[0][0]
+            result = await self.client.async_client.read_independent_chunks(
+                self.settings.tenant, await self._layout(fmt), self._tokens(batch),
                 model_fingerprint=self.settings.model_fingerprint,
-                dedupe_domain=self.settings.dedupe_domain)
-            chunk = result.chunks.get(0)
-            return None if chunk is None else fmt.payload(chunk)
+                dedupe_domain=self.settings.dedupe_domain, check_digests=False,
+                in_place=True)
+            if not hold(result.release):  # the caller gave up waiting meanwhile
+                result.release()
+                return [None] * len(batch)
+            return [None if (chunk := result.chunks.get(i)) is None else f.payload(chunk)
+                    for i, (f, _) in enumerate(batch)]
 
-        return self._each(pages, read, None)
+        try:
+            yield self._each(pages, MAX_CALL_BYTES, read, None)
+        finally:
+            with lock:
+                closed = True
+            for release in lent:
+                release()
 
     def _write(self, pages: list[tuple[PageFormat, str, torch.Tensor | None]]) -> list[bool]:
         # Encoded here, in SGLang's thread: the host pool's bytes are read before it returns.
@@ -232,26 +295,38 @@ class KVTierStorage(HiCacheStorage):
                 logger.warning("kvtier sglang storage: page %s not stored: %s", key, exc)
                 chunks.append(None)
 
-        async def write(fmt: PageFormat, tokens, chunk: bytes) -> bool:
-            await self.client.async_client.write_chunks(
-                self.settings.tenant, await self._layout(fmt), tokens, [chunk],
+        async def write(batch: list[tuple]) -> list[bool]:
+            await self.client.async_client.write_independent_chunks(
+                self.settings.tenant, await self._layout(batch[0][0]),
+                np.concatenate([tokens for _, tokens, _ in batch]),
+                [chunk for _, _, chunk in batch],
                 model_fingerprint=self.settings.model_fingerprint,
-                dedupe_domain=self.settings.dedupe_domain, ack=self.settings.ack,
-                skip_held=False)
-            return True
+                dedupe_domain=self.settings.dedupe_domain, ack=self.settings.ack)
+            return [True] * len(batch)
 
-        sent = iter(self._each([c for c in chunks if c is not None], write, False))
-        return [c is not None and next(sent) for c in chunks]
+        # A page asked twice in one call is written once (a write may not repeat a key).
+        names = [None if c is None else (c[0].spec.layout_id, c[1].tobytes()) for c in chunks]
+        first: dict[tuple[str, bytes], int] = {}
+        for i, name in enumerate(names):
+            if name is not None:
+                first.setdefault(name, i)
+        unique = list(first.values())
+        sent = dict(zip(unique, self._each([chunks[i] for i in unique], MAX_CALL_BYTES, write,
+                                           False), strict=True))
+        return [name is not None and sent[first[name]] for name in names]
 
     def _exists(self, pages: list[Page]) -> list[bool]:
-        async def exists(fmt: PageFormat, key: str) -> bool:
-            held = await self.client.async_client.lookup(
-                self.settings.tenant, await self._layout(fmt),
-                key_tokens(fmt.name(key, self.shard)), model=self.settings.model_fingerprint,
+        async def exists(batch: list[Page]) -> list[bool]:
+            return await self.client.async_client.lookup_independent_chunks(
+                self.settings.tenant, await self._layout(batch[0][0]), self._tokens(batch),
+                model_fingerprint=self.settings.model_fingerprint,
                 dedupe_domain=self.settings.dedupe_domain)
-            return held >= fmt.spec.chunk_tokens
 
-        return self._each(pages, exists, False)
+        return self._each(pages, None, exists, False)
+
+    def _tokens(self, batch: list[Page]) -> np.ndarray:
+        """Every page's stand-in tokens end to end: (pages * KEY_TOKENS,) uint32."""
+        return np.concatenate([key_tokens(fmt.name(key, self.shard)) for fmt, key in batch])
 
     async def _layout(self, fmt: PageFormat):
         if fmt.spec.layout_id not in self._registered:
@@ -259,10 +334,12 @@ class KVTierStorage(HiCacheStorage):
             self._registered.add(fmt.spec.layout_id)
         return fmt.spec
 
-    def _each(self, items: list[tuple], call: Callable[..., Coroutine[Any, Any, T]],
-              miss: T) -> list[T]:
-        """``call(*item)`` for every item at once on the client's loop; ``miss`` for each
-        that failed, and for all when the deadline passed or the breaker is open."""
+    def _each(self, items: list[tuple], max_bytes: int | None,
+              call: Callable[[list], Coroutine[Any, Any, list[T]]], miss: T) -> list[T]:
+        """``call(batch)`` for the items in batches, all at once on the client's loop: a
+        batch is items of one layout (``item[0]``: their PageFormat), of at most
+        ``max_bytes`` of pages (None: no bound but the lookup's); ``miss`` for each item of
+        a batch that failed, and for all when the deadline passed or the breaker is open."""
         if not items:
             return []
         if not self.breaker.allow():
@@ -270,38 +347,61 @@ class KVTierStorage(HiCacheStorage):
         outage: list[Exception] = []
         failed: list[Exception] = []
 
-        async def one(item: tuple) -> T:
+        async def one(batch: list[tuple]) -> list[T]:
             try:
-                return await call(*item)
+                return await call(batch)
             except UnknownLayout:  # a restarted server forgot it: told again next call
-                self._registered.discard(item[0].spec.layout_id)
+                self._registered.discard(batch[0][0].spec.layout_id)
             except TierUnavailable as exc:
                 outage.append(exc)
-            except Exception as exc:  # one page's failure is that page's miss
+            except Exception as exc:  # one batch's failure is its pages' misses
                 failed.append(exc)
-            return miss
+            return [miss] * len(batch)
 
-        async def every() -> list[T]:
-            return list(await asyncio.gather(*(one(item) for item in items)))
+        batches = _batches(items, max_bytes)
+
+        async def every() -> list[list[T]]:
+            return list(await asyncio.gather(*(one([items[i] for i in batch])
+                                               for batch in batches)))
 
         future = self.client.submit(every())
         try:
-            results = future.result(timeout=self.settings.timeout_s)
+            answers = future.result(timeout=self.settings.timeout_s)
         except FutureTimeout:
             future.cancel()
             self.breaker.failed()
             logger.warning("kvtier sglang storage: no answer within %g ms: %d pages missed",
                            self.settings.timeout_ms, len(items))
             return [miss] * len(items)
-        if failed:  # once a call, not once a page
-            logger.warning("kvtier sglang storage: %d of %d pages failed: %s", len(failed),
-                           len(items), failed[0])
+        if failed:  # once a call, not once a batch
+            logger.warning("kvtier sglang storage: %d of %d calls failed: %s", len(failed),
+                           len(batches), failed[0])
         if outage:
             self.breaker.failed()
             logger.warning("kvtier sglang storage: server unavailable: %s", outage[0])
         else:
             self.breaker.succeeded()
+        results: list[T] = [miss] * len(items)
+        for batch, answer in zip(batches, answers, strict=True):
+            for i, value in zip(batch, answer, strict=True):
+                results[i] = value
         return results
+
+
+def _batches(items: list[tuple], max_bytes: int | None) -> list[list[int]]:
+    """The items' positions grouped by layout (``item[0].spec``), in order, each group cut
+    into runs of at most ``max_bytes`` of pages (one page at least) and at most
+    ``MAX_INDEPENDENT_LOOKUP`` pages (what one Lookup may ask about)."""
+    groups: dict[str, list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(item[0].spec.layout_id, []).append(i)
+    out = []
+    for positions in groups.values():
+        size = MAX_INDEPENDENT_LOOKUP
+        if max_bytes is not None:
+            size = min(size, max(1, max_bytes // items[positions[0]][0].page_bytes))
+        out += [positions[n:n + size] for n in range(0, len(positions), size)]
+    return out
 
 
 def _pool_key(pool: str, key: str) -> str:
@@ -320,7 +420,7 @@ def _page_offsets(pool: str, keys: list[str], host_indices: torch.Tensor | None,
         logger.error("kvtier sglang storage: %d host indices for %d %s pages of %d slots",
                      host_indices.numel(), len(keys), pool, page_size)
         return None
-    return [int(host_indices[i * page_size]) for i in range(len(keys))]
+    return host_indices[::page_size].tolist()
 
 
 def _fill(target: torch.Tensor, data: memoryview) -> bool:
