@@ -41,7 +41,7 @@ from kvstore.format.errors import (
     LayoutMismatch,
     MessageTooLarge,
     ReplayUnavailable,
-    TierFull,
+    SharedMemoryExhausted,
 )
 from kvstore.format.keys import chunk_digest, shared_domain, split_block_key
 from kvstore.format.layer_sections import EMPTY_XXH3, chunk_table, section_order
@@ -258,7 +258,7 @@ class RestoreStreamer:
         lease, refused = None, ""
         try:
             lease = self.leases.reply_segment(opts.peer, opts.reply_lease, size)
-        except TierFull as exc:  # a bound reached: the bytes go inline
+        except SharedMemoryExhausted as exc:  # a bound reached: the bytes go inline
             refused = str(exc)
         self.metrics.shm_segments.set(len(self.leases))
         writer = PackedWriter(lease.map, lease.lease_id) if lease is not None else None
