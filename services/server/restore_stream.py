@@ -46,6 +46,7 @@ from kvstore.format.layer_sections import EMPTY_XXH3, chunk_table, section_order
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.model_identity import check_model
 from kvstore.session.manager import TierManager
+from kvstore.session.manifest import SessionManifest
 from kvstore.session.restore import RestoredChunk, SessionReader
 from kvstore.session.resume import ResumePlan, plan_window
 from kvstore.tiers.base import Buffer
@@ -167,28 +168,34 @@ class RestoreStreamer:
                                                               reply.refused))
             summary = self._summary(started, reply, plan)
             if rebuilding is not None:
-                # the wait for the replay (a failed one too); it began during the send
-                with requests.phase("replay"):
-                    rebuilt = await self._rebuilt(f"{tenant}/{session_id}", spec, rebuilding)
-                yield pb.RestoreReply(window=self.payload("", rebuilt.window, reply.writer))
-                if plan.keep_window:
-                    await self._keep_window(tenant, session_id, m.generation, rebuilt.window,
-                                            rebuilt.replayed_tokens)
-                summary.replayed = True
-                summary.replay_tokens = rebuilt.replayed_tokens
-                summary.replay_seconds = rebuilt.seconds
-                summary.window_digest = chunk_digest(rebuilt.window)
+                async for window in self._rebuilt_window(m, spec, plan, rebuilding, reply,
+                                                         summary):
+                    yield window
             self.metrics.resume_seconds.labels(summary.tier or "none").observe(
                 time.perf_counter() - started)
             yield pb.RestoreReply(summary=summary)
         finally:
             if rebuilding is not None:  # the call may have ended before the replay did
-                if not rebuilding.done():
-                    rebuilding.cancel()
-                elif not rebuilding.cancelled():
-                    rebuilding.exception()  # a failure seen: the call has failed already
+                _settle(rebuilding)
             if lease is not None:
                 self.leases.done(lease)
+
+    async def _rebuilt_window(self, m: SessionManifest, spec: LayoutSpec, plan: ResumePlan,
+                              rebuilding: asyncio.Future, reply: _Reply,
+                              summary: pb.ResumeSummary) -> AsyncIterator[pb.RestoreReply]:
+        """The window the replay rebuilds, once it is done (it began during the send),
+        then kept as the plan says; the summary states it."""
+        session = f"{m.tenant}/{m.session_id}"
+        with requests.phase("replay"):  # the wait for the replay (a failed one too)
+            rebuilt = await self._rebuilt(session, spec, rebuilding)
+        yield pb.RestoreReply(window=self.payload("", rebuilt.window, reply.writer))
+        if plan.keep_window:
+            await self._keep_window(m.tenant, m.session_id, m.generation, rebuilt.window,
+                                    rebuilt.replayed_tokens)
+        summary.replayed = True
+        summary.replay_tokens = rebuilt.replayed_tokens
+        summary.replay_seconds = rebuilt.seconds
+        summary.window_digest = chunk_digest(rebuilt.window)
 
     async def _plan(self, reader: SessionReader, opts: StreamOptions, *, resume: bool
                     ) -> ResumePlan:
@@ -351,6 +358,15 @@ class RestoreStreamer:
         for index, name, layer, chunk_index in section_order(spec, len(decoded)):
             yield _section(decoded[chunk_index], sums[chunk_index], index, name, layer,
                            chunk_index)
+
+
+def _settle(rebuilding: asyncio.Future) -> None:
+    """A replay the call no longer waits for: cancelled, or its failure taken (the call
+    has failed already)."""
+    if not rebuilding.done():
+        rebuilding.cancel()
+    elif not rebuilding.cancelled():
+        rebuilding.exception()
 
 
 async def _already_read(chunks: list[RestoredChunk]) -> AsyncIterator[RestoredChunk]:
