@@ -22,9 +22,9 @@ which a Resume uses unless it asks for another; neither shapes any byte.
 
 Canonical encoding (docs/wire-format.md "Layouts"): ``layout_to_json`` writes one JSON
 object, and ``layout_id`` is ``name@<16 hex digits>`` of the xxh3-64 (seed 0) of the same
-object without ``replayer`` and ``replay_tokens``. The object, its keys sorted by code point at every level, no
-whitespace (separators "," and ":"), ASCII only, UTF-8 bytes, integers, strings, booleans
-arrays and objects only (no floats, no null)::
+object without ``replayer`` and ``replay_tokens``. The object, its keys sorted by code
+point at every level, no whitespace (separators "," and ":"), ASCII only, UTF-8 bytes,
+integers, strings, booleans arrays and objects only (no floats, no null)::
 
     {"baseline":{"head_dim":..,"kv_heads":..,"layers":..},   only when the spec has one
      "chunk_tokens":..,

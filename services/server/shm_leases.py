@@ -97,15 +97,16 @@ class LeaseTable:
         held = sum(lease.size for lease in mine)
         if held + size > self.per_client_bytes:
             raise SharedMemoryExhausted(f"a {size} B shared memory lease would exceed "
-                               f"shm_lease_bytes_per_client ({self.per_client_bytes} B; "
-                               f"this client holds {held} B): send bytes inline")
+                                        f"shm_lease_bytes_per_client ({self.per_client_bytes} B; "
+                                        f"this client holds {held} B): send bytes inline")
         if self.held_bytes + size > self.total_bytes:
             raise SharedMemoryExhausted(f"a {size} B shared memory lease would exceed "
-                               f"shm_lease_bytes_total ({self.total_bytes} B; "
-                               f"{self.held_bytes} B are leased): send bytes inline")
+                                        f"shm_lease_bytes_total ({self.total_bytes} B; "
+                                        f"{self.held_bytes} B are leased): send bytes inline")
         if len(mine) >= MAX_LEASES_PER_CLIENT or len(self) >= MAX_LEASES_TOTAL:
-            raise SharedMemoryExhausted(f"shared memory leases are capped at {MAX_LEASES_PER_CLIENT} "
-                               f"per client and {MAX_LEASES_TOTAL} in all: release some")
+            raise SharedMemoryExhausted(
+                f"shared memory leases are capped at {MAX_LEASES_PER_CLIENT} per client and "
+                f"{MAX_LEASES_TOTAL} in all: release some")
         name, segment = _create_segment(size)
         lease = Lease(secrets.token_urlsafe(18), peer, name, size,
                       self.clock() + self.lease_s, segment)
