@@ -114,14 +114,23 @@ def _model(info: dict) -> str:
         f"RANDOM INIT, not the trained weights: {info['note']}"
 
 
+def _cell(row: dict) -> str:
+    """A fidelity row's name: its kind of text and context (a run before kinds: its
+    context)."""
+    return f"{row['kind']} {row['context']}" if "kind" in row else str(row["context"])
+
+
 def fidelity_section(stage: dict) -> list[str]:
     out = ["## Replay fidelity (`python -m bench.fidelity`)", "",
-           f"Model: `{_model(stage['model'])}`. Held-out text, {stage['segments']} stretches "
-           f"per context, the next {stage['follow_tokens']} bytes teacher-forced after the "
+           f"Model: `{_model(stage['model'])}`. "
+           + ("Text outside the training corpus (prose and source code, "
+              "`bench.held_out_text`)" if "stated_replay_tokens" in stage else "Held-out text")
+           + f", {stage['segments']} stretches per context, the next "
+           f"{stage['follow_tokens']} bytes teacher-forced after the "
            "resume; KL(never-evicted || resumed) and top-1 agreement of the next-byte "
            "distributions, bits/byte on the actual bytes. W = "
            f"{stage['window']}.", "", "![fidelity](fidelity.png)", ""]
-    rows = [[row["context"], name, f"{v['kl_nats']:.2e}", f"{v['top1_agreement']:.4f}",
+    rows = [[_cell(row), name, f"{v['kl_nats']:.2e}", f"{v['top1_agreement']:.4f}",
              f"{v['bits_per_byte']:.4f}", f"{v['ref_bits_per_byte']:.4f}",
              f"{v['bpb_rel_diff']:+.2%}", " / ".join(f"{q:.1e}" for q in v["kl_by_quarter"])]
             for row in stage["contexts"] for name, v in row["variants"].items()]
@@ -130,7 +139,8 @@ def fidelity_section(stage: dict) -> list[str]:
     g = stage["goal"]
     out += ["", f"Goal at R = {g['replay_tokens']} (top-1 >= {g['top1_at_least']}, KL <= "
             f"{g['kl_at_most']:g} nats, bits/byte within {g['bpb_within']:.1%}): per context "
-            f"{g['met_per_context']}; **{'met' if g['met'] else 'NOT met'}**.", ""]
+            f"{g['met_per_context']}; **{'met' if g['met'] else 'NOT met'}**"
+            + (f" (at R = 128: {g['met_at_128']})" if "met_at_128" in g else "") + ".", ""]
     pv = stage.get("parts")
     if pv and pv["per_context"]:
         out += ["What each part is worth (bits/byte lost, as a share of the never-evicted "
@@ -281,8 +291,8 @@ def fleet_section(stage: dict) -> list[str]:
     return out
 
 
-def _parts_clause(fid: dict, context: int) -> str:
-    p = fid.get("parts", {}).get("per_context", {}).get(str(context))
+def _parts_clause(fid: dict, row: dict) -> str:
+    p = fid.get("parts", {}).get("per_context", {}).get(_cell(row))
     if not p:
         return ""
     return (f"; R=0 {p['r0_vs_r128']:+.1%} of the bits/byte beside it, window-only "
@@ -306,14 +316,16 @@ def headlines(stages: dict) -> list[str]:
                        f"{p['naive']['stored_bytes_per_token']:.0f} B/token.")
     fid = stages.get("fidelity")
     if _ok(fid):
+        r = fid["goal"]["replay_tokens"]
         for row in fid["contexts"]:
-            v = row["variants"].get("R=128")
+            v = row["variants"].get(f"R={r}")
             if v:
-                met = fid["goal"]["met_per_context"].get(str(row["context"]))
-                out.append(f"- Fidelity at R=128, context {row['context']}: top-1 "
+                met = fid["goal"]["met_per_context"].get(_cell(row))
+                where = _cell(row) if "kind" in row else f"context {row['context']}"
+                out.append(f"- Fidelity at R={r}, {where}: top-1 "
                            f"{v['top1_agreement']:.4f}, bits/byte {v['bpb_rel_diff']:+.3%}, "
                            f"KL {v['kl_nats']:.1e} nats (goal {'met' if met else 'NOT met'})"
-                           + _parts_clause(fid, row["context"]) + ".")
+                           + _parts_clause(fid, row) + ".")
     byt = stages.get("bytes")
     if _ok(byt):
         per = byt["bytes_per_token"]

@@ -51,7 +51,9 @@ def plot_resume(stage: dict, path: Path) -> None:
 
 
 def plot_fidelity(stage: dict, path: Path) -> None:
-    names = ["window-only", "R=0", "R=32", "R=128", "R=256", "exact"]
+    replays = sorted({int(n[2:]) for row in stage["contexts"] for n in row["variants"]
+                      if n.startswith("R=") and n != "R=0"})
+    names = ["window-only", "R=0", *(f"R={r}" for r in replays), "exact"]
     fig, axes = plt.subplots(1, 3, figsize=(12, 4))
     panels = (("kl_nats", "mean KL vs never-evicted (nats)"),
               ("top1_agreement", "top-1 agreement"),
@@ -62,7 +64,7 @@ def plot_fidelity(stage: dict, path: Path) -> None:
             values = [row["variants"][n][key] * (100 if key == "bpb_rel_diff" else 1)
                       for n in present]
             ax.plot([names.index(n) for n in present], values, marker="o",
-                    label=f"context {row['context']}")
+                    label=f"{row.get('kind', 'context')} {row['context']}")
         ax.set_xticks(range(len(names)), names)
         ax.set_xlabel("replay length (exact = window kept; window-only = no global KV)")
         ax.set_title(title, fontsize=10)
@@ -70,7 +72,7 @@ def plot_fidelity(stage: dict, path: Path) -> None:
     goal = stage["goal"]
     axes[0].axhline(goal["kl_at_most"], color="red", linestyle="--", linewidth=1)
     axes[1].axhline(goal["top1_at_least"], color="red", linestyle="--", linewidth=1,
-                    label="goal at R=128")
+                    label=f"goal at R={goal['replay_tokens']}")
     for sign in (1, -1):
         axes[2].axhline(sign * 100 * goal["bpb_within"], color="red", linestyle="--",
                         linewidth=1)

@@ -34,6 +34,12 @@ session is somewhere" to "a ``KVState`` that ``decode_step`` accepts" (best of
   over shared memory on loopback), decoded into a ``KVState``. Skipped with random init
   (no weights file); the first resume (loading the server's model) is not timed.
 
+``--replay-costs 128,256`` instead times only what R costs: at each context, the whole
+disk resume (restore from the disk tier, page cache dropped; the replay of R tokens; the
+decode) at each R, the R interleaved within each of ``--repeats`` rounds so a busy
+machine weighs on them alike; each R's best and median seconds, its replay's share, and
+its next-byte KL against the never-evicted session (``replay_costs``).
+
 Each context also reports ``grpc_vs_inprocess`` (disk-grpc seconds / disk seconds: what
 the service adds to the same resume; ``grpc_vs_inprocess_median`` the same of their
 repeats' medians), and the disk path its ``medium_read_s``: a cold
@@ -362,6 +368,63 @@ async def measure_context(model: KVTierLM, worker: ReplayWorker, n: int, root: P
             "grpc_vs_inprocess_median": None if None in medians else medians[0] / medians[1]}
 
 
+async def replay_costs(model: KVTierLM, model_info: dict, contexts: list[int],
+                       replays: list[int], *, repeats: int = 3) -> dict:
+    """The whole disk resume at each R of ``replays``, per context (module docstring);
+    ``cost_vs`` is each R's best seconds over the first R's."""
+    spec = spec_for(model.cfg)
+    prefill(model, held_out_ids(min(512, *contexts)), logits="none")  # first-call costs
+    worker = ReplayWorker(model)
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvtier-replay-costs-") as tmp:
+            for n in contexts:
+                ids = held_out_ids(n + 1, offset=0.5)
+                state, _ = prefill(model, ids[:n], logits="none")
+                ref = decode_step(model, fork(state), int(ids[n]))
+                root = Path(tmp) / f"n{n}"
+                root.mkdir()
+                manager = await open_store(root)
+                times: dict[int, list[dict]] = {r: [] for r in replays}
+                try:
+                    await spill_state(manager, spec, "s", state)
+                    await manager.demote(TENANT, "s", "disk")
+                    for _ in range(repeats):
+                        for r in replays:
+                            await manager.drain()
+                            await manager.demote(TENANT, "s", "disk")
+                            drop_page_cache(root)
+                            started = time.perf_counter()
+                            ready, parts = await ready_state(manager, worker, spec, "s", r)
+                            parts["seconds"] = time.perf_counter() - started
+                            parts["kl_nats"] = compare_logits(
+                                ref, decode_step(model, ready, int(ids[n])))["kl_nats"]
+                            times[r].append(parts)
+                finally:
+                    await manager.close()
+                per = {str(r): _cost(t) for r, t in times.items()}
+                first = per[str(replays[0])]["seconds"]
+                for row in per.values():
+                    row["cost_vs"] = row["seconds"] / first
+                rows.append({"context": n, "by_replay_tokens": per})
+    finally:
+        await worker.close()
+    return {"benchmark": "replay_costs", "model": model_info, "layout": spec.layout_id,
+            "replays": replays, "repeats": repeats, "torch_threads": torch.get_num_threads(),
+            "load_average_1m": os.getloadavg()[0], "contexts": rows}
+
+
+def _cost(repeats: list[dict]) -> dict:
+    best = min(repeats, key=lambda p: p["seconds"])
+    if not all(p["replayed"] for p in repeats):
+        raise RuntimeError("a timed resume found its window held: nothing was replayed")
+    return {"seconds": best["seconds"], "restore_s": best["restore_s"],
+            "replay_s": best["replay_s"], "decode_s": best["decode_s"],
+            "median_s": statistics.median(p["seconds"] for p in repeats),
+            "repeat_seconds": [p["seconds"] for p in repeats],
+            "kl_nats": max(p["kl_nats"] for p in repeats)}
+
+
 def medium_read(path: Path, nbytes: int, repeats: int) -> dict:
     """Cold reads of ``nbytes`` written to one file, fsynced (best of ``repeats``), against
     the disk path's restore plus decode: how close the tier comes to its medium."""
@@ -453,12 +516,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", default="4096,16384,65536")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--replay-tokens", type=int, default=128)
+    parser.add_argument("--replay-costs", default="",
+                        help="R values: time only the whole disk resume at each R")
     parser.add_argument("--kl-tol", type=float, default=1e-2,
                         help="largest next-token KL (nats) a resumed state may show")
     add_model_arguments(parser)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     contexts = [int(x) for x in args.contexts.split(",") if x]
+    if args.replay_costs:
+        replays = [int(x) for x in args.replay_costs.split(",") if x]
+        costs = asyncio.run(replay_costs(*model_from_args(args), contexts, replays,
+                                         repeats=args.repeats))
+        print(json.dumps(costs, indent=2))
+        return 0
     result = asyncio.run(run(*model_from_args(args), contexts, repeats=args.repeats,
                              replay_tokens=args.replay_tokens, kl_tol=args.kl_tol))
     print(json.dumps(result, indent=2) if args.json else format_table(result))

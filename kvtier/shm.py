@@ -33,7 +33,12 @@ from pathlib import Path
 import grpc
 
 from kvstore.format.chunk_run import PackedRun
-from kvstore.format.errors import InvalidRequest, SharedMemoryUnavailable, TierFull
+from kvstore.format.errors import (
+    InvalidRequest,
+    SharedMemoryExhausted,
+    SharedMemoryUnavailable,
+    TierFull,
+)
 from kvtier.errors import error_from_rpc
 from proto import kvtier_pb2 as pb
 
@@ -175,7 +180,8 @@ class ClientSegments:
             lease = await self._stub.LeaseSegment(pb.LeaseRequest(size=round_up(size)),
                                                   timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
-            if isinstance(error_from_rpc(exc), TierFull):
+            # a bound reached (TierFull: a server from before SharedMemoryExhausted)
+            if isinstance(error_from_rpc(exc), (SharedMemoryExhausted, TierFull)):
                 return None
             raise
         return await self.mapped(lease)

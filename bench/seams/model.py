@@ -174,6 +174,6 @@ class Held:
 
 def expected_coverage(spec: LayoutSpec, tokens: int, replay_tokens: int, default_r: int
                       ) -> int:
-    """The fewest tokens a resumed window may cover: the replay asked for, at most the
-    window and the session."""
-    return min(replay_tokens or default_r, spec.window_tokens, tokens)
+    """The fewest tokens a resumed window may cover: the replay asked for (else the
+    layout's stated R, else the server's default), at most the window and the session."""
+    return min(replay_tokens or spec.replay_tokens or default_r, spec.window_tokens, tokens)

@@ -151,6 +151,11 @@ class QuotaExceeded(TierFull):
     message names the quota, its limit and the tenant's use."""
 
 
+class SharedMemoryExhausted(KVTierError):
+    """A shared memory lease would pass one of the server's lease bounds (bytes per
+    client, bytes in all, leases): no tier is full, the bytes go inline instead."""
+
+
 class MessageTooLarge(KVTierError):
     """A payload is larger than one gRPC message may carry (``max_message_bytes``): raise
     the limit or use shared memory."""
@@ -207,6 +212,7 @@ STATUS_NAMES: tuple[tuple[type[KVTierError], str], ...] = (
     (InvalidRequest, "INVALID_ARGUMENT"),
     (NotFound, "NOT_FOUND"),
     (TierFull, "RESOURCE_EXHAUSTED"),
+    (SharedMemoryExhausted, "RESOURCE_EXHAUSTED"),
     (MessageTooLarge, "RESOURCE_EXHAUSTED"),
     (StaleGeneration, "FAILED_PRECONDITION"),
     (PermissionDenied, "PERMISSION_DENIED"),

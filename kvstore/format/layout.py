@@ -16,18 +16,21 @@ bounded by the layout before anything is decoded (``chunk_parts.max_chunk_tokens
 
 The store needs nothing else from a model: any cache that can be described this way can
 be spilled and restored. A spec also names its ``replayer``: what can rebuild its window
-streams by bounded replay (``REPLAYERS``); it does not shape any byte.
+streams by bounded replay (``REPLAYERS``), and may state ``replay_tokens``: the replay
+length R at which that replayer's window meets the fidelity goal (``bench.fidelity``),
+which a Resume uses unless it asks for another; neither shapes any byte.
 
 Canonical encoding (docs/wire-format.md "Layouts"): ``layout_to_json`` writes one JSON
 object, and ``layout_id`` is ``name@<16 hex digits>`` of the xxh3-64 (seed 0) of the same
-object without ``replayer``. The object, its keys sorted by code point at every level, no
-whitespace (separators "," and ":"), ASCII only, UTF-8 bytes, integers, strings, booleans
-arrays and objects only (no floats, no null)::
+object without ``replayer`` and ``replay_tokens``. The object, its keys sorted by code
+point at every level, no whitespace (separators "," and ":"), ASCII only, UTF-8 bytes,
+integers, strings, booleans arrays and objects only (no floats, no null)::
 
     {"baseline":{"head_dim":..,"kv_heads":..,"layers":..},   only when the spec has one
      "chunk_tokens":..,
      "layer_modes":["full",..],                               only when not empty
-     "name":"..","replayer":"..","requires_model_fingerprint":false,
+     "name":"..","replay_tokens":..,                          only when not 0
+     "replayer":"..","requires_model_fingerprint":false,
      "streams":[{"bits":..,"entry_shape":[..],
                  "format":"..",                                only when not the default
                  "group_size":..,"layers":..,"name":"..",
@@ -37,7 +40,8 @@ arrays and objects only (no floats, no null)::
 A stream's ``format`` is encoded only when it is not the default for its bits
 (``DEFAULT_FORMAT``: 4 int4, 8 int8, 16 bf16), so a layout of default formats has the
 encoding, hence the id, it had before formats existed.
-Hashed: every key above but ``replayer`` (``notes`` is never encoded). Names (the
+Hashed: every key above but ``replayer`` and ``replay_tokens`` (``notes`` is never
+encoded). Names (the
 layout's, its streams', its layer modes) are restricted to ``NAME`` (ASCII letters,
 digits, ``.``, ``_``, ``-``), so no string in the encoding ever needs an escape.
 """
@@ -53,6 +57,7 @@ from functools import cached_property
 import xxhash
 
 from kvstore.format.errors import InvalidRequest, shown
+from kvstore.format.wire_limits import MAX_REPLAY_TOKENS
 
 SCALE_BYTES = 2  # one fp16 scale per quantization group
 TENSOR_SCALE_BYTES = 4  # one float32 scale per layer per chunk
@@ -215,6 +220,9 @@ class LayoutSpec:
     # two models sharing this layout (a base model and its fine-tune) never share chunks.
     requires_model_fingerprint: bool = False
     replayer: str = "none"  # REPLAYERS: what rebuilds the window streams; not hashed
+    # R at which the replayer's rebuilt window meets the fidelity goal, a Resume's default
+    # (0: none stated, the server's replay_tokens); shapes no byte, not hashed
+    replay_tokens: int = 0
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -246,6 +254,11 @@ class LayoutSpec:
         if self.replayer != "none" and not has_window:
             raise InvalidRequest(f"layout {self.name} has no window streams: nothing to "
                                  f"replay, its replayer must be 'none'")
+        if not 0 <= self.replay_tokens <= MAX_REPLAY_TOKENS or (
+                self.replay_tokens and self.replayer == "none"):
+            raise InvalidRequest(f"layout {self.name}: replay_tokens must lie in [0, "
+                                 f"{MAX_REPLAY_TOKENS}], and be 0 without a replayer; got "
+                                 f"{self.replay_tokens}")
 
     @property
     def persistent_streams(self) -> tuple[Stream, ...]:
@@ -294,10 +307,11 @@ class LayoutSpec:
 
     @cached_property
     def layout_hash(self) -> int:
-        """xxh3-64 (seed 0) of the canonical encoding without ``replayer``: everything
-        that shapes the bytes on media (module docstring)."""
+        """xxh3-64 (seed 0) of the canonical encoding without ``replayer`` and
+        ``replay_tokens``: everything that shapes the bytes on media (module docstring)."""
         shape = _canonical_object(self)
         del shape["replayer"]
+        shape.pop("replay_tokens", None)
         return xxhash.xxh3_64_intdigest(_canonical_bytes(shape))
 
     @property
@@ -312,6 +326,7 @@ class LayoutSpec:
             "vocab_size": self.vocab_size,
             "window_tokens": self.window_tokens,
             "replayer": self.replayer,
+            "replay_tokens": self.replay_tokens,
             "persistent_bytes_per_token": self.persistent_bytes_per_token,
             "ephemeral_bytes_per_token": self.ephemeral_bytes_per_token,
             "pending_bytes_max": self.pending_bytes_max,
@@ -353,6 +368,8 @@ def _canonical_object(spec: LayoutSpec) -> dict:
         out["baseline"] = asdict(spec.baseline)
     if spec.layer_modes:
         out["layer_modes"] = list(spec.layer_modes)
+    if spec.replay_tokens:
+        out["replay_tokens"] = spec.replay_tokens
     return out
 
 
@@ -378,7 +395,8 @@ _STREAM_KEYS = {"name": str, "entry_shape": list, "bits": int, "group_size": int
                 "format": str}
 _LAYOUT_KEYS = {"name": str, "streams": list, "chunk_tokens": int, "baseline": dict,
                 "layer_modes": list, "vocab_size": int, "window_tokens": int,
-                "requires_model_fingerprint": bool, "replayer": str, "notes": str}
+                "requires_model_fingerprint": bool, "replayer": str, "replay_tokens": int,
+                "notes": str}
 _REQUIRED_STREAM = {"name", "entry_shape", "bits"}
 _REQUIRED_LAYOUT = {"name", "streams", "chunk_tokens"}
 _BASELINE_KEYS = ("layers", "kv_heads", "head_dim")
@@ -425,7 +443,7 @@ def layout_from_json(text: str | bytes) -> LayoutSpec:
     Left out: group_size 0, tokens_per_entry 1, layers 1, persistent true, pending false,
     format the default for its bits;
     vocab_size 2^32, window_tokens 0, requires_model_fingerprint false, replayer "none",
-    no baseline, no layer modes."""
+    replay_tokens 0, no baseline, no layer modes."""
     try:
         obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_float=_not_allowed,
                          parse_constant=_not_allowed)

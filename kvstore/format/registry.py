@@ -20,6 +20,10 @@ def register_layout(spec: LayoutSpec) -> LayoutSpec:
         if known.replayer != spec.replayer:
             raise InvalidRequest(f"layout {known.layout_id} is already registered with "
                                  f"replayer {known.replayer!r}, not {spec.replayer!r}")
+        if known.replay_tokens != spec.replay_tokens:
+            raise InvalidRequest(f"layout {known.layout_id} is already registered with "
+                                 f"replay_tokens {known.replay_tokens}, not "
+                                 f"{spec.replay_tokens}")
         return known
     _REGISTRY[spec.name] = spec
     return spec

@@ -70,6 +70,12 @@ def window_coverage(replayed: int, num_tokens: int) -> int:
     return num_tokens if replayed == 0 else min(replayed, num_tokens)
 
 
+def full_window(replayed: int, num_tokens: int, window_tokens: int) -> bool:
+    """Whether a window so made holds every row a window of ``window_tokens`` (W) does:
+    not partial. A partial one is a Resume's answer, never kept as the session's."""
+    return window_coverage(replayed, num_tokens) >= min(window_tokens, num_tokens)
+
+
 @dataclass(frozen=True)
 class SpillReceipt:
     """What the spill that wrote a generation answered; a retry of it gets the same."""

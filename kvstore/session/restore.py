@@ -93,7 +93,8 @@ class SessionReader:
 
     async def chunks(self, lookahead: int | None = None, batch: int = READ_BATCH
                      ) -> AsyncIterator[RestoredChunk]:
-        """Chunks in order, ``DataLoss`` if one is lost. They are read in batches of
+        """Chunks in order, ``DataLoss`` if one is lost (saying so where the session's
+        write-back failed). They are read in batches of
         ``batch`` (one ``TierStack.read_many`` each: the disk tier reads a batch in one
         go, and its checks run as one), with as many batches as ``lookahead`` chunks
         (default: the manager's ``config.restore_lookahead``) in flight beyond the one
@@ -126,7 +127,10 @@ class SessionReader:
         for i, key, value in zip(indices, keys, got, strict=True):
             if isinstance(value, DataLoss):
                 m = self.manifest
-                raise DataLoss(f"{m.tenant}/{m.session_id} chunk {i}: {value}") from value
+                # a memory ack that did not survive, which Stat reported: say so
+                why = (" (this generation was acked in memory and its write-back to a "
+                       "durable tier failed)" if m.writeback_failed else "")
+                raise DataLoss(f"{m.tenant}/{m.session_id} chunk {i}: {value}{why}") from value
             out.append(RestoredChunk(i, key, *value))
         return out
 

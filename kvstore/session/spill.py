@@ -41,7 +41,13 @@ from kvstore.placement.blocks import BlockWrite, ChunkOutcome
 from kvstore.placement.stack import WINDOW_PREFIX
 from kvstore.placement.writeback import WriteBack
 from kvstore.session.context import StoreContext
-from kvstore.session.manifest import SessionManifest, SpillReceipt, check_name, window_coverage
+from kvstore.session.manifest import (
+    SessionManifest,
+    SpillReceipt,
+    check_name,
+    full_window,
+    window_coverage,
+)
 from kvstore.session.quota import Reservation, TenantUsage, demote_own, memory_floor
 from kvstore.tiers.base import Buffer
 
@@ -369,7 +375,7 @@ class Spiller:
             held = old is not None and self._store.stack.holders(old)
             if held and manifest.window_coverage >= coverage:
                 return manifest.window_tier  # as good or better already (another resume's)
-            if coverage < min(spec.window_tokens, n):
+            if not full_window(replayed_tokens, n, spec.window_tokens):
                 # A partial window (fewer rows than a full one) is the Resume's answer,
                 # never the session's: kept, a Restore would serve it as the window while
                 # a Resume with a longer R rebuilds it. Without it, both say "replay".

@@ -126,7 +126,7 @@ class ServerConfig:
     replay: str = "auto"
     replay_workers: tuple[str, ...] = ()  # host:port of `kvtier replay-worker`s
     replay_redis_url: str = ""  # Redis Streams job queue (default for streams: redis_url)
-    replay_tokens: int = 128  # R when a request says 0
+    replay_tokens: int = 128  # R when a request says 0 and its layout states none
     replay_max_batch: int = 8  # in-process replay: concurrent resumes per model call
     replay_weights: str = ""  # in-process replay: model weights (default: the bundled ones)
     # in-process replay: load the model and run it once before health says SERVING

@@ -14,11 +14,9 @@ gets ``ModelMismatch`` before any byte, and a replay runs only on weights of the
 session's fingerprint (the replay worker checks it against its own: ``ModelMismatch``).
 
 The header states how a held window was made (``window_replayed_tokens``: 0 for the
-engine's own, else the tokens of the replay that built it); a Restore returns the stored
-window as it is. A Resume whose R (at most the session's length) exceeds that replay
-rebuilds the window with its R, where this server replays, and the store keeps whichever
-of the two covers more, never a partial one (fewer than W tokens:
-``TierManager.store_window``), so a Restore never serves a window a Resume would rebuild.
+engine's own, else the tokens of the replay that built it). Whether a call sends the held
+window, replays (with what R) and keeps the rebuilt window is the store's plan
+(``kvstore.session.resume.plan_window``); these generators only frame its replies.
 
 Each block comes from the highest tier holding an intact copy (verified by the manager);
 no tier with an intact copy raises ``DataLoss`` before any byte of that block is sent.
@@ -30,25 +28,27 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvstore.format.chunk import DecodedChunk, decode_chunk, max_encoded_bytes
 from kvstore.format.errors import (
-    DataLoss,
     KVTierError,
     LayoutMismatch,
     MessageTooLarge,
     ReplayUnavailable,
-    TierFull,
+    SharedMemoryExhausted,
 )
 from kvstore.format.keys import chunk_digest, shared_domain, split_block_key
 from kvstore.format.layer_sections import EMPTY_XXH3, chunk_table, section_order
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.model_identity import check_model
 from kvstore.session.manager import TierManager
-from kvstore.session.restore import RestoredChunk
+from kvstore.session.manifest import SessionManifest
+from kvstore.session.restore import RestoredChunk, SessionReader
+from kvstore.session.resume import ResumePlan, plan_window
 from kvstore.tiers.base import Buffer
 from kvtier.shm import PackedWriter
 from proto import kvtier_pb2 as pb
@@ -57,170 +57,210 @@ from services.server.metrics import ServiceMetrics
 from services.server.replay_backend import ReplayBackend
 from services.server.shm_leases import Lease, LeaseTable
 
+if TYPE_CHECKING:
+    from replay.worker import ReplayResult
+
 MESSAGE_MARGIN = 4096  # room for the fields around one payload in a reply
 
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class StreamOptions:
-    layer_by_layer: bool = False
-    want_window: bool = False
+    layer_by_layer: bool = False  # Restore only
+    want_window: bool = False  # Restore only: a Resume always asks for the window
     use_shared_memory: bool = False
     reply_lease: str = ""  # a shared memory lease of the caller's, offered to write into
     peer: str = ""  # the caller's connection: whose leases these are
-    resume: bool = False  # rebuild a dropped window by bounded replay
-    replay_tokens: int = 128
+    replay_tokens: int = 0  # Resume only: R asked for; 0: the plan's default
     model_fingerprint: str = ""  # the caller's model; "": not checked
+
+
+@dataclass
+class _Reply:
+    """One call's reply as it is framed: where its payloads go (a reply segment's writer,
+    or inline, with why no segment was leased) and the tiers its blocks came from."""
+
+    writer: PackedWriter | None
+    refused: str
+    chains: list[str]  # each chunk's chain key, as the header states it
+    tiers: set[str] = field(default_factory=set)
 
 
 class RestoreStreamer:
     def __init__(self, manager: TierManager, metrics: ServiceMetrics,
                  leases: LeaseTable | None,
                  replay: Callable[[], tuple[ReplayBackend | None, str]],
-                 max_message_bytes: int, replayers: frozenset[str] = frozenset()) -> None:
+                 max_message_bytes: int, replayers: frozenset[str] = frozenset(), *,
+                 default_replay_tokens: int) -> None:
         self.manager = manager
         self.replayers = replayers  # the layouts' replayers the backend runs
         self.metrics = metrics
         self.leases = leases
         self.replay = replay
         self.max_payload = max_message_bytes - MESSAGE_MARGIN
+        self.default_replay_tokens = default_replay_tokens  # R where nothing states one
 
-    async def stream(self, tenant: str, session_id: str, opts: StreamOptions
-                     ) -> AsyncIterator[pb.RestoreReply]:
+    async def restore(self, tenant: str, session_id: str, opts: StreamOptions
+                      ) -> AsyncIterator[pb.RestoreReply]:
+        """A Restore's replies: the header, every chunk (or layer section) and the tail,
+        the held window if asked for, the summary."""
         started = time.perf_counter()
-        lease, writer, refused, rebuilding = None, None, "", None
+        lease = None
         try:
             async with self.manager.reading(tenant, session_id) as reader:
-                m, spec = reader.manifest, reader.spec
-                check_model(opts.model_fingerprint, m.model_fingerprint,
-                            f"{tenant}/{session_id}")
-                has_window = bool(spec.ephemeral_streams)
-                backend, why_none = self.replay()
-                # A stored window made by a shorter replay than this Resume asks for is
-                # rebuilt with the larger R where this server can replay.
-                rebuild = (opts.resume and m.window_key is not None
-                           and m.window_coverage < min(opts.replay_tokens, m.num_tokens)
-                           and self._replayable(spec, backend))
-                window, window_tier = (await reader.window()
-                                       if (opts.want_window or opts.resume) and not rebuild
-                                       else (None, None))
-                held = window is not None or (m.window_tier is not None and not opts.want_window
-                                              and not opts.resume)
-                replay = has_window and not held
-                if replay and opts.resume:
-                    self._check_replayable(f"{tenant}/{session_id}", spec, backend, why_none)
-                size = sum(m.chunk_sizes) + len(m.tail) + (len(window) if window else 0)
-                if replay and opts.resume:  # the rebuilt window goes in the segment too
-                    size += _window_bound(spec)
-                lease, writer, refused = self.reply_segment(opts, size)
-                requests.note(bytes=size, generation=m.generation)
-                split = [split_block_key(key) for key in m.chunk_keys]
-                chains = [chain for chain, _ in split]
-                restored = _explained(reader.chunks(), m.writeback_failed)
-                tables = []
+                m = reader.manifest
+                plan = await self._plan(reader, opts, resume=False)
+                lease, reply = self._begin(reader, opts, plan)
                 if opts.layer_by_layer:  # the header carries every chunk's table
-                    got = [chunk async for chunk in restored]
-                    restored = _listed(got)
-                    tables = [chunk_table(c.data) for c in got] + (
-                        [chunk_table(m.tail)] if m.tail else [])
-                yield pb.RestoreReply(header=pb.SessionHeader(
-                    layout_id=m.layout_id, generation=m.generation, num_tokens=m.num_tokens,
-                    token_ids=m.token_ids.tobytes(), chunk_keys=chains,
-                    chunk_digests=[digest for _, digest in split],
-                    tail_digest=chunk_digest(m.tail) if m.tail else b"",
-                    model_fingerprint=m.model_fingerprint,
-                    dedupe_domain=shared_domain(m.dedupe_scope),
-                    window_available=held, replay_needed=replay,
-                    window_replayed_tokens=m.window_replayed if held else 0,
-                    window_tier=window_tier or (m.window_tier or "") if held else "",
-                    window_digest=chunk_digest(window) if window is not None else b"",
-                    chunk_tables=tables,
-                    writeback_failed=m.writeback_failed,
-                    reply_segment=self.leases.describe(lease) if lease is not None else None))
-                chunks: list[Buffer] = []
-                tiers: set[str] = set()
-                keep = opts.layer_by_layer or (opts.resume and replay)
-                if opts.resume and replay and not opts.layer_by_layer:
-                    # Every chunk read first, so the replay (in its worker thread) runs
-                    # while they are sent: the client receives during the replay.
-                    got = [chunk async for chunk in restored]
-                    rebuilding = asyncio.ensure_future(backend.rebuild(
-                        spec, m.token_ids, [c.data for c in got], m.tail, opts.replay_tokens,
-                        model_fingerprint=m.model_fingerprint))
-                    restored = _listed(got)
-                async for chunk in restored:
-                    tiers.add(chunk.tier)
-                    if keep:
-                        chunks.append(chunk.data)
-                    if not opts.layer_by_layer:
-                        yield pb.RestoreReply(chunk=pb.RestoredChunk(
-                            index=chunk.index, tier=chunk.tier,
-                            payload=self.payload(chains[chunk.index], chunk.data, writer,
-                                                  refused)))
-                if opts.layer_by_layer:
-                    buffers = chunks + ([m.tail] if m.tail else [])
-                    async for section in self._sections(spec, buffers):
+                    chunks = [chunk async for chunk in reader.chunks()]
+                    reply.tiers.update(chunk.tier for chunk in chunks)
+                    buffers = [chunk.data for chunk in chunks] + ([m.tail] if m.tail else [])
+                    yield self._header(reader, plan, reply, lease,
+                                       [chunk_table(buf) for buf in buffers])
+                    async for section in self._sections(reader.spec, buffers):
                         yield pb.RestoreReply(section=section)
-                elif m.tail:
-                    yield pb.RestoreReply(tail=self.payload("", m.tail, writer, refused))
-                if window is not None:
-                    yield pb.RestoreReply(window=self.payload("", window, writer, refused))
-                tokens, tail = m.token_ids, m.tail
-            restore_s = time.perf_counter() - started
-            if window_tier:
-                tiers.add(window_tier)
-            lowest = self._lowest(tiers)
-            self.metrics.restore_seconds.labels(lowest or "none").observe(restore_s)
-            summary = pb.ResumeSummary(tier=lowest, restore_seconds=restore_s)
-            requests.record_phase("read_send", restore_s)
-            requests.note(tier=lowest or "none")
-            if opts.resume and replay:
-                try:
-                    # the wait for the replay (a failed one too); it began during the send
-                    # when the chunks were read first
-                    with requests.phase("replay"):
-                        rebuilt = await (rebuilding if rebuilding is not None else
-                                         backend.rebuild(spec, tokens, chunks, tail,
-                                                         opts.replay_tokens,
-                                                         model_fingerprint=m.model_fingerprint))
-                except LayoutMismatch as exc:  # the store's verified bytes: the model differs
-                    raise ReplayUnavailable(
-                        f"{tenant}/{session_id} needs its window rebuilt by replay, and the "
-                        f"{spec.replayer} replayer here cannot rebuild layout "
-                        f"{spec.layout_id}: {exc}") from exc
-                self.metrics.replays.inc()
-                self.metrics.replayed_tokens.inc(rebuilt.replayed_tokens)
-                self.metrics.replay_seconds.observe(rebuilt.seconds)
-                self.metrics.replay_batch_size.observe(rebuilt.batch_size)
-                yield pb.RestoreReply(window=self.payload("", rebuilt.window, writer))
-                await self._keep_window(tenant, session_id, m.generation, rebuilt.window,
-                                        rebuilt.replayed_tokens)
-                requests.note(replay_tokens=rebuilt.replayed_tokens,
-                              replay_ms=round(rebuilt.seconds * 1000, 3))
-                summary.replayed = True
-                summary.replay_tokens = rebuilt.replayed_tokens
-                summary.replay_seconds = rebuilt.seconds
-                summary.window_digest = chunk_digest(rebuilt.window)
-            if opts.resume:
-                self.metrics.resume_seconds.labels(lowest or "none").observe(
-                    time.perf_counter() - started)
-            yield pb.RestoreReply(summary=summary)
+                else:
+                    yield self._header(reader, plan, reply, lease)
+                    async for chunk in reader.chunks():
+                        yield self._chunk(chunk, reply)
+                    if m.tail:
+                        yield pb.RestoreReply(tail=self.payload("", m.tail, reply.writer,
+                                                                reply.refused))
+                if plan.window is not None:
+                    yield pb.RestoreReply(window=self.payload("", plan.window, reply.writer,
+                                                              reply.refused))
+            yield pb.RestoreReply(summary=self._summary(started, reply, plan))
         finally:
-            if rebuilding is not None:  # the call may have ended before the replay did
-                if not rebuilding.done():
-                    rebuilding.cancel()
-                elif not rebuilding.cancelled():
-                    rebuilding.exception()  # a failure seen: the call has failed already
             if lease is not None:  # renewed: the client copies out, then may offer it again
                 self.leases.done(lease)
 
-    def _replayable(self, spec: LayoutSpec, backend: ReplayBackend | None) -> bool:
-        return backend is not None and spec.replayer in self.replayers
+    async def resume(self, tenant: str, session_id: str, opts: StreamOptions
+                     ) -> AsyncIterator[pb.RestoreReply]:
+        """A Resume's replies: the header, every chunk and the tail, the held window or
+        the one its replay rebuilds (then kept, as the plan says), the summary."""
+        started = time.perf_counter()
+        lease, rebuilding = None, None
+        try:
+            async with self.manager.reading(tenant, session_id) as reader:
+                m, spec = reader.manifest, reader.spec
+                plan = await self._plan(reader, opts, resume=True)
+                backend = self._backend(f"{tenant}/{session_id}", spec) if plan.replay else None
+                lease, reply = self._begin(reader, opts, plan)
+                yield self._header(reader, plan, reply, lease)
+                chunks = reader.chunks()
+                if backend is not None:
+                    # Every chunk read first, so the replay (in its worker thread) runs
+                    # while they are sent: the client receives during the replay.
+                    read = [chunk async for chunk in chunks]
+                    rebuilding = asyncio.ensure_future(backend.rebuild(
+                        spec, m.token_ids, [chunk.data for chunk in read], m.tail,
+                        plan.replay_tokens, model_fingerprint=m.model_fingerprint))
+                    chunks = _already_read(read)
+                async for chunk in chunks:
+                    yield self._chunk(chunk, reply)
+                if m.tail:
+                    yield pb.RestoreReply(tail=self.payload("", m.tail, reply.writer,
+                                                            reply.refused))
+                if plan.window is not None:
+                    yield pb.RestoreReply(window=self.payload("", plan.window, reply.writer,
+                                                              reply.refused))
+            summary = self._summary(started, reply, plan)
+            if rebuilding is not None:
+                async for window in self._rebuilt_window(m, spec, plan, rebuilding, reply,
+                                                         summary):
+                    yield window
+            self.metrics.resume_seconds.labels(summary.tier or "none").observe(
+                time.perf_counter() - started)
+            yield pb.RestoreReply(summary=summary)
+        finally:
+            if rebuilding is not None:  # the call may have ended before the replay did
+                _settle(rebuilding)
+            if lease is not None:
+                self.leases.done(lease)
 
-    def _check_replayable(self, session: str, spec: LayoutSpec,
-                          backend: ReplayBackend | None, why_none: str) -> None:
-        """ReplayUnavailable unless this server can rebuild ``spec``'s window."""
+    async def _rebuilt_window(self, m: SessionManifest, spec: LayoutSpec, plan: ResumePlan,
+                              rebuilding: asyncio.Future, reply: _Reply,
+                              summary: pb.ResumeSummary) -> AsyncIterator[pb.RestoreReply]:
+        """The window the replay rebuilds, once it is done (it began during the send),
+        then kept as the plan says; the summary states it."""
+        session = f"{m.tenant}/{m.session_id}"
+        with requests.phase("replay"):  # the wait for the replay (a failed one too)
+            rebuilt = await self._rebuilt(session, spec, rebuilding)
+        yield pb.RestoreReply(window=self.payload("", rebuilt.window, reply.writer))
+        if plan.keep_window:
+            await self._keep_window(m.tenant, m.session_id, m.generation, rebuilt.window,
+                                    rebuilt.replayed_tokens)
+        summary.replayed = True
+        summary.replay_tokens = rebuilt.replayed_tokens
+        summary.replay_seconds = rebuilt.seconds
+        summary.window_digest = chunk_digest(rebuilt.window)
+
+    async def _plan(self, reader: SessionReader, opts: StreamOptions, *, resume: bool
+                    ) -> ResumePlan:
+        """The store's plan for this call's window, once the caller's model is checked."""
+        m = reader.manifest
+        check_model(opts.model_fingerprint, m.model_fingerprint, f"{m.tenant}/{m.session_id}")
+        backend, _ = self.replay()
+        return await plan_window(reader, resume=resume, want_window=opts.want_window,
+                                 replay_tokens=opts.replay_tokens,
+                                 can_replay=self._replayable(reader.spec, backend),
+                                 default_replay_tokens=self.default_replay_tokens)
+
+    def _begin(self, reader: SessionReader, opts: StreamOptions, plan: ResumePlan
+               ) -> tuple[Lease | None, _Reply]:
+        """The reply segment for every byte this call may send (a window it rebuilds
+        included), and the reply's framing state."""
+        m = reader.manifest
+        size = sum(m.chunk_sizes) + len(m.tail) + (len(plan.window) if plan.window else 0)
+        if plan.replay:  # the rebuilt window goes in the segment too
+            size += _window_bound(reader.spec)
+        lease, writer, refused = self.reply_segment(opts, size)
+        requests.note(bytes=size, generation=m.generation)
+        return lease, _Reply(writer, refused, [split_block_key(key)[0] for key in m.chunk_keys])
+
+    def _header(self, reader: SessionReader, plan: ResumePlan, reply: _Reply,
+                lease: Lease | None, tables: list[bytes] | None = None) -> pb.RestoreReply:
+        """The session header: every field that states stored state computed from the
+        manifest and the window as read."""
+        m = reader.manifest
+        return pb.RestoreReply(header=pb.SessionHeader(
+            layout_id=m.layout_id, generation=m.generation, num_tokens=m.num_tokens,
+            token_ids=m.token_ids.tobytes(), chunk_keys=reply.chains,
+            chunk_digests=[split_block_key(key)[1] for key in m.chunk_keys],
+            tail_digest=chunk_digest(m.tail) if m.tail else b"",
+            model_fingerprint=m.model_fingerprint,
+            dedupe_domain=shared_domain(m.dedupe_scope),
+            window_available=plan.window_held, replay_needed=plan.replay_needed,
+            window_replayed_tokens=m.window_replayed if plan.window_held else 0,
+            window_tier=plan.window_tier or "",
+            window_digest=chunk_digest(plan.window) if plan.window is not None else b"",
+            chunk_tables=tables or [],
+            writeback_failed=m.writeback_failed,
+            reply_segment=self.leases.describe(lease) if lease is not None else None))
+
+    def _chunk(self, chunk: RestoredChunk, reply: _Reply) -> pb.RestoreReply:
+        reply.tiers.add(chunk.tier)
+        return pb.RestoreReply(chunk=pb.RestoredChunk(
+            index=chunk.index, tier=chunk.tier,
+            payload=self.payload(reply.chains[chunk.index], chunk.data, reply.writer,
+                                 reply.refused)))
+
+    def _summary(self, started: float, reply: _Reply, plan: ResumePlan) -> pb.ResumeSummary:
+        """The summary of what was read and sent, with its metrics and request notes."""
+        restore_s = time.perf_counter() - started
+        if plan.window is not None:
+            reply.tiers.add(plan.window_tier)
+        lowest = self._lowest(reply.tiers)
+        self.metrics.restore_seconds.labels(lowest or "none").observe(restore_s)
+        requests.record_phase("read_send", restore_s)
+        requests.note(tier=lowest or "none")
+        return pb.ResumeSummary(tier=lowest, restore_seconds=restore_s)
+
+    def _backend(self, session: str, spec: LayoutSpec) -> ReplayBackend:
+        """The backend that rebuilds ``spec``'s window, else ReplayUnavailable."""
+        backend, why_none = self.replay()
         if backend is None:
             raise ReplayUnavailable(f"{session} needs its window rebuilt by replay, and "
                                     f"{why_none}; Restore returns its persistent part")
@@ -230,6 +270,27 @@ class RestoreStreamer:
                 f"{session} needs its window rebuilt by replay, and nothing on this server "
                 f"replays layout {spec.layout_id} (its replayer: {spec.replayer}; this "
                 f"server's replayers: {runs}); Restore returns its persistent part")
+        return backend
+
+    async def _rebuilt(self, session: str, spec: LayoutSpec, rebuilding: asyncio.Future
+                       ) -> ReplayResult:
+        """The replay's result, counted in the metrics."""
+        try:
+            rebuilt = await rebuilding
+        except LayoutMismatch as exc:  # the store's verified bytes: the model differs
+            raise ReplayUnavailable(
+                f"{session} needs its window rebuilt by replay, and the {spec.replayer} "
+                f"replayer here cannot rebuild layout {spec.layout_id}: {exc}") from exc
+        self.metrics.replays.inc()
+        self.metrics.replayed_tokens.inc(rebuilt.replayed_tokens)
+        self.metrics.replay_seconds.observe(rebuilt.seconds)
+        self.metrics.replay_batch_size.observe(rebuilt.batch_size)
+        requests.note(replay_tokens=rebuilt.replayed_tokens,
+                      replay_ms=round(rebuilt.seconds * 1000, 3))
+        return rebuilt
+
+    def _replayable(self, spec: LayoutSpec, backend: ReplayBackend | None) -> bool:
+        return backend is not None and spec.replayer in self.replayers
 
     async def _keep_window(self, tenant: str, session_id: str, generation: int,
                            window: Buffer, replayed_tokens: int) -> None:
@@ -258,7 +319,7 @@ class RestoreStreamer:
         lease, refused = None, ""
         try:
             lease = self.leases.reply_segment(opts.peer, opts.reply_lease, size)
-        except TierFull as exc:  # a bound reached: the bytes go inline
+        except SharedMemoryExhausted as exc:  # a bound reached: the bytes go inline
             refused = str(exc)
         self.metrics.shm_segments.set(len(self.leases))
         writer = PackedWriter(lease.map, lease.lease_id) if lease is not None else None
@@ -299,7 +360,17 @@ class RestoreStreamer:
                            chunk_index)
 
 
-async def _listed(chunks: list[RestoredChunk]) -> AsyncIterator[RestoredChunk]:
+def _settle(rebuilding: asyncio.Future) -> None:
+    """A replay the call no longer waits for: cancelled, or its failure taken (the call
+    has failed already)."""
+    if not rebuilding.done():
+        rebuilding.cancel()
+    elif not rebuilding.cancelled():
+        rebuilding.exception()
+
+
+async def _already_read(chunks: list[RestoredChunk]) -> AsyncIterator[RestoredChunk]:
+    """Chunks read ahead, yielded as ``SessionReader.chunks`` yields them."""
     for chunk in chunks:
         yield chunk
 
@@ -309,20 +380,6 @@ def _window_bound(spec: LayoutSpec) -> int:
     alone as a chunk over the whole window bounds any grouping of them)."""
     return sum(max_encoded_bytes(spec, spec.window_tokens, True, (s.name,))
                for s in spec.ephemeral_streams)
-
-
-async def _explained(chunks: AsyncIterator[RestoredChunk], writeback_failed: bool
-                     ) -> AsyncIterator[RestoredChunk]:
-    """``chunks``, with a lost chunk of a session whose write-back failed said to be that:
-    a memory ack that did not survive, which Stat reported."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    except DataLoss as exc:
-        if not writeback_failed:
-            raise
-        raise DataLoss(f"{exc} (this generation was acked in memory and its write-back to "
-                       "a durable tier failed)") from exc
 
 
 def _checksums(chunk: DecodedChunk) -> dict[tuple[int, int, int], int]:

@@ -16,7 +16,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -75,7 +75,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                                  config.shm_lease_bytes_total) if shm.available() else None
         self.streamer = RestoreStreamer(manager, metrics, self.leases,
                                         lambda: (self.replay, self.why_no_replay),
-                                        config.max_message_bytes, config.replay_layouts)
+                                        config.max_message_bytes, config.replay_layouts,
+                                        default_replay_tokens=config.replay_tokens)
         self.layouts = ServerLayouts(config.layouts, config.data_dir, config.layout_policy,
                                      config.max_message_bytes, fleet_layouts(manager.meta),
                                      lambda replayer: model_layouts(self.replay, replayer))
@@ -194,7 +195,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                              reply_lease=request.reply_lease, peer=context.peer(),
                              model_fingerprint=check_fingerprint(request.model_fingerprint))
         with self.limits.stream(opts.peer, "Restore"):
-            async for reply in self._stream(tenant, session_id, opts):
+            async for reply in self._stream(self.streamer.restore, tenant, session_id, opts):
                 yield reply
 
     @grpc_errors
@@ -202,26 +203,29 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                      ) -> AsyncIterator[pb.RestoreReply]:
         tenant, session_id = _own_session(request.session)
         opts = StreamOptions(want_window=True, use_shared_memory=request.use_shared_memory,
-                             reply_lease=request.reply_lease, peer=context.peer(), resume=True,
-                             replay_tokens=check.replay_tokens(request.replay_tokens,
-                                                               self.config.replay_tokens),
+                             reply_lease=request.reply_lease, peer=context.peer(),
+                             replay_tokens=check.replay_tokens(request.replay_tokens),
                              model_fingerprint=check_fingerprint(request.model_fingerprint))
         with self.limits.stream(opts.peer, "Resume"):
-            async for reply in self._resume(tenant, session_id, opts):
+            async for reply in self._stream(self.streamer.resume, tenant, session_id, opts):
+                if reply.WhichOneof("item") == "summary" and reply.summary.replayed:
+                    self.replays += 1
                 yield reply
 
-    async def _stream(self, tenant: str, session_id: str, opts: StreamOptions
+    async def _stream(self, replies_for: Callable[..., AsyncIterator[pb.RestoreReply]],
+                      tenant: str, session_id: str, opts: StreamOptions
                       ) -> AsyncIterator[pb.RestoreReply]:
-        """The restore stream; a session whose layout this node has not met (another node
-        of the fleet registered it) has it loaded from the bucket, then starts again.
-        UnknownLayout comes before the first reply: the layout is looked up first."""
-        replies = self.streamer.stream(tenant, session_id, opts)
+        """The replies ``replies_for`` (the streamer's ``restore`` or ``resume``) frames;
+        a session whose layout this node has not met (another node of the fleet
+        registered it) has it loaded from the bucket, then starts again. UnknownLayout
+        comes before the first reply: the layout is looked up first."""
+        replies = replies_for(tenant, session_id, opts)
         try:
             first = await anext(replies)
         except UnknownLayout:
             if not await self._met_layout(tenant, session_id):
                 raise
-            replies = self.streamer.stream(tenant, session_id, opts)
+            replies = replies_for(tenant, session_id, opts)
             first = await anext(replies)
         yield first
         async for reply in replies:
@@ -233,13 +237,6 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             return False
         manifest = await self.manager.get_manifest(tenant, session_id)
         return await self.layouts.resolve(manifest.layout_id)
-
-    async def _resume(self, tenant: str, session_id: str, opts: StreamOptions
-                      ) -> AsyncIterator[pb.RestoreReply]:
-        async for reply in self._stream(tenant, session_id, opts):
-            if reply.WhichOneof("item") == "summary" and reply.summary.replayed:
-                self.replays += 1
-            yield reply
 
     # -- prefix chunks of no session (services.server.prefix_chunks) --
 

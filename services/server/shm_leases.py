@@ -15,7 +15,7 @@ Each use renews a lease for ``lease_s``; ``reap`` unlinks those unused that long
 ``close`` all of them (shutdown). Each segment is also registered with
 ``multiprocessing``'s resource tracker, so a crashed server's segments are removed too.
 Bounds: bytes per peer and in all, and a fixed number of leases per peer and in all
-(each is a mapping): ``TierFull`` (RESOURCE_EXHAUSTED) naming the bound; restores then
+(each is a mapping): ``SharedMemoryExhausted`` (RESOURCE_EXHAUSTED) naming the bound; restores then
 send their bytes inline.
 """
 
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 
-from kvstore.format.errors import InvalidRequest, SharedMemoryUnavailable, TierFull
+from kvstore.format.errors import InvalidRequest, SharedMemoryExhausted, SharedMemoryUnavailable
 from kvtier.shm import PREFIX, SHM_DIR, round_up
 from proto import kvtier_pb2 as pb
 
@@ -96,16 +96,17 @@ class LeaseTable:
         mine = self.held_by(peer)
         held = sum(lease.size for lease in mine)
         if held + size > self.per_client_bytes:
-            raise TierFull(f"a {size} B shared memory lease would exceed "
-                               f"shm_lease_bytes_per_client ({self.per_client_bytes} B; "
-                               f"this client holds {held} B): send bytes inline")
+            raise SharedMemoryExhausted(f"a {size} B shared memory lease would exceed "
+                                        f"shm_lease_bytes_per_client ({self.per_client_bytes} B; "
+                                        f"this client holds {held} B): send bytes inline")
         if self.held_bytes + size > self.total_bytes:
-            raise TierFull(f"a {size} B shared memory lease would exceed "
-                               f"shm_lease_bytes_total ({self.total_bytes} B; "
-                               f"{self.held_bytes} B are leased): send bytes inline")
+            raise SharedMemoryExhausted(f"a {size} B shared memory lease would exceed "
+                                        f"shm_lease_bytes_total ({self.total_bytes} B; "
+                                        f"{self.held_bytes} B are leased): send bytes inline")
         if len(mine) >= MAX_LEASES_PER_CLIENT or len(self) >= MAX_LEASES_TOTAL:
-            raise TierFull(f"shared memory leases are capped at {MAX_LEASES_PER_CLIENT} "
-                               f"per client and {MAX_LEASES_TOTAL} in all: release some")
+            raise SharedMemoryExhausted(
+                f"shared memory leases are capped at {MAX_LEASES_PER_CLIENT} per client and "
+                f"{MAX_LEASES_TOTAL} in all: release some")
         name, segment = _create_segment(size)
         lease = Lease(secrets.token_urlsafe(18), peer, name, size,
                       self.clock() + self.lease_s, segment)

@@ -328,12 +328,13 @@ def spill_header(header: pb.SpillHeader, default_ack: str, max_tokens: int,
     )
 
 
-def replay_tokens(value: int, default: int) -> int:
-    """R for a Resume (0: the server's default), refused before the session is read when
-    no replay worker would take it (a worker also checks it against the session)."""
+def replay_tokens(value: int) -> int:
+    """R a Resume asks for (0: the store's default, ``kvstore.session.resume``), refused
+    before the session is read when no replay worker would take it (a worker also checks
+    it against the session)."""
     if value > MAX_REPLAY_TOKENS:
         raise InvalidRequest(f"replay_tokens {value} exceeds {MAX_REPLAY_TOKENS}")
-    return value or default
+    return value
 
 
 def drain_interval(value: float) -> float:

@@ -1,34 +1,46 @@
 """The product files a Spill and a Resume run, as ``docs/impl.md`` lists them.
 
-One durable-acked Spill (with a window) and one Resume go through the real gRPC servicer
-of an embedded server with a host and a disk tier. ``sys.settrace`` (and
-``threading.settrace`` for the worker threads) records the file of every frame that runs
-in the RPC's context: a context variable set when the handler starts, which the tasks
-and worker threads it starts inherit, so a background task of the server is not counted.
-The Spill ends at the disk tier's index commit of its manifest (``DiskIndex.apply`` of a
-``MetaOp``), the Resume when its last reply is sent. The messages are built before the
-call and sent by the raw stub, so the client library is not on the path.
+One durable-acked Spill (with a window), one Resume of it, and one Resume with replay (of
+a session spilled without its window) go through the real gRPC servicer of an embedded
+server with a host and a disk tier and the bundled model replaying in process.
+``sys.settrace`` records the file of every frame that runs in the RPC's context: a
+context variable set when the handler starts, which the tasks and worker threads it
+starts inherit, so a background task of the server is not counted. Work handed to any
+thread pool (the default executor, the replay worker's own compute thread) runs traced,
+in the context of the code that handed it over. The Spill ends at the disk tier's index
+commit of its manifest (``DiskIndex.apply`` of a ``MetaOp``), a Resume when its last
+reply is sent. The messages are built before the call and sent by the raw stub, so the
+client library is not on the path.
 
-The Spill's spine is the call chain itself: the files on the stack, from the servicer's
-handler down, at each disk index commit the Spill makes, together with the stacks that
-started the tasks and threads it ran in (a task factory and an executor hand them down).
+A spine is the call chain itself: the files on the stack, from the servicer's handler
+down, at each marked step, together with the stacks that started the tasks and threads
+it ran in (a task factory and the thread pools hand them down). The Spill's steps are
+its disk index commits; a Resume with replay's are the store's plan, each block read
+from a tier, the model's replay (on the replay worker's thread) and the manifest commit
+that keeps the rebuilt window.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import re
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 
 from kvstore.format.keys import chunk_digest, dedupe_scope
+from kvstore.session.catalog import Catalog
+from kvstore.session.resume import plan_window
 from kvstore.tiers.disk.index import DiskIndex, MetaOp
+from kvstore.tiers.host import HostTier
 from kvtier.codec import as_tokens, encode_session, encode_window
+from model.infer import replay_batch
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.server.servicer import KVTierServicer
@@ -45,8 +57,10 @@ from tests.support.service import (
 PRODUCT = ("kvtier", "kvstore", "services", "replay", "model", "kernels", "proto")
 SPINE_BOUND = 12  # files on the call chain from the servicer to the disk commits
 SPILL_BOUND = 42  # every file a Spill runs today (the drain gate and the request's log and trace)
+REPLAY_SPINE_BOUND = 13  # files on the call chain of a Resume with replay
 N = 2 * LAYOUT.chunk_tokens + 40
 REF = pb.SessionRef(tenant="acme", session_id="s1")
+DROPPED = pb.SessionRef(tenant="acme", session_id="s2")  # spilled without its window
 IN_RPC: contextvars.ContextVar[bool] = contextvars.ContextVar("in_rpc", default=False)
 # The spine: the files on the call stack of every task and thread that led to a frame,
 # handed down when a task is created or work is submitted to a thread.
@@ -88,19 +102,32 @@ def spine_task_factory(loop, coro, **kwargs):
     return asyncio.Task(coro, loop=loop, context=context, **kwargs)
 
 
-class SpineExecutor(concurrent.futures.ThreadPoolExecutor):
-    """Worker threads that start from the stack which submitted their work."""
+@contextlib.contextmanager
+def followed_threads(trace) -> Iterator[None]:
+    """Work submitted to any thread pool meanwhile runs traced by ``trace``, in the
+    submitter's context, starting from the stack which submitted it: the replay worker's
+    compute thread (started before the call) as much as the default executor's."""
+    submit = concurrent.futures.ThreadPoolExecutor.submit
 
-    def submit(self, fn, /, *args, **kwargs):
+    def followed(pool, fn, /, *args, **kwargs):
         spine = stack_files(sys._getframe(1)) if IN_RPC.get() else frozenset()
+        context = contextvars.copy_context()
 
         def run():
             THREAD_SPINE.files = spine
+            sys.settrace(trace)
             try:
-                return fn(*args, **kwargs)
+                return context.run(fn, *args, **kwargs)
             finally:
+                sys.settrace(None)
                 THREAD_SPINE.files = frozenset()
-        return super().submit(run)
+        return submit(pool, run)
+
+    concurrent.futures.ThreadPoolExecutor.submit = followed
+    try:
+        yield
+    finally:
+        concurrent.futures.ThreadPoolExecutor.submit = submit
 
 
 class PathTrace:
@@ -131,18 +158,15 @@ class PathTrace:
 
 
 async def traced(trace: PathTrace, call) -> object:
-    # Fresh worker threads, so that each one starts traced.
     loop = asyncio.get_running_loop()
-    loop.set_default_executor(SpineExecutor(4))
     factory = loop.get_task_factory()
     loop.set_task_factory(spine_task_factory)
-    threading.settrace(trace)
     sys.settrace(trace)
     try:
-        return await call()
+        with followed_threads(trace):
+            return await call()
     finally:
         sys.settrace(None)
-        threading.settrace(None)
         loop.set_task_factory(factory)
 
 
@@ -171,6 +195,16 @@ def _is_manifest_commit(frame) -> bool:
             and any(isinstance(op, MetaOp) for op in frame.f_locals["ops"]))
 
 
+REPLAY_STEPS = {plan_window.__code__, HostTier.get.__code__, HostTier.get_many_proven.__code__,
+                replay_batch.__wrapped__.__code__, Catalog.put.__code__}  # under torch.no_grad
+
+
+def _is_replay_step(frame) -> bool:
+    """The store's plan, a block read from a tier, the model's replay, the manifest commit
+    that keeps the rebuilt window."""
+    return frame.f_code in REPLAY_STEPS
+
+
 async def test_a_spill_and_a_resume_run_the_files_docs_impl_lists(tmp_path):
     tokens = as_tokens(tokens_for(N))
     enc = encode_session(LAYOUT, tokens, streams_for(LAYOUT, N), scope=dedupe_scope("acme"))
@@ -178,7 +212,9 @@ async def test_a_spill_and_a_resume_run_the_files_docs_impl_lists(tmp_path):
     header = raw_spill_header(REF, tokens, enc, window_digest=chunk_digest(window),
                               ack=pb.ACK_DURABLE)
     messages = _messages(header, enc, window)
-    async with running_server(tmp_path) as (server, target), \
+    windowless = [pb.SpillRequest(header=raw_spill_header(DROPPED, tokens, enc))] + \
+        messages[1:-1]
+    async with running_server(tmp_path, replay="in-process") as (server, target), \
             grpc.aio.insecure_channel(target) as channel:
         assert "disk" in [tier.name for tier in server.manager.tiers]
         stub = pb_grpc.KVTierStub(channel)
@@ -193,9 +229,26 @@ async def test_a_spill_and_a_resume_run_the_files_docs_impl_lists(tmp_path):
         replies = await traced(resumed, resume)
         assert replies and not replies[-1].summary.replayed
 
+        # (after the traced Spill: the disk tier's commit task is started by the first)
+        await stub.Spill(iter(windowless))
+        await server.servicer.replay.warm_up()  # the weights loaded, as a serving node has them
+
+        async def resume_dropped() -> list:
+            return [r async for r in stub.Resume(pb.ResumeRequest(session=DROPPED))]
+        replayed = PathTrace(KVTierServicer.Resume.__wrapped__.__code__, marks=_is_replay_step)
+        replies = await traced(replayed, resume_dropped)
+        summary = replies[-1].summary
+        assert summary.replayed and summary.replay_tokens == LAYOUT.replay_tokens
+        kept = await server.manager.get_manifest("acme", "s2")
+        assert kept.window_replayed == LAYOUT.replay_tokens  # kept: the last step ran
+
     assert "kvstore/tiers/disk/index.py" in spill.files  # it reached the commit
     assert sorted(spill.spine) == sorted(documented("The Spill path"))
     assert len(spill.spine) <= SPINE_BOUND, sorted(spill.spine)
     assert sorted(spill.files) == sorted(documented("Everything a Spill runs"))
     assert len(spill.files) <= SPILL_BOUND, sorted(spill.files)
     assert sorted(resumed.files) == sorted(documented("The Resume path"))
+    # the replay ran on the worker's thread, and the tracer followed it there
+    assert {"replay/worker.py", "model/infer.py", "model/net.py"} <= replayed.files
+    assert sorted(replayed.spine) == sorted(documented("The Resume-with-replay path"))
+    assert len(replayed.spine) <= REPLAY_SPINE_BOUND, sorted(replayed.spine)

@@ -15,6 +15,7 @@ from bench.resume import (
     goal,
     held_out_ids,
     measure_context,
+    replay_costs,
     run,
     spec_for,
 )
@@ -156,3 +157,14 @@ async def test_the_grpc_path_resumes_through_a_real_server(tmp_path):
     assert abs(grpc["stored_bytes"] - disk["stored_bytes"]) < 64
     # the same replay over the same bytes: the same next-byte distribution
     assert grpc["check"]["kl_nats"] == disk["check"]["kl_nats"]
+
+
+async def test_replay_costs_times_each_r_of_a_real_disk_resume():
+    result = await replay_costs(tiny_model(), INFO, [40], [4, 40], repeats=2)
+    (row,) = result["contexts"]
+    short, whole = row["by_replay_tokens"]["4"], row["by_replay_tokens"]["40"]
+    assert short["cost_vs"] == 1 and len(short["repeat_seconds"]) == 2
+    assert whole["cost_vs"] == whole["seconds"] / short["seconds"]
+    assert whole["replay_s"] > 0 and whole["restore_s"] > 0  # read from disk, replayed
+    # replaying every token rebuilds the never-evicted state: its next byte exactly
+    assert whole["kl_nats"] < 1e-9 < short["kl_nats"]

@@ -57,7 +57,8 @@ def broken(server, kind: type[RestoreStreamer]) -> None:
     they were built with, and build each chunk's payload with its ``payload``)."""
     old = server.servicer.streamer
     server.servicer.streamer = kind(old.manager, old.metrics, old.leases, old.replay,
-                                    old.max_payload + MESSAGE_MARGIN, old.replayers)
+                                    old.max_payload + MESSAGE_MARGIN, old.replayers,
+                                    default_replay_tokens=old.default_replay_tokens)
     server.servicer.chunks.streamer = server.servicer.streamer
 
 

@@ -10,7 +10,13 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvstore.format.errors import InvalidRequest, UnknownLayout
-from kvstore.format.layout import BaselineKV, LayoutSpec, Stream
+from kvstore.format.layout import (
+    BaselineKV,
+    LayoutSpec,
+    Stream,
+    layout_from_json,
+    layout_to_json,
+)
 from kvstore.format.registry import get_layout, register_layout
 from tests.support.chunks import layouts, streams
 
@@ -194,3 +200,21 @@ def test_a_page_entry_is_bounded_by_bytes_not_values():
         check_bounds(spec((2, 1 << 20), "bf16", 16), room)
     with pytest.raises(InvalidRequest, match="4194304 values"):
         check_bounds(spec((8, 1 << 20), "page", 8), room)
+
+
+def test_replay_tokens_is_stated_in_json_only_when_set_and_not_hashed():
+    bundled = get_layout("kvtier-bundled")
+    assert bundled.replay_tokens == 256  # the R its replay is faithful from
+    unstated = dataclasses.replace(bundled, replay_tokens=0)
+    assert unstated.layout_id == bundled.layout_id  # it shapes no byte
+    assert '"replay_tokens":256' in layout_to_json(bundled)
+    assert "replay_tokens" not in layout_to_json(unstated)
+    assert layout_from_json(layout_to_json(bundled)) == bundled
+    for bad in (-1, 8193):
+        with pytest.raises(InvalidRequest, match="replay_tokens"):
+            dataclasses.replace(bundled, replay_tokens=bad)
+    with pytest.raises(InvalidRequest, match="replay_tokens"):  # nothing replays it
+        dataclasses.replace(bundled, replayer="none", replay_tokens=128)
+    # a second registration stating another R is refused, as one of another replayer
+    with pytest.raises(InvalidRequest, match="replay_tokens 256, not 0"):
+        register_layout(unstated)

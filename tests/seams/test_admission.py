@@ -341,7 +341,7 @@ def test_a_full_tmpfs_keeps_its_reserve_and_every_delete_succeeds(tmpfs_factory,
             with pytest.raises(TierFull):  # layouts.json lies on the same medium
                 for i in range(200):
                     kv.register_layout(dataclasses.replace(LAYOUT, name=f"full-{retain}-{i}",
-                                                           replayer="none"))
+                                                           replayer="none", replay_tokens=0))
             assert _free(medium) >= DEFAULT_RESERVE_BYTES - SLACK, "the reserve was eaten"
             full = _free(medium)
             names = [*small, *big]

@@ -65,13 +65,42 @@ async def test_resume_replays_a_dropped_window_even_across_a_restart(tmp_path,
     # A restart loses the host tier, so the window; the chunks came back from disk.
     async with running_server(tmp_path, **options) as (server, target), \
             AsyncClient(target) as kv:
-        bounded = await kv.resume("acme", "s1")  # default R = 128 of 150 tokens
-        assert bounded.replayed and bounded.replay_tokens == 128
+        # the default R, the layout's stated one (256), is capped at the 150 tokens
+        bounded = await kv.resume("acme", "s1")
+        assert bounded.replayed and bounded.replay_tokens == TOKENS < SPEC.replay_tokens
+        assert_same_window(bounded.window_blob, window, bounded.token_ids)
         window_streams, start = decode_window(SPEC, bounded.token_ids, bounded.window_blob)
         assert start == TOKENS - BUNDLED.window
         assert window_streams["enc.window.k"].codes.shape[1] == BUNDLED.window
         assert server.metrics.registry.get_sample_value("kvtier_replays_total") == 1
         assert server.metrics.registry.get_sample_value("kvtier_replay_seconds_count") == 1
+
+
+async def test_a_resume_replays_the_layouts_stated_r_by_default_and_a_shorter_one_on_request(
+        tmp_path, model_and_state):
+    weights, _, _ = model_and_state
+    model = load(weights)
+    n = 2 * SPEC.replay_tokens  # longer than the stated R, so the default is bounded
+    ids = torch.randint(0, BUNDLED.vocab, (n,), generator=torch.Generator().manual_seed(2))
+    state = prefill(model, ids, logits="none")[0]
+    chunks, tail, _ = state_to_chunks(SPEC, state)
+    # the server's own default R (replay_tokens) is not what a stated layout uses
+    options = {"replay_weights": str(weights), "replay": "in-process", "replay_tokens": 64}
+    async with running_server(tmp_path, **options) as (_, target), AsyncClient(target) as kv:
+        await kv.spill("acme", "s1", SPEC, ids, chunks=[c for _, c in chunks], tail=tail,
+                       generation=1)  # no window: replay needed
+        # a shorter R is honoured (a full window of W rows, kept: faster, less faithful)
+        short = await kv.resume("acme", "s1", replay_tokens=SPEC.window_tokens)
+        assert short.replayed and short.replay_tokens == SPEC.window_tokens
+        assert (await kv.restore("acme", "s1")).window_replayed_tokens == SPEC.window_tokens
+        # by default, the stated R: the kept shorter replay is rebuilt with it, and kept
+        stated = await kv.resume("acme", "s1")
+        assert stated.replayed and stated.replay_tokens == SPEC.replay_tokens == 256
+        want = encode_streams(replay(model, state, SPEC.replay_tokens))
+        mine, _ = decode_window(SPEC, stated.token_ids, stated.window_blob)
+        assert all(torch.equal(mine[name].codes, codes) for name, codes in want.items())
+        again = await kv.resume("acme", "s1")
+        assert not again.replayed and again.window_replayed_tokens == SPEC.replay_tokens
 
 
 async def test_concurrent_resumes_share_replay_model_calls(tmp_path, model_and_state):
@@ -90,7 +119,9 @@ async def test_concurrent_resumes_share_replay_model_calls(tmp_path, model_and_s
                            generation=1)  # no window: every resume replays
         worker = await server.servicer.replay.worker()  # the weights load here
         hold_until_all_queued(worker, len(sessions))
-        resumed = await asyncio.gather(*(kv.resume("acme", name) for name in sessions))
+        # one R for all (a batch shares one); by default each would replay all its tokens
+        resumed = await asyncio.gather(*(kv.resume("acme", name, replay_tokens=128)
+                                         for name in sessions))
         # The first call took the first arrival(s); the rest queued behind it and share one.
         assert worker.rebuilds == 4 and worker.model_calls <= 2
         batch_sizes = server.metrics.registry.get_sample_value("kvtier_replay_batch_size_sum")

@@ -11,6 +11,7 @@ import stat
 import grpc
 import pytest
 
+from kvstore.format.errors import SharedMemoryExhausted, TierFull
 from kvstore.format.keys import dedupe_scope
 from kvtier import AsyncClient, shm
 from kvtier.codec import as_tokens, encode_session
@@ -258,10 +259,12 @@ def test_the_lease_table_rounds_bounds_and_releases():
     try:
         a = table.create("peer-a", 1)
         assert a.size == MiB and table.held_bytes == MiB
-        with pytest.raises(Exception, match="shm_lease_bytes_per_client"):
+        # its own error, not TierFull: no tier is full, the bytes go inline
+        with pytest.raises(SharedMemoryExhausted, match="shm_lease_bytes_per_client") as refused:
             table.create("peer-a", 3 * MiB)
+        assert not isinstance(refused.value, TierFull)
         b = table.create("peer-b", 3 * MiB)
-        with pytest.raises(Exception, match="shm_lease_bytes_total"):
+        with pytest.raises(SharedMemoryExhausted, match="shm_lease_bytes_total"):
             table.create("peer-a", 1)
         assert table.release("peer-a", [b.lease_id, "nothing"]) == 0  # not a's to end
         busy = table.reply_segment("peer-b", b.lease_id, 100)
