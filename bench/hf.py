@@ -1,6 +1,7 @@
-"""The transformers integration on DeepseekV4: bytes, time to ready and replay fidelity.
+"""The transformers integration: DeepseekV4's bytes, time to ready and replay fidelity;
+int4 K/V judged on the trained Llama test model.
 
-``python -m bench.hf --json [--contexts 1024,4096 --follow 64]``
+``python -m bench.hf --json [--contexts 1024,4096 --follow 64 --parts deepseek,llama]``
 
 A tiny DeepseekV4 (``tiny_config``: 4 layers - sliding, CSA, HCA, CSA - hidden 128, 4
 routed experts, about 1.0 M parameters) with **seeded random weights** (transformers'
@@ -22,6 +23,16 @@ and resumes it:
   continuation from the resumed cache equal to the never-evicted one's). R = 0 replays
   nothing: the window rows are zeros (a DeepseekV4 cache past W tokens must hold W - 1
   rows) and the partial-block state is empty.
+
+``llama`` (``--parts llama``): the trained Llama test model (model/weights/llama_test,
+``python -m model.train_llama``), run in bf16, on ``LLAMA_STRETCHES`` stretches of held-out
+text (model.data's held-out packages): it prefills ``LLAMA_CONTEXT`` bytes, spills that
+cache at bf16 and at ``bits=4`` through the server, resumes the int4 one and
+teacher-forces the next ``LLAMA_FOLLOW`` held-out bytes from both caches: ``int4_kl``
+(mean KL(bf16 || int4) in nats per token), ``int4_top1`` (top-1 agreement) and
+``int4_bytes_vs_bf16`` (bytes the int4 spills sent / the bf16 spills'). ``variants``: the
+same figures for other 4-bit arrangements of the same caches, applied in place
+(fake-quantized, not stored), with each one's bytes per value against bf16's.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ import torch
 from torch.nn import functional as F
 
 REPLAYS = (0, 128, 256)
+LLAMA_CONTEXT, LLAMA_FOLLOW, LLAMA_STRETCHES = 1024, 256, 4
 
 
 def tiny_config(**changes):
@@ -140,6 +152,22 @@ async def run(contexts: list[int], follow: int, seed: int, bits: int) -> dict:
     return out
 
 
+async def _with_server(work):
+    """``work(AsyncClient)`` against a fresh in-process server."""
+    from kvtier import AsyncClient
+    from services.server.config_load import load_config
+    from services.server.server import create_server
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = load_config(preset="test", env={}, overrides={"data_dir": Path(tmp) / "data"})
+        server, port = await create_server(config)
+        try:
+            async with AsyncClient(f"127.0.0.1:{port}") as kv:
+                return await work(kv)
+        finally:
+            await server.stop(0.5)
+
+
 async def _context(kv, model, spec, n, follow, seed, spill, resume, bf16_entries) -> dict:
     from kvstore.format.hf.deepseek_v4 import persistent_streams, window_streams
 
@@ -183,16 +211,129 @@ async def _context(kv, model, spec, n, follow, seed, spill, resume, bf16_entries
     return row
 
 
+async def llama_int4(kv) -> dict:
+    """The ``llama`` figures (module docstring), through the server behind ``kv``."""
+    from kvtier.integrations.transformers import async_resume_cache, async_spill_cache
+    from model.data import corpus
+    from model.eval import segments
+    from model.train_llama import load_llama_test
+
+    model = load_llama_test(dtype=torch.bfloat16)
+    stretches = segments(corpus(held_out=True), LLAMA_STRETCHES, LLAMA_CONTEXT + LLAMA_FOLLOW)
+    sent = {16: 0, 4: 0}
+    refs, gots, variants = [], [], {name: [] for name in VARIANTS}
+    for i, stretch in enumerate(stretches):
+        ids = torch.tensor(list(stretch), dtype=torch.int64)
+        context, follow = ids[:LLAMA_CONTEXT], ids[LLAMA_CONTEXT:]
+        with torch.no_grad():
+            cache = model(context[None], use_cache=True).past_key_values
+        refs.append(follow_logits(model, copy.deepcopy(cache), follow))
+        for bits in sent:
+            result = await async_spill_cache(kv, "bench", f"llama-{i}-{bits}", model, cache,
+                                             context, generation=1, ack="durable",
+                                             bits=bits)
+            sent[bits] += result.bytes_received
+        resumed, _ = await async_resume_cache(kv, "bench", f"llama-{i}-4", model)
+        gots.append(follow_logits(model, resumed, follow))
+        for name, (quantize, _) in VARIANTS.items():
+            changed = copy.deepcopy(cache)
+            for layer in changed.layers:
+                layer.keys, layer.values = quantize(layer.keys, layer.values)
+            variants[name].append(follow_logits(model, changed, follow))
+    ref = torch.cat(refs)
+    shipped = compare(ref, torch.cat(gots))
+    return {"model": "trained Llama test model (model/weights/llama_test), bf16",
+            "held_out_stretches": LLAMA_STRETCHES, "context_tokens": LLAMA_CONTEXT,
+            "follow_tokens": LLAMA_FOLLOW, "int4_kl": shipped["kl_nats"],
+            "int4_top1": shipped["top1_agreement"], "int4_bytes_vs_bf16": sent[4] / sent[16],
+            "variants": {name: compare(ref, torch.cat(got)) | {
+                "bytes_vs_bf16": VARIANTS[name][1]} for name, got in variants.items()}}
+
+
+def _per_token(x: torch.Tensor, group: int, bits: int = 4, zero_point: bool = False
+               ) -> torch.Tensor:
+    """x (..., D) rounded as groups of ``group`` along its last axis with fp16 scales
+    (and fp16 minimums as zero points)."""
+    g = x.float().reshape(*x.shape[:-1], -1, group)
+    if zero_point:
+        low = g.amin(-1, keepdim=True).half().float()
+        scale = ((g.amax(-1, keepdim=True) - low) / (2 ** bits - 1)).half().float()
+        safe = torch.where(scale > 0, scale, 1.0)
+        out = torch.round((g - low) / safe).clamp(0, 2 ** bits - 1) * scale + low
+    else:
+        qmax = 2 ** (bits - 1) - 1
+        scale = (g.abs().amax(-1, keepdim=True) / qmax).half().float()
+        safe = torch.where(scale > 0, scale, 1.0)
+        out = torch.round(g / safe).clamp(-qmax - 1, qmax) * scale
+    return out.reshape(x.shape).to(x.dtype)
+
+
+def _per_channel(x: torch.Tensor, tokens: int) -> torch.Tensor:
+    """x (1, H, T, D) rounded per channel over groups of ``tokens`` tokens, with zero
+    points (KIVI's keys); the last T % tokens rows as they are (KIVI's residual)."""
+    full = x.shape[2] // tokens * tokens
+    b, h, _, d = x.shape
+    groups = x[:, :, :full].reshape(b, h, full // tokens, tokens, d).transpose(-1, -2)
+    out = x.clone()
+    out[:, :, :full] = _per_token(groups, tokens, zero_point=True).transpose(-1, -2) \
+        .reshape(b, h, full, d)
+    return out
+
+
+def _keep_recent(quantize, rows: int):
+    def kept(k: torch.Tensor, v: torch.Tensor):
+        qk, qv = quantize(k, v)
+        qk[:, :, -rows:], qv[:, :, -rows:] = k[:, :, -rows:], v[:, :, -rows:]
+        return qk, qv
+    return kept
+
+
+def _int4_tokens(k, v):
+    return _per_token(k, 32), _per_token(v, 32)
+
+
+# name -> ((K, V) (1, H, T, D) -> their rounded values, bytes per value / bf16's 2)
+VARIANTS = {
+    "per_token_g32 (the int4 format)": (_int4_tokens, (0.5 + 2 / 32) / 2),
+    "per_token_g16": (lambda k, v: (_per_token(k, 16), _per_token(v, 16)), (0.5 + 2 / 16) / 2),
+    "per_token_g64_zero_point": (
+        lambda k, v: (_per_token(k, 64, zero_point=True), _per_token(v, 64, zero_point=True)),
+        (0.5 + 4 / 64) / 2),
+    "kivi_k_channel16_v_token32_zero_points": (
+        lambda k, v: (_per_channel(k, 16), _per_token(v, 32, zero_point=True)),
+        (0.5 + 4 / 16 + 0.5 + 4 / 32) / 4),
+    "kivi_k_channel64_v_token64_zero_points": (
+        lambda k, v: (_per_channel(k, 64), _per_token(v, 64, zero_point=True)),
+        (0.5 + 4 / 64) / 2),
+    "per_token_g32_recent128_bf16": (
+        _keep_recent(_int4_tokens, 128),
+        ((1 - 128 / LLAMA_CONTEXT) * (0.5 + 2 / 32) + 128 / LLAMA_CONTEXT * 2) / 2),
+    "k_int8_v_int4": (lambda k, v: (_per_token(k, 64, bits=8), _per_token(v, 32)),
+                      (1 + 2 / 64 + 0.5 + 2 / 32) / 4),
+    "k_bf16_v_int4": (lambda k, v: (k, _per_token(v, 32)), (2 + 0.5 + 2 / 32) / 4),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="1024,4096")
     parser.add_argument("--follow", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bits", type=int, default=4, choices=(4, 8))
+    parser.add_argument("--parts", default="deepseek,llama",
+                        help="deepseek (the DeepseekV4 figures), llama (int4 on the trained "
+                        "Llama test model)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    result = asyncio.run(run([int(c) for c in args.contexts.split(",")], args.follow,
-                             args.seed, args.bits))
+    parts = set(args.parts.split(","))
+    if parts - {"deepseek", "llama"}:
+        parser.error(f"unknown parts {sorted(parts - {'deepseek', 'llama'})}")
+    result = {}
+    if "deepseek" in parts:
+        result = asyncio.run(run([int(c) for c in args.contexts.split(",")], args.follow,
+                                 args.seed, args.bits))
+    if "llama" in parts:
+        result["llama_test"] = asyncio.run(_with_server(llama_int4))
     print(json.dumps(result, indent=2) if args.json else result)
     return 0
 

@@ -380,6 +380,8 @@ def _times(ratio: float | None) -> str:
 
 
 def hf_section(stage: dict) -> list[str]:
+    if "contexts" not in stage:  # bench.hf --parts llama
+        return llama_int4_section(stage["llama_test"]) + [""]
     out = ["## transformers DeepseekV4 (`python -m bench.hf`)", "",
            f"{stage['model']}: {stage['parameters']:,} parameters, layout {stage['layout']} "
            f"(entries at {stage['bits']} bits), spilled and resumed through a real server "
@@ -402,7 +404,38 @@ def hf_section(stage: dict) -> list[str]:
                    f"the model's own cache at bf16 {row['bf16_bytes_per_token']:.1f} B/token "
                    f"({row['persisted_vs_bf16']:.1f}x); re-prefill "
                    f"{_ms(row['prefill_seconds'])}." for n, row in stage["contexts"].items()]
+    if "llama_test" in stage:
+        out += [""] + llama_int4_section(stage["llama_test"])
     return out + [""]
+
+
+def llama_int4_section(stage: dict) -> list[str]:
+    """bench.hf's ``llama_test``: int4 engine K/V judged on the trained Llama test model."""
+    goal = {"kl": 1e-3, "top1": 0.99, "bytes": 0.3}
+    kl, top1, size = stage["int4_kl"], stage["int4_top1"], stage["int4_bytes_vs_bf16"]
+    out = ["## int4 engine K/V on the trained Llama test model "
+           "(`python -m bench.hf --json --parts llama`)", "",
+           f"{stage['model']}, {stage['held_out_stretches']} stretches of held-out text: "
+           f"prefill {stage['context_tokens']:,} bytes, spill that cache through a real "
+           "server at bf16 and at `bits=4` (`kvtier.integrations.transformers`), resume the "
+           f"int4 one, teacher-force the next {stage['follow_tokens']} held-out bytes from "
+           "both caches. The format: per token and head, groups of 32 channels with one fp16 "
+           "scale, symmetric (docs/wire-format.md \"int4 K/V of an engine\"); vLLM stores the "
+           "same with `value_format` `int4`.", ""]
+    def met(ok: bool) -> str:
+        return "met" if ok else "not met"
+    out += table(["", "goal", "measured"], [
+        ["`int4_kl` (mean KL(bf16 \\|\\| int4), nats)", "<= 1e-3",
+         f"{kl:.1e}: {met(kl <= goal['kl'])}"],
+        ["`int4_top1`", ">= 0.99", f"{top1:.4f}: {met(top1 >= goal['top1'])}"],
+        ["`int4_bytes_vs_bf16` (bytes the spills sent)", "<= 0.3x",
+         f"{size:.3f}x: {met(size <= goal['bytes'])}"]])
+    out += ["", "Other 4-bit arrangements of the same caches, fake-quantized in the same run "
+            "(`variants`; bytes per value against bf16's 2):", ""]
+    out += table(["arrangement", "KL (nats)", "top-1", "bytes vs bf16"], [
+        [name, f"{v['kl_nats']:.1e}", f"{v['top1_agreement']:.4f}",
+         f"{v['bytes_vs_bf16']:.3f}x"] for name, v in stage["variants"].items()])
+    return out
 
 
 def separately(stage: dict) -> list[str]:

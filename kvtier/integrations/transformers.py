@@ -12,9 +12,10 @@ registers it with the server when the server does not know it (``UnknownLayout``
 retries once. Standard models (a ``DynamicCache`` of full-attention and sliding-window
 layers, the classes transformers builds for the config) keep every layer persistent, at
 16 bits in the model's own float (bf16 or fp16, lossless; ``bits=16``, the default; a
-float32 model's at bf16) or quantized (``bits=8``: int8; ``format="fp8_e4m3"``: fp8 with
-one scale per layer per chunk); a 16-bit ``format`` other than a bf16 / fp16 model's own
-is refused, never a silent rounding. Nothing to replay: a sliding layer comes back with
+float32 model's at bf16) or quantized (``bits=8``: int8; ``bits=4``: int4, one fp16 scale
+per token and 32 channels of a head; ``format="fp8_e4m3"``: fp8 with one scale per layer
+per chunk); a 16-bit ``format`` other than a bf16 / fp16 model's own is refused, never a
+silent rounding. Nothing to replay: a sliding layer comes back with
 its last W - 1 rows and its count of every token seen. Any other model
 (other layer kinds, encoder-decoder, per-layer head shapes) is ``UnsupportedModel``,
 raised before anything is sent. DeepseekV4 keeps its compressor and indexer entries at 4

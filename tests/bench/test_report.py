@@ -125,3 +125,15 @@ def test_merge_reruns_only_the_named_stages(tmp_path, monkeypatch):
 def test_merge_needs_earlier_results(tmp_path):
     with pytest.raises(SystemExit):
         bench_all.main(["--only", "fidelity", "--merge", "--out", str(tmp_path / "none.json")])
+
+
+def test_the_int4_section_states_each_goal_met_or_not():
+    from bench.report import hf_section
+
+    variant = {"kl_nats": 2e-4, "top1_agreement": 0.99, "bytes_vs_bf16": 0.28125}
+    stage = {"llama_test": {"model": "m", "held_out_stretches": 1, "context_tokens": 8,
+                            "follow_tokens": 4, "int4_kl": 2e-3, "int4_top1": 0.995,
+                            "int4_bytes_vs_bf16": 0.285, "variants": {"g32": variant}}}
+    text = "\n".join(hf_section(stage))  # bench.hf --parts llama: no DeepseekV4 figures
+    assert "2.0e-03: not met" in text and "0.9950: met" in text and "0.285x: met" in text
+    assert "| g32 | 2.0e-04 | 0.9900 | 0.281x |" in text

@@ -3,10 +3,12 @@
 The vectors are inputs and the exact bytes and keys kvtier produces for them (and the
 WriteChunks / ReadChunks messages of ``prefix_chunks.json``), for a
 small layout with one stream of each kind (int4, int8, bf16; a window stream and a
-pending stream), and (formats.json) one small layout and chunk per other value format
-(fp16, fp8_e4m3, page). ``tests/format/test_vectors.py`` compares the codec against the committed
-files, and the Node client (clients/node) against the same files, so a change to the
-codec that alters a byte fails both: regenerate only for a deliberate format change.
+pending stream), (formats.json) one small layout and chunk per other value format
+(fp16, fp8_e4m3, page), and (int4_kv.json) float K/V through kvtier's int4 quantizer
+into a chunk of the engines' int4 K/V layout (vLLM value_format int4, transformers
+bits=4). ``tests/format/test_vectors.py`` compares the codec against the committed
+files, and the Node client (clients/node) against the same files, so a change to the codec
+that alters a byte fails both: regenerate only for a deliberate format change.
 
 Inputs are small integers and floats that fp16 / bf16 hold exactly, written out in full,
 so another implementation can rebuild every tensor from the JSON alone.
@@ -29,6 +31,7 @@ from kvstore.format.checks import pending_counts
 from kvstore.format.chunk import StreamData, encode_chunk, read_header
 from kvstore.format.chunk_parts import code_dtype
 from kvstore.format.errors import CLASS_FOR_STATUS, ERROR_CLASSES, ERROR_KEY, status_name
+from kvstore.format.hf.quant import decode_values, encode_values
 from kvstore.format.keys import chain_keys, chunk_digest, chunk_key, dedupe_scope, token_bytes
 from kvstore.format.layer_sections import EMPTY_XXH3, chunk_table, section_order
 from kvstore.format.layout import BaselineKV, LayoutSpec, Stream, layout_to_json
@@ -247,7 +250,8 @@ def build() -> dict[str, dict]:
     blocks = [bytes.fromhex(chunks["chunks"][0]["bytes"]), bytes.fromhex(chunks["tail"]["bytes"])]
     return {"layouts.json": layouts, "chunks.json": chunks, "keys.json": keys,
             "errors.json": errors, "prefix_chunks.json": prefix_chunks(spec),
-            "formats.json": build_formats(), "layers.json": layers_vector(spec, blocks)}
+            "formats.json": build_formats(), "layers.json": layers_vector(spec, blocks),
+            "int4_kv.json": build_int4_kv()}
 
 
 def prefix_chunks(spec: LayoutSpec) -> dict:
@@ -356,6 +360,51 @@ def build_formats() -> dict:
         chunk["decoded"] = {stream.name: format_decoded(stream, inputs[stream.name])}
         out.append({"format": stream.format, "layout": layout_vector(spec), "chunk": chunk})
     return {"token_ids": tokens, "formats": out}
+
+
+def int4_kv_layout() -> LayoutSpec:
+    """The shape of an engine's int4 K/V layout (``vllm.layout.value_stream``,
+    ``hf.model_layouts.standard_layout``): streams k and v of (kv_heads, head_dim) per
+    token, one fp16 scale per token and 32 channels of a head."""
+    return LayoutSpec("wire-test-int4-kv", tuple(
+        Stream(name, (2, 64), bits=4, group_size=32, layers=1) for name in ("k", "v")),
+        chunk_tokens=2, vocab_size=1 << 17)
+
+
+def int4_kv_values(stream: Stream, seed: int) -> torch.Tensor:
+    """(layers, 2 tokens, 2, 64) float32 K or V, exact in bf16 (multiples of 1/64 in
+    [-2, 2)), with the cases a quantizer can get wrong: a group of zeros, a group with
+    one outlier (the rest rounds to few codes), a group whose absmax is negative, and
+    values on a half step (rounded to even)."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-128, 128, (stream.layers, 2, *stream.entry_shape)) / 64
+    x[0, 0, 0, :32] = 0.0
+    x[0, 0, 1, 32:] /= 16
+    x[0, 0, 1, 40] = 8.0
+    x[0, 1, 0, :32] = np.clip(x[0, 1, 0, :32], -1.0, 0.5)
+    x[0, 1, 0, 0] = -1.75  # absmax negative: scale 0.25, code -7
+    x[0, 1, 0, 1:3] = [0.125, 0.375]  # half steps of 0.25: codes 0 and 2 (to even)
+    return torch.tensor(x, dtype=torch.float32)
+
+
+def build_int4_kv() -> dict:
+    """int4_kv.json: the layout, each stream's float inputs, the quantizer's code bytes
+    and fp16 scales, chunk 0 of a 2-token session (exact bytes) and the decoded values."""
+    spec = int4_kv_layout()
+    tokens = TOKENS[:2]
+    streams, data = {}, {}
+    for seed, stream in enumerate(spec.streams):
+        x = int4_kv_values(stream, 40 + seed)
+        data[stream.name] = encode_values(stream, x)
+        streams[stream.name] = {
+            "shape": list(x.shape), "values": x.reshape(-1).tolist(),
+            "code_bytes": data[stream.name].codes.reshape(-1).tolist(),
+            "scales": data[stream.name].scales.float().reshape(-1).tolist(),
+            "decoded": decode_values(stream, data[stream.name]).reshape(-1).tolist()}
+    buf = encode_chunk(spec, 0, tokens, data)
+    return {"layout": layout_vector(spec), "token_ids": tokens, "streams": streams,
+            "chunk": {"header": header_fields(buf), "digest": chunk_digest(buf).hex(),
+                      "bytes": buf.hex()}}
 
 
 def layers_vector(spec: LayoutSpec, blocks: list[bytes]) -> dict:

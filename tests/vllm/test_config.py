@@ -12,7 +12,7 @@ BASE = {"model_fingerprint": "m@1"}
 
 @pytest.mark.parametrize(("extra", "key"), [
     ({"model_fingerprint": ""}, "model_fingerprint"),
-    ({"value_format": "int4"}, "value_format"),
+    ({"value_format": "int2"}, "value_format"),
     ({"ack": "never"}, "ack"),
     ({"timeout_s": 0}, "timeout_s"),
     ({"timeout_s": "soon"}, "timeout_s"),

@@ -84,7 +84,15 @@ def test_value_formats():
     assert fp8.stream("k").format == "fp8_e4m3" and fp8.stream("k").bits == 8
     int8 = rank_layout(shape(torch.bfloat16), 0, "int8")
     assert int8.stream("k").format == "int8" and int8.stream("k").group_size == 16
-    assert len({fp16.layout_id, fp8.layout_id, int8.layout_id}) == 3
+    int4 = rank_layout(shape(torch.bfloat16), 0, "int4")
+    assert int4.name == "vllm-3x2x16-b16-int4"
+    assert [(s.format, s.bits, s.group_size) for s in int4.streams] == [("int4", 4, 16)] * 2
+    # a token's K and V of every layer: 16 nibbles and one fp16 scale per head
+    assert int4.persistent_bytes_per_token == 2 * 3 * 2 * (8 + 2)
+    wide = rank_layout(CacheShape(3, 2, 128, 16, 100, torch.bfloat16, 1), 0, "int4")
+    assert wide.stream("k").group_size == 32  # 4 scales per head of 128
+    assert wide.persistent_bytes_per_token / wide.bf16_baseline_bytes_per_token == 0.28125
+    assert len({fp16.layout_id, fp8.layout_id, int8.layout_id, int4.layout_id}) == 4
     with pytest.raises(UnsupportedModel, match="exactly"):
         rank_layout(shape(torch.float32), 0, "portable")
     assert rank_layout(shape(torch.float32), 0, "int8").stream("v").bits == 8

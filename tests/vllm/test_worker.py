@@ -35,6 +35,7 @@ BS, H, D, LAYERS, BLOCKS = 16, 2, 16, 2, 8
 SHAPE = CacheShape(LAYERS, H, D, BS, 1000, torch.bfloat16, 1, "cpu_attn.vec")
 SPEC = rank_layout(SHAPE, 0, "auto")  # engine pages
 PORTABLE = rank_layout(SHAPE, 0, "portable")  # token-major K and V
+INT4 = rank_layout(SHAPE, 0, "int4")  # token-major K and V, int4
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 TOKENS = [(11 * i) % 991 + 1 for i in range(3 * BS)]
 
@@ -42,7 +43,7 @@ TOKENS = [(11 * i) % 991 + 1 for i in range(3 * BS)]
 @pytest.fixture(scope="module")
 def client(kvtier_server):
     with kvtier.Client(kvtier_server.target) as c:
-        for spec in (SPEC, PORTABLE):
+        for spec in (SPEC, PORTABLE, INT4):
             c.register_layout(spec)
         yield c
 
@@ -103,6 +104,30 @@ def test_saved_blocks_load_bit_for_bit_into_other_blocks(client, kvtier_server, 
         assert not dst[name][[0, 3, 5, 6, 7]].any()  # no other block touched
     stats = target.take_stats().data
     assert (stats["loads"], stats["loaded_tokens"], stats["load_error_blocks"]) == (1, 48, 0)
+
+
+def test_int4_blocks_load_within_half_a_step_of_what_was_saved(client, kvtier_server):
+    """value_format int4: what a load writes into the engine's pages is within half a
+    step of what was saved (a group's absmax / 7 / 2, a group being a token's K or V of
+    one head), plus the rounding to the engine's bf16; nothing else is touched."""
+    tokens = [(13 * i) % 977 + 3 for i in range(2 * BS)]
+    source, src = worker(kvtier_server.target, seed=4, spec=INT4)
+    errors, _ = run_step(source, src, KVTierConnectorMetadata(
+        saves=[SavePlan("q", tuple(tokens), 0, (2, 6))]))
+    assert errors == set()
+    wait_held(client, tokens, 2 * BS, INT4)
+    target, dst = worker(kvtier_server.target, seed=None, spec=INT4)
+    errors, _ = run_step(target, dst, KVTierConnectorMetadata(
+        loads=[LoadPlan("l", tuple(tokens), 0, (0, 3))]))
+    assert errors == set()
+    for name in NAMES:
+        saved, loaded = src[name][[2, 6]].float(), dst[name][[0, 3]].float()
+        # (blocks, H, BS, 2 D) in the engine's arrangement: a block's head holds its
+        # tokens' groups, each with a step of at most the head's absmax / 7
+        step = saved.abs().amax((-2, -1), keepdim=True) / 7
+        assert ((loaded - saved).abs() <= step / 2 * 1.01 + saved.abs() * 2.0 ** -8).all()
+        assert not torch.equal(loaded, saved)  # 4 bits, not a copy
+        assert not dst[name][[1, 2, 4, 5, 6, 7]].any()
 
 
 def test_pages_of_one_block_arrangement_are_not_found_by_another(client, kvtier_server):

@@ -4,8 +4,9 @@
   transformers builds it for the config, ``attention.layer_windows``: Llama, Mistral,
   Gemma2...): streams ``k`` and ``v`` of (kv_heads, head_dim) per token on every layer,
   persistent, in one of ``STANDARD_FORMATS``: bf16 or fp16 (the model's own 16-bit float,
-  lossless; a 16-bit format that would round the model's values is refused), int8 or
-  fp8_e4m3 (one scale per layer per chunk); nothing to replay. A sliding layer of
+  lossless; a 16-bit format that would round the model's values is refused), int8, int4
+  (symmetric, one fp16 scale per token and 32 channels of a head: 0.28x bf16) or fp8_e4m3
+  (one scale per layer per chunk); nothing to replay. A sliding layer of
   window W holds only the last W - 1 tokens: its rows before them are stored as zeros,
   never read back (a resume installs the last min(n, W - 1) rows), and the layout's
   layer modes
@@ -36,7 +37,7 @@ from kvstore.format.layout import FORMATS, LayoutSpec, Stream
 CSA, HCA, SLIDING = ("compressed_sparse_attention", "heavily_compressed_attention",
                      "sliding_attention")
 GROUP = {4: 32, 8: 64}  # values per fp16 scale, as the shipped presets use
-STANDARD_FORMATS = ("bf16", "fp16", "int8", "fp8_e4m3")
+STANDARD_FORMATS = ("bf16", "fp16", "int8", "int4", "fp8_e4m3")
 DEEPSEEK_V4_BITS = (4, 8)
 # A model's 16-bit float dtype (str(torch dtype)) and the format that stores it exactly.
 FLOAT_FORMATS = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}
@@ -60,14 +61,15 @@ def layout_for(config, bits: int | None = None, *, format: str | None = None,
         return deepseek_v4_layout(config, 4 if bits is None else bits)
     own = FLOAT_FORMATS.get(str(dtype))
     if format is None:
-        format = "int8" if bits == 8 else own or "bf16"
+        format = {8: "int8", 4: "int4"}.get(bits) or own or "bf16"
     if format not in STANDARD_FORMATS or bits not in (None, FORMATS[format].bits):
         raise InvalidRequest(f"a standard model's cache is stored as one of "
-                             f"{STANDARD_FORMATS} (bits 16 or 8), not {format} at {bits} bits")
+                             f"{STANDARD_FORMATS} (bits 16, 8 or 4), not {format} at {bits} "
+                             "bits")
     if own and FORMATS[format].scales == "none" and format != own:
         raise InvalidRequest(f"the model's cache is {own}: format {format} would round every "
                              f"value; store it as {own} (lossless) or quantized (int8, "
-                             "fp8_e4m3)")
+                             "int4, fp8_e4m3)")
     return standard_layout(config, format)
 
 

@@ -6,7 +6,7 @@ Keys (all strings unless said): ``server`` (host:port, default 127.0.0.1:50051),
 refused: vLLM prints the extra config at startup), ``tenant`` (default "default"),
 ``model_fingerprint`` (required: the weights' identity, bound into every chunk key),
 ``value_format`` ("auto": the engine's own pages; "portable": exact token-major values;
-"int8", "fp8_e4m3"), ``dedupe_domain`` ("" for the tenant's own),
+"int8", "int4", "fp8_e4m3"), ``dedupe_domain`` ("" for the tenant's own),
 ``ack`` ("memory" or "durable"), ``timeout_s`` (number: the most one store call may take,
 default 10), ``lookup_timeout_ms`` (number: how long the scheduler waits for a lookup before
 it is a miss, default 30), ``save_queue_depth`` (int: saves and spills waiting for the
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from kvstore.format.errors import shown
 
-VALUE_FORMATS = ("auto", "portable", "int8", "fp8_e4m3")
+VALUE_FORMATS = ("auto", "portable", "int8", "int4", "fp8_e4m3")
 ACKS = ("memory", "durable")
 KEYS = ("server", "tls_ca", "token_file", "tenant", "model_fingerprint", "value_format",
         "dedupe_domain", "ack", "timeout_s", "lookup_timeout_ms", "save_queue_depth",

@@ -13,8 +13,10 @@ a chunk.
 Value formats (``value_format``): "auto" stores each block's engine page as it lies in the
 cache (below); "portable" the engine's KV dtype exactly, token-major (bf16 as bf16, fp16
 as fp16: a lossless passthrough any engine of the model can read); "int8" symmetric int8
-with one fp16 scale per token and head; "fp8_e4m3" e4m3 codes with one float32 scale per
-layer and chunk (its absmax / 448). The last two are lossy: a loaded block differs from a
+with one fp16 scale per token and head; "int4" symmetric int4 with one fp16 scale per token
+and 32 channels of a head (0.28x the bf16 bytes; measured on a trained Llama in
+bench/REPORT.md); "fp8_e4m3" e4m3 codes with one float32 scale per layer and chunk (its
+absmax / 448). The last three are lossy: a loaded block differs from a
 recomputed one by the rounding.
 
 Engine pages ("auto"): one stream ``page`` of format ``page`` (opaque bytes), one entry per
@@ -30,6 +32,7 @@ is ``vllm-<arrangement>-<layers>x<kv_heads>x<head_size>-b<block>-<dtype>``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +48,7 @@ PAGE = "page"  # an engine-page layout's one stream
 EXACT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # the engine's KV dtype as an engine-page layout's name states it
 PAGE_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+INT4_GROUP = 32  # channels of one head per fp16 scale (fewer when the head size is not a multiple)
 
 
 @dataclass(frozen=True)
@@ -136,7 +140,7 @@ def stream_format(value_format: str, dtype: torch.dtype) -> str:
         raise UnsupportedModel(
             f"kvtier connector: value_format portable stores the KV dtype exactly and no "
             f"stream format holds {dtype} exactly: run vLLM with dtype bfloat16 or float16, "
-            "or set value_format auto, int8 or fp8_e4m3")
+            "or set value_format auto, int8, int4 or fp8_e4m3")
     return EXACT[dtype]
 
 
@@ -144,6 +148,9 @@ def value_stream(name: str, fmt: str, shape: CacheShape) -> Stream:
     entry = (shape.kv_heads, shape.head_size)
     if fmt == "int8":
         return Stream(name, entry, bits=8, group_size=shape.head_size, layers=shape.layers)
+    if fmt == "int4":
+        return Stream(name, entry, bits=4, group_size=math.gcd(INT4_GROUP, shape.head_size),
+                      layers=shape.layers)
     bits = 8 if fmt == "fp8_e4m3" else 16
     return Stream(name, entry, bits=bits, layers=shape.layers, format=fmt)
 
