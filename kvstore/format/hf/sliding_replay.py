@@ -50,9 +50,10 @@ def replay_sliding_layers(model, cache: DynamicCache, ids: torch.Tensor, r: int)
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, DynamicSlidingWindowLayer):
             # (1, heads, 0, head_dim): nothing held, every token before the replay seen
-            empty = layer.keys[:, :, :0]
+            empty = layer.keys[:, :, :0], layer.values[:, :, :0]
             replayed = _ReplayedSlidingLayer(layer.sliding_window)
-            replayed.lazy_initialization(empty, layer.values[:, :, :0])
+            replayed.lazy_initialization(*empty)
+            replayed.keys, replayed.values = empty
             replayed.cumulative_length = start
             cache.layers[i] = replayed
         else:
