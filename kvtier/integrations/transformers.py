@@ -10,15 +10,20 @@
 The layout comes from ``model.config`` (``kvstore.format.hf.model_layouts``): spill_cache
 registers it with the server when the server does not know it (``UnknownLayout``) and
 retries once. Standard models (a ``DynamicCache`` of full-attention and sliding-window
-layers, the classes transformers builds for the config) keep every layer persistent, at
-16 bits in the model's own float (bf16 or fp16, lossless; ``bits=16``, the default; a
-float32 model's at bf16) or quantized (``bits=8``: int8; ``bits=4``: int4, one fp16 scale
-per token and 32 channels of a head; ``format="fp8_e4m3"``: fp8 with one scale per layer
-per chunk); a 16-bit ``format`` other than a bf16 / fp16 model's own is refused, never a
-silent rounding. Nothing to replay: a sliding layer comes back with
-its last W - 1 rows and its count of every token seen. Any other model
-(other layer kinds, encoder-decoder, per-layer head shapes) is ``UnsupportedModel``,
-raised before anything is sent. DeepseekV4 keeps its compressor and indexer entries at 4
+layers, the classes transformers builds for the config) store each kind of layer in its
+own streams (docs/wire-format.md 2.8), at 16 bits in the model's own float (bf16 or fp16,
+lossless; ``bits=16``, the default; a float32 model's at bf16) or quantized (``bits=8``:
+int8; ``bits=4``: int4, one fp16 scale per token and 32 channels of a head;
+``format="fp8_e4m3"``: fp8 with one scale per layer per chunk); a 16-bit ``format``
+other than a bf16 / fp16 model's own is refused, never a silent rounding. Full-attention
+(and latent MLA) layers are persistent; a sliding layer's last W - 1 rows, all it keeps,
+are the session's window, which comes back exactly while a memory tier holds it. Where
+it does not (or a spill dropped it, ``window="replay"``), ``window="replay"`` on resume
+rebuilds it by a bounded replay through this process's model
+(``kvstore.format.hf.sliding_replay``: an approximation), else the resume raises
+``ReplayUnavailable``. Any other model (other layer kinds, encoder-decoder, per-layer
+head shapes, several sliding windows) is ``UnsupportedModel``, raised before anything
+is sent. DeepseekV4 keeps its compressor and indexer entries at 4
 or 8 bits and drops the window and the partial-block state; resume_cache has them
 rebuilt by bounded replay (``kvstore.format.hf.deepseek_v4``): by the server's replay worker
 (``replay="server"``), by this process's model (``"local"``), or the server's when it has
