@@ -9,9 +9,8 @@
   per layer per chunk). The full-attention layers' ``k`` / ``v`` are persistent (every
   token, in chunks); the sliding layers' ``window.k`` / ``window.v`` are the window
   streams (W = the window - 1, the rows such a layer keeps: the trailing
-  min(n, W) rows at the session's end, in the window blob). An all-sliding model (no
-  full layer; a layout needs a persistent stream) keeps every layer persistent, the
-  rows before a layer's last W - 1 stored as zeros. One sliding window per model
+  min(n, W) rows at the session's end, in the window blob; an all-sliding model has no
+  persistent stream: its chunks carry the token ids alone). One sliding window per model
   (several are ``UnsupportedModel``); the layer modes (``full`` / ``sliding-W``) map the
   cache's layers onto the streams in order and bind the window into the layout's id.
   Nothing for the server to replay (``replayer`` none); the transformers integration can
@@ -155,16 +154,6 @@ def standard_layout(config, format: str = "bf16") -> LayoutSpec:
 
     # modes only when some layer slides, so full-attention layouts keep their ids
     modes = tuple(f"sliding-{w}" if w else "full" for w in windows) if sliding else ()
-    if not full_layers:
-        # A layout needs a persistent stream and an all-sliding model has none to give:
-        # every layer persistent, the rows before its last W - 1 stored as zeros.
-        spec = LayoutSpec(name="x", streams=streams("", sliding_layers, True),
-                          chunk_tokens=64, vocab_size=vocab_size, layer_modes=modes,
-                          notes=f"transformers {kind}: {len(windows)} sliding layers "
-                          f"(W = {sliding[0]}) persistent, {key_name} {key_shape}, "
-                          f"{value_name} {value_shape} per token, zeros before the last "
-                          f"{sliding[0] - 1} rows")
-        return _named(spec, kind.replace("_", "-"), format)
     spec = LayoutSpec(name="x", streams=streams("", full_layers, True)
                       + streams("window.", sliding_layers, False),
                       chunk_tokens=64, vocab_size=vocab_size, layer_modes=modes,
