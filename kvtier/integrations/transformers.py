@@ -140,9 +140,8 @@ def _layer_streams(spec: LayoutSpec, model, cache: DynamicCache, windows: tuple[
     names = [s.name for s in spec.streams if s.persistent == persistent]
     if not names:
         return {}
-    every = not spec.ephemeral_streams  # full layers only, or an all-sliding model
     layers = [layer for layer, window in zip(cache.layers, windows, strict=True)
-              if every or bool(window) != persistent]
+              if bool(window) != persistent]
     out = {}
     for name, held in zip(names, ("keys", "values"), strict=True):
         stream = spec.stream(name)
@@ -154,12 +153,8 @@ def _layer_streams(spec: LayoutSpec, model, cache: DynamicCache, windows: tuple[
                     f"{tuple(t.shape)}, its config gives (1, {stream.entry_shape[0]}, tokens, "
                     f"{stream.entry_shape[1]}): {_cache_kind(cache)} the layout does not "
                     "describe is not supported")
-        # (1, heads, held, head_dim) per layer -> (layers, rows, heads, head_dim); an
-        # all-sliding model's layer holds fewer: the rows before them zeros
-        values = tensors[0].new_zeros(len(tensors), rows, *stream.entry_shape)
-        for i, t in enumerate(tensors):
-            held = min(rows, t.shape[2])
-            values[i, rows - held:] = t[0, :, t.shape[2] - held:].transpose(0, 1)
+        # (1, heads, held, head_dim) per layer -> (layers, rows, heads, head_dim)
+        values = torch.stack([t[0, :, t.shape[2] - rows:].transpose(0, 1) for t in tensors])
         out[name] = encode_values(stream, values)
     return out
 
@@ -217,16 +212,11 @@ def standard_cache(spec: LayoutSpec, model, persistent: dict[str, StreamData],
                     for s in spec.streams if s.persistent == kind]
              for kind in (True, False)}
     cache = DynamicCache(config=model.config)
-    every = not spec.ephemeral_streams  # full layers only, or an all-sliding model
     for layer, w in zip(cache.layers, windows, strict=True):
         # (rows, heads, head_dim) -> (1, heads, rows, head_dim)
-        keys, values = (next(x).transpose(0, 1)[None] for x in kinds[every or not w])
-        if every:  # the rows the layer keeps (an all-sliding model's last W - 1)
-            keep = _rows_kept(w, num_tokens)
-            keys, values = keys[:, :, keys.shape[2] - keep:], values[:, :, keys.shape[2] - keep:]
-        elif w and window is None:  # nothing held, for a replay to rebuild
-            keys, values = keys[:, :, :0], values[:, :, :0]
-        elif keys.shape[2] != _rows_kept(w, num_tokens):
+        keys, values = (next(x).transpose(0, 1)[None] for x in kinds[not w])
+        # a sliding layer without its window holds nothing, for a replay to rebuild
+        if not (w and window is None) and keys.shape[2] != _rows_kept(w, num_tokens):
             raise DataLoss(f"the session holds {keys.shape[2]} rows of a layer of window {w}, "
                            f"which keeps {_rows_kept(w, num_tokens)} of {num_tokens} tokens")
         keys, values = keys.contiguous(), values.contiguous()

@@ -18,14 +18,21 @@ from transformers import (  # noqa: E402
     LlamaConfig,
     LlamaForCausalLM,
 )
+from transformers.cache_utils import DynamicCache  # noqa: E402
 
 from bench.hf import compare, follow_logits, tiny_model  # noqa: E402
-from kvstore.format.errors import InvalidRequest, LayoutMismatch, ModelMismatch  # noqa: E402
+from kvstore.format.errors import (  # noqa: E402
+    InvalidRequest,
+    LayoutMismatch,
+    ModelMismatch,
+    UnsupportedModel,
+)
 from kvstore.format.hf import deepseek_v4  # noqa: E402
 from kvtier import AsyncClient  # noqa: E402
 from kvtier.integrations.transformers import (  # noqa: E402
     async_resume_cache,
     async_spill_cache,
+    cache_streams,
     model_layout,
 )
 from tests.support.service import running_server  # noqa: E402
@@ -201,3 +208,13 @@ async def test_a_latent_mla_cache_is_stored_as_its_own_streams(tmp_path):
     for got, kept in zip(restored.layers, cache.layers, strict=True):
         assert torch.equal(got.keys, kept.keys) and torch.equal(got.values, kept.values)
     assert torch.equal(continued(model, sequence, restored, 16), want)
+
+
+def test_a_latent_cache_the_layout_does_not_describe_is_refused_by_its_kind():
+    # a Llama config but MLA-shaped layers (one head; keys and values of other widths)
+    model = tiny_llama()
+    cache = DynamicCache(config=model.config)
+    for layer in cache.layers:
+        layer.update(torch.zeros(1, 1, 5, 32), torch.zeros(1, 1, 5, 16))
+    with pytest.raises(UnsupportedModel, match=r"a latent \(MLA\) cache"):
+        cache_streams(model_layout(model), model, cache, 5)
