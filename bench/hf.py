@@ -33,6 +33,17 @@ teacher-forces the next ``LLAMA_FOLLOW`` held-out bytes from both caches: ``int4
 ``int4_bytes_vs_bf16`` (bytes the int4 spills sent / the bf16 spills'). ``variants``: the
 same figures for other 4-bit arrangements of the same caches, applied in place
 (fake-quantized, not stored), with each one's bytes per value against bf16's.
+
+``sliding`` (``--parts sliding``): the sliding-layer bounded replay
+(``kvstore.format.hf.sliding_replay``, the transformers integration's ``window="replay"``)
+per architecture, the trained Llama test model's weights loaded unchanged (float32) into
+``mistral_all_sliding`` (MistralConfig, every layer sliding, W = ``SLIDING_WINDOW``) and
+``qwen2_alternating`` (Qwen2Config, layer_types sliding / full alternating, the same W,
+its qkv biases zeros): on the same held-out stretches, the never-evicted cache of
+``LLAMA_CONTEXT`` bytes against the one whose sliding layers were dropped and rebuilt by
+replaying the last R bytes (full layers kept), teacher-forcing the next ``LLAMA_FOLLOW``
+bytes: ``sliding_replay: {arch: {R, agreement, kl, by_R}}`` (top-1 agreement and mean KL
+(never-evicted || replayed) in nats; the top level at R = W - 1, the default).
 """
 
 from __future__ import annotations
@@ -51,6 +62,10 @@ from torch.nn import functional as F
 
 REPLAYS = (0, 128, 256)
 LLAMA_CONTEXT, LLAMA_FOLLOW, LLAMA_STRETCHES = 1024, 256, 4
+# the sliding-layer replay: the trained Llama's weights under a sliding window of W, the
+# replay lengths R measured (the first, W - 1, is the integration's default)
+SLIDING_WINDOW = 128
+SLIDING_REPLAYS = (127, 254, 508)
 
 
 def tiny_config(**changes):
@@ -250,6 +265,73 @@ async def llama_int4(kv) -> dict:
                 "bytes_vs_bf16": VARIANTS[name][1]} for name, got in variants.items()}}
 
 
+def sliding_variant(arch: str, trained):
+    """The trained Llama's weights under ``arch``'s attention pattern (``sliding`` doc)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    c = trained.config
+    shape = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                 intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+                 num_attention_heads=c.num_attention_heads,
+                 num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                 max_position_embeddings=c.max_position_embeddings,
+                 rms_norm_eps=c.rms_norm_eps, rope_parameters=c.rope_parameters,
+                 tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+                 pad_token_id=None, sliding_window=SLIDING_WINDOW)
+    if arch == "mistral_all_sliding":
+        model = MistralForCausalLM(MistralConfig(**shape))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True, layer_types=[
+            "sliding_attention", "full_attention"] * (c.num_hidden_layers // 2)))
+        for name, p in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                torch.nn.init.zeros_(p)
+    missing, unexpected = model.load_state_dict(trained.state_dict(), strict=False)
+    if unexpected or any(not k.endswith("_proj.bias") for k in missing):
+        raise RuntimeError(f"{arch}: weights do not fit ({missing}, {unexpected})")
+    return model.eval()
+
+
+def sliding_replay() -> dict:
+    """The ``sliding`` figures (module docstring)."""
+    from kvstore.format.hf.sliding_replay import replay_sliding_layers
+    from model.data import corpus
+    from model.eval import segments
+    from model.train_llama import load_llama_test
+
+    trained = load_llama_test(dtype=torch.float32)
+    stretches = segments(corpus(held_out=True), LLAMA_STRETCHES, LLAMA_CONTEXT + LLAMA_FOLLOW)
+    out = {}
+    for arch in ("mistral_all_sliding", "qwen2_alternating"):
+        model = sliding_variant(arch, trained)
+        refs, gots = [], {r: [] for r in SLIDING_REPLAYS}
+        for stretch in stretches:
+            ids = torch.tensor(list(stretch), dtype=torch.int64)
+            context, follow = ids[:LLAMA_CONTEXT], ids[LLAMA_CONTEXT:]
+            with torch.no_grad():
+                cache = model(context[None], use_cache=True).past_key_values
+            refs.append(follow_logits(model, copy.deepcopy(cache), follow))
+            for r in SLIDING_REPLAYS:
+                dropped = copy.deepcopy(cache)
+                for layer in dropped.layers:
+                    if layer.is_sliding:  # what a resume without the window holds
+                        layer.keys, layer.values = layer.keys[:, :, :0], layer.values[:, :, :0]
+                rebuilt = replay_sliding_layers(model, dropped, context, r)
+                gots[r].append(follow_logits(model, rebuilt, follow))
+        ref = torch.cat(refs)
+        by_r = {str(r): compare(ref, torch.cat(got)) for r, got in gots.items()}
+        first = by_r[str(SLIDING_REPLAYS[0])]
+        out[arch] = {"R": SLIDING_REPLAYS[0], "W": SLIDING_WINDOW,
+                     "agreement": first["top1_agreement"], "kl": first["kl_nats"],
+                     "layers": [("sliding" if w else "full") for w in
+                                (layer.is_sliding for layer in cache.layers)],
+                     "by_R": by_r}
+        print(f"bench.hf: sliding replay {arch}: {out[arch]}", file=sys.stderr, flush=True)
+    return {"model": "trained Llama test model (model/weights/llama_test) weights, float32",
+            "held_out_stretches": LLAMA_STRETCHES, "context_tokens": LLAMA_CONTEXT,
+            "follow_tokens": LLAMA_FOLLOW, **out}
+
+
 def _per_token(x: torch.Tensor, group: int, bits: int = 4, zero_point: bool = False
                ) -> torch.Tensor:
     """x (..., D) rounded as groups of ``group`` along its last axis with fp16 scales
@@ -320,20 +402,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--follow", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bits", type=int, default=4, choices=(4, 8))
-    parser.add_argument("--parts", default="deepseek,llama",
+    parser.add_argument("--parts", default="deepseek,llama,sliding",
                         help="deepseek (the DeepseekV4 figures), llama (int4 on the trained "
-                        "Llama test model)")
+                        "Llama test model), sliding (the sliding-layer replay on its weights)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     parts = set(args.parts.split(","))
-    if parts - {"deepseek", "llama"}:
-        parser.error(f"unknown parts {sorted(parts - {'deepseek', 'llama'})}")
+    known = {"deepseek", "llama", "sliding"}
+    if parts - known:
+        parser.error(f"unknown parts {sorted(parts - known)}")
     result = {}
     if "deepseek" in parts:
         result = asyncio.run(run([int(c) for c in args.contexts.split(",")], args.follow,
                                  args.seed, args.bits))
     if "llama" in parts:
         result["llama_test"] = asyncio.run(_with_server(llama_int4))
+    if "sliding" in parts:
+        result["sliding_replay"] = sliding_replay()
     print(json.dumps(result, indent=2) if args.json else result)
     return 0
 

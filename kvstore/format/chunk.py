@@ -152,10 +152,11 @@ def encode_chunk(
     num_tokens = len(token_ids)
     ordered = [st.name for st in streams_of(spec, ephemeral)]
     # A window blob may carry only some ephemeral streams (the window K/V and, separately,
-    # the pending rows of fewer than m tokens); persistent chunks always carry all.
+    # the pending rows of fewer than m tokens); persistent chunks always carry all (none
+    # for a layout of window streams alone: the chunk holds token ids only).
     if (
         set(streams) - set(ordered)
-        or not streams
+        or (not streams and (ephemeral or ordered))
         or (not ephemeral and len(streams) != len(ordered))
     ):
         kind = "ephemeral" if ephemeral else "persistent"

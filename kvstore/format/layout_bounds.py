@@ -25,9 +25,12 @@ def check_bounds(spec: LayoutSpec, max_message_bytes: int) -> None:
     """InvalidRequest unless ``spec`` stays inside the bounds above, and one chunk and
     one window blob of it fit in a message."""
     what = f"layout {spec.name}"
-    if not 1 <= len(spec.streams) <= MAX_STREAMS or not spec.persistent_streams:
+    # no persistent stream only for window streams alone (an all-sliding model's layout:
+    # its chunks carry token ids and no section)
+    if not 1 <= len(spec.streams) <= MAX_STREAMS or not (spec.persistent_streams
+                                                          or spec.window_tokens):
         raise InvalidRequest(f"{what}: needs 1 to {MAX_STREAMS} streams, one persistent at "
-                             f"least; has {len(spec.streams)}")
+                             f"least or window streams; has {len(spec.streams)}")
     for s in spec.streams:
         most = MAX_PAGE_BYTES if s.format == "page" else MAX_ENTRY_VALUES
         if len(s.entry_shape) > MAX_DIMS or s.values_per_entry > most:

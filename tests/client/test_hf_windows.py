@@ -45,7 +45,12 @@ from transformers import (  # noqa: E402
 )
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
-from kvstore.format.errors import InvalidRequest, KVTierError, SessionNotFound  # noqa: E402
+from kvstore.format.errors import (  # noqa: E402
+    InvalidRequest,
+    KVTierError,
+    ReplayUnavailable,
+    SessionNotFound,
+)
 from kvtier import AsyncClient, UnsupportedModel  # noqa: E402
 from kvtier.integrations.transformers import (  # noqa: E402
     async_resume_cache,
@@ -153,6 +158,97 @@ async def test_a_windowed_cache_at_int8_keeps_its_window_and_close_logits(tmp_pa
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1),
                                     log_target=True, reduction="batchmean")
     assert kl.item() < 1e-3
+
+
+async def test_sliding_layers_store_only_their_last_rows(tmp_path):
+    # Gemma3-like: two sliding layers of window 16, one full. The model's own cache holds
+    # 15 rows of each sliding layer and every row of the full one; kvtier stores those
+    # (full: persistent chunks; sliding: the window blob), not zeros for the older rows.
+    model = WORKING["gemma3-pattern"][0]()
+    spec = model_layout(model)
+    assert [(s.name, s.layers, s.persistent) for s in spec.streams] == [
+        ("k", 1, True), ("v", 1, True), ("window.k", 2, False), ("window.v", 2, False)]
+    assert spec.window_tokens == 15
+    prompt = torch.randint(0, VOCAB, (190,), generator=torch.Generator().manual_seed(5))
+    sequence, cache = _generated(model, prompt, 10)
+    own = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
+        result = await async_spill_cache(kv, "acme", "g3", model, cache, sequence[:-1],
+                                         generation=1)
+        assert result.window_kept
+        assert own < result.bytes_received <= 1.1 * own  # was 2.6x: zeros for every row
+        restored, _ = await async_resume_cache(kv, "acme", "g3", model)
+    for got, kept in zip(restored.layers, cache.layers, strict=True):
+        assert type(got) is type(kept) and got.get_seq_length() == kept.get_seq_length()
+        assert torch.equal(got.keys, kept.keys) and torch.equal(got.values, kept.values)
+
+
+async def test_an_all_sliding_model_stores_its_last_rows_and_token_ids_only(tmp_path):
+    # Mistral, every layer sliding: no persistent stream, the chunks carry token ids
+    model = _model(MistralForCausalLM, MistralConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=64,
+        max_position_embeddings=1024))
+    spec = model_layout(model)
+    assert [(s.name, s.persistent) for s in spec.streams] == [("window.k", False),
+                                                               ("window.v", False)]
+    prompt = torch.randint(0, VOCAB, (600,), generator=torch.Generator().manual_seed(8))
+    sequence, cache = _generated(model, prompt, 10)
+    own = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    follow = torch.randint(0, VOCAB, (8,), generator=torch.Generator().manual_seed(9))
+    want = _follow_logits(model, copy.deepcopy(cache), follow)
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
+        result = await async_spill_cache(kv, "acme", "m", model, cache, sequence[:-1],
+                                         generation=1)
+        assert own < result.bytes_received <= 1.1 * own  # was 10x: zeros for every row
+        restored, tokens = await async_resume_cache(kv, "acme", "m", model)
+    assert torch.equal(tokens, sequence[:-1])
+    for got, kept in zip(restored.layers, cache.layers, strict=True):
+        assert type(got) is type(kept) and got.get_seq_length() == kept.get_seq_length()
+        assert torch.equal(got.keys, kept.keys) and torch.equal(got.values, kept.values)
+    assert torch.equal(_follow_logits(model, restored, follow), want)
+
+
+def _topk_logprobs(logits: torch.Tensor, k: int = 8) -> torch.Tensor:
+    return logits.float().log_softmax(-1).topk(k, dim=-1).values
+
+
+@pytest.mark.parametrize("case", ["gemma2-alternating", "mistral-window-16"])
+async def test_a_dropped_window_is_refused_or_rebuilt_by_a_bounded_replay(tmp_path, case):
+    # gemma2: sliding 16, full, sliding 16; mistral: three sliding layers of 16, so the
+    # session holds token ids only and the replay rebuilds every layer
+    model = WORKING[case][0]()
+    prompt = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(6))
+    sequence, cache = _generated(model, prompt, 10)
+    n = len(sequence) - 1
+    follow = torch.randint(0, VOCAB, (8,), generator=torch.Generator().manual_seed(7))
+    want = _follow_logits(model, copy.deepcopy(cache), follow)
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
+        result = await async_spill_cache(kv, "acme", "g2", model, cache, sequence[:-1],
+                                         generation=1, window="replay")
+        assert not result.window_kept  # only the full layer's rows were sent
+        with pytest.raises(ReplayUnavailable, match="window='replay'"):
+            await async_resume_cache(kv, "acme", "g2", model)  # never a wrong window
+        with pytest.raises(InvalidRequest, match="at least 15"):
+            await async_resume_cache(kv, "acme", "g2", model, window="replay",
+                                     replay_tokens=14)
+        truncated, _ = await async_resume_cache(kv, "acme", "g2", model, window="replay")
+        whole, _ = await async_resume_cache(kv, "acme", "g2", model, window="replay",
+                                            replay_tokens=n)
+    for rebuilt in (truncated, whole):
+        for got, kept in zip(rebuilt.layers, cache.layers, strict=True):
+            assert type(got) is type(kept) and got.keys.shape == kept.keys.shape
+            assert got.get_seq_length() == n
+        for got, kept in zip(rebuilt.layers, cache.layers, strict=True):
+            if not kept.is_sliding:  # the full layer is the stored one, not the replay's
+                assert torch.equal(got.keys, kept.keys)
+    # replaying every token rebuilds the window as a prefill would (bf16 rounding aside);
+    # the default R = W - 1 is the truncated-window approximation: close, not equal
+    got_whole = _follow_logits(model, whole, follow)
+    assert torch.allclose(_topk_logprobs(got_whole), _topk_logprobs(want), atol=0.05)
+    got_truncated = _follow_logits(model, truncated, follow)
+    assert not torch.equal(truncated.layers[0].keys, cache.layers[0].keys)
+    assert (got_truncated.argmax(-1) == want.argmax(-1)).float().mean() >= 0.5
 
 
 def test_the_tiny_windows_really_run_past_the_window():

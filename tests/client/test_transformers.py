@@ -12,15 +12,27 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import (  # noqa: E402
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+from transformers.cache_utils import DynamicCache  # noqa: E402
 
 from bench.hf import compare, follow_logits, tiny_model  # noqa: E402
-from kvstore.format.errors import InvalidRequest, LayoutMismatch, ModelMismatch  # noqa: E402
+from kvstore.format.errors import (  # noqa: E402
+    InvalidRequest,
+    LayoutMismatch,
+    ModelMismatch,
+    UnsupportedModel,
+)
 from kvstore.format.hf import deepseek_v4  # noqa: E402
 from kvtier import AsyncClient  # noqa: E402
 from kvtier.integrations.transformers import (  # noqa: E402
     async_resume_cache,
     async_spill_cache,
+    cache_streams,
     model_layout,
 )
 from tests.support.service import running_server  # noqa: E402
@@ -205,3 +217,41 @@ def test_replay_starts_early_enough_for_the_window_and_every_compressor():
     csa_only = tiny_model(sliding_window=4, layer_types=["sliding_attention"] + [
         "compressed_sparse_attention"] * 3).config
     assert deepseek_v4.replay_start(csa_only, 1102, 1) == 1096
+
+
+async def test_a_latent_mla_cache_is_stored_as_its_own_streams(tmp_path):
+    # DeepseekV3 caches one shared head per token: the compressed latent (kv_lora_rank)
+    # as its keys and the rope key (qk_rope_head_dim) as its values
+    torch.manual_seed(0)
+    config = DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=32,
+        q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+        first_k_dense_replace=1, max_position_embeddings=512)
+    model = DeepseekV3ForCausalLM(config).to(torch.bfloat16).eval()
+    spec = model_layout(model)
+    assert [(s.name, s.entry_shape, s.layers) for s in spec.streams] == [
+        ("latent", (1, 32), 2), ("rope", (1, 16), 2)]
+    prompt = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(5))
+    sequence, cache = generated(model, prompt, 10)
+    want = continued(model, sequence, copy.deepcopy(cache), 16)
+    async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
+        result = await async_spill_cache(kv, "acme", "v3", model, cache, sequence[:-1],
+                                         generation=1)
+        own = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+        assert result.bytes_received <= 1.1 * own
+        restored, _ = await async_resume_cache(kv, "acme", "v3", model)
+    for got, kept in zip(restored.layers, cache.layers, strict=True):
+        assert torch.equal(got.keys, kept.keys) and torch.equal(got.values, kept.values)
+    assert torch.equal(continued(model, sequence, restored, 16), want)
+
+
+def test_a_latent_cache_the_layout_does_not_describe_is_refused_by_its_kind():
+    # a Llama config but MLA-shaped layers (one head; keys and values of other widths)
+    model = tiny_llama()
+    cache = DynamicCache(config=model.config)
+    for layer in cache.layers:
+        layer.update(torch.zeros(1, 1, 5, 32), torch.zeros(1, 1, 5, 16))
+    with pytest.raises(UnsupportedModel, match=r"a latent \(MLA\) cache"):
+        cache_streams(model_layout(model), model, cache, 5)

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from fractions import Fraction
 
+import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -218,3 +219,19 @@ def test_replay_tokens_is_stated_in_json_only_when_set_and_not_hashed():
     # a second registration stating another R is refused, as one of another replayer
     with pytest.raises(InvalidRequest, match="replay_tokens 256, not 0"):
         register_layout(unstated)
+
+
+def test_a_layout_of_window_streams_alone_has_chunks_of_token_ids():
+    # an all-sliding model keeps nothing per token but its ids; a layout with neither
+    # persistent nor window streams is still refused
+    from kvstore.format.chunk import decode_chunk, encode_chunk
+    from kvstore.format.layout_bounds import check_bounds
+
+    window = Stream("window.k", (2, 8), bits=16, layers=3, persistent=False)
+    spec = LayoutSpec(name="all-sliding", streams=(window,), chunk_tokens=16, window_tokens=15)
+    check_bounds(spec, 4 << 20)
+    chunk = encode_chunk(spec, 0, np.arange(16), {})
+    assert decode_chunk(chunk, spec, token_ids=np.arange(16)).streams == {}
+    pending = Stream("buf", (4,), bits=16, persistent=False, pending=True)
+    with pytest.raises(InvalidRequest, match="one persistent at least or window"):
+        check_bounds(LayoutSpec(name="none", streams=(pending,), chunk_tokens=16), 4 << 20)

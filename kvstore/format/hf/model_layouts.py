@@ -2,16 +2,20 @@
 
 - Standard models (a ``DynamicCache`` of full-attention and sliding-window layers, as
   transformers builds it for the config, ``attention.layer_windows``: Llama, Mistral,
-  Gemma2...): streams ``k`` and ``v`` of (kv_heads, head_dim) per token on every layer,
-  persistent, in one of ``STANDARD_FORMATS``: bf16 or fp16 (the model's own 16-bit float,
-  lossless; a 16-bit format that would round the model's values is refused), int8, int4
-  (symmetric, one fp16 scale per token and 32 channels of a head: 0.28x bf16) or fp8_e4m3
-  (one scale per layer per chunk); nothing to replay. A sliding layer of
-  window W holds only the last W - 1 tokens: its rows before them are stored as zeros,
-  never read back (a resume installs the last min(n, W - 1) rows), and the layout's
-  layer modes
-  (``full`` / ``sliding-W``) bind the windows into its id. Every other kind of layer is
-  ``UnsupportedModel``.
+  Gemma2...): each kind of layer has its own streams of (kv_heads, head_dim) per token,
+  in one of ``STANDARD_FORMATS``: bf16 or fp16 (the model's own 16-bit float, lossless; a
+  16-bit format that would round the model's values is refused), int8, int4 (symmetric,
+  one fp16 scale per token and 32 channels of a head: 0.28x bf16) or fp8_e4m3 (one scale
+  per layer per chunk). The full-attention layers' ``k`` / ``v`` are persistent (every
+  token, in chunks); the sliding layers' ``window.k`` / ``window.v`` are the window
+  streams (W = the window - 1, the rows such a layer keeps: the trailing
+  min(n, W) rows at the session's end, in the window blob; an all-sliding model has no
+  persistent stream: its chunks carry the token ids alone). One sliding window per model
+  (several are ``UnsupportedModel``); the layer modes (``full`` / ``sliding-W``) map the
+  cache's layers onto the streams in order and bind the window into the layout's id.
+  Nothing for the server to replay (``replayer`` none); the transformers integration can
+  replay a lost window itself (``kvtier.integrations.transformers``, ``window="replay"``).
+  Every other kind of layer is ``UnsupportedModel``.
 - DeepseekV4 (``model_type == "deepseek_v4"``): the compressor entries of the CSA layers
   (``csa.kv``, m = 4), their Lightning Indexer entries (``csa.index``, m = 4) and the HCA
   layers' entries (``hca.kv``, m = 128), persistent at 4 or 8 bits. Ephemeral, rebuilt by
@@ -108,6 +112,18 @@ def _kv_shape(text) -> tuple[int, int]:
     return shapes.pop()
 
 
+def _cache_streams(text) -> tuple[tuple[str, tuple[int, ...]], tuple[str, tuple[int, ...]]]:
+    """(name, entry shape) of what a layer's cache holds as its keys and as its values:
+    K and V of (kv_heads, head_dim), or for a latent (MLA) cache (DeepseekV2/V3) one
+    shared head per token, the compressed latent (``kv_lora_rank``) and the rope key
+    (``qk_rope_head_dim``)."""
+    rank, rope = getattr(text, "kv_lora_rank", None), getattr(text, "qk_rope_head_dim", None)
+    if rank and rope:
+        return ("latent", (1, rank)), ("rope", (1, rope))
+    shape = _kv_shape(text)
+    return ("k", shape), ("v", shape)
+
+
 def standard_layout(config, format: str = "bf16") -> LayoutSpec:
     if format not in STANDARD_FORMATS:
         raise InvalidRequest(f"a standard model's cache is stored as one of "
@@ -116,25 +132,37 @@ def standard_layout(config, format: str = "bf16") -> LayoutSpec:
     windows = layer_windows(config)
     text = text_config(config)
     kind = text.model_type
-    heads, head_dim = _kv_shape(text)
+    (key_name, key_shape), (value_name, value_shape) = _cache_streams(text)
     try:
         vocab_size = text.vocab_size
     except AttributeError:
         raise UnsupportedModel(f"{kind}: its config states no vocab_size") from None
-    layers = len(windows)
-    group = math.gcd(GROUP[value.bits], head_dim) if value.scales == "group" else 0
-    streams = tuple(Stream(name, (heads, head_dim), bits=value.bits, group_size=group,
-                           layers=layers, format=format) for name in ("k", "v"))
     sliding = sorted({w for w in windows if w})
+    if len(sliding) > 1:
+        raise UnsupportedModel(f"{kind}: sliding windows of several sizes {sliding} are not "
+                               "supported (one window for every sliding layer)")
+    full_layers = windows.count(0)
+    sliding_layers = len(windows) - full_layers
+
+    def streams(prefix: str, layers: int, persistent: bool) -> tuple[Stream, ...]:
+        return tuple(Stream(prefix + name, shape, bits=value.bits,
+                            group_size=math.gcd(GROUP[value.bits], shape[-1])
+                            if value.scales == "group" else 0,
+                            layers=layers, persistent=persistent, format=format)
+                     for name, shape in ((key_name, key_shape), (value_name, value_shape))
+                     ) if layers else ()
+
     # modes only when some layer slides, so full-attention layouts keep their ids
     modes = tuple(f"sliding-{w}" if w else "full" for w in windows) if sliding else ()
-    spec = LayoutSpec(name="x", streams=streams, chunk_tokens=64, vocab_size=vocab_size,
-                      layer_modes=modes,
-                      notes=f"transformers {kind}: {layers} layers, {heads} KV heads x "
-                      f"{head_dim}, every layer persistent" + (
-                          f"; {sum(map(bool, windows))} sliding (W = "
-                          f"{', '.join(map(str, sliding))}) keep their last W - 1 tokens, "
-                          "earlier rows stored as zeros" if sliding else ""))
+    spec = LayoutSpec(name="x", streams=streams("", full_layers, True)
+                      + streams("window.", sliding_layers, False),
+                      chunk_tokens=64, vocab_size=vocab_size, layer_modes=modes,
+                      window_tokens=sliding[0] - 1 if sliding else 0,
+                      notes=f"transformers {kind}: {len(windows)} layers, {key_name} "
+                      f"{key_shape}, {value_name} {value_shape} per token; {full_layers} "
+                      "full-attention layers persistent" + (
+                          f", {sliding_layers} sliding (W = {sliding[0]}) in the window "
+                          f"blob, their last {sliding[0] - 1} rows" if sliding else ""))
     return _named(spec, kind.replace("_", "-"), format)
 
 
