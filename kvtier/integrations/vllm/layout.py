@@ -292,10 +292,13 @@ def page_layout(shape: CacheShape) -> LayoutSpec:
 
 
 def group_tag(shape: CacheShape) -> str:
-    """What a layout's name says of its group beyond the shape: nothing for a full
-    group of K/V (the names kvtier always had), ``swa<window>-`` for a sliding one,
+    """What a layout's name says of its group beyond the shape: nothing for the first
+    group when it is full attention of K/V (the names kvtier always had); else
+    ``g<index>-`` (vLLM splits a hybrid model's layers into groups alike in all but
+    their layers: each keeps its own chunks), then ``swa<window>-`` for a sliding group,
     ``<spec>-`` (lower case, e.g. ``mlaattentionspec-``) for a group of raw pages."""
-    tag = f"swa{shape.window}-" if shape.kind == SLIDING else ""
+    tag = "" if shape.group == 0 and shape.kind == FULL else f"g{shape.group}-"
+    tag += f"swa{shape.window}-" if shape.kind == SLIDING else ""
     if shape.arrangement == "raw":
         tag += shape.spec_name.lower() + "-"
     return tag
