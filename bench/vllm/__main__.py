@@ -33,6 +33,12 @@ Llamas saved locally) the engines run one after another, each in its own child p
 - example: vLLM's ``ExampleConnector`` (safetensors files), the way kvtier's hits are
   measured (``ttft_example_hit_s``), and the references below.
 
+Model kinds (``--kinds full,hybrid,sliding``, ``bench.vllm.kinds``): per kind, one more
+engine (a full-attention Llama, a Gemma3-like hybrid, an all-sliding Mistral) gives
+``stored_vs_own_cache`` (kvtier's stored bytes per token over the engine's own cache's,
+per group too), hit first-token times and ``identical`` (top-5 logprobs of a kvtier hit
+equal vLLM's own prefix-cache hit's); ``--models ''`` runs the kinds alone.
+
 ``--cases`` picks the optional measurements (``connector_miss``, ``hung``, ``disk``,
 ``down``; all by default); one not run is null, and ``not_measured`` names it and why.
 
@@ -560,7 +566,8 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         models = [bench_model(k, lengths, args.repeats, work, cases)
                   for k in args.models.split(",") if k]
-        kinds = [bench_kind(k, args.kind_length, args.repeats, work)
+        kinds = [bench_kind(k, args.kind_length, args.repeats, work, run_engine,
+                            kvtier_connector)
                  for k in args.kinds.split(",") if k]
     result = {**(headline(models) if models else {}), "models": models, "kinds": kinds,
               "stored_vs_own_cache": {k["kind"]: k["stored_vs_own_cache"] for k in kinds},

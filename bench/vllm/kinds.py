@@ -94,9 +94,10 @@ def group_bytes(target: str, spec, tokens: list[int]) -> list[dict]:
     return out
 
 
-def bench_kind(key: str, length: int, repeats: int, work: Path) -> dict:
-    from bench.vllm.__main__ import kvtier_connector, run_engine
-
+def bench_kind(key: str, length: int, repeats: int, work: Path, run_engine,
+               kvtier_connector) -> dict:
+    """``run_engine(plan, work, name)`` and ``kvtier_connector(spec, target)``: bench.vllm's
+    (an engine in a child process; the connector's settings)."""
     spec = KINDS[key]
     tokens = prompt(spec, length)
     base = {"model": str(build(spec)), "max_model_len": 8192, "prefix_caching": True}
