@@ -59,12 +59,13 @@ export function canonicalJson(value) {
 }
 
 // The canonical object of a layout: no notes; baseline only when it has one, layer_modes
-// only when not empty.
+// only when not empty, replay_tokens only when not 0.
 export function canonicalLayout(layout) {
   const out = { ...layout };
   delete out.notes;
   if (out.baseline === null || out.baseline === undefined) delete out.baseline;
   if (!out.layer_modes || out.layer_modes.length === 0) delete out.layer_modes;
+  if (!out.replay_tokens) delete out.replay_tokens;
   return out;
 }
 
@@ -72,10 +73,12 @@ export function layoutToJson(layout) {
   return canonicalJson(canonicalLayout(layout));
 }
 
-// "<name>@<16 hex>": xxh3_64 of the canonical JSON without replayer.
+// "<name>@<16 hex>": xxh3_64 of the canonical JSON without replayer and replay_tokens
+// (neither shapes a byte on media).
 export function layoutId(layout) {
   const hashed = canonicalLayout(layout);
   delete hashed.replayer;
+  delete hashed.replay_tokens;
   const hash = xxh3_64(new TextEncoder().encode(canonicalJson(hashed)));
   return `${layout.name}@${hash.toString(16).padStart(16, '0')}`;
 }
