@@ -38,6 +38,7 @@ from kvstore.format.keys import chain_keys, chunk_digest, token_bytes
 from kvstore.format.layer_sections import LayerCheck
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.window import encode_window as encode_window_blob
+from kvtier.types import TokenIds
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 Streams = Mapping[str, StreamData]
 
 
-def as_tokens(token_ids) -> np.ndarray:
+def as_tokens(token_ids: TokenIds) -> np.ndarray:
     """Token ids (sequence, numpy array or 1-D tensor) as (num_tokens,) little-endian uint32."""
     torch_module = sys.modules.get("torch")  # not imported: token_ids cannot be a tensor
     if torch_module is not None and isinstance(token_ids, torch_module.Tensor):

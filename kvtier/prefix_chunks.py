@@ -1,5 +1,5 @@
-"""``AsyncClient.write_chunks`` and ``read_chunks``: prefix chunks of no session over
-the WriteChunks and ReadChunks calls (proto "Prefix chunks"). No retries here
+"""Prefix chunks of no session over the WriteChunks and ReadChunks calls (proto "Prefix
+chunks"), for ``AsyncClient.write_chunks`` and ``read_chunks``. No retries here
 (``kvtier.client`` owns the calls: each is one ``attempt(node)``).
 
 A write keys and digests the encoded chunks it is given (``kvstore.format.keys``, from
@@ -20,17 +20,16 @@ into a segment only when the client offers it, and it offers none it has lent).
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from kvstore.format.errors import InvalidRequest
-from kvstore.format.keys import DIGEST_BYTES, block_key, chain_keys, chunk_digest, dedupe_scope
+from kvstore.format.keys import DIGEST_BYTES, block_key, chain_keys, chunk_digest
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.run_checks import RunCheck
-from kvtier import codec as cc
 from kvtier import shm
-from kvtier.errors import MissingChunks
+from kvtier.replies import reply_segment
 from kvtier.routing import Node
 from kvtier.types import ReadChunksResult, WriteChunksResult
 from kvtier.upload import Item, upload
@@ -98,7 +97,7 @@ async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,
             if kind == "header":
                 header = reply.header
                 if header.HasField("reply_segment"):
-                    segment = await _reply_segment(node.segments, header.reply_segment, used)
+                    segment = await reply_segment(node.segments, header.reply_segment, used)
                 got += _in_header(header, segment, request.first_chunk, in_place)
             elif header is None:
                 raise InvalidRequest(f"a ReadChunks reply sent {kind} before its header")
@@ -162,15 +161,6 @@ def _in_header(header: pb.ChunksHeader, segment: shm.Segment | None, first_chunk
     return [(index, data, "") for (index, _), data in zip(sent, run, strict=True)]
 
 
-async def _reply_segment(segments: shm.ClientSegments, lease: pb.SharedMemoryLease,
-                         used: list[shm.Segment]) -> shm.Segment:
-    if used and used[0].lease_id == lease.lease_id:
-        return used[0]  # the offered one, written into
-    segment = await segments.mapped(lease)
-    used.append(segment)
-    return segment
-
-
 def checked_result(spec: LayoutSpec, tokens: np.ndarray, first_chunk: int,
                    header: pb.ChunksHeader, got: list, check_digests: bool = True
                    ) -> ReadChunksResult:
@@ -216,75 +206,3 @@ def checked_result(spec: LayoutSpec, tokens: np.ndarray, first_chunk: int,
         if index not in result.chunks:  # one the reply left out is no chunk to use either
             result.missing.setdefault(index, "not_held")
     return result
-
-
-class PrefixChunkMethods:
-    """``AsyncClient``'s prefix-chunk methods (it supplies ``_call``, ``layout``,
-    ``shared_memory``, ``timeout_s`` and ``max_message_bytes``). A write is safe to send
-    again on another node: its chunks are content-addressed, a second copy a dedupe."""
-
-    async def write_chunks(self, tenant: str, layout: str | LayoutSpec, token_ids,
-                           chunks: Sequence[bytes], *, first_chunk: int = 0,
-                           model_fingerprint: str = "", dedupe_domain: str = "",
-                           ack: str = "memory", skip_held: bool = True) -> WriteChunksResult:
-        """Store encoded ``chunks`` (one per whole chunk of ``token_ids`` from ``first_chunk``)
-        as cache of no session; ``skip_held``: send only those a Lookup does not find held
-        with the same digest (``kvtier.prefix_chunks``)."""
-        spec = layout if isinstance(layout, LayoutSpec) else await self.layout(layout)
-        tokens = cc.as_tokens(token_ids)
-        scope = dedupe_scope(tenant, dedupe_domain or None)
-        keys, digests = keyed(spec, tokens, chunks, first_chunk, scope, model_fingerprint)
-        header = write_header(spec, tenant, tokens, digests, first_chunk=first_chunk,
-                              model_fingerprint=model_fingerprint, dedupe_domain=dedupe_domain,
-                              ack=pb.Ack.Value(f"ACK_{ack.upper()}"))
-        send = list(range(len(chunks)))
-        started = time.monotonic()  # the lookup, the write and its resend: one deadline
-        if skip_held and chunks:
-            lookup = pb.LookupRequest(tenant=tenant, layout_id=spec.layout_id,
-                                      model_fingerprint=model_fingerprint,
-                                      dedupe_domain=dedupe_domain, token_ids=tokens.tobytes())
-            held = await self._call(lambda node: node.stub.Lookup(lookup,
-                                                                  timeout=self.timeout_s),
-                                    started=started)
-            send = unheld(held, keys, digests, first_chunk)
-
-        def attempt(node: Node, send=send) -> Awaitable[WriteChunksResult]:
-            return write_once(node, header, keys, chunks, send,
-                              shared_memory=self.shared_memory, timeout_s=self.timeout_s,
-                              max_message_bytes=self.max_message_bytes)
-
-        try:
-            return await self._call(attempt, started=started)
-        except MissingChunks:  # one went since the lookup: send every chunk
-            return await self._call(lambda node: attempt(node, range(len(chunks))),
-                                    started=started)
-
-    async def read_chunks(self, tenant: str, layout: str | LayoutSpec, token_ids, *,
-                          first_chunk: int = 0, max_chunks: int = 0, model_fingerprint: str = "",
-                          dedupe_domain: str = "", digests: Sequence[bytes] | None = None,
-                          use_shared_memory: bool | None = None,
-                          check_digests: bool = True, in_place: bool = False
-                          ) -> ReadChunksResult:
-        """Chunks of ``token_ids`` by position (``max_chunks`` 0: every whole one), each
-        verified again here; ``digests``: the expected ones, one per chunk read.
-        ``check_digests`` False: each chunk's bytes are still checked whole against its own
-        checksums (header, section table, xxh3 of the payload) and its token range, but its
-        BLAKE2b digest is not recomputed: a caller that only needs intact KV of these tokens
-        (the vLLM connector) skips the costliest check, which only another version of the
-        same tokens' chunk would fail. ``in_place``: over shared memory the chunks are
-        views of the reply segment, valid until the caller calls the result's ``release``
-        (it must, once done with them); inline they are the reply's bytes."""
-        spec = layout if isinstance(layout, LayoutSpec) else await self.layout(layout)
-        tokens = cc.as_tokens(token_ids)
-        request = pb.ReadChunksRequest(
-            tenant=tenant, layout_id=spec.layout_id, model_fingerprint=model_fingerprint,
-            dedupe_domain=dedupe_domain, token_ids=tokens.tobytes(), first_chunk=first_chunk,
-            max_chunks=max_chunks, chunk_digests=digests or [])
-
-        def attempt(node: Node) -> Awaitable[ReadChunksResult]:
-            request.use_shared_memory = (self.shared_memory if use_shared_memory is None
-                                         else use_shared_memory and self.shared_memory)
-            return read_once(node, request, spec, tokens, self.timeout_s, check_digests,
-                             in_place)
-
-        return await self._call(attempt)

@@ -1,10 +1,17 @@
-"""The Restore / Resume reply stream on the client side: its parts collected (payloads
-copied out of shared memory) and turned into a ``RestoredSession``. No retries here
-(``kvtier.client`` owns the calls)."""
+"""The server's replies as the client's Python values: the Restore / Resume reply stream's
+parts collected (payloads copied out of shared memory) and turned into a
+``RestoredSession``; a control call's reply into its ``kvtier.types`` dataclass
+(``value``). No retries here (``kvtier.client`` owns the calls)."""
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
+from typing import Any, TypeVar
+
 import numpy as np
+from google.protobuf.message import Message
 
 from kvstore.format.chunk_run import PackedRun
 from kvstore.format.errors import InvalidRequest
@@ -15,6 +22,36 @@ from kvtier import codec as cc
 from kvtier import shm
 from kvtier.types import RestoredSession
 from proto import kvtier_pb2 as pb
+
+Value = TypeVar("Value")
+
+
+def value(cls: type[Value], message: Message) -> Value:
+    """``message`` as the dataclass ``cls`` whose fields bear its fields' names: nested
+    messages as their dataclasses, repeated fields as lists, maps as dicts, and a
+    submessage or optional field the message left unset as None."""
+    fields: dict[str, Any] = {}
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]  # cls is a dataclass
+        hint, raw = hints[field.name], getattr(message, field.name)
+        args = typing.get_args(hint)
+        if isinstance(hint, types.UnionType) and type(None) in args:  # X | None
+            if not message.HasField(field.name):
+                fields[field.name] = None
+                continue
+            hint = next(a for a in args if a is not type(None))
+        origin = typing.get_origin(hint)
+        if origin is list:
+            (item,) = typing.get_args(hint)
+            fields[field.name] = ([value(item, m) for m in raw]
+                                  if dataclasses.is_dataclass(item) else list(raw))
+        elif origin is dict:
+            fields[field.name] = dict(raw)
+        elif dataclasses.is_dataclass(hint):
+            fields[field.name] = value(typing.cast(type[Any], hint), raw)
+        else:
+            fields[field.name] = raw
+    return cls(**fields)
 
 
 def copied_out(segment: shm.Segment | None, chunks: list, tail) -> tuple:
@@ -53,7 +90,7 @@ async def collect(call, segments: shm.ClientSegments, used: list[shm.Segment], p
                 header = reply.header
                 check_model(stated, header.model_fingerprint, "the restored session")
                 if header.HasField("reply_segment"):
-                    segment = await _reply_segment(segments, header.reply_segment, used)
+                    segment = await reply_segment(segments, header.reply_segment, used)
             elif kind == "summary":
                 summary = reply.summary
             else:
@@ -87,8 +124,10 @@ async def collect(call, segments: shm.ClientSegments, used: list[shm.Segment], p
         raise
     return header, chunks, tail, window, summary, segment
 
-async def _reply_segment(segments: shm.ClientSegments, lease: pb.SharedMemoryLease,
-                         used: list[shm.Segment]) -> shm.Segment:
+async def reply_segment(segments: shm.ClientSegments, lease: pb.SharedMemoryLease,
+                        used: list[shm.Segment]) -> shm.Segment:
+    """The segment a reply header names: the one offered (``used[0]``), else mapped and
+    added to ``used``."""
     if used and used[0].lease_id == lease.lease_id:
         return used[0]  # the offered one, written into
     segment = await segments.mapped(lease)
