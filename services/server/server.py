@@ -32,7 +32,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvstore.format.errors import Busy
 from kvstore.remote.breaker import CircuitBreaker
 from kvstore.session.manager import TierManager
-from kvtier.errors import add_servicer
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.server import address_file, reflection, sizes
 from services.server.config import ServerConfig
@@ -49,6 +48,7 @@ from services.server.store import open_manager
 from services.server.tracing import Tracing, tracing_for
 from services.serving import auth
 from services.serving.audit import AuditLog
+from services.serving.errors import add_servicer
 from services.serving.lifecycle import end_task
 from services.serving.tls import server_credentials
 

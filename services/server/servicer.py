@@ -4,7 +4,7 @@
 Every request is validated (``services.server.validate``) before the store sees it,
 and every failure becomes a gRPC status by ``grpc_errors``, with its code from the one
 table in ``kvstore.format.errors`` (``STATUS_NAMES``); bytes that are not a request are
-INVALID_ARGUMENT (``kvtier.errors.add_servicer``). Streams and the bytes of spills in
+INVALID_ARGUMENT (``services.serving.errors.add_servicer``). Streams and the bytes of spills in
 flight are bounded (``services.server.limits``). With authentication or an audit log
 configured every call passes ``services.serving.auth`` first, and the handlers check the
 tenant a request names against the caller's (``_own_session``, ``auth.check_tenant``).
@@ -39,7 +39,6 @@ from kvstore.session.manager import TierManager
 from kvstore.session.manifest import SessionManifest
 from kvstore.session.quota import TenantReport
 from kvtier import shm
-from kvtier.errors import grpc_errors
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.server import requests
@@ -56,6 +55,7 @@ from services.server.shm_leases import LeaseTable
 from services.server.store import restore_tier, tiers_holding
 from services.serving import auth
 from services.serving.audit import AuditLog
+from services.serving.errors import grpc_errors
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["KVTier"].full_name

@@ -25,7 +25,7 @@ import grpc
 
 from kvstore.format.errors import InvalidRequest
 from kvstore.format.layout_bounds import MAX_JSON_BYTES
-from kvtier.errors import Undecodable
+from services.serving.errors import Undecodable
 
 CONTROL_BYTES = 64 << 10  # a session ref, a few names and numbers, a page of ids
 # The oneof fields of the client-streamed requests that carry payloads, and their names
@@ -38,7 +38,7 @@ _LENGTH_DELIMITED = 2
 
 class _Oversized(Undecodable):
     """What the handler gets for a message past its bound (refused like bytes that do
-    not parse, by ``kvtier.errors.add_servicer``)."""
+    not parse, by ``services.serving.errors.add_servicer``)."""
 
     def __init__(self, error: InvalidRequest) -> None:
         self.error = error
@@ -123,7 +123,7 @@ class _Bounding:
         self.server, self.limits = server, limits
 
     def add_generic_rpc_handlers(self, handlers: object) -> None:
-        pass  # kvtier.errors.add_servicer registers both kinds from the registered ones
+        pass  # services.serving.errors.add_servicer registers both kinds from the registered ones
 
     def add_registered_method_handlers(self, service: str,
                                        handlers: dict[str, grpc.RpcMethodHandler]) -> None:

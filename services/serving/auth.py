@@ -44,8 +44,8 @@ from pathlib import Path
 import grpc
 
 from kvstore.format.errors import InvalidRequest, PermissionDenied, Unauthenticated
-from kvtier.errors import RecordsCalls, abort
 from services.serving.audit import AuditLog
+from services.serving.errors import RecordsCalls, abort
 
 log = logging.getLogger(__name__)
 TENANT, ADMIN, REPLAY = "tenant", "admin", "replay"
