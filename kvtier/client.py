@@ -41,14 +41,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
-from kvstore.format.chunk import LayerSlice
+from kvstore.format.chunk import LayerSlice, StreamData
 from kvstore.format.errors import (
+    DeadlineExceeded,
     InvalidRequest,
     KVTierError,
+    MissingChunks,
+    SharedMemoryUnavailable,
     StaleGeneration,
     TierUnavailable,
     UnknownLayout,
@@ -61,13 +65,7 @@ from kvstore.format.model_identity import check_model
 from kvtier import codec as cc
 from kvtier import replies, shm
 from kvtier.channel import LOOPBACK, Credentials, tls_mismatch
-from kvtier.errors import (
-    DeadlineExceeded,
-    MissingChunks,
-    SharedMemoryUnavailable,
-    client_deadline_passed,
-    error_from_rpc,
-)
+from kvtier.errors import client_deadline_passed, error_from_rpc
 from kvtier.known_layouts import KnownLayouts, info_from
 from kvtier.prefix_chunks import keyed, read_once, unheld, write_header, write_once
 from kvtier.routing import Node, Ref, Router, RoutingPolicy, open_node
@@ -90,6 +88,7 @@ from kvtier.types import (
 from kvtier.upload import Item, upload
 from proto import kvtier_pb2 as pb
 
+Reply = TypeVar("Reply")
 ACKS = {"memory": pb.ACK_MEMORY, "durable": pb.ACK_DURABLE, None: pb.ACK_UNSPECIFIED}
 # Every call's deadline unless the caller sets one: retries and failovers included, so a
 # hung node costs a call at most this (on a fleet, its share of it), never for ever.
@@ -140,7 +139,7 @@ class AsyncClient:
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
     async def close(self) -> None:
@@ -160,8 +159,9 @@ class AsyncClient:
     def _left(deadline: float | None) -> float | None:
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
-    async def _call(self, attempt: Callable[[Node], Awaitable], ref: Ref | None = None,
-                    ask: bool = True, idempotent: bool = True, started: float | None = None):
+    async def _call(self, attempt: Callable[[Node], Awaitable[Reply]], ref: Ref | None = None,
+                    ask: bool = True, idempotent: bool = True, started: float | None = None
+                    ) -> Reply:
         """``attempt(node)`` on the node ``ref`` routes to (``Router.route``), retried on
         UNAVAILABLE with backoff; with ``servers``, the retry goes to another node at once
         while one is up. The whole call ends within ``timeout_s``: each attempt waits for
@@ -274,7 +274,8 @@ class AsyncClient:
         scope = dedupe_scope(tenant, dedupe_domain or None)
 
         async def encode(held: dict[str, bytes]) -> cc.EncodedSession:
-            if chunks is not None:
+            if persistent is None:
+                assert chunks is not None  # exactly one of them, checked above
                 encoded = cc.encoded_chunks(spec, tokens, chunks, tail, scope=scope,
                                             model_fingerprint=model_fingerprint, held=held)
             else:
@@ -319,7 +320,7 @@ class AsyncClient:
             items.append(Item("window", "", enc.window))
         return await upload(
             node, pb.SpillRequest(header=header), items,
-            lambda item, payload: pb.SpillRequest(**{item.what: payload}),
+            lambda item, payload: pb.SpillRequest(**{item.what: payload}),  # type: ignore[arg-type]
             lambda stream: node.stub.Spill(stream, timeout=self.timeout_s),
             shared_memory=self.shared_memory, max_message_bytes=self.max_message_bytes,
             timeout_s=self.timeout_s)
@@ -354,7 +355,9 @@ class AsyncClient:
             self._router.forget(ref)
         return session
 
-    async def _receive(self, node: Node, method, request, decode: bool) -> RestoredSession:
+    async def _receive(self, node: Node, method: Callable[..., Any],
+                       request: pb.RestoreRequest | pb.ResumeRequest, decode: bool
+                       ) -> RestoredSession:
         """One call; on the shared-memory path it offers a segment it holds (warm pages)
         as ``reply_lease``; the server writes into it, or into a new one it leases us."""
         request.use_shared_memory = self.shared_memory  # may have fallen back since
@@ -362,9 +365,10 @@ class AsyncClient:
         request.reply_lease = offered.lease_id if offered is not None else ""
         used = [offered] if offered is not None else []  # every segment this call touched
         started = time.monotonic()
-        decoding: list[asyncio.Future] = []
+        decoding: list[asyncio.Future[dict[str, StreamData]]] = []
 
-        async def persistent(header: pb.SessionHeader, chunks, tail) -> None:
+        async def persistent(header: pb.SessionHeader, chunks: Sequence[replies.Body],
+                             tail: replies.Body) -> None:
             # Every byte checked against what its spiller stated, whatever tier it came
             # from; then decoded while the rest (a replayed window) is still to come.
             cc.check_digests(chunks, header.chunk_digests, tail, header.tail_digest)
@@ -432,6 +436,9 @@ class AsyncClient:
                         assembler = cc.LayerAssembler.for_header(
                             await self.layout(reply.header.layout_id), reply.header)
                     elif kind == "section":
+                        if assembler is None:
+                            raise InvalidRequest("a Restore reply sent a section before its "
+                                                 "header")
                         done = assembler.add(reply.section)
                         if done is not None and (done.stream, done.layer) not in delivered:
                             delivered.add((done.stream, done.layer))
@@ -502,19 +509,19 @@ class AsyncClient:
         keys, digests = keyed(spec, tokens, chunks, first_chunk, scope, model_fingerprint)
         header = write_header(spec, tenant, tokens, digests, first_chunk=first_chunk,
                               model_fingerprint=model_fingerprint, dedupe_domain=dedupe_domain,
-                              ack=pb.Ack.Value(f"ACK_{ack.upper()}"))
+                              ack=f"ACK_{ack.upper()}")
         send = list(range(len(chunks)))
         started = time.monotonic()  # the lookup, the write and its resend: one deadline
         if skip_held and chunks:
             lookup = pb.LookupRequest(tenant=tenant, layout_id=spec.layout_id,
                                       model_fingerprint=model_fingerprint,
                                       dedupe_domain=dedupe_domain, token_ids=tokens.tobytes())
-            held = await self._call(lambda node: node.stub.Lookup(lookup,
+            held: pb.LookupReply = await self._call(lambda node: node.stub.Lookup(lookup,
                                                                   timeout=self.timeout_s),
                                     started=started)
             send = unheld(held, keys, digests, first_chunk)
 
-        def attempt(node: Node, send=send) -> Awaitable[WriteChunksResult]:
+        def attempt(node: Node, send: Sequence[int] = send) -> Awaitable[WriteChunksResult]:
             return write_once(node, header, keys, chunks, send,
                               shared_memory=self.shared_memory, timeout_s=self.timeout_s,
                               max_message_bytes=self.max_message_bytes)
@@ -598,7 +605,8 @@ class AsyncClient:
         request = pb.LookupRequest(tenant=tenant, layout_id=spec.layout_id,
                                    model_fingerprint=model or "", dedupe_domain=dedupe_domain,
                                    token_ids=cc.as_tokens(token_ids).tobytes())
-        reply = await self._call(lambda node: node.stub.Lookup(request, timeout=self.timeout_s))
+        reply: pb.LookupReply = await self._call(
+            lambda node: node.stub.Lookup(request, timeout=self.timeout_s))
         scope = dedupe_scope(tenant, dedupe_domain or None)
         # the latest lookup per domain, layout and model: what a spill may name by key
         self._looked_up[(tenant, scope, spec.layout_id, model or "")] = {
@@ -653,8 +661,11 @@ class AsyncClient:
         token = ""
         while True:
             request = pb.ListRequest(tenant=tenant, page_size=page_size, page_token=token)
-            reply = await self._call(lambda node, r=request: node.stub.List(
-                r, timeout=self.timeout_s))
+
+            def page(node: Node, request: pb.ListRequest = request) -> Awaitable[pb.ListReply]:
+                return node.stub.List(request, timeout=self.timeout_s)  # type: ignore[no-any-return]
+
+            reply = await self._call(page)
             out.extend(replies.value(SessionInfo, s) for s in reply.sessions)
             token = reply.next_page_token
             if not token:

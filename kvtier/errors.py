@@ -32,7 +32,11 @@ def client_deadline_passed(exc: grpc.aio.AioRpcError) -> bool:
 
 def error_from_rpc(exc: grpc.RpcError, source: str = "") -> KVTierError:
     """The exception a failed call stands for; ``source`` prefixes its message (who failed)."""
-    trailing = dict(exc.trailing_metadata() or ())
-    error = error_for(exc.code().name, source + (exc.details() or ""), trailing.get(ERROR_KEY))
-    error.request_id = trailing.get(REQUEST_ID_KEY)  # kvtier.request_ids
+    # (key, value) pairs: the stubs type the metadata of grpc's sync API instead
+    trailing: dict[str, str | bytes] = dict(
+        exc.trailing_metadata() or ())  # type: ignore[arg-type]
+    name, request_id = trailing.get(ERROR_KEY), trailing.get(REQUEST_ID_KEY)
+    error = error_for(exc.code().name, source + (exc.details() or ""),
+                      name if isinstance(name, str) else None)
+    error.request_id = request_id if isinstance(request_id, str) else None  # kvtier.request_ids
     return error

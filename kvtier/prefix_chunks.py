@@ -35,10 +35,13 @@ from kvtier.types import ReadChunksResult, WriteChunksResult
 from kvtier.upload import Item, upload
 from proto import kvtier_pb2 as pb
 
+# a chunk of a reply: (chunk index, its bytes or None when missing, why missing)
+Got = tuple[int, bytes | memoryview | None, str]
+
 
 def write_header(spec: LayoutSpec, tenant: str, tokens: np.ndarray, digests: list[bytes], *,
-                 first_chunk: int, model_fingerprint: str, dedupe_domain: str, ack: int
-                 ) -> pb.WriteChunksHeader:
+                 first_chunk: int, model_fingerprint: str, dedupe_domain: str,
+                 ack: str) -> pb.WriteChunksHeader:  # an Ack name
     return pb.WriteChunksHeader(
         tenant=tenant, layout_id=spec.layout_id, model_fingerprint=model_fingerprint,
         dedupe_domain=dedupe_domain, token_ids=tokens.tobytes(), first_chunk=first_chunk,
@@ -90,7 +93,9 @@ async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,
     used = [offered] if offered is not None else []
     started = time.monotonic()
     call = node.stub.ReadChunks(request, timeout=timeout_s)
-    header, got, segment = None, [], None
+    header: pb.ChunksHeader | None = None
+    got: list[Got] = []
+    segment: shm.Segment | None = None
     try:
         async for reply in call:
             kind = reply.WhichOneof("item")
@@ -142,7 +147,7 @@ async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,
 
 
 def _in_header(header: pb.ChunksHeader, segment: shm.Segment | None, first_chunk: int,
-               in_place: bool) -> list[tuple[int, object, str]]:
+               in_place: bool) -> list[Got]:
     """The chunks the header lists in the reply segment (``chunk_refs``): views of it
     (``in_place``), else copied out in one copy where they lie back to back."""
     refs = list(header.chunk_refs)
@@ -162,7 +167,7 @@ def _in_header(header: pb.ChunksHeader, segment: shm.Segment | None, first_chunk
 
 
 def checked_result(spec: LayoutSpec, tokens: np.ndarray, first_chunk: int,
-                   header: pb.ChunksHeader, got: list, check_digests: bool = True
+                   header: pb.ChunksHeader, got: list[Got], check_digests: bool = True
                    ) -> ReadChunksResult:
     """The reply's chunks, each checked end to end (with ``check_digests``, against the
     header's digest too; else against its own checksums); one failing is "corrupt"."""
@@ -172,7 +177,7 @@ def checked_result(spec: LayoutSpec, tokens: np.ndarray, first_chunk: int,
         raise InvalidRequest(f"a ReadChunks header names {len(keys)} chunks and "
                              f"{len(digests)} digests")
     result = ReadChunksResult(first_chunk, keys, {}, {})
-    sent: dict[int, object] = {}
+    sent: dict[int, bytes | memoryview] = {}
     for index, data, reason in got:
         n = index - first_chunk
         if not 0 <= n < len(keys) or index in sent or index in result.missing:

@@ -146,9 +146,13 @@ class Client:
                        model_fingerprint: str = "") -> Iterator[LayerSlice]:
         stream = self._async.restore_layers(tenant, session_id,
                                             model_fingerprint=model_fingerprint)
+
+        async def next_slice() -> LayerSlice:
+            return await anext(stream)
+
         while True:
             try:
-                yield self._run(stream.__anext__())
+                yield self._run(next_slice())
             except StopAsyncIteration:
                 return
 

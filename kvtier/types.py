@@ -129,7 +129,7 @@ class ReadChunksResult:
     def __enter__(self) -> ReadChunksResult:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.release()
 
 

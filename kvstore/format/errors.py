@@ -31,6 +31,8 @@ def shown(value: object, limit: int = SHOWN_CHARS) -> str:
 class KVTierError(Exception):
     """Root of every error kvtier raises on purpose."""
 
+    request_id: str | None = None  # a failed call's, as its trailers named it (client side)
+
     @classmethod
     def from_message(cls, message: str) -> KVTierError:
         """The error as a peer raises it, knowing only its class and message."""

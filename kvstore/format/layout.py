@@ -49,6 +49,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
+from typing import Any, NoReturn
 
 import xxhash
 
@@ -304,7 +305,7 @@ class LayoutSpec:
     def layout_id(self) -> str:
         return f"{self.name}@{self.layout_hash:016x}"
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "layout_id": self.layout_id,
@@ -339,7 +340,7 @@ def cache_difference(spec: LayoutSpec, own: LayoutSpec) -> str | None:
     return None
 
 
-def _canonical_object(spec: LayoutSpec) -> dict:
+def _canonical_object(spec: LayoutSpec) -> dict[str, Any]:
     out = {
         "name": spec.name,
         "chunk_tokens": spec.chunk_tokens,
@@ -356,14 +357,14 @@ def _canonical_object(spec: LayoutSpec) -> dict:
     return out
 
 
-def _canonical_stream(stream: Stream) -> dict:
+def _canonical_stream(stream: Stream) -> dict[str, Any]:
     out = {**asdict(stream), "entry_shape": list(stream.entry_shape)}
     if stream.format == DEFAULT_FORMAT[stream.bits]:
         del out["format"]  # so layouts of default formats keep their ids
     return out
 
 
-def _canonical_bytes(obj: dict) -> bytes:
+def _canonical_bytes(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
                       allow_nan=False).encode()
 
@@ -384,18 +385,19 @@ _REQUIRED_LAYOUT = {"name", "streams", "chunk_tokens"}
 _BASELINE_KEYS = ("layers", "kv_heads", "head_dim")
 
 
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     out = dict(pairs)
     if len(out) != len(pairs):
         raise InvalidRequest("layout JSON repeats a key in one object")
     return out
 
 
-def _not_allowed(text: str):
+def _not_allowed(text: str) -> NoReturn:
     raise InvalidRequest(f"layout JSON holds {shown(text)}: only integers are allowed")
 
 
-def _fields(what: str, obj: object, kinds: dict[str, type], required: set[str]) -> dict:
+def _fields(what: str, obj: object, kinds: dict[str, type], required: set[str]
+            ) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise InvalidRequest(f"{what} must be a JSON object")
     unknown = sorted(set(obj) - set(kinds))
@@ -413,7 +415,7 @@ def _fields(what: str, obj: object, kinds: dict[str, type], required: set[str]) 
     return obj
 
 
-def _ints(what: str, values: list) -> tuple[int, ...]:
+def _ints(what: str, values: list[Any]) -> tuple[int, ...]:
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise InvalidRequest(f"{what} must list integers, got {shown(values)}")
     return tuple(values)
