@@ -187,7 +187,8 @@ class ReplayWorker:
         fits = [job for job in self._queue
                 if job.spec.layout_id == first.spec.layout_id and job.r == first.r
                 and n <= 2 * len(job.ids) and len(job.ids) <= 2 * n]
-        batch, longest = [], 0
+        batch: list[_Job] = []
+        longest = 0
         for job in fits[: self.max_batch]:
             longest = max(longest, len(job.ids))
             if batch and longest * (len(batch) + 1) > BATCH_TOKENS:
@@ -213,8 +214,9 @@ class ReplayWorker:
             r = batch[0].r  # one R per batch (_take_batch)
             try:
                 warm = replay_batch(self.model, [state for _, state in cold], r)
-                windows = [encode_window(batch[i].spec, state)
-                           for (i, _), state in zip(cold, warm, strict=True)]
+                windows: list[bytes | Exception] = [
+                    encode_window(batch[i].spec, state)
+                    for (i, _), state in zip(cold, warm, strict=True)]
             except Exception as exc:  # handed to the batch's callers
                 windows = [exc] * len(cold)
             seconds = time.perf_counter() - started

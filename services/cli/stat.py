@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from kvtier.types import FleetStat, TenantUsage, TierStat
 
 
-def human_bytes(n: int) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
