@@ -27,9 +27,8 @@ from kvstore.format.errors import DataLoss, TierUnavailable
 from kvstore.format.hints import ResumeHint
 from kvstore.placement.events import Keeper, StoreEvents
 from kvstore.placement.locks import KeyedLocks
-from kvstore.placement.reads import Check
 from kvstore.placement.refcount import RefLedger
-from kvstore.placement.stack import TierStack, not_placed
+from kvstore.placement.stack import Check, TierStack, not_placed
 from kvstore.stats import Counters
 from kvstore.tiers.base import Buffer
 

@@ -35,8 +35,7 @@ from kvstore.format.errors import DataLoss, InvalidRequest, SessionNotFound
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.registry import get_layout
 from kvstore.format.run_checks import restored_run_checks
-from kvstore.placement.reads import Check
-from kvstore.placement.stack import is_window_key
+from kvstore.placement.stack import Check, is_window_key
 from kvstore.session.context import StoreContext
 from kvstore.session.manifest import SessionManifest, check_name
 from kvstore.tiers.base import Buffer
