@@ -37,9 +37,9 @@ import numpy as np
 from kvstore.format.checks import check_token_ids
 from kvstore.format.errors import InvalidRequest, UnknownLayout
 from kvstore.format.layout import LayoutSpec
+from kvstore.format.layout_bounds import MAX_REPLAY_TOKENS
 from kvstore.format.model_identity import check_replayer, module_fingerprint
 from kvstore.format.registry import get_layout
-from kvstore.format.wire_limits import MAX_REPLAY_TOKENS
 from model.config import layout_spec
 from model.infer import prefill, replay_batch
 from model.net import KVTierLM

@@ -9,6 +9,9 @@ from kvstore.format.errors import InvalidRequest
 from kvstore.format.layout import LayoutSpec, layout_from_json
 
 MESSAGE_MARGIN = 4096  # the fields around a payload in a message
+# R of a replay (docs/wire-format.md section 7), refused past it by the server before any
+# work and by a replay worker too: far past any useful one, a bound on what one may cost
+MAX_REPLAY_TOKENS = 8192
 MAX_JSON_BYTES = 64 << 10
 MAX_STREAMS = 64
 MAX_DIMS = 4

@@ -36,8 +36,8 @@ from kvstore.format.keys import (
     iter_chain_keys,
 )
 from kvstore.format.layout import LayoutSpec
+from kvstore.format.layout_bounds import MAX_REPLAY_TOKENS
 from kvstore.format.registry import get_layout
-from kvstore.format.wire_limits import MAX_REPLAY_TOKENS
 from kvstore.session.spill import SpillRequest
 from proto import kvtier_pb2 as pb
 
@@ -273,7 +273,7 @@ def stream_ended(incoming: T | None, call: str) -> T:
     return incoming
 
 
-def spill_header(header: pb.SpillHeader, default_ack: str, max_tokens: int,
+def spill_header(header: pb.SpillHeader, default_ack: str, max_tokens: int,  # noqa: C901 - one check per header field
                  domains: Mapping[str, tuple[str, ...]] | None = None) -> IncomingSpill:
     """``domains``: the shared dedupe domains and the tenants that may use each."""
     tenant, session_id = session_ref(header.session, field_name="header.session")
