@@ -399,7 +399,7 @@ class AsyncClient:
         return await asyncio.to_thread(replies.restored_session, spec, header, chunks, tail,
                                        window, summary, await decoding[0])
 
-    async def restore_layers(self, tenant: str, session_id: str, *,
+    async def restore_layers(self, tenant: str, session_id: str, *,  # noqa: C901 - one retry loop around one reply stream, its cases the stream's items
                              model_fingerprint: str = "") -> AsyncIterator[LayerSlice]:
         """Each (stream, layer) of the whole session as soon as it has arrived, layer 0 of
         every stream first: codes (entries, *codes_shape), scales (entries, groups);

@@ -81,7 +81,7 @@ async def write_once(node: Node, header: pb.WriteChunksHeader, keys: Sequence[st
                              reply.durable, list(reply.chunk_keys))
 
 
-async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,
+async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,  # noqa: C901 - one reply stream; every exit settles its segments
                     tokens: np.ndarray, timeout_s: float | None,
                     check_digests: bool = True, in_place: bool = False) -> ReadChunksResult:
     """One ReadChunks call; on the shared-memory path it offers a segment it holds as
@@ -166,7 +166,7 @@ def _in_header(header: pb.ChunksHeader, segment: shm.Segment | None, first_chunk
     return [(index, data, "") for (index, _), data in zip(sent, run, strict=True)]
 
 
-def checked_result(spec: LayoutSpec, tokens: np.ndarray, first_chunk: int,
+def checked_result(spec: LayoutSpec, tokens: np.ndarray, first_chunk: int,  # noqa: C901 - every check of a reply's chunks, in order
                    header: pb.ChunksHeader, got: list[Got], check_digests: bool = True
                    ) -> ReadChunksResult:
     """The reply's chunks, each checked end to end (with ``check_digests``, against the

@@ -85,7 +85,7 @@ def _body(segment: shm.Segment | None, part: Part) -> Body:
     return segment.read(part)
 
 
-async def collect(call: Any, segments: shm.ClientSegments, used: list[shm.Segment],
+async def collect(call: Any, segments: shm.ClientSegments, used: list[shm.Segment],  # noqa: C901 - one reply stream's items, each a case
                   persistent: Callable[[pb.SessionHeader, Sequence[Body], Body],
                                        Awaitable[None]],
                   stated: str) -> tuple[pb.SessionHeader, Sequence[Body], Body, Body | None,

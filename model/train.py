@@ -176,7 +176,7 @@ class Run:
         return run
 
 
-def train_steps(run: Run, until: int | None, directory: Path | None) -> None:
+def train_steps(run: Run, until: int | None, directory: Path | None) -> None:  # noqa: C901 - the training loop, its schedule and checkpoints
     """Run the plan from where `run` stands, to its end or to `until` steps in all."""
     tc = run.tc
     linear_dtype = getattr(torch, tc.linear_dtype)

@@ -267,7 +267,7 @@ def split_chunks(buf: Buffer) -> list[memoryview]:
     return out
 
 
-def _parse_header(view: memoryview, *, payload: bool = True) -> ChunkHeader:
+def _parse_header(view: memoryview, *, payload: bool = True) -> ChunkHeader:  # noqa: C901 - one check per header field, in wire order
     if len(view) < _HEADER_V1.size:
         raise ChunkTruncated(
             f"chunk of {len(view)} bytes is shorter than its {_HEADER_V1.size}-byte header"

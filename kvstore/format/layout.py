@@ -112,7 +112,7 @@ class Stream:
     pending: bool = False
     format: str = ""  # FORMATS key; "" is DEFAULT_FORMAT[bits], stored as that name
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # noqa: C901 - one check per field of a stream
         _check_name("stream name", self.name)
         if self.pending and self.persistent:
             raise InvalidRequest(f"stream {self.name}: a pending stream must be ephemeral")

@@ -123,7 +123,7 @@ class PrefixChunks:
         self._can_ack_durable = durable_meta and bool(store.blocks.durable)
         self._below = memory_floor(store.stack)
 
-    async def write(self, r: ChunkWrite) -> ChunksWritten:
+    async def write(self, r: ChunkWrite) -> ChunksWritten:  # noqa: C901 - a prefix-chunk write's checks in the order the proto states them
         """Store the chunks as retained cache entries (module docstring)."""
         store = self._store
         if not store.retention.enabled:
@@ -234,7 +234,7 @@ class PrefixChunks:
             await store.blocks.release(store.ledger.unpin(keys), scope, sizes)
         return [outcomes[i] for i in range(len(keys))], sizes
 
-    async def read(self, tenant: str, layout_id: str, token_ids: Sequence[int] | np.ndarray,
+    async def read(self, tenant: str, layout_id: str, token_ids: Sequence[int] | np.ndarray,  # noqa: C901 - a prefix-chunk read's checks in the order the proto states them
                    *, first_chunk: int, count: int, digests: Sequence[bytes] = (),
                    model_fingerprint: str = "", dedupe_domain: str | None = None
                    ) -> list[ChunkRead]:

@@ -145,7 +145,7 @@ class Spiller:
                   else checked())
         return spec, tokens, scope, digest
 
-    async def _spill(self, r: SpillRequest, spec: LayoutSpec, tokens: np.ndarray, scope: str,
+    async def _spill(self, r: SpillRequest, spec: LayoutSpec, tokens: np.ndarray, scope: str,  # noqa: C901 - one spill's steps under its session lock
                      digest: str) -> SessionManifest:
         tenant, session_id, generation, ack = r.tenant, r.session_id, r.generation, r.ack
         keys = r.keys

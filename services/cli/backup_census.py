@@ -58,7 +58,8 @@ def read(manifest: dict) -> dict | None:
         return None
     census = manifest.get("census")
     try:
-        ok = (isinstance(census, dict) and isinstance(census["sessions"], list) and isinstance(census["chunks"], int)
+        ok = (isinstance(census, dict) and isinstance(census["sessions"], list)
+              and isinstance(census["chunks"], int)
               and isinstance(census["chunk_keys"], str)
               and all(isinstance(line[field], str) for line in census["sessions"]
                       for field in ("tenant", "session", "record"))

@@ -155,7 +155,7 @@ async def check_keys(source, config, data_dir: Path, keyring) -> None:
     await check_bucket_keys(config, keyring)
 
 
-async def migrate(config, data_dir: Path) -> MigrateReport:
+async def migrate(config, data_dir: Path) -> MigrateReport:  # noqa: C901 - one pass over the sessions, each copied under the gate
     """Copy ``data_dir``'s sessions into ``config``'s bucket as the module says; the
     directory's registered layouts go first. A session that loses a race at its
     manifest's write leaves its chunks for the fleet's garbage collection."""

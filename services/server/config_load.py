@@ -40,7 +40,7 @@ PRESETS: dict[str, ServerConfig] = {
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
 
 
-def _coerce(name: str, value: object) -> object:
+def _coerce(name: str, value: object) -> object:  # noqa: C901 - one branch per kind of config field
     kind = _FIELDS[name].type
     try:
         if name.endswith("_bytes"):

@@ -177,7 +177,7 @@ def breakers_of(manager: TierManager, replay: object) -> list[CircuitBreaker]:
     return found + list(getattr(replay, "breakers", list)())
 
 
-async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool = True,
+async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool = True,  # noqa: C901 - start-up steps in order, each undone on a later failure
                         freeze_startup: bool = False, tracing: Tracing | None = None
                         ) -> tuple[KVTierServer, int]:
     """Open the store, bind, start; ``(server, port)`` (port 0 in the address: a free one).

@@ -100,7 +100,7 @@ class _Timed:
                                       self.ok)
 
 
-def grpc_errors(method: Handler) -> Handler:
+def grpc_errors(method: Handler) -> Handler:  # noqa: C901 - the wrappers of the two handler kinds, with their failure cases
     """Wrap a servicer method (coroutine or async generator): every failure becomes a
     status (never a crashed stream or server); every call is counted and timed."""
     if inspect.isasyncgenfunction(method):
@@ -172,7 +172,7 @@ async def _decoded(requests: AsyncIterator) -> AsyncIterator:
         yield request
 
 
-def _guarded(handler: grpc.RpcMethodHandler, servicer: object, name: str
+def _guarded(handler: grpc.RpcMethodHandler, servicer: object, name: str  # noqa: C901 - one wrapper per gRPC handler kind
              ) -> grpc.RpcMethodHandler:
     """``handler`` with a tolerant deserializer and a behaviour that refuses its marker
     (grpc.aio tells coroutines and async generators from sync code: keep their kinds)."""

@@ -446,7 +446,7 @@ class DiskIndex:
             accounts.save()
         return SwitchOutcome(moved, len(moves) - moved, emptied)
 
-    def rebuild_accounting(self, file_size: Callable[[int], int | None]) -> list[bytes]:
+    def rebuild_accounting(self, file_size: Callable[[int], int | None]) -> list[bytes]:  # noqa: C901 - one pass over the entries, each case a state of its segment
         """Recompute every segment's figures and the totals from the entries, dropping
         those whose bytes are gone (segment file missing or too short).
 

@@ -259,7 +259,7 @@ class KVTierStorage(HiCacheStorage):
             self._registered.add(fmt.spec.layout_id)
         return fmt.spec
 
-    def _each(self, items: list[tuple], call: Callable[..., Coroutine[Any, Any, T]],
+    def _each(self, items: list[tuple], call: Callable[..., Coroutine[Any, Any, T]],  # noqa: C901 - one batch with its deadline, its breaker and its misses
               miss: T) -> list[T]:
         """``call(*item)`` for every item at once on the client's loop; ``miss`` for each
         that failed, and for all when the deadline passed or the breaker is open."""
