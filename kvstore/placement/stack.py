@@ -46,7 +46,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Container, Sequence
 from typing import NamedTuple
 
 from kvstore.eviction.policies import EvictionPolicy, HintBook
@@ -164,7 +164,7 @@ class TierStack:
         is_referenced: Callable[[str], bool],
         cooldown_s: float = 1.0,
         residency: Residency | None = None,
-        evict_first: Callable[[int, Collection[str]], str | None] | None = None,
+        evict_first: Callable[[int, Container[str]], str | None] | None = None,
         first_size: Callable[[str], int] = lambda key: 0,
     ) -> None:
         self.tiers = tuple(tiers)
@@ -380,6 +380,7 @@ class TierStack:
             victim = (first and first(j, skip)) or policy.victim(skip)
             if victim is None:
                 return False
+            assert isinstance(victim, str)  # the stack keys its blocks by str
             skip.keys.add(victim)
             async with self.locks.hold(victim):  # immediate: victim() skipped busy keys
                 await self._evict(j, victim)
@@ -422,7 +423,8 @@ class TierStack:
             data = None
         whole = data is not None and intact(data)
         held_below = [i for i in self.holders(key) if i > j]
-        target = await self.place(key, data, start=j + 1) if whole else None
+        target = (await self.place(key, data, start=j + 1) if data is not None and whole
+                  else None)
         # Another copy that keeps what this one gives: a durable tier's copy is only
         # replaced by another durable one (a durable ack must survive the eviction).
         elsewhere = any(i != j and (self.tiers[i].durable or not tier.durable)
@@ -552,7 +554,8 @@ class TierStack:
         orders = [[held[0]] if quick else self._order(key, held, out_now)
                   for key, held, quick in zip(keys, believed, fast, strict=True)]
         out: list = [None] * len(keys)
-        tried, bad = [0] * len(keys), [[] for _ in keys]
+        tried = [0] * len(keys)
+        bad: list[list[int]] = [[] for _ in keys]
         problems: list[list[str]] = [[] for _ in keys]
         unreachable = [False] * len(keys)  # a tier tried for it was unavailable
         pending = list(range(len(keys)))
@@ -575,19 +578,19 @@ class TierStack:
             for j, batch in sorted(by_tier.items()):
                 got, proven = await self.tiers[j].get_many_proven([keys[i] for i in batch])
                 got = await _checked(got, [checks[i] for i in batch], proven)
-                found = []  # (i, value) of the keys this tier answered with good bytes
+                answered: list[tuple[int, Buffer]] = []  # (i, good bytes) this tier gave
                 for i, value, sure in zip(batch, got, proven, strict=True):
                     tried[i] += 1
                     if not isinstance(value, Exception):
                         if not sure and hasattr(checks[i], "proven"):
                             self.tiers[j].note_proven(keys[i], value)  # its digest just held
-                        found.append((i, value))
+                        answered.append((i, value))
                         out[i] = Copy(value, j, bad[i])
                         continue
                     unreachable[i] |= isinstance(value, TierUnavailable)
                     self._failed(j, keys[i], value, believed[i], bad[i], problems[i])
                     pending.append(i)
-                self._found(j, [(keys[i], value, j in believed[i]) for i, value in found],
+                self._found(j, [(keys[i], value, j in believed[i]) for i, value in answered],
                             access)
         return out
 

@@ -351,8 +351,10 @@ class _Admitted:
             self.reservation.release()
 
 
-def _reason(loss: DataLoss) -> str:
-    """Why a read found no intact copy."""
+def _reason(loss: DataLoss | None) -> str:
+    """Why a read found no intact copy (None: it was not asked for)."""
+    if loss is None:
+        return "not_held"
     if loss.corrupt:
         return "corrupt"
     return "tier_unavailable" if loss.unavailable else "not_held"

@@ -213,7 +213,7 @@ class Spiller:
                 if window_key is not None:
                     await self._store.blocks.drop(window_key)
                 raise
-            if freed:  # the older generation's alone
+            if freed and old is not None:  # the older generation's alone (it had one)
                 await self._store.blocks.release(freed, old.dedupe_scope, dict(
                     zip(old.chunk_keys, old.chunk_sizes, strict=True)))
             await self._store.blocks.release(self._store.ledger.unpin(keys), scope)
@@ -243,11 +243,12 @@ class Spiller:
         if missing:
             raise ChunksNotHeld(missing)
         protect = frozenset(key for key, _ in chunks)
-        sent = [i for i, (_, data) in enumerate(chunks) if data is not None]
+        given = [(i, key, data) for i, (key, data) in enumerate(chunks) if data is not None]
+        sent = [i for i, _, _ in given]
         stored = await self._store.blocks.gather(
-            self._store.blocks.store(chunks[i][0], chunks[i][1], hint, protect, start,
-                               durable_ack=ack == "durable")
-            for i in sent)
+            self._store.blocks.store(key, data, hint, protect, start,
+                                     durable_ack=ack == "durable")
+            for _, key, data in given)
         outcomes = dict(zip(by_key, found, strict=True)) | dict(zip(sent, stored, strict=True))
         return [outcomes[i] for i in range(len(chunks))]
 
@@ -312,6 +313,7 @@ class Spiller:
         and where the session is held now, never where it was. ``durable`` stays the
         first answer's: a durable ack's generation stays durable, and a memory ack's
         retry promises nothing more."""
+        assert stored.receipt is not None  # a stored spill's manifest has its receipt
         receipt = dataclasses.replace(
             stored.receipt, window_kept=stored.window_key is not None,
             tier=self._top_tier(stored.chunk_keys) or stored.window_tier or "")
