@@ -201,7 +201,7 @@ async def _offline(disk, options, config, writer, keyring, census):
         await manager.close()
 
 
-async def _live(disk, options, config, server, connection: dict, keyring):
+async def _live(disk, options, config, server, connection: ClientOptions, keyring):
     from services.cli.compact_remote import ServerOps
     from services.server.address_file import SERVER_ADDRESS_FILE, recorded_address
 

@@ -188,10 +188,14 @@ async def migrate(config, data_dir: Path) -> MigrateReport:  # noqa: C901 - one 
         raise
     chunks = meta.tier
     if keyring is not None:  # sealed for the domain the source's sealed copy names
+        from kvstore.encryption.claims import DomainClaims
         from kvstore.encryption.tiers import EncryptedTier
 
-        chunks = EncryptedTier(meta.tier, keyring, manager.write_hook.domains)
-    report, done = MigrateReport(), {}
+        hook = manager.write_hook
+        assert isinstance(hook, DomainClaims)  # an encrypting store's (open_manager)
+        chunks = EncryptedTier(meta.tier, keyring, hook.domains)
+    report = MigrateReport()
+    done: dict[str, bool] = {}
     gate = asyncio.Semaphore(_CONCURRENCY)
 
     async def bounded(manifest, index: int) -> bool:

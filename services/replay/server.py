@@ -225,7 +225,7 @@ async def _serve(args: argparse.Namespace, worker: Worker,
     try:
         await stop.wait()
     finally:
-        if consumer is not None:
+        if consumer is not None and consumer_task is not None:
             consumer.stop()
             await consumer_task
             await consumer.close()

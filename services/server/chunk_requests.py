@@ -24,6 +24,7 @@ from kvstore.format.keys import DIGEST_BYTES, check_fingerprint, dedupe_scope, i
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.registry import get_layout
 from kvstore.session.prefix_chunks import ChunkWrite
+from kvstore.session.spill import Ack
 from proto import kvtier_pb2 as pb
 from services.server import validate as check
 
@@ -82,7 +83,7 @@ class IncomingChunks:
     scope: Scope
     first: int
     digests: list[bytes]  # one per chunk from first on
-    ack: str
+    ack: Ack
     hint: ResumeHint | None
     index: dict[str, int]  # chain key -> chunk index, for the chunks from first on
     chunks: dict[int, bytes] = field(default_factory=dict)
@@ -163,7 +164,7 @@ def write_header(header: pb.WriteChunksHeader, default_ack: str, max_tokens: int
                              model_fingerprint=scope.fingerprint)
     index = {chain: i for i, chain in enumerate(chains) if i >= header.first_chunk}
     return IncomingChunks(scope, header.first_chunk, digests,
-                          check.ACKS.get(header.ack, default_ack), hint, index)
+                          check.ack_or(header.ack, default_ack), hint, index)
 
 
 

@@ -18,6 +18,8 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 
@@ -103,22 +105,28 @@ def _tracked(handler: grpc.RpcMethodHandler, monitor: LoopMonitor, name: str
         kind = "stream_stream" if handler.request_streaming else "unary_stream"
         behaviour = getattr(handler, kind)
 
-        async def tracked(request, context):
+        async def tracked_stream(request: Any, context: Any) -> AsyncIterator[Any]:
             monitor.entered(name)
             try:
                 async for reply in behaviour(request, context):
                     yield reply
             finally:
                 monitor.left(name)
+
+        wrapped: Callable[..., Any] = tracked_stream
     else:
         kind = "stream_unary" if handler.request_streaming else "unary_unary"
         behaviour = getattr(handler, kind)
 
-        async def tracked(request, context):
+        async def tracked(request: Any, context: Any) -> Any:
             monitor.entered(name)
             try:
                 return await behaviour(request, context)
             finally:
                 monitor.left(name)
 
-    return handler._replace(**{kind: tracked})
+        wrapped = tracked
+    # a namedtuple at run time: grpc's stubs leave out its _replace
+    replaced: grpc.RpcMethodHandler = handler._replace(  # type: ignore[attr-defined]
+        **{kind: wrapped})
+    return replaced

@@ -24,10 +24,10 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -57,7 +57,7 @@ class Request:
 
     def add_phase(self, name: str, seconds: float) -> None:
         self.phases[name] = self.phases.get(name, 0.0) + seconds
-        if self.span is not None:
+        if self.span is not None and self.tracing is not None:
             self.tracing.phase(self.span, name, seconds)
 
     def summary(self, code: str) -> dict[str, object]:
@@ -107,7 +107,8 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         sent = dict(details.invocation_metadata or ()).get(REQUEST_ID_KEY)
-        return _followed(handler, self, details.method.rpartition("/")[2], sent)
+        return _followed(handler, self, details.method.rpartition("/")[2],
+                         sent if isinstance(sent, str) else None)
 
     def begin(self, method: str, sent: str | None, context: grpc.aio.ServicerContext
               ) -> Request:
@@ -123,11 +124,13 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         code = context.code() if hasattr(context, "code") else None
         name = getattr(code, "name", None) or ("OK" if code in (None, 0) else str(code))
         summary = request.summary(name)
-        if request.span is not None:
+        if request.span is not None and self.tracing is not None:
             self.tracing.finish(request.span, name, request.notes)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("rpc %s", _fields(summary))
-        if self.slow_request_s and summary["ms"] >= self.slow_request_s * 1000:
+        ms = summary["ms"]
+        if (self.slow_request_s and isinstance(ms, int | float)
+                and ms >= self.slow_request_s * 1000):
             log.warning("slow request (over %g s) %s", self.slow_request_s, _fields(summary))
 
 
@@ -139,17 +142,18 @@ def _fields(summary: dict[str, object]) -> str:
 def _followed(handler: grpc.RpcMethodHandler, interceptor: RequestInterceptor, name: str,
               sent: str | None) -> grpc.RpcMethodHandler:
     """``handler`` with its Request set while it runs, of the same kind."""
-    async def opened(context) -> Request | None:
+    async def opened(context: grpc.aio.ServicerContext) -> Request:
         try:
             return interceptor.begin(name, sent, context)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # abort raised already (its stub does not say it never returns)
 
     if handler.response_streaming:
         kind = "stream_stream" if handler.request_streaming else "unary_stream"
         behaviour = getattr(handler, kind)
 
-        async def followed(request, context):
+        async def followed_stream(request: Any, context: Any) -> AsyncIterator[Any]:
             call = await opened(context)
             token = _current.set(call)
             try:
@@ -158,11 +162,13 @@ def _followed(handler: grpc.RpcMethodHandler, interceptor: RequestInterceptor, n
             finally:
                 interceptor.end(call, context)  # its lines carry the request's fields
                 _current.reset(token)
+
+        wrapped: Callable[..., Any] = followed_stream
     else:
         kind = "stream_unary" if handler.request_streaming else "unary_unary"
         behaviour = getattr(handler, kind)
 
-        async def followed(request, context):
+        async def followed(request: Any, context: Any) -> Any:
             call = await opened(context)
             token = _current.set(call)
             try:
@@ -171,7 +177,11 @@ def _followed(handler: grpc.RpcMethodHandler, interceptor: RequestInterceptor, n
                 interceptor.end(call, context)  # its lines carry the request's fields
                 _current.reset(token)
 
-    return handler._replace(**{kind: followed})
+        wrapped = followed
+    # a namedtuple at run time: grpc's stubs leave out its _replace
+    replaced: grpc.RpcMethodHandler = handler._replace(  # type: ignore[attr-defined]
+        **{kind: wrapped})
+    return replaced
 
 
 class RequestFields(logging.Filter):

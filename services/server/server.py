@@ -41,7 +41,7 @@ from services.server.loop_lag import LoopMonitor
 from services.server.metrics import ServiceMetrics
 from services.server.probes import Prober
 from services.server.remote_metrics import observe_store
-from services.server.replay_backend import make_replay_backend, warm_up_replay
+from services.server.replay_backend import ReplayBackend, make_replay_backend, warm_up_replay
 from services.server.requests import RequestInterceptor
 from services.server.servicer import SERVICE, KVTierServicer
 from services.server.store import open_manager
@@ -172,8 +172,8 @@ def _options(config: ServerConfig) -> list[tuple[str, int]]:
 
 def breakers_of(manager: TierManager, replay: object) -> list[CircuitBreaker]:
     """The circuit breakers of the store's remote tiers and of the replay backend."""
-    found = [tier.breaker for tier in manager.tiers
-             if getattr(tier, "breaker", None) is not None]
+    found = [breaker for tier in manager.tiers
+             if (breaker := getattr(tier, "breaker", None)) is not None]
     return found + list(getattr(replay, "breakers", list)())
 
 
@@ -190,7 +190,8 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
               if isinstance(config_or_addr, str) else config_or_addr)
     tracing = tracing if tracing is not None else tracing_for(config)
     manager = await open_manager(config)
-    replay, servicer = (None, ""), None
+    replay: tuple[ReplayBackend | None, str] = (None, "")
+    servicer = None
     try:
         replay = make_replay_backend(config)
         metrics = ServiceMetrics()
@@ -217,6 +218,9 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
         servicer.address = config.advertised(port)  # known once bound (port 0 picks one)
         fleet_node = None
         if config.metadata == "shared":  # recorded in this node's manifests
+            from kvstore.fleet.shared_meta import SharedMetaStore
+
+            assert isinstance(manager.meta, SharedMetaStore)  # open_manager made one
             manager.meta.node_address = servicer.address
             fleet_node = FleetNode(manager.meta, config, servicer.address, metrics.remote)
             servicer.heartbeat = fleet_node.heartbeat

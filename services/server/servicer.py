@@ -113,9 +113,10 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     async def _spill(self, request_iterator: AsyncIterator[pb.SpillRequest],
                      peer: str, flight: InFlight) -> pb.SpillReply:
         started = time.perf_counter()
-        incoming = None
+        incoming: check.IncomingSpill | None = None
 
         def read(kind: str, payload: pb.Payload) -> bytes:
+            assert incoming is not None  # stream_item: a payload after the header only
             if payload.WhichOneof("body") == "shm" and \
                     payload.shm.length > incoming.payload_limit(kind):
                 # refused before it is copied out of the segment (on the event loop)
@@ -141,7 +142,9 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                 incoming = (await asyncio.to_thread(checked)
                             if len(message.header.chunk_keys) > HEADER_KEYS_ON_LOOP
                             else checked())
-            elif kind == "chunk":
+                continue
+            assert incoming is not None  # stream_item: a payload after the header only
+            if kind == "chunk":
                 incoming.add_chunk(message.chunk.key, read(kind, message.chunk))
             elif kind == "tail":
                 incoming.add_tail(message.tail.key, read(kind, message.tail))
@@ -160,6 +163,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         # The counts of the spill that stored this generation (this one, or the first
         # attempt of a retry whose reply was lost); tier and window as held now.
         receipt = manifest.receipt
+        assert receipt is not None  # a stored spill's manifest has its receipt
         requests.note(tier=receipt.tier, bytes=receipt.bytes_received,
                       generation=manifest.generation, chunks_written=receipt.chunks_written)
         return pb.SpillReply(

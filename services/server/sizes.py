@@ -50,7 +50,8 @@ class _SizedParser:
     def __init__(self, parse: Callable[[bytes], Any], method: str, limit: int,
                  setting: str) -> None:
         self.parse_message = parse
-        self.DESCRIPTOR = parse.__self__.DESCRIPTOR  # the type, for the parse errors
+        # the type, for the parse errors (parse is its bound FromString)
+        self.DESCRIPTOR = getattr(parse, "__self__").DESCRIPTOR  # noqa: B009 - undeclared
         self.method, self.limit, self.setting = method, limit, setting
         self.payloads, self.payload_names = PAYLOAD_FIELDS.get(method, (frozenset(), ""))
 
@@ -130,6 +131,9 @@ class _Bounding:
         sized = {}
         for name, handler in handlers.items():
             limit, setting = self.limits.get(name, (CONTROL_BYTES, ""))
+            assert handler.request_deserializer is not None  # a generated handler has one
             parser = _SizedParser(handler.request_deserializer, name, limit, setting)
-            sized[name] = handler._replace(request_deserializer=parser.parse)
+            # a namedtuple at run time: grpc's stubs leave out its _replace
+            sized[name] = handler._replace(  # type: ignore[attr-defined]
+                request_deserializer=parser.parse)
         self.server.add_registered_method_handlers(service, sized)

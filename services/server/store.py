@@ -60,6 +60,7 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],  # noqa: C901 - one bra
             return tier
         from kvstore.encryption.tiers import EncryptedTier
 
+        assert domains is not None  # given with the keyring (open_manager)
         return EncryptedTier(tier, keyring, domains)
 
     if config.hbm_bytes:
@@ -173,7 +174,8 @@ async def open_manager(config: ServerConfig) -> TierManager:  # noqa: C901 - ope
     prepare_data_dir(config.data_dir)
     if config.s3_bucket and config.object_bytes:
         await asyncio.to_thread(check_bucket, config)
-    keyring = domains = None
+    keyring: Keyring | None = None
+    domains: BlockDomains | None = None
     if config.encrypts:
         from kvstore.encryption.seal import load_keyring
         from kvstore.encryption.tiers import BlockDomains
@@ -187,6 +189,9 @@ async def open_manager(config: ServerConfig) -> TierManager:  # noqa: C901 - ope
             if hasattr(tier, "check_access"):
                 await tier.check_access()
         if config.metadata == "shared":
+            from kvstore.fleet.shared_meta import SharedMetaStore
+
+            assert isinstance(meta, SharedMetaStore)  # build_tiers made one
             await meta.mark_node()
         log.info("tiers: %s", ", ".join(f"{t.name} ({t.capacity_bytes} B)" for t in tiers))
         if keyring is not None:
@@ -194,10 +199,11 @@ async def open_manager(config: ServerConfig) -> TierManager:  # noqa: C901 - ope
                      keyring.current)
         # reuse_policies() is one factory per stack: its tiers' policies share one model;
         # a window blob lost costs a replay, a chunk lost a read from a lower tier
-        policy = {"reuse": reuse_policies(cost=window_cost(is_window_key)), "hint": HintPolicy,
+        cost = window_cost(lambda key: isinstance(key, str) and is_window_key(key))
+        policy = {"reuse": reuse_policies(cost=cost), "hint": HintPolicy,
                   "lru": LRUPolicy}[config.eviction]
         hook = None
-        if keyring is not None:  # the encrypting tiers learn each block's dedupe domain
+        if domains is not None:  # the encrypting tiers learn each block's dedupe domain
             from kvstore.encryption.claims import DomainClaims
 
             hook = DomainClaims(domains)

@@ -37,9 +37,10 @@ import os
 import re
 import time
 import tomllib
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -274,7 +275,7 @@ class Authenticator:
                    JwtKey(jwt_key, jwt_audience) if jwt_key else None)
 
     def identify(self, metadata: Iterable[tuple[str, str | bytes]],
-                 auth_context: dict[str, list[bytes]]) -> Identity:
+                 auth_context: Mapping[str, Iterable[bytes]]) -> Identity:
         header = next((v for k, v in metadata if k == "authorization"), None)
         if header is not None:
             scheme, _, token = str(header).partition(" ")
@@ -285,7 +286,7 @@ class Authenticator:
             if identity is None:
                 raise Unauthenticated(f"unknown credential (token {token_id(token)})")
             return identity
-        names = auth_context.get("x509_common_name") or []
+        names = list(auth_context.get("x509_common_name") or [])
         if names:
             cn = names[0].decode(errors="replace")
             identity = self.tokens.certificate(cn) if self.tokens is not None else None
@@ -379,7 +380,7 @@ def _wrapped(handler: grpc.RpcMethodHandler, guard: _Guard) -> grpc.RpcMethodHan
         kind = "stream_stream" if handler.request_streaming else "unary_stream"
         behaviour = getattr(handler, kind)
 
-        async def guarded(request, context):
+        async def guarded_stream(request: Any, context: Any) -> AsyncIterator[Any]:
             identity = await guard.enter(context, request)
             error = None
             try:
@@ -390,11 +391,13 @@ def _wrapped(handler: grpc.RpcMethodHandler, guard: _Guard) -> grpc.RpcMethodHan
                 raise
             finally:
                 guard.leave(context, identity, error)
+
+        wrapped: Callable[..., Any] = guarded_stream
     else:
         kind = "stream_unary" if handler.request_streaming else "unary_unary"
         behaviour = getattr(handler, kind)
 
-        async def guarded(request, context):
+        async def guarded(request: Any, context: Any) -> Any:
             identity = await guard.enter(context, request)
             error = None
             try:
@@ -405,4 +408,8 @@ def _wrapped(handler: grpc.RpcMethodHandler, guard: _Guard) -> grpc.RpcMethodHan
             finally:
                 guard.leave(context, identity, error)
 
-    return handler._replace(**{kind: guarded})
+        wrapped = guarded
+    # a namedtuple at run time: grpc's stubs leave out its _replace
+    replaced: grpc.RpcMethodHandler = handler._replace(  # type: ignore[attr-defined]
+        **{kind: wrapped})
+    return replaced

@@ -18,7 +18,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -122,7 +122,7 @@ def grpc_errors(method: Handler) -> Handler:  # noqa: C901 - the wrappers of the
             finally:
                 call.done()
 
-        return stream
+        return cast(Handler, stream)  # functools.wraps keeps no signature for mypy
 
     @functools.wraps(method)
     async def unary(self, request, context):
@@ -141,7 +141,7 @@ def grpc_errors(method: Handler) -> Handler:  # noqa: C901 - the wrappers of the
         finally:
             call.done()
 
-    return unary
+    return cast(Handler, unary)
 
 
 class Undecodable:
@@ -172,39 +172,61 @@ async def _decoded(requests: AsyncIterator) -> AsyncIterator:
         yield request
 
 
-def _guarded(handler: grpc.RpcMethodHandler, servicer: object, name: str  # noqa: C901 - one wrapper per gRPC handler kind
+def _guarded(handler: grpc.RpcMethodHandler, servicer: object, name: str
              ) -> grpc.RpcMethodHandler:
     """``handler`` with a tolerant deserializer and a behaviour that refuses its marker
     (grpc.aio tells coroutines and async generators from sync code: keep their kinds)."""
-    if handler.request_streaming and handler.response_streaming:
-        kind, behaviour = "stream_stream", handler.stream_stream
+    kind = _KINDS[handler.request_streaming, handler.response_streaming]
+    guarded = _GUARDS[kind](getattr(handler, kind), servicer, name)
+    assert handler.request_deserializer is not None  # a generated handler has one
+    # a namedtuple at run time; grpc's stubs leave out its _replace
+    replaced: grpc.RpcMethodHandler = handler._replace(  # type: ignore[attr-defined]
+        request_deserializer=_tolerant(handler.request_deserializer), **{kind: guarded})
+    return replaced
 
-        async def guarded(requests, context):
-            async for reply in behaviour(_decoded(requests), context):
-                yield reply
-    elif handler.request_streaming:
-        kind, behaviour = "stream_unary", handler.stream_unary
 
-        async def guarded(requests, context):
-            return await behaviour(_decoded(requests), context)
-    elif handler.response_streaming:
-        kind, behaviour = "unary_stream", handler.unary_stream
+# (request streaming, response streaming) -> the handler's behaviour attribute
+_KINDS = {(True, True): "stream_stream", (True, False): "stream_unary",
+          (False, True): "unary_stream", (False, False): "unary_unary"}
+Behaviour = Callable[..., Any]
 
-        async def guarded(request, context):
-            if isinstance(request, Undecodable):
-                await abort(context, request.error, servicer, name)
-            async for reply in behaviour(request, context):
-                yield reply
-    else:
-        kind, behaviour = "unary_unary", handler.unary_unary
 
-        async def guarded(request, context):
-            if isinstance(request, Undecodable):
-                await abort(context, request.error, servicer, name)
-            return await behaviour(request, context)
+def _stream_stream(behaviour: Behaviour, servicer: object, name: str) -> Behaviour:
+    async def guarded(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+        async for reply in behaviour(_decoded(requests), context):
+            yield reply
 
-    return handler._replace(request_deserializer=_tolerant(handler.request_deserializer),
-                            **{kind: guarded})
+    return guarded
+
+
+def _stream_unary(behaviour: Behaviour, servicer: object, name: str) -> Behaviour:
+    async def guarded(requests: AsyncIterator[Any], context: Any) -> Any:
+        return await behaviour(_decoded(requests), context)
+
+    return guarded
+
+
+def _unary_stream(behaviour: Behaviour, servicer: object, name: str) -> Behaviour:
+    async def guarded(request: Any, context: Any) -> AsyncIterator[Any]:
+        if isinstance(request, Undecodable):
+            await abort(context, request.error, servicer, name)
+        async for reply in behaviour(request, context):
+            yield reply
+
+    return guarded
+
+
+def _unary_unary(behaviour: Behaviour, servicer: object, name: str) -> Behaviour:
+    async def guarded(request: Any, context: Any) -> Any:
+        if isinstance(request, Undecodable):
+            await abort(context, request.error, servicer, name)
+        return await behaviour(request, context)
+
+    return guarded
+
+
+_GUARDS = {"stream_stream": _stream_stream, "stream_unary": _stream_unary,
+           "unary_stream": _unary_stream, "unary_unary": _unary_unary}
 
 
 class _Captured:
