@@ -223,7 +223,11 @@ class ReplayWorker:
             for (i, _), window in zip(cold, windows, strict=True):
                 outcomes[i] = window if isinstance(window, Exception) else ReplayResult(
                     window, r, seconds, len(cold))
-        return outcomes
+        done: list[ReplayResult | Exception] = []
+        for outcome in outcomes:
+            assert outcome is not None  # every job has its outcome
+            done.append(outcome)
+        return done
 
     async def warm_up(self) -> None:
         """Run the model once on the compute thread: a prefill of two blocks of token 0

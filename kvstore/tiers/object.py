@@ -65,7 +65,7 @@ T = TypeVar("T")
 
 class ObjectTier(Tier):
     name: ClassVar[str] = "object"
-    durable: ClassVar[bool] = True
+    durable = True
 
     def __init__(self, url: str | os.PathLike, capacity_bytes: int,
                  config: ObjectTierConfig | None = None) -> None:

@@ -73,7 +73,7 @@ MiB = 1 << 20
 
 class DiskTier(Tier):
     name: ClassVar[str] = "disk"
-    durable: ClassVar[bool] = True
+    durable = True
 
     def __init__(self, path: str | Path, capacity_bytes: int, *, segment_bytes: int = 64 * MiB,
                  durable: bool = True, writer: bool = True, map_size: int = 64 << 30,
