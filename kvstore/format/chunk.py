@@ -187,7 +187,7 @@ def encode_chunk(
 
 
 def encode_raw(spec: LayoutSpec, start_token: int, token_ids: Sequence[int] | np.ndarray,
-               raw_payload: bytes, *, ephemeral: bool = False,
+               raw_payload: bytes | memoryview, *, ephemeral: bool = False,
                names: tuple[str, ...] | None = None, zstd_level: int | None = None) -> bytes:
     """Encode a raw payload already in the plan's part order (every section's bytes back
     to back, ``chunk_plan(spec, len(token_ids), ephemeral, names)``): no torch needed."""

@@ -53,6 +53,12 @@ class Replies:
     windows: list[bytes] = field(default_factory=list)
     summary: pb.ResumeSummary | None = None
 
+    def head(self) -> pb.SessionHeader:
+        """The header; ``Failed`` when the stream sent none."""
+        if self.header is None:
+            raise Failed("the stream sent no header")
+        return self.header
+
 
 @dataclass
 class Context:

@@ -38,6 +38,7 @@ tensor work runs in a thread. Batch size 1 only.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,6 +62,12 @@ from kvtier.sync import Client
 from kvtier.types import RestoredSession, SpillResult
 
 REPLAY_MODES = ("auto", "server", "local")
+
+
+def _dynamic(cache: DynamicCache) -> list[Any]:
+    """``cache``'s layers: transformers types them as the union of its layer mixins, and a
+    model this integration takes has dynamic (or sliding) layers, with keys and values."""
+    return list(cache.layers)
 
 
 def model_layout(model, bits: int | None = None, *, format: str | None = None) -> LayoutSpec:
@@ -103,7 +110,7 @@ def cache_streams(spec: LayoutSpec, model, cache: DynamicCache, num_tokens: int
     heads, head_dim = spec.stream("k").entry_shape
     out = {}
     for name in ("k", "v"):
-        tensors = [layer.keys if name == "k" else layer.values for layer in cache.layers]
+        tensors = [layer.keys if name == "k" else layer.values for layer in _dynamic(cache)]
         for i, t in enumerate(tensors):
             if (t.shape[1], t.shape[3]) != (heads, head_dim):
                 raise UnsupportedModel(
@@ -160,7 +167,7 @@ def standard_cache(spec: LayoutSpec, model, persistent: dict[str, StreamData]) -
     windows = layer_windows(model.config)
     cache = DynamicCache(config=model.config)
     n = k.shape[1]
-    for layer, window, keys, values in zip(cache.layers, windows, k, v, strict=True):
+    for layer, window, keys, values in zip(_dynamic(cache), windows, k, v, strict=True):
         rows = _rows_kept(window, n)
         # (tokens, heads, head_dim) -> (1, heads, rows, head_dim): the rows the layer keeps
         keys, values = (x[n - rows:].transpose(0, 1)[None].contiguous() for x in (keys, values))

@@ -110,9 +110,11 @@ class PageFormat:
         dtype = str(self.dtype).removeprefix("torch.")
         return f"{key}|{self.pool}|{dtype}|{self.memory_layout}|{shard.suffix(self.pool)}"
 
-    def encode(self, page: torch.Tensor, tokens: np.ndarray) -> bytes:
+    def encode(self, page: torch.Tensor | None, tokens: np.ndarray) -> bytes:
         """The chunk of one flat page (page values,) of the pool's dtype."""
-        raw = memoryview(page.contiguous().view(torch.uint8).numpy())  # no copy: read once
+        if page is None:
+            raise ValueError(f"no {self.pool} page to store")
+        raw = page.contiguous().view(torch.uint8).numpy().data  # no copy: read once
         if len(raw) != self.page_bytes:
             raise ValueError(f"a {self.pool} page of {len(raw)} B; the pool's pages are "
                              f"{self.page_bytes} B")

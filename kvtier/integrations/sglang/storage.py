@@ -95,7 +95,8 @@ class KVTierStorage(HiCacheStorage):
             target_sizes: Any = None) -> torch.Tensor | None:
         return self.batch_get([key], [target_location])[0]
 
-    def batch_get(self, keys: list[str], target_locations: Sequence[torch.Tensor] | None = None,
+    def batch_get(self, keys: list[str],
+                  target_locations: Sequence[torch.Tensor | None] | None = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
         fmt = self.formats.get(KV_POOL)
         if fmt is None or target_locations is None or len(target_locations) != len(keys):
@@ -103,14 +104,15 @@ class KVTierStorage(HiCacheStorage):
         pages = self._read([(fmt, key) for key in keys])
         out: list[torch.Tensor | None] = []
         for target, data in zip(target_locations, pages, strict=True):
-            out.append(target if data is not None and _fill(target, data) else None)
+            out.append(target if target is not None and data is not None and _fill(target, data)
+                       else None)
         return out
 
     def set(self, key: str, value: torch.Tensor | None = None, target_location: Any = None,
             target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: list[str], values: Sequence[torch.Tensor] | None = None,
+    def batch_set(self, keys: list[str], values: Sequence[torch.Tensor | None] | None = None,
                   target_locations: Any = None, target_sizes: Any = None) -> bool:
         fmt = self.formats.get(KV_POOL)
         if fmt is None or values is None or len(values) != len(keys):

@@ -61,7 +61,9 @@ class KVTierStats(KVConnectorStats):
             self.data.setdefault(name, [])
 
     def reset(self) -> None:
-        self.data = {**dict.fromkeys(FIELDS, 0), **{name: [] for name in LATENCIES}}
+        # a number per field, a list of observations per latency
+        self.data: dict[str, Any] = {**dict.fromkeys(FIELDS, 0),
+                                     **{name: [] for name in LATENCIES}}
 
     def aggregate(self, other: KVConnectorStats) -> KVTierStats:
         for name in FIELDS:

@@ -47,7 +47,9 @@ from kvtier.sync import Client
 from kvtier.types import ReadChunksResult
 
 logger = init_logger("vllm." + __name__)  # under vLLM's logger: its format and level
-_FLAGS = HEADER_DTYPE.fields["flags"][1]  # the header flags' offset in a chunk
+_FIELDS = HEADER_DTYPE.fields
+assert _FIELDS is not None  # a structured dtype
+_FLAGS = _FIELDS["flags"][1]  # the header flags' offset in a chunk
 
 
 @dataclass
@@ -107,12 +109,13 @@ class LoadJob:
     layer_ready: list[threading.Event]
     # a CUDA event after the step's work queued before the load (vLLM zeroes new blocks
     # first): the load writes after it; None on the CPU, where that work is done
-    queued: object = None
+    queued: torch.cuda.Event | None = None
     done: threading.Event = field(default_factory=threading.Event)
     loaded_chunks: int = 0  # chunks from plan.first_chunk written into their blocks
 
     @classmethod
-    def of(cls, plan: LoadPlan, layers: int, queued=None) -> LoadJob:
+    def of(cls, plan: LoadPlan, layers: int, queued: torch.cuda.Event | None = None
+           ) -> LoadJob:
         return cls(plan, [threading.Event() for _ in range(layers)], queued)
 
     @property
