@@ -59,7 +59,7 @@ class Node:
 def open_node(address: str, credentials: Credentials, options: Sequence[tuple[str, object]]
               ) -> Node:
     channel = open_channel(address, credentials, options=options)
-    stub = pb_grpc.KVTierStub(channel)  # type: ignore[no-untyped-call]  # generated, untyped
+    stub = pb_grpc.KVTierStub(channel)
     return Node(address, channel, stub, shm.ClientSegments(stub))
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -17,15 +18,17 @@ from proto import kvtier_pb2 as pb
 SOURCE_VECTORS = Path(__file__).resolve().parents[2] / "tests" / "vectors"
 
 
-def load_vectors(ctx: Context, name: str) -> dict:
+def load_vectors(ctx: Context, name: str) -> dict[str, Any]:
     path = (ctx.vectors or SOURCE_VECTORS) / name
     if not path.is_file():
         raise Failed(f"no golden vectors at {path}: give --vectors DIR (tests/vectors of "
                      "the kvtier source)")
-    return json.loads(path.read_text())
+    vectors: dict[str, Any] = json.loads(path.read_text())
+    return vectors
 
 
-async def _spill(ctx: Context, vectors: dict, layout_id: str, what: str, chunk: dict) -> str:
+async def _spill(ctx: Context, vectors: dict[str, Any], layout_id: str, what: str,
+                 chunk: dict[str, Any]) -> str:
     tokens = np.array(vectors["token_ids"], "<u4")
     size = vectors["layout"]["chunk_tokens"]
     sid = ctx.session_id(what)

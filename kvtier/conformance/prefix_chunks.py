@@ -13,7 +13,7 @@ not configure it for ``acme`` must.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,11 +69,12 @@ def _header(ctx: Context, session: Session, first: int, count: int, fingerprint:
 
 async def _write(ctx: Context, header: pb.WriteChunksHeader,
                  payloads: list[tuple[str, bytes]]) -> pb.WriteChunksReply:
-    async def messages():
+    async def messages() -> AsyncIterator[pb.WriteChunksRequest]:
         yield pb.WriteChunksRequest(header=header)
         for key, data in payloads:
             yield pb.WriteChunksRequest(chunk=pb.Payload(key=key, data=data))
-    return await ctx.stub.WriteChunks(messages())
+    reply: pb.WriteChunksReply = await ctx.stub.WriteChunks(messages())
+    return reply
 
 
 async def _write_chunks(ctx: Context, session: Session, first: int, count: int,
@@ -84,13 +85,14 @@ async def _write_chunks(ctx: Context, session: Session, first: int, count: int,
                         [(keys[i], session.chunks[i]) for i in range(first, count)])
 
 
-async def _read(ctx: Context, tokens: bytes, fingerprint: str = "", **fields) -> ChunkReplies:
+async def _read(ctx: Context, tokens: bytes, fingerprint: str = "", **fields: Any
+                ) -> ChunkReplies:
     request = pb.ReadChunksRequest(tenant=ctx.tenant, layout_id=LAYOUT.layout_id,
                                    model_fingerprint=fingerprint, token_ids=tokens, **fields)
     return await _collect(ctx.stub.ReadChunks(request))
 
 
-async def _collect(call) -> ChunkReplies:
+async def _collect(call: AsyncIterator[pb.ReadChunksReply]) -> ChunkReplies:
     out = ChunkReplies()
     async for reply in call:
         kind = reply.WhichOneof("item")

@@ -30,6 +30,8 @@ first replayed tokens see nothing before the start) is the accepted approximatio
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers.cache_utils import DynamicCache
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
@@ -51,6 +53,12 @@ def _layers(config, kind: str) -> list[int]:
     return [i for i, t in enumerate(config.layer_types) if t == kind]
 
 
+def _cache_layers(cache: DynamicCache) -> list[Any]:
+    """``cache``'s layers, DeepseekV4's CSA/HCA cache layers among them: transformers
+    types them as the union of its layer mixins, which have none of their attributes."""
+    return list(cache.layers)
+
+
 def cache_tokens(cache: DynamicCache) -> int:
     return cache.get_seq_length()
 
@@ -67,7 +75,7 @@ def persistent_streams(spec: LayoutSpec, config, cache: DynamicCache) -> dict[st
         stream = spec.stream(stream_name)
         rows = []
         for i in layers:
-            layer = cache.layers[i]
+            layer = _cache_layers(cache)[i]
             entries = layer.compressed_kv[name]
             if entries is None:  # no window closed yet
                 entries = torch.zeros(1, 0, stream.entry_shape[0])
@@ -83,9 +91,10 @@ def persistent_streams(spec: LayoutSpec, config, cache: DynamicCache) -> dict[st
 def window_streams(spec: LayoutSpec, config, cache: DynamicCache) -> dict[str, StreamData]:
     """The ephemeral part of ``cache``: window K=V and the partial-block state (bf16)."""
     out = {"window": encode_values(spec.stream("window"),
-                                   torch.stack([layer.keys[0, 0] for layer in cache.layers]))}
+                                   torch.stack([layer.keys[0, 0]
+                                                for layer in _cache_layers(cache)]))}
     for kind, names in ((CSA, NAMES), (HCA, {"compressor": ("hca.kv", "hca.buffer", None)})):
-        layers = [cache.layers[i] for i in _layers(config, kind)]
+        layers = [_cache_layers(cache)[i] for i in _layers(config, kind)]
         if not layers:
             continue
         for name, (_, buffer, overlap) in names.items():
@@ -131,7 +140,7 @@ def build_cache(spec: LayoutSpec, model, n: int, persistent: dict[str, StreamDat
               for name, data in window.items()} if window is not None else {})
     for kind, names in ((CSA, NAMES), (HCA, {"compressor": ("hca.kv", "hca.buffer", None)})):
         for j, i in enumerate(_layers(config, kind)):
-            layer = cache.layers[i]
+            layer = _cache_layers(cache)[i]
             for name, (entries, buffer, overlap) in names.items():
                 layer.compressed_kv[name] = values[entries][j][None]
                 layer.entry_count[name] = values[entries].shape[1]
@@ -145,7 +154,7 @@ def build_cache(spec: LayoutSpec, model, n: int, persistent: dict[str, StreamDat
                     layer.overlap_kv[name] = state[overlap][j][None, :, 0]
                     layer.overlap_gate[name] = state[overlap][j][None, :, 1]
     if window is not None:
-        for i, layer in enumerate(cache.layers):
+        for i, layer in enumerate(_cache_layers(cache)):
             _install_window(layer, state["window"][i], n)
     return cache
 
@@ -165,6 +174,14 @@ def replay_start(config, n: int, r: int) -> int:
 
 class _Freeze:
     """Mixed into the cache layers for the replay: no window is compressed again."""
+
+    # the cache layer's, declared for the methods here
+    compress_rate: int
+    entry_count: dict[str, int]
+    buffer_kv: dict[str, torch.Tensor | None]
+    buffer_gate: dict[str, torch.Tensor | None]
+    overlap_kv: dict[str, torch.Tensor | None]
+    overlap_gate: dict[str, torch.Tensor | None]
 
     def _frozen_init(self, model, layer_idx: int, names) -> None:
         compressor = model.model.layers[layer_idx].self_attn.compressor
@@ -199,7 +216,9 @@ class _Freeze:
 
 
 class _FrozenCSA(_Freeze, DeepseekV4CSACache):
-    _layer_type = None  # unregistered: DynamicCache(config) keeps building the model's own
+    # None: unregistered, so DynamicCache(config) keeps building the model's own
+    # (transformers types the attribute str)
+    _layer_type = None  # type: ignore[assignment]
 
     def __init__(self, config, model, layer_idx: int) -> None:
         DeepseekV4CSACache.__init__(self, config)
@@ -207,7 +226,7 @@ class _FrozenCSA(_Freeze, DeepseekV4CSACache):
 
 
 class _FrozenHCA(_Freeze, DeepseekV4HCACache):
-    _layer_type = None
+    _layer_type = None  # type: ignore[assignment]  # unregistered too
 
     def __init__(self, config, model, layer_idx: int) -> None:
         DeepseekV4HCACache.__init__(self, config)
@@ -227,7 +246,7 @@ def replay_window(spec: LayoutSpec, model, token_ids: torch.Tensor,
         raise InvalidRequest("a session without tokens has no window to rebuild")
     start = replay_start(config, n, r)
     cache = build_cache(spec, model, n, persistent, None, {CSA: _FrozenCSA, HCA: _FrozenHCA})
-    for layer in cache.layers:
+    for layer in _cache_layers(cache):
         if isinstance(layer, _Freeze):
             layer.position = dict.fromkeys(layer.position, start)
     # cumulative_length 0 with the true positions: the masks are relative, RoPE and the
@@ -235,6 +254,6 @@ def replay_window(spec: LayoutSpec, model, token_ids: torch.Tensor,
     ids = token_ids[start:].to(torch.long)[None]
     model(input_ids=ids, position_ids=torch.arange(start, n)[None], past_key_values=cache,
           use_cache=True)
-    for layer in cache.layers:
+    for layer in _cache_layers(cache):
         layer.cumulative_length = n
     return window_streams(spec, config, cache), n - start

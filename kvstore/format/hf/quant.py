@@ -93,6 +93,8 @@ def decode_values(stream: Stream, data: StreamData, chunk_tokens: int = 0) -> to
                              "are no values to decode")
     if stream.value_format.scales == "none":
         return codes.float()
+    if data.scales is None:
+        raise InvalidRequest(f"stream {stream.name}: its format has scales, none were given")
     if stream.format == "fp8_e4m3":
         return codes.float() * _entry_scales(stream, data.scales, codes.shape[1], chunk_tokens)
     if stream.bits == 4:
