@@ -53,13 +53,14 @@ from kvstore.format.errors import (
     UnsupportedModel,
 )
 from kvstore.format.hf import deepseek_v4
-from kvstore.format.hf.attention import layer_windows, text_config
+from kvstore.format.hf.attention import HFModel, layer_windows, text_config
 from kvstore.format.hf.model_layouts import candidate_layouts, is_deepseek_v4, layout_for
 from kvstore.format.hf.quant import decode_values, encode_values
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.model_identity import module_fingerprint
+from kvtier.client import AsyncClient
 from kvtier.sync import Client
-from kvtier.types import RestoredSession, SpillResult
+from kvtier.types import RestoredSession, SpillResult, TokenIds
 
 REPLAY_MODES = ("auto", "server", "local")
 
@@ -70,7 +71,8 @@ def _dynamic(cache: DynamicCache) -> list[Any]:
     return list(cache.layers)
 
 
-def model_layout(model, bits: int | None = None, *, format: str | None = None) -> LayoutSpec:
+def model_layout(model: HFModel, bits: int | None = None, *, format: str | None = None
+                 ) -> LayoutSpec:
     """The layout of ``model``'s cache at ``bits`` or in ``format``, for the model's dtype
     (``model_layouts.layout_for``). It is not registered in this process: a spill names
     the spec itself, and a restore resolves the session's layout id from the server's
@@ -78,23 +80,23 @@ def model_layout(model, bits: int | None = None, *, format: str | None = None) -
     return layout_for(model.config, bits, format=format, dtype=getattr(model, "dtype", None))
 
 
-def model_fingerprint(model) -> str:
+def model_fingerprint(model: HFModel) -> str:
     """The fingerprint of ``model``: its weights and buffers (rotary tables included), in
     their dtype, and the config fields that enter its KV (``model_identity``)."""
     return module_fingerprint(model, model.config)
 
 
-async def _fingerprint(model, given: str | None) -> str:
+async def _fingerprint(model: HFModel, given: str | None) -> str:
     return await asyncio.to_thread(model_fingerprint, model) if given is None else given
 
 
-def _token_array(token_ids) -> np.ndarray:
+def _token_array(token_ids: TokenIds) -> np.ndarray:
     if isinstance(token_ids, torch.Tensor):
         token_ids = token_ids.detach().cpu().reshape(-1).numpy()
     return np.asarray(token_ids, dtype=np.int64).reshape(-1)
 
 
-def cache_streams(spec: LayoutSpec, model, cache: DynamicCache, num_tokens: int
+def cache_streams(spec: LayoutSpec, model: HFModel, cache: DynamicCache, num_tokens: int
                   ) -> dict[str, StreamData]:
     """The persistent streams of ``cache`` (which must cover ``num_tokens`` tokens)."""
     if not isinstance(cache, DynamicCache):
@@ -159,7 +161,8 @@ def _check_layers(cache: DynamicCache, windows: tuple[int, ...], n: int) -> None
                                  f"tokens; {n} tokens were given")
 
 
-def standard_cache(spec: LayoutSpec, model, persistent: dict[str, StreamData]) -> DynamicCache:
+def standard_cache(spec: LayoutSpec, model: HFModel, persistent: dict[str, StreamData]
+                   ) -> DynamicCache:
     """A ``DynamicCache`` of the model's layers (its own classes) from the k/v streams."""
     dtype = model.get_input_embeddings().weight.dtype
     k, v = (decode_values(spec.stream(name), persistent[name], spec.chunk_tokens).to(dtype)
@@ -178,10 +181,10 @@ def standard_cache(spec: LayoutSpec, model, persistent: dict[str, StreamData]) -
     return cache
 
 
-async def async_spill_cache(client, tenant: str, session_id: str, model, cache: DynamicCache,
-                            token_ids, *, generation: int, ack: str | None = None,
-                            bits: int | None = None, format: str | None = None,
-                            **spill_options) -> SpillResult:
+async def async_spill_cache(client: AsyncClient, tenant: str, session_id: str, model: HFModel,
+                            cache: DynamicCache, token_ids: TokenIds, *, generation: int,
+                            ack: str | None = None, bits: int | None = None,
+                            format: str | None = None, **spill_options: Any) -> SpillResult:
     """Spill ``cache`` (covering ``token_ids``) as generation ``generation`` through a
     ``kvtier.AsyncClient``; ``bits`` or ``format`` picks the layout's precision
     (``model_layout``); other keywords go to ``AsyncClient.spill`` (ttl_s, hint,
@@ -204,7 +207,8 @@ async def async_spill_cache(client, tenant: str, session_id: str, model, cache: 
         return await spill()
 
 
-async def async_resume_cache(client, tenant: str, session_id: str, model, *,
+async def async_resume_cache(client: AsyncClient, tenant: str, session_id: str,
+                             model: HFModel, *,
                              replay_tokens: int = 0, replay: str = "auto",
                              model_fingerprint: str | None = None
                              ) -> tuple[DynamicCache, torch.Tensor]:
@@ -222,17 +226,16 @@ async def async_resume_cache(client, tenant: str, session_id: str, model, *,
                                        model_fingerprint=stated)
         spec = _model_spec(layouts, session)
         return standard_cache(spec, model, session.persistent), _ids(session)
-    session = None
+    resumed: RestoredSession | None = None
     if replay != "local":
         try:
-            session = await client.resume(tenant, session_id, replay_tokens=replay_tokens,
+            resumed = await client.resume(tenant, session_id, replay_tokens=replay_tokens,
                                           model_fingerprint=stated)
         except PreconditionFailed:  # the server cannot replay this layout (or not with
             if replay == "server":  # these weights: the restore below says if it is ours)
                 raise
-    if session is None:
-        session = await client.restore(tenant, session_id, want_window=False,
-                                       model_fingerprint=stated)
+    session = resumed if resumed is not None else await client.restore(
+        tenant, session_id, want_window=False, model_fingerprint=stated)
     spec = _model_spec(layouts, session)
     ids = _ids(session)
     return await asyncio.to_thread(_deepseek_cache, spec, model, session, ids,
@@ -250,7 +253,7 @@ def _ids(session: RestoredSession) -> torch.Tensor:
     return torch.from_numpy(session.token_ids.astype(np.int64))
 
 
-def _deepseek_cache(spec: LayoutSpec, model, session: RestoredSession, ids: torch.Tensor,
+def _deepseek_cache(spec: LayoutSpec, model: HFModel, session: RestoredSession, ids: torch.Tensor,
                     r: int) -> DynamicCache:
     window = session.window
     if window is None:  # rebuilt here, by the model itself
@@ -258,16 +261,17 @@ def _deepseek_cache(spec: LayoutSpec, model, session: RestoredSession, ids: torc
     return deepseek_v4.build_cache(spec, model, len(ids), session.persistent, window)
 
 
-def spill_cache(client: Client, tenant: str, session_id: str, model, cache: DynamicCache,
-                token_ids, *, generation: int, ack: str | None = None, bits: int | None = None,
-                format: str | None = None, **spill_options) -> SpillResult:
+def spill_cache(client: Client, tenant: str, session_id: str, model: HFModel,
+                cache: DynamicCache, token_ids: TokenIds, *, generation: int,
+                ack: str | None = None, bits: int | None = None, format: str | None = None,
+                **spill_options: Any) -> SpillResult:
     """The blocking twin of ``async_spill_cache`` (a ``kvtier.Client``)."""
     return client._run(async_spill_cache(client._async, tenant, session_id, model, cache,
                                          token_ids, generation=generation, ack=ack, bits=bits,
                                          format=format, **spill_options))
 
 
-def resume_cache(client: Client, tenant: str, session_id: str, model, *,
+def resume_cache(client: Client, tenant: str, session_id: str, model: HFModel, *,
                  replay_tokens: int = 0, replay: str = "auto",
                  model_fingerprint: str | None = None) -> tuple[DynamicCache, torch.Tensor]:
     """The blocking twin of ``async_resume_cache`` (a ``kvtier.Client``)."""

@@ -78,7 +78,7 @@ class StorageSettings:
     def timeout_s(self) -> float:
         return self.timeout_ms / 1000
 
-    def client_options(self) -> dict:
+    def client_options(self) -> dict[str, Any]:
         """Keyword arguments of ``kvtier.Client``: a call's own deadline is the
         backend's, so the client gives up when SGLang's caller does."""
         return {"tls_ca": self.tls_ca, "token": self.token, "timeout_s": self.timeout_s}

@@ -61,4 +61,5 @@ def block_group_pages(transfer: PoolTransfer, has: Callable[[int], bool]) -> int
         if not all(has(i) for i in range(start, start + transfer.group_pages)):
             break
         groups += 1
-    return groups * transfer.block_pages
+    pages: int = groups * transfer.block_pages
+    return pages

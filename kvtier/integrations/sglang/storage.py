@@ -28,6 +28,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
@@ -40,6 +41,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvstore.format.errors import TierUnavailable, UnknownLayout
+from kvstore.format.layout import LayoutSpec
 from kvtier.integrations.breaker import Breaker
 from kvtier.integrations.sglang.config import StorageSettings
 from kvtier.integrations.sglang.hits import pool_hits
@@ -51,7 +53,7 @@ T = TypeVar("T")
 Page = tuple[PageFormat, str]  # the pool's pages, the page's storage key
 
 
-class KVTierStorage(HiCacheStorage):
+class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang: not in the checked venv
     def __init__(self, storage_config: HiCacheStorageConfig,
                  kwargs: dict[str, Any] | None = None) -> None:
         """As SGLang's dynamic backend builds it: ``cls(storage_config, kwargs)``."""
@@ -64,11 +66,11 @@ class KVTierStorage(HiCacheStorage):
 
     # -- pools --
 
-    def register_mem_pool_host(self, mem_pool_host) -> None:
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         self.formats[KV_POOL] = PageFormat.of(KV_POOL, mem_pool_host)
 
-    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         name = str(host_pool_name)
         self.formats[name] = PageFormat.of(name, host_pool)
@@ -86,7 +88,7 @@ class KVTierStorage(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         return self._set_pages(KV_POOL, keys, host_indices, self._kv_host_pool())
 
-    def _kv_host_pool(self):
+    def _kv_host_pool(self) -> Any:  # the SGLang host pool registered, or None
         return getattr(self, "mem_pool_host", None)
 
     # -- the legacy calls: flat pages in and out --
@@ -180,13 +182,13 @@ class KVTierStorage(HiCacheStorage):
                                              self._host_pools().get(t.name))
                 for t in transfers}
 
-    def _host_pools(self) -> dict:
+    def _host_pools(self) -> dict[str, Any]:
         return getattr(self, "registered_pools", {})
 
     # -- pages of a host pool --
 
     def _get_pages(self, pool: str, keys: list[str], host_indices: torch.Tensor | None,
-                   host_pool) -> list[bool]:
+                   host_pool: Any) -> list[bool]:
         offsets = _page_offsets(pool, keys, host_indices, host_pool)
         fmt = self.formats.get(pool)
         if offsets is None or fmt is None:
@@ -198,7 +200,7 @@ class KVTierStorage(HiCacheStorage):
         return [data is not None for data in pages]
 
     def _set_pages(self, pool: str, keys: list[str], host_indices: torch.Tensor | None,
-                   host_pool) -> list[bool]:
+                   host_pool: Any) -> list[bool]:
         offsets = _page_offsets(pool, keys, host_indices, host_pool)
         fmt = self.formats.get(pool)
         if offsets is None or fmt is None:
@@ -225,7 +227,7 @@ class KVTierStorage(HiCacheStorage):
 
     def _write(self, pages: list[tuple[PageFormat, str, torch.Tensor | None]]) -> list[bool]:
         # Encoded here, in SGLang's thread: the host pool's bytes are read before it returns.
-        chunks: list[tuple | None] = []
+        chunks: list[tuple[PageFormat, np.ndarray, bytes] | None] = []
         for fmt, key, page in pages:
             tokens = key_tokens(fmt.name(key, self.shard))
             try:
@@ -234,7 +236,7 @@ class KVTierStorage(HiCacheStorage):
                 logger.warning("kvtier sglang storage: page %s not stored: %s", key, exc)
                 chunks.append(None)
 
-        async def write(fmt: PageFormat, tokens, chunk: bytes) -> bool:
+        async def write(fmt: PageFormat, tokens: np.ndarray, chunk: bytes) -> bool:
             await self.client.async_client.write_chunks(
                 self.settings.tenant, await self._layout(fmt), tokens, [chunk],
                 model_fingerprint=self.settings.model_fingerprint,
@@ -255,13 +257,13 @@ class KVTierStorage(HiCacheStorage):
 
         return self._each(pages, exists, False)
 
-    async def _layout(self, fmt: PageFormat):
+    async def _layout(self, fmt: PageFormat) -> LayoutSpec:
         if fmt.spec.layout_id not in self._registered:
             await self.client.async_client.register_layout(fmt.spec)
             self._registered.add(fmt.spec.layout_id)
         return fmt.spec
 
-    def _each(self, items: list[tuple], call: Callable[..., Coroutine[Any, Any, T]],  # noqa: C901 - one batch with its deadline, its breaker and its misses
+    def _each(self, items: Sequence[tuple[Any, ...]], call: Callable[..., Coroutine[Any, Any, T]],  # noqa: C901 - one batch with its deadline, its breaker and its misses
               miss: T) -> list[T]:
         """``call(*item)`` for every item at once on the client's loop; ``miss`` for each
         that failed, and for all when the deadline passed or the breaker is open."""
@@ -272,7 +274,7 @@ class KVTierStorage(HiCacheStorage):
         outage: list[Exception] = []
         failed: list[Exception] = []
 
-        async def one(item: tuple) -> T:
+        async def one(item: tuple[Any, ...]) -> T:
             try:
                 return await call(*item)
             except UnknownLayout:  # a restarted server forgot it: told again next call
@@ -312,7 +314,7 @@ def _pool_key(pool: str, key: str) -> str:
 
 
 def _page_offsets(pool: str, keys: list[str], host_indices: torch.Tensor | None,
-                  host_pool) -> list[int] | None:
+                  host_pool: Any) -> list[int] | None:
     """The host pool slot each page starts at (``host_indices`` holds ``page_size`` slots
     a page); None when the pool is not registered or the indices do not fit the keys."""
     if host_pool is None or host_indices is None:
