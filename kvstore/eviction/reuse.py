@@ -52,6 +52,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Container, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -418,7 +419,7 @@ def reuse_policies(clock: Clock = time.monotonic, *,
     return make
 
 
-def window_cost(is_window: Callable[[BlockId], bool],
+def window_cost(is_window: Callable[[Any], bool],  # of the stack's block ids (str keys)
                 replay_cost: float = REPLAY_COST_READS) -> Callable[[BlockId], float]:
     """The ``cost`` of a stack whose window blobs ``is_window`` tells apart: a replay for
     a window, one chunk read for anything else."""

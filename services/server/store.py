@@ -199,8 +199,7 @@ async def open_manager(config: ServerConfig) -> TierManager:  # noqa: C901 - ope
                      keyring.current)
         # reuse_policies() is one factory per stack: its tiers' policies share one model;
         # a window blob lost costs a replay, a chunk lost a read from a lower tier
-        cost = window_cost(lambda key: isinstance(key, str) and is_window_key(key))
-        policy = {"reuse": reuse_policies(cost=cost), "hint": HintPolicy,
+        policy = {"reuse": reuse_policies(cost=window_cost(is_window_key)), "hint": HintPolicy,
                   "lru": LRUPolicy}[config.eviction]
         hook = None
         if domains is not None:  # the encrypting tiers learn each block's dedupe domain
