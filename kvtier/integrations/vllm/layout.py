@@ -31,6 +31,7 @@ is ``vllm-<arrangement>-<layers>x<kv_heads>x<head_size>-b<block>-<dtype>``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
@@ -63,7 +64,7 @@ class CacheShape:
     arrangement: str = ""
 
 
-def cache_shape(vllm_config, kv_cache_config) -> CacheShape:
+def cache_shape(vllm_config: Any, kv_cache_config: Any) -> CacheShape:  # vLLM's configs
     """The shape of the engine's cache: one KV cache group of full attention layers with
     plain (unquantized) K and V of one head size; any other cache is ``UnsupportedModel``."""
     groups = kv_cache_config.kv_cache_groups
@@ -93,7 +94,7 @@ def cache_shape(vllm_config, kv_cache_config) -> CacheShape:
                       tp_size=tp_size, arrangement=block_arrangement(vllm_config, spec))
 
 
-def block_arrangement(vllm_config, spec: FullAttentionSpec) -> str:
+def block_arrangement(vllm_config: Any, spec: FullAttentionSpec) -> str:
     """How the engine's attention backend lays out a block's bytes, as both the scheduler
     and every worker can tell from the config: on the CPU ``cpu_attn.<isa>`` (the ISA path
     CPU_ATTN picks for the model's dtype, block and head size: vec, vec16, amx, neon, ...
@@ -105,14 +106,16 @@ def block_arrangement(vllm_config, spec: FullAttentionSpec) -> str:
     if current_platform.is_cpu():
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        return "cpu_attn." + _get_attn_isa(vllm_config.model_config.dtype, spec.block_size,
-                                           spec.head_size, cache_dtype)
+        isa: str = _get_attn_isa(vllm_config.model_config.dtype, spec.block_size,
+                                 spec.head_size, cache_dtype)
+        return "cpu_attn." + isa
     from vllm.v1.attention.selector import get_attn_backend
 
-    return get_attn_backend(spec.head_size, spec.dtype, cache_dtype).get_name().lower()
+    name: str = get_attn_backend(spec.head_size, spec.dtype, cache_dtype).get_name()
+    return name.lower()
 
 
-def check_arrangement(shape: CacheShape, attention_layers: list) -> None:
+def check_arrangement(shape: CacheShape, attention_layers: list[Any]) -> None:
     """The layers (vLLM ``Attention`` modules) really lay blocks out as ``shape`` says
     (``UnsupportedModel``): an engine-page chunk is only ever read by its arrangement. A
     CPU_ATTN layer that has not been told its ISA yet is checked by its backend alone."""

@@ -50,7 +50,7 @@ class SpillPlan:
 
 
 @dataclass
-class KVTierConnectorMetadata(KVConnectorMetadata):
+class KVTierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM's: not installed where mypy runs
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)
     spills: list[SpillPlan] = field(default_factory=list)
@@ -60,7 +60,7 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
 
 
 @dataclass
-class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]  # vLLM's: not installed where mypy runs
     """``unsaved``: req_id -> the first chunk the worker did not save (its blocks were
     computed over a prefix that failed to load): the scheduler plans it again once
     recomputed."""
