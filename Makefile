@@ -110,7 +110,8 @@ sglang: $(SGLANG_STAMP)
 demo: $(STAMP)
 	$(BIN)/kvtier demo
 
-# The import contract first (pyproject.toml [tool.importlinter]): a second, not minutes.
+# The import contract first (pyproject.toml [tool.importlinter]): a second, not minutes; then
+# the types (pyproject.toml [tool.mypy]), about half a minute from a warm cache.
 # With .venv-vllm (`make vllm`), the vLLM end-to-end tests run there too; with .venv-sglang
 # (`make sglang`), the SGLang storage tests.
 # Two pytest-xdist workers (one per core of the 2-core target machine), a file to a worker
@@ -118,6 +119,7 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP) redis-server node-client
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 	@if [ -f $(VLLM_STAMP) ]; then $(VLLM_VENV)/bin/python -m pytest -q tests/vllm; \
 	else echo "no $(VLLM_VENV) (make vllm): the vLLM end-to-end tests did not run"; fi

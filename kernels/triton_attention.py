@@ -227,8 +227,9 @@ def sparse_compressed_attention(q, kv_packed, kv_scales, idx, group_size: int,
     splits = triton.cdiv(k, k_split)
     if splits == 1:
         part_out, part_lse = out, lse
-        out_strides = (h * t * dc, dc, 0, t * dc)  # (b, t, split, h) into (B, H, T, Dc)
-        lse_strides = (h * t, 1, 0, t)
+        # (b, t, split, h) into (B, H, T, Dc)
+        out_strides: tuple[int, ...] = (h * t * dc, dc, 0, t * dc)
+        lse_strides: tuple[int, ...] = (h * t, 1, 0, t)
     else:
         part_out = torch.empty((b, t, splits, h, dc), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((b, t, splits, h), dtype=torch.float32, device=q.device)

@@ -14,14 +14,30 @@ from kvtier.request_ids import request_id
 from kvtier.routing import RoutingPolicy
 from kvtier.sync import Client
 from kvtier.types import (
+    DeleteResult,
+    DrainProgress,
+    EvictResult,
+    FleetStat,
+    ForkResult,
     LayoutInfo,
+    NodeLiveness,
+    PrefetchResult,
     ReadChunksResult,
     RestoredSession,
     RetryPolicy,
+    SessionInfo,
+    SessionRef,
     SpillResult,
+    StatResult,
+    TenantUsage,
+    TierStat,
+    TokenIds,
     WriteChunksResult,
 )
 
-__all__ = ["AsyncClient", "Client", "LayoutInfo", "ReadChunksResult", "RestoredSession",
-           "RetryPolicy", "RoutingPolicy", "SpillResult", "StreamData", "WriteChunksResult",
-           "request_id", *_errors.__all__]
+__all__ = ["AsyncClient", "Client", "DeleteResult", "DrainProgress", "EvictResult",
+           "FleetStat", "ForkResult", "LayoutInfo", "NodeLiveness", "PrefetchResult",
+           "ReadChunksResult", "RestoredSession", "RetryPolicy", "RoutingPolicy",
+           "SessionInfo", "SessionRef", "SpillResult", "StatResult", "StreamData",
+           "TenantUsage", "TierStat", "TokenIds", "WriteChunksResult", "request_id",
+           *_errors.__all__]

@@ -20,6 +20,7 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -65,26 +66,35 @@ class _CallMetadata:
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._entries,
                                      (REQUEST_ID_KEY, outgoing_request_id()))
-        return details._replace(metadata=metadata)
+        # a namedtuple at run time; its stub declares only the fields
+        replaced: grpc.aio.ClientCallDetails = details._replace(  # type: ignore[attr-defined]
+            metadata=metadata)
+        return replaced
 
 
 class _UnaryUnary(_CallMetadata, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, details, request):
+    async def intercept_unary_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
+                                    request: Any) -> Any:
         return await continuation(self._details(details), request)
 
 
 class _UnaryStream(_CallMetadata, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, details, request):
+    async def intercept_unary_stream(self, continuation: Any,
+                                     details: grpc.aio.ClientCallDetails, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
 
 class _StreamUnary(_CallMetadata, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, details, request_iterator):
+    async def intercept_stream_unary(self, continuation: Any,
+                                     details: grpc.aio.ClientCallDetails,
+                                     request_iterator: Any) -> Any:
         return await continuation(self._details(details), request_iterator)
 
 
 class _StreamStream(_CallMetadata, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, details, request_iterator):
+    async def intercept_stream_stream(self, continuation: Any,
+                                      details: grpc.aio.ClientCallDetails,
+                                      request_iterator: Any) -> Any:
         return await continuation(self._details(details), request_iterator)
 
 

@@ -28,8 +28,8 @@ refusing; Delete and Fork, which must not be applied twice, are then not sent ag
 raises the ``kvstore.format.errors`` class the server raised. On the same host chunk bytes go
 through shared memory (``shared_memory=None``: whenever the target is loopback).
 
-``write_chunks`` and ``read_chunks`` (prefix chunks of no session) are
-``kvtier.prefix_chunks``'s.
+``write_chunks`` and ``read_chunks`` store and read prefix chunks of no session
+(``kvtier.prefix_chunks`` frames them).
 
 ``AsyncClient(servers=[a, b, c])`` talks to a fleet: each session's calls go to the node
 holding its window, found through ``Stat`` and cached; a node down, to another
@@ -41,14 +41,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
-from kvstore.format.chunk import LayerSlice
+from kvstore.format.chunk import LayerSlice, StreamData
 from kvstore.format.errors import (
+    DeadlineExceeded,
     InvalidRequest,
     KVTierError,
+    MissingChunks,
+    SharedMemoryUnavailable,
     StaleGeneration,
     TierUnavailable,
     UnknownLayout,
@@ -61,27 +65,37 @@ from kvstore.format.model_identity import check_model
 from kvtier import codec as cc
 from kvtier import replies, shm
 from kvtier.channel import LOOPBACK, Credentials, tls_mismatch
-from kvtier.errors import (
-    DeadlineExceeded,
-    MissingChunks,
-    SharedMemoryUnavailable,
-    client_deadline_passed,
-    error_from_rpc,
-)
+from kvtier.errors import client_deadline_passed, error_from_rpc
 from kvtier.known_layouts import KnownLayouts, info_from
-from kvtier.prefix_chunks import PrefixChunkMethods
+from kvtier.prefix_chunks import keyed, read_once, unheld, write_header, write_once
 from kvtier.routing import Node, Ref, Router, RoutingPolicy, open_node
-from kvtier.types import LayoutInfo, RestoredSession, RetryPolicy, SpillResult
+from kvtier.types import (
+    DeleteResult,
+    DrainProgress,
+    EvictResult,
+    ForkResult,
+    LayoutInfo,
+    PrefetchResult,
+    ReadChunksResult,
+    RestoredSession,
+    RetryPolicy,
+    SessionInfo,
+    SpillResult,
+    StatResult,
+    TokenIds,
+    WriteChunksResult,
+)
 from kvtier.upload import Item, upload
 from proto import kvtier_pb2 as pb
 
+Reply = TypeVar("Reply")
 ACKS = {"memory": pb.ACK_MEMORY, "durable": pb.ACK_DURABLE, None: pb.ACK_UNSPECIFIED}
 # Every call's deadline unless the caller sets one: retries and failovers included, so a
 # hung node costs a call at most this (on a fleet, its share of it), never for ever.
 DEFAULT_TIMEOUT_S = 60.0
 
 
-class AsyncClient(PrefixChunkMethods):
+class AsyncClient:
     def __init__(self, target: str | None = None, *, servers: Sequence[str] | None = None,
                  shared_memory: bool | None = None,
                  retry: RetryPolicy = RetryPolicy(),
@@ -125,10 +139,11 @@ class AsyncClient(PrefixChunkMethods):
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
     async def close(self) -> None:
+        """Close every node's channel and give its shared-memory segments back."""
         for node in self._router.nodes:
             await node.segments.close()
             await node.channel.close()
@@ -144,8 +159,9 @@ class AsyncClient(PrefixChunkMethods):
     def _left(deadline: float | None) -> float | None:
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
-    async def _call(self, attempt: Callable[[Node], Awaitable], ref: Ref | None = None,
-                    ask: bool = True, idempotent: bool = True, started: float | None = None):
+    async def _call(self, attempt: Callable[[Node], Awaitable[Reply]], ref: Ref | None = None,
+                    ask: bool = True, idempotent: bool = True, started: float | None = None
+                    ) -> Reply:
         """``attempt(node)`` on the node ``ref`` routes to (``Router.route``), retried on
         UNAVAILABLE with backoff; with ``servers``, the retry goes to another node at once
         while one is up. The whole call ends within ``timeout_s``: each attempt waits for
@@ -225,9 +241,10 @@ class AsyncClient(PrefixChunkMethods):
 
     # -- spill --
 
-    async def spill(self, tenant: str, session_id: str, layout: str | LayoutSpec, token_ids,
-                    persistent: cc.Streams | None = None, *, chunks: list[bytes] | None = None,
-                    tail: bytes = b"", window: cc.Streams | bytes | None = None,
+    async def spill(self, tenant: str, session_id: str, layout: str | LayoutSpec,
+                    token_ids: TokenIds, persistent: cc.Streams | None = None, *,
+                    chunks: list[bytes] | None = None, tail: bytes = b"",
+                    window: cc.Streams | bytes | None = None,
                     generation: int, ack: str | None = None,
                     hint: ResumeHint | None = None, ttl_s: float = 0.0,
                     model_fingerprint: str = "", dedupe_domain: str = "") -> SpillResult:
@@ -257,7 +274,8 @@ class AsyncClient(PrefixChunkMethods):
         scope = dedupe_scope(tenant, dedupe_domain or None)
 
         async def encode(held: dict[str, bytes]) -> cc.EncodedSession:
-            if chunks is not None:
+            if persistent is None:
+                assert chunks is not None  # exactly one of them, checked above
                 encoded = cc.encoded_chunks(spec, tokens, chunks, tail, scope=scope,
                                             model_fingerprint=model_fingerprint, held=held)
             else:
@@ -302,7 +320,7 @@ class AsyncClient(PrefixChunkMethods):
             items.append(Item("window", "", enc.window))
         return await upload(
             node, pb.SpillRequest(header=header), items,
-            lambda item, payload: pb.SpillRequest(**{item.what: payload}),
+            lambda item, payload: pb.SpillRequest(**{item.what: payload}),  # type: ignore[arg-type]
             lambda stream: node.stub.Spill(stream, timeout=self.timeout_s),
             shared_memory=self.shared_memory, max_message_bytes=self.max_message_bytes,
             timeout_s=self.timeout_s)
@@ -337,7 +355,9 @@ class AsyncClient(PrefixChunkMethods):
             self._router.forget(ref)
         return session
 
-    async def _receive(self, node: Node, method, request, decode: bool) -> RestoredSession:
+    async def _receive(self, node: Node, method: Callable[..., Any],
+                       request: pb.RestoreRequest | pb.ResumeRequest, decode: bool
+                       ) -> RestoredSession:
         """One call; on the shared-memory path it offers a segment it holds (warm pages)
         as ``reply_lease``; the server writes into it, or into a new one it leases us."""
         request.use_shared_memory = self.shared_memory  # may have fallen back since
@@ -345,9 +365,10 @@ class AsyncClient(PrefixChunkMethods):
         request.reply_lease = offered.lease_id if offered is not None else ""
         used = [offered] if offered is not None else []  # every segment this call touched
         started = time.monotonic()
-        decoding: list[asyncio.Future] = []
+        decoding: list[asyncio.Future[dict[str, StreamData]]] = []
 
-        async def persistent(header: pb.SessionHeader, chunks, tail) -> None:
+        async def persistent(header: pb.SessionHeader, chunks: Sequence[replies.Body],
+                             tail: replies.Body) -> None:
             # Every byte checked against what its spiller stated, whatever tier it came
             # from; then decoded while the rest (a replayed window) is still to come.
             cc.check_digests(chunks, header.chunk_digests, tail, header.tail_digest)
@@ -378,7 +399,7 @@ class AsyncClient(PrefixChunkMethods):
         return await asyncio.to_thread(replies.restored_session, spec, header, chunks, tail,
                                        window, summary, await decoding[0])
 
-    async def restore_layers(self, tenant: str, session_id: str, *,
+    async def restore_layers(self, tenant: str, session_id: str, *,  # noqa: C901 - one retry loop around one reply stream, its cases the stream's items
                              model_fingerprint: str = "") -> AsyncIterator[LayerSlice]:
         """Each (stream, layer) of the whole session as soon as it has arrived, layer 0 of
         every stream first: codes (entries, *codes_shape), scales (entries, groups);
@@ -415,6 +436,9 @@ class AsyncClient(PrefixChunkMethods):
                         assembler = cc.LayerAssembler.for_header(
                             await self.layout(reply.header.layout_id), reply.header)
                     elif kind == "section":
+                        if assembler is None:
+                            raise InvalidRequest("a Restore reply sent a section before its "
+                                                 "header")
                         done = assembler.add(reply.section)
                         if done is not None and (done.stream, done.layer) not in delivered:
                             delivered.add((done.stream, done.layer))
@@ -469,33 +493,175 @@ class AsyncClient(PrefixChunkMethods):
                                 f"layout {shown(name_or_id)}")
         return spec
 
+    # -- prefix chunks (kvtier.prefix_chunks): of no session. A write is safe to send
+    # again on another node: its chunks are content-addressed, a second copy a dedupe.
+
+    async def write_chunks(self, tenant: str, layout: str | LayoutSpec, token_ids: TokenIds,
+                           chunks: Sequence[bytes], *, first_chunk: int = 0,
+                           model_fingerprint: str = "", dedupe_domain: str = "",
+                           ack: str = "memory", skip_held: bool = True) -> WriteChunksResult:
+        """Store encoded ``chunks`` (one per whole chunk of ``token_ids`` from ``first_chunk``)
+        as cache of no session; ``skip_held``: send only those a Lookup does not find held
+        with the same digest (``kvtier.prefix_chunks``)."""
+        return await self._write(tenant, layout, token_ids, chunks, first_chunk,
+                                 model_fingerprint, dedupe_domain, ack, skip_held, False)
+
+    async def write_independent_chunks(self, tenant: str, layout: str | LayoutSpec,
+                                       token_ids: TokenIds, chunks: Sequence[bytes], *,
+                                       model_fingerprint: str = "", dedupe_domain: str = "",
+                                       ack: str = "memory", skip_held: bool = False
+                                       ) -> WriteChunksResult:
+        """``write_chunks`` of unrelated chunks in one call: ``chunks[i]`` is chunk 0 of the
+        sequence ``token_ids[i * chunk_tokens:(i + 1) * chunk_tokens]`` (encoded at start
+        token 0), keyed alone (``kvtier.prefix_chunks``)."""
+        return await self._write(tenant, layout, token_ids, chunks, 0, model_fingerprint,
+                                 dedupe_domain, ack, skip_held, True)
+
+    async def _write(self, tenant: str, layout: str | LayoutSpec, token_ids: TokenIds,
+                     chunks: Sequence[bytes], first_chunk: int, model_fingerprint: str,
+                     dedupe_domain: str, ack: str, skip_held: bool, independent: bool
+                     ) -> WriteChunksResult:
+        spec = layout if isinstance(layout, LayoutSpec) else await self.layout(layout)
+        tokens = cc.as_tokens(token_ids)
+        scope = dedupe_scope(tenant, dedupe_domain or None)
+        keys, digests = keyed(spec, tokens, chunks, first_chunk, scope, model_fingerprint,
+                              independent)
+        header = write_header(spec, tenant, tokens, digests, first_chunk=first_chunk,
+                              model_fingerprint=model_fingerprint, dedupe_domain=dedupe_domain,
+                              ack=f"ACK_{ack.upper()}", independent=independent)
+        send = list(range(len(chunks)))
+        started = time.monotonic()  # the lookup, the write and its resend: one deadline
+        if skip_held and chunks:
+            lookup = pb.LookupRequest(tenant=tenant, layout_id=spec.layout_id,
+                                      model_fingerprint=model_fingerprint,
+                                      dedupe_domain=dedupe_domain, token_ids=tokens.tobytes(),
+                                      independent_chunks=independent)
+            held: pb.LookupReply = await self._call(lambda node: node.stub.Lookup(lookup,
+                                                                  timeout=self.timeout_s),
+                                    started=started)
+            send = unheld(held, keys, digests, first_chunk)
+
+        def attempt(node: Node, send: Sequence[int] = send) -> Awaitable[WriteChunksResult]:
+            return write_once(node, header, keys, chunks, send,
+                              shared_memory=self.shared_memory, timeout_s=self.timeout_s,
+                              max_message_bytes=self.max_message_bytes)
+
+        try:
+            return await self._call(attempt, started=started)
+        except MissingChunks:  # one went since the lookup: send every chunk
+            return await self._call(lambda node: attempt(node, range(len(chunks))),
+                                    started=started)
+
+    async def read_chunks(self, tenant: str, layout: str | LayoutSpec, token_ids: TokenIds, *,
+                          first_chunk: int = 0, max_chunks: int = 0, model_fingerprint: str = "",
+                          dedupe_domain: str = "", digests: Sequence[bytes] | None = None,
+                          use_shared_memory: bool | None = None,
+                          check_digests: bool = True, in_place: bool = False
+                          ) -> ReadChunksResult:
+        """Chunks of ``token_ids`` by position (``max_chunks`` 0: every whole one), each
+        verified again here; ``digests``: the expected ones, one per chunk read.
+        ``check_digests`` False: each chunk's bytes are still checked whole against its own
+        checksums (header, section table, xxh3 of the payload) and its token range, but its
+        BLAKE2b digest is not recomputed: a caller that only needs intact KV of these tokens
+        (the vLLM connector) skips the costliest check, which only another version of the
+        same tokens' chunk would fail. ``in_place``: over shared memory the chunks are
+        views of the reply segment, valid until the caller calls the result's ``release``
+        (it must, once done with them); inline they are the reply's bytes."""
+        return await self._read(tenant, layout, token_ids, first_chunk, max_chunks,
+                                model_fingerprint, dedupe_domain, digests, use_shared_memory,
+                                check_digests, in_place, False)
+
+    async def read_independent_chunks(self, tenant: str, layout: str | LayoutSpec,
+                                      token_ids: TokenIds, *, model_fingerprint: str = "",
+                                      dedupe_domain: str = "",
+                                      use_shared_memory: bool | None = None,
+                                      check_digests: bool = True, in_place: bool = False
+                                      ) -> ReadChunksResult:
+        """``read_chunks`` of unrelated chunks in one call: chunk ``i`` of the result is
+        chunk 0 of the sequence ``token_ids[i * chunk_tokens:(i + 1) * chunk_tokens]``, read
+        and checked alone (``kvtier.prefix_chunks``); a missing or corrupt one is missing
+        alone."""
+        return await self._read(tenant, layout, token_ids, 0, 0, model_fingerprint,
+                                dedupe_domain, None, use_shared_memory, check_digests,
+                                in_place, True)
+
+    async def _read(self, tenant: str, layout: str | LayoutSpec, token_ids: TokenIds,
+                    first_chunk: int, max_chunks: int, model_fingerprint: str,
+                    dedupe_domain: str, digests: Sequence[bytes] | None,
+                    use_shared_memory: bool | None, check_digests: bool, in_place: bool,
+                    independent: bool) -> ReadChunksResult:
+        spec = layout if isinstance(layout, LayoutSpec) else await self.layout(layout)
+        tokens = cc.as_tokens(token_ids)
+        request = pb.ReadChunksRequest(
+            tenant=tenant, layout_id=spec.layout_id, model_fingerprint=model_fingerprint,
+            dedupe_domain=dedupe_domain, token_ids=tokens.tobytes(), first_chunk=first_chunk,
+            max_chunks=max_chunks, chunk_digests=digests or [],
+            independent_chunks=independent)
+
+        def attempt(node: Node) -> Awaitable[ReadChunksResult]:
+            request.use_shared_memory = (self.shared_memory if use_shared_memory is None
+                                         else use_shared_memory and self.shared_memory)
+            return read_once(node, request, spec, tokens, self.timeout_s, check_digests,
+                             in_place)
+
+        return await self._call(attempt)
+
+    async def lookup_independent_chunks(self, tenant: str, layout: str | LayoutSpec,
+                                        token_ids: TokenIds, *, model_fingerprint: str = "",
+                                        dedupe_domain: str = "") -> list[bool]:
+        """Whether the server holds each whole chunk of ``token_ids``, each keyed alone
+        (as ``write_independent_chunks`` wrote it) in the caller's domain: one Lookup."""
+        spec = layout if isinstance(layout, LayoutSpec) else await self.layout(layout)
+        tokens = cc.as_tokens(token_ids)
+        request = pb.LookupRequest(tenant=tenant, layout_id=spec.layout_id,
+                                   model_fingerprint=model_fingerprint,
+                                   dedupe_domain=dedupe_domain, token_ids=tokens.tobytes(),
+                                   independent_chunks=True)
+        reply: pb.LookupReply = await self._call(
+            lambda node: node.stub.Lookup(request, timeout=self.timeout_s))
+        held = [False] * (len(tokens) // spec.chunk_tokens)
+        for chunk in reply.chunks:
+            if chunk.index >= len(held):
+                raise InvalidRequest(f"a Lookup reply names chunk {chunk.index} of "
+                                     f"{len(held)}")
+            held[chunk.index] = True
+        return held
+
     # -- control --
 
     def _ref(self, tenant: str, session_id: str) -> pb.SessionRef:
         return pb.SessionRef(tenant=tenant, session_id=session_id)
 
     async def prefetch(self, tenant: str, session_id: str, *, timeout_s: float = 0.0,
-                       target_tier: str = "") -> pb.PrefetchReply:
+                       target_tier: str = "") -> PrefetchResult:
+        """Bring a session's blocks up to ``target_tier`` ("": the fastest) ahead of a
+        restore; waits at most ``timeout_s`` (0: the server's choice) for them."""
         request = pb.PrefetchRequest(session=self._ref(tenant, session_id), timeout_s=timeout_s,
                                      target_tier=target_tier)
-        return await self._call(lambda node: node.stub.Prefetch(request, timeout=self.timeout_s),
-                                (tenant, session_id))
+        reply = await self._call(lambda node: node.stub.Prefetch(request,
+                                                                 timeout=self.timeout_s),
+                                 (tenant, session_id))
+        return replies.value(PrefetchResult, reply)
 
     async def evict(self, tenant: str, session_id: str, target_tier: str = ""
-                    ) -> pb.EvictReply:
+                    ) -> EvictResult:
+        """Demote a session's blocks to ``target_tier`` (e.g. "disk", "object")."""
         request = pb.EvictRequest(session=self._ref(tenant, session_id), target_tier=target_tier)
-        return await self._call(lambda node: node.stub.Evict(request, timeout=self.timeout_s),
-                                (tenant, session_id))
+        reply = await self._call(lambda node: node.stub.Evict(request, timeout=self.timeout_s),
+                                 (tenant, session_id))
+        return replies.value(EvictResult, reply)
 
-    async def delete(self, tenant: str, session_id: str) -> pb.DeleteReply:
+    async def delete(self, tenant: str, session_id: str) -> DeleteResult:
+        """Delete a session; chunks no other session references are freed."""
         self._held.pop((tenant, session_id), None)
         self._router.forget((tenant, session_id))
         request = pb.DeleteRequest(session=self._ref(tenant, session_id))
         # Not sent twice: a second Delete after one landed would answer NOT_FOUND.
-        return await self._call(lambda node: node.stub.Delete(request, timeout=self.timeout_s),
-                                idempotent=False)
+        reply = await self._call(lambda node: node.stub.Delete(request, timeout=self.timeout_s),
+                                 idempotent=False)
+        return replies.value(DeleteResult, reply)
 
-    async def lookup(self, tenant: str, layout: str | LayoutSpec, token_ids, *,
+    async def lookup(self, tenant: str, layout: str | LayoutSpec, token_ids: TokenIds, *,
                      model: str | None = None, dedupe_domain: str = "") -> int:
         """Tokens of ``token_ids`` (whole chunks from the first) whose chunks the server
         holds in the tenant's (or the shared) dedupe domain. A later ``spill`` with the
@@ -504,7 +670,8 @@ class AsyncClient(PrefixChunkMethods):
         request = pb.LookupRequest(tenant=tenant, layout_id=spec.layout_id,
                                    model_fingerprint=model or "", dedupe_domain=dedupe_domain,
                                    token_ids=cc.as_tokens(token_ids).tobytes())
-        reply = await self._call(lambda node: node.stub.Lookup(request, timeout=self.timeout_s))
+        reply: pb.LookupReply = await self._call(
+            lambda node: node.stub.Lookup(request, timeout=self.timeout_s))
         scope = dedupe_scope(tenant, dedupe_domain or None)
         # the latest lookup per domain, layout and model: what a spill may name by key
         self._looked_up[(tenant, scope, spec.layout_id, model or "")] = {
@@ -512,26 +679,28 @@ class AsyncClient(PrefixChunkMethods):
         return reply.tokens_held
 
     async def fork(self, tenant: str, source_session: str, new_session: str, *,
-                   upto_tokens: int) -> pb.ForkReply:
+                   upto_tokens: int) -> ForkResult:
         """A new session (generation 1) sharing ``source_session``'s chunks up to
         ``upto_tokens`` rounded down to a chunk boundary (copy on write)."""
         request = pb.ForkRequest(source=self._ref(tenant, source_session),
                                  new_session_id=new_session, upto_tokens=upto_tokens)
-        return await self._call(lambda node: node.stub.Fork(request, timeout=self.timeout_s),
-                                idempotent=False)  # a second Fork would find it made
+        reply = await self._call(lambda node: node.stub.Fork(request, timeout=self.timeout_s),
+                                 idempotent=False)  # a second Fork would find it made
+        return replies.value(ForkResult, reply)
 
     async def stat(self, tenant: str = "", session_id: str = "", *,
-                   usage_of: str = "", fleet: bool = False) -> pb.StatReply:
+                   usage_of: str = "", fleet: bool = False) -> StatResult:
         """Tiers and counters; with ``tenant``/``session_id`` also that session, with
         ``usage_of`` also that tenant's use against its quotas (``reply.tenant_usage``),
         with ``fleet`` the fleet's view of a fleet node (``reply.fleet``)."""
         request = pb.StatRequest(session=self._ref(tenant, session_id)
                                  if tenant or session_id else None, tenant=usage_of,
                                  fleet=fleet)
-        return await self._call(lambda node: node.stub.Stat(request, timeout=self.timeout_s))
+        reply = await self._call(lambda node: node.stub.Stat(request, timeout=self.timeout_s))
+        return replies.value(StatResult, reply)
 
-    async def drain(self, on_progress: Callable[[pb.DrainProgress], None] | None = None, *,
-                    progress_interval_s: float = 1.0) -> pb.DrainProgress:
+    async def drain(self, on_progress: Callable[[DrainProgress], None] | None = None, *,
+                    progress_interval_s: float = 1.0) -> DrainProgress:
         """Drain the server before it stops (admin; ``kvtier drain``): it refuses new
         writes (UNAVAILABLE), makes every memory-acked session durable and, in a fleet,
         releases the windows it holds. ``on_progress`` is told each progress message
@@ -541,24 +710,28 @@ class AsyncClient(PrefixChunkMethods):
             raise InvalidRequest("drain one node: Client(address) of the node to stop")
         request = pb.DrainRequest(progress_interval_s=progress_interval_s)
 
-        async def follow(node: Node) -> pb.DrainProgress:
-            last = pb.DrainProgress()
+        async def follow(node: Node) -> DrainProgress:
+            last = replies.value(DrainProgress, pb.DrainProgress())
             async for step in node.stub.Drain(request, timeout=self.timeout_s):
-                last = step
+                last = replies.value(DrainProgress, step)
                 if on_progress is not None:
-                    on_progress(step)
+                    on_progress(last)
             return last
 
         return await self._call(follow)
 
-    async def list(self, tenant: str = "", *, page_size: int = 0) -> list[pb.SessionInfo]:
+    async def list(self, tenant: str = "", *, page_size: int = 0) -> list[SessionInfo]:
         """Every session (of one tenant), following pages."""
-        out, token = [], ""
+        out: list[SessionInfo] = []
+        token = ""
         while True:
             request = pb.ListRequest(tenant=tenant, page_size=page_size, page_token=token)
-            reply = await self._call(lambda node, r=request: node.stub.List(
-                r, timeout=self.timeout_s))
-            out.extend(reply.sessions)
+
+            def page(node: Node, request: pb.ListRequest = request) -> Awaitable[pb.ListReply]:
+                return node.stub.List(request, timeout=self.timeout_s)  # type: ignore[no-any-return]
+
+            reply = await self._call(page)
+            out.extend(replies.value(SessionInfo, s) for s in reply.sessions)
             token = reply.next_page_token
             if not token:
                 return out

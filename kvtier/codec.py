@@ -18,12 +18,13 @@ import math
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from kvstore.format.checks import check_part
 from kvstore.format.chunk import (
+    Buffer,
     LayerSlice,
     StreamData,
     decode_chunk,
@@ -38,19 +39,24 @@ from kvstore.format.keys import chain_keys, chunk_digest, token_bytes
 from kvstore.format.layer_sections import LayerCheck
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.window import encode_window as encode_window_blob
+from kvtier.types import TokenIds
 
 if TYPE_CHECKING:
     import torch
 
+    from proto import kvtier_pb2 as pb
+
 Streams = Mapping[str, StreamData]
 
 
-def as_tokens(token_ids) -> np.ndarray:
+def as_tokens(token_ids: TokenIds) -> np.ndarray:
     """Token ids (sequence, numpy array or 1-D tensor) as (num_tokens,) little-endian uint32."""
     torch_module = sys.modules.get("torch")  # not imported: token_ids cannot be a tensor
     if torch_module is not None and isinstance(token_ids, torch_module.Tensor):
-        token_ids = token_ids.detach().cpu().numpy()
-    return np.frombuffer(token_bytes(token_ids), dtype="<u4")
+        return np.frombuffer(token_bytes(token_ids.detach().cpu().numpy()), dtype="<u4")
+    # not a tensor (torch would be imported to make one)
+    return np.frombuffer(token_bytes(cast("Sequence[int] | np.ndarray", token_ids)),
+                         dtype="<u4")
 
 
 def _check_streams(spec: LayoutSpec, streams: Streams, ephemeral: bool, what: str) -> None:
@@ -189,6 +195,7 @@ def _slice(spec: LayoutSpec, streams: Streams, start: int, stop: int) -> dict[st
         a, b = start // s.tokens_per_entry, s.entries_for(stop)
         scales = data.scales
         if s.value_format.scales == "group":
+            assert scales is not None  # a group format has scales
             scales = scales[:, a:b]
         elif scales is not None and scales.shape[1] > 1:  # fp8: this chunk's column
             chunk = start // spec.chunk_tokens
@@ -215,8 +222,8 @@ def check_digests(chunks: Sequence[bytes | memoryview], digests: Sequence[bytes]
         raise DataLoss("the restored tail does not have the digest it was spilled with")
 
 
-def decode_persistent(spec: LayoutSpec, tokens: np.ndarray, chunks: Sequence[bytes],
-                      tail: bytes) -> dict[str, StreamData]:
+def decode_persistent(spec: LayoutSpec, tokens: np.ndarray, chunks: Sequence[Buffer],
+                      tail: Buffer) -> dict[str, StreamData]:
     """The whole session's persistent streams, (layers, entries, ...) each, verified."""
 
     if not len(chunks) and not len(tail):
@@ -233,7 +240,7 @@ def decode_persistent(spec: LayoutSpec, tokens: np.ndarray, chunks: Sequence[byt
         raise ChunkCorrupt(str(exc)) from exc
 
 
-def check_window_digest(window, stated: bytes) -> None:
+def check_window_digest(window: Buffer, stated: bytes) -> None:
     """A restored window must have the digest its reply states (``SessionHeader`` for a
     held window, ``ResumeSummary`` for one the Resume rebuilt): ``DataLoss`` if not."""
     if chunk_digest(window) != stated:
@@ -241,12 +248,12 @@ def check_window_digest(window, stated: bytes) -> None:
                        + ("" if stated else " (it states none)"))
 
 
-def window_start(window) -> int:
+def window_start(window: Buffer) -> int:
     """First token covered by the window blob's first (window K/V) chunk."""
     return read_header(split_chunks(window)[0]).start_token
 
 
-def decode_window(spec: LayoutSpec, tokens: np.ndarray, window
+def decode_window(spec: LayoutSpec, tokens: np.ndarray, window: Buffer
                   ) -> tuple[dict[str, StreamData], int]:
     """Every ephemeral stream of the window blob, and the first token of its first chunk."""
     out: dict[str, StreamData] = {}
@@ -277,13 +284,13 @@ class LayerAssembler:
     current: tuple[str, int] | None = None
 
     @classmethod
-    def for_header(cls, spec: LayoutSpec, header) -> LayerAssembler:
+    def for_header(cls, spec: LayoutSpec, header: pb.SessionHeader) -> LayerAssembler:
         """For the sections of the restore whose ``SessionHeader`` is ``header``."""
         tokens = as_tokens(np.frombuffer(header.token_ids, dtype="<u4"))
         return cls(spec, LayerCheck(spec, tokens, header.chunk_tables, header.chunk_digests,
                                     header.tail_digest))
 
-    def add(self, section) -> LayerSlice | None:
+    def add(self, section: pb.LayerSection) -> LayerSlice | None:
         self.check.add(section.stream, section.layer, section.chunk_index, section.codes,
                        section.scales, section.codes_xxh3, section.scales_xxh3)
         key = (section.stream, section.layer)
@@ -311,7 +318,9 @@ class LayerAssembler:
         kind = stream.value_format.scales
         if kind != "none":
             # group: (entries, groups) float16; tensor: (chunks,) float32, one a section
-            scales = _tensor(b"".join(s for _, s in self.parts), scales_dtype(stream),
+            dtype = scales_dtype(stream)
+            assert dtype is not None  # a format with scales
+            scales = _tensor(b"".join(s for _, s in self.parts), dtype,
                              (stream.scales_per_entry,) if kind == "group" else (), what)
             if kind == "tensor":
                 fault = (tensor_scale_fault(name, scales.numpy()) if len(scales) ==

@@ -1,12 +1,8 @@
-"""kvtier's errors, and the one place they meet gRPC: the servers' ``grpc_errors`` turns
-an exception into a status code and the ``kvtier-error`` trailer, ``error_from_rpc``
-turns a failed call back into the exception, both by the table in ``kvstore.format.errors``;
-``add_servicer`` registers a servicer so bytes that do not parse as its request type are
-INVALID_ARGUMENT (gRPC itself answers UNKNOWN, or fails inside a client stream).
-
-What a client reads is bounded and path-free: the details are clipped to
-``MAX_DETAILS_BYTES`` (gRPC carries them in metadata, refused past 16 KiB) and anything
-that looks like an absolute path becomes ``<path>``; the full message is logged here.
+"""kvtier's errors on the client side: ``error_from_rpc`` turns a failed call back into the
+exception the server raised, by the table in ``kvstore.format.errors`` (the server's
+``services.serving.errors.grpc_errors`` turns an exception into a status code and the
+``kvtier-error`` trailer by the same table). Every class of the one hierarchy is
+re-exported here.
 
     try:
         await client.restore("t", "s1")
@@ -16,49 +12,14 @@ that looks like an absolute path becomes ``<path>``; the full message is logged 
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import inspect
-import logging
-import re
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol, TypeVar, runtime_checkable
-
 import grpc
-from google.protobuf.message import DecodeError
 
 from kvstore.format import errors as store_errors
 from kvstore.format.errors import *  # noqa: F403  (every class of the one hierarchy)
-from kvstore.format.errors import (
-    ERROR_KEY,
-    InvalidRequest,
-    KVTierError,
-    error_for,
-    error_name,
-    status_name,
-)
+from kvstore.format.errors import ERROR_KEY, KVTierError, error_for
 from kvtier.request_ids import REQUEST_ID_KEY
 
-__all__ = [*store_errors.__all__, "add_servicer", "client_message", "error_from_rpc",
-           "grpc_errors", "status_for"]
-
-log = logging.getLogger(__name__)
-Handler = TypeVar("Handler", bound=Callable[..., Awaitable | AsyncIterator])
-MAX_DETAILS_BYTES = 2048  # of UTF-8; percent-encoded in grpc-message, at most 3x that
-# An absolute path: a "/" that starts a word (not "tenant/session", "s3://b/k", "../x").
-_PATH = re.compile(r"(?<![\w.:/~-])/[^\s'\",:;()<>\[\]{}]+")
-
-
-@runtime_checkable
-class RecordsCalls(Protocol):
-    """A servicer that counts its calls by final status and times them (the kvtier
-    server's metrics): errors where the call is aborted (``abort``, also for calls that
-    never reached the handler), successes and latency where the handler ends."""
-
-    def record_error(self, method: str, code: grpc.StatusCode) -> None: ...
-
-    def record_done(self, method: str, seconds: float, ok: bool) -> None: ...
+__all__ = [*store_errors.__all__, "client_deadline_passed", "error_from_rpc"]
 
 
 def client_deadline_passed(exc: grpc.aio.AioRpcError) -> bool:
@@ -69,191 +30,13 @@ def client_deadline_passed(exc: grpc.aio.AioRpcError) -> bool:
     return ERROR_KEY not in dict(exc.trailing_metadata() or ())
 
 
-def status_for(exc: BaseException) -> grpc.StatusCode:
-    return grpc.StatusCode[status_name(exc)]
-
-
 def error_from_rpc(exc: grpc.RpcError, source: str = "") -> KVTierError:
     """The exception a failed call stands for; ``source`` prefixes its message (who failed)."""
-    trailing = dict(exc.trailing_metadata() or ())
-    error = error_for(exc.code().name, source + (exc.details() or ""), trailing.get(ERROR_KEY))
-    error.request_id = trailing.get(REQUEST_ID_KEY)  # kvtier.request_ids
+    # (key, value) pairs: the stubs type the metadata of grpc's sync API instead
+    trailing: dict[str, str | bytes] = dict(
+        exc.trailing_metadata() or ())  # type: ignore[arg-type]
+    name, request_id = trailing.get(ERROR_KEY), trailing.get(REQUEST_ID_KEY)
+    error = error_for(exc.code().name, source + (exc.details() or ""),
+                      name if isinstance(name, str) else None)
+    error.request_id = request_id if isinstance(request_id, str) else None  # kvtier.request_ids
     return error
-
-
-def client_message(message: str) -> str:
-    """``message`` as a client may read it: no absolute paths, at most MAX_DETAILS_BYTES."""
-    message = _PATH.sub("<path>", message)
-    raw = message.encode()
-    if len(raw) <= MAX_DETAILS_BYTES:
-        return message
-    return raw[:MAX_DETAILS_BYTES - 20].decode(errors="ignore") + f"... ({len(raw)} B)"
-
-
-async def abort(context: grpc.aio.ServicerContext, exc: BaseException,
-                servicer: object = None, method: str = "") -> None:
-    """End the call with ``exc``'s status and name (reported to the servicer's
-    ``record_error(method, code)`` when it has one)."""
-    code = status_for(exc)
-    message = str(exc) if isinstance(exc, KVTierError) else f"{type(exc).__name__}: {exc}"
-    message = message or type(exc).__name__
-    shown = client_message(message)
-    if code == grpc.StatusCode.INTERNAL:
-        log.error("unexpected error in %s", method or "an RPC", exc_info=exc)
-    elif shown != message:  # the operator sees what the client does not
-        log.warning("%s in %s: %s", code.name, method or "an RPC", message)
-    if isinstance(servicer, RecordsCalls):
-        servicer.record_error(method, code)
-    # kept beside the error's name: the request id the server set at the call's start
-    kept = tuple((k, v) for k, v in (context.trailing_metadata() or ()) if k != ERROR_KEY)
-    context.set_trailing_metadata((*kept, (ERROR_KEY, error_name(exc))))
-    await context.abort(code, shown)
-
-
-class _Timed:
-    """One call's record: its latency and, when no error was recorded, its OK."""
-
-    def __init__(self, servicer: object, method: str) -> None:
-        self.servicer, self.method = servicer, method
-        self.started = time.perf_counter()
-        self.ok = False
-
-    def cancelled(self) -> None:  # the client went away: no abort, so count it here
-        if isinstance(self.servicer, RecordsCalls):
-            self.servicer.record_error(self.method, grpc.StatusCode.CANCELLED)
-
-    def done(self) -> None:
-        if isinstance(self.servicer, RecordsCalls):
-            self.servicer.record_done(self.method, time.perf_counter() - self.started,
-                                      self.ok)
-
-
-def grpc_errors(method: Handler) -> Handler:
-    """Wrap a servicer method (coroutine or async generator): every failure becomes a
-    status (never a crashed stream or server); every call is counted and timed."""
-    if inspect.isasyncgenfunction(method):
-
-        @functools.wraps(method)
-        async def stream(self, request, context):
-            call = _Timed(self, method.__name__)
-            try:
-                async for reply in method(self, request, context):
-                    yield reply
-                call.ok = True
-            except grpc.aio.AbortError:
-                raise
-            except (asyncio.CancelledError, GeneratorExit):
-                call.cancelled()
-                raise
-            except Exception as exc:
-                await abort(context, exc, self, method.__name__)
-            finally:
-                call.done()
-
-        return stream
-
-    @functools.wraps(method)
-    async def unary(self, request, context):
-        call = _Timed(self, method.__name__)
-        try:
-            reply = await method(self, request, context)
-            call.ok = True
-            return reply
-        except grpc.aio.AbortError:
-            raise
-        except asyncio.CancelledError:
-            call.cancelled()
-            raise
-        except Exception as exc:
-            await abort(context, exc, self, method.__name__)
-        finally:
-            call.done()
-
-    return unary
-
-
-class Undecodable:
-    """What a tolerant deserializer hands the handler for bytes that are not its type."""
-
-    def __init__(self, type_name: str, error: DecodeError) -> None:
-        self.error = InvalidRequest(f"the request is not a valid {type_name}: {error}")
-
-
-def _tolerant(deserialize: Callable[[bytes], object]) -> Callable[[bytes], object]:
-    type_name = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)
-    type_name = type_name.full_name if type_name is not None else "message"
-
-    def read(raw: bytes) -> object:
-        try:
-            return deserialize(raw)
-        except DecodeError as exc:
-            return Undecodable(type_name, exc)
-
-    return read
-
-
-async def _decoded(requests: AsyncIterator) -> AsyncIterator:
-    """A client stream that raises InvalidRequest at its first undecodable message."""
-    async for request in requests:
-        if isinstance(request, Undecodable):
-            raise request.error
-        yield request
-
-
-def _guarded(handler: grpc.RpcMethodHandler, servicer: object, name: str
-             ) -> grpc.RpcMethodHandler:
-    """``handler`` with a tolerant deserializer and a behaviour that refuses its marker
-    (grpc.aio tells coroutines and async generators from sync code: keep their kinds)."""
-    if handler.request_streaming and handler.response_streaming:
-        kind, behaviour = "stream_stream", handler.stream_stream
-
-        async def guarded(requests, context):
-            async for reply in behaviour(_decoded(requests), context):
-                yield reply
-    elif handler.request_streaming:
-        kind, behaviour = "stream_unary", handler.stream_unary
-
-        async def guarded(requests, context):
-            return await behaviour(_decoded(requests), context)
-    elif handler.response_streaming:
-        kind, behaviour = "unary_stream", handler.unary_stream
-
-        async def guarded(request, context):
-            if isinstance(request, Undecodable):
-                await abort(context, request.error, servicer, name)
-            async for reply in behaviour(request, context):
-                yield reply
-    else:
-        kind, behaviour = "unary_unary", handler.unary_unary
-
-        async def guarded(request, context):
-            if isinstance(request, Undecodable):
-                await abort(context, request.error, servicer, name)
-            return await behaviour(request, context)
-
-    return handler._replace(request_deserializer=_tolerant(handler.request_deserializer),
-                            **{kind: guarded})
-
-
-class _Captured:
-    """Stands in for a server to catch the handlers a generated ``add_*_to_server`` adds."""
-
-    def add_generic_rpc_handlers(self, handlers: object) -> None:
-        pass
-
-    def add_registered_method_handlers(self, service: str,
-                                       handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        self.service, self.handlers = service, handlers
-
-
-def add_servicer(add: Callable[[object, object], None], servicer: object,
-                 server: grpc.aio.Server) -> None:
-    """``add(servicer, server)`` (a generated ``add_*Servicer_to_server``), with every
-    method answering INVALID_ARGUMENT to request bytes that do not parse."""
-    captured = _Captured()
-    add(servicer, captured)
-    handlers = {name: _guarded(handler, servicer, name)
-                for name, handler in captured.handlers.items()}
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(captured.service, handlers),))
-    server.add_registered_method_handlers(captured.service, handlers)

@@ -1,11 +1,20 @@
-"""The Restore / Resume reply stream on the client side: its parts collected (payloads
-copied out of shared memory) and turned into a ``RestoredSession``. No retries here
-(``kvtier.client`` owns the calls)."""
+"""The server's replies as the client's Python values: the Restore / Resume reply stream's
+parts collected (payloads copied out of shared memory) and turned into a
+``RestoredSession``; a control call's reply into its ``kvtier.types`` dataclass
+(``value``). No retries here (``kvtier.client`` owns the calls)."""
 
 from __future__ import annotations
 
-import numpy as np
+import dataclasses
+import types
+import typing
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
+import numpy as np
+from google.protobuf.message import Message
+
+from kvstore.format.chunk import StreamData
 from kvstore.format.chunk_run import PackedRun
 from kvstore.format.errors import InvalidRequest
 from kvstore.format.keys import block_key
@@ -16,36 +25,84 @@ from kvtier import shm
 from kvtier.types import RestoredSession
 from proto import kvtier_pb2 as pb
 
+Value = TypeVar("Value")
+Body = bytes | memoryview  # a payload's bytes, copied out of shared memory or inline
+Part = Body | pb.SharedMemoryRef  # a payload as it came
 
-def copied_out(segment: shm.Segment | None, chunks: list, tail) -> tuple:
+
+def value(cls: type[Value], message: Message) -> Value:
+    """``message`` as the dataclass ``cls`` whose fields bear its fields' names: nested
+    messages as their dataclasses, repeated fields as lists, maps as dicts, and a
+    submessage or optional field the message left unset as None."""
+    fields: dict[str, Any] = {}
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]  # cls is a dataclass
+        hint, raw = hints[field.name], getattr(message, field.name)
+        args = typing.get_args(hint)
+        if isinstance(hint, types.UnionType) and type(None) in args:  # X | None
+            if not message.HasField(field.name):
+                fields[field.name] = None
+                continue
+            hint = next(a for a in args if a is not type(None))
+        origin = typing.get_origin(hint)
+        if origin is list:
+            (item,) = typing.get_args(hint)
+            fields[field.name] = ([value(item, m) for m in raw]
+                                  if isinstance(item, type) and dataclasses.is_dataclass(item)
+                                  else list(raw))
+        elif origin is dict:
+            fields[field.name] = dict(raw)
+        elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            fields[field.name] = value(hint, raw)
+        else:
+            fields[field.name] = raw
+    return cls(**fields)
+
+
+def copied_out(segment: shm.Segment | None, chunks: list[Part], tail: Part
+               ) -> tuple[Sequence[Body], Body]:
     """Chunks and tail that came as shared memory refs, copied out of ``segment``: chunks
     lying back to back (with the tail after them) as one ``PackedRun``, in one copy,
     which the decode reads without joining them; else each on its own."""
     refs = [c for c in chunks if isinstance(c, pb.SharedMemoryRef)]
-    tail_ref = tail if isinstance(tail, pb.SharedMemoryRef) else None
-    if segment is None or (not refs and tail_ref is None):
-        return chunks, tail
-    if refs and len(refs) == len(chunks):
-        run = segment.read_run([*refs, tail_ref]) if tail_ref is not None else None
-        if run is not None:
-            return PackedRun(run.buffer, run.lengths[:-1]), run[-1]
+    if segment is not None and refs and len(refs) == len(chunks):
+        if isinstance(tail, pb.SharedMemoryRef):
+            run = segment.read_run([*refs, tail])
+            if run is not None:
+                return PackedRun(run.buffer.data, run.lengths[:-1].tolist()), run[-1]
         run = segment.read_run(refs)
         if run is not None:
-            return run, segment.read(tail_ref) if tail_ref is not None else tail
-    return ([segment.read(c) if isinstance(c, pb.SharedMemoryRef) else c for c in chunks],
-            segment.read(tail_ref) if tail_ref is not None else tail)
+            return run, _body(segment, tail)
+    return [_body(segment, c) for c in chunks], _body(segment, tail)
 
 
-async def collect(call, segments: shm.ClientSegments, used: list[shm.Segment], persistent,
-                  stated: str) -> tuple:
+def _body(segment: shm.Segment | None, part: Part) -> Body:
+    """``part``'s bytes: copied out of ``segment`` when it came as a ref to it."""
+    if not isinstance(part, pb.SharedMemoryRef):
+        return part
+    if segment is None:
+        raise InvalidRequest("a reply refers to shared memory the header did not name")
+    return segment.read(part)
+
+
+async def collect(call: Any, segments: shm.ClientSegments, used: list[shm.Segment],  # noqa: C901 - one reply stream's items, each a case
+                  persistent: Callable[[pb.SessionHeader, Sequence[Body], Body],
+                                       Awaitable[None]],
+                  stated: str) -> tuple[pb.SessionHeader, Sequence[Body], Body, Body | None,
+                                        pb.ResumeSummary, shm.Segment | None]:
     """The reply stream's parts, payloads copied out of shared memory; the segment the
     header named (mapped, and added to ``used``, unless it is the offered one).
     ``persistent(header, chunks, tail)`` is awaited once, as soon as every chunk and
     the tail have come (before the window, which a Resume may still be replaying).
     ``stated``: the caller's model fingerprint, checked against the header's here too
     (a server that predates the check would not refuse)."""
-    header, chunks, tail, window, summary = None, [], b"", None, pb.ResumeSummary()
-    segment, done = None, False
+    header: pb.SessionHeader | None = None
+    received: list[Part] = []
+    tail: Part = b""
+    window: Body | None = None
+    summary = pb.ResumeSummary()
+    segment: shm.Segment | None = None
+    copied: tuple[Sequence[Body], Body] | None = None  # once every chunk and the tail came
     try:
         async for reply in call:
             kind = reply.WhichOneof("item")
@@ -53,11 +110,12 @@ async def collect(call, segments: shm.ClientSegments, used: list[shm.Segment], p
                 header = reply.header
                 check_model(stated, header.model_fingerprint, "the restored session")
                 if header.HasField("reply_segment"):
-                    segment = await _reply_segment(segments, header.reply_segment, used)
+                    segment = await reply_segment(segments, header.reply_segment, used)
             elif kind == "summary":
                 summary = reply.summary
             else:
                 payload = reply.chunk.payload if kind == "chunk" else getattr(reply, kind)
+                data: Part
                 if payload.WhichOneof("body") != "shm":
                     data = payload.data
                 elif segment is None:
@@ -68,35 +126,40 @@ async def collect(call, segments: shm.ClientSegments, used: list[shm.Segment], p
                 else:
                     data = segment.read(payload.shm)
                 if kind == "chunk":
-                    chunks.append(data)
+                    received.append(data)
                 elif kind == "tail":
                     tail = data
                 else:
-                    window = data
-                if (not done and header is not None and kind != "window"
-                        and len(chunks) == len(header.chunk_keys)
+                    window = _body(segment, data)
+                if (copied is None and header is not None and kind != "window"
+                        and len(received) == len(header.chunk_keys)
                         and (kind == "tail" or not header.tail_digest)):
-                    chunks, tail = copied_out(segment, chunks, tail)
-                    await persistent(header, chunks, tail)
-                    done = True
-        if not done and header is not None:  # none came, or not all
-            chunks, tail = copied_out(segment, chunks, tail)
-            await persistent(header, chunks, tail)
+                    copied = copied_out(segment, received, tail)
+                    await persistent(header, *copied)
+        if copied is None and header is not None:  # none came, or not all
+            copied = copied_out(segment, received, tail)
+            await persistent(header, *copied)
     except BaseException:
         call.cancel()
         raise
-    return header, chunks, tail, window, summary, segment
+    if header is None or copied is None:
+        raise InvalidRequest("the reply stream sent no header")
+    return header, copied[0], copied[1], window, summary, segment
 
-async def _reply_segment(segments: shm.ClientSegments, lease: pb.SharedMemoryLease,
-                         used: list[shm.Segment]) -> shm.Segment:
+
+async def reply_segment(segments: shm.ClientSegments, lease: pb.SharedMemoryLease,
+                        used: list[shm.Segment]) -> shm.Segment:
+    """The segment a reply header names: the one offered (``used[0]``), else mapped and
+    added to ``used``."""
     if used and used[0].lease_id == lease.lease_id:
         return used[0]  # the offered one, written into
     segment = await segments.mapped(lease)
     used.append(segment)
     return segment
 
-def restored_session(spec: LayoutSpec, header: pb.SessionHeader, chunks, tail, window, summary,
-            persistent: dict | None) -> RestoredSession:
+def restored_session(spec: LayoutSpec, header: pb.SessionHeader, chunks: Sequence[Body],
+                     tail: Body, window: Body | None, summary: pb.ResumeSummary,
+                     persistent: dict[str, StreamData] | None) -> RestoredSession:
     """The session; ``persistent``: its decoded persistent streams, None (no decode)."""
     tokens = cc.as_tokens(np.frombuffer(header.token_ids, dtype="<u4"))
     streams, start = None, 0

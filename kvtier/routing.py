@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -56,7 +56,8 @@ class Node:
     down_until: float = 0.0  # monotonic time it is up again
 
 
-def open_node(address: str, credentials: Credentials, options: Sequence) -> Node:
+def open_node(address: str, credentials: Credentials, options: Sequence[tuple[str, object]]
+              ) -> Node:
     channel = open_channel(address, credentials, options=options)
     stub = pb_grpc.KVTierStub(channel)
     return Node(address, channel, stub, shm.ClientSegments(stub))
@@ -67,7 +68,7 @@ Ref = tuple[str, str]  # (tenant, session_id)
 
 class Router:
     def __init__(self, nodes: list[Node], policy: RoutingPolicy = RoutingPolicy(),
-                 clock=time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.nodes = nodes
         self.policy = policy
         self._clock = clock
@@ -79,7 +80,7 @@ class Router:
         return len(self.nodes) > 1
 
     def _up(self, node: Node) -> bool:
-        return node.down_until <= self._clock()
+        return bool(node.down_until <= self._clock())
 
     def _first_up(self, start: int) -> Node:
         n = len(self.nodes)

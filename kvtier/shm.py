@@ -27,11 +27,13 @@ import mmap
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import grpc
 
+from kvstore.format.chunk import Buffer
 from kvstore.format.chunk_run import PackedRun
 from kvstore.format.errors import (
     InvalidRequest,
@@ -58,7 +60,8 @@ def available() -> bool:
 class Segment:
     """A server-created segment mapped read-write by the client holding its lease."""
 
-    def __init__(self, lease: pb.SharedMemoryLease, clock=time.monotonic) -> None:
+    def __init__(self, lease: pb.SharedMemoryLease,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not NAME.match(lease.name):
             raise InvalidRequest(f"the server leased a segment named {lease.name!r}, "
                                  "which is not a kvtier segment name")
@@ -87,7 +90,7 @@ class Segment:
         self.fresh_until = started + self.lease_s * RENEW_MARGIN
 
     def fresh(self) -> bool:
-        return self._clock() < self.fresh_until
+        return bool(self._clock() < self.fresh_until)
 
     def _check(self, ref: pb.SharedMemoryRef) -> None:
         if ref.lease_id != self.lease_id or ref.offset + ref.length > self.size:
@@ -140,7 +143,7 @@ class PackedWriter:
     def fits(self, nbytes: int) -> bool:
         return self.used + nbytes <= len(self.mapping)
 
-    def add(self, data) -> pb.SharedMemoryRef:
+    def add(self, data: Buffer) -> pb.SharedMemoryRef:
         view = memoryview(data).cast("B")
         start = self.used
         self.mapping[start : start + len(view)] = view
@@ -152,13 +155,13 @@ class ClientSegments:
     """The segments one client holds between calls (one per concurrent call, at most
     ``POOL_SIZE`` kept), leased from its server through ``stub``."""
 
-    def __init__(self, stub, clock=time.monotonic) -> None:
+    def __init__(self, stub: Any, clock: Callable[[], float] = time.monotonic) -> None:
         self._stub = stub
         self._clock = clock
         self._free: list[Segment] = []
-        self._returning: set[asyncio.Future] = set()  # lent segments being kept again
+        self._returning: set[asyncio.Future[None]] = set()  # lent segments being kept again
 
-    def _take(self, fits) -> Segment | None:
+    def _take(self, fits: Callable[[Segment], bool]) -> Segment | None:
         # Past its margin the server may reap it any moment: forget it, it will.
         for segment in [s for s in self._free if not s.fresh()]:
             self._free.remove(segment)
@@ -240,7 +243,7 @@ class ClientSegments:
         if segment is not None:
             await self.keep(segment, started)
 
-    async def release(self, segments) -> None:
+    async def release(self, segments: Iterable[Segment]) -> None:
         """Unmap segments we stop using and end their leases (best effort: the server
         reaps them at their lease end anyway)."""
         for segment in segments:

@@ -1,48 +1,86 @@
 """``Client``: the blocking twin of ``kvtier.client.AsyncClient``, same calls, same
-results, run on a private event loop in a daemon thread."""
+results, run on a private event loop in a daemon thread.
+
+Each call has its twin's signature and docstring (``twin`` copies the docstring;
+tests/client/test_public_api.py checks that every signature matches), so an editor or
+``help(kvtier.Client)`` shows what the call takes."""
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
 import threading
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import Future
-
-import numpy as np
+from typing import Any, TypeVar
 
 from kvstore.format.chunk import LayerSlice
+from kvstore.format.hints import ResumeHint
 from kvstore.format.layout import LayoutSpec
-from kvtier.client import AsyncClient
+from kvtier import codec as cc
+from kvtier.client import DEFAULT_TIMEOUT_S, AsyncClient
+from kvtier.routing import RoutingPolicy
 from kvtier.types import (
+    DeleteResult,
+    DrainProgress,
+    EvictResult,
+    ForkResult,
     LayoutInfo,
+    PrefetchResult,
     ReadChunksResult,
     RestoredSession,
+    RetryPolicy,
+    SessionInfo,
     SpillResult,
+    StatResult,
+    TokenIds,
     WriteChunksResult,
 )
-from proto import kvtier_pb2 as pb
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+Result = TypeVar("Result")
+
+
+def twin(async_method: Callable[..., Any]) -> Callable[[Method], Method]:
+    """Gives the decorated blocking call the docstring of ``async_method``, its twin."""
+
+    def documented(method: Method) -> Method:
+        method.__doc__ = async_method.__doc__
+        return method
+
+    return documented
 
 
 class Client:
     """The blocking twin of ``AsyncClient`` (its own event loop on a daemon thread)."""
 
-    def __init__(self, target: str | None = None, **options) -> None:
-        """As ``AsyncClient``: ``target`` (one server) or ``servers=[...]`` (routed)."""
+    @twin(AsyncClient.__init__)
+    def __init__(self, target: str | None = None, *, servers: Sequence[str] | None = None,
+                 shared_memory: bool | None = None,
+                 retry: RetryPolicy = RetryPolicy(),
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S,
+                 max_message_bytes: int = 64 << 20, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None,
+                 token: str | None = None, routing: RoutingPolicy = RoutingPolicy()) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="kvtier-client")
         self._thread.start()
-        self._async = self._run(self._make(target, options))
 
-    async def _make(self, target: str | None, options: dict) -> AsyncClient:
-        return AsyncClient(target, **options)
+        async def make() -> AsyncClient:  # on the loop: the channels belong to it
+            return AsyncClient(target, servers=servers, shared_memory=shared_memory,
+                               retry=retry, timeout_s=timeout_s,
+                               max_message_bytes=max_message_bytes, tls_ca=tls_ca,
+                               tls_cert=tls_cert, tls_key=tls_key, token=token,
+                               routing=routing)
 
-    def _run(self, coro):
+        self._async = self._run(make())
+
+    def _run(self, coro: Coroutine[Any, Any, Result]) -> Result:
         # in this thread's context: a kvtier.request_id block around the call applies
         context = contextvars.copy_context()
 
-        async def in_context():
+        async def in_context() -> Result:
             return await self._loop.create_task(coro, context=context)
 
         return asyncio.run_coroutine_threadsafe(in_context(), self._loop).result()
@@ -52,7 +90,7 @@ class Client:
         """The ``AsyncClient`` on this client's loop: its calls run through ``submit``."""
         return self._async
 
-    def submit(self, coro: Coroutine) -> Future:
+    def submit(self, coro: Coroutine[Any, Any, Result]) -> Future[Result]:
         """Run ``coro`` (calls of ``async_client``) on the client's loop; the caller waits
         on the future with its own deadline and may cancel it."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -65,9 +103,10 @@ class Client:
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    @twin(AsyncClient.close)
     def close(self) -> None:
         if self._loop.is_running():
             self._run(self._async.close())
@@ -75,62 +114,117 @@ class Client:
             self._thread.join()
             self._loop.close()
 
-    def spill(self, *args, **kwargs) -> SpillResult:
-        return self._run(self._async.spill(*args, **kwargs))
+    @twin(AsyncClient.spill)
+    def spill(self, tenant: str, session_id: str, layout: str | LayoutSpec,
+              token_ids: TokenIds, persistent: cc.Streams | None = None, *,
+              chunks: list[bytes] | None = None, tail: bytes = b"",
+              window: cc.Streams | bytes | None = None,
+              generation: int, ack: str | None = None,
+              hint: ResumeHint | None = None, ttl_s: float = 0.0,
+              model_fingerprint: str = "", dedupe_domain: str = "") -> SpillResult:
+        return self._run(self._async.spill(
+            tenant, session_id, layout, token_ids, persistent, chunks=chunks, tail=tail,
+            window=window, generation=generation, ack=ack, hint=hint, ttl_s=ttl_s,
+            model_fingerprint=model_fingerprint, dedupe_domain=dedupe_domain))
 
-    def restore(self, *args, **kwargs) -> RestoredSession:
-        return self._run(self._async.restore(*args, **kwargs))
+    @twin(AsyncClient.restore)
+    def restore(self, tenant: str, session_id: str, *, want_window: bool = True,
+                decode: bool = True, model_fingerprint: str = "") -> RestoredSession:
+        return self._run(self._async.restore(tenant, session_id, want_window=want_window,
+                                             decode=decode,
+                                             model_fingerprint=model_fingerprint))
 
-    def resume(self, *args, **kwargs) -> RestoredSession:
-        return self._run(self._async.resume(*args, **kwargs))
+    @twin(AsyncClient.resume)
+    def resume(self, tenant: str, session_id: str, *, replay_tokens: int = 0,
+               decode: bool = True, model_fingerprint: str = "") -> RestoredSession:
+        return self._run(self._async.resume(tenant, session_id, replay_tokens=replay_tokens,
+                                            decode=decode,
+                                            model_fingerprint=model_fingerprint))
 
-    def restore_layers(self, tenant: str, session_id: str, **kwargs) -> Iterator[LayerSlice]:
-        stream = self._async.restore_layers(tenant, session_id, **kwargs)
+    @twin(AsyncClient.restore_layers)
+    def restore_layers(self, tenant: str, session_id: str, *,
+                       model_fingerprint: str = "") -> Iterator[LayerSlice]:
+        stream = self._async.restore_layers(tenant, session_id,
+                                            model_fingerprint=model_fingerprint)
+
+        async def next_slice() -> LayerSlice:
+            return await anext(stream)
+
         while True:
             try:
-                yield self._run(stream.__anext__())
+                yield self._run(next_slice())
             except StopAsyncIteration:
                 return
 
+    @twin(AsyncClient.layouts)
     def layouts(self) -> list[LayoutInfo]:
         return self._run(self._async.layouts())
 
-    def register_layout(self, layout) -> str:
+    @twin(AsyncClient.register_layout)
+    def register_layout(self, layout: LayoutSpec | str) -> str:
         return self._run(self._async.register_layout(layout))
 
-    def layout(self, name_or_id: str):
+    @twin(AsyncClient.layout)
+    def layout(self, name_or_id: str) -> LayoutSpec:
         return self._run(self._async.layout(name_or_id))
 
-    def prefetch(self, *args, **kwargs) -> pb.PrefetchReply:
-        return self._run(self._async.prefetch(*args, **kwargs))
+    @twin(AsyncClient.write_chunks)
+    def write_chunks(self, tenant: str, layout: str | LayoutSpec, token_ids: TokenIds,
+                     chunks: Sequence[bytes], *, first_chunk: int = 0,
+                     model_fingerprint: str = "", dedupe_domain: str = "",
+                     ack: str = "memory", skip_held: bool = True) -> WriteChunksResult:
+        return self._run(self._async.write_chunks(
+            tenant, layout, token_ids, chunks, first_chunk=first_chunk,
+            model_fingerprint=model_fingerprint, dedupe_domain=dedupe_domain, ack=ack,
+            skip_held=skip_held))
 
-    def evict(self, *args, **kwargs) -> pb.EvictReply:
-        return self._run(self._async.evict(*args, **kwargs))
+    @twin(AsyncClient.read_chunks)
+    def read_chunks(self, tenant: str, layout: str | LayoutSpec, token_ids: TokenIds, *,
+                    first_chunk: int = 0, max_chunks: int = 0, model_fingerprint: str = "",
+                    dedupe_domain: str = "", digests: Sequence[bytes] | None = None,
+                    use_shared_memory: bool | None = None,
+                    check_digests: bool = True, in_place: bool = False
+                    ) -> ReadChunksResult:
+        return self._run(self._async.read_chunks(
+            tenant, layout, token_ids, first_chunk=first_chunk, max_chunks=max_chunks,
+            model_fingerprint=model_fingerprint, dedupe_domain=dedupe_domain,
+            digests=digests, use_shared_memory=use_shared_memory,
+            check_digests=check_digests, in_place=in_place))
 
-    def delete(self, *args, **kwargs) -> pb.DeleteReply:
-        return self._run(self._async.delete(*args, **kwargs))
+    @twin(AsyncClient.prefetch)
+    def prefetch(self, tenant: str, session_id: str, *, timeout_s: float = 0.0,
+                 target_tier: str = "") -> PrefetchResult:
+        return self._run(self._async.prefetch(tenant, session_id, timeout_s=timeout_s,
+                                              target_tier=target_tier))
 
-    def lookup(self, *args, **kwargs) -> int:
-        return self._run(self._async.lookup(*args, **kwargs))
+    @twin(AsyncClient.evict)
+    def evict(self, tenant: str, session_id: str, target_tier: str = "") -> EvictResult:
+        return self._run(self._async.evict(tenant, session_id, target_tier))
 
-    def write_chunks(self, *args, **kwargs) -> WriteChunksResult:
-        return self._run(self._async.write_chunks(*args, **kwargs))
+    @twin(AsyncClient.delete)
+    def delete(self, tenant: str, session_id: str) -> DeleteResult:
+        return self._run(self._async.delete(tenant, session_id))
 
-    def read_chunks(self, *args, **kwargs) -> ReadChunksResult:
-        return self._run(self._async.read_chunks(*args, **kwargs))
+    @twin(AsyncClient.lookup)
+    def lookup(self, tenant: str, layout: str | LayoutSpec, token_ids: TokenIds, *,
+               model: str | None = None, dedupe_domain: str = "") -> int:
+        return self._run(self._async.lookup(tenant, layout, token_ids, model=model,
+                                            dedupe_domain=dedupe_domain))
 
+    @twin(AsyncClient.write_independent_chunks)
     def write_independent_chunks(self, tenant: str, layout: str | LayoutSpec,
-                                 token_ids: Sequence[int] | np.ndarray, chunks: Sequence[bytes],
-                                 *, model_fingerprint: str = "", dedupe_domain: str = "",
+                                 token_ids: TokenIds, chunks: Sequence[bytes], *,
+                                 model_fingerprint: str = "", dedupe_domain: str = "",
                                  ack: str = "memory", skip_held: bool = False
                                  ) -> WriteChunksResult:
         return self._run(self._async.write_independent_chunks(
             tenant, layout, token_ids, chunks, model_fingerprint=model_fingerprint,
             dedupe_domain=dedupe_domain, ack=ack, skip_held=skip_held))
 
+    @twin(AsyncClient.read_independent_chunks)
     def read_independent_chunks(self, tenant: str, layout: str | LayoutSpec,
-                                token_ids: Sequence[int] | np.ndarray, *,
-                                model_fingerprint: str = "", dedupe_domain: str = "",
+                                token_ids: TokenIds, *, model_fingerprint: str = "",
+                                dedupe_domain: str = "",
                                 use_shared_memory: bool | None = None,
                                 check_digests: bool = True, in_place: bool = False
                                 ) -> ReadChunksResult:
@@ -139,22 +233,32 @@ class Client:
             dedupe_domain=dedupe_domain, use_shared_memory=use_shared_memory,
             check_digests=check_digests, in_place=in_place))
 
+    @twin(AsyncClient.lookup_independent_chunks)
     def lookup_independent_chunks(self, tenant: str, layout: str | LayoutSpec,
-                                  token_ids: Sequence[int] | np.ndarray, *,
-                                  model_fingerprint: str = "", dedupe_domain: str = ""
-                                  ) -> list[bool]:
+                                  token_ids: TokenIds, *, model_fingerprint: str = "",
+                                  dedupe_domain: str = "") -> list[bool]:
         return self._run(self._async.lookup_independent_chunks(
             tenant, layout, token_ids, model_fingerprint=model_fingerprint,
             dedupe_domain=dedupe_domain))
 
-    def fork(self, *args, **kwargs) -> pb.ForkReply:
-        return self._run(self._async.fork(*args, **kwargs))
+    @twin(AsyncClient.fork)
+    def fork(self, tenant: str, source_session: str, new_session: str, *,
+             upto_tokens: int) -> ForkResult:
+        return self._run(self._async.fork(tenant, source_session, new_session,
+                                          upto_tokens=upto_tokens))
 
-    def stat(self, *args, **kwargs) -> pb.StatReply:
-        return self._run(self._async.stat(*args, **kwargs))
+    @twin(AsyncClient.stat)
+    def stat(self, tenant: str = "", session_id: str = "", *,
+             usage_of: str = "", fleet: bool = False) -> StatResult:
+        return self._run(self._async.stat(tenant, session_id, usage_of=usage_of,
+                                          fleet=fleet))
 
-    def drain(self, *args, **kwargs) -> pb.DrainProgress:
-        return self._run(self._async.drain(*args, **kwargs))
+    @twin(AsyncClient.drain)
+    def drain(self, on_progress: Callable[[DrainProgress], None] | None = None, *,
+              progress_interval_s: float = 1.0) -> DrainProgress:
+        return self._run(self._async.drain(on_progress,
+                                           progress_interval_s=progress_interval_s))
 
-    def list(self, *args, **kwargs) -> list[pb.SessionInfo]:
-        return self._run(self._async.list(*args, **kwargs))
+    @twin(AsyncClient.list)
+    def list(self, tenant: str = "", *, page_size: int = 0) -> list[SessionInfo]:
+        return self._run(self._async.list(tenant, page_size=page_size))

@@ -5,11 +5,18 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 
 from kvstore.format.chunk import StreamData
 from kvstore.format.layout import LayoutSpec
+
+if TYPE_CHECKING:
+    import torch
+
+# A session's tokens: a sequence, a numpy array or a 1-D tensor (kvtier.codec.as_tokens).
+TokenIds: TypeAlias = "Sequence[int] | np.ndarray | torch.Tensor"
 
 
 @dataclass(frozen=True)
@@ -122,5 +129,140 @@ class ReadChunksResult:
     def __enter__(self) -> ReadChunksResult:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.release()
+
+
+# -- control calls (Prefetch, Evict, Delete, Fork, Stat, List, Drain): the server's reply
+# fields by the proto's names, as Python values; a submessage or optional field the reply
+# left unset is None.
+
+
+@dataclass(frozen=True)
+class SessionRef:
+    tenant: str
+    session_id: str
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """A stored session (List, Stat with a session)."""
+
+    session: SessionRef
+    layout_id: str
+    generation: int
+    num_tokens: int
+    chunks: int
+    window_tier: str  # "": the window was dropped
+    last_access_unix: float
+    tiers: list[str]  # tiers holding at least one of its chunks
+    writeback_failed: bool  # as in RestoredSession
+    window_node_id: str  # fleet: the node whose memory holds the window ("": none)
+    window_node_address: str  # where a router reaches that node
+    model_fingerprint: str  # as its spill stated it; "": none stated
+
+
+@dataclass(frozen=True)
+class TierStat:
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    items: int
+    available: bool
+    lookups: int
+    hits: int
+
+
+@dataclass(frozen=True)
+class TenantUsage:
+    """A tenant's use against its quotas; a limit of None is unlimited."""
+
+    tenant: str
+    sessions: int
+    durable_bytes: int
+    memory_bytes: int
+    sessions_limit: int | None
+    durable_bytes_limit: int | None
+    memory_bytes_limit: int | None
+    rejections: dict[str, int]  # quota -> spills refused
+    retained_bytes: int  # unreferenced chunks of its dedupe domain kept as cache
+
+
+@dataclass(frozen=True)
+class NodeLiveness:
+    """A fleet node's last heartbeat."""
+
+    node_id: str
+    address: str
+    state: str  # serving, draining, drained or stopped
+    heartbeat_age_s: float  # on the answering node's clock
+    down: bool  # no heartbeat for the server's fleet_down_after_s, not stopped
+
+
+@dataclass(frozen=True)
+class FleetStat:
+    """What a fleet node knows of its fleet."""
+
+    sessions: int  # manifests in the shared bucket
+    nodes_seen: list[str]
+    gc_epoch: int
+    gc_state: str  # marking, deleting or done
+    gc_sweeper: str
+    cas: dict[str, int]  # this node's manifest CAS writes: won, conflict, error
+    nodes: list[NodeLiveness]
+
+
+@dataclass(frozen=True)
+class StatResult:
+    """Tiers and counters (Stat); ``session``, ``tenant_usage`` and ``fleet`` when asked."""
+
+    tiers: list[TierStat]
+    sessions: int
+    writeback_queue_depth: int
+    replays: int
+    session: SessionInfo | None
+    tenant_usage: TenantUsage | None
+    node_id: str
+    retained_bytes: int  # unreferenced chunks kept as evictable cache (prefix reuse)
+    retained_chunks: int
+    fleet: FleetStat | None
+
+
+@dataclass(frozen=True)
+class PrefetchResult:
+    tier: str
+    complete: bool  # False: the timeout expired first
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EvictResult:
+    tier: str  # the slowest tier holding one of the session's blocks after it
+    window_dropped: bool
+
+
+@dataclass(frozen=True)
+class DeleteResult:
+    chunks_released: int
+    chunks_freed: int  # no other session referenced them
+
+
+@dataclass(frozen=True)
+class ForkResult:
+    generation: int
+    num_tokens: int
+    chunks: int
+    window_kept: bool
+
+
+@dataclass(frozen=True)
+class DrainProgress:
+    """One step of a drain (``kvtier drain``)."""
+
+    phase: str  # writes, writeback, windows, done
+    writes_in_flight: int  # admitted before the drain began, not yet committed
+    writeback_pending: int  # chunks queued for write-back to a durable tier
+    writeback_failed: int  # sessions marked writeback_failed (retried until durable)
+    windows_held: int  # sessions whose window this node still holds
+    windows_released: int  # fleet: windows released (those sessions replay elsewhere)
+    done: bool  # nothing of a session depends on this node any more

@@ -32,9 +32,10 @@ class Item:
     data: Buffer
 
 
-async def upload(node: Node, first, items: Sequence[Item],
+async def upload(node: Node, first: object, items: Sequence[Item],
                  message: Callable[[Item, pb.Payload], object],
-                 call: Callable[[AsyncIterator], Awaitable[Reply]], *, shared_memory: bool,
+                 call: Callable[[AsyncIterator[object]], Awaitable[Reply]], *,
+                 shared_memory: bool,
                  max_message_bytes: int, timeout_s: float | None) -> Reply:
     """``call`` with the stream ``first``, then ``message(item, payload)`` per item."""
     started = time.monotonic()
@@ -67,7 +68,7 @@ async def upload(node: Node, first, items: Sequence[Item],
     return reply
 
 
-async def _stream(messages: list) -> AsyncIterator:
+async def _stream(messages: list[object]) -> AsyncIterator[object]:
     # An async iterator: with a plain one, a server refusing an oversize message
     # surfaces as INTERNAL instead of its RESOURCE_EXHAUSTED status.
     for message in messages:

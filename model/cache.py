@@ -14,6 +14,8 @@ state in a call holds a window of the same length.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels import ops
@@ -47,36 +49,41 @@ class CachedAttention:
         self.q_pos = self.pos[0]  # (T,)
         self.k_pos = torch.arange(pos0s[0] - s_prev, pos0s[0] + t, device=dev)  # (S + T,)
         self.keep = min(cfg.window, s_prev + t)  # window tokens the states keep
-        self.kk = self.vv = None  # (B, Hkv, S + T, Dh) int8 + scales, of the layer being run
+        # (B, Hkv, S + T, Dh) int8 + scales, of the layer being run (set by store_window)
+        self.kk: QTensor
+        self.vv: QTensor
         self.windows_k: list[QTensor] = []  # per layer: (B, keep, Hkv, Dh) int8 + scales
         self.windows_v: list[QTensor] = []
         self.latents: list[QTensor] = []  # per full layer: (B, E, Dc/2) uint8 + scales
         self.keys: list[QTensor] = []  # per full layer: (B, E, Di/2) uint8 + scales
         self.enc_tails: list[list[torch.Tensor]] = [[] for _ in sts]  # per session, per full layer
-        self.pool = self.sel = None  # (B, T, P), (B, T, K) int32 entry ids, -1 unused
+        # (B, T, P), (B, T, K) int32 entry ids, -1 unused (set by select)
+        self.pool: torch.Tensor
+        self.sel: torch.Tensor
         self.dec_latent: QTensor | None = None  # (B, E, Dc/2) uint8 + scales
 
     def store_window(self, layer: EncoderLayer, k: torch.Tensor, v: torch.Tensor) -> None:
         i, gw = layer.index, self.cfg.window_group_size
         kq, vq = ops.quantize_int8(k, gw), ops.quantize_int8(v, gw)  # (B, Hkv, T, Dh[/gw])
         # states (S, Hkv, Dh) -> kernel (B, Hkv, S, Dh), then append the chunk's keys
-        self.kk = _cat_q(tuple(torch.stack([st.window_k[j][i].transpose(0, 1)
-                                            for st in self.sts]) for j in range(2)), kq, 2)
-        self.vv = _cat_q(tuple(torch.stack([st.window_v[j][i].transpose(0, 1)
-                                            for st in self.sts]) for j in range(2)), vq, 2)
-        self.windows_k.append(tuple(a[:, :, -self.keep:].transpose(1, 2) for a in self.kk))
-        self.windows_v.append(tuple(a[:, :, -self.keep:].transpose(1, 2) for a in self.vv))
+        self.kk = _cat_q(_pair(lambda j: torch.stack([_window(st)[0][j][i].transpose(0, 1)
+                                                        for st in self.sts])), kq, 2)
+        self.vv = _cat_q(_pair(lambda j: torch.stack([_window(st)[1][j][i].transpose(0, 1)
+                                                        for st in self.sts])), vq, 2)
+        self.windows_k.append(_pair(lambda j: self.kk[j][:, :, -self.keep:].transpose(1, 2)))
+        self.windows_v.append(_pair(lambda j: self.vv[j][:, :, -self.keep:].transpose(1, 2)))
 
     def add_entries(self, layer: EncoderLayer, x: torch.Tensor) -> None:
         f, g = self.cfg.full_layers.index(layer.index), self.cfg.group_size
         lat_rows, key_rows = [], []
         for s, st in enumerate(self.sts):
             span = (self.pos[s], self.e_before[s], self.e_after[s], self.append, g)
-            new_lat, tail = _merge_rows(layer.latent, st.enc_tail[f], x[s], *span)
-            new_key, _ = _merge_rows(layer.index_key, st.enc_tail[f], x[s], *span)
+            enc_tail = _window(st)[2]
+            new_lat, tail = _merge_rows(layer.latent, enc_tail[f], x[s], *span)
+            new_key, _ = _merge_rows(layer.index_key, enc_tail[f], x[s], *span)
             self.enc_tails[s].append(tail)
-            old_lat = tuple(a[f] for a in st.enc_latent)
-            old_key = tuple(a[f] for a in st.enc_index_keys)
+            old_lat = _at(st.enc_latent, f)
+            old_key = _at(st.enc_index_keys, f)
             lat_rows.append(old_lat if new_lat is None else _cat_q(old_lat, new_lat, 0))
             key_rows.append(old_key if new_key is None else _cat_q(old_key, new_key, 0))
         self.latents.append(_stack_padded(lat_rows, self.e_max))
@@ -114,24 +121,22 @@ class CachedAttention:
         """dec.latent entries, then the chunk's windows, tails (and entries) into the states."""
         dec_rows = []
         for s, st in enumerate(self.sts):
-            new_dec, dec_tail = _merge_rows(compressor, st.dec_tail[0], normed[s], self.pos[s],
+            new_dec, dec_tail = _merge_rows(compressor, _window(st)[3][0], normed[s], self.pos[s],
                                             self.e_before[s], self.e_after[s], self.append,
                                             self.cfg.group_size)
-            dec_latent = tuple(a[0] for a in st.dec_latent)
+            dec_latent = _at(st.dec_latent, 0)
             if new_dec is not None:
                 dec_latent = _cat_q(dec_latent, new_dec, 0)
             dec_rows.append(dec_latent)
-            st.window_k = tuple(torch.stack([w[j][s] for w in self.windows_k]) for j in range(2))
-            st.window_v = tuple(torch.stack([w[j][s] for w in self.windows_v]) for j in range(2))
+            st.window_k = _stacked_at(self.windows_k, s)
+            st.window_v = _stacked_at(self.windows_v, s)
             st.enc_tail, st.dec_tail = torch.stack(self.enc_tails[s]), dec_tail[None]
         if self.append:
             st = self.sts[0]
             st.token_ids = torch.cat((st.token_ids, self.ids[0]))
-            st.enc_latent = tuple(torch.stack([lat[j][0] for lat in self.latents])
-                                  for j in range(2))
-            st.enc_index_keys = tuple(torch.stack([key[j][0] for key in self.keys])
-                                      for j in range(2))
-            st.dec_latent = tuple(a[None] for a in dec_rows[0])
+            st.enc_latent = _pair(lambda j: torch.stack([lat[j][0] for lat in self.latents]))
+            st.enc_index_keys = _pair(lambda j: torch.stack([key[j][0] for key in self.keys]))
+            st.dec_latent = _pair(lambda j: dec_rows[0][j][None])
         self.dec_latent = _stack_padded(dec_rows, self.e_max)
 
     def decoder_rows(self, h: torch.Tensor) -> torch.Tensor | None:
@@ -143,6 +148,7 @@ class CachedAttention:
         return h[:, rows]
 
     def decoder_attention(self, layer: DecoderLayer, qc: torch.Tensor) -> torch.Tensor:
+        assert self.dec_latent is not None  # global_kv ran first
         return _compressed(self.cfg, layer, qc, self.dec_latent, self.sel)[0]
 
 
@@ -150,19 +156,42 @@ def _cat_q(a: QTensor, b: QTensor, dim: int) -> QTensor:
     return torch.cat((a[0], b[0]), dim), torch.cat((a[1], b[1]), dim)
 
 
-def _stack_padded(rows: list[tuple], length: int) -> tuple:
+def _window(st: KVState) -> tuple[QTensor, QTensor, torch.Tensor, torch.Tensor]:
+    """``st``'s window K/V and tails, which a batch needs (replay rebuilds them first)."""
+    if st.window_k is None or st.window_v is None or st.enc_tail is None or st.dec_tail is None:
+        raise ValueError("a state without its window: run model.infer.replay first")
+    return st.window_k, st.window_v, st.enc_tail, st.dec_tail
+
+
+def _at(q: QTensor, index: int) -> QTensor:
+    return q[0][index], q[1][index]
+
+
+def _stacked_at(qs: list[QTensor], index: int) -> QTensor:
+    """Row ``index`` of each of ``qs``, stacked: (len(qs), ...) codes and scales."""
+    return (torch.stack([q[0][index] for q in qs]), torch.stack([q[1][index] for q in qs]))
+
+
+def _pair(part: Callable[[int], torch.Tensor]) -> QTensor:
+    """(codes, scales): ``part(0)``, ``part(1)``."""
+    return part(0), part(1)
+
+
+def _stack_padded(rows: list[QTensor], length: int) -> QTensor:
     """Per-session (codes (E_b, ...), scales (E_b, ...)) -> (B, length, ...) pairs. Rows
     past a session's E_b are zeros that no query of that session sees (n_visible and the
     selections stop at E_b)."""
     if len(rows) == 1:
-        return tuple(a[None] for a in rows[0])
-    out = []
-    for part in zip(*rows, strict=True):
-        padded = part[0].new_zeros((len(part), length, *part[0].shape[1:]))
+        return _pair(lambda j: rows[0][j][None])
+
+    def padded(j: int) -> torch.Tensor:
+        part = [row[j] for row in rows]
+        out = part[0].new_zeros((len(part), length, *part[0].shape[1:]))
         for b, a in enumerate(part):
-            padded[b, :a.shape[0]] = a
-        out.append(padded)
-    return tuple(out)
+            out[b, :a.shape[0]] = a
+        return out
+
+    return _pair(padded)
 
 
 def _reindex(cfg: ModelConfig, layer: EncoderLayer | DecoderLayer, x: torch.Tensor,

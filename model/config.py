@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
 
 from kvstore.format.layout import BaselineKV, LayoutSpec, Stream
 
@@ -102,8 +103,9 @@ def layout_spec(cfg: ModelConfig, name: str = "kvtier-bundled") -> LayoutSpec:
     """The cache layout implied by `cfg`: persistent compressed streams, ephemeral window."""
     full = len(cfg.full_layers)
     enc = len(cfg.enc_modes)
-    q4 = dict(bits=4, group_size=cfg.group_size, tokens_per_entry=cfg.block)
-    q8 = dict(bits=8, group_size=cfg.window_group_size, layers=enc, persistent=False)
+    q4: dict[str, Any] = dict(bits=4, group_size=cfg.group_size, tokens_per_entry=cfg.block)
+    q8: dict[str, Any] = dict(bits=8, group_size=cfg.window_group_size, layers=enc,
+                              persistent=False)
     streams = (
         Stream("enc.latent", (cfg.latent_dim,), layers=full, **q4),
         Stream("enc.index_keys", (cfg.index_dim,), layers=full, **q4),

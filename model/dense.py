@@ -133,10 +133,14 @@ class TrainingAttention:
         self.visible = (torch.arange(self.n, device=device).view(1, self.n)
                         < ((self.pos + 1) // cfg.block).view(t, 1))  # (T, N)
         self.groups: list[dict] = []  # per indexer: its scores, the attention it should predict
-        self.k = self.v = None  # (B, Hkv, T, Dh) fake-int8, of the layer being run
-        self.latent = self.keys = None  # (B, N, Dc), (B, N, Di) fake-int4, of the last full layer
-        self.pool = self.sel = None  # (B, T, N) bool
-        self.dec_latent = None  # (B, N, Dc) fake-int4
+        # each set by the step of the layer pass that makes it, before it is read
+        self.k: torch.Tensor  # (B, Hkv, T, Dh) fake-int8, of the layer being run
+        self.v: torch.Tensor
+        self.latent: torch.Tensor  # (B, N, Dc) fake-int4, of the last full layer
+        self.keys: torch.Tensor  # (B, N, Di) fake-int4
+        self.pool: torch.Tensor  # (B, T, N) bool
+        self.sel: torch.Tensor
+        self.dec_latent: torch.Tensor  # (B, N, Dc) fake-int4
 
     @in_float32
     def store_window(self, layer: EncoderLayer, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -247,7 +251,7 @@ def indexer_loss(groups: list[dict], visible: torch.Tensor, power: float = 1.0) 
     as any; power > 1 sharpens it toward the entries a top-k should hold."""
     rows = visible.any(-1)  # (T,): empty rows would put NaN into the backward pass
     vis = visible[rows]
-    total = 0.0
+    total: torch.Tensor | float = 0.0
     for g in groups:
         target = torch.stack(g["targets"]).mean(0)[:, rows]  # (B, T', N)
         if power != 1.0:
@@ -255,4 +259,4 @@ def indexer_loss(groups: list[dict], visible: torch.Tensor, power: float = 1.0) 
             target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
         logp = F.log_softmax(g["scores"][:, rows], -1).masked_fill(~vis, 0.0)
         total = total - (target * logp).sum(-1).mean()
-    return total / max(len(groups), 1)
+    return torch.as_tensor(total) / max(len(groups), 1)

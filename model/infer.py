@@ -8,6 +8,7 @@ or a replay, so the three agree by construction.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal, overload
 
 import torch
 
@@ -27,7 +28,20 @@ def _token_tensor(model: KVTierLM, token_ids) -> torch.Tensor:
 
 
 @torch.no_grad()
-def prefill(model: KVTierLM, token_ids, state: KVState | None = None, logits: str = "last",
+@overload
+def prefill(model: KVTierLM, token_ids: Sequence[int] | torch.Tensor,
+            state: KVState | None = None, logits: Literal["last", "all"] = "last",
+            chunk: int = 512) -> tuple[KVState, torch.Tensor]: ...
+
+
+@overload
+def prefill(model: KVTierLM, token_ids: Sequence[int] | torch.Tensor,
+            state: KVState | None = None, *, logits: Literal["none"],
+            chunk: int = 512) -> tuple[KVState, None]: ...
+
+
+def prefill(model: KVTierLM, token_ids: Sequence[int] | torch.Tensor,
+            state: KVState | None = None, logits: str = "last",
             chunk: int = 512) -> tuple[KVState, torch.Tensor | None]:
     """Run `token_ids` (sequence of ints or (T,) tensor) after `state` (default: empty).
 
@@ -98,7 +112,7 @@ def replay_batch(model: KVTierLM, states: Sequence[KVState], r: int | None = Non
         for i, st in zip(members, _replay_group(model, [states[i] for i in members], rg,
                                                 chunk), strict=True):
             out[i] = st
-    return out
+    return [st for st in out if st is not None]  # every index is in one group
 
 
 def _replay_group(model: KVTierLM, states: list[KVState], r: int,

@@ -206,6 +206,7 @@ def merge_out(layer: EncoderLayer | DecoderLayer, out_c: torch.Tensor,
     """Already-weighted path outputs (B, H, T, D*) -> residual update (B, T, width)."""
     y = layer.woc(out_c.transpose(1, 2).flatten(2))
     if out_w is not None:
+        assert isinstance(layer, EncoderLayer)  # only an encoder layer has a window path
         y = y + layer.wo(out_w.transpose(1, 2).flatten(2))
     return y
 

@@ -42,7 +42,8 @@ class KVState:
     def empty(cls, cfg: ModelConfig, device: torch.device | str = "cpu") -> KVState:
         f = len(cfg.full_layers)
         ids = torch.zeros(0, dtype=torch.int64, device=device)
-        st = cls(cfg, ids, *(_empty_q(cfg, n, device) for n in PERSISTENT))
+        enc_latent, enc_index_keys, dec_latent = (_empty_q(cfg, n, device) for n in PERSISTENT)
+        st = cls(cfg, ids, enc_latent, enc_index_keys, dec_latent)
         st.window_k, st.window_v = (_empty_q(cfg, n, device) for n in EPHEMERAL[:2])
         st.enc_tail = torch.zeros(f, 0, cfg.width, dtype=torch.bfloat16, device=device)
         st.dec_tail = torch.zeros(1, 0, cfg.width, dtype=torch.bfloat16, device=device)
@@ -70,10 +71,14 @@ class KVState:
 
     def ephemeral_tensors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """Window K/V as (codes, scales) and the tails as (bf16 rows, None); {} if evicted."""
-        if not self.has_window:
+        if self.window_k is None or self.window_v is None:
             return {}
-        return dict(zip(EPHEMERAL, (self.window_k, self.window_v, (self.enc_tail, None),
-                                    (self.dec_tail, None)), strict=True))
+        parts: list[tuple[torch.Tensor, torch.Tensor | None]] = [
+            self.window_k, self.window_v]
+        for tail in (self.enc_tail, self.dec_tail):
+            assert tail is not None  # held with the window
+            parts.append((tail, None))
+        return dict(zip(EPHEMERAL, parts, strict=True))
 
     def without_window(self) -> KVState:
         """What a tier without window KV restores: the same state minus the ephemeral part."""
@@ -91,7 +96,8 @@ class KVState:
         missing = set(PERSISTENT) - set(persistent)
         if missing:
             raise ValueError(f"persistent tensors missing streams {sorted(missing)}")
-        st = cls(cfg, ids, *(persistent[n] for n in PERSISTENT))
+        enc_latent, enc_index_keys, dec_latent = (persistent[n] for n in PERSISTENT)
+        st = cls(cfg, ids, enc_latent, enc_index_keys, dec_latent)
         if ephemeral:
             missing = set(EPHEMERAL) - set(ephemeral)
             if missing:

@@ -176,7 +176,7 @@ class Run:
         return run
 
 
-def train_steps(run: Run, until: int | None, directory: Path | None) -> None:
+def train_steps(run: Run, until: int | None, directory: Path | None) -> None:  # noqa: C901 - the training loop, its schedule and checkpoints
     """Run the plan from where `run` stands, to its end or to `until` steps in all."""
     tc = run.tc
     linear_dtype = getattr(torch, tc.linear_dtype)
@@ -187,6 +187,8 @@ def train_steps(run: Run, until: int | None, directory: Path | None) -> None:
             if run.stage:  # later stages start from what their start file holds
                 round_to_fp16(run.model)
             run.start_stage()
+        opt, sampler = run.opt, run.sampler
+        assert opt is not None and sampler is not None  # start_stage made them
         bar = tqdm(range(run.step, st.steps), desc=f"stage {run.stage + 1}", unit="step",
                    initial=run.step, total=st.steps)
         for step in bar:
@@ -196,10 +198,10 @@ def train_steps(run: Run, until: int | None, directory: Path | None) -> None:
                 if directory is not None:
                     run.save(directory)
                 return
-            for group in run.opt.param_groups:
+            for group in opt.param_groups:
                 group["lr"] = (lr_at(st.lr, st.warmup, st.steps, tc.min_lr_frac, step)
                                * group.get("lr_scale", 1.0))
-            ids = run.sampler.next()
+            ids = sampler.next()
             sparse = step >= st.dense_steps
             logits, aux = forward_train(run.model, ids[:, :-1], sparse=sparse,
                                         linear_dtype=linear_dtype, index_leak=tc.index_leak,
@@ -208,8 +210,8 @@ def train_steps(run: Run, until: int | None, directory: Path | None) -> None:
             (ce + tc.aux_weight * aux).backward()
             for params in clip_groups(run.model, tc.clip_indexers_apart):
                 torch.nn.utils.clip_grad_norm_(params, tc.clip)
-            run.opt.step()
-            run.opt.zero_grad(set_to_none=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
             bpb = ce.item() / LN2
             for key, val in (("step", len(run.log["step"])), ("bits_per_byte", bpb),
                              ("aux", aux.item()), ("sparse", sparse)):

@@ -112,7 +112,7 @@ def state_from_chunks(cfg: ModelConfig, token_ids, chunks: Sequence[Buffer], tai
     ids = as_token_array(token_ids)
     persistent = decode_persistent(spec, ids, chunks, tail)
     model_persistent = {name: _model_q(cfg, name, persistent[name]) for name in PERSISTENT}
-    ephemeral = None
+    ephemeral: dict[str, tuple[torch.Tensor, torch.Tensor | None]] | None = None
     if window is not None:
         streams = decode_window(spec, ids, window, cfg.block)
         ephemeral = {name: _model_q(cfg, name, streams[name]) for name in WINDOW_KV}
@@ -150,7 +150,7 @@ def decode_persistent(spec: LayoutSpec, ids: np.ndarray, chunks: Sequence[Buffer
     return decode_chunks(bufs, spec, ids, counts)
 
 
-def decode_window(spec: LayoutSpec, ids: np.ndarray, window: Buffer, block: int
+def decode_window(spec: LayoutSpec, ids: np.ndarray, window: Buffer, block: int  # noqa: C901 - one check per kind of window stream
                   ) -> dict[str, StreamData]:
     """The ephemeral streams of a window blob, each checked to end at the last token (the
     window K/V) or to hold exactly the n % m pending rows (the tails)."""
@@ -192,13 +192,15 @@ def _token_slice(spec: LayoutSpec, streams: dict[str, StreamData], start: int, s
     for s in spec.persistent_streams:
         a, b = start // s.tokens_per_entry, s.entries_for(stop)
         data = streams[s.name]
-        out[s.name] = StreamData(data.codes[:, a:b], data.scales[:, a:b])
+        out[s.name] = StreamData(data.codes[:, a:b],
+                                 None if data.scales is None else data.scales[:, a:b])
     return out
 
 
-def _store_q(q: tuple[torch.Tensor, torch.Tensor]) -> StreamData:
+def _store_q(q: tuple[torch.Tensor, torch.Tensor | None]) -> StreamData:
     """Model (codes, scales (layers, rows, ..., groups)) -> store scales (layers, rows, all)."""
     codes, scales = q
+    assert scales is not None  # a quantized stream's
     groups = math.prod(scales.shape[2:])
     return StreamData(codes, scales.reshape(*scales.shape[:2], groups))
 
@@ -206,6 +208,7 @@ def _store_q(q: tuple[torch.Tensor, torch.Tensor]) -> StreamData:
 def _model_q(cfg: ModelConfig, name: str, data: StreamData) -> tuple[torch.Tensor, torch.Tensor]:
     """Store scales -> the model's: window scales regain their (Hkv, Dh/gw) axes."""
     scales = data.scales
+    assert scales is not None  # a quantized stream's
     if name in WINDOW_KV:
         scales = scales.reshape(*scales.shape[:2], cfg.kv_heads,
                                 cfg.head_dim // cfg.window_group_size)

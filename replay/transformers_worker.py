@@ -30,11 +30,10 @@ from kvstore.format.checks import check_token_ids
 from kvstore.format.errors import InvalidRequest, LayoutMismatch, UnknownLayout
 from kvstore.format.hf import deepseek_v4
 from kvstore.format.hf.model_layouts import DEEPSEEK_V4_BITS, deepseek_v4_layout, is_deepseek_v4
-from kvstore.format.layout import LayoutSpec
+from kvstore.format.layout import MAX_REPLAY_TOKENS, LayoutSpec
 from kvstore.format.model_identity import check_replayer, module_fingerprint
 from kvstore.format.registry import get_layout
 from kvstore.format.window import encode_window
-from kvstore.format.wire_limits import MAX_REPLAY_TOKENS
 from replay.service import LazyReplay
 from replay.state_codec import Buffer, as_token_array, decode_persistent
 from replay.worker import DEFAULT_REPLAY_TOKENS, ReplayResult

@@ -37,10 +37,9 @@ import numpy as np
 
 from kvstore.format.checks import check_token_ids
 from kvstore.format.errors import InvalidRequest, UnknownLayout
-from kvstore.format.layout import LayoutSpec
+from kvstore.format.layout import MAX_REPLAY_TOKENS, LayoutSpec
 from kvstore.format.model_identity import check_replayer, module_fingerprint
 from kvstore.format.registry import get_layout
-from kvstore.format.wire_limits import MAX_REPLAY_TOKENS
 from model.config import layout_spec
 from model.infer import prefill, replay_batch
 from model.net import KVTierLM
@@ -188,7 +187,8 @@ class ReplayWorker:
         fits = [job for job in self._queue
                 if job.spec.layout_id == first.spec.layout_id and job.r == first.r
                 and n <= 2 * len(job.ids) and len(job.ids) <= 2 * n]
-        batch, longest = [], 0
+        batch: list[_Job] = []
+        longest = 0
         for job in fits[: self.max_batch]:
             longest = max(longest, len(job.ids))
             if batch and longest * (len(batch) + 1) > BATCH_TOKENS:
@@ -214,15 +214,20 @@ class ReplayWorker:
             r = batch[0].r  # one R per batch (_take_batch)
             try:
                 warm = replay_batch(self.model, [state for _, state in cold], r)
-                windows = [encode_window(batch[i].spec, state)
-                           for (i, _), state in zip(cold, warm, strict=True)]
+                windows: list[bytes | Exception] = [
+                    encode_window(batch[i].spec, state)
+                    for (i, _), state in zip(cold, warm, strict=True)]
             except Exception as exc:  # handed to the batch's callers
                 windows = [exc] * len(cold)
             seconds = time.perf_counter() - started
             for (i, _), window in zip(cold, windows, strict=True):
                 outcomes[i] = window if isinstance(window, Exception) else ReplayResult(
                     window, r, seconds, len(cold))
-        return outcomes
+        done: list[ReplayResult | Exception] = []
+        for outcome in outcomes:
+            assert outcome is not None  # every job has its outcome
+            done.append(outcome)
+        return done
 
     async def warm_up(self) -> None:
         """Run the model once on the compute thread: a prefill of two blocks of token 0

@@ -27,7 +27,7 @@ from kvstore.encryption.seal import Keyring
 from kvstore.format.chunk import verify_chunk
 from kvstore.format.errors import ChunkNotFound, CodecError
 from kvstore.session.manifest import SessionManifest
-from kvstore.tiers.base import MetaStore, Tier
+from kvstore.tiers.base import Buffer, MetaStore, Tier
 from kvstore.tiers.disk.quarantine import drop_if_unchanged, raw_record
 from kvstore.tiers.disk.reader import SegmentGone
 from kvstore.tiers.disk.segments import fsync_directory
@@ -63,7 +63,7 @@ class Quarantine:
         return self.directory / (stem + ".bin")
 
 
-def check_value(key: str, value: memoryview | bytes, keyring: Keyring | None) -> None:
+def check_value(key: str, value: Buffer, keyring: Keyring | None) -> None:
     """``CodecError`` unless ``value``, stored under ``key``, is an intact chunk (opened
     with ``keyring`` first when given: every value of an encrypted directory is
     encrypted)."""
@@ -116,7 +116,7 @@ async def scrub_tier(tier: Tier, quarantine: Quarantine | None, progress: Progre
     try:
         for key in keys:
             step.advance()
-            data = b""
+            data: Buffer = b""
             try:
                 data = await tier.get(key)
                 check_value(key, data, keyring)

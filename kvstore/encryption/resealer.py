@@ -42,6 +42,12 @@ class Resealer:
         self.meta = meta if isinstance(meta, EncryptedMetaStore) else None
         self.catalog, self.locks = catalog, locks
 
+    def keyring(self) -> Keyring | None:
+        """The keyring the node's encrypting tiers seal with (a reload changes it in
+        place), or None when it encrypts nothing this resealer covers."""
+        return self.tiers[0].keyring if self.tiers else (
+            self.meta.sealer.keyring if self.meta is not None else None)
+
     def needed(self, keyring: Keyring) -> bool:
         """Whether a pass may find anything: the keyring holds a key besides ``current``."""
         return bool(self.tiers or self.meta) and keyring.key_ids != [keyring.current]

@@ -77,7 +77,7 @@ class EncryptedTier(Tier):
         self.keyring = keyring
         self.domains = domains
         self.name = inner.name  # type: ignore[misc]  # the ClassVar, per instance here
-        self.durable = inner.durable  # type: ignore[misc]
+        self.durable = inner.durable
         self.holds_window = inner.holds_window  # type: ignore[misc]
 
     def __getattr__(self, attr: str):

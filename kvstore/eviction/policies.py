@@ -27,7 +27,7 @@ import itertools
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Callable, Collection, Container, Hashable, Sequence
 from dataclasses import dataclass
 
 from kvstore.format.hints import ResumeHint
@@ -215,7 +215,7 @@ class EvictionPolicy(abc.ABC):
         """``block`` left the tier (unknown blocks are ignored)."""
 
     @abc.abstractmethod
-    def victim(self, exclude: Collection[BlockId] = ()) -> BlockId | None:
+    def victim(self, exclude: Container[BlockId] = ()) -> BlockId | None:
         """The block to evict next, skipping ``exclude``; None when nothing is evictable."""
 
     def admits(self, block: BlockId, size: int, hint: NextUse | None = None) -> bool:
@@ -257,7 +257,7 @@ class LRUPolicy(EvictionPolicy):
     def on_remove(self, block: BlockId) -> None:
         self._order.pop(block, None)
 
-    def victim(self, exclude: Collection[BlockId] = ()) -> BlockId | None:
+    def victim(self, exclude: Container[BlockId] = ()) -> BlockId | None:
         for block in self._order:
             if block not in exclude:
                 return block
@@ -293,7 +293,7 @@ class _Level:
             heapq.heapify(self.latest)
 
     def first(self, heap: list[tuple[float, int, BlockId]], sign: int,
-              exclude: Collection[BlockId], stop: float = math.inf
+              exclude: Container[BlockId], stop: float = math.inf
               ) -> tuple[float, BlockId] | None:
         """(r, block) of the first live block of ``heap`` not in ``exclude`` whose heap key
         (``sign * r``) is below ``stop``, or None.
@@ -356,7 +356,7 @@ class HintPolicy(EvictionPolicy):
         if not level.entries:
             del self._levels[priority]
 
-    def victim(self, exclude: Collection[BlockId] = ()) -> BlockId | None:
+    def victim(self, exclude: Container[BlockId] = ()) -> BlockId | None:
         now = self.clock()
         for priority in sorted(self._levels):
             level = self._levels[priority]

@@ -51,7 +51,8 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Container, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -331,7 +332,7 @@ class ReusePolicy(EvictionPolicy):
 
     # -- choosing --
 
-    def victim(self, exclude: Collection[BlockId] = ()) -> BlockId | None:
+    def victim(self, exclude: Container[BlockId] = ()) -> BlockId | None:
         n = len(self._order)
         if n <= SAMPLE:
             return self._best(np.arange(n), exclude)
@@ -339,9 +340,10 @@ class ReusePolicy(EvictionPolicy):
         found = self._best(rows, exclude)
         return found if found is not None else self._best(np.arange(n), exclude)
 
-    def _oldest(self, exclude: Collection[BlockId]) -> np.ndarray:
+    def _oldest(self, exclude: Container[BlockId]) -> np.ndarray:
         """The rows of the ``OLDEST`` least recently used blocks not in ``exclude``."""
-        heap, live, found = self._aged, self._aged_of, []
+        heap, live = self._aged, self._aged_of
+        found: list[int] = []
         aside = []
         while heap and len(found) < OLDEST:
             entry = heapq.heappop(heap)
@@ -359,7 +361,7 @@ class ReusePolicy(EvictionPolicy):
         density = self.model.density[self._cls[rows], age_bins(self.clock() - self._since[rows])]
         return density * self._cost[rows] / self._size[rows]
 
-    def _best(self, rows: np.ndarray, exclude: Collection[BlockId]) -> BlockId | None:
+    def _best(self, rows: np.ndarray, exclude: Container[BlockId]) -> BlockId | None:
         """The block of ``rows`` to evict first, skipping ``exclude``: lowest priority;
         then a copy a higher tier also holds (it serves no read from here); then lowest
         value (density x cost per byte); equal values (ages past any read seen) oldest
@@ -417,7 +419,7 @@ def reuse_policies(clock: Clock = time.monotonic, *,
     return make
 
 
-def window_cost(is_window: Callable[[BlockId], bool],
+def window_cost(is_window: Callable[[Any], bool],  # of the stack's block ids (str keys)
                 replay_cost: float = REPLAY_COST_READS) -> Callable[[BlockId], float]:
     """The ``cost`` of a stack whose window blobs ``is_window`` tells apart: a replay for
     a window, one chunk read for anything else."""

@@ -194,7 +194,7 @@ class SpillGate:
     async def _admit(self, names: frozenset[str], what: str) -> None:
         for _ in range(_ROUNDS):
             epoch, sent = await self._current()
-            marked = frozenset()
+            marked: frozenset[str] = frozenset()
             if epoch.state != "done":
                 candidates = await self._candidates_of(epoch)
                 if candidates is None:  # cleaned up: the read is stale

@@ -184,7 +184,7 @@ async def last_run(meta: SharedMetaStore) -> LastRun | None:
     return LastRun("ok" if result == "ok" else "error", 0.0 if age is None else max(age, 0.0))
 
 
-async def _sweep(meta: SharedMetaStore, timing: GcTiming, dry_run: bool,
+async def _sweep(meta: SharedMetaStore, timing: GcTiming, dry_run: bool,  # noqa: C901 - the sweep's phases share one progress report and its counters
                  sweeper: str, progress: Progress) -> FleetGcReport:
     started = time.monotonic()
     io, paths = meta.io, meta.paths

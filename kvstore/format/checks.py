@@ -17,7 +17,8 @@ own checksum but belongs elsewhere still counts as corrupt and is fallen through
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,7 @@ from kvstore.format.chunk import (
 )
 from kvstore.format.errors import ChunkCorrupt, InvalidRequest, LayoutMismatch, shown
 from kvstore.format.keys import ROOT_PARENT, chunk_digest, chunk_key, split_block_key
-from kvstore.format.layout import LayoutSpec
+from kvstore.format.layout import LayoutSpec, Stream
 
 
 def check_token_ids(spec: LayoutSpec, tokens: np.ndarray) -> None:
@@ -86,7 +87,7 @@ def _check_range(
         raise LayoutMismatch(f"{what} was encoded for other token ids")
 
 
-def check_spill(
+def check_spill(  # noqa: C901 - one check per part of a spill, in the format's order
     spec: LayoutSpec,
     tokens: np.ndarray,
     chunks: Sequence[tuple[str, Buffer | None]],
@@ -183,7 +184,7 @@ def check_window(spec: LayoutSpec, tokens: np.ndarray, window: Buffer) -> None:
 
 
 def restored_chunk_check(spec: LayoutSpec, tokens: np.ndarray, index: int,
-                         key: str | None = None):
+                         key: str | None = None) -> Any:  # a check, .proven given a key
     """A ``TierStack.read`` check: the copy must be chunk ``index`` of these tokens and,
     given its block ``key``, have the digest the key states (a valid chunk of the same
     tokens with other bytes passes every codec checksum)."""
@@ -215,7 +216,7 @@ def restored_chunk_check(spec: LayoutSpec, tokens: np.ndarray, index: int,
     return check
 
 
-def window_check(spec: LayoutSpec, tokens: np.ndarray):
+def window_check(spec: LayoutSpec, tokens: np.ndarray) -> Callable[[Buffer], None]:
     def check(data: Buffer) -> None:
         try:
             check_window(spec, tokens, data)
@@ -245,7 +246,8 @@ def check_part(spec: LayoutSpec, num_tokens: int, header: ChunkHeader) -> None:
                              f"token ({num_tokens})")
 
 
-def check_pending(spec: LayoutSpec, num_tokens: int, covered: int, streams) -> None:
+def check_pending(spec: LayoutSpec, num_tokens: int, covered: int,
+                  streams: Iterable[Stream]) -> None:
     """``InvalidRequest`` unless ``streams`` (of a window part over ``covered`` tokens)
     carry no pending rows, or a count of ``pending_counts``."""
     pending = [s.name for s in streams if s.pending]

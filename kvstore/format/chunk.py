@@ -56,7 +56,7 @@ from kvstore.format.errors import (
 from kvstore.format.keys import token_bytes
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.registry import layout_by_hash
-from kvstore.format.stream_data import StreamData
+from kvstore.format.stream_data import StreamData as StreamData  # re-exported
 from kvstore.format.zstd_frame import check_frame, decompressed
 
 if TYPE_CHECKING:  # torch is imported by the calls that make or read tensors
@@ -188,7 +188,7 @@ def encode_chunk(
 
 
 def encode_raw(spec: LayoutSpec, start_token: int, token_ids: Sequence[int] | np.ndarray,
-               raw_payload: bytes, *, ephemeral: bool = False,
+               raw_payload: bytes | memoryview, *, ephemeral: bool = False,
                names: tuple[str, ...] | None = None, zstd_level: int | None = None) -> bytes:
     """Encode a raw payload already in the plan's part order (every section's bytes back
     to back, ``chunk_plan(spec, len(token_ids), ephemeral, names)``): no torch needed."""
@@ -268,7 +268,7 @@ def split_chunks(buf: Buffer) -> list[memoryview]:
     return out
 
 
-def _parse_header(view: memoryview, *, payload: bool = True) -> ChunkHeader:
+def _parse_header(view: memoryview, *, payload: bool = True) -> ChunkHeader:  # noqa: C901 - one check per header field, in wire order
     if len(view) < _HEADER_V1.size:
         raise ChunkTruncated(
             f"chunk of {len(view)} bytes is shorter than its {_HEADER_V1.size}-byte header"
@@ -323,8 +323,8 @@ def decoded_payload(view: memoryview, header: ChunkHeader, *, copy: bool = True)
     return decompressed(stored, header.raw_payload_len)
 
 
-def verify_sections(payload, sections: np.ndarray) -> None:
-    data = memoryview(payload)
+def verify_sections(payload: Buffer | np.ndarray, sections: np.ndarray) -> None:
+    data = memoryview(payload)  # type: ignore[arg-type]  # numpy declares its buffer protocol for 3.12+ only
     for stream, layer, part, _, offset, length, checksum in sections.tolist():
         if xxhash.xxh3_64_intdigest(data[offset : offset + length]) != checksum:
             raise ChunkCorrupt(
@@ -332,7 +332,8 @@ def verify_sections(payload, sections: np.ndarray) -> None:
             )
 
 
-def verify_payload(view: memoryview, header: ChunkHeader, payload) -> None:
+def verify_payload(view: memoryview, header: ChunkHeader, payload: Buffer | np.ndarray
+                   ) -> None:
     """Every byte of a chunk's payload: in version 2 one hash of the payload as stored in
     ``view`` (a flipped bit of a zstd frame that decompresses the same is refused too),
     in version 1 each section of the raw ``payload``."""

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvstore.format.errors import ChunkCorrupt
 from kvstore.format.layout import LayoutSpec, Stream
+
+if TYPE_CHECKING:
+    import torch
 
 PART_CODES, PART_SCALES = 0, 1
 # torch dtype names of the scales, by the format's scales kind
@@ -25,14 +29,15 @@ ITEMSIZE = {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2, "float8_e4m3fn":
 
 
 @functools.cache
-def torch_dtype(name: str):
+def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a part's dtype name (imports torch: tensors are asked for)."""
     import torch
 
-    return getattr(torch, name)
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
-def code_dtype(stream: Stream):
+def code_dtype(stream: Stream) -> torch.dtype:
     """The torch dtype of ``stream``'s codes (its format's)."""
     return torch_dtype(stream.value_format.code_dtype)
 
@@ -46,7 +51,7 @@ def scales_shape(stream: Stream, entries: int) -> tuple[int, ...] | None:
     return (entries, stream.scales_per_entry) if kind == "group" else (1,)
 
 
-def scales_dtype(stream: Stream):
+def scales_dtype(stream: Stream) -> torch.dtype | None:
     """The torch dtype of ``stream``'s scales; None when its format has none."""
     kind = stream.value_format.scales
     return None if kind == "none" else torch_dtype(SCALES_DTYPE_NAMES[kind])
@@ -64,7 +69,7 @@ class PartPlan:
     dtype_name: str  # the format's code dtype, or SCALES_DTYPE_NAMES
 
     @property
-    def dtype(self):
+    def dtype(self) -> torch.dtype:
         """The part's torch dtype."""
         return torch_dtype(self.dtype_name)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Sequence
+from typing import overload
 
 import numpy as np
 import xxhash
@@ -73,11 +74,17 @@ class PackedRun(Sequence[memoryview]):
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def __getitem__(self, index):
+    @overload
+    def __getitem__(self, index: int) -> memoryview: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[memoryview]: ...
+
+    def __getitem__(self, index: int | slice) -> memoryview | list[memoryview]:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         at = int(self.offsets[index])
-        return memoryview(self.buffer[at:at + int(self.lengths[index])])
+        return self.buffer[at:at + int(self.lengths[index])].data
 
     def __iter__(self) -> Iterator[memoryview]:
         return map(self.__getitem__, range(len(self)))
@@ -91,7 +98,7 @@ class PackedRun(Sequence[memoryview]):
         if (not view.size or end + view.size > len(self.buffer)
                 or view.__array_interface__["data"][0] != here):
             return None
-        return PackedRun(self.buffer, [*self.lengths.tolist(), view.size])
+        return PackedRun(self.buffer.data, [*self.lengths.tolist(), view.size])
 
 
 def decode_chunks(bufs: Sequence[Buffer], spec: LayoutSpec,
@@ -112,7 +119,10 @@ def decode_chunks(bufs: Sequence[Buffer], spec: LayoutSpec,
         got = _assemble(spec, groups)
         if got is not None:
             return got
-    return _assemble(spec, _checked_each(bufs, spec, ids, counts))
+    streams = _assemble(spec, _checked_each(bufs, spec, ids, counts))
+    if streams is None:
+        raise ChunkCorrupt("a payload checksum mismatch in the chunks")
+    return streams
 
 
 @functools.lru_cache(maxsize=64)
@@ -155,7 +165,7 @@ def _checked_run(bufs: Sequence[Buffer], spec: LayoutSpec, ids: np.ndarray,
     dtype = _run_header_dtype(nsec)
     size = dtype.itemsize
     lens = (bufs.lengths if isinstance(bufs, PackedRun)
-            else np.fromiter(map(len, map(memoryview, bufs)), np.int64, n))
+            else np.fromiter((memoryview(b).nbytes for b in bufs), np.int64, n))
     want = np.asarray(counts, np.int64).reshape(n)
     if n == 0 or lens.min() < size or want.min() < 0 or want.max() > spec.chunk_tokens:
         return None
@@ -268,7 +278,7 @@ def _assemble(spec: LayoutSpec, groups: list[Group]) -> dict[str, StreamData] | 
                 col = cols[index]
                 out[:, col:col + k * span].reshape(layers, k, span)[...] = src.transpose(1, 0, 2)
                 cols[index] = col + k * span
-    parts: dict[str, dict[int, object]] = {}  # stream -> part -> tensor
+    parts: dict[str, dict[int, torch.Tensor]] = {}  # stream -> part -> tensor
     for p, out in zip(parts0, outs, strict=True):
         layers, shape = p.stream.layers, p.shape[2:]
         if out.size:

@@ -2,8 +2,9 @@
 status codes and back.
 
 Library code raises these. The table names status codes by their ``grpc.StatusCode``
-names, so the store stays usable without gRPC: ``kvtier.errors`` turns the names into
-codes for the servers and clients, and Redis Streams replay carries the names as they are.
+names, so the store stays usable without gRPC: ``services.serving.errors`` (the servers)
+and ``kvtier.errors`` (the clients) turn the names into codes and back, and Redis Streams
+replay carries the names as they are.
 A failed call carries the exception's class name in the ``ERROR_KEY`` trailer, so the peer
 raises the very class that was raised (``StaleGeneration``, not just
 "FAILED_PRECONDITION"); the status code alone decides when that name is absent.
@@ -29,6 +30,8 @@ def shown(value: object, limit: int = SHOWN_CHARS) -> str:
 
 class KVTierError(Exception):
     """Root of every error kvtier raises on purpose."""
+
+    request_id: str | None = None  # a failed call's, as its trailers named it (client side)
 
     @classmethod
     def from_message(cls, message: str) -> KVTierError:

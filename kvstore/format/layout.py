@@ -53,12 +53,15 @@ import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
+from typing import Any, NoReturn
 
 import xxhash
 
 from kvstore.format.errors import InvalidRequest, shown
-from kvstore.format.wire_limits import MAX_REPLAY_TOKENS
 
+# R of a replay (docs/wire-format.md section 7), refused past it by the server before any
+# work and by a replay worker too: far past any useful one, a bound on what one may cost
+MAX_REPLAY_TOKENS = 8192
 SCALE_BYTES = 2  # one fp16 scale per quantization group
 TENSOR_SCALE_BYTES = 4  # one float32 scale per layer per chunk
 BF16_BYTES = 2
@@ -116,7 +119,7 @@ class Stream:
     pending: bool = False
     format: str = ""  # FORMATS key; "" is DEFAULT_FORMAT[bits], stored as that name
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # noqa: C901 - one check per field of a stream
         _check_name("stream name", self.name)
         if self.pending and self.persistent:
             raise InvalidRequest(f"stream {self.name}: a pending stream must be ephemeral")
@@ -248,6 +251,10 @@ class LayoutSpec:
         if has_window != (self.window_tokens > 0) or self.window_tokens < 0:
             raise InvalidRequest(f"layout {self.name}: window_tokens (W) must be > 0 exactly "
                                  f"when it has window streams, got {self.window_tokens}")
+        self._check_replayer(has_window)
+
+    def _check_replayer(self, has_window: bool) -> None:
+        """The replayer and the R it states fit the window."""
         if self.replayer not in REPLAYERS:
             raise InvalidRequest(f"layout {self.name}: replayer must be one of {REPLAYERS}, "
                                  f"got {shown(self.replayer)}")
@@ -318,7 +325,7 @@ class LayoutSpec:
     def layout_id(self) -> str:
         return f"{self.name}@{self.layout_hash:016x}"
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "layout_id": self.layout_id,
@@ -354,7 +361,7 @@ def cache_difference(spec: LayoutSpec, own: LayoutSpec) -> str | None:
     return None
 
 
-def _canonical_object(spec: LayoutSpec) -> dict:
+def _canonical_object(spec: LayoutSpec) -> dict[str, Any]:
     out = {
         "name": spec.name,
         "chunk_tokens": spec.chunk_tokens,
@@ -373,14 +380,14 @@ def _canonical_object(spec: LayoutSpec) -> dict:
     return out
 
 
-def _canonical_stream(stream: Stream) -> dict:
+def _canonical_stream(stream: Stream) -> dict[str, Any]:
     out = {**asdict(stream), "entry_shape": list(stream.entry_shape)}
     if stream.format == DEFAULT_FORMAT[stream.bits]:
         del out["format"]  # so layouts of default formats keep their ids
     return out
 
 
-def _canonical_bytes(obj: dict) -> bytes:
+def _canonical_bytes(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
                       allow_nan=False).encode()
 
@@ -402,18 +409,19 @@ _REQUIRED_LAYOUT = {"name", "streams", "chunk_tokens"}
 _BASELINE_KEYS = ("layers", "kv_heads", "head_dim")
 
 
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     out = dict(pairs)
     if len(out) != len(pairs):
         raise InvalidRequest("layout JSON repeats a key in one object")
     return out
 
 
-def _not_allowed(text: str):
+def _not_allowed(text: str) -> NoReturn:
     raise InvalidRequest(f"layout JSON holds {shown(text)}: only integers are allowed")
 
 
-def _fields(what: str, obj: object, kinds: dict[str, type], required: set[str]) -> dict:
+def _fields(what: str, obj: object, kinds: dict[str, type], required: set[str]
+            ) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise InvalidRequest(f"{what} must be a JSON object")
     unknown = sorted(set(obj) - set(kinds))
@@ -431,7 +439,7 @@ def _fields(what: str, obj: object, kinds: dict[str, type], required: set[str]) 
     return obj
 
 
-def _ints(what: str, values: list) -> tuple[int, ...]:
+def _ints(what: str, values: list[Any]) -> tuple[int, ...]:
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise InvalidRequest(f"{what} must list integers, got {shown(values)}")
     return tuple(values)

@@ -31,7 +31,7 @@ import json
 import struct
 from collections.abc import Mapping
 from dataclasses import asdict, is_dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore.format.errors import ModelMismatch, shown
 
@@ -55,7 +55,7 @@ INERT_FIELDS = frozenset({
 })
 
 
-def config_identity(config: object) -> dict:
+def config_identity(config: object) -> dict[str, Any]:
     """The fields of ``config`` that are part of a model's identity: a transformers
     config's ``to_dict()`` (sub-configs nested), a dataclass's fields, or a mapping, less
     ``INERT_FIELDS`` at every depth."""
@@ -66,7 +66,8 @@ def config_identity(config: object) -> dict:
     if not isinstance(config, Mapping):
         raise TypeError(f"a model config is a mapping, a dataclass or has to_dict(), "
                         f"got {type(config).__name__}")
-    return _kept(config)
+    return {str(key): _kept(item) for key, item in config.items()
+            if str(key) not in INERT_FIELDS}
 
 
 def _kept(value: object) -> object:
@@ -95,7 +96,7 @@ def model_fingerprint(tensors: Mapping[str, torch.Tensor], config: object) -> st
                       + struct.pack("<I", len(dtype)) + dtype
                       + struct.pack(f"<I{tensor.dim()}Q", tensor.dim(), *tensor.shape)
                       + struct.pack("<Q", values.nbytes))
-        digest.update(memoryview(values))
+        digest.update(values.data)
     text = json.dumps(config_identity(config), sort_keys=True, separators=(",", ":"),
                       ensure_ascii=False).encode()
     digest.update(struct.pack("<Q", len(text)) + text)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from types import SimpleNamespace
+from typing import Any
 
 from kvstore.format.layout import BaselineKV, LayoutSpec, Stream
 
@@ -109,7 +110,7 @@ V41_FLASH_CONFIG = SimpleNamespace(
 )
 
 
-def deepseek_v41_layout(config, name: str = "deepseek-v4.1-flash", *,
+def deepseek_v41_layout(config: Any, name: str = "deepseek-v4.1-flash", *,
                         chunk_tokens: int = 256) -> LayoutSpec:
     """The layout of a DeepseekV41TextConfig (any object with its attributes; a
     transformers release with DeepseekV41 can pass its config itself).

@@ -45,7 +45,7 @@ def take(nbytes: int) -> np.ndarray:
         owner = np.empty(size, np.uint8)
     # a view whose base is not an array: views of it keep it (not ``owner``) as their base,
     # so it is collected only when the last of them is
-    out = np.frombuffer(memoryview(owner), np.uint8, nbytes)
+    out = np.frombuffer(owner.data, np.uint8, nbytes)
     weakref.finalize(out, _give_back, owner)
     return out
 

@@ -21,6 +21,7 @@ header's checksum too, so every byte is still checked.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -49,10 +50,10 @@ class RunCheck:
         self.payload_offset = self.dtype.itemsize
         ids = np.frombuffer(token_bytes(tokens[first * size:(first + len(keys)) * size]),
                             np.uint8).reshape(-1, 4 * size)  # (chunks, 4 * size) uint8
-        self.tokens_hashes = np.fromiter(map(xxhash.xxh3_64_intdigest, ids), np.uint64,
-                                         len(ids))
+        self.tokens_hashes = np.fromiter((xxhash.xxh3_64_intdigest(row.data) for row in ids),
+                                         np.uint64, len(ids))
 
-    def check(self, index: int):
+    def check(self, index: int) -> Any:  # restored_chunk_check's
         """Chunk ``index``'s own check (``restored_chunk_check``)."""
         check = self._checks.get(index)
         if check is None:
@@ -110,7 +111,7 @@ class RunCheck:
         payloads = np.fromiter((xxhash.xxh3_64_intdigest(v[top:]) if must else 0
                                 for v, must in zip(views, hashed.tolist(), strict=True)),
                                np.uint64, len(views))
-        return ((head["magic"] == MAGIC) & (head["version"] == VERSION)
+        ok: np.ndarray = ((head["magic"] == MAGIC) & (head["version"] == VERSION)
                 & ((head["flags"] & ~np.uint16(FLAG_ZSTD)) == 0)  # persistent, none unknown
                 & (head["layout_hash"] == self.spec.layout_hash)
                 & (head["start_token"] == (0 if self.independent else indices * size))
@@ -123,6 +124,7 @@ class RunCheck:
                 & (checks == rows["check"])
                 & (~hashed | (payloads == head["payload_checksum"]))
                 & (table == self.plan.table_head).all(axis=(1, 2)))
+        return ok
 
 
 class RunMember:

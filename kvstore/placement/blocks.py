@@ -27,9 +27,8 @@ from kvstore.format.errors import DataLoss, TierUnavailable
 from kvstore.format.hints import ResumeHint
 from kvstore.placement.events import Keeper, StoreEvents
 from kvstore.placement.locks import KeyedLocks
-from kvstore.placement.reads import Check
 from kvstore.placement.refcount import RefLedger
-from kvstore.placement.stack import TierStack, not_placed
+from kvstore.placement.stack import Check, TierStack, not_placed
 from kvstore.stats import Counters
 from kvstore.tiers.base import Buffer
 
@@ -180,6 +179,7 @@ class Blocks:
                 self._counters.writeback_failed += 1
                 raise
             unavailable: list[TierUnavailable] = []
+            assert data is not None  # read above for the durable ack
             if await self.copy_to_durable(key, data, unavailable):
                 self._counters.writeback_done += 1
                 return
@@ -211,6 +211,7 @@ class Blocks:
             if not durable_ack:
                 return ChunkOutcome(bool(self.durable), size, True)
             unavailable: list[TierUnavailable] = []
+            assert data is not None  # read above for the durable ack
             if await self.copy_to_durable(key, data, unavailable):
                 return ChunkOutcome(False, size, True)
             raise not_placed(f"no durable tier took chunk {key} ({size} B)", unavailable)

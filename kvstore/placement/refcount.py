@@ -139,7 +139,7 @@ class RefLedger:
             self._writer = asyncio.create_task(self._write_batches())
         return await request.done
 
-    async def _write_batches(self) -> None:
+    async def _write_batches(self) -> None:  # noqa: C901 - one loop: a batch written, its waiters settled by outcome
         while self._queue:
             batch = self._take()
             before: dict[str, int] = {}

@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvstore.format.errors import InvalidRequest
@@ -70,7 +70,7 @@ class ChainIndex:
         chain = _chain_of(key)
         versions = self._blocks.get(chain) if chain is not None else None
         tiers = versions.get(key) if versions else None
-        if tiers is None:
+        if tiers is None or versions is None or chain is None:
             return
         tiers.discard(j)
         if not tiers:
@@ -295,7 +295,7 @@ class Retention:
             return False
         return True
 
-    def _first(self, wanted: Callable[[str, _Entry], bool]) -> Iterator[str]:
+    def _first(self, wanted: Callable[[str, _Entry], bool]) -> Generator[str, None, None]:
         """Retained keys that ``wanted``, least recently used first (dropping the ones
         found referenced on the way)."""
         referenced = []
@@ -309,7 +309,7 @@ class Retention:
             for key in referenced:
                 self._drop(key)
 
-    def victim(self, held_by: Collection[str], exclude: Collection[str]) -> str | None:
+    def victim(self, held_by: Container[str], exclude: Container[str]) -> str | None:
         """The least recently used retained chunk of a tier (``held_by``: its policy) not
         in ``exclude``: eviction takes it before asking the tier's policy, so
         unreferenced cache never costs a live session its place."""
@@ -325,12 +325,13 @@ class Retention:
 
     def expired(self, now: float | None = None) -> list[str]:
         """Retained keys idle past ``ttl_s`` (none without a TTL): the caller frees them."""
-        if self.ttl_s is None:
+        ttl_s = self.ttl_s
+        if ttl_s is None:
             return []
-        now = time.monotonic() if now is None else now
-        return list(self._first(lambda _, entry: now - entry.used > self.ttl_s))
+        at = time.monotonic() if now is None else now
+        return list(self._first(lambda _, entry: at - entry.used > ttl_s))
 
-    def over_quota(self, scope: str, excess: int, exclude: Collection[str] = ()) -> list[str]:
+    def over_quota(self, scope: str, excess: int, exclude: Container[str] = ()) -> list[str]:
         """The domain's least recently used retained chunks, not in ``exclude``, whose
         bytes reach ``excess`` (all of them if theirs do not): what a quota frees first."""
         out, total = [], 0

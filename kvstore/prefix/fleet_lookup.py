@@ -64,7 +64,7 @@ class _Bucket:
             self.group = min(2 * self.group, self.most)
 
 
-async def held_chains(stack: TierStack, index: ChainIndex, chains: Iterator[str],
+async def held_chains(stack: TierStack, index: ChainIndex, chains: Iterator[str],  # noqa: C901 - one walk down the chain with its probe bounds
                       probes: PrefixProbes = PROBES) -> list[str]:
     """The chain keys from the first whose chunks this node knows or the shared tiers
     hold (learnt now), up to the first held nowhere or a bound."""

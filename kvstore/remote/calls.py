@@ -55,7 +55,8 @@ class BlockingCalls:
 
     async def run(self, what: str, function: Callable[..., T], *args: object,
                   **kwargs: object) -> T:
-        started, failed = time.perf_counter(), [None]
+        started = time.perf_counter()
+        failed: list[str | None] = [None]
         try:
             return await self._run(failed, what, function, *args, **kwargs)
         except asyncio.CancelledError:

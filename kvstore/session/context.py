@@ -16,7 +16,7 @@ tells the parts that must hear of it:
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvstore.eviction.policies import EvictionPolicy
@@ -110,7 +110,7 @@ class Wiring:
         held = self.store.stack.holders(key)
         return self.store.stack.tiers[held[0]].name if held else None
 
-    def evict_first(self, j: int, skip: Collection[str]) -> str | None:
+    def evict_first(self, j: int, skip: Container[str]) -> str | None:
         return self.store.retention.victim(self.store.stack.policies[j], skip)
 
     def first_size(self, key: str) -> int:

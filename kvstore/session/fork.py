@@ -130,6 +130,7 @@ class Forker:
         and pending rows back to back) to the fork's own key; the tier it landed in, or
         None when it is gone or no window tier has room (the fork's Resume then replays)."""
         check = window_check(get_layout(source.layout_id), source.token_ids)
+        assert source.window_key is not None  # the caller forks a window it holds
         async with self._store.locks.hold(source.window_key):
             try:
                 data, _, _ = await self._store.stack.read(source.window_key, check, access=False)

@@ -45,7 +45,9 @@ class Maintenance:
         """See ``TierManager.delete``."""
         check_name("tenant", tenant)
         check_name("session_id", session_id)
-        return await self._delete_if(tenant, session_id, lambda manifest: True)
+        deleted = await self._delete_if(tenant, session_id, lambda manifest: True)
+        assert deleted is not None  # the condition holds for any session
+        return deleted
 
     async def _delete_if(self, tenant: str, session_id: str,
                          condition: Callable[[SessionManifest], bool]) -> DeleteResult | None:

@@ -216,6 +216,8 @@ class TierManager:
     async def _expire_retained(self) -> None:
         """Free retained chunks idle past ``retain_ttl_s``, checking a few times a TTL."""
         ttl = self.store.retention.ttl_s
+        if ttl is None:  # no TTL: nothing expires
+            return
         while True:
             await asyncio.sleep(min(max(ttl / 4, 0.05), 60.0))
             try:

@@ -129,7 +129,7 @@ class PrefixChunks:
         self._can_ack_durable = durable_meta and bool(store.blocks.durable)
         self._below = memory_floor(store.stack)
 
-    async def write(self, r: ChunkWrite) -> ChunksWritten:
+    async def write(self, r: ChunkWrite) -> ChunksWritten:  # noqa: C901 - a prefix-chunk write's checks in the order the proto states them
         """Store the chunks as retained cache entries (module docstring)."""
         store = self._store
         if not store.retention.enabled:
@@ -246,7 +246,7 @@ class PrefixChunks:
             await store.blocks.release(store.ledger.unpin(keys), scope, sizes)
         return [outcomes[i] for i in range(len(keys))], sizes
 
-    async def read(self, tenant: str, layout_id: str, token_ids: Sequence[int] | np.ndarray,
+    async def read(self, tenant: str, layout_id: str, token_ids: Sequence[int] | np.ndarray,  # noqa: C901 - a prefix-chunk read's checks in the order the proto states them
                    *, first_chunk: int, count: int, digests: Sequence[bytes] = (),
                    model_fingerprint: str = "", dedupe_domain: str | None = None,
                    independent: bool = False) -> list[ChunkRead]:
@@ -370,8 +370,10 @@ class _Admitted:
             self.reservation.release()
 
 
-def _reason(loss: DataLoss) -> str:
-    """Why a read found no intact copy."""
+def _reason(loss: DataLoss | None) -> str:
+    """Why a read found no intact copy (None: it was not asked for)."""
+    if loss is None:
+        return "not_held"
     if loss.corrupt:
         return "corrupt"
     return "tier_unavailable" if loss.unavailable else "not_held"

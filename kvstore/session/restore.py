@@ -22,7 +22,7 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -35,8 +35,7 @@ from kvstore.format.errors import DataLoss, InvalidRequest, SessionNotFound
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.registry import get_layout
 from kvstore.format.run_checks import restored_run_checks
-from kvstore.placement.reads import Check
-from kvstore.placement.stack import is_window_key
+from kvstore.placement.stack import Check, is_window_key
 from kvstore.session.context import StoreContext
 from kvstore.session.manifest import SessionManifest, check_name
 from kvstore.tiers.base import Buffer
@@ -167,7 +166,7 @@ class SessionReader:
         codes = torch.cat([p.codes for p in parts], dim=1)[0]
         scales = None
         if parts and parts[0].scales is not None:
-            scales = torch.cat([p.scales for p in parts], dim=1)[0]
+            scales = torch.cat([p.scales for p in parts if p.scales is not None], dim=1)[0]
         return StreamData(codes, scales)
 
 
@@ -277,7 +276,7 @@ class Restorer:
                 self._store.spawn(promotion)
         return ChunkBytes(data, self._store.stack.tiers[source].name)
 
-    async def read_blocks(self, keys: list[str], checks: list[Check], protect: frozenset[str],
+    async def read_blocks(self, keys: list[str], checks: Sequence[Check], protect: frozenset[str],
                           promotions: list) -> list[tuple[Buffer, str] | DataLoss]:
         """``read_block`` of each key (its DataLoss in its place), the promotions left
         in ``promotions`` for the caller to make."""

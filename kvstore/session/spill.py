@@ -151,7 +151,7 @@ class Spiller:
                   else checked())
         return spec, tokens, scope, digest
 
-    async def _spill(self, r: SpillRequest, spec: LayoutSpec, tokens: np.ndarray, scope: str,
+    async def _spill(self, r: SpillRequest, spec: LayoutSpec, tokens: np.ndarray, scope: str,  # noqa: C901 - one spill's steps under its session lock
                      digest: str) -> SessionManifest:
         tenant, session_id, generation, ack = r.tenant, r.session_id, r.generation, r.ack
         keys = r.keys
@@ -219,7 +219,7 @@ class Spiller:
                 if window_key is not None:
                     await self._store.blocks.drop(window_key)
                 raise
-            if freed:  # the older generation's alone
+            if freed and old is not None:  # the older generation's alone (it had one)
                 await self._store.blocks.release(freed, old.dedupe_scope, dict(
                     zip(old.chunk_keys, old.chunk_sizes, strict=True)))
             await self._store.blocks.release(self._store.ledger.unpin(keys), scope)
@@ -249,11 +249,12 @@ class Spiller:
         if missing:
             raise ChunksNotHeld(missing)
         protect = frozenset(key for key, _ in chunks)
-        sent = [i for i, (_, data) in enumerate(chunks) if data is not None]
+        given = [(i, key, data) for i, (key, data) in enumerate(chunks) if data is not None]
+        sent = [i for i, _, _ in given]
         stored = await self._store.blocks.gather(
-            self._store.blocks.store(chunks[i][0], chunks[i][1], hint, protect, start,
-                               durable_ack=ack == "durable")
-            for i in sent)
+            self._store.blocks.store(key, data, hint, protect, start,
+                                     durable_ack=ack == "durable")
+            for _, key, data in given)
         outcomes = dict(zip(by_key, found, strict=True)) | dict(zip(sent, stored, strict=True))
         return [outcomes[i] for i in range(len(chunks))]
 
@@ -318,6 +319,7 @@ class Spiller:
         and where the session is held now, never where it was. ``durable`` stays the
         first answer's: a durable ack's generation stays durable, and a memory ack's
         retry promises nothing more."""
+        assert stored.receipt is not None  # a stored spill's manifest has its receipt
         receipt = dataclasses.replace(
             stored.receipt, window_kept=stored.window_key is not None,
             tier=self._top_tier(stored.chunk_keys) or stored.window_tier or "")

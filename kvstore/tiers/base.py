@@ -35,10 +35,10 @@ class Tier(abc.ABC):
     # Only hbm and host may hold ephemeral (sliding-window) blobs; see DESIGN.md.
     holds_window: ClassVar[bool] = False
     # A durable tier survives a process restart (disk, object; redis with persistence).
-    durable: ClassVar[bool] = False
+    durable: bool = False  # per class; a fleet node makes its local tiers not durable
     # A shared tier is one medium for a whole fleet (metadata = "shared": redis, object):
     # it may hold keys other nodes wrote, which this node learns by asking it.
-    shared: ClassVar[bool] = False
+    shared: bool = False  # per class; set per node by the fleet's store
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:

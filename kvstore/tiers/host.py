@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 import time
 import warnings
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import ClassVar
 
 import numpy as np
@@ -66,7 +66,7 @@ class MemoryTier(Tier):
         if stored.device.type == "cpu":
             # numpy's view of the tensor accepts a buffer assignment: one memcpy, no warning
             # about read-only sources (bytes) as torch.frombuffer would give.
-            memoryview(stored.numpy())[:] = view
+            stored.numpy().data[:] = view
         else:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # read-only source is fine
@@ -154,11 +154,13 @@ class MemoryTier(Tier):
         stored = self._lookup(key)
         if stored.device.type != "cpu":
             stored = stored.cpu()
-        return memoryview(stored.numpy()).toreadonly()
+        return stored.numpy().data.toreadonly()
 
-    async def get_many_proven(self, keys) -> tuple[list, list[bool]]:
+    async def get_many_proven(self, keys: Sequence[str]
+                              ) -> tuple[list[Buffer | KVTierError], list[bool]]:
         # get suspends nowhere: each value and its flag are read in one step of the loop
-        values, flags = [], []
+        values: list[Buffer | KVTierError] = []
+        flags: list[bool] = []
         for key in keys:
             try:
                 values.append(await self.get(key))

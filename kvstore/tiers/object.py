@@ -28,7 +28,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 from urllib.parse import urlsplit
 
 import zstandard
@@ -65,7 +65,7 @@ T = TypeVar("T")
 
 class ObjectTier(Tier):
     name: ClassVar[str] = "object"
-    durable: ClassVar[bool] = True
+    durable = True
 
     def __init__(self, url: str | os.PathLike, capacity_bytes: int,
                  config: ObjectTierConfig | None = None) -> None:
@@ -109,7 +109,7 @@ class ObjectTier(Tier):
     def medium_full(self) -> bool:
         return isinstance(self._store, LocalDirStore) and self._store.full()
 
-    def s3_location(self) -> tuple[object, str, str]:
+    def s3_location(self) -> tuple[Any, str, str]:  # boto3's client: untyped
         """(boto3 client, bucket, prefix) of an S3 tier, for records kept beside its
         chunks (kvstore.fleet.shared_meta); ``InvalidRequest`` for a local directory."""
         if not isinstance(self._store, S3Store):
@@ -143,8 +143,9 @@ class ObjectTier(Tier):
             self.health.failed(what, exc)
             if isinstance(exc, ClientError) and error_code(exc) == "NoSuchBucket":
                 # Every call says so (none is cached), so creating the bucket is enough.
-                raise TierUnavailable(f"object {what} failed: bucket "
-                                      f"{self._store.bucket!r} does not exist") from exc
+                bucket = getattr(self._store, "bucket", "")  # an S3Store's
+                raise TierUnavailable(f"object {what} failed: bucket {bucket!r} does not "
+                                      "exist") from exc
             raise TierUnavailable(f"object {what} failed: {exc!r}") from exc
         self.health.succeeded()
         return result

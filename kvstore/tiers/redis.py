@@ -38,7 +38,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -145,13 +145,12 @@ class RedisTier(Tier):
         retry = Retry(ExponentialWithJitterBackoff(cap=config.backoff_cap_s,
                                                    base=config.backoff_base_s),
                       config.retries)
-        common = dict(socket_connect_timeout=config.connect_timeout_s,
+        common: dict[str, Any] = dict(socket_connect_timeout=config.connect_timeout_s,
                       socket_timeout=config.socket_timeout_s, retry=retry,
                       max_connections=config.max_connections)
-        if self.cluster:
-            self._client = RedisCluster.from_url(url, **common)
-        else:
-            self._client = aioredis.Redis.from_url(url, **common)
+        self._client: aioredis.Redis | RedisCluster = (
+            RedisCluster.from_url(url, **common) if self.cluster
+            else aioredis.Redis.from_url(url, **common))
         self._delete_script = self._client.register_script(_DELETE_SCRIPT)
         self._unpoint_script = self._client.register_script(_UNPOINT_SCRIPT)
         self._sizes: dict[str, int] = {}
@@ -260,10 +259,11 @@ class RedisTier(Tier):
         """With a cluster: whether a master other than the one owning ``redis_key``'s slot
         answers and reports ``cluster_state:ok`` (asked of all at once, so a whole cluster
         out costs one socket timeout more, once per cooldown of the tier stack)."""
-        if not self.cluster:
+        if not isinstance(self._client, RedisCluster):
             return False
         try:
-            owner = self._client.get_node_from_key(redis_key).name
+            node = self._client.get_node_from_key(redis_key)
+            owner = None if node is None else node.name
         except (rexc.RedisError, IndexError, KeyError):  # its slot has no known master
             owner = None
         others = [node for node in self._client.get_primaries() if node.name != owner]
@@ -334,6 +334,7 @@ class RedisTier(Tier):
         if value is None:
             self._forget(key)  # expired, evicted by Redis, or deleted by another writer
             raise ChunkNotFound(f"redis: no value under {key!r}")
+        assert isinstance(value, bytes)  # the clients do not decode responses
         if self._sizes.get(key, len(value)) != len(value):
             self._used += len(value) - self._sizes[key]  # another writer replaced it
             self._sizes[key] = len(value)
@@ -466,7 +467,7 @@ class RedisTier(Tier):
         a cluster ``CLUSTER INFO`` of every master, up while one reports
         ``cluster_state:ok`` (a cluster in ``fail`` still answers PING). Never raises."""
         async def ask() -> bool:
-            if not self.cluster:
+            if not isinstance(self._client, RedisCluster):
                 return bool(await self._client.ping())
             await self._client.initialize()  # a cluster down at start has no masters yet
             if not any(await asyncio.gather(*map(self._serving,

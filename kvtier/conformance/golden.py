@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -17,15 +18,17 @@ from proto import kvtier_pb2 as pb
 SOURCE_VECTORS = Path(__file__).resolve().parents[2] / "tests" / "vectors"
 
 
-def load_vectors(ctx: Context, name: str) -> dict:
+def load_vectors(ctx: Context, name: str) -> dict[str, Any]:
     path = (ctx.vectors or SOURCE_VECTORS) / name
     if not path.is_file():
         raise Failed(f"no golden vectors at {path}: give --vectors DIR (tests/vectors of "
                      "the kvtier source)")
-    return json.loads(path.read_text())
+    vectors: dict[str, Any] = json.loads(path.read_text())
+    return vectors
 
 
-async def _spill(ctx: Context, vectors: dict, layout_id: str, what: str, chunk: dict) -> str:
+async def _spill(ctx: Context, vectors: dict[str, Any], layout_id: str, what: str,
+                 chunk: dict[str, Any]) -> str:
     tokens = np.array(vectors["token_ids"], "<u4")
     size = vectors["layout"]["chunk_tokens"]
     sid = ctx.session_id(what)
@@ -56,13 +59,13 @@ async def golden(ctx: Context) -> str:
            and [t.hex() for t in got.tails] == [vectors["tail"]["bytes"]]
            and [w.hex() for w in got.windows] == [vectors["window"]["bytes"]],
            "the vectors' chunk 0, tail or window did not come back byte for byte")
-    h = got.header
+    h = got.head()
     expect([d.hex() for d in h.chunk_digests] == [chunk["digest"]]
            and h.tail_digest.hex() == vectors["tail"]["digest"]
            and h.window_digest.hex() == vectors["window"]["digest"],
            "the header's digests are not the vectors'")
     got = await ctx.restore(sid, layer_by_layer=True)
-    expect([t.hex() for t in got.header.chunk_tables] == layers["chunk_tables"],
+    expect([t.hex() for t in got.head().chunk_tables] == layers["chunk_tables"],
            "the header's chunk_tables are not the vectors'")
     sections = [{"stream": s.stream, "layer": s.layer, "chunk_index": s.chunk_index,
                  "codes": s.codes.hex(), "scales": s.scales.hex(),

@@ -7,9 +7,10 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -53,6 +54,12 @@ class Replies:
     windows: list[bytes] = field(default_factory=list)
     summary: pb.ResumeSummary | None = None
 
+    def head(self) -> pb.SessionHeader:
+        """The header; ``Failed`` when the stream sent none."""
+        if self.header is None:
+            raise Failed("the stream sent no header")
+        return self.header
+
 
 @dataclass
 class Context:
@@ -89,20 +96,21 @@ class Context:
     async def register(self, spec: LayoutSpec) -> None:
         await self.stub.RegisterLayout(pb.RegisterLayoutRequest(layout_json=layout_to_json(spec)))
 
-    async def register_json(self, layout: dict) -> str:
-        reply = await self.stub.RegisterLayout(pb.RegisterLayoutRequest(
+    async def register_json(self, layout: dict[str, Any]) -> str:
+        reply: pb.RegisterLayoutReply = await self.stub.RegisterLayout(pb.RegisterLayoutRequest(
             layout_json=json.dumps(layout)))
         return reply.layout.layout_id
 
     async def spill(self, messages: Sequence[pb.SpillRequest]) -> pb.SpillReply:
-        return await self.stub.Spill(_stream(messages))
+        reply: pb.SpillReply = await self.stub.Spill(_stream(messages))
+        return reply
 
     async def restore(self, session_id: str, *, stub: pb_grpc.KVTierStub | None = None,
-                      **fields) -> Replies:
+                      **fields: Any) -> Replies:
         request = pb.RestoreRequest(session=self.ref(session_id), **fields)
         return await collect((stub or self.stub).Restore(request))
 
-    async def refused(self, call: Awaitable, status: grpc.StatusCode, error: str | None
+    async def refused(self, call: Awaitable[object], status: grpc.StatusCode, error: str | None
                       ) -> str:
         """``call`` must fail with ``status`` and a ``kvtier-error`` trailer naming
         ``error`` (None: no trailer, gRPC's own refusal); the failure's details."""
@@ -125,7 +133,7 @@ class Context:
         await self._channel.close()
 
 
-async def collect(call) -> Replies:
+async def collect(call: AsyncIterator[pb.RestoreReply]) -> Replies:
     out = Replies()
     async for reply in call:
         kind = reply.WhichOneof("item")
@@ -145,7 +153,7 @@ async def collect(call) -> Replies:
     return out
 
 
-async def _stream(messages: Sequence[pb.SpillRequest]):
+async def _stream(messages: Sequence[pb.SpillRequest]) -> AsyncIterator[pb.SpillRequest]:
     for message in messages:
         yield message
 

@@ -18,7 +18,7 @@ async def _layer_restore(ctx: Context, what: str, zstd_level: int | None) -> str
     sid = ctx.session_id(what)
     await ctx.spill(session.messages(session.header(ctx.ref(sid))))
     got = await ctx.restore(sid, layer_by_layer=True, want_window=True)
-    h = got.header
+    h = got.head()
     want = ["header", *["section"] * len(got.sections), "window", "summary"]
     expect(got.kinds == want, f"reply order {got.kinds[:4]}...: expected the header, "
                               "sections only (the tail too), the window, the summary")

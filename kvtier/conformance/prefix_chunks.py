@@ -13,14 +13,16 @@ not configure it for ``acme`` must.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
 from kvstore.format.errors import ERROR_KEY
 from kvstore.format.keys import chain_keys, chunk_digest, dedupe_scope
 from kvtier.conformance.golden import load_vectors
-from kvtier.conformance.harness import Context, expect
+from kvtier.conformance.harness import Context, Failed, expect
 from kvtier.conformance.roundtrip import check_whole
 from kvtier.conformance.sessions import LAYOUT, Session, build
 from proto import kvtier_pb2 as pb
@@ -39,6 +41,12 @@ class ChunkReplies:
     header: pb.ChunksHeader | None = None
     items: list[tuple[int, pb.RestoredChunk | str]] = field(default_factory=list)
 
+    def head(self) -> pb.ChunksHeader:
+        """The header; ``Failed`` when the stream sent none."""
+        if self.header is None:
+            raise Failed("the ReadChunks stream sent no header")
+        return self.header
+
 
 def _prefix(ctx: Context, what: int, num_tokens: int) -> Session:
     return build(LAYOUT, num_tokens, ctx.tenant, (int(ctx.run, 16), what), window=False)
@@ -50,9 +58,9 @@ def _keys(ctx: Context, session: Session, fingerprint: str = "", tenant: str = "
 
 
 def _header(ctx: Context, session: Session, first: int, count: int, fingerprint: str = "",
-            **changes) -> pb.WriteChunksHeader:
+            **changes: Any) -> pb.WriteChunksHeader:
     """A header for the first ``count`` chunks of ``session``, from ``first`` on."""
-    fields = dict(tenant=ctx.tenant, layout_id=LAYOUT.layout_id,
+    fields: dict[str, Any] = dict(tenant=ctx.tenant, layout_id=LAYOUT.layout_id,
                   model_fingerprint=fingerprint, token_ids=session.tokens[:count * C].tobytes(),
                   first_chunk=first, chunk_digests=session.digests[first:count])
     fields.update(changes)
@@ -61,11 +69,12 @@ def _header(ctx: Context, session: Session, first: int, count: int, fingerprint:
 
 async def _write(ctx: Context, header: pb.WriteChunksHeader,
                  payloads: list[tuple[str, bytes]]) -> pb.WriteChunksReply:
-    async def messages():
+    async def messages() -> AsyncIterator[pb.WriteChunksRequest]:
         yield pb.WriteChunksRequest(header=header)
         for key, data in payloads:
             yield pb.WriteChunksRequest(chunk=pb.Payload(key=key, data=data))
-    return await ctx.stub.WriteChunks(messages())
+    reply: pb.WriteChunksReply = await ctx.stub.WriteChunks(messages())
+    return reply
 
 
 async def _write_chunks(ctx: Context, session: Session, first: int, count: int,
@@ -76,13 +85,14 @@ async def _write_chunks(ctx: Context, session: Session, first: int, count: int,
                         [(keys[i], session.chunks[i]) for i in range(first, count)])
 
 
-async def _read(ctx: Context, tokens: bytes, fingerprint: str = "", **fields) -> ChunkReplies:
+async def _read(ctx: Context, tokens: bytes, fingerprint: str = "", **fields: Any
+                ) -> ChunkReplies:
     request = pb.ReadChunksRequest(tenant=ctx.tenant, layout_id=LAYOUT.layout_id,
                                    model_fingerprint=fingerprint, token_ids=tokens, **fields)
     return await _collect(ctx.stub.ReadChunks(request))
 
 
-async def _collect(call) -> ChunkReplies:
+async def _collect(call: AsyncIterator[pb.ReadChunksReply]) -> ChunkReplies:
     out = ChunkReplies()
     async for reply in call:
         kind = reply.WhichOneof("item")
@@ -97,12 +107,12 @@ async def _collect(call) -> ChunkReplies:
 
 
 def _check_read(got: ChunkReplies, keys: list[str], first: int,
-                want: list[bytes | str]) -> None:
+                want: Sequence[bytes | str]) -> None:
     """``got`` reads chunks ``first`` on: ``want`` holds each one's bytes, or the reason
     it is missing."""
     kinds = ["header", *("chunk" if isinstance(w, bytes) else "missing" for w in want)]
     expect(got.kinds == kinds, f"reply order {got.kinds}, expected {kinds}")
-    h = got.header
+    h = got.head()
     expect(list(h.chunk_keys) == keys[first:first + len(want)],
            f"ChunksHeader.chunk_keys {list(h.chunk_keys)} are not the chain keys of chunks "
            f"{first}+{len(want)}")
@@ -116,6 +126,8 @@ def _check_read(got: ChunkReplies, keys: list[str], first: int,
         if isinstance(expected, str):
             expect(item == expected, f"chunk {i} is missing as {item!r}, expected {expected!r}")
             continue
+        if isinstance(item, str):
+            raise Failed(f"chunk {i} is missing as {item!r}, expected its bytes")
         expect(item.payload.key == keys[i] and item.tier,
                f"chunk {i} came with key {item.payload.key!r} and tier {item.tier!r}")
         expect(chunk_digest(item.payload.data) == h.chunk_digests[offset],
@@ -272,13 +284,15 @@ async def golden(ctx: Context) -> str:
                f"{reply.durable}), the vectors say {case['reply_chunk_keys']} (ACK_DURABLE)")
         request = pb.ReadChunksRequest.FromString(bytes.fromhex(case["read_request"]["bytes"]))
         got = await _collect(ctx.stub.ReadChunks(request))
-        expect(got.kinds == ["header", "chunk"]
-               and list(got.header.chunk_keys) == case["read_chunk_keys"]
-               and [d.hex() for d in got.header.chunk_digests] == [chunk["digest"]],
+        read_header = got.header
+        expect(got.kinds == ["header", "chunk"] and read_header is not None
+               and list(read_header.chunk_keys) == case["read_chunk_keys"]
+               and [d.hex() for d in read_header.chunk_digests] == [chunk["digest"]],
                f"{case['scope']}: the read came as {got.kinds}, header "
                f"{list(got.header.chunk_keys) if got.header else None}")
         index, item = got.items[0]
-        expect(index == 1 and item.payload.data.hex() == chunk["bytes"],
+        expect(index == 1 and not isinstance(item, str)
+               and item.payload.data.hex() == chunk["bytes"],
                f"{case['scope']}: chunk {index} did not come back as the vectors' chunk 1")
         seen.append(f"{case['scope']}: the stated keys, chunk 1 read back")
     first = pb.WriteChunksHeader.FromString(

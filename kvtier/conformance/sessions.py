@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -59,8 +60,10 @@ class Session:
     window: bytes | None
     raw: list[bytes]
 
-    def header(self, ref: pb.SessionRef, generation: int = 1, **changes) -> pb.SpillHeader:
-        fields = dict(session=ref, layout_id=self.spec.layout_id, generation=generation,
+    def header(self, ref: pb.SessionRef, generation: int = 1, **changes: Any
+               ) -> pb.SpillHeader:
+        fields: dict[str, Any] = dict(
+                      session=ref, layout_id=self.spec.layout_id, generation=generation,
                       token_ids=self.tokens.tobytes(), chunk_keys=self.keys,
                       chunk_digests=self.digests,
                       tail_digest=chunk_digest(self.tail) if self.tail else b"",
@@ -83,7 +86,7 @@ class Session:
         return out
 
 
-def build(spec: LayoutSpec, num_tokens: int, tenant: str, seed: int, *,
+def build(spec: LayoutSpec, num_tokens: int, tenant: str, seed: int | tuple[int, ...], *,
           zstd_level: int | None = None, window: bool = True,
           pending: int | None = None) -> Session:
     """A session of random tokens and payloads; ``pending``: the pending rows' token

@@ -4,6 +4,8 @@ generation, bytes without their stated digest, and a version 1 chunk in a Spill
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import grpc
 
 from kvstore.format.keys import chunk_digest
@@ -19,7 +21,7 @@ async def malformed(ctx: Context) -> str:
     session = build(LAYOUT, 11, ctx.tenant, 9)
     sid = ctx.session_id("malformed")
     header = session.header(ctx.ref(sid))
-    cases = [
+    cases: list[tuple[str, Callable[[], Awaitable[object]], grpc.StatusCode, str]] = [
         ("a payload before the header", lambda: ctx.spill(session.messages(header)[1:]),
          INVALID, "InvalidRequest"),
         ("an empty Spill", lambda: ctx.spill([]), INVALID, "InvalidRequest"),

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,13 +62,14 @@ from kvstore.format.errors import (
     UnsupportedModel,
 )
 from kvstore.format.hf import deepseek_v4, sliding_replay
-from kvstore.format.hf.attention import layer_windows, text_config
+from kvstore.format.hf.attention import HFModel, layer_windows, text_config
 from kvstore.format.hf.model_layouts import candidate_layouts, is_deepseek_v4, layout_for
 from kvstore.format.hf.quant import decode_values, encode_values
-from kvstore.format.layout import LayoutSpec
+from kvstore.format.layout import LayoutSpec, Stream
 from kvstore.format.model_identity import module_fingerprint
+from kvtier.client import AsyncClient
 from kvtier.sync import Client
-from kvtier.types import RestoredSession, SpillResult
+from kvtier.types import RestoredSession, SpillResult, TokenIds
 
 REPLAY_MODES = ("auto", "server", "local")
 # a standard model's sliding layers: their rows stored as the window, or dropped and
@@ -75,7 +77,14 @@ REPLAY_MODES = ("auto", "server", "local")
 WINDOW_MODES = ("keep", "replay")
 
 
-def model_layout(model, bits: int | None = None, *, format: str | None = None) -> LayoutSpec:
+def _dynamic(cache: DynamicCache) -> list[Any]:
+    """``cache``'s layers: transformers types them as the union of its layer mixins, and a
+    model this integration takes has dynamic (or sliding) layers, with keys and values."""
+    return list(cache.layers)
+
+
+def model_layout(model: HFModel, bits: int | None = None, *, format: str | None = None
+                 ) -> LayoutSpec:
     """The layout of ``model``'s cache at ``bits`` or in ``format``, for the model's dtype
     (``model_layouts.layout_for``). It is not registered in this process: a spill names
     the spec itself, and a restore resolves the session's layout id from the server's
@@ -83,23 +92,23 @@ def model_layout(model, bits: int | None = None, *, format: str | None = None) -
     return layout_for(model.config, bits, format=format, dtype=getattr(model, "dtype", None))
 
 
-def model_fingerprint(model) -> str:
+def model_fingerprint(model: HFModel) -> str:
     """The fingerprint of ``model``: its weights and buffers (rotary tables included), in
     their dtype, and the config fields that enter its KV (``model_identity``)."""
     return module_fingerprint(model, model.config)
 
 
-async def _fingerprint(model, given: str | None) -> str:
+async def _fingerprint(model: HFModel, given: str | None) -> str:
     return await asyncio.to_thread(model_fingerprint, model) if given is None else given
 
 
-def _token_array(token_ids) -> np.ndarray:
+def _token_array(token_ids: TokenIds) -> np.ndarray:
     if isinstance(token_ids, torch.Tensor):
         token_ids = token_ids.detach().cpu().reshape(-1).numpy()
     return np.asarray(token_ids, dtype=np.int64).reshape(-1)
 
 
-def cache_streams(spec: LayoutSpec, model, cache: DynamicCache, num_tokens: int
+def cache_streams(spec: LayoutSpec, model: HFModel, cache: DynamicCache, num_tokens: int
                   ) -> dict[str, StreamData]:
     """The persistent streams of ``cache`` (which must cover ``num_tokens`` tokens): a
     standard model's full-attention layers (``cache_window`` has its sliding ones)."""
@@ -111,7 +120,7 @@ def cache_streams(spec: LayoutSpec, model, cache: DynamicCache, num_tokens: int
     return _layer_streams(spec, model, cache, windows, True, num_tokens)
 
 
-def cache_window(spec: LayoutSpec, model, cache: DynamicCache, num_tokens: int
+def cache_window(spec: LayoutSpec, model: HFModel, cache: DynamicCache, num_tokens: int
                  ) -> dict[str, StreamData] | None:
     """A standard model's sliding layers as the window streams: each layer's last
     min(n, W - 1) rows, which are all it keeps; None when no layer slides."""
@@ -133,14 +142,14 @@ def _check_cache(cache: DynamicCache, num_tokens: int) -> None:
                              "given (after generate, the last token is not in the cache)")
 
 
-def _layer_streams(spec: LayoutSpec, model, cache: DynamicCache, windows: tuple[int, ...],
+def _layer_streams(spec: LayoutSpec, model: HFModel, cache: DynamicCache, windows: tuple[int, ...],
                    persistent: bool, rows: int) -> dict[str, StreamData]:
     """The last ``rows`` rows of the layers of one kind (persistent: full attention, else
     sliding), as that kind's two streams (keys, values); {} when the model has none."""
     names = [s.name for s in spec.streams if s.persistent == persistent]
     if not names:
         return {}
-    layers = [layer for layer, window in zip(cache.layers, windows, strict=True)
+    layers = [layer for layer, window in zip(_dynamic(cache), windows, strict=True)
               if bool(window) != persistent]
     out = {}
     for name, held in zip(names, ("keys", "values"), strict=True):
@@ -162,7 +171,7 @@ def _layer_streams(spec: LayoutSpec, model, cache: DynamicCache, windows: tuple[
 def _cache_kind(cache: DynamicCache) -> str:
     """What the layers hold, named for an error: a latent (MLA) cache has one head whose
     keys and values differ in width (DeepseekV2/V3: the latent and the rope part)."""
-    layer = cache.layers[0]
+    layer = _dynamic(cache)[0]
     if layer.keys.shape[1] == 1 and layer.keys.shape[3] != layer.values.shape[3]:
         return "a latent (MLA) cache"
     return "a cache"
@@ -179,7 +188,7 @@ def _check_layers(cache: DynamicCache, windows: tuple[int, ...], n: int) -> None
     if len(cache.layers) != len(windows):
         raise LayoutMismatch(f"the cache has {len(cache.layers)} layers, the model "
                              f"{len(windows)}")
-    for i, (layer, window) in enumerate(zip(cache.layers, windows, strict=True)):
+    for i, (layer, window) in enumerate(zip(_dynamic(cache), windows, strict=True)):
         want = DynamicSlidingWindowLayer if window else DynamicLayer
         if type(layer) is not want or getattr(layer, "sliding_window", 0) != window:
             raise InvalidRequest(
@@ -199,7 +208,7 @@ def _check_layers(cache: DynamicCache, windows: tuple[int, ...], n: int) -> None
                                  f"tokens; {n} tokens were given")
 
 
-def standard_cache(spec: LayoutSpec, model, persistent: dict[str, StreamData],
+def standard_cache(spec: LayoutSpec, model: HFModel, persistent: dict[str, StreamData],
                    window: dict[str, StreamData] | None, num_tokens: int) -> DynamicCache:
     """A ``DynamicCache`` of the model's layers (its own classes) from the full layers'
     streams and the sliding layers' window streams (keys, then values, in spec order)."""
@@ -212,7 +221,7 @@ def standard_cache(spec: LayoutSpec, model, persistent: dict[str, StreamData],
                     for s in spec.streams if s.persistent == kind]
              for kind in (True, False)}
     cache = DynamicCache(config=model.config)
-    for layer, w in zip(cache.layers, windows, strict=True):
+    for layer, w in zip(_dynamic(cache), windows, strict=True):
         # (rows, heads, head_dim) -> (1, heads, rows, head_dim)
         keys, values = (next(x).transpose(0, 1)[None] for x in kinds[not w])
         # a sliding layer without its window holds nothing, for a replay to rebuild
@@ -227,15 +236,16 @@ def standard_cache(spec: LayoutSpec, model, persistent: dict[str, StreamData],
     return cache
 
 
-def _no_rows(stream, dtype) -> Iterator[torch.Tensor]:
+def _no_rows(stream: Stream, dtype: torch.dtype) -> Iterator[torch.Tensor]:
     """Per layer of ``stream``: (0, *entry_shape), a window that was not kept."""
     return iter(torch.zeros(stream.layers, 0, *stream.entry_shape, dtype=dtype))
 
 
-async def async_spill_cache(client, tenant: str, session_id: str, model, cache: DynamicCache,
-                            token_ids, *, generation: int, ack: str | None = None,
-                            bits: int | None = None, format: str | None = None,
-                            window: str = "keep", **spill_options) -> SpillResult:
+async def async_spill_cache(client: AsyncClient, tenant: str, session_id: str, model: HFModel,
+                            cache: DynamicCache, token_ids: TokenIds, *, generation: int,
+                            ack: str | None = None, bits: int | None = None,
+                            format: str | None = None, window: str = "keep",
+                            **spill_options: Any) -> SpillResult:
     """Spill ``cache`` (covering ``token_ids``) as generation ``generation`` through a
     ``kvtier.AsyncClient``; ``bits`` or ``format`` picks the layout's precision
     (``model_layout``); ``window``: "keep" sends the sliding layers' rows (the window
@@ -263,7 +273,8 @@ async def async_spill_cache(client, tenant: str, session_id: str, model, cache: 
         return await spill()
 
 
-async def async_resume_cache(client, tenant: str, session_id: str, model, *,
+async def async_resume_cache(client: AsyncClient, tenant: str, session_id: str,
+                             model: HFModel, *,
                              replay_tokens: int = 0, replay: str = "auto",
                              window: str = "keep", model_fingerprint: str | None = None
                              ) -> tuple[DynamicCache, torch.Tensor]:
@@ -287,17 +298,16 @@ async def async_resume_cache(client, tenant: str, session_id: str, model, *,
         ids = _ids(session)
         return await asyncio.to_thread(_standard_cache, spec, model, session, ids, window,
                                        replay_tokens), ids
-    session = None
+    resumed: RestoredSession | None = None
     if replay != "local":
         try:
-            session = await client.resume(tenant, session_id, replay_tokens=replay_tokens,
+            resumed = await client.resume(tenant, session_id, replay_tokens=replay_tokens,
                                           model_fingerprint=stated)
         except PreconditionFailed:  # the server cannot replay this layout (or not with
             if replay == "server":  # these weights: the restore below says if it is ours)
                 raise
-    if session is None:
-        session = await client.restore(tenant, session_id, want_window=False,
-                                       model_fingerprint=stated)
+    session = resumed if resumed is not None else await client.restore(
+        tenant, session_id, want_window=False, model_fingerprint=stated)
     spec = _model_spec(layouts, session)
     ids = _ids(session)
     return await asyncio.to_thread(_deepseek_cache, spec, model, session, ids,
@@ -315,7 +325,7 @@ def _ids(session: RestoredSession) -> torch.Tensor:
     return torch.from_numpy(session.token_ids.astype(np.int64))
 
 
-def _standard_cache(spec: LayoutSpec, model, session: RestoredSession, ids: torch.Tensor,
+def _standard_cache(spec: LayoutSpec, model: HFModel, session: RestoredSession, ids: torch.Tensor,
                     window: str, r: int) -> DynamicCache:
     n = len(ids)
     if not spec.ephemeral_streams or session.window is not None:
@@ -331,7 +341,7 @@ def _standard_cache(spec: LayoutSpec, model, session: RestoredSession, ids: torc
     return sliding_replay.replay_sliding_layers(model, cache, ids, r)
 
 
-def _deepseek_cache(spec: LayoutSpec, model, session: RestoredSession, ids: torch.Tensor,
+def _deepseek_cache(spec: LayoutSpec, model: HFModel, session: RestoredSession, ids: torch.Tensor,
                     r: int) -> DynamicCache:
     window = session.window
     if window is None:  # rebuilt here, by the model itself
@@ -339,17 +349,17 @@ def _deepseek_cache(spec: LayoutSpec, model, session: RestoredSession, ids: torc
     return deepseek_v4.build_cache(spec, model, len(ids), session.persistent, window)
 
 
-def spill_cache(client: Client, tenant: str, session_id: str, model, cache: DynamicCache,
-                token_ids, *, generation: int, ack: str | None = None, bits: int | None = None,
-                format: str | None = None, window: str = "keep",
-                **spill_options) -> SpillResult:
+def spill_cache(client: Client, tenant: str, session_id: str, model: HFModel,
+                cache: DynamicCache, token_ids: TokenIds, *, generation: int,
+                ack: str | None = None, bits: int | None = None, format: str | None = None,
+                window: str = "keep", **spill_options: Any) -> SpillResult:
     """The blocking twin of ``async_spill_cache`` (a ``kvtier.Client``)."""
     return client._run(async_spill_cache(client._async, tenant, session_id, model, cache,
                                          token_ids, generation=generation, ack=ack, bits=bits,
                                          format=format, window=window, **spill_options))
 
 
-def resume_cache(client: Client, tenant: str, session_id: str, model, *,
+def resume_cache(client: Client, tenant: str, session_id: str, model: HFModel, *,
                  replay_tokens: int = 0, replay: str = "auto", window: str = "keep",
                  model_fingerprint: str | None = None) -> tuple[DynamicCache, torch.Tensor]:
     """The blocking twin of ``async_resume_cache`` (a ``kvtier.Client``)."""

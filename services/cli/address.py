@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import TypedDict
 
 from kvstore.format.errors import InvalidRequest, KVTierError, TierUnavailable
 
@@ -36,7 +37,16 @@ def add_credential_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"bearer token to send (default: ${TOKEN_ENV})")
 
 
-def client_options(args: argparse.Namespace) -> dict[str, str | None]:
+class ClientOptions(TypedDict):
+    """The credential keyword arguments of ``kvtier.Client``."""
+
+    tls_ca: str | None
+    tls_cert: str | None
+    tls_key: str | None
+    token: str | None
+
+
+def client_options(args: argparse.Namespace) -> ClientOptions:
     """The ``kvtier.Client`` keyword arguments the credential flags ask for."""
     token = os.environ.get(TOKEN_ENV) or None
     if args.token_file:

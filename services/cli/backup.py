@@ -109,7 +109,7 @@ def take_backup(data_dir: Path, backup: Path, wait_s: float) -> dict:
     from services.cli import backup_census
 
     started = time.monotonic()
-    objects, copied = data_dir / "objects", set()
+    objects, copied = data_dir / "objects", set[str]()
     files = []
     # objects before and after the index snapshot: a chunk demoted meanwhile is in one
     if objects.is_dir():

@@ -30,7 +30,8 @@ def session_line(name: str, stored: bytes) -> dict:
     holding ``stored``; ``DataLoss`` when a clear one does not decode (a sealed one is
     opened only by a restore, with the key)."""
     tenant, _, session = name[len(MANIFEST_PREFIX):].partition("/")
-    line = {"tenant": tenant, "session": session, "generation": None, "chunks": None,
+    line: dict[str, object] = {"tenant": tenant, "session": session, "generation": None,
+                               "chunks": None,
             "record": _record(stored)}
     if not stored.startswith(SEALED_MAGIC):
         try:
@@ -57,7 +58,8 @@ def read(manifest: dict) -> dict | None:
         return None
     census = manifest.get("census")
     try:
-        ok = (isinstance(census["sessions"], list) and isinstance(census["chunks"], int)
+        ok = (isinstance(census, dict) and isinstance(census["sessions"], list)
+              and isinstance(census["chunks"], int)
               and isinstance(census["chunk_keys"], str)
               and all(isinstance(line[field], str) for line in census["sessions"]
                       for field in ("tenant", "session", "record"))
@@ -67,6 +69,7 @@ def read(manifest: dict) -> dict | None:
     if not ok:
         raise InvalidRequest("backup.json holds no readable census (sessions, chunks, "
                              "chunk_keys): it is not a version 2 kvtier backup")
+    assert isinstance(census, dict)  # ok says so
     return census
 
 

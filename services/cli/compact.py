@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 from kvstore.format.errors import Busy, InvalidRequest, KVTierError
-from services.cli.address import add_credential_arguments, client_options
+from services.cli.address import ClientOptions, add_credential_arguments, client_options
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
 _SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -118,7 +118,7 @@ def _progress():
     return LogProgress()
 
 
-async def _compact(config, options, server: str | None, connection: dict):
+async def _compact(config, options, server: str | None, connection: ClientOptions):
     from kvstore.encryption.census import Census, census_disk
     from kvstore.encryption.seal import load_keyring
     from kvstore.tiers.disk import DiskTier
@@ -201,7 +201,7 @@ async def _offline(disk, options, config, writer, keyring, census):
         await manager.close()
 
 
-async def _live(disk, options, config, server, connection: dict, keyring):
+async def _live(disk, options, config, server, connection: ClientOptions, keyring):
     from services.cli.compact_remote import ServerOps
     from services.server.address_file import SERVER_ADDRESS_FILE, recorded_address
 

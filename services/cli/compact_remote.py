@@ -9,6 +9,7 @@ when the server records it, from ``SERVER_ADDRESS_FILE`` in the data directory.
 from __future__ import annotations
 
 from kvtier.client import AsyncClient
+from services.cli.address import ClientOptions
 
 OBJECT_TIER = "object"
 
@@ -18,10 +19,11 @@ class ServerOps:
 
     zstd_level = None  # the server compresses with its own object_compression_level
 
-    def __init__(self, address: str, connection: dict | None = None) -> None:
+    def __init__(self, address: str, connection: ClientOptions | None = None) -> None:
         self.description = f"the server at {address}"
         # ``connection``: TLS and an admin token when the server authenticates.
-        self.client = AsyncClient(address, shared_memory=False, **(connection or {}))
+        self.client = (AsyncClient(address, shared_memory=False, **connection) if connection
+                       else AsyncClient(address, shared_memory=False))
 
     async def delete(self, tenant: str, session_id: str) -> int:
         return (await self.client.delete(tenant, session_id)).chunks_freed

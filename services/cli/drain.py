@@ -22,10 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from kvstore.format.errors import KVTierError
 from services.cli.address import add_server_argument, client_options, failure
-from services.cli.json_out import message_json
+from services.cli.json_out import value_json
+
+if TYPE_CHECKING:
+    from kvtier.types import DrainProgress
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default %(default)s)")
 
 
-def progress_line(step) -> str:
-    """One line per progress message (``pb.DrainProgress``)."""
+def progress_line(step: DrainProgress) -> str:
+    """One line per progress message."""
     return (f"kvtier drain: {step.phase:<9} in flight {step.writes_in_flight}  write-back "
             f"pending {step.writeback_pending} (failed sessions {step.writeback_failed})  "
             f"windows held {step.windows_held}, released {step.windows_released}")
@@ -57,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         print(failure("drain", args.server, exc), file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(message_json(last)))
+        print(json.dumps(value_json(last)))
     elif last.done:
         released = (f", {last.windows_released} windows released (those sessions replay on "
                     "another node)" if last.windows_released else "")

@@ -157,8 +157,9 @@ async def _generate(args: argparse.Namespace, model: KVTierLM) -> int:
     async with contextlib.AsyncExitStack() as stack:
         address = args.server or await stack.enter_async_context(
             embedded_server(args.data_dir, model))
-        options = client_options(args) if args.server else {}
-        kv = await stack.enter_async_context(AsyncClient(address, **options))
+        kv = await stack.enter_async_context(
+            AsyncClient(address, **client_options(args)) if args.server
+            else AsyncClient(address))
         await _turn(args, model, kv)
     return 0
 

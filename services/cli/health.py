@@ -12,7 +12,7 @@ import asyncio
 import sys
 
 from kvstore.format.errors import KVTierError
-from services.cli.address import add_server_argument, client_options
+from services.cli.address import ClientOptions, add_server_argument, client_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "answer (default %(default)s)")
 
 
-async def check(target: str, service: str, timeout_s: float, options: dict) -> str:
+async def check(target: str, service: str, timeout_s: float, options: ClientOptions
+                ) -> str:
     """The status name the health service answers (``SERVING``, ``NOT_SERVING``, ...)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -9,7 +9,7 @@ import time
 
 from kvstore.format.errors import KVTierError
 from services.cli.address import add_server_argument, client_options, failure
-from services.cli.json_out import message_json
+from services.cli.json_out import value_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         for s in sessions:
-            print(json.dumps(message_json(s)))
+            print(json.dumps(value_json(s)))
         return 0
     print(f"{'tenant/session':<40} {'gen':>5} {'tokens':>9} {'chunks':>6} {'window':>7} "
           f"{'tiers':<18} last access")

@@ -155,7 +155,7 @@ async def check_keys(source, config, data_dir: Path, keyring) -> None:
     await check_bucket_keys(config, keyring)
 
 
-async def migrate(config, data_dir: Path) -> MigrateReport:
+async def migrate(config, data_dir: Path) -> MigrateReport:  # noqa: C901 - one pass over the sessions, each copied under the gate
     """Copy ``data_dir``'s sessions into ``config``'s bucket as the module says; the
     directory's registered layouts go first. A session that loses a race at its
     manifest's write leaves its chunks for the fleet's garbage collection."""
@@ -188,10 +188,14 @@ async def migrate(config, data_dir: Path) -> MigrateReport:
         raise
     chunks = meta.tier
     if keyring is not None:  # sealed for the domain the source's sealed copy names
+        from kvstore.encryption.claims import DomainClaims
         from kvstore.encryption.tiers import EncryptedTier
 
-        chunks = EncryptedTier(meta.tier, keyring, manager.write_hook.domains)
-    report, done = MigrateReport(), {}
+        hook = manager.write_hook
+        assert isinstance(hook, DomainClaims)  # an encrypting store's (open_manager)
+        chunks = EncryptedTier(meta.tier, keyring, hook.domains)
+    report = MigrateReport()
+    done: dict[str, bool] = {}
     gate = asyncio.Semaphore(_CONCURRENCY)
 
     async def bounded(manifest, index: int) -> bool:

@@ -60,7 +60,7 @@ def disk_directory(data_dir: Path) -> Path | None:
     return None
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:  # noqa: C901 - a command's argument cases, each a line to the user
     from kvstore.compaction.index_repair import repair
     from kvstore.encryption.seal import load_keyring
     from services.server.config_load import load_config

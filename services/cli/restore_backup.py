@@ -240,7 +240,7 @@ def _remote_objects(config) -> ObjectTier | None:
         endpoint_url=config.s3_endpoint or None, region_name=config.s3_region or None))
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:  # noqa: C901 - a command's argument cases, each a line to the user
     from kvstore.encryption.seal import load_keyring
     from services.server.config_load import load_config
 

@@ -18,13 +18,18 @@ import ssl
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvstore.format.errors import InvalidRequest, KVTierError, TierUnavailable
 from services.cli.address import add_server_argument, client_options, failure
-from services.cli.json_out import message_json
+from services.cli.json_out import value_json
+
+if TYPE_CHECKING:
+    from kvtier.types import FleetStat, TenantUsage, TierStat
 
 
-def human_bytes(n: int) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -36,7 +41,8 @@ def hit_rate(hits: int, lookups: int) -> str:
     return f"{100 * hits / lookups:5.1f}%" if lookups else "    -"
 
 
-def tier_table(tiers, deltas: dict[str, tuple[int, int]] | None = None) -> list[str]:
+def tier_table(tiers: Sequence[TierStat], deltas: dict[str, tuple[int, int]] | None = None
+               ) -> list[str]:
     """One line per tier; ``deltas``: (lookups, hits) since the previous sample."""
     head = f"{'tier':<8} {'used':>11} {'capacity':>11} {'items':>8} {'lookups':>9} " \
            f"{'hits':>9} {'hit rate':>8}"
@@ -55,14 +61,14 @@ def tier_table(tiers, deltas: dict[str, tuple[int, int]] | None = None) -> list[
     return lines
 
 
-def usage_table(usage) -> list[str]:
-    """A tenant's use against each quota (``pb.TenantUsage``)."""
+def usage_table(usage: TenantUsage) -> list[str]:
+    """A tenant's use against each quota."""
     lines = [f"tenant {usage.tenant}", f"{'quota':<14} {'in use':>12} {'limit':>12}"]
     for quota, human in (("sessions", str), ("durable_bytes", human_bytes),
                          ("memory_bytes", human_bytes)):
-        limit = (human(getattr(usage, f"{quota}_limit"))
-                 if usage.HasField(f"{quota}_limit") else "unlimited")
-        line = f"{quota:<14} {human(getattr(usage, quota)):>12} {limit:>12}"
+        limit = getattr(usage, f"{quota}_limit")
+        shown = "unlimited" if limit is None else human(limit)
+        line = f"{quota:<14} {human(getattr(usage, quota)):>12} {shown:>12}"
         if usage.rejections.get(quota):
             line += f"  {usage.rejections[quota]} refused"
         lines.append(line)
@@ -72,8 +78,8 @@ def usage_table(usage) -> list[str]:
     return lines
 
 
-def fleet_lines(fleet) -> list[str]:
-    """The fleet's view (``pb.FleetStat``): one line per node's last heartbeat, DOWN
+def fleet_lines(fleet: FleetStat) -> list[str]:
+    """The fleet's view: one line per node's last heartbeat, DOWN
     past the server's ``fleet_down_after_s``."""
     cas = "   ".join(f"{result} {count}" for result, count in sorted(fleet.cas.items()))
     lines = [f"fleet: sessions {fleet.sessions}   nodes seen {len(fleet.nodes_seen)} "
@@ -114,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         print(failure("stat", args.server, exc), file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(message_json(reply),
+        print(json.dumps(value_json(reply),
                          indent=2))
     else:
         print("\n".join(tier_table(reply.tiers)))
@@ -122,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
               f"{reply.writeback_queue_depth}   replays {reply.replays}")
         print(f"retained {reply.retained_chunks} chunks, {human_bytes(reply.retained_bytes)}"
               " (unreferenced, kept as cache for prefix reuse)")
-        if reply.HasField("session"):
+        if reply.session is not None:
             s = reply.session
             print(f"session {s.session.tenant}/{s.session.session_id}: {s.num_tokens} tokens,"
                   f" {s.chunks} chunks, generation {s.generation}, layout {s.layout_id}, "
@@ -130,9 +136,9 @@ def run(args: argparse.Namespace) -> int:
             # The node whose memory holds the window: a router sends the session there.
             print(f"window node {s.window_node_id} at {s.window_node_address or '-'}"
                   if s.window_node_id else "window node - (a resume anywhere replays)")
-        if reply.HasField("tenant_usage"):
+        if reply.tenant_usage is not None:
             print("\n".join(usage_table(reply.tenant_usage)))
-        if reply.HasField("fleet"):
+        if reply.fleet is not None:
             print("\n".join(fleet_lines(reply.fleet)))
     if args.metrics_url:
         try:

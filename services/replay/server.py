@@ -14,8 +14,9 @@ kvtier server replays here too (the model still refuses a layout it cannot rebui
 spilled by another model than the one it loaded (the request's ``model_fingerprint``
 against the one computed from its weights, buffers and config: ``ModelMismatch``).
 Errors travel as gRPC statuses with the ``kvtier-error`` trailing metadata naming the
-``kvstore.format.errors`` class (``kvtier.errors.grpc_errors``, as in the kvtier server), and
-bytes that are not a ``ReplayRequest`` are INVALID_ARGUMENT (``kvtier.errors.add_servicer``).
+``kvstore.format.errors`` class (``services.serving.errors.grpc_errors``, as in the kvtier
+server), and bytes that are not a ``ReplayRequest`` are INVALID_ARGUMENT
+(``services.serving.errors.add_servicer``).
 
 Security takes the kvtier server's options as flags: ``--tls-cert``/``--tls-key`` (TLS),
 ``--tls-client-ca`` (mTLS), ``--auth-tokens-file``/``--auth-jwt-key`` (then only role
@@ -40,13 +41,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.format.errors import InvalidRequest, KVTierError
-from kvtier.errors import add_servicer, grpc_errors
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from replay.worker import DEFAULT_MAX_BATCH, DEFAULT_REPLAY_TOKENS, ReplayWorker
 from services.replay.messages import MAX_MESSAGE_BYTES, Worker, decode_request
 from services.serving.audit import AuditLog
 from services.serving.auth import Authenticator, AuthInterceptor
+from services.serving.errors import add_servicer, grpc_errors
 from services.serving.lifecycle import refuse_if_taken, stop_on_signals
 from services.serving.tls import INSECURE_FLAG, exposure_problem, server_credentials
 
@@ -248,7 +249,7 @@ async def _serve(args: argparse.Namespace, worker: Worker,
     try:
         await stop.wait()
     finally:
-        if consumer is not None:
+        if consumer is not None and consumer_task is not None:
             consumer.stop()
             await consumer_task
             await consumer.close()

@@ -31,6 +31,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -112,7 +113,7 @@ class StreamReplay:
                 await self.redis.xadd(stream, {
                     "request": request.SerializeToString(), "reply_to": reply_key})
             async with asyncio.timeout(wait + self.queue_timeout_s):
-                answer = await self.redis.blpop([reply_key], timeout=wait)
+                answer: Any = await self.redis.blpop([reply_key], timeout=wait)  # (key, value)
         except (RedisConnectionError, RedisTimeoutError, TimeoutError) as exc:
             self.breaker.failed(f"{exc!r}")
             raise TierUnavailable(f"replay job queue unreachable or stalled: {exc!r}") from exc
@@ -210,14 +211,15 @@ class StreamConsumer:
             await self._handle(entry_id, fields)
             return 1
         # Up to a batch of jobs at once: handled together, they share model calls.
-        read = await self.redis.xreadgroup(names.group, self.consumer, {names.stream: ">"},
+        # redis-py's stubs type replies loosely (bytes | str | int): these are RESP2's
+        read: Any = await self.redis.xreadgroup(names.group, self.consumer, {names.stream: ">"},
                                            count=self.worker.max_batch, block=self.block_ms)
         entries = [entry for _, batch in read or () for entry in batch]
         await asyncio.gather(*(self._handle(entry_id, fields) for entry_id, fields in entries))
         return len(entries)
 
     async def _deliveries(self, entry_id) -> int:
-        pending = await self.redis.xpending_range(self.names.stream, self.names.group,
+        pending: Any = await self.redis.xpending_range(self.names.stream, self.names.group,
                                                   entry_id, entry_id, 1)
         return pending[0]["times_delivered"] if pending else 0
 
@@ -244,8 +246,10 @@ class StreamConsumer:
         async with self.redis.pipeline(transaction=True) as pipe:
             reply_key = fields.get(b"reply_to")
             if reply_key:
-                pipe.lpush(reply_key, reply).expire(reply_key, self.reply_ttl_s)
-            pipe.xack(names.stream, names.group, entry_id).xdel(names.stream, entry_id)
+                pipe.lpush(reply_key, reply)
+                pipe.expire(reply_key, self.reply_ttl_s)
+            pipe.xack(names.stream, names.group, entry_id)
+            pipe.xdel(names.stream, entry_id)
             await pipe.execute()
         self.done += 1
 

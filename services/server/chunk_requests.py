@@ -31,6 +31,7 @@ from kvstore.format.keys import (
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.registry import get_layout
 from kvstore.session.prefix_chunks import ChunkWrite
+from kvstore.session.spill import Ack
 from proto import kvtier_pb2 as pb
 from services.server import validate as check
 
@@ -90,7 +91,7 @@ class IncomingChunks:
     scope: Scope
     first: int
     digests: list[bytes]  # one per chunk from first on
-    ack: str
+    ack: Ack
     hint: ResumeHint | None
     index: dict[str, int]  # chain key -> chunk index, for the chunks from first on
     chunks: dict[int, bytes] = field(default_factory=dict)
@@ -178,7 +179,7 @@ def write_header(header: pb.WriteChunksHeader, default_ack: str, max_tokens: int
             raise InvalidRequest(f"independent chunks {index[chain]} and {i} have the same "
                                  "tokens: send each chunk once")
     return IncomingChunks(scope, header.first_chunk, digests,
-                          check.ACKS.get(header.ack, default_ack), hint, index)
+                          check.ack_or(header.ack, default_ack), hint, index)
 
 
 

@@ -223,87 +223,17 @@ class ServerConfig:
     layouts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        check_listen("listen", self.listen)
-        if self.advertise_address:
-            check_listen("advertise_address", self.advertise_address)
-        for name in ("redis_url", "replay_redis_url"):
-            check_url(name, getattr(self, name), REDIS_SCHEMES)
-        check_url("s3_endpoint", self.s3_endpoint, S3_ENDPOINT_SCHEMES)
-        if (self.s3_endpoint or self.s3_region) and not self.s3_bucket:
-            # Without a bucket the object tier is a local directory: the endpoint would
-            # be ignored without a word.
-            raise InvalidRequest("s3_endpoint or s3_region is set but s3_bucket is empty: "
-                                 "name the bucket, or unset both for a local object tier")
-        if self.metadata not in ("local", "shared"):
-            raise InvalidRequest(f"metadata must be 'local' or 'shared', got {self.metadata!r}")
-        if self.log_format not in ("text", "json"):
-            raise InvalidRequest(f"log_format must be 'text' or 'json', got {self.log_format!r}")
-        if self.slow_request_s < 0:
-            raise InvalidRequest(f"slow_request_s must be >= 0 (0: off), got "
-                                 f"{self.slow_request_s}")
-        if self.fleet_gc_grace_s < 0 or self.fleet_retain_s < 0:
-            raise InvalidRequest("fleet_gc_grace_s and fleet_retain_s must be >= 0")
-        if not 0 < self.fleet_heartbeat_s < self.fleet_down_after_s:
-            raise InvalidRequest("fleet_heartbeat_s must be > 0 and below fleet_down_after_s "
-                                 f"(a node is down after missing a few), got "
-                                 f"{self.fleet_heartbeat_s} and {self.fleet_down_after_s}")
-        if self.default_ack not in ACKS:
-            raise InvalidRequest(f"default_ack must be one of {ACKS}, got {self.default_ack!r}")
-        if self.eviction not in EVICTION_POLICIES:
-            raise InvalidRequest(f"eviction must be one of {EVICTION_POLICIES}, "
-                                 f"got {self.eviction!r}")
-        if self.replay not in REPLAY_MODES:
-            raise InvalidRequest(f"replay must be one of {REPLAY_MODES}, got {self.replay!r}")
-        if self.replay == "remote" and not (self.replay_workers or self.replay_hf_workers):
-            raise InvalidRequest("replay = 'remote' needs at least one replay_workers (or "
-                                 "replay_hf_workers) address")
-        if self.replay_hf_model and self.replay_hf_workers:
-            raise InvalidRequest("replay_hf_model (in this process) and replay_hf_workers "
-                                 "(remote workers) both replay transformers layouts: set one")
-        if self.replay == "streams" and not (self.replay_redis_url or self.redis_url):
-            raise InvalidRequest("replay = 'streams' needs replay_redis_url or redis_url")
-        if self.s3_bucket and "/" in self.s3_bucket:
-            raise InvalidRequest(f"s3_bucket is a bucket name, got {self.s3_bucket!r}")
-        for name in ("s3_connect_timeout_s", "s3_read_timeout_s", "s3_deadline_s",
-                     "replay_timeout_s", "breaker_cooldown_s", "redis_connect_timeout_s",
-                     "redis_socket_timeout_s", "redis_deadline_s", "probe_interval_s"):
-            if not getattr(self, name) > 0 and not (name.startswith("redis_")
-                                                    and getattr(self, name) == 0):
-                raise InvalidRequest(f"{name} must be > 0 (redis_*: 0 keeps the preset's), "
-                                     f"got {getattr(self, name)}")
-        for name in ("hbm_bytes", "host_bytes", "redis_bytes", "disk_bytes", "object_bytes"):
-            if getattr(self, name) < 0:
-                raise InvalidRequest(f"{name} must be >= 0")
-        if not self.host_bytes and not self.hbm_bytes:
-            raise InvalidRequest("one of host_bytes and hbm_bytes must be > 0: the window "
-                                 "KV lives only in memory tiers")
-        if self.disk_segment_bytes < 1:
-            raise InvalidRequest(f"disk_segment_bytes must be > 0, got {self.disk_segment_bytes}")
-        if not self.disk_reclaim_dead_fraction > 0 or self.disk_reclaim_interval_s < 0:
-            raise InvalidRequest("disk_reclaim_dead_fraction must be > 0 and "
-                                 "disk_reclaim_interval_s >= 0")
-        if self.replay_tokens < 1 or self.max_message_bytes < 1 * MiB:
-            raise InvalidRequest("replay_tokens must be >= 1 and max_message_bytes >= 1 MiB")
-        if self.max_header_bytes < 64 * KiB:  # and max_message_bytes bounds it too
-            raise InvalidRequest(f"max_header_bytes must be >= 64 KiB, got "
-                                 f"{self.max_header_bytes}")
-        for name in ("max_streams", "max_peer_streams", "stream_idle_s",
-                     "max_inflight_bytes", "max_tenant_inflight_bytes"):
-            if getattr(self, name) <= 0:
-                raise InvalidRequest(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.shm_lease_s <= 0:
-            raise InvalidRequest(f"shm_lease_s must be > 0, got {self.shm_lease_s}")
-        for name in ("shm_lease_bytes_per_client", "shm_lease_bytes_total"):
-            if getattr(self, name) < 0:
-                raise InvalidRequest(f"{name} must be >= 0 (0: no shared memory)")
+        _check_addresses(self)
+        _check_choices(self)
+        _check_replay(self)
+        _check_durations(self)
+        _check_sizes(self)
+        _check_bounds(self)
         check_domains(self.dedupe_domains)
         unknown_tiers = set(self.required_tiers) - {"redis", "object", "replay"}
         if unknown_tiers:
             raise InvalidRequest(f"required_tiers: {sorted(unknown_tiers)} are not remote "
                                  "dependencies; name 'redis', 'object' and/or 'replay'")
-        if self.log_level.upper() not in LOG_LEVELS:
-            raise InvalidRequest(f"log_level must be one of {LOG_LEVELS}, got "
-                                 f"{self.log_level!r}")
         if self.quota:
             from kvstore.session.quota import Quotas  # loads the store's modules: only when used
 
@@ -312,10 +242,6 @@ class ServerConfig:
             name: MappingProxyType(dict(table)) for name, table in self.quota.items()}))
         object.__setattr__(self, "dedupe_domains", {
             name: tuple(tenants) for name, tenants in self.dedupe_domains.items()})
-        if self.retain_ttl_s < 0:
-            raise InvalidRequest(f"retain_ttl_s must be >= 0 (0: no TTL), got {self.retain_ttl_s}")
-        if self.replay_max_batch < 1:
-            raise InvalidRequest(f"replay_max_batch must be >= 1, got {self.replay_max_batch}")
         _check_pairs(self)
         _check_fleet(self)
         _check_layout_settings(self)
@@ -406,6 +332,110 @@ class ServerConfig:
         if self.auth_jwt_key and not Path(self.auth_jwt_key).is_file():
             out["auth_jwt_key"] = "<secret>"  # a shared secret given inline
         return out
+
+
+def _check_addresses(config: ServerConfig) -> None:
+    """Listen and advertise addresses, the Redis URLs and the S3 endpoint and bucket."""
+    check_listen("listen", config.listen)
+    if config.advertise_address:
+        check_listen("advertise_address", config.advertise_address)
+    for name in ("redis_url", "replay_redis_url"):
+        check_url(name, getattr(config, name), REDIS_SCHEMES)
+    check_url("s3_endpoint", config.s3_endpoint, S3_ENDPOINT_SCHEMES)
+    if (config.s3_endpoint or config.s3_region) and not config.s3_bucket:
+        # Without a bucket the object tier is a local directory: the endpoint would
+        # be ignored without a word.
+        raise InvalidRequest("s3_endpoint or s3_region is set but s3_bucket is empty: "
+                             "name the bucket, or unset both for a local object tier")
+    if config.s3_bucket and "/" in config.s3_bucket:
+        raise InvalidRequest(f"s3_bucket is a bucket name, got {config.s3_bucket!r}")
+
+
+def _check_choices(config: ServerConfig) -> None:
+    """Settings that name one of a few choices."""
+    if config.metadata not in ("local", "shared"):
+        raise InvalidRequest(f"metadata must be 'local' or 'shared', got {config.metadata!r}")
+    if config.log_format not in ("text", "json"):
+        raise InvalidRequest(f"log_format must be 'text' or 'json', got {config.log_format!r}")
+    if config.default_ack not in ACKS:
+        raise InvalidRequest(f"default_ack must be one of {ACKS}, got {config.default_ack!r}")
+    if config.eviction not in EVICTION_POLICIES:
+        raise InvalidRequest(f"eviction must be one of {EVICTION_POLICIES}, "
+                             f"got {config.eviction!r}")
+    if config.replay not in REPLAY_MODES:
+        raise InvalidRequest(f"replay must be one of {REPLAY_MODES}, got {config.replay!r}")
+    if config.log_level.upper() not in LOG_LEVELS:
+        raise InvalidRequest(f"log_level must be one of {LOG_LEVELS}, got "
+                             f"{config.log_level!r}")
+
+
+def _check_replay(config: ServerConfig) -> None:
+    """How windows are rebuilt: the replay mode and its workers."""
+    if config.replay == "remote" and not (config.replay_workers or config.replay_hf_workers):
+        raise InvalidRequest("replay = 'remote' needs at least one replay_workers (or "
+                             "replay_hf_workers) address")
+    if config.replay_hf_model and config.replay_hf_workers:
+        raise InvalidRequest("replay_hf_model (in this process) and replay_hf_workers "
+                             "(remote workers) both replay transformers layouts: set one")
+    if config.replay == "streams" and not (config.replay_redis_url or config.redis_url):
+        raise InvalidRequest("replay = 'streams' needs replay_redis_url or redis_url")
+
+
+def _check_durations(config: ServerConfig) -> None:
+    """Timeouts and intervals."""
+    if config.slow_request_s < 0:
+        raise InvalidRequest(f"slow_request_s must be >= 0 (0: off), got "
+                             f"{config.slow_request_s}")
+    if config.fleet_gc_grace_s < 0 or config.fleet_retain_s < 0:
+        raise InvalidRequest("fleet_gc_grace_s and fleet_retain_s must be >= 0")
+    if not 0 < config.fleet_heartbeat_s < config.fleet_down_after_s:
+        raise InvalidRequest("fleet_heartbeat_s must be > 0 and below fleet_down_after_s "
+                             f"(a node is down after missing a few), got "
+                             f"{config.fleet_heartbeat_s} and {config.fleet_down_after_s}")
+    for name in ("s3_connect_timeout_s", "s3_read_timeout_s", "s3_deadline_s",
+                 "replay_timeout_s", "breaker_cooldown_s", "redis_connect_timeout_s",
+                 "redis_socket_timeout_s", "redis_deadline_s", "probe_interval_s"):
+        if not getattr(config, name) > 0 and not (name.startswith("redis_")
+                                                and getattr(config, name) == 0):
+            raise InvalidRequest(f"{name} must be > 0 (redis_*: 0 keeps the preset's), "
+                                 f"got {getattr(config, name)}")
+
+
+def _check_sizes(config: ServerConfig) -> None:
+    """Tier sizes and the disk tier's segments."""
+    for name in ("hbm_bytes", "host_bytes", "redis_bytes", "disk_bytes", "object_bytes"):
+        if getattr(config, name) < 0:
+            raise InvalidRequest(f"{name} must be >= 0")
+    if not config.host_bytes and not config.hbm_bytes:
+        raise InvalidRequest("one of host_bytes and hbm_bytes must be > 0: the window "
+                             "KV lives only in memory tiers")
+    if config.disk_segment_bytes < 1:
+        raise InvalidRequest(f"disk_segment_bytes must be > 0, got {config.disk_segment_bytes}")
+    if not config.disk_reclaim_dead_fraction > 0 or config.disk_reclaim_interval_s < 0:
+        raise InvalidRequest("disk_reclaim_dead_fraction must be > 0 and "
+                             "disk_reclaim_interval_s >= 0")
+
+
+def _check_bounds(config: ServerConfig) -> None:
+    """Message and stream bounds, shared-memory leases, retention, replay batches."""
+    if config.replay_tokens < 1 or config.max_message_bytes < 1 * MiB:
+        raise InvalidRequest("replay_tokens must be >= 1 and max_message_bytes >= 1 MiB")
+    if config.max_header_bytes < 64 * KiB:  # and max_message_bytes bounds it too
+        raise InvalidRequest(f"max_header_bytes must be >= 64 KiB, got "
+                             f"{config.max_header_bytes}")
+    for name in ("max_streams", "max_peer_streams", "stream_idle_s",
+                 "max_inflight_bytes", "max_tenant_inflight_bytes"):
+        if getattr(config, name) <= 0:
+            raise InvalidRequest(f"{name} must be > 0, got {getattr(config, name)}")
+    if config.shm_lease_s <= 0:
+        raise InvalidRequest(f"shm_lease_s must be > 0, got {config.shm_lease_s}")
+    for name in ("shm_lease_bytes_per_client", "shm_lease_bytes_total"):
+        if getattr(config, name) < 0:
+            raise InvalidRequest(f"{name} must be >= 0 (0: no shared memory)")
+    if config.retain_ttl_s < 0:
+        raise InvalidRequest(f"retain_ttl_s must be >= 0 (0: no TTL), got {config.retain_ttl_s}")
+    if config.replay_max_batch < 1:
+        raise InvalidRequest(f"replay_max_batch must be >= 1, got {config.replay_max_batch}")
 
 
 def _check_pairs(config: ServerConfig) -> None:

@@ -207,6 +207,7 @@ class ServerLayouts:
         directory's along); InvalidRequest, before any is put, when the bucket holds
         another layout under one of their names."""
         clashes = []
+        assert self.shared is not None  # a fleet's registry (callers check)
         for spec in self.registered.values():
             body = await self.shared.get(spec.name)
             if body is not None and body != layout_to_json(spec).encode():
@@ -222,6 +223,7 @@ class ServerLayouts:
         when another node registered another layout under its name, as a local
         registration refuses it."""
         body = layout_to_json(spec).encode()
+        assert self.shared is not None  # a fleet's registry (callers check)
         theirs = await self.shared.put_new(spec.name, body)
         if theirs is None or theirs == body:
             return theirs is None
@@ -282,6 +284,7 @@ class ServerLayouts:
             log.warning("fleet layouts not listed: %s", exc)
 
     async def _fetch(self, name: str) -> LayoutSpec | None:
+        assert self.shared is not None  # a fleet's registry (callers check)
         body = await self.shared.get(name)
         return None if body is None else self._parse_shared(name, body)
 

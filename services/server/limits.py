@@ -18,7 +18,7 @@ import contextlib
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvstore.format.errors import TierFull
 
@@ -38,7 +38,7 @@ class Bounds:
         return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
 
 
-def s3_pool_connections(config: object) -> int:
+def s3_pool_connections(config: Any) -> int:  # a ServerConfig (or its fields)
     """boto3's connection pool for the object tier of a server with ``config``: one
     connection per stream it may hold open (a fleet's metadata read holds its connection
     until the body is read) and one per part of each of the tier's calls

@@ -34,6 +34,7 @@ from __future__ import annotations
 import platform
 from collections.abc import Callable, Iterable, Iterator
 from importlib import metadata
+from typing import Any
 
 from prometheus_client import (
     PLATFORM_COLLECTOR,
@@ -99,10 +100,10 @@ class _ManagerCollector(Collector):
                         lambda t: int(t.available)),
         }
         for name, (doc, value) in gauges.items():
-            family = GaugeMetricFamily(f"kvtier_{name}", doc, labels=["tier"])
+            gauge = GaugeMetricFamily(f"kvtier_{name}", doc, labels=["tier"])
             for tier in stats.tiers:
-                family.add_metric([tier.name], value(tier))
-            yield family
+                gauge.add_metric([tier.name], value(tier))
+            yield gauge
         totals = {
             "lookups": ("Chunk and window reads asked of the tier stack", c["lookups"]),
             "misses": ("Reads no tier could answer with intact bytes", c["misses"]),
@@ -243,7 +244,7 @@ class ServiceMetrics:
                                registry=r)
         for result in ("success", "failure"):
             self.reloads.labels(result)
-        self._http = None
+        self._http: Any = None  # the endpoint's server, once started
 
     def record_error(self, method: str, code: str) -> None:
         """A call that ended with the error status ``code`` (a StatusCode name): refused by

@@ -50,7 +50,7 @@ class PrefixChunkCalls:
     async def write(self, messages: AsyncIterator[pb.WriteChunksRequest], peer: str
                     ) -> pb.WriteChunksReply:
         with self.limits.stream(peer, "WriteChunks"), self.limits.in_flight() as flight:
-            incoming = None
+            incoming: check.IncomingChunks | None = None
             budget = self.config.max_spill_bytes
             async for message in idle_bounded(messages, self.limits.idle_s, "WriteChunks"):
                 kind = validate.stream_item(message, incoming is not None)
@@ -67,6 +67,7 @@ class PrefixChunkCalls:
                     incoming = (await asyncio.to_thread(checked)
                                 if len(header.token_ids) > TOKEN_BYTES_ON_LOOP else checked())
                     continue
+                assert incoming is not None  # the header came first (stream_item)
                 payload = message.chunk
                 if payload.WhichOneof("body") == "shm" and \
                         payload.shm.length > incoming.payload_limit:
@@ -108,7 +109,8 @@ class PrefixChunkCalls:
                     chunk_keys=[c.chain_key for c in chunks],
                     chunk_digests=[c.digest for c in chunks],
                     reply_segment=(self.streamer.leases.describe(lease)
-                                   if lease is not None else None))
+                                   if lease is not None and self.streamer.leases is not None
+                                   else None))
                 if request.refs_in_header and writer is not None:
                     # the segment was leased for these bytes: every chunk fits
                     header.chunk_refs.extend(self.streamer.in_segment(c.data, writer)
@@ -129,5 +131,5 @@ class PrefixChunkCalls:
                         index=c.index, tier=c.tier,
                         payload=self.streamer.payload(c.chain_key, c.data, writer, refused)))
             finally:
-                if lease is not None:  # renewed: the client copies out, then may offer it
-                    self.streamer.leases.done(lease)
+                if lease is not None and self.streamer.leases is not None:  # renewed: the
+                    self.streamer.leases.done(lease)  # client copies out, then may offer it

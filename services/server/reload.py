@@ -110,8 +110,8 @@ def _authenticator(server: KVTierServer, running: ServerConfig, new: ServerConfi
 
 
 def _running_keyring(server: KVTierServer) -> Keyring:
-    return next(tier.keyring for tier in server.manager.tiers
-                if getattr(tier, "keyring", None) is not None)
+    return next(keyring for tier in server.manager.tiers
+                if (keyring := getattr(tier, "keyring", None)) is not None)
 
 
 def _keyring(server: KVTierServer, running: ServerConfig, new: ServerConfig,

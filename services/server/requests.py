@@ -58,7 +58,7 @@ class Request:
 
     def add_phase(self, name: str, seconds: float) -> None:
         self.phases[name] = self.phases.get(name, 0.0) + seconds
-        if self.span is not None:
+        if self.span is not None and self.tracing is not None:
             self.tracing.phase(self.span, name, seconds)
 
     def summary(self, code: str) -> dict[str, object]:
@@ -108,7 +108,8 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         sent = dict(details.invocation_metadata or ()).get(REQUEST_ID_KEY)
-        return _followed(handler, self, details.method.rpartition("/")[2], sent)
+        return _followed(handler, self, details.method.rpartition("/")[2],
+                         sent if isinstance(sent, str) else None)
 
     def begin(self, method: str, sent: str | None, context: grpc.aio.ServicerContext
               ) -> Request:
@@ -124,11 +125,13 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         code = context.code() if hasattr(context, "code") else None
         name = getattr(code, "name", None) or ("OK" if code in (None, 0) else str(code))
         summary = request.summary(name)
-        if request.span is not None:
+        if request.span is not None and self.tracing is not None:
             self.tracing.finish(request.span, name, request.notes)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("rpc %s", _fields(summary))
-        if self.slow_request_s and summary["ms"] >= self.slow_request_s * 1000:
+        ms = summary["ms"]
+        if (self.slow_request_s and isinstance(ms, int | float)
+                and ms >= self.slow_request_s * 1000):
             log.warning("slow request (over %g s) %s", self.slow_request_s, _fields(summary))
 
 
@@ -147,6 +150,7 @@ def _followed(handler: grpc.RpcMethodHandler, interceptor: RequestInterceptor, n
             call = interceptor.begin(name, sent, context)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # abort raised already (its stub does not say it never returns)
         token = _current.set(call)
         try:
             yield

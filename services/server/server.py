@@ -31,10 +31,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.encryption.resealer import Resealer
+from kvstore.encryption.seal import Keyring
 from kvstore.format.errors import Busy
 from kvstore.remote.breaker import CircuitBreaker
 from kvstore.session.manager import TierManager
-from kvtier.errors import add_servicer
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.server import address_file, reflection, sizes
 from services.server.config import ServerConfig
@@ -44,13 +44,19 @@ from services.server.loop_lag import LoopMonitor
 from services.server.metrics import ServiceMetrics
 from services.server.probes import Prober
 from services.server.remote_metrics import observe_store
-from services.server.replay_backend import make_replay_backend, probe_replay, warm_up_replay
+from services.server.replay_backend import (
+    ReplayBackend,
+    make_replay_backend,
+    probe_replay,
+    warm_up_replay,
+)
 from services.server.requests import RequestInterceptor
 from services.server.servicer import SERVICE, KVTierServicer
 from services.server.store import open_manager
 from services.server.tracing import Tracing, tracing_for
 from services.serving import auth
 from services.serving.audit import AuditLog
+from services.serving.errors import add_servicer
 from services.serving.lifecycle import end_task
 from services.serving.tls import server_credentials
 
@@ -135,16 +141,18 @@ class KVTierServer:
         """Reseal this node's own media under its keyring's current key in the background,
         when the keyring holds another key; a pass already running starts over (the
         current key may have changed)."""
-        keyring = next((tier.keyring for tier in self.manager.tiers
-                        if getattr(tier, "keyring", None) is not None), None)
-        if self.resealer is None or keyring is None or not self.resealer.needed(keyring):
+        resealer = self.resealer
+        keyring = resealer.keyring() if resealer is not None else None
+        if resealer is None or keyring is None or not resealer.needed(keyring):
             return
-        self._resealing = asyncio.create_task(self._reseal(keyring, self._resealing))
+        self._resealing = asyncio.create_task(self._reseal(resealer, keyring,
+                                                           self._resealing))
 
-    async def _reseal(self, keyring, previous: asyncio.Task | None) -> None:
+    async def _reseal(self, resealer: Resealer, keyring: Keyring,
+                      previous: asyncio.Task[None] | None) -> None:
         await end_task(previous)
         try:
-            await self.resealer.run(keyring)
+            await resealer.run(keyring)
         except Exception:  # noqa: BLE001 - a medium error: the next start or reload retries
             log.exception("resealing this node's media under key %s failed; every value "
                           "is under one key or the other", keyring.current)
@@ -194,12 +202,12 @@ def _options(config: ServerConfig) -> list[tuple[str, int]]:
 
 def breakers_of(manager: TierManager, replay: object) -> list[CircuitBreaker]:
     """The circuit breakers of the store's remote tiers and of the replay backend."""
-    found = [tier.breaker for tier in manager.tiers
-             if getattr(tier, "breaker", None) is not None]
+    found = [breaker for tier in manager.tiers
+             if (breaker := getattr(tier, "breaker", None)) is not None]
     return found + list(getattr(replay, "breakers", list)())
 
 
-async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool = True,
+async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool = True,  # noqa: C901 - start-up steps in order, each undone on a later failure
                         freeze_startup: bool = False, tracing: Tracing | None = None
                         ) -> tuple[KVTierServer, int]:
     """Open the store, bind, start; ``(server, port)`` (port 0 in the address: a free one).
@@ -212,7 +220,8 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
               if isinstance(config_or_addr, str) else config_or_addr)
     tracing = tracing if tracing is not None else tracing_for(config)
     manager = await open_manager(config)
-    replay, servicer = (None, ""), None
+    replay: tuple[ReplayBackend | None, str] = (None, "")
+    servicer = None
     try:
         replay = make_replay_backend(config)
         metrics = ServiceMetrics()
@@ -239,6 +248,9 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
         servicer.address = config.advertised(port)  # known once bound (port 0 picks one)
         fleet_node = None
         if config.metadata == "shared":  # recorded in this node's manifests
+            from kvstore.fleet.shared_meta import SharedMetaStore
+
+            assert isinstance(manager.meta, SharedMetaStore)  # open_manager made one
             manager.meta.node_address = servicer.address
             fleet_node = FleetNode(manager.meta, config, servicer.address, metrics.remote)
             servicer.heartbeat = fleet_node.heartbeat

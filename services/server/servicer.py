@@ -4,7 +4,7 @@
 Every request is validated (``services.server.validate``) before the store sees it,
 and every failure becomes a gRPC status by ``grpc_errors``, with its code from the one
 table in ``kvstore.format.errors`` (``STATUS_NAMES``); bytes that are not a request are
-INVALID_ARGUMENT (``kvtier.errors.add_servicer``). Streams and the bytes of spills in
+INVALID_ARGUMENT (``services.serving.errors.add_servicer``). Streams and the bytes of spills in
 flight are bounded (``services.server.limits``). With authentication or an audit log
 configured every call passes ``services.serving.auth`` first, and the handlers check the
 tenant a request names against the caller's (``_own_session``, ``auth.check_tenant``).
@@ -39,7 +39,6 @@ from kvstore.session.manager import TierManager
 from kvstore.session.manifest import SessionManifest
 from kvstore.session.quota import TenantReport
 from kvtier import shm
-from kvtier.errors import grpc_errors
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.server import requests
@@ -56,6 +55,7 @@ from services.server.shm_leases import LeaseTable
 from services.server.store import restore_tier, tiers_holding
 from services.serving import auth
 from services.serving.audit import AuditLog
+from services.serving.errors import grpc_errors
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["KVTier"].full_name
@@ -114,9 +114,10 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     async def _spill(self, request_iterator: AsyncIterator[pb.SpillRequest],
                      peer: str, flight: InFlight) -> pb.SpillReply:
         started = time.perf_counter()
-        incoming = None
+        incoming: check.IncomingSpill | None = None
 
         def read(kind: str, payload: pb.Payload) -> bytes:
+            assert incoming is not None  # stream_item: a payload after the header only
             if payload.WhichOneof("body") == "shm" and \
                     payload.shm.length > incoming.payload_limit(kind):
                 # refused before it is copied out of the segment (on the event loop)
@@ -142,7 +143,9 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                 incoming = (await asyncio.to_thread(checked)
                             if len(message.header.chunk_keys) > HEADER_KEYS_ON_LOOP
                             else checked())
-            elif kind == "chunk":
+                continue
+            assert incoming is not None  # stream_item: a payload after the header only
+            if kind == "chunk":
                 incoming.add_chunk(message.chunk.key, read(kind, message.chunk))
             elif kind == "tail":
                 incoming.add_tail(message.tail.key, read(kind, message.tail))
@@ -161,6 +164,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         # The counts of the spill that stored this generation (this one, or the first
         # attempt of a retry whose reply was lost); tier and window as held now.
         receipt = manifest.receipt
+        assert receipt is not None  # a stored spill's manifest has its receipt
         requests.note(tier=receipt.tier, bytes=receipt.bytes_received,
                       generation=manifest.generation, chunks_written=receipt.chunks_written)
         return pb.SpillReply(

@@ -25,7 +25,7 @@ import grpc
 
 from kvstore.format.errors import InvalidRequest
 from kvstore.format.layout_bounds import MAX_JSON_BYTES
-from kvtier.errors import Undecodable
+from services.serving.errors import Undecodable
 
 CONTROL_BYTES = 64 << 10  # a session ref, a few names and numbers, a page of ids
 # The oneof fields of the client-streamed requests that carry payloads, and their names
@@ -38,7 +38,7 @@ _LENGTH_DELIMITED = 2
 
 class _Oversized(Undecodable):
     """What the handler gets for a message past its bound (refused like bytes that do
-    not parse, by ``kvtier.errors.add_servicer``)."""
+    not parse, by ``services.serving.errors.add_servicer``)."""
 
     def __init__(self, error: InvalidRequest) -> None:
         self.error = error
@@ -50,7 +50,8 @@ class _SizedParser:
     def __init__(self, parse: Callable[[bytes], Any], method: str, limit: int,
                  setting: str) -> None:
         self.parse_message = parse
-        self.DESCRIPTOR = parse.__self__.DESCRIPTOR  # the type, for the parse errors
+        # the type, for the parse errors (parse is its bound FromString)
+        self.DESCRIPTOR = getattr(parse, "__self__").DESCRIPTOR  # noqa: B009 - undeclared
         self.method, self.limit, self.setting = method, limit, setting
         self.payloads, self.payload_names = PAYLOAD_FIELDS.get(method, (frozenset(), ""))
 
@@ -123,13 +124,16 @@ class _Bounding:
         self.server, self.limits = server, limits
 
     def add_generic_rpc_handlers(self, handlers: object) -> None:
-        pass  # kvtier.errors.add_servicer registers both kinds from the registered ones
+        pass  # services.serving.errors.add_servicer registers both kinds from the registered ones
 
     def add_registered_method_handlers(self, service: str,
                                        handlers: dict[str, grpc.RpcMethodHandler]) -> None:
         sized = {}
         for name, handler in handlers.items():
             limit, setting = self.limits.get(name, (CONTROL_BYTES, ""))
+            assert handler.request_deserializer is not None  # a generated handler has one
             parser = _SizedParser(handler.request_deserializer, name, limit, setting)
-            sized[name] = handler._replace(request_deserializer=parser.parse)
+            # a namedtuple at run time: grpc's stubs leave out its _replace
+            sized[name] = handler._replace(  # type: ignore[attr-defined]
+                request_deserializer=parser.parse)
         self.server.add_registered_method_handlers(service, sized)

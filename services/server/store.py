@@ -47,7 +47,7 @@ def _preset(presets: dict, name: str, key: str):
     return presets[name]
 
 
-def build_tiers(config: ServerConfig, tiers: list[Tier],
+def build_tiers(config: ServerConfig, tiers: list[Tier],  # noqa: C901 - one branch per configured tier
                 keyring: Keyring | None = None, domains: BlockDomains | None = None
                 ) -> MetaStore:
     """Append the configured tiers to ``tiers`` (so a caller can close what was built if
@@ -60,6 +60,7 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],
             return tier
         from kvstore.encryption.tiers import EncryptedTier
 
+        assert domains is not None  # given with the keyring (open_manager)
         return EncryptedTier(tier, keyring, domains)
 
     if config.hbm_bytes:
@@ -168,12 +169,13 @@ def manager_config(config: ServerConfig) -> ManagerConfig:
         retain_ttl_s=config.retain_ttl_s or None)
 
 
-async def open_manager(config: ServerConfig) -> TierManager:
+async def open_manager(config: ServerConfig) -> TierManager:  # noqa: C901 - opening steps in order, each undone on a later failure
     """The manager over the configured tiers (closing them again if opening fails)."""
     prepare_data_dir(config.data_dir)
     if config.s3_bucket and config.object_bytes:
         await asyncio.to_thread(check_bucket, config)
-    keyring = domains = None
+    keyring: Keyring | None = None
+    domains: BlockDomains | None = None
     if config.encrypts:
         from kvstore.encryption.seal import load_keyring
         from kvstore.encryption.tiers import BlockDomains
@@ -187,6 +189,9 @@ async def open_manager(config: ServerConfig) -> TierManager:
             if hasattr(tier, "check_access"):
                 await tier.check_access()
         if config.metadata == "shared":
+            from kvstore.fleet.shared_meta import SharedMetaStore
+
+            assert isinstance(meta, SharedMetaStore)  # build_tiers made one
             await meta.mark_node()
         log.info("tiers: %s", ", ".join(f"{t.name} ({t.capacity_bytes} B)" for t in tiers))
         if keyring is not None:
@@ -197,7 +202,7 @@ async def open_manager(config: ServerConfig) -> TierManager:
         policy = {"reuse": reuse_policies(cost=window_cost(is_window_key)), "hint": HintPolicy,
                   "lru": LRUPolicy}[config.eviction]
         hook = None
-        if keyring is not None:  # the encrypting tiers learn each block's dedupe domain
+        if domains is not None:  # the encrypting tiers learn each block's dedupe domain
             from kvstore.encryption.claims import DomainClaims
 
             hook = DomainClaims(domains)

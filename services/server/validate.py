@@ -13,7 +13,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TypeVar, cast, overload
 
 import numpy as np
 
@@ -35,15 +35,14 @@ from kvstore.format.keys import (
     dedupe_scope,
     iter_chain_keys,
 )
-from kvstore.format.layout import LayoutSpec
+from kvstore.format.layout import MAX_REPLAY_TOKENS, LayoutSpec
 from kvstore.format.registry import get_layout
-from kvstore.format.wire_limits import MAX_REPLAY_TOKENS
-from kvstore.session.spill import SpillRequest
+from kvstore.session.spill import Ack, SpillRequest
 from proto import kvtier_pb2 as pb
 
 TENANT = re.compile(r"^[a-z0-9_-]{1,64}$")
 SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-ACKS = {pb.ACK_MEMORY: "memory", pb.ACK_DURABLE: "durable"}
+ACKS: dict[int, Ack] = {pb.ACK_MEMORY: "memory", pb.ACK_DURABLE: "durable"}
 MAX_PAGE = 1000
 T = TypeVar("T")
 
@@ -65,6 +64,19 @@ def tenant_filter(tenant: str) -> str | None:
     if not TENANT.match(tenant):
         raise InvalidRequest(f"tenant {shown(tenant)} must match {TENANT.pattern}")
     return tenant
+
+
+def ack_or(ack: int, default: str) -> Ack:
+    """The ack a request names, or ``default`` (a ServerConfig's, checked) for none."""
+    return ACKS.get(ack, cast(Ack, default))
+
+
+@overload
+def seconds(name: str, value: float, default: float) -> float: ...
+
+
+@overload
+def seconds(name: str, value: float, default: None) -> float | None: ...
 
 
 def seconds(name: str, value: float, default: float | None) -> float | None:
@@ -100,7 +112,7 @@ class IncomingSpill:
     tokens: np.ndarray  # (num_tokens,) uint32
     keys: list[str]
     generation: int
-    ack: str
+    ack: Ack
     hint: ResumeHint | None
     ttl_s: float | None
     digests: list[bytes] = field(default_factory=list)  # per chunk key, as stated
@@ -191,7 +203,8 @@ class IncomingSpill:
                                  f"it in at most {limit} B")
         self.bytes_received += len(data)
 
-    def _check_header(self, what: str, data: bytes, start: int | None, count: int | None,
+    def _check_header(self, what: str, data: bytes | memoryview, start: int | None,
+                      count: int | None,
                       ephemeral: bool):
         try:
             # the layout's section table for its token count, nothing decompressed yet
@@ -273,7 +286,7 @@ def stream_ended(incoming: T | None, call: str) -> T:
     return incoming
 
 
-def spill_header(header: pb.SpillHeader, default_ack: str, max_tokens: int,
+def spill_header(header: pb.SpillHeader, default_ack: str, max_tokens: int,  # noqa: C901 - one check per header field
                  domains: Mapping[str, tuple[str, ...]] | None = None) -> IncomingSpill:
     """``domains``: the shared dedupe domains and the tenants that may use each."""
     tenant, session_id = session_ref(header.session, field_name="header.session")
@@ -321,7 +334,7 @@ def spill_header(header: pb.SpillHeader, default_ack: str, max_tokens: int,
         hint = ResumeHint(pause, header.hint.priority)
     return IncomingSpill(
         tenant=tenant, session_id=session_id, spec=spec, tokens=tokens, keys=keys,
-        generation=header.generation, ack=ACKS.get(header.ack, default_ack), hint=hint,
+        generation=header.generation, ack=ack_or(header.ack, default_ack), hint=hint,
         ttl_s=seconds("header.ttl_s", header.ttl_s, None), digests=digests,
         tail_digest=header.tail_digest, window_digest=header.window_digest,
         model_fingerprint=fingerprint, dedupe_domain=domain,

@@ -31,8 +31,11 @@ KINDS = ("auth_failure", "permission_denied", "delete", "layout", "admin")
 class Caller(Protocol):
     """Who made a call (``services.serving.auth.Identity``)."""
 
-    tenant: str
-    role: str
+    @property
+    def tenant(self) -> str: ...
+
+    @property
+    def role(self) -> str: ...
 
 
 class AuditLog:

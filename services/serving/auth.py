@@ -38,15 +38,15 @@ import os
 import re
 import time
 import tomllib
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from kvstore.format.errors import InvalidRequest, PermissionDenied, Unauthenticated
-from kvtier.errors import RecordsCalls, abort
 from services.serving.audit import AuditLog
+from services.serving.errors import RecordsCalls, abort
 from services.serving.interceptors import scoped
 
 log = logging.getLogger(__name__)
@@ -276,7 +276,7 @@ class Authenticator:
                    JwtKey(jwt_key, jwt_audience) if jwt_key else None)
 
     def identify(self, metadata: Iterable[tuple[str, str | bytes]],
-                 auth_context: dict[str, list[bytes]]) -> Identity:
+                 auth_context: Mapping[str, Iterable[bytes]]) -> Identity:
         header = next((v for k, v in metadata if k == "authorization"), None)
         if header is not None:
             scheme, _, token = str(header).partition(" ")
@@ -287,7 +287,7 @@ class Authenticator:
             if identity is None:
                 raise Unauthenticated(f"unknown credential (token {token_id(token)})")
             return identity
-        names = auth_context.get("x509_common_name") or []
+        names = list(auth_context.get("x509_common_name") or [])
         if names:
             cn = names[0].decode(errors="replace")
             identity = self.tokens.certificate(cn) if self.tokens is not None else None

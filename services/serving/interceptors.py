@@ -11,7 +11,7 @@ handler's kind.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -22,20 +22,27 @@ Scope = Callable[[Any, grpc.aio.ServicerContext], AbstractAsyncContextManager[ob
 
 def scoped(handler: grpc.RpcMethodHandler, scope: Scope) -> grpc.RpcMethodHandler:
     """``handler`` with each call run inside ``scope(request, context)``."""
+    wrapped: Callable[..., Any]
     if handler.response_streaming:
         kind = "stream_stream" if handler.request_streaming else "unary_stream"
         behaviour = getattr(handler, kind)
 
-        async def within(request, context):
+        async def within_stream(request: Any, context: Any) -> AsyncIterator[Any]:
             async with scope(request, context):
                 async for reply in behaviour(request, context):
                     yield reply
+
+        wrapped = within_stream
     else:
         kind = "stream_unary" if handler.request_streaming else "unary_unary"
         behaviour = getattr(handler, kind)
 
-        async def within(request, context):
+        async def within(request: Any, context: Any) -> Any:
             async with scope(request, context):
                 return await behaviour(request, context)
 
-    return handler._replace(**{kind: within})
+        wrapped = within
+    # a namedtuple at run time: grpc's stubs leave out its _replace
+    replaced: grpc.RpcMethodHandler = handler._replace(  # type: ignore[attr-defined]
+        **{kind: wrapped})
+    return replaced

@@ -21,11 +21,12 @@ from kvstore.format.errors import (
 from kvstore.format.presets import SHIPPED
 from kvtier import AsyncClient, RetryPolicy
 from kvtier import errors as kvtier_errors
-from kvtier.errors import grpc_errors, status_for
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.replay.remote import RemoteReplay
 from services.replay.streams import error_reply, parse_reply
+from services.serving import errors as server_errors
+from services.serving.errors import grpc_errors, status_for
 from tests.support.service import LAYOUT, running_server, streams_for, tokens_for
 
 NO_RETRY = RetryPolicy(attempts=1)
@@ -212,13 +213,13 @@ async def test_a_long_client_value_comes_back_short_and_invalid_argument(tmp_pat
 
 
 def test_client_messages_hold_no_server_paths_and_fit_the_metadata_limit():
-    shown = kvtier_errors.client_message
+    shown = server_errors.client_message
     message = ("disk tier /var/lib/kvtier/disk: reading failed: [Errno 5] I/O error: "
                "'/var/lib/kvtier/disk/segments/000007.seg' (acme/s1, s3://bucket/a/b, ../x)")
     assert shown(message) == ("disk tier <path>: reading failed: [Errno 5] I/O error: "
                               "'<path>' (acme/s1, s3://bucket/a/b, ../x)")
     assert shown("a / b and 1/2") == "a / b and 1/2"
     long = shown("é" * 50_000)
-    assert len(long.encode()) <= kvtier_errors.MAX_DETAILS_BYTES and long.endswith("B)")
+    assert len(long.encode()) <= server_errors.MAX_DETAILS_BYTES and long.endswith("B)")
     assert errors.shown("z" * 1000) == repr("z" * 128) + "... (1000 long)"
     assert errors.shown("short") == "'short'"

@@ -198,8 +198,8 @@ async def test_stat_tenant_prints_the_usage_against_the_limits(tmp_path, capsys)
         usage = reply.tenant_usage
         assert (usage.tenant, usage.sessions, usage.durable_bytes) == ("acme", 1, durable)
         assert usage.sessions_limit == 7 and usage.durable_bytes_limit == 10_000_000
-        assert not usage.HasField("memory_bytes_limit")  # unlimited
-        assert not (await kv.stat()).HasField("tenant_usage")
+        assert usage.memory_bytes_limit is None  # unlimited
+        assert (await kv.stat()).tenant_usage is None
         code = await asyncio.to_thread(cli_main, ["stat", "--server", target, "--tenant", "acme"])
         out = capsys.readouterr().out
         assert code == 0

@@ -14,6 +14,8 @@ model and transformers' cannot disagree. Per layer:
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers.cache_utils import (
     DynamicCache,
     DynamicLayer,
@@ -23,8 +25,12 @@ from transformers.cache_utils import (
 
 from kvstore.format.errors import UnsupportedModel
 
+# A transformers config or model: their fields are the model's own, untyped there.
+HFConfig = Any
+HFModel = Any
 
-def text_config(config):
+
+def text_config(config: HFConfig) -> HFConfig:
     """The decoder's config of ``config`` (itself for a plain causal LM), as transformers
     builds the cache from it."""
     if getattr(config, "is_encoder_decoder", False):
@@ -37,7 +43,7 @@ def text_config(config):
                                f"in it ({exc})") from None
 
 
-def layer_windows(config) -> tuple[int, ...]:
+def layer_windows(config: HFConfig) -> tuple[int, ...]:
     """Per cache layer of ``config``: 0 for full attention, else its window W (the layer
     keeps the last W - 1 tokens). ``UnsupportedModel`` for any other kind of layer."""
     text = text_config(config)

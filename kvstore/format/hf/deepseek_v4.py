@@ -30,6 +30,9 @@ first replayed tokens see nothing before the start) is the accepted approximatio
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from transformers.cache_utils import DynamicCache
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
@@ -39,6 +42,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 
 from kvstore.format.chunk import StreamData
 from kvstore.format.errors import InvalidRequest, LayoutMismatch
+from kvstore.format.hf.attention import HFConfig, HFModel
 from kvstore.format.hf.model_layouts import CSA, HCA
 from kvstore.format.hf.quant import decode_values, encode_values
 from kvstore.format.layout import LayoutSpec
@@ -47,15 +51,22 @@ NAMES = {"compressor": ("csa.kv", "csa.buffer", "csa.overlap"),
          "indexer": ("csa.index", "csa.index_buffer", "csa.index_overlap")}
 
 
-def _layers(config, kind: str) -> list[int]:
+def _layers(config: HFConfig, kind: str) -> list[int]:
     return [i for i, t in enumerate(config.layer_types) if t == kind]
+
+
+def _cache_layers(cache: DynamicCache) -> list[Any]:
+    """``cache``'s layers, DeepseekV4's CSA/HCA cache layers among them: transformers
+    types them as the union of its layer mixins, which have none of their attributes."""
+    return list(cache.layers)
 
 
 def cache_tokens(cache: DynamicCache) -> int:
     return cache.get_seq_length()
 
 
-def persistent_streams(spec: LayoutSpec, config, cache: DynamicCache) -> dict[str, StreamData]:
+def persistent_streams(spec: LayoutSpec, config: HFConfig, cache: DynamicCache
+                       ) -> dict[str, StreamData]:
     """The compressed entries of ``cache`` as the layout stores them (quantized)."""
     n = cache_tokens(cache)
     out = {}
@@ -67,7 +78,7 @@ def persistent_streams(spec: LayoutSpec, config, cache: DynamicCache) -> dict[st
         stream = spec.stream(stream_name)
         rows = []
         for i in layers:
-            layer = cache.layers[i]
+            layer = _cache_layers(cache)[i]
             entries = layer.compressed_kv[name]
             if entries is None:  # no window closed yet
                 entries = torch.zeros(1, 0, stream.entry_shape[0])
@@ -80,12 +91,14 @@ def persistent_streams(spec: LayoutSpec, config, cache: DynamicCache) -> dict[st
     return out
 
 
-def window_streams(spec: LayoutSpec, config, cache: DynamicCache) -> dict[str, StreamData]:
+def window_streams(spec: LayoutSpec, config: HFConfig, cache: DynamicCache
+                   ) -> dict[str, StreamData]:
     """The ephemeral part of ``cache``: window K=V and the partial-block state (bf16)."""
     out = {"window": encode_values(spec.stream("window"),
-                                   torch.stack([layer.keys[0, 0] for layer in cache.layers]))}
+                                   torch.stack([layer.keys[0, 0]
+                                                for layer in _cache_layers(cache)]))}
     for kind, names in ((CSA, NAMES), (HCA, {"compressor": ("hca.kv", "hca.buffer", None)})):
-        layers = [cache.layers[i] for i in _layers(config, kind)]
+        layers = [_cache_layers(cache)[i] for i in _layers(config, kind)]
         if not layers:
             continue
         for name, (_, buffer, overlap) in names.items():
@@ -101,11 +114,12 @@ def window_streams(spec: LayoutSpec, config, cache: DynamicCache) -> dict[str, S
     return out
 
 
-def _dtype(model) -> torch.dtype:
-    return model.model.embed_tokens.weight.dtype
+def _dtype(model: HFModel) -> torch.dtype:
+    dtype: torch.dtype = model.model.embed_tokens.weight.dtype
+    return dtype
 
 
-def _install_window(layer, rows: torch.Tensor, n: int) -> None:
+def _install_window(layer: Any, rows: torch.Tensor, n: int) -> None:
     """rows (S, head_dim) as the layer's window K=V; the layer has seen n tokens."""
     kv = rows[None, None]
     layer.lazy_initialization(kv, kv)
@@ -113,8 +127,9 @@ def _install_window(layer, rows: torch.Tensor, n: int) -> None:
     layer.cumulative_length = n
 
 
-def build_cache(spec: LayoutSpec, model, n: int, persistent: dict[str, StreamData],
-                window: dict[str, StreamData] | None, layer_classes=None) -> DynamicCache:
+def build_cache(spec: LayoutSpec, model: HFModel, n: int, persistent: dict[str, StreamData],
+                window: dict[str, StreamData] | None,
+                layer_classes: dict[str, Callable[..., Any]] | None = None) -> DynamicCache:
     """A ``DynamicCache`` of the model's own layer classes (or ``layer_classes``, kind ->
     class) holding the persisted entries, and the window and partial-block state when
     given (``window`` None: no window, the buffers empty)."""
@@ -131,7 +146,7 @@ def build_cache(spec: LayoutSpec, model, n: int, persistent: dict[str, StreamDat
               for name, data in window.items()} if window is not None else {})
     for kind, names in ((CSA, NAMES), (HCA, {"compressor": ("hca.kv", "hca.buffer", None)})):
         for j, i in enumerate(_layers(config, kind)):
-            layer = cache.layers[i]
+            layer = _cache_layers(cache)[i]
             for name, (entries, buffer, overlap) in names.items():
                 layer.compressed_kv[name] = values[entries][j][None]
                 layer.entry_count[name] = values[entries].shape[1]
@@ -145,15 +160,15 @@ def build_cache(spec: LayoutSpec, model, n: int, persistent: dict[str, StreamDat
                     layer.overlap_kv[name] = state[overlap][j][None, :, 0]
                     layer.overlap_gate[name] = state[overlap][j][None, :, 1]
     if window is not None:
-        for i, layer in enumerate(cache.layers):
+        for i, layer in enumerate(_cache_layers(cache)):
             _install_window(layer, state["window"][i], n)
     return cache
 
 
-def replay_start(config, n: int, r: int) -> int:
+def replay_start(config: HFConfig, n: int, r: int) -> int:
     """The first replayed token for a requested R: at most n - R, and early enough for
     the window and every compressor's partial-block state (module docstring)."""
-    window = config.sliding_window - 1
+    window: int = config.sliding_window - 1
     start = n - max(r, window)
     for kind in (CSA, HCA):
         if _layers(config, kind):
@@ -166,13 +181,22 @@ def replay_start(config, n: int, r: int) -> int:
 class _Freeze:
     """Mixed into the cache layers for the replay: no window is compressed again."""
 
-    def _frozen_init(self, model, layer_idx: int, names) -> None:
+    # the cache layer's, declared for the methods here
+    compress_rate: int
+    entry_count: dict[str, int]
+    buffer_kv: dict[str, torch.Tensor | None]
+    buffer_gate: dict[str, torch.Tensor | None]
+    overlap_kv: dict[str, torch.Tensor | None]
+    overlap_gate: dict[str, torch.Tensor | None]
+
+    def _frozen_init(self, model: HFModel, layer_idx: int, names: tuple[str, ...]) -> None:
         compressor = model.model.layers[layer_idx].self_attn.compressor
         modules = {"compressor": compressor, "indexer": getattr(compressor, "indexer", None)}
         self.position_bias = {name: modules[name].position_bias for name in names}
         self.position = dict.fromkeys(names, 0)  # the next token's position, per name
 
-    def store_compression_weights(self, name: str, kv: torch.Tensor, gate: torch.Tensor):
+    def store_compression_weights(self, name: str, kv: torch.Tensor, gate: torch.Tensor
+                                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
         m = self.compress_rate
         start = self.position[name]
         self.position[name] += kv.shape[1]
@@ -198,24 +222,26 @@ class _Freeze:
         return kv[:, :0], gate[:, :0], boundary
 
 
-class _FrozenCSA(_Freeze, DeepseekV4CSACache):
-    _layer_type = None  # unregistered: DynamicCache(config) keeps building the model's own
+class _FrozenCSA(_Freeze, DeepseekV4CSACache):  # type: ignore[no-untyped-call]  # its class hook is untyped
+    # None: unregistered, so DynamicCache(config) keeps building the model's own
+    # (transformers types the attribute str)
+    _layer_type = None  # type: ignore[assignment]
 
-    def __init__(self, config, model, layer_idx: int) -> None:
+    def __init__(self, config: HFConfig, model: HFModel, layer_idx: int) -> None:
         DeepseekV4CSACache.__init__(self, config)
         self._frozen_init(model, layer_idx, ("compressor", "indexer"))
 
 
-class _FrozenHCA(_Freeze, DeepseekV4HCACache):
-    _layer_type = None
+class _FrozenHCA(_Freeze, DeepseekV4HCACache):  # type: ignore[no-untyped-call]  # likewise
+    _layer_type = None  # type: ignore[assignment]  # unregistered too
 
-    def __init__(self, config, model, layer_idx: int) -> None:
+    def __init__(self, config: HFConfig, model: HFModel, layer_idx: int) -> None:
         DeepseekV4HCACache.__init__(self, config)
         self._frozen_init(model, layer_idx, ("compressor",))
 
 
 @torch.no_grad()
-def replay_window(spec: LayoutSpec, model, token_ids: torch.Tensor,
+def replay_window(spec: LayoutSpec, model: HFModel, token_ids: torch.Tensor,
                   persistent: dict[str, StreamData], r: int
                   ) -> tuple[dict[str, StreamData], int]:
     """Rebuild the window and partial-block state of a session of ``token_ids`` (n,) from
@@ -227,7 +253,7 @@ def replay_window(spec: LayoutSpec, model, token_ids: torch.Tensor,
         raise InvalidRequest("a session without tokens has no window to rebuild")
     start = replay_start(config, n, r)
     cache = build_cache(spec, model, n, persistent, None, {CSA: _FrozenCSA, HCA: _FrozenHCA})
-    for layer in cache.layers:
+    for layer in _cache_layers(cache):
         if isinstance(layer, _Freeze):
             layer.position = dict.fromkeys(layer.position, start)
     # cumulative_length 0 with the true positions: the masks are relative, RoPE and the
@@ -235,6 +261,6 @@ def replay_window(spec: LayoutSpec, model, token_ids: torch.Tensor,
     ids = token_ids[start:].to(torch.long)[None]
     model(input_ids=ids, position_ids=torch.arange(start, n)[None], past_key_values=cache,
           use_cache=True)
-    for layer in cache.layers:
+    for layer in _cache_layers(cache):
         layer.cumulative_length = n
     return window_streams(spec, config, cache), n - start

@@ -35,7 +35,7 @@ import math
 from dataclasses import replace
 
 from kvstore.format.errors import InvalidRequest, UnsupportedModel
-from kvstore.format.hf.attention import layer_windows, text_config
+from kvstore.format.hf.attention import HFConfig, layer_windows, text_config
 from kvstore.format.layout import FORMATS, LayoutSpec, Stream
 
 CSA, HCA, SLIDING = ("compressed_sparse_attention", "heavily_compressed_attention",
@@ -47,12 +47,12 @@ DEEPSEEK_V4_BITS = (4, 8)
 FLOAT_FORMATS = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
-def is_deepseek_v4(config) -> bool:
+def is_deepseek_v4(config: HFConfig) -> bool:
     return getattr(config, "model_type", "") == "deepseek_v4"
 
 
-def layout_for(config, bits: int | None = None, *, format: str | None = None,
-               dtype=None) -> LayoutSpec:
+def layout_for(config: HFConfig, bits: int | None = None, *, format: str | None = None,
+               dtype: object = None) -> LayoutSpec:  # a torch dtype, named by str()
     """The layout of this config's cache at ``bits`` or in ``format`` (default: 16 bits
     for standard models, 4 for DeepseekV4). A standard model's 16 bits are ``dtype``'s
     format (the model's torch dtype: fp16 for float16, else bf16); a 16-bit ``format``
@@ -65,7 +65,7 @@ def layout_for(config, bits: int | None = None, *, format: str | None = None,
         return deepseek_v4_layout(config, 4 if bits is None else bits)
     own = FLOAT_FORMATS.get(str(dtype))
     if format is None:
-        format = {8: "int8", 4: "int4"}.get(bits) or own or "bf16"
+        format = (None if bits is None else {8: "int8", 4: "int4"}.get(bits)) or own or "bf16"
     if format not in STANDARD_FORMATS or bits not in (None, FORMATS[format].bits):
         raise InvalidRequest(f"a standard model's cache is stored as one of "
                              f"{STANDARD_FORMATS} (bits 16, 8 or 4), not {format} at {bits} "
@@ -77,7 +77,7 @@ def layout_for(config, bits: int | None = None, *, format: str | None = None,
     return standard_layout(config, format)
 
 
-def candidate_layouts(config) -> list[LayoutSpec]:
+def candidate_layouts(config: HFConfig) -> list[LayoutSpec]:
     """Every layout a session of this config may have been spilled with."""
     if is_deepseek_v4(config):
         return [deepseek_v4_layout(config, b) for b in DEEPSEEK_V4_BITS]
@@ -92,7 +92,7 @@ def _named(spec: LayoutSpec, family: str, tag: str) -> LayoutSpec:
     return replace(spec, name=f"hf-{family}-{tag}-{replace(spec, name='x').layout_hash:016x}"[:64])
 
 
-def _kv_shape(text) -> tuple[int, int]:
+def _kv_shape(text: HFConfig) -> tuple[int, int]:
     """(kv_heads, head_dim) of every layer of a decoder config; ``UnsupportedModel`` when
     the layers differ or the config does not say."""
     shapes = set()
@@ -112,7 +112,8 @@ def _kv_shape(text) -> tuple[int, int]:
     return shapes.pop()
 
 
-def _cache_streams(text) -> tuple[tuple[str, tuple[int, ...]], tuple[str, tuple[int, ...]]]:
+def _cache_streams(text: HFConfig
+                   ) -> tuple[tuple[str, tuple[int, ...]], tuple[str, tuple[int, ...]]]:
     """(name, entry shape) of what a layer's cache holds as its keys and as its values:
     K and V of (kv_heads, head_dim), or for a latent (MLA) cache (DeepseekV2/V3) one
     shared head per token, the compressed latent (``kv_lora_rank``) and the rope key
@@ -124,7 +125,7 @@ def _cache_streams(text) -> tuple[tuple[str, tuple[int, ...]], tuple[str, tuple[
     return ("k", shape), ("v", shape)
 
 
-def standard_layout(config, format: str = "bf16") -> LayoutSpec:
+def standard_layout(config: HFConfig, format: str = "bf16") -> LayoutSpec:
     if format not in STANDARD_FORMATS:
         raise InvalidRequest(f"a standard model's cache is stored as one of "
                              f"{STANDARD_FORMATS}, not {format}")
@@ -166,7 +167,7 @@ def standard_layout(config, format: str = "bf16") -> LayoutSpec:
     return _named(spec, kind.replace("_", "-"), format)
 
 
-def deepseek_v4_layout(config, bits: int = 4) -> LayoutSpec:
+def deepseek_v4_layout(config: HFConfig, bits: int = 4) -> LayoutSpec:
     if bits not in DEEPSEEK_V4_BITS:
         raise InvalidRequest(f"DeepseekV4's compressed entries are stored at 4 or 8 bits, "
                              f"not {bits}")
@@ -176,11 +177,11 @@ def deepseek_v4_layout(config, bits: int = 4) -> LayoutSpec:
     m_hca = config.compress_rates[HCA]
     d, di = config.head_dim, config.index_head_dim
 
-    def entries(name, dim, m, layers):
+    def entries(name: str, dim: int, m: int, layers: int) -> Stream:
         return Stream(name, (dim,), bits=bits, group_size=_group(bits, dim), tokens_per_entry=m,
                       layers=layers)
 
-    def state(name, shape, layers, pending=True):
+    def state(name: str, shape: tuple[int, ...], layers: int, pending: bool = True) -> Stream:
         return Stream(name, shape, bits=16, layers=layers, persistent=False, pending=pending)
 
     streams = []

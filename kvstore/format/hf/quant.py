@@ -23,7 +23,8 @@ QMAX = {4: 7, 8: 127}
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
-def encode_values(stream: Stream, x: torch.Tensor, scale=None) -> StreamData:
+def encode_values(stream: Stream, x: torch.Tensor, scale: float | torch.Tensor | None = None
+                  ) -> StreamData:
     """Quantize (layers, entries, *entry_shape) values as ``stream`` stores them. An fp8
     stream takes ``scale``: a float or (layers,) float32, the engine's per-layer scale
     (vLLM's k_scale / v_scale), codes = x / scale saturated to +-448; None computes each
@@ -54,7 +55,8 @@ def encode_values(stream: Stream, x: torch.Tensor, scale=None) -> StreamData:
     return StreamData(codes.contiguous(), scales.reshape(layers, entries, -1).contiguous())
 
 
-def _encode_fp8(stream: Stream, x: torch.Tensor, scale) -> StreamData:
+def _encode_fp8(stream: Stream, x: torch.Tensor, scale: float | torch.Tensor | None
+                ) -> StreamData:
     layers = stream.layers
     if not torch.isfinite(x).all():
         raise InvalidRequest(f"stream {stream.name}: fp8 values must be finite")
@@ -93,6 +95,8 @@ def decode_values(stream: Stream, data: StreamData, chunk_tokens: int = 0) -> to
                              "are no values to decode")
     if stream.value_format.scales == "none":
         return codes.float()
+    if data.scales is None:
+        raise InvalidRequest(f"stream {stream.name}: its format has scales, none were given")
     if stream.format == "fp8_e4m3":
         return codes.float() * _entry_scales(stream, data.scales, codes.shape[1], chunk_tokens)
     if stream.bits == 4:

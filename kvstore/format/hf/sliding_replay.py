@@ -13,19 +13,29 @@ replay rebuilds every layer from the last R tokens alone. R must cover the windo
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
 from kvstore.format.errors import InvalidRequest
+from kvstore.format.hf.attention import HFModel
 
 
-class _ReplayedSlidingLayer(DynamicSlidingWindowLayer):
+class _ReplayedSlidingLayer(DynamicSlidingWindowLayer):  # type: ignore[no-untyped-call]  # transformers' __init_subclass__ is untyped
     """A sliding layer that holds fewer rows than it has seen tokens: its mask starts at
     its first held row (the stock class assumes it holds min(seen, W - 1))."""
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        assert self.keys is not None  # initialized before the model asks for masks
         held = self.keys.shape[2]
         return held + query_length, self.cumulative_length - held
+
+
+def _layers(cache: DynamicCache) -> list[Any]:
+    """``cache``'s layers: transformers types them as the union of its layer mixins, and
+    the caches replayed here hold dynamic (or sliding) layers, with keys and values."""
+    return list(cache.layers)
 
 
 def check_replay_tokens(window: int, num_tokens: int, r: int) -> int:
@@ -40,15 +50,17 @@ def check_replay_tokens(window: int, num_tokens: int, r: int) -> int:
 
 
 @torch.no_grad()
-def replay_sliding_layers(model, cache: DynamicCache, ids: torch.Tensor, r: int) -> DynamicCache:
+def replay_sliding_layers(model: HFModel, cache: DynamicCache, ids: torch.Tensor, r: int
+                          ) -> DynamicCache:
     """Rebuild the sliding layers of ``cache`` (full layers: every one of the n = len(ids)
     tokens; sliding layers: ignored) by replaying the last ``r`` tokens; returns the
     model's own cache classes, full layers unchanged."""
     n = len(ids)
     start = n - r
     stored = {}
-    for i, layer in enumerate(cache.layers):
+    for i, layer in enumerate(_layers(cache)):
         if isinstance(layer, DynamicSlidingWindowLayer):
+            assert layer.keys is not None and layer.values is not None  # a filled cache
             # (1, heads, 0, head_dim): nothing held, every token before the replay seen
             empty = layer.keys[:, :, :0], layer.values[:, :, :0]
             replayed = _ReplayedSlidingLayer(layer.sliding_window)
@@ -61,7 +73,7 @@ def replay_sliding_layers(model, cache: DynamicCache, ids: torch.Tensor, r: int)
             layer.keys, layer.values = layer.keys[:, :, :start], layer.values[:, :, :start]
     model(ids[start:][None], past_key_values=cache, use_cache=True,
           position_ids=torch.arange(start, n)[None])
-    for i, layer in enumerate(cache.layers):
+    for i, layer in enumerate(_layers(cache)):
         if i in stored:  # the stored rows, not the replay's approximation of them
             layer.keys, layer.values = stored[i]
         else:

@@ -7,7 +7,7 @@ the digest of the clear bytes) or under another key is written as a plain record
 record's xxh3 covers its flags, key and value, and a read checks it against the index
 entry, so an admitted record read back intact holds bytes with the digest its key
 states: ``get_many_proven`` says so, and a restore skips recomputing the digest of
-such a copy (``kvstore.placement.reads``). A compaction copies records verbatim, so
+such a copy (``kvstore.placement.stack``). A compaction copies records verbatim, so
 their mark travels with them.
 
 The hashing of a put runs in a worker thread once it exceeds ``THREAD_BYTES``: both

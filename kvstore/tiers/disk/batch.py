@@ -39,6 +39,8 @@ from kvstore.tiers.disk.segments import (
     record_size,
 )
 
+# (index, key, its entry, record size, segment descriptor or None)
+Record = tuple[int, bytes, IndexEntry, int, int | None]
 log = logging.getLogger(__name__)
 
 
@@ -79,7 +81,8 @@ PIECE_BYTES = 1 << 19
 
 async def _read_batch(files: SegmentFiles, where: Path, wanted: list, out: list,
                       proven: list[bool]) -> None:
-    fds, records = {}, []  # records: (index, kb, entry, size, descriptor)
+    fds: dict[int, int | None] = {}
+    records: list[Record] = []
     for seg_id, _, i, kb, entry in wanted:
         if seg_id not in fds:
             try:
@@ -99,9 +102,10 @@ async def _read_batch(files: SegmentFiles, where: Path, wanted: list, out: list,
             out[i], proven[i] = (value, False) if isinstance(value, ChunkCorrupt) else value
 
 
-def _pieces(records: list) -> list[list]:
+def _pieces(records: list[Record]) -> list[list[Record]]:
     """``records`` in consecutive groups of about ``PIECE_BYTES`` each."""
-    pieces, size = [[]], 0
+    pieces: list[list[Record]] = [[]]
+    size = 0
     for record in records:
         if size >= PIECE_BYTES:
             pieces.append([])
@@ -121,7 +125,7 @@ def _read_pieces(files: SegmentFiles, where: Path, pieces: list[list]
     checked: list[list | None] = []
     for runs, piece in plans:
         # np.empty, not bytearray: zero-filling first costs as much as the read
-        buffer = memoryview(np.empty(sum(r[3] for r in piece), dtype=np.uint8))
+        buffer = np.empty(sum(r[3] for r in piece), dtype=np.uint8).data
         try:
             files.read_runs(runs, buffer)
         except (OSError, ChunkCorrupt) as exc:
@@ -149,7 +153,7 @@ _RECORD = np.dtype([("magic", "S4"), ("checksum", "<u8"), ("key_len", "<u2"), ("
 assert _RECORD.itemsize == HEADER_SIZE
 
 
-def _checked_records(buffer: memoryview, records: list, where: Path
+def _checked_records(buffer: memoryview, records: list[Record], where: Path
                      ) -> list[tuple[Buffer, bool] | ChunkCorrupt]:
     """Each record of ``buffer`` (back to back, as ``records`` list them) checked as
     ``check_record`` does: its value (a read-only view) and whether it is ``ADMITTED``,
@@ -169,7 +173,8 @@ def _checked_records(buffer: memoryview, records: list, where: Path
           & (heads["value_len"] == np.fromiter((r[2].value_len for r in records), np.int64, n))
           & (heads["checksum"] == sums) & (hashed == sums)).tolist()
     admitted = ((heads["flags"] & ADMITTED) != 0).tolist()
-    view, values = buffer.toreadonly(), []
+    view = buffer.toreadonly()
+    values: list[tuple[Buffer, bool] | ChunkCorrupt] = []
     for (_, kb, entry, size, _), at, good, sure in zip(records, starts.tolist(), ok, admitted,
                                                     strict=True):
         key_at = at + HEADER_SIZE

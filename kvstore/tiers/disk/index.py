@@ -48,6 +48,15 @@ _ENTRY = struct.Struct("<IQIQQ")
 _SEGMENT = struct.Struct("<BQQQQ")
 _U64 = struct.Struct("<Q")
 _SEG_KEY = struct.Struct(">I")
+
+
+def _u64(txn: lmdb.Transaction, key: bytes, db: lmdb._Database | None = None) -> int:
+    """A counter of the state table (set to 0 on open: missing, the index is damaged)."""
+    raw = txn.get(key, db=db)
+    if raw is None:
+        raise struct.error(f"the index lost its {key.decode()} counter")
+    value: int = _U64.unpack(raw)[0]
+    return value
 _NEXT_SEG, _USED, _ITEMS = b"next_segment", b"used_bytes", b"items"
 _EPOCH = b"segment_epoch"  # bumped whenever a segment is forgotten
 _LSN = b"meta_lsn"  # highest log sequence number of a metadata record committed
@@ -74,7 +83,7 @@ class IndexEntry(NamedTuple):
         return self.expires_ms != 0 and self.expires_ms <= now * 1000
 
     @classmethod
-    def unpack(cls, raw: bytes) -> IndexEntry:
+    def unpack(cls, raw: bytes | memoryview) -> IndexEntry:
         return cls(*_ENTRY.unpack(raw))
 
 
@@ -103,7 +112,7 @@ class SegmentInfo:
                              self.live_value_bytes, self.live_records)
 
     @classmethod
-    def unpack(cls, seg_id: int, raw: bytes) -> SegmentInfo:
+    def unpack(cls, seg_id: int, raw: bytes | memoryview) -> SegmentInfo:
         state, end, live, live_values, records = _SEGMENT.unpack(raw)
         return cls(seg_id, SegState(state), end, live, live_values, records)
 
@@ -140,8 +149,8 @@ class _Accounts:
     def __init__(self, txn: lmdb.Transaction, index: DiskIndex) -> None:
         self.txn, self.index = txn, index
         self.segments: dict[int, SegmentInfo | None] = {}
-        self.used = _U64.unpack(txn.get(_USED, db=index.state))[0]
-        self.items = _U64.unpack(txn.get(_ITEMS, db=index.state))[0]
+        self.used = _u64(txn, _USED, index.state)
+        self.items = _u64(txn, _ITEMS, index.state)
 
     def segment(self, seg_id: int) -> SegmentInfo | None:
         if seg_id not in self.segments:
@@ -216,14 +225,14 @@ class DiskIndex:
                 for name in (b"chunks", b"segments", b"meta", b"metarec", b"state"))
             for name in (_NEXT_SEG, _USED, _ITEMS, _EPOCH, _LSN):
                 txn.put(name, _U64.pack(0), db=self.state, overwrite=False)
-                _U64.unpack(txn.get(name, db=self.state))  # struct.error when damaged
+                _u64(txn, name, self.state)  # struct.error when damaged
 
     def close(self) -> None:
         self.env.close()
         _OPEN.discard(self._name)
 
     @contextlib.contextmanager
-    def write(self, db: object = None) -> Iterator[lmdb.Transaction]:
+    def write(self, db: lmdb._Database | None = None) -> Iterator[lmdb.Transaction]:
         """One write transaction; the seam hears of it once it committed."""
         with self.env.begin(write=True, db=db) as txn:
             yield txn
@@ -241,17 +250,17 @@ class DiskIndex:
     def totals(self) -> tuple[int, int]:
         """(live value bytes, live items) as last committed by any process."""
         with self.env.begin(db=self.state) as txn:
-            return _U64.unpack(txn.get(_USED))[0], _U64.unpack(txn.get(_ITEMS))[0]
+            return _u64(txn, _USED), _u64(txn, _ITEMS)
 
     def next_segment(self) -> int:
         """The id the next registered segment gets, less one: no segment file may be
         named above it."""
         with self.env.begin(db=self.state) as txn:
-            return _U64.unpack(txn.get(_NEXT_SEG))[0]
+            return _u64(txn, _NEXT_SEG)
 
     def meta_lsn(self) -> int:
         with self.env.begin(db=self.state) as txn:
-            return _U64.unpack(txn.get(_LSN))[0]
+            return _u64(txn, _LSN)
 
     def meta_records(self) -> list[tuple[bytes, IndexEntry]]:
         """Every meta key with the entry of its logging record (or tombstone)."""
@@ -261,10 +270,10 @@ class DiskIndex:
     def segment_epoch(self) -> int:
         """Changes whenever any process forgets a segment: a cue to drop its handles."""
         with self.env.begin(db=self.state) as txn:
-            return _U64.unpack(txn.get(_EPOCH))[0]
+            return _u64(txn, _EPOCH)
 
     def _bump_epoch(self, txn: lmdb.Transaction) -> None:
-        epoch = _U64.unpack(txn.get(_EPOCH, db=self.state))[0]
+        epoch = _u64(txn, _EPOCH, self.state)
         txn.put(_EPOCH, _U64.pack(epoch + 1), db=self.state)
 
     def segment(self, seg_id: int) -> SegmentInfo | None:
@@ -328,7 +337,7 @@ class DiskIndex:
         """Allocate the next segment id and name it in the index, before its file exists,
         so a segment file on disk is always either named or safe to remove."""
         with self.write() as txn:
-            seg_id = _U64.unpack(txn.get(_NEXT_SEG, db=self.state))[0] + 1
+            seg_id = _u64(txn, _NEXT_SEG, self.state) + 1
             txn.put(_NEXT_SEG, _U64.pack(seg_id), db=self.state)
             txn.put(_SEG_KEY.pack(seg_id), SegmentInfo(seg_id, state, 0).pack(),
                     db=self.segments)
@@ -374,7 +383,7 @@ class DiskIndex:
             accounts.count(key, entry, +1, totals=False)
             self._extend(accounts, entry.seg_id,
                          entry.offset + record_size(len(key), entry.value_len))
-        if op.lsn > _U64.unpack(txn.get(_LSN, db=self.state))[0]:
+        if op.lsn > _u64(txn, _LSN, self.state):
             txn.put(_LSN, _U64.pack(op.lsn), db=self.state)
 
     def install(self, next_segment: int, lsn: int) -> None:
@@ -446,7 +455,7 @@ class DiskIndex:
             accounts.save()
         return SwitchOutcome(moved, len(moves) - moved, emptied)
 
-    def rebuild_accounting(self, file_size: Callable[[int], int | None]) -> list[bytes]:
+    def rebuild_accounting(self, file_size: Callable[[int], int | None]) -> list[bytes]:  # noqa: C901 - one pass over the entries, each case a state of its segment
         """Recompute every segment's figures and the totals from the entries, dropping
         those whose bytes are gone (segment file missing or too short).
 
@@ -463,18 +472,18 @@ class DiskIndex:
             used = items = 0
             for key, raw in txn.cursor(db=self.chunks):
                 entry = IndexEntry.unpack(raw)
-                info = infos.get(entry.seg_id)
+                found = infos.get(entry.seg_id)
                 if entry.seg_id not in sizes:
                     sizes[entry.seg_id] = file_size(entry.seg_id)
                 size = record_size(len(key), entry.value_len)
                 limit = sizes[entry.seg_id]
-                if info is None or limit is None or entry.offset + size > min(
-                        limit, info.file_bytes):
-                    dropped.append(key)
+                if found is None or limit is None or entry.offset + size > min(
+                        limit, found.file_bytes):
+                    dropped.append(bytes(key))
                     continue
-                info.live_bytes += size
-                info.live_value_bytes += entry.value_len
-                info.live_records += 1
+                found.live_bytes += size
+                found.live_value_bytes += entry.value_len
+                found.live_records += 1
                 used += entry.value_len
                 items += 1
             for key in dropped:
@@ -483,16 +492,16 @@ class DiskIndex:
                 entry = IndexEntry.unpack(raw)
                 if entry.seg_id not in sizes:
                     sizes[entry.seg_id] = file_size(entry.seg_id)
-                info, size = infos.get(entry.seg_id), sizes[entry.seg_id]
+                found, seg_size = infos.get(entry.seg_id), sizes[entry.seg_id]
                 end = entry.offset + record_size(len(key), entry.value_len)
-                if info is None or size is None or end > min(size, info.file_bytes):
+                if found is None or seg_size is None or end > min(seg_size, found.file_bytes):
                     log.error("the record holding meta key %r is gone", key)
                     txn.delete(key, db=self.metarec)
                     if txn.get(key, db=self.meta) == b"":  # the value was that record's
                         txn.delete(key, db=self.meta)
                     continue
-                info.live_bytes += record_size(len(key), entry.value_len)
-                info.live_records += 1
+                found.live_bytes += record_size(len(key), entry.value_len)
+                found.live_records += 1
             for seg_id, info in infos.items():
                 txn.put(_SEG_KEY.pack(seg_id), info.pack(), db=self.segments)
             txn.put(_USED, _U64.pack(used), db=self.state)

@@ -78,6 +78,7 @@ class SegmentAppender:
             self._abandon()
         if self._fd is None or (self.end and self.end + size > self.segment_bytes):
             await self.roll()
+        assert self._fd is not None and self.seg_id is not None  # a segment is open with its fd
         offset = self.end
         try:
             await asyncio.to_thread(self.fs.write, self._fd, parts, offset)
@@ -123,12 +124,14 @@ class SegmentAppender:
                 await asyncio.to_thread(self.fs.fsync, self._fd)
             except OSError as exc:
                 seg_id = self.seg_id
+                assert seg_id is not None  # a segment is open with its fd
                 self.failed_syncs.add(seg_id)
                 self._abandon()
                 raise self._error(exc, f"syncing segment {seg_id}") from exc
 
     async def _cut_back(self, end: int) -> None:
         """Discard a failed record's bytes; abandon the segment when that fails too."""
+        assert self._fd is not None  # the record's segment is still open
         try:
             await asyncio.to_thread(self.fs.truncate, self._fd, end)
         except OSError:
@@ -138,6 +141,7 @@ class SegmentAppender:
         """Seal the open segment at its last good end and let it go."""
         fd, self._fd = self._fd, None
         if fd is not None:
+            assert self.seg_id is not None  # a segment is open with its fd
             self.finished[self.seg_id] = self.end
             self._close_quietly(fd)
         self.seg_id, self.end = None, 0

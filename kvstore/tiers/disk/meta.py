@@ -60,6 +60,7 @@ class DiskMetaStore(MetaStore):
     async def scan(self, prefix: str) -> list[tuple[str, bytes]]:
         out = []
         for kb, value, entry in self._index.meta_scan(prefix.encode("utf-8")):
+            got: bytes | None
             try:
                 got = await self._value(kb, value, entry)
             except SegmentGone:

@@ -83,7 +83,7 @@ class CommitPipeline:
         return self._totals
 
     def enqueue(self, op: IndexOp, key: bytes | None = None, delta: int = 0, items: int = 0,
-                nbytes: int = 0, future: bool = False) -> QueuedOp:
+                nbytes: int = 0, *, future: bool = False) -> QueuedOp:
         self._seq += 1
         waiter = asyncio.get_running_loop().create_future() if future else None
         queued = QueuedOp(op, key, self._seq, delta, items, nbytes, waiter)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import mmap
 import os
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -66,7 +67,7 @@ class SegmentFiles:
         self._fds: OrderedDict[int, int] = OrderedDict()  # LRU of read descriptors
         self._pins: Counter[int] = Counter()
         self._retiring: set[int] = set()
-        self._maps: dict[int, object] = {}  # seg id -> mmap.mmap of it
+        self._maps: dict[int, mmap.mmap] = {}  # seg id -> the segment mapped
         self._nowait = _NOWAIT
         self._probe = memoryview(bytearray(1))
 
@@ -137,7 +138,7 @@ class SegmentFiles:
         if view is not None:
             return await asyncio.to_thread(check, view)
         # np.empty, not bytearray: the read fills it, and zero-filling first costs as much
-        buffer = memoryview(np.empty(size, dtype=np.uint8))
+        buffer = np.empty(size, dtype=np.uint8).data
         done = self._cached_part(fd, buffer, offset)
         if done == size:
             whole = buffer.toreadonly()

@@ -117,7 +117,7 @@ def _read_snapshot(index_dir: Path) -> _Snapshot:
                     if not key.startswith(prefix):
                         break
                     raw = txn.get(key, db=metarec_db)
-                    manifests.append((key, value, raw and IndexEntry.unpack(raw)))
+                    manifests.append((key, value, None if raw is None else IndexEntry.unpack(raw)))
         return _Snapshot(infos, chunk_keys, manifests)
     finally:
         env.close()

@@ -31,6 +31,7 @@ from kvstore.format.errors import (
     ChunkCorrupt,
     ChunkNotFound,
     InvalidRequest,
+    KVTierError,
     TierFull,
     TierUnavailable,
 )
@@ -72,7 +73,7 @@ MiB = 1 << 20
 
 class DiskTier(Tier):
     name: ClassVar[str] = "disk"
-    durable: ClassVar[bool] = True
+    durable = True
 
     def __init__(self, path: str | Path, capacity_bytes: int, *, segment_bytes: int = 64 * MiB,
                  durable: bool = True, writer: bool = True, map_size: int = 64 << 30,
@@ -201,7 +202,7 @@ class DiskTier(Tier):
                 for args in self._seals():  # after the puts in the sealed segment
                     self.pipeline.enqueue(*args)
             op = self.pipeline.enqueue(PutOp(kb, entry), kb, delta, int(old is None),
-                                       view.nbytes, self._wants_ack(durable))
+                                       view.nbytes, future=self._wants_ack(durable))
         await self.pipeline.settle(op)
         if old is not None:
             self.reclaimer.poke()
@@ -312,12 +313,12 @@ class DiskTier(Tier):
                 self.files.unpin(entry.seg_id)
         raise TierUnavailable(f"disk tier: segments of {key!r} keep vanishing")
 
-    async def get_many(self, keys: Sequence[str]) -> list[Buffer | Exception]:
+    async def get_many(self, keys: Sequence[str]) -> list[Buffer | KVTierError]:
         """``get`` of each key, read in file order in one batch (``batch.py``)."""
         return (await self.get_many_proven(keys))[0]
 
     async def get_many_proven(self, keys: Sequence[str]
-                              ) -> tuple[list[Buffer | Exception], list[bool]]:
+                              ) -> tuple[list[Buffer | KVTierError], list[bool]]:
         """``get_many``, and per key whether its bytes have the digest its key states."""
         self._check_open()
         self._forget_retired()
@@ -357,7 +358,8 @@ class DiskTier(Tier):
             old = self._length_or_none(kb)
             if old is None:
                 return 0
-            op = self.pipeline.enqueue(DeleteOp(kb), kb, -old, -1, 0, self._wants_ack(durable))
+            op = self.pipeline.enqueue(DeleteOp(kb), kb, -old, -1, 0,
+                                       future=self._wants_ack(durable))
         try:
             await self.pipeline.settle(op)
         finally:  # a caller cancelled while it waits still had its delete queued
@@ -380,8 +382,8 @@ class DiskTier(Tier):
             start = batch[-1][0]
             await asyncio.sleep(0)
         now = self.clock()
-        for kb, (_, entry) in overlay.items():
-            if entry is not None and not entry.expired(now):
+        for kb, (_, pending) in overlay.items():
+            if pending is not None and not pending.expired(now):
                 yield kb.decode()
 
     async def purge_expired(self) -> int:
@@ -475,6 +477,7 @@ class DiskTier(Tier):
 
     async def _append(self, kb: bytes, parts: list[Buffer], value_len: int, checksum: int,
                       expires: int) -> IndexEntry:
+        assert self._appender is not None  # a writer's (_check_writable)
         if self._resume is not None:
             try:
                 await self._appender.resume(*self._resume)
@@ -487,6 +490,7 @@ class DiskTier(Tier):
 
     def _seals(self) -> list[tuple[EndOp]]:
         """Queue arguments marking the segments the appender sealed as SEALED."""
+        assert self._appender is not None  # a writer's (_check_writable)
         return [(EndOp(seg_id, end, True),) for seg_id, end in self._appender.take_sealed()]
 
     async def _purge_if_expired(self, kb: bytes) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ACKS = ("memory", "durable")
 KEYS = ("server", "tls_ca", "token_file", "tenant", "model_fingerprint", "dedupe_domain",
@@ -34,7 +35,7 @@ class StorageSettings:
     timeout_ms: float = 1000.0
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, object]) -> StorageSettings:
+    def from_extra(cls, extra: Mapping[str, Any]) -> StorageSettings:  # SGLang's JSON
         """The settings of ``extra``; an unknown key or a bad value is a ValueError
         naming it (SGLang fails the start-up with it)."""
         unknown = sorted(set(extra) - set(KEYS) - set(SGLANG_KEYS))
@@ -77,7 +78,7 @@ class StorageSettings:
     def timeout_s(self) -> float:
         return self.timeout_ms / 1000
 
-    def client_options(self) -> dict:
+    def client_options(self) -> dict[str, Any]:
         """Keyword arguments of ``kvtier.Client``: a call's own deadline is the
         backend's, so the client gives up when SGLang's caller does."""
         return {"tls_ca": self.tls_ca, "token": self.token, "timeout_s": self.timeout_s}

@@ -4,6 +4,7 @@ every pool's hit policy, by the rules of SGLang's own ``HiCacheFile.batch_exists
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 from sglang.srt.mem_cache.hicache_storage import (
@@ -36,7 +37,7 @@ def pool_hits(kv_pages: int, transfers: Sequence[PoolTransfer],
         elif transfer.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
             # The pool's own verdict, whole groups from the span start; it never gates
             # the KV hit.
-            boundary = block_group_pages(transfer, lambda i, name=name: has(name, i))
+            boundary = block_group_pages(transfer, functools.partial(has, name))
             if boundary:
                 hit_count[name] = boundary
             continue
@@ -60,4 +61,5 @@ def block_group_pages(transfer: PoolTransfer, has: Callable[[int], bool]) -> int
         if not all(has(i) for i in range(start, start + transfer.group_pages)):
             break
         groups += 1
-    return groups * transfer.block_pages
+    pages: int = groups * transfer.block_pages
+    return pages

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,7 +53,7 @@ class Shard:
     is_mla: bool = False
 
     @classmethod
-    def of(cls, storage_config) -> Shard:
+    def of(cls, storage_config: Any) -> Shard:  # SGLang's HiCacheStorageConfig
         return cls(storage_config.tp_rank, storage_config.tp_size, storage_config.pp_rank,
                    storage_config.pp_size, storage_config.attn_cp_rank,
                    storage_config.attn_cp_size, storage_config.dcp_rank,
@@ -88,7 +89,7 @@ class PageFormat:
     spec: LayoutSpec
 
     @classmethod
-    def of(cls, pool: str, host_pool) -> PageFormat:
+    def of(cls, pool: str, host_pool: Any) -> PageFormat:  # an SGLang host pool
         page = host_pool.get_dummy_flat_data_page()  # (page values,) of the pool's dtype
         page_bytes = page.numel() * page.element_size()
         if page_bytes % (2 * KEY_TOKENS):
@@ -110,15 +111,17 @@ class PageFormat:
         dtype = str(self.dtype).removeprefix("torch.")
         return f"{key}|{self.pool}|{dtype}|{self.memory_layout}|{shard.suffix(self.pool)}"
 
-    def encode(self, page: torch.Tensor, tokens: np.ndarray) -> bytes:
+    def encode(self, page: torch.Tensor | None, tokens: np.ndarray) -> bytes:
         """The chunk of one flat page (page values,) of the pool's dtype."""
-        raw = memoryview(page.contiguous().view(torch.uint8).numpy())  # no copy: read once
+        if page is None:
+            raise ValueError(f"no {self.pool} page to store")
+        raw = page.contiguous().view(torch.uint8).numpy().data  # no copy: read once
         if len(raw) != self.page_bytes:
             raise ValueError(f"a {self.pool} page of {len(raw)} B; the pool's pages are "
                              f"{self.page_bytes} B")
         return encode_raw(self.spec, 0, tokens, raw)
 
-    def payload(self, chunk) -> memoryview | None:
+    def payload(self, chunk: bytes | memoryview) -> memoryview | None:
         """The page bytes of a chunk ``read_chunks`` checked, or None: it is not an
         uncompressed chunk of exactly one page (never written here)."""
         header = read_header(chunk)

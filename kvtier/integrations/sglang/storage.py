@@ -45,6 +45,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvstore.format.errors import TierUnavailable, UnknownLayout
 from kvstore.format.keys import MAX_INDEPENDENT_LOOKUP
+from kvstore.format.layout import LayoutSpec
 from kvtier.integrations.breaker import Breaker
 from kvtier.integrations.sglang.config import StorageSettings
 from kvtier.integrations.sglang.hits import pool_hits
@@ -58,7 +59,7 @@ PoolPages = tuple[str, list[str], torch.Tensor | None, Any]  # pool, keys, host 
 MAX_CALL_BYTES = 64 << 20  # pages read or written by one call at most (calls run at once)
 
 
-class KVTierStorage(HiCacheStorage):
+class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang: not in the checked venv
     def __init__(self, storage_config: HiCacheStorageConfig,
                  kwargs: dict[str, Any] | None = None) -> None:
         """As SGLang's dynamic backend builds it: ``cls(storage_config, kwargs)``."""
@@ -71,11 +72,11 @@ class KVTierStorage(HiCacheStorage):
 
     # -- pools --
 
-    def register_mem_pool_host(self, mem_pool_host) -> None:
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         self.formats[KV_POOL] = PageFormat.of(KV_POOL, mem_pool_host)
 
-    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         name = str(host_pool_name)
         self.formats[name] = PageFormat.of(name, host_pool)
@@ -93,7 +94,7 @@ class KVTierStorage(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         return self._set_pages([(KV_POOL, keys, host_indices, self._kv_host_pool())])[0]
 
-    def _kv_host_pool(self):
+    def _kv_host_pool(self) -> Any:  # the SGLang host pool registered, or None
         return getattr(self, "mem_pool_host", None)
 
     # -- the legacy calls: flat pages in and out --
@@ -102,20 +103,22 @@ class KVTierStorage(HiCacheStorage):
             target_sizes: Any = None) -> torch.Tensor | None:
         return self.batch_get([key], [target_location])[0]
 
-    def batch_get(self, keys: list[str], target_locations: Sequence[torch.Tensor] | None = None,
+    def batch_get(self, keys: list[str],
+                  target_locations: Sequence[torch.Tensor | None] | None = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
         fmt = self.formats.get(KV_POOL)
         if fmt is None or target_locations is None or len(target_locations) != len(keys):
             return [None] * len(keys)
         with self._reading([(fmt, key) for key in keys]) as pages:
-            return [target if data is not None and _fill(target, data) else None
+            return [target if target is not None and data is not None and _fill(target, data)
+                    else None
                     for target, data in zip(target_locations, pages, strict=True)]
 
     def set(self, key: str, value: torch.Tensor | None = None, target_location: Any = None,
             target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: list[str], values: Sequence[torch.Tensor] | None = None,
+    def batch_set(self, keys: list[str], values: Sequence[torch.Tensor | None] | None = None,
                   target_locations: Any = None, target_sizes: Any = None) -> bool:
         fmt = self.formats.get(KV_POOL)
         if fmt is None or values is None or len(values) != len(keys):
@@ -286,7 +289,7 @@ class KVTierStorage(HiCacheStorage):
 
     def _write(self, pages: list[tuple[PageFormat, str, torch.Tensor | None]]) -> list[bool]:
         # Encoded here, in SGLang's thread: the host pool's bytes are read before it returns.
-        chunks: list[tuple | None] = []
+        chunks: list[tuple[PageFormat, np.ndarray, bytes] | None] = []
         for fmt, key, page in pages:
             tokens = key_tokens(fmt.name(key, self.shard))
             try:
@@ -295,7 +298,7 @@ class KVTierStorage(HiCacheStorage):
                 logger.warning("kvtier sglang storage: page %s not stored: %s", key, exc)
                 chunks.append(None)
 
-        async def write(batch: list[tuple]) -> list[bool]:
+        async def write(batch: list[tuple[Any, ...]]) -> list[bool]:
             await self.client.async_client.write_independent_chunks(
                 self.settings.tenant, await self._layout(batch[0][0]),
                 np.concatenate([tokens for _, tokens, _ in batch]),
@@ -311,8 +314,8 @@ class KVTierStorage(HiCacheStorage):
             if name is not None:
                 first.setdefault(name, i)
         unique = list(first.values())
-        sent = dict(zip(unique, self._each([chunks[i] for i in unique], MAX_CALL_BYTES, write,
-                                           False), strict=True))
+        batch: list[tuple[Any, ...]] = [c for c in (chunks[i] for i in unique) if c is not None]
+        sent = dict(zip(unique, self._each(batch, MAX_CALL_BYTES, write, False), strict=True))
         return [name is not None and sent[first[name]] for name in names]
 
     def _exists(self, pages: list[Page]) -> list[bool]:
@@ -328,14 +331,15 @@ class KVTierStorage(HiCacheStorage):
         """Every page's stand-in tokens end to end: (pages * KEY_TOKENS,) uint32."""
         return np.concatenate([key_tokens(fmt.name(key, self.shard)) for fmt, key in batch])
 
-    async def _layout(self, fmt: PageFormat):
+    async def _layout(self, fmt: PageFormat) -> LayoutSpec:
         if fmt.spec.layout_id not in self._registered:
             await self.client.async_client.register_layout(fmt.spec)
             self._registered.add(fmt.spec.layout_id)
         return fmt.spec
 
-    def _each(self, items: list[tuple], max_bytes: int | None,
-              call: Callable[[list], Coroutine[Any, Any, list[T]]], miss: T) -> list[T]:
+    def _each(self, items: Sequence[tuple[Any, ...]], max_bytes: int | None,  # noqa: C901 - batches with one deadline, one breaker and their misses
+              call: Callable[[list[tuple[Any, ...]]], Coroutine[Any, Any, list[T]]], miss: T
+              ) -> list[T]:
         """``call(batch)`` for the items in batches, all at once on the client's loop: a
         batch is items of one layout (``item[0]``: their PageFormat), of at most
         ``max_bytes`` of pages (None: no bound but the lookup's); ``miss`` for each item of
@@ -347,7 +351,7 @@ class KVTierStorage(HiCacheStorage):
         outage: list[Exception] = []
         failed: list[Exception] = []
 
-        async def one(batch: list[tuple]) -> list[T]:
+        async def one(batch: list[tuple[Any, ...]]) -> list[T]:
             try:
                 return await call(batch)
             except UnknownLayout:  # a restarted server forgot it: told again next call
@@ -388,7 +392,7 @@ class KVTierStorage(HiCacheStorage):
         return results
 
 
-def _batches(items: list[tuple], max_bytes: int | None) -> list[list[int]]:
+def _batches(items: Sequence[tuple[Any, ...]], max_bytes: int | None) -> list[list[int]]:
     """The items' positions grouped by layout (``item[0].spec``), in order, each group cut
     into runs of at most ``max_bytes`` of pages (one page at least) and at most
     ``MAX_INDEPENDENT_LOOKUP`` pages (what one Lookup may ask about)."""
@@ -410,7 +414,7 @@ def _pool_key(pool: str, key: str) -> str:
 
 
 def _page_offsets(pool: str, keys: list[str], host_indices: torch.Tensor | None,
-                  host_pool) -> list[int] | None:
+                  host_pool: Any) -> list[int] | None:
     """The host pool slot each page starts at (``host_indices`` holds ``page_size`` slots
     a page); None when the pool is not registered or the indices do not fit the keys."""
     if host_pool is None or host_indices is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvstore.format.errors import shown
 
@@ -100,7 +101,7 @@ class ConnectorConfig:
                               f"{shown(config.ack)}")
         return config
 
-    def client_options(self) -> dict:
+    def client_options(self) -> dict[str, Any]:
         """Keyword arguments of ``kvtier.Client`` for this server."""
         return {"tls_ca": self.tls_ca, "token": self.token, "timeout_s": self.timeout_s}
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
@@ -104,8 +105,8 @@ class CacheShape:
         return max(0, end - self.window + 1) // self.block_size
 
 
-def _attention_shape(vllm_config, spec, group: int, layer_names, kind: str,
-                     window: int) -> CacheShape:
+def _attention_shape(vllm_config: Any, spec: Any, group: int, layer_names: list[str],  # vLLM's
+                     kind: str, window: int) -> CacheShape:
     """A group of K/V attention layers (full or sliding): plain K and V of one head
     size, heads sharded as kvtier's tensor-parallel rule does."""
     name = type(spec).__name__
@@ -130,8 +131,8 @@ def _attention_shape(vllm_config, spec, group: int, layer_names, kind: str,
                       spec_name=name)
 
 
-def _raw_shape(vllm_config, spec, group: int, layer_names, kind: str,
-               window: int) -> CacheShape:
+def _raw_shape(vllm_config: Any, spec: Any, group: int, layer_names: list[str], kind: str,
+               window: int) -> CacheShape:  # vLLM's config and spec
     """A latent (MLA) group: each layer's block is the engine's own bytes, a page of the
     layer's spec's size (``UniformTypeKVCacheSpecs``: one spec per layer)."""
     name = type(spec).__name__
@@ -150,7 +151,7 @@ def _raw_shape(vllm_config, spec, group: int, layer_names, kind: str,
                       spec_name=name, page_bytes=pages)
 
 
-def group_policy(spec, enable_kv_transfer: bool = True) -> tuple[str, str, int]:
+def group_policy(spec: Any, enable_kv_transfer: bool = True) -> tuple[str, str, int]:
     """(kind, how its bytes are kept, window) of a vLLM KV cache spec: how kvtier keeps
     the group. "kv": plain K/V attention blocks; "raw": the engine's page bytes (MLA
     latents, DeepSeek-V4's compressed KV, indexer keys, compressor states). A spec kvtier
@@ -183,7 +184,7 @@ def group_policy(spec, enable_kv_transfer: bool = True) -> tuple[str, str, int]:
                            "are rebuilt by the engine)")
 
 
-def cache_groups(vllm_config, kv_cache_config) -> list[CacheShape]:
+def cache_groups(vllm_config: Any, kv_cache_config: Any) -> list[CacheShape]:  # vLLM's
     """Every KV cache group of the engine, in vLLM's order, each with how kvtier keeps
     it (``group_policy``); a model whose every group is rebuilt has nothing to keep
     (``UnsupportedModel``)."""
@@ -215,12 +216,13 @@ def layer_number(name: str) -> int:
     from vllm.model_executor.models.utils import extract_layer_index
 
     try:
-        return extract_layer_index(name)
+        index: int = extract_layer_index(name)
+        return index
     except (AssertionError, ValueError):
         return -1
 
 
-def cache_shape(vllm_config, kv_cache_config) -> CacheShape:
+def cache_shape(vllm_config: Any, kv_cache_config: Any) -> CacheShape:  # vLLM's configs
     """The first group kvtier stores (``cache_groups``)."""
     return next(s for s in cache_groups(vllm_config, kv_cache_config) if s.stored)
 
@@ -232,7 +234,7 @@ def group_line(shape: CacheShape) -> str:
     return f"{shape.group} {shape.spec_name} x{shape.layers}: {what}"
 
 
-def hit_alignment(groups: list[CacheShape], kv_cache_config=None) -> int:
+def hit_alignment(groups: list[CacheShape], kv_cache_config: Any = None) -> int:
     """The tokens a hit is a whole multiple of: every group's block (vLLM's hybrid
     coordinator hits at their least common multiple) and vLLM's own alignment."""
     align = math.lcm(*(g.block_size for g in groups))
@@ -240,7 +242,7 @@ def hit_alignment(groups: list[CacheShape], kv_cache_config=None) -> int:
     return math.lcm(align, extra) if extra else align
 
 
-def block_arrangement(vllm_config, spec: FullAttentionSpec) -> str:
+def block_arrangement(vllm_config: Any, spec: FullAttentionSpec) -> str:
     """How the engine's attention backend lays out a block's bytes, as both the scheduler
     and every worker can tell from the config: on the CPU ``cpu_attn.<isa>`` (the ISA path
     CPU_ATTN picks for the model's dtype, block and head size: vec, vec16, amx, neon, ...
@@ -252,14 +254,16 @@ def block_arrangement(vllm_config, spec: FullAttentionSpec) -> str:
     if current_platform.is_cpu():
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        return "cpu_attn." + _get_attn_isa(vllm_config.model_config.dtype, spec.block_size,
-                                           spec.head_size, cache_dtype)
+        isa: str = _get_attn_isa(vllm_config.model_config.dtype, spec.block_size,
+                                 spec.head_size, cache_dtype)
+        return "cpu_attn." + isa
     from vllm.v1.attention.selector import get_attn_backend
 
-    return get_attn_backend(spec.head_size, spec.dtype, cache_dtype).get_name().lower()
+    name: str = get_attn_backend(spec.head_size, spec.dtype, cache_dtype).get_name()
+    return name.lower()
 
 
-def check_arrangement(shape: CacheShape, attention_layers: list) -> None:
+def check_arrangement(shape: CacheShape, attention_layers: list[Any]) -> None:
     """The layers (vLLM ``Attention`` modules) really lay blocks out as ``shape`` says
     (``UnsupportedModel``): an engine-page chunk is only ever read by its arrangement. A
     CPU_ATTN layer that has not been told its ISA yet is checked by its backend alone."""

@@ -52,7 +52,7 @@ class SpillPlan:
 
 
 @dataclass
-class KVTierConnectorMetadata(KVConnectorMetadata):
+class KVTierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM's: not installed where mypy runs
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)
     spills: list[SpillPlan] = field(default_factory=list)
@@ -62,7 +62,7 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
 
 
 @dataclass
-class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]  # vLLM's: not installed where mypy runs
     """``unsaved``: req_id -> the first token whose chunk the worker did not save (its
     blocks were computed over a prefix that failed to load), in any group: the scheduler
     plans every group's chunks from there again once recomputed."""

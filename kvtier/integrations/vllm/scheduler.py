@@ -278,7 +278,7 @@ class SchedulerSide:
             reply = self.client.stat(self.config.tenant, rank_session(session, self.shape, 0))
         except NotFound:
             return 0
-        return reply.session.generation if reply.HasField("session") else 0
+        return reply.session.generation if reply.session is not None else 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if not cacheable(request):

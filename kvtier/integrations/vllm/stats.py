@@ -52,7 +52,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 
 @dataclass
-class KVTierStats(KVConnectorStats):
+class KVTierStats(KVConnectorStats):  # type: ignore[misc]  # vLLM's: not installed where mypy runs
     """``data``: field -> sum over the interval (every field of ``FIELDS``), latency -> the
     interval's observations (every latency of ``LATENCIES``)."""
 
@@ -63,7 +63,9 @@ class KVTierStats(KVConnectorStats):
             self.data.setdefault(name, [])
 
     def reset(self) -> None:
-        self.data = {**dict.fromkeys(FIELDS, 0), **{name: [] for name in LATENCIES}}
+        # a number per field, a list of observations per latency
+        self.data: dict[str, Any] = {**dict.fromkeys(FIELDS, 0),
+                                     **{name: [] for name in LATENCIES}}
 
     def aggregate(self, other: KVConnectorStats) -> KVTierStats:
         for name in FIELDS:
@@ -104,10 +106,10 @@ class StatsCounter:
         return None if stats.is_empty() else stats
 
 
-class KVTierPromMetrics(KVConnectorPromMetrics):
+class KVTierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  # vLLM's: not installed where mypy runs
     """A counter per field and a histogram per latency, per engine."""
 
-    def __init__(self, vllm_config, metric_types, labelnames: list[str],
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {

@@ -47,7 +47,9 @@ from kvtier.sync import Client
 from kvtier.types import ReadChunksResult
 
 logger = init_logger("vllm." + __name__)  # under vLLM's logger: its format and level
-_FLAGS = HEADER_DTYPE.fields["flags"][1]  # the header flags' offset in a chunk
+_FIELDS = HEADER_DTYPE.fields
+assert _FIELDS is not None  # a structured dtype
+_FLAGS = _FIELDS["flags"][1]  # the header flags' offset in a chunk
 
 
 @dataclass
@@ -123,12 +125,13 @@ class LoadJob:
     layer_ready: list[threading.Event]
     # a CUDA event after the step's work queued before the load (vLLM zeroes new blocks
     # first): the load writes after it; None on the CPU, where that work is done
-    queued: object = None
+    queued: torch.cuda.Event | None = None
     done: threading.Event = field(default_factory=threading.Event)
     loaded_chunks: int = 0  # chunks from plan.first_chunk written into their blocks
 
     @classmethod
-    def of(cls, plan: LoadPlan, layers: int, queued=None) -> LoadJob:
+    def of(cls, plan: LoadPlan, layers: int, queued: torch.cuda.Event | None = None
+           ) -> LoadJob:
         return cls(plan, [threading.Event() for _ in range(layers)], queued)
 
     @property
@@ -204,7 +207,8 @@ def _good_prefix(plan: LoadPlan, result: ReadChunksResult) -> int:
     return len(plan.block_ids)
 
 
-def _streams(store: Store, chunks: list, plan: LoadPlan) -> dict[str, list[torch.Tensor]]:
+def _streams(store: Store, chunks: list[bytes | memoryview], plan: LoadPlan
+             ) -> dict[str, list[torch.Tensor]]:
     """Per stream, per layer, the values (n, block_size, H, D) in the cache's dtype (or
     the pages, (n, ...) uint8) of the first n of ``chunks`` (read and checked by
     ``read_chunks``) that decode: uncompressed chunks of a passthrough format as views of
@@ -234,7 +238,7 @@ def _streams(store: Store, chunks: list, plan: LoadPlan) -> dict[str, list[torch
             for name in store.streams}
 
 
-def _rows(store: Store, chunks: list) -> np.ndarray | None:
+def _rows(store: Store, chunks: list[bytes | memoryview]) -> np.ndarray | None:
     """The chunks as one (n, bytes) uint8 array (a view where they lie back to back, as
     in a reply segment, else one join) when all are uncompressed, of one size, of a
     passthrough format; else None."""
@@ -282,7 +286,8 @@ def settle(tensor: torch.Tensor) -> None:
         torch.cuda.current_stream(tensor.device).synchronize()
 
 
-def run_save(store: Store, plan: SavePlan, raw: list[torch.Tensor], ready=None) -> bool:
+def run_save(store: Store, plan: SavePlan, raw: list[torch.Tensor],
+             ready: torch.cuda.Event | None = None) -> bool:
     """Encode the blocks ``raw`` (per layer, as ``PagedLayout.take`` copied them) and write
     them as chunks from ``plan.first_chunk`` (those the store holds are not sent);
     ``ready``: a CUDA event recorded after the copies were queued (None on the CPU).
@@ -308,7 +313,7 @@ def run_save(store: Store, plan: SavePlan, raw: list[torch.Tensor], ready=None) 
 
 
 def run_spill(store: Store, plan: SpillPlan, session_id: str, raw: list[torch.Tensor],
-              ready=None) -> bool:
+              ready: torch.cuda.Event | None = None) -> bool:
     """Spill the session from copies of its blocks ``raw`` (per layer, as
     ``PagedLayout.take`` copied them; ``ready`` as for ``run_save``): whole blocks as
     chunks (held ones go by key and digest), the partial last block as the tail. Whether
