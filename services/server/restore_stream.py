@@ -133,8 +133,8 @@ class RestoreStreamer:
                                                               reply.refused))
             yield pb.RestoreReply(summary=self._summary(started, reply, plan))
         finally:
-            if lease is not None:  # renewed: the client copies out, then may offer it again
-                self.leases.done(lease)
+            if lease is not None and self.leases is not None:  # renewed: the client copies
+                self.leases.done(lease)  # out, then may offer it again
 
     async def resume(self, tenant: str, session_id: str, opts: StreamOptions
                      ) -> AsyncIterator[pb.RestoreReply]:
@@ -177,7 +177,7 @@ class RestoreStreamer:
         finally:
             if rebuilding is not None:  # the call may have ended before the replay did
                 _settle(rebuilding)
-            if lease is not None:
+            if lease is not None and self.leases is not None:
                 self.leases.done(lease)
 
     async def _rebuilt_window(self, m: SessionManifest, spec: LayoutSpec, plan: ResumePlan,
@@ -238,7 +238,8 @@ class RestoreStreamer:
             window_digest=chunk_digest(plan.window) if plan.window is not None else b"",
             chunk_tables=tables or [],
             writeback_failed=m.writeback_failed,
-            reply_segment=self.leases.describe(lease) if lease is not None else None))
+            reply_segment=(self.leases.describe(lease)
+                           if lease is not None and self.leases is not None else None)))
 
     def _chunk(self, chunk: RestoredChunk, reply: _Reply) -> pb.RestoreReply:
         reply.tiers.add(chunk.tier)
@@ -250,7 +251,7 @@ class RestoreStreamer:
     def _summary(self, started: float, reply: _Reply, plan: ResumePlan) -> pb.ResumeSummary:
         """The summary of what was read and sent, with its metrics and request notes."""
         restore_s = time.perf_counter() - started
-        if plan.window is not None:
+        if plan.window is not None and plan.window_tier is not None:
             reply.tiers.add(plan.window_tier)
         lowest = self._lowest(reply.tiers)
         self.metrics.restore_seconds.labels(lowest or "none").observe(restore_s)
