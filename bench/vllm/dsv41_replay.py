@@ -36,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.vllm.engine import connector_metrics, reset_prefix_cache
 from testing import vllm_models
 
 LOAD_FORMAT = "kvtier_seeded"
@@ -161,7 +162,8 @@ def run(args: argparse.Namespace) -> dict:
             time.sleep(2.0)  # the background writer lands the last saves
             hits = []
             for p, reference_out in zip(prompts, want, strict=True):
-                _reset_prefix_cache(engine["llm"])
+                if not reset_prefix_cache(engine["llm"]):
+                    raise RuntimeError("vLLM's prefix cache could not be reset")
                 marks.clear()
                 got = _generate(engine["llm"], p, args)
                 hits.append({
@@ -175,7 +177,7 @@ def run(args: argparse.Namespace) -> dict:
             result = {"groups": engine["groups"], "start_s": engine["start_s"],
                       "reference_start_s": reference["start_s"],
                       "prefix_replay_tokens": engine["scheduler"].prefix_replay_tokens,
-                      "hits": hits}
+                      "hits": hits, "connector": connector_metrics()}
             _close(engine)
     return result
 
@@ -244,14 +246,6 @@ def _generate(llm, tokens: list[int], args: argparse.Namespace) -> dict:
             "kv_transfer_params": reply.kv_transfer_params,
             "logprobs": [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs],
             "seconds": time.monotonic() - began}
-
-
-def _reset_prefix_cache(llm, wait_s: float = 30.0) -> None:
-    deadline = time.monotonic() + wait_s
-    while not llm.reset_prefix_cache():  # refused while blocks are still held
-        if time.monotonic() > deadline:
-            raise RuntimeError("vLLM's prefix cache could not be reset")
-        time.sleep(0.1)
 
 
 def _close(engine: dict) -> None:

@@ -4,9 +4,11 @@
 ``engine_env()`` (the interpreter and the shim must be on before anything imports triton, so
 never in a test process that may have imported vLLM already). The job lists engines to start
 one after another, each with an optional ``kv_connector_extra_config`` (KVTierConnector) and
-prompts (token ids); every request is greedy with ``logprobs`` top-k. The result holds, per
+requests (``{"tokens": ids, "reset_prefix_cache": bool, "settle_s": s}``); every request
+is greedy with ``logprobs`` top-k. The result holds, per
 engine, its start time, its KV cache groups (the scheduler's specs and the worker's views),
-and per request the output tokens, the top-k logprobs, ``num_cached_tokens`` and the time.
+per request the output tokens, the top-k logprobs, ``num_cached_tokens`` and the time, and
+the connector's counters (``vllm:kvtier_*``).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def run_engine(job: dict, engine: dict) -> dict:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    from bench.vllm.engine import connector_metrics, reset_prefix_cache
     from tests.support import dsv4_cpu
 
     transfer = None
@@ -84,7 +87,10 @@ def run_engine(job: dict, engine: dict) -> dict:
     (result["worker"],) = llm.collective_rpc(worker_views)
     params = SamplingParams(max_tokens=job.get("max_tokens", 4), temperature=0.0,
                             detokenize=False, logprobs=job.get("logprobs", 5))
-    for tokens in engine["prompts"]:
+    for step in engine["requests"]:
+        if step.get("reset_prefix_cache") and not reset_prefix_cache(llm):
+            raise RuntimeError("vLLM's prefix cache could not be reset")
+        tokens = step["tokens"]
         began = time.monotonic()
         (reply,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params,
                                 use_tqdm=False)
@@ -93,9 +99,11 @@ def run_engine(job: dict, engine: dict) -> dict:
             "seconds": time.monotonic() - began,
             "tokens": list(out.token_ids),
             "num_cached_tokens": reply.num_cached_tokens,
-            "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
-                         for step in out.logprobs],
+            "logprobs": [{str(t): lp.logprob for t, lp in position.items()}
+                         for position in out.logprobs],
         })
+        time.sleep(step.get("settle_s", 0))  # the connector's background saves land
+    result["connector"] = connector_metrics()
     del llm
     return result
 
@@ -108,6 +116,8 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run under dsv4_cpu.engine_env(): TRITON_INTERPRET=1 and the shim")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # with a kv_transfer_config vLLM reserves a core: the same cores for every engine
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     job = json.loads(args.config.read_text())
