@@ -12,10 +12,11 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 from vllm.config import ModelConfig, VllmConfig  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
+    KVQuantMode,
     KVCacheGroupSpec,
-    MLAAttentionSpec,
 )
 
 from kvstore.format.errors import UnsupportedModel  # noqa: E402
@@ -59,7 +60,7 @@ def test_layout_of_a_real_config(vllm_config):
     # head size 16: CPU_ATTN's vec16 path
     assert shape == CacheShape(layers=3, kv_heads=2, head_size=16, block_size=128,
                                vocab_size=1000, dtype=torch.bfloat16, tp_size=1,
-                               arrangement="cpu_attn.vec16")
+                               arrangement="cpu_attn.vec16", layer_names=tuple(LAYERS))
     spec = rank_layout(shape, 0, "portable")
     assert spec.name == "vllm-3x2x16-b128-bf16"
     assert spec.chunk_tokens == 128 and spec.vocab_size == 1000
@@ -144,14 +145,14 @@ def test_one_layout_per_rank_and_tp_size():
         rank_layout(shape, 2, "auto")
 
 
-def test_caches_it_cannot_hold_are_refused(vllm_config):
-    for spec in (full(sliding_window=64),
-                 MLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=16,
-                                  dtype=torch.bfloat16)):
-        with pytest.raises(UnsupportedModel):
-            cache_shape(vllm_config, kv_config(spec))
-    with pytest.raises(UnsupportedModel, match="2 KV cache groups"):
-        cache_shape(vllm_config, kv_config(full(), groups=2))
+def test_caches_it_cannot_hold_are_refused_by_their_spec(vllm_config):
+    quantized = full(kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)
+    with pytest.raises(UnsupportedModel, match="FullAttentionSpec: quantized"):
+        cache_shape(vllm_config, kv_config(quantized))
+    local = ChunkedLocalAttentionSpec(block_size=128, num_kv_heads=2, head_size=16,
+                                      dtype=torch.bfloat16, attention_chunk_size=256)
+    with pytest.raises(UnsupportedModel, match="ChunkedLocalAttentionSpec is not supported"):
+        cache_shape(vllm_config, kv_config(local))
 
 
 def test_extra_config_is_checked(tmp_path):

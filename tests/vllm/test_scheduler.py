@@ -50,7 +50,7 @@ def side(kvtier_server):
           for name in ("k", "v")}
     client.spill("sched", "stored", SPEC, TOKENS[:3 * BS], kv, generation=1,
                  model_fingerprint=FINGERPRINT)
-    side = SchedulerSide(config, SHAPE, [SPEC], link_of(client, config))
+    side = SchedulerSide(config, [SHAPE], {0: [SPEC]}, link_of(client, config), alignment=BS)
     wait_up(side.link)
     yield side
     side.shutdown()
@@ -113,7 +113,7 @@ def test_held_prefix_is_whole_blocks_and_never_the_last_token(side):
     assert matched(side, request("d", [5] + TOKENS[1:]), 0) == (0, False)
     other = SchedulerSide(ConnectorConfig.from_extra(
         {"server": side.config.server, "tenant": "sched", "model_fingerprint": "other"}),
-        SHAPE, [SPEC], side.link)
+        [SHAPE], {0: [SPEC]}, side.link, alignment=BS)
     assert matched(other, request("e", TOKENS), 0) == (0, False)
     stats = side.take_stats()
     assert stats.data["lookups"] == 4 and stats.data["lookup_errors"] == 0
@@ -129,7 +129,7 @@ def test_a_store_that_cannot_answer_is_a_miss_at_once():
     config = ConnectorConfig.from_extra({"server": f"127.0.0.1:{closed_port()}",
                                          "model_fingerprint": "x", "timeout_s": 1})
     client = kvtier.Client(config.server, retry=kvtier.RetryPolicy(attempts=1), timeout_s=1)
-    dead = SchedulerSide(config, SHAPE, [SPEC], link_of(client, config))
+    dead = SchedulerSide(config, [SHAPE], {0: [SPEC]}, link_of(client, config), alignment=BS)
     try:
         assert dead.get_num_new_matched_tokens(request("x", TOKENS), 0) == (0, False)
         stats = dead.take_stats().data
@@ -157,7 +157,7 @@ def test_a_hung_server_is_asked_again_then_a_miss_by_the_deadline_then_skipped()
                                          "breaker_failures": 2, "probe_interval_s": 600})
     link = link_of(kvtier.Client(target, timeout_s=5), config)
     link.breaker.succeeded()  # it was up when the server hung
-    stalled = SchedulerSide(config, SHAPE, [SPEC], link)
+    stalled = SchedulerSide(config, [SHAPE], {0: [SPEC]}, link, alignment=BS)
     try:
         answers = []
         for i in range(2):
@@ -196,13 +196,13 @@ def test_plans_load_then_save_new_full_blocks(side):
     assert meta.saves == [SavePlan("r1", tuple(req.all_token_ids[:4 * BS]), 3, (10,))]
     # the worker could not save it (its load failed): planned again at the next step
     side.update_connector_output(KVConnectorOutput(
-        kv_connector_worker_meta=KVTierWorkerMetadata({"r1": 3})))
+        kv_connector_worker_meta=KVTierWorkerMetadata({"r1": 3 * BS})))
     req.append_output_token_ids([111])
     meta = side.build_connector_meta(step(cached=cached_step("r1", 4 * BS, ([11],)),
                                           scheduled={"r1": 1}))
     assert [(s.first_chunk, s.block_ids) for s in meta.saves] == [(3, (10,))]
     # it finished: its saves work on copies the worker took, so no block waits for them
-    assert side.request_finished(req, [7, 8, 9, 10, 11]) == (False, None)
+    assert side.request_finished(req, ([7, 8, 9, 10, 11],)) == (False, None)
     assert side.build_connector_meta(step()).delayed == []
 
 
@@ -215,7 +215,7 @@ def test_a_session_request_spills_its_next_generation(side):
                                    scheduled={"s1": 6}))
     req.num_computed_tokens = len(TOKENS)
     req.append_output_token_ids(500)  # sampled, not yet computed
-    delay, params = side.request_finished(req, [1, 2, 3, 4])
+    delay, params = side.request_finished(req, ([1, 2, 3, 4],))
     assert delay and params == {"kvtier_session": "stored", "kvtier_generation": 2}
     meta = side.build_connector_meta(step())
     (spill,) = meta.spills
@@ -227,7 +227,7 @@ def test_a_session_request_spills_its_next_generation(side):
     matched(side, new, 0)
     side.update_state_after_alloc(new, blocks(5, 6), 0)
     new.num_computed_tokens = 20
-    assert side.request_finished(new, [5, 6])[1] == {"kvtier_session": "fresh",
+    assert side.request_finished(new, ([5, 6],))[1] == {"kvtier_session": "fresh",
                                                      "kvtier_generation": 1}
     # a value that is no session id is ignored, never an error in the engine
     odd = Request("s3", TOKENS[:20], SamplingParams(
@@ -235,7 +235,7 @@ def test_a_session_request_spills_its_next_generation(side):
     matched(side, odd, 0)
     side.update_state_after_alloc(odd, blocks(8, 9), 0)
     odd.num_computed_tokens = 20
-    assert side.request_finished(odd, [8, 9]) == (False, None)
+    assert side.request_finished(odd, ([8, 9],)) == (False, None)
 
 
 def test_draft_tokens_do_not_fill_a_block(side):
@@ -256,10 +256,10 @@ def test_draft_tokens_do_not_fill_a_block(side):
 
 
 def test_kv_role_a_producer_never_loads_and_a_consumer_never_saves(side):
-    producer = SchedulerSide(side.config, SHAPE, [SPEC], side.link, loads=False)
+    producer = SchedulerSide(side.config, [SHAPE], {0: [SPEC]}, side.link, alignment=BS, loads=False)
     assert producer.get_num_new_matched_tokens(request("p1", TOKENS), 0) == (0, False)
     assert producer.take_stats() is None  # not even asked
-    consumer = SchedulerSide(side.config, SHAPE, [SPEC], side.link, saves=False)
+    consumer = SchedulerSide(side.config, [SHAPE], {0: [SPEC]}, side.link, alignment=BS, saves=False)
     req = request("c1", TOKENS, session="stored")
     assert matched(consumer, req, 0) == (3 * BS, False)  # it loads
     consumer.update_state_after_alloc(req, blocks(1, 2, 3, 4), 3 * BS)
@@ -271,5 +271,5 @@ def test_kv_role_a_producer_never_loads_and_a_consumer_never_saves(side):
                                               scheduled={"c1": 1}))
     assert meta.saves == []  # a full block, never saved
     req.num_computed_tokens = 4 * BS
-    assert consumer.request_finished(req, [1, 2, 3, 4]) == (False, None)  # nor spilled
+    assert consumer.request_finished(req, ([1, 2, 3, 4],)) == (False, None)  # nor spilled
     assert consumer.build_connector_meta(step()).spills == []

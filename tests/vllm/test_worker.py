@@ -62,9 +62,9 @@ def worker(target: str, seed: int | None, *, depth: int = 8, spec=SPEC):
     link = Link(kvtier.Client(target, timeout_s=5), [spec], server=target, failures=3,
                 probe_interval_s=600, logger=logging.getLogger("test"))
     link.breaker.succeeded()
-    side = WorkerSide(lambda layers, p: Store(link.client, config, spec, p, layers,
-                                              torch.bfloat16, StatsCounter()),
-                      SHAPE, 0, paged, link, queue_depth=depth)
+    side = WorkerSide(lambda group, layers, p, stats: Store(link.client, config, spec, p,
+                                                            layers, torch.bfloat16, stats),
+                      [SHAPE], 0, {0: paged}, link, queue_depth=depth)
     side.register_kv_caches(caches, extract_layer_index)
     return side, caches
 
@@ -139,7 +139,7 @@ def test_a_gap_ends_the_load_and_saves_over_it_are_dropped(client, kvtier_server
     errors, _ = run_step(target, dst, meta)
     assert errors == {1, 2}
     assert dst[NAMES[0]][0].any() and not dst[NAMES[0]][[1, 2]].any()
-    assert target.build_connector_worker_meta().unsaved == {"g": 3}
+    assert target.build_connector_worker_meta().unsaved == {"g": 3 * BS}
     assert target.build_connector_worker_meta() is None  # reported once
     assert target.take_stats().data["load_error_blocks"] == 2
     # a store that does not answer fails the whole load, and no forward waits forever
@@ -196,7 +196,7 @@ def test_compressed_pages_are_decoded_and_written_as_they_were():
     store = Store(None, None, SPEC, paged, [src] * LAYERS, torch.bfloat16, StatsCounter())
     index = store.block_index([6, 2])
     rows = gathered([paged.take(layer, index) for layer in store.layers],
-                    paged)["page"]  # (layers, 2 * BS, row)
+                    store)["page"]  # (layers, 2 * BS, row)
     chunks = [encode_chunk(SPEC, i * BS, TOKENS[i * BS:(i + 1) * BS],
                            {"page": values.encode(SPEC.stream("page"),
                                                   rows[:, i * BS:(i + 1) * BS])},

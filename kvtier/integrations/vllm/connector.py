@@ -29,7 +29,15 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.integrations.vllm.breaker import Link
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.layout import PAGE, cache_shape, check_arrangement, rank_layout
+from kvtier.integrations.vllm.layout import (
+    PAGE,
+    CacheShape,
+    cache_groups,
+    check_arrangement,
+    group_line,
+    hit_alignment,
+    rank_layout,
+)
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata
 from kvtier.integrations.vllm.repack import PagedLayout, layout_kind
 from kvtier.integrations.vllm.scheduler import SchedulerSide
@@ -57,29 +65,34 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                            "fails to load fails its request; set 'recompute' to recompute it",
                            transfer.kv_load_failure_policy)
         self.loads, self.saves = transfer.is_kv_consumer, transfer.is_kv_producer
-        self.shape = cache_shape(vllm_config, kv_cache_config)
+        groups = cache_groups(vllm_config, kv_cache_config)
+        self.groups = [g for g in groups if g.stored]
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            layouts = [rank_layout(self.shape, r, self.config.value_format)
-                       for r in range(self.shape.tp_size)]
-            self._scheduler = SchedulerSide(self.config, self.shape, layouts,
-                                            self._link(layouts, SCHEDULER_RETRY),
+            layouts = {g.group: [rank_layout(g, r, self.config.value_format)
+                                 for r in range(g.tp_size)] for g in self.groups}
+            every = [spec for specs in layouts.values() for spec in specs]
+            self._scheduler = SchedulerSide(self.config, groups, layouts,
+                                            self._link(every, SCHEDULER_RETRY),
+                                            alignment=hit_alignment(groups, kv_cache_config),
                                             loads=self.loads, saves=self.saves)
-            logger.info("kvtier connector: server %s, tenant %s, layout %s, model "
-                        "fingerprint %s, value format %s, kv_role %s (%s); no sliding window: "
-                        "every layer's KV is stored and loaded, none recomputed",
-                        self.config.server, self.config.tenant, layouts[0].layout_id,
+            logger.info("kvtier connector: server %s, tenant %s, layouts %s, model "
+                        "fingerprint %s, value format %s, kv_role %s (%s); groups: %s",
+                        self.config.server, self.config.tenant,
+                        ", ".join(specs[0].layout_id for specs in layouts.values()),
                         self.config.model_fingerprint,
                         self.config.value_format, transfer.kv_role,
                         " and ".join(w for w, on in (("loads", self.loads),
-                                                     ("saves", self.saves)) if on))
+                                                     ("saves", self.saves)) if on),
+                        "; ".join(group_line(g) for g in groups))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
             from vllm.platforms import current_platform
 
             self._rank = get_tensor_model_parallel_rank()
-            self._spec = rank_layout(self.shape, self._rank, self.config.value_format)
+            self._specs = {g.group: rank_layout(g, self._rank, self.config.value_format)
+                           for g in self.groups}
             self._is_cpu = current_platform.is_cpu()
 
     def _link(self, layouts, retry: RetryPolicy) -> Link:
@@ -93,22 +106,26 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
-        first = next(iter(kv_caches.values()))
-        stream = self._spec.streams[0]
-        pages = stream.format == PAGE
-        if pages:
-            context = self._vllm_config.compilation_config.static_forward_context
-            check_arrangement(self.shape, [context[n] for n in kv_caches if n in context])
-        paged = PagedLayout(layout_kind(self._is_cpu, first), stream.entry_shape[0],
-                            self.shape.head_size, self.shape.block_size, pages=pages)
-        self._link_w = self._link([self._spec], RetryPolicy())
-        self._worker = WorkerSide(self._store_of, self.shape, self._rank, paged, self._link_w,
-                                  queue_depth=self.config.save_queue_depth, saves=self.saves)
+        context = self._vllm_config.compilation_config.static_forward_context
+        paged = {}
+        for group in self.groups:
+            names = [n for n in group.layer_names if n in kv_caches] or list(kv_caches)
+            stream = self._specs[group.group].streams[0]
+            pages = stream.format == PAGE
+            if pages and group.arrangement != "raw":
+                check_arrangement(group, [context[n] for n in names if n in context])
+            paged[group.group] = PagedLayout(
+                layout_kind(self._is_cpu, kv_caches[names[0]], group.arrangement),
+                stream.entry_shape[0], group.head_size, group.block_size, pages=pages)
+        self._link_w = self._link(list(self._specs.values()), RetryPolicy())
+        self._worker = WorkerSide(self._store_of, self.groups, self._rank, paged,
+                                  self._link_w, queue_depth=self.config.save_queue_depth,
+                                  saves=self.saves)
         self._worker.register_kv_caches(kv_caches, extract_layer_index)
 
-    def _store_of(self, layers, paged) -> Store:
-        return Store(self._link_w.client, self.config, self._spec, paged, layers,
-                     self.shape.dtype, StatsCounter())
+    def _store_of(self, group: CacheShape, layers, paged, stats: StatsCounter) -> Store:
+        return Store(self._link_w.client, self.config, self._specs[group.group], paged,
+                     layers, group.dtype, stats)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         self._worker.start_load_kv(self._meta())
@@ -162,11 +179,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        return self._scheduler.request_finished(request, block_ids)
+        return self._scheduler.request_finished(request, (block_ids,))
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict | None]:
-        return self._scheduler.request_finished(request, block_ids[0])
+        return self._scheduler.request_finished(request, block_ids)
 
     # -- metrics --
 

@@ -30,6 +30,7 @@ is ``vllm-<arrangement>-<layers>x<kv_heads>x<head_size>-b<block>-<dtype>``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -47,9 +48,17 @@ EXACT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 PAGE_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
+# How each kind of KV cache group is kept (``group_policy``):
+FULL = "full"  # every block, from the first: stored whole
+SLIDING = "sliding"  # a window: only the trailing window's blocks at a stored prefix end
+REBUILT = "rebuilt"  # the engine rebuilds it (bounded replay, or no KV transfer): not stored
+KINDS = (FULL, SLIDING, REBUILT)
+
+
 @dataclass(frozen=True)
 class CacheShape:
-    """What the engine's paged cache holds per token and layer, every rank together."""
+    """What one KV cache group of the engine's paged cache holds per token and layer,
+    every rank together."""
 
     layers: int
     kv_heads: int  # the model's, before tensor parallelism shards them
@@ -59,38 +68,152 @@ class CacheShape:
     dtype: torch.dtype
     tp_size: int
     # how the engine lays a block out (``block_arrangement``); "" when not known, and then
-    # there is no engine-page layout
+    # there is no engine-page layout; "raw" for a latent (MLA) group: its layers' block
+    # bytes are opaque, whatever their views' shapes
     arrangement: str = ""
+    kind: str = FULL  # KINDS
+    window: int = 0  # SLIDING: vLLM's sliding_window (a token attends this many, itself too)
+    group: int = 0  # the group's index in vLLM's kv_cache_groups
+    layer_names: tuple[str, ...] = ()  # the group's layers, in vLLM's order
+    spec_name: str = "FullAttentionSpec"  # the vLLM spec class the group came from
+    # "raw": each layer's bytes per block (the engine's page), in layer order
+    page_bytes: tuple[int, ...] = ()
+
+    @property
+    def stored(self) -> bool:
+        return self.kind != REBUILT
+
+    def window_start(self, end: int) -> int:
+        """The first block a prefix hit ending at token ``end`` needs of this group: 0 for
+        a full group; for a sliding one the block holding the oldest token the next one
+        attends (vLLM's ``SlidingWindowManager``: the blocks below are null)."""
+        if self.kind != SLIDING:
+            return 0
+        return max(0, end - self.window + 1) // self.block_size
 
 
-def cache_shape(vllm_config, kv_cache_config) -> CacheShape:
-    """The shape of the engine's cache: one KV cache group of full attention layers with
-    plain (unquantized) K and V of one head size; any other cache is ``UnsupportedModel``."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise UnsupportedModel(f"kvtier connector: the model has {len(groups)} KV cache groups "
-                               "(e.g. sliding-window or Mamba layers); only a single group of "
-                               "full-attention layers is supported")
-    spec = groups[0].kv_cache_spec
-    if type(spec) is not FullAttentionSpec or spec.sliding_window is not None:
-        raise UnsupportedModel(f"kvtier connector: KV cache spec {type(spec).__name__} is not "
-                               "supported (full attention only; MLA and sliding windows are not)")
+def _attention_shape(vllm_config, spec, group: int, layer_names, kind: str,
+                     window: int) -> CacheShape:
+    """A group of K/V attention layers (full or sliding): plain K and V of one head
+    size, heads sharded as kvtier's tensor-parallel rule does."""
+    name = type(spec).__name__
     if spec.head_size_v != spec.head_size:
-        raise UnsupportedModel("kvtier connector: K and V head sizes differ "
+        raise UnsupportedModel(f"kvtier connector: {name}: K and V head sizes differ "
                                f"({spec.head_size}, {spec.head_size_v})")
     if spec.kv_quant_mode != KVQuantMode.NONE:
-        raise UnsupportedModel(f"kvtier connector: quantized KV cache ({spec.kv_quant_mode}) "
-                               "is not supported; run with kv_cache_dtype auto")
+        raise UnsupportedModel(f"kvtier connector: {name}: quantized KV cache "
+                               f"({spec.kv_quant_mode}) is not supported; run with "
+                               "kv_cache_dtype auto")
     tp_size = vllm_config.parallel_config.tensor_parallel_size
     kv_heads = vllm_config.model_config.get_total_num_kv_heads()
     if len(shard_heads(kv_heads, tp_size, 0)) != spec.num_kv_heads:
         raise UnsupportedModel(f"kvtier connector: a rank's cache holds {spec.num_kv_heads} "
                                f"of the model's {kv_heads} KV heads over {tp_size} ranks, not "
                                "what kvtier's tensor-parallel rule shards")
-    return CacheShape(layers=len(groups[0].layer_names), kv_heads=kv_heads,
-                      head_size=spec.head_size, block_size=spec.block_size,
+    return CacheShape(layers=len(layer_names), kv_heads=kv_heads, head_size=spec.head_size,
+                      block_size=spec.block_size,
                       vocab_size=vllm_config.model_config.get_vocab_size(), dtype=spec.dtype,
-                      tp_size=tp_size, arrangement=block_arrangement(vllm_config, spec))
+                      tp_size=tp_size, arrangement=block_arrangement(vllm_config, spec),
+                      kind=kind, window=window, group=group, layer_names=tuple(layer_names),
+                      spec_name=name)
+
+
+def _raw_shape(vllm_config, spec, group: int, layer_names, kind: str,
+               window: int) -> CacheShape:
+    """A latent (MLA) group: each layer's block is the engine's own bytes, a page of the
+    layer's spec's size (``UniformTypeKVCacheSpecs``: one spec per layer)."""
+    name = type(spec).__name__
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    if tp_size != 1:
+        raise UnsupportedModel(f"kvtier connector: {name} with tensor parallelism "
+                               f"({tp_size} ranks) is not supported")
+    per_layer = getattr(spec, "kv_cache_specs", None) or {}
+    first = next(iter(per_layer.values())) if per_layer else spec
+    pages = tuple(per_layer.get(n, spec).page_size_bytes for n in layer_names)
+    return CacheShape(layers=len(layer_names), kv_heads=1, head_size=first.head_size,
+                      block_size=spec.block_size,
+                      vocab_size=vllm_config.model_config.get_vocab_size(),
+                      dtype=first.dtype, tp_size=1, arrangement="raw", kind=kind,
+                      window=window, group=group, layer_names=tuple(layer_names),
+                      spec_name=name, page_bytes=pages)
+
+
+def group_policy(spec, enable_kv_transfer: bool = True) -> tuple[str, str, int]:
+    """(kind, how its bytes are kept, window) of a vLLM KV cache spec: how kvtier keeps
+    the group. "kv": plain K/V attention blocks; "raw": the engine's page bytes (MLA
+    latents, DeepSeek-V4's compressed KV, indexer keys, compressor states). A spec kvtier
+    cannot keep is ``UnsupportedModel`` naming it."""
+    from vllm.v1.kv_cache_interface import (
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    inner = spec.first_spec if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+    if isinstance(spec, UniformTypeKVCacheSpecs) and not spec.kv_cache_specs:
+        raise UnsupportedModel("kvtier connector: an empty UniformTypeKVCacheSpecs group")
+    kind = type(inner)
+    if not enable_kv_transfer or getattr(spec, "prefix_replay_tokens", 0) > 0:
+        return REBUILT, "", getattr(inner, "sliding_window", 0) or 0
+    if kind is FullAttentionSpec:
+        # a sliding window with the hybrid manager off: the engine keeps every block
+        return FULL, "kv", 0
+    if kind is MLAAttentionSpec:
+        return FULL, "raw", 0
+    if kind is SlidingWindowSpec:
+        return SLIDING, "kv", inner.sliding_window
+    if kind is SlidingWindowMLASpec:
+        return SLIDING, "raw", inner.sliding_window
+    raise UnsupportedModel(f"kvtier connector: KV cache spec {kind.__name__} is not "
+                           "supported (kept: FullAttentionSpec, SlidingWindowSpec, "
+                           "MLAAttentionSpec, SlidingWindowMLASpec; bounded-replay groups "
+                           "are rebuilt by the engine)")
+
+
+def cache_groups(vllm_config, kv_cache_config) -> list[CacheShape]:
+    """Every KV cache group of the engine, in vLLM's order, each with how kvtier keeps
+    it (``group_policy``); a model whose every group is rebuilt has nothing to keep
+    (``UnsupportedModel``)."""
+    shapes = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        kind, keep, window = group_policy(spec, getattr(group, "enable_kv_transfer", True))
+        make = _raw_shape if keep == "raw" else _attention_shape
+        if kind == REBUILT:
+            shapes.append(CacheShape(layers=len(group.layer_names), kv_heads=1, head_size=1,
+                                     block_size=spec.block_size,
+                                     vocab_size=vllm_config.model_config.get_vocab_size(),
+                                     dtype=torch.uint8, tp_size=1, kind=REBUILT,
+                                     window=window, group=index,
+                                     layer_names=tuple(group.layer_names),
+                                     spec_name=type(spec).__name__))
+            continue
+        shapes.append(make(vllm_config, spec, index, group.layer_names, kind, window))
+    if not any(s.stored for s in shapes):
+        raise UnsupportedModel("kvtier connector: every KV cache group of the model is "
+                               "rebuilt by the engine: nothing to keep")
+    return shapes
+
+
+def cache_shape(vllm_config, kv_cache_config) -> CacheShape:
+    """The first group kvtier stores (``cache_groups``)."""
+    return next(s for s in cache_groups(vllm_config, kv_cache_config) if s.stored)
+
+
+def group_line(shape: CacheShape) -> str:
+    """How a group is kept, for the connector's startup line."""
+    what = {FULL: "stored whole", SLIDING: f"trailing {shape.window}-token window stored",
+            REBUILT: "rebuilt by the engine, not stored"}[shape.kind]
+    return f"{shape.group} {shape.spec_name} x{shape.layers}: {what}"
+
+
+def hit_alignment(groups: list[CacheShape], kv_cache_config=None) -> int:
+    """The tokens a hit is a whole multiple of: every group's block (vLLM's hybrid
+    coordinator hits at their least common multiple) and vLLM's own alignment."""
+    align = math.lcm(*(g.block_size for g in groups))
+    extra = getattr(kv_cache_config, "cache_hit_alignment_tokens", None)
+    return math.lcm(align, extra) if extra else align
 
 
 def block_arrangement(vllm_config, spec: FullAttentionSpec) -> str:
@@ -161,20 +284,64 @@ def page_layout(shape: CacheShape) -> LayoutSpec:
     head_bytes = 2 * shape.block_size * shape.head_size * shape.dtype.itemsize
     stream = Stream(PAGE, (shape.kv_heads, head_bytes), bits=8, format=PAGE,
                     tokens_per_entry=shape.block_size, layers=shape.layers)
-    name = (f"vllm-{shape.arrangement}-{shape.layers}x{shape.kv_heads}x{shape.head_size}-"
-            f"b{shape.block_size}-{PAGE_DTYPES[shape.dtype]}")
+    name = (f"vllm-{group_tag(shape)}{shape.arrangement}-{shape.layers}x{shape.kv_heads}x"
+            f"{shape.head_size}-b{shape.block_size}-{PAGE_DTYPES[shape.dtype]}")
     return LayoutSpec(name, (stream,), chunk_tokens=shape.block_size,
                       vocab_size=shape.vocab_size, requires_model_fingerprint=True,
                       replayer="none", notes=f"a vLLM engine's paged blocks, {shape.arrangement}")
 
 
+def group_tag(shape: CacheShape) -> str:
+    """What a layout's name says of its group beyond the shape: nothing for the first
+    group when it is full attention of K/V (the names kvtier always had); else
+    ``g<index>-`` (vLLM splits a hybrid model's layers into groups alike in all but
+    their layers: each keeps its own chunks), then ``swa<window>-`` for a sliding group,
+    ``<spec>-`` (lower case, e.g. ``mlaattentionspec-``) for a group of raw pages."""
+    tag = "" if shape.group == 0 and shape.kind == FULL else f"g{shape.group}-"
+    tag += f"swa{shape.window}-" if shape.kind == SLIDING else ""
+    if shape.arrangement == "raw":
+        tag += shape.spec_name.lower() + "-"
+    return tag
+
+
+def raw_layout(shape: CacheShape) -> LayoutSpec:
+    """A latent group's layout: per layer, its block's bytes as the engine holds them,
+    one entry per block; layers of one page size share a stream (``page``, then
+    ``page1``, ... in order of first appearance), so a chunk is each layer's page back to
+    back. The name states the group kind, its layers' page sizes, the block and dtype:
+    ``vllm-[swa<window>-]<spec>-<layers>x<page bytes>[_<page bytes>...]-b<block>-<dtype>``."""
+    sizes = list(dict.fromkeys(shape.page_bytes))
+    for size in sizes:
+        if size % shape.block_size:
+            raise UnsupportedModel(f"kvtier connector: {shape.spec_name}: a page of {size} B "
+                                   f"is no whole number of bytes per token of its "
+                                   f"{shape.block_size}-token block")
+    streams = tuple(Stream(raw_stream(n), (1, size), bits=8, format=PAGE,
+                           tokens_per_entry=shape.block_size,
+                           layers=shape.page_bytes.count(size))
+                    for n, size in enumerate(sizes))
+    dtype = PAGE_DTYPES.get(shape.dtype, str(shape.dtype).removeprefix("torch."))
+    name = (f"vllm-{group_tag(shape)}{shape.layers}x{'_'.join(map(str, sizes))}-"
+            f"b{shape.block_size}-{dtype}")
+    return LayoutSpec(name, streams, chunk_tokens=shape.block_size,
+                      vocab_size=shape.vocab_size, requires_model_fingerprint=True,
+                      replayer="none", notes=f"a vLLM engine's {shape.spec_name} pages")
+
+
+def raw_stream(n: int) -> str:
+    """The name of a raw layout's n-th page size's stream."""
+    return PAGE if n == 0 else f"{PAGE}{n}"
+
+
 def engine_layout(shape: CacheShape, value_format: str) -> LayoutSpec:
     """The layout of the whole engine's cache (every head)."""
+    if shape.arrangement == "raw":
+        return raw_layout(shape)
     fmt = stream_format(value_format, shape.dtype)
     if fmt == PAGE:
         return page_layout(shape)
-    name = (f"vllm-{shape.layers}x{shape.kv_heads}x{shape.head_size}-b{shape.block_size}-"
-            f"{fmt.replace('_', '')}")
+    name = (f"vllm-{group_tag(shape)}{shape.layers}x{shape.kv_heads}x{shape.head_size}-"
+            f"b{shape.block_size}-{fmt.replace('_', '')}")
     return LayoutSpec(name, tuple(value_stream(s, fmt, shape) for s in STREAMS),
                       chunk_tokens=shape.block_size, vocab_size=shape.vocab_size,
                       requires_model_fingerprint=True, replayer="none",

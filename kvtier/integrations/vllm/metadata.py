@@ -1,9 +1,10 @@
 """What the scheduler side tells the worker side each step, and what comes back.
 
-Chunk c of a request covers its tokens [c * block_size, (c + 1) * block_size) and is held
-by one paged block; every plan names a run of chunks from ``first_chunk`` and their blocks,
-one per chunk, in order. ``token_ids`` run from the request's first token to the end of the
-plan's last chunk (chain keys cover every token before a chunk).
+Each KV cache group kvtier stores has its own layout and plans (``group``); chunk c of a
+request in a group covers its tokens [c * block_size, (c + 1) * block_size) and is held
+by one paged block of the group; every plan names a run of chunks from ``first_chunk``
+and their blocks, one per chunk, in order. ``token_ids`` run from the request's first
+token to the end of the plan's last chunk (chain keys cover every token before a chunk).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class ChunkRun:
     token_ids: tuple[int, ...]
     first_chunk: int
     block_ids: tuple[int, ...]  # one per chunk, from first_chunk on
+    group: int = 0  # the KV cache group (index in vLLM's kv_cache_groups) of the blocks
 
     @property
     def end_chunk(self) -> int:
@@ -61,9 +63,9 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """``unsaved``: req_id -> the first chunk the worker did not save (its blocks were
-    computed over a prefix that failed to load): the scheduler plans it again once
-    recomputed."""
+    """``unsaved``: req_id -> the first token whose chunk the worker did not save (its
+    blocks were computed over a prefix that failed to load), in any group: the scheduler
+    plans every group's chunks from there again once recomputed."""
 
     unsaved: dict[str, int] = field(default_factory=dict)
 

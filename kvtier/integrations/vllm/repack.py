@@ -14,6 +14,10 @@ vLLM's side, one tensor per attention layer (``LAYOUTS``):
   "nhd": (2, num_blocks, block_size, H, D), [0] K and [1] V (FlashAttention's cache
       before vLLM's per-layer [B, H, N, C] views).
 
+  "raw": a latent (MLA) layer's cache: any view whose first axis is the blocks, any
+      strides (DeepSeek-V4's layers are strided views of one shared allocation); a
+      block is opaque bytes, only ever kept as a page.
+
 Or, for an engine-page layout (``pages``), no repack at all: a block's page is its bytes
 as the layer holds them, (H, block_size, 2 * D) values (cpu, split; the layer's own
 arrangement within them: vec, amx, ...), or its K block then its V block,
@@ -28,11 +32,14 @@ import torch
 
 from kvstore.format.errors import UnsupportedModel
 
-LAYOUTS = ("cpu", "split", "nhd")
+LAYOUTS = ("cpu", "split", "nhd", "raw")
 
 
-def layout_kind(is_cpu: bool, layer: torch.Tensor) -> str:
-    """The layout of a layer's cache: CPU_ATTN's on the CPU platform, else by its rank."""
+def layout_kind(is_cpu: bool, layer: torch.Tensor, arrangement: str = "") -> str:
+    """The layout of a layer's cache: raw for a latent group's (``arrangement`` "raw"),
+    CPU_ATTN's on the CPU platform, else by its rank."""
+    if arrangement == "raw":
+        return "raw"
     if is_cpu:
         return "cpu"
     return "nhd" if layer.dim() == 5 else "split"
@@ -50,10 +57,14 @@ class PagedLayout:
     def block_dim(self) -> int:
         return 1 if self.kind == "nhd" else 0
 
-    def check(self, layer: torch.Tensor) -> None:
-        """``layer`` must be one layer's cache of this layout (``UnsupportedModel``)."""
+    def check(self, layer: torch.Tensor, page_bytes: int = 0) -> None:
+        """``layer`` must be one layer's cache of this layout (``UnsupportedModel``); a
+        raw layer's block must be ``page_bytes``."""
         h, d, b = self.kv_heads, self.head_size, self.block_size
-        if self.kind == "nhd":
+        if self.kind == "raw":
+            got = block_bytes(layer)
+            ok, want = got == page_bytes, f"(num_blocks, ...) of {page_bytes} B a block"
+        elif self.kind == "nhd":
             ok, want = (layer.dim() == 5 and layer.shape[0] == 2
                         and tuple(layer.shape[2:]) == (b, h, d)), f"(2, num_blocks, {b}, {h}, {d})"
         else:
@@ -89,19 +100,22 @@ class PagedLayout:
         measured 2-3x slower than these copies even with every block its own run)."""
         h, d, b = self.kv_heads, self.head_size, self.block_size
         n = block_ids.shape[0]
-        page_bytes = h * b * 2 * d * layer.element_size()
+        page_bytes = h * b * 2 * d * layer.element_size() if self.kind == "nhd" \
+            else block_bytes(layer)
         if pages.dtype != torch.uint8 or pages.numel() != n * page_bytes:
             raise ValueError(f"pages must be {n} x {page_bytes} B (uint8), got "
                              f"{tuple(pages.shape)} {pages.dtype}")
         values = pages.to(layer.device).reshape(n, page_bytes).view(layer.dtype)
         if self.kind == "nhd":
             layer.index_copy_(1, block_ids, values.view(n, 2, b, h, d).transpose(0, 1))
-        elif layer.is_cuda:
-            layer.index_copy_(0, block_ids, values.view(n, h, b, 2 * d))
+            return
+        block = tuple(layer.shape[1:])  # (H, b, 2D) for cpu and split; any for raw
+        if layer.is_cuda:
+            layer.index_copy_(0, block_ids, values.view(n, *block))
         else:
             at = 0
             for start, count in runs(block_ids.tolist()):
-                layer[start:start + count].copy_(values[at:at + count].view(count, h, b, 2 * d))
+                layer[start:start + count].copy_(values[at:at + count].view(count, *block))
                 at += count
 
     def split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,6 +189,11 @@ class PagedLayout:
                 halves[:, :, 0].view(count, h, d, b).copy_(kt)
                 halves[:, :, 1].view(count, h, b, d).copy_(vt)
                 at += count
+
+
+def block_bytes(layer: torch.Tensor) -> int:
+    """The bytes of one block of a layer's cache (blocks on its first axis)."""
+    return layer[0].numel() * layer.element_size()
 
 
 def runs(ids: list[int]) -> list[tuple[int, int]]:

@@ -1,12 +1,24 @@
 """The connector's scheduler side (the engine core process): how much of a request's prefix
 the store holds, and the per-step plans for the worker side.
 
+Groups: every KV cache group of the model is kept as its kind needs (``layout.KINDS``),
+each under its own layout. A full group is stored whole; a sliding-window group only as
+the trailing window at its request's prompt end (``window_end``: the longest hit a repeat
+of the prompt can have), which is what vLLM's ``SlidingWindowManager`` needs for a hit
+there (the blocks below come as null blocks); a group the engine rebuilds
+(``bounded_replay``, or no KV transfer) is never stored, and vLLM replays its window on a
+hit (``window_replays``).
+
 Matching: the store is asked (``Lookup``) for the longest held prefix of the request's
-tokens in whole blocks, never the whole sequence (the last token is always computed, so
-vLLM has logits to sample from); with several tensor-parallel ranks, the shortest of their
-layouts' prefixes. The lookup never blocks a step: it runs on a background thread, and
-until it answers the scheduler is told "ask again later" (None); one that has not answered
-within ``lookup_timeout_ms``, or fails, is a miss, and counts against the link's breaker.
+tokens of every full group, in whole blocks, never the whole sequence (the last token is
+always computed, so vLLM has logits to sample from); with several tensor-parallel ranks,
+the shortest of their layouts' prefixes. Each sliding group is then probed (one
+``ReadChunks`` over the chunks below that prefix: only held windows come back) for the
+longest end, at most that prefix and a multiple of every group's block, whose trailing
+window it holds: the hit is the longest end every group holds. The lookup never blocks
+a step: it runs on a background thread, and until it answers the scheduler is told "ask
+again later" (None); one that has not answered within ``lookup_timeout_ms``, or fails, is
+a miss, and counts against the link's breaker.
 While kvtier is down (``breaker.Link``) every lookup is a miss at once. The held blocks past
 vLLM's own cache hit are loaded in the request's first step (``LoadPlan``).
 
@@ -40,7 +52,7 @@ from kvstore.format.errors import InvalidRequest, NotFound, shown
 from kvstore.format.layout import LayoutSpec
 from kvtier.integrations.vllm.breaker import Link
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.layout import CacheShape, rank_session
+from kvtier.integrations.vllm.layout import FULL, SLIDING, CacheShape, rank_session
 from kvtier.integrations.vllm.metadata import (
     KVTierConnectorMetadata,
     KVTierWorkerMetadata,
@@ -83,9 +95,12 @@ class _Tracker:
     request: object  # vllm.v1.request.Request
     session: str | None
     generation: int
-    block_ids: list[int] = field(default_factory=list)
-    saved: int = 0  # chunks from 0 the store holds or a save was planned for
-    load: tuple[int, int] | None = None  # (first, end) chunks to load in the next step
+    # per stored group (vLLM's index): its blocks, one per chunk (null blocks below a
+    # sliding window included), and the chunks from 0 the store holds or a save was
+    # planned for (a sliding group's below its window count as done)
+    block_ids: dict[int, list[int]] = field(default_factory=dict)
+    saved: dict[int, int] = field(default_factory=dict)
+    load: tuple[int, int] | None = None  # (first, end) tokens to load in the next step
 
 
 def session_of(request) -> str | None:
@@ -118,14 +133,39 @@ def held_limit(num_tokens: int, block_size: int) -> int:
     return max(num_tokens - 1, 0) // block_size * block_size
 
 
+def window_end(request, alignment: int) -> int:
+    """Where a request's sliding windows are stored: the longest hit a repeat of its
+    prompt can have (a longer prompt sharing it hits there too)."""
+    return held_limit(request.num_prompt_tokens, alignment)
+
+
+def window_hit(groups: list[CacheShape], held: dict[int, set[int]], most: int,
+               alignment: int) -> int:
+    """The longest end, at most ``most`` and a multiple of ``alignment``, at which every
+    sliding group of ``groups`` holds its trailing window (``held``: group -> the chunks
+    the store holds); 0 when none."""
+    for end in range(most // alignment * alignment, 0, -alignment):
+        if all(set(range(g.window_start(end), end // g.block_size)) <= held[g.group]
+               for g in groups if g.kind == SLIDING):
+            return end
+    return 0
+
+
 class SchedulerSide:
-    def __init__(self, config: ConnectorConfig, shape: CacheShape,
-                 layouts: list[LayoutSpec], link: Link, *, loads: bool = True,
-                 saves: bool = True) -> None:
-        """``loads``/``saves``: what the engine's ``kv_role`` allows."""
+    def __init__(self, config: ConnectorConfig, groups: list[CacheShape],
+                 layouts: dict[int, list[LayoutSpec]], link: Link, *, alignment: int,
+                 loads: bool = True, saves: bool = True) -> None:
+        """``groups``: every KV cache group, in vLLM's order; ``layouts``: per stored
+        group, one layout per rank, rank 0 first; ``alignment``: the tokens a hit is a
+        multiple of (``layout.hit_alignment``); ``loads``/``saves``: what the engine's
+        ``kv_role`` allows."""
         self.config = config
-        self.shape = shape
-        self.layouts = layouts  # one per rank, rank 0 first
+        self.groups = [g for g in groups if g.stored]
+        self.rebuilt = [g for g in groups if not g.stored]
+        self.shape = self.groups[0]  # a session's group (sessions: one full group only)
+        self.sessions = len(self.groups) == 1 and self.shape.kind == FULL
+        self.alignment = alignment
+        self.layouts = layouts
         self.link = link
         self.loads = loads
         self.saves = saves
@@ -159,8 +199,8 @@ class SchedulerSide:
 
     def _match(self, request, num_tokens: int, local_tokens: int) -> _Match | None:
         """The store's answer for ``request`` now, a miss, or None while it is asked."""
-        session = session_of(request)
-        limit = held_limit(num_tokens, self.shape.block_size)
+        session = session_of(request) if self.sessions else None
+        limit = held_limit(num_tokens, self.alignment)
         if limit <= local_tokens and session is None:
             return _Match(num_tokens, local_tokens, 0, session, 0)  # nothing to ask
         asked = self._asked.get(request.request_id)
@@ -198,13 +238,33 @@ class SchedulerSide:
         return _Match(num_tokens, local_tokens, held, session, generation)
 
     def _ask(self, tokens: list[int], session: str | None) -> tuple[int, int]:
-        """On a lookup thread: (the tokens every rank holds, the session's generation)."""
+        """On a lookup thread: (the tokens every rank of every group holds, the
+        session's generation)."""
         held = len(tokens)
-        for spec in self.layouts if tokens else ():
-            held = min(held, self.client.lookup(
-                self.config.tenant, spec, tokens, model=self.config.model_fingerprint,
-                dedupe_domain=self.config.dedupe_domain))
+        for group in self.groups if tokens else ():
+            for spec in self.layouts[group.group] if group.kind == FULL else ():
+                held = min(held, self.client.lookup(
+                    self.config.tenant, spec, tokens, model=self.config.model_fingerprint,
+                    dedupe_domain=self.config.dedupe_domain))
+        if held and any(g.kind == SLIDING for g in self.groups):
+            held = window_hit(self.groups, {g.group: self._held_chunks(g, tokens[:held])
+                                            for g in self.groups if g.kind == SLIDING},
+                              held, self.alignment)
         return held, self._generation(session) if session is not None else 0
+
+    def _held_chunks(self, group: CacheShape, tokens: list[int]) -> set[int]:
+        """The chunks of ``tokens`` a sliding group's layouts hold on every rank: one
+        ``ReadChunks`` per rank, of which only the held windows come back."""
+        held: set[int] | None = None
+        for spec in self.layouts[group.group]:
+            with self.client.read_chunks(
+                    self.config.tenant, spec, tokens, model_fingerprint=(
+                        self.config.model_fingerprint),
+                    dedupe_domain=self.config.dedupe_domain, check_digests=False,
+                    in_place=True) as result:
+                got = set(result.chunks)
+            held = got if held is None else held & got
+        return held or set()
 
     def _generation(self, session: str) -> int:
         """The stored generation of ``session`` (rank 0's); 0 when there is none."""
@@ -219,26 +279,35 @@ class SchedulerSide:
             return
         match = self._matches.pop(request.request_id, None)
         self._asked.pop(request.request_id, None)
-        bs = self.shape.block_size
-        session = match.session if match is not None else session_of(request)
+        session = match.session if match is not None else (
+            session_of(request) if self.sessions else None)
         tracker = self._trackers.get(request.request_id)
         if tracker is None:
             tracker = _Tracker(request, session, match.generation if match else 0)
             self._trackers[request.request_id] = tracker
         tracker.request = request
-        tracker.block_ids = list(blocks.get_block_ids()[0])
+        ids = blocks.get_block_ids()
+        tracker.block_ids = {g.group: list(ids[g.group]) for g in self.groups}
         # A request scheduled again (after a preemption) starts over from what is held now.
-        tracker.saved = (match.held_tokens // bs) if match is not None else 0
+        held = match.held_tokens if match is not None else 0
+        tracker.saved = {g.group: held // g.block_size for g in self.groups}
         tracker.load = None
         if num_external_tokens > 0:
             start = match.local_tokens
             end = start + num_external_tokens
-            if start % bs or end % bs or end > match.held_tokens:
+            if start % self.alignment or end % self.alignment or end > match.held_tokens:
                 raise InvalidRequest(f"kvtier connector: vLLM asked to load tokens "
                                      f"[{start}, {end}) of a {match.held_tokens}-token hit in "
-                                     f"blocks of {bs}")
-            tracker.load = (start // bs, end // bs)
-            self.stats.add(hits=1, hit_tokens=num_external_tokens)
+                                     f"blocks of {self.alignment}")
+            tracker.load = (start, end)
+            windows = any(g.kind == SLIDING for g in self.groups)
+            self.stats.add(hits=1, hit_tokens=num_external_tokens, window_loads=int(windows),
+                           window_replays=int(bool(self.rebuilt)))
+            logger.debug("kvtier hit of request %s: tokens [%d, %d) loaded%s%s",
+                         request.request_id, start, end,
+                         "; sliding windows loaded from kvtier" if windows else "",
+                         "; the engine replays its rebuilt groups' window"
+                         if self.rebuilt else "")
 
     # -- per-step plans --
 
@@ -251,7 +320,8 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             tracker = self._trackers.get(new.req_id)
             if tracker is not None:
-                tracker.block_ids = list(new.block_ids[0])
+                tracker.block_ids = {g.group: list(new.block_ids[g.group])
+                                     for g in self.groups}
                 self._plan(meta, new.req_id, tracker,
                            new.num_computed_tokens + scheduled[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
@@ -260,10 +330,12 @@ class SchedulerSide:
             if tracker is None:
                 continue
             added = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                tracker.block_ids = list(added[0]) if added is not None else []
-            elif added is not None:
-                tracker.block_ids.extend(added[0])
+            for g in self.groups:
+                if req_id in cached.resumed_req_ids:
+                    tracker.block_ids[g.group] = list(added[g.group]) if added is not None \
+                        else []
+                elif added is not None:
+                    tracker.block_ids[g.group].extend(added[g.group])
             self._plan(meta, req_id, tracker, cached.num_computed_tokens[i] + scheduled[req_id])
         meta.spills, self._spills = self._spills, []
         meta.delayed, self._delayed = self._delayed, []
@@ -271,31 +343,52 @@ class SchedulerSide:
 
     def _plan(self, meta: KVTierConnectorMetadata, req_id: str, tracker: _Tracker,
               computed_after: int) -> None:
-        bs = self.shape.block_size
         tokens = tracker.request.all_token_ids
-        if tracker.load is not None:
-            first, end = tracker.load
-            meta.loads.append(LoadPlan(req_id, tuple(tokens[:end * bs]), first,
-                                       tuple(tracker.block_ids[first:end])))
-            tracker.load = None
-            tracker.saved = max(tracker.saved, end)
-        full = min(computed_after, len(tokens), len(tracker.block_ids) * bs) // bs
-        if self.saves and full > tracker.saved:
-            meta.saves.append(SavePlan(req_id, tuple(tokens[:full * bs]), tracker.saved,
-                                       tuple(tracker.block_ids[tracker.saved:full])))
-            tracker.saved = full
+        load, tracker.load = tracker.load, None
+        for g in self.groups:
+            self._plan_group(meta, req_id, tracker, g, tokens, load, computed_after)
+
+    def _plan_group(self, meta: KVTierConnectorMetadata, req_id: str, tracker: _Tracker,
+                    group: CacheShape, tokens, load: tuple[int, int] | None,
+                    computed_after: int) -> None:
+        bs, index = group.block_size, group.group
+        blocks = tracker.block_ids[index]
+        if load is not None:
+            # a sliding group's blocks below the window of the hit's end are null
+            first = max(load[0] // bs, group.window_start(load[1]))
+            end = load[1] // bs
+            if end > first:
+                meta.loads.append(LoadPlan(req_id, tuple(tokens[:end * bs]), first,
+                                           tuple(blocks[first:end]), index))
+            tracker.saved[index] = max(tracker.saved[index], end)
+        full = min(computed_after, len(tokens), len(blocks) * bs) // bs
+        saved = tracker.saved[index]
+        first = saved
+        if group.kind == SLIDING:
+            # only the trailing window at the prompt's window end, never the history
+            end_tokens = window_end(tracker.request, self.alignment)
+            first = max(saved, group.window_start(end_tokens))
+            full = min(full, end_tokens // bs)
+        if self.saves and full > first:
+            meta.saves.append(SavePlan(req_id, tuple(tokens[:full * bs]), first,
+                                       tuple(blocks[first:full]), index))
+        tracker.saved[index] = max(saved, full)
 
     def update_connector_output(self, connector_output) -> None:
         worker_meta = connector_output.kv_connector_worker_meta
         if isinstance(worker_meta, KVTierWorkerMetadata):
-            for req_id, chunk in worker_meta.unsaved.items():
+            for req_id, token in worker_meta.unsaved.items():
                 tracker = self._trackers.get(req_id)
                 if tracker is not None:
-                    tracker.saved = min(tracker.saved, chunk)
+                    for g in self.groups:
+                        tracker.saved[g.group] = min(tracker.saved[g.group],
+                                                     token // g.block_size)
 
     # -- the end of a request --
 
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request, block_ids: tuple[list[int], ...]
+                         ) -> tuple[bool, dict | None]:
+        """``block_ids``: per KV cache group (vLLM's order)."""
         self._matches.pop(request.request_id, None)
         self._asked.pop(request.request_id, None)
         tracker = self._trackers.pop(request.request_id, None)
@@ -308,7 +401,8 @@ class SchedulerSide:
         generation = tracker.generation + 1
         blocks = -(-computed // self.shape.block_size)
         self._spills.append(SpillPlan(request.request_id, tracker.session, generation,
-                                      tuple(tokens[:computed]), tuple(block_ids[:blocks])))
+                                      tuple(tokens[:computed]),
+                                      tuple(block_ids[self.shape.group][:blocks])))
         self._delayed.append(request.request_id)
         return True, {SESSION_PARAM: tracker.session, GENERATION_PARAM: generation}
 

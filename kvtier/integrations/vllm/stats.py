@@ -28,6 +28,8 @@ FIELDS = {
     "lookups_down": "lookups taken as misses at once: kvtier was down",
     "hits": "requests that load a prefix from the store",
     "hit_tokens": "tokens the store held beyond vLLM's own cache",
+    "window_loads": "hits whose sliding-window groups' trailing windows the store loaded",
+    "window_replays": "hits whose window the engine replays (a group it rebuilds itself)",
     "loads": "requests whose KV was loaded",
     "loaded_tokens": "tokens of KV loaded into the paged cache",
     "loaded_bytes": "encoded bytes read from the store",

@@ -39,9 +39,9 @@ from kvstore.format.errors import KVTierError
 from kvstore.format.layout import LayoutSpec
 from kvtier.integrations.vllm import values
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.layout import PAGE, STREAMS
+from kvtier.integrations.vllm.layout import PAGE, STREAMS, raw_stream
 from kvtier.integrations.vllm.metadata import LoadPlan, SavePlan, SpillPlan
-from kvtier.integrations.vllm.repack import PagedLayout
+from kvtier.integrations.vllm.repack import PagedLayout, block_bytes
 from kvtier.integrations.vllm.stats import StatsCounter
 from kvtier.sync import Client
 from kvtier.types import ReadChunksResult
@@ -68,8 +68,20 @@ class Store:
 
     @property
     def streams(self) -> list[str]:
-        """The layout's streams: ``page`` (engine pages) or ``k`` and ``v``."""
+        """The layout's streams: ``page`` (engine pages; a raw layout's one per page
+        size: ``page``, ``page1``, ...) or ``k`` and ``v``."""
         return [s.name for s in self.spec.streams]
+
+    @property
+    def page_streams(self) -> list[tuple[str, int]]:
+        """Per layer, the page stream holding its pages and its index among that
+        stream's layers (a raw layout groups layers by page size, in order)."""
+        sizes = [block_bytes(layer) for layer in self.layers]
+        if self.paged.kind != "raw":
+            return [(PAGE, i) for i in range(len(self.layers))]
+        order = list(dict.fromkeys(sizes))
+        return [(raw_stream(order.index(size)), sizes[:i].count(size))
+                for i, size in enumerate(sizes)]
 
     def block_index(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.int64, device=self.layers[0].device)
@@ -91,12 +103,16 @@ class Store:
         return out
 
 
-def gathered(raw: list[torch.Tensor], paged: PagedLayout) -> dict[str, torch.Tensor]:
+def gathered(raw: list[torch.Tensor], store: Store) -> dict[str, torch.Tensor]:
     """K and V (layers, tokens, H, D) on the CPU of per-layer blocks ``PagedLayout.take``
-    returned; for engine pages their page rows, ``page`` (layers, tokens, page bytes //
-    block_size) uint8, no repack."""
+    returned; for engine pages their page rows, per page stream (layers, tokens, page
+    bytes // block_size) uint8, no repack."""
+    paged = store.paged
     if paged.pages:
-        return {PAGE: torch.stack([paged.page_rows(blocks) for blocks in raw])}
+        rows: dict[str, list[torch.Tensor]] = {}
+        for (name, _), blocks in zip(store.page_streams, raw, strict=True):
+            rows.setdefault(name, []).append(paged.page_rows(blocks))
+        return {name: torch.stack(layers) for name, layers in rows.items()}
     split = [paged.split(blocks.cpu()) for blocks in raw]
     return {"k": torch.stack([k for k, _ in split]), "v": torch.stack([v for _, v in split])}
 
@@ -153,9 +169,11 @@ def run_load(store: Store, job: LoadJob) -> None:
                 index = store.block_index(plan.block_ids[:count])
                 # Layer by layer, each layer's event set once it is written: the forward
                 # pass runs a layer as soon as its blocks are in.
+                where = store.page_streams if store.paged.pages else []
                 for layer, tensor in enumerate(store.layers):
                     if store.paged.pages:
-                        store.paged.put_pages(tensor, index, streams[PAGE][layer])
+                        name, at = where[layer]
+                        store.paged.put_pages(tensor, index, streams[name][at])
                     else:
                         k, v = (streams[name][layer] for name in STREAMS)
                         store.paged.put_blocks(tensor, index, k, v)
@@ -273,7 +291,7 @@ def run_save(store: Store, plan: SavePlan, raw: list[torch.Tensor], ready=None) 
     try:
         if ready is not None:
             ready.synchronize()
-        kv = gathered(raw, store.paged)
+        kv = gathered(raw, store)
         chunks = store.encode_blocks(kv, plan.token_ids, plan.first_chunk * store.block_size)
         result = store.client.write_chunks(
             store.config.tenant, store.spec, list(plan.token_ids), chunks,
@@ -300,7 +318,7 @@ def run_spill(store: Store, plan: SpillPlan, session_id: str, raw: list[torch.Te
     try:
         if ready is not None:
             ready.synchronize()
-        kv = gathered(raw, store.paged)
+        kv = gathered(raw, store)
         kv = {name: tensor[:, :len(tokens)] for name, tensor in kv.items()}
         encoded = store.encode_blocks(kv, tokens, 0)
         full = len(tokens) // bs

@@ -17,6 +17,10 @@ reported back (``unsaved``). Since every save works on copies, no block is held 
 finished session request's blocks are released (``get_finished``) in the step that copies
 them for its spill, whether the spill is queued or skipped.
 ``get_block_ids_with_load_errors`` names every block that did not load.
+
+Each KV cache group kvtier stores has its own ``transfers.Store`` (its layout, its layers,
+its paged layout); plans name their group. A group the engine rebuilds has none: its
+layers are neither loaded nor saved.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from kvtier.integrations.vllm.breaker import Link
 from kvtier.integrations.vllm.layout import CacheShape, rank_session
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.repack import PagedLayout
-from kvtier.integrations.vllm.stats import KVTierStats
+from kvtier.integrations.vllm.stats import KVTierStats, StatsCounter
 from kvtier.integrations.vllm.transfers import LoadJob, Store, run_load, run_save, run_spill
 
 logger = init_logger("vllm." + __name__)  # under vLLM's logger: its format and level
@@ -53,26 +57,30 @@ def recorded(tensors: list[torch.Tensor]):
 
 
 class WorkerSide:
-    def __init__(self, store_of, shape: CacheShape, rank: int, paged: PagedLayout,
-                 link: Link, *, queue_depth: int, saves: bool = True) -> None:
-        """``store_of(layers, paged)``: the ``transfers.Store`` of the registered cache;
-        ``paged``: the layout of this rank's cache layers; ``link``: this worker's kvtier
-        link (saves are skipped while it is down); ``queue_depth``: saves and spills that
-        may wait for the writer; ``saves``: whether the engine's ``kv_role`` saves."""
-        self.shape = shape
+    def __init__(self, store_of, groups: list[CacheShape], rank: int,
+                 paged: dict[int, PagedLayout], link: Link, *, queue_depth: int,
+                 saves: bool = True) -> None:
+        """``store_of(group, layers, paged, stats)``: the ``transfers.Store`` of a stored group's
+        registered layers; ``groups``: the stored groups; ``paged``: per group, the layout
+        of this rank's cache layers; ``link``: this worker's kvtier link (saves are skipped
+        while it is down); ``queue_depth``: saves and spills that may wait for the writer;
+        ``saves``: whether the engine's ``kv_role`` saves."""
+        self.groups = groups
+        self.shape = groups[0]  # a session's group (sessions: one full group only)
         self.rank = rank
         self.paged = paged
         self.link = link
         self.saves = saves
         self._store_of = store_of
-        self.store: Store | None = None
-        self._layer_index: dict[str, int] = {}
+        self.stores: dict[int, Store] = {}
+        self._layer_index: dict[str, tuple[int, int]] = {}  # name -> (group, layer)
         self._loads: list[LoadJob] = []
-        # this step's saves: every plan's blocks, in plan order, copied per layer
+        # this step's saves, per group: every plan's blocks, in plan order, copied per layer
         self._step_meta: KVTierConnectorMetadata | None = None
-        self._step_index: torch.Tensor | None = None
-        self._staged: list[torch.Tensor | None] = []
-        self._unsaved: dict[str, int] = {}
+        self._step_index: dict[int, torch.Tensor] = {}
+        self._staged: dict[int, list[torch.Tensor | None]] = {}
+        self.stats = StatsCounter()  # every group's transfers
+        self._unsaved: dict[str, int] = {}  # req_id -> the first token not saved
         self._abandoned: set[str] = set()  # requests a save was skipped of
         self._released: set[str] = set()  # finished requests whose blocks were copied
         self._load_pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-load")
@@ -81,33 +89,44 @@ class WorkerSide:
                                         name="kvtier-save")
         self._writer.start()
 
+    @property
+    def store(self) -> Store | None:
+        """The first stored group's store (a session's)."""
+        return self.stores.get(self.shape.group)
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layer_index) -> None:
-        """``layer_index(name)``: the layer number of an attention layer's name."""
-        names = sorted(kv_caches, key=layer_index)
-        if len(names) != self.shape.layers:
-            raise ValueError(f"kvtier connector: {len(names)} KV cache layers registered, the "
-                             f"layout has {self.shape.layers}")
-        for name in names:
-            self.paged.check(kv_caches[name])
-        self._layer_index = {name: i for i, name in enumerate(names)}
-        self.store = self._store_of([kv_caches[n] for n in names], self.paged)
+        """``layer_index(name)``: the layer number of an attention layer's name. A group's
+        layers (every registered one when it names none) are taken by layer number."""
+        for group in self.groups:
+            names = sorted(group.layer_names or kv_caches, key=layer_index)
+            missing = [n for n in names if n not in kv_caches]
+            if missing or len(names) != group.layers:
+                raise ValueError(f"kvtier connector: group {group.group}'s layers "
+                                 f"{missing or names} are not the {group.layers} registered")
+            paged = self.paged[group.group]
+            for i, name in enumerate(names):
+                paged.check(kv_caches[name], group.page_bytes[i] if group.page_bytes else 0)
+                self._layer_index[name] = (group.group, i)
+            self.stores[group.group] = self._store_of(group, [kv_caches[n] for n in names],
+                                                      paged, self.stats)
 
     # -- loads --
 
     def start_load_kv(self, meta: KVTierConnectorMetadata) -> None:
         queued = recorded(self.store.layers) if meta.loads else None
         for plan in meta.loads:
-            job = LoadJob.of(plan, self.shape.layers, queued)
+            store = self.stores[plan.group]
+            job = LoadJob.of(plan, len(store.layers), queued)
             self._loads.append(job)
-            self._load_pool.submit(run_load, self.store, job)
+            self._load_pool.submit(run_load, store, job)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        index = self._layer_index.get(layer_name)
+        where = self._layer_index.get(layer_name)
         for job in self._loads:
-            if index is None:
+            if where is None:
                 job.done.wait()
-            else:
-                job.layer_ready[index].wait()
+            elif job.plan.group == where[0]:
+                job.layer_ready[where[1]].wait()
 
     def _loads_done(self) -> list[LoadJob]:
         for job in self._loads:
@@ -123,37 +142,46 @@ class WorkerSide:
 
     def save_kv_layer(self, meta: KVTierConnectorMetadata, layer_name: str,
                       kv_layer: torch.Tensor) -> None:
-        index = self._layer_index.get(layer_name)
-        if index is None or not meta.saves or not self.saves:
+        where = self._layer_index.get(layer_name)
+        if where is None or not meta.saves or not self.saves:
             return
         if self._step_meta is not meta:  # the step's first layer
             self._step_meta = meta
-            self._step_index = self.store.block_index(
-                [b for plan in meta.saves for b in plan.block_ids])
-            self._staged = [None] * self.shape.layers
-        self._staged[index] = self.paged.take(kv_layer, self._step_index)
+            self._step_index = {
+                g: store.block_index([b for plan in meta.saves if plan.group == g
+                                      for b in plan.block_ids])
+                for g, store in self.stores.items()}
+            self._staged = {g: [None] * len(store.layers) for g, store in self.stores.items()}
+        group, index = where
+        if self._step_index[group].numel():
+            self._staged[group][index] = self.paged[group].take(kv_layer,
+                                                                self._step_index[group])
 
     def wait_for_save(self, meta: KVTierConnectorMetadata) -> None:
-        failed_loads = {job.plan.req_id: job.first_failed_chunk for job in self._loads_done()
+        failed_loads = {job.plan.req_id for job in self._loads_done()
                         if job.first_failed_chunk is not None}
-        staged = self._staged if self._step_meta is meta else []
-        complete = bool(staged) and all(t is not None for t in staged)
-        at = 0
+        staged = self._staged if self._step_meta is meta else {}
+        at = dict.fromkeys(self.stores, 0)
         for plan in meta.saves:
-            count, at = len(plan.block_ids), at + len(plan.block_ids)
-            if plan.req_id in failed_loads or not complete:
-                # computed over blocks that failed to load, or not every layer ran
-                self._unsaved[plan.req_id] = min(plan.first_chunk,
-                                                 self._unsaved.get(plan.req_id, plan.first_chunk))
+            group = self.stores[plan.group]
+            count = len(plan.block_ids)
+            at[plan.group] += count
+            layers = staged.get(plan.group, [])
+            if plan.req_id in failed_loads or not layers or any(t is None for t in layers):
+                # computed over blocks that failed to load, or not every layer ran: the
+                # scheduler plans them again from this token on
+                token = plan.first_chunk * group.block_size
+                self._unsaved[plan.req_id] = min(token, self._unsaved.get(plan.req_id, token))
                 continue
             if self._may_queue(plan.req_id):
-                raw = [t.narrow(self.paged.block_dim, at - count, count) for t in staged]
-                self._offer(plan.req_id, run_save, self.store, plan, raw, recorded(raw))
-        self._step_meta, self._step_index, self._staged = None, None, []
+                dim = self.paged[plan.group].block_dim
+                raw = [t.narrow(dim, at[plan.group] - count, count) for t in layers]
+                self._offer(plan.req_id, run_save, group, plan, raw, recorded(raw))
+        self._step_meta, self._step_index, self._staged = None, {}, {}
         for plan in meta.spills:
             if self._may_queue(plan.req_id):
                 index = self.store.block_index(plan.block_ids)
-                raw = [self.paged.take(layer, index) for layer in self.store.layers]
+                raw = [self.store.paged.take(layer, index) for layer in self.store.layers]
                 self._offer(plan.req_id, run_spill, self.store, plan,
                             rank_session(plan.session_id, self.shape, self.rank), raw,
                             recorded(raw))
@@ -165,7 +193,7 @@ class WorkerSide:
         one of its saves was skipped (counted when it is not)."""
         if req_id in self._abandoned or not self.link.up or self._jobs.full():
             self._abandoned.add(req_id)
-            self.store.stats.add(saves_skipped=1)
+            self.stats.add(saves_skipped=1)
             return False
         return True
 
@@ -176,7 +204,7 @@ class WorkerSide:
             self._jobs.put_nowait(lambda: self._report(work(*args)))
         except queue.Full:
             self._abandoned.add(req_id)
-            self.store.stats.add(saves_skipped=1)
+            self.stats.add(saves_skipped=1)
 
     def _report(self, ok: bool) -> None:
         if ok:
@@ -203,7 +231,7 @@ class WorkerSide:
         return meta
 
     def take_stats(self) -> KVTierStats | None:
-        return self.store.stats.take() if self.store is not None else None
+        return self.stats.take()
 
     def shutdown(self) -> None:
         self._load_pool.shutdown(wait=True)

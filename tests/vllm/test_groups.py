@@ -1,0 +1,154 @@
+"""How the connector keeps each kind of vLLM KV cache group, on vLLM's real spec objects
+and scheduler types (no engine): full groups whole, sliding groups only the trailing
+window vLLM's ``SlidingWindowManager`` needs for a hit, groups the engine rebuilds never,
+MLA latents as the engine's page bytes; one layout per group."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import ModelConfig, VllmConfig  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput  # noqa: E402
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.request import Request  # noqa: E402
+
+from kvtier.integrations.vllm.config import ConnectorConfig  # noqa: E402
+from kvtier.integrations.vllm.layout import (  # noqa: E402
+    FULL,
+    REBUILT,
+    SLIDING,
+    cache_groups,
+    hit_alignment,
+    rank_layout,
+)
+from kvtier.integrations.vllm.scheduler import SchedulerSide, _Match, window_hit  # noqa: E402
+
+BS = 16
+WINDOW = 64
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "num_hidden_layers": 3, "vocab_size": 1000,
+        "max_position_embeddings": 2048, "torch_dtype": "bfloat16"}))
+    model = ModelConfig(model=str(folder), dtype="bfloat16", skip_tokenizer_init=True,
+                        max_model_len=2048)
+    return VllmConfig(model_config=model)
+
+
+def attention(cls=FullAttentionSpec, **extra):
+    return cls(block_size=BS, num_kv_heads=2, head_size=16, dtype=torch.bfloat16, **extra)
+
+
+def hybrid() -> KVCacheConfig:
+    """A full group, a sliding one and one the engine replays (DeepSeek-V4.1's)."""
+    replayed = SlidingWindowMLASpec(block_size=BS, num_kv_heads=1, head_size=64,
+                                    dtype=torch.uint8, sliding_window=WINDOW,
+                                    bounded_replay=True)
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["model.layers.2.self_attn.attn"], attention()),
+        KVCacheGroupSpec(["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"],
+                         attention(SlidingWindowSpec, sliding_window=WINDOW)),
+        KVCacheGroupSpec(["model.layers.3.attn"], replayed)])
+
+
+def test_each_group_is_kept_as_its_kind_needs(vllm_config):
+    groups = cache_groups(vllm_config, hybrid())
+    assert [(g.group, g.kind, g.layers, g.window) for g in groups] == [
+        (0, FULL, 1, 0), (1, SLIDING, 2, WINDOW), (2, REBUILT, 1, WINDOW)]
+    assert [g.stored for g in groups] == [True, True, False]
+    names = [rank_layout(g, 0, "auto").name for g in groups[:2]]
+    # one layout per group, the kind and window in its name
+    assert names[0].startswith("vllm-cpu_attn.") and names[0].endswith("-1x2x16-b16-bf16")
+    assert names[1].startswith("vllm-g1-swa64-cpu_attn.") and names[1].endswith("-2x2x16-b16-bf16")
+    assert hit_alignment(groups) == BS
+    # a sliding window with vLLM's hybrid manager off: the engine keeps every block, so
+    # it is a full group (no contradictory refusal)
+    off = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["model.layers.0.self_attn.attn"], attention(sliding_window=WINDOW))])
+    assert cache_groups(vllm_config, off)[0].kind == FULL
+
+
+def test_an_mla_group_is_stored_as_its_pages(vllm_config):
+    latent = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=576,
+                              dtype=torch.bfloat16)
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(3)], latent)])
+    (group,) = cache_groups(vllm_config, config)
+    layout = rank_layout(group, 0, "auto")
+    assert group.arrangement == "raw" and group.page_bytes == (latent.page_size_bytes,) * 3
+    assert layout.name == f"vllm-mlaattentionspec-3x{latent.page_size_bytes}-b16-bf16"
+    (page,) = layout.streams
+    assert (page.entry_shape, page.layers, page.tokens_per_entry) == (
+        (1, BS * 576 * 2), 3, BS)
+    # the engine's bytes per token, nothing more
+    assert layout.persistent_bytes_per_token == 3 * 576 * 2
+
+
+def test_the_window_is_what_vllms_sliding_manager_needs_for_a_hit(vllm_config):
+    sliding = cache_groups(vllm_config, hybrid())[1]
+    need = SlidingWindowManager._contiguous_blocks_for_hit(WINDOW, BS, False)
+    for end in range(WINDOW, 20 * BS, BS):
+        assert end // BS - sliding.window_start(end) == need
+    assert sliding.window_start(BS) == 0  # a hit shorter than the window needs every block
+    groups = cache_groups(vllm_config, hybrid())
+    assert window_hit(groups, {1: {6, 7, 8, 9}}, 10 * BS, BS) == 10 * BS
+    assert window_hit(groups, {1: {2, 3, 4, 5, 8}}, 10 * BS, BS) == 6 * BS
+    assert window_hit(groups, {1: {6, 8, 9}}, 10 * BS, BS) == 0
+
+
+def plans(side: SchedulerSide, req: Request, ids: tuple[list[int], ...], external: int):
+    side.update_state_after_alloc(req, KVCacheBlocks(tuple(
+        [KVCacheBlock(i) for i in group] for group in ids)), external)
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData.from_request(req, ids)]
+    out.num_scheduled_tokens = {req.request_id: len(req.all_token_ids) - external}
+    return side.build_connector_meta(out)
+
+
+def test_a_sliding_group_saves_and_loads_only_its_trailing_window(vllm_config):
+    groups = cache_groups(vllm_config, hybrid())
+    config = ConnectorConfig.from_extra({"model_fingerprint": "m"})
+    layouts = {g.group: [rank_layout(g, 0, "auto")] for g in groups if g.stored}
+    # no lookups here: the plans alone
+    link = SimpleNamespace(up=True, close=lambda: None)
+    side = SchedulerSide(config, groups, layouts, link, alignment=BS)
+    try:
+        tokens = list(range(1, 10 * BS + 6))  # 10 whole blocks and 5 tokens
+        ids = (list(range(1, 12)), list(range(21, 32)), list(range(41, 52)))
+        meta = plans(side, Request("r", tokens, SamplingParams(max_tokens=4), None), ids, 0)
+        saved = {(s.group, s.first_chunk, s.block_ids) for s in meta.saves}
+        # the full group every whole block; the sliding group the window at 160 (the
+        # prompt's longest hit): blocks 6-9; the replayed group nothing
+        assert saved == {(0, 0, tuple(range(1, 11))), (1, 6, tuple(range(27, 31)))}
+        # a hit of 160 tokens past vLLM's own 32: the sliding group's blocks below the
+        # window are null (0) and never loaded
+        req = Request("h", tokens, SamplingParams(max_tokens=4), None)
+        side._matches["h"] = _Match(len(tokens), 2 * BS, 10 * BS, None, 0)
+        ids = (list(range(1, 12)), [0] * 6 + list(range(27, 32)), [0] * 11)
+        meta = plans(side, req, ids, 8 * BS)
+        loaded = {(p.group, p.first_chunk, p.block_ids) for p in meta.loads}
+        assert loaded == {(0, 2, tuple(range(3, 11))), (1, 6, (27, 28, 29, 30))}
+        stats = side.take_stats().data
+        assert (stats["hits"], stats["window_loads"], stats["window_replays"]) == (1, 1, 1)
+    finally:
+        side.shutdown()
