@@ -174,3 +174,84 @@ def test_window_loaded_only_when_every_bounded_replay_group_was_loaded(fixed, hi
         {"num_cached_tokens": hit, "tokens_agree": True, "max_logprob_diff": 0.0,
          "replay": mark}]}
     assert dsv41_replay.judge(report, 0.05) == "ok"
+
+
+# KVTierConnector's scheduler side in the same scheduler, against a real server holding the
+# global group's chunks of a prompt.
+
+FINGERPRINT = "tiny-dsv41-replay-test"
+
+
+@pytest.fixture
+def kvtier_scheduler(kvtier_server):
+    extra = {"server": kvtier_server.target, "tenant": "dsv41", "timeout_s": 60,
+             "model_fingerprint": FINGERPRINT, "lookup_timeout_ms": 10000}
+    scheduler = scheduler_with("KVTierConnector", "kvtier.integrations.vllm", extra)
+    yield scheduler
+    scheduler.connector.shutdown()
+
+
+def store_global_kv(kvtier_server, scheduler, tokens: list[int]) -> None:
+    """The V4.1 global group's pages of ``tokens`` (whole blocks) stored under the layout the
+    connector registered for it, as a session spill (its chunks are chain chunks)."""
+    from kvstore.format.chunk import StreamData
+    from kvtier import Client
+    from kvtier.integrations.vllm.layout import rank_layout
+
+    (group,) = scheduler.connector.groups  # the only group it stores
+    assert group.group == GLOBAL_GROUP
+    spec = rank_layout(group, 0, "auto")
+    g = torch.Generator().manual_seed(0)
+    streams = {}
+    for stream in spec.streams:
+        entries = len(tokens) // stream.tokens_per_entry
+        codes = torch.randint(0, 256, (stream.layers, entries, *stream.entry_shape),
+                              generator=g, dtype=torch.uint8)
+        streams[stream.name] = StreamData(codes, None)
+    with Client(kvtier_server.target) as client:
+        client.register_layout(spec)
+        client.spill("dsv41", "stored", spec, tokens, streams, generation=1,
+                     model_fingerprint=FINGERPRINT)
+
+
+def admit_when_looked_up(scheduler, tokens: list[int]) -> tuple[Request, int]:
+    """``admit``, then steps until the connector's lookup answered and the request ran."""
+    import time
+
+    request, scheduled = admit(scheduler, tokens)
+    deadline = time.monotonic() + 60
+    while not scheduled:
+        assert time.monotonic() < deadline, "the lookup never answered"
+        time.sleep(0.01)
+        scheduled = scheduler.schedule().num_scheduled_tokens.get(request.request_id, 0)
+    return request, scheduled
+
+
+def test_kvtier_keeps_only_the_global_kv_of_v41(kvtier_scheduler):
+    from kvtier.integrations.vllm.layout import FULL, REBUILT
+
+    kinds = [(g.group, g.kind) for g in cache_groups_of(kvtier_scheduler)]
+    # the windows (bounded replay) and the compressor ring are the engine's to rebuild
+    assert kinds == [(0, REBUILT), (1, REBUILT), (2, REBUILT), (3, FULL), (4, REBUILT)]
+
+
+def cache_groups_of(scheduler):
+    from kvtier.integrations.vllm.layout import cache_groups
+
+    return cache_groups(scheduler.vllm_config, scheduler.kv_cache_config)
+
+
+def test_a_hit_of_the_global_kv_from_kvtier_makes_the_engine_replay_its_window(
+        kvtier_server, kvtier_scheduler):
+    prompt = [(7 * i) % 997 + 1 for i in range(PROMPT)]
+    hit = 3 * GLOBAL_BLOCK
+    store_global_kv(kvtier_server, kvtier_scheduler, prompt[:hit])
+    marks = dsv41_replay._watch_replay(kvtier_scheduler)
+    request, scheduled = admit_when_looked_up(kvtier_scheduler, prompt)
+    # kvtier reports the global group loaded, never a window: the scheduler replays
+    # min(window, hit) tokens from the hit's last window
+    assert kvtier_scheduler.connector.get_loaded_kv_cache_group_ids(request) == (GLOBAL_GROUP,)
+    assert marks == [{"request": "r", "hit_tokens": hit, "window_loaded": False,
+                      "replay_tokens": WINDOW}]
+    assert request.replay_start == hit - WINDOW
+    assert scheduled == PROMPT - hit + WINDOW

@@ -144,6 +144,7 @@ def group_policy(spec, enable_kv_transfer: bool = True) -> tuple[str, str, int]:
     latents, DeepSeek-V4's compressed KV, indexer keys, compressor states). A spec kvtier
     cannot keep is ``UnsupportedModel`` naming it."""
     from vllm.v1.kv_cache_interface import (
+        CircularBufferSpec,
         MLAAttentionSpec,
         SlidingWindowMLASpec,
         SlidingWindowSpec,
@@ -154,7 +155,11 @@ def group_policy(spec, enable_kv_transfer: bool = True) -> tuple[str, str, int]:
     if isinstance(spec, UniformTypeKVCacheSpecs) and not spec.kv_cache_specs:
         raise UnsupportedModel("kvtier connector: an empty UniformTypeKVCacheSpecs group")
     kind = type(inner)
-    if not enable_kv_transfer or getattr(spec, "prefix_replay_tokens", 0) > 0:
+    # bounded replay, or DeepSeek-V4.1's compressor ring (CircularBufferSpec: the open
+    # compression group's keys, no prefix's; vLLM's own prefix cache skips it too, and
+    # the replay of the hit's window refills it)
+    if not enable_kv_transfer or getattr(spec, "prefix_replay_tokens", 0) > 0 \
+            or isinstance(inner, CircularBufferSpec):
         return REBUILT, "", getattr(inner, "sliding_window", 0) or 0
     if kind is FullAttentionSpec:
         # a sliding window with the hybrid manager off: the engine keeps every block
