@@ -21,7 +21,8 @@ from pathlib import Path
 
 
 def kv_cache_groups(kv_cache_config) -> list[dict]:
-    """The scheduler's groups: kind, block size, page bytes per block and layer, layers."""
+    """The scheduler's groups: kind, block size, page bytes per block and layer (padded, and
+    the real content: ``real_page_size_bytes``), layers, each layer's own spec."""
     groups = []
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
@@ -34,6 +35,11 @@ def kv_cache_groups(kv_cache_config) -> list[dict]:
             "cache_dtype_str": getattr(spec, "cache_dtype_str", None),
             "prefix_cacheable": getattr(spec, "prefix_cacheable", None),
             "layers": list(group.layer_names),
+            "layer_specs": {name: {"spec": type(layer).__name__,
+                                   "page_size_bytes": layer.page_size_bytes,
+                                   "real_page_size_bytes": getattr(
+                                       layer, "real_page_size_bytes", layer.page_size_bytes)}
+                            for name, layer in getattr(spec, "kv_cache_specs", {}).items()},
         })
     return groups
 
@@ -57,8 +63,10 @@ def worker_views(worker) -> dict:
                        "stride": list(view.stride()), "offset_bytes":
                        view.storage_offset() * view.element_size(),
                        "buffer": view.untyped_storage().data_ptr()}
+    config = getattr(runner, "kv_cache_config", None)
     return {"views": views, "connector": has_kv_transfer_group()
-            and type(get_kv_transfer_group()).__name__}
+            and type(get_kv_transfer_group()).__name__,
+            "groups": kv_cache_groups(config) if config is not None else None}
 
 
 def run_engine(job: dict, engine: dict) -> dict:
