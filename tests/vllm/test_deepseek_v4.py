@@ -15,6 +15,7 @@ layouts.
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -49,6 +50,31 @@ def test_the_shim_gives_the_cpu_tile_scheduler_every_layer_type():
                                                           "c2a"}
 
 
+# What the engine gives (measured; docs/vllm.md, "Models"): per group its block, its window
+# (0: the compressed global KV, kept whole) and each layer's bytes per block, the views'
+# (``real_page_size_bytes``; vLLM pads each page up to an alignment it does not use).
+GROUPS = {
+    0: (64, 128, {"model.layers.0.attn.swa_cache": 37376}),
+    1: (64, 128, {"model.layers.1.attn.swa_cache": 37376}),
+    2: (64, 128, {"model.layers.2.attn.swa_cache": 37376}),
+    3: (256, 0, {"model.layers.1.attn.indexer.k_cache": 8448,  # 64 keys x 132 B
+                 "model.layers.1.attn": 37376,  # ratio 4: 64 entries x 584 B
+                 "model.layers.2.attn": 1168}),  # ratio 128: 2 entries x 584 B
+    4: (4, 8, {"model.layers.1.attn.indexer.compressor.state_cache": 8192,
+               "model.layers.1.attn.compressor.state_cache": 32768}),
+    5: (8, 128, {"model.layers.2.attn.compressor.state_cache": 32768}),
+}
+STORED_END = 2 * GLOBAL_BLOCK  # the longest hit a repeat of the prompt can have
+
+
+def stored_blocks(group: int) -> set[int]:
+    """The blocks of the prompt a group keeps: the global KV every block below the stored
+    end, a sliding group only the trailing window there (vLLM's SlidingWindowManager)."""
+    block, window, _ = GROUPS[group]
+    first = max(0, STORED_END - window + 1) // block if window else 0
+    return set(range(first, STORED_END // block))
+
+
 @pytest.fixture(scope="module")
 def runs(kvtier_server, tmp_path_factory):
     """The engine without kvtier, then the one with it, in one child process; its result."""
@@ -76,11 +102,25 @@ def runs(kvtier_server, tmp_path_factory):
     result = json.loads((work / "result.json").read_text())
     result["wall_s"] = time.monotonic() - began
     result["prompts"] = {"p": p, "q": q}
+    result["fingerprint"] = extra["model_fingerprint"]
     return result
 
 
+# The connector cannot keep DeepSeek-V4's latent groups yet: the scheduler's view of a group
+# is its first layer's spec (vLLM's generate_scheduler_kv_cache_config), the worker's every
+# layer's (UniformTypeKVCacheSpecs), so their raw layouts differ; the layout takes vLLM's
+# padded page (8,640 B) where the view holds 8,448; and the ratio-128 layer's 1,168 B per
+# 256-token block is no whole number of bytes per token, which raw page rows need.
+CONNECTOR_GAP = pytest.mark.xfail(
+    strict=True, reason="KVTierConnector's raw (MLA) layouts do not fit DeepSeek-V4's groups "
+    "yet: per-layer page sizes unknown to the scheduler, padded pages, 1,168 B blocks")
+
+
+@pytest.mark.slow
+@CONNECTOR_GAP
 def test_a_stored_prefix_is_a_hit_from_kvtier_with_the_engines_own_outputs(runs):
     plain, kvtier = runs["engines"]
+    assert "error" not in kvtier, kvtier["error"]
     cold_p, own_hit_p, cold_q, own_hit_q = plain["requests"]
     stored, hit_p, hit_q = kvtier["requests"]
     # vLLM's own prefix cache works, and agrees with the cold run
@@ -99,3 +139,43 @@ def test_a_stored_prefix_is_a_hit_from_kvtier_with_the_engines_own_outputs(runs)
     counts = kvtier["connector"]
     assert counts["kvtier_hit_tokens"] >= 4 * GLOBAL_BLOCK
     assert counts.get("kvtier_load_error_blocks", 0) == 0
+
+
+@pytest.mark.slow
+def test_the_engine_gives_the_groups_measured(runs):
+    plain, _ = runs["engines"]
+    worker = plain["worker"]
+    assert [g["block_size"] for g in plain["groups"]] == [b for b, _, _ in GROUPS.values()]
+    for index, (_, window, layers) in GROUPS.items():
+        group = plain["groups"][index]  # the scheduler's: the group's first layer's spec
+        assert (group["sliding_window"] or 0) == window and not group["bounded_replay"]
+        assert list(group["layers"]) == list(layers)
+        # the worker's: every layer's own spec
+        per_layer = worker["groups"][index]["layer_specs"]
+        assert {n: s["real_page_size_bytes"] for n, s in per_layer.items()} == layers
+        for name, page in layers.items():  # the views handed to the connector
+            view = worker["views"][name]
+            size = {"torch.uint8": 1, "torch.float32": 4}[view["dtype"]]
+            assert math.prod(view["shape"][1:]) * size == page
+            assert view["stride"][0] * size == 47808  # one shared allocation
+
+
+@pytest.mark.slow
+@CONNECTOR_GAP
+def test_each_group_stores_its_blocks_as_the_engines_pages(runs, kvtier_server):
+    """Per group, the chunks kvtier holds for the prompt: the global KV's two blocks, each
+    sliding group's trailing window at the stored end; each chunk is its layers' pages."""
+    from kvtier import Client
+
+    assert "error" not in runs["engines"][1], runs["engines"][1]["error"]
+    p = runs["prompts"]["p"][:STORED_END]
+    fingerprint = runs["fingerprint"]
+    with Client(kvtier_server.target) as client:
+        layouts = {int(i.spec.name.split("-")[1].removeprefix("g")): i.spec
+                   for i in client.layouts() if i.spec.name.startswith("vllm-g")}
+        assert sorted(layouts) == sorted(GROUPS)
+        for group, layout in layouts.items():
+            with client.read_chunks(TENANT, layout, p, model_fingerprint=fingerprint) as read:
+                assert set(read.chunks) == stored_blocks(group), layout.name
+                payload = sum(s.layers * s.bytes_per_entry for s in layout.streams)
+                assert payload == sum(GROUPS[group][2].values()), layout.name

@@ -8,7 +8,7 @@ requests (``{"tokens": ids, "reset_prefix_cache": bool, "settle_s": s}``); every
 is greedy with ``logprobs`` top-k. The result holds, per
 engine, its start time, its KV cache groups (the scheduler's specs and the worker's views),
 per request the output tokens, the top-k logprobs, ``num_cached_tokens`` and the time, and
-the connector's counters (``vllm:kvtier_*``).
+the connector's counters (``vllm:kvtier_*``); an engine that failed has only ``error``.
 """
 
 from __future__ import annotations
@@ -129,7 +129,12 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     job = json.loads(args.config.read_text())
-    engines = [run_engine(job, engine) for engine in job["engines"]]
+    engines = []
+    for engine in job["engines"]:
+        try:
+            engines.append(run_engine(job, engine))
+        except Exception as exc:  # e.g. a connector that refuses the model: say which, why
+            engines.append({"error": f"{type(exc).__name__}: {exc}"})
     args.out.write_text(json.dumps({"engines": engines}))
 
 
