@@ -65,10 +65,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def missing_requirement() -> str | None:
     """Why this machine cannot run the check, or None."""
+    import importlib.util
+
     import torch
 
     if not torch.cuda.is_available():
         return "no CUDA device"
+    # the kvtier server and client need these; the device image lacks them (carry wheels)
+    missing = [m for m in ("zstandard", "lmdb") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"{', '.join(missing)} not importable; carry cp312 wheels (../shared/GPU.md)"
     try:
         from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
     except ImportError as exc:

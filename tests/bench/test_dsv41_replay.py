@@ -49,6 +49,19 @@ def test_without_cuda_it_writes_a_skipped_report_and_exits_zero(tmp_path):
     assert "skipped: no CUDA device" in run.stdout
 
 
+def test_with_cuda_but_without_the_servers_packages_it_says_which(monkeypatch):
+    import importlib.util
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "lmdb" else real(name, *a))
+    assert dsv41_replay.missing_requirement() == (
+        "lmdb not importable; carry cp312 wheels (../shared/GPU.md)")
+
+
 def test_a_hit_replays_min_of_window_and_hit_unless_the_load_carried_the_window():
     assert dsv41_replay.judge(report(hit()), 0.05) == "ok"
     # a hit no longer than the window replays all of it
