@@ -21,7 +21,9 @@ from testing.vllm_models import DEFAULT_ROOT
 @dataclass(frozen=True)
 class SlidingSpec:
     name: str
-    family: str  # "gemma3" (sliding and full layers) or "mistral" (every layer sliding)
+    # "gemma3" (sliding and full layers), "mistral" (every layer sliding) or "gpt_oss"
+    # (sliding and full layers alternating, attention sinks, a small MoE)
+    family: str
     layers: int
     window: int
     full_every: int = 0  # gemma3: every n-th layer is full attention (0: none)
@@ -46,6 +48,8 @@ class SlidingSpec:
 
 # 5 sliding layers with a 128-token window, then one full layer (Gemma3's pattern)
 GEMMA3 = SlidingSpec("gemma3-like", "gemma3", layers=6, window=128, full_every=6)
+# sliding and full layers alternating, window 128, attention sinks, 4 experts top-2
+GPT_OSS = SlidingSpec("gpt-oss-like", "gpt_oss", layers=4, window=128, full_every=2)
 # every layer sliding, window 128
 MISTRAL = SlidingSpec("mistral-sliding", "mistral", layers=4, window=128)
 
@@ -69,6 +73,12 @@ def build(spec: SlidingSpec, root: Path | str = DEFAULT_ROOT) -> Path:
         config = Gemma3TextConfig(layer_types=spec.layer_types(),
                                   query_pre_attn_scalar=spec.head_dim, **common)
         model_class = Gemma3ForCausalLM
+    elif spec.family == "gpt_oss":
+        from transformers import GptOssConfig, GptOssForCausalLM
+
+        config = GptOssConfig(layer_types=spec.layer_types(), num_local_experts=4,
+                              num_experts_per_tok=2, **common)
+        model_class = GptOssForCausalLM
     else:
         from transformers import MistralConfig, MistralForCausalLM
 

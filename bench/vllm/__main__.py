@@ -33,6 +33,12 @@ Llamas saved locally) the engines run one after another, each in its own child p
 - example: vLLM's ``ExampleConnector`` (safetensors files), the way kvtier's hits are
   measured (``ttft_example_hit_s``), and the references below.
 
+Model kinds (``--kinds full,hybrid,sliding``, ``bench.vllm.kinds``): per kind, one more
+engine (a full-attention Llama, a Gemma3-like hybrid, an all-sliding Mistral) gives
+``stored_vs_own_cache`` (kvtier's stored bytes per token over the engine's own cache's,
+per group too), hit first-token times and ``identical`` (top-5 logprobs of a kvtier hit
+equal vLLM's own prefix-cache hit's); ``--models ''`` runs the kinds alone.
+
 ``--cases`` picks the optional measurements (``connector_miss``, ``hung``, ``disk``,
 ``down``; all by default); one not run is null, and ``not_measured`` names it and why.
 
@@ -83,6 +89,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.vllm.kinds import KINDS, bench_kind
 from testing import vllm_models
 from testing.live_server import LiveServer, free_port
 
@@ -541,6 +548,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cases", default=",".join(CASES),
                         help=f"optional measurements, of {','.join(CASES)} ('' for none)")
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help="model kinds for stored_vs_own_cache (bench.vllm.kinds; '' "
+                        "for none)")
+    parser.add_argument("--kind-length", type=int, default=1074,
+                        help="the kinds' prompt length")
     parser.add_argument("--work", type=Path, help="keep the engines' plans, logs and results "
                         "here (default: a temporary folder, removed)")
     args = parser.parse_args(argv)
@@ -553,8 +565,13 @@ def main(argv: list[str] | None = None) -> int:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         models = [bench_model(k, lengths, args.repeats, work, cases)
-                  for k in args.models.split(",")]
-    result = {**headline(models), "models": models}
+                  for k in args.models.split(",") if k]
+        kinds = [bench_kind(k, args.kind_length, args.repeats, work, run_engine,
+                            kvtier_connector)
+                 for k in args.kinds.split(",") if k]
+    result = {**(headline(models) if models else {}), "models": models, "kinds": kinds,
+              "stored_vs_own_cache": {k["kind"]: k["stored_vs_own_cache"] for k in kinds},
+              "identical_per_kind": {k["kind"]: k["identical"] for k in kinds}}
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -566,8 +583,14 @@ def main(argv: list[str] | None = None) -> int:
                           "ttft_kvtier_disk_hit_s", "ttft_example_hit_s",
                           "ttft_prefix_cache_s", "hung_server_stall_s",
                           "ttft_kvtier_down_s", "identical_outputs")))
-        print({k: v for k, v in result.items() if k not in ("models", "goal")})
-        print({k: g if k == "all_met" else g["met"] for k, g in result["goal"].items()})
+        for k in kinds:
+            print(f"{k['kind']:>8} {k['prompt_tokens']} tokens: stored/own "
+                  f"{_fmt(k['stored_vs_own_cache'])}, kvtier hit {_fmt(k['ttft_kvtier_hit_s'])}"
+                  f" s, prefix cache {_fmt(k['ttft_prefix_cache_s'])} s, identical "
+                  f"{k['identical']}")
+        print({k: v for k, v in result.items() if k not in ("models", "goal", "kinds")})
+        if models:
+            print({k: g if k == "all_met" else g["met"] for k, g in result["goal"].items()})
     return 0
 
 

@@ -11,6 +11,7 @@ each configuration starts from a fresh engine and none shares another's caches).
                 "prompts": [[ids], ...] (instead of prompt and repeat: one per repeat),
                 "reset_prefix_cache": bool, "kvtier_session": id | null,
                 "fresh": bool (read no cache: a miss in this engine),
+                "logprobs": k (also report each output token's top-k logprobs),
                 "settle_s": seconds to wait after it (an asynchronous save lands),
                 "extend": {"after": step name, "append": [ids]}   (instead of a prompt:
                           that step's prompt and answer, then ``append``: a next turn),
@@ -89,7 +90,8 @@ def run_step(llm, step: dict, done: dict[str, dict]) -> dict:
     # fresh: read no cache, vLLM's own nor the connector's (a miss in this very engine)
     params = SamplingParams(max_tokens=step["max_tokens"], temperature=0.0,
                             detokenize=False, extra_args=extra,
-                            skip_reading_prefix_cache=step.get("fresh") or None)
+                            skip_reading_prefix_cache=step.get("fresh") or None,
+                            logprobs=step.get("logprobs"))
     if "extend" in step:  # the next turn: an earlier step's prompt, its answer, more
         before = done[step["extend"]["after"]]
         step["prompt"] = before["prompt"] + before["output"] + step["extend"]["append"]
@@ -114,6 +116,9 @@ def run_step(llm, step: dict, done: dict[str, dict]) -> dict:
               "prompt_tokens": len(prompts[-1]),
               "outputs_agree": all(o == outputs[0] for o in outputs),
               "num_cached_tokens": cached}
+    if step.get("logprobs"):  # the last request's, [[token, logprob], ...] per token
+        result["top_logprobs"] = [sorted([t, lp.logprob] for t, lp in top.items())
+                                  for top in reply.outputs[0].logprobs]
     if refused:  # vLLM's cache kept blocks: a hit may come from it, not the connector
         result["prefix_cache_resets_refused"] = refused
     if step.get("stop_server"):

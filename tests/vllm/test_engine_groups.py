@@ -1,9 +1,10 @@
 """Hybrid and sliding-window models through kvtier in a real vLLM engine (CPU build, one
-engine per model): a Gemma3-like model (5 sliding layers, window 128, and a full one)
-and a Mistral whose every layer slides. A hit loaded from kvtier gives the top-k
+engine per model): a Gemma3-like model (5 sliding layers, window 128, and a full one),
+a Mistral whose every layer slides and a gpt-oss-like model (sliding and full layers
+alternating, attention sinks, a small MoE). A hit loaded from kvtier gives the top-k
 logprobs of vLLM's own prefix-cache hit, and each group stores what its layout says: a
 full group every block, a sliding group only the trailing window's block at the
-prompt's end."""
+prompt's end, where a longer prompt sharing it hits too."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def prompt(spec, length: int, seed: int) -> list[int]:
     return [rng.randrange(1, spec.vocab) for _ in range(length)]
 
 
-@pytest.fixture(scope="module", params=[vllm_hybrid.GEMMA3, vllm_hybrid.MISTRAL],
+@pytest.fixture(scope="module", params=[vllm_hybrid.GEMMA3, vllm_hybrid.MISTRAL,
+                                               vllm_hybrid.GPT_OSS],
                 ids=lambda s: s.family)
 def engine(request, kvtier_server):
     from vllm import LLM
@@ -87,21 +89,23 @@ def test_a_hit_from_kvtier_is_vllms_own_and_groups_store_their_windows(engine,
     assert own[2] == 5 * BS
     with Client(kvtier_server.target) as client:
         # vLLM splits the Gemma3-like model into 6 groups of one layer, the Mistral's
-        # layers are one sliding group; each group has its own layout (``g<index>``)
-        per_group = 1 if spec.full_every else spec.layers
-        layouts = [i.spec for i in client.layouts() if i.spec.name.startswith("vllm-g")
-                   and f"-{per_group}x{spec.kv_heads}x{spec.head_dim}-" in i.spec.name]
-        sliding = [s for s in layouts if "-swa128-" in s.name]
-        full = [s for s in layouts if "-swa" not in s.name]
-        assert (len(sliding), len(full)) == ((5, 1) if spec.full_every else (1, 0))
+        # layers are one sliding group, the gpt-oss-like model's a sliding and a full
+        # group; each group has its own layout. The prompt's window end is 640: a sliding
+        # group keeps block 4 alone (its window of 127 tokens back), a full group 0-4.
+        counts = {"gemma3": (5, 1), "mistral": (1, 0), "gpt_oss": (1, 1)}[spec.family]
+        names = [i.spec for i in client.layouts() if i.spec.name.startswith("vllm-")]
         deadline = time.monotonic() + 60
-        # the prompt's window end is 640: a sliding group keeps block 4 alone (its window
-        # of 127 tokens back), a full group blocks 0-4
-        want = {**{s.name: {4} for s in sliding}, **{s.name: set(range(5)) for s in full}}
-        while (got := {s.name: held(client, s, p[:5 * BS], fingerprint) for s in layouts}) \
-                != want:
-            assert time.monotonic() < deadline, f"stored {got}, want {want}"
+        while True:
+            got = {s.name: held(client, s, p[:5 * BS], fingerprint) for s in names}
+            sliding = {n: h for n, h in got.items() if h and "-swa128-" in n}
+            full = {n: h for n, h in got.items() if h and "-swa" not in n}
+            if (len(sliding), len(full)) == counts and all(
+                    h == {4} for h in sliding.values()) and all(
+                    h == set(range(5)) for h in full.values()):
+                break
+            assert time.monotonic() < deadline, f"stored {got}"
             time.sleep(0.2)
+        layouts = [s for s in names if s.name in sliding or s.name in full]
         # a chunk holds each layer's block as the engine's page, nothing more
         for layout in layouts:
             read = client.read_chunks(TENANT, layout, p[:5 * BS], model_fingerprint=fingerprint)
@@ -114,3 +118,7 @@ def test_a_hit_from_kvtier_is_vllms_own_and_groups_store_their_windows(engine,
     assert loaded[2] == 5 * BS
     assert loaded == own
     assert cold[0] == own[0]
+    # a longer prompt sharing it hits at the stored window's end, nowhere past it
+    reset(llm)
+    longer = p + prompt(spec, 3 * BS, seed=99)
+    assert generate(llm, longer)[2] == 5 * BS

@@ -152,3 +152,33 @@ def test_a_sliding_group_saves_and_loads_only_its_trailing_window(vllm_config):
         assert (stats["hits"], stats["window_loads"], stats["window_replays"]) == (1, 1, 1)
     finally:
         side.shutdown()
+
+
+def test_strided_views_of_one_allocation_round_trip_as_pages():
+    """DeepSeek-V4 hands over several strided uint8 and fp32 views of one buffer: each
+    layer's pages go out and back byte for byte, into those views, and layers of two page
+    sizes go in two streams."""
+    from kvtier.integrations.vllm.repack import PagedLayout
+    from kvtier.integrations.vllm.stats import StatsCounter
+    from kvtier.integrations.vllm.transfers import Store, gathered
+
+    def views(buffer: torch.Tensor) -> list[torch.Tensor]:
+        # per block: 512 B of latent, 256 fp32 of state, 512 B of latent: one page of 2048 B
+        return [buffer[:, :512], buffer[:, 512:1536].view(torch.float32), buffer[:, 1536:]]
+
+    g = torch.Generator().manual_seed(3)
+    source = torch.randint(0, 256, (8, 2048), generator=g, dtype=torch.uint8)
+    target = torch.zeros_like(source)
+    paged = PagedLayout("raw", 1, 16, BS, pages=True)  # a raw page's heads: not read
+    for layer, size in zip(views(source), (512, 1024, 512), strict=True):
+        paged.check(layer, size)
+    store = Store(None, None, None, paged, views(source), torch.uint8, StatsCounter())
+    assert store.page_streams == [("page", 0), ("page1", 0), ("page", 1)]
+    index = store.block_index([5, 2])
+    rows = gathered([paged.take(layer, index) for layer in store.layers], store)
+    assert {name: tuple(t.shape) for name, t in rows.items()} == {
+        "page": (2, 2 * BS, 512 // BS), "page1": (1, 2 * BS, 1024 // BS)}
+    for layer, (name, at) in zip(views(target), store.page_streams, strict=True):
+        paged.put_pages(layer, store.block_index([1, 6]), rows[name][at])
+    assert torch.equal(target[1], source[5]) and torch.equal(target[6], source[2])
+    assert not target[[0, 2, 3, 4, 5, 7]].any()

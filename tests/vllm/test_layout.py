@@ -15,8 +15,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
-    KVQuantMode,
     KVCacheGroupSpec,
+    KVQuantMode,
 )
 
 from kvstore.format.errors import UnsupportedModel  # noqa: E402

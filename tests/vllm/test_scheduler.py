@@ -256,10 +256,12 @@ def test_draft_tokens_do_not_fill_a_block(side):
 
 
 def test_kv_role_a_producer_never_loads_and_a_consumer_never_saves(side):
-    producer = SchedulerSide(side.config, [SHAPE], {0: [SPEC]}, side.link, alignment=BS, loads=False)
+    producer = SchedulerSide(side.config, [SHAPE], {0: [SPEC]}, side.link, alignment=BS,
+                             loads=False)
     assert producer.get_num_new_matched_tokens(request("p1", TOKENS), 0) == (0, False)
     assert producer.take_stats() is None  # not even asked
-    consumer = SchedulerSide(side.config, [SHAPE], {0: [SPEC]}, side.link, alignment=BS, saves=False)
+    consumer = SchedulerSide(side.config, [SHAPE], {0: [SPEC]}, side.link, alignment=BS,
+                             saves=False)
     req = request("c1", TOKENS, session="stored")
     assert matched(consumer, req, 0) == (3 * BS, False)  # it loads
     consumer.update_state_after_alloc(req, blocks(1, 2, 3, 4), 3 * BS)

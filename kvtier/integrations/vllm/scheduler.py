@@ -246,20 +246,26 @@ class SchedulerSide:
                 held = min(held, self.client.lookup(
                     self.config.tenant, spec, tokens, model=self.config.model_fingerprint,
                     dedupe_domain=self.config.dedupe_domain))
-        if held and any(g.kind == SLIDING for g in self.groups):
-            held = window_hit(self.groups, {g.group: self._held_chunks(g, tokens[:held])
-                                            for g in self.groups if g.kind == SLIDING},
-                              held, self.alignment)
-        return held, self._generation(session) if session is not None else 0
+        sliding = [g for g in self.groups if g.kind == SLIDING]
+        end = held // self.alignment * self.alignment
+        if end and sliding:
+            # the common hit first (a repeat, or a prompt extending a stored one): each
+            # window at that end alone; else every held window below it
+            found = {g.group: self._held_chunks(g, tokens[:end], g.window_start(end))
+                     for g in sliding}
+            if window_hit(self.groups, found, end, self.alignment) != end:
+                found = {g.group: self._held_chunks(g, tokens[:end], 0) for g in sliding}
+            end = window_hit(self.groups, found, end, self.alignment)
+        return end, self._generation(session) if session is not None else 0
 
-    def _held_chunks(self, group: CacheShape, tokens: list[int]) -> set[int]:
-        """The chunks of ``tokens`` a sliding group's layouts hold on every rank: one
-        ``ReadChunks`` per rank, of which only the held windows come back."""
+    def _held_chunks(self, group: CacheShape, tokens: list[int], first: int) -> set[int]:
+        """The chunks of ``tokens`` from ``first`` on a sliding group's layouts hold on
+        every rank: one ``ReadChunks`` per rank, of which only held windows come back."""
         held: set[int] | None = None
         for spec in self.layouts[group.group]:
             with self.client.read_chunks(
-                    self.config.tenant, spec, tokens, model_fingerprint=(
-                        self.config.model_fingerprint),
+                    self.config.tenant, spec, tokens, first_chunk=first,
+                    model_fingerprint=self.config.model_fingerprint,
                     dedupe_domain=self.config.dedupe_domain, check_digests=False,
                     in_place=True) as result:
                 got = set(result.chunks)

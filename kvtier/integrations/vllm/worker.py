@@ -44,6 +44,12 @@ from kvtier.integrations.vllm.transfers import LoadJob, Store, run_load, run_sav
 logger = init_logger("vllm." + __name__)  # under vLLM's logger: its format and level
 
 
+def save_all(saves: list[tuple]) -> bool:
+    """``run_save`` of each (store, plan, blocks, ready) in order; whether all were
+    written (each is tried, whatever the others did)."""
+    return all([run_save(*save) for save in saves])
+
+
 def recorded(tensors: list[torch.Tensor]):
     """A CUDA event after the work queued so far on this thread's stream (None on the
     CPU, where it is done): a background thread waits on it before it touches
@@ -162,6 +168,7 @@ class WorkerSide:
                         if job.first_failed_chunk is not None}
         staged = self._staged if self._step_meta is meta else {}
         at = dict.fromkeys(self.stores, 0)
+        batches: dict[str, list] = {}  # req_id -> its saves of every group: one job
         for plan in meta.saves:
             group = self.stores[plan.group]
             count = len(plan.block_ids)
@@ -173,10 +180,12 @@ class WorkerSide:
                 token = plan.first_chunk * group.block_size
                 self._unsaved[plan.req_id] = min(token, self._unsaved.get(plan.req_id, token))
                 continue
-            if self._may_queue(plan.req_id):
-                dim = self.paged[plan.group].block_dim
-                raw = [t.narrow(dim, at[plan.group] - count, count) for t in layers]
-                self._offer(plan.req_id, run_save, group, plan, raw, recorded(raw))
+            dim = self.paged[plan.group].block_dim
+            raw = [t.narrow(dim, at[plan.group] - count, count) for t in layers]
+            batches.setdefault(plan.req_id, []).append((group, plan, raw, recorded(raw)))
+        for req_id, saves in batches.items():
+            if self._may_queue(req_id):
+                self._offer(req_id, save_all, saves)
         self._step_meta, self._step_index, self._staged = None, {}, {}
         for plan in meta.spills:
             if self._may_queue(plan.req_id):
