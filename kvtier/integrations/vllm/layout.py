@@ -4,10 +4,11 @@ stores and tensor-parallel rank.
 Groups (``cache_groups``, ``group_policy``): vLLM splits a model's layers into KV cache
 groups, one spec each. A full-attention group is stored whole; a sliding-window group
 only as its trailing window (``CacheShape.window_start``); a group the engine rebuilds
-(``bounded_replay``, DeepSeek-V4.1's compressor ring, no KV transfer) is not stored; a latent (MLA) group is stored as its
-layers' raw page bytes (``raw_layout``). Any other spec is ``UnsupportedModel`` naming it.
-Each stored group has its own layout, whose name says which group it is (``group_tag``).
-What follows describes a K/V attention group's layout.
+(``bounded_replay``, DeepSeek-V4.1's compressor ring, no KV transfer) is not stored; a
+latent (MLA) group is stored as its layers' raw page bytes (``raw_layout``). Any other
+spec is ``UnsupportedModel`` naming it. Each stored group has its own layout, whose name
+says which group it is (``group_tag``). What follows describes a K/V attention group's
+layout.
 
 The engine's layout has two persistent streams ``k`` and ``v``, each entry ``(kv_heads,
 head_size)`` per token, ``layers`` = the model's attention layers, ``chunk_tokens`` =
