@@ -153,11 +153,13 @@ def test_the_engine_gives_the_groups_measured(runs):
         # the worker's: every layer's own spec
         per_layer = worker["groups"][index]["layer_specs"]
         assert {n: s["real_page_size_bytes"] for n, s in per_layer.items()} == layers
-        for name, page in layers.items():  # the views handed to the connector
+        for name, page in layers.items():  # the views register_kv_caches is handed
             view = worker["views"][name]
             size = {"torch.uint8": 1, "torch.float32": 4}[view["dtype"]]
             assert math.prod(view["shape"][1:]) * size == page
             assert view["stride"][0] * size == 47808  # one shared allocation
+            assert view["shape"][1] == 1  # (blocks, 1, entries, bytes or floats)
+    assert len(worker["views"]) == 9  # layer 0 (ratio 0) has no compressed cache
 
 
 @pytest.mark.slow

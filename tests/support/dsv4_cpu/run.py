@@ -44,26 +44,42 @@ def kv_cache_groups(kv_cache_config) -> list[dict]:
     return groups
 
 
+# The dict of views model runner V2 hands the connector (``register_kv_caches``), as
+# ``init_kv_cache`` returned it (recorded by ``record_registered_views``; the engine runs in
+# this process). The layers keep other views of the same bytes (DeepSeek-V4's sliding-window
+# cache squeezes its head axis away when it binds its view).
+REGISTERED: dict = {}
+
+
+def record_registered_views() -> None:
+    from vllm.v1.worker.gpu import model_runner
+
+    if getattr(model_runner.init_kv_cache, "_recorded", False):
+        return
+    original = model_runner.init_kv_cache
+
+    def init_kv_cache(*args, **kwargs):
+        caches = original(*args, **kwargs)
+        REGISTERED.clear()
+        REGISTERED.update(caches)
+        return caches
+
+    init_kv_cache._recorded = True
+    model_runner.init_kv_cache = init_kv_cache
+
+
 def worker_views(worker) -> dict:
-    """The views the worker's connector was handed (register_kv_caches): shape, dtype, strides,
-    byte offset in their shared buffer."""
+    """The views the worker's connector is handed (register_kv_caches): shape, dtype,
+    strides, byte offset in their shared buffer; and the worker's own groups."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    runner = worker.model_runner
-    caches = getattr(runner, "kv_caches", None)
-    if not isinstance(caches, dict):
-        forward = runner.compilation_config.static_forward_context
-        caches = {name: layer.kv_cache for name, layer in forward.items()
-                  if getattr(layer, "kv_cache", None) is not None}
     views = {}
-    for name, view in caches.items():
-        if isinstance(view, (list, tuple)):
-            view = view[0]
+    for name, view in REGISTERED.items():
         views[name] = {"shape": list(view.shape), "dtype": str(view.dtype),
                        "stride": list(view.stride()), "offset_bytes":
                        view.storage_offset() * view.element_size(),
                        "buffer": view.untyped_storage().data_ptr()}
-    config = getattr(runner, "kv_cache_config", None)
+    config = getattr(worker.model_runner, "kv_cache_config", None)
     return {"views": views, "connector": has_kv_transfer_group()
             and type(get_kv_transfer_group()).__name__,
             "groups": kv_cache_groups(config) if config is not None else None}
@@ -83,6 +99,7 @@ def run_engine(job: dict, engine: dict) -> dict:
             kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config=engine["kvtier"])
+    record_registered_views()
     started = time.monotonic()
     llm = LLM(model=job["model"], load_format=dsv4_cpu.LOAD_FORMAT, dtype="bfloat16",
               max_model_len=job.get("max_model_len", 2048), enforce_eager=True,
