@@ -255,3 +255,7 @@ def test_a_hit_of_the_global_kv_from_kvtier_makes_the_engine_replay_its_window(
                       "replay_tokens": WINDOW}]
     assert request.replay_start == hit - WINDOW
     assert scheduled == PROMPT - hit + WINDOW
+    # and its counters say so: a hit whose window the engine replays, none it loaded
+    stats = kvtier_scheduler.connector.get_kv_connector_stats().data
+    assert (stats["hits"], stats["hit_tokens"]) == (1, hit)
+    assert (stats["window_replays"], stats["window_loads"]) == (1, 0)
