@@ -195,20 +195,32 @@ def cache_groups(vllm_config, kv_cache_config) -> list[CacheShape]:
         spec = group.kv_cache_spec
         kind, keep, window = group_policy(spec, getattr(group, "enable_kv_transfer", True))
         make = _raw_shape if keep == "raw" else _attention_shape
+        # by layer number, as the worker takes them: a chunk's layer order
+        names = sorted(group.layer_names, key=layer_number)
         if kind == REBUILT:
-            shapes.append(CacheShape(layers=len(group.layer_names), kv_heads=1, head_size=1,
+            shapes.append(CacheShape(layers=len(names), kv_heads=1, head_size=1,
                                      block_size=spec.block_size,
                                      vocab_size=vllm_config.model_config.get_vocab_size(),
                                      dtype=torch.uint8, tp_size=1, kind=REBUILT,
-                                     window=window, group=index,
-                                     layer_names=tuple(group.layer_names),
+                                     window=window, group=index, layer_names=tuple(names),
                                      spec_name=type(spec).__name__))
             continue
-        shapes.append(make(vllm_config, spec, index, group.layer_names, kind, window))
+        shapes.append(make(vllm_config, spec, index, names, kind, window))
     if not any(s.stored for s in shapes):
         raise UnsupportedModel("kvtier connector: every KV cache group of the model is "
                                "rebuilt by the engine: nothing to keep")
     return shapes
+
+
+def layer_number(name: str) -> int:
+    """The layer number in a layer's name (vLLM's ``extract_layer_index``); -1 for a name
+    without one (kept in place by a stable sort)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    try:
+        return extract_layer_index(name)
+    except (AssertionError, ValueError):
+        return -1
 
 
 def cache_shape(vllm_config, kv_cache_config) -> CacheShape:

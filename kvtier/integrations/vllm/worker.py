@@ -102,9 +102,10 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layer_index) -> None:
         """``layer_index(name)``: the layer number of an attention layer's name. A group's
-        layers (every registered one when it names none) are taken by layer number."""
+        layers are taken in its order (``layout.cache_groups`` sorts them by layer
+        number); every registered one by layer number when it names none."""
         for group in self.groups:
-            names = sorted(group.layer_names or kv_caches, key=layer_index)
+            names = list(group.layer_names) or sorted(kv_caches, key=layer_index)
             missing = [n for n in names if n not in kv_caches]
             if missing or len(names) != group.layers:
                 raise ValueError(f"kvtier connector: group {group.group}'s layers "
