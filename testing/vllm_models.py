@@ -187,3 +187,20 @@ def seed_parameters(model, n_experts: int) -> None:
             values = torch.randn(tensor.shape, generator=generator) * 0.1
         with torch.no_grad():
             tensor.copy_(values.to(device=tensor.device, dtype=tensor.dtype))
+
+
+SEEDED_LOAD_FORMAT = "kvtier_seeded"
+
+
+def register_seeded_loader() -> str:
+    """Registers with vLLM (in this process) a load format whose weights come from
+    ``seed_parameters`` instead of a checkpoint; its name, for ``LLM(load_format=...)``."""
+    from vllm.model_executor.model_loader import register_model_loader
+    from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
+
+    class SeededLoader(DummyModelLoader):
+        def load_weights(self, model, model_config) -> None:
+            seed_parameters(model, model_config.hf_config.n_routed_experts)
+
+    register_model_loader(SEEDED_LOAD_FORMAT)(SeededLoader)
+    return SEEDED_LOAD_FORMAT

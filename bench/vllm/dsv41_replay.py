@@ -39,7 +39,6 @@ from pathlib import Path
 from bench.vllm.engine import connector_metrics, reset_prefix_cache
 from testing import vllm_models
 
-LOAD_FORMAT = "kvtier_seeded"
 TENANT = "dsv41-replay"
 
 
@@ -157,7 +156,7 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="dsv41-") as scratch:
         root = args.model_root or Path(scratch) / "models"
         model = vllm_models.config_dir(vllm_models.deepseek_v41_config(), "tiny-dsv41", root)
-        _register_seeded_loader()
+        vllm_models.register_seeded_loader()
         reference = _engine(args, model, None)
         want = [_generate(reference["llm"], p, args) for p in prompts]
         _close(reference)
@@ -192,17 +191,6 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def _register_seeded_loader() -> None:
-    from vllm.model_executor.model_loader import register_model_loader
-    from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
-
-    class SeededLoader(DummyModelLoader):
-        def load_weights(self, model, model_config) -> None:
-            vllm_models.seed_parameters(model, model_config.hf_config.n_routed_experts)
-
-    register_model_loader(LOAD_FORMAT)(SeededLoader)
-
-
 def _engine(args: argparse.Namespace, model: Path, kvtier: dict | None) -> dict:
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -212,7 +200,7 @@ def _engine(args: argparse.Namespace, model: Path, kvtier: dict | None) -> dict:
         kv_role="kv_both", kv_load_failure_policy="recompute",
         kv_connector_extra_config=kvtier)
     started = time.monotonic()
-    llm = LLM(model=str(model), load_format=LOAD_FORMAT, dtype="bfloat16",
+    llm = LLM(model=str(model), load_format=vllm_models.SEEDED_LOAD_FORMAT, dtype="bfloat16",
               max_model_len=4 * args.prompt_tokens, enforce_eager=True,
               skip_tokenizer_init=True, seed=0, kv_transfer_config=transfer,
               gpu_memory_utilization=args.gpu_memory_utilization,

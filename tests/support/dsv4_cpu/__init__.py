@@ -9,9 +9,9 @@ switched on only in a process started with ``engine_env()``:
   (Triton kernels) fail; with it they run under the interpreter and model runner V2 is on;
 - a fix for a vLLM bug: ``DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler`` omits
   the ``c1a``/``c2a`` keys its base's ``build`` reads (KeyError on the first decode step);
-- seeded weights (load format ``kvtier_seeded``): vLLM's ``dummy`` weights are uniform in
-  +-1e-3 (every logit alike) and leave integer tables (the hash layers' token-to-expert map)
-  uninitialised, so two engines would not even agree.
+- seeded weights (load format ``kvtier_seeded``, ``vllm_models.seed_parameters``): vLLM's
+  ``dummy`` weights are uniform in +-1e-3 (every logit alike) and leave integer tables (the
+  hash layer's token-to-expert map) as whatever memory held.
 
 Both registrations go through entry points (``entry_points/*.dist-info``): triton discovers
 backends, and every vLLM process (the front end, the engine core, the worker) loads general
@@ -29,7 +29,6 @@ from pathlib import Path
 from testing import vllm_models
 
 ENTRY_POINTS = Path(__file__).parent / "entry_points"
-LOAD_FORMAT = "kvtier_seeded"
 
 
 def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -48,7 +47,7 @@ def register() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     _fix_tile_scheduler_keys()
-    _register_seeded_loader()
+    vllm_models.register_seeded_loader()
 
 
 def _fix_tile_scheduler_keys() -> None:
@@ -69,19 +68,6 @@ def _fix_tile_scheduler_keys() -> None:
 
     build_tile_scheduler._kvtier_fixed = True
     builder.build_tile_scheduler = build_tile_scheduler
-
-
-def _register_seeded_loader() -> None:
-    from vllm.model_executor.model_loader import register_model_loader
-    from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
-
-    class SeededLoader(DummyModelLoader):
-        """Every engine gets the same model (vllm_models.seed_parameters)."""
-
-        def load_weights(self, model, model_config) -> None:
-            vllm_models.seed_parameters(model, model_config.hf_config.n_routed_experts)
-
-    register_model_loader(LOAD_FORMAT)(SeededLoader)
 
 
 def model_dir(root: Path) -> Path:

@@ -91,7 +91,7 @@ def run_engine(job: dict, engine: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     from bench.vllm.engine import connector_metrics, reset_prefix_cache
-    from tests.support import dsv4_cpu
+    from testing import vllm_models
 
     transfer = None
     if engine.get("kvtier") is not None:
@@ -101,7 +101,7 @@ def run_engine(job: dict, engine: dict) -> dict:
             kv_connector_extra_config=engine["kvtier"])
     record_registered_views()
     started = time.monotonic()
-    llm = LLM(model=job["model"], load_format=dsv4_cpu.LOAD_FORMAT, dtype="bfloat16",
+    llm = LLM(model=job["model"], load_format=vllm_models.SEEDED_LOAD_FORMAT, dtype="bfloat16",
               max_model_len=job.get("max_model_len", 2048), enforce_eager=True,
               skip_tokenizer_init=True, seed=0, kv_transfer_config=transfer,
               disable_log_stats=False)
