@@ -4,10 +4,11 @@ stores and tensor-parallel rank.
 Groups (``cache_groups``, ``group_policy``): vLLM splits a model's layers into KV cache
 groups, one spec each. A full-attention group is stored whole; a sliding-window group
 only as its trailing window (``CacheShape.window_start``); a group the engine rebuilds
-(``bounded_replay``, no KV transfer) is not stored; a latent (MLA) group is stored as its
-layers' raw page bytes (``raw_layout``). Any other spec is ``UnsupportedModel`` naming it.
-Each stored group has its own layout, whose name says which group it is (``group_tag``).
-What follows describes a K/V attention group's layout.
+(``bounded_replay``, DeepSeek-V4.1's compressor ring, no KV transfer) is not stored; a
+latent (MLA) group is stored as its layers' raw page bytes (``raw_layout``). Any other
+spec is ``UnsupportedModel`` naming it. Each stored group has its own layout, whose name
+says which group it is (``group_tag``). What follows describes a K/V attention group's
+layout.
 
 The engine's layout has two persistent streams ``k`` and ``v``, each entry ``(kv_heads,
 head_size)`` per token, ``layers`` = the model's attention layers, ``chunk_tokens`` =
@@ -157,6 +158,7 @@ def group_policy(spec: Any, enable_kv_transfer: bool = True) -> tuple[str, str, 
     latents, DeepSeek-V4's compressed KV, indexer keys, compressor states). A spec kvtier
     cannot keep is ``UnsupportedModel`` naming it."""
     from vllm.v1.kv_cache_interface import (
+        CircularBufferSpec,
         MLAAttentionSpec,
         SlidingWindowMLASpec,
         SlidingWindowSpec,
@@ -167,7 +169,11 @@ def group_policy(spec: Any, enable_kv_transfer: bool = True) -> tuple[str, str, 
     if isinstance(spec, UniformTypeKVCacheSpecs) and not spec.kv_cache_specs:
         raise UnsupportedModel("kvtier connector: an empty UniformTypeKVCacheSpecs group")
     kind = type(inner)
-    if not enable_kv_transfer or getattr(spec, "prefix_replay_tokens", 0) > 0:
+    # bounded replay, or DeepSeek-V4.1's compressor ring (CircularBufferSpec: the open
+    # compression group's keys, no prefix's; vLLM's own prefix cache skips it too, and
+    # the replay of the hit's window refills it)
+    if not enable_kv_transfer or getattr(spec, "prefix_replay_tokens", 0) > 0 \
+            or isinstance(inner, CircularBufferSpec):
         return REBUILT, "", getattr(inner, "sliding_window", 0) or 0
     if kind is FullAttentionSpec:
         # a sliding window with the hybrid manager off: the engine keeps every block
