@@ -93,7 +93,9 @@ def test_a_hit_from_kvtier_is_vllms_own_and_groups_store_their_windows(engine,
         # group; each group has its own layout. The prompt's window end is 640: a sliding
         # group keeps block 4 alone (its window of 127 tokens back), a full group 0-4.
         counts = {"gemma3": (5, 1), "mistral": (1, 0), "gpt_oss": (1, 1)}[spec.family]
-        names = [i.spec for i in client.layouts() if i.spec.name.startswith("vllm-")]
+        # this engine's layouts (the session's server also holds other tests' ones)
+        names = [i.spec for i in client.layouts()
+                 if i.spec.name.startswith("vllm-") and i.spec.vocab_size == spec.vocab]
         deadline = time.monotonic() + 60
         while True:
             got = {s.name: held(client, s, p[:5 * BS], fingerprint) for s in names}
