@@ -185,6 +185,11 @@ class MemoryTier(Tier):
     async def delete(self, key: str) -> int:
         return self._remove(key)
 
+    async def ttl_s(self, key: str) -> float | None:
+        self._lookup(key)
+        deadline = self._expiry.get(key)
+        return None if deadline is None else max(0.001, deadline - self.clock())
+
     async def contains(self, key: str) -> bool:
         try:
             self._lookup(key)
