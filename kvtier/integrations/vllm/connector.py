@@ -17,8 +17,10 @@ outage or a restart); until then the engine serves by recomputing, and vLLM's lo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
@@ -27,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvstore.format.layout import LayoutSpec
 from kvtier.integrations.breaker import Link
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.layout import (
@@ -38,9 +41,15 @@ from kvtier.integrations.vllm.layout import (
     hit_alignment,
     rank_layout,
 )
-from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata
+from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.repack import PagedLayout, layout_kind
-from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.scheduler import (
+    AllocatedBlocks,
+    ConnectorOutput,
+    EngineRequest,
+    SchedulerOutput,
+    SchedulerSide,
+)
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats, StatsCounter
 from kvtier.integrations.vllm.transfers import Store
 from kvtier.integrations.vllm.worker import WorkerSide
@@ -53,10 +62,11 @@ logger = init_logger("vllm." + __name__)  # under vLLM's logger: its format and 
 SCHEDULER_RETRY = RetryPolicy(attempts=2, initial_backoff_s=0.005, max_backoff_s=0.05)
 
 
-class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # vLLM's: not installed where mypy runs
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
 
-    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config) -> None:
+    def __init__(self, vllm_config: Any, role: KVConnectorRole,  # vLLM's configs
+                 kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config or {})
@@ -64,7 +74,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("kvtier connector: kv_load_failure_policy is %r: a block that "
                            "fails to load fails its request; set 'recompute' to recompute it",
                            transfer.kv_load_failure_policy)
-        self.loads, self.saves = transfer.is_kv_consumer, transfer.is_kv_producer
+        self.loads: bool = transfer.is_kv_consumer
+        self.saves: bool = transfer.is_kv_producer
         groups = cache_groups(vllm_config, kv_cache_config)
         self.groups = [g for g in groups if g.stored]
         self._scheduler: SchedulerSide | None = None
@@ -95,7 +106,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                            for g in self.groups}
             self._is_cpu = current_platform.is_cpu()
 
-    def _link(self, layouts, retry: RetryPolicy) -> Link:
+    def _link(self, layouts: Sequence[LayoutSpec], retry: RetryPolicy) -> Link:
         client = Client(self.config.server, retry=retry, **self.config.client_options())
         return Link(client, layouts, server=self.config.server,
                     failures=self.config.breaker_failures,
@@ -103,7 +114,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- worker side --
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
         context = self._vllm_config.compilation_config.static_forward_context
@@ -123,30 +134,37 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                                   saves=self.saves)
         self._worker.register_kv_caches(kv_caches, extract_layer_index)
 
-    def _store_of(self, group: CacheShape, layers, paged, stats: StatsCounter) -> Store:
+    def _store_of(self, group: CacheShape, layers: list[torch.Tensor], paged: PagedLayout,
+                  stats: StatsCounter) -> Store:
         return Store(self._link_w.client, self.config, self._specs[group.group], paged,
                      layers, group.dtype, stats)
 
-    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        self._worker.start_load_kv(self._meta())
+    @property
+    def _worker_side(self) -> WorkerSide:
+        assert self._worker is not None, "a worker hook on the scheduler or before registration"
+        return self._worker
+
+    def start_load_kv(self, forward_context: object, **kwargs: object) -> None:
+        self._worker_side.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._worker.wait_for_layer_load(layer_name)
+        self._worker_side.wait_for_layer_load(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        self._worker.save_kv_layer(self._meta(), layer_name, kv_layer)
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: object,
+                      **kwargs: object) -> None:
+        self._worker_side.save_kv_layer(self._meta(), layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        self._worker.wait_for_save(self._meta())
+        self._worker_side.wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
-        return self._worker.get_finished(finished_req_ids)
+        return self._worker_side.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.get_block_ids_with_load_errors()
+        return self._worker_side.get_block_ids_with_load_errors()
 
-    def build_connector_worker_meta(self):
-        return self._worker.build_connector_worker_meta()
+    def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
+        return self._worker_side.build_connector_worker_meta()
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
         side = self._scheduler if self._scheduler is not None else self._worker
@@ -165,25 +183,34 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- scheduler side --
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int
+    @property
+    def _scheduler_side(self) -> SchedulerSide:
+        assert self._scheduler is not None, "a scheduler hook on a worker's connector"
+        return self._scheduler
+
+    def get_num_new_matched_tokens(self, request: EngineRequest, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+    def update_state_after_alloc(self, request: EngineRequest, blocks: AllocatedBlocks,
+                                 num_external_tokens: int) -> None:
+        self._scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output) -> KVTierConnectorMetadata:
-        return self._scheduler.build_connector_meta(scheduler_output)
+    def build_connector_meta(self, scheduler_output: SchedulerOutput
+                             ) -> KVTierConnectorMetadata:
+        return self._scheduler_side.build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output) -> None:
-        self._scheduler.update_connector_output(connector_output)
+    def update_connector_output(self, connector_output: ConnectorOutput) -> None:
+        self._scheduler_side.update_connector_output(connector_output)
 
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        return self._scheduler.request_finished(request, (block_ids,))
+    def request_finished(self, request: EngineRequest, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, str | int] | None]:
+        return self._scheduler_side.request_finished(request, (block_ids,))
 
-    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
-                                    ) -> tuple[bool, dict | None]:
-        return self._scheduler.request_finished(request, block_ids)
+    def request_finished_all_groups(self, request: EngineRequest,
+                                    block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, str | int] | None]:
+        return self._scheduler_side.request_finished(request, block_ids)
 
     # -- metrics --
 
@@ -192,6 +219,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return KVTierStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames,
-                           per_engine_labelvalues) -> KVTierPromMetrics:
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any,  # vLLM's
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVTierPromMetrics:
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

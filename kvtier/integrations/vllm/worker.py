@@ -30,40 +30,52 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 from vllm.logger import init_logger
 
 from kvtier.integrations.breaker import Link
 from kvtier.integrations.vllm.layout import CacheShape, rank_session
-from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.metadata import (
+    KVTierConnectorMetadata,
+    KVTierWorkerMetadata,
+    SavePlan,
+)
 from kvtier.integrations.vllm.repack import PagedLayout
 from kvtier.integrations.vllm.stats import KVTierStats, StatsCounter
 from kvtier.integrations.vllm.transfers import LoadJob, Store, run_load, run_save, run_spill
 
 logger = init_logger("vllm." + __name__)  # under vLLM's logger: its format and level
 
+# ``run_save``'s arguments: the group's store, the plan, its blocks' copies per layer, and
+# the CUDA event after which the copies are complete (None on the CPU)
+Save = tuple[Store, SavePlan, list[torch.Tensor], torch.cuda.Event | None]
+# the ``transfers.Store`` of a stored group's registered layers (group, layers, the layers'
+# paged layout, the counters it adds to)
+StoreFactory = Callable[[CacheShape, list[torch.Tensor], PagedLayout, StatsCounter], Store]
 
-def save_all(saves: list[tuple]) -> bool:
+
+def save_all(saves: list[Save]) -> bool:
     """``run_save`` of each (store, plan, blocks, ready) in order; whether all were
     written (each is tried, whatever the others did)."""
     return all([run_save(*save) for save in saves])
 
 
-def recorded(tensors: list[torch.Tensor]):
+def recorded(tensors: list[torch.Tensor]) -> torch.cuda.Event | None:
     """A CUDA event after the work queued so far on this thread's stream (None on the
     CPU, where it is done): a background thread waits on it before it touches
     ``tensors`` (the save thread before reading block copies, a load before writing
     blocks vLLM zeroes first)."""
     if not tensors[0].is_cuda:
         return None
-    event = torch.cuda.Event()
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves its __new__ unannotated
     event.record()
     return event
 
 
 class WorkerSide:
-    def __init__(self, store_of, groups: list[CacheShape], rank: int,
+    def __init__(self, store_of: StoreFactory, groups: list[CacheShape], rank: int,
                  paged: dict[int, PagedLayout], link: Link, *, queue_depth: int,
                  saves: bool = True) -> None:
         """``store_of(group, layers, paged, stats)``: the ``transfers.Store`` of a stored group's
@@ -96,11 +108,12 @@ class WorkerSide:
         self._writer.start()
 
     @property
-    def store(self) -> Store | None:
-        """The first stored group's store (a session's)."""
-        return self.stores.get(self.shape.group)
+    def store(self) -> Store:
+        """The first stored group's store (a session's), once the caches are registered."""
+        return self.stores[self.shape.group]
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layer_index) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor],
+                           layer_index: Callable[[str], int]) -> None:
         """``layer_index(name)``: the layer number of an attention layer's name. A group's
         layers are taken in its order (``layout.cache_groups`` sorts them by layer
         number); every registered one by layer number when it names none."""
@@ -169,13 +182,14 @@ class WorkerSide:
                         if job.first_failed_chunk is not None}
         staged = self._staged if self._step_meta is meta else {}
         at = dict.fromkeys(self.stores, 0)
-        batches: dict[str, list] = {}  # req_id -> its saves of every group: one job
+        batches: dict[str, list[Save]] = {}  # req_id -> its saves of every group: one job
         for plan in meta.saves:
             group = self.stores[plan.group]
             count = len(plan.block_ids)
             at[plan.group] += count
-            layers = staged.get(plan.group, [])
-            if plan.req_id in failed_loads or not layers or any(t is None for t in layers):
+            staged_layers = staged.get(plan.group, [])
+            layers = [t for t in staged_layers if t is not None]
+            if plan.req_id in failed_loads or not layers or len(layers) < len(staged_layers):
                 # computed over blocks that failed to load, or not every layer ran: the
                 # scheduler plans them again from this token on
                 token = plan.first_chunk * group.block_size
@@ -186,15 +200,15 @@ class WorkerSide:
             batches.setdefault(plan.req_id, []).append((group, plan, raw, recorded(raw)))
         for req_id, saves in batches.items():
             if self._may_queue(req_id):
-                self._offer(req_id, save_all, saves)
+                self._offer(req_id, partial(save_all, saves))
         self._step_meta, self._step_index, self._staged = None, {}, {}
-        for plan in meta.spills:
-            if self._may_queue(plan.req_id):
-                index = self.store.block_index(plan.block_ids)
+        for spill in meta.spills:
+            if self._may_queue(spill.req_id):
+                index = self.store.block_index(spill.block_ids)
                 raw = [self.store.paged.take(layer, index) for layer in self.store.layers]
-                self._offer(plan.req_id, run_spill, self.store, plan,
-                            rank_session(plan.session_id, self.shape, self.rank), raw,
-                            recorded(raw))
+                self._offer(spill.req_id, partial(
+                    run_spill, self.store, spill,
+                    rank_session(spill.session_id, self.shape, self.rank), raw, recorded(raw)))
         # every spill's blocks are copied (or its spill skipped): vLLM may free them now
         self._released.update(meta.delayed)
 
@@ -207,11 +221,11 @@ class WorkerSide:
             return False
         return True
 
-    def _offer(self, req_id: str, work, *args) -> None:
-        """Queue ``work(*args)`` for the writer, or skip it (counted) if the queue filled
+    def _offer(self, req_id: str, work: Callable[[], bool]) -> None:
+        """Queue ``work()`` for the writer, or skip it (counted) if the queue filled
         meanwhile: never wait."""
         try:
-            self._jobs.put_nowait(lambda: self._report(work(*args)))
+            self._jobs.put_nowait(lambda: self._report(work()))
         except queue.Full:
             self._abandoned.add(req_id)
             self.stats.add(saves_skipped=1)
@@ -246,7 +260,8 @@ class WorkerSide:
     def shutdown(self) -> None:
         self._load_pool.shutdown(wait=True)
         # the queued saves land first, for a bounded time (the server may hang)
-        bound = self.store.config.timeout_s if self.store is not None else 1
+        store = self.stores.get(self.shape.group)
+        bound = store.config.timeout_s if store is not None else 1
         with contextlib.suppress(queue.Full):
             self._jobs.put(None, timeout=bound)
         self._writer.join(timeout=bound)
