@@ -37,8 +37,17 @@ from kvstore.format.layout import LayoutSpec, Stream
 KEY_TOKENS = 16  # 256 bits of BLAKE2b, 16 bits a token
 KV_POOL = "kv"
 MAMBA_POOL = "mamba"  # TP-sharded even where the model's KV is MLA (replicated)
-_FLAGS_AT = HEADER_DTYPE.fields["flags"][1]  # where a chunk's header holds its flags
-_FLAGS = slice(_FLAGS_AT, _FLAGS_AT + HEADER_DTYPE.fields["flags"][0].itemsize)
+
+
+def _field_bytes(dtype: np.dtype, name: str) -> slice:
+    """Where field ``name`` of a structured ``dtype`` lies in its bytes."""
+    if dtype.fields is None:
+        raise TypeError(f"{dtype} has no fields")
+    field, offset = dtype.fields[name][:2]
+    return slice(offset, offset + field.itemsize)
+
+
+_FLAGS = _field_bytes(HEADER_DTYPE, "flags")  # where a chunk's header holds its flags
 
 
 @dataclass(frozen=True)
