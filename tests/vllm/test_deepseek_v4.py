@@ -106,18 +106,7 @@ def runs(kvtier_server, tmp_path_factory):
     return result
 
 
-# The connector cannot keep DeepSeek-V4's latent groups yet: the scheduler's view of a group
-# is its first layer's spec (vLLM's generate_scheduler_kv_cache_config), the worker's every
-# layer's (UniformTypeKVCacheSpecs), so their raw layouts differ; the layout takes vLLM's
-# padded page (8,640 B) where the view holds 8,448; and the ratio-128 layer's 1,168 B per
-# 256-token block is no whole number of bytes per token, which raw page rows need.
-CONNECTOR_GAP = pytest.mark.xfail(
-    strict=True, reason="KVTierConnector's raw (MLA) layouts do not fit DeepSeek-V4's groups "
-    "yet: per-layer page sizes unknown to the scheduler, padded pages, 1,168 B blocks")
-
-
 @pytest.mark.slow
-@CONNECTOR_GAP
 def test_a_stored_prefix_is_a_hit_from_kvtier_with_the_engines_own_outputs(runs):
     plain, kvtier = runs["engines"]
     assert "error" not in kvtier, kvtier["error"]
@@ -163,7 +152,6 @@ def test_the_engine_gives_the_groups_measured(runs):
 
 
 @pytest.mark.slow
-@CONNECTOR_GAP
 def test_each_group_stores_its_blocks_as_the_engines_pages(runs, kvtier_server):
     """Per group, the chunks kvtier holds for the prompt: the global KV's two blocks, each
     sliding group's trailing window at the stored end; each chunk is its layers' pages."""

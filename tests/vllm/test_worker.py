@@ -219,11 +219,10 @@ def test_compressed_pages_are_decoded_and_written_as_they_were():
     paged = PagedLayout("cpu", H, D, BS, pages=True)
     store = Store(None, None, SPEC, paged, [src] * LAYERS, torch.bfloat16, StatsCounter())
     index = store.block_index([6, 2])
-    rows = gathered([paged.take(layer, index) for layer in store.layers],
-                    store)["page"]  # (layers, 2 * BS, row)
+    pages = gathered([paged.take(layer, index) for layer in store.layers],
+                     store)["page"]  # (layers, 2, page bytes)
     chunks = [encode_chunk(SPEC, i * BS, TOKENS[i * BS:(i + 1) * BS],
-                           {"page": values.encode(SPEC.stream("page"),
-                                                  rows[:, i * BS:(i + 1) * BS])},
+                           {"page": values.encode(SPEC.stream("page"), pages[:, i:i + 1])},
                            zstd_level=3) for i in range(2)]
     streams = _streams(store, chunks, LoadPlan("z", tuple(TOKENS), 0, (0, 1)))
     target = torch.zeros_like(src)
