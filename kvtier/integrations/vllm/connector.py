@@ -13,6 +13,13 @@ to its side. The settings are checked as the connector is built (``config``: a
 that registers its layouts in the background once the server answers (and again after an
 outage or a restart); until then the engine serves by recomputing, and vLLM's log says so.
 ``kv_role`` decides what runs: ``kv_consumer`` loads only, ``kv_producer`` saves only.
+
+A latent (MLA) group's layout names its layers' page sizes, which only the workers know
+(the scheduler's spec of a group is its first layer's: DeepSeek-V4's global group holds
+layers of three page sizes). Each worker tells them once after registering its cache
+(``get_handshake_metadata``, ``KVTierHandshake``), and the scheduler side starts when
+vLLM's engine core hands them over (``set_xfer_handshake_metadata``), before its first
+step; until then, or without them, every lookup is a miss and nothing is saved.
 """
 
 from __future__ import annotations
@@ -40,8 +47,14 @@ from kvtier.integrations.vllm.layout import (
     group_line,
     hit_alignment,
     rank_layout,
+    with_worker_pages,
+    worker_pages,
 )
-from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.metadata import (
+    KVTierConnectorMetadata,
+    KVTierHandshake,
+    KVTierWorkerMetadata,
+)
 from kvtier.integrations.vllm.repack import PagedLayout, layout_kind
 from kvtier.integrations.vllm.scheduler import (
     AllocatedBlocks,
@@ -81,22 +94,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  #
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            layouts = {g.group: [rank_layout(g, r, self.config.value_format)
-                                 for r in range(g.tp_size)] for g in self.groups}
-            every = [spec for specs in layouts.values() for spec in specs]
-            self._scheduler = SchedulerSide(self.config, groups, layouts,
-                                            self._link(every, SCHEDULER_RETRY),
-                                            alignment=hit_alignment(groups, kv_cache_config),
-                                            loads=self.loads, saves=self.saves)
-            logger.info("kvtier connector: server %s, tenant %s, layouts %s, model "
-                        "fingerprint %s, value format %s, kv_role %s (%s); groups: %s",
-                        self.config.server, self.config.tenant,
-                        ", ".join(specs[0].layout_id for specs in layouts.values()),
-                        self.config.model_fingerprint,
-                        self.config.value_format, transfer.kv_role,
-                        " and ".join(w for w, on in (("loads", self.loads),
-                                                     ("saves", self.saves)) if on),
-                        "; ".join(group_line(g) for g in groups))
+            self._all_groups = groups
+            self._alignment = hit_alignment(groups, kv_cache_config)
+            if worker_pages(self.groups):
+                logger.info("kvtier connector: latent groups %s: their layouts wait for "
+                            "the workers' page sizes", sorted(worker_pages(self.groups)))
+            else:
+                self._start_scheduler(groups)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
             from vllm.platforms import current_platform
@@ -105,6 +109,43 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  #
             self._specs = {g.group: rank_layout(g, self._rank, self.config.value_format)
                            for g in self.groups}
             self._is_cpu = current_platform.is_cpu()
+
+    def _start_scheduler(self, groups: list[CacheShape]) -> None:
+        """The scheduler side over ``groups``, each stored one's layouts known."""
+        self.groups = [g for g in groups if g.stored]
+        layouts = {g.group: [rank_layout(g, r, self.config.value_format)
+                             for r in range(g.tp_size)] for g in self.groups}
+        every = [spec for specs in layouts.values() for spec in specs]
+        self._scheduler = SchedulerSide(self.config, groups, layouts,
+                                        self._link(every, SCHEDULER_RETRY),
+                                        alignment=self._alignment, loads=self.loads,
+                                        saves=self.saves)
+        logger.info("kvtier connector: server %s, tenant %s, layouts %s, model "
+                    "fingerprint %s, value format %s, kv_role %s (%s); groups: %s",
+                    self.config.server, self.config.tenant,
+                    ", ".join(specs[0].layout_id for specs in layouts.values()),
+                    self.config.model_fingerprint, self.config.value_format,
+                    self._kv_transfer_config.kv_role,
+                    " and ".join(w for w, on in (("loads", self.loads),
+                                                 ("saves", self.saves)) if on),
+                    "; ".join(group_line(g) for g in groups))
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """The workers' latent page sizes (rank 0's: latent groups run on one rank):
+        the scheduler side starts with them."""
+        if self._scheduler is not None or self.role != KVConnectorRole.SCHEDULER:
+            return
+        sent = [m for _, m in sorted(metadata.items()) if isinstance(m, KVTierHandshake)]
+        if not sent:
+            logger.warning("kvtier connector: the workers sent no page sizes: latent "
+                           "groups cannot be kept, every lookup is a miss")
+            return
+        self._start_scheduler(with_worker_pages(self._all_groups, sent[0].page_bytes))
+
+    def get_handshake_metadata(self) -> KVTierHandshake | None:
+        """This worker's latent groups' page sizes, for the scheduler; None without any."""
+        pages = worker_pages(self.groups)
+        return KVTierHandshake(pages) if pages else None
 
     def _link(self, layouts: Sequence[LayoutSpec], retry: RetryPolicy) -> Link:
         client = Client(self.config.server, retry=retry, **self.config.client_options())
@@ -183,34 +224,40 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  #
 
     # -- scheduler side --
 
-    @property
-    def _scheduler_side(self) -> SchedulerSide:
-        assert self._scheduler is not None, "a scheduler hook on a worker's connector"
-        return self._scheduler
+    # Until the scheduler side has started (``set_xfer_handshake_metadata``): a miss,
+    # nothing planned.
 
     def get_num_new_matched_tokens(self, request: EngineRequest, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        return self._scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+        if self._scheduler is None:
+            return 0, False
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: EngineRequest, blocks: AllocatedBlocks,
                                  num_external_tokens: int) -> None:
-        self._scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+        if self._scheduler is not None:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput
                              ) -> KVTierConnectorMetadata:
-        return self._scheduler_side.build_connector_meta(scheduler_output)
+        if self._scheduler is None:
+            return KVTierConnectorMetadata()
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: ConnectorOutput) -> None:
-        self._scheduler_side.update_connector_output(connector_output)
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: EngineRequest, block_ids: list[int]
                          ) -> tuple[bool, dict[str, str | int] | None]:
-        return self._scheduler_side.request_finished(request, (block_ids,))
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(self, request: EngineRequest,
                                     block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, str | int] | None]:
-        return self._scheduler_side.request_finished(request, block_ids)
+        if self._scheduler is None:
+            return False, None
+        return self._scheduler.request_finished(request, block_ids)
 
     # -- metrics --
 

@@ -21,6 +21,13 @@ them for its spill, whether the spill is queued or skipped.
 Each KV cache group kvtier stores has its own ``transfers.Store`` (its layout, its layers,
 its paged layout); plans name their group. A group the engine rebuilds has none: its
 layers are neither loaded nor saved.
+
+Layers without per-layer hooks: vLLM calls ``wait_for_layer_load`` and ``save_kv_layer``
+only from its own attention ops, which some layers never run (DeepSeek-V4's caches, an
+MLA layer that calls its backend directly). A layer is taken as hooked once a hook named
+it; until then a load of its group is waited for in ``start_load_kv``, before the forward
+pass, and its blocks are copied out in ``wait_for_save``, after it (the step's KV is
+then in the cache, and its blocks are the request's until the step's output is back).
 """
 
 from __future__ import annotations
@@ -92,6 +99,8 @@ class WorkerSide:
         self._store_of = store_of
         self.stores: dict[int, Store] = {}
         self._layer_index: dict[str, tuple[int, int]] = {}  # name -> (group, layer)
+        self._names: dict[int, list[str]] = {}  # group -> its layers' names, in order
+        self._hooked: set[str] = set()  # layers a per-layer hook has named
         self._loads: list[LoadJob] = []
         # this step's saves, per group: every plan's blocks, in plan order, copied per layer
         self._step_meta: KVTierConnectorMetadata | None = None
@@ -124,6 +133,7 @@ class WorkerSide:
                 raise ValueError(f"kvtier connector: group {group.group}'s layers "
                                  f"{missing or names} are not the {group.layers} registered")
             paged = self.paged[group.group]
+            self._names[group.group] = names
             for i, name in enumerate(names):
                 paged.check(kv_caches[name], group.page_bytes[i] if group.page_bytes else 0)
                 self._layer_index[name] = (group.group, i)
@@ -139,8 +149,12 @@ class WorkerSide:
             job = LoadJob.of(plan, len(store.layers), queued)
             self._loads.append(job)
             self._load_pool.submit(run_load, store, job)
+        for job in self._loads:
+            if not self._hooked.issuperset(self._names[job.plan.group]):
+                job.done.wait()  # no hook waits for it: done before the forward pass
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        self._hooked.add(layer_name)
         where = self._layer_index.get(layer_name)
         for job in self._loads:
             if where is None:
@@ -162,24 +176,44 @@ class WorkerSide:
 
     def save_kv_layer(self, meta: KVTierConnectorMetadata, layer_name: str,
                       kv_layer: torch.Tensor) -> None:
+        self._hooked.add(layer_name)
         where = self._layer_index.get(layer_name)
         if where is None or not meta.saves or not self.saves:
             return
-        if self._step_meta is not meta:  # the step's first layer
-            self._step_meta = meta
-            self._step_index = {
-                g: store.block_index([b for plan in meta.saves if plan.group == g
-                                      for b in plan.block_ids])
-                for g, store in self.stores.items()}
-            self._staged = {g: [None] * len(store.layers) for g, store in self.stores.items()}
+        self._begin_step(meta)
         group, index = where
         if self._step_index[group].numel():
             self._staged[group][index] = self.paged[group].take(kv_layer,
                                                                 self._step_index[group])
 
+    def _begin_step(self, meta: KVTierConnectorMetadata) -> None:
+        """The step's save blocks per group, in plan order, once per step."""
+        if self._step_meta is meta:
+            return
+        self._step_meta = meta
+        self._step_index = {
+            g: store.block_index([b for plan in meta.saves if plan.group == g
+                                  for b in plan.block_ids])
+            for g, store in self.stores.items()}
+        self._staged = {g: [None] * len(store.layers) for g, store in self.stores.items()}
+
+    def _take_unhooked(self, meta: KVTierConnectorMetadata) -> None:
+        """After the forward pass: the save blocks of every layer no hook ever named."""
+        if not meta.saves or not self.saves:
+            return
+        self._begin_step(meta)
+        for g, store in self.stores.items():
+            if not self._step_index[g].numel():
+                continue
+            for i, name in enumerate(self._names[g]):
+                if name not in self._hooked:
+                    self._staged[g][i] = self.paged[g].take(store.layers[i],
+                                                            self._step_index[g])
+
     def wait_for_save(self, meta: KVTierConnectorMetadata) -> None:
         failed_loads = {job.plan.req_id for job in self._loads_done()
                         if job.first_failed_chunk is not None}
+        self._take_unhooked(meta)
         staged = self._staged if self._step_meta is meta else {}
         at = dict.fromkeys(self.stores, 0)
         batches: dict[str, list[Save]] = {}  # req_id -> its saves of every group: one job
