@@ -4,7 +4,7 @@ this directory's (``check_names_segments``).
 Damaged LMDB pages surface as ``lmdb.CorruptedError`` or ``PageNotFoundError``, as
 records that do not decode, or as an assertion in mdb.c that aborts the process, which
 no ``except`` can catch. So the check runs in a child process: it verifies both meta
-pages (page number, flags, magic, version, the last page within the file), opens the
+pages (page number, flags, magic, version, the roots within the file), opens the
 environment read-only and reads every record of every database, checking the fixed
 value sizes. A nonzero exit, a signal or an exception there means the environment
 cannot be trusted. Costs one interpreter start (lmdb only) and one pass over the
@@ -41,12 +41,14 @@ for number in (0, 1):
     last_pg, txnid = struct.unpack_from("<QQ", page, 136)
     if pgno != number or not flags & 0x08 or magic != 0xBEEFC0DE or version != 1:
         sys.exit(f"meta page {number} is damaged")
-    if (last_pg + 1) * psize > size:
-        sys.exit(f"meta page {number} names page {last_pg}, past the end of the file")
+    # The last page may lie past the end of the file: LMDB never writes a page a
+    # transaction allocated and freed again. A root page is always written.
     for at in (40 + 40, 88 + 40):  # md_root of FREE_DBI and MAIN_DBI
         root = struct.unpack_from("<Q", page, at)[0]
         if root != 2**64 - 1 and root > last_pg:
             sys.exit(f"meta page {number} names root page {root} past page {last_pg}")
+        if root != 2**64 - 1 and (root + 1) * psize > size:
+            sys.exit(f"meta page {number} names root page {root}, past the end of the file")
 sizes = {b"chunks": 32, b"metarec": 32, b"segments": 33, b"state": 8, b"meta": None}
 env = lmdb.open(path, readonly=True, max_dbs=len(sizes), subdir=True)
 with env.begin(buffers=True) as txn:
