@@ -252,3 +252,30 @@ def test_saves_beyond_the_queue_are_skipped_and_no_block_waits_for_a_hung_server
         assert side.take_stats().data["saves_skipped"] == 3  # c twice, s's spill
     finally:
         side.shutdown()
+
+
+def test_while_kvtier_is_down_a_step_copies_no_block_and_counts_its_saves_skipped(
+        client, kvtier_server, monkeypatch):
+    side, caches = worker(kvtier_server.target, seed=5)
+    try:
+        for _ in range(3):  # the breaker's threshold: an outage
+            side.link.breaker.failed()
+        assert not side.link.up
+        copies = []
+        take = PagedLayout.take
+        monkeypatch.setattr(PagedLayout, "take",
+                            lambda self, *a: copies.append(1) or take(self, *a))
+        tokens = tuple(TOKENS[:2 * BS])
+        fresh = tuple(t + 3 for t in tokens)  # tokens no other test stores
+        run_step(side, caches, KVTierConnectorMetadata(
+            saves=[SavePlan("a", tokens, 0, (0, 1)), SavePlan("b", tokens, 0, (2, 3))]))
+        assert copies == []  # the forward path copied nothing for saves that cannot go
+        assert side.take_stats().data["saves_skipped"] == 2  # one per request
+        side.link.succeeded()  # back up: "a" stays abandoned (a gap), a new request saves
+        run_step(side, caches, KVTierConnectorMetadata(
+            saves=[SavePlan("a", tuple(TOKENS[:3 * BS]), 2, (4,)),
+                   SavePlan("c", fresh, 0, (5, 6))]))
+        assert side.take_stats().data["saves_skipped"] == 1
+        wait_held(client, list(fresh), 2 * BS)
+    finally:
+        side.shutdown()

@@ -85,6 +85,7 @@ class WorkerSide:
         self._step_meta: KVTierConnectorMetadata | None = None
         self._step_index: dict[int, torch.Tensor] = {}
         self._staged: dict[int, list[torch.Tensor | None]] = {}
+        self._step_down = False  # kvtier was down at the step's first layer: no copies
         self.stats = StatsCounter()  # every group's transfers
         self._unsaved: dict[str, int] = {}  # req_id -> the first token not saved
         self._abandoned: set[str] = set()  # requests a save was skipped of
@@ -154,13 +155,16 @@ class WorkerSide:
             return
         if self._step_meta is not meta:  # the step's first layer
             self._step_meta = meta
-            self._step_index = {
+            # kvtier down: the step's saves are skipped (``wait_for_save``), so no block
+            # is copied for them
+            self._step_down = not self.link.up
+            self._step_index = {} if self._step_down else {
                 g: store.block_index([b for plan in meta.saves if plan.group == g
                                       for b in plan.block_ids])
                 for g, store in self.stores.items()}
             self._staged = {g: [None] * len(store.layers) for g, store in self.stores.items()}
         group, index = where
-        if self._step_index[group].numel():
+        if group in self._step_index and self._step_index[group].numel():
             self._staged[group][index] = self.paged[group].take(kv_layer,
                                                                 self._step_index[group])
 
@@ -168,9 +172,13 @@ class WorkerSide:
         failed_loads = {job.plan.req_id for job in self._loads_done()
                         if job.first_failed_chunk is not None}
         staged = self._staged if self._step_meta is meta else {}
+        down = self._step_down and self._step_meta is meta
         at = dict.fromkeys(self.stores, 0)
         batches: dict[str, list] = {}  # req_id -> its saves of every group: one job
         for plan in meta.saves:
+            if down:  # nothing was copied: skipped as while kvtier is down, one per request
+                batches.setdefault(plan.req_id, [])
+                continue
             group = self.stores[plan.group]
             count = len(plan.block_ids)
             at[plan.group] += count
@@ -185,9 +193,12 @@ class WorkerSide:
             raw = [t.narrow(dim, at[plan.group] - count, count) for t in layers]
             batches.setdefault(plan.req_id, []).append((group, plan, raw, recorded(raw)))
         for req_id, saves in batches.items():
-            if self._may_queue(req_id):
+            if down:
+                self._skip(req_id)
+            elif self._may_queue(req_id):
                 self._offer(req_id, save_all, saves)
         self._step_meta, self._step_index, self._staged = None, {}, {}
+        self._step_down = False
         for plan in meta.spills:
             if self._may_queue(plan.req_id):
                 index = self.store.block_index(plan.block_ids)
@@ -202,10 +213,14 @@ class WorkerSide:
         """Whether a save of ``req_id`` may be offered: not while kvtier is down, nor after
         one of its saves was skipped (counted when it is not)."""
         if req_id in self._abandoned or not self.link.up or self._jobs.full():
-            self._abandoned.add(req_id)
-            self.stats.add(saves_skipped=1)
+            self._skip(req_id)
             return False
         return True
+
+    def _skip(self, req_id: str) -> None:
+        """A save of ``req_id`` skipped (counted), and its later saves with it."""
+        self._abandoned.add(req_id)
+        self.stats.add(saves_skipped=1)
 
     def _offer(self, req_id: str, work, *args) -> None:
         """Queue ``work(*args)`` for the writer, or skip it (counted) if the queue filled
@@ -213,8 +228,7 @@ class WorkerSide:
         try:
             self._jobs.put_nowait(lambda: self._report(work(*args)))
         except queue.Full:
-            self._abandoned.add(req_id)
-            self.stats.add(saves_skipped=1)
+            self._skip(req_id)
 
     def _report(self, ok: bool) -> None:
         if ok:
