@@ -279,3 +279,18 @@ def test_while_kvtier_is_down_a_step_copies_no_block_and_counts_its_saves_skippe
         wait_held(client, list(fresh), 2 * BS)
     finally:
         side.shutdown()
+
+
+def test_pages_laid_out_in_place_are_the_chunks_the_encoder_makes():
+    from kvtier.integrations.vllm.transfers import gathered, page_chunks
+
+    g = torch.Generator().manual_seed(9)
+    layers = [torch.randn(BLOCKS, H, BS, 2 * D, generator=g).to(torch.bfloat16)
+              for _ in range(LAYERS)]
+    paged = PagedLayout("cpu", H, D, BS, pages=True)
+    store = Store(None, None, SPEC, paged, layers, torch.bfloat16, StatsCounter())
+    index = store.block_index([6, 1, 3])  # blocks out of order: chunks 1, 2, 3
+    raw = [paged.take(layer, index) for layer in layers]
+    tokens = TOKENS + TOKENS[:BS]
+    made = page_chunks(raw, store, tokens, BS)
+    assert [bytes(c) for c in made] == store.encode_blocks(gathered(raw, store), tokens, BS)

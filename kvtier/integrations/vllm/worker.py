@@ -26,6 +26,7 @@ layers are neither loaded nor saved.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -42,6 +43,30 @@ from kvtier.integrations.vllm.stats import KVTierStats, StatsCounter
 from kvtier.integrations.vllm.transfers import LoadJob, Store, run_load, run_save, run_spill
 
 logger = init_logger("vllm." + __name__)  # under vLLM's logger: its format and level
+
+
+# The save thread yields to the engine's threads where they share a core: saves are
+# never waited on, while every step is.
+SAVE_NICENESS = 5
+
+
+def off_forward_cores(forward: set[int], niceness: int = 0) -> None:
+    """Run the calling thread on CPUs outside ``forward`` when the machine has others, and
+    ``niceness`` below the engine's threads. vLLM's CPU worker binds its forward thread to
+    its cores and every thread it starts inherits that binding, so kvtier's background
+    work would otherwise share the forward's own core (a GPU worker is not bound: nothing
+    moves)."""
+    others = set(range(os.cpu_count() or 1)) - forward
+    if others and hasattr(os, "sched_setaffinity"):
+        with contextlib.suppress(OSError):  # none of them allowed to this process: stay
+            os.sched_setaffinity(0, others)  # 0: this thread alone
+    if niceness:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+
+
+async def _run_off_forward_cores(forward: set[int]) -> None:
+    off_forward_cores(forward)
 
 
 def save_all(saves: list[tuple]) -> bool:
@@ -90,7 +115,14 @@ class WorkerSide:
         self._unsaved: dict[str, int] = {}  # req_id -> the first token not saved
         self._abandoned: set[str] = set()  # requests a save was skipped of
         self._released: set[str] = set()  # finished requests whose blocks were copied
-        self._load_pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-load")
+        # the cores vLLM bound this thread (the forward's) to: kvtier's threads keep off them
+        self._forward_cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") \
+            else set()
+        self._load_pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-load",
+                                             initializer=off_forward_cores,
+                                             initargs=(self._forward_cores,))
+        # the client's event loop thread: its calls' work (digests, gRPC) too
+        link.client.submit(_run_off_forward_cores(self._forward_cores))
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(queue_depth)
         self._writer = threading.Thread(target=self._write_loop, daemon=True,
                                         name="kvtier-save")
@@ -237,6 +269,7 @@ class WorkerSide:
             self.link.failed("save", RuntimeError("a save or spill failed"))
 
     def _write_loop(self) -> None:
+        off_forward_cores(self._forward_cores, SAVE_NICENESS)
         while (job := self._jobs.get()) is not None:
             try:
                 job()
