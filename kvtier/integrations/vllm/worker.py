@@ -15,7 +15,10 @@ skipped too (a chunk after a gap is never found). A request's saves of a step wh
 failed are dropped (their blocks were computed over blocks that are to be recomputed) and
 reported back (``unsaved``). Since every save works on copies, no block is held for one: a
 finished session request's blocks are released (``get_finished``) in the step that copies
-them for its spill, whether the spill is queued or skipped.
+them for its spill, whether the spill is queued or skipped. While kvtier is down no block
+is copied for a save at all. The writer and the client's event loop run off the cores
+vLLM binds the forward to when the machine has others, the writer below the engine's
+priority (``off_forward_cores``); loads stay there, as the forward waits for them.
 ``get_block_ids_with_load_errors`` names every block that did not load.
 
 Each KV cache group kvtier stores has its own ``transfers.Store`` (its layout, its layers,
@@ -118,10 +121,9 @@ class WorkerSide:
         # the cores vLLM bound this thread (the forward's) to: kvtier's threads keep off them
         self._forward_cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") \
             else set()
-        self._load_pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-load",
-                                             initializer=off_forward_cores,
-                                             initargs=(self._forward_cores,))
-        # the client's event loop thread: its calls' work (digests, gRPC) too
+        # loads stay on the forward's cores: the forward waits for them there
+        self._load_pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-load")
+        # the client's event loop thread: a save's digests and gRPC work run there
         link.client.submit(_run_off_forward_cores(self._forward_cores))
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(queue_depth)
         self._writer = threading.Thread(target=self._write_loop, daemon=True,
