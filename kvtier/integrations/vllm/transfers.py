@@ -30,6 +30,7 @@ from vllm.logger import init_logger
 from kvstore.format.chunk import (
     FLAG_ZSTD,
     HEADER_DTYPE,
+    Buffer,
     decode_chunk,
     encode_chunk,
     encode_head,
@@ -328,7 +329,7 @@ def run_save(store: Store, plan: SavePlan, raw: list[torch.Tensor],
             ready.synchronize()
         first_token = plan.first_chunk * store.block_size
         if store.paged.pages:
-            chunks: Sequence[bytes | memoryview] = page_chunks(raw, store, plan.token_ids,
+            chunks: Sequence[Buffer] = page_chunks(raw, store, plan.token_ids,
                                                                first_token)
         else:
             chunks = store.encode_blocks(gathered(raw, store), plan.token_ids, first_token)
