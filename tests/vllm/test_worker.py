@@ -281,13 +281,15 @@ def test_while_kvtier_is_down_a_step_copies_no_block_and_counts_its_saves_skippe
         side.shutdown()
 
 
-def test_pages_laid_out_in_place_are_the_chunks_the_encoder_makes():
+@pytest.mark.parametrize("kind", ["cpu", "nhd"])
+def test_pages_laid_out_in_place_are_the_chunks_the_encoder_makes(kind):
     from kvtier.integrations.vllm.transfers import gathered, page_chunks
 
     g = torch.Generator().manual_seed(9)
-    layers = [torch.randn(BLOCKS, H, BS, 2 * D, generator=g).to(torch.bfloat16)
-              for _ in range(LAYERS)]
-    paged = PagedLayout("cpu", H, D, BS, pages=True)
+    # cpu: (blocks, H, BS, 2D); nhd: (2, blocks, BS, H, D), its blocks on axis 1
+    shape = (BLOCKS, H, BS, 2 * D) if kind == "cpu" else (2, BLOCKS, BS, H, D)
+    layers = [torch.randn(*shape, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
+    paged = PagedLayout(kind, H, D, BS, pages=True)
     store = Store(None, None, SPEC, paged, layers, torch.bfloat16, StatsCounter())
     index = store.block_index([6, 1, 3])  # blocks out of order: chunks 1, 2, 3
     raw = [paged.take(layer, index) for layer in layers]
