@@ -6,6 +6,8 @@ stuck on a hung server, saves beyond the queue are skipped and counted, and a fi
 session request is released in the step that copies its blocks."""
 
 import logging
+import os
+import threading
 import time
 from dataclasses import replace
 
@@ -296,3 +298,28 @@ def test_pages_laid_out_in_place_are_the_chunks_the_encoder_makes(kind):
     tokens = TOKENS + TOKENS[:BS]
     made = page_chunks(raw, store, tokens, BS)
     assert [bytes(c) for c in made] == store.encode_blocks(gathered(raw, store), tokens, BS)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs thread affinity and two CPUs")
+def test_a_background_thread_leaves_the_forwards_cores_and_yields_to_it():
+    from kvtier.integrations.vllm.worker import off_forward_cores
+
+    forward = {min(os.sched_getaffinity(0))}
+    seen = {}
+
+    def background():
+        os.sched_setaffinity(0, forward)  # as a thread started by vLLM's bound worker
+        off_forward_cores(forward, niceness=5)
+        seen["cpus"] = os.sched_getaffinity(0)
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        off_forward_cores(None)  # unbound: stays where it is
+        seen["unbound"] = os.sched_getaffinity(0)
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    thread.join()
+    assert seen["cpus"] and not seen["cpus"] & forward
+    assert seen["nice"] == os.getpriority(os.PRIO_PROCESS, 0) + 5 or seen["nice"] == 19
+    assert seen["unbound"] == seen["cpus"]
+    assert os.sched_getaffinity(0) != seen["cpus"]  # the calling thread was not moved

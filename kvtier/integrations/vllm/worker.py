@@ -53,13 +53,13 @@ logger = init_logger("vllm." + __name__)  # under vLLM's logger: its format and 
 SAVE_NICENESS = 5
 
 
-def off_forward_cores(forward: set[int], niceness: int = 0) -> None:
-    """Run the calling thread on CPUs outside ``forward`` when the machine has others, and
+def off_forward_cores(forward: set[int] | None, niceness: int = 0) -> None:
+    """Run the calling thread on CPUs outside ``forward`` (the cores vLLM bound the forward
+    thread to; None: it bound none, nothing moves) when the machine has others, and
     ``niceness`` below the engine's threads. vLLM's CPU worker binds its forward thread to
     its cores and every thread it starts inherits that binding, so kvtier's background
-    work would otherwise share the forward's own core (a GPU worker is not bound: nothing
-    moves)."""
-    others = set(range(os.cpu_count() or 1)) - forward
+    work would otherwise share the forward's own core."""
+    others = set(range(os.cpu_count() or 1)) - forward if forward else set()
     if others and hasattr(os, "sched_setaffinity"):
         with contextlib.suppress(OSError):  # none of them allowed to this process: stay
             os.sched_setaffinity(0, others)  # 0: this thread alone
@@ -68,7 +68,7 @@ def off_forward_cores(forward: set[int], niceness: int = 0) -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
 
 
-async def _run_off_forward_cores(forward: set[int]) -> None:
+async def _run_off_forward_cores(forward: set[int] | None) -> None:
     off_forward_cores(forward)
 
 
@@ -93,12 +93,14 @@ def recorded(tensors: list[torch.Tensor]):
 class WorkerSide:
     def __init__(self, store_of, groups: list[CacheShape], rank: int,
                  paged: dict[int, PagedLayout], link: Link, *, queue_depth: int,
-                 saves: bool = True) -> None:
+                 saves: bool = True, forward_cores: set[int] | None = None) -> None:
         """``store_of(group, layers, paged, stats)``: the ``transfers.Store`` of a stored group's
         registered layers; ``groups``: the stored groups; ``paged``: per group, the layout
         of this rank's cache layers; ``link``: this worker's kvtier link (saves are skipped
         while it is down); ``queue_depth``: saves and spills that may wait for the writer;
-        ``saves``: whether the engine's ``kv_role`` saves."""
+        ``saves``: whether the engine's ``kv_role`` saves; ``forward_cores``: the CPUs
+        vLLM bound the forward thread to (None: unbound), which kvtier's threads keep off
+        (``off_forward_cores``)."""
         self.groups = groups
         self.shape = groups[0]  # a session's group (sessions: one full group only)
         self.rank = rank
@@ -118,9 +120,7 @@ class WorkerSide:
         self._unsaved: dict[str, int] = {}  # req_id -> the first token not saved
         self._abandoned: set[str] = set()  # requests a save was skipped of
         self._released: set[str] = set()  # finished requests whose blocks were copied
-        # the cores vLLM bound this thread (the forward's) to: kvtier's threads keep off them
-        self._forward_cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") \
-            else set()
+        self._forward_cores = forward_cores
         # loads stay on the forward's cores: the forward waits for them there
         self._load_pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-load")
         # the client's event loop thread: a save's digests and gRPC work run there
