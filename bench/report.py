@@ -406,7 +406,35 @@ def hf_section(stage: dict) -> list[str]:
                    f"{_ms(row['prefill_seconds'])}." for n, row in stage["contexts"].items()]
     if "llama_test" in stage:
         out += [""] + llama_int4_section(stage["llama_test"])
+    if "sliding_replay" in stage:
+        out += [""] + sliding_replay_section(stage["sliding_replay"])
     return out + [""]
+
+
+def _kl(value: float) -> str:
+    """A mean KL; below 1e-8 (negative too: float noise around 0) it is noise."""
+    return "< 1e-8" if value < 1e-8 else f"{value:.1e}"
+
+
+def sliding_replay_section(stage: dict) -> list[str]:
+    """bench.hf's ``sliding_replay``: bounded replay of sliding layers per architecture."""
+    out = ["## transformers sliding layers: bounded replay per architecture "
+           "(`python -m bench.hf --json`, `sliding_replay`)", "",
+           f"`window=\"replay\"`: full layers kept, sliding layers rebuilt from the last R "
+           f"tokens. The {stage['model']}, loaded unchanged into each architecture; "
+           f"{stage['held_out_stretches']} held-out stretches, {stage['context_tokens']:,}-byte "
+           f"context, the next {stage['follow_tokens']} bytes teacher-forced, against the "
+           "never-evicted cache.", ""]
+    rows = []
+    for name, arch in stage.items():
+        if not isinstance(arch, dict):
+            continue
+        layers = ", ".join(arch["layers"])
+        for r, f in arch["by_R"].items():
+            default = " (W - 1, the default)" if int(r) == arch["R"] else ""
+            rows.append([f"{name} ({layers}), W = {arch['W']}", f"{r}{default}",
+                         f"{f['top1_agreement']:.4f}", _kl(f["kl_nats"])])
+    return out + table(["architecture (layers)", "R", "top-1 agreement", "KL (nats)"], rows)
 
 
 def llama_int4_section(stage: dict) -> list[str]:
@@ -414,7 +442,7 @@ def llama_int4_section(stage: dict) -> list[str]:
     goal = {"kl": 1e-3, "top1": 0.99, "bytes": 0.3}
     kl, top1, size = stage["int4_kl"], stage["int4_top1"], stage["int4_bytes_vs_bf16"]
     out = ["## int4 engine K/V on the trained Llama test model "
-           "(`python -m bench.hf --json --parts llama`)", "",
+           "(`python -m bench.hf --json`, `llama_test`)", "",
            f"{stage['model']}, {stage['held_out_stretches']} stretches of held-out text: "
            f"prefill {stage['context_tokens']:,} bytes, spill that cache through a real "
            "server at bf16 and at `bits=4` (`kvtier.integrations.transformers`), resume the "

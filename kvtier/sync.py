@@ -11,10 +11,11 @@ import asyncio
 import contextvars
 import threading
 from collections.abc import Callable, Coroutine, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Any, TypeVar
 
 from kvstore.format.chunk import Buffer, LayerSlice
+from kvstore.format.errors import TierUnavailable
 from kvstore.format.hints import ResumeHint
 from kvstore.format.layout import LayoutSpec
 from kvtier import codec as cc
@@ -51,6 +52,15 @@ def twin(async_method: Callable[..., Any]) -> Callable[[Method], Method]:
     return documented
 
 
+
+async def _cancel_others() -> None:
+    """Cancel every other task on this loop and wait for them to end."""
+    current = asyncio.current_task()
+    others = [t for t in asyncio.all_tasks() if t is not current]
+    for task in others:
+        task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)
+
 class Client:
     """The blocking twin of ``AsyncClient`` (its own event loop on a daemon thread)."""
 
@@ -63,6 +73,10 @@ class Client:
                  tls_cert: str | None = None, tls_key: str | None = None,
                  token: str | None = None, routing: RoutingPolicy = RoutingPolicy()) -> None:
         self._loop = asyncio.new_event_loop()
+        # held while a call is handed to the loop and while closing: no call is handed to
+        # a loop that will never run it (its caller would wait for ever)
+        self._handing = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="kvtier-client")
         self._thread.start()
@@ -83,7 +97,24 @@ class Client:
         async def in_context() -> Result:
             return await self._loop.create_task(coro, context=context)
 
-        return asyncio.run_coroutine_threadsafe(in_context(), self._loop).result()
+        try:
+            future = self._hand(in_context())
+        except TierUnavailable:
+            coro.close()
+            raise
+        try:
+            return future.result()
+        except CancelledError:
+            if self._closed:
+                raise TierUnavailable("this kvtier client was closed during the call") from None
+            raise
+
+    def _hand(self, coro: Coroutine[Any, Any, Result]) -> Future[Result]:
+        with self._handing:
+            if self._closed:
+                coro.close()
+                raise TierUnavailable("this kvtier client is closed")
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     @property
     def async_client(self) -> AsyncClient:
@@ -93,7 +124,7 @@ class Client:
     def submit(self, coro: Coroutine[Any, Any, Result]) -> Future[Result]:
         """Run ``coro`` (calls of ``async_client``) on the client's loop; the caller waits
         on the future with its own deadline and may cancel it."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return self._hand(coro)
 
     @property
     def shared_memory(self) -> bool:
@@ -108,11 +139,16 @@ class Client:
 
     @twin(AsyncClient.close)
     def close(self) -> None:
-        if self._loop.is_running():
-            self._run(self._async.close())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+        if self._closed:
+            return
+        self._run(self._async.close())
+        with self._handing:
+            self._closed = True
+        # calls other threads still wait on end now (cancelled), not never
+        asyncio.run_coroutine_threadsafe(_cancel_others(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
     @twin(AsyncClient.spill)
     def spill(self, tenant: str, session_id: str, layout: str | LayoutSpec,

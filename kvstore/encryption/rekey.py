@@ -124,20 +124,6 @@ def _is_sealed(value: Buffer) -> bool:
     return bytes(memoryview(value).cast("B")[:len(MAGIC)]) == MAGIC
 
 
-async def remaining_ttl(tier: Tier, key: str) -> float | None:
-    """The time ``key`` has left in ``tier`` (None: no TTL), kept across the rewrite."""
-    from kvstore.tiers.disk import DiskTier
-    from kvstore.tiers.redis import RedisTier
-
-    if isinstance(tier, RedisTier):
-        return await tier.ttl_s(key)
-    if isinstance(tier, DiskTier):
-        entry = tier.index.lookup(key.encode())
-        if entry is not None and entry.expires_ms:
-            return max(0.001, entry.expires_ms / 1000 - tier.clock())
-    return None
-
-
 async def rekey_tier(tier: Tier, keyring: Keyring, report: RekeyReport, *,
                      hold: Hold = _unheld) -> None:
     """Reseal every value of ``tier`` (the medium as stored, not an ``EncryptedTier``);
@@ -148,8 +134,12 @@ async def rekey_tier(tier: Tier, keyring: Keyring, report: RekeyReport, *,
         except ChunkNotFound:
             return None  # evicted or deleted since the listing
 
-    async def write(key: str, fresh: tuple[bytes, bytes]) -> bytes:
-        await tier.put(key, fresh[0], ttl_s=await remaining_ttl(tier, key))
+    async def write(key: str, fresh: tuple[bytes, bytes]) -> bytes | None:
+        try:
+            ttl_s = await tier.ttl_s(key)  # kept across the rewrite
+        except ChunkNotFound:
+            return None  # expired since the read: nothing to bring back
+        await tier.put(key, fresh[0], ttl_s=ttl_s)
         return fresh[1]
 
     report.places.append(tier.name)

@@ -120,6 +120,9 @@ class EncryptedTier(Tier):
     async def delete(self, key: str) -> int:
         return await self.inner.delete(key)
 
+    async def ttl_s(self, key: str) -> float | None:
+        return await self.inner.ttl_s(key)
+
     async def contains(self, key: str) -> bool:
         return await self.inner.contains(key)
 

@@ -66,6 +66,7 @@ from kvstore.format.keys import (
 )
 from kvstore.format.layout import LayoutSpec
 from kvstore.format.registry import get_layout
+from kvstore.format.run_checks import RunCheck, RunMember
 from kvstore.placement.blocks import BlockWrite, ChunkOutcome
 from kvstore.placement.writeback import WriteBack
 from kvstore.session.context import StoreContext
@@ -283,9 +284,10 @@ class PrefixChunks:
         counters.lookups += len(missing)  # asked and missed, like a read no tier answers
         counters.misses += len(missing)
         wanted = sorted(keys)
-        checks = [restored_chunk_check(spec, *chunk_tokens_of(tokens, first_chunk + n,
-                                                              spec.chunk_tokens, independent),
-                                       keys[n]) for n in wanted]
+        # one check of the batch: its headers compared in a few numpy calls, not one by one
+        run = RunCheck(spec, tokens, first_chunk, [keys.get(n) for n in range(len(chains))],
+                       independent)
+        checks = [RunMember(run, first_chunk + n) for n in wanted]
         promotions: list = []
         got = await self._restorer.read_blocks([keys[n] for n in wanted], checks,
                                                frozenset(), promotions)
@@ -309,6 +311,8 @@ class PrefixChunks:
         """The version of a chunk to read of those some tier is believed to hold: the
         referenced one (a live session vouches for it), then the one held highest (as
         ``kvstore.prefix.chains.longest_prefix`` names it)."""
+        if len(versions) == 1:  # the usual case: no choice to make
+            return next(iter(versions))
         referenced = self._store.ledger.count
         return min(versions, key=lambda k: (not referenced(k), min(versions[k]), k))
 

@@ -111,6 +111,11 @@ class Tier(abc.ABC):
     def keys(self) -> AsyncIterator[str]:
         """Every key held, in no particular order."""
 
+    async def ttl_s(self, key: str) -> float | None:
+        """Time left before ``key`` expires; None when it has no TTL (or the medium keeps
+        none: it then never expires a value itself)."""
+        return None
+
     async def find_chains(self, chains: Sequence[str]) -> list[str | None] | None:
         """The block key (``kvstore.format.keys``) this medium holds for each chain key, None
         where it holds none; None for a tier that cannot be asked by chain key (only a

@@ -151,6 +151,9 @@ class MemoryTier(Tier):
 
     async def get(self, key: str) -> Buffer:
         """A read-only view of the stored bytes (a copy to host when they live on a GPU)."""
+        return self._view(key)
+
+    def _view(self, key: str) -> Buffer:
         stored = self._lookup(key)
         if stored.device.type != "cpu":
             stored = stored.cpu()
@@ -158,12 +161,12 @@ class MemoryTier(Tier):
 
     async def get_many_proven(self, keys: Sequence[str]
                               ) -> tuple[list[Buffer | KVTierError], list[bool]]:
-        # get suspends nowhere: each value and its flag are read in one step of the loop
+        # no suspension: each value and its flag are read in one step of the loop
         values: list[Buffer | KVTierError] = []
         flags: list[bool] = []
         for key in keys:
             try:
-                values.append(await self.get(key))
+                values.append(self._view(key))
                 flags.append(key in self._proven)
             except KVTierError as exc:
                 values.append(exc)
@@ -184,6 +187,11 @@ class MemoryTier(Tier):
 
     async def delete(self, key: str) -> int:
         return self._remove(key)
+
+    async def ttl_s(self, key: str) -> float | None:
+        self._lookup(key)
+        deadline = self._expiry.get(key)
+        return None if deadline is None else max(0.001, deadline - self.clock())
 
     async def contains(self, key: str) -> bool:
         try:

@@ -113,8 +113,8 @@ class PrefixChunkCalls:
                                    else None))
                 if request.refs_in_header and writer is not None:
                     # the segment was leased for these bytes: every chunk fits
-                    header.chunk_refs.extend(self.streamer.in_segment(c.data, writer)
-                                             for c in chunks)
+                    header.chunk_refs.extend(self.streamer.in_segment(
+                        [c.data for c in chunks], writer))
                     yield pb.ReadChunksReply(header=header)
                     for c in chunks:
                         if c.data is None:

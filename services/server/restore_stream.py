@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -326,12 +326,14 @@ class RestoreStreamer:
         writer = PackedWriter(lease.map, lease.lease_id) if lease is not None else None
         return lease, writer, refused
 
-    def in_segment(self, data: Buffer | None, writer: PackedWriter) -> pb.SharedMemoryRef:
-        """``data`` written into the reply segment (an empty ref for None): its place."""
-        if data is None:
-            return pb.SharedMemoryRef(lease_id=writer.lease_id, offset=writer.used, length=0)
-        self.metrics.restore_bytes.labels("shm").inc(len(data))
-        return writer.add(data)
+    def in_segment(self, chunks: Sequence[Buffer | None], writer: PackedWriter
+                   ) -> list[pb.SharedMemoryRef]:
+        """Each of ``chunks`` written into the reply segment (an empty ref for None): its
+        place; counted once for the batch."""
+        refs = [pb.SharedMemoryRef(lease_id=writer.lease_id, offset=writer.used, length=0)
+                if data is None else writer.add(data) for data in chunks]
+        self.metrics.restore_bytes.labels("shm").inc(sum(ref.length for ref in refs))
+        return refs
 
     def payload(self, key: str, data: Buffer, writer: PackedWriter | None, refused: str = ""
                 ) -> pb.Payload:

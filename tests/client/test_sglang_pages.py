@@ -50,7 +50,9 @@ def test_a_page_is_stored_verbatim_and_read_back_only_under_its_name():
     tokens = key_tokens(fmt.name("abc", Shard()))
     chunk = fmt.encode(page, tokens)
     restored_chunk_check(fmt.spec, tokens, 0, None)(chunk)
-    assert torch.equal(fmt.flat_page(fmt.payload(chunk)).view(torch.int16), page.view(torch.int16))
+    payload = fmt.payload(chunk)
+    assert payload is not None
+    assert torch.equal(fmt.flat_pages([payload])[0].view(torch.int16), page.view(torch.int16))
     other = key_tokens(fmt.name("abd", Shard()))
     with pytest.raises(CodecError):
         restored_chunk_check(fmt.spec, other, 0, None)(chunk)

@@ -8,6 +8,7 @@ import itertools
 import time
 import uuid
 
+import numpy as np
 import pytest
 
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
@@ -20,6 +21,8 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     PoolTransfer,
 )
 
+from kvstore.format.chunk import FLAG_ZSTD, HEADER_DTYPE  # noqa: E402
+from kvtier.integrations.sglang.pages import KV_POOL, PageFormat, key_tokens  # noqa: E402
 from kvtier.integrations.sglang.storage import KVTierStorage  # noqa: E402
 from testing.sglang_pools import (  # noqa: E402
     KINDS,
@@ -372,3 +375,19 @@ def test_prefix_keys_do_not_change_a_page(kvtier_server):
     store.batch_set_v1(page_keys, page_indices(pool, [0, 1]),
                        HiCacheStorageExtraInfo(prefix_keys=["a", "b"]))
     assert store.batch_exists(page_keys[1:], HiCacheStorageExtraInfo(prefix_keys=None)) == 1
+
+
+def test_a_chunk_gives_its_page_only_uncompressed_and_of_the_pools_size():
+    pool = host_pool("mha", "page_first")
+    fill_random(pool, 1, seed=6)
+    fmt = PageFormat.of(KV_POOL, pool)
+    source = page(pool, 0)
+    chunk = fmt.encode(source, key_tokens("a page"))
+    payload = fmt.payload(chunk)
+    assert payload is not None
+    assert bytes(payload) == source.view(torch.uint8).numpy().tobytes()
+    flagged = bytearray(chunk)
+    np.frombuffer(flagged, HEADER_DTYPE, count=1)["flags"] |= FLAG_ZSTD
+    assert fmt.payload(flagged) is None  # zstd bytes are not the page's
+    assert fmt.payload(chunk[:-1]) is None
+    assert fmt.payload(chunk + b"\0") is None

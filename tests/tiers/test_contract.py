@@ -195,6 +195,21 @@ async def test_a_value_put_with_a_ttl_expires_and_the_others_stay(case):
         assert bytes(await tier.get("b")) == b"kept"
 
 
+async def test_a_tier_that_expires_values_says_the_time_left(case):
+    """``ttl_s``: what a rewrite keeps (a reseal puts the value back with it)."""
+    async with case.open() as tier:
+        await tier.put("a", b"t", ttl_s=600)
+        await tier.put("b", b"k")
+        left = await tier.ttl_s("a")
+        if not case.expires:
+            assert left is None
+            return
+        assert left is not None and 590 < left <= 600
+        assert await tier.ttl_s("b") is None
+        with pytest.raises(ChunkNotFound):
+            await tier.ttl_s("missing")
+
+
 async def test_a_durable_tier_holds_its_values_after_close(case):
     async with case.open() as tier:
         await tier.put("a", b"kept" * 50)

@@ -186,7 +186,14 @@ FINGERPRINT = "tiny-dsv41-replay-test"
 def kvtier_scheduler(kvtier_server):
     extra = {"server": kvtier_server.target, "tenant": "dsv41", "timeout_s": 60,
              "model_fingerprint": FINGERPRINT, "lookup_timeout_ms": 10000}
+    from kvtier.integrations.vllm.layout import worker_pages
+    from kvtier.integrations.vllm.metadata import KVTierHandshake
+
     scheduler = scheduler_with("KVTierConnector", "kvtier.integrations.vllm", extra)
+    # what vLLM's engine core hands over once its workers registered their caches: the
+    # global group's page sizes (its layers share one spec here, so the scheduler's own)
+    scheduler.connector.set_xfer_handshake_metadata(
+        {0: KVTierHandshake(worker_pages(cache_groups_of(scheduler)))})
     yield scheduler
     scheduler.connector.shutdown()
 

@@ -14,7 +14,10 @@ import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import ModelConfig, VllmConfig  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
-from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    KVCacheBlock,
+    generate_scheduler_kv_cache_config,
+)
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
@@ -24,9 +27,11 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     MLAAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
 )
 from vllm.v1.request import Request  # noqa: E402
 
+from kvstore.format.errors import UnsupportedModel  # noqa: E402
 from kvtier.integrations.vllm.config import ConnectorConfig  # noqa: E402
 from kvtier.integrations.vllm.layout import (  # noqa: E402
     FULL,
@@ -35,7 +40,10 @@ from kvtier.integrations.vllm.layout import (  # noqa: E402
     cache_groups,
     hit_alignment,
     rank_layout,
+    with_worker_pages,
+    worker_pages,
 )
+from kvtier.integrations.vllm.metadata import KVTierHandshake  # noqa: E402
 from kvtier.integrations.vllm.scheduler import SchedulerSide, _Match, window_hit  # noqa: E402
 
 BS = 16
@@ -102,6 +110,41 @@ def test_an_mla_group_is_stored_as_its_pages(vllm_config):
         (1, BS * 576 * 2), 3, BS)
     # the engine's bytes per token, nothing more
     assert layout.persistent_bytes_per_token == 3 * 576 * 2
+
+
+def test_a_group_of_latent_layers_of_three_page_sizes_has_one_layout_on_both_sides(
+        vllm_config):
+    """DeepSeek-V4's compressed global group: the worker's spec is every layer's
+    (UniformTypeKVCacheSpecs), the scheduler's its first layer's alone; with the page sizes
+    the worker sends (real content, not vLLM's padded page; 1,168 B per 256-token block is
+    no whole number of bytes per token) both derive the same layout."""
+    def compressed(tokens_per_state: int, record: int) -> MLAAttentionSpec:
+        return MLAAttentionSpec(block_size=256, num_kv_heads=1, head_size=512,
+                                dtype=torch.uint8, tokens_per_state=tokens_per_state,
+                                state_content_bytes=record, alignment=576,
+                                model_version="deepseek_v4", cache_dtype_str="fp8_ds_mla")
+
+    names = ["model.layers.1.attn.indexer.k_cache", "model.layers.1.attn",
+             "model.layers.2.attn"]
+    specs = dict(zip(names, (compressed(4, 132), compressed(4, 584), compressed(128, 584)),
+                     strict=True))
+    assert [s.page_size_bytes for s in specs.values()] == [8640, 37440, 1728]  # padded
+    worker = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(names, UniformTypeKVCacheSpecs.from_specs(specs))])
+    scheduler = generate_scheduler_kv_cache_config([worker])
+    assert type(scheduler.kv_cache_groups[0].kv_cache_spec) is MLAAttentionSpec
+    (theirs,) = cache_groups(vllm_config, worker)
+    assert theirs.page_bytes == (8448, 37376, 1168)
+    handshake = KVTierHandshake(worker_pages([theirs]))
+    mine = with_worker_pages(cache_groups(vllm_config, scheduler), handshake.page_bytes)
+    layout = rank_layout(theirs, 0, "auto")
+    assert rank_layout(mine[0], 0, "auto") == layout
+    assert layout.name == "vllm-mlaattentionspec-3x8448_37376_1168-b256-uint8"
+    assert [(s.name, s.entry_shape, s.layers, s.tokens_per_entry) for s in layout.streams] == [
+        ("page", (1, 8448), 1, 256), ("page1", (1, 37376), 1, 256),
+        ("page2", (1, 1168), 1, 256)]
+    with pytest.raises(UnsupportedModel, match="page sizes"):  # the workers said nothing
+        with_worker_pages(cache_groups(vllm_config, scheduler), {})
 
 
 def test_the_window_is_what_vllms_sliding_manager_needs_for_a_hit(vllm_config):
@@ -175,10 +218,10 @@ def test_strided_views_of_one_allocation_round_trip_as_pages():
     store = Store(None, None, None, paged, views(source), torch.uint8, StatsCounter())
     assert store.page_streams == [("page", 0), ("page1", 0), ("page", 1)]
     index = store.block_index([5, 2])
-    rows = gathered([paged.take(layer, index) for layer in store.layers], store)
-    assert {name: tuple(t.shape) for name, t in rows.items()} == {
-        "page": (2, 2 * BS, 512 // BS), "page1": (1, 2 * BS, 1024 // BS)}
+    pages = gathered([paged.take(layer, index) for layer in store.layers], store)
+    assert {name: tuple(t.shape) for name, t in pages.items()} == {
+        "page": (2, 2, 512), "page1": (1, 2, 1024)}
     for layer, (name, at) in zip(views(target), store.page_streams, strict=True):
-        paged.put_pages(layer, store.block_index([1, 6]), rows[name][at])
+        paged.put_pages(layer, store.block_index([1, 6]), pages[name][at])
     assert torch.equal(target[1], source[5]) and torch.equal(target[6], source[2])
     assert not target[[0, 2, 3, 4, 5, 7]].any()

@@ -182,16 +182,16 @@ def test_pages_go_back_as_the_bytes_they_were(kind, device, ids):
     g = torch.Generator().manual_seed(5)
     source = torch.randn(*shape, generator=g).to(torch.bfloat16).to(device)
     index = torch.tensor([0, 3, 5], device=device)
-    rows = paged.page_rows(paged.take(source, index))  # (3 * BS, page bytes / BS)
+    pages = paged.as_pages(paged.take(source, index))  # (3, page bytes)
     page_bytes = H * BS * 2 * D * 2
-    assert rows.dtype == torch.uint8 and rows.shape == (3 * BS, page_bytes // BS)
+    assert pages.dtype == torch.uint8 and pages.shape == (3, page_bytes)
     dim = 1 if kind == "nhd" else 0
     for n, block in enumerate(index.tolist()):  # a page is the block's own bytes
         own = source.select(dim, block).cpu().contiguous().view(torch.uint8).reshape(-1)
-        assert torch.equal(rows[n * BS:(n + 1) * BS].reshape(-1), own)
+        assert torch.equal(pages[n], own)
     pad = 40  # each page lies in a chunk with other bytes around it
     segment = torch.zeros(3, pad + page_bytes + 8, dtype=torch.uint8)
-    segment[:, pad:pad + page_bytes] = rows.view(3, page_bytes)
+    segment[:, pad:pad + page_bytes] = pages
     target = torch.zeros(*shape, dtype=torch.bfloat16, device=device)
     paged.put_pages(target, torch.tensor(ids, device=device),
                     segment[:, pad:pad + page_bytes].view(3, 1, H, -1))
@@ -200,12 +200,12 @@ def test_pages_go_back_as_the_bytes_they_were(kind, device, ids):
     others = [b for b in range(N) if b not in ids]
     assert not target.index_select(dim, torch.tensor(others, device=device)).any()
     with pytest.raises(ValueError, match="pages must be"):
-        paged.put_pages(target, torch.tensor(ids, device=device), rows[:-1])
+        paged.put_pages(target, torch.tensor(ids, device=device), pages[:-1])
 
 
 def test_page_streams_hold_whole_blocks_only():
     """A page stream's codes are whole pages, one entry per block: a partial block (a
-    spill's tail) holds none; decoding gives the page rows back, never values."""
+    spill's tail) is given none; decoding gives the pages back, never values."""
     from kvstore.format.errors import InvalidRequest
     from kvstore.format.hf.quant import decode_values
 
@@ -213,14 +213,16 @@ def test_page_streams_hold_whole_blocks_only():
                        dtype=torch.bfloat16, tp_size=1, arrangement="cpu_attn.vec")
     spec = rank_layout(shape, 0, "auto")
     stream = spec.stream("page")
-    rows = torch.randint(0, 256, (2, BS, H * 2 * D * 2), dtype=torch.uint8)
-    data = values.encode(stream, rows)
+    pages = torch.randint(0, 256, (2, 1, H * BS * 2 * D * 2), dtype=torch.uint8)
+    data = values.encode(stream, pages)
     assert data.codes.shape == (2, 1, H, BS * 2 * D * 2) and data.scales is None
     chunk = encode_chunk(spec, 0, list(range(BS)), {"page": data})
     got = decode_chunk(chunk, spec, token_ids=list(range(BS))).streams["page"]
-    assert torch.equal(values.decode(stream, got, torch.bfloat16), rows)
-    assert values.encode(stream, rows[:, :BS - 1]).codes.shape == (2, 0, H, BS * 2 * D * 2)
+    assert torch.equal(values.decode(stream, got, torch.bfloat16), pages)
+    assert values.encode(stream, pages[:, :0]).codes.shape == (2, 0, H, BS * 2 * D * 2)
     with pytest.raises(LayoutMismatch):
-        values.encode(stream, rows.view(torch.bfloat16))
+        values.encode(stream, pages.view(torch.bfloat16))
+    with pytest.raises(LayoutMismatch):  # a share of a page is no page
+        values.encode(stream, pages[:, :, 1:])
     with pytest.raises(InvalidRequest, match="page bytes"):
         decode_values(stream, got)

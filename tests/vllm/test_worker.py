@@ -221,11 +221,10 @@ def test_compressed_pages_are_decoded_and_written_as_they_were():
     paged = PagedLayout("cpu", H, D, BS, pages=True)
     store = Store(None, None, SPEC, paged, [src] * LAYERS, torch.bfloat16, StatsCounter())
     index = store.block_index([6, 2])
-    rows = gathered([paged.take(layer, index) for layer in store.layers],
-                    store)["page"]  # (layers, 2 * BS, row)
+    pages = gathered([paged.take(layer, index) for layer in store.layers],
+                     store)["page"]  # (layers, 2, page bytes)
     chunks = [encode_chunk(SPEC, i * BS, TOKENS[i * BS:(i + 1) * BS],
-                           {"page": values.encode(SPEC.stream("page"),
-                                                  rows[:, i * BS:(i + 1) * BS])},
+                           {"page": values.encode(SPEC.stream("page"), pages[:, i:i + 1])},
                            zstd_level=3) for i in range(2)]
     streams = _streams(store, chunks, LoadPlan("z", tuple(TOKENS), 0, (0, 1)))
     target = torch.zeros_like(src)
@@ -297,7 +296,8 @@ def test_pages_laid_out_in_place_are_the_chunks_the_encoder_makes(kind):
     raw = [paged.take(layer, index) for layer in layers]
     tokens = TOKENS + TOKENS[:BS]
     made = page_chunks(raw, store, tokens, BS)
-    assert [bytes(c) for c in made] == store.encode_blocks(gathered(raw, store), tokens, BS)
+    assert [bytes(c) for c in made] == store.encode_blocks(gathered(raw, store), tokens, BS,
+                                                           3 * BS)
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
@@ -323,3 +323,95 @@ def test_a_background_thread_leaves_the_forwards_cores_and_yields_to_it():
     assert seen["nice"] == os.getpriority(os.PRIO_PROCESS, 0) + 5 or seen["nice"] == 19
     assert seen["unbound"] == seen["cpus"]
     assert os.sched_getaffinity(0) != seen["cpus"]  # the calling thread was not moved
+
+
+# DeepSeek-V4's compressed global group (tests/vllm/test_deepseek_v4.py, GROUPS[3]): three
+# layers of one shared allocation, each a strided view of its real page bytes; vLLM pads
+# each page (8,640 / 37,440 / 1,728 B), so a block of the buffer is 47,808 B.
+LATENT_BLOCK = 256
+LATENT_PAGES = (8448, 37376, 1168)  # 64 x 132 B, 64 x 584 B, 2 x 584 B: 1,168 / 256 is no int
+LATENT_NAMES = ("model.layers.1.attn.indexer.k_cache", "model.layers.1.attn",
+                "model.layers.2.attn")
+LATENT = CacheShape(3, 1, 512, LATENT_BLOCK, 1000, torch.uint8, 1, "raw",
+                    layer_names=LATENT_NAMES, spec_name="MLAAttentionSpec",
+                    page_bytes=LATENT_PAGES)
+LATENT_SPEC = rank_layout(LATENT, 0, "auto")
+
+
+def latent_views(buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The worker's views of one (blocks, 47,808) uint8 buffer: (blocks, 1, entries, bytes)."""
+    at, views = 0, {}
+    for name, page, padded, entry in zip(LATENT_NAMES, LATENT_PAGES, (8640, 37440, 1728),
+                                         (132, 584, 584), strict=True):
+        views[name] = buffer[:, at:at + page].view(buffer.shape[0], 1, page // entry, entry)
+        at += padded
+    return views
+
+
+def latent_worker(target: str, buffer: torch.Tensor) -> WorkerSide:
+    config = ConnectorConfig.from_extra({"server": target, "tenant": "worker",
+                                         "model_fingerprint": "worker-test", "ack": "durable",
+                                         "probe_interval_s": 600})
+    link = Link(kvtier.Client(target, timeout_s=5), [LATENT_SPEC], server=target, failures=3,
+                probe_interval_s=600, logger=logging.getLogger("test"))
+    link.breaker.succeeded()
+    paged = PagedLayout("raw", 1, 512, LATENT_BLOCK, pages=True)
+    side = WorkerSide(lambda group, layers, p, stats: Store(link.client, config, LATENT_SPEC,
+                                                            p, layers, torch.uint8, stats),
+                      [LATENT], 0, {0: paged}, link, queue_depth=8)
+    side.register_kv_caches(latent_views(buffer), extract_layer_index)
+    return side
+
+
+def test_latent_pages_without_per_layer_hooks_are_saved_after_and_loaded_before_the_forward(
+        client, kvtier_server):
+    """Layers vLLM never names in a per-layer hook (DeepSeek-V4's): their blocks are saved
+    after the forward pass (``wait_for_save``) and a load is written before it
+    (``start_load_kv`` returns with the blocks in), each layer's real page bytes (1,168 B
+    a block included) bit for bit, the padding between them never touched; a chunk damaged
+    in the store ends the load there: that block and the next are load errors, unwritten."""
+    client.register_layout(LATENT_SPEC)
+    assert [s.entry_shape for s in LATENT_SPEC.streams] == [(1, p) for p in LATENT_PAGES]
+    g = torch.Generator().manual_seed(11)
+    src = torch.randint(0, 256, (BLOCKS, 47808), generator=g, dtype=torch.uint8)
+    tokens = [(23 * i) % 967 + 4 for i in range(3 * LATENT_BLOCK)]
+    source = latent_worker(kvtier_server.target, src)
+    meta = KVTierConnectorMetadata(saves=[SavePlan("l", tuple(tokens), 0, (6, 1, 4))])
+    source.start_load_kv(meta)
+    source.wait_for_save(meta)  # no hook ran: the blocks are copied out here
+    assert source.build_connector_worker_meta() is None  # nothing left unsaved
+    wait_held(client, tokens, 3 * LATENT_BLOCK, LATENT_SPEC)
+    chunks = client.read_chunks("worker", LATENT_SPEC, tokens,
+                                model_fingerprint="worker-test").chunks
+    real = torch.zeros(47808, dtype=torch.bool)  # a block's page bytes, not its padding
+    real[:8448] = real[8640:8640 + 37376] = real[8640 + 37440:8640 + 37440 + 1168] = True
+
+    def load(blocks: tuple[int, ...]) -> tuple[torch.Tensor, set[int]]:
+        """What the forward pass reads once ``start_load_kv`` returned; the load errors."""
+        dst = torch.zeros_like(src)
+        target = latent_worker(kvtier_server.target, dst)
+        meta = KVTierConnectorMetadata(loads=[LoadPlan("r", tuple(tokens), 0, blocks)])
+        target.start_load_kv(meta)
+        seen = dst.clone()
+        target.wait_for_save(meta)
+        return seen, target.get_block_ids_with_load_errors()
+
+    seen, errors = load((2, 7, 0))
+    assert errors == set()
+    for block, saved in ((2, 6), (7, 1), (0, 4)):
+        assert torch.equal(seen[block, real], src[saved, real])
+    assert not seen[:, ~real].any() and not seen[[1, 3, 4, 5, 6]].any()
+    damaged = bytes(chunks[1])
+    hits = 0
+    for segment in (kvtier_server.data_dir / "disk" / "segments").iterdir():
+        raw = bytearray(segment.read_bytes())
+        at = raw.find(damaged)
+        if at >= 0:
+            raw[at + len(damaged) - 100] ^= 0xFF  # in the 1,168 B page, the chunk's last
+            segment.write_bytes(bytes(raw))
+            hits += 1
+    assert hits == 1
+    seen, errors = load((3, 5, 2))
+    assert errors == {5, 2}
+    assert torch.equal(seen[3, real], src[6, real]) and not seen[3, ~real].any()
+    assert not seen[[0, 1, 2, 4, 5, 6, 7]].any()

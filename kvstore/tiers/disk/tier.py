@@ -371,6 +371,12 @@ class DiskTier(Tier):
         entry = self._current(key_bytes(key))
         return entry is not None and not entry.expired(self.clock())
 
+    async def ttl_s(self, key: str) -> float | None:
+        entry = self._current(key_bytes(key))
+        if entry is None or entry.expired(self.clock()):
+            raise ChunkNotFound(f"disk tier holds no {key!r}")
+        return max(0.001, entry.expires_ms / 1000 - self.clock()) if entry.expires_ms else None
+
     async def keys(self) -> AsyncIterator[str]:
         overlay = dict(self.pipeline.overlay)
         start = None

@@ -23,19 +23,31 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvstore.format.chunk import encode_raw, read_header
+from kvstore.format.chunk import FLAG_ZSTD, HEADER_DTYPE, encode_raw, read_header
 from kvstore.format.errors import UnsupportedModel
 from kvstore.format.layout import LayoutSpec, Stream
 
 KEY_TOKENS = 16  # 256 bits of BLAKE2b, 16 bits a token
 KV_POOL = "kv"
 MAMBA_POOL = "mamba"  # TP-sharded even where the model's KV is MLA (replicated)
+
+
+def _field_bytes(dtype: np.dtype, name: str) -> slice:
+    """Where field ``name`` of a structured ``dtype`` lies in its bytes."""
+    if dtype.fields is None:
+        raise TypeError(f"{dtype} has no fields")
+    field, offset = dtype.fields[name][:2]
+    return slice(offset, offset + field.itemsize)
+
+
+_FLAGS = _field_bytes(HEADER_DTYPE, "flags")  # where a chunk's header holds its flags
 
 
 @dataclass(frozen=True)
@@ -87,6 +99,7 @@ class PageFormat:
     dtype: torch.dtype
     memory_layout: str
     spec: LayoutSpec
+    payload_offset: int  # where a chunk's page bytes start (header, section table, check)
 
     @classmethod
     def of(cls, pool: str, host_pool: Any) -> PageFormat:  # an SGLang host pool
@@ -103,13 +116,19 @@ class PageFormat:
                           chunk_tokens=KEY_TOKENS, vocab_size=1 << 16,
                           requires_model_fingerprint=True,
                           notes="one SGLang HiCache page, its bytes verbatim")
-        return cls(pool, page_bytes, page.dtype, memory_layout, spec)
+        blank = encode_raw(spec, 0, np.zeros(KEY_TOKENS, np.uint32), bytes(page_bytes))
+        return cls(pool, page_bytes, page.dtype, memory_layout, spec,
+                   read_header(blank).payload_offset)
 
     def name(self, key: str, shard: Shard) -> str:
         """The storage name of page ``key`` (a KV key; ``"{key}.{pool}"`` for other
         pools, as SGLang names them)."""
+        return key + self.name_suffix(shard)
+
+    def name_suffix(self, shard: Shard) -> str:
+        """What follows the key in each of this pool's storage names on ``shard``."""
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{key}|{self.pool}|{dtype}|{self.memory_layout}|{shard.suffix(self.pool)}"
+        return f"|{self.pool}|{dtype}|{self.memory_layout}|{shard.suffix(self.pool)}"
 
     def encode(self, page: torch.Tensor | None, tokens: np.ndarray) -> bytes:
         """The chunk of one flat page (page values,) of the pool's dtype."""
@@ -123,22 +142,31 @@ class PageFormat:
 
     def payload(self, chunk: bytes | memoryview) -> memoryview | None:
         """The page bytes of a chunk ``read_chunks`` checked, or None: it is not an
-        uncompressed chunk of exactly one page (never written here)."""
-        header = read_header(chunk)
-        if header.compressed or header.raw_payload_len != self.page_bytes:
+        uncompressed chunk of exactly one page (never written here). Its header and
+        section table were checked against this layout's, so the payload starts at the
+        layout's offset; only the flags and the length are left to look at."""
+        view = memoryview(chunk).cast("B")
+        if len(view) != self.payload_offset + self.page_bytes or \
+                int.from_bytes(view[_FLAGS], "little") & FLAG_ZSTD:
             return None
-        view = memoryview(chunk)[header.payload_offset:]
-        return view if len(view) == self.page_bytes else None
+        return view[self.payload_offset:]
 
-    def flat_page(self, payload: memoryview) -> torch.Tensor:
-        """A page's bytes as the flat page (page values,) of the pool's dtype, a view of
-        ``payload`` (no copy: the host pool copies it in)."""
+    def flat_pages(self, payloads: Sequence[memoryview]) -> list[torch.Tensor]:
+        """Pages' bytes as flat pages (page values,) of the pool's dtype, views of
+        ``payloads`` (no copy: the host pool copies them in)."""
         with warnings.catch_warnings():  # read-only bytes: only ever read from
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            return torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype)
+            return [torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype)
+                    for payload in payloads]
 
 
 def key_tokens(name: str) -> np.ndarray:
     """The ``KEY_TOKENS`` stand-in token ids of a storage name (uint32)."""
-    digest = hashlib.blake2b(name.encode(), digest_size=2 * KEY_TOKENS).digest()
-    return np.frombuffer(digest, dtype="<u2").astype(np.uint32)
+    return names_tokens([name])
+
+
+def names_tokens(names: Iterable[str]) -> np.ndarray:
+    """Every storage name's stand-in token ids end to end: (names * KEY_TOKENS,) uint32."""
+    digests = b"".join(hashlib.blake2b(name.encode(), digest_size=2 * KEY_TOKENS).digest()
+                       for name in names)
+    return np.frombuffer(digests, dtype="<u2").astype(np.uint32)

@@ -49,7 +49,13 @@ from kvstore.format.layout import LayoutSpec
 from kvtier.integrations.breaker import Breaker
 from kvtier.integrations.sglang.config import StorageSettings
 from kvtier.integrations.sglang.hits import pool_hits
-from kvtier.integrations.sglang.pages import KV_POOL, PageFormat, Shard, key_tokens
+from kvtier.integrations.sglang.pages import (
+    KV_POOL,
+    PageFormat,
+    Shard,
+    key_tokens,
+    names_tokens,
+)
 from kvtier.sync import Client
 
 logger = logging.getLogger(__name__)
@@ -207,13 +213,13 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang: not in the
                     out.append([False] * len(keys))
                     continue
                 fmt, offsets = plan
-                got = []
-                for offset in offsets:
-                    data = next(loaded)
-                    if data is not None:
-                        host_pool.set_from_flat_data_page(offset, fmt.flat_page(data))
-                    got.append(data is not None)
-                out.append(got)
+                got = [next(loaded) for _ in offsets]
+                found = [(offset, data) for offset, data in zip(offsets, got, strict=True)
+                         if data is not None]
+                flat = fmt.flat_pages([data for _, data in found])
+                for (offset, _), page in zip(found, flat, strict=True):
+                    host_pool.set_from_flat_data_page(offset, page)
+                out.append([data is not None for data in got])
         return out
 
     def _set_pages(self, transfers: list[PoolPages]) -> list[list[bool]]:
@@ -329,7 +335,11 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang: not in the
 
     def _tokens(self, batch: list[Page]) -> np.ndarray:
         """Every page's stand-in tokens end to end: (pages * KEY_TOKENS,) uint32."""
-        return np.concatenate([key_tokens(fmt.name(key, self.shard)) for fmt, key in batch])
+        suffixes: dict[int, str] = {}  # id(PageFormat) -> its names' suffix, made once
+        for fmt, _ in batch:
+            if id(fmt) not in suffixes:
+                suffixes[id(fmt)] = fmt.name_suffix(self.shard)
+        return names_tokens(key + suffixes[id(fmt)] for fmt, key in batch)
 
     async def _layout(self, fmt: PageFormat) -> LayoutSpec:
         if fmt.spec.layout_id not in self._registered:

@@ -13,13 +13,22 @@ to its side. The settings are checked as the connector is built (``config``: a
 that registers its layouts in the background once the server answers (and again after an
 outage or a restart); until then the engine serves by recomputing, and vLLM's log says so.
 ``kv_role`` decides what runs: ``kv_consumer`` loads only, ``kv_producer`` saves only.
+
+A latent (MLA) group's layout names its layers' page sizes, which only the workers know
+(the scheduler's spec of a group is its first layer's: DeepSeek-V4's global group holds
+layers of three page sizes). Each worker tells them once after registering its cache
+(``get_handshake_metadata``, ``KVTierHandshake``), and the scheduler side starts when
+vLLM's engine core hands them over (``set_xfer_handshake_metadata``), before its first
+step; until then, or without them, every lookup is a miss and nothing is saved.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
@@ -28,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvstore.format.layout import LayoutSpec
 from kvtier.integrations.breaker import Link
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.layout import (
@@ -38,10 +48,22 @@ from kvtier.integrations.vllm.layout import (
     group_line,
     hit_alignment,
     rank_layout,
+    with_worker_pages,
+    worker_pages,
 )
-from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata
+from kvtier.integrations.vllm.metadata import (
+    KVTierConnectorMetadata,
+    KVTierHandshake,
+    KVTierWorkerMetadata,
+)
 from kvtier.integrations.vllm.repack import PagedLayout, layout_kind
-from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.scheduler import (
+    AllocatedBlocks,
+    ConnectorOutput,
+    EngineRequest,
+    SchedulerOutput,
+    SchedulerSide,
+)
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats, StatsCounter
 from kvtier.integrations.vllm.transfers import Store
 from kvtier.integrations.vllm.worker import WorkerSide
@@ -54,10 +76,11 @@ logger = init_logger("vllm." + __name__)  # under vLLM's logger: its format and 
 SCHEDULER_RETRY = RetryPolicy(attempts=2, initial_backoff_s=0.005, max_backoff_s=0.05)
 
 
-class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # vLLM's: not installed where mypy runs
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
 
-    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config) -> None:
+    def __init__(self, vllm_config: Any, role: KVConnectorRole,  # vLLM's configs
+                 kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config or {})
@@ -65,28 +88,20 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("kvtier connector: kv_load_failure_policy is %r: a block that "
                            "fails to load fails its request; set 'recompute' to recompute it",
                            transfer.kv_load_failure_policy)
-        self.loads, self.saves = transfer.is_kv_consumer, transfer.is_kv_producer
+        self.loads: bool = transfer.is_kv_consumer
+        self.saves: bool = transfer.is_kv_producer
         groups = cache_groups(vllm_config, kv_cache_config)
         self.groups = [g for g in groups if g.stored]
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            layouts = {g.group: [rank_layout(g, r, self.config.value_format)
-                                 for r in range(g.tp_size)] for g in self.groups}
-            every = [spec for specs in layouts.values() for spec in specs]
-            self._scheduler = SchedulerSide(self.config, groups, layouts,
-                                            self._link(every, SCHEDULER_RETRY),
-                                            alignment=hit_alignment(groups, kv_cache_config),
-                                            loads=self.loads, saves=self.saves)
-            logger.info("kvtier connector: server %s, tenant %s, layouts %s, model "
-                        "fingerprint %s, value format %s, kv_role %s (%s); groups: %s",
-                        self.config.server, self.config.tenant,
-                        ", ".join(specs[0].layout_id for specs in layouts.values()),
-                        self.config.model_fingerprint,
-                        self.config.value_format, transfer.kv_role,
-                        " and ".join(w for w, on in (("loads", self.loads),
-                                                     ("saves", self.saves)) if on),
-                        "; ".join(group_line(g) for g in groups))
+            self._all_groups = groups
+            self._alignment = hit_alignment(groups, kv_cache_config)
+            if worker_pages(self.groups):
+                logger.info("kvtier connector: latent groups %s: their layouts wait for "
+                            "the workers' page sizes", sorted(worker_pages(self.groups)))
+            else:
+                self._start_scheduler(groups)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
             from vllm.platforms import current_platform
@@ -96,7 +111,44 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                            for g in self.groups}
             self._is_cpu = current_platform.is_cpu()
 
-    def _link(self, layouts, retry: RetryPolicy) -> Link:
+    def _start_scheduler(self, groups: list[CacheShape]) -> None:
+        """The scheduler side over ``groups``, each stored one's layouts known."""
+        self.groups = [g for g in groups if g.stored]
+        layouts = {g.group: [rank_layout(g, r, self.config.value_format)
+                             for r in range(g.tp_size)] for g in self.groups}
+        every = [spec for specs in layouts.values() for spec in specs]
+        self._scheduler = SchedulerSide(self.config, groups, layouts,
+                                        self._link(every, SCHEDULER_RETRY),
+                                        alignment=self._alignment, loads=self.loads,
+                                        saves=self.saves)
+        logger.info("kvtier connector: server %s, tenant %s, layouts %s, model "
+                    "fingerprint %s, value format %s, kv_role %s (%s); groups: %s",
+                    self.config.server, self.config.tenant,
+                    ", ".join(specs[0].layout_id for specs in layouts.values()),
+                    self.config.model_fingerprint, self.config.value_format,
+                    self._kv_transfer_config.kv_role,
+                    " and ".join(w for w, on in (("loads", self.loads),
+                                                 ("saves", self.saves)) if on),
+                    "; ".join(group_line(g) for g in groups))
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """The workers' latent page sizes (rank 0's: latent groups run on one rank):
+        the scheduler side starts with them."""
+        if self._scheduler is not None or self.role != KVConnectorRole.SCHEDULER:
+            return
+        sent = [m for _, m in sorted(metadata.items()) if isinstance(m, KVTierHandshake)]
+        if not sent:
+            logger.warning("kvtier connector: the workers sent no page sizes: latent "
+                           "groups cannot be kept, every lookup is a miss")
+            return
+        self._start_scheduler(with_worker_pages(self._all_groups, sent[0].page_bytes))
+
+    def get_handshake_metadata(self) -> KVTierHandshake | None:
+        """This worker's latent groups' page sizes, for the scheduler; None without any."""
+        pages = worker_pages(self.groups)
+        return KVTierHandshake(pages) if pages else None
+
+    def _link(self, layouts: Sequence[LayoutSpec], retry: RetryPolicy) -> Link:
         client = Client(self.config.server, retry=retry, **self.config.client_options())
         return Link(client, layouts, server=self.config.server,
                     failures=self.config.breaker_failures,
@@ -104,7 +156,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- worker side --
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
         context = self._vllm_config.compilation_config.static_forward_context
@@ -127,30 +179,37 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                                   saves=self.saves, forward_cores=bound)
         self._worker.register_kv_caches(kv_caches, extract_layer_index)
 
-    def _store_of(self, group: CacheShape, layers, paged, stats: StatsCounter) -> Store:
+    def _store_of(self, group: CacheShape, layers: list[torch.Tensor], paged: PagedLayout,
+                  stats: StatsCounter) -> Store:
         return Store(self._link_w.client, self.config, self._specs[group.group], paged,
                      layers, group.dtype, stats)
 
-    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        self._worker.start_load_kv(self._meta())
+    @property
+    def _worker_side(self) -> WorkerSide:
+        assert self._worker is not None, "a worker hook on the scheduler or before registration"
+        return self._worker
+
+    def start_load_kv(self, forward_context: object, **kwargs: object) -> None:
+        self._worker_side.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._worker.wait_for_layer_load(layer_name)
+        self._worker_side.wait_for_layer_load(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        self._worker.save_kv_layer(self._meta(), layer_name, kv_layer)
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: object,
+                      **kwargs: object) -> None:
+        self._worker_side.save_kv_layer(self._meta(), layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        self._worker.wait_for_save(self._meta())
+        self._worker_side.wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
-        return self._worker.get_finished(finished_req_ids)
+        return self._worker_side.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.get_block_ids_with_load_errors()
+        return self._worker_side.get_block_ids_with_load_errors()
 
-    def build_connector_worker_meta(self):
-        return self._worker.build_connector_worker_meta()
+    def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
+        return self._worker_side.build_connector_worker_meta()
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
         side = self._scheduler if self._scheduler is not None else self._worker
@@ -169,24 +228,39 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- scheduler side --
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int
+    # Until the scheduler side has started (``set_xfer_handshake_metadata``): a miss,
+    # nothing planned.
+
+    def get_num_new_matched_tokens(self, request: EngineRequest, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
+        if self._scheduler is None:
+            return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+    def update_state_after_alloc(self, request: EngineRequest, blocks: AllocatedBlocks,
+                                 num_external_tokens: int) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output) -> KVTierConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput
+                             ) -> KVTierConnectorMetadata:
+        if self._scheduler is None:
+            return KVTierConnectorMetadata()
         return self._scheduler.build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output) -> None:
-        self._scheduler.update_connector_output(connector_output)
+    def update_connector_output(self, connector_output: ConnectorOutput) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
 
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        return self._scheduler.request_finished(request, (block_ids,))
+    def request_finished(self, request: EngineRequest, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, str | int] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
 
-    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
-                                    ) -> tuple[bool, dict | None]:
+    def request_finished_all_groups(self, request: EngineRequest,
+                                    block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, str | int] | None]:
+        if self._scheduler is None:
+            return False, None
         return self._scheduler.request_finished(request, block_ids)
 
     # -- metrics --
@@ -196,6 +270,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return KVTierStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames,
-                           per_engine_labelvalues) -> KVTierPromMetrics:
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any,  # vLLM's
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVTierPromMetrics:
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

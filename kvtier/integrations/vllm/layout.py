@@ -43,7 +43,7 @@ is ``vllm-<arrangement>-<layers>x<kv_heads>x<head_size>-b<block>-<dtype>``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -90,7 +90,7 @@ class CacheShape:
     group: int = 0  # the group's index in vLLM's kv_cache_groups
     layer_names: tuple[str, ...] = ()  # the group's layers, in vLLM's order
     spec_name: str = "FullAttentionSpec"  # the vLLM spec class the group came from
-    # "raw": each layer's bytes per block (the engine's page), in layer order
+    # "raw": each layer's bytes per block (its page's real content), in layer order
     page_bytes: tuple[int, ...] = ()
 
     @property
@@ -134,22 +134,50 @@ def _attention_shape(vllm_config: Any, spec: Any, group: int, layer_names: list[
 
 def _raw_shape(vllm_config: Any, spec: Any, group: int, layer_names: list[str], kind: str,
                window: int) -> CacheShape:  # vLLM's config and spec
-    """A latent (MLA) group: each layer's block is the engine's own bytes, a page of the
-    layer's spec's size (``UniformTypeKVCacheSpecs``: one spec per layer)."""
-    name = type(spec).__name__
+    """A latent (MLA) group: each layer's block is the engine's own bytes, the real content
+    of the layer's page (``real_page_size_bytes``: vLLM may pad a page up to an alignment,
+    and the view a worker is handed holds only the content). Each layer's own spec is the
+    worker's alone (``UniformTypeKVCacheSpecs``): the scheduler's group spec is its first
+    layer's, so the scheduler takes these sizes from the workers (``KVTierHandshake``), and
+    names the group by that first layer's spec, as the worker does."""
+    per_layer = getattr(spec, "kv_cache_specs", None) or {}
+    first = next(iter(per_layer.values())) if per_layer else spec
+    name = type(first).__name__
     tp_size = vllm_config.parallel_config.tensor_parallel_size
     if tp_size != 1:
         raise UnsupportedModel(f"kvtier connector: {name} with tensor parallelism "
                                f"({tp_size} ranks) is not supported")
-    per_layer = getattr(spec, "kv_cache_specs", None) or {}
-    first = next(iter(per_layer.values())) if per_layer else spec
-    pages = tuple(per_layer.get(n, spec).page_size_bytes for n in layer_names)
+    pages = tuple(per_layer.get(n, spec).real_page_size_bytes for n in layer_names)
     return CacheShape(layers=len(layer_names), kv_heads=1, head_size=first.head_size,
                       block_size=spec.block_size,
                       vocab_size=vllm_config.model_config.get_vocab_size(),
                       dtype=first.dtype, tp_size=1, arrangement="raw", kind=kind,
                       window=window, group=group, layer_names=tuple(layer_names),
                       spec_name=name, page_bytes=pages)
+
+
+def with_worker_pages(groups: list[CacheShape], page_bytes: dict[int, tuple[int, ...]]
+                      ) -> list[CacheShape]:
+    """The scheduler's ``groups`` with each stored latent group's layers' page sizes as the
+    workers hold them (``page_bytes``: group -> its layers' bytes per block, from
+    ``KVTierHandshake``), so both sides derive the same layout; a latent group the workers
+    did not describe is ``UnsupportedModel``."""
+    out = []
+    for group in groups:
+        if group.arrangement == "raw" and group.stored:
+            pages = tuple(page_bytes.get(group.group, ()))
+            if len(pages) != group.layers:
+                raise UnsupportedModel(f"kvtier connector: the workers gave {len(pages)} page "
+                                       f"sizes for group {group.group}'s {group.layers} layers")
+            group = replace(group, page_bytes=pages)
+        out.append(group)
+    return out
+
+
+def worker_pages(groups: list[CacheShape]) -> dict[int, tuple[int, ...]]:
+    """What a worker tells the scheduler (``with_worker_pages``): per stored latent group,
+    its layers' bytes per block."""
+    return {g.group: g.page_bytes for g in groups if g.arrangement == "raw" and g.stored}
 
 
 def group_policy(spec: Any, enable_kv_transfer: bool = True) -> tuple[str, str, int]:
@@ -343,16 +371,13 @@ def group_tag(shape: CacheShape) -> str:
 
 def raw_layout(shape: CacheShape) -> LayoutSpec:
     """A latent group's layout: per layer, its block's bytes as the engine holds them,
-    one entry per block; layers of one page size share a stream (``page``, then
-    ``page1``, ... in order of first appearance), so a chunk is each layer's page back to
-    back. The name states the group kind, its layers' page sizes, the block and dtype:
+    one opaque entry per block (a page need not be a whole number of bytes per token:
+    DeepSeek-V4's ratio-128 layer keeps 1,168 B per 256-token block); layers of one page
+    size share a stream (``page``, then ``page1``, ... in order of first appearance), so a
+    chunk is each layer's page back to back. The name states the group kind, its layers'
+    page sizes, the block and dtype:
     ``vllm-[swa<window>-]<spec>-<layers>x<page bytes>[_<page bytes>...]-b<block>-<dtype>``."""
     sizes = list(dict.fromkeys(shape.page_bytes))
-    for size in sizes:
-        if size % shape.block_size:
-            raise UnsupportedModel(f"kvtier connector: {shape.spec_name}: a page of {size} B "
-                                   f"is no whole number of bytes per token of its "
-                                   f"{shape.block_size}-token block")
     streams = tuple(Stream(raw_stream(n), (1, size), bits=8, format=PAGE,
                            tokens_per_entry=shape.block_size,
                            layers=shape.page_bytes.count(size))

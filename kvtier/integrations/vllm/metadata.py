@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
@@ -74,3 +75,12 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]  # 
         for req_id, chunk in getattr(other, "unsaved", {}).items():
             merged[req_id] = min(chunk, merged.get(req_id, chunk))
         return KVTierWorkerMetadata(merged)
+
+
+@dataclass
+class KVTierHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]  # vLLM's: not installed where mypy runs
+    """What a worker tells the scheduler once, after registering its cache: per stored
+    latent group, its layers' bytes per block (``layout.worker_pages``), which the
+    scheduler's group spec (its first layer's) does not say."""
+
+    page_bytes: dict[int, tuple[int, ...]] = field(default_factory=dict)

@@ -82,14 +82,12 @@ class PagedLayout:
         nhd."""
         return layer.index_select(self.block_dim, block_ids)
 
-    def page_rows(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Blocks ``take`` returned as their pages, byte for byte, on the CPU: (n *
-        block_size, page bytes // block_size) uint8, each block's page its block_size rows
-        back to back (a row is a share of a page, no token's K or V)."""
+    def as_pages(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Blocks ``take`` returned as their pages, byte for byte, on the CPU: (n, page
+        bytes) uint8, one row per block (a page is opaque: no row of it is a token's)."""
         if self.kind == "nhd":
             blocks = blocks.transpose(0, 1)  # (n, 2, b, H, D)
-        n, b = blocks.shape[0], self.block_size
-        return blocks.cpu().contiguous().view(torch.uint8).reshape(n * b, -1)
+        return blocks.cpu().contiguous().view(torch.uint8).reshape(blocks.shape[0], -1)
 
     def put_pages(self, layer: torch.Tensor, block_ids: torch.Tensor,
                   pages: torch.Tensor) -> None:

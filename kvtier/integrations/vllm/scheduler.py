@@ -44,8 +44,10 @@ only saves (every lookup is 0), ``kv_both`` does both.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence, Set
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from vllm.logger import init_logger
 
@@ -62,6 +64,7 @@ from kvtier.integrations.vllm.metadata import (
     SpillPlan,
 )
 from kvtier.integrations.vllm.stats import KVTierStats, StatsCounter
+from kvtier.sync import Client
 
 logger = init_logger("vllm." + __name__)  # under vLLM's logger: its format and level
 
@@ -71,6 +74,83 @@ SESSION_PARAM = "kvtier_session"
 # threads need (a loaded engine's lookups then missed their deadline).
 FIRST_ANSWER_S = 0.002
 GENERATION_PARAM = "kvtier_generation"
+
+# What the scheduler side reads of vLLM's objects: vLLM is not installed where mypy runs,
+# so these protocols type the hooks' arguments (vLLM's own classes satisfy them).
+BlockIds = Sequence[Sequence[int]]  # per KV cache group (vLLM's order): its block ids
+
+
+class EngineRequest(Protocol):
+    """vLLM's ``Request``."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def prompt_token_ids(self) -> Sequence[int] | None: ...
+    @property
+    def prompt_embeds(self) -> object: ...  # a tensor, or None
+    @property
+    def mm_features(self) -> Sequence[object]: ...
+    @property
+    def lora_request(self) -> object: ...
+    @property
+    def cache_salt(self) -> str | None: ...
+
+
+class AllocatedBlocks(Protocol):
+    """vLLM's ``KVCacheBlocks``: a request's blocks."""
+
+    def get_block_ids(self) -> BlockIds: ...
+
+
+class NewRequestData(Protocol):
+    """vLLM's ``NewRequestData``: a request scheduled for the first time (or resumed)."""
+
+    @property
+    def req_id(self) -> str: ...
+    @property
+    def block_ids(self) -> BlockIds: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+
+class CachedRequestData(Protocol):
+    """vLLM's ``CachedRequestData``: the requests scheduled before, one index each."""
+
+    @property
+    def req_ids(self) -> Sequence[str]: ...
+    @property
+    def resumed_req_ids(self) -> Set[str]: ...
+    @property
+    def new_block_ids(self) -> Sequence[BlockIds | None]: ...
+    @property
+    def num_computed_tokens(self) -> Sequence[int]: ...
+
+
+class SchedulerOutput(Protocol):
+    """vLLM's ``SchedulerOutput``: one step's schedule."""
+
+    @property
+    def scheduled_new_reqs(self) -> Sequence[NewRequestData]: ...
+    @property
+    def scheduled_cached_reqs(self) -> CachedRequestData: ...
+    @property
+    def num_scheduled_tokens(self) -> Mapping[str, int]: ...
+    @property
+    def scheduled_spec_decode_tokens(self) -> Mapping[str, Sequence[int]]: ...
+
+
+class ConnectorOutput(Protocol):
+    """vLLM's ``KVConnectorOutput``: what the workers reported of a step."""
+
+    @property
+    def kv_connector_worker_meta(self) -> object: ...  # the workers' aggregated, or None
 
 
 @dataclass
@@ -91,13 +171,13 @@ class _Asked:
     num_tokens: int
     local_tokens: int
     session: str | None
-    answer: Future  # (held tokens, session generation)
+    answer: Future[tuple[int, int]]  # (held tokens, session generation)
     deadline: float  # time.monotonic() past which it is a miss
 
 
 @dataclass
 class _Tracker:
-    request: object  # vllm.v1.request.Request
+    request: EngineRequest
     session: str | None
     generation: int
     # per stored group (vLLM's index): its blocks, one per chunk (null blocks below a
@@ -108,7 +188,7 @@ class _Tracker:
     load: tuple[int, int] | None = None  # (first, end) tokens to load in the next step
 
 
-def session_of(request) -> str | None:
+def session_of(request: EngineRequest) -> str | None:
     """The session a request resumes and extends (``kv_transfer_params``), or None; a
     value that is no session id is ignored (logged): a request must not stop the engine."""
     params = getattr(request, "kv_transfer_params", None) or {}
@@ -122,7 +202,7 @@ def session_of(request) -> str | None:
     return session
 
 
-def cacheable(request) -> bool:
+def cacheable(request: EngineRequest) -> bool:
     """Whether a request's KV is a function of its token ids and the model alone: not with
     prompt embeddings, multimodal inputs (their placeholder tokens do not say what they
     stand for), a LoRA adapter or a cache salt (vLLM's own cache isolation). Others are
@@ -138,7 +218,7 @@ def held_limit(num_tokens: int, block_size: int) -> int:
     return max(num_tokens - 1, 0) // block_size * block_size
 
 
-def window_end(request, alignment: int) -> int:
+def window_end(request: EngineRequest, alignment: int) -> int:
     """Where a request's sliding windows are stored: the longest hit a repeat of its
     prompt can have (a longer prompt sharing it hits there too)."""
     return held_limit(request.num_prompt_tokens, alignment)
@@ -183,12 +263,12 @@ class SchedulerSide:
         self._delayed: list[str] = []
 
     @property
-    def client(self):
+    def client(self) -> Client:
         return self.link.client
 
     # -- matching --
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int
+    def get_num_new_matched_tokens(self, request: EngineRequest, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         if not self.loads or not cacheable(request):
             return 0, False
@@ -202,7 +282,7 @@ class SchedulerSide:
             self._matches[request.request_id] = match
         return max(0, match.held_tokens - num_computed_tokens), False
 
-    def _match(self, request, num_tokens: int, local_tokens: int) -> _Match | None:
+    def _match(self, request: EngineRequest, num_tokens: int, local_tokens: int) -> _Match | None:
         """The store's answer for ``request`` now, a miss, or None while it is asked."""
         session = session_of(request) if self.sessions else None
         limit = held_limit(num_tokens, self.alignment)
@@ -287,7 +367,8 @@ class SchedulerSide:
             return 0
         return reply.session.generation if reply.session is not None else 0
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: EngineRequest, blocks: AllocatedBlocks,
+                                 num_external_tokens: int) -> None:
         if not cacheable(request):
             return
         match = self._matches.pop(request.request_id, None)
@@ -306,6 +387,7 @@ class SchedulerSide:
         tracker.saved = {g.group: held // g.block_size for g in self.groups}
         tracker.load = None
         if num_external_tokens > 0:
+            assert match is not None  # vLLM loads external tokens only of a hit it was told
             start = match.local_tokens
             end = start + num_external_tokens
             if start % self.alignment or end % self.alignment or end > match.held_tokens:
@@ -324,7 +406,8 @@ class SchedulerSide:
 
     # -- per-step plans --
 
-    def build_connector_meta(self, scheduler_output) -> KVTierConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput
+                             ) -> KVTierConnectorMetadata:
         meta = KVTierConnectorMetadata()
         drafts = scheduler_output.scheduled_spec_decode_tokens
         # KV that will stand after the step: draft tokens' KV may be rejected
@@ -362,7 +445,7 @@ class SchedulerSide:
             self._plan_group(meta, req_id, tracker, g, tokens, load, computed_after)
 
     def _plan_group(self, meta: KVTierConnectorMetadata, req_id: str, tracker: _Tracker,
-                    group: CacheShape, tokens, load: tuple[int, int] | None,
+                    group: CacheShape, tokens: Sequence[int], load: tuple[int, int] | None,
                     computed_after: int) -> None:
         bs, index = group.block_size, group.group
         blocks = tracker.block_ids[index]
@@ -387,7 +470,7 @@ class SchedulerSide:
                                        tuple(blocks[first:full]), index))
         tracker.saved[index] = max(saved, full)
 
-    def update_connector_output(self, connector_output) -> None:
+    def update_connector_output(self, connector_output: ConnectorOutput) -> None:
         worker_meta = connector_output.kv_connector_worker_meta
         if isinstance(worker_meta, KVTierWorkerMetadata):
             for req_id, token in worker_meta.unsaved.items():
@@ -399,8 +482,8 @@ class SchedulerSide:
 
     # -- the end of a request --
 
-    def request_finished(self, request, block_ids: tuple[list[int], ...]
-                         ) -> tuple[bool, dict | None]:
+    def request_finished(self, request: EngineRequest, block_ids: BlockIds
+                         ) -> tuple[bool, dict[str, str | int] | None]:
         """``block_ids``: per KV cache group (vLLM's order)."""
         self._matches.pop(request.request_id, None)
         self._asked.pop(request.request_id, None)

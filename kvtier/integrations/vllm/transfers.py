@@ -92,17 +92,20 @@ class Store:
         return torch.tensor(block_ids, dtype=torch.int64, device=self.layers[0].device)
 
     def encode_blocks(self, kv: dict[str, torch.Tensor], token_ids: Sequence[int],
-                      first_token: int) -> list[bytes]:
-        """Chunks of K and V (layers, tokens, H, D), or of page rows, from token
-        ``first_token`` on (``gathered``): one per whole block, and one more for a partial
-        last block."""
+                      first_token: int, count: int) -> list[bytes]:
+        """Chunks of ``count`` tokens from token ``first_token`` on, of K and V (layers,
+        tokens, H, D) or of pages (layers, blocks, page bytes) (``gathered``): one per
+        whole block, and one more for a partial last block (no page: a page is whole)."""
         bs = self.block_size
-        count = next(iter(kv.values())).shape[1]
         out = []
         for start in range(0, count, bs):
             stop = min(start + bs, count)
-            streams = {name: values.encode(self.spec.stream(name), kv[name][:, start:stop])
-                       for name in self.streams}
+            streams = {}
+            for name in self.streams:
+                stream = self.spec.stream(name)
+                part = kv[name][:, start // bs:stop // bs] if stream.format == PAGE \
+                    else kv[name][:, start:stop]
+                streams[name] = values.encode(stream, part)
             at = first_token + start
             out.append(encode_chunk(self.spec, at, token_ids[at:at + stop - start], streams))
         return out
@@ -124,8 +127,8 @@ def page_chunks(raw: list[torch.Tensor], store: Store, token_ids: Sequence[int],
     for (name, at), blocks in zip(store.page_streams, raw, strict=True):
         part = codes[name]
         offset = start + part.offset + at * part.layer_bytes
-        # (n, page bytes): each block's page
-        buffer[:, offset:offset + part.layer_bytes].copy_(paged.page_rows(blocks).view(n, -1))
+        # (n, page bytes): each block's page, opaque
+        buffer[:, offset:offset + part.layer_bytes].copy_(paged.as_pages(blocks))
     rows = buffer.numpy()
     out = []
     for i in range(n):
@@ -138,14 +141,14 @@ def page_chunks(raw: list[torch.Tensor], store: Store, token_ids: Sequence[int],
 
 def gathered(raw: list[torch.Tensor], store: Store) -> dict[str, torch.Tensor]:
     """K and V (layers, tokens, H, D) on the CPU of per-layer blocks ``PagedLayout.take``
-    returned; for engine pages their page rows, per page stream (layers, tokens, page
-    bytes // block_size) uint8, no repack."""
+    returned; for engine pages the pages, per page stream (layers, blocks, page bytes)
+    uint8, no repack."""
     paged = store.paged
     if paged.pages:
-        rows: dict[str, list[torch.Tensor]] = {}
+        pages: dict[str, list[torch.Tensor]] = {}
         for (name, _), blocks in zip(store.page_streams, raw, strict=True):
-            rows.setdefault(name, []).append(paged.page_rows(blocks))
-        return {name: torch.stack(layers) for name, layers in rows.items()}
+            pages.setdefault(name, []).append(paged.as_pages(blocks))
+        return {name: torch.stack(layers) for name, layers in pages.items()}
     split = [paged.split(blocks.cpu()) for blocks in raw]
     return {"k": torch.stack([k for k, _ in split]), "v": torch.stack([v for _, v in split])}
 
@@ -329,10 +332,10 @@ def run_save(store: Store, plan: SavePlan, raw: list[torch.Tensor],
             ready.synchronize()
         first_token = plan.first_chunk * store.block_size
         if store.paged.pages:
-            chunks: Sequence[Buffer] = page_chunks(raw, store, plan.token_ids,
-                                                               first_token)
+            chunks: Sequence[Buffer] = page_chunks(raw, store, plan.token_ids, first_token)
         else:
-            chunks = store.encode_blocks(gathered(raw, store), plan.token_ids, first_token)
+            chunks = store.encode_blocks(gathered(raw, store), plan.token_ids, first_token,
+                                         len(plan.block_ids) * store.block_size)
         result = store.client.write_chunks(
             store.config.tenant, store.spec, list(plan.token_ids), chunks,
             first_chunk=plan.first_chunk, model_fingerprint=store.config.model_fingerprint,
@@ -358,9 +361,7 @@ def run_spill(store: Store, plan: SpillPlan, session_id: str, raw: list[torch.Te
     try:
         if ready is not None:
             ready.synchronize()
-        kv = gathered(raw, store)
-        kv = {name: tensor[:, :len(tokens)] for name, tensor in kv.items()}
-        encoded = store.encode_blocks(kv, tokens, 0)
+        encoded = store.encode_blocks(gathered(raw, store), tokens, 0, len(tokens))
         full = len(tokens) // bs
         chunks, tail = encoded[:full], b"".join(encoded[full:])
         # learns which chunks the store holds, so the spill names them without bytes

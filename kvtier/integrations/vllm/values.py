@@ -6,9 +6,9 @@ never rounded); int8 and fp8 streams hold ``kvstore.format.hf.quant``'s codes (i
 fp16 scale per token and head; fp8: one float32 scale per layer, made from the chunk's
 absmax).
 
-A page stream (``layout.page_layout``) holds no values: its rows are the engine's page
-bytes, (layers, tokens, page bytes // block_size) uint8 (``PagedLayout.page_rows``), and
-its codes are those bytes, one entry per whole block (a partial block holds none).
+A page stream (``layout.page_layout``, ``layout.raw_layout``) holds no values: it is given
+the engine's pages, (layers, blocks, page bytes) uint8 (``PagedLayout.as_pages``), and its
+codes are those bytes, one entry per block (a partial block is given none).
 """
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ from kvstore.format.layout import Stream
 
 
 def encode(stream: Stream, values: torch.Tensor) -> StreamData:
-    """``stream``'s codes of ``values`` (layers, tokens, H, D), or of page rows."""
+    """``stream``'s codes of ``values`` (layers, tokens, H, D), or of pages (layers,
+    blocks, page bytes)."""
     if stream.format == "page":
-        if values.dtype != torch.uint8:
-            raise LayoutMismatch(f"stream {stream.name} holds page bytes, got {values.dtype}")
-        layers, tokens = values.shape[:2]
-        whole = tokens // stream.tokens_per_entry * stream.tokens_per_entry
-        codes = values[:, :whole].reshape(layers, -1, *stream.entry_shape)
+        if values.dtype != torch.uint8 or values.dim() != 3 \
+                or values.shape[2] != stream.bytes_per_entry:
+            raise LayoutMismatch(f"stream {stream.name} holds pages of "
+                                 f"{stream.bytes_per_entry} B (uint8), got "
+                                 f"{tuple(values.shape)} {values.dtype}")
+        codes = values.reshape(*values.shape[:2], *stream.entry_shape)
         return StreamData(codes.contiguous(), None)
     if stream.value_format.scales == "none" and values.dtype != code_dtype(stream):
         raise LayoutMismatch(f"stream {stream.name} holds {stream.format} values as they are, "
@@ -39,10 +41,9 @@ def encode(stream: Stream, values: torch.Tensor) -> StreamData:
 
 def decode(stream: Stream, data: StreamData, dtype: torch.dtype) -> torch.Tensor:
     """(layers, tokens, H, D) values in ``dtype`` of one chunk's decoded stream; a page
-    stream's page rows (layers, tokens, page bytes // block_size) uint8."""
+    stream's pages (layers, blocks, page bytes) uint8."""
     if stream.format == "page":
-        return data.codes.reshape(data.codes.shape[0], -1, stream.bytes_per_entry
-                                  // stream.tokens_per_entry)
+        return data.codes.reshape(data.codes.shape[0], -1, stream.bytes_per_entry)
     if stream.value_format.scales == "none" and dtype == data.codes.dtype:
         return data.codes
     try:

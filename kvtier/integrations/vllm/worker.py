@@ -24,6 +24,13 @@ priority (``off_forward_cores``); loads stay there, as the forward waits for the
 Each KV cache group kvtier stores has its own ``transfers.Store`` (its layout, its layers,
 its paged layout); plans name their group. A group the engine rebuilds has none: its
 layers are neither loaded nor saved.
+
+Layers without per-layer hooks: vLLM calls ``wait_for_layer_load`` and ``save_kv_layer``
+only from its own attention ops, which some layers never run (DeepSeek-V4's caches, an
+MLA layer that calls its backend directly). A layer is taken as hooked once a hook named
+it; until then a load of its group is waited for in ``start_load_kv``, before the forward
+pass, and its blocks are copied out in ``wait_for_save``, after it (the step's KV is
+then in the cache, and its blocks are the request's until the step's output is back).
 """
 
 from __future__ import annotations
@@ -34,18 +41,31 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 from vllm.logger import init_logger
 
 from kvtier.integrations.breaker import Link
 from kvtier.integrations.vllm.layout import CacheShape, rank_session
-from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.metadata import (
+    KVTierConnectorMetadata,
+    KVTierWorkerMetadata,
+    SavePlan,
+)
 from kvtier.integrations.vllm.repack import PagedLayout
 from kvtier.integrations.vllm.stats import KVTierStats, StatsCounter
 from kvtier.integrations.vllm.transfers import LoadJob, Store, run_load, run_save, run_spill
 
 logger = init_logger("vllm." + __name__)  # under vLLM's logger: its format and level
+
+# ``run_save``'s arguments: the group's store, the plan, its blocks' copies per layer, and
+# the CUDA event after which the copies are complete (None on the CPU)
+Save = tuple[Store, SavePlan, list[torch.Tensor], torch.cuda.Event | None]
+# the ``transfers.Store`` of a stored group's registered layers (group, layers, the layers'
+# paged layout, the counters it adds to)
+StoreFactory = Callable[[CacheShape, list[torch.Tensor], PagedLayout, StatsCounter], Store]
+
 
 
 # The save thread yields to the engine's threads where they share a core: saves are
@@ -72,26 +92,26 @@ async def _run_off_forward_cores(forward: set[int] | None) -> None:
     off_forward_cores(forward)
 
 
-def save_all(saves: list[tuple]) -> bool:
+def save_all(saves: list[Save]) -> bool:
     """``run_save`` of each (store, plan, blocks, ready) in order; whether all were
     written (each is tried, whatever the others did)."""
     return all([run_save(*save) for save in saves])
 
 
-def recorded(tensors: list[torch.Tensor]):
+def recorded(tensors: list[torch.Tensor]) -> torch.cuda.Event | None:
     """A CUDA event after the work queued so far on this thread's stream (None on the
     CPU, where it is done): a background thread waits on it before it touches
     ``tensors`` (the save thread before reading block copies, a load before writing
     blocks vLLM zeroes first)."""
     if not tensors[0].is_cuda:
         return None
-    event = torch.cuda.Event()
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves its __new__ unannotated
     event.record()
     return event
 
 
 class WorkerSide:
-    def __init__(self, store_of, groups: list[CacheShape], rank: int,
+    def __init__(self, store_of: StoreFactory, groups: list[CacheShape], rank: int,
                  paged: dict[int, PagedLayout], link: Link, *, queue_depth: int,
                  saves: bool = True, forward_cores: set[int] | None = None) -> None:
         """``store_of(group, layers, paged, stats)``: the ``transfers.Store`` of a stored group's
@@ -110,6 +130,8 @@ class WorkerSide:
         self._store_of = store_of
         self.stores: dict[int, Store] = {}
         self._layer_index: dict[str, tuple[int, int]] = {}  # name -> (group, layer)
+        self._names: dict[int, list[str]] = {}  # group -> its layers' names, in order
+        self._hooked: set[str] = set()  # layers a per-layer hook has named
         self._loads: list[LoadJob] = []
         # this step's saves, per group: every plan's blocks, in plan order, copied per layer
         self._step_meta: KVTierConnectorMetadata | None = None
@@ -131,11 +153,12 @@ class WorkerSide:
         self._writer.start()
 
     @property
-    def store(self) -> Store | None:
-        """The first stored group's store (a session's)."""
-        return self.stores.get(self.shape.group)
+    def store(self) -> Store:
+        """The first stored group's store (a session's), once the caches are registered."""
+        return self.stores[self.shape.group]
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layer_index) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor],
+                           layer_index: Callable[[str], int]) -> None:
         """``layer_index(name)``: the layer number of an attention layer's name. A group's
         layers are taken in its order (``layout.cache_groups`` sorts them by layer
         number); every registered one by layer number when it names none."""
@@ -146,6 +169,7 @@ class WorkerSide:
                 raise ValueError(f"kvtier connector: group {group.group}'s layers "
                                  f"{missing or names} are not the {group.layers} registered")
             paged = self.paged[group.group]
+            self._names[group.group] = names
             for i, name in enumerate(names):
                 paged.check(kv_caches[name], group.page_bytes[i] if group.page_bytes else 0)
                 self._layer_index[name] = (group.group, i)
@@ -161,8 +185,12 @@ class WorkerSide:
             job = LoadJob.of(plan, len(store.layers), queued)
             self._loads.append(job)
             self._load_pool.submit(run_load, store, job)
+        for job in self._loads:
+            if not self._hooked.issuperset(self._names[job.plan.group]):
+                job.done.wait()  # no hook waits for it: done before the forward pass
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        self._hooked.add(layer_name)
         where = self._layer_index.get(layer_name)
         for job in self._loads:
             if where is None:
@@ -184,31 +212,51 @@ class WorkerSide:
 
     def save_kv_layer(self, meta: KVTierConnectorMetadata, layer_name: str,
                       kv_layer: torch.Tensor) -> None:
+        self._hooked.add(layer_name)
         where = self._layer_index.get(layer_name)
         if where is None or not meta.saves or not self.saves:
             return
-        if self._step_meta is not meta:  # the step's first layer
-            self._step_meta = meta
-            # kvtier down: the step's saves are skipped (``wait_for_save``), so no block
-            # is copied for them
-            self._step_down = not self.link.up
-            self._step_index = {} if self._step_down else {
-                g: store.block_index([b for plan in meta.saves if plan.group == g
-                                      for b in plan.block_ids])
-                for g, store in self.stores.items()}
-            self._staged = {g: [None] * len(store.layers) for g, store in self.stores.items()}
+        self._begin_step(meta)
         group, index = where
         if group in self._step_index and self._step_index[group].numel():
             self._staged[group][index] = self.paged[group].take(kv_layer,
                                                                 self._step_index[group])
 
+    def _begin_step(self, meta: KVTierConnectorMetadata) -> None:
+        """The step's save blocks per group, in plan order, once per step."""
+        if self._step_meta is meta:
+            return
+        self._step_meta = meta
+        # kvtier down: the step's saves are skipped (``wait_for_save``), so no block is
+        # copied for them
+        self._step_down = not self.link.up
+        self._step_index = {} if self._step_down else {
+            g: store.block_index([b for plan in meta.saves if plan.group == g
+                                  for b in plan.block_ids])
+            for g, store in self.stores.items()}
+        self._staged = {g: [None] * len(store.layers) for g, store in self.stores.items()}
+
+    def _take_unhooked(self, meta: KVTierConnectorMetadata) -> None:
+        """After the forward pass: the save blocks of every layer no hook ever named."""
+        if not meta.saves or not self.saves:
+            return
+        self._begin_step(meta)
+        for g, store in self.stores.items():
+            if g not in self._step_index or not self._step_index[g].numel():
+                continue
+            for i, name in enumerate(self._names[g]):
+                if name not in self._hooked:
+                    self._staged[g][i] = self.paged[g].take(store.layers[i],
+                                                            self._step_index[g])
+
     def wait_for_save(self, meta: KVTierConnectorMetadata) -> None:
         failed_loads = {job.plan.req_id for job in self._loads_done()
                         if job.first_failed_chunk is not None}
+        self._take_unhooked(meta)
         staged = self._staged if self._step_meta is meta else {}
         down = self._step_down and self._step_meta is meta
         at = dict.fromkeys(self.stores, 0)
-        batches: dict[str, list] = {}  # req_id -> its saves of every group: one job
+        batches: dict[str, list[Save]] = {}  # req_id -> its saves of every group: one job
         for plan in meta.saves:
             if down:  # nothing was copied: skipped as while kvtier is down, one per request
                 batches.setdefault(plan.req_id, [])
@@ -216,8 +264,9 @@ class WorkerSide:
             group = self.stores[plan.group]
             count = len(plan.block_ids)
             at[plan.group] += count
-            layers = staged.get(plan.group, [])
-            if plan.req_id in failed_loads or not layers or any(t is None for t in layers):
+            staged_layers = staged.get(plan.group, [])
+            layers = [t for t in staged_layers if t is not None]
+            if plan.req_id in failed_loads or not layers or len(layers) < len(staged_layers):
                 # computed over blocks that failed to load, or not every layer ran: the
                 # scheduler plans them again from this token on
                 token = plan.first_chunk * group.block_size
@@ -230,16 +279,16 @@ class WorkerSide:
             if down:
                 self._skip(req_id)
             elif self._may_queue(req_id):
-                self._offer(req_id, save_all, saves)
+                self._offer(req_id, partial(save_all, saves))
         self._step_meta, self._step_index, self._staged = None, {}, {}
         self._step_down = False
-        for plan in meta.spills:
-            if self._may_queue(plan.req_id):
-                index = self.store.block_index(plan.block_ids)
+        for spill in meta.spills:
+            if self._may_queue(spill.req_id):
+                index = self.store.block_index(spill.block_ids)
                 raw = [self.store.paged.take(layer, index) for layer in self.store.layers]
-                self._offer(plan.req_id, run_spill, self.store, plan,
-                            rank_session(plan.session_id, self.shape, self.rank), raw,
-                            recorded(raw))
+                self._offer(spill.req_id, partial(
+                    run_spill, self.store, spill,
+                    rank_session(spill.session_id, self.shape, self.rank), raw, recorded(raw)))
         # every spill's blocks are copied (or its spill skipped): vLLM may free them now
         self._released.update(meta.delayed)
 
@@ -256,11 +305,11 @@ class WorkerSide:
         self._abandoned.add(req_id)
         self.stats.add(saves_skipped=1)
 
-    def _offer(self, req_id: str, work, *args) -> None:
-        """Queue ``work(*args)`` for the writer, or skip it (counted) if the queue filled
+    def _offer(self, req_id: str, work: Callable[[], bool]) -> None:
+        """Queue ``work()`` for the writer, or skip it (counted) if the queue filled
         meanwhile: never wait."""
         try:
-            self._jobs.put_nowait(lambda: self._report(work(*args)))
+            self._jobs.put_nowait(lambda: self._report(work()))
         except queue.Full:
             self._skip(req_id)
 
@@ -295,7 +344,8 @@ class WorkerSide:
     def shutdown(self) -> None:
         self._load_pool.shutdown(wait=True)
         # the queued saves land first, for a bounded time (the server may hang)
-        bound = self.store.config.timeout_s if self.store is not None else 1
+        store = self.stores.get(self.shape.group)
+        bound = store.config.timeout_s if store is not None else 1
         with contextlib.suppress(queue.Full):
             self._jobs.put(None, timeout=bound)
         self._writer.join(timeout=bound)
