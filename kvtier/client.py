@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from kvstore.format.chunk import LayerSlice, StreamData
+from kvstore.format.chunk import Buffer, LayerSlice, StreamData
 from kvstore.format.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -497,7 +497,7 @@ class AsyncClient:
     # again on another node: its chunks are content-addressed, a second copy a dedupe.
 
     async def write_chunks(self, tenant: str, layout: str | LayoutSpec, token_ids: TokenIds,
-                           chunks: Sequence[bytes], *, first_chunk: int = 0,
+                           chunks: Sequence[Buffer], *, first_chunk: int = 0,
                            model_fingerprint: str = "", dedupe_domain: str = "",
                            ack: str = "memory", skip_held: bool = True) -> WriteChunksResult:
         """Store encoded ``chunks`` (one per whole chunk of ``token_ids`` from ``first_chunk``)
@@ -518,7 +518,7 @@ class AsyncClient:
                                  dedupe_domain, ack, skip_held, True)
 
     async def _write(self, tenant: str, layout: str | LayoutSpec, token_ids: TokenIds,
-                     chunks: Sequence[bytes], first_chunk: int, model_fingerprint: str,
+                     chunks: Sequence[Buffer], first_chunk: int, model_fingerprint: str,
                      dedupe_domain: str, ack: str, skip_held: bool, independent: bool
                      ) -> WriteChunksResult:
         spec = layout if isinstance(layout, LayoutSpec) else await self.layout(layout)

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvstore.format.chunk import Buffer
 from kvstore.format.errors import InvalidRequest
 from kvstore.format.keys import (
     DIGEST_BYTES,
@@ -59,7 +60,7 @@ def write_header(spec: LayoutSpec, tenant: str, tokens: np.ndarray, digests: lis
         chunk_digests=digests, ack=ack, independent_chunks=independent)
 
 
-def keyed(spec: LayoutSpec, tokens: np.ndarray, chunks: Sequence[bytes], first_chunk: int,
+def keyed(spec: LayoutSpec, tokens: np.ndarray, chunks: Sequence[Buffer], first_chunk: int,
           scope: str, model_fingerprint: str, independent: bool = False
           ) -> tuple[list[str], list[bytes]]:
     """(chain keys, digests) of the chunks given, one per whole chunk from first_chunk."""
@@ -81,7 +82,7 @@ def unheld(lookup: pb.LookupReply, keys: Sequence[str], digests: Sequence[bytes]
 
 
 async def write_once(node: Node, header: pb.WriteChunksHeader, keys: Sequence[str],
-                     chunks: Sequence[bytes], send: Sequence[int], *, shared_memory: bool,
+                     chunks: Sequence[Buffer], send: Sequence[int], *, shared_memory: bool,
                      max_message_bytes: int, timeout_s: float | None) -> WriteChunksResult:
     """One WriteChunks call sending ``chunks[n]`` for each ``n`` in ``send``."""
     items = [Item(f"chunk {header.first_chunk + n}", keys[n], chunks[n]) for n in send]

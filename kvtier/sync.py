@@ -14,7 +14,7 @@ from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import CancelledError, Future
 from typing import Any, TypeVar
 
-from kvstore.format.chunk import LayerSlice
+from kvstore.format.chunk import Buffer, LayerSlice
 from kvstore.format.errors import TierUnavailable
 from kvstore.format.hints import ResumeHint
 from kvstore.format.layout import LayoutSpec
@@ -206,7 +206,7 @@ class Client:
 
     @twin(AsyncClient.write_chunks)
     def write_chunks(self, tenant: str, layout: str | LayoutSpec, token_ids: TokenIds,
-                     chunks: Sequence[bytes], *, first_chunk: int = 0,
+                     chunks: Sequence[Buffer], *, first_chunk: int = 0,
                      model_fingerprint: str = "", dedupe_domain: str = "",
                      ack: str = "memory", skip_held: bool = True) -> WriteChunksResult:
         return self._run(self._async.write_chunks(

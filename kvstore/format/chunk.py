@@ -192,11 +192,42 @@ def encode_raw(spec: LayoutSpec, start_token: int, token_ids: Sequence[int] | np
                names: tuple[str, ...] | None = None, zstd_level: int | None = None) -> bytes:
     """Encode a raw payload already in the plan's part order (every section's bytes back
     to back, ``chunk_plan(spec, len(token_ids), ephemeral, names)``): no torch needed."""
+    if zstd_level is None:
+        head = encode_head(spec, start_token, token_ids, raw_payload, ephemeral=ephemeral,
+                           names=names)
+        return head + raw_payload
+    compressed = zstandard.ZstdCompressor(level=zstd_level, write_checksum=True
+                                          ).compress(raw_payload)
+    return _encode(spec, start_token, token_ids, raw_payload, ephemeral, names,
+                   compressed) + compressed
+
+
+def encode_head(spec: LayoutSpec, start_token: int, token_ids: Sequence[int] | np.ndarray,
+                raw_payload: Buffer, *, ephemeral: bool = False,
+                names: tuple[str, ...] | None = None) -> bytes:
+    """The bytes before the payload (header, section table, check) of the uncompressed
+    chunk ``encode_raw`` makes of ``raw_payload``: that chunk is these bytes, then the
+    payload, so a caller that lays payloads out in place writes only these."""
+    return _encode(spec, start_token, token_ids, raw_payload, ephemeral, names, None)
+
+
+def head_bytes(spec: LayoutSpec, num_tokens: int) -> int:
+    """The length of ``encode_head``'s bytes for a persistent chunk of ``num_tokens``:
+    where its payload starts."""
+    rows = len(chunk_plan(spec, num_tokens, False).table_head)
+    return _HEADER.size + rows * _SECTION.size + _CHECK.size
+
+
+def _encode(spec: LayoutSpec, start_token: int, token_ids: Sequence[int] | np.ndarray,
+            raw_payload: Buffer, ephemeral: bool, names: tuple[str, ...] | None,
+            compressed: bytes | None) -> bytes:
+    """A chunk's header, section table and check; ``compressed``: its zstd payload, None
+    when it holds ``raw_payload`` as it is."""
     plan = chunk_plan(spec, len(token_ids), ephemeral, names)
-    if len(raw_payload) != plan.payload_bytes:
-        raise LayoutMismatch(f"a raw payload of {len(raw_payload)} B; layout {spec.name} "
+    view = memoryview(raw_payload).cast("B")
+    if len(view) != plan.payload_bytes:
+        raise LayoutMismatch(f"a raw payload of {len(view)} B; layout {spec.name} "
                              f"holds {plan.payload_bytes} B for {len(token_ids)} tokens")
-    view = memoryview(raw_payload)
     table = np.zeros(len(plan.table_head), SECTION_DTYPE)
     table.view(np.uint64).reshape(-1, 4)[:, :3] = plan.table_head
     table["checksum"] = [
@@ -204,10 +235,9 @@ def encode_raw(spec: LayoutSpec, start_token: int, token_ids: Sequence[int] | np
         for _, off, n in plan.table_head
     ]
     flags = FLAG_EPHEMERAL if ephemeral else 0
-    payload = raw_payload
-    if zstd_level is not None:
-        compressor = zstandard.ZstdCompressor(level=zstd_level, write_checksum=True)
-        payload = compressor.compress(raw_payload)
+    payload: Buffer = view
+    if compressed is not None:
+        payload = compressed
         flags |= FLAG_ZSTD
     head = (
         _HEADER.pack(
@@ -220,12 +250,12 @@ def encode_raw(spec: LayoutSpec, start_token: int, token_ids: Sequence[int] | np
             len(table),
             tokens_hash(token_ids),
             len(payload),
-            len(raw_payload),
+            len(view),
             xxhash.xxh3_64_intdigest(payload),
         )
         + table.tobytes()
     )
-    return head + _CHECK.pack(xxhash.xxh3_64_intdigest(head)) + payload
+    return head + _CHECK.pack(xxhash.xxh3_64_intdigest(head))
 
 
 def max_encoded_bytes(spec: LayoutSpec, num_tokens: int, ephemeral: bool,

@@ -264,3 +264,33 @@ def test_kv_role_a_producer_never_loads_and_a_consumer_never_saves(side):
     req.num_computed_tokens = 4 * BS
     assert consumer.request_finished(req, ([1, 2, 3, 4],)) == (False, None)  # nor spilled
     assert consumer.build_connector_meta(step()).spills == []
+
+
+class InstantStore:
+    """A client whose every lookup answers at once, every token held."""
+
+    def lookup(self, tenant, spec, tokens, **_) -> int:
+        return len(tokens)
+
+    def register_layout(self, spec) -> str:
+        return spec.layout_id
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_lookup_that_answers_at_once_is_used_by_the_step_that_asked():
+    config = ConnectorConfig.from_extra({"server": "127.0.0.1:1", "tenant": "sched",
+                                         "model_fingerprint": FINGERPRINT,
+                                         "probe_interval_s": 600})
+    link = link_of(InstantStore(), config)
+    link.breaker.succeeded()
+    side = SchedulerSide(config, [SHAPE], {0: [SPEC]}, link, alignment=BS)
+    try:
+        # without the wait the asking call rarely sees the answer (4 of 20 here: the
+        # lookup thread runs after it); a loaded machine may delay a few past the wait
+        answers = [side.get_num_new_matched_tokens(request(f"now{i}", TOKENS), 0)
+                   for i in range(20)]
+        assert answers.count((3 * BS, False)) > 10
+    finally:
+        side.shutdown()

@@ -6,6 +6,8 @@ stuck on a hung server, saves beyond the queue are skipped and counted, and a fi
 session request is released in the step that copies its blocks."""
 
 import logging
+import os
+import threading
 import time
 from dataclasses import replace
 
@@ -251,6 +253,76 @@ def test_saves_beyond_the_queue_are_skipped_and_no_block_waits_for_a_hung_server
         assert side.take_stats().data["saves_skipped"] == 3  # c twice, s's spill
     finally:
         side.shutdown()
+
+
+def test_while_kvtier_is_down_a_step_copies_no_block_and_counts_its_saves_skipped(
+        client, kvtier_server, monkeypatch):
+    side, caches = worker(kvtier_server.target, seed=5)
+    try:
+        for _ in range(3):  # the breaker's threshold: an outage
+            side.link.breaker.failed()
+        assert not side.link.up
+        copies = []
+        take = PagedLayout.take
+        monkeypatch.setattr(PagedLayout, "take",
+                            lambda self, *a: copies.append(1) or take(self, *a))
+        tokens = tuple(TOKENS[:2 * BS])
+        fresh = tuple(t + 3 for t in tokens)  # tokens no other test stores
+        run_step(side, caches, KVTierConnectorMetadata(
+            saves=[SavePlan("a", tokens, 0, (0, 1)), SavePlan("b", tokens, 0, (2, 3))]))
+        assert copies == []  # the forward path copied nothing for saves that cannot go
+        assert side.take_stats().data["saves_skipped"] == 2  # one per request
+        side.link.succeeded()  # back up: "a" stays abandoned (a gap), a new request saves
+        run_step(side, caches, KVTierConnectorMetadata(
+            saves=[SavePlan("a", tuple(TOKENS[:3 * BS]), 2, (4,)),
+                   SavePlan("c", fresh, 0, (5, 6))]))
+        assert side.take_stats().data["saves_skipped"] == 1
+        wait_held(client, list(fresh), 2 * BS)
+    finally:
+        side.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nhd"])
+def test_pages_laid_out_in_place_are_the_chunks_the_encoder_makes(kind):
+    from kvtier.integrations.vllm.transfers import gathered, page_chunks
+
+    g = torch.Generator().manual_seed(9)
+    # cpu: (blocks, H, BS, 2D); nhd: (2, blocks, BS, H, D), its blocks on axis 1
+    shape = (BLOCKS, H, BS, 2 * D) if kind == "cpu" else (2, BLOCKS, BS, H, D)
+    layers = [torch.randn(*shape, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
+    paged = PagedLayout(kind, H, D, BS, pages=True)
+    store = Store(None, None, SPEC, paged, layers, torch.bfloat16, StatsCounter())
+    index = store.block_index([6, 1, 3])  # blocks out of order: chunks 1, 2, 3
+    raw = [paged.take(layer, index) for layer in layers]
+    tokens = TOKENS + TOKENS[:BS]
+    made = page_chunks(raw, store, tokens, BS)
+    assert [bytes(c) for c in made] == store.encode_blocks(gathered(raw, store), tokens, BS,
+                                                           3 * BS)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs thread affinity and two CPUs")
+def test_a_background_thread_leaves_the_forwards_cores_and_yields_to_it():
+    from kvtier.integrations.vllm.worker import off_forward_cores
+
+    forward = {min(os.sched_getaffinity(0))}
+    seen = {}
+
+    def background():
+        os.sched_setaffinity(0, forward)  # as a thread started by vLLM's bound worker
+        off_forward_cores(forward, niceness=5)
+        seen["cpus"] = os.sched_getaffinity(0)
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        off_forward_cores(None)  # unbound: stays where it is
+        seen["unbound"] = os.sched_getaffinity(0)
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    thread.join()
+    assert seen["cpus"] and not seen["cpus"] & forward
+    assert seen["nice"] == os.getpriority(os.PRIO_PROCESS, 0) + 5 or seen["nice"] == 19
+    assert seen["unbound"] == seen["cpus"]
+    assert os.sched_getaffinity(0) != seen["cpus"]  # the calling thread was not moved
 
 
 # DeepSeek-V4's compressed global group (tests/vllm/test_deepseek_v4.py, GROUPS[3]): three

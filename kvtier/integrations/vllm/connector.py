@@ -24,6 +24,7 @@ step; until then, or without them, every lookup is a miss and nothing is saved.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -170,9 +171,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  #
                 layout_kind(self._is_cpu, kv_caches[names[0]], group.arrangement),
                 stream.entry_shape[0], group.head_size, group.block_size, pages=pages)
         self._link_w = self._link(list(self._specs.values()), RetryPolicy())
+        # vLLM's CPU worker binds this (the forward's) thread to its cores
+        bound = os.sched_getaffinity(0) if self._is_cpu and hasattr(os, "sched_getaffinity") \
+            else None
         self._worker = WorkerSide(self._store_of, self.groups, self._rank, paged,
                                   self._link_w, queue_depth=self.config.save_queue_depth,
-                                  saves=self.saves)
+                                  saves=self.saves, forward_cores=bound)
         self._worker.register_kv_caches(kv_caches, extract_layer_index)
 
     def _store_of(self, group: CacheShape, layers: list[torch.Tensor], paged: PagedLayout,

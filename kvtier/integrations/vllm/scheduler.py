@@ -16,9 +16,10 @@ the shortest of their layouts' prefixes. Each sliding group is then probed (one
 ``ReadChunks`` over the chunks below that prefix: only held windows come back) for the
 longest end, at most that prefix and a multiple of every group's block, whose trailing
 window it holds: the hit is the longest end every group holds. The lookup never blocks
-a step: it runs on a background thread, and until it answers the scheduler is told "ask
-again later" (None); one that has not answered within ``lookup_timeout_ms``, or fails, is
-a miss, and counts against the link's breaker.
+a step for long: it runs on a background thread, waited for at most ``FIRST_ANSWER_S``
+when asked, and until it answers the scheduler is told "ask again later" (None); one that
+has not answered within ``lookup_timeout_ms``, or fails, is a miss, and counts against the
+link's breaker.
 While kvtier is down (``breaker.Link``) every lookup is a miss at once. The held blocks past
 vLLM's own cache hit are loaded in the request's first step (``LoadPlan``).
 
@@ -44,7 +45,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence, Set
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -68,6 +69,10 @@ from kvtier.sync import Client
 logger = init_logger("vllm." + __name__)  # under vLLM's logger: its format and level
 
 SESSION_PARAM = "kvtier_session"
+# About a same-host lookup's time: most requests are scheduled in the step that asked,
+# without the engine's steps polling meanwhile, which contend for the GIL the lookup's
+# threads need (a loaded engine's lookups then missed their deadline).
+FIRST_ANSWER_S = 0.002
 GENERATION_PARAM = "kvtier_generation"
 
 # What the scheduler side reads of vLLM's objects: vLLM is not installed where mypy runs,
@@ -297,6 +302,8 @@ class SchedulerSide:
                            self._lookups.submit(self._ask, tokens, session),
                            time.monotonic() + self.config.lookup_timeout_ms / 1000)
             self._asked[request.request_id] = asked
+            wait((asked.answer,), timeout=min(FIRST_ANSWER_S,
+                                              self.config.lookup_timeout_ms / 1000))
         if not asked.answer.done():
             if time.monotonic() < asked.deadline:
                 return None

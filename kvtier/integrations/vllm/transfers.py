@@ -30,8 +30,11 @@ from vllm.logger import init_logger
 from kvstore.format.chunk import (
     FLAG_ZSTD,
     HEADER_DTYPE,
+    Buffer,
     decode_chunk,
     encode_chunk,
+    encode_head,
+    head_bytes,
     read_header,
 )
 from kvstore.format.chunk_parts import PART_CODES, chunk_plan
@@ -106,6 +109,34 @@ class Store:
             at = first_token + start
             out.append(encode_chunk(self.spec, at, token_ids[at:at + stop - start], streams))
         return out
+
+
+def page_chunks(raw: list[torch.Tensor], store: Store, token_ids: Sequence[int],
+                first_token: int) -> list[memoryview]:
+    """The chunks of whole blocks ``raw`` (per layer, as ``PagedLayout.take`` copied
+    them) of an engine-page layout from token ``first_token`` on, as ``encode_blocks``
+    makes them, laid out in one buffer (n, chunk bytes) uint8: each layer's pages go to
+    their place in every chunk in one copy (a torch copy, the GIL released), then each
+    chunk's header is written before its payload; no per-chunk staging."""
+    paged, bs = store.paged, store.block_size
+    n = raw[0].shape[paged.block_dim]
+    plan = chunk_plan(store.spec, bs, False)
+    codes = {p.stream.name: p for p in plan.parts if p.part == PART_CODES}
+    start = head_bytes(store.spec, bs)
+    buffer = torch.empty((n, start + plan.payload_bytes), dtype=torch.uint8)
+    for (name, at), blocks in zip(store.page_streams, raw, strict=True):
+        part = codes[name]
+        offset = start + part.offset + at * part.layer_bytes
+        # (n, page bytes): each block's page, opaque
+        buffer[:, offset:offset + part.layer_bytes].copy_(paged.as_pages(blocks))
+    rows = buffer.numpy()
+    out = []
+    for i in range(n):
+        at = first_token + i * bs
+        row = memoryview(rows[i])
+        row[:start] = encode_head(store.spec, at, token_ids[at:at + bs], row[start:])
+        out.append(row)
+    return out
 
 
 def gathered(raw: list[torch.Tensor], store: Store) -> dict[str, torch.Tensor]:
@@ -299,9 +330,12 @@ def run_save(store: Store, plan: SavePlan, raw: list[torch.Tensor],
     try:
         if ready is not None:
             ready.synchronize()
-        kv = gathered(raw, store)
-        chunks = store.encode_blocks(kv, plan.token_ids, plan.first_chunk * store.block_size,
-                                     len(plan.block_ids) * store.block_size)
+        first_token = plan.first_chunk * store.block_size
+        if store.paged.pages:
+            chunks: Sequence[Buffer] = page_chunks(raw, store, plan.token_ids, first_token)
+        else:
+            chunks = store.encode_blocks(gathered(raw, store), plan.token_ids, first_token,
+                                         len(plan.block_ids) * store.block_size)
         result = store.client.write_chunks(
             store.config.tenant, store.spec, list(plan.token_ids), chunks,
             first_chunk=plan.first_chunk, model_fingerprint=store.config.model_fingerprint,

@@ -15,7 +15,10 @@ skipped too (a chunk after a gap is never found). A request's saves of a step wh
 failed are dropped (their blocks were computed over blocks that are to be recomputed) and
 reported back (``unsaved``). Since every save works on copies, no block is held for one: a
 finished session request's blocks are released (``get_finished``) in the step that copies
-them for its spill, whether the spill is queued or skipped.
+them for its spill, whether the spill is queued or skipped. While kvtier is down no block
+is copied for a save at all. The writer and the client's event loop run off the cores
+vLLM binds the forward to when the machine has others, the writer below the engine's
+priority (``off_forward_cores``); loads stay there, as the forward waits for them.
 ``get_block_ids_with_load_errors`` names every block that did not load.
 
 Each KV cache group kvtier stores has its own ``transfers.Store`` (its layout, its layers,
@@ -33,6 +36,7 @@ then in the cache, and its blocks are the request's until the step's output is b
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -63,6 +67,31 @@ Save = tuple[Store, SavePlan, list[torch.Tensor], torch.cuda.Event | None]
 StoreFactory = Callable[[CacheShape, list[torch.Tensor], PagedLayout, StatsCounter], Store]
 
 
+
+# The save thread yields to the engine's threads where they share a core: saves are
+# never waited on, while every step is.
+SAVE_NICENESS = 5
+
+
+def off_forward_cores(forward: set[int] | None, niceness: int = 0) -> None:
+    """Run the calling thread on CPUs outside ``forward`` (the cores vLLM bound the forward
+    thread to; None: it bound none, nothing moves) when the machine has others, and
+    ``niceness`` below the engine's threads. vLLM's CPU worker binds its forward thread to
+    its cores and every thread it starts inherits that binding, so kvtier's background
+    work would otherwise share the forward's own core."""
+    others = set(range(os.cpu_count() or 1)) - forward if forward else set()
+    if others and hasattr(os, "sched_setaffinity"):
+        with contextlib.suppress(OSError):  # none of them allowed to this process: stay
+            os.sched_setaffinity(0, others)  # 0: this thread alone
+    if niceness:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+
+
+async def _run_off_forward_cores(forward: set[int] | None) -> None:
+    off_forward_cores(forward)
+
+
 def save_all(saves: list[Save]) -> bool:
     """``run_save`` of each (store, plan, blocks, ready) in order; whether all were
     written (each is tried, whatever the others did)."""
@@ -84,12 +113,14 @@ def recorded(tensors: list[torch.Tensor]) -> torch.cuda.Event | None:
 class WorkerSide:
     def __init__(self, store_of: StoreFactory, groups: list[CacheShape], rank: int,
                  paged: dict[int, PagedLayout], link: Link, *, queue_depth: int,
-                 saves: bool = True) -> None:
+                 saves: bool = True, forward_cores: set[int] | None = None) -> None:
         """``store_of(group, layers, paged, stats)``: the ``transfers.Store`` of a stored group's
         registered layers; ``groups``: the stored groups; ``paged``: per group, the layout
         of this rank's cache layers; ``link``: this worker's kvtier link (saves are skipped
         while it is down); ``queue_depth``: saves and spills that may wait for the writer;
-        ``saves``: whether the engine's ``kv_role`` saves."""
+        ``saves``: whether the engine's ``kv_role`` saves; ``forward_cores``: the CPUs
+        vLLM bound the forward thread to (None: unbound), which kvtier's threads keep off
+        (``off_forward_cores``)."""
         self.groups = groups
         self.shape = groups[0]  # a session's group (sessions: one full group only)
         self.rank = rank
@@ -106,11 +137,16 @@ class WorkerSide:
         self._step_meta: KVTierConnectorMetadata | None = None
         self._step_index: dict[int, torch.Tensor] = {}
         self._staged: dict[int, list[torch.Tensor | None]] = {}
+        self._step_down = False  # kvtier was down at the step's first layer: no copies
         self.stats = StatsCounter()  # every group's transfers
         self._unsaved: dict[str, int] = {}  # req_id -> the first token not saved
         self._abandoned: set[str] = set()  # requests a save was skipped of
         self._released: set[str] = set()  # finished requests whose blocks were copied
+        self._forward_cores = forward_cores
+        # loads stay on the forward's cores: the forward waits for them there
         self._load_pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-load")
+        # the client's event loop thread: a save's digests and gRPC work run there
+        link.client.submit(_run_off_forward_cores(self._forward_cores))
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(queue_depth)
         self._writer = threading.Thread(target=self._write_loop, daemon=True,
                                         name="kvtier-save")
@@ -182,7 +218,7 @@ class WorkerSide:
             return
         self._begin_step(meta)
         group, index = where
-        if self._step_index[group].numel():
+        if group in self._step_index and self._step_index[group].numel():
             self._staged[group][index] = self.paged[group].take(kv_layer,
                                                                 self._step_index[group])
 
@@ -191,7 +227,10 @@ class WorkerSide:
         if self._step_meta is meta:
             return
         self._step_meta = meta
-        self._step_index = {
+        # kvtier down: the step's saves are skipped (``wait_for_save``), so no block is
+        # copied for them
+        self._step_down = not self.link.up
+        self._step_index = {} if self._step_down else {
             g: store.block_index([b for plan in meta.saves if plan.group == g
                                   for b in plan.block_ids])
             for g, store in self.stores.items()}
@@ -203,7 +242,7 @@ class WorkerSide:
             return
         self._begin_step(meta)
         for g, store in self.stores.items():
-            if not self._step_index[g].numel():
+            if g not in self._step_index or not self._step_index[g].numel():
                 continue
             for i, name in enumerate(self._names[g]):
                 if name not in self._hooked:
@@ -215,9 +254,13 @@ class WorkerSide:
                         if job.first_failed_chunk is not None}
         self._take_unhooked(meta)
         staged = self._staged if self._step_meta is meta else {}
+        down = self._step_down and self._step_meta is meta
         at = dict.fromkeys(self.stores, 0)
         batches: dict[str, list[Save]] = {}  # req_id -> its saves of every group: one job
         for plan in meta.saves:
+            if down:  # nothing was copied: skipped as while kvtier is down, one per request
+                batches.setdefault(plan.req_id, [])
+                continue
             group = self.stores[plan.group]
             count = len(plan.block_ids)
             at[plan.group] += count
@@ -233,9 +276,12 @@ class WorkerSide:
             raw = [t.narrow(dim, at[plan.group] - count, count) for t in layers]
             batches.setdefault(plan.req_id, []).append((group, plan, raw, recorded(raw)))
         for req_id, saves in batches.items():
-            if self._may_queue(req_id):
+            if down:
+                self._skip(req_id)
+            elif self._may_queue(req_id):
                 self._offer(req_id, partial(save_all, saves))
         self._step_meta, self._step_index, self._staged = None, {}, {}
+        self._step_down = False
         for spill in meta.spills:
             if self._may_queue(spill.req_id):
                 index = self.store.block_index(spill.block_ids)
@@ -250,10 +296,14 @@ class WorkerSide:
         """Whether a save of ``req_id`` may be offered: not while kvtier is down, nor after
         one of its saves was skipped (counted when it is not)."""
         if req_id in self._abandoned or not self.link.up or self._jobs.full():
-            self._abandoned.add(req_id)
-            self.stats.add(saves_skipped=1)
+            self._skip(req_id)
             return False
         return True
+
+    def _skip(self, req_id: str) -> None:
+        """A save of ``req_id`` skipped (counted), and its later saves with it."""
+        self._abandoned.add(req_id)
+        self.stats.add(saves_skipped=1)
 
     def _offer(self, req_id: str, work: Callable[[], bool]) -> None:
         """Queue ``work()`` for the writer, or skip it (counted) if the queue filled
@@ -261,8 +311,7 @@ class WorkerSide:
         try:
             self._jobs.put_nowait(lambda: self._report(work()))
         except queue.Full:
-            self._abandoned.add(req_id)
-            self.stats.add(saves_skipped=1)
+            self._skip(req_id)
 
     def _report(self, ok: bool) -> None:
         if ok:
@@ -271,6 +320,7 @@ class WorkerSide:
             self.link.failed("save", RuntimeError("a save or spill failed"))
 
     def _write_loop(self) -> None:
+        off_forward_cores(self._forward_cores, SAVE_NICENESS)
         while (job := self._jobs.get()) is not None:
             try:
                 job()
