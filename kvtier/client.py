@@ -159,7 +159,7 @@ class AsyncClient:
     def _left(deadline: float | None) -> float | None:
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
-    async def _call(self, attempt: Callable[[Node], Awaitable[Reply]], ref: Ref | None = None,
+    async def _call(self, attempt: Callable[[Node], Awaitable[Reply]], ref: Ref | None = None,  # noqa: C901 - each way an attempt ends, in the one retry loop
                     ask: bool = True, idempotent: bool = True, started: float | None = None
                     ) -> Reply:
         """``attempt(node)`` on the node ``ref`` routes to (``Router.route``), retried on
@@ -184,6 +184,8 @@ class AsyncClient:
             except TimeoutError:
                 self._hung(node, ref, share, deadline, idempotent)
                 continue
+            except grpc.aio.UsageError as exc:  # gRPC's word for a call on a closed channel
+                raise TierUnavailable("this kvtier client is closed") from exc
             except grpc.aio.AioRpcError as exc:
                 if client_deadline_passed(exc):
                     self._hung(node, ref, share, deadline, idempotent, exc)

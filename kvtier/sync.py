@@ -139,11 +139,13 @@ class Client:
 
     @twin(AsyncClient.close)
     def close(self) -> None:
-        if self._closed:
-            return
-        self._run(self._async.close())
         with self._handing:
+            if self._closed:
+                return
+            # first: a call the close ends (its channel closed, or cancelled below) then
+            # reads as closed, and no call is handed to the loop from now on
             self._closed = True
+        asyncio.run_coroutine_threadsafe(self._async.close(), self._loop).result()
         # calls other threads still wait on end now (cancelled), not never
         asyncio.run_coroutine_threadsafe(_cancel_others(), self._loop).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
