@@ -128,6 +128,8 @@ test: $(STAMP) redis-server node-client
 
 test-slow: $(STAMP) redis-server node-client
 	$(BIN)/python -m pytest -q -m slow
+	@if [ -f $(VLLM_STAMP) ]; then $(VLLM_VENV)/bin/python -m pytest -q -m slow tests/vllm; \
+	else echo "no $(VLLM_VENV) (make vllm): the slow vLLM tests (DeepSeek-V4) did not run"; fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
