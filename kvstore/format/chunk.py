@@ -82,6 +82,10 @@ HEADER_DTYPE = np.dtype([("magic", "S4"), ("version", "<u2"), ("flags", "<u2"),
                          ("sections", "<u4"), ("tokens_hash", "<u8"), ("stored_len", "<u8"),
                          ("raw_len", "<u8"), ("payload_checksum", "<u8")])
 assert HEADER_DTYPE.itemsize == _HEADER.size
+assert HEADER_DTYPE.fields is not None  # a structured dtype
+_FLAGS_FIELD = HEADER_DTYPE.fields["flags"]
+# where a chunk's header holds its flags (<u2), for callers that look at them alone
+FLAGS_BYTES = slice(_FLAGS_FIELD[1], _FLAGS_FIELD[1] + _FLAGS_FIELD[0].itemsize)
 # Bounds a corrupt header can claim, so decoding never tries to allocate absurd sizes.
 MAX_SECTIONS = 1 << 16
 MAX_PAYLOAD = 1 << 34

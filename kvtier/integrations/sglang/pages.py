@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstore.format.chunk import FLAG_ZSTD, HEADER_DTYPE, encode_raw, read_header
+from kvstore.format.chunk import FLAG_ZSTD, FLAGS_BYTES, encode_raw, head_bytes
 from kvstore.format.errors import UnsupportedModel
 from kvstore.format.layout import LayoutSpec, Stream
 
@@ -39,15 +39,6 @@ KV_POOL = "kv"
 MAMBA_POOL = "mamba"  # TP-sharded even where the model's KV is MLA (replicated)
 
 
-def _field_bytes(dtype: np.dtype, name: str) -> slice:
-    """Where field ``name`` of a structured ``dtype`` lies in its bytes."""
-    if dtype.fields is None:
-        raise TypeError(f"{dtype} has no fields")
-    field, offset = dtype.fields[name][:2]
-    return slice(offset, offset + field.itemsize)
-
-
-_FLAGS = _field_bytes(HEADER_DTYPE, "flags")  # where a chunk's header holds its flags
 
 
 @dataclass(frozen=True)
@@ -116,9 +107,8 @@ class PageFormat:
                           chunk_tokens=KEY_TOKENS, vocab_size=1 << 16,
                           requires_model_fingerprint=True,
                           notes="one SGLang HiCache page, its bytes verbatim")
-        blank = encode_raw(spec, 0, np.zeros(KEY_TOKENS, np.uint32), bytes(page_bytes))
         return cls(pool, page_bytes, page.dtype, memory_layout, spec,
-                   read_header(blank).payload_offset)
+                   head_bytes(spec, KEY_TOKENS))
 
     def name(self, key: str, shard: Shard) -> str:
         """The storage name of page ``key`` (a KV key; ``"{key}.{pool}"`` for other
@@ -147,7 +137,7 @@ class PageFormat:
         layout's offset; only the flags and the length are left to look at."""
         view = memoryview(chunk).cast("B")
         if len(view) != self.payload_offset + self.page_bytes or \
-                int.from_bytes(view[_FLAGS], "little") & FLAG_ZSTD:
+                int.from_bytes(view[FLAGS_BYTES], "little") & FLAG_ZSTD:
             return None
         return view[self.payload_offset:]
 

@@ -335,11 +335,8 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang: not in the
 
     def _tokens(self, batch: list[Page]) -> np.ndarray:
         """Every page's stand-in tokens end to end: (pages * KEY_TOKENS,) uint32."""
-        suffixes: dict[int, str] = {}  # id(PageFormat) -> its names' suffix, made once
-        for fmt, _ in batch:
-            if id(fmt) not in suffixes:
-                suffixes[id(fmt)] = fmt.name_suffix(self.shard)
-        return names_tokens(key + suffixes[id(fmt)] for fmt, key in batch)
+        suffixes = {fmt.pool: fmt.name_suffix(self.shard) for fmt, _ in batch}  # once a pool
+        return names_tokens(key + suffixes[fmt.pool] for fmt, key in batch)
 
     async def _layout(self, fmt: PageFormat) -> LayoutSpec:
         if fmt.spec.layout_id not in self._registered:

@@ -29,7 +29,7 @@ from vllm.logger import init_logger
 
 from kvstore.format.chunk import (
     FLAG_ZSTD,
-    HEADER_DTYPE,
+    FLAGS_BYTES,
     Buffer,
     decode_chunk,
     encode_chunk,
@@ -50,9 +50,6 @@ from kvtier.sync import Client
 from kvtier.types import ReadChunksResult
 
 logger = init_logger("vllm." + __name__)  # under vLLM's logger: its format and level
-_FIELDS = HEADER_DTYPE.fields
-assert _FIELDS is not None  # a structured dtype
-_FLAGS = _FIELDS["flags"][1]  # the header flags' offset in a chunk
 
 
 @dataclass
@@ -288,7 +285,7 @@ def _rows(store: Store, chunks: list[bytes | memoryview]) -> np.ndarray | None:
                                                writeable=False)
     else:
         rows = np.frombuffer(b"".join(chunks), np.uint8).reshape(len(views), size)
-    flags = rows[:, _FLAGS:_FLAGS + 2].copy().view("<u2").reshape(-1)  # (n,) header flags
+    flags = rows[:, FLAGS_BYTES].copy().view("<u2").reshape(-1)  # (n,) header flags
     return None if (flags & FLAG_ZSTD).any() else rows
 
 
