@@ -48,6 +48,7 @@ from kvstore.format.errors import InvalidRequest, PermissionDenied, Unauthentica
 from services.serving.audit import AuditLog
 from services.serving.errors import RecordsCalls, abort
 from services.serving.interceptors import scoped
+from services.serving.tls_front import client_peer
 
 log = logging.getLogger(__name__)
 TENANT, ADMIN, REPLAY = "tenant", "admin", "replay"
@@ -349,7 +350,7 @@ class _Guard:
         except (Unauthenticated, PermissionDenied) as exc:
             kind = "auth_failure" if isinstance(exc, Unauthenticated) else "permission_denied"
             who = identity if isinstance(exc, PermissionDenied) else None
-            self.audit.record(kind, who, self.name, context.peer(),
+            self.audit.record(kind, who, self.name, client_peer(context),
                               "UNAUTHENTICATED" if who is None else "PERMISSION_DENIED",
                               str(exc), target=target_of(request))
             await abort(context, exc, self.recorder, self.name)
@@ -383,5 +384,5 @@ class _Guard:
             kind = "admin"
         else:
             return
-        self.audit.record(kind, identity, self.name, context.peer(), result,
+        self.audit.record(kind, identity, self.name, client_peer(context), result,
                           target=_TARGET.get())
