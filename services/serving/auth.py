@@ -48,7 +48,6 @@ from kvstore.format.errors import InvalidRequest, PermissionDenied, Unauthentica
 from services.serving.audit import AuditLog
 from services.serving.errors import RecordsCalls, abort
 from services.serving.interceptors import scoped
-from services.serving.tls_front import client_peer
 
 log = logging.getLogger(__name__)
 TENANT, ADMIN, REPLAY = "tenant", "admin", "replay"
@@ -97,6 +96,22 @@ def caller() -> Identity | None:
     """The authenticated caller of the RPC running now; None when the server does not
     authenticate (tenants are then what requests name)."""
     return _CALLER.get()
+
+
+# The abstract unix name the TLS front (``services.serving.tls_front``) binds its end of a
+# relayed connection to: kvtier-peer/<token>/<the client's address>.
+RELAYED_PEER_PREFIX = "kvtier-peer/"
+_RELAYED = f"unix-abstract:{RELAYED_PEER_PREFIX}"
+
+
+def client_peer(context: grpc.aio.ServicerContext) -> str:
+    """The caller's address: ``context.peer()``, or on a connection the TLS front relayed,
+    the address the client reached the front from (only this server's user can reach
+    gRPC's private socket, so the name is the front's)."""
+    seen = context.peer()
+    if seen.startswith(_RELAYED):
+        return seen[len(_RELAYED):].partition("/")[2]
+    return seen
 
 
 def target_of(request: object) -> str:

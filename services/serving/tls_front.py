@@ -17,9 +17,9 @@ this user's only, so gRPC terminates TLS (mTLS sees the client's certificate) an
 else on the host can reach it. The bytes move kernel-side (``os.splice`` through a pipe,
 one thread per direction, blocking calls that release the GIL): no copy into Python and
 no event-loop work. The relay's end of each private connection is bound to an abstract
-unix name that carries the client's address, so ``client_peer(context)`` gives the address the
-client connected from (``ipv4:10.1.2.3:40000``), as ``context.peer()`` does on a direct
-port: per-connection limits, shared-memory leases and the audit see the real peer.
+unix name that carries the client's address, so ``auth.client_peer(context)`` gives the
+address the client connected from (``ipv4:10.1.2.3:40000``), as ``context.peer()`` does
+on a direct port: per-connection limits, shared-memory leases and the audit see it.
 
 Bounds: ``MAX_CONNECTIONS`` relayed at once (a connection over it is closed at accept);
 a connection that sends nothing for ``FIRST_BYTE_S`` is closed unclassified.
@@ -42,9 +42,8 @@ import threading
 import time
 from collections.abc import Callable
 
-import grpc
-
 from services.serving.audit import AuditLog
+from services.serving.auth import RELAYED_PEER_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -56,17 +55,6 @@ TLS_HANDSHAKE_RECORD = 0x16
 # A fatal TLS alert, protocol_version: what a TLS server answers bytes that are no TLS
 # record. Record header (alert, TLS 1.0, 2 bytes), then level fatal (2), description 70.
 PROTOCOL_VERSION_ALERT = bytes((0x15, 0x03, 0x01, 0x00, 0x02, 0x02, 0x46))
-_RELAYED_PREFIX = "unix-abstract:kvtier-peer/"
-
-
-def client_peer(context: grpc.aio.ServicerContext) -> str:
-    """The client's address for a call: ``context.peer()``, or, on a connection the TLS
-    front relayed, the address the client connected to the front from."""
-    seen = context.peer()
-    if seen.startswith(_RELAYED_PREFIX):
-        # kvtier-peer/<token>/<peer>: only this server's user can reach the private socket
-        return seen[len(_RELAYED_PREFIX):].partition("/")[2]
-    return seen
 
 
 def grpc_peer(address: tuple) -> str:
@@ -204,8 +192,8 @@ class TlsFront:
     def _relay(self, client: socket.socket, peer_name: str) -> None:
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            # the name gRPC reports as the peer (``client_peer``); the token keeps it unique
-            server.bind(f"\0kvtier-peer/{secrets.token_hex(8)}/{peer_name}")
+            # what gRPC reports as the peer (``auth.client_peer``); the token: unique
+            server.bind(f"\0{RELAYED_PEER_PREFIX}{secrets.token_hex(8)}/{peer_name}")
             server.connect(self._socket_path)
         except OSError as exc:  # the gRPC server is stopping
             server.close()

@@ -20,10 +20,10 @@ from kvstore.format.errors import PermissionDenied, TierUnavailable
 from kvtier import AsyncClient
 from services.cli.health import check
 from services.serving.audit import AuditLog
+from services.serving.auth import client_peer
 from services.serving.tls_front import (
     PROTOCOL_VERSION_ALERT,
     PlaintextAudit,
-    client_peer,
     grpc_peer,
 )
 from tests.support.security import NO_RETRY, data_dir, dev_set, secured_server, spill_one
