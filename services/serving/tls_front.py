@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 1024  # each holds two threads, two sockets and two pipes
 FIRST_BYTE_S = 10.0  # gRPC's own handshake deadline is of this order
+ALERT_READ_S = 1.0  # how long a refused plaintext client may take to hang up
 PIPE_BYTES = 256 << 10  # per direction; larger pipes measured no faster
 SPLICE_BYTES = 1 << 20
 TLS_HANDSHAKE_RECORD = 0x16
@@ -78,6 +79,7 @@ class TlsFront:
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()  # both ends of every relayed connection
         self._relays = 0
+        self._full = False  # at MAX_CONNECTIONS since the last connection admitted
         self._acceptor: threading.Thread | None = None
         self._closing = False
 
@@ -155,9 +157,12 @@ class TlsFront:
         with self._lock:
             if self._relays >= MAX_CONNECTIONS:
                 client.close()
-                log.warning("TLS port: %d connections relayed, the bound; closed one from %s",
-                            self._relays, grpc_peer(address))
+                if not self._full:  # once per time at the bound, not once per connection
+                    log.warning("TLS port: %d connections open, the bound; closing new ones "
+                                "(one from %s)", self._relays, grpc_peer(address))
+                self._full = True
                 return
+            self._full = False
             self._relays += 1
             self._on_count(self._relays)
         threading.Thread(target=self._serve, args=(client, grpc_peer(address)),
@@ -188,6 +193,13 @@ class TlsFront:
             with contextlib.suppress(OSError):
                 client.sendall(PROTOCOL_VERSION_ALERT)
                 client.shutdown(socket.SHUT_WR)
+                # Closing with the client's bytes unread would reset the connection, and a
+                # reset may discard the alert before the client reads it: read to its end.
+                deadline = time.monotonic() + ALERT_READ_S
+                while (left := deadline - time.monotonic()) > 0:
+                    client.settimeout(left)
+                    if not client.recv(4096):
+                        break
 
     def _relay(self, client: socket.socket, peer_name: str) -> None:
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
