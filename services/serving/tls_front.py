@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 1024  # each holds two threads, two sockets and two pipes
 FIRST_BYTE_S = 10.0  # gRPC's own handshake deadline is of this order
 ALERT_READ_S = 1.0  # how long a refused plaintext client may take to hang up
-PIPE_BYTES = 256 << 10  # per direction; larger pipes measured no faster
+PIPE_BYTES = 256 << 10  # per direction (default 64 KiB); 64 KiB to 1 MiB measured alike
 SPLICE_BYTES = 1 << 20
 TLS_HANDSHAKE_RECORD = 0x16
 # A fatal TLS alert, protocol_version: what a TLS server answers bytes that are no TLS
