@@ -98,6 +98,22 @@ def caller() -> Identity | None:
     return _CALLER.get()
 
 
+# The abstract unix name the TLS front (``services.serving.tls_front``) binds its end of a
+# relayed connection to: kvtier-peer/<token>/<the client's address>.
+RELAYED_PEER_PREFIX = "kvtier-peer/"
+_RELAYED = f"unix-abstract:{RELAYED_PEER_PREFIX}"
+
+
+def client_peer(context: grpc.aio.ServicerContext) -> str:
+    """The caller's address: ``context.peer()``, or on a connection the TLS front relayed,
+    the address the client reached the front from (only this server's user can reach
+    gRPC's private socket, so the name is the front's)."""
+    seen = context.peer()
+    if seen.startswith(_RELAYED):
+        return seen[len(_RELAYED):].partition("/")[2]
+    return seen
+
+
 def target_of(request: object) -> str:
     """The tenant a unary request names (``tenant``, or its session ``ref``'s); "" for a
     stream, whose first message the handler reads (``check_tenant`` then records it)."""
@@ -349,7 +365,7 @@ class _Guard:
         except (Unauthenticated, PermissionDenied) as exc:
             kind = "auth_failure" if isinstance(exc, Unauthenticated) else "permission_denied"
             who = identity if isinstance(exc, PermissionDenied) else None
-            self.audit.record(kind, who, self.name, context.peer(),
+            self.audit.record(kind, who, self.name, client_peer(context),
                               "UNAUTHENTICATED" if who is None else "PERMISSION_DENIED",
                               str(exc), target=target_of(request))
             await abort(context, exc, self.recorder, self.name)
@@ -383,5 +399,5 @@ class _Guard:
             kind = "admin"
         else:
             return
-        self.audit.record(kind, identity, self.name, context.peer(), result,
+        self.audit.record(kind, identity, self.name, client_peer(context), result,
                           target=_TARGET.get())
