@@ -266,6 +266,7 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
             manager.meta.node_address = servicer.address
             fleet_node = FleetNode(manager.meta, config, servicer.address, metrics.remote)
             servicer.heartbeat = fleet_node.heartbeat
+            manager.draining.move = fleet_node.peers  # a drain moves its windows to peers
         await grpc_server.start()
         if front is not None:
             front.start()

@@ -41,7 +41,7 @@ from kvstore.session.quota import TenantReport
 from kvtier import shm
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
-from services.server import requests
+from services.server import peers, requests
 from services.server import validate as check
 from services.server.config import ServerConfig
 from services.server.fleet_stat import fleet_stat
@@ -447,7 +447,17 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                 phase=step.phase, writes_in_flight=step.writes_in_flight,
                 writeback_pending=step.writeback_pending,
                 writeback_failed=step.writeback_failed, windows_held=step.windows_held,
-                windows_released=step.windows_released, done=step.done)
+                windows_released=step.windows_released, windows_moved=step.windows_moved,
+                done=step.done)
+
+    @grpc_errors
+    async def AdoptWindow(self, request_iterator: AsyncIterator[pb.AdoptWindowRequest],
+                          context: grpc.aio.ServicerContext) -> pb.AdoptWindowReply:
+        """A draining peer's window of a session, kept here (``services.server.peers``)."""
+        with self.limits.stream(context.peer(), "AdoptWindow"):
+            messages = idle_bounded(request_iterator, self.limits.idle_s, "AdoptWindow")
+            return await peers.adopt(self.manager, self.layouts, self.config.node_name,
+                                     messages)
 
     async def _say(self, state: str) -> None:
         """A fleet node's heartbeat says ``state`` now (else with its next beat: a bucket

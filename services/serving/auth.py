@@ -8,7 +8,7 @@ subject CN a ``[[client_cert]]`` entry of the tokens file maps. The tokens file 
     [[token]]
     sha256 = "<hex sha256 of the token>"
     tenant = "acme"
-    role = "tenant"          # tenant | admin | replay
+    role = "tenant"          # tenant | admin | replay | peer
 
     [[client_cert]]
     cn = "acme-worker-1"
@@ -50,8 +50,8 @@ from services.serving.errors import RecordsCalls, abort
 from services.serving.interceptors import scoped
 
 log = logging.getLogger(__name__)
-TENANT, ADMIN, REPLAY = "tenant", "admin", "replay"
-ROLES = (TENANT, ADMIN, REPLAY)
+TENANT, ADMIN, REPLAY, PEER = "tenant", "admin", "replay", "peer"
+ROLES = (TENANT, ADMIN, REPLAY, PEER)
 RELOAD_CHECK_S = 1.0
 _TENANT_ID = re.compile(r"^[a-z0-9_-]{1,64}$")  # as services.server.validate.TENANT
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -69,6 +69,9 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     # who of these may register: the server's register_layouts (services.server.layout_registry)
     _KVTIER + "RegisterLayout": _CONTROL,
     _KVTIER + "Drain": frozenset({ADMIN}),  # the node's, not a tenant's, to stop
+    # another fleet node's window, handed over while it drains: nodes only (the tenant is
+    # the stored manifest's, checked by the receiver; services.server.peers)
+    _KVTIER + "AdoptWindow": frozenset({PEER}),
     "/kvtier.v1.Replay/Rebuild": frozenset({REPLAY}),
 }
 
