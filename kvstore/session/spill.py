@@ -28,6 +28,7 @@ from kvstore.eviction.pause_estimate import PauseEstimator
 from kvstore.format.checks import check_spill, check_window, chunk_bytes_max, restored_chunk_check
 from kvstore.format.errors import (
     ChunksNotHeld,
+    CodecError,
     GenerationConflict,
     InvalidRequest,
     QuotaExceeded,
@@ -436,7 +437,11 @@ class Spiller:
             if not isinstance(replayed_tokens, int) or not 0 <= replayed_tokens <= n:
                 raise InvalidRequest(f"window_replayed must lie in [0, {n}] (the session's "
                                      f"tokens), got {replayed_tokens!r}")
-            check_window(spec, manifest.token_ids, window)
+            try:
+                check_window(spec, manifest.token_ids, window)
+            except CodecError as exc:  # the sender's bytes, not a tier's copy
+                raise InvalidRequest(f"the window is not one of {tenant}/{session_id}: "
+                                     f"{exc}") from exc
             key = f"{WINDOW_PREFIX}{tenant}/{session_id}/{generation}r{replayed_tokens}"
             await self._store.blocks.drop(key)  # a leftover copy must not stand in for this one
             tier = await self._store_rebuilt(tenant, session_id, key, window, manifest.hint)
