@@ -13,9 +13,12 @@ the model (``maintenance.event`` verifies every session after each):
   loopback, files 0600 and directories 0700, the shipped deploy files, and a second
   ``init`` there refused;
 - ``drain``: ``kvtier drain`` of the live server: done with nothing left to write back,
-  a write after it refused UNAVAILABLE, on a fleet node no session's window named there
-  any more, then the server killed with SIGKILL and started again, every version the
-  model holds (memory-acked ones too) required to restore;
+  a write after it refused UNAVAILABLE; on a fleet node, with a live peer started for
+  it (``bench.seams.peer_drain``): the peer RPC refused to tenants and for bytes its
+  header does not describe, every window moved to the peer, which resumes each such
+  session without replay and with the model's window; then the server killed with
+  SIGKILL and started again, every version the model holds (memory-acked ones too)
+  required to restore;
 - ``tokens-file`` (TLS): a tenant token added to the live tokens file, then revoked;
   the server re-reads it once a second, so within ``RELOAD_S`` the new token works and
   then the revoked one is refused, while the other tenants' keep working; before it a
@@ -43,7 +46,7 @@ import signal
 import socket
 import time
 
-from bench.seams import lives, prefix
+from bench.seams import lives, peer_drain, prefix
 from bench.seams.model import Held, Version, truncated
 from bench.seams.verdict import now
 from bench.seams.world import CLI, STARTED, Node, cli_output
@@ -273,10 +276,19 @@ async def drain(sim) -> None:
     """``kvtier drain`` of the live server, then SIGKILL and a start: a drained node
     holds nothing a crash can lose, so every version the model holds, memory-acked ones
     included, must restore after it."""
-    rc, out = await _cli(sim, "cli-drain", ["drain", "--json", "--interval", "0.5",
-                                            "--timeout", "120", *_server_args(sim)])
-    last = json.loads(out) if rc == 0 and out.strip() else {}
-    sim.log(f"step={sim.step} drain: {out.strip()[:300]}")
+    peer = await peer_drain.start_peer(sim) if sim.combo.shared else None
+    try:
+        if peer is not None:
+            await peer_drain.hostile_calls(sim, peer)
+        rc, out = await _cli(sim, "cli-drain", ["drain", "--json", "--interval", "0.5",
+                                                "--timeout", "120", *_server_args(sim)])
+        last = json.loads(out) if rc == 0 and out.strip() else {}
+        sim.log(f"step={sim.step} drain: {out.strip()[:300]}")
+        if peer is not None and last.get("done"):
+            await peer_drain.check_moved(sim, peer, last)
+    finally:
+        if peer is not None:
+            await peer_drain.stop_peer(sim, peer)
     if rc == 0 and not (last.get("done") and last.get("writebackPending") == 0
                         and last.get("writebackFailed") == 0):
         sim.ledger.add("unexpected", sim.combo.name, sim.step, "cli-drain", "-",
@@ -286,8 +298,6 @@ async def drain(sim) -> None:
         await lives.start(sim, "drain")
         return
     await _refused_while_drained(sim)
-    if sim.combo.shared:
-        await _windows_released(sim)
     for held in sim.model.values():
         held.drained()  # every acked version written back: a kill loses none
     await sim.end_life("kill")
@@ -297,23 +307,6 @@ async def drain(sim) -> None:
             version.window = None  # memory tiers only
         held.window_replayed = False
     await lives.start(sim, "drain")
-
-
-async def _windows_released(sim) -> None:
-    """A drained fleet node holds no window: Stat names no window node for any session,
-    so no router sends one to it."""
-    for (tenant, sid), held in sorted(sim.model.items()):
-        if held.may_be_absent(now()) or held.uncertain:
-            continue
-        try:
-            info = (await sim.client(tenant).stat(tenant, sid)).session
-        except KVTierError as exc:
-            sim.fail(exc, sim.step, "drained-stat", f"{tenant}/{sid}", "its Stat")
-            continue
-        if info.window_node_id:
-            sim.ledger.add("unexpected", sim.combo.name, sim.step, "drained-stat",
-                           f"{tenant}/{sid}", "no window node (released by the drain)",
-                           f"window node {info.window_node_id}")
 
 
 async def _refused_while_drained(sim) -> None:
