@@ -124,14 +124,15 @@ class Draining:
                 await asyncio.sleep(interval_s)
             yield self.progress("writeback")
         if self._store.catalog.meta.node_id:  # shared metadata: a fleet node
-            mine = [m for m in await self._store.catalog.manifests() if m.window_key]
+            mine = [(m.tenant, m.session_id, m.window_key)
+                    for m in await self._store.catalog.manifests() if m.window_key is not None]
             self._held = len(mine)
             yield self.progress("windows")
-            for manifest in mine:
-                if await self._move(manifest.tenant, manifest.session_id):
+            for tenant, session_id, key in mine:
+                if await self._move(tenant, session_id):
                     self._moved += 1
                 else:
-                    self._released += await self._release(manifest.tenant, manifest.session_id)
+                    self._released += await self._release(tenant, session_id, key)
                 self._held -= 1
             log.info("drain: %d windows moved to peers, %d released (their sessions replay "
                      "elsewhere)", self._moved, self._released)
@@ -161,25 +162,28 @@ class Draining:
             await self._store.blocks.drop(manifest.window_key)
         return True
 
-    async def _release(self, tenant: str, session_id: str) -> bool:
-        """Rewrite the session's manifest without the window this node holds, then free
-        the blob; whether it did. A session spilled again meanwhile by another node names
-        that node."""
+    async def _release(self, tenant: str, session_id: str, key: str) -> bool:
+        """Rewrite the session's manifest without the window this node holds (``key``),
+        then free the blob; whether it did. A session spilled again meanwhile by another
+        node names that node, and the blob here, no session's any more, is freed too."""
         catalog = self._store.catalog
         async with catalog.write(tenant, session_id):
             try:
                 manifest = await catalog.load(tenant, session_id)
-                if manifest is None or manifest.window_key is None:
+                if manifest is None or manifest.window_key != key:
+                    await self._store.blocks.drop(key)  # deleted, or moved on elsewhere
                     return False
                 await catalog.put(manifest.evolve(window_tier=None, window_key=None,
                                                   window_replayed=0))
             except StaleGeneration:
-                return False  # another node wrote a newer generation: its window, not ours
+                # another node wrote a newer generation: its window, not ours
+                await self._store.blocks.drop(key)
+                return False
             except KVTierError as exc:
                 log.warning("drain: the window of %s/%s not released: %s", tenant,
                             session_id, exc)
                 raise
-            await self._store.blocks.drop(manifest.window_key)
+            await self._store.blocks.drop(key)
         return True
 
 

@@ -2,7 +2,8 @@
 fleet of two ``kvtier serve`` children over one moto bucket and one real redis-server:
 the peer resumes each session as it was (no replay, the same bytes); a tenant token may
 not call the peer RPC; a window whose digest, length or bytes do not hold is refused and
-nothing adopted; with the peer killed the windows are released as before."""
+nothing adopted; with the peer killed the windows are released as before, and with the
+peer a router would pick killed the next live one takes them."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvstore.fleet.liveness import NodeLiveness
 from kvstore.format.checks import window_bytes_max
 from kvstore.format.keys import chunk_digest
 from kvtier import AsyncClient
@@ -25,6 +27,7 @@ from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.cli.main import main
 from services.server.devcerts import tokens_toml
+from services.server.peers import peer_order
 from testing.live_server import Child
 from tests.support.fleet import SPEC, TOKENS, assert_persistent
 
@@ -172,3 +175,38 @@ async def test_with_the_peer_killed_the_windows_are_released_as_before(
     finally:
         a.stop()
         b.stop()
+
+
+async def test_a_window_whose_chosen_peer_is_gone_moves_to_the_next_live_one(
+        tmp_path, fleet_env, redis_server, model_state, capsys):
+    _, ids, chunks, tail, window = model_state
+    sessions = [f"s{i}" for i in range(4)]
+    # b and c are the peers, sorted by id; at least one session's first choice is b
+    firsts = [peer_order([_peer("b"), _peer("c")], "acme", sid)[0].node_id
+              for sid in sessions]
+    assert "b" in firsts
+    a, b, c = (serve(tmp_path, fleet_env, redis_server, name) for name in "abc")
+    try:
+        on_a_at, _, on_c_at = await asyncio.gather(*(asyncio.to_thread(node.start)
+                                                     for node in (a, b, c)))
+        async with AsyncClient(on_a_at) as on_a:
+            for sid in sessions:
+                await on_a.spill("acme", sid, SPEC, ids, chunks=chunks, tail=tail,
+                                 window=window, generation=1, ack="memory")
+        os.kill(b.pid, signal.SIGKILL)  # its heartbeat still says serving
+        assert await asyncio.to_thread(main, ["drain", "--server", on_a_at, "--json",
+                                              "--interval", "0.2"]) == 0
+        last = json.loads(capsys.readouterr().out)
+        assert last["windowsMoved"] == len(sessions) and last["windowsReleased"] == 0
+        async with AsyncClient(on_c_at) as on_c:
+            for sid in sessions:
+                assert (await on_c.stat("acme", sid)).session.window_node_id == "c"
+                got = await on_c.resume("acme", sid)
+                assert not got.replayed and bytes(got.window_blob) == window
+    finally:
+        for node in (a, b, c):
+            node.stop()
+
+
+def _peer(name: str) -> NodeLiveness:
+    return NodeLiveness(name, f"{name}:1", "serving", 0.0, False)
