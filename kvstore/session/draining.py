@@ -57,7 +57,7 @@ class DrainProgress:
     writeback_failed: int  # sessions marked writeback_failed
     windows_held: int  # sessions whose window this node holds (still to move or release)
     windows_released: int  # no peer took them: their sessions replay elsewhere
-    windows_moved: int = 0  # a live peer adopted them: their sessions resume there as they were
+    windows_moved: int  # a live peer adopted them: their sessions resume there as they were
 
     @property
     def done(self) -> bool:
