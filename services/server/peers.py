@@ -55,6 +55,10 @@ from services.server.layout_registry import ServerLayouts
 
 log = logging.getLogger(__name__)
 PEER_CALL_S = 30.0  # one AdoptWindow: a window is at most a few MiB on a local network
+# A peer that answers so will not adopt a later window of this drain either: not tried again.
+PEER_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                       grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED,
+                       grpc.StatusCode.PERMISSION_DENIED})
 
 
 async def adopt(manager: TierManager, layouts: ServerLayouts, node_id: str,
@@ -152,7 +156,8 @@ def peer_order(nodes: list[NodeLiveness], tenant: str, session_id: str
 
 class PeerMover:
     """The draining node's ``Draining.move``: a window to the first live peer that
-    adopts it. A peer that cannot be reached is skipped for the rest of the drain."""
+    adopts it. A peer that cannot be reached, or refuses this node's credential or the
+    RPC itself (an older build), is skipped for the rest of the drain."""
 
     def __init__(self, meta: SharedMetaStore, config: ServerConfig, node_id: str) -> None:
         self._meta = meta
@@ -204,8 +209,7 @@ class PeerMover:
                 error = error_from_rpc(exc, f"node {node.node_id}: ")
                 if isinstance(error, StaleGeneration | SessionNotFound):
                     return False  # the session moved on: nothing of it is this node's
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE,
-                                  grpc.StatusCode.DEADLINE_EXCEEDED):
+                if exc.code() in PEER_GONE:
                     self._unreachable.add(node.node_id)
                 log.warning("drain: the window of %s/%s not moved to %s: %s", manifest.tenant,
                             manifest.session_id, node.node_id, error)

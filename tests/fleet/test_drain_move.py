@@ -3,7 +3,8 @@ fleet of two ``kvtier serve`` children over one moto bucket and one real redis-s
 the peer resumes each session as it was (no replay, the same bytes); a tenant token may
 not call the peer RPC; a window whose digest, length or bytes do not hold is refused and
 nothing adopted; with the peer killed the windows are released as before, and with the
-peer a router would pick killed the next live one takes them."""
+peer a router would pick killed the next live one takes them; a peer that refuses the
+drained node's credential leaves them released."""
 
 from __future__ import annotations
 
@@ -210,3 +211,29 @@ async def test_a_window_whose_chosen_peer_is_gone_moves_to_the_next_live_one(
 
 def _peer(name: str) -> NodeLiveness:
     return NodeLiveness(name, f"{name}:1", "serving", 0.0, False)
+
+
+async def test_a_drain_without_a_peer_credential_releases_the_windows(
+        tmp_path, fleet_env, redis_server, model_state, tokens, capsys):
+    _, ids, chunks, tail, window = model_state
+    auth = {"auth_tokens_file": str(tmp_path / "tokens.toml")}  # no peer_token_file
+    a = serve(tmp_path, fleet_env, redis_server, "a", **auth)
+    b = serve(tmp_path, fleet_env, redis_server, "b", **auth)
+    try:
+        on_a_at, on_b_at = await asyncio.gather(asyncio.to_thread(a.start),
+                                                asyncio.to_thread(b.start))
+        async with AsyncClient(on_a_at, token=tokens["acme"]) as on_a:
+            for i in range(SESSIONS):
+                await on_a.spill("acme", f"s{i}", SPEC, ids, chunks=chunks, tail=tail,
+                                 window=window, generation=1, ack="memory")
+        assert await asyncio.to_thread(main, [
+            "drain", "--server", on_a_at, "--json", "--interval", "0.2",
+            "--token-file", str(tmp_path / "admin.token")]) == 0
+        last = json.loads(capsys.readouterr().out)
+        assert last["windowsMoved"] == 0 and last["windowsReleased"] == SESSIONS
+        async with AsyncClient(on_b_at, token=tokens["acme"]) as on_b:
+            for i in range(SESSIONS):  # b refused a's call: no window named anywhere
+                assert (await on_b.stat("acme", f"s{i}")).session.window_node_id == ""
+    finally:
+        a.stop()
+        b.stop()
