@@ -454,7 +454,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     async def AdoptWindow(self, request_iterator: AsyncIterator[pb.AdoptWindowRequest],
                           context: grpc.aio.ServicerContext) -> pb.AdoptWindowReply:
         """A draining peer's window of a session, kept here (``services.server.peers``)."""
-        with self.limits.stream(context.peer(), "AdoptWindow"):
+        with self.limits.stream(auth.client_peer(context), "AdoptWindow"):
             messages = idle_bounded(request_iterator, self.limits.idle_s, "AdoptWindow")
             return await peers.adopt(self.manager, self.layouts, self.config.node_name,
                                      messages)

@@ -164,6 +164,8 @@ class Campaign:
         if self.creds is None or METHODS[case.method].containing_service.name == "Replay":
             return case, (), None  # the replay worker is not the authenticated server
         token = Credentials.bearer(self.creds.tokens[CALLER])
+        if case.method == "AdoptWindow":  # a fleet peer's call only
+            return case, token, "PERMISSION_DENIED"
         if case.method == "RegisterLayout":  # an admin's call; a tenant's is refused
             if self.attack_rng.random() < 0.5:
                 return case, Credentials.bearer(self.creds.tokens["admin"]), None

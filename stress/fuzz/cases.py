@@ -44,7 +44,7 @@ METHOD_WEIGHTS = {"Spill": 30, "Restore": 12, "Resume": 8, "Prefetch": 5, "Evict
                   "Delete": 5, "Stat": 5, "List": 5, "LeaseSegment": 6,
                   "ReleaseSegments": 4, "Rebuild": 8, "Lookup": 7, "Fork": 7,
                   "RegisterLayout": 14, "ListLayouts": 2, "WriteChunks": 8, "ReadChunks": 7,
-                  "Drain": 2}
+                  "Drain": 2, "AdoptWindow": 4}
 
 
 class CaseGenerator(LayoutCases, ChunkCases):
@@ -386,6 +386,27 @@ class CaseGenerator(LayoutCases, ChunkCases):
         interval = self.rng.choice((-1.0, -0.5, float("nan"), float("inf"), float("-inf"),
                                     60.5, 1e300, -1e-300))
         return Case("Drain", "drain", ser([pb.DrainRequest(progress_interval_s=interval)]))
+
+    def adv_AdoptWindow(self) -> Case:
+        """A window offered as a draining peer's, every part of it hostile or wrong for
+        this node: a single node's manifests name no sending node, so none is adopted (a
+        protected session keeps its own window); with --auth a tenant's token is refused."""
+        rng, enc = self.rng, self._enc()
+        window = rng.choice((enc.window or b"", rng.randbytes(rng.choice((1, 64, 4096))),
+                             b""))
+        header = pb.AdoptWindowHeader(
+            session=self._ref(readonly=True),
+            generation=rng.choice((0, 1, 2, U64)),
+            window_replayed=rng.choice((0, 16, U32)),
+            from_node=rng.choice(("", "node-a", "x" * 300, "\x00")),
+            window_digest=rng.choice((chunk_digest(window), bytes(32), b"\x01" * 31,
+                                      rng.randbytes(64))),
+            window_bytes=rng.choice((len(window), 0, len(window) + 1, 1 << 40, U64)))
+        head, body = (pb.AdoptWindowRequest(header=header),
+                      pb.AdoptWindowRequest(window=window))
+        orders = ([head, body], [head, body], [body, head], [head, head, body],
+                  [head, body, body], [head], [body], [pb.AdoptWindowRequest(), head, body])
+        return Case("AdoptWindow", "adopt", ser(rng.choice(orders)))
 
     def adv_LeaseSegment(self) -> Case:
         size = self.rng.choice((0, 1, 4096, 1 << 20, 3 << 20, 1 << 31, 1 << 40, U64))

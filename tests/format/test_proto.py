@@ -35,5 +35,6 @@ def test_every_rpc_is_in_the_service():
         "WriteChunks",
         "ReadChunks",
         "Drain",
+        "AdoptWindow",
     }
     assert "Replay" in kvtier_pb2.DESCRIPTOR.services_by_name
