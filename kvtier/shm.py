@@ -25,10 +25,8 @@ import asyncio
 import contextlib
 import mmap
 import os
-import re
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -41,20 +39,14 @@ from kvstore.format.errors import (
     SharedMemoryUnavailable,
     TierFull,
 )
+from kvstore.format.shm_names import NAME, SHM_DIR
 from kvtier.errors import error_from_rpc
 from proto import kvtier_pb2 as pb
 
-SHM_DIR = Path("/dev/shm")
-PREFIX = "kvtier-"  # every segment the server creates; its random part follows
-NAME = re.compile(r"^kvtier-[A-Za-z0-9_-]{1,120}$")  # no path, no dot: a plain name only
 RENEW_MARGIN = 0.8  # offer a lease again only within this share of its lease time
 POOL_SIZE = 4  # segments a client keeps between calls
 RELEASE_TIMEOUT_S = 2.0
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-
-
-def available() -> bool:
-    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
 
 
 class Segment:

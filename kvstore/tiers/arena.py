@@ -1,0 +1,334 @@
+"""The host tier in shared memory: values in server-created slabs that same-host clients
+map read-only and read in place, under a read lease that pins what they read.
+
+Slabs are POSIX shared-memory segments the server creates as it creates its leases
+(``create_segment``: a random name under ``PREFIX``, mode 0600,
+``O_CREAT|O_EXCL|O_NOFOLLOW``, registered with ``multiprocessing``'s resource tracker, so a
+crashed server's slabs are removed too). Allocation is memcached's: each slab is cut into
+equal slots of one size class (a value's length rounded up by at most 1/16, 64 B at
+least) with a free list; a value takes one slot. An engine's chunks are of one size per
+layout, so one class serves a layout and a freed slot fits the next chunk exactly.
+
+Slabs belong to one dedupe scope (``kvstore.format.keys.dedupe_scope``): a client maps
+only slabs holding chunks of the scope it read, never another tenant's. A put does not
+know its key's scope, so a value starts in an unscoped slab, which no client is ever
+named; the first in-place read (``pin``) moves it into its scope's slabs (one copy, what
+a reply segment costs) and later reads hand it out where it lies. A block key chains
+from its scope, so a value's scope never changes.
+
+Accounting: ``used_bytes`` is the length of every value held, plus those removed
+(deleted, overwritten, evicted, expired) while pinned, whose slots are freed only once
+the last pin goes; capacity bounds that. Real memory is the slabs (``slab_bytes``): a
+new slab is made only while the slabs stay within ``capacity_bytes`` plus one slab per
+size class and scope in use (slots round up, and a class's last slab has free slots),
+else the put is ``TierFull``. Slabs are ``SLAB_BYTES`` (a sixteenth of a small tier's
+capacity, a page at least); an empty one is unlinked at once.
+
+A slot is reused only when nothing reads it: no pin, and no view ``get`` or
+``get_tensor`` handed out still alive (each is counted until Python drops it, which may
+happen on any thread: drops are queued and counted on the tier's own thread).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import mmap
+import os
+import secrets
+import weakref
+from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from kvstore.format.errors import ChunkNotFound, TierFull
+from kvstore.format.shm_names import PREFIX, SHM_DIR
+from kvstore.tiers.base import Buffer
+from kvstore.tiers.host import HostTier
+
+SLAB_BYTES = 4 << 20  # slots of a class per slab: this many bytes' worth (one at least)
+MIN_SLOT = 64
+UNSCOPED = "\0unscoped"  # no dedupe scope is this: a value not read in place yet
+
+
+def create_segment(size: int) -> tuple[str, mmap.mmap]:
+    """A new shared-memory segment of ``size`` bytes only this user can open: (name,
+    read-write mapping); the descriptor is closed, the mapping keeps the memory."""
+    name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(12)}"
+    fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # exactly 0600, whatever the umask
+        os.ftruncate(fd, size)
+        segment = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    except BaseException:
+        os.unlink(SHM_DIR / name)
+        raise
+    finally:
+        os.close(fd)
+    resource_tracker.register(f"/{name}", "shared_memory")
+    return name, segment
+
+
+def remove_segment(name: str, segment: mmap.mmap) -> None:
+    """Unlink a segment ``create_segment`` made and unmap it (a view still alive keeps
+    the mapping until it is dropped)."""
+    with contextlib.suppress(BufferError):
+        segment.close()
+    with contextlib.suppress(FileNotFoundError):  # removed behind our back
+        os.unlink(SHM_DIR / name)
+    resource_tracker.unregister(f"/{name}", "shared_memory")
+
+
+def slot_bytes(length: int) -> int:
+    """The size class of a value of ``length`` bytes: rounded up by at most 1/16."""
+    step = max(MIN_SLOT, 1 << max(0, length.bit_length() - 5))
+    return max(MIN_SLOT, -(-length // step) * step)
+
+
+def slab_size(slot_size: int, target: int) -> int:
+    """Bytes of a slab of ``slot_size`` slots, about ``target`` of them: whole pages."""
+    slots = max(1, target // slot_size)
+    return -(-slots * slot_size // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+class Slab:
+    """One segment cut into ``slots`` slots of ``slot_bytes``, all of one ``scope``."""
+
+    def __init__(self, scope: str, slot_size: int, size: int) -> None:
+        self.scope = scope
+        self.slot_bytes = slot_size
+        self.size = size
+        self.slots = size // slot_size
+        self.slab_id = secrets.token_urlsafe(12)  # what refs name; not the file's name
+        self.name, self.map = create_segment(self.size)
+        self.array = np.frombuffer(self.map, dtype=np.uint8)  # (size,) the whole slab
+        self.free = list(range(self.slots - 1, -1, -1))  # popped from the end: lowest first
+        self.taken: dict[int, Slot] = {}
+
+    def close(self) -> None:
+        del self.array  # the tier's own view: the mapping can close
+        remove_segment(self.name, self.map)
+
+
+@dataclass(eq=False)
+class Slot:
+    """Where one value lies: ``length`` bytes at ``offset`` of ``slab``."""
+
+    slab: Slab
+    index: int
+    length: int
+    pins: int = 0
+    readers: int = 0  # views handed out and still alive
+    removed: bool = False  # no longer the value of its key: freed once unread
+    key: str = field(default="", repr=False)
+
+    @property
+    def offset(self) -> int:
+        return self.index * self.slab.slot_bytes
+
+    def array(self) -> np.ndarray:
+        return self.slab.array[self.offset : self.offset + self.length]
+
+
+class ArenaTier(HostTier):
+    """``HostTier`` whose values live in shared-memory slabs (module docstring)."""
+
+    name: ClassVar[str] = "host"
+
+    def __init__(self, capacity_bytes: int, **kwargs) -> None:
+        super().__init__(capacity_bytes, pin_memory=False, **kwargs)
+        # a small tier's slabs are small, so the slack per class stays a small share
+        self._slab_target = min(SLAB_BYTES, max(mmap.PAGESIZE, capacity_bytes // 16))
+        self._slabs: dict[str, Slab] = {}
+        self._open: dict[tuple[str, int], dict[str, Slab]] = {}  # slabs with a free slot
+        self._slot_at: dict[int, Slot] = {}  # address of a stored value -> its slot
+        self._lingering: set[Slot] = set()  # removed, still pinned or read
+        self._pinned_removed = 0  # bytes of removed values still pinned
+        self._views_dropped: collections.deque[Slot] = collections.deque()  # any thread
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used + self._pinned_removed
+
+    @property
+    def slab_bytes(self) -> int:
+        """Shared memory the slabs take: the real memory of this tier."""
+        return sum(slab.size for slab in self._slabs.values())
+
+    def slab(self, slab_id: str) -> Slab:
+        return self._slabs[slab_id]
+
+    # -- slots --
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return self._tensor(self._take_slot(UNSCOPED, nbytes))
+
+    def _tensor(self, slot: Slot) -> torch.Tensor:
+        self._slot_at[slot.slab.array.ctypes.data + slot.offset] = slot
+        return torch.from_numpy(slot.array())
+
+    def _take_slot(self, scope: str, length: int) -> Slot:
+        self._settle()
+        size = slot_bytes(length)
+        slabs = self._open.setdefault((scope, size), {})
+        if not slabs:
+            self._new_slab(scope, size)
+        slab = next(iter(slabs.values()))
+        index = slab.free.pop()
+        if not slab.free:
+            del slabs[slab.slab_id]
+        slot = Slot(slab, index, length)
+        slab.taken[index] = slot
+        return slot
+
+    def _new_slab(self, scope: str, size: int) -> None:
+        new = slab_size(size, self._slab_target)
+        if self.slab_bytes + new > self._room(scope, size):
+            self._purge_expired()
+            self._settle()
+        if self.slab_bytes + new > self._room(scope, size):
+            raise TierFull(f"{self.name}: no free slot of {size} B and the slabs hold "
+                           f"{self.slab_bytes} B of {self.capacity_bytes} B capacity")
+        slab = Slab(scope, size, new)
+        self._slabs[slab.slab_id] = slab
+        self._open[(scope, size)][slab.slab_id] = slab
+
+    def _room(self, scope: str, size: int) -> int:
+        """What the slabs may take: capacity plus one slab of each class in use (its
+        free slots), counting the class of ``size`` in ``scope``."""
+        classes = {(slab.scope, slab.slot_bytes) for slab in self._slabs.values()}
+        classes.add((scope, size))
+        return self.capacity_bytes + sum(slab_size(c, self._slab_target) for _, c in classes)
+
+    def _free_slot(self, slot: Slot) -> None:
+        slab = slot.slab
+        del slab.taken[slot.index]
+        self._slot_at.pop(slab.array.ctypes.data + slot.offset, None)
+        if not slab.taken:
+            self._open[(slab.scope, slab.slot_bytes)].pop(slab.slab_id, None)
+            del self._slabs[slab.slab_id]
+            slab.close()
+            return
+        slab.free.append(slot.index)
+        self._open[(slab.scope, slab.slot_bytes)][slab.slab_id] = slab
+
+    def _let_go(self, slot: Slot) -> None:
+        """``slot`` holds no key's value any more: free it, or once nothing reads it."""
+        slot.removed = True
+        if slot.pins:
+            self._pinned_removed += slot.length
+        if slot.pins or slot.readers:
+            self._lingering.add(slot)
+        else:
+            self._free_slot(slot)
+
+    def _settle(self) -> None:
+        """Count the views dropped since, and free the removed slots nothing reads."""
+        while self._views_dropped:
+            self._views_dropped.popleft().readers -= 1
+        for slot in [s for s in self._lingering if not s.pins and not s.readers]:
+            self._lingering.discard(slot)
+            self._free_slot(slot)
+
+    def _slot_of(self, stored: torch.Tensor) -> Slot | None:
+        return self._slot_at.get(stored.data_ptr()) if stored.numel() else None
+
+    # -- storage primitives (MemoryTier's, keeping slots in step) --
+
+    def _store(self, key: str, stored: torch.Tensor, ttl_s: float | None) -> None:
+        slot = self._slot_of(stored)
+        old = self._values.get(key)
+        try:
+            super()._store(key, stored, ttl_s)
+        except TierFull:
+            if slot is not None:
+                self._free_slot(slot)
+            raise
+        if slot is not None:
+            slot.key = key
+        if old is not None and (old_slot := self._slot_of(old)) is not None:
+            self._let_go(old_slot)
+
+    def _remove(self, key: str) -> int:
+        stored = self._values.get(key)
+        freed = super()._remove(key)
+        if stored is not None and (slot := self._slot_of(stored)) is not None:
+            self._let_go(slot)
+        return freed
+
+    def _read(self, slot: Slot) -> np.ndarray:
+        """A view of ``slot`` counted as a reader until Python drops it."""
+        view = slot.array()
+        slot.readers += 1
+        weakref.finalize(view, self._views_dropped.append, slot)
+        return view
+
+    def _view(self, key: str) -> Buffer:
+        stored = self._lookup(key)
+        slot = self._slot_of(stored)
+        if slot is None:
+            return super()._view(key)
+        return memoryview(self._read(slot)).toreadonly()
+
+    async def get_tensor(self, key: str) -> torch.Tensor:
+        stored = self._lookup(key)
+        slot = self._slot_of(stored)
+        return stored if slot is None else torch.from_numpy(self._read(slot))
+
+    # -- pins: what same-host clients read in place --
+
+    def pin(self, key: str, scope: str) -> Slot | None:
+        """The slot of ``key``'s value in ``scope``'s slabs, pinned until ``unpin``; a
+        value not there yet is moved there first. None when it is not held (or empty, or
+        no slot of the scope can be had)."""
+        self._settle()
+        try:
+            stored = self._lookup(key)
+        except ChunkNotFound:
+            return None
+        slot = self._slot_of(stored)
+        if slot is None or slot.slab.scope not in (scope, UNSCOPED):
+            return None
+        if slot.slab.scope != scope:
+            try:
+                moved = self._take_slot(scope, slot.length)
+            except TierFull:
+                return None
+            moved.array()[:] = slot.array()
+            moved.key = key
+            self._values[key] = self._tensor(moved)
+            self._proven.discard(key)  # a copy: proven again by its next reader
+            self._let_go(slot)
+            slot = moved
+        slot.pins += 1
+        return slot
+
+    def unpin(self, slot: Slot) -> None:
+        slot.pins -= 1
+        if slot.removed and not slot.pins:
+            self._pinned_removed -= slot.length
+            self._settle()
+
+    # -- what is held --
+
+    async def held_bytes(self) -> int:
+        """Bytes of the values the slabs hold for their keys (walked slot by slot: an
+        accounting cross-check)."""
+        return sum(slot.length for slab in self._slabs.values()
+                   for slot in slab.taken.values() if not slot.removed)
+
+    async def close(self) -> None:
+        await super().close()
+        for slab in self._slabs.values():
+            slab.close()
+        self._slabs.clear()
+        self._open.clear()
+        self._slot_at.clear()
+        self._lingering.clear()
+        self._pinned_removed = 0
+
