@@ -40,6 +40,8 @@ from kvstore.format.errors import (
     TierFull,
 )
 from kvstore.format.shm_names import NAME, SHM_DIR
+from kvstore.format.shm_names import PREFIX as PREFIX  # the names callers know it by
+from kvstore.format.shm_names import available as available
 from kvtier.errors import error_from_rpc
 from proto import kvtier_pb2 as pb
 

@@ -1,7 +1,8 @@
 """The ``Tier`` contract (kvstore.tiers.base), one suite over every implementation: the HBM
-tier (on the CPU), the host tier (in torch memory and in shared-memory slabs), Redis (a real redis-server), the disk tier, the object
-tier on a local directory and on moto's S3 server, and the encrypting tier over the
-object tier. Each promise of the interface is asserted the same way on each of them."""
+tier (on the CPU), the host tier (in torch memory and in shared-memory slabs), Redis (a
+real redis-server), the disk tier, the object tier on a local directory and on moto's S3
+server, and the encrypting tier over the object tier. Each promise of the interface is
+asserted the same way on each of them."""
 
 from __future__ import annotations
 
