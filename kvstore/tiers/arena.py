@@ -273,7 +273,7 @@ class ArenaTier(HostTier):
         slot = self._slot_of(stored)
         if slot is None:
             return super()._view(key)
-        return memoryview(self._read(slot)).toreadonly()
+        return self._read(slot).data.toreadonly()
 
     async def get_tensor(self, key: str) -> torch.Tensor:
         stored = self._lookup(key)
