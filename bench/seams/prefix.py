@@ -228,9 +228,9 @@ async def read(sim, step: int, prefix: Prefix, op: str = "read-chunks") -> None:
     then Lookup's held count against the chunks that must be held."""
     spec = sim.spec(BUNDLED)
     name = f"{prefix.tenant}/{prefix.pid}"
-    sim.log(f"step={step} op={op} s={name} chunks={len(prefix.chunks)}")
-    kv = sim.client(prefix.tenant)
     in_place = sim.rng.random() < 0.5  # host-tier chunks then read where they lie, pinned
+    sim.log(f"step={step} op={op} s={name} chunks={len(prefix.chunks)} in_place={in_place}")
+    kv = sim.client(prefix.tenant)
     try:
         if prefix.independent:
             got = await kv.read_independent_chunks(prefix.tenant, spec, prefix.tokens,
@@ -282,6 +282,8 @@ async def read(sim, step: int, prefix: Prefix, op: str = "read-chunks") -> None:
 def judge_held(sim, held: HeldRead) -> None:
     """An in-place read judged again after the steps it was kept open across (its chunks
     pinned), then released: every chunk still the bytes written."""
+    sim.log(f"step={sim.step} judged in-place read of step {held.step} s={held.name} "
+            f"chunks={len(held.expected)}")
     for i, expected in sorted(held.expected.items()):
         if bytes(held.result.chunks[i]) != expected:  # type: ignore[attr-defined]
             sim.wrong(held.step, f"{held.op}-in-place-held", held.name,
