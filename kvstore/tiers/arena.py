@@ -24,20 +24,18 @@ size class and scope in use (slots round up, and a class's last slab has free sl
 else the put is ``TierFull``. Slabs are ``SLAB_BYTES`` (a sixteenth of a small tier's
 capacity, a page at least); an empty one is unlinked at once.
 
-A slot is reused only when nothing reads it: no pin, and no view ``get`` or
-``get_tensor`` handed out still alive (each is counted until Python drops it, which may
-happen on any thread: drops are queued and counted on the tier's own thread).
+A slot is reused only when nothing reads it: no pin, and nothing ``get`` or
+``get_tensor`` handed out still alive (``Slot.read``: each holds a reference to the
+slot's array, so its reference count tells, whichever thread dropped them).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import mmap
 import os
 import secrets
-import weakref
-from dataclasses import dataclass, field
+import sys
 from multiprocessing import resource_tracker
 from typing import ClassVar
 
@@ -113,24 +111,33 @@ class Slab:
         remove_segment(self.name, self.map)
 
 
-@dataclass(eq=False)
 class Slot:
-    """Where one value lies: ``length`` bytes at ``offset`` of ``slab``."""
+    """Where one value lies: ``length`` bytes at ``offset`` of ``slab``. Everything
+    handed out of it (the stored tensor, views, tensors or arrays made from those) is
+    made from ``arr`` and keeps a reference to it, so the slot is read while ``arr`` has
+    other references than the slot's own."""
 
-    slab: Slab
-    index: int
-    length: int
-    pins: int = 0
-    readers: int = 0  # views handed out and still alive
-    removed: bool = False  # no longer the value of its key: freed once unread
-    key: str = field(default="", repr=False)
+    __slots__ = ("arr", "index", "length", "pins", "removed", "slab")
+
+    def __init__(self, slab: Slab, index: int, length: int) -> None:
+        self.slab = slab
+        self.index = index
+        self.length = length
+        self.pins = 0
+        self.removed = False  # no longer the value of its key: freed once unread
+        self.arr = slab.array[self.offset : self.offset + length]  # (length,) uint8
 
     @property
     def offset(self) -> int:
         return self.index * self.slab.slot_bytes
 
     def array(self) -> np.ndarray:
-        return self.slab.array[self.offset : self.offset + self.length]
+        return self.arr
+
+    def read(self) -> bool:
+        """Whether anything made from this slot is still alive (beyond ``arr`` itself:
+        one reference, and the argument's)."""
+        return sys.getrefcount(self.arr) > 2
 
 
 class ArenaTier(HostTier):
@@ -147,7 +154,6 @@ class ArenaTier(HostTier):
         self._slot_at: dict[int, Slot] = {}  # address of a stored value -> its slot
         self._lingering: set[Slot] = set()  # removed, still pinned or read
         self._pinned_removed = 0  # bytes of removed values still pinned
-        self._views_dropped: collections.deque[Slot] = collections.deque()  # any thread
 
     @property
     def used_bytes(self) -> int:
@@ -170,7 +176,7 @@ class ArenaTier(HostTier):
 
     def _tensor(self, slot: Slot) -> torch.Tensor:
         self._slot_at[slot.slab.array.ctypes.data + slot.offset] = slot
-        return torch.from_numpy(slot.array())
+        return torch.from_numpy(slot.arr)
 
     def _take_slot(self, scope: str, length: int) -> Slot:
         self._settle()
@@ -222,16 +228,16 @@ class ArenaTier(HostTier):
         slot.removed = True
         if slot.pins:
             self._pinned_removed += slot.length
-        if slot.pins or slot.readers:
+        if slot.pins or slot.read():
             self._lingering.add(slot)
         else:
             self._free_slot(slot)
 
     def _settle(self) -> None:
-        """Count the views dropped since, and free the removed slots nothing reads."""
-        while self._views_dropped:
-            self._views_dropped.popleft().readers -= 1
-        for slot in [s for s in self._lingering if not s.pins and not s.readers]:
+        """Free the removed slots nothing pins or reads any more."""
+        if not self._lingering:
+            return
+        for slot in [s for s in self._lingering if not s.pins and not s.read()]:
             self._lingering.discard(slot)
             self._free_slot(slot)
 
@@ -243,55 +249,54 @@ class ArenaTier(HostTier):
     def _store(self, key: str, stored: torch.Tensor, ttl_s: float | None) -> None:
         slot = self._slot_of(stored)
         old = self._values.get(key)
+        old_slot = None if old is None else self._slot_of(old)
+        del old  # the old value's tensor: not a reader of its slot
         try:
             super()._store(key, stored, ttl_s)
         except TierFull:
             if slot is not None:
+                del stored  # the caller's reference goes with the failed put
                 self._free_slot(slot)
             raise
-        if slot is not None:
-            slot.key = key
-        if old is not None and (old_slot := self._slot_of(old)) is not None:
+        if old_slot is not None:
             self._let_go(old_slot)
 
     def _remove(self, key: str) -> int:
         stored = self._values.get(key)
+        slot = None if stored is None else self._slot_of(stored)
+        del stored
         freed = super()._remove(key)
-        if stored is not None and (slot := self._slot_of(stored)) is not None:
+        if slot is not None:
             self._let_go(slot)
         return freed
-
-    def _read(self, slot: Slot) -> np.ndarray:
-        """A view of ``slot`` counted as a reader until Python drops it."""
-        view = slot.array()
-        slot.readers += 1
-        weakref.finalize(view, self._views_dropped.append, slot)
-        return view
 
     def _view(self, key: str) -> Buffer:
         stored = self._lookup(key)
         slot = self._slot_of(stored)
         if slot is None:
             return super()._view(key)
-        return self._read(slot).data.toreadonly()
-
-    async def get_tensor(self, key: str) -> torch.Tensor:
-        stored = self._lookup(key)
-        slot = self._slot_of(stored)
-        return stored if slot is None else torch.from_numpy(self._read(slot))
+        return slot.arr.data.toreadonly()  # keeps slot.arr referenced: the slot is read
 
     # -- pins: what same-host clients read in place --
 
-    def pin(self, key: str, scope: str) -> Slot | None:
-        """The slot of ``key``'s value in ``scope``'s slabs, pinned until ``unpin``; a
-        value not there yet is moved there first. None when it is not held (or empty, or
-        no slot of the scope can be had)."""
+    def pin_many(self, keys: list[str], scope: str) -> list[Slot | None]:
+        """The slot of each key's value in ``scope``'s slabs, pinned until ``unpin``; a
+        value not there yet is moved there first. None for one not held (or empty, or
+        when no slot of the scope can be had)."""
         self._settle()
+        return [self._pin(key, scope) for key in keys]
+
+    def pin(self, key: str, scope: str) -> Slot | None:
+        self._settle()
+        return self._pin(key, scope)
+
+    def _pin(self, key: str, scope: str) -> Slot | None:
         try:
             stored = self._lookup(key)
         except ChunkNotFound:
             return None
         slot = self._slot_of(stored)
+        del stored
         if slot is None or slot.slab.scope not in (scope, UNSCOPED):
             return None
         if slot.slab.scope != scope:
@@ -299,8 +304,7 @@ class ArenaTier(HostTier):
                 moved = self._take_slot(scope, slot.length)
             except TierFull:
                 return None
-            moved.array()[:] = slot.array()
-            moved.key = key
+            moved.arr[:] = slot.arr
             self._values[key] = self._tensor(moved)
             self._proven.discard(key)  # a copy: proven again by its next reader
             self._let_go(slot)

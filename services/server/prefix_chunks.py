@@ -113,12 +113,10 @@ class PrefixChunkCalls:
         if not (request.in_place and request.use_shared_memory and request.refs_in_header
                 and self.arena is not None and leases is not None):
             return {}, None
-        pinned: dict[int, Slot] = {}
-        for n, c in enumerate(chunks):
-            if c.data is not None and c.tier == self.arena.name:
-                slot = self.arena.pin(block_key(c.chain_key, c.digest), scope)
-                if slot is not None:
-                    pinned[n] = slot
+        held = [n for n, c in enumerate(chunks) if c.data is not None and c.tier == self.arena.name]
+        slots = self.arena.pin_many([block_key(chunks[n].chain_key, chunks[n].digest)
+                                     for n in held], scope)
+        pinned = {n: slot for n, slot in zip(held, slots, strict=True) if slot is not None}
         if not pinned:
             return {}, None
         try:
