@@ -270,9 +270,10 @@ def _streams(store: Store, chunks: list[bytes | memoryview], plan: LoadPlan
 
 
 def _rows(store: Store, chunks: list[bytes | memoryview]) -> np.ndarray | None:
-    """The chunks as one (n, bytes) uint8 array (a view where they lie back to back, as
-    in a reply segment, else one join) when all are uncompressed, of one size, of a
-    passthrough format; else None."""
+    """The chunks as one (n, bytes) uint8 array (a view where they lie evenly spaced, as
+    back to back in a reply segment or in consecutive slots of the server's host tier,
+    else one join) when all are uncompressed, of one size, of a passthrough format; else
+    None."""
     if not all(s.value_format.scales == "none" for s in store.spec.streams):
         return None
     views = [np.frombuffer(c, np.uint8) for c in chunks]
@@ -280,8 +281,9 @@ def _rows(store: Store, chunks: list[bytes | memoryview]) -> np.ndarray | None:
     if any(v.size != size for v in views):
         return None
     first = views[0].ctypes.data
-    if all(v.ctypes.data == first + n * size for n, v in enumerate(views)):
-        rows = np.lib.stride_tricks.as_strided(views[0], (len(views), size), (size, 1),
+    step = views[1].ctypes.data - first if len(views) > 1 else size
+    if step >= size and all(v.ctypes.data == first + n * step for n, v in enumerate(views)):
+        rows = np.lib.stride_tricks.as_strided(views[0], (len(views), size), (step, 1),
                                                writeable=False)
     else:
         rows = np.frombuffer(b"".join(chunks), np.uint8).reshape(len(views), size)
@@ -291,20 +293,22 @@ def _rows(store: Store, chunks: list[bytes | memoryview]) -> np.ndarray | None:
 
 def _views(store: Store, rows: np.ndarray) -> dict[str, list[torch.Tensor]]:
     """Each stream's codes per layer, (n, block_size, H, D) (a page stream's (n, 1, H,
-    bytes per head)), as views of ``rows``: (n, bytes) uint8, uncompressed chunks
-    ``read_chunks`` checked whole."""
+    bytes per head)), as views of ``rows``: (n, bytes) uint8 (rows evenly spaced, not
+    always adjacent), uncompressed chunks ``read_chunks`` checked whole."""
     n, size = rows.shape
+    step = rows.strides[0]  # from one chunk's start to the next's: size or more
     payload = read_header(rows[0]).payload_offset
-    flat = np.lib.stride_tricks.as_strided(rows, (n * size,), (1,), writeable=False)
+    flat = np.lib.stride_tricks.as_strided(rows, ((n - 1) * step + size,), (1,),
+                                           writeable=False)
     with warnings.catch_warnings():  # read-only bytes: only ever read from
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        whole = torch.frombuffer(flat, dtype=torch.uint8)  # (n * size,)
+        whole = torch.frombuffer(flat, dtype=torch.uint8)  # ((n - 1) * step + size,)
     out = {}
     for part in chunk_plan(store.spec, store.block_size, False).parts:
         if part.part != PART_CODES:
             continue
         layers, span = part.shape[0], part.layer_bytes
-        raw = whole.as_strided((layers, n, span), (span, size, 1), payload + part.offset)
+        raw = whole.as_strided((layers, n, span), (span, step, 1), payload + part.offset)
         codes = raw.view(part.dtype)  # (layers, n, block_size * H * D)
         out[part.stream.name] = list(codes.view(layers, n, *part.shape[1:]))
     return out
