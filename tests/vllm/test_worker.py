@@ -114,29 +114,29 @@ def test_saved_blocks_load_bit_for_bit_into_other_blocks(client, kvtier_server, 
 def test_blocks_held_in_host_ram_load_in_place_from_the_servers_slabs(tmp_path, spec):
     """A host tier that holds the blocks: the second load reads them where they lie in
     the server's shared memory (pinned under a read lease, released after), bit for bit."""
-    with threaded_server(tmp_path, host_bytes=64 << 20, object_bytes=0) as live:
-        with kvtier.Client(live.target) as c:
-            c.register_layout(spec)
-            source, src = worker(live.target, seed=1, spec=spec)
-            errors, _ = run_step(source, src, KVTierConnectorMetadata(
-                saves=[SavePlan("w", tuple(TOKENS), 0, (3, 5, 6))]))
+    with threaded_server(tmp_path, host_bytes=64 << 20, object_bytes=0) as live, \
+            kvtier.Client(live.target) as c:
+        c.register_layout(spec)
+        source, src = worker(live.target, seed=1, spec=spec)
+        errors, _ = run_step(source, src, KVTierConnectorMetadata(
+            saves=[SavePlan("w", tuple(TOKENS), 0, (3, 5, 6))]))
+        assert errors == set()
+        wait_held(c, TOKENS, 3 * BS, spec)
+        metrics = live.server.servicer.metrics
+        for n in range(2):  # the first moves them into the tenant's slabs
+            target, dst = worker(live.target, seed=None, spec=spec)
+            errors, _ = run_step(target, dst, KVTierConnectorMetadata(
+                loads=[LoadPlan(f"r{n}", tuple(TOKENS), 0, (1, 2, 4))]))
             assert errors == set()
-            wait_held(c, TOKENS, 3 * BS, spec)
-            metrics = live.server.servicer.metrics
-            for n in range(2):  # the first moves them into the tenant's slabs
-                target, dst = worker(live.target, seed=None, spec=spec)
-                errors, _ = run_step(target, dst, KVTierConnectorMetadata(
-                    loads=[LoadPlan(f"r{n}", tuple(TOKENS), 0, (1, 2, 4))]))
-                assert errors == set()
-                for name in NAMES:
-                    assert torch.equal(dst[name][[1, 2, 4]].view(torch.int16),
-                                       src[name][[3, 5, 6]].view(torch.int16))
-                    assert not dst[name][[0, 3, 5, 6, 7]].any()
-            assert metrics.restore_bytes.labels("in_place")._value.get() > 0
-            deadline = time.monotonic() + 10
-            while live.server.servicer.leases.reads:  # released off the engine's path
-                assert time.monotonic() < deadline, "the read leases were not released"
-                time.sleep(0.02)
+            for name in NAMES:
+                assert torch.equal(dst[name][[1, 2, 4]].view(torch.int16),
+                                   src[name][[3, 5, 6]].view(torch.int16))
+                assert not dst[name][[0, 3, 5, 6, 7]].any()
+        assert metrics.restore_bytes.labels("in_place")._value.get() > 0
+        deadline = time.monotonic() + 10
+        while live.server.servicer.leases.reads:  # released off the engine's path
+            assert time.monotonic() < deadline, "the read leases were not released"
+            time.sleep(0.02)
 
 
 def test_int4_blocks_load_within_half_a_step_of_what_was_saved(client, kvtier_server):
