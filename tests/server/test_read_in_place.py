@@ -74,7 +74,7 @@ async def test_a_chunk_removed_under_a_live_read_lease_keeps_its_bytes_until_rel
     tokens, chunks, _ = encoded(3)
     async with running_server(tmp_path) as (server, target), \
             AsyncClient(target, shared_memory=True) as kv:
-        await kv.write_chunks("acme", LAYOUT.name, tokens, chunks)
+        await kv.write_chunks("acme", LAYOUT.name, tokens, chunks, ack="durable")
         arena = arena_of(server)
         got = await kv.read_chunks("acme", LAYOUT.name, tokens, in_place=True)
         keys = block_keys(tokens, chunks)
@@ -92,15 +92,14 @@ async def test_a_chunk_removed_under_a_live_read_lease_keeps_its_bytes_until_rel
         assert arena._lingering and arena._pinned_removed == sum(map(len, chunks))
         got.release()
         await settled(lambda: arena._pinned_removed == 0)
-        await arena.put("after", b"\0" * len(chunks[0]))  # a slot taken: the freed ones counted
-        assert not arena._lingering
+        await settled(lambda: arena._settle() or not arena._lingering)
 
 
 async def test_a_read_lease_expires_and_frees_what_it_pinned(tmp_path):
     tokens, chunks, _ = encoded(2)
     async with running_server(tmp_path, shm_lease_s=0.2) as (server, target), \
             AsyncClient(target, shared_memory=True) as kv:
-        await kv.write_chunks("acme", LAYOUT.name, tokens, chunks)
+        await kv.write_chunks("acme", LAYOUT.name, tokens, chunks, ack="durable")
         arena, leases = arena_of(server), server.servicer.leases
         got = await kv.read_chunks("acme", LAYOUT.name, tokens, in_place=True)
         for key in block_keys(tokens, chunks):
@@ -187,3 +186,22 @@ async def test_chunks_below_the_host_tier_come_in_the_same_reply(tmp_path):
         with await kv.read_chunks("acme", LAYOUT.name, tokens, in_place=True) as got:
             assert [bytes(got.chunks[i]) for i in range(4)] == chunks
             assert server.servicer.leases.reads == 1
+
+
+async def test_the_client_unmaps_slabs_the_server_stops_naming(tmp_path):
+    tokens, chunks, _ = encoded(1)
+    theirs, their_chunks, _ = encoded(1, seed=3)
+    async with running_server(tmp_path, shm_lease_s=0.2) as (server, target), \
+            AsyncClient(target, shared_memory=True) as kv:
+        await kv.write_chunks("acme", LAYOUT.name, tokens, chunks)
+        await kv.write_chunks("beta", LAYOUT.name, theirs, their_chunks)
+        with await kv.read_chunks("acme", LAYOUT.name, tokens, in_place=True):
+            pass
+        segments = kv._router.nodes[0].segments
+        acme_slabs = set(segments._slabs)
+        assert len(acme_slabs) == 1
+        await asyncio.sleep(0.3)
+        with await kv.read_chunks("beta", LAYOUT.name, theirs, in_place=True) as got:
+            assert bytes(got.chunks[0]) == their_chunks[0]
+        assert set(segments._slabs).isdisjoint(acme_slabs)  # acme's not named for a while
+        assert len(segments._slabs) == 1  # beta's: each tenant's chunks in slabs of its own
