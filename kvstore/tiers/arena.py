@@ -22,7 +22,8 @@ the last pin goes; capacity bounds that. Real memory is the slabs (``slab_bytes`
 new slab is made only while the slabs stay within ``capacity_bytes`` plus one slab per
 size class and scope in use (slots round up, and a class's last slab has free slots),
 else the put is ``TierFull``. Slabs are ``SLAB_BYTES`` (a sixteenth of a small tier's
-capacity, a page at least); an empty one is unlinked at once.
+capacity, a page at least); an empty one is unlinked at once. Free slots are taken
+lowest first, so chunks placed together lie in order, evenly spaced.
 
 A slot is reused only when nothing reads it: no pin, and nothing ``get`` or
 ``get_tensor`` handed out still alive (``Slot.read``: each holds a reference to the
@@ -32,6 +33,7 @@ slot's array, so its reference count tells, whichever thread dropped them).
 from __future__ import annotations
 
 import contextlib
+import heapq
 import mmap
 import os
 import secrets
@@ -47,7 +49,9 @@ from kvstore.format.shm_names import PREFIX, SHM_DIR
 from kvstore.tiers.base import Buffer
 from kvstore.tiers.host import HostTier
 
-SLAB_BYTES = 4 << 20  # slots of a class per slab: this many bytes' worth (one at least)
+# slots of a class per slab: this many bytes' worth (one at least); a request's chunks
+# (an engine's 4k-token prompt is tens of MiB) then mostly share one slab
+SLAB_BYTES = 64 << 20
 MIN_SLOT = 64
 UNSCOPED = "\0unscoped"  # no dedupe scope is this: a value not read in place yet
 
@@ -103,7 +107,9 @@ class Slab:
         self.slab_id = secrets.token_urlsafe(12)  # what refs name; not the file's name
         self.name, self.map = create_segment(self.size)
         self.array = np.frombuffer(self.map, dtype=np.uint8)  # (size,) the whole slab
-        self.free = list(range(self.slots - 1, -1, -1))  # popped from the end: lowest first
+        # a heap: the lowest free slot first, so chunks placed together lie in order,
+        # evenly spaced (a reader takes them as one strided view)
+        self.free = list(range(self.slots))
         self.taken: dict[int, Slot] = {}
 
     def close(self) -> None:
@@ -185,7 +191,7 @@ class ArenaTier(HostTier):
         if not slabs:
             self._new_slab(scope, size)
         slab = next(iter(slabs.values()))
-        index = slab.free.pop()
+        index = heapq.heappop(slab.free)
         if not slab.free:
             del slabs[slab.slab_id]
         slot = Slot(slab, index, length)
@@ -220,7 +226,7 @@ class ArenaTier(HostTier):
             del self._slabs[slab.slab_id]
             slab.close()
             return
-        slab.free.append(slot.index)
+        heapq.heappush(slab.free, slot.index)
         self._open[(slab.scope, slab.slot_bytes)][slab.slab_id] = slab
 
     def _let_go(self, slot: Slot) -> None:

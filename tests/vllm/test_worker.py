@@ -257,11 +257,45 @@ def test_compressed_pages_are_decoded_and_written_as_they_were():
     chunks = [encode_chunk(SPEC, i * BS, TOKENS[i * BS:(i + 1) * BS],
                            {"page": values.encode(SPEC.stream("page"), pages[:, i:i + 1])},
                            zstd_level=3) for i in range(2)]
-    streams = _streams(store, chunks, LoadPlan("z", tuple(TOKENS), 0, (0, 1)))
+    [(start, streams)] = _streams(store, chunks, LoadPlan("z", tuple(TOKENS), 0, (0, 1)))
+    assert start == 0  # decoded: one run
     target = torch.zeros_like(src)
     paged.put_pages(target, torch.tensor([1, 4]), streams["page"][0])
     assert torch.equal(target[[1, 4]].view(torch.int16), src[[6, 2]].view(torch.int16))
     assert not target[[0, 2, 3, 5, 6, 7]].any()
+
+
+def test_chunks_lying_in_stretches_are_read_in_runs_without_a_copy():
+    """Uncompressed chunks where a server's slabs put them: evenly spaced in stretches
+    (slots of one slab), one elsewhere. Each stretch is one view of where they lie, and
+    the pages are those of the chunks."""
+    import numpy as np
+
+    from kvstore.format.chunk import encode_chunk
+    from kvtier.integrations.vllm import values
+    from kvtier.integrations.vllm.transfers import _streams, gathered
+
+    g = torch.Generator().manual_seed(4)
+    src = torch.randn(BLOCKS, H, BS, 2 * D, generator=g).to(torch.bfloat16)
+    paged = PagedLayout("cpu", H, D, BS, pages=True)
+    store = Store(None, None, SPEC, paged, [src] * LAYERS, torch.bfloat16, StatsCounter())
+    pages = gathered([paged.take(layer, store.block_index([5, 1, 7, 2]))
+                      for layer in store.layers], store)["page"]  # (layers, 4, page bytes)
+    tokens = TOKENS + TOKENS[:BS]
+    chunks = [encode_chunk(SPEC, i * BS, tokens[i * BS:(i + 1) * BS], {"page": values.encode(
+        SPEC.stream("page"), pages[:, i:i + 1])}) for i in range(4)]
+    size, step = len(chunks[0]), len(chunks[0]) + 64  # a slot: the chunk rounded up
+    slab = np.zeros(12 * step, np.uint8)
+    places = [0, step, 2 * step, 9 * step]  # three in a stretch, the last elsewhere
+    for chunk, at in zip(chunks, places, strict=True):
+        slab[at:at + size] = np.frombuffer(chunk, np.uint8)
+    views = [memoryview(slab)[at:at + size] for at in places]
+    runs = _streams(store, views, LoadPlan("z", tuple(tokens), 0, (0, 1, 2, 3)))
+    assert [start for start, _ in runs] == [0, 3]
+    first = runs[0][1]["page"][0]  # layer 0's pages of the stretch, where they lie
+    assert first.untyped_storage().data_ptr() == slab.ctypes.data
+    got = torch.cat([streams["page"][0].reshape(-1) for _, streams in runs])
+    assert torch.equal(got, pages[0].reshape(-1))
 
 
 def test_saves_beyond_the_queue_are_skipped_and_no_block_waits_for_a_hung_server(
