@@ -12,9 +12,10 @@ unlinking one. Payloads refer to ``(lease_id, offset, length)``:
   header (``reply_segment``); the client copies the payloads out, or lends the segment to
   a caller that reads a ReadChunks reply in place (``lend``) until it gives it back.
 - ReadChunks in place: chunks the server's host tier holds are named where they lie, in
-  its slabs (``ArenaSlab``: mapped read-only, kept by name, unmapped once the server has
-  not named them for a read lease's time), pinned under a read lease the caller ends
-  (``end_read``: batched into one ReleaseSegments, never waited on).
+  its slabs (``ArenaSlab``: mapped read-only, kept by name, unmapped once the server
+  removed them or has not named them for a read lease's time), pinned under a read
+  lease the caller ends (``end_read``: batched into one ReleaseSegments, never waited
+  on).
 
 Either way the client keeps the segment (``ClientSegments``) and offers it again, to spill
 into or as ``reply_lease``, so its pages stay warm; each use renews the lease. Leases it
@@ -150,7 +151,8 @@ class ArenaSlab:
             self.size = os.fstat(fd).st_size
             if not self.size:
                 raise SharedMemoryUnavailable(f"shared memory slab {described.name!r} is empty")
-            self._map = mmap.mmap(fd, self.size, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
+            # Not populated: only the slots read are ever touched, each once per mapping.
+            self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
 
@@ -297,7 +299,8 @@ class ClientSegments:
 
     def slabs(self, described: Iterable[pb.SharedMemoryLease]) -> dict[str, ArenaSlab]:
         """The slabs a reply names, mapped (each once, kept by name), by the id its refs
-        use; slabs the server has not named for a read lease's time are unmapped."""
+        use; slabs the server has removed, or not named for a read lease's time, are
+        unmapped."""
         now = self._clock()
         named: dict[str, ArenaSlab] = {}
         for slab in described:
@@ -308,7 +311,9 @@ class ClientSegments:
             self._slab_idle_s = max(self._slab_idle_s, slab.lease_s)
             named[slab.lease_id] = mapped
         for name, mapped in list(self._slabs.items()):
-            if now - mapped.named_at > self._slab_idle_s:
+            # one the server removed keeps its memory while mapped: let it go at once
+            if mapped.named_at < now and (now - mapped.named_at > self._slab_idle_s
+                                          or not (SHM_DIR / name).exists()):
                 del self._slabs[name]
                 mapped.close()
         return named
