@@ -205,3 +205,22 @@ async def test_the_client_unmaps_slabs_the_server_stops_naming(tmp_path):
             assert bytes(got.chunks[0]) == their_chunks[0]
         assert set(segments._slabs).isdisjoint(acme_slabs)  # acme's not named for a while
         assert len(segments._slabs) == 1  # beta's: each tenant's chunks in slabs of its own
+
+
+async def test_the_client_unmaps_a_slab_the_server_removed(tmp_path):
+    tokens, chunks, _ = encoded(1)
+    theirs, their_chunks, _ = encoded(1, seed=3)
+    async with running_server(tmp_path) as (server, target), \
+            AsyncClient(target, shared_memory=True) as kv:
+        await kv.write_chunks("acme", LAYOUT.name, tokens, chunks, ack="durable")
+        await kv.write_chunks("acme", LAYOUT.name, theirs, their_chunks, ack="durable")
+        with await kv.read_chunks("acme", LAYOUT.name, tokens, in_place=True):
+            pass
+        segments = kv._router.nodes[0].segments
+        [gone] = segments._slabs
+        arena = arena_of(server)
+        await arena.delete(block_keys(tokens, chunks)[0])  # its slab's only value
+        await settled(lambda: arena._settle() or not arena._lingering)
+        with await kv.read_chunks("acme", LAYOUT.name, theirs, in_place=True) as got:
+            assert bytes(got.chunks[0]) == their_chunks[0]
+        assert gone not in segments._slabs  # its memory is not kept alive here
