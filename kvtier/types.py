@@ -266,5 +266,6 @@ class DrainProgress:
     writeback_pending: int  # chunks queued for write-back to a durable tier
     writeback_failed: int  # sessions marked writeback_failed (retried until durable)
     windows_held: int  # sessions whose window this node still holds
-    windows_released: int  # fleet: windows released (those sessions replay elsewhere)
+    windows_released: int  # fleet: windows no peer took (those sessions replay elsewhere)
     done: bool  # nothing of a session depends on this node any more
+    windows_moved: int  # fleet: windows a live peer adopted (those sessions resume there)

@@ -693,7 +693,7 @@ class DrainRequest(_message.Message):
     def __init__(self, progress_interval_s: _Optional[float] = ...) -> None: ...
 
 class DrainProgress(_message.Message):
-    __slots__ = ("phase", "writes_in_flight", "writeback_pending", "writeback_failed", "windows_held", "windows_released", "done")
+    __slots__ = ("phase", "writes_in_flight", "writeback_pending", "writeback_failed", "windows_held", "windows_released", "done", "windows_moved")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     WRITES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     WRITEBACK_PENDING_FIELD_NUMBER: _ClassVar[int]
@@ -701,6 +701,7 @@ class DrainProgress(_message.Message):
     WINDOWS_HELD_FIELD_NUMBER: _ClassVar[int]
     WINDOWS_RELEASED_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_MOVED_FIELD_NUMBER: _ClassVar[int]
     phase: str
     writes_in_flight: int
     writeback_pending: int
@@ -708,7 +709,44 @@ class DrainProgress(_message.Message):
     windows_held: int
     windows_released: int
     done: bool
-    def __init__(self, phase: _Optional[str] = ..., writes_in_flight: _Optional[int] = ..., writeback_pending: _Optional[int] = ..., writeback_failed: _Optional[int] = ..., windows_held: _Optional[int] = ..., windows_released: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
+    windows_moved: int
+    def __init__(self, phase: _Optional[str] = ..., writes_in_flight: _Optional[int] = ..., writeback_pending: _Optional[int] = ..., writeback_failed: _Optional[int] = ..., windows_held: _Optional[int] = ..., windows_released: _Optional[int] = ..., done: _Optional[bool] = ..., windows_moved: _Optional[int] = ...) -> None: ...
+
+class AdoptWindowHeader(_message.Message):
+    __slots__ = ("session", "generation", "window_replayed", "from_node", "window_digest", "window_bytes")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    FROM_NODE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    generation: int
+    window_replayed: int
+    from_node: str
+    window_digest: bytes
+    window_bytes: int
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., generation: _Optional[int] = ..., window_replayed: _Optional[int] = ..., from_node: _Optional[str] = ..., window_digest: _Optional[bytes] = ..., window_bytes: _Optional[int] = ...) -> None: ...
+
+class AdoptWindowRequest(_message.Message):
+    __slots__ = ("header", "window")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    header: AdoptWindowHeader
+    window: bytes
+    def __init__(self, header: _Optional[_Union[AdoptWindowHeader, _Mapping]] = ..., window: _Optional[bytes] = ...) -> None: ...
+
+class AdoptWindowReply(_message.Message):
+    __slots__ = ("adopted", "window_tier", "node_id", "declined")
+    ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TIER_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DECLINED_FIELD_NUMBER: _ClassVar[int]
+    adopted: bool
+    window_tier: str
+    node_id: str
+    declined: str
+    def __init__(self, adopted: _Optional[bool] = ..., window_tier: _Optional[str] = ..., node_id: _Optional[str] = ..., declined: _Optional[str] = ...) -> None: ...
 
 class ListLayoutsReply(_message.Message):
     __slots__ = ("layouts",)

@@ -119,6 +119,11 @@ class KVTierStub:
                 request_serializer=proto_dot_kvtier__pb2.DrainRequest.SerializeToString,
                 response_deserializer=proto_dot_kvtier__pb2.DrainProgress.FromString,
                 _registered_method=True)
+        self.AdoptWindow = channel.stream_unary(
+                '/kvtier.v1.KVTier/AdoptWindow',
+                request_serializer=proto_dot_kvtier__pb2.AdoptWindowRequest.SerializeToString,
+                response_deserializer=proto_dot_kvtier__pb2.AdoptWindowReply.FromString,
+                _registered_method=True)
 
 
 class KVTierServicer:
@@ -232,6 +237,13 @@ class KVTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AdoptWindow(self, request_iterator, context):
+        """Node to node (role "peer"): a draining node's window handed to a live peer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -319,6 +331,11 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=proto_dot_kvtier__pb2.DrainRequest.FromString,
                     response_serializer=proto_dot_kvtier__pb2.DrainProgress.SerializeToString,
+            ),
+            'AdoptWindow': grpc.stream_unary_rpc_method_handler(
+                    servicer.AdoptWindow,
+                    request_deserializer=proto_dot_kvtier__pb2.AdoptWindowRequest.FromString,
+                    response_serializer=proto_dot_kvtier__pb2.AdoptWindowReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -780,6 +797,33 @@ class KVTier:
             '/kvtier.v1.KVTier/Drain',
             proto_dot_kvtier__pb2.DrainRequest.SerializeToString,
             proto_dot_kvtier__pb2.DrainProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdoptWindow(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kvtier.v1.KVTier/AdoptWindow',
+            proto_dot_kvtier__pb2.AdoptWindowRequest.SerializeToString,
+            proto_dot_kvtier__pb2.AdoptWindowReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,6 +49,7 @@ COVERS = {
     "cli:init": "cli-tools",
     "cli:drain": "drain",
     "rpc:KVTier.Drain": "drain",
+    "rpc:KVTier.AdoptWindow": "drain",  # a fleet drain's moves, and hostile calls to it
     "cli:rekey": "rekey",  # and keygen --rotate
 
 }

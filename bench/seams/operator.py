@@ -13,12 +13,18 @@ the model (``maintenance.event`` verifies every session after each):
   loopback, files 0600 and directories 0700, the shipped deploy files, and a second
   ``init`` there refused;
 - ``drain``: ``kvtier drain`` of the live server: done with nothing left to write back,
-  a write after it refused UNAVAILABLE, on a fleet node no session's window named there
-  any more, then the server killed with SIGKILL and started again, every version the
-  model holds (memory-acked ones too) required to restore;
+  a write after it refused UNAVAILABLE; on a fleet node, with a live peer started for
+  it (``bench.seams.peer_drain``): the peer RPC refused to tenants and for bytes its
+  header does not describe, every window moved to the peer, which resumes each such
+  session without replay and with the model's window; then the server killed with
+  SIGKILL and started again, every version the model holds (memory-acked ones too)
+  required to restore;
 - ``tokens-file`` (TLS): a tenant token added to the live tokens file, then revoked;
   the server re-reads it once a second, so within ``RELOAD_S`` the new token works and
-  then the revoked one is refused, while the other tenants' keep working;
+  then the revoked one is refused, while the other tenants' keep working; before it a
+  plaintext HTTP/2 client on the TLS port must be answered a TLS alert and be audited
+  (kind ``plaintext``) with the address it connected from, unless this host's last
+  such record is under a minute old (one a minute per host);
 - ``hung-node`` (shared metadata: every node serves the same sessions): a second node
   on the same bucket and Redis, a routed client over both (``AsyncClient(servers=[A,
   B], timeout_s=ROUTED_TIMEOUT_S)``), B stopped (SIGSTOP): every restore routed must
@@ -31,19 +37,22 @@ the model (``maintenance.event`` verifies every session after each):
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import time
 
-from bench.seams import lives, prefix
+from bench.seams import lives, peer_drain, prefix
 from bench.seams.model import Held, Version, truncated
 from bench.seams.verdict import now
 from bench.seams.world import CLI, STARTED, Node, cli_output
 from kvstore.format.errors import KVTierError, TierUnavailable
 from kvtier import AsyncClient, RetryPolicy
+from services.serving.tls_front import PROTOCOL_VERSION_ALERT, grpc_peer
 from testing.live_server import Child
 
 RELOAD_S = 8.0  # the tokens file is re-read once a second: a bound with room for load
@@ -267,10 +276,19 @@ async def drain(sim) -> None:
     """``kvtier drain`` of the live server, then SIGKILL and a start: a drained node
     holds nothing a crash can lose, so every version the model holds, memory-acked ones
     included, must restore after it."""
-    rc, out = await _cli(sim, "cli-drain", ["drain", "--json", "--interval", "0.5",
-                                            "--timeout", "120", *_server_args(sim)])
-    last = json.loads(out) if rc == 0 and out.strip() else {}
-    sim.log(f"step={sim.step} drain: {out.strip()[:300]}")
+    peer = await peer_drain.start_peer(sim) if sim.combo.shared else None
+    try:
+        if peer is not None:
+            await peer_drain.hostile_calls(sim, peer)
+        rc, out = await _cli(sim, "cli-drain", ["drain", "--json", "--interval", "0.5",
+                                                "--timeout", "120", *_server_args(sim)])
+        last = json.loads(out) if rc == 0 and out.strip() else {}
+        sim.log(f"step={sim.step} drain: {out.strip()[:300]}")
+        if peer is not None and last.get("done"):
+            await peer_drain.check_moved(sim, peer, last)
+    finally:
+        if peer is not None:
+            await peer_drain.stop_peer(sim, peer)
     if rc == 0 and not (last.get("done") and last.get("writebackPending") == 0
                         and last.get("writebackFailed") == 0):
         sim.ledger.add("unexpected", sim.combo.name, sim.step, "cli-drain", "-",
@@ -280,8 +298,6 @@ async def drain(sim) -> None:
         await lives.start(sim, "drain")
         return
     await _refused_while_drained(sim)
-    if sim.combo.shared:
-        await _windows_released(sim)
     for held in sim.model.values():
         held.drained()  # every acked version written back: a kill loses none
     await sim.end_life("kill")
@@ -291,23 +307,6 @@ async def drain(sim) -> None:
             version.window = None  # memory tiers only
         held.window_replayed = False
     await lives.start(sim, "drain")
-
-
-async def _windows_released(sim) -> None:
-    """A drained fleet node holds no window: Stat names no window node for any session,
-    so no router sends one to it."""
-    for (tenant, sid), held in sorted(sim.model.items()):
-        if held.may_be_absent(now()) or held.uncertain:
-            continue
-        try:
-            info = (await sim.client(tenant).stat(tenant, sid)).session
-        except KVTierError as exc:
-            sim.fail(exc, sim.step, "drained-stat", f"{tenant}/{sid}", "its Stat")
-            continue
-        if info.window_node_id:
-            sim.ledger.add("unexpected", sim.combo.name, sim.step, "drained-stat",
-                           f"{tenant}/{sid}", "no window node (released by the drain)",
-                           f"window node {info.window_node_id}")
 
 
 async def _refused_while_drained(sim) -> None:
@@ -342,6 +341,7 @@ async def tokens_file(sim) -> None:
     if not sim.combo.tls:
         sim.log(f"step={sim.step} tokens-file skipped: no TLS")
         return
+    await _plaintext_audited(sim)
     issued = sim.issued
     if issued is None:  # certs writes the token and its tokens-file entry
         where = sim.root / f"tools-{sim.step}"
@@ -372,6 +372,44 @@ async def tokens_file(sim) -> None:
         _replace(path, original)
         await kv.close()
     await sim.check_quota(sim.step, "beta", "tokens-file-still")  # the old token works
+
+
+def _plaintext_attempt(target: str) -> tuple[str, bytes]:
+    """A plaintext HTTP/2 preface sent to ``target``: (the address it came from, as gRPC
+    names a peer; what the server answered before hanging up)."""
+    host, _, port = target.rpartition(":")
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=10) as raw:
+        raw.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(9))
+        answer = b""
+        while chunk := raw.recv(64):
+            answer += chunk
+        return grpc_peer(raw.getsockname()), answer
+
+
+def _plaintext_records(sim) -> list[dict]:
+    path = sim.creds.root / "audit.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [event for line in lines if (event := json.loads(line))["kind"] == "plaintext"]
+
+
+async def _plaintext_audited(sim) -> None:
+    before = _plaintext_records(sim)
+    started = time.time()
+    peer, answer = await asyncio.to_thread(_plaintext_attempt, sim.node.target)
+    new = _plaintext_records(sim)[len(before):]
+    sim.log(f"step={sim.step} plaintext from {peer}: {len(new)} record(s)")
+    if answer != PROTOCOL_VERSION_ALERT:
+        sim.ledger.add("wrong", sim.combo.name, sim.step, "plaintext", peer,
+                       "a TLS alert (protocol_version)", answer[:40].hex())
+    host = peer.rpartition(":")[0]
+    recent = [e for e in before if e["peer"].rpartition(":")[0] == host and started -
+              datetime.datetime.fromisoformat(e["time"]).timestamp() < 60]
+    if (new and (new[0]["peer"], new[0]["reason"].split(" (")[0]) == (
+            peer, "plaintext on a TLS port")) or (not new and recent):
+        return
+    sim.ledger.add("wrong", sim.combo.name, sim.step, "plaintext-audit", peer,
+                   "one record naming the peer and \"plaintext on a TLS port\" (or one of "
+                   "this host under a minute old)", json.dumps(new)[:200])
 
 
 def _entry(tokens_toml, tenant: str) -> str:

@@ -98,7 +98,11 @@ def write_config(combo: Combination, root: Path, data_dir: Path, *, redis_url: s
     if combo.tls and creds_root is not None:
         lines += [f'tls_cert = "{creds_root / "server.pem"}"',
                   f'tls_key = "{creds_root / "server-key.pem"}"',
-                  f'auth_tokens_file = "{creds_root / "tokens.toml"}"']
+                  f'auth_tokens_file = "{creds_root / "tokens.toml"}"',
+                  f'audit_log = "{creds_root / "audit.jsonl"}"']
+        if shared:  # a drain hands its windows to peers with the peer token
+            lines += [f'peer_tls_ca = "{creds_root / "ca.pem"}"',
+                      f'peer_token_file = "{creds_root / "peer.token"}"']
     if replay_worker:
         lines += ['replay = "remote"', f'replay_workers = ["{replay_worker}"]']
     if combo.quota:

@@ -25,7 +25,7 @@ from kvstore.encryption.seal import MAGIC, OVERHEAD_BYTES, Keyring
 from kvstore.format.errors import ChunkCorrupt, TierUnavailable
 from kvstore.format.keys import dedupe_scope
 from kvstore.session.manifest import MANIFEST_PREFIX
-from kvstore.tiers.base import Buffer, MetaStore, Tier, TierStats
+from kvstore.tiers.base import Buffer, MetaStore, Tier, TierStats, paced
 
 # Values up to this size are sealed and opened on the event loop: a thread hop would
 # cost more than AES-GCM of a few KiB.
@@ -197,7 +197,7 @@ class EncryptedMetaStore(MetaStore):
 
     async def scan(self, prefix: str) -> list[tuple[str, bytes]]:
         out = []
-        for key, value in await self.inner.scan(prefix):
+        async for key, value in paced(await self.inner.scan(prefix)):
             try:
                 out.append((key, self.sealer.open(key, value)))
             except ChunkCorrupt as exc:

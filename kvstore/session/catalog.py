@@ -23,7 +23,7 @@ from kvstore.placement.locks import RWLocks
 from kvstore.placement.refcount import RefLedger
 from kvstore.session.manifest import MANIFEST_PREFIX, SessionManifest, manifest_key
 from kvstore.session.quota import UsageLedger
-from kvstore.tiers.base import MetaStore
+from kvstore.tiers.base import MetaStore, paced
 
 log = logging.getLogger(__name__)
 # Bytes of cache a refused manifest sheds per byte of it: a manifest's record, its index
@@ -101,7 +101,7 @@ class Catalog:
         counted as held but uses nothing until it is deleted or replaced)."""
         found = await self.meta.scan(MANIFEST_PREFIX)
         self.held = len(found)
-        for key, value in found:
+        async for key, value in paced(found):
             try:
                 self._usage.record(SessionManifest.decode(value))
             except ChunkCorrupt as exc:
@@ -194,7 +194,7 @@ class Catalog:
         """Every decodable manifest (of one tenant), sorted by tenant and id."""
         prefix = MANIFEST_PREFIX if tenant is None else manifest_key(tenant, "")
         out = []
-        for key, value in await self.meta.scan(prefix):
+        async for key, value in paced(await self.meta.scan(prefix)):
             try:
                 out.append(self._with_mark(self._localized(SessionManifest.decode(value))))
             except ChunkCorrupt as exc:

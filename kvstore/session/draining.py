@@ -1,24 +1,29 @@
 """Draining a node before it stops (``kvtier drain``): once it starts, the node takes no new
 session state, every memory-acked session reaches a durable tier, and in a fleet the
-windows it holds are released, so the node can stop (even be killed) without a session
-lost and without routers sending anything to it.
+windows it holds move to live peers (or, where none takes one, are released), so the node
+can stop (even be killed) without a session lost and without routers sending anything
+to it.
 
 The steps, in order, each reported as ``DrainProgress``:
 
-1. ``writes``: new writes (spills, forks, prefix chunk writes) are refused with
-   ``TierUnavailable`` saying the node is draining (UNAVAILABLE: a routed client sends
-   the call to another node at once, a single-node client retries until the node is
-   back), and rebuilt windows are not kept; the writes admitted before run to their
-   commit.
+1. ``writes``: new writes (spills, forks, prefix chunk writes, adopted windows) are
+   refused with ``TierUnavailable`` saying the node is draining (UNAVAILABLE: a routed
+   client sends the call to another node at once, a single-node client retries until
+   the node is back), and rebuilt windows are not kept; the writes admitted before run
+   to their commit.
 2. ``writeback``: the write-back queue empties (memory-acked chunks on a durable tier).
    A session whose write-back failed is counted; the drain waits for the retries,
    which clear the mark once its chunks are durable.
-3. ``windows`` (shared metadata only): each session whose window this node holds is
-   rewritten without it (compare-and-swap, like any manifest write), and the blob
-   freed. ``Stat`` on any node then names no window node, so a router sends the session
-   to its hash-chosen node, which rebuilds the window by bounded replay (windows live
-   in one node's memory by design: there is nowhere durable to move them to). On a
-   single node windows do not outlive the process either way; they are counted.
+3. ``windows`` (shared metadata only): each session whose window this node holds, under
+   its write lock here: the blob is read (checked against the layout and the token ids)
+   and handed to ``move`` (the server's: a live peer's ``AdoptWindow``, which keeps it
+   in its memory and rewrites the manifest naming itself, compare-and-swap); once a peer
+   took it, the blob here is freed and the session resumes there without replay
+   (``windows_moved``). A window no peer took (none live, each refused, the session
+   spilled meanwhile, the blob evicted) is released as before: the manifest rewritten
+   without it (compare-and-swap), the blob freed, and the session's next resume replays
+   on the node a router picks (``windows_released``). On a single node windows do not
+   outlive the process either way; they are counted.
 
 A drain is one-way: the node stays draining until it stops.
 """
@@ -31,10 +36,17 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
-from kvstore.format.errors import KVTierError, StaleGeneration, TierUnavailable
+from kvstore.format.checks import window_check
+from kvstore.format.errors import DataLoss, KVTierError, StaleGeneration, TierUnavailable
+from kvstore.format.registry import get_layout
 from kvstore.session.context import StoreContext
+from kvstore.session.manifest import SessionManifest
+from kvstore.tiers.base import Buffer
 
 log = logging.getLogger(__name__)
+# Hands a window this node holds (the manifest, the checked blob) to a live peer: whether
+# one adopted it (the manifest names that peer now). Errors are the mover's to log.
+WindowMove = Callable[[SessionManifest, Buffer], Awaitable[bool]]
 
 
 @dataclass(frozen=True)
@@ -43,8 +55,9 @@ class DrainProgress:
     writes_in_flight: int  # admitted before the drain, not yet committed
     writeback_pending: int  # chunks queued for write-back
     writeback_failed: int  # sessions marked writeback_failed
-    windows_held: int  # sessions whose window this node holds (still to release)
-    windows_released: int
+    windows_held: int  # sessions whose window this node holds (still to move or release)
+    windows_released: int  # no peer took them: their sessions replay elsewhere
+    windows_moved: int  # a live peer adopted them: their sessions resume there as they were
 
     @property
     def done(self) -> bool:
@@ -64,7 +77,9 @@ class Draining:
         self._idle = asyncio.Event()
         self._idle.set()
         self._released = 0
+        self._moved = 0
         self._held = 0
+        self.move: WindowMove | None = None  # a fleet server's (None: windows are released)
         self._one = asyncio.Lock()  # a second drain runs once the first is through
 
     @contextlib.contextmanager
@@ -86,7 +101,7 @@ class Draining:
     def progress(self, phase: str) -> DrainProgress:
         return DrainProgress(phase, self._in_flight, self._store.durability.queue.depth,
                              self._store.catalog.writeback_failed_count, self._held,
-                             self._released)
+                             self._released, self._moved)
 
     async def run(self, interval_s: float = 1.0) -> AsyncIterator[DrainProgress]:
         """Start draining (a second call waits for the first, then finds it done) and
@@ -109,37 +124,66 @@ class Draining:
                 await asyncio.sleep(interval_s)
             yield self.progress("writeback")
         if self._store.catalog.meta.node_id:  # shared metadata: a fleet node
-            mine = [m for m in await self._store.catalog.manifests() if m.window_key]
+            mine = [(m.tenant, m.session_id, m.window_key)
+                    for m in await self._store.catalog.manifests() if m.window_key is not None]
             self._held = len(mine)
             yield self.progress("windows")
-            for manifest in mine:
-                self._released += await self._release(manifest.tenant, manifest.session_id)
+            for tenant, session_id, key in mine:
+                if await self._move(tenant, session_id):
+                    self._moved += 1
+                else:
+                    self._released += await self._release(tenant, session_id, key)
                 self._held -= 1
-            log.info("drain: %d windows released (their sessions replay elsewhere)",
-                     self._released)
+            log.info("drain: %d windows moved to peers, %d released (their sessions replay "
+                     "elsewhere)", self._moved, self._released)
         else:
             self._held = sum(1 for m in await self._store.catalog.manifests() if m.window_key)
         yield self.progress("done")
 
-    async def _release(self, tenant: str, session_id: str) -> bool:
-        """Rewrite the session's manifest without the window this node holds, then free
-        the blob; whether it did. A session spilled again meanwhile by another node names
-        that node."""
+    async def _move(self, tenant: str, session_id: str) -> bool:
+        """Hand the session's window to a live peer (``move``) and free it here once one
+        adopted it; whether one did. Under the session's write lock, so nothing here
+        rewrites the manifest between the read and the peer's compare-and-swap."""
+        if self.move is None:
+            return False
+        catalog = self._store.catalog
+        async with catalog.write(tenant, session_id):
+            manifest = await catalog.load(tenant, session_id)
+            if manifest is None or manifest.window_key is None:
+                return False
+            check = window_check(get_layout(manifest.layout_id), manifest.token_ids)
+            try:
+                data = (await self._store.stack.read(manifest.window_key, check,
+                                                     access=False)).data
+            except DataLoss:
+                return False  # evicted (or corrupt) since the load: nothing to move
+            if not await self.move(manifest, data):
+                return False
+            await self._store.blocks.drop(manifest.window_key)
+        return True
+
+    async def _release(self, tenant: str, session_id: str, key: str) -> bool:
+        """Rewrite the session's manifest without the window this node holds (``key``),
+        then free the blob; whether it did. A session spilled again meanwhile by another
+        node names that node, and the blob here, no session's any more, is freed too."""
         catalog = self._store.catalog
         async with catalog.write(tenant, session_id):
             try:
                 manifest = await catalog.load(tenant, session_id)
-                if manifest is None or manifest.window_key is None:
+                if manifest is None or manifest.window_key != key:
+                    await self._store.blocks.drop(key)  # deleted, or moved on elsewhere
                     return False
                 await catalog.put(manifest.evolve(window_tier=None, window_key=None,
                                                   window_replayed=0))
             except StaleGeneration:
-                return False  # another node wrote a newer generation: its window, not ours
+                # another node wrote a newer generation: its window, not ours
+                await self._store.blocks.drop(key)
+                return False
             except KVTierError as exc:
                 log.warning("drain: the window of %s/%s not released: %s", tenant,
                             session_id, exc)
                 raise
-            await self._store.blocks.drop(manifest.window_key)
+            await self._store.blocks.drop(key)
         return True
 
 

@@ -258,6 +258,15 @@ class TierManager:
         return await self._spiller.store_window(tenant, session_id, generation, window,
                                                 replayed_tokens=replayed_tokens)
 
+    async def adopt_window(self, tenant: str, session_id: str, generation: int,
+                           window: Buffer, *, replayed_tokens: int, from_node: str) -> str | None:
+        """Keep a draining peer's window of the session here; see ``Spiller.adopt_window``.
+        A draining node adopts none (``TierUnavailable``: the sender tries another)."""
+        with self.draining.admitting("adopting a window"):
+            return await self._spiller.adopt_window(tenant, session_id, generation, window,
+                                                    replayed_tokens=replayed_tokens,
+                                                    from_node=from_node)
+
     # -- reads: kvstore.session.restore --
 
     def reading(self, tenant: str, session_id: str

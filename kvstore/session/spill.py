@@ -28,6 +28,7 @@ from kvstore.eviction.pause_estimate import PauseEstimator
 from kvstore.format.checks import check_spill, check_window, chunk_bytes_max, restored_chunk_check
 from kvstore.format.errors import (
     ChunksNotHeld,
+    CodecError,
     GenerationConflict,
     InvalidRequest,
     QuotaExceeded,
@@ -406,6 +407,53 @@ class Spiller:
                 raise
             if old is not None and old != key:
                 await self._store.blocks.drop(old)
+            return tier
+
+    async def adopt_window(self, tenant: str, session_id: str, generation: int,
+                           window: Buffer, *, replayed_tokens: int, from_node: str) -> str | None:
+        """Keep the window another fleet node (``from_node``, draining) held of the session
+        and name it this node's (``AdoptWindow``): the tier it went to, or None when no
+        memory tier (or the tenant's ``memory_bytes``) had room for it.
+
+        The session is the stored manifest's, never the sender's word alone: it must be
+        at ``generation`` with its window in ``from_node``'s memory, and the window must
+        be the layout's over the manifest's token ids (``check_window``), else
+        ``StaleGeneration`` (the session moved on: left alone) or ``InvalidRequest``.
+        Kept as a window this node rebuilt is (same tiers, same quota), and the manifest
+        rewritten naming this node by compare-and-swap: a write another node made since
+        the load is ``StaleGeneration`` and the adopted copy is dropped."""
+        check_name("tenant", tenant)
+        check_name("session_id", session_id)
+        async with self._store.catalog.write(tenant, session_id):
+            manifest = await self._store.catalog.load_required(tenant, session_id)
+            if (manifest.generation != generation or manifest.remote_window is None
+                    or manifest.node_id != from_node):
+                raise StaleGeneration(f"{tenant}/{session_id} does not hold a window of node "
+                                      f"{from_node!r} at generation {generation} any more")
+            spec = get_layout(manifest.layout_id)
+            if not spec.ephemeral_streams:
+                raise InvalidRequest(f"layout {spec.layout_id} has no window streams")
+            n = manifest.num_tokens
+            if not isinstance(replayed_tokens, int) or not 0 <= replayed_tokens <= n:
+                raise InvalidRequest(f"window_replayed must lie in [0, {n}] (the session's "
+                                     f"tokens), got {replayed_tokens!r}")
+            try:
+                check_window(spec, manifest.token_ids, window)
+            except CodecError as exc:  # the sender's bytes, not a tier's copy
+                raise InvalidRequest(f"the window is not one of {tenant}/{session_id}: "
+                                     f"{exc}") from exc
+            key = f"{WINDOW_PREFIX}{tenant}/{session_id}/{generation}r{replayed_tokens}"
+            await self._store.blocks.drop(key)  # a leftover copy must not stand in for this one
+            tier = await self._store_rebuilt(tenant, session_id, key, window, manifest.hint)
+            if tier is None:
+                return None
+            try:
+                await self._store.catalog.put(manifest.evolve(
+                    window_tier=tier, window_key=key, window_replayed=replayed_tokens,
+                    remote_window=None))
+            except BaseException:
+                await self._store.blocks.drop(key)
+                raise
             return tier
 
     async def _store_rebuilt(self, tenant: str, session_id: str, key: str, data: Buffer,

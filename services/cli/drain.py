@@ -6,8 +6,9 @@
 The server refuses new spills, forks and prefix chunk writes from then on (UNAVAILABLE: a
 routed ``Client(servers=[...])`` sends them to another node at once), waits for the writes
 it had admitted, writes every memory-acked session back to a durable tier, and, in a fleet,
-releases the windows it holds, so every other node resumes those sessions (replaying the
-window) and routers stop sending them to it. One progress line per step on stderr; once
+moves the windows it holds to live peers (``AdoptWindow``: the session resumes there
+without replay) and releases those no peer takes (another node resumes them replaying
+the window), so routers stop sending them to it. One progress line per step on stderr; once
 done, a summary on stdout (``--json``: the last progress message, numbers as numbers),
 and the node can be stopped without losing a session. The node stays draining until it
 stops; a second drain joins the first.
@@ -46,7 +47,8 @@ def progress_line(step: DrainProgress) -> str:
     """One line per progress message."""
     return (f"kvtier drain: {step.phase:<9} in flight {step.writes_in_flight}  write-back "
             f"pending {step.writeback_pending} (failed sessions {step.writeback_failed})  "
-            f"windows held {step.windows_held}, released {step.windows_released}")
+            f"windows held {step.windows_held}, moved {step.windows_moved}, released "
+            f"{step.windows_released}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,10 +65,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(value_json(last)))
     elif last.done:
+        moved = (f", {last.windows_moved} windows moved to peers (those sessions resume there "
+                 "without replay)" if last.windows_moved else "")
         released = (f", {last.windows_released} windows released (those sessions replay on "
                     "another node)" if last.windows_released else "")
         held = (f"; {last.windows_held} windows go with the process (a resume replays)"
                 if last.windows_held else "")
-        print(f"{args.server} drained: every session durable{released}{held}; "
+        print(f"{args.server} drained: every session durable{moved}{released}{held}; "
               "it may be stopped")
     return 0 if last.done else 1

@@ -8,7 +8,7 @@ writes ``DIR/kvtier.toml``: a server listening on loopback (``--listen``, defaul
 metrics on loopback (``--metrics-port``, 0 for none). With ``--secure`` also what
 ``kvtier certs`` and ``kvtier keygen`` write, into ``DIR/tls/`` and ``DIR/keyring.toml``:
 a development CA and a server certificate (for loopback and each ``--name``), bearer
-tokens (``admin``, ``acme``, ``beta``, ``replay``: ``DIR/tls/*.token``) and their
+tokens (``admin``, ``acme``, ``beta``, ``replay``, ``peer``: ``DIR/tls/*.token``) and their
 ``tokens.toml``, an encryption key; the config then turns on TLS (the metrics endpoint
 too: HTTPS), tokens, encryption at rest, a default quota and an audit log. Every path in
 the config is absolute, so ``kvtier serve --config DIR/kvtier.toml`` runs from anywhere.
@@ -91,6 +91,9 @@ def config_text(root: Path, listen: str, metrics_port: int, secure: bool) -> str
                   f"tls_key = {path('tls', 'server-key.pem')}",
                   f"auth_tokens_file = {path('tls', 'tokens.toml')}",
                   f"audit_log = {path('audit.jsonl')}",
+                  "# how this node reaches fleet peers when it drains (role \"peer\")",
+                  f"peer_tls_ca = {path('tls', 'ca.pem')}",
+                  f"peer_token_file = {path('tls', 'peer.token')}",
                   f"encryption_key_file = {path('keyring.toml')}",
                   "",
                   "[quota.default]",

@@ -208,6 +208,13 @@ class ServerConfig:
     replay_tls_cert: str = ""
     replay_tls_key: str = ""
     replay_token_file: str = ""
+    # How this fleet node reaches its peers when it drains (AdoptWindow, services.server.peers):
+    # their CA, a client certificate for mTLS (a [[client_cert]] of role "peer" there),
+    # a file holding a bearer token of role "peer".
+    peer_tls_ca: str = ""
+    peer_tls_cert: str = ""
+    peer_tls_key: str = ""
+    peer_token_file: str = ""
     # The layouts' replayers (kvstore.format.layout.REPLAYERS) the replay backend runs: a Resume
     # that needs a replay of a layout whose replayer is not here answers
     # ReplayUnavailable. Empty: "bundled" (the in-process model, and what the bundled
@@ -439,7 +446,8 @@ def _check_bounds(config: ServerConfig) -> None:
 
 
 def _check_pairs(config: ServerConfig) -> None:
-    for cert, key in (("tls_cert", "tls_key"), ("replay_tls_cert", "replay_tls_key")):
+    for cert, key in (("tls_cert", "tls_key"), ("replay_tls_cert", "replay_tls_key"),
+                      ("peer_tls_cert", "peer_tls_key")):
         if bool(getattr(config, cert)) != bool(getattr(config, key)):
             raise InvalidRequest(f"{cert} and {key} go together: set both or neither")
     if config.tls_client_ca and not config.tls_cert:

@@ -9,7 +9,7 @@ writes into DIR: ``ca.pem`` + ``ca-key.pem``, ``server.pem`` + ``server-key.pem`
 ``--name``; it also serves as the server's client certificate towards replay workers),
 ``client.pem`` + ``client-key.pem`` (CN ``acme-client``, mapped to tenant acme),
 ``tokens.toml`` (the SHA-256 of each token only) and one ``<name>.token`` file per token
-(``admin``, ``acme``, ``beta``, ``replay``) for ``--token-file``. Keys and tokens are
+(``admin``, ``acme``, ``beta``, ``replay``, ``peer``) for ``--token-file``. Keys and tokens are
 0600. It refuses to replace any of them without ``--force``. Never for production: the
 CA key is written beside them.
 """
@@ -36,7 +36,7 @@ VALID_DAYS = 365
 DEFAULT_NAMES = ("kvtier", "kvtier-a", "kvtier-b", "replay-worker", "localhost", "127.0.0.1",
                  "::1")
 DEV_TOKENS = {"admin": ("", "admin"), "acme": ("acme", "tenant"), "beta": ("beta", "tenant"),
-              "replay": ("", "replay")}
+              "replay": ("", "replay"), "peer": ("", "peer")}
 DEV_CLIENT_CN = "acme-client"
 
 

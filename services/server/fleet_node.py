@@ -2,7 +2,9 @@
 (``kvstore.fleet.liveness``), and from the bucket the fleet's figures its metrics export
 (``services.server.remote_metrics``): the last garbage-collection sweep and the nodes
 down. Every ``fleet_heartbeat_s``, busy or idle; a bucket that does not answer leaves the
-last figures and is logged (the other nodes then see this one down).
+last figures and is logged (the other nodes then see this one down). It also holds the
+node's ``PeerMover`` (``services.server.peers``), by which a drain moves the node's
+windows to live peers.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from kvstore.fleet.liveness import Heartbeat, read_nodes
 from kvstore.fleet.shared_meta import SharedMetaStore
 from kvstore.format.errors import KVTierError
 from services.server.config import ServerConfig
+from services.server.peers import PeerMover
 from services.server.remote_metrics import RemoteMetrics
 from services.serving.lifecycle import end_task
 
@@ -26,6 +29,7 @@ class FleetNode:
     def __init__(self, meta: SharedMetaStore, config: ServerConfig, address: str,
                  metrics: RemoteMetrics) -> None:
         self.heartbeat = Heartbeat(meta.io, meta.paths.root, config.node_name, address)
+        self.peers = PeerMover(meta, config, config.node_name)
         self._meta = meta
         self._config = config
         self._metrics = metrics
@@ -57,3 +61,4 @@ class FleetNode:
         """The last heartbeat says ``stopped``: a clean stop is not a node down."""
         await end_task(self._task)
         await self.heartbeat.stop()
+        await self.peers.close()

@@ -233,6 +233,12 @@ class ServiceMetrics:
             "monitor, per tick", buckets=LATENCY_BUCKETS, registry=r)
         self.loop_stalls = Counter("kvtier_event_loop_stalls", "Lag monitor ticks late by "
                                    "more than the stall bound (50 ms)", registry=r)
+        # services.serving.tls_front: a TLS port's connections
+        self.plaintext_attempts = Counter("kvtier_plaintext_attempts", "Connections to the "
+                                          "TLS port that spoke plaintext (refused)", registry=r)
+        self.tls_front_connections = Gauge("kvtier_tls_front_connections", "Connections "
+                                           "to the TLS port open now (relayed or being "
+                                           "classified)", registry=r)
         self.disk_free = Gauge("kvtier_disk_free_bytes", "Free bytes of the filesystem "
                                "holding data_dir, as of the last metrics refresh", registry=r)
         # services.server.reload: SIGHUP and `kvtier reload`

@@ -59,6 +59,7 @@ from services.serving.audit import AuditLog
 from services.serving.errors import add_servicer
 from services.serving.lifecycle import end_task
 from services.serving.tls import server_credentials
+from services.serving.tls_front import PlaintextAudit, TlsFront
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class KVTierServer:
         self.tracing: Tracing | None = None  # flushed at stop
         self.resealer: Resealer | None = None  # an encrypting node's own media
         self._resealing: asyncio.Task | None = None
+        self.front: TlsFront | None = None  # a TLS port's public side (_bind)
 
     @property
     def manager(self) -> TierManager:
@@ -160,6 +162,16 @@ class KVTierServer:
     async def wait_for_termination(self) -> None:
         await self.grpc_server.wait_for_termination()
 
+    async def _stop_serving(self, grace_s: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        try:
+            if self.front is not None:  # new connections refused, as gRPC's stop does
+                await asyncio.to_thread(self.front.close)
+            await self.grpc_server.stop(grace_s)
+        finally:
+            if self.front is not None:  # what the drain left open
+                self.front.close_connections()
+
     async def stop(self, grace_s: float | None = None) -> None:
         """Refuse new calls, let running ones finish (``grace_s``), then drain the
         write-back queue and close every tier."""
@@ -170,8 +182,7 @@ class KVTierServer:
         if self.ready is not None:  # a model load in its thread cannot be cancelled
             await asyncio.gather(self.ready, return_exceptions=True)
         try:
-            await self.health.enter_graceful_shutdown()
-            await self.grpc_server.stop(config.grace_s if grace_s is None else grace_s)
+            await self._stop_serving(config.grace_s if grace_s is None else grace_s)
         finally:
             if self.address_path is not None:
                 address_file.forget(self.address_path, self.address)
@@ -222,6 +233,7 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
     manager = await open_manager(config)
     replay: tuple[ReplayBackend | None, str] = (None, "")
     servicer = None
+    front: TlsFront | None = None
     try:
         replay = make_replay_backend(config)
         metrics = ServiceMetrics()
@@ -244,7 +256,7 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
             reflection.enable(
                 (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
                 grpc_server)
-        port = _bind(grpc_server, config)
+        port, front = _bind(grpc_server, config, servicer)
         servicer.address = config.advertised(port)  # known once bound (port 0 picks one)
         fleet_node = None
         if config.metadata == "shared":  # recorded in this node's manifests
@@ -254,8 +266,14 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
             manager.meta.node_address = servicer.address
             fleet_node = FleetNode(manager.meta, config, servicer.address, metrics.remote)
             servicer.heartbeat = fleet_node.heartbeat
+            manager.draining.move = fleet_node.peers  # a drain moves its windows to peers
         await grpc_server.start()
+        if front is not None:
+            front.start()
     except BaseException:
+        if front is not None:
+            front.close()
+            front.close_connections()
         if replay[0] is not None:
             await replay[0].close()
         if servicer is not None and servicer.leases is not None:
@@ -268,6 +286,7 @@ async def create_server(config_or_addr: ServerConfig | str, *, wait_ready: bool 
                     config.probe_interval_s, functools.partial(probe_replay, replay[0]))
     server = KVTierServer(grpc_server, servicer, health_servicer, port, monitor, prober)
     server.interceptors = guards
+    server.front = front
     server.tracing = tracing
     try:
         if fleet_node is not None:
@@ -315,21 +334,39 @@ def _interceptors(config: ServerConfig, servicer: KVTierServicer
     return [auth.AuthInterceptor(authenticator, servicer.audit, servicer)]
 
 
-def _bind(grpc_server: grpc.aio.Server, config: ServerConfig) -> int:
-    """Add the port (TLS when configured); Busy (naming what to do) when it cannot be had."""
+def _bind(grpc_server: grpc.aio.Server, config: ServerConfig, servicer: KVTierServicer
+          ) -> tuple[int, TlsFront | None]:
+    """Add the port; Busy (naming what to do) when it cannot be had. A TLS port on a host
+    address is kvtier's own (``services.serving.tls_front``: plaintext attempts audited),
+    relaying to gRPC's private listener; its port is the one returned."""
     listen = config.listen
+    front = None
     try:
+        if config.tls and not listen.startswith("unix:"):
+            metrics = servicer.metrics
+            front = TlsFront.bind(listen, PlaintextAudit(lambda: servicer.audit,
+                                                         metrics.plaintext_attempts.inc),
+                                  metrics.tls_front_connections.set)
         if config.tls:
-            port = grpc_server.add_secure_port(listen, server_credentials(
-                config.tls_cert, config.tls_key, config.tls_client_ca))
+            port = grpc_server.add_secure_port(
+                front.private_target if front is not None else listen,
+                server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca))
         else:
             port = grpc_server.add_insecure_port(listen)
-    except RuntimeError:  # grpcio raises where older releases returned 0
+    except (RuntimeError, OSError):  # grpcio raises where older releases returned 0
         port = 0
+    except BaseException:
+        if front is not None:
+            front.close()
+            front.close_connections()
+        raise
     if not port:
+        if front is not None:
+            front.close()
+            front.close_connections()
         raise Busy(f"cannot listen on {listen}: the port is in use or the host is not one of "
                    "this machine's; stop what holds it or choose another listen address")
-    return port
+    return (front.port, front) if front is not None else (port, None)
 
 
 def _start_metrics(server: KVTierServer, config: ServerConfig) -> None:

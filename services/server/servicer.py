@@ -41,7 +41,7 @@ from kvstore.session.quota import TenantReport
 from kvtier import shm
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
-from services.server import requests
+from services.server import peers, requests
 from services.server import validate as check
 from services.server.config import ServerConfig
 from services.server.fleet_stat import fleet_stat
@@ -106,7 +106,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     @grpc_errors
     async def Spill(self, request_iterator: AsyncIterator[pb.SpillRequest],
                     context: grpc.aio.ServicerContext) -> pb.SpillReply:
-        peer = context.peer()
+        peer = auth.client_peer(context)
         with self.limits.stream(peer, "Spill"), self.limits.in_flight() as flight:
             messages = idle_bounded(request_iterator, self.limits.idle_s, "Spill")
             return await self._spill(messages, peer, flight)
@@ -196,7 +196,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
         opts = StreamOptions(layer_by_layer=request.layer_by_layer,
                              want_window=request.want_window,
                              use_shared_memory=request.use_shared_memory,
-                             reply_lease=request.reply_lease, peer=context.peer(),
+                             reply_lease=request.reply_lease, peer=auth.client_peer(context),
                              model_fingerprint=check_fingerprint(request.model_fingerprint))
         with self.limits.stream(opts.peer, "Restore"):
             async for reply in self._stream(self.streamer.restore, tenant, session_id, opts):
@@ -207,7 +207,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                      ) -> AsyncIterator[pb.RestoreReply]:
         tenant, session_id = _own_session(request.session)
         opts = StreamOptions(want_window=True, use_shared_memory=request.use_shared_memory,
-                             reply_lease=request.reply_lease, peer=context.peer(),
+                             reply_lease=request.reply_lease, peer=auth.client_peer(context),
                              replay_tokens=check.replay_tokens(request.replay_tokens),
                              model_fingerprint=check_fingerprint(request.model_fingerprint))
         with self.limits.stream(opts.peer, "Resume"):
@@ -247,12 +247,12 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     @grpc_errors
     async def WriteChunks(self, request_iterator: AsyncIterator[pb.WriteChunksRequest],
                           context: grpc.aio.ServicerContext) -> pb.WriteChunksReply:
-        return await self.chunks.write(request_iterator, context.peer())
+        return await self.chunks.write(request_iterator, auth.client_peer(context))
 
     @grpc_errors
     async def ReadChunks(self, request: pb.ReadChunksRequest,
                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ReadChunksReply]:
-        async for reply in self.chunks.read(request, context.peer()):
+        async for reply in self.chunks.read(request, auth.client_peer(context)):
             yield reply
 
     # -- shared memory (same-host fast path; rules in proto/kvtier.proto) --
@@ -267,7 +267,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     async def LeaseSegment(self, request: pb.LeaseRequest, context: grpc.aio.ServicerContext
                            ) -> pb.SharedMemoryLease:
         leases = self._leases()
-        lease = leases.create(context.peer(), request.size)
+        lease = leases.create(auth.client_peer(context), request.size)
         self.metrics.shm_segments.set(len(leases))
         return leases.describe(lease)
 
@@ -276,7 +276,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                               context: grpc.aio.ServicerContext) -> pb.ReleaseReply:
         if self.leases is None:  # nothing was ever leased
             return pb.ReleaseReply()
-        released = self.leases.release(context.peer(), request.lease_ids)
+        released = self.leases.release(auth.client_peer(context), request.lease_ids)
         self.metrics.shm_segments.set(len(self.leases))
         return pb.ReleaseReply(released=released)
 
@@ -425,8 +425,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
 
     def _audit_layout(self, context: grpc.aio.ServicerContext, result: str, what: str) -> None:
         if self.audit is not None:
-            self.audit.record("layout", auth.caller(), "RegisterLayout", context.peer(), result,
-                              what)
+            self.audit.record("layout", auth.caller(), "RegisterLayout", auth.client_peer(context),
+                              result, what)
 
     @grpc_errors
     async def ListLayouts(self, request: pb.ListLayoutsRequest,
@@ -447,7 +447,17 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                 phase=step.phase, writes_in_flight=step.writes_in_flight,
                 writeback_pending=step.writeback_pending,
                 writeback_failed=step.writeback_failed, windows_held=step.windows_held,
-                windows_released=step.windows_released, done=step.done)
+                windows_released=step.windows_released, windows_moved=step.windows_moved,
+                done=step.done)
+
+    @grpc_errors
+    async def AdoptWindow(self, request_iterator: AsyncIterator[pb.AdoptWindowRequest],
+                          context: grpc.aio.ServicerContext) -> pb.AdoptWindowReply:
+        """A draining peer's window of a session, kept here (``services.server.peers``)."""
+        with self.limits.stream(context.peer(), "AdoptWindow"):
+            messages = idle_bounded(request_iterator, self.limits.idle_s, "AdoptWindow")
+            return await peers.adopt(self.manager, self.layouts, self.config.node_name,
+                                     messages)
 
     async def _say(self, state: str) -> None:
         """A fleet node's heartbeat says ``state`` now (else with its next beat: a bucket

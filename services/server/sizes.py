@@ -7,6 +7,8 @@ of what reaches a parser bounds that work. Per method of the KVTier service:
 - Spill, WriteChunks: a message over ``max_header_bytes`` must be exactly one payload
   field (chunk, tail or window: bytes the layout bounds, copied not walked); a header is
   at most ``max_header_bytes``;
+- AdoptWindow: a message over ``CONTROL_BYTES`` must be exactly the window (its header
+  states its length, checked against the layout's bound before it is read);
 - Lookup, ReadChunks (token ids, hashed into chain keys): at most ``max_header_bytes``;
 - RegisterLayout: the layout JSON bound (``kvstore.format.layout_bounds.MAX_JSON_BYTES``)
   and a margin;
@@ -32,6 +34,7 @@ CONTROL_BYTES = 64 << 10  # a session ref, a few names and numbers, a page of id
 PAYLOAD_FIELDS: dict[str, tuple[frozenset[int], str]] = {
     "Spill": (frozenset({2, 3, 4}), "chunk, tail or window"),
     "WriteChunks": (frozenset({2}), "chunk"),
+    "AdoptWindow": (frozenset({2}), "window"),
 }
 _LENGTH_DELIMITED = 2
 

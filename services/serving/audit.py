@@ -3,8 +3,10 @@ counter per kind (``kvtier_audit_events_total{kind=...}``).
 
 Kinds: ``auth_failure`` (a missing, unknown or expired credential), ``permission_denied``
 (a role or tenant the credential does not cover), ``delete`` (every Delete, whoever asked),
-``layout`` (every RegisterLayout, whoever asked; the reason names the layout) and
-``admin`` (every other call of an admin). A line holds the time (UTC, ISO 8601), the
+``layout`` (every RegisterLayout, whoever asked; the reason names the layout), ``admin``
+(every other call of an admin) and ``plaintext`` (a connection that spoke plaintext to a
+TLS port, at most one line per client host a minute: ``services.serving.tls_front``; no
+method, identity or target: no call was read). A line holds the time (UTC, ISO 8601), the
 kind, the identity (tenant and role, or role "anonymous"), the method, the peer, the
 result (a status code name), for failures the reason, and ``target``: the tenant the
 request named, when it names one (a denial says whose sessions were asked for); never a
@@ -25,7 +27,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter
 
 log = logging.getLogger(__name__)
-KINDS = ("auth_failure", "permission_denied", "delete", "layout", "admin")
+KINDS = ("auth_failure", "permission_denied", "delete", "layout", "admin", "plaintext")
 
 
 class Caller(Protocol):

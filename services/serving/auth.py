@@ -8,7 +8,7 @@ subject CN a ``[[client_cert]]`` entry of the tokens file maps. The tokens file 
     [[token]]
     sha256 = "<hex sha256 of the token>"
     tenant = "acme"
-    role = "tenant"          # tenant | admin | replay
+    role = "tenant"          # tenant | admin | replay | peer
 
     [[client_cert]]
     cn = "acme-worker-1"
@@ -50,8 +50,8 @@ from services.serving.errors import RecordsCalls, abort
 from services.serving.interceptors import scoped
 
 log = logging.getLogger(__name__)
-TENANT, ADMIN, REPLAY = "tenant", "admin", "replay"
-ROLES = (TENANT, ADMIN, REPLAY)
+TENANT, ADMIN, REPLAY, PEER = "tenant", "admin", "replay", "peer"
+ROLES = (TENANT, ADMIN, REPLAY, PEER)
 RELOAD_CHECK_S = 1.0
 _TENANT_ID = re.compile(r"^[a-z0-9_-]{1,64}$")  # as services.server.validate.TENANT
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -69,6 +69,9 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     # who of these may register: the server's register_layouts (services.server.layout_registry)
     _KVTIER + "RegisterLayout": _CONTROL,
     _KVTIER + "Drain": frozenset({ADMIN}),  # the node's, not a tenant's, to stop
+    # another fleet node's window, handed over while it drains: nodes only (the tenant is
+    # the stored manifest's, checked by the receiver; services.server.peers)
+    _KVTIER + "AdoptWindow": frozenset({PEER}),
     "/kvtier.v1.Replay/Rebuild": frozenset({REPLAY}),
 }
 
@@ -96,6 +99,22 @@ def caller() -> Identity | None:
     """The authenticated caller of the RPC running now; None when the server does not
     authenticate (tenants are then what requests name)."""
     return _CALLER.get()
+
+
+# The abstract unix name the TLS front (``services.serving.tls_front``) binds its end of a
+# relayed connection to: kvtier-peer/<token>/<the client's address>.
+RELAYED_PEER_PREFIX = "kvtier-peer/"
+_RELAYED = f"unix-abstract:{RELAYED_PEER_PREFIX}"
+
+
+def client_peer(context: grpc.aio.ServicerContext) -> str:
+    """The caller's address: ``context.peer()``, or on a connection the TLS front relayed,
+    the address the client reached the front from (only this server's user can reach
+    gRPC's private socket, so the name is the front's)."""
+    seen = context.peer()
+    if seen.startswith(_RELAYED):
+        return seen[len(_RELAYED):].partition("/")[2]
+    return seen
 
 
 def target_of(request: object) -> str:
@@ -349,7 +368,7 @@ class _Guard:
         except (Unauthenticated, PermissionDenied) as exc:
             kind = "auth_failure" if isinstance(exc, Unauthenticated) else "permission_denied"
             who = identity if isinstance(exc, PermissionDenied) else None
-            self.audit.record(kind, who, self.name, context.peer(),
+            self.audit.record(kind, who, self.name, client_peer(context),
                               "UNAUTHENTICATED" if who is None else "PERMISSION_DENIED",
                               str(exc), target=target_of(request))
             await abort(context, exc, self.recorder, self.name)
@@ -383,5 +402,5 @@ class _Guard:
             kind = "admin"
         else:
             return
-        self.audit.record(kind, identity, self.name, context.peer(), result,
+        self.audit.record(kind, identity, self.name, client_peer(context), result,
                           target=_TARGET.get())

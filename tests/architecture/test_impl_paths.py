@@ -44,6 +44,7 @@ from model.infer import replay_batch
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.server.servicer import KVTierServicer
+from tests.support.fleet import fleet_servers, shared_config
 from tests.support.service import (
     LAYOUT,
     ROOT,
@@ -254,3 +255,35 @@ async def test_a_spill_and_a_resume_run_the_files_docs_impl_lists(tmp_path):
     assert {"replay/worker.py", "model/infer.py", "model/net.py"} <= replayed.files
     assert sorted(replayed.spine) == sorted(documented("The Resume-with-replay path"))
     assert len(replayed.spine) <= REPLAY_SPINE_BOUND, sorted(replayed.spine)
+
+
+async def test_an_adopted_window_runs_the_files_docs_impl_lists(
+        tmp_path, s3_server, s3_bucket, s3_credentials, monkeypatch):
+    """AdoptWindow on a fleet node (two servers on one moto bucket): node a spilled the
+    session with its window, node b adopts it as a draining a would hand it over; from
+    b's handler entry to its reply."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_credentials["aws_access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_credentials["aws_secret_access_key"])
+    tokens = as_tokens(tokens_for(N))
+    enc = encode_session(LAYOUT, tokens, streams_for(LAYOUT, N), scope=dedupe_scope("acme"))
+    window = encode_window(LAYOUT, tokens, window_for(LAYOUT, N))
+    header = raw_spill_header(REF, tokens, enc, window_digest=chunk_digest(window),
+                              ack=pb.ACK_DURABLE)
+
+    def config(name: str):
+        return shared_config(tmp_path, s3_server, s3_bucket, s3_credentials["region_name"],
+                             name, listen="127.0.0.1:0", replay="off")
+
+    async with fleet_servers(config, "ab") as nodes, \
+            grpc.aio.insecure_channel(nodes["a"]) as on_a, \
+            grpc.aio.insecure_channel(nodes["b"]) as on_b:
+        assert (await pb_grpc.KVTierStub(on_a).Spill(iter(_messages(header, enc, window)))
+                ).window_kept
+        adoption = [pb.AdoptWindowRequest(header=pb.AdoptWindowHeader(
+            session=REF, generation=1, from_node="a", window_digest=chunk_digest(window),
+            window_bytes=len(window))), pb.AdoptWindowRequest(window=window)]
+        adopted = PathTrace(KVTierServicer.AdoptWindow.__wrapped__.__code__)
+        reply = await traced(adopted, lambda: pb_grpc.KVTierStub(on_b).AdoptWindow(
+            iter(adoption)))
+        assert reply.adopted and reply.node_id == "b"
+    assert sorted(adopted.files) == sorted(documented("The AdoptWindow path"))

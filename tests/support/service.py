@@ -116,7 +116,7 @@ def serve_child(data_dir: Path, config: Path | None = None, log_level: str = "ER
     if not line.startswith("kvtier serving on "):
         process.kill()
         raise AssertionError(f"server did not start: {line!r}")
-    return process, line.split()[-1]
+    return process, line.split()[3].rstrip(",")  # ", metrics on :PORT" may follow
 
 
 def stop_child(process: subprocess.Popen) -> None:

@@ -61,7 +61,7 @@ def store(kvtier_server):
 def layout(store):
     # value_format auto: the engine's own pages, named by CPU_ATTN's ISA path (vec or amx)
     (info,) = [i for i in store.layouts() if i.spec.name.startswith("vllm-cpu_attn.")
-               and i.spec.name.endswith("-4x2x64-b128-bf16")]
+               and "-4x2x64-b128-bf16-v" in i.spec.name]
     return info.spec
 
 

@@ -86,8 +86,9 @@ def test_each_group_is_kept_as_its_kind_needs(vllm_config):
     assert [g.stored for g in groups] == [True, True, False]
     names = [rank_layout(g, 0, "auto").name for g in groups[:2]]
     # one layout per group, the kind and window in its name
-    assert names[0].startswith("vllm-cpu_attn.") and names[0].endswith("-1x2x16-b16-bf16")
-    assert names[1].startswith("vllm-g1-swa64-cpu_attn.") and names[1].endswith("-2x2x16-b16-bf16")
+    assert names[0].startswith("vllm-cpu_attn.") and names[0].endswith("-1x2x16-b16-bf16-v1000")
+    assert names[1].startswith("vllm-g1-swa64-cpu_attn.")
+    assert names[1].endswith("-2x2x16-b16-bf16-v1000")
     assert hit_alignment(groups) == BS
     # a sliding window with vLLM's hybrid manager off: the engine keeps every block, so
     # it is a full group (no contradictory refusal)
@@ -104,7 +105,7 @@ def test_an_mla_group_is_stored_as_its_pages(vllm_config):
     (group,) = cache_groups(vllm_config, config)
     layout = rank_layout(group, 0, "auto")
     assert group.arrangement == "raw" and group.page_bytes == (latent.page_size_bytes,) * 3
-    assert layout.name == f"vllm-mlaattentionspec-3x{latent.page_size_bytes}-b16-bf16"
+    assert layout.name == f"vllm-mlaattentionspec-3x{latent.page_size_bytes}-b16-bf16-v1000"
     (page,) = layout.streams
     assert (page.entry_shape, page.layers, page.tokens_per_entry) == (
         (1, BS * 576 * 2), 3, BS)
@@ -139,7 +140,7 @@ def test_a_group_of_latent_layers_of_three_page_sizes_has_one_layout_on_both_sid
     mine = with_worker_pages(cache_groups(vllm_config, scheduler), handshake.page_bytes)
     layout = rank_layout(theirs, 0, "auto")
     assert rank_layout(mine[0], 0, "auto") == layout
-    assert layout.name == "vllm-mlaattentionspec-3x8448_37376_1168-b256-uint8"
+    assert layout.name == "vllm-mlaattentionspec-3x8448_37376_1168-b256-uint8-v1000"
     assert [(s.name, s.entry_shape, s.layers, s.tokens_per_entry) for s in layout.streams] == [
         ("page", (1, 8448), 1, 256), ("page1", (1, 37376), 1, 256),
         ("page2", (1, 1168), 1, 256)]

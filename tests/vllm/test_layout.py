@@ -62,7 +62,7 @@ def test_layout_of_a_real_config(vllm_config):
                                vocab_size=1000, dtype=torch.bfloat16, tp_size=1,
                                arrangement="cpu_attn.vec16", layer_names=tuple(LAYERS))
     spec = rank_layout(shape, 0, "portable")
-    assert spec.name == "vllm-3x2x16-b128-bf16"
+    assert spec.name == "vllm-3x2x16-b128-bf16-v1000"
     assert spec.chunk_tokens == 128 and spec.vocab_size == 1000
     assert spec.requires_model_fingerprint and spec.replayer == "none"
     assert [(s.name, s.entry_shape, s.format, s.layers, s.persistent) for s in spec.streams] == [
@@ -80,13 +80,13 @@ def test_value_formats():
         return CacheShape(3, 2, 16, 16, 100, dtype, 1)
 
     fp16 = rank_layout(shape(torch.float16), 0, "portable")
-    assert fp16.name == "vllm-3x2x16-b16-fp16" and fp16.stream("v").format == "fp16"
+    assert fp16.name == "vllm-3x2x16-b16-fp16-v100" and fp16.stream("v").format == "fp16"
     fp8 = rank_layout(shape(torch.bfloat16), 0, "fp8_e4m3")
     assert fp8.stream("k").format == "fp8_e4m3" and fp8.stream("k").bits == 8
     int8 = rank_layout(shape(torch.bfloat16), 0, "int8")
     assert int8.stream("k").format == "int8" and int8.stream("k").group_size == 16
     int4 = rank_layout(shape(torch.bfloat16), 0, "int4")
-    assert int4.name == "vllm-3x2x16-b16-int4"
+    assert int4.name == "vllm-3x2x16-b16-int4-v100"
     assert [(s.format, s.bits, s.group_size) for s in int4.streams] == [("int4", 4, 16)] * 2
     # a token's K and V of every layer: 16 nibbles and one fp16 scale per head
     assert int4.persistent_bytes_per_token == 2 * 3 * 2 * (8 + 2)
@@ -104,7 +104,7 @@ def test_engine_pages_layout_binds_the_block_arrangement(vllm_config):
     arrangement in the name, so engines whose blocks differ never share a chunk."""
     shape = cache_shape(vllm_config, kv_config(full()))
     spec = rank_layout(shape, 0, "auto")
-    assert spec.name == "vllm-cpu_attn.vec16-3x2x16-b128-bf16"
+    assert spec.name == "vllm-cpu_attn.vec16-3x2x16-b128-bf16-v1000"
     (page,) = spec.streams
     assert (page.name, page.format, page.entry_shape, page.tokens_per_entry, page.layers) == (
         "page", "page", (2, 2 * 128 * 16 * 2), 128, 3)
@@ -115,7 +115,7 @@ def test_engine_pages_layout_binds_the_block_arrangement(vllm_config):
            for a in ("cpu_attn.vec", "cpu_attn.amx", "flash_attn")}
     assert len(ids) == 3 and spec.layout_id not in ids
     # float32 KV is held exactly as pages
-    assert rank_layout(replace(shape, dtype=torch.float32), 0, "auto").name.endswith("-fp32")
+    assert rank_layout(replace(shape, dtype=torch.float32), 0, "auto").name.endswith("-fp32-v1000")
     with pytest.raises(UnsupportedModel, match="arrangement"):
         rank_layout(replace(shape, arrangement=""), 0, "auto")
     # TP ranks hold their own heads' pages
@@ -143,7 +143,8 @@ def test_one_layout_per_rank_and_tp_size():
     ranks = [rank_layout(shape, r, "portable") for r in range(2)]
     single = rank_layout(CacheShape(3, 2, 16, 16, 100, torch.bfloat16, 1), 0, "portable")
     assert len({s.layout_id for s in (*ranks, single)}) == 3
-    assert [s.name for s in ranks] == ["vllm-3x2x16-b16-bf16-tp2r0", "vllm-3x2x16-b16-bf16-tp2r1"]
+    assert [s.name for s in ranks] == ["vllm-3x2x16-b16-bf16-v100-tp2r0",
+                                       "vllm-3x2x16-b16-bf16-v100-tp2r1"]
     assert all(s.stream("k").entry_shape == (1, 16) for s in ranks)
     assert single.stream("k").entry_shape == (2, 16)
     assert layout_to_json(ranks[0]) != layout_to_json(ranks[1])
@@ -176,3 +177,17 @@ def test_extra_config_is_checked(tmp_path):
                 {**base, "timeout_s": -1}):
         with pytest.raises(ValueError):
             ConnectorConfig.from_extra(bad)
+
+
+def test_two_models_alike_but_for_their_vocabulary_have_two_layouts_on_one_server():
+    """A server knows one layout by each name: a second model with the same KV shape and
+    another vocabulary gets a name of its own, so both engines can share the server."""
+    from kvstore.format.registry import register_layout
+
+    small = CacheShape(layers=3, kv_heads=2, head_size=16, block_size=16, vocab_size=100,
+                       dtype=torch.bfloat16, tp_size=1, arrangement="cpu_attn.vec16")
+    large = replace(small, vocab_size=32000)
+    for value_format in ("auto", "portable", "int4"):
+        a, b = (rank_layout(s, 0, value_format) for s in (small, large))
+        assert a.name != b.name
+        assert register_layout(a) == a and register_layout(b) == b  # neither refused

@@ -97,9 +97,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  #
         if role == KVConnectorRole.SCHEDULER:
             self._all_groups = groups
             self._alignment = hit_alignment(groups, kv_cache_config)
-            if worker_pages(self.groups):
+            if waiting := worker_pages(self.groups):
                 logger.info("kvtier connector: latent groups %s: their layouts wait for "
-                            "the workers' page sizes", sorted(worker_pages(self.groups)))
+                            "the workers' page sizes", sorted(waiting))
             else:
                 self._start_scheduler(groups)
         else:

@@ -14,11 +14,12 @@ The engine's layout has two persistent streams ``k`` and ``v``, each entry ``(kv
 head_size)`` per token, ``layers`` = the model's attention layers, ``chunk_tokens`` =
 vLLM's block size (one chunk is one paged block of every layer), the model's vocabulary, no
 window, and it requires a model fingerprint (the weights' identity is in every chunk key).
-Its name states the shape and the value format,
-``vllm-<layers>x<kv_heads>x<head_size>-b<block>-<format>``. A rank stores its own heads
-under its own layout (``kvstore.format.tensor_parallel.tp_shard_layout``: the name gains
-``-tp<size>r<rank>``), so ranks of one engine, and engines of another TP size, never share
-a chunk.
+Its name states the shape, the value format and the vocabulary,
+``vllm-<layers>x<kv_heads>x<head_size>-b<block>-<format>-v<vocab>``: a server knows one
+layout by each name, so two models alike but for their vocabulary need two names. A rank
+stores its own heads under its own layout (``kvstore.format.tensor_parallel.tp_shard_layout``:
+the name gains ``-tp<size>r<rank>``), so ranks of one engine, and engines of another TP
+size, never share a chunk.
 
 Value formats (``value_format``): "auto" stores each block's engine page as it lies in the
 cache (below); "portable" the engine's KV dtype exactly, token-major (bf16 as bf16, fp16
@@ -350,7 +351,7 @@ def page_layout(shape: CacheShape) -> LayoutSpec:
     stream = Stream(PAGE, (shape.kv_heads, head_bytes), bits=8, format=PAGE,
                     tokens_per_entry=shape.block_size, layers=shape.layers)
     name = (f"vllm-{group_tag(shape)}{shape.arrangement}-{shape.layers}x{shape.kv_heads}x"
-            f"{shape.head_size}-b{shape.block_size}-{PAGE_DTYPES[shape.dtype]}")
+            f"{shape.head_size}-b{shape.block_size}-{PAGE_DTYPES[shape.dtype]}-v{shape.vocab_size}")
     return LayoutSpec(name, (stream,), chunk_tokens=shape.block_size,
                       vocab_size=shape.vocab_size, requires_model_fingerprint=True,
                       replayer="none", notes=f"a vLLM engine's paged blocks, {shape.arrangement}")
@@ -375,8 +376,9 @@ def raw_layout(shape: CacheShape) -> LayoutSpec:
     DeepSeek-V4's ratio-128 layer keeps 1,168 B per 256-token block); layers of one page
     size share a stream (``page``, then ``page1``, ... in order of first appearance), so a
     chunk is each layer's page back to back. The name states the group kind, its layers'
-    page sizes, the block and dtype:
-    ``vllm-[swa<window>-]<spec>-<layers>x<page bytes>[_<page bytes>...]-b<block>-<dtype>``."""
+    page sizes, the block, dtype and vocabulary (as every vLLM layout's name does):
+    ``vllm-[swa<window>-]<spec>-<layers>x<page bytes>[_<page bytes>...]-b<block>-<dtype>``
+    ``-v<vocab>``."""
     sizes = list(dict.fromkeys(shape.page_bytes))
     streams = tuple(Stream(raw_stream(n), (1, size), bits=8, format=PAGE,
                            tokens_per_entry=shape.block_size,
@@ -384,7 +386,7 @@ def raw_layout(shape: CacheShape) -> LayoutSpec:
                     for n, size in enumerate(sizes))
     dtype = PAGE_DTYPES.get(shape.dtype, str(shape.dtype).removeprefix("torch."))
     name = (f"vllm-{group_tag(shape)}{shape.layers}x{'_'.join(map(str, sizes))}-"
-            f"b{shape.block_size}-{dtype}")
+            f"b{shape.block_size}-{dtype}-v{shape.vocab_size}")
     return LayoutSpec(name, streams, chunk_tokens=shape.block_size,
                       vocab_size=shape.vocab_size, requires_model_fingerprint=True,
                       replayer="none", notes=f"a vLLM engine's {shape.spec_name} pages")
@@ -403,7 +405,7 @@ def engine_layout(shape: CacheShape, value_format: str) -> LayoutSpec:
     if fmt == PAGE:
         return page_layout(shape)
     name = (f"vllm-{group_tag(shape)}{shape.layers}x{shape.kv_heads}x{shape.head_size}-"
-            f"b{shape.block_size}-{fmt.replace('_', '')}")
+            f"b{shape.block_size}-{fmt.replace('_', '')}-v{shape.vocab_size}")
     return LayoutSpec(name, tuple(value_stream(s, fmt, shape) for s in STREAMS),
                       chunk_tokens=shape.block_size, vocab_size=shape.vocab_size,
                       requires_model_fingerprint=True, replayer="none",
