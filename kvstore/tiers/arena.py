@@ -84,6 +84,14 @@ def remove_segment(name: str, segment: mmap.mmap) -> None:
     resource_tracker.unregister(f"/{name}", "shared_memory")
 
 
+def fits_shared_memory(capacity_bytes: int) -> bool:
+    """Whether /dev/shm has room for a tier of ``capacity_bytes`` and its slack: past its
+    size a write into a slab would kill the process (SIGBUS), as a container's default
+    64 MiB /dev/shm would."""
+    room = os.statvfs(SHM_DIR)
+    return capacity_bytes + 4 * SLAB_BYTES <= room.f_bavail * room.f_frsize
+
+
 def slot_bytes(length: int) -> int:
     """The size class of a value of ``length`` bytes: rounded up by at most 1/16."""
     step = max(MIN_SLOT, 1 << max(0, length.bit_length() - 5))

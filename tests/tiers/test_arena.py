@@ -14,7 +14,7 @@ import pytest
 
 from kvstore.format.errors import TierFull
 from kvstore.format.shm_names import PREFIX, SHM_DIR, available
-from kvstore.tiers.arena import ArenaTier, Slot
+from kvstore.tiers.arena import SLAB_BYTES, ArenaTier, Slot, fits_shared_memory
 from tests.support.clock import ManualClock
 
 pytestmark = pytest.mark.skipif(not available(), reason="no /dev/shm")
@@ -132,3 +132,10 @@ def test_a_killed_servers_slabs_are_removed():
         assert not slabs_of(child.pid)
     finally:
         child.kill()
+
+
+def test_a_tier_larger_than_dev_shm_does_not_fit_there():
+    room = os.statvfs(SHM_DIR)
+    free = room.f_bavail * room.f_frsize
+    assert fits_shared_memory(1 << 20) == (free >= (1 << 20) + 4 * SLAB_BYTES)
+    assert not fits_shared_memory(free)  # its slack would not fit: a write would SIGBUS
