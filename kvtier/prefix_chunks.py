@@ -19,13 +19,16 @@ tokens of its own, then cost one call a batch, not one a page.
 Over shared memory a read copies its chunks out of the reply segment, unless the caller
 asks to read them in place (``in_place``): the chunks are then views of the segment,
 which the client lends the caller until ``ReadChunksResult.release`` (the server writes
-into a segment only when the client offers it, and it offers none it has lent).
+into a segment only when the client offers it, and it offers none it has lent). In place,
+the chunks the server's host tier holds are not copied into the segment at all: they are
+views of its slabs (``shm.ArenaSlab``, read-only), pinned by the server under a read
+lease that the same ``release`` ends. Either way every chunk is checked as any reply's.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -104,20 +107,25 @@ async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,
     offered = node.segments.for_reply() if request.use_shared_memory else None
     request.reply_lease = offered.lease_id if offered is not None else ""
     request.refs_in_header = request.use_shared_memory
+    request.in_place = in_place and request.use_shared_memory
     used = [offered] if offered is not None else []
     started = time.monotonic()
     call = node.stub.ReadChunks(request, timeout=timeout_s)
     header: pb.ChunksHeader | None = None
     got: list[Got] = []
     segment: shm.Segment | None = None
+    end_read: Callable[[], None] | None = None  # unpins the chunks read in the server's slabs
     try:
         async for reply in call:
             kind = reply.WhichOneof("item")
             if kind == "header":
                 header = reply.header
+                if header.read_lease:
+                    end_read = node.segments.end_read(header.read_lease)
                 if header.HasField("reply_segment"):
                     segment = await reply_segment(node.segments, header.reply_segment, used)
-                got += _in_header(header, segment, request.first_chunk, in_place)
+                slabs = node.segments.slabs(header.arena_slabs)
+                got += _in_header(header, segment, slabs, request.first_chunk, in_place)
             elif header is None:
                 raise InvalidRequest(f"a ReadChunks reply sent {kind} before its header")
             elif kind == "missing":
@@ -134,6 +142,8 @@ async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,
                 got.append((reply.chunk.index, data, ""))
     except Exception:  # the server may still be writing into them: never reuse them
         call.cancel()
+        if end_read is not None:
+            end_read()
         await node.segments.release(used)
         raise
     except BaseException:  # cancelled: no call to release them, the server reaps them
@@ -141,10 +151,10 @@ async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,
         for held in used:
             held.close()
         raise
-    release = None
+    release = end_read
     if in_place and segment is not None:
         await node.segments.replied([s for s in used if s is not segment], None, started)
-        release = node.segments.lend(segment, started)
+        release = _both(node.segments.lend(segment, started), end_read)
     else:
         await node.segments.replied(used, segment, started)
     try:
@@ -161,24 +171,48 @@ async def read_once(node: Node, request: pb.ReadChunksRequest, spec: LayoutSpec,
     return result
 
 
-def _in_header(header: pb.ChunksHeader, segment: shm.Segment | None, first_chunk: int,
-               in_place: bool) -> list[Got]:
-    """The chunks the header lists in the reply segment (``chunk_refs``): views of it
-    (``in_place``), else copied out in one copy where they lie back to back."""
+def _both(give_back: Callable[[], None], end_read: Callable[[], None] | None
+          ) -> Callable[[], None]:
+    """One release for a lent reply segment and a read lease."""
+    if end_read is None:
+        return give_back
+
+    def release() -> None:
+        give_back()
+        end_read()
+
+    return release
+
+
+def _in_header(header: pb.ChunksHeader, segment: shm.Segment | None,
+               slabs: dict[str, shm.ArenaSlab], first_chunk: int, in_place: bool
+               ) -> list[Got]:
+    """The chunks the header lists in shared memory (``chunk_refs``): those in the
+    server's slabs and, with ``in_place``, those in the reply segment as views of where
+    they lie; the others copied out of the segment, in one copy where they lie back to
+    back."""
     refs = list(header.chunk_refs)
     if not refs:
         return []
-    if segment is None or len(refs) != len(header.chunk_keys):
+    if (segment is None and not slabs) or len(refs) != len(header.chunk_keys):
         raise InvalidRequest(f"a ReadChunks header lists {len(refs)} chunks in shared memory "
                              f"for {len(header.chunk_keys)} chunks"
-                             + ("" if segment is not None else " and names no segment"))
+                             + ("" if segment or slabs else " and names no segment"))
     sent = [(first_chunk + n, ref) for n, ref in enumerate(refs) if ref.length]
+    got: list[Got] = [(index, slabs[ref.lease_id].view(ref) if in_place
+                       else slabs[ref.lease_id].view(ref).tobytes(), "")
+                      for index, ref in sent if ref.lease_id in slabs]
+    sent = [(index, ref) for index, ref in sent if ref.lease_id not in slabs]
+    if not sent:
+        return got
+    if segment is None:
+        raise InvalidRequest("a ReadChunks header refers to a reply segment it does not name")
     if in_place:
-        return [(index, segment.view(ref), "") for index, ref in sent]
+        return got + [(index, segment.view(ref), "") for index, ref in sent]
     run = segment.read_run([ref for _, ref in sent])
     if run is None:
-        return [(index, segment.read(ref), "") for index, ref in sent]
-    return [(index, data, "") for (index, _), data in zip(sent, run, strict=True)]
+        return got + [(index, segment.read(ref), "") for index, ref in sent]
+    return got + [(index, data, "") for (index, _), data in zip(sent, run, strict=True)]
 
 
 def checked_result(spec: LayoutSpec, tokens: np.ndarray, first_chunk: int,  # noqa: C901 - every check of a reply's chunks, in order

@@ -11,6 +11,11 @@ unlinking one. Payloads refer to ``(lease_id, offset, length)``:
 - Restore/Resume/ReadChunks: the server writes the reply into a segment it names in the
   header (``reply_segment``); the client copies the payloads out, or lends the segment to
   a caller that reads a ReadChunks reply in place (``lend``) until it gives it back.
+- ReadChunks in place: chunks the server's host tier holds are named where they lie, in
+  its slabs (``ArenaSlab``: mapped read-only, kept by name, unmapped once the server
+  removed them or has not named them for a read lease's time), pinned under a read
+  lease the caller ends (``end_read``: batched into one ReleaseSegments, never waited
+  on).
 
 Either way the client keeps the segment (``ClientSegments``) and offers it again, to spill
 into or as ``reply_lease``, so its pages stay warm; each use renews the lease. Leases it
@@ -25,10 +30,8 @@ import asyncio
 import contextlib
 import mmap
 import os
-import re
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -41,20 +44,16 @@ from kvstore.format.errors import (
     SharedMemoryUnavailable,
     TierFull,
 )
+from kvstore.format.shm_names import NAME, SHM_DIR
+from kvstore.format.shm_names import PREFIX as PREFIX  # the names callers know it by
+from kvstore.format.shm_names import available as available
 from kvtier.errors import error_from_rpc
 from proto import kvtier_pb2 as pb
 
-SHM_DIR = Path("/dev/shm")
-PREFIX = "kvtier-"  # every segment the server creates; its random part follows
-NAME = re.compile(r"^kvtier-[A-Za-z0-9_-]{1,120}$")  # no path, no dot: a plain name only
 RENEW_MARGIN = 0.8  # offer a lease again only within this share of its lease time
 POOL_SIZE = 4  # segments a client keeps between calls
 RELEASE_TIMEOUT_S = 2.0
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-
-
-def available() -> bool:
-    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
 
 
 class Segment:
@@ -131,6 +130,45 @@ class Segment:
             self._map.close()
 
 
+class ArenaSlab:
+    """One of the server's host-tier slabs, mapped read-only: chunks an in-place read
+    pinned are read here, where they lie, until the client releases the read lease."""
+
+    def __init__(self, described: pb.SharedMemoryLease, now: float) -> None:
+        if not NAME.match(described.name):
+            raise InvalidRequest(f"the server named a slab {described.name!r}, which is "
+                                 "not a kvtier segment name")
+        self.name = described.name
+        self.named_at = now
+        try:  # O_NOFOLLOW: a link planted under the name is not followed
+            fd = os.open(SHM_DIR / described.name, os.O_RDONLY | os.O_NOFOLLOW)
+        except (FileNotFoundError, PermissionError) as exc:
+            raise SharedMemoryUnavailable(
+                f"shared memory slab {described.name!r} cannot be opened here "
+                f"({exc.strerror}): client and server must share a host, /dev/shm and user"
+            ) from None
+        try:
+            self.size = os.fstat(fd).st_size
+            if not self.size:
+                raise SharedMemoryUnavailable(f"shared memory slab {described.name!r} is empty")
+            # Not populated: only the slots read are ever touched, each once per mapping.
+            self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+
+    def view(self, ref: pb.SharedMemoryRef) -> memoryview:
+        """The referenced bytes, read-only, where they lie."""
+        if ref.offset + ref.length > self.size:
+            raise InvalidRequest(f"a reply refers to [{ref.offset}:{ref.offset + ref.length}]"
+                                 f" of slab {self.name!r}, which holds {self.size} B")
+        return memoryview(self._map)[ref.offset : ref.offset + ref.length]
+
+    def close(self) -> None:
+        """Unmap; views a caller still holds keep the mapping until they are dropped."""
+        with contextlib.suppress(BufferError):
+            self._map.close()
+
+
 class PackedWriter:
     """Payloads packed front to back into one leased segment's mapping; ``add`` gives the
     ref. The client packs a Spill's payloads this way, the server a Restore's."""
@@ -160,6 +198,9 @@ class ClientSegments:
         self._clock = clock
         self._free: list[Segment] = []
         self._returning: set[asyncio.Future[None]] = set()  # lent segments being kept again
+        self._slabs: dict[str, ArenaSlab] = {}  # the server's host-tier slabs, by name
+        self._slab_idle_s = 0.0  # unmapped when the server has not named them this long
+        self._reads_ending: list[str] = []  # read leases released, not yet told
 
     def _take(self, fits: Callable[[Segment], bool]) -> Segment | None:
         # Past its margin the server may reap it any moment: forget it, it will.
@@ -256,15 +297,74 @@ class ClientSegments:
                 await self._stub.ReleaseSegments(pb.ReleaseRequest(lease_ids=lease_ids),
                                                  timeout=RELEASE_TIMEOUT_S)
 
+    def slabs(self, described: Iterable[pb.SharedMemoryLease]) -> dict[str, ArenaSlab]:
+        """The slabs a reply names, mapped (each once, kept by name), by the id its refs
+        use; slabs the server has removed, or not named for a read lease's time, are
+        unmapped."""
+        now = self._clock()
+        named: dict[str, ArenaSlab] = {}
+        for slab in described:
+            mapped = self._slabs.get(slab.name)
+            if mapped is None:
+                mapped = self._slabs[slab.name] = ArenaSlab(slab, now)
+            mapped.named_at = now
+            self._slab_idle_s = max(self._slab_idle_s, slab.lease_s)
+            named[slab.lease_id] = mapped
+        for name, mapped in list(self._slabs.items()):
+            # one the server removed keeps its memory while mapped: let it go at once
+            if mapped.named_at < now and (now - mapped.named_at > self._slab_idle_s
+                                          or not (SHM_DIR / name).exists()):
+                del self._slabs[name]
+                mapped.close()
+        return named
+
+    def end_read(self, lease_id: str) -> Callable[[], None]:
+        """What releases read lease ``lease_id`` (from any thread, once): the release is
+        queued and told to the server in one call with the others queued, never waited
+        on by the caller."""
+        loop = asyncio.get_running_loop()
+        pending = [lease_id]
+
+        def release() -> None:
+            if not pending:
+                return
+            pending.clear()
+            with contextlib.suppress(RuntimeError):  # the client closed: the lease expires
+                loop.call_soon_threadsafe(self._queue_read_end, lease_id)
+
+        return release
+
+    def _queue_read_end(self, lease_id: str) -> None:
+        self._reads_ending.append(lease_id)
+        if len(self._reads_ending) == 1:  # the first queued: one call tells them all
+            task = asyncio.ensure_future(self._tell_read_ends())
+            self._returning.add(task)
+            task.add_done_callback(self._returning.discard)
+
+    async def _tell_read_ends(self) -> None:
+        await asyncio.sleep(0)  # releases made in the same turn of the loop go together
+        ending, self._reads_ending = self._reads_ending, []
+        with contextlib.suppress(grpc.aio.UsageError):  # the client closed: they expire
+            await self._end(ending)
+
     def forget(self) -> None:
         """The server no longer holds our leases (it restarted): drop them unreleased."""
         for segment in self._free:
             segment.close()
         self._free.clear()
+        for slab in self._slabs.values():
+            slab.close()
+        self._slabs.clear()
+        self._reads_ending.clear()
 
     async def close(self) -> None:
         segments, self._free = self._free, []
         await self.release(segments)
+        ending, self._reads_ending = self._reads_ending, []
+        await self._end(ending)
+        for slab in self._slabs.values():
+            slab.close()
+        self._slabs.clear()
 
 
 def round_up(size: int) -> int:

@@ -118,12 +118,14 @@ class ReadChunksResult:
     keys: list[str]  # chain keys of the chunks asked for, from first_chunk on
     # chunk index -> its encoded bytes, verified here (digest, codec header against the
     # tokens); over shared memory a copy out of the segment, or with ``in_place`` a view
-    # of it, valid until ``release``
+    # of it or (held by the server's host tier) a read-only view of the server's slab,
+    # valid until ``release``
     chunks: dict[int, bytes | memoryview]
     missing: dict[int, str]  # chunk index -> why not: not_held, corrupt, digest_mismatch,
     # tier_unavailable (the server's), or corrupt (failing the checks here)
-    # gives a lent segment back to the client (from any thread, once; a no-op otherwise):
-    # the chunks' views must not be read after it
+    # gives a lent segment back to the client and ends the read lease pinning the chunks
+    # in the server's slabs (from any thread, once, never waiting on the server; a no-op
+    # otherwise): the chunks' views must not be read after it
     release: Callable[[], None] = field(default=lambda: None, repr=False, compare=False)
 
     def __enter__(self) -> ReadChunksResult:

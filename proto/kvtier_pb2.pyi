@@ -593,7 +593,7 @@ class WriteChunksReply(_message.Message):
     def __init__(self, chunks_written: _Optional[int] = ..., chunks_deduped: _Optional[int] = ..., tier: _Optional[str] = ..., durable: _Optional[bool] = ..., chunk_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReadChunksRequest(_message.Message):
-    __slots__ = ("tenant", "layout_id", "model_fingerprint", "dedupe_domain", "token_ids", "first_chunk", "max_chunks", "chunk_digests", "use_shared_memory", "reply_lease", "refs_in_header", "independent_chunks")
+    __slots__ = ("tenant", "layout_id", "model_fingerprint", "dedupe_domain", "token_ids", "first_chunk", "max_chunks", "chunk_digests", "use_shared_memory", "reply_lease", "refs_in_header", "independent_chunks", "in_place")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -606,6 +606,7 @@ class ReadChunksRequest(_message.Message):
     REPLY_LEASE_FIELD_NUMBER: _ClassVar[int]
     REFS_IN_HEADER_FIELD_NUMBER: _ClassVar[int]
     INDEPENDENT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     layout_id: str
     model_fingerprint: str
@@ -618,19 +619,24 @@ class ReadChunksRequest(_message.Message):
     reply_lease: str
     refs_in_header: bool
     independent_chunks: bool
-    def __init__(self, tenant: _Optional[str] = ..., layout_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dedupe_domain: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., first_chunk: _Optional[int] = ..., max_chunks: _Optional[int] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., use_shared_memory: _Optional[bool] = ..., reply_lease: _Optional[str] = ..., refs_in_header: _Optional[bool] = ..., independent_chunks: _Optional[bool] = ...) -> None: ...
+    in_place: bool
+    def __init__(self, tenant: _Optional[str] = ..., layout_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dedupe_domain: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., first_chunk: _Optional[int] = ..., max_chunks: _Optional[int] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., use_shared_memory: _Optional[bool] = ..., reply_lease: _Optional[str] = ..., refs_in_header: _Optional[bool] = ..., independent_chunks: _Optional[bool] = ..., in_place: _Optional[bool] = ...) -> None: ...
 
 class ChunksHeader(_message.Message):
-    __slots__ = ("chunk_keys", "chunk_digests", "reply_segment", "chunk_refs")
+    __slots__ = ("chunk_keys", "chunk_digests", "reply_segment", "chunk_refs", "read_lease", "arena_slabs")
     CHUNK_KEYS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     REPLY_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_REFS_FIELD_NUMBER: _ClassVar[int]
+    READ_LEASE_FIELD_NUMBER: _ClassVar[int]
+    ARENA_SLABS_FIELD_NUMBER: _ClassVar[int]
     chunk_keys: _containers.RepeatedScalarFieldContainer[str]
     chunk_digests: _containers.RepeatedScalarFieldContainer[bytes]
     reply_segment: SharedMemoryLease
     chunk_refs: _containers.RepeatedCompositeFieldContainer[SharedMemoryRef]
-    def __init__(self, chunk_keys: _Optional[_Iterable[str]] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., reply_segment: _Optional[_Union[SharedMemoryLease, _Mapping]] = ..., chunk_refs: _Optional[_Iterable[_Union[SharedMemoryRef, _Mapping]]] = ...) -> None: ...
+    read_lease: str
+    arena_slabs: _containers.RepeatedCompositeFieldContainer[SharedMemoryLease]
+    def __init__(self, chunk_keys: _Optional[_Iterable[str]] = ..., chunk_digests: _Optional[_Iterable[bytes]] = ..., reply_segment: _Optional[_Union[SharedMemoryLease, _Mapping]] = ..., chunk_refs: _Optional[_Iterable[_Union[SharedMemoryRef, _Mapping]]] = ..., read_lease: _Optional[str] = ..., arena_slabs: _Optional[_Iterable[_Union[SharedMemoryLease, _Mapping]]] = ...) -> None: ...
 
 class MissingChunk(_message.Message):
     __slots__ = ("index", "reason")

@@ -61,6 +61,7 @@ class Simulation(Ops):
         self.tenants = ("acme", "beta")
         self.model: dict[tuple[str, str], Held] = {}
         self.prefixes: list[prefix.Prefix] = []  # prefix chunks written (bench.seams.prefix)
+        self.held_reads: list[prefix.HeldRead] = []  # in-place reads with a live read lease
         self.deleted: set[tuple[str, str]] = set()
         # forgotten (expired or lost) but maybe still listed and counted by the server
         self.vanished: set[tuple[str, str]] = set()
@@ -220,6 +221,7 @@ class Simulation(Ops):
             except lives.Abort:
                 self.log(f"combo={self.combo.name} aborted at step {self.step}")
             finally:
+                prefix.judge_all_held(self)
                 if self.node.alive():
                     await self.end_life("term")
                 if self.replay_worker is not None:

@@ -1,8 +1,12 @@
 """Prefix chunks of no session in a simulation: ``write`` (WriteChunks), ``read``
 (ReadChunks, then Lookup's held count), each judged against the model of what each
-tenant wrote (``Prefix``). A prefix may be independent chunks (proto "Independent
-chunks": an engine's pages, each chunk 0 of its own tokens): written a random subset a
-call, read in one call, and Lookup answers each page's held state, judged page by page.
+tenant wrote (``Prefix``). Half the reads are in place (host-tier chunks read where they
+lie in the server's shared memory, pinned under a read lease); a few of those are kept
+open across later steps (``HeldRead``: deletes, evictions, writes and restarts run
+meanwhile) and judged again before they are released. A prefix may be independent
+chunks (proto "Independent chunks": an engine's pages, each chunk 0 of its own tokens):
+written a random subset a call, read in one call, and Lookup answers each page's held
+state, judged page by page.
 
 The promise (proto "Prefix chunks", ``kvstore.session.prefix_chunks``): a server whose
 ``retain_unreferenced`` is off refuses every write (FAILED_PRECONDITION); otherwise the
@@ -33,8 +37,21 @@ from kvstore.format.keys import dedupe_scope, independent_keys
 from kvtier import codec as cc
 
 MAX_CHUNKS = 3  # per write: a chunk of the bundled layout is about 18 KiB
+MAX_HELD_READS = 3  # in-place reads kept open across later steps, the oldest judged first
 MAX_PREFIXES = 4  # per tenant; the oldest is forgotten past it
 TTL_MARGIN_S = 1.0
+
+
+@dataclass
+class HeldRead:
+    """An in-place read kept open (its read lease live) across later steps: deletes,
+    evictions, overwrites and restarts meanwhile must not change what it shows."""
+
+    step: int
+    name: str
+    op: str
+    result: object  # kvtier.types.ReadChunksResult; its chunks are views of shared memory
+    expected: dict[int, bytes]  # each chunk it showed, as written
 
 
 @dataclass
@@ -211,14 +228,16 @@ async def read(sim, step: int, prefix: Prefix, op: str = "read-chunks") -> None:
     then Lookup's held count against the chunks that must be held."""
     spec = sim.spec(BUNDLED)
     name = f"{prefix.tenant}/{prefix.pid}"
-    sim.log(f"step={step} op={op} s={name} chunks={len(prefix.chunks)}")
+    in_place = sim.rng.random() < 0.5  # host-tier chunks then read where they lie, pinned
+    sim.log(f"step={step} op={op} s={name} chunks={len(prefix.chunks)} in_place={in_place}")
     kv = sim.client(prefix.tenant)
     try:
         if prefix.independent:
-            got = await kv.read_independent_chunks(prefix.tenant, spec, prefix.tokens)
+            got = await kv.read_independent_chunks(prefix.tenant, spec, prefix.tokens,
+                                                   in_place=in_place)
             pages = await kv.lookup_independent_chunks(prefix.tenant, spec, prefix.tokens)
         else:
-            got = await kv.read_chunks(prefix.tenant, spec, prefix.tokens)
+            got = await kv.read_chunks(prefix.tenant, spec, prefix.tokens, in_place=in_place)
             held = await kv.lookup(prefix.tenant, spec, prefix.tokens)
     except KVTierError as exc:
         sim.fail(exc, step, op, name, "chunks read")
@@ -253,6 +272,29 @@ async def read(sim, step: int, prefix: Prefix, op: str = "read-chunks") -> None:
     for i in list(prefix.written):  # what a read shows gone stays gone
         if i not in present:
             prefix.maybe_gone.add(i)
+    if in_place:
+        sim.held_reads.append(HeldRead(step, name, op, got, {
+            i: prefix.chunks[i] for i in got.chunks if bytes(got.chunks[i]) == prefix.chunks[i]}))
+        while len(sim.held_reads) > MAX_HELD_READS:
+            judge_held(sim, sim.held_reads.pop(0))
+
+
+def judge_held(sim, held: HeldRead) -> None:
+    """An in-place read judged again after the steps it was kept open across (its chunks
+    pinned), then released: every chunk still the bytes written."""
+    sim.log(f"step={sim.step} judged in-place read of step {held.step} s={held.name} "
+            f"chunks={len(held.expected)}")
+    for i, expected in sorted(held.expected.items()):
+        if bytes(held.result.chunks[i]) != expected:  # type: ignore[attr-defined]
+            sim.wrong(held.step, f"{held.op}-in-place-held", held.name,
+                      f"chunk {i} as written, while its read lease is live", "other bytes")
+    held.result.release()  # type: ignore[attr-defined]
+
+
+def judge_all_held(sim) -> None:
+    held, sim.held_reads = sim.held_reads, []
+    for read_held in held:
+        judge_held(sim, read_held)
 
 
 def _judge_pages(sim, step: int, op: str, name: str, prefix: Prefix, pages: list[bool]
@@ -304,6 +346,7 @@ def forget_all(sim, why: str) -> None:
 
 
 async def verify(sim, why: str) -> None:
+    judge_all_held(sim)
     for prefix in list(sim.prefixes):
         if prefix.written:
             sim.step += 1

@@ -9,17 +9,30 @@ read, so its digests are those of the bytes that follow), then a ``RestoredChunk
 ``MissingChunk`` per chunk in index order, the bytes inline or in the caller's shared
 memory under the Restore rules (``RestoreStreamer.reply_segment``). Asked for
 ``refs_in_header``, a reply in shared memory is every chunk written into the segment, the
-header naming where (``chunk_refs``), then only the ``MissingChunk``s.
+header naming where (``chunk_refs``), then only the ``MissingChunk``s. Asked ``in_place``
+too, the chunks read from the shared host tier (``kvstore.tiers.arena``) are not copied:
+they are pinned where they lie under one read lease (``LeaseTable.pin_reads``) and the
+header names their slabs; only the others go in the segment.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 
-from kvstore.format.errors import ChunksNotHeld, CodecError, InvalidRequest, MissingChunks
+from kvstore.format.errors import (
+    ChunksNotHeld,
+    CodecError,
+    InvalidRequest,
+    MissingChunks,
+    SharedMemoryExhausted,
+)
+from kvstore.format.keys import block_key, dedupe_scope
 from kvstore.session.manager import TierManager
+from kvstore.session.prefix_chunks import ChunkRead
+from kvstore.tiers.arena import ArenaTier, Slot
+from kvtier.shm import PackedWriter
 from proto import kvtier_pb2 as pb
 from services.server import chunk_requests as check
 from services.server import validate
@@ -27,6 +40,7 @@ from services.server.config import ServerConfig
 from services.server.layout_registry import ServerLayouts
 from services.server.limits import Limits, idle_bounded
 from services.server.restore_stream import RestoreStreamer, StreamOptions
+from services.server.shm_leases import ReadLease
 from services.serving import auth
 
 TOKEN_BYTES_ON_LOOP = 256 << 10  # token ids hashed on the event loop at most (under 1 ms)
@@ -46,6 +60,8 @@ class PrefixChunkCalls:
         self.streamer = streamer
         self.payload_bytes = payload_bytes
         self.max_tokens = max_tokens
+        # the host tier same-host clients read in place (None: it is not in shared memory)
+        self.arena = next((t for t in manager.tiers if isinstance(t, ArenaTier)), None)
 
     async def write(self, messages: AsyncIterator[pb.WriteChunksRequest], peer: str
                     ) -> pb.WriteChunksReply:
@@ -88,6 +104,72 @@ class PrefixChunkCalls:
                                    chunks_deduped=written.deduped, tier=written.tier,
                                    durable=written.durable, chunk_keys=written.chain_keys)
 
+    def _pin(self, request: pb.ReadChunksRequest, chunks: list[ChunkRead], scope: str,
+             peer: str) -> tuple[dict[int, Slot], ReadLease | None]:
+        """Asked ``in_place`` (over shared memory, refs in the header): the chunks read
+        from the shared host tier pinned in ``scope``'s slabs under one read lease, by
+        position; none past a lease bound (they then go in the reply segment)."""
+        leases = self.streamer.leases
+        if not (request.in_place and request.use_shared_memory and request.refs_in_header
+                and self.arena is not None and leases is not None):
+            return {}, None
+        held = [n for n, c in enumerate(chunks) if c.data is not None and c.tier == self.arena.name]
+        slots = self.arena.pin_many([block_key(chunks[n].chain_key, chunks[n].digest)
+                                     for n in held], scope)
+        pinned = {n: slot for n, slot in zip(held, slots, strict=True) if slot is not None}
+        if not pinned:
+            return {}, None
+        try:
+            read = leases.pin_reads(peer, list(pinned.values()), self.arena.unpin)
+        except SharedMemoryExhausted:
+            for slot in pinned.values():
+                self.arena.unpin(slot)
+            return {}, None
+        self.streamer.metrics.restore_bytes.labels("in_place").inc(read.size)
+        return pinned, read
+
+    def _refs_in_header(self, header: pb.ChunksHeader, chunks: list[ChunkRead],
+                        pinned: dict[int, Slot], read: ReadLease | None,
+                        writer: PackedWriter | None, refused: str
+                        ) -> Iterator[pb.ReadChunksReply]:
+        """The reply with every chunk's place in the header: the header, then the
+        missing chunks (and those the segment was refused for, inline)."""
+        # the segment was leased for the bytes not pinned: every chunk fits
+        header.chunk_refs.extend(self._refs(chunks, pinned, writer))
+        if read is not None:
+            header.read_lease = read.lease_id
+            header.arena_slabs.extend(self._slabs(pinned.values()))
+        yield pb.ReadChunksReply(header=header)
+        for n, c in enumerate(chunks):
+            if c.data is None:
+                yield pb.ReadChunksReply(missing=pb.MissingChunk(index=c.index,
+                                                                 reason=c.missing))
+            elif n not in pinned and writer is None:  # the segment was refused
+                yield pb.ReadChunksReply(chunk=pb.RestoredChunk(
+                    index=c.index, tier=c.tier,
+                    payload=self.streamer.payload(c.chain_key, c.data, None, refused)))
+
+    def _refs(self, chunks: list[ChunkRead], pinned: dict[int, Slot],
+              writer: PackedWriter | None) -> list[pb.SharedMemoryRef]:
+        """Where each chunk lies: its pinned slot, its place in the reply segment, or
+        nowhere (length 0: missing, or sent inline)."""
+        if writer is not None:
+            refs = self.streamer.in_segment(
+                [None if n in pinned else c.data for n, c in enumerate(chunks)], writer)
+        else:
+            refs = [pb.SharedMemoryRef() for _ in chunks]
+        for n, slot in pinned.items():
+            refs[n] = pb.SharedMemoryRef(lease_id=slot.slab.slab_id, offset=slot.offset,
+                                         length=slot.length)
+        return refs
+
+    def _slabs(self, slots: Iterable[Slot]) -> list[pb.SharedMemoryLease]:
+        assert self.streamer.leases is not None  # a read lease was made
+        slabs = {slot.slab.slab_id: slot.slab for slot in slots}
+        return [pb.SharedMemoryLease(lease_id=slab.slab_id, name=slab.name, size=slab.size,
+                                     lease_s=self.streamer.leases.lease_s)
+                for slab in slabs.values()]
+
     async def read(self, request: pb.ReadChunksRequest, peer: str
                    ) -> AsyncIterator[pb.ReadChunksReply]:
         with self.limits.stream(peer, "ReadChunks"):
@@ -100,9 +182,11 @@ class PrefixChunkCalls:
                 s.tenant, s.spec.layout_id, s.tokens, first_chunk=asked.first,
                 count=asked.count, digests=asked.digests, model_fingerprint=s.fingerprint,
                 dedupe_domain=s.domain, independent=s.independent)
+            pinned, read = self._pin(request, chunks, dedupe_scope(s.tenant, s.domain), peer)
             opts = StreamOptions(use_shared_memory=request.use_shared_memory,
                                  reply_lease=request.reply_lease, peer=peer)
-            size = sum(len(c.data) for c in chunks if c.data is not None)
+            size = sum(len(c.data) for n, c in enumerate(chunks)
+                       if c.data is not None and n not in pinned)
             lease, writer, refused = self.streamer.reply_segment(opts, size)
             try:
                 header = pb.ChunksHeader(
@@ -111,15 +195,10 @@ class PrefixChunkCalls:
                     reply_segment=(self.streamer.leases.describe(lease)
                                    if lease is not None and self.streamer.leases is not None
                                    else None))
-                if request.refs_in_header and writer is not None:
-                    # the segment was leased for these bytes: every chunk fits
-                    header.chunk_refs.extend(self.streamer.in_segment(
-                        [c.data for c in chunks], writer))
-                    yield pb.ReadChunksReply(header=header)
-                    for c in chunks:
-                        if c.data is None:
-                            yield pb.ReadChunksReply(missing=pb.MissingChunk(
-                                index=c.index, reason=c.missing))
+                if request.refs_in_header and (writer is not None or pinned):
+                    for reply in self._refs_in_header(header, chunks, pinned, read, writer,
+                                                      refused):
+                        yield reply
                     return
                 yield pb.ReadChunksReply(header=header)
                 for c in chunks:
@@ -130,6 +209,10 @@ class PrefixChunkCalls:
                     yield pb.ReadChunksReply(chunk=pb.RestoredChunk(
                         index=c.index, tier=c.tier,
                         payload=self.streamer.payload(c.chain_key, c.data, writer, refused)))
+            except BaseException:
+                if read is not None and self.streamer.leases is not None:  # never answered:
+                    self.streamer.leases.release(peer, [read.lease_id])  # nothing reads it
+                raise
             finally:
                 if lease is not None and self.streamer.leases is not None:  # renewed: the
                     self.streamer.leases.done(lease)  # client copies out, then may offer it

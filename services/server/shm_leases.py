@@ -10,28 +10,30 @@ client never reaches the filesystem.
   copied out before the call answers).
 - Restore/Resume: ``reply_segment`` reuses the caller's offered lease when the session
   fits, else leases a new one; ``done`` when the stream ends.
+- ReadChunks in place: ``pin_reads`` makes a read lease over host-tier slots
+  (``kvstore.tiers.arena``) the caller pinned; the slots are unpinned when the client
+  releases it (``release``, the same ReleaseSegments) or it expires (``reap``).
 
 Each use renews a lease for ``lease_s``; ``reap`` unlinks those unused that long and
 ``close`` all of them (shutdown). Each segment is also registered with
 ``multiprocessing``'s resource tracker, so a crashed server's segments are removed too.
 Bounds: bytes per peer and in all, and a fixed number of leases per peer and in all
-(each is a mapping): ``SharedMemoryExhausted`` (RESOURCE_EXHAUSTED) naming the bound; restores then
-send their bytes inline.
+(each is a mapping, or pinned memory): ``SharedMemoryExhausted`` (RESOURCE_EXHAUSTED)
+naming the bound; restores then send their bytes inline, in-place reads through the
+reply segment.
 """
 
 from __future__ import annotations
 
-import contextlib
 import mmap
-import os
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing import resource_tracker
 
 from kvstore.format.errors import InvalidRequest, SharedMemoryExhausted, SharedMemoryUnavailable
-from kvtier.shm import PREFIX, SHM_DIR, round_up
+from kvstore.tiers.arena import Slot, create_segment, remove_segment
+from kvtier.shm import round_up
 from proto import kvtier_pb2 as pb
 
 MAX_LEASES_PER_CLIENT = 64
@@ -50,20 +52,16 @@ class Lease:
     doomed: bool = False  # released while busy: unlinked once the write ends
 
 
-def _create_segment(size: int) -> tuple[str, mmap.mmap]:
-    name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(12)}"
-    fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # exactly 0600, whatever the umask
-        os.ftruncate(fd, size)
-        segment = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-    except BaseException:
-        os.unlink(SHM_DIR / name)
-        raise
-    finally:
-        os.close(fd)  # the mapping keeps the memory; no descriptor per lease
-    resource_tracker.register(f"/{name}", "shared_memory")
-    return name, segment
+@dataclass(eq=False)
+class ReadLease:
+    """Host-tier slots pinned for one in-place read: unpinned on release or expiry."""
+
+    lease_id: str
+    peer: str
+    size: int
+    deadline: float
+    slots: list[Slot] = field(repr=False)
+    unpin: Callable[[Slot], None] = field(repr=False)
 
 
 class LeaseTable:
@@ -74,6 +72,7 @@ class LeaseTable:
         self.total_bytes = total_bytes
         self.clock = clock
         self._leases: dict[str, Lease] = {}
+        self._reads: dict[str, ReadLease] = {}
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -83,7 +82,9 @@ class LeaseTable:
 
     @property
     def held_bytes(self) -> int:
-        return sum(lease.size for lease in self._leases.values())
+        """Segment bytes leased and host-tier bytes pinned by read leases."""
+        return sum(lease.size for lease in self._leases.values()) + \
+            sum(read.size for read in self._reads.values())
 
     def held_by(self, peer: str) -> list[Lease]:
         return [lease for lease in self._leases.values() if lease.peer == peer]
@@ -93,25 +94,55 @@ class LeaseTable:
             raise InvalidRequest("a shared memory lease needs a size of at least 1 B")
         self.reap()
         size = round_up(size)
-        mine = self.held_by(peer)
-        held = sum(lease.size for lease in mine)
-        if held + size > self.per_client_bytes:
-            raise SharedMemoryExhausted(f"a {size} B shared memory lease would exceed "
-                                        f"shm_lease_bytes_per_client ({self.per_client_bytes} B; "
-                                        f"this client holds {held} B): send bytes inline")
-        if self.held_bytes + size > self.total_bytes:
-            raise SharedMemoryExhausted(f"a {size} B shared memory lease would exceed "
-                                        f"shm_lease_bytes_total ({self.total_bytes} B; "
-                                        f"{self.held_bytes} B are leased): send bytes inline")
-        if len(mine) >= MAX_LEASES_PER_CLIENT or len(self) >= MAX_LEASES_TOTAL:
-            raise SharedMemoryExhausted(
-                f"shared memory leases are capped at {MAX_LEASES_PER_CLIENT} per client and "
-                f"{MAX_LEASES_TOTAL} in all: release some")
-        name, segment = _create_segment(size)
+        self._check_bounds(peer, size, "lease")
+        name, segment = create_segment(size)
         lease = Lease(secrets.token_urlsafe(18), peer, name, size,
                       self.clock() + self.lease_s, segment)
         self._leases[lease.lease_id] = lease
         return lease
+
+    def _check_bounds(self, peer: str, size: int, what: str) -> None:
+        """Refuse ``size`` more bytes (and one more lease) for ``peer`` past a bound,
+        naming it; read leases count with segment leases."""
+        mine = self.held_by(peer)
+        reads = [read for read in self._reads.values() if read.peer == peer]
+        held = sum(lease.size for lease in mine) + sum(read.size for read in reads)
+        if held + size > self.per_client_bytes:
+            raise SharedMemoryExhausted(f"a {size} B shared memory {what} would exceed "
+                                        f"shm_lease_bytes_per_client ({self.per_client_bytes} B; "
+                                        f"this client holds {held} B): send bytes inline")
+        if self.held_bytes + size > self.total_bytes:
+            raise SharedMemoryExhausted(f"a {size} B shared memory {what} would exceed "
+                                        f"shm_lease_bytes_total ({self.total_bytes} B; "
+                                        f"{self.held_bytes} B are leased): send bytes inline")
+        if len(mine) + len(reads) >= MAX_LEASES_PER_CLIENT or \
+                len(self) + len(self._reads) >= MAX_LEASES_TOTAL:
+            raise SharedMemoryExhausted(
+                f"shared memory leases are capped at {MAX_LEASES_PER_CLIENT} per client and "
+                f"{MAX_LEASES_TOTAL} in all: release some")
+
+    def pin_reads(self, peer: str, slots: list[Slot], unpin: Callable[[Slot], None]
+                  ) -> ReadLease:
+        """A read lease of ``peer`` over ``slots`` (pinned by the caller), which ``unpin``
+        lets go of on release or expiry; past a bound ``SharedMemoryExhausted`` (the
+        caller unpins them then)."""
+        self.reap()
+        size = sum(slot.length for slot in slots)
+        self._check_bounds(peer, size, "read lease")
+        read = ReadLease(secrets.token_urlsafe(18), peer, size, self.clock() + self.lease_s,
+                         slots, unpin)
+        self._reads[read.lease_id] = read
+        return read
+
+    @property
+    def reads(self) -> int:
+        """Read leases held."""
+        return len(self._reads)
+
+    def _end_read(self, read: ReadLease) -> None:
+        del self._reads[read.lease_id]
+        for slot in read.slots:
+            read.unpin(slot)
 
     def describe(self, lease: Lease) -> pb.SharedMemoryLease:
         """What the client needs to map it: the name travels only server -> client."""
@@ -172,6 +203,11 @@ class LeaseTable:
         """End the caller's leases among ``lease_ids``; others are ignored."""
         released = 0
         for lease_id in lease_ids:
+            read = self._reads.get(lease_id)
+            if read is not None and read.peer == peer:
+                self._end_read(read)
+                released += 1
+                continue
             lease = self._leases.get(lease_id)
             if lease is None or lease.peer != peer or lease.doomed:
                 continue
@@ -183,21 +219,24 @@ class LeaseTable:
         return released
 
     def reap(self) -> int:
-        """Unlink the leases unused for ``lease_s``; how many."""
+        """Unlink the leases unused for ``lease_s`` and end the read leases that old;
+        how many."""
         now = self.clock()
         expired = [lease for lease in self._leases.values()
                    if lease.deadline <= now and not lease.busy]
         for lease in expired:
             self._release(lease)
-        return len(expired)
+        ended = [read for read in self._reads.values() if read.deadline <= now]
+        for read in ended:
+            self._end_read(read)
+        return len(expired) + len(ended)
 
     def close(self) -> None:
         for lease in list(self._leases.values()):
             self._release(lease)
+        for read in list(self._reads.values()):
+            self._end_read(read)
 
     def _release(self, lease: Lease) -> None:
         del self._leases[lease.lease_id]
-        lease.map.close()
-        with contextlib.suppress(FileNotFoundError):  # removed behind our back
-            os.unlink(SHM_DIR / lease.name)
-        resource_tracker.unregister(f"/{lease.name}", "shared_memory")
+        remove_segment(lease.name, lease.map)

@@ -18,12 +18,16 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
 from kvstore.eviction.policies import HintPolicy, LRUPolicy
 from kvstore.eviction.reuse import reuse_policies, window_cost
 from kvstore.format.errors import Busy, InvalidRequest
+from kvstore.format.shm_names import available as shm_available
 from kvstore.placement.stack import is_window_key
 from kvstore.session.manager import MANAGER_PRESETS, ManagerConfig, TierManager
 from kvstore.session.quota import Quotas
+from kvstore.tiers.arena import ArenaTier, fits_shared_memory
 from kvstore.tiers.base import MemoryMetaStore, MetaStore, Tier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
@@ -66,7 +70,16 @@ def build_tiers(config: ServerConfig, tiers: list[Tier],  # noqa: C901 - one bra
     if config.hbm_bytes:
         tiers.append(HBMTier(config.hbm_bytes))
     if config.host_bytes:
-        tiers.append(HostTier(config.host_bytes))
+        # Same-host clients read it in place (kvstore.tiers.arena), unless it feeds a GPU:
+        # then it stays in (pinned) torch memory for the copies to the device.
+        on_device = bool(config.hbm_bytes) or torch.cuda.is_available()
+        shared = shm_available() and not on_device
+        if shared and not fits_shared_memory(config.host_bytes):
+            log.warning("host tier in process memory, not shared: /dev/shm has no room for "
+                        "host_bytes (%d B) and its slabs' slack; same-host reads are copied",
+                        config.host_bytes)
+            shared = False
+        tiers.append(ArenaTier(config.host_bytes) if shared else HostTier(config.host_bytes))
     if config.redis_url:
         from kvstore.tiers.redis import REDIS_PRESETS, RedisTier
 

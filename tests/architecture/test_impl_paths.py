@@ -57,7 +57,9 @@ from tests.support.service import (
 
 PRODUCT = ("kvtier", "kvstore", "services", "replay", "model", "kernels", "proto")
 SPINE_BOUND = 12  # files on the call chain from the servicer to the disk commits
-SPILL_BOUND = 42  # every file a Spill runs today (the drain gate and the request's log and trace)
+# every file a Spill runs today (the drain gate, the request's log and trace, the host
+# tier's shared-memory slabs)
+SPILL_BOUND = 43
 REPLAY_SPINE_BOUND = 13  # files on the call chain of a Resume with replay
 N = 2 * LAYOUT.chunk_tokens + 40
 REF = pb.SessionRef(tenant="acme", session_id="s1")

@@ -54,6 +54,16 @@ def keys_of(tokens, tenant: str = "acme", domain: str | None = None) -> list[str
     return chain_keys(LAYOUT.layout_id, tokens, C, scope=dedupe_scope(tenant, domain))
 
 
+async def off_the_host_tier(server, tokens, chunks, first: int = 0) -> None:
+    """Drop ``chunks`` (of ``tokens``, from chunk ``first``), written durably, from the
+    host tier (as an eviction would): a read then finds them on disk."""
+    host, stack = server.manager.tiers[0], server.manager.store.stack
+    for chain, chunk in zip(keys_of(tokens)[first:], chunks, strict=True):
+        key = block_key(chain, chunk_digest(chunk))
+        await host.delete(key)
+        stack._forget(0, key)
+
+
 async def test_round_trip_by_position_with_first_chunk_and_max_chunks(tmp_path):
     tokens, chunks, full = encoded(6)
     async with running_server(tmp_path) as (_, target), AsyncClient(target) as kv:
@@ -244,14 +254,17 @@ async def test_shared_memory_both_ways(tmp_path):
 
 @pytest.mark.skipif(not shm.available(), reason="no /dev/shm")
 async def test_a_read_in_place_holds_its_segment_until_released(tmp_path):
-    """Chunks read in place are views of the reply segment: a read meanwhile gets another
-    segment (the lent one is offered for no reply), and once released it serves again."""
+    """Chunks read in place from below the host tier (here the disk) are views of the
+    reply segment: a read meanwhile gets another segment (the lent one is offered for no
+    reply), and once released it serves again."""
     tokens, chunks, _ = encoded(3)
     theirs, their_chunks, _ = encoded(3, seed=5)
     async with running_server(tmp_path) as (server, target), \
             AsyncClient(target, shared_memory=True) as kv:
-        await kv.write_chunks("acme", LAYOUT.name, tokens, chunks)
-        await kv.write_chunks("acme", LAYOUT.name, theirs, their_chunks)
+        await kv.write_chunks("acme", LAYOUT.name, tokens, chunks, ack="durable")
+        await kv.write_chunks("acme", LAYOUT.name, theirs, their_chunks, ack="durable")
+        await off_the_host_tier(server, tokens, chunks)
+        await off_the_host_tier(server, theirs, their_chunks)
         warm = await kv.read_chunks("acme", LAYOUT.name, tokens)  # leaves a kept segment
         assert len(server.servicer.leases) == 1
         held = await kv.read_chunks("acme", LAYOUT.name, tokens, in_place=True)

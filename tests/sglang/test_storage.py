@@ -22,6 +22,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 )
 
 from kvstore.format.chunk import FLAG_ZSTD, HEADER_DTYPE  # noqa: E402
+from kvtier import shm  # noqa: E402
 from kvtier.integrations.sglang.pages import KV_POOL, PageFormat, key_tokens  # noqa: E402
 from kvtier.integrations.sglang.storage import KVTierStorage  # noqa: E402
 from testing.sglang_pools import (  # noqa: E402
@@ -34,6 +35,7 @@ from testing.sglang_pools import (  # noqa: E402
     page_indices,
     storage_config,
 )
+from tests.support.service import threaded_server  # noqa: E402
 
 FINGERPRINT = "test-model@1"
 
@@ -221,6 +223,31 @@ def test_a_batch_of_pages_is_one_call_each_way(kvtier_server):
     assert v2.batch_get_v2(transfers) == {str(name): [True] * 4 for name in pools}
     after = {m: rpcs(kvtier_server, m) - before[m] for m in before}
     assert after == {"WriteChunks": 1, "ReadChunks": 1, "Lookup": 1}
+
+
+@pytest.mark.skipif(not shm.available(), reason="no /dev/shm")
+def test_pages_held_in_host_ram_load_in_place_from_the_servers_slabs(tmp_path):
+    """A host tier that holds the pages: a get reads them where they lie in the server's
+    shared memory (pinned under a read lease, released after), bit for bit."""
+    with threaded_server(tmp_path, host_bytes=64 << 20, object_bytes=0) as live:
+        pool, target = host_pool("mha", "page_first"), host_pool("mha", "page_first")
+        fill_random(pool, 8, seed=9)
+        store = kvtier_backend(live.target, "mha", "page_first", pool)
+        page_keys = keys(8)
+        assert store.batch_set_v1(page_keys, page_indices(pool, range(8))) == [True] * 8
+        store.register_mem_pool_host(target)
+        for _ in range(2):  # the first moves them into the tenant's slabs
+            got = store.batch_get_v1(page_keys, page_indices(target, range(8)))
+            assert got == [True] * 8
+            for p in range(8):
+                assert torch.equal(page(target, p).view(torch.uint8),
+                                   page(pool, p).view(torch.uint8))
+        assert live.server.servicer.metrics.restore_bytes.labels("in_place")._value.get() > 0
+        deadline = time.monotonic() + 10
+        while live.server.servicer.leases.reads:  # released off SGLang's thread
+            assert time.monotonic() < deadline, "the read leases were not released"
+            time.sleep(0.02)
+        store.close()
 
 
 def test_block_groups_count_whole_groups_from_the_start_and_never_gate_the_kv_hit(

@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from kvstore.format.errors import TierFull
+from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.host import HostTier
@@ -49,10 +50,13 @@ def _s3_medium(endpoint: str, bucket: str, credentials: dict):
     return held
 
 
-@pytest.fixture(params=["host", "hbm", "redis", "object-local", "object-s3", "disk"])
+@pytest.fixture(params=["host", "arena", "hbm", "redis", "object-local", "object-s3", "disk"])
 def tier_under_test(request, tmp_path):
     """(tier, medium_bytes coroutine function, number of operations)."""
     kind = request.param
+    if kind == "arena":
+        tier = ArenaTier(CAPACITY)
+        return tier, tier.held_bytes, 4000
     if kind in ("host", "hbm"):
         tier = HostTier(CAPACITY) if kind == "host" else HBMTier(CAPACITY)
         return tier, tier.held_bytes, 4000

@@ -1,7 +1,8 @@
 """The ``Tier`` contract (kvstore.tiers.base), one suite over every implementation: the HBM
-tier (on the CPU), the host tier, Redis (a real redis-server), the disk tier, the object
-tier on a local directory and on moto's S3 server, and the encrypting tier over the
-object tier. Each promise of the interface is asserted the same way on each of them."""
+tier (on the CPU), the host tier (in torch memory and in shared-memory slabs), Redis (a
+real redis-server), the disk tier, the object tier on a local directory and on moto's S3
+server, and the encrypting tier over the object tier. Each promise of the interface is
+asserted the same way on each of them."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from kvstore.encryption.seal import Keyring, MasterKey
 from kvstore.encryption.tiers import BlockDomain, BlockDomains, EncryptedTier
 from kvstore.format.errors import ChunkNotFound, InvalidRequest, TierFull, TierUnavailable
 from kvstore.format.keys import dedupe_scope
+from kvstore.format.shm_names import available as shm_available
+from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.base import Tier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.hbm import HBMTier
@@ -27,7 +30,7 @@ from kvstore.tiers.redis import RedisTier, RedisTierConfig
 CAPACITY = 8192
 # Every key the suite uses: separators included, since any non-empty string is a key.
 KEYS = ["a", "b", "c", "d", "ns/chunk:0", "ns/chunk:1", "missing", "big", "small"]
-KINDS = ["hbm", "host", "redis", "disk", "object-local", "object-s3", "encrypted-object"]
+KINDS = ["hbm", "host", "arena", "redis", "disk", "object-local", "object-s3", "encrypted-object"]
 
 
 @dataclass
@@ -66,6 +69,10 @@ def case(request, tmp_path) -> Case:
         return Case(lambda: HBMTier(CAPACITY, device="cpu"))
     if kind == "host":
         return Case(lambda: HostTier(CAPACITY, pin_memory=False))
+    if kind == "arena":
+        if not shm_available():
+            pytest.skip("no /dev/shm")
+        return Case(lambda: ArenaTier(CAPACITY))
     if kind == "redis":
         url = request.getfixturevalue("redis_server")
         return Case(lambda: RedisTier(url, CAPACITY, RedisTierConfig(prefix="contract:")))

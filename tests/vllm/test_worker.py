@@ -32,6 +32,7 @@ from kvtier.integrations.vllm.repack import PagedLayout  # noqa: E402
 from kvtier.integrations.vllm.stats import StatsCounter  # noqa: E402
 from kvtier.integrations.vllm.transfers import Store  # noqa: E402
 from kvtier.integrations.vllm.worker import WorkerSide  # noqa: E402
+from tests.support.service import threaded_server  # noqa: E402
 
 BS, H, D, LAYERS, BLOCKS = 16, 2, 16, 2, 8
 SHAPE = CacheShape(LAYERS, H, D, BS, 1000, torch.bfloat16, 1, "cpu_attn.vec")
@@ -106,6 +107,36 @@ def test_saved_blocks_load_bit_for_bit_into_other_blocks(client, kvtier_server, 
         assert not dst[name][[0, 3, 5, 6, 7]].any()  # no other block touched
     stats = target.take_stats().data
     assert (stats["loads"], stats["loaded_tokens"], stats["load_error_blocks"]) == (1, 48, 0)
+
+
+@pytest.mark.skipif(not kvtier.shm.available(), reason="no /dev/shm")
+@pytest.mark.parametrize("spec", [SPEC, PORTABLE], ids=["pages", "token-major"])
+def test_blocks_held_in_host_ram_load_in_place_from_the_servers_slabs(tmp_path, spec):
+    """A host tier that holds the blocks: the second load reads them where they lie in
+    the server's shared memory (pinned under a read lease, released after), bit for bit."""
+    with threaded_server(tmp_path, host_bytes=64 << 20, object_bytes=0) as live, \
+            kvtier.Client(live.target) as c:
+        c.register_layout(spec)
+        source, src = worker(live.target, seed=1, spec=spec)
+        errors, _ = run_step(source, src, KVTierConnectorMetadata(
+            saves=[SavePlan("w", tuple(TOKENS), 0, (3, 5, 6))]))
+        assert errors == set()
+        wait_held(c, TOKENS, 3 * BS, spec)
+        metrics = live.server.servicer.metrics
+        for n in range(2):  # the first moves them into the tenant's slabs
+            target, dst = worker(live.target, seed=None, spec=spec)
+            errors, _ = run_step(target, dst, KVTierConnectorMetadata(
+                loads=[LoadPlan(f"r{n}", tuple(TOKENS), 0, (1, 2, 4))]))
+            assert errors == set()
+            for name in NAMES:
+                assert torch.equal(dst[name][[1, 2, 4]].view(torch.int16),
+                                   src[name][[3, 5, 6]].view(torch.int16))
+                assert not dst[name][[0, 3, 5, 6, 7]].any()
+        assert metrics.restore_bytes.labels("in_place")._value.get() > 0
+        deadline = time.monotonic() + 10
+        while live.server.servicer.leases.reads:  # released off the engine's path
+            assert time.monotonic() < deadline, "the read leases were not released"
+            time.sleep(0.02)
 
 
 def test_int4_blocks_load_within_half_a_step_of_what_was_saved(client, kvtier_server):
@@ -226,11 +257,45 @@ def test_compressed_pages_are_decoded_and_written_as_they_were():
     chunks = [encode_chunk(SPEC, i * BS, TOKENS[i * BS:(i + 1) * BS],
                            {"page": values.encode(SPEC.stream("page"), pages[:, i:i + 1])},
                            zstd_level=3) for i in range(2)]
-    streams = _streams(store, chunks, LoadPlan("z", tuple(TOKENS), 0, (0, 1)))
+    [(start, streams)] = _streams(store, chunks, LoadPlan("z", tuple(TOKENS), 0, (0, 1)))
+    assert start == 0  # decoded: one run
     target = torch.zeros_like(src)
     paged.put_pages(target, torch.tensor([1, 4]), streams["page"][0])
     assert torch.equal(target[[1, 4]].view(torch.int16), src[[6, 2]].view(torch.int16))
     assert not target[[0, 2, 3, 5, 6, 7]].any()
+
+
+def test_chunks_lying_in_stretches_are_read_in_runs_without_a_copy():
+    """Uncompressed chunks where a server's slabs put them: evenly spaced in stretches
+    (slots of one slab), one elsewhere. Each stretch is one view of where they lie, and
+    the pages are those of the chunks."""
+    import numpy as np
+
+    from kvstore.format.chunk import encode_chunk
+    from kvtier.integrations.vllm import values
+    from kvtier.integrations.vllm.transfers import _streams, gathered
+
+    g = torch.Generator().manual_seed(4)
+    src = torch.randn(BLOCKS, H, BS, 2 * D, generator=g).to(torch.bfloat16)
+    paged = PagedLayout("cpu", H, D, BS, pages=True)
+    store = Store(None, None, SPEC, paged, [src] * LAYERS, torch.bfloat16, StatsCounter())
+    pages = gathered([paged.take(layer, store.block_index([5, 1, 7, 2]))
+                      for layer in store.layers], store)["page"]  # (layers, 4, page bytes)
+    tokens = TOKENS + TOKENS[:BS]
+    chunks = [encode_chunk(SPEC, i * BS, tokens[i * BS:(i + 1) * BS], {"page": values.encode(
+        SPEC.stream("page"), pages[:, i:i + 1])}) for i in range(4)]
+    size, step = len(chunks[0]), len(chunks[0]) + 64  # a slot: the chunk rounded up
+    slab = np.zeros(12 * step, np.uint8)
+    places = [0, step, 2 * step, 9 * step]  # three in a stretch, the last elsewhere
+    for chunk, at in zip(chunks, places, strict=True):
+        slab[at:at + size] = np.frombuffer(chunk, np.uint8)
+    views = [memoryview(slab)[at:at + size] for at in places]
+    runs = _streams(store, views, LoadPlan("z", tuple(tokens), 0, (0, 1, 2, 3)))
+    assert [start for start, _ in runs] == [0, 3]
+    first = runs[0][1]["page"][0]  # layer 0's pages of the stretch, where they lie
+    assert first.untyped_storage().data_ptr() == slab.ctypes.data
+    got = torch.cat([streams["page"][0].reshape(-1) for _, streams in runs])
+    assert torch.equal(got, pages[0].reshape(-1))
 
 
 def test_saves_beyond_the_queue_are_skipped_and_no_block_waits_for_a_hung_server(

@@ -194,8 +194,8 @@ def run_load(store: Store, job: LoadJob) -> None:
                 in_place=True) as result:
             chunks = [result.chunks[plan.first_chunk + n]
                       for n in range(_good_prefix(plan, result))]
-            streams = _streams(store, chunks, plan)
-            count = next(iter(streams.values()))[0].shape[0] if streams else 0
+            runs = _streams(store, chunks, plan)
+            count = sum(_run_length(streams) for _, streams in runs)
             read_bytes = sum(map(len, chunks[:count]))
             if count:
                 if job.queued is not None:
@@ -205,12 +205,14 @@ def run_load(store: Store, job: LoadJob) -> None:
                 # pass runs a layer as soon as its blocks are in.
                 where = store.page_streams if store.paged.pages else []
                 for layer, tensor in enumerate(store.layers):
-                    if store.paged.pages:
-                        name, at = where[layer]
-                        store.paged.put_pages(tensor, index, streams[name][at])
-                    else:
-                        k, v = (streams[name][layer] for name in STREAMS)
-                        store.paged.put_blocks(tensor, index, k, v)
+                    for start, streams in runs:
+                        blocks = index[start:start + _run_length(streams)]
+                        if store.paged.pages:
+                            name, at = where[layer]
+                            store.paged.put_pages(tensor, blocks, streams[name][at])
+                        else:
+                            k, v = (streams[name][layer] for name in STREAMS)
+                            store.paged.put_blocks(tensor, blocks, k, v)
                     settle(tensor)
                     job.layer_ready[layer].set()
                 job.loaded_chunks = count
@@ -238,18 +240,23 @@ def _good_prefix(plan: LoadPlan, result: ReadChunksResult) -> int:
     return len(plan.block_ids)
 
 
+def _run_length(streams: dict[str, list[torch.Tensor]]) -> int:
+    return int(next(iter(streams.values()))[0].shape[0])
+
+
 def _streams(store: Store, chunks: list[bytes | memoryview], plan: LoadPlan
-             ) -> dict[str, list[torch.Tensor]]:
-    """Per stream, per layer, the values (n, block_size, H, D) in the cache's dtype (or
-    the pages, (n, ...) uint8) of the first n of ``chunks`` (read and checked by
-    ``read_chunks``) that decode: uncompressed chunks of a passthrough format as views of
-    their bytes, else decoded one by one (the first that fails the codec's checks ends the
-    run; logged). {} when none."""
+             ) -> list[tuple[int, dict[str, list[torch.Tensor]]]]:
+    """The first n of ``chunks`` (read and checked by ``read_chunks``) that decode, in
+    runs: (index of its first chunk, per stream, per layer, the values (k, block_size, H,
+    D) in the cache's dtype (or the pages, (k, ...) uint8)). Uncompressed chunks of a
+    passthrough format are views of their bytes, a run per stretch of evenly spaced
+    chunks; else they are decoded one by one into one run (the first that fails the
+    codec's checks ends it; logged). [] when none."""
     if not chunks:
-        return {}
-    rows = _rows(store, chunks)
-    if rows is not None:
-        return _views(store, rows)
+        return []
+    runs = _rows(store, chunks)
+    if runs is not None:
+        return [(start, _views(store, rows)) for start, rows in runs]
     bs = store.block_size
     decoded = []
     for n, data in enumerate(chunks):
@@ -263,48 +270,57 @@ def _streams(store: Store, chunks: list[bytes | memoryview], plan: LoadPlan
             logger.warning("kvtier chunk %d fails its checks, not loaded: %s", chunk, exc)
             break
     if not decoded:
-        return {}
+        return []
     # each (layers, n, block_size, H, D)
-    return {name: list(torch.stack([d[name] for d in decoded], dim=1))
-            for name in store.streams}
+    return [(0, {name: list(torch.stack([d[name] for d in decoded], dim=1))
+                 for name in store.streams})]
 
 
-def _rows(store: Store, chunks: list[bytes | memoryview]) -> np.ndarray | None:
-    """The chunks as one (n, bytes) uint8 array (a view where they lie back to back, as
-    in a reply segment, else one join) when all are uncompressed, of one size, of a
-    passthrough format; else None."""
+def _rows(store: Store, chunks: list[bytes | memoryview]
+          ) -> list[tuple[int, np.ndarray]] | None:
+    """The chunks as runs of (k, bytes) uint8 arrays, each a view of a stretch of chunks
+    that lie evenly spaced (back to back in a reply segment, consecutive slots of the
+    server's host tier): (index of its first chunk, rows). None unless all are
+    uncompressed, of one size, of a passthrough format."""
     if not all(s.value_format.scales == "none" for s in store.spec.streams):
         return None
     views = [np.frombuffer(c, np.uint8) for c in chunks]
     size = views[0].size
     if any(v.size != size for v in views):
         return None
-    first = views[0].ctypes.data
-    if all(v.ctypes.data == first + n * size for n, v in enumerate(views)):
-        rows = np.lib.stride_tricks.as_strided(views[0], (len(views), size), (size, 1),
-                                               writeable=False)
-    else:
-        rows = np.frombuffer(b"".join(chunks), np.uint8).reshape(len(views), size)
-    flags = rows[:, FLAGS_BYTES].copy().view("<u2").reshape(-1)  # (n,) header flags
-    return None if (flags & FLAG_ZSTD).any() else rows
+    at = [v.ctypes.data for v in views]
+    runs, start = [], 0
+    for n in range(1, len(views) + 1):
+        step = at[start + 1] - at[start] if start + 1 < len(views) else size
+        if n < len(views) and at[n] - at[n - 1] == step and step >= size:
+            continue
+        runs.append((start, np.lib.stride_tricks.as_strided(
+            views[start], (n - start, size), (step if n - start > 1 else size, 1),
+            writeable=False)))
+        start = n
+    flags = np.concatenate([rows[:, FLAGS_BYTES].copy().view("<u2").reshape(-1)
+                            for _, rows in runs])  # (n,) header flags
+    return None if (flags & FLAG_ZSTD).any() else runs
 
 
 def _views(store: Store, rows: np.ndarray) -> dict[str, list[torch.Tensor]]:
     """Each stream's codes per layer, (n, block_size, H, D) (a page stream's (n, 1, H,
-    bytes per head)), as views of ``rows``: (n, bytes) uint8, uncompressed chunks
-    ``read_chunks`` checked whole."""
+    bytes per head)), as views of ``rows``: (n, bytes) uint8 (rows evenly spaced, not
+    always adjacent), uncompressed chunks ``read_chunks`` checked whole."""
     n, size = rows.shape
+    step = rows.strides[0]  # from one chunk's start to the next's: size or more
     payload = read_header(rows[0]).payload_offset
-    flat = np.lib.stride_tricks.as_strided(rows, (n * size,), (1,), writeable=False)
+    flat = np.lib.stride_tricks.as_strided(rows, ((n - 1) * step + size,), (1,),
+                                           writeable=False)
     with warnings.catch_warnings():  # read-only bytes: only ever read from
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        whole = torch.frombuffer(flat, dtype=torch.uint8)  # (n * size,)
+        whole = torch.frombuffer(flat, dtype=torch.uint8)  # ((n - 1) * step + size,)
     out = {}
     for part in chunk_plan(store.spec, store.block_size, False).parts:
         if part.part != PART_CODES:
             continue
         layers, span = part.shape[0], part.layer_bytes
-        raw = whole.as_strided((layers, n, span), (span, size, 1), payload + part.offset)
+        raw = whole.as_strided((layers, n, span), (span, step, 1), payload + part.offset)
         codes = raw.view(part.dtype)  # (layers, n, block_size * H * D)
         out[part.stream.name] = list(codes.view(layers, n, *part.shape[1:]))
     return out
