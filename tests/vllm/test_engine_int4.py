@@ -47,7 +47,7 @@ def test_an_int4_hit_keeps_the_greedy_continuation(engine, kvtier_server):
     first, cached, _ = generate(engine, text)
     assert cached == 0
     with Client(kvtier_server.target) as store:
-        (layout,) = [i.spec for i in store.layouts() if i.spec.name.endswith("-b128-int4")]
+        (layout,) = [i.spec for i in store.layouts() if i.spec.name.endswith("-b128-int4-v256")]
         assert layout.name == "vllm-4x2x64-b128-int4-v256"
         assert layout.persistent_bytes_per_token / layout.bf16_baseline_bytes_per_token \
             == 0.28125
