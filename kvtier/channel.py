@@ -46,6 +46,13 @@ class Credentials:
         return bool(self.tls_ca or self.tls_cert)
 
 
+def token_from_file(setting: str, path: str | None) -> str | None:
+    """The bearer token kept in the file at ``path`` (its text, stripped); None without a
+    path. ``setting`` names where the path came from, for the error."""
+    raw = _read(setting, path)
+    return None if raw is None else raw.decode().strip()
+
+
 def _read(name: str, path: str | None) -> bytes | None:
     if not path:
         return None

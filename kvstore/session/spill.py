@@ -391,21 +391,9 @@ class Spiller:
                          "%d > %d", tenant, session_id, manifest.node_id,
                          manifest.window_coverage, coverage)
                 return None
-            # its own key per replay length: the window it replaces stays readable until
-            # the manifest names this one
-            key = f"{WINDOW_PREFIX}{tenant}/{session_id}/{generation}r{replayed_tokens}"
-            await self._store.blocks.drop(key)  # a leftover copy must not stand in for this one
-            tier = await self._store_rebuilt(tenant, session_id, key, window, manifest.hint)
-            if tier is None:
-                return None
-            try:
-                await self._store.catalog.put(manifest.evolve(
-                    window_tier=tier, window_key=key, window_replayed=replayed_tokens,
-                    remote_window=None))
-            except BaseException:
-                await self._store.blocks.drop(key)
-                raise
-            if old is not None and old != key:
+            tier = await self._name_window(manifest, window, replayed_tokens)
+            key = self._window_key(manifest, replayed_tokens)
+            if tier is not None and old is not None and old != key:
                 await self._store.blocks.drop(old)
             return tier
 
@@ -442,19 +430,34 @@ class Spiller:
             except CodecError as exc:  # the sender's bytes, not a tier's copy
                 raise InvalidRequest(f"the window is not one of {tenant}/{session_id}: "
                                      f"{exc}") from exc
-            key = f"{WINDOW_PREFIX}{tenant}/{session_id}/{generation}r{replayed_tokens}"
-            await self._store.blocks.drop(key)  # a leftover copy must not stand in for this one
-            tier = await self._store_rebuilt(tenant, session_id, key, window, manifest.hint)
-            if tier is None:
-                return None
-            try:
-                await self._store.catalog.put(manifest.evolve(
-                    window_tier=tier, window_key=key, window_replayed=replayed_tokens,
-                    remote_window=None))
-            except BaseException:
-                await self._store.blocks.drop(key)
-                raise
-            return tier
+            return await self._name_window(manifest, window, replayed_tokens)
+
+    @staticmethod
+    def _window_key(manifest: SessionManifest, replayed_tokens: int) -> str:
+        # its own key per replay length: the window it replaces stays readable until the
+        # manifest names this one
+        return (f"{WINDOW_PREFIX}{manifest.tenant}/{manifest.session_id}/"
+                f"{manifest.generation}r{replayed_tokens}")
+
+    async def _name_window(self, manifest: SessionManifest, window: Buffer,
+                           replayed_tokens: int) -> str | None:
+        """Keep ``window`` (rebuilt here, or adopted) as the session's, under the session's
+        write lock, and commit ``manifest`` naming it on this node: the tier it went to, or
+        None when no memory tier (or the tenant's ``memory_bytes``) had room."""
+        key = self._window_key(manifest, replayed_tokens)
+        await self._store.blocks.drop(key)  # a leftover copy must not stand in for this one
+        tier = await self._store_rebuilt(manifest.tenant, manifest.session_id, key, window,
+                                         manifest.hint)
+        if tier is None:
+            return None
+        try:
+            await self._store.catalog.put(manifest.evolve(
+                window_tier=tier, window_key=key, window_replayed=replayed_tokens,
+                remote_window=None))
+        except BaseException:
+            await self._store.blocks.drop(key)
+            raise
+        return tier
 
     async def _store_rebuilt(self, tenant: str, session_id: str, key: str, data: Buffer,
                              hint: ResumeHint | None) -> str | None:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 from typing import TypedDict
 
-from kvstore.format.errors import InvalidRequest, KVTierError, TierUnavailable
+from kvstore.format.errors import KVTierError, TierUnavailable
+from kvtier.channel import token_from_file
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 ENV_VARS = ("KVTIER_SERVER", "KVTIER_TARGET")
@@ -48,13 +48,8 @@ class ClientOptions(TypedDict):
 
 def client_options(args: argparse.Namespace) -> ClientOptions:
     """The ``kvtier.Client`` keyword arguments the credential flags ask for."""
-    token = os.environ.get(TOKEN_ENV) or None
-    if args.token_file:
-        try:
-            token = Path(args.token_file).read_text().strip()
-        except OSError as exc:
-            raise InvalidRequest(f"--token-file: cannot read {args.token_file}: "
-                                 f"{exc.strerror}") from exc
+    token = (token_from_file("--token-file", args.token_file) if args.token_file
+             else os.environ.get(TOKEN_ENV)) or None
     return {"tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key,
             "token": token}
 

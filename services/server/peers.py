@@ -25,7 +25,6 @@ import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 
@@ -44,7 +43,7 @@ from kvstore.format.registry import get_layout
 from kvstore.session.manager import TierManager
 from kvstore.session.manifest import SessionManifest
 from kvstore.tiers.base import Buffer
-from kvtier.channel import Credentials, open_channel
+from kvtier.channel import Credentials, open_channel, token_from_file
 from kvtier.errors import error_from_rpc
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
@@ -133,15 +132,9 @@ def _check_window(header: pb.AdoptWindowHeader, window: bytes, bound: int) -> No
 def peer_credentials(config: ServerConfig) -> Credentials:
     """How this node reaches its peers: ``peer_tls_*`` and the token in
     ``peer_token_file``, read now (a rotated token is used by the next drain)."""
-    token = None
-    if config.peer_token_file:
-        try:
-            token = Path(config.peer_token_file).read_text().strip()
-        except OSError as exc:
-            raise InvalidRequest(f"peer_token_file: cannot read {config.peer_token_file}: "
-                                 f"{exc.strerror}") from exc
     return Credentials(config.peer_tls_ca or None, config.peer_tls_cert or None,
-                       config.peer_tls_key or None, token)
+                       config.peer_tls_key or None,
+                       token_from_file("peer_token_file", config.peer_token_file))
 
 
 def peer_order(nodes: list[NodeLiveness], tenant: str, session_id: str

@@ -33,10 +33,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from kvstore.format.errors import InvalidRequest, KVTierError, ReplayUnavailable
+from kvstore.format.errors import KVTierError, ReplayUnavailable
 from kvstore.format.layout import LayoutSpec
 from kvstore.tiers.base import Buffer
-from kvtier.channel import Credentials
+from kvtier.channel import Credentials, token_from_file
 from services.server.config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -179,12 +179,6 @@ def _bundled_backend(config: ServerConfig) -> tuple[ReplayBackend | None, str]:
 def credentials_from(config: ServerConfig) -> Credentials:
     """How this server reaches its replay workers, from its ``replay_tls_*`` settings
     and the token in ``replay_token_file``."""
-    token = None
-    if config.replay_token_file:
-        try:
-            token = Path(config.replay_token_file).read_text().strip()
-        except OSError as exc:
-            raise InvalidRequest(f"replay_token_file: cannot read {config.replay_token_file}: "
-                                 f"{exc.strerror}") from exc
     return Credentials(config.replay_tls_ca or None, config.replay_tls_cert or None,
-                       config.replay_tls_key or None, token)
+                       config.replay_tls_key or None,
+                       token_from_file("replay_token_file", config.replay_token_file))
