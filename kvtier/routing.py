@@ -66,6 +66,14 @@ def open_node(address: str, credentials: Credentials, options: Sequence[tuple[st
 Ref = tuple[str, str]  # (tenant, session_id)
 
 
+def hashed_node(ref: Ref, nodes: int) -> int:
+    """The index, among ``nodes`` nodes, of the one a session is routed to when it has
+    no home: a stable hash of tenant and session id (a draining node offers the
+    session's window to the same one first)."""
+    digest = hashlib.blake2b("/".join(ref).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % nodes
+
+
 class Router:
     def __init__(self, nodes: list[Node], policy: RoutingPolicy = RoutingPolicy(),
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -97,8 +105,7 @@ class Router:
         return any(self._up(node) for node in self.nodes)
 
     def chosen(self, ref: Ref) -> Node:
-        digest = hashlib.blake2b("/".join(ref).encode(), digest_size=8).digest()
-        return self._first_up(int.from_bytes(digest, "big") % len(self.nodes))
+        return self._first_up(hashed_node(ref, len(self.nodes)))
 
     def cached(self, ref: Ref) -> Node | None:
         """The session's cached home, if fresh and up."""

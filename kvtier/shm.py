@@ -256,17 +256,7 @@ class ClientSegments:
         """Lend ``segment``, just replied into by a call that began at ``started``, to a
         caller reading it in place: it is offered for no reply until the call returned is
         made (from any thread, once), which keeps it for the next call."""
-        loop = asyncio.get_running_loop()
-        lent = [segment]
-
-        def give_back() -> None:
-            if not lent:
-                return
-            lent.clear()
-            with contextlib.suppress(RuntimeError):  # the client closed: the server reaps it
-                loop.call_soon_threadsafe(self._give_back, segment, started)
-
-        return give_back
+        return _once_on_loop(self._give_back, segment, started)
 
     def _give_back(self, segment: Segment, started: float) -> None:
         task = asyncio.ensure_future(self.keep(segment, started))
@@ -322,17 +312,7 @@ class ClientSegments:
         """What releases read lease ``lease_id`` (from any thread, once): the release is
         queued and told to the server in one call with the others queued, never waited
         on by the caller."""
-        loop = asyncio.get_running_loop()
-        pending = [lease_id]
-
-        def release() -> None:
-            if not pending:
-                return
-            pending.clear()
-            with contextlib.suppress(RuntimeError):  # the client closed: the lease expires
-                loop.call_soon_threadsafe(self._queue_read_end, lease_id)
-
-        return release
+        return _once_on_loop(self._queue_read_end, lease_id)
 
     def _queue_read_end(self, lease_id: str) -> None:
         self._reads_ending.append(lease_id)
@@ -365,6 +345,23 @@ class ClientSegments:
         for slab in self._slabs.values():
             slab.close()
         self._slabs.clear()
+
+
+def _once_on_loop(callback: Callable[..., None], *args: Any) -> Callable[[], None]:
+    """What runs ``callback(*args)`` on the running loop when first called, from any
+    thread; later calls do nothing. Once the client closed it does nothing either: the
+    server reaps the segment, or the read lease expires."""
+    loop = asyncio.get_running_loop()
+    pending = [True]
+
+    def call() -> None:
+        if not pending:
+            return
+        pending.clear()
+        with contextlib.suppress(RuntimeError):  # the loop is closed
+            loop.call_soon_threadsafe(callback, *args)
+
+    return call
 
 
 def round_up(size: int) -> int:

@@ -365,14 +365,9 @@ class Spiller:
                 raise StaleGeneration(f"{tenant}/{session_id} is at generation "
                                       f"{manifest.generation}, not {generation}: the "
                                       "rebuilt window belongs to an older state")
-            spec = get_layout(manifest.layout_id)
-            if not spec.ephemeral_streams:
-                raise InvalidRequest(f"layout {spec.layout_id} has no window streams")
-            n = manifest.num_tokens
-            if not isinstance(replayed_tokens, int) or not 1 <= replayed_tokens <= n:
-                raise InvalidRequest(f"replayed_tokens must lie in [1, {n}] (the session's "
-                                     f"tokens), got {replayed_tokens!r}")
+            spec = self._window_layout(manifest, "replayed_tokens", replayed_tokens, 1)
             check_window(spec, manifest.token_ids, window)
+            n = manifest.num_tokens
             coverage = window_coverage(replayed_tokens, n)
             old = manifest.window_key
             held = old is not None and self._store.stack.holders(old)
@@ -418,19 +413,27 @@ class Spiller:
                     or manifest.node_id != from_node):
                 raise StaleGeneration(f"{tenant}/{session_id} does not hold a window of node "
                                       f"{from_node!r} at generation {generation} any more")
-            spec = get_layout(manifest.layout_id)
-            if not spec.ephemeral_streams:
-                raise InvalidRequest(f"layout {spec.layout_id} has no window streams")
-            n = manifest.num_tokens
-            if not isinstance(replayed_tokens, int) or not 0 <= replayed_tokens <= n:
-                raise InvalidRequest(f"window_replayed must lie in [0, {n}] (the session's "
-                                     f"tokens), got {replayed_tokens!r}")
+            spec = self._window_layout(manifest, "window_replayed", replayed_tokens, 0)
             try:
                 check_window(spec, manifest.token_ids, window)
             except CodecError as exc:  # the sender's bytes, not a tier's copy
                 raise InvalidRequest(f"the window is not one of {tenant}/{session_id}: "
                                      f"{exc}") from exc
             return await self._name_window(manifest, window, replayed_tokens)
+
+    @staticmethod
+    def _window_layout(manifest: SessionManifest, field: str, replayed_tokens: int,
+                       lowest: int) -> LayoutSpec:
+        """The session's layout, which must have window streams, with ``replayed_tokens``
+        (the request's ``field``) in [``lowest``, the session's tokens]."""
+        spec = get_layout(manifest.layout_id)
+        if not spec.ephemeral_streams:
+            raise InvalidRequest(f"layout {spec.layout_id} has no window streams")
+        n = manifest.num_tokens
+        if not isinstance(replayed_tokens, int) or not lowest <= replayed_tokens <= n:
+            raise InvalidRequest(f"{field} must lie in [{lowest}, {n}] (the session's "
+                                 f"tokens), got {replayed_tokens!r}")
+        return spec
 
     @staticmethod
     def _window_key(manifest: SessionManifest, replayed_tokens: int) -> str:

@@ -145,9 +145,6 @@ class Slot:
     def offset(self) -> int:
         return self.index * self.slab.slot_bytes
 
-    def array(self) -> np.ndarray:
-        return self.arr
-
     def read(self) -> bool:
         """Whether anything made from this slot is still alive (beyond ``arr`` itself:
         one reference, and the argument's)."""
@@ -177,9 +174,6 @@ class ArenaTier(HostTier):
     def slab_bytes(self) -> int:
         """Shared memory the slabs take: the real memory of this tier."""
         return sum(slab.size for slab in self._slabs.values())
-
-    def slab(self, slab_id: str) -> Slab:
-        return self._slabs[slab_id]
 
     # -- slots --
 
@@ -299,10 +293,6 @@ class ArenaTier(HostTier):
         when no slot of the scope can be had)."""
         self._settle()
         return [self._pin(key, scope) for key in keys]
-
-    def pin(self, key: str, scope: str) -> Slot | None:
-        self._settle()
-        return self._pin(key, scope)
 
     def _pin(self, key: str, scope: str) -> Slot | None:
         try:

@@ -21,7 +21,6 @@ holds every window (in memory), and on the wire it is what TLS protects.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -45,6 +44,7 @@ from kvstore.session.manifest import SessionManifest
 from kvstore.tiers.base import Buffer
 from kvtier.channel import Credentials, open_channel, token_from_file
 from kvtier.errors import error_from_rpc
+from kvtier.routing import hashed_node
 from proto import kvtier_pb2 as pb
 from proto import kvtier_pb2_grpc as pb_grpc
 from services.server import requests
@@ -142,8 +142,7 @@ def peer_order(nodes: list[NodeLiveness], tenant: str, session_id: str
     """``nodes`` (sorted by id) from the one a router's hash of the session picks."""
     if not nodes:
         return []
-    digest = hashlib.blake2b(f"{tenant}/{session_id}".encode(), digest_size=8).digest()
-    start = int.from_bytes(digest, "big") % len(nodes)
+    start = hashed_node((tenant, session_id), len(nodes))
     return nodes[start:] + nodes[:start]
 
 

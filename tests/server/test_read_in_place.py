@@ -85,7 +85,7 @@ async def test_a_chunk_removed_under_a_live_read_lease_keeps_its_bytes_until_rel
                 await arena.put(key, bytes(len(chunk)))
         for n in range(12):  # same-sized values never take a pinned slot
             await arena.put(f"filler{n}", b"\xff" * len(chunks[0]))
-            pinned = arena.pin(f"filler{n}", dedupe_scope("acme", None))
+            pinned = arena.pin_many([f"filler{n}"], dedupe_scope("acme", None))[0]
             assert pinned is not None
             arena.unpin(pinned)
         assert [bytes(got.chunks[i]) for i in range(3)] == chunks
@@ -147,7 +147,7 @@ def test_read_leases_are_bounded_as_segment_leases_are():
     arena = ArenaTier(1 << 20)
     asyncio.run(arena.put("a", b"x" * 800))
     asyncio.run(arena.put("b", b"y" * 800))
-    slot_a, slot_b = arena.pin("a", "s"), arena.pin("b", "s")
+    slot_a, slot_b = arena.pin_many(["a", "b"], "s")
     assert slot_a is not None and slot_b is not None
     table.pin_reads("peer-1", [slot_a], arena.unpin)
     with pytest.raises(SharedMemoryExhausted, match="shm_lease_bytes_per_client"):
@@ -168,9 +168,9 @@ async def test_bytes_changed_in_a_slab_are_a_corrupt_chunk_never_a_wrong_one(tmp
             with await kv.read_chunks("acme", LAYOUT.name, tokens, in_place=True):
                 pass
         arena = arena_of(server)
-        slot = arena.pin(block_keys(tokens, chunks)[1], dedupe_scope("acme", None))
+        slot = arena.pin_many([block_keys(tokens, chunks)[1]], dedupe_scope("acme", None))[0]
         assert slot is not None
-        slot.array()[len(chunks[1]) // 2] ^= 0xFF  # the slab's memory, behind the tier
+        slot.arr[len(chunks[1]) // 2] ^= 0xFF  # the slab's memory, behind the tier
         arena.unpin(slot)
         with await kv.read_chunks("acme", LAYOUT.name, tokens, in_place=True) as got:
             assert got.missing == {1: "corrupt"}

@@ -24,7 +24,7 @@ SCOPE = "tenant:acme"
 
 
 def read(slot: Slot) -> bytes:
-    return slot.array().tobytes()
+    return slot.arr.tobytes()
 
 
 def slabs_of(pid: int) -> set[str]:
@@ -36,7 +36,7 @@ async def test_a_pinned_value_keeps_its_bytes_and_slot_until_unpinned(remove):
     clock = ManualClock()
     tier = ArenaTier(1 << 20, clock=clock)
     await tier.put("k", b"a" * CHUNK, ttl_s=10)
-    slot = tier.pin("k", SCOPE)
+    slot = tier.pin_many(["k"], SCOPE)[0]
     assert slot is not None and slot.slab.scope == SCOPE and read(slot) == b"a" * CHUNK
     if remove == "delete":
         assert await tier.delete("k") == CHUNK
@@ -61,18 +61,18 @@ async def test_a_pinned_value_keeps_its_bytes_and_slot_until_unpinned(remove):
 async def test_an_unpinned_slot_is_reused_and_pins_never_cross_scopes():
     tier = ArenaTier(1 << 20)
     await tier.put("keeps-the-slab", b"0" * CHUNK)
-    assert tier.pin("keeps-the-slab", SCOPE) is not None
+    assert tier.pin_many(["keeps-the-slab"], SCOPE)[0] is not None
     await tier.put("k", b"a" * CHUNK)
-    slot = tier.pin("k", SCOPE)
+    slot = tier.pin_many(["k"], SCOPE)[0]
     assert slot is not None
-    assert tier.pin("k", "tenant:other") is None  # its slabs are SCOPE's
-    again = tier.pin("k", SCOPE)
+    assert tier.pin_many(["k"], "tenant:other")[0] is None  # its slabs are SCOPE's
+    again = tier.pin_many(["k"], SCOPE)[0]
     assert again is slot and slot.pins == 2
     tier.unpin(again)
     await tier.delete("k")
     tier.unpin(slot)
     await tier.put("k2", b"z" * CHUNK)
-    reused = tier.pin("k2", SCOPE)
+    reused = tier.pin_many(["k2"], SCOPE)[0]
     assert reused is not None and (reused.slab, reused.index) == (slot.slab, slot.index)
     assert read(reused) == b"z" * CHUNK
     await tier.close()
