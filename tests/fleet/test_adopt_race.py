@@ -7,16 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvstore.format.errors import StaleGeneration
-from tests.support.fleet import fleet_nodes, shared_config
+from tests.support.fleet import fleet_nodes
 from tests.support.manager import make_session, random_tokens
-
-
-@pytest.fixture
-def node_config(tmp_path, s3_server, s3_bucket, s3_credentials, monkeypatch):
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_credentials["aws_access_key_id"])
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_credentials["aws_secret_access_key"])
-    return lambda node, **extra: shared_config(tmp_path, s3_server, s3_bucket,
-                                               s3_credentials["region_name"], node, **extra)
 
 
 async def test_a_session_spilled_during_the_adoption_is_left_alone(node_config):

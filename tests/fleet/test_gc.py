@@ -17,16 +17,8 @@ from kvstore.fleet.epochs import read_epoch
 from kvstore.fleet.gc import collect
 from kvstore.format.errors import Busy, DataLoss, TierUnavailable
 from kvstore.session.manifest import SessionManifest
-from tests.support.fleet import FAST, bucket_chunks, fleet_nodes, named_chunks, shared_config
+from tests.support.fleet import FAST, bucket_chunks, fleet_nodes, named_chunks
 from tests.support.manager import make_session, random_tokens
-
-
-@pytest.fixture
-def node_config(tmp_path, s3_server, s3_bucket, s3_credentials, monkeypatch):
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_credentials["aws_access_key_id"])
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_credentials["aws_secret_access_key"])
-    return lambda node, **extra: shared_config(tmp_path, s3_server, s3_bucket,
-                                               s3_credentials["region_name"], node, **extra)
 
 
 def session(i: int) -> dict:

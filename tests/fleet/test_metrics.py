@@ -29,14 +29,6 @@ from tests.support.servers import free_port
 from tests.support.service import LAYOUT, streams_for, tokens_for
 
 
-@pytest.fixture
-def node_config(tmp_path, s3_server, s3_bucket, s3_credentials, monkeypatch):
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_credentials["aws_access_key_id"])
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_credentials["aws_secret_access_key"])
-    return lambda node, **extra: shared_config(tmp_path, s3_server, s3_bucket,
-                                               s3_credentials["region_name"], node, **extra)
-
-
 def observed(*holders) -> CollectorRegistry:
     """A registry of RemoteMetrics observing these stores (TierManagers)."""
     registry = CollectorRegistry()

@@ -122,6 +122,17 @@ def model_state(tmp_path_factory):
 
 
 @pytest.fixture
+def node_config(tmp_path, s3_server, s3_bucket, s3_credentials, monkeypatch):
+    """``make(node, **extra) -> ServerConfig``: a shared-metadata node over the test's
+    bucket (``shared_config``), with the S3 credentials in this process's environment
+    (a module may define its own ``node_config``, which wins)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_credentials["aws_access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_credentials["aws_secret_access_key"])
+    return lambda node, **extra: shared_config(tmp_path, s3_server, s3_bucket,
+                                               s3_credentials["region_name"], node, **extra)
+
+
+@pytest.fixture
 def fleet_env(s3_server, s3_bucket, s3_credentials, monkeypatch, model_state):
     """The config every node shares, as ``KVTIER_*`` values (also what a child server
     reads), with the S3 credentials in this process's environment."""
